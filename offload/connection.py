@@ -1,0 +1,71 @@
+"""Where the job store lives and how to reach it, with retries that end in one clear error."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from typing import Any
+from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from offload.embedded import ensure_embedded
+from offload.errors import ConnectionFailed
+
+
+def mask_url(url: str) -> str:
+    """The URL with any password replaced, safe for logs and error messages."""
+    return re.sub(r"(//[^:/@]*:)[^@]*@", r"\1***@", url)
+
+
+def configured_url() -> str | None:
+    """OFFLOAD_REDIS_URL, else the tutorial's REDIS_URL, else None (meaning: the embedded default)."""
+    return os.environ.get("OFFLOAD_REDIS_URL") or os.environ.get("REDIS_URL") or None
+
+
+def resolve_url(url: str | None = None) -> str:
+    return url or configured_url() or ensure_embedded()
+
+
+def _split_cluster_flag(url: str) -> tuple[str, bool]:
+    parts = urlsplit(url)
+    query = parse_qs(parts.query)
+    flag = query.pop("cluster", ["0"])[0].lower() in ("1", "true", "yes")
+    flag = flag or os.environ.get("OFFLOAD_REDIS_CLUSTER", "").lower() in ("1", "true", "yes")
+    return urlunsplit(parts._replace(query=urlencode(query, doseq=True))), flag
+
+
+async def connect(url: str | None = None, *, retry_for: float | None = None) -> Any:
+    """Connect and PING, retrying with exponential backoff for `retry_for` seconds (default 10, env
+    OFFLOAD_REDIS_CONNECT_TIMEOUT), so a worker started before its Redis waits instead of crashing."""
+    target = resolve_url(url)
+    plain, cluster = _split_cluster_flag(target)
+    if retry_for is None:
+        retry_for = float(os.environ.get("OFFLOAD_REDIS_CONNECT_TIMEOUT", "10"))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + retry_for
+    delay = 0.1
+    while True:
+        client: Any = None
+        try:
+            if cluster:
+                client = RedisCluster.from_url(plain, decode_responses=True)
+                await client.initialize()
+            else:
+                client = aioredis.Redis.from_url(plain, decode_responses=True)
+            await client.ping()
+            return client
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            if client is not None:
+                await client.aclose()
+            if loop.time() >= deadline:
+                reason = str(exc).replace(target, mask_url(target)) or type(exc).__name__
+                raise ConnectionFailed(
+                    f"cannot reach Redis/Valkey at {mask_url(target)} after {retry_for:g}s: {reason}"
+                ) from None
+            await asyncio.sleep(min(delay, max(deadline - loop.time(), 0.0)))
+            delay = min(delay * 2, 2.0)

@@ -1,0 +1,52 @@
+"""Loads the Lua scripts once and runs them by SHA, reloading after a server restart (NOSCRIPT)."""
+
+from __future__ import annotations
+
+import hashlib
+from importlib import resources
+from typing import Any
+
+from redis.exceptions import NoScriptError
+
+EVENTS_MAX = 10_000
+NAMES = (
+    "enqueue", "claim", "heartbeat", "checkpoint", "complete", "fail", "hold", "move", "cancel",
+    "ack_cancel", "release_leases", "reap", "purge", "stats", "get", "ingest",
+)
+
+
+def _source(name: str) -> str:
+    lua = resources.files("offload.queue") / "lua"
+    prelude = (lua / "common.lua").read_text().replace("__EVENTS_MAX__", str(EVENTS_MAX))
+    return prelude + "\n" + (lua / f"{name}.lua").read_text()
+
+
+class Script:
+    """One server-side atomic operation. Works with both Redis and RedisCluster clients (routed by KEYS[1])."""
+
+    __slots__ = ("name", "sha", "source")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.source = _source(name)
+        self.sha = hashlib.sha1(self.source.encode()).hexdigest()
+
+    async def __call__(self, redis: Any, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return await redis.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return await redis.eval(self.source, len(keys), *keys, *args)
+
+
+class Scripts:
+    """All scripts, parsed once per process."""
+
+    def __init__(self) -> None:
+        for name in NAMES:
+            setattr(self, name, Script(name))
+
+    def __getattr__(self, name: str) -> Script:  # for mypy: attributes are set dynamically above
+        raise AttributeError(name)
+
+
+SCRIPTS = Scripts()

