@@ -46,6 +46,15 @@ def data_dir(root: str | os.PathLike[str] | None = None) -> Path:
     return Path(root or os.environ.get("OFFLOAD_HOME", ".offload")).resolve()
 
 
+def running_url(root: str | os.PathLike[str] | None = None) -> str | None:
+    """The URL of the embedded Valkey if it is running; never starts it."""
+    with contextlib.suppress(ValueError, KeyError, OSError):
+        port = int(json.loads((data_dir(root) / "valkey" / "server.json").read_text())["port"])
+        if _pings(port):
+            return f"redis://127.0.0.1:{port}/0"
+    return None
+
+
 def ensure_embedded(root: str | os.PathLike[str] | None = None, appendfsync: str = "everysec") -> str:
     """Return the URL of the embedded Valkey, starting it if it is not running. Safe to race."""
     home = data_dir(root) / "valkey"
@@ -53,11 +62,8 @@ def ensure_embedded(root: str | os.PathLike[str] | None = None, appendfsync: str
     state_file = home / "server.json"
     with open(home / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if state_file.exists():
-            with contextlib.suppress(ValueError, KeyError, OSError):
-                port = int(json.loads(state_file.read_text())["port"])
-                if _pings(port):
-                    return f"redis://127.0.0.1:{port}/0"
+        if url := running_url(root):
+            return url
         port = _free_port()
         log = open(home / "valkey.log", "ab")  # noqa: SIM115 - handed to the child process
         proc = subprocess.Popen(

@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 
 
-class JobState(str, enum.Enum):
+class JobState(enum.StrEnum):
     """Where a job is in its lifecycle (see DESIGN.md, "Job lifecycle")."""
 
     QUEUED = "queued"
@@ -132,6 +132,7 @@ class Job:
             "error": self.error,
             "cancel_requested": self.cancel_requested,
             "idempotency_key": self.idempotency_key,
+            "raw": self.raw,
         }
 
 

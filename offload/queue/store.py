@@ -90,8 +90,12 @@ class QueueStore:
 
     # -- producing -------------------------------------------------------------------------------
 
-    def _job_args(self, queue: str, spec: JobSpec, now_s: float, metas: dict[tuple[Any, ...], str]) -> tuple[str, bytes, str]:
-        """Validate one spec and encode it as (id, input, meta); equal options share one meta string."""
+    def validate(self, spec: JobSpec) -> None:
+        """Raise the error enqueue would raise for this spec, without enqueuing (for up-front checks)."""
+        self._payload(spec)
+        self._meta(spec, time.time())
+
+    def _payload(self, spec: JobSpec) -> bytes:
         try:
             payload = orjson.dumps(spec.input)
         except TypeError as exc:
@@ -100,6 +104,13 @@ class QueueStore:
             raise PayloadTooLarge(
                 f"job input is {len(payload)} bytes, over the limit of {self.max_payload} bytes"
             )
+        return payload
+
+    def _job_args(
+        self, queue: str, spec: JobSpec, now_s: float, metas: dict[tuple[Any, ...], str]
+    ) -> tuple[str, bytes, str]:
+        """Validate one spec and encode it as (id, input, meta); equal options share one meta string."""
+        payload = self._payload(spec)
         job_id = spec.job_id or new_job_id(queue)
         if spec.job_id is not None and queue_of(job_id) != queue:
             raise InvalidJob(f"job id {job_id!r} does not belong to queue {queue!r}")
@@ -111,20 +122,22 @@ class QueueStore:
         return job_id, payload, meta
 
     def _meta(self, spec: JobSpec, now_s: float) -> str:
-        if not isinstance(spec.priority, int) or spec.priority not in PRIORITY_RANGE:
+        if type(spec.priority) is not int or spec.priority not in PRIORITY_RANGE:
             raise InvalidJob(f"priority must be an integer from -1000 to 1000, got {spec.priority!r}")
-        if not isinstance(spec.max_attempts, int) or spec.max_attempts < 1:
+        if type(spec.max_attempts) is not int or spec.max_attempts < 1:
             raise InvalidJob(f"max_attempts must be an integer >= 1, got {spec.max_attempts!r}")
         if not isinstance(spec.retention, int) or spec.retention < 0:
             raise InvalidJob(f"retention must be an integer >= 0 seconds, got {spec.retention!r}")
         if spec.delay is not None and spec.run_at is not None:
             raise InvalidJob("give either delay or run_at, not both")
-        if spec.delay is not None and spec.delay < 0:
+        if spec.delay is not None and (type(spec.delay) not in (int, float) or spec.delay < 0):
             raise InvalidJob(f"delay must be >= 0 seconds, got {spec.delay!r}")
         for name in ("idempotency_key", "output_key"):
             value = getattr(spec, name)
-            if value is not None and (not value or any(ord(c) < 32 for c in value) or len(value) > 1024):
-                raise InvalidJob(f"{name} must be 1-1024 printable characters, got {value!r}")
+            if value is not None and (
+                not isinstance(value, str) or not value or len(value) > 1024 or any(ord(c) < 32 for c in value)
+            ):
+                raise InvalidJob(f"{name} must be a string of 1-1024 printable characters, got {value!r}")
         run_at = ""
         if spec.delay:
             base = self.clock() / 1000 if self.clock else now_s
@@ -288,7 +301,9 @@ class QueueStore:
         return total
 
     async def pause(self, queue: str) -> None:
+        """Stop claims on a queue (it may not have had jobs yet: it is listed from now on)."""
         await self.redis.set(prefix(validate_queue(queue)) + "paused", "1")
+        await self.redis.sadd(QUEUES_KEY, queue)
 
     async def resume(self, queue: str) -> None:
         await self.redis.delete(prefix(validate_queue(queue)) + "paused")
@@ -317,12 +332,11 @@ class QueueStore:
         key = prefix(validate_queue(queue)) + STATE_SETS[state]
         newest_first = state in ("succeeded", "dead", "cancelled")
         ids = await self.redis.zrange(key, cursor, cursor + limit - 1, desc=newest_first)
-        jobs: list[Job] = []
-        for job_id in ids:
-            try:
-                jobs.append(await self.get(job_id))
-            except JobNotFound:
-                continue  # expired between the index read and the record read
+        found = await asyncio.gather(*(self.get(job_id) for job_id in ids), return_exceptions=True)
+        jobs = [j for j in found if isinstance(j, Job)]  # JobNotFound: expired since the index read
+        for problem in found:
+            if isinstance(problem, BaseException) and not isinstance(problem, JobNotFound):
+                raise problem
         next_cursor = cursor + limit if len(ids) == limit else None
         return jobs, next_cursor
 
