@@ -80,10 +80,12 @@ class Job:
         except orjson.JSONDecodeError:
             decoded = raw_input
         cost = h.get("cost")
+        state = JobState(h["state"])
+        leased = state in (JobState.ACTIVE, JobState.SUBMITTED)
         return cls(
             id=h["id"],
             queue=h["queue"],
-            state=JobState(h["state"]),
+            state=state,
             input=decoded,
             output_key=h.get("output_key", ""),
             priority=_int(h.get("priority")),
@@ -95,7 +97,8 @@ class Job:
             started_at=_opt_int(h.get("started_at")),
             finished_at=_opt_int(h.get("finished_at")),
             lease_owner=_opt_str(h.get("owner")),
-            lease_token=_opt_str(h.get("token")),
+            lease_token=_opt_str(h.get("token")) if leased else None,  # a finished job keeps it only to
+            # recognise a repeated complete; it is no lease any more
             lease_deadline=lease_deadline if _opt_str(h.get("owner")) else None,
             backend=_opt_str(h.get("backend")),
             remote_id=_opt_str(h.get("remote_id")),

@@ -93,7 +93,7 @@ local function finish(ids, state, now, err, retentions, extra)
   local zs = {}
   for i, id in ipairs(ids) do
     local k = jkey(id)
-    local fields = {'state', state, 'finished_at', now, 'owner', '', 'token', ''}
+    local fields = {'state', state, 'finished_at', now, 'owner', ''}  -- token kept: repeats are recognised
     if err then fields[#fields + 1] = 'error'; fields[#fields + 1] = err end
     if extra and extra[i] then
       for _, v in ipairs(extra[i]) do fields[#fields + 1] = v end
