@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from offload.connection import connect
 from offload.models import Job, QueueStats
-from offload.queue.store import DEFAULT_MAX_PAYLOAD, JobSpec, QueueStore
+from offload.queue.store import JobSpec, QueueStore
 
 T = TypeVar("T")
 
@@ -29,7 +29,7 @@ def _spec(item: Any) -> JobSpec:
 class AsyncClient:
     """Enqueue jobs and follow them. Connects lazily on first use; use `async with` or `aclose()`."""
 
-    def __init__(self, url: str | None = None, *, max_payload: int = DEFAULT_MAX_PAYLOAD) -> None:
+    def __init__(self, url: str | None = None, *, max_payload: int | None = None) -> None:
         self._url = url
         self._max_payload = max_payload
         self._store: QueueStore | None = None
@@ -106,7 +106,7 @@ class AsyncClient:
 class Client:
     """The blocking face of `AsyncClient`; same methods, same arguments."""
 
-    def __init__(self, url: str | None = None, *, max_payload: int = DEFAULT_MAX_PAYLOAD) -> None:
+    def __init__(self, url: str | None = None, *, max_payload: int | None = None) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="offload-client", daemon=True)
         self._thread.start()

@@ -72,8 +72,9 @@ class Job:
     raw: str | None = None
 
     @classmethod
-    def from_hash(cls, h: dict[str, str], lease_deadline: int | None = None) -> Job:
-        """Build a Job from the Redis hash; tolerant of absent optional fields."""
+    def from_hash(cls, job_id: str, h: dict[str, str], lease_deadline: int | None = None) -> Job:
+        """Build a Job from the Redis hash. The store writes only fields that differ from their defaults
+        (attempts 0, output key results/<id>.json), so absent fields take those defaults here."""
         raw_input = h.get("input")
         try:
             decoded = orjson.loads(raw_input) if raw_input not in (None, "") else None
@@ -83,11 +84,11 @@ class Job:
         state = JobState(h["state"])
         leased = state in (JobState.ACTIVE, JobState.SUBMITTED)
         return cls(
-            id=h["id"],
-            queue=h["queue"],
+            id=job_id,
+            queue=job_id.partition(":")[0],
             state=state,
             input=decoded,
-            output_key=h.get("output_key", ""),
+            output_key=h.get("output_key") or f"results/{job_id}.json",
             priority=_int(h.get("priority")),
             attempts=_int(h.get("attempts")),
             max_attempts=_int(h.get("max_attempts"), 1),

@@ -276,3 +276,29 @@ async def test_unknown_job_ids(store: QueueStore) -> None:
         await store.cancel("q:doesnotexist")
     with pytest.raises(InvalidJob, match="invalid job id"):
         await store.get("no-queue-part")
+
+
+async def test_payload_limit_from_the_environment(backend_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from offload.connection import connect
+
+    monkeypatch.setenv("OFFLOAD_MAX_PAYLOAD", "64")
+    store = QueueStore(await connect(backend_url))
+    with pytest.raises(PayloadTooLarge, match="limit of 64 bytes"):
+        await store.enqueue("q", JobSpec(input="y" * 100))
+    await store.redis.aclose()
+
+
+async def test_claims_delete_expired_records_without_a_separate_reaper(backend_url: str) -> None:
+    from offload.connection import connect
+
+    now = [3_000_000]
+    store = QueueStore(await connect(backend_url), clock=lambda: now[0])
+    done = await store.enqueue("q", JobSpec(input=1, retention=10))
+    (c,) = await store.claim("q", "w", 1)
+    await store.complete(done, c.token, "r")
+    now[0] += 11_000
+    assert await store.claim("q", "w", 1) == []
+    with pytest.raises(JobNotFound):
+        await store.get(done)
+    assert (await store.stats("q")).counts["succeeded"] == 0
+    await store.redis.aclose()

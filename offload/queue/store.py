@@ -7,6 +7,7 @@ asyncio client (standalone or cluster) and an optional clock, so tests can drive
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -73,12 +74,12 @@ class QueueStore:
         redis: Any,
         *,
         clock: Callable[[], int] | None = None,
-        max_payload: int = DEFAULT_MAX_PAYLOAD,
+        max_payload: int | None = None,
         lease_ms: int = DEFAULT_LEASE_MS,
     ) -> None:
         self.redis = redis
         self.clock = clock
-        self.max_payload = max_payload
+        self.max_payload = max_payload or int(os.environ.get("OFFLOAD_MAX_PAYLOAD", DEFAULT_MAX_PAYLOAD))
         self.lease_ms = lease_ms
         self._known_queues: set[str] = set()
 
@@ -107,19 +108,20 @@ class QueueStore:
         return payload
 
     def _job_args(
-        self, queue: str, spec: JobSpec, now_s: float, metas: dict[tuple[Any, ...], str]
-    ) -> tuple[str, bytes, str]:
-        """Validate one spec and encode it as (id, input, meta); equal options share one meta string."""
+        self, queue: str, spec: JobSpec, now_s: float, metas: dict[tuple[Any, ...], int], meta_list: list[str]
+    ) -> tuple[str, str, int]:
+        """Validate one spec and encode it as (id, input JSON, meta index); equal options share one meta."""
         payload = self._payload(spec)
         job_id = spec.job_id or new_job_id(queue)
         if spec.job_id is not None and queue_of(job_id) != queue:
             raise InvalidJob(f"job id {job_id!r} does not belong to queue {queue!r}")
         options = (spec.priority, spec.delay, spec.run_at, spec.max_attempts, spec.retention,
                    spec.idempotency_key, spec.output_key)
-        meta = metas.get(options)
-        if meta is None:
-            meta = metas[options] = self._meta(spec, now_s)
-        return job_id, payload, meta
+        index = metas.get(options)
+        if index is None:
+            meta_list.append(self._meta(spec, now_s))
+            index = metas[options] = len(meta_list)  # Lua lists count from 1
+        return job_id, payload.decode(), index
 
     def _meta(self, spec: JobSpec, now_s: float) -> str:
         if type(spec.priority) is not int or spec.priority not in PRIORITY_RANGE:
@@ -153,12 +155,14 @@ class QueueStore:
         """Enqueue in chunks of 500 jobs per script call, all chunks in one pipelined round trip."""
         validate_queue(queue)
         now_s = time.time()
-        metas: dict[tuple[Any, ...], str] = {}
+        metas: dict[tuple[Any, ...], int] = {}
+        meta_list: list[str] = []
         check_ids = any(spec.job_id is not None for spec in specs)
         chunks = [
-            [arg for spec in specs[i : i + ENQUEUE_CHUNK] for arg in self._job_args(queue, spec, now_s, metas)]
+            [self._job_args(queue, spec, now_s, metas, meta_list) for spec in specs[i : i + ENQUEUE_CHUNK]]
             for i in range(0, len(specs), ENQUEUE_CHUNK)
         ]
+        metas_arg = orjson.dumps(meta_list)
         if queue not in self._known_queues:
             await self.redis.sadd(QUEUES_KEY, queue)
             self._known_queues.add(queue)
@@ -168,13 +172,13 @@ class QueueStore:
         results: list[Any]
         if isinstance(self.redis, RedisCluster):  # cluster pipelines refuse EVALSHA: run chunks concurrently
             results = list(await asyncio.gather(
-                *(script(self.redis, keys, [now, len(c) // 3, int(check_ids), *c]) for c in chunks)
+                *(script(self.redis, keys, [now, int(check_ids), metas_arg, orjson.dumps(c)]) for c in chunks)
             ))
         else:
             for attempt in range(2):
                 pipe = self.redis.pipeline(transaction=False)
                 for chunk in chunks:
-                    pipe.evalsha(script.sha, 1, *keys, now, len(chunk) // 3, int(check_ids), *chunk)
+                    pipe.evalsha(script.sha, 1, *keys, now, int(check_ids), metas_arg, orjson.dumps(chunk))
                 results = await pipe.execute(raise_on_error=False)
                 if attempt == 0 and any(isinstance(r, NoScriptError) for r in results):
                     await self.redis.script_load(script.source)
@@ -243,10 +247,8 @@ class QueueStore:
         self, queue: str, items: Sequence[tuple[str, str, str, float | None]]
     ) -> list[str]:
         """Ack many (id, token, result location, cost); returns OK / STALE / NOTFOUND per item."""
-        args: list[Any] = []
-        for job_id, token, result, cost in items:
-            args += [job_id, token, result, "" if cost is None else repr(float(cost))]
-        return list(await self._run(SCRIPTS.complete, queue, len(items), *args))
+        batch = orjson.dumps([(i, t, r, "" if c is None else repr(float(c))) for i, t, r, c in items])
+        return list(await self._run(SCRIPTS.complete, queue, batch))
 
     async def complete(self, job_id: str, token: str, result: str, cost: float | None = None) -> None:
         (code,) = await self.complete_many(queue_of(job_id), [(job_id, token, result, cost)])
@@ -321,7 +323,7 @@ class QueueStore:
             raise JobNotFound(f"job {job_id} not found")
         flat, deadline = reply
         h = dict(zip(flat[::2], flat[1::2], strict=True))
-        return Job.from_hash(h, int(float(deadline)) if deadline else None)
+        return Job.from_hash(job_id, h, int(float(deadline)) if deadline else None)
 
     async def list_jobs(
         self, queue: str, state: str, *, cursor: int = 0, limit: int = 50

@@ -139,8 +139,8 @@ local function return_leases(ids, now, counted)
     elseif f[1] == 'active' or f[1] == 'submitted' then
       leaving[#leaving + 1] = id
       owners[id] = f[2]
-      local attempts = tonumber(f[7]) - 1
-      local exp = tonumber(f[3])
+      local attempts = tonumber(f[7] or 0) - 1
+      local exp = tonumber(f[3] or 0)
       if counted then exp = exp + 1 end
       redis.call('HSET', k, 'attempts', attempts, 'expiries', exp)
       if f[5] == '1' and (not f[6] or f[6] == '') then
@@ -169,6 +169,22 @@ local function reap(now, limit)
     redis.call('ZREM', P .. 'workers', wid)
   end
   return n
+end
+
+-- Delete the records of finished jobs whose retention ran out (terminal sets are scored by expiry time).
+local function trim(now, limit)
+  local trimmed = 0
+  for _, set in ipairs({'succeeded', 'dead', 'cancelled'}) do
+    local expired = redis.call('ZRANGEBYSCORE', P .. set, '-inf', now, 'LIMIT', 0, limit)
+    if #expired > 0 then
+      bulk('ZREM', P .. set, expired)
+      local keys = {}
+      for _, id in ipairs(expired) do keys[#keys + 1] = jkey(id) end
+      for j = 1, #keys, CHUNK do redis.call('DEL', unpack(keys, j, math.min(j + CHUNK - 1, #keys))) end
+      trimmed = trimmed + #expired
+    end
+  end
+  return trimmed
 end
 
 -- Check that `token` still owns job `id`; returns {state, owner, retention} or nil and an error word.

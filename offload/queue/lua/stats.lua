@@ -9,7 +9,8 @@ local from = '-inf'
 for _ = 1, 64 do
   local head = redis.call('ZRANGE', P .. 'ready', from, '+inf', 'BYSCORE', 'LIMIT', 0, 1, 'WITHSCORES')
   if #head == 0 then break end
-  local t = tonumber(redis.call('HGET', jkey(head[1]), 'ready_at') or now)
+  local f = redis.call('HMGET', jkey(head[1]), 'ready_at', 'created_at')
+  local t = tonumber(f[1] or f[2] or now)
   if not oldest or t < oldest then oldest = t end
   from = fmt((math.floor(tonumber(head[2]) / PRIO_SPAN) + 1) * PRIO_SPAN)
 end
