@@ -32,6 +32,7 @@ from offload.errors import InvalidJob, OffloadError
 from offload.models import Job, QueueStats
 from offload.queue.keys import STATE_SETS, queue_of, validate_queue
 from offload.queue.store import DEFAULT_MAX_ATTEMPTS, JobSpec, QueueStore
+from offload.sim.cli import sim_app
 
 T = TypeVar("T")
 
@@ -56,6 +57,7 @@ embedded_app = typer.Typer(no_args_is_help=True, help="The embedded Valkey under
 app.add_typer(dead_app, name="dead")
 app.add_typer(held_app, name="held")
 app.add_typer(embedded_app, name="embedded")
+app.add_typer(sim_app, name="sim")
 
 UrlOpt = Annotated[str | None, typer.Option(
     "--url", show_default=False,

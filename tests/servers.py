@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import signal
 import socket
 import subprocess
@@ -143,12 +144,22 @@ class ValkeyServer:
         raise RuntimeError(f"valkey-server on port {self._port} {why}; log tail:\n{self.log_tail()}")
 
     def kill(self) -> None:
-        """SIGKILL: simulates a crash, so only fsynced AOF data survives."""
+        """SIGKILL: simulates a crash, so only fsynced AOF data survives. The whole process group dies, since
+        a background AOF-rewrite child would otherwise keep the listening socket and block a restart."""
         if self._proc is not None:
-            if self._proc.poll() is None:
-                self._proc.send_signal(signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._proc.pid, signal.SIGKILL)
             self._proc.wait()
+            self._wait_port_free()
         _live.discard(self)
+
+    def _wait_port_free(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex((HOST, self.port)) != 0:
+                    return
+            time.sleep(0.02)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Graceful SIGTERM so the server flushes its AOF; SIGKILL if it hangs."""

@@ -2,11 +2,18 @@
 -- in one round trip. Returns per job OK, STALE or NOTFOUND. A repeat of a complete that already went
 -- through (its reply was lost and the client retried) answers OK again instead of STALE.
 local now = now_ms(ARGV[1])
-local out, done, owners, rets, extra = {}, {}, {}, {}, {}
+local out, done, owners, rets, extra, seen = {}, {}, {}, {}, {}, {}
 for _, item in ipairs(cjson.decode(ARGV[2])) do
   local id, token, result, cost = item[1], item[2], item[3], item[4]
-  local f, err = owned(id, token)
-  if err == 'STALE' and redis.call('HGET', jkey(id), 'state') == 'succeeded'
+  local f, err = nil, nil
+  if seen[id] then  -- the same job twice in one batch: the first item decided it
+    if seen[id] == token then err = 'REPEAT' else err = 'STALE' end
+  else
+    f, err = owned(id, token)
+  end
+  if err == 'REPEAT' then
+    out[#out + 1] = 'OK'
+  elseif err == 'STALE' and redis.call('HGET', jkey(id), 'state') == 'succeeded'
       and redis.call('HGET', jkey(id), 'token') == token then
     out[#out + 1] = 'OK'
   elseif err then
@@ -18,6 +25,7 @@ for _, item in ipairs(cjson.decode(ARGV[2])) do
       extra[#extra + 1] = {'result', result}
     end
     done[#done + 1] = id
+    seen[id] = token
     owners[id] = f[2]
     rets[#rets + 1] = f[3]
     out[#out + 1] = 'OK'
