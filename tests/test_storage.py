@@ -1,0 +1,501 @@
+"""Result storage against real servers: a real S3 endpoint (`rclone serve s3`), the provider simulator's expiring
+file URLs, and a tiny http.server for file hosts that fail. Results must be readable with plain boto3 at the
+tutorial's `results/<id>.json`, copied files must carry their Content-Type, and no error may leak a secret."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import traceback
+from collections.abc import AsyncIterator, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from s3server import RcloneS3, wait_port_closed
+from servers import free_port
+
+from offload.errors import ConfigError
+from offload.sim import SimConfig, running_sim
+from offload.storage import (
+    InvalidKey,
+    LocalStorage,
+    ObjectNotFound,
+    S3Settings,
+    S3Storage,
+    Storage,
+    StorageConfigError,
+    StorageError,
+    create_storage,
+    files_prefix,
+    store_output,
+)
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RcloneS3]:
+    with RcloneS3(tmp_path_factory.mktemp("s3") / "data") as server:
+        yield server
+
+
+@pytest.fixture
+def bucket(s3: RcloneS3) -> str:
+    name = f"t-{secrets.token_hex(6)}"
+    s3.make_bucket(name)
+    return name
+
+
+@pytest.fixture
+async def storage(s3: RcloneS3, bucket: str) -> AsyncIterator[S3Storage]:
+    store = create_storage(s3.settings(bucket, max_attempts=1))
+    assert isinstance(store, S3Storage)
+    yield store
+    await store.aclose()
+
+
+def test_server_fixture_stops_by_pid(tmp_path: Path) -> None:
+    server = RcloneS3(tmp_path / "d").start()
+    port, pid = server.port, server._proc.pid  # type: ignore[union-attr]
+    server.stop()
+    assert wait_port_closed(port, 2.0)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_server_dies_with_a_sigkilled_parent(tmp_path: Path) -> None:
+    """atexit cannot run on SIGKILL; the server must not outlive the test process anyway."""
+    code = ("import sys, time; sys.path.insert(0, sys.argv[2]); from s3server import RcloneS3; "
+            "s = RcloneS3(__import__('pathlib').Path(sys.argv[1])).start(); print(s._proc.pid, s.port, flush=True); "
+            "time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "d"), str(Path(__file__).parent)],
+                              stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert parent.stdout is not None
+        pid, port = map(int, parent.stdout.readline().split())
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait()
+    assert wait_port_closed(port, 5.0)
+    assert _gone(pid)
+
+
+def _gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie waiting for whoever inherited it (here: not our child to reap)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+# ---------------------------------------------------------------- S3
+
+
+async def test_s3_json_and_bytes_round_trip(s3: RcloneS3, bucket: str, storage: S3Storage) -> None:
+    assert isinstance(storage, Storage)
+    loc = await storage.put_json("results/j1.json", {"ok": True, "n": [1, 2], "s": "ü"})
+    assert loc == f"s3://{bucket}/results/j1.json" == storage.location("results/j1.json")
+    assert json.loads(await storage.get_bytes("results/j1.json")) == {"ok": True, "n": [1, 2], "s": "ü"}
+    await storage.put_json("results/big.json", {"n": 2**70})  # beyond 64 bits: providers do return these
+    assert json.loads(await storage.get_bytes("results/big.json")) == {"n": 2**70}
+    await storage.put_bytes("blobs/a.bin", b"\x00\x01binary", "application/x-test")
+    assert await storage.get_bytes("blobs/a.bin") == b"\x00\x01binary"
+    assert await storage.exists("blobs/a.bin") and not await storage.exists("blobs/missing.bin")
+    with pytest.raises(ObjectNotFound, match=r"blobs/missing\.bin"):
+        await storage.get_bytes("blobs/missing.bin")
+    with pytest.raises(InvalidKey):
+        await storage.put_bytes("../escape", b"x")
+    # Plain boto3 (the tutorial's reader) sees the same objects, with their content types; rclone keeps plain files.
+    head = s3.client().head_object(Bucket=bucket, Key="results/j1.json")
+    assert head["ContentType"] == "application/json"
+    assert (s3.dir / bucket / "blobs" / "a.bin").read_bytes() == b"\x00\x01binary"
+
+
+async def test_s3_prefix_and_presigned_url(s3: RcloneS3, bucket: str) -> None:
+    store = create_storage(s3.settings(bucket, prefix="/env/prod/"))
+    try:
+        loc = await store.put_bytes("r/x.txt", b"hello", "text/plain")
+        assert loc == f"s3://{bucket}/env/prod/r/x.txt"
+        url = await store.presigned_url("r/x.txt", expires_s=60)
+        assert s3.secret_key not in url
+        async with httpx.AsyncClient() as http:  # no credentials: the signature is in the URL
+            r = await http.get(url)
+            unsigned = await http.get(f"{s3.endpoint_url}/{bucket}/env/prod/r/x.txt")
+        assert r.status_code == 200 and r.content == b"hello"
+        assert unsigned.status_code in (400, 403)
+    finally:
+        await store.aclose()
+
+
+def _leaks(exc: BaseException, *secrets_: str) -> bool:
+    text = "".join(traceback.format_exception(exc)) + repr(exc)
+    return any(s in text for s in secrets_)
+
+
+async def test_s3_wrong_credentials_name_the_setting_without_leaking(s3: RcloneS3, bucket: str) -> None:
+    bad_secret = "wrong-" + secrets.token_hex(12)
+    cases = [
+        ({"secret_access_key": bad_secret}, "storage.secret_access_key"),
+        ({"access_key_id": "AKNOTKNOWN12345"}, "storage.access_key_id"),
+    ]
+    for override, setting in cases:
+        store = create_storage({**s3.settings(bucket, max_attempts=1), **override})
+        assert s3.secret_key not in repr(store) and bad_secret not in repr(store)
+        try:
+            with pytest.raises(StorageConfigError, match=setting) as put_err:
+                await store.put_json("results/x.json", {"a": 1})
+            with pytest.raises(StorageConfigError, match=r"storage\.access_key_id") as head_err:
+                await store.exists("results/x.json")  # HEAD: a bare 403, no error code
+        finally:
+            await store.aclose()
+        for err in (put_err.value, head_err.value):
+            assert not _leaks(err, s3.secret_key, bad_secret)
+            assert isinstance(err, ConfigError) and not isinstance(err, StorageError)
+
+
+async def test_s3_missing_bucket_and_unreachable_endpoint(s3: RcloneS3) -> None:
+    store = create_storage(s3.settings("no-such-bucket-here", max_attempts=1))
+    try:
+        with pytest.raises(StorageConfigError, match=r"storage\.bucket: bucket 'no-such-bucket-here' does not exist"):
+            await store.put_json("results/x.json", {})
+    finally:
+        await store.aclose()
+    closed = RcloneS3(s3.dir.parent / "unused")  # never started: nothing listens on a fresh free port
+    closed.port = free_port()
+    store = create_storage(closed.settings("bkt", max_attempts=1, connect_timeout=1))
+    try:
+        started = time.monotonic()
+        with pytest.raises(StorageError) as err:
+            await store.put_json("results/x.json", {})
+        assert time.monotonic() - started < 5
+        assert not err.value.permanent and "cannot reach" in str(err.value)
+        assert not _leaks(err.value, closed.secret_key)
+    finally:
+        await store.aclose()
+
+
+async def test_s3_create_bucket_if_missing(s3: RcloneS3) -> None:
+    name = f"new-{secrets.token_hex(5)}"
+    store = S3Storage(S3Settings(bucket=name, endpoint_url=s3.endpoint_url, access_key_id=s3.access_key,
+                                 secret_access_key=s3.secret_key))
+    try:
+        assert await store.create_bucket_if_missing() is True
+        assert await store.create_bucket_if_missing() is False
+        await store.put_json("k.json", [1])
+        assert (s3.dir / name / "k.json").read_bytes() == b"[1]"
+    finally:
+        await store.aclose()
+
+
+async def test_s3_many_concurrent_puts_use_a_bounded_pool(storage: S3Storage) -> None:
+    """500 jobs finishing together must not mean 500 threads; also reports put latency against rclone."""
+    before = threading.active_count()
+    peak = before
+
+    async def watch() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, threading.active_count())
+            await asyncio.sleep(0.005)
+
+    watcher = asyncio.create_task(watch())
+    started = time.perf_counter()
+    locs = await asyncio.gather(*(storage.put_json(f"results/c{i}.json", {"i": i}) for i in range(500)))
+    elapsed = time.perf_counter() - started
+    watcher.cancel()
+    assert len(set(locs)) == 500
+    assert peak - before <= storage.settings.max_threads + 2
+    one = time.perf_counter()
+    for i in range(20):
+        await storage.put_json(f"results/s{i}.json", {"i": i})
+    serial_ms = (time.perf_counter() - one) / 20 * 1000
+    print(f"\nrclone s3: 500 concurrent puts {500 / elapsed:.0f}/s, serial put {serial_ms:.1f} ms")
+
+
+# ---------------------------------------------------------------- local
+
+
+async def test_local_round_trip(tmp_path: Path) -> None:
+    store = create_storage({"kind": "local", "path": str(tmp_path / "res")})
+    assert isinstance(store, LocalStorage) and isinstance(store, Storage)
+    loc = await store.put_json("results/j.json", {"a": 1})
+    assert loc == str(tmp_path / "res" / "results" / "j.json")
+    assert json.loads(await asyncio.to_thread(Path(loc).read_bytes)) == {"a": 1}
+    assert await store.get_bytes("results/j.json") == b'{"a":1}'
+    assert await store.exists("results/j.json") and not await store.exists("results/other.json")
+    assert not await store.exists("results")  # a directory is not an object
+    url = await store.presigned_url("results/j.json")
+    assert url == Path(loc).as_uri() and url.startswith("file://")
+    with pytest.raises(ObjectNotFound):
+        await store.get_bytes("results/other.json")
+    with pytest.raises(InvalidKey):
+        await store.put_json("a/../../etc/passwd", {})
+
+
+async def test_local_failed_write_keeps_the_previous_object(tmp_path: Path) -> None:
+    store = LocalStorage(tmp_path)
+    await store.put_bytes("r/out.bin", b"old" * 1000)
+
+    class Exploding:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def read(self, n: int = -1) -> bytes:
+            self.calls += 1
+            if self.calls > 2:
+                raise OSError(28, "No space left on device")
+            return b"new" * 100
+
+    with pytest.raises(StorageError, match="No space left"):
+        await store.put_fileobj("r/out.bin", Exploding())  # type: ignore[arg-type]
+    assert (tmp_path / "r" / "out.bin").read_bytes() == b"old" * 1000
+    assert os.listdir(tmp_path / "r") == ["out.bin"]  # the temp file was removed
+
+
+CRASH_WRITER = textwrap.dedent("""
+    import asyncio, sys
+    from offload.storage.local import LocalStorage
+    store = LocalStorage(sys.argv[1])
+    async def main():
+        i = 0
+        while True:
+            await store.put_bytes("r/big.bin", bytes([65 + i % 2]) * 4_000_000)
+            i += 1
+            if i == 1:
+                print("ready", flush=True)
+    asyncio.run(main())
+""")
+
+
+def test_local_write_survives_sigkill_mid_write(tmp_path: Path) -> None:
+    """SIGKILL a process that keeps rewriting a 4 MB object: the object is always one whole version."""
+    for delay in (0.05, 0.17):
+        proc = subprocess.Popen([sys.executable, "-c", CRASH_WRITER, str(tmp_path)], stdout=subprocess.PIPE,
+                                start_new_session=True)
+        try:
+            assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+            time.sleep(delay)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        data = (tmp_path / "r" / "big.bin").read_bytes()
+        assert len(data) == 4_000_000 and data in (b"A" * 4_000_000, b"B" * 4_000_000)
+
+
+# ---------------------------------------------------------------- outputs with provider files
+
+
+class _FileHost(BaseHTTPRequestHandler):
+    """Provider-style file host whose failures the tests choose by path."""
+
+    def do_GET(self) -> None:
+        path = self.path.split("?")[0]
+        if path == "/files/report.txt":
+            self._send(200, b"report body\n", "text/plain; charset=utf-8")
+        elif path == "/files/image":  # no extension: the copy gets one from the Content-Type
+            self._send(200, PNG + b"pixels", "image/png")
+        elif path == "/big.bin":
+            self._send(200, b"x" * 5000, "application/octet-stream")
+        elif path == "/files/private.txt":  # like replicate.delivery: the API token is required
+            authorized = self.headers.get("Authorization") == "Token r8-test"
+            self._send(200 if authorized else 401, b"private" if authorized else b"no", "text/plain")
+        elif path == "/slow.bin":  # headers at once, then the body stalls
+            self.send_response(200)
+            self.send_header("Content-Length", "10")
+            self.end_headers()
+            self.wfile.write(b"12345")
+            self.wfile.flush()
+            time.sleep(1.0)
+            self.wfile.write(b"67890")
+        elif path == "/gone.png":
+            self._send(404, b"expired", "text/plain")
+        else:
+            self._send(500, b"boom", "text/plain")
+
+    def _send(self, status: int, body: bytes, ctype: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def file_host() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FileHost)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+async def test_store_output_copies_simulator_files(s3: RcloneS3, bucket: str, storage: S3Storage) -> None:
+    """End to end with the provider simulator: its file URLs expire with the job, our copies do not."""
+    config = SimConfig.model_validate({"default": {"latency": 0.05, "files_per_job": 2, "file_type": "png"}})
+    with running_sim(config) as base:
+        async with httpx.AsyncClient(base_url=base, headers={"Authorization": "Bearer k"}, timeout=10) as http:
+            remote = (await http.post("/jobs", json={"prompt": "cat", "ref": "not a url"})).json()["id"]
+            for _ in range(200):
+                body = (await http.get(f"/jobs/{remote}")).json()
+                if body["status"] == "succeeded":
+                    break
+                await asyncio.sleep(0.02)
+            output = body["output"]
+            originals = {u: (await http.get(u)).content for u in output["files"]}
+            job_id = "job-7"
+            stored = await store_output(storage, f"results/{job_id}.json", output, http)
+            assert (await http.post("/_sim/reset")).status_code == 200  # the provider forgets the job
+            assert [(await http.get(u)).status_code for u in output["files"]] == [404, 404]
+
+    assert stored.location == f"s3://{bucket}/results/job-7.json"
+    assert [f.url for f in stored.files] == output["files"]
+    doc = json.loads(s3.client().get_object(Bucket=bucket, Key="results/job-7.json")["Body"].read())
+    assert doc["echo"] == {"prompt": "cat", "ref": "not a url"}
+    names = [u.rsplit("/", 1)[1] for u in output["files"]]
+    expected = [f"s3://{bucket}/results/job-7/files/{i}-{n}" for i, n in enumerate(names)]
+    assert doc["files"] == expected
+    assert doc["_offload_files"] == dict(zip(output["files"], expected, strict=True))
+    for i, name in enumerate(names):
+        obj = s3.client().get_object(Bucket=bucket, Key=f"results/job-7/files/{i}-{name}")
+        assert obj["ContentType"] == "image/png"
+        assert obj["Body"].read() == originals[output["files"][i]]
+        assert originals[output["files"][i]].startswith(PNG)
+
+
+async def test_store_output_rewrites_nested_and_duplicate_urls(
+    s3: RcloneS3, bucket: str, storage: S3Storage, file_host: str
+) -> None:
+    text_url, image_url = f"{file_host}/files/report.txt?token=s3cr3t", f"{file_host}/files/image"
+    output = [image_url, {"deep": [text_url, image_url]}, f"see {text_url}", 3, None]  # a Replicate-style list
+    async with httpx.AsyncClient() as http:
+        stored = await store_output(storage, "results/j2.json", output, http)
+    loc0 = f"s3://{bucket}/results/j2/files/0-image.png"
+    loc1 = f"s3://{bucket}/results/j2/files/1-report.txt"
+    assert [(f.location, f.content_type, f.size) for f in stored.files] == [
+        (loc0, "image/png", len(PNG) + 6), (loc1, "text/plain; charset=utf-8", 12)]
+    doc = json.loads(await storage.get_bytes("results/j2.json"))
+    assert doc == [loc0, {"deep": [loc1, loc0]}, f"see {text_url}", 3, None]  # text containing a URL is text
+    assert stored.file_map == {image_url: loc0, text_url: loc1}
+    head = s3.client().head_object(Bucket=bucket, Key="results/j2/files/1-report.txt")
+    assert head["ContentType"] == "text/plain; charset=utf-8"
+
+
+async def test_store_output_without_files_is_the_tutorial_layout(
+    s3: RcloneS3, bucket: str, storage: S3Storage, file_host: str
+) -> None:
+    output = {"text": "done", "link": f"{file_host}/files/report.txt", "meta": "http://169.254.169.254/latest/"}
+    async with httpx.AsyncClient() as http:
+        plain = await store_output(storage, "results/a.json", output, http, copy_files=False)
+        other = await store_output(storage, "results/b.json", output, http, allow_hosts=[".replicate.delivery"])
+        await store_output(storage, "results/c.json", output, http, allow_hosts=["127.0.0.1"])
+    reader = s3.client()
+    for stored, key in ((plain, "results/a.json"), (other, "results/b.json")):
+        assert stored.files == []
+        assert json.loads(reader.get_object(Bucket=bucket, Key=key)["Body"].read()) == output
+    mine = json.loads(reader.get_object(Bucket=bucket, Key="results/c.json")["Body"].read())
+    assert mine["link"].startswith("s3://") and mine["meta"] == output["meta"]  # never fetch instance metadata
+    assert files_prefix("results/a.json") == "results/a/files/" and files_prefix("out/x") == "out/x.files/"
+
+
+@pytest.mark.parametrize(("path", "permanent", "message"), [
+    ("/boom.png", False, "HTTP 500"),
+    ("/gone.png", True, "expired"),
+    ("/big.bin", True, "limit"),
+])  # fmt: skip
+async def test_store_output_file_failure_raises_before_writing(
+    storage: S3Storage, file_host: str, path: str, permanent: bool, message: str
+) -> None:
+    output = {"files": [f"{file_host}/files/report.txt", f"{file_host}{path}?sig=topsecret"]}
+    async with httpx.AsyncClient() as http:
+        with pytest.raises(StorageError, match=message) as err:
+            await store_output(storage, "results/f.json", output, http, max_file_bytes=1000)
+    assert err.value.permanent is permanent
+    assert "topsecret" not in str(err.value)  # signed query strings are redacted
+    assert not await storage.exists("results/f.json")  # no output, so the job cannot be marked succeeded
+
+
+async def test_store_output_stalled_file_times_out_as_transient(storage: S3Storage, file_host: str) -> None:
+    async with httpx.AsyncClient() as http:
+        with pytest.raises(StorageError, match=r"longer than 0\.2s") as err:
+            await store_output(storage, "results/t.json", {"f": f"{file_host}/slow.bin"}, http, file_timeout_s=0.2)
+    assert not err.value.permanent and not await storage.exists("results/t.json")
+
+
+async def test_store_output_unreachable_file_host_is_transient(storage: S3Storage) -> None:
+    output = {"file": f"http://127.0.0.1:{free_port()}/x.png"}
+    async with httpx.AsyncClient() as http:
+        with pytest.raises(StorageError, match="ConnectError") as err:
+            await store_output(storage, "results/u.json", output, http)
+    assert not err.value.permanent
+
+
+async def test_store_output_sends_auth_headers_only_to_their_host(storage: S3Storage, file_host: str) -> None:
+    auth = {"127.0.0.1": {"Authorization": "Token r8-test"}}
+    async with httpx.AsyncClient() as http:
+        stored = await store_output(storage, "results/p.json", {"f": f"{file_host}/files/private.txt"}, http,
+                                    auth_headers=auth)
+        assert await storage.get_bytes(stored.files[0].key) == b"private"
+        other_host = file_host.replace("127.0.0.1", "localhost")  # same server, another host name: no token
+        with pytest.raises(StorageError, match="HTTP 401") as err:
+            await store_output(storage, "results/q.json", {"f": f"{other_host}/files/private.txt"}, http,
+                               auth_headers=auth)
+    assert err.value.permanent
+
+
+async def test_store_output_on_local_storage(tmp_path: Path, file_host: str) -> None:
+    store = LocalStorage(tmp_path)
+    output = {"img": f"{file_host}/files/image"}
+    async with httpx.AsyncClient() as http:
+        stored = await store_output(store, "results/l.json", output, http)
+    copy = tmp_path / "results" / "l" / "files" / "0-image.png"
+    assert copy.read_bytes() == PNG + b"pixels"
+    assert json.loads((tmp_path / "results" / "l.json").read_bytes()) == {
+        "img": str(copy), "_offload_files": {output["img"]: str(copy)}}
+    assert stored.location == str(tmp_path / "results" / "l.json")
+
+
+# ---------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"kind": "s3"}, "storage.bucket: required when storage.kind is s3"),
+    ({"kind": "gcs", "bucket": "b"}, "storage.kind: must be 's3' or 'local'"),
+    ({"kind": "s3", "bucket": "bkt", "endpoint_ulr": "http://x"}, "storage.endpoint_ulr: unknown setting"),
+    ({"kind": "s3", "bucket": "bkt", "access_key_id": "AK"}, "storage.access_key_id / storage.secret_access_key"),
+    ({"kind": "s3", "bucket": "bkt", "endpoint_url": "not a url"}, "storage.endpoint_url"),
+    ({"kind": "s3", "bucket": "bkt", "max_threads": 0}, "storage.max_threads: must be positive"),
+    ({"kind": "s3", "bucket": "bkt", "addressing_style": "sideways"}, "storage.addressing_style"),
+])  # fmt: skip
+def test_create_storage_names_the_bad_setting(settings: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        create_storage(settings)
+
+
+async def test_create_storage_accepts_the_config_model_dump(s3: RcloneS3, bucket: str) -> None:
+    """offload.config holds the secret as a pydantic SecretStr and passes its defaults for both kinds."""
+    from pydantic import SecretStr
+
+    settings = {**s3.settings(bucket), "secret_access_key": SecretStr(s3.secret_key), "path": ".offload/results",
+                "copy_files": True, "prefix": "", "region": "us-east-1"}
+    store = create_storage(settings)
+    try:
+        assert await store.put_json("results/m.json", {}) == f"s3://{bucket}/results/m.json"
+    finally:
+        await store.aclose()
+    assert isinstance(create_storage({"kind": "local", "path": None}), LocalStorage)  # None means the default
