@@ -12,13 +12,11 @@ import asyncio
 import os
 import sys
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from contextlib import contextmanager
 from datetime import datetime
-from typing import Annotated, Any, NoReturn, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import orjson
 import typer
-from redis.exceptions import RedisError
 from rich import box
 from rich.console import Console
 from rich.live import Live
@@ -26,10 +24,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from offload.cli_errors import _errors, _fail
 from offload.connection import connect
 from offload.embedded import data_dir, ensure_embedded, running_url, stop_embedded
 from offload.errors import InvalidJob, OffloadError
 from offload.models import Job, QueueStats
+from offload.pipeline_cli import register as register_pipeline
 from offload.queue.keys import STATE_SETS, queue_of, validate_queue
 from offload.queue.store import DEFAULT_MAX_ATTEMPTS, JobSpec, QueueStore
 from offload.sim.cli import sim_app
@@ -58,6 +58,7 @@ app.add_typer(dead_app, name="dead")
 app.add_typer(held_app, name="held")
 app.add_typer(embedded_app, name="embedded")
 app.add_typer(sim_app, name="sim")
+register_pipeline(app)
 
 UrlOpt = Annotated[str | None, typer.Option(
     "--url", show_default=False,
@@ -69,25 +70,6 @@ LimitOpt = Annotated[int, typer.Option(min=1, max=1000, help="Jobs per page.")]
 CursorOpt = Annotated[int, typer.Option(min=0, help="Page start, from a previous listing's next cursor.")]
 IdsArg = Annotated[list[str] | None, typer.Argument(help="Job ids (or use --all).", show_default=False)]
 AllOpt = Annotated[bool, typer.Option("--all", help="Every job in the set.")]
-
-
-def _fail(message: str) -> NoReturn:
-    """One line, so logs and `2>err` captures stay greppable; exit 1 separates 'it failed' from misuse."""
-    typer.echo(f"error: {' '.join(message.split()) or 'unknown error'}", err=True)
-    raise typer.Exit(1)
-
-
-@contextmanager
-def _errors() -> Iterator[None]:
-    """Turn the failures an operator can cause into `_fail` lines instead of tracebacks."""
-    try:
-        yield
-    except OffloadError as exc:
-        _fail(str(exc) or type(exc).__name__)
-    except RedisError as exc:  # e.g. the server went away mid-command, or a script error
-        _fail(f"Redis/Valkey: {exc}")
-    except KeyboardInterrupt:
-        raise typer.Exit(130) from None
 
 
 def _run(

@@ -11,7 +11,7 @@ from redis.exceptions import NoScriptError
 EVENTS_MAX = 10_000
 NAMES = (
     "enqueue", "claim", "heartbeat", "checkpoint", "complete", "fail", "hold", "move", "cancel",
-    "ack_cancel", "release_leases", "reap", "purge", "stats", "get", "ingest",
+    "ack_cancel", "release_leases", "reap", "purge", "stats", "get", "ingest", "reserve",
 )
 
 
@@ -26,9 +26,9 @@ class Script:
 
     __slots__ = ("name", "sha", "source")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, source: str | None = None) -> None:
         self.name = name
-        self.source = _source(name)
+        self.source = source if source is not None else _source(name)
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
 
     async def __call__(self, redis: Any, keys: list[str], args: list[Any]) -> Any:

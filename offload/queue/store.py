@@ -266,6 +266,27 @@ class QueueStore:
         _expect(code, job_id)
         return str(code)
 
+    async def reserve(
+        self, job_id: str, window: str, *, job_cap: int | None, spend_cap: float | None, cost: float = 0.0
+    ) -> str | None:
+        """Count one submission against the queue's caps for `window`; None if allowed, else which cap is
+        reached ("jobs" or "spend"). Idempotent per job and window."""
+        code = await self._run(
+            SCRIPTS.reserve, queue_of(job_id), job_id, window,
+            "" if job_cap is None else job_cap, "" if spend_cap is None else spend_cap, repr(float(cost)),
+        )
+        return None if code == "OK" else str(code).split(":", 1)[1]
+
+    async def add_spend(self, queue: str, window: str, delta: float) -> None:
+        """Correct the window's spend once the real cost of a job is known."""
+        if delta:
+            await self.redis.incrbyfloat(prefix(queue) + f"cap:{window}:spend", delta)
+
+    async def usage(self, queue: str, window: str) -> tuple[int, float]:
+        """(jobs counted, spend) in a cap window, for status views and metrics."""
+        jobs, spend = await self.redis.mget(prefix(queue) + f"cap:{window}:jobs", prefix(queue) + f"cap:{window}:spend")
+        return int(jobs or 0), float(spend or 0.0)
+
     async def hold(self, job_id: str, token: str, reason: str) -> None:
         _expect(await self._run(SCRIPTS.hold, queue_of(job_id), job_id, token, reason), job_id)
 

@@ -1,0 +1,198 @@
+"""Configuration: `offload.yaml` (storage, backends, queues) with `${ENV}` references for secrets, env
+overrides, and the tutorial's env names as fallbacks, so a team keeps its env file when it moves over.
+
+Every problem is a ConfigError that names the offending field, raised at start, never mid-run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+
+from offload.errors import ConfigError
+from offload.queue.keys import validate_queue
+
+RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*(s|sec|second|m|min|minute|h|hour)\s*$")
+ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+_PER = {"s": 1, "sec": 1, "second": 1, "m": 60, "min": 60, "minute": 60, "h": 3600, "hour": 3600}
+
+
+def parse_rate(text: str) -> float:
+    """'20/s' -> 20.0 requests per second."""
+    m = RATE_RE.match(text)
+    if not m:
+        raise ValueError(f"rate limit must look like '20/s', '600/min' or '1000/hour', got {text!r}")
+    return float(m.group(1)) / _PER[m.group(2)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StorageSettings(_Strict):
+    kind: Literal["s3", "local"] = "local"
+    path: str = ".offload/results"
+    endpoint_url: str | None = None
+    bucket: str | None = None
+    prefix: str = ""
+    region: str = "us-east-1"
+    access_key_id: str | None = None
+    secret_access_key: SecretStr | None = None
+    copy_files: bool = True
+
+
+class BackendSettings(BaseModel):
+    """Common settings; each backend kind reads its own extra keys (endpoint_id, model, ...)."""
+
+    model_config = ConfigDict(extra="allow")
+    kind: Literal["http-job", "openai", "runpod", "replicate", "fal"]
+    base_url: str | None = None
+    api_key: SecretStr | None = None
+    timeout: float | None = Field(None, gt=0, description="seconds per request; default: the backend's own")
+    rate_limit: str | None = None
+    price_per_job: float | None = Field(None, ge=0)
+    price_per_second: float | None = Field(None, ge=0)
+
+    @field_validator("rate_limit")
+    @classmethod
+    def _rate(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_rate(v)
+        return v
+
+    def provider_settings(self) -> dict[str, Any]:
+        """What the backend constructor sees: plain values, secrets revealed only here."""
+        data = self.model_dump(exclude={"rate_limit", "price_per_job", "price_per_second", "kind"}, exclude_none=True)
+        data["api_key"] = self.api_key.get_secret_value() if self.api_key else None
+        return data
+
+
+class QueueSettings(_Strict):
+    backend: str
+    concurrency: int = Field(256, ge=1, le=100_000)
+    max_attempts: int = Field(3, ge=1)
+    daily_job_cap: int | None = Field(None, ge=0)
+    daily_spend_cap: float | None = Field(None, ge=0)
+    poll_interval: float = Field(5.0, gt=0)
+    poll_timeout: float = Field(600.0, gt=0)
+    ingest_list: str | None = None
+
+
+class Settings(_Strict):
+    redis_url: str | None = None
+    storage: StorageSettings = StorageSettings()
+    backends: dict[str, BackendSettings] = {}
+    queues: dict[str, QueueSettings] = {}
+
+    @field_validator("queues")
+    @classmethod
+    def _names(cls, v: dict[str, QueueSettings]) -> dict[str, QueueSettings]:
+        for name in v:
+            validate_queue(name)
+        return v
+
+    def queue(self, name: str) -> QueueSettings:
+        try:
+            return self.queues[name]
+        except KeyError:
+            known = ", ".join(sorted(self.queues)) or "none"
+            raise ConfigError(f"queue {name!r} is not configured (configured: {known})") from None
+
+    def backend_for(self, queue: str) -> tuple[str, BackendSettings]:
+        name = self.queue(queue).backend
+        return name, self.backends[name]
+
+
+def _expand(value: Any, env: Mapping[str, str], path: str) -> Any:
+    """Replace ${VAR} and ${VAR:-default} in strings; a missing variable names the field that needs it."""
+    if isinstance(value, dict):
+        return {k: _expand(v, env, f"{path}.{k}" if path else str(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_expand(v, env, f"{path}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, str):
+        def sub(m: re.Match[str]) -> str:
+            if m.group(1) in env:
+                return env[m.group(1)]
+            if m.group(2) is not None:
+                return m.group(2)
+            raise ConfigError(f"{path}: environment variable {m.group(1)} is not set")
+        return ENV_REF.sub(sub, value)
+    return value
+
+
+def _pick(env: Mapping[str, str], *names: str) -> str | None:
+    """The first variable set: OFFLOAD_* names first, then the tutorial's."""
+    return next((env[n] for n in names if env.get(n)), None)
+
+
+def _from_env(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+    """Overlay env settings (OFFLOAD_* first, tutorial names as fallback) onto the file's data."""
+    if url := _pick(env, "OFFLOAD_REDIS_URL", "REDIS_URL"):
+        data["redis_url"] = url
+    base = _pick(env, "OFFLOAD_API_BASE", "GPU_API_BASE")
+    list_key = _pick(env, "OFFLOAD_QUEUE_KEY", "QUEUE_KEY")
+    if base or list_key:  # the tutorial's single-queue setup
+        queue_name = _pick(env, "OFFLOAD_QUEUE") or re.sub(r"[^A-Za-z0-9_.-]", "-", list_key or "gpu:jobs")
+        backends = data.setdefault("backends", {})
+        if base:
+            backends.setdefault("gpu", {"kind": "http-job"})
+            backends["gpu"]["base_url"] = base
+            if key := _pick(env, "OFFLOAD_API_KEY", "GPU_API_KEY"):
+                backends["gpu"]["api_key"] = key
+        queue = data.setdefault("queues", {}).setdefault(queue_name, {"backend": "gpu"})
+        queue.setdefault("ingest_list", list_key or "gpu:jobs")
+        for field, names in {
+            "max_attempts": ("OFFLOAD_MAX_ATTEMPTS", "MAX_ATTEMPTS"),
+            "daily_job_cap": ("OFFLOAD_DAILY_JOB_CAP", "DAILY_JOB_CAP"),
+            "poll_interval": ("OFFLOAD_POLL_INTERVAL", "POLL_INTERVAL"),
+            "poll_timeout": ("OFFLOAD_POLL_TIMEOUT", "POLL_TIMEOUT"),
+        }.items():
+            if (v := _pick(env, *names)) is not None:
+                queue[field] = v
+    if bucket := _pick(env, "OFFLOAD_RESULT_BUCKET", "RESULT_BUCKET"):
+        storage = data.setdefault("storage", {})
+        storage.update({"kind": "s3", "bucket": bucket})
+        for field, names in {
+            "endpoint_url": ("OFFLOAD_S3_ENDPOINT", "S3_ENDPOINT"),
+            "access_key_id": ("OFFLOAD_S3_ACCESS_KEY_ID", "AWS_ACCESS_KEY_ID"),
+            "secret_access_key": ("OFFLOAD_S3_SECRET_ACCESS_KEY", "AWS_SECRET_ACCESS_KEY"),
+        }.items():
+            if (v := _pick(env, *names)) is not None:
+                storage[field] = v
+    return data
+
+
+def load_settings(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> Settings:
+    """Read offload.yaml (path, else OFFLOAD_CONFIG, else ./offload.yaml if present), then env on top."""
+    env = os.environ if env is None else env
+    file = Path(path or env.get("OFFLOAD_CONFIG") or "offload.yaml")
+    data: dict[str, Any] = {}
+    if file.exists():
+        try:
+            loaded = yaml.safe_load(file.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{file}: not valid YAML: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{file}: the top level must be a mapping")
+        data = _expand(loaded, env, "")
+    elif path is not None:
+        raise ConfigError(f"config file {file} does not exist")
+    data = _from_env(data, env)
+    try:
+        settings = Settings.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ConfigError(f"{where}: {first['msg']}") from None
+    for qname, q in settings.queues.items():
+        if q.backend not in settings.backends:
+            raise ConfigError(f"queues.{qname}.backend: no backend named {q.backend!r} is configured")
+    if settings.storage.kind == "s3" and not settings.storage.bucket:
+        raise ConfigError("storage.bucket: required when storage.kind is s3")
+    return settings

@@ -1,0 +1,300 @@
+"""The dispatch loop: one asyncio process keeps up to `concurrency` remote jobs in flight.
+
+It claims in batches, submits each job to the queue's backend, records the remote id before the first poll
+(so a re-delivered job is resumed, never paid for twice), polls with growing intervals, stores the output and
+only then completes. One heartbeat call per interval keeps every lease alive. Nothing here sleeps on behalf
+of another job: retries are scheduled in Redis, waits are per-task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from offload.backends.base import Backend, BackendError, Fatal, NotFound, RemoteResult, Throttled, Transient
+from offload.errors import StaleLease
+from offload.models import ClaimedJob
+from offload.queue.store import QueueStore, retry_delay_ms
+from offload.worker.limits import BackendLimits
+
+log = logging.getLogger("offload.worker")
+StoreOutput = Callable[[str, Any], Awaitable[str]]
+
+
+class PollTimeout(Exception):
+    """The remote job did not finish within POLL_TIMEOUT."""
+
+
+@dataclass
+class WorkerOptions:
+    queue: str
+    backend_name: str
+    concurrency: int = 256
+    lease_ms: int = 10_000
+    poll_interval: float = 5.0
+    poll_timeout: float = 600.0
+    first_poll: float = 0.25
+    claim_batch: int = 500
+    grace_s: float = 30.0
+    daily_job_cap: int | None = None
+    daily_spend_cap: float | None = None
+    price_per_job: float | None = None
+    price_per_second: float | None = None
+    ingest_list: str | None = None
+    submit_retries_on_429: int = 8
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class Worker:
+    """Serves one queue. `run(stop)` returns after a graceful drain once `stop` is set."""
+
+    def __init__(
+        self, store: QueueStore, backend: Backend, store_output: StoreOutput, limits: BackendLimits,
+        options: WorkerOptions, *, worker_id: str | None = None, clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store, self.backend, self.store_output, self.limits = store, backend, store_output, limits
+        self.o = options
+        self.id = worker_id or default_worker_id()
+        self.clock = clock
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.tokens: dict[str, str] = {}
+        self.cancels: set[str] = set()
+        self.peak_in_flight = 0
+        self._slot = asyncio.Event()
+        self._window = self.window()
+
+    def window(self) -> str:
+        """The cap window: the UTC day of the (injectable) clock."""
+        return time.strftime("%Y%m%d", time.gmtime(self.clock()))
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        helpers = [asyncio.create_task(self._heartbeat_loop(stop))]
+        if self.o.ingest_list:
+            helpers.append(asyncio.create_task(self._ingest_loop(stop)))
+        idle = 0.02
+        try:
+            while not stop.is_set():
+                await self._roll_window()
+                free = self.o.concurrency - len(self.tasks)
+                claimed = await self.store.claim(self.o.queue, self.id, min(free, self.o.claim_batch), self.o.lease_ms) \
+                    if free > 0 else []
+                for job in claimed:
+                    self.tokens[job.id] = job.token
+                    self.tasks[job.id] = asyncio.create_task(self._run_job(job))
+                self.peak_in_flight = max(self.peak_in_flight, len(self.tasks))
+                if claimed and len(claimed) == min(free, self.o.claim_batch):
+                    idle = 0.02
+                    continue
+                self._slot.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wait_slot_or_stop(stop), idle if free > 0 else None)
+                idle = min(idle * 2, 0.5) if not claimed else 0.02
+        finally:
+            await self._drain(helpers)
+
+    async def _wait_slot_or_stop(self, stop: asyncio.Event) -> None:
+        waiters = [asyncio.create_task(self._slot.wait()), asyncio.create_task(stop.wait())]
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
+
+    async def _drain(self, helpers: list[asyncio.Task[None]]) -> None:
+        """Stop claiming, let in-flight jobs finish for the grace period, then hand the rest back with
+        their remote ids (the next worker resumes polling them)."""
+        if self.tasks:
+            await asyncio.wait(list(self.tasks.values()), timeout=self.o.grace_s)
+        left = list(self.tasks)
+        for task in self.tasks.values():
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        if left:
+            released = await self.store.release_leases(self.o.queue, self.id, left)
+            log.info("drained: released %d leases (remote ids kept)", released)
+        for h in helpers:
+            h.cancel()
+        await asyncio.gather(*helpers, return_exceptions=True)
+        await self.store.release_leases(self.o.queue, self.id)
+
+    async def _heartbeat_loop(self, stop: asyncio.Event) -> None:
+        while True:
+            await asyncio.sleep(self.o.lease_ms / 3000)
+            try:
+                reply = await self.store.heartbeat(self.o.queue, self.id, list(self.tasks), self.o.lease_ms)
+            except Exception as exc:  # Redis blip: the next beat retries well inside the lease
+                log.warning("heartbeat failed: %s", exc)
+                continue
+            for job_id in reply.lost:
+                if task := self.tasks.get(job_id):
+                    log.warning("lease of %s lost; another worker owns it now", job_id)
+                    task.cancel()
+            self.cancels.update(reply.cancel_requested)
+
+    async def _ingest_loop(self, stop: asyncio.Event) -> None:
+        assert self.o.ingest_list is not None
+        while not stop.is_set():
+            try:
+                ok, bad = await self.store.ingest(self.o.ingest_list, self.o.queue)
+            except Exception as exc:
+                log.warning("ingest from %s failed: %s", self.o.ingest_list, exc)
+                ok = bad = 0
+            if ok + bad == 0:
+                await asyncio.sleep(0.2)
+
+    async def _roll_window(self) -> None:
+        """When the cap window rolls over, held jobs go back to ready (every worker may do this: moving a
+        held job is atomic)."""
+        window = self.window()
+        if window != self._window:
+            self._window = window
+            while released := await self.store.release(self.o.queue, limit=1000):
+                log.info("cap window %s: released %d held jobs", window, len(released))
+
+    # -- one job -----------------------------------------------------------------------------------
+
+    async def _run_job(self, job: ClaimedJob) -> None:
+        remote_id = job.remote_id
+        try:
+            if job.cancel_requested:
+                await self._cancel(job, remote_id)
+                return
+            result: RemoteResult | None = None
+            estimate = self.o.price_per_job or 0.0
+            if remote_id is None:
+                if remote_id := await self._adopt(job):
+                    await self.store.checkpoint(job.id, job.token, self.o.backend_name, remote_id)
+                else:
+                    cap = await self.store.reserve(
+                        job.id, self._window, job_cap=self.o.daily_job_cap, spend_cap=self.o.daily_spend_cap,
+                        cost=estimate,
+                    )
+                    if cap:
+                        await self.store.hold(job.id, job.token, f"daily {cap} cap reached (window {self._window})")
+                        return
+                    submission = await self._submit(job)
+                    remote_id = submission.remote_id
+                    result = submission.result
+                    if await self.store.checkpoint(job.id, job.token, self.o.backend_name, remote_id):
+                        self.cancels.add(job.id)
+            if result is None:
+                result = await self._poll(job, remote_id)
+                if result is None:
+                    return  # cancelled
+            await self._finish(job, result, estimate)
+        except StaleLease:
+            log.info("job %s: lease taken over, leaving it to its new owner", job.id)
+        except asyncio.CancelledError:
+            raise
+        except Throttled as exc:
+            await self.limits.cool_down(exc.retry_after or 5.0)
+            await self._retry(job, f"throttled: {exc}", keep_remote=remote_id is not None,
+                              delay_ms=int((exc.retry_after or 5.0) * 1000))
+        except NotFound as exc:
+            await self._retry(job, f"remote result expired: {exc}", keep_remote=False)
+        except (Transient, PollTimeout) as exc:
+            if isinstance(exc, PollTimeout) and remote_id:
+                with contextlib.suppress(BackendError):
+                    await self.backend.cancel(remote_id)
+            await self._retry(job, f"{type(exc).__name__.lower()}: {exc}",
+                              keep_remote=remote_id is not None and not isinstance(exc, PollTimeout))
+        except Fatal as exc:
+            await self._fail(job, f"fatal: {exc}" + (f" ({exc.excerpt})" if exc.excerpt else ""), retryable=False)
+        except Exception as exc:  # a bug or garbage must dead-letter the job, never kill the worker
+            log.exception("job %s: unexpected error", job.id)
+            await self._fail(job, f"worker error: {type(exc).__name__}: {exc}", retryable=True)
+        finally:
+            self.tasks.pop(job.id, None)
+            self.tokens.pop(job.id, None)
+            self.cancels.discard(job.id)
+            self._slot.set()
+
+    async def _adopt(self, job: ClaimedJob) -> str | None:
+        """A re-delivered job without a remote id may have been submitted by a worker killed inside the
+        submit call; backends that tag submissions can find it, so we poll it instead of paying again."""
+        if job.attempt <= 1:
+            return None
+        with contextlib.suppress(BackendError):
+            return await self.backend.find(job.id)
+        return None
+
+    async def _submit(self, job: ClaimedJob) -> Any:
+        for attempt in range(self.o.submit_retries_on_429 + 1):
+            await self.limits.acquire()
+            try:
+                return await self.backend.submit(job.input, tag=job.id)
+            except Throttled as exc:
+                if attempt == self.o.submit_retries_on_429:
+                    raise
+                await self.limits.cool_down(exc.retry_after or min(2.0**attempt, 30.0))
+        raise AssertionError("unreachable")
+
+    async def _poll(self, job: ClaimedJob, remote_id: str) -> RemoteResult | None:
+        deadline = time.monotonic() + self.o.poll_timeout
+        interval = self.o.first_poll
+        transient = 0
+        while True:
+            if job.id in self.cancels:
+                await self._cancel(job, remote_id)
+                return None
+            try:
+                result = await self.backend.poll(remote_id)
+                transient = 0
+                if result.terminal:
+                    return result
+            except Throttled as exc:
+                await self.limits.cool_down(exc.retry_after or interval)
+                await asyncio.sleep(exc.retry_after or interval)
+                continue
+            except Transient:
+                transient += 1
+                if transient >= 10:
+                    raise
+            if time.monotonic() > deadline:
+                raise PollTimeout(f"remote job {remote_id} not done after {self.o.poll_timeout:g}s")
+            await asyncio.sleep(interval)
+            interval = min(interval * 1.5, self.o.poll_interval)
+
+    async def _finish(self, job: ClaimedJob, result: RemoteResult, estimate: float) -> None:
+        if result.status != "succeeded":
+            await self._retry(job, f"remote job {result.status}: {result.error or 'no error given'}", keep_remote=False)
+            return
+        location = await self.store_output(job.output_key, result.output)
+        cost = result.cost
+        if cost is None and self.o.price_per_second is not None and result.duration_s is not None:
+            cost = self.o.price_per_second * result.duration_s
+        if cost is None:
+            cost = self.o.price_per_job
+        await self.store.complete(job.id, job.token, location, cost)
+        if cost is not None and job.remote_id is None and self.o.daily_spend_cap is not None:
+            await self.store.add_spend(self.o.queue, self._window, cost - estimate)
+
+    async def _cancel(self, job: ClaimedJob, remote_id: str | None) -> None:
+        if remote_id:
+            with contextlib.suppress(NotFound):
+                await self.backend.cancel(remote_id)
+        await self.store.ack_cancel(job.id, job.token)
+
+    async def _retry(self, job: ClaimedJob, error: str, *, keep_remote: bool, delay_ms: int | None = None) -> None:
+        await self._fail(job, error, retryable=True, keep_remote=keep_remote, delay_ms=delay_ms)
+
+    async def _fail(self, job: ClaimedJob, error: str, *, retryable: bool, keep_remote: bool = False,
+                    delay_ms: int | None = None) -> None:
+        with contextlib.suppress(StaleLease):
+            state = await self.store.fail(
+                job.id, job.token, error, retryable=retryable, keep_remote=keep_remote,
+                delay_ms=delay_ms if delay_ms is not None else retry_delay_ms(job.attempt), attempt=job.attempt,
+            )
+            log.info("job %s: %s -> %s", job.id, error[:200], state)

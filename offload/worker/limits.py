@@ -1,0 +1,64 @@
+"""Per-backend limits shared by every worker on every machine: a global request rate (GCRA in Redis) and a
+cool-down that one worker's 429 imposes on all of them.
+
+Each backend's keys carry the hash tag `{backend:<name>}`, so the script runs on one cluster node. Callers
+are told how long to wait and sleep on their own (asyncio), so a limited backend never blocks a worker's
+other jobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from offload.queue.scripts import Script
+
+_ACQUIRE = Script(
+    "rate_acquire",
+    """
+-- KEYS: the backend's GCRA key, its cool-down key. ARGV: ms between requests, burst.
+-- Returns ms to wait: positive = a slot is reserved, go after the wait; negative = the backend is cooling
+-- down, ask again after the wait.
+local cool = redis.call('PTTL', KEYS[2])
+if cool > 0 then return -cool end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local interval, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
+if interval <= 0 then return 0 end
+local tat = tonumber(redis.call('GET', KEYS[1]) or now)
+if tat < now then tat = now end
+local wait = tat - now - (burst - 1) * interval
+if wait < 0 then wait = 0 end
+redis.call('SET', KEYS[1], string.format('%.0f', tat + interval), 'PX', math.ceil(tat + interval - now) + 1000)
+return math.ceil(wait)
+""",
+)
+
+
+class BackendLimits:
+    """`await limits.acquire()` before each request to the backend; `cool_down(s)` after a 429."""
+
+    def __init__(self, redis: Any, backend: str, rate_per_s: float | None, burst: int = 1) -> None:
+        self.redis = redis
+        self.keys = [f"offload:{{backend:{backend}}}:gcra", f"offload:{{backend:{backend}}}:cooldown"]
+        self.interval_ms = 1000.0 / rate_per_s if rate_per_s else 0.0
+        self.burst = max(burst, 1)
+
+    async def acquire(self, max_wait_s: float = 3600.0) -> float:
+        """Wait until this request may go; returns the seconds waited."""
+        waited = 0.0
+        while True:
+            wait_ms = int(await _ACQUIRE(self.redis, self.keys, [self.interval_ms, self.burst]))
+            if wait_ms == 0:
+                return waited
+            await asyncio.sleep(abs(wait_ms) / 1000)
+            waited += abs(wait_ms) / 1000
+            if wait_ms > 0 or waited >= max_wait_s:
+                return waited
+
+    async def cool_down(self, seconds: float) -> None:
+        """Every worker pauses this backend for `seconds` (the longest requested cool-down wins)."""
+        ms = max(int(seconds * 1000), 1)
+        current = await self.redis.pttl(self.keys[1])
+        if current < ms:
+            await self.redis.set(self.keys[1], "1", px=ms)

@@ -1,0 +1,77 @@
+"""Builds a dispatch worker from the configuration and runs it until SIGTERM/SIGINT, then drains."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from offload.backends import create_backend
+from offload.config import Settings, parse_rate
+from offload.connection import connect
+from offload.queue.store import QueueStore
+from offload.storage import create_storage, store_output
+from offload.worker.dispatch import Worker, WorkerOptions
+from offload.worker.limits import BackendLimits
+
+log = logging.getLogger("offload.worker")
+
+
+def storage_settings(settings: Settings) -> dict[str, Any]:
+    data = settings.storage.model_dump()
+    secret = settings.storage.secret_access_key
+    data["secret_access_key"] = secret.get_secret_value() if secret else None
+    return data
+
+
+async def run_worker(
+    settings: Settings, queue: str, *, concurrency: int | None = None, worker_id: str | None = None,
+    stop: asyncio.Event | None = None, grace_s: float = 30.0, clock: Callable[[], float] = time.time,
+    install_signals: bool = True, on_ready: Callable[[Worker], None] | None = None,
+) -> Worker:
+    """Serve `queue` until `stop` is set (or a signal arrives); returns the drained worker."""
+    q = settings.queue(queue)
+    backend_name, bs = settings.backend_for(queue)
+    stop = stop or asyncio.Event()
+    if install_signals:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    redis = await connect(settings.redis_url)
+    in_flight = concurrency or q.concurrency
+    http = httpx.AsyncClient(
+        limits=httpx.Limits(max_connections=min(max(in_flight, 16), 1024), max_keepalive_connections=256),
+        timeout=httpx.Timeout(bs.timeout or 600.0),
+    )
+    backend = create_backend(bs.kind, backend_name, bs.provider_settings(), client=http)
+    storage = create_storage(storage_settings(settings))
+
+    async def save(key: str, output: Any) -> str:
+        stored = await store_output(storage, key, output, http, copy_files=settings.storage.copy_files)
+        return stored.location
+
+    options = WorkerOptions(
+        queue=queue, backend_name=backend_name, concurrency=in_flight, poll_interval=q.poll_interval,
+        poll_timeout=q.poll_timeout, grace_s=grace_s, daily_job_cap=q.daily_job_cap,
+        daily_spend_cap=q.daily_spend_cap, price_per_job=bs.price_per_job, price_per_second=bs.price_per_second,
+        ingest_list=q.ingest_list,
+    )
+    limits = BackendLimits(redis, backend_name, parse_rate(bs.rate_limit) if bs.rate_limit else None)
+    worker = Worker(QueueStore(redis), backend, save, limits, options, worker_id=worker_id, clock=clock)
+    log.info("worker %s serving queue %s via %s (%s), up to %d in flight", worker.id, queue, backend_name,
+             bs.kind, in_flight)
+    if on_ready:
+        on_ready(worker)
+    try:
+        await worker.run(stop)
+    finally:
+        await backend.aclose()
+        await http.aclose()
+        await storage.aclose()
+        await redis.aclose()
+    return worker
