@@ -88,8 +88,10 @@ class Worker:
             while not stop.is_set():
                 await self._roll_window()
                 free = self.o.concurrency - len(self.tasks)
-                claimed = await self.store.claim(self.o.queue, self.id, min(free, self.o.claim_batch), self.o.lease_ms) \
-                    if free > 0 else []
+                claimed: list[ClaimedJob] = []
+                if free > 0:
+                    batch = min(free, self.o.claim_batch)
+                    claimed = await self.store.claim(self.o.queue, self.id, batch, self.o.lease_ms)
                 for job in claimed:
                     self.tokens[job.id] = job.token
                     self.tasks[job.id] = asyncio.create_task(self._run_job(job))
