@@ -461,12 +461,34 @@ def embedded_stop() -> None:
 
 
 @app.command()
-def demo(url: UrlOpt = None) -> None:
-    """Enqueue a demo batch on the embedded default (or --url) and show the queue."""
+def demo(jobs: Annotated[int, typer.Option(min=1, max=10_000, help="Jobs to run.")] = 40) -> None:
+    """Run a batch end to end on the local stack (started if needed) and show where the results are."""
     from offload.demo import run_demo
 
     with _errors():
-        asyncio.run(run_demo(_out(), url))
+        asyncio.run(run_demo(_out(), jobs))
+
+
+@app.command()
+def up(
+    workers: Annotated[int, typer.Option(min=1, max=64, help="Dispatch worker processes.")] = 2,
+    latency: Annotated[str, typer.Option(help="Simulated GPU job time: 2, 1-3 or lognormal:2:0.5.")] = "1-3",
+) -> None:
+    """Start the local stack in the background: Valkey, S3, the GPU API simulator, N workers (./.offload/)."""
+    from offload.stack import up as stack_up
+
+    with _errors():
+        for name, where in stack_up(workers=workers, latency=latency):
+            typer.echo(f"{name:<10} {where}")
+
+
+@app.command()
+def down() -> None:
+    """Stop the local stack (workers drain first); data stays under ./.offload/."""
+    from offload.stack import down as stack_down
+
+    with _errors():
+        typer.echo("stopped: " + (", ".join(stack_down()) or "nothing was running"))
 
 
 def main() -> None:

@@ -1,47 +1,71 @@
-"""`offload demo`: the main job on the embedded default, for a first look on a fresh clone.
+"""`offload demo`: the main job on the embedded default, end to end.
 
-For now it shows the durable queue (the dispatch worker that runs the jobs arrives with issue #3): it starts or
-reuses the embedded Valkey, enqueues a batch with priorities, a delayed job and an idempotent repeat, and
-prints what the queue holds and how to look further.
+It brings the local stack up if it is not running (embedded Valkey, embedded S3, the GPU API simulator, two
+dispatch workers), enqueues a batch, shows it move with a live progress bar, and ends with where the results
+are and how to read one.
 """
 
 from __future__ import annotations
 
-from rich.console import Console
-from rich.table import Table
+import asyncio
+import os
 
-from offload.connection import connect, mask_url, resolve_url
+import orjson
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from offload import stack
+from offload.config import load_settings
+from offload.connection import connect
+from offload.embedded import data_dir
 from offload.queue.store import JobSpec, QueueStore
+from offload.storage import create_storage
+from offload.worker.run import storage_settings
 
 PROMPTS = ("a haiku about queues", "a limerick about GPUs", "a sonnet about retries", "an ode to idempotency")
 
 
-async def run_demo(console: Console, url: str | None = None, queue: str = "demo", jobs: int = 12) -> str:
-    """Enqueue a small batch and print the queue; returns the id of the first job."""
-    url = resolve_url(url)
-    console.print(f"queue store   [bold]{mask_url(url)}[/] (embedded Valkey unless OFFLOAD_REDIS_URL is set)")
-    redis = await connect(url)
+async def run_demo(console: Console, jobs: int = 40, timeout: float = 300.0) -> str:
+    """Run a batch through the local stack; returns the id of the first job."""
+    for name, where in await asyncio.to_thread(stack.up):
+        console.print(f"[bold]{name:<10}[/] {where}")
+    settings = load_settings(stack.config_path(), env={**os.environ, **stack.secret_env()})
+    redis = await connect(settings.redis_url)
+    store = QueueStore(redis)
     try:
-        store = QueueStore(redis)
-        specs = [JobSpec(input={"prompt": PROMPTS[i % len(PROMPTS)], "n": i}, priority=i % 3) for i in range(jobs)]
-        ids = await store.enqueue_many(queue, specs)
-        later = await store.enqueue(queue, JobSpec(input={"prompt": "tomorrow's news"}, delay=3600))
-        once = await store.enqueue(queue, JobSpec(input={"prompt": "only once"}, idempotency_key="demo-once"))
-        again = await store.enqueue(queue, JobSpec(input={"prompt": "only once"}, idempotency_key="demo-once"))
-        console.print(f"enqueued      {len(ids)} jobs with priorities 0-2, 1 delayed by an hour, "
-                      f"1 idempotent job enqueued twice -> same id: {once == again}")
-        stats = await store.stats(queue)
-        table = Table(title=f"queue {queue!r}")
-        for name in stats.counts:
-            table.add_column(name, justify="right")
-        table.add_row(*(str(v) for v in stats.counts.values()))
-        console.print(table)
+        specs = [JobSpec(input={"prompt": PROMPTS[i % len(PROMPTS)], "n": i}) for i in range(jobs)]
+        ids = await store.enqueue_many(stack.QUEUE, specs)
+        console.print(f"\nenqueued {jobs} jobs on queue {stack.QUEUE!r}; the simulator takes 1-3 s per job")
+        columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                   TimeElapsedColumn())
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        with Progress(*columns, console=console) as progress:
+            bar = progress.add_task("", total=jobs)
+            while True:
+                states = [job.state.value for job in await asyncio.gather(*(store.get(i) for i in ids))]
+                counts = {s: states.count(s) for s in ("queued", "active", "submitted", "retrying", "succeeded",
+                                                       "dead", "cancelled")}
+                finished = counts["succeeded"] + counts["dead"] + counts["cancelled"]
+                progress.update(bar, completed=finished, description=(
+                    f"queued {counts['queued']}  in flight {counts['active'] + counts['submitted']}  "
+                    f"succeeded {counts['succeeded']}  retrying {counts['retrying']}  dead {counts['dead']}"))
+                if finished == jobs or loop.time() > deadline:
+                    break
+                await asyncio.sleep(0.2)
         first = await store.get(ids[0])
-        console.print(f"first job     {first.id}: {first.state.value}, input {first.input}, "
-                      f"result goes to {first.output_key}")
-        console.print(f"delayed job   {later}: runs at epoch ms {(await store.get(later)).run_at}")
-        console.print("\nlook further:  offload status " + ids[0] + "\n               offload queues --watch"
-                      "\n               offload jobs demo --state queued --json")
+        storage = create_storage(storage_settings(settings))
+        try:
+            body = orjson.loads(await storage.get_bytes(first.output_key)) if first.result else None
+        finally:
+            await storage.aclose()
+        console.print(f"\nresults are in {settings.storage.endpoint_url} bucket {settings.storage.bucket!r} "
+                      f"under results/ (files under {data_dir() / 's3' / 'results'})")
+        console.print(f"job {first.id}: {first.state.value}, stored at {first.result}")
+        console.print(f"its output: {orjson.dumps(body).decode()[:300]}")
+        console.print(f"\nread one:     offload result {first.id} --download out.json"
+                      "\nwatch queues: offload queues --watch"
+                      "\nstop it all:  offload down")
         return ids[0]
     finally:
         await redis.aclose()

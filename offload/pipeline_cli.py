@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -20,7 +21,12 @@ ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="offload.
 
 
 def _settings(config: Path | None) -> Settings:
+    """--config, else ./offload.yaml, else the local stack's generated config (with its S3 secret)."""
+    from offload import stack
+
     with _errors():
+        if config is None and not Path("offload.yaml").exists() and stack.config_path().exists():
+            return load_settings(stack.config_path(), env={**os.environ, **stack.secret_env()})
         return load_settings(config)
     raise AssertionError("unreachable")
 

@@ -444,9 +444,3 @@ def test_process_ingest_follow_drains_until_ctrl_c_then_reports_totals(valkey_ur
     assert orjson.loads(stdout) == {"ingested": 3, "dead": 0}
     assert counts(valkey_url, "tut")["queued"] == 3
 
-
-def test_demo_enqueues_and_shows_the_queue(valkey_url: str) -> None:
-    out = ok(valkey_url, "demo")
-    assert "same id: True" in out and "queue 'demo'" in out
-    docs = as_json(valkey_url, "queues")
-    assert docs[0]["queue"] == "demo" and docs[0]["counts"]["queued"] == 13 and docs[0]["counts"]["delayed"] == 1

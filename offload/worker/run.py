@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -14,12 +15,24 @@ import httpx
 from offload.backends import create_backend
 from offload.config import Settings, parse_rate
 from offload.connection import connect
+from offload.errors import ConfigError
 from offload.queue.store import QueueStore
 from offload.storage import create_storage, store_output
 from offload.worker.dispatch import Worker, WorkerOptions
 from offload.worker.limits import BackendLimits
 
 log = logging.getLogger("offload.worker")
+
+
+def _env_number(name: str, kind: type[int] | type[float]) -> int | float | None:
+    """An optional numeric env override (test and ops hooks); a bad value names the variable."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ConfigError(f"{name}: expected {'an integer' if kind is int else 'a number'}, got {raw!r}") from None
 
 
 def storage_settings(settings: Settings) -> dict[str, Any]:
@@ -37,6 +50,15 @@ async def run_worker(
     """Serve `queue` until `stop` is set (or a signal arrives); returns the drained worker."""
     q = settings.queue(queue)
     backend_name, bs = settings.backend_for(queue)
+    lease_ms = _env_number("OFFLOAD_LEASE_MS", int)
+    if lease_ms is not None and lease_ms <= 0:
+        raise ConfigError(f"OFFLOAD_LEASE_MS: must be positive, got {lease_ms}")
+    offset = _env_number("OFFLOAD_CLOCK_OFFSET_S", float)
+    if offset and clock is time.time:  # shifts the cap window only; an injected clock wins
+
+        def clock() -> float:
+            return time.time() + offset
+
     stop = stop or asyncio.Event()
     if install_signals:
         loop = asyncio.get_running_loop()
@@ -59,7 +81,7 @@ async def run_worker(
         queue=queue, backend_name=backend_name, concurrency=in_flight, poll_interval=q.poll_interval,
         poll_timeout=q.poll_timeout, grace_s=grace_s, daily_job_cap=q.daily_job_cap,
         daily_spend_cap=q.daily_spend_cap, price_per_job=bs.price_per_job, price_per_second=bs.price_per_second,
-        ingest_list=q.ingest_list,
+        ingest_list=q.ingest_list, **({"lease_ms": int(lease_ms)} if lease_ms is not None else {}),
     )
     limits = BackendLimits(redis, backend_name, parse_rate(bs.rate_limit) if bs.rate_limit else None)
     worker = Worker(QueueStore(redis), backend, save, limits, options, worker_id=worker_id, clock=clock)
