@@ -1,0 +1,101 @@
+"""offload.yaml, ${ENV} references, env overrides, the tutorial's env names, and errors that name the field."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from offload.backends import create_backend
+from offload.config import load_settings, parse_rate
+from offload.errors import ConfigError
+
+README = Path(__file__).parent.parent / "README.md"
+SECRETS = {name: f"secret-{name.lower()}" for name in (
+    "OFFLOAD_REDIS_URL", "S3_ACCESS_KEY", "S3_SECRET_KEY", "GPU_API_KEY", "RUNPOD_API_KEY", "REPLICATE_API_TOKEN",
+    "FAL_KEY", "OPENAI_API_KEY")}
+
+
+def readme_yaml(tmp_path: Path) -> Path:
+    block = re.search(r"## Configuration: offload.yaml\n\n```yaml\n(.*?)```", README.read_text(), re.S)
+    assert block, "the README's offload.yaml example is missing"
+    path = tmp_path / "offload.yaml"
+    path.write_text(block.group(1))
+    return path
+
+
+def test_the_readme_example_is_valid_and_builds_every_backend(tmp_path: Path) -> None:
+    settings = load_settings(readme_yaml(tmp_path), env=SECRETS)
+    assert settings.queue("gpu").daily_job_cap == 1000
+    assert settings.storage.secret_access_key is not None
+    assert settings.storage.secret_access_key.get_secret_value() == "secret-s3_secret_key"
+    assert "secret-s3_secret_key" not in repr(settings)  # secrets stay masked in reprs and logs
+    for name, backend in settings.backends.items():
+        built = create_backend(backend.kind, name, backend.provider_settings())
+        assert built.name == name
+
+
+def test_missing_env_reference_names_field_and_variable(tmp_path: Path) -> None:
+    env = {k: v for k, v in SECRETS.items() if k != "FAL_KEY"}
+    with pytest.raises(ConfigError, match=r"backends\.fal-flux\.api_key: environment variable FAL_KEY is not set"):
+        load_settings(readme_yaml(tmp_path), env=env)
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "message"),
+    [
+        ("queues: {gpu: {backend: nope}}", r"queues\.gpu\.backend: no backend named 'nope'"),
+        ("backends: {b: {kind: http-job}}\nqueues: {gpu: {backend: b, concurrency: 0}}",
+         r"queues\.gpu\.concurrency"),
+        ("backends: {b: {kind: teleport}}", r"backends\.b\.kind"),
+        ("backends: {b: {kind: http-job, rate_limit: fast}}", r"backends\.b\.rate_limit"),
+        ("storage: {kind: s3}", r"storage\.bucket"),
+        ("storage: {kind: s3, bucket: b, endpoint_ulr: x}", r"storage\.endpoint_ulr"),
+        ("backends: {b: {kind: http-job}}\nqueues: {'bad name': {backend: b}}", r"invalid queue name"),
+        ("- just\n- a list", r"top level must be a mapping"),
+        ("queues: [unclosed", r"not valid YAML"),
+    ],
+)
+def test_bad_config_names_the_offending_field(tmp_path: Path, yaml_text: str, message: str) -> None:
+    path = tmp_path / "offload.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(ConfigError, match=message):
+        load_settings(path, env={})
+
+
+def test_tutorial_env_file_alone_configures_the_pipeline(tmp_path: Path) -> None:
+    env = {
+        "REDIS_URL": "redis://:pw@10.20.0.5:6379/0", "QUEUE_KEY": "gpu:jobs", "GPU_API_BASE": "https://gpu/v1",
+        "GPU_API_KEY": "k", "S3_ENDPOINT": "https://s3", "AWS_ACCESS_KEY_ID": "ak", "AWS_SECRET_ACCESS_KEY": "sk",
+        "RESULT_BUCKET": "gpu-results", "MAX_ATTEMPTS": "5", "DAILY_JOB_CAP": "1000", "POLL_INTERVAL": "5",
+        "POLL_TIMEOUT": "600",
+    }
+    s = load_settings(None, env={**env, "OFFLOAD_CONFIG": str(tmp_path / "x")})  # no offload.yaml there
+    q = s.queue("gpu-jobs")
+    assert (q.ingest_list, q.max_attempts, q.daily_job_cap, q.poll_interval) == ("gpu:jobs", 5, 1000, 5.0)
+    assert s.backends["gpu"].kind == "http-job" and s.backends["gpu"].base_url == "https://gpu/v1"
+    assert (s.storage.kind, s.storage.bucket, s.storage.endpoint_url) == ("s3", "gpu-results", "https://s3")
+    assert s.redis_url == env["REDIS_URL"]
+    # OFFLOAD_* names win over the tutorial's
+    s2 = load_settings(None, env={**env, "OFFLOAD_CONFIG": str(tmp_path / "x"), "OFFLOAD_DAILY_JOB_CAP": "7"})
+    assert s2.queue("gpu-jobs").daily_job_cap == 7
+
+
+def test_rates() -> None:
+    assert parse_rate("20/s") == 20 and parse_rate("600/min") == 10 and parse_rate("3600/hour") == 1
+    with pytest.raises(ValueError, match="rate limit must look like"):
+        parse_rate("20 per second")
+
+
+def test_config_check_command(tmp_path: Path) -> None:
+    good = subprocess.run([sys.executable, "-m", "offload", "config", "check", "--config", str(readme_yaml(tmp_path))],
+                          capture_output=True, text=True, env={**SECRETS, "PATH": "/usr/bin"}, timeout=60)
+    assert good.returncode == 0 and good.stdout.startswith("ok:"), good.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("queues: {gpu: {backend: nope}}")
+    out = subprocess.run([sys.executable, "-m", "offload", "config", "check", "--config", str(bad)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and out.stderr.startswith("error: queues.gpu.backend") and "Traceback" not in out.stderr
