@@ -56,7 +56,11 @@ async def connect(url: str | None = None, *, retry_for: float | None = None) -> 
                 client = RedisCluster.from_url(plain, decode_responses=True)
                 await client.initialize()
             else:
-                client = aioredis.Redis.from_url(plain, decode_responses=True)
+                # A blocking pool: thousands of concurrent jobs wait for one of 64 connections instead of
+                # failing with "too many connections" (redis-py's default pool raises past 100).
+                pool = aioredis.BlockingConnectionPool.from_url(plain, decode_responses=True, max_connections=64,
+                                                                timeout=60)
+                client = aioredis.Redis(connection_pool=pool)
             await client.ping()
             return client
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:

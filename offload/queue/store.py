@@ -310,6 +310,17 @@ class QueueStore:
         """Held jobs back to ready (all of them up to limit, or the given ids)."""
         return list(await self._run(SCRIPTS.move, validate_queue(queue), "held", limit, *job_ids))
 
+    async def release_held_before(self, queue: str, before_ms: int) -> int:
+        """Release every job held before `before_ms` (epoch ms): the cap window they were held in is over."""
+        total = 0
+        key = prefix(validate_queue(queue)) + "held"
+        while ids := await self.redis.zrangebyscore(key, "-inf", f"({before_ms}", start=0, num=1000):
+            moved = await self.release(queue, ids)
+            total += len(moved)
+            if not moved:
+                break
+        return total
+
     async def requeue_dead(self, queue: str, job_ids: Sequence[str] = (), limit: int = 1000) -> list[str]:
         """Dead jobs back to ready with a fresh attempt budget."""
         return list(await self._run(SCRIPTS.move, validate_queue(queue), "dead", limit, *job_ids))

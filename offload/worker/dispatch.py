@@ -48,6 +48,7 @@ class WorkerOptions:
     price_per_job: float | None = None
     price_per_second: float | None = None
     ingest_list: str | None = None
+    max_attempts: int = 3
     submit_retries_on_429: int = 8
 
 
@@ -71,7 +72,7 @@ class Worker:
         self.cancels: set[str] = set()
         self.peak_in_flight = 0
         self._slot = asyncio.Event()
-        self._window = self.window()
+        self._window = ""  # unknown: the first loop releases jobs held in earlier windows
 
     def window(self) -> str:
         """The cap window: the UTC day of the (injectable) clock."""
@@ -149,7 +150,7 @@ class Worker:
         assert self.o.ingest_list is not None
         while not stop.is_set():
             try:
-                ok, bad = await self.store.ingest(self.o.ingest_list, self.o.queue)
+                ok, bad = await self.store.ingest(self.o.ingest_list, self.o.queue, max_attempts=self.o.max_attempts)
             except Exception as exc:
                 log.warning("ingest from %s failed: %s", self.o.ingest_list, exc)
                 ok = bad = 0
@@ -157,13 +158,16 @@ class Worker:
                 await asyncio.sleep(0.2)
 
     async def _roll_window(self) -> None:
-        """When the cap window rolls over, held jobs go back to ready (every worker may do this: moving a
-        held job is atomic)."""
+        """Jobs held in an earlier cap window go back to ready: when the window rolls over during the worker's
+        life, and when a worker starts in a later window than the one they were held in (a restart after
+        midnight). Every worker may do this: moving a held job is atomic."""
         window = self.window()
         if window != self._window:
             self._window = window
-            while released := await self.store.release(self.o.queue, limit=1000):
-                log.info("cap window %s: released %d held jobs", window, len(released))
+            day_start_ms = int(self.clock() // 86_400 * 86_400 * 1000)
+            released = await self.store.release_held_before(self.o.queue, day_start_ms)
+            if released:
+                log.info("cap window %s: released %d held jobs", window, released)
 
     # -- one job -----------------------------------------------------------------------------------
 
@@ -213,7 +217,8 @@ class Worker:
             await self._retry(job, f"{type(exc).__name__.lower()}: {exc}",
                               keep_remote=remote_id is not None and not isinstance(exc, PollTimeout))
         except Fatal as exc:
-            await self._fail(job, f"fatal: {exc}" + (f" ({exc.excerpt})" if exc.excerpt else ""), retryable=False)
+            detail = f" ({exc.excerpt})" if exc.excerpt and exc.excerpt not in str(exc) else ""
+            await self._fail(job, f"fatal: {exc}{detail}", retryable=False)
         except Exception as exc:  # a bug or garbage must dead-letter the job, never kill the worker
             log.exception("job %s: unexpected error", job.id)
             await self._fail(job, f"worker error: {type(exc).__name__}: {exc}", retryable=True)
@@ -251,22 +256,22 @@ class Worker:
             if job.id in self.cancels:
                 await self._cancel(job, remote_id)
                 return None
+            wait = interval
             try:
                 result = await self.backend.poll(remote_id)
                 transient = 0
                 if result.terminal:
                     return result
             except Throttled as exc:
-                await self.limits.cool_down(exc.retry_after or interval)
-                await asyncio.sleep(exc.retry_after or interval)
-                continue
+                wait = exc.retry_after or interval
+                await self.limits.cool_down(wait)
             except Transient:
                 transient += 1
                 if transient >= 10:
                     raise
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline:  # also when every poll is throttled: the timeout bounds the job
                 raise PollTimeout(f"remote job {remote_id} not done after {self.o.poll_timeout:g}s")
-            await asyncio.sleep(interval)
+            await asyncio.sleep(wait)
             interval = min(interval * 1.5, self.o.poll_interval)
 
     async def _finish(self, job: ClaimedJob, result: RemoteResult, estimate: float) -> None:

@@ -81,7 +81,8 @@ async def run_worker(
         queue=queue, backend_name=backend_name, concurrency=in_flight, poll_interval=q.poll_interval,
         poll_timeout=q.poll_timeout, grace_s=grace_s, daily_job_cap=q.daily_job_cap,
         daily_spend_cap=q.daily_spend_cap, price_per_job=bs.price_per_job, price_per_second=bs.price_per_second,
-        ingest_list=q.ingest_list, **({"lease_ms": int(lease_ms)} if lease_ms is not None else {}),
+        ingest_list=q.ingest_list, max_attempts=q.max_attempts,
+        **({"lease_ms": int(lease_ms)} if lease_ms is not None else {}),
     )
     limits = BackendLimits(redis, backend_name, parse_rate(bs.rate_limit) if bs.rate_limit else None)
     worker = Worker(QueueStore(redis), backend, save, limits, options, worker_id=worker_id, clock=clock)
