@@ -22,6 +22,7 @@ from offload.backends.base import Backend, BackendError, Fatal, NotFound, Remote
 from offload.errors import StaleLease
 from offload.models import ClaimedJob
 from offload.queue.store import QueueStore, retry_delay_ms
+from offload.storage import StorageError
 from offload.worker.limits import BackendLimits
 
 log = logging.getLogger("offload.worker")
@@ -216,6 +217,10 @@ class Worker:
                     await self.backend.cancel(remote_id)
             await self._retry(job, f"{type(exc).__name__.lower()}: {exc}",
                               keep_remote=remote_id is not None and not isinstance(exc, PollTimeout))
+        except StorageError as exc:  # the remote job finished: keep its id so the retry re-polls, not re-pays,
+            # unless the failure cannot heal (e.g. a provider file already expired): then it must run again
+            await self._retry(job, f"storing the output failed: {exc}",
+                              keep_remote=remote_id is not None and not getattr(exc, "permanent", False))
         except Fatal as exc:
             detail = f" ({exc.excerpt})" if exc.excerpt and exc.excerpt not in str(exc) else ""
             await self._fail(job, f"fatal: {exc}{detail}", retryable=False)
