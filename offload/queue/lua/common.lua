@@ -58,8 +58,8 @@ local function make_ready(ids, now, fresh)
       score = fmt((1000 - tonumber(redis.call('HGET', k, 'priority') or 0)) * PRIO_SPAN + seq)
       redis.call('HSET', k, 'state', 'queued', 'score', score, 'ready_at', now, 'owner', '', 'token', '')
     else
-      score = redis.call('HGET', k, 'score')
-      redis.call('HSET', k, 'state', 'queued', 'ready_at', now, 'owner', '', 'token', '')
+      score = redis.call('HGET', k, 'score')  -- and its old ready time: it has been waiting since then
+      redis.call('HSET', k, 'state', 'queued', 'owner', '', 'token', '')
     end
     zs[#zs + 1] = score
     zs[#zs + 1] = id

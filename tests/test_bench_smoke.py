@@ -1,0 +1,36 @@
+"""The benchmarks still run end to end at a small size, and their last line is the JSON they promise."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def last_json(args: list[str], timeout: float) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n" \
+                                 f"{proc.stderr[-3000:]}"
+    lines = proc.stdout.strip().splitlines()
+    assert lines, f"{' '.join(args)} printed nothing"
+    doc = json.loads(lines[-1])
+    assert isinstance(doc, dict)
+    return doc
+
+
+def test_queue_throughput_bench() -> None:
+    doc = last_json(["bench/queue_throughput.py", "--jobs", "2000"], timeout=60)
+    assert set(doc) == {"enqueue_jobs_per_s", "e2e_jobs_per_s", "raw_pipelined_per_s"}
+    assert all(isinstance(v, int | float) and v > 0 for v in doc.values()), doc
+
+
+def test_inflight_bench() -> None:
+    doc = last_json(["bench/inflight.py", "--quick", "--jobs", "200", "--latency", "1"], timeout=120)
+    assert set(doc) == {"peak_in_flight", "worker_cpu_cores", "peak_rss_mb", "jobs_per_s", "tutorial_jobs_per_s",
+                        "ratio"}
+    assert 0 < doc["peak_in_flight"] <= 200
+    assert doc["jobs_per_s"] > 0 and doc["tutorial_jobs_per_s"] > 0 and doc["ratio"] > 0, doc
