@@ -365,7 +365,7 @@ async def test_1000_jobs_4_workers_one_killed_every_second(
     valkey_url: str, bucket: RcloneS3, sim: SimProcess, store: QueueStore, fleets: Callable[..., Fleet],
     tmp_path: Path,
 ) -> None:
-    n_jobs, n_workers, concurrency, lease_ms = 1000, 4, 25, 2000
+    n_jobs, n_workers, concurrency, lease_ms = 1000, 4, 25, 4000
     sim.configure(latency="0.5-1.5")
     # max_attempts 10: each kill uses up one of a job's lease expiries (the poison-job guard), and a job can
     # be on several killed workers in a row; dead jobs are other tests' subject.

@@ -12,6 +12,7 @@ EVENTS_MAX = 10_000
 NAMES = (
     "enqueue", "claim", "heartbeat", "checkpoint", "complete", "fail", "hold", "move", "cancel",
     "ack_cancel", "release_leases", "reap", "purge", "stats", "get", "ingest", "reserve",
+    "release_window",
 )
 
 

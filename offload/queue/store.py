@@ -287,8 +287,8 @@ class QueueStore:
         jobs, spend = await self.redis.mget(prefix(queue) + f"cap:{window}:jobs", prefix(queue) + f"cap:{window}:spend")
         return int(jobs or 0), float(spend or 0.0)
 
-    async def hold(self, job_id: str, token: str, reason: str) -> None:
-        _expect(await self._run(SCRIPTS.hold, queue_of(job_id), job_id, token, reason), job_id)
+    async def hold(self, job_id: str, token: str, reason: str, window: str = "") -> None:
+        _expect(await self._run(SCRIPTS.hold, queue_of(job_id), job_id, token, reason, window), job_id)
 
     async def ack_cancel(self, job_id: str, token: str) -> None:
         _expect(await self._run(SCRIPTS.ack_cancel, queue_of(job_id), job_id, token), job_id)
@@ -310,16 +310,9 @@ class QueueStore:
         """Held jobs back to ready (all of them up to limit, or the given ids)."""
         return list(await self._run(SCRIPTS.move, validate_queue(queue), "held", limit, *job_ids))
 
-    async def release_held_before(self, queue: str, before_ms: int) -> int:
-        """Release every job held before `before_ms` (epoch ms): the cap window they were held in is over."""
-        total = 0
-        key = prefix(validate_queue(queue)) + "held"
-        while ids := await self.redis.zrangebyscore(key, "-inf", f"({before_ms}", start=0, num=1000):
-            moved = await self.release(queue, ids)
-            total += len(moved)
-            if not moved:
-                break
-        return total
+    async def release_held_before(self, queue: str, window: str) -> int:
+        """Release the jobs held in a cap window earlier than `window` (e.g. "20261130")."""
+        return int(await self._run(SCRIPTS.release_window, validate_queue(queue), window, 100_000))
 
     async def requeue_dead(self, queue: str, job_ids: Sequence[str] = (), limit: int = 1000) -> list[str]:
         """Dead jobs back to ready with a fresh attempt budget."""

@@ -165,8 +165,7 @@ class Worker:
         window = self.window()
         if window != self._window:
             self._window = window
-            day_start_ms = int(self.clock() // 86_400 * 86_400 * 1000)
-            released = await self.store.release_held_before(self.o.queue, day_start_ms)
+            released = await self.store.release_held_before(self.o.queue, window)
             if released:
                 log.info("cap window %s: released %d held jobs", window, released)
 
@@ -189,7 +188,8 @@ class Worker:
                         cost=estimate,
                     )
                     if cap:
-                        await self.store.hold(job.id, job.token, f"daily {cap} cap reached (window {self._window})")
+                        await self.store.hold(job.id, job.token, f"daily {cap} cap reached (window {self._window})",
+                                              self._window)
                         return
                     submission = await self._submit(job)
                     remote_id = submission.remote_id
