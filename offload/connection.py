@@ -17,6 +17,43 @@ from offload.embedded import ensure_embedded
 from offload.errors import ConnectionFailed
 
 
+class GatedPool(aioredis.ConnectionPool):
+    """A bounded pool whose waiters queue on a semaphore.
+
+    redis-py's BlockingConnectionPool makes every waiter take the pool's lock in turn before it may wait, and a
+    release queues for that same lock: with thousands of job tasks waiting, each hand-over costs an event-loop
+    pass and releases starve (measured here: 10,000 waiting tasks, calls failing "No connection available"
+    after 60 s on an idle server). A semaphore hands a slot straight to the next waiter."""
+
+    def __init__(self, *, timeout: float, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._gate = asyncio.Semaphore(self.max_connections)
+        self._gate_timeout = timeout
+        self._gated: set[int] = set()
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            async with asyncio.timeout(self._gate_timeout):
+                await self._gate.acquire()
+        except TimeoutError:
+            raise RedisConnectionError("No connection available.") from None
+        try:
+            connection = await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
+        except BaseException:
+            self._gate.release()
+            raise
+        self._gated.add(id(connection))
+        return connection
+
+    async def release(self, connection: Any) -> None:
+        try:
+            await super().release(connection)
+        finally:
+            if id(connection) in self._gated:
+                self._gated.discard(id(connection))
+                self._gate.release()
+
+
 def mask_url(url: str) -> str:
     """The URL with any password replaced, safe for logs and error messages."""
     return re.sub(r"(//[^:/@]*:)[^@]*@", r"\1***@", url)
@@ -39,7 +76,7 @@ def _split_cluster_flag(url: str) -> tuple[str, bool]:
     return urlunsplit(parts._replace(query=urlencode(query, doseq=True))), flag
 
 
-async def connect(url: str | None = None, *, retry_for: float | None = None) -> Any:
+async def connect(url: str | None = None, *, retry_for: float | None = None, max_connections: int = 64) -> Any:
     """Connect and PING, retrying with exponential backoff for `retry_for` seconds (default 10, env
     OFFLOAD_REDIS_CONNECT_TIMEOUT), so a worker started before its Redis waits instead of crashing."""
     target = resolve_url(url)
@@ -56,10 +93,10 @@ async def connect(url: str | None = None, *, retry_for: float | None = None) -> 
                 client = RedisCluster.from_url(plain, decode_responses=True)
                 await client.initialize()
             else:
-                # A blocking pool: thousands of concurrent jobs wait for one of 64 connections instead of
+                # A bounded pool: thousands of concurrent jobs wait for one of 64 connections instead of
                 # failing with "too many connections" (redis-py's default pool raises past 100).
-                pool = aioredis.BlockingConnectionPool.from_url(plain, decode_responses=True, max_connections=64,
-                                                                timeout=60)
+                pool = GatedPool.from_url(plain, decode_responses=True, max_connections=max_connections,
+                                          timeout=60)
                 client = aioredis.Redis(connection_pool=pool)
             await client.ping()
             return client

@@ -42,6 +42,8 @@ def worker(
     from offload.worker.run import run_worker
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if log_level.lower() != "debug":  # httpx logs every request at INFO: thousands of lines a second at scale
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     settings = _settings(config)
     with _errors():
         settings.queue(queue)

@@ -95,3 +95,32 @@ def test_mask_url_hides_passwords() -> None:
     assert mask_url("redis://user:pw@host:6379/0") == "redis://user:***@host:6379/0"
     assert mask_url("redis://:pw@host/0") == "redis://:***@host/0"
     assert mask_url("redis://host:6379") == "redis://host:6379"
+
+
+async def test_thousands_of_callers_share_a_small_pool_without_starving(valkey_url: str) -> None:
+    """5,000 concurrent commands through 4 connections all complete, in about the time the server needs, and a
+    caller that cannot get a connection within the pool timeout gets redis-py's clear error."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from offload.connection import GatedPool
+
+    redis = await connect(valkey_url, max_connections=4)
+    try:
+        pool = redis.connection_pool
+        assert isinstance(pool, GatedPool)
+        t0 = time.monotonic()
+        replies = await asyncio.gather(*(redis.incr("gated-pool-test") for _ in range(5000)))
+        assert sorted(replies) == list(range(1, 5001))
+        assert time.monotonic() - t0 < 20
+        assert len(pool._in_use_connections) == 0 and len(pool._available_connections) <= 4
+        assert pool._gate._value == 4  # every slot handed back
+        pool._gate_timeout = 0.2
+        held = [await pool.get_connection() for _ in range(4)]
+        with pytest.raises(RedisConnectionError, match="No connection available"):
+            await pool.get_connection()
+        for c in held:
+            await pool.release(c)
+        assert await redis.get("gated-pool-test") == "5000"
+    finally:
+        await redis.delete("gated-pool-test")
+        await redis.aclose()

@@ -539,6 +539,36 @@ async def test_expired_result_is_resubmitted(
     assert_stored(bucket, job, input_id)
 
 
+async def test_an_unexpected_error_after_submit_keeps_the_paid_for_remote_job(
+    valkey_url: str, s3: RcloneS3, sim: str, store: QueueStore, bucket: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug in our own code (here: the first output store raises something no handler expects) after the
+    remote id was recorded: the job is retried with that remote id kept, the retry polls the finished remote
+    job instead of paying for a new one, and it succeeds with exactly one submission."""
+    from offload.worker import run as run_module
+
+    real = run_module.store_output
+    failures = 0
+
+    async def flaky(*args: Any, **kwargs: Any) -> Any:
+        nonlocal failures
+        if failures == 0:
+            failures += 1
+            raise RuntimeError("a bug in the output path")
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(run_module, "store_output", flaky)
+    [(job_id, input_id)] = await enqueue(store, "bug-after-submit", max_attempts=3)
+    async with serving(make_settings(valkey_url, s3, sim, "http-job")) as worker:
+        [retrying] = await until_state(store, [job_id], "retrying", worker)
+        assert "RuntimeError" in (retrying.error or "") and retrying.remote_id, retrying
+        [job] = await until_state(store, [job_id], "succeeded", worker)
+    assert failures == 1
+    assert job.remote_id == retrying.remote_id and job.attempts == 2
+    assert (await stats(sim))["submissions_by_input_id"] == {input_id: 1}
+    assert_stored(bucket, job, input_id)
+
+
 # -- fatal 4xx -------------------------------------------------------------------------------------------
 
 

@@ -23,6 +23,7 @@ import httpx
 import orjson
 
 from offload.backends.base import BackendError, Fatal, NotFound, Throttled, Transient
+from offload.backends.transport import AiohttpTransport, fast_path
 
 log = logging.getLogger("offload.backends")
 
@@ -48,12 +49,13 @@ _warned: set[tuple[str, str]] = set()
 def new_client(
     *, max_connections: int = DEFAULT_MAX_CONNECTIONS, timeout: float = DEFAULT_TIMEOUT
 ) -> httpx.AsyncClient:
-    """A client sized for thousands of concurrent polls: every connection may be kept alive, so a poll burst
-    reuses sockets instead of paying a TLS handshake each; requests beyond the limit wait for a free connection
-    (up to `timeout`, then Transient). No default auth header: one client may be shared by several backends."""
-    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout), follow_redirects=False,
-                             verify=_tls(), headers={"User-Agent": "offload"})
+    """A client sized for thousands of concurrent polls, on aiohttp's pool (see `transport`): every connection
+    may be kept alive, so a poll burst reuses sockets instead of paying a TLS handshake each; requests beyond the
+    limit wait for a free connection (up to `timeout`, then Transient). No default auth header: one client may be
+    shared by several backends."""
+    transport = AiohttpTransport(max_connections=max_connections, ssl_context=_tls())
+    return httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(timeout), follow_redirects=False,
+                             headers={"User-Agent": "offload"})
 
 
 @functools.cache
@@ -199,6 +201,7 @@ class HttpBackend:
         self._timeout = timeout
         self._owns_client = client is None
         self._client = client or new_client(max_connections=max_connections, timeout=timeout)
+        self._fast = fast_path(self._client)
 
     def __repr__(self) -> str:  # never the key
         return f"{type(self).__name__}(name={self.name!r}, base_url={self.base_url!r})"
@@ -218,6 +221,9 @@ class HttpBackend:
         if content is not None:
             headers["Content-Type"] = "application/json"
         try:
+            if self._fast is not None:  # the hot path: no httpx.Request built, no httpx pool walked
+                headers["User-Agent"] = "offload"
+                return await self._fast.send(method, url, headers=headers, content=content, timeout=self._timeout)
             return await self._client.request(method, url, content=content, headers=headers, timeout=self._timeout)
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise error_for_exception(exc, what=self._what(method, url), secrets=[self._api_key]) from None
@@ -226,10 +232,12 @@ class HttpBackend:
                     known: bool = False) -> Any:
         """A request whose 2xx answer is JSON; everything else raises the mapped error."""
         response = await self._send(method, url, json=json, has_body=has_body)
-        what = self._what(method, url)
         if not 200 <= response.status_code < 300:
-            raise error_for_response(response, what=what, known=known, secrets=[self._api_key])
-        return decode(response, what=what, secrets=[self._api_key])
+            raise error_for_response(response, what=self._what(method, url), known=known, secrets=[self._api_key])
+        try:
+            return orjson.loads(response.content)
+        except orjson.JSONDecodeError:  # rare: only now pay for naming the request
+            return decode(response, what=self._what(method, url), secrets=[self._api_key])
 
     def _fail(self, response: httpx.Response, method: str, url: str, *, known: bool) -> BackendError:
         return error_for_response(response, what=self._what(method, url), known=known, secrets=[self._api_key])

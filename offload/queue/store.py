@@ -239,9 +239,13 @@ class QueueStore:
 
     async def checkpoint(self, job_id: str, token: str, backend: str, remote_id: str) -> bool:
         """Record the remote job; returns True when a cancel was requested meanwhile."""
-        code = await self._run(SCRIPTS.checkpoint, queue_of(job_id), job_id, token, backend, remote_id)
+        (code,) = await self.checkpoint_many(queue_of(job_id), [(job_id, token, backend, remote_id)])
         _expect(code, job_id)
         return bool(code == "OK:CANCEL")
+
+    async def checkpoint_many(self, queue: str, items: Sequence[tuple[str, str, str, str]]) -> list[str]:
+        """Record many (id, token, backend, remote id); OK, OK:CANCEL, STALE or NOTFOUND per item."""
+        return list(await self._run(SCRIPTS.checkpoint, queue, orjson.dumps(items)))
 
     async def complete_many(
         self, queue: str, items: Sequence[tuple[str, str, str, float | None]]
@@ -271,11 +275,20 @@ class QueueStore:
     ) -> str | None:
         """Count one submission against the queue's caps for `window`; None if allowed, else which cap is
         reached ("jobs" or "spend"). Idempotent per job and window."""
-        code = await self._run(
-            SCRIPTS.reserve, queue_of(job_id), job_id, window,
-            "" if job_cap is None else job_cap, "" if spend_cap is None else spend_cap, repr(float(cost)),
+        (verdict,) = await self.reserve_many(queue_of(job_id), window, [(job_id, cost)], job_cap=job_cap,
+                                             spend_cap=spend_cap)
+        return verdict
+
+    async def reserve_many(
+        self, queue: str, window: str, items: Sequence[tuple[str, float]], *, job_cap: int | None,
+        spend_cap: float | None,
+    ) -> list[str | None]:
+        """`reserve` for many (id, estimated cost), decided in order in one atomic step."""
+        codes = await self._run(
+            SCRIPTS.reserve, queue, window, "" if job_cap is None else job_cap,
+            "" if spend_cap is None else spend_cap, orjson.dumps([(i, repr(float(c))) for i, c in items]),
         )
-        return None if code == "OK" else str(code).split(":", 1)[1]
+        return [None if code == "OK" else str(code).split(":", 1)[1] for code in codes]
 
     async def add_spend(self, queue: str, window: str, delta: float) -> None:
         """Correct the window's spend once the real cost of a job is known."""

@@ -18,11 +18,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from offload.backends.base import Backend, BackendError, Fatal, NotFound, RemoteResult, Throttled, Transient
 from offload.errors import StaleLease
 from offload.models import ClaimedJob
 from offload.queue.store import QueueStore, retry_delay_ms
 from offload.storage import StorageError
+from offload.worker.batching import Batcher
 from offload.worker.limits import BackendLimits
 
 log = logging.getLogger("offload.worker")
@@ -63,8 +67,12 @@ class Worker:
     def __init__(
         self, store: QueueStore, backend: Backend, store_output: StoreOutput, limits: BackendLimits,
         options: WorkerOptions, *, worker_id: str | None = None, clock: Callable[[], float] = time.time,
+        control: QueueStore | None = None,
     ) -> None:
         self.store, self.backend, self.store_output, self.limits = store, backend, store_output, limits
+        # Claims and heartbeats on their own connection (when given): job tasks can keep every connection of
+        # the main pool busy, and a heartbeat that waits for one past the lease loses every job.
+        self.control = control or store
         self.o = options
         self.id = worker_id or default_worker_id()
         self.clock = clock
@@ -74,6 +82,13 @@ class Worker:
         self.peak_in_flight = 0
         self._slot = asyncio.Event()
         self._window = ""  # unknown: the first loop releases jobs held in earlier windows
+        # The per-job writes of the hot path, coalesced: thousands of tasks, a few script calls.
+        q = options.queue
+        self._checkpoints: Batcher[tuple[str, str, str, str], str] = Batcher(
+            lambda items: store.checkpoint_many(q, items))
+        self._completes: Batcher[tuple[str, str, str, float | None], str] = Batcher(
+            lambda items: store.complete_many(q, items))
+        self._reservations: Batcher[tuple[str, str, float], str | None] = Batcher(self._reserve_many)
 
     def window(self) -> str:
         """The cap window: the UTC day of the (injectable) clock."""
@@ -93,7 +108,7 @@ class Worker:
                 claimed: list[ClaimedJob] = []
                 if free > 0:
                     batch = min(free, self.o.claim_batch)
-                    claimed = await self.store.claim(self.o.queue, self.id, batch, self.o.lease_ms)
+                    claimed = await self.control.claim(self.o.queue, self.id, batch, self.o.lease_ms)
                 for job in claimed:
                     self.tokens[job.id] = job.token
                     self.tasks[job.id] = asyncio.create_task(self._run_job(job))
@@ -126,18 +141,18 @@ class Worker:
             task.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
         if left:
-            released = await self.store.release_leases(self.o.queue, self.id, left)
+            released = await self.control.release_leases(self.o.queue, self.id, left)
             log.info("drained: released %d leases (remote ids kept)", released)
         for h in helpers:
             h.cancel()
         await asyncio.gather(*helpers, return_exceptions=True)
-        await self.store.release_leases(self.o.queue, self.id)
+        await self.control.release_leases(self.o.queue, self.id)
 
     async def _heartbeat_loop(self, stop: asyncio.Event) -> None:
         while True:
             await asyncio.sleep(self.o.lease_ms / 3000)
             try:
-                reply = await self.store.heartbeat(self.o.queue, self.id, list(self.tasks), self.o.lease_ms)
+                reply = await self.control.heartbeat(self.o.queue, self.id, list(self.tasks), self.o.lease_ms)
             except Exception as exc:  # Redis blip: the next beat retries well inside the lease
                 log.warning("heartbeat failed: %s", exc)
                 continue
@@ -165,7 +180,7 @@ class Worker:
         window = self.window()
         if window != self._window:
             self._window = window
-            released = await self.store.release_held_before(self.o.queue, window)
+            released = await self.control.release_held_before(self.o.queue, window)
             if released:
                 log.info("cap window %s: released %d held jobs", window, released)
 
@@ -173,6 +188,7 @@ class Worker:
 
     async def _run_job(self, job: ClaimedJob) -> None:
         remote_id = job.remote_id
+        recorded = remote_id is not None  # the job record holds the remote id
         try:
             if job.cancel_requested:
                 await self._cancel(job, remote_id)
@@ -181,12 +197,11 @@ class Worker:
             estimate = self.o.price_per_job or 0.0
             if remote_id is None:
                 if remote_id := await self._adopt(job):
-                    await self.store.checkpoint(job.id, job.token, self.o.backend_name, remote_id)
+                    await self._checkpoint(job, remote_id)
+                    recorded = True
                 else:
-                    cap = await self.store.reserve(
-                        job.id, self._window, job_cap=self.o.daily_job_cap, spend_cap=self.o.daily_spend_cap,
-                        cost=estimate,
-                    )
+                    capped = self.o.daily_job_cap is not None or self.o.daily_spend_cap is not None
+                    cap = await self._reservations((job.id, self._window, estimate)) if capped else None
                     if cap:
                         await self.store.hold(job.id, job.token, f"daily {cap} cap reached (window {self._window})",
                                               self._window)
@@ -194,8 +209,9 @@ class Worker:
                     submission = await self._submit(job)
                     remote_id = submission.remote_id
                     result = submission.result
-                    if await self.store.checkpoint(job.id, job.token, self.o.backend_name, remote_id):
+                    if await self._record(job, remote_id):
                         self.cancels.add(job.id)
+                    recorded = True
             if result is None:
                 result = await self._poll(job, remote_id)
                 if result is None:
@@ -226,7 +242,9 @@ class Worker:
             await self._fail(job, f"fatal: {exc}{detail}", retryable=False)
         except Exception as exc:  # a bug or garbage must dead-letter the job, never kill the worker
             log.exception("job %s: unexpected error", job.id)
-            await self._fail(job, f"worker error: {type(exc).__name__}: {exc}", retryable=True)
+            # A recorded remote id is kept: the retry resumes the paid-for remote job instead of submitting again.
+            await self._fail(job, f"worker error: {type(exc).__name__}: {exc}", retryable=True,
+                             keep_remote=recorded)
         finally:
             self.tasks.pop(job.id, None)
             self.tokens.pop(job.id, None)
@@ -241,6 +259,35 @@ class Worker:
         with contextlib.suppress(BackendError):
             return await self.backend.find(job.id)
         return None
+
+    async def _record(self, job: ClaimedJob, remote_id: str) -> bool:
+        """Checkpoint a fresh submission, riding out a Redis blip: until the id is recorded, a failure here
+        means the next attempt pays for the job again. Returns whether a cancel was requested meanwhile."""
+        for delay in (0.2, 0.5, 1.0, 2.0, 4.0):
+            try:
+                return await self._checkpoint(job, remote_id)
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                log.warning("job %s: recording remote id %s failed (%s), retrying", job.id, remote_id, exc)
+                await asyncio.sleep(delay)
+        return await self._checkpoint(job, remote_id)
+
+    async def _checkpoint(self, job: ClaimedJob, remote_id: str) -> bool:
+        code = await self._checkpoints((job.id, job.token, self.o.backend_name, remote_id))
+        if code in ("STALE", "NOTFOUND"):
+            raise StaleLease(f"job {job.id}: lease lost before its remote id {remote_id} was recorded ({code})")
+        return code == "OK:CANCEL"
+
+    async def _reserve_many(self, items: list[tuple[str, str, float]]) -> list[str | None]:
+        """Cap reservations in claim order, one script call per cap window present (normally one)."""
+        verdicts: dict[int, str | None] = {}
+        for window in dict.fromkeys(w for _, w, _ in items):
+            picked = [(n, job_id, cost) for n, (job_id, w, cost) in enumerate(items) if w == window]
+            got = await self.store.reserve_many(
+                self.o.queue, window, [(job_id, cost) for _, job_id, cost in picked],
+                job_cap=self.o.daily_job_cap, spend_cap=self.o.daily_spend_cap,
+            )
+            verdicts.update(zip((n for n, _, _ in picked), got, strict=True))
+        return [verdicts[n] for n in range(len(items))]
 
     async def _submit(self, job: ClaimedJob) -> Any:
         for attempt in range(self.o.submit_retries_on_429 + 1):
@@ -289,7 +336,9 @@ class Worker:
             cost = self.o.price_per_second * result.duration_s
         if cost is None:
             cost = self.o.price_per_job
-        await self.store.complete(job.id, job.token, location, cost)
+        code = await self._completes((job.id, job.token, location, cost))
+        if code != "OK":
+            raise StaleLease(f"job {job.id}: lease lost before it could be completed ({code})")
         if cost is not None and job.remote_id is None and self.o.daily_spend_cap is not None:
             await self.store.add_spend(self.o.queue, self._window, cost - estimate)
 

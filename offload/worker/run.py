@@ -10,9 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import httpx
-
-from offload.backends import create_backend
+from offload.backends import create_backend, new_client
 from offload.config import Settings, parse_rate
 from offload.connection import connect
 from offload.errors import ConfigError
@@ -65,11 +63,11 @@ async def run_worker(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
     redis = await connect(settings.redis_url)
+    # Liveness must never queue behind thousands of job tasks waiting for the shared pool: a late heartbeat
+    # lets the reaper hand live jobs to another worker, which would then pay for them again.
+    control = await connect(settings.redis_url, max_connections=2)
     in_flight = concurrency or q.concurrency
-    http = httpx.AsyncClient(
-        limits=httpx.Limits(max_connections=min(max(in_flight, 16), 1024), max_keepalive_connections=256),
-        timeout=httpx.Timeout(bs.timeout or 600.0),
-    )
+    http = new_client(max_connections=min(max(in_flight, 16), 1024), timeout=bs.timeout or 600.0)
     backend = create_backend(bs.kind, backend_name, bs.provider_settings(), client=http)
     storage = create_storage(storage_settings(settings))
 
@@ -85,7 +83,8 @@ async def run_worker(
         **({"lease_ms": int(lease_ms)} if lease_ms is not None else {}),
     )
     limits = BackendLimits(redis, backend_name, parse_rate(bs.rate_limit) if bs.rate_limit else None)
-    worker = Worker(QueueStore(redis), backend, save, limits, options, worker_id=worker_id, clock=clock)
+    worker = Worker(QueueStore(redis), backend, save, limits, options, worker_id=worker_id, clock=clock,
+                    control=QueueStore(control))
     log.info("worker %s serving queue %s via %s (%s), up to %d in flight", worker.id, queue, backend_name,
              bs.kind, in_flight)
     if on_ready:
@@ -97,4 +96,5 @@ async def run_worker(
         await http.aclose()
         await storage.aclose()
         await redis.aclose()
+        await control.aclose()
     return worker
