@@ -1,4 +1,5 @@
-"""The systemd unit: verified by systemd-analyze (where it exists), and its stop timeout covers the grace."""
+"""The systemd units: verified by systemd-analyze (where it exists); the worker's stop timeout covers its grace, and
+the server unit runs `offload server` on port 8000 from its own 0600 env file, sandboxed."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-UNIT = Path(__file__).parent.parent / "deploy" / "systemd" / "offload-worker@.service"
+UNITS = Path(__file__).parent.parent / "deploy" / "systemd"
+UNIT = UNITS / "offload-worker@.service"
+SERVER_UNIT = UNITS / "offload-server.service"
 
 
 def test_stop_timeout_covers_the_grace_period() -> None:
@@ -20,17 +23,29 @@ def test_stop_timeout_covers_the_grace_period() -> None:
     assert "Restart=always" in text and "EnvironmentFile=/etc/offload/worker.env" in text
 
 
+def test_server_unit_runs_the_server_on_port_8000_unprivileged() -> None:
+    text = SERVER_UNIT.read_text()
+    exec_start = re.search(r"^ExecStart=(.+)$", text, re.M).group(1)  # type: ignore[union-attr]
+    assert exec_start == "/opt/offload/venv/bin/offload server --host ${OFFLOAD_SERVER_HOST} --port 8000"
+    for line in ("EnvironmentFile=/etc/offload/server.env", "User=offload", "Restart=always", "NoNewPrivileges=true",
+                 "ProtectSystem=strict", "CapabilityBoundingSet=", "WantedBy=multi-user.target"):
+        assert re.search(rf"^{re.escape(line)}$", text, re.M), line
+
+
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed here")
-def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("unit", "instance"), [(UNIT, "offload-worker@1.service"),
+                                                 (SERVER_UNIT, "offload-server.service")])
+def test_unit_passes_systemd_analyze_verify(tmp_path: Path, unit: Path, instance: str) -> None:
     # verify checks that ExecStart exists, so point it at a real executable in a copy of the unit
     offload = shutil.which("offload") or str(Path(__file__).parent.parent / ".venv" / "bin" / "offload")
-    unit = tmp_path / "offload-worker@.service"
-    unit.write_text(UNIT.read_text().replace("/opt/offload/venv/bin/offload", offload))
-    instance = tmp_path / "offload-worker@1.service"
-    instance.symlink_to(unit)
-    out = subprocess.run(["systemd-analyze", "verify", "--man=no", str(instance)], capture_output=True, text=True,
+    copy = tmp_path / unit.name
+    copy.write_text(unit.read_text().replace("/opt/offload/venv/bin/offload", offload))
+    target = tmp_path / instance
+    if target != copy:
+        target.symlink_to(copy)
+    out = subprocess.run(["systemd-analyze", "verify", "--man=no", str(target)], capture_output=True, text=True,
                          timeout=60)
     problems = [line for line in out.stderr.splitlines()
-                if "offload-worker" in line and "Failed to" not in line.split(":", 1)[0]]
+                if "offload-" in line and "Failed to" not in line.split(":", 1)[0]]
     assert out.returncode == 0, out.stderr
     assert problems == [], problems
