@@ -153,6 +153,7 @@ class ClaimedJob:
     backend: str | None
     remote_id: str | None
     cancel_requested: bool
+    redelivered: bool = False  # claimed before (a retry or a crashed lease): an orphan submission may exist
 
     @property
     def input(self) -> Any:

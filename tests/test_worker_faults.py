@@ -569,6 +569,39 @@ async def test_an_unexpected_error_after_submit_keeps_the_paid_for_remote_job(
     assert_stored(bucket, job, input_id)
 
 
+async def test_an_orphan_of_a_crash_inside_submit_is_adopted_by_its_tag(
+    valkey_url: str, s3: RcloneS3, sim: str, store: QueueStore, bucket: Any
+) -> None:
+    """A worker that died inside the submit call: the provider accepted the prediction (tagged with the job id in
+    its input) but the id was never recorded. When the lease expires, the next worker finds that prediction by
+    its tag and polls it instead of paying again: one submission in all. A job claimed for the first time never
+    pays for the lookup."""
+    from offload.backends import create_backend, new_client
+
+    settings = Settings.model_validate({
+        "redis_url": valkey_url,
+        "storage": s3.settings(BUCKET),
+        "backends": {"gpu": {**BACKENDS["replicate"], "base_url": sim, "api_key": "sim-key",
+                             "tag_input_key": "offload_job"}},
+        "queues": {"q": {"backend": "gpu", "poll_interval": POLL, "poll_timeout": 30}},
+    })
+    [(orphan_id, orphan_input), (fresh_id, fresh_input)] = await enqueue(store, "orphan", 2)
+    [claimed] = await store.claim("q", "crashed-worker", 1, lease_ms=200)
+    assert claimed.id == orphan_id and not claimed.redelivered
+    name, bs = settings.backend_for("q")
+    async with new_client() as http:
+        backend = create_backend(bs.kind, name, bs.provider_settings(), client=http)
+        submission = await backend.submit(claimed.input, tag=claimed.id)  # accepted; the crash loses the answer
+    async with serving(settings) as worker:
+        jobs = await until_state(store, [orphan_id, fresh_id], "succeeded", worker)
+    seen = await stats(sim)
+    assert seen["submissions_by_input_id"] == {orphan_input: 1, fresh_input: 1}
+    assert jobs[0].remote_id == submission.remote_id
+    assert seen["requests"].get("replicate.list", 0) == 1, seen["requests"]  # the lookup: only for the orphan
+    for job, input_id in zip(jobs, (orphan_input, fresh_input), strict=True):
+        assert_stored(bucket, job, input_id)
+
+
 # -- fatal 4xx -------------------------------------------------------------------------------------------
 
 

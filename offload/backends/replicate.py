@@ -128,7 +128,8 @@ class ReplicateBackend(HttpBackend):
         raise self._fail(response, "POST", url, known=True)
 
     async def find(self, tag: str) -> str | None:
-        """The newest prediction whose input carries `tag` under `tag_input_key`, within the first pages.
+        """The newest prediction whose input carries `tag` under `tag_input_key`, within the first pages, unless
+        it ended badly.
         Bounded: an orphan is looked for right after the crash that made it, so it is among the newest; a deep
         scan would cost every restarted worker many requests against the 3000/min limit."""
         if not self._tag_key:
@@ -143,6 +144,10 @@ class ReplicateBackend(HttpBackend):
                 payload = prediction.get("input") if isinstance(prediction, dict) else None
                 if isinstance(payload, dict) and payload.get(self._tag_key) == tag:
                     found = prediction.get("id")
+                    # The newest submission decides: one that failed or was cancelled is why the job is being
+                    # retried, and adopting it would only fail the job again.
+                    if prediction.get("status") in ("failed", "canceled", "aborted"):
+                        return None
                     if isinstance(found, str):
                         return found
             following = page.get("next")

@@ -225,8 +225,9 @@ class QueueStore:
                 id=flat[i], token=flat[i + 1], attempt=int(flat[i + 2]), max_attempts=int(flat[i + 3]),
                 input_json=flat[i + 4], output_key=flat[i + 5], backend=flat[i + 6] or None,
                 remote_id=flat[i + 7] or None, cancel_requested=flat[i + 8] == "1",
+                redelivered=flat[i + 9] == "1",
             )
-            for i in range(0, len(flat), 9)
+            for i in range(0, len(flat), 10)
         ]
 
     async def heartbeat(

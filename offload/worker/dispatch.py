@@ -254,7 +254,7 @@ class Worker:
     async def _adopt(self, job: ClaimedJob) -> str | None:
         """A re-delivered job without a remote id may have been submitted by a worker killed inside the
         submit call; backends that tag submissions can find it, so we poll it instead of paying again."""
-        if job.attempt <= 1:
+        if not job.redelivered:
             return None
         with contextlib.suppress(BackendError):
             return await self.backend.find(job.id)

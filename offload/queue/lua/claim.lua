@@ -1,8 +1,9 @@
 -- ARGV: now, worker id, max jobs, lease ms. Claiming also proves the worker alive, promotes due delayed
 -- jobs, returns the jobs of dead workers to ready and deletes expired records (a bounded amount of each),
 -- so a queue that has workers needs no separate scheduler to make progress.
--- Returns a flat list, 9 fields per job: id, token, attempt, max_attempts, input, output_key, backend,
--- remote_id, cancel.
+-- Returns a flat list, 10 fields per job: id, token, attempt, max_attempts, input, output_key, backend,
+-- remote_id, cancel, claimed before (1/0: an earlier delivery, even one that crashed inside the submit call,
+-- may have left a submission it never recorded).
 local now = now_ms(ARGV[1])
 local wid, n, lease = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 redis.call('ZADD', P .. 'workers', now + lease, wid)
@@ -18,7 +19,7 @@ for j = 1, #popped, 2 do
   local id = popped[j]
   local k = jkey(id)
   local f = redis.call('HMGET', k, 'max_attempts', 'attempts', 'remote_id', 'input', 'output_key', 'backend',
-    'cancel')
+    'cancel', 'started_at')
   if f[1] then
     base = base + 1
     local token = wid .. '/' .. base
@@ -42,6 +43,7 @@ for j = 1, #popped, 2 do
     out[#out + 1] = f[6] or ''
     out[#out + 1] = f[3] or ''
     out[#out + 1] = f[7] or '0'
+    if f[8] then out[#out + 1] = '1' else out[#out + 1] = '0' end
   end
 end
 bulk_zadd(P .. 'active', active)
