@@ -237,6 +237,33 @@ def test_sse_stream_delivers_events(api: tuple[str, str], admin: httpx.Client) -
     assert last
 
 
+def test_all_queues_stream_follows_new_queues(api: tuple[str, str], admin: httpx.Client) -> None:
+    q = new_queue("later")  # does not exist when the stream starts
+    found: list[dict[str, Any]] = []
+    ready = threading.Event()
+
+    def listen() -> None:
+        with client(api[0], api[1]) as c, c.stream("GET", "/v1/events") as r:
+            for line in r.iter_lines():
+                if line.startswith(": connected"):
+                    ready.set()
+                if line.startswith("data: ") and (doc := orjson.loads(line[6:]))["queue"] == q:
+                    found.append(doc)
+                    return
+
+    t = threading.Thread(target=listen, daemon=True)
+    t.start()
+    assert ready.wait(10)
+
+    def seen() -> bool:
+        if not found:  # events from before the stream picked the queue up are not replayed: keep producing
+            admin.post(f"/v1/queues/{q}/jobs", json={"input": 1})
+        return bool(found)
+
+    poll(seen, 15, "an event of the new queue", interval=0.5)
+    assert found[0]["state"] == "queued" and found[0]["jobs"][0].startswith(f"{q}:")
+
+
 def test_rates_appear_after_samples(admin: httpx.Client) -> None:
     q = new_queue()
     admin.post(f"/v1/queues/{q}/jobs", json={"input": 0})
