@@ -151,6 +151,12 @@ def test_errors_are_json_with_the_right_status(admin: httpx.Client) -> None:
     assert r.status_code == 422 and r.json()["detail"][0]["path"] == "path.queue"
     r = admin.get(f"/v1/queues/{q}/jobs", params={"state": "nonsense"})
     assert r.status_code == 422 and r.json()["detail"][0]["path"] == "query.state"
+    # values Redis cannot hold are input errors, not store failures (found by schemathesis)
+    for field, value in (("retention", 10**17), ("delay", 1e308), ("run_at", 1e20)):
+        r = admin.post(f"/v1/queues/{q}/jobs", json={"input": 1, field: value})
+        assert r.status_code == 422 and r.json()["detail"][0]["path"] == f"body.{field}", (field, r.text)
+    r = admin.get(f"/v1/queues/{q}/jobs", params={"cursor": "7" * 20})
+    assert r.status_code == 422 and r.json()["detail"][0]["path"] == "query.cursor"
     # 413: over the batch size, over the body limit (announced or chunked)
     r = admin.post(f"/v1/queues/{q}/jobs/batch", json={"jobs": [{"input": i} for i in range(51)]})
     assert r.status_code == 413 and r.json()["error"] == "too_large"
