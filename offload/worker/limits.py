@@ -9,9 +9,12 @@ other jobs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections import Counter
 from typing import Any
 
 from offload.queue.scripts import Script
+from offload.worker.batching import Batcher
 
 _ACQUIRE = Script(
     "rate_acquire",
@@ -41,8 +44,10 @@ class BackendLimits:
     def __init__(self, redis: Any, backend: str, rate_per_s: float | None, burst: int = 1) -> None:
         self.redis = redis
         self.keys = [f"offload:{{backend:{backend}}}:gcra", f"offload:{{backend:{backend}}}:cooldown"]
+        self.counts_key = counts_key(backend)
         self.interval_ms = 1000.0 / rate_per_s if rate_per_s else 0.0
         self.burst = max(burst, 1)
+        self._counts: Batcher[str, None] = Batcher(self._add_counts)
 
     async def acquire(self, max_wait_s: float = 3600.0) -> float:
         """Wait until this request may go; returns the seconds waited."""
@@ -62,3 +67,30 @@ class BackendLimits:
         current = await self.redis.pttl(self.keys[1])
         if current < ms:
             await self.redis.set(self.keys[1], "1", px=ms)
+
+    async def count(self, outcome: str) -> None:
+        """Bump a per-backend counter for /metrics (submitted, throttled, errors). Shared in Redis so every
+        server reports the totals of all workers; a failure to count never fails the job."""
+        with contextlib.suppress(Exception):
+            await self._counts(outcome)
+
+    async def _add_counts(self, outcomes: list[str]) -> list[None]:
+        """One HINCRBY per outcome for a whole burst: at 10,000 jobs in flight a round trip per count would
+        queue behind (and slow) the job tasks' own store calls."""
+        pipe = self.redis.pipeline(transaction=False)
+        for outcome, n in Counter(outcomes).items():
+            pipe.hincrby(self.counts_key, outcome, n)
+        await pipe.execute()
+        return [None] * len(outcomes)
+
+
+OUTCOMES = ("submitted", "throttled", "errors")
+
+
+def counts_key(backend: str) -> str:
+    return f"offload:{{backend:{backend}}}:counts"
+
+
+async def backend_counters(redis: Any, backend: str) -> dict[str, int]:
+    raw = await redis.hgetall(counts_key(backend))
+    return {o: int(raw.get(o, 0)) for o in OUTCOMES}
