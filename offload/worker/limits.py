@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import Counter
 from typing import Any
 
 from offload.queue.scripts import Script
 from offload.worker.batching import Batcher
+
+COOL_PROBE_S = 0.1
 
 _ACQUIRE = Script(
     "rate_acquire",
@@ -48,12 +51,18 @@ class BackendLimits:
         self.interval_ms = 1000.0 / rate_per_s if rate_per_s else 0.0
         self.burst = max(burst, 1)
         self._counts: Batcher[str, None] = Batcher(self._add_counts)
+        self._probe: Batcher[None, int] = Batcher(self._pttl, concurrency=1)
+        self._probed_at = -COOL_PROBE_S
+        self._cool_until = 0.0
 
     async def acquire(self, max_wait_s: float = 3600.0) -> float:
         """Wait until this request may go; returns the seconds waited."""
         waited = 0.0
         while True:
-            wait_ms = int(await _ACQUIRE(self.redis, self.keys, [self.interval_ms, self.burst]))
+            if self.interval_ms:
+                wait_ms = int(await _ACQUIRE(self.redis, self.keys, [self.interval_ms, self.burst]))
+            else:
+                wait_ms = -await self._cooling_ms()
             if wait_ms == 0:
                 return waited
             await asyncio.sleep(abs(wait_ms) / 1000)
@@ -61,12 +70,27 @@ class BackendLimits:
             if wait_ms > 0 or waited >= max_wait_s:
                 return waited
 
+    async def _cooling_ms(self) -> int:
+        """Without a rate limit only the shared cool-down matters. It is read at most once per COOL_PROBE_S
+        per process, and concurrent readers share that one read: a burst of 10,000 submissions costs a
+        handful of round trips, and a 429 seen by any worker still pauses every other within 0.1 s."""
+        now = time.monotonic()
+        if now - self._probed_at >= COOL_PROBE_S:
+            self._probed_at = now
+            self._cool_until = now + max(0, await self._probe(None)) / 1000
+        return max(0, int((self._cool_until - time.monotonic()) * 1000))
+
+    async def _pttl(self, items: list[None]) -> list[int]:
+        ttl = int(await self.redis.pttl(self.keys[1]))
+        return [ttl] * len(items)
+
     async def cool_down(self, seconds: float) -> None:
         """Every worker pauses this backend for `seconds` (the longest requested cool-down wins)."""
         ms = max(int(seconds * 1000), 1)
         current = await self.redis.pttl(self.keys[1])
         if current < ms:
             await self.redis.set(self.keys[1], "1", px=ms)
+        self._cool_until = max(self._cool_until, time.monotonic() + ms / 1000)  # this process pauses at once
 
     async def count(self, outcome: str) -> None:
         """Bump a per-backend counter for /metrics (submitted, throttled, errors). Shared in Redis so every
