@@ -285,12 +285,19 @@ class Run:
     capped: bool = False  # not all done within the cap: jobs_per_s is done / cap
     worker_cpu_s: float | None = None
     worker_rss_mb: float | None = None
+    valkey_cpu_us_per_job: float | None = None  # Valkey's CPU over the run (enqueue and process) per job done
+    sim_cpu_s: float | None = None  # offload's (c): the simulator's CPU, on the same cores
     samples: list[tuple[float, int, int]] = field(default_factory=list)  # (t, in flight, done)
     log_problems: list[tuple[str, int]] = field(default_factory=list)  # the worker's warnings and errors
     error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def valkey_cpu(client: redis.Redis) -> float:
+    info: dict[str, Any] = client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 def _sum(values: list[Any]) -> int:
@@ -322,6 +329,7 @@ def run_jobs(bench: Bench, system: System, db: int, worker: Proc, run: Run, slee
             time.sleep(POLL)
         usage.sample()
         cpu0 = usage.cpu_seconds()
+        valkey0 = valkey_cpu(client)
         next_sample = 0.0
         while True:
             now = time.time()
@@ -340,9 +348,11 @@ def run_jobs(bench: Bench, system: System, db: int, worker: Proc, run: Run, slee
             if not worker.alive():
                 raise RuntimeError(f"worker exited:\n{worker.tail()}")
             time.sleep(POLL)
+        valkey1 = valkey_cpu(client)
         time.sleep(2 * 0.1)  # the reporter's last write
         usage.sample()
         run.done = min(_sum(client.hvals(f"bench:{rid}:done")), run.n)
+        run.valkey_cpu_us_per_job = round((valkey1 - valkey0) * 1e6 / run.done, 1) if run.done else None
         run.peak_in_flight = max([int(v) for v in client.hvals(f"bench:{rid}:peak")] or [0])
         run.jobs_per_s = run.done / run.seconds if run.seconds > 0 else 0.0
         t_enq = _float(client.get(f"bench:{rid}:t_enq"))
@@ -407,6 +417,7 @@ def offload_gpu_session(bench: Bench, db: int, rep: int, n: int, sleep_s: float,
     worker = bench.offload_worker(db, sim_url, concurrency, f"gpu{rep}")
     run = Run("offload", "gpu", rep, n, concurrency)
     usage = Usage(worker.pid)
+    sim_usage = Usage(bench.sims[sleep_s][0].pid)
 
     async def go() -> None:
         r = await connect(bench.url(db))
@@ -418,7 +429,8 @@ def offload_gpu_session(bench: Bench, db: int, rep: int, n: int, sleep_s: float,
                     raise RuntimeError(f"offload worker not serving:\n{worker.tail()}")
                 await asyncio.sleep(POLL)
             usage.sample()
-            cpu0 = usage.cpu_seconds()
+            sim_usage.sample()
+            cpu0, sim0 = usage.cpu_seconds(), sim_usage.cpu_seconds()
             specs = [JobSpec(input={"id": f"g{rep}-{i}", "n": i}, retention=3600) for i in range(n)]
             t0 = time.time()
             for k in range(0, n, 5_000):
@@ -443,8 +455,10 @@ def offload_gpu_session(bench: Bench, db: int, rep: int, n: int, sleep_s: float,
                     raise RuntimeError(f"offload worker exited:\n{worker.tail()}")
                 await asyncio.sleep(0.1)
             usage.sample()
-            cpu1 = usage.cpu_seconds()
+            sim_usage.sample()
+            cpu1, sim1 = usage.cpu_seconds(), sim_usage.cpu_seconds()
             run.worker_cpu_s = round(cpu1 - cpu0, 2) if cpu0 is not None and cpu1 is not None else None
+            run.sim_cpu_s = round(sim1 - sim0, 2) if sim0 is not None and sim1 is not None else None
             run.worker_rss_mb = usage.rss_mb()
             run.jobs_per_s = run.done / run.seconds if run.seconds else 0.0
         finally:

@@ -25,7 +25,7 @@ def rate_stats(results: dict[str, Any], workload: str) -> dict[str, dict[str, An
         if run["workload"] != workload:
             continue
         row = out.setdefault(run["system"], {"rates": [], "capped": False, "errors": [], "enqueue": [], "cpu": [],
-                                             "rss": [], "peak": []})
+                                             "rss": [], "peak": [], "valkey": []})
         if run["error"]:
             row["errors"].append(run["error"])
             continue
@@ -38,6 +38,8 @@ def rate_stats(results: dict[str, Any], workload: str) -> dict[str, dict[str, An
             row["cpu"].append(run["worker_cpu_s"] / max(run["seconds"], 1e-9))
         if run["worker_rss_mb"] is not None:
             row["rss"].append(run["worker_rss_mb"])
+        if run.get("valkey_cpu_us_per_job") is not None:
+            row["valkey"].append(run["valkey_cpu_us_per_job"])
     for row in out.values():
         rates = row["rates"]
         row["median"] = statistics.median(rates) if rates else None
@@ -48,6 +50,10 @@ def rate_stats(results: dict[str, Any], workload: str) -> dict[str, dict[str, An
 
 def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
+
+
+def _int(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:,.0f}"
 
 
 def _num(x: float | None) -> str:
@@ -130,9 +136,9 @@ def headline(results: dict[str, Any]) -> list[str]:
 def throughput_table(results: dict[str, Any], workload: str) -> list[str]:
     stats = rate_stats(results, workload)
     base = (stats.get("offload") or {}).get("median")
-    lines = [f"| system | jobs/s median | min | max | runs | {X} offload | enqueue s (median) | worker CPU cores "
-             "| worker peak RSS MB | peak in flight |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [f"| system | jobs/s median | min | max | runs | {X} offload | enqueue s | worker CPU cores "
+             "| worker peak RSS MB | Valkey CPU µs per job | peak in flight |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name in results["systems"]:
         row = stats.get(name)
         if row is None:
@@ -141,23 +147,25 @@ def throughput_table(results: dict[str, Any], workload: str) -> list[str]:
         errors = f" ({len(row['errors'])} failed)" if row["errors"] else ""
         lines.append(f"| {label(name)} | {_num(row['median'])}{cap} | {_num(row['min'])} | {_num(row['max'])} "
                      f"| {len(row['rates'])}{errors} | {_ratio(row['median'], base)} | {_num(_median(row['enqueue']))} "
-                     f"| {_num(_median(row['cpu']))} | {_num(_median(row['rss']))} | {_num(_median(row['peak']))} |")
+                     f"| {_num(_median(row['cpu']))} | {_num(_median(row['rss']))} | {_num(_median(row['valkey']))} "
+                     f"| {_int(_median(row['peak']))} |")
     return lines
 
 
 def gpu_table(results: dict[str, Any]) -> list[str]:
     lines = ["| system | concurrency setting | peak in flight | done | all done after | worker CPU s | "
-             "worker peak RSS MB |", "|---|---:|---:|---:|---:|---:|---:|"]
+             "worker peak RSS MB | simulator CPU s |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, runs in _gpu_runs(results).items():
         for r in runs:
             if r["error"]:
                 lines.append(f"| {label(name)} | {r['concurrency']:,} | failed: {r['error'].splitlines()[0][:80]} "
-                             "| | | | |")
+                             "| | | | | |")
                 continue
             after = f"not within {r['seconds']:.0f} s" if r["capped"] else f"{r['seconds']:.1f} s"
             claimed = f" ({r['peak_claimed']:,} claimed)" if r.get("peak_claimed") is not None else ""
             lines.append(f"| {label(name)} | {r['concurrency']:,} | {r['peak_in_flight']:,}{claimed} | {r['done']:,} "
-                         f"of {r['n']:,} | {after} | {_num(r['worker_cpu_s'])} | {_num(r['worker_rss_mb'])} |")
+                         f"of {r['n']:,} | {after} | {_num(r['worker_cpu_s'])} | {_num(r['worker_rss_mb'])} "
+                         f"| {_num(r.get('sim_cpu_s'))} |")
     return lines
 
 
@@ -306,7 +314,11 @@ def markdown(results: dict[str, Any], images: list[str], img_rel: str) -> str:
         out += [f"![{name}]({img_rel}/{name})", ""]
     out += ["## No-op jobs", "", *throughput_table(results, "noop"), "",
             "## Jobs that wait 50 ms on I/O", "", *throughput_table(results, "io"), "",
-            "Worker CPU cores: CPU seconds of the worker's process tree over the run's wall time (psutil).", "",
+            "Medians over the repetitions. Enqueue s: the producer's time for all its jobs. Worker CPU cores: CPU "
+            "seconds of the worker's process tree over the run's wall time (psutil). Valkey CPU µs per job: the "
+            "server's CPU time over the run (enqueue and process, plus the harness's polling) per job done: the "
+            "work each system asks of Redis for one job. Peak in flight: the most jobs the worker ran at once "
+            "(no-op jobs return before the next one starts, so 1 is expected there).", "",
             "## 30 s jobs: how many in flight in one worker process", "", *gpu_table(results), "",
             "## SIGKILL with jobs in flight", "", *crash_table(results), "",
             "## What the workers logged", "",
