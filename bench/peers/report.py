@@ -152,6 +152,25 @@ def throughput_table(results: dict[str, Any], workload: str) -> list[str]:
     return lines
 
 
+def gpu_notes(results: dict[str, Any]) -> list[str]:
+    """What the data says about offload's (c) run beyond the table, if anything."""
+    notes: list[str] = []
+    for r in _gpu_runs(results).get("offload", []):
+        lost = sum(n for line, n in r.get("log_problems", []) if "lease of" in line and "lost" in line)
+        if lost:
+            notes.append(f"offload's worker logged {lost:,} lost leases in this run: while it submitted, its event "
+                         "loop fell behind its heartbeat (a lease lasts "
+                         f"{results['params'].get('offload_lease_ms', 10_000) / 1000:g} s), so its jobs went back "
+                         "to the queue with their remote ids and were claimed again; a dip of the offload line in "
+                         "the plot is that moment.")
+        if r["capped"] and not r["error"]:
+            notes.append(f"offload finished {r['done']:,} of {r['n']:,} jobs within the {r['seconds']:.0f} s cap; its "
+                         f"worker used {_num(r['worker_cpu_s'])} CPU seconds in that time (the simulator "
+                         f"{_num(r.get('sim_cpu_s'))}), on a machine whose load average was "
+                         f"{results['machine']['load_before']} when the run began.")
+    return notes
+
+
 def gpu_table(results: dict[str, Any]) -> list[str]:
     lines = ["| system | concurrency setting | peak in flight | done | all done after | worker CPU s | "
              "worker peak RSS MB | simulator CPU s |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -211,6 +230,7 @@ def plots(results: dict[str, Any], img: Path) -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     img.mkdir(parents=True, exist_ok=True)
     written: list[str] = []
@@ -226,10 +246,12 @@ def plots(results: dict[str, Any], img: Path) -> list[str]:
             hi = [stats[workload][n]["max"] - m for n, m in zip(names, meds, strict=True)]
             ys = list(range(len(names)))[::-1]
             colors = ["#d9480f" if n.startswith("offload") else "#4263eb" for n in names]
-            ax.barh(ys, meds, xerr=[lo, hi], color=colors, capsize=3)
+            ax.barh(ys, meds, xerr=[lo, hi], color=colors, capsize=3, ecolor="#555555")
             ax.set_yticks(ys, [label(n) + (f" {DAGGER}" if stats[workload][n]["capped"] else "") for n in names])
-            for y, m in zip(ys, meds, strict=True):
-                ax.text(m, y, f" {m:,.0f}", va="center", fontsize=8)
+            for y, m, h in zip(ys, meds, hi, strict=True):
+                ax.text(m + h, y, f"  {m:,.0f}", va="center", fontsize=8)
+            ax.xaxis.set_major_locator(MaxNLocator(nbins=5))
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
             ax.set_title(f"{title} (median, min{DASH}max)")
             ax.set_xlabel("jobs per second, one worker process, 100 in flight")
             ax.margins(x=0.18)
@@ -320,6 +342,7 @@ def markdown(results: dict[str, Any], images: list[str], img_rel: str) -> str:
             "work each system asks of Redis for one job. Peak in flight: the most jobs the worker ran at once "
             "(no-op jobs return before the next one starts, so 1 is expected there).", "",
             "## 30 s jobs: how many in flight in one worker process", "", *gpu_table(results), "",
+            *[f"- {note}" for note in gpu_notes(results)], "",
             "## SIGKILL with jobs in flight", "", *crash_table(results), "",
             "## What the workers logged", "",
             "The most frequent warning and error lines in each worker's log (up to three per system and workload; "
@@ -385,11 +408,14 @@ claimed (submitted or about to be) are shown beside.
 
 **(c) In flight.** {gpu_jobs:,} jobs that each wait {gpu_seconds:g} s (a GPU job), the concurrency setting at
 {gpu_jobs:,} (what the workload asks for); in flight sampled every 0.5 s, peak as the worker process counted it,
-cut at {gpu_cap:g} s. {gpu_reps} repetition(s).
+cut at {gpu_cap:g} s. {gpu_reps} repetition(s). The peers' jobs only sleep; offload's worker does the real work
+of a dispatch worker for each job (an HTTP submit, polls on a growing interval up to 5 s, the output fetched and
+written to a local directory, an atomic script per step), with the simulator answering on the same two cores, so its
+"all done after" also carries its poll interval (a 30 s job is seen done at its first poll after 30 s).
 
 **SIGKILL.** All systems at once (each in its own database; the jobs only wait, so they do not compete for
 CPU): start a worker with {concurrency} in flight, enqueue {crash_jobs} jobs of {crash_seconds:g} s, and once
-its budget of jobs has started wait {kill_after:g} s, SIGKILL the worker's whole process group (a machine dying),
+its budget of jobs has started wait {kill_after:g} s, SIGKILL the worker's whole process tree (a machine dying),
 start a new worker at once, and watch for {crash_cap:g} s. Each job writes its start and end to Valkey as they
 happen (offload: the simulator counts submissions per job; the end is `succeeded`). offload's lease is
 {offload_lease_ms:,} ms (its default is 10 s): the dead worker's jobs go back to ready with their remote ids and

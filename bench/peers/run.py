@@ -55,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--offload-lease-ms", type=int, default=None,
                         help="offload worker's lease for (c) and the SIGKILL test (default: offload's, 10 s)")
     parser.add_argument("--out", type=Path, default=None, help="output directory (docs; quick bench/out/peers)")
+    parser.add_argument("--from-json", type=Path, default=None,
+                        help="run nothing: rebuild the page and plots from a benchmarks.json an earlier run wrote")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs of every process)")
     args = parser.parse_args(argv)
     q = args.quick
@@ -62,6 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     def pick(value: Any, full: Any, quick: Any) -> Any:
         return value if value is not None else quick if q else full
 
+    args.out_given = args.out is not None
     args.reps = pick(args.reps, 3, 1)
     args.noop_jobs = pick(args.noop_jobs, 3000, 300)
     args.io_jobs = pick(args.io_jobs, 3000, 300)
@@ -117,8 +120,21 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+def write(results: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    images = report.plots(results, out / "img")
+    (out / "benchmarks.md").write_text(report.markdown(results, images, "img"))
+    (out / "benchmarks.json").write_text(json.dumps(results, indent=1))
+    log(f"wrote {out / 'benchmarks.md'}, {len(images)} plots, {out / 'benchmarks.json'}")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.from_json is not None:
+        loaded: dict[str, Any] = json.loads(args.from_json.read_text())
+        write(loaded, args.out if args.out_given else args.from_json.parent)
+        print(json.dumps(summarize(loaded)))
+        return summarize(loaded)
     signal.signal(signal.SIGTERM, _interrupt)
     started = time.time()
     systems: list[System] = args.system_list
@@ -210,13 +226,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             shutil.rmtree(bench.workdir, ignore_errors=True)
 
     results["wall_s"] = round(time.time() - started, 1)
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    images = report.plots(results, out / "img")
-    (out / "benchmarks.md").write_text(report.markdown(results, images, "img"))
-    (out / "benchmarks.json").write_text(json.dumps(results, indent=1))
-    log(f"wrote {out / 'benchmarks.md'}, {len(images)} plots, {out / 'benchmarks.json'} "
-        f"({results['wall_s']:.0f} s)")
+    write(results, args.out)
+    log(f"done in {results['wall_s']:.0f} s")
     summary = summarize(results)
     print("\n".join(report.headline(results)))
     print(json.dumps(summary))
