@@ -1,0 +1,1 @@
+"""Benchmarks (scripts; `bench.peers` is also a package: `python -m bench.peers`)."""

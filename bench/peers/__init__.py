@@ -1,0 +1,1 @@
+"""offload beside the Python queues people use today: `python -m bench.peers` (see run.py)."""

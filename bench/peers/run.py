@@ -1,0 +1,260 @@
+"""offload beside Celery, RQ, arq, Dramatiq, taskiq and SAQ: the same workloads, the same machine, one run.
+
+    python -m bench.peers [--quick] [--systems offload,celery,...] [--reps 3] [--out docs]
+
+Installs each peer into its own venv under .bench-venvs/ (cached), starts one Valkey, then runs for every
+system, alternating systems within each repetition: (a) no-op jobs and (b) jobs that wait 50 ms, enqueued and
+processed by one worker process with 100 in flight; (c) 2,000 jobs of 30 s, counting how many one worker process
+holds in flight; and a SIGKILL test (lost, re-run, duplicated jobs, time until every job is done). Writes
+OUT/benchmarks.md, OUT/img/peers-*.png and OUT/benchmarks.json; the last line printed is a JSON summary.
+
+--quick shrinks every size (300 jobs, 200 x 2 s, 60 x 3 s with a 20 s watch, one repetition) and writes to
+bench/out/peers/ unless --out is given: a smoke run in under two minutes once the venvs exist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a file: make `bench.peers` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+
+from bench.peers import harness, report
+from bench.peers.systems import ALL, BY_NAME, ROOT, System, ensure_venv, installed_versions
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes, one repetition (under 2 minutes)")
+    parser.add_argument("--systems", default=",".join(s.name for s in ALL),
+                        help=f"comma-separated, from: {', '.join(s.name for s in ALL)}")
+    parser.add_argument("--workloads", default="noop,io,gpu,durability", help="comma-separated subset")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions of (a) and (b) (3; quick 1)")
+    parser.add_argument("--concurrency", type=int, default=100, help="jobs in flight per worker process")
+    parser.add_argument("--noop-jobs", type=int, default=None, help="(a) jobs per run (3000; quick 300)")
+    parser.add_argument("--io-jobs", type=int, default=None, help="(b) jobs per run (3000; quick 300)")
+    parser.add_argument("--cap", type=float, default=None, help="seconds before an (a)/(b) run is cut (12; quick 4)")
+    parser.add_argument("--gpu-jobs", type=int, default=None, help="(c) jobs (2000; quick 200)")
+    parser.add_argument("--gpu-seconds", type=float, default=None, help="(c) seconds per job (30; quick 2)")
+    parser.add_argument("--gpu-reps", type=int, default=1, help="repetitions of (c)")
+    parser.add_argument("--crash-jobs", type=int, default=None, help="SIGKILL test jobs (200; quick 60)")
+    parser.add_argument("--crash-seconds", type=float, default=None, help="SIGKILL test seconds per job (5; quick 3)")
+    parser.add_argument("--crash-cap", type=float, default=None, help="SIGKILL test watch, seconds (120; quick 20)")
+    parser.add_argument("--offload-lease-ms", type=int, default=None,
+                        help="offload worker's lease for (c) and the SIGKILL test (default: offload's, 10 s)")
+    parser.add_argument("--out", type=Path, default=None, help="output directory (docs; quick bench/out/peers)")
+    parser.add_argument("--from-json", type=Path, default=None,
+                        help="run nothing: rebuild the page and plots from a benchmarks.json an earlier run wrote")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (logs of every process)")
+    args = parser.parse_args(argv)
+    q = args.quick
+
+    def pick(value: Any, full: Any, quick: Any) -> Any:
+        return value if value is not None else quick if q else full
+
+    args.out_given = args.out is not None
+    args.reps = pick(args.reps, 3, 1)
+    args.noop_jobs = pick(args.noop_jobs, 3000, 300)
+    args.io_jobs = pick(args.io_jobs, 3000, 300)
+    args.cap = pick(args.cap, 12.0, 4.0)
+    args.gpu_jobs = pick(args.gpu_jobs, 2000, 200)
+    args.gpu_seconds = pick(args.gpu_seconds, 30.0, 2.0)
+    args.crash_jobs = pick(args.crash_jobs, 200, 60)
+    args.crash_seconds = pick(args.crash_seconds, 5.0, 3.0)
+    args.crash_cap = pick(args.crash_cap, 120.0, 20.0)
+    args.out = pick(args.out, ROOT / "docs", ROOT / "bench" / "out" / "peers")
+    names = [n.strip() for n in args.systems.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown:
+        parser.error(f"unknown systems: {', '.join(unknown)}")
+    args.system_list = [BY_NAME[n] for n in names]
+    args.workload_list = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    bad = set(args.workload_list) - {"noop", "io", "gpu", "durability"}
+    if bad:
+        parser.error(f"unknown workloads: {', '.join(sorted(bad))}")
+    if min(args.reps, args.noop_jobs, args.io_jobs, args.gpu_jobs, args.crash_jobs, args.concurrency) < 1:
+        parser.error("sizes and repetitions must be >= 1")
+    return args
+
+
+def machine(valkey: str) -> dict[str, Any]:
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        mem = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30)
+    except (ValueError, OSError, AttributeError):
+        mem = 0
+    return {"cores": os.cpu_count(), "cpu": cpu, "memory_gb": mem, "os": f"{platform.system()} {platform.release()}",
+            "python": platform.python_version(), "valkey": valkey,
+            "load_before": " ".join(f"{x:.2f}" for x in os.getloadavg())}
+
+
+def rotate(systems: list[System], k: int) -> list[System]:
+    k %= max(len(systems), 1)
+    return systems[k:] + systems[:k]
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def write(results: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    images = report.plots(results, out / "img")
+    (out / "benchmarks.md").write_text(report.markdown(results, images, "img"))
+    (out / "benchmarks.json").write_text(json.dumps(results, indent=1))
+    log(f"wrote {out / 'benchmarks.md'}, {len(images)} plots, {out / 'benchmarks.json'}")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.from_json is not None:
+        loaded: dict[str, Any] = json.loads(args.from_json.read_text())
+        write(loaded, args.out if args.out_given else args.from_json.parent)
+        print(json.dumps(summarize(loaded)))
+        return summarize(loaded)
+    signal.signal(signal.SIGTERM, _interrupt)
+    started = time.time()
+    systems: list[System] = args.system_list
+    workloads: list[str] = args.workload_list
+    db = {s.name: i + 1 for i, s in enumerate(ALL)}
+    bench = harness.Bench(offload_lease_ms=args.offload_lease_ms)
+    results: dict[str, Any] = {
+        "command": "python -m bench.peers" + (" --quick" if args.quick else "")
+                   + ("" if len(systems) == len(ALL) else f" --systems {','.join(s.name for s in systems)}"),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "systems": [s.name for s in systems], "runs": [], "crashes": [], "versions": {}, "venv_install_s": {},
+    }
+    try:
+        for s in systems:
+            if s.requirements:
+                spent = ensure_venv(s, bench.logs / f"venv-{s.name}.log")
+                results["venv_install_s"][s.name] = round(spent, 1)
+                if spent:
+                    log(f"installed {s.name}'s venv in {spent:.0f} s")
+            results["versions"][s.name] = installed_versions(s)
+        valkey = bench.start_valkey()
+        results["machine"] = machine(valkey)
+        crash_kill_after = round(args.crash_seconds * 0.4, 2)
+        gpu_cap = args.gpu_seconds + max(5.0, args.gpu_seconds / 2)
+        results["params"] = {
+            "quick": args.quick, "reps": args.reps, "concurrency": args.concurrency, "noop_jobs": args.noop_jobs,
+            "io_jobs": args.io_jobs, "io_ceiling": args.concurrency / 0.05, "cap": args.cap,
+            "gpu_jobs": args.gpu_jobs, "gpu_seconds": args.gpu_seconds, "gpu_reps": args.gpu_reps, "gpu_cap": gpu_cap,
+            "crash_jobs": args.crash_jobs, "crash_seconds": args.crash_seconds, "crash_cap": args.crash_cap,
+            "kill_after": crash_kill_after, "offload_lease_ms": args.offload_lease_ms or 10_000,
+        }
+        log(f"valkey {valkey} on port {bench.port}; logs in {bench.logs}")
+
+        tp = [(w, n, s) for w, n, s in (("noop", args.noop_jobs, 0.0), ("io", args.io_jobs, 0.05))
+              if w in workloads]
+        if tp:
+            for rep in range(args.reps):
+                for s in rotate(systems, rep):
+                    todo = [t for t in tp if t[0] in s.workloads]
+                    if not todo:
+                        continue
+                    for run in harness.throughput_session(bench, s, db[s.name], rep, todo, args.concurrency,
+                                                          args.cap):
+                        results["runs"].append(run.to_dict())
+                        log(f"rep {rep + 1}/{args.reps} {s.name:>13} {run.workload:>4}: "
+                            + (f"FAILED {run.error.splitlines()[0]}" if run.error else
+                               f"{run.jobs_per_s:8,.0f} jobs/s ({run.done}/{run.n} in {run.seconds:.2f} s"
+                               f"{', capped' if run.capped else ''})"))
+
+        if "gpu" in workloads:
+            for rep in range(args.gpu_reps):
+                for s in rotate([s for s in systems if "gpu" in s.workloads], rep):
+                    if s.name == "offload":
+                        run = harness.offload_gpu_session(bench, db[s.name], rep, args.gpu_jobs, args.gpu_seconds,
+                                                          args.gpu_jobs, gpu_cap)
+                    else:
+                        run = harness.gpu_session(bench, s, db[s.name], rep, args.gpu_jobs, args.gpu_seconds,
+                                                  args.gpu_jobs, gpu_cap)
+                    results["runs"].append(run.to_dict())
+                    log(f"gpu {s.name:>13}: " + (f"FAILED {run.error.splitlines()[0]}" if run.error else
+                                                f"peak in flight {run.peak_in_flight}, {run.done}/{run.n} done in "
+                                                f"{run.seconds:.1f} s"))
+
+        if "durability" in workloads:
+            crash_systems = [s for s in systems if "durability" in s.workloads]
+            log(f"SIGKILL test: {', '.join(s.name for s in crash_systems)} at once, watching {args.crash_cap:g} s")
+
+            def crash(s: System) -> harness.Crash:
+                c = harness.Crash(s.name, args.crash_jobs, args.crash_seconds, args.concurrency, args.crash_cap)
+                if s.name == "offload":
+                    return harness.crash_offload(bench, db[s.name], c, crash_kill_after)
+                return harness.crash_peer(bench, s, db[s.name], c, crash_kill_after)
+
+            with ThreadPoolExecutor(max_workers=max(len(crash_systems), 1)) as pool:
+                for c in pool.map(crash, crash_systems):
+                    results["crashes"].append(c.to_dict())
+                    log(f"SIGKILL {c.system:>13}: " + (f"FAILED {c.error.splitlines()[0]}" if c.error else
+                                                       f"{c.in_flight_at_kill} in flight, lost {c.lost}, re-run "
+                                                       f"{c.rerun}, duplicated {c.duplicated}, all done: "
+                                                       f"{report._crash_time(c.to_dict())}"))
+    except KeyboardInterrupt:
+        log("interrupted: stopping every process the bench started")
+        raise SystemExit(130) from None
+    finally:
+        bench.close()
+        if args.keep:
+            log(f"work directory kept: {bench.workdir}")
+        else:
+            shutil.rmtree(bench.workdir, ignore_errors=True)
+
+    results["wall_s"] = round(time.time() - started, 1)
+    write(results, args.out)
+    log(f"done in {results['wall_s']:.0f} s")
+    summary = summarize(results)
+    print("\n".join(report.headline(results)))
+    print(json.dumps(summary))
+    return summary
+
+
+def summarize(results: dict[str, Any]) -> dict[str, Any]:
+    """The headline per system: median jobs/s of (a) and (b), peak in flight of (c), the SIGKILL counts."""
+    out: dict[str, Any] = {}
+    for name in results["systems"]:
+        row: dict[str, Any] = {}
+        for workload in ("noop", "io"):
+            rates = [r["jobs_per_s"] for r in results["runs"]
+                     if r["system"] == name and r["workload"] == workload and not r["error"]]
+            if rates:
+                row[f"{workload}_jobs_per_s"] = round(statistics.median(rates), 1)
+        peaks = [r["peak_in_flight"] for r in results["runs"]
+                 if r["system"] == name and r["workload"] == "gpu" and not r["error"]]
+        if peaks:
+            row["gpu_peak_in_flight"] = max(peaks)
+        for c in results["crashes"]:
+            if c["system"] == name and not c["error"]:
+                row["crash"] = {"lost": c["lost"], "rerun": c["rerun"], "duplicated": c["duplicated"],
+                                "all_done_s": None if c["all_done_s"] is None else round(c["all_done_s"], 1)}
+        out[name] = row
+    return {"wall_s": results["wall_s"], "systems": out}
+
+
+if __name__ == "__main__":
+    main()
