@@ -1,11 +1,12 @@
 # Two entry points, both self-installing into ./.venv on first use:
 #   make demo   - the main job on the embedded default (a persistent Valkey under ./.offload/)
-#   make test   - lint, type-check and the whole test suite (pytest) against real servers
+#   make test   - lint, type-check and the whole test suite (pytest) against real servers (and a real browser:
+#                 Debian's chromium, installed with apt-get when missing)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean chromium
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +23,13 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff check offload tests bench
 	$(BIN)/mypy
 
-test: lint
+# The dashboard's browser tests drive Debian's Chromium through Playwright (never `playwright install`, whose
+# browser download does not work here). Installed on first use; CI runs as root.
+chromium:
+	@test -x /usr/bin/chromium || { export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }; }
+
+test: lint chromium
 	$(BIN)/pytest -q -n 2 --dist loadgroup
 
 bench: $(VENV)/.installed
