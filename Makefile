@@ -1,6 +1,7 @@
 # Two entry points, both self-installing into ./.venv on first use:
 #   make demo   - the main job on the embedded default (a persistent Valkey under ./.offload/)
-#   make test   - lint, type-check and the whole test suite (pytest) against real servers
+#   make test   - lint, type-check and the whole test suite (pytest) against real servers (and a real browser:
+#                 Debian's chromium, installed with apt-get when missing)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -11,7 +12,7 @@ CHECKOV_VERSION := 3.3.30
 TOOLS := .venv-checkov
 TOOLS_STAMP := $(TOOLS)/.installed-$(CHECKOV_VERSION)
 
-.PHONY: demo test lint bench clean deploy-tools
+.PHONY: demo test lint bench clean deploy-tools chromium
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,7 +45,13 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff check offload tests bench
 	$(BIN)/mypy
 
-test: lint $(TOOLS_STAMP)
+# The dashboard's browser tests drive Debian's Chromium through Playwright (never `playwright install`, whose
+# browser download does not work here). Installed on first use; CI runs as root.
+chromium:
+	@test -x /usr/bin/chromium || { export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }; }
+
+test: lint $(TOOLS_STAMP) chromium
 	$(BIN)/pytest -q -n 2 --dist loadgroup
 
 bench: $(VENV)/.installed

@@ -1,7 +1,7 @@
 """The HTTP API's application factory: wiring, lifespan (connections, maintenance) and health routes.
 
-Public routes are `/healthz`, `/readyz` and the API description (`/openapi.json`, `/docs`), which carry no
-data; everything else needs an API key (see `auth.py`).
+Public routes are `/healthz`, `/readyz`, the API description (`/openapi.json`, `/docs`) and the dashboard's
+static files (`/ui/`, see `dashboard.py`), which carry no data; everything else needs an API key (see `auth.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,16 @@ from fastapi.responses import JSONResponse
 from offload import __version__
 from offload.connection import connect
 from offload.queue.store import QueueStore
-from offload.server import errors, events, metrics, routes_jobs, routes_keys, routes_queues, routes_workers
+from offload.server import (
+    dashboard,
+    errors,
+    events,
+    metrics,
+    routes_jobs,
+    routes_keys,
+    routes_queues,
+    routes_workers,
+)
 from offload.server.keys import KeyStore
 from offload.server.registry import WorkerRegistry
 from offload.server.state import ServerOptions, ServerState
@@ -104,6 +113,6 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
             log.warning("readiness check failed: %s", type(exc).__name__)
         return JSONResponse({"error": "unavailable", "detail": "the job store does not answer"}, status_code=503)
 
-    for module in (routes_jobs, routes_queues, routes_workers, routes_keys, events, metrics):
+    for module in (routes_jobs, routes_queues, routes_workers, routes_keys, events, metrics, dashboard):
         app.include_router(module.router)
     return app
