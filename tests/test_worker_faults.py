@@ -602,6 +602,40 @@ async def test_an_orphan_of_a_crash_inside_submit_is_adopted_by_its_tag(
         assert_stored(bucket, job, input_id)
 
 
+async def test_a_worker_whose_lease_lapsed_does_not_submit(
+    valkey_url: str, sim: str, store: QueueStore
+) -> None:
+    """A worker process starved of CPU misses its beats; meanwhile its lease runs out and another worker takes
+    the job. Before submitting, the starved worker beats first, learns the job is no longer its own and drops
+    it: nothing is submitted, so the job is not paid for twice."""
+    from offload.backends import create_backend, new_client
+    from offload.worker.dispatch import WorkerOptions
+    from offload.worker.limits import BackendLimits
+
+    [(job_id, input_id)] = await enqueue(store, "starved")
+    [mine] = await store.claim("q", "starved-worker", 1, lease_ms=100)
+
+    async def taken_over() -> bool:  # the other worker's claim reaps the lapsed lease and takes the job
+        return bool(await store.claim("q", "other-worker", 1, lease_ms=60_000))
+
+    await until(taken_over, "another worker to take over the lapsed job")
+    async with new_client() as http:
+        backend = create_backend("http-job", "gpu", {"base_url": sim, "api_key": "sim-key"}, client=http)
+        worker = Worker(store, backend, _no_output, BackendLimits(store.redis, "gpu", None),
+                        WorkerOptions(queue="q", backend_name="gpu", lease_ms=3000), worker_id="starved-worker")
+        worker._beat_at -= 10  # its last beat is long past: it was starved
+        task = asyncio.create_task(worker._run_job(mine))
+        worker.tasks[mine.id] = task
+        await asyncio.gather(task, return_exceptions=True)
+    assert task.cancelled()
+    assert (await stats(sim))["submissions_by_input_id"].get(input_id, 0) == 0
+    assert (await store.get(job_id)).state == "active"  # still the other worker's
+
+
+async def _no_output(key: str, output: Any) -> str:
+    raise AssertionError("nothing may finish here")
+
+
 # -- fatal 4xx -------------------------------------------------------------------------------------------
 
 

@@ -89,6 +89,8 @@ class Worker:
         self._completes: Batcher[tuple[str, str, str, float | None], str] = Batcher(
             lambda items: store.complete_many(q, items))
         self._reservations: Batcher[tuple[str, str, float], str | None] = Batcher(self._reserve_many)
+        self._beats: Batcher[None, None] = Batcher(self._beat_many, concurrency=1)
+        self._beat_at = time.monotonic()  # claims prove liveness too: a claim precedes every job
 
     def window(self) -> str:
         """The cap window: the UTC day of the (injectable) clock."""
@@ -108,7 +110,9 @@ class Worker:
                 claimed: list[ClaimedJob] = []
                 if free > 0:
                     batch = min(free, self.o.claim_batch)
+                    sent = time.monotonic()
                     claimed = await self.control.claim(self.o.queue, self.id, batch, self.o.lease_ms)
+                    self._beat_at = max(self._beat_at, sent)  # a claim renews the worker's liveness too
                 for job in claimed:
                     self.tokens[job.id] = job.token
                     self.tasks[job.id] = asyncio.create_task(self._run_job(job))
@@ -152,15 +156,31 @@ class Worker:
         while True:
             await asyncio.sleep(self.o.lease_ms / 3000)
             try:
-                reply = await self.control.heartbeat(self.o.queue, self.id, list(self.tasks), self.o.lease_ms)
+                await self._beat()
             except Exception as exc:  # Redis blip: the next beat retries well inside the lease
                 log.warning("heartbeat failed: %s", exc)
-                continue
-            for job_id in reply.lost:
-                if task := self.tasks.get(job_id):
-                    log.warning("lease of %s lost; another worker owns it now", job_id)
-                    task.cancel()
-            self.cancels.update(reply.cancel_requested)
+
+    async def _beat(self) -> None:
+        """Extend every lease in one call; cancel the tasks whose lease another worker holds now."""
+        sent = time.monotonic()
+        reply = await self.control.heartbeat(self.o.queue, self.id, list(self.tasks), self.o.lease_ms)
+        self._beat_at = sent
+        for job_id in reply.lost:
+            if task := self.tasks.get(job_id):
+                log.warning("lease of %s lost; another worker owns it now", job_id)
+                task.cancel()
+        self.cancels.update(reply.cancel_requested)
+
+    async def _fresh_lease(self) -> None:
+        """Before paying for a submission, make sure the lease is fresh. A process starved of CPU (an
+        overloaded host) can miss beats; if its leases lapsed, another worker may already own this job, and
+        submitting now would pay twice. A late beat here cancels this task instead (the job is lost to us)."""
+        if time.monotonic() - self._beat_at > self.o.lease_ms / 3000:
+            await self._beats(None)
+
+    async def _beat_many(self, items: list[None]) -> list[None]:
+        await self._beat()
+        return [None] * len(items)
 
     async def _ingest_loop(self, stop: asyncio.Event) -> None:
         assert self.o.ingest_list is not None
@@ -206,6 +226,7 @@ class Worker:
                         await self.store.hold(job.id, job.token, f"daily {cap} cap reached (window {self._window})",
                                               self._window)
                         return
+                    await self._fresh_lease()
                     submission = await self._submit(job)
                     remote_id = submission.remote_id
                     result = submission.result
