@@ -35,3 +35,9 @@ def test_inflight_bench() -> None:
                         "ratio"}
     assert 0 < doc["peak_in_flight"] <= 200
     assert doc["jobs_per_s"] > 0 and doc["tutorial_jobs_per_s"] > 0 and doc["ratio"] > 0, doc
+
+
+def test_http_enqueue_bench() -> None:
+    doc = last_json(["bench/http_enqueue.py", "--jobs", "2000", "--singles", "50"], timeout=90)
+    assert set(doc) == {"batch_jobs_per_s", "single_p50_ms", "single_p99_ms", "single_per_s"}
+    assert doc["batch_jobs_per_s"] > 0 and 0 < doc["single_p50_ms"] <= doc["single_p99_ms"], doc
