@@ -7,8 +7,9 @@
 `work-dispatch` runs the real dispatch worker class, unchanged, with an in-process backend in place of a remote
 API: `submit` waits the job's seconds (asyncio.sleep) and returns the result at once, the way a synchronous API
 such as chat completions does, and the output is not stored anywhere (the peers store none either). So every
-job takes the worker's real path: claim (in batches), the cap check, the rate-limit check, submit, record the
-remote id, complete, each one atomic script, and one heartbeat per interval for all leases.
+job takes the worker's real path: claim (in batches), the cap check (only when a cap is set), the shared
+cool-down check, submit, record the remote id, complete (the per-job store writes of all tasks coalesced into
+batched script calls), and one heartbeat per interval for all leases.
 
 `work-store` is what a worker written directly against QueueStore can do: claim up to the free slots in one
 call, run each job as a task, and acknowledge finished jobs with complete_many (every job done since the last
@@ -21,6 +22,7 @@ import asyncio
 import contextlib
 import signal
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -82,10 +84,14 @@ class CountingStore(QueueStore):
         super().__init__(redis)
         self.backend = backend
 
-    async def complete(self, job_id: str, token: str, result: str, cost: float | None = None) -> None:
-        await super().complete(job_id, token, result, cost)
-        run, i, n, _, track = self.backend.args.pop(job_id)
-        benchjob.TRACKER.end(run, i, n, track)
+    async def complete_many(self, queue: str, items: Sequence[tuple[str, str, str, float | None]]) -> list[str]:
+        """The worker acks through here (batched); a job counts as done once its ack is accepted."""
+        codes = await super().complete_many(queue, items)
+        for (job_id, *_), code in zip(items, codes, strict=True):
+            if code == "OK" and job_id in self.backend.args:
+                run, i, n, _, track = self.backend.args.pop(job_id)
+                benchjob.TRACKER.end(run, i, n, track)
+        return codes
 
 
 async def work_dispatch(concurrency: int) -> None:
