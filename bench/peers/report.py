@@ -396,8 +396,9 @@ redis-py 8's default of 100 connections its acks fail past 100 threads, "Too man
 **offload.** For (a) and (b) offload runs its real dispatch worker class (`offload.worker.dispatch.Worker`,
 unchanged) with an in-process backend: `submit` waits the job's seconds and answers at once, like a synchronous
 remote API, and the output is not stored (no peer stores one here either). So each job takes the worker's full
-path: claim (in batches), the daily-cap check, the rate-limit check, submit, record the remote id, complete,
-each an atomic script, with one heartbeat call per interval for all leases. A job counts as done once its
+path: claim (in batches), the shared cool-down check, submit, record the remote id, complete (no cap is set, so
+no cap check; the per-job writes of all tasks go out as batched atomic scripts), with one heartbeat call per
+interval for all leases. A job counts as done once its
 completion is acknowledged. "offload (QueueStore loop)" is a lean loop over the same `QueueStore`
 (claim up to the free slots, acknowledge every finished job in one `complete_many` call): the queue's ceiling.
 offload is not run against the simulator for (a) and (b): its poll schedule (first poll after 250 ms) would set
