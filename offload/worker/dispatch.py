@@ -352,7 +352,7 @@ class Worker:
             if time.monotonic() > deadline:  # also when every poll is throttled: the timeout bounds the job
                 raise PollTimeout(f"remote job {remote_id} not done after {self.o.poll_timeout:g}s")
             await asyncio.sleep(wait)
-            interval = min(interval * 1.5, self.o.poll_interval)
+            interval = min(interval * 2, self.o.poll_interval)  # doubling: few wasted polls on long GPU jobs
 
     async def _finish(self, job: ClaimedJob, result: RemoteResult, estimate: float) -> None:
         if result.status != "succeeded":
