@@ -32,6 +32,7 @@ from offload.models import Job, QueueStats
 from offload.pipeline_cli import register as register_pipeline
 from offload.queue.keys import STATE_SETS, queue_of, validate_queue
 from offload.queue.store import DEFAULT_MAX_ATTEMPTS, JobSpec, QueueStore
+from offload.server_cli import register as register_server
 from offload.sim.cli import sim_app
 
 T = TypeVar("T")
@@ -59,6 +60,7 @@ app.add_typer(held_app, name="held")
 app.add_typer(embedded_app, name="embedded")
 app.add_typer(sim_app, name="sim")
 register_pipeline(app)
+register_server(app)
 
 UrlOpt = Annotated[str | None, typer.Option(
     "--url", show_default=False,

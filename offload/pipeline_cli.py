@@ -37,11 +37,23 @@ def worker(
     config: ConfigOpt = None,
     grace: Annotated[float, typer.Option(help="Seconds to keep polling after SIGTERM before releasing.")] = 30.0,
     log_level: Annotated[str, typer.Option(help="debug, info, warning.")] = "info",
+    handler: Annotated[str | None, typer.Option(
+        help="GPU worker: run module:function on each job here, talking only to --server.")] = None,
+    server: Annotated[str | None, typer.Option(envvar="OFFLOAD_SERVER", help="With --handler: the server URL.")] = None,
+    token: Annotated[str | None, typer.Option(envvar="OFFLOAD_TOKEN", show_default=False,
+                                              help="With --handler: a worker key (prefer OFFLOAD_TOKEN).")] = None,
+    load: Annotated[str | None, typer.Option(help="With --handler: module:function run once before claiming.")] = None,
 ) -> None:
-    """Dispatch worker: claim, submit to the queue's backend, poll, store the output, complete."""
+    """Dispatch worker: claim, submit to the queue's backend, poll, store the output, complete. With --handler:
+    a GPU worker that runs the handler itself and talks only to the server over HTTP."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if handler is not None:
+        from offload.server_cli import run_handler_worker
+
+        run_handler_worker(queue, handler, server, token, load, concurrency or 1, grace)
+        return
     from offload.worker.run import run_worker
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = _settings(config)
     with _errors():
         settings.queue(queue)

@@ -9,6 +9,8 @@ from typing import Any
 from redis.exceptions import NoScriptError
 
 EVENTS_MAX = 10_000
+#: Upper bounds (seconds) of the wait (ready -> claimed) and run (claimed -> succeeded) histograms the scripts keep.
+HIST_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 NAMES = (
     "enqueue", "claim", "heartbeat", "checkpoint", "complete", "fail", "hold", "move", "cancel",
     "ack_cancel", "release_leases", "reap", "purge", "stats", "get", "ingest", "reserve",
@@ -18,7 +20,9 @@ NAMES = (
 
 def _source(name: str) -> str:
     lua = resources.files("offload.queue") / "lua"
+    buckets = ", ".join(str(int(b * 1000)) for b in HIST_BUCKETS_S)
     prelude = (lua / "common.lua").read_text().replace("__EVENTS_MAX__", str(EVENTS_MAX))
+    prelude = prelude.replace("__HIST_BUCKETS__", buckets)
     return prelude + "\n" + (lua / f"{name}.lua").read_text()
 
 

@@ -28,7 +28,7 @@ from offload.errors import (
 )
 from offload.models import ClaimedJob, HeartbeatReply, Job, QueueStats
 from offload.queue.keys import QUEUES_KEY, STATE_SETS, new_job_id, prefix, queue_of, validate_queue
-from offload.queue.scripts import SCRIPTS, Script
+from offload.queue.scripts import HIST_BUCKETS_S, SCRIPTS, Script
 
 DEFAULT_LEASE_MS = 10_000
 DEFAULT_MAX_ATTEMPTS = 3
@@ -380,6 +380,16 @@ class QueueStore:
             workers=int(r[11]),
             totals={k: int(v) for k, v in zip(totals_flat[::2], totals_flat[1::2], strict=True)},
         )
+
+    async def histograms(self, queue: str) -> dict[str, tuple[list[int], int, int]]:
+        """The latency histograms the scripts keep: name ("wait", "run") -> (count per bucket of
+        HIST_BUCKETS_S plus +Inf, not cumulative; total count; sum in ms)."""
+        raw = await self.redis.hgetall(prefix(validate_queue(queue)) + "hist")
+        out: dict[str, tuple[list[int], int, int]] = {}
+        for name in ("wait", "run"):
+            buckets = [int(raw.get(f"{name}:{i}", 0)) for i in range(1, len(HIST_BUCKETS_S) + 2)]
+            out[name] = (buckets, int(raw.get(f"{name}:count", 0)), int(raw.get(f"{name}:sum", 0)))
+        return out
 
     async def queues(self) -> list[str]:
         return sorted(await self.redis.smembers(QUEUES_KEY))

@@ -196,6 +196,7 @@ class Worker:
                     result = submission.result
                     if await self.store.checkpoint(job.id, job.token, self.o.backend_name, remote_id):
                         self.cancels.add(job.id)
+                    await self.limits.count("submitted")  # after the checkpoint: the window before it stays as small
             if result is None:
                 result = await self._poll(job, remote_id)
                 if result is None:
@@ -248,9 +249,13 @@ class Worker:
             try:
                 return await self.backend.submit(job.input, tag=job.id)
             except Throttled as exc:
+                await self.limits.count("throttled")
                 if attempt == self.o.submit_retries_on_429:
                     raise
                 await self.limits.cool_down(exc.retry_after or min(2.0**attempt, 30.0))
+            except BackendError:
+                await self.limits.count("errors")
+                raise
         raise AssertionError("unreachable")
 
     async def _poll(self, job: ClaimedJob, remote_id: str) -> RemoteResult | None:
@@ -268,9 +273,11 @@ class Worker:
                 if result.terminal:
                     return result
             except Throttled as exc:
+                await self.limits.count("throttled")
                 wait = exc.retry_after or interval
                 await self.limits.cool_down(wait)
             except Transient:
+                await self.limits.count("errors")
                 transient += 1
                 if transient >= 10:
                     raise

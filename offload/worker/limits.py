@@ -9,6 +9,7 @@ other jobs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 from offload.queue.scripts import Script
@@ -41,6 +42,7 @@ class BackendLimits:
     def __init__(self, redis: Any, backend: str, rate_per_s: float | None, burst: int = 1) -> None:
         self.redis = redis
         self.keys = [f"offload:{{backend:{backend}}}:gcra", f"offload:{{backend:{backend}}}:cooldown"]
+        self.counts_key = counts_key(backend)
         self.interval_ms = 1000.0 / rate_per_s if rate_per_s else 0.0
         self.burst = max(burst, 1)
 
@@ -62,3 +64,21 @@ class BackendLimits:
         current = await self.redis.pttl(self.keys[1])
         if current < ms:
             await self.redis.set(self.keys[1], "1", px=ms)
+
+    async def count(self, outcome: str) -> None:
+        """Bump a per-backend counter for /metrics (submitted, throttled, errors). Shared in Redis so every
+        server reports the totals of all workers; a failure to count never fails the job."""
+        with contextlib.suppress(Exception):
+            await self.redis.hincrby(self.counts_key, outcome, 1)
+
+
+OUTCOMES = ("submitted", "throttled", "errors")
+
+
+def counts_key(backend: str) -> str:
+    return f"offload:{{backend:{backend}}}:counts"
+
+
+async def backend_counters(redis: Any, backend: str) -> dict[str, int]:
+    raw = await redis.hgetall(counts_key(backend))
+    return {o: int(raw.get(o, 0)) for o in OUTCOMES}

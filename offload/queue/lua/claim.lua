@@ -12,13 +12,13 @@ trim(now, 100)
 if n <= 0 or redis.call('EXISTS', P .. 'paused') == 1 then return {} end
 local popped = redis.call('ZPOPMIN', P .. 'ready', n)
 if #popped == 0 then return {} end
-local out, ids, active, submitted, cancels = {}, {}, {}, {}, {}
+local out, ids, active, submitted, cancels, waits = {}, {}, {}, {}, {}, {}
 local base = redis.call('INCRBY', P .. 'tok', #popped / 2) - #popped / 2
 for j = 1, #popped, 2 do
   local id = popped[j]
   local k = jkey(id)
   local f = redis.call('HMGET', k, 'max_attempts', 'attempts', 'remote_id', 'input', 'output_key', 'backend',
-    'cancel')
+    'cancel', 'ready_at', 'created_at')
   if f[1] then
     base = base + 1
     local token = wid .. '/' .. base
@@ -33,6 +33,7 @@ for j = 1, #popped, 2 do
     active[#active + 1] = now
     active[#active + 1] = id
     if f[7] == '1' then cancels[#cancels + 1] = id end
+    waits[#waits + 1] = now - tonumber(f[8] or f[9] or now)
     out[#out + 1] = id
     out[#out + 1] = token
     out[#out + 1] = attempt
@@ -49,4 +50,5 @@ bulk('SADD', P .. 'owned:' .. wid, ids)
 bulk('SADD', P .. 'submitted', submitted)
 bulk('SADD', P .. 'cancelreq', cancels)
 event(ids, 'active')
+observe('wait', waits)
 return out

@@ -43,6 +43,26 @@ local function count(field, n)
   if n > 0 then redis.call('HINCRBY', P .. 'stats', field, n) end
 end
 
+-- Latency histograms for /metrics (ms values into fixed buckets, one hash per queue): kept in Redis so
+-- every server process reports the same numbers. One HINCRBY per distinct bucket per batch.
+local HIST_BUCKETS = {__HIST_BUCKETS__}
+local function observe(name, values)
+  if #values == 0 then return end
+  local counts, sum = {}, 0
+  for _, v in ipairs(values) do
+    if v < 0 then v = 0 end
+    sum = sum + v
+    local i = #HIST_BUCKETS + 1
+    for j, b in ipairs(HIST_BUCKETS) do
+      if v <= b then i = j; break end
+    end
+    counts[i] = (counts[i] or 0) + 1
+  end
+  for i, c in pairs(counts) do redis.call('HINCRBY', P .. 'hist', name .. ':' .. i, c) end
+  redis.call('HINCRBY', P .. 'hist', name .. ':count', #values)
+  redis.call('HINCRBY', P .. 'hist', name .. ':sum', fmt(sum))
+end
+
 -- Put jobs into the ready set. A fresh score puts a job behind everything of its priority; a reaped job
 -- keeps its old score so it is resumed before newer work.
 local function make_ready(ids, now, fresh)
@@ -187,10 +207,10 @@ local function trim(now, limit)
   return trimmed
 end
 
--- Check that `token` still owns job `id`; returns {state, owner, retention} or nil and an error word.
+-- Check that `token` still owns job `id`; returns {state, owner, retention, started_at} or nil and an error word.
 local function owned(id, token)
-  local f = redis.call('HMGET', jkey(id), 'state', 'token', 'owner', 'retention')
+  local f = redis.call('HMGET', jkey(id), 'state', 'token', 'owner', 'retention', 'started_at')
   if not f[1] then return nil, 'NOTFOUND' end
   if f[2] ~= token or (f[1] ~= 'active' and f[1] ~= 'submitted') then return nil, 'STALE' end
-  return {f[1], f[3], f[4]}, nil
+  return {f[1], f[3], f[4], f[5]}, nil
 end

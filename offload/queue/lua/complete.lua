@@ -2,7 +2,7 @@
 -- in one round trip. Returns per job OK, STALE or NOTFOUND. A repeat of a complete that already went
 -- through (its reply was lost and the client retried) answers OK again instead of STALE.
 local now = now_ms(ARGV[1])
-local out, done, owners, rets, extra, seen = {}, {}, {}, {}, {}, {}
+local out, done, owners, rets, extra, seen, runs = {}, {}, {}, {}, {}, {}, {}
 for _, item in ipairs(cjson.decode(ARGV[2])) do
   local id, token, result, cost = item[1], item[2], item[3], item[4]
   local f, err = nil, nil
@@ -28,9 +28,11 @@ for _, item in ipairs(cjson.decode(ARGV[2])) do
     seen[id] = token
     owners[id] = f[2]
     rets[#rets + 1] = f[3]
+    runs[#runs + 1] = now - tonumber(f[4] or now)
     out[#out + 1] = 'OK'
   end
 end
 unlease(done, owners)
 finish(done, 'succeeded', now, nil, rets, extra)
+observe('run', runs)
 return out

@@ -1,0 +1,104 @@
+"""The HTTP API's application factory: wiring, lifespan (connections, maintenance) and health routes.
+
+Public routes are `/healthz`, `/readyz` and the API description (`/openapi.json`, `/docs`), which carry no
+data; everything else needs an API key (see `auth.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from offload import __version__
+from offload.connection import connect
+from offload.queue.store import QueueStore
+from offload.server import errors, events, metrics, routes_jobs, routes_keys, routes_queues, routes_workers
+from offload.server.keys import KeyStore
+from offload.server.registry import WorkerRegistry
+from offload.server.state import ServerOptions, ServerState
+from offload.storage import create_storage
+
+log = logging.getLogger("offload.server")
+
+
+def _storage_settings(options: ServerOptions) -> dict[str, Any]:
+    data = options.settings.storage.model_dump()
+    secret = options.settings.storage.secret_access_key
+    data["secret_access_key"] = secret.get_secret_value() if secret else None
+    return data
+
+
+async def _maintain(state: ServerState) -> None:
+    """Promote due delayed/retry jobs, return the jobs of silent workers, trim expired records, and sample
+    totals for rates. Queues served only by remote workers rely on this (dispatch workers do it themselves
+    when they claim). Safe to run in every server process at once: each step is one atomic script."""
+    while True:
+        try:
+            for queue in await state.store.queues():
+                await state.store.reap(queue)
+                state.rates.observe(queue, (await state.store.stats(queue)).totals)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # Redis away: /readyz says so; try again next round
+            log.warning("maintenance: %s", type(exc).__name__)
+        await asyncio.sleep(state.options.maintenance_interval_s)
+
+
+def create_app(options: ServerOptions | None = None) -> FastAPI:
+    options = options or ServerOptions()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        redis = await connect(options.redis_url or options.settings.redis_url)
+        store = QueueStore(redis, lease_ms=options.worker_lease_ms)
+        keys = KeyStore(redis, options.admin_key) if options.admin_key else KeyStore.from_env(redis)
+        state = ServerState(
+            options=options, redis=redis, store=store, keys=keys,
+            storage=create_storage(_storage_settings(options)), hub=events.EventHub(store),
+            registry=WorkerRegistry(store, ttl_ms=max(3 * options.worker_lease_ms, 10_000)),
+            rates=metrics.RateTracker(),
+        )
+        app.state.offload = state
+        task = asyncio.create_task(_maintain(state), name="maintenance")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await state.hub.aclose()
+            await state.storage.aclose()
+            await redis.aclose()
+
+    app = FastAPI(
+        title="offload", version=__version__, lifespan=lifespan,
+        description="Control plane for bursty GPU work: enqueue and follow jobs, operate queues, run GPU workers "
+                    "over HTTP. Authenticate with `Authorization: Bearer <key>` or `X-API-Key: <key>`.",
+    )
+    errors.install(app)
+    app.add_middleware(errors.BodyLimit, limit=options.max_body)
+
+    @app.get("/healthz", tags=["health"], summary="The process is up (no dependencies checked)")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["health"], summary="The job store answers: ready to serve")
+    async def readyz(request: Request) -> JSONResponse:
+        state: ServerState | None = getattr(request.app.state, "offload", None)
+        try:
+            if state is not None and await asyncio.wait_for(state.redis.ping(), 2.0):
+                return JSONResponse({"status": "ready"})
+        except Exception as exc:
+            log.warning("readiness check failed: %s", type(exc).__name__)
+        return JSONResponse({"error": "unavailable", "detail": "the job store does not answer"}, status_code=503)
+
+    for module in (routes_jobs, routes_queues, routes_workers, routes_keys, events, metrics):
+        app.include_router(module.router)
+    return app

@@ -1,0 +1,65 @@
+"""A real offload server (uvicorn on a free port, in a thread of the test process) and helpers to talk to it
+over TCP with httpx. Each test uses fresh queue names, so one server serves a whole module."""
+
+from __future__ import annotations
+
+import secrets
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+
+from offload.config import Settings
+from offload.server.runner import running_server
+from offload.server.state import ServerOptions
+
+BUCKET = "server-results"
+
+
+def new_queue(tag: str = "q") -> str:
+    return f"{tag}-{secrets.token_hex(4)}"
+
+
+@contextmanager
+def server(redis_url: str, storage: dict[str, Any] | None = None, settings: dict[str, Any] | None = None,
+           **options: Any) -> Iterator[tuple[str, str]]:
+    """Yields (base URL, bootstrap admin token). Local storage unless `storage` is given."""
+    admin = "boot-" + secrets.token_urlsafe(24)
+    storage = storage or {"kind": "local", "path": tempfile.mkdtemp(prefix="offload-server-")}
+    config = Settings.model_validate({**(settings or {}), "storage": storage})
+    opts = ServerOptions(redis_url=redis_url, settings=config, admin_key=admin, maintenance_interval_s=0.2,
+                         **options)
+    with running_server(opts) as url:
+        yield url, admin
+
+
+def client(url: str, token: str | None = None, *, header: str = "bearer") -> httpx.Client:
+    headers = {}
+    if token and header == "bearer":
+        headers["Authorization"] = f"Bearer {token}"
+    elif token:
+        headers["X-API-Key"] = token
+    return httpx.Client(base_url=url, headers=headers, timeout=30)
+
+
+def make_key(url: str, admin: str, scope: str, queues: list[str] | None = None) -> str:
+    with client(url, admin) as c:
+        r = c.post("/v1/keys", json={"scope": scope, "queues": queues or [], "name": f"test {scope}"})
+        assert r.status_code == 201, r.text
+        token: str = r.json()["token"]
+        return token
+
+
+def poll(check: Callable[[], Any], timeout: float = 15.0, what: str = "condition", interval: float = 0.05) -> Any:
+    """Poll until `check()` returns something truthy; fail with `what` after `timeout` (never a bare sleep)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {value!r})")
+        time.sleep(interval)
