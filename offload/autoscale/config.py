@@ -47,8 +47,9 @@ Duration = Annotated[float, BeforeValidator(parse_duration)]
 
 _CRON_RANGES = ((0, 59), (0, 23), (1, 31), (1, 12), (0, 6))
 _NAMES = {
-    3: {m: i + 1 for i, m in enumerate("jan feb mar apr may jun jul aug sep oct nov dec".split())},
-    4: {d: i for i, d in enumerate("sun mon tue wed thu fri sat".split())},
+    3: {m: i + 1 for i, m in enumerate(
+        ["jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"])},
+    4: {d: i for i, d in enumerate(["sun", "mon", "tue", "wed", "thu", "fri", "sat"])},
 }
 
 
@@ -84,11 +85,13 @@ class Cron:
                 a, b = lo, hi
             else:
                 a_text, _, b_text = body.partition("-")
-                a = _NAMES.get(index, {}).get(a_text, None) if not a_text.isdigit() else int(a_text)
-                b = (_NAMES.get(index, {}).get(b_text, None) if not b_text.isdigit() else int(b_text)) if b_text \
-                    else (hi if step_text else a)
-                if a is None or b is None or not (lo <= a <= hi_ok and lo <= b <= hi_ok and a <= b):
+                a_val = _NAMES.get(index, {}).get(a_text) if not a_text.isdigit() else int(a_text)
+                b_val = (_NAMES.get(index, {}).get(b_text) if not b_text.isdigit() else int(b_text)) if b_text \
+                    else (hi if step_text else a_val)
+                if a_val is None or b_val is None or not (lo <= a_val <= hi_ok and lo <= b_val <= hi_ok
+                                                          and a_val <= b_val):
                     raise ValueError(f"cron field {text!r} is out of range {lo}-{hi}")
+                a, b = a_val, b_val
             out.update(range(a, b + 1, step))
         return out
 
@@ -186,9 +189,9 @@ class AutoscaleSettings(_Strict):
     poll_interval: Duration = Field(30.0, ge=0.05)
     boot_timeout: Duration = Field(1200.0, gt=0)
     timezone: str = "UTC"
-    scale_up: list[ScaleUp] = Field(default_factory=lambda: [NoWorkers(trigger="no_workers")])
-    scale_down: list[ScaleDown] = Field(default_factory=lambda: [Idle(trigger="idle", timeout=600.0)])
-    instance: InstanceSpec = Field(default_factory=InstanceSpec)
+    scale_up: list[ScaleUp] = Field(default_factory=lambda: [NoWorkers(trigger="no_workers")])  # type: ignore[arg-type]
+    scale_down: list[ScaleDown] = Field(default_factory=lambda: [Idle(trigger="idle", timeout=600.0)])  # type: ignore[arg-type]
+    instance: InstanceSpec = Field(default_factory=lambda: InstanceSpec.model_validate({}))
     daily_spend_cap: float | None = Field(None, gt=0)
     monthly_spend_cap: float | None = Field(None, gt=0)
 

@@ -13,7 +13,7 @@ Failure handling, in order of evidence:
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from offload.autoscale import keys
 from offload.autoscale.instances import Instance, StaleState, log_event
@@ -32,10 +32,10 @@ DEAD_STATES = (MachineState.FAILED, MachineState.TERMINATED, MachineState.STOPPE
 
 async def fail(a: Autoscaler, inst: Instance, reason: str, now: float, *, destroy: bool = True) -> None:
     """Mark failed and (normally) journal the teardown in the same write, before any provider call."""
-    changes: dict[str, object] = {"status": "failed", "reason": reason}
+    changes: dict[str, Any] = {"status": "failed", "reason": reason}
     if destroy:
         changes.update(teardown="pending", teardown_at=now)
-    await a.instances.update(inst, a.leader.token, now, **changes)  # type: ignore[arg-type]
+    await a.instances.update(inst, a.leader.token, now, **changes)
     await log_event(a.redis, now, "failed", f"{inst.id}: {reason}", instance=inst.id, queue=inst.queue)
     log.warning("instance %s (%s) failed: %s", inst.id, inst.queue, reason)
 
@@ -58,7 +58,7 @@ async def sync(a: Autoscaler, inst: Instance, cfg: AutoscaleSettings, machine: M
     if inst.teardown == "pending":
         return
     if worker is not None:
-        changes: dict[str, object] = {"worker_id": worker.id, "in_flight": worker.in_flight,
+        changes: dict[str, Any] = {"worker_id": worker.id, "in_flight": worker.in_flight,
                                       "worker_protected": worker.protected,
                                       "last_seen_at": min(worker.last_heartbeat or now, now)}
         if worker.in_flight > 0 or worker.id in touched:
@@ -68,7 +68,7 @@ async def sync(a: Autoscaler, inst: Instance, cfg: AutoscaleSettings, machine: M
             await qs.save(a.redis, inst.queue, boot_failures=0, boot_until=0.0)
             await log_event(a.redis, now, "ready", f"{inst.id}: worker {worker.id} registered", instance=inst.id,
                             queue=inst.queue, worker=worker.id)
-        await a.instances.update(inst, a.leader.token, now, **changes)  # type: ignore[arg-type]
+        await a.instances.update(inst, a.leader.token, now, **changes)
     elif inst.in_flight:
         await a.instances.update(inst, a.leader.token, now, in_flight=0)
     if not inst.provider_id:
@@ -127,7 +127,7 @@ async def avoided_hosts(a: Autoscaler, provider: str, now: float) -> set[str]:
     return {str(h) for h in await a.redis.zrange(keys.avoid(provider), 0, -1)}
 
 
-def _price(machine: Machine, inst: Instance) -> dict[str, object]:
+def _price(machine: Machine, inst: Instance) -> dict[str, Any]:
     if machine.price_per_hour:
         return {"price": float(machine.price_per_hour), "price_reported": True}
     return {}

@@ -127,7 +127,7 @@ class Autoscaler:
             workers = await self.workers.workers()
             listings: dict[str, tuple[bool, list[Machine]]] = {}
             for queue in due:
-                cfg = configs.get(queue) or AutoscaleSettings()
+                cfg = configs.get(queue) or AutoscaleSettings.model_validate({})
                 self._next[queue] = now + cfg.poll_interval
                 await self.evaluate(queue, cfg, [i for i in live if i.queue == queue], workers, listings, now)
         if now >= self._next_sweep:
@@ -183,7 +183,7 @@ class Autoscaler:
         if add > 0:
             await self._provision(queue, cfg, qs, add, decision.reasons, now)
         elif not decision.demand:
-            await self._scale_down(queue, cfg, qs, active, decision.target, listings, now)
+            await self._scale_down(queue, cfg, qs, active, decision.floor if cfg.enabled else 0, listings, now)
 
     async def _teardowns(self, insts: list[Instance], listings: dict[str, tuple[bool, list[Machine]]],
                          now: float) -> None:
@@ -304,7 +304,7 @@ class Autoscaler:
             await qs.save(self.redis, queue, last_down_fire=fire, down_pending=1)
             await log_event(self.redis, now, "schedule", f"{queue}: scale-down schedule fired", queue=queue)
         candidates: list[Instance] = []
-        floor = max(target, cfg.min_workers)
+        floor = target
         if qs.down_pending:
             floor = cfg.min_workers
             if len(active) <= floor:

@@ -31,6 +31,7 @@ class UpDecision:
     reasons: list[str] = field(default_factory=list)
     held: bool = False  # a trigger fired but a booting instance holds the count
     demand: bool = False  # some scale-up trigger fired (scale-down waits)
+    floor: int = 0  # what scale-down may not go below: min_workers, schedules
 
 
 def schedule_floor(cfg: AutoscaleSettings, now: float, last_down_fire: float) -> tuple[int, list[str]]:
@@ -75,7 +76,8 @@ def scale_up(cfg: AutoscaleSettings, load: QueueLoad, active: list[Instance], no
         reasons.append(f"min_workers {cfg.min_workers}")
     want = max(want, floor, cfg.min_workers)
     reasons += why if floor > count else []
-    return UpDecision(target=min(want, cfg.limit), reasons=reasons, held=held, demand=demand)
+    return UpDecision(target=min(want, cfg.limit), reasons=reasons, held=held, demand=demand,
+                      floor=min(max(floor, cfg.min_workers), cfg.limit))
 
 
 def idle_timeout(cfg: AutoscaleSettings) -> float | None:

@@ -42,7 +42,8 @@ def validate_config(kind: str, config: dict[str, Any]) -> ProviderConfig:
     if cls is None:
         raise ConfigError(f"type: unknown provider type {kind!r}; choose one of: {', '.join(TYPES)}")
     try:
-        return cls.Config.model_validate(config)
+        parsed: ProviderConfig = cls.Config.model_validate(config)
+        return parsed
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])

@@ -10,6 +10,7 @@ way to leak a paid machine. Two rules hold for every adapter:
 from __future__ import annotations
 
 import asyncio
+import builtins
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -100,7 +101,7 @@ class ProviderConfig(BaseModel):
 class Provider(ABC):
     type: ClassVar[str]
     real: ClassVar[bool] = True  # real providers need a public server URL and a worker key
-    Config: ClassVar[type[ProviderConfig]]
+    Config: ClassVar[builtins.type[ProviderConfig]]
     secret_fields: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, name: str) -> None:
@@ -110,7 +111,7 @@ class Provider(ABC):
     async def create(self, spec: LaunchSpec) -> Machine: ...
 
     @abstractmethod
-    async def list(self) -> list[Machine]:
+    async def list(self) -> builtins.list[Machine]:
         """Every machine of ours (label `offload-…`) the provider knows, in any state."""
 
     async def get(self, provider_id: str) -> Machine | None:
@@ -124,6 +125,7 @@ class Provider(ABC):
     async def drain(self, machine: Machine) -> None:
         """Ask the machine's worker to stop claiming and finish in-flight work (default: nothing to do here;
         the server stops handing the worker jobs once its instance is draining)."""
+        return None
 
     async def aclose(self) -> None:
         return None

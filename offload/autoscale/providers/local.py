@@ -9,6 +9,7 @@ them and a recycled pid is never mistaken for one of ours.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import logging
 import os
@@ -88,25 +89,26 @@ class LocalProvider(Provider):
                "--server", server, "--concurrency", str(self.config.concurrency), "--grace", str(self.config.grace)]
         env = {**os.environ, **spec.env}
         env.pop("OFFLOAD_ADMIN_KEY", None)  # the admin key never reaches a worker, not even a local one
-        log_path = None
-        if self.config.log_dir:
-            Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)
-            log_path = str(Path(self.config.log_dir) / f"{spec.label}.log")
-        out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - handed to the child
+        log_path = str(Path(self.config.log_dir) / f"{spec.label}.log") if self.config.log_dir else None
         try:
-            proc = subprocess.Popen(cmd, env=env, cwd=self.config.workdir, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = await asyncio.to_thread(self._spawn, cmd, env, log_path)
         except OSError as exc:
             raise ProviderError(f"local: cannot start the worker: {exc}", retryable=False) from None
-        finally:
-            if log_path:
-                out.close()  # type: ignore[union-attr]
         self._children[proc.pid] = proc
         record = {"id": provider_id, "label": spec.label, "pid": proc.pid, "start": _start_time(proc.pid),
                   "created": self.clock(), "log": log_path, "queue": spec.queue}
         await self.redis.hset(self.key, provider_id, orjson.dumps(record))
         log.info("local: started worker pid %d for %s (queue %s)", proc.pid, spec.label, spec.queue)
         return self._machine(record)
+
+    def _spawn(self, cmd: list[str], env: dict[str, str], log_path: str | None) -> subprocess.Popen[bytes]:
+        if log_path is None:
+            return subprocess.Popen(cmd, env=env, cwd=self.config.workdir, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, start_new_session=True)
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as out:
+            return subprocess.Popen(cmd, env=env, cwd=self.config.workdir, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
 
     def _alive(self, record: dict[str, Any]) -> bool:
         pid = int(record["pid"])
@@ -120,7 +122,7 @@ class LocalProvider(Provider):
         return Machine(provider_id=r["id"], label=r["label"], state=state, price_per_hour=self.config.price_per_hour,
                        host_id="localhost", raw=r)
 
-    async def list(self) -> list[Machine]:
+    async def list(self) -> builtins.list[Machine]:
         raw = await self.redis.hgetall(self.key)
         return [m for m in (self._machine(orjson.loads(v)) for v in raw.values()) if is_ours(m.label)]
 
@@ -146,7 +148,7 @@ class LocalProvider(Provider):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGTERM)
             deadline = time.monotonic() + self.config.stop_timeout
-            while self._alive(record) and time.monotonic() < deadline:
+            while self._alive(record) and time.monotonic() < deadline:  # noqa: ASYNC110 - polling a pid
                 await asyncio.sleep(0.05)
             if self._alive(record):
                 with contextlib.suppress(ProcessLookupError):

@@ -7,6 +7,7 @@ so the policy tests exercise the same journal/retry paths a real provider's fail
 
 from __future__ import annotations
 
+import builtins
 import logging
 import secrets
 import time
@@ -75,7 +76,7 @@ class MockProvider(Provider):
         return Machine(provider_id=r["id"], label=r["label"], state=state, price_per_hour=r.get("price"),
                        host_id=r.get("host"), raw=r)
 
-    async def list(self) -> list[Machine]:
+    async def list(self) -> builtins.list[Machine]:
         self.calls["list"] += 1
         raw = await self.redis.hgetall(self.key)
         return [m for m in (self._machine(orjson.loads(v)) for v in raw.values()) if is_ours(m.label)]
@@ -104,6 +105,6 @@ class MockProvider(Provider):
             {"id": provider_id, "label": label, "created": self.clock(), "price": 0.1, "host": "h"}))
         return provider_id
 
-    async def all_ids(self) -> list[str]:
+    async def all_ids(self) -> builtins.list[str]:
         """Every machine the mock holds, ours or not (tests count leaks with it)."""
         return [str(k) for k in await self.redis.hkeys(self.key)]

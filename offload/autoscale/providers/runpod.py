@@ -11,6 +11,7 @@ ambiguous and the scaler looks the pod up by its `offload-…` name instead of r
 
 from __future__ import annotations
 
+import builtins
 from typing import Any, Literal
 
 import orjson
@@ -110,7 +111,7 @@ class RunPodProvider(Provider):
                 tried.append(gpu)
         raise OutOfCapacity(f"runpod: out of stock for {', '.join(tried)} ({self.config.cloud_type} cloud)")
 
-    async def list(self) -> list[Machine]:
+    async def list(self) -> builtins.list[Machine]:
         if not self.use_graphql:
             try:
                 return await self._rest_list()
@@ -133,8 +134,8 @@ class RunPodProvider(Provider):
         if not is_ours(machine.label):
             raise NotOurs(provider_id, machine.label)
         if self.use_graphql:
-            await self._gql("mutation { podTerminate(input: {podId: %s}) }" % orjson.dumps(provider_id).decode(),
-                            "terminate")
+            pod_id = orjson.dumps(provider_id).decode()
+            await self._gql("mutation { podTerminate(input: {podId: " + pod_id + "}) }", "terminate")
             return
         r = await self.http.request("DELETE", f"/v2/pods/{provider_id}")
         self._check(r, "terminate")
@@ -181,7 +182,7 @@ class RunPodProvider(Provider):
             raise OutOfCapacity(f"runpod: {gpu}: {excerpt(r)}")
         raise ProviderError(f"runpod: create: HTTP {r.status_code} {excerpt(r)}", retryable=r.status_code != 400)
 
-    async def _rest_list(self) -> list[Machine]:
+    async def _rest_list(self) -> builtins.list[Machine]:
         r = await self.http.request("GET", "/v2/pods")
         self._check(r, "list")
         self._rest_gone(r)
@@ -249,22 +250,22 @@ class RunPodProvider(Provider):
             fields["allowedCudaVersions"] = cuda
         if spec.command:
             fields["dockerArgs"] = " ".join(spec.command)
-        query = "mutation { podFindAndDeployOnDemand(input: %s) { id name machineId costPerHr desiredStatus } }" % (
-            _gql_literal(fields))
+        query = ("mutation { podFindAndDeployOnDemand(input: " + _gql_literal(fields)
+                 + ") { id name machineId costPerHr desiredStatus } }")
         data = await self._gql(query, "create", idempotent=False)
         pod = data.get("podFindAndDeployOnDemand")
         if not pod:
             raise ProviderError("runpod: create returned no pod", ambiguous=True)
         return self._gql_machine(pod)
 
-    async def _gql_list(self) -> list[Machine]:
-        data = await self._gql("query { myself { pods { %s } } }" % POD_FIELDS, "list")
+    async def _gql_list(self) -> builtins.list[Machine]:
+        data = await self._gql("query { myself { pods { " + POD_FIELDS + " } } }", "list")
         pods = (data.get("myself") or {}).get("pods") or []
         return [m for m in (self._gql_machine(p) for p in pods) if is_ours(m.label)]
 
     async def _gql_get(self, provider_id: str) -> Machine | None:
-        data = await self._gql('query { pod(input: {podId: %s}) { %s } }' % (
-            orjson.dumps(provider_id).decode(), POD_FIELDS), "get")
+        pod_id = orjson.dumps(provider_id).decode()
+        data = await self._gql("query { pod(input: {podId: " + pod_id + "}) { " + POD_FIELDS + " } }", "get")
         pod = data.get("pod")
         return self._gql_machine(pod) if pod else None
 

@@ -9,6 +9,7 @@ and the hosts the scaler is avoiding (a host that could not start the container 
 
 from __future__ import annotations
 
+import builtins
 from typing import Any
 
 from pydantic import Field
@@ -175,7 +176,7 @@ class VastProvider(Provider):
                        host_id=None if inst.get("machine_id") is None else str(inst.get("machine_id")),
                        message=str(inst.get("status_msg") or ""), raw=inst)
 
-    async def list(self) -> list[Machine]:
+    async def list(self) -> builtins.list[Machine]:
         r = await self.http.request("GET", "/api/v0/instances/", params={"owner": "me"})
         self._check(r, "list")
         if r.status_code != 200:
