@@ -107,17 +107,17 @@ async def test_vast_filters_cheapest_offer_taken_and_avoided_hosts() -> None:
 
 async def test_vast_broken_host_preemption_and_429_without_retry_after() -> None:
     cfg = SimConfig.model_validate({
-        "seed": 1, "machines": {"boot_seconds": 0, "broken_hosts": ["1004"]},
+        "seed": 1, "machines": {"boot_seconds": 0, "broken_hosts": ["1001"]},
         "families": {"vastai": {"rate_429": 0.4}},
     })
     with running_sim(cfg) as url:
         vast = VastProvider("v", VastConfig(api_key="k", base_url=url, gpu_name="RTX 4090"))
         vast.http.attempts = 10
         broken = await vast.create(spec())
-        assert broken.host_id == "1004"
+        assert broken.host_id == "1001"
         seen = await vast.get(broken.provider_id)
         assert seen is not None and seen.state == MachineState.FAILED and "daemon" in seen.message
-        ok = await vast.create(spec(label="offload-as-2", avoid_hosts={"1004"}))
+        ok = await vast.create(spec(label="offload-as-2", avoid_hosts={"1001"}))
         httpx.post(f"{url}/_sim/machines/{ok.provider_id}/vanish")  # pre-empted
         assert await vast.get(ok.provider_id) is None
         assert ok.provider_id not in {x.provider_id for x in await vast.list()}
