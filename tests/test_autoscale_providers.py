@@ -107,7 +107,7 @@ async def test_vast_filters_cheapest_offer_taken_and_avoided_hosts() -> None:
 
 async def test_vast_broken_host_preemption_and_429_without_retry_after() -> None:
     cfg = SimConfig.model_validate({
-        "seed": 1, "machines": {"boot_seconds": 0, "broken_hosts": ["1001"]},
+        "seed": 1, "api_key": "k", "machines": {"boot_seconds": 0, "broken_hosts": ["1001"]},
         "families": {"vastai": {"rate_429": 0.4}},
     })
     with running_sim(cfg) as url:
