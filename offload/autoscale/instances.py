@@ -41,11 +41,9 @@ EVENTS_MAX = 20_000
 
 _WRITE = """
 local cur = redis.call('GET', KEYS[1])
-if ARGV[1] ~= '' then
-  if not cur then return 'FENCED' end
-  local tok = string.match(cur, '^[^|]*|([^|]*)|')
-  if tok ~= ARGV[1] then return 'FENCED' end
-end
+if ARGV[1] == '' or not cur then return 'FENCED' end
+local tok = string.match(cur, '^[^|]*|([^|]*)|')
+if tok ~= ARGV[1] then return 'FENCED' end
 local status = redis.call('HGET', KEYS[2], 'status')
 if ARGV[2] == '+create' then
   if status then return 'EXISTS' end

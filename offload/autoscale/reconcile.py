@@ -69,8 +69,6 @@ async def sync(a: Autoscaler, inst: Instance, cfg: AutoscaleSettings, machine: M
             await log_event(a.redis, now, "ready", f"{inst.id}: worker {worker.id} registered", instance=inst.id,
                             queue=inst.queue, worker=worker.id)
         await a.instances.update(inst, a.leader.token, now, **changes)
-    elif inst.in_flight:
-        await a.instances.update(inst, a.leader.token, now, in_flight=0)
     if not inst.provider_id:
         if machine is not None:
             await a.instances.update(inst, a.leader.token, now, provider_id=machine.provider_id,
