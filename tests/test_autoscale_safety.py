@@ -27,8 +27,8 @@ from offload.sim.server import running_sim
 
 
 @pytest.fixture
-async def r(valkey_url: str) -> AsyncIterator[Any]:
-    client = await connect(valkey_url)
+async def r(fast_valkey_url: str) -> AsyncIterator[Any]:
+    client = await connect(fast_valkey_url)
     yield client
     await client.aclose()
 

@@ -179,6 +179,10 @@ class InstanceStore:
             if changes["status"] not in allowed:
                 raise StaleState(f"instance {inst.id}: {inst.status} -> {changes['status']} is not allowed")
             expect = expect or (inst.status,)
+        current = inst.to_dict()
+        changes = {k: v for k, v in changes.items() if k == "status" or current.get(k) != v}
+        if not changes:
+            return
         changes["updated_at"] = now
         leaving = False
         merged = {**inst.to_dict(), **changes}
