@@ -19,7 +19,16 @@ from fastapi.responses import JSONResponse
 from offload import __version__
 from offload.connection import connect
 from offload.queue.store import QueueStore
-from offload.server import errors, events, metrics, routes_jobs, routes_keys, routes_queues, routes_workers
+from offload.server import (
+    errors,
+    events,
+    metrics,
+    routes_autoscale,
+    routes_jobs,
+    routes_keys,
+    routes_queues,
+    routes_workers,
+)
 from offload.server.keys import KeyStore
 from offload.server.registry import WorkerRegistry
 from offload.server.state import ServerOptions, ServerState
@@ -67,9 +76,11 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
         )
         app.state.offload = state
         task = asyncio.create_task(_maintain(state), name="maintenance")
+        autoscaler = routes_autoscale.start(state)
         try:
             yield
         finally:
+            await routes_autoscale.stop(state, autoscaler)
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -99,6 +110,6 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
             log.warning("readiness check failed: %s", type(exc).__name__)
         return JSONResponse({"error": "unavailable", "detail": "the job store does not answer"}, status_code=503)
 
-    for module in (routes_jobs, routes_queues, routes_workers, routes_keys, events, metrics):
+    for module in (routes_jobs, routes_queues, routes_workers, routes_keys, events, metrics, routes_autoscale):
         app.include_router(module.router)
     return app
