@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
+
 from offload.autoscale.providers.mock import MockConfig, MockProvider
 from offload.autoscale.scaler import Autoscaler
 from offload.autoscale.workers import INDEX, worker_key
@@ -52,9 +54,15 @@ def queue_block(**overrides: Any) -> dict[str, Any]:
     return block
 
 
+def sim_call(method: str, url: str, **kwargs: Any) -> Any:
+    """A simulator control/inspection call (sync: the simulator runs in its own thread)."""
+    return httpx.request(method, url, timeout=10, **kwargs).json()
+
+
 def make_scaler(redis: Any, clock: Clock, block: dict[str, Any] | None = None, *, queue: str = "gpu",
                 mock: MockConfig | None = None, owner: str = "s1", alerts: dict[str, Any] | None = None,
-                extra: dict[str, Any] | None = None, server: dict[str, Any] | None = None) -> tuple[Autoscaler, MockProvider]:
+                extra: dict[str, Any] | None = None,
+                server: dict[str, Any] | None = None) -> tuple[Autoscaler, MockProvider]:
     settings = Settings.model_validate({
         "queues": {queue: {"autoscale": block or queue_block()}},
         "autoscaler": {"worker_key": "ofk_worker_key", "leader_ttl": 60, **(server or {})},

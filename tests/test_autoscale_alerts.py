@@ -59,7 +59,7 @@ class Sink:
     def __init__(self) -> None:
         self.messages: list[bytes] = []
 
-    async def handle_DATA(self, server: Any, session: Any, envelope: Any) -> str:  # noqa: N802 - aiosmtpd's name
+    async def handle_DATA(self, server: Any, session: Any, envelope: Any) -> str:  # aiosmtpd's hook name
         self.messages.append(envelope.content)
         return "250 OK"
 

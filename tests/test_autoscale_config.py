@@ -102,9 +102,9 @@ async def test_provider_store_encrypts_masks_and_keeps_untyped_secrets(r: Any) -
     assert revealed["api_key"] == "vast-key-1234567890" and revealed["max_price_per_hour"] == 0.6
     await store.update("gpu-vast", {"api_key": "new-key-abcdefghijkl"})
     assert (await store.get("gpu-vast", reveal=True)).config["api_key"] == "new-key-abcdefghijkl"
-    with pytest.raises(ConfigError, match="config.min_reliability"):
+    with pytest.raises(ConfigError, match=r"config\.min_reliability"):
         await store.update("gpu-vast", {"min_reliability": 3})
-    with pytest.raises(ConfigError, match="config.api_key: Field required"):
+    with pytest.raises(ConfigError, match=r"config\.api_key: Field required"):
         await store.create("rp", "runpod", {})
     await r.sadd(keys.LIVE, "as-1")
     await r.hset(keys.instance("as-1"), mapping={"provider": "gpu-vast", "status": "running"})

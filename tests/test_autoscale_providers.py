@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from autoscale_helpers import sim_call
 
 from offload.autoscale.providers import LaunchSpec, MachineState, NotOurs, OutOfCapacity, ProviderError
 from offload.autoscale.providers.runpod import RunPodConfig, RunPodProvider
@@ -61,7 +62,7 @@ async def test_runpod_graphql_fallback_and_failing_terminate() -> None:
             await rp.destroy(m.provider_id)  # 4 attempts, all answered 500
         await rp.destroy(m.provider_id)
         assert await rp.get(m.provider_id) is None
-        stats = httpx.get(f"{url}/_sim/stats").json()["requests"]
+        stats = sim_call("GET", f"{url}/_sim/stats")["requests"]
         assert stats["pods.graphql"] >= 5 and stats["pods.create"] == 1  # REST tried once, then GraphQL
         await rp.aclose()
 
@@ -74,8 +75,8 @@ async def test_runpod_429_and_ambiguous_5xx_create() -> None:
         rp.http.attempts = 8
         machines = [await rp.create(spec(label=f"offload-as-{i}")) for i in range(3)]
         assert len({m.provider_id for m in await rp.list()}) == 3 == len(machines)
-        assert httpx.get(f"{url}/_sim/stats").json()["faults"]  # 429s did happen and were ridden out
-        httpx.post(f"{url}/_sim/outage", json={"family": "pods", "mode": "503"})
+        assert sim_call("GET", f"{url}/_sim/stats")["faults"]  # 429s did happen and were ridden out
+        sim_call("POST", f"{url}/_sim/outage", json={"family": "pods", "mode": "503"})
         with pytest.raises(ProviderError) as err:
             await rp.create(spec(label="offload-as-9"))
         assert err.value.ambiguous  # a 5xx on create: may have rented, so it is not blindly repeated
@@ -118,7 +119,7 @@ async def test_vast_broken_host_preemption_and_429_without_retry_after() -> None
         seen = await vast.get(broken.provider_id)
         assert seen is not None and seen.state == MachineState.FAILED and "daemon" in seen.message
         ok = await vast.create(spec(label="offload-as-2", avoid_hosts={"1001"}))
-        httpx.post(f"{url}/_sim/machines/{ok.provider_id}/vanish")  # pre-empted
+        sim_call("POST", f"{url}/_sim/machines/{ok.provider_id}/vanish")  # pre-empted
         assert await vast.get(ok.provider_id) is None
         assert ok.provider_id not in {x.provider_id for x in await vast.list()}
         await vast.destroy(ok.provider_id)  # gone already: success

@@ -10,9 +10,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
 import pytest
-from autoscale_helpers import Clock, drop_worker, make_scaler, put_worker, queue_block
+from autoscale_helpers import Clock, drop_worker, make_scaler, put_worker, queue_block, sim_call
 
 from offload.autoscale import keys
 from offload.autoscale.instances import Fenced, Instance
@@ -129,7 +128,7 @@ async def test_busy_worker_is_never_scaled_down(r: Any) -> None:
 
 async def test_worker_that_touched_a_task_in_the_last_30s_is_spared(r: Any) -> None:
     clock = Clock(1_800_000_300)
-    s, mock = make_scaler(r, clock, queue_block(scale_down=[{"trigger": "schedule", "cron": "*/10 * * * *"}]))
+    s, _ = make_scaler(r, clock, queue_block(scale_down=[{"trigger": "schedule", "cron": "*/10 * * * *"}]))
     inst = await _running(s, r, clock)
     store = qstore(r, clock)
     clock.t = (clock.t // 600 + 1) * 600 - 5  # 5 s before a scale-down schedule fires
@@ -180,7 +179,7 @@ async def test_scale_down_drains_before_destroying(r: Any) -> None:
 async def test_teardown_is_journaled_and_retried_across_restarts(r: Any) -> None:
     clock = Clock()
     block = queue_block(scale_down=[{"trigger": "idle", "timeout": "1m"}])
-    s, mock = make_scaler(r, clock, block, mock=MockConfig(fail_destroys=2))
+    s, _ = make_scaler(r, clock, block, mock=MockConfig(fail_destroys=2))
     inst = await _running(s, r, clock)
     await drop_worker(r, "w1")
     await step(s, clock, seconds=61)  # idle: draining
@@ -269,7 +268,7 @@ async def test_broken_host_is_avoided_and_the_next_rental_waits_briefly(r: Any) 
         assert await r.zscore(keys.avoid("v"), "1001") == pytest.approx(clock.t - 150 + 86400, abs=60)
         assert len(rentals) == 1 and rentals[0].host != "1001"  # after a 30 s pause, not a boot backoff
         assert host_pause(1) == 30 and host_pause(10) == 600
-        machines = httpx.get(f"{url}/_sim/machines").json()["machines"]
+        machines = sim_call("GET", f"{url}/_sim/machines")["machines"]
         assert {m["phase"] for m in machines if m["host"] == "1001"} == {"deleted"}
         await vast.aclose()
 
@@ -323,7 +322,7 @@ async def test_real_providers_need_a_public_url_and_never_get_the_admin_key(r: A
         s.env["OFFLOAD_ADMIN_KEY"] = "admin-secret"
         await step(s, clock)
         assert await s.instances.live() == [] and "admin key" in s.alerter.sent[-1]["message"]
-        assert httpx.get(f"{url}/_sim/stats").json()["requests"].get("vastai.rent") is None
+        assert sim_call("GET", f"{url}/_sim/stats")["requests"].get("vastai.rent") is None
         await vast.aclose()
 
 

@@ -258,6 +258,9 @@ class ServerSide(_Strict):
     tick: Duration = Field(1.0, gt=0, description="how often the loop wakes; each queue runs per its poll_interval")
     leader_ttl: Duration = Field(30.0, gt=0)
     heartbeat_timeout: Duration = Field(300.0, gt=0)
+    recent_task: Duration = Field(30.0, ge=0, description="a worker that touched a task this recently is spared")
+    drain_settle: Duration = Field(15.0, ge=0, description="after asking a worker to drain, wait this long (a "
+                                   "heartbeat or two) before trusting its in-flight count")
 
 
 def server_side(data: Any, env: dict[str, str] | None = None) -> ServerSide:

@@ -24,14 +24,14 @@ HOST_PAUSE_CAP = 600.0
 PROVISION_GRACE = 120.0  # a provisioning record with no machine id: wait this long for it to show at the provider
 
 
-def spared(inst: Instance, now: float) -> str | None:
+def spared(inst: Instance, now: float, recent: float = RECENT_TASK) -> str | None:
     """Why this instance must not be scaled down now, or None if it may be drained."""
     if inst.protected:
         return "protected"
     if inst.in_flight > 0:
         return "busy"
-    if inst.last_task_at and now - inst.last_task_at < RECENT_TASK:
-        return "touched a task in the last 30s"
+    if inst.last_task_at and now - inst.last_task_at < recent:
+        return f"touched a task in the last {recent:.0f}s"
     return None
 
 

@@ -47,7 +47,7 @@ class Autoscaler:
         self, redis: Any, settings: Settings | None = None, *, clock: Clock = time.time, owner: str | None = None,
         workers: WorkerSource | None = None, providers: ProviderStore | None = None,
         alerter: Alerter | None = None, server_url: str | None = None,
-        provider_override: dict[str, Provider] | None = None, drain_settle: float = 15.0,
+        provider_override: dict[str, Provider] | None = None, drain_settle: float | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
         self.redis = redis
@@ -63,7 +63,7 @@ class Autoscaler:
         self.alerter = alerter or Alerter(alert_settings(self.settings.alerts), redis, clock)
         self.server_url = server_url
         self.override = provider_override or {}
-        self.drain_settle = drain_settle
+        self.drain_settle = self.server.drain_settle if drain_settle is None else drain_settle
         self._cache: dict[str, tuple[int, Provider]] = {}
         self._next: dict[str, float] = {}
         self._next_sweep = 0.0
@@ -319,7 +319,7 @@ class Autoscaler:
         for inst in candidates:
             if excess <= 0:
                 break
-            if spared(inst, now) is not None:
+            if spared(inst, now, self.server.recent_task) is not None:
                 continue
             await self._drain(inst, listings, now)
             excess -= 1
