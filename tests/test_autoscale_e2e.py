@@ -188,3 +188,40 @@ async def test_two_autoscalers_only_the_leader_calls_the_provider(r: Any) -> Non
 
 async def _true(value: Any) -> Any:
     return value
+
+
+async def test_autoscale_api(r: Any, valkey: ValkeyServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OFFLOAD_VAULT_MASTER_KEY", VAULT_KEY)
+    monkeypatch.setenv("OFFLOAD_AUTOSCALER", "off")
+    admin = "admin-" + secrets.token_hex(8)
+    _, viewer = await KeyStore(r).create("viewer", [], "dashboards")
+    options = ServerOptions(redis_url=valkey.url, admin_key=admin,
+                            settings=Settings.model_validate({"storage": {"kind": "local", "path": str(tmp_path)}}))
+    with running_server(options) as url:
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {admin}"}) as api, \
+                httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {viewer}"}) as view:
+            body = {"name": "gpu-runpod", "type": "runpod", "config": {"api_key": "rpa_abcdefghijkl1234"}}
+            assert (await view.post("/v1/autoscale/providers", json=body)).status_code == 403
+            created = await api.post("/v1/autoscale/providers", json=body)
+            assert created.status_code == 201 and created.json()["config"]["api_key"] == "****1234"
+            bad = await api.post("/v1/autoscale/providers", json={"name": "x", "type": "gcp"})
+            assert bad.status_code == 422 and "type: unknown provider type" in bad.text
+            kept = await api.patch("/v1/autoscale/providers/gpu-runpod",
+                                   json={"api_key": "****1234", "cloud_type": "COMMUNITY"})
+            assert kept.status_code == 200 and kept.json()["config"]["cloud_type"] == "COMMUNITY"
+            listed = (await view.get("/v1/autoscale/providers")).json()
+            assert listed[0]["config"]["api_key"] == "****1234" and "rpa_" not in str(listed)
+            block = {"enabled": True, "provider": "gpu-runpod", "max_workers": 0}
+            wrong = await api.put("/v1/autoscale/queues/gpu", json=block)
+            assert wrong.status_code == 422 and "queues.gpu.autoscale.max_workers" in wrong.text
+            block["max_workers"] = 2
+            assert (await api.put("/v1/autoscale/queues/gpu", json=block)).status_code == 200
+            got = (await view.get("/v1/autoscale/queues/gpu")).json()
+            assert got == {"source": "api", "autoscale": block}
+            scaler = Autoscaler(r, Settings(), env={})
+            assert (await scaler.configs())["gpu"].max_workers == 2
+            assert (await api.post("/v1/autoscale/instances/as-none/protect")).status_code == 404
+            status = (await view.get("/v1/autoscale/status")).json()
+            assert status["instances"] == [] and status["leader"] is None
+            assert (await api.delete("/v1/autoscale/providers/gpu-runpod")).status_code == 204
+            await scaler.aclose()

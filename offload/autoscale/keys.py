@@ -14,6 +14,7 @@ PROVIDERS = P + "providers"
 LIVE = P + "live"  # instance ids not yet finished (status not final, or teardown not confirmed)
 ALL = P + "all"  # every instance id, scored by creation time (ms), for status and history
 EVENTS = P + "events"
+QUEUE_CONFIGS = P + "cfgs"  # queues with an autoscale block set through the API
 
 
 def provider(name: str) -> str:

@@ -77,9 +77,9 @@ class Autoscaler:
         for name, q in self.settings.queues.items():
             if q.autoscale is not None:
                 out[name] = validate_autoscale(q.autoscale, f"queues.{name}.autoscale")
-        async for key in self.redis.scan_iter(match=keys.queue_config("*"), count=500):
-            queue = key.rsplit(":", 1)[1]
-            raw = await self.redis.get(key)
+        names = sorted(await self.redis.smembers(keys.QUEUE_CONFIGS))
+        raws = await self.redis.mget([keys.queue_config(q) for q in names]) if names else []
+        for queue, raw in zip(names, raws, strict=True):
             if raw:
                 out[queue] = validate_autoscale(orjson.loads(raw), f"queues.{queue}.autoscale")
         return out

@@ -121,14 +121,18 @@ async def put_queue(request: Request, queue: str, key: Principal, block: dict[st
         parsed = validate_autoscale(block, f"queues.{validate_queue(queue)}.autoscale")
     except ConfigError as exc:
         raise _bad(exc) from None
-    await get_state(request).redis.set(keys.queue_config(queue), orjson.dumps(block))
+    redis = get_state(request).redis
+    await redis.set(keys.queue_config(queue), orjson.dumps(block))
+    await redis.sadd(keys.QUEUE_CONFIGS, queue)
     return {"source": "api", "autoscale": parsed.model_dump(mode="json")}
 
 
 @router.delete("/queues/{queue}", status_code=204, summary="Drop the API-set block (offload.yaml applies again)")
 async def delete_queue(request: Request, queue: str, key: Principal) -> None:
     need_admin(key, "configure autoscaling")
-    await get_state(request).redis.delete(keys.queue_config(validate_queue(queue)))
+    redis = get_state(request).redis
+    await redis.delete(keys.queue_config(validate_queue(queue)))
+    await redis.srem(keys.QUEUE_CONFIGS, queue)
 
 
 @router.post("/instances/{instance_id}/{action}", summary="protect / unprotect an instance")
