@@ -146,3 +146,18 @@ def test_cli_providers_and_status(fast_valkey_url: str, monkeypatch: pytest.Monk
     assert res.exit_code == 1 and "no instance" in res.output
     res = runner.invoke(app, ["providers", "remove", "rp", "--url", fast_valkey_url])
     assert res.exit_code == 0 and "deleted" in res.output
+
+
+def test_readme_autoscaling_example_loads(tmp_path: Path) -> None:
+    import re
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("## Autoscaling", 1)[1]
+    block = re.search(r"```yaml\n(.*?)```", section, re.S)
+    assert block, "the README's autoscaling example is missing"
+    f = tmp_path / "offload.yaml"
+    f.write_text(block.group(1))
+    settings = load_settings(f, env={"OFFLOAD_WORKER_API_KEY": "ofk_w", "HOOK_TOKEN": "t", "SMTP_PASSWORD": "p"})
+    cfg = validate_autoscale(settings.queues["inference"].autoscale, "q")
+    assert cfg.max_workers == 4 and [t.trigger for t in cfg.scale_up] == ["no_workers", "queue_depth", "latency",
+                                                                          "schedule"]
