@@ -206,6 +206,15 @@ class InstanceStore:
         found = [await self.get(i) for i in ids]
         return [i for i in found if i is not None]
 
+    async def forget_before(self, cutoff: float, limit: int = 1000) -> int:
+        """Delete finished instance records created before `cutoff` (history retention); live ones stay."""
+        ids = await self.redis.zrangebyscore(keys.ALL, "-inf", int(cutoff * 1000), start=0, num=limit)
+        gone = [i for i in ids if not await self.redis.sismember(keys.LIVE, i)]
+        if gone:
+            await self.redis.delete(*(keys.instance(i) for i in gone))
+            await self.redis.zrem(keys.ALL, *gone)
+        return len(gone)
+
     async def set_protect(self, instance_id: str, value: bool) -> Instance:
         """Operators protect/unprotect at any time, leader or not: the flag only ever prevents a destroy."""
         if not await self.redis.exists(keys.instance(instance_id)):

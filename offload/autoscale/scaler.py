@@ -40,6 +40,7 @@ from offload.queue.store import QueueStore
 
 log = logging.getLogger("offload.autoscale")
 Clock = Any
+HISTORY_DAYS = 30  # finished instance records are kept this long (status history, cost audit)
 
 
 class Autoscaler:
@@ -133,6 +134,7 @@ class Autoscaler:
         if now >= self._next_sweep:
             self._next_sweep = now + self.server.orphan_sweep_interval
             await self.sweep(now)
+            await self.instances.forget_before(now - HISTORY_DAYS * 86400)
             with contextlib.suppress(Exception):
                 await self.alerter.monitor(self.store, await self.store.queues())
         return True

@@ -28,7 +28,7 @@ async def snapshot(redis: Any, *, history: int = 50, now: float | None = None) -
     now = time.time() if now is None else now
     store = InstanceStore(redis)
     live = await store.live()
-    recent = [i for i in await store.recent(history) if i.id not in {x.id for x in live}]
+    recent = [i for i in await store.recent(history) if i.id not in {x.id for x in live}] if history > 0 else []
     queues: dict[str, dict[str, Any]] = {}
     for inst in live + recent:
         q = queues.setdefault(inst.queue, {"active": 0, "draining": 0, "live_cost": 0.0})
