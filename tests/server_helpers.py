@@ -53,7 +53,7 @@ def make_key(url: str, admin: str, scope: str, queues: list[str] | None = None) 
         return token
 
 
-def poll(check: Callable[[], Any], timeout: float = 15.0, what: str = "condition", interval: float = 0.05) -> Any:
+def poll(check: Callable[[], Any], timeout: float = 30.0, what: str = "condition", interval: float = 0.05) -> Any:
     """Poll until `check()` returns something truthy; fail with `what` after `timeout` (never a bare sleep)."""
     deadline = time.monotonic() + timeout
     while True:

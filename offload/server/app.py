@@ -44,20 +44,24 @@ def _storage_settings(options: ServerOptions) -> dict[str, Any]:
     return data
 
 
-async def _maintain(state: ServerState) -> None:
+async def _maintain(state: ServerState, stop: asyncio.Event) -> None:
     """Promote due delayed/retry jobs, return the jobs of silent workers, trim expired records, and sample
     totals for rates. Queues served only by remote workers rely on this (dispatch workers do it themselves
-    when they claim). Safe to run in every server process at once: each step is one atomic script."""
-    while True:
+    when they claim). Safe to run in every server process at once: each step is one atomic script.
+
+    It ends on `stop` rather than by cancellation alone: redis-py can turn a cancel that lands during its own
+    timeout handling into a TimeoutError, which a retry loop would swallow and keep going."""
+    while not stop.is_set():
         try:
             for queue in await state.store.queues():
                 await state.store.reap(queue)
                 state.rates.observe(queue, (await state.store.stats(queue)).totals)
-        except asyncio.CancelledError:
-            raise
         except Exception as exc:  # Redis away: /readyz says so; try again next round
+            if stop.is_set():
+                break
             log.warning("maintenance: %s", type(exc).__name__)
-        await asyncio.sleep(state.options.maintenance_interval_s)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), state.options.maintenance_interval_s)
 
 
 def create_app(options: ServerOptions | None = None) -> FastAPI:
@@ -75,15 +79,16 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
             rates=metrics.RateTracker(),
         )
         app.state.offload = state
-        task = asyncio.create_task(_maintain(state), name="maintenance")
+        stop = asyncio.Event()
+        task = asyncio.create_task(_maintain(state, stop), name="maintenance")
         autoscaler = routes_autoscale.start(state)
         try:
             yield
         finally:
             await routes_autoscale.stop(state, autoscaler)
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            stop.set()
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(task, 5.0)
             await state.hub.aclose()
             await state.storage.aclose()
             await redis.aclose()

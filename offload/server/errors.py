@@ -34,7 +34,7 @@ from offload.server.keys import InvalidKeyRequest
 
 log = logging.getLogger("offload.server")
 KINDS = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
-         409: "conflict", 413: "too_large", 422: "invalid", 503: "unavailable"}
+         409: "conflict", 413: "too_large", 422: "invalid", 500: "internal", 503: "unavailable"}
 
 
 class FieldError(Exception):
@@ -108,6 +108,12 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(ConnectionFailed)
     async def unreachable(request: Request, exc: ConnectionFailed) -> JSONResponse:
         return _json(503, "the job store is unavailable; retry later", {"Retry-After": "1"})
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        """A bug: logged with its traceback here, a bare JSON 500 for the client (no internals leak)."""
+        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return _json(500, "internal error")
 
 
 class _TooLarge(StarletteHTTPException):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -21,12 +22,14 @@ from fastapi.responses import StreamingResponse
 from offload.queue.keys import prefix, validate_queue
 from offload.queue.store import QueueStore
 from offload.server.auth import Principal, can_read, need_read
+from offload.server.keys import ApiKey
 from offload.server.state import get_state
 
 log = logging.getLogger("offload.server")
 Event = tuple[str, str, dict[str, str]]  # (queue, stream id, fields)
 RESYNC: Event = ("", "", {"state": "resync"})
 SUBSCRIBER_BUFFER = 1000
+FOLLOW_INTERVAL_S = 2.0
 
 
 def _sid(stream_id: str) -> tuple[int, int]:
@@ -69,14 +72,22 @@ class EventHub:
         self.block_ms = block_ms
         self._subs: dict[str, set[Subscription]] = {}
         self._readers: dict[str, asyncio.Task[None]] = {}
+        self._closed = False
 
     def subscribe(self, queues: list[str]) -> Subscription:
-        sub = Subscription(self, queues)
+        sub = Subscription(self, [])
         for q in queues:
-            self._subs.setdefault(q, set()).add(sub)
-            if q not in self._readers or self._readers[q].done():
-                self._readers[q] = asyncio.create_task(self._read(q), name=f"events:{q}")
+            self.add(sub, q)
         return sub
+
+    def add(self, sub: Subscription, queue: str) -> None:
+        """Also follow `queue` (a queue created after an all-queues stream started)."""
+        if queue in sub.queues:
+            return
+        sub.queues.append(queue)
+        self._subs.setdefault(queue, set()).add(sub)
+        if queue not in self._readers or self._readers[queue].done():
+            self._readers[queue] = asyncio.create_task(self._read(queue), name=f"events:{queue}")
 
     def _unsubscribe(self, sub: Subscription) -> None:
         for q in sub.queues:
@@ -95,13 +106,13 @@ class EventHub:
 
     async def _read(self, queue: str) -> None:
         last = await self.last_id(queue)
-        while self._subs.get(queue):
+        while self._subs.get(queue) and not self._closed:
             try:
                 entries = await self.store.events(queue, last, block_ms=self.block_ms, count=500)
-            except asyncio.CancelledError:
-                raise
             except Exception as exc:  # Redis blip: subscribers time out and re-read; keep trying
-                log.warning("event reader for %s: %s", queue, exc)
+                if self._closed:  # a cancel that redis-py turned into a timeout error
+                    return
+                log.warning("event reader for %s: %s", queue, type(exc).__name__)
                 await asyncio.sleep(0.5)
                 continue
             for eid, fields in entries:
@@ -110,6 +121,7 @@ class EventHub:
                     sub.push((queue, eid, fields))
 
     async def aclose(self) -> None:
+        self._closed = True
         tasks = list(self._readers.values())
         self._readers.clear()
         for t in tasks:
@@ -134,9 +146,13 @@ def _frame(event: Event) -> bytes:
 router = APIRouter(tags=["events"])
 
 
-async def _stream(request: Request, queues: list[str], since: str | None) -> AsyncIterator[bytes]:
+async def _stream(request: Request, queues: list[str], since: str | None,
+                  follow: ApiKey | None = None) -> AsyncIterator[bytes]:
+    """`follow`: an all-queues stream, which also picks up queues created later that this key may read."""
     state = get_state(request)
     keepalive = state.options.sse_keepalive_s
+    tick = min(keepalive, FOLLOW_INTERVAL_S) if follow else keepalive
+    quiet_since = time.monotonic()
     with state.hub.subscribe(queues) as sub:
         yield b": connected\n\n"
         floor = (0, 0)
@@ -146,12 +162,19 @@ async def _stream(request: Request, queues: list[str], since: str | None) -> Asy
                 floor = _sid(eid)
                 yield _frame((queues[0], eid, fields))
         while True:
-            event = await sub.next(keepalive)
+            event = await sub.next(tick)
             if event is None:
                 if await request.is_disconnected():
                     return
-                yield b": keepalive\n\n"
+                if follow is not None:
+                    for q in await state.store.queues():
+                        if can_read(follow, q):
+                            state.hub.add(sub, q)
+                if time.monotonic() - quiet_since >= keepalive:
+                    quiet_since = time.monotonic()
+                    yield b": keepalive\n\n"
             elif event is RESYNC or _sid(event[1]) > floor:
+                quiet_since = time.monotonic()
                 yield _frame(event)
 
 
@@ -172,9 +195,9 @@ async def all_events(
         if queue:
             need_read(key, q)
     visible = [q for q in wanted if can_read(key, q)]
-    if not visible and not queue and key.scope == "worker":
+    if not queue and key.scope == "worker":
         raise HTTPException(403, "a worker key may not read events")
-    return _sse(_stream(request, visible, None))
+    return _sse(_stream(request, visible, None, follow=None if queue else key))
 
 
 @router.get("/v1/queues/{queue}/events", summary="Server-sent events of one queue (resumable: Last-Event-ID)")

@@ -137,7 +137,7 @@ async def cancel_job(request: Request, job_id: str, key: Principal) -> CancelRep
 async def list_jobs(
     request: Request, queue: str, key: Principal,
     state: Annotated[str, Query(description=f"One of: {', '.join(STATE_SETS)}")] = "queued",
-    cursor: Annotated[str | None, Query(max_length=20, pattern=r"^\d+$")] = None,
+    cursor: Annotated[str | None, Query(max_length=15, pattern=r"^\d+$")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
 ) -> JobPage:
     need_read(key, queue)

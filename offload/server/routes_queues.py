@@ -15,7 +15,7 @@ from offload.server.schemas import CountReply, JobPage, MoveReply, MoveRequest, 
 from offload.server.state import ServerState, get_state
 
 router = APIRouter(tags=["queues"])
-CursorQ = Annotated[str | None, Query(max_length=20, pattern=r"^\d+$")]
+CursorQ = Annotated[str | None, Query(max_length=15, pattern=r"^\d+$")]
 LimitQ = Annotated[int, Query(ge=1, le=1000)]
 MOVE_BATCH = 1000
 

@@ -14,15 +14,20 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+CENTURY_S = 100 * 365 * 86_400
+LAST_EPOCH_S = 253_402_300_799  # 9999-12-31: times past it overflow Redis scores and Python dates alike
+
+
 class JobOptions(_Request):
-    """Per-job options, as in `Client.enqueue`."""
+    """Per-job options, as in `Client.enqueue`. Upper bounds keep values inside what Redis can store."""
 
     priority: int = Field(0, ge=-1000, le=1000, description="Higher runs first; FIFO within a priority.")
-    delay: float | None = Field(None, ge=0, description="Seconds before the job is ready.")
-    run_at: float | None = Field(None, ge=0, description="Epoch seconds when the job becomes ready.")
+    delay: float | None = Field(None, ge=0, le=CENTURY_S, description="Seconds before the job is ready.")
+    run_at: float | None = Field(None, ge=0, le=LAST_EPOCH_S, description="Epoch seconds when the job is ready.")
     max_attempts: int = Field(DEFAULT_MAX_ATTEMPTS, ge=1, le=1000)
     output_key: str | None = Field(None, min_length=1, max_length=1024, description="Default results/<id>.json.")
-    retention: int = Field(DEFAULT_RETENTION_S, ge=0, description="Seconds a finished record is kept.")
+    retention: int = Field(DEFAULT_RETENTION_S, ge=0, le=CENTURY_S,
+                           description="Seconds a finished record is kept (0: a century).")
     idempotency_key: str | None = Field(None, min_length=1, max_length=1024)
 
 

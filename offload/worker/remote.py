@@ -198,7 +198,13 @@ class RemoteWorker:
                 except Unregistered:
                     await self._register()
                     continue
-                except (ConnectionError, Rejected) as exc:
+                except Rejected as exc:
+                    if exc.status in (401, 403):  # the key was revoked or never fit: retrying cannot help
+                        raise
+                    log.warning("claim failed: %s", exc)
+                    await _first(asyncio.sleep(1.0), stop.wait())
+                    continue
+                except ConnectionError as exc:
                     log.warning("claim failed: %s", exc)
                     await _first(asyncio.sleep(1.0), stop.wait())
                     continue

@@ -13,8 +13,14 @@ from typing import Any
 
 import httpx
 
+from offload.errors import OffloadError
+
 log = logging.getLogger("offload.worker.remote")
 RETRY_STATUSES = {502, 503, 504}
+
+
+class ServerUnavailable(OffloadError, ConnectionError):
+    """The server did not answer (or answered 502/503/504) for the whole retry period."""
 
 
 class Stale(Exception):
@@ -25,7 +31,7 @@ class Unregistered(Exception):
     """The server does not know this worker id (it expired): register again."""
 
 
-class Rejected(Exception):
+class Rejected(OffloadError):
     """A 4xx the worker cannot fix by retrying (bad key, wrong queue, invalid output)."""
 
     def __init__(self, status: int, detail: Any) -> None:
@@ -57,7 +63,7 @@ class ServerApi:
             except httpx.TransportError as exc:
                 problem = type(exc).__name__
             if loop.time() + delay > deadline:
-                raise ConnectionError(f"{path}: server unavailable ({problem})")
+                raise ServerUnavailable(f"{self.base}{path}: server unavailable ({problem})")
             log.debug("%s: %s, retrying in %.1fs", path, problem, delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
