@@ -199,7 +199,9 @@ async def test_preempted_machine_is_marked_failed_and_destroyed(r: Any) -> None:
     clock = Clock()
     s, mock = make_scaler(r, clock)
     inst = await _running(s, r, clock)
+    await step(s, clock, times=3)  # past the grace in which a fresh rental may be missing from the listing
     await mock.vanish(inst.provider_id)
+    await put_worker(r, "w1", "gpu", inst.id, clock())
     await step(s, clock)
     got = await s.instances.get(inst.id)
     assert got is not None and got.status == "failed" and "vanished" in got.reason and got.teardown == "done"

@@ -80,7 +80,9 @@ async def sync(a: Autoscaler, inst: Instance, cfg: AutoscaleSettings, machine: M
             return
         else:
             return
-    if listed and inst.status != "draining" and (machine is None or machine.state in DEAD_STATES):
+    young = now - inst.created_at < PROVISION_GRACE  # a fresh rental may not be in the provider's list yet
+    if listed and inst.status != "draining" and ((machine is None and not young)
+                                                  or (machine is not None and machine.state in DEAD_STATES)):
         state = "vanished (pre-empted or deleted)" if machine is None else f"reported {machine.state.value}"
         detail = f": {machine.message}" if machine is not None and machine.message else ""
         if machine is not None and machine.state == MachineState.FAILED and not inst.ready_at:
