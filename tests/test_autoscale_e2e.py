@@ -6,7 +6,6 @@ only the leader ever calls the provider, and the other takes over when the leade
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
 import sys
 import time
@@ -20,6 +19,7 @@ from autoscale_helpers import VAULT_KEY, put_worker, sim_call
 from servers import ValkeyServer, free_port
 
 from offload.autoscale.provider_store import ProviderStore
+from offload.autoscale.providers.local import LocalConfig, LocalProvider
 from offload.autoscale.providers.vastai import VastConfig, VastProvider
 from offload.autoscale.scaler import Autoscaler
 from offload.autoscale.vault import Vault
@@ -64,6 +64,15 @@ async def test_local_provider_end_to_end(r: Any, valkey: ValkeyServer, tmp_path:
     await ProviderStore(r, Vault(VAULT_KEY)).create("here", "local", {
         "handler": "tests.handlers:echo", "python": sys.executable, "workdir": str(REPO), "grace": 5,
         "log_dir": str(tmp_path / "logs"), "stop_timeout": 5})
+    try:
+        await _local_end_to_end(r, valkey, tmp_path, queue, worker_token)
+    finally:  # whatever happened, no worker process outlives the test
+        leftover = LocalProvider("here", LocalConfig(stop_timeout=1), r)
+        for machine in await leftover.list():
+            await leftover.destroy(machine.provider_id)
+
+
+async def _local_end_to_end(r: Any, valkey: ValkeyServer, tmp_path: Path, queue: str, worker_token: str) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     settings = Settings.model_validate({
@@ -161,9 +170,9 @@ async def test_two_autoscalers_only_the_leader_calls_the_provider(r: Any) -> Non
         assert a.provider_calls > 0 and b.provider_calls == 0
         assert sim_requests() >= a.provider_calls  # (the adapter may retry, never fewer)
         # the leader dies without releasing its lock; the other takes over after the TTL and finishes the job
-        task_a.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task_a
+        a.leader.release = _no_release  # type: ignore[method-assign]
+        stop_a.set()
+        await asyncio.wait_for(task_a, 10)
 
         async def destroyed() -> bool:
             got = await b.instances.get(inst.id)
@@ -182,8 +191,12 @@ async def test_two_autoscalers_only_the_leader_calls_the_provider(r: Any) -> Non
         machines = sim_call("GET", f"{sim_url}/_sim/machines")["machines"]
         assert [m["phase"] for m in machines] == ["deleted"]
         stop_b.set()
-        await task_b
+        await asyncio.wait_for(task_b, 10)
         await a.aclose()
+
+
+async def _no_release() -> None:
+    """A dead process releases nothing."""
 
 
 async def _true(value: Any) -> Any:

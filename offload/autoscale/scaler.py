@@ -108,6 +108,9 @@ class Autoscaler:
             except Fenced as exc:
                 log.warning("autoscaler: %s", exc)
             except Exception:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # a cancel that redis-py turned into a TimeoutError: still a cancel
                 log.exception("autoscaler evaluation failed; retrying next tick")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.server.tick)
