@@ -24,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from offload.autoscale_cli import register as register_autoscale
 from offload.cli_errors import _errors, _fail
 from offload.connection import connect
 from offload.embedded import data_dir, ensure_embedded, running_url, stop_embedded
@@ -61,6 +62,7 @@ app.add_typer(embedded_app, name="embedded")
 app.add_typer(sim_app, name="sim")
 register_pipeline(app)
 register_server(app)
+register_autoscale(app)
 
 UrlOpt = Annotated[str | None, typer.Option(
     "--url", show_default=False,

@@ -74,7 +74,7 @@ class BackendSettings(BaseModel):
 
 
 class QueueSettings(_Strict):
-    backend: str
+    backend: str | None = None  # None: served by GPU workers (`offload worker --handler`), not dispatched
     concurrency: int = Field(256, ge=1, le=100_000)
     max_attempts: int = Field(3, ge=1)
     daily_job_cap: int | None = Field(None, ge=0)
@@ -82,6 +82,7 @@ class QueueSettings(_Strict):
     poll_interval: float = Field(5.0, gt=0)
     poll_timeout: float = Field(600.0, gt=0)
     ingest_list: str | None = None
+    autoscale: dict[str, Any] | None = None  # validated by offload.autoscale.config (see load_settings)
 
 
 class Settings(_Strict):
@@ -89,6 +90,8 @@ class Settings(_Strict):
     storage: StorageSettings = StorageSettings()
     backends: dict[str, BackendSettings] = {}
     queues: dict[str, QueueSettings] = {}
+    autoscaler: dict[str, Any] | None = None  # validated by offload.autoscale.config.server_side
+    alerts: dict[str, Any] | None = None  # validated by offload.autoscale.alerts.alert_settings
 
     @field_validator("queues")
     @classmethod
@@ -106,6 +109,8 @@ class Settings(_Strict):
 
     def backend_for(self, queue: str) -> tuple[str, BackendSettings]:
         name = self.queue(queue).backend
+        if name is None:
+            raise ConfigError(f"queues.{queue}.backend: required to dispatch this queue (it names no backend)")
         return name, self.backends[name]
 
 
@@ -191,8 +196,18 @@ def load_settings(path: str | os.PathLike[str] | None = None, env: Mapping[str, 
         where = ".".join(str(p) for p in first["loc"])
         raise ConfigError(f"{where}: {first['msg']}") from None
     for qname, q in settings.queues.items():
-        if q.backend not in settings.backends:
+        if q.autoscale is not None:
+            from offload.autoscale.config import validate_autoscale  # a leaf schema module: no cycle
+
+            validate_autoscale(q.autoscale, f"queues.{qname}.autoscale")
+        if q.backend is not None and q.backend not in settings.backends:
             raise ConfigError(f"queues.{qname}.backend: no backend named {q.backend!r} is configured")
+    if settings.autoscaler is not None or settings.alerts is not None:
+        from offload.autoscale.alerts import alert_settings
+        from offload.autoscale.config import server_side
+
+        server_side(settings.autoscaler, dict(env))
+        alert_settings(settings.alerts)
     if settings.storage.kind == "s3" and not settings.storage.bucket:
         raise ConfigError("storage.bucket: required when storage.kind is s3")
     return settings

@@ -49,6 +49,22 @@ def valkey_url(valkey: ValkeyServer) -> Iterator[str]:
     r.flushdb()
 
 
+@pytest.fixture(scope="session")
+def fast_valkey(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ValkeyServer]:
+    """A Valkey without fsync on every write, for tests whose subject is policy over thousands of small writes
+    (the autoscaler's simulated day), not durability."""
+    with ValkeyServer(tmp_path_factory.mktemp("valkey-fast"), appendfsync="no") as server:
+        yield server
+
+
+@pytest.fixture
+def fast_valkey_url(fast_valkey: ValkeyServer) -> Iterator[str]:
+    r = fast_valkey.client()
+    r.flushdb()
+    yield fast_valkey.url
+    r.flushdb()
+
+
 @pytest.fixture
 async def store(backend_url: str) -> AsyncIterator[QueueStore]:
     client = await connect(backend_url)

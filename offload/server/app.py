@@ -24,6 +24,7 @@ from offload.server import (
     errors,
     events,
     metrics,
+    routes_autoscale,
     routes_jobs,
     routes_keys,
     routes_queues,
@@ -81,9 +82,11 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
         app.state.offload = state
         stop = asyncio.Event()
         task = asyncio.create_task(_maintain(state, stop), name="maintenance")
+        autoscaler = routes_autoscale.start(state)
         try:
             yield
         finally:
+            await routes_autoscale.stop(state, autoscaler)
             stop.set()
             with contextlib.suppress(TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(task, 5.0)
@@ -113,6 +116,7 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
             log.warning("readiness check failed: %s", type(exc).__name__)
         return JSONResponse({"error": "unavailable", "detail": "the job store does not answer"}, status_code=503)
 
-    for module in (routes_jobs, routes_queues, routes_workers, routes_keys, events, metrics, dashboard):
+    for module in (routes_jobs, routes_queues, routes_workers, routes_keys, events, metrics, routes_autoscale,
+                   dashboard):
         app.include_router(module.router)
     return app

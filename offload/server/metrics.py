@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from offload.autoscale.status import autoscale_families
 from offload.queue.scripts import HIST_BUCKETS_S
 from offload.server.auth import Principal, need_global_read
 from offload.server.state import ServerState, get_state
@@ -122,7 +123,8 @@ async def collect(state: ServerState) -> list[Metric]:
                       {q: h["wait"] for q, h in zip(queues, hists, strict=True)})
     run = _histogram("offload_job_run_seconds", "From claimed to succeeded.",
                      {q: h["run"] for q, h in zip(queues, hists, strict=True)})
-    return [depth, totals, oldest, paused, workers, budget, caps, remote, backend, wait, run]
+    return [depth, totals, oldest, paused, workers, budget, caps, remote, backend, wait, run,
+            *await autoscale_families(state.redis)]
 
 
 @router.get("/metrics", summary="Prometheus metrics (text format)", response_class=Response)

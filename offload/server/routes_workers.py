@@ -85,6 +85,11 @@ async def register(request: Request, body: RegisterRequest, key: Principal) -> R
                          max_wait_s=state.options.max_wait_s)
 
 
+def _draining(record: dict[str, str] | None) -> bool:
+    """Set by the autoscaler (offload/autoscale/workers.py) when it drains the worker's instance."""
+    return record is not None and record.get("draining") == "1"
+
+
 def _view(queue: str, job: ClaimedJob) -> ClaimedView:
     return ClaimedView(id=job.id, token=job.token, queue=queue, attempt=job.attempt, max_attempts=job.max_attempts,
                        input=job.input, output_key=job.output_key, cancel_requested=job.cancel_requested)
@@ -99,11 +104,19 @@ async def claim(request: Request, worker_id: str, body: ClaimRequest, key: Princ
         raise HTTPException(403, f"worker {worker_id!r} did not register for queue {body.queue!r}")
     lease = state.options.worker_lease_ms
     deadline = time.monotonic() + min(body.wait, state.options.max_wait_s)
+    if _draining(await state.registry.get(worker_id)):  # the autoscaler is retiring its machine: no new work
+        await asyncio.sleep(min(body.wait, state.options.max_wait_s))
+        return ClaimReply(jobs=[])
     with state.hub.subscribe([body.queue]) as sub:
         while True:
             jobs = await state.store.claim(body.queue, worker_id, body.max, lease)
-            if await state.registry.get(worker_id) is None:  # deregistered meanwhile: leave no lease behind
+            record = await state.registry.get(worker_id)
+            if record is None:  # deregistered meanwhile: leave no lease behind
                 await state.store.release_leases(body.queue, worker_id)
+                return ClaimReply(jobs=[])
+            if _draining(record):  # drained meanwhile: hand back only what this call claimed
+                if jobs:
+                    await state.store.release_leases(body.queue, worker_id, [j.id for j in jobs])
                 return ClaimReply(jobs=[])
             if jobs:
                 if await request.is_disconnected():  # nobody will receive them: hand them straight back

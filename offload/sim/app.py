@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from offload.sim import control_api, fal_api, jobs_api, openai_api, replicate_api, runpod_api
+from offload.sim import control_api, fal_api, jobs_api, machines_api, openai_api, replicate_api, runpod_api
 from offload.sim.config import SimConfig
 from offload.sim.engine import Clock, Sim
 from offload.sim.faults import RAW_SEND_KEY
@@ -28,6 +28,7 @@ class SimApp:
         routes = [
             *control_api.routes(sim),
             *jobs_api.routes(sim),
+            *machines_api.routes(sim),  # before runpod's /v2/{endpoint_id}/... so /v2/pods/{id} is a pod
             *runpod_api.routes(sim),
             *openai_api.routes(sim),
             *replicate_api.routes(sim),

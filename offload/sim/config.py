@@ -19,8 +19,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Family = Literal["jobs", "runpod", "replicate", "fal", "openai"]
-FAMILIES: tuple[Family, ...] = ("jobs", "runpod", "replicate", "fal", "openai")
+Family = Literal["jobs", "runpod", "replicate", "fal", "openai", "pods", "vastai"]
+FAMILIES: tuple[Family, ...] = ("jobs", "runpod", "replicate", "fal", "openai", "pods", "vastai")
 Op = Literal["submit", "status", "result", "cancel"]
 ALL_OPS: list[Op] = ["submit", "status", "result", "cancel"]
 
@@ -139,6 +139,47 @@ class Behaviour(_Strict):
     file_size: int = Field(default=1024, ge=0, le=64 * 1024 * 1024, description="bytes of a .bin file")
 
 
+class Offer(_Strict):
+    """A Vast.ai offer (a machine for rent); RunPod pods draw from the same hosts."""
+
+    id: int
+    gpu_name: str = "RTX 4090"
+    num_gpus: int = 1
+    dph_total: float = 0.40
+    machine_id: int = 1000
+    geolocation: str = "Oregon, US"
+    reliability2: float = 0.99
+    verified: bool = True
+    inet_down: float = 800.0
+    cuda_max_good: float = 12.8
+    disk_space: float = 200.0
+
+
+def _default_offers() -> list[Offer]:
+    rows = [(0.35, 1001, "Quebec, CA"), (0.31, 1002, "Shanghai, CN"), (0.42, 1003, "Oregon, US"),
+            (0.38, 1004, "Bavaria, DE"), (0.55, 1005, "Texas, US"), (0.29, 1006, "Lagos, NG")]
+    offers = [Offer(id=5000 + i, dph_total=p, machine_id=m, geolocation=g) for i, (p, m, g) in enumerate(rows)]
+    offers[5].verified = False
+    return offers
+
+
+class MachineSim(_Strict):
+    """The GPU-rental side (RunPod pods, Vast.ai instances): what is for rent and how machines misbehave."""
+
+    boot_seconds: float = Field(default=1.0, ge=0, description="created -> running")
+    runpod_gpus: dict[str, float] = Field(
+        default_factory=lambda: {"NVIDIA GeForce RTX 4090": 0.69, "NVIDIA RTX A5000": 0.36,
+                                 "NVIDIA GeForce RTX 3090": 0.43},
+        description="RunPod GPU ids for rent and their price per hour")
+    out_of_stock: list[str] = Field(default_factory=list, description="RunPod GPU ids with no capacity")
+    offers: list[Offer] = Field(default_factory=_default_offers)
+    offer_taken: list[int] = Field(default_factory=list, description="offers that are gone when rented (no_such_ask)")
+    broken_hosts: list[str] = Field(default_factory=list, description="machine ids that never start the container")
+    preempt_after: float | None = Field(default=None, ge=0, description="running machines vanish after this")
+    destroy_failures: int = Field(default=0, ge=0, description="the next N destroy calls answer 500")
+    rest_disabled: bool = Field(default=False, description="RunPod REST pod routes answer 404 (GraphQL only)")
+
+
 class SimConfig(_Strict):
     """The whole simulator. `families` holds partial overrides of `default`."""
 
@@ -149,6 +190,7 @@ class SimConfig(_Strict):
     max_wait: float = Field(default=60.0, ge=0, description="cap for Prefer: wait and /runsync holds")
     default: Behaviour = Field(default_factory=Behaviour)
     families: dict[Family, Behaviour] = Field(default_factory=dict)
+    machines: MachineSim = Field(default_factory=MachineSim)
 
     @model_validator(mode="after")
     def _prefix(self) -> SimConfig:

@@ -60,6 +60,7 @@ class Dialect:
     family: Family = "jobs"
     schemes: tuple[str, ...] = ("Bearer",)
     bare_key_ok: bool = False
+    query_key_ok: bool = False  # `?api_key=` (Vast.ai, RunPod GraphQL)
     required: tuple[str, ...] = ("id", "status")
 
     def authorized(self, header: str | None, api_key: str | None) -> bool:
@@ -225,7 +226,10 @@ class Sim:
         family = dialect.family
         behaviour = self._behaviours[family]
         now = self.clock()
-        if not dialect.authorized(request.headers.get("authorization"), self.config.api_key):
+        auth = request.headers.get("authorization")
+        if auth is None and dialect.query_key_ok and request.query_params.get("api_key"):
+            auth = "Bearer " + request.query_params["api_key"]
+        if not dialect.authorized(auth, self.config.api_key):
             return dialect.unauthorized().render()
         mode = outage_mode(behaviour, family, now, self.applied_at, self.runtime_outages)
         if mode is not None:

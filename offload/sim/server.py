@@ -16,6 +16,7 @@ import uvicorn
 
 from offload.sim.app import SimApp, create_app
 from offload.sim.config import SimConfig
+from offload.sim.engine import Clock
 
 START_TIMEOUT = 10.0
 STOP_TIMEOUT = 10.0
@@ -58,14 +59,14 @@ class RunningSim(str):
 @contextlib.contextmanager
 def running_sim(
     config: SimConfig | None = None, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-    ssl_certfile: str | None = None, ssl_keyfile: str | None = None,
+    ssl_certfile: str | None = None, ssl_keyfile: str | None = None, clock: Clock | None = None,
 ) -> Iterator[RunningSim]:
     """Start a simulator on a free port in a background thread; yield its base URL; stop it on exit.
 
     Port 0 lets the kernel choose, and the real port is read back from the bound socket, so parallel tests
     never race for a port. `https://` when a certificate is given (the fal SDK only speaks https).
     """
-    app = create_app(config)
+    app = create_app(config, clock=clock)
     server = _server(app, host, port, log_level=log_level, access_log=False, ssl_certfile=ssl_certfile,
                      ssl_keyfile=ssl_keyfile)
     thread = threading.Thread(target=server.run, name="offload-sim", daemon=True)

@@ -1,0 +1,296 @@
+"""`runpod`: RunPod GPU pods. REST (`/v2/pods`, problem+json errors) is the current API; the older GraphQL API
+(`podFindAndDeployOnDemand`, `myself { pods }`, `podTerminate`) is the fallback, used when the REST routes
+answer 404/410/501 (not offered for the account or region) or when `api: graphql` is set.
+
+Rentals go through the GPU preference list in order, since the cheap types are often out of stock. Out of
+stock is recognised by its message ("no longer any instances available"), which RunPod uses in both APIs; the
+exact REST status for it is UNVERIFIED (see provider-apis.md), so any non-2xx carrying that text counts.
+A create that fails with a 5xx or a dropped connection may still have rented a pod: it is reported as
+ambiguous and the scaler looks the pod up by its `offload-…` name instead of renting again.
+"""
+
+from __future__ import annotations
+
+import builtins
+from typing import Any, Literal
+
+import orjson
+from pydantic import Field
+
+from offload.autoscale.providers.base import (
+    Http,
+    LaunchSpec,
+    Machine,
+    MachineState,
+    NotOurs,
+    OutOfCapacity,
+    Provider,
+    ProviderConfig,
+    ProviderError,
+    Unauthorized,
+    excerpt,
+    is_ours,
+)
+
+CUDA_VERSIONS = ("11.8", "12.0", "12.1", "12.2", "12.3", "12.4", "12.5", "12.6", "12.7", "12.8", "12.9", "13.0")
+OUT_OF_STOCK = ("no longer any instances available", "out of stock", "no available", "not enough capacity")
+REST_STATES = {
+    "PROVISIONING": MachineState.PENDING, "STARTING": MachineState.STARTING, "RUNNING": MachineState.RUNNING,
+    "EXITED": MachineState.STOPPED, "ERROR": MachineState.FAILED, "TERMINATED": MachineState.TERMINATED,
+}
+POD_FIELDS = "id name desiredStatus costPerHr machineId lastStatusChange runtime { uptimeInSeconds }"
+
+
+class RunPodConfig(ProviderConfig):
+    api_key: str
+    base_url: str = "https://api.runpod.io"
+    api: Literal["auto", "rest", "graphql"] = "auto"
+    gpu_type_id: str | None = None
+    gpu_type_ids: list[str] = Field(default_factory=list)
+    cloud_type: Literal["SECURE", "COMMUNITY", "ALL"] = "SECURE"
+    container_disk_gb: int | None = Field(None, ge=1)
+    volume_in_gb: int | None = Field(None, ge=10)
+    volume_mount_path: str = "/workspace"
+    min_cuda_version: str | None = None
+    ports: list[str] = Field(default_factory=list)
+    data_center_ids: list[str] = Field(default_factory=list)
+
+
+def _out_of_stock(text: str) -> bool:
+    low = text.lower()
+    return any(marker in low for marker in OUT_OF_STOCK)
+
+
+class RunPodProvider(Provider):
+    type = "runpod"
+    Config = RunPodConfig
+    secret_fields = ("api_key",)
+
+    def __init__(self, name: str, config: RunPodConfig, http: Http | None = None) -> None:
+        super().__init__(name)
+        self.config = config
+        self.http = http or Http(config.base_url, {"Authorization": f"Bearer {config.api_key}"})
+        self.use_graphql = config.api == "graphql"
+
+    # -- shared ----------------------------------------------------------------------------------
+
+    def _cuda(self) -> list[str] | None:
+        if not self.config.min_cuda_version:
+            return None
+        if self.config.min_cuda_version not in CUDA_VERSIONS:
+            raise ProviderError(f"runpod: unknown min_cuda_version {self.config.min_cuda_version!r}",
+                                retryable=False)
+        return list(CUDA_VERSIONS[CUDA_VERSIONS.index(self.config.min_cuda_version):])
+
+    def _gpus(self, spec: LaunchSpec) -> list[str]:
+        gpus = self.config.gpu_type_ids or ([self.config.gpu_type_id] if self.config.gpu_type_id else [])
+        if not gpus and spec.gpu:
+            gpus = [spec.gpu]
+        if not gpus:
+            raise ProviderError("runpod: no GPU type (set gpu_type_ids / gpu_type_id, or the queue's instance.gpu)",
+                                retryable=False)
+        return gpus
+
+    def _check(self, response: Any, what: str) -> None:
+        if response.status_code == 401 or response.status_code == 403:
+            raise Unauthorized(f"runpod: {what}: the API key was rejected (HTTP {response.status_code})")
+
+    async def create(self, spec: LaunchSpec) -> Machine:
+        if not spec.image:
+            raise ProviderError("runpod: no image (set the queue's instance.image)", retryable=False)
+        tried = []
+        for gpu in self._gpus(spec):
+            try:
+                if not self.use_graphql:
+                    try:
+                        return await self._rest_create(spec, gpu)
+                    except _RestUnavailable:
+                        self.use_graphql = True
+                return await self._gql_create(spec, gpu)
+            except OutOfCapacity:
+                tried.append(gpu)
+        raise OutOfCapacity(f"runpod: out of stock for {', '.join(tried)} ({self.config.cloud_type} cloud)")
+
+    async def list(self) -> builtins.list[Machine]:
+        if not self.use_graphql:
+            try:
+                return await self._rest_list()
+            except _RestUnavailable:
+                self.use_graphql = True
+        return await self._gql_list()
+
+    async def get(self, provider_id: str) -> Machine | None:
+        if not self.use_graphql:
+            try:
+                return await self._rest_get(provider_id)
+            except _RestUnavailable:
+                self.use_graphql = True
+        return await self._gql_get(provider_id)
+
+    async def destroy(self, provider_id: str) -> None:
+        machine = await self.get(provider_id)
+        if machine is None:
+            return
+        if not is_ours(machine.label):
+            raise NotOurs(provider_id, machine.label)
+        if self.use_graphql:
+            pod_id = orjson.dumps(provider_id).decode()
+            await self._gql("mutation { podTerminate(input: {podId: " + pod_id + "}) }", "terminate")
+            return
+        r = await self.http.request("DELETE", f"/v2/pods/{provider_id}")
+        self._check(r, "terminate")
+        if r.status_code not in (200, 202, 204, 404):
+            raise ProviderError(f"runpod: terminate {provider_id}: HTTP {r.status_code} {excerpt(r)}")
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    # -- REST ------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _rest_machine(pod: dict[str, Any]) -> Machine:
+        return Machine(provider_id=str(pod["id"]), label=str(pod.get("name") or ""),
+                       state=REST_STATES.get(str(pod.get("status") or "").upper(), MachineState.PENDING),
+                       price_per_hour=_float(pod.get("cost")), host_id=pod.get("machineId"),
+                       message=str(pod.get("lastStatusChange") or ""), raw=pod)
+
+    def _rest_gone(self, r: Any) -> None:
+        """A 404/410/501 with no problem body naming a pod means the route itself is missing."""
+        if r.status_code in (410, 501) or (r.status_code == 404 and "pod" not in r.text.lower()):
+            raise _RestUnavailable
+
+    async def _rest_create(self, spec: LaunchSpec, gpu: str) -> Machine:
+        body: dict[str, Any] = {
+            "name": spec.label, "image": spec.image, "cloud": self.config.cloud_type,
+            "gpu": {"id": gpu, "count": spec.gpu_count}, "env": spec.env, "ports": self.config.ports,
+            "disk": spec.disk_gb or self.config.container_disk_gb or 50,
+        }
+        if cuda := self._cuda():
+            body["gpu"]["allowedCudaVersions"] = cuda
+        if self.config.volume_in_gb:
+            body["mounts"] = {"persistent": {"size": self.config.volume_in_gb, "path": self.config.volume_mount_path}}
+        if self.config.data_center_ids:
+            body["dataCenterIds"] = self.config.data_center_ids
+        if spec.command:
+            body["dockerStartCmd"] = spec.command
+        r = await self.http.request("POST", "/v2/pods", json=body, idempotent=False)
+        self._check(r, "create")
+        self._rest_gone(r)
+        if r.status_code in (200, 201):
+            return self._rest_machine(r.json())
+        if _out_of_stock(r.text):
+            raise OutOfCapacity(f"runpod: {gpu}: {excerpt(r)}")
+        raise ProviderError(f"runpod: create: HTTP {r.status_code} {excerpt(r)}", retryable=r.status_code != 400)
+
+    async def _rest_list(self) -> builtins.list[Machine]:
+        r = await self.http.request("GET", "/v2/pods")
+        self._check(r, "list")
+        self._rest_gone(r)
+        if r.status_code != 200:
+            raise ProviderError(f"runpod: list: HTTP {r.status_code} {excerpt(r)}")
+        data = r.json()
+        pods = data.get("pods", []) if isinstance(data, dict) else data
+        return [m for m in (self._rest_machine(p) for p in pods) if is_ours(m.label)]
+
+    async def _rest_get(self, provider_id: str) -> Machine | None:
+        r = await self.http.request("GET", f"/v2/pods/{provider_id}")
+        self._check(r, "get")
+        if r.status_code == 404 and "pod" in r.text.lower():
+            return None
+        self._rest_gone(r)
+        if r.status_code != 200:
+            raise ProviderError(f"runpod: get {provider_id}: HTTP {r.status_code} {excerpt(r)}")
+        return self._rest_machine(r.json())
+
+    # -- GraphQL ---------------------------------------------------------------------------------
+
+    async def _gql(self, query: str, what: str, *, idempotent: bool = True) -> dict[str, Any]:
+        r = await self.http.request("POST", "/graphql", json={"query": query}, idempotent=idempotent)
+        self._check(r, what)
+        try:
+            data = r.json()
+        except ValueError:
+            raise ProviderError(f"runpod: {what}: HTTP {r.status_code}, not JSON", ambiguous=not idempotent) from None
+        errors = data.get("errors") if isinstance(data, dict) else None
+        if errors:
+            message = "; ".join(str(e.get("message", e)) for e in errors)
+            if _out_of_stock(message):
+                raise OutOfCapacity(f"runpod: {message}")
+            if "unauthori" in message.lower() or "api key" in message.lower():
+                raise Unauthorized(f"runpod: {what}: {message}")
+            raise ProviderError(f"runpod: {what}: {message}")
+        if r.status_code != 200:
+            raise ProviderError(f"runpod: {what}: HTTP {r.status_code} {excerpt(r)}")
+        result: dict[str, Any] = data.get("data") or {}
+        return result
+
+    @staticmethod
+    def _gql_machine(pod: dict[str, Any]) -> Machine:
+        desired = str(pod.get("desiredStatus") or "").upper()
+        if desired == "TERMINATED":
+            state = MachineState.TERMINATED
+        elif desired == "EXITED":
+            state = MachineState.STOPPED
+        else:
+            state = MachineState.RUNNING if pod.get("runtime") else MachineState.STARTING
+        return Machine(provider_id=str(pod["id"]), label=str(pod.get("name") or ""), state=state,
+                       price_per_hour=_float(pod.get("costPerHr")), host_id=pod.get("machineId"),
+                       message=str(pod.get("lastStatusChange") or ""), raw=pod)
+
+    async def _gql_create(self, spec: LaunchSpec, gpu: str) -> Machine:
+        fields: dict[str, Any] = {
+            "name": spec.label, "imageName": spec.image, "gpuTypeId": gpu, "cloudType": _Enum(self.config.cloud_type),
+            "gpuCount": spec.gpu_count, "containerDiskInGb": spec.disk_gb or self.config.container_disk_gb or 50,
+            "volumeInGb": self.config.volume_in_gb or 0, "ports": ",".join(self.config.ports),
+            "env": [{"key": k, "value": v} for k, v in spec.env.items()],
+        }
+        if self.config.volume_in_gb:
+            fields["volumeMountPath"] = self.config.volume_mount_path
+        if cuda := self._cuda():
+            fields["allowedCudaVersions"] = cuda
+        if spec.command:
+            fields["dockerArgs"] = " ".join(spec.command)
+        query = ("mutation { podFindAndDeployOnDemand(input: " + _gql_literal(fields)
+                 + ") { id name machineId costPerHr desiredStatus } }")
+        data = await self._gql(query, "create", idempotent=False)
+        pod = data.get("podFindAndDeployOnDemand")
+        if not pod:
+            raise ProviderError("runpod: create returned no pod", ambiguous=True)
+        return self._gql_machine(pod)
+
+    async def _gql_list(self) -> builtins.list[Machine]:
+        data = await self._gql("query { myself { pods { " + POD_FIELDS + " } } }", "list")
+        pods = (data.get("myself") or {}).get("pods") or []
+        return [m for m in (self._gql_machine(p) for p in pods) if is_ours(m.label)]
+
+    async def _gql_get(self, provider_id: str) -> Machine | None:
+        pod_id = orjson.dumps(provider_id).decode()
+        data = await self._gql("query { pod(input: {podId: " + pod_id + "}) { " + POD_FIELDS + " } }", "get")
+        pod = data.get("pod")
+        return self._gql_machine(pod) if pod else None
+
+
+class _RestUnavailable(Exception):
+    """The REST pods routes are not there: switch this provider to GraphQL."""
+
+
+def _float(value: Any) -> float | None:
+    try:
+        return None if value is None else float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+class _Enum(str):
+    """A GraphQL enum value: written bare (`cloudType: SECURE`), as the SDK's own mutations do."""
+
+
+def _gql_literal(value: Any) -> str:
+    """A GraphQL input literal: like JSON, but object keys unquoted and enum values bare."""
+    if isinstance(value, _Enum):
+        return str(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_gql_literal(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_gql_literal(v) for v in value) + "]"
+    return orjson.dumps(value).decode()

@@ -1,0 +1,82 @@
+"""What `offload autoscale status`, the API and /metrics show: instances, per-queue cost and state, the leader.
+
+Costs of live instances include what accrued since the scaler's last accrual (price x elapsed), so a status
+read between two evaluations is not behind.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from offload.autoscale import keys
+from offload.autoscale.instances import ACTIVE, Instance, InstanceStore, read_events
+from offload.autoscale.leader import Leader
+from offload.autoscale.state import QueueState, spend
+
+
+def live_cost(inst: Instance, now: float) -> float:
+    if inst.destroyed_at or not inst.provider_id:
+        return inst.cost
+    since = inst.accrued_at or inst.created_at
+    return inst.cost + inst.price * max(0.0, now - since) / 3600
+
+
+async def snapshot(redis: Any, *, history: int = 50, now: float | None = None) -> dict[str, Any]:
+    now = time.time() if now is None else now
+    store = InstanceStore(redis)
+    live = await store.live()
+    recent = [i for i in await store.recent(history) if i.id not in {x.id for x in live}] if history > 0 else []
+    queues: dict[str, dict[str, Any]] = {}
+    for inst in live + recent:
+        q = queues.setdefault(inst.queue, {"active": 0, "draining": 0, "live_cost": 0.0})
+        if inst.status in ACTIVE:
+            q["active"] += 1
+        elif inst.status == "draining":
+            q["draining"] += 1
+    for name, q in queues.items():
+        today, month, total = await spend(redis, name, now)
+        state = await QueueState.load(redis, name)
+        until, why = state.paused_until()
+        q.update(spend_today=round(today, 4), spend_month=round(month, 4), spend_total=round(total, 4),
+                 renting_paused_until=until if until > now else None, paused_because=why if until > now else None)
+    rows = []
+    for inst in live + recent:
+        d = inst.to_dict()
+        d["cost"] = round(live_cost(inst, now), 4)
+        rows.append(d)
+    return {"leader": await Leader.current(redis), "instances": rows, "queues": queues,
+            "events": await read_events(redis, 20)}
+
+
+async def autoscale_families(redis: Any) -> list[Metric]:
+    """Gauges for /metrics: instances by queue and status, spend, and the estimated cost of live machines."""
+    now = time.time()
+    snap = await snapshot(redis, history=0, now=now)
+    inst = GaugeMetricFamily("offload_autoscale_instances", "Rented instances by status.",
+                             labels=["queue", "provider", "status"])
+    counts: dict[tuple[str, str, str], int] = {}
+    for row in snap["instances"]:
+        k = (row["queue"], row["provider"], row["status"])
+        counts[k] = counts.get(k, 0) + 1
+    for k, n in sorted(counts.items()):
+        inst.add_metric(list(k), n)
+    spend_g = GaugeMetricFamily("offload_autoscale_spend_usd", "Accrued machine cost.", labels=["queue", "period"])
+    for queue, q in sorted(snap["queues"].items()):
+        for period in ("today", "month", "total"):
+            spend_g.add_metric([queue, period], q[f"spend_{period}"])
+    live = GaugeMetricFamily("offload_autoscale_live_cost_usd", "Cost so far of instances still alive.",
+                             labels=["queue"])
+    per: dict[str, float] = {}
+    for row in snap["instances"]:
+        per[row["queue"]] = per.get(row["queue"], 0.0) + row["cost"]
+    for queue, c in sorted(per.items()):
+        live.add_metric([queue], c)
+    leader = GaugeMetricFamily("offload_autoscale_leader_token", "Fencing token of the current autoscaler leader.")
+    leader.add_metric([], float(snap["leader"]["token"]) if snap["leader"] else 0.0)
+    return [inst, spend_g, live, leader]
+
+
+__all__ = ["autoscale_families", "keys", "live_cost", "snapshot"]

@@ -1,0 +1,235 @@
+"""`offload autoscale ...` and `offload providers ...`: inspect and steer the autoscaler from a shell.
+
+Commands talk to Redis directly (like the queue commands), so they work with or without a running server.
+Creating or updating a provider needs OFFLOAD_VAULT_MASTER_KEY in this shell's environment: the credentials
+are encrypted here, before they reach Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import orjson
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from offload.cli_errors import _errors, _fail
+from offload.connection import connect
+
+T = TypeVar("T")
+autoscale_app = typer.Typer(no_args_is_help=True, help="GPU autoscaling: status, events, protect, run the loop.")
+providers_app = typer.Typer(no_args_is_help=True, help="Machine providers (mock, local, runpod, vastai).")
+autoscale_app.add_typer(providers_app, name="providers")
+
+UrlOpt = Annotated[str | None, typer.Option("--url", show_default=False,
+                                            help="Redis/Valkey URL (default: OFFLOAD_REDIS_URL, REDIS_URL, embedded).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document.")]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="offload.yaml (default: OFFLOAD_CONFIG).")]
+
+
+def _run(url: str | None, fn: Callable[[Any], Awaitable[T]]) -> T:
+    async def session() -> T:
+        redis = await connect(url)
+        try:
+            return await fn(redis)
+        finally:
+            await redis.aclose()
+
+    with _errors():
+        return asyncio.run(session())
+    raise AssertionError("unreachable")
+
+
+def _print(doc: Any) -> None:
+    sys.stdout.write(orjson.dumps(doc).decode() + "\n")
+
+
+def _out() -> Console:
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+
+
+@autoscale_app.command("status")
+def status(json_out: JsonOpt = False, url: UrlOpt = None,
+           history: Annotated[int, typer.Option(min=0, help="Finished instances to show too.")] = 20) -> None:
+    """Instances (id, queue, provider, status, worker, protected, cost), spend per queue, the leader."""
+    from offload.autoscale.status import snapshot
+
+    snap = _run(url, lambda r: snapshot(r, history=history))
+    if json_out:
+        _print(snap)
+        return
+    table = Table("INSTANCE ID", "QUEUE", "PROVIDER", "STATUS", "WORKER", "PROTECTED", "COST", "REASON")
+    for row in snap["instances"]:
+        table.add_row(row["id"], row["queue"], row["provider"], row["status"], row["worker_id"] or "-",
+                      str(row["protected"]).lower(), f"${row['cost']:.4f}", row["reason"][:60] or "")
+    console = _out()
+    console.print(table)
+    for queue, q in sorted(snap["queues"].items()):
+        paused = f", renting paused ({q['paused_because']})" if q["paused_because"] else ""
+        console.print(f"{queue}: {q['active']} active, {q['draining']} draining; spend today ${q['spend_today']:.2f}, "
+                      f"this month ${q['spend_month']:.2f}{paused}")
+    leader = snap["leader"]
+    console.print(f"leader: {leader['owner']} (token {leader['token']})" if leader else "leader: none")
+
+
+@autoscale_app.command("events")
+def events(limit: Annotated[int, typer.Option(min=1, max=1000)] = 50, json_out: JsonOpt = False,
+           url: UrlOpt = None) -> None:
+    """The autoscaler's journal: rentals, readiness, drains, teardowns, failures, backoffs, alerts."""
+    from offload.autoscale.instances import read_events
+
+    rows = _run(url, lambda r: read_events(r, limit))
+    if json_out:
+        _print(rows)
+        return
+    for e in rows:
+        when = datetime.fromtimestamp(float(e.get("ts", 0))).strftime("%Y-%m-%d %H:%M:%S")
+        typer.echo(f"{when}  {e.get('kind', ''):<13} {e.get('message', '')}")
+
+
+def _protect(instance_id: str, value: bool, url: str | None) -> None:
+    from offload.autoscale.instances import InstanceStore
+
+    async def go(r: Any) -> None:
+        await InstanceStore(r).set_protect(instance_id, value)
+
+    try:
+        _run(url, go)
+    except KeyError as exc:
+        _fail(str(exc))
+    typer.echo(f"{instance_id} {'protected' if value else 'unprotected'}")
+
+
+@autoscale_app.command("protect")
+def protect(instance_id: Annotated[str, typer.Argument(help="as-… id")], url: UrlOpt = None) -> None:
+    """Keep an instance through every scale-down until unprotected."""
+    _protect(instance_id, True, url)
+
+
+@autoscale_app.command("unprotect")
+def unprotect(instance_id: Annotated[str, typer.Argument(help="as-… id")], url: UrlOpt = None) -> None:
+    """Let scale-down rules apply to the instance again."""
+    _protect(instance_id, False, url)
+
+
+@autoscale_app.command("run")
+def run(config: ConfigOpt = None, url: UrlOpt = None, server_url: Annotated[str | None, typer.Option(
+        help="Server URL for `local` workers (else autoscaler.public_url).")] = None,
+        log_level: Annotated[str, typer.Option(help="debug, info, warning.")] = "info") -> None:
+    """Run the autoscaler loop in the foreground (servers run it too; one leader acts at a time)."""
+    from offload.autoscale.scaler import Autoscaler
+    from offload.pipeline_cli import _settings
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = _settings(config)
+
+    async def main() -> None:
+        redis = await connect(url or settings.redis_url)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await Autoscaler(redis, settings, server_url=server_url).run(stop)
+        finally:
+            await redis.aclose()
+
+    with _errors():
+        asyncio.run(main())
+
+
+def _config(text: str | None, pairs: list[str] | None) -> dict[str, Any]:
+    data: dict[str, Any] = {}
+    if text:
+        loaded = orjson.loads(text)
+        if not isinstance(loaded, dict):
+            _fail("--config must be a JSON object")
+        data.update(loaded)
+    for pair in pairs or []:
+        k, sep, v = pair.partition("=")
+        if not sep:
+            _fail(f"--set expects key=value, got {pair!r}")
+        try:
+            data[k] = orjson.loads(v)
+        except orjson.JSONDecodeError:
+            data[k] = v
+    return data
+
+
+CfgOpt = Annotated[str | None, typer.Option("--config", help="Provider settings as a JSON object.")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="key=value (JSON values allowed); repeatable.")]
+
+
+@providers_app.command("create")
+def providers_create(name: Annotated[str, typer.Argument()],
+                     kind: Annotated[str, typer.Option("--type", help="mock, local, runpod or vastai.")],
+                     config: CfgOpt = None, sets: SetOpt = None, url: UrlOpt = None, json_out: JsonOpt = False) -> None:
+    """Register a provider; its secrets are encrypted with OFFLOAD_VAULT_MASTER_KEY."""
+    from offload.autoscale.provider_store import ProviderStore
+
+    rec = _run(url, lambda r: ProviderStore(r).create(name, kind, _config(config, sets)))
+    _print(rec.to_dict()) if json_out else typer.echo(f"provider {name} ({kind}) created")
+
+
+@providers_app.command("update")
+def providers_update(name: Annotated[str, typer.Argument()], config: CfgOpt = None, sets: SetOpt = None,
+                     url: UrlOpt = None, json_out: JsonOpt = False) -> None:
+    """Change settings; secrets you do not pass (or pass masked) keep their stored values."""
+    from offload.autoscale.provider_store import ProviderStore
+
+    rec = _run(url, lambda r: ProviderStore(r).update(name, _config(config, sets)))
+    _print(rec.to_dict()) if json_out else typer.echo(f"provider {name} updated")
+
+
+@providers_app.command("list")
+def providers_list(url: UrlOpt = None, json_out: JsonOpt = False) -> None:
+    """Every provider, secrets masked."""
+    from offload.autoscale.provider_store import ProviderStore
+
+    recs = _run(url, lambda r: ProviderStore(r).list())
+    if json_out:
+        _print([r.to_dict() for r in recs])
+        return
+    for r in recs:
+        typer.echo(f"{r.name:<20} {r.type:<8} {orjson.dumps(r.config).decode()}")
+
+
+@providers_app.command("show")
+def providers_show(name: Annotated[str, typer.Argument()], url: UrlOpt = None) -> None:
+    """One provider as JSON, secrets masked."""
+    from offload.autoscale.provider_store import ProviderStore
+
+    _print(_run(url, lambda r: ProviderStore(r).get(name)).to_dict())
+
+
+@providers_app.command("delete")
+def providers_delete(name: Annotated[str, typer.Argument()], url: UrlOpt = None) -> None:
+    """Delete a provider that has no live instances."""
+    from offload.autoscale.provider_store import ProviderStore
+
+    _run(url, lambda r: ProviderStore(r).delete(name))
+    typer.echo(f"provider {name} deleted")
+
+
+# `offload providers add|list|remove|...`: the same commands at the top level, with familiar aliases.
+top_providers_app = typer.Typer(no_args_is_help=True, help="Machine providers (same as `offload autoscale providers`).")
+for _name, _fn in (("create", providers_create), ("add", providers_create), ("update", providers_update),
+                   ("list", providers_list), ("show", providers_show), ("delete", providers_delete),
+                   ("remove", providers_delete)):
+    top_providers_app.command(_name)(_fn)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(autoscale_app, name="autoscale")
+    app.add_typer(top_providers_app, name="providers")
+
+
+__all__ = ["register"]

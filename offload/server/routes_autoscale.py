@@ -1,0 +1,166 @@
+"""Autoscaling over HTTP: status, events, providers (secrets masked), per-queue autoscale blocks, protect.
+
+Reads need an admin key or an unrestricted viewer; every change needs an admin key (it can rent machines).
+The server also runs the autoscaler loop (`start`): every server does, and the Redis lock makes exactly one
+of them act. `OFFLOAD_AUTOSCALER=off` keeps a server out of the election.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Body, HTTPException, Request
+from pydantic import BaseModel, Field
+
+from offload.autoscale import keys
+from offload.autoscale.config import validate_autoscale
+from offload.autoscale.instances import InstanceStore, read_events
+from offload.autoscale.provider_store import ProviderInUse, ProviderNotFound, ProviderStore
+from offload.autoscale.scaler import Autoscaler
+from offload.autoscale.status import snapshot
+from offload.errors import ConfigError
+from offload.queue.keys import validate_queue
+from offload.server.auth import Principal, need_admin, need_global_read
+from offload.server.state import ServerState, get_state
+
+log = logging.getLogger("offload.server")
+router = APIRouter(tags=["autoscale"], prefix="/v1/autoscale")
+
+
+class ProviderCreate(BaseModel):
+    name: str
+    type: str
+    config: dict[str, Any] = Field(default_factory=dict)
+
+
+def _bad(exc: Exception, status: int = 422) -> HTTPException:
+    return HTTPException(status, str(exc))
+
+
+@router.get("/status", summary="Instances (live and recent), per-queue spend and backoff, the leader, events")
+async def status(request: Request, key: Principal) -> dict[str, Any]:
+    need_global_read(key, "autoscaling")
+    return await snapshot(get_state(request).redis)
+
+
+@router.get("/events", summary="The autoscaler's journal, oldest first")
+async def events(request: Request, key: Principal, limit: int = 100) -> list[dict[str, str]]:
+    need_global_read(key, "autoscaling")
+    return await read_events(get_state(request).redis, max(1, min(limit, 1000)))
+
+
+@router.get("/providers", summary="Registered providers (secrets masked)")
+async def list_providers(request: Request, key: Principal) -> list[dict[str, Any]]:
+    need_global_read(key, "providers")
+    return [p.to_dict() for p in await ProviderStore(get_state(request).redis).list()]
+
+
+@router.get("/providers/{name}", summary="One provider (secrets masked)")
+async def get_provider(request: Request, name: str, key: Principal) -> dict[str, Any]:
+    need_global_read(key, "providers")
+    try:
+        return (await ProviderStore(get_state(request).redis).get(name)).to_dict()
+    except ProviderNotFound as exc:
+        raise _bad(exc, 404) from None
+
+
+@router.post("/providers", status_code=201, summary="Register a provider (needs OFFLOAD_VAULT_MASTER_KEY)")
+async def create_provider(request: Request, body: ProviderCreate, key: Principal) -> dict[str, Any]:
+    need_admin(key, "create providers")
+    try:
+        return (await ProviderStore(get_state(request).redis).create(body.name, body.type, body.config)).to_dict()
+    except ConfigError as exc:
+        raise _bad(exc) from None
+
+
+@router.patch("/providers/{name}", summary="Change a provider's config; a secret not retyped keeps its value")
+async def update_provider(request: Request, name: str, key: Principal,
+                          changes: dict[str, Any] = Body(...)) -> dict[str, Any]:
+    need_admin(key, "change providers")
+    try:
+        return (await ProviderStore(get_state(request).redis).update(name, changes)).to_dict()
+    except ProviderNotFound as exc:
+        raise _bad(exc, 404) from None
+    except ConfigError as exc:
+        raise _bad(exc) from None
+
+
+@router.delete("/providers/{name}", status_code=204, summary="Delete a provider with no live instances")
+async def delete_provider(request: Request, name: str, key: Principal) -> None:
+    need_admin(key, "delete providers")
+    try:
+        await ProviderStore(get_state(request).redis).delete(name)
+    except ProviderNotFound as exc:
+        raise _bad(exc, 404) from None
+    except ProviderInUse as exc:
+        raise _bad(exc, 409) from None
+
+
+@router.get("/queues/{queue}", summary="A queue's effective autoscale block (API-set, else offload.yaml)")
+async def get_queue(request: Request, queue: str, key: Principal) -> dict[str, Any]:
+    need_global_read(key, "autoscaling")
+    state = get_state(request)
+    raw = await state.redis.get(keys.queue_config(validate_queue(queue)))
+    if raw:
+        return {"source": "api", "autoscale": orjson.loads(raw)}
+    q = state.options.settings.queues.get(queue)
+    if q is not None and q.autoscale is not None:
+        return {"source": "offload.yaml", "autoscale": q.autoscale}
+    raise HTTPException(404, f"queue {queue!r} has no autoscale block")
+
+
+@router.put("/queues/{queue}", summary="Set a queue's autoscale block (validated; overrides offload.yaml)")
+async def put_queue(request: Request, queue: str, key: Principal, block: dict[str, Any] = Body(...)) -> dict[str, Any]:
+    need_admin(key, "configure autoscaling")
+    try:
+        parsed = validate_autoscale(block, f"queues.{validate_queue(queue)}.autoscale")
+    except ConfigError as exc:
+        raise _bad(exc) from None
+    redis = get_state(request).redis
+    await redis.set(keys.queue_config(queue), orjson.dumps(block))
+    await redis.sadd(keys.QUEUE_CONFIGS, queue)
+    return {"source": "api", "autoscale": parsed.model_dump(mode="json")}
+
+
+@router.delete("/queues/{queue}", status_code=204, summary="Drop the API-set block (offload.yaml applies again)")
+async def delete_queue(request: Request, queue: str, key: Principal) -> None:
+    need_admin(key, "configure autoscaling")
+    redis = get_state(request).redis
+    await redis.delete(keys.queue_config(validate_queue(queue)))
+    await redis.srem(keys.QUEUE_CONFIGS, queue)
+
+
+@router.post("/instances/{instance_id}/{action}", summary="protect / unprotect an instance")
+async def protect(request: Request, instance_id: str, action: str, key: Principal) -> dict[str, Any]:
+    need_admin(key, "protect instances")
+    if action not in ("protect", "unprotect"):
+        raise HTTPException(404, "action must be protect or unprotect")
+    try:
+        inst = await InstanceStore(get_state(request).redis).set_protect(instance_id, action == "protect")
+    except KeyError as exc:
+        raise HTTPException(404, str(exc)) from None
+    return inst.to_dict()
+
+
+def start(state: ServerState) -> asyncio.Task[None] | None:
+    """Run the autoscaler in this server (one of possibly many; the lock elects the one that acts)."""
+    if os.environ.get("OFFLOAD_AUTOSCALER", "").lower() in ("off", "0", "false", "no"):
+        return None
+    scaler = Autoscaler(state.redis, state.options.settings)
+    stop = asyncio.Event()
+    state.extra["autoscaler"] = scaler
+    state.extra["autoscaler_stop"] = stop
+    return asyncio.create_task(scaler.run(stop), name="autoscaler")
+
+
+async def stop(state: ServerState, task: asyncio.Task[None] | None) -> None:
+    if task is None:
+        return
+    state.extra["autoscaler_stop"].set()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await asyncio.wait_for(task, 10)
