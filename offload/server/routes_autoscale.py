@@ -45,7 +45,15 @@ def _bad(exc: Exception, status: int = 422) -> HTTPException:
 @router.get("/status", summary="Instances (live and recent), per-queue spend and backoff, the leader, events")
 async def status(request: Request, key: Principal) -> dict[str, Any]:
     need_global_read(key, "autoscaling")
-    return await snapshot(get_state(request).redis)
+    state = get_state(request)
+    snap = await snapshot(state.redis)
+    scaler: Autoscaler | None = state.extra.get("autoscaler")
+    # This process's own autoscaler (which server answered, whether it leads, how often it called providers):
+    # with several servers behind a balancer, it tells them apart. None when OFFLOAD_AUTOSCALER=off.
+    snap["server"] = None if scaler is None else {
+        "owner": scaler.leader.owner, "leader": bool(snap["leader"] and snap["leader"]["owner"] == scaler.leader.owner),
+        "provider_calls": scaler.provider_calls}
+    return snap
 
 
 @router.get("/events", summary="The autoscaler's journal, oldest first")
@@ -99,6 +107,21 @@ async def delete_provider(request: Request, name: str, key: Principal) -> None:
         raise _bad(exc, 404) from None
     except ProviderInUse as exc:
         raise _bad(exc, 409) from None
+
+
+@router.get("/queues", summary="Every queue's effective autoscale block (API-set, else offload.yaml)")
+async def list_queues(request: Request, key: Principal) -> dict[str, dict[str, Any]]:
+    need_global_read(key, "autoscaling")
+    state = get_state(request)
+    out: dict[str, dict[str, Any]] = {
+        name: {"source": "offload.yaml", "autoscale": q.autoscale}
+        for name, q in sorted(state.options.settings.queues.items()) if q.autoscale is not None}
+    names = sorted(await state.redis.smembers(keys.QUEUE_CONFIGS))
+    raws = await state.redis.mget([keys.queue_config(q) for q in names]) if names else []
+    for name, raw in zip(names, raws, strict=True):
+        if raw:
+            out[name] = {"source": "api", "autoscale": orjson.loads(raw)}
+    return dict(sorted(out.items()))
 
 
 @router.get("/queues/{queue}", summary="A queue's effective autoscale block (API-set, else offload.yaml)")
