@@ -111,8 +111,11 @@ async def claim(request: Request, worker_id: str, body: ClaimRequest, key: Princ
         while True:
             jobs = await state.store.claim(body.queue, worker_id, body.max, lease)
             record = await state.registry.get(worker_id)
-            if record is None:  # deregistered meanwhile: leave no lease behind
-                await state.store.release_leases(body.queue, worker_id)
+            if record is None:  # deregistered (or expired) meanwhile: hand back what this call claimed. Only that:
+                # a worker that died holding jobs must lose them by lease expiry, which counts against each
+                # job's crash budget (a poison job that kills its workers goes dead instead of looping).
+                if jobs:
+                    await state.store.release_leases(body.queue, worker_id, [j.id for j in jobs])
                 return ClaimReply(jobs=[])
             if _draining(record):  # drained meanwhile: hand back only what this call claimed
                 if jobs:
