@@ -84,3 +84,32 @@ def tmp_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.delenv("OFFLOAD_REDIS_URL", raising=False)
     monkeypatch.delenv("REDIS_URL", raising=False)
     return tmp_path / ".offload"
+
+
+# -- shared by the server and dashboard test modules (each defines its own `api` server fixture) -------------
+
+
+@pytest.fixture
+def admin(api: tuple[str, str]) -> Iterator[Any]:
+    """An httpx client with the module's server's bootstrap admin key."""
+    from server_helpers import client
+
+    with client(api[0], api[1]) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """One headless Debian Chromium per module (Playwright with executable_path; never `playwright install`)."""
+    from dashboard_helpers import chromium
+
+    with chromium() as b:
+        yield b
+
+
+@pytest.fixture
+def page(browser: Any) -> Iterator[Any]:
+    from dashboard_helpers import new_page
+
+    with new_page(browser) as p:
+        yield p

@@ -16,11 +16,11 @@ from typing import Any
 
 import httpx
 import pytest
-from dashboard_helpers import HttpWorker, chromium, enqueue, go, new_page, save_screenshot, sign_in, store_call
-from playwright.sync_api import BrowserContext, Page, Request, Response, expect
+from dashboard_helpers import HttpWorker, enqueue, go, save_screenshot, sign_in, store_call
 from playwright.sync_api import Error as PlaywrightError
+from playwright.sync_api import Page, Request, Response, expect
 from s3server import RcloneS3
-from server_helpers import BUCKET, client, make_key, new_queue, server
+from server_helpers import BUCKET, make_key, new_queue, server
 from servers import ValkeyServer
 
 pytestmark = pytest.mark.xdist_group("dashboard-views")
@@ -42,24 +42,6 @@ def api(valkey: ValkeyServer, s3: RcloneS3) -> Iterator[tuple[str, str]]:
                 "queues": {CAPPED: {"backend": "gpu", "daily_job_cap": 100}}}
     with server(valkey.url, s3.settings(BUCKET), settings=settings, max_wait_s=5) as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[BrowserContext]:
-    with chromium() as b:
-        yield b
-
-
-@pytest.fixture
-def page(browser: BrowserContext) -> Iterator[Page]:
-    with new_page(browser) as p:
-        yield p
-
-
-@pytest.fixture
-def admin(api: tuple[str, str]) -> Iterator[httpx.Client]:
-    with client(api[0], api[1]) as c:
-        yield c
 
 
 def cell(page: Page, queue: str, col: str) -> Any:

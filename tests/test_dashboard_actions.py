@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from dashboard_helpers import HttpWorker, chromium, enqueue, go, new_page, sign_in, store_call
-from playwright.sync_api import BrowserContext, Page, expect
+from dashboard_helpers import HttpWorker, enqueue, go, sign_in, store_call
+from playwright.sync_api import Page, expect
 from server_helpers import client, make_key, new_queue, server
 from servers import ValkeyServer
 
@@ -25,24 +25,6 @@ XSS_ERROR = "<img src=y onerror=window.__xss=4> failed: </pre><script>window.__x
 def api(valkey: ValkeyServer) -> Iterator[tuple[str, str]]:
     with server(valkey.url, max_wait_s=5) as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[BrowserContext]:
-    with chromium() as b:
-        yield b
-
-
-@pytest.fixture
-def page(browser: BrowserContext) -> Iterator[Page]:
-    with new_page(browser) as p:
-        yield p
-
-
-@pytest.fixture
-def admin(api: tuple[str, str]) -> Iterator[httpx.Client]:
-    with client(api[0], api[1]) as c:
-        yield c
 
 
 def dead_jobs(api: tuple[str, str], queue: str, *errors: str) -> list[str]:

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 from autoscale_helpers import VAULT_KEY
-from dashboard_helpers import chromium, enqueue, go, new_page, save_screenshot, sign_in
-from playwright.sync_api import BrowserContext, Page, expect
+from dashboard_helpers import enqueue, go, save_screenshot, sign_in
+from playwright.sync_api import Page, expect
 from server_helpers import client, make_key, new_queue, poll, server
 from servers import ValkeyServer
 
@@ -57,18 +57,6 @@ def rented(api: tuple[str, str]) -> dict[str, Any]:
 
         inst: dict[str, Any] = poll(instance, 20, "the autoscaler to rent through the mock provider")
         return inst
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[BrowserContext]:
-    with chromium() as b:
-        yield b
-
-
-@pytest.fixture
-def page(browser: BrowserContext) -> Iterator[Page]:
-    with new_page(browser) as p:
-        yield p
 
 
 def _no_raw_secret(page: Page) -> None:

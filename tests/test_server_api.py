@@ -32,12 +32,6 @@ def api(valkey: ValkeyServer, s3: RcloneS3) -> Iterator[tuple[str, str]]:
         yield srv
 
 
-@pytest.fixture
-def admin(api: tuple[str, str]) -> Iterator[httpx.Client]:
-    with client(api[0], api[1]) as c:
-        yield c
-
-
 def store_call(url: str, fn: Any) -> Any:
     async def go() -> Any:
         redis = await connect(url)
