@@ -73,3 +73,18 @@ async def test_a_cancelled_caller_is_skipped_and_the_others_are_answered() -> No
     with pytest.raises(asyncio.CancelledError):
         await doomed
     assert seen == [[0], [2]]
+
+
+async def test_a_caller_arriving_as_the_flusher_finishes_is_still_flushed() -> None:
+    """The caller woken by a flush calls again before the finished flusher's task is reaped: its item must
+    start a new flush instead of waiting forever for one that has already ended."""
+
+    async def flush(items: list[int]) -> list[int]:
+        return items  # answers without yielding: the caller resumes before the flusher task is cleaned up
+
+    batcher: Batcher[int, int] = Batcher(flush, concurrency=1)
+
+    async def caller() -> list[int]:
+        return [await batcher(n) for n in range(5)]  # awaited directly: resumed in the flush's own pass
+
+    assert await asyncio.wait_for(caller(), 2) == list(range(5))

@@ -27,19 +27,30 @@ class Batcher(Generic[T, R]):
         self._flush = flush
         self._max_batch = max_batch
         self._pending: list[tuple[T, asyncio.Future[R]]] = []
-        self._flushers: set[asyncio.Task[None]] = set()  # referenced, so a running flush is never collected
+        self._tasks: set[asyncio.Task[None]] = set()  # referenced, so a running flush is never collected
+        # Counted down by the flusher itself the moment it sees nothing pending, not by a done-callback: a
+        # caller resumed by the last flush may call again before such a callback runs, and must then start a
+        # new flusher instead of queueing behind one that has already ended.
+        self._active = 0
         self._concurrency = concurrency
 
     async def __call__(self, item: T) -> R:
         future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
         self._pending.append((item, future))
-        if len(self._flushers) < self._concurrency:
+        if self._active < self._concurrency:
+            self._active += 1
             task = asyncio.get_running_loop().create_task(self._drain())
-            self._flushers.add(task)
-            task.add_done_callback(self._flushers.discard)
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         return await future
 
     async def _drain(self) -> None:
+        try:
+            await self._flush_pending()
+        finally:
+            self._active -= 1
+
+    async def _flush_pending(self) -> None:
         await asyncio.sleep(0)  # let the tasks woken with this one queue their items first
         while self._pending:
             batch, self._pending = self._pending[: self._max_batch], self._pending[self._max_batch :]
