@@ -45,6 +45,7 @@ from offload.queue.store import JobSpec, QueueStore
 
 BUCKET = "gpu-results"
 OFFLOAD = str(Path(sys.executable).with_name("offload"))
+IN_FLIGHT_S = 1.0  # how late the simulator may stamp a submit a SIGSTOPped worker had already sent
 QUEUE = "q"
 DAY = 86_400
 READY_LINE = "serving queue"  # what run_worker logs once it is about to claim
@@ -469,19 +470,24 @@ async def test_1000_jobs_4_workers_one_killed_every_second(
         for remote in sim.jobs_for(input_of[job.id]) if remote["id"] != job.remote_id
     ]
     assert len(orphans) == duplicates
+    # A submit the victim sent just before its SIGSTOP can still be processed (and stamped) by the simulator a
+    # moment after it: IN_FLIGHT_S is how late such a request may land. A live worker never submits a job it does
+    # not hold, and the job was held unrecorded by the victim at the kill, so nobody else could have sent it.
     unexplained = [
         (job_id, remote["id"]) for job_id, remote in orphans
-        if remote["id"] in seen[job_id] or not any(job_id in owned and remote["created"] <= at for at, owned in kills)
+        if remote["id"] in seen[job_id]
+        or not any(job_id in owned and remote["created"] <= at + IN_FLIGHT_S for at, owned in kills)
     ]
     unrecorded = sum(len(owned) for _, owned in kills)
-    ages = sorted(min(at - remote["created"] for at, owned in kills if job_id in owned and remote["created"] <= at)
+    ages = sorted(min(at - remote["created"] for at, owned in kills
+                      if job_id in owned and remote["created"] <= at + IN_FLIGHT_S)
                   for job_id, remote in orphans if (job_id, remote["id"]) not in unexplained)
-    window = f"{1000 * ages[len(ages) // 2]:.0f} / {1000 * ages[-1]:.0f} ms" if ages else "n/a"
+    window = f"{1000 * ages[len(ages) // 2]:.0f} / {1000 * ages[0]:.0f} / {1000 * ages[-1]:.0f} ms" if ages else "n/a"
     print(f"\n{n_jobs} jobs, {n_workers} workers x {concurrency} in flight, {len(kills)} SIGKILLs (one a second, "
           f"{fleet.starts} process starts): all {n_jobs} succeeded in {elapsed:.1f}s; jobs on a killed worker "
           f"{hit}; jobs a victim held without a recorded remote id {unrecorded}; submissions {stats['submissions']}, "
           f"duplicates {duplicates} ({100 * duplicates / n_jobs:.1f}%, {duplicates / len(kills):.2f} per kill), "
-          f"unexplained {len(unexplained)}; submit-to-kill median / max {window}; results "
+          f"unexplained {len(unexplained)}; submit-to-kill median / min / max {window}; results "
           f"{len(json_keys)} json + {len(keys_found) - len(json_keys)} files; monitor samples {samples}")
     assert not unexplained, f"duplicate submissions not explained by a kill inside submit: {unexplained}"
     # Measured on a shared 2-CPU host: 2.1-2.2 % (about 0.3 per kill; each kill lands on a worker that has ~2
