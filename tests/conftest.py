@@ -16,9 +16,11 @@ from servers import ValkeyServer, system_redis
 from offload.connection import connect
 from offload.queue.store import QueueStore
 
-# Parallel test workers (pytest-xdist) each get their own scratch DB on the shared system Redis.
+# Parallel test workers (pytest-xdist) each get their own scratch DB on the shared system Redis, counting down
+# from OFFLOAD_TEST_REDIS_DB (default 15), so two checkouts tested at once on one machine never share a DB.
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-SYSTEM_REDIS = system_redis(15 - int(_WORKER.removeprefix("gw") or 0))
+_TOP_DB = int(os.environ.get("OFFLOAD_TEST_REDIS_DB", "15"))
+SYSTEM_REDIS = system_redis(_TOP_DB - int(_WORKER.removeprefix("gw") or 0))
 BACKENDS = ["valkey9", *(["redis7"] if SYSTEM_REDIS else [])]
 
 
