@@ -73,14 +73,16 @@ def test_tutorial_env_file_alone_configures_the_pipeline(tmp_path: Path) -> None
         "RESULT_BUCKET": "gpu-results", "MAX_ATTEMPTS": "5", "DAILY_JOB_CAP": "1000", "POLL_INTERVAL": "5",
         "POLL_TIMEOUT": "600",
     }
-    s = load_settings(None, env={**env, "OFFLOAD_CONFIG": str(tmp_path / "x")})  # no offload.yaml there
+    empty = tmp_path / "empty.yaml"  # named, so no ./offload.yaml or local stack config is read
+    empty.write_text("")
+    s = load_settings(None, env={**env, "OFFLOAD_CONFIG": str(empty)})
     q = s.queue("gpu-jobs")
     assert (q.ingest_list, q.max_attempts, q.daily_job_cap, q.poll_interval) == ("gpu:jobs", 5, 1000, 5.0)
     assert s.backends["gpu"].kind == "http-job" and s.backends["gpu"].base_url == "https://gpu/v1"
     assert (s.storage.kind, s.storage.bucket, s.storage.endpoint_url) == ("s3", "gpu-results", "https://s3")
     assert s.redis_url == env["REDIS_URL"]
     # OFFLOAD_* names win over the tutorial's
-    s2 = load_settings(None, env={**env, "OFFLOAD_CONFIG": str(tmp_path / "x"), "OFFLOAD_DAILY_JOB_CAP": "7"})
+    s2 = load_settings(None, env={**env, "OFFLOAD_CONFIG": str(empty), "OFFLOAD_DAILY_JOB_CAP": "7"})
     assert s2.queue("gpu-jobs").daily_job_cap == 7
 
 
