@@ -17,7 +17,7 @@ import pytest
 from servers import free_port
 from typer.testing import CliRunner, Result
 
-from offload.cli import app
+from offload.cli.app import app
 from offload.connection import connect
 from offload.embedded import stop_embedded
 from offload.queue.store import QueueStore

@@ -1,4 +1,9 @@
-"""How every offload command fails: one `error: ...` line and a non-zero exit, never a traceback."""
+"""How every offload command fails: one `error: ...` line on stderr and exit code 1, never a traceback.
+
+Typer reports usage mistakes itself (exit code 2). Everything an operator can cause (bad input, a bad setting
+or environment value, an unknown job, unreachable Redis) is an `OffloadError` or a Redis error and is mapped
+here; anything else is a bug, and `main` still turns it into one line rather than a traceback.
+"""
 
 from __future__ import annotations
 
@@ -12,20 +17,32 @@ from redis.exceptions import RedisError
 from offload.errors import OffloadError
 
 
-def _fail(message: str) -> NoReturn:
-    """One line, so logs and `2>err` captures stay greppable; exit 1 separates 'it failed' from misuse."""
-    typer.echo(f"error: {' '.join(message.split()) or 'unknown error'}", err=True)
+def error_line(message: str) -> str:
+    """One line, so logs and `2>err` captures stay greppable."""
+    return f"error: {' '.join(message.split()) or 'unknown error'}"
+
+
+def fail(message: str) -> NoReturn:
+    """Print the error line and exit 1, which separates 'it failed' from misuse (Typer's exit 2)."""
+    typer.echo(error_line(message), err=True)
     raise typer.Exit(1)
 
 
+def describe(exc: BaseException) -> str:
+    """The message of one error line: ours carry their own, Redis's get a prefix, a bug names its type."""
+    if isinstance(exc, OffloadError):
+        return str(exc) or type(exc).__name__
+    if isinstance(exc, RedisError):  # e.g. the server went away mid-command, or a script error
+        return f"Redis/Valkey: {exc}"
+    return f"unexpected {type(exc).__name__}: {exc}"
+
+
 @contextmanager
-def _errors() -> Iterator[None]:
-    """Turn the failures an operator can cause into `_fail` lines instead of tracebacks."""
+def errors() -> Iterator[None]:
+    """Turn the failures an operator can cause into `fail` lines instead of tracebacks."""
     try:
         yield
-    except OffloadError as exc:
-        _fail(str(exc) or type(exc).__name__)
-    except RedisError as exc:  # e.g. the server went away mid-command, or a script error
-        _fail(f"Redis/Valkey: {exc}")
+    except (OffloadError, RedisError) as exc:
+        fail(describe(exc))
     except KeyboardInterrupt:
         raise typer.Exit(130) from None

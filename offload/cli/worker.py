@@ -1,47 +1,101 @@
-"""Commands that run the pipeline: `offload worker`, `offload result`, `offload config check`."""
+"""`offload worker`: the dispatch worker, or with --handler the GPU worker that runs the jobs itself.
+
+Which queues a worker serves, first match wins:
+  1. `--queue` (repeatable, or comma-separated);
+  2. OFFLOAD_QUEUE (comma-separated), which is what a rented machine or an env file names;
+  3. dispatch worker only: every queue the configuration gives a backend, which covers offload.yaml's queues and
+     the one the tutorial's env file implies (QUEUE_KEY `gpu:jobs` -> queue `gpu-jobs`).
+So `offload worker` under the tutorial's env file, a systemd unit's env file or an offload.yaml starts with no
+flag at all. Several queues are served by one process: one event loop, one drain on SIGTERM.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated
 
-import orjson
 import typer
 
-from offload.cli_errors import _errors, _fail
-from offload.config import Settings, load_settings
-from offload.connection import connect
-from offload.queue.store import QueueStore
+from offload.cli.errors import errors, fail
+from offload.cli.options import ConfigOpt, LogLevelOpt
+from offload.cli.session import settings
+from offload.config import Settings, config_file
+from offload.queue.keys import validate_queue
 
-config_app = typer.Typer(help="Validate offload.yaml and the environment.", no_args_is_help=True)
-ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="offload.yaml (default: ./offload.yaml).")]
+QueuesOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--queue",
+        "-q",
+        show_default=False,
+        help="Queue to serve (repeatable, or comma-separated). Default: OFFLOAD_QUEUE, else every queue the "
+        "configuration gives a backend.",
+    ),
+]
 
 
-def _settings(config: Path | None) -> Settings:
-    """--config, else ./offload.yaml, else the local stack's generated config (with its S3 secret)."""
-    from offload import stack
+def queue_names(values: Iterable[str | None]) -> list[str]:
+    """'a,b', 'c' -> ['a', 'b', 'c']: commas split (no queue name has one), blanks and repeats dropped."""
+    names = (name.strip() for value in values if value for name in value.split(","))
+    return list(dict.fromkeys(name for name in names if name))
 
-    with _errors():
-        if config is None and not Path("offload.yaml").exists() and stack.config_path().exists():
-            return load_settings(stack.config_path(), env={**os.environ, **stack.secret_env()})
-        return load_settings(config)
-    raise AssertionError("unreachable")
+
+def _given(queue: list[str] | None) -> list[str]:
+    """--queue, else OFFLOAD_QUEUE; every name checked before anything connects."""
+    names = queue_names(queue or []) or queue_names([os.environ.get("OFFLOAD_QUEUE")])
+    with errors():
+        for name in names:
+            validate_queue(name)
+    return names
+
+
+def dispatch_queues(given: list[str], loaded: Settings, config: Path | None) -> list[str]:
+    """The queues to dispatch: the ones named, else every configured queue with a backend, else a clear error."""
+    if given:
+        return given
+    if named := [name for name, q in loaded.queues.items() if q.backend is not None]:
+        return named
+    with errors():
+        file = config_file(config)
+    if file is None:
+        fail(
+            "no queue to serve: pass --queue, set OFFLOAD_QUEUE, or configure one: an offload.yaml (--config, "
+            "OFFLOAD_CONFIG or ./offload.yaml) with queues.<name>.backend, or the tutorial's QUEUE_KEY and "
+            "GPU_API_BASE"
+        )
+    handler_only = ", ".join(loaded.queues)
+    fail(
+        f"no queue to serve: {file} gives no queue a backend"
+        + (f" ({handler_only}: served by `offload worker --handler`)" if handler_only else "")
+        + "; pass --queue or set OFFLOAD_QUEUE"
+    )
 
 
 def worker(
-    queue: Annotated[str, typer.Option("--queue", "-q", help="Queue to serve.")],
-    concurrency: Annotated[int | None, typer.Option(min=1, help="Remote jobs in flight (default: queue's).")] = None,
+    queue: QueuesOpt = None,
+    concurrency: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="Remote jobs in flight per queue (default: the queue's); with --handler, handlers at once."
+        ),
+    ] = None,
     config: ConfigOpt = None,
     grace: Annotated[float, typer.Option(help="Seconds to keep polling after SIGTERM before releasing.")] = 30.0,
-    log_level: Annotated[str, typer.Option(help="debug, info, warning.")] = "info",
-    handler: Annotated[str | None, typer.Option(
-        help="GPU worker: run module:function on each job here, talking only to --server.")] = None,
+    log_level: LogLevelOpt = "info",
+    handler: Annotated[
+        str | None, typer.Option(help="GPU worker: run module:function on each job here, talking only to --server.")
+    ] = None,
     server: Annotated[str | None, typer.Option(envvar="OFFLOAD_SERVER", help="With --handler: the server URL.")] = None,
-    token: Annotated[str | None, typer.Option(envvar="OFFLOAD_TOKEN", show_default=False,
-                                              help="With --handler: a worker key (prefer OFFLOAD_TOKEN).")] = None,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            envvar="OFFLOAD_TOKEN", show_default=False, help="With --handler: a worker key (prefer OFFLOAD_TOKEN)."
+        ),
+    ] = None,
     load: Annotated[str | None, typer.Option(help="With --handler: module:function run once before claiming.")] = None,
 ) -> None:
     """Dispatch worker: claim, submit to the queue's backend, poll, store the output, complete. With --handler:
@@ -49,68 +103,43 @@ def worker(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if log_level.lower() != "debug":  # httpx logs every request at INFO: thousands of lines a second at scale
         logging.getLogger("httpx").setLevel(logging.WARNING)
+    given = _given(queue)
     if handler is not None:
-        from offload.server_cli import run_handler_worker
-
-        run_handler_worker(queue, handler, server, token, load, concurrency or 1, grace)
+        run_handler_worker(given, handler, server, token, load, concurrency or 1, grace)
         return
-    from offload.worker.run import run_worker
+    from offload.worker.run import run_workers
 
-    settings = _settings(config)
-    with _errors():
-        settings.queue(queue)
-        asyncio.run(run_worker(settings, queue, concurrency=concurrency, grace_s=grace))
+    loaded = settings(config)
+    queues = dispatch_queues(given, loaded, config)
+    with errors():
+        asyncio.run(run_workers(loaded, queues, concurrency=concurrency, grace_s=grace))
 
 
-def result(
-    job_id: Annotated[str, typer.Argument(help="Job id.")],
-    download: Annotated[Path | None, typer.Option("--download", help="Save the stored output here.")] = None,
-    config: ConfigOpt = None,
-    json_out: Annotated[bool, typer.Option("--json")] = False,
+def run_handler_worker(
+    queues: list[str],
+    handler: str,
+    server_url: str | None,
+    token: str | None,
+    load: str | None,
+    concurrency: int,
+    grace: float,
 ) -> None:
-    """Where a succeeded job's output is, a presigned URL to it, and optionally the output itself."""
-    from offload.storage import create_storage
-    from offload.worker.run import storage_settings
+    """`offload worker --handler`: needs only the server URL and a worker key, never Redis or storage."""
+    from offload.worker.remote import RemoteOptions, run_remote_worker
 
-    settings = _settings(config)
-
-    async def go() -> dict[str, str]:
-        redis = await connect(settings.redis_url)
+    if not server_url:
+        fail("--handler needs --server URL (or OFFLOAD_SERVER)")
+    if not token:
+        fail("--handler needs a worker key: OFFLOAD_TOKEN (or --token)")
+    if not queues:
+        fail("--handler needs a queue to serve: --queue, or OFFLOAD_QUEUE (comma-separated for several)")
+    options = RemoteOptions(server=server_url, token=token, queues=queues, concurrency=concurrency, grace_s=grace)
+    with errors():
         try:
-            job = await QueueStore(redis).get(job_id)
-        finally:
-            await redis.aclose()
-        if job.state.value != "succeeded":
-            _fail(f"job {job_id} is {job.state.value}, it has no result yet" + (f": {job.error}" if job.error else ""))
-        storage = create_storage(storage_settings(settings))
-        try:
-            url = await storage.presigned_url(job.output_key)
-            if download:
-                download.write_bytes(await storage.get_bytes(job.output_key))
-        finally:
-            await storage.aclose()
-        return {"job": job_id, "location": job.result or "", "presigned_url": url}
-
-    with _errors():
-        info = asyncio.run(go())
-        if json_out:
-            typer.echo(orjson.dumps(info).decode())
-        else:
-            typer.echo(f"{info['location']}\n{info['presigned_url']}")
-            if download:
-                typer.echo(f"saved to {download}", err=True)
-
-
-@config_app.command("check")
-def config_check(config: ConfigOpt = None) -> None:
-    """Load offload.yaml plus the environment; name the offending field if anything is wrong."""
-    settings = _settings(config)
-    queues = ", ".join(f"{n} -> {q.backend}" for n, q in settings.queues.items()) or "none"
-    typer.echo(f"ok: storage {settings.storage.kind}, backends {', '.join(settings.backends) or 'none'}, "
-               f"queues {queues}")
+            asyncio.run(run_remote_worker(options, handler, load))
+        except (ImportError, AttributeError, ValueError) as exc:
+            fail(f"cannot load the handler: {exc}")
 
 
 def register(app: typer.Typer) -> None:
     app.command()(worker)
-    app.command()(result)
-    app.add_typer(config_app, name="config")
