@@ -1,8 +1,9 @@
 """How every offload command fails: one `error: ...` line on stderr and exit code 1, never a traceback.
 
 Typer reports usage mistakes itself (exit code 2). Everything an operator can cause (bad input, a bad setting
-or environment value, an unknown job, unreachable Redis) is an `OffloadError` or a Redis error and is mapped
-here; anything else is a bug, and `main` still turns it into one line rather than a traceback.
+or environment value, an unknown job, unreachable Redis, a file that cannot be written) is an `OffloadError`, a
+Redis error or an OSError and is mapped here; anything else is a bug, and `offload.cli.app.main` still turns it
+into one line rather than a traceback.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def describe(exc: BaseException) -> str:
         return str(exc) or type(exc).__name__
     if isinstance(exc, RedisError):  # e.g. the server went away mid-command, or a script error
         return f"Redis/Valkey: {exc}"
+    if isinstance(exc, OSError):  # a file the operator named: `[Errno 2] No such file or directory: 'x'`
+        return str(exc)
     return f"unexpected {type(exc).__name__}: {exc}"
 
 
@@ -42,7 +45,7 @@ def errors() -> Iterator[None]:
     """Turn the failures an operator can cause into `fail` lines instead of tracebacks."""
     try:
         yield
-    except (OffloadError, RedisError) as exc:
+    except (OffloadError, RedisError, OSError) as exc:
         fail(describe(exc))
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
