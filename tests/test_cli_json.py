@@ -25,14 +25,29 @@ from offload.queue.store import JobSpec, QueueStore
 
 READ_NAMES = {"status", "list", "show", "events", "check", "queues", "jobs", "result"}
 NOT_READ = {  # command -> why it is not a read command
-    **{c: "changes jobs or queues" for c in ("enqueue", "pause", "resume", "cancel", "purge", "ingest",
-                                             "dead requeue", "dead purge", "held release")},
+    **{
+        c: "changes jobs or queues"
+        for c in (
+            "enqueue",
+            "pause",
+            "resume",
+            "cancel",
+            "purge",
+            "ingest",
+            "dead requeue",
+            "dead purge",
+            "held release",
+        )
+    },
     **{c: "runs until stopped" for c in ("worker", "server", "autoscale run", "sim serve", "demo")},
     **{c: "starts or stops processes" for c in ("up", "down", "embedded start", "embedded stop")},
     **{c: "changes keys" for c in ("keys create", "keys revoke")},
     **{c: "changes instances" for c in ("autoscale protect", "autoscale unprotect")},
-    **{f"{g}{c}": "changes providers" for g in ("autoscale providers ", "providers ")
-       for c in ("create", "update", "delete")},
+    **{
+        f"{g}{c}": "changes providers"
+        for g in ("autoscale providers ", "providers ")
+        for c in ("create", "update", "delete")
+    },
     **{c: "an alias of a write" for c in ("providers add", "providers remove")},
 }
 # Arguments to run each read command with; JOB / DONE / CONFIG / PROVIDER are filled in by the test, and
@@ -41,7 +56,10 @@ ARGS: dict[str, tuple[list[str], Callable[[Any, dict[str, str]], bool]]] = {
     "status": (["JOB"], lambda d, w: (d["id"], d["state"]) == (w["JOB"], "queued")),
     "jobs": (["gpu", "--state", "queued"], lambda d, w: len(d["jobs"]) == 1),
     "queues": ([], lambda d, w: [q["queue"] for q in d] == ["gpu"]),
-    "result": (["DONE", "--config", "CONFIG"], lambda d, w: d["job"] == w["DONE"] and d["presigned_url"].startswith("file://")),
+    "result": (
+        ["DONE", "--config", "CONFIG"],
+        lambda d, w: d["job"] == w["DONE"] and d["presigned_url"].startswith("file://"),
+    ),
     "dead list": (["gpu"], lambda d, w: d["jobs"][0]["error"] == "bad input"),
     "held list": (["gpu"], lambda d, w: d["jobs"][0]["state"] == "held"),
     "keys list": ([], lambda d, w: d[0]["scope"] == "viewer" and "token" not in d[0]),
@@ -116,9 +134,11 @@ def world(valkey_url: str, tmp_path: Path, tmp_home: Path, monkeypatch: pytest.M
     """One job in each of queued, dead, held and succeeded; a viewer key; a mock provider; a config file."""
     monkeypatch.setenv("OFFLOAD_VAULT_MASTER_KEY", "test-master-key-0123456789")
     config = tmp_path / "offload.yaml"
-    config.write_text(f"redis_url: {valkey_url}\nstorage: {{kind: local, path: {tmp_path / 'results'}}}\n"
-                      "backends: {sim: {kind: http-job, base_url: 'http://127.0.0.1:9', api_key: k}}\n"
-                      "queues: {gpu: {backend: sim}}\n")
+    config.write_text(
+        f"redis_url: {valkey_url}\nstorage: {{kind: local, path: {tmp_path / 'results'}}}\n"
+        "backends: {sim: {kind: http-job, base_url: 'http://127.0.0.1:9', api_key: k}}\n"
+        "queues: {gpu: {backend: sim}}\n"
+    )
 
     async def setup() -> dict[str, str]:
         from offload.autoscale.provider_store import ProviderStore
