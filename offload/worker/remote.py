@@ -55,7 +55,7 @@ class JobContext:
     cancelled: threading.Event = field(default_factory=threading.Event)  # set when a cancel was requested
 
 
-MULTI_QUEUE_WAIT_S = 1.0  # the long-poll per claim when serving several queues (see RemoteWorker.run)
+MULTI_QUEUE_WAIT_S = 1.0  # the long-poll per claim when serving several queues (see RemoteWorker._next_queue)
 
 
 @dataclass
