@@ -15,6 +15,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
+from offload import stack
+from offload.embedded import data_dir
 from offload.errors import ConfigError
 from offload.queue.keys import validate_queue
 
@@ -173,12 +175,32 @@ def _from_env(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
     return data
 
 
-def load_settings(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> Settings:
-    """Read offload.yaml (path, else OFFLOAD_CONFIG, else ./offload.yaml if present), then env on top."""
+def config_file(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> Path | None:
+    """The offload.yaml to read: `path` (--config), else OFFLOAD_CONFIG, else ./offload.yaml, else the local
+    stack's (`offload up`), else none (the environment alone). A file named by `path` or OFFLOAD_CONFIG must exist:
+    a typo there would otherwise run on another configuration."""
     env = os.environ if env is None else env
-    file = Path(path or env.get("OFFLOAD_CONFIG") or "offload.yaml")
+    named = path or env.get("OFFLOAD_CONFIG")
+    if named:
+        file = Path(named)
+        if not file.is_file():
+            raise ConfigError(f"{'--config' if path else 'OFFLOAD_CONFIG'}: config file {file} does not exist")
+        return file
+    for candidate in (Path("offload.yaml"), stack.config_path(data_dir(env.get("OFFLOAD_HOME")))):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def load_settings(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> Settings:
+    """Read the offload.yaml `config_file` picks, then the environment on top."""
+    env = os.environ if env is None else env
+    file = config_file(path, env)
     data: dict[str, Any] = {}
-    if file.exists():
+    if file is not None:
+        home = data_dir(env.get("OFFLOAD_HOME"))
+        if file.resolve() == stack.config_path(home):  # the generated file refers to the stack's S3 secret
+            env = {**stack.secret_env(home), **env}
         try:
             loaded = yaml.safe_load(file.read_text()) or {}
         except yaml.YAMLError as exc:
@@ -186,8 +208,6 @@ def load_settings(path: str | os.PathLike[str] | None = None, env: Mapping[str, 
         if not isinstance(loaded, dict):
             raise ConfigError(f"{file}: the top level must be a mapping")
         data = _expand(loaded, env, "")
-    elif path is not None:
-        raise ConfigError(f"config file {file} does not exist")
     data = _from_env(data, env)
     try:
         settings = Settings.model_validate(data)

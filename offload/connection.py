@@ -14,6 +14,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from offload.embedded import ensure_embedded
+from offload.env import env_float
 from offload.errors import ConnectionFailed
 
 
@@ -82,7 +83,7 @@ async def connect(url: str | None = None, *, retry_for: float | None = None, max
     target = resolve_url(url)
     plain, cluster = _split_cluster_flag(target)
     if retry_for is None:
-        retry_for = float(os.environ.get("OFFLOAD_REDIS_CONNECT_TIMEOUT", "10"))
+        retry_for = env_float("OFFLOAD_REDIS_CONNECT_TIMEOUT", 10.0, minimum=0)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + retry_for
     delay = 0.1

@@ -16,7 +16,7 @@ from offload.autoscale import keys
 from offload.autoscale.config import Cron, parse_duration, validate_autoscale
 from offload.autoscale.provider_store import ProviderInUse, ProviderStore
 from offload.autoscale.vault import Vault, VaultError
-from offload.cli import app
+from offload.cli.app import app
 from offload.config import load_settings
 from offload.connection import connect
 from offload.errors import ConfigError

@@ -17,7 +17,7 @@ import pytest
 from servers import free_port
 from typer.testing import CliRunner, Result
 
-from offload.cli import app
+from offload.cli.app import app
 from offload.connection import connect
 from offload.embedded import stop_embedded
 from offload.queue.store import QueueStore
@@ -444,3 +444,75 @@ def test_process_ingest_follow_drains_until_ctrl_c_then_reports_totals(valkey_ur
     assert orjson.loads(stdout) == {"ingested": 3, "dead": 0}
     assert counts(valkey_url, "tut")["queued"] == 3
 
+
+
+# -- bad environment values and unexpected errors: one line, never a traceback --------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "args", "message"),
+    [
+        ("OFFLOAD_MAX_PAYLOAD", "lots", ["enqueue", "-q", "gpu", "-i", "1"],
+         "error: OFFLOAD_MAX_PAYLOAD: expected an integer, got 'lots'\n"),
+        ("OFFLOAD_MAX_PAYLOAD", "0", ["enqueue", "-q", "gpu", "-i", "1"],
+         "error: OFFLOAD_MAX_PAYLOAD: must be at least 1, got '0'\n"),
+        ("OFFLOAD_MAX_PAYLOAD", "1e6", ["enqueue", "-q", "gpu", "--file", "-"],
+         "error: OFFLOAD_MAX_PAYLOAD: expected an integer, got '1e6'\n"),
+        ("OFFLOAD_REDIS_CONNECT_TIMEOUT", "soon", ["queues"],
+         "error: OFFLOAD_REDIS_CONNECT_TIMEOUT: expected a number, got 'soon'\n"),
+        ("OFFLOAD_REDIS_CONNECT_TIMEOUT", "inf", ["status", "gpu:x"],
+         "error: OFFLOAD_REDIS_CONNECT_TIMEOUT: expected a finite number, got 'inf'\n"),
+    ],
+)
+def test_a_bad_environment_value_is_one_line_naming_the_variable(
+    valkey_url: str, name: str, value: str, args: list[str], message: str
+) -> None:
+    assert failed(cli(valkey_url, *args, input="1\n", env={name: value})) == message
+    assert with_store(valkey_url, lambda s: s.queues()) == []
+
+
+def test_process_bad_max_payload_is_one_line_no_traceback(valkey_url: str) -> None:
+    env = {**os.environ, "OFFLOAD_MAX_PAYLOAD": "1 MiB"}
+    proc = subprocess.run([sys.executable, "-m", "offload", "enqueue", "-q", "gpu", "-i", "{}", "--url", valkey_url],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert (proc.returncode, proc.stdout) == (1, "")
+    assert proc.stderr == "error: OFFLOAD_MAX_PAYLOAD: expected an integer, got '1 MiB'\n"
+
+
+def test_a_file_that_cannot_be_written_is_one_line(valkey_url: str, tmp_path: Path) -> None:
+    """`result --download` into a missing directory: an OSError, reported like every other failure."""
+    (tmp_path / "offload.yaml").write_text(f"redis_url: {valkey_url}\nstorage: {{kind: local, path: {tmp_path}}}\n")
+    job_id = ok(valkey_url, "enqueue", "-q", "gpu", "-i", "1").strip()
+
+    async def finish(store: QueueStore) -> None:
+        (job,) = await store.claim("gpu", "w1", 1)
+        await store.complete(job.id, job.token, f"file://{tmp_path}/results/{job.id}.json")
+
+    with_store(valkey_url, finish)
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / f"{job_id}.json").write_text('{"ok": true}')
+    result = runner.invoke(app, ["result", job_id, "--config", str(tmp_path / "offload.yaml"), "--download",
+                                 str(tmp_path / "missing" / "out.json")])
+    assert "No such file or directory" in failed(result)
+
+
+def test_an_unexpected_exception_still_ends_as_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bug no command maps: `main` (the console script) prints one line and exits 1, no traceback."""
+    import typer
+
+    import offload.cli.app as cli_app
+
+    broken = typer.Typer()
+
+    @broken.command()
+    def explode() -> None:
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(cli_app, "app", broken)
+    monkeypatch.setattr(sys, "argv", ["offload"])
+    with pytest.raises(SystemExit) as exit_info:
+        cli_app.main()
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err == "error: unexpected ZeroDivisionError: a bug\n"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from offload.backends import create_backend
-from offload.config import load_settings, parse_rate
+from offload.config import config_file, load_settings, parse_rate
 from offload.errors import ConfigError
 
 README = Path(__file__).parent.parent / "README.md"
@@ -73,14 +73,16 @@ def test_tutorial_env_file_alone_configures_the_pipeline(tmp_path: Path) -> None
         "RESULT_BUCKET": "gpu-results", "MAX_ATTEMPTS": "5", "DAILY_JOB_CAP": "1000", "POLL_INTERVAL": "5",
         "POLL_TIMEOUT": "600",
     }
-    s = load_settings(None, env={**env, "OFFLOAD_CONFIG": str(tmp_path / "x")})  # no offload.yaml there
+    empty = tmp_path / "empty.yaml"  # named, so no ./offload.yaml or local stack config is read
+    empty.write_text("")
+    s = load_settings(None, env={**env, "OFFLOAD_CONFIG": str(empty)})
     q = s.queue("gpu-jobs")
     assert (q.ingest_list, q.max_attempts, q.daily_job_cap, q.poll_interval) == ("gpu:jobs", 5, 1000, 5.0)
     assert s.backends["gpu"].kind == "http-job" and s.backends["gpu"].base_url == "https://gpu/v1"
     assert (s.storage.kind, s.storage.bucket, s.storage.endpoint_url) == ("s3", "gpu-results", "https://s3")
     assert s.redis_url == env["REDIS_URL"]
     # OFFLOAD_* names win over the tutorial's
-    s2 = load_settings(None, env={**env, "OFFLOAD_CONFIG": str(tmp_path / "x"), "OFFLOAD_DAILY_JOB_CAP": "7"})
+    s2 = load_settings(None, env={**env, "OFFLOAD_CONFIG": str(empty), "OFFLOAD_DAILY_JOB_CAP": "7"})
     assert s2.queue("gpu-jobs").daily_job_cap == 7
 
 
@@ -99,3 +101,79 @@ def test_config_check_command(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "offload", "config", "check", "--config", str(bad)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and out.stderr.startswith("error: queues.gpu.backend") and "Traceback" not in out.stderr
+
+
+# -- which file: --config, else OFFLOAD_CONFIG, else ./offload.yaml, else the local stack's (the README's order) --
+
+
+def _yaml(path: Path, queue: str) -> Path:
+    path.write_text(f"queues: {{{queue}: {{}}}}\n")
+    return path
+
+
+def test_config_file_precedence_matches_the_readme(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    home = tmp_path / ".offload"
+    home.mkdir()
+    env = {"OFFLOAD_HOME": str(home)}
+    assert config_file(None, env) is None and load_settings(None, env).queues == {}
+    stack = _yaml(home / "offload.yaml", "from_stack")
+    assert config_file(None, env) == stack.resolve()
+    _yaml(tmp_path / "offload.yaml", "from_cwd")
+    assert config_file(None, env) == Path("offload.yaml")
+    named = _yaml(tmp_path / "named.yaml", "from_env")
+    env["OFFLOAD_CONFIG"] = str(named)
+    assert config_file(None, env) == named
+    given = _yaml(tmp_path / "given.yaml", "from_flag")
+    assert config_file(given, env) == given
+    assert list(load_settings(given, env).queues) == ["from_flag"]
+    assert list(load_settings(None, env).queues) == ["from_env"]
+
+
+def test_a_named_config_file_must_exist(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^--config: config file .*nope.yaml does not exist$"):
+        config_file(tmp_path / "nope.yaml", {})
+    with pytest.raises(ConfigError, match=r"^OFFLOAD_CONFIG: config file .*typo.yaml does not exist$"):
+        load_settings(None, {"OFFLOAD_CONFIG": str(tmp_path / "typo.yaml")})
+
+
+def test_the_stack_config_gets_its_s3_secret_however_it_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    home = tmp_path / ".offload"
+    home.mkdir()
+    (home / "s3-credentials.json").write_text('{"access_key_id": "ak", "secret_access_key": "stack-secret"}')
+    (home / "offload.yaml").write_text(
+        "storage: {kind: s3, bucket: results, secret_access_key: '${OFFLOAD_S3_SECRET}'}\n")
+    env = {"OFFLOAD_HOME": str(home)}
+    for path in (None, home / "offload.yaml"):
+        secret = load_settings(path, {**env, "OFFLOAD_CONFIG": ""}).storage.secret_access_key
+        assert secret is not None and secret.get_secret_value() == "stack-secret"
+    other = tmp_path / "other.yaml"
+    other.write_text((home / "offload.yaml").read_text())
+    with pytest.raises(ConfigError, match="OFFLOAD_S3_SECRET is not set"):  # only the stack's own file
+        load_settings(other, env)
+
+
+def test_config_check_reads_offload_config_before_the_local_stack(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: the CLI used the local stack's config whenever ./offload.yaml was missing, ignoring
+    OFFLOAD_CONFIG, although the README puts OFFLOAD_CONFIG first."""
+    from typer.testing import CliRunner
+
+    from offload.cli.app import app
+
+    monkeypatch.chdir(tmp_path)
+    home = tmp_path / ".offload"
+    home.mkdir()
+    _yaml(home / "offload.yaml", "from_stack")
+    named = _yaml(tmp_path / "named.yaml", "from_env")
+    result = CliRunner().invoke(app, ["config", "check"], env={"OFFLOAD_HOME": str(home), "OFFLOAD_CONFIG": str(named)})
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == "ok: storage local, backends none, queues from_env -> None\n"
+    result = CliRunner().invoke(app, ["config", "check", "--json"], env={"OFFLOAD_HOME": str(home),
+                                                                         "OFFLOAD_CONFIG": None})
+    assert result.exit_code == 0, result.stderr
+    assert '"config":"' + str(home.resolve() / "offload.yaml") + '"' in result.stdout

@@ -23,6 +23,13 @@ def test_stop_timeout_covers_the_grace_period() -> None:
     assert "Restart=always" in text and "EnvironmentFile=/etc/offload/worker.env" in text
 
 
+def test_worker_unit_names_no_queue_the_env_file_does() -> None:
+    """`offload worker` serves OFFLOAD_QUEUE, else the configuration's queues (tests/test_worker_cli.py); a
+    `--queue ${OFFLOAD_QUEUE}` here would make an env file without OFFLOAD_QUEUE fail to start."""
+    exec_start = re.search(r"^ExecStart=(.+)$", UNIT.read_text(), re.M).group(1)  # type: ignore[union-attr]
+    assert exec_start == "/opt/offload/venv/bin/offload worker --grace 60"
+
+
 def test_server_unit_runs_the_server_on_port_8000_unprivileged() -> None:
     text = SERVER_UNIT.read_text()
     exec_start = re.search(r"^ExecStart=(.+)$", text, re.M).group(1)  # type: ignore[union-attr]

@@ -105,17 +105,20 @@ def test_no_secret_is_baked_in() -> None:
 def test_entrypoint_is_configured_only_from_offload_env() -> None:
     text = ENTRYPOINT.read_text()
     assert re.search(r'exec offload worker \\\s+--handler "\$OFFLOAD_HANDLER"', text)
-    for name in ("OFFLOAD_HANDLER", "OFFLOAD_SERVER_URL", "OFFLOAD_TOKEN", "OFFLOAD_QUEUE"):
+    for name in ("OFFLOAD_HANDLER", "OFFLOAD_SERVER", "OFFLOAD_SERVER_URL", "OFFLOAD_TOKEN", "OFFLOAD_QUEUE"):
         assert name in text
+    assert "--queue" not in text and "--token" not in text  # offload reads them from the environment
     assert os.access(ENTRYPOINT, os.X_OK)
 
 
 def _run_entrypoint(env: dict[str, str], tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """Run the real script with `offload` on PATH being a recorder of its argv (Docker is not available)."""
+    """Run the real script with `offload` on PATH being a recorder of its argv and OFFLOAD_* environment (Docker is
+    not available; tests/test_worker_cli.py runs the script with the real `offload` against a real server)."""
     bindir = tmp_path / "bin"
     bindir.mkdir(exist_ok=True)
     recorder = bindir / "offload"
-    recorder.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\n')
+    recorder.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\n'
+                        'echo --\nenv | grep ^OFFLOAD_ | sort\n')
     recorder.chmod(0o755)
     return subprocess.run(["/bin/sh", str(ENTRYPOINT), *args], capture_output=True, text=True, timeout=30,
                           env={"PATH": f"{bindir}:/usr/bin:/bin", **env})
@@ -124,19 +127,22 @@ def _run_entrypoint(env: dict[str, str], tmp_path: Path, *args: str) -> subproce
 def test_entrypoint_refuses_to_start_without_its_settings(tmp_path: Path) -> None:
     out = _run_entrypoint({"OFFLOAD_HANDLER": "app:run", "OFFLOAD_QUEUE": "gpu"}, tmp_path)
     assert out.returncode == 64
-    assert "OFFLOAD_SERVER_URL" in out.stderr and "OFFLOAD_TOKEN" in out.stderr
+    assert "OFFLOAD_SERVER" in out.stderr and "OFFLOAD_TOKEN" in out.stderr
     assert "OFFLOAD_HANDLER" not in out.stderr.split("set", 1)[1].split("(")[0]
     assert out.stdout == ""
 
 
-def test_entrypoint_passes_the_settings_as_exact_arguments(tmp_path: Path) -> None:
-    env = {"OFFLOAD_HANDLER": "my_app.handlers:generate", "OFFLOAD_SERVER_URL": "https://offload.example.com",
-           "OFFLOAD_TOKEN": "tok with spaces $HOME", "OFFLOAD_QUEUE": "gpu"}
+@pytest.mark.parametrize("server_var", ["OFFLOAD_SERVER", "OFFLOAD_SERVER_URL"])
+def test_entrypoint_passes_the_settings_exactly_and_no_secret_as_an_argument(tmp_path: Path, server_var: str) -> None:
+    env = {"OFFLOAD_HANDLER": "my_app.handlers:generate", server_var: "https://offload.example.com",
+           "OFFLOAD_TOKEN": "tok with spaces $HOME", "OFFLOAD_QUEUE": "gpu,cpu"}
     out = _run_entrypoint(env, tmp_path, "--log-level", "debug")
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == [
-        "worker", "--handler", "my_app.handlers:generate", "--server", "https://offload.example.com",
-        "--token", "tok with spaces $HOME", "--queue", "gpu", "--log-level", "debug"]
+    argv, _, environ = out.stdout.partition("--\n")
+    assert argv.splitlines() == ["worker", "--handler", "my_app.handlers:generate", "--log-level", "debug"]
+    seen = dict(line.split("=", 1) for line in environ.splitlines())
+    assert seen["OFFLOAD_SERVER"] == "https://offload.example.com"  # what `offload worker` reads
+    assert (seen["OFFLOAD_TOKEN"], seen["OFFLOAD_QUEUE"]) == ("tok with spaces $HOME", "gpu,cpu")
 
 
 def _hadolint() -> str:

@@ -13,7 +13,7 @@ from server_helpers import client, make_key, new_queue, server
 from servers import ValkeyServer
 from typer.testing import CliRunner
 
-from offload.cli import app
+from offload.cli.app import app
 from offload.connection import connect
 
 SCOPES = ("admin", "viewer", "producer", "worker")

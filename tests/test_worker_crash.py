@@ -192,9 +192,12 @@ class Fleet:
     def log(self, name: str) -> Path:
         return self.root / f"{name}.log"
 
-    def start(self, name: str, *, env: dict[str, str] | None = None, queue: str = QUEUE,
+    def start(self, name: str, *, env: dict[str, str] | None = None, queue: str | None = QUEUE,
               cwd: Path | None = None, concurrency: int | None = None) -> subprocess.Popen[bytes]:
-        cmd = [OFFLOAD, "worker", "--queue", queue, "--grace", "2", "--log-level", "info"]
+        """`offload worker --queue Q ...`; with `queue=None` just `offload worker`, configured by `env` alone."""
+        cmd = [OFFLOAD, "worker"]
+        if queue is not None:
+            cmd += ["--queue", queue, "--grace", "2", "--log-level", "info"]
         if self.config is not None:
             cmd += ["--config", str(self.config)]
         if concurrency is not None:
@@ -643,7 +646,7 @@ async def test_tutorial_producer_and_env_file(
     empty = tmp_path / "empty-cwd"
     empty.mkdir()
     fleet = fleets()
-    fleet.start("tutorial", env=env, queue="gpu-jobs", cwd=empty)
+    fleet.start("tutorial", env=env, queue=None, cwd=empty)  # `offload worker`, no flag: the env names the queue
 
     # The tutorial's enqueue.py, verbatim in substance: plain redis-py, RPUSH of its JSON.
     producer = redis.Redis.from_url(valkey_url)
@@ -675,5 +678,8 @@ async def test_tutorial_producer_and_env_file(
         record = await store.get(f"gpu-jobs:{job['id']}")
         assert record.result == f"s3://{BUCKET}/{job['output_key']}"
     assert sim.stats()["submissions"] == len(sent)
+    assert "serving queue gpu-jobs via gpu (http-job)" in fleet.tail("tutorial")
+    fleet.kill("tutorial", signal.SIGTERM)
+    assert fleet.procs["tutorial"].returncode == 0, fleet.tail("tutorial")
     print(f"\ntutorial: {len(sent)} jobs RPUSHed on gpu:jobs done in {took:.2f}s, results at "
           f"{sorted(job['output_key'] for job in sent)}")

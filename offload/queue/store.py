@@ -7,7 +7,6 @@ asyncio client (standalone or cluster) and an optional clock, so tests can drive
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -18,6 +17,7 @@ import orjson
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisClusterException, ResponseError
 
+from offload.env import env_int
 from offload.errors import (
     ConfigError,
     InvalidJob,
@@ -79,7 +79,7 @@ class QueueStore:
     ) -> None:
         self.redis = redis
         self.clock = clock
-        self.max_payload = max_payload or int(os.environ.get("OFFLOAD_MAX_PAYLOAD", DEFAULT_MAX_PAYLOAD))
+        self.max_payload = max_payload or env_int("OFFLOAD_MAX_PAYLOAD", DEFAULT_MAX_PAYLOAD, minimum=1)
         self.lease_ms = lease_ms
         self._known_queues: set[str] = set()
 

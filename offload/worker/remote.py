@@ -55,12 +55,15 @@ class JobContext:
     cancelled: threading.Event = field(default_factory=threading.Event)  # set when a cancel was requested
 
 
+MULTI_QUEUE_WAIT_S = 1.0  # the long-poll per claim when serving several queues (see RemoteWorker._next_queue)
+
+
 @dataclass
 class RemoteOptions:
     server: str
     token: str
-    queue: str
-    concurrency: int = 1
+    queues: list[str]
+    concurrency: int = 1  # across all queues: one GPU runs `concurrency` handlers at once, whichever queue
     grace_s: float = 30.0
     poll_wait_s: float = 20.0
     instance_id: str | None = None
@@ -159,10 +162,11 @@ class RemoteWorker:
         self.contexts: dict[str, JobContext] = {}
         self.lost: set[str] = set()
         self._slot = asyncio.Event()
+        self._turn = 0
 
     async def _register(self, retry_for: float = 300.0) -> None:
         info = {
-            "queues": [self.o.queue], "host": socket.gethostname(), "version": _version(), "pid": os.getpid(),
+            "queues": self.o.queues, "host": socket.gethostname(), "version": _version(), "pid": os.getpid(),
             "concurrency": self.o.concurrency, "instance_id": self.o.instance_id, "protected": self.o.protected,
             "gpus": await asyncio.to_thread(gpu_info),
         }
@@ -171,7 +175,16 @@ class RemoteWorker:
         self.heartbeat_s = float(reply["heartbeat_interval_s"])
         self.o.poll_wait_s = min(self.o.poll_wait_s, float(reply.get("max_wait_s", self.o.poll_wait_s)))
         log.info("registered as %s on %s (queue %s, up to %d at once)", self.worker_id, self.o.server,
-                 self.o.queue, self.o.concurrency)
+                 ",".join(self.o.queues), self.o.concurrency)
+
+    def _next_queue(self) -> tuple[str, float]:
+        """The queue to claim from and how long to long-poll it. One queue: the full wait. Several: in turn, a
+        short wait each, so a job on any of N queues waits about N * MULTI_QUEUE_WAIT_S at most; the turn moves
+        on after every claim, so a busy queue cannot starve the others."""
+        queues = self.o.queues
+        queue = queues[self._turn % len(queues)]
+        self._turn += 1
+        return queue, self.o.poll_wait_s if len(queues) == 1 else min(self.o.poll_wait_s, MULTI_QUEUE_WAIT_S)
 
     async def run(self, stop: asyncio.Event) -> None:
         if self.load is not None:
@@ -186,7 +199,8 @@ class RemoteWorker:
                     self._slot.clear()
                     await _first(self._slot.wait(), stop.wait())
                     continue
-                claim = asyncio.create_task(self.api.claim(self.worker_id, self.o.queue, free, self.o.poll_wait_s))
+                queue, wait = self._next_queue()
+                claim = asyncio.create_task(self.api.claim(self.worker_id, queue, free, wait))
                 await _first(claim, stop.wait())
                 if not claim.done():  # stopping: the server sees the disconnect and hands back what it claimed
                     claim.cancel()

@@ -10,50 +10,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import sys
-from collections.abc import Awaitable, Callable
 from datetime import datetime
-from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import orjson
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from offload.cli_errors import _errors, _fail
+from offload.cli.errors import errors, fail
+from offload.cli.options import ConfigOpt, JsonOpt, LogLevelOpt, UrlOpt
+from offload.cli.output import out, print_json
+from offload.cli.session import run_redis, settings
 from offload.connection import connect
 
-T = TypeVar("T")
 autoscale_app = typer.Typer(no_args_is_help=True, help="GPU autoscaling: status, events, protect, run the loop.")
 providers_app = typer.Typer(no_args_is_help=True, help="Machine providers (mock, local, runpod, vastai).")
 autoscale_app.add_typer(providers_app, name="providers")
-
-UrlOpt = Annotated[str | None, typer.Option("--url", show_default=False,
-                                            help="Redis/Valkey URL (default: OFFLOAD_REDIS_URL, REDIS_URL, embedded).")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document.")]
-ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="offload.yaml (default: OFFLOAD_CONFIG).")]
-
-
-def _run(url: str | None, fn: Callable[[Any], Awaitable[T]]) -> T:
-    async def session() -> T:
-        redis = await connect(url)
-        try:
-            return await fn(redis)
-        finally:
-            await redis.aclose()
-
-    with _errors():
-        return asyncio.run(session())
-    raise AssertionError("unreachable")
-
-
-def _print(doc: Any) -> None:
-    sys.stdout.write(orjson.dumps(doc).decode() + "\n")
-
-
-def _out() -> Console:
-    return Console(highlight=False, width=None if sys.stdout.isatty() else 200)
 
 
 @autoscale_app.command("status")
@@ -62,15 +34,15 @@ def status(json_out: JsonOpt = False, url: UrlOpt = None,
     """Instances (id, queue, provider, status, worker, protected, cost), spend per queue, the leader."""
     from offload.autoscale.status import snapshot
 
-    snap = _run(url, lambda r: snapshot(r, history=history))
+    snap = run_redis(url, lambda r: snapshot(r, history=history))
     if json_out:
-        _print(snap)
+        print_json(snap)
         return
     table = Table("INSTANCE ID", "QUEUE", "PROVIDER", "STATUS", "WORKER", "PROTECTED", "COST", "REASON")
     for row in snap["instances"]:
         table.add_row(row["id"], row["queue"], row["provider"], row["status"], row["worker_id"] or "-",
                       str(row["protected"]).lower(), f"${row['cost']:.4f}", row["reason"][:60] or "")
-    console = _out()
+    console = out()
     console.print(table)
     for queue, q in sorted(snap["queues"].items()):
         paused = f", renting paused ({q['paused_because']})" if q["paused_because"] else ""
@@ -86,9 +58,9 @@ def events(limit: Annotated[int, typer.Option(min=1, max=1000)] = 50, json_out: 
     """The autoscaler's journal: rentals, readiness, drains, teardowns, failures, backoffs, alerts."""
     from offload.autoscale.instances import read_events
 
-    rows = _run(url, lambda r: read_events(r, limit))
+    rows = run_redis(url, lambda r: read_events(r, limit))
     if json_out:
-        _print(rows)
+        print_json(rows)
         return
     for e in rows:
         when = datetime.fromtimestamp(float(e.get("ts", 0))).strftime("%Y-%m-%d %H:%M:%S")
@@ -102,9 +74,9 @@ def _protect(instance_id: str, value: bool, url: str | None) -> None:
         await InstanceStore(r).set_protect(instance_id, value)
 
     try:
-        _run(url, go)
+        run_redis(url, go)
     except KeyError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     typer.echo(f"{instance_id} {'protected' if value else 'unprotected'}")
 
 
@@ -123,40 +95,43 @@ def unprotect(instance_id: Annotated[str, typer.Argument(help="as-… id")], url
 @autoscale_app.command("run")
 def run(config: ConfigOpt = None, url: UrlOpt = None, server_url: Annotated[str | None, typer.Option(
         help="Server URL for `local` workers (else autoscaler.public_url).")] = None,
-        log_level: Annotated[str, typer.Option(help="debug, info, warning.")] = "info") -> None:
+        log_level: LogLevelOpt = "info") -> None:
     """Run the autoscaler loop in the foreground (servers run it too; one leader acts at a time)."""
     from offload.autoscale.scaler import Autoscaler
-    from offload.pipeline_cli import _settings
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = _settings(config)
+    loaded = settings(config)
 
     async def main() -> None:
-        redis = await connect(url or settings.redis_url)
+        redis = await connect(url or loaded.redis_url)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         try:
-            await Autoscaler(redis, settings, server_url=server_url).run(stop)
+            await Autoscaler(redis, loaded, server_url=server_url).run(stop)
         finally:
             await redis.aclose()
 
-    with _errors():
+    with errors():
         asyncio.run(main())
 
 
 def _config(text: str | None, pairs: list[str] | None) -> dict[str, Any]:
+    """--config's JSON object with every --set key=value on top (a value that parses as JSON is taken as such)."""
     data: dict[str, Any] = {}
     if text:
-        loaded = orjson.loads(text)
+        try:
+            loaded = orjson.loads(text)
+        except orjson.JSONDecodeError as exc:
+            fail(f"--config is not valid JSON: {exc}")
         if not isinstance(loaded, dict):
-            _fail("--config must be a JSON object")
+            fail("--config must be a JSON object")
         data.update(loaded)
     for pair in pairs or []:
         k, sep, v = pair.partition("=")
         if not sep:
-            _fail(f"--set expects key=value, got {pair!r}")
+            fail(f"--set expects key=value, got {pair!r}")
         try:
             data[k] = orjson.loads(v)
         except orjson.JSONDecodeError:
@@ -175,8 +150,9 @@ def providers_create(name: Annotated[str, typer.Argument()],
     """Register a provider; its secrets are encrypted with OFFLOAD_VAULT_MASTER_KEY."""
     from offload.autoscale.provider_store import ProviderStore
 
-    rec = _run(url, lambda r: ProviderStore(r).create(name, kind, _config(config, sets)))
-    _print(rec.to_dict()) if json_out else typer.echo(f"provider {name} ({kind}) created")
+    data = _config(config, sets)
+    rec = run_redis(url, lambda r: ProviderStore(r).create(name, kind, data))
+    print_json(rec.to_dict()) if json_out else typer.echo(f"provider {name} ({kind}) created")
 
 
 @providers_app.command("update")
@@ -185,8 +161,9 @@ def providers_update(name: Annotated[str, typer.Argument()], config: CfgOpt = No
     """Change settings; secrets you do not pass (or pass masked) keep their stored values."""
     from offload.autoscale.provider_store import ProviderStore
 
-    rec = _run(url, lambda r: ProviderStore(r).update(name, _config(config, sets)))
-    _print(rec.to_dict()) if json_out else typer.echo(f"provider {name} updated")
+    data = _config(config, sets)
+    rec = run_redis(url, lambda r: ProviderStore(r).update(name, data))
+    print_json(rec.to_dict()) if json_out else typer.echo(f"provider {name} updated")
 
 
 @providers_app.command("list")
@@ -194,20 +171,20 @@ def providers_list(url: UrlOpt = None, json_out: JsonOpt = False) -> None:
     """Every provider, secrets masked."""
     from offload.autoscale.provider_store import ProviderStore
 
-    recs = _run(url, lambda r: ProviderStore(r).list())
+    recs = run_redis(url, lambda r: ProviderStore(r).list())
     if json_out:
-        _print([r.to_dict() for r in recs])
+        print_json([r.to_dict() for r in recs])
         return
     for r in recs:
         typer.echo(f"{r.name:<20} {r.type:<8} {orjson.dumps(r.config).decode()}")
 
 
 @providers_app.command("show")
-def providers_show(name: Annotated[str, typer.Argument()], url: UrlOpt = None) -> None:
-    """One provider as JSON, secrets masked."""
+def providers_show(name: Annotated[str, typer.Argument()], url: UrlOpt = None, json_out: JsonOpt = False) -> None:
+    """One provider as JSON, secrets masked (the same document with or without --json)."""
     from offload.autoscale.provider_store import ProviderStore
 
-    _print(_run(url, lambda r: ProviderStore(r).get(name)).to_dict())
+    print_json(run_redis(url, lambda r: ProviderStore(r).get(name)).to_dict())
 
 
 @providers_app.command("delete")
@@ -215,7 +192,7 @@ def providers_delete(name: Annotated[str, typer.Argument()], url: UrlOpt = None)
     """Delete a provider that has no live instances."""
     from offload.autoscale.provider_store import ProviderStore
 
-    _run(url, lambda r: ProviderStore(r).delete(name))
+    run_redis(url, lambda r: ProviderStore(r).delete(name))
     typer.echo(f"provider {name} deleted")
 
 
@@ -231,5 +208,3 @@ def register(app: typer.Typer) -> None:
     app.add_typer(autoscale_app, name="autoscale")
     app.add_typer(top_providers_app, name="providers")
 
-
-__all__ = ["register"]

@@ -1,8 +1,11 @@
 """`offload sim serve` (and `python -m offload.sim serve`): run the simulator from a shell.
 
-`sim_app` is a Typer group so the main CLI can mount it with `app.add_typer(sim_app, name="sim")`. Shortcut flags
-override the config file's `default` behaviour, which is what a rehearsal usually wants ("everything 2 s, 10 %
-failures"); per-family settings need the file. Problems end in one `error: ...` line and exit code 1.
+`sim_app` is a Typer group of its own, mounted by the main CLI as `offload sim` and run alone by
+`python -m offload.sim`: this module imports only the simulator and the CLI's error handling, never the other
+command groups (`offload.cli` builds nothing at import time), so the simulator starts without the queue, server
+or autoscaler code. Shortcut flags override the config file's `default` behaviour, which is what a rehearsal
+usually wants ("everything 2 s, 10 % failures"); per-family settings need the file. Problems end in one
+`error: ...` line and exit code 1.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import typer
 import yaml
 from pydantic import ValidationError
 
+from offload.cli.errors import fail
 from offload.sim.config import SimConfig, parse_latency
 from offload.sim.server import serve as run_server
 
@@ -27,11 +31,6 @@ Rate = Annotated[float | None, typer.Option(min=0.0, max=1.0, show_default=False
 @sim_app.callback()
 def _group() -> None:
     """Keep `sim` a command group even with one command, so `offload sim serve` is stable."""
-
-
-def _fail(message: str) -> typer.Exit:
-    typer.echo(f"error: {' '.join(message.split())}", err=True)
-    return typer.Exit(1)
 
 
 def build_config(
@@ -89,8 +88,12 @@ def serve(
     except (OSError, ValueError, yaml.YAMLError) as exc:  # pydantic's ValidationError is a ValueError
         detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()) \
             if isinstance(exc, ValidationError) else str(exc)
-        raise _fail(f"invalid simulator config: {detail}") from None
+        fail(f"invalid simulator config: {detail}")
     scheme = "https" if ssl_certfile else "http"
     typer.echo(f"offload sim: serving on {scheme}://{host}:{port} (control: /_sim/stats, /_sim/config)", err=True)
     run_server(host, port, sim_config, log_level=log_level, access_log=access_log, ssl_certfile=ssl_certfile,
                ssl_keyfile=ssl_keyfile)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(sim_app, name="sim")

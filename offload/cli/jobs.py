@@ -1,40 +1,44 @@
-"""The `offload` command line: enqueue, inspect and operate queues from a shell or a script.
+"""Commands on the job store: enqueue, status, jobs, queues, dead, held, pause, resume, cancel, purge, ingest, result.
 
 Every command connects, does one thing through `QueueStore` and closes the connection. Output is meant for
 two readers: people get rich tables, scripts get `--json` (one document on stdout) or a bare id/count.
-Problems an operator can cause (bad input, unknown job, unreachable Redis) end in one `error: ...` line on
-stderr and exit code 1, never a traceback; Typer reports usage mistakes itself with exit code 2.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from datetime import datetime
+from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import orjson
 import typer
 from rich import box
-from rich.console import Console
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
-from offload.autoscale_cli import register as register_autoscale
-from offload.cli_errors import _errors, _fail
-from offload.connection import connect
-from offload.embedded import data_dir, ensure_embedded, running_url, stop_embedded
+from offload.cli.errors import errors, fail
+from offload.cli.options import (
+    AllOpt,
+    ConfigOpt,
+    CursorOpt,
+    IdsArg,
+    JobArg,
+    JsonOpt,
+    LimitOpt,
+    QueueArg,
+    QueueOpt,
+    UrlOpt,
+)
+from offload.cli.output import err, out, print_json
+from offload.cli.session import run_redis, settings
 from offload.errors import InvalidJob, OffloadError
 from offload.models import Job, QueueStats
-from offload.pipeline_cli import register as register_pipeline
 from offload.queue.keys import STATE_SETS, queue_of, validate_queue
 from offload.queue.store import DEFAULT_MAX_ATTEMPTS, JobSpec, QueueStore
-from offload.server_cli import register as register_server
-from offload.sim.cli import sim_app
 
 T = TypeVar("T")
 
@@ -46,68 +50,21 @@ TIME_FIELDS = ("created_at", "run_at", "started_at", "finished_at", "lease_deadl
 COUNT_COLUMNS = ("queued", "delayed", "active", "submitted", "retrying", "held", "succeeded", "dead",
                  "cancelled")
 
-# Consoles resolve sys.stdout/sys.stderr at write time, so test runners that swap the streams still work.
-err = Console(stderr=True, highlight=False)
-
-app = typer.Typer(
-    name="offload", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-    help="A durable GPU job queue on Redis/Valkey.",
-)
 dead_app = typer.Typer(no_args_is_help=True, help="Dead-lettered jobs: list, requeue, purge.")
 held_app = typer.Typer(no_args_is_help=True, help="Jobs held over a cap: list, release.")
-embedded_app = typer.Typer(no_args_is_help=True, help="The embedded Valkey under ./.offload (OFFLOAD_HOME).")
-app.add_typer(dead_app, name="dead")
-app.add_typer(held_app, name="held")
-app.add_typer(embedded_app, name="embedded")
-app.add_typer(sim_app, name="sim")
-register_pipeline(app)
-register_server(app)
-register_autoscale(app)
-
-UrlOpt = Annotated[str | None, typer.Option(
-    "--url", show_default=False,
-    help="Redis/Valkey URL. Default: OFFLOAD_REDIS_URL, else REDIS_URL, else the embedded server.",
-)]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")]
-QueueArg = Annotated[str, typer.Argument(help="Queue name.", show_default=False)]
-LimitOpt = Annotated[int, typer.Option(min=1, max=1000, help="Jobs per page.")]
-CursorOpt = Annotated[int, typer.Option(min=0, help="Page start, from a previous listing's next cursor.")]
-IdsArg = Annotated[list[str] | None, typer.Argument(help="Job ids (or use --all).", show_default=False)]
-AllOpt = Annotated[bool, typer.Option("--all", help="Every job in the set.")]
 
 
 def _run(
     url: str | None, fn: Callable[[QueueStore], Awaitable[T]], *,
-    queues: Sequence[str] = (), jobs: Sequence[str] = (),
+    queues: Sequence[str] = (), jobs: Sequence[str] = (), config: Path | None = None,
 ) -> T:
     """Validate names first (a typo should not wait out a connect timeout), then connect, run, close."""
-
-    async def session() -> T:
-        client = await connect(url)
-        try:
-            return await fn(QueueStore(client))
-        finally:
-            await client.aclose()
-
-    with _errors():
+    with errors():
         for queue in queues:
             validate_queue(queue)
         for job_id in jobs:
             queue_of(job_id)
-        return asyncio.run(session())
-    raise AssertionError("unreachable")  # _errors either returns above or exits
-
-
-def _out() -> Console:
-    """Rich squeezes tables into 80 columns when stdout is no terminal; a pipe or file has no such limit."""
-    if sys.stdout.isatty():
-        return Console(highlight=False)
-    return Console(highlight=False, width=max(200, int(os.environ.get("COLUMNS", "0") or 0)))
-
-
-def _print_json(doc: Any) -> None:
-    sys.stdout.write(orjson.dumps(doc).decode() + "\n")
-    sys.stdout.flush()
+    return run_redis(url, lambda redis: fn(QueueStore(redis)), config=config)
 
 
 def _when(ms: int | None) -> str:
@@ -168,9 +125,8 @@ async def _enqueue_bulk(store: QueueStore, queue: str, specs: list[JobSpec]) -> 
     return ids
 
 
-@app.command()
 def enqueue(
-    queue: Annotated[str, typer.Option("--queue", "-q", help="Queue name.", show_default=False)],
+    queue: QueueOpt,
     input: Annotated[str | None, typer.Option("--input", "-i", metavar="JSON", help="Job input.")] = None,
     file: Annotated[typer.FileBinaryRead | None, typer.Option(
         "--file", "-f", metavar="PATH", help="JSON Lines ('-' for stdin): per line one input, or "
@@ -195,27 +151,26 @@ def enqueue(
         try:
             value = orjson.loads(input)
         except orjson.JSONDecodeError as exc:
-            _fail(f"--input is not valid JSON: {exc}")
+            fail(f"--input is not valid JSON: {exc}")
         spec = JobSpec(input=value, **defaults)
         job_id = _run(url, lambda store: store.enqueue(queue, spec), queues=[queue])
-        _print_json({"id": job_id}) if json_out else typer.echo(job_id)
+        print_json({"id": job_id}) if json_out else typer.echo(job_id)
         return
     assert file is not None
-    with _errors():
+    with errors():
         validate_queue(queue)
         specs = _parse_lines(iter(file), defaults)
     ids = _run(url, lambda store: _enqueue_bulk(store, queue, specs))
-    _print_json({"count": len(ids), "ids": ids}) if json_out else typer.echo(len(ids))
+    print_json({"count": len(ids), "ids": ids}) if json_out else typer.echo(len(ids))
 
 
-@app.command()
-def status(job_id: Annotated[str, typer.Argument(help="Job id.")], json_out: JsonOpt = False,
+def status(job_id: JobArg, json_out: JsonOpt = False,
            url: UrlOpt = None) -> None:
     """Show one job's record (the lease token is never shown: it authorises writes)."""
     job = _run(url, lambda store: store.get(job_id), jobs=[job_id])
     record = job.to_dict()
     if json_out:
-        _print_json(record)
+        print_json(record)
         return
     table = Table(show_header=False, box=None, padding=(0, 2))
     table.add_column(style="bold")
@@ -223,7 +178,7 @@ def status(job_id: Annotated[str, typer.Argument(help="Job id.")], json_out: Jso
     for key, value in record.items():
         shown = _when(value) if key in TIME_FIELDS else "-" if value is None else _short(value, 2000)
         table.add_row(key, Text(shown))
-    _out().print(table)
+    out().print(table)
 
 
 def _jobs_table(jobs: list[Job]) -> Table:
@@ -242,14 +197,13 @@ def _list(url: str | None, queue: str, state: str, limit: int, cursor: int, json
         url, lambda store: store.list_jobs(queue, state, cursor=cursor, limit=limit), queues=[queue]
     )
     if json_out:
-        _print_json({"jobs": [j.to_dict() for j in jobs], "next_cursor": next_cursor})
+        print_json({"jobs": [j.to_dict() for j in jobs], "next_cursor": next_cursor})
         return
-    _out().print(_jobs_table(jobs))
+    out().print(_jobs_table(jobs))
     if next_cursor is not None:
         err.print(f"more: --cursor {next_cursor}")
 
 
-@app.command("jobs")
 def jobs_cmd(
     queue: QueueArg,
     state: Annotated[str, typer.Option(help=f"One of: {', '.join(STATE_SETS)}.", show_default=False)],
@@ -278,7 +232,6 @@ def _queues_table(stats: list[QueueStats]) -> Table:
     return table
 
 
-@app.command()
 def queues(
     json_out: JsonOpt = False,
     watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh until Ctrl-C.")] = False,
@@ -288,20 +241,20 @@ def queues(
     """Counts per state for every queue. With --watch and --json, one JSON document per line per refresh."""
 
     def show(stats: list[QueueStats]) -> None:
-        _print_json([s.to_dict() for s in stats]) if json_out else _out().print(_queues_table(stats))
+        print_json([s.to_dict() for s in stats]) if json_out else out().print(_queues_table(stats))
 
     if not watch:
         show(_run(url, _snapshot))
         return
 
     async def loop(store: QueueStore) -> None:
-        out = _out()
+        console = out()
         try:
-            if json_out or not out.is_terminal:  # a pipe gets a stream of snapshots, not cursor tricks
+            if json_out or not console.is_terminal:  # a pipe gets a stream of snapshots, not cursor tricks
                 while True:
                     show(await _snapshot(store))
                     await asyncio.sleep(interval)
-            with Live(console=out, auto_refresh=False) as live:
+            with Live(console=console, auto_refresh=False) as live:
                 while True:
                     live.update(_queues_table(await _snapshot(store)), refresh=True)
                     await asyncio.sleep(interval)
@@ -334,10 +287,10 @@ def _move(url: str | None, queue: str, state: str, job_ids: list[str] | None, al
 
     moved = _run(url, go, queues=[queue], jobs=ids)
     verb = "requeued" if state == "dead" else "released"
-    _print_json({verb: moved}) if json_out else typer.echo(f"{verb} {len(moved)}")
+    print_json({verb: moved}) if json_out else typer.echo(f"{verb} {len(moved)}")
     missing = sorted(set(ids) - set(moved))
     if missing:
-        _fail(f"{len(missing)} job(s) not {state} in queue {queue}: {', '.join(missing)}")
+        fail(f"{len(missing)} job(s) not {state} in queue {queue}: {', '.join(missing)}")
 
 
 @dead_app.command("list")
@@ -374,39 +327,34 @@ def held_release(queue: QueueArg, job_ids: IdsArg = None, all_: AllOpt = False, 
     _move(url, queue, "held", job_ids, all_, json_out)
 
 
-@app.command()
 def pause(queue: QueueArg, url: UrlOpt = None) -> None:
     """Stop workers claiming from the queue; enqueueing still works."""
     _run(url, lambda store: store.pause(queue), queues=[queue])
     typer.echo(f"paused {queue}")
 
 
-@app.command()
 def resume(queue: QueueArg, url: UrlOpt = None) -> None:
     """Let workers claim from a paused queue again."""
     _run(url, lambda store: store.resume(queue), queues=[queue])
     typer.echo(f"resumed {queue}")
 
 
-@app.command()
-def cancel(job_id: Annotated[str, typer.Argument(help="Job id.")], url: UrlOpt = None) -> None:
+def cancel(job_id: JobArg, url: UrlOpt = None) -> None:
     """Cancel a job: at once if it waits, else its worker cancels the remote job and acknowledges."""
     code = _run(url, lambda store: store.cancel(job_id), jobs=[job_id])
     typer.echo("cancelled" if code == "cancelled" else "cancel requested")
 
 
-@app.command()
 def purge(queue: QueueArg, state: Annotated[str, typer.Option(help="State to delete.", show_default=False)],
           url: UrlOpt = None) -> None:
     """Delete every job of the queue in one state (active jobs cannot be purged)."""
     typer.echo(f"purged {_run(url, lambda store: store.purge(queue, state), queues=[queue])}")
 
 
-@app.command()
 def ingest(
     from_list: Annotated[str, typer.Option("--from-list", envvar="QUEUE_KEY", show_default=False,
                                            help="The tutorial's Redis list (default: $QUEUE_KEY).")],
-    queue: Annotated[str, typer.Option("--queue", "-q", help="Queue name.", show_default=False)],
+    queue: QueueOpt,
     follow: Annotated[bool, typer.Option("--follow", help="Keep draining until Ctrl-C.")] = False,
     max_attempts: Annotated[int, typer.Option(min=1)] = DEFAULT_MAX_ATTEMPTS,
     json_out: JsonOpt = False,
@@ -433,68 +381,54 @@ def ingest(
 
     ok, bad = _run(url, drain, queues=[queue])
     if json_out:
-        _print_json({"ingested": ok, "dead": bad})
+        print_json({"ingested": ok, "dead": bad})
     else:
         typer.echo(f"ingested {ok}" + (f", {bad} malformed (dead-lettered)" if bad else ""))
 
 
-@embedded_app.command("status")
-def embedded_status(json_out: JsonOpt = False) -> None:
-    """Whether the embedded Valkey runs, and where."""
-    url = running_url()
-    running = url is not None
-    home = str(data_dir())
-    if json_out:
-        _print_json({"running": running, "url": url if running else None, "data_dir": home})
-    else:
-        typer.echo(f"{f'running at {url}' if running else 'not running'} (data in {home})")
 
 
-@embedded_app.command("start")
-def embedded_start() -> None:
-    """Start the embedded Valkey if needed and print its URL (other commands also start it on demand)."""
-    with _errors():
-        typer.echo(ensure_embedded())
-
-
-@embedded_app.command("stop")
-def embedded_stop() -> None:
-    """Stop the embedded Valkey; its data stays on disk (AOF) for the next start."""
-    with _errors():
-        typer.echo("stopped" if stop_embedded() else "not running")
-
-
-@app.command()
-def demo(jobs: Annotated[int, typer.Option(min=1, max=10_000, help="Jobs to run.")] = 40) -> None:
-    """Run a batch end to end on the local stack (started if needed) and show where the results are."""
-    from offload.demo import run_demo
-
-    with _errors():
-        asyncio.run(run_demo(_out(), jobs))
-
-
-@app.command()
-def up(
-    workers: Annotated[int, typer.Option(min=1, max=64, help="Dispatch worker processes.")] = 2,
-    latency: Annotated[str, typer.Option(help="Simulated GPU job time: 2, 1-3 or lognormal:2:0.5.")] = "1-3",
+def result(
+    job_id: JobArg,
+    download: Annotated[Path | None, typer.Option("--download", help="Save the stored output here.")] = None,
+    config: ConfigOpt = None,
+    json_out: JsonOpt = False,
 ) -> None:
-    """Start the local stack in the background: Valkey, S3, the GPU API simulator, N workers (./.offload/)."""
-    from offload.stack import up as stack_up
+    """Where a succeeded job's output is, a presigned URL to it, and optionally the output itself."""
+    from offload.storage import create_storage
+    from offload.worker.run import storage_settings
 
-    with _errors():
-        for name, where in stack_up(workers=workers, latency=latency):
-            typer.echo(f"{name:<10} {where}")
+    config_settings = settings(config)
+    job = _run(None, lambda store: store.get(job_id), jobs=[job_id], config=config)
+    if job.state.value != "succeeded":
+        fail(f"job {job_id} is {job.state.value}, it has no result yet" + (f": {job.error}" if job.error else ""))
+
+    async def fetch() -> str:
+        storage = create_storage(storage_settings(config_settings))
+        try:
+            presigned = await storage.presigned_url(job.output_key)
+            if download:
+                download.write_bytes(await storage.get_bytes(job.output_key))
+        finally:
+            await storage.aclose()
+        return presigned
+
+    with errors():
+        info = {"job": job_id, "location": job.result or "", "presigned_url": asyncio.run(fetch())}
+    if json_out:
+        print_json(info)
+    else:
+        typer.echo(f"{info['location']}\n{info['presigned_url']}")
+        if download:
+            typer.echo(f"saved to {download}", err=True)
 
 
-@app.command()
-def down() -> None:
-    """Stop the local stack (workers drain first); data stays under ./.offload/."""
-    from offload.stack import down as stack_down
-
-    with _errors():
-        typer.echo("stopped: " + (", ".join(stack_down()) or "nothing was running"))
-
-
-def main() -> None:
-    """Console-script entry point (`offload = "offload.cli:main"`)."""
-    app(prog_name="offload")
+def register(app: typer.Typer) -> None:
+    commands: dict[str, Callable[..., None]] = {
+        "enqueue": enqueue, "status": status, "jobs": jobs_cmd, "queues": queues, "pause": pause, "resume": resume,
+        "cancel": cancel, "purge": purge, "ingest": ingest, "result": result,
+    }
+    for name, command in commands.items():
+        app.command(name)(command)
+    app.add_typer(dead_app, name="dead")
+    app.add_typer(held_app, name="held")
