@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Annotated, TypeVar
@@ -15,7 +16,7 @@ import typer
 from offload.cli_errors import _errors, _fail
 from offload.connection import connect
 from offload.pipeline_cli import ConfigOpt, _settings
-from offload.server.keys import KeyStore
+from offload.server.keys import ADMIN_ENV, KeyStore, check_admin_key
 
 T = TypeVar("T")
 
@@ -36,6 +37,10 @@ def server(
     max_body: Annotated[int, typer.Option(min=1024, help="Largest request body, bytes.")] = 16 << 20,
     worker_lease: Annotated[float, typer.Option(
         min=0.5, help="Seconds a GPU worker's leases last without a heartbeat.")] = 30.0,
+    max_connections: Annotated[int, typer.Option(
+        min=1, help="Concurrent connections and requests; past it new requests get 503.")] = 2048,
+    header_timeout: Annotated[float, typer.Option(
+        min=0.1, help="Seconds a client has to send a request's headers before its connection is closed.")] = 10.0,
     log_level: Annotated[str, typer.Option(help="debug, info, warning.")] = "info",
     access_log: Annotated[bool, typer.Option(help="Log each request (method, path, status).")] = True,
 ) -> None:
@@ -44,9 +49,13 @@ def server(
     from offload.server.state import ServerOptions
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    with _errors():
+        if admin := os.environ.get(ADMIN_ENV):
+            check_admin_key(admin)  # refuse before listening, naming the variable
     settings = _settings(config)
     options = ServerOptions(redis_url=url or settings.redis_url, settings=settings, max_batch=max_batch,
-                            max_body=max_body, worker_lease_ms=int(worker_lease * 1000))
+                            max_body=max_body, worker_lease_ms=int(worker_lease * 1000),
+                            max_connections=max_connections, header_timeout_s=header_timeout)
     with _errors():
         serve(options, host, port, log_level=log_level, access_log=access_log)
 
