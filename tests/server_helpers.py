@@ -46,6 +46,23 @@ def client(url: str, token: str | None = None, *, header: str = "bearer") -> htt
     return httpx.Client(base_url=url, headers=headers, timeout=30)
 
 
+def direct_key(redis_url: str, scope: str, queue: str) -> str:
+    """A key created the way `offload keys create` does (straight in Redis), before any server runs."""
+    import asyncio
+
+    from offload.connection import connect
+    from offload.server.keys import KeyStore
+
+    async def go() -> str:
+        redis = await connect(redis_url)
+        try:
+            return (await KeyStore(redis).create(scope, [queue], f"test {scope}"))[1]
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(go())
+
+
 def make_key(url: str, admin: str, scope: str, queues: list[str] | None = None) -> str:
     with client(url, admin) as c:
         r = c.post("/v1/keys", json={"scope": scope, "queues": queues or [], "name": f"test {scope}"})

@@ -7,7 +7,6 @@ shape: separate processes, each electing through the Redis lock, configured by o
 
 from __future__ import annotations
 
-import asyncio
 import os
 import secrets
 import signal
@@ -23,11 +22,9 @@ import pytest
 import yaml
 from autoscale_helpers import VAULT_KEY, sim_call
 from dashboard_helpers import HttpWorker
-from server_helpers import client, poll
+from server_helpers import client, direct_key, poll
 from servers import ValkeyServer, free_port
 
-from offload.connection import connect
-from offload.server.keys import KeyStore
 from offload.sim.config import SimConfig
 from offload.sim.server import running_sim
 
@@ -69,18 +66,6 @@ def offload_server(name: str, config: Path, redis_url: str, admin: str, tmp: Pat
         log.close()
 
 
-def _worker_key(redis_url: str) -> str:
-    """A real worker key: the autoscaler refuses to ship one that is unknown, revoked or not worker-scoped."""
-    async def create() -> str:
-        redis = await connect(redis_url)
-        try:
-            return (await KeyStore(redis).create("worker", [QUEUE], "rented"))[1]
-        finally:
-            await redis.aclose()
-
-    return asyncio.run(create())
-
-
 def me(api: httpx.Client) -> dict[str, Any]:
     """The answering server's own autoscaler: its owner id, whether it leads, its provider calls."""
     server: dict[str, Any] = api.get("/v1/autoscale/status").json()["server"]
@@ -100,8 +85,9 @@ def test_two_server_processes_only_the_leader_rents_and_the_survivor_takes_over(
                 "enabled": True, "provider": "v", "max_workers": 1, "poll_interval": "0.2s", "boot_timeout": "60s",
                 "instance": {"image": "ghcr.io/me/worker:1", "max_price_per_hour": 1.0},
                 "scale_down": [{"trigger": "idle", "timeout": "1s"}]}}},
-            "autoscaler": {"public_url": "https://cp.example.com", "worker_key": _worker_key(valkey.url), "tick": 0.1,
-                           "leader_ttl": 2, "recent_task": 0, "drain_settle": 0, "orphan_sweep_interval": 60},
+            "autoscaler": {"public_url": "https://cp.example.com", "tick": 0.1, "leader_ttl": 2, "recent_task": 0,
+                           "worker_key": direct_key(valkey.url, "worker", QUEUE), "drain_settle": 0,
+                           "orphan_sweep_interval": 60},
         }))
         url_a, proc_a = stack.enter_context(offload_server("a", config, valkey.url, admin, tmp_path))
         api_a = stack.enter_context(client(url_a, admin))

@@ -9,7 +9,6 @@ errors, so redaction is walked too."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import re
@@ -21,12 +20,10 @@ import httpx
 import pytest
 from s3server import RcloneS3
 from security_helpers import echo_server, leaks, redis_dump
-from server_helpers import BUCKET, client, new_queue, poll, server
+from server_helpers import BUCKET, client, direct_key, new_queue, poll, server
 from servers import ValkeyServer, free_port
 
 from offload.autoscale.vault import ENV as VAULT_ENV
-from offload.connection import connect
-from offload.server.keys import KeyStore
 
 IDENTITIES = ("anonymous", "revoked", "producer of another queue", "worker of another queue")
 
@@ -42,17 +39,6 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RcloneS3]:
         yield s
 
 
-def _worker_key(url: str, queue: str) -> str:
-    async def go() -> str:
-        redis = await connect(url)
-        try:
-            return (await KeyStore(redis).create("worker", [queue], "rented"))[1]
-        finally:
-            await redis.aclose()
-
-    return asyncio.run(go())
-
-
 @pytest.fixture(scope="module")
 def world(valkey: ValkeyServer, s3: RcloneS3) -> Iterator[dict[str, Any]]:
     victim, mine = new_queue("victim"), new_queue("mine")
@@ -66,7 +52,7 @@ def world(valkey: ValkeyServer, s3: RcloneS3) -> Iterator[dict[str, Any]]:
         "instance.env HF_TOKEN": secret("hf"),
         "storage secret": s3.secret_key,
     }
-    rented_key = _worker_key(valkey.url, victim)
+    rented_key = direct_key(valkey.url, "worker", victim)
     saved = os.environ.get(VAULT_ENV)
     os.environ[VAULT_ENV] = given["vault master key"]
     try:
