@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -51,7 +52,7 @@ async def make_key(client: httpx.AsyncClient, url: str, admin: str, scope: str, 
     return str(r.json()["token"])
 
 
-async def hostile(url: str, pid: int, admin: str, mib: float) -> dict[str, object]:
+async def hostile(url: str, pid: int, admin: str, mib: float) -> dict[str, Any]:
     items = int(mib * (1 << 20) / 3)  # "{}," per item
     batch = b'{"jobs": [' + b",".join([b"{}"] * items) + b"]}"
     single = b'{"input": [' + b",".join([b"{}"] * items) + b"]}"
@@ -98,7 +99,7 @@ async def hostile(url: str, pid: int, admin: str, mib: float) -> dict[str, objec
     }
 
 
-async def run(mib: float) -> dict[str, object]:
+async def run(mib: float) -> dict[str, Any]:
     workdir = tempfile.mkdtemp(prefix="offload-hostile-")
     valkey, redis_url = start_valkey(workdir, aof=False)
     admin = "bench-" + secrets.token_urlsafe(24)
@@ -128,8 +129,8 @@ def main() -> None:
     parser.add_argument("--mib", type=float, default=8.0, help="size of each hostile body")
     args = parser.parse_args()
     doc = asyncio.run(run(args.mib))
-    for name, took in doc["seconds"].items():  # type: ignore[attr-defined]
-        print(f"{name:<40} HTTP {doc['statuses'][name]}  {took:.3f} s")  # type: ignore[index]
+    for name, took in doc["seconds"].items():
+        print(f"{name:<40} HTTP {doc['statuses'][name]}  {took:.3f} s")
     print(
         f"server RSS: {doc['baseline_rss_mb']} MB before, peak {doc['peak_rss_mb']} MB; slowest /healthz "
         f"{doc['healthz_max_ms']} ms"
