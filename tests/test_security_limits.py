@@ -176,20 +176,21 @@ def test_a_server_at_its_connection_limit_answers_503(valkey: ValkeyServer) -> N
         q = new_queue("full")
         with client(url, boot) as admin:
             admin.post(f"/v1/queues/{q}/jobs", json={"input": 1})
-        held: list[Any] = []
-        ctx = [
-            httpx.Client(base_url=url, headers={"Authorization": f"Bearer {boot}"}, timeout=30) for _ in range(7)
-        ]  # with the next connection, 8
+        clients: list[httpx.Client] = []
+        streams: list[Any] = []
+        statuses: list[int] = []
         try:
-            for c in ctx:
-                s = c.stream("GET", f"/v1/queues/{q}/events")
-                held.append(s)
-                assert s.__enter__().status_code == 200
+            while len(clients) < 12 and 503 not in statuses:  # each holds a connection and a request
+                c = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {boot}"}, timeout=30)
+                clients.append(c)
+                streams.append(c.stream("GET", f"/v1/queues/{q}/events"))
+                statuses.append(streams[-1].__enter__().status_code)
+            assert statuses[-1] == 503 and 5 <= len(statuses) <= 8, statuses
             assert httpx.get(f"{url}/healthz", timeout=10).status_code == 503
         finally:
-            for s in held:
+            for s in streams:
                 s.__exit__(None, None, None)
-            for c in ctx:
+            for c in clients:
                 c.close()
         poll(lambda: httpx.get(f"{url}/healthz", timeout=10).status_code == 200, 15, "the server to accept again")
 

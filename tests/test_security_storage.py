@@ -173,7 +173,7 @@ def test_dispatch_worker_fails_an_unstorable_job_before_paying(valkey: ValkeySer
         stop = asyncio.Event()
         task = asyncio.create_task(run_worker(settings, "q", stop=stop, install_signals=False, grace_s=1))
         try:
-            for _ in range(200):
+            for _ in range(600):
                 if (job := await store.get(job_id)).state.terminal:
                     break
                 await asyncio.sleep(0.05)
