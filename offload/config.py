@@ -19,6 +19,7 @@ from offload import stack
 from offload.embedded import data_dir
 from offload.errors import ConfigError
 from offload.queue.keys import validate_queue
+from offload.storage.namespace import check_prefixes
 
 RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*(s|sec|second|m|min|minute|h|hour)\s*$")
 ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -84,6 +85,8 @@ class QueueSettings(_Strict):
     poll_interval: float = Field(5.0, gt=0)
     poll_timeout: float = Field(600.0, gt=0)
     ingest_list: str | None = None
+    # a storage prefix this queue owns besides its own results/<queue>: (offload/storage/namespace.py)
+    output_prefix: str | None = None
     autoscale: dict[str, Any] | None = None  # validated by offload.autoscale.config (see load_settings)
 
 
@@ -108,6 +111,9 @@ class Settings(_Strict):
         except KeyError:
             known = ", ".join(sorted(self.queues)) or "none"
             raise ConfigError(f"queue {name!r} is not configured (configured: {known})") from None
+
+    def output_prefixes(self) -> dict[str, str | None]:
+        return {name: q.output_prefix for name, q in self.queues.items()}
 
     def backend_for(self, queue: str) -> tuple[str, BackendSettings]:
         name = self.queue(queue).backend
@@ -154,6 +160,7 @@ def _from_env(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
                 backends["gpu"]["api_key"] = key
         queue = data.setdefault("queues", {}).setdefault(queue_name, {"backend": "gpu"})
         queue.setdefault("ingest_list", list_key or "gpu:jobs")
+        queue.setdefault("output_prefix", "results/")  # the tutorial's producers name results/<id>.json
         for field, names in {
             "max_attempts": ("OFFLOAD_MAX_ATTEMPTS", "MAX_ATTEMPTS"),
             "daily_job_cap": ("OFFLOAD_DAILY_JOB_CAP", "DAILY_JOB_CAP"),
@@ -228,6 +235,7 @@ def load_settings(path: str | os.PathLike[str] | None = None, env: Mapping[str, 
 
         server_side(settings.autoscaler, dict(env))
         alert_settings(settings.alerts)
+    check_prefixes(settings.output_prefixes())
     if settings.storage.kind == "s3" and not settings.storage.bucket:
         raise ConfigError("storage.bucket: required when storage.kind is s3")
     return settings

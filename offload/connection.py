@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
@@ -16,6 +15,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from offload.embedded import ensure_embedded
 from offload.env import env_float
 from offload.errors import ConnectionFailed
+from offload.redact import mask_url as mask_url  # re-exported: the one redaction path
+from offload.redact import redact
 
 
 class GatedPool(aioredis.ConnectionPool):
@@ -55,9 +56,11 @@ class GatedPool(aioredis.ConnectionPool):
                 self._gate.release()
 
 
-def mask_url(url: str) -> str:
-    """The URL with any password replaced, safe for logs and error messages."""
-    return re.sub(r"(//[^:/@]*:)[^@]*@", r"\1***@", url)
+def _password(url: str) -> str | None:
+    try:
+        return urlsplit(url).password
+    except ValueError:
+        return None
 
 
 def configured_url() -> str | None:
@@ -105,7 +108,7 @@ async def connect(url: str | None = None, *, retry_for: float | None = None, max
             if client is not None:
                 await client.aclose()
             if loop.time() >= deadline:
-                reason = str(exc).replace(target, mask_url(target)) or type(exc).__name__
+                reason = redact(str(exc).replace(target, mask_url(target)), [_password(target)]) or type(exc).__name__
                 raise ConnectionFailed(
                     f"cannot reach Redis/Valkey at {mask_url(target)} after {retry_for:g}s: {reason}"
                 ) from None

@@ -43,6 +43,14 @@ async def drop_worker(redis: Any, worker_id: str) -> None:
     await redis.zrem(INDEX, worker_id)
 
 
+async def worker_token(redis: Any, queue: str = "gpu") -> str:
+    """A real worker key for `queue`: the scaler checks the key it ships to real providers (the mock ships none)."""
+    from offload.server.keys import KeyStore
+
+    _, token = await KeyStore(redis).create("worker", [queue], "autoscaler test")
+    return token
+
+
 def queue_block(**overrides: Any) -> dict[str, Any]:
     block: dict[str, Any] = {
         "enabled": True, "provider": "m", "min_workers": 0, "max_workers": 3, "poll_interval": "30s",

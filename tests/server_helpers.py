@@ -27,9 +27,10 @@ def new_queue(tag: str = "q") -> str:
 def server(redis_url: str, storage: dict[str, Any] | None = None, settings: dict[str, Any] | None = None,
            **options: Any) -> Iterator[tuple[str, str]]:
     """Yields (base URL, bootstrap admin token). Local storage unless `storage` is given."""
-    admin = "boot-" + secrets.token_urlsafe(24)
+    admin = options.pop("admin_key", None) or "boot-" + secrets.token_urlsafe(24)
     storage = storage or {"kind": "local", "path": tempfile.mkdtemp(prefix="offload-server-")}
     config = Settings.model_validate({**(settings or {}), "storage": storage})
+    options.setdefault("auth_fail_limit", 100_000)  # tests present bad keys on purpose; test_security tests the limit
     opts = ServerOptions(redis_url=redis_url, settings=config, admin_key=admin, maintenance_interval_s=0.2,
                          **options)
     with running_server(opts) as url:
@@ -43,6 +44,23 @@ def client(url: str, token: str | None = None, *, header: str = "bearer") -> htt
     elif token:
         headers["X-API-Key"] = token
     return httpx.Client(base_url=url, headers=headers, timeout=30)
+
+
+def direct_key(redis_url: str, scope: str, queue: str) -> str:
+    """A key created the way `offload keys create` does (straight in Redis), before any server runs."""
+    import asyncio
+
+    from offload.connection import connect
+    from offload.server.keys import KeyStore
+
+    async def go() -> str:
+        redis = await connect(redis_url)
+        try:
+            return (await KeyStore(redis).create(scope, [queue], f"test {scope}"))[1]
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(go())
 
 
 def make_key(url: str, admin: str, scope: str, queues: list[str] | None = None) -> str:

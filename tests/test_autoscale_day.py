@@ -131,7 +131,8 @@ def day_block() -> dict[str, Any]:
 
 def new_scaler(r: Any, clock: Clock, owner: str) -> tuple[Autoscaler, MockProvider]:
     scaler, _ = make_scaler(r, clock, day_block(), owner=owner, server={"leader_ttl": 90})
-    mock = CrashingMock("m", MockConfig(boot_seconds=BOOT_SECONDS, fail_destroys=2, price_per_hour=0.4), r, clock)
+    mock = CrashingMock("m", MockConfig(boot_seconds=BOOT_SECONDS, fail_destroys=2, price_per_hour=0.4,
+                                       allow_worker_protect=True), r, clock)
     scaler.override = {"m": mock}
     return scaler, mock
 

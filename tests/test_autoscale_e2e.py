@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from autoscale_helpers import VAULT_KEY, put_worker, sim_call
+from autoscale_helpers import VAULT_KEY, put_worker, sim_call, worker_token
 from servers import ValkeyServer, free_port
 
 from offload.autoscale.provider_store import ProviderStore
@@ -83,7 +83,7 @@ async def _local_end_to_end(r: Any, valkey: ValkeyServer, tmp_path: Path, queue:
         "autoscaler": {"public_url": url, "worker_key": worker_token, "tick": 0.2, "drain_settle": 1,
                        "recent_task": 1},
     })
-    admin = "admin-" + secrets.token_hex(8)
+    admin = "admin-" + secrets.token_hex(16)
     options = ServerOptions(redis_url=valkey.url, settings=settings, admin_key=admin, worker_lease_ms=1500,
                             maintenance_interval_s=0.2, max_wait_s=1)
     with running_server(options, port=port):
@@ -142,7 +142,7 @@ async def test_two_autoscalers_only_the_leader_calls_the_provider(r: Any) -> Non
                 "enabled": True, "provider": "v", "max_workers": 2, "poll_interval": "0.2s", "boot_timeout": "60s",
                 "instance": {"image": "ghcr.io/me/worker:1", "max_price_per_hour": 1.0},
                 "scale_down": [{"trigger": "idle", "timeout": "1s"}]}}},
-            "autoscaler": {"public_url": "https://cp.example.com", "worker_key": "ofk_w", "tick": 0.05,
+            "autoscaler": {"public_url": "https://cp.example.com", "worker_key": await worker_token(r), "tick": 0.05,
                            "recent_task": 0,
                            "leader_ttl": 1.0, "drain_settle": 0, "orphan_sweep_interval": 0.5},
         })
@@ -206,7 +206,7 @@ async def _true(value: Any) -> Any:
 async def test_autoscale_api(r: Any, valkey: ValkeyServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OFFLOAD_VAULT_MASTER_KEY", VAULT_KEY)
     monkeypatch.setenv("OFFLOAD_AUTOSCALER", "off")
-    admin = "admin-" + secrets.token_hex(8)
+    admin = "admin-" + secrets.token_hex(16)
     _, viewer = await KeyStore(r).create("viewer", [], "dashboards")
     options = ServerOptions(redis_url=valkey.url, admin_key=admin,
                             settings=Settings.model_validate({"storage": {"kind": "local", "path": str(tmp_path)}}))

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from autoscale_helpers import Clock, drop_worker, make_scaler, put_worker, queue_block, sim_call
+from autoscale_helpers import Clock, drop_worker, make_scaler, put_worker, queue_block, sim_call, worker_token
 
 from offload.autoscale import keys
 from offload.autoscale.instances import Fenced, Instance
@@ -145,7 +145,8 @@ async def test_worker_that_touched_a_task_in_the_last_30s_is_spared(r: Any) -> N
 
 async def test_protected_instances_are_spared(r: Any) -> None:
     clock = Clock()
-    s, mock = make_scaler(r, clock, queue_block(scale_down=[{"trigger": "idle", "timeout": "1m"}]))
+    s, mock = make_scaler(r, clock, queue_block(scale_down=[{"trigger": "idle", "timeout": "1m"}]),
+                          mock=MockConfig(allow_worker_protect=True))  # this provider trusts workers' own flag
     inst = await _running(s, r, clock, protected=True)  # OFFLOAD_PROTECTED=true on the worker
     for _ in range(10):
         await put_worker(r, "w1", "gpu", inst.id, clock(), protected=True)
@@ -253,7 +254,8 @@ async def test_broken_host_is_avoided_and_the_next_rental_waits_briefly(r: Any) 
     with running_sim(cfg, clock=clock) as url:
         vast = VastProvider("v", VastConfig(api_key="k", base_url=url, gpu_name="RTX 4090"))
         block = queue_block(provider="v", boot_timeout="20m")
-        s, _ = make_scaler(r, clock, block, server={"public_url": "https://cp.example.com"})
+        s, _ = make_scaler(r, clock, block, server={"public_url": "https://cp.example.com",
+                                                    "worker_key": await worker_token(r)})
         s.override = {"v": vast}
         await enqueue(r, clock, 1)
         await s.tick()

@@ -22,7 +22,7 @@ import pytest
 import yaml
 from autoscale_helpers import VAULT_KEY, sim_call
 from dashboard_helpers import HttpWorker
-from server_helpers import client, poll
+from server_helpers import client, direct_key, poll
 from servers import ValkeyServer, free_port
 
 from offload.sim.config import SimConfig
@@ -74,7 +74,7 @@ def me(api: httpx.Client) -> dict[str, Any]:
 
 def test_two_server_processes_only_the_leader_rents_and_the_survivor_takes_over(tmp_path: Path) -> None:
     cfg = SimConfig.model_validate({"api_key": "k", "machines": {"boot_seconds": 0.2}})
-    admin = "admin-" + secrets.token_hex(12)
+    admin = "admin-" + secrets.token_hex(16)
     with ExitStack() as stack:
         valkey = stack.enter_context(ValkeyServer(tmp_path / "valkey", appendfsync="no"))
         sim_url = stack.enter_context(running_sim(cfg))
@@ -85,8 +85,9 @@ def test_two_server_processes_only_the_leader_rents_and_the_survivor_takes_over(
                 "enabled": True, "provider": "v", "max_workers": 1, "poll_interval": "0.2s", "boot_timeout": "60s",
                 "instance": {"image": "ghcr.io/me/worker:1", "max_price_per_hour": 1.0},
                 "scale_down": [{"trigger": "idle", "timeout": "1s"}]}}},
-            "autoscaler": {"public_url": "https://cp.example.com", "worker_key": "ofk_placeholder", "tick": 0.1,
-                           "leader_ttl": 2, "recent_task": 0, "drain_settle": 0, "orphan_sweep_interval": 60},
+            "autoscaler": {"public_url": "https://cp.example.com", "tick": 0.1, "leader_ttl": 2, "recent_task": 0,
+                           "worker_key": direct_key(valkey.url, "worker", QUEUE), "drain_settle": 0,
+                           "orphan_sweep_interval": 60},
         }))
         url_a, proc_a = stack.enter_context(offload_server("a", config, valkey.url, admin, tmp_path))
         api_a = stack.enter_context(client(url_a, admin))

@@ -25,6 +25,7 @@ from offload.autoscale.instances import log_event
 from offload.autoscale.providers.base import Clock
 from offload.errors import ConfigError
 from offload.queue.keys import prefix
+from offload.redact import Redactor, mask_url
 
 log = logging.getLogger("offload.autoscale.alerts")
 AlertKind = Literal["autoscale_failure", "boot_timeout", "spend_cap_reached", "dead_letter_growth", "queue_latency"]
@@ -78,8 +79,13 @@ def alert_settings(data: Any) -> AlertSettings:
 
 class Alerter:
     def __init__(self, settings: AlertSettings, redis: Any, clock: Clock = time.time,
-                 http: httpx.AsyncClient | None = None) -> None:
+                 http: httpx.AsyncClient | None = None, redact: Redactor | None = None) -> None:
         self.settings = settings
+        # alerts leave the process (webhooks, email, the journal): redacted with every secret the caller
+        # knows plus the alert targets' own (webhook headers, the SMTP password)
+        self.redact = redact or Redactor()
+        self.redact.add(*(v for hook in settings.webhooks for v in hook.headers.values()))
+        self.redact.add(settings.email.password if settings.email else None)
         self.redis = redis
         self.clock = clock
         self.http = http or httpx.AsyncClient(timeout=10.0)
@@ -93,6 +99,8 @@ class Alerter:
         now = self.clock()
         if not await self._once(keys=[keys.alert(kind, subject)], args=[repr(now), self.settings.cooldown]):
             return False
+        message = self.redact(message)
+        details = {k: self.redact(v) if isinstance(v, str) else v for k, v in details.items()}
         doc = {"kind": kind, "subject": subject, "message": message, "details": details, "ts": now,
                "source": "offload"}
         log.warning("alert %s (%s): %s", kind, subject, message)
@@ -128,8 +136,8 @@ class Alerter:
             if attempt + 1 < self.settings.attempts:
                 await asyncio.sleep(delay)
                 delay *= 2
-        self.failed.append(f"webhook {hook.url}: {problem}")
-        log.warning("alert webhook %s failed: %s", hook.url, problem)
+        self.failed.append(f"webhook {mask_url(hook.url)}: {problem}")
+        log.warning("alert webhook %s failed: %s", mask_url(hook.url), problem)
 
     def _email(self, target: EmailTarget, doc: dict[str, Any]) -> None:
         msg = EmailMessage()

@@ -15,6 +15,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from offload.autoscale.vault import Vault
 from offload.errors import ConfigError
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)")
@@ -225,6 +226,31 @@ class AutoscaleSettings(_Strict):
         up = [(Cron(t.cron, self.timezone), t) for t in self.scale_up if isinstance(t, UpSchedule)]
         down = [Cron(t.cron, self.timezone) for t in self.scale_down if isinstance(t, DownSchedule)]
         return up, down
+
+
+SEALED = "sealed"  # an instance.env value stored encrypted: {"sealed": "<vault token>"}
+
+
+def seal_env(block: dict[str, Any], vault: Vault, queue: str) -> dict[str, Any]:
+    """The block as stored in Redis: `instance.env` values (HF_TOKEN and the like) encrypted like a provider's
+    credentials, so a copy of the database holds none of them."""
+    env = (block.get("instance") or {}).get("env") if isinstance(block.get("instance"), dict) else None
+    if not isinstance(env, dict) or not env:
+        return block
+    sealed = {k: {SEALED: vault.encrypt(str(v), f"queue:{queue}:env:{k}")} for k, v in env.items()}
+    return {**block, "instance": {**block["instance"], "env": sealed}}
+
+
+def open_env(block: dict[str, Any], vault: Vault | None, queue: str) -> dict[str, Any]:
+    """The stored block with `instance.env` decrypted (VaultError without the master key)."""
+    env = (block.get("instance") or {}).get("env") if isinstance(block.get("instance"), dict) else None
+    if not isinstance(env, dict) or not any(isinstance(v, dict) for v in env.values()):
+        return block
+    if vault is None:
+        vault = Vault.from_env()
+    opened = {k: vault.decrypt(v[SEALED], f"queue:{queue}:env:{k}") if isinstance(v, dict) else v
+              for k, v in env.items()}
+    return {**block, "instance": {**block["instance"], "env": opened}}
 
 
 def validate_autoscale(data: Any, where: str = "autoscale") -> AutoscaleSettings:

@@ -26,6 +26,7 @@ from typing import Any
 import orjson
 
 from offload.autoscale import keys
+from offload.redact import redact
 
 STATUSES = ("provisioning", "booting", "running", "draining", "terminated", "failed")
 ACTIVE = ("provisioning", "booting", "running")  # counted as capacity
@@ -226,8 +227,9 @@ class InstanceStore:
 
 
 async def log_event(redis: Any, now: float, kind: str, message: str, **fields_: Any) -> None:
-    """The autoscaler's journal for people: `offload autoscale events` and the API read it."""
-    entry = {"ts": repr(now), "kind": kind, "message": message,
+    """The autoscaler's journal for people: `offload autoscale events` and the API read it (viewer keys too), so
+    the message is redacted once more here, whatever the caller did (offload/redact.py)."""
+    entry = {"ts": repr(now), "kind": kind, "message": redact(message),
              **{k: str(v) for k, v in fields_.items() if v is not None}}
     await redis.xadd(keys.EVENTS, entry, maxlen=EVENTS_MAX, approximate=True)
 

@@ -3,7 +3,9 @@
 Secret fields (each provider type declares them, e.g. `api_key`) are split off and stored as one AES-GCM
 blob; everything else is plain JSON so `providers list` works without the master key. Reading back shows
 `****` plus the last four characters. Saving with a secret missing or still masked keeps the stored value,
-so a form (or `providers update`) never has to retype a key it did not mean to change.
+so a form (or `providers update`) never has to retype a key it did not mean to change, except when the
+update moves the provider to another endpoint (`base_url`): the stored key would then be sent to a host it
+was never meant for, so every secret must be given again.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from offload.autoscale.vault import Vault
 from offload.errors import ConfigError, OffloadError
 
 MASK = "****"
+_SWAP = """
+if redis.call('HGET', KEYS[1], 'secrets') == ARGV[1] then redis.call('HSET', KEYS[1], 'secrets', ARGV[2]) end
+return 1
+"""
 NAME_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789-_.")
 
 
@@ -58,6 +64,7 @@ class ProviderStore:
     def __init__(self, redis: Any, vault: Vault | None = None) -> None:
         self.redis = redis
         self.vault = vault
+        self._pending: list[tuple[str, str, str]] = []
 
     def _need_vault(self) -> Vault:
         if self.vault is None:
@@ -78,8 +85,18 @@ class ProviderStore:
         raw = await self._raw(name)
         current = self._decrypt(vault, name, raw)
         merged = dict(current)
+        kind = TYPES[raw["type"]]
+        moved = [f for f in kind.endpoint_fields if f in changes and changes[f] != current.get(f)]
+
+        def retyped(field: str) -> bool:
+            value = changes.get(field)
+            return value is not None and not str(value).startswith(MASK)
+
+        if moved and (stale := [f for f in kind.secret_fields if current.get(f) and not retyped(f)]):
+            raise ConfigError(f"config.{stale[0]}: changing {moved[0]} needs {stale[0]} again (the stored one "
+                              "would otherwise be sent to the new host)")
         for field, value in changes.items():
-            if field in TYPES[raw["type"]].secret_fields and (value is None or str(value).startswith(MASK)):
+            if field in kind.secret_fields and not retyped(field):
                 continue  # not retyped: keep the stored secret
             merged[field] = value
         validate_config(raw["type"], merged)
@@ -106,8 +123,17 @@ class ProviderStore:
 
     def _decrypt(self, vault: Vault, name: str, raw: dict[str, str]) -> dict[str, Any]:
         config: dict[str, Any] = orjson.loads(raw["config"])
-        config.update(orjson.loads(vault.decrypt(raw["secrets"], f"provider:{name}")))
+        plain = vault.decrypt(raw["secrets"], f"provider:{name}")
+        config.update(orjson.loads(plain))
+        if Vault.outdated(raw["secrets"]):
+            self._pending.append((name, raw["secrets"], vault.encrypt(plain, f"provider:{name}")))
         return config
+
+    async def _upgrade(self) -> None:
+        """Rewrite records read in an older vault format (see vault.py), unless they changed meanwhile."""
+        while self._pending:
+            name, old, new = self._pending.pop()
+            await self.redis.eval(_SWAP, 1, keys.provider(name), old, new)
 
     async def get(self, name: str, *, reveal: bool = False) -> ProviderRecord:
         raw = await self._raw(name)
@@ -121,6 +147,7 @@ class ProviderStore:
                     config.update({k: mask(str(revealed[k])) for k in raw["secret_fields"].split(",")})
                 except ConfigError:  # no or another master key: still list it, secrets fully masked
                     config.update(dict.fromkeys(raw["secret_fields"].split(","), MASK))
+        await self._upgrade()
         return ProviderRecord(name, raw["type"], config, int(raw["created_at"]), int(raw["updated_at"]))
 
     async def list(self) -> list[ProviderRecord]:

@@ -84,7 +84,7 @@ async def sync(a: Autoscaler, inst: Instance, cfg: AutoscaleSettings, machine: M
     if listed and inst.status != "draining" and ((machine is None and not young)
                                                   or (machine is not None and machine.state in DEAD_STATES)):
         state = "vanished (pre-empted or deleted)" if machine is None else f"reported {machine.state.value}"
-        detail = f": {machine.message}" if machine is not None and machine.message else ""
+        detail = f": {a.redact(machine.message)}" if machine is not None and machine.message else ""
         if machine is not None and machine.state == MachineState.FAILED and not inst.ready_at:
             await avoid_host(a, inst, machine, qs, now)
         await fail(a, inst, f"the provider {state}{detail}", now)
@@ -145,12 +145,12 @@ async def teardown(a: Autoscaler, inst: Instance, provider: Provider, machines: 
         elif now - inst.created_at <= PROVISION_GRACE:
             return False  # an interrupted create may still surface under its label
     except NotOurs as exc:
-        await log_event(a.redis, now, "refused", str(exc), instance=inst.id, queue=inst.queue)
+        await log_event(a.redis, now, "refused", a.why(exc), instance=inst.id, queue=inst.queue)
     except ProviderError as exc:
         await a.instances.update(inst, a.leader.token, now, teardown_attempts=inst.teardown_attempts + 1,
-                                 teardown_error=str(exc)[:300])
+                                 teardown_error=a.why(exc)[:300])
         log.warning("teardown of %s failed (attempt %d, retried next evaluation): %s", inst.id,
-                    inst.teardown_attempts, exc)
+                    inst.teardown_attempts, a.why(exc))
         return False
     await accrue(a, inst, now)
     final = "terminated" if inst.status == "draining" else inst.status
@@ -180,5 +180,5 @@ async def sweep_orphans(a: Autoscaler, name: str, provider: Provider, machines: 
                 a.provider_calls += 1
                 await provider.destroy(m.provider_id)
             except ProviderError as exc:
-                log.warning("orphan %s: destroy failed: %s", m.provider_id, exc)
+                log.warning("orphan %s: destroy failed: %s", m.provider_id, a.why(exc))
     return [m.provider_id for m in orphans]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -26,17 +27,20 @@ import orjson
 
 from offload.autoscale import keys, reconcile
 from offload.autoscale.alerts import Alerter, alert_settings
-from offload.autoscale.config import AutoscaleSettings, ServerSide, server_side, validate_autoscale
+from offload.autoscale.config import AutoscaleSettings, ServerSide, open_env, server_side, validate_autoscale
 from offload.autoscale.instances import ACTIVE, Fenced, Instance, InstanceStore, StaleState, log_event, new_instance_id
 from offload.autoscale.leader import Leader
+from offload.autoscale.operator_only import WHERE, host_commands, runs_on_host
 from offload.autoscale.provider_store import ProviderStore
-from offload.autoscale.providers import LaunchSpec, Machine, Provider, ProviderError, build
+from offload.autoscale.providers import TYPES, LaunchSpec, Machine, Provider, ProviderError, build
 from offload.autoscale.safety import RECENT_TASK, provision_backoff, spared
 from offload.autoscale.state import QueueState, spend
 from offload.autoscale.triggers import QueueLoad, down_fire, idle_since, idle_timeout, scale_up
 from offload.autoscale.workers import RedisWorkers, WorkerInfo, WorkerSource
 from offload.config import Settings
+from offload.errors import ConfigError
 from offload.queue.store import QueueStore
+from offload.redact import Redactor
 
 log = logging.getLogger("offload.autoscale")
 Clock = Any
@@ -61,13 +65,18 @@ class Autoscaler:
         self.leader = Leader(redis, ttl=self.server.leader_ttl, clock=clock, owner=owner)
         self.workers = workers or RedisWorkers(redis)
         self.providers = providers or ProviderStore(redis)
-        self.alerter = alerter or Alerter(alert_settings(self.settings.alerts), redis, clock)
+        # every provider error, machine message and alert goes through this, fed with the secrets of the
+        # configurations the scaler loaded (provider credentials, the worker key, instance.env values)
+        self.redact = Redactor([self.server.worker_key])
+        self.alerter = alerter or Alerter(alert_settings(self.settings.alerts), redis, clock, redact=self.redact)
         self.server_url = server_url
         self.override = provider_override or {}
         self.drain_settle = self.server.drain_settle if drain_settle is None else drain_settle
         self._cache: dict[str, tuple[int, Provider]] = {}
         self._next: dict[str, float] = {}
         self._next_sweep = 0.0
+        self.from_api: set[str] = set()  # queues whose block was set over the HTTP API (not offload.yaml)
+        self.unreadable: set[str] = set()  # API-set blocks that cannot be decrypted here: not evaluated
         self.provider_calls = 0  # calls this process made to providers (the two-server test counts them)
 
     # -- configuration ---------------------------------------------------------------------------
@@ -80,15 +89,26 @@ class Autoscaler:
                 out[name] = validate_autoscale(q.autoscale, f"queues.{name}.autoscale")
         names = sorted(await self.redis.smembers(keys.QUEUE_CONFIGS))
         raws = await self.redis.mget([keys.queue_config(q) for q in names]) if names else []
+        self.from_api, self.unreadable = set(), set()
         for queue, raw in zip(names, raws, strict=True):
             if raw:
-                out[queue] = validate_autoscale(orjson.loads(raw), f"queues.{queue}.autoscale")
+                try:
+                    block = open_env(orjson.loads(raw), self.providers.vault, queue)
+                except ConfigError as exc:  # e.g. no master key: leave the queue alone rather than scale it to 0
+                    log.warning("queue %s: its autoscale block cannot be read: %s", queue, exc)
+                    self.unreadable.add(queue)
+                    continue
+                out[queue] = validate_autoscale(block, f"queues.{queue}.autoscale")
+                self.from_api.add(queue)
+        for cfg in out.values():
+            self.redact.add(*cfg.instance.env.values())
         return out
 
     async def provider(self, name: str) -> Provider:
         if name in self.override:
             return self.override[name]
         record = await self.providers.get(name, reveal=True)
+        self.redact.add(*(str(record.config[f]) for f in TYPES[record.type].secret_fields if record.config.get(f)))
         cached = self._cache.get(name)
         if cached and cached[0] == record.updated_at:
             return cached[1]
@@ -97,6 +117,10 @@ class Autoscaler:
         built = build(name, record.type, record.config, self.redis, self.clock)
         self._cache[name] = (record.updated_at, built)
         return built
+
+    def why(self, exc: BaseException) -> str:
+        """An exception's text as it may be stored, logged or alerted: redacted."""
+        return self.redact(str(exc))
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -125,7 +149,7 @@ class Autoscaler:
         now = self.clock()
         configs = await self.configs()
         live = await self.instances.live()
-        queues = set(configs) | {i.queue for i in live}
+        queues = (set(configs) | {i.queue for i in live}) - self.unreadable
         due = [q for q in sorted(queues) if force or now >= self._next.get(q, 0.0)]
         if due:
             workers = await self.workers.workers()
@@ -153,7 +177,7 @@ class Autoscaler:
             except Fenced:
                 raise
             except Exception as exc:
-                log.warning("provider %s: listing failed: %s", name, exc)
+                log.warning("provider %s: listing failed: %s", name, self.why(exc))
                 listings[name] = (False, [])
         return listings[name]
 
@@ -168,7 +192,10 @@ class Autoscaler:
             by_label = {m.label: m for m in machines}
             machine = by_id.get(inst.provider_id) if inst.provider_id else by_label.get(inst.label)
             try:
-                await reconcile.sync(self, inst, cfg, machine, listed, by_instance.get(inst.id), touched, qs, now)
+                worker = by_instance.get(inst.id)
+                if worker is not None and worker.protected and not await self._self_protect_allowed(inst.provider):
+                    worker = dataclasses.replace(worker, protected=False)  # a claim the provider does not honour
+                await reconcile.sync(self, inst, cfg, machine, listed, worker, touched, qs, now)
                 await reconcile.accrue(self, inst, now)
             except StaleState as exc:
                 log.info("instance %s moved meanwhile: %s", inst.id, exc)
@@ -199,14 +226,26 @@ class Autoscaler:
             try:
                 provider = await self.provider(inst.provider)
             except Exception as exc:
-                log.warning("instance %s: provider %s unavailable: %s", inst.id, inst.provider, exc)
+                log.warning("instance %s: provider %s unavailable: %s", inst.id, inst.provider, self.why(exc))
                 continue
             await reconcile.teardown(self, inst, provider, {m.label: m for m in machines} if listed else {}, now)
 
+    async def _self_protect_allowed(self, name: str) -> bool:
+        """A worker reports `protected` itself; only a provider config with allow_worker_protect trusts it."""
+        try:
+            provider = await self.provider(name)
+        except Exception:
+            return False
+        return bool(getattr(getattr(provider, "config", None), "allow_worker_protect", False))
+
     # -- scaling up ------------------------------------------------------------------------------
 
-    def _prerequisites(self, provider: Provider) -> str | None:
-        """Why renting must not happen (None: fine). The admin key never goes to a rented machine."""
+    async def _prerequisites(self, provider: Provider, queue: str, cfg: AutoscaleSettings) -> str | None:
+        """Why renting must not happen (None: fine). The admin key never goes to a rented machine, and an
+        API-set block never runs its commands on this host (see operator_only.py)."""
+        if queue in self.from_api and runs_on_host(provider.type) and (fields := host_commands(cfg.model_dump())):
+            return (f"{fields[0]} of an autoscale block set over the HTTP API would run on the server's own host "
+                    f"(provider type {provider.type!r}): {WHERE}")
         key = self.server.worker_key
         if provider.real and not self.server.public_url:
             return "autoscaler.public_url (OFFLOAD_PUBLIC_URL) is not set: a rented machine could not reach us"
@@ -216,6 +255,24 @@ class Autoscaler:
             return "autoscaler.worker_key is the admin key: refusing to send it to a rented machine"
         if provider.type == "local" and not (self.server.public_url or self.server_url):
             return "no server URL for local workers (set autoscaler.public_url)"
+        if key and provider.type != "mock":  # the mock ships nothing anywhere
+            return await self._worker_key_problem(key, queue)
+        return None
+
+    async def _worker_key_problem(self, token: str, queue: str) -> str | None:
+        """The key a machine receives must be a live worker key covering the queue: never an admin, producer
+        or viewer key, never one that was revoked (the machine would only loop on 401s)."""
+        from offload.server.keys import KeyStore  # lazy: the server package imports this module
+
+        key = await KeyStore(self.redis).authenticate(token)
+        what = "autoscaler.worker_key (OFFLOAD_WORKER_API_KEY)"
+        if key is None:
+            return f"{what} is not a valid API key (unknown or revoked): create one with `offload keys create " \
+                   f"--scope worker --queues {queue}`"
+        if key.scope != "worker":
+            return f"{what} is a {key.scope} key: rented machines only ever get a worker-scoped key"
+        if not key.covers(queue):
+            return f"{what} does not cover queue {queue!r}"
         return None
 
     async def _provision(self, queue: str, cfg: AutoscaleSettings, qs: QueueState, n: int, reasons: list[str],
@@ -225,9 +282,9 @@ class Autoscaler:
             provider = await self.provider(cfg.provider)
         except Exception as exc:
             await self.alerter.alert("autoscale_failure", queue, f"queue {queue}: provider {cfg.provider!r} is "
-                                     f"unusable: {exc}")
+                                     f"unusable: {self.why(exc)}")
             return
-        if why := self._prerequisites(provider):
+        if why := await self._prerequisites(provider, queue, cfg):
             await self.alerter.alert("autoscale_failure", queue, f"queue {queue}: not renting: {why}")
             return
         until, why_paused = qs.paused_until()
@@ -281,13 +338,14 @@ class Autoscaler:
             machine = await provider.create(spec)
         except ProviderError as exc:
             if exc.ambiguous:  # may exist: reconcile adopts it by label, or fails it after the grace period
-                await log_event(self.redis, now, "ambiguous", f"{inst.id}: {exc}", instance=inst.id, queue=queue)
+                await log_event(self.redis, now, "ambiguous", f"{inst.id}: {self.why(exc)}", instance=inst.id,
+                                queue=queue)
                 return False
             failures = qs.prov_failures + 1
             pause = provision_backoff(cfg.poll_interval, failures)
             await qs.save(self.redis, queue, prov_failures=failures, prov_until=now + pause)
-            await reconcile.fail(self, inst, f"provisioning failed: {exc}", now, destroy=False)
-            await self.alerter.alert("autoscale_failure", queue, f"queue {queue}: renting failed ({exc}); "
+            await reconcile.fail(self, inst, f"provisioning failed: {self.why(exc)}", now, destroy=False)
+            await self.alerter.alert("autoscale_failure", queue, f"queue {queue}: renting failed ({self.why(exc)}); "
                                      f"retrying in {pause:.0f}s")
             return False
         changes: dict[str, Any] = {"provider_id": machine.provider_id, "host": machine.host_id or "",
@@ -346,7 +404,7 @@ class Autoscaler:
                 self.provider_calls += 1
                 await provider.drain(machine)
             except ProviderError as exc:
-                log.warning("drain signal to %s failed: %s", inst.id, exc)
+                log.warning("drain signal to %s failed: %s", inst.id, self.why(exc))
         await log_event(self.redis, now, "draining", f"{inst.id}: idle, draining before teardown",
                         instance=inst.id, queue=inst.queue)
 
@@ -365,7 +423,7 @@ class Autoscaler:
             except Fenced:
                 raise
             except Exception as exc:
-                log.warning("orphan sweep of %s failed: %s", name, exc)
+                log.warning("orphan sweep of %s failed: %s", name, self.why(exc))
                 continue
             found[name] = await reconcile.sweep_orphans(self, name, provider, machines, known, now)
         return found

@@ -24,25 +24,15 @@ import orjson
 
 from offload.backends.base import BackendError, Fatal, NotFound, Throttled, Transient
 from offload.backends.transport import AiohttpTransport, fast_path
+from offload.redact import bare_url, excerpt  # the one redaction path (offload/redact.py)
 
 log = logging.getLogger("offload.backends")
 
 DEFAULT_MAX_CONNECTIONS = 512
 DEFAULT_TIMEOUT = 30.0
-EXCERPT_CHARS = 300
-REDACTED = "[REDACTED]"
 NO_KEY = "none"
 
-# Credentials as they appear in echoed headers, JSON fields and provider key formats. Scheme tokens must contain
-# a digit, so ordinary prose ("Key features ...") survives.
-_SCHEME_TOKEN = re.compile(r"\b(Bearer|Basic|Token|Key)\s+(?=\S*\d)[A-Za-z0-9._~+/:=-]{8,}")
-_NAMED_SECRET = re.compile(
-    r"(?i)(authorization|api[_-]?key|api[_-]?token|access[_-]?token|secret|password)"
-    r"(\"?'?\s*[:=]\s*\"?'?)([^\s\"',;}]+)"
-)
-_KEY_SHAPES = re.compile(r"\b(?:sk-[A-Za-z0-9_-]{8,}|r8_[A-Za-z0-9]{8,}|rpa_[A-Za-z0-9]{8,}|whsec_[A-Za-z0-9+/=]{8,})")
 _AVAILABLE_IN = re.compile(r"(?i)expected available in (\d+(?:\.\d+)?) second")
-_SPACE = re.compile(r"\s+")
 _warned: set[tuple[str, str]] = set()
 
 
@@ -63,24 +53,6 @@ def _tls() -> ssl.SSLContext:
     """One verifying TLS context per process: building one loads the CA bundle (~30 ms), which would otherwise
     be paid by every backend that makes its own client."""
     return httpx.create_ssl_context()
-
-
-def redact(text: str, secrets: Iterable[str | None] = ()) -> str:
-    """`text` with the given secrets and anything shaped like a credential replaced by [REDACTED]."""
-    for secret in filter(None, secrets):
-        for part in (secret, *secret.split(":")):  # fal keys are `id:secret`; either half is sensitive
-            if len(part) >= 6:
-                text = text.replace(part, REDACTED)
-    text = _SCHEME_TOKEN.sub(lambda m: f"{m[1]} {REDACTED}", text)
-    text = _NAMED_SECRET.sub(lambda m: f"{m[1]}{m[2]}{REDACTED}", text)
-    return _KEY_SHAPES.sub(REDACTED, text)
-
-
-def excerpt(text: str, secrets: Iterable[str | None] = (), limit: int = EXCERPT_CHARS) -> str:
-    """A short, single-line, redacted piece of a response body for error messages and the job record.
-    Redaction runs before truncation, so a key cut at the boundary cannot leak half of itself."""
-    flat = _SPACE.sub(" ", redact(text, secrets)).strip()
-    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 
 def retry_after(response: httpx.Response, now: datetime | None = None) -> float | None:
@@ -124,7 +96,8 @@ def error_for_response(
     if status == 404 and known:
         return NotFound(message, status=status, excerpt=body)
     if 300 <= status < 400:
-        return Fatal(f"{message} (redirect to {response.headers.get('location', '?')}: check base_url)",
+        where = bare_url(response.headers["location"]) if response.headers.get("location") else "?"
+        return Fatal(f"{message} (redirect to {where}: check base_url)",
                      status=status, excerpt=body)
     return Fatal(message, status=status, excerpt=body)
 

@@ -99,8 +99,7 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
         description="Control plane for bursty GPU work: enqueue and follow jobs, operate queues, run GPU workers "
                     "over HTTP. Authenticate with `Authorization: Bearer <key>` or `X-API-Key: <key>`.",
     )
-    errors.install(app)
-    app.add_middleware(errors.BodyLimit, limit=options.max_body)
+    errors.install(app)  # bodies are bounded per route, before they are read (auth.GuardedRoute)
 
     @app.get("/healthz", tags=["health"], summary="The process is up (no dependencies checked)")
     async def healthz() -> dict[str, str]:
@@ -119,4 +118,15 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
     for module in (routes_jobs, routes_queues, routes_workers, routes_keys, events, metrics, routes_autoscale,
                    dashboard):
         app.include_router(module.router)
+    describe = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        """The description states this server's batch limit (schemas.py checks it per request)."""
+        if app.openapi_schema is None:
+            schema = describe()
+            schema["components"]["schemas"]["BatchEnqueueRequest"]["properties"]["jobs"]["maxItems"] = \
+                options.max_batch
+        return app.openapi_schema or describe()
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app

@@ -31,10 +31,10 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import RedirectResponse, Response
 from pydantic import BaseModel, Field
 
-from offload.server.auth import Principal, can_read
+from offload.server.auth import GuardedRoute, Principal, can_read
 from offload.server.state import ServerState, get_state
 
-router = APIRouter()
+router = APIRouter(route_class=GuardedRoute)
 PREFIX = "/ui/"
 ASSETS = {  # the whole public surface of the dashboard: nothing else under /ui/ is served
     "index.html": "text/html; charset=utf-8",

@@ -19,7 +19,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from offload.errors import (
     ConnectionFailed,
@@ -34,7 +33,9 @@ from offload.server.keys import InvalidKeyRequest
 
 log = logging.getLogger("offload.server")
 KINDS = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
-         409: "conflict", 413: "too_large", 422: "invalid", 500: "internal", 503: "unavailable"}
+         409: "conflict", 413: "too_large", 422: "invalid", 429: "too_many_requests", 500: "internal",
+         503: "unavailable"}
+MAX_PROBLEMS = 50
 
 
 class FieldError(Exception):
@@ -65,7 +66,11 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = [_field(e["loc"], e["msg"], e["type"]) for e in exc.errors()]
+        """At most MAX_PROBLEMS entries (a batch of 1,000 bad jobs is not 3,000 lines), the rest counted."""
+        errors = exc.errors()
+        problems = [_field(e["loc"], e["msg"], e["type"]) for e in errors[:MAX_PROBLEMS]]
+        if len(errors) > MAX_PROBLEMS:
+            problems.append(_field(["body"], f"... and {len(errors) - MAX_PROBLEMS} more problems", "truncated"))
         return JSONResponse(jsonable_encoder(_body(422, problems)), status_code=422)
 
     @app.exception_handler(FieldError)
@@ -116,51 +121,9 @@ def install(app: FastAPI) -> None:
         return _json(500, "internal error")
 
 
-class _TooLarge(StarletteHTTPException):
-    """An HTTPException so FastAPI's body reader re-raises it as is (it turns other errors into a 400)."""
+class BodyTooLarge(StarletteHTTPException):
+    """413. An HTTPException so FastAPI's body reader re-raises it as is (it turns other errors into a 400);
+    raised by the per-route body bound (auth.GuardedRoute)."""
 
-
-class BodyLimit:
-    """413 for bodies over `limit` bytes, whether announced by Content-Length or only discovered while
-    streaming a chunked upload, before the body is buffered or parsed."""
-
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        for name, value in scope.get("headers", []):
-            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
-                await self._reject(send)
-                return
-        seen = 0
-        started = False
-
-        async def limited_receive() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise _TooLarge(413, f"request body is over the limit of {self.limit} bytes")
-            return message
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except _TooLarge:  # read outside a route (no exception handler ran)
-            if not started:
-                await self._reject(send)
-
-    async def _reject(self, send: Send) -> None:
-        response = _json(413, f"request body is over the limit of {self.limit} bytes")
-        await send({"type": "http.response.start", "status": 413, "headers": response.raw_headers})
-        await send({"type": "http.response.body", "body": response.body})
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body is over this route's limit of {limit} bytes")

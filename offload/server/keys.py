@@ -7,7 +7,8 @@ stretching is needed for random tokens), and hashes are compared with `hmac.comp
 reveals nothing about how much of a guess was right.
 
 A bootstrap admin key may come from `OFFLOAD_ADMIN_KEY`; it is never written to Redis, and unsetting the
-variable (and restarting) revokes it.
+variable (and restarting) revokes it. Being chosen by a person rather than generated, it must be at least 32
+characters (the server refuses to start otherwise), so it cannot be guessed past the failed-auth limit.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from offload.errors import OffloadError
+from offload.errors import ConfigError, OffloadError
 from offload.queue.keys import NAMESPACE, validate_queue
 
 SCOPES = ("admin", "producer", "worker", "viewer")
@@ -28,6 +29,8 @@ ALL_QUEUES = "*"
 TOKEN_PREFIX = "ofk_"
 KEYS_INDEX = f"{NAMESPACE}:apikeys"
 BOOTSTRAP_ID = "bootstrap"
+ADMIN_ENV = "OFFLOAD_ADMIN_KEY"
+MIN_ADMIN_KEY = 32
 
 
 class InvalidKeyRequest(OffloadError, ValueError):
@@ -36,6 +39,14 @@ class InvalidKeyRequest(OffloadError, ValueError):
 
 def _record_key(key_id: str) -> str:
     return f"{NAMESPACE}:apikey:{key_id}"
+
+
+def check_admin_key(token: str) -> str:
+    """The bootstrap admin key, if long enough to be a secret; else a ConfigError naming the variable."""
+    if len(token) < MIN_ADMIN_KEY:
+        raise ConfigError(f"{ADMIN_ENV} must be at least {MIN_ADMIN_KEY} characters (it has {len(token)}): "
+                          "generate one with `openssl rand -hex 32`")
+    return token
 
 
 def hash_token(token: str) -> str:
@@ -83,11 +94,11 @@ class KeyStore:
 
     def __init__(self, redis: Any, bootstrap_token: str | None = None) -> None:
         self.redis = redis
-        self._bootstrap = hash_token(bootstrap_token) if bootstrap_token else None
+        self._bootstrap = hash_token(check_admin_key(bootstrap_token)) if bootstrap_token else None
 
     @classmethod
     def from_env(cls, redis: Any) -> KeyStore:
-        return cls(redis, os.environ.get("OFFLOAD_ADMIN_KEY") or None)
+        return cls(redis, os.environ.get(ADMIN_ENV) or None)
 
     async def create(self, scope: str, queues: list[str] | None = None, name: str = "") -> tuple[ApiKey, str]:
         """Returns the key and its token; the token cannot be recovered later."""
@@ -118,6 +129,10 @@ class KeyStore:
         if not record or not hmac.compare_digest(digest, record.get("hash", "")):
             return None
         return _from_record(key_id, record)
+
+    async def alive(self, key: ApiKey) -> bool:
+        """Whether a key authenticated earlier still exists (long-lived streams re-check on an interval)."""
+        return key.id == BOOTSTRAP_ID or bool(await self.redis.exists(_record_key(key.id)))
 
     async def list(self) -> list[ApiKey]:
         ids = sorted(await self.redis.smembers(KEYS_INDEX))

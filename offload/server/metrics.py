@@ -20,11 +20,11 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from offload.autoscale.status import autoscale_families
 from offload.queue.scripts import HIST_BUCKETS_S
-from offload.server.auth import Principal, need_global_read
+from offload.server.auth import GuardedRoute, Principal, need_global_read
 from offload.server.state import ServerState, get_state
 from offload.worker.limits import backend_counters
 
-router = APIRouter(tags=["metrics"])
+router = APIRouter(tags=["metrics"], route_class=GuardedRoute)
 RATE_FIELDS = ("enqueued", "succeeded", "failed", "dead", "cancelled")
 
 

@@ -44,7 +44,8 @@ class WorkerRegistry:
             "id": worker_id, "key_id": key_id, "host": req.host, "version": req.version,
             "queues": ",".join(req.queues), "pid": req.pid or "", "concurrency": req.concurrency,
             "instance_id": req.instance_id or "", "protected": int(req.protected),
-            "gpus": orjson.dumps(req.gpus).decode(), "registered_at": now, "last_heartbeat": now, "in_flight": 0,
+            "gpus": orjson.dumps([g.model_dump(exclude_unset=True) for g in req.gpus]).decode(),
+            "registered_at": now, "last_heartbeat": now, "in_flight": 0,
         }
         await self.redis.hset(_key(worker_id), mapping=record)
         await self.redis.pexpire(_key(worker_id), self.ttl_ms)

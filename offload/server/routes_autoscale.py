@@ -18,18 +18,21 @@ from fastapi import APIRouter, Body, HTTPException, Request
 from pydantic import BaseModel, Field
 
 from offload.autoscale import keys
-from offload.autoscale.config import validate_autoscale
+from offload.autoscale.config import open_env, seal_env, validate_autoscale
 from offload.autoscale.instances import InstanceStore, read_events
-from offload.autoscale.provider_store import ProviderInUse, ProviderNotFound, ProviderStore
+from offload.autoscale.operator_only import OperatorOnly, check_block_over_api, check_provider_over_api
+from offload.autoscale.provider_store import MASK, ProviderInUse, ProviderNotFound, ProviderStore, mask
 from offload.autoscale.scaler import Autoscaler
 from offload.autoscale.status import snapshot
+from offload.autoscale.vault import Vault
 from offload.errors import ConfigError
 from offload.queue.keys import validate_queue
-from offload.server.auth import Principal, need_admin, need_global_read
+from offload.server.auth import GuardedRoute, Principal, admin_only, guard, need_admin, need_global_read
+from offload.server.errors import FieldError
 from offload.server.state import ServerState, get_state
 
 log = logging.getLogger("offload.server")
-router = APIRouter(tags=["autoscale"], prefix="/v1/autoscale")
+router = APIRouter(tags=["autoscale"], prefix="/v1/autoscale", route_class=GuardedRoute)
 
 
 class ProviderCreate(BaseModel):
@@ -78,8 +81,12 @@ async def get_provider(request: Request, name: str, key: Principal) -> dict[str,
 
 
 @router.post("/providers", status_code=201, summary="Register a provider (needs OFFLOAD_VAULT_MASTER_KEY)")
+@guard(admin_only("create providers"))
 async def create_provider(request: Request, body: ProviderCreate, key: Principal) -> dict[str, Any]:
-    need_admin(key, "create providers")
+    try:
+        check_provider_over_api(body.type)
+    except OperatorOnly as exc:
+        raise _bad(exc, 403) from None
     try:
         return (await ProviderStore(get_state(request).redis).create(body.name, body.type, body.config)).to_dict()
     except ConfigError as exc:
@@ -87,11 +94,16 @@ async def create_provider(request: Request, body: ProviderCreate, key: Principal
 
 
 @router.patch("/providers/{name}", summary="Change a provider's config; a secret not retyped keeps its value")
+@guard(admin_only("change providers"))
 async def update_provider(request: Request, name: str, key: Principal,
                           changes: dict[str, Any] = Body(...)) -> dict[str, Any]:
-    need_admin(key, "change providers")
+    redis = get_state(request).redis
     try:
-        return (await ProviderStore(get_state(request).redis).update(name, changes)).to_dict()
+        check_provider_over_api(await redis.hget(keys.provider(name), "type") or "")
+    except OperatorOnly as exc:
+        raise _bad(exc, 403) from None
+    try:
+        return (await ProviderStore(redis).update(name, changes)).to_dict()
     except ProviderNotFound as exc:
         raise _bad(exc, 404) from None
     except ConfigError as exc:
@@ -114,40 +126,92 @@ async def list_queues(request: Request, key: Principal) -> dict[str, dict[str, A
     need_global_read(key, "autoscaling")
     state = get_state(request)
     out: dict[str, dict[str, Any]] = {
-        name: {"source": "offload.yaml", "autoscale": q.autoscale}
+        name: {"source": "offload.yaml", "autoscale": _masked(q.autoscale)}
         for name, q in sorted(state.options.settings.queues.items()) if q.autoscale is not None}
     names = sorted(await state.redis.smembers(keys.QUEUE_CONFIGS))
     raws = await state.redis.mget([keys.queue_config(q) for q in names]) if names else []
     for name, raw in zip(names, raws, strict=True):
         if raw:
-            out[name] = {"source": "api", "autoscale": orjson.loads(raw)}
+            out[name] = {"source": "api", "autoscale": _masked(_readable(name, orjson.loads(raw)))}
     return dict(sorted(out.items()))
+
+
+def _readable(queue: str, block: dict[str, Any]) -> dict[str, Any]:
+    """An API-set block with its sealed instance.env opened, or (no master key here) left sealed."""
+    try:
+        return open_env(block, None, queue)
+    except ConfigError:
+        return block
 
 
 @router.get("/queues/{queue}", summary="A queue's effective autoscale block (API-set, else offload.yaml)")
 async def get_queue(request: Request, queue: str, key: Principal) -> dict[str, Any]:
     need_global_read(key, "autoscaling")
     state = get_state(request)
-    raw = await state.redis.get(keys.queue_config(validate_queue(queue)))
+    block = await _stored_block(state, validate_queue(queue))
+    if block is None:
+        raise HTTPException(404, f"queue {queue!r} has no autoscale block")
+    return {"source": block[0], "autoscale": _masked(block[1])}
+
+
+async def _stored_block(state: ServerState, queue: str) -> tuple[str, dict[str, Any]] | None:
+    """The queue's effective block as stored (secrets in clear): API-set, else offload.yaml's."""
+    raw = await state.redis.get(keys.queue_config(queue))
     if raw:
-        return {"source": "api", "autoscale": orjson.loads(raw)}
+        return "api", _readable(queue, orjson.loads(raw))
     q = state.options.settings.queues.get(queue)
-    if q is not None and q.autoscale is not None:
-        return {"source": "offload.yaml", "autoscale": q.autoscale}
-    raise HTTPException(404, f"queue {queue!r} has no autoscale block")
+    return ("offload.yaml", q.autoscale) if q is not None and q.autoscale is not None else None
+
+
+def _masked(block: dict[str, Any]) -> dict[str, Any]:
+    """`instance.env` values (HF_TOKEN and the like) never leave the server: shown as `****abcd`, like a
+    provider's secrets; a PUT that sends one back masked keeps the stored value. Values still sealed (no master
+    key on this server) are shown fully masked."""
+    instance = block.get("instance")
+    if not isinstance(instance, dict) or not isinstance(instance.get("env"), dict):
+        return block
+    env = {k: MASK if isinstance(v, dict) else mask(str(v)) for k, v in instance["env"].items()}
+    return {**block, "instance": {**instance, "env": env}}
+
+
+def _unmasked(queue: str, block: dict[str, Any], stored: dict[str, Any] | None) -> dict[str, Any]:
+    instance = block.get("instance")
+    if not isinstance(instance, dict) or not isinstance(instance.get("env"), dict):
+        return block
+    old = ((stored or {}).get("instance") or {}).get("env") or {}
+    env = dict(instance["env"])
+    for name, value in env.items():
+        if isinstance(value, str) and value.startswith(MASK):
+            if name not in old:
+                raise FieldError(["body", "instance", "env", name],
+                                 f"queues.{queue}.autoscale.instance.env.{name}: a masked value, but none is stored")
+            env[name] = old[name]
+    return {**block, "instance": {**instance, "env": env}}
 
 
 @router.put("/queues/{queue}", summary="Set a queue's autoscale block (validated; overrides offload.yaml)")
+@guard(admin_only("configure autoscaling"))
 async def put_queue(request: Request, queue: str, key: Principal, block: dict[str, Any] = Body(...)) -> dict[str, Any]:
-    need_admin(key, "configure autoscaling")
+    state = get_state(request)
+    stored = await _stored_block(state, validate_queue(queue))
+    block = _unmasked(queue, block, stored[1] if stored else None)
     try:
-        parsed = validate_autoscale(block, f"queues.{validate_queue(queue)}.autoscale")
+        parsed = validate_autoscale(block, f"queues.{queue}.autoscale")
     except ConfigError as exc:
         raise _bad(exc) from None
-    redis = get_state(request).redis
-    await redis.set(keys.queue_config(queue), orjson.dumps(block))
+    redis = state.redis
+    provider_type = await redis.hget(keys.provider(parsed.provider), "type") if parsed.provider else None
+    try:
+        check_block_over_api(queue, parsed.model_dump(), provider_type)
+    except OperatorOnly as exc:
+        raise _bad(exc, 403) from None
+    try:
+        sealed = seal_env(block, Vault.from_env(), queue) if parsed.instance.env else block
+    except ConfigError as exc:
+        raise _bad(ConfigError(f"queues.{queue}.autoscale.instance.env: {exc}")) from None
+    await redis.set(keys.queue_config(queue), orjson.dumps(sealed))
     await redis.sadd(keys.QUEUE_CONFIGS, queue)
-    return {"source": "api", "autoscale": parsed.model_dump(mode="json")}
+    return {"source": "api", "autoscale": _masked(parsed.model_dump(mode="json"))}
 
 
 @router.delete("/queues/{queue}", status_code=204, summary="Drop the API-set block (offload.yaml applies again)")

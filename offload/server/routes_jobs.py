@@ -12,7 +12,7 @@ from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
 from offload.errors import InvalidJob, InvalidTransition, JobNotFound, PayloadTooLarge
 from offload.models import Job
 from offload.queue.keys import STATE_SETS, new_job_id, queue_of, validate_queue
-from offload.server.auth import Principal, need_produce, need_read
+from offload.server.auth import GuardedRoute, Principal, guard, need_produce, need_read, produce_path_queue
 from offload.server.errors import FieldError
 from offload.server.schemas import (
     BatchEnqueueReply,
@@ -26,8 +26,9 @@ from offload.server.schemas import (
 )
 from offload.server.state import ServerState, get_state
 from offload.storage import StorageError
+from offload.storage.namespace import key_problem
 
-router = APIRouter(tags=["jobs"])
+router = APIRouter(tags=["jobs"], route_class=GuardedRoute)
 IdemHeader = Annotated[str | None, Header(alias="Idempotency-Key", max_length=1024,
                                           description="A repeat with the same key returns the first job's id.")]
 
@@ -41,11 +42,28 @@ def job_queue(job_id: str) -> str:
 
 
 async def job_view(state: ServerState, job: Job, presign: bool = True) -> JobView:
+    """A presigned URL only for the job's own object: its result is where its output key says, and that key
+    is in the job's queue's namespace (a record written some other way gets no URL to another queue's data)."""
     url = None
-    if presign and job.state.value == "succeeded" and job.result:
+    if presign and job.state.value == "succeeded" and job.result and _own_object(state, job):
         with contextlib.suppress(StorageError, ValueError):
             url = await state.storage.presigned_url(job.output_key, state.options.presign_expires_s)
     return JobView(**job.to_dict(), result_url=url)
+
+
+def _own_object(state: ServerState, job: Job) -> bool:
+    if key_problem(job.queue, job.output_key, state.options.settings.output_prefixes()) is not None:
+        return False
+    try:
+        return job.result == state.storage.location(job.output_key)
+    except ValueError:
+        return False
+
+
+def check_output_key(state: ServerState, queue: str, key: str | None, loc: list[str | int]) -> None:
+    """422 naming the field when an output key would leave the queue's storage namespace."""
+    if key is not None and (problem := key_problem(queue, key, state.options.settings.output_prefixes())):
+        raise FieldError(loc, f"output_key: {problem}")
 
 
 async def require_queue(state: ServerState, queue: str) -> None:
@@ -56,12 +74,13 @@ async def require_queue(state: ServerState, queue: str) -> None:
 
 @router.post("/v1/queues/{queue}/jobs", status_code=201, response_model=EnqueueReply,
              summary="Enqueue one job", responses={200: {"description": "Idempotent repeat: the first job's id"}})
+@guard(produce_path_queue, big_body=True)
 async def enqueue(request: Request, response: Response, queue: str, body: EnqueueRequest, key: Principal,
                   idempotency_key: IdemHeader = None) -> EnqueueReply:
-    validate_queue(queue)
-    need_produce(key, queue)
+    state = get_state(request)
+    check_output_key(state, queue, body.output_key, ["body", "output_key"])
     fresh = new_job_id(queue)
-    job_id = await get_state(request).store.enqueue(queue, body.spec(idempotency_key, job_id=fresh))
+    job_id = await state.store.enqueue(queue, body.spec(idempotency_key, job_id=fresh))
     if job_id != fresh:
         response.status_code = 200
     return EnqueueReply(id=job_id, duplicate=job_id != fresh)
@@ -69,17 +88,15 @@ async def enqueue(request: Request, response: Response, queue: str, body: Enqueu
 
 @router.post("/v1/queues/{queue}/jobs/batch", status_code=201, response_model=BatchEnqueueReply,
              summary="Enqueue many jobs in one request (up to the server's batch limit)")
+@guard(produce_path_queue, big_body=True)
 async def enqueue_batch(request: Request, queue: str, body: BatchEnqueueRequest, key: Principal,
                         idempotency_key: IdemHeader = None) -> BatchEnqueueReply:
     """With an Idempotency-Key header, item i gets the key `<header>:<i>` unless it names its own, so a
     retried batch returns the same ids instead of enqueueing twice."""
-    validate_queue(queue)
-    need_produce(key, queue)
     state = get_state(request)
-    if len(body.jobs) > state.options.max_batch:
-        raise HTTPException(413, f"batch of {len(body.jobs)} jobs is over the limit of {state.options.max_batch}")
     specs = [job.spec(f"{idempotency_key}:{i}" if idempotency_key else None) for i, job in enumerate(body.jobs)]
     for i, spec in enumerate(specs):
+        check_output_key(state, queue, spec.output_key, ["body", "jobs", i, "output_key"])
         try:
             state.store.validate(spec)
         except (InvalidJob, PayloadTooLarge) as exc:

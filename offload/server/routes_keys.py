@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from fastapi import APIRouter, HTTPException, Request
 
-from offload.server.auth import Principal, need_admin
+from offload.server.auth import GuardedRoute, Principal, admin_only, guard, need_admin
 from offload.server.schemas import KeyCreated, KeyCreateRequest, KeyView
 from offload.server.state import get_state
 
-router = APIRouter(tags=["keys"])
+router = APIRouter(tags=["keys"], route_class=GuardedRoute)
 
 
 @router.post("/v1/keys", response_model=KeyCreated, status_code=201,
              summary="Create a key; the token is in this reply only")
+@guard(admin_only("manage keys"))
 async def create_key(request: Request, body: KeyCreateRequest, key: Principal) -> KeyCreated:
-    need_admin(key, "manage keys")
     created, token = await get_state(request).keys.create(body.scope, body.queues, body.name)
     return KeyCreated(**created.to_dict(), token=token)
 

@@ -8,13 +8,13 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Query, Request
 
 from offload.queue.keys import STATE_SETS
-from offload.server.auth import Principal, can_read, need_admin, need_read
+from offload.server.auth import GuardedRoute, Principal, admin_only, can_read, guard, need_admin, need_read
 from offload.server.errors import FieldError
 from offload.server.routes_jobs import page, require_queue
 from offload.server.schemas import CountReply, JobPage, MoveReply, MoveRequest, PurgeRequest, QueueView
 from offload.server.state import ServerState, get_state
 
-router = APIRouter(tags=["queues"])
+router = APIRouter(tags=["queues"], route_class=GuardedRoute)
 CursorQ = Annotated[str | None, Query(max_length=15, pattern=r"^\d+$")]
 LimitQ = Annotated[int, Query(ge=1, le=1000)]
 MOVE_BATCH = 1000
@@ -63,8 +63,8 @@ async def resume(request: Request, queue: str, key: Principal) -> QueueView:
 
 
 @router.post("/v1/queues/{queue}/purge", response_model=CountReply, summary="Delete every job in one state")
+@guard(admin_only("purge queues"))
 async def purge(request: Request, queue: str, body: PurgeRequest, key: Principal) -> CountReply:
-    need_admin(key, "purge queues")
     state = get_state(request)
     await require_queue(state, queue)
     if body.state not in STATE_SETS or body.state == "active":
@@ -100,8 +100,8 @@ async def dead_list(request: Request, queue: str, key: Principal, cursor: Cursor
 
 @router.post("/v1/queues/{queue}/dead/requeue", response_model=MoveReply,
              summary="Dead jobs back to ready with a fresh attempt budget")
+@guard(admin_only("requeue dead jobs"), big_body=True)  # up to 10,000 ids
 async def dead_requeue(request: Request, queue: str, body: MoveRequest, key: Principal) -> MoveReply:
-    need_admin(key, "requeue dead jobs")
     return await _move(get_state(request), queue, "dead", body)
 
 
@@ -122,6 +122,6 @@ async def held_list(request: Request, queue: str, key: Principal, cursor: Cursor
 
 @router.post("/v1/queues/{queue}/held/release", response_model=MoveReply,
              summary="Held jobs back to ready now, before their cap window resets")
+@guard(admin_only("release held jobs"), big_body=True)
 async def held_release(request: Request, queue: str, body: MoveRequest, key: Principal) -> MoveReply:
-    need_admin(key, "release held jobs")
     return await _move(get_state(request), queue, "held", body)

@@ -12,13 +12,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
+from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request
 
 from offload.errors import StaleLease
 from offload.models import ClaimedJob
 from offload.queue.keys import prefix, validate_queue
-from offload.server.auth import Principal, need_global_read, need_work, need_worker_scope
+from offload.server.auth import (
+    GuardedRoute,
+    Principal,
+    guard,
+    need_global_read,
+    need_work,
+    need_worker_scope,
+    worker_only,
+)
 from offload.server.keys import ApiKey
 from offload.server.routes_jobs import job_queue
 from offload.server.schemas import (
@@ -38,10 +48,10 @@ from offload.server.schemas import (
     WorkerView,
 )
 from offload.server.state import ServerState, get_state
-from offload.storage import StorageError
+from offload.storage import InvalidKey, StorageError
 
 log = logging.getLogger("offload.server")
-router = APIRouter(tags=["workers"])
+router = APIRouter(tags=["workers"], route_class=GuardedRoute)
 
 
 async def _worker(state: ServerState, key: ApiKey, worker_id: str) -> list[str]:
@@ -70,8 +80,13 @@ async def list_workers(request: Request, key: Principal) -> list[WorkerView]:
     return remote + dispatch
 
 
+def _work_path_job(key: ApiKey, params: Mapping[str, Any]) -> None:
+    need_work(key, job_queue(params["job_id"]))
+
+
 @router.post("/v1/workers/register", response_model=RegisterReply, status_code=201,
              summary="Register a remote worker (returns its worker id and lease timing)")
+@guard(worker_only)
 async def register(request: Request, body: RegisterRequest, key: Principal) -> RegisterReply:
     for q in body.queues:
         validate_queue(q)
@@ -97,6 +112,7 @@ def _view(queue: str, job: ClaimedJob) -> ClaimedView:
 
 @router.post("/v1/workers/{worker_id}/claim", response_model=ClaimReply,
              summary="Lease up to `max` jobs, long-polling up to `wait` seconds when none is ready")
+@guard(worker_only)
 async def claim(request: Request, worker_id: str, body: ClaimRequest, key: Principal) -> ClaimReply:
     need_work(key, body.queue)
     state = get_state(request)
@@ -121,6 +137,7 @@ async def claim(request: Request, worker_id: str, body: ClaimRequest, key: Princ
                 if jobs:
                     await state.store.release_leases(body.queue, worker_id, [j.id for j in jobs])
                 return ClaimReply(jobs=[])
+            jobs = await _storable(state, jobs)
             if jobs:
                 if await request.is_disconnected():  # nobody will receive them: hand them straight back
                     await state.store.release_leases(body.queue, worker_id, [j.id for j in jobs])
@@ -134,6 +151,20 @@ async def claim(request: Request, worker_id: str, body: ClaimRequest, key: Princ
                 event = await sub.next(remaining)
                 if event is None or event[2].get("state") in ("queued", "resync"):
                     break
+
+
+async def _storable(state: ServerState, jobs: list[ClaimedJob]) -> list[ClaimedJob]:
+    """Jobs whose output key no storage accepts (`..`, absolute: a producer with Redis access wrote it) fail
+    permanently here, before a GPU runs them, instead of failing at complete and being re-run forever."""
+    keep = []
+    for job in jobs:
+        try:
+            state.storage.location(job.output_key)
+        except InvalidKey as exc:
+            await state.store.fail(job.id, job.token, f"output_key cannot be stored: {exc}", retryable=False)
+            continue
+        keep.append(job)
+    return keep
 
 
 async def _forget_unknown(state: ServerState, queue: str, worker_id: str, reported: set[str]) -> None:
@@ -155,6 +186,7 @@ async def _forget_unknown(state: ServerState, queue: str, worker_id: str, report
 
 @router.post("/v1/workers/{worker_id}/heartbeat", response_model=HeartbeatReplyView,
              summary="Keep the worker's leases alive; learn which it lost and which were cancelled")
+@guard(worker_only, big_body=True)  # a busy worker names every job it holds
 async def heartbeat(request: Request, worker_id: str, body: HeartbeatRequest, key: Principal) -> HeartbeatReplyView:
     state = get_state(request)
     queues = await _worker(state, key, worker_id)
@@ -170,7 +202,10 @@ async def heartbeat(request: Request, worker_id: str, body: HeartbeatRequest, ke
         lost += reply.lost
         cancels += reply.cancel_requested
         await _forget_unknown(state, q, worker_id, set(ids))
-    await state.registry.touch(worker_id, len(body.jobs), body.protected, body.instance_id)
+    # in flight: the listed jobs the store really leases to this worker, not what it claims (a worker reporting
+    # 100k jobs would look busy to the autoscaler forever)
+    held = len(set(body.jobs) - set(lost))
+    await state.registry.touch(worker_id, held, body.protected, body.instance_id)
     return HeartbeatReplyView(lost=lost, cancel_requested=cancels)
 
 
@@ -185,6 +220,7 @@ async def _job_for(request: Request, key: ApiKey, worker_id: str, job_id: str, t
 
 @router.post("/v1/workers/{worker_id}/jobs/{job_id}/complete", response_model=CompleteReply,
              summary="Store the handler's output (server-side) and mark the job succeeded")
+@guard(_work_path_job, big_body=True)
 async def complete(request: Request, worker_id: str, job_id: str, body: CompleteRequest,
                    key: Principal) -> CompleteReply:
     """The output is written before the job is marked succeeded (guarantee 5). The token is checked first so
@@ -199,6 +235,9 @@ async def complete(request: Request, worker_id: str, job_id: str, body: Complete
         raise StaleLease(f"job {job_id}: lease token is stale (another worker owns it or it finished)")
     try:
         location = await state.storage.put_json(job.output_key, body.output)
+    except InvalidKey as exc:  # can never be stored: dead now, not released to run again
+        await state.store.fail(job_id, body.token, f"output_key cannot be stored: {exc}", retryable=False)
+        raise HTTPException(422, f"job {job_id}: output_key cannot be stored ({exc}); the job is dead") from None
     except TypeError as exc:
         raise HTTPException(422, f"output is not JSON-serialisable: {exc}") from None
     except StorageError as exc:
@@ -211,6 +250,7 @@ async def complete(request: Request, worker_id: str, job_id: str, body: Complete
 
 @router.post("/v1/workers/{worker_id}/jobs/{job_id}/fail", response_model=FailReply,
              summary="Report a failed attempt: retried with backoff per the job's policy, else dead")
+@guard(_work_path_job)
 async def fail(request: Request, worker_id: str, job_id: str, body: FailRequest, key: Principal) -> FailReply:
     state = await _job_for(request, key, worker_id, job_id, body.token)
     job = await state.store.get(job_id)
@@ -221,6 +261,7 @@ async def fail(request: Request, worker_id: str, job_id: str, body: FailRequest,
 
 @router.post("/v1/workers/{worker_id}/jobs/{job_id}/cancelled", response_model=FailReply,
              summary="Acknowledge a requested cancel: the job ends cancelled")
+@guard(_work_path_job)
 async def cancelled(request: Request, worker_id: str, job_id: str, body: TokenRequest, key: Principal) -> FailReply:
     state = await _job_for(request, key, worker_id, job_id, body.token)
     await state.store.ack_cancel(job_id, body.token)
@@ -229,6 +270,7 @@ async def cancelled(request: Request, worker_id: str, job_id: str, body: TokenRe
 
 @router.post("/v1/workers/{worker_id}/deregister", status_code=204,
              summary="A draining worker leaves: its remaining leases go back to ready at once")
+@guard(worker_only)
 async def deregister(request: Request, worker_id: str, body: DeregisterRequest, key: Principal) -> None:
     state = get_state(request)
     queues = await _worker(state, key, worker_id)

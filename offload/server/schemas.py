@@ -3,11 +3,17 @@ instead of a silently ignored setting."""
 
 from __future__ import annotations
 
-from typing import Any
+from contextvars import ContextVar
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import HTTPException
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from offload.queue.store import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETENTION_S, JobSpec
+
+DEFAULT_MAX_BATCH = 1000
+# The answering server's --max-batch, set per request by GuardedRoute (auth.py) before the body is validated.
+BATCH_LIMIT: ContextVar[int] = ContextVar("offload_batch_limit", default=DEFAULT_MAX_BATCH)
 
 
 class _Request(BaseModel):
@@ -43,7 +49,18 @@ class EnqueueRequest(JobOptions):
 
 
 class BatchEnqueueRequest(_Request):
-    jobs: list[EnqueueRequest] = Field(..., min_length=1)
+    jobs: list[EnqueueRequest] = Field(..., min_length=1, description="At most the server's --max-batch jobs "
+                                       "(its OpenAPI description states the number as maxItems).")
+
+    @field_validator("jobs", mode="before")
+    @classmethod
+    def _at_most_max_batch(cls, v: Any) -> Any:
+        """Before the items are validated (pydantic checks max_length only after validating every item, which
+        for a million `{}` is a million error records). An HTTPException passes through pydantic: 413."""
+        limit = BATCH_LIMIT.get()
+        if isinstance(v, list) and len(v) > limit:
+            raise HTTPException(413, f"batch of {len(v)} jobs is over the limit of {limit}")
+        return v
 
 
 class EnqueueReply(BaseModel):
@@ -144,15 +161,31 @@ class KeyCreated(KeyView):
     token: str = Field(..., description="Shown once; only its hash is stored.")
 
 
+INSTANCE_ID = r"^[A-Za-z0-9._:-]{1,128}$"
+Short = Annotated[str, Field(max_length=128)]
+
+
+class GpuInfo(_Request):
+    """One GPU as `nvidia-smi` reports it (what a worker may say about itself, bounded)."""
+
+    index: Annotated[str, Field(max_length=16)] | int | None = None
+    name: Short = ""
+    memory_mb: Annotated[str, Field(max_length=16)] | int | None = None
+    uuid: Short = ""
+
+
 class RegisterRequest(_Request):
+    """A worker's self-report: shown to operators and read by the autoscaler, so every field is bounded."""
+
     queues: list[str] = Field(..., min_length=1, max_length=100)
     host: str = Field("", max_length=255)
     version: str = Field("", max_length=64)
-    pid: int | None = None
-    concurrency: int = Field(1, ge=1, le=100_000)
-    instance_id: str | None = Field(None, max_length=255)
-    protected: bool = False
-    gpus: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
+    pid: int | None = Field(None, ge=0, le=2**31)
+    concurrency: int = Field(1, ge=1, le=10_000)
+    instance_id: str | None = Field(None, pattern=INSTANCE_ID)
+    protected: bool = Field(False, description="Honoured by the autoscaler only where the instance's provider "
+                                               "config sets allow_worker_protect.")
+    gpus: list[GpuInfo] = Field(default_factory=list, max_length=16)
 
 
 class RegisterReply(BaseModel):
@@ -184,9 +217,9 @@ class ClaimReply(BaseModel):
 
 
 class HeartbeatRequest(_Request):
-    jobs: list[str] = Field(default_factory=list, max_length=100_000)
+    jobs: list[Annotated[str, Field(max_length=256)]] = Field(default_factory=list, max_length=10_000)
     protected: bool | None = None
-    instance_id: str | None = Field(None, max_length=255)
+    instance_id: str | None = Field(None, pattern=INSTANCE_ID)
 
 
 class HeartbeatReplyView(BaseModel):

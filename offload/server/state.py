@@ -33,6 +33,12 @@ class ServerOptions:
     presign_expires_s: int = 3600
     sse_keepalive_s: float = 15.0
     admin_key: str | None = None  # bootstrap admin token; default: OFFLOAD_ADMIN_KEY
+    auth_fail_limit: int = 20  # invalid keys per client address per window, then 429 until the window ends
+    auth_fail_window_s: float = 60.0
+    max_stream_queues: int = 1000  # queues one event stream may follow
+    key_recheck_s: float = 5.0  # an open event stream re-checks its key this often (closed when revoked)
+    max_connections: int = 2048  # concurrent connections + requests (uvicorn's limit_concurrency), then 503
+    header_timeout_s: float = 10.0  # a connection must send its request headers within this (slowloris)
 
 
 @dataclass

@@ -35,6 +35,7 @@ from urllib.parse import unquote, urlsplit
 
 import httpx
 
+from offload.redact import bare_url
 from offload.storage.base import Storage, StorageError
 
 FILES_KEY = "_offload_files"
@@ -76,15 +77,6 @@ def files_prefix(output_key: str) -> str:
     prefix never collides with the output itself (a file and a directory of the same name, on local storage)."""
     stem = output_key.removesuffix(".json")
     return f"{stem}/files/" if stem != output_key else f"{output_key}.files/"
-
-
-def redact_url(url: str) -> str:
-    """scheme://host/path only: signed provider URLs carry tokens in the query, some carry userinfo."""
-    try:
-        p = urlsplit(url)
-        return f"{p.scheme}://{p.hostname}{f':{p.port}' if p.port else ''}{p.path}"
-    except ValueError:
-        return "<unparseable URL>"
 
 
 def host_allowed(url: str, allow_hosts: Collection[str] | None) -> bool:
@@ -226,7 +218,7 @@ async def _copy_file(
     storage: Storage, http: httpx.AsyncClient, url: str, index: int, prefix: str, limit: int,
     headers: dict[str, str],
 ) -> CopiedFile:
-    shown = redact_url(url)
+    shown = bare_url(url)  # signed provider URLs carry tokens in the query, some carry userinfo
     with tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES) as spool:
         try:
             async with http.stream("GET", url, headers=headers, follow_redirects=True) as resp:

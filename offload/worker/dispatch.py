@@ -25,7 +25,7 @@ from offload.backends.base import Backend, BackendError, Fatal, NotFound, Remote
 from offload.errors import StaleLease
 from offload.models import ClaimedJob
 from offload.queue.store import QueueStore, retry_delay_ms
-from offload.storage import StorageError
+from offload.storage import InvalidKey, StorageError, validate_key
 from offload.worker.batching import Batcher
 from offload.worker.limits import BackendLimits
 
@@ -55,6 +55,14 @@ class WorkerOptions:
     ingest_list: str | None = None
     max_attempts: int = 3
     submit_retries_on_429: int = 8
+
+
+def _key_problem(key: str) -> str | None:
+    try:
+        validate_key(key)
+    except InvalidKey as exc:
+        return str(exc)
+    return None
 
 
 def default_worker_id() -> str:
@@ -212,6 +220,9 @@ class Worker:
         try:
             if job.cancel_requested:
                 await self._cancel(job, remote_id)
+                return
+            if problem := _key_problem(job.output_key):  # before paying for a result that cannot be stored
+                await self._fail(job, f"output_key cannot be stored: {problem}", retryable=False)
                 return
             result: RemoteResult | None = None
             estimate = self.o.price_per_job or 0.0

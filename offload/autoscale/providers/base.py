@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import httpx
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
+
+from offload import redact
 
 LABEL_PREFIX = "offload-"
 Clock = Callable[[], float]
@@ -97,12 +99,18 @@ def is_ours(label: str | None) -> bool:
 class ProviderConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    allow_worker_protect: bool = Field(False, description="honour a worker's own OFFLOAD_PROTECTED flag (the "
+                                       "machine could otherwise keep itself rented forever); operators can always "
+                                       "protect an instance")
+
 
 class Provider(ABC):
     type: ClassVar[str]
     real: ClassVar[bool] = True  # real providers need a public server URL and a worker key
     Config: ClassVar[builtins.type[ProviderConfig]]
     secret_fields: ClassVar[tuple[str, ...]] = ()
+    # where the secrets are sent: an update that changes one of these must give the secrets again
+    endpoint_fields: ClassVar[tuple[str, ...]] = ("base_url",)
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -138,6 +146,8 @@ class Http:
 
     def __init__(self, base_url: str, headers: dict[str, str], *, timeout: float = 30.0, attempts: int = 4,
                  max_wait: float = 10.0, client: httpx.AsyncClient | None = None) -> None:
+        # the credentials this client sends are what an echoing provider would show back: never in an excerpt
+        self.secrets = {v for h in headers.values() for v in (h, h.partition(" ")[2])}
         self.client = client or httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers,
                                                   timeout=httpx.Timeout(timeout, connect=10.0))
         self.attempts = attempts
@@ -167,7 +177,7 @@ class Http:
                     raise ProviderError(f"{method} {path}: rate limited (429)")
                 if response.status_code >= 500:
                     if not idempotent:
-                        raise ProviderError(f"{method} {path}: HTTP {response.status_code} {_excerpt(response)}",
+                        raise ProviderError(f"{method} {path}: HTTP {response.status_code} {self.excerpt(response)}",
                                             ambiguous=True)
                     last = f"HTTP {response.status_code}"
                 else:
@@ -176,6 +186,13 @@ class Http:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
         raise ProviderError(f"{method} {path}: {last} after {self.attempts} attempts")
+
+    def excerpt(self, response: httpx.Response) -> str:
+        """A short piece of the answer for an error message, redacted (offload/redact.py)."""
+        return self.redact(response.text)
+
+    def redact(self, text: str) -> str:
+        return redact.excerpt(text, self.secrets)
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -187,11 +204,3 @@ def _retry_after(response: httpx.Response) -> float | None:
         return float(value) if value else None
     except ValueError:
         return None
-
-
-def _excerpt(response: httpx.Response, limit: int = 300) -> str:
-    return response.text[:limit].replace("\n", " ")
-
-
-def excerpt(response: httpx.Response) -> str:
-    return _excerpt(response)

@@ -1,5 +1,8 @@
 """`local`: "rents" a machine by starting a real `offload worker --handler` process on this host.
 
+Because it runs commands here, it can only be set up by the operator (offload.yaml or the CLI), never over
+the HTTP API (see offload/autoscale/operator_only.py), and the process gets a minimal environment.
+
 It is how the demo and the end-to-end tests run the whole loop (rent, register with the instance id, work,
 drain, destroy) without a cloud account. Processes start in their own session, so they outlive a server
 restart, and their pid plus kernel start time are kept in Redis, so the next leader can still find and stop
@@ -18,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +42,16 @@ from offload.autoscale.providers.base import (
 )
 
 log = logging.getLogger("offload.autoscale.local")
+# What a worker process inherits from the server's environment: how to run Python and find the handler, nothing
+# else. Never the vault master key, the Redis URL, the admin key or backend and storage credentials.
+PASS_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "PYTHONPATH",
+            "VIRTUAL_ENV", "SSL_CERT_FILE", "SSL_CERT_DIR", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
+
+
+def worker_env(server_env: Mapping[str, str], launch: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a spawned worker: PASS_ENV from the server's, then what the autoscaler ships (the
+    server URL, the worker key, the queue, the instance id, the queue's instance.env)."""
+    return {**{k: server_env[k] for k in PASS_ENV if k in server_env}, **launch}
 
 
 class LocalConfig(ProviderConfig):
@@ -87,8 +101,7 @@ class LocalProvider(Provider):
         provider_id = "local-" + secrets.token_hex(6)
         cmd = [self.config.python, "-m", "offload", "worker", "--handler", handler, "--queue", spec.queue,
                "--server", server, "--concurrency", str(self.config.concurrency), "--grace", str(self.config.grace)]
-        env = {**os.environ, **spec.env}
-        env.pop("OFFLOAD_ADMIN_KEY", None)  # the admin key never reaches a worker, not even a local one
+        env = worker_env(os.environ, spec.env)
         log_path = str(Path(self.config.log_dir) / f"{spec.label}.log") if self.config.log_dir else None
         try:
             proc = await asyncio.to_thread(self._spawn, cmd, env, log_path)

@@ -28,7 +28,6 @@ from offload.autoscale.providers.base import (
     ProviderConfig,
     ProviderError,
     Unauthorized,
-    excerpt,
     is_ours,
 )
 
@@ -140,7 +139,7 @@ class RunPodProvider(Provider):
         r = await self.http.request("DELETE", f"/v2/pods/{provider_id}")
         self._check(r, "terminate")
         if r.status_code not in (200, 202, 204, 404):
-            raise ProviderError(f"runpod: terminate {provider_id}: HTTP {r.status_code} {excerpt(r)}")
+            raise ProviderError(f"runpod: terminate {provider_id}: HTTP {r.status_code} {self.http.excerpt(r)}")
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -179,15 +178,16 @@ class RunPodProvider(Provider):
         if r.status_code in (200, 201):
             return self._rest_machine(r.json())
         if _out_of_stock(r.text):
-            raise OutOfCapacity(f"runpod: {gpu}: {excerpt(r)}")
-        raise ProviderError(f"runpod: create: HTTP {r.status_code} {excerpt(r)}", retryable=r.status_code != 400)
+            raise OutOfCapacity(f"runpod: {gpu}: {self.http.excerpt(r)}")
+        raise ProviderError(f"runpod: create: HTTP {r.status_code} {self.http.excerpt(r)}",
+                            retryable=r.status_code != 400)
 
     async def _rest_list(self) -> builtins.list[Machine]:
         r = await self.http.request("GET", "/v2/pods")
         self._check(r, "list")
         self._rest_gone(r)
         if r.status_code != 200:
-            raise ProviderError(f"runpod: list: HTTP {r.status_code} {excerpt(r)}")
+            raise ProviderError(f"runpod: list: HTTP {r.status_code} {self.http.excerpt(r)}")
         data = r.json()
         pods = data.get("pods", []) if isinstance(data, dict) else data
         return [m for m in (self._rest_machine(p) for p in pods) if is_ours(m.label)]
@@ -199,7 +199,7 @@ class RunPodProvider(Provider):
             return None
         self._rest_gone(r)
         if r.status_code != 200:
-            raise ProviderError(f"runpod: get {provider_id}: HTTP {r.status_code} {excerpt(r)}")
+            raise ProviderError(f"runpod: get {provider_id}: HTTP {r.status_code} {self.http.excerpt(r)}")
         return self._rest_machine(r.json())
 
     # -- GraphQL ---------------------------------------------------------------------------------
@@ -213,14 +213,14 @@ class RunPodProvider(Provider):
             raise ProviderError(f"runpod: {what}: HTTP {r.status_code}, not JSON", ambiguous=not idempotent) from None
         errors = data.get("errors") if isinstance(data, dict) else None
         if errors:
-            message = "; ".join(str(e.get("message", e)) for e in errors)
+            message = self.http.redact("; ".join(str(e.get("message", e)) for e in errors))
             if _out_of_stock(message):
                 raise OutOfCapacity(f"runpod: {message}")
             if "unauthori" in message.lower() or "api key" in message.lower():
                 raise Unauthorized(f"runpod: {what}: {message}")
             raise ProviderError(f"runpod: {what}: {message}")
         if r.status_code != 200:
-            raise ProviderError(f"runpod: {what}: HTTP {r.status_code} {excerpt(r)}")
+            raise ProviderError(f"runpod: {what}: HTTP {r.status_code} {self.http.excerpt(r)}")
         result: dict[str, Any] = data.get("data") or {}
         return result
 

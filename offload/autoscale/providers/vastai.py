@@ -25,7 +25,6 @@ from offload.autoscale.providers.base import (
     ProviderConfig,
     ProviderError,
     Unauthorized,
-    excerpt,
     is_ours,
 )
 
@@ -132,7 +131,7 @@ class VastProvider(Provider):
         if r.status_code == 404 and "offers" not in r.text:
             raise Unauthorized("vastai: search answered 404 (Vast's answer to a bad API key)")
         if r.status_code != 200:
-            raise ProviderError(f"vastai: search: HTTP {r.status_code} {excerpt(r)}")
+            raise ProviderError(f"vastai: search: HTTP {r.status_code} {self.http.excerpt(r)}")
         offers = [o for o in r.json().get("offers", []) if self._acceptable(o, spec, gpu, price, disk)]
         return sorted(offers, key=lambda o: float(o.get("dph_total") or 0))
 
@@ -159,7 +158,7 @@ class VastProvider(Provider):
                 taken += 1
                 continue  # taken between search and rent: the next cheapest
             if r.status_code != 200 or not data.get("success"):
-                raise ProviderError(f"vastai: rent offer {offer['id']}: HTTP {r.status_code} {excerpt(r)}",
+                raise ProviderError(f"vastai: rent offer {offer['id']}: HTTP {r.status_code} {self.http.excerpt(r)}",
                                     retryable=r.status_code != 400)
             contract = str(data["new_contract"])
             return Machine(provider_id=contract, label=spec.label, state=MachineState.PENDING,
@@ -180,7 +179,7 @@ class VastProvider(Provider):
         r = await self.http.request("GET", "/api/v0/instances/", params={"owner": "me"})
         self._check(r, "list")
         if r.status_code != 200:
-            raise ProviderError(f"vastai: list: HTTP {r.status_code} {excerpt(r)}")
+            raise ProviderError(f"vastai: list: HTTP {r.status_code} {self.http.excerpt(r)}")
         return [m for m in (self._machine(i) for i in r.json().get("instances") or []) if is_ours(m.label)]
 
     async def get(self, provider_id: str) -> Machine | None:
@@ -189,7 +188,7 @@ class VastProvider(Provider):
         if r.status_code == 404:
             return None
         if r.status_code != 200:
-            raise ProviderError(f"vastai: show {provider_id}: HTTP {r.status_code} {excerpt(r)}")
+            raise ProviderError(f"vastai: show {provider_id}: HTTP {r.status_code} {self.http.excerpt(r)}")
         inst = r.json().get("instances")
         return self._machine(inst) if inst else None
 
@@ -204,7 +203,7 @@ class VastProvider(Provider):
         if r.status_code == 404:
             return
         if r.status_code != 200 or not _json(r).get("success", True):
-            raise ProviderError(f"vastai: destroy {provider_id}: HTTP {r.status_code} {excerpt(r)}")
+            raise ProviderError(f"vastai: destroy {provider_id}: HTTP {r.status_code} {self.http.excerpt(r)}")
 
     async def aclose(self) -> None:
         await self.http.aclose()

@@ -1,0 +1,289 @@
+"""The attacker's walk: every operation of the server's own OpenAPI description (generated, never hand-listed)
+called with no key, a revoked key, and a producer key and a worker key of another queue, against a server
+holding every kind of secret (admin key, vault master key, provider and backend credentials, storage keys,
+alert webhook token and SMTP password, a queue's instance.env). Every call is refused (401/403; a listing
+that takes no parameters may answer, with nothing of the victim queue in it), and none of the secrets appears
+in any response, log line or stored record (every key of the Redis database is read). The server's autoscaler
+runs meanwhile against a provider that echoes the request, credentials and worker key included, into its
+errors, so redaction is walked too."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from s3server import RcloneS3
+from security_helpers import echo_server, leaks, redis_dump
+from server_helpers import BUCKET, client, direct_key, new_queue, poll, server
+from servers import ValkeyServer, free_port
+
+from offload.autoscale.vault import ENV as VAULT_ENV
+
+IDENTITIES = ("anonymous", "revoked", "producer of another queue", "worker of another queue")
+
+
+def secret(tag: str) -> str:
+    return f"{tag}-{secrets.token_hex(16)}"
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RcloneS3]:
+    with RcloneS3(tmp_path_factory.mktemp("s3-sec")) as s:
+        s.make_bucket(BUCKET)
+        yield s
+
+
+@pytest.fixture(scope="module")
+def world(valkey: ValkeyServer, s3: RcloneS3) -> Iterator[dict[str, Any]]:
+    victim, mine = new_queue("victim"), new_queue("mine")
+    given = {
+        "admin key": secret("admin"),
+        "vault master key": secret("vault"),
+        "provider api key": secret("rpa"),
+        "backend api key": secret("gpukey"),
+        "webhook token": secret("hook"),
+        "smtp password": secret("smtp"),
+        "instance.env HF_TOKEN": secret("hf"),
+        "storage secret": s3.secret_key,
+    }
+    rented_key = direct_key(valkey.url, "worker", victim)
+    saved = os.environ.get(VAULT_ENV)
+    os.environ[VAULT_ENV] = given["vault master key"]
+    try:
+        with echo_server() as echo:
+            settings = {
+                "backends": {"gpu": {"kind": "http-job", "base_url": echo.url, "api_key": given["backend api key"]}},
+                "autoscaler": {"public_url": "https://cp.example.com", "worker_key": rented_key, "tick": 0.1},
+                "alerts": {
+                    "cooldown": 0,
+                    "webhooks": [{"url": f"{echo.url}/hook", "headers": {"X-Token": given["webhook token"]}}],
+                    "email": {
+                        "host": "127.0.0.1",
+                        "port": free_port(),
+                        "from_addr": "o@example.com",
+                        "to": ["ops@example.com"],
+                        "username": "o",
+                        "password": given["smtp password"],
+                    },
+                },
+            }
+            with server(
+                valkey.url,
+                s3.settings(BUCKET),
+                settings=settings,
+                admin_key=given["admin key"],
+                max_wait_s=1,
+                key_recheck_s=0.5,
+            ) as (url, _):
+                yield {
+                    "url": url,
+                    "victim": victim,
+                    "mine": mine,
+                    "given": given,
+                    "echo": echo,
+                    "rented key": rented_key,
+                    "valkey": valkey.url,
+                }
+    finally:
+        if saved is None:
+            os.environ.pop(VAULT_ENV, None)
+        else:
+            os.environ[VAULT_ENV] = saved
+
+
+def _setup(w: dict[str, Any]) -> dict[str, Any]:
+    """As the admin: the victim queue with a job, a worker and an autoscale block on an echoing provider; keys."""
+    g, victim = w["given"], w["victim"]
+    out: dict[str, Any] = {"responses": []}
+    with client(w["url"], g["admin key"]) as admin:
+
+        def key(scope: str, queue: str) -> tuple[str, str]:
+            r = admin.post("/v1/keys", json={"scope": scope, "queues": [queue]})
+            assert r.status_code == 201, r.text
+            return r.json()["id"], r.json()["token"]
+
+        out["producer"], out["worker"] = key("producer", w["mine"])[1], key("worker", w["mine"])[1]
+        out["victim worker"] = key("worker", victim)[1]
+        revoked_id, out["revoked"] = key("producer", victim)
+        assert admin.delete(f"/v1/keys/{revoked_id}").status_code == 204
+        out["key id"] = revoked_id
+        r = admin.post(f"/v1/queues/{victim}/jobs", json={"input": {"prompt": "victim's data"}})
+        assert r.status_code == 201, r.text
+        out["job"] = r.json()["id"]
+        for call in (
+            lambda: admin.post(
+                "/v1/autoscale/providers",
+                json={
+                    "name": "rp",
+                    "type": "runpod",
+                    "config": {
+                        "api_key": g["provider api key"],
+                        "base_url": w["echo"].url,
+                        "gpu_type_id": "NVIDIA X",
+                        "api": "rest",
+                    },
+                },
+            ),
+            lambda: admin.put(
+                f"/v1/autoscale/queues/{victim}",
+                json={
+                    "enabled": True,
+                    "provider": "rp",
+                    "max_workers": 1,
+                    "poll_interval": "0.2s",
+                    "scale_up": [{"trigger": "queue_depth", "threshold": 0}],
+                    "instance": {"image": "ghcr.io/example/worker:1", "env": {"HF_TOKEN": g["instance.env HF_TOKEN"]}},
+                },
+            ),
+        ):
+            r = call()
+            assert r.status_code in (200, 201), r.text
+            out["responses"].append((f"{r.request.method} {r.request.url.path}", r.text))
+    with client(w["url"], out["victim worker"]) as vw:
+        r = vw.post("/v1/workers/register", json={"queues": [victim], "host": "victim-gpu"})
+        assert r.status_code == 201, r.text
+        out["worker id"] = r.json()["worker_id"]
+    return out
+
+
+def _example(schema: dict[str, Any], components: dict[str, Any], name: str, w: dict[str, Any]) -> Any:
+    """A small value valid for `schema`, aimed at the victim (queues, tokens) where a field names one."""
+    if "$ref" in schema:
+        return _example(components[schema["$ref"].rsplit("/", 1)[1]], components, name, w)
+    for combo in ("anyOf", "oneOf", "allOf"):
+        if combo in schema:
+            options = [s for s in schema[combo] if s.get("type") != "null"] or schema[combo]
+            return _example(options[0], components, name, w)
+    kind = schema.get("type")
+    if kind == "object" or "properties" in schema:
+        props = schema.get("properties", {})
+        return {p: _example(props[p], components, p, w) for p in schema.get("required", [])}
+    if kind == "array":
+        item = _example(schema.get("items", {}), components, name, w)
+        return [w["victim"] if name == "queues" else item] * max(1, schema.get("minItems", 0))
+    if kind == "integer":
+        return max(1, schema.get("minimum", 1))
+    if kind == "number":
+        return 0
+    if kind == "boolean":
+        return False
+    return {
+        "queue": w["victim"],
+        "token": f"{w['worker id']}/1",
+        "scope": "viewer",
+        "state": "succeeded",
+        "type": "mock",
+        "name": "p",
+        "error": "x",
+    }.get(name, "x")
+
+
+def operations(spec: dict[str, Any], w: dict[str, Any]) -> list[tuple[str, str, Any, bool, bool]]:
+    """(method, path, json body or None, needs a key, is a parameterless GET) for every operation."""
+    params = {
+        "queue": w["victim"],
+        "job_id": w["job"],
+        "worker_id": w["worker id"],
+        "key_id": w["key id"],
+        "name": "rp",
+        "instance_id": "as-none",
+        "action": "protect",
+    }
+    components = spec.get("components", {}).get("schemas", {})
+    out = []
+    for template, methods in spec["paths"].items():
+        path = re.sub(r"\{(\w+)\}", lambda m: params[m[1]], template)
+        for method, op in methods.items():
+            body = None
+            if "requestBody" in op:
+                schema = op["requestBody"]["content"]["application/json"]["schema"]
+                body = _example(schema, components, "", w)
+            out.append((method.upper(), path, body, bool(op.get("security")), method == "get" and path == template))
+    return out
+
+
+def _call(c: httpx.Client, method: str, path: str, body: Any) -> tuple[int, str]:
+    """Status and body (for a stream that is let through: its first bytes)."""
+    with c.stream(method, path, json=body, timeout=30) if body is not None else c.stream(method, path, timeout=30) as r:
+        if r.headers.get("content-type", "").startswith("text/event-stream") and r.status_code == 200:
+            return r.status_code, next(r.iter_text(), "")
+        return r.status_code, r.read().decode(errors="replace")
+
+
+def test_the_attackers_walk(world: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    w = {**world, **_setup(world)}
+    g, url = w["given"], w["url"]
+    admin = client(url, g["admin key"])
+    # the autoscaler tried to rent for the victim queue, and the provider echoed credentials into its error
+    poll(
+        lambda: any("400" in e.get("message", "") for e in admin.get("/v1/autoscale/events").json()),
+        30,
+        "a refused rental in the autoscaler's journal",
+    )
+    echoed = [r for r in w["echo"].requests if r[0] == "POST" and r[1] == "/v2/pods"]
+    assert echoed and g["provider api key"] in str(echoed[0][2]) and w["rented key"] in echoed[0][3]
+
+    spec = httpx.get(f"{url}/openapi.json").json()
+    ops = operations(spec, w)
+    assert len(ops) >= 40, len(ops)  # the whole API, from its own description
+    tokens = {
+        "anonymous": None,
+        "revoked": w["revoked"],
+        "producer of another queue": w["producer"],
+        "worker of another queue": w["worker"],
+    }
+    responses: list[tuple[str, str]] = list(w["responses"])
+    refused = 0
+    for who in IDENTITIES:
+        with client(url, tokens[who]) as c:
+            for method, path, body, needs_key, listing in ops:
+                if not needs_key:
+                    continue
+                status, text = _call(c, method, path, body)
+                responses.append((f"{who}: {method} {path}", text))
+                if who in ("anonymous", "revoked"):
+                    assert status == 401, (who, method, path, status, text)
+                elif listing and status < 300:  # e.g. GET /v1/queues: only the key's own queues
+                    assert w["victim"] not in text, (who, method, path, text)
+                else:
+                    assert status == 403, (who, method, path, status, text)
+                refused += status in (401, 403)
+    assert refused >= 3 * len([o for o in ops if o[3]])
+
+    for path in (
+        "/v1/autoscale/providers",
+        "/v1/autoscale/providers/rp",
+        "/v1/autoscale/queues",
+        f"/v1/autoscale/queues/{w['victim']}",
+        "/v1/autoscale/status",
+        "/v1/autoscale/events",
+        "/v1/keys",
+        "/v1/workers",
+        f"/v1/jobs/{w['job']}",
+        "/metrics",
+        "/v1/queues",
+    ):
+        r = admin.get(path)
+        assert r.status_code == 200, (path, r.text)
+        responses.append((f"admin: GET {path}", r.text))
+    admin.close()
+    assert "****" in dict(responses)[f"admin: GET /v1/autoscale/queues/{w['victim']}"]  # HF_TOKEN, masked
+
+    secrets_ = {
+        **g,
+        "rented worker key": w["rented key"],
+        "revoked key": w["revoked"],
+        "victim's worker key": w["victim worker"],
+    }
+    logs = [(f"log {r.name}", r.getMessage() + (r.exc_text or "")) for r in caplog.records]
+    alerts = [(f"alert to {p}", b) for m, p, _, b in w["echo"].requests if p == "/hook"]
+    assert alerts, "the refused rental raised an alert"
+    stored = [("redis", redis_dump(w["valkey"]))]
+    assert leaks(secrets_, responses + logs + alerts + stored) == []
