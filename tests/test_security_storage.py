@@ -215,7 +215,7 @@ def test_output_prefixes_are_namespaces_that_never_overlap(tmp_path: Any) -> Non
             "REDIS_URL": "redis://x",
             "QUEUE_KEY": "gpu:jobs",
             "GPU_API_BASE": "http://gpu",
-            "OFFLOAD_CONFIG": str(tmp_path / "absent.yaml"),
+            "OFFLOAD_HOME": str(tmp_path / "home"),  # no local stack's config either (cwd holds no offload.yaml)
         },
     )
     assert tutorial.queues["gpu-jobs"].output_prefix == "results/"

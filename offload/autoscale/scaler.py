@@ -262,7 +262,7 @@ class Autoscaler:
     async def _worker_key_problem(self, token: str, queue: str) -> str | None:
         """The key a machine receives must be a live worker key covering the queue: never an admin, producer
         or viewer key, never one that was revoked (the machine would only loop on 401s)."""
-        from offload.server.keys import KeyStore  # lazy: the server package imports this module
+        from offload.server.keys import KeyStore  # lazy: the server's routes import this module
 
         key = await KeyStore(self.redis).authenticate(token)
         what = "autoscaler.worker_key (OFFLOAD_WORKER_API_KEY)"
