@@ -1,18 +1,19 @@
 """The per-queue `autoscale` block of offload.yaml (also settable through the API), plus durations and cron.
 
 The same pydantic model validates the YAML file, the API body and what is stored in Redis, so every way in
-names the offending field the same way (`queues.gpu.autoscale.max_workers: ...`). Cron is parsed here rather
-than with a dependency: five fields are enough, and the scaler needs one operation only ("the latest fire
-time at or before t"), which it evaluates against an injectable clock.
+names the offending field the same way (`queues.gpu.autoscale.max_workers: ...`). Cron expressions are read
+by cronsim; the scaler needs one operation only ("the latest fire time at or before t"), evaluated against an
+injectable clock.
 """
 
 from __future__ import annotations
 
 import re
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Annotated, Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+from cronsim import CronSim, CronSimError
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from offload.errors import ConfigError
@@ -45,74 +46,32 @@ def parse_duration(value: Any) -> float:
 
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 
-_CRON_RANGES = ((0, 59), (0, 23), (1, 31), (1, 12), (0, 6))
-_NAMES = {
-    3: {m: i + 1 for i, m in enumerate(
-        ["jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"])},
-    4: {d: i for i, d in enumerate(["sun", "mon", "tue", "wed", "thu", "fri", "sat"])},
-}
-
-
 class Cron:
-    """A standard five-field cron expression (minute hour day-of-month month day-of-week), in a time zone.
-
-    Day-of-month and day-of-week follow the usual rule: when both are restricted, either may match."""
+    """A standard five-field cron expression (minute hour day-of-month month day-of-week) in a time zone, read
+    by cronsim (Debian cron's rules, including day-of-month/day-of-week "either matches" and DST: a time skipped
+    by the spring change fires at the first minute after it, a repeated one fires once)."""
 
     def __init__(self, expr: str, tz: str = "UTC") -> None:
-        fields = expr.split()
-        if len(fields) != 5:
+        if len(expr.split()) != 5:
             raise ValueError(f"cron {expr!r} must have 5 fields (minute hour day month weekday)")
-        self.expr = expr
-        self.sets = [self._field(f, i) for i, f in enumerate(fields)]
-        self.sets[4] = {d % 7 for d in self.sets[4]}  # 7 is Sunday too
-        self.dom_any, self.dow_any = fields[2] == "*", fields[4] == "*"
         try:
             self.tz = ZoneInfo(tz)
         except (ZoneInfoNotFoundError, ValueError):
             raise ValueError(f"unknown time zone {tz!r}") from None
-
-    @staticmethod
-    def _field(text: str, index: int) -> set[int]:
-        lo, hi = _CRON_RANGES[index]
-        hi_ok = 7 if index == 4 else hi
-        out: set[int] = set()
-        for part in text.lower().split(","):
-            body, _, step_text = part.partition("/")
-            step = int(step_text) if step_text else 1
-            if step < 1:
-                raise ValueError(f"cron step must be >= 1 in {text!r}")
-            if body == "*":
-                a, b = lo, hi
-            else:
-                a_text, _, b_text = body.partition("-")
-                a_val = _NAMES.get(index, {}).get(a_text) if not a_text.isdigit() else int(a_text)
-                b_val = (_NAMES.get(index, {}).get(b_text) if not b_text.isdigit() else int(b_text)) if b_text \
-                    else (hi if step_text else a_val)
-                if a_val is None or b_val is None or not (lo <= a_val <= hi_ok and lo <= b_val <= hi_ok
-                                                          and a_val <= b_val):
-                    raise ValueError(f"cron field {text!r} is out of range {lo}-{hi}")
-                a, b = a_val, b_val
-            out.update(range(a, b + 1, step))
-        return out
-
-    def matches(self, t: datetime) -> bool:
-        minute, hour, dom, month, dow = self.sets
-        if t.minute not in minute or t.hour not in hour or t.month not in month:
-            return False
-        dom_ok, dow_ok = t.day in dom, (t.weekday() + 1) % 7 in dow
-        if self.dom_any or self.dow_any:
-            return dom_ok and dow_ok
-        return dom_ok or dow_ok
+        try:
+            CronSim(expr, datetime.now(self.tz))
+        except CronSimError as exc:
+            raise ValueError(f"bad cron {expr!r}: {exc}") from None
+        self.expr = expr
 
     def last_fire(self, now: float, lookback: float) -> float | None:
-        """The latest minute at or before `now` (epoch seconds) that matches, searching back `lookback` s."""
-        t = datetime.fromtimestamp(now, self.tz).replace(second=0, microsecond=0)
-        end = t - timedelta(seconds=lookback + 60)
-        while t > end:
-            if self.matches(t):
-                return t.astimezone(UTC).timestamp()
-            t -= timedelta(minutes=1)
-        return None
+        """The latest minute at or before `now` (epoch seconds) that matches, if within `lookback` seconds."""
+        minute = datetime.fromtimestamp(now, self.tz).replace(second=0, microsecond=0)
+        fire = next(CronSim(self.expr, minute + timedelta(minutes=1), reverse=True), None)
+        if fire is None:
+            return None
+        at = fire.timestamp()
+        return at if now - at <= lookback + 60 else None
 
 
 class _Strict(BaseModel):
