@@ -177,6 +177,9 @@ class MachineSim(_Strict):
     broken_hosts: list[str] = Field(default_factory=list, description="machine ids that never start the container")
     preempt_after: float | None = Field(default=None, ge=0, description="running machines vanish after this")
     destroy_failures: int = Field(default=0, ge=0, description="the next N destroy calls answer 500")
+    create_errors: int = Field(default=0, ge=0, description="the next N create/rent calls answer 503, renting nothing")
+    create_lost: int = Field(default=0, ge=0,
+                             description="the next N create/rent calls rent the machine, then drop the connection")
     rest_disabled: bool = Field(default=False, description="RunPod REST pod routes answer 404 (GraphQL only)")
 
 

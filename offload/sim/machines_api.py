@@ -20,6 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from offload.sim.engine import Call, Dialect, Reply, Sim
+from offload.sim.faults import ConnectionReset
 
 OUT_OF_STOCK = ("There are no longer any instances available with the requested specifications. "
                 "Please refresh and try again.")
@@ -58,6 +59,8 @@ class Machines:
         self.all: dict[str, SimMachine] = {}
         self.rented_offers: set[int] = set()
         self.destroy_failures_used = 0
+        self.create_errors_used = 0
+        self.create_lost_used = 0
         self.seq = 0
 
     def visible(self, provider: str, now: float) -> list[SimMachine]:
@@ -81,6 +84,20 @@ class Machines:
     def destroy_fails(self) -> bool:
         if self.destroy_failures_used < self.sim.config.machines.destroy_failures:
             self.destroy_failures_used += 1
+            return True
+        return False
+
+    def create_fails(self) -> bool:
+        """A create answered 503 with nothing rented (`create_errors`)."""
+        if self.create_errors_used < self.sim.config.machines.create_errors:
+            self.create_errors_used += 1
+            return True
+        return False
+
+    def create_lost(self) -> bool:
+        """A create that rents the machine, then loses its answer (`create_lost`)."""
+        if self.create_lost_used < self.sim.config.machines.create_lost:
+            self.create_lost_used += 1
             return True
         return False
 
@@ -145,12 +162,16 @@ def runpod_routes(sim: Sim, store: Machines) -> list[Route]:
         if call.sim.config.machines.rest_disabled:
             call.reject(404, "Not Found")
 
-    async def create(call: Call) -> Reply:
+    async def create(call: Call) -> Reply | Response:
         rest_gate(call)
         body = await call.json_object()
+        if store.create_fails():
+            call.reject(503, "Service Unavailable: please retry")
         gpu = (body.get("gpu") or {}).get("id") or ""
         m = _runpod_create(call, store, str(body.get("name") or "my pod"), str(body.get("image") or ""), gpu,
                            body.get("env") or {})
+        if store.create_lost():
+            return ConnectionReset()
         return Reply(_pod(sim, m, call.now), 201)
 
     async def list_pods(call: Call) -> Reply:
@@ -174,11 +195,13 @@ def runpod_routes(sim: Sim, store: Machines) -> list[Route]:
         m.deleted = call.now
         return Reply(None, 204, raw=b"")
 
-    async def graphql(call: Call) -> Reply:
+    async def graphql(call: Call) -> Reply | Response:
         body = await call.json_object()
         query = str(body.get("query") or "")
         dg = GraphQLDialect()
         if "podFindAndDeployOnDemand" in query:
+            if store.create_fails():
+                return dg.error(503, "Service Unavailable: please retry")
             def field_(name: str) -> str:
                 found = re.search(name + r':\s*"([^"]*)"', query)
                 return found.group(1) if found else ""
@@ -189,6 +212,8 @@ def runpod_routes(sim: Sim, store: Machines) -> list[Route]:
                 return dg.error(200, f"Invalid GPU type id: {gpu}")
             env = dict(re.findall(r'\{key:\s*"([^"]*)",\s*value:\s*"([^"]*)"\}', query))
             m = _runpod_create(call, store, field_("name"), field_("imageName"), gpu, env)
+            if store.create_lost():
+                return ConnectionReset()
             return Reply({"data": {"podFindAndDeployOnDemand": _pod(sim, m, call.now)}})
         if "podTerminate" in query:
             pod_id = re.search(r'podId:\s*"([^"]*)"', query)
@@ -268,9 +293,11 @@ def vast_routes(sim: Sim, store: Machines) -> list[Route]:
             found.sort(key=by, reverse=direction == "desc")
         return Reply({"offers": found[: int(query.get("limit") or 64)]})
 
-    async def rent(call: Call) -> Reply:
+    async def rent(call: Call) -> Reply | Response:
         offer_id = int(call.request.path_params["offer_id"])
         body = await call.json_object()
+        if store.create_fails():
+            return d.error(503, "Service Unavailable", code="server_error")
         offer = next((o for o in sim.config.machines.offers if o.id == offer_id), None)
         if offer is None or offer_id in store.rented_offers or offer_id in sim.config.machines.offer_taken:
             return Reply({"success": False, "error": "no_such_ask", "msg": f"Instance type {offer_id} is no longer "
@@ -282,6 +309,8 @@ def vast_routes(sim: Sim, store: Machines) -> list[Route]:
                       str(offer.machine_id), call.now, env if isinstance(env, dict) else {})
         store.rented_offers.add(offer_id)
         m.env["_offer"] = offer_id
+        if store.create_lost():
+            return ConnectionReset()
         return Reply({"success": True, "new_contract": int(m.id)})
 
     async def list_instances(call: Call) -> Reply:
