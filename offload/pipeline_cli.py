@@ -32,7 +32,8 @@ def _settings(config: Path | None) -> Settings:
 
 
 def worker(
-    queue: Annotated[str, typer.Option("--queue", "-q", help="Queue to serve.")],
+    queue: Annotated[str, typer.Option("--queue", "-q", envvar="OFFLOAD_QUEUE", show_default=False,
+                                       help="Queue to serve (default: OFFLOAD_QUEUE, which rented machines get).")],
     concurrency: Annotated[int | None, typer.Option(min=1, help="Remote jobs in flight (default: queue's).")] = None,
     config: ConfigOpt = None,
     grace: Annotated[float, typer.Option(help="Seconds to keep polling after SIGTERM before releasing.")] = 30.0,

@@ -28,7 +28,7 @@ from offload.errors import ConfigError
     ({"provider": "p", "min_workers": 3, "max_workers": 2}, "q.min_workers: 3 is above max_workers"),
     ({"poll_interval": "soon"}, "q.poll_interval: bad duration"),
     ({"scale_up": [{"trigger": "queue_depth"}]}, "q.scale_up.0.threshold: Field required"),
-    ({"scale_up": [{"trigger": "schedule", "cron": "0 25 * * *"}]}, "q.scale_up.0.cron: bad cron '0 25 * * *': Bad hour"),
+    ({"scale_up": [{"trigger": "schedule", "cron": "0 25 * * *"}]}, "q.scale_up.0.cron: bad cron '0 25 * * *'"),
     ({"scale_up": [{"trigger": "grow"}]}, "q.scale_up.0"),
     ({"scale_down": [{"trigger": "idle", "timeout": 0}]}, "q.scale_down.0.timeout"),
     ({"instance": {"disk_gb": 0}}, "q.instance.disk_gb"),
@@ -123,7 +123,7 @@ async def _no_key_create(r: Any) -> None:
 
     saved = os.environ.pop("OFFLOAD_VAULT_MASTER_KEY", None)
     try:
-        await ProviderStore(r).create("x", "mock", {})
+        await ProviderStore(r).create("x", "runpod", {"api_key": "rpa_0123456789abcdef"})
     finally:
         if saved is not None:
             os.environ["OFFLOAD_VAULT_MASTER_KEY"] = saved

@@ -16,6 +16,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from cronsim import CronSim, CronSimError
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from offload.autoscale.deploy import Deployment
 from offload.errors import ConfigError
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)")
@@ -128,14 +129,26 @@ class InstanceSpec(_Strict):
     max_price_per_hour: float | None = Field(None, gt=0)
     handler: str | None = Field(None, description="module:function: start `offload worker --handler` with it")
     env: dict[str, str] = Field(default_factory=dict)
+    spot: bool = Field(False, description="rent interruptible machines (RunPod interruptible, Vast.ai bids)")
+    spot_max_price: float | None = Field(None, gt=0, description="the most to pay per hour for a spot machine")
 
     @field_validator("env")
     @classmethod
     def _no_secrets_override(cls, v: dict[str, str]) -> dict[str, str]:
         for name in v:
-            if name in ("OFFLOAD_TOKEN", "OFFLOAD_SERVER", "OFFLOAD_INSTANCE_ID", "OFFLOAD_QUEUE"):
+            if name in RESERVED_ENV or name.startswith("OFFLOAD_GIT_"):
                 raise ValueError(f"{name} is set by the autoscaler and cannot be overridden")
         return v
+
+    @model_validator(mode="after")
+    def _spot_has_a_cap(self) -> InstanceSpec:
+        if self.spot and self.spot_max_price is None:
+            raise ValueError("spot_max_price: required with spot: true (spot machines are rented up to this price)")
+        return self
+
+
+RESERVED_ENV = ("OFFLOAD_TOKEN", "OFFLOAD_SERVER", "OFFLOAD_INSTANCE_ID", "OFFLOAD_QUEUE", "OFFLOAD_WORKDIR",
+                "OFFLOAD_PYTHON")
 
 
 class AutoscaleSettings(_Strict):
@@ -143,14 +156,23 @@ class AutoscaleSettings(_Strict):
 
     enabled: bool = False
     provider: str | None = None
+    providers: list[str] = Field(default_factory=list, description="several providers, in order of preference")
+    choose: Literal["first", "cheapest"] = Field("first", description="which usable provider rents: the first "
+                                                 "in the list, or the one with the lowest current offer")
     min_workers: int = Field(0, ge=0)
     max_workers: int | None = Field(None, ge=1)
+    jobs_per_worker: int | None = Field(None, ge=1, description="ramp in one step to ceil(jobs / jobs_per_worker)")
     poll_interval: Duration = Field(30.0, ge=0.05)
     boot_timeout: Duration = Field(1200.0, gt=0)
+    drain_timeout: Duration = Field(3600.0, gt=0, description="a draining machine is destroyed after this even if "
+                                    "its worker is still busy (a hung handler must not bill forever)")
+    protected_failures: Literal["keep", "destroy"] = Field("keep", description="a protected instance whose worker "
+                                                           "died or never booted: keep it (and alert) or destroy it")
     timezone: str = "UTC"
     scale_up: list[ScaleUp] = Field(default_factory=lambda: [NoWorkers(trigger="no_workers")])  # type: ignore[arg-type]
     scale_down: list[ScaleDown] = Field(default_factory=lambda: [Idle(trigger="idle", timeout=600.0)])  # type: ignore[arg-type]
     instance: InstanceSpec = Field(default_factory=lambda: InstanceSpec.model_validate({}))
+    deployment: Deployment | None = None
     daily_spend_cap: float | None = Field(None, gt=0)
     monthly_spend_cap: float | None = Field(None, gt=0)
 
@@ -163,10 +185,19 @@ class AutoscaleSettings(_Strict):
             raise ValueError(f"unknown time zone {v!r}") from None
         return v
 
+    @field_validator("providers")
+    @classmethod
+    def _distinct(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError("a provider is named twice")
+        return v
+
     @model_validator(mode="after")
     def _consistent(self) -> AutoscaleSettings:
-        if self.enabled and not self.provider:
-            raise ValueError("provider: required when autoscaling is enabled")
+        if self.provider and self.providers:
+            raise ValueError("providers: set either provider or providers, not both")
+        if self.enabled and not self.names:
+            raise ValueError("provider: required when autoscaling is enabled (or providers: [a, b])")
         if self.enabled and self.max_workers is None:
             raise ValueError("max_workers: required when autoscaling is enabled (>= 1)")
         if self.max_workers is not None and self.min_workers > self.max_workers:
@@ -174,7 +205,14 @@ class AutoscaleSettings(_Strict):
         for i, t in enumerate(self.scale_up):
             if isinstance(t, UpSchedule) and self.max_workers is not None and t.workers > self.max_workers:
                 raise ValueError(f"scale_up.{i}.workers: {t.workers} is above max_workers ({self.max_workers})")
+        if self.deployment is not None and self.instance.handler:
+            raise ValueError("instance.handler: set the handler in deployment.handler only")
         return self
+
+    @property
+    def names(self) -> list[str]:
+        """The providers, in order of preference."""
+        return [self.provider] if self.provider else list(self.providers)
 
     @property
     def limit(self) -> int:
@@ -185,22 +223,63 @@ class AutoscaleSettings(_Strict):
         down = [Cron(t.cron, self.timezone) for t in self.scale_down if isinstance(t, DownSchedule)]
         return up, down
 
+    def host_commands(self) -> dict[str, str]:
+        """Fields whose value runs as a command wherever the worker runs (on this host, for `local`)."""
+        out = dict(self.deployment.commands()) if self.deployment else {}
+        if self.deployment:
+            out["git_url"] = self.deployment.git_url
+        if self.instance.handler:
+            out["instance.handler"] = self.instance.handler
+        return out
+
+
+def autoscale_errors(data: Any, where: str = "autoscale") -> list[tuple[str, str]]:
+    """Every problem of an autoscale block as (field path, message), e.g. ("q.scale_up.1.threshold", "Field
+    required"): the API answers with all of them, so a form can show each one at its field."""
+    try:
+        AutoscaleSettings.model_validate(data)
+    except ValidationError as exc:
+        return [_located(e, where) for e in exc.errors()]
+    return []
+
+
+def _located(error: Any, where: str) -> tuple[str, str]:
+    loc = [str(p) for p in error["loc"] if not str(p).startswith(("function-", "tagged-union"))]
+    # the trigger union adds the tag as a path element: keep "scale_up.1.threshold", drop "queue_depth"
+    loc = [p for p in loc if p not in ("no_workers", "queue_depth", "latency", "schedule", "idle")]
+    msg = str(error["msg"]).removeprefix("Value error, ")
+    field = ".".join([where, *loc])
+    if ":" in msg and msg.split(":", 1)[0].replace(".", "_").isidentifier():  # a model check names its field
+        name, rest = msg.split(":", 1)
+        field, msg = ".".join([where, *loc, name]), rest.strip()
+    return field, msg
+
 
 def validate_autoscale(data: Any, where: str = "autoscale") -> AutoscaleSettings:
     """Validate an autoscale block from any source; the error names the field (`where.max_workers: ...`)."""
     try:
         return AutoscaleSettings.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = [str(p) for p in first["loc"] if not str(p).startswith(("function-", "tagged-union"))]
-        # the trigger union adds the tag as a path element: keep "scale_up.1.threshold", drop "queue_depth"
-        loc = [p for p in loc if p not in ("no_workers", "queue_depth", "latency", "schedule", "idle")]
-        msg = first["msg"].removeprefix("Value error, ")
-        field = ".".join([where, *loc])
-        if ":" in msg and not loc and msg.split(":", 1)[0].isidentifier():  # model-level check names its field
-            name, rest = msg.split(":", 1)
-            field, msg = f"{where}.{name}", rest.strip()
+        field, msg = _located(exc.errors()[0], where)
         raise ConfigError(f"{field}: {msg}") from None
+
+
+def yaml_blocks(settings: Any) -> dict[str, dict[str, Any]]:
+    """Each queue's autoscale block from offload.yaml (`settings`: offload.config.Settings), with the guide's layout
+    accepted too: `deployment:` next to `autoscale:` in the queue. It belongs to the autoscale block (the API and
+    the dashboard edit it there), so it may be set in one place only."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, q in settings.queues.items():
+        block, deployment, where = q.autoscale, q.deployment, f"queues.{name}"
+        if deployment is not None:
+            if block is None:
+                raise ConfigError(f"{where}.deployment: a deployment needs an autoscale block to rent machines for it")
+            if "deployment" in block:
+                raise ConfigError(f"{where}.deployment: also set in {where}.autoscale.deployment; keep one")
+            block = {**block, "deployment": deployment}
+        if block is not None:
+            out[name] = block
+    return out
 
 
 class ServerSide(_Strict):

@@ -14,7 +14,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from offload.autoscale import keys
 from offload.autoscale.instances import ACTIVE, Instance, InstanceStore, read_events
 from offload.autoscale.leader import Leader
-from offload.autoscale.state import QueueState, spend
+from offload.autoscale.state import QueueState, load_decision, spend
 
 
 def live_cost(inst: Instance, now: float) -> float:
@@ -30,18 +30,25 @@ async def snapshot(redis: Any, *, history: int = 50, now: float | None = None) -
     live = await store.live()
     recent = [i for i in await store.recent(history) if i.id not in {x.id for x in live}] if history > 0 else []
     queues: dict[str, dict[str, Any]] = {}
+    for name in sorted(await redis.smembers(keys.DECIDED)):
+        queues[name] = {"active": 0, "draining": 0, "live_cost": 0.0}
     for inst in live + recent:
         q = queues.setdefault(inst.queue, {"active": 0, "draining": 0, "live_cost": 0.0})
-        if inst.status in ACTIVE:
+        if inst.status in ACTIVE and not inst.teardown:
             q["active"] += 1
-        elif inst.status == "draining":
+        elif inst.status == "draining" and not inst.teardown:
             q["draining"] += 1
     for name, q in queues.items():
         today, month, total = await spend(redis, name, now)
+        dry_today, dry_month, _ = await spend(redis, name, now, dry_run=True)
         state = await QueueState.load(redis, name)
         until, why = state.paused_until()
+        backoffs = {p: {"until": t, "failures": state.prov_failures.get(p, 0)}
+                    for p, t in sorted(state.prov_until.items()) if t > now}
         q.update(spend_today=round(today, 4), spend_month=round(month, 4), spend_total=round(total, 4),
-                 renting_paused_until=until if until > now else None, paused_because=why if until > now else None)
+                 dry_run_spend_today=round(dry_today, 4), dry_run_spend_month=round(dry_month, 4),
+                 renting_paused_until=until if until > now else None, paused_because=why if until > now else None,
+                 backoffs=backoffs, decision=await load_decision(redis, name))
     rows = []
     for inst in live + recent:
         d = inst.to_dict()
