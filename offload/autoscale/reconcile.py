@@ -81,9 +81,9 @@ async def _forgive(a: Autoscaler, inst: Instance, now: float, why: str) -> None:
         return
     released, refunded, revived = await a.store.forgive(inst.queue, inst.worker_id)
     if released or refunded:
-        await log_event(a.redis, now, "forgiven", f"{inst.id}: {why}: {released + refunded} job(s) back without "
-                        f"using an attempt" + (f" ({revived} revived from dead)" if revived else ""),
-                        instance=inst.id, queue=inst.queue)
+        await log_event(a.redis, now, "forgiven", f"{inst.id}: {why}: jobs back without using an attempt "
+                        f"({released} lease(s) handed back, {refunded} lease expiry(ies) refunded"
+                        + (f", {revived} revived from dead)" if revived else ")"), instance=inst.id, queue=inst.queue)
 
 
 async def sync(a: Autoscaler, inst: Instance, cfg: AutoscaleSettings, machine: Machine | None, listed: bool,

@@ -186,8 +186,8 @@ local function reap(now, limit)
   for _, wid in ipairs(gone) do
     local ids = redis.call('SMEMBERS', P .. 'owned:' .. wid)
     n = n + return_leases(ids, now, true)
-    if #ids > 0 then  -- remembered a day: if the worker's machine was pre-empted, `forgive` refunds the expiry
-      bulk('SADD', P .. 'lost:' .. wid, ids)
+    if #ids > 0 then  -- remembered a day: if the worker's machine was pre-empted, `forgive` refunds the expiries
+      for _, id in ipairs(ids) do redis.call('HINCRBY', P .. 'lost:' .. wid, id, 1) end
       redis.call('EXPIRE', P .. 'lost:' .. wid, 86400)
     end
     redis.call('DEL', P .. 'owned:' .. wid)
