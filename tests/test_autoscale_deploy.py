@@ -143,7 +143,7 @@ async def test_local_provider_deploys_a_branch_from_git_and_its_jobs_succeed(
                 return bool(rows) and all(row["status"] == "terminated" for row in rows)
 
             await until(torn_down, 30, "the idle instance to be drained and destroyed")
-            assert not workdir.exists()  # the per-instance work dir goes with the machine
+            assert not await asyncio.to_thread(workdir.exists)  # the per-instance work dir goes with the machine
     finally:
         leftover = LocalProvider("here", LocalConfig(stop_timeout=1), r)
         for machine in await leftover.list():
@@ -163,7 +163,7 @@ def test_the_deployment_block_is_validated_and_set_in_one_place(tmp_path: Path) 
         with pytest.raises(ConfigError) as err:
             validate_autoscale({**base, "deployment": deployment}, "q")
         assert str(err.value).startswith(f"q.{message}"), str(err.value)
-    with pytest.raises(ConfigError, match="instance.handler: set the handler in deployment.handler only"):
+    with pytest.raises(ConfigError, match=r"instance\.handler: set the handler in deployment\.handler only"):
         validate_autoscale({**base, "instance": {"handler": "a:b"},
                             "deployment": {"git_url": "https://x/y.git", "handler": "a:b"}}, "q")
     cfg = tmp_path / "offload.yaml"
@@ -197,8 +197,9 @@ async def test_a_private_repository_token_comes_from_the_vault_never_in_the_scri
     assert token not in events and token not in str(inst.to_dict())
     # the helper itself, run the way git runs it: it answers with the environment's credential
     helper = text.split("credential.helper=", 2)[2].split("'", 1)[0]
-    out = subprocess.run(["sh", "-c", helper.removeprefix("!") + " get"], capture_output=True, text=True,
-                         env={"OFFLOAD_GIT_TOKEN": token, "OFFLOAD_GIT_USERNAME": "deploy-bot"}, check=True)
+    out = await asyncio.to_thread(
+        subprocess.run, ["sh", "-c", helper.removeprefix("!") + " get"], capture_output=True, text=True,
+        env={"OFFLOAD_GIT_TOKEN": token, "OFFLOAD_GIT_USERNAME": "deploy-bot"}, check=True)
     assert out.stdout.splitlines() == ["username=deploy-bot", f"password={token}"]
     assert machine.provider_id
     await s.aclose()
@@ -231,3 +232,58 @@ async def test_runpod_and_vast_receive_the_deployment_as_their_start_command(fas
         assert "--single-branch --branch main -- https://github.com/example/models.git" in cmd[2]
         assert "pip install -r requirements.txt" in cmd[2] and "exec sh -c 'python main.py'" in cmd[2]
     await r.aclose()
+
+
+def test_cli_credentials_never_take_the_secret_as_an_argument(fast_valkey_url: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from offload.cli import app
+
+    monkeypatch.setenv("OFFLOAD_VAULT_MASTER_KEY", VAULT_KEY)
+    monkeypatch.setenv("GH_TOKEN", "ghp_" + "x" * 36 + "WXYZ")
+    runner = CliRunner()
+    res = runner.invoke(app, ["autoscale", "credentials", "set", "gh", "--from-env", "GH_TOKEN", "--url",
+                              fast_valkey_url])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["autoscale", "credentials", "set", "bad name", "--url", fast_valkey_url],
+                        input="tok\n")
+    assert res.exit_code == 1 and "invalid credential name" in res.output
+    res = runner.invoke(app, ["autoscale", "credentials", "list", "--url", fast_valkey_url])
+    assert "gh" in res.output and "****WXYZ" in res.output and "ghp_" not in res.output
+    res = runner.invoke(app, ["autoscale", "credentials", "delete", "gh", "--url", fast_valkey_url])
+    assert res.exit_code == 0
+    res = runner.invoke(app, ["autoscale", "credentials", "delete", "gh", "--url", fast_valkey_url])
+    assert res.exit_code == 1 and "no credential named 'gh'" in res.output
+
+
+async def test_the_api_refuses_commands_that_would_run_on_this_host(r: Any, valkey: ValkeyServer, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A queue block that would run a deployment (or a handler) through a `local` provider is the operator's to
+    set (offload.yaml): the HTTP API answers 403 naming why. Every validation problem is listed at its field."""
+    monkeypatch.setenv("OFFLOAD_AUTOSCALER", "off")
+    await ProviderStore(r).create("here", "local", {})
+    await ProviderStore(r).create("try-it", "mock", {})
+    admin = "admin-" + secrets.token_hex(8)
+    options = ServerOptions(redis_url=valkey.url, admin_key=admin,
+                            settings=Settings.model_validate({"storage": {"kind": "local", "path": str(tmp_path)}}))
+    deployment = {"git_url": "https://github.com/example/models.git", "handler": "app:run"}
+    with running_server(options) as url:
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {admin}"}) as api:
+            base = {"enabled": True, "max_workers": 1, "deployment": deployment}
+            res = await api.put("/v1/autoscale/queues/gpu", json={**base, "provider": "here"})
+            assert res.status_code == 403
+            assert "would run on the control-plane host" in res.text and "offload.yaml" in res.text
+            res = await api.put("/v1/autoscale/queues/gpu", json={
+                "enabled": True, "provider": "here", "max_workers": 1, "instance": {"handler": "os:system"}})
+            assert res.status_code == 403 and "instance.handler" in res.text
+            assert (await api.put("/v1/autoscale/queues/gpu", json={**base, "provider": "try-it"})).status_code == 200
+            res = await api.put("/v1/autoscale/queues/gpu", json={"enabled": True, "provider": "try-it",
+                                                                  "max_workers": 0, "poll_interval": "soon",
+                                                                  "scale_up": [{"trigger": "queue_depth"}]})
+            assert res.status_code == 422
+            paths = {d["path"] for d in res.json()["detail"]}
+            assert paths >= {"queues.gpu.autoscale.max_workers", "queues.gpu.autoscale.poll_interval",
+                             "queues.gpu.autoscale.scale_up.0.threshold"}, paths
+            got = (await api.get("/v1/autoscale/queues/gpu")).json()
+            assert got["autoscale"]["provider"] == "try-it"  # the refused and invalid blocks were not stored

@@ -5,6 +5,7 @@ adapters run against the simulator's wire formats; everything else on a real Val
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -233,3 +234,28 @@ async def test_a_drain_is_cancelled_when_load_returns(r: Any) -> None:
     assert mock.calls["create"] == 1 and len(await mock.all_ids()) == 1  # no new rental
     kinds = [e["kind"] for _, e in await r.xrange(keys.EVENTS)]
     assert kinds.index("draining") < kinds.index("undrained")
+
+
+async def test_status_says_why_per_queue(r: Any, fast_valkey_url: str) -> None:
+    """`offload autoscale status` (and the API's status, which the dashboard shows) explain each queue's last
+    evaluation: desired count and the trigger behind it, the provider chosen and why, backoffs."""
+    from typer.testing import CliRunner
+
+    from offload.cli import app
+
+    clock = Clock()
+    cfg = SimConfig.model_validate({"api_key": "k", "machines": {"boot_seconds": 0,
+                                                                 "out_of_stock": ["NVIDIA RTX A5000"]}})
+    with running_sim(cfg, clock=clock) as url:
+        s, _ = make_scaler(r, clock, queue_block(provider=None, providers=["rp", "v"]), server=PUBLIC)
+        s.override = providers(url)
+        await qstore(r, clock).enqueue("gpu", JobSpec(input=1))
+        await s.tick()
+        await close(s)
+    res = await asyncio.to_thread(CliRunner().invoke, app, ["autoscale", "status", "--url", fast_valkey_url])
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    for part in ("gpu: 1 active", "desired 1 (active 0, billed 0, floor 0)", "because: no_workers: 1 pending, no "
+                 "live worker", "provider: first usable in order of preference: rp", "rented: v",
+                 "backoff: rp after 1 failure(s)"):
+        assert part in text, (part, res.output)

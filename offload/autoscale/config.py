@@ -264,6 +264,21 @@ def validate_autoscale(data: Any, where: str = "autoscale") -> AutoscaleSettings
         raise ConfigError(f"{field}: {msg}") from None
 
 
+async def host_commands_refusal(providers: Any, cfg: AutoscaleSettings) -> str | None:
+    """Why this block may not be set over the HTTP API (None: it may): it names a `local` provider and has
+    fields that run commands on this host. Only the operator sets those up (offload.yaml, or the CLI with direct
+    Redis access); the scaler refuses them again for a block that came over the API (rent.choose), in case the
+    provider became local later. `providers`: a ProviderStore."""
+    commands = cfg.host_commands()
+    if not commands:
+        return None
+    for name in cfg.names:
+        if await providers.type_of(name) == "local":
+            return (f"{', '.join(sorted(commands))} would run on the control-plane host (provider {name!r} is "
+                    "local): set this queue's block in offload.yaml, not over the HTTP API")
+    return None
+
+
 def yaml_blocks(settings: Any) -> dict[str, dict[str, Any]]:
     """Each queue's autoscale block from offload.yaml (`settings`: offload.config.Settings), with the guide's layout
     accepted too: `deployment:` next to `autoscale:` in the queue. It belongs to the autoscale block (the API and

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Body, HTTPException, Request
 from pydantic import BaseModel, Field
 
 from offload.autoscale import keys
-from offload.autoscale.config import validate_autoscale
+from offload.autoscale.config import autoscale_errors, host_commands_refusal, validate_autoscale, yaml_blocks
 from offload.autoscale.instances import InstanceStore, read_events
 from offload.autoscale.provider_store import ProviderInUse, ProviderNotFound, ProviderStore
 from offload.autoscale.scaler import Autoscaler
@@ -114,8 +114,8 @@ async def list_queues(request: Request, key: Principal) -> dict[str, dict[str, A
     need_global_read(key, "autoscaling")
     state = get_state(request)
     out: dict[str, dict[str, Any]] = {
-        name: {"source": "offload.yaml", "autoscale": q.autoscale}
-        for name, q in sorted(state.options.settings.queues.items()) if q.autoscale is not None}
+        name: {"source": "offload.yaml", "autoscale": block}
+        for name, block in sorted(yaml_blocks(state.options.settings).items())}
     names = sorted(await state.redis.smembers(keys.QUEUE_CONFIGS))
     raws = await state.redis.mget([keys.queue_config(q) for q in names]) if names else []
     for name, raw in zip(names, raws, strict=True):
@@ -131,20 +131,25 @@ async def get_queue(request: Request, queue: str, key: Principal) -> dict[str, A
     raw = await state.redis.get(keys.queue_config(validate_queue(queue)))
     if raw:
         return {"source": "api", "autoscale": orjson.loads(raw)}
-    q = state.options.settings.queues.get(queue)
-    if q is not None and q.autoscale is not None:
-        return {"source": "offload.yaml", "autoscale": q.autoscale}
+    block = yaml_blocks(state.options.settings).get(queue)
+    if block is not None:
+        return {"source": "offload.yaml", "autoscale": block}
     raise HTTPException(404, f"queue {queue!r} has no autoscale block")
 
 
-@router.put("/queues/{queue}", summary="Set a queue's autoscale block (validated; overrides offload.yaml)")
+@router.put("/queues/{queue}", summary="Set a queue's autoscale block (validated; overrides offload.yaml)",
+            description="422 lists every problem with its field path (`{path, msg}`); 403 when the block would run "
+                        "commands on this host (a deployment or handler with a `local` provider): those belong in "
+                        "offload.yaml.")
 async def put_queue(request: Request, queue: str, key: Principal, block: dict[str, Any] = Body(...)) -> dict[str, Any]:
     need_admin(key, "configure autoscaling")
-    try:
-        parsed = validate_autoscale(block, f"queues.{validate_queue(queue)}.autoscale")
-    except ConfigError as exc:
-        raise _bad(exc) from None
+    errors = autoscale_errors(block, f"queues.{validate_queue(queue)}.autoscale")
+    if errors:
+        raise HTTPException(422, [{"path": path, "msg": msg} for path, msg in errors])
+    parsed = validate_autoscale(block)
     redis = get_state(request).redis
+    if why := await host_commands_refusal(ProviderStore(redis), parsed):
+        raise HTTPException(403, why)
     await redis.set(keys.queue_config(queue), orjson.dumps(block))
     await redis.sadd(keys.QUEUE_CONFIGS, queue)
     return {"source": "api", "autoscale": parsed.model_dump(mode="json")}
