@@ -60,9 +60,9 @@ def scale_up(cfg: AutoscaleSettings, load: QueueLoad, active: list[Instance], no
     for trig in cfg.scale_up:
         if isinstance(trig, NoWorkers) and load.pending > 0 and load.live_workers == 0:
             demand = True
-            if count == 0:
-                want = max(want, 1)
-                reasons.append(f"no_workers: {load.pending} pending, no live worker")
+            want = max(want, 1)
+            reasons.append(f"no_workers: {load.pending} pending, no live worker"
+                           + (f" ({count} instance(s) not serving yet)" if count else ""))
         elif isinstance(trig, QueueDepth) and load.pending > trig.threshold:
             demand = True
             reasons.append(f"queue_depth: {load.pending} pending > {trig.threshold}")

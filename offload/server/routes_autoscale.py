@@ -21,6 +21,7 @@ from offload.autoscale import keys
 from offload.autoscale.config import autoscale_errors, host_commands_refusal, validate_autoscale, yaml_blocks
 from offload.autoscale.instances import InstanceStore, read_events
 from offload.autoscale.provider_store import ProviderInUse, ProviderNotFound, ProviderStore
+from offload.autoscale.providers import TYPES, describe
 from offload.autoscale.scaler import Autoscaler
 from offload.autoscale.status import snapshot
 from offload.errors import ConfigError
@@ -66,6 +67,12 @@ async def events(request: Request, key: Principal, limit: int = 100) -> list[dic
 async def list_providers(request: Request, key: Principal) -> list[dict[str, Any]]:
     need_global_read(key, "providers")
     return [p.to_dict() for p in await ProviderStore(get_state(request).redis).list()]
+
+
+@router.get("/provider-types", summary="Each provider type's settings (for forms: kind, required, default, secret)")
+async def provider_types(key: Principal) -> list[dict[str, Any]]:
+    need_global_read(key, "providers")
+    return [describe(kind) for kind in TYPES]
 
 
 @router.get("/providers/{name}", summary="One provider (secrets masked)")

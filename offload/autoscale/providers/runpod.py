@@ -50,18 +50,18 @@ POD_FIELDS = "id name desiredStatus costPerHr machineId lastStatusChange runtime
 
 
 class RunPodConfig(ProviderConfig):
-    api_key: str
-    base_url: str = "https://api.runpod.io"
-    api: Literal["auto", "rest", "graphql"] = "auto"
-    gpu_type_id: str | None = None
-    gpu_type_ids: list[str] = Field(default_factory=list)
-    cloud_type: Literal["SECURE", "COMMUNITY", "ALL"] = "SECURE"
-    container_disk_gb: int | None = Field(None, ge=1)
-    volume_in_gb: int | None = Field(None, ge=10)
-    volume_mount_path: str = "/workspace"
-    min_cuda_version: str | None = None
-    ports: list[str] = Field(default_factory=list)
-    data_center_ids: list[str] = Field(default_factory=list)
+    api_key: str = Field(..., description="RunPod API key")
+    base_url: str = Field("https://api.runpod.io", description="the API's address (the simulator's, to rehearse)")
+    api: Literal["auto", "rest", "graphql"] = Field("auto", description="REST /v2/pods, falling back to GraphQL")
+    gpu_type_id: str | None = Field(None, description="exact GPU id, e.g. NVIDIA GeForce RTX 4090")
+    gpu_type_ids: list[str] = Field(default_factory=list, description="GPU ids in order of preference (JSON list)")
+    cloud_type: Literal["SECURE", "COMMUNITY", "ALL"] = Field("SECURE", description="RunPod cloud")
+    container_disk_gb: int | None = Field(None, ge=1, description="container disk when the queue sets none")
+    volume_in_gb: int | None = Field(None, ge=10, description="optional persistent volume (none by default)")
+    volume_mount_path: str = Field("/workspace", description="where the volume is mounted")
+    min_cuda_version: str | None = Field(None, description="only hosts with this CUDA version or newer")
+    ports: list[str] = Field(default_factory=list, description='ports to expose, e.g. ["8888/http"] (JSON list)')
+    data_center_ids: list[str] = Field(default_factory=list, description="allowed data centers (JSON list)")
 
 
 def _out_of_stock(text: str) -> bool:

@@ -43,19 +43,19 @@ STATES = {
 
 
 class VastConfig(ProviderConfig):
-    api_key: str
-    base_url: str = "https://console.vast.ai"
-    gpu_name: str | None = None
-    max_price_per_hour: float | None = Field(None, gt=0)
-    disk_gb: int | None = Field(None, ge=8)
-    onstart: str | None = None
-    verified_only: bool = True
-    min_reliability: float = Field(0.95, ge=0, le=1)
-    exclude_countries: list[str] = Field(default_factory=lambda: ["CN"])
-    countries: list[str] | None = None
-    min_download_mbps: float = Field(100.0, ge=0)
-    min_cuda_version: str | None = "12.8"
-    offers_to_try: int = Field(5, ge=1, le=50)
+    api_key: str = Field(..., description="Vast.ai API key")
+    base_url: str = Field("https://console.vast.ai", description="the API's address (the simulator's, to rehearse)")
+    gpu_name: str | None = Field(None, description="Vast GPU name, e.g. RTX 4090")
+    max_price_per_hour: float | None = Field(None, gt=0, description="price cap per hour (wins over the queue's)")
+    disk_gb: int | None = Field(None, ge=8, description="disk when the queue sets none")
+    onstart: str | None = Field(None, description="optional on-start script")
+    verified_only: bool = Field(True, description="rent only machines Vast has verified")
+    min_reliability: float = Field(0.95, ge=0, le=1, description="minimum host reliability (0-1)")
+    exclude_countries: list[str] = Field(default_factory=lambda: ["CN"], description="ISO codes to avoid (JSON list)")
+    countries: list[str] | None = Field(None, description="allow-list of ISO codes (JSON list; wins over exclude)")
+    min_download_mbps: float = Field(100.0, ge=0, description="minimum host download bandwidth")
+    min_cuda_version: str | None = Field("12.8", description='hosts supporting this CUDA version ("none": any)')
+    offers_to_try: int = Field(5, ge=1, le=50, description="offers to try when one is taken meanwhile")
 
 
 def _country(offer: dict[str, Any]) -> str:
