@@ -81,14 +81,22 @@ class Scenario:
                 up.append({"trigger": "queue_depth", "threshold": 10})
             elif t == "latency":
                 up.append({"trigger": "latency", "max_latency": f"{2 * self.poll}s"})
-        up += [{"trigger": "schedule", "cron": c, "workers": min(w, self.max_workers), "duration": f"{d}m"}
-               for c, w, d in self.up_schedules]
+        up += [
+            {"trigger": "schedule", "cron": c, "workers": min(w, self.max_workers), "duration": f"{d}m"}
+            for c, w, d in self.up_schedules
+        ]
         down: list[dict[str, Any]] = [{"trigger": "idle", "timeout": f"{self.idle_timeout}m"}]
         down += [{"trigger": "schedule", "cron": c} for c in self.down_schedules]
         block: dict[str, Any] = {
-            "enabled": True, "provider": "m", "min_workers": min(self.min_workers, self.max_workers),
-            "max_workers": self.max_workers, "poll_interval": f"{self.poll}s", "boot_timeout": f"{self.boot_timeout}m",
-            "timezone": self.tz, "scale_up": up, "scale_down": down,
+            "enabled": True,
+            "provider": "m",
+            "min_workers": min(self.min_workers, self.max_workers),
+            "max_workers": self.max_workers,
+            "poll_interval": f"{self.poll}s",
+            "boot_timeout": f"{self.boot_timeout}m",
+            "timezone": self.tz,
+            "scale_up": up,
+            "scale_down": down,
             "instance": {"gpu": "RTX 4090", "image": "img", "max_price_per_hour": self.price},
         }
         if self.spend_cap is not None:
@@ -203,13 +211,22 @@ class World:
 
     def start_server(self) -> Autoscaler:
         self.n_servers += 1
-        settings = Settings.model_validate({
-            "queues": {QUEUE: {"autoscale": self.sc.block()}},
-            "autoscaler": {"worker_key": "ofk_worker_key", "leader_ttl": 2 * self.sc.poll},
-            "alerts": {"cooldown": self.sc.cooldown * 60},
-        })
-        s = Autoscaler(self.r, settings, clock=self.clock, owner=f"server-{self.n_servers}",
-                       provider_override={"m": self.provider}, drain_settle=0.0, env={})
+        settings = Settings.model_validate(
+            {
+                "queues": {QUEUE: {"autoscale": self.sc.block()}},
+                "autoscaler": {"worker_key": "ofk_worker_key", "leader_ttl": 2 * self.sc.poll},
+                "alerts": {"cooldown": self.sc.cooldown * 60},
+            }
+        )
+        s = Autoscaler(
+            self.r,
+            settings,
+            clock=self.clock,
+            owner=f"server-{self.n_servers}",
+            provider_override={"m": self.provider},
+            drain_settle=0.0,
+            env={},
+        )
         self.servers.append(s)
         return s
 
@@ -249,8 +266,9 @@ class World:
             fate = self.fates.get(pid)
             if pid in self.workers or fate is None or fate.boot_at is None or now < fate.boot_at:
                 continue
-            self.workers[pid] = GpuWorker(f"r-{pid}", m.label.removeprefix("offload-"), pid,
-                                          protected=fate.self_protect and not self.healthy)
+            self.workers[pid] = GpuWorker(
+                f"r-{pid}", m.label.removeprefix("offload-"), pid, protected=fate.self_protect and not self.healthy
+            )
         lease = 3 * self.sc.poll * 1000
         for pid, w in self.workers.items():
             fate = self.fates[pid]
@@ -276,8 +294,9 @@ class World:
                 beat = await self.store.heartbeat(QUEUE, w.id, [w.job[0]], lease_ms=lease)
                 if w.job[0] in beat.lost:
                     w.job = None
-            await put_worker(self.r, w.id, QUEUE, w.instance, now, in_flight=int(w.job is not None),
-                             protected=w.protected)
+            await put_worker(
+                self.r, w.id, QUEUE, w.instance, now, in_flight=int(w.job is not None), protected=w.protected
+            )
             if draining:
                 await self.r.hset(f"offload:rworker:{w.id}", "draining", 1)
         await self.store.reap(QUEUE)
@@ -368,14 +387,15 @@ class World:
         if self.sc.spend_cap is not None:
             now = self.clock()
             day = datetime.fromtimestamp(now, UTC).strftime("%Y%m%d")
-            spent = sum(float(v or 0) for v in await self.r.mget(keys.cost(QUEUE, day),
-                                                                 keys.cost(QUEUE, f"dry:{day}")))
+            spent = sum(float(v or 0) for v in await self.r.mget(keys.cost(QUEUE, day), keys.cost(QUEUE, f"dry:{day}")))
             # one poll of the whole fleet, plus a poll per machine the provider refused to destroy and per poll no
             # server evaluated (both only prolong what runs; neither is the autoscaler's decision)
             slack = (self.sc.max_workers + self.unattended) * self.sc.price * self.sc.poll / 3600 + 1e-6
             if spent > self.sc.spend_cap + slack:
-                self.violations.append(f"{self.when()}: spent ${spent:.2f} today, cap ${self.sc.spend_cap:.2f} "
-                                       f"(+ one poll and unattended machine-polls: ${slack:.2f})")
+                self.violations.append(
+                    f"{self.when()}: spent ${spent:.2f} today, cap ${self.sc.spend_cap:.2f} "
+                    f"(+ one poll and unattended machine-polls: ${slack:.2f})"
+                )
                 self.sc = Scenario(**{**self.sc.__dict__, "spend_cap": None})  # report it once
 
     async def journal(self) -> list[dict[str, str]]:
@@ -392,18 +412,24 @@ class World:
         failed = [(float(e["ts"]), e["message"], e.get("instance", "")) for e in journal if e.get("kind") == "failed"]
         for inst in await self.instances.recent(10_000):
             if inst.teardown_attempts >= 3:
-                failed.append((inst.teardown_at, f"teardown of {inst.id} failed {inst.teardown_attempts} times",
-                               inst.id))
+                failed.append(
+                    (inst.teardown_at, f"teardown of {inst.id} failed {inst.teardown_attempts} times", inst.id)
+                )
         alerts = [a for s in self.servers + self.dead for a in s.alerter.sent]
         for s in self.servers + self.dead:
             await s.alerter.drain()
         cool = self.sc.cooldown * 60
         for t, what, inst_id in sorted(self.failures + failed):
             # covered: an alert naming the instance, or (with a cooldown) one about the queue within it
-            ok = any(t - cool - self.sc.poll <= a["ts"] <= t + 2 * self.sc.poll
-                     and ((inst_id and inst_id in a["message"]) or a["subject"] == inst_id
-                          or (cool > 0 and a["subject"].split("/")[0] == QUEUE))
-                     for a in alerts)
+            ok = any(
+                t - cool - self.sc.poll <= a["ts"] <= t + 2 * self.sc.poll
+                and (
+                    (inst_id and inst_id in a["message"])
+                    or a["subject"] == inst_id
+                    or (cool > 0 and a["subject"].split("/")[0] == QUEUE)
+                )
+                for a in alerts
+            )
             if not ok:
                 out.append(f"no alert for a failure at {datetime.fromtimestamp(t, UTC):%d %H:%M}: {what}")
         by_subject: dict[tuple[str, str], list[float]] = {}
@@ -428,8 +454,10 @@ class World:
             n = sum(1 for t in self.creates if start <= t < start + window)
             e = sum(1 for t in events if start - lag <= t < start + window)
             if n > sc.max_workers * (1 + e):
-                out.append(f"{n} rentals in {window / 3600:.1f} h from {datetime.fromtimestamp(start, UTC):%d %H:%M} "
-                           f"with only {e} changes to justify them (a rent-and-drain loop?)")
+                out.append(
+                    f"{n} rentals in {window / 3600:.1f} h from {datetime.fromtimestamp(start, UTC):%d %H:%M} "
+                    f"with only {e} changes to justify them (a rent-and-drain loop?)"
+                )
                 break
         return out
 

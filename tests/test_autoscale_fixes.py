@@ -44,13 +44,25 @@ def qstore(r: Any, clock: Clock) -> QueueStore:
     return QueueStore(r, clock=lambda: int(clock() * 1000))
 
 
-async def serve_all(s: Autoscaler, r: Any, clock: Clock, busy: set[str] = frozenset(),  # type: ignore[assignment]
-                    protected: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+async def serve_all(
+    s: Autoscaler,
+    r: Any,
+    clock: Clock,
+    busy: set[str] = frozenset(),  # type: ignore[assignment]
+    protected: set[str] = frozenset(),
+) -> None:  # type: ignore[assignment]
     """Every machine the mock holds has a worker that registered at once and heart-beats (idle unless busy)."""
     for inst in await s.instances.live():
         if inst.provider_id and inst.status in ("provisioning", "booting", "running", "draining"):
-            await put_worker(r, f"w-{inst.id}", inst.queue, inst.id, clock(), in_flight=int(inst.id in busy),
-                             protected=inst.id in protected)
+            await put_worker(
+                r,
+                f"w-{inst.id}",
+                inst.queue,
+                inst.id,
+                clock(),
+                in_flight=int(inst.id in busy),
+                protected=inst.id in protected,
+            )
 
 
 async def rentals(r: Any) -> list[dict[str, str]]:
@@ -69,11 +81,16 @@ async def test_a_spared_instance_at_the_down_schedule_starts_no_rent_and_drain_l
     """Down at 07:30 spares instance A (protected, or busy all morning); the 08:00 up schedule asks for 2. Before the
     fix, `down_pending` stayed set and pinned the floor to min_workers: rent B, drain B next poll, rent again..."""
     clock = Clock(DAY + 7 * 3600 + 20 * 60)
-    block = queue_block(max_workers=3, poll_interval="60s", boot_timeout="10m",
-                        scale_up=[{"trigger": "no_workers"},
-                                  {"trigger": "schedule", "cron": "0 8 * * *", "workers": 2, "duration": "10h"}],
-                        scale_down=[{"trigger": "idle", "timeout": "30m"},
-                                    {"trigger": "schedule", "cron": "30 7 * * *"}])
+    block = queue_block(
+        max_workers=3,
+        poll_interval="60s",
+        boot_timeout="10m",
+        scale_up=[
+            {"trigger": "no_workers"},
+            {"trigger": "schedule", "cron": "0 8 * * *", "workers": 2, "duration": "10h"},
+        ],
+        scale_down=[{"trigger": "idle", "timeout": "30m"}, {"trigger": "schedule", "cron": "30 7 * * *"}],
+    )
     s, mock = make_scaler(r, clock, block)
     await qstore(r, clock).enqueue("gpu", JobSpec(input=1))
     await s.tick()
@@ -182,8 +199,11 @@ async def test_max_workers_counts_draining_machines(r: Any) -> None:
     """max_workers 1: the one machine drains a long job while new work arrives. Before the fix a second machine was
     rented next to it (2 billed); now nothing is rented until the draining one is gone, then exactly one."""
     clock = Clock()
-    block = queue_block(max_workers=1, scale_up=[{"trigger": "queue_depth", "threshold": 0}],
-                        scale_down=[{"trigger": "idle", "timeout": "1m"}])
+    block = queue_block(
+        max_workers=1,
+        scale_up=[{"trigger": "queue_depth", "threshold": 0}],
+        scale_down=[{"trigger": "idle", "timeout": "1m"}],
+    )
     s, mock = make_scaler(r, clock, block)
     await qstore(r, clock).enqueue("gpu", JobSpec(input=0))
     await s.tick()
@@ -285,8 +305,13 @@ async def test_mock_spend_never_counts_against_a_real_cap(r: Any) -> None:
     await s.tick()
     with running_sim(SimConfig.model_validate({"api_key": "k", "machines": {"boot_seconds": 0}}), clock=clock) as url:
         vast = VastProvider("v", VastConfig(api_key="k", base_url=url, gpu_name="RTX 4090"))
-        s2, _ = make_scaler(r, clock, queue_block(provider="v", daily_spend_cap=5.0), owner="s2",
-                            server={"public_url": "https://cp.example.com"})
+        s2, _ = make_scaler(
+            r,
+            clock,
+            queue_block(provider="v", daily_spend_cap=5.0),
+            owner="s2",
+            server={"public_url": "https://cp.example.com"},
+        )
         s2.override = {"v": vast}
         clock.advance(61)
         await qstore(r, clock).enqueue("gpu", JobSpec(input=1))
@@ -313,3 +338,30 @@ def test_offload_worker_reads_offload_queue(tmp_path: Any, monkeypatch: pytest.M
     cfg.write_text("storage: {kind: local, path: %s}\nqueues: {}\n" % (tmp_path / "results"))
     res = runner.invoke(app, ["worker", "--config", str(cfg)], env={"OFFLOAD_QUEUE": "from-env"})
     assert res.exit_code != 0 and "Missing option" not in res.output and "from-env" in res.output, res.output
+
+
+async def test_switching_autoscaling_off_drains_the_fleet_even_with_work_queued(r: Any) -> None:
+    """Found by the property test: with jobs still queued, `enabled: false` never scaled down (the scale-up demand
+    held every machine), so the machines the autoscaler rented ran on unmanaged. Now they drain; a busy one
+    finishes its job first."""
+    clock = Clock()
+    s, mock = make_scaler(r, clock, queue_block(max_workers=2, scale_up=[{"trigger": "queue_depth", "threshold": 0}]))
+    await qstore(r, clock).enqueue_many("gpu", [JobSpec(input=i) for i in range(20)])
+    await s.tick()
+    (a,) = await live(s)
+    await put_worker(r, "r-w1", "gpu", a.id, clock(), in_flight=1)
+    clock.advance(30)
+    await s.tick()
+    s.settings.queues["gpu"].autoscale["enabled"] = False  # type: ignore[index]
+    for _ in range(4):
+        clock.advance(30)
+        await put_worker(r, "r-w1", "gpu", a.id, clock(), in_flight=1)
+        await s.tick()
+    assert (await s.instances.get(a.id)).status == "draining"  # type: ignore[union-attr]
+    assert a.provider_id in await mock.all_ids()  # busy: it finishes its job first
+    clock.advance(30)
+    await put_worker(r, "r-w1", "gpu", a.id, clock(), in_flight=0)
+    await s.tick()
+    clock.advance(30)
+    await s.tick()
+    assert await mock.all_ids() == [] and await live(s) == []

@@ -37,8 +37,10 @@ def qstore(r: Any, clock: Clock) -> QueueStore:
 
 
 def providers(url: str) -> dict[str, Any]:
-    return {"rp": RunPodProvider("rp", RunPodConfig(api_key="k", base_url=url, gpu_type_id="NVIDIA RTX A5000")),
-            "v": VastProvider("v", VastConfig(api_key="k", base_url=url, gpu_name="RTX 4090"))}
+    return {
+        "rp": RunPodProvider("rp", RunPodConfig(api_key="k", base_url=url, gpu_type_id="NVIDIA RTX A5000")),
+        "v": VastProvider("v", VastConfig(api_key="k", base_url=url, gpu_name="RTX 4090")),
+    }
 
 
 async def close(s: Autoscaler) -> None:
@@ -67,8 +69,9 @@ async def test_200_jobs_with_jobs_per_worker_50_rent_4_machines_in_one_evaluatio
 
 async def test_the_first_provider_out_of_stock_the_second_rents(r: Any) -> None:
     clock = Clock()
-    cfg = SimConfig.model_validate({"api_key": "k", "machines": {"boot_seconds": 0,
-                                                                 "out_of_stock": ["NVIDIA RTX A5000"]}})
+    cfg = SimConfig.model_validate(
+        {"api_key": "k", "machines": {"boot_seconds": 0, "out_of_stock": ["NVIDIA RTX A5000"]}}
+    )
     with running_sim(cfg, clock=clock) as url:
         block = queue_block(provider=None, providers=["rp", "v"], jobs_per_worker=1, max_workers=3, scale_up=[])
         s, _ = make_scaler(r, clock, block, server=PUBLIC)
@@ -97,11 +100,13 @@ async def test_cheapest_picks_the_lower_current_offer(r: Any, runpod_price: floa
     """Vast.ai's cheapest acceptable RTX 4090 offer is $0.35/h; RunPod's A5000 is $0.36 or $0.30: whichever is
     lower rents, whatever the order of preference."""
     clock = Clock()
-    cfg = SimConfig.model_validate({"api_key": "k", "machines": {
-        "boot_seconds": 0, "runpod_gpus": {"NVIDIA RTX A5000": runpod_price}}})
+    cfg = SimConfig.model_validate(
+        {"api_key": "k", "machines": {"boot_seconds": 0, "runpod_gpus": {"NVIDIA RTX A5000": runpod_price}}}
+    )
     with running_sim(cfg, clock=clock) as url:
-        s, _ = make_scaler(r, clock, queue_block(provider=None, providers=["rp", "v"], choose="cheapest"),
-                           server=PUBLIC)
+        s, _ = make_scaler(
+            r, clock, queue_block(provider=None, providers=["rp", "v"], choose="cheapest"), server=PUBLIC
+        )
         s.override = providers(url)
         await qstore(r, clock).enqueue("gpu", JobSpec(input=1))
         await s.tick()
@@ -123,8 +128,9 @@ async def test_a_preempted_spot_machine_returns_its_jobs_without_using_an_attemp
     clock = Clock()
     cfg = SimConfig.model_validate({"api_key": "k", "machines": {"boot_seconds": 0, "spot_preempt_after": 600}})
     with running_sim(cfg, clock=clock) as url:
-        block = queue_block(provider=provider, instance={"gpu": "RTX 4090", "image": "img", "spot": True,
-                                                         "spot_max_price": 0.3})
+        block = queue_block(
+            provider=provider, instance={"gpu": "RTX 4090", "image": "img", "spot": True, "spot_max_price": 0.3}
+        )
         s, _ = make_scaler(r, clock, block, server=PUBLIC)
         s.override = providers(url)
         store = qstore(r, clock)
@@ -169,8 +175,11 @@ async def test_a_preempted_spot_machine_returns_its_jobs_without_using_an_attemp
 async def test_spot_above_the_cap_rents_nothing_there(r: Any) -> None:
     clock = Clock()
     with running_sim(SimConfig.model_validate({"api_key": "k", "machines": {"boot_seconds": 0}}), clock=clock) as url:
-        block = queue_block(provider=None, providers=["rp", "v"], instance={
-            "gpu": "RTX 4090", "image": "img", "spot": True, "spot_max_price": 0.1})
+        block = queue_block(
+            provider=None,
+            providers=["rp", "v"],
+            instance={"gpu": "RTX 4090", "image": "img", "spot": True, "spot_max_price": 0.1},
+        )
         s, _ = make_scaler(r, clock, block, server=PUBLIC)
         s.override = providers(url)
         await qstore(r, clock).enqueue("gpu", JobSpec(input=1))
@@ -183,8 +192,12 @@ async def test_spot_above_the_cap_rents_nothing_there(r: Any) -> None:
 
 async def test_a_hung_handler_does_not_keep_a_draining_machine_forever(r: Any) -> None:
     clock = Clock()
-    s, mock = make_scaler(r, clock, queue_block(drain_timeout="20m", scale_down=[
-        {"trigger": "idle", "timeout": "1m"}]), alerts={"cooldown": 0})
+    s, mock = make_scaler(
+        r,
+        clock,
+        queue_block(drain_timeout="20m", scale_down=[{"trigger": "idle", "timeout": "1m"}]),
+        alerts={"cooldown": 0},
+    )
     await qstore(r, clock).enqueue("gpu", JobSpec(input=0))
     await s.tick()
     (a,) = await s.instances.live()
@@ -244,8 +257,9 @@ async def test_status_says_why_per_queue(r: Any, fast_valkey_url: str) -> None:
     from offload.cli import app
 
     clock = Clock()
-    cfg = SimConfig.model_validate({"api_key": "k", "machines": {"boot_seconds": 0,
-                                                                 "out_of_stock": ["NVIDIA RTX A5000"]}})
+    cfg = SimConfig.model_validate(
+        {"api_key": "k", "machines": {"boot_seconds": 0, "out_of_stock": ["NVIDIA RTX A5000"]}}
+    )
     with running_sim(cfg, clock=clock) as url:
         s, _ = make_scaler(r, clock, queue_block(provider=None, providers=["rp", "v"]), server=PUBLIC)
         s.override = providers(url)
@@ -255,7 +269,12 @@ async def test_status_says_why_per_queue(r: Any, fast_valkey_url: str) -> None:
     res = await asyncio.to_thread(CliRunner().invoke, app, ["autoscale", "status", "--url", fast_valkey_url])
     assert res.exit_code == 0, res.output
     text = " ".join(res.output.split())
-    for part in ("gpu: 1 active", "desired 1 (active 0, billed 0, floor 0)", "because: no_workers: 1 pending, no "
-                 "live worker", "provider: first usable in order of preference: rp", "rented: v",
-                 "backoff: rp after 1 failure(s)"):
+    for part in (
+        "gpu: 1 active",
+        "desired 1 (active 0, billed 0, floor 0)",
+        "because: no_workers: 1 pending, no live worker",
+        "provider: first usable in order of preference: rp",
+        "rented: v",
+        "backoff: rp after 1 failure(s)",
+    ):
         assert part in text, (part, res.output)

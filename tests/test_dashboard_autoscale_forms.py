@@ -56,8 +56,9 @@ def submit(page: Page, form: str) -> None:
     page.locator(f"{form} button[type=submit]").click()
 
 
-def test_admin_adds_edits_and_deletes_a_provider(api: tuple[str, str], page: Page, valkey: ValkeyServer,
-                                                  tmp_path: Path) -> None:
+def test_admin_adds_edits_and_deletes_a_provider(
+    api: tuple[str, str], page: Page, valkey: ValkeyServer, tmp_path: Path
+) -> None:
     name = "gpu-" + secrets.token_hex(3)
     sign_in(page, *api)
     go(page, "#/autoscale")
@@ -134,7 +135,8 @@ def test_admin_sets_up_edits_and_removes_a_queue_block(api: tuple[str, str], pag
     form.get_by_label("Maximum workers").fill("3")
     form.get_by_label("Poll interval (e.g. 30s)").fill("45s")
     form.get_by_label("Scale-up triggers (JSON list)").fill(
-        '[{"trigger": "no_workers"}, {"trigger": "queue_depth", "threshold": 50}]')
+        '[{"trigger": "no_workers"}, {"trigger": "queue_depth", "threshold": 50}]'
+    )
     form.get_by_label("Choose the provider").select_option("cheapest")
     form.get_by_label("Jobs per worker (ramp in one step)").fill("20")
     form.get_by_label("Rent spot (interruptible) machines").check()
@@ -161,11 +163,13 @@ def test_admin_sets_up_edits_and_removes_a_queue_block(api: tuple[str, str], pag
     expect(form.get_by_label("Providers, in order of preference (comma-separated)")).to_have_value("try-a, try-b")
     form.get_by_label("Providers, in order of preference (comma-separated)").fill("try-b")
     form.get_by_label("Deployment from git (JSON object; empty: none)").fill(
-        '{"git_url": "https://github.com/example/models.git", "branch": "gpu-v2"}')
+        '{"git_url": "https://github.com/example/models.git", "branch": "gpu-v2"}'
+    )
     form.get_by_role("button", name=f"Save autoscaling of {queue}").click()
     expect(form.locator('[data-error-for="deployment"]')).to_have_text("set exactly one of handler or startup_cmd")
     form.get_by_label("Deployment from git (JSON object; empty: none)").fill(
-        '{"git_url": "https://github.com/example/models.git", "branch": "gpu-v2", "handler": "app:run"}')
+        '{"git_url": "https://github.com/example/models.git", "branch": "gpu-v2", "handler": "app:run"}'
+    )
     form.get_by_role("button", name=f"Save autoscaling of {queue}").click()
     expect(page.locator("#notice")).to_have_text(f"Saved autoscaling of {queue}")
     expect(row.locator('[data-col="config"]')).to_contain_text("deploy gpu-v2 of https://github.com/example/models.git")
@@ -200,5 +204,6 @@ def test_a_viewer_gets_no_forms(api: tuple[str, str], page: Page) -> None:
     status = page.evaluate(
         """async () => (await fetch('/v1/autoscale/providers', {method: 'POST', headers: {Authorization:
              `Bearer ${sessionStorage.getItem('offload.key')}`, 'Content-Type': 'application/json'},
-             body: JSON.stringify({name: 'x', type: 'mock', config: {}})})).status""")
+             body: JSON.stringify({name: 'x', type: 'mock', config: {}})})).status"""
+    )
     assert status == 403

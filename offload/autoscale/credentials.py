@@ -39,8 +39,9 @@ class Credentials:
         """(username or None, token) of a credential; ConfigError naming it when it does not exist."""
         sealed = await self.redis.get(keys.credential(name))
         if sealed is None:
-            raise ConfigError(f"deployment.git_credential: no credential named {name!r} (offload autoscale "
-                              "credentials set NAME)")
+            raise ConfigError(
+                f"deployment.git_credential: no credential named {name!r} (offload autoscale credentials set NAME)"
+            )
         value = self._vault().decrypt(sealed, f"credential:{name}")
         user, sep, token = value.partition(":")
         return (user, token) if sep and user and token else (None, value)

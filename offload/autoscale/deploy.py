@@ -50,8 +50,10 @@ class Deployment(BaseModel):
         if parts.scheme not in SCHEMES:
             raise ValueError(f"git_url must be a {', '.join(s + '://' for s in SCHEMES)} URL")
         if parts.password or (parts.username and parts.scheme in ("http", "https")):
-            raise ValueError("git_url must not carry credentials: store the token in the vault "
-                             "(offload autoscale credentials set NAME) and name it in git_credential")
+            raise ValueError(
+                "git_url must not carry credentials: store the token in the vault "
+                "(offload autoscale credentials set NAME) and name it in git_credential"
+            )
         return v
 
     @field_validator("branch")
@@ -84,8 +86,11 @@ class Deployment(BaseModel):
     def commands(self) -> dict[str, str]:
         """The fields that run commands on the machine (for the rule that the HTTP API may not set them for a
         provider that runs on the control-plane host)."""
-        return {k: v for k, v in (("setup_cmd", self.setup_cmd), ("handler", self.handler),
-                                  ("startup_cmd", self.startup_cmd)) if v}
+        return {
+            k: v
+            for k, v in (("setup_cmd", self.setup_cmd), ("handler", self.handler), ("startup_cmd", self.startup_cmd))
+            if v
+        }
 
 
 def script(d: Deployment) -> str:
@@ -94,8 +99,20 @@ def script(d: Deployment) -> str:
     setup_cmd, so a virtualenv it activated is the one used)."""
     helper = shlex.quote("credential.helper=" + _HELPER)
     auth = f'if [ -n "${{{TOKEN_ENV}:-}}" ]; then set -- -c credential.helper= -c {helper}; else set --; fi'
-    clone = ["git", '"$@"', "clone", "--quiet", "--depth", "1", "--single-branch", "--branch", shlex.quote(d.branch),
-             "--", shlex.quote(d.git_url), '"$dir"']
+    clone = [
+        "git",
+        '"$@"',
+        "clone",
+        "--quiet",
+        "--depth",
+        "1",
+        "--single-branch",
+        "--branch",
+        shlex.quote(d.branch),
+        "--",
+        shlex.quote(d.git_url),
+        '"$dir"',
+    ]
     target = '"$dir"' if not d.code_path else f'"$dir"/{shlex.quote(d.code_path)}'
     lines = [
         "set -eu",

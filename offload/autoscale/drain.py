@@ -36,17 +36,32 @@ log = logging.getLogger("offload.autoscale")
 CANCELLABLE = ("idle", "schedule")  # drains that load coming back may cancel (not: disabled, spend cap)
 
 
-async def scale_down(a: Autoscaler, queue: str, cfg: AutoscaleSettings, qs: QueueState, active: list[Instance],
-                     floor: int, listings: dict[str, tuple[bool, list[Machine]]], now: float, plan: dict[str, Any],
-                     *, mode: str = "") -> int:
+async def scale_down(
+    a: Autoscaler,
+    queue: str,
+    cfg: AutoscaleSettings,
+    qs: QueueState,
+    active: list[Instance],
+    floor: int,
+    listings: dict[str, tuple[bool, list[Machine]]],
+    now: float,
+    plan: dict[str, Any],
+    *,
+    mode: str = "",
+) -> int:
     """Drain what the scale-down rules allow above `floor`; returns how many began draining. `mode`: "" (the
     triggers), "disabled" or "spend cap" (everything goes)."""
     fire = down_fire(cfg, now, max(cfg.poll_interval * 2, 120.0))
     if fire is not None and fire > qs.last_down_fire:
         seen = ",".join(i.id for i in active if i.created_at <= fire)
         await qs.save(a.redis, queue, last_down_fire=fire, down_targets=seen)
-        await log_event(a.redis, now, "schedule", f"{queue}: scale-down schedule fired ({len(active)} active, "
-                        f"floor {floor})", queue=queue)
+        await log_event(
+            a.redis,
+            now,
+            "schedule",
+            f"{queue}: scale-down schedule fired ({len(active)} active, floor {floor})",
+            queue=queue,
+        )
     ids = {i.id for i in active}
     targets = qs.targets() & ids
     if targets != qs.targets():
@@ -55,12 +70,17 @@ async def scale_down(a: Autoscaler, queue: str, cfg: AutoscaleSettings, qs: Queu
         reason, candidates = mode, sorted(active, key=lambda i: (i.status == "running", i.created_at))
     elif targets:
         reason = "schedule"
-        candidates = sorted((i for i in active if i.id in targets), key=lambda i: (i.status == "running",
-                                                                                    i.created_at))
+        candidates = sorted((i for i in active if i.id in targets), key=lambda i: (i.status == "running", i.created_at))
     else:
         reason, timeout = "idle", idle_timeout(cfg)
-        candidates = [] if timeout is None else sorted(
-            (i for i in active if i.status == "running" and now - idle_since(i) >= timeout), key=lambda i: i.created_at)
+        candidates = (
+            []
+            if timeout is None
+            else sorted(
+                (i for i in active if i.status == "running" and now - idle_since(i) >= timeout),
+                key=lambda i: i.created_at,
+            )
+        )
     excess = len(active) - floor
     drained, kept = 0, {}
     for inst in candidates:
@@ -78,8 +98,9 @@ async def scale_down(a: Autoscaler, queue: str, cfg: AutoscaleSettings, qs: Queu
     return drained
 
 
-async def drain(a: Autoscaler, inst: Instance, listings: dict[str, tuple[bool, list[Machine]]], now: float,
-                reason: str) -> bool:
+async def drain(
+    a: Autoscaler, inst: Instance, listings: dict[str, tuple[bool, list[Machine]]], now: float, reason: str
+) -> bool:
     """Stop the worker claiming, let it finish what it has; reconcile destroys it once it holds nothing."""
     try:
         await a.instances.update(inst, a.leader.token, now, status="draining", drain_at=now, drain_reason=reason)
@@ -97,8 +118,9 @@ async def drain(a: Autoscaler, inst: Instance, listings: dict[str, tuple[bool, l
             await provider.drain(machine)
         except ProviderError as exc:
             log.warning("drain signal to %s failed: %s", inst.id, exc)
-    await log_event(a.redis, now, "draining", f"{inst.id}: draining before teardown ({reason})",
-                    instance=inst.id, queue=inst.queue)
+    await log_event(
+        a.redis, now, "draining", f"{inst.id}: draining before teardown ({reason})", instance=inst.id, queue=inst.queue
+    )
     return True
 
 
@@ -112,12 +134,19 @@ async def cancel(a: Autoscaler, draining: list[Instance], n: int, now: float) ->
         if inst.teardown or inst.drain_reason not in CANCELLABLE or inst.in_flight > 0 or not inst.worker_id:
             continue
         try:
-            await a.instances.update(inst, a.leader.token, now, status="running", drain_at=0.0, drain_reason="",
-                                     last_task_at=now)
+            await a.instances.update(
+                inst, a.leader.token, now, status="running", drain_at=0.0, drain_reason="", last_task_at=now
+            )
         except StaleState:
             continue
         await a.workers.set_draining(inst.worker_id, False)
-        await log_event(a.redis, now, "undrained", f"{inst.id}: load came back; the drain is cancelled",
-                        instance=inst.id, queue=inst.queue)
+        await log_event(
+            a.redis,
+            now,
+            "undrained",
+            f"{inst.id}: load came back; the drain is cancelled",
+            instance=inst.id,
+            queue=inst.queue,
+        )
         back += 1
     return back

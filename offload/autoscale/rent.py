@@ -44,8 +44,7 @@ class Choice:
     why: str = ""
 
     def explain(self) -> dict[str, Any]:
-        return {"order": [p.name for p in self.order], "skipped": self.skipped, "quotes": self.quotes,
-                "why": self.why}
+        return {"order": [p.name for p in self.order], "skipped": self.skipped, "quotes": self.quotes, "why": self.why}
 
 
 def prerequisites(a: Autoscaler, provider: Provider) -> str | None:
@@ -62,8 +61,16 @@ def prerequisites(a: Autoscaler, provider: Provider) -> str | None:
     return None
 
 
-async def cap_reached(a: Autoscaler, queue: str, cfg: AutoscaleSettings, insts: list[Instance], now: float, *,
-                      dry_run: bool, extra: float = 0.0) -> str | None:
+async def cap_reached(
+    a: Autoscaler,
+    queue: str,
+    cfg: AutoscaleSettings,
+    insts: list[Instance],
+    now: float,
+    *,
+    dry_run: bool,
+    extra: float = 0.0,
+) -> str | None:
     """Whether today's (or this month's) spend plus the fleet's cost until the next evaluation (plus `extra`
     $/h more) reaches the queue's cap. Real and dry-run (mock) spend are counted apart."""
     if cfg.daily_spend_cap is None and cfg.monthly_spend_cap is None:
@@ -73,36 +80,44 @@ async def cap_reached(a: Autoscaler, queue: str, cfg: AutoscaleSettings, insts: 
     today, month, _ = await spend(a.redis, queue, now, dry_run=dry_run)
     kind = "dry-run " if dry_run else ""
     if cfg.daily_spend_cap is not None and today + ahead >= cfg.daily_spend_cap:
-        return (f"queue {queue}: daily {kind}spend cap ${cfg.daily_spend_cap:.2f} reached (${today:.2f} spent, "
-                f"${ahead:.2f} more until the next evaluation)")
+        return (
+            f"queue {queue}: daily {kind}spend cap ${cfg.daily_spend_cap:.2f} reached (${today:.2f} spent, "
+            f"${ahead:.2f} more until the next evaluation)"
+        )
     if cfg.monthly_spend_cap is not None and month + ahead >= cfg.monthly_spend_cap:
-        return (f"queue {queue}: monthly {kind}spend cap ${cfg.monthly_spend_cap:.2f} reached (${month:.2f} spent, "
-                f"${ahead:.2f} more until the next evaluation)")
+        return (
+            f"queue {queue}: monthly {kind}spend cap ${cfg.monthly_spend_cap:.2f} reached (${month:.2f} spent, "
+            f"${ahead:.2f} more until the next evaluation)"
+        )
     return None
 
 
-async def choose(a: Autoscaler, queue: str, cfg: AutoscaleSettings, qs: QueueState, now: float,
-                 source: str) -> Choice:
+async def choose(a: Autoscaler, queue: str, cfg: AutoscaleSettings, qs: QueueState, now: float, source: str) -> Choice:
     c = Choice()
     for name in cfg.names:
         try:
             provider = await a.provider(name)
         except Exception as exc:
             c.skipped[name] = f"unusable: {exc}"
-            await a.alerter.alert("autoscale_failure", f"{queue}/{name}", f"queue {queue}: provider {name!r} is "
-                                  f"unusable: {exc}")
+            await a.alerter.alert(
+                "autoscale_failure", f"{queue}/{name}", f"queue {queue}: provider {name!r} is unusable: {exc}"
+            )
             continue
         if why := prerequisites(a, provider):
             c.skipped[name] = why
-            await a.alerter.alert("autoscale_failure", f"{queue}/{name}", f"queue {queue}: not renting from {name}: "
-                                  f"{why}")
+            await a.alerter.alert(
+                "autoscale_failure", f"{queue}/{name}", f"queue {queue}: not renting from {name}: {why}"
+            )
             continue
         if provider.type == "local" and source == "api" and (cmds := cfg.host_commands()):
-            why = (f"the block was set over the HTTP API and would run {', '.join(sorted(cmds))} on this host "
-                   "(provider type local): set it in offload.yaml")
+            why = (
+                f"the block was set over the HTTP API and would run {', '.join(sorted(cmds))} on this host "
+                "(provider type local): set it in offload.yaml"
+            )
             c.skipped[name] = why
-            await a.alerter.alert("autoscale_failure", f"{queue}/{name}", f"queue {queue}: not renting from {name}: "
-                                  f"{why}")
+            await a.alerter.alert(
+                "autoscale_failure", f"{queue}/{name}", f"queue {queue}: not renting from {name}: {why}"
+            )
             continue
         until = qs.prov_until.get(name, 0.0)
         if until > now:
@@ -119,8 +134,11 @@ async def choose(a: Autoscaler, queue: str, cfg: AutoscaleSettings, qs: QueueSta
         rank = {p.name: i for i, p in enumerate(c.order)}
         c.order.sort(key=lambda p: (c.quotes[p.name] is None, c.quotes[p.name] or 0.0, rank[p.name]))
         best = c.quotes[c.order[0].name]
-        c.why = (f"cheapest current offer: {c.order[0].name} at ${best:.3f}/h" if best is not None
-                 else "no provider quoted a price: in order of preference")
+        c.why = (
+            f"cheapest current offer: {c.order[0].name} at ${best:.3f}/h"
+            if best is not None
+            else "no provider quoted a price: in order of preference"
+        )
     elif c.order:
         c.why = f"first usable in order of preference: {c.order[0].name}"
     else:
@@ -128,8 +146,9 @@ async def choose(a: Autoscaler, queue: str, cfg: AutoscaleSettings, qs: QueueSta
     return c
 
 
-async def launch_spec(a: Autoscaler, queue: str, cfg: AutoscaleSettings, label: str, *,
-                      quote: bool = False) -> LaunchSpec:
+async def launch_spec(
+    a: Autoscaler, queue: str, cfg: AutoscaleSettings, label: str, *, quote: bool = False
+) -> LaunchSpec:
     """What the machine receives: server URL, worker key, queue, instance id (and the git credential of its
     deployment). `quote`: the same for a price quote, without any secret."""
     spec_cfg = cfg.instance
@@ -148,22 +167,44 @@ async def launch_spec(a: Autoscaler, queue: str, cfg: AutoscaleSettings, label: 
             env[TOKEN_ENV] = token
             if user:
                 env[USER_ENV] = user
-    return LaunchSpec(label=label, queue=queue, image=spec_cfg.image, gpu=spec_cfg.gpu, gpu_count=spec_cfg.gpu_count,
-                      disk_gb=spec_cfg.disk_gb, max_price_per_hour=spec_cfg.max_price_per_hour, env=env,
-                      handler=handler, command=command, spot=spec_cfg.spot, spot_max_price=spec_cfg.spot_max_price,
-                      script=deploy_script)
+    return LaunchSpec(
+        label=label,
+        queue=queue,
+        image=spec_cfg.image,
+        gpu=spec_cfg.gpu,
+        gpu_count=spec_cfg.gpu_count,
+        disk_gb=spec_cfg.disk_gb,
+        max_price_per_hour=spec_cfg.max_price_per_hour,
+        env=env,
+        handler=handler,
+        command=command,
+        spot=spec_cfg.spot,
+        spot_max_price=spec_cfg.spot_max_price,
+        script=deploy_script,
+    )
 
 
-async def provision(a: Autoscaler, queue: str, cfg: AutoscaleSettings, qs: QueueState, n: int, reasons: list[str],
-                    insts: list[Instance], now: float, plan: dict[str, Any], source: str) -> int:
+async def provision(
+    a: Autoscaler,
+    queue: str,
+    cfg: AutoscaleSettings,
+    qs: QueueState,
+    n: int,
+    reasons: list[str],
+    insts: list[Instance],
+    now: float,
+    plan: dict[str, Any],
+    source: str,
+) -> int:
     """Rent up to `n` machines; returns how many rentals were started (an ambiguous one counts: it may exist)."""
     until, why_paused = qs.paused_until()
     if until > now:
         plan["held"] = f"renting paused {until - now:.0f}s after {why_paused}"
         if qs.last_reason != why_paused:
             await qs.save(a.redis, queue, last_reason=why_paused)
-            await log_event(a.redis, now, "backoff", f"{queue}: renting paused {until - now:.0f}s after "
-                            f"{why_paused}", queue=queue)
+            await log_event(
+                a.redis, now, "backoff", f"{queue}: renting paused {until - now:.0f}s after {why_paused}", queue=queue
+            )
         return 0
     choice = await choose(a, queue, cfg, qs, now, source)
     plan["provider"] = choice.explain()
@@ -174,8 +215,9 @@ async def provision(a: Autoscaler, queue: str, cfg: AutoscaleSettings, qs: Queue
             if provider.name in failed_now:
                 continue
             price = cfg.instance.spot_max_price if cfg.instance.spot else cfg.instance.max_price_per_hour
-            if blocked := await cap_reached(a, queue, cfg, insts, now, dry_run=provider.type == "mock",
-                                            extra=price or 0.0):
+            if blocked := await cap_reached(
+                a, queue, cfg, insts, now, dry_run=provider.type == "mock", extra=price or 0.0
+            ):
                 await a.alerter.alert("spend_cap_reached", queue, blocked + "; not renting")
                 plan["held"] = blocked
                 continue
@@ -194,14 +236,31 @@ async def provision(a: Autoscaler, queue: str, cfg: AutoscaleSettings, qs: Queue
     return rented
 
 
-async def rent_one(a: Autoscaler, queue: str, cfg: AutoscaleSettings, provider: Provider, qs: QueueState,
-                   avoid: set[str], reasons: list[str], now: float) -> tuple[str, Instance | None]:
+async def rent_one(
+    a: Autoscaler,
+    queue: str,
+    cfg: AutoscaleSettings,
+    provider: Provider,
+    qs: QueueState,
+    avoid: set[str],
+    reasons: list[str],
+    now: float,
+) -> tuple[str, Instance | None]:
     """One rental, journaled before the provider call: ("ok" | "ambiguous" | "capacity" | "failed", record)."""
     spec_cfg = cfg.instance
     price = (spec_cfg.spot_max_price if spec_cfg.spot else spec_cfg.max_price_per_hour) or 0.0
-    inst = Instance(id=new_instance_id(), queue=queue, provider=provider.name, provider_type=provider.type,
-                    status="provisioning", created_at=now, updated_at=now, gpu=spec_cfg.gpu or "", price=price,
-                    spot=spec_cfg.spot)
+    inst = Instance(
+        id=new_instance_id(),
+        queue=queue,
+        provider=provider.name,
+        provider_type=provider.type,
+        status="provisioning",
+        created_at=now,
+        updated_at=now,
+        gpu=spec_cfg.gpu or "",
+        price=price,
+        spot=spec_cfg.spot,
+    )
     inst.label = f"offload-{inst.id}"
     try:
         spec = await launch_spec(a, queue, cfg, inst.label)
@@ -210,8 +269,14 @@ async def rent_one(a: Autoscaler, queue: str, cfg: AutoscaleSettings, provider: 
         return "failed", None
     spec.avoid_hosts = avoid
     await a.instances.create(inst, a.leader.token)  # the journal entry, before the provider call
-    await log_event(a.redis, now, "provisioning", f"{inst.id}: renting from {provider.name} for {queue} "
-                    f"({'; '.join(reasons)})", instance=inst.id, queue=queue)
+    await log_event(
+        a.redis,
+        now,
+        "provisioning",
+        f"{inst.id}: renting from {provider.name} for {queue} ({'; '.join(reasons)})",
+        instance=inst.id,
+        queue=queue,
+    )
     try:
         await a.leader.check()
         a.provider_calls += 1
@@ -221,13 +286,20 @@ async def rent_one(a: Autoscaler, queue: str, cfg: AutoscaleSettings, provider: 
         await qs.provider_failed(a.redis, queue, provider.name, pause, now)
         if exc.ambiguous:  # may exist: reconcile adopts it by label, or fails it after the grace period
             await log_event(a.redis, now, "ambiguous", f"{inst.id}: {exc}", instance=inst.id, queue=queue)
-            await a.alerter.alert("autoscale_failure", f"{queue}/{provider.name}", f"queue {queue}: renting "
-                                  f"{inst.id} from {provider.name} may have failed ({exc}); looking for it by its "
-                                  f"label, renting from {provider.name} again in {pause:.0f}s")
+            await a.alerter.alert(
+                "autoscale_failure",
+                f"{queue}/{provider.name}",
+                f"queue {queue}: renting "
+                f"{inst.id} from {provider.name} may have failed ({exc}); looking for it by its "
+                f"label, renting from {provider.name} again in {pause:.0f}s",
+            )
             return "ambiguous", inst
         await reconcile.fail(a, inst, f"provisioning failed: {exc}", now, destroy=False)
-        await a.alerter.alert("autoscale_failure", f"{queue}/{provider.name}", f"queue {queue}: renting {inst.id} "
-                              f"from {provider.name} failed ({exc}); retrying there in {pause:.0f}s")
+        await a.alerter.alert(
+            "autoscale_failure",
+            f"{queue}/{provider.name}",
+            f"queue {queue}: renting {inst.id} from {provider.name} failed ({exc}); retrying there in {pause:.0f}s",
+        )
         return ("capacity" if isinstance(exc, OutOfCapacity) else "failed"), None
     changes: dict[str, Any] = {"provider_id": machine.provider_id, "host": machine.host_id or "", "accrued_at": now}
     if machine.price_per_hour:

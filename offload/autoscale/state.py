@@ -40,8 +40,9 @@ class QueueState:
         kwargs: dict[str, Any] = {}
         for f in fields(cls):
             if f.name in h and f.type in ("str", "float", "int"):
-                kwargs[f.name] = h[f.name] if f.type == "str" else (float(h[f.name]) if f.type == "float"
-                                                                     else int(float(h[f.name])))
+                kwargs[f.name] = (
+                    h[f.name] if f.type == "str" else (float(h[f.name]) if f.type == "float" else int(float(h[f.name])))
+                )
         state = cls(**kwargs)
         for k, v in h.items():
             name, _, provider = k.partition(":")
@@ -54,29 +55,35 @@ class QueueState:
     async def save(self, redis: Any, queue: str, **changes: Any) -> None:
         for k, v in changes.items():
             setattr(self, k, v)
-        await redis.hset(keys.queue_state(queue), mapping={k: repr(v) if isinstance(v, float) else v
-                                                           for k, v in changes.items()})
+        await redis.hset(
+            keys.queue_state(queue), mapping={k: repr(v) if isinstance(v, float) else v for k, v in changes.items()}
+        )
 
     async def provider_failed(self, redis: Any, queue: str, provider: str, pause: float, now: float) -> int:
         """Count one provisioning failure of `provider` and pause it until now + pause; returns the count."""
         n = self.prov_failures.get(provider, 0) + 1
         self.prov_failures[provider] = n
         self.prov_until[provider] = now + pause
-        await redis.hset(keys.queue_state(queue), mapping={f"prov_failures:{provider}": n,
-                                                           f"prov_until:{provider}": repr(now + pause)})
+        await redis.hset(
+            keys.queue_state(queue),
+            mapping={f"prov_failures:{provider}": n, f"prov_until:{provider}": repr(now + pause)},
+        )
         return n
 
     async def provider_ok(self, redis: Any, queue: str, provider: str) -> None:
         if self.prov_failures.get(provider) or self.prov_until.get(provider):
             self.prov_failures[provider] = 0
             self.prov_until[provider] = 0.0
-            await redis.hset(keys.queue_state(queue), mapping={f"prov_failures:{provider}": 0,
-                                                               f"prov_until:{provider}": "0.0"})
+            await redis.hset(
+                keys.queue_state(queue), mapping={f"prov_failures:{provider}": 0, f"prov_until:{provider}": "0.0"}
+            )
 
     def paused_until(self) -> tuple[float, str]:
         """When renting may resume for the whole queue and why (machines that never booted, broken hosts)."""
-        options = [(self.boot_until, "machines that never booted"),
-                   (self.host_until, "a host that could not start the container")]
+        options = [
+            (self.boot_until, "machines that never booted"),
+            (self.host_until, "a host that could not start the container"),
+        ]
         return max(options)
 
     def targets(self) -> set[str]:
