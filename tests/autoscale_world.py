@@ -241,7 +241,10 @@ class World:
         excused = any(x in reason for x in ("drain_timeout", "spend cap"))
         if w is not None and not w.hung and w.job is not None and not excused:
             self.violations.append(f"{self.when()}: busy machine {provider_id} destroyed ({reason or 'scale-down'})")
-        if (inst is not None and inst.protect) or (w is not None and w.protected and not w.hung):
+        # a worker's own OFFLOAD_PROTECTED counts where the provider honours it (a provider config may have to
+        # allow self-protection; the mock here has no such setting: honoured)
+        honoured = getattr(self.provider.config, "allow_worker_protect", True)
+        if (inst is not None and inst.protect) or (w is not None and w.protected and not w.hung and honoured):
             self.violations.append(f"{self.when()}: protected machine {provider_id} destroyed ({reason})")
 
     def when(self) -> str:

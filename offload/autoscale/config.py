@@ -230,6 +230,8 @@ class AutoscaleSettings(_Strict):
             out["git_url"] = self.deployment.git_url
         if self.instance.handler:
             out["instance.handler"] = self.instance.handler
+        if self.instance.env:  # PYTHONPATH, LD_PRELOAD...: code too, for a process on this host
+            out["instance.env"] = ", ".join(sorted(self.instance.env))
         return out
 
 
