@@ -34,7 +34,7 @@ from offload.errors import StaleLease
 from offload.queue.store import JobSpec, QueueStore
 
 QUEUE = "gpu"
-DAY0 = datetime(2027, 3, 27, tzinfo=UTC).timestamp()  # a Saturday; Europe's clocks change overnight on Sunday
+DAY0 = datetime(2027, 3, 28, tzinfo=UTC).timestamp()  # a Sunday: Europe's clocks go forward at 01:00 UTC
 CREATE_OUTCOMES = ("ok", "no_offer", "http_5xx", "timeout_created", "crash_created")
 
 
