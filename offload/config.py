@@ -88,6 +88,7 @@ class QueueSettings(_Strict):
     # a storage prefix this queue owns besides its own results/<queue>: (offload/storage/namespace.py)
     output_prefix: str | None = None
     autoscale: dict[str, Any] | None = None  # validated by offload.autoscale.config (see load_settings)
+    deployment: dict[str, Any] | None = None  # the guide's place for autoscale.deployment (see yaml_blocks)
 
 
 class Settings(_Strict):
@@ -222,11 +223,11 @@ def load_settings(path: str | os.PathLike[str] | None = None, env: Mapping[str, 
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise ConfigError(f"{where}: {first['msg']}") from None
-    for qname, q in settings.queues.items():
-        if q.autoscale is not None:
-            from offload.autoscale.config import validate_autoscale  # a leaf schema module: no cycle
+    from offload.autoscale.config import validate_autoscale, yaml_blocks  # a leaf schema module: no cycle
 
-            validate_autoscale(q.autoscale, f"queues.{qname}.autoscale")
+    for qname, block in yaml_blocks(settings).items():
+        validate_autoscale(block, f"queues.{qname}.autoscale")
+    for qname, q in settings.queues.items():
         if q.backend is not None and q.backend not in settings.backends:
             raise ConfigError(f"queues.{qname}.backend: no backend named {q.backend!r} is configured")
     if settings.autoscaler is not None or settings.alerts is not None:

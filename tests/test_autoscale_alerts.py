@@ -151,3 +151,18 @@ async def test_scaler_failures_reach_the_webhook(r: Any, receiver: Receiver) -> 
     await s.alerter.drain()
     assert [b["json"]["kind"] for b in receiver.bodies] == ["boot_timeout"]
     await s.aclose()
+
+
+async def test_a_boot_timeout_reaches_an_autoscale_failure_filter(r: Any, receiver: Receiver) -> None:
+    """A machine that never booted is an autoscale failure: a target filtering on `autoscale_failure` gets it.
+    Before the fix it was sent only as `boot_timeout`, which such a filter missed."""
+    clock = Clock()
+    s, _ = make_scaler(r, clock, queue_block(boot_timeout="2m"), alerts={
+        "webhooks": [{"url": receiver.url, "kinds": ["autoscale_failure"]}]})
+    await QueueStore(r).enqueue("gpu", JobSpec(input=1))
+    for _ in range(6):
+        await s.tick()
+        clock.advance(30)
+    await s.alerter.drain()
+    assert [b["json"]["kind"] for b in receiver.bodies] == ["boot_timeout"]
+    await s.aclose()

@@ -28,7 +28,7 @@ from offload.errors import ConfigError
     ({"provider": "p", "min_workers": 3, "max_workers": 2}, "q.min_workers: 3 is above max_workers"),
     ({"poll_interval": "soon"}, "q.poll_interval: bad duration"),
     ({"scale_up": [{"trigger": "queue_depth"}]}, "q.scale_up.0.threshold: Field required"),
-    ({"scale_up": [{"trigger": "schedule", "cron": "0 25 * * *"}]}, "q.scale_up.0.cron: cron field '25'"),
+    ({"scale_up": [{"trigger": "schedule", "cron": "0 25 * * *"}]}, "q.scale_up.0.cron: bad cron '0 25 * * *'"),
     ({"scale_up": [{"trigger": "grow"}]}, "q.scale_up.0"),
     ({"scale_down": [{"trigger": "idle", "timeout": 0}]}, "q.scale_down.0.timeout"),
     ({"instance": {"disk_gb": 0}}, "q.instance.disk_gb"),
@@ -68,6 +68,12 @@ def test_cron_last_fire() -> None:
     assert c.last_fire(monday_0800 - 60, 120) is None
     assert Cron("*/15 * * * *").last_fire(monday_0800 + 16 * 60, 3600) == monday_0800 + 15 * 60
     assert Cron("0 9 * * *", "Europe/Paris").last_fire(monday_0800 + 60, 120) == monday_0800  # 09:00 CET
+    assert Cron("0 8 * * 0,7").last_fire(monday_0800 + 2 * 86400, 3 * 86400) == monday_0800 + 2 * 86400  # Sunday
+    # Europe's spring change (2027-03-28): 02:30 does not exist in Berlin; the fire comes at 03:00 CEST (01:00 UTC)
+    spring = 1_806_195_600  # 2027-03-28 01:00 UTC
+    assert Cron("30 2 * * *", "Europe/Berlin").last_fire(spring + 60, 120) == spring
+    with pytest.raises(ValueError, match="5 fields"):
+        Cron("0 0 8 * * *")  # seconds: not standard cron
 
 
 def test_vault_round_trip_and_refusals() -> None:
@@ -117,7 +123,7 @@ async def _no_key_create(r: Any) -> None:
 
     saved = os.environ.pop("OFFLOAD_VAULT_MASTER_KEY", None)
     try:
-        await ProviderStore(r).create("x", "mock", {})
+        await ProviderStore(r).create("x", "runpod", {"api_key": "rpa_0123456789abcdef"})
     finally:
         if saved is not None:
             os.environ["OFFLOAD_VAULT_MASTER_KEY"] = saved

@@ -49,6 +49,7 @@ NOT_READ = {  # command -> why it is not a read command
         for c in ("create", "update", "delete")
     },
     **{c: "an alias of a write" for c in ("providers add", "providers remove")},
+    **{c: "changes credentials" for c in ("autoscale credentials set", "autoscale credentials delete")},
 }
 # Arguments to run each read command with; JOB / DONE / CONFIG / PROVIDER are filled in by the test, and
 # --url is added to every command that takes it. `check(doc, world)` says the document carries the data set up.
@@ -69,6 +70,7 @@ ARGS: dict[str, tuple[list[str], Callable[[Any, dict[str, str]], bool]]] = {
     "autoscale providers show": (["PROVIDER"], lambda d, w: d["type"] == "mock"),
     "providers list": ([], lambda d, w: d[0]["name"] == w["PROVIDER"]),
     "providers show": (["PROVIDER"], lambda d, w: d["type"] == "mock"),
+    "autoscale credentials list": ([], lambda d, w: d == {"git-ci": "****7890"}),
     "embedded status": ([], lambda d, w: d["running"] is False),
     "config check": (["--config", "CONFIG"], lambda d, w: d["ok"] is True and d["queues"]["gpu"]["backend"] == "sim"),
 }
@@ -141,6 +143,7 @@ def world(valkey_url: str, tmp_path: Path, tmp_home: Path, monkeypatch: pytest.M
     )
 
     async def setup() -> dict[str, str]:
+        from offload.autoscale.credentials import Credentials
         from offload.autoscale.provider_store import ProviderStore
         from offload.server.keys import KeyStore
 
@@ -158,6 +161,7 @@ def world(valkey_url: str, tmp_path: Path, tmp_home: Path, monkeypatch: pytest.M
             job = await store.enqueue("gpu", JobSpec(input={"n": 3}))
             await KeyStore(redis).create("viewer", [], "dashboards")
             await ProviderStore(redis).create("try-it", "mock", {})
+            await Credentials(redis).set("git-ci", "ghp_token_1234567890")
         finally:
             await redis.aclose()
         return {"JOB": job, "DONE": done.id, "CONFIG": str(config), "PROVIDER": "try-it"}

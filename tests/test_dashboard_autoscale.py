@@ -85,6 +85,9 @@ def test_admin_sees_instances_config_spend_and_masked_providers(api: tuple[str, 
     expect(q.locator('[data-col="active"]')).to_have_text("1")
     expect(q.locator('[data-col="spend-day"]')).to_contain_text("$")
     expect(q.locator('[data-col="spend-month"]')).to_contain_text("$")
+    why = q.locator('[data-col="why"]')  # why the autoscaler does what it does, from its last evaluation
+    expect(why).to_contain_text("desired 1 (active 1, billed 1, floor 0)")
+    expect(why).to_contain_text("because: no_workers: 1 pending, no live worker")
     expect(page.locator("#autoscale-leader")).to_contain_text("token")
 
     masked = page.locator(f'#providers tr[data-provider="rp-{MOCK}"] [data-col="config"]')

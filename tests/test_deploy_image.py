@@ -165,3 +165,14 @@ def test_hadolint_catches_a_careless_dockerfile(tmp_path: Path) -> None:
     assert out.returncode != 0
     for rule in ("DL3007", "DL3015", "DL3002", "DL3025"):
         assert rule in out.stdout, rule
+
+
+def test_entrypoint_runs_a_start_command_as_given(tmp_path: Path) -> None:
+    """The autoscaler's start command for a queue `deployment` (`sh -c <clone, setup, serve>`) runs as is, with no
+    worker settings needed up front (the deployed code starts the worker); OFFLOAD_SERVER counts as the URL."""
+    out = _run_entrypoint({}, tmp_path, "sh", "-c", 'echo "deployed $0"', "x")
+    assert out.returncode == 0 and out.stdout == "deployed x\n", out.stderr
+    env = {"OFFLOAD_HANDLER": "app:run", "OFFLOAD_SERVER": "https://cp.example.com", "OFFLOAD_TOKEN": "t",
+           "OFFLOAD_QUEUE": "gpu"}
+    out = _run_entrypoint(env, tmp_path)  # offload reads the server from its environment, never from argv
+    assert out.returncode == 0 and "OFFLOAD_SERVER=https://cp.example.com" in out.stdout.splitlines(), out.stderr

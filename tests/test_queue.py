@@ -336,3 +336,35 @@ async def test_batched_reservations_decide_in_order_and_count_once(store: QueueS
     assert spend == [None, None, None]  # 0.4 + 0.4 + 0.1 fits under 1.0
     jobs, spent = await store.usage("q", "20261130")
     assert spent <= 1.0 and jobs == sum(v is None for v in spend)
+
+
+async def test_forgive_returns_a_preempted_workers_jobs_without_using_an_attempt(backend_url: str) -> None:
+    """A machine taken away by its provider: held leases go back uncounted, expiries the reaper already counted
+    are refunded, and a job that expiry had sent dead is ready again (remote id kept)."""
+    from offload.connection import connect
+
+    now = [9_000_000]
+    store = QueueStore(await connect(backend_url), clock=lambda: now[0], lease_ms=1000)
+    doomed = await store.enqueue("q", JobSpec(input=1, max_attempts=1))
+    held = await store.enqueue("q", JobSpec(input=2, max_attempts=1))
+    (c,) = await store.claim("q", "r-gone", 1)
+    await store.checkpoint(c.id, c.token, "runpod", "rp-7")
+    now[0] += 1001
+    assert (await store.reap("q"))[1] == 1  # counted: expiries 1 (of a budget of 1)
+    (c,) = await store.claim("q", "r-gone", 1)
+    assert c.id == doomed
+    now[0] += 1001
+    await store.reap("q")  # a second expiry: dead, "lease expired"
+    assert (await store.get(doomed)).state is JobState.DEAD
+    (h,) = await store.claim("q", "r-gone", 1)
+    assert h.id == held
+    released, refunded, revived = await store.forgive("q", "r-gone")
+    assert (released, refunded, revived) == (1, 2, 1)
+    for job_id in (doomed, held):
+        job = await store.get(job_id)
+        assert job.state in (JobState.QUEUED, JobState.SUBMITTED) and job.attempts == 0, job
+    back = await store.get(doomed)
+    assert back.lease_expiries == 0 and back.remote_id == "rp-7" and back.error is None
+    assert await store.forgive("q", "r-gone") == (0, 0, 0)  # once only
+    assert {j.id for j in await store.claim("q", "w2", 5)} == {doomed, held}
+    await store.redis.aclose()

@@ -8,8 +8,14 @@
 #   OFFLOAD_INSTANCE_ID, OFFLOAD_PROTECTED and the rest are read by offload itself.
 # offload reads the server, token and queue from the environment itself: nothing secret goes on the command line,
 # where any process on the machine could read it. Arguments given to the container are appended
-# (e.g. --log-level debug).
+# (e.g. --log-level debug). A command instead of options (the autoscaler's start command for a queue
+# `deployment`: `sh -c <clone, setup, serve>`) is run as given.
 set -eu
+
+case "${1:-}" in
+    "" | -*) ;;
+    *) exec "$@" ;;
+esac
 
 if [ -z "${OFFLOAD_SERVER:-}" ] && [ -n "${OFFLOAD_SERVER_URL:-}" ]; then
     OFFLOAD_SERVER=$OFFLOAD_SERVER_URL

@@ -29,6 +29,8 @@ from offload.redact import Redactor, mask_url
 
 log = logging.getLogger("offload.autoscale.alerts")
 AlertKind = Literal["autoscale_failure", "boot_timeout", "spend_cap_reached", "dead_letter_growth", "queue_latency"]
+# A target filtering on a kind also receives its sub-kinds: a machine that never booted is an autoscale failure.
+PARENT: dict[str, str] = {"boot_timeout": "autoscale_failure"}
 
 _ONCE = """
 local last = redis.call('GET', KEYS[1])
@@ -69,6 +71,10 @@ class AlertSettings(_Strict):
     queue_latency: Duration | None = Field(None, gt=0, description="oldest ready job older than this")
 
 
+def _wants(kinds: list[AlertKind] | None, kind: str) -> bool:
+    return kinds is None or kind in kinds or PARENT.get(kind) in kinds
+
+
 def alert_settings(data: Any) -> AlertSettings:
     try:
         return AlertSettings.model_validate(data or {})
@@ -107,10 +113,10 @@ class Alerter:
         await log_event(self.redis, now, "alert", message, alert=kind, subject=subject)
         self.sent.append(doc)
         for hook in self.settings.webhooks:
-            if hook.kinds is None or kind in hook.kinds:
+            if _wants(hook.kinds, kind):
                 self._spawn(self._webhook(hook, doc))
         email = self.settings.email
-        if email is not None and (email.kinds is None or kind in email.kinds):
+        if email is not None and _wants(email.kinds, kind):
             self._spawn(asyncio.to_thread(self._email, email, doc))
         return True
 

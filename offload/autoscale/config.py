@@ -1,20 +1,22 @@
 """The per-queue `autoscale` block of offload.yaml (also settable through the API), plus durations and cron.
 
 The same pydantic model validates the YAML file, the API body and what is stored in Redis, so every way in
-names the offending field the same way (`queues.gpu.autoscale.max_workers: ...`). Cron is parsed here rather
-than with a dependency: five fields are enough, and the scaler needs one operation only ("the latest fire
-time at or before t"), which it evaluates against an injectable clock.
+names the offending field the same way (`queues.gpu.autoscale.max_workers: ...`). Cron expressions are read
+by cronsim; the scaler needs one operation only ("the latest fire time at or before t"), evaluated against an
+injectable clock.
 """
 
 from __future__ import annotations
 
 import re
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Annotated, Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+from cronsim import CronSim, CronSimError
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from offload.autoscale.deploy import Deployment
 from offload.autoscale.vault import Vault
 from offload.errors import ConfigError
 
@@ -46,74 +48,32 @@ def parse_duration(value: Any) -> float:
 
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 
-_CRON_RANGES = ((0, 59), (0, 23), (1, 31), (1, 12), (0, 6))
-_NAMES = {
-    3: {m: i + 1 for i, m in enumerate(
-        ["jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"])},
-    4: {d: i for i, d in enumerate(["sun", "mon", "tue", "wed", "thu", "fri", "sat"])},
-}
-
-
 class Cron:
-    """A standard five-field cron expression (minute hour day-of-month month day-of-week), in a time zone.
-
-    Day-of-month and day-of-week follow the usual rule: when both are restricted, either may match."""
+    """A standard five-field cron expression (minute hour day-of-month month day-of-week) in a time zone, read
+    by cronsim (Debian cron's rules, including day-of-month/day-of-week "either matches" and DST: a time skipped
+    by the spring change fires at the first minute after it, a repeated one fires once)."""
 
     def __init__(self, expr: str, tz: str = "UTC") -> None:
-        fields = expr.split()
-        if len(fields) != 5:
+        if len(expr.split()) != 5:
             raise ValueError(f"cron {expr!r} must have 5 fields (minute hour day month weekday)")
-        self.expr = expr
-        self.sets = [self._field(f, i) for i, f in enumerate(fields)]
-        self.sets[4] = {d % 7 for d in self.sets[4]}  # 7 is Sunday too
-        self.dom_any, self.dow_any = fields[2] == "*", fields[4] == "*"
         try:
             self.tz = ZoneInfo(tz)
         except (ZoneInfoNotFoundError, ValueError):
             raise ValueError(f"unknown time zone {tz!r}") from None
-
-    @staticmethod
-    def _field(text: str, index: int) -> set[int]:
-        lo, hi = _CRON_RANGES[index]
-        hi_ok = 7 if index == 4 else hi
-        out: set[int] = set()
-        for part in text.lower().split(","):
-            body, _, step_text = part.partition("/")
-            step = int(step_text) if step_text else 1
-            if step < 1:
-                raise ValueError(f"cron step must be >= 1 in {text!r}")
-            if body == "*":
-                a, b = lo, hi
-            else:
-                a_text, _, b_text = body.partition("-")
-                a_val = _NAMES.get(index, {}).get(a_text) if not a_text.isdigit() else int(a_text)
-                b_val = (_NAMES.get(index, {}).get(b_text) if not b_text.isdigit() else int(b_text)) if b_text \
-                    else (hi if step_text else a_val)
-                if a_val is None or b_val is None or not (lo <= a_val <= hi_ok and lo <= b_val <= hi_ok
-                                                          and a_val <= b_val):
-                    raise ValueError(f"cron field {text!r} is out of range {lo}-{hi}")
-                a, b = a_val, b_val
-            out.update(range(a, b + 1, step))
-        return out
-
-    def matches(self, t: datetime) -> bool:
-        minute, hour, dom, month, dow = self.sets
-        if t.minute not in minute or t.hour not in hour or t.month not in month:
-            return False
-        dom_ok, dow_ok = t.day in dom, (t.weekday() + 1) % 7 in dow
-        if self.dom_any or self.dow_any:
-            return dom_ok and dow_ok
-        return dom_ok or dow_ok
+        try:
+            CronSim(expr, datetime.now(self.tz))
+        except CronSimError as exc:
+            raise ValueError(f"bad cron {expr!r}: {exc}") from None
+        self.expr = expr
 
     def last_fire(self, now: float, lookback: float) -> float | None:
-        """The latest minute at or before `now` (epoch seconds) that matches, searching back `lookback` s."""
-        t = datetime.fromtimestamp(now, self.tz).replace(second=0, microsecond=0)
-        end = t - timedelta(seconds=lookback + 60)
-        while t > end:
-            if self.matches(t):
-                return t.astimezone(UTC).timestamp()
-            t -= timedelta(minutes=1)
-        return None
+        """The latest minute at or before `now` (epoch seconds) that matches, if within `lookback` seconds."""
+        minute = datetime.fromtimestamp(now, self.tz).replace(second=0, microsecond=0)
+        fire = next(CronSim(self.expr, minute + timedelta(minutes=1), reverse=True), None)
+        if fire is None:
+            return None
+        at = fire.timestamp()
+        return at if now - at <= lookback + 60 else None
 
 
 class _Strict(BaseModel):
@@ -170,14 +130,26 @@ class InstanceSpec(_Strict):
     max_price_per_hour: float | None = Field(None, gt=0)
     handler: str | None = Field(None, description="module:function: start `offload worker --handler` with it")
     env: dict[str, str] = Field(default_factory=dict)
+    spot: bool = Field(False, description="rent interruptible machines (RunPod interruptible, Vast.ai bids)")
+    spot_max_price: float | None = Field(None, gt=0, description="the most to pay per hour for a spot machine")
 
     @field_validator("env")
     @classmethod
     def _no_secrets_override(cls, v: dict[str, str]) -> dict[str, str]:
         for name in v:
-            if name in ("OFFLOAD_TOKEN", "OFFLOAD_SERVER", "OFFLOAD_INSTANCE_ID", "OFFLOAD_QUEUE"):
+            if name in RESERVED_ENV or name.startswith("OFFLOAD_GIT_"):
                 raise ValueError(f"{name} is set by the autoscaler and cannot be overridden")
         return v
+
+    @model_validator(mode="after")
+    def _spot_has_a_cap(self) -> InstanceSpec:
+        if self.spot and self.spot_max_price is None:
+            raise ValueError("spot_max_price: required with spot: true (spot machines are rented up to this price)")
+        return self
+
+
+RESERVED_ENV = ("OFFLOAD_TOKEN", "OFFLOAD_SERVER", "OFFLOAD_INSTANCE_ID", "OFFLOAD_QUEUE", "OFFLOAD_WORKDIR",
+                "OFFLOAD_PYTHON")
 
 
 class AutoscaleSettings(_Strict):
@@ -185,14 +157,23 @@ class AutoscaleSettings(_Strict):
 
     enabled: bool = False
     provider: str | None = None
+    providers: list[str] = Field(default_factory=list, description="several providers, in order of preference")
+    choose: Literal["first", "cheapest"] = Field("first", description="which usable provider rents: the first "
+                                                 "in the list, or the one with the lowest current offer")
     min_workers: int = Field(0, ge=0)
     max_workers: int | None = Field(None, ge=1)
+    jobs_per_worker: int | None = Field(None, ge=1, description="ramp in one step to ceil(jobs / jobs_per_worker)")
     poll_interval: Duration = Field(30.0, ge=0.05)
     boot_timeout: Duration = Field(1200.0, gt=0)
+    drain_timeout: Duration = Field(3600.0, gt=0, description="a draining machine is destroyed after this even if "
+                                    "its worker is still busy (a hung handler must not bill forever)")
+    protected_failures: Literal["keep", "destroy"] = Field("keep", description="a protected instance whose worker "
+                                                           "died or never booted: keep it (and alert) or destroy it")
     timezone: str = "UTC"
     scale_up: list[ScaleUp] = Field(default_factory=lambda: [NoWorkers(trigger="no_workers")])  # type: ignore[arg-type]
     scale_down: list[ScaleDown] = Field(default_factory=lambda: [Idle(trigger="idle", timeout=600.0)])  # type: ignore[arg-type]
     instance: InstanceSpec = Field(default_factory=lambda: InstanceSpec.model_validate({}))
+    deployment: Deployment | None = None
     daily_spend_cap: float | None = Field(None, gt=0)
     monthly_spend_cap: float | None = Field(None, gt=0)
 
@@ -205,10 +186,19 @@ class AutoscaleSettings(_Strict):
             raise ValueError(f"unknown time zone {v!r}") from None
         return v
 
+    @field_validator("providers")
+    @classmethod
+    def _distinct(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError("a provider is named twice")
+        return v
+
     @model_validator(mode="after")
     def _consistent(self) -> AutoscaleSettings:
-        if self.enabled and not self.provider:
-            raise ValueError("provider: required when autoscaling is enabled")
+        if self.provider and self.providers:
+            raise ValueError("providers: set either provider or providers, not both")
+        if self.enabled and not self.names:
+            raise ValueError("provider: required when autoscaling is enabled (or providers: [a, b])")
         if self.enabled and self.max_workers is None:
             raise ValueError("max_workers: required when autoscaling is enabled (>= 1)")
         if self.max_workers is not None and self.min_workers > self.max_workers:
@@ -216,7 +206,14 @@ class AutoscaleSettings(_Strict):
         for i, t in enumerate(self.scale_up):
             if isinstance(t, UpSchedule) and self.max_workers is not None and t.workers > self.max_workers:
                 raise ValueError(f"scale_up.{i}.workers: {t.workers} is above max_workers ({self.max_workers})")
+        if self.deployment is not None and self.instance.handler:
+            raise ValueError("instance.handler: set the handler in deployment.handler only")
         return self
+
+    @property
+    def names(self) -> list[str]:
+        """The providers, in order of preference."""
+        return [self.provider] if self.provider else list(self.providers)
 
     @property
     def limit(self) -> int:
@@ -226,6 +223,28 @@ class AutoscaleSettings(_Strict):
         up = [(Cron(t.cron, self.timezone), t) for t in self.scale_up if isinstance(t, UpSchedule)]
         down = [Cron(t.cron, self.timezone) for t in self.scale_down if isinstance(t, DownSchedule)]
         return up, down
+
+
+def autoscale_errors(data: Any, where: str = "autoscale") -> list[tuple[str, str]]:
+    """Every problem of an autoscale block as (field path, message), e.g. ("q.scale_up.1.threshold", "Field
+    required"): the API answers with all of them, so a form can show each one at its field."""
+    try:
+        AutoscaleSettings.model_validate(data)
+    except ValidationError as exc:
+        return [_located(e, where) for e in exc.errors()]
+    return []
+
+
+def _located(error: Any, where: str) -> tuple[str, str]:
+    loc = [str(p) for p in error["loc"] if not str(p).startswith(("function-", "tagged-union"))]
+    # the trigger union adds the tag as a path element: keep "scale_up.1.threshold", drop "queue_depth"
+    loc = [p for p in loc if p not in ("no_workers", "queue_depth", "latency", "schedule", "idle")]
+    msg = str(error["msg"]).removeprefix("Value error, ")
+    field = ".".join([where, *loc])
+    if ":" in msg and msg.split(":", 1)[0].replace(".", "_").isidentifier():  # a model check names its field
+        name, rest = msg.split(":", 1)
+        field, msg = ".".join([where, *loc, name]), rest.strip()
+    return field, msg
 
 
 SEALED = "sealed"  # an instance.env value stored encrypted: {"sealed": "<vault token>"}
@@ -258,16 +277,26 @@ def validate_autoscale(data: Any, where: str = "autoscale") -> AutoscaleSettings
     try:
         return AutoscaleSettings.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = [str(p) for p in first["loc"] if not str(p).startswith(("function-", "tagged-union"))]
-        # the trigger union adds the tag as a path element: keep "scale_up.1.threshold", drop "queue_depth"
-        loc = [p for p in loc if p not in ("no_workers", "queue_depth", "latency", "schedule", "idle")]
-        msg = first["msg"].removeprefix("Value error, ")
-        field = ".".join([where, *loc])
-        if ":" in msg and not loc and msg.split(":", 1)[0].isidentifier():  # model-level check names its field
-            name, rest = msg.split(":", 1)
-            field, msg = f"{where}.{name}", rest.strip()
+        field, msg = _located(exc.errors()[0], where)
         raise ConfigError(f"{field}: {msg}") from None
+
+
+def yaml_blocks(settings: Any) -> dict[str, dict[str, Any]]:
+    """Each queue's autoscale block from offload.yaml (`settings`: offload.config.Settings), with the guide's layout
+    accepted too: `deployment:` next to `autoscale:` in the queue. It belongs to the autoscale block (the API and
+    the dashboard edit it there), so it may be set in one place only."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, q in settings.queues.items():
+        block, deployment, where = q.autoscale, q.deployment, f"queues.{name}"
+        if deployment is not None:
+            if block is None:
+                raise ConfigError(f"{where}.deployment: a deployment needs an autoscale block to rent machines for it")
+            if "deployment" in block:
+                raise ConfigError(f"{where}.deployment: also set in {where}.autoscale.deployment; keep one")
+            block = {**block, "deployment": deployment}
+        if block is not None:
+            out[name] = block
+    return out
 
 
 class ServerSide(_Strict):

@@ -7,11 +7,14 @@
   inside the create call leaves a record a successor reconciles by the machine's `offload-<id>` label);
 - booting: the provider reports the machine up, no worker has registered yet;
 - running: a worker registered with OFFLOAD_INSTANCE_ID = this id;
-- draining: the worker was asked to stop claiming; destroyed once it has nothing in flight.
+- draining: the worker was asked to stop claiming; destroyed once it has nothing in flight (or after the
+  queue's drain_timeout). A drain is cancelled (back to running) when load returns before the teardown.
 
 Teardown is orthogonal to status: `teardown=pending` is written before the provider's destroy call and only
 becomes `done` when the provider confirms, so a failed call or a restart leaves a journal entry that the next
-evaluation retries. An instance leaves the live set only then.
+evaluation retries. `teardown=kept` is a failed instance the operator protected: it stays billed (and counted
+against max_workers) until unprotected, then its teardown is journaled like any other. An instance leaves the
+live set only once its teardown is done.
 
 Every write of the scaler carries its fencing token; the script refuses it (FENCED) if another server has
 become leader meanwhile, so a paused ex-leader cannot overwrite its successor's decisions.
@@ -34,7 +37,7 @@ TRANSITIONS: dict[str, tuple[str, ...]] = {
     "provisioning": ("booting", "running", "failed", "draining"),
     "booting": ("running", "failed", "draining"),
     "running": ("draining", "failed"),
-    "draining": ("terminated", "failed"),
+    "draining": ("terminated", "failed", "running"),  # running again: the drain was cancelled
     "terminated": (),
     "failed": (),
 }
@@ -97,7 +100,7 @@ class Instance:
     last_seen_at: float = 0.0
     last_task_at: float = 0.0
     drain_at: float = 0.0
-    teardown: str = ""  # "" | pending | done
+    teardown: str = ""  # "" | pending | done | kept (failed, but protected: not destroyed)
     teardown_at: float = 0.0
     teardown_attempts: int = 0
     teardown_error: str = ""
@@ -109,6 +112,8 @@ class Instance:
     host: str = ""
     gpu: str = ""
     in_flight: int = 0
+    spot: bool = False  # interruptible / bid rental
+    drain_reason: str = ""  # idle | schedule | disabled | spend cap
 
     @property
     def protected(self) -> bool:
@@ -116,7 +121,7 @@ class Instance:
 
     @property
     def live(self) -> bool:
-        return self.status not in ("terminated", "failed") or self.teardown == "pending"
+        return self.status not in ("terminated", "failed") or self.teardown in ("pending", "kept")
 
     @classmethod
     def from_hash(cls, h: dict[str, str]) -> Instance:
@@ -187,7 +192,7 @@ class InstanceStore:
         changes["updated_at"] = now
         leaving = False
         merged = {**inst.to_dict(), **changes}
-        if merged["status"] in ("terminated", "failed") and merged["teardown"] != "pending":
+        if merged["status"] in ("terminated", "failed") and merged["teardown"] not in ("pending", "kept"):
             leaving = True
         await self._write(inst.id, fence, ",".join(expect or ()), changes, live="remove" if leaving else "")
         for k, v in changes.items():
@@ -197,15 +202,20 @@ class InstanceStore:
         h = await self.redis.hgetall(keys.instance(instance_id))
         return Instance.from_hash(h) if h else None
 
+    async def _many(self, ids: list[str]) -> list[Instance]:
+        if not ids:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for i in ids:
+            pipe.hgetall(keys.instance(i))
+        return [Instance.from_hash(h) for h in await pipe.execute() if h]
+
     async def live(self) -> list[Instance]:
         ids = sorted(await self.redis.smembers(keys.LIVE))
-        found = [await self.get(i) for i in ids]
-        return sorted((i for i in found if i is not None), key=lambda i: i.created_at)
+        return sorted(await self._many(ids), key=lambda i: (i.created_at, i.id))
 
     async def recent(self, limit: int = 200) -> list[Instance]:
-        ids = await self.redis.zrevrange(keys.ALL, 0, limit - 1)
-        found = [await self.get(i) for i in ids]
-        return [i for i in found if i is not None]
+        return await self._many(list(await self.redis.zrevrange(keys.ALL, 0, limit - 1)))
 
     async def forget_before(self, cutoff: float, limit: int = 1000) -> int:
         """Delete finished instance records created before `cutoff` (history retention); live ones stay."""

@@ -15,6 +15,8 @@ LIVE = P + "live"  # instance ids not yet finished (status not final, or teardow
 ALL = P + "all"  # every instance id, scored by creation time (ms), for status and history
 EVENTS = P + "events"
 QUEUE_CONFIGS = P + "cfgs"  # queues with an autoscale block set through the API
+DECIDED = P + "decided"  # queues the autoscaler has evaluated (each has a `why:<queue>` record)
+CREDENTIALS = P + "creds"  # names of the vault credentials (private git repositories)
 
 
 def provider(name: str) -> str:
@@ -31,6 +33,15 @@ def queue_state(queue: str) -> str:
 
 def queue_config(queue: str) -> str:
     return P + f"cfg:{queue}"
+
+
+def decision(queue: str) -> str:
+    """The queue's last evaluation: desired count, the triggers behind it, backoffs, the provider chosen."""
+    return P + f"why:{queue}"
+
+
+def credential(name: str) -> str:
+    return P + f"cred:{name}"
 
 
 def avoid(provider_name: str) -> str:

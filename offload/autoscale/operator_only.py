@@ -21,7 +21,15 @@ from typing import Any
 from offload.errors import OffloadError
 
 HOST_PROVIDER_TYPES = frozenset({"local"})  # provider types whose machines are processes on this host
-HOST_COMMAND_FIELDS = ("instance.handler", "instance.env")  # dotted paths in a queue's autoscale block
+# dotted paths in a queue's autoscale block; a deployment clones and runs a repository's code wherever it goes
+HOST_COMMAND_FIELDS = (
+    "instance.handler",
+    "instance.env",
+    "deployment.git_url",
+    "deployment.setup_cmd",
+    "deployment.handler",
+    "deployment.startup_cmd",
+)
 WHERE = "set it in offload.yaml or with the `offload` CLI on the server's host (direct Redis access)"
 
 

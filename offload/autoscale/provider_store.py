@@ -1,7 +1,8 @@
 """Named provider configurations in Redis, credentials encrypted (see vault.py) and masked when read back.
 
 Secret fields (each provider type declares them, e.g. `api_key`) are split off and stored as one AES-GCM
-blob; everything else is plain JSON so `providers list` works without the master key. Reading back shows
+blob; everything else is plain JSON so `providers list` works without the master key. A type without secrets
+(`mock`, `local`) needs no master key at all. Reading back shows
 `****` plus the last four characters. Saving with a secret missing or still masked keeps the stored value,
 so a form (or `providers update`) never has to retype a key it did not mean to change, except when the
 update moves the provider to another endpoint (`base_url`): the stored key would then be sent to a host it
@@ -54,9 +55,9 @@ class ProviderRecord:
                 "updated_at": self.updated_at}
 
 
-def _check_name(name: str) -> str:
+def check_name(name: str, what: str = "provider") -> str:
     if not name or len(name) > 64 or not set(name.lower()) <= NAME_CHARS:
-        raise ConfigError(f"name: invalid provider name {name!r} (1-64 of a-z 0-9 - _ .)")
+        raise ConfigError(f"name: invalid {what} name {name!r} (1-64 of a-z 0-9 - _ .)")
     return name
 
 
@@ -71,18 +72,22 @@ class ProviderStore:
             self.vault = Vault.from_env()
         return self.vault
 
+    def _vault_for(self, kind: str) -> Vault | None:
+        """The vault, for a type that has secrets (refusing without a master key); None for one that has none."""
+        return self._need_vault() if kind in TYPES and TYPES[kind].secret_fields else None
+
     async def create(self, name: str, kind: str, config: dict[str, Any]) -> ProviderRecord:
-        vault = self._need_vault()  # refuse before anything is stored
-        _check_name(name)
+        check_name(name)
         validate_config(kind, config)
+        vault = self._vault_for(kind)  # refuse before anything is stored
         if await self.redis.exists(keys.provider(name)):
             raise ConfigError(f"name: a provider named {name!r} exists (use update)")
         await self._save(vault, name, kind, config, created=None)
         return await self.get(name)
 
     async def update(self, name: str, changes: dict[str, Any]) -> ProviderRecord:
-        vault = self._need_vault()
         raw = await self._raw(name)
+        vault = self._vault_for(raw["type"])
         current = self._decrypt(vault, name, raw)
         merged = dict(current)
         kind = TYPES[raw["type"]]
@@ -103,14 +108,16 @@ class ProviderStore:
         await self._save(vault, name, raw["type"], merged, created=int(raw["created_at"]))
         return await self.get(name)
 
-    async def _save(self, vault: Vault, name: str, kind: str, config: dict[str, Any], created: int | None) -> None:
+    async def _save(self, vault: Vault | None, name: str, kind: str, config: dict[str, Any],
+                    created: int | None) -> None:
         secret_names = TYPES[kind].secret_fields
         secrets = {k: v for k, v in config.items() if k in secret_names and v is not None}
         plain = {k: v for k, v in config.items() if k not in secret_names}
         now = int(time.time() * 1000)
+        sealed = vault.encrypt(orjson.dumps(secrets).decode(), f"provider:{name}") if vault is not None else ""
         await self.redis.hset(keys.provider(name), mapping={
             "type": kind, "config": orjson.dumps(plain),
-            "secrets": vault.encrypt(orjson.dumps(secrets).decode(), f"provider:{name}"),
+            "secrets": sealed,
             "secret_fields": ",".join(sorted(secrets)), "created_at": created or now, "updated_at": now,
         })
         await self.redis.sadd(keys.PROVIDERS, name)
@@ -121,12 +128,14 @@ class ProviderStore:
             raise ProviderNotFound(f"no provider named {name!r}")
         return raw
 
-    def _decrypt(self, vault: Vault, name: str, raw: dict[str, str]) -> dict[str, Any]:
+    def _decrypt(self, vault: Vault | None, name: str, raw: dict[str, str]) -> dict[str, Any]:
         config: dict[str, Any] = orjson.loads(raw["config"])
-        plain = vault.decrypt(raw["secrets"], f"provider:{name}")
-        config.update(orjson.loads(plain))
-        if Vault.outdated(raw["secrets"]):
-            self._pending.append((name, raw["secrets"], vault.encrypt(plain, f"provider:{name}")))
+        if raw.get("secrets"):  # a mock provider holds no secret and needs no vault
+            vault = vault or self._need_vault()
+            plain = vault.decrypt(raw["secrets"], f"provider:{name}")
+            config.update(orjson.loads(plain))
+            if Vault.outdated(raw["secrets"]):
+                self._pending.append((name, raw["secrets"], vault.encrypt(plain, f"provider:{name}")))
         return config
 
     async def _upgrade(self) -> None:
@@ -138,7 +147,7 @@ class ProviderStore:
     async def get(self, name: str, *, reveal: bool = False) -> ProviderRecord:
         raw = await self._raw(name)
         if reveal:
-            config = self._decrypt(self._need_vault(), name, raw)
+            config = self._decrypt(self.vault, name, raw)
         else:
             config = orjson.loads(raw["config"])
             if raw.get("secret_fields"):
@@ -159,6 +168,11 @@ class ProviderStore:
             except ProviderNotFound:
                 await self.redis.srem(keys.PROVIDERS, name)
         return out
+
+    async def type_of(self, name: str) -> str | None:
+        """The provider's type, without reading any secret (None: no such provider)."""
+        kind: str | None = await self.redis.hget(keys.provider(name), "type")
+        return kind
 
     async def delete(self, name: str) -> None:
         await self._raw(name)

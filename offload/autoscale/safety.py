@@ -22,6 +22,7 @@ HOST_AVOID = 86_400.0
 HOST_PAUSE_BASE = 30.0
 HOST_PAUSE_CAP = 600.0
 PROVISION_GRACE = 120.0  # a provisioning record with no machine id: wait this long for it to show at the provider
+TEARDOWN_ALERT_AFTER = 3  # failed destroy calls of one machine before an alert (it may still bill)
 
 
 def spared(inst: Instance, now: float, recent: float = RECENT_TASK) -> str | None:

@@ -1,14 +1,15 @@
 """The autoscaler loop: one leader (Redis lock + fencing token) evaluates each queue every poll_interval.
 
 One evaluation of a queue:
-1. list the provider's `offload-…` machines once, read the worker registry and the queue's events;
-2. reconcile every live instance (reconcile.sync): worker correlation, provider-reported failures,
-   boot timeout, lost heartbeats, drain completion;
-3. decide (triggers.py) and act: rent what the scale-up triggers ask for, unless a backoff, the spend cap,
-   missing prerequisites or a booting instance says wait; drain what the scale-down triggers allow, sparing
-   busy, recently active and protected workers (safety.spared);
+1. list the providers' `offload-…` machines once, read the worker registry and the queue's events;
+2. reconcile every live instance (reconcile.sync): worker correlation, provider-reported failures and
+   pre-emptions, boot timeout, lost heartbeats, drain completion and drain timeout;
+3. decide (triggers.py) the desired count and act: cancel idle drains and rent (rent.py) up to it, within
+   max_workers counted over every machine still billed (draining and failing ones too), unless a backoff, the
+   spend cap or missing prerequisites say wait; or drain (drain.py) what the scale-down rules allow;
 4. carry out the teardown journal (reconcile.teardown) until the provider confirms;
-5. accrue cost. Every few minutes, sweep each provider for orphans.
+5. accrue cost, and record the decision and its reasons (`offload autoscale status` shows them). Every few
+   minutes, sweep each provider for orphans.
 
 Time comes from an injectable clock, so a whole day of load runs in a test in seconds.
 """
@@ -25,17 +26,23 @@ from typing import Any
 
 import orjson
 
-from offload.autoscale import keys, reconcile
+from offload.autoscale import drain, keys, reconcile, rent
 from offload.autoscale.alerts import Alerter, alert_settings
-from offload.autoscale.config import AutoscaleSettings, ServerSide, open_env, server_side, validate_autoscale
-from offload.autoscale.instances import ACTIVE, Fenced, Instance, InstanceStore, StaleState, log_event, new_instance_id
+from offload.autoscale.config import (
+    AutoscaleSettings,
+    ServerSide,
+    open_env,
+    server_side,
+    validate_autoscale,
+    yaml_blocks,
+)
+from offload.autoscale.instances import ACTIVE, Fenced, Instance, InstanceStore, StaleState
 from offload.autoscale.leader import Leader
-from offload.autoscale.operator_only import WHERE, host_commands, runs_on_host
 from offload.autoscale.provider_store import ProviderStore
-from offload.autoscale.providers import TYPES, LaunchSpec, Machine, Provider, ProviderError, build
-from offload.autoscale.safety import RECENT_TASK, provision_backoff, spared
-from offload.autoscale.state import QueueState, spend
-from offload.autoscale.triggers import QueueLoad, down_fire, idle_since, idle_timeout, scale_up
+from offload.autoscale.providers import TYPES, Machine, Provider, build
+from offload.autoscale.safety import RECENT_TASK
+from offload.autoscale.state import QueueState, save_decision
+from offload.autoscale.triggers import QueueLoad, scale_up
 from offload.autoscale.workers import RedisWorkers, WorkerInfo, WorkerSource
 from offload.config import Settings
 from offload.errors import ConfigError
@@ -45,14 +52,23 @@ from offload.redact import Redactor
 log = logging.getLogger("offload.autoscale")
 Clock = Any
 HISTORY_DAYS = 30  # finished instance records are kept this long (status history, cost audit)
+Listings = dict[str, tuple[bool, list[Machine]]]
 
 
 class Autoscaler:
     def __init__(
-        self, redis: Any, settings: Settings | None = None, *, clock: Clock = time.time, owner: str | None = None,
-        workers: WorkerSource | None = None, providers: ProviderStore | None = None,
-        alerter: Alerter | None = None, server_url: str | None = None,
-        provider_override: dict[str, Provider] | None = None, drain_settle: float | None = None,
+        self,
+        redis: Any,
+        settings: Settings | None = None,
+        *,
+        clock: Clock = time.time,
+        owner: str | None = None,
+        workers: WorkerSource | None = None,
+        providers: ProviderStore | None = None,
+        alerter: Alerter | None = None,
+        server_url: str | None = None,
+        provider_override: dict[str, Provider] | None = None,
+        drain_settle: float | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
         self.redis = redis
@@ -75,21 +91,22 @@ class Autoscaler:
         self._cache: dict[str, tuple[int, Provider]] = {}
         self._next: dict[str, float] = {}
         self._next_sweep = 0.0
-        self.from_api: set[str] = set()  # queues whose block was set over the HTTP API (not offload.yaml)
+        self.sources: dict[str, str] = {}  # queue -> where its block came from: "offload.yaml" or "api"
         self.unreadable: set[str] = set()  # API-set blocks that cannot be decrypted here: not evaluated
         self.provider_calls = 0  # calls this process made to providers (the two-server test counts them)
 
     # -- configuration ---------------------------------------------------------------------------
 
     async def configs(self) -> dict[str, AutoscaleSettings]:
-        """offload.yaml's autoscale blocks, overridden by any set through the API (stored in Redis)."""
+        """offload.yaml's autoscale blocks, overridden by any set through the API (stored in Redis). Where each
+        came from is kept in `self.sources` (a block set over the API may not run commands on this host)."""
         out: dict[str, AutoscaleSettings] = {}
-        for name, q in self.settings.queues.items():
-            if q.autoscale is not None:
-                out[name] = validate_autoscale(q.autoscale, f"queues.{name}.autoscale")
+        for name, block in yaml_blocks(self.settings).items():
+            out[name] = validate_autoscale(block, f"queues.{name}.autoscale")
+            self.sources[name] = "offload.yaml"
         names = sorted(await self.redis.smembers(keys.QUEUE_CONFIGS))
         raws = await self.redis.mget([keys.queue_config(q) for q in names]) if names else []
-        self.from_api, self.unreadable = set(), set()
+        self.unreadable = set()
         for queue, raw in zip(names, raws, strict=True):
             if raw:
                 try:
@@ -99,7 +116,7 @@ class Autoscaler:
                     self.unreadable.add(queue)
                     continue
                 out[queue] = validate_autoscale(block, f"queues.{queue}.autoscale")
-                self.from_api.add(queue)
+                self.sources[queue] = "api"
         for cfg in out.values():
             self.redact.add(*cfg.instance.env.values())
         return out
@@ -166,7 +183,7 @@ class Autoscaler:
                 await self.alerter.monitor(self.store, await self.store.queues())
         return True
 
-    async def _listing(self, name: str, listings: dict[str, tuple[bool, list[Machine]]]) -> tuple[bool, list[Machine]]:
+    async def listing(self, name: str, listings: Listings) -> tuple[bool, list[Machine]]:
         """The provider's machines, once per tick. (False, []) when the call failed: no conclusions then."""
         if name not in listings:
             try:
@@ -181,13 +198,20 @@ class Autoscaler:
                 listings[name] = (False, [])
         return listings[name]
 
-    async def evaluate(self, queue: str, cfg: AutoscaleSettings, insts: list[Instance], workers: list[WorkerInfo],
-                       listings: dict[str, tuple[bool, list[Machine]]], now: float) -> None:
+    async def evaluate(
+        self,
+        queue: str,
+        cfg: AutoscaleSettings,
+        insts: list[Instance],
+        workers: list[WorkerInfo],
+        listings: Listings,
+        now: float,
+    ) -> None:
         qs = await QueueState.load(self.redis, queue)
         by_instance = {w.instance_id: w for w in workers if w.instance_id}
         touched = await self.workers.touched(queue)
         for inst in insts:
-            listed, machines = await self._listing(inst.provider, listings)
+            listed, machines = await self.listing(inst.provider, listings)
             by_id = {m.provider_id: m for m in machines}
             by_label = {m.label: m for m in machines}
             machine = by_id.get(inst.provider_id) if inst.provider_id else by_label.get(inst.label)
@@ -200,29 +224,95 @@ class Autoscaler:
             except StaleState as exc:
                 log.info("instance %s moved meanwhile: %s", inst.id, exc)
         await self._teardowns(insts, listings, now)
-        active = [i for i in insts if i.status in ACTIVE and i.teardown != "pending"]
-        fresh = [w for w in workers if queue in w.queues and now - w.last_heartbeat < self.server.heartbeat_timeout]
-        stats = await self.store.stats(queue)
-        load = QueueLoad(
-            pending=0 if stats.paused else stats.counts.get("queued", 0),
-            oldest_age=None if stats.paused or stats.oldest_ready_age_ms is None else stats.oldest_ready_age_ms / 1000,
-            live_workers=max(len(fresh), stats.workers), paused=stats.paused,
-        )
+        insts = [i for i in insts if i.live]
+        active = [i for i in insts if i.status in ACTIVE and not i.teardown]
+        draining = [i for i in insts if i.status == "draining" and not i.teardown]
+        load = await self._load(queue, insts, workers, now)
         decision = scale_up(cfg, load, active, now, qs.last_down_fire)
+        target, floor = decision.target, decision.floor
+        plan: dict[str, Any] = {
+            "at": now,
+            "enabled": cfg.enabled,
+            "active": len(active),
+            "billed": len(insts),
+            "draining": len(draining),
+            "pending": load.pending,
+            "in_flight": load.in_flight,
+            "live_workers": load.live_workers,
+            "reasons": decision.reasons,
+        }
+        capped = {dry: await rent.cap_reached(self, queue, cfg, insts, now, dry_run=dry) for dry in (False, True)}
+        kinds = {(await self._kind(name)) == "mock" for name in cfg.names}
+        mode = ""
         if not cfg.enabled:
-            decision.target = 0
-        add = decision.target - len(active)
-        if add > 0:
-            await self._provision(queue, cfg, qs, add, decision.reasons, now)
-        elif not decision.demand:
-            await self._scale_down(queue, cfg, qs, active, decision.floor if cfg.enabled else 0, listings, now)
+            target = floor = 0
+            mode = "disabled"
+        elif kinds and all(capped[k] for k in kinds):
+            target = floor = 0
+            mode = "spend cap"
+            await self.alerter.alert("spend_cap_reached", queue, next(m for m in capped.values() if m) or "")
+            plan["held"] = next(m for m in capped.values() if m)
+        plan.update(desired=target, floor=floor)
+        short = target - len(active)
+        if short > 0:
+            undrained = await drain.cancel(self, draining, short, now)
+            want, room = short - undrained, cfg.limit - len(insts)
+            if undrained:
+                plan["undrained"] = undrained
+            if want > 0 and room <= 0:
+                plan["held"] = (
+                    f"max_workers {cfg.limit} reached: {len(insts)} machine(s) billed "
+                    f"({len(active)} active, {len(draining)} draining, "
+                    f"{len(insts) - len(active) - len(draining)} failed, not yet destroyed)"
+                )
+            elif want > 0:
+                await rent.provision(
+                    self,
+                    queue,
+                    cfg,
+                    qs,
+                    min(want, room),
+                    decision.reasons,
+                    insts,
+                    now,
+                    plan,
+                    self.sources.get(queue, "offload.yaml"),
+                )
+        elif decision.held:
+            plan["held"] = "a machine is booting: queue_depth and latency hold the count"
+        if mode or (short <= 0 and not decision.demand):
+            fleet = [i for i in active if mode != "spend cap" or capped[i.provider_type == "mock"]]
+            await drain.scale_down(self, queue, cfg, qs, fleet, floor, listings, now, plan, mode=mode)
+        await save_decision(self.redis, queue, plan)
 
-    async def _teardowns(self, insts: list[Instance], listings: dict[str, tuple[bool, list[Machine]]],
-                         now: float) -> None:
+    async def _load(self, queue: str, insts: list[Instance], workers: list[WorkerInfo], now: float) -> QueueLoad:
+        """The queue's load. A worker counts as live only if it heart-beats, is not draining and its instance is
+        not retired: a draining or failed machine's worker takes no new work (so no_workers must fire)."""
+        stats = await self.store.stats(queue)
+        retired = {i.id for i in insts if i.status not in ACTIVE or i.teardown}
+        serving = [w for w in workers if queue in w.queues and now - w.last_heartbeat < self.server.heartbeat_timeout]
+        live = [w for w in serving if not w.draining and (w.instance_id is None or w.instance_id not in retired)]
+        dispatch = await self.workers.dispatch_workers(queue, now, {w.id for w in workers})
+        counts = stats.counts
+        return QueueLoad(
+            pending=0 if stats.paused else counts.get("queued", 0),
+            oldest_age=None if stats.paused or stats.oldest_ready_age_ms is None else stats.oldest_ready_age_ms / 1000,
+            live_workers=len(live) + dispatch,
+            paused=stats.paused,
+            in_flight=counts.get("active", 0) + counts.get("submitted", 0),
+        )
+
+    async def _kind(self, name: str) -> str:
+        try:
+            return (await self.provider(name)).type
+        except Exception:
+            return ""
+
+    async def _teardowns(self, insts: list[Instance], listings: Listings, now: float) -> None:
         for inst in insts:
             if inst.teardown != "pending":
                 continue
-            listed, machines = await self._listing(inst.provider, listings)
+            listed, machines = await self.listing(inst.provider, listings)
             try:
                 provider = await self.provider(inst.provider)
             except Exception as exc:
@@ -237,176 +327,6 @@ class Autoscaler:
         except Exception:
             return False
         return bool(getattr(getattr(provider, "config", None), "allow_worker_protect", False))
-
-    # -- scaling up ------------------------------------------------------------------------------
-
-    async def _prerequisites(self, provider: Provider, queue: str, cfg: AutoscaleSettings) -> str | None:
-        """Why renting must not happen (None: fine). The admin key never goes to a rented machine, and an
-        API-set block never runs its commands on this host (see operator_only.py)."""
-        if queue in self.from_api and runs_on_host(provider.type) and (fields := host_commands(cfg.model_dump())):
-            return (f"{fields[0]} of an autoscale block set over the HTTP API would run on the server's own host "
-                    f"(provider type {provider.type!r}): {WHERE}")
-        key = self.server.worker_key
-        if provider.real and not self.server.public_url:
-            return "autoscaler.public_url (OFFLOAD_PUBLIC_URL) is not set: a rented machine could not reach us"
-        if provider.type != "mock" and not key:
-            return "autoscaler.worker_key (OFFLOAD_WORKER_API_KEY) is not set: rented machines need a worker key"
-        if key and key == self.env.get("OFFLOAD_ADMIN_KEY"):
-            return "autoscaler.worker_key is the admin key: refusing to send it to a rented machine"
-        if provider.type == "local" and not (self.server.public_url or self.server_url):
-            return "no server URL for local workers (set autoscaler.public_url)"
-        if key and provider.type != "mock":  # the mock ships nothing anywhere
-            return await self._worker_key_problem(key, queue)
-        return None
-
-    async def _worker_key_problem(self, token: str, queue: str) -> str | None:
-        """The key a machine receives must be a live worker key covering the queue: never an admin, producer
-        or viewer key, never one that was revoked (the machine would only loop on 401s)."""
-        from offload.server.keys import KeyStore  # lazy: the server's routes import this module
-
-        key = await KeyStore(self.redis).authenticate(token)
-        what = "autoscaler.worker_key (OFFLOAD_WORKER_API_KEY)"
-        if key is None:
-            return f"{what} is not a valid API key (unknown or revoked): create one with `offload keys create " \
-                   f"--scope worker --queues {queue}`"
-        if key.scope != "worker":
-            return f"{what} is a {key.scope} key: rented machines only ever get a worker-scoped key"
-        if not key.covers(queue):
-            return f"{what} does not cover queue {queue!r}"
-        return None
-
-    async def _provision(self, queue: str, cfg: AutoscaleSettings, qs: QueueState, n: int, reasons: list[str],
-                         now: float) -> None:
-        assert cfg.provider is not None
-        try:
-            provider = await self.provider(cfg.provider)
-        except Exception as exc:
-            await self.alerter.alert("autoscale_failure", queue, f"queue {queue}: provider {cfg.provider!r} is "
-                                     f"unusable: {self.why(exc)}")
-            return
-        if why := await self._prerequisites(provider, queue, cfg):
-            await self.alerter.alert("autoscale_failure", queue, f"queue {queue}: not renting: {why}")
-            return
-        until, why_paused = qs.paused_until()
-        if until > now:
-            if qs.last_reason != why_paused:
-                await qs.save(self.redis, queue, last_reason=why_paused)
-                await log_event(self.redis, now, "backoff", f"{queue}: renting paused {until - now:.0f}s after "
-                                f"{why_paused}", queue=queue)
-            return
-        if blocked := await self._over_cap(queue, cfg, now):
-            await self.alerter.alert("spend_cap_reached", queue, blocked)
-            return
-        avoid = await reconcile.avoided_hosts(self, cfg.provider, now)
-        for _ in range(n):
-            if not await self._rent_one(queue, cfg, provider, qs, avoid, reasons, now):
-                break
-
-    async def _over_cap(self, queue: str, cfg: AutoscaleSettings, now: float) -> str | None:
-        if cfg.daily_spend_cap is None and cfg.monthly_spend_cap is None:
-            return None
-        today, month, _ = await spend(self.redis, queue, now)
-        if cfg.daily_spend_cap is not None and today >= cfg.daily_spend_cap:
-            return f"queue {queue}: daily spend cap ${cfg.daily_spend_cap:.2f} reached (${today:.2f}); not renting"
-        if cfg.monthly_spend_cap is not None and month >= cfg.monthly_spend_cap:
-            return f"queue {queue}: monthly spend cap ${cfg.monthly_spend_cap:.2f} reached (${month:.2f}); not renting"
-        return None
-
-    async def _rent_one(self, queue: str, cfg: AutoscaleSettings, provider: Provider, qs: QueueState,
-                        avoid: set[str], reasons: list[str], now: float) -> bool:
-        spec_cfg = cfg.instance
-        inst = Instance(id=new_instance_id(), queue=queue, provider=provider.name, provider_type=provider.type,
-                        status="provisioning", created_at=now, updated_at=now, gpu=spec_cfg.gpu or "",
-                        price=spec_cfg.max_price_per_hour or 0.0)
-        inst.label = f"offload-{inst.id}"
-        env = {"OFFLOAD_QUEUE": queue, "OFFLOAD_INSTANCE_ID": inst.id, **spec_cfg.env}
-        if url := self.server.public_url or self.server_url:
-            env["OFFLOAD_SERVER"] = url
-        if self.server.worker_key:
-            env["OFFLOAD_TOKEN"] = self.server.worker_key
-        command = ["offload", "worker", "--handler", spec_cfg.handler, "--queue", queue] if spec_cfg.handler else None
-        spec = LaunchSpec(label=inst.label, queue=queue, image=spec_cfg.image, gpu=spec_cfg.gpu,
-                          gpu_count=spec_cfg.gpu_count, disk_gb=spec_cfg.disk_gb,
-                          max_price_per_hour=spec_cfg.max_price_per_hour, env=env, handler=spec_cfg.handler,
-                          command=command, avoid_hosts=avoid)
-        await self.instances.create(inst, self.leader.token)  # the journal entry, before the provider call
-        await log_event(self.redis, now, "provisioning", f"{inst.id}: renting for {queue} ({'; '.join(reasons)})",
-                        instance=inst.id, queue=queue)
-        try:
-            await self.leader.check()
-            self.provider_calls += 1
-            machine = await provider.create(spec)
-        except ProviderError as exc:
-            if exc.ambiguous:  # may exist: reconcile adopts it by label, or fails it after the grace period
-                await log_event(self.redis, now, "ambiguous", f"{inst.id}: {self.why(exc)}", instance=inst.id,
-                                queue=queue)
-                return False
-            failures = qs.prov_failures + 1
-            pause = provision_backoff(cfg.poll_interval, failures)
-            await qs.save(self.redis, queue, prov_failures=failures, prov_until=now + pause)
-            await reconcile.fail(self, inst, f"provisioning failed: {self.why(exc)}", now, destroy=False)
-            await self.alerter.alert("autoscale_failure", queue, f"queue {queue}: renting failed ({self.why(exc)}); "
-                                     f"retrying in {pause:.0f}s")
-            return False
-        changes: dict[str, Any] = {"provider_id": machine.provider_id, "host": machine.host_id or "",
-                                   "accrued_at": now}
-        if machine.price_per_hour:
-            changes.update(price=float(machine.price_per_hour), price_reported=True)
-        await self.instances.update(inst, self.leader.token, now, **changes)
-        if qs.prov_failures:
-            await qs.save(self.redis, queue, prov_failures=0, prov_until=0.0)
-        log.info("rented %s for %s: %s at %s", inst.id, queue, machine.provider_id, provider.name)
-        return True
-
-    # -- scaling down ----------------------------------------------------------------------------
-
-    async def _scale_down(self, queue: str, cfg: AutoscaleSettings, qs: QueueState, active: list[Instance],
-                          target: int, listings: dict[str, tuple[bool, list[Machine]]], now: float) -> None:
-        fire = down_fire(cfg, now, max(cfg.poll_interval * 2, 120.0))
-        if fire is not None and fire > qs.last_down_fire:
-            await qs.save(self.redis, queue, last_down_fire=fire, down_pending=1)
-            await log_event(self.redis, now, "schedule", f"{queue}: scale-down schedule fired", queue=queue)
-        candidates: list[Instance] = []
-        floor = target
-        if qs.down_pending:
-            floor = cfg.min_workers
-            if len(active) <= floor:
-                await qs.save(self.redis, queue, down_pending=0)
-            candidates = sorted(active, key=lambda i: (i.status == "running", i.created_at))
-        else:
-            timeout = idle_timeout(cfg)
-            if timeout is not None:
-                candidates = sorted((i for i in active if i.status == "running" and now - idle_since(i) >= timeout),
-                                    key=lambda i: i.created_at)
-        excess = len(active) - floor
-        for inst in candidates:
-            if excess <= 0:
-                break
-            if spared(inst, now, self.server.recent_task) is not None:
-                continue
-            await self._drain(inst, listings, now)
-            excess -= 1
-
-    async def _drain(self, inst: Instance, listings: dict[str, tuple[bool, list[Machine]]], now: float) -> None:
-        """Stop the worker claiming, let it finish what it has; reconcile destroys it once it holds nothing."""
-        try:
-            await self.instances.update(inst, self.leader.token, now, status="draining", drain_at=now)
-        except StaleState:
-            return
-        if inst.worker_id:
-            await self.workers.set_draining(inst.worker_id)
-        _, machines = await self._listing(inst.provider, listings)
-        machine = next((m for m in machines if m.provider_id == inst.provider_id), None)
-        if machine is not None:
-            try:
-                provider = await self.provider(inst.provider)
-                await self.leader.check()
-                self.provider_calls += 1
-                await provider.drain(machine)
-            except ProviderError as exc:
-                log.warning("drain signal to %s failed: %s", inst.id, self.why(exc))
-        await log_event(self.redis, now, "draining", f"{inst.id}: idle, draining before teardown",
-                        instance=inst.id, queue=inst.queue)
 
     # -- orphans ---------------------------------------------------------------------------------
 

@@ -3,14 +3,18 @@
 Counting rules:
 - `active` instances (provisioning, booting, running) are capacity; draining ones are not.
 - load ignores a paused queue (its jobs would not be claimed, so renting for them only burns money).
+- `jobs_per_worker` ramps in one step: the desired count is ceil((ready + in flight) / jobs_per_worker), as
+  KEDA's and RunPod's request-count scalers do. It is an absolute count, so machines still booting are part of
+  it and nothing stacks beyond it.
 - queue_depth and latency add one instance per evaluation, and only while nothing is booting: a booting
   machine will take work soon, so adding another each poll would stack rentals for one burst.
 - schedules set a floor (`workers`) for `duration` after each cron fire; a fired scale-down schedule ends the
-  scale-up windows that opened before it and brings the count back to min_workers.
+  scale-up windows that opened before it and retires the instances it saw (drain.py).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from offload.autoscale.config import AutoscaleSettings, Idle, Latency, NoWorkers, QueueDepth
@@ -21,8 +25,9 @@ from offload.autoscale.instances import Instance
 class QueueLoad:
     pending: int  # ready jobs (0 when the queue is paused)
     oldest_age: float | None  # seconds the oldest ready job has waited
-    live_workers: int  # workers serving the queue: rented or started by hand
+    live_workers: int  # workers serving the queue and taking new work: rented or started by hand
     paused: bool = False
+    in_flight: int = 0  # jobs being worked on
 
 
 @dataclass
@@ -55,9 +60,9 @@ def scale_up(cfg: AutoscaleSettings, load: QueueLoad, active: list[Instance], no
     for trig in cfg.scale_up:
         if isinstance(trig, NoWorkers) and load.pending > 0 and load.live_workers == 0:
             demand = True
-            if count == 0:
-                want = max(want, 1)
-                reasons.append(f"no_workers: {load.pending} pending, no live worker")
+            want = max(want, 1)
+            reasons.append(f"no_workers: {load.pending} pending, no live worker"
+                           + (f" ({count} instance(s) not serving yet)" if count else ""))
         elif isinstance(trig, QueueDepth) and load.pending > trig.threshold:
             demand = True
             reasons.append(f"queue_depth: {load.pending} pending > {trig.threshold}")
@@ -71,6 +76,13 @@ def scale_up(cfg: AutoscaleSettings, load: QueueLoad, active: list[Instance], no
             held = True
         else:
             want = max(want, count + 1)
+    if cfg.jobs_per_worker and load.pending > 0:
+        ramp = math.ceil((load.pending + load.in_flight) / cfg.jobs_per_worker)
+        if ramp > count:
+            demand = True
+            want = max(want, ramp)
+            reasons.append(f"jobs_per_worker: {load.pending} ready + {load.in_flight} in flight "
+                           f"/ {cfg.jobs_per_worker} = {ramp}")
     floor, why = schedule_floor(cfg, now, last_down_fire)
     if cfg.min_workers > want:
         reasons.append(f"min_workers {cfg.min_workers}")

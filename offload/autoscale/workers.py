@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from offload.queue.keys import NAMESPACE, prefix
 
 INDEX = f"{NAMESPACE}:rworkers"
+REMOTE_PREFIX = "r-"  # the server's GPU-worker ids (offload/server/registry.py); dispatch workers are host:pid
 TOUCH_STATES = {"active", "succeeded", "retrying", "dead", "cancelled", "queued", "held"}
 MAX_EVENTS = 5000
 
@@ -39,6 +40,7 @@ class WorkerInfo:
     in_flight: int
     last_heartbeat: float  # epoch seconds
     registered_at: float = 0.0
+    draining: bool = False  # the autoscaler is retiring its machine: the server hands it no new jobs
     extra: dict[str, str] = field(default_factory=dict)
 
 
@@ -47,7 +49,9 @@ class WorkerSource(Protocol):
 
     async def touched(self, queue: str) -> set[str]: ...
 
-    async def set_draining(self, worker_id: str) -> None: ...
+    async def set_draining(self, worker_id: str, on: bool = True) -> None: ...
+
+    async def dispatch_workers(self, queue: str, now: float, registered: set[str]) -> int: ...
 
 
 class RedisWorkers:
@@ -72,7 +76,7 @@ class RedisWorkers:
                 id=worker_id, queues=[q for q in h.get("queues", "").split(",") if q],
                 instance_id=h.get("instance_id") or None, protected=h.get("protected") in ("1", "true", "True"),
                 in_flight=int(h.get("in_flight") or 0), last_heartbeat=int(h.get("last_heartbeat") or 0) / 1000,
-                registered_at=int(h.get("registered_at") or 0) / 1000, extra=h,
+                registered_at=int(h.get("registered_at") or 0) / 1000, draining=h.get("draining") == "1", extra=h,
             ))
         return out
 
@@ -100,7 +104,19 @@ class RedisWorkers:
                 found.add(token.rsplit("/", 1)[0])
         return found
 
-    async def set_draining(self, worker_id: str) -> None:
-        """Mark the worker's registry record draining: a server that honours it hands the worker no new jobs."""
-        if await self.redis.exists(worker_key(worker_id)):
+    async def set_draining(self, worker_id: str, on: bool = True) -> None:
+        """Mark the worker's registry record draining (the server then hands it no new jobs), or clear the mark
+        when a drain is cancelled because load came back."""
+        if not await self.redis.exists(worker_key(worker_id)):
+            return
+        if on:
             await self.redis.hset(worker_key(worker_id), "draining", 1)
+        else:
+            await self.redis.hdel(worker_key(worker_id), "draining")
+
+    async def dispatch_workers(self, queue: str, now: float, registered: set[str]) -> int:
+        """Workers alive in the job store for `queue` (lease deadline ahead) that are not GPU workers: dispatch
+        workers, which call a remote API and never drain. A GPU worker whose registry record is gone (it died,
+        its lease has not run out yet) is not one."""
+        alive = await self.redis.zrangebyscore(prefix(queue) + "workers", int(now * 1000), "+inf")
+        return sum(1 for w in alive if w not in registered and not w.startswith(REMOTE_PREFIX))

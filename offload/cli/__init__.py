@@ -1,15 +1,11 @@
 """The `offload` command line (`offload = "offload.cli:main"`).
 
 Nothing is built at import time: `main` loads `offload.cli.app`, which mounts every command group, while
-`python -m offload.sim` imports `offload.cli.sim` alone and so starts the simulator without the rest.
+`python -m offload.sim` imports `offload.cli.sim` alone and so starts the simulator without the rest. The root
+Typer app is `offload.cli.app.app` (no alias here: the submodule `offload.cli.app` would shadow it).
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import typer
 
 
 def main() -> None:
@@ -18,11 +14,3 @@ def main() -> None:
 
     run()
 
-
-def __getattr__(name: str) -> typer.Typer:
-    """`from offload.cli import app` keeps working, loaded on first use."""
-    if name == "app":
-        from offload.cli.app import app
-
-        return app
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -26,6 +26,9 @@ from offload.connection import connect
 autoscale_app = typer.Typer(no_args_is_help=True, help="GPU autoscaling: status, events, protect, run the loop.")
 providers_app = typer.Typer(no_args_is_help=True, help="Machine providers (mock, local, runpod, vastai).")
 autoscale_app.add_typer(providers_app, name="providers")
+credentials_app = typer.Typer(no_args_is_help=True, help="Vault credentials for private git repositories "
+                              "(a queue's deployment.git_credential); there is no HTTP route for them.")
+autoscale_app.add_typer(credentials_app, name="credentials")
 
 
 @autoscale_app.command("status")
@@ -45,9 +48,11 @@ def status(json_out: JsonOpt = False, url: UrlOpt = None,
     console = out()
     console.print(table)
     for queue, q in sorted(snap["queues"].items()):
-        paused = f", renting paused ({q['paused_because']})" if q["paused_because"] else ""
-        console.print(f"{queue}: {q['active']} active, {q['draining']} draining; spend today ${q['spend_today']:.2f}, "
-                      f"this month ${q['spend_month']:.2f}{paused}")
+        dry = f" (dry-run ${q['dry_run_spend_today']:.2f})" if q["dry_run_spend_today"] else ""
+        console.print(f"{queue}: {q['active']} active, {q['draining']} draining; spend today ${q['spend_today']:.2f}"
+                      f"{dry}, this month ${q['spend_month']:.2f}")
+        for line in q["why"]:
+            console.print(f"  {line}", markup=False)
     leader = snap["leader"]
     console.print(f"leader: {leader['owner']} (token {leader['token']})" if leader else "leader: none")
 
@@ -194,6 +199,47 @@ def providers_delete(name: Annotated[str, typer.Argument()], url: UrlOpt = None)
 
     run_redis(url, lambda r: ProviderStore(r).delete(name))
     typer.echo(f"provider {name} deleted")
+
+
+@credentials_app.command("set")
+def credentials_set(name: Annotated[str, typer.Argument(help="The name a deployment's git_credential uses.")],
+                    from_env: Annotated[str | None, typer.Option(
+                        "--from-env", help="Read the value from this environment variable instead of a prompt.")]
+                    = None, url: UrlOpt = None) -> None:
+    """Store a token (or `username:token`), encrypted with OFFLOAD_VAULT_MASTER_KEY. Never passed as an
+    argument: it would show in the process list and the shell history."""
+    import os
+
+    from offload.autoscale.credentials import Credentials
+
+    value = os.environ.get(from_env, "") if from_env else typer.prompt("value", hide_input=True)
+    if not value:
+        fail(f"{from_env} is empty or not set" if from_env else "empty value")
+    run_redis(url, lambda r: Credentials(r).set(name, value))
+    typer.echo(f"credential {name} stored")
+
+
+@credentials_app.command("list")
+def credentials_list(url: UrlOpt = None, json_out: JsonOpt = False) -> None:
+    """Names, values masked."""
+    from offload.autoscale.credentials import Credentials
+
+    found = run_redis(url, lambda r: Credentials(r).list())
+    if json_out:
+        print_json(found)
+        return
+    for name, masked in found.items():
+        typer.echo(f"{name:<24} {masked}")
+
+
+@credentials_app.command("delete")
+def credentials_delete(name: Annotated[str, typer.Argument()], url: UrlOpt = None) -> None:
+    """Forget a credential (rentals that need it then fail, naming it)."""
+    from offload.autoscale.credentials import Credentials
+
+    if not run_redis(url, lambda r: Credentials(r).delete(name)):
+        fail(f"no credential named {name!r}")
+    typer.echo(f"credential {name} deleted")
 
 
 # `offload providers add|list|remove|...`: the same commands at the top level, with familiar aliases.

@@ -310,6 +310,13 @@ class QueueStore:
     async def release_leases(self, queue: str, worker_id: str, job_ids: Sequence[str] = ()) -> int:
         return int(await self._run(SCRIPTS.release_leases, queue, worker_id, *job_ids))
 
+    async def forgive(self, queue: str, worker_id: str) -> tuple[int, int, int]:
+        """The worker's machine was pre-empted (the provider took it away): its jobs come back without using up
+        an attempt, including any the reaper already took back counting a lease expiry. (released, refunded,
+        revived from dead)."""
+        released, refunded, revived = await self._run(SCRIPTS.forgive, queue, worker_id)
+        return int(released), int(refunded), int(revived)
+
     # -- operating -------------------------------------------------------------------------------
 
     async def cancel(self, job_id: str) -> str:

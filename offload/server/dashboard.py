@@ -39,6 +39,7 @@ PREFIX = "/ui/"
 ASSETS = {  # the whole public surface of the dashboard: nothing else under /ui/ is served
     "index.html": "text/html; charset=utf-8",
     "app.js": "text/javascript; charset=utf-8",
+    "autoscale.js": "text/javascript; charset=utf-8",
     "style.css": "text/css; charset=utf-8",
 }
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "

@@ -18,10 +18,11 @@ from fastapi import APIRouter, Body, HTTPException, Request
 from pydantic import BaseModel, Field
 
 from offload.autoscale import keys
-from offload.autoscale.config import open_env, seal_env, validate_autoscale
+from offload.autoscale.config import autoscale_errors, open_env, seal_env, validate_autoscale, yaml_blocks
 from offload.autoscale.instances import InstanceStore, read_events
 from offload.autoscale.operator_only import OperatorOnly, check_block_over_api, check_provider_over_api
 from offload.autoscale.provider_store import MASK, ProviderInUse, ProviderNotFound, ProviderStore, mask
+from offload.autoscale.providers import TYPES, describe
 from offload.autoscale.scaler import Autoscaler
 from offload.autoscale.status import snapshot
 from offload.autoscale.vault import Vault
@@ -69,6 +70,12 @@ async def events(request: Request, key: Principal, limit: int = 100) -> list[dic
 async def list_providers(request: Request, key: Principal) -> list[dict[str, Any]]:
     need_global_read(key, "providers")
     return [p.to_dict() for p in await ProviderStore(get_state(request).redis).list()]
+
+
+@router.get("/provider-types", summary="Each provider type's settings (for forms: kind, required, default, secret)")
+async def provider_types(key: Principal) -> list[dict[str, Any]]:
+    need_global_read(key, "providers")
+    return [describe(kind) for kind in TYPES]
 
 
 @router.get("/providers/{name}", summary="One provider (secrets masked)")
@@ -126,8 +133,8 @@ async def list_queues(request: Request, key: Principal) -> dict[str, dict[str, A
     need_global_read(key, "autoscaling")
     state = get_state(request)
     out: dict[str, dict[str, Any]] = {
-        name: {"source": "offload.yaml", "autoscale": _masked(q.autoscale)}
-        for name, q in sorted(state.options.settings.queues.items()) if q.autoscale is not None}
+        name: {"source": "offload.yaml", "autoscale": _masked(block)}
+        for name, block in sorted(yaml_blocks(state.options.settings).items())}
     names = sorted(await state.redis.smembers(keys.QUEUE_CONFIGS))
     raws = await state.redis.mget([keys.queue_config(q) for q in names]) if names else []
     for name, raw in zip(names, raws, strict=True):
@@ -159,8 +166,8 @@ async def _stored_block(state: ServerState, queue: str) -> tuple[str, dict[str, 
     raw = await state.redis.get(keys.queue_config(queue))
     if raw:
         return "api", _readable(queue, orjson.loads(raw))
-    q = state.options.settings.queues.get(queue)
-    return ("offload.yaml", q.autoscale) if q is not None and q.autoscale is not None else None
+    block = yaml_blocks(state.options.settings).get(queue)
+    return ("offload.yaml", block) if block is not None else None
 
 
 def _masked(block: dict[str, Any]) -> dict[str, Any]:
@@ -189,20 +196,23 @@ def _unmasked(queue: str, block: dict[str, Any], stored: dict[str, Any] | None) 
     return {**block, "instance": {**instance, "env": env}}
 
 
-@router.put("/queues/{queue}", summary="Set a queue's autoscale block (validated; overrides offload.yaml)")
+@router.put("/queues/{queue}", summary="Set a queue's autoscale block (validated; overrides offload.yaml)",
+            description="422 lists every problem with its field path (`{path, msg}`); 403 when the block would run "
+                        "commands on this host (a deployment, handler or env with a `local` provider): those belong "
+                        "in offload.yaml.")
 @guard(admin_only("configure autoscaling"))
 async def put_queue(request: Request, queue: str, key: Principal, block: dict[str, Any] = Body(...)) -> dict[str, Any]:
     state = get_state(request)
     stored = await _stored_block(state, validate_queue(queue))
     block = _unmasked(queue, block, stored[1] if stored else None)
-    try:
-        parsed = validate_autoscale(block, f"queues.{queue}.autoscale")
-    except ConfigError as exc:
-        raise _bad(exc) from None
+    if errors := autoscale_errors(block, f"queues.{queue}.autoscale"):
+        raise HTTPException(422, [{"path": path, "msg": msg} for path, msg in errors])
+    parsed = validate_autoscale(block, f"queues.{queue}.autoscale")
     redis = state.redis
-    provider_type = await redis.hget(keys.provider(parsed.provider), "type") if parsed.provider else None
+    dumped = parsed.model_dump()
     try:
-        check_block_over_api(queue, parsed.model_dump(), provider_type)
+        for name in parsed.names:  # every provider the queue may rent from
+            check_block_over_api(queue, dumped, await redis.hget(keys.provider(name), "type"))
     except OperatorOnly as exc:
         raise _bad(exc, 403) from None
     try:

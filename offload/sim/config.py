@@ -153,6 +153,7 @@ class Offer(_Strict):
     inet_down: float = 800.0
     cuda_max_good: float = 12.8
     disk_space: float = 200.0
+    min_bid: float | None = Field(default=None, ge=0, description="lowest interruptible bid (default: dph_total / 2)")
 
 
 def _default_offers() -> list[Offer]:
@@ -176,7 +177,14 @@ class MachineSim(_Strict):
     offer_taken: list[int] = Field(default_factory=list, description="offers that are gone when rented (no_such_ask)")
     broken_hosts: list[str] = Field(default_factory=list, description="machine ids that never start the container")
     preempt_after: float | None = Field(default=None, ge=0, description="running machines vanish after this")
+    runpod_spot_gpus: dict[str, float] = Field(default_factory=dict, description="RunPod minimum bid per GPU and hour "
+                                               "for interruptible pods (default: half the on-demand price)")
+    spot_preempt_after: float | None = Field(default=None, ge=0, description="running interruptible machines are "
+                                             "pre-empted after this (RunPod: EXITED; Vast.ai: outbid, stopped)")
     destroy_failures: int = Field(default=0, ge=0, description="the next N destroy calls answer 500")
+    create_errors: int = Field(default=0, ge=0, description="the next N create/rent calls answer 503, renting nothing")
+    create_lost: int = Field(default=0, ge=0,
+                             description="the next N create/rent calls rent the machine, then drop the connection")
     rest_disabled: bool = Field(default=False, description="RunPod REST pod routes answer 404 (GraphQL only)")
 
 

@@ -7,6 +7,12 @@ then `exited` with a Docker error in `status_msg`); with `preempt_after` a runni
 stock (RunPod), offers taken between search and rent (Vast `no_such_ask`), failing destroys, 429s and 5xx
 outages (the common fault layer, families `pods` and `vastai`) are all configurable. Only test routes
 (`/_sim/machines`) see every machine; provider routes see what the provider would show.
+
+Interruptible machines: RunPod's GraphQL `podRentInterruptable` (a `bidPerGpu` at or above the GPU's minimum
+bid, which `gpuTypes { lowestPrice { minimumBidPrice uninterruptablePrice stockStatus } }` reports) and Vast.ai
+bids (`"type": "bid"` offers carry `min_bid`; the rent body's `price` is the bid). With `spot_preempt_after`
+they are pre-empted: a RunPod pod goes EXITED, an outbid Vast.ai instance `stopped` (both still exist and
+bill for disk until destroyed).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from offload.sim.engine import Call, Dialect, Reply, Sim
+from offload.sim.faults import ConnectionReset
 
 OUT_OF_STOCK = ("There are no longer any instances available with the requested specifications. "
                 "Please refresh and try again.")
@@ -37,6 +44,8 @@ class SimMachine:
     created: float
     env: dict[str, Any] = field(default_factory=dict)
     deleted: float | None = None
+    spot: bool = False
+    start_cmd: list[str] | str | None = None
 
     def phase(self, sim: Sim, now: float) -> str:
         cfg = sim.config.machines
@@ -49,6 +58,8 @@ class SimMachine:
             return "starting"
         if cfg.preempt_after is not None and now >= up + cfg.preempt_after:
             return "vanished"
+        if self.spot and cfg.spot_preempt_after is not None and now >= up + cfg.spot_preempt_after:
+            return "preempted"
         return "running"
 
 
@@ -58,6 +69,8 @@ class Machines:
         self.all: dict[str, SimMachine] = {}
         self.rented_offers: set[int] = set()
         self.destroy_failures_used = 0
+        self.create_errors_used = 0
+        self.create_lost_used = 0
         self.seq = 0
 
     def visible(self, provider: str, now: float) -> list[SimMachine]:
@@ -71,16 +84,30 @@ class Machines:
         return m
 
     def add(self, provider: str, label: str, image: str, gpu: str, price: float, host: str, now: float,
-            env: dict[str, Any]) -> SimMachine:
+            env: dict[str, Any], *, spot: bool = False, start_cmd: list[str] | str | None = None) -> SimMachine:
         self.seq += 1
         mid = (f"{self.sim.token(14)}" if provider == "runpod" else str(7_000_000 + self.seq))
-        m = SimMachine(mid, provider, label, image, gpu, price, host, now, env)
+        m = SimMachine(mid, provider, label, image, gpu, price, host, now, env, spot=spot, start_cmd=start_cmd)
         self.all[mid] = m
         return m
 
     def destroy_fails(self) -> bool:
         if self.destroy_failures_used < self.sim.config.machines.destroy_failures:
             self.destroy_failures_used += 1
+            return True
+        return False
+
+    def create_fails(self) -> bool:
+        """A create answered 503 with nothing rented (`create_errors`)."""
+        if self.create_errors_used < self.sim.config.machines.create_errors:
+            self.create_errors_used += 1
+            return True
+        return False
+
+    def create_lost(self) -> bool:
+        """A create that rents the machine, then loses its answer (`create_lost`)."""
+        if self.create_lost_used < self.sim.config.machines.create_lost:
+            self.create_lost_used += 1
             return True
         return False
 
@@ -117,25 +144,36 @@ class VastDialect(Dialect):
 
 # -- RunPod ----------------------------------------------------------------------------------------
 
-RP_STATUS = {"starting": "STARTING", "broken": "STARTING", "running": "RUNNING"}
+RP_STATUS = {"starting": "STARTING", "broken": "STARTING", "running": "RUNNING", "preempted": "EXITED"}
 
 
 def _pod(sim: Sim, m: SimMachine, now: float) -> dict[str, Any]:
     status = RP_STATUS.get(m.phase(sim, now), "TERMINATED")
-    return {"id": m.id, "name": m.label, "image": m.image, "status": status, "desiredStatus": "RUNNING",
+    return {"id": m.id, "name": m.label, "image": m.image, "status": status,
+            "desiredStatus": "EXITED" if status == "EXITED" else "RUNNING", "interruptible": m.spot,
             "cost": m.price, "costPerHr": m.price, "machineId": m.host, "gpu": {"id": m.gpu, "count": 1},
             "env": m.env, "lastStatusChange": f"{status.lower()} since {m.created:.0f}",
             "runtime": {"uptimeInSeconds": int(now - m.created)} if status == "RUNNING" else None}
 
 
-def _runpod_create(call: Call, store: Machines, name: str, image: str, gpu: str, env: dict[str, Any]) -> SimMachine:
+def _min_bid(call: Call, gpu: str) -> float:
+    cfg = call.sim.config.machines
+    return cfg.runpod_spot_gpus.get(gpu, round(cfg.runpod_gpus.get(gpu, 0.0) / 2, 4))
+
+
+def _runpod_create(call: Call, store: Machines, name: str, image: str, gpu: str, env: dict[str, Any], *,
+                   bid: float | None = None, start_cmd: list[str] | str | None = None) -> SimMachine:
     cfg = call.sim.config.machines
     if gpu not in cfg.runpod_gpus:
         call.reject(400, f"Invalid GPU type id: {gpu}")
     if gpu in cfg.out_of_stock:
         call.reject(400, OUT_OF_STOCK)
+    if bid is not None and bid < _min_bid(call, gpu):
+        call.reject(400, f"Your bid of {bid} is below the current minimum bid price of {_min_bid(call, gpu)}.")
     host = f"rp-host-{len(store.all) % 7}"
-    return store.add("runpod", name, image, gpu, cfg.runpod_gpus[gpu], host, call.now, env)
+    price = cfg.runpod_gpus[gpu] if bid is None else bid
+    return store.add("runpod", name, image, gpu, price, host, call.now, env, spot=bid is not None,
+                     start_cmd=start_cmd)
 
 
 def runpod_routes(sim: Sim, store: Machines) -> list[Route]:
@@ -145,12 +183,16 @@ def runpod_routes(sim: Sim, store: Machines) -> list[Route]:
         if call.sim.config.machines.rest_disabled:
             call.reject(404, "Not Found")
 
-    async def create(call: Call) -> Reply:
+    async def create(call: Call) -> Reply | Response:
         rest_gate(call)
         body = await call.json_object()
+        if store.create_fails():
+            call.reject(503, "Service Unavailable: please retry")
         gpu = (body.get("gpu") or {}).get("id") or ""
         m = _runpod_create(call, store, str(body.get("name") or "my pod"), str(body.get("image") or ""), gpu,
-                           body.get("env") or {})
+                           body.get("env") or {}, start_cmd=body.get("dockerStartCmd"))
+        if store.create_lost():
+            return ConnectionReset()
         return Reply(_pod(sim, m, call.now), 201)
 
     async def list_pods(call: Call) -> Reply:
@@ -174,22 +216,47 @@ def runpod_routes(sim: Sim, store: Machines) -> list[Route]:
         m.deleted = call.now
         return Reply(None, 204, raw=b"")
 
-    async def graphql(call: Call) -> Reply:
+    async def graphql(call: Call) -> Reply | Response:
         body = await call.json_object()
         query = str(body.get("query") or "")
         dg = GraphQLDialect()
-        if "podFindAndDeployOnDemand" in query:
+        if "podFindAndDeployOnDemand" in query or "podRentInterruptable" in query:
+            mutation = "podRentInterruptable" if "podRentInterruptable" in query else "podFindAndDeployOnDemand"
+            if store.create_fails():
+                return dg.error(503, "Service Unavailable: please retry")
+
             def field_(name: str) -> str:
-                found = re.search(name + r':\s*"([^"]*)"', query)
+                found = re.search(name + r':\s*"((?:[^"\\]|\\.)*)"', query)
                 return found.group(1) if found else ""
             gpu = field_("gpuTypeId")
             if gpu in call.sim.config.machines.out_of_stock:
                 return dg.error(200, OUT_OF_STOCK)
             if gpu not in call.sim.config.machines.runpod_gpus:
                 return dg.error(200, f"Invalid GPU type id: {gpu}")
+            bid = None
+            if mutation == "podRentInterruptable":
+                found = re.search(r"bidPerGpu:\s*([0-9.]+)", query)
+                bid = float(found.group(1)) if found else 0.0
+                if bid < _min_bid(call, gpu):
+                    return dg.error(200, f"Your bid of {bid} is below the current minimum bid price of "
+                                    f"{_min_bid(call, gpu)}.")
             env = dict(re.findall(r'\{key:\s*"([^"]*)",\s*value:\s*"([^"]*)"\}', query))
-            m = _runpod_create(call, store, field_("name"), field_("imageName"), gpu, env)
-            return Reply({"data": {"podFindAndDeployOnDemand": _pod(sim, m, call.now)}})
+            m = _runpod_create(call, store, field_("name"), field_("imageName"), gpu, env, bid=bid,
+                               start_cmd=field_("dockerArgs") or None)
+            if store.create_lost():
+                return ConnectionReset()
+            return Reply({"data": {mutation: _pod(sim, m, call.now)}})
+        if "gpuTypes" in query:
+            cfg = call.sim.config.machines
+            wanted = re.search(r'id:\s*"([^"]*)"', query)
+            rows = []
+            for gpu, price in cfg.runpod_gpus.items():
+                if wanted and wanted.group(1) != gpu:
+                    continue
+                stock = None if gpu in cfg.out_of_stock else "High"
+                rows.append({"id": gpu, "displayName": gpu.replace("NVIDIA ", ""), "lowestPrice": {
+                    "minimumBidPrice": _min_bid(call, gpu), "uninterruptablePrice": price, "stockStatus": stock}})
+            return Reply({"data": {"gpuTypes": rows}})
         if "podTerminate" in query:
             pod_id = re.search(r'podId:\s*"([^"]*)"', query)
             gone = store.get("runpod", pod_id.group(1) if pod_id else "", call.now)
@@ -218,7 +285,7 @@ def runpod_routes(sim: Sim, store: Machines) -> list[Route]:
 
 # -- Vast.ai ---------------------------------------------------------------------------------------
 
-VAST_STATUS = {"starting": "loading", "running": "running", "broken": "exited"}
+VAST_STATUS = {"starting": "loading", "running": "running", "broken": "exited", "preempted": "stopped"}
 
 
 def _instance(sim: Sim, m: SimMachine, now: float) -> dict[str, Any]:
@@ -226,7 +293,8 @@ def _instance(sim: Sim, m: SimMachine, now: float) -> dict[str, Any]:
     status = VAST_STATUS.get(phase)
     msg = ("Error response from daemon: failed to create task for container: nvidia-container-cli: "
            "initialization error" if phase == "broken" else "")
-    return {"id": int(m.id), "label": m.label, "actual_status": status, "intended_status": "running",
+    return {"id": int(m.id), "label": m.label, "actual_status": status, "is_bid": m.spot,
+            "intended_status": "stopped" if phase == "preempted" else "running",
             "cur_state": "running", "status_msg": msg, "machine_id": int(m.host), "gpu_name": m.gpu,
             "num_gpus": 1, "dph_total": m.price, "image_uuid": m.image, "start_date": m.created,
             "extra_env": [[k, v] for k, v in m.env.items()]}
@@ -254,7 +322,8 @@ def vast_routes(sim: Sim, store: Machines) -> list[Route]:
             row = o.model_dump()
             row.update(rentable=True, rented=o.id in store.rented_offers,
                        verification="verified" if o.verified else "unverified", ask_contract_id=o.id,
-                       host_id=o.machine_id, reliability=o.reliability2)
+                       host_id=o.machine_id, reliability=o.reliability2,
+                       min_bid=o.min_bid if o.min_bid is not None else round(o.dph_total / 2, 4))
             if not row["rented"]:
                 out.append(row)
         return out
@@ -268,9 +337,11 @@ def vast_routes(sim: Sim, store: Machines) -> list[Route]:
             found.sort(key=by, reverse=direction == "desc")
         return Reply({"offers": found[: int(query.get("limit") or 64)]})
 
-    async def rent(call: Call) -> Reply:
+    async def rent(call: Call) -> Reply | Response:
         offer_id = int(call.request.path_params["offer_id"])
         body = await call.json_object()
+        if store.create_fails():
+            return d.error(503, "Service Unavailable", code="server_error")
         offer = next((o for o in sim.config.machines.offers if o.id == offer_id), None)
         if offer is None or offer_id in store.rented_offers or offer_id in sim.config.machines.offer_taken:
             return Reply({"success": False, "error": "no_such_ask", "msg": f"Instance type {offer_id} is no longer "
@@ -278,10 +349,17 @@ def vast_routes(sim: Sim, store: Machines) -> list[Route]:
         if not body.get("image"):
             return d.error(400, "image is required", code="invalid_args")
         env = body.get("env") or {}
-        m = store.add("vastai", str(body.get("label") or ""), str(body["image"]), offer.gpu_name, offer.dph_total,
-                      str(offer.machine_id), call.now, env if isinstance(env, dict) else {})
+        bid = body.get("price")
+        min_bid = offer.min_bid if offer.min_bid is not None else round(offer.dph_total / 2, 4)
+        if bid is not None and float(bid) < min_bid:
+            return d.error(400, f"bid price {bid} is below the minimum bid {min_bid}", code="invalid_args")
+        m = store.add("vastai", str(body.get("label") or ""), str(body["image"]), offer.gpu_name,
+                      offer.dph_total if bid is None else float(bid), str(offer.machine_id), call.now,
+                      env if isinstance(env, dict) else {}, spot=bid is not None, start_cmd=body.get("args"))
         store.rented_offers.add(offer_id)
         m.env["_offer"] = offer_id
+        if store.create_lost():
+            return ConnectionReset()
         return Reply({"success": True, "new_contract": int(m.id)})
 
     async def list_instances(call: Call) -> Reply:
@@ -319,7 +397,8 @@ def control_routes(sim: Sim, store: Machines) -> list[Route]:
     async def listing(request: Request) -> Response:
         now = sim.clock()
         rows = [{"id": m.id, "provider": m.provider, "label": m.label, "phase": m.phase(sim, now), "host": m.host,
-                 "price": m.price, "env": m.env} for m in store.all.values()]
+                 "price": m.price, "env": m.env, "spot": m.spot, "start_cmd": m.start_cmd, "gpu": m.gpu}
+                for m in store.all.values()]
         return Response(orjson.dumps({"machines": rows}), media_type="application/json")
 
     async def vanish(request: Request) -> Response:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+import types
+import typing
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
@@ -32,9 +34,43 @@ TYPES: dict[str, type[Provider]] = {
 }
 
 __all__ = [
-    "LABEL_PREFIX", "TYPES", "LaunchSpec", "Machine", "MachineState", "NotOurs", "OutOfCapacity", "Provider",
-    "ProviderError", "Unauthorized", "build", "is_ours", "validate_config",
+    "HOST_TYPES", "LABEL_PREFIX", "TYPES", "LaunchSpec", "Machine", "MachineState", "NotOurs", "OutOfCapacity",
+    "Provider", "ProviderError", "Unauthorized", "build", "describe", "is_ours", "validate_config",
 ]
+HOST_TYPES = ("local",)  # types whose machines are processes on the control-plane host: operator-only
+
+
+def _kind(annotation: Any) -> tuple[str, list[Any] | None]:
+    """How a form shows a setting: text, number, bool, choice (with its choices) or json (lists, objects)."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType) and len(args) == 1:
+        return _kind(args[0])
+    if origin is Literal:
+        return "choice", list(typing.get_args(annotation))
+    if annotation is bool:
+        return "bool", None
+    if annotation in (int, float):
+        return "number", None
+    if annotation is str:
+        return "text", None
+    return "json", None
+
+
+def describe(kind: str) -> dict[str, Any]:
+    """A provider type's settings for a form (the dashboard builds its provider forms from this): name, kind,
+    required, default, description, whether it is a secret (masked, kept when not retyped)."""
+    cls = TYPES[kind]
+    fields = []
+    for name, info in cls.Config.model_fields.items():
+        form, choices = _kind(info.annotation)
+        secret = name in cls.secret_fields
+        default = None if info.is_required() or info.default_factory is not None else info.default
+        if info.default_factory is not None:
+            default = info.default_factory()  # type: ignore[call-arg]
+        fields.append({"name": name, "kind": "secret" if secret else form, "choices": choices,
+                       "required": info.is_required(), "default": default, "description": info.description or ""})
+    return {"type": kind, "operator_only": kind in HOST_TYPES, "fields": fields}
 
 
 def validate_config(kind: str, config: dict[str, Any]) -> ProviderConfig:

@@ -59,8 +59,11 @@ class LaunchSpec:
     max_price_per_hour: float | None
     env: dict[str, str]
     handler: str | None = None  # module:function the worker runs (the command is built from it)
-    command: list[str] | None = None
+    command: list[str] | None = None  # the container's start command (RunPod dockerStartCmd, Vast.ai args)
     avoid_hosts: set[str] = field(default_factory=set)
+    spot: bool = False  # interruptible / bid rental, at most spot_max_price per hour
+    spot_max_price: float | None = None
+    script: str | None = None  # the deployment script (offload.autoscale.deploy): local runs it in a work dir
 
 
 class ProviderError(Exception):
@@ -121,6 +124,11 @@ class Provider(ABC):
     @abstractmethod
     async def list(self) -> builtins.list[Machine]:
         """Every machine of ours (label `offload-…`) the provider knows, in any state."""
+
+    async def quote(self, spec: LaunchSpec) -> float | None:
+        """The provider's current price per hour for this rental (the cheapest acceptable offer), for
+        `choose: cheapest`; None when it cannot tell (or has no offer). Never rents anything."""
+        return None
 
     async def get(self, provider_id: str) -> Machine | None:
         """None: gone. Adapters with a cheaper single-machine call override this."""

@@ -7,6 +7,10 @@ It is how the demo and the end-to-end tests run the whole loop (rent, register w
 drain, destroy) without a cloud account. Processes start in their own session, so they outlive a server
 restart, and their pid plus kernel start time are kept in Redis, so the next leader can still find and stop
 them and a recycled pid is never mistaken for one of ours.
+
+With a queue `deployment` the "machine" runs the deployment script (clone, setup_cmd, worker) in a work directory
+of its own per instance (`<deploy_dir>/<label>`), removed when the machine is destroyed. Only the operator can
+set that up (offload.yaml or the CLI): these commands run on the control-plane host.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ import contextlib
 import logging
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -63,6 +69,8 @@ class LocalConfig(ProviderConfig):
     grace: float = Field(30.0, ge=0, description="seconds a draining worker may finish in-flight jobs")
     stop_timeout: float = Field(10.0, ge=0, description="after SIGTERM on destroy, SIGKILL after this")
     price_per_hour: float = Field(0.0, ge=0)
+    deploy_dir: str | None = Field(None, description="where per-instance deployment work dirs go (default: a "
+                                   "directory under the system temp dir)")
 
 
 def _start_time(pid: int) -> str | None:
@@ -90,37 +98,52 @@ class LocalProvider(Provider):
         self.key = keys.machines("local", name)
         self._children: dict[int, subprocess.Popen[bytes]] = {}
 
+    def _workdir(self, label: str) -> Path:
+        root = Path(self.config.deploy_dir or Path(tempfile.gettempdir()) / "offload-local" / self.name)
+        return root / label
+
     async def create(self, spec: LaunchSpec) -> Machine:
         handler = self.config.handler or spec.handler
-        if not handler:
-            raise ProviderError("local: no handler (set the provider's `handler` or the queue's instance.handler)",
-                                retryable=False)
+        if not handler and not spec.script:
+            raise ProviderError("local: no handler (set the provider's `handler`, the queue's instance.handler or a "
+                                "deployment)", retryable=False)
         server = spec.env.get("OFFLOAD_SERVER")
         if not server or not spec.env.get("OFFLOAD_TOKEN"):
             raise ProviderError("local: the server URL and a worker key are needed to start a worker", retryable=False)
         provider_id = "local-" + secrets.token_hex(6)
-        cmd = [self.config.python, "-m", "offload", "worker", "--handler", handler, "--queue", spec.queue,
-               "--server", server, "--concurrency", str(self.config.concurrency), "--grace", str(self.config.grace)]
-        env = worker_env(os.environ, spec.env)
+        env = worker_env(os.environ, spec.env)  # minimal: never the vault key, Redis URL or backend secrets
+        cwd, workdir = self.config.workdir, None
+        if spec.script:  # deploy from git: its own work dir, the worker started by the script
+            workdir = self._workdir(spec.label)
+            workdir.mkdir(parents=True, exist_ok=True)
+            cmd, cwd = ["sh", "-c", spec.script], str(workdir)
+            env.update(OFFLOAD_WORKDIR=str(workdir), OFFLOAD_PYTHON=self.config.python)
+        else:
+            assert handler is not None
+            cmd = [self.config.python, "-m", "offload", "worker", "--handler", handler, "--queue", spec.queue,
+                   "--server", server, "--concurrency", str(self.config.concurrency), "--grace",
+                   str(self.config.grace)]
         log_path = str(Path(self.config.log_dir) / f"{spec.label}.log") if self.config.log_dir else None
         try:
-            proc = await asyncio.to_thread(self._spawn, cmd, env, log_path)
+            proc = await asyncio.to_thread(self._spawn, cmd, env, log_path, cwd)
         except OSError as exc:
             raise ProviderError(f"local: cannot start the worker: {exc}", retryable=False) from None
         self._children[proc.pid] = proc
         record = {"id": provider_id, "label": spec.label, "pid": proc.pid, "start": _start_time(proc.pid),
-                  "created": self.clock(), "log": log_path, "queue": spec.queue}
+                  "created": self.clock(), "log": log_path, "queue": spec.queue,
+                  "workdir": str(workdir) if workdir else None}
         await self.redis.hset(self.key, provider_id, orjson.dumps(record))
         log.info("local: started worker pid %d for %s (queue %s)", proc.pid, spec.label, spec.queue)
         return self._machine(record)
 
-    def _spawn(self, cmd: list[str], env: dict[str, str], log_path: str | None) -> subprocess.Popen[bytes]:
+    def _spawn(self, cmd: list[str], env: dict[str, str], log_path: str | None,
+               cwd: str | None) -> subprocess.Popen[bytes]:
         if log_path is None:
-            return subprocess.Popen(cmd, env=env, cwd=self.config.workdir, stdout=subprocess.DEVNULL,
+            return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, start_new_session=True)
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as out:
-            return subprocess.Popen(cmd, env=env, cwd=self.config.workdir, stdout=out, stderr=subprocess.STDOUT,
+            return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
 
     def _alive(self, record: dict[str, Any]) -> bool:
@@ -143,13 +166,6 @@ class LocalProvider(Provider):
         raw = await self.redis.hget(self.key, provider_id)
         return None if raw is None else dict(orjson.loads(raw))
 
-    async def drain(self, machine: Machine) -> None:
-        """SIGTERM: the worker stops claiming, lets running handlers finish (its grace), deregisters, exits."""
-        record = await self._record(machine.provider_id)
-        if record is not None and self._alive(record):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(record["pid"]), signal.SIGTERM)
-
     async def destroy(self, provider_id: str) -> None:
         record = await self._record(provider_id)
         if record is None:
@@ -170,5 +186,7 @@ class LocalProvider(Provider):
         if child is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.wait(5)
+        if record.get("workdir"):
+            await asyncio.to_thread(shutil.rmtree, record["workdir"], True)
         await self.redis.hdel(self.key, provider_id)
         log.info("local: stopped worker pid %d (%s)", pid, record.get("label"))

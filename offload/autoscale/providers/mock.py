@@ -63,12 +63,21 @@ class MockProvider(Provider):
         if self.config.fail_creates and await self._take_fault("create", self.config.fail_creates):
             raise OutOfCapacity("mock: no capacity (fail_creates)")
         provider_id = "mock-" + secrets.token_hex(6)
-        price = self.config.price_per_hour if self.config.price_per_hour is not None else spec.max_price_per_hour
+        price = self._price(spec)
         record = {"id": provider_id, "label": spec.label, "created": self.clock(), "price": price,
-                  "host": "mockhost-" + provider_id[-4:], "queue": spec.queue, "gpu": spec.gpu}
+                  "host": "mockhost-" + provider_id[-4:], "queue": spec.queue, "gpu": spec.gpu, "spot": spec.spot}
         await self.redis.hset(self.key, provider_id, orjson.dumps(record))
         log.info("mock: would rent %s for queue %s (%s, image %s)", spec.label, spec.queue, spec.gpu, spec.image)
         return self._machine(record)
+
+    def _price(self, spec: LaunchSpec) -> float | None:
+        price = self.config.price_per_hour if self.config.price_per_hour is not None else spec.max_price_per_hour
+        if spec.spot and spec.spot_max_price is not None:
+            price = min(price, spec.spot_max_price) if price is not None else spec.spot_max_price
+        return price
+
+    async def quote(self, spec: LaunchSpec) -> float | None:
+        return self._price(spec)
 
     def _machine(self, r: dict[str, Any]) -> Machine:
         booted = self.clock() - float(r["created"]) >= self.config.boot_seconds

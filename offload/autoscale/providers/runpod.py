@@ -7,11 +7,17 @@ stock is recognised by its message ("no longer any instances available"), which 
 exact REST status for it is UNVERIFIED (see provider-apis.md), so any non-2xx carrying that text counts.
 A create that fails with a 5xx or a dropped connection may still have rented a pod: it is reported as
 ambiguous and the scaler looks the pod up by its `offload-…` name instead of renting again.
+
+Prices come from GraphQL `gpuTypes { lowestPrice { uninterruptablePrice minimumBidPrice stockStatus } }` (as
+runpod-python's `get_gpu` asks; a null stockStatus is read as none in stock, which is UNVERIFIED). Spot
+(`instance.spot`) pods are rented with GraphQL `podRentInterruptable` (REST v2 documents no bid field), bidding
+10 % over the current minimum bid, never above the queue's `spot_max_price`.
 """
 
 from __future__ import annotations
 
 import builtins
+import shlex
 from typing import Any, Literal
 
 import orjson
@@ -32,7 +38,9 @@ from offload.autoscale.providers.base import (
 )
 
 CUDA_VERSIONS = ("11.8", "12.0", "12.1", "12.2", "12.3", "12.4", "12.5", "12.6", "12.7", "12.8", "12.9", "13.0")
-OUT_OF_STOCK = ("no longer any instances available", "out of stock", "no available", "not enough capacity")
+OUT_OF_STOCK = ("no longer any instances available", "out of stock", "no available", "not enough capacity",
+                "minimum bid")
+SPOT_MARGIN = 1.1  # bid this much over the current minimum bid: less likely to be outbid at once
 REST_STATES = {
     "PROVISIONING": MachineState.PENDING, "STARTING": MachineState.STARTING, "RUNNING": MachineState.RUNNING,
     "EXITED": MachineState.STOPPED, "ERROR": MachineState.FAILED, "TERMINATED": MachineState.TERMINATED,
@@ -41,18 +49,18 @@ POD_FIELDS = "id name desiredStatus costPerHr machineId lastStatusChange runtime
 
 
 class RunPodConfig(ProviderConfig):
-    api_key: str
-    base_url: str = "https://api.runpod.io"
-    api: Literal["auto", "rest", "graphql"] = "auto"
-    gpu_type_id: str | None = None
-    gpu_type_ids: list[str] = Field(default_factory=list)
-    cloud_type: Literal["SECURE", "COMMUNITY", "ALL"] = "SECURE"
-    container_disk_gb: int | None = Field(None, ge=1)
-    volume_in_gb: int | None = Field(None, ge=10)
-    volume_mount_path: str = "/workspace"
-    min_cuda_version: str | None = None
-    ports: list[str] = Field(default_factory=list)
-    data_center_ids: list[str] = Field(default_factory=list)
+    api_key: str = Field(..., description="RunPod API key")
+    base_url: str = Field("https://api.runpod.io", description="the API's address (the simulator's, to rehearse)")
+    api: Literal["auto", "rest", "graphql"] = Field("auto", description="REST /v2/pods, falling back to GraphQL")
+    gpu_type_id: str | None = Field(None, description="exact GPU id, e.g. NVIDIA GeForce RTX 4090")
+    gpu_type_ids: list[str] = Field(default_factory=list, description="GPU ids in order of preference (JSON list)")
+    cloud_type: Literal["SECURE", "COMMUNITY", "ALL"] = Field("SECURE", description="RunPod cloud")
+    container_disk_gb: int | None = Field(None, ge=1, description="container disk when the queue sets none")
+    volume_in_gb: int | None = Field(None, ge=10, description="optional persistent volume (none by default)")
+    volume_mount_path: str = Field("/workspace", description="where the volume is mounted")
+    min_cuda_version: str | None = Field(None, description="only hosts with this CUDA version or newer")
+    ports: list[str] = Field(default_factory=list, description='ports to expose, e.g. ["8888/http"] (JSON list)')
+    data_center_ids: list[str] = Field(default_factory=list, description="allowed data centers (JSON list)")
 
 
 def _out_of_stock(text: str) -> bool:
@@ -94,20 +102,53 @@ class RunPodProvider(Provider):
         if response.status_code == 401 or response.status_code == 403:
             raise Unauthorized(f"runpod: {what}: the API key was rejected (HTTP {response.status_code})")
 
+    async def _prices(self, gpu: str, count: int) -> dict[str, Any]:
+        query = ("query { gpuTypes(input: {id: " + orjson.dumps(gpu).decode() + "}) { id lowestPrice(input: "
+                 "{gpuCount: " + str(count) + "}) { minimumBidPrice uninterruptablePrice stockStatus } } }")
+        data = await self._gql(query, "prices")
+        for row in data.get("gpuTypes") or []:
+            if row.get("id") == gpu and row.get("lowestPrice") and row["lowestPrice"].get("stockStatus"):
+                found: dict[str, Any] = row["lowestPrice"]
+                return found
+        return {}
+
+    def _offer(self, prices: dict[str, Any], spec: LaunchSpec) -> float | None:
+        """The hourly price of this rental from a GPU's lowest prices (None: no stock, or over the spot cap)."""
+        key = "minimumBidPrice" if spec.spot else "uninterruptablePrice"
+        per_gpu = _float(prices.get(key))
+        if not per_gpu:
+            return None
+        if spec.spot and spec.spot_max_price is not None and per_gpu * spec.gpu_count > spec.spot_max_price:
+            return None
+        return per_gpu * spec.gpu_count
+
+    async def quote(self, spec: LaunchSpec) -> float | None:
+        """The price of the first GPU type in preference order that is in stock (the one a create would get)."""
+        for gpu in self._gpus(spec):
+            price = self._offer(await self._prices(gpu, spec.gpu_count), spec)
+            if price is not None:
+                return price
+        return None
+
     async def create(self, spec: LaunchSpec) -> Machine:
         if not spec.image:
             raise ProviderError("runpod: no image (set the queue's instance.image)", retryable=False)
-        tried = []
+        tried, last = [], ""
         for gpu in self._gpus(spec):
             try:
+                if spec.spot:
+                    return await self._spot_create(spec, gpu)
                 if not self.use_graphql:
                     try:
                         return await self._rest_create(spec, gpu)
                     except _RestUnavailable:
                         self.use_graphql = True
                 return await self._gql_create(spec, gpu)
-            except OutOfCapacity:
+            except OutOfCapacity as exc:
                 tried.append(gpu)
+                last = str(exc)
+        if spec.spot:
+            raise OutOfCapacity(last)
         raise OutOfCapacity(f"runpod: out of stock for {', '.join(tried)} ({self.config.cloud_type} cloud)")
 
     async def list(self) -> builtins.list[Machine]:
@@ -237,7 +278,7 @@ class RunPodProvider(Provider):
                        price_per_hour=_float(pod.get("costPerHr")), host_id=pod.get("machineId"),
                        message=str(pod.get("lastStatusChange") or ""), raw=pod)
 
-    async def _gql_create(self, spec: LaunchSpec, gpu: str) -> Machine:
+    def _gql_fields(self, spec: LaunchSpec, gpu: str) -> dict[str, Any]:
         fields: dict[str, Any] = {
             "name": spec.label, "imageName": spec.image, "gpuTypeId": gpu, "cloudType": _Enum(self.config.cloud_type),
             "gpuCount": spec.gpu_count, "containerDiskInGb": spec.disk_gb or self.config.container_disk_gb or 50,
@@ -249,7 +290,11 @@ class RunPodProvider(Provider):
         if cuda := self._cuda():
             fields["allowedCudaVersions"] = cuda
         if spec.command:
-            fields["dockerArgs"] = " ".join(spec.command)
+            fields["dockerArgs"] = shlex.join(spec.command)
+        return fields
+
+    async def _gql_create(self, spec: LaunchSpec, gpu: str) -> Machine:
+        fields = self._gql_fields(spec, gpu)
         query = ("mutation { podFindAndDeployOnDemand(input: " + _gql_literal(fields)
                  + ") { id name machineId costPerHr desiredStatus } }")
         data = await self._gql(query, "create", idempotent=False)
@@ -257,6 +302,24 @@ class RunPodProvider(Provider):
         if not pod:
             raise ProviderError("runpod: create returned no pod", ambiguous=True)
         return self._gql_machine(pod)
+
+    async def _spot_create(self, spec: LaunchSpec, gpu: str) -> Machine:
+        minimum = _float((await self._prices(gpu, spec.gpu_count)).get("minimumBidPrice"))
+        cap = (spec.spot_max_price or 0.0) / spec.gpu_count
+        if not minimum or minimum > cap:
+            raise OutOfCapacity(f"runpod: {gpu}: no interruptible capacity at <= ${cap:.3f}/GPU/h"
+                                + (f" (minimum bid ${minimum:.3f})" if minimum else ""))
+        fields = self._gql_fields(spec, gpu)
+        fields["bidPerGpu"] = round(min(cap, minimum * SPOT_MARGIN), 4)
+        query = ("mutation { podRentInterruptable(input: " + _gql_literal(fields)
+                 + ") { id name machineId costPerHr desiredStatus } }")
+        data = await self._gql(query, "rent interruptible", idempotent=False)
+        pod = data.get("podRentInterruptable")
+        if not pod:
+            raise ProviderError("runpod: interruptible create returned no pod", ambiguous=True)
+        machine = self._gql_machine(pod)
+        machine.price_per_hour = machine.price_per_hour or fields["bidPerGpu"] * spec.gpu_count
+        return machine
 
     async def _gql_list(self) -> builtins.list[Machine]:
         data = await self._gql("query { myself { pods { " + POD_FIELDS + " } } }", "list")

@@ -5,6 +5,10 @@ Filters are sent to the search API and applied again here, because the API's fil
 fields are ignored) and a rental on the wrong host costs money: GPU name, price cap, disk, verified,
 reliability, country allow/deny list (from `geolocation`, "City, CC"), minimum download bandwidth, CUDA,
 and the hosts the scaler is avoiding (a host that could not start the container is avoided for 24 h).
+
+Spot (`instance.spot`): interruptible offers (`"type": "bid"`) whose `min_bid` is within the queue's
+`spot_max_price`, rented with a bid (`price`) 10 % over the minimum, never above the cap. An outbid instance
+goes `stopped` (it keeps billing for disk): the scaler destroys it and returns its jobs uncounted.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from offload.autoscale.providers.base import (
     is_ours,
 )
 
+SPOT_MARGIN = 1.1  # bid this much over an offer's minimum bid: less likely to be outbid at once
 STATES = {
     None: MachineState.PENDING, "": MachineState.PENDING, "created": MachineState.PENDING,
     "loading": MachineState.STARTING, "rebooting": MachineState.STARTING, "running": MachineState.RUNNING,
@@ -37,19 +42,19 @@ STATES = {
 
 
 class VastConfig(ProviderConfig):
-    api_key: str
-    base_url: str = "https://console.vast.ai"
-    gpu_name: str | None = None
-    max_price_per_hour: float | None = Field(None, gt=0)
-    disk_gb: int | None = Field(None, ge=8)
-    onstart: str | None = None
-    verified_only: bool = True
-    min_reliability: float = Field(0.95, ge=0, le=1)
-    exclude_countries: list[str] = Field(default_factory=lambda: ["CN"])
-    countries: list[str] | None = None
-    min_download_mbps: float = Field(100.0, ge=0)
-    min_cuda_version: str | None = "12.8"
-    offers_to_try: int = Field(5, ge=1, le=50)
+    api_key: str = Field(..., description="Vast.ai API key")
+    base_url: str = Field("https://console.vast.ai", description="the API's address (the simulator's, to rehearse)")
+    gpu_name: str | None = Field(None, description="Vast GPU name, e.g. RTX 4090")
+    max_price_per_hour: float | None = Field(None, gt=0, description="price cap per hour (wins over the queue's)")
+    disk_gb: int | None = Field(None, ge=8, description="disk when the queue sets none")
+    onstart: str | None = Field(None, description="optional on-start script")
+    verified_only: bool = Field(True, description="rent only machines Vast has verified")
+    min_reliability: float = Field(0.95, ge=0, le=1, description="minimum host reliability (0-1)")
+    exclude_countries: list[str] = Field(default_factory=lambda: ["CN"], description="ISO codes to avoid (JSON list)")
+    countries: list[str] | None = Field(None, description="allow-list of ISO codes (JSON list; wins over exclude)")
+    min_download_mbps: float = Field(100.0, ge=0, description="minimum host download bandwidth")
+    min_cuda_version: str | None = Field("12.8", description='hosts supporting this CUDA version ("none": any)')
+    offers_to_try: int = Field(5, ge=1, le=50, description="offers to try when one is taken meanwhile")
 
 
 def _country(offer: dict[str, Any]) -> str:
@@ -85,11 +90,24 @@ class VastProvider(Provider):
         disk = spec.disk_gb or self.config.disk_gb or 20
         return gpu, price, disk
 
+    @staticmethod
+    def _bid(offer: dict[str, Any], spec: LaunchSpec) -> float:
+        """What to bid for an interruptible offer: 10 % over its minimum bid, never above the cap."""
+        minimum = float(offer.get("min_bid") or 0)
+        return round(min(spec.spot_max_price or minimum, minimum * SPOT_MARGIN), 4)
+
+    @staticmethod
+    def _cost(offer: dict[str, Any], spec: LaunchSpec) -> float:
+        return VastProvider._bid(offer, spec) if spec.spot else float(offer.get("dph_total") or 0)
+
     def _acceptable(self, offer: dict[str, Any], spec: LaunchSpec, gpu: str, price: float | None, disk: int) -> bool:
         c = self.config
         if str(offer.get("gpu_name", "")).lower() != gpu.lower() or int(offer.get("num_gpus") or 0) != spec.gpu_count:
             return False
-        if price is not None and float(offer.get("dph_total") or 1e9) > price:
+        if spec.spot:
+            if not offer.get("min_bid") or float(offer["min_bid"]) > (spec.spot_max_price or 0):
+                return False
+        elif price is not None and float(offer.get("dph_total") or 1e9) > price:
             return False
         if float(offer.get("disk_space") or 0) < disk or offer.get("rentable") is False or offer.get("rented"):
             return False
@@ -115,10 +133,13 @@ class VastProvider(Provider):
         query: dict[str, Any] = {
             "gpu_name": {"eq": gpu}, "num_gpus": {"eq": spec.gpu_count}, "rentable": {"eq": True},
             "rented": {"eq": False}, "disk_space": {"gte": disk}, "inet_down": {"gte": self.config.min_download_mbps},
-            "reliability2": {"gte": self.config.min_reliability}, "order": [["dph_total", "asc"]],
-            "type": "on-demand", "limit": 64,
+            "reliability2": {"gte": self.config.min_reliability},
+            "order": [["min_bid" if spec.spot else "dph_total", "asc"]], "type": "bid" if spec.spot else "on-demand",
+            "limit": 64,
         }
-        if price is not None:
+        if spec.spot and spec.spot_max_price is not None:
+            query["min_bid"] = {"lte": spec.spot_max_price}
+        elif price is not None:
             query["dph_total"] = {"lte": price}
         if self.config.verified_only:
             query["verified"] = {"eq": True}
@@ -133,7 +154,11 @@ class VastProvider(Provider):
         if r.status_code != 200:
             raise ProviderError(f"vastai: search: HTTP {r.status_code} {self.http.excerpt(r)}")
         offers = [o for o in r.json().get("offers", []) if self._acceptable(o, spec, gpu, price, disk)]
-        return sorted(offers, key=lambda o: float(o.get("dph_total") or 0))
+        return sorted(offers, key=lambda o: self._cost(o, spec))
+
+    async def quote(self, spec: LaunchSpec) -> float | None:
+        offers = await self.search(spec)
+        return self._cost(offers[0], spec) if offers else None
 
     async def create(self, spec: LaunchSpec) -> Machine:
         if not spec.image:
@@ -141,7 +166,10 @@ class VastProvider(Provider):
         offers = await self.search(spec)
         if not offers:
             gpu, price, _ = self._wanted(spec)
-            raise OutOfCapacity(f"vastai: no offer for {gpu}" + (f" at <= ${price}/h" if price else ""))
+            if spec.spot:
+                price = spec.spot_max_price
+            raise OutOfCapacity(f"vastai: no {'interruptible ' if spec.spot else ''}offer for {gpu}"
+                                + (f" at <= ${price}/h" if price else ""))
         _, _, disk = self._wanted(spec)
         taken = 0
         for offer in offers[: self.config.offers_to_try]:
@@ -151,6 +179,8 @@ class VastProvider(Provider):
                 body["args"] = spec.command
             if self.config.onstart:
                 body["onstart"] = self.config.onstart
+            if spec.spot:
+                body["price"] = self._bid(offer, spec)
             r = await self.http.request("PUT", f"/api/v0/asks/{offer['id']}/", json=body, idempotent=False)
             self._check(r, "rent")
             data = _json(r)
@@ -162,7 +192,7 @@ class VastProvider(Provider):
                                     retryable=r.status_code != 400)
             contract = str(data["new_contract"])
             return Machine(provider_id=contract, label=spec.label, state=MachineState.PENDING,
-                           price_per_hour=float(offer.get("dph_total") or 0) or None,
+                           price_per_hour=self._cost(offer, spec) or None,
                            host_id=str(offer.get("machine_id")) if offer.get("machine_id") is not None else None,
                            raw={"offer": offer})
         raise OutOfCapacity(f"vastai: {taken} offer(s) taken before they could be rented")

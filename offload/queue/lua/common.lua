@@ -184,7 +184,12 @@ local function reap(now, limit)
   local n = 0
   local gone = redis.call('ZRANGEBYSCORE', P .. 'workers', '-inf', now, 'LIMIT', 0, limit)
   for _, wid in ipairs(gone) do
-    n = n + return_leases(redis.call('SMEMBERS', P .. 'owned:' .. wid), now, true)
+    local ids = redis.call('SMEMBERS', P .. 'owned:' .. wid)
+    n = n + return_leases(ids, now, true)
+    if #ids > 0 then  -- remembered a day: if the worker's machine was pre-empted, `forgive` refunds the expiries
+      for _, id in ipairs(ids) do redis.call('HINCRBY', P .. 'lost:' .. wid, id, 1) end
+      redis.call('EXPIRE', P .. 'lost:' .. wid, 86400)
+    end
     redis.call('DEL', P .. 'owned:' .. wid)
     redis.call('ZREM', P .. 'workers', wid)
   end

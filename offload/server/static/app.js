@@ -6,6 +6,8 @@
 // - The API key lives in sessionStorage (this tab only) and travels as an Authorization header; it is never
 //   put in the DOM, a URL or a cookie. The sign-in field is cleared as soon as it is read.
 // - Actions a key may not take are hidden, but the server decides: a forced request gets 403, shown as an error.
+import { makeAutoscaleView } from "./autoscale.js";
+
 const KEY = "offload.key";
 const STATES = ["queued", "delayed", "retrying", "active", "held", "succeeded", "dead", "cancelled"];
 const TERMINAL = new Set(["succeeded", "dead", "cancelled"]);
@@ -31,6 +33,7 @@ class ApiError extends Error {
     const text = Array.isArray(detail) ? detail.map((d) => `${d.path || ""}: ${d.msg}`).join("; ") : detail;
     super(`${status || ""} ${(body && body.error) || "error"}: ${text || "request failed"}`.trim());
     this.status = status;
+    this.body = body;
   }
 }
 
@@ -328,80 +331,10 @@ const workersView = {
   },
 };
 
-// Autoscaling: rented instances, per-queue config and spend, providers. Provider configs arrive masked from the
-// API (secrets as ****1234); the page shows exactly that and never asks for a secret.
-const money = (v) => (typeof v === "number" ? `$${v.toFixed(4)}` : "—");
-function blockSummary(a) {
-  if (!a) return "—";
-  const parts = [a.enabled ? "enabled" : "disabled", `provider ${a.provider || "—"}`,
-    `workers ${a.min_workers ?? 0}-${a.max_workers ?? "?"}`];
-  if (a.poll_interval !== undefined) parts.push(`poll ${a.poll_interval}`);
-  const trig = (list) => (Array.isArray(list) ? list.map((t) => t && t.trigger).filter(Boolean).join("+") : "");
-  if (trig(a.scale_up)) parts.push(`up: ${trig(a.scale_up)}`);
-  if (trig(a.scale_down)) parts.push(`down: ${trig(a.scale_down)}`);
-  if (a.instance && a.instance.gpu) parts.push(`gpu ${a.instance.gpu}`);
-  if (a.instance && a.instance.max_price_per_hour !== undefined) parts.push(`≤ $${a.instance.max_price_per_hour}/h`);
-  if (a.daily_spend_cap !== undefined && a.daily_spend_cap !== null) parts.push(`day cap $${a.daily_spend_cap}`);
-  if (a.monthly_spend_cap !== undefined && a.monthly_spend_cap !== null) parts.push(`month cap $${a.monthly_spend_cap}`);
-  return parts.join(" · ");
-}
-const protectButton = (inst) => (inst.status === "terminated" || inst.status === "failed" ? null
-  : action(inst.protect ? "Unprotect" : "Protect", "admin", async () => {
-    const verb = inst.protect ? "unprotect" : "protect";
-    await post(`/v1/autoscale/instances/${enc(inst.id)}/${verb}`);
-    return `${inst.protect ? "Unprotected" : "Protected"} ${inst.id}`;
-  }, { name: inst.protect ? "unprotect" : "protect" }));
-const fmtConfig = (c) => Object.entries(c || {}).map(([k, v]) => `${k}=${typeof v === "string" ? v : JSON.stringify(v)}`).join(" ");
-
-const autoscaleView = {
-  async load() {
-    if (!me.can_see_workers) return null;
-    const [status, configs, providers] = await Promise.all([api("/v1/autoscale/status"), api("/v1/autoscale/queues"),
-      api("/v1/autoscale/providers")]);
-    delete status.server; // which server answered: changes with a balancer, not worth a redraw
-    return { status, configs, providers };
-  },
-  draw(data) {
-    if (data === null) {
-      return el("section", null, el("h1", null, "Autoscaling"),
-        el("p", { class: "muted" }, "Autoscaling spans every queue: it needs an admin key or an unrestricted viewer key."));
-    }
-    const { status, configs, providers } = data;
-    const names = [...new Set([...Object.keys(configs), ...Object.keys(status.queues)])].sort();
-    const queueRows = names.map((q) => {
-      const s = status.queues[q] || {};
-      const c = configs[q];
-      return el("tr", { data: { queue: q } }, el("td", null, queueLink(q)),
-        el("td", { data: { col: "config" } }, blockSummary(c && c.autoscale)),
-        el("td", { data: { col: "source" } }, c ? c.source : "—"),
-        el("td", { class: "num", data: { col: "active" } }, s.active ?? 0),
-        el("td", { class: "num", data: { col: "spend-day" } }, money(s.spend_today ?? 0)),
-        el("td", { class: "num", data: { col: "spend-month" } }, money(s.spend_month ?? 0)),
-        el("td", { data: { col: "paused" } }, s.renting_paused_until ? `until ${fmtTime(s.renting_paused_until * 1000)}: ${s.paused_because || ""}` : "—"));
-    });
-    const instRows = status.instances.map((i) => el("tr", { data: { instance: i.id, status: i.status } },
-      el("td", { class: "mono" }, i.id), el("td", null, queueLink(i.queue)), el("td", { data: { col: "provider" } }, i.provider),
-      el("td", { data: { col: "status" } }, el("span", { class: `state ${i.status}` }, i.status), i.reason ? ` (${i.reason})` : ""),
-      el("td", { class: "mono", data: { col: "worker" } }, i.worker_id || "—"),
-      el("td", { data: { col: "protected" } }, i.protected ? "yes" : "no"),
-      el("td", { class: "num", data: { col: "cost" } }, money(i.cost)),
-      el("td", { class: "actions" }, protectButton(i))));
-    const provRows = providers.map((p) => el("tr", { data: { provider: p.name } },
-      el("td", null, p.name), el("td", null, p.type), el("td", { class: "mono", data: { col: "config" } }, fmtConfig(p.config))));
-    const leader = status.leader ? `${status.leader.owner} (token ${status.leader.token})` : "none";
-    return el("section", null, el("h1", null, "Autoscaling"),
-      el("p", { class: "muted", id: "autoscale-leader" }, `Leader: ${leader}`),
-      el("h2", null, "Queues"),
-      names.length ? table(["Queue", "Autoscale", "Source", "Active", "Spend today", "Spend this month", "Renting paused"],
-        queueRows, { id: "autoscale-queues" }) : el("p", { class: "empty" }, "No queue has an autoscale block."),
-      el("h2", null, "Instances"),
-      instRows.length ? table(["Instance", "Queue", "Provider", "Status", "Worker", "Protected", "Cost", ""], instRows,
-        { id: "instances" }) : el("p", { class: "empty" }, "No instances."),
-      el("h2", null, "Providers"),
-      provRows.length ? table(["Name", "Type", "Config (secrets masked)"], provRows, { id: "providers" })
-        : el("p", { class: "empty" }, "No providers."));
-  },
-};
+// Autoscaling (autoscale.js): instances, per-queue config, spend and why, providers, and their forms.
+const autoscaleView = makeAutoscaleView({
+  el, api, table, queueLink, enc, action, showNotice, me: () => me, redraw: () => { lastSig = ""; refresh(); },
+});
 
 const VIEWS = { overview, queue: queueView, job: jobView, dead: setView("dead"), held: setView("held"), workers: workersView,
   autoscale: autoscaleView };
@@ -420,6 +353,7 @@ function parseRoute() {
 function navigate() {
   if (!me) return;
   route = parseRoute();
+  autoscaleView.reset();
   gen += 1;
   lastSig = "";
   document.body.dataset.view = route.name;
@@ -436,6 +370,7 @@ async function refresh() {
   const mine = gen;
   const n = ++seq;
   const view = VIEWS[route.name];
+  if (view.busy && view.busy()) return; // a form is open: redraw when it closes
   try {
     const data = await view.load(route);
     if (mine !== gen || n < drawn || !me) return;
