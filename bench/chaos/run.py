@@ -1,0 +1,443 @@
+"""`python -m bench.chaos`: one run of the fault harness, from a clean slate to a verdict.
+
+Starts Valkey (AOF `always` or `everysec`), `rclone serve s3`, the simulator (one port per worker slot) and the
+fault proxy; writes an offload.yaml per worker slot (Valkey through the proxy, the simulator's port for that slot,
+S3); starts the workers (in PID namespaces where the machine allows it); enqueues through the proxy for the fault
+phase while the schedule breaks things; then heals everything, rolls the capped queue's window over to release its
+held jobs, waits (bounded) until every acknowledged job is terminal, and hands the job store, the submission log
+and the bucket to the checker. Prints a short human summary, and as its last line the JSON verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+import yaml
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from redis.retry import Retry
+
+from bench.chaos.checker import TERMINAL, Checker, RunData
+from bench.chaos.faults import Profile, Schedule
+from bench.chaos.procs import HOST, S3, Sim, Valkey, WorkerSlot, base_env, pidns_support
+from bench.chaos.proxy import FaultProxy
+from offload.connection import connect
+from offload.queue.scripts import NAMES, SCRIPTS
+from offload.queue.store import JobSpec, QueueStore
+
+log = logging.getLogger("chaos")
+QUEUE, CAPPED, BUCKET = "chaos", "capped", "chaos-results"
+FAULTS = ("kill", "stop", "valkey", "drop", "reset", "blackhole", "storm", "provider")
+BACKENDS = {"http-job": {}, "runpod": {"endpoint_id": "chaos"}, "replicate": {"version": "chaos-version"},
+            "fal": {"app": "chaos/app"}}
+QUICK = {"minutes": 1.0, "concurrency": 60, "jobs_per_s": 12.0, "kill_every": 3.0, "stop_every": 15.0,
+         "valkey_every": 25.0, "drop_every": 2.0, "reset_every": 20.0, "blackhole_every": 30.0, "blackhole_s": 2.0,
+         "storm_every": 20.0, "storm_s": 3.0, "latency": "3-8", "result_ttl": 8.0, "capped_jobs": 24,
+         "daily_job_cap": 15}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="the CI-sized profile (about a minute of faults)")
+    p.add_argument("--minutes", type=float, help="length of the fault phase (default 10, quick 1)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--workers", type=int, help="dispatch worker processes on the main queue (default 3)")
+    p.add_argument("--in-flight", type=int, help="concurrency per worker (default 200, quick 60)")
+    p.add_argument("--jobs-per-s", type=float, help="producer rate during the fault phase (default 20)")
+    p.add_argument("--faults", default="all", help=f"comma list of {','.join(FAULTS)}, or all / none")
+    p.add_argument("--kill-every", type=float, help="mean seconds between worker SIGKILLs (default 2)")
+    p.add_argument("--aof", choices=("always", "everysec"), default="always", help="Valkey appendfsync")
+    honour = p.add_mutually_exclusive_group()
+    honour.add_argument("--honour-idempotency-key", dest="honour", action="store_true", default=True)
+    honour.add_argument("--ignore-idempotency-key", dest="honour", action="store_false",
+                        help="the simulator treats every submit as new, as most provider APIs do")
+    p.add_argument("--backend", choices=sorted(BACKENDS), default="http-job", help="API family the workers use")
+    p.add_argument("--no-pidns", action="store_true", help="do not restart workers in PID namespaces")
+    p.add_argument("--settle", type=float, help="max seconds to wait for quiescence (default: 3 min, quick 50 s)")
+    p.add_argument("--out", type=Path, help="directory for logs and data (default: a new temp dir)")
+    p.add_argument("--autoscale", action="store_true", help="run the server-killed-mid-autoscale scenario only")
+    return p.parse_args(argv)
+
+
+def profile_for(args: argparse.Namespace) -> Profile:
+    profile = Profile(**QUICK) if args.quick else Profile()  # type: ignore[arg-type]
+    overrides = {"minutes": args.minutes, "workers": args.workers, "concurrency": args.in_flight,
+                 "jobs_per_s": args.jobs_per_s, "kill_every": args.kill_every}
+    profile = replace(profile, **{k: v for k, v in overrides.items() if v is not None})
+    chosen = set(FAULTS) if args.faults == "all" else set() if args.faults == "none" else set(args.faults.split(","))
+    if unknown := chosen - set(FAULTS):
+        raise SystemExit(f"error: unknown fault(s) {', '.join(sorted(unknown))}; choose from {', '.join(FAULTS)}")
+    off: dict[str, Any] = {}
+    for fault, fields in (("kill", ["kill_every"]), ("stop", ["stop_every"]), ("valkey", ["valkey_every"]),
+                          ("drop", ["drop_every"]), ("reset", ["reset_every"]), ("blackhole", ["blackhole_every"]),
+                          ("storm", ["storm_every"]),
+                          ("provider", ["error_rate", "rate_429", "lost_response_rate", "fail_rate"])):
+        if fault not in chosen:
+            off.update(dict.fromkeys(fields, 0.0))
+    return replace(profile, **off)
+
+
+def worker_config(path: Path, redis_url: str, s3: S3, base_url: str, backend: str, p: Profile) -> Path:
+    queue = {"backend": "sim", "max_attempts": p.max_attempts, "poll_interval": 2, "poll_timeout": 300}
+    config = {
+        "redis_url": redis_url,
+        "storage": s3.settings(),
+        "backends": {"sim": {"kind": backend, "base_url": base_url, "api_key": "sim-key", "timeout": 30,
+                             **BACKENDS[backend]}},
+        "queues": {QUEUE: {**queue, "concurrency": p.concurrency},
+                   CAPPED: {**queue, "concurrency": 16, "daily_job_cap": p.daily_job_cap}},
+    }
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+class Run:
+    """One harness run; `main` drives it phase by phase and every wait in it is bounded."""
+
+    def __init__(self, args: argparse.Namespace, profile: Profile, out: Path) -> None:
+        self.args, self.p, self.out = args, profile, out
+        self.rng = random.Random(args.seed)
+        self.acked: dict[str, tuple[str, str, float]] = {}
+        self.events: dict[str, list[tuple[float, str]]] = defaultdict(list)
+        self.samples: dict[str, Any] = {"in_flight": []}
+        self.counts: dict[str, int] = defaultdict(int)
+        self.stop_background = asyncio.Event()
+
+    async def main(self) -> dict[str, Any]:
+        p, args = self.p, self.args
+        pidns, why = (False, "disabled by --no-pidns") if args.no_pidns else pidns_support()
+        self.pidns_note = "restarts keep host:pid (PID namespace)" if pidns else f"no PID namespaces: {why}"
+        self.valkey = await asyncio.to_thread(Valkey(self.out / "valkey", args.aof).start)
+        self.s3 = await asyncio.to_thread(S3(self.out / "s3", BUCKET).start)
+        self.sim = await asyncio.to_thread(Sim(self.out, p.workers + 1).start)
+        try:
+            return await self._run(pidns)
+        finally:
+            for stop in (self.sim.stop, self.s3.stop, self.valkey.stop):
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(stop)
+
+    async def _run(self, pidns: bool) -> dict[str, Any]:
+        p, args = self.p, self.args
+        names = {getattr(SCRIPTS, n).sha: n for n in NAMES}
+        self.proxy = await FaultProxy((HOST, self.valkey.port), seed=args.seed, script_names=names).start()
+        await asyncio.to_thread(self.sim.post, "/_sim/config", p.sim_config(args.seed, args.honour))
+        env = base_env(CHAOS_S3_SECRET=self.s3.secret_key, OFFLOAD_LEASE_MS=str(p.lease_ms),
+                       OFFLOAD_REDIS_CONNECT_TIMEOUT="60")
+        self.slots: list[WorkerSlot] = []
+        for n in range(p.workers + 1):
+            name, queue = (f"w{n + 1}", QUEUE) if n < p.workers else ("c1", CAPPED)
+            cfg = worker_config(self.out / f"offload-{name}.yaml", self.proxy.url, self.s3,
+                                self.sim.slot_url(n), args.backend, p)
+            self.slots.append(WorkerSlot(name, queue, cfg, env, self.out, concurrency=p.concurrency, pidns=pidns))
+        self.direct = aioredis.Redis.from_url(self.valkey.url, decode_responses=True, socket_timeout=10,
+                                              retry=Retry(NoBackoff(), 0))
+        store = QueueStore(await connect(self.valkey.url))
+        capped = [JobSpec(input=self._input(f"cap-{i}"), max_attempts=p.max_attempts) for i in range(p.capped_jobs)]
+        for job_id, spec in zip(await store.enqueue_many(CAPPED, capped), capped, strict=True):
+            self.acked[job_id] = (CAPPED, spec.input["id"], time.time())
+        for slot in self.slots:
+            slot.start()
+        await self._until(lambda: all(s.current and s.current.read_id() for s in self.slots), 90, "workers up")
+        self.schedule = Schedule(p, self.rng, self.slots, self.valkey, self.proxy, self.sim)
+        background = [asyncio.create_task(self._tail_events()), asyncio.create_task(self._sample())]
+        started = time.time()
+        fault_s = p.minutes * 60
+        producer = asyncio.create_task(self._produce(started + fault_s * 0.85))
+        self.schedule.start()
+        log.warning("fault phase: %.0f s, %s", fault_s, self.pidns_note)
+        await asyncio.sleep(fault_s)
+        await self.schedule.stop()
+        await asyncio.wait_for(producer, 120)
+        healed = time.time()
+        await self._heal()
+        cap_slot = self.slots[-1]
+        self.held_at_roll = int(await self.direct.zcard(f"offload:{{{CAPPED}}}:held"))
+        await asyncio.to_thread(cap_slot.terminate)
+        self.rolled_at = time.time()
+        cap_slot.start(OFFLOAD_CLOCK_OFFSET_S="86400")  # the next UTC day: held jobs must come back
+        settle = args.settle if args.settle is not None else (50.0 if args.quick else 180.0)
+        all_terminal = await self._until_terminal(settle)
+        all_terminal_s = None if all_terminal is None else round(all_terminal - healed, 1)
+        records = await self._records()  # the job store after quiescence, before the workers drain
+        for slot in self.slots:
+            await asyncio.to_thread(slot.terminate)
+        self.stop_background.set()
+        await asyncio.gather(*background, return_exceptions=True)
+        await self.schedule.close()
+        data = await self._gather(records)
+        verdict = Checker(data).verdict()
+        await self.proxy.close()
+        await store.redis.aclose()
+        await self.direct.aclose()
+        doc = self._report(verdict.summary, verdict.findings, all_terminal_s, time.time() - started, pidns)
+        report = {"summary": doc, "findings": verdict.findings, "details": verdict.details,
+                  "timeline": self.schedule.timeline, "dropped": [d.__dict__ for d in self.proxy.dropped],
+                  "lives": {s.name: [life.__dict__ | {"log": str(life.log)} for life in s.lives] for s in self.slots}}
+        (self.out / "report.json").write_bytes(orjson.dumps(report, default=str, option=orjson.OPT_INDENT_2))
+        return doc
+
+    def _input(self, input_id: str) -> dict[str, Any]:
+        """Distinct per job and echoed back by the simulator, so a result stored for the wrong job shows."""
+        return {"id": input_id, "prompt": f"chaos {input_id}", "salt": self.rng.getrandbits(48)}
+
+    async def _until(self, check: Any, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not check():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out after {timeout:g}s waiting for {what}; logs in {self.out}")
+            await asyncio.sleep(0.2)
+
+    async def _produce(self, until: float) -> None:
+        """Enqueue through the proxy: plain batches, batches with idempotency keys (retried with the same keys
+        after an error) and single jobs. Only an enqueue that returned counts as acknowledged."""
+        client = await connect(self.proxy.url, retry_for=60)
+        store = QueueStore(client)
+        n, tick = 0, time.time()
+        while time.time() < until:
+            size = max(1, round(self.p.jobs_per_s / 2))
+            mode = self.rng.choice(("plain", "keyed", "single"))
+            specs = []
+            for _ in range(size):
+                n += 1
+                job_input = self._input(f"job-{n}")
+                key = job_input["id"] if mode == "keyed" else None
+                specs.append(JobSpec(input=job_input, max_attempts=self.p.max_attempts, idempotency_key=key))
+            for attempt in range(3 if mode == "keyed" else 1):
+                try:
+                    if mode == "single":
+                        ids = [await asyncio.wait_for(store.enqueue(QUEUE, spec), 30) for spec in specs]
+                    else:
+                        ids = await asyncio.wait_for(store.enqueue_many(QUEUE, specs), 30)
+                except (RedisError, OSError, TimeoutError) as exc:
+                    self.counts["enqueue_errors"] += 1
+                    log.info("enqueue (%s, try %d) failed: %s", mode, attempt + 1, exc)
+                    continue
+                now = time.time()
+                for job_id, spec in zip(ids, specs, strict=True):
+                    self.acked[job_id] = (QUEUE, spec.input["id"], now)
+                break
+            tick += 0.5
+            await asyncio.sleep(max(0.0, tick - time.time()))
+        await client.aclose()
+
+    async def _tail_events(self) -> None:
+        """Every transition of every job, read straight from Valkey (not through the proxy) while it happens: the
+        checker needs to know when a remote id was recorded, long after the capped stream has moved on."""
+        streams = {f"offload:{{{q}}}:events": "0-0" for q in (QUEUE, CAPPED)}
+        biggest = 0
+        client = aioredis.Redis.from_url(self.valkey.url, decode_responses=True, socket_timeout=5,
+                                         retry=Retry(NoBackoff(), 0))
+        while not self.stop_background.is_set():
+            try:
+                got = await client.xread(streams, count=5000, block=300)  # type: ignore[arg-type]
+            except (RedisError, OSError):
+                await asyncio.sleep(0.2)
+                continue
+            for stream, entries in got or []:
+                for entry_id, fields in entries:
+                    at = int(entry_id.split("-")[0]) / 1000
+                    ids = (fields.get("jobs") or fields.get("id") or "").split()
+                    biggest = max(biggest, len(ids))
+                    for job_id in ids:
+                        self.events[job_id].append((at, fields.get("state", "?")))
+                    streams[stream] = entry_id
+        self.samples["event_ids_max"] = biggest
+        await client.aclose()
+
+    async def _sample(self) -> None:
+        """Valkey memory, the events streams' length and jobs in flight per live worker, every 2 s."""
+        peak = length = 0
+        while not self.stop_background.is_set():
+            await asyncio.sleep(2)
+            with contextlib.suppress(RedisError, OSError):
+                memory = await self.direct.info("memory")
+                peak = max(peak, int(memory["used_memory"]))
+                self.samples["used_memory"] = int(memory["used_memory"])
+                for q in (QUEUE, CAPPED):
+                    length = max(length, int(await self.direct.xlen(f"offload:{{{q}}}:events")))
+                if not self.schedule._stopping:
+                    for slot in self.slots[:-1]:
+                        life = slot.current
+                        if life and life.read_id() and not slot.stopped:
+                            owned = await self.direct.scard(f"offload:{{{QUEUE}}}:owned:{life.worker_id}")
+                            self.samples["in_flight"].append(int(owned))
+        self.samples["used_memory_peak"] = peak
+        self.samples["events_len_max"] = length
+
+    async def _heal(self) -> None:
+        """No more faults: the simulator behaves, stopped workers continue, dead slots are started again."""
+        healthy = {"error_rate": 0, "rate_429": 0, "lost_response_rate": 0, "submit_latency": 0}
+        await asyncio.to_thread(self.sim.post, "/_sim/config?merge=true", {"default": healthy})
+        await asyncio.to_thread(self.sim.post, "/_sim/outage", {"mode": None})
+        for slot in self.slots:
+            slot.sigcont()
+            if not slot.running:
+                slot.start()
+
+    async def _until_terminal(self, timeout: float) -> float | None:
+        """When every acknowledged job was terminal, or None if that did not happen within `timeout`."""
+        deadline = time.monotonic() + timeout
+        waiting = list(self.acked)
+        while time.monotonic() < deadline:
+            with contextlib.suppress(RedisError, OSError):
+                still = []
+                for i in range(0, len(waiting), 2000):
+                    chunk = waiting[i : i + 2000]
+                    pipe = self.direct.pipeline(transaction=False)
+                    for job_id in chunk:
+                        pipe.hget(f"offload:{{{job_id.partition(':')[0]}}}:job:{job_id}", "state")
+                    states = await pipe.execute()
+                    still += [j for j, s in zip(chunk, states, strict=True) if s is not None and s not in TERMINAL]
+                waiting = still
+                if not waiting:
+                    return time.time()
+            await asyncio.sleep(1)
+        return None
+
+    async def _records(self) -> dict[str, dict[str, str]]:
+        records: dict[str, dict[str, str]] = {}
+        for q in (QUEUE, CAPPED):
+            keys = [k async for k in self.direct.scan_iter(match=f"offload:{{{q}}}:job:*", count=2000)]
+            for i in range(0, len(keys), 1000):
+                pipe = self.direct.pipeline(transaction=False)
+                for k in keys[i : i + 1000]:
+                    pipe.hgetall(k)
+                for k, h in zip(keys[i : i + 1000], await pipe.execute(), strict=True):
+                    records[k.split(":job:", 1)[1]] = h
+        return records
+
+    async def _gather(self, records: dict[str, dict[str, str]]) -> RunData:
+        submissions = await asyncio.to_thread(self.sim.submissions)
+        self.sim_stats = await asyncio.to_thread(self.sim.get, "/_sim/stats")
+        outputs, files = await asyncio.to_thread(self._bucket, records)
+        return RunData(
+            acked=self.acked, records=records, submissions=submissions, outputs=outputs, files=files,
+            lives={s.name: s.lives for s in self.slots},
+            slot_ports={port: self.slots[n].name for n, port in enumerate(self.sim.slot_ports)},
+            timeline=self.schedule.timeline, valkey_down=self.schedule.valkey_down, appendfsync=self.args.aof,
+            events=self.events, dropped=self.proxy.dropped, bucket=BUCKET, capped_queue=CAPPED,
+            daily_job_cap=self.p.daily_job_cap, cap_rolled_at=self.rolled_at, held_at_roll=self.held_at_roll,
+            samples=self.samples)
+
+    def _bucket(self, records: dict[str, dict[str, str]]) -> tuple[dict[str, bytes | None], dict[str, bytes | None]]:
+        """Every stored output JSON, and every copied file a succeeded job's output points at."""
+        s3 = self.s3.client()
+        keys: set[str] = set()
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix="results/"):
+            keys |= {o["Key"] for o in page.get("Contents", [])}
+
+        def fetch(key: str) -> bytes | None:
+            if key not in keys:
+                return None
+            for _ in range(3):
+                with contextlib.suppress(Exception):
+                    return bytes(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+            return None
+
+        wanted = {h.get("output_key") or f"results/{j}.json" for j, h in records.items()}
+        with ThreadPoolExecutor(16) as pool:
+            outputs = dict(zip(wanted, pool.map(fetch, wanted), strict=True))
+            linked: set[str] = set()
+            for blob in outputs.values():
+                with contextlib.suppress(orjson.JSONDecodeError, AttributeError, TypeError):
+                    for location in (orjson.loads(blob or b"{}").get("_offload_files") or {}).values():
+                        linked.add(str(location).removeprefix(f"s3://{BUCKET}/"))
+            files = dict(zip(linked, pool.map(fetch, linked), strict=True))
+        return outputs, files
+
+    def _report(self, summary: dict[str, Any], findings: list[str], all_terminal_s: float | None, wall: float,
+                pidns: bool) -> dict[str, Any]:
+        kinds = self.schedule.counts
+        in_flight = [n for n in self.samples["in_flight"] if n > 0]
+        lives = [life for s in self.slots for life in s.lives]
+        doc: dict[str, Any] = {
+            "jobs": sum(1 for q, _, _ in self.acked.values() if q == QUEUE),
+            "lost": summary["lost"], "stuck": summary["stuck"], "wrong_results": summary["wrong_results"],
+            "duplicate_submissions": summary["duplicate_submissions"],
+            "duplicates_by_cause": summary["duplicates_by_cause"],
+            "kills": kinds["kill"], "valkey_restarts": kinds["valkey_restart"], "all_terminal_s": all_terminal_s,
+            "defect_duplicates": summary["defect_duplicates"],
+            "duplicates_per_kill": round(summary["duplicates_by_cause"].get("killed_inside_submit", 0)
+                                         / max(kinds["kill"], 1), 3),
+            "stops": kinds["stop"], "worker_exits": kinds["worker_exit"],
+            "pidns_restarts": kinds["restart"] if pidns else 0, "pidns": pidns,
+            "dropped_replies": self.proxy.counts["dropped_replies"], "resets": kinds["reset"],
+            "blackholes": kinds["blackhole"], "storms_429": kinds["storm_429"],
+            "sim_faults": _sum_faults(self.sim_stats.get("faults", {})),
+            "in_flight_per_worker": {"mean": round(sum(in_flight) / max(len(in_flight), 1), 1),
+                                     "peak": max(in_flight, default=0)},
+            "aof": self.args.aof, "honour_idempotency_key": self.args.honour, "backend": self.args.backend,
+            "enqueue_errors": self.counts["enqueue_errors"], "worker_processes": len(lives),
+            "wall_s": round(wall, 1), "seed": self.args.seed, "minutes": self.p.minutes,
+        }
+        for key in ("everysec_loss", "dead", "dead_by_reason", "dead_by_infra_error", "stuck_by_state",
+                    "wrong_by_kind", "outputs_of_unfinished_jobs", "killed_inside_submit_by",
+                    "resubmits_after_remote_end", "idempotent_replays", "submissions", "cap", "held_released",
+                    "memory_mb", "memory_bounded", "events_bounded", "events"):
+            if key in summary:
+                doc[key] = summary[key]
+        self.findings = findings
+        exits = [e for e in self.schedule.timeline if e["kind"] == "worker_exit"]
+        self.exit_notes = [f"{e['target']}#{e['n']} exit {e['code']}: {e['tail'][-200:]}" for e in exits[:3]]
+        return doc
+
+
+def _sum_faults(faults: dict[str, int]) -> dict[str, int]:
+    out: dict[str, int] = defaultdict(int)
+    for name, n in faults.items():
+        out[name.split(" ", 1)[1] if " " in name else name] += n
+    return dict(out)
+
+
+def human(doc: dict[str, Any], run: Run) -> str:
+    lines = [
+        f"chaos run: {doc['jobs']} jobs (+{doc.get('cap', {}).get('jobs', 0)} capped), {run.p.workers} workers, "
+        f"{doc['minutes']:g} min of faults, AOF {doc['aof']}, Idempotency-Key "
+        f"{'honoured' if doc['honour_idempotency_key'] else 'ignored'} by the simulator; {run.pidns_note}",
+        f"injected: {doc['kills']} SIGKILLs, {doc['stops']} SIGSTOPs past the lease, {doc['valkey_restarts']} "
+        f"Valkey crashes, {doc['dropped_replies']} dropped replies, {doc['resets']} resets, {doc['blackholes']} "
+        f"black-holes, {doc['storms_429']} 429 storms, provider faults {doc['sim_faults']}",
+        f"in flight per worker: mean {doc['in_flight_per_worker']['mean']}, peak {doc['in_flight_per_worker']['peak']}",
+        f"lost {doc['lost']}, stuck {doc['stuck']}, wrong results {doc['wrong_results']}, dead {doc.get('dead')}, "
+        f"all terminal {doc['all_terminal_s']} s after the faults stopped",
+        f"duplicate submissions {doc['duplicate_submissions']} ({doc['duplicates_per_kill']} killed-inside-submit "
+        f"per kill): {doc['duplicates_by_cause']}",
+        f"cap {doc.get('cap')}, held released {doc.get('held_released')}, worker exits {doc['worker_exits']}",
+    ]
+    lines += [f"  ! {f}" for f in run.findings[:25]] + [f"  ! worker {n}" for n in run.exit_notes]
+    verdict = "PASS" if not (doc["lost"] or doc["stuck"] or doc["wrong_results"] or doc["defect_duplicates"]) \
+        else "FAIL"
+    lines.append(f"{verdict}; logs and data in {run.out}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", stream=sys.stderr)
+    if args.autoscale:
+        from bench.chaos.autoscale import main as autoscale_main
+
+        print(json.dumps(autoscale_main(args)))
+        return
+    out = args.out or Path(tempfile.mkdtemp(prefix="offload-chaos-"))
+    out.mkdir(parents=True, exist_ok=True)
+    run = Run(args, profile_for(args), out)
+    doc = asyncio.run(run.main())
+    print(human(doc, run), flush=True)
+    print(json.dumps(doc), flush=True)
