@@ -15,6 +15,7 @@ bucket and the record of every fault the harness injected.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import re
 from collections import Counter, defaultdict
@@ -309,6 +310,30 @@ class Checker:
         return {"memory_mb": {"peak": round(peak / 2**20, 1), "final": round(s.get("used_memory", 0) / 2**20, 1)},
                 "memory_bounded": memory_ok, "events_bounded": events_ok,
                 "events": {"max_len": s.get("events_len_max", 0), "max_ids_per_entry": s.get("event_ids_max", 0)}}
+
+    def in_flight(self, slots: Iterable[str], window: tuple[float, float]) -> dict[str, Any]:
+        """Remote jobs running at the provider for each worker slot, sampled every second of the fault phase
+        (from the submission log: sent by the slot, not yet ended). Counts what the provider holds for the
+        worker, which a stale lease set cannot inflate."""
+        wanted = set(slots)
+        spans: dict[str, tuple[list[float], list[float]]] = {}
+        for sub in self.d.submissions:
+            slot = self.d.slot_ports.get(sub.get("port") or 0)
+            if slot in wanted and not sub["replay"]:
+                starts, ends = spans.setdefault(slot, ([], []))
+                starts.append(sub["arrival"])
+                ends.append(sub["remote_ended_at"])
+        counts: list[int] = []
+        for starts, ends in spans.values():
+            starts.sort()
+            ends.sort()
+            t = window[0]
+            while t < window[1]:
+                n = bisect.bisect_right(starts, t) - bisect.bisect_right(ends, t)
+                if n > 0:
+                    counts.append(n)
+                t += 1.0
+        return {"mean": round(sum(counts) / max(len(counts), 1), 1), "peak": max(counts, default=0)}
 
     def verdict(self) -> Verdict:
         summary: dict[str, Any] = {}

@@ -181,7 +181,9 @@ class Run:
         await asyncio.gather(*background, return_exceptions=True)
         await self.schedule.close()
         data = await self._gather(records)
-        verdict = Checker(data).verdict()
+        checker = Checker(data)
+        verdict = checker.verdict()
+        self.in_flight = checker.in_flight([s.name for s in self.slots[:-1]], (started, healed))
         await self.proxy.close()
         await store.redis.aclose()
         await self.direct.aclose()
@@ -380,8 +382,9 @@ class Run:
             "dropped_replies": self.proxy.counts["dropped_replies"], "resets": kinds["reset"],
             "blackholes": kinds["blackhole"], "storms_429": kinds["storm_429"],
             "sim_faults": _sum_faults(self.sim_stats.get("faults", {})),
-            "in_flight_per_worker": {"mean": round(sum(in_flight) / max(len(in_flight), 1), 1),
-                                     "peak": max(in_flight, default=0)},
+            "in_flight_per_worker": self.in_flight,
+            "leases_per_worker": {"mean": round(sum(in_flight) / max(len(in_flight), 1), 1),
+                                  "peak": max(in_flight, default=0)},
             "aof": self.args.aof, "honour_idempotency_key": self.args.honour, "backend": self.args.backend,
             "enqueue_errors": self.counts["enqueue_errors"], "worker_processes": len(lives),
             "wall_s": round(wall, 1), "seed": self.args.seed, "minutes": self.p.minutes,
