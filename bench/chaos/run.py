@@ -59,6 +59,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, help="dispatch worker processes on the main queue (default 3)")
     p.add_argument("--in-flight", type=int, help="concurrency per worker (default 200, quick 60)")
     p.add_argument("--jobs-per-s", type=float, help="producer rate during the fault phase (default 20)")
+    p.add_argument("--jobs", type=int, help="total jobs on the main queue (sets the rate over the fault phase)")
     p.add_argument("--faults", default="all", help=f"comma list of {','.join(FAULTS)}, or all / none")
     p.add_argument("--kill-every", type=float, help="mean seconds between worker SIGKILLs (default 2)")
     p.add_argument("--aof", choices=("always", "everysec"), default="always", help="Valkey appendfsync")
@@ -79,6 +80,8 @@ def profile_for(args: argparse.Namespace) -> Profile:
     overrides = {"minutes": args.minutes, "workers": args.workers, "concurrency": args.in_flight,
                  "jobs_per_s": args.jobs_per_s, "kill_every": args.kill_every}
     profile = replace(profile, **{k: v for k, v in overrides.items() if v is not None})
+    if args.jobs:  # the producer enqueues for 85 % of the fault phase, a batch every 0.5 s
+        profile = replace(profile, jobs_per_s=args.jobs / (profile.minutes * 60 * 0.85))
     chosen = set(FAULTS) if args.faults == "all" else set() if args.faults == "none" else set(args.faults.split(","))
     if unknown := chosen - set(FAULTS):
         raise SystemExit(f"error: unknown fault(s) {', '.join(sorted(unknown))}; choose from {', '.join(FAULTS)}")

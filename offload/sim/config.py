@@ -127,7 +127,7 @@ class Behaviour(_Strict):
         default_factory=lambda: [500, 502, 503], min_length=1, description="the 5xx codes error_rate draws from")
     submit_latency: Latency = Field(
         default_factory=lambda: Latency(seconds=0.0),
-        description="how long a submit takes to answer once the job exists (a slow provider API)",
+        description="how long a submit (or a machine rental) takes to answer once it is done (a slow API)",
     )
     lost_response_rate: float = Field(
         default=0.0, ge=0, le=1,

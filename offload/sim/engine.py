@@ -294,6 +294,10 @@ class Sim:
                 stats.fault(route, "lost_response")
                 entry.lost, entry.status = True, 599
                 return ConnectionReset()
+        elif op == "submit" and isinstance(result, Reply) and 200 <= result.status < 300:
+            delay = behaviour.submit_latency.sample(self.rng)  # a slow create of another kind (a machine rental)
+            if delay > 0:
+                await asyncio.sleep(delay)
         if not isinstance(result, Reply):
             if entry is not None:
                 entry.status = result.status_code

@@ -1,0 +1,117 @@
+"""The fault harness (`python -m bench.chaos`): its checker must be able to fail, and the CI-sized run must pass.
+
+The checker is first fed a small hand-made run in which every invariant is broken once (a lost job, a stuck one,
+a result stored for the wrong input, duplicates with each kind of cause) and must name each. Then the CI-sized
+run (`--quick`: three workers SIGKILLed every ~3 s and restarted with the same host:pid, SIGSTOPs past the lease,
+two Valkey crashes with AOF always, dropped replies, resets, black-holes, 5xx and 429 storms, lost and slow
+submits, expiring results, a capped queue rolled over to the next day) must show zero lost, stuck and wrong
+results and no duplicate whose cause is not "killed inside submit", with every kind of fault really injected.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from bench.chaos.checker import Checker, RunData
+from bench.chaos.procs import Incarnation
+from bench.chaos.proxy import DroppedReply
+
+BUCKET = "b"
+SIM = "http://127.0.0.1:9/_sim/files"
+
+
+def _record(input_id: str, state: str = "succeeded", **extra: str) -> dict[str, str]:
+    job_input = json.dumps({"id": input_id})
+    return {"state": state, "input": job_input, **extra}
+
+
+def _sub(input_id: str, remote: str, at: float, port: int, **extra: Any) -> dict[str, Any]:
+    return {"input_id": input_id, "remote_id": remote, "arrival": at, "responded": at + 0.05, "port": port,
+            "worker": None, "replay": False, "lost_response": False, "remote_status": "running",
+            "remote_ended_at": at + 30, "remote_expires_at": at + 60, **extra}
+
+
+def _output(input_id: str, remote: str, job_id: str) -> bytes:
+    location = f"s3://{BUCKET}/results/{job_id}/files/0-{remote}-0.png"
+    return orjson.dumps({"echo": {"id": input_id}, "files": [location],
+                         "_offload_files": {f"{SIM}/{remote}-0.png": location}})
+
+
+def test_the_checker_names_every_broken_invariant(tmp_path: Path) -> None:
+    from offload.sim.files import file_bytes
+
+    w1a = Incarnation(1, 101, tmp_path / "w1-1.log", started=0.0, ended=10.1, end="kill")
+    w1b = Incarnation(2, 102, tmp_path / "w1-2.log", started=11.0)
+    w2 = Incarnation(1, 201, tmp_path / "w2-1.log", started=0.0)
+    w3 = Incarnation(1, 301, tmp_path / "w3-1.log", started=0.0, ended=30.0, end="kill")
+    ok_file = file_bytes("r-ok-0.png", "png", 1024)
+    records = {
+        "q:stuck": _record("i-stuck", "active", owner="host:1"),
+        "q:foreign": _record("i-foreign", result=f"s3://{BUCKET}/results/q:foreign.json"),
+        "q:ok": _record("i-ok", result=f"s3://{BUCKET}/results/q:ok.json"),
+        "q:mixed": _record("i-mixed", result=f"s3://{BUCKET}/results/q:mixed.json"),
+        "q:same": _record("i-same", "dead"), "q:killed": _record("i-killed", "dead"),
+        "q:recorded": _record("i-recorded", "dead"), "q:retried": _record("i-retried", "dead"),
+    }
+    subs = [
+        _sub("i-ok", "r-ok", 1.0, 1), _sub("i-mixed", "r-mixed", 1.0, 1), _sub("i-foreign", "r-foreign", 1.0, 1),
+        _sub("i-same", "r1", 2.0, 2), _sub("i-same", "r2", 9.0, 2),  # one worker submitting its own job twice
+        _sub("i-killed", "r3", 10.0, 1), _sub("i-killed", "r4", 14.0, 2),  # w1 killed 0.1 s into the submit
+        _sub("i-recorded", "r5", 20.0, 3), _sub("i-recorded", "r6", 35.0, 2),  # id recorded at 21, killed at 30
+        _sub("i-retried", "r7", 3.0, 2, remote_status="failed", remote_ended_at=4.0),
+        _sub("i-retried", "r8", 6.0, 2),  # after a failed remote run: a retry, not a duplicate
+    ]
+    data = RunData(
+        acked={j: ("q", json.loads(h["input"])["id"], 0.5) for j, h in records.items()} | {"q:lost": ("q", "i-l", 0.5)},
+        records=records, submissions=subs,
+        outputs={"results/q:ok.json": _output("i-ok", "r-ok", "q:ok"),
+                 "results/q:foreign.json": _output("i-ok", "r-ok", "q:foreign"),
+                 "results/q:mixed.json": _output("i-mixed", "r-mixed", "q:mixed")},
+        files={f"results/q:ok/files/0-r-ok-0.png": ok_file, "results/q:mixed/files/0-r-mixed-0.png": ok_file},
+        lives={"w1": [w1a, w1b], "w2": [w2], "w3": [w3]}, slot_ports={1: "w1", 2: "w2", 3: "w3"},
+        timeline=[], valkey_down=[], appendfsync="always",
+        events={"q:recorded": [(21.0, "submitted")], "q:killed": [(14.2, "submitted")]},
+        dropped=[DroppedReply(5.0, "EVALSHA claim", ["q:other"], "c")], bucket=BUCKET,
+    )
+    verdict = Checker(data).verdict()
+    s = verdict.summary
+    assert (s["lost"], s["stuck"], s["wrong_results"]) == (1, 1, 2), verdict.findings
+    assert s["wrong_by_kind"] == {"foreign": 1, "file mixed": 1}
+    assert s["duplicates_by_cause"] == {"same_worker_resubmitted": 1, "killed_inside_submit": 1,
+                                        "resubmitted_after_recorded_id": 1}
+    assert s["defect_duplicates"] == 2 and s["resubmits_after_remote_end"] == {"after_remote_failure": 1}
+    assert any("stuck: q:stuck state=active owner=host:1" in f for f in verdict.findings)
+
+
+@pytest.mark.xdist_group("chaos")
+@pytest.mark.timeout(420)
+def test_ci_sized_chaos_run_keeps_every_guarantee(tmp_path: Path) -> None:
+    """About two minutes on two loaded cores. The harness bounds its own waits; a stuck job is reported."""
+    proc = subprocess.run([sys.executable, "-m", "bench.chaos", "--quick", "--seed", "11", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=400, cwd=Path(__file__).parent.parent)
+    print(proc.stdout[-6000:], proc.stderr[-3000:])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    summary = "\n".join(proc.stdout.strip().splitlines()[:-1])[-4000:]
+    # the faults were really injected
+    assert doc["kills"] >= 5 and doc["stops"] >= 1 and doc["valkey_restarts"] >= 1, doc
+    assert doc["dropped_replies"] >= 5 and doc["resets"] >= 1 and doc["blackholes"] >= 1, doc
+    faults = doc["sim_faults"]
+    assert sum(faults.get(c, 0) for c in ("500", "502", "503")) > 0 and faults.get("storm_429", 0) > 0, faults
+    assert doc["jobs"] >= 300, doc
+    # ... and every guarantee held
+    assert doc["lost"] == 0, summary
+    assert doc["stuck"] == 0, summary
+    assert doc["wrong_results"] == 0, summary
+    others = {c: n for c, n in doc["duplicates_by_cause"].items() if c != "killed_inside_submit"}
+    assert others == {}, summary
+    assert doc["cap"]["exact"] and doc["held_released"], summary
+    assert doc["memory_bounded"] and doc["events_bounded"], summary
+    assert doc["all_terminal_s"] is not None, summary
