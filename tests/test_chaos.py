@@ -59,6 +59,7 @@ def test_the_checker_names_every_broken_invariant(tmp_path: Path) -> None:
         "q:mixed": _record("i-mixed", result=f"s3://{BUCKET}/results/q:mixed.json"),
         "q:same": _record("i-same", "dead"), "q:killed": _record("i-killed", "dead"),
         "q:recorded": _record("i-recorded", "dead"), "q:retried": _record("i-retried", "dead"),
+        "q:rewritten": {"state": "succeeded", "input": '{"id": "i-rw", "big": 12345678901234568, "tags": {}}'},
     }
     subs = [
         _sub("i-ok", "r-ok", 1.0, 1), _sub("i-mixed", "r-mixed", 1.0, 1), _sub("i-foreign", "r-foreign", 1.0, 1),
@@ -69,21 +70,23 @@ def test_the_checker_names_every_broken_invariant(tmp_path: Path) -> None:
         _sub("i-retried", "r8", 6.0, 2),  # after a failed remote run: a retry, not a duplicate
     ]
     data = RunData(
-        acked={j: ("q", json.loads(h["input"])["id"], 0.5) for j, h in records.items()} | {"q:lost": ("q", "i-l", 0.5)},
+        acked={j: ("q", json.loads(h["input"])["id"], 0.5) for j, h in records.items()} | {"q:lost": ("q", "i", 0.5)},
         records=records, submissions=subs,
         outputs={"results/q:ok.json": _output("i-ok", "r-ok", "q:ok"),
                  "results/q:foreign.json": _output("i-ok", "r-ok", "q:foreign"),
                  "results/q:mixed.json": _output("i-mixed", "r-mixed", "q:mixed")},
-        files={f"results/q:ok/files/0-r-ok-0.png": ok_file, "results/q:mixed/files/0-r-mixed-0.png": ok_file},
+        files={"results/q:ok/files/0-r-ok-0.png": ok_file, "results/q:mixed/files/0-r-mixed-0.png": ok_file},
         lives={"w1": [w1a, w1b], "w2": [w2], "w3": [w3]}, slot_ports={1: "w1", 2: "w2", 3: "w3"},
         timeline=[], valkey_down=[], appendfsync="always",
         events={"q:recorded": [(21.0, "submitted")], "q:killed": [(14.2, "submitted")]},
         dropped=[DroppedReply(5.0, "EVALSHA claim", ["q:other"], "c")], bucket=BUCKET,
+        sent={"q:ok": {"id": "i-ok"}, "q:rewritten": {"id": "i-rw", "big": 12345678901234567, "tags": []}},
     )
     verdict = Checker(data).verdict()
     s = verdict.summary
-    assert (s["lost"], s["stuck"], s["wrong_results"]) == (1, 1, 2), verdict.findings
-    assert s["wrong_by_kind"] == {"foreign": 1, "file mixed": 1}
+    assert (s["lost"], s["stuck"], s["wrong_results"]) == (1, 1, 3), verdict.findings
+    assert s["wrong_by_kind"] == {"foreign": 1, "file mixed": 1, "input_rewritten": 1}
+    assert s["inputs_rewritten"] == 1
     assert s["duplicates_by_cause"] == {"same_worker_resubmitted": 1, "killed_inside_submit": 1,
                                         "resubmitted_after_recorded_id": 1}
     assert s["defect_duplicates"] == 2 and s["resubmits_after_remote_end"] == {"after_remote_failure": 1}

@@ -59,6 +59,7 @@ class RunData:
     cap_rolled_at: float | None = None
     held_at_roll: int = 0
     samples: dict[str, Any] = field(default_factory=dict)
+    sent: dict[str, Any] = field(default_factory=dict)  # job id -> the input as the producer sent it
 
 
 @dataclass
@@ -122,18 +123,28 @@ class Checker:
 
     def results(self) -> dict[str, Any]:
         wrong: Counter[str] = Counter()
-        stray = 0
+        stray = rewritten = 0
+        counted: set[str] = set()
+        for job_id, original in self.d.sent.items():
+            h = self.d.records.get(job_id)
+            if h is not None and _decode(h.get("input")) != original:
+                rewritten += 1
+                if h.get("state") == "succeeded":
+                    counted.add(job_id)
+                    wrong["input_rewritten"] += 1
+                    self.find(f"wrong result: {job_id}: input_rewritten: stored {h.get('input', '')[:90]} "
+                              f"for {orjson.dumps(original).decode()[:90]}")
         for job_id, h in self.d.records.items():
             key = h.get("output_key") or f"results/{job_id}.json"
             if h.get("state") != "succeeded":
                 stray += self.d.outputs.get(key) is not None
                 continue
-            problem = self._wrong(job_id, h, key)
+            problem = None if job_id in counted else self._wrong(job_id, h, key)
             if problem:
                 wrong[problem.split(":")[0]] += 1
                 self.find(f"wrong result: {job_id}: {problem}")
         return {"wrong_results": sum(wrong.values()), "wrong_by_kind": dict(wrong),
-                "outputs_of_unfinished_jobs": stray}
+                "inputs_rewritten": rewritten, "outputs_of_unfinished_jobs": stray}
 
     def _wrong(self, job_id: str, h: dict[str, str], key: str) -> str | None:
         if h.get("result") != f"s3://{self.d.bucket}/{key}":

@@ -42,6 +42,7 @@ from offload.queue.store import JobSpec, QueueStore
 
 log = logging.getLogger("chaos")
 QUEUE, CAPPED, BUCKET = "chaos", "capped", "chaos-results"
+INGEST_LIST = "chaos:jobs"
 FAULTS = ("kill", "stop", "valkey", "drop", "reset", "blackhole", "storm", "provider")
 BACKENDS = {"http-job": {}, "runpod": {"endpoint_id": "chaos"}, "replicate": {"version": "chaos-version"},
             "fal": {"app": "chaos/app"}}
@@ -102,7 +103,7 @@ def worker_config(path: Path, redis_url: str, s3: S3, base_url: str, backend: st
         "storage": s3.settings(),
         "backends": {"sim": {"kind": backend, "base_url": base_url, "api_key": "sim-key", "timeout": 30,
                              **BACKENDS[backend]}},
-        "queues": {QUEUE: {**queue, "concurrency": p.concurrency},
+        "queues": {QUEUE: {**queue, "concurrency": p.concurrency, "ingest_list": INGEST_LIST},
                    CAPPED: {**queue, "concurrency": 16, "daily_job_cap": p.daily_job_cap}},
     }
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -116,6 +117,7 @@ class Run:
         self.args, self.p, self.out = args, profile, out
         self.rng = random.Random(args.seed)
         self.acked: dict[str, tuple[str, str, float]] = {}
+        self.sent: dict[str, Any] = {}  # job id -> the input as the producer sent it
         self.events: dict[str, list[tuple[float, str]]] = defaultdict(list)
         self.samples: dict[str, Any] = {"in_flight": []}
         self.counts: dict[str, int] = defaultdict(int)
@@ -216,7 +218,7 @@ class Run:
         n, tick = 0, time.time()
         while time.time() < until:
             size = max(1, round(self.p.jobs_per_s / 2))
-            mode = self.rng.choice(("plain", "keyed", "single"))
+            mode = self.rng.choice(("plain", "keyed", "single", "tutorial"))
             specs = []
             for _ in range(size):
                 n += 1
@@ -225,7 +227,9 @@ class Run:
                 specs.append(JobSpec(input=job_input, max_attempts=self.p.max_attempts, idempotency_key=key))
             for attempt in range(3 if mode == "keyed" else 1):
                 try:
-                    if mode == "single":
+                    if mode == "tutorial":  # the tutorial's producer: RPUSH its JSON, ingested by the workers
+                        ids = await self._push_tutorial(client, specs)
+                    elif mode == "single":
                         ids = [await asyncio.wait_for(store.enqueue(QUEUE, spec), 30) for spec in specs]
                     else:
                         ids = await asyncio.wait_for(store.enqueue_many(QUEUE, specs), 30)
@@ -236,10 +240,24 @@ class Run:
                 now = time.time()
                 for job_id, spec in zip(ids, specs, strict=True):
                     self.acked[job_id] = (QUEUE, spec.input["id"], now)
+                    self.sent[job_id] = spec.input
                 break
             tick += 0.5
             await asyncio.sleep(max(0.0, tick - time.time()))
         await client.aclose()
+
+    async def _push_tutorial(self, client: Any, specs: list[JobSpec]) -> list[str]:
+        """Tutorial JSON (`id`, `input`, `output_key`, `attempt`) on the ingest list, one RPUSH for the batch. The
+        input carries an integer past 14 digits and an empty list, which must survive ingestion byte for byte."""
+        entries = []
+        for spec in specs:
+            spec.input.update(big=12345678901234567, tags=[])
+            tid = spec.input["id"].replace("job-", "t-")
+            spec.input["id"] = tid
+            entries.append(orjson.dumps({"id": tid, "input": spec.input, "output_key": f"results/{tid}.json",
+                                         "attempt": 1}))
+        await asyncio.wait_for(client.rpush(INGEST_LIST, *entries), 30)
+        return [f"{QUEUE}:{spec.input['id']}" for spec in specs]
 
     async def _tail_events(self) -> None:
         """Every transition of every job, read straight from Valkey (not through the proxy) while it happens: the
@@ -332,7 +350,7 @@ class Run:
         self.sim_stats = await asyncio.to_thread(self.sim.get, "/_sim/stats")
         outputs, files = await asyncio.to_thread(self._bucket, records)
         return RunData(
-            acked=self.acked, records=records, submissions=submissions, outputs=outputs, files=files,
+            acked=self.acked, sent=self.sent, records=records, submissions=submissions, outputs=outputs, files=files,
             lives={s.name: s.lives for s in self.slots},
             slot_ports={port: self.slots[n].name for n, port in enumerate(self.sim.slot_ports)},
             timeline=self.schedule.timeline, valkey_down=self.schedule.valkey_down, appendfsync=self.args.aof,
