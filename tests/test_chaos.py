@@ -33,15 +33,27 @@ def _record(input_id: str, state: str = "succeeded", **extra: str) -> dict[str, 
 
 
 def _sub(input_id: str, remote: str, at: float, port: int, **extra: Any) -> dict[str, Any]:
-    return {"input_id": input_id, "remote_id": remote, "arrival": at, "responded": at + 0.05, "port": port,
-            "worker": None, "replay": False, "lost_response": False, "remote_status": "running",
-            "remote_ended_at": at + 30, "remote_expires_at": at + 60, **extra}
+    return {
+        "input_id": input_id,
+        "remote_id": remote,
+        "arrival": at,
+        "responded": at + 0.05,
+        "port": port,
+        "worker": None,
+        "replay": False,
+        "lost_response": False,
+        "remote_status": "running",
+        "remote_ended_at": at + 30,
+        "remote_expires_at": at + 60,
+        **extra,
+    }
 
 
 def _output(input_id: str, remote: str, job_id: str) -> bytes:
     location = f"s3://{BUCKET}/results/{job_id}/files/0-{remote}-0.png"
-    return orjson.dumps({"echo": {"id": input_id}, "files": [location],
-                         "_offload_files": {f"{SIM}/{remote}-0.png": location}})
+    return orjson.dumps(
+        {"echo": {"id": input_id}, "files": [location], "_offload_files": {f"{SIM}/{remote}-0.png": location}}
+    )
 
 
 def test_the_checker_names_every_broken_invariant(tmp_path: Path) -> None:
@@ -57,29 +69,43 @@ def test_the_checker_names_every_broken_invariant(tmp_path: Path) -> None:
         "q:foreign": _record("i-foreign", result=f"s3://{BUCKET}/results/q:foreign.json"),
         "q:ok": _record("i-ok", result=f"s3://{BUCKET}/results/q:ok.json"),
         "q:mixed": _record("i-mixed", result=f"s3://{BUCKET}/results/q:mixed.json"),
-        "q:same": _record("i-same", "dead"), "q:killed": _record("i-killed", "dead"),
-        "q:recorded": _record("i-recorded", "dead"), "q:retried": _record("i-retried", "dead"),
+        "q:same": _record("i-same", "dead"),
+        "q:killed": _record("i-killed", "dead"),
+        "q:recorded": _record("i-recorded", "dead"),
+        "q:retried": _record("i-retried", "dead"),
         "q:rewritten": {"state": "succeeded", "input": '{"id": "i-rw", "big": 12345678901234568, "tags": {}}'},
     }
     subs = [
-        _sub("i-ok", "r-ok", 1.0, 1), _sub("i-mixed", "r-mixed", 1.0, 1), _sub("i-foreign", "r-foreign", 1.0, 1),
-        _sub("i-same", "r1", 2.0, 2), _sub("i-same", "r2", 9.0, 2),  # one worker submitting its own job twice
-        _sub("i-killed", "r3", 10.0, 1), _sub("i-killed", "r4", 14.0, 2),  # w1 killed 0.1 s into the submit
-        _sub("i-recorded", "r5", 20.0, 3), _sub("i-recorded", "r6", 35.0, 2),  # id recorded at 21, killed at 30
+        _sub("i-ok", "r-ok", 1.0, 1),
+        _sub("i-mixed", "r-mixed", 1.0, 1),
+        _sub("i-foreign", "r-foreign", 1.0, 1),
+        _sub("i-same", "r1", 2.0, 2),
+        _sub("i-same", "r2", 9.0, 2),  # one worker submitting its own job twice
+        _sub("i-killed", "r3", 10.0, 1),
+        _sub("i-killed", "r4", 14.0, 2),  # w1 killed 0.1 s into the submit
+        _sub("i-recorded", "r5", 20.0, 3),
+        _sub("i-recorded", "r6", 35.0, 2),  # id recorded at 21, killed at 30
         _sub("i-retried", "r7", 3.0, 2, remote_status="failed", remote_ended_at=4.0),
         _sub("i-retried", "r8", 6.0, 2),  # after a failed remote run: a retry, not a duplicate
     ]
     data = RunData(
         acked={j: ("q", json.loads(h["input"])["id"], 0.5) for j, h in records.items()} | {"q:lost": ("q", "i", 0.5)},
-        records=records, submissions=subs,
-        outputs={"results/q:ok.json": _output("i-ok", "r-ok", "q:ok"),
-                 "results/q:foreign.json": _output("i-ok", "r-ok", "q:foreign"),
-                 "results/q:mixed.json": _output("i-mixed", "r-mixed", "q:mixed")},
+        records=records,
+        submissions=subs,
+        outputs={
+            "results/q:ok.json": _output("i-ok", "r-ok", "q:ok"),
+            "results/q:foreign.json": _output("i-ok", "r-ok", "q:foreign"),
+            "results/q:mixed.json": _output("i-mixed", "r-mixed", "q:mixed"),
+        },
         files={"results/q:ok/files/0-r-ok-0.png": ok_file, "results/q:mixed/files/0-r-mixed-0.png": ok_file},
-        lives={"w1": [w1a, w1b], "w2": [w2], "w3": [w3]}, slot_ports={1: "w1", 2: "w2", 3: "w3"},
-        timeline=[], valkey_down=[], appendfsync="always",
+        lives={"w1": [w1a, w1b], "w2": [w2], "w3": [w3]},
+        slot_ports={1: "w1", 2: "w2", 3: "w3"},
+        timeline=[],
+        valkey_down=[],
+        appendfsync="always",
         events={"q:recorded": [(21.0, "submitted")], "q:killed": [(14.2, "submitted")]},
-        dropped=[DroppedReply(5.0, "EVALSHA claim", ["q:other"], "c")], bucket=BUCKET,
+        dropped=[DroppedReply(5.0, "EVALSHA claim", ["q:other"], "c")],
+        bucket=BUCKET,
         sent={"q:ok": {"id": "i-ok"}, "q:rewritten": {"id": "i-rw", "big": 12345678901234567, "tags": []}},
     )
     verdict = Checker(data).verdict()
@@ -87,8 +113,11 @@ def test_the_checker_names_every_broken_invariant(tmp_path: Path) -> None:
     assert (s["lost"], s["stuck"], s["wrong_results"]) == (1, 1, 3), verdict.findings
     assert s["wrong_by_kind"] == {"foreign": 1, "file mixed": 1, "input_rewritten": 1}
     assert s["inputs_rewritten"] == 1
-    assert s["duplicates_by_cause"] == {"same_worker_resubmitted": 1, "killed_inside_submit": 1,
-                                        "resubmitted_after_recorded_id": 1}
+    assert s["duplicates_by_cause"] == {
+        "same_worker_resubmitted": 1,
+        "killed_inside_submit": 1,
+        "resubmitted_after_recorded_id": 1,
+    }
     assert s["defect_duplicates"] == 2 and s["resubmits_after_remote_end"] == {"after_remote_failure": 1}
     assert any("stuck: q:stuck state=active owner=host:1" in f for f in verdict.findings)
 
@@ -97,8 +126,13 @@ def test_the_checker_names_every_broken_invariant(tmp_path: Path) -> None:
 @pytest.mark.timeout(420)
 def test_ci_sized_chaos_run_keeps_every_guarantee(tmp_path: Path) -> None:
     """About two minutes on two loaded cores. The harness bounds its own waits; a stuck job is reported."""
-    proc = subprocess.run([sys.executable, "-m", "bench.chaos", "--quick", "--seed", "11", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=400, cwd=Path(__file__).parent.parent)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.chaos", "--quick", "--seed", "11", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=Path(__file__).parent.parent,
+    )
     print(proc.stdout[-6000:], proc.stderr[-3000:])
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout.strip().splitlines()[-1])

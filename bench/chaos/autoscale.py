@@ -49,9 +49,25 @@ class Server:
     def start(self) -> None:
         self.starts += 1
         env = base_env(OFFLOAD_ADMIN_KEY=self.admin, OFFLOAD_VAULT_MASTER_KEY=VAULT_KEY)
-        self.proc = spawn([OFFLOAD, "server", "--host", HOST, "--port", str(self.port), "--config", str(self.config),
-                           "--url", self.redis_url, "--log-level", "warning", "--no-access-log"],
-                          self.out / f"server-{self.starts}.log", env)
+        self.proc = spawn(
+            [
+                OFFLOAD,
+                "server",
+                "--host",
+                HOST,
+                "--port",
+                str(self.port),
+                "--config",
+                str(self.config),
+                "--url",
+                self.redis_url,
+                "--log-level",
+                "warning",
+                "--no-access-log",
+            ],
+            self.out / f"server-{self.starts}.log",
+            env,
+        )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and self.proc.poll() is None:
             with contextlib.suppress(httpx.TransportError):
@@ -71,24 +87,45 @@ class Server:
             reap(self.proc, 20)
 
     def api(self, method: str, path: str, body: Any = None) -> Any:
-        r = httpx.request(method, f"{self.url}{path}", json=body, timeout=30,
-                          headers={"Authorization": f"Bearer {self.admin}"})
+        r = httpx.request(
+            method, f"{self.url}{path}", json=body, timeout=30, headers={"Authorization": f"Bearer {self.admin}"}
+        )
         if r.status_code >= 400:
             raise RuntimeError(f"{method} {path}: {r.status_code} {r.text[:300]}")
         return r.json() if r.content else None
 
 
 def _config(path: Path, results: Path, machines: int) -> Path:
-    path.write_text(yaml.safe_dump({
-        "storage": {"kind": "local", "path": str(results)},
-        "queues": {QUEUE: {"autoscale": {
-            "enabled": True, "provider": "v", "min_workers": machines, "max_workers": machines,
-            "poll_interval": "0.3s", "boot_timeout": "30m",
-            "instance": {"image": "ghcr.io/example/worker:1", "max_price_per_hour": 1.0},
-            "scale_down": [{"trigger": "idle", "timeout": "1s"}]}}},
-        "autoscaler": {"public_url": "https://cp.example.com", "worker_key": "ofk_placeholder", "tick": 0.1,
-                       "leader_ttl": 2, "recent_task": 0, "drain_settle": 0, "orphan_sweep_interval": 3600},
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "storage": {"kind": "local", "path": str(results)},
+                "queues": {
+                    QUEUE: {
+                        "autoscale": {
+                            "enabled": True,
+                            "provider": "v",
+                            "min_workers": machines,
+                            "max_workers": machines,
+                            "poll_interval": "0.3s",
+                            "boot_timeout": "30m",
+                            "instance": {"image": "ghcr.io/example/worker:1", "max_price_per_hour": 1.0},
+                            "scale_down": [{"trigger": "idle", "timeout": "1s"}],
+                        }
+                    }
+                },
+                "autoscaler": {
+                    "public_url": "https://cp.example.com",
+                    "worker_key": "ofk_placeholder",
+                    "tick": 0.1,
+                    "leader_ttl": 2,
+                    "recent_task": 0,
+                    "drain_settle": 0,
+                    "orphan_sweep_interval": 3600,
+                },
+            }
+        )
+    )
     return path
 
 
@@ -108,15 +145,30 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     machines, rounds = 3, 6
     valkey = Valkey(out / "valkey", "always").start()
     sim = Sim(out, 0).start()
-    server = Server(out, _config(out / "offload.yaml", out / "results", machines), valkey.url,
-                    "admin-" + secrets.token_hex(12))
+    server = Server(
+        out, _config(out / "offload.yaml", out / "results", machines), valkey.url, "admin-" + secrets.token_hex(12)
+    )
     kills: list[dict[str, Any]] = []
     try:
-        sim.post("/_sim/config", {"api_key": SIM_KEY, "seed": args.seed, "machines": {"boot_seconds": 0.5},
-                                  "families": {"vastai": {"submit_latency": 1.5}}})
+        sim.post(
+            "/_sim/config",
+            {
+                "api_key": SIM_KEY,
+                "seed": args.seed,
+                "machines": {"boot_seconds": 0.5},
+                "families": {"vastai": {"submit_latency": 1.5}},
+            },
+        )
         server.start()
-        server.api("POST", "/v1/autoscale/providers", {"name": "v", "type": "vastai", "config": {
-            "api_key": SIM_KEY, "base_url": sim.url, "gpu_name": "RTX 4090"}})
+        server.api(
+            "POST",
+            "/v1/autoscale/providers",
+            {
+                "name": "v",
+                "type": "vastai",
+                "config": {"api_key": SIM_KEY, "base_url": sim.url, "gpu_name": "RTX 4090"},
+            },
+        )
 
         def rents() -> int:
             return int(sim.get("/_sim/stats")["requests"].get("vastai.rent", 0))
@@ -133,8 +185,11 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             server.start()
 
         def live() -> list[dict[str, Any]]:
-            return [m for m in sim.get("/_sim/machines")["machines"] if m["provider"] == "vastai"
-                    and m["phase"] != "deleted"]
+            return [
+                m
+                for m in sim.get("/_sim/machines")["machines"]
+                if m["provider"] == "vastai" and m["phase"] != "deleted"
+            ]
 
         def settled() -> list[dict[str, Any]] | None:
             rows = server.api("GET", "/v1/autoscale/status")["instances"]
@@ -149,21 +204,36 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         recorded = {str(r["provider_id"]) for r in rows if r.get("provider_id") and r["status"] != "terminated"}
         labels = Counter(m["label"] for m in machines_now)
         result: dict[str, Any] = {
-            "mode": "autoscale", "server_kills_mid_rental": len(kills), "server_starts": server.starts,
-            "rental_calls": rents(), "machines_alive": len(machines_now), "max_workers": machines,
+            "mode": "autoscale",
+            "server_kills_mid_rental": len(kills),
+            "server_starts": server.starts,
+            "rental_calls": rents(),
+            "machines_alive": len(machines_now),
+            "max_workers": machines,
             "leaked": sorted(m["id"] for m in machines_now if m["id"] not in recorded),
             "doubled": sorted(label for label, count in labels.items() if count > 1),
             "over_max": max(0, len(machines_now) - machines),
         }
-        server.api("PUT", f"/v1/autoscale/queues/{QUEUE}", {
-            "enabled": True, "provider": "v", "min_workers": 0, "max_workers": 1, "poll_interval": "0.3s",
-            "boot_timeout": "1s", "scale_down": [{"trigger": "idle", "timeout": "1s"}],  # no worker ever boots
-            "instance": {"image": "ghcr.io/example/worker:1", "max_price_per_hour": 1.0}})
+        server.api(
+            "PUT",
+            f"/v1/autoscale/queues/{QUEUE}",
+            {
+                "enabled": True,
+                "provider": "v",
+                "min_workers": 0,
+                "max_workers": 1,
+                "poll_interval": "0.3s",
+                "boot_timeout": "1s",
+                "scale_down": [{"trigger": "idle", "timeout": "1s"}],  # no worker ever boots
+                "instance": {"image": "ghcr.io/example/worker:1", "max_price_per_hour": 1.0},
+            },
+        )
         with contextlib.suppress(TimeoutError):
             _wait(lambda: not live(), 90, "the teardown")
         result["left_after_teardown"] = len(live())
-        result["ok"] = not (result["leaked"] or result["doubled"] or result["over_max"]
-                            or result["left_after_teardown"])
+        result["ok"] = not (
+            result["leaked"] or result["doubled"] or result["over_max"] or result["left_after_teardown"]
+        )
         return result
     finally:
         for stop in (server.stop, sim.stop, valkey.stop):

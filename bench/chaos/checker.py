@@ -103,18 +103,28 @@ class Checker:
             self.find(f"lost: {job_id} (acknowledged, no record)")
         owners = Counter(self.d.records[j].get("owner") or "-" for j in stuck)
         for job_id in stuck[:10]:
-            self.details.append({"job": job_id, "stuck": self.d.records[job_id],
-                                 "events": self.d.events.get(job_id, [])})
+            self.details.append(
+                {"job": job_id, "stuck": self.d.records[job_id], "events": self.d.events.get(job_id, [])}
+            )
         for job_id in stuck[:5]:
             h = self.d.records[job_id]
-            self.find(f"stuck: {job_id} state={h.get('state')} owner={h.get('owner') or '-'} "
-                      f"attempts={h.get('attempts', 0)} expiries={h.get('expiries', 0)}")
+            self.find(
+                f"stuck: {job_id} state={h.get('state')} owner={h.get('owner') or '-'} "
+                f"attempts={h.get('attempts', 0)} expiries={h.get('expiries', 0)}"
+            )
         dead = [h for j, h in self.d.records.items() if j in self.d.acked and h.get("state") == "dead"]
         reasons = Counter(_reason(h.get("error", "")) for h in dead)
         infra = sum(n for r, n in reasons.items() if any(m in r for m in INFRA_ERRORS))
-        return {"lost": len(lost), "everysec_loss": len(everysec), "stuck": len(stuck),
-                "stuck_by_state": dict(stuck_states), "stuck_by_owner": dict(owners.most_common(5)),
-                "dead": len(dead), "dead_by_reason": dict(reasons.most_common(8)), "dead_by_infra_error": infra}
+        return {
+            "lost": len(lost),
+            "everysec_loss": len(everysec),
+            "stuck": len(stuck),
+            "stuck_by_state": dict(stuck_states),
+            "stuck_by_owner": dict(owners.most_common(5)),
+            "dead": len(dead),
+            "dead_by_reason": dict(reasons.most_common(8)),
+            "dead_by_infra_error": infra,
+        }
 
     def _crash_after(self, t: float, within: float) -> bool:
         return any(t <= began <= t + within for began, _ in self.d.valkey_down)
@@ -132,8 +142,10 @@ class Checker:
                 if h.get("state") == "succeeded":
                     counted.add(job_id)
                     wrong["input_rewritten"] += 1
-                    self.find(f"wrong result: {job_id}: input_rewritten: stored {h.get('input', '')[:90]} "
-                              f"for {orjson.dumps(original).decode()[:90]}")
+                    self.find(
+                        f"wrong result: {job_id}: input_rewritten: stored {h.get('input', '')[:90]} "
+                        f"for {orjson.dumps(original).decode()[:90]}"
+                    )
         for job_id, h in self.d.records.items():
             key = h.get("output_key") or f"results/{job_id}.json"
             if h.get("state") != "succeeded":
@@ -143,8 +155,12 @@ class Checker:
             if problem:
                 wrong[problem.split(":")[0]] += 1
                 self.find(f"wrong result: {job_id}: {problem}")
-        return {"wrong_results": sum(wrong.values()), "wrong_by_kind": dict(wrong),
-                "inputs_rewritten": rewritten, "outputs_of_unfinished_jobs": stray}
+        return {
+            "wrong_results": sum(wrong.values()),
+            "wrong_by_kind": dict(wrong),
+            "inputs_rewritten": rewritten,
+            "outputs_of_unfinished_jobs": stray,
+        }
 
     def _wrong(self, job_id: str, h: dict[str, str], key: str) -> str | None:
         if h.get("result") != f"s3://{self.d.bucket}/{key}":
@@ -185,8 +201,9 @@ class Checker:
         t = sub["arrival"]
         candidates: list[tuple[str, Incarnation]] = []
         if sub.get("worker"):
-            candidates = [(s, life) for s, lives in self.d.lives.items() for life in lives
-                          if life.read_id() == sub["worker"]]
+            candidates = [
+                (s, life) for s, lives in self.d.lives.items() for life in lives if life.read_id() == sub["worker"]
+            ]
         if not candidates and (slot := self.d.slot_ports.get(sub.get("port") or 0)):
             candidates = [(slot, life) for life in self.d.lives.get(slot, [])]
         alive = [c for c in candidates if c[1].alive_at(t, slack=0.5)]
@@ -224,19 +241,33 @@ class Checker:
                 if how:
                     kill_kinds[how] += 1
                 if cause not in ALLOWED:
-                    self.find(f"duplicate submission of {job_id}: {cause} (first at {prev['arrival']:.3f} by "
-                              f"{self._name(prev)}, again at {sub['arrival']:.3f} by {self._name(sub)})")
+                    self.find(
+                        f"duplicate submission of {job_id}: {cause} (first at {prev['arrival']:.3f} by "
+                        f"{self._name(prev)}, again at {sub['arrival']:.3f} by {self._name(sub)})"
+                    )
                     if len(self.details) < 40:
-                        self.details.append({"job": job_id, "cause": cause, "first": prev, "again": sub,
-                                             "first_by": self._name(prev), "again_by": self._name(sub),
-                                             "events": self.d.events.get(job_id, []),
-                                             "record": self.d.records.get(job_id)})
+                        self.details.append(
+                            {
+                                "job": job_id,
+                                "cause": cause,
+                                "first": prev,
+                                "again": sub,
+                                "first_by": self._name(prev),
+                                "again_by": self._name(sub),
+                                "events": self.d.events.get(job_id, []),
+                                "record": self.d.records.get(job_id),
+                            }
+                        )
         total = sum(causes.values())
-        return {"duplicate_submissions": total, "duplicates_by_cause": dict(causes.most_common()),
-                "defect_duplicates": sum(n for c, n in causes.items() if c not in ALLOWED),
-                "killed_inside_submit_by": dict(kill_kinds), "resubmits_after_remote_end": dict(retries),
-                "idempotent_replays": replays,
-                "submissions": sum(1 for s in self.d.submissions if not s["replay"])}
+        return {
+            "duplicate_submissions": total,
+            "duplicates_by_cause": dict(causes.most_common()),
+            "defect_duplicates": sum(n for c, n in causes.items() if c not in ALLOWED),
+            "killed_inside_submit_by": dict(kill_kinds),
+            "resubmits_after_remote_end": dict(retries),
+            "idempotent_replays": replays,
+            "submissions": sum(1 for s in self.d.submissions if not s["replay"]),
+        }
 
     def _cause(self, job_id: str, prev: dict[str, Any], sub: dict[str, Any]) -> tuple[str, str | None]:
         """Why `sub` was sent although `prev` had not failed or expired. Only killed_inside_submit is the
@@ -278,13 +309,15 @@ class Checker:
     def _recorded(self, job_id: str, prev: dict[str, Any], sub: dict[str, Any]) -> float | None:
         """When the job store recorded a remote id between the two submissions (the checkpoint's event)."""
         t0, t1 = prev["arrival"], sub["arrival"]
-        return next((t for t, state in self.d.events.get(job_id, []) if state == "submitted" and t0 - 0.05 <= t <= t1),
-                    None)
+        return next(
+            (t for t, state in self.d.events.get(job_id, []) if state == "submitted" and t0 - 0.05 <= t <= t1), None
+        )
 
     def _after_recorded(self, recorded: float, t1: float) -> str:
         """The remote id was recorded before the kill: the next worker should have resumed, not resubmitted."""
-        if self.d.appendfsync == "everysec" and any(recorded <= b <= recorded + EVERYSEC_S and b <= t1
-                                                    for b, _ in self.d.valkey_down):
+        if self.d.appendfsync == "everysec" and any(
+            recorded <= b <= recorded + EVERYSEC_S and b <= t1 for b, _ in self.d.valkey_down
+        ):
             return "everysec_loss"
         return "resubmitted_after_recorded_id"
 
@@ -300,13 +333,22 @@ class Checker:
         exact = len(day1) == min(self.d.daily_job_cap, len(capped))
         released = all(self.d.records.get(j, {}).get("state") in TERMINAL for j in capped)
         if not exact:
-            self.find(f"cap: {len(day1)} jobs of queue {self.d.capped_queue} submitted in one day under a daily "
-                      f"cap of {self.d.daily_job_cap}")
+            self.find(
+                f"cap: {len(day1)} jobs of queue {self.d.capped_queue} submitted in one day under a daily "
+                f"cap of {self.d.daily_job_cap}"
+            )
         if not released:
             self.find("held: capped jobs still not terminal after the cap window rolled over")
-        return {"cap": {"daily_job_cap": self.d.daily_job_cap, "jobs": len(capped), "submitted_day1": len(day1),
-                        "held_at_roll": self.d.held_at_roll, "exact": exact},
-                "held_released": released}
+        return {
+            "cap": {
+                "daily_job_cap": self.d.daily_job_cap,
+                "jobs": len(capped),
+                "submitted_day1": len(day1),
+                "held_at_roll": self.d.held_at_roll,
+                "exact": exact,
+            },
+            "held_released": released,
+        }
 
     def bounds(self) -> dict[str, Any]:
         s = self.d.samples
@@ -318,9 +360,12 @@ class Checker:
             self.find(f"memory: Valkey used_memory peaked at {peak / 2**20:.1f} MiB for {jobs} job records")
         if not events_ok:
             self.find(f"events: stream length {s.get('events_len_max')} / {s.get('event_ids_max')} ids in one entry")
-        return {"memory_mb": {"peak": round(peak / 2**20, 1), "final": round(s.get("used_memory", 0) / 2**20, 1)},
-                "memory_bounded": memory_ok, "events_bounded": events_ok,
-                "events": {"max_len": s.get("events_len_max", 0), "max_ids_per_entry": s.get("event_ids_max", 0)}}
+        return {
+            "memory_mb": {"peak": round(peak / 2**20, 1), "final": round(s.get("used_memory", 0) / 2**20, 1)},
+            "memory_bounded": memory_ok,
+            "events_bounded": events_ok,
+            "events": {"max_len": s.get("events_len_max", 0), "max_ids_per_entry": s.get("event_ids_max", 0)},
+        }
 
     def in_flight(self, slots: Iterable[str], window: tuple[float, float]) -> dict[str, Any]:
         """Remote jobs running at the provider for each worker slot, sampled every second of the fault phase

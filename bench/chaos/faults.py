@@ -58,11 +58,21 @@ class Profile:
 
     def sim_config(self, seed: int, honour: bool) -> dict[str, Any]:
         return {
-            "seed": seed, "honour_idempotency_key": honour,
-            "default": {"latency": self.latency, "queue_delay": "0-1", "submit_latency": self.submit_latency,
-                        "fail_rate": self.fail_rate, "error_rate": self.error_rate, "rate_429": self.rate_429,
-                        "retry_after_seconds": 1, "lost_response_rate": self.lost_response_rate,
-                        "result_ttl": self.result_ttl, "files_per_job": 1, "file_type": "png"},
+            "seed": seed,
+            "honour_idempotency_key": honour,
+            "default": {
+                "latency": self.latency,
+                "queue_delay": "0-1",
+                "submit_latency": self.submit_latency,
+                "fail_rate": self.fail_rate,
+                "error_rate": self.error_rate,
+                "rate_429": self.rate_429,
+                "retry_after_seconds": 1,
+                "lost_response_rate": self.lost_response_rate,
+                "result_ttl": self.result_ttl,
+                "files_per_job": 1,
+                "file_type": "png",
+            },
         }
 
 
@@ -97,9 +107,15 @@ class Schedule:
 
     def start(self) -> None:
         p = self.profile
-        loops = [(p.kill_every, self._kill), (p.stop_every, self._stop), (p.valkey_every, self._valkey),
-                 (p.drop_every, self._drop), (p.reset_every, self._reset), (p.blackhole_every, self._blackhole),
-                 (p.storm_every, self._storm)]
+        loops = [
+            (p.kill_every, self._kill),
+            (p.stop_every, self._stop),
+            (p.valkey_every, self._valkey),
+            (p.drop_every, self._drop),
+            (p.reset_every, self._reset),
+            (p.blackhole_every, self._blackhole),
+            (p.storm_every, self._storm),
+        ]
         self.proxy.delay_s = p.delay_ms / 1000
         for mean, action in loops:
             if mean > 0:
@@ -145,8 +161,13 @@ class Schedule:
         slot = self.rng.choice(slots)
         life = slot.current
         await asyncio.to_thread(slot.kill)
-        self.note("kill", slot.name, pid=life.pid if life else None, n=life.n if life else None,
-                  was_stopped=bool(life and life.stops and life.stops[-1][1] == life.ended))
+        self.note(
+            "kill",
+            slot.name,
+            pid=life.pid if life else None,
+            n=life.n if life else None,
+            was_stopped=bool(life and life.stops and life.stops[-1][1] == life.ended),
+        )
         self._later(self._restart(slot, self.rng.uniform(*self.profile.restart_delay)))
 
     async def _restart(self, slot: WorkerSlot, after: float) -> None:

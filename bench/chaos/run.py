@@ -44,12 +44,30 @@ log = logging.getLogger("chaos")
 QUEUE, CAPPED, BUCKET = "chaos", "capped", "chaos-results"
 INGEST_LIST = "chaos:jobs"
 FAULTS = ("kill", "stop", "valkey", "drop", "reset", "blackhole", "storm", "provider")
-BACKENDS = {"http-job": {}, "runpod": {"endpoint_id": "chaos"}, "replicate": {"version": "chaos-version"},
-            "fal": {"app": "chaos/app"}}
-QUICK = {"minutes": 1.0, "concurrency": 60, "jobs_per_s": 12.0, "kill_every": 3.0, "stop_every": 15.0,
-         "valkey_every": 25.0, "drop_every": 2.0, "reset_every": 20.0, "blackhole_every": 30.0, "blackhole_s": 2.0,
-         "storm_every": 20.0, "storm_s": 3.0, "latency": "3-8", "result_ttl": 8.0, "capped_jobs": 24,
-         "daily_job_cap": 15}
+BACKENDS = {
+    "http-job": {},
+    "runpod": {"endpoint_id": "chaos"},
+    "replicate": {"version": "chaos-version"},
+    "fal": {"app": "chaos/app"},
+}
+QUICK = {
+    "minutes": 1.0,
+    "concurrency": 60,
+    "jobs_per_s": 12.0,
+    "kill_every": 3.0,
+    "stop_every": 15.0,
+    "valkey_every": 25.0,
+    "drop_every": 2.0,
+    "reset_every": 20.0,
+    "blackhole_every": 30.0,
+    "blackhole_s": 2.0,
+    "storm_every": 20.0,
+    "storm_s": 3.0,
+    "latency": "3-8",
+    "result_ttl": 8.0,
+    "capped_jobs": 24,
+    "daily_job_cap": 15,
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -66,8 +84,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--aof", choices=("always", "everysec"), default="always", help="Valkey appendfsync")
     honour = p.add_mutually_exclusive_group()
     honour.add_argument("--honour-idempotency-key", dest="honour", action="store_true", default=True)
-    honour.add_argument("--ignore-idempotency-key", dest="honour", action="store_false",
-                        help="the simulator treats every submit as new, as most provider APIs do")
+    honour.add_argument(
+        "--ignore-idempotency-key",
+        dest="honour",
+        action="store_false",
+        help="the simulator treats every submit as new, as most provider APIs do",
+    )
     p.add_argument("--backend", choices=sorted(BACKENDS), default="http-job", help="API family the workers use")
     p.add_argument("--no-pidns", action="store_true", help="do not restart workers in PID namespaces")
     p.add_argument("--settle", type=float, help="max seconds to wait for quiescence (default: 3 min, quick 50 s)")
@@ -78,8 +100,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def profile_for(args: argparse.Namespace) -> Profile:
     profile = Profile(**QUICK) if args.quick else Profile()  # type: ignore[arg-type]
-    overrides = {"minutes": args.minutes, "workers": args.workers, "concurrency": args.in_flight,
-                 "jobs_per_s": args.jobs_per_s, "kill_every": args.kill_every}
+    overrides = {
+        "minutes": args.minutes,
+        "workers": args.workers,
+        "concurrency": args.in_flight,
+        "jobs_per_s": args.jobs_per_s,
+        "kill_every": args.kill_every,
+    }
     profile = replace(profile, **{k: v for k, v in overrides.items() if v is not None})
     if args.jobs:  # the producer enqueues for 85 % of the fault phase, a batch every 0.5 s
         profile = replace(profile, jobs_per_s=args.jobs / (profile.minutes * 60 * 0.85))
@@ -87,10 +114,16 @@ def profile_for(args: argparse.Namespace) -> Profile:
     if unknown := chosen - set(FAULTS):
         raise SystemExit(f"error: unknown fault(s) {', '.join(sorted(unknown))}; choose from {', '.join(FAULTS)}")
     off: dict[str, Any] = {}
-    for fault, fields in (("kill", ["kill_every"]), ("stop", ["stop_every"]), ("valkey", ["valkey_every"]),
-                          ("drop", ["drop_every"]), ("reset", ["reset_every"]), ("blackhole", ["blackhole_every"]),
-                          ("storm", ["storm_every"]),
-                          ("provider", ["error_rate", "rate_429", "lost_response_rate", "fail_rate"])):
+    for fault, fields in (
+        ("kill", ["kill_every"]),
+        ("stop", ["stop_every"]),
+        ("valkey", ["valkey_every"]),
+        ("drop", ["drop_every"]),
+        ("reset", ["reset_every"]),
+        ("blackhole", ["blackhole_every"]),
+        ("storm", ["storm_every"]),
+        ("provider", ["error_rate", "rate_429", "lost_response_rate", "fail_rate"]),
+    ):
         if fault not in chosen:
             off.update(dict.fromkeys(fields, 0.0))
     return replace(profile, **off)
@@ -101,10 +134,13 @@ def worker_config(path: Path, redis_url: str, s3: S3, base_url: str, backend: st
     config = {
         "redis_url": redis_url,
         "storage": s3.settings(),
-        "backends": {"sim": {"kind": backend, "base_url": base_url, "api_key": "sim-key", "timeout": 30,
-                             **BACKENDS[backend]}},
-        "queues": {QUEUE: {**queue, "concurrency": p.concurrency, "ingest_list": INGEST_LIST},
-                   CAPPED: {**queue, "concurrency": 16, "daily_job_cap": p.daily_job_cap}},
+        "backends": {
+            "sim": {"kind": backend, "base_url": base_url, "api_key": "sim-key", "timeout": 30, **BACKENDS[backend]}
+        },
+        "queues": {
+            QUEUE: {**queue, "concurrency": p.concurrency, "ingest_list": INGEST_LIST},
+            CAPPED: {**queue, "concurrency": 16, "daily_job_cap": p.daily_job_cap},
+        },
     }
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
@@ -142,16 +178,19 @@ class Run:
         names = {getattr(SCRIPTS, n).sha: n for n in NAMES}
         self.proxy = await FaultProxy((HOST, self.valkey.port), seed=args.seed, script_names=names).start()
         await asyncio.to_thread(self.sim.post, "/_sim/config", p.sim_config(args.seed, args.honour))
-        env = base_env(CHAOS_S3_SECRET=self.s3.secret_key, OFFLOAD_LEASE_MS=str(p.lease_ms),
-                       OFFLOAD_REDIS_CONNECT_TIMEOUT="60")
+        env = base_env(
+            CHAOS_S3_SECRET=self.s3.secret_key, OFFLOAD_LEASE_MS=str(p.lease_ms), OFFLOAD_REDIS_CONNECT_TIMEOUT="60"
+        )
         self.slots: list[WorkerSlot] = []
         for n in range(p.workers + 1):
             name, queue = (f"w{n + 1}", QUEUE) if n < p.workers else ("c1", CAPPED)
-            cfg = worker_config(self.out / f"offload-{name}.yaml", self.proxy.url, self.s3,
-                                self.sim.slot_url(n), args.backend, p)
+            cfg = worker_config(
+                self.out / f"offload-{name}.yaml", self.proxy.url, self.s3, self.sim.slot_url(n), args.backend, p
+            )
             self.slots.append(WorkerSlot(name, queue, cfg, env, self.out, concurrency=p.concurrency, pidns=pidns))
-        self.direct = aioredis.Redis.from_url(self.valkey.url, decode_responses=True, socket_timeout=10,
-                                              retry=Retry(NoBackoff(), 0))
+        self.direct = aioredis.Redis.from_url(
+            self.valkey.url, decode_responses=True, socket_timeout=10, retry=Retry(NoBackoff(), 0)
+        )
         store = QueueStore(await connect(self.valkey.url))
         capped = [JobSpec(input=self._input(f"cap-{i}"), max_attempts=p.max_attempts) for i in range(p.capped_jobs)]
         for job_id, spec in zip(await store.enqueue_many(CAPPED, capped), capped, strict=True):
@@ -193,9 +232,14 @@ class Run:
         await store.redis.aclose()
         await self.direct.aclose()
         doc = self._report(verdict.summary, verdict.findings, all_terminal_s, time.time() - started, pidns)
-        report = {"summary": doc, "findings": verdict.findings, "details": verdict.details,
-                  "timeline": self.schedule.timeline, "dropped": [d.__dict__ for d in self.proxy.dropped],
-                  "lives": {s.name: [life.__dict__ | {"log": str(life.log)} for life in s.lives] for s in self.slots}}
+        report = {
+            "summary": doc,
+            "findings": verdict.findings,
+            "details": verdict.details,
+            "timeline": self.schedule.timeline,
+            "dropped": [d.__dict__ for d in self.proxy.dropped],
+            "lives": {s.name: [life.__dict__ | {"log": str(life.log)} for life in s.lives] for s in self.slots},
+        }
         (self.out / "report.json").write_bytes(orjson.dumps(report, default=str, option=orjson.OPT_INDENT_2))
         return doc
 
@@ -254,8 +298,9 @@ class Run:
             spec.input.update(big=12345678901234567, tags=[])
             tid = spec.input["id"].replace("job-", "t-")
             spec.input["id"] = tid
-            entries.append(orjson.dumps({"id": tid, "input": spec.input, "output_key": f"results/{tid}.json",
-                                         "attempt": 1}))
+            entries.append(
+                orjson.dumps({"id": tid, "input": spec.input, "output_key": f"results/{tid}.json", "attempt": 1})
+            )
         await asyncio.wait_for(client.rpush(INGEST_LIST, *entries), 30)
         return [f"{QUEUE}:{spec.input['id']}" for spec in specs]
 
@@ -264,8 +309,9 @@ class Run:
         checker needs to know when a remote id was recorded, long after the capped stream has moved on."""
         streams = {f"offload:{{{q}}}:events": "0-0" for q in (QUEUE, CAPPED)}
         biggest = 0
-        client = aioredis.Redis.from_url(self.valkey.url, decode_responses=True, socket_timeout=5,
-                                         retry=Retry(NoBackoff(), 0))
+        client = aioredis.Redis.from_url(
+            self.valkey.url, decode_responses=True, socket_timeout=5, retry=Retry(NoBackoff(), 0)
+        )
         while not self.stop_background.is_set():
             try:
                 got = await client.xread(streams, count=5000, block=300)  # type: ignore[arg-type]
@@ -350,13 +396,26 @@ class Run:
         self.sim_stats = await asyncio.to_thread(self.sim.get, "/_sim/stats")
         outputs, files = await asyncio.to_thread(self._bucket, records)
         return RunData(
-            acked=self.acked, sent=self.sent, records=records, submissions=submissions, outputs=outputs, files=files,
+            acked=self.acked,
+            sent=self.sent,
+            records=records,
+            submissions=submissions,
+            outputs=outputs,
+            files=files,
             lives={s.name: s.lives for s in self.slots},
             slot_ports={port: self.slots[n].name for n, port in enumerate(self.sim.slot_ports)},
-            timeline=self.schedule.timeline, valkey_down=self.schedule.valkey_down, appendfsync=self.args.aof,
-            events=self.events, dropped=self.proxy.dropped, bucket=BUCKET, capped_queue=CAPPED,
-            daily_job_cap=self.p.daily_job_cap, cap_rolled_at=self.rolled_at, held_at_roll=self.held_at_roll,
-            samples=self.samples)
+            timeline=self.schedule.timeline,
+            valkey_down=self.schedule.valkey_down,
+            appendfsync=self.args.aof,
+            events=self.events,
+            dropped=self.proxy.dropped,
+            bucket=BUCKET,
+            capped_queue=CAPPED,
+            daily_job_cap=self.p.daily_job_cap,
+            cap_rolled_at=self.rolled_at,
+            held_at_roll=self.held_at_roll,
+            samples=self.samples,
+        )
 
     def _bucket(self, records: dict[str, dict[str, str]]) -> tuple[dict[str, bytes | None], dict[str, bytes | None]]:
         """Every stored output JSON, and every copied file a succeeded job's output points at."""
@@ -384,36 +443,68 @@ class Run:
             files = dict(zip(linked, pool.map(fetch, linked), strict=True))
         return outputs, files
 
-    def _report(self, summary: dict[str, Any], findings: list[str], all_terminal_s: float | None, wall: float,
-                pidns: bool) -> dict[str, Any]:
+    def _report(
+        self, summary: dict[str, Any], findings: list[str], all_terminal_s: float | None, wall: float, pidns: bool
+    ) -> dict[str, Any]:
         kinds = self.schedule.counts
         in_flight = [n for n in self.samples["in_flight"] if n > 0]
         lives = [life for s in self.slots for life in s.lives]
         doc: dict[str, Any] = {
             "jobs": sum(1 for q, _, _ in self.acked.values() if q == QUEUE),
-            "lost": summary["lost"], "stuck": summary["stuck"], "wrong_results": summary["wrong_results"],
+            "lost": summary["lost"],
+            "stuck": summary["stuck"],
+            "wrong_results": summary["wrong_results"],
             "duplicate_submissions": summary["duplicate_submissions"],
             "duplicates_by_cause": summary["duplicates_by_cause"],
-            "kills": kinds["kill"], "valkey_restarts": kinds["valkey_restart"], "all_terminal_s": all_terminal_s,
+            "kills": kinds["kill"],
+            "valkey_restarts": kinds["valkey_restart"],
+            "all_terminal_s": all_terminal_s,
             "defect_duplicates": summary["defect_duplicates"],
-            "duplicates_per_kill": round(summary["duplicates_by_cause"].get("killed_inside_submit", 0)
-                                         / max(kinds["kill"], 1), 3),
-            "stops": kinds["stop"], "worker_exits": kinds["worker_exit"],
-            "pidns_restarts": kinds["restart"] if pidns else 0, "pidns": pidns,
-            "dropped_replies": self.proxy.counts["dropped_replies"], "resets": kinds["reset"],
-            "blackholes": kinds["blackhole"], "storms_429": kinds["storm_429"],
+            "duplicates_per_kill": round(
+                summary["duplicates_by_cause"].get("killed_inside_submit", 0) / max(kinds["kill"], 1), 3
+            ),
+            "stops": kinds["stop"],
+            "worker_exits": kinds["worker_exit"],
+            "pidns_restarts": kinds["restart"] if pidns else 0,
+            "pidns": pidns,
+            "dropped_replies": self.proxy.counts["dropped_replies"],
+            "resets": kinds["reset"],
+            "blackholes": kinds["blackhole"],
+            "storms_429": kinds["storm_429"],
             "sim_faults": _sum_faults(self.sim_stats.get("faults", {})),
             "in_flight_per_worker": self.in_flight,
-            "leases_per_worker": {"mean": round(sum(in_flight) / max(len(in_flight), 1), 1),
-                                  "peak": max(in_flight, default=0)},
-            "aof": self.args.aof, "honour_idempotency_key": self.args.honour, "backend": self.args.backend,
-            "enqueue_errors": self.counts["enqueue_errors"], "worker_processes": len(lives),
-            "wall_s": round(wall, 1), "seed": self.args.seed, "minutes": self.p.minutes,
+            "leases_per_worker": {
+                "mean": round(sum(in_flight) / max(len(in_flight), 1), 1),
+                "peak": max(in_flight, default=0),
+            },
+            "aof": self.args.aof,
+            "honour_idempotency_key": self.args.honour,
+            "backend": self.args.backend,
+            "enqueue_errors": self.counts["enqueue_errors"],
+            "worker_processes": len(lives),
+            "wall_s": round(wall, 1),
+            "seed": self.args.seed,
+            "minutes": self.p.minutes,
         }
-        for key in ("everysec_loss", "dead", "dead_by_reason", "dead_by_infra_error", "stuck_by_state",
-                    "wrong_by_kind", "outputs_of_unfinished_jobs", "killed_inside_submit_by",
-                    "resubmits_after_remote_end", "idempotent_replays", "submissions", "cap", "held_released",
-                    "memory_mb", "memory_bounded", "events_bounded", "events"):
+        for key in (
+            "everysec_loss",
+            "dead",
+            "dead_by_reason",
+            "dead_by_infra_error",
+            "stuck_by_state",
+            "wrong_by_kind",
+            "outputs_of_unfinished_jobs",
+            "killed_inside_submit_by",
+            "resubmits_after_remote_end",
+            "idempotent_replays",
+            "submissions",
+            "cap",
+            "held_released",
+            "memory_mb",
+            "memory_bounded",
+            "events_bounded",
+            "events",
+        ):
             if key in summary:
                 doc[key] = summary[key]
         self.findings = findings
@@ -445,8 +536,9 @@ def human(doc: dict[str, Any], run: Run) -> str:
         f"cap {doc.get('cap')}, held released {doc.get('held_released')}, worker exits {doc['worker_exits']}",
     ]
     lines += [f"  ! {f}" for f in run.findings[:25]] + [f"  ! worker {n}" for n in run.exit_notes]
-    verdict = "PASS" if not (doc["lost"] or doc["stuck"] or doc["wrong_results"] or doc["defect_duplicates"]) \
-        else "FAIL"
+    verdict = (
+        "PASS" if not (doc["lost"] or doc["stuck"] or doc["wrong_results"] or doc["defect_duplicates"]) else "FAIL"
+    )
     lines.append(f"{verdict}; logs and data in {run.out}")
     return "\n".join(lines)
 
