@@ -32,6 +32,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
+from bench.chaos import report
 from bench.chaos.checker import TERMINAL, Checker, RunData
 from bench.chaos.faults import Profile, Schedule
 from bench.chaos.procs import HOST, S3, Sim, Valkey, WorkerSlot, base_env, pidns_support
@@ -231,8 +232,8 @@ class Run:
         await self.proxy.close()
         await store.redis.aclose()
         await self.direct.aclose()
-        doc = self._report(verdict.summary, verdict.findings, all_terminal_s, time.time() - started, pidns)
-        report = {
+        doc = report.report(self, verdict.summary, verdict.findings, all_terminal_s, time.time() - started, pidns)
+        evidence = {
             "summary": doc,
             "findings": verdict.findings,
             "details": verdict.details,
@@ -240,7 +241,7 @@ class Run:
             "dropped": [d.__dict__ for d in self.proxy.dropped],
             "lives": {s.name: [life.__dict__ | {"log": str(life.log)} for life in s.lives] for s in self.slots},
         }
-        (self.out / "report.json").write_bytes(orjson.dumps(report, default=str, option=orjson.OPT_INDENT_2))
+        (self.out / "report.json").write_bytes(orjson.dumps(evidence, default=str, option=orjson.OPT_INDENT_2))
         return doc
 
     def _input(self, input_id: str) -> dict[str, Any]:
@@ -443,105 +444,6 @@ class Run:
             files = dict(zip(linked, pool.map(fetch, linked), strict=True))
         return outputs, files
 
-    def _report(
-        self, summary: dict[str, Any], findings: list[str], all_terminal_s: float | None, wall: float, pidns: bool
-    ) -> dict[str, Any]:
-        kinds = self.schedule.counts
-        in_flight = [n for n in self.samples["in_flight"] if n > 0]
-        lives = [life for s in self.slots for life in s.lives]
-        doc: dict[str, Any] = {
-            "jobs": sum(1 for q, _, _ in self.acked.values() if q == QUEUE),
-            "lost": summary["lost"],
-            "stuck": summary["stuck"],
-            "wrong_results": summary["wrong_results"],
-            "duplicate_submissions": summary["duplicate_submissions"],
-            "duplicates_by_cause": summary["duplicates_by_cause"],
-            "kills": kinds["kill"],
-            "valkey_restarts": kinds["valkey_restart"],
-            "all_terminal_s": all_terminal_s,
-            "defect_duplicates": summary["defect_duplicates"],
-            "duplicates_per_kill": round(
-                summary["duplicates_by_cause"].get("killed_inside_submit", 0) / max(kinds["kill"], 1), 3
-            ),
-            "stops": kinds["stop"],
-            "worker_exits": kinds["worker_exit"],
-            "pidns_restarts": kinds["restart"] if pidns else 0,
-            "pidns": pidns,
-            "dropped_replies": self.proxy.counts["dropped_replies"],
-            "resets": kinds["reset"],
-            "blackholes": kinds["blackhole"],
-            "storms_429": kinds["storm_429"],
-            "sim_faults": _sum_faults(self.sim_stats.get("faults", {})),
-            "in_flight_per_worker": self.in_flight,
-            "leases_per_worker": {
-                "mean": round(sum(in_flight) / max(len(in_flight), 1), 1),
-                "peak": max(in_flight, default=0),
-            },
-            "aof": self.args.aof,
-            "honour_idempotency_key": self.args.honour,
-            "backend": self.args.backend,
-            "enqueue_errors": self.counts["enqueue_errors"],
-            "worker_processes": len(lives),
-            "wall_s": round(wall, 1),
-            "seed": self.args.seed,
-            "minutes": self.p.minutes,
-        }
-        for key in (
-            "everysec_loss",
-            "dead",
-            "dead_by_reason",
-            "dead_by_infra_error",
-            "stuck_by_state",
-            "wrong_by_kind",
-            "outputs_of_unfinished_jobs",
-            "killed_inside_submit_by",
-            "resubmits_after_remote_end",
-            "idempotent_replays",
-            "submissions",
-            "cap",
-            "held_released",
-            "memory_mb",
-            "memory_bounded",
-            "events_bounded",
-            "events",
-        ):
-            if key in summary:
-                doc[key] = summary[key]
-        self.findings = findings
-        exits = [e for e in self.schedule.timeline if e["kind"] == "worker_exit"]
-        self.exit_notes = [f"{e['target']}#{e['n']} exit {e['code']}: {e['tail'][-200:]}" for e in exits[:3]]
-        return doc
-
-
-def _sum_faults(faults: dict[str, int]) -> dict[str, int]:
-    out: dict[str, int] = defaultdict(int)
-    for name, n in faults.items():
-        out[name.split(" ", 1)[1] if " " in name else name] += n
-    return dict(out)
-
-
-def human(doc: dict[str, Any], run: Run) -> str:
-    lines = [
-        f"chaos run: {doc['jobs']} jobs (+{doc.get('cap', {}).get('jobs', 0)} capped), {run.p.workers} workers, "
-        f"{doc['minutes']:g} min of faults, AOF {doc['aof']}, Idempotency-Key "
-        f"{'honoured' if doc['honour_idempotency_key'] else 'ignored'} by the simulator; {run.pidns_note}",
-        f"injected: {doc['kills']} SIGKILLs, {doc['stops']} SIGSTOPs past the lease, {doc['valkey_restarts']} "
-        f"Valkey crashes, {doc['dropped_replies']} dropped replies, {doc['resets']} resets, {doc['blackholes']} "
-        f"black-holes, {doc['storms_429']} 429 storms, provider faults {doc['sim_faults']}",
-        f"in flight per worker: mean {doc['in_flight_per_worker']['mean']}, peak {doc['in_flight_per_worker']['peak']}",
-        f"lost {doc['lost']}, stuck {doc['stuck']}, wrong results {doc['wrong_results']}, dead {doc.get('dead')}, "
-        f"all terminal {doc['all_terminal_s']} s after the faults stopped",
-        f"duplicate submissions {doc['duplicate_submissions']} ({doc['duplicates_per_kill']} killed-inside-submit "
-        f"per kill): {doc['duplicates_by_cause']}",
-        f"cap {doc.get('cap')}, held released {doc.get('held_released')}, worker exits {doc['worker_exits']}",
-    ]
-    lines += [f"  ! {f}" for f in run.findings[:25]] + [f"  ! worker {n}" for n in run.exit_notes]
-    verdict = (
-        "PASS" if not (doc["lost"] or doc["stuck"] or doc["wrong_results"] or doc["defect_duplicates"]) else "FAIL"
-    )
-    lines.append(f"{verdict}; logs and data in {run.out}")
-    return "\n".join(lines)
-
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
@@ -555,5 +457,5 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     run = Run(args, profile_for(args), out)
     doc = asyncio.run(run.main())
-    print(human(doc, run), flush=True)
+    print(report.human(doc, run), flush=True)
     print(json.dumps(doc), flush=True)
