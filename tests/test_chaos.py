@@ -85,6 +85,8 @@ def test_the_checker_names_every_broken_invariant(tmp_path: Path) -> None:
         _sub("i-killed", "r4", 14.0, 2),  # w1 killed 0.1 s into the submit
         _sub("i-recorded", "r5", 20.0, 3),
         _sub("i-recorded", "r6", 35.0, 2),  # id recorded at 21, killed at 30
+        _sub("i-late", "r9", 22.0, 3),
+        _sub("i-late", "r10", 33.0, 2),  # w3 killed 8 s after the answer, unrecorded
         _sub("i-retried", "r7", 3.0, 2, remote_status="failed", remote_ended_at=4.0),
         _sub("i-retried", "r8", 6.0, 2),  # after a failed remote run: a retry, not a duplicate
     ]

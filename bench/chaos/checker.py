@@ -31,6 +31,8 @@ from offload.sim.files import file_bytes, parse_name
 
 TERMINAL = {"succeeded", "dead", "cancelled"}
 IN_FLIGHT_S = 1.0  # how late the simulator may stamp a submit that was sent just before its sender's kill/stop
+RECORD_GRACE_S = 3.0  # after a submit's answer, how long recording its remote id may take on a loaded machine
+OUTAGE_GRACE_S = 10.0  # more, when Valkey or the network was out meanwhile (the checkpoint is retried)
 EVERYSEC_S = 1.5  # how far back an everysec crash may lose acknowledged writes (1 s, plus fsync scheduling)
 SIM_JOB = re.compile(r"/_sim/files/(.+)-\d+\.\w+$")
 ALLOWED = {"killed_inside_submit"}
@@ -283,14 +285,15 @@ class Checker:
         if again is not None and again[1] is life:
             return "same_worker_resubmitted", None  # a worker submitted its own job twice (stall, re-claim)
         ended = life.ended
+        window = self._record_window(prev)
         if life.end == "kill" and ended is not None and t0 - IN_FLIGHT_S <= ended <= t1:
             if recorded is None or recorded > ended:
-                return "killed_inside_submit", "kill"
+                return ("killed_inside_submit", "kill") if ended <= window else ("remote_id_not_recorded", None)
             return self._after_recorded(recorded, t1), None
         for stopped, _ in life.stops:
             if t0 - IN_FLIGHT_S <= stopped <= t1:
                 if recorded is None or recorded > stopped:
-                    return "killed_inside_submit", "stop"
+                    return ("killed_inside_submit", "stop") if stopped <= window else ("remote_id_not_recorded", None)
                 return self._after_recorded(recorded, t1), None
         if life.end and life.end.startswith("exit") and ended is not None and t0 - IN_FLIGHT_S <= ended <= t1 + 1:
             # (an exit is noticed up to a watchdog period late; the drain before it hands the job on at once)
@@ -305,6 +308,20 @@ class Checker:
         if recorded is not None:
             return "resubmitted_after_recorded_id", None
         return "lease_lost_while_owner_alive", None
+
+    def _record_window(self, prev: dict[str, Any]) -> float:
+        """Until when a worker may still be recording the remote id of `prev`: its answer plus RECORD_GRACE_S,
+        longer when Valkey was down or the network black-holed meanwhile (the worker retries the checkpoint).
+        A kill after that, with the id still unrecorded, is not the unavoidable window but a defect."""
+        end = (prev.get("responded") or prev["arrival"]) + RECORD_GRACE_S
+        outages = [(b, e - b) for b, e in self.d.valkey_down]
+        outages += [
+            (e["t"], float(e.get("seconds") or 1.0)) for e in self.d.timeline if e["kind"] in ("blackhole", "reset")
+        ]
+        for began, length in sorted(outages):
+            if prev["arrival"] <= began <= end:
+                end = max(end, began + length + OUTAGE_GRACE_S)
+        return end
 
     def _recorded(self, job_id: str, prev: dict[str, Any], sub: dict[str, Any]) -> float | None:
         """When the job store recorded a remote id between the two submissions (the checkpoint's event)."""
