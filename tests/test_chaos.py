@@ -63,6 +63,7 @@ def test_the_checker_names_every_broken_invariant(tmp_path: Path) -> None:
     w1b = Incarnation(2, 102, tmp_path / "w1-2.log", started=11.0)
     w2 = Incarnation(1, 201, tmp_path / "w2-1.log", started=0.0)
     w3 = Incarnation(1, 301, tmp_path / "w3-1.log", started=0.0, ended=30.0, end="kill")
+    w4 = Incarnation(1, 401, tmp_path / "w4-1.log", started=0.0, stops=[[40.0, 48.0]])
     ok_file = file_bytes("r-ok-0.png", "png", 1024)
     records = {
         "q:stuck": _record("i-stuck", "active", owner="host:1"),
@@ -73,6 +74,8 @@ def test_the_checker_names_every_broken_invariant(tmp_path: Path) -> None:
         "q:killed": _record("i-killed", "dead"),
         "q:recorded": _record("i-recorded", "dead"),
         "q:retried": _record("i-retried", "dead"),
+        "q:late": _record("i-late", "dead"),
+        "q:stale": _record("i-stale", "dead"),
         "q:rewritten": {"state": "succeeded", "input": '{"id": "i-rw", "big": 12345678901234568, "tags": {}}'},
     }
     subs = [
@@ -87,6 +90,8 @@ def test_the_checker_names_every_broken_invariant(tmp_path: Path) -> None:
         _sub("i-recorded", "r6", 35.0, 2),  # id recorded at 21, killed at 30
         _sub("i-late", "r9", 22.0, 3),
         _sub("i-late", "r10", 33.0, 2),  # w3 killed 8 s after the answer, unrecorded
+        _sub("i-stale", "r11", 45.0, 2),
+        _sub("i-stale", "r12", 48.2, 4),  # w4 sends after SIGCONT, lease gone
         _sub("i-retried", "r7", 3.0, 2, remote_status="failed", remote_ended_at=4.0),
         _sub("i-retried", "r8", 6.0, 2),  # after a failed remote run: a retry, not a duplicate
     ]
@@ -100,12 +105,16 @@ def test_the_checker_names_every_broken_invariant(tmp_path: Path) -> None:
             "results/q:mixed.json": _output("i-mixed", "r-mixed", "q:mixed"),
         },
         files={"results/q:ok/files/0-r-ok-0.png": ok_file, "results/q:mixed/files/0-r-mixed-0.png": ok_file},
-        lives={"w1": [w1a, w1b], "w2": [w2], "w3": [w3]},
-        slot_ports={1: "w1", 2: "w2", 3: "w3"},
+        lives={"w1": [w1a, w1b], "w2": [w2], "w3": [w3], "w4": [w4]},
+        slot_ports={1: "w1", 2: "w2", 3: "w3", 4: "w4"},
         timeline=[],
         valkey_down=[],
         appendfsync="always",
-        events={"q:recorded": [(21.0, "submitted")], "q:killed": [(14.2, "submitted")]},
+        events={
+            "q:recorded": [(21.0, "submitted")],
+            "q:killed": [(14.2, "submitted")],
+            "q:stale": [(44.0, "queued"), (44.5, "active"), (45.3, "submitted")],
+        },
         dropped=[DroppedReply(5.0, "EVALSHA claim", ["q:other"], "c")],
         bucket=BUCKET,
         sent={"q:ok": {"id": "i-ok"}, "q:rewritten": {"id": "i-rw", "big": 12345678901234567, "tags": []}},
@@ -119,8 +128,10 @@ def test_the_checker_names_every_broken_invariant(tmp_path: Path) -> None:
         "same_worker_resubmitted": 1,
         "killed_inside_submit": 1,
         "resubmitted_after_recorded_id": 1,
+        "remote_id_not_recorded": 1,
+        "stale_submit_after_stop": 1,
     }
-    assert s["defect_duplicates"] == 2 and s["resubmits_after_remote_end"] == {"after_remote_failure": 1}
+    assert s["defect_duplicates"] == 4 and s["resubmits_after_remote_end"] == {"after_remote_failure": 1}
     assert any("stuck: q:stuck state=active owner=host:1" in f for f in verdict.findings)
 
 

@@ -647,6 +647,17 @@ def test_output_files_have_content_types(kind: str, content_type: str) -> None:
         assert c.get("/_sim/files/unknown-0.png").status_code == 404
 
 
+def test_a_new_config_restarts_the_random_sequence_but_never_reuses_an_id() -> None:
+    """Found by the chaos harness: a config change mid-run (healing the faults) reseeded the generator, the next
+    jobs got the ids of the first ones, and an old remote id then named a new job (a foreign result)."""
+    with sim() as c:
+        first = [c.post("/jobs", json={"id": f"a{i}"}).json()["id"] for i in range(3)]
+        c.post("/_sim/config?merge=true", json={"default": {"fail_rate": 0}})
+        again = [c.post("/jobs", json={"id": f"b{i}"}).json()["id"] for i in range(3)]
+        assert not set(first) & set(again)
+        assert c.get(f"/_sim/jobs/{first[0]}").json()["input_id"] == "a0"
+
+
 def test_seed_makes_runs_reproducible() -> None:
     def run() -> list[Any]:
         with sim(make_config(fail_rate=0.5, latency=0)) as c:

@@ -282,6 +282,8 @@ class Checker:
             return "unattributed", None
         life = who[1]
         recorded = self._recorded(job_id, prev, sub)
+        if self._stale(job_id, life, t0):
+            return "stale_submit_after_stop", None  # sent after SIGCONT although its lease had moved on
         if again is not None and again[1] is life:
             return "same_worker_resubmitted", None  # a worker submitted its own job twice (stall, re-claim)
         ended = life.ended
@@ -305,9 +307,25 @@ class Checker:
             if self.d.appendfsync == "everysec":
                 return "everysec_loss", None
             return "valkey_restart", None
+        if again is not None and self._stale(job_id, again[1], t1):
+            return "stale_submit_after_stop", None
         if recorded is not None:
             return "resubmitted_after_recorded_id", None
         return "lease_lost_while_owner_alive", None
+
+    def _stale(self, job_id: str, life: Incarnation, sent: float) -> bool:
+        """A submit the simulator received after its worker's SIGCONT, while during the stop the job went back
+        to the queue (its lease expired) and nobody claimed it since the SIGCONT: the worker sent it without
+        re-checking a lease it had lost. (A request
+        already written before the stop arrives during the stop, as the simulator keeps running: that one is
+        the unavoidable window and is judged as killed_inside_submit.)"""
+        events = self.d.events.get(job_id, [])
+        for stopped, resumed in life.stops:
+            requeued = any(stopped <= t <= sent and state == "queued" for t, state in events)
+            claimed_again = any(resumed <= t <= sent and state == "active" for t, state in events)
+            if resumed < sent and requeued and not claimed_again:
+                return True
+        return False
 
     def _record_window(self, prev: dict[str, Any]) -> float:
         """Until when a worker may still be recording the remote id of `prev`: its answer plus RECORD_GRACE_S,

@@ -31,7 +31,7 @@ class Profile:
     minutes: float = 10.0
     workers: int = 3
     concurrency: int = 200
-    jobs_per_s: float = 20.0
+    jobs_per_s: float = 21.0
     lease_ms: int = 3000
     kill_every: float = 2.0
     restart_delay: tuple[float, float] = (0.2, 1.0)

@@ -164,6 +164,7 @@ class Sim:
         self.stats = Stats()
         self.submissions = SubmissionLog()
         self.runtime_outages: list[RuntimeOutage] = []
+        self._issued: set[str] = set()
         self.apply(config or SimConfig())
 
     def apply(self, config: SimConfig) -> None:
@@ -176,6 +177,7 @@ class Sim:
         self.store.clear()
         self.stats = Stats()
         self.submissions.clear()
+        self._issued.clear()  # a reset simulator is a fresh one: the same seed gives the same ids again
         self.runtime_outages.clear()
         self.apply(self.config)
 
@@ -187,10 +189,18 @@ class Sim:
         return rate > 0 and self.rng.random() < rate
 
     def uuid(self) -> str:
-        return str(uuid.UUID(int=self.rng.getrandbits(128), version=4))
+        return self._fresh(lambda: str(uuid.UUID(int=self.rng.getrandbits(128), version=4)))
 
     def token(self, length: int, alphabet: str = "abcdefghijklmnopqrstuvwxyz0123456789") -> str:
-        return "".join(self.rng.choice(alphabet) for _ in range(length))
+        return self._fresh(lambda: "".join(self.rng.choice(alphabet) for _ in range(length)))
+
+    def _fresh(self, draw: Callable[[], str]) -> str:
+        """A value never handed out before by this simulator. Applying a config restarts the seeded sequence,
+        which would otherwise repeat the ids of the first jobs: a poll of an old job would read a new one."""
+        while (value := draw()) in self._issued:
+            pass
+        self._issued.add(value)
+        return value
 
     def new_job(
         self, family: str, target: str, payload: Any, behaviour: Behaviour, now: float, *, job_id: str | None,
