@@ -208,9 +208,8 @@ class Checker:
             ]
         if not candidates and (slot := self.d.slot_ports.get(sub.get("port") or 0)):
             candidates = [(slot, life) for life in self.d.lives.get(slot, [])]
-        alive = [c for c in candidates if c[1].alive_at(t, slack=0.5)]
-        if alive:
-            return min(alive, key=lambda c: abs(t - c[1].started))
+        # the latest process of the slot started before the submit arrived (a new one needs seconds to boot
+        # before it can submit anything, while a killed one's last request may be stamped a little late)
         before = [c for c in candidates if c[1].started <= t]
         return max(before, key=lambda c: c[1].started) if before else None
 
