@@ -85,7 +85,7 @@ def pidns_support() -> tuple[bool, str]:
         return False, "unshare(1) not found"
     try:
         out = subprocess.run(
-            ["unshare", "-pfu", "--mount-proc", "sh", "-c", "hostname chaos-probe && echo $$"],
+            ["unshare", "-pfu", "--mount-proc", "--kill-child", "sh", "-c", "hostname chaos-probe && echo $$"],
             capture_output=True,
             text=True,
             timeout=10,
@@ -383,6 +383,7 @@ class WorkerSlot:
                 "unshare",
                 "-pfu",
                 "--mount-proc",
+                "--kill-child",  # the worker dies with unshare, even when the harness itself is killed
                 "sh",
                 "-c",
                 f'hostname chaos-{self.name} && exec "$@"',

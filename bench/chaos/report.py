@@ -1,10 +1,19 @@
-"""The run's verdict as people and programs read it: the JSON document (the last line of output) and the short
-human summary printed above it."""
+"""The run's verdict as people and programs read it: the JSON document (the last line of output), the short
+human summary printed above it, and the saved evidence (`rundata.json`), which `python -m bench.chaos.report DIR`
+judges again, e.g. with a newer checker."""
 
 from __future__ import annotations
 
+import base64
 from collections import defaultdict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from bench.chaos.checker import Checker, RunData
+from bench.chaos.procs import Incarnation
+from bench.chaos.proxy import DroppedReply
 
 if TYPE_CHECKING:
     from bench.chaos.run import Run
@@ -110,3 +119,42 @@ def human(doc: dict[str, Any], run: Run) -> str:
     )
     lines.append(f"{verdict}; logs and data in {run.out}")
     return "\n".join(lines)
+
+
+# -- saved runs: `python -m bench.chaos.report DIR` judges a run's rundata.json again ----------------------
+
+
+def save(data: RunData, path: Path) -> None:
+    """Everything the checker read, so a run can be judged again (by a newer checker) without re-running it."""
+    doc = {k: v for k, v in data.__dict__.items() if k not in ("outputs", "files", "lives", "dropped")}
+    doc["outputs"] = {k: None if v is None else base64.b64encode(v).decode() for k, v in data.outputs.items()}
+    doc["files"] = {k: None if v is None else base64.b64encode(v).decode() for k, v in data.files.items()}
+    doc["lives"] = {
+        slot: [life.__dict__ | {"log": str(life.log)} for life in lives] for slot, lives in data.lives.items()
+    }
+    doc["dropped"] = [d.__dict__ for d in data.dropped]
+    path.write_bytes(orjson.dumps(doc, option=orjson.OPT_NON_STR_KEYS))
+
+
+def load(path: Path) -> RunData:
+    doc = orjson.loads(path.read_bytes())
+    doc["outputs"] = {k: None if v is None else base64.b64decode(v) for k, v in doc["outputs"].items()}
+    doc["files"] = {k: None if v is None else base64.b64decode(v) for k, v in doc["files"].items()}
+    doc["lives"] = {
+        slot: [Incarnation(**(life | {"log": Path(life["log"])})) for life in lives]
+        for slot, lives in doc["lives"].items()
+    }
+    doc["dropped"] = [DroppedReply(**d) for d in doc["dropped"]]
+    doc["slot_ports"] = {int(k): v for k, v in doc["slot_ports"].items()}
+    doc["acked"] = {k: tuple(v) for k, v in doc["acked"].items()}
+    doc["events"] = {k: [tuple(e) for e in v] for k, v in doc["events"].items()}
+    doc["valkey_down"] = [tuple(x) for x in doc["valkey_down"]]
+    return RunData(**doc)
+
+
+if __name__ == "__main__":
+    import sys
+
+    verdict = Checker(load(Path(sys.argv[1]) / "rundata.json")).verdict()
+    print("\n".join(verdict.findings[:30]))
+    print(orjson.dumps(verdict.summary).decode())

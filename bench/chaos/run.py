@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -35,7 +36,7 @@ from redis.retry import Retry
 from bench.chaos import report
 from bench.chaos.checker import TERMINAL, Checker, RunData
 from bench.chaos.faults import Profile, Schedule
-from bench.chaos.procs import HOST, S3, Sim, Valkey, WorkerSlot, base_env, pidns_support
+from bench.chaos.procs import HOST, S3, Sim, Valkey, WorkerSlot, base_env, pidns_support, signal_group
 from bench.chaos.proxy import FaultProxy
 from offload.connection import connect
 from offload.queue.scripts import NAMES, SCRIPTS
@@ -167,9 +168,13 @@ class Run:
         self.valkey = await asyncio.to_thread(Valkey(self.out / "valkey", args.aof).start)
         self.s3 = await asyncio.to_thread(S3(self.out / "s3", BUCKET).start)
         self.sim = await asyncio.to_thread(Sim(self.out, p.workers + 1).start)
+        self.slots: list[WorkerSlot] = []
         try:
             return await self._run(pidns)
         finally:
+            for slot in self.slots:  # normally already drained; after an error or Ctrl+C, gone for sure
+                if slot.proc is not None and slot.proc.poll() is None:
+                    signal_group(slot.proc, signal.SIGKILL)
             for stop in (self.sim.stop, self.s3.stop, self.valkey.stop):
                 with contextlib.suppress(Exception):
                     await asyncio.to_thread(stop)
@@ -182,7 +187,6 @@ class Run:
         env = base_env(
             CHAOS_S3_SECRET=self.s3.secret_key, OFFLOAD_LEASE_MS=str(p.lease_ms), OFFLOAD_REDIS_CONNECT_TIMEOUT="60"
         )
-        self.slots: list[WorkerSlot] = []
         for n in range(p.workers + 1):
             name, queue = (f"w{n + 1}", QUEUE) if n < p.workers else ("c1", CAPPED)
             cfg = worker_config(
@@ -226,6 +230,7 @@ class Run:
         await asyncio.gather(*background, return_exceptions=True)
         await self.schedule.close()
         data = await self._gather(records)
+        await asyncio.to_thread(report.save, data, self.out / "rundata.json")
         checker = Checker(data)
         verdict = checker.verdict()
         self.in_flight = checker.in_flight([s.name for s in self.slots[:-1]], (started, healed))
