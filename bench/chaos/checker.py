@@ -76,6 +76,7 @@ class Checker:
         self.d = data
         self.findings: list[str] = []
         self.details: list[dict[str, Any]] = []  # the evidence behind each defect, for the run's report.json
+        self._kinds: Counter[str] = Counter()
         self.by_input: dict[str, str] = {}  # input id -> job id
         for job_id, h in data.records.items():
             if (input_id := _input_id(h.get("input"))) is not None:
@@ -85,7 +86,10 @@ class Checker:
         self.remote_input = {s["remote_id"]: s["input_id"] for s in data.submissions}
 
     def find(self, text: str) -> None:
-        if len(self.findings) < 60:
+        """Keep a few examples of each kind of finding (its text up to the first detail), not the first 60."""
+        kind = re.sub(r"[a-z]+:[0-9a-f]{28}|[a-z]+:t-\d+", "", text).split("(")[0].split(" stored ")[0][:60]
+        self._kinds[kind] += 1
+        if self._kinds[kind] <= 4 and len(self.findings) < 60:
             self.findings.append(text)
 
     # -- terminal states -------------------------------------------------------------------------
@@ -402,17 +406,18 @@ class Checker:
         }
 
     def in_flight(self, slots: Iterable[str], window: tuple[float, float]) -> dict[str, Any]:
-        """Remote jobs running at the provider for each worker slot, sampled every second of the fault phase
-        (from the submission log: sent by the slot, not yet ended). Counts what the provider holds for the
-        worker, which a stale lease set cannot inflate."""
+        """Remote jobs in flight per worker process, sampled every second of the fault phase, from the
+        submission log: sent by a live process of the slot and not yet ended at the provider (a killed process's
+        remote jobs stop counting when it dies). A stale lease set cannot inflate this."""
         wanted = set(slots)
         spans: dict[str, tuple[list[float], list[float]]] = {}
         for sub in self.d.submissions:
-            slot = self.d.slot_ports.get(sub.get("port") or 0)
-            if slot in wanted and not sub["replay"]:
-                starts, ends = spans.setdefault(slot, ([], []))
-                starts.append(sub["arrival"])
-                ends.append(sub["remote_ended_at"])
+            who = self._who(sub)
+            if who is None or who[0] not in wanted or sub["replay"]:
+                continue
+            starts, ends = spans.setdefault(who[0], ([], []))
+            starts.append(sub["arrival"])
+            ends.append(min(sub["remote_ended_at"], who[1].ended or float("inf")))
         counts: list[int] = []
         for starts, ends in spans.values():
             starts.sort()

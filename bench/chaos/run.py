@@ -266,8 +266,10 @@ class Run:
         client = await connect(self.proxy.url, retry_for=60)
         store = QueueStore(client)
         n, tick = 0, time.time()
+        began = tick
         while time.time() < until:
-            size = max(1, round(self.p.jobs_per_s / 2))
+            due = self.p.jobs_per_s * (time.time() - began + 0.5)  # catch up after a slow batch (an outage)
+            size = min(500, max(1, round(due - n)))
             mode = self.rng.choice(("plain", "keyed", "single", "tutorial"))
             specs = []
             for _ in range(size):
