@@ -38,6 +38,7 @@ def report(
         "valkey_restarts": kinds["valkey_restart"],
         "all_terminal_s": all_terminal_s,
         "defect_duplicates": summary["defect_duplicates"],
+        "duplicates_not_killed_inside_submit": summary["duplicates_not_killed_inside_submit"],
         "duplicates_per_kill": round(
             summary["duplicates_by_cause"].get("killed_inside_submit", 0) / max(kinds["kill"], 1), 3
         ),
