@@ -156,6 +156,12 @@ def load(path: Path) -> RunData:
 if __name__ == "__main__":
     import sys
 
-    verdict = Checker(load(Path(sys.argv[1]) / "rundata.json")).verdict()
+    data = load(Path(sys.argv[1]) / "rundata.json")
+    checker = Checker(data)
+    verdict = checker.verdict()
+    faults = [e["t"] for e in data.timeline if e["kind"] not in ("restart", "worker_exit", "cont")]
+    if faults:  # the fault phase, as far as the timeline tells
+        main_slots = [slot for slot in data.lives if slot != "c1"]
+        verdict.summary["in_flight_per_worker"] = checker.in_flight(main_slots, (min(faults), max(faults)))
     print("\n".join(verdict.findings[:30]))
     print(orjson.dumps(verdict.summary).decode())
