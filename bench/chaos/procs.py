@@ -29,7 +29,7 @@ import redis
 
 HOST = "127.0.0.1"
 OFFLOAD = str(Path(sys.executable).with_name("offload"))
-WORKER_ID = re.compile(r"\bworker (\S+)")
+WORKER_ID = re.compile(r"\bworker (\S+:\S+)")  # host:pid or host:pid:random, never "worker error: ..."
 
 
 def free_port() -> int:
