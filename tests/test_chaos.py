@@ -76,6 +76,7 @@ def test_the_checker_names_every_broken_invariant(tmp_path: Path) -> None:
         "q:retried": _record("i-retried", "dead"),
         "q:late": _record("i-late", "dead"),
         "q:stale": _record("i-stale", "dead"),
+        "q:hole": _record("i-hole", "dead"),
         "q:rewritten": {"state": "succeeded", "input": '{"id": "i-rw", "big": 12345678901234568, "tags": {}}'},
     }
     subs = [
@@ -92,6 +93,8 @@ def test_the_checker_names_every_broken_invariant(tmp_path: Path) -> None:
         _sub("i-late", "r10", 33.0, 2),  # w3 killed 8 s after the answer, unrecorded
         _sub("i-stale", "r11", 45.0, 2),
         _sub("i-stale", "r12", 48.2, 4),  # w4 sends after SIGCONT, lease gone
+        _sub("i-hole", "r13", 50.5, 2),
+        _sub("i-hole", "r14", 56.0, 1),  # a black-hole from 50 s: w2's lease expired at 53 before any record
         _sub("i-retried", "r7", 3.0, 2, remote_status="failed", remote_ended_at=4.0),
         _sub("i-retried", "r8", 6.0, 2),  # after a failed remote run: a retry, not a duplicate
     ]
@@ -107,13 +110,14 @@ def test_the_checker_names_every_broken_invariant(tmp_path: Path) -> None:
         files={"results/q:ok/files/0-r-ok-0.png": ok_file, "results/q:mixed/files/0-r-mixed-0.png": ok_file},
         lives={"w1": [w1a, w1b], "w2": [w2], "w3": [w3], "w4": [w4]},
         slot_ports={1: "w1", 2: "w2", 3: "w3", 4: "w4"},
-        timeline=[],
+        timeline=[{"t": 50.0, "kind": "blackhole", "target": "proxy", "seconds": 3.0}],
         valkey_down=[],
         appendfsync="always",
         events={
             "q:recorded": [(21.0, "submitted")],
             "q:killed": [(14.2, "submitted")],
             "q:stale": [(44.0, "queued"), (44.5, "active"), (45.3, "submitted")],
+            "q:hole": [(53.0, "queued"), (55.8, "active")],
         },
         dropped=[DroppedReply(5.0, "EVALSHA claim", ["q:other"], "c")],
         bucket=BUCKET,
@@ -130,6 +134,7 @@ def test_the_checker_names_every_broken_invariant(tmp_path: Path) -> None:
         "resubmitted_after_recorded_id": 1,
         "remote_id_not_recorded": 1,
         "stale_submit_after_stop": 1,
+        "partition_inside_submit": 1,
     }
     assert s["defect_duplicates"] == 4 and s["resubmits_after_remote_end"] == {"after_remote_failure": 1}
     assert any("stuck: q:stuck state=active owner=host:1" in f for f in verdict.findings)

@@ -296,11 +296,14 @@ class Checker:
             return "same_worker_resubmitted", None  # a worker submitted its own job twice (stall, re-claim)
         ended = life.ended
         window = self._record_window(prev)
-        # the moment the earlier sender was frozen: its first SIGSTOP or its SIGKILL, whichever came first
+        # the moment the earlier sender was frozen: its first SIGSTOP or its SIGKILL, whichever came first; it
+        # explains the duplicate only if it came before the job left that worker (a lease lost earlier, e.g. in a
+        # partition, is the cause instead)
         frozen = [(stopped, "stop") for stopped, _ in life.stops if t0 - IN_FLIGHT_S <= stopped <= t1]
         if life.end == "kill" and ended is not None and t0 - IN_FLIGHT_S <= ended <= t1:
             frozen.append((ended, "kill"))
-        if frozen:
+        requeued = next((t for t, state in self.d.events.get(job_id, []) if state == "queued" and t0 < t <= t1), None)
+        if frozen and (requeued is None or min(frozen)[0] <= requeued):
             at, how = min(frozen)
             if recorded is None or recorded > at:
                 return ("killed_inside_submit", how) if at <= window else ("remote_id_not_recorded", None)
@@ -343,9 +346,9 @@ class Checker:
         end = (prev.get("responded") or prev["arrival"]) + RECORD_GRACE_S
         if recorded is not None:
             end = min(end, recorded)
-        if any(start <= began <= end for began, _ in self.d.valkey_down):
+        if any(began <= end and back >= start for began, back in self.d.valkey_down):
             return "valkey_crash"
-        if any(e["kind"] == "blackhole" and start <= e["t"] <= end for e in self.d.timeline):
+        if any(e["kind"] == "blackhole" and e["t"] <= end and e["t"] + e["seconds"] >= start for e in self.d.timeline):
             return "partition"
         return None
 
@@ -359,7 +362,7 @@ class Checker:
             (e["t"], float(e.get("seconds") or 1.0)) for e in self.d.timeline if e["kind"] in ("blackhole", "reset")
         ]
         for began, length in sorted(outages):
-            if prev["arrival"] <= began <= end:
+            if began <= end and began + length >= prev["arrival"] - IN_FLIGHT_S:  # overlapping the window
                 end = max(end, began + length + OUTAGE_GRACE_S)
         return end
 
