@@ -170,3 +170,17 @@ def test_ci_sized_chaos_run_keeps_every_guarantee(tmp_path: Path) -> None:
     assert doc["cap"]["exact"] and doc["held_released"], summary
     assert doc["memory_bounded"] and doc["events_bounded"], summary
     assert doc["all_terminal_s"] is not None, summary
+
+
+def test_the_checker_counts_an_everysec_loss_apart_from_a_real_loss(tmp_path: Path) -> None:
+    """With AOF everysec a job acknowledged just before a Valkey crash may be gone: the documented cost, reported
+    as everysec_loss; one acknowledged long before the crash is lost all the same."""
+    data = RunData(
+        acked={"q:recent": ("q", "i-1", 99.6), "q:old": ("q", "i-2", 50.0)},
+        records={}, submissions=[], outputs={}, files={}, lives={}, slot_ports={}, timeline=[],
+        valkey_down=[(100.0, 101.0)], appendfsync="everysec", events={}, dropped=[], bucket=BUCKET,
+    )  # fmt: skip
+    s = Checker(data).verdict().summary
+    assert (s["lost"], s["everysec_loss"]) == (1, 1)
+    data.appendfsync = "always"
+    assert Checker(data).verdict().summary["lost"] == 2
