@@ -475,6 +475,129 @@ def test_stats_count_submissions_by_input_id() -> None:
         assert s["submissions_by_family"] == {"jobs": 3, "runpod": 1, "openai": 1}
 
 
+# --- Idempotency-Key and the submission log ---------------------------------------------------------------------
+
+SUBMITS: list[tuple[str, str, dict[str, Any], dict[str, str], Callable[[Any], str]]] = [
+    ("jobs", "/jobs", {"id": "k-jobs"}, AUTH, lambda b: b["id"]),
+    ("runpod", "/v2/e/run", {"input": {"id": "k-runpod"}}, AUTH, lambda b: b["id"]),
+    ("replicate", "/v1/predictions", {"version": "v", "input": {"id": "k-replicate"}}, AUTH, lambda b: b["id"]),
+    ("fal", "/fal-ai/x", {"id": "k-fal"}, FAL, lambda b: b["request_id"]),
+    ("openai", "/v1/chat/completions", {"model": "m", "messages": [{"role": "user"}], "metadata": {"id": "k-openai"}},
+     AUTH, lambda b: b["id"]),
+]
+
+
+def submissions(client: httpx.Client, **params: Any) -> dict[str, Any]:
+    body: dict[str, Any] = client.get("/_sim/submissions", params=params).json()
+    return body
+
+
+def test_idempotency_key_replays_the_first_answer_on_every_submit_route() -> None:
+    with sim(latency=0.05) as c:
+        for family, path, body, headers, remote_id in SUBMITS:
+            key = {"Idempotency-Key": f"job-{family}.1"}
+            first = c.post(path, json=body, headers={**headers, **key})
+            again = c.post(path, json=body, headers={**headers, **key})
+            assert first.status_code == again.status_code and first.status_code in (200, 201), family
+            assert remote_id(again.json()) == remote_id(first.json()), family
+            other = c.post(path, json=body, headers={**headers, "Idempotency-Key": f"job-{family}.2"})
+            assert remote_id(other.json()) != remote_id(first.json()), family  # a new submission number: new run
+            changed = {**body, "extra": 1}
+            mismatch = c.post(path, json=changed, headers={**headers, **key})
+            assert mismatch.status_code == 422, family
+        s = stats(c)
+        assert s["submissions_by_input_id"] == {f"k-{f}": 2 for f, *_ in SUBMITS}  # .1 once, .2 once
+        assert s["idempotent_replays"] == {f: 1 for f, *_ in SUBMITS}
+        log = submissions(c)["submissions"]
+        assert [e["replay"] for e in log] == [False, True, False] * len(SUBMITS)
+        assert [e["family"] for e in log[::3]] == [f for f, *_ in SUBMITS]
+        for first, replay in zip(log[::3], log[1::3], strict=True):
+            assert replay["remote_id"] == first["remote_id"] and replay["idempotency_key"] == first["idempotency_key"]
+
+
+def test_idempotency_key_is_logged_but_ignored_when_not_honoured() -> None:
+    with sim(SimConfig.model_validate({"seed": 7, "honour_idempotency_key": False, "default": FAST})) as c:
+        ids = [c.post("/jobs", json={"id": "twice"}, headers={"Idempotency-Key": "job-1.1"}).json()["id"]
+               for _ in range(2)]
+        assert ids[0] != ids[1]
+        assert stats(c)["submissions_by_input_id"] == {"twice": 2} and stats(c)["idempotent_replays"] == {}
+        log = submissions(c)["submissions"]
+        assert [(e["idempotency_key"], e["replay"]) for e in log] == [("job-1.1", False)] * 2
+
+
+def test_idempotency_key_survives_a_lost_answer_and_conflicts_while_in_flight() -> None:
+    with sim(lost_response_rate=1.0) as c:
+        with pytest.raises(httpx.TransportError):
+            c.post("/jobs", json={"id": "lost"}, headers={"Idempotency-Key": "lost.1"})
+        c.post("/_sim/config?merge=true", json={"default": {"lost_response_rate": 0}})
+        retried = c.post("/jobs", json={"id": "lost"}, headers={"Idempotency-Key": "lost.1"})
+        assert retried.status_code == 200
+        log = submissions(c)["submissions"]
+        assert [(e["lost_response"], e["replay"], e["status"]) for e in log] == [(True, False, 599), (False, True, 200)]
+        assert retried.json()["id"] == log[0]["remote_id"]  # the provider recorded it: the retry gets that job
+        assert stats(c)["submissions_by_input_id"] == {"lost": 1}
+    with sim(submit_latency=0.6) as c, httpx.Client(base_url=c.base_url, headers=AUTH, timeout=10) as other:
+        import threading
+
+        answers: list[httpx.Response] = []
+        slow = threading.Thread(target=lambda: answers.append(
+            other.post("/jobs", json={"id": "slow"}, headers={"Idempotency-Key": "slow.1"})))
+        slow.start()
+        until(lambda: submissions(c)["total"], lambda n: n == 1)
+        busy = c.post("/jobs", json={"id": "slow"}, headers={"Idempotency-Key": "slow.1"})
+        slow.join()
+        assert busy.status_code == 409 and answers[0].status_code == 200
+        entry = submissions(c)["submissions"][0]
+        assert entry["responded"] - entry["arrival"] >= 0.55  # a slow submit: the job exists, the answer waits
+        assert stats(c)["faults"] == {"jobs.submit idempotency_conflict": 1}
+
+
+def test_a_throttled_or_failed_submit_does_not_use_up_its_key() -> None:
+    with sim(rate_429=1.0) as c:
+        assert c.post("/jobs", json={"id": "t"}, headers={"Idempotency-Key": "t.1"}).status_code == 429
+        c.post("/_sim/config?merge=true", json={"default": {"rate_429": 0, "error_rate": 1.0}})
+        failed = c.post("/jobs", json={"id": "t"}, headers={"Idempotency-Key": "t.1"})
+        assert failed.status_code in (500, 502, 503) and failed.json()["error"] == "Simulated server error"
+        c.post("/_sim/config?merge=true", json={"default": {"error_rate": 0}})
+        assert c.post("/jobs", json={"id": "t"}, headers={"Idempotency-Key": "t.1"}).status_code == 200
+        assert stats(c)["submissions_by_input_id"] == {"t": 1} and submissions(c)["total"] == 1
+
+
+def test_submission_log_names_the_worker_port_and_times_and_pages() -> None:
+    agent = {"User-Agent": "offload/0.1.0 worker/host-a:1:9f3c"}
+    with sim() as c:
+        before = time.time()
+        for i in range(5):
+            c.post("/jobs", json={"id": f"log-{i}"}, headers=agent if i % 2 == 0 else {"User-Agent": "curl/8"})
+        page = submissions(c, limit=2)
+        assert page["total"] == 5 and page["next"] == 2 and [e["seq"] for e in page["submissions"]] == [1, 2]
+        rest = submissions(c, after=page["next"], limit=10)
+        assert rest["next"] is None and [e["input_id"] for e in rest["submissions"]] == ["log-2", "log-3", "log-4"]
+        first = page["submissions"][0]
+        assert first["worker"] == "host-a:1:9f3c" and page["submissions"][1]["worker"] is None
+        assert first["port"] == httpx.URL(str(c.base_url)).port
+        assert before <= first["arrival"] <= first["responded"] <= time.time()
+        assert first["remote_status"] in ("queued", "running") and first["remote_expires_at"] > first["arrival"]
+        assert c.get("/_sim/submissions", params={"after": -1}).status_code == 400
+
+
+def test_error_rate_and_a_429_storm() -> None:
+    with sim(error_rate=1.0, error_statuses=[502]) as c:
+        assert c.post("/jobs", json={}).status_code == 502
+        assert c.get("/jobs/x").status_code == 502
+        assert stats(c)["submissions"] == 0 and stats(c)["faults"] == {"jobs.submit 502": 1, "jobs.status 502": 1}
+    with pytest.raises(ValidationError):
+        make_config(error_statuses=[404])
+    with sim(retry_after_seconds=3) as c:
+        assert c.post("/_sim/outage", json={"mode": "429", "seconds": 30}).status_code == 200
+        storm = c.post("/v2/e/run", json={"input": {}})
+        assert storm.status_code == 429 and storm.headers["retry-after"] == "3"
+        assert c.get("/jobs/x").status_code == 429
+        c.post("/_sim/outage", json={"mode": None})
+        assert c.post("/jobs", json={}).status_code == 200
+        assert stats(c)["faults"] == {"runpod.run storm_429": 1, "jobs.status storm_429": 1}
+
+
 # --- control routes, files, config ------------------------------------------------------------------------------
 
 def test_control_config_jobs_and_reset() -> None:
@@ -522,6 +645,17 @@ def test_output_files_have_content_types(kind: str, content_type: str) -> None:
             assert len(first.content) == 3000
         assert c.get(f"/_sim/files/{job_id}-0.exe").status_code == 404
         assert c.get("/_sim/files/unknown-0.png").status_code == 404
+
+
+def test_a_new_config_restarts_the_random_sequence_but_never_reuses_an_id() -> None:
+    """Found by the chaos harness: a config change mid-run (healing the faults) reseeded the generator, the next
+    jobs got the ids of the first ones, and an old remote id then named a new job (a foreign result)."""
+    with sim() as c:
+        first = [c.post("/jobs", json={"id": f"a{i}"}).json()["id"] for i in range(3)]
+        c.post("/_sim/config?merge=true", json={"default": {"fail_rate": 0}})
+        again = [c.post("/jobs", json={"id": f"b{i}"}).json()["id"] for i in range(3)]
+        assert not set(first) & set(again)
+        assert c.get(f"/_sim/jobs/{first[0]}").json()["input_id"] == "a0"
 
 
 def test_seed_makes_runs_reproducible() -> None:
@@ -573,8 +707,10 @@ def _free_port() -> int:
 
 def test_cli_serve_runs_a_real_server() -> None:
     port = _free_port()
+    other = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "offload.sim", "serve", "--port", str(port), "--latency", "0",
-                             "--fail-rate", "1", "--log-level", "warning"], env={**os.environ},
+                             "--fail-rate", "1", "--log-level", "warning", "--also-port", str(other),
+                             "--ignore-idempotency-key"], env={**os.environ},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         base = f"http://127.0.0.1:{port}"
@@ -590,6 +726,11 @@ def test_cli_serve_runs_a_real_server() -> None:
         body = until(lambda: httpx.get(f"{base}/jobs/{job_id}", headers=AUTH).json(),
                      lambda b: b["status"] == "failed")
         assert body["status"] == "failed"
+        twice = {**AUTH, "Idempotency-Key": "k.1"}
+        httpx.post(f"http://127.0.0.1:{other}/jobs", json={"id": "p"}, headers=twice).raise_for_status()
+        httpx.post(f"{base}/jobs", json={"id": "p"}, headers=twice).raise_for_status()
+        log = httpx.get(f"http://127.0.0.1:{other}/_sim/submissions").json()["submissions"]
+        assert [(e["port"], e["replay"]) for e in log[1:]] == [(other, False), (port, False)]  # key not honoured
     finally:
         proc.terminate()
         proc.wait(timeout=15)

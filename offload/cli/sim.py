@@ -35,15 +35,16 @@ def _group() -> None:
 
 def build_config(
     config_file: Path | None, *, seed: int | None = None, api_key: str | None = None,
-    fal_prefix: str | None = None, public_url: str | None = None, **behaviour: Any,
+    fal_prefix: str | None = None, public_url: str | None = None, honour_idempotency_key: bool | None = None,
+    **behaviour: Any,
 ) -> SimConfig:
     """The file (or defaults) with the flags on top; raises ValueError / ValidationError with the field."""
     config = SimConfig.load(config_file) if config_file else SimConfig()
-    top = {k: v for k, v in {"seed": seed, "api_key": api_key, "fal_prefix": fal_prefix,
-                             "public_url": public_url}.items() if v is not None}
+    top = {k: v for k, v in {"seed": seed, "api_key": api_key, "fal_prefix": fal_prefix, "public_url": public_url,
+                             "honour_idempotency_key": honour_idempotency_key}.items() if v is not None}
     if top:
         config = SimConfig.model_validate({**config.model_dump(exclude_unset=True), **top})
-    for key in ("latency", "queue_delay"):
+    for key in ("latency", "queue_delay", "submit_latency"):
         if isinstance(behaviour.get(key), str):
             behaviour[key] = parse_latency(behaviour[key])
     return config.with_default(**{k: v for k, v in behaviour.items() if v is not None})
@@ -53,12 +54,19 @@ def build_config(
 def serve(
     host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port (0: any free port).")] = 8089,
+    also_port: Annotated[list[int] | None, typer.Option(
+        min=1, max=65535, show_default=False,
+        help="Also listen here (repeatable); the submission log records each submit's port.")] = None,
     config: Annotated[Path | None, typer.Option("--config", exists=True, dir_okay=False, show_default=False,
                                                 help="YAML or JSON SimConfig file.")] = None,
     latency: Annotated[str | None, typer.Option(show_default=False,
                                                 help="Job running time: 2, 1-3 or lognormal:2:0.5[:cap].")] = None,
     queue_delay: Annotated[str | None, typer.Option(show_default=False, help="Time in queue, same forms.")] = None,
+    submit_latency: Annotated[str | None, typer.Option(
+        show_default=False, help="How long a submit takes to answer once its job exists, same forms.")] = None,
     fail_rate: Rate = None,
+    error_rate: Annotated[float | None, typer.Option(min=0.0, max=1.0, show_default=False,
+                                                     help="Share of requests answered with a 5xx.")] = None,
     rate_429: Annotated[float | None, typer.Option("--rate-429", min=0.0, max=1.0, show_default=False,
                                                    help="Share of requests answered 429.")] = None,
     retry_after: Annotated[bool | None, typer.Option("--retry-after/--no-retry-after", show_default=False,
@@ -68,6 +76,9 @@ def serve(
     result_ttl: Annotated[float | None, typer.Option(min=0.0, show_default=False,
                                                      help="Seconds after a job ends until it 404s.")] = None,
     seed: Annotated[int | None, typer.Option(show_default=False, help="Random seed (reproducible runs).")] = None,
+    honour_idempotency_key: Annotated[bool | None, typer.Option(
+        "--honour-idempotency-key/--ignore-idempotency-key", show_default=False,
+        help="Answer a repeated Idempotency-Key with the first submission (default) or treat it as new.")] = None,
     api_key: Annotated[str | None, typer.Option(envvar="OFFLOAD_SIM_API_KEY", show_default=False,
                                                 help="Accept only this key (default: any).")] = None,
     fal_prefix: Annotated[str | None, typer.Option(show_default=False, help="Mount fal under this path.")] = None,
@@ -81,8 +92,10 @@ def serve(
     """Serve every simulated API on one port until interrupted."""
     try:
         sim_config = build_config(
-            config, seed=seed, api_key=api_key, fal_prefix=fal_prefix, public_url=public_url, latency=latency,
-            queue_delay=queue_delay, fail_rate=fail_rate, rate_429=rate_429, retry_after_header=retry_after,
+            config, seed=seed, api_key=api_key, fal_prefix=fal_prefix, public_url=public_url,
+            honour_idempotency_key=honour_idempotency_key, latency=latency, queue_delay=queue_delay,
+            submit_latency=submit_latency, fail_rate=fail_rate, error_rate=error_rate, rate_429=rate_429,
+            retry_after_header=retry_after,
             malformed_rate=malformed_rate, lost_response_rate=lost_response_rate, result_ttl=result_ttl,
         )
     except (OSError, ValueError, yaml.YAMLError) as exc:  # pydantic's ValidationError is a ValueError
@@ -90,9 +103,11 @@ def serve(
             if isinstance(exc, ValidationError) else str(exc)
         fail(f"invalid simulator config: {detail}")
     scheme = "https" if ssl_certfile else "http"
-    typer.echo(f"offload sim: serving on {scheme}://{host}:{port} (control: /_sim/stats, /_sim/config)", err=True)
+    extra = "".join(f", :{p}" for p in also_port or ())
+    typer.echo(f"offload sim: serving on {scheme}://{host}:{port}{extra} (control: /_sim/stats, /_sim/config, "
+               "/_sim/submissions)", err=True)
     run_server(host, port, sim_config, log_level=log_level, access_log=access_log, ssl_certfile=ssl_certfile,
-               ssl_keyfile=ssl_keyfile)
+               ssl_keyfile=ssl_keyfile, also_ports=also_port or ())
 
 
 def register(app: typer.Typer) -> None:

@@ -14,7 +14,7 @@ import math
 import random
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -101,11 +101,12 @@ def parse_latency(text: str) -> dict[str, Any]:
 
 class OutageWindow(_Strict):
     """A time range (seconds after the config was applied) in which every request of the family fails.
-    `mode` 503 answers with the family's 503 body; `reset` drops the TCP connection (RST) without a response."""
+    `mode` 503 answers with the family's 503 body; `reset` drops the TCP connection (RST) without a response;
+    `429` answers every request with the family's 429 (a rate-limit storm)."""
 
     start: float = Field(default=0.0, ge=0)
     end: float | None = Field(default=None, description="None: until the config is replaced")
-    mode: Literal["503", "reset"] = "503"
+    mode: Literal["503", "reset", "429"] = "503"
 
 
 class Behaviour(_Strict):
@@ -121,6 +122,13 @@ class Behaviour(_Strict):
     retry_after_format: Literal["seconds", "http-date"] = "seconds"
     malformed_rate: float = Field(default=0.0, ge=0, le=1, description="share of 2xx bodies that are garbage")
     malformed_kind: Literal["mixed", "invalid_json", "missing_fields"] = "mixed"
+    error_rate: float = Field(default=0.0, ge=0, le=1, description="share of requests answered with a 5xx")
+    error_statuses: list[Annotated[int, Field(ge=500, le=599)]] = Field(
+        default_factory=lambda: [500, 502, 503], min_length=1, description="the 5xx codes error_rate draws from")
+    submit_latency: Latency = Field(
+        default_factory=lambda: Latency(seconds=0.0),
+        description="how long a submit (or a machine rental) takes to answer once it is done (a slow API)",
+    )
     lost_response_rate: float = Field(
         default=0.0, ge=0, le=1,
         description="share of submits that create the job, then reset the connection instead of answering",
@@ -196,6 +204,9 @@ class SimConfig(_Strict):
     public_url: str | None = Field(default=None, description="base of returned URLs; default: the request's")
     fal_prefix: str = Field(default="", description="mount fal's queue routes under this path, e.g. /fal")
     max_wait: float = Field(default=60.0, ge=0, description="cap for Prefer: wait and /runsync holds")
+    honour_idempotency_key: bool = Field(
+        default=True, description="a submit repeating an Idempotency-Key gets the first answer, no new job")
+    idempotency_ttl: float = Field(default=86_400.0, gt=0, description="seconds a key is remembered")
     default: Behaviour = Field(default_factory=Behaviour)
     families: dict[Family, Behaviour] = Field(default_factory=dict)
     machines: MachineSim = Field(default_factory=MachineSim)
@@ -242,10 +253,13 @@ class SimConfig(_Strict):
         }
 
 
+_DISTRIBUTIONS = ("latency", "queue_delay", "submit_latency")  # replaced whole: a shorthand is not a mapping
+
+
 def _deep_merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in changes.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "latency" and key != "queue_delay":
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key not in _DISTRIBUTIONS:
             out[key] = _deep_merge(out[key], value)
         else:
             out[key] = value

@@ -19,6 +19,7 @@ from offload.sim.faults import RuntimeOutage
 from offload.sim.files import CONTENT_TYPES, file_bytes, parse_name
 
 DEFAULT_LIST_LIMIT = 1000
+SUBMISSIONS_PAGE = 10_000
 
 
 def _json(body: Any, status: int = 200) -> Response:
@@ -35,11 +36,12 @@ async def _body(request: Request) -> Any:
 
 
 class OutageRequest(BaseModel):
-    """`POST /_sim/outage`: start an outage now (`mode`), for `seconds` or until cleared; `mode: null` clears."""
+    """`POST /_sim/outage`: start an outage now (`mode`), for `seconds` or until cleared; `mode: null` clears.
+    Mode `429` is a rate-limit storm: every request of the family is throttled (with Retry-After)."""
 
     model_config = ConfigDict(extra="forbid")
     family: Family | None = None
-    mode: Literal["503", "reset"] | None = "503"
+    mode: Literal["503", "reset", "429"] | None = "503"
     seconds: float | None = None
 
 
@@ -130,6 +132,24 @@ def routes(sim: Sim) -> list[Route]:
         sim.stats.status("sim.files", 200)
         return Response(file_bytes(name, ext, size), media_type=CONTENT_TYPES[ext])
 
+    async def submissions(request: Request) -> Response:
+        """The submission log, oldest first, `limit` entries after `after` (a seq); `next` is the `after` of the
+        following page, null at the end. Each entry says who sent it (User-Agent worker id, port), when it
+        arrived and was answered, whether it was a replay or its answer was lost, and how its remote job ended."""
+        q = request.query_params
+        try:
+            after = int(q.get("after", 0))
+            limit = min(int(q.get("limit", SUBMISSIONS_PAGE)), SUBMISSIONS_PAGE)
+        except ValueError:
+            return _error(400, "after and limit must be integers")
+        if after < 0 or limit < 1:
+            return _error(400, "after must be >= 0 and limit >= 1")
+        now = sim.clock()
+        page = [entry.view(now) for entry in sim.submissions.page(after, limit)]
+        last = page[-1]["seq"] if page else after
+        more = last < len(sim.submissions)
+        return _json({"total": len(sim.submissions), "submissions": page, "next": last if more else None})
+
     async def health(request: Request) -> Response:
         return _json({"ok": True, "families": list(FAMILIES), "jobs": len(sim.store)})
 
@@ -141,6 +161,7 @@ def routes(sim: Sim) -> list[Route]:
         Route("/_sim/reset", reset, methods=["POST"]),
         Route("/_sim/outage", outage, methods=["POST"]),
         Route("/_sim/jobs", jobs, methods=["GET"]),
+        Route("/_sim/submissions", submissions, methods=["GET"]),
         Route("/_sim/jobs/{job_id}", job, methods=["GET"]),
         Route("/_sim/files/{name}", files, methods=["GET"]),
     ]

@@ -2,7 +2,8 @@
 
 A provider route is written as a plain handler that turns a request into a `Reply`. `Sim.endpoint` wraps it with
 everything that is not the provider's logic and is the same for every family: request counting, auth, outage
-windows, injected 429s, lost submit responses and garbage bodies. Keeping faults out of the handlers means each
+windows, injected 429s and 5xx, Idempotency-Key replays, slow and lost submit responses, garbage bodies, and the
+submission log (`submissions`). Keeping faults out of the handlers means each
 fault behaves identically across families and each handler reads like the provider's documentation.
 """
 
@@ -14,7 +15,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import orjson
 from starlette.requests import Request
@@ -25,6 +26,7 @@ from offload.sim.faults import ConnectionReset, RuntimeOutage, garble, outage_mo
 from offload.sim.files import output_for
 from offload.sim.stats import Stats
 from offload.sim.store import Job, JobStore, Outcome, input_key
+from offload.sim.submissions import Submission, SubmissionLog
 
 Clock = Callable[[], float]
 HOLD_STEP = 0.25  # seconds between checks while holding a synchronous request (a cancel can end a job early)
@@ -160,7 +162,9 @@ class Sim:
         self.clock = clock
         self.store = JobStore()
         self.stats = Stats()
+        self.submissions = SubmissionLog()
         self.runtime_outages: list[RuntimeOutage] = []
+        self._issued: set[str] = set()
         self.apply(config or SimConfig())
 
     def apply(self, config: SimConfig) -> None:
@@ -172,6 +176,8 @@ class Sim:
     def reset(self) -> None:
         self.store.clear()
         self.stats = Stats()
+        self.submissions.clear()
+        self._issued.clear()  # a reset simulator is a fresh one: the same seed gives the same ids again
         self.runtime_outages.clear()
         self.apply(self.config)
 
@@ -183,10 +189,18 @@ class Sim:
         return rate > 0 and self.rng.random() < rate
 
     def uuid(self) -> str:
-        return str(uuid.UUID(int=self.rng.getrandbits(128), version=4))
+        return self._fresh(lambda: str(uuid.UUID(int=self.rng.getrandbits(128), version=4)))
 
     def token(self, length: int, alphabet: str = "abcdefghijklmnopqrstuvwxyz0123456789") -> str:
-        return "".join(self.rng.choice(alphabet) for _ in range(length))
+        return self._fresh(lambda: "".join(self.rng.choice(alphabet) for _ in range(length)))
+
+    def _fresh(self, draw: Callable[[], str]) -> str:
+        """A value never handed out before by this simulator. Applying a config restarts the seeded sequence,
+        which would otherwise repeat the ids of the first jobs: a poll of an old job would read a new one."""
+        while (value := draw()) in self._issued:
+            pass
+        self._issued.add(value)
+        return value
 
     def new_job(
         self, family: str, target: str, payload: Any, behaviour: Behaviour, now: float, *, job_id: str | None,
@@ -232,25 +246,89 @@ class Sim:
         if not dialect.authorized(auth, self.config.api_key):
             return dialect.unauthorized().render()
         mode = outage_mode(behaviour, family, now, self.applied_at, self.runtime_outages)
+        if mode == "429":
+            stats.fault(route, "storm_429")
+            return self._throttled(dialect, behaviour, now)
         if mode is not None:
             stats.fault(route, "outage_" + mode)
             return ConnectionReset() if mode == "reset" else dialect.unavailable().render()
         faulty = op in behaviour.faults_on
         if faulty and self.chance(behaviour.rate_429):
-            headers = {"Retry-After": retry_after_value(behaviour, now)} if behaviour.retry_after_header else {}
-            stats.fault(route, "429" if headers else "429_bare")
-            return dialect.throttled(behaviour, headers).render()
+            stats.fault(route, "429" if behaviour.retry_after_header else "429_bare")
+            return self._throttled(dialect, behaviour, now)
+        if faulty and self.chance(behaviour.error_rate):
+            code = behaviour.error_statuses[self.rng.randrange(len(behaviour.error_statuses))]
+            stats.fault(route, str(code))
+            return dialect.error(code, "Simulated server error", code="server_error").render()
+        sent_key = request.headers.get("idempotency-key") if op == "submit" else None
+        key = sent_key if self.config.honour_idempotency_key else None  # the key the cache works with
+        if key is not None:
+            verdict = self.submissions.begin(family, key, await request.body(), now, self.config.idempotency_ttl)
+            if verdict == "busy":
+                stats.fault(route, "idempotency_conflict")
+                return dialect.error(409, "A request with this Idempotency-Key is being processed",
+                                     code="idempotency_conflict").render()
+            if verdict == "mismatch":
+                return dialect.error(422, "Idempotency-Key reused with a different request body",
+                                     code="idempotency_mismatch").render()
+            if verdict != "new":
+                assert verdict.job is not None
+                stats.replayed(family)
+                replayed = self._log(request, family, route, verdict.job, key, now, replay=True)
+                replayed.responded, replayed.status = self.clock(), verdict.reply.status
+                return cast(Reply, verdict.reply).render()
         call = Call(self, request, dialect, behaviour, now)
+        outcome: Reply | Response | None = None
         try:
-            result = await handler(call)
-        except Rejected as rejected:
-            result = rejected.reply
-        if call.created is not None and self.chance(behaviour.lost_response_rate):
-            stats.fault(route, "lost_response")
-            return ConnectionReset()
+            try:
+                outcome = await handler(call)
+            except Rejected as rejected:
+                outcome = rejected.reply
+        finally:
+            accepted = call.created is not None and isinstance(outcome, Reply) and 200 <= outcome.status < 300
+            if key is not None and not accepted:  # only a job accepted with a 2xx is remembered: a rejected,
+                self.submissions.abandon(family, key)  # throttled or failed submit may be retried with its key
+        result = outcome
+        entry: Submission | None = None
+        if call.created is not None:
+            entry = self._log(request, family, route, call.created, sent_key, now, replay=False)
+            delay = behaviour.submit_latency.sample(self.rng) if op == "submit" else 0.0
+            try:
+                if delay > 0:
+                    await asyncio.sleep(delay)  # the key stays "in progress" (409) until the answer goes out
+            finally:
+                if key is not None and accepted:
+                    self.submissions.done(family, key, call.created, result)
+            entry.responded = self.clock()
+            if self.chance(behaviour.lost_response_rate):
+                stats.fault(route, "lost_response")
+                entry.lost, entry.status = True, 599
+                return ConnectionReset()
+        elif op == "submit" and isinstance(result, Reply) and 200 <= result.status < 300:
+            delay = behaviour.submit_latency.sample(self.rng)  # a slow create of another kind (a machine rental)
+            if delay > 0:
+                await asyncio.sleep(delay)
         if not isinstance(result, Reply):
+            if entry is not None:
+                entry.status = result.status_code
             return result
+        if entry is not None:
+            entry.status = result.status
         if faulty and 200 <= result.status < 300 and self.chance(behaviour.malformed_rate):
             stats.fault(route, "malformed")
-            result.raw = garble(result.body, behaviour, self.rng, dialect.required)
+            garbled = Reply(result.body, result.status, result.headers, result.media_type)  # the cache keeps
+            garbled.raw = garble(result.body, behaviour, self.rng, dialect.required)  # the clean answer
+            return garbled.render()
         return result.render()
+
+    def _throttled(self, dialect: Dialect, behaviour: Behaviour, now: float) -> Response:
+        headers = {"Retry-After": retry_after_value(behaviour, now)} if behaviour.retry_after_header else {}
+        return dialect.throttled(behaviour, headers).render()
+
+    def _log(self, request: Request, family: str, route: str, job: Job, key: str | None, now: float, *,
+             replay: bool) -> Submission:
+        server = request.scope.get("server")
+        return self.submissions.add(
+            family, route, job, key=key, user_agent=request.headers.get("user-agent"),
+            port=int(server[1]) if server else None, arrival=now, replay=replay,
+        )

@@ -30,14 +30,14 @@ class RuntimeOutage:
     """An outage toggled through `POST /_sim/outage`; absolute clock times."""
 
     family: str | None  # None: every family
-    mode: Literal["503", "reset"]
+    mode: Literal["503", "reset", "429"]
     start: float
     end: float | None
 
 
 def outage_mode(
     behaviour: Behaviour, family: str, now: float, applied_at: float, runtime: list[RuntimeOutage]
-) -> Literal["503", "reset"] | None:
+) -> Literal["503", "reset", "429"] | None:
     """The mode of the first open window (config windows are relative to when the config was applied)."""
     elapsed = now - applied_at
     for window in behaviour.outages:

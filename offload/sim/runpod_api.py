@@ -139,6 +139,7 @@ async def retry(call: Call) -> Reply:
     job.meta["retried"] = int(job.meta.get("retried", 0)) + 1
     sim.store.rescheduled(job)
     sim.stats.submitted("runpod", job.input_key)
+    call.created = job  # logged as a submission, like a create
     return Reply({"id": job.id, "status": "IN_QUEUE"})
 
 

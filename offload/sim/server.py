@@ -8,9 +8,10 @@ the simulation itself.
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import uvicorn
 
@@ -38,11 +39,27 @@ def _server(
 def serve(
     host: str = "127.0.0.1", port: int = 8089, config: SimConfig | None = None, *, log_level: str = "info",
     access_log: bool = False, ssl_certfile: str | None = None, ssl_keyfile: str | None = None,
+    also_ports: Sequence[int] = (),
 ) -> None:
-    """Serve until interrupted (Ctrl+C / SIGTERM)."""
+    """Serve until interrupted (Ctrl+C / SIGTERM). `also_ports`: more ports for the same simulator; the
+    submission log records the port each submit arrived on, so giving each client its own port tells them
+    apart even when their User-Agent does not."""
     app = create_app(config)
-    _server(app, host, port, log_level=log_level, access_log=access_log, ssl_certfile=ssl_certfile,
-            ssl_keyfile=ssl_keyfile).run()
+    server = _server(app, host, port, log_level=log_level, access_log=access_log, ssl_certfile=ssl_certfile,
+                     ssl_keyfile=ssl_keyfile)
+    if not also_ports:
+        server.run()
+        return
+    server.run(sockets=[_bind(host, p) for p in (port, *also_ports)])
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
 
 
 class RunningSim(str):

@@ -19,6 +19,7 @@ class Stats:
         self.submissions: Counter[str] = Counter()
         self.submissions_by_family: Counter[str] = Counter()
         self.cancels: Counter[str] = Counter()
+        self.replays: Counter[str] = Counter()
 
     def request(self, route: str) -> None:
         self.requests[route] += 1
@@ -33,6 +34,10 @@ class Stats:
         self.submissions[input_key] += 1
         self.submissions_by_family[family] += 1
 
+    def replayed(self, family: str) -> None:
+        """A submit answered from the Idempotency-Key cache: no new job, not a submission."""
+        self.replays[family] += 1
+
     def cancelled(self, family: str) -> None:
         self.cancels[family] += 1
 
@@ -46,5 +51,6 @@ class Stats:
             "submissions_by_input_id": dict(self.submissions),
             "duplicate_input_ids": sorted(k for k, n in self.submissions.items() if n > 1),
             "cancels": dict(self.cancels),
+            "idempotent_replays": dict(self.replays),
             "jobs_in_store": jobs_in_store,
         }

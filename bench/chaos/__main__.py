@@ -1,0 +1,3 @@
+from bench.chaos.run import main
+
+main()

@@ -1,0 +1,497 @@
+"""The invariant checker: what a run must show, judged from the job store, the simulator's submission log, the
+bucket and the record of every fault the harness injected.
+
+- every acknowledged job (its enqueue returned) exists and ends in exactly one terminal state: missing is
+  `lost` (with `everysec` AOF, a job acknowledged within the last second before a Valkey crash is counted as
+  `everysec_loss`, the documented cost, not as lost), not terminal after quiescence is `stuck`;
+- every succeeded job's stored output is its own: the JSON at its output key echoes its input, the remote job it
+  names was submitted for that input, and each copied file holds that remote job's bytes (`wrong_results`);
+- every extra submission of one job is attributed: after the previous remote run failed or expired it is a
+  retry (not a duplicate); otherwise a duplicate, whose cause is `killed_inside_submit` when the previous
+  submission's worker was SIGKILLed or SIGSTOPped while that submit was in flight or before its remote id was
+  recorded, and anything else is a defect with a name (see `_cause`);
+- the daily cap is exact, held jobs are released, memory and the events stream stay bounded.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import re
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from bench.chaos.procs import Incarnation
+from bench.chaos.proxy import DroppedReply
+from offload.sim.files import file_bytes, parse_name
+
+TERMINAL = {"succeeded", "dead", "cancelled"}
+IN_FLIGHT_S = 1.0  # how late the simulator may stamp a submit that was sent just before its sender's kill/stop
+RECORD_GRACE_S = 3.0  # after a submit's answer, how long recording its remote id may take on a loaded machine
+OUTAGE_GRACE_S = 10.0  # more, when Valkey or the network was out meanwhile (the checkpoint is retried)
+EVERYSEC_S = 1.5  # how far back an everysec crash may lose acknowledged writes (1 s, plus fsync scheduling)
+SIM_JOB = re.compile(r"/_sim/files/(.+)-\d+\.\w+$")
+# The window no worker can close against an API without idempotency keys: the provider accepted a submission
+# whose id the job store never learnt, because the worker was killed or stopped (the design's stated window),
+# cut off from Valkey, or never got the answer. With a provider honouring Idempotency-Key all of them must be 0.
+UNAVOIDABLE = {"killed_inside_submit", "partition_inside_submit", "valkey_crash_inside_submit", "response_lost"}
+INFRA_ERRORS = ("worker error", "lease expired", "ConnectionError", "TimeoutError", "Redis", "Connection")
+
+
+@dataclass
+class RunData:
+    """Everything the checker reads, gathered by the run after quiescence."""
+
+    acked: dict[str, tuple[str, str, float]]  # job id -> (queue, input id, acknowledged at)
+    records: dict[str, dict[str, str]]  # job id -> its hash
+    submissions: list[dict[str, Any]]
+    outputs: dict[str, bytes | None]  # output key -> stored JSON (None: missing)
+    files: dict[str, bytes | None]  # copied file key -> bytes (None: missing)
+    lives: dict[str, list[Incarnation]]  # slot -> incarnations
+    slot_ports: dict[int, str]  # simulator port -> slot
+    timeline: list[dict[str, Any]]
+    valkey_down: list[tuple[float, float]]
+    appendfsync: str
+    events: dict[str, list[tuple[float, str]]]  # job id -> [(time, state)] from the events streams
+    dropped: list[DroppedReply]
+    bucket: str
+    capped_queue: str | None = None
+    daily_job_cap: int | None = None
+    cap_rolled_at: float | None = None
+    held_at_roll: int = 0
+    samples: dict[str, Any] = field(default_factory=dict)
+    sent: dict[str, Any] = field(default_factory=dict)  # job id -> the input as the producer sent it
+
+
+@dataclass
+class Verdict:
+    summary: dict[str, Any]
+    findings: list[str]
+    details: list[dict[str, Any]]
+
+
+class Checker:
+    def __init__(self, data: RunData) -> None:
+        self.d = data
+        self.findings: list[str] = []
+        self.details: list[dict[str, Any]] = []  # the evidence behind each defect, for the run's report.json
+        self._kinds: Counter[str] = Counter()
+        self.by_input: dict[str, str] = {}  # input id -> job id
+        for job_id, h in data.records.items():
+            if (input_id := _input_id(h.get("input"))) is not None:
+                self.by_input[input_id] = job_id
+        for job_id, (_, input_id, _) in data.acked.items():
+            self.by_input.setdefault(input_id, job_id)
+        self.remote_input = {s["remote_id"]: s["input_id"] for s in data.submissions}
+
+    def find(self, text: str) -> None:
+        """Keep a few examples of each kind of finding (its text up to the first detail), not the first 60."""
+        kind = re.sub(r"[a-z]+:[0-9a-f]{28}|[a-z]+:t-\d+", "", text).split("(")[0].split(" stored ")[0][:60]
+        self._kinds[kind] += 1
+        if self._kinds[kind] <= 4 and len(self.findings) < 60:
+            self.findings.append(text)
+
+    # -- terminal states -------------------------------------------------------------------------
+
+    def terminal(self) -> dict[str, Any]:
+        lost, everysec, stuck = [], [], []
+        stuck_states: Counter[str] = Counter()
+        for job_id, (_, _, acked_at) in self.d.acked.items():
+            h = self.d.records.get(job_id)
+            if h is None:
+                crash = self._crash_after(acked_at, EVERYSEC_S)
+                (everysec if self.d.appendfsync == "everysec" and crash else lost).append(job_id)
+            elif h.get("state") not in TERMINAL:
+                stuck.append(job_id)
+                stuck_states[h.get("state", "?")] += 1
+        for job_id in lost[:5]:
+            self.find(f"lost: {job_id} (acknowledged, no record)")
+        owners = Counter(self.d.records[j].get("owner") or "-" for j in stuck)
+        for job_id in stuck[:10]:
+            self.details.append(
+                {"job": job_id, "stuck": self.d.records[job_id], "events": self.d.events.get(job_id, [])}
+            )
+        for job_id in stuck[:5]:
+            h = self.d.records[job_id]
+            self.find(
+                f"stuck: {job_id} state={h.get('state')} owner={h.get('owner') or '-'} "
+                f"attempts={h.get('attempts', 0)} expiries={h.get('expiries', 0)}"
+            )
+        dead = [h for j, h in self.d.records.items() if j in self.d.acked and h.get("state") == "dead"]
+        reasons = Counter(_reason(h.get("error", "")) for h in dead)
+        infra = sum(n for r, n in reasons.items() if any(m in r for m in INFRA_ERRORS))
+        return {
+            "lost": len(lost),
+            "everysec_loss": len(everysec),
+            "stuck": len(stuck),
+            "stuck_by_state": dict(stuck_states),
+            "stuck_by_owner": dict(owners.most_common(5)),
+            "dead": len(dead),
+            "dead_by_reason": dict(reasons.most_common(8)),
+            "dead_by_infra_error": infra,
+        }
+
+    def _crash_after(self, t: float, within: float) -> bool:
+        return any(t <= began <= t + within for began, _ in self.d.valkey_down)
+
+    # -- results ---------------------------------------------------------------------------------
+
+    def results(self) -> dict[str, Any]:
+        wrong: Counter[str] = Counter()
+        stray = rewritten = 0
+        counted: set[str] = set()
+        for job_id, original in self.d.sent.items():
+            h = self.d.records.get(job_id)
+            if h is not None and _decode(h.get("input")) != original:
+                rewritten += 1
+                if h.get("state") == "succeeded":
+                    counted.add(job_id)
+                    wrong["input_rewritten"] += 1
+                    self.find(
+                        f"wrong result: {job_id}: input_rewritten: stored {h.get('input', '')[:90]} "
+                        f"for {orjson.dumps(original).decode()[:90]}"
+                    )
+        for job_id, h in self.d.records.items():
+            key = h.get("output_key") or f"results/{job_id}.json"
+            if h.get("state") != "succeeded":
+                stray += self.d.outputs.get(key) is not None
+                continue
+            problem = None if job_id in counted else self._wrong(job_id, h, key)
+            if problem:
+                wrong[problem.split(":")[0]] += 1
+                self.find(f"wrong result: {job_id}: {problem}")
+        return {
+            "wrong_results": sum(wrong.values()),
+            "wrong_by_kind": dict(wrong),
+            "inputs_rewritten": rewritten,
+            "outputs_of_unfinished_jobs": stray,
+        }
+
+    def _wrong(self, job_id: str, h: dict[str, str], key: str) -> str | None:
+        if h.get("result") != f"s3://{self.d.bucket}/{key}":
+            return f"result location: {h.get('result')!r} is not its output key {key}"
+        blob = self.d.outputs.get(key)
+        if blob is None:
+            return "missing: succeeded but nothing stored at its output key"
+        try:
+            stored = orjson.loads(blob)
+        except orjson.JSONDecodeError:
+            return "unreadable: the stored output is not JSON"
+        expected = _decode(h.get("input"))
+        if not isinstance(stored, dict) or stored.get("echo") != expected:
+            echo = stored.get("echo") if isinstance(stored, dict) else None
+            return f"foreign: output echoes {str(echo)[:80]} instead of its own input"
+        originals = stored.get("_offload_files") or {}
+        for url, location in originals.items():
+            m = SIM_JOB.search(url)
+            if m is None:
+                continue
+            remote = m[1]
+            if self.remote_input.get(remote) != _input_id(h.get("input")):
+                return f"foreign run: file of remote job {remote}, not a submission of this job's input"
+            file_key = str(location).removeprefix(f"s3://{self.d.bucket}/")
+            name = url.rsplit("/", 1)[-1]
+            parsed = parse_name(name)
+            got = self.d.files.get(file_key)
+            if got is None:
+                return f"file missing: {file_key}"
+            if parsed and got != file_bytes(name, parsed[1], 1024):
+                return f"file mixed: {file_key} does not hold {name}"
+        return None
+
+    # -- submissions -----------------------------------------------------------------------------
+
+    def _who(self, sub: dict[str, Any]) -> tuple[str, Incarnation] | None:
+        """The incarnation that sent a submission: by the worker id in its User-Agent, else by the port."""
+        t = sub["arrival"]
+        candidates: list[tuple[str, Incarnation]] = []
+        if sub.get("worker"):
+            candidates = [
+                (s, life) for s, lives in self.d.lives.items() for life in lives if life.read_id() == sub["worker"]
+            ]
+        if not candidates and (slot := self.d.slot_ports.get(sub.get("port") or 0)):
+            candidates = [(slot, life) for life in self.d.lives.get(slot, [])]
+        # the latest process of the slot started before the submit arrived (a new one needs seconds to boot
+        # before it can submit anything, while a killed one's last request may be stamped a little late)
+        before = [c for c in candidates if c[1].started <= t]
+        return max(before, key=lambda c: c[1].started) if before else None
+
+    def _name(self, sub: dict[str, Any]) -> str:
+        who = self._who(sub)
+        return f"{who[0]}#{who[1].n}" if who else f"port {sub.get('port')}"
+
+    def duplicates(self) -> dict[str, Any]:
+        per_job: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        replays = 0
+        for sub in self.d.submissions:
+            if sub["replay"]:
+                replays += 1
+                continue
+            job_id = self.by_input.get(sub["input_id"])
+            if job_id is not None:
+                per_job[job_id].append(sub)
+        causes: Counter[str] = Counter()
+        retries: Counter[str] = Counter()
+        kill_kinds: Counter[str] = Counter()
+        for job_id, subs in per_job.items():
+            subs.sort(key=lambda s: s["arrival"])
+            for prev, sub in itertools.pairwise(subs):
+                legit = _retry_reason(prev, sub, self._recorded(job_id, prev, sub) is not None)
+                if legit:
+                    retries[legit] += 1
+                    continue
+                cause, how = self._cause(job_id, prev, sub)
+                causes[cause] += 1
+                if how:
+                    kill_kinds[how] += 1
+                if cause not in UNAVOIDABLE:
+                    self.find(
+                        f"duplicate submission of {job_id}: {cause} (first at {prev['arrival']:.3f} by "
+                        f"{self._name(prev)}, again at {sub['arrival']:.3f} by {self._name(sub)})"
+                    )
+                    self._kinds["detail:" + cause] += 1
+                    if self._kinds["detail:" + cause] <= 5:
+                        self.details.append(
+                            {
+                                "job": job_id,
+                                "cause": cause,
+                                "first": prev,
+                                "again": sub,
+                                "first_by": self._name(prev),
+                                "again_by": self._name(sub),
+                                "events": self.d.events.get(job_id, []),
+                                "record": self.d.records.get(job_id),
+                            }
+                        )
+        total = sum(causes.values())
+        return {
+            "duplicate_submissions": total,
+            "duplicates_by_cause": dict(causes.most_common()),
+            "defect_duplicates": sum(n for c, n in causes.items() if c not in UNAVOIDABLE),
+            "duplicates_not_killed_inside_submit": total - causes["killed_inside_submit"],
+            "killed_inside_submit_by": dict(kill_kinds),
+            "resubmits_after_remote_end": dict(retries),
+            "idempotent_replays": replays,
+            "submissions": sum(1 for s in self.d.submissions if not s["replay"]),
+        }
+
+    def _cause(self, job_id: str, prev: dict[str, Any], sub: dict[str, Any]) -> tuple[str, str | None]:
+        """Why `sub` was sent although `prev` had not failed or expired. Only killed_inside_submit is the
+        window the design cannot close (without a provider that honours Idempotency-Key)."""
+        t0, t1 = prev["arrival"], sub["arrival"]
+        if prev.get("lost_response"):
+            return "response_lost", None  # the provider accepted it; its answer never reached the worker
+        who, again = self._who(prev), self._who(sub)
+        if who is None:
+            return "unattributed", None
+        life = who[1]
+        recorded = self._recorded(job_id, prev, sub)
+        if self._stale(job_id, life, t0) or (again is not None and self._stale(job_id, again[1], t1)):
+            return "stale_submit_after_stop", None  # sent after SIGCONT although its lease had moved on
+        if again is not None and again[1] is life:
+            return "same_worker_resubmitted", None  # a worker submitted its own job twice (stall, re-claim)
+        ended = life.ended
+        window = self._record_window(prev)
+        # the moment the earlier sender was frozen: its first SIGSTOP or its SIGKILL, whichever came first; it
+        # explains the duplicate only if it came before the job left that worker (a lease lost earlier, e.g. in a
+        # partition, is the cause instead)
+        frozen = [(stopped, "stop") for stopped, _ in life.stops if t0 - IN_FLIGHT_S <= stopped <= t1]
+        if life.end == "kill" and ended is not None and t0 - IN_FLIGHT_S <= ended <= t1:
+            frozen.append((ended, "kill"))
+        requeued = next((t for t, state in self.d.events.get(job_id, []) if state == "queued" and t0 < t <= t1), None)
+        if frozen and (requeued is None or min(frozen)[0] <= requeued):
+            at, how = min(frozen)
+            if recorded is None or recorded > at:
+                return ("killed_inside_submit", how) if at <= window else ("remote_id_not_recorded", None)
+            return self._after_recorded(recorded, t1), None
+        if outage := self._outage_in_submit(prev, recorded):
+            return f"{outage}_inside_submit", None  # Valkey out of reach before the id could be recorded
+        if life.end and life.end.startswith("exit") and ended is not None and t0 - IN_FLIGHT_S <= ended <= t1 + 1:
+            # (an exit is noticed up to a watchdog period late; the drain before it hands the job on at once)
+            return "worker_crashed_inside_submit", None  # it died by itself (not killed by the harness)
+        drop = next((d for d in self.d.dropped if job_id in d.job_ids and t0 - 10 <= d.at <= t1), None)
+        if drop is not None:
+            return f"dropped_reply:{drop.command.split()[-1]}", None
+        if any(t0 - 1 <= began <= t1 for began, _ in self.d.valkey_down):
+            if self.d.appendfsync == "everysec":
+                return "everysec_loss", None
+            return "valkey_restart", None
+        if recorded is not None:
+            return "resubmitted_after_recorded_id", None
+        return "lease_lost_while_owner_alive", None
+
+    def _stale(self, job_id: str, life: Incarnation, sent: float) -> bool:
+        """A submit the simulator received after its worker's SIGCONT, while during the stop the job went back
+        to the queue (its lease expired) and nobody claimed it since the SIGCONT: the worker sent it without
+        re-checking a lease it had lost. (A request
+        already written before the stop arrives during the stop, as the simulator keeps running: that one is
+        the unavoidable window and is judged as killed_inside_submit.)"""
+        events = self.d.events.get(job_id, [])
+        for stopped, resumed in life.stops:
+            requeued = any(stopped <= t <= sent and state == "queued" for t, state in events)
+            claimed_again = any(resumed <= t <= sent and state == "active" for t, state in events)
+            if resumed < sent and requeued and not claimed_again:
+                return True
+        return False
+
+    def _outage_in_submit(self, prev: dict[str, Any], recorded: float | None) -> str | None:
+        """`partition` (a black-hole) or `valkey_crash` that began while the submit was in flight or before its
+        remote id could be recorded: the worker could neither record the id nor keep its lease, so the next
+        owner found no id. The network's share of the unavoidable window (zero with Idempotency-Key)."""
+        start = prev["arrival"] - IN_FLIGHT_S
+        end = (prev.get("responded") or prev["arrival"]) + RECORD_GRACE_S
+        if recorded is not None:
+            end = min(end, recorded)
+        if any(began <= end and back >= start for began, back in self.d.valkey_down):
+            return "valkey_crash"
+        if any(e["kind"] == "blackhole" and e["t"] <= end and e["t"] + e["seconds"] >= start for e in self.d.timeline):
+            return "partition"
+        return None
+
+    def _record_window(self, prev: dict[str, Any]) -> float:
+        """Until when a worker may still be recording the remote id of `prev`: its answer plus RECORD_GRACE_S,
+        longer when Valkey was down or the network black-holed meanwhile (the worker retries the checkpoint).
+        A kill after that, with the id still unrecorded, is not the unavoidable window but a defect."""
+        end = (prev.get("responded") or prev["arrival"]) + RECORD_GRACE_S
+        outages = [(b, e - b) for b, e in self.d.valkey_down]
+        outages += [
+            (e["t"], float(e.get("seconds") or 1.0)) for e in self.d.timeline if e["kind"] in ("blackhole", "reset")
+        ]
+        for began, length in sorted(outages):
+            if began <= end and began + length >= prev["arrival"] - IN_FLIGHT_S:  # overlapping the window
+                end = max(end, began + length + OUTAGE_GRACE_S)
+        return end
+
+    def _recorded(self, job_id: str, prev: dict[str, Any], sub: dict[str, Any]) -> float | None:
+        """When the job store recorded a remote id between the two submissions (the checkpoint's event)."""
+        t0, t1 = prev["arrival"], sub["arrival"]
+        return next(
+            (t for t, state in self.d.events.get(job_id, []) if state == "submitted" and t0 - 0.05 <= t <= t1), None
+        )
+
+    def _after_recorded(self, recorded: float, t1: float) -> str:
+        """The remote id was recorded before the kill: the next worker should have resumed, not resubmitted."""
+        if self.d.appendfsync == "everysec" and any(
+            recorded <= b <= recorded + EVERYSEC_S and b <= t1 for b, _ in self.d.valkey_down
+        ):
+            return "everysec_loss"
+        return "resubmitted_after_recorded_id"
+
+    # -- caps, held jobs, memory -----------------------------------------------------------------
+
+    def caps(self) -> dict[str, Any]:
+        if self.d.capped_queue is None or self.d.daily_job_cap is None:
+            return {}
+        capped = {j for j, (q, _, _) in self.d.acked.items() if q == self.d.capped_queue}
+        inputs = {self.d.acked[j][1] for j in capped}
+        roll = self.d.cap_rolled_at or float("inf")
+        day1 = {s["input_id"] for s in self.d.submissions if s["input_id"] in inputs and s["arrival"] < roll}
+        exact = len(day1) == min(self.d.daily_job_cap, len(capped))
+        released = all(self.d.records.get(j, {}).get("state") in TERMINAL for j in capped)
+        if not exact:
+            self.find(
+                f"cap: {len(day1)} jobs of queue {self.d.capped_queue} submitted in one day under a daily "
+                f"cap of {self.d.daily_job_cap}"
+            )
+        if not released:
+            self.find("held: capped jobs still not terminal after the cap window rolled over")
+        return {
+            "cap": {
+                "daily_job_cap": self.d.daily_job_cap,
+                "jobs": len(capped),
+                "submitted_day1": len(day1),
+                "held_at_roll": self.d.held_at_roll,
+                "exact": exact,
+            },
+            "held_released": released,
+        }
+
+    def bounds(self) -> dict[str, Any]:
+        s = self.d.samples
+        jobs = max(len(self.d.records), 1)
+        peak = s.get("used_memory_peak", 0)
+        memory_ok = peak <= 64 * 2**20 + 16 * 1024 * jobs
+        events_ok = s.get("events_len_max", 0) <= 2 * 10_000 + 1000 and s.get("event_ids_max", 0) <= 20_000
+        if not memory_ok:
+            self.find(f"memory: Valkey used_memory peaked at {peak / 2**20:.1f} MiB for {jobs} job records")
+        if not events_ok:
+            self.find(f"events: stream length {s.get('events_len_max')} / {s.get('event_ids_max')} ids in one entry")
+        return {
+            "memory_mb": {"peak": round(peak / 2**20, 1), "final": round(s.get("used_memory", 0) / 2**20, 1)},
+            "memory_bounded": memory_ok,
+            "events_bounded": events_ok,
+            "events": {"max_len": s.get("events_len_max", 0), "max_ids_per_entry": s.get("event_ids_max", 0)},
+        }
+
+    def in_flight(self, slots: Iterable[str], window: tuple[float, float]) -> dict[str, Any]:
+        """Remote jobs in flight per worker process, sampled every second of the fault phase, from the
+        submission log: sent by a live process of the slot and not yet ended at the provider (a killed process's
+        remote jobs stop counting when it dies). A stale lease set cannot inflate this."""
+        wanted = set(slots)
+        spans: dict[str, tuple[list[float], list[float]]] = {}
+        for sub in self.d.submissions:
+            who = self._who(sub)
+            if who is None or who[0] not in wanted or sub["replay"]:
+                continue
+            starts, ends = spans.setdefault(who[0], ([], []))
+            starts.append(sub["arrival"])
+            ends.append(min(sub["remote_ended_at"], who[1].ended or float("inf")))
+        counts: list[int] = []
+        for starts, ends in spans.values():
+            starts.sort()
+            ends.sort()
+            t = window[0]
+            while t < window[1]:
+                n = bisect.bisect_right(starts, t) - bisect.bisect_right(ends, t)
+                if n > 0:
+                    counts.append(n)
+                t += 1.0
+        return {"mean": round(sum(counts) / max(len(counts), 1), 1), "peak": max(counts, default=0)}
+
+    def verdict(self) -> Verdict:
+        summary: dict[str, Any] = {}
+        for part in (self.terminal(), self.results(), self.duplicates(), self.caps(), self.bounds()):
+            summary.update(part)
+        return Verdict(summary, self.findings, self.details)
+
+
+def _decode(raw: str | None) -> Any:
+    if raw is None:
+        return None
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return raw
+
+
+def _input_id(raw: str | None) -> str | None:
+    value = _decode(raw)
+    if isinstance(value, dict) and isinstance(value.get("id"), str):
+        return str(value["id"])
+    return None
+
+
+def _reason(error: str) -> str:
+    return re.sub(r"[0-9a-f]{8,}|\d+(\.\d+)?", "#", error)[:70]
+
+
+def _retry_reason(prev: dict[str, Any], sub: dict[str, Any], recorded: bool) -> str | None:
+    """A new remote run that was wanted: the previous one failed, timed out or was cancelled, or expired at the
+    provider while the job store knew its id (an id never recorded could not have been polled to its expiry)."""
+    t = sub["arrival"] + 0.5
+    if prev.get("remote_status") in ("failed", "timed_out") and prev["remote_ended_at"] <= t:
+        return "after_remote_failure"
+    if prev.get("remote_status") in ("cancelled", "aborted") and prev["remote_ended_at"] <= t:
+        return "after_remote_cancel"
+    expires = prev.get("remote_expires_at")
+    if recorded and expires is not None and expires <= t:
+        return "after_remote_expiry"
+    return None
+
+
+def count_kinds(timeline: Iterable[dict[str, Any]]) -> Counter[str]:
+    return Counter(e["kind"] for e in timeline)

@@ -1,0 +1,230 @@
+"""The fault schedule: what to break, how often, with one seeded random stream so a run can be repeated.
+
+`Profile` holds the rates (mean seconds between faults; 0 turns one off). `Schedule` runs every fault loop as
+an asyncio task against the run's processes: worker SIGKILL (restarted after a container-like pause, in its PID
+namespace when there is one) and SIGSTOP past the lease, Valkey SIGKILL + restart, the proxy's dropped replies,
+resets and black-holes, and 429 storms at the simulator. Every fault is appended to `timeline` with its time,
+which the checker uses to attribute what went wrong to what was done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.chaos.procs import Sim, Valkey, WorkerSlot
+from bench.chaos.proxy import FaultProxy
+
+log = logging.getLogger("chaos")
+
+
+@dataclass
+class Profile:
+    """How hard a run pushes. Intervals are means (each wait is drawn uniformly from 0.5x to 1.5x)."""
+
+    minutes: float = 10.0
+    workers: int = 3
+    concurrency: int = 200
+    jobs_per_s: float = 21.0
+    lease_ms: int = 3000
+    kill_every: float = 2.0
+    restart_delay: tuple[float, float] = (0.2, 1.0)
+    stop_every: float = 30.0
+    stop_lease_factor: tuple[float, float] = (1.5, 3.0)
+    valkey_every: float = 150.0
+    drop_every: float = 3.0
+    reset_every: float = 45.0
+    blackhole_every: float = 90.0
+    blackhole_s: float = 3.0
+    delay_ms: float = 0.0
+    storm_every: float = 60.0
+    storm_s: float = 4.0
+    error_rate: float = 0.05
+    rate_429: float = 0.01
+    lost_response_rate: float = 0.002
+    fail_rate: float = 0.02
+    latency: str = "10-22"
+    submit_latency: str = "0.02-0.4"
+    result_ttl: float = 10.0
+    capped_jobs: int = 64
+    daily_job_cap: int = 40
+    max_attempts: int = 25
+
+    def sim_config(self, seed: int, honour: bool) -> dict[str, Any]:
+        return {
+            "seed": seed,
+            "honour_idempotency_key": honour,
+            "default": {
+                "latency": self.latency,
+                "queue_delay": "0-1",
+                "submit_latency": self.submit_latency,
+                "fail_rate": self.fail_rate,
+                "error_rate": self.error_rate,
+                "rate_429": self.rate_429,
+                "retry_after_seconds": 1,
+                "lost_response_rate": self.lost_response_rate,
+                "result_ttl": self.result_ttl,
+                "files_per_job": 1,
+                "file_type": "png",
+            },
+        }
+
+
+@dataclass
+class Schedule:
+    """Runs the fault loops until `stop()`; everything it did is in `timeline` and `counts`."""
+
+    profile: Profile
+    rng: random.Random
+    slots: list[WorkerSlot]
+    valkey: Valkey
+    proxy: FaultProxy
+    sim: Sim
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+    counts: Counter[str] = field(default_factory=Counter)
+    valkey_down: list[tuple[float, float]] = field(default_factory=list)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _stopping: bool = False
+    _pending: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def note(self, kind: str, target: str = "", **detail: Any) -> None:
+        self.timeline.append({"t": time.time(), "kind": kind, "target": target, **detail})
+        self.counts[kind] += 1
+
+    def _later(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    def _wait(self, mean: float) -> float:
+        return mean * self.rng.uniform(0.5, 1.5)
+
+    def start(self) -> None:
+        p = self.profile
+        loops = [
+            (p.kill_every, self._kill),
+            (p.stop_every, self._stop),
+            (p.valkey_every, self._valkey),
+            (p.drop_every, self._drop),
+            (p.reset_every, self._reset),
+            (p.blackhole_every, self._blackhole),
+            (p.storm_every, self._storm),
+        ]
+        self.proxy.delay_s = p.delay_ms / 1000
+        for mean, action in loops:
+            if mean > 0:
+                self._tasks.append(asyncio.create_task(self._every(mean, action)))
+        self._tasks.append(asyncio.create_task(self._watchdog()))
+
+    async def stop(self) -> None:
+        """End fault injection: every loop stops, stopped workers continue, the network heals."""
+        self._stopping = True
+        for task in self._tasks[:-1]:  # keep the watchdog: it restarts workers that die on their own
+            task.cancel()
+        await asyncio.gather(*self._tasks[:-1], return_exceptions=True)
+        for slot in self.slots:
+            slot.sigcont()
+        self.proxy.delay_s = 0.0
+        self.proxy.drop_rate = 0.0
+        self.proxy._drop_next = 0
+        if self.proxy.blackholed:
+            await asyncio.sleep(self.profile.blackhole_s)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _every(self, mean: float, action: Any) -> None:
+        while True:
+            await asyncio.sleep(self._wait(mean))
+            try:
+                await action()
+            except Exception as exc:  # a fault that could not be injected must not end the run
+                log.warning("fault %s failed: %s", getattr(action, "__name__", action), exc)
+
+    # -- process faults ----------------------------------------------------------------------------
+
+    def _alive(self, *, unstopped: bool = False) -> list[WorkerSlot]:
+        return [s for s in self.slots if s.running and not (unstopped and s.stopped)]
+
+    async def _kill(self) -> None:
+        slots = self._alive()
+        if not slots:
+            return
+        slot = self.rng.choice(slots)
+        life = slot.current
+        await asyncio.to_thread(slot.kill)
+        self.note(
+            "kill",
+            slot.name,
+            pid=life.pid if life else None,
+            n=life.n if life else None,
+            was_stopped=bool(life and life.stops and life.stops[-1][1] == life.ended),
+        )
+        self._later(self._restart(slot, self.rng.uniform(*self.profile.restart_delay)))
+
+    async def _restart(self, slot: WorkerSlot, after: float) -> None:
+        await asyncio.sleep(after)
+        if not slot.running:
+            life = slot.start()
+            self.note("restart", slot.name, n=life.n, pidns=slot.pidns)
+
+    async def _stop(self) -> None:
+        slots = self._alive(unstopped=True)
+        if not slots:
+            return
+        slot = self.rng.choice(slots)
+        seconds = self.profile.lease_ms / 1000 * self.rng.uniform(*self.profile.stop_lease_factor)
+        slot.sigstop()
+        self.note("stop", slot.name, seconds=round(seconds, 2), n=slot.current.n if slot.current else None)
+        await asyncio.sleep(seconds)
+        if slot.stopped:
+            slot.sigcont()
+            self.note("cont", slot.name)
+
+    async def _watchdog(self) -> None:
+        """A worker that exits on its own (e.g. a Redis blip it did not ride out) is a finding: record it with
+        the tail of its log, and restart it like systemd's Restart=always would."""
+        while True:
+            await asyncio.sleep(0.2)
+            for slot in self.slots:
+                code = slot.exited()
+                if code is None:
+                    continue
+                life = slot.lives[-1]
+                tail = ""
+                with contextlib.suppress(OSError):
+                    tail = " | ".join(life.log.read_text(errors="replace").strip().splitlines()[-3:])[-400:]
+                self.note("worker_exit", slot.name, code=code, n=life.n, tail=tail)
+                self._later(self._restart(slot, 1.0))
+
+    async def _valkey(self) -> None:
+        began = time.time()
+        down = await asyncio.to_thread(self.valkey.restart)
+        self.valkey_down.append((began, began + down))
+        self.note("valkey_restart", "valkey", down_s=round(down, 2), appendfsync=self.valkey.appendfsync)
+
+    # -- network and provider faults ------------------------------------------------------------------
+
+    async def _drop(self) -> None:
+        self.proxy.drop_next(1)
+        self.counts["drop_scheduled"] += 1
+
+    async def _reset(self) -> None:
+        n = self.proxy.reset_all()
+        self.note("reset", "proxy", connections=n)
+
+    async def _blackhole(self) -> None:
+        self.proxy.blackhole(self.profile.blackhole_s)
+        self.note("blackhole", "proxy", seconds=self.profile.blackhole_s)
+
+    async def _storm(self) -> None:
+        await asyncio.to_thread(self.sim.post, "/_sim/outage", {"mode": "429", "seconds": self.profile.storm_s})
+        self.note("storm_429", "sim", seconds=self.profile.storm_s)

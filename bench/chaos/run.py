@@ -1,0 +1,468 @@
+"""`python -m bench.chaos`: one run of the fault harness, from a clean slate to a verdict.
+
+Starts Valkey (AOF `always` or `everysec`), `rclone serve s3`, the simulator (one port per worker slot) and the
+fault proxy; writes an offload.yaml per worker slot (Valkey through the proxy, the simulator's port for that slot,
+S3); starts the workers (in PID namespaces where the machine allows it); enqueues through the proxy for the fault
+phase while the schedule breaks things; then heals everything, rolls the capped queue's window over to release its
+held jobs, waits (bounded) until every acknowledged job is terminal, and hands the job store, the submission log
+and the bucket to the checker. Prints a short human summary, and as its last line the JSON verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import signal
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+import yaml
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from redis.retry import Retry
+
+from bench.chaos import report
+from bench.chaos.checker import TERMINAL, Checker, RunData
+from bench.chaos.faults import Profile, Schedule
+from bench.chaos.procs import HOST, S3, Sim, Valkey, WorkerSlot, base_env, pidns_support, signal_group
+from bench.chaos.proxy import FaultProxy
+from offload.connection import connect
+from offload.queue.scripts import NAMES, SCRIPTS
+from offload.queue.store import JobSpec, QueueStore
+
+log = logging.getLogger("chaos")
+QUEUE, CAPPED, BUCKET = "chaos", "capped", "chaos-results"
+INGEST_LIST = "chaos:jobs"
+FAULTS = ("kill", "stop", "valkey", "drop", "reset", "blackhole", "storm", "provider")
+BACKENDS = {
+    "http-job": {},
+    "runpod": {"endpoint_id": "chaos"},
+    "replicate": {"version": "chaos-version"},
+    "fal": {"app": "chaos/app"},
+}
+QUICK = {
+    "minutes": 1.0,
+    "concurrency": 60,
+    "jobs_per_s": 12.0,
+    "kill_every": 3.0,
+    "stop_every": 15.0,
+    "valkey_every": 25.0,
+    "drop_every": 2.0,
+    "reset_every": 20.0,
+    "blackhole_every": 30.0,
+    "blackhole_s": 2.0,
+    "storm_every": 20.0,
+    "storm_s": 3.0,
+    "latency": "3-8",
+    "result_ttl": 8.0,
+    "capped_jobs": 24,
+    "daily_job_cap": 15,
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="the CI-sized profile (about a minute of faults)")
+    p.add_argument("--minutes", type=float, help="length of the fault phase (default 10, quick 1)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--workers", type=int, help="dispatch worker processes on the main queue (default 3)")
+    p.add_argument("--in-flight", type=int, help="concurrency per worker (default 200, quick 60)")
+    p.add_argument("--jobs-per-s", type=float, help="producer rate during the fault phase (default 20)")
+    p.add_argument("--jobs", type=int, help="total jobs on the main queue (sets the rate over the fault phase)")
+    p.add_argument("--faults", default="all", help=f"comma list of {','.join(FAULTS)}, or all / none")
+    p.add_argument("--kill-every", type=float, help="mean seconds between worker SIGKILLs (default 2)")
+    p.add_argument("--aof", choices=("always", "everysec"), default="always", help="Valkey appendfsync")
+    honour = p.add_mutually_exclusive_group()
+    honour.add_argument("--honour-idempotency-key", dest="honour", action="store_true", default=True)
+    honour.add_argument(
+        "--ignore-idempotency-key",
+        dest="honour",
+        action="store_false",
+        help="the simulator treats every submit as new, as most provider APIs do",
+    )
+    p.add_argument("--backend", choices=sorted(BACKENDS), default="http-job", help="API family the workers use")
+    p.add_argument("--no-pidns", action="store_true", help="do not restart workers in PID namespaces")
+    p.add_argument("--settle", type=float, help="max seconds to wait for quiescence (default: 3 min, quick 50 s)")
+    p.add_argument("--out", type=Path, help="directory for logs and data (default: a new temp dir)")
+    p.add_argument("--autoscale", action="store_true", help="run the server-killed-mid-autoscale scenario only")
+    return p.parse_args(argv)
+
+
+def profile_for(args: argparse.Namespace) -> Profile:
+    profile = Profile(**QUICK) if args.quick else Profile()  # type: ignore[arg-type]
+    overrides = {
+        "minutes": args.minutes,
+        "workers": args.workers,
+        "concurrency": args.in_flight,
+        "jobs_per_s": args.jobs_per_s,
+        "kill_every": args.kill_every,
+    }
+    profile = replace(profile, **{k: v for k, v in overrides.items() if v is not None})
+    if args.jobs:  # the producer enqueues for 85 % of the fault phase, a batch every 0.5 s
+        profile = replace(profile, jobs_per_s=args.jobs / (profile.minutes * 60 * 0.85))
+    chosen = set(FAULTS) if args.faults == "all" else set() if args.faults == "none" else set(args.faults.split(","))
+    if unknown := chosen - set(FAULTS):
+        raise SystemExit(f"error: unknown fault(s) {', '.join(sorted(unknown))}; choose from {', '.join(FAULTS)}")
+    off: dict[str, Any] = {}
+    for fault, fields in (
+        ("kill", ["kill_every"]),
+        ("stop", ["stop_every"]),
+        ("valkey", ["valkey_every"]),
+        ("drop", ["drop_every"]),
+        ("reset", ["reset_every"]),
+        ("blackhole", ["blackhole_every"]),
+        ("storm", ["storm_every"]),
+        ("provider", ["error_rate", "rate_429", "lost_response_rate", "fail_rate"]),
+    ):
+        if fault not in chosen:
+            off.update(dict.fromkeys(fields, 0.0))
+    return replace(profile, **off)
+
+
+def worker_config(path: Path, redis_url: str, s3: S3, base_url: str, backend: str, p: Profile) -> Path:
+    queue = {"backend": "sim", "max_attempts": p.max_attempts, "poll_interval": 2, "poll_timeout": 300}
+    config = {
+        "redis_url": redis_url,
+        "storage": s3.settings(),
+        "backends": {
+            "sim": {"kind": backend, "base_url": base_url, "api_key": "sim-key", "timeout": 30, **BACKENDS[backend]}
+        },
+        "queues": {
+            QUEUE: {**queue, "concurrency": p.concurrency, "ingest_list": INGEST_LIST},
+            CAPPED: {**queue, "concurrency": 16, "daily_job_cap": p.daily_job_cap},
+        },
+    }
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+class Run:
+    """One harness run; `main` drives it phase by phase and every wait in it is bounded."""
+
+    def __init__(self, args: argparse.Namespace, profile: Profile, out: Path) -> None:
+        self.args, self.p, self.out = args, profile, out
+        self.rng = random.Random(args.seed)
+        self.acked: dict[str, tuple[str, str, float]] = {}
+        self.sent: dict[str, Any] = {}  # job id -> the input as the producer sent it
+        self.events: dict[str, list[tuple[float, str]]] = defaultdict(list)
+        self.samples: dict[str, Any] = {"in_flight": []}
+        self.counts: dict[str, int] = defaultdict(int)
+        self.stop_background = asyncio.Event()
+
+    async def main(self) -> dict[str, Any]:
+        p, args = self.p, self.args
+        pidns, why = (False, "disabled by --no-pidns") if args.no_pidns else pidns_support()
+        self.pidns_note = "restarts keep host:pid (PID namespace)" if pidns else f"no PID namespaces: {why}"
+        self.valkey = await asyncio.to_thread(Valkey(self.out / "valkey", args.aof).start)
+        self.s3 = await asyncio.to_thread(S3(self.out / "s3", BUCKET).start)
+        self.sim = await asyncio.to_thread(Sim(self.out, p.workers + 1).start)
+        self.slots: list[WorkerSlot] = []
+        try:
+            return await self._run(pidns)
+        finally:
+            for slot in self.slots:  # normally already drained; after an error or Ctrl+C, gone for sure
+                if slot.proc is not None and slot.proc.poll() is None:
+                    signal_group(slot.proc, signal.SIGKILL)
+            for stop in (self.sim.stop, self.s3.stop, self.valkey.stop):
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(stop)
+
+    async def _run(self, pidns: bool) -> dict[str, Any]:
+        p, args = self.p, self.args
+        names = {getattr(SCRIPTS, n).sha: n for n in NAMES}
+        self.proxy = await FaultProxy((HOST, self.valkey.port), seed=args.seed, script_names=names).start()
+        await asyncio.to_thread(self.sim.post, "/_sim/config", p.sim_config(args.seed, args.honour))
+        env = base_env(
+            CHAOS_S3_SECRET=self.s3.secret_key, OFFLOAD_LEASE_MS=str(p.lease_ms), OFFLOAD_REDIS_CONNECT_TIMEOUT="60"
+        )
+        for n in range(p.workers + 1):
+            name, queue = (f"w{n + 1}", QUEUE) if n < p.workers else ("c1", CAPPED)
+            cfg = worker_config(
+                self.out / f"offload-{name}.yaml", self.proxy.url, self.s3, self.sim.slot_url(n), args.backend, p
+            )
+            self.slots.append(WorkerSlot(name, queue, cfg, env, self.out, concurrency=p.concurrency, pidns=pidns))
+        self.direct = aioredis.Redis.from_url(
+            self.valkey.url, decode_responses=True, socket_timeout=10, retry=Retry(NoBackoff(), 0)
+        )
+        store = QueueStore(await connect(self.valkey.url))
+        capped = [JobSpec(input=self._input(f"cap-{i}"), max_attempts=p.max_attempts) for i in range(p.capped_jobs)]
+        for job_id, spec in zip(await store.enqueue_many(CAPPED, capped), capped, strict=True):
+            self.acked[job_id] = (CAPPED, spec.input["id"], time.time())
+        for slot in self.slots:
+            slot.start()
+        await self._until(lambda: all(s.current and s.current.read_id() for s in self.slots), 90, "workers up")
+        self.schedule = Schedule(p, self.rng, self.slots, self.valkey, self.proxy, self.sim)
+        background = [asyncio.create_task(self._tail_events()), asyncio.create_task(self._sample())]
+        started = time.time()
+        fault_s = p.minutes * 60
+        producer = asyncio.create_task(self._produce(started + fault_s * 0.85))
+        self.schedule.start()
+        log.warning("fault phase: %.0f s, %s", fault_s, self.pidns_note)
+        await asyncio.sleep(fault_s)
+        await self.schedule.stop()
+        await asyncio.wait_for(producer, 120)
+        healed = time.time()
+        await self._heal()
+        cap_slot = self.slots[-1]
+        self.held_at_roll = int(await self.direct.zcard(f"offload:{{{CAPPED}}}:held"))
+        await asyncio.to_thread(cap_slot.terminate)
+        self.rolled_at = time.time()
+        cap_slot.start(OFFLOAD_CLOCK_OFFSET_S="86400")  # the next UTC day: held jobs must come back
+        settle = args.settle if args.settle is not None else (50.0 if args.quick else 180.0)
+        all_terminal = await self._until_terminal(settle)
+        all_terminal_s = None if all_terminal is None else round(all_terminal - healed, 1)
+        records = await self._records()  # the job store after quiescence, before the workers drain
+        for slot in self.slots:
+            await asyncio.to_thread(slot.terminate)
+        self.stop_background.set()
+        await asyncio.gather(*background, return_exceptions=True)
+        await self.schedule.close()
+        data = await self._gather(records)
+        await asyncio.to_thread(report.save, data, self.out / "rundata.json")
+        checker = Checker(data)
+        verdict = checker.verdict()
+        self.in_flight = checker.in_flight([s.name for s in self.slots[:-1]], (started, healed))
+        await self.proxy.close()
+        await store.redis.aclose()
+        await self.direct.aclose()
+        doc = report.report(self, verdict.summary, verdict.findings, all_terminal_s, time.time() - started, pidns)
+        evidence = {
+            "summary": doc,
+            "findings": verdict.findings,
+            "details": verdict.details,
+            "timeline": self.schedule.timeline,
+            "dropped": [d.__dict__ for d in self.proxy.dropped],
+            "lives": {s.name: [life.__dict__ | {"log": str(life.log)} for life in s.lives] for s in self.slots},
+        }
+        (self.out / "report.json").write_bytes(orjson.dumps(evidence, default=str, option=orjson.OPT_INDENT_2))
+        return doc
+
+    def _input(self, input_id: str) -> dict[str, Any]:
+        """Distinct per job and echoed back by the simulator, so a result stored for the wrong job shows."""
+        return {"id": input_id, "prompt": f"chaos {input_id}", "salt": self.rng.getrandbits(48)}
+
+    async def _until(self, check: Any, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not check():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out after {timeout:g}s waiting for {what}; logs in {self.out}")
+            await asyncio.sleep(0.2)
+
+    async def _produce(self, until: float) -> None:
+        """Enqueue through the proxy: plain batches, batches with idempotency keys (retried with the same keys
+        after an error) and single jobs. Only an enqueue that returned counts as acknowledged."""
+        client = await connect(self.proxy.url, retry_for=60)
+        store = QueueStore(client)
+        n, tick = 0, time.time()
+        began = tick
+        while time.time() < until:
+            due = self.p.jobs_per_s * (time.time() - began + 0.5)  # catch up after a slow batch (an outage)
+            size = min(500, max(1, round(due - n)))
+            mode = self.rng.choice(("plain", "keyed", "single", "tutorial"))
+            specs = []
+            for _ in range(size):
+                n += 1
+                job_input = self._input(f"job-{n}")
+                key = job_input["id"] if mode == "keyed" else None
+                specs.append(JobSpec(input=job_input, max_attempts=self.p.max_attempts, idempotency_key=key))
+            for attempt in range(3 if mode == "keyed" else 1):
+                try:
+                    if mode == "tutorial":  # the tutorial's producer: RPUSH its JSON, ingested by the workers
+                        ids = await self._push_tutorial(client, specs)
+                    elif mode == "single":
+                        ids = [await asyncio.wait_for(store.enqueue(QUEUE, spec), 30) for spec in specs]
+                    else:
+                        ids = await asyncio.wait_for(store.enqueue_many(QUEUE, specs), 30)
+                except (RedisError, OSError, TimeoutError) as exc:
+                    self.counts["enqueue_errors"] += 1
+                    log.info("enqueue (%s, try %d) failed: %s", mode, attempt + 1, exc)
+                    continue
+                now = time.time()
+                for job_id, spec in zip(ids, specs, strict=True):
+                    self.acked[job_id] = (QUEUE, spec.input["id"], now)
+                    self.sent[job_id] = spec.input
+                break
+            tick += 0.5
+            await asyncio.sleep(max(0.0, tick - time.time()))
+        await client.aclose()
+
+    async def _push_tutorial(self, client: Any, specs: list[JobSpec]) -> list[str]:
+        """Tutorial JSON (`id`, `input`, `output_key`, `attempt`) on the ingest list, one RPUSH for the batch. The
+        input carries an integer past 14 digits and an empty list, which must survive ingestion byte for byte."""
+        entries = []
+        for spec in specs:
+            spec.input.update(big=12345678901234567, tags=[])
+            tid = spec.input["id"].replace("job-", "t-")
+            spec.input["id"] = tid
+            entries.append(
+                orjson.dumps({"id": tid, "input": spec.input, "output_key": f"results/{tid}.json", "attempt": 1})
+            )
+        await asyncio.wait_for(client.rpush(INGEST_LIST, *entries), 30)
+        return [f"{QUEUE}:{spec.input['id']}" for spec in specs]
+
+    async def _tail_events(self) -> None:
+        """Every transition of every job, read straight from Valkey (not through the proxy) while it happens: the
+        checker needs to know when a remote id was recorded, long after the capped stream has moved on."""
+        streams = {f"offload:{{{q}}}:events": "0-0" for q in (QUEUE, CAPPED)}
+        biggest = 0
+        client = aioredis.Redis.from_url(
+            self.valkey.url, decode_responses=True, socket_timeout=5, retry=Retry(NoBackoff(), 0)
+        )
+        while not self.stop_background.is_set():
+            try:
+                got = await client.xread(streams, count=5000, block=300)  # type: ignore[arg-type]
+            except (RedisError, OSError):
+                await asyncio.sleep(0.2)
+                continue
+            for stream, entries in got or []:
+                for entry_id, fields in entries:
+                    at = int(entry_id.split("-")[0]) / 1000
+                    ids = (fields.get("jobs") or fields.get("id") or "").split()
+                    biggest = max(biggest, len(ids))
+                    for job_id in ids:
+                        self.events[job_id].append((at, fields.get("state", "?")))
+                    streams[stream] = entry_id
+        self.samples["event_ids_max"] = biggest
+        await client.aclose()
+
+    async def _sample(self) -> None:
+        """Valkey memory, the events streams' length and jobs in flight per live worker, every 2 s."""
+        peak = length = 0
+        while not self.stop_background.is_set():
+            await asyncio.sleep(2)
+            with contextlib.suppress(RedisError, OSError):
+                memory = await self.direct.info("memory")
+                peak = max(peak, int(memory["used_memory"]))
+                self.samples["used_memory"] = int(memory["used_memory"])
+                for q in (QUEUE, CAPPED):
+                    length = max(length, int(await self.direct.xlen(f"offload:{{{q}}}:events")))
+                if not self.schedule._stopping:
+                    for slot in self.slots[:-1]:
+                        life = slot.current
+                        if life and life.read_id() and not slot.stopped:
+                            owned = await self.direct.scard(f"offload:{{{QUEUE}}}:owned:{life.worker_id}")
+                            self.samples["in_flight"].append(int(owned))
+        self.samples["used_memory_peak"] = peak
+        self.samples["events_len_max"] = length
+
+    async def _heal(self) -> None:
+        """No more faults: the simulator behaves, stopped workers continue, dead slots are started again."""
+        healthy = {"error_rate": 0, "rate_429": 0, "lost_response_rate": 0, "submit_latency": 0}
+        await asyncio.to_thread(self.sim.post, "/_sim/config?merge=true", {"default": healthy})
+        await asyncio.to_thread(self.sim.post, "/_sim/outage", {"mode": None})
+        for slot in self.slots:
+            slot.sigcont()
+            if not slot.running:
+                slot.start()
+
+    async def _until_terminal(self, timeout: float) -> float | None:
+        """When every acknowledged job was terminal, or None if that did not happen within `timeout`."""
+        deadline = time.monotonic() + timeout
+        waiting = list(self.acked)
+        while time.monotonic() < deadline:
+            with contextlib.suppress(RedisError, OSError):
+                still = []
+                for i in range(0, len(waiting), 2000):
+                    chunk = waiting[i : i + 2000]
+                    pipe = self.direct.pipeline(transaction=False)
+                    for job_id in chunk:
+                        pipe.hget(f"offload:{{{job_id.partition(':')[0]}}}:job:{job_id}", "state")
+                    states = await pipe.execute()
+                    still += [j for j, s in zip(chunk, states, strict=True) if s is not None and s not in TERMINAL]
+                waiting = still
+                if not waiting:
+                    return time.time()
+            await asyncio.sleep(1)
+        return None
+
+    async def _records(self) -> dict[str, dict[str, str]]:
+        records: dict[str, dict[str, str]] = {}
+        for q in (QUEUE, CAPPED):
+            keys = [k async for k in self.direct.scan_iter(match=f"offload:{{{q}}}:job:*", count=2000)]
+            for i in range(0, len(keys), 1000):
+                pipe = self.direct.pipeline(transaction=False)
+                for k in keys[i : i + 1000]:
+                    pipe.hgetall(k)
+                for k, h in zip(keys[i : i + 1000], await pipe.execute(), strict=True):
+                    records[k.split(":job:", 1)[1]] = h
+        return records
+
+    async def _gather(self, records: dict[str, dict[str, str]]) -> RunData:
+        submissions = await asyncio.to_thread(self.sim.submissions)
+        self.sim_stats = await asyncio.to_thread(self.sim.get, "/_sim/stats")
+        outputs, files = await asyncio.to_thread(self._bucket, records)
+        return RunData(
+            acked=self.acked,
+            sent=self.sent,
+            records=records,
+            submissions=submissions,
+            outputs=outputs,
+            files=files,
+            lives={s.name: s.lives for s in self.slots},
+            slot_ports={port: self.slots[n].name for n, port in enumerate(self.sim.slot_ports)},
+            timeline=self.schedule.timeline,
+            valkey_down=self.schedule.valkey_down,
+            appendfsync=self.args.aof,
+            events=self.events,
+            dropped=self.proxy.dropped,
+            bucket=BUCKET,
+            capped_queue=CAPPED,
+            daily_job_cap=self.p.daily_job_cap,
+            cap_rolled_at=self.rolled_at,
+            held_at_roll=self.held_at_roll,
+            samples=self.samples,
+        )
+
+    def _bucket(self, records: dict[str, dict[str, str]]) -> tuple[dict[str, bytes | None], dict[str, bytes | None]]:
+        """Every stored output JSON, and every copied file a succeeded job's output points at."""
+        s3 = self.s3.client()
+        keys: set[str] = set()
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix="results/"):
+            keys |= {o["Key"] for o in page.get("Contents", [])}
+
+        def fetch(key: str) -> bytes | None:
+            if key not in keys:
+                return None
+            for _ in range(3):
+                with contextlib.suppress(Exception):
+                    return bytes(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+            return None
+
+        wanted = {h.get("output_key") or f"results/{j}.json" for j, h in records.items()}
+        with ThreadPoolExecutor(16) as pool:
+            outputs = dict(zip(wanted, pool.map(fetch, wanted), strict=True))
+            linked: set[str] = set()
+            for blob in outputs.values():
+                with contextlib.suppress(orjson.JSONDecodeError, AttributeError, TypeError):
+                    for location in (orjson.loads(blob or b"{}").get("_offload_files") or {}).values():
+                        linked.add(str(location).removeprefix(f"s3://{BUCKET}/"))
+            files = dict(zip(linked, pool.map(fetch, linked), strict=True))
+        return outputs, files
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", stream=sys.stderr)
+    if args.autoscale:
+        from bench.chaos.autoscale import main as autoscale_main
+
+        print(json.dumps(autoscale_main(args)))
+        return
+    out = args.out or Path(tempfile.mkdtemp(prefix="offload-chaos-"))
+    out.mkdir(parents=True, exist_ok=True)
+    run = Run(args, profile_for(args), out)
+    doc = asyncio.run(run.main())
+    print(report.human(doc, run), flush=True)
+    print(json.dumps(doc), flush=True)
