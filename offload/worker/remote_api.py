@@ -96,8 +96,10 @@ class ServerApi:
         return jobs
 
     async def heartbeat(self, worker_id: str, jobs: list[str], protected: bool | None,
-                        instance_id: str | None) -> dict[str, list[str]]:
+                        instance_id: str | None, tokens: list[str] | None = None) -> dict[str, list[str]]:
         body: dict[str, Any] = {"jobs": jobs, "protected": protected}
+        if tokens is not None:
+            body["tokens"] = tokens
         if instance_id is not None:
             body["instance_id"] = instance_id
         reply: dict[str, list[str]] = await self.call(f"/v1/workers/{worker_id}/heartbeat", body)

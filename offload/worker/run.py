@@ -11,12 +11,14 @@ from collections.abc import Callable
 from typing import Any
 
 from offload.backends import create_backend, new_client
+from offload.backends.http import user_agent
 from offload.config import Settings, parse_rate
 from offload.connection import connect
 from offload.errors import ConfigError
 from offload.queue.store import QueueStore
 from offload.storage import create_storage, store_output
-from offload.worker.dispatch import Worker, WorkerOptions
+from offload.worker.dispatch import Worker, WorkerOptions, default_worker_id
+from offload.worker.jobpath import Fence
 from offload.worker.limits import BackendLimits
 
 log = logging.getLogger("offload.worker")
@@ -67,19 +69,23 @@ async def run_worker(
     # lets the reaper hand live jobs to another worker, which would then pay for them again.
     control = await connect(settings.redis_url, max_connections=2)
     in_flight = concurrency or q.concurrency
-    http = new_client(max_connections=min(max(in_flight, 16), 1024), timeout=bs.timeout or 600.0)
+    worker_id = worker_id or default_worker_id()
+    http = new_client(max_connections=min(max(in_flight, 16), 1024), timeout=bs.timeout or 600.0,
+                      agent=user_agent(worker_id))
     backend = create_backend(bs.kind, backend_name, bs.provider_settings(), client=http)
     storage = create_storage(storage_settings(settings))
 
-    async def save(key: str, output: Any) -> str:
-        stored = await store_output(storage, key, output, http, copy_files=settings.storage.copy_files)
+    async def save(key: str, output: Any, run: str, fence: Fence) -> str:
+        stored = await store_output(storage, key, output, http, copy_files=settings.storage.copy_files, run=run,
+                                    before_write=fence)
         return stored.location
 
     options = WorkerOptions(
         queue=queue, backend_name=backend_name, concurrency=in_flight, poll_interval=q.poll_interval,
         poll_timeout=q.poll_timeout, grace_s=grace_s, daily_job_cap=q.daily_job_cap,
         daily_spend_cap=q.daily_spend_cap, price_per_job=bs.price_per_job, price_per_second=bs.price_per_second,
-        ingest_list=q.ingest_list, max_attempts=q.max_attempts,
+        max_job_cost=bs.max_job_cost, ingest_list=q.ingest_list, max_attempts=q.max_attempts,
+        submit_concurrency=q.submit_concurrency,
         **({"lease_ms": int(lease_ms)} if lease_ms is not None else {}),
     )
     limits = BackendLimits(redis, backend_name, parse_rate(bs.rate_limit) if bs.rate_limit else None)
