@@ -104,7 +104,7 @@ class WorkerRegistry:
             for worker_id, deadline in alive:
                 if worker_id in skip:
                     continue
-                in_flight = int(await self.redis.scard(p + f"owned:{worker_id}"))
+                in_flight = int(await self.redis.zcard(p + f"owned:{worker_id}"))
                 view = found.get(worker_id)
                 if view is None:
                     host = worker_id.rsplit(":", 1)[0] if ":" in worker_id else ""

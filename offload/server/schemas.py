@@ -82,6 +82,9 @@ class JobView(BaseModel):
     cancel_requested: bool = False
     idempotency_key: str | None = None
     raw: str | None = None
+    submission: int | None = Field(None, description="The number of its latest submission to the provider.")
+    possible_duplicates: int = Field(0, description="Submissions sent again after a worker was lost inside "
+                                     "the submit call (the provider may have run the job twice).")
 
 
 class WaitReply(JobView):
@@ -185,6 +188,8 @@ class ClaimReply(BaseModel):
 
 class HeartbeatRequest(_Request):
     jobs: list[str] = Field(default_factory=list, max_length=100_000)
+    tokens: list[str] | None = Field(None, max_length=100_000,
+                                     description="the lease token of each job in `jobs`, in the same order")
     protected: bool | None = None
     instance_id: str | None = Field(None, max_length=255)
 
