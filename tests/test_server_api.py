@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -182,7 +183,8 @@ def test_queue_ops_dead_and_held(admin: httpx.Client, valkey: ValkeyServer) -> N
     # held: a worker holds one over a cap; release brings it back
     async def hold(store: QueueStore) -> str:
         (job,) = await store.claim(q, "w", 1)
-        await store.hold(job.id, job.token, "daily jobs cap reached", "20260101")
+        await store.hold(job.id, job.token, "daily jobs cap reached",  # today's window: not yet due
+                         time.strftime("%Y%m%d", time.gmtime()))
         return job.id
 
     held = store_call(valkey.url, hold)
