@@ -58,14 +58,14 @@ async def worker(settings: Settings, *, worker_id: str | None = None, **options:
         await asyncio.wait_for(task, 30)
 
 
-def fail_once(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
-    """QueueStore.<name> raises a Redis connection error on its first call only; returns the call count."""
+def fail_first(monkeypatch: pytest.MonkeyPatch, name: str, times: int = 1) -> list[int]:
+    """QueueStore.<name> raises a Redis connection error on its first `times` calls; returns the call count."""
     real = getattr(QueueStore, name)
     calls = [0]
 
     async def flaky(self: QueueStore, *args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
-        if calls[0] == 1:
+        if calls[0] <= times:
             raise RedisConnectionError("Connection reset by peer (injected)")
         return await real(self, *args, **kwargs)
 
@@ -92,14 +92,15 @@ async def test_a_worker_restarted_with_the_same_id_finishes_its_predecessors_job
 async def test_a_verdict_that_hit_a_store_error_is_sent_again(
     valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The remote job fails; the worker's `fail` meets a Redis error. The job must not stay active forever
-    (heartbeats renewing a lease nobody works on): the verdict is sent again and the job ends dead."""
-    calls = fail_once(monkeypatch, "fail")
+    """The remote job fails; the worker's `fail` meets Redis errors (twice: also the fallback verdict would). The
+    job must not stay active forever (heartbeats renewing a lease nobody works on), nor end with the store's
+    error instead of its own: the verdict is sent again and the job ends dead with the provider's error."""
+    calls = fail_first(monkeypatch, "fail", times=2)
     await configure(sim, fail_rate=1.0, error_message="CUDA error")
     [(job_id, _)] = await enqueue(store, "verdict", max_attempts=1)
     async with worker(make_settings(valkey_url, no_outputs, sim, "http-job")) as (task, _):
         [job] = await until_state(store, [job_id], "dead", task, timeout=15)
-    assert calls[0] >= 2 and job.attempts == 1 and "CUDA error" in (job.error or "")
+    assert calls[0] >= 3 and job.attempts == 1 and "CUDA error" in (job.error or "")
 
 
 # -- defect 4: a Redis error on complete after the output is stored --------------------------------------------
@@ -108,7 +109,7 @@ async def test_a_verdict_that_hit_a_store_error_is_sent_again(
 async def test_complete_is_sent_again_after_the_output_is_stored(
     valkey_url: str, s3: RcloneS3, sim: str, store: QueueStore, bucket: Any, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    calls = fail_once(monkeypatch, "complete_many")
+    calls = fail_first(monkeypatch, "complete_many")
     [(job_id, input_id)] = await enqueue(store, "ack", max_attempts=1)
     async with worker(make_settings(valkey_url, s3, sim, "http-job")) as (task, _):
         [job] = await until_state(store, [job_id], "succeeded", task, timeout=15)

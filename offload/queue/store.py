@@ -365,6 +365,9 @@ class QueueStore:
         return int(jobs or 0), float(spend or 0.0)
 
     async def hold(self, job_id: str, token: str, reason: str, window: str = "") -> None:
+        """Held until a cap window later than `window` (digits, e.g. "20261130"; "" = released by any)."""
+        if window and not window.isdigit():
+            raise InvalidJob(f"cap window must be digits like 20261130, got {window!r}")
         _expect(await self._run(SCRIPTS.hold, queue_of(job_id), job_id, token, reason, window), job_id)
 
     async def ack_cancel(self, job_id: str, token: str) -> None:
