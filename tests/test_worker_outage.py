@@ -76,8 +76,10 @@ async def ride_out(valkey: ValkeyServer, bucket: object, sim: SimProcess, store:
     for name in ("w0", "w1"):
         fleet.start(name, env=env)
     async with maintenance(store) as reaped:
-        async def in_flight() -> bool:
-            return (await store.stats(QUEUE)).counts["submitted"] >= N_JOBS // 2
+        async def in_flight() -> bool:  # both workers up (a worker that cannot reach Valkey at its start gives
+            # up after OFFLOAD_REDIS_CONNECT_TIMEOUT, by design) and jobs in flight
+            return all(fleet.ready(n) for n in fleet.procs) and \
+                (await store.stats(QUEUE)).counts["submitted"] >= N_JOBS // 2
 
         await wait_until(in_flight, 60, "jobs in flight", why=fleet.problems)
         t0 = time.monotonic()
