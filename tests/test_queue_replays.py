@@ -217,8 +217,10 @@ async def test_an_idempotency_key_lives_as_long_as_its_job_waits(store: QueueSto
 
 
 async def test_tutorial_input_is_kept_byte_for_byte(store: QueueStore) -> None:
-    raw_input = '{"n": 123456789012345678, "tags": [], "nested": {"a": [], "b": {}}, "f": 1.5e300, ' \
-                '"s": "caf\\u00e9 \\"quoted\\" [x] {y}", "neg": -0.0000001}'
+    raw_input = (
+        '{"n": 123456789012345678, "tags": [], "nested": {"a": [], "b": {}}, "f": 1.5e300, '
+        '"s": "caf\\u00e9 \\"quoted\\" [x] {y}", "neg": -0.0000001}'
+    )
     entries = [
         '{"id": "big", "input": ' + raw_input + ', "output_key": "results/big.json", "attempt": 1}',
         '{"id": 12345678901234567, "input": [1, [], {}]}',
@@ -243,8 +245,12 @@ async def test_held_jobs_are_released_in_small_steps_until_none_is_due(valkey_ur
     await store.enqueue_many("q", [JobSpec(input=i) for i in range(n + 10)])
     claimed = await store.claim("q", "w", n + 10)
     for at in range(0, len(claimed), 50):
-        await asyncio.gather(*(store.hold(c.id, c.token, "daily jobs cap reached", "20260101" if i < n else "20260102")
-                               for i, c in enumerate(claimed[at:at + 50], start=at)))
+        await asyncio.gather(
+            *(
+                store.hold(c.id, c.token, "daily jobs cap reached", "20260101" if i < n else "20260102")
+                for i, c in enumerate(claimed[at : at + 50], start=at)
+            )
+        )
     await store.redis.script_load(SCRIPTS.release_window.source)
     await store.redis.config_set("slowlog-log-slower-than", 0)
     await store.redis.config_set("slowlog-max-len", 10_000)

@@ -79,8 +79,7 @@ async def test_over_the_job_cap_the_job_is_held_at_once_and_a_refused_submit_giv
 ) -> None:
     a, b, c = await vstore.enqueue_many("q", [JobSpec(input=i) for i in range(3)])
     ca, cb = await vstore.claim("q", "w", 2, window=W, job_cap=1)
-    assert await vstore.begin_many("q", W, [(a, ca.token, 0.0), (b, cb.token, 0.0)], job_cap=1) == \
-        ["OK:1", "CAP:jobs"]
+    assert await vstore.begin_many("q", W, [(a, ca.token, 0.0), (b, cb.token, 0.0)], job_cap=1) == ["OK:1", "CAP:jobs"]
     held = await vstore.get(b)
     assert held.state is JobState.HELD and held.attempts == 0 and "jobs cap" in (held.error or "")
     assert await vstore.claim("q", "w", 5, window=W, job_cap=1) == [], "a capped queue hands out no fresh job"
@@ -96,8 +95,10 @@ async def test_over_the_job_cap_the_job_is_held_at_once_and_a_refused_submit_giv
 async def test_the_spend_cap_reserves_the_worst_case_and_settles_the_real_cost(vstore: QueueStore) -> None:
     ids = await vstore.enqueue_many("q", [JobSpec(input=i) for i in range(3)])
     c1, c2 = await vstore.claim("q", "w1", 2, window=W, spend_cap=1.5, estimate=1.0)
-    assert await vstore.begin_many("q", W, [(c1.id, c1.token, 1.0), (c2.id, c2.token, 1.0)], spend_cap=1.5) == \
-        ["OK:1", "CAP:spend"]
+    assert await vstore.begin_many("q", W, [(c1.id, c1.token, 1.0), (c2.id, c2.token, 1.0)], spend_cap=1.5) == [
+        "OK:1",
+        "CAP:spend",
+    ]
     assert await vstore.usage("q", W) == (1, 1.0)
     assert await vstore.claim("q", "w1", 1, window=W, spend_cap=1.5, estimate=1.0) == []  # 1.0 + 1.0 > 1.5
     await vstore.checkpoint_many("q", [(c1.id, c1.token, "gpu", "r-1", 1)])

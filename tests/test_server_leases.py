@@ -41,6 +41,7 @@ def test_the_servers_maintenance_releases_jobs_held_in_a_past_window(valkey: Val
 
     ids = run(_with_store(valkey.url, hold_some))
     with server(valkey.url) as (url, boot), client(url, boot) as c:
+
         def released() -> bool:
             return all(c.get(f"/v1/jobs/{j}").json()["state"] == "queued" for j in ids)
 
@@ -59,8 +60,10 @@ def test_metrics_count_possible_duplicate_submissions(valkey: ValkeyServer) -> N
         assert await store.begin_many(q, "", [(job, second.token, 0.0)], backend="gpu") == ["OK:1:DUP"]
 
     run(_with_store(valkey.url, resend))
-    settings = {"backends": {"gpu": {"kind": "http-job", "base_url": "http://127.0.0.1:9"}},
-                "queues": {q: {"backend": "gpu"}}}
+    settings = {
+        "backends": {"gpu": {"kind": "http-job", "base_url": "http://127.0.0.1:9"}},
+        "queues": {q: {"backend": "gpu"}},
+    }
     with server(valkey.url, settings=settings) as (url, boot):
         got = scrape(url, boot)
     assert got[("offload_possible_duplicate_submissions_total", (("backend", "gpu"), ("queue", q)))] == 1
@@ -83,8 +86,9 @@ def test_a_gpu_workers_leases_are_judged_by_token_and_unknown_ones_handed_back(v
             assert c.post(f"/v1/workers/{wid}/heartbeat", json=beat).json()["lost"] == [lost["id"]]
 
             def handed_back() -> Any:
-                reply = c.post(f"/v1/workers/{wid}/heartbeat",
-                               json={"jobs": [kept["id"]], "tokens": [kept["token"]]}).json()
+                reply = c.post(
+                    f"/v1/workers/{wid}/heartbeat", json={"jobs": [kept["id"]], "tokens": [kept["token"]]}
+                ).json()
                 assert reply["lost"] == []
                 doc = admin.get(f"/v1/jobs/{lost['id']}").json()
                 return doc["state"] == "queued" and doc

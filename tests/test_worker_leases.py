@@ -46,8 +46,9 @@ async def worker(settings: Settings, *, worker_id: str | None = None, **options:
             setattr(w.o, name, value)
         ready.set_result(w)
 
-    task = asyncio.create_task(run_worker(settings, "q", stop=stop, install_signals=False, grace_s=1.0,
-                                          worker_id=worker_id, on_ready=tune))
+    task = asyncio.create_task(
+        run_worker(settings, "q", stop=stop, install_signals=False, grace_s=1.0, worker_id=worker_id, on_ready=tune)
+    )
     try:
         await asyncio.wait([task, ready], return_when=asyncio.FIRST_COMPLETED)
         if task.done():
@@ -77,7 +78,11 @@ def fail_first(monkeypatch: pytest.MonkeyPatch, name: str, times: int = 1) -> li
 
 
 async def test_a_worker_restarted_with_the_same_id_finishes_its_predecessors_jobs(
-    valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore, monkeypatch: pytest.MonkeyPatch,
+    valkey_url: str,
+    no_outputs: dict[str, Any],
+    sim: str,
+    store: QueueStore,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("OFFLOAD_LEASE_MS", str(QUICK_LEASE_MS))
     jobs = await enqueue(store, "restart", 3)
@@ -90,7 +95,11 @@ async def test_a_worker_restarted_with_the_same_id_finishes_its_predecessors_job
 
 
 async def test_a_verdict_that_hit_a_store_error_is_sent_again(
-    valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore, monkeypatch: pytest.MonkeyPatch,
+    valkey_url: str,
+    no_outputs: dict[str, Any],
+    sim: str,
+    store: QueueStore,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The remote job fails; the worker's `fail` meets Redis errors (twice: also the fallback verdict would). The
     job must not stay active forever (heartbeats renewing a lease nobody works on), nor end with the store's
@@ -107,7 +116,12 @@ async def test_a_verdict_that_hit_a_store_error_is_sent_again(
 
 
 async def test_complete_is_sent_again_after_the_output_is_stored(
-    valkey_url: str, s3: RcloneS3, sim: str, store: QueueStore, bucket: Any, monkeypatch: pytest.MonkeyPatch,
+    valkey_url: str,
+    s3: RcloneS3,
+    sim: str,
+    store: QueueStore,
+    bucket: Any,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     calls = fail_first(monkeypatch, "complete_many")
     [(job_id, input_id)] = await enqueue(store, "ack", max_attempts=1)
@@ -122,7 +136,10 @@ async def test_complete_is_sent_again_after_the_output_is_stored(
 
 
 async def test_a_job_leased_again_to_the_same_worker_runs_in_one_task(
-    valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore,
+    valkey_url: str,
+    no_outputs: dict[str, Any],
+    sim: str,
+    store: QueueStore,
 ) -> None:
     """The worker stalls past its lease (here: its deadline is moved into the past), the maintenance returns
     its job to ready, and the worker's own next claim gets it again. The old task must stop before the new
@@ -158,7 +175,10 @@ def _runs(task: asyncio.Task[Any], job_id: str) -> bool:
 
 
 async def test_the_spend_cap_holds_with_price_per_second(
-    valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore,
+    valkey_url: str,
+    no_outputs: dict[str, Any],
+    sim: str,
+    store: QueueStore,
 ) -> None:
     """$0.025 per billed second, 0.2 s jobs ($0.005 each), a cap of $0.1, poll_timeout 2 s: each submission
     is reserved at its worst case ($0.05) and settled to its real cost, so the cap is never passed."""
@@ -167,6 +187,7 @@ async def test_the_spend_cap_holds_with_price_per_second(
     settings = make_settings(valkey_url, no_outputs, sim, "runpod", daily_spend_cap=0.1, poll_timeout=2)
     settings.backends["gpu"].price_per_second = 0.025
     async with worker(settings) as (task, w):
+
         async def settled() -> bool:
             c = (await store.stats("q")).counts
             return c["succeeded"] >= 2 and c["active"] + c["submitted"] == 0
@@ -185,11 +206,17 @@ async def test_the_spend_cap_holds_with_price_per_second(
 
 
 async def test_a_capped_queue_is_not_claimed_and_held_whole(
-    valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore,
+    valkey_url: str,
+    no_outputs: dict[str, Any],
+    sim: str,
+    store: QueueStore,
 ) -> None:
     jobs = await enqueue(store, "capped", 40)
-    async with worker(make_settings(valkey_url, no_outputs, sim, "http-job", daily_job_cap=2, concurrency=4)) \
-            as (task, _):
+    async with worker(make_settings(valkey_url, no_outputs, sim, "http-job", daily_job_cap=2, concurrency=4)) as (
+        task,
+        _,
+    ):
+
         async def settled() -> bool:
             c = (await store.stats("q")).counts
             return c["succeeded"] == 2 and c["active"] + c["submitted"] == 0
@@ -204,7 +231,10 @@ async def test_a_capped_queue_is_not_claimed_and_held_whole(
 
 
 async def test_a_cancel_during_the_rate_limit_wait_is_never_submitted(
-    valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore,
+    valkey_url: str,
+    no_outputs: dict[str, Any],
+    sim: str,
+    store: QueueStore,
 ) -> None:
     await configure(sim, latency=30)
     settings = make_settings(valkey_url, no_outputs, sim, "http-job")
@@ -223,7 +253,12 @@ async def test_a_cancel_during_the_rate_limit_wait_is_never_submitted(
 
 
 async def test_a_reaped_worker_does_not_overwrite_the_new_owners_output(
-    valkey_url: str, s3: RcloneS3, sim: str, store: QueueStore, bucket: Any, monkeypatch: pytest.MonkeyPatch,
+    valkey_url: str,
+    s3: RcloneS3,
+    sim: str,
+    store: QueueStore,
+    bucket: Any,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from offload.worker import run as run_module
 
@@ -263,7 +298,10 @@ async def _is_set(event: asyncio.Event) -> bool:
 
 
 async def test_a_refused_submission_does_not_use_up_the_job_cap(
-    valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore,
+    valkey_url: str,
+    no_outputs: dict[str, Any],
+    sim: str,
+    store: QueueStore,
 ) -> None:
     """Replicate refuses an input that is not an object before anything runs: that job is dead, and the two
     others still fit a cap of two."""
@@ -280,7 +318,10 @@ async def test_a_refused_submission_does_not_use_up_the_job_cap(
 
 
 async def test_an_intent_left_open_by_a_killed_worker_is_sent_again_under_its_key_and_counted(
-    valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore,
+    valkey_url: str,
+    no_outputs: dict[str, Any],
+    sim: str,
+    store: QueueStore,
 ) -> None:
     [(job_id, input_id)] = await enqueue(store, "reopened")
     [dead] = await store.claim("q", "killed-worker", 1, lease_ms=200)
@@ -340,8 +381,17 @@ async def test_every_backend_sends_the_idempotency_key_and_the_worker_in_its_use
     async def answer(request: web.Request) -> web.Response:
         seen.append(dict(request.headers))
         base = f"http://{request.host}"
-        return web.json_response({"id": "r-1", "request_id": "r-1", "status": "starting", "choices": [],
-                                  "status_url": f"{base}/s", "response_url": f"{base}/r", "cancel_url": f"{base}/c"})
+        return web.json_response(
+            {
+                "id": "r-1",
+                "request_id": "r-1",
+                "status": "starting",
+                "choices": [],
+                "status_url": f"{base}/s",
+                "response_url": f"{base}/r",
+                "cancel_url": f"{base}/c",
+            }
+        )
 
     app = web.Application()
     app.router.add_route("POST", "/{tail:.*}", answer)
@@ -355,8 +405,9 @@ async def test_every_backend_sends_the_idempotency_key_and_the_worker_in_its_use
     try:
         async with new_client(agent=agent) as http:
             for kind, settings in BACKENDS.items():
-                backend = create_backend(kind, "gpu", {**settings, "base_url": f"{base}/v1" if kind == "openai"
-                                                       else base}, client=http)
+                backend = create_backend(
+                    kind, "gpu", {**settings, "base_url": f"{base}/v1" if kind == "openai" else base}, client=http
+                )
                 await backend.submit({"prompt": "hi", "messages": []}, tag="q:job1", idempotency_key="q:job1.3")
     finally:
         await runner.cleanup()

@@ -65,21 +65,33 @@ async def maintenance(store: QueueStore) -> AsyncIterator[list[int]]:
         await asyncio.gather(task, return_exceptions=True)
 
 
-async def ride_out(valkey: ValkeyServer, bucket: object, sim: SimProcess, store: QueueStore,
-                   fleets: Callable[..., Fleet], tmp_path: Path, outage: Callable[[], None], label: str) -> None:
+async def ride_out(
+    valkey: ValkeyServer,
+    bucket: object,
+    sim: SimProcess,
+    store: QueueStore,
+    fleets: Callable[..., Fleet],
+    tmp_path: Path,
+    outage: Callable[[], None],
+    label: str,
+) -> None:
     sim.configure(latency="2-4")
     config = write_config(tmp_path / "offload.yaml", valkey.url, bucket, sim, max_attempts=1)  # type: ignore[arg-type]
     fleet = fleets(config=config)
     env = worker_env(bucket, OFFLOAD_LEASE_MS=LEASE_MS)  # type: ignore[arg-type]
-    ids = await store.enqueue_many(QUEUE, [JobSpec(input=job_input(f"{label}-{i}"), max_attempts=1)
-                                           for i in range(N_JOBS)])
+    ids = await store.enqueue_many(
+        QUEUE, [JobSpec(input=job_input(f"{label}-{i}"), max_attempts=1) for i in range(N_JOBS)]
+    )
     for name in ("w0", "w1"):
         fleet.start(name, env=env)
     async with maintenance(store) as reaped:
+
         async def in_flight() -> bool:  # both workers up (a worker that cannot reach Valkey at its start gives
             # up after OFFLOAD_REDIS_CONNECT_TIMEOUT, by design) and jobs in flight
-            return all(fleet.ready(n) for n in fleet.procs) and \
-                (await store.stats(QUEUE)).counts["submitted"] >= N_JOBS // 2
+            return (
+                all(fleet.ready(n) for n in fleet.procs)
+                and (await store.stats(QUEUE)).counts["submitted"] >= N_JOBS // 2
+            )
 
         await wait_until(in_flight, 60, "jobs in flight", why=fleet.problems)
         t0 = time.monotonic()
@@ -91,16 +103,19 @@ async def ride_out(valkey: ValkeyServer, bucket: object, sim: SimProcess, store:
                 return (await store.stats(QUEUE)).counts["succeeded"] == N_JOBS
             return False
 
-        took = await wait_until(all_done, 90, f"{N_JOBS} jobs to succeed after the outage", every=0.2,
-                                why=fleet.problems)
+        took = await wait_until(
+            all_done, 90, f"{N_JOBS} jobs to succeed after the outage", every=0.2, why=fleet.problems
+        )
     alive = fleet.alive()
     jobs = [await store.get(j) for j in ids]
     submissions = sim.stats()["submissions_by_input_id"]
     logs = "\n".join(fleet.log(n).read_text(errors="replace") for n in fleet.procs)
-    print(f"\n{label}: Valkey away {down:.1f}s with {N_JOBS} jobs in flight on 2 workers; all succeeded "
-          f"{took:.1f}s after it returned; attempts {sorted({j.attempts for j in jobs})}, lease expiries "
-          f"{sorted({j.lease_expiries for j in jobs})}, reaped {reaped[0]}, submissions "
-          f"{sum(submissions.values())}, workers alive {alive}")
+    print(
+        f"\n{label}: Valkey away {down:.1f}s with {N_JOBS} jobs in flight on 2 workers; all succeeded "
+        f"{took:.1f}s after it returned; attempts {sorted({j.attempts for j in jobs})}, lease expiries "
+        f"{sorted({j.lease_expiries for j in jobs})}, reaped {reaped[0]}, submissions "
+        f"{sum(submissions.values())}, workers alive {alive}"
+    )
     assert alive == ["w0", "w1"], f"a worker exited: {fleet.problems()}"
     assert [j.attempts for j in jobs] == [1] * N_JOBS, "the outage cost jobs an attempt"
     assert [j.lease_expiries for j in jobs] == [0] * N_JOBS and reaped[0] == 0
@@ -111,7 +126,11 @@ async def ride_out(valkey: ValkeyServer, bucket: object, sim: SimProcess, store:
 
 
 async def test_workers_ride_out_a_30s_valkey_black_hole(
-    own_valkey: ValkeyServer, bucket: object, sim: SimProcess, ostore: QueueStore, fleets: Callable[..., Fleet],
+    own_valkey: ValkeyServer,
+    bucket: object,
+    sim: SimProcess,
+    ostore: QueueStore,
+    fleets: Callable[..., Fleet],
     tmp_path: Path,
 ) -> None:
     def black_hole() -> None:
@@ -126,7 +145,11 @@ async def test_workers_ride_out_a_30s_valkey_black_hole(
 
 
 async def test_workers_ride_out_a_1s_valkey_restart(
-    own_valkey: ValkeyServer, bucket: object, sim: SimProcess, ostore: QueueStore, fleets: Callable[..., Fleet],
+    own_valkey: ValkeyServer,
+    bucket: object,
+    sim: SimProcess,
+    ostore: QueueStore,
+    fleets: Callable[..., Fleet],
     tmp_path: Path,
 ) -> None:
     def restart() -> None:

@@ -46,8 +46,15 @@ class Worker(JobPath):
     """Serves one queue. `run(stop)` returns after a graceful drain once `stop` is set."""
 
     def __init__(
-        self, store: QueueStore, backend: Backend, store_output: StoreOutput, limits: BackendLimits,
-        options: WorkerOptions, *, worker_id: str | None = None, clock: Callable[[], float] = time.time,
+        self,
+        store: QueueStore,
+        backend: Backend,
+        store_output: StoreOutput,
+        limits: BackendLimits,
+        options: WorkerOptions,
+        *,
+        worker_id: str | None = None,
+        clock: Callable[[], float] = time.time,
         control: QueueStore | None = None,
     ) -> None:
         self.store, self.backend, self.store_output, self.limits = store, backend, store_output, limits
@@ -76,9 +83,11 @@ class Worker(JobPath):
         # The per-job writes of the hot path, coalesced: thousands of tasks, a few script calls.
         q = options.queue
         self._checkpoints: Batcher[tuple[str, str, str, str, int], str] = Batcher(
-            lambda items: store.checkpoint_many(q, items))
+            lambda items: store.checkpoint_many(q, items)
+        )
         self._completes: Batcher[tuple[str, str, str, float | None], str] = Batcher(
-            lambda items: store.complete_many(q, items))
+            lambda items: store.complete_many(q, items)
+        )
         self._begins: Batcher[tuple[str, str], str] = Batcher(self._begin_many)
         self._fences: Batcher[tuple[str, str], str] = Batcher(lambda items: store.fence_many(q, items))
         self._beats: Batcher[None, None] = Batcher(self._beat_many, concurrency=1)
@@ -124,9 +133,16 @@ class Worker(JobPath):
         o = self.o
         async with self._lock:
             sent = time.monotonic()
-            jobs = await self.control.claim(o.queue, self.id, n, o.lease_ms, window=self._window,
-                                            job_cap=o.daily_job_cap, spend_cap=o.daily_spend_cap,
-                                            estimate=o.reservation)
+            jobs = await self.control.claim(
+                o.queue,
+                self.id,
+                n,
+                o.lease_ms,
+                window=self._window,
+                job_cap=o.daily_job_cap,
+                spend_cap=o.daily_spend_cap,
+                estimate=o.reservation,
+            )
             for job in jobs:
                 self._start(job, sent)
         return jobs
@@ -183,16 +199,20 @@ class Worker(JobPath):
         """Extend every lease in one call; stop the tasks whose lease is gone; hand back leases we never got."""
         async with self._lock:
             sent = time.monotonic()
-            reply = await self.control.heartbeat(self.o.queue, self.id, list(self.tokens.items()), self.o.lease_ms,
-                                                 since=self._since)
+            reply = await self.control.heartbeat(
+                self.o.queue, self.id, list(self.tokens.items()), self.o.lease_ms, since=self._since
+            )
             self._since, self._beat_at = reply.seq, sent
             for job_id in reply.lost:
                 if task := self.tasks.get(job_id):
                     log.warning("lease of %s lost; another worker owns it now", job_id)
                     task.cancel()
         if reply.released:
-            log.warning("handed back %d leases this worker never knew of (a claim whose reply was lost, or an "
-                        "earlier process with this worker id)", reply.released)
+            log.warning(
+                "handed back %d leases this worker never knew of (a claim whose reply was lost, or an "
+                "earlier process with this worker id)",
+                reply.released,
+            )
         self.cancels.update(reply.cancel_requested)
         for job_id in reply.cancel_requested:
             if heard := self._cancel_waits.get(job_id):
@@ -240,9 +260,14 @@ class Worker(JobPath):
 
     async def _begin_many(self, items: list[tuple[str, str]]) -> list[str]:
         o = self.o
-        return await self.store.begin_many(o.queue, self._window, [(i, t, o.reservation) for i, t in items],
-                                           job_cap=o.daily_job_cap, spend_cap=o.daily_spend_cap,
-                                           backend=o.backend_name)
+        return await self.store.begin_many(
+            o.queue,
+            self._window,
+            [(i, t, o.reservation) for i, t in items],
+            job_cap=o.daily_job_cap,
+            spend_cap=o.daily_spend_cap,
+            backend=o.backend_name,
+        )
 
 
 async def _first(*aws: Any) -> None:

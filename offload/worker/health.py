@@ -52,8 +52,7 @@ class StoreHealth:
         self._up.clear()
         self.down_since = time.monotonic()
         self.outages += 1
-        log.warning("job store unreachable (%s): holding every job where it is until it answers again",
-                    describe(exc))
+        log.warning("job store unreachable (%s): holding every job where it is until it answers again", describe(exc))
         self._probe = asyncio.get_running_loop().create_task(self._look())
 
     async def _look(self) -> None:

@@ -145,32 +145,43 @@ class JobPath:
             raise
         except Throttled as exc:
             await self.health.call(functools.partial(self.limits.cool_down, exc.retry_after or 5.0))
-            await self._retry(job, f"throttled: {exc}", keep_remote=remote_id is not None,
-                              delay_ms=int((exc.retry_after or 5.0) * 1000), answered=True)
+            await self._retry(
+                job,
+                f"throttled: {exc}",
+                keep_remote=remote_id is not None,
+                delay_ms=int((exc.retry_after or 5.0) * 1000),
+                answered=True,
+            )
         except NotFound as exc:
             await self._retry(job, f"remote result expired: {exc}", keep_remote=False)
         except (Transient, PollTimeout) as exc:
             if isinstance(exc, PollTimeout) and remote_id:
                 with contextlib.suppress(BackendError):
                     await self.backend.cancel(remote_id)
-            await self._retry(job, f"{type(exc).__name__.lower()}: {exc}",
-                              keep_remote=remote_id is not None and not isinstance(exc, PollTimeout))
+            await self._retry(
+                job,
+                f"{type(exc).__name__.lower()}: {exc}",
+                keep_remote=remote_id is not None and not isinstance(exc, PollTimeout),
+            )
         except StorageError as exc:  # the remote job finished: keep its id so the retry re-polls, not re-pays,
             # unless the failure cannot heal (e.g. a provider file already expired): then it must run again
-            await self._retry(job, f"storing the output failed: {exc}",
-                              keep_remote=remote_id is not None and not getattr(exc, "permanent", False))
+            await self._retry(
+                job,
+                f"storing the output failed: {exc}",
+                keep_remote=remote_id is not None and not getattr(exc, "permanent", False),
+            )
         except Fatal as exc:
             await self._fail(job, f"fatal: {exc}{_detail(exc)}", retryable=False)
         except Exception as exc:
             if is_outage(exc):  # a store call outside the retried writes: the lease is handed back, uncounted
-                log.warning("job %s: job store unreachable (%s); the job goes back to the queue", job.id,
-                            describe(exc))
+                log.warning("job %s: job store unreachable (%s); the job goes back to the queue", job.id, describe(exc))
                 return
             # A bug or garbage must dead-letter the job, never kill the worker. A recorded remote id is kept: the
             # retry resumes the paid-for remote job instead of submitting again.
             log.exception("job %s: unexpected error", job.id)
-            await self._fail(job, f"worker error: {type(exc).__name__}: {exc}", retryable=True,
-                             keep_remote=remote_id is not None)
+            await self._fail(
+                job, f"worker error: {type(exc).__name__}: {exc}", retryable=True, keep_remote=remote_id is not None
+            )
         finally:
             self._done(job)
 
@@ -197,16 +208,20 @@ class JobPath:
                     await self._cancel(job, None)
                     return None
                 if verdict.startswith("CAP:"):
-                    log.info("job %s: daily %s cap reached: held until the cap window rolls over", job.id,
-                             verdict[4:])
+                    log.info("job %s: daily %s cap reached: held until the cap window rolls over", job.id, verdict[4:])
                     return None
                 if not verdict.startswith("OK:"):
                     raise StaleLease(f"job {job.id}: lease lost before its submission ({verdict})")
                 _, number, *dup = verdict.split(":")
                 n = int(number)
+                await self._fresh_lease(job)  # no I/O unless this process stalled since its last proof of life
                 if dup:
-                    log.warning("job %s: submission %d may have reached the provider already (its worker was lost "
-                                "inside the submit call); sending it again with the same Idempotency-Key", job.id, n)
+                    log.warning(
+                        "job %s: submission %d may have reached the provider already (its worker was lost "
+                        "inside the submit call); sending it again with the same Idempotency-Key",
+                        job.id,
+                        n,
+                    )
                 try:
                     submission = await self.backend.submit(job_input, tag=job.id, idempotency_key=f"{job.id}.{n}")
                 except Throttled as exc:
@@ -291,8 +306,12 @@ class JobPath:
 
     async def _finish(self, job: ClaimedJob, result: RemoteResult, run: int) -> None:
         if result.status != "succeeded":
-            await self._retry(job, f"remote job {result.status}: {result.error or 'no error given'}",
-                              keep_remote=False, cost=self.o.cost(result))
+            await self._retry(
+                job,
+                f"remote job {result.status}: {result.error or 'no error given'}",
+                keep_remote=False,
+                cost=self.o.cost(result),
+            )
             return
         location = await self.store_output(job.output_key, result.output, str(run), lambda: self._fence(job))
         cost = self.o.cost(result)
@@ -313,20 +332,48 @@ class JobPath:
                 await self.backend.cancel(remote_id)
         await self.health.call(lambda: self.store.ack_cancel(job.id, job.token))
 
-    async def _retry(self, job: ClaimedJob, error: str, *, keep_remote: bool, delay_ms: int | None = None,
-                     cost: float | None = None, answered: bool = False) -> None:
-        await self._fail(job, error, retryable=True, keep_remote=keep_remote, delay_ms=delay_ms, cost=cost,
-                         answered=answered)
+    async def _retry(
+        self,
+        job: ClaimedJob,
+        error: str,
+        *,
+        keep_remote: bool,
+        delay_ms: int | None = None,
+        cost: float | None = None,
+        answered: bool = False,
+    ) -> None:
+        await self._fail(
+            job, error, retryable=True, keep_remote=keep_remote, delay_ms=delay_ms, cost=cost, answered=answered
+        )
 
-    async def _fail(self, job: ClaimedJob, error: str, *, retryable: bool, keep_remote: bool = False,
-                    delay_ms: int | None = None, answered: bool = False, cost: float | None = None,
-                    refund: bool = False) -> None:
+    async def _fail(
+        self,
+        job: ClaimedJob,
+        error: str,
+        *,
+        retryable: bool,
+        keep_remote: bool = False,
+        delay_ms: int | None = None,
+        answered: bool = False,
+        cost: float | None = None,
+        refund: bool = False,
+    ) -> None:
         delay = delay_ms if delay_ms is not None else retry_delay_ms(job.attempt)
         try:
-            state = await self.health.call(lambda: self.store.fail(
-                job.id, job.token, error, retryable=retryable, keep_remote=keep_remote, delay_ms=delay,
-                attempt=job.attempt, answered=answered, cost=cost, refund=refund,
-            ))
+            state = await self.health.call(
+                lambda: self.store.fail(
+                    job.id,
+                    job.token,
+                    error,
+                    retryable=retryable,
+                    keep_remote=keep_remote,
+                    delay_ms=delay,
+                    attempt=job.attempt,
+                    answered=answered,
+                    cost=cost,
+                    refund=refund,
+                )
+            )
         except StaleLease:
             return
         log.info("job %s: %s -> %s", job.id, error[:200], state)
