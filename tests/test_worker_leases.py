@@ -132,6 +132,35 @@ async def test_complete_is_sent_again_after_the_output_is_stored(
     assert input_id in bucket.get_object(Bucket=BUCKET, Key=job.output_key)["Body"].read().decode()
 
 
+async def test_a_storage_blip_costs_the_job_no_attempt(
+    valkey_url: str,
+    s3: RcloneS3,
+    sim: str,
+    store: QueueStore,
+    bucket: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Object storage is our infrastructure too: a failed write is tried again in place (the job keeps its lease
+    and its finished remote result), not charged to the job as a failed attempt."""
+    from offload.storage import StorageError
+    from offload.worker import run as run_module
+
+    real, calls = run_module.store_output, [0]
+
+    async def blip(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise StorageError("S3 answered 503 SlowDown (injected)")
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(run_module, "store_output", blip)
+    [(job_id, input_id)] = await enqueue(store, "s3-blip", max_attempts=1)
+    async with worker(make_settings(valkey_url, s3, sim, "http-job")) as (task, _):
+        [job] = await until_state(store, [job_id], "succeeded", task, timeout=15)
+    assert calls[0] == 2 and job.attempts == 1 and job.error is None
+    assert (await stats(sim))["submissions_by_input_id"] == {input_id: 1}
+
+
 # -- defect 3: a stalled worker re-claims its own job -----------------------------------------------------------
 
 

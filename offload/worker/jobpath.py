@@ -313,11 +313,27 @@ class JobPath:
                 cost=self.o.cost(result),
             )
             return
-        location = await self.store_output(job.output_key, result.output, str(run), lambda: self._fence(job))
+        location = await self._store(job, result.output, run)
         cost = self.o.cost(result)
         code = await self.health.call(lambda: self._completes((job.id, job.token, location, cost)))
         if code != "OK":
             raise StaleLease(f"job {job.id}: lease lost before it could be completed ({code})")
+
+    async def _store(self, job: ClaimedJob, output: Any, run: int) -> str:
+        """Store the output. Object storage (our own infrastructure, like Redis) failing for a while costs the
+        job nothing: it keeps its lease and its finished remote result and tries again, up to `poll_timeout`;
+        only then (or for a failure that cannot heal, like an expired provider file) is the attempt given up."""
+        deadline = time.monotonic() + self.o.poll_timeout
+        pause = 0.5
+        while True:
+            try:
+                return await self.store_output(job.output_key, output, str(run), lambda: self._fence(job))
+            except StorageError as exc:
+                if exc.permanent or time.monotonic() + pause > deadline:
+                    raise
+                log.warning("job %s: storing the output failed (%s), trying again in %.1fs", job.id, exc, pause)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 30.0)
 
     async def _fence(self, job: ClaimedJob) -> None:
         """Right before the output is written: a worker whose lease was taken over must not overwrite what the
