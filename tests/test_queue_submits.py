@@ -83,6 +83,12 @@ async def test_over_the_job_cap_the_job_is_held_at_once_and_a_refused_submit_giv
     held = await vstore.get(b)
     assert held.state is JobState.HELD and held.attempts == 0 and "jobs cap" in (held.error or "")
     assert await vstore.claim("q", "w", 5, window=W, job_cap=1) == [], "a capped queue hands out no fresh job"
+    # a job counted today already (its remote run failed) may still go: it takes no more of the cap
+    await vstore.checkpoint_many("q", [(a, ca.token, "gpu", "r-1", 1)])
+    assert await vstore.fail(a, ca.token, "remote job failed", delay_ms=0) == "retrying"
+    (ca,) = await vstore.claim("q", "w", 5, window=W, job_cap=1)
+    assert ca.id == a
+    assert await vstore.begin_many("q", W, [(a, ca.token, 0.0)], job_cap=1) == ["OK:2"]
     assert await vstore.usage("q", W) == (1, 0.0)
     # the provider refused a's submission (a 4xx): nothing runs, so it does not count
     assert await vstore.fail(a, ca.token, "fatal: 400", retryable=False, answered=True, refund=True) == "dead"

@@ -59,10 +59,13 @@ if n <= 0 or redis.call('EXISTS', P .. 'paused') == 1 then return {} end
 local picked = {}
 local capped = cap_reached(window, job_cap, spend_cap, estimate)
 if capped then
+  local counted = cap_base(window) .. 'counted'
   for _, id in ipairs(redis.call('ZRANGE', P .. 'ready', 0, SCAN - 1)) do
     if #picked >= n then break end
-    local g = redis.call('HMGET', jkey(id), 'remote_id', 'cap_w')
-    if (g[1] and g[1] ~= '') or (capped == 'jobs' and g[2] == window) then picked[#picked + 1] = id end
+    local rid = redis.call('HGET', jkey(id), 'remote_id')
+    if (rid and rid ~= '') or (capped == 'jobs' and redis.call('SISMEMBER', counted, id) == 1) then
+      picked[#picked + 1] = id
+    end
   end
   bulk('ZREM', P .. 'ready', picked)
 else
