@@ -61,6 +61,8 @@ class BackendSettings(BaseModel):
     rate_limit: str | None = None
     price_per_job: float | None = Field(None, ge=0)
     price_per_second: float | None = Field(None, ge=0)
+    max_job_cost: float | None = Field(None, ge=0, description="the most one submission may cost (USD): what is "
+                                       "reserved against daily_spend_cap before it is sent")
 
     @field_validator("rate_limit")
     @classmethod
@@ -71,7 +73,8 @@ class BackendSettings(BaseModel):
 
     def provider_settings(self) -> dict[str, Any]:
         """What the backend constructor sees: plain values, secrets revealed only here."""
-        data = self.model_dump(exclude={"rate_limit", "price_per_job", "price_per_second", "kind"}, exclude_none=True)
+        data = self.model_dump(exclude={"rate_limit", "price_per_job", "price_per_second", "max_job_cost", "kind"},
+                               exclude_none=True)
         data["api_key"] = self.api_key.get_secret_value() if self.api_key else None
         return data
 
@@ -84,6 +87,8 @@ class QueueSettings(_Strict):
     daily_spend_cap: float | None = Field(None, ge=0)
     poll_interval: float = Field(5.0, gt=0)
     poll_timeout: float = Field(600.0, gt=0)
+    submit_concurrency: int = Field(32, ge=1, description="submissions between intent and recorded remote id at "
+                                    "once, per worker (not for synchronous backends)")
     ingest_list: str | None = None
     # a storage prefix this queue owns besides its own results/<queue>: (offload/storage/namespace.py)
     output_prefix: str | None = None
@@ -117,10 +122,19 @@ class Settings(_Strict):
         return {name: q.output_prefix for name, q in self.queues.items()}
 
     def backend_for(self, queue: str) -> tuple[str, BackendSettings]:
-        name = self.queue(queue).backend
+        q = self.queue(queue)
+        name = q.backend
         if name is None:
             raise ConfigError(f"queues.{queue}.backend: required to dispatch this queue (it names no backend)")
-        return name, self.backends[name]
+        b = self.backends[name]
+        if q.daily_spend_cap is not None and b.max_job_cost is None and b.price_per_job is None \
+                and b.price_per_second is None:
+            raise ConfigError(
+                f"queues.{queue}.daily_spend_cap: backend {name!r} has no price_per_job, price_per_second or "
+                f"max_job_cost, so a submission cannot be reserved against the cap before it is sent; set "
+                f"backends.{name}.max_job_cost (the most one submission may cost)"
+            )
+        return name, b
 
 
 def _expand(value: Any, env: Mapping[str, str], path: str) -> Any:

@@ -9,6 +9,7 @@ from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ClusterDownError, ReadOnlyError, ResponseError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -61,6 +62,23 @@ def _password(url: str) -> str | None:
         return urlsplit(url).password
     except ValueError:
         return None
+
+
+# Redis/Valkey answers that mean "not reachable or not serving right now" (down, restarting, loading its AOF,
+# failing over, a cluster re-sharding), as opposed to a bad command or a script error. One list, so every
+# caller that must ride out an outage (the dispatch worker above all) agrees on what one is.
+OUTAGE_ERRORS: tuple[type[BaseException], ...] = (
+    RedisConnectionError, RedisTimeoutError, ClusterDownError, TryAgainError, ReadOnlyError, SlotNotCoveredError,
+    OSError,
+)
+_OUTAGE_REPLIES = ("LOADING", "MISCONF", "MASTERDOWN", "NOREPLICAS", "CLUSTERDOWN", "TRYAGAIN", "READONLY")
+
+
+def is_outage(exc: BaseException) -> bool:
+    """True for the job store being unreachable or not serving (worth waiting for), False for anything else."""
+    if isinstance(exc, OUTAGE_ERRORS):
+        return True
+    return isinstance(exc, ResponseError) and str(exc).startswith(_OUTAGE_REPLIES)
 
 
 def configured_url() -> str | None:

@@ -70,6 +70,10 @@ class Job:
     cancel_requested: bool = False
     idempotency_key: str | None = None
     raw: str | None = None
+    submission: int | None = None
+    intent_at: int | None = None
+    intent_by: str | None = None
+    possible_duplicates: int = 0
 
     @classmethod
     def from_hash(cls, job_id: str, h: dict[str, str], lease_deadline: int | None = None) -> Job:
@@ -109,6 +113,10 @@ class Job:
             cancel_requested=h.get("cancel") == "1",
             idempotency_key=_opt_str(h.get("idem")),
             raw=_opt_str(h.get("raw")),
+            submission=_opt_int(h.get("sub_n")),
+            intent_at=_opt_int(h.get("intent_at")),
+            intent_by=_opt_str(h.get("intent_by")),
+            possible_duplicates=_int(h.get("possible_duplicates")),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -137,6 +145,10 @@ class Job:
             "cancel_requested": self.cancel_requested,
             "idempotency_key": self.idempotency_key,
             "raw": self.raw,
+            "submission": self.submission,
+            "intent_at": self.intent_at,
+            "intent_by": self.intent_by,
+            "possible_duplicates": self.possible_duplicates,
         }
 
 
@@ -153,7 +165,9 @@ class ClaimedJob:
     backend: str | None
     remote_id: str | None
     cancel_requested: bool
-    redelivered: bool = False  # claimed before (a retry or a crashed lease): an orphan submission may exist
+    redelivered: bool = False  # claimed before (a retry or a crashed lease)
+    submission: int = 0  # the number of its latest submit intent (0: never submitted)
+    intent_open: bool = False  # that intent has no recorded remote id: it may have reached the provider
 
     @property
     def input(self) -> Any:
@@ -166,6 +180,8 @@ class HeartbeatReply:
 
     lost: list[str] = field(default_factory=list)
     cancel_requested: list[str] = field(default_factory=list)
+    seq: int = 0  # the queue's lease sequence number when the heartbeat ran: `since` for the next one
+    released: int = 0  # leases the worker did not list, handed back
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,7 @@ and a forced one is refused by the server (403, shown as an error); job data wit
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -76,7 +77,8 @@ def test_release_a_held_job_from_the_held_view(api: tuple[str, str], admin: http
 
     async def hold(store: QueueStore) -> str:
         (job,) = await store.claim(q, "dispatch-1", 1)
-        await store.hold(job.id, job.token, "daily jobs cap reached", "20260101")
+        await store.hold(job.id, job.token, "daily jobs cap reached",  # today's window: not yet due
+                         time.strftime("%Y%m%d", time.gmtime()))
         return job.id
 
     held = store_call(valkey.url, hold)

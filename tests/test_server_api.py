@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -182,7 +183,8 @@ def test_queue_ops_dead_and_held(admin: httpx.Client, valkey: ValkeyServer) -> N
     # held: a worker holds one over a cap; release brings it back
     async def hold(store: QueueStore) -> str:
         (job,) = await store.claim(q, "w", 1)
-        await store.hold(job.id, job.token, "daily jobs cap reached", "20260101")
+        await store.hold(job.id, job.token, "daily jobs cap reached",  # today's window: not yet due
+                         time.strftime("%Y%m%d", time.gmtime()))
         return job.id
 
     held = store_call(valkey.url, hold)
@@ -290,7 +292,7 @@ def test_enqueue_validation_uses_store_rules(admin: httpx.Client, valkey: Valkey
 def test_workers_lists_dispatch_workers_from_the_store(admin: httpx.Client, valkey: ValkeyServer) -> None:
     q = new_queue()
     admin.post(f"/v1/queues/{q}/jobs/batch", json={"jobs": [{"input": i} for i in range(3)]})
-    store_call(valkey.url, lambda s: s.claim(q, "cpu-box:4242", 2, lease_ms=60_000))
-    (w,) = [w for w in admin.get("/v1/workers").json() if w["id"] == "cpu-box:4242"]
+    store_call(valkey.url, lambda s: s.claim(q, "cpu-box:4242:9f3a1c", 2, lease_ms=60_000))
+    (w,) = [w for w in admin.get("/v1/workers").json() if w["id"] == "cpu-box:4242:9f3a1c"]
     assert (w["kind"], w["host"], w["queues"], w["in_flight"]) == ("dispatch", "cpu-box", [q], 2)
     assert w["lease_deadline"] > 0

@@ -193,6 +193,9 @@ class QueueMachine(RuleBasedStateMachine):
         self.n_remote = 0
         self.paused = False
         self.restarts = 0
+        self.seen: int | None = None  # when a worker-side script last ran (the queue's `seen` stamp)
+        self.excused: set[str] = set()  # workers whose lease an outage moved on, until they speak again
+        self.last_seq: dict[str, int] = {}  # the lease sequence number each worker's last heartbeat returned
 
     # -- plumbing ---------------------------------------------------------------------------------
 
@@ -293,8 +296,39 @@ class QueueMachine(RuleBasedStateMachine):
         n = 0
         for _, worker in sorted((d, w) for w, d in self.workers.items() if d <= self.now)[:limit]:
             n += self._return_leases(self._owned(worker), counted=True)
-            del self.workers[worker]
+            self._forget(worker)
         return n
+
+    def _forget(self, worker: str) -> None:
+        self.workers.pop(worker, None)
+        self.excused.discard(worker)
+
+    def _stamp(self, lease_ms: int) -> None:
+        """`stamp` (common.lua): a silence of the whole queue longer than half the caller's lease (at most 5 s)
+        is an outage; the deadlines of the workers alive when it began move on by its length, once per worker
+        until it speaks again."""
+        seen = self.seen
+        self.seen = max(seen or self.now, self.now)
+        if seen is None or self.now - seen <= min(lease_ms // 2, 5_000):
+            return
+        moved = [w for w, d in self.workers.items() if d > seen and w not in self.excused]
+        for w in moved:
+            self.workers[w] += self.now - seen
+        self.excused |= set(moved)
+        if moved:
+            event("silence: an outage moved live workers' leases on")
+
+    def _heard(self, worker: str, lease_ms: int) -> None:
+        self.workers[worker] = self.now + lease_ms
+        self.excused.discard(worker)
+
+    def _token_of(self, worker: str, job_id: str) -> str:
+        """The newest lease this worker was given for the job ('' if none: judged by ownership alone)."""
+        return next((le.token for le in reversed(self.leases) if le.job_id == job_id and le.worker == worker), "")
+
+    @staticmethod
+    def _seq(token: str) -> int:
+        return int(token.rsplit("/", 1)[1])
 
     def _pick(
         self, data: st.DataObject, which: str, ok: Callable[[Lease], bool] = lambda _: True
@@ -382,7 +416,8 @@ class QueueMachine(RuleBasedStateMachine):
 
     def _claim(self, worker: str, n: int) -> list[Lease]:
         got = self.run(self.s.claim(Q, worker, n))
-        self.workers[worker] = self.now + LEASE  # claiming proves the worker alive, before reaping
+        self._stamp(LEASE)
+        self._heard(worker, LEASE)  # claiming proves the worker alive, before reaping
         self._promote()
         self._reap_workers(100)
         expected = [] if n <= 0 or self.paused else sorted(self._in("queued"), key=lambda j: j.score or 0)[:n]
@@ -407,22 +442,56 @@ class QueueMachine(RuleBasedStateMachine):
             self.beliefs[worker].add(j.id)
         return self.leases[len(self.leases) - len(got):]
 
-    def _heartbeat(self, worker: str, ids: list[str], lease_ms: int = LEASE) -> None:
-        reply = self.run(self.s.heartbeat(Q, worker, ids, lease_ms))
-        self._reap_workers(100)  # a late heartbeat finds its jobs already returned
-        self.workers[worker] = self.now + lease_ms
+    def _heartbeat(self, worker: str, ids: list[str], lease_ms: int = LEASE, since: bool = False) -> None:
+        """Heartbeat (job id, newest token of this worker) pairs. A lease is lost when the job is not owned by
+        the worker or is owned under another token. With `since` (the sequence number of the worker's last
+        heartbeat), owned jobs it does not list whose lease is no newer are handed back, uncounted."""
+        refs = [(jid, self._token_of(worker, jid)) for jid in ids]
+        mark = self.last_seq.get(worker) if since else None
+        reply = self.run(self.s.heartbeat(Q, worker, refs, lease_ms, since=mark))
+        self._stamp(lease_ms)
+        self._heard(worker, lease_ms)  # before reaping: a late heartbeat keeps the jobs nobody took meanwhile
+        self._reap_workers(100)
         owned = set(self._owned(worker))
-        lost = [jid for jid in ids if jid not in owned]
+        lost = [jid for jid, tok in refs if jid not in owned or (tok and self.jobs[jid].token != tok)]
         assert reply.lost == lost
         if set(lost) & self.beliefs[worker]:
             event("heartbeat: worker learns it lost a lease")
-        assert reply.cancel_requested == [jid for jid in ids if jid in owned and self.jobs[jid].cancel]
+        listed = {jid for jid, _ in refs} - set(lost)
+        assert reply.cancel_requested == [jid for jid, _ in refs if jid in listed and self.jobs[jid].cancel]
+        unknown = [jid for jid in self._owned(worker) if jid not in listed]
+        handed = [] if mark is None else [jid for jid in unknown if self._seq(self.jobs[jid].token or "") <= mark]
+        assert reply.released == self._return_leases(handed, counted=False)
+        if handed:
+            event("heartbeat: leases the worker did not list handed back")
+        issued = max((self._seq(le.token) for le in self.leases), default=0)
+        assert reply.seq == issued
+        self.last_seq[worker] = reply.seq
         self.beliefs[worker] -= set(lost)
 
-    @rule(worker=st.sampled_from(WORKERS), data=st.data())
-    def heartbeat(self, worker: str, data: st.DataObject) -> None:
-        others = self._some_ids(data) if self.jobs else []  # ids it does not hold come back as lost
-        self._heartbeat(worker, sorted(self.beliefs[worker] | set(others)))
+    @rule(worker=st.sampled_from(WORKERS), data=st.data(), since=st.booleans())
+    def heartbeat(self, worker: str, data: st.DataObject, since: bool) -> None:
+        """Ids it does not hold come back as lost; with `since`, leases it holds but does not list (a
+        restarted process with the same worker id knows none of its predecessor's) are handed back."""
+        others = self._some_ids(data) if self.jobs else []
+        self._heartbeat(worker, sorted(self.beliefs[worker] | set(others)), since=since)
+
+    @rule(worker=st.sampled_from(WORKERS), n=st.integers(1, 3), data=st.data())
+    def worker_forgets(self, worker: str, n: int, data: st.DataObject) -> None:
+        """A worker loses track of leases the store gave it: a claim whose reply never arrived, a process
+        restarted with the same worker id (a container with the same hostname and PID 1), a task that ended
+        without a verdict. Its heartbeats hand them back, uncounted, once they are no newer than what its
+        previous heartbeat saw; never a lease from a claim that may still be on its way."""
+        self._heartbeat(worker, sorted(self.beliefs[worker]), since=True)
+        leases = self._claim(worker, n)
+        if data.draw(st.booleans(), label="restarted"):
+            self.beliefs[worker].clear()
+        else:
+            gone = data.draw(st.sets(st.sampled_from(leases)), label="forgotten") if leases else set()
+            self.beliefs[worker] -= {le.job_id for le in gone}
+        for _ in range(2):  # the first may not hand back the newest claim's leases; the second must
+            self._heartbeat(worker, sorted(self.beliefs[worker]), since=True)
+        assert not [jid for jid in self._owned(worker) if jid not in self.beliefs[worker]]
 
     @precondition(lambda self: self.leases)
     @rule(data=st.data(), which=st.sampled_from(["live", "live", "superseded", "stale", "repeat"]),
@@ -631,7 +700,7 @@ class QueueMachine(RuleBasedStateMachine):
         if everything:
             got = self.run(self.s.release_leases(Q, worker))
             ids = self._owned(worker)
-            self.workers.pop(worker, None)
+            self._forget(worker)
             self.beliefs[worker].clear()
         else:
             mine = sorted(self.beliefs[worker])
@@ -681,7 +750,7 @@ class QueueMachine(RuleBasedStateMachine):
         if asked:
             moved = [jid for jid in asked if self.jobs[jid].state == source]
         else:
-            key = (lambda j: j.held_at) if source == "held" else (lambda j: j.term_score)
+            key = (lambda j: 0) if source == "held" else (lambda j: j.term_score)  # held: by window (none), id
             moved = [jid for _, jid in sorted((key(j), j.id) for j in self._in(source))]
         assert got == moved
         if moved:
@@ -696,6 +765,7 @@ class QueueMachine(RuleBasedStateMachine):
 
     def _reap(self, limit: int = 1000) -> None:
         got = self.run(self.s.reap(Q, limit))
+        self._stamp(LEASE)
         promoted = self._promote(limit)
         reaped = self._reap_workers(limit)
         assert got == (promoted, reaped, 0)
@@ -735,6 +805,11 @@ class QueueMachine(RuleBasedStateMachine):
         target = max(target, self.now)
         for w in sorted(survivors):
             self._heartbeat(w, sorted(self.beliefs[w]), lease_ms=target - self.now + LEASE)
+        # Time passes with the queue heard from (a maintenance pass every 4 s, as a server does every second):
+        # a jump in silence would be an outage, which moves every lease on instead (see _stamp).
+        while self.now + 4_000 < target:
+            self.now += 4_000
+            self._reap()
         self.now = target
         if reap_now:
             self._reap()
@@ -758,7 +833,7 @@ class QueueMachine(RuleBasedStateMachine):
             "delayed": lambda j: j.run_at,
             "retrying": lambda j: j.run_at,
             "active": lambda j: j.started_at,
-            "held": lambda j: j.held_at,
+            "held": lambda j: 0,  # scored by cap window (none here), so by id
         }.get(state, lambda j: j.term_score)
         members = self._in(*LEASED) if state == "active" else self._in(state)
         ordered = sorted(((key(j), j.id) for j in members), reverse=state in TERMINAL)

@@ -20,8 +20,8 @@ import ctypes
 import json
 import os
 import random
+import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -210,6 +210,11 @@ class Fleet:
     def ready(self, name: str) -> bool:
         return READY_LINE in self.log(name).read_text(errors="replace")
 
+    def worker_id(self, name: str) -> str | None:
+        """The id the process reports at start (`worker <host:pid:random> serving queue ...`)."""
+        found = re.search(r"worker (\S+) serving queue", self.log(name).read_text(errors="replace"))
+        return found[1] if found else None
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         stop(self.procs[name], sig)
 
@@ -369,7 +374,10 @@ async def test_1000_jobs_4_workers_one_killed_every_second(
     valkey_url: str, bucket: RcloneS3, sim: SimProcess, store: QueueStore, fleets: Callable[..., Fleet],
     tmp_path: Path,
 ) -> None:
-    n_jobs, n_workers, concurrency, lease_ms = 1000, 4, 25, 4000
+    # OFFLOAD_CRASH_SHAPE="jobs,workers,in flight per worker" measures other shapes (e.g. "300,3,100")
+    shape = os.environ.get("OFFLOAD_CRASH_SHAPE", "1000,4,25")
+    n_jobs, n_workers, concurrency = (int(x) for x in shape.split(","))
+    lease_ms = 4000
     sim.configure(latency="0.5-1.5")
     # max_attempts 10: each kill uses up one of a job's lease expiries (the poison-job guard), and a job can
     # be on several killed workers in a row; dead jobs are other tests' subject.
@@ -416,7 +424,8 @@ async def test_1000_jobs_4_workers_one_killed_every_second(
             pid = fleet.procs[victim].pid
             at = time.time()
             _killpg(pid, signal.SIGSTOP)
-            owned = sorted(await store.redis.smembers(prefix(QUEUE) + f"owned:{socket.gethostname()}:{pid}"))
+            wid = fleet.worker_id(victim)
+            owned = sorted(await store.redis.zrange(prefix(QUEUE) + f"owned:{wid}", 0, -1)) if wid else []
             pipe = store.redis.pipeline(transaction=False)
             for job_id in owned:
                 pipe.hget(prefix(QUEUE) + f"job:{job_id}", "remote_id")
@@ -486,17 +495,20 @@ async def test_1000_jobs_4_workers_one_killed_every_second(
                       if job_id in owned and remote["created"] <= at + IN_FLIGHT_S)
                   for job_id, remote in orphans if (job_id, remote["id"]) not in unexplained)
     window = f"{1000 * ages[len(ages) // 2]:.0f} / {1000 * ages[0]:.0f} / {1000 * ages[-1]:.0f} ms" if ages else "n/a"
+    counted = sum(j.possible_duplicates for j in jobs)
     print(f"\n{n_jobs} jobs, {n_workers} workers x {concurrency} in flight, {len(kills)} SIGKILLs (one a second, "
           f"{fleet.starts} process starts): all {n_jobs} succeeded in {elapsed:.1f}s; jobs on a killed worker "
           f"{hit}; jobs a victim held without a recorded remote id {unrecorded}; submissions {stats['submissions']}, "
-          f"duplicates {duplicates} ({100 * duplicates / n_jobs:.1f}%, {duplicates / len(kills):.2f} per kill), "
+          f"duplicates {duplicates} ({100 * duplicates / n_jobs:.1f}%, {duplicates / len(kills):.2f} per kill; "
+          f"counted as possible duplicates {counted}), "
           f"unexplained {len(unexplained)}; submit-to-kill median / min / max {window}; results "
           f"{len(json_keys)} json + {len(keys_found) - len(json_keys)} files; monitor samples {samples}")
     assert not unexplained, f"duplicate submissions not explained by a kill inside submit: {unexplained}"
+    assert duplicates <= counted, "a submission was sent again without being counted as a possible duplicate"
     # Measured on a shared 2-CPU host: 2.1-2.2 % (about 0.3 per kill; each kill lands on a worker that has ~2
     # jobs between "submit sent" and "remote id recorded"). The exact check is the one above; this bound only
     # catches a regression that widens the window.
-    assert duplicates <= n_jobs // 20, f"{duplicates} duplicate submissions"
+    assert duplicates <= max(n_jobs // 20, len(kills) // 2), f"{duplicates} duplicate submissions"
     assert len(kills) >= 5 and hit > 0, "the kills never hit a job in flight"
     assert elapsed < 170
 
@@ -523,11 +535,13 @@ async def test_caps_exact_across_20_worker_processes(
     next_midnight = (time.time() // DAY + 1) * DAY
     t_start = time.monotonic()
 
-    def settled(succeeded: int, held: int) -> Callable[[], Awaitable[bool]]:
+    def settled(succeeded: int, waiting: int) -> Callable[[], Awaitable[bool]]:
+        """Over the cap, jobs wait either held (claimed, refused at submit) or still queued (a capped queue
+        hands out no fresh job), and nothing is in flight."""
         async def check() -> bool:
             c = await counts(store)
-            return c["succeeded"] == succeeded and c["held"] == held and c["dead"] == 0 and \
-                c["queued"] + c["active"] + c["submitted"] == 0
+            return c["succeeded"] == succeeded and c["held"] + c["queued"] == waiting and c["dead"] == 0 and \
+                c["active"] + c["submitted"] == 0
         return check
 
     async def spawn_fleet(name: str, day: int, lead: float) -> tuple[Fleet, float, float]:
@@ -546,27 +560,30 @@ async def test_caps_exact_across_20_worker_processes(
         await wait_until(all_ready, 60, f"fleet {name} to start", every=0.1, why=fleet.problems)
         return fleet, flip_at, time.monotonic() - t0
 
-    async def across_midnight(fleet: Fleet, flip_at: float, succeeded: int, held: int) -> float:
+    async def across_midnight(fleet: Fleet, flip_at: float, succeeded: int, waiting: int) -> float:
         """Wait for the flip and for the queue to settle; returns the seconds from midnight to settled."""
         assert time.time() < flip_at, "the test itself was too slow for the flip: raise the fleet's lead"
-        await wait_until(settled(succeeded, held), flip_at - time.time() + 30, f"{succeeded} succeeded and "
-                         f"{held} held after midnight", every=0.1, why=fleet.problems)
+        await wait_until(settled(succeeded, waiting), flip_at - time.time() + 30, f"{succeeded} succeeded and "
+                         f"{waiting} waiting after midnight", every=0.1, why=fleet.problems)
         took = time.time() - flip_at
         await asyncio.sleep(max(0.0, flip_at + 1.0 - time.time()))  # every clock is past midnight by now
-        await wait_until(settled(succeeded, held), 10, "a quiet queue", every=0.1)
+        await wait_until(settled(succeeded, waiting), 10, "a quiet queue", every=0.1)
         return took
 
     # Day D: all twenty up first, then the jobs arrive, so every process races for the 100 submissions.
     fleet_a, flip_a, startup_a = await spawn_fleet("a", 0, lead=32.0)
     ids = await store.enqueue_many(QUEUE, [JobSpec(input=job_input(f"cap-{i}")) for i in range(n_jobs)])
-    day_d = await wait_until(settled(cap, n_jobs - cap), 20, "100 succeeded and 200 held", every=0.1,
+    day_d = await wait_until(settled(cap, n_jobs - cap), 20, "100 succeeded and 200 waiting", every=0.1,
                              why=fleet_a.problems)
     assert time.time() < flip_a, f"day D took {startup_a + day_d:.1f}s, past fleet a's midnight: raise its lead"
     stats_d = sim.stats()
     assert stats_d["submissions"] == cap, stats_d["submissions"]
-    assert len(await ids_in(store, "held")) == n_jobs - cap
+    held_d = len(await ids_in(store, "held"))
+    # no claim storm: over the cap, workers take no fresh job, so at most what was claimed when the cap was
+    # reached is held (20 workers x 5 in flight), the rest waits in ready
+    assert held_d <= n_workers * 5 and (await counts(store))["queued"] == n_jobs - cap - held_d
 
-    # Midnight D -> D+1 with fleet a alive: the held jobs are released, 100 more are submitted, 100 held again.
+    # Midnight D -> D+1 with fleet a alive: the held jobs are released, 100 more are submitted, 100 wait again.
     took_1 = await across_midnight(fleet_a, flip_a, 2 * cap, n_jobs - 2 * cap)
     stats_d1 = sim.stats()
     assert stats_d1["submissions"] == 2 * cap, stats_d1["submissions"]
@@ -574,7 +591,8 @@ async def test_caps_exact_across_20_worker_processes(
 
     # Restart: fleet b starts on day D+1 (nothing to do: its cap is spent) and lives through midnight D+1 -> D+2.
     fleet_b, flip_b, startup_b = await spawn_fleet("b", 1, lead=max(10.0, 1.5 * startup_a + 3))
-    assert (await counts(store))["held"] == n_jobs - 2 * cap  # nothing released before midnight
+    c = await counts(store)
+    assert c["held"] + c["queued"] == n_jobs - 2 * cap and c["succeeded"] == 2 * cap  # nothing before midnight
     took_2 = await across_midnight(fleet_b, flip_b, n_jobs, 0)
     final = sim.stats()
     fleet_b.stop_all()
@@ -586,7 +604,7 @@ async def test_caps_exact_across_20_worker_processes(
           f"{stats_d['submissions']}, after midnight D+1 {stats_d1['submissions']}, after midnight D+2 "
           f"{final['submissions']}; queue settled {day_d:.1f}s after the enqueue, {took_1:.1f}s and "
           f"{took_2:.1f}s after each midnight; fleet start {startup_a:.1f}s / {startup_b:.1f}s; "
-          f"hold transitions {holds} (300 without release churn); total {elapsed:.1f}s")
+          f"held at the cap {held_d}, hold transitions {holds} in all; total {elapsed:.1f}s")
     assert final["submissions"] == n_jobs and not final["duplicate_input_ids"]
     assert set(final["submissions_by_input_id"]) == {f"cap-{i}" for i in range(n_jobs)}
     c = await counts(store)

@@ -32,7 +32,7 @@ from offload.models import Job
 from offload.queue.store import JobSpec, QueueStore, retry_delay_ms
 from offload.sim.config import SimConfig
 from offload.sim.server import running_sim
-from offload.worker import dispatch
+from offload.worker import jobpath
 from offload.worker.dispatch import Worker
 from offload.worker.run import run_worker
 
@@ -101,7 +101,7 @@ def bucket(s3: RcloneS3) -> Any:
 @pytest.fixture(autouse=True)
 def _quick_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
     """The worker's retry delays with a 0.25 s base: same formula, a quarter of the wait."""
-    monkeypatch.setattr(dispatch, "retry_delay_ms", functools.partial(retry_delay_ms, base_ms=BACKOFF_MS))
+    monkeypatch.setattr(jobpath, "retry_delay_ms", functools.partial(retry_delay_ms, base_ms=BACKOFF_MS))
 
 
 @pytest.fixture(autouse=True)
@@ -587,7 +587,9 @@ async def test_an_orphan_of_a_crash_inside_submit_is_adopted_by_its_tag(
     })
     [(orphan_id, orphan_input), (fresh_id, fresh_input)] = await enqueue(store, "orphan", 2)
     [claimed] = await store.claim("q", "crashed-worker", 1, lease_ms=200)
-    assert claimed.id == orphan_id and not claimed.redelivered
+    assert claimed.id == orphan_id and not claimed.redelivered and not claimed.intent_open
+    # as a worker does right before the provider call: the submit intent (submission 1) is recorded
+    assert await store.begin_many("q", "", [(claimed.id, claimed.token, 0.0)]) == ["OK:1"]
     name, bs = settings.backend_for("q")
     async with new_client() as http:
         backend = create_backend(bs.kind, name, bs.provider_settings(), client=http)
@@ -623,16 +625,16 @@ async def test_a_worker_whose_lease_lapsed_does_not_submit(
         backend = create_backend("http-job", "gpu", {"base_url": sim, "api_key": "sim-key"}, client=http)
         worker = Worker(store, backend, _no_output, BackendLimits(store.redis, "gpu", None),
                         WorkerOptions(queue="q", backend_name="gpu", lease_ms=3000), worker_id="starved-worker")
-        worker._beat_at -= 10  # its last beat is long past: it was starved
-        task = asyncio.create_task(worker._run_job(mine))
-        worker.tasks[mine.id] = task
+        worker._beat_at -= 10  # its last beat is long past: it was starved (and so was its claim)
+        worker._start(mine, time.monotonic() - 10)
+        task = worker.tasks[mine.id]
         await asyncio.gather(task, return_exceptions=True)
     assert task.cancelled()
     assert (await stats(sim))["submissions_by_input_id"].get(input_id, 0) == 0
     assert (await store.get(job_id)).state == "active"  # still the other worker's
 
 
-async def _no_output(key: str, output: Any) -> str:
+async def _no_output(key: str, output: Any, run: str, fence: Any) -> str:
     raise AssertionError("nothing may finish here")
 
 

@@ -352,7 +352,7 @@ class Run:
                     for slot in self.slots[:-1]:
                         life = slot.current
                         if life and life.read_id() and not slot.stopped:
-                            owned = await self.direct.scard(f"offload:{{{QUEUE}}}:owned:{life.worker_id}")
+                            owned = await self.direct.zcard(f"offload:{{{QUEUE}}}:owned:{life.worker_id}")
                             self.samples["in_flight"].append(int(owned))
         self.samples["used_memory_peak"] = peak
         self.samples["events_len_max"] = length

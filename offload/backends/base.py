@@ -72,13 +72,17 @@ class Submission:
 
 class Backend(Protocol):
     """submit / poll / cancel. `tag` is offload's job id: backends that let a submission carry a tag
-    (metadata, webhook URL, custom id) send it, so `find` can adopt a submission whose id was never recorded."""
+    (metadata, webhook URL, custom id) send it, so `find` can adopt a submission whose id was never recorded.
+    `synchronous`: submit does the whole job (its answer is the result), so a submit lasts as long as the job."""
 
     name: str
+    synchronous: bool
 
-    async def submit(self, job_input: Any, *, tag: str) -> Submission:
+    async def submit(self, job_input: Any, *, tag: str, idempotency_key: str | None = None) -> Submission:
         """Start a remote job. The remote id is an opaque string that lets any worker process with the same
-        backend config poll or cancel it (it may encode more than the provider's id, e.g. fal's URLs)."""
+        backend config poll or cancel it (it may encode more than the provider's id, e.g. fal's URLs).
+        `idempotency_key` (`<job id>.<submission number>`) goes out as the `Idempotency-Key` header: a provider
+        or gateway that honours it answers a repeat with the first remote job instead of starting another."""
         ...
 
     async def poll(self, remote_id: str) -> RemoteResult:

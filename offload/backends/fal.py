@@ -90,11 +90,11 @@ class FalBackend(HttpBackend):
 
     # --- the Backend protocol -------------------------------------------------------------------------------
 
-    async def submit(self, job_input: Any, *, tag: str) -> Submission:
+    async def submit(self, job_input: Any, *, tag: str, idempotency_key: str | None = None) -> Submission:
         url = self._submit_url
         if self._webhook:
             url = str(httpx.URL(url).copy_merge_params({"fal_webhook": tagged_url(self._webhook, tag)}))
-        body = await self._call("POST", url, json=job_input, has_body=True)
+        body = await self._call("POST", url, json=job_input, has_body=True, idempotency_key=idempotency_key)
         self._require(body, "request_id", str, "submit")
         urls = {k: self._check(self._require(body, k, str, "submit")) for k in URL_KEYS}
         return Submission(self.encode(urls))

@@ -36,16 +36,24 @@ _AVAILABLE_IN = re.compile(r"(?i)expected available in (\d+(?:\.\d+)?) second")
 _warned: set[tuple[str, str]] = set()
 
 
+def user_agent(worker_id: str | None = None) -> str:
+    """`offload/<version>`, and ` worker/<id>` for a worker's requests: a provider's log (and the simulator's)
+    then names the process that made each submission."""
+    from offload import __version__  # at call time: the package imports this module's users
+
+    return f"offload/{__version__}" + (f" worker/{worker_id}" if worker_id else "")
+
+
 def new_client(
-    *, max_connections: int = DEFAULT_MAX_CONNECTIONS, timeout: float = DEFAULT_TIMEOUT
+    *, max_connections: int = DEFAULT_MAX_CONNECTIONS, timeout: float = DEFAULT_TIMEOUT, agent: str | None = None
 ) -> httpx.AsyncClient:
     """A client sized for thousands of concurrent polls, on aiohttp's pool (see `transport`): every connection
     may be kept alive, so a poll burst reuses sockets instead of paying a TLS handshake each; requests beyond the
     limit wait for a free connection (up to `timeout`, then Transient). No default auth header: one client may be
-    shared by several backends."""
+    shared by several backends. `agent`: the User-Agent of every request (default `user_agent()`)."""
     transport = AiohttpTransport(max_connections=max_connections, ssl_context=_tls())
     return httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(timeout), follow_redirects=False,
-                             headers={"User-Agent": "offload"})
+                             headers={"User-Agent": agent or user_agent()})
 
 
 @functools.cache
@@ -165,6 +173,7 @@ class HttpBackend:
 
     kind: ClassVar[str] = "http"
     auth_scheme: ClassVar[str] = "Bearer"
+    synchronous: bool = False  # see Backend
 
     def __init__(self, name: str, *, base_url: str, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS, client: httpx.AsyncClient | None = None) -> None:
@@ -175,6 +184,7 @@ class HttpBackend:
         self._owns_client = client is None
         self._client = client or new_client(max_connections=max_connections, timeout=timeout)
         self._fast = fast_path(self._client)
+        self._agent = self._client.headers.get("User-Agent") or user_agent()
 
     def __repr__(self) -> str:  # never the key
         return f"{type(self).__name__}(name={self.name!r}, base_url={self.base_url!r})"
@@ -182,11 +192,14 @@ class HttpBackend:
     def _what(self, method: str, url: str) -> str:
         return f"{self.kind} backend {self.name!r}: {method} {httpx.URL(url).copy_with(query=None)}"
 
-    async def _send(self, method: str, url: str, *, json: Any = None, has_body: bool = False) -> httpx.Response:
+    async def _send(self, method: str, url: str, *, json: Any = None, has_body: bool = False,
+                    idempotency_key: str | None = None) -> httpx.Response:
         """One request; transport failures become BackendErrors, HTTP statuses are left to the caller."""
         # Without a key, a placeholder credential still goes out: the simulator and keyless local servers accept
         # any, and a real provider answers 401 (Fatal) just as it would to no header at all.
         headers = {"Authorization": f"{self.auth_scheme} {self._api_key or NO_KEY}"}
+        if idempotency_key is not None:  # the IETF httpapi draft's header: a repeat returns the first answer
+            headers["Idempotency-Key"] = idempotency_key
         try:
             content = orjson.dumps(json) if has_body else None
         except orjson.JSONEncodeError as exc:  # e.g. an integer beyond 64 bits: bad input, not a crash
@@ -195,16 +208,16 @@ class HttpBackend:
             headers["Content-Type"] = "application/json"
         try:
             if self._fast is not None:  # the hot path: no httpx.Request built, no httpx pool walked
-                headers["User-Agent"] = "offload"
+                headers["User-Agent"] = self._agent
                 return await self._fast.send(method, url, headers=headers, content=content, timeout=self._timeout)
             return await self._client.request(method, url, content=content, headers=headers, timeout=self._timeout)
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise error_for_exception(exc, what=self._what(method, url), secrets=[self._api_key]) from None
 
     async def _call(self, method: str, url: str, *, json: Any = None, has_body: bool = False,
-                    known: bool = False) -> Any:
+                    known: bool = False, idempotency_key: str | None = None) -> Any:
         """A request whose 2xx answer is JSON; everything else raises the mapped error."""
-        response = await self._send(method, url, json=json, has_body=has_body)
+        response = await self._send(method, url, json=json, has_body=has_body, idempotency_key=idempotency_key)
         if not 200 <= response.status_code < 300:
             raise error_for_response(response, what=self._what(method, url), known=known, secrets=[self._api_key])
         try:

@@ -48,8 +48,9 @@ class HttpJobBackend(HttpBackend):
     def _job_url(self, remote_id: str) -> str:
         return f"{self.base_url}/jobs/{quote(remote_id, safe='')}"
 
-    async def submit(self, job_input: Any, *, tag: str) -> Submission:
-        body = await self._call("POST", f"{self.base_url}/jobs", json=job_input, has_body=True)
+    async def submit(self, job_input: Any, *, tag: str, idempotency_key: str | None = None) -> Submission:
+        body = await self._call("POST", f"{self.base_url}/jobs", json=job_input, has_body=True,
+                                idempotency_key=idempotency_key)
         remote_id = self._require(body, "id", (str, int), "submit")
         return Submission(str(remote_id))
 

@@ -37,6 +37,7 @@ class OpenAIBackend(HttpBackend):
     """A synchronous JSON API. Responses on the chat path must carry `choices`; other paths any JSON."""
 
     kind = "openai"
+    synchronous = True
 
     def __init__(self, name: str, *, base_url: str = DEFAULT_BASE, api_key: str | None = None,
                  timeout: float = DEFAULT_TIMEOUT, max_connections: int = DEFAULT_MAX_CONNECTIONS,
@@ -72,7 +73,7 @@ class OpenAIBackend(HttpBackend):
             return None
         return (prompt * (price_in or 0.0) + completion * (price_out or 0.0)) / PER
 
-    async def submit(self, job_input: Any, *, tag: str) -> Submission:
+    async def submit(self, job_input: Any, *, tag: str, idempotency_key: str | None = None) -> Submission:
         if not isinstance(job_input, dict):
             raise Fatal(f"openai backend {self.name!r}: the job input must be a JSON object (the request body), "
                         f"got {type(job_input).__name__}")
@@ -81,7 +82,7 @@ class OpenAIBackend(HttpBackend):
             body["model"] = self._model
         started = time.monotonic()
         try:
-            answer = await self._call("POST", self._url, json=body, has_body=True)
+            answer = await self._call("POST", self._url, json=body, has_body=True, idempotency_key=idempotency_key)
         except Throttled as exc:
             if "insufficient_quota" in exc.excerpt:
                 raise Fatal(f"{exc} (the account is out of quota)", status=exc.status, excerpt=exc.excerpt) from None

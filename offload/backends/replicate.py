@@ -84,7 +84,7 @@ class ReplicateBackend(HttpBackend):
     def _prediction_url(self, remote_id: str) -> str:
         return f"{self.base_url}/predictions/{quote(remote_id, safe='')}"
 
-    async def submit(self, job_input: Any, *, tag: str) -> Submission:
+    async def submit(self, job_input: Any, *, tag: str, idempotency_key: str | None = None) -> Submission:
         if not isinstance(job_input, dict):
             raise Fatal(f"replicate backend {self.name!r}: the job input must be a JSON object (the model's input), "
                         f"got {type(job_input).__name__}")
@@ -95,7 +95,7 @@ class ReplicateBackend(HttpBackend):
         if self._webhook:
             body["webhook"] = tagged_url(self._webhook, tag)
             body["webhook_events_filter"] = ["completed"]
-        answer = await self._call("POST", self._create_url, json=body, has_body=True)
+        answer = await self._call("POST", self._create_url, json=body, has_body=True, idempotency_key=idempotency_key)
         return Submission(self._require(answer, "id", str, "submit"))
 
     async def poll(self, remote_id: str) -> RemoteResult:

@@ -81,13 +81,14 @@ class RunPodBackend(HttpBackend):
         s.finish()
         return cls(name, **common, **options, client=client)
 
-    async def submit(self, job_input: Any, *, tag: str) -> Submission:
+    async def submit(self, job_input: Any, *, tag: str, idempotency_key: str | None = None) -> Submission:
         body: dict[str, Any] = {"input": job_input}
         if self._webhook:
             body["webhook"] = tagged_url(self._webhook, tag)
         if self._policy:
             body["policy"] = self._policy
-        answer = await self._call("POST", f"{self._endpoint}/run", json=body, has_body=True)
+        answer = await self._call("POST", f"{self._endpoint}/run", json=body, has_body=True,
+                                  idempotency_key=idempotency_key)
         return Submission(self._require(answer, "id", str, "submit"))
 
     async def poll(self, remote_id: str) -> RemoteResult:

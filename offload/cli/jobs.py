@@ -46,7 +46,7 @@ BULK_CHUNK = 10_000  # jobs per enqueue_many call: bounds memory per round trip 
 MOVE_BATCH = 1_000
 INGEST_BATCH = 1_000
 LINE_OPTIONS = ("priority", "delay", "max_attempts", "output_key", "idempotency_key")
-TIME_FIELDS = ("created_at", "run_at", "started_at", "finished_at", "lease_deadline")
+TIME_FIELDS = ("created_at", "run_at", "started_at", "finished_at", "lease_deadline", "intent_at")
 COUNT_COLUMNS = ("queued", "delayed", "active", "submitted", "retrying", "held", "succeeded", "dead",
                  "cancelled")
 

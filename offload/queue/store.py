@@ -7,6 +7,7 @@ asyncio client (standalone or cluster) and an optional clock, so tests can drive
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -31,11 +32,14 @@ from offload.queue.keys import QUEUES_KEY, STATE_SETS, new_job_id, prefix, queue
 from offload.queue.scripts import HIST_BUCKETS_S, SCRIPTS, Script
 
 DEFAULT_LEASE_MS = 10_000
+MAX_SILENCE_MS = 5_000
 DEFAULT_MAX_ATTEMPTS = 3
 DEFAULT_RETENTION_S = 7 * 86_400
 DEFAULT_MAX_PAYLOAD = 1 << 20
 ENQUEUE_CHUNK = 500
+RELEASE_CHUNK = 500
 PRIORITY_RANGE = range(-1000, 1001)
+LeaseRef = str | tuple[str, str]  # a job id, or (job id, lease token)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +63,18 @@ def retry_delay_ms(attempt: int, base_ms: int = 1_000, cap_ms: int = 300_000) ->
     return int(ceiling / 2 + random.random() * ceiling / 2)
 
 
+def silence_ms(lease_ms: int) -> int:
+    """How long a queue may hear from no worker before that counts as an outage rather than as workers
+    that died (see `stamp` in common.lua): half a lease, so an outage is noticed before anyone's lease could
+    have run out unheard, and never more than 5 s. Live workers speak every third of a lease (heartbeat) or
+    more often (claims, the server's maintenance), so a silence that long does not happen without one."""
+    return min(lease_ms // 2, MAX_SILENCE_MS)
+
+
+def _nonce() -> str:
+    return os.urandom(8).hex()
+
+
 def _expect(code: Any, job_id: str) -> None:
     if code == "NOTFOUND":
         raise JobNotFound(f"job {job_id} not found")
@@ -76,12 +92,19 @@ class QueueStore:
         clock: Callable[[], int] | None = None,
         max_payload: int | None = None,
         lease_ms: int = DEFAULT_LEASE_MS,
+        excuse_outages: bool = True,
     ) -> None:
+        """`excuse_outages=False`: a silence of the whole queue is never taken for an outage (for tests that
+        move a virtual clock past leases without modelling the calls live workers would make meanwhile)."""
         self.redis = redis
         self.clock = clock
+        self.excuse_outages = excuse_outages
         self.max_payload = max_payload or env_int("OFFLOAD_MAX_PAYLOAD", DEFAULT_MAX_PAYLOAD, minimum=1)
         self.lease_ms = lease_ms
         self._known_queues: set[str] = set()
+
+    def _silence(self, lease_ms: int) -> int | str:
+        return silence_ms(lease_ms) if self.excuse_outages else ""
 
     def _now(self) -> str:
         return str(self.clock()) if self.clock else ""
@@ -163,6 +186,7 @@ class QueueStore:
             for i in range(0, len(specs), ENQUEUE_CHUNK)
         ]
         metas_arg = orjson.dumps(meta_list)
+        nonces = [_nonce() for _ in chunks]  # one per chunk: a resent chunk is recognised (enqueue.lua)
         if queue not in self._known_queues:
             await self.redis.sadd(QUEUES_KEY, queue)
             self._known_queues.add(queue)
@@ -171,18 +195,19 @@ class QueueStore:
         script = SCRIPTS.enqueue
         results: list[Any]
         if isinstance(self.redis, RedisCluster):  # cluster pipelines refuse EVALSHA: run chunks concurrently
-            results = list(await asyncio.gather(
-                *(script(self.redis, keys, [now, int(check_ids), metas_arg, orjson.dumps(c)]) for c in chunks)
-            ))
+            results = list(await asyncio.gather(*(
+                script(self.redis, keys, [now, int(check_ids), metas_arg, orjson.dumps(c), nonce])
+                for c, nonce in zip(chunks, nonces, strict=True)
+            )))
         else:
             for attempt in range(2):
                 pipe = self.redis.pipeline(transaction=False)
-                for chunk in chunks:
-                    pipe.evalsha(script.sha, 1, *keys, now, int(check_ids), metas_arg, orjson.dumps(chunk))
+                for chunk, nonce in zip(chunks, nonces, strict=True):
+                    pipe.evalsha(script.sha, 1, *keys, now, int(check_ids), metas_arg, orjson.dumps(chunk), nonce)
                 results = await pipe.execute(raise_on_error=False)
                 if attempt == 0 and any(isinstance(r, NoScriptError) for r in results):
                     await self.redis.script_load(script.source)
-                    continue  # re-running is safe: ids already stored are returned, not duplicated
+                    continue  # re-running is safe: chunks that ran are recognised by their nonce
                 break
         ids: list[str] = []
         for r in results:
@@ -218,25 +243,62 @@ class QueueStore:
 
     # -- working ---------------------------------------------------------------------------------
 
-    async def claim(self, queue: str, worker_id: str, n: int, lease_ms: int | None = None) -> list[ClaimedJob]:
-        flat = await self._run(SCRIPTS.claim, queue, worker_id, n, lease_ms or self.lease_ms)
+    async def claim(
+        self, queue: str, worker_id: str, n: int, lease_ms: int | None = None, *, window: str = "",
+        job_cap: int | None = None, spend_cap: float | None = None, estimate: float = 0.0,
+        request_id: str | None = None,
+    ) -> list[ClaimedJob]:
+        """Lease up to `n` jobs. With a cap `window` and caps, nothing fresh is taken while a cap is reached
+        (only jobs that resume a remote job). `request_id` (default: a new one per call) makes a repeat of
+        this very call answer the same jobs."""
+        lease = lease_ms or self.lease_ms
+        flat = await self._run(
+            SCRIPTS.claim, queue, worker_id, n, lease, request_id or _nonce(), window,
+            "" if job_cap is None else job_cap, "" if spend_cap is None else spend_cap, repr(float(estimate)),
+            self._silence(lease),
+        )
         return [
             ClaimedJob(
                 id=flat[i], token=flat[i + 1], attempt=int(flat[i + 2]), max_attempts=int(flat[i + 3]),
                 input_json=flat[i + 4], output_key=flat[i + 5], backend=flat[i + 6] or None,
                 remote_id=flat[i + 7] or None, cancel_requested=flat[i + 8] == "1",
-                redelivered=flat[i + 9] == "1",
+                redelivered=flat[i + 9] == "1", submission=int(flat[i + 10] or 0), intent_open=flat[i + 11] == "1",
             )
-            for i in range(0, len(flat), 10)
+            for i in range(0, len(flat), 12)
         ]
 
     async def heartbeat(
-        self, queue: str, worker_id: str, job_ids: Sequence[str] = (), lease_ms: int | None = None
+        self, queue: str, worker_id: str, leases: Sequence[LeaseRef] = (), lease_ms: int | None = None, *,
+        since: int | None = None, grace_ms: int | None = None,
     ) -> HeartbeatReply:
-        lost, cancels = await self._run(
-            SCRIPTS.heartbeat, queue, worker_id, lease_ms or self.lease_ms, *job_ids
-        )
-        return HeartbeatReply(lost=list(lost), cancel_requested=list(cancels))
+        """Extend the worker's leases. `leases`: job ids, or (job id, token) pairs (a lease is then lost also
+        when the job was claimed again under another token). Jobs the worker owns but does not list are
+        handed back when their lease is no newer than `since` (the `seq` of an earlier reply) or older
+        than `grace_ms`."""
+        lease = lease_ms or self.lease_ms
+        args: list[Any] = [worker_id, lease, self._silence(lease), "" if since is None else since,
+                           "" if grace_ms is None else grace_ms]
+        for ref in leases:
+            args.extend((ref, "") if isinstance(ref, str) else ref)
+        lost, cancels, seq, released = await self._run(SCRIPTS.heartbeat, queue, *args)
+        return HeartbeatReply(lost=list(lost), cancel_requested=list(cancels), seq=int(seq), released=int(released))
+
+    async def begin_many(
+        self, queue: str, window: str, items: Sequence[tuple[str, str, float]], *, job_cap: int | None = None,
+        spend_cap: float | None = None, backend: str = "",
+    ) -> list[str]:
+        """Right before the provider call, per (id, token, estimated cost): lease and cancel check, cap
+        reservation (held when over) and the submit intent. Per item OK:<n>, OK:<n>:DUP (a possible duplicate:
+        an earlier try of that submission has an unknown outcome), CAP:jobs, CAP:spend, CANCEL, STALE or
+        NOTFOUND (see begin.lua)."""
+        return list(await self._run(
+            SCRIPTS.begin, queue, window, "" if job_cap is None else job_cap, "" if spend_cap is None else spend_cap,
+            backend, orjson.dumps([(i, t, repr(float(c))) for i, t, c in items]),
+        ))
+
+    async def fence_many(self, queue: str, items: Sequence[tuple[str, str]]) -> list[str]:
+        """OK / STALE / NOTFOUND per (id, token): whether each token still holds its lease (changes nothing)."""
+        return list(await self._run(SCRIPTS.fence, queue, orjson.dumps(items)))
 
     async def checkpoint(self, job_id: str, token: str, backend: str, remote_id: str) -> bool:
         """Record the remote job; returns True when a cancel was requested meanwhile."""
@@ -244,8 +306,11 @@ class QueueStore:
         _expect(code, job_id)
         return bool(code == "OK:CANCEL")
 
-    async def checkpoint_many(self, queue: str, items: Sequence[tuple[str, str, str, str]]) -> list[str]:
-        """Record many (id, token, backend, remote id); OK, OK:CANCEL, STALE or NOTFOUND per item."""
+    async def checkpoint_many(
+        self, queue: str, items: Sequence[tuple[str, str, str, str] | tuple[str, str, str, str, int]]
+    ) -> list[str]:
+        """Record many (id, token, backend, remote id[, submission number]); OK, OK:CANCEL, STALE or NOTFOUND
+        per item. The submission's intent is closed."""
         return list(await self._run(SCRIPTS.checkpoint, queue, orjson.dumps(items)))
 
     async def complete_many(
@@ -261,12 +326,16 @@ class QueueStore:
 
     async def fail(
         self, job_id: str, token: str, error: str, *, retryable: bool = True,
-        delay_ms: int | None = None, keep_remote: bool = False, attempt: int = 1,
+        delay_ms: int | None = None, keep_remote: bool = False, attempt: int = 1, answered: bool = False,
+        cost: float | None = None, refund: bool = False,
     ) -> str:
-        """Returns "retrying" or "dead"."""
+        """Returns "retrying" or "dead". `answered`: the provider answered the submit (its intent is closed);
+        `cost`: what the failed run cost (settles its reservation); `refund`: the provider refused the
+        submission, so it is not counted against the caps."""
         delay = retry_delay_ms(attempt) if delay_ms is None else delay_ms
         code = await self._run(
-            SCRIPTS.fail, queue_of(job_id), job_id, token, error[:4000], int(retryable), delay, int(keep_remote)
+            SCRIPTS.fail, queue_of(job_id), job_id, token, error[:4000], int(retryable), delay, int(keep_remote),
+            int(answered), "" if cost is None else repr(float(cost)), int(refund),
         )
         _expect(code, job_id)
         return str(code)
@@ -291,24 +360,27 @@ class QueueStore:
         )
         return [None if code == "OK" else str(code).split(":", 1)[1] for code in codes]
 
-    async def add_spend(self, queue: str, window: str, delta: float) -> None:
-        """Correct the window's spend once the real cost of a job is known."""
-        if delta:
-            await self.redis.incrbyfloat(prefix(queue) + f"cap:{window}:spend", delta)
-
     async def usage(self, queue: str, window: str) -> tuple[int, float]:
         """(jobs counted, spend) in a cap window, for status views and metrics."""
         jobs, spend = await self.redis.mget(prefix(queue) + f"cap:{window}:jobs", prefix(queue) + f"cap:{window}:spend")
         return int(jobs or 0), float(spend or 0.0)
 
     async def hold(self, job_id: str, token: str, reason: str, window: str = "") -> None:
+        """Held until a cap window later than `window` (digits, e.g. "20261130"; "" = released by any)."""
+        if window and not window.isdigit():
+            raise InvalidJob(f"cap window must be digits like 20261130, got {window!r}")
         _expect(await self._run(SCRIPTS.hold, queue_of(job_id), job_id, token, reason, window), job_id)
 
     async def ack_cancel(self, job_id: str, token: str) -> None:
         _expect(await self._run(SCRIPTS.ack_cancel, queue_of(job_id), job_id, token), job_id)
 
-    async def release_leases(self, queue: str, worker_id: str, job_ids: Sequence[str] = ()) -> int:
-        return int(await self._run(SCRIPTS.release_leases, queue, worker_id, *job_ids))
+    async def release_leases(
+        self, queue: str, worker_id: str, job_ids: Sequence[str] = (), *, forget_idle: bool = False
+    ) -> int:
+        """Hand leases back uncounted (all, or the given ids). All, or with `forget_idle` the last ones the
+        worker holds, also forget the worker (it is no longer listed as alive)."""
+        mode = "idle" if forget_idle else "ids" if job_ids else "all"
+        return int(await self._run(SCRIPTS.release_leases, queue, worker_id, mode, *job_ids))
 
     async def forgive(self, queue: str, worker_id: str) -> tuple[int, int, int]:
         """The worker's machine was pre-empted (the provider took it away): its jobs come back without using up
@@ -331,9 +403,20 @@ class QueueStore:
         """Held jobs back to ready (all of them up to limit, or the given ids)."""
         return list(await self._run(SCRIPTS.move, validate_queue(queue), "held", limit, *job_ids))
 
-    async def release_held_before(self, queue: str, window: str) -> int:
-        """Release the jobs held in a cap window earlier than `window` (e.g. "20261130")."""
-        return int(await self._run(SCRIPTS.release_window, validate_queue(queue), window, 100_000))
+    async def release_held_before(self, queue: str, window: str, *, chunk: int = RELEASE_CHUNK,
+                                  max_chunks: int | None = None) -> int:
+        """Release the jobs held in a cap window earlier than `window` (e.g. "20261130"), `chunk` at a time
+        until none is due (or `max_chunks` were moved), so a backlog of any size never blocks Redis for
+        long. Returns how many were released."""
+        if not window.isdigit():
+            raise InvalidJob(f"cap window must be digits like 20261130, got {window!r}")
+        total, chunks = 0, 0
+        while max_chunks is None or chunks < max_chunks:
+            n = int(await self._run(SCRIPTS.release_window, validate_queue(queue), window, chunk))
+            total, chunks = total + n, chunks + 1
+            if n < chunk:
+                break
+        return total
 
     async def requeue_dead(self, queue: str, job_ids: Sequence[str] = (), limit: int = 1000) -> list[str]:
         """Dead jobs back to ready with a fresh attempt budget."""
@@ -358,7 +441,9 @@ class QueueStore:
 
     async def reap(self, queue: str, limit: int = 1000) -> tuple[int, int, int]:
         """Maintenance step: (promoted, reaped, trimmed). Safe to run from any number of processes."""
-        promoted, reaped, trimmed = await self._run(SCRIPTS.reap, validate_queue(queue), limit)
+        promoted, reaped, trimmed = await self._run(
+            SCRIPTS.reap, validate_queue(queue), limit, self._silence(self.lease_ms)
+        )
         return int(promoted), int(reaped), int(trimmed)
 
     # -- reading ---------------------------------------------------------------------------------
@@ -411,6 +496,11 @@ class QueueStore:
             buckets = [int(raw.get(f"{name}:{i}", 0)) for i in range(1, len(HIST_BUCKETS_S) + 2)]
             out[name] = (buckets, int(raw.get(f"{name}:count", 0)), int(raw.get(f"{name}:sum", 0)))
         return out
+
+    async def possible_duplicates(self, queue: str) -> dict[str, int]:
+        """Per backend: submissions made again whose earlier try had an unknown outcome (begin.lua)."""
+        raw = await self.redis.hgetall(prefix(validate_queue(queue)) + "dups")
+        return {backend: int(n) for backend, n in raw.items()}
 
     async def queues(self) -> list[str]:
         return sorted(await self.redis.smembers(QUEUES_KEY))

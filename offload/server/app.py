@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -46,16 +47,21 @@ def _storage_settings(options: ServerOptions) -> dict[str, Any]:
 
 
 async def _maintain(state: ServerState, stop: asyncio.Event) -> None:
-    """Promote due delayed/retry jobs, return the jobs of silent workers, trim expired records, and sample
-    totals for rates. Queues served only by remote workers rely on this (dispatch workers do it themselves
-    when they claim). Safe to run in every server process at once: each step is one atomic script.
+    """Promote due delayed/retry jobs, return the jobs of silent workers, trim expired records, release held
+    jobs of past cap windows, and sample totals for rates. Queues served only by remote workers rely on this
+    (dispatch workers do it themselves when they claim). Safe to run in every server process at once: each step
+    is one atomic script.
 
     It ends on `stop` rather than by cancellation alone: redis-py can turn a cancel that lands during its own
     timeout handling into a TimeoutError, which a retry loop would swallow and keep going."""
     while not stop.is_set():
         try:
+            window = time.strftime("%Y%m%d", time.gmtime())
             for queue in await state.store.queues():
                 await state.store.reap(queue)
+                # held jobs of an earlier cap window (UTC day): a few chunks a round, so queues served only by
+                # GPU workers, or by workers all stopped at midnight, get theirs back too
+                await state.store.release_held_before(queue, window, max_chunks=4)
                 state.rates.observe(queue, (await state.store.stats(queue)).totals)
         except Exception as exc:  # Redis away: /readyz says so; try again next round
             if stop.is_set():

@@ -114,6 +114,14 @@ async def collect(state: ServerState) -> list[Metric]:
             per_queue[served] = per_queue.get(served, 0) + 1
     for served, n in sorted(per_queue.items()):
         remote.add_metric([served], n)
+    dups = CounterMetricFamily(
+        "offload_possible_duplicate_submissions",
+        "Submissions sent again because a worker was lost inside the submit call (the provider may have run "
+        "the job twice, unless it honours the Idempotency-Key).", labels=["queue", "backend"])
+    for queue, per_backend in zip(queues, await asyncio.gather(*(store.possible_duplicates(q) for q in queues)),
+                                  strict=True):
+        for name, n in sorted(per_backend.items()):
+            dups.add_metric([queue, name], n)
     backend = CounterMetricFamily("offload_backend_requests", "Dispatch-worker requests to a backend by outcome.",
                                   labels=["backend", "outcome"])
     for name in sorted(state.options.settings.backends):
@@ -123,7 +131,7 @@ async def collect(state: ServerState) -> list[Metric]:
                       {q: h["wait"] for q, h in zip(queues, hists, strict=True)})
     run = _histogram("offload_job_run_seconds", "From claimed to succeeded.",
                      {q: h["run"] for q, h in zip(queues, hists, strict=True)})
-    return [depth, totals, oldest, paused, workers, budget, caps, remote, backend, wait, run,
+    return [depth, totals, oldest, paused, workers, budget, caps, remote, dups, backend, wait, run,
             *await autoscale_families(state.redis)]
 
 

@@ -105,10 +105,10 @@ class WorkerRegistry:
             for worker_id, deadline in alive:
                 if worker_id in skip:
                     continue
-                in_flight = int(await self.redis.scard(p + f"owned:{worker_id}"))
+                in_flight = int(await self.redis.zcard(p + f"owned:{worker_id}"))
                 view = found.get(worker_id)
                 if view is None:
-                    host = worker_id.rsplit(":", 1)[0] if ":" in worker_id else ""
+                    host = worker_id.split(":", 1)[0] if ":" in worker_id else ""  # host:pid:random
                     # a remote worker whose registration expired still shows, as what it is
                     kind = "remote" if worker_id.startswith(REMOTE_PREFIX) and ":" not in worker_id else "dispatch"
                     found[worker_id] = WorkerView(id=worker_id, kind=kind, host=host, queues=[queue],

@@ -19,7 +19,8 @@ from fastapi import APIRouter, HTTPException, Request
 
 from offload.errors import StaleLease
 from offload.models import ClaimedJob
-from offload.queue.keys import prefix, validate_queue
+from offload.queue.keys import validate_queue
+from offload.queue.store import LeaseRef
 from offload.server.auth import (
     GuardedRoute,
     Principal,
@@ -129,9 +130,9 @@ async def claim(request: Request, worker_id: str, body: ClaimRequest, key: Princ
             record = await state.registry.get(worker_id)
             if record is None:  # deregistered (or expired) meanwhile: hand back what this call claimed. Only that:
                 # a worker that died holding jobs must lose them by lease expiry, which counts against each
-                # job's crash budget (a poison job that kills its workers goes dead instead of looping).
-                if jobs:
-                    await state.store.release_leases(body.queue, worker_id, [j.id for j in jobs])
+                # job's crash budget (a poison job that kills its workers goes dead instead of looping). A worker
+                # left with nothing is forgotten: this claim must not list a deregistered worker as alive again.
+                await state.store.release_leases(body.queue, worker_id, [j.id for j in jobs], forget_idle=True)
                 return ClaimReply(jobs=[])
             if _draining(record):  # drained meanwhile: hand back only what this call claimed
                 if jobs:
@@ -167,41 +168,36 @@ async def _storable(state: ServerState, jobs: list[ClaimedJob]) -> list[ClaimedJ
     return keep
 
 
-async def _forget_unknown(state: ServerState, queue: str, worker_id: str, reported: set[str]) -> None:
-    """Jobs the store leases to this worker that the worker does not report (a claim reply lost on the way)
-    would otherwise stay leased for as long as the worker lives. One lease period of grace covers a claim
-    reply still in flight while this heartbeat was sent."""
-    owned = await state.redis.smembers(prefix(queue) + f"owned:{worker_id}")
-    unknown = [j for j in owned if j not in reported]
-    if not unknown:
-        return
-    now = time.time() * 1000
-    jobs = await asyncio.gather(*(state.store.get(j) for j in unknown), return_exceptions=True)
-    stale = [j for j, job in zip(unknown, jobs, strict=True)
-             if not isinstance(job, BaseException) and now - (job.started_at or now) > state.options.worker_lease_ms]
-    if stale:
-        n = await state.store.release_leases(queue, worker_id, stale)
-        log.warning("worker %s: released %d leased job(s) it does not know about", worker_id, n)
-
-
 @router.post("/v1/workers/{worker_id}/heartbeat", response_model=HeartbeatReplyView,
              summary="Keep the worker's leases alive; learn which it lost and which were cancelled")
 @guard(worker_only, big_body=True)  # a busy worker names every job it holds
 async def heartbeat(request: Request, worker_id: str, body: HeartbeatRequest, key: Principal) -> HeartbeatReplyView:
+    """Leases are judged by (job id, token) when the worker sends `tokens` (a job claimed again under another
+    token is lost to the old lease). Jobs the store leases to this worker that it does not list (a claim reply
+    lost on the way, a task that ended without reporting) are handed back once they are a lease period old:
+    a claim reply may still be in flight while this heartbeat is sent."""
     state = get_state(request)
     queues = await _worker(state, key, worker_id)
-    by_queue: dict[str, list[str]] = {q: [] for q in queues}
+    if body.tokens is not None and len(body.tokens) != len(body.jobs):
+        raise HTTPException(422, "tokens must have one entry per job in jobs")
+    by_queue: dict[str, list[LeaseRef]] = {q: [] for q in queues}
     lost: list[str] = []
-    for job_id in body.jobs:
+    for i, job_id in enumerate(body.jobs):
         q = job_queue(job_id)
-        by_queue.get(q, lost).append(job_id)
+        ref: LeaseRef = (job_id, body.tokens[i]) if body.tokens is not None else job_id
+        if q in by_queue:
+            by_queue[q].append(ref)
+        else:
+            lost.append(job_id)
     cancels: list[str] = []
-    for q, ids in by_queue.items():
+    lease = state.options.worker_lease_ms
+    for q, refs in by_queue.items():
         need_work(key, q)
-        reply = await state.store.heartbeat(q, worker_id, ids, state.options.worker_lease_ms)
+        reply = await state.store.heartbeat(q, worker_id, refs, lease, grace_ms=lease)
         lost += reply.lost
         cancels += reply.cancel_requested
-        await _forget_unknown(state, q, worker_id, set(ids))
+        if reply.released:
+            log.warning("worker %s: released %d leased job(s) it does not know about", worker_id, reply.released)
     # in flight: the listed jobs the store really leases to this worker, not what it claims (a worker reporting
     # 100k jobs would look busy to the autoscaler forever)
     held = len(set(body.jobs) - set(lost))

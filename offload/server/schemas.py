@@ -99,6 +99,9 @@ class JobView(BaseModel):
     cancel_requested: bool = False
     idempotency_key: str | None = None
     raw: str | None = None
+    submission: int | None = Field(None, description="The number of its latest submission to the provider.")
+    possible_duplicates: int = Field(0, description="Submissions sent again after a worker was lost inside "
+                                     "the submit call (the provider may have run the job twice).")
 
 
 class WaitReply(JobView):
@@ -218,6 +221,8 @@ class ClaimReply(BaseModel):
 
 class HeartbeatRequest(_Request):
     jobs: list[Annotated[str, Field(max_length=256)]] = Field(default_factory=list, max_length=10_000)
+    tokens: list[Annotated[str, Field(max_length=256)]] | None = Field(
+        None, max_length=10_000, description="the lease token of each job in `jobs`, in the same order")
     protected: bool | None = None
     instance_id: str | None = Field(None, pattern=INSTANCE_ID)
 

@@ -6,9 +6,11 @@ that only holds those URLs is lost by the time anyone reads it. `store_output` t
 1. walks the output JSON and picks every string that is, in its entirety, an http(s) URL (optionally only for
    hosts on an allow-list); strings that merely contain a URL are text and are left alone;
 2. downloads each distinct URL (streamed, size- and time-limited, a few at a time) and stores it next to the
-   output: `results/<id>.json` gets its files at `results/<id>/files/<n>-<basename>`, with the provider's
-   Content-Type (`<n>` is the URL's position in the output, so a retried store overwrites the same keys);
-3. writes the rewritten JSON to the output key, last, so an output that exists is always complete.
+   output: `results/<id>.json` gets its files at `results/<id>/files/<run>/<n>-<basename>`, with the provider's
+   Content-Type (`<run>` is the job's submission number, so two remote runs of one job never share a file key,
+   and `<n>` the URL's position in the output, so a retried store of the same run overwrites the same keys);
+3. asks `before_write` (the worker: is the lease still mine?), then writes the rewritten JSON to the output key,
+   last, so an output that exists is always complete and only refers to files of its own run.
 
 The stored JSON keeps the output's shape; each copied URL string is replaced by our copy's location
 (`s3://bucket/key`, or a file path for local storage), a permanent address that `aws s3 cp` and
@@ -28,7 +30,7 @@ import ipaddress
 import mimetypes
 import re
 import tempfile
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -163,8 +165,12 @@ async def store_output(
     max_files: int = DEFAULT_MAX_FILES,
     file_timeout_s: float = DEFAULT_FILE_TIMEOUT_S,
     auth_headers: Mapping[str, Mapping[str, str]] | None = None,
+    run: str | None = None,
+    before_write: Callable[[], Awaitable[None]] | None = None,
 ) -> StoredOutput:
     """Copy the output's files, then write the (rewritten) output JSON to `output_key`; see the module docstring.
+    `run` names the remote run (files under `<prefix>/<run>/`); `before_write` runs right before the JSON is
+    written and may raise to stop it (a worker that lost its lease must not overwrite a newer run's output).
 
     `http` must carry no provider credentials in its default headers, since file URLs may point anywhere. Pass
     them in `auth_headers` instead: host -> headers sent only to that host (Replicate's file host wants the API
@@ -176,7 +182,7 @@ async def store_output(
     files: list[CopiedFile] = []
     host_headers = {host.lower(): dict(h) for host, h in (auth_headers or {}).items()}
     if urls:
-        prefix = files_prefix(output_key)
+        prefix = files_prefix(output_key) + (f"{run}/" if run else "")
         gate = asyncio.Semaphore(COPY_CONCURRENCY)
 
         async def copy(index: int, url: str) -> CopiedFile:
@@ -198,6 +204,8 @@ async def store_output(
             stored[FILES_KEY] = {**(previous if isinstance(previous, dict) else {}), **mapping}
     else:
         stored = output
+    if before_write is not None:
+        await before_write()
     location = await storage.put_json(output_key, stored)
     return StoredOutput(location=location, key=output_key, files=files)
 

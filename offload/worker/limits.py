@@ -41,6 +41,19 @@ return math.ceil(wait)
 )
 
 
+_COOL = Script(
+    "cool_down",
+    """
+-- KEYS: the backend's cool-down key. ARGV: ms. Extends the cool-down to ms from now unless a longer one runs:
+-- one step, so two workers' 429s at once can never shorten the longer pause.
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[1]) then
+  redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])
+end
+return redis.call('PTTL', KEYS[1])
+""",
+)
+
+
 class BackendLimits:
     """`await limits.acquire()` before each request to the backend; `cool_down(s)` after a 429."""
 
@@ -87,9 +100,7 @@ class BackendLimits:
     async def cool_down(self, seconds: float) -> None:
         """Every worker pauses this backend for `seconds` (the longest requested cool-down wins)."""
         ms = max(int(seconds * 1000), 1)
-        current = await self.redis.pttl(self.keys[1])
-        if current < ms:
-            await self.redis.set(self.keys[1], "1", px=ms)
+        await _COOL(self.redis, [self.keys[1]], [ms])
         self._cool_until = max(self._cool_until, time.monotonic() + ms / 1000)  # this process pauses at once
 
     async def count(self, outcome: str) -> None:

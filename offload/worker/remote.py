@@ -159,6 +159,7 @@ class RemoteWorker:
         self.heartbeat_s = 10.0
         self.loaded: Any = None
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.tokens: dict[str, str] = {}  # the lease each running job was delivered under
         self.contexts: dict[str, JobContext] = {}
         self.lost: set[str] = set()
         self._slot = asyncio.Event()
@@ -223,7 +224,10 @@ class RemoteWorker:
                     await _first(asyncio.sleep(1.0), stop.wait())
                     continue
                 for job in jobs:
-                    self.tasks[job["id"]] = asyncio.create_task(self._run_job(job))
+                    if old := self.tasks.get(job["id"]):  # our earlier lease of it was lost and it came back to us
+                        self._drop(job["id"], "leased to this worker again; the earlier run is abandoned")
+                    self.tokens[job["id"]] = job["token"]
+                    self.tasks[job["id"]] = asyncio.create_task(self._run_job(job, old))
         finally:
             await self._drain(beat)
 
@@ -245,7 +249,9 @@ class RemoteWorker:
         while True:
             await asyncio.sleep(self.heartbeat_s)
             try:
-                reply = await self.api.heartbeat(self.worker_id, list(self.tasks), self.o.protected, self.o.instance_id)
+                ids = list(self.tokens)
+                reply = await self.api.heartbeat(self.worker_id, ids, self.o.protected, self.o.instance_id,
+                                                 [self.tokens[i] for i in ids])
             except Unregistered:
                 log.warning("the server forgot this worker (silent too long): registering again")
                 with contextlib.suppress(Exception):
@@ -270,11 +276,15 @@ class RemoteWorker:
             if inspect.iscoroutinefunction(self.handler):
                 self.tasks[job_id].cancel()
 
-    async def _run_job(self, job: dict[str, Any]) -> None:
+    async def _run_job(self, job: dict[str, Any], after: asyncio.Task[None] | None = None) -> None:
         job_id, token = job["id"], job["token"]
         ctx = JobContext(job_id, job["queue"], job["attempt"], job["max_attempts"], job["output_key"], self.loaded)
-        self.contexts[job_id] = ctx
+        me = asyncio.current_task()
         try:
+            if after is not None:  # an async handler stops; a sync one runs on in its thread, reporting stale
+                await asyncio.wait([after])
+            self.contexts[job_id] = ctx
+            self.lost.discard(job_id)
             if job.get("cancel_requested"):
                 await self.api.cancelled(self.worker_id, job_id, token)
                 return
@@ -308,12 +318,14 @@ class RemoteWorker:
         except Stale as exc:
             log.info("job %s: %s", job_id, exc)
         except (Rejected, ConnectionError, Unregistered) as exc:
-            log.warning("job %s: reporting the result failed: %s (its lease will expire and it is re-run)",
+            log.warning("job %s: reporting the result failed: %s (its lease is handed back and it is re-run)",
                         job_id, exc)
         finally:
-            self.tasks.pop(job_id, None)
-            self.contexts.pop(job_id, None)
-            self.lost.discard(job_id)
+            if self.tasks.get(job_id) is me:  # not a newer lease of the same job that took this one's place
+                del self.tasks[job_id]
+                self.tokens.pop(job_id, None)
+                self.contexts.pop(job_id, None)
+                self.lost.discard(job_id)
             self._slot.set()
 
     async def _fail(self, job_id: str, token: str, error: str, *, retryable: bool) -> None:

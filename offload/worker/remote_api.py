@@ -1,7 +1,7 @@
 """The HTTP side of a GPU worker: the server's worker protocol, with retries that ride out a server restart.
 
 Only the server URL and a worker key are needed: no Redis URL, no storage credentials. Writes that matter
-(complete, fail) are retried for a while, because each is idempotent on the server (a repeated complete
+(complete, fail) are retried until the server answers, because each is idempotent on the server (a repeated complete
 answers OK; a repeated fail of a job already moved on is a 409 that we treat as done).
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import Any
 
 import httpx
@@ -96,24 +97,29 @@ class ServerApi:
         return jobs
 
     async def heartbeat(self, worker_id: str, jobs: list[str], protected: bool | None,
-                        instance_id: str | None) -> dict[str, list[str]]:
+                        instance_id: str | None, tokens: list[str] | None = None) -> dict[str, list[str]]:
         body: dict[str, Any] = {"jobs": jobs, "protected": protected}
+        if tokens is not None:
+            body["tokens"] = tokens
         if instance_id is not None:
             body["instance_id"] = instance_id
         reply: dict[str, list[str]] = await self.call(f"/v1/workers/{worker_id}/heartbeat", body)
         return reply
 
+    # A verdict is sent until the server takes it or refuses it (409: the lease moved on), however long the
+    # server or its job store is away: giving up would throw away the GPU work and run the job again.
+
     async def complete(self, worker_id: str, job_id: str, token: str, output: Any) -> None:
         await self.call(f"/v1/workers/{worker_id}/jobs/{job_id}/complete", {"token": token, "output": output},
-                        retry_for=120)
+                        retry_for=math.inf)
 
     async def fail(self, worker_id: str, job_id: str, token: str, error: str, retryable: bool) -> str:
         reply = await self.call(f"/v1/workers/{worker_id}/jobs/{job_id}/fail",
-                                {"token": token, "error": error[:4000], "retryable": retryable}, retry_for=120)
+                                {"token": token, "error": error[:4000], "retryable": retryable}, retry_for=math.inf)
         return str(reply["state"])
 
     async def cancelled(self, worker_id: str, job_id: str, token: str) -> None:
-        await self.call(f"/v1/workers/{worker_id}/jobs/{job_id}/cancelled", {"token": token}, retry_for=60)
+        await self.call(f"/v1/workers/{worker_id}/jobs/{job_id}/cancelled", {"token": token}, retry_for=math.inf)
 
     async def deregister(self, worker_id: str) -> None:
         await self.call(f"/v1/workers/{worker_id}/deregister", {"release": True}, retry_for=10)

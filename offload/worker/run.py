@@ -11,13 +11,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from offload.backends import Backend, create_backend, new_client
+from offload.backends.http import user_agent
 from offload.config import Settings, parse_rate
 from offload.connection import connect
 from offload.env import env_float, env_int
 from offload.errors import ConfigError
 from offload.queue.store import QueueStore
 from offload.storage import create_storage, store_output
-from offload.worker.dispatch import Worker, WorkerOptions
+from offload.worker.dispatch import Worker, WorkerOptions, default_worker_id
+from offload.worker.jobpath import Fence
 from offload.worker.limits import BackendLimits
 
 log = logging.getLogger("offload.worker")
@@ -73,9 +75,10 @@ async def run_workers(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
     total = sum(concurrency or q.concurrency for _, q, _, _ in plans)
+    worker_id = worker_id or default_worker_id()  # one id per process: it is in every request's User-Agent
     async with contextlib.AsyncExitStack() as resources:
         http = new_client(max_connections=min(max(total, 16), 1024),
-                          timeout=max(bs.timeout or 600.0 for *_, bs in plans))
+                          timeout=max(bs.timeout or 600.0 for *_, bs in plans), agent=user_agent(worker_id))
         resources.push_async_callback(http.aclose)
         backends: dict[str, Backend] = {}
         for _, _, backend_name, bs in plans:  # every backend's settings are checked before anything connects
@@ -88,8 +91,9 @@ async def run_workers(
         resources.push_async_callback(redis.aclose)
         store = QueueStore(redis)
 
-        async def save(key: str, output: Any) -> str:
-            stored = await store_output(storage, key, output, http, copy_files=settings.storage.copy_files)
+        async def save(key: str, output: Any, run: str, fence: Fence) -> str:
+            stored = await store_output(storage, key, output, http, copy_files=settings.storage.copy_files,
+                                        run=run, before_write=fence)
             return stored.location
 
         limits: dict[str, BackendLimits] = {}
@@ -107,7 +111,8 @@ async def run_workers(
                 queue=queue, backend_name=backend_name, concurrency=in_flight, poll_interval=q.poll_interval,
                 poll_timeout=q.poll_timeout, grace_s=grace_s, daily_job_cap=q.daily_job_cap,
                 daily_spend_cap=q.daily_spend_cap, price_per_job=bs.price_per_job,
-                price_per_second=bs.price_per_second, ingest_list=q.ingest_list, max_attempts=q.max_attempts,
+                price_per_second=bs.price_per_second, max_job_cost=bs.max_job_cost, ingest_list=q.ingest_list,
+                max_attempts=q.max_attempts, submit_concurrency=q.submit_concurrency,
                 **({"lease_ms": int(lease_ms)} if lease_ms is not None else {}),
             )
             worker = Worker(store, backends[backend_name], save, limits[backend_name], options, worker_id=worker_id,

@@ -52,11 +52,12 @@ class LocalBackend:
     """A remote API that answers synchronously after the job's seconds, without a network."""
 
     name = "local"
+    synchronous = True
 
     def __init__(self) -> None:
         self.args: dict[str, benchjob.JobArgs] = {}
 
-    async def submit(self, job_input: Any, *, tag: str) -> Submission:
+    async def submit(self, job_input: Any, *, tag: str, idempotency_key: str | None = None) -> Submission:
         run, i, _, sleep_s, track = args = _args(job_input)
         self.args[tag] = args
         benchjob.TRACKER.start(run, i, track)
@@ -98,7 +99,7 @@ async def work_dispatch(concurrency: int) -> None:
     redis = await connect(benchjob.redis_url())
     backend = LocalBackend()
 
-    async def save(key: str, output: Any) -> str:
+    async def save(key: str, output: Any, run: str, fence: Any) -> str:
         return key
 
     options = WorkerOptions(queue=QUEUE, backend_name=backend.name, concurrency=concurrency)

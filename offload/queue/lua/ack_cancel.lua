@@ -4,5 +4,5 @@ local id, token = ARGV[2], ARGV[3]
 local f, err = owned(id, token)
 if err then return err end
 unlease({id}, {[id] = f[2]})
-finish({id}, 'cancelled', now, nil, {f[3]})
+finish({id}, 'cancelled', now, nil, {{f[3], f[5]}})
 return 'OK'

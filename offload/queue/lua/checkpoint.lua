@@ -1,5 +1,6 @@
--- ARGV: now, items: a JSON list of [id, token, backend, remote id]. Records where each job runs BEFORE the
--- worker polls it, so a re-delivered job is resumed instead of submitted (and paid for) again. Batched: a
+-- ARGV: now, items: a JSON list of [id, token, backend, remote id, submission number (optional: the job's
+-- current one)]. Records where each job runs BEFORE the worker polls it, so a re-delivered job is resumed
+-- instead of submitted (and paid for) again, and closes the submit intent of that submission. Batched: a
 -- worker with thousands of submissions in flight records them in a few calls, not one round trip each.
 -- Returns per item OK, STALE or NOTFOUND; OK:CANCEL when a cancel was requested meanwhile.
 local now = now_ms(ARGV[1])
@@ -11,8 +12,10 @@ for _, item in ipairs(cjson.decode(ARGV[2])) do
   if err then
     out[#out + 1] = err
   else
-    redis.call('HSET', jkey(id), 'state', 'submitted', 'backend', item[3], 'remote_id', item[4],
-      'submitted_at', now)
+    local k = jkey(id)
+    local n = tonumber(item[5]) or tonumber(redis.call('HGET', k, 'sub_n') or '') or 1
+    redis.call('HSET', k, 'state', 'submitted', 'backend', item[3], 'remote_id', item[4], 'submitted_at', now,
+      'sub_n', n, 'remote_n', n, 'sub_open', '0')
     ids[#ids + 1] = id
     if cancels and redis.call('SISMEMBER', P .. 'cancelreq', id) == 1 then
       out[#out + 1] = 'OK:CANCEL'

@@ -1,10 +1,16 @@
--- ARGV: now, check ids (1: ids may repeat, e.g. caller-chosen), metas, jobs. metas is a JSON list of
+-- ARGV: now, check ids (1: ids may repeat, e.g. caller-chosen), metas, jobs, batch nonce (random per call). metas is a JSON list of
 -- "priority\trun_at\tmax_attempts\tretention\tidempotency key\toutput key" strings (empty output key:
 -- results/<id>.json); jobs is a JSON list of [id, input, meta index]. One JSON argument per batch instead
 -- of one argument per field is what makes bulk enqueue cheap on both sides of the connection.
 -- Returns, per job, its id (an existing one when the idempotency key or the id was seen before).
+-- The nonce makes a repeat of the same call (its reply was lost and the client sent it again) check every
+-- id, so it returns the jobs the first run made instead of putting them into ready a second time, where
+-- they may already be leased. Fresh calls skip that check: their ids are new.
 local now = now_ms(ARGV[1])
 local check_ids = ARGV[2] == '1'
+if ARGV[5] and ARGV[5] ~= '' and not redis.call('SET', P .. 'enq:' .. ARGV[5], '1', 'NX', 'EX', 600) then
+  check_ids = true
+end
 local metas = cjson.decode(ARGV[3])
 local jobs = cjson.decode(ARGV[4])
 local n = #jobs
@@ -25,7 +31,7 @@ for _, job in ipairs(jobs) do
     local ik = P .. 'idem:' .. m.idem
     existing = redis.call('GET', ik)
     if existing and redis.call('EXISTS', jkey(existing)) == 0 then existing = nil end
-    if not existing then redis.call('SET', ik, id, 'EX', math.max(tonumber(m.ret), 86400)) end
+    if not existing then redis.call('SET', ik, id) end  -- no expiry until the job finishes (finish())
   end
   if not existing and check_ids and redis.call('EXISTS', jkey(id)) == 1 then existing = id end
   if existing then

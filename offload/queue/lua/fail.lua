@@ -1,4 +1,6 @@
--- ARGV: now, id, token, error, retryable (1/0), delay ms, keep remote id (1/0).
+-- ARGV: now, id, token, error, retryable (1/0), delay ms, keep remote id (1/0), submit answered (1/0: the
+-- provider answered the submit, so the submit intent is closed), cost of the failed run ('' unknown),
+-- refund (1/0: the provider refused the submission, nothing ran: the job is not counted against the caps).
 -- A retry is scheduled in Redis (the worker never sleeps); exhausted or fatal goes dead with the reason.
 -- Returns retrying, dead, STALE or NOTFOUND.
 local now = now_ms(ARGV[1])
@@ -8,6 +10,8 @@ if err then return err end
 local k = jkey(id)
 unlease({id}, {[id] = f[2]})
 count('failed', 1)
+if ARGV[8] == '1' then redis.call('HSET', k, 'sub_open', '0') end
+settle(k, id, tonumber(ARGV[9] or ''), ARGV[10] == '1')
 local g = redis.call('HMGET', k, 'attempts', 'max_attempts')
 if ARGV[5] == '1' and tonumber(g[1]) < tonumber(g[2]) then
   local at = now + tonumber(ARGV[6])
@@ -17,5 +21,5 @@ if ARGV[5] == '1' and tonumber(g[1]) < tonumber(g[2]) then
   event({id}, 'retrying')
   return 'retrying'
 end
-finish({id}, 'dead', now, err_text, {f[3]})
+finish({id}, 'dead', now, err_text, {{f[3], f[5]}})
 return 'dead'

@@ -5,17 +5,15 @@
 -- ("lease expired") is ready again. Returns {released, refunded expiries, revived}.
 local now = now_ms(ARGV[1])
 local wid = ARGV[2]
-local owned_key = P .. 'owned:' .. wid
-local released = return_leases(redis.call('SMEMBERS', owned_key), now, false)
-redis.call('DEL', owned_key)
-redis.call('ZREM', P .. 'workers', wid)
+local released = return_leases(redis.call('ZRANGE', P .. 'owned:' .. wid, 0, -1), now, false)
+forget_worker(wid)
 local lost_key = P .. 'lost:' .. wid
 local refunded, revived = 0, {}
 local lost = redis.call('HGETALL', lost_key)
 for i = 1, #lost, 2 do
   local id, n = lost[i], tonumber(lost[i + 1])
   local k = jkey(id)
-  local f = redis.call('HMGET', k, 'state', 'expiries', 'error', 'attempts')
+  local f = redis.call('HMGET', k, 'state', 'expiries', 'error', 'attempts', 'idem')
   local exp = tonumber(f[2] or 0)
   if f[1] and exp > 0 then
     local back = math.min(n, exp)
@@ -25,6 +23,7 @@ for i = 1, #lost, 2 do
       redis.call('ZREM', P .. 'dead', id)
       redis.call('HSET', k, 'attempts', math.max(tonumber(f[4] or 1) - 1, 0))
       redis.call('HDEL', k, 'error', 'finished_at')
+      if f[5] and f[5] ~= '' then redis.call('PERSIST', P .. 'idem:' .. f[5]) end  -- not finished any more
       revived[#revived + 1] = id
     end
   end

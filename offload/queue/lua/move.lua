@@ -17,6 +17,10 @@ for _, id in ipairs(ids) do
         redis.call('PERSIST', k)
         redis.call('HSET', k, 'attempts', 0, 'expiries', 0)
         redis.call('HDEL', k, 'finished_at', 'backend', 'remote_id', 'cancel')
+        local sub = redis.call('HGET', k, 'sub_n')
+        if sub then redis.call('HSET', k, 'remote_n', sub, 'sub_open', '0') end  -- a new run: a new number
+        local idem = redis.call('HGET', k, 'idem')
+        if idem then redis.call('PERSIST', P .. 'idem:' .. idem) end  -- not finished any more
       end
       moved[#moved + 1] = id
     end

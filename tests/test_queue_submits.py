@@ -1,0 +1,121 @@
+"""The submit intent (begin.lua), submission numbers, possible duplicates and the exact spend cap, on Valkey 9
+and (when present) the system Redis 7."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from offload.connection import connect
+from offload.models import JobState
+from offload.queue.store import JobSpec, QueueStore
+
+W = "20260301"
+
+
+@pytest.fixture
+async def vstore(backend_url: str) -> AsyncIterator[QueueStore]:
+    """A virtual clock, so leases end when a test says so (no outage: each jump is followed by a reap)."""
+    now = [10_000_000]
+    store = QueueStore(await connect(backend_url), clock=lambda: now[0], lease_ms=1000, excuse_outages=False)
+    store.now = now  # type: ignore[attr-defined]
+    yield store
+    await store.redis.aclose()
+
+
+async def lapse(store: QueueStore, worker: str) -> None:
+    """`worker` dies: its lease runs out and the maintenance returns its jobs."""
+    store.now[0] += 1_001  # type: ignore[attr-defined]
+    await store.reap("q")
+
+
+async def test_submission_numbers_name_remote_runs(vstore: QueueStore) -> None:
+    [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1, max_attempts=5)])
+    (c,) = await vstore.claim("q", "w1", 1)
+    assert (c.submission, c.intent_open) == (0, False)
+    assert await vstore.begin_many("q", "", [(job_id, c.token, 0.0)]) == ["OK:1"]
+    assert await vstore.begin_many("q", "", [(job_id, c.token, 0.0)]) == ["OK:1"]  # a repeat: the same, nothing new
+    job = await vstore.get(job_id)
+    assert (job.submission, job.intent_by, job.possible_duplicates) == (1, "w1", 0) and job.intent_at
+    # the provider answered with an error (a 503): the same run is still wanted, under the same number
+    assert await vstore.fail(job_id, c.token, "503", delay_ms=0, answered=True) == "retrying"
+    (c,) = await vstore.claim("q", "w1", 1)
+    assert (c.submission, c.intent_open) == (1, False)
+    assert await vstore.begin_many("q", "", [(job_id, c.token, 0.0)]) == ["OK:1"]
+    await vstore.checkpoint_many("q", [(job_id, c.token, "gpu", "r-1", 1)])
+    # the remote run failed: a new run, a new number
+    assert await vstore.fail(job_id, c.token, "remote job failed", delay_ms=0) == "retrying"
+    (c,) = await vstore.claim("q", "w1", 1)
+    assert await vstore.begin_many("q", "", [(job_id, c.token, 0.0)]) == ["OK:2"]
+    assert (await vstore.possible_duplicates("q")) == {}
+
+
+async def test_an_intent_left_open_by_a_lost_worker_is_sent_again_and_counted(vstore: QueueStore) -> None:
+    [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1)])
+    (c,) = await vstore.claim("q", "w1", 1)
+    assert await vstore.begin_many("q", "", [(job_id, c.token, 0.0)], backend="gpu") == ["OK:1"]
+    await lapse(vstore, "w1")  # killed inside the submit call: the provider may have the job, we do not know
+    (c2,) = await vstore.claim("q", "w2", 1)
+    assert (c2.submission, c2.intent_open, c2.redelivered) == (1, True, True)
+    assert await vstore.begin_many("q", "", [(job_id, c2.token, 0.0)], backend="gpu") == ["OK:1:DUP"]
+    assert await vstore.begin_many("q", "", [(job_id, c2.token, 0.0)], backend="gpu") == ["OK:1"]  # a repeat
+    job = await vstore.get(job_id)
+    assert (job.submission, job.possible_duplicates, job.intent_by) == (1, 1, "w2")
+    assert await vstore.possible_duplicates("q") == {"gpu": 1}
+    assert await vstore.begin_many("q", "", [(job_id, c.token, 0.0)]) == ["STALE"]  # the lost worker pays nothing
+
+
+async def test_begin_sees_a_cancel_right_before_the_submit(vstore: QueueStore) -> None:
+    [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1)])
+    (c,) = await vstore.claim("q", "w1", 1)
+    assert await vstore.cancel(job_id) == "requested"
+    assert await vstore.begin_many("q", "", [(job_id, c.token, 0.0)]) == ["CANCEL"]
+    assert (await vstore.get(job_id)).submission is None
+
+
+async def test_over_the_job_cap_the_job_is_held_at_once_and_a_refused_submit_gives_its_place_back(
+    vstore: QueueStore,
+) -> None:
+    a, b, c = await vstore.enqueue_many("q", [JobSpec(input=i) for i in range(3)])
+    ca, cb = await vstore.claim("q", "w", 2, window=W, job_cap=1)
+    assert await vstore.begin_many("q", W, [(a, ca.token, 0.0), (b, cb.token, 0.0)], job_cap=1) == ["OK:1", "CAP:jobs"]
+    held = await vstore.get(b)
+    assert held.state is JobState.HELD and held.attempts == 0 and "jobs cap" in (held.error or "")
+    assert await vstore.claim("q", "w", 5, window=W, job_cap=1) == [], "a capped queue hands out no fresh job"
+    # a job counted today already (its remote run failed) may still go: it takes no more of the cap
+    await vstore.checkpoint_many("q", [(a, ca.token, "gpu", "r-1", 1)])
+    assert await vstore.fail(a, ca.token, "remote job failed", delay_ms=0) == "retrying"
+    (ca,) = await vstore.claim("q", "w", 5, window=W, job_cap=1)
+    assert ca.id == a
+    assert await vstore.begin_many("q", W, [(a, ca.token, 0.0)], job_cap=1) == ["OK:2"]
+    assert await vstore.usage("q", W) == (1, 0.0)
+    # the provider refused a's submission (a 4xx): nothing runs, so it does not count
+    assert await vstore.fail(a, ca.token, "fatal: 400", retryable=False, answered=True, refund=True) == "dead"
+    assert await vstore.usage("q", W) == (0, 0.0)
+    (cc,) = await vstore.claim("q", "w", 5, window=W, job_cap=1)
+    assert cc.id == c
+    assert await vstore.begin_many("q", W, [(c, cc.token, 0.0)], job_cap=1) == ["OK:1"]
+
+
+async def test_the_spend_cap_reserves_the_worst_case_and_settles_the_real_cost(vstore: QueueStore) -> None:
+    ids = await vstore.enqueue_many("q", [JobSpec(input=i) for i in range(3)])
+    c1, c2 = await vstore.claim("q", "w1", 2, window=W, spend_cap=1.5, estimate=1.0)
+    assert await vstore.begin_many("q", W, [(c1.id, c1.token, 1.0), (c2.id, c2.token, 1.0)], spend_cap=1.5) == [
+        "OK:1",
+        "CAP:spend",
+    ]
+    assert await vstore.usage("q", W) == (1, 1.0)
+    assert await vstore.claim("q", "w1", 1, window=W, spend_cap=1.5, estimate=1.0) == []  # 1.0 + 1.0 > 1.5
+    await vstore.checkpoint_many("q", [(c1.id, c1.token, "gpu", "r-1", 1)])
+    await lapse(vstore, "w1")  # its worker dies after the checkpoint: another one resumes and completes it
+    (resumed,) = await vstore.claim("q", "w2", 1, window=W, spend_cap=1.5, estimate=1.0)
+    assert resumed.id == c1.id and resumed.remote_id == "r-1"
+    await vstore.complete(resumed.id, resumed.token, "s3://b/r", cost=0.25)  # the real cost replaces 1.0
+    assert await vstore.usage("q", W) == (1, 0.25)
+    (c3,) = await vstore.claim("q", "w2", 1, window=W, spend_cap=1.5, estimate=1.0)
+    assert c3.id == ids[2]
+    assert await vstore.begin_many("q", W, [(c3.id, c3.token, 1.0)], spend_cap=1.5) == ["OK:1"]
+    # a failed run's reported cost settles too, and its retry is a new run, reserved again
+    assert await vstore.fail(c3.id, c3.token, "remote job failed", delay_ms=0, cost=0.5) == "retrying"
+    assert await vstore.usage("q", W) == (2, 0.75)
