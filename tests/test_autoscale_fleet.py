@@ -33,7 +33,8 @@ async def r(fast_valkey_url: str) -> AsyncIterator[Any]:
 
 
 def qstore(r: Any, clock: Clock) -> QueueStore:
-    return QueueStore(r, clock=lambda: int(clock() * 1000))
+    # the virtual clock jumps past leases with no calls in between: that silence is not an outage here
+    return QueueStore(r, clock=lambda: int(clock() * 1000), excuse_outages=False)
 
 
 def providers(url: str) -> dict[str, Any]:

@@ -345,7 +345,7 @@ async def test_forgive_returns_a_preempted_workers_jobs_without_using_an_attempt
     from offload.connection import connect
 
     now = [9_000_000]
-    store = QueueStore(await connect(backend_url), clock=lambda: now[0], lease_ms=1000)
+    store = QueueStore(await connect(backend_url), clock=lambda: now[0], lease_ms=1000, excuse_outages=False)
     doomed = await store.enqueue("q", JobSpec(input=1, max_attempts=1))
     held = await store.enqueue("q", JobSpec(input=2, max_attempts=1))
     (c,) = await store.claim("q", "r-gone", 1)

@@ -138,9 +138,12 @@ async def sim_call(sim: str, method: str, path: str, body: Any = None) -> Any:
         return response.json()
 
 
-async def configure(sim: str, *, api_key: str | None = None, **behaviour: Any) -> None:
+async def configure(
+    sim: str, *, api_key: str | None = None, honour_idempotency_key: bool = True, **behaviour: Any
+) -> None:
     """Replace the simulator's whole config (jobs and counters stay): `behaviour` is the default family's."""
-    config: dict[str, Any] = {"default": {"latency": LATENCY, **behaviour}}
+    config: dict[str, Any] = {"default": {"latency": LATENCY, **behaviour},
+                              "honour_idempotency_key": honour_idempotency_key}
     if api_key is not None:
         config["api_key"] = api_key
     await sim_call(sim, "POST", "/_sim/config", config)
@@ -463,12 +466,13 @@ async def test_malformed_submit_responses_dead_letter_without_secrets(
     kind: str, valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Every submit answer is garbage: retried up to max_attempts, then dead with an excerpt of the response.
-    The input carries the API key, so providers that echo the input (Replicate, OpenAI) put it in the
-    garbage: the excerpt in job.error and the logs show [REDACTED] instead."""
+    """Every submit answer is garbage, from a provider that ignores Idempotency-Key: retried up to max_attempts,
+    then dead with an excerpt of the response. The input carries the API key, so providers that echo the input
+    (Replicate, OpenAI) put it in the garbage: the excerpt in job.error and the logs show [REDACTED] instead."""
     caplog.set_level(logging.INFO)
     caplog.set_level(logging.DEBUG, logger="offload")
-    await configure(sim, api_key=KEY, malformed_rate=1.0, malformed_kind="invalid_json", faults_on=["submit"])
+    await configure(sim, api_key=KEY, malformed_rate=1.0, malformed_kind="invalid_json", faults_on=["submit"],
+                    honour_idempotency_key=False)
     [(job_id, input_id)] = await enqueue(store, f"garbage-{kind}", max_attempts=2, secret=KEY)
     async with serving(make_settings(valkey_url, no_outputs, sim, kind, api_key=KEY)) as worker:
         [job] = await until_state(store, [job_id], "dead", worker)
@@ -482,6 +486,21 @@ async def test_malformed_submit_responses_dead_letter_without_secrets(
     assert KEY not in caplog.text
     # the provider accepted each submit before its answer was garbled: one remote job per attempt, no more
     assert (await stats(sim))["submissions_by_input_id"] == {input_id: 2}
+
+
+@pytest.mark.parametrize("kind", POLLED)
+async def test_a_garbled_submit_answer_costs_nothing_where_the_key_is_honoured(
+    kind: str, valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore,
+) -> None:
+    """The first submit's answer is garbage although the provider accepted it: the retry carries the same
+    Idempotency-Key, so a provider that honours it answers with the first remote job. One remote job, paid once,
+    and the job succeeds."""
+    await configure(sim, malformed_rate=1.0, malformed_kind="invalid_json", faults_on=["submit"])
+    [(job_id, input_id)] = await enqueue(store, f"garbled-once-{kind}", max_attempts=3)
+    async with serving(make_settings(valkey_url, no_outputs, sim, kind)) as worker:
+        [job] = await until_state(store, [job_id], "succeeded", worker)
+    assert (await stats(sim))["submissions_by_input_id"] == {input_id: 1}
+    assert job.possible_duplicates == 0
 
 
 # -- cancel ----------------------------------------------------------------------------------------------
