@@ -43,6 +43,7 @@ demo: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check offload tests bench
+	$(BIN)/ruff format --check offload tests bench
 	$(BIN)/mypy
 
 # The dashboard's browser tests drive Debian's Chromium through Playwright (never `playwright install`, whose

@@ -49,9 +49,23 @@ def cpu_seconds(pid: int) -> float:
 
 def start_server(port: int, max_batch: int, workdir: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "offload", "server", "--port", str(port), "--no-access-log", "--log-level", "warning",
-         "--max-batch", str(max_batch)],
-        cwd=workdir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "offload",
+            "server",
+            "--port",
+            str(port),
+            "--no-access-log",
+            "--log-level",
+            "warning",
+            "--max-batch",
+            str(max_batch),
+        ],
+        cwd=workdir,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
 
 
@@ -72,8 +86,10 @@ async def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 6
 
 
 async def batched(url: str, key: str, jobs: int, batch: int, clients: int) -> float:
-    bodies = [json.dumps({"jobs": [{"input": {"n": i + j}} for j in range(min(batch, jobs - i))]}).encode()
-              for i in range(0, jobs, batch)]
+    bodies = [
+        json.dumps({"jobs": [{"input": {"n": i + j}} for j in range(min(batch, jobs - i))]}).encode()
+        for i in range(0, jobs, batch)
+    ]
     queue: asyncio.Queue[bytes] = asyncio.Queue()
     for body in bodies:
         queue.put_nowait(body)
@@ -139,8 +155,16 @@ async def main() -> None:
     print(f"jobs={args.jobs} batch={args.batch} clients={args.clients} singles={args.singles}")
     print(f"batched enqueue   {rate:>10,.0f} jobs/s over HTTP (server {server_cores:.2f} cores)")
     print(f"single enqueue    p50 {p50:.2f} ms, p99 {p99:.2f} ms ({1000 / statistics.mean(lat):,.0f}/s sequential)")
-    print(json.dumps({"batch_jobs_per_s": round(rate), "single_p50_ms": round(p50, 2), "single_p99_ms": round(p99, 2),
-                      "single_per_s": round(1000 / statistics.mean(lat))}))
+    print(
+        json.dumps(
+            {
+                "batch_jobs_per_s": round(rate),
+                "single_p50_ms": round(p50, 2),
+                "single_p99_ms": round(p99, 2),
+                "single_per_s": round(1000 / statistics.mean(lat)),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -62,9 +62,20 @@ EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Timeout)\b[^\n]
 LOGGED = re.compile(r"^\S+ \S+ (?:WARNING|ERROR) (.*)$", re.MULTILINE)
 ID = re.compile(r"[\w.-]*[0-9a-f]{16,}[\w.-]*")
 # Settings a worker would pick up from the environment; the bench's own config file must be all it sees.
-TUTORIAL_ENV = ("REDIS_URL", "QUEUE_KEY", "GPU_API_BASE", "GPU_API_KEY", "S3_ENDPOINT", "AWS_ACCESS_KEY_ID",
-                "AWS_SECRET_ACCESS_KEY", "RESULT_BUCKET", "MAX_ATTEMPTS", "DAILY_JOB_CAP", "POLL_INTERVAL",
-                "POLL_TIMEOUT")
+TUTORIAL_ENV = (
+    "REDIS_URL",
+    "QUEUE_KEY",
+    "GPU_API_BASE",
+    "GPU_API_KEY",
+    "S3_ENDPOINT",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "RESULT_BUCKET",
+    "MAX_ATTEMPTS",
+    "DAILY_JOB_CAP",
+    "POLL_INTERVAL",
+    "POLL_TIMEOUT",
+)
 
 
 # -- processes -------------------------------------------------------------------------------------
@@ -98,8 +109,15 @@ class Processes:
     def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
         log = (self.workdir / f"{name}.log").open("wb")
         try:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    env=child_env(), start_new_session=True, preexec_fn=_die_with_parent)
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=child_env(),
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
         finally:
             log.close()
         self.procs.append((name, proc))
@@ -134,8 +152,9 @@ class Processes:
                 self.stop(proc)
 
 
-def wait_until(ready: Any, proc: subprocess.Popen[bytes], what: str, procs: Processes, name: str,
-               timeout: float = 30.0) -> None:
+def wait_until(
+    ready: Any, proc: subprocess.Popen[bytes], what: str, procs: Processes, name: str, timeout: float = 30.0
+) -> None:
     deadline = time.monotonic() + timeout
     while True:
         with contextlib.suppress(Exception):
@@ -154,8 +173,24 @@ def start_valkey(procs: Processes) -> str:
     port = free_port()
     data = procs.workdir / "valkey"
     data.mkdir()
-    proc = procs.start("valkey", [str(get_binary_path()), "--port", str(port), "--bind", HOST, "--dir", str(data),
-                                  "--appendonly", "yes", "--appendfsync", "everysec", "--save", ""])
+    proc = procs.start(
+        "valkey",
+        [
+            str(get_binary_path()),
+            "--port",
+            str(port),
+            "--bind",
+            HOST,
+            "--dir",
+            str(data),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "everysec",
+            "--save",
+            "",
+        ],
+    )
     url = f"redis://{HOST}:{port}/0"
     client = redis.Redis.from_url(url)
     try:
@@ -167,16 +202,38 @@ def start_valkey(procs: Processes) -> str:
 
 def start_sim(procs: Processes, latency: float) -> tuple[str, subprocess.Popen[bytes]]:
     port = free_port()
-    proc = procs.start("sim", [sys.executable, "-m", "offload", "sim", "serve", "--host", HOST, "--port", str(port),
-                               "--latency", f"{latency:g}", "--log-level", "warning"])
+    proc = procs.start(
+        "sim",
+        [
+            sys.executable,
+            "-m",
+            "offload",
+            "sim",
+            "serve",
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--latency",
+            f"{latency:g}",
+            "--log-level",
+            "warning",
+        ],
+    )
     url = f"http://{HOST}:{port}"
-    wait_until(lambda: httpx.get(f"{url}/_sim/health", timeout=1).status_code == 200, proc, "simulator", procs,
-               "sim")
+    wait_until(lambda: httpx.get(f"{url}/_sim/health", timeout=1).status_code == 200, proc, "simulator", procs, "sim")
     return url, proc
 
 
-def write_config(workdir: Path, redis_url: str, sim_url: str, queue: str, concurrency: int,
-                 poll_interval: float, redis_max_connections: int | None) -> Path:
+def write_config(
+    workdir: Path,
+    redis_url: str,
+    sim_url: str,
+    queue: str,
+    concurrency: int,
+    poll_interval: float,
+    redis_max_connections: int | None,
+) -> Path:
     if redis_max_connections:  # redis-py reads pool options from the URL's query string
         redis_url += f"?max_connections={redis_max_connections}"
     config = {
@@ -190,12 +247,29 @@ def write_config(workdir: Path, redis_url: str, sim_url: str, queue: str, concur
     return path
 
 
-def start_worker(procs: Processes, config: Path, queue: str, concurrency: int,
-                 log_level: str) -> subprocess.Popen[bytes]:
+def start_worker(
+    procs: Processes, config: Path, queue: str, concurrency: int, log_level: str
+) -> subprocess.Popen[bytes]:
     """Ready once it has registered in the queue's worker set (its first claim): see `run_offload`."""
-    return procs.start("worker", [sys.executable, "-m", "offload", "worker", "--queue", queue, "--config",
-                                  str(config), "--concurrency", str(concurrency), "--grace", "2",
-                                  "--log-level", log_level])
+    return procs.start(
+        "worker",
+        [
+            sys.executable,
+            "-m",
+            "offload",
+            "worker",
+            "--queue",
+            queue,
+            "--config",
+            str(config),
+            "--concurrency",
+            str(concurrency),
+            "--grace",
+            "2",
+            "--log-level",
+            log_level,
+        ],
+    )
 
 
 # -- measuring a process ---------------------------------------------------------------------------
@@ -273,8 +347,10 @@ def timeline(samples: list[Sample], every: float = 5.0) -> str:
     for s in samples:
         if last is None or s.t - last.t >= every - 1e-9 or s is samples[-1]:
             busy = (s.cpu_s - last.cpu_s) / (s.t - last.t) if last and s.t > last.t else 0.0
-            rows.append(f"  t={s.t:6.1f}s  in flight {s.in_flight:6d} (submitted {s.submitted:6d})  succeeded "
-                        f"{s.succeeded:6d}  worker cpu {busy:5.0%}  rss {s.rss / 2**20:5.0f} MB")
+            rows.append(
+                f"  t={s.t:6.1f}s  in flight {s.in_flight:6d} (submitted {s.submitted:6d})  succeeded "
+                f"{s.succeeded:6d}  worker cpu {busy:5.0%}  rss {s.rss / 2**20:5.0f} MB"
+            )
             last = s
     return "\n".join(rows)
 
@@ -292,13 +368,24 @@ def remote_submissions(sim_url: str, jobs: int, before: tuple[int, int, int]) ->
         submitted, duplicated, polls = (a - b for a, b in zip(sim_counts(sim_url), before, strict=True))
     except (httpx.HTTPError, ValueError, KeyError) as exc:
         return f"(simulator stats unavailable: {exc})"
-    return (f"{submitted} remote submissions ({duplicated} inputs submitted more than once), {polls} polls "
-            f"({polls / jobs:.1f} per job)")
+    return (
+        f"{submitted} remote submissions ({duplicated} inputs submitted more than once), {polls} polls "
+        f"({polls / jobs:.1f} per job)"
+    )
 
 
-async def run_offload(redis_url: str, sim_url: str, sim_before: tuple[int, int, int], queue: str, jobs: int,
-                      timeout: float, stall: float, worker: subprocess.Popen[bytes],
-                      others: dict[str, subprocess.Popen[bytes]], procs: Processes) -> OffloadRun:
+async def run_offload(
+    redis_url: str,
+    sim_url: str,
+    sim_before: tuple[int, int, int],
+    queue: str,
+    jobs: int,
+    timeout: float,
+    stall: float,
+    worker: subprocess.Popen[bytes],
+    others: dict[str, subprocess.Popen[bytes]],
+    procs: Processes,
+) -> OffloadRun:
     r = await connect(redis_url)
     store = QueueStore(r)
     w = ProcStats(worker.pid)
@@ -331,8 +418,9 @@ async def run_offload(redis_url: str, sim_url: str, sim_before: tuple[int, int, 
             out.peak_submitted = max(out.peak_submitted, c["submitted"])
             done = c["succeeded"] == jobs
             if now >= next_sample or done:
-                out.samples.append(Sample(now, in_flight, c["submitted"], c["succeeded"], w.cpu_seconds() - cpu0,
-                                          w.rss_bytes()))
+                out.samples.append(
+                    Sample(now, in_flight, c["submitted"], c["succeeded"], w.cpu_seconds() - cpu0, w.rss_bytes())
+                )
                 next_sample += SAMPLE_EVERY
             if done:
                 out.wall_s = now
@@ -343,20 +431,27 @@ async def run_offload(redis_url: str, sim_url: str, sim_before: tuple[int, int, 
             if c["succeeded"] != progress:
                 progress, progress_at = c["succeeded"], now
             problem = (
-                f"{c['dead']} jobs dead, {c['cancelled']} cancelled" if c["dead"] or c["cancelled"]
-                else f"worker exited with {worker.returncode}" if worker.poll() is not None
-                else f"not done after {timeout:g}s" if now > timeout
-                else f"stalled: no job succeeded for {stall:g}s" if now - progress_at > stall
+                f"{c['dead']} jobs dead, {c['cancelled']} cancelled"
+                if c["dead"] or c["cancelled"]
+                else f"worker exited with {worker.returncode}"
+                if worker.poll() is not None
+                else f"not done after {timeout:g}s"
+                if now > timeout
+                else f"stalled: no job succeeded for {stall:g}s"
+                if now - progress_at > stall
                 else None
             )
             if problem:
-                out.samples.append(Sample(now, in_flight, c["submitted"], c["succeeded"], w.cpu_seconds() - cpu0,
-                                          w.rss_bytes()))
+                out.samples.append(
+                    Sample(now, in_flight, c["submitted"], c["succeeded"], w.cpu_seconds() - cpu0, w.rss_bytes())
+                )
                 remote = await asyncio.to_thread(remote_submissions, sim_url, jobs, sim_before)
-                raise OffloadFailed(f"offload run failed at {now:.1f}s: {problem}\ncounts: {c}\n"
-                                 f"{timeline(out.samples)}\nload average {load_average()}\n"
-                                 f"simulator: {remote}\n"
-                                 f"exceptions in the worker's log:\n{procs.errors('worker')}")
+                raise OffloadFailed(
+                    f"offload run failed at {now:.1f}s: {problem}\ncounts: {c}\n"
+                    f"{timeline(out.samples)}\nload average {load_average()}\n"
+                    f"simulator: {remote}\n"
+                    f"exceptions in the worker's log:\n{procs.errors('worker')}"
+                )
             await asyncio.sleep(CHECK_EVERY)
         out.peak_rss = max([s.rss for s in out.samples] + [w.peak_rss_bytes() or 0])
     finally:
@@ -375,9 +470,19 @@ class WindowOver(Exception):
     """The measurement window ended while a job was still running."""
 
 
-def tutorial_worker(redis_url: str, queue_key: str, api_base: str, api_key: str, result_dir: Path, *,
-                    until: float, poll_interval: float = 1.0, poll_timeout: float = 600.0, max_attempts: int = 3,
-                    daily_job_cap: int = 1_000_000) -> list[float]:
+def tutorial_worker(
+    redis_url: str,
+    queue_key: str,
+    api_base: str,
+    api_key: str,
+    result_dir: Path,
+    *,
+    until: float,
+    poll_interval: float = 1.0,
+    poll_timeout: float = 600.0,
+    max_attempts: int = 3,
+    daily_job_cap: int = 1_000_000,
+) -> list[float]:
     """The tutorial's worker.py, minimal and faithful, stopped at `until` (time.monotonic()): one job at a time,
     BLPOP, the INCR/EXPIRE daily cap, POST {base}/jobs, GET {base}/jobs/{id} every `poll_interval`, the output
     written to a file (for its S3 put_object), retry by re-push after a sleep, dead-letter list. httpx stands in
@@ -454,11 +559,22 @@ def run_tutorial(redis_url: str, sim_url: str, workdir: Path, window: float, lat
     r = redis.Redis.from_url(redis_url)
     try:
         count = int(window / max(latency, 0.05)) + 5
-        r.rpush(queue_key, *(json.dumps({"id": f"t{i}", "input": {"prompt": f"tutorial job {i}"},
-                                         "output_key": f"results/t{i}.json", "attempt": 1}) for i in range(count)))
+        r.rpush(
+            queue_key,
+            *(
+                json.dumps(
+                    {
+                        "id": f"t{i}",
+                        "input": {"prompt": f"tutorial job {i}"},
+                        "output_key": f"results/t{i}.json",
+                        "attempt": 1,
+                    }
+                )
+                for i in range(count)
+            ),
+        )
         start = time.monotonic()
-        done = tutorial_worker(redis_url, queue_key, sim_url, "bench", workdir / "tutorial",
-                               until=start + window)
+        done = tutorial_worker(redis_url, queue_key, sim_url, "bench", workdir / "tutorial", until=start + window)
         r.delete(queue_key, f"{queue_key}:held", f"{queue_key}:dead")
     finally:
         r.close()
@@ -483,9 +599,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--window", type=float, default=None, help="tutorial baseline seconds (60; quick 15)")
     parser.add_argument("--quick", action="store_true", help="1,000 jobs, 5 s latency, 15 s baseline window")
     parser.add_argument("--worker-log-level", default="info", help="the worker's --log-level (its default: info)")
-    parser.add_argument("--redis-max-connections", type=int, default=None,
-                        help="append ?max_connections=N to the worker's Redis URL, to try other pool sizes "
-                             "(default: offload's own)")
+    parser.add_argument(
+        "--redis-max-connections",
+        type=int,
+        default=None,
+        help="append ?max_connections=N to the worker's Redis URL, to try other pool sizes (default: offload's own)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, config, results)")
     args = parser.parse_args()
     quick = args.quick
@@ -517,14 +636,27 @@ def main() -> None:
         # The baseline first, on an idle simulator, so its number exists even when the offload run fails.
         tutorial_done, tutorial_rate = run_tutorial(redis_url, sim_url, workdir, args.window, args.latency)
         sim_before = sim_counts(sim_url)
-        config = write_config(workdir, redis_url, sim_url, queue, args.concurrency, args.poll_interval,
-                              args.redis_max_connections)
+        config = write_config(
+            workdir, redis_url, sim_url, queue, args.concurrency, args.poll_interval, args.redis_max_connections
+        )
         worker = start_worker(procs, config, queue, args.concurrency, args.worker_log_level)
         timeout = 60 + 3 * args.latency + args.jobs / 50
         stall = args.latency + 2 * args.poll_interval + 20
         try:
-            run = asyncio.run(run_offload(redis_url, sim_url, sim_before, queue, args.jobs, timeout, stall, worker,
-                                          {"sim": sim, "valkey": procs.procs[0][1]}, procs))
+            run = asyncio.run(
+                run_offload(
+                    redis_url,
+                    sim_url,
+                    sim_before,
+                    queue,
+                    args.jobs,
+                    timeout,
+                    stall,
+                    worker,
+                    {"sim": sim, "valkey": procs.procs[0][1]},
+                    procs,
+                )
+            )
             procs.stop(worker)
             remote = remote_submissions(sim_url, args.jobs, sim_before)
         except OffloadFailed as exc:
@@ -539,38 +671,63 @@ def main() -> None:
         else:
             shutil.rmtree(workdir, ignore_errors=True)
 
-    print(f"jobs={args.jobs} latency={args.latency:g}s concurrency={args.concurrency} "
-          f"poll_interval<={args.poll_interval:g}s window={args.window:g}s cpus={os.cpu_count()} "
-          f"worker_log_level={args.worker_log_level} redis_max_connections={args.redis_max_connections or 'default'}")
+    print(
+        f"jobs={args.jobs} latency={args.latency:g}s concurrency={args.concurrency} "
+        f"poll_interval<={args.poll_interval:g}s window={args.window:g}s cpus={os.cpu_count()} "
+        f"worker_log_level={args.worker_log_level} redis_max_connections={args.redis_max_connections or 'default'}"
+    )
     tutorial = f"tutorial loop       {tutorial_done:8d} jobs in {args.window:g} s window -> {tutorial_rate:.4f} jobs/s"
     if run is None:
         print(failure)
         print(tutorial)
-        print(json.dumps({"peak_in_flight": None, "worker_cpu_cores": None, "peak_rss_mb": None, "jobs_per_s": None,
-                          "tutorial_jobs_per_s": round(tutorial_rate, 4), "ratio": None,
-                          "error": failure.splitlines()[0]}))
+        print(
+            json.dumps(
+                {
+                    "peak_in_flight": None,
+                    "worker_cpu_cores": None,
+                    "peak_rss_mb": None,
+                    "jobs_per_s": None,
+                    "tutorial_jobs_per_s": round(tutorial_rate, 4),
+                    "ratio": None,
+                    "error": failure.splitlines()[0],
+                }
+            )
+        )
         raise SystemExit(1)
     rate = args.jobs / run.wall_s
     cores = run.cpu_s / run.wall_s
     print(timeline(run.samples))
     print(f"load average        {load_average()} at the end")
     print(f"enqueue             {run.enqueue_s:8.2f} s for {args.jobs} jobs")
-    print(f"peak in flight      {run.peak_in_flight:8d} jobs (first reached at {run.peak_at_s:.1f} s); "
-          f"peak with a remote id recorded {run.peak_submitted}")
+    print(
+        f"peak in flight      {run.peak_in_flight:8d} jobs (first reached at {run.peak_at_s:.1f} s); "
+        f"peak with a remote id recorded {run.peak_submitted}"
+    )
     print(f"all succeeded after {run.wall_s:8.2f} s wall  -> {rate:,.1f} jobs/s")
-    print(f"worker CPU          {run.cpu_s:8.2f} s = {cores:.2f} cores on average; peak RSS "
-          f"{run.peak_rss / 2**20:,.0f} MB")
-    print(f"simulator CPU       {run.sim_cpu_s:8.2f} s = {run.sim_cpu_s / run.wall_s:.2f} cores; valkey CPU "
-          f"{run.valkey_cpu_s:.2f} s = {run.valkey_cpu_s / run.wall_s:.2f} cores")
+    print(
+        f"worker CPU          {run.cpu_s:8.2f} s = {cores:.2f} cores on average; peak RSS "
+        f"{run.peak_rss / 2**20:,.0f} MB"
+    )
+    print(
+        f"simulator CPU       {run.sim_cpu_s:8.2f} s = {run.sim_cpu_s / run.wall_s:.2f} cores; valkey CPU "
+        f"{run.valkey_cpu_s:.2f} s = {run.valkey_cpu_s / run.wall_s:.2f} cores"
+    )
     print(f"simulator saw       {remote}")
     print(tutorial)
     ratio = rate / tutorial_rate if tutorial_rate else None
     print(f"offload / tutorial  {ratio:,.0f}x" if ratio else "offload / tutorial  n/a (the tutorial finished none)")
-    print(json.dumps({
-        "peak_in_flight": run.peak_in_flight, "worker_cpu_cores": round(cores, 3),
-        "peak_rss_mb": round(run.peak_rss / 2**20, 1), "jobs_per_s": round(rate, 2),
-        "tutorial_jobs_per_s": round(tutorial_rate, 4), "ratio": round(ratio, 1) if ratio else None,
-    }))
+    print(
+        json.dumps(
+            {
+                "peak_in_flight": run.peak_in_flight,
+                "worker_cpu_cores": round(cores, 3),
+                "peak_rss_mb": round(run.peak_rss / 2**20, 1),
+                "jobs_per_s": round(rate, 2),
+                "tutorial_jobs_per_s": round(tutorial_rate, 4),
+                "ratio": round(ratio, 1) if ratio else None,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

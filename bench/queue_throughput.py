@@ -41,7 +41,8 @@ def start_valkey(workdir: str, *, aof: bool = True) -> tuple[subprocess.Popen[by
     persistence = ["--appendonly", "yes", "--appendfsync", "everysec", "--save", ""] if aof else []
     proc = subprocess.Popen(
         [str(get_binary_path()), "--port", str(port), "--dir", workdir, *persistence],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     return proc, f"redis://127.0.0.1:{port}/0"
 
@@ -147,9 +148,16 @@ async def main() -> None:
     print(f"raw pipelined       {raw:>10,.0f} ops/s (RPUSH or LPOP, per job)")
     if e2e_aof is not None:
         print(f"e2e, AOF everysec   {e2e_aof:>10,.0f} jobs/s end to end ({e2e_aof / e2e:.0%} of the above)")
-    print(json.dumps({"enqueue_jobs_per_s": round(enq), "e2e_jobs_per_s": round(e2e),
-                      "raw_pipelined_per_s": round(raw),
-                      "e2e_aof_everysec_jobs_per_s": None if e2e_aof is None else round(e2e_aof)}))
+    print(
+        json.dumps(
+            {
+                "enqueue_jobs_per_s": round(enq),
+                "e2e_jobs_per_s": round(e2e),
+                "raw_pipelined_per_s": round(raw),
+                "e2e_aof_everysec_jobs_per_s": None if e2e_aof is None else round(e2e_aof),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -58,8 +58,14 @@ class AsyncClient:
     ) -> str:
         """Enqueue one job and return its id (the existing id when `idempotency_key` was seen before)."""
         spec = JobSpec(
-            input=input, priority=priority, delay=delay, run_at=run_at, max_attempts=max_attempts,
-            output_key=output_key, retention=retention, idempotency_key=idempotency_key,
+            input=input,
+            priority=priority,
+            delay=delay,
+            run_at=run_at,
+            max_attempts=max_attempts,
+            output_key=output_key,
+            retention=retention,
+            idempotency_key=idempotency_key,
         )
         return await (await self.store()).enqueue(queue, spec)
 

@@ -61,8 +61,12 @@ class BackendSettings(BaseModel):
     rate_limit: str | None = None
     price_per_job: float | None = Field(None, ge=0)
     price_per_second: float | None = Field(None, ge=0)
-    max_job_cost: float | None = Field(None, ge=0, description="the most one submission may cost (USD): what is "
-                                       "reserved against daily_spend_cap before it is sent")
+    max_job_cost: float | None = Field(
+        None,
+        ge=0,
+        description="the most one submission may cost (USD): what is "
+        "reserved against daily_spend_cap before it is sent",
+    )
 
     @field_validator("rate_limit")
     @classmethod
@@ -73,8 +77,9 @@ class BackendSettings(BaseModel):
 
     def provider_settings(self) -> dict[str, Any]:
         """What the backend constructor sees: plain values, secrets revealed only here."""
-        data = self.model_dump(exclude={"rate_limit", "price_per_job", "price_per_second", "max_job_cost", "kind"},
-                               exclude_none=True)
+        data = self.model_dump(
+            exclude={"rate_limit", "price_per_job", "price_per_second", "max_job_cost", "kind"}, exclude_none=True
+        )
         data["api_key"] = self.api_key.get_secret_value() if self.api_key else None
         return data
 
@@ -87,8 +92,12 @@ class QueueSettings(_Strict):
     daily_spend_cap: float | None = Field(None, ge=0)
     poll_interval: float = Field(5.0, gt=0)
     poll_timeout: float = Field(600.0, gt=0)
-    submit_concurrency: int = Field(32, ge=1, description="submissions between intent and recorded remote id at "
-                                    "once, per worker (not for synchronous backends)")
+    submit_concurrency: int = Field(
+        32,
+        ge=1,
+        description="submissions between intent and recorded remote id at "
+        "once, per worker (not for synchronous backends)",
+    )
     ingest_list: str | None = None
     # a storage prefix this queue owns besides its own results/<queue>: (offload/storage/namespace.py)
     output_prefix: str | None = None
@@ -127,8 +136,12 @@ class Settings(_Strict):
         if name is None:
             raise ConfigError(f"queues.{queue}.backend: required to dispatch this queue (it names no backend)")
         b = self.backends[name]
-        if q.daily_spend_cap is not None and b.max_job_cost is None and b.price_per_job is None \
-                and b.price_per_second is None:
+        if (
+            q.daily_spend_cap is not None
+            and b.max_job_cost is None
+            and b.price_per_job is None
+            and b.price_per_second is None
+        ):
             raise ConfigError(
                 f"queues.{queue}.daily_spend_cap: backend {name!r} has no price_per_job, price_per_second or "
                 f"max_job_cost, so a submission cannot be reserved against the cap before it is sent; set "
@@ -144,12 +157,14 @@ def _expand(value: Any, env: Mapping[str, str], path: str) -> Any:
     if isinstance(value, list):
         return [_expand(v, env, f"{path}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, str):
+
         def sub(m: re.Match[str]) -> str:
             if m.group(1) in env:
                 return env[m.group(1)]
             if m.group(2) is not None:
                 return m.group(2)
             raise ConfigError(f"{path}: environment variable {m.group(1)} is not set")
+
         return ENV_REF.sub(sub, value)
     return value
 

@@ -68,7 +68,12 @@ def _password(url: str) -> str | None:
 # failing over, a cluster re-sharding), as opposed to a bad command or a script error. One list, so every
 # caller that must ride out an outage (the dispatch worker above all) agrees on what one is.
 OUTAGE_ERRORS: tuple[type[BaseException], ...] = (
-    RedisConnectionError, RedisTimeoutError, ClusterDownError, TryAgainError, ReadOnlyError, SlotNotCoveredError,
+    RedisConnectionError,
+    RedisTimeoutError,
+    ClusterDownError,
+    TryAgainError,
+    ReadOnlyError,
+    SlotNotCoveredError,
     OSError,
 )
 _OUTAGE_REPLIES = ("LOADING", "MISCONF", "MASTERDOWN", "NOREPLICAS", "CLUSTERDOWN", "TRYAGAIN", "READONLY")
@@ -117,8 +122,7 @@ async def connect(url: str | None = None, *, retry_for: float | None = None, max
             else:
                 # A bounded pool: thousands of concurrent jobs wait for one of 64 connections instead of
                 # failing with "too many connections" (redis-py's default pool raises past 100).
-                pool = GatedPool.from_url(plain, decode_responses=True, max_connections=max_connections,
-                                          timeout=60)
+                pool = GatedPool.from_url(plain, decode_responses=True, max_connections=max_connections, timeout=60)
                 client = aioredis.Redis(connection_pool=pool)
             await client.ping()
             return client

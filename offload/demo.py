@@ -36,20 +36,31 @@ async def run_demo(console: Console, jobs: int = 40, timeout: float = 300.0) -> 
         specs = [JobSpec(input={"prompt": PROMPTS[i % len(PROMPTS)], "n": i}) for i in range(jobs)]
         ids = await store.enqueue_many(stack.QUEUE, specs)
         console.print(f"\nenqueued {jobs} jobs on queue {stack.QUEUE!r}; the simulator takes 1-3 s per job")
-        columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                   TimeElapsedColumn())
+        columns = (
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+        )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         with Progress(*columns, console=console) as progress:
             bar = progress.add_task("", total=jobs)
             while True:
                 states = [job.state.value for job in await asyncio.gather(*(store.get(i) for i in ids))]
-                counts = {s: states.count(s) for s in ("queued", "active", "submitted", "retrying", "succeeded",
-                                                       "dead", "cancelled")}
+                counts = {
+                    s: states.count(s)
+                    for s in ("queued", "active", "submitted", "retrying", "succeeded", "dead", "cancelled")
+                }
                 finished = counts["succeeded"] + counts["dead"] + counts["cancelled"]
-                progress.update(bar, completed=finished, description=(
-                    f"queued {counts['queued']}  in flight {counts['active'] + counts['submitted']}  "
-                    f"succeeded {counts['succeeded']}  retrying {counts['retrying']}  dead {counts['dead']}"))
+                progress.update(
+                    bar,
+                    completed=finished,
+                    description=(
+                        f"queued {counts['queued']}  in flight {counts['active'] + counts['submitted']}  "
+                        f"succeeded {counts['succeeded']}  retrying {counts['retrying']}  dead {counts['dead']}"
+                    ),
+                )
                 if finished == jobs or loop.time() > deadline:
                     break
                 await asyncio.sleep(0.2)
@@ -59,13 +70,17 @@ async def run_demo(console: Console, jobs: int = 40, timeout: float = 300.0) -> 
             body = orjson.loads(await storage.get_bytes(first.output_key)) if first.result else None
         finally:
             await storage.aclose()
-        console.print(f"\nresults are in {settings.storage.endpoint_url} bucket {settings.storage.bucket!r} "
-                      f"under results/ (files under {data_dir() / 's3' / 'results'})")
+        console.print(
+            f"\nresults are in {settings.storage.endpoint_url} bucket {settings.storage.bucket!r} "
+            f"under results/ (files under {data_dir() / 's3' / 'results'})"
+        )
         console.print(f"job {first.id}: {first.state.value}, stored at {first.result}")
         console.print(f"its output: {orjson.dumps(body).decode()[:300]}")
-        console.print(f"\nread one:     offload result {first.id} --download out.json"
-                      "\nwatch queues: offload queues --watch"
-                      "\nstop it all:  offload down")
+        console.print(
+            f"\nread one:     offload result {first.id} --download out.json"
+            "\nwatch queues: offload queues --watch"
+            "\nstop it all:  offload down"
+        )
         return ids[0]
     finally:
         await redis.aclose()

@@ -68,11 +68,28 @@ def ensure_embedded(root: str | os.PathLike[str] | None = None, appendfsync: str
         log = open(home / "valkey.log", "ab")  # noqa: SIM115 - handed to the child process
         proc = subprocess.Popen(
             [
-                str(_server_binary()), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(home),
-                "--appendonly", "yes", "--appendfsync", appendfsync, "--save", "",
-                "--daemonize", "no", "--protected-mode", "yes",
+                str(_server_binary()),
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(home),
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                appendfsync,
+                "--save",
+                "",
+                "--daemonize",
+                "no",
+                "--protected-mode",
+                "yes",
             ],
-            stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
+            stdout=log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
         deadline = time.monotonic() + 15
         while not _pings(port):

@@ -62,8 +62,14 @@ def _alive(pid: int) -> bool:
 
 def _spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     with open(log, "ab") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True,
-                                env={**os.environ, **(env or {})})
+        return subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=out,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
 
 
 def _wait_port(port: int, proc: subprocess.Popen[bytes], what: str, log: Path, timeout: float = 20.0) -> None:
@@ -114,28 +120,46 @@ def up(workers: int = 2, latency: str = "1-3", concurrency: int = 256) -> list[t
     s3_dir.mkdir(exist_ok=True)
     creds_file = home / "s3-credentials.json"
     if not creds_file.exists():
-        creds_file.write_text(json.dumps({"access_key_id": "offload" + secrets.token_hex(4),
-                                          "secret_access_key": secrets.token_hex(16)}))
+        creds_file.write_text(
+            json.dumps({"access_key_id": "offload" + secrets.token_hex(4), "secret_access_key": secrets.token_hex(16)})
+        )
         creds_file.chmod(0o600)
     creds = json.loads(creds_file.read_text())
     s3_port = _free_port()
     s3_log = logs / "s3.log"
-    s3 = _spawn([_rclone(), "serve", "s3", "--addr", f"127.0.0.1:{s3_port}", "--auth-key",
-                 f"{creds['access_key_id']},{creds['secret_access_key']}", str(s3_dir)], s3_log)
+    s3 = _spawn(
+        [
+            _rclone(),
+            "serve",
+            "s3",
+            "--addr",
+            f"127.0.0.1:{s3_port}",
+            "--auth-key",
+            f"{creds['access_key_id']},{creds['secret_access_key']}",
+            str(s3_dir),
+        ],
+        s3_log,
+    )
     _wait_port(s3_port, s3, "the S3 server (rclone serve s3)", s3_log)
     s3_url = f"http://127.0.0.1:{s3_port}"
     comps.append(Component("s3", s3.pid, f"{s3_url} (bucket {BUCKET}, data in {s3_dir})"))
     sim_port = _free_port()
     sim_log = logs / "sim.log"
-    sim = _spawn([sys.executable, "-m", "offload", "sim", "serve", "--port", str(sim_port), "--latency", latency],
-                 sim_log)
+    sim = _spawn(
+        [sys.executable, "-m", "offload", "sim", "serve", "--port", str(sim_port), "--latency", latency], sim_log
+    )
     _wait_port(sim_port, sim, "the GPU API simulator", sim_log)
     sim_url = f"http://127.0.0.1:{sim_port}"
     comps.append(Component("simulator", sim.pid, f"{sim_url} (tutorial job API, RunPod, Replicate, fal, OpenAI)"))
     config: dict[str, Any] = {
         "redis_url": redis_url,
-        "storage": {"kind": "s3", "endpoint_url": s3_url, "bucket": BUCKET, "access_key_id": creds["access_key_id"],
-                    "secret_access_key": "${OFFLOAD_S3_SECRET}"},
+        "storage": {
+            "kind": "s3",
+            "endpoint_url": s3_url,
+            "bucket": BUCKET,
+            "access_key_id": creds["access_key_id"],
+            "secret_access_key": "${OFFLOAD_S3_SECRET}",
+        },
         "backends": {"sim": {"kind": "http-job", "base_url": sim_url, "api_key": "sim"}},
         "queues": {QUEUE: {"backend": "sim", "concurrency": concurrency, "poll_interval": 2}},
     }
@@ -156,10 +180,16 @@ def _create_bucket(endpoint: str, creds: dict[str, str]) -> None:
     from botocore.config import Config
 
     client = boto3.client(
-        "s3", endpoint_url=endpoint, aws_access_key_id=creds["access_key_id"],
-        aws_secret_access_key=creds["secret_access_key"], region_name="us-east-1",
-        config=Config(s3={"addressing_style": "path"}, request_checksum_calculation="when_required",
-                      response_checksum_validation="when_required"),
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id=creds["access_key_id"],
+        aws_secret_access_key=creds["secret_access_key"],
+        region_name="us-east-1",
+        config=Config(
+            s3={"addressing_style": "path"},
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        ),
     )
     with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou, client.exceptions.BucketAlreadyExists):
         client.create_bucket(Bucket=BUCKET)

@@ -27,14 +27,35 @@ class Clock:
         self.t += seconds
 
 
-async def put_worker(redis: Any, worker_id: str, queue: str, instance_id: str | None, now: float, *,
-                     in_flight: int = 0, protected: bool = False) -> None:
+async def put_worker(
+    redis: Any,
+    worker_id: str,
+    queue: str,
+    instance_id: str | None,
+    now: float,
+    *,
+    in_flight: int = 0,
+    protected: bool = False,
+) -> None:
     """A GPU worker's registry record, as the server's WorkerRegistry writes it (register + heartbeat)."""
-    await redis.hset(worker_key(worker_id), mapping={
-        "id": worker_id, "key_id": "k", "host": "gpu-host", "version": "test", "queues": queue, "pid": 1,
-        "concurrency": 1, "instance_id": instance_id or "", "protected": int(protected), "gpus": "[]",
-        "registered_at": int(now * 1000), "last_heartbeat": int(now * 1000), "in_flight": in_flight,
-    })
+    await redis.hset(
+        worker_key(worker_id),
+        mapping={
+            "id": worker_id,
+            "key_id": "k",
+            "host": "gpu-host",
+            "version": "test",
+            "queues": queue,
+            "pid": 1,
+            "concurrency": 1,
+            "instance_id": instance_id or "",
+            "protected": int(protected),
+            "gpus": "[]",
+            "registered_at": int(now * 1000),
+            "last_heartbeat": int(now * 1000),
+            "in_flight": in_flight,
+        },
+    )
     await redis.zadd(INDEX, {worker_id: int(now * 1000)})
 
 
@@ -53,9 +74,14 @@ async def worker_token(redis: Any, queue: str = "gpu") -> str:
 
 def queue_block(**overrides: Any) -> dict[str, Any]:
     block: dict[str, Any] = {
-        "enabled": True, "provider": "m", "min_workers": 0, "max_workers": 3, "poll_interval": "30s",
-        "boot_timeout": "10m", "scale_up": [{"trigger": "no_workers"}], "scale_down": [{"trigger": "idle",
-                                                                                          "timeout": "5m"}],
+        "enabled": True,
+        "provider": "m",
+        "min_workers": 0,
+        "max_workers": 3,
+        "poll_interval": "30s",
+        "boot_timeout": "10m",
+        "scale_up": [{"trigger": "no_workers"}],
+        "scale_down": [{"trigger": "idle", "timeout": "5m"}],
         "instance": {"gpu": "RTX 4090", "image": "img", "max_price_per_hour": 0.5},
     }
     block.update(overrides)
@@ -67,17 +93,28 @@ def sim_call(method: str, url: str, **kwargs: Any) -> Any:
     return httpx.request(method, url, timeout=10, **kwargs).json()
 
 
-def make_scaler(redis: Any, clock: Clock, block: dict[str, Any] | None = None, *, queue: str = "gpu",
-                mock: MockConfig | None = None, owner: str = "s1", alerts: dict[str, Any] | None = None,
-                extra: dict[str, Any] | None = None,
-                server: dict[str, Any] | None = None) -> tuple[Autoscaler, MockProvider]:
-    settings = Settings.model_validate({
-        "queues": {queue: {"autoscale": block or queue_block()}},
-        "autoscaler": {"worker_key": "ofk_worker_key", "leader_ttl": 60, **(server or {})},
-        "alerts": alerts or {},
-        **(extra or {}),
-    })
+def make_scaler(
+    redis: Any,
+    clock: Clock,
+    block: dict[str, Any] | None = None,
+    *,
+    queue: str = "gpu",
+    mock: MockConfig | None = None,
+    owner: str = "s1",
+    alerts: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+    server: dict[str, Any] | None = None,
+) -> tuple[Autoscaler, MockProvider]:
+    settings = Settings.model_validate(
+        {
+            "queues": {queue: {"autoscale": block or queue_block()}},
+            "autoscaler": {"worker_key": "ofk_worker_key", "leader_ttl": 60, **(server or {})},
+            "alerts": alerts or {},
+            **(extra or {}),
+        }
+    )
     provider = MockProvider("m", mock or MockConfig(), redis, clock)
-    scaler = Autoscaler(redis, settings, clock=clock, owner=owner, provider_override={"m": provider},
-                        drain_settle=0.0, env={})
+    scaler = Autoscaler(
+        redis, settings, clock=clock, owner=owner, provider_override={"m": provider}, drain_settle=0.0, env={}
+    )
     return scaler, provider

@@ -110,9 +110,7 @@ class Claimer:
     async def complete(self, job: ClaimedJob) -> bool:
         """True when this attempt's completion was applied (now or by a retry whose reply was lost)."""
         result = f"mem://{job.token}"  # the token embeds the worker id and is unique per lease
-        code = await self.retrying(
-            lambda: self.store.complete_many(self.queue, [(job.id, job.token, result, None)])
-        )
+        code = await self.retrying(lambda: self.store.complete_many(self.queue, [(job.id, job.token, result, None)]))
         if code == ["OK"]:
             return True
         stored = await self.retrying(lambda: self.store.get(job.id))

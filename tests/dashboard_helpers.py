@@ -57,8 +57,10 @@ def new_page(context: BrowserContext) -> Iterator[Page]:
     page = context.new_page()
     problems: list[str] = []
     page.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))
-    page.on("console", lambda msg: problems.append(f"console: {msg.text}")
-            if "Content Security Policy" in msg.text else None)
+    page.on(
+        "console",
+        lambda msg: problems.append(f"console: {msg.text}") if "Content Security Policy" in msg.text else None,
+    )
     page.on("dialog", lambda d: problems.append(f"unexpected dialog: {d.message}"))
     try:
         yield page
@@ -120,13 +122,16 @@ class HttpWorker:
         assert r.status_code == 200, r.text
 
     def complete(self, job: dict[str, Any], output: Any) -> None:
-        r = self.http.post(f"/v1/workers/{self.id}/jobs/{job['id']}/complete",
-                           json={"token": job["token"], "output": output})
+        r = self.http.post(
+            f"/v1/workers/{self.id}/jobs/{job['id']}/complete", json={"token": job["token"], "output": output}
+        )
         assert r.status_code == 200, r.text
 
     def fail(self, job: dict[str, Any], error: str, retryable: bool = False) -> None:
-        r = self.http.post(f"/v1/workers/{self.id}/jobs/{job['id']}/fail",
-                           json={"token": job["token"], "error": error, "retryable": retryable})
+        r = self.http.post(
+            f"/v1/workers/{self.id}/jobs/{job['id']}/fail",
+            json={"token": job["token"], "error": error, "retryable": retryable},
+        )
         assert r.status_code == 200, r.text
 
     def close(self) -> None:

@@ -24,8 +24,14 @@ def echo(input: Any, ctx: JobContext) -> dict[str, Any]:
     if slow:
         time.sleep(slow)
     loaded = ctx.loaded or {}
-    return {"echo": input, "job": ctx.id, "attempt": ctx.attempt, "pid": os.getpid(), "loads": loaded.get("loads"),
-            "load_calls": LOADS["count"]}
+    return {
+        "echo": input,
+        "job": ctx.id,
+        "attempt": ctx.attempt,
+        "pid": os.getpid(),
+        "loads": loaded.get("loads"),
+        "load_calls": LOADS["count"],
+    }
 
 
 def boom(input: Any) -> Any:

@@ -120,11 +120,27 @@ class RcloneS3:
         raise AssertionError("unreachable")
 
     def _launch(self) -> None:
-        cmd = [rclone_binary(), "serve", "s3", "--addr", f"{HOST}:{self.port}", "--auth-key",
-               f"{self.access_key},{self.secret_key}", "--config", os.devnull, str(self.dir)]
+        cmd = [
+            rclone_binary(),
+            "serve",
+            "s3",
+            "--addr",
+            f"{HOST}:{self.port}",
+            "--auth-key",
+            f"{self.access_key},{self.secret_key}",
+            "--config",
+            os.devnull,
+            str(self.dir),
+        ]
         with open(self.logfile, "wb") as log:
-            self._proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                                          start_new_session=True, preexec_fn=_die_with_parent)
+            self._proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
         _live.add(self)
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline and self.running:

@@ -24,15 +24,15 @@ def new_queue(tag: str = "q") -> str:
 
 
 @contextmanager
-def server(redis_url: str, storage: dict[str, Any] | None = None, settings: dict[str, Any] | None = None,
-           **options: Any) -> Iterator[tuple[str, str]]:
+def server(
+    redis_url: str, storage: dict[str, Any] | None = None, settings: dict[str, Any] | None = None, **options: Any
+) -> Iterator[tuple[str, str]]:
     """Yields (base URL, bootstrap admin token). Local storage unless `storage` is given."""
     admin = options.pop("admin_key", None) or "boot-" + secrets.token_urlsafe(24)
     storage = storage or {"kind": "local", "path": tempfile.mkdtemp(prefix="offload-server-")}
     config = Settings.model_validate({**(settings or {}), "storage": storage})
     options.setdefault("auth_fail_limit", 100_000)  # tests present bad keys on purpose; test_security tests the limit
-    opts = ServerOptions(redis_url=redis_url, settings=config, admin_key=admin, maintenance_interval_s=0.2,
-                         **options)
+    opts = ServerOptions(redis_url=redis_url, settings=config, admin_key=admin, maintenance_interval_s=0.2, **options)
     with running_server(opts) as url:
         yield url, admin
 

@@ -31,8 +31,15 @@ def check_runpod() -> dict[str, Any]:
     to_cancel = endpoint.run({"id": "rp-3"})
     cancelled = to_cancel.cancel()
     health = endpoint.health()
-    return {"job_id": job.job_id, "status": status, "output": output, "sync_output": sync_output,
-            "cancelled": cancelled, "cancel_status": to_cancel.status(), "health": health}
+    return {
+        "job_id": job.job_id,
+        "status": status,
+        "output": output,
+        "sync_output": sync_output,
+        "cancelled": cancelled,
+        "cancel_status": to_cancel.status(),
+        "health": health,
+    }
 
 
 def check_fal() -> dict[str, Any]:
@@ -49,9 +56,14 @@ def check_fal() -> dict[str, Any]:
     to_cancel.cancel()
     after_cancel = to_cancel.status()
     return {
-        "request_id": handle.request_id, "status_url": handle.status_url, "events": events, "result": result,
-        "rebuilt_status": type(rebuilt).__name__, "rebuilt_result": rebuilt_result,
-        "cancel_status": type(after_cancel).__name__, "cancel_error": getattr(after_cancel, "error", None),
+        "request_id": handle.request_id,
+        "status_url": handle.status_url,
+        "events": events,
+        "result": result,
+        "rebuilt_status": type(rebuilt).__name__,
+        "rebuilt_result": rebuilt_result,
+        "cancel_status": type(after_cancel).__name__,
+        "cancel_error": getattr(after_cancel, "error", None),
     }
 
 
@@ -61,8 +73,11 @@ def check_replicate(base_url: str) -> dict[str, Any]:
 
     client = Client(api_token="sim-key", base_url=base_url)
     client.poll_interval = POLL
-    created = client.predictions.create(version="5c7d5dc6dd8bf75c1acaa8565735e7986bc5b66206b55cca93cb72c9bf15ccaa",
-                                        input={"id": "rep-1", "prompt": "a cat"}, webhook="https://example/hook?tag=t1")
+    created = client.predictions.create(
+        version="5c7d5dc6dd8bf75c1acaa8565735e7986bc5b66206b55cca93cb72c9bf15ccaa",
+        input={"id": "rep-1", "prompt": "a cat"},
+        webhook="https://example/hook?tag=t1",
+    )
     created.wait()
     ran = client.run("sim-owner/sim-model", input={"id": "rep-2"})
     to_cancel = client.models.predictions.create(model="sim-owner/sim-model", input={"id": "rep-3"})
@@ -75,8 +90,13 @@ def check_replicate(base_url: str) -> dict[str, Any]:
     except replicate.exceptions.ReplicateError as exc:
         missing = {"status": exc.status, "title": exc.title, "detail": exc.detail}
     return {
-        "status": created.status, "output": created.output, "metrics": created.metrics, "urls": created.urls,
-        "run_output": ran, "cancel_status": to_cancel.status, "listed": [p.id for p in page.results],
+        "status": created.status,
+        "output": created.output,
+        "metrics": created.metrics,
+        "urls": created.urls,
+        "run_output": ran,
+        "cancel_status": to_cancel.status,
+        "listed": [p.id for p in page.results],
         "missing": missing,
     }
 
@@ -86,11 +106,18 @@ def check_openai(base_url: str) -> dict[str, Any]:
 
     client = openai.OpenAI(api_key="sim-key", base_url=f"{base_url}/v1", max_retries=0)
     completion = client.chat.completions.create(
-        model="sim-model", messages=[{"role": "user", "content": "hello"}], metadata={"job_id": "oai-1"},
+        model="sim-model",
+        messages=[{"role": "user", "content": "hello"}],
+        metadata={"job_id": "oai-1"},
     )
     message = completion.choices[0].message.content or ""
-    return {"id": completion.id, "object": completion.object, "finish_reason": completion.choices[0].finish_reason,
-            "usage": completion.usage.model_dump() if completion.usage else None, "content": json.loads(message)}
+    return {
+        "id": completion.id,
+        "object": completion.object,
+        "finish_reason": completion.choices[0].finish_reason,
+        "usage": completion.usage.model_dump() if completion.usage else None,
+        "content": json.loads(message),
+    }
 
 
 def check_openai_throttled(base_url: str) -> dict[str, Any]:
@@ -100,8 +127,12 @@ def check_openai_throttled(base_url: str) -> dict[str, Any]:
     try:
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
     except openai.RateLimitError as exc:
-        return {"status": exc.status_code, "code": exc.code, "type": exc.type,
-                "retry_after": exc.response.headers.get("retry-after")}
+        return {
+            "status": exc.status_code,
+            "code": exc.code,
+            "type": exc.type,
+            "retry_after": exc.response.headers.get("retry-after"),
+        }
     return {}
 
 

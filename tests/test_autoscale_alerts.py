@@ -95,15 +95,18 @@ def wait_for(check: Any, timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-async def test_webhook_and_email_delivery_with_retries_and_cooldown(r: Any, receiver: Receiver,
-                                                                     smtp: tuple[Sink, int]) -> None:
+async def test_webhook_and_email_delivery_with_retries_and_cooldown(
+    r: Any, receiver: Receiver, smtp: tuple[Sink, int]
+) -> None:
     sink, port = smtp
     clock = Clock()
-    settings = alert_settings({
-        "webhooks": [{"url": receiver.url, "headers": {"X-Token": "t0k"}}],
-        "email": {"host": "127.0.0.1", "port": port, "from_addr": "offload@example.com", "to": ["ops@example.com"]},
-        "cooldown": "10m",
-    })
+    settings = alert_settings(
+        {
+            "webhooks": [{"url": receiver.url, "headers": {"X-Token": "t0k"}}],
+            "email": {"host": "127.0.0.1", "port": port, "from_addr": "offload@example.com", "to": ["ops@example.com"]},
+            "cooldown": "10m",
+        }
+    )
     alerter = Alerter(settings, r, clock)
     assert await alerter.alert("boot_timeout", "gpu", "instance as-1 had no ready worker")
     assert not await alerter.alert("boot_timeout", "gpu", "again")  # within the cooldown
@@ -125,9 +128,18 @@ async def test_webhook_and_email_delivery_with_retries_and_cooldown(r: Any, rece
 async def test_queue_monitors_dead_letter_growth_and_latency(r: Any, receiver: Receiver) -> None:
     clock = Clock()
     store = QueueStore(r, clock=lambda: int(clock() * 1000))
-    alerter = Alerter(alert_settings({"webhooks": [{"url": receiver.url, "kinds": ["dead_letter_growth",
-                                                                                   "queue_latency"]}],
-                                      "dead_letter_growth": 3, "queue_latency": "5m", "cooldown": 0}), r, clock)
+    alerter = Alerter(
+        alert_settings(
+            {
+                "webhooks": [{"url": receiver.url, "kinds": ["dead_letter_growth", "queue_latency"]}],
+                "dead_letter_growth": 3,
+                "queue_latency": "5m",
+                "cooldown": 0,
+            }
+        ),
+        r,
+        clock,
+    )
     await store.enqueue_many("q1", [JobSpec(input=i, max_attempts=1) for i in range(5)])
     await alerter.monitor(store, ["q1"])  # baseline
     jobs = await store.claim("q1", "w", 3)
@@ -157,8 +169,12 @@ async def test_a_boot_timeout_reaches_an_autoscale_failure_filter(r: Any, receiv
     """A machine that never booted is an autoscale failure: a target filtering on `autoscale_failure` gets it.
     Before the fix it was sent only as `boot_timeout`, which such a filter missed."""
     clock = Clock()
-    s, _ = make_scaler(r, clock, queue_block(boot_timeout="2m"), alerts={
-        "webhooks": [{"url": receiver.url, "kinds": ["autoscale_failure"]}]})
+    s, _ = make_scaler(
+        r,
+        clock,
+        queue_block(boot_timeout="2m"),
+        alerts={"webhooks": [{"url": receiver.url, "kinds": ["autoscale_failure"]}]},
+    )
     await QueueStore(r).enqueue("gpu", JobSpec(input=1))
     for _ in range(6):
         await s.tick()

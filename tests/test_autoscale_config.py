@@ -22,19 +22,22 @@ from offload.connection import connect
 from offload.errors import ConfigError
 
 
-@pytest.mark.parametrize(("block", "message"), [
-    ({"enabled": True, "max_workers": 2}, "q.provider: required"),
-    ({"enabled": True, "provider": "p"}, "q.max_workers: required"),
-    ({"provider": "p", "min_workers": 3, "max_workers": 2}, "q.min_workers: 3 is above max_workers"),
-    ({"poll_interval": "soon"}, "q.poll_interval: bad duration"),
-    ({"scale_up": [{"trigger": "queue_depth"}]}, "q.scale_up.0.threshold: Field required"),
-    ({"scale_up": [{"trigger": "schedule", "cron": "0 25 * * *"}]}, "q.scale_up.0.cron: bad cron '0 25 * * *'"),
-    ({"scale_up": [{"trigger": "grow"}]}, "q.scale_up.0"),
-    ({"scale_down": [{"trigger": "idle", "timeout": 0}]}, "q.scale_down.0.timeout"),
-    ({"instance": {"disk_gb": 0}}, "q.instance.disk_gb"),
-    ({"instance": {"env": {"OFFLOAD_TOKEN": "x"}}}, "q.instance.env: OFFLOAD_TOKEN is set by"),
-    ({"timezone": "Mars/Olympus"}, "q.timezone: unknown time zone"),
-])
+@pytest.mark.parametrize(
+    ("block", "message"),
+    [
+        ({"enabled": True, "max_workers": 2}, "q.provider: required"),
+        ({"enabled": True, "provider": "p"}, "q.max_workers: required"),
+        ({"provider": "p", "min_workers": 3, "max_workers": 2}, "q.min_workers: 3 is above max_workers"),
+        ({"poll_interval": "soon"}, "q.poll_interval: bad duration"),
+        ({"scale_up": [{"trigger": "queue_depth"}]}, "q.scale_up.0.threshold: Field required"),
+        ({"scale_up": [{"trigger": "schedule", "cron": "0 25 * * *"}]}, "q.scale_up.0.cron: bad cron '0 25 * * *'"),
+        ({"scale_up": [{"trigger": "grow"}]}, "q.scale_up.0"),
+        ({"scale_down": [{"trigger": "idle", "timeout": 0}]}, "q.scale_down.0.timeout"),
+        ({"instance": {"disk_gb": 0}}, "q.instance.disk_gb"),
+        ({"instance": {"env": {"OFFLOAD_TOKEN": "x"}}}, "q.instance.env: OFFLOAD_TOKEN is set by"),
+        ({"timezone": "Mars/Olympus"}, "q.timezone: unknown time zone"),
+    ],
+)
 def test_validation_names_the_field(block: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError) as err:
         validate_autoscale(block, "q")
@@ -53,8 +56,9 @@ def test_offload_yaml_autoscale_block_is_checked_with_its_path(tmp_path: Path) -
     f.write_text("queues:\n  gpu:\n    autoscale: {enabled: true, provider: p, max_workers: 0}\n")
     with pytest.raises(ConfigError, match=r"^queues\.gpu\.autoscale\.max_workers: Input should be greater"):
         load_settings(f, env={})
-    f.write_text("queues:\n  gpu:\n    autoscale: {enabled: true, provider: p, max_workers: 2}\n"
-                 "autoscaler: {tick: -1}\n")
+    f.write_text(
+        "queues:\n  gpu:\n    autoscale: {enabled: true, provider: p, max_workers: 2}\nautoscaler: {tick: -1}\n"
+    )
     with pytest.raises(ConfigError, match=r"^autoscaler\.tick"):
         load_settings(f, env={})
     f.write_text("queues:\n  gpu:\n    autoscale: {enabled: true, provider: p, max_workers: 2}\n")
@@ -132,19 +136,59 @@ async def _no_key_create(r: Any) -> None:
 def test_cli_providers_and_status(fast_valkey_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     runner = CliRunner()
     monkeypatch.delenv("OFFLOAD_VAULT_MASTER_KEY", raising=False)
-    res = runner.invoke(app, ["providers", "add", "rp", "--type", "runpod", "--url", fast_valkey_url,
-                              "--config", '{"api_key": "rpa_0123456789abcdef"}'])
+    res = runner.invoke(
+        app,
+        [
+            "providers",
+            "add",
+            "rp",
+            "--type",
+            "runpod",
+            "--url",
+            fast_valkey_url,
+            "--config",
+            '{"api_key": "rpa_0123456789abcdef"}',
+        ],
+    )
     assert res.exit_code == 1 and "OFFLOAD_VAULT_MASTER_KEY is not set" in res.output
     monkeypatch.setenv("OFFLOAD_VAULT_MASTER_KEY", VAULT_KEY)
-    res = runner.invoke(app, ["autoscale", "providers", "create", "rp", "--type", "runpod", "--url", fast_valkey_url,
-                              "--config", '{"api_key": "rpa_0123456789abcdef"}', "--set",
-                              'gpu_type_ids=["NVIDIA RTX A5000"]'])
+    res = runner.invoke(
+        app,
+        [
+            "autoscale",
+            "providers",
+            "create",
+            "rp",
+            "--type",
+            "runpod",
+            "--url",
+            fast_valkey_url,
+            "--config",
+            '{"api_key": "rpa_0123456789abcdef"}',
+            "--set",
+            'gpu_type_ids=["NVIDIA RTX A5000"]',
+        ],
+    )
     assert res.exit_code == 0, res.output
     res = runner.invoke(app, ["providers", "show", "rp", "--url", fast_valkey_url])
     shown = json.loads(res.output)
     assert shown["config"]["api_key"] == "****cdef" and shown["config"]["gpu_type_ids"] == ["NVIDIA RTX A5000"]
-    res = runner.invoke(app, ["providers", "add", "bad", "--type", "vastai", "--url", fast_valkey_url,
-                              "--set", "api_key=k", "--set", "countries=5"])
+    res = runner.invoke(
+        app,
+        [
+            "providers",
+            "add",
+            "bad",
+            "--type",
+            "vastai",
+            "--url",
+            fast_valkey_url,
+            "--set",
+            "api_key=k",
+            "--set",
+            "countries=5",
+        ],
+    )
     assert res.exit_code == 1 and "config.countries" in res.output
     res = runner.invoke(app, ["autoscale", "status", "--url", fast_valkey_url])
     assert res.exit_code == 0 and "INSTANCE ID" in res.output and "leader: none" in res.output
@@ -165,5 +209,9 @@ def test_readme_autoscaling_example_loads(tmp_path: Path) -> None:
     f.write_text(block.group(1))
     settings = load_settings(f, env={"OFFLOAD_WORKER_API_KEY": "ofk_w", "HOOK_TOKEN": "t", "SMTP_PASSWORD": "p"})
     cfg = validate_autoscale(settings.queues["inference"].autoscale, "q")
-    assert cfg.max_workers == 4 and [t.trigger for t in cfg.scale_up] == ["no_workers", "queue_depth", "latency",
-                                                                          "schedule"]
+    assert cfg.max_workers == 4 and [t.trigger for t in cfg.scale_up] == [
+        "no_workers",
+        "queue_depth",
+        "latency",
+        "schedule",
+    ]

@@ -105,8 +105,9 @@ class Fleet:
                     w.job, w.job_done_at = (got[0].id, got[0].token), now + JOB_SECONDS
             if w.job is not None:
                 await self.store.heartbeat("gpu", w.id, [w.job[0]], lease_ms=600_000)
-            await put_worker(self.r, w.id, "gpu", w.instance, now, in_flight=int(w.job is not None),
-                             protected=w.protected)
+            await put_worker(
+                self.r, w.id, "gpu", w.instance, now, in_flight=int(w.job is not None), protected=w.protected
+            )
             if draining:
                 await self.r.hset(f"offload:rworker:{w.id}", "draining", 1)
         await self.store.reap("gpu")
@@ -121,18 +122,27 @@ async def r(fast_valkey_url: str) -> AsyncIterator[Any]:
 
 def day_block() -> dict[str, Any]:
     return queue_block(
-        max_workers=4, poll_interval="60s", boot_timeout="10m",
-        scale_up=[{"trigger": "no_workers"}, {"trigger": "queue_depth", "threshold": 20},
-                  {"trigger": "latency", "max_latency": "5m"},
-                  {"trigger": "schedule", "cron": "0 8 * * 1-5", "workers": 2, "duration": "10h"}],
+        max_workers=4,
+        poll_interval="60s",
+        boot_timeout="10m",
+        scale_up=[
+            {"trigger": "no_workers"},
+            {"trigger": "queue_depth", "threshold": 20},
+            {"trigger": "latency", "max_latency": "5m"},
+            {"trigger": "schedule", "cron": "0 8 * * 1-5", "workers": 2, "duration": "10h"},
+        ],
         scale_down=[{"trigger": "idle", "timeout": "10m"}, {"trigger": "schedule", "cron": "0 22 * * *"}],
     )
 
 
 def new_scaler(r: Any, clock: Clock, owner: str) -> tuple[Autoscaler, MockProvider]:
     scaler, _ = make_scaler(r, clock, day_block(), owner=owner, server={"leader_ttl": 90})
-    mock = CrashingMock("m", MockConfig(boot_seconds=BOOT_SECONDS, fail_destroys=2, price_per_hour=0.4,
-                                       allow_worker_protect=True), r, clock)
+    mock = CrashingMock(
+        "m",
+        MockConfig(boot_seconds=BOOT_SECONDS, fail_destroys=2, price_per_hour=0.4, allow_worker_protect=True),
+        r,
+        clock,
+    )
     scaler.override = {"m": mock}
     return scaler, mock
 
@@ -164,8 +174,13 @@ async def test_a_day_of_bursty_load(r: Any) -> None:
         await fleet.step(scaler)
         live_before = await scaler.instances.live()
         registered = {w.instance for w in fleet.workers.values()}
-        booting = any(i.status in ("provisioning", "booting") and i.id not in registered and i.teardown != "pending"
-                      and clock() - i.created_at <= 600 for i in live_before)  # still booting after this tick
+        booting = any(
+            i.status in ("provisioning", "booting")
+            and i.id not in registered
+            and i.teardown != "pending"
+            and clock() - i.created_at <= 600
+            for i in live_before
+        )  # still booting after this tick
         before_ids = {i.id for i in live_before}
         try:
             await scaler.tick()
@@ -181,10 +196,12 @@ async def test_a_day_of_bursty_load(r: Any) -> None:
         max_active = max(max_active, len(active))
         new = [i.id for i in live if i.id not in before_ids]
         if booting and new:
-            reasons = [e["message"] for _, e in await r.xrange(keys.EVENTS) if e.get("kind") == "provisioning"
-                       and e.get("instance") in new]
-            stacked += [m for m in reasons if "schedule" not in m and "no_workers" not in m
-                        and "min_workers" not in m]
+            reasons = [
+                e["message"]
+                for _, e in await r.xrange(keys.EVENTS)
+                if e.get("kind") == "provisioning" and e.get("instance") in new
+            ]
+            stacked += [m for m in reasons if "schedule" not in m and "no_workers" not in m and "min_workers" not in m]
         clock.advance(TICK)
     await fleet.step(scaler)
 

@@ -56,14 +56,24 @@ async def r(valkey: ValkeyServer) -> AsyncIterator[Any]:
 
 
 @pytest.mark.xdist_group("autoscale-e2e")
-async def test_local_provider_end_to_end(r: Any, valkey: ValkeyServer, tmp_path: Path,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_local_provider_end_to_end(
+    r: Any, valkey: ValkeyServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("OFFLOAD_VAULT_MASTER_KEY", VAULT_KEY)
     queue = "e2e-" + secrets.token_hex(3)
     _, worker_token = await KeyStore(r).create("worker", [queue], "autoscaled workers")
-    await ProviderStore(r, Vault(VAULT_KEY)).create("here", "local", {
-        "handler": "tests.handlers:echo", "python": sys.executable, "workdir": str(REPO), "grace": 5,
-        "log_dir": str(tmp_path / "logs"), "stop_timeout": 5})
+    await ProviderStore(r, Vault(VAULT_KEY)).create(
+        "here",
+        "local",
+        {
+            "handler": "tests.handlers:echo",
+            "python": sys.executable,
+            "workdir": str(REPO),
+            "grace": 5,
+            "log_dir": str(tmp_path / "logs"),
+            "stop_timeout": 5,
+        },
+    )
     try:
         await _local_end_to_end(r, valkey, tmp_path, queue, worker_token)
     finally:  # whatever happened, no worker process outlives the test
@@ -75,17 +85,40 @@ async def test_local_provider_end_to_end(r: Any, valkey: ValkeyServer, tmp_path:
 async def _local_end_to_end(r: Any, valkey: ValkeyServer, tmp_path: Path, queue: str, worker_token: str) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    settings = Settings.model_validate({
-        "storage": {"kind": "local", "path": str(tmp_path / "results")},
-        "queues": {queue: {"autoscale": {
-            "enabled": True, "provider": "here", "max_workers": 1, "poll_interval": "1s", "boot_timeout": "60s",
-            "scale_up": [{"trigger": "no_workers"}], "scale_down": [{"trigger": "idle", "timeout": "3s"}]}}},
-        "autoscaler": {"public_url": url, "worker_key": worker_token, "tick": 0.2, "drain_settle": 1,
-                       "recent_task": 1},
-    })
+    settings = Settings.model_validate(
+        {
+            "storage": {"kind": "local", "path": str(tmp_path / "results")},
+            "queues": {
+                queue: {
+                    "autoscale": {
+                        "enabled": True,
+                        "provider": "here",
+                        "max_workers": 1,
+                        "poll_interval": "1s",
+                        "boot_timeout": "60s",
+                        "scale_up": [{"trigger": "no_workers"}],
+                        "scale_down": [{"trigger": "idle", "timeout": "3s"}],
+                    }
+                }
+            },
+            "autoscaler": {
+                "public_url": url,
+                "worker_key": worker_token,
+                "tick": 0.2,
+                "drain_settle": 1,
+                "recent_task": 1,
+            },
+        }
+    )
     admin = "admin-" + secrets.token_hex(16)
-    options = ServerOptions(redis_url=valkey.url, settings=settings, admin_key=admin, worker_lease_ms=1500,
-                            maintenance_interval_s=0.2, max_wait_s=1)
+    options = ServerOptions(
+        redis_url=valkey.url,
+        settings=settings,
+        admin_key=admin,
+        worker_lease_ms=1500,
+        maintenance_interval_s=0.2,
+        max_wait_s=1,
+    )
     with running_server(options, port=port):
         api = httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {admin}"}, timeout=10)
         store = QueueStore(r)
@@ -137,15 +170,32 @@ async def _local_end_to_end(r: Any, valkey: ValkeyServer, tmp_path: Path, queue:
 async def test_two_autoscalers_only_the_leader_calls_the_provider(r: Any) -> None:
     cfg = SimConfig.model_validate({"api_key": "k", "machines": {"boot_seconds": 0.2}})
     with running_sim(cfg) as sim_url:
-        settings = Settings.model_validate({
-            "queues": {"gpu": {"autoscale": {
-                "enabled": True, "provider": "v", "max_workers": 2, "poll_interval": "0.2s", "boot_timeout": "60s",
-                "instance": {"image": "ghcr.io/me/worker:1", "max_price_per_hour": 1.0},
-                "scale_down": [{"trigger": "idle", "timeout": "1s"}]}}},
-            "autoscaler": {"public_url": "https://cp.example.com", "worker_key": await worker_token(r), "tick": 0.05,
-                           "recent_task": 0,
-                           "leader_ttl": 1.0, "drain_settle": 0, "orphan_sweep_interval": 0.5},
-        })
+        settings = Settings.model_validate(
+            {
+                "queues": {
+                    "gpu": {
+                        "autoscale": {
+                            "enabled": True,
+                            "provider": "v",
+                            "max_workers": 2,
+                            "poll_interval": "0.2s",
+                            "boot_timeout": "60s",
+                            "instance": {"image": "ghcr.io/me/worker:1", "max_price_per_hour": 1.0},
+                            "scale_down": [{"trigger": "idle", "timeout": "1s"}],
+                        }
+                    }
+                },
+                "autoscaler": {
+                    "public_url": "https://cp.example.com",
+                    "worker_key": await worker_token(r),
+                    "tick": 0.05,
+                    "recent_task": 0,
+                    "leader_ttl": 1.0,
+                    "drain_settle": 0,
+                    "orphan_sweep_interval": 0.5,
+                },
+            }
+        )
 
         def scaler(owner: str) -> Autoscaler:
             vast = VastProvider("v", VastConfig(api_key="k", base_url=sim_url, gpu_name="RTX 4090"))
@@ -208,19 +258,25 @@ async def test_autoscale_api(r: Any, valkey: ValkeyServer, tmp_path: Path, monke
     monkeypatch.setenv("OFFLOAD_AUTOSCALER", "off")
     admin = "admin-" + secrets.token_hex(16)
     _, viewer = await KeyStore(r).create("viewer", [], "dashboards")
-    options = ServerOptions(redis_url=valkey.url, admin_key=admin,
-                            settings=Settings.model_validate({"storage": {"kind": "local", "path": str(tmp_path)}}))
+    options = ServerOptions(
+        redis_url=valkey.url,
+        admin_key=admin,
+        settings=Settings.model_validate({"storage": {"kind": "local", "path": str(tmp_path)}}),
+    )
     with running_server(options) as url:
-        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {admin}"}) as api, \
-                httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {viewer}"}) as view:
+        async with (
+            httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {admin}"}) as api,
+            httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {viewer}"}) as view,
+        ):
             body = {"name": "gpu-runpod", "type": "runpod", "config": {"api_key": "rpa_abcdefghijkl1234"}}
             assert (await view.post("/v1/autoscale/providers", json=body)).status_code == 403
             created = await api.post("/v1/autoscale/providers", json=body)
             assert created.status_code == 201 and created.json()["config"]["api_key"] == "****1234"
             bad = await api.post("/v1/autoscale/providers", json={"name": "x", "type": "gcp"})
             assert bad.status_code == 422 and "type: unknown provider type" in bad.text
-            kept = await api.patch("/v1/autoscale/providers/gpu-runpod",
-                                   json={"api_key": "****1234", "cloud_type": "COMMUNITY"})
+            kept = await api.patch(
+                "/v1/autoscale/providers/gpu-runpod", json={"api_key": "****1234", "cloud_type": "COMMUNITY"}
+            )
             assert kept.status_code == 200 and kept.json()["config"]["cloud_type"] == "COMMUNITY"
             listed = (await view.get("/v1/autoscale/providers")).json()
             assert listed[0]["config"]["api_key"] == "****1234" and "rpa_" not in str(listed)

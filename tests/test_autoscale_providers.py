@@ -16,8 +16,16 @@ from offload.sim.server import running_sim
 
 
 def spec(label: str = "offload-as-1", gpu: str | None = None, **kw: object) -> LaunchSpec:
-    base: dict[str, object] = dict(label=label, queue="gpu", image="ghcr.io/me/worker:1", gpu=gpu, gpu_count=1,
-                                   disk_gb=40, max_price_per_hour=0.5, env={"OFFLOAD_INSTANCE_ID": "as-1"})
+    base: dict[str, object] = dict(
+        label=label,
+        queue="gpu",
+        image="ghcr.io/me/worker:1",
+        gpu=gpu,
+        gpu_count=1,
+        disk_gb=40,
+        max_price_per_hour=0.5,
+        env={"OFFLOAD_INSTANCE_ID": "as-1"},
+    )
     base.update(kw)
     return LaunchSpec(**base)  # type: ignore[arg-type]
 
@@ -29,15 +37,23 @@ def sim_config(**machines: object) -> SimConfig:
 async def test_runpod_rest_preference_list_out_of_stock_and_label_guard() -> None:
     cfg = sim_config(out_of_stock=["NVIDIA GeForce RTX 4090"])
     with running_sim(cfg) as url:
-        rp = RunPodProvider("rp", RunPodConfig(api_key="k", base_url=url, min_cuda_version="12.4",
-                                               gpu_type_ids=["NVIDIA GeForce RTX 4090", "NVIDIA RTX A5000"]))
+        rp = RunPodProvider(
+            "rp",
+            RunPodConfig(
+                api_key="k",
+                base_url=url,
+                min_cuda_version="12.4",
+                gpu_type_ids=["NVIDIA GeForce RTX 4090", "NVIDIA RTX A5000"],
+            ),
+        )
         m = await rp.create(spec())
         assert m.raw["gpu"]["id"] == "NVIDIA RTX A5000"  # the first choice was out of stock
         assert m.price_per_hour == pytest.approx(0.36) and m.state == MachineState.RUNNING
         # a hand-made pod in the same account: never listed, never destroyed
         async with httpx.AsyncClient(base_url=url, headers={"Authorization": "Bearer k"}) as c:
-            foreign = (await c.post("/v2/pods", json={"name": "prod-db", "image": "x",
-                                                      "gpu": {"id": "NVIDIA RTX A5000"}})).json()["id"]
+            foreign = (
+                await c.post("/v2/pods", json={"name": "prod-db", "image": "x", "gpu": {"id": "NVIDIA RTX A5000"}})
+            ).json()["id"]
         assert [x.provider_id for x in await rp.list()] == [m.provider_id]
         with pytest.raises(NotOurs):
             await rp.destroy(foreign)
@@ -45,8 +61,9 @@ async def test_runpod_rest_preference_list_out_of_stock_and_label_guard() -> Non
         await rp.destroy(m.provider_id)  # already gone: still success
         assert await rp.get(m.provider_id) is None
         with pytest.raises(OutOfCapacity):
-            await RunPodProvider("rp", RunPodConfig(api_key="k", base_url=url,
-                                                    gpu_type_id="NVIDIA GeForce RTX 4090")).create(spec())
+            await RunPodProvider(
+                "rp", RunPodConfig(api_key="k", base_url=url, gpu_type_id="NVIDIA GeForce RTX 4090")
+            ).create(spec())
         with pytest.raises(ProviderError, match="rejected"):
             await RunPodProvider("rp", RunPodConfig(api_key="bad", base_url=url)).list()
         await rp.aclose()
@@ -54,7 +71,10 @@ async def test_runpod_rest_preference_list_out_of_stock_and_label_guard() -> Non
 
 async def test_runpod_graphql_fallback_and_failing_terminate() -> None:
     with running_sim(sim_config(rest_disabled=True, destroy_failures=5)) as url:
-        rp = RunPodProvider("rp", RunPodConfig(api_key="k", base_url=url), )
+        rp = RunPodProvider(
+            "rp",
+            RunPodConfig(api_key="k", base_url=url),
+        )
         m = await rp.create(spec(gpu="NVIDIA GeForce RTX 3090"))
         assert rp.use_graphql and m.label == "offload-as-1" and m.price_per_hour == pytest.approx(0.43)
         assert [x.provider_id for x in await rp.list()] == [m.provider_id]
@@ -68,8 +88,9 @@ async def test_runpod_graphql_fallback_and_failing_terminate() -> None:
 
 
 async def test_runpod_429_and_ambiguous_5xx_create() -> None:
-    cfg = SimConfig.model_validate({"seed": 3, "machines": {"boot_seconds": 0},
-                                    "families": {"pods": {"rate_429": 0.5, "retry_after_seconds": 0}}})
+    cfg = SimConfig.model_validate(
+        {"seed": 3, "machines": {"boot_seconds": 0}, "families": {"pods": {"rate_429": 0.5, "retry_after_seconds": 0}}}
+    )
     with running_sim(cfg) as url:
         rp = RunPodProvider("rp", RunPodConfig(api_key="k", base_url=url, gpu_type_id="NVIDIA RTX A5000"))
         rp.http.attempts = 8
@@ -107,10 +128,14 @@ async def test_vast_filters_cheapest_offer_taken_and_avoided_hosts() -> None:
 
 
 async def test_vast_broken_host_preemption_and_429_without_retry_after() -> None:
-    cfg = SimConfig.model_validate({
-        "seed": 1, "api_key": "k", "machines": {"boot_seconds": 0, "broken_hosts": ["1001"]},
-        "families": {"vastai": {"rate_429": 0.4}},
-    })
+    cfg = SimConfig.model_validate(
+        {
+            "seed": 1,
+            "api_key": "k",
+            "machines": {"boot_seconds": 0, "broken_hosts": ["1001"]},
+            "families": {"vastai": {"rate_429": 0.4}},
+        }
+    )
     with running_sim(cfg) as url:
         vast = VastProvider("v", VastConfig(api_key="k", base_url=url, gpu_name="RTX 4090"))
         vast.http.attempts = 10

@@ -58,8 +58,11 @@ async def only(s: Autoscaler) -> Instance:
 
 async def test_no_stacking_while_an_instance_boots(r: Any) -> None:
     clock = Clock()
-    s, mock = make_scaler(r, clock, queue_block(scale_up=[{"trigger": "queue_depth", "threshold": 2},
-                                                          {"trigger": "latency", "max_latency": "1m"}]))
+    s, mock = make_scaler(
+        r,
+        clock,
+        queue_block(scale_up=[{"trigger": "queue_depth", "threshold": 2}, {"trigger": "latency", "max_latency": "1m"}]),
+    )
     await enqueue(r, clock, 10)
     await s.tick()
     await step(s, clock, times=8)  # 4 minutes of depth 10 and a growing latency, nothing registered yet
@@ -116,8 +119,11 @@ async def _running(s: Autoscaler, r: Any, clock: Clock, *, in_flight: int = 0, p
 
 async def test_busy_worker_is_never_scaled_down(r: Any) -> None:
     clock = Clock()
-    s, mock = make_scaler(r, clock, queue_block(scale_down=[{"trigger": "idle", "timeout": "1m"},
-                                                            {"trigger": "schedule", "cron": "*/5 * * * *"}]))
+    s, mock = make_scaler(
+        r,
+        clock,
+        queue_block(scale_down=[{"trigger": "idle", "timeout": "1m"}, {"trigger": "schedule", "cron": "*/5 * * * *"}]),
+    )
     await _running(s, r, clock, in_flight=1)
     for _ in range(40):  # 20 minutes: idle timeout long past, schedule fired four times
         clock.advance(30)
@@ -145,8 +151,12 @@ async def test_worker_that_touched_a_task_in_the_last_30s_is_spared(r: Any) -> N
 
 async def test_protected_instances_are_spared(r: Any) -> None:
     clock = Clock()
-    s, mock = make_scaler(r, clock, queue_block(scale_down=[{"trigger": "idle", "timeout": "1m"}]),
-                          mock=MockConfig(allow_worker_protect=True))  # this provider trusts workers' own flag
+    s, mock = make_scaler(
+        r,
+        clock,
+        queue_block(scale_down=[{"trigger": "idle", "timeout": "1m"}]),
+        mock=MockConfig(allow_worker_protect=True),
+    )  # this provider trusts workers' own flag
     inst = await _running(s, r, clock, protected=True)  # OFFLOAD_PROTECTED=true on the worker
     for _ in range(10):
         await put_worker(r, "w1", "gpu", inst.id, clock(), protected=True)
@@ -232,8 +242,12 @@ async def test_boot_timeout_destroys_and_backs_off_until_a_worker_is_ready(r: An
 
 def assert_no_leak_but_one(insts: list[Instance], machines: list[str]) -> bool:
     failed = [i for i in insts if i.status == "failed"]
-    return (len(machines) == 1 and len(failed) == 3 and all("boot_timeout" in i.reason for i in failed)
-            and all(i.teardown == "done" for i in failed))
+    return (
+        len(machines) == 1
+        and len(failed) == 3
+        and all("boot_timeout" in i.reason for i in failed)
+        and all(i.teardown == "done" for i in failed)
+    )
 
 
 async def test_lost_heartbeats_for_5_minutes_destroy_the_instance(r: Any) -> None:
@@ -254,8 +268,9 @@ async def test_broken_host_is_avoided_and_the_next_rental_waits_briefly(r: Any) 
     with running_sim(cfg, clock=clock) as url:
         vast = VastProvider("v", VastConfig(api_key="k", base_url=url, gpu_name="RTX 4090"))
         block = queue_block(provider="v", boot_timeout="20m")
-        s, _ = make_scaler(r, clock, block, server={"public_url": "https://cp.example.com",
-                                                    "worker_key": await worker_token(r)})
+        s, _ = make_scaler(
+            r, clock, block, server={"public_url": "https://cp.example.com", "worker_key": await worker_token(r)}
+        )
         s.override = {"v": vast}
         await enqueue(r, clock, 1)
         await s.tick()
@@ -332,8 +347,9 @@ async def test_real_providers_need_a_public_url_and_never_get_the_admin_key(r: A
 
 async def test_spend_cap_blocks_scale_up_and_alerts(r: Any) -> None:
     clock = Clock()
-    s, mock = make_scaler(r, clock, queue_block(daily_spend_cap=1.0, max_workers=1,
-                                                instance={"max_price_per_hour": 0.5}))
+    s, mock = make_scaler(
+        r, clock, queue_block(daily_spend_cap=1.0, max_workers=1, instance={"max_price_per_hour": 0.5})
+    )
     inst = await _running(s, r, clock)
     for _ in range(5):  # 2.5 h at $0.50/h
         await put_worker(r, "w1", "gpu", inst.id, clock() + 1800, in_flight=1)

@@ -41,11 +41,31 @@ def offload_server(name: str, config: Path, redis_url: str, admin: str, tmp: Pat
     env.update(OFFLOAD_ADMIN_KEY=admin, OFFLOAD_VAULT_MASTER_KEY=VAULT_KEY, PYTHONPATH=str(REPO))
     log = (tmp / f"{name}.log").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "offload", "server", "--port", str(port), "--config", str(config), "--url", redis_url,
-         "--log-level", "warning", "--no-access-log", "--worker-lease", "10"],
-        cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT)
+        [
+            sys.executable,
+            "-m",
+            "offload",
+            "server",
+            "--port",
+            str(port),
+            "--config",
+            str(config),
+            "--url",
+            redis_url,
+            "--log-level",
+            "warning",
+            "--no-access-log",
+            "--worker-lease",
+            "10",
+        ],
+        cwd=tmp,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
+
         def up() -> bool:
             assert proc.poll() is None, (tmp / f"{name}.log").read_text()
             try:
@@ -79,16 +99,35 @@ def test_two_server_processes_only_the_leader_rents_and_the_survivor_takes_over(
         valkey = stack.enter_context(ValkeyServer(tmp_path / "valkey", appendfsync="no"))
         sim_url = stack.enter_context(running_sim(cfg))
         config = tmp_path / "offload.yaml"
-        config.write_text(yaml.safe_dump({
-            "storage": {"kind": "local", "path": str(tmp_path / "results")},
-            "queues": {QUEUE: {"autoscale": {
-                "enabled": True, "provider": "v", "max_workers": 1, "poll_interval": "0.2s", "boot_timeout": "60s",
-                "instance": {"image": "ghcr.io/me/worker:1", "max_price_per_hour": 1.0},
-                "scale_down": [{"trigger": "idle", "timeout": "1s"}]}}},
-            "autoscaler": {"public_url": "https://cp.example.com", "tick": 0.1, "leader_ttl": 2, "recent_task": 0,
-                           "worker_key": direct_key(valkey.url, "worker", QUEUE), "drain_settle": 0,
-                           "orphan_sweep_interval": 60},
-        }))
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "storage": {"kind": "local", "path": str(tmp_path / "results")},
+                    "queues": {
+                        QUEUE: {
+                            "autoscale": {
+                                "enabled": True,
+                                "provider": "v",
+                                "max_workers": 1,
+                                "poll_interval": "0.2s",
+                                "boot_timeout": "60s",
+                                "instance": {"image": "ghcr.io/me/worker:1", "max_price_per_hour": 1.0},
+                                "scale_down": [{"trigger": "idle", "timeout": "1s"}],
+                            }
+                        }
+                    },
+                    "autoscaler": {
+                        "public_url": "https://cp.example.com",
+                        "tick": 0.1,
+                        "leader_ttl": 2,
+                        "recent_task": 0,
+                        "worker_key": direct_key(valkey.url, "worker", QUEUE),
+                        "drain_settle": 0,
+                        "orphan_sweep_interval": 60,
+                    },
+                }
+            )
+        )
         url_a, proc_a = stack.enter_context(offload_server("a", config, valkey.url, admin, tmp_path))
         api_a = stack.enter_context(client(url_a, admin))
         poll(lambda: me(api_a)["leader"], 10, "server a to lead")
@@ -98,8 +137,14 @@ def test_two_server_processes_only_the_leader_rents_and_the_survivor_takes_over(
         assert owner_a != owner_b and not me(api_b)["leader"]
 
         # the provider is registered through the API (encrypted in Redis); both processes can read it
-        created = api_b.post("/v1/autoscale/providers", json={"name": "v", "type": "vastai", "config": {
-            "api_key": "k", "base_url": sim_url, "gpu_name": "RTX 4090"}})
+        created = api_b.post(
+            "/v1/autoscale/providers",
+            json={
+                "name": "v",
+                "type": "vastai",
+                "config": {"api_key": "k", "base_url": sim_url, "gpu_name": "RTX 4090"},
+            },
+        )
         assert created.status_code == 201, created.text
         assert api_b.post(f"/v1/queues/{QUEUE}/jobs", json={"input": 1}).status_code == 201
 

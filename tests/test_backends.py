@@ -75,8 +75,11 @@ def sim(sim_url: str) -> Callable[..., None]:
 
 def settings_for(kind: str, base: str) -> dict[str, Any]:
     extra: dict[str, dict[str, Any]] = {
-        "http-job": {}, "runpod": {"endpoint_id": "ep-1"}, "replicate": {"version": "5c7d5dc6dd8bf75c"},
-        "fal": {"app": "fal-ai/flux/dev"}, "openai": {"model": "gpt-sim", "base_url": f"{base}/v1"},
+        "http-job": {},
+        "runpod": {"endpoint_id": "ep-1"},
+        "replicate": {"version": "5c7d5dc6dd8bf75c"},
+        "fal": {"app": "fal-ai/flux/dev"},
+        "openai": {"model": "gpt-sim", "base_url": f"{base}/v1"},
     }
     return {"base_url": base, "api_key": KEY, "timeout": 5, **extra[kind]}
 
@@ -200,8 +203,9 @@ async def test_429_retry_after_http_date(make: Make, sim: Callable[..., None]) -
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("garbage", ["invalid_json", "missing_fields"])
-async def test_malformed_submit_answer_is_transient(kind: str, garbage: str, make: Make,
-                                                    sim: Callable[..., None]) -> None:
+async def test_malformed_submit_answer_is_transient(
+    kind: str, garbage: str, make: Make, sim: Callable[..., None]
+) -> None:
     sim(malformed_rate=1.0, malformed_kind=garbage, faults_on=["submit"])
     backend = make(kind)
     if kind == "runpod" and garbage == "missing_fields":  # the sim drops `status`; the id is all we need
@@ -214,8 +218,9 @@ async def test_malformed_submit_answer_is_transient(kind: str, garbage: str, mak
 
 @pytest.mark.parametrize("kind", ASYNC_KINDS)
 @pytest.mark.parametrize("garbage", ["invalid_json", "missing_fields"])
-async def test_malformed_status_answer_is_transient(kind: str, garbage: str, make: Make,
-                                                    sim: Callable[..., None]) -> None:
+async def test_malformed_status_answer_is_transient(
+    kind: str, garbage: str, make: Make, sim: Callable[..., None]
+) -> None:
     sim(malformed_rate=1.0, malformed_kind=garbage, faults_on=["status"])
     backend = make(kind)
     submission = await backend.submit(INPUT, tag="job-1")
@@ -398,20 +403,23 @@ async def test_shared_client_many_concurrent_jobs(sim_url: str, sim: Callable[..
 # --- registry and config errors -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("kind", "settings", "message"), [
-    ("runpod", {}, "backends.x.endpoint_id is required for kind runpod"),
-    ("runpod", {"endpoint_id": "e", "endpiont": 1}, "backends.x.endpiont is not a setting of kind runpod"),
-    ("http-job", {}, "backends.x.base_url is required for kind http-job"),
-    ("http-job", {"base_url": "localhost:8000"}, "backends.x.base_url must be an http"),
-    ("fal", {"app": "a/b", "timeout": 0}, "backends.x.timeout must be a positive number"),
-    ("fal", {"api_key": ""}, "backends.x.api_key must be a non-empty string"),
-    ("fal", {}, "backends.x.app is required for kind fal"),
-    ("replicate", {}, "backends.x.version (or model, or deployment) is required"),
-    ("replicate", {"version": "v", "model": "a/b"}, "exactly one of version, model, deployment"),
-    ("replicate", {"model": "sdxl"}, "backends.x.model must look like owner/name"),
-    ("openai", {"max_connections": 0}, "backends.x.max_connections must be an integer >= 1"),
-    ("vast", {}, "backends.x.kind: unknown backend kind 'vast'"),
-])
+@pytest.mark.parametrize(
+    ("kind", "settings", "message"),
+    [
+        ("runpod", {}, "backends.x.endpoint_id is required for kind runpod"),
+        ("runpod", {"endpoint_id": "e", "endpiont": 1}, "backends.x.endpiont is not a setting of kind runpod"),
+        ("http-job", {}, "backends.x.base_url is required for kind http-job"),
+        ("http-job", {"base_url": "localhost:8000"}, "backends.x.base_url must be an http"),
+        ("fal", {"app": "a/b", "timeout": 0}, "backends.x.timeout must be a positive number"),
+        ("fal", {"api_key": ""}, "backends.x.api_key must be a non-empty string"),
+        ("fal", {}, "backends.x.app is required for kind fal"),
+        ("replicate", {}, "backends.x.version (or model, or deployment) is required"),
+        ("replicate", {"version": "v", "model": "a/b"}, "exactly one of version, model, deployment"),
+        ("replicate", {"model": "sdxl"}, "backends.x.model must look like owner/name"),
+        ("openai", {"max_connections": 0}, "backends.x.max_connections must be an integer >= 1"),
+        ("vast", {}, "backends.x.kind: unknown backend kind 'vast'"),
+    ],
+)
 def test_config_errors_name_the_field(kind: str, settings: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         create_backend(kind, "x", settings)
@@ -427,8 +435,10 @@ def test_defaults_point_at_the_providers() -> None:
 
 def test_excerpts_are_short_and_redacted() -> None:
     key = "r8_SuperSecretKey12345"
-    body = ('{"detail": "bad token ' + key + '", "authorization": "Bearer abc123def456ghi", '
-            '"note": "sk-proj-abcdefgh12345678"}' + " filler" * 100)
+    body = (
+        '{"detail": "bad token ' + key + '", "authorization": "Bearer abc123def456ghi", '
+        '"note": "sk-proj-abcdefgh12345678"}' + " filler" * 100
+    )
     text = excerpt(body, [key])
     assert len(text) <= 300
     for secret in (key, "abc123def456ghi", "sk-proj-abcdefgh12345678"):
@@ -455,8 +465,13 @@ def test_error_mapping_table() -> None:
 
 
 def test_runpod_error_json_string() -> None:
-    raw = orjson.dumps({"error_type": "ValueError", "error_message": "width must be divisible by 64",
-                        "error_traceback": "Traceback ..."}).decode()
+    raw = orjson.dumps(
+        {
+            "error_type": "ValueError",
+            "error_message": "width must be divisible by 64",
+            "error_traceback": "Traceback ...",
+        }
+    ).decode()
     assert error_text(raw) == "ValueError: width must be divisible by 64"
     assert error_text("plain message") == "plain message"
 

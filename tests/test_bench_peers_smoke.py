@@ -13,9 +13,32 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_peers_bench_offload_only(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    args = [sys.executable, "-m", "bench.peers", "--quick", "--systems", "offload", "--out", str(out),
-            "--noop-jobs", "50", "--io-jobs", "50", "--gpu-jobs", "20", "--gpu-seconds", "0.5",
-            "--crash-jobs", "10", "--crash-seconds", "1", "--crash-cap", "5", "--offload-lease-ms", "2000"]
+    args = [
+        sys.executable,
+        "-m",
+        "bench.peers",
+        "--quick",
+        "--systems",
+        "offload",
+        "--out",
+        str(out),
+        "--noop-jobs",
+        "50",
+        "--io-jobs",
+        "50",
+        "--gpu-jobs",
+        "20",
+        "--gpu-seconds",
+        "0.5",
+        "--crash-jobs",
+        "10",
+        "--crash-seconds",
+        "1",
+        "--crash-cap",
+        "5",
+        "--offload-lease-ms",
+        "2000",
+    ]
     proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -35,8 +58,15 @@ def test_peers_bench_offload_only(tmp_path: Path) -> None:
     assert results["versions"]["offload"]["offload"]
 
     page = (out / "benchmarks.md").read_text()
-    for heading in ("## Headline", "## No-op jobs", "## Jobs that wait 50 ms on I/O", "## 30 s jobs",
-                    "## SIGKILL with jobs in flight", "## Versions", "## Method"):
+    for heading in (
+        "## Headline",
+        "## No-op jobs",
+        "## Jobs that wait 50 ms on I/O",
+        "## 30 s jobs",
+        "## SIGKILL with jobs in flight",
+        "## Versions",
+        "## Method",
+    ):
         assert heading in page, heading
     assert "| offload |" in page
     pngs = sorted(p.name for p in (out / "img").glob("*.png"))

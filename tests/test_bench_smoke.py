@@ -13,8 +13,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def last_json(args: list[str], timeout: float) -> dict[str, Any]:
     proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n" \
-                                 f"{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (
+        f"{' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
     lines = proc.stdout.strip().splitlines()
     assert lines, f"{' '.join(args)} printed nothing"
     doc = json.loads(lines[-1])
@@ -31,8 +32,14 @@ def test_queue_throughput_bench() -> None:
 def test_inflight_bench() -> None:
     # --window 5: the tutorial baseline's 15 s quick window would be most of this test's time
     doc = last_json(["bench/inflight.py", "--quick", "--jobs", "200", "--latency", "1", "--window", "5"], timeout=120)
-    assert set(doc) == {"peak_in_flight", "worker_cpu_cores", "peak_rss_mb", "jobs_per_s", "tutorial_jobs_per_s",
-                        "ratio"}
+    assert set(doc) == {
+        "peak_in_flight",
+        "worker_cpu_cores",
+        "peak_rss_mb",
+        "jobs_per_s",
+        "tutorial_jobs_per_s",
+        "ratio",
+    }
     assert 0 < doc["peak_in_flight"] <= 200
     assert doc["jobs_per_s"] > 0 and doc["tutorial_jobs_per_s"] > 0 and doc["ratio"] > 0, doc
 

@@ -108,8 +108,22 @@ def test_enqueue_prints_only_an_id_that_status_finds(valkey_url: str) -> None:
 
 
 def test_enqueue_options_reach_the_record(valkey_url: str) -> None:
-    job_id = ok(valkey_url, "enqueue", "-q", "gpu", "-i", "[1, 2]", "--priority", "7", "--delay", "3600",
-                "--max-attempts", "5", "--output-key", "out/x.png").strip()
+    job_id = ok(
+        valkey_url,
+        "enqueue",
+        "-q",
+        "gpu",
+        "-i",
+        "[1, 2]",
+        "--priority",
+        "7",
+        "--delay",
+        "3600",
+        "--max-attempts",
+        "5",
+        "--output-key",
+        "out/x.png",
+    ).strip()
     record = as_json(valkey_url, "status", job_id)
     assert (record["priority"], record["max_attempts"], record["output_key"]) == (7, 5, "out/x.png")
     assert record["state"] == "delayed" and record["run_at"] > record["created_at"]
@@ -161,8 +175,9 @@ def test_bulk_file_of_1000_lines(valkey_url: str, tmp_path: Path) -> None:
 
 
 def test_bulk_defaults_apply_to_every_line(valkey_url: str) -> None:
-    doc = as_json(valkey_url, "enqueue", "-q", "gpu", "--file", "-", "--priority", "-5",
-                  input='1\n{"input": 2, "priority": 3}\n')
+    doc = as_json(
+        valkey_url, "enqueue", "-q", "gpu", "--file", "-", "--priority", "-5", input='1\n{"input": 2, "priority": 3}\n'
+    )
     assert [as_json(valkey_url, "status", i)["priority"] for i in doc["ids"]] == [-5, 3]
 
 
@@ -203,8 +218,17 @@ def test_queues_json_counts(valkey_url: str) -> None:
     docs = as_json(valkey_url, "queues")
     assert [d["queue"] for d in docs] == ["a", "b"]
     a, b = docs
-    assert a["counts"] == {"queued": 2, "delayed": 0, "active": 1, "submitted": 0, "retrying": 0,
-                           "held": 0, "succeeded": 0, "dead": 1, "cancelled": 0}
+    assert a["counts"] == {
+        "queued": 2,
+        "delayed": 0,
+        "active": 1,
+        "submitted": 0,
+        "retrying": 0,
+        "held": 0,
+        "succeeded": 0,
+        "dead": 1,
+        "cancelled": 0,
+    }
     assert (a["workers"], a["paused"]) == (1, False)
     assert a["oldest_ready_age_ms"] is not None and a["oldest_ready_age_ms"] >= 0
     assert b["counts"]["delayed"] == 1 and b["oldest_ready_age_ms"] is None
@@ -226,8 +250,13 @@ def test_jobs_by_state_pages_with_a_cursor(valkey_url: str) -> None:
 
 @pytest.mark.parametrize(
     "args",
-    [["queues"], ["jobs", "gpu", "--state", "queued"], ["dead", "list", "gpu"], ["held", "list", "gpu"],
-     ["status", "JOB"]],
+    [
+        ["queues"],
+        ["jobs", "gpu", "--state", "queued"],
+        ["dead", "list", "gpu"],
+        ["held", "list", "gpu"],
+        ["status", "JOB"],
+    ],
 )
 def test_every_read_command_prints_one_json_document(valkey_url: str, args: list[str]) -> None:
     job_id = ok(valkey_url, "enqueue", "-q", "gpu", "-i", '{"x": "y"}').strip()
@@ -335,7 +364,8 @@ def test_ingest_moves_tutorial_jobs(valkey_url: str) -> None:
 
     with_store(valkey_url, push)
     assert ok(valkey_url, "ingest", "--from-list", "gpu:jobs", "--queue", "tut") == (
-        "ingested 3, 1 malformed (dead-lettered)\n")
+        "ingested 3, 1 malformed (dead-lettered)\n"
+    )
     assert as_json(valkey_url, "status", "tut:t1")["output_key"] == "o/1"
     assert "malformed" in as_json(valkey_url, "dead", "list", "tut")["jobs"][0]["error"]
     with_store(valkey_url, push)
@@ -365,8 +395,9 @@ def test_embedded_status_and_stop(tmp_home: Path) -> None:
 
 def offload(*args: str, timeout_env: str = "1") -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OFFLOAD_REDIS_CONNECT_TIMEOUT": timeout_env}
-    return subprocess.run([sys.executable, "-m", "offload", *args], capture_output=True, text=True,
-                          env=env, timeout=60, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "offload", *args], capture_output=True, text=True, env=env, timeout=60, check=False
+    )
 
 
 def test_process_bad_queue_name_is_one_line_no_traceback(valkey_url: str) -> None:
@@ -391,8 +422,10 @@ def test_process_usage_error_exits_2() -> None:
 @pytest.fixture
 def watcher(valkey_url: str) -> Iterator[subprocess.Popen[str]]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "offload", "queues", "--watch", "--json", "--interval", "0.1", "--url",
-         valkey_url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-m", "offload", "queues", "--watch", "--json", "--interval", "0.1", "--url", valkey_url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     yield proc
     if proc.poll() is None:
@@ -426,8 +459,23 @@ def test_process_ingest_follow_drains_until_ctrl_c_then_reports_totals(valkey_ur
 
     with_store(valkey_url, lambda s: push(s, "a", "b"))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "offload", "ingest", "--from-list", "gpu:jobs", "-q", "tut", "--follow",
-         "--json", "--url", valkey_url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "offload",
+            "ingest",
+            "--from-list",
+            "gpu:jobs",
+            "-q",
+            "tut",
+            "--follow",
+            "--json",
+            "--url",
+            valkey_url,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         assert proc.stderr is not None
@@ -445,23 +493,42 @@ def test_process_ingest_follow_drains_until_ctrl_c_then_reports_totals(valkey_ur
     assert counts(valkey_url, "tut")["queued"] == 3
 
 
-
 # -- bad environment values and unexpected errors: one line, never a traceback --------------------------------
 
 
 @pytest.mark.parametrize(
     ("name", "value", "args", "message"),
     [
-        ("OFFLOAD_MAX_PAYLOAD", "lots", ["enqueue", "-q", "gpu", "-i", "1"],
-         "error: OFFLOAD_MAX_PAYLOAD: expected an integer, got 'lots'\n"),
-        ("OFFLOAD_MAX_PAYLOAD", "0", ["enqueue", "-q", "gpu", "-i", "1"],
-         "error: OFFLOAD_MAX_PAYLOAD: must be at least 1, got '0'\n"),
-        ("OFFLOAD_MAX_PAYLOAD", "1e6", ["enqueue", "-q", "gpu", "--file", "-"],
-         "error: OFFLOAD_MAX_PAYLOAD: expected an integer, got '1e6'\n"),
-        ("OFFLOAD_REDIS_CONNECT_TIMEOUT", "soon", ["queues"],
-         "error: OFFLOAD_REDIS_CONNECT_TIMEOUT: expected a number, got 'soon'\n"),
-        ("OFFLOAD_REDIS_CONNECT_TIMEOUT", "inf", ["status", "gpu:x"],
-         "error: OFFLOAD_REDIS_CONNECT_TIMEOUT: expected a finite number, got 'inf'\n"),
+        (
+            "OFFLOAD_MAX_PAYLOAD",
+            "lots",
+            ["enqueue", "-q", "gpu", "-i", "1"],
+            "error: OFFLOAD_MAX_PAYLOAD: expected an integer, got 'lots'\n",
+        ),
+        (
+            "OFFLOAD_MAX_PAYLOAD",
+            "0",
+            ["enqueue", "-q", "gpu", "-i", "1"],
+            "error: OFFLOAD_MAX_PAYLOAD: must be at least 1, got '0'\n",
+        ),
+        (
+            "OFFLOAD_MAX_PAYLOAD",
+            "1e6",
+            ["enqueue", "-q", "gpu", "--file", "-"],
+            "error: OFFLOAD_MAX_PAYLOAD: expected an integer, got '1e6'\n",
+        ),
+        (
+            "OFFLOAD_REDIS_CONNECT_TIMEOUT",
+            "soon",
+            ["queues"],
+            "error: OFFLOAD_REDIS_CONNECT_TIMEOUT: expected a number, got 'soon'\n",
+        ),
+        (
+            "OFFLOAD_REDIS_CONNECT_TIMEOUT",
+            "inf",
+            ["status", "gpu:x"],
+            "error: OFFLOAD_REDIS_CONNECT_TIMEOUT: expected a finite number, got 'inf'\n",
+        ),
     ],
 )
 def test_a_bad_environment_value_is_one_line_naming_the_variable(
@@ -473,8 +540,13 @@ def test_a_bad_environment_value_is_one_line_naming_the_variable(
 
 def test_process_bad_max_payload_is_one_line_no_traceback(valkey_url: str) -> None:
     env = {**os.environ, "OFFLOAD_MAX_PAYLOAD": "1 MiB"}
-    proc = subprocess.run([sys.executable, "-m", "offload", "enqueue", "-q", "gpu", "-i", "{}", "--url", valkey_url],
-                          capture_output=True, text=True, env=env, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "offload", "enqueue", "-q", "gpu", "-i", "{}", "--url", valkey_url],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert (proc.returncode, proc.stdout) == (1, "")
     assert proc.stderr == "error: OFFLOAD_MAX_PAYLOAD: expected an integer, got '1 MiB'\n"
 
@@ -491,8 +563,17 @@ def test_a_file_that_cannot_be_written_is_one_line(valkey_url: str, tmp_path: Pa
     with_store(valkey_url, finish)
     (tmp_path / "results").mkdir()
     (tmp_path / "results" / f"{job_id}.json").write_text('{"ok": true}')
-    result = runner.invoke(app, ["result", job_id, "--config", str(tmp_path / "offload.yaml"), "--download",
-                                 str(tmp_path / "missing" / "out.json")])
+    result = runner.invoke(
+        app,
+        [
+            "result",
+            job_id,
+            "--config",
+            str(tmp_path / "offload.yaml"),
+            "--download",
+            str(tmp_path / "missing" / "out.json"),
+        ],
+    )
     assert "No such file or directory" in failed(result)
 
 

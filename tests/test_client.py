@@ -56,7 +56,10 @@ def test_embedded_default_starts_once_and_is_reused(tmp_home: Path) -> None:
         # a separate process sees the same durable queue
         out = subprocess.run(
             [sys.executable, "-c", f"from offload import Client; print(Client().get({job_id!r}).state.value)"],
-            capture_output=True, text=True, check=True, timeout=60,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
         )
         assert out.stdout.strip() == "queued"
         assert list((tmp_home / "valkey").glob("appendonly*")), "AOF must be on"

@@ -14,9 +14,19 @@ from offload.config import config_file, load_settings, parse_rate
 from offload.errors import ConfigError
 
 README = Path(__file__).parent.parent / "README.md"
-SECRETS = {name: f"secret-{name.lower()}" for name in (
-    "OFFLOAD_REDIS_URL", "S3_ACCESS_KEY", "S3_SECRET_KEY", "GPU_API_KEY", "RUNPOD_API_KEY", "REPLICATE_API_TOKEN",
-    "FAL_KEY", "OPENAI_API_KEY")}
+SECRETS = {
+    name: f"secret-{name.lower()}"
+    for name in (
+        "OFFLOAD_REDIS_URL",
+        "S3_ACCESS_KEY",
+        "S3_SECRET_KEY",
+        "GPU_API_KEY",
+        "RUNPOD_API_KEY",
+        "REPLICATE_API_TOKEN",
+        "FAL_KEY",
+        "OPENAI_API_KEY",
+    )
+}
 
 
 def readme_yaml(tmp_path: Path) -> Path:
@@ -48,8 +58,7 @@ def test_missing_env_reference_names_field_and_variable(tmp_path: Path) -> None:
     ("yaml_text", "message"),
     [
         ("queues: {gpu: {backend: nope}}", r"queues\.gpu\.backend: no backend named 'nope'"),
-        ("backends: {b: {kind: http-job}}\nqueues: {gpu: {backend: b, concurrency: 0}}",
-         r"queues\.gpu\.concurrency"),
+        ("backends: {b: {kind: http-job}}\nqueues: {gpu: {backend: b, concurrency: 0}}", r"queues\.gpu\.concurrency"),
         ("backends: {b: {kind: teleport}}", r"backends\.b\.kind"),
         ("backends: {b: {kind: http-job, rate_limit: fast}}", r"backends\.b\.rate_limit"),
         ("storage: {kind: s3}", r"storage\.bucket"),
@@ -68,9 +77,17 @@ def test_bad_config_names_the_offending_field(tmp_path: Path, yaml_text: str, me
 
 def test_tutorial_env_file_alone_configures_the_pipeline(tmp_path: Path) -> None:
     env = {
-        "REDIS_URL": "redis://:pw@10.20.0.5:6379/0", "QUEUE_KEY": "gpu:jobs", "GPU_API_BASE": "https://gpu/v1",
-        "GPU_API_KEY": "k", "S3_ENDPOINT": "https://s3", "AWS_ACCESS_KEY_ID": "ak", "AWS_SECRET_ACCESS_KEY": "sk",
-        "RESULT_BUCKET": "gpu-results", "MAX_ATTEMPTS": "5", "DAILY_JOB_CAP": "1000", "POLL_INTERVAL": "5",
+        "REDIS_URL": "redis://:pw@10.20.0.5:6379/0",
+        "QUEUE_KEY": "gpu:jobs",
+        "GPU_API_BASE": "https://gpu/v1",
+        "GPU_API_KEY": "k",
+        "S3_ENDPOINT": "https://s3",
+        "AWS_ACCESS_KEY_ID": "ak",
+        "AWS_SECRET_ACCESS_KEY": "sk",
+        "RESULT_BUCKET": "gpu-results",
+        "MAX_ATTEMPTS": "5",
+        "DAILY_JOB_CAP": "1000",
+        "POLL_INTERVAL": "5",
         "POLL_TIMEOUT": "600",
     }
     empty = tmp_path / "empty.yaml"  # named, so no ./offload.yaml or local stack config is read
@@ -93,13 +110,22 @@ def test_rates() -> None:
 
 
 def test_config_check_command(tmp_path: Path) -> None:
-    good = subprocess.run([sys.executable, "-m", "offload", "config", "check", "--config", str(readme_yaml(tmp_path))],
-                          capture_output=True, text=True, env={**SECRETS, "PATH": "/usr/bin"}, timeout=60)
+    good = subprocess.run(
+        [sys.executable, "-m", "offload", "config", "check", "--config", str(readme_yaml(tmp_path))],
+        capture_output=True,
+        text=True,
+        env={**SECRETS, "PATH": "/usr/bin"},
+        timeout=60,
+    )
     assert good.returncode == 0 and good.stdout.startswith("ok:"), good.stderr
     bad = tmp_path / "bad.yaml"
     bad.write_text("queues: {gpu: {backend: nope}}")
-    out = subprocess.run([sys.executable, "-m", "offload", "config", "check", "--config", str(bad)],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "offload", "config", "check", "--config", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1 and out.stderr.startswith("error: queues.gpu.backend") and "Traceback" not in out.stderr
 
 
@@ -145,7 +171,8 @@ def test_the_stack_config_gets_its_s3_secret_however_it_is_named(
     home.mkdir()
     (home / "s3-credentials.json").write_text('{"access_key_id": "ak", "secret_access_key": "stack-secret"}')
     (home / "offload.yaml").write_text(
-        "storage: {kind: s3, bucket: results, secret_access_key: '${OFFLOAD_S3_SECRET}'}\n")
+        "storage: {kind: s3, bucket: results, secret_access_key: '${OFFLOAD_S3_SECRET}'}\n"
+    )
     env = {"OFFLOAD_HOME": str(home)}
     for path in (None, home / "offload.yaml"):
         secret = load_settings(path, {**env, "OFFLOAD_CONFIG": ""}).storage.secret_access_key
@@ -173,7 +200,8 @@ def test_config_check_reads_offload_config_before_the_local_stack(
     result = CliRunner().invoke(app, ["config", "check"], env={"OFFLOAD_HOME": str(home), "OFFLOAD_CONFIG": str(named)})
     assert result.exit_code == 0, result.stderr
     assert result.stdout == "ok: storage local, backends none, queues from_env -> None\n"
-    result = CliRunner().invoke(app, ["config", "check", "--json"], env={"OFFLOAD_HOME": str(home),
-                                                                         "OFFLOAD_CONFIG": None})
+    result = CliRunner().invoke(
+        app, ["config", "check", "--json"], env={"OFFLOAD_HOME": str(home), "OFFLOAD_CONFIG": None}
+    )
     assert result.exit_code == 0, result.stderr
     assert '"config":"' + str(home.resolve() / "offload.yaml") + '"' in result.stdout

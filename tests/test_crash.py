@@ -41,9 +41,7 @@ class Procs:
         self.out = out
         self.all: dict[str, subprocess.Popen[bytes]] = {}
 
-    def claimer(
-        self, url: str, queue: str, wid: str, batch: int, lease_ms: int | None, work_ms: float
-    ) -> None:
+    def claimer(self, url: str, queue: str, wid: str, batch: int, lease_ms: int | None, work_ms: float) -> None:
         args = [url, queue, wid, str(batch), *([str(lease_ms)] if lease_ms else [])]
         args += ["--out", str(self.out), "--work-ms", str(work_ms)]
         with open(self.out / f"{wid}.stderr", "wb") as err:

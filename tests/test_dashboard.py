@@ -38,8 +38,10 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RcloneS3]:
 @pytest.fixture(scope="module")
 def api(valkey: ValkeyServer, s3: RcloneS3) -> Iterator[tuple[str, str]]:
     """A server whose config holds a provider secret (it must never reach the browser) and a capped queue."""
-    settings = {"backends": {"gpu": {"kind": "http-job", "base_url": "http://127.0.0.1:9", "api_key": PROVIDER_SECRET}},
-                "queues": {CAPPED: {"backend": "gpu", "daily_job_cap": 100}}}
+    settings = {
+        "backends": {"gpu": {"kind": "http-job", "base_url": "http://127.0.0.1:9", "api_key": PROVIDER_SECRET}},
+        "queues": {CAPPED: {"backend": "gpu", "daily_job_cap": 100}},
+    }
     with server(valkey.url, s3.settings(BUCKET), settings=settings, max_wait_s=5) as srv:
         yield srv
 
@@ -71,8 +73,9 @@ def test_a_revoked_key_is_signed_out(api: tuple[str, str], admin: httpx.Client, 
     assert page.evaluate("sessionStorage.length") == 0
 
 
-def test_overview_counts_follow_jobs_live(api: tuple[str, str], admin: httpx.Client, page: Page,
-                                          valkey: ValkeyServer, tmp_path: Path) -> None:
+def test_overview_counts_follow_jobs_live(
+    api: tuple[str, str], admin: httpx.Client, page: Page, valkey: ValkeyServer, tmp_path: Path
+) -> None:
     url, boot = api
     q = new_queue("live")
     enqueue(admin, q, 0)
@@ -111,8 +114,9 @@ def test_overview_counts_follow_jobs_live(api: tuple[str, str], admin: httpx.Cli
         worker.close()
 
 
-def test_updates_fall_back_to_polling_when_the_stream_fails(api: tuple[str, str], admin: httpx.Client,
-                                                            page: Page) -> None:
+def test_updates_fall_back_to_polling_when_the_stream_fails(
+    api: tuple[str, str], admin: httpx.Client, page: Page
+) -> None:
     page.route("**/v1/events", lambda route: route.abort())
     q = new_queue("poll")
     enqueue(admin, q, 0)
@@ -125,8 +129,9 @@ def test_updates_fall_back_to_polling_when_the_stream_fails(api: tuple[str, str]
     expect(page.locator("#live")).to_have_text("live")  # it retries the stream
 
 
-def test_queue_detail_and_job_detail_with_output_link(api: tuple[str, str], admin: httpx.Client, page: Page,
-                                                      tmp_path: Path) -> None:
+def test_queue_detail_and_job_detail_with_output_link(
+    api: tuple[str, str], admin: httpx.Client, page: Page, tmp_path: Path
+) -> None:
     url, boot = api
     q = new_queue("detail")
     ids = enqueue(admin, q, *range(30))
@@ -176,8 +181,16 @@ def test_workers_view_lists_a_registered_worker(api: tuple[str, str], admin: htt
     url, boot = api
     q = new_queue("workers")
     enqueue(admin, q, 1, 2)
-    worker = HttpWorker(url, make_key(url, boot, "worker", [q]), q, host="gpu-box-7", version="9.9.9",
-                        instance_id="i-0dashboard", protected=True, gpus=[{"name": "NVIDIA A100"}])
+    worker = HttpWorker(
+        url,
+        make_key(url, boot, "worker", [q]),
+        q,
+        host="gpu-box-7",
+        version="9.9.9",
+        instance_id="i-0dashboard",
+        protected=True,
+        gpus=[{"name": "NVIDIA A100"}],
+    )
     try:
         jobs = worker.claim(2)
         worker.heartbeat([j["id"] for j in jobs])
@@ -197,8 +210,9 @@ def test_workers_view_lists_a_registered_worker(api: tuple[str, str], admin: htt
     expect(page.locator(f'tr[data-worker="{worker.id}"]')).to_have_count(0)  # gone once it deregisters
 
 
-def test_no_key_or_secret_in_dom_url_or_cookies(api: tuple[str, str], admin: httpx.Client, page: Page,
-                                                s3: RcloneS3) -> None:
+def test_no_key_or_secret_in_dom_url_or_cookies(
+    api: tuple[str, str], admin: httpx.Client, page: Page, s3: RcloneS3
+) -> None:
     url, boot = api
     viewer = make_key(url, boot, "viewer")
     q = new_queue("secrets")

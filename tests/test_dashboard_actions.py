@@ -17,8 +17,11 @@ from servers import ValkeyServer
 from offload.queue.store import QueueStore
 
 pytestmark = pytest.mark.xdist_group("dashboard-actions")
-XSS_INPUT = {"prompt": '<img src=x onerror="window.__xss=1">', "html": "<script>window.__xss=2</script>",
-             "attr": '"><svg onload="window.__xss=3">'}
+XSS_INPUT = {
+    "prompt": '<img src=x onerror="window.__xss=1">',
+    "html": "<script>window.__xss=2</script>",
+    "attr": '"><svg onload="window.__xss=3">',
+}
 XSS_ERROR = "<img src=y onerror=window.__xss=4> failed: </pre><script>window.__xss=5</script>"
 
 
@@ -70,15 +73,20 @@ def test_requeue_a_dead_job_from_the_dead_letter_view(api: tuple[str, str], admi
     assert state_of(admin, two) == "queued"
 
 
-def test_release_a_held_job_from_the_held_view(api: tuple[str, str], admin: httpx.Client, page: Page,
-                                               valkey: ValkeyServer) -> None:
+def test_release_a_held_job_from_the_held_view(
+    api: tuple[str, str], admin: httpx.Client, page: Page, valkey: ValkeyServer
+) -> None:
     q = new_queue("held")
     enqueue(admin, q, 1)
 
     async def hold(store: QueueStore) -> str:
         (job,) = await store.claim(q, "dispatch-1", 1)
-        await store.hold(job.id, job.token, "daily jobs cap reached",  # today's window: not yet due
-                         time.strftime("%Y%m%d", time.gmtime()))
+        await store.hold(
+            job.id,
+            job.token,
+            "daily jobs cap reached",  # today's window: not yet due
+            time.strftime("%Y%m%d", time.gmtime()),
+        )
         return job.id
 
     held = store_call(valkey.url, hold)
@@ -133,8 +141,9 @@ def test_pause_resume_and_purge_with_confirmation(api: tuple[str, str], admin: h
     assert admin.get(f"/v1/queues/{q}").json()["counts"]["queued"] == 0
 
 
-def test_viewer_sees_no_actions_and_a_forced_one_is_refused(api: tuple[str, str], admin: httpx.Client,
-                                                              page: Page) -> None:
+def test_viewer_sees_no_actions_and_a_forced_one_is_refused(
+    api: tuple[str, str], admin: httpx.Client, page: Page
+) -> None:
     q = new_queue("viewer")
     (dead,) = dead_jobs(api, q, "boom")
     (queued,) = enqueue(admin, q, 1)
@@ -158,9 +167,12 @@ def test_viewer_sees_no_actions_and_a_forced_one_is_refused(api: tuple[str, str]
     page.locator('[data-action="cancel"]').evaluate("b => { b.hidden = false; b.disabled = false; b.click(); }")
     expect(page.locator("#error-text")).to_contain_text("a viewer key may not cancel jobs")
     assert state_of(admin, queued) == "queued"
-    status = page.evaluate("""async q => (await fetch(`/v1/queues/${q}/dead/requeue`, {method: 'POST',
+    status = page.evaluate(
+        """async q => (await fetch(`/v1/queues/${q}/dead/requeue`, {method: 'POST',
         headers: {Authorization: `Bearer ${sessionStorage.getItem('offload.key')}`, 'Content-Type': 'application/json'},
-        body: JSON.stringify({all: true})})).status""", q)
+        body: JSON.stringify({all: true})})).status""",
+        q,
+    )
     assert status == 403 and state_of(admin, dead) == "dead"
 
 

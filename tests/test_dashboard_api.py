@@ -23,8 +23,10 @@ CAPPED = new_queue("capped")
 
 @pytest.fixture(scope="module")
 def api(valkey: ValkeyServer) -> Iterator[tuple[str, str]]:
-    settings = {"backends": {"gpu": {"kind": "http-job", "base_url": "http://127.0.0.1:9", "api_key": SECRET}},
-                "queues": {CAPPED: {"backend": "gpu", "daily_job_cap": 50, "daily_spend_cap": 12.5}}}
+    settings = {
+        "backends": {"gpu": {"kind": "http-job", "base_url": "http://127.0.0.1:9", "api_key": SECRET}},
+        "queues": {CAPPED: {"backend": "gpu", "daily_job_cap": 50, "daily_spend_cap": 12.5}},
+    }
     with server(valkey.url, settings=settings) as srv:
         yield srv
 
@@ -36,7 +38,7 @@ def test_static_files_are_public_with_a_strict_policy(api: tuple[str, str]) -> N
         assert anon.get("/ui", follow_redirects=False).headers["location"] == "/ui/"
         page = anon.get("/ui/")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
-        assert '<script type="module" src="app.js">' in page.text and "<input id=\"key\"" in page.text
+        assert '<script type="module" src="app.js">' in page.text and '<input id="key"' in page.text
         csp = page.headers["content-security-policy"]
         for rule in ("script-src 'self'", "default-src 'none'", "form-action 'none'", "frame-ancestors 'none'"):
             assert rule in csp
@@ -74,7 +76,12 @@ def test_whoami_tells_each_scope_what_it_may_do(api: tuple[str, str]) -> None:
             assert r.status_code == 200, r.text
             doc = r.json()
             assert (doc["scope"], doc["queues"], doc["can_admin"], doc["can_cancel"], doc["can_see_workers"]) == (
-                scope, queues, can_admin, can_cancel, can_see_workers)
+                scope,
+                queues,
+                can_admin,
+                can_cancel,
+                can_see_workers,
+            )
             assert token not in r.text and (scope == "admin" or token.split("_")[1] not in r.text)  # nor its id
     restricted = make_key(url, boot, "viewer", [q])
     with client(url, restricted) as c:
@@ -100,8 +107,14 @@ def test_budget_shows_usage_and_caps_per_readable_queue(api: tuple[str, str], va
     asyncio.run(count())
     with client(url, boot) as admin:
         budgets = {b["queue"]: b for b in admin.get("/v1/dashboard/budget").json()}
-    assert budgets[CAPPED] == {"queue": CAPPED, "window": window, "jobs_used": 1, "jobs_cap": 50,
-                               "spend_used": 0.75, "spend_cap": 12.5}
+    assert budgets[CAPPED] == {
+        "queue": CAPPED,
+        "window": window,
+        "jobs_used": 1,
+        "jobs_cap": 50,
+        "spend_used": 0.75,
+        "spend_cap": 12.5,
+    }
     assert budgets[other]["jobs_cap"] is None and budgets[other]["jobs_used"] == 0
     with client(url, make_key(url, boot, "viewer", [other])) as viewer:  # only the queues the key may read
         assert [b["queue"] for b in viewer.get("/v1/dashboard/budget").json()] == [other]

@@ -40,14 +40,22 @@ def api(valkey: ValkeyServer) -> Iterator[tuple[str, str]]:
 def rented(api: tuple[str, str]) -> dict[str, Any]:
     """A mock provider, a queue block using it, one job: the server's autoscaler rents one instance."""
     with client(*api) as admin:
-        for body in ({"name": MOCK, "type": "mock", "config": {"price_per_hour": 0.42}},
-                     {"name": "rp-" + MOCK, "type": "runpod", "config": {"api_key": RAW_SECRET}}):
+        for body in (
+            {"name": MOCK, "type": "mock", "config": {"price_per_hour": 0.42}},
+            {"name": "rp-" + MOCK, "type": "runpod", "config": {"api_key": RAW_SECRET}},
+        ):
             r = admin.post("/v1/autoscale/providers", json=body)
             assert r.status_code == 201, r.text
-        block = {"enabled": True, "provider": MOCK, "max_workers": 1, "poll_interval": "0.2s",
-                 "scale_up": [{"trigger": "no_workers"}], "scale_down": [{"trigger": "idle", "timeout": "10m"}],
-                 "instance": {"gpu": "RTX 4090", "image": "img", "max_price_per_hour": 0.5},
-                 "daily_spend_cap": 25}
+        block = {
+            "enabled": True,
+            "provider": MOCK,
+            "max_workers": 1,
+            "poll_interval": "0.2s",
+            "scale_up": [{"trigger": "no_workers"}],
+            "scale_down": [{"trigger": "idle", "timeout": "10m"}],
+            "instance": {"gpu": "RTX 4090", "image": "img", "max_price_per_hour": 0.5},
+            "daily_spend_cap": 25,
+        }
         assert admin.put(f"/v1/autoscale/queues/{QUEUE}", json=block).status_code == 200
         enqueue(admin, QUEUE, {"n": 1})
 
@@ -64,8 +72,9 @@ def _no_raw_secret(page: Page) -> None:
     assert RAW_SECRET not in page.evaluate("document.documentElement.outerHTML + document.body.innerText")
 
 
-def test_admin_sees_instances_config_spend_and_masked_providers(api: tuple[str, str], rented: dict[str, Any],
-                                                                 page: Page, tmp_path: Path) -> None:
+def test_admin_sees_instances_config_spend_and_masked_providers(
+    api: tuple[str, str], rented: dict[str, Any], page: Page, tmp_path: Path
+) -> None:
     sign_in(page, *api)
     page.click('[data-nav="autoscale"]')
     expect(page.locator('[data-nav="autoscale"]')).to_have_class("on")
@@ -99,8 +108,13 @@ def test_admin_sees_instances_config_spend_and_masked_providers(api: tuple[str, 
     expect(page.locator("#notice")).to_contain_text(f"Protected {rented['id']}")
     expect(row.locator('[data-col="protected"]')).to_have_text("yes")
     with client(*api) as admin:
-        poll(lambda: next(i for i in admin.get("/v1/autoscale/status").json()["instances"]
-                          if i["id"] == rented["id"])["protect"], 5, "the protect flag in the API")
+        poll(
+            lambda: next(i for i in admin.get("/v1/autoscale/status").json()["instances"] if i["id"] == rented["id"])[
+                "protect"
+            ],
+            5,
+            "the protect flag in the API",
+        )
     save_screenshot(page, tmp_path, "dashboard-autoscale.png")
     row.locator('[data-action="unprotect"]').click()
     expect(row.locator('[data-col="protected"]')).to_have_text("no")
@@ -120,7 +134,9 @@ def test_viewer_only_looks(api: tuple[str, str], rented: dict[str, Any], page: P
     # the server is what refuses: a forced request from the page with the viewer key is a 403
     status = page.evaluate(
         """async (id) => (await fetch(`/v1/autoscale/instances/${id}/protect`, {method: "POST",
-             headers: {Authorization: `Bearer ${sessionStorage.getItem("offload.key")}`}})).status""", rented["id"])
+             headers: {Authorization: `Bearer ${sessionStorage.getItem("offload.key")}`}})).status""",
+        rented["id"],
+    )
     assert status == 403
     with httpx.Client(base_url=api[0], headers={"Authorization": f"Bearer {viewer}"}) as v:
         assert v.get("/v1/autoscale/queues").json()[QUEUE]["autoscale"]["provider"] == MOCK

@@ -34,14 +34,22 @@ def test_server_unit_runs_the_server_on_port_8000_unprivileged() -> None:
     text = SERVER_UNIT.read_text()
     exec_start = re.search(r"^ExecStart=(.+)$", text, re.M).group(1)  # type: ignore[union-attr]
     assert exec_start == "/opt/offload/venv/bin/offload server --host ${OFFLOAD_SERVER_HOST} --port 8000"
-    for line in ("EnvironmentFile=/etc/offload/server.env", "User=offload", "Restart=always", "NoNewPrivileges=true",
-                 "ProtectSystem=strict", "CapabilityBoundingSet=", "WantedBy=multi-user.target"):
+    for line in (
+        "EnvironmentFile=/etc/offload/server.env",
+        "User=offload",
+        "Restart=always",
+        "NoNewPrivileges=true",
+        "ProtectSystem=strict",
+        "CapabilityBoundingSet=",
+        "WantedBy=multi-user.target",
+    ):
         assert re.search(rf"^{re.escape(line)}$", text, re.M), line
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed here")
-@pytest.mark.parametrize(("unit", "instance"), [(UNIT, "offload-worker@1.service"),
-                                                 (SERVER_UNIT, "offload-server.service")])
+@pytest.mark.parametrize(
+    ("unit", "instance"), [(UNIT, "offload-worker@1.service"), (SERVER_UNIT, "offload-server.service")]
+)
 def test_unit_passes_systemd_analyze_verify(tmp_path: Path, unit: Path, instance: str) -> None:
     # verify checks that ExecStart exists, so point it at a real executable in a copy of the unit
     offload = shutil.which("offload") or str(Path(__file__).parent.parent / ".venv" / "bin" / "offload")
@@ -50,9 +58,11 @@ def test_unit_passes_systemd_analyze_verify(tmp_path: Path, unit: Path, instance
     target = tmp_path / instance
     if target != copy:
         target.symlink_to(copy)
-    out = subprocess.run(["systemd-analyze", "verify", "--man=no", str(target)], capture_output=True, text=True,
-                         timeout=60)
-    problems = [line for line in out.stderr.splitlines()
-                if "offload-" in line and "Failed to" not in line.split(":", 1)[0]]
+    out = subprocess.run(
+        ["systemd-analyze", "verify", "--man=no", str(target)], capture_output=True, text=True, timeout=60
+    )
+    problems = [
+        line for line in out.stderr.splitlines() if "offload-" in line and "Failed to" not in line.split(":", 1)[0]
+    ]
     assert out.returncode == 0, out.stderr
     assert problems == [], problems

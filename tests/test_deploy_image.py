@@ -65,10 +65,10 @@ def test_base_is_an_argument_with_a_pinned_default() -> None:
     base = args["BASE_IMAGE"]
     name, _, tag = base.rpartition(":")
     assert name and tag and tag != "latest", base
-    assert PARSED[0] == ("ARG", f"BASE_IMAGE={base}")      # declared before the first FROM, so FROM can use it
+    assert PARSED[0] == ("ARG", f"BASE_IMAGE={base}")  # declared before the first FROM, so FROM can use it
     assert STAGES[0][0] == ("FROM", "${BASE_IMAGE} AS base")
     assert [s[0][1] for s in STAGES] == ["${BASE_IMAGE} AS base", "base AS build", "base"]
-    assert "cuda" in DOCKERFILE.read_text().lower()          # the CUDA variant is documented where it is built
+    assert "cuda" in DOCKERFILE.read_text().lower()  # the CUDA variant is documented where it is built
 
 
 def test_final_stage_runs_as_a_non_root_user_with_an_exec_form_entrypoint() -> None:
@@ -77,7 +77,7 @@ def test_final_stage_runs_as_a_non_root_user_with_an_exec_form_entrypoint() -> N
     assert re.search(r"useradd --system --uid 10001 ", " ".join(a for k, a in FINAL if k == "RUN"))
     entrypoint = [a for kind, a in FINAL if kind == "ENTRYPOINT"]
     assert entrypoint == ['["/usr/bin/tini", "--", "/usr/local/bin/offload-entrypoint"]']
-    assert not [a for kind, a in FINAL if kind == "CMD"]     # arguments go straight to `offload worker`
+    assert not [a for kind, a in FINAL if kind == "CMD"]  # arguments go straight to `offload worker`
     assert ("COPY", "deploy/image/entrypoint.sh /usr/local/bin/offload-entrypoint") in FINAL
     # the final image carries the built venv only, not the source tree or the build tools
     copies = [a for kind, a in FINAL if kind == "COPY"]
@@ -96,8 +96,11 @@ def test_no_secret_is_baked_in() -> None:
     flat = [s for group in sources for s in group if not s.startswith("--")]
     assert sorted(flat) == sorted(["pyproject.toml", "README.md", "offload", "deploy/image/entrypoint.sh"])
     # the build context sent to Docker is the allow-list alone
-    ignore = [line for line in (IMAGE / "Dockerfile.dockerignore").read_text().splitlines()
-              if line and not line.startswith("#")]
+    ignore = [
+        line
+        for line in (IMAGE / "Dockerfile.dockerignore").read_text().splitlines()
+        if line and not line.startswith("#")
+    ]
     assert ignore[0] == "*"
     assert {"!pyproject.toml", "!README.md", "!offload/", "!deploy/image/entrypoint.sh"} <= set(ignore)
 
@@ -117,11 +120,17 @@ def _run_entrypoint(env: dict[str, str], tmp_path: Path, *args: str) -> subproce
     bindir = tmp_path / "bin"
     bindir.mkdir(exist_ok=True)
     recorder = bindir / "offload"
-    recorder.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\n'
-                        'echo --\nenv | grep ^OFFLOAD_ | sort\n')
+    recorder.write_text(
+        '#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\necho --\nenv | grep ^OFFLOAD_ | sort\n'
+    )
     recorder.chmod(0o755)
-    return subprocess.run(["/bin/sh", str(ENTRYPOINT), *args], capture_output=True, text=True, timeout=30,
-                          env={"PATH": f"{bindir}:/usr/bin:/bin", **env})
+    return subprocess.run(
+        ["/bin/sh", str(ENTRYPOINT), *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={"PATH": f"{bindir}:/usr/bin:/bin", **env},
+    )
 
 
 def test_entrypoint_refuses_to_start_without_its_settings(tmp_path: Path) -> None:
@@ -134,8 +143,12 @@ def test_entrypoint_refuses_to_start_without_its_settings(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("server_var", ["OFFLOAD_SERVER", "OFFLOAD_SERVER_URL"])
 def test_entrypoint_passes_the_settings_exactly_and_no_secret_as_an_argument(tmp_path: Path, server_var: str) -> None:
-    env = {"OFFLOAD_HANDLER": "my_app.handlers:generate", server_var: "https://offload.example.com",
-           "OFFLOAD_TOKEN": "tok with spaces $HOME", "OFFLOAD_QUEUE": "gpu,cpu"}
+    env = {
+        "OFFLOAD_HANDLER": "my_app.handlers:generate",
+        server_var: "https://offload.example.com",
+        "OFFLOAD_TOKEN": "tok with spaces $HOME",
+        "OFFLOAD_QUEUE": "gpu,cpu",
+    }
     out = _run_entrypoint(env, tmp_path, "--log-level", "debug")
     assert out.returncode == 0, out.stderr
     argv, _, environ = out.stdout.partition("--\n")
@@ -159,8 +172,9 @@ def test_hadolint_passes() -> None:
 
 def test_hadolint_catches_a_careless_dockerfile(tmp_path: Path) -> None:
     bad = tmp_path / "Dockerfile"
-    bad.write_text("FROM python:latest\nRUN apt-get update && apt-get install -y curl\nUSER root\n"
-                   'ENTRYPOINT offload worker\n')
+    bad.write_text(
+        "FROM python:latest\nRUN apt-get update && apt-get install -y curl\nUSER root\nENTRYPOINT offload worker\n"
+    )
     out = subprocess.run([_hadolint(), "--no-color", str(bad)], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     for rule in ("DL3007", "DL3015", "DL3002", "DL3025"):
@@ -172,7 +186,11 @@ def test_entrypoint_runs_a_start_command_as_given(tmp_path: Path) -> None:
     worker settings needed up front (the deployed code starts the worker); OFFLOAD_SERVER counts as the URL."""
     out = _run_entrypoint({}, tmp_path, "sh", "-c", 'echo "deployed $0"', "x")
     assert out.returncode == 0 and out.stdout == "deployed x\n", out.stderr
-    env = {"OFFLOAD_HANDLER": "app:run", "OFFLOAD_SERVER": "https://cp.example.com", "OFFLOAD_TOKEN": "t",
-           "OFFLOAD_QUEUE": "gpu"}
+    env = {
+        "OFFLOAD_HANDLER": "app:run",
+        "OFFLOAD_SERVER": "https://cp.example.com",
+        "OFFLOAD_TOKEN": "t",
+        "OFFLOAD_QUEUE": "gpu",
+    }
     out = _run_entrypoint(env, tmp_path)  # offload reads the server from its environment, never from argv
     assert out.returncode == 0 and "OFFLOAD_SERVER=https://cp.example.com" in out.stdout.splitlines(), out.stderr

@@ -33,8 +33,15 @@ TOOLS = ROOT / ".venv-checkov"
 TERRAFORM = shutil.which("tofu") or shutil.which("terraform")
 needs_terraform = pytest.mark.skipif(TERRAFORM is None, reason="neither tofu nor terraform is on PATH")
 
-SENSITIVE = {"cache_password", "gpu_api_key", "offload_config_yaml", "worker_extra_env", "s3_access_key_id",
-             "s3_secret_access_key", "server_admin_key"}
+SENSITIVE = {
+    "cache_password",
+    "gpu_api_key",
+    "offload_config_yaml",
+    "worker_extra_env",
+    "s3_access_key_id",
+    "s3_secret_access_key",
+    "server_admin_key",
+}
 REQUIRED = {"offload_pip_spec", "s3_endpoint"}
 # every waiver checkov may report, with the file it must sit in; a new one needs a reason here and in the code
 WAIVERS = {"CKV_DOCKER_2": "deploy/image/Dockerfile", "CKV_DOCKER_7": "deploy/image/Dockerfile"}
@@ -58,8 +65,13 @@ def _variables() -> dict[str, dict[str, Any]]:
 
 
 def _resources(rtype: str) -> dict[str, dict[str, Any]]:
-    return {name: body for block in _blocks("resource") for t, named in block.items() if t == rtype
-            for name, body in named.items()}
+    return {
+        name: body
+        for block in _blocks("resource")
+        for t, named in block.items()
+        if t == rtype
+        for name, body in named.items()
+    }
 
 
 def _unwrap(expr: str) -> str:
@@ -69,10 +81,20 @@ def _unwrap(expr: str) -> str:
 
 # --- the module parses, and its variables are what the docs promise ---------------------------------------------
 
+
 def test_every_tf_file_parses() -> None:
     files = sorted(p.name for p in MODULE.glob("*.tf"))
-    assert files == ["cache.tf", "locals.tf", "network.tf", "outputs.tf", "server.tf", "storage.tf",
-                     "variables.tf", "versions.tf", "workers.tf"]
+    assert files == [
+        "cache.tf",
+        "locals.tf",
+        "network.tf",
+        "outputs.tf",
+        "server.tf",
+        "storage.tf",
+        "variables.tf",
+        "versions.tf",
+        "workers.tf",
+    ]
     for tf in MODULE.glob("*.tf"):
         assert _parse(tf), tf
     example = _parse(MODULE / "terraform.tfvars.example")
@@ -98,12 +120,12 @@ def test_every_variable_is_typed_described_and_secrets_are_sensitive() -> None:
 def test_defaults_are_the_tutorials_and_safe() -> None:
     v = {name: body.get("default") for name, body in _variables().items()}
     assert v["subnet_cidr"] == "10.20.0.0/24"
-    assert v["ssh_allowed_cidrs"] == []              # no SSH rule at all unless asked for
-    assert v["server_allowed_cidrs"] == []           # the API stays on the private network
+    assert v["ssh_allowed_cidrs"] == []  # no SSH rule at all unless asked for
+    assert v["server_allowed_cidrs"] == []  # the API stays on the private network
     assert v["worker_floating_ips"] is False and v["server_floating_ip"] is False
     assert v["server_enabled"] is False and v["server_domain"] is None
-    assert v["cache_persistence_enabled"] is True    # queued jobs survive a cache restart (the tutorial's advice)
-    assert v["cache_appendfsync"] == "always"        # offload's zero-loss guarantee
+    assert v["cache_persistence_enabled"] is True  # queued jobs survive a cache restart (the tutorial's advice)
+    assert v["cache_appendfsync"] == "always"  # offload's zero-loss guarantee
     assert v["cache_password"] is None and v["server_admin_key"] is None  # generated, never a default secret
     assert v["result_container"] == "gpu-results" and v["result_container_force_destroy"] is False
     assert v["ingest_list"] == "gpu:jobs" and v["queue_name"] == "gpu"
@@ -115,11 +137,34 @@ def test_defaults_are_the_tutorials_and_safe() -> None:
 def test_validation_rules_exist_and_match_offload() -> None:
     variables = _variables()
     validated = {name for name, body in variables.items() if body.get("validation")}
-    must = {"name_prefix", "subnet_cidr", "ssh_allowed_cidrs", "cache_engine", "cache_password",
-            "cache_volume_size_gb", "cache_appendfsync", "offload_pip_spec", "worker_count", "worker_processes",
-            "queue_name", "ingest_list", "gpu_api_base", "gpu_api_key", "max_attempts", "daily_job_cap",
-            "worker_extra_env", "result_container", "s3_endpoint", "s3_access_key_id", "s3_secret_access_key",
-            "server_allowed_cidrs", "server_domain", "server_admin_key", "pip_index_url", "dns_nameservers"}
+    must = {
+        "name_prefix",
+        "subnet_cidr",
+        "ssh_allowed_cidrs",
+        "cache_engine",
+        "cache_password",
+        "cache_volume_size_gb",
+        "cache_appendfsync",
+        "offload_pip_spec",
+        "worker_count",
+        "worker_processes",
+        "queue_name",
+        "ingest_list",
+        "gpu_api_base",
+        "gpu_api_key",
+        "max_attempts",
+        "daily_job_cap",
+        "worker_extra_env",
+        "result_container",
+        "s3_endpoint",
+        "s3_access_key_id",
+        "s3_secret_access_key",
+        "server_allowed_cidrs",
+        "server_domain",
+        "server_admin_key",
+        "pip_index_url",
+        "dns_nameservers",
+    }
     assert must <= validated, must - validated
     for name in validated:
         for rule in variables[name]["validation"]:
@@ -133,6 +178,7 @@ def test_validation_rules_exist_and_match_offload() -> None:
 
 
 # --- nothing open to the world ------------------------------------------------------------------------------------
+
 
 def test_no_security_group_opens_the_cache_or_ssh_to_the_world() -> None:
     rules = _resources("openstack_networking_secgroup_rule_v2")
@@ -170,6 +216,7 @@ def test_no_security_group_opens_the_cache_or_ssh_to_the_world() -> None:
 
 # --- checkov ------------------------------------------------------------------------------------------------------
 
+
 def _checkov(target: Path, *frameworks: str) -> list[dict[str, Any]]:
     checkov = TOOLS / "bin" / "checkov"
     if not checkov.exists():
@@ -177,9 +224,14 @@ def _checkov(target: Path, *frameworks: str) -> list[dict[str, Any]]:
             pytest.fail(f"{checkov} is missing: `make test` builds it (make deploy-tools)")
         pytest.skip(f"{checkov} is missing: run `make deploy-tools`")
     env = {**os.environ, "BC_SKIP_MAPPING": "TRUE", "CHECKOV_RUN_SCA_PACKAGE_SCAN_V2": "false", "LOG_LEVEL": "ERROR"}
-    out = subprocess.run([str(checkov), "-d", str(target), "--framework", *frameworks, "--skip-download",
-                          "--output", "json"],
-                         capture_output=True, text=True, timeout=120, env=env, cwd=target)
+    out = subprocess.run(
+        [str(checkov), "-d", str(target), "--framework", *frameworks, "--skip-download", "--output", "json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=target,
+    )
     assert out.returncode in (0, 1), out.stderr[-3000:]
     doc = json.loads(out.stdout) if out.stdout.strip() else []
     reports = doc if isinstance(doc, list) else [doc]
@@ -199,12 +251,14 @@ def test_checkov_passes_with_every_waiver_reasoned() -> None:
         assert r["summary"]["parsing_errors"] == 0, r["check_type"]
     # the rules that matter here did run, and passed, on the resources they guard
     passed = {(c["check_id"], c["resource"].split("[")[0]) for c in by_type["terraform"]["results"]["passed_checks"]}
-    for resource in ("openstack_networking_secgroup_rule_v2.cache_from_subnet",
-                     "openstack_networking_secgroup_rule_v2.workers_ssh"):
-        assert ("CKV_OPENSTACK_2", resource) in passed   # no SSH from 0.0.0.0/0
+    for resource in (
+        "openstack_networking_secgroup_rule_v2.cache_from_subnet",
+        "openstack_networking_secgroup_rule_v2.workers_ssh",
+    ):
+        assert ("CKV_OPENSTACK_2", resource) in passed  # no SSH from 0.0.0.0/0
     assert ("CKV_OPENSTACK_4", "openstack_compute_instance_v2.cache") in passed  # no admin password on instances
     docker_passed = {c["check_id"] for c in by_type["dockerfile"]["results"]["passed_checks"]}
-    assert {"CKV_DOCKER_3", "CKV_DOCKER_8"} <= docker_passed   # a user is created; the last USER is not root
+    assert {"CKV_DOCKER_3", "CKV_DOCKER_8"} <= docker_passed  # a user is created; the last USER is not root
     # every skip is one of the known waivers, in its file, with a reason written next to it
     for r in reports:
         for c in r["results"]["skipped_checks"]:
@@ -219,7 +273,7 @@ def test_checkov_would_catch_ssh_open_to_the_world_and_a_baked_in_key(tmp_path: 
     copy = tmp_path / "opentofu"
     shutil.copytree(MODULE, copy, ignore=shutil.ignore_patterns(".terraform*", "*.tfstate*"))
     variables = (copy / "variables.tf").read_text()
-    marker = 'CIDRs allowed to SSH'
+    marker = "CIDRs allowed to SSH"
     head, tail = variables.split(marker, 1)
     tail = tail.replace("default     = []", 'default     = ["0.0.0.0/0"]', 1)
     (copy / "variables.tf").write_text(head + marker + tail)
@@ -258,26 +312,43 @@ def _env_file(env: dict[str, str]) -> str:
 def _cache_vars(engine: str = "redis", volume: bool = True) -> dict[str, Any]:
     conf = {"redis": "/etc/redis/redis.conf", "valkey": "/etc/valkey/valkey.conf"}[engine]
     return {
-        "engine": engine, "package": f"{engine}-server", "service": f"{engine}-server", "user": engine,
-        "main_conf": conf, "override_conf": str(Path(conf).parent / "offload.conf"),
-        "data_dir": f"/var/lib/{engine}", "bind_ip": "10.20.0.10",
-        "password": "Zq3x9Lr2Vt8Wm1Np6Ks4Jh7Gf5Dc0BaYuEoIiAaSs", "appendfsync": "always",
+        "engine": engine,
+        "package": f"{engine}-server",
+        "service": f"{engine}-server",
+        "user": engine,
+        "main_conf": conf,
+        "override_conf": str(Path(conf).parent / "offload.conf"),
+        "data_dir": f"/var/lib/{engine}",
+        "bind_ip": "10.20.0.10",
+        "password": "Zq3x9Lr2Vt8Wm1Np6Ks4Jh7Gf5Dc0BaYuEoIiAaSs",
+        "appendfsync": "always",
         "volume_id": "4f6a1c2e-9b7d-4e3f-8a21-0c5d6e7f8a9b" if volume else "",
         "volume_script": (CLOUD_INIT / "cache-volume.sh").read_text(),
     }
 
 
 def _worker_vars(config_yaml: str = "", processes: int = 3) -> dict[str, Any]:
-    return {"env_file": _env_file(ENV_FILE_VARS), "unit": (ROOT / "deploy/systemd/offload-worker@.service").read_text(),
-            "config_yaml": config_yaml, "pip_install": PIP, "metadata_guard": METADATA_GUARD,
-            "units": [f"offload-worker@{i}.service" for i in range(1, processes + 1)]}
+    return {
+        "env_file": _env_file(ENV_FILE_VARS),
+        "unit": (ROOT / "deploy/systemd/offload-worker@.service").read_text(),
+        "config_yaml": config_yaml,
+        "pip_install": PIP,
+        "metadata_guard": METADATA_GUARD,
+        "units": [f"offload-worker@{i}.service" for i in range(1, processes + 1)],
+    }
 
 
 def _server_vars(domain: str = "") -> dict[str, Any]:
     host = "127.0.0.1" if domain else "10.20.0.11"
     env = {**ENV_FILE_VARS, "OFFLOAD_ADMIN_KEY": "a" * 48, "OFFLOAD_SERVER_HOST": host}
-    return {"env_file": _env_file(env), "unit": (ROOT / "deploy/systemd/offload-server.service").read_text(),
-            "config_yaml": OFFLOAD_YAML, "pip_install": PIP, "metadata_guard": METADATA_GUARD, "domain": domain}
+    return {
+        "env_file": _env_file(env),
+        "unit": (ROOT / "deploy/systemd/offload-server.service").read_text(),
+        "config_yaml": OFFLOAD_YAML,
+        "pip_install": PIP,
+        "metadata_guard": METADATA_GUARD,
+        "domain": domain,
+    }
 
 
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -321,8 +392,8 @@ def test_templatefile_calls_pass_exactly_the_variables_each_template_reads() -> 
     for name, keys in calls:
         assert keys == referenced_names((CLOUD_INIT / name).read_text()), name
     assert {name for name, _ in calls} == {p.name for p in CLOUD_INIT.glob("*.tftpl")}
-    assert len(calls) == 5   # cache, worker, server, and the env file for workers and for the server
-    for template, variables in CASES.values():   # the test's own variables are complete too
+    assert len(calls) == 5  # cache, worker, server, and the env file for workers and for the server
+    for template, variables in CASES.values():  # the test's own variables are complete too
         assert set(variables) == referenced_names((CLOUD_INIT / template).read_text())
     with pytest.raises(TemplateError, match="does not contain key"):
         templatefile(CLOUD_INIT / "worker.yaml.tftpl", {k: v for k, v in _worker_vars().items() if k != "units"})
@@ -333,7 +404,7 @@ def test_env_file_is_exactly_the_settings_quoted() -> None:
     lines = [line for line in text.splitlines() if line and not line.startswith("#")]
     parsed = dict(re.fullmatch(r'([A-Z0-9_]+)="([^"]*)"', line).groups() for line in lines)  # type: ignore[union-attr]
     assert parsed == ENV_FILE_VARS
-    assert [k for k in parsed] == sorted(parsed)   # OpenTofu iterates a map in key order
+    assert [k for k in parsed] == sorted(parsed)  # OpenTofu iterates a map in key order
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -351,7 +422,7 @@ def test_cloud_init_renders_to_cloud_config_with_required_keys(case: str) -> Non
         assert conf["permissions"] == "0640" and conf["defer"] is True
         assert conf["owner"] == f"{variables['user']}:{variables['user']}"
         settings = dict(line.split(" ", 1) for line in conf["content"].splitlines() if line and line[0] != "#")
-        assert settings["bind"] == "10.20.0.10 127.0.0.1"       # the private address, never 0.0.0.0
+        assert settings["bind"] == "10.20.0.10 127.0.0.1"  # the private address, never 0.0.0.0
         assert settings["requirepass"] == variables["password"]
         assert settings["appendonly"] == "yes" and settings["appendfsync"] == "always"
         assert settings["maxmemory-policy"] == "noeviction" and settings["protected-mode"] == "yes"
@@ -371,12 +442,20 @@ def test_cloud_init_renders_to_cloud_config_with_required_keys(case: str) -> Non
     assert env["permissions"] == "0600" and env["owner"] == "root:root"
     assert env["content"] == variables["env_file"]
     assert "OFFLOAD_REDIS_URL=" in env["content"]
-    unit_path = "/etc/systemd/system/offload-worker@.service" if kind == "worker" else \
-        "/etc/systemd/system/offload-server.service"
+    unit_path = (
+        "/etc/systemd/system/offload-worker@.service"
+        if kind == "worker"
+        else "/etc/systemd/system/offload-server.service"
+    )
     assert _file(doc, unit_path)["content"] == variables["unit"]
     assert {"python3-venv", "git", "iptables"} <= set(doc["packages"])
-    assert {"name": "offload", "system": True, "homedir": "/var/lib/offload", "shell": "/usr/sbin/nologin",
-            "lock_passwd": True} in doc["users"] and "default" in doc["users"]
+    assert {
+        "name": "offload",
+        "system": True,
+        "homedir": "/var/lib/offload",
+        "shell": "/usr/sbin/nologin",
+        "lock_passwd": True,
+    } in doc["users"] and "default" in doc["users"]
     assert runcmd[0] == ["sh", "-c", METADATA_GUARD] and doc["bootcmd"] == [["sh", "-c", METADATA_GUARD]]
     assert ["python3", "-m", "venv", "/opt/offload/venv"] in runcmd and ["sh", "-c", PIP] in runcmd
     assert flat.index("systemctl daemon-reload") > flat.index(f"sh -c {PIP}")
@@ -403,9 +482,13 @@ def _cloud_init_schema(path: Path) -> subprocess.CompletedProcess[str]:
         if os.environ.get("CI") and shutil.which("apt-get"):
             pytest.fail(f"{site} is missing: `make deploy-tools` unpacks Debian's cloud-init there")
         pytest.skip("Debian's cloud-init package is not unpacked in .venv-checkov (make deploy-tools)")
-    return subprocess.run([str(TOOLS / "bin" / "python"), "-m", "cloudinit.cmd.main", "schema", "--config-file",
-                           str(path)], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(site)})
+    return subprocess.run(
+        [str(TOOLS / "bin" / "python"), "-m", "cloudinit.cmd.main", "schema", "--config-file", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(site)},
+    )
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -417,8 +500,11 @@ def test_cloud_init_passes_cloud_inits_own_schema(case: str, tmp_path: Path) -> 
 
 
 def test_cloud_init_schema_check_rejects_a_broken_config(tmp_path: Path) -> None:
-    broken = _render("worker").replace('permissions: "0600"', "permissions: [0600]").replace(
-        "lock_passwd: true", "lock_passwd: sometimes")
+    broken = (
+        _render("worker")
+        .replace('permissions: "0600"', "permissions: [0600]")
+        .replace("lock_passwd: true", "lock_passwd: sometimes")
+    )
     path = tmp_path / "broken.yaml"
     path.write_text(broken)
     out = _cloud_init_schema(path)
@@ -435,10 +521,18 @@ def test_shell_scripts_pass_shellcheck() -> None:
 
 # --- with a real terraform binary (no provider needed) -----------------------------------------------------------
 
+
 def _tf(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     assert TERRAFORM is not None
-    env = {**os.environ, "CHECKPOINT_DISABLE": "1", "TF_IN_AUTOMATION": "1", "TF_INPUT": "0",
-           "TF_CLI_CONFIG_FILE": os.devnull, "TF_DATA_DIR": str(cwd / ".terraform"), "NO_COLOR": "1"}
+    env = {
+        **os.environ,
+        "CHECKPOINT_DISABLE": "1",
+        "TF_IN_AUTOMATION": "1",
+        "TF_INPUT": "0",
+        "TF_CLI_CONFIG_FILE": os.devnull,
+        "TF_DATA_DIR": str(cwd / ".terraform"),
+        "NO_COLOR": "1",
+    }
     return subprocess.run([TERRAFORM, *args], cwd=cwd, capture_output=True, text=True, timeout=120, env=env)
 
 
@@ -454,7 +548,8 @@ def test_tf_files_are_canonically_formatted(tmp_path: Path) -> None:
 def test_python_renderer_matches_the_real_templatefile(tmp_path: Path) -> None:
     outputs = "\n".join(
         f'output "{case}" {{\n  value = templatefile("{CLOUD_INIT / template}", jsondecode(file("{case}.json")))\n}}'
-        for case, (template, _) in CASES.items())
+        for case, (template, _) in CASES.items()
+    )
     (tmp_path / "main.tf").write_text(outputs + "\n")
     for case, (_, variables) in CASES.items():
         (tmp_path / f"{case}.json").write_text(json.dumps(variables))
@@ -462,7 +557,8 @@ def test_python_renderer_matches_the_real_templatefile(tmp_path: Path) -> None:
     (tmp_path / "env.json").write_text(json.dumps(env_vars))
     env_template = CLOUD_INIT / "offload.env.tftpl"
     (tmp_path / "env.tf").write_text(
-        f'output "env" {{\n  value = templatefile("{env_template}", jsondecode(file("env.json")))\n}}\n')
+        f'output "env" {{\n  value = templatefile("{env_template}", jsondecode(file("env.json")))\n}}\n'
+    )
     for step in (["init", "-backend=false", "-no-color"], ["apply", "-auto-approve", "-no-color"]):
         out = _tf(step, tmp_path)
         assert out.returncode == 0, out.stdout + out.stderr
@@ -520,12 +616,20 @@ def _plan(root: Path, values: dict[str, Any]) -> subprocess.CompletedProcess[str
 def test_terraform_accepts_the_defaults_and_the_example(variables_only: Path) -> None:
     out = _plan(variables_only, VALID)
     assert out.returncode == 0, out.stdout + out.stderr
-    example = _tf(["plan", "-no-color", "-lock=false", f"-var-file={MODULE / 'terraform.tfvars.example'}"],
-                  variables_only)
+    example = _tf(
+        ["plan", "-no-color", "-lock=false", f"-var-file={MODULE / 'terraform.tfvars.example'}"], variables_only
+    )
     assert example.returncode == 0, example.stdout + example.stderr
-    good = {**VALID, "ssh_allowed_cidrs": ["203.0.113.0/24", "2001:db8::/32"], "cache_engine": "valkey",
-            "worker_extra_env": {"RUNPOD_API_KEY": "rp_123"}, "daily_job_cap": None, "ingest_list": None,
-            "server_domain": "offload.example.com", "server_allowed_cidrs": ["0.0.0.0/0"]}
+    good = {
+        **VALID,
+        "ssh_allowed_cidrs": ["203.0.113.0/24", "2001:db8::/32"],
+        "cache_engine": "valkey",
+        "worker_extra_env": {"RUNPOD_API_KEY": "rp_123"},
+        "daily_job_cap": None,
+        "ingest_list": None,
+        "server_domain": "offload.example.com",
+        "server_allowed_cidrs": ["0.0.0.0/0"],
+    }
     out = _plan(variables_only, good)
     assert out.returncode == 0, out.stdout + out.stderr
 
@@ -549,10 +653,20 @@ def test_terraform_requires_the_required_variables(variables_only: Path) -> None
 
 # --- outputs and docs agree ---------------------------------------------------------------------------------------
 
+
 def test_outputs_cover_the_tutorials_values_and_secrets_are_sensitive() -> None:
     outputs = {name: body for block in _blocks("output") for name, body in block.items()}
-    assert {"cache_private_ip", "network_name", "worker_private_ips", "worker_floating_ips", "server_url",
-            "result_container", "redis_url", "cache_password", "server_admin_key"} <= set(outputs)
+    assert {
+        "cache_private_ip",
+        "network_name",
+        "worker_private_ips",
+        "worker_floating_ips",
+        "server_url",
+        "result_container",
+        "redis_url",
+        "cache_password",
+        "server_admin_key",
+    } <= set(outputs)
     for name, body in outputs.items():
         secret = re.search(r"password|secret|_key$|redis_url|access_key", name) is not None
         assert (body.get("sensitive") is True) == secret, name
@@ -566,7 +680,7 @@ def test_outputs_cover_the_tutorials_values_and_secrets_are_sensitive() -> None:
 def test_cache_ip_and_pool_do_not_overlap() -> None:
     src = (MODULE / "locals.tf").read_text() + (MODULE / "network.tf").read_text()
     fixed = [int(n) for n in re.findall(r"cidrhost\(var\.subnet_cidr, (\d+)\)", src)]
-    assert sorted(fixed) == [10, 11, 32]           # cache, server, start of the DHCP pool
+    assert sorted(fixed) == [10, 11, 32]  # cache, server, start of the DHCP pool
     assert re.search(r"start = cidrhost\(var\.subnet_cidr, 32\)", src)
 
 

@@ -187,7 +187,9 @@ async def test_events_stream_records_state_changes(store: QueueStore) -> None:
     await store.complete(job_id, c.token, "results/a.json")
     events = await store.events("q", "0")
     assert [(e["state"], e["jobs"]) for _, e in events] == [
-        ("queued", job_id), ("active", job_id), ("succeeded", job_id)
+        ("queued", job_id),
+        ("active", job_id),
+        ("succeeded", job_id),
     ]
 
 
@@ -226,8 +228,11 @@ async def test_tutorial_ingest_moves_jobs_and_dead_letters_malformed(store: Queu
     assert any("invalid JSON" in r for r in reasons)
     assert any('"id" is missing' in r for r in reasons)
     assert any('"input" is missing' in r for r in reasons)
-    assert {j.raw for j in dead} == {"{not json", '{"input": {"prompt": "no id"}}',
-                                     '{"id": "x", "output_key": "results/x.json"}'}
+    assert {j.raw for j in dead} == {
+        "{not json",
+        '{"input": {"prompt": "no id"}}',
+        '{"id": "x", "output_key": "results/x.json"}',
+    }
     # the same tutorial job pushed twice is not duplicated
     await store.redis.rpush("gpu:jobs", '{"id": "abc123", "input": {"prompt": "a poem"}}')
     assert await store.ingest("gpu:jobs", "gpu") == (1, 0)
@@ -310,12 +315,15 @@ async def test_batched_checkpoint_answers_per_item(store: QueueStore) -> None:
     ids = await store.enqueue_many("q", [JobSpec(input={"n": n}) for n in range(3)])
     claimed = await store.claim("q", "w1", 3)
     await store.cancel(claimed[2].id)
-    codes = await store.checkpoint_many("q", [
-        (claimed[0].id, claimed[0].token, "gpu", "r-0"),
-        (claimed[1].id, "w1/999999", "gpu", "r-1"),
-        ("q:0000000000000000", "w1/1", "gpu", "r-x"),
-        (claimed[2].id, claimed[2].token, "gpu", "r-2"),
-    ])
+    codes = await store.checkpoint_many(
+        "q",
+        [
+            (claimed[0].id, claimed[0].token, "gpu", "r-0"),
+            (claimed[1].id, "w1/999999", "gpu", "r-1"),
+            ("q:0000000000000000", "w1/1", "gpu", "r-x"),
+            (claimed[2].id, claimed[2].token, "gpu", "r-2"),
+        ],
+    )
     assert codes == ["OK", "STALE", "NOTFOUND", "OK:CANCEL"]
     first, second = await store.get(ids[0]), await store.get(ids[1])
     assert (first.state, first.remote_id) == (JobState.SUBMITTED, "r-0")
@@ -325,15 +333,18 @@ async def test_batched_checkpoint_answers_per_item(store: QueueStore) -> None:
 async def test_batched_reservations_decide_in_order_and_count_once(store: QueueStore) -> None:
     """Five reservations against a cap of three: the first three pass, the rest are capped, and a job already
     counted in the window passes again without taking another slot."""
-    verdicts = await store.reserve_many("q", "20261129", [(f"q:{n:016x}", 0.0) for n in range(5)],
-                                        job_cap=3, spend_cap=None)
+    verdicts = await store.reserve_many(
+        "q", "20261129", [(f"q:{n:016x}", 0.0) for n in range(5)], job_cap=3, spend_cap=None
+    )
     assert verdicts == [None, None, None, "jobs", "jobs"]
-    again = await store.reserve_many("q", "20261129", [("q:0000000000000001", 0.0), ("q:00000000000000ff", 0.0)],
-                                     job_cap=3, spend_cap=None)
+    again = await store.reserve_many(
+        "q", "20261129", [("q:0000000000000001", 0.0), ("q:00000000000000ff", 0.0)], job_cap=3, spend_cap=None
+    )
     assert again == [None, "jobs"]
     assert await store.usage("q", "20261129") == (3, 0.0)
-    spend = await store.reserve_many("q", "20261130", [("q:a", 0.4), ("q:b", 0.4), ("q:c", 0.1)],
-                                     job_cap=None, spend_cap=1.0)
+    spend = await store.reserve_many(
+        "q", "20261130", [("q:a", 0.4), ("q:b", 0.4), ("q:c", 0.1)], job_cap=None, spend_cap=1.0
+    )
     assert spend == [None, None, None]  # 0.4 + 0.4 + 0.1 fits under 1.0
     jobs, spent = await store.usage("q", "20261130")
     assert spent <= 1.0 and jobs == sum(v is None for v in spend)

@@ -48,16 +48,38 @@ def _reap() -> Iterator[None]:
         proc.wait(10)
 
 
-def spawn_worker(url: str, token: str, queue: str, handler: str, tmp: Path, *extra: str,
-                 env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def spawn_worker(
+    url: str, token: str, queue: str, handler: str, tmp: Path, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     """Only what a rented GPU machine would get: PATH, the server URL and a worker key."""
-    full_env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1",
-                "OFFLOAD_TOKEN": token, **(env or {})}
+    full_env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "LANG": "C.UTF-8",
+        "PYTHONUNBUFFERED": "1",
+        "OFFLOAD_TOKEN": token,
+        **(env or {}),
+    }
     log = open(tmp / f"worker-{len(_live)}.log", "ab")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(
-        [OFFLOAD, "worker", "--queue", queue, "--handler", f"tests.handlers:{handler}", "--server", url,
-         "--grace", "20", *extra],
-        env=full_env, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+        [
+            OFFLOAD,
+            "worker",
+            "--queue",
+            queue,
+            "--handler",
+            f"tests.handlers:{handler}",
+            "--server",
+            url,
+            "--grace",
+            "20",
+            *extra,
+        ],
+        env=full_env,
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
     )
     log.close()
     _live.append(proc)
@@ -85,8 +107,9 @@ def enqueue(url: str, token: str, queue: str, inputs: list[Any], **options: Any)
 
 
 def wait_state(url: str, token: str, job_id: str, state: str, timeout: float = 45) -> dict[str, Any]:
-    result: dict[str, Any] = poll(lambda: (d := job(url, token, job_id))["state"] == state and d, timeout,
-                                  f"{job_id} to be {state}")
+    result: dict[str, Any] = poll(
+        lambda: (d := job(url, token, job_id))["state"] == state and d, timeout, f"{job_id} to be {state}"
+    )
     return result
 
 
@@ -98,9 +121,22 @@ def test_handler_worker_end_to_end(api: tuple[str, str], s3: RcloneS3, tmp_path:
     fake_bin.mkdir()
     (fake_bin / "nvidia-smi").write_text("#!/bin/sh\necho '0, NVIDIA A100-SXM4-80GB, 81920, GPU-1234'\n")
     (fake_bin / "nvidia-smi").chmod(0o755)
-    proc = spawn_worker(url, token, q, "echo", tmp_path, "--load", "tests.handlers:load", "--concurrency", "2",
-                        env={"OFFLOAD_INSTANCE_ID": "i-0abc", "OFFLOAD_PROTECTED": "1",
-                             "PATH": f"{fake_bin}:{os.environ.get('PATH', '/usr/bin:/bin')}"})
+    proc = spawn_worker(
+        url,
+        token,
+        q,
+        "echo",
+        tmp_path,
+        "--load",
+        "tests.handlers:load",
+        "--concurrency",
+        "2",
+        env={
+            "OFFLOAD_INSTANCE_ID": "i-0abc",
+            "OFFLOAD_PROTECTED": "1",
+            "PATH": f"{fake_bin}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+        },
+    )
     ids = enqueue(url, boot, q, [{"n": i} for i in range(4)])
     done = [wait_state(url, boot, j, "succeeded") for j in ids]
     bucket = s3.client()
@@ -118,8 +154,15 @@ def test_handler_worker_end_to_end(api: tuple[str, str], s3: RcloneS3, tmp_path:
 
     environ = Path(f"/proc/{proc.pid}/environ").read_bytes().decode(errors="replace").split("\0")
     names = {e.split("=", 1)[0] for e in environ if e}
-    assert not names & {"REDIS_URL", "OFFLOAD_REDIS_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                        "OFFLOAD_S3_ENDPOINT", "S3_ENDPOINT", "OFFLOAD_CONFIG"}
+    assert not names & {
+        "REDIS_URL",
+        "OFFLOAD_REDIS_URL",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "OFFLOAD_S3_ENDPOINT",
+        "S3_ENDPOINT",
+        "OFFLOAD_CONFIG",
+    }
     assert s3.secret_key not in "\n".join(environ)
 
     proc.send_signal(signal.SIGTERM)
@@ -168,8 +211,7 @@ def test_sigkilled_worker_job_is_redelivered(api: tuple[str, str], tmp_path: Pat
 def test_sigterm_lets_the_running_job_finish(api: tuple[str, str], tmp_path: Path) -> None:
     url, boot = api
     q = new_queue("drain")
-    proc = spawn_worker(url, make_key(url, boot, "worker", [q]), q, "echo", tmp_path,
-                        env={"OFFLOAD_TEST_SLOW": "4"})
+    proc = spawn_worker(url, make_key(url, boot, "worker", [q]), q, "echo", tmp_path, env={"OFFLOAD_TEST_SLOW": "4"})
     (job_id,) = enqueue(url, boot, q, ["finish me"])
     wait_state(url, boot, job_id, "active")
     later = enqueue(url, boot, q, ["not started"])[0]
@@ -182,8 +224,9 @@ def test_sigterm_lets_the_running_job_finish(api: tuple[str, str], tmp_path: Pat
 def test_sigterm_hands_back_a_job_that_outlasts_the_grace(api: tuple[str, str], tmp_path: Path) -> None:
     url, boot = api
     q = new_queue("grace")
-    proc = spawn_worker(url, make_key(url, boot, "worker", [q]), q, "echo", tmp_path, "--grace", "0.5",
-                        env={"OFFLOAD_TEST_SLOW": "120"})
+    proc = spawn_worker(
+        url, make_key(url, boot, "worker", [q]), q, "echo", tmp_path, "--grace", "0.5", env={"OFFLOAD_TEST_SLOW": "120"}
+    )
     (job_id,) = enqueue(url, boot, q, ["too slow"])
     wait_state(url, boot, job_id, "active")
     proc.send_signal(signal.SIGTERM)
@@ -226,10 +269,32 @@ def test_a_rejected_key_stops_the_worker(api: tuple[str, str], tmp_path: Path) -
 
 def test_handler_worker_needs_server_and_key(tmp_path: Path) -> None:
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
-    r = subprocess.run([OFFLOAD, "worker", "--queue", "q", "--handler", "tests.handlers:echo"], env=env, cwd=REPO,
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [OFFLOAD, "worker", "--queue", "q", "--handler", "tests.handlers:echo"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 1 and r.stderr.startswith("error: --handler needs --server")
-    r = subprocess.run([OFFLOAD, "worker", "--queue", "q", "--handler", "tests.nope:echo", "--server",
-                        "http://127.0.0.1:9", "--token", "t"], env=env, cwd=REPO, capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run(
+        [
+            OFFLOAD,
+            "worker",
+            "--queue",
+            "q",
+            "--handler",
+            "tests.nope:echo",
+            "--server",
+            "http://127.0.0.1:9",
+            "--token",
+            "t",
+        ],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 1 and "cannot load the handler" in r.stderr and "Traceback" not in r.stderr

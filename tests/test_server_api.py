@@ -67,8 +67,7 @@ def test_health_is_public_and_ready(api: tuple[str, str]) -> None:
         assert "/v1/queues/{queue}/jobs" in spec["paths"] and c.get("/docs").status_code == 200
 
 
-def test_enqueue_get_wait_cancel(api: tuple[str, str], admin: httpx.Client, valkey: ValkeyServer,
-                                 s3: RcloneS3) -> None:
+def test_enqueue_get_wait_cancel(api: tuple[str, str], admin: httpx.Client, valkey: ValkeyServer, s3: RcloneS3) -> None:
     q = new_queue()
     r = admin.post(f"/v1/queues/{q}/jobs", json={"input": {"prompt": "hi"}, "priority": 5, "max_attempts": 2})
     assert r.status_code == 201, r.text
@@ -83,8 +82,9 @@ def test_enqueue_get_wait_cancel(api: tuple[str, str], admin: httpx.Client, valk
     assert r.json()["timed_out"] is True and r.json()["state"] == "queued"
     s3.client().put_object(Bucket=BUCKET, Key=f"results/{job_id}.json", Body=b'{"ok": 1}')
     result: dict[str, Any] = {}
-    waiter = threading.Thread(target=lambda: result.update(admin.get(f"/v1/jobs/{job_id}/wait",
-                                                                       params={"timeout": 20}).json()))
+    waiter = threading.Thread(
+        target=lambda: result.update(admin.get(f"/v1/jobs/{job_id}/wait", params={"timeout": 20}).json())
+    )
     waiter.start()
     finish(valkey.url, q, 1)
     waiter.join(20)
@@ -180,11 +180,16 @@ def test_queue_ops_dead_and_held(admin: httpx.Client, valkey: ValkeyServer) -> N
     assert {j["id"] for j in page["jobs"]} == set(dead) and page["jobs"][0]["error"] == "bad input"
     assert admin.post(f"/v1/queues/{q}/dead/requeue", json={"ids": [dead[0]]}).json() == {"moved": [dead[0]]}
     assert admin.post(f"/v1/queues/{q}/dead/purge").json() == {"count": 1}
+
     # held: a worker holds one over a cap; release brings it back
     async def hold(store: QueueStore) -> str:
         (job,) = await store.claim(q, "w", 1)
-        await store.hold(job.id, job.token, "daily jobs cap reached",  # today's window: not yet due
-                         time.strftime("%Y%m%d", time.gmtime()))
+        await store.hold(
+            job.id,
+            job.token,
+            "daily jobs cap reached",  # today's window: not yet due
+            time.strftime("%Y%m%d", time.gmtime()),
+        )
         return job.id
 
     held = store_call(valkey.url, hold)
@@ -229,8 +234,7 @@ def test_sse_stream_delivers_events(api: tuple[str, str], admin: httpx.Client) -
 
     # resumable: with Last-Event-ID the missed events are replayed first
     last = ""
-    with client(api[0], api[1]) as c, c.stream("GET", f"/v1/queues/{q}/events",
-                                                headers={"Last-Event-ID": "0-0"}) as r:
+    with client(api[0], api[1]) as c, c.stream("GET", f"/v1/queues/{q}/events", headers={"Last-Event-ID": "0-0"}) as r:
         for line in r.iter_lines():
             if line.startswith("id: "):
                 last = line[4:]

@@ -21,7 +21,8 @@ def scrape(url: str, token: str) -> dict[tuple[str, tuple[tuple[str, str], ...]]
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
-        for fam in text_string_to_metric_families(r.text) for s in fam.samples
+        for fam in text_string_to_metric_families(r.text)
+        for s in fam.samples
     }
 
 

@@ -78,6 +78,7 @@ def stats(client: httpx.Client) -> dict[str, Any]:
 
 # --- tutorial job API -------------------------------------------------------------------------------------------
 
+
 def test_jobs_happy_path_echoes_input_and_serves_files() -> None:
     with sim() as c:
         r = c.post("/jobs", json={"id": "job-1", "prompt": "a haiku"})
@@ -123,6 +124,7 @@ def test_jobs_cancel_running_job() -> None:
 
 
 # --- RunPod ----------------------------------------------------------------------------------------------------
+
 
 def test_runpod_lifecycle_bare_key_and_health() -> None:
     with sim() as c:
@@ -181,10 +183,13 @@ def test_runpod_cancel_retry_and_purge() -> None:
 
 # --- Replicate -------------------------------------------------------------------------------------------------
 
+
 def test_replicate_lifecycle_and_shapes() -> None:
     with sim() as c:
-        r = c.post("/v1/predictions", json={"version": "owner/model:" + "a" * 64, "input": {"id": "rep-1"},
-                                            "webhook": "https://hook/x?tag=rep"})
+        r = c.post(
+            "/v1/predictions",
+            json={"version": "owner/model:" + "a" * 64, "input": {"id": "rep-1"}, "webhook": "https://hook/x?tag=rep"},
+        )
         assert r.status_code == 201
         p = r.json()
         assert p["status"] == "starting" and p["model"] == "owner/model" and p["version"] == "a" * 64
@@ -233,24 +238,48 @@ def test_replicate_cancel_after_header_sets_deadline() -> None:
     with sim() as c:
         p = c.post("/v1/predictions", json={"version": "v", "input": {}}, headers={"Cancel-After": "1m30s"}).json()
         assert "deadline" in p
-        assert c.post("/v1/predictions", json={"version": "v", "input": {}},
-                      headers={"Cancel-After": "soon"}).status_code == 400
+        assert (
+            c.post("/v1/predictions", json={"version": "v", "input": {}}, headers={"Cancel-After": "soon"}).status_code
+            == 400
+        )
 
 
 def test_job_timeline_aborted_and_cancel() -> None:
     """The timeline logic itself, with explicit times (Replicate's Cancel-After minimum is 5 s)."""
-    job = Job(id="j", family="replicate", target="m", input={}, input_key="k", created=0.0, started=10.0,
-              finished=20.0, outcome="succeeded", stopped=5.0, stop_phase="aborted", result_ttl=1.0)
+    job = Job(
+        id="j",
+        family="replicate",
+        target="m",
+        input={},
+        input_key="k",
+        created=0.0,
+        started=10.0,
+        finished=20.0,
+        outcome="succeeded",
+        stopped=5.0,
+        stop_phase="aborted",
+        result_ttl=1.0,
+    )
     assert [job.phase(t) for t in (1.0, 5.0, 30.0)] == ["queued", "aborted", "aborted"]
     assert job.ran_for(30.0) == 0 and job.expires_at() == 6.0
-    other = Job(id="o", family="jobs", target="t", input={}, input_key="k", created=0.0, started=1.0,
-                finished=3.0, outcome="failed")
+    other = Job(
+        id="o",
+        family="jobs",
+        target="t",
+        input={},
+        input_key="k",
+        created=0.0,
+        started=1.0,
+        finished=3.0,
+        outcome="failed",
+    )
     assert [other.phase(t) for t in (0.5, 2.0, 3.0)] == ["queued", "running", "failed"]
     assert other.cancel(3.5) is False  # already ended: nothing to stop
     assert other.cancel(2.0) is True and other.phase(2.5) == "cancelled" and other.ended_at() == 2.0
 
 
 # --- fal -------------------------------------------------------------------------------------------------------
+
 
 def test_fal_queue_lifecycle() -> None:
     with sim() as c:
@@ -259,8 +288,7 @@ def test_fal_queue_lifecycle() -> None:
         sub = r.json()
         rid = sub["request_id"]
         base = f"{c.base_url}/fal-ai/flux/requests/{rid}"  # the subpath `dev` is dropped
-        assert (sub["response_url"], sub["status_url"], sub["cancel_url"]) == (base, base + "/status",
-                                                                                base + "/cancel")
+        assert (sub["response_url"], sub["status_url"], sub["cancel_url"]) == (base, base + "/status", base + "/cancel")
         assert isinstance(sub["queue_position"], int)
         first = c.get(sub["status_url"], headers=FAL)
         assert first.status_code == 202 and first.json()["status"] == "IN_QUEUE"
@@ -269,8 +297,7 @@ def test_fal_queue_lifecycle() -> None:
         mid = until(lambda: c.get(sub["status_url"], headers=FAL), lambda x: x.json()["status"] != "IN_QUEUE")
         if mid.json()["status"] == "IN_PROGRESS":
             assert mid.status_code == 202 and {"queue_position", "logs"} <= mid.json().keys()
-        done = until(lambda: c.get(sub["status_url"], params={"logs": 1}, headers=FAL),
-                     lambda x: x.status_code == 200)
+        done = until(lambda: c.get(sub["status_url"], params={"logs": 1}, headers=FAL), lambda x: x.status_code == 200)
         assert done.json()["status"] == "COMPLETED" and done.json()["metrics"]["inference_time"] == pytest.approx(0.2)
         assert [line["message"] for line in done.json()["logs"]] == ["simulated: processing", "simulated: done"]
         assert "error" not in done.json()
@@ -320,11 +347,19 @@ def test_fal_prefix_and_namespaces() -> None:
 
 # --- OpenAI ----------------------------------------------------------------------------------------------------
 
+
 def test_openai_chat_completion_shape() -> None:
     with sim() as c:
         started = time.monotonic()
-        r = c.post("/v1/chat/completions", json={"model": "gpt-sim", "messages": [{"role": "user", "content": "hi"}],
-                                                 "metadata": {"job_id": "oai-1"}, "n": 2})
+        r = c.post(
+            "/v1/chat/completions",
+            json={
+                "model": "gpt-sim",
+                "messages": [{"role": "user", "content": "hi"}],
+                "metadata": {"job_id": "oai-1"},
+                "n": 2,
+            },
+        )
         assert time.monotonic() - started >= 0.3  # synchronous: queue delay + running time
         body = r.json()
         assert r.status_code == 200 and body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
@@ -341,18 +376,28 @@ def test_openai_errors() -> None:
     with sim() as c:
         r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
         assert r.status_code == 400
-        assert r.json()["error"] == {"message": "you must provide a model parameter",
-                                     "type": "invalid_request_error", "param": "model", "code": None}
-        assert c.post("/v1/chat/completions", json={"model": "m", "messages": []}).json()["error"]["param"] == \
-            "messages"
-        assert c.post("/v1/chat/completions", json={"model": "m"}, headers={"Authorization": "Key x"}).json()[
-            "error"]["code"] == "invalid_api_key"
+        assert r.json()["error"] == {
+            "message": "you must provide a model parameter",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": None,
+        }
+        assert (
+            c.post("/v1/chat/completions", json={"model": "m", "messages": []}).json()["error"]["param"] == "messages"
+        )
+        assert (
+            c.post("/v1/chat/completions", json={"model": "m"}, headers={"Authorization": "Key x"}).json()["error"][
+                "code"
+            ]
+            == "invalid_api_key"
+        )
     with sim(fail_rate=1.0) as c:
         r = c.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
 
 
 # --- faults ----------------------------------------------------------------------------------------------------
+
 
 def test_fail_rate_one_fails_every_family() -> None:
     with sim(fail_rate=1.0) as c:
@@ -368,9 +413,12 @@ def test_fail_rate_one_fails_every_family() -> None:
 @pytest.mark.parametrize("header", [True, False])
 def test_429_with_and_without_retry_after(header: bool) -> None:
     with sim(rate_429=1.0, retry_after_header=header, retry_after_seconds=2) as c:
-        for path, body, headers in [("/jobs", {"id": 1}, AUTH), ("/v2/e/run", {"input": {}}, AUTH),
-                                    ("/v1/predictions", {"version": "v", "input": {}}, AUTH),
-                                    ("/fal-ai/x", {}, FAL)]:
+        for path, body, headers in [
+            ("/jobs", {"id": 1}, AUTH),
+            ("/v2/e/run", {"input": {}}, AUTH),
+            ("/v1/predictions", {"version": "v", "input": {}}, AUTH),
+            ("/fal-ai/x", {}, FAL),
+        ]:
             r = c.post(path, json=body, headers=headers)
             assert r.status_code == 429, path
             assert r.headers.get("retry-after") == ("2" if header else None), path
@@ -482,8 +530,13 @@ SUBMITS: list[tuple[str, str, dict[str, Any], dict[str, str], Callable[[Any], st
     ("runpod", "/v2/e/run", {"input": {"id": "k-runpod"}}, AUTH, lambda b: b["id"]),
     ("replicate", "/v1/predictions", {"version": "v", "input": {"id": "k-replicate"}}, AUTH, lambda b: b["id"]),
     ("fal", "/fal-ai/x", {"id": "k-fal"}, FAL, lambda b: b["request_id"]),
-    ("openai", "/v1/chat/completions", {"model": "m", "messages": [{"role": "user"}], "metadata": {"id": "k-openai"}},
-     AUTH, lambda b: b["id"]),
+    (
+        "openai",
+        "/v1/chat/completions",
+        {"model": "m", "messages": [{"role": "user"}], "metadata": {"id": "k-openai"}},
+        AUTH,
+        lambda b: b["id"],
+    ),
 ]
 
 
@@ -517,8 +570,9 @@ def test_idempotency_key_replays_the_first_answer_on_every_submit_route() -> Non
 
 def test_idempotency_key_is_logged_but_ignored_when_not_honoured() -> None:
     with sim(SimConfig.model_validate({"seed": 7, "honour_idempotency_key": False, "default": FAST})) as c:
-        ids = [c.post("/jobs", json={"id": "twice"}, headers={"Idempotency-Key": "job-1.1"}).json()["id"]
-               for _ in range(2)]
+        ids = [
+            c.post("/jobs", json={"id": "twice"}, headers={"Idempotency-Key": "job-1.1"}).json()["id"] for _ in range(2)
+        ]
         assert ids[0] != ids[1]
         assert stats(c)["submissions_by_input_id"] == {"twice": 2} and stats(c)["idempotent_replays"] == {}
         log = submissions(c)["submissions"]
@@ -540,8 +594,11 @@ def test_idempotency_key_survives_a_lost_answer_and_conflicts_while_in_flight() 
         import threading
 
         answers: list[httpx.Response] = []
-        slow = threading.Thread(target=lambda: answers.append(
-            other.post("/jobs", json={"id": "slow"}, headers={"Idempotency-Key": "slow.1"})))
+        slow = threading.Thread(
+            target=lambda: answers.append(
+                other.post("/jobs", json={"id": "slow"}, headers={"Idempotency-Key": "slow.1"})
+            )
+        )
         slow.start()
         until(lambda: submissions(c)["total"], lambda n: n == 1)
         busy = c.post("/jobs", json={"id": "slow"}, headers={"Idempotency-Key": "slow.1"})
@@ -600,18 +657,29 @@ def test_error_rate_and_a_429_storm() -> None:
 
 # --- control routes, files, config ------------------------------------------------------------------------------
 
+
 def test_control_config_jobs_and_reset() -> None:
     with sim() as c:
         shown = c.get("/_sim/config").json()
-        assert shown["effective"]["fal"]["latency"] == {"kind": "fixed", "seconds": 0.2, "min": 0.0, "max": None,
-                                                        "median": 1.0, "sigma": 0.5}
+        assert shown["effective"]["fal"]["latency"] == {
+            "kind": "fixed",
+            "seconds": 0.2,
+            "min": 0.0,
+            "max": None,
+            "median": 1.0,
+            "sigma": 0.5,
+        }
         bad = c.post("/_sim/config", json={"default": {"fail_rate": 3}})
         assert bad.status_code == 422 and bad.json()["details"][0]["loc"] == ["default", "fail_rate"]
         assert c.post("/_sim/config", json={"default": {"latnecy": 1}}).status_code == 422
         merged = c.post("/_sim/config?merge=true", json={"default": {"fail_rate": 0.25}}).json()["effective"]
         assert merged["jobs"]["fail_rate"] == 0.25 and merged["jobs"]["latency"]["seconds"] == 0.2  # kept
-        assert c.post("/_sim/config", json={"default": {"latency": 10}, "families": {"jobs": {"latency": 0.1}}}
-                      ).status_code == 200
+        assert (
+            c.post(
+                "/_sim/config", json={"default": {"latency": 10}, "families": {"jobs": {"latency": 0.1}}}
+            ).status_code
+            == 200
+        )
         fast = c.post("/jobs", json={"id": "fast"}).json()["id"]
         slow = c.post("/v2/e/run", json={"input": {"id": "slow"}}).json()["id"]
         until(lambda: c.get(f"/jobs/{fast}").json(), lambda b: b["status"] == "succeeded")
@@ -630,9 +698,15 @@ def test_unmatched_paths_are_counted() -> None:
         assert stats(c)["requests"]["unmatched"] == 1
 
 
-@pytest.mark.parametrize(("kind", "content_type"), [("png", "image/png"), ("txt", "text/plain; charset=utf-8"),
-                                                    ("json", "application/json"),
-                                                    ("bin", "application/octet-stream")])
+@pytest.mark.parametrize(
+    ("kind", "content_type"),
+    [
+        ("png", "image/png"),
+        ("txt", "text/plain; charset=utf-8"),
+        ("json", "application/json"),
+        ("bin", "application/octet-stream"),
+    ],
+)
 def test_output_files_have_content_types(kind: str, content_type: str) -> None:
     with sim(file_type=kind, files_per_job=2, file_size=3000, latency=0) as c:
         job_id = c.post("/jobs", json={}).json()["id"]
@@ -664,14 +738,17 @@ def test_seed_makes_runs_reproducible() -> None:
             ids = [c.post("/jobs", json={"i": i}).json()["id"] for i in range(8)]
             time.sleep(0.15)
             return [(i, c.get(f"/jobs/{i}").json()["status"]) for i in ids]
+
     first = run()
     assert first == run() and {s for _, s in first} == {"succeeded", "failed"}
 
 
 def test_config_files_shorthands_and_family_overrides(tmp_path: Path) -> None:
     yml = tmp_path / "sim.yaml"
-    yml.write_text("seed: 3\ndefault:\n  latency: 1-3\n  fail_rate: 0.1\nfamilies:\n  fal:\n    latency: "
-                   "lognormal:2:0.5:10\n    rate_429: 0.2\n")
+    yml.write_text(
+        "seed: 3\ndefault:\n  latency: 1-3\n  fail_rate: 0.1\nfamilies:\n  fal:\n    latency: "
+        "lognormal:2:0.5:10\n    rate_429: 0.2\n"
+    )
     config = SimConfig.load(yml)
     assert config.behaviour("jobs").latency.kind == "uniform" and config.behaviour("jobs").latency.max == 3
     fal = config.behaviour("fal")
@@ -708,10 +785,28 @@ def _free_port() -> int:
 def test_cli_serve_runs_a_real_server() -> None:
     port = _free_port()
     other = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "offload.sim", "serve", "--port", str(port), "--latency", "0",
-                             "--fail-rate", "1", "--log-level", "warning", "--also-port", str(other),
-                             "--ignore-idempotency-key"], env={**os.environ},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "offload.sim",
+            "serve",
+            "--port",
+            str(port),
+            "--latency",
+            "0",
+            "--fail-rate",
+            "1",
+            "--log-level",
+            "warning",
+            "--also-port",
+            str(other),
+            "--ignore-idempotency-key",
+        ],
+        env={**os.environ},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         base = f"http://127.0.0.1:{port}"
 
@@ -723,8 +818,7 @@ def test_cli_serve_runs_a_real_server() -> None:
 
         assert until(health, lambda code: code == 200, timeout=15) == 200
         job_id = httpx.post(f"{base}/jobs", json={}, headers=AUTH).json()["id"]
-        body = until(lambda: httpx.get(f"{base}/jobs/{job_id}", headers=AUTH).json(),
-                     lambda b: b["status"] == "failed")
+        body = until(lambda: httpx.get(f"{base}/jobs/{job_id}", headers=AUTH).json(), lambda b: b["status"] == "failed")
         assert body["status"] == "failed"
         twice = {**AUTH, "Idempotency-Key": "k.1"}
         httpx.post(f"http://127.0.0.1:{other}/jobs", json={"id": "p"}, headers=twice).raise_for_status()
@@ -738,13 +832,26 @@ def test_cli_serve_runs_a_real_server() -> None:
 
 # --- scale -----------------------------------------------------------------------------------------------------
 
+
 def test_ten_thousand_jobs_in_flight_cost_no_tasks() -> None:
     """Status is computed from timestamps: 10k jobs in flight are 10k small objects, a poll a dict lookup."""
     store = JobStore()
     now = time.time()
     for i in range(10_000):
-        store.add(Job(id=f"j{i}", family="runpod", target="e", input={"i": i}, input_key=str(i), created=now,
-                      started=now + (i % 7), finished=now + 60 + (i % 13), outcome="succeeded", result_ttl=30))
+        store.add(
+            Job(
+                id=f"j{i}",
+                family="runpod",
+                target="e",
+                input={"i": i},
+                input_key=str(i),
+                created=now,
+                started=now + (i % 7),
+                finished=now + 60 + (i % 13),
+                outcome="succeeded",
+                result_ttl=30,
+            )
+        )
     started = time.perf_counter()
     phases = [job.phase(now + 3) for job in (store.get(f"j{i}", now + 3) for i in range(10_000)) if job]
     assert time.perf_counter() - started < 1.0
@@ -753,8 +860,17 @@ def test_ten_thousand_jobs_in_flight_cost_no_tasks() -> None:
     with sim(latency=60) as c:
         live = _shared[0].app.sim  # the server is idle between requests: fill its store directly
         for i in range(10_000):
-            live.new_job("runpod", "e", {"i": i}, live.behaviour("runpod"), time.time(), job_id=f"bulk-{i}",
-                         meta=None, run_timeout=None, hard_ttl=None)
+            live.new_job(
+                "runpod",
+                "e",
+                {"i": i},
+                live.behaviour("runpod"),
+                time.time(),
+                job_id=f"bulk-{i}",
+                meta=None,
+                run_timeout=None,
+                hard_ttl=None,
+            )
         started = time.perf_counter()
         for i in range(0, 10_000, 50):
             assert c.get(f"/v2/e/status/bulk-{i}").json()["status"] in ("IN_QUEUE", "IN_PROGRESS")
@@ -779,11 +895,24 @@ def test_sim_imports_nothing_else_from_offload() -> None:
 
 def test_python_m_offload_sim_loads_no_other_command_group() -> None:
     """What actually runs (not only what the source says): no queue, worker, server or autoscale command code."""
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "offload.sim", "--help"], capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "offload.sim", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0 and "serve" in proc.stdout, proc.stderr[-2000:]
     loaded = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
     assert "offload.cli.sim" in loaded and "offload.sim.server" in loaded
-    others = sorted(m for m in loaded if m.startswith(("offload.cli.", "offload.server", "offload.autoscale",
-                                                        "offload.worker", "offload.backends", "offload.storage")))
+    others = sorted(
+        m
+        for m in loaded
+        if m.startswith(
+            (
+                "offload.cli.",
+                "offload.server",
+                "offload.autoscale",
+                "offload.worker",
+                "offload.backends",
+                "offload.storage",
+            )
+        )
+    )
     assert others == ["offload.cli.errors", "offload.cli.sim"], others

@@ -29,8 +29,9 @@ CONFIG = SimConfig.model_validate({"seed": 11, "default": {"latency": 0.3, "queu
 
 
 def _run_check(name: str, env: dict[str, str]) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, str(CHECK), name], env={**os.environ, **env}, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(CHECK), name], env={**os.environ, **env}, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return result
@@ -50,11 +51,32 @@ def tls_cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     d = tmp_path_factory.mktemp("tls")
     cert, key = d / "cert.pem", d / "key.pem"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-         "-days", "2", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-         "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,digitalSignature,keyCertSign",
-         "-addext", "extendedKeyUsage=serverAuth"],
-        check=True, capture_output=True,
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "2",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-addext",
+            "basicConstraints=critical,CA:TRUE",
+            "-addext",
+            "keyUsage=critical,digitalSignature,keyCertSign",
+            "-addext",
+            "extendedKeyUsage=serverAuth",
+        ],
+        check=True,
+        capture_output=True,
     )
     return str(cert), str(key)
 
@@ -81,8 +103,11 @@ def test_replicate_sdk() -> None:
         assert out["run_output"]["echo"] == {"id": "rep-2"}  # replicate.run: Prefer: wait, then the output
         assert out["cancel_status"] == "canceled"
         assert len(out["listed"]) == 3
-        assert out["missing"] == {"status": 404, "title": "Not found",
-                                  "detail": "The requested resource could not be found."}
+        assert out["missing"] == {
+            "status": 404,
+            "title": "Not found",
+            "detail": "The requested resource could not be found.",
+        }
         assert _submissions(base) == {"rep-1": 1, "rep-2": 1, "rep-3": 1}
 
 
@@ -91,8 +116,9 @@ def test_fal_sdk(tls_cert: tuple[str, str]) -> None:
     cert, key = tls_cert
     with running_sim(CONFIG, ssl_certfile=cert, ssl_keyfile=key) as base:
         assert base.startswith("https://")
-        out = _run_check("fal", {"FAL_QUEUE_RUN_HOST": base.removeprefix("https://"), "SSL_CERT_FILE": cert,
-                                 "FAL_KEY": "sim-key"})
+        out = _run_check(
+            "fal", {"FAL_QUEUE_RUN_HOST": base.removeprefix("https://"), "SSL_CERT_FILE": cert, "FAL_KEY": "sim-key"}
+        )
         assert out["status_url"] == f"{base}/fal-ai/flux/requests/{out['request_id']}/status"
         assert out["events"][0] == "Queued" and out["events"][-1] == "Completed" and "InProgress" in out["events"]
         assert out["result"]["echo"] == {"id": "fal-1", "prompt": "a lighthouse"}

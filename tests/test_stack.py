@@ -16,8 +16,9 @@ from offload.stack import running_components
 def offload(home: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("OFFLOAD_REDIS_URL", "REDIS_URL", "OFFLOAD_CONFIG")}
     env["OFFLOAD_HOME"] = str(home / ".offload")
-    return subprocess.run([sys.executable, "-m", "offload", *args], cwd=home, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "offload", *args], cwd=home, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_demo_runs_the_pipeline_and_down_stops_everything(tmp_path: Path) -> None:

@@ -26,7 +26,6 @@ scores, lease expiry counting, cancel flags, and: a complete repeated with the t
 job answers OK and changes nothing, any other stale token is refused).
 """
 
-
 from __future__ import annotations
 
 import asyncio
@@ -67,7 +66,15 @@ WORKERS = ("w1", "w2", "w3")
 LEASED = ("active", "submitted")
 TERMINAL = ("succeeded", "dead", "cancelled")
 COUNT_NAMES = (
-    "queued", "delayed", "active", "submitted", "retrying", "held", "succeeded", "dead", "cancelled",
+    "queued",
+    "delayed",
+    "active",
+    "submitted",
+    "retrying",
+    "held",
+    "succeeded",
+    "dead",
+    "cancelled",
 )
 MAX_JOBS = 40  # per example, and at most MAX_WAITING unfinished at a time
 MAX_WAITING = 16
@@ -84,9 +91,7 @@ SETTINGS = settings(
 
 PRIORITIES = st.sampled_from([0, 0, 0, 1, -1, 1000, -1000])  # mostly equal: FIFO order matters
 DELAYS = st.sampled_from([None, None, None, 0, 0.5, 2, 7])  # seconds; 0 means "no delay" to the store
-SPECS = st.fixed_dictionaries(
-    {"priority": PRIORITIES, "delay": DELAYS, "max_attempts": st.integers(1, 3)}
-)
+SPECS = st.fixed_dictionaries({"priority": PRIORITIES, "delay": DELAYS, "max_attempts": st.integers(1, 3)})
 
 
 @dataclass
@@ -157,8 +162,10 @@ class Backend:
         with contextlib.suppress(redis.ResponseError):  # one is in progress already
             self.run(self.client.bgrewriteaof())
         deadline = time.monotonic() + 10
-        while any(int(self.run(self.client.info("persistence"))[k])
-                  for k in ("aof_rewrite_in_progress", "aof_rewrite_scheduled")):
+        while any(
+            int(self.run(self.client.info("persistence"))[k])
+            for k in ("aof_rewrite_in_progress", "aof_rewrite_scheduled")
+        ):
             assert time.monotonic() < deadline, "AOF rewrite did not finish within 10 s"
             time.sleep(0.005)
 
@@ -330,9 +337,7 @@ class QueueMachine(RuleBasedStateMachine):
     def _seq(token: str) -> int:
         return int(token.rsplit("/", 1)[1])
 
-    def _pick(
-        self, data: st.DataObject, which: str, ok: Callable[[Lease], bool] = lambda _: True
-    ) -> Lease | None:
+    def _pick(self, data: st.DataObject, which: str, ok: Callable[[Lease], bool] = lambda _: True) -> Lease | None:
         """A lease from the pool: a live one (passing `ok`); a superseded one (its job is leased again
         under another token: the stale worker the token check exists for); or any stale one. Falls back
         to whichever kind exists."""
@@ -358,10 +363,16 @@ class QueueMachine(RuleBasedStateMachine):
                 specs.append(JobSpec(input={"dup": True}, job_id=item, retention=RETENTION))
                 continue
             self.n_jobs += 1
-            specs.append(JobSpec(
-                input={"n": self.n_jobs}, priority=item["priority"], delay=item["delay"],
-                max_attempts=item["max_attempts"], retention=RETENTION, job_id=f"{Q}:job{self.n_jobs:03d}",
-            ))
+            specs.append(
+                JobSpec(
+                    input={"n": self.n_jobs},
+                    priority=item["priority"],
+                    delay=item["delay"],
+                    max_attempts=item["max_attempts"],
+                    retention=RETENTION,
+                    job_id=f"{Q}:job{self.n_jobs:03d}",
+                )
+            )
         ids = self.run(self.s.enqueue_many(Q, specs)) if bulk else [self.run(self.s.enqueue(Q, specs[0]))]
         assert ids == [spec.job_id for spec in specs]
         seq, self.seq = self.seq, self.seq + len(specs)
@@ -370,8 +381,14 @@ class QueueMachine(RuleBasedStateMachine):
             if spec.job_id in self.jobs:
                 continue
             seq += 1
-            j = MJob(id=spec.job_id, input=spec.input, priority=spec.priority, max_attempts=spec.max_attempts,
-                     created_at=self.now, state="queued")
+            j = MJob(
+                id=spec.job_id,
+                input=spec.input,
+                priority=spec.priority,
+                max_attempts=spec.max_attempts,
+                created_at=self.now,
+                state="queued",
+            )
             run_at = int((self.now / 1000 + spec.delay) * 1000) if spec.delay else None  # as the store does
             if run_at is not None and run_at > self.now:
                 j.state, j.run_at = "delayed", run_at
@@ -382,8 +399,12 @@ class QueueMachine(RuleBasedStateMachine):
             self.totals["enqueued"] += 1
 
     @precondition(lambda self: self._room())
-    @rule(data=st.data(), specs=st.lists(SPECS, min_size=1, max_size=5), bulk=st.booleans(),
-          dups=st.sampled_from([0, 0, 1, 2]))
+    @rule(
+        data=st.data(),
+        specs=st.lists(SPECS, min_size=1, max_size=5),
+        bulk=st.booleans(),
+        dups=st.sampled_from([0, 0, 1, 2]),
+    )
     def enqueue(self, data: st.DataObject, specs: list[dict[str, Any]], bulk: bool, dups: int) -> None:
         """enqueue (one job) or enqueue_many (a batch); ids that exist already may be mixed in, and must
         come back as they are (idempotent)."""
@@ -396,8 +417,12 @@ class QueueMachine(RuleBasedStateMachine):
 
     # -- working ----------------------------------------------------------------------------------
 
-    @rule(worker=st.sampled_from(WORKERS), n=st.sampled_from([1, 1, 2, 4, 0]),
-          paused=st.sampled_from([False, False, False, False, True]), data=st.data())
+    @rule(
+        worker=st.sampled_from(WORKERS),
+        n=st.sampled_from([1, 1, 2, 4, 0]),
+        paused=st.sampled_from([False, False, False, False, True]),
+        data=st.data(),
+    )
     def claim(self, worker: str, n: int, paused: bool, data: st.DataObject) -> None:
         """Claim up to n jobs, and (as a worker does first) submit some of them: record their remote id,
         unless the job came back with one. On a paused queue a claim hands out nothing (but still
@@ -440,7 +465,7 @@ class QueueMachine(RuleBasedStateMachine):
                 event("claim: delivered with a cancel request")
             self.leases.append(Lease(j.id, c.token, worker))
             self.beliefs[worker].add(j.id)
-        return self.leases[len(self.leases) - len(got):]
+        return self.leases[len(self.leases) - len(got) :]
 
     def _heartbeat(self, worker: str, ids: list[str], lease_ms: int = LEASE, since: bool = False) -> None:
         """Heartbeat (job id, newest token of this worker) pairs. A lease is lost when the job is not owned by
@@ -494,8 +519,11 @@ class QueueMachine(RuleBasedStateMachine):
         assert not [jid for jid in self._owned(worker) if jid not in self.beliefs[worker]]
 
     @precondition(lambda self: self.leases)
-    @rule(data=st.data(), which=st.sampled_from(["live", "live", "superseded", "stale", "repeat"]),
-          cost=st.none() | st.sampled_from([0.25, 1.5]))
+    @rule(
+        data=st.data(),
+        which=st.sampled_from(["live", "live", "superseded", "stale", "repeat"]),
+        cost=st.none() | st.sampled_from([0.25, 1.5]),
+    )
     def complete(self, data: st.DataObject, which: str, cost: float | None) -> None:
         """Complete with a live token, a stale one, or the token that already completed its job (a retry
         after a lost reply)."""
@@ -538,9 +566,11 @@ class QueueMachine(RuleBasedStateMachine):
         items = [le for le in picks if le is not None]
         if repeat_first:
             items.append(items[0])
-        got = self.run(self.s.complete_many(
-            Q, [(le.job_id, le.token, f"s3://bucket/{le.job_id}/{i}", None) for i, le in enumerate(items)]
-        ))
+        got = self.run(
+            self.s.complete_many(
+                Q, [(le.job_id, le.token, f"s3://bucket/{le.job_id}/{i}", None) for i, le in enumerate(items)]
+            )
+        )
         expected = []
         for i, le in enumerate(items):
             if self._valid(le):
@@ -555,8 +585,9 @@ class QueueMachine(RuleBasedStateMachine):
 
     def _fail(self, lease: Lease, retryable: bool, delay_ms: int, keep_remote: bool) -> None:
         err = f"boom {lease.token}"
-        call = self.s.fail(lease.job_id, lease.token, err, retryable=retryable, delay_ms=delay_ms,
-                           keep_remote=keep_remote)
+        call = self.s.fail(
+            lease.job_id, lease.token, err, retryable=retryable, delay_ms=delay_ms, keep_remote=keep_remote
+        )
         if not self._valid(lease):
             with pytest.raises(StaleLease):
                 self.run(call)
@@ -676,8 +707,11 @@ class QueueMachine(RuleBasedStateMachine):
         self._ack_cancel(lease)
 
     @precondition(lambda self: any(not self._valid(le) for le in self.leases))
-    @rule(data=st.data(), op=st.sampled_from(["complete", "fail", "checkpoint", "hold", "ack_cancel"]),
-          superseded=st.booleans())
+    @rule(
+        data=st.data(),
+        op=st.sampled_from(["complete", "fail", "checkpoint", "hold", "ack_cancel"]),
+        superseded=st.booleans(),
+    )
     def stale_write(self, data: st.DataObject, op: str, superseded: bool) -> None:
         """A worker whose lease is gone (it expired and another worker took the job over, or the job moved
         on) writes anyway: every write must be refused, and change nothing."""
@@ -880,8 +914,9 @@ class QueueMachine(RuleBasedStateMachine):
             return
         at_least = self.now - min(j.ready_at or 0 for j in ready)
         at_most = self.now - min(j.queued_since or 0 for j in ready)
-        assert age is not None and at_least <= age <= at_most, f"oldest ready age {age}, expected " \
-            f"{at_least}..{at_most} ms"
+        assert age is not None and at_least <= age <= at_most, (
+            f"oldest ready age {age}, expected {at_least}..{at_most} ms"
+        )
 
     def _check_job(self, g: Job, m: MJob) -> None:
         jid = m.id
@@ -894,13 +929,18 @@ class QueueMachine(RuleBasedStateMachine):
         assert g.cancel_requested == m.cancel, jid
         assert (g.error, g.result, g.cost) == (m.error, m.result, m.cost), jid
         assert (g.created_at, g.run_at, g.started_at, g.finished_at) == (
-            m.created_at, m.run_at, m.started_at, m.finished_at), jid
+            m.created_at,
+            m.run_at,
+            m.started_at,
+            m.finished_at,
+        ), jid
         assert (g.priority, g.input, g.output_key) == (m.priority, m.input, f"results/{jid}.json"), jid
         # model-independent guarantees, straight from the store's answer
         assert (g.lease_owner is not None) == (g.state.value in LEASED), jid
         if g.lease_expiries > g.max_attempts:  # a crash loop ends dead, unless a cancel ended it first
             assert (g.state.value, g.error) == ("dead", "lease expired") or (
-                g.state.value == "cancelled" and g.cancel_requested), jid
+                g.state.value == "cancelled" and g.cancel_requested
+            ), jid
         assert m.completes <= 1, f"{jid} completed {m.completes} times"
 
 

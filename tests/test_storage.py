@@ -77,11 +77,16 @@ def test_server_fixture_stops_by_pid(tmp_path: Path) -> None:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
 def test_server_dies_with_a_sigkilled_parent(tmp_path: Path) -> None:
     """atexit cannot run on SIGKILL; the server must not outlive the test process anyway."""
-    code = ("import sys, time; sys.path.insert(0, sys.argv[2]); from s3server import RcloneS3; "
-            "s = RcloneS3(__import__('pathlib').Path(sys.argv[1])).start(); print(s._proc.pid, s.port, flush=True); "
-            "time.sleep(60)")
-    parent = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "d"), str(Path(__file__).parent)],
-                              stdout=subprocess.PIPE, start_new_session=True)
+    code = (
+        "import sys, time; sys.path.insert(0, sys.argv[2]); from s3server import RcloneS3; "
+        "s = RcloneS3(__import__('pathlib').Path(sys.argv[1])).start(); print(s._proc.pid, s.port, flush=True); "
+        "time.sleep(60)"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path / "d"), str(Path(__file__).parent)],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         assert parent.stdout is not None
         pid, port = map(int, parent.stdout.readline().split())
@@ -188,8 +193,11 @@ async def test_s3_missing_bucket_and_unreachable_endpoint(s3: RcloneS3) -> None:
 
 async def test_s3_create_bucket_if_missing(s3: RcloneS3) -> None:
     name = f"new-{secrets.token_hex(5)}"
-    store = S3Storage(S3Settings(bucket=name, endpoint_url=s3.endpoint_url, access_key_id=s3.access_key,
-                                 secret_access_key=s3.secret_key))
+    store = S3Storage(
+        S3Settings(
+            bucket=name, endpoint_url=s3.endpoint_url, access_key_id=s3.access_key, secret_access_key=s3.secret_key
+        )
+    )
     try:
         assert await store.create_bucket_if_missing() is True
         assert await store.create_bucket_if_missing() is False
@@ -282,8 +290,9 @@ CRASH_WRITER = textwrap.dedent("""
 def test_local_write_survives_sigkill_mid_write(tmp_path: Path) -> None:
     """SIGKILL a process that keeps rewriting a 4 MB object: the object is always one whole version."""
     for delay in (0.05, 0.17):
-        proc = subprocess.Popen([sys.executable, "-c", CRASH_WRITER, str(tmp_path)], stdout=subprocess.PIPE,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CRASH_WRITER, str(tmp_path)], stdout=subprocess.PIPE, start_new_session=True
+        )
         try:
             assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
             time.sleep(delay)
@@ -388,7 +397,9 @@ async def test_store_output_rewrites_nested_and_duplicate_urls(
     loc0 = f"s3://{bucket}/results/j2/files/0-image.png"
     loc1 = f"s3://{bucket}/results/j2/files/1-report.txt"
     assert [(f.location, f.content_type, f.size) for f in stored.files] == [
-        (loc0, "image/png", len(PNG) + 6), (loc1, "text/plain; charset=utf-8", 12)]
+        (loc0, "image/png", len(PNG) + 6),
+        (loc1, "text/plain; charset=utf-8", 12),
+    ]
     doc = json.loads(await storage.get_bytes("results/j2.json"))
     assert doc == [loc0, {"deep": [loc1, loc0]}, f"see {text_url}", 3, None]  # text containing a URL is text
     assert stored.file_map == {image_url: loc0, text_url: loc1}
@@ -448,13 +459,15 @@ async def test_store_output_unreachable_file_host_is_transient(storage: S3Storag
 async def test_store_output_sends_auth_headers_only_to_their_host(storage: S3Storage, file_host: str) -> None:
     auth = {"127.0.0.1": {"Authorization": "Token r8-test"}}
     async with httpx.AsyncClient() as http:
-        stored = await store_output(storage, "results/p.json", {"f": f"{file_host}/files/private.txt"}, http,
-                                    auth_headers=auth)
+        stored = await store_output(
+            storage, "results/p.json", {"f": f"{file_host}/files/private.txt"}, http, auth_headers=auth
+        )
         assert await storage.get_bytes(stored.files[0].key) == b"private"
         other_host = file_host.replace("127.0.0.1", "localhost")  # same server, another host name: no token
         with pytest.raises(StorageError, match="HTTP 401") as err:
-            await store_output(storage, "results/q.json", {"f": f"{other_host}/files/private.txt"}, http,
-                               auth_headers=auth)
+            await store_output(
+                storage, "results/q.json", {"f": f"{other_host}/files/private.txt"}, http, auth_headers=auth
+            )
     assert err.value.permanent
 
 
@@ -466,7 +479,9 @@ async def test_store_output_on_local_storage(tmp_path: Path, file_host: str) -> 
     copy = tmp_path / "results" / "l" / "files" / "0-image.png"
     assert copy.read_bytes() == PNG + b"pixels"
     assert json.loads((tmp_path / "results" / "l.json").read_bytes()) == {
-        "img": str(copy), "_offload_files": {output["img"]: str(copy)}}
+        "img": str(copy),
+        "_offload_files": {output["img"]: str(copy)},
+    }
     assert stored.location == str(tmp_path / "results" / "l.json")
 
 
@@ -491,8 +506,14 @@ async def test_create_storage_accepts_the_config_model_dump(s3: RcloneS3, bucket
     """offload.config holds the secret as a pydantic SecretStr and passes its defaults for both kinds."""
     from pydantic import SecretStr
 
-    settings = {**s3.settings(bucket), "secret_access_key": SecretStr(s3.secret_key), "path": ".offload/results",
-                "copy_files": True, "prefix": "", "region": "us-east-1"}
+    settings = {
+        **s3.settings(bucket),
+        "secret_access_key": SecretStr(s3.secret_key),
+        "path": ".offload/results",
+        "copy_files": True,
+        "prefix": "",
+        "region": "us-east-1",
+    }
     store = create_storage(settings)
     try:
         assert await store.put_json("results/m.json", {}) == f"s3://{bucket}/results/m.json"

@@ -61,12 +61,14 @@ BACKENDS: dict[str, dict[str, Any]] = {
 def settings_for(valkey_url: str, s3: RcloneS3, sim: str, kind: str, **queue: Any) -> Settings:
     base = f"{sim}/v1" if kind == "openai" else sim  # the OpenAI SDK's convention: the base URL ends in /v1
     backend = {**BACKENDS[kind], "base_url": base, "api_key": "sim-key"}
-    return Settings.model_validate({
-        "redis_url": valkey_url,
-        "storage": s3.settings(BUCKET),
-        "backends": {"gpu": backend},
-        "queues": {"q": {"backend": "gpu", "poll_interval": 0.2, "poll_timeout": 30, **queue}},
-    })
+    return Settings.model_validate(
+        {
+            "redis_url": valkey_url,
+            "storage": s3.settings(BUCKET),
+            "backends": {"gpu": backend},
+            "queues": {"q": {"backend": "gpu", "poll_interval": 0.2, "poll_timeout": 30, **queue}},
+        }
+    )
 
 
 def job_input(input_id: str) -> dict[str, Any]:
@@ -97,8 +99,7 @@ async def store(valkey_url: str) -> AsyncIterator[QueueStore]:
 
 
 @pytest.mark.parametrize("kind", list(BACKENDS))
-async def test_every_backend_end_to_end(kind: str, valkey_url: str, s3: RcloneS3, sim: str,
-                                        store: QueueStore) -> None:
+async def test_every_backend_end_to_end(kind: str, valkey_url: str, s3: RcloneS3, sim: str, store: QueueStore) -> None:
     settings = settings_for(valkey_url, s3, sim, kind)
     ids = await store.enqueue_many("q", [JobSpec(input=job_input(f"{kind}-{i}")) for i in range(20)])
     stop, task = await start_worker(settings)

@@ -73,8 +73,16 @@ def _die_with_parent() -> None:
 def spawn(cmd: list[str], env: dict[str, str], cwd: Path, log: Path) -> subprocess.Popen[bytes]:
     """Start a process in its own session (so its whole group can be killed) with output to `log`."""
     with open(log, "ab") as out:
-        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                start_new_session=True, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
     _live[proc.pid] = proc
     return proc
 
@@ -110,8 +118,12 @@ class SimProcess:
         for _ in range(3):
             port = free_port()
             self.url = f"http://{HOST}:{port}"
-            self.proc = spawn([OFFLOAD, "sim", "serve", "--host", HOST, "--port", str(port), "--log-level",
-                               "warning"], base_env(), self.dir, self.dir / "sim.log")
+            self.proc = spawn(
+                [OFFLOAD, "sim", "serve", "--host", HOST, "--port", str(port), "--log-level", "warning"],
+                base_env(),
+                self.dir,
+                self.dir / "sim.log",
+            )
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline and self.proc.poll() is None:
                 with contextlib.suppress(httpx.TransportError):
@@ -192,8 +204,15 @@ class Fleet:
     def log(self, name: str) -> Path:
         return self.root / f"{name}.log"
 
-    def start(self, name: str, *, env: dict[str, str] | None = None, queue: str | None = QUEUE,
-              cwd: Path | None = None, concurrency: int | None = None) -> subprocess.Popen[bytes]:
+    def start(
+        self,
+        name: str,
+        *,
+        env: dict[str, str] | None = None,
+        queue: str | None = QUEUE,
+        cwd: Path | None = None,
+        concurrency: int | None = None,
+    ) -> subprocess.Popen[bytes]:
         """`offload worker --queue Q ...`; with `queue=None` just `offload worker`, configured by `env` alone."""
         cmd = [OFFLOAD, "worker"]
         if queue is not None:
@@ -279,8 +298,13 @@ def job_input(input_id: str) -> dict[str, Any]:
     return {"id": input_id, "prompt": f"a haiku about {input_id}"}
 
 
-async def wait_until(check: Callable[[], Awaitable[bool]], timeout: float, what: str,
-                     every: float = 0.05, why: Callable[[], str] | None = None) -> float:
+async def wait_until(
+    check: Callable[[], Awaitable[bool]],
+    timeout: float,
+    what: str,
+    every: float = 0.05,
+    why: Callable[[], str] | None = None,
+) -> float:
     """Poll `check` until true; returns the seconds it took."""
     t0 = time.monotonic()
     while not await check():
@@ -300,7 +324,7 @@ async def get_all(store: QueueStore, ids: list[str]) -> list[Job]:
     beyond that, so an unbounded gather of `get` fails (see the report)."""
     jobs: list[Job] = []
     for i in range(0, len(ids), 50):
-        jobs += await asyncio.gather(*(store.get(job_id) for job_id in ids[i:i + 50]))
+        jobs += await asyncio.gather(*(store.get(job_id) for job_id in ids[i : i + 50]))
     return jobs
 
 
@@ -324,7 +348,11 @@ def result_keys(s3: RcloneS3) -> list[str]:
 
 
 async def test_worker_killed_after_submit_is_resumed_not_resubmitted(
-    valkey_url: str, bucket: RcloneS3, sim: SimProcess, store: QueueStore, fleets: Callable[..., Fleet],
+    valkey_url: str,
+    bucket: RcloneS3,
+    sim: SimProcess,
+    store: QueueStore,
+    fleets: Callable[..., Fleet],
     tmp_path: Path,
 ) -> None:
     sim.configure(latency=3.0)
@@ -356,8 +384,10 @@ async def test_worker_killed_after_submit_is_resumed_not_resubmitted(
     took = await wait_until(succeeded, 30, "worker B to finish the job", why=lambda: fleet.tail("B"))
     job = await store.get(job_id)
     stats = sim.stats()
-    print(f"\nresume: killed A {killed_at - remote['created']:.2f}s after submit; B finished {took:.2f}s after "
-          f"starting; submissions {stats['submissions_by_input_id']}, lease expiries {job.lease_expiries}")
+    print(
+        f"\nresume: killed A {killed_at - remote['created']:.2f}s after submit; B finished {took:.2f}s after "
+        f"starting; submissions {stats['submissions_by_input_id']}, lease expiries {job.lease_expiries}"
+    )
     assert job.remote_id == remote_id  # B polled A's remote job ...
     assert stats["submissions_by_input_id"] == {"resume-1": 1}  # ... and never submitted again
     assert stats["submissions"] == 1
@@ -371,7 +401,11 @@ async def test_worker_killed_after_submit_is_resumed_not_resubmitted(
 
 @pytest.mark.slow
 async def test_1000_jobs_4_workers_one_killed_every_second(
-    valkey_url: str, bucket: RcloneS3, sim: SimProcess, store: QueueStore, fleets: Callable[..., Fleet],
+    valkey_url: str,
+    bucket: RcloneS3,
+    sim: SimProcess,
+    store: QueueStore,
+    fleets: Callable[..., Fleet],
     tmp_path: Path,
 ) -> None:
     # OFFLOAD_CRASH_SHAPE="jobs,workers,in flight per worker" measures other shapes (e.g. "300,3,100")
@@ -381,8 +415,7 @@ async def test_1000_jobs_4_workers_one_killed_every_second(
     sim.configure(latency="0.5-1.5")
     # max_attempts 10: each kill uses up one of a job's lease expiries (the poison-job guard), and a job can
     # be on several killed workers in a row; dead jobs are other tests' subject.
-    config = write_config(tmp_path / "offload.yaml", valkey_url, bucket, sim, concurrency=concurrency,
-                          max_attempts=10)
+    config = write_config(tmp_path / "offload.yaml", valkey_url, bucket, sim, concurrency=concurrency, max_attempts=10)
     fleet = fleets(config=config)
     env = worker_env(bucket, OFFLOAD_LEASE_MS=lease_ms)
     specs = [JobSpec(input=job_input(f"crash-{i}"), max_attempts=10) for i in range(n_jobs)]
@@ -439,13 +472,15 @@ async def test_1000_jobs_4_workers_one_killed_every_second(
         fleet.start(f"w{i}", env=env)
     tasks = [asyncio.create_task(monitor()), asyncio.create_task(killer())]
     try:
+
         async def all_done() -> bool:
             c = await counts(store)
             assert c["dead"] == 0, (c, fleet.problems())
             return c["succeeded"] == n_jobs
 
-        await wait_until(all_done, 170, f"{n_jobs} jobs to succeed", every=0.2,
-                         why=lambda: f"problems: {fleet.problems()}")
+        await wait_until(
+            all_done, 170, f"{n_jobs} jobs to succeed", every=0.2, why=lambda: f"problems: {fleet.problems()}"
+        )
     finally:
         for task in tasks:
             task.cancel()
@@ -478,31 +513,38 @@ async def test_1000_jobs_4_workers_one_killed_every_second(
     # guarantee 2 leaves open for an API that cannot tag submissions.
     orphans = [
         (job.id, remote)
-        for job in jobs if per_input[input_of[job.id]] > 1
-        for remote in sim.jobs_for(input_of[job.id]) if remote["id"] != job.remote_id
+        for job in jobs
+        if per_input[input_of[job.id]] > 1
+        for remote in sim.jobs_for(input_of[job.id])
+        if remote["id"] != job.remote_id
     ]
     assert len(orphans) == duplicates
     # A submit the victim sent just before its SIGSTOP can still be processed (and stamped) by the simulator a
     # moment after it: IN_FLIGHT_S is how late such a request may land. A live worker never submits a job it does
     # not hold, and the job was held unrecorded by the victim at the kill, so nobody else could have sent it.
     unexplained = [
-        (job_id, remote["id"]) for job_id, remote in orphans
+        (job_id, remote["id"])
+        for job_id, remote in orphans
         if remote["id"] in seen[job_id]
         or not any(job_id in owned and remote["created"] <= at + IN_FLIGHT_S for at, owned in kills)
     ]
     unrecorded = sum(len(owned) for _, owned in kills)
-    ages = sorted(min(at - remote["created"] for at, owned in kills
-                      if job_id in owned and remote["created"] <= at + IN_FLIGHT_S)
-                  for job_id, remote in orphans if (job_id, remote["id"]) not in unexplained)
+    ages = sorted(
+        min(at - remote["created"] for at, owned in kills if job_id in owned and remote["created"] <= at + IN_FLIGHT_S)
+        for job_id, remote in orphans
+        if (job_id, remote["id"]) not in unexplained
+    )
     window = f"{1000 * ages[len(ages) // 2]:.0f} / {1000 * ages[0]:.0f} / {1000 * ages[-1]:.0f} ms" if ages else "n/a"
     counted = sum(j.possible_duplicates for j in jobs)
-    print(f"\n{n_jobs} jobs, {n_workers} workers x {concurrency} in flight, {len(kills)} SIGKILLs (one a second, "
-          f"{fleet.starts} process starts): all {n_jobs} succeeded in {elapsed:.1f}s; jobs on a killed worker "
-          f"{hit}; jobs a victim held without a recorded remote id {unrecorded}; submissions {stats['submissions']}, "
-          f"duplicates {duplicates} ({100 * duplicates / n_jobs:.1f}%, {duplicates / len(kills):.2f} per kill; "
-          f"counted as possible duplicates {counted}), "
-          f"unexplained {len(unexplained)}; submit-to-kill median / min / max {window}; results "
-          f"{len(json_keys)} json + {len(keys_found) - len(json_keys)} files; monitor samples {samples}")
+    print(
+        f"\n{n_jobs} jobs, {n_workers} workers x {concurrency} in flight, {len(kills)} SIGKILLs (one a second, "
+        f"{fleet.starts} process starts): all {n_jobs} succeeded in {elapsed:.1f}s; jobs on a killed worker "
+        f"{hit}; jobs a victim held without a recorded remote id {unrecorded}; submissions {stats['submissions']}, "
+        f"duplicates {duplicates} ({100 * duplicates / n_jobs:.1f}%, {duplicates / len(kills):.2f} per kill; "
+        f"counted as possible duplicates {counted}), "
+        f"unexplained {len(unexplained)}; submit-to-kill median / min / max {window}; results "
+        f"{len(json_keys)} json + {len(keys_found) - len(json_keys)} files; monitor samples {samples}"
+    )
     assert not unexplained, f"duplicate submissions not explained by a kill inside submit: {unexplained}"
     assert duplicates <= counted, "a submission was sent again without being counted as a possible duplicate"
     # Measured on a shared 2-CPU host: 2.1-2.2 % (about 0.3 per kill; each kill lands on a worker that has ~2
@@ -517,7 +559,11 @@ async def test_1000_jobs_4_workers_one_killed_every_second(
 
 
 async def test_caps_exact_across_20_worker_processes(
-    valkey_url: str, bucket: RcloneS3, sim: SimProcess, store: QueueStore, fleets: Callable[..., Fleet],
+    valkey_url: str,
+    bucket: RcloneS3,
+    sim: SimProcess,
+    store: QueueStore,
+    fleets: Callable[..., Fleet],
     tmp_path: Path,
 ) -> None:
     """Twenty processes race for a daily cap of 100 in each of three UTC days.
@@ -538,10 +584,16 @@ async def test_caps_exact_across_20_worker_processes(
     def settled(succeeded: int, waiting: int) -> Callable[[], Awaitable[bool]]:
         """Over the cap, jobs wait either held (claimed, refused at submit) or still queued (a capped queue
         hands out no fresh job), and nothing is in flight."""
+
         async def check() -> bool:
             c = await counts(store)
-            return c["succeeded"] == succeeded and c["held"] + c["queued"] == waiting and c["dead"] == 0 and \
-                c["active"] + c["submitted"] == 0
+            return (
+                c["succeeded"] == succeeded
+                and c["held"] + c["queued"] == waiting
+                and c["dead"] == 0
+                and c["active"] + c["submitted"] == 0
+            )
+
         return check
 
     async def spawn_fleet(name: str, day: int, lead: float) -> tuple[Fleet, float, float]:
@@ -563,8 +615,13 @@ async def test_caps_exact_across_20_worker_processes(
     async def across_midnight(fleet: Fleet, flip_at: float, succeeded: int, waiting: int) -> float:
         """Wait for the flip and for the queue to settle; returns the seconds from midnight to settled."""
         assert time.time() < flip_at, "the test itself was too slow for the flip: raise the fleet's lead"
-        await wait_until(settled(succeeded, waiting), flip_at - time.time() + 30, f"{succeeded} succeeded and "
-                         f"{waiting} waiting after midnight", every=0.1, why=fleet.problems)
+        await wait_until(
+            settled(succeeded, waiting),
+            flip_at - time.time() + 30,
+            f"{succeeded} succeeded and {waiting} waiting after midnight",
+            every=0.1,
+            why=fleet.problems,
+        )
         took = time.time() - flip_at
         await asyncio.sleep(max(0.0, flip_at + 1.0 - time.time()))  # every clock is past midnight by now
         await wait_until(settled(succeeded, waiting), 10, "a quiet queue", every=0.1)
@@ -573,8 +630,9 @@ async def test_caps_exact_across_20_worker_processes(
     # Day D: all twenty up first, then the jobs arrive, so every process races for the 100 submissions.
     fleet_a, flip_a, startup_a = await spawn_fleet("a", 0, lead=32.0)
     ids = await store.enqueue_many(QUEUE, [JobSpec(input=job_input(f"cap-{i}")) for i in range(n_jobs)])
-    day_d = await wait_until(settled(cap, n_jobs - cap), 20, "100 succeeded and 200 waiting", every=0.1,
-                             why=fleet_a.problems)
+    day_d = await wait_until(
+        settled(cap, n_jobs - cap), 20, "100 succeeded and 200 waiting", every=0.1, why=fleet_a.problems
+    )
     assert time.time() < flip_a, f"day D took {startup_a + day_d:.1f}s, past fleet a's midnight: raise its lead"
     stats_d = sim.stats()
     assert stats_d["submissions"] == cap, stats_d["submissions"]
@@ -600,11 +658,13 @@ async def test_caps_exact_across_20_worker_processes(
 
     events = await store.redis.xrange(prefix(QUEUE) + "events", count=100_000)
     holds = sum(len(fields["jobs"].split()) for _, fields in events if fields["state"] == "held")
-    print(f"\ncap {cap}/day, {n_jobs} jobs, {n_workers} worker processes x 5 in flight: submissions after day D "
-          f"{stats_d['submissions']}, after midnight D+1 {stats_d1['submissions']}, after midnight D+2 "
-          f"{final['submissions']}; queue settled {day_d:.1f}s after the enqueue, {took_1:.1f}s and "
-          f"{took_2:.1f}s after each midnight; fleet start {startup_a:.1f}s / {startup_b:.1f}s; "
-          f"held at the cap {held_d}, hold transitions {holds} in all; total {elapsed:.1f}s")
+    print(
+        f"\ncap {cap}/day, {n_jobs} jobs, {n_workers} worker processes x 5 in flight: submissions after day D "
+        f"{stats_d['submissions']}, after midnight D+1 {stats_d1['submissions']}, after midnight D+2 "
+        f"{final['submissions']}; queue settled {day_d:.1f}s after the enqueue, {took_1:.1f}s and "
+        f"{took_2:.1f}s after each midnight; fleet start {startup_a:.1f}s / {startup_b:.1f}s; "
+        f"held at the cap {held_d}, hold transitions {holds} in all; total {elapsed:.1f}s"
+    )
     assert final["submissions"] == n_jobs and not final["duplicate_input_ids"]
     assert set(final["submissions_by_input_id"]) == {f"cap-{i}" for i in range(n_jobs)}
     c = await counts(store)
@@ -613,7 +673,11 @@ async def test_caps_exact_across_20_worker_processes(
 
 
 async def test_held_jobs_released_by_workers_started_in_a_later_window(
-    valkey_url: str, bucket: RcloneS3, sim: SimProcess, store: QueueStore, fleets: Callable[..., Fleet],
+    valkey_url: str,
+    bucket: RcloneS3,
+    sim: SimProcess,
+    store: QueueStore,
+    fleets: Callable[..., Fleet],
     tmp_path: Path,
 ) -> None:
     """The brief's scenario: workers restarted with the clock a day ahead must release yesterday's held jobs."""
@@ -645,7 +709,11 @@ async def test_held_jobs_released_by_workers_started_in_a_later_window(
 
 
 async def test_tutorial_producer_and_env_file(
-    valkey_url: str, bucket: RcloneS3, sim: SimProcess, store: QueueStore, fleets: Callable[..., Fleet],
+    valkey_url: str,
+    bucket: RcloneS3,
+    sim: SimProcess,
+    store: QueueStore,
+    fleets: Callable[..., Fleet],
     tmp_path: Path,
 ) -> None:
     sim.configure(latency=0.3)
@@ -686,8 +754,13 @@ async def test_tutorial_producer_and_env_file(
     assert list(os.listdir(empty)) == []  # no offload.yaml was read or written
 
     # Read back the way the tutorial's step 8 does: plain boto3 with the env file's credentials.
-    s3 = boto3.client("s3", endpoint_url=env["S3_ENDPOINT"], aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-                      aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1")
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=env["S3_ENDPOINT"],
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        region_name="us-east-1",
+    )
     listed = {o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix="results/").get("Contents", [])}
     for job in sent:
         assert job["output_key"] in listed
@@ -699,5 +772,7 @@ async def test_tutorial_producer_and_env_file(
     assert "serving queue gpu-jobs via gpu (http-job)" in fleet.tail("tutorial")
     fleet.kill("tutorial", signal.SIGTERM)
     assert fleet.procs["tutorial"].returncode == 0, fleet.tail("tutorial")
-    print(f"\ntutorial: {len(sent)} jobs RPUSHed on gpu:jobs done in {took:.2f}s, results at "
-          f"{sorted(job['output_key'] for job in sent)}")
+    print(
+        f"\ntutorial: {len(sent)} jobs RPUSHed on gpu:jobs done in {took:.2f}s, results at "
+        f"{sorted(job['output_key'] for job in sent)}"
+    )

@@ -58,11 +58,17 @@ FAILURE = "GPU fell over: CUDA error 700"
 KINDS: dict[str, Kind] = {
     "http-job": Kind("jobs", "jobs.submit", "jobs.status", FAILURE, "Unauthorized"),
     "runpod": Kind("runpod", "runpod.run", "runpod.status", FAILURE, "Unauthorized"),
-    "replicate": Kind("replicate", "replicate.create_model", "replicate.get", FAILURE,
-                      "You did not pass a valid authentication token"),
+    "replicate": Kind(
+        "replicate", "replicate.create_model", "replicate.get", FAILURE, "You did not pass a valid authentication token"
+    ),
     "fal": Kind("fal", "fal.submit", "fal.status", FAILURE, "Authentication is required"),
-    "openai": Kind("openai", "openai.chat", None, "The server had an error while processing your request",
-                   "Incorrect API key provided"),
+    "openai": Kind(
+        "openai",
+        "openai.chat",
+        None,
+        "The server had an error while processing your request",
+        "Incorrect API key provided",
+    ),
 }
 ALL = list(KINDS)
 POLLED = [k for k in KINDS if KINDS[k].status is not None]
@@ -119,16 +125,19 @@ async def store(valkey_url: str) -> AsyncIterator[QueueStore]:
     await redis.aclose()
 
 
-def make_settings(valkey_url: str, storage: RcloneS3 | dict[str, Any], sim: str, kind: str, *,
-                  api_key: str = "sim-key", **queue: Any) -> Settings:
+def make_settings(
+    valkey_url: str, storage: RcloneS3 | dict[str, Any], sim: str, kind: str, *, api_key: str = "sim-key", **queue: Any
+) -> Settings:
     """Queue `q` on backend `gpu` of `kind` at the simulator; results in the S3 bucket (or `storage` as given)."""
     base = f"{sim}/v1" if kind == "openai" else sim
-    return Settings.model_validate({
-        "redis_url": valkey_url,
-        "storage": storage.settings(BUCKET) if isinstance(storage, RcloneS3) else storage,
-        "backends": {"gpu": {**BACKENDS[kind], "base_url": base, "api_key": api_key}},
-        "queues": {"q": {"backend": "gpu", "poll_interval": POLL, "poll_timeout": 30, **queue}},
-    })
+    return Settings.model_validate(
+        {
+            "redis_url": valkey_url,
+            "storage": storage.settings(BUCKET) if isinstance(storage, RcloneS3) else storage,
+            "backends": {"gpu": {**BACKENDS[kind], "base_url": base, "api_key": api_key}},
+            "queues": {"q": {"backend": "gpu", "poll_interval": POLL, "poll_timeout": 30, **queue}},
+        }
+    )
 
 
 async def sim_call(sim: str, method: str, path: str, body: Any = None) -> Any:
@@ -142,8 +151,10 @@ async def configure(
     sim: str, *, api_key: str | None = None, honour_idempotency_key: bool = True, **behaviour: Any
 ) -> None:
     """Replace the simulator's whole config (jobs and counters stay): `behaviour` is the default family's."""
-    config: dict[str, Any] = {"default": {"latency": LATENCY, **behaviour},
-                              "honour_idempotency_key": honour_idempotency_key}
+    config: dict[str, Any] = {
+        "default": {"latency": LATENCY, **behaviour},
+        "honour_idempotency_key": honour_idempotency_key,
+    }
     if api_key is not None:
         config["api_key"] = api_key
     await sim_call(sim, "POST", "/_sim/config", config)
@@ -172,12 +183,16 @@ def job_input(input_id: str, secret: str | None = None) -> dict[str, Any]:
     """An input every simulated API accepts; `id` lets the simulator count submissions per job. With `secret`,
     the input carries it, so any response that echoes the input (Replicate, OpenAI) carries it too."""
     note = f" (token {secret})" if secret else ""
-    return {"id": input_id, "prompt": f"a haiku about {input_id}{note}",
-            "messages": [{"role": "user", "content": f"hi{note}"}]}
+    return {
+        "id": input_id,
+        "prompt": f"a haiku about {input_id}{note}",
+        "messages": [{"role": "user", "content": f"hi{note}"}],
+    }
 
 
-async def enqueue(store: QueueStore, prefix: str, n: int = 1, *, max_attempts: int = 3,
-                  secret: str | None = None) -> list[tuple[str, str]]:
+async def enqueue(
+    store: QueueStore, prefix: str, n: int = 1, *, max_attempts: int = 3, secret: str | None = None
+) -> list[tuple[str, str]]:
     """(job id, input id) pairs."""
     inputs = [f"{prefix}-{i}" for i in range(n)]
     specs = [JobSpec(input=job_input(i, secret), max_attempts=max_attempts) for i in inputs]
@@ -204,8 +219,9 @@ async def serving(settings: Settings, *, grace_s: float = 1.0, **options: Any) -
         await asyncio.wait_for(task, 30)
 
 
-async def until(check: Callable[[], Awaitable[bool]], what: str, worker: asyncio.Task[Any] | None = None,
-                timeout: float = 20.0) -> None:
+async def until(
+    check: Callable[[], Awaitable[bool]], what: str, worker: asyncio.Task[Any] | None = None, timeout: float = 20.0
+) -> None:
     deadline = time.monotonic() + timeout
     while not await check():
         if worker is not None and worker.done():
@@ -216,8 +232,9 @@ async def until(check: Callable[[], Awaitable[bool]], what: str, worker: asyncio
         await asyncio.sleep(0.05)
 
 
-async def until_state(store: QueueStore, job_ids: list[str], state: str, worker: asyncio.Task[Any],
-                      timeout: float = 20.0) -> list[Job]:
+async def until_state(
+    store: QueueStore, job_ids: list[str], state: str, worker: asyncio.Task[Any], timeout: float = 20.0
+) -> list[Job]:
     async def reached() -> bool:
         return all([(await store.get(j)).state == state for j in job_ids])
 
@@ -286,8 +303,9 @@ async def test_remote_failure_is_retried_with_backoff_then_dead(
         assert seen["submissions_by_input_id"][input_id] == attempts
         # The stream entry of each retry is stamped with the Redis time of the failure; the record keeps the
         # due time of the last retry, so their difference is exactly the backoff the worker chose.
-        failed_at = [int(eid.split("-")[0]) for eid, e in events
-                     if e["state"] == "retrying" and job.id in e["jobs"].split()]
+        failed_at = [
+            int(eid.split("-")[0]) for eid, e in events if e["state"] == "retrying" and job.id in e["jobs"].split()
+        ]
         assert len(failed_at) == attempts - 1
         assert job.run_at is not None
         ceiling = BACKOFF_MS * 2 ** (attempts - 2)  # the last retry followed attempt number attempts-1
@@ -371,6 +389,7 @@ async def test_throttling_shares_a_cool_down(
     jobs = await enqueue(store, f"throttle-{kind}-{header}", n)
     started = time.monotonic()
     async with serving(make_settings(valkey_url, s3, sim, kind)) as worker:
+
         async def all_throttled() -> bool:
             return await fault_count(sim, k.submit, fault) >= n
 
@@ -444,11 +463,15 @@ async def test_malformed_poll_responses_are_retried(
     so valid JSON missing a field is indistinguishable from an output; fal gets only truncated JSON.)"""
     k = KINDS[kind]
     assert k.status is not None
-    garbage: dict[str, Any] = {"malformed_rate": 1.0, "malformed_kind": "invalid_json" if kind == "fal" else "mixed",
-               "faults_on": ["status", "result"]}
+    garbage: dict[str, Any] = {
+        "malformed_rate": 1.0,
+        "malformed_kind": "invalid_json" if kind == "fal" else "mixed",
+        "faults_on": ["status", "result"],
+    }
     await configure(sim, latency=0.3, **garbage)
     jobs = await enqueue(store, f"garbled-{kind}", 2)
     async with serving(make_settings(valkey_url, s3, sim, kind)) as worker:
+
         async def garbled() -> bool:
             return await fault_count(sim, k.status or "", "malformed") >= 4
 
@@ -463,7 +486,11 @@ async def test_malformed_poll_responses_are_retried(
 
 @pytest.mark.parametrize("kind", ALL)
 async def test_malformed_submit_responses_dead_letter_without_secrets(
-    kind: str, valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore,
+    kind: str,
+    valkey_url: str,
+    no_outputs: dict[str, Any],
+    sim: str,
+    store: QueueStore,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Every submit answer is garbage, from a provider that ignores Idempotency-Key: retried up to max_attempts,
@@ -471,8 +498,14 @@ async def test_malformed_submit_responses_dead_letter_without_secrets(
     (Replicate, OpenAI) put it in the garbage: the excerpt in job.error and the logs show [REDACTED] instead."""
     caplog.set_level(logging.INFO)
     caplog.set_level(logging.DEBUG, logger="offload")
-    await configure(sim, api_key=KEY, malformed_rate=1.0, malformed_kind="invalid_json", faults_on=["submit"],
-                    honour_idempotency_key=False)
+    await configure(
+        sim,
+        api_key=KEY,
+        malformed_rate=1.0,
+        malformed_kind="invalid_json",
+        faults_on=["submit"],
+        honour_idempotency_key=False,
+    )
     [(job_id, input_id)] = await enqueue(store, f"garbage-{kind}", max_attempts=2, secret=KEY)
     async with serving(make_settings(valkey_url, no_outputs, sim, kind, api_key=KEY)) as worker:
         [job] = await until_state(store, [job_id], "dead", worker)
@@ -490,7 +523,11 @@ async def test_malformed_submit_responses_dead_letter_without_secrets(
 
 @pytest.mark.parametrize("kind", POLLED)
 async def test_a_garbled_submit_answer_costs_nothing_where_the_key_is_honoured(
-    kind: str, valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore,
+    kind: str,
+    valkey_url: str,
+    no_outputs: dict[str, Any],
+    sim: str,
+    store: QueueStore,
 ) -> None:
     """The first submit's answer is garbage although the provider accepted it: the retry carries the same
     Idempotency-Key, so a provider that honours it answers with the first remote job. One remote job, paid once,
@@ -597,13 +634,16 @@ async def test_an_orphan_of_a_crash_inside_submit_is_adopted_by_its_tag(
     pays for the lookup."""
     from offload.backends import create_backend, new_client
 
-    settings = Settings.model_validate({
-        "redis_url": valkey_url,
-        "storage": s3.settings(BUCKET),
-        "backends": {"gpu": {**BACKENDS["replicate"], "base_url": sim, "api_key": "sim-key",
-                             "tag_input_key": "offload_job"}},
-        "queues": {"q": {"backend": "gpu", "poll_interval": POLL, "poll_timeout": 30}},
-    })
+    settings = Settings.model_validate(
+        {
+            "redis_url": valkey_url,
+            "storage": s3.settings(BUCKET),
+            "backends": {
+                "gpu": {**BACKENDS["replicate"], "base_url": sim, "api_key": "sim-key", "tag_input_key": "offload_job"}
+            },
+            "queues": {"q": {"backend": "gpu", "poll_interval": POLL, "poll_timeout": 30}},
+        }
+    )
     [(orphan_id, orphan_input), (fresh_id, fresh_input)] = await enqueue(store, "orphan", 2)
     [claimed] = await store.claim("q", "crashed-worker", 1, lease_ms=200)
     assert claimed.id == orphan_id and not claimed.redelivered and not claimed.intent_open
@@ -623,9 +663,7 @@ async def test_an_orphan_of_a_crash_inside_submit_is_adopted_by_its_tag(
         assert_stored(bucket, job, input_id)
 
 
-async def test_a_worker_whose_lease_lapsed_does_not_submit(
-    valkey_url: str, sim: str, store: QueueStore
-) -> None:
+async def test_a_worker_whose_lease_lapsed_does_not_submit(valkey_url: str, sim: str, store: QueueStore) -> None:
     """A worker process starved of CPU misses its beats; meanwhile its lease runs out and another worker takes
     the job. Before submitting, the starved worker beats first, learns the job is no longer its own and drops
     it: nothing is submitted, so the job is not paid for twice."""
@@ -642,8 +680,14 @@ async def test_a_worker_whose_lease_lapsed_does_not_submit(
     await until(taken_over, "another worker to take over the lapsed job")
     async with new_client() as http:
         backend = create_backend("http-job", "gpu", {"base_url": sim, "api_key": "sim-key"}, client=http)
-        worker = Worker(store, backend, _no_output, BackendLimits(store.redis, "gpu", None),
-                        WorkerOptions(queue="q", backend_name="gpu", lease_ms=3000), worker_id="starved-worker")
+        worker = Worker(
+            store,
+            backend,
+            _no_output,
+            BackendLimits(store.redis, "gpu", None),
+            WorkerOptions(queue="q", backend_name="gpu", lease_ms=3000),
+            worker_id="starved-worker",
+        )
         worker._beat_at -= 10  # its last beat is long past: it was starved (and so was its claim)
         worker._start(mine, time.monotonic() - 10)
         task = worker.tasks[mine.id]
@@ -662,7 +706,11 @@ async def _no_output(key: str, output: Any, run: str, fence: Any) -> str:
 
 @pytest.mark.parametrize("kind", ALL)
 async def test_wrong_api_key_is_fatal_and_never_leaks(
-    kind: str, valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore,
+    kind: str,
+    valkey_url: str,
+    no_outputs: dict[str, Any],
+    sim: str,
+    store: QueueStore,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A 401 cannot be fixed by retrying: the job is dead after one attempt, job.error names the HTTP status and

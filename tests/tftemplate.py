@@ -29,8 +29,13 @@ class TemplateError(ValueError):
 def jsonencode(value: Any) -> str:
     """OpenTofu's jsonencode: compact, map keys sorted, <, >, & and U+2028/9 escaped as Go's encoder does."""
     text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
-    for char, escape in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"),
-                         ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
+    for char, escape in (
+        ("<", "\\u003c"),
+        (">", "\\u003e"),
+        ("&", "\\u0026"),
+        ("\u2028", "\\u2028"),
+        ("\u2029", "\\u2029"),
+    ):
         text = text.replace(char, escape)
     return text
 
@@ -48,15 +53,15 @@ def _split(template: str) -> list[tuple[str, str, bool, bool]]:
         if not m:
             lit.append(template[pos:])
             break
-        lit.append(template[pos:m.start()])
+        lit.append(template[pos : m.start()])
         if m.group(1) in ("$${", "%%{"):
             lit.append(m.group(1)[1:])
             pos = m.end()
             continue
         end = _closing_brace(template, m.end())
-        body = template[m.end():end]
+        body = template[m.end() : end]
         strip_left, strip_right = body.startswith("~"), body.endswith("~")
-        body = body[1 if strip_left else 0: len(body) - (1 if strip_right else 0)].strip()
+        body = body[1 if strip_left else 0 : len(body) - (1 if strip_right else 0)].strip()
         out.append(("lit", "".join(lit), False, False))
         lit = []
         out.append(("interp" if m.group(1) == "${" else "directive", body, strip_left, strip_right))
@@ -172,8 +177,9 @@ def _string(value: Any) -> str:
     raise TemplateError(f"cannot interpolate a {type(value).__name__}")
 
 
-def _run(tokens: list[tuple[str, str, bool, bool]], i: int, env: dict[str, Any], out: list[str] | None,
-         stop: tuple[str, ...]) -> tuple[int, str]:
+def _run(
+    tokens: list[tuple[str, str, bool, bool]], i: int, env: dict[str, Any], out: list[str] | None, stop: tuple[str, ...]
+) -> tuple[int, str]:
     """Render tokens from i until a directive named in `stop`; returns (index of it, its keyword)."""
     while i < len(tokens):
         kind, text, _, _ = tokens[i]
@@ -250,8 +256,8 @@ def referenced_names(template: str) -> set[str]:
             text = text.split(None, 1)[1] if " " in text else ""
         text = re.sub(r'"(?:[^"\\]|\\.)*"', "", text)
         for m2 in _NAME.finditer(text):
-            after = text[m2.end():].lstrip()
-            before = text[:m2.start()].rstrip()
+            after = text[m2.end() :].lstrip()
+            before = text[: m2.start()].rstrip()
             if after.startswith("(") or before.endswith("."):
                 continue
             names.add(m2.group(0))

@@ -77,8 +77,16 @@ class Proc:
     def __init__(self, argv: list[str], log: Path, env: dict[str, str], cwd: Path | None = None) -> None:
         self.log = log
         with log.open("ab") as out:
-            self.popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                          env=env, cwd=cwd, start_new_session=True, preexec_fn=_die_with_parent)
+            self.popen = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
         self.pid = self.popen.pid
 
     def alive(self) -> bool:
@@ -171,9 +179,27 @@ class Bench:
         self.port = free_port()
         data = self.workdir / "valkey"
         data.mkdir(exist_ok=True)
-        self.valkey = Proc([str(get_binary_path()), "--port", str(self.port), "--bind", HOST, "--dir", str(data),
-                            "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--databases", "16"],
-                           self.logs / "valkey.log", dict(os.environ))
+        self.valkey = Proc(
+            [
+                str(get_binary_path()),
+                "--port",
+                str(self.port),
+                "--bind",
+                HOST,
+                "--dir",
+                str(data),
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "everysec",
+                "--save",
+                "",
+                "--databases",
+                "16",
+            ],
+            self.logs / "valkey.log",
+            dict(os.environ),
+        )
         self._wait(lambda: redis.Redis(host=HOST, port=self.port).ping(), self.valkey, "valkey")
         return self.valkey_version()
 
@@ -193,8 +219,25 @@ class Bench:
         """A simulator whose jobs take `latency` seconds (one per latency, started on first use)."""
         if latency not in self.sims:
             port = free_port()
-            proc = self.start([sys.executable, "-m", "offload", "sim", "serve", "--host", HOST, "--port", str(port),
-                               "--latency", f"{latency:g}", "--log-level", "warning"], f"sim-{latency:g}", None)
+            proc = self.start(
+                [
+                    sys.executable,
+                    "-m",
+                    "offload",
+                    "sim",
+                    "serve",
+                    "--host",
+                    HOST,
+                    "--port",
+                    str(port),
+                    "--latency",
+                    f"{latency:g}",
+                    "--log-level",
+                    "warning",
+                ],
+                f"sim-{latency:g}",
+                None,
+            )
             url = f"http://{HOST}:{port}"
             self._wait(lambda: httpx.get(f"{url}/_sim/health", timeout=1).status_code == 200, proc, "simulator")
             self.sims[latency] = (proc, url)
@@ -214,8 +257,9 @@ class Bench:
 
     # -- processes -----------------------------------------------------------------------------------------
 
-    def start(self, argv: list[str], name: str, system: System | None, db: int = 0,
-              extra_env: dict[str, str] | None = None) -> Proc:
+    def start(
+        self, argv: list[str], name: str, system: System | None, db: int = 0, extra_env: dict[str, str] | None = None
+    ) -> Proc:
         with self._lock:
             self._n += 1
             log = self.logs / f"{self._n:03d}-{name}.log"
@@ -233,13 +277,30 @@ class Bench:
         return proc
 
     def worker(self, system: System, db: int, concurrency: int, tag: str) -> Proc:
-        return self.start([system.python, str(APPS / system.app), system.worker, str(concurrency)],
-                          f"{system.name}-{tag}-worker", system, db)
+        return self.start(
+            [system.python, str(APPS / system.app), system.worker, str(concurrency)],
+            f"{system.name}-{tag}-worker",
+            system,
+            db,
+        )
 
     def producer(self, system: System, db: int, run: str, n: int, sleep_s: float, track: bool) -> Proc:
         timeout = 0 if sleep_s < 5 else int(sleep_s * 4)  # only SAQ needs it: its default job timeout is 10 s
-        return self.start([system.python, str(APPS / system.app), "produce", run, str(n), f"{sleep_s:g}",
-                           "1" if track else "0", str(timeout)], f"{system.name}-{run}-producer", system, db)
+        return self.start(
+            [
+                system.python,
+                str(APPS / system.app),
+                "produce",
+                run,
+                str(n),
+                f"{sleep_s:g}",
+                "1" if track else "0",
+                str(timeout),
+            ],
+            f"{system.name}-{run}-producer",
+            system,
+            db,
+        )
 
     def offload_worker(self, db: int, sim_url: str, concurrency: int, tag: str) -> Proc:
         """The real `offload worker` against the simulator (http-job backend, results in a local directory)."""
@@ -251,10 +312,28 @@ class Bench:
         }
         path = self.workdir / f"offload-{tag}.yaml"
         path.write_text(json.dumps(config))
-        return self.start([sys.executable, "-m", "offload", "worker", "--queue", OFFLOAD_GPU_QUEUE, "--config",
-                           str(path), "--concurrency", str(concurrency), "--grace", "1", "--log-level", "warning"],
-                          f"offload-{tag}-worker", None, db,
-                          {"OFFLOAD_LEASE_MS": str(self.offload_lease_ms)} if self.offload_lease_ms else None)
+        return self.start(
+            [
+                sys.executable,
+                "-m",
+                "offload",
+                "worker",
+                "--queue",
+                OFFLOAD_GPU_QUEUE,
+                "--config",
+                str(path),
+                "--concurrency",
+                str(concurrency),
+                "--grace",
+                "1",
+                "--log-level",
+                "warning",
+            ],
+            f"offload-{tag}-worker",
+            None,
+            db,
+            {"OFFLOAD_LEASE_MS": str(self.offload_lease_ms)} if self.offload_lease_ms else None,
+        )
 
     def close(self) -> None:
         for proc in reversed(self.procs):
@@ -308,8 +387,16 @@ def _float(value: Any) -> float | None:
     return float(value) if value is not None else None
 
 
-def run_jobs(bench: Bench, system: System, db: int, worker: Proc, run: Run, sleep_s: float, cap: float,
-             sample_every: float | None = None) -> Run:
+def run_jobs(
+    bench: Bench,
+    system: System,
+    db: int,
+    worker: Proc,
+    run: Run,
+    sleep_s: float,
+    cap: float,
+    sample_every: float | None = None,
+) -> Run:
     """One producer enqueues `run.n` jobs of `sleep_s` seconds to a running worker; wait until all are done or
     `cap` seconds have passed since the first enqueue. Reads the counters the worker process reports."""
     client = bench.client(db)
@@ -370,8 +457,15 @@ def run_jobs(bench: Bench, system: System, db: int, worker: Proc, run: Run, slee
     return run
 
 
-def throughput_session(bench: Bench, system: System, db: int, rep: int, workloads: list[tuple[str, int, float]],
-                       concurrency: int, cap: float) -> list[Run]:
+def throughput_session(
+    bench: Bench,
+    system: System,
+    db: int,
+    rep: int,
+    workloads: list[tuple[str, int, float]],
+    concurrency: int,
+    cap: float,
+) -> list[Run]:
     """(a) and (b) for one system: one worker serves the workloads in turn (restarted after a capped run, so
     leftovers of one workload never count toward the next)."""
     results: list[Run] = []
@@ -392,20 +486,21 @@ def throughput_session(bench: Bench, system: System, db: int, rep: int, workload
     return results
 
 
-def gpu_session(bench: Bench, system: System, db: int, rep: int, n: int, sleep_s: float, concurrency: int,
-                cap: float) -> Run:
+def gpu_session(
+    bench: Bench, system: System, db: int, rep: int, n: int, sleep_s: float, concurrency: int, cap: float
+) -> Run:
     """(c) for a peer: `n` jobs of `sleep_s` seconds, the concurrency knob at `concurrency`; in flight sampled."""
     bench.client(db).flushdb()
     worker = bench.worker(system, db, concurrency, f"gpu{rep}")
     try:
-        return run_jobs(bench, system, db, worker, Run(system.name, "gpu", rep, n, concurrency), sleep_s, cap,
-                        sample_every=0.5)
+        return run_jobs(
+            bench, system, db, worker, Run(system.name, "gpu", rep, n, concurrency), sleep_s, cap, sample_every=0.5
+        )
     finally:
         worker.kill()
 
 
-def offload_gpu_session(bench: Bench, db: int, rep: int, n: int, sleep_s: float, concurrency: int,
-                        cap: float) -> Run:
+def offload_gpu_session(bench: Bench, db: int, rep: int, n: int, sleep_s: float, concurrency: int, cap: float) -> Run:
     """(c) for offload: the real `offload worker` against the simulator. In flight = jobs whose remote job was
     submitted (state `submitted`: remote id recorded, running at the provider), from the queue's own counts; the
     jobs claimed (active + submitted) are recorded beside it."""

@@ -24,8 +24,10 @@ def rate_stats(results: dict[str, Any], workload: str) -> dict[str, dict[str, An
     for run in results["runs"]:
         if run["workload"] != workload:
             continue
-        row = out.setdefault(run["system"], {"rates": [], "capped": False, "errors": [], "enqueue": [], "cpu": [],
-                                             "rss": [], "peak": [], "valkey": []})
+        row = out.setdefault(
+            run["system"],
+            {"rates": [], "capped": False, "errors": [], "enqueue": [], "cpu": [], "rss": [], "peak": [], "valkey": []},
+        )
         if run["error"]:
             row["errors"].append(run["error"])
             continue
@@ -118,37 +120,47 @@ def headline(results: dict[str, Any]) -> list[str]:
     crashes = {c["system"]: c for c in results["crashes"]}
     base_noop = (noop.get("offload") or {}).get("median")
     base_io = (io.get("offload") or {}).get("median")
-    lines = [f"| system | no-op jobs/s | {X} offload | 50 ms I/O jobs/s | {X} offload | peak in flight, 30 s jobs "
-             "| SIGKILL: lost | re-run | duplicated | all done after |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"| system | no-op jobs/s | {X} offload | 50 ms I/O jobs/s | {X} offload | peak in flight, 30 s jobs "
+        "| SIGKILL: lost | re-run | duplicated | all done after |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for name in systems:
         n, i = noop.get(name), io.get(name)
         c = crashes.get(name)
-        crash = ("| " + " | ".join([str(c["lost"]), str(c["rerun"]), str(c["duplicated"]), _crash_time(c)])
-                 if c and not c["error"] else "| " + " | ".join(["failed" if c else "—"] * 3 + [_crash_time(c) if c
-                                                                                               else "—"]))
-        lines.append(f"| {label(name)} | {_rate_cell(n)} | {_ratio((n or {}).get('median'), base_noop)} "
-                     f"| {_rate_cell(i)} | {_ratio((i or {}).get('median'), base_io)} | "
-                     f"{_peak_cell(gpu.get(name)) if name in gpu else '—'} {crash} |")
+        crash = (
+            "| " + " | ".join([str(c["lost"]), str(c["rerun"]), str(c["duplicated"]), _crash_time(c)])
+            if c and not c["error"]
+            else "| " + " | ".join(["failed" if c else "—"] * 3 + [_crash_time(c) if c else "—"])
+        )
+        lines.append(
+            f"| {label(name)} | {_rate_cell(n)} | {_ratio((n or {}).get('median'), base_noop)} "
+            f"| {_rate_cell(i)} | {_ratio((i or {}).get('median'), base_io)} | "
+            f"{_peak_cell(gpu.get(name)) if name in gpu else '—'} {crash} |"
+        )
     return lines
 
 
 def throughput_table(results: dict[str, Any], workload: str) -> list[str]:
     stats = rate_stats(results, workload)
     base = (stats.get("offload") or {}).get("median")
-    lines = [f"| system | jobs/s median | min | max | runs | {X} offload | enqueue s | worker CPU cores "
-             "| worker peak RSS MB | Valkey CPU µs per job | peak in flight |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"| system | jobs/s median | min | max | runs | {X} offload | enqueue s | worker CPU cores "
+        "| worker peak RSS MB | Valkey CPU µs per job | peak in flight |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for name in results["systems"]:
         row = stats.get(name)
         if row is None:
             continue
         cap = f" {DAGGER}" if row["capped"] else ""
         errors = f" ({len(row['errors'])} failed)" if row["errors"] else ""
-        lines.append(f"| {label(name)} | {_num(row['median'])}{cap} | {_num(row['min'])} | {_num(row['max'])} "
-                     f"| {len(row['rates'])}{errors} | {_ratio(row['median'], base)} | {_num(_median(row['enqueue']))} "
-                     f"| {_num(_median(row['cpu']))} | {_num(_median(row['rss']))} | {_num(_median(row['valkey']))} "
-                     f"| {_int(_median(row['peak']))} |")
+        lines.append(
+            f"| {label(name)} | {_num(row['median'])}{cap} | {_num(row['min'])} | {_num(row['max'])} "
+            f"| {len(row['rates'])}{errors} | {_ratio(row['median'], base)} | {_num(_median(row['enqueue']))} "
+            f"| {_num(_median(row['cpu']))} | {_num(_median(row['rss']))} | {_num(_median(row['valkey']))} "
+            f"| {_int(_median(row['peak']))} |"
+        )
     return lines
 
 
@@ -158,45 +170,60 @@ def gpu_notes(results: dict[str, Any]) -> list[str]:
     for r in _gpu_runs(results).get("offload", []):
         lost = sum(n for line, n in r.get("log_problems", []) if "lease of" in line and "lost" in line)
         if lost:
-            notes.append(f"offload's worker logged {lost:,} lost leases in this run: while it submitted, its event "
-                         "loop fell behind its heartbeat (a lease lasts "
-                         f"{results['params'].get('offload_lease_ms', 10_000) / 1000:g} s), so its jobs went back "
-                         "to the queue with their remote ids and were claimed again; a dip of the offload line in "
-                         "the plot is that moment.")
+            notes.append(
+                f"offload's worker logged {lost:,} lost leases in this run: while it submitted, its event "
+                "loop fell behind its heartbeat (a lease lasts "
+                f"{results['params'].get('offload_lease_ms', 10_000) / 1000:g} s), so its jobs went back "
+                "to the queue with their remote ids and were claimed again; a dip of the offload line in "
+                "the plot is that moment."
+            )
         if r["capped"] and not r["error"]:
-            notes.append(f"offload finished {r['done']:,} of {r['n']:,} jobs within the {r['seconds']:.0f} s cap; its "
-                         f"worker used {_num(r['worker_cpu_s'])} CPU seconds in that time (the simulator "
-                         f"{_num(r.get('sim_cpu_s'))}), on a machine whose load average was "
-                         f"{results['machine']['load_before']} when the run began.")
+            notes.append(
+                f"offload finished {r['done']:,} of {r['n']:,} jobs within the {r['seconds']:.0f} s cap; its "
+                f"worker used {_num(r['worker_cpu_s'])} CPU seconds in that time (the simulator "
+                f"{_num(r.get('sim_cpu_s'))}), on a machine whose load average was "
+                f"{results['machine']['load_before']} when the run began."
+            )
     return notes
 
 
 def gpu_table(results: dict[str, Any]) -> list[str]:
-    lines = ["| system | concurrency setting | peak in flight | done | all done after | worker CPU s | "
-             "worker peak RSS MB | simulator CPU s |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| system | concurrency setting | peak in flight | done | all done after | worker CPU s | "
+        "worker peak RSS MB | simulator CPU s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, runs in _gpu_runs(results).items():
         for r in runs:
             if r["error"]:
-                lines.append(f"| {label(name)} | {r['concurrency']:,} | failed: {r['error'].splitlines()[0][:80]} "
-                             "| | | | | |")
+                lines.append(
+                    f"| {label(name)} | {r['concurrency']:,} | failed: {r['error'].splitlines()[0][:80]} | | | | | |"
+                )
                 continue
             after = f"not within {r['seconds']:.0f} s" if r["capped"] else f"{r['seconds']:.1f} s"
             claimed = f" ({r['peak_claimed']:,} claimed)" if r.get("peak_claimed") is not None else ""
-            lines.append(f"| {label(name)} | {r['concurrency']:,} | {r['peak_in_flight']:,}{claimed} | {r['done']:,} "
-                         f"of {r['n']:,} | {after} | {_num(r['worker_cpu_s'])} | {_num(r['worker_rss_mb'])} "
-                         f"| {_num(r.get('sim_cpu_s'))} |")
+            lines.append(
+                f"| {label(name)} | {r['concurrency']:,} | {r['peak_in_flight']:,}{claimed} | {r['done']:,} "
+                f"of {r['n']:,} | {after} | {_num(r['worker_cpu_s'])} | {_num(r['worker_rss_mb'])} "
+                f"| {_num(r.get('sim_cpu_s'))} |"
+            )
     return lines
 
 
 def crash_table(results: dict[str, Any]) -> list[str]:
-    lines = ["| system | in flight at the kill | done before it | lost | re-run | duplicated | unfinished at the cap "
-             "| every job done after |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| system | in flight at the kill | done before it | lost | re-run | duplicated | unfinished at the cap "
+        "| every job done after |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for c in results["crashes"]:
         if c["error"]:
             lines.append(f"| {label(c['system'])} | failed: {c['error'].splitlines()[0][:80]} | | | | | | |")
             continue
-        lines.append(f"| {label(c['system'])} | {c['in_flight_at_kill']} | {c['done_at_kill']} | {c['lost']} "
-                     f"| {c['rerun']} | {c['duplicated']} | {c['unfinished']} | {_crash_time(c)} |")
+        lines.append(
+            f"| {label(c['system'])} | {c['in_flight_at_kill']} | {c['done_at_kill']} | {c['lost']} "
+            f"| {c['rerun']} | {c['duplicated']} | {c['unfinished']} | {_crash_time(c)} |"
+        )
     return lines
 
 
@@ -269,8 +296,12 @@ def plots(results: dict[str, Any], img: Path) -> list[str]:
                 continue
             r = runs[0]
             ts, inflight = [s[0] for s in r["samples"]], [s[1] for s in r["samples"]]
-            ax.plot(ts, inflight, label=f"{label(name)} (peak {r['peak_in_flight']:,})",
-                    linewidth=2.5 if name == "offload" else 1.3)
+            ax.plot(
+                ts,
+                inflight,
+                label=f"{label(name)} (peak {r['peak_in_flight']:,})",
+                linewidth=2.5 if name == "offload" else 1.3,
+            )
         ax.set_xlabel("seconds since the first enqueue")
         ax.set_ylabel("jobs in flight in the worker process")
         sample = next(iter(gpu.values()))[0]
@@ -285,9 +316,13 @@ def plots(results: dict[str, Any], img: Path) -> list[str]:
     if crashes:
         fig, ax = plt.subplots(figsize=(11, 4.5))
         for c in crashes:
-            ax.step([s[0] for s in c["samples"]], [s[1] for s in c["samples"]], where="post",
-                    label=f"{label(c['system'])}: {_crash_time(c)}", linewidth=2.5 if c["system"] == "offload"
-                    else 1.3)
+            ax.step(
+                [s[0] for s in c["samples"]],
+                [s[1] for s in c["samples"]],
+                where="post",
+                label=f"{label(c['system'])}: {_crash_time(c)}",
+                linewidth=2.5 if c["system"] == "offload" else 1.3,
+            )
         ax.axhline(crashes[0]["n"], color="grey", linestyle=":", linewidth=1)
         ax.set_xlabel("seconds since the worker was SIGKILLed (a new worker started at once)")
         ax.set_ylabel("jobs finished")
@@ -334,20 +369,43 @@ def markdown(results: dict[str, Any], images: list[str], img_rel: str) -> str:
     ]
     for name in images:
         out += [f"![{name}]({img_rel}/{name})", ""]
-    out += ["## No-op jobs", "", *throughput_table(results, "noop"), "",
-            "## Jobs that wait 50 ms on I/O", "", *throughput_table(results, "io"), "",
-            "Medians over the repetitions. Enqueue s: the producer's time for all its jobs. Worker CPU cores: CPU "
-            "seconds of the worker's process tree over the run's wall time (psutil). Valkey CPU µs per job: the "
-            "server's CPU time over the run (enqueue and process, plus the harness's polling) per job done: the "
-            "work each system asks of Redis for one job. Peak in flight: the most jobs the worker ran at once "
-            "(no-op jobs return before the next one starts, so 1 is expected there).", "",
-            "## 30 s jobs: how many in flight in one worker process", "", *gpu_table(results), "",
-            *[f"- {note}" for note in gpu_notes(results)], "",
-            "## SIGKILL with jobs in flight", "", *crash_table(results), "",
-            "## What the workers logged", "",
-            "The most frequent warning and error lines in each worker's log (up to three per system and workload; "
-            "a SIGKILL row counts both workers).", "", *log_table(results), "",
-            "## Versions", "", "| system | packages (own venv, pinned) | worker |", "|---|---|---|"]
+    out += [
+        "## No-op jobs",
+        "",
+        *throughput_table(results, "noop"),
+        "",
+        "## Jobs that wait 50 ms on I/O",
+        "",
+        *throughput_table(results, "io"),
+        "",
+        "Medians over the repetitions. Enqueue s: the producer's time for all its jobs. Worker CPU cores: CPU "
+        "seconds of the worker's process tree over the run's wall time (psutil). Valkey CPU µs per job: the "
+        "server's CPU time over the run (enqueue and process, plus the harness's polling) per job done: the "
+        "work each system asks of Redis for one job. Peak in flight: the most jobs the worker ran at once "
+        "(no-op jobs return before the next one starts, so 1 is expected there).",
+        "",
+        "## 30 s jobs: how many in flight in one worker process",
+        "",
+        *gpu_table(results),
+        "",
+        *[f"- {note}" for note in gpu_notes(results)],
+        "",
+        "## SIGKILL with jobs in flight",
+        "",
+        *crash_table(results),
+        "",
+        "## What the workers logged",
+        "",
+        "The most frequent warning and error lines in each worker's log (up to three per system and workload; "
+        "a SIGKILL row counts both workers).",
+        "",
+        *log_table(results),
+        "",
+        "## Versions",
+        "",
+        "| system | packages (own venv, pinned) | worker |",
+        "|---|---|---|",
+    ]
     for name in results["systems"]:
         versions = ", ".join(f"{k} {v}" for k, v in results["versions"].get(name, {}).items())
         out.append(f"| {label(name)} | {versions} | {BY_NAME[name].setup} |")

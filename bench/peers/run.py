@@ -35,11 +35,15 @@ from bench.peers.systems import ALL, BY_NAME, ROOT, System, ensure_venv, install
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.peers", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes, one repetition (under 2 minutes)")
-    parser.add_argument("--systems", default=",".join(s.name for s in ALL),
-                        help=f"comma-separated, from: {', '.join(s.name for s in ALL)}")
+    parser.add_argument(
+        "--systems",
+        default=",".join(s.name for s in ALL),
+        help=f"comma-separated, from: {', '.join(s.name for s in ALL)}",
+    )
     parser.add_argument("--workloads", default="noop,io,gpu,durability", help="comma-separated subset")
     parser.add_argument("--reps", type=int, default=None, help="repetitions of (a) and (b) (3; quick 1)")
     parser.add_argument("--concurrency", type=int, default=100, help="jobs in flight per worker process")
@@ -52,11 +56,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--crash-jobs", type=int, default=None, help="SIGKILL test jobs (200; quick 60)")
     parser.add_argument("--crash-seconds", type=float, default=None, help="SIGKILL test seconds per job (5; quick 3)")
     parser.add_argument("--crash-cap", type=float, default=None, help="SIGKILL test watch, seconds (120; quick 20)")
-    parser.add_argument("--offload-lease-ms", type=int, default=None,
-                        help="offload worker's lease for (c) and the SIGKILL test (default: offload's, 10 s)")
+    parser.add_argument(
+        "--offload-lease-ms",
+        type=int,
+        default=None,
+        help="offload worker's lease for (c) and the SIGKILL test (default: offload's, 10 s)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="output directory (docs; quick bench/out/peers)")
-    parser.add_argument("--from-json", type=Path, default=None,
-                        help="run nothing: rebuild the page and plots from a benchmarks.json an earlier run wrote")
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        help="run nothing: rebuild the page and plots from a benchmarks.json an earlier run wrote",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs of every process)")
     args = parser.parse_args(argv)
     q = args.quick
@@ -102,9 +114,15 @@ def machine(valkey: str) -> dict[str, Any]:
         mem = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30)
     except (ValueError, OSError, AttributeError):
         mem = 0
-    return {"cores": os.cpu_count(), "cpu": cpu, "memory_gb": mem, "os": f"{platform.system()} {platform.release()}",
-            "python": platform.python_version(), "valkey": valkey,
-            "load_before": " ".join(f"{x:.2f}" for x in os.getloadavg())}
+    return {
+        "cores": os.cpu_count(),
+        "cpu": cpu,
+        "memory_gb": mem,
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "valkey": valkey,
+        "load_before": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+    }
 
 
 def rotate(systems: list[System], k: int) -> list[System]:
@@ -142,10 +160,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     db = {s.name: i + 1 for i, s in enumerate(ALL)}
     bench = harness.Bench(offload_lease_ms=args.offload_lease_ms)
     results: dict[str, Any] = {
-        "command": "python -m bench.peers" + (" --quick" if args.quick else "")
-                   + ("" if len(systems) == len(ALL) else f" --systems {','.join(s.name for s in systems)}"),
+        "command": "python -m bench.peers"
+        + (" --quick" if args.quick else "")
+        + ("" if len(systems) == len(ALL) else f" --systems {','.join(s.name for s in systems)}"),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "systems": [s.name for s in systems], "runs": [], "crashes": [], "versions": {}, "venv_install_s": {},
+        "systems": [s.name for s in systems],
+        "runs": [],
+        "crashes": [],
+        "versions": {},
+        "venv_install_s": {},
     }
     try:
         for s in systems:
@@ -160,43 +183,64 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         crash_kill_after = round(args.crash_seconds * 0.4, 2)
         gpu_cap = args.gpu_seconds + max(5.0, args.gpu_seconds / 2)
         results["params"] = {
-            "quick": args.quick, "reps": args.reps, "concurrency": args.concurrency, "noop_jobs": args.noop_jobs,
-            "io_jobs": args.io_jobs, "io_ceiling": args.concurrency / 0.05, "cap": args.cap,
-            "gpu_jobs": args.gpu_jobs, "gpu_seconds": args.gpu_seconds, "gpu_reps": args.gpu_reps, "gpu_cap": gpu_cap,
-            "crash_jobs": args.crash_jobs, "crash_seconds": args.crash_seconds, "crash_cap": args.crash_cap,
-            "kill_after": crash_kill_after, "offload_lease_ms": args.offload_lease_ms or 10_000,
+            "quick": args.quick,
+            "reps": args.reps,
+            "concurrency": args.concurrency,
+            "noop_jobs": args.noop_jobs,
+            "io_jobs": args.io_jobs,
+            "io_ceiling": args.concurrency / 0.05,
+            "cap": args.cap,
+            "gpu_jobs": args.gpu_jobs,
+            "gpu_seconds": args.gpu_seconds,
+            "gpu_reps": args.gpu_reps,
+            "gpu_cap": gpu_cap,
+            "crash_jobs": args.crash_jobs,
+            "crash_seconds": args.crash_seconds,
+            "crash_cap": args.crash_cap,
+            "kill_after": crash_kill_after,
+            "offload_lease_ms": args.offload_lease_ms or 10_000,
         }
         log(f"valkey {valkey} on port {bench.port}; logs in {bench.logs}")
 
-        tp = [(w, n, s) for w, n, s in (("noop", args.noop_jobs, 0.0), ("io", args.io_jobs, 0.05))
-              if w in workloads]
+        tp = [(w, n, s) for w, n, s in (("noop", args.noop_jobs, 0.0), ("io", args.io_jobs, 0.05)) if w in workloads]
         if tp:
             for rep in range(args.reps):
                 for s in rotate(systems, rep):
                     todo = [t for t in tp if t[0] in s.workloads]
                     if not todo:
                         continue
-                    for run in harness.throughput_session(bench, s, db[s.name], rep, todo, args.concurrency,
-                                                          args.cap):
+                    for run in harness.throughput_session(bench, s, db[s.name], rep, todo, args.concurrency, args.cap):
                         results["runs"].append(run.to_dict())
-                        log(f"rep {rep + 1}/{args.reps} {s.name:>13} {run.workload:>4}: "
-                            + (f"FAILED {run.error.splitlines()[0]}" if run.error else
-                               f"{run.jobs_per_s:8,.0f} jobs/s ({run.done}/{run.n} in {run.seconds:.2f} s"
-                               f"{', capped' if run.capped else ''})"))
+                        log(
+                            f"rep {rep + 1}/{args.reps} {s.name:>13} {run.workload:>4}: "
+                            + (
+                                f"FAILED {run.error.splitlines()[0]}"
+                                if run.error
+                                else f"{run.jobs_per_s:8,.0f} jobs/s ({run.done}/{run.n} in {run.seconds:.2f} s"
+                                f"{', capped' if run.capped else ''})"
+                            )
+                        )
 
         if "gpu" in workloads:
             for rep in range(args.gpu_reps):
                 for s in rotate([s for s in systems if "gpu" in s.workloads], rep):
                     if s.name == "offload":
-                        run = harness.offload_gpu_session(bench, db[s.name], rep, args.gpu_jobs, args.gpu_seconds,
-                                                          args.gpu_jobs, gpu_cap)
+                        run = harness.offload_gpu_session(
+                            bench, db[s.name], rep, args.gpu_jobs, args.gpu_seconds, args.gpu_jobs, gpu_cap
+                        )
                     else:
-                        run = harness.gpu_session(bench, s, db[s.name], rep, args.gpu_jobs, args.gpu_seconds,
-                                                  args.gpu_jobs, gpu_cap)
+                        run = harness.gpu_session(
+                            bench, s, db[s.name], rep, args.gpu_jobs, args.gpu_seconds, args.gpu_jobs, gpu_cap
+                        )
                     results["runs"].append(run.to_dict())
-                    log(f"gpu {s.name:>13}: " + (f"FAILED {run.error.splitlines()[0]}" if run.error else
-                                                f"peak in flight {run.peak_in_flight}, {run.done}/{run.n} done in "
-                                                f"{run.seconds:.1f} s"))
+                    log(
+                        f"gpu {s.name:>13}: "
+                        + (
+                            f"FAILED {run.error.splitlines()[0]}"
+                            if run.error
+                            else f"peak in flight {run.peak_in_flight}, {run.done}/{run.n} done in {run.seconds:.1f} s"
+                        )
+                    )
 
         if "durability" in workloads:
             crash_systems = [s for s in systems if "durability" in s.workloads]
@@ -211,10 +255,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             with ThreadPoolExecutor(max_workers=max(len(crash_systems), 1)) as pool:
                 for c in pool.map(crash, crash_systems):
                     results["crashes"].append(c.to_dict())
-                    log(f"SIGKILL {c.system:>13}: " + (f"FAILED {c.error.splitlines()[0]}" if c.error else
-                                                       f"{c.in_flight_at_kill} in flight, lost {c.lost}, re-run "
-                                                       f"{c.rerun}, duplicated {c.duplicated}, all done: "
-                                                       f"{report._crash_time(c.to_dict())}"))
+                    log(
+                        f"SIGKILL {c.system:>13}: "
+                        + (
+                            f"FAILED {c.error.splitlines()[0]}"
+                            if c.error
+                            else f"{c.in_flight_at_kill} in flight, lost {c.lost}, re-run "
+                            f"{c.rerun}, duplicated {c.duplicated}, all done: "
+                            f"{report._crash_time(c.to_dict())}"
+                        )
+                    )
     except KeyboardInterrupt:
         log("interrupted: stopping every process the bench started")
         raise SystemExit(130) from None
@@ -240,18 +290,28 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
     for name in results["systems"]:
         row: dict[str, Any] = {}
         for workload in ("noop", "io"):
-            rates = [r["jobs_per_s"] for r in results["runs"]
-                     if r["system"] == name and r["workload"] == workload and not r["error"]]
+            rates = [
+                r["jobs_per_s"]
+                for r in results["runs"]
+                if r["system"] == name and r["workload"] == workload and not r["error"]
+            ]
             if rates:
                 row[f"{workload}_jobs_per_s"] = round(statistics.median(rates), 1)
-        peaks = [r["peak_in_flight"] for r in results["runs"]
-                 if r["system"] == name and r["workload"] == "gpu" and not r["error"]]
+        peaks = [
+            r["peak_in_flight"]
+            for r in results["runs"]
+            if r["system"] == name and r["workload"] == "gpu" and not r["error"]
+        ]
         if peaks:
             row["gpu_peak_in_flight"] = max(peaks)
         for c in results["crashes"]:
             if c["system"] == name and not c["error"]:
-                row["crash"] = {"lost": c["lost"], "rerun": c["rerun"], "duplicated": c["duplicated"],
-                                "all_done_s": None if c["all_done_s"] is None else round(c["all_done_s"], 1)}
+                row["crash"] = {
+                    "lost": c["lost"],
+                    "rerun": c["rerun"],
+                    "duplicated": c["duplicated"],
+                    "all_done_s": None if c["all_done_s"] is None else round(c["all_done_s"], 1),
+                }
         out[name] = row
     return {"wall_s": results["wall_s"], "systems": out}
 

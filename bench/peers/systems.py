@@ -40,49 +40,82 @@ class System:
 
 
 OFFLOAD = System(
-    "offload", "offload", "offload_app.py", worker="work-dispatch", versions_of=("offload", "redis"),
+    "offload",
+    "offload",
+    "offload_app.py",
+    worker="work-dispatch",
+    versions_of=("offload", "redis"),
     setup="the dispatch worker (`offload.worker.dispatch.Worker`, unchanged) with an in-process backend for "
-          "no-op and 50 ms jobs; the real `offload worker` process against the simulator for 30 s jobs and the "
-          "SIGKILL test",
+    "no-op and 50 ms jobs; the real `offload worker` process against the simulator for 30 s jobs and the "
+    "SIGKILL test",
     knob="`--concurrency` (WorkerOptions.concurrency)",
 )
 OFFLOAD_STORE = System(
-    "offload-store", "offload (QueueStore loop)", "offload_app.py", worker="work-store",
-    versions_of=("offload", "redis"), workloads=("noop", "io"),
+    "offload-store",
+    "offload (QueueStore loop)",
+    "offload_app.py",
+    worker="work-store",
+    versions_of=("offload", "redis"),
+    workloads=("noop", "io"),
     setup="a lean asyncio loop over `QueueStore`: claim up to the free slots, acknowledge with `complete_many`",
     knob="jobs in flight of the loop",
 )
 PEERS = (
     System(
-        "celery", "Celery", "celery_app.py",
+        "celery",
+        "Celery",
+        "celery_app.py",
         requirements=("celery[redis]==5.7.0", "kombu==5.7.0", "redis==8.1.0", "gevent==26.9.0"),
         versions_of=("celery", "kombu", "redis", "gevent"),
         setup="`worker --pool gevent --concurrency N`, one process, Redis broker, no result backend",
         knob="`--concurrency` of the gevent pool",
     ),
     System(
-        "rq", "RQ", "rq_app.py", requirements=("rq==3.0.0", "redis==8.1.0"), versions_of=("rq", "redis"),
-        setup="the default `Worker` (forks a work horse per job), one process", knob="none: one job at a time",
-        one_at_a_time=True, env={"BENCH_SHARED_COUNTERS": "1"},
+        "rq",
+        "RQ",
+        "rq_app.py",
+        requirements=("rq==3.0.0", "redis==8.1.0"),
+        versions_of=("rq", "redis"),
+        setup="the default `Worker` (forks a work horse per job), one process",
+        knob="none: one job at a time",
+        one_at_a_time=True,
+        env={"BENCH_SHARED_COUNTERS": "1"},
     ),
     System(
-        "arq", "arq", "arq_app.py", requirements=("arq==0.28.0", "redis==5.3.1"), versions_of=("arq", "redis"),
-        setup="`run_worker(WorkerSettings)`, one process", knob="`max_jobs`",
+        "arq",
+        "arq",
+        "arq_app.py",
+        requirements=("arq==0.28.0", "redis==5.3.1"),
+        versions_of=("arq", "redis"),
+        setup="`run_worker(WorkerSettings)`, one process",
+        knob="`max_jobs`",
     ),
     System(
-        "dramatiq", "Dramatiq", "dramatiq_app.py", requirements=("dramatiq[redis]==2.2.1", "redis==8.1.0"),
+        "dramatiq",
+        "Dramatiq",
+        "dramatiq_app.py",
+        requirements=("dramatiq[redis]==2.2.1", "redis==8.1.0"),
         versions_of=("dramatiq", "redis"),
-        setup="`dramatiq --processes 1 --threads N`, Redis broker", knob="`--threads`",
+        setup="`dramatiq --processes 1 --threads N`, Redis broker",
+        knob="`--threads`",
     ),
     System(
-        "taskiq", "taskiq", "taskiq_app.py", requirements=("taskiq==0.13.0", "taskiq-redis==1.2.4", "redis==8.1.0"),
+        "taskiq",
+        "taskiq",
+        "taskiq_app.py",
+        requirements=("taskiq==0.13.0", "taskiq-redis==1.2.4", "redis==8.1.0"),
         versions_of=("taskiq", "taskiq-redis", "redis"),
-        setup="`taskiq worker --workers 1 --max-async-tasks N`, `RedisStreamBroker`", knob="`--max-async-tasks`",
+        setup="`taskiq worker --workers 1 --max-async-tasks N`, `RedisStreamBroker`",
+        knob="`--max-async-tasks`",
     ),
     System(
-        "saq", "SAQ", "saq_app.py", requirements=("saq[redis]==0.26.4", "redis==7.4.1", "typing_extensions==4.16.0"),
+        "saq",
+        "SAQ",
+        "saq_app.py",
+        requirements=("saq[redis]==0.26.4", "redis==7.4.1", "typing_extensions==4.16.0"),
         versions_of=("saq", "redis"),
-        setup="`Worker(queue, functions, concurrency=N).start()`, one process, Redis queue", knob="`concurrency`",
+        setup="`Worker(queue, functions, concurrency=N).start()`, one process, Redis queue",
+        knob="`concurrency`",
     ),
 )
 ALL = (OFFLOAD, OFFLOAD_STORE, *PEERS)
@@ -101,8 +134,12 @@ def ensure_venv(system: System, log: Path) -> float:
     base = getattr(sys, "_base_executable", sys.executable)
     with log.open("ab") as out:
         subprocess.run([base, "-m", "venv", "--clear", str(system.venv)], check=True, stdout=out, stderr=out)
-        subprocess.run([system.python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                        *system.requirements], check=True, stdout=out, stderr=out)
+        subprocess.run(
+            [system.python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *system.requirements],
+            check=True,
+            stdout=out,
+            stderr=out,
+        )
     stamp.write_text(wanted)
     return time.perf_counter() - t0
 

@@ -84,8 +84,14 @@ def alert_settings(data: Any) -> AlertSettings:
 
 
 class Alerter:
-    def __init__(self, settings: AlertSettings, redis: Any, clock: Clock = time.time,
-                 http: httpx.AsyncClient | None = None, redact: Redactor | None = None) -> None:
+    def __init__(
+        self,
+        settings: AlertSettings,
+        redis: Any,
+        clock: Clock = time.time,
+        http: httpx.AsyncClient | None = None,
+        redact: Redactor | None = None,
+    ) -> None:
         self.settings = settings
         # alerts leave the process (webhooks, email, the journal): redacted with every secret the caller
         # knows plus the alert targets' own (webhook headers, the SMTP password)
@@ -107,8 +113,7 @@ class Alerter:
             return False
         message = self.redact(message)
         details = {k: self.redact(v) if isinstance(v, str) else v for k, v in details.items()}
-        doc = {"kind": kind, "subject": subject, "message": message, "details": details, "ts": now,
-               "source": "offload"}
+        doc = {"kind": kind, "subject": subject, "message": message, "details": details, "ts": now, "source": "offload"}
         log.warning("alert %s (%s): %s", kind, subject, message)
         await log_event(self.redis, now, "alert", message, alert=kind, subject=subject)
         self.sent.append(doc)
@@ -130,8 +135,9 @@ class Alerter:
         body = orjson.dumps(doc)
         for attempt in range(self.settings.attempts):
             try:
-                r = await self.http.post(hook.url, content=body,
-                                         headers={"Content-Type": "application/json", **hook.headers})
+                r = await self.http.post(
+                    hook.url, content=body, headers={"Content-Type": "application/json", **hook.headers}
+                )
                 if r.status_code < 300:
                     return
                 problem = f"HTTP {r.status_code}"
@@ -181,8 +187,12 @@ class Alerter:
             if s.queue_latency is not None and stats.oldest_ready_age_ms is not None and not stats.paused:
                 age = stats.oldest_ready_age_ms / 1000
                 if age > s.queue_latency:
-                    await self.alert("queue_latency", queue, f"queue {queue}: the oldest ready job has waited "
-                                     f"{age:.0f}s (limit {s.queue_latency:.0f}s)", age_s=age)
+                    await self.alert(
+                        "queue_latency",
+                        queue,
+                        f"queue {queue}: the oldest ready job has waited {age:.0f}s (limit {s.queue_latency:.0f}s)",
+                        age_s=age,
+                    )
             if s.dead_letter_growth is not None:
                 dead = stats.counts.get("dead", 0)
                 key = prefix(queue) + "alert:dlg"
@@ -192,8 +202,13 @@ class Alerter:
                     continue
                 base, since = snap.split("|")
                 if dead - int(base) >= s.dead_letter_growth:
-                    await self.alert("dead_letter_growth", queue, f"queue {queue}: {dead - int(base)} jobs went "
-                                     f"dead in {now - float(since):.0f}s", dead=dead, added=dead - int(base))
+                    await self.alert(
+                        "dead_letter_growth",
+                        queue,
+                        f"queue {queue}: {dead - int(base)} jobs went dead in {now - float(since):.0f}s",
+                        dead=dead,
+                        added=dead - int(base),
+                    )
                     await self.redis.set(key, f"{dead}|{now}")
                 elif now - float(since) >= s.dead_letter_window or dead < int(base):
                     await self.redis.set(key, f"{dead}|{now}")

@@ -48,6 +48,7 @@ def parse_duration(value: Any) -> float:
 
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 
+
 class Cron:
     """A standard five-field cron expression (minute hour day-of-month month day-of-week) in a time zone, read
     by cronsim (Debian cron's rules, including day-of-month/day-of-week "either matches" and DST: a time skipped
@@ -148,8 +149,14 @@ class InstanceSpec(_Strict):
         return self
 
 
-RESERVED_ENV = ("OFFLOAD_TOKEN", "OFFLOAD_SERVER", "OFFLOAD_INSTANCE_ID", "OFFLOAD_QUEUE", "OFFLOAD_WORKDIR",
-                "OFFLOAD_PYTHON")
+RESERVED_ENV = (
+    "OFFLOAD_TOKEN",
+    "OFFLOAD_SERVER",
+    "OFFLOAD_INSTANCE_ID",
+    "OFFLOAD_QUEUE",
+    "OFFLOAD_WORKDIR",
+    "OFFLOAD_PYTHON",
+)
 
 
 class AutoscaleSettings(_Strict):
@@ -158,17 +165,24 @@ class AutoscaleSettings(_Strict):
     enabled: bool = False
     provider: str | None = None
     providers: list[str] = Field(default_factory=list, description="several providers, in order of preference")
-    choose: Literal["first", "cheapest"] = Field("first", description="which usable provider rents: the first "
-                                                 "in the list, or the one with the lowest current offer")
+    choose: Literal["first", "cheapest"] = Field(
+        "first",
+        description="which usable provider rents: the first in the list, or the one with the lowest current offer",
+    )
     min_workers: int = Field(0, ge=0)
     max_workers: int | None = Field(None, ge=1)
     jobs_per_worker: int | None = Field(None, ge=1, description="ramp in one step to ceil(jobs / jobs_per_worker)")
     poll_interval: Duration = Field(30.0, ge=0.05)
     boot_timeout: Duration = Field(1200.0, gt=0)
-    drain_timeout: Duration = Field(3600.0, gt=0, description="a draining machine is destroyed after this even if "
-                                    "its worker is still busy (a hung handler must not bill forever)")
-    protected_failures: Literal["keep", "destroy"] = Field("keep", description="a protected instance whose worker "
-                                                           "died or never booted: keep it (and alert) or destroy it")
+    drain_timeout: Duration = Field(
+        3600.0,
+        gt=0,
+        description="a draining machine is destroyed after this even if "
+        "its worker is still busy (a hung handler must not bill forever)",
+    )
+    protected_failures: Literal["keep", "destroy"] = Field(
+        "keep", description="a protected instance whose worker died or never booted: keep it (and alert) or destroy it"
+    )
     timezone: str = "UTC"
     scale_up: list[ScaleUp] = Field(default_factory=lambda: [NoWorkers(trigger="no_workers")])  # type: ignore[arg-type]
     scale_down: list[ScaleDown] = Field(default_factory=lambda: [Idle(trigger="idle", timeout=600.0)])  # type: ignore[arg-type]
@@ -267,8 +281,9 @@ def open_env(block: dict[str, Any], vault: Vault | None, queue: str) -> dict[str
         return block
     if vault is None:
         vault = Vault.from_env()
-    opened = {k: vault.decrypt(v[SEALED], f"queue:{queue}:env:{k}") if isinstance(v, dict) else v
-              for k, v in env.items()}
+    opened = {
+        k: vault.decrypt(v[SEALED], f"queue:{queue}:env:{k}") if isinstance(v, dict) else v for k, v in env.items()
+    }
     return {**block, "instance": {**block["instance"], "env": opened}}
 
 
@@ -314,8 +329,12 @@ class ServerSide(_Strict):
     leader_ttl: Duration = Field(30.0, gt=0)
     heartbeat_timeout: Duration = Field(300.0, gt=0)
     recent_task: Duration = Field(30.0, ge=0, description="a worker that touched a task this recently is spared")
-    drain_settle: Duration = Field(15.0, ge=0, description="after asking a worker to drain, wait this long (a "
-                                   "heartbeat or two) before trusting its in-flight count")
+    drain_settle: Duration = Field(
+        15.0,
+        ge=0,
+        description="after asking a worker to drain, wait this long (a "
+        "heartbeat or two) before trusting its in-flight count",
+    )
 
 
 def server_side(data: Any, env: dict[str, str] | None = None) -> ServerSide:

@@ -162,8 +162,9 @@ class InstanceStore:
         self.redis = redis
         self._script = redis.register_script(_WRITE)
 
-    async def _write(self, instance_id: str, fence: str, expect: str, values: dict[str, Any], live: str = "",
-                     score: float = 0.0) -> None:
+    async def _write(
+        self, instance_id: str, fence: str, expect: str, values: dict[str, Any], live: str = "", score: float = 0.0
+    ) -> None:
         code = await self._script(
             keys=[keys.LEADER, keys.instance(instance_id), keys.LIVE, keys.ALL],
             args=[fence, expect, _encode(values), live, instance_id, int(score * 1000)],
@@ -177,8 +178,9 @@ class InstanceStore:
         values = {k: v for k, v in inst.to_dict().items() if k != "protected"}
         await self._write(inst.id, fence, "+create", values, live="add", score=inst.created_at)
 
-    async def update(self, inst: Instance, fence: str, now: float, *, expect: tuple[str, ...] | None = None,
-                     **changes: Any) -> None:
+    async def update(
+        self, inst: Instance, fence: str, now: float, *, expect: tuple[str, ...] | None = None, **changes: Any
+    ) -> None:
         """Write `changes` (and apply them to `inst`); `status` changes are checked against TRANSITIONS."""
         if "status" in changes and changes["status"] != inst.status:
             allowed = TRANSITIONS[inst.status]
@@ -239,8 +241,12 @@ class InstanceStore:
 async def log_event(redis: Any, now: float, kind: str, message: str, **fields_: Any) -> None:
     """The autoscaler's journal for people: `offload autoscale events` and the API read it (viewer keys too), so
     the message is redacted once more here, whatever the caller did (offload/redact.py)."""
-    entry = {"ts": repr(now), "kind": kind, "message": redact(message),
-             **{k: str(v) for k, v in fields_.items() if v is not None}}
+    entry = {
+        "ts": repr(now),
+        "kind": kind,
+        "message": redact(message),
+        **{k: str(v) for k, v in fields_.items() if v is not None},
+    }
     await redis.xadd(keys.EVENTS, entry, maxlen=EVENTS_MAX, approximate=True)
 
 

@@ -54,8 +54,10 @@ class Leader:
 
     async def acquire(self) -> bool:
         """Take or renew the lock; True while this server is the leader (its token in `self.token`)."""
-        tok = await self._acquire(keys=[keys.LEADER, keys.FENCE],
-                                  args=[self.owner, int(self.clock() * 1000), int(self.ttl * 1000), self.token])
+        tok = await self._acquire(
+            keys=[keys.LEADER, keys.FENCE],
+            args=[self.owner, int(self.clock() * 1000), int(self.ttl * 1000), self.token],
+        )
         self.token = str(tok) if tok else ""
         return bool(tok)
 

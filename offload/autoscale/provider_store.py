@@ -51,8 +51,13 @@ class ProviderRecord:
     updated_at: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "type": self.type, "config": self.config, "created_at": self.created_at,
-                "updated_at": self.updated_at}
+        return {
+            "name": self.name,
+            "type": self.type,
+            "config": self.config,
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+        }
 
 
 def check_name(name: str, what: str = "provider") -> str:
@@ -98,8 +103,10 @@ class ProviderStore:
             return value is not None and not str(value).startswith(MASK)
 
         if moved and (stale := [f for f in kind.secret_fields if current.get(f) and not retyped(f)]):
-            raise ConfigError(f"config.{stale[0]}: changing {moved[0]} needs {stale[0]} again (the stored one "
-                              "would otherwise be sent to the new host)")
+            raise ConfigError(
+                f"config.{stale[0]}: changing {moved[0]} needs {stale[0]} again (the stored one "
+                "would otherwise be sent to the new host)"
+            )
         for field, value in changes.items():
             if field in kind.secret_fields and not retyped(field):
                 continue  # not retyped: keep the stored secret
@@ -108,18 +115,25 @@ class ProviderStore:
         await self._save(vault, name, raw["type"], merged, created=int(raw["created_at"]))
         return await self.get(name)
 
-    async def _save(self, vault: Vault | None, name: str, kind: str, config: dict[str, Any],
-                    created: int | None) -> None:
+    async def _save(
+        self, vault: Vault | None, name: str, kind: str, config: dict[str, Any], created: int | None
+    ) -> None:
         secret_names = TYPES[kind].secret_fields
         secrets = {k: v for k, v in config.items() if k in secret_names and v is not None}
         plain = {k: v for k, v in config.items() if k not in secret_names}
         now = int(time.time() * 1000)
         sealed = vault.encrypt(orjson.dumps(secrets).decode(), f"provider:{name}") if vault is not None else ""
-        await self.redis.hset(keys.provider(name), mapping={
-            "type": kind, "config": orjson.dumps(plain),
-            "secrets": sealed,
-            "secret_fields": ",".join(sorted(secrets)), "created_at": created or now, "updated_at": now,
-        })
+        await self.redis.hset(
+            keys.provider(name),
+            mapping={
+                "type": kind,
+                "config": orjson.dumps(plain),
+                "secrets": sealed,
+                "secret_fields": ",".join(sorted(secrets)),
+                "created_at": created or now,
+                "updated_at": now,
+            },
+        )
         await self.redis.sadd(keys.PROVIDERS, name)
 
     async def _raw(self, name: str) -> dict[str, str]:
@@ -178,7 +192,9 @@ class ProviderStore:
         await self._raw(name)
         for instance_id in await self.redis.smembers(keys.LIVE):
             if await self.redis.hget(keys.instance(instance_id), "provider") == name:
-                raise ProviderInUse(f"provider {name!r} still has live instance {instance_id}: scale it to zero "
-                                    "(or wait for teardown) before deleting the provider")
+                raise ProviderInUse(
+                    f"provider {name!r} still has live instance {instance_id}: scale it to zero "
+                    "(or wait for teardown) before deleting the provider"
+                )
         await self.redis.delete(keys.provider(name))
         await self.redis.srem(keys.PROVIDERS, name)

@@ -46,20 +46,34 @@ async def snapshot(redis: Any, *, history: int = 50, now: float | None = None) -
         dry_today, dry_month, _ = await spend(redis, name, now, dry_run=True)
         state = await QueueState.load(redis, name)
         until, why = state.paused_until()
-        backoffs = {p: {"until": t, "failures": state.prov_failures.get(p, 0)}
-                    for p, t in sorted(state.prov_until.items()) if t > now}
-        q.update(spend_today=round(today, 4), spend_month=round(month, 4), spend_total=round(total, 4),
-                 dry_run_spend_today=round(dry_today, 4), dry_run_spend_month=round(dry_month, 4),
-                 renting_paused_until=until if until > now else None, paused_because=why if until > now else None,
-                 backoffs=backoffs, decision=await load_decision(redis, name))
+        backoffs = {
+            p: {"until": t, "failures": state.prov_failures.get(p, 0)}
+            for p, t in sorted(state.prov_until.items())
+            if t > now
+        }
+        q.update(
+            spend_today=round(today, 4),
+            spend_month=round(month, 4),
+            spend_total=round(total, 4),
+            dry_run_spend_today=round(dry_today, 4),
+            dry_run_spend_month=round(dry_month, 4),
+            renting_paused_until=until if until > now else None,
+            paused_because=why if until > now else None,
+            backoffs=backoffs,
+            decision=await load_decision(redis, name),
+        )
         q["why"] = explain(q, now)
     rows = []
     for inst in live + recent:
         d = inst.to_dict()
         d["cost"] = round(live_cost(inst, now), 4)
         rows.append(d)
-    return {"leader": await Leader.current(redis), "instances": rows, "queues": queues,
-            "events": await read_events(redis, 20)}
+    return {
+        "leader": await Leader.current(redis),
+        "instances": rows,
+        "queues": queues,
+        "events": await read_events(redis, 20),
+    }
 
 
 def _ago(now: float, t: float) -> str:
@@ -89,8 +103,11 @@ def explain(q: dict[str, Any], now: float) -> list[str]:
         line = f"provider: {prov.get('why', '')}"
         quotes = prov.get("quotes") or {}
         if quotes:
-            line += " (quotes: " + ", ".join(f"{n} " + (f"${v:.3f}/h" if v is not None else "none")
-                                             for n, v in quotes.items()) + ")"
+            line += (
+                " (quotes: "
+                + ", ".join(f"{n} " + (f"${v:.3f}/h" if v is not None else "none") for n, v in quotes.items())
+                + ")"
+            )
         out.append(line)
         for name, why in (prov.get("skipped") or {}).items():
             out.append(f"skipped {name}: {why}")
@@ -113,8 +130,9 @@ async def autoscale_families(redis: Any) -> list[Metric]:
     """Gauges for /metrics: instances by queue and status, spend, and the estimated cost of live machines."""
     now = time.time()
     snap = await snapshot(redis, history=0, now=now)
-    inst = GaugeMetricFamily("offload_autoscale_instances", "Rented instances by status.",
-                             labels=["queue", "provider", "status"])
+    inst = GaugeMetricFamily(
+        "offload_autoscale_instances", "Rented instances by status.", labels=["queue", "provider", "status"]
+    )
     counts: dict[tuple[str, str, str], int] = {}
     for row in snap["instances"]:
         k = (row["queue"], row["provider"], row["status"])
@@ -125,8 +143,9 @@ async def autoscale_families(redis: Any) -> list[Metric]:
     for queue, q in sorted(snap["queues"].items()):
         for period in ("today", "month", "total"):
             spend_g.add_metric([queue, period], q[f"spend_{period}"])
-    live = GaugeMetricFamily("offload_autoscale_live_cost_usd", "Cost so far of instances still alive.",
-                             labels=["queue"])
+    live = GaugeMetricFamily(
+        "offload_autoscale_live_cost_usd", "Cost so far of instances still alive.", labels=["queue"]
+    )
     per: dict[str, float] = {}
     for row in snap["instances"]:
         per[row["queue"]] = per.get(row["queue"], 0.0) + row["cost"]

@@ -51,8 +51,9 @@ def schedule_floor(cfg: AutoscaleSettings, now: float, last_down_fire: float) ->
     return floor, reasons
 
 
-def scale_up(cfg: AutoscaleSettings, load: QueueLoad, active: list[Instance], now: float,
-             last_down_fire: float = 0.0) -> UpDecision:
+def scale_up(
+    cfg: AutoscaleSettings, load: QueueLoad, active: list[Instance], now: float, last_down_fire: float = 0.0
+) -> UpDecision:
     count = len(active)
     booting = any(i.status in ("provisioning", "booting") for i in active)
     want, reasons, held, demand = count, [], False, False
@@ -61,8 +62,10 @@ def scale_up(cfg: AutoscaleSettings, load: QueueLoad, active: list[Instance], no
         if isinstance(trig, NoWorkers) and load.pending > 0 and load.live_workers == 0:
             demand = True
             want = max(want, 1)
-            reasons.append(f"no_workers: {load.pending} pending, no live worker"
-                           + (f" ({count} instance(s) not serving yet)" if count else ""))
+            reasons.append(
+                f"no_workers: {load.pending} pending, no live worker"
+                + (f" ({count} instance(s) not serving yet)" if count else "")
+            )
         elif isinstance(trig, QueueDepth) and load.pending > trig.threshold:
             demand = True
             reasons.append(f"queue_depth: {load.pending} pending > {trig.threshold}")
@@ -81,15 +84,21 @@ def scale_up(cfg: AutoscaleSettings, load: QueueLoad, active: list[Instance], no
         if ramp > count:
             demand = True
             want = max(want, ramp)
-            reasons.append(f"jobs_per_worker: {load.pending} ready + {load.in_flight} in flight "
-                           f"/ {cfg.jobs_per_worker} = {ramp}")
+            reasons.append(
+                f"jobs_per_worker: {load.pending} ready + {load.in_flight} in flight / {cfg.jobs_per_worker} = {ramp}"
+            )
     floor, why = schedule_floor(cfg, now, last_down_fire)
     if cfg.min_workers > want:
         reasons.append(f"min_workers {cfg.min_workers}")
     want = max(want, floor, cfg.min_workers)
     reasons += why if floor > count else []
-    return UpDecision(target=min(want, cfg.limit), reasons=reasons, held=held, demand=demand,
-                      floor=min(max(floor, cfg.min_workers), cfg.limit))
+    return UpDecision(
+        target=min(want, cfg.limit),
+        reasons=reasons,
+        held=held,
+        demand=demand,
+        floor=min(max(floor, cfg.min_workers), cfg.limit),
+    )
 
 
 def idle_timeout(cfg: AutoscaleSettings) -> float | None:

@@ -72,12 +72,19 @@ class RedisWorkers:
         for worker_id, h in zip(ids, await pipe.execute(), strict=True):
             if not h:
                 continue
-            out.append(WorkerInfo(
-                id=worker_id, queues=[q for q in h.get("queues", "").split(",") if q],
-                instance_id=h.get("instance_id") or None, protected=h.get("protected") in ("1", "true", "True"),
-                in_flight=int(h.get("in_flight") or 0), last_heartbeat=int(h.get("last_heartbeat") or 0) / 1000,
-                registered_at=int(h.get("registered_at") or 0) / 1000, draining=h.get("draining") == "1", extra=h,
-            ))
+            out.append(
+                WorkerInfo(
+                    id=worker_id,
+                    queues=[q for q in h.get("queues", "").split(",") if q],
+                    instance_id=h.get("instance_id") or None,
+                    protected=h.get("protected") in ("1", "true", "True"),
+                    in_flight=int(h.get("in_flight") or 0),
+                    last_heartbeat=int(h.get("last_heartbeat") or 0) / 1000,
+                    registered_at=int(h.get("registered_at") or 0) / 1000,
+                    draining=h.get("draining") == "1",
+                    extra=h,
+                )
+            )
         return out
 
     async def touched(self, queue: str) -> set[str]:

@@ -60,7 +60,22 @@ def create_backend(
 
 
 __all__ = [
-    "KINDS", "TERMINAL", "Backend", "BackendError", "FalBackend", "Fatal", "HttpJobBackend", "NotFound",
-    "OpenAIBackend", "RemoteResult", "RemoteStatus", "ReplicateBackend", "RunPodBackend", "Submission",
-    "Throttled", "Transient", "create_backend", "new_client",
+    "KINDS",
+    "TERMINAL",
+    "Backend",
+    "BackendError",
+    "FalBackend",
+    "Fatal",
+    "HttpJobBackend",
+    "NotFound",
+    "OpenAIBackend",
+    "RemoteResult",
+    "RemoteStatus",
+    "ReplicateBackend",
+    "RunPodBackend",
+    "Submission",
+    "Throttled",
+    "Transient",
+    "create_backend",
+    "new_client",
 ]

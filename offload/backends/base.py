@@ -27,8 +27,9 @@ class BackendError(Exception):
 class Throttled(BackendError):
     """HTTP 429 (or the provider's equivalent). `retry_after` seconds when the provider said so."""
 
-    def __init__(self, message: str, *, retry_after: float | None = None, status: int | None = 429,
-                 excerpt: str = "") -> None:
+    def __init__(
+        self, message: str, *, retry_after: float | None = None, status: int | None = 429, excerpt: str = ""
+    ) -> None:
         super().__init__(message, status=status, excerpt=excerpt)
         self.retry_after = retry_after
 

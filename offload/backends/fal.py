@@ -45,11 +45,21 @@ class FalBackend(HttpBackend):
     kind = "fal"
     auth_scheme = "Key"
 
-    def __init__(self, name: str, *, app: str, base_url: str = DEFAULT_BASE, api_key: str | None = None,
-                 timeout: float = DEFAULT_TIMEOUT, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 webhook_url: str | None = None, client: httpx.AsyncClient | None = None) -> None:
-        super().__init__(name, base_url=base_url, api_key=api_key, timeout=timeout,
-                         max_connections=max_connections, client=client)
+    def __init__(
+        self,
+        name: str,
+        *,
+        app: str,
+        base_url: str = DEFAULT_BASE,
+        api_key: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        webhook_url: str | None = None,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        super().__init__(
+            name, base_url=base_url, api_key=api_key, timeout=timeout, max_connections=max_connections, client=client
+        )
         self._submit_url = f"{self.base_url}/{quote(app.strip('/'), safe='/')}"
         self._webhook = webhook_url
 
@@ -64,16 +74,21 @@ class FalBackend(HttpBackend):
 
     def _check(self, url: str) -> str:
         if not same_origin(url, self.base_url):
-            raise Fatal(f"fal backend {self.name!r}: the provider pointed at {httpx.URL(url).host}, not base_url's "
-                        "host; refusing to send the API key there (set base_url to the queue host fal uses)")
+            raise Fatal(
+                f"fal backend {self.name!r}: the provider pointed at {httpx.URL(url).host}, not base_url's "
+                "host; refusing to send the API key there (set base_url to the queue host fal uses)"
+            )
         return url
 
     def encode(self, urls: dict[str, str]) -> str:
         response = urls["response_url"]
         prefix = f"{self.base_url}/"
-        if (response.startswith(prefix) and urls["status_url"] == f"{response}/status"
-                and urls["cancel_url"] == f"{response}/cancel"):
-            return response[len(prefix):]
+        if (
+            response.startswith(prefix)
+            and urls["status_url"] == f"{response}/status"
+            and urls["cancel_url"] == f"{response}/cancel"
+        ):
+            return response[len(prefix) :]
         return orjson.dumps({k: urls[k] for k in URL_KEYS}).decode()
 
     def decode_id(self, remote_id: str) -> dict[str, str]:
@@ -133,7 +148,8 @@ class FalBackend(HttpBackend):
         except orjson.JSONDecodeError:
             body = None
         error_type = response.headers.get("x-fal-error-type") or (
-            body.get("error_type") if isinstance(body, dict) else None)
+            body.get("error_type") if isinstance(body, dict) else None
+        )
         if error_type in CANCELLED_TYPES:
             return RemoteResult("cancelled", duration_s=duration, metrics=metrics)
         if error_type or (response.status_code == 422 and isinstance(body, dict)):
@@ -151,4 +167,3 @@ class FalBackend(HttpBackend):
         if response.status_code == 400 and b"ALREADY_COMPLETED" in response.content:
             return
         raise self._fail(response, "PUT", url, known=True)
-

@@ -52,8 +52,12 @@ def new_client(
     limit wait for a free connection (up to `timeout`, then Transient). No default auth header: one client may be
     shared by several backends. `agent`: the User-Agent of every request (default `user_agent()`)."""
     transport = AiohttpTransport(max_connections=max_connections, ssl_context=_tls())
-    return httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(timeout), follow_redirects=False,
-                             headers={"User-Agent": agent or user_agent()})
+    return httpx.AsyncClient(
+        transport=transport,
+        timeout=httpx.Timeout(timeout),
+        follow_redirects=False,
+        headers={"User-Agent": agent or user_agent()},
+    )
 
 
 @functools.cache
@@ -105,8 +109,7 @@ def error_for_response(
         return NotFound(message, status=status, excerpt=body)
     if 300 <= status < 400:
         where = bare_url(response.headers["location"]) if response.headers.get("location") else "?"
-        return Fatal(f"{message} (redirect to {where}: check base_url)",
-                     status=status, excerpt=body)
+        return Fatal(f"{message} (redirect to {where}: check base_url)", status=status, excerpt=body)
     return Fatal(message, status=status, excerpt=body)
 
 
@@ -127,8 +130,9 @@ def decode(response: httpx.Response, *, what: str, secrets: Iterable[str | None]
         return orjson.loads(response.content)
     except orjson.JSONDecodeError:
         body = excerpt(response.text, secrets)
-        raise Transient(f"{what}: response is not valid JSON: {body}", status=response.status_code,
-                        excerpt=body) from None
+        raise Transient(
+            f"{what}: response is not valid JSON: {body}", status=response.status_code, excerpt=body
+        ) from None
 
 
 def require(
@@ -136,8 +140,9 @@ def require(
 ) -> Any:
     """`body[name]`, checked to be of `kind`; a missing or mistyped field is a malformed answer (Transient)."""
     if not isinstance(body, dict):
-        raise Transient(f"{what}: expected a JSON object, got {type(body).__name__}",
-                        excerpt=excerpt(repr(body), secrets))
+        raise Transient(
+            f"{what}: expected a JSON object, got {type(body).__name__}", excerpt=excerpt(repr(body), secrets)
+        )
     value = body.get(name)
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if name not in body or not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
@@ -175,8 +180,16 @@ class HttpBackend:
     auth_scheme: ClassVar[str] = "Bearer"
     synchronous: bool = False  # see Backend
 
-    def __init__(self, name: str, *, base_url: str, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS, client: httpx.AsyncClient | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        base_url: str,
+        api_key: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
         self.name = name
         self.base_url = base_url.rstrip("/")
         self._api_key = api_key
@@ -192,8 +205,9 @@ class HttpBackend:
     def _what(self, method: str, url: str) -> str:
         return f"{self.kind} backend {self.name!r}: {method} {httpx.URL(url).copy_with(query=None)}"
 
-    async def _send(self, method: str, url: str, *, json: Any = None, has_body: bool = False,
-                    idempotency_key: str | None = None) -> httpx.Response:
+    async def _send(
+        self, method: str, url: str, *, json: Any = None, has_body: bool = False, idempotency_key: str | None = None
+    ) -> httpx.Response:
         """One request; transport failures become BackendErrors, HTTP statuses are left to the caller."""
         # Without a key, a placeholder credential still goes out: the simulator and keyless local servers accept
         # any, and a real provider answers 401 (Fatal) just as it would to no header at all.
@@ -214,8 +228,16 @@ class HttpBackend:
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise error_for_exception(exc, what=self._what(method, url), secrets=[self._api_key]) from None
 
-    async def _call(self, method: str, url: str, *, json: Any = None, has_body: bool = False,
-                    known: bool = False, idempotency_key: str | None = None) -> Any:
+    async def _call(
+        self,
+        method: str,
+        url: str,
+        *,
+        json: Any = None,
+        has_body: bool = False,
+        known: bool = False,
+        idempotency_key: str | None = None,
+    ) -> Any:
         """A request whose 2xx answer is JSON; everything else raises the mapped error."""
         response = await self._send(method, url, json=json, has_body=has_body, idempotency_key=idempotency_key)
         if not 200 <= response.status_code < 300:

@@ -21,8 +21,13 @@ from offload.backends.http import DEFAULT_MAX_CONNECTIONS, DEFAULT_TIMEOUT, Http
 from offload.backends.settings import Settings
 
 STATUSES: dict[str, RemoteStatus] = {
-    "queued": "queued", "pending": "queued", "running": "running", "succeeded": "succeeded", "failed": "failed",
-    "cancelled": "cancelled", "canceled": "cancelled",
+    "queued": "queued",
+    "pending": "queued",
+    "running": "running",
+    "succeeded": "succeeded",
+    "failed": "failed",
+    "cancelled": "cancelled",
+    "canceled": "cancelled",
 }
 
 
@@ -31,11 +36,20 @@ class HttpJobBackend(HttpBackend):
 
     kind = "http-job"
 
-    def __init__(self, name: str, *, base_url: str, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS, cancel: bool = True,
-                 client: httpx.AsyncClient | None = None) -> None:
-        super().__init__(name, base_url=base_url, api_key=api_key, timeout=timeout,
-                         max_connections=max_connections, client=client)
+    def __init__(
+        self,
+        name: str,
+        *,
+        base_url: str,
+        api_key: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        cancel: bool = True,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        super().__init__(
+            name, base_url=base_url, api_key=api_key, timeout=timeout, max_connections=max_connections, client=client
+        )
         self._cancel = cancel
 
     @classmethod
@@ -49,8 +63,9 @@ class HttpJobBackend(HttpBackend):
         return f"{self.base_url}/jobs/{quote(remote_id, safe='')}"
 
     async def submit(self, job_input: Any, *, tag: str, idempotency_key: str | None = None) -> Submission:
-        body = await self._call("POST", f"{self.base_url}/jobs", json=job_input, has_body=True,
-                                idempotency_key=idempotency_key)
+        body = await self._call(
+            "POST", f"{self.base_url}/jobs", json=job_input, has_body=True, idempotency_key=idempotency_key
+        )
         remote_id = self._require(body, "id", (str, int), "submit")
         return Submission(str(remote_id))
 

@@ -39,14 +39,23 @@ class OpenAIBackend(HttpBackend):
     kind = "openai"
     synchronous = True
 
-    def __init__(self, name: str, *, base_url: str = DEFAULT_BASE, api_key: str | None = None,
-                 timeout: float = DEFAULT_TIMEOUT, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 path: str = DEFAULT_PATH, model: str | None = None,
-                 price_per_million_input_tokens: float | None = None,
-                 price_per_million_output_tokens: float | None = None,
-                 client: httpx.AsyncClient | None = None) -> None:
-        super().__init__(name, base_url=base_url, api_key=api_key, timeout=timeout,
-                         max_connections=max_connections, client=client)
+    def __init__(
+        self,
+        name: str,
+        *,
+        base_url: str = DEFAULT_BASE,
+        api_key: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        path: str = DEFAULT_PATH,
+        model: str | None = None,
+        price_per_million_input_tokens: float | None = None,
+        price_per_million_output_tokens: float | None = None,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        super().__init__(
+            name, base_url=base_url, api_key=api_key, timeout=timeout, max_connections=max_connections, client=client
+        )
         self._url = f"{self.base_url}/{path.lstrip('/')}"
         self._chat = path.rstrip("/").endswith("chat/completions")
         self._model = model
@@ -56,7 +65,8 @@ class OpenAIBackend(HttpBackend):
     def from_settings(cls, name: str, s: Settings, client: httpx.AsyncClient | None) -> OpenAIBackend:
         common = s.common(default_base=DEFAULT_BASE, default_timeout=DEFAULT_TIMEOUT)
         options: dict[str, Any] = {
-            "path": s.text("path", DEFAULT_PATH) or DEFAULT_PATH, "model": s.text("model"),
+            "path": s.text("path", DEFAULT_PATH) or DEFAULT_PATH,
+            "model": s.text("model"),
             "price_per_million_input_tokens": s.number("price_per_million_input_tokens", None),
             "price_per_million_output_tokens": s.number("price_per_million_output_tokens", None),
         }
@@ -75,8 +85,10 @@ class OpenAIBackend(HttpBackend):
 
     async def submit(self, job_input: Any, *, tag: str, idempotency_key: str | None = None) -> Submission:
         if not isinstance(job_input, dict):
-            raise Fatal(f"openai backend {self.name!r}: the job input must be a JSON object (the request body), "
-                        f"got {type(job_input).__name__}")
+            raise Fatal(
+                f"openai backend {self.name!r}: the job input must be a JSON object (the request body), "
+                f"got {type(job_input).__name__}"
+            )
         body = dict(job_input)
         if self._model and "model" not in body:
             body["model"] = self._model
@@ -101,8 +113,10 @@ class OpenAIBackend(HttpBackend):
         return Submission(remote_id, result=result)
 
     async def poll(self, remote_id: str) -> RemoteResult:
-        raise NotFound(f"openai backend {self.name!r}: {remote_id} was a synchronous call; its result is only "
-                       "returned by submit, so it must be submitted again")
+        raise NotFound(
+            f"openai backend {self.name!r}: {remote_id} was a synchronous call; its result is only "
+            "returned by submit, so it must be submitted again"
+        )
 
     async def cancel(self, remote_id: str) -> None:
         """Nothing runs remotely after submit returns."""

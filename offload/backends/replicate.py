@@ -37,8 +37,13 @@ from offload.errors import ConfigError
 DEFAULT_BASE = "https://api.replicate.com/v1"
 DEFAULT_FIND_PAGES = 3
 STATUSES: dict[str, RemoteStatus] = {
-    "starting": "queued", "processing": "running", "succeeded": "succeeded", "failed": "failed",
-    "canceled": "cancelled", "cancelled": "cancelled", "aborted": "cancelled",
+    "starting": "queued",
+    "processing": "running",
+    "succeeded": "succeeded",
+    "failed": "failed",
+    "canceled": "cancelled",
+    "cancelled": "cancelled",
+    "aborted": "cancelled",
 }
 
 
@@ -47,11 +52,22 @@ class ReplicateBackend(HttpBackend):
 
     kind = "replicate"
 
-    def __init__(self, name: str, *, version: str | None = None, model: str | None = None,
-                 deployment: str | None = None, base_url: str = DEFAULT_BASE, api_key: str | None = None,
-                 timeout: float = DEFAULT_TIMEOUT, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 webhook_url: str | None = None, tag_input_key: str | None = None,
-                 find_pages: int = DEFAULT_FIND_PAGES, client: httpx.AsyncClient | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        version: str | None = None,
+        model: str | None = None,
+        deployment: str | None = None,
+        base_url: str = DEFAULT_BASE,
+        api_key: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        webhook_url: str | None = None,
+        tag_input_key: str | None = None,
+        find_pages: int = DEFAULT_FIND_PAGES,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
         targets = [t for t in (version, model, deployment) if t]
         if len(targets) != 1:
             raise ConfigError(f"backends.{name}: set exactly one of version, model, deployment for kind replicate")
@@ -60,12 +76,19 @@ class ReplicateBackend(HttpBackend):
             key = "model" if model else "deployment"
             raise ConfigError(f"backends.{name}.{key} must look like owner/name, got {owner_name!r}")
         root = base_url.rstrip("/")
-        super().__init__(name, base_url=root if root.endswith("/v1") else f"{root}/v1", api_key=api_key,
-                         timeout=timeout, max_connections=max_connections, client=client)
+        super().__init__(
+            name,
+            base_url=root if root.endswith("/v1") else f"{root}/v1",
+            api_key=api_key,
+            timeout=timeout,
+            max_connections=max_connections,
+            client=client,
+        )
         self._version = version
         collection = "models" if model else "deployments"
-        self._create_url = (f"{self.base_url}/{collection}/{owner_name}/predictions" if owner_name
-                            else f"{self.base_url}/predictions")
+        self._create_url = (
+            f"{self.base_url}/{collection}/{owner_name}/predictions" if owner_name else f"{self.base_url}/predictions"
+        )
         self._webhook = webhook_url
         self._tag_key = tag_input_key
         self._find_pages = find_pages
@@ -76,8 +99,11 @@ class ReplicateBackend(HttpBackend):
         targets: dict[str, Any] = {k: s.text(k) for k in ("version", "model", "deployment")}
         if not any(targets.values()):
             raise ConfigError(f"{s.where('version')} (or model, or deployment) is required for kind replicate")
-        options: dict[str, Any] = {"webhook_url": s.url("webhook_url"), "tag_input_key": s.text("tag_input_key"),
-                   "find_pages": s.integer("find_pages", DEFAULT_FIND_PAGES)}
+        options: dict[str, Any] = {
+            "webhook_url": s.url("webhook_url"),
+            "tag_input_key": s.text("tag_input_key"),
+            "find_pages": s.integer("find_pages", DEFAULT_FIND_PAGES),
+        }
         s.finish()
         return cls(name, **targets, **common, **options, client=client)
 
@@ -86,8 +112,10 @@ class ReplicateBackend(HttpBackend):
 
     async def submit(self, job_input: Any, *, tag: str, idempotency_key: str | None = None) -> Submission:
         if not isinstance(job_input, dict):
-            raise Fatal(f"replicate backend {self.name!r}: the job input must be a JSON object (the model's input), "
-                        f"got {type(job_input).__name__}")
+            raise Fatal(
+                f"replicate backend {self.name!r}: the job input must be a JSON object (the model's input), "
+                f"got {type(job_input).__name__}"
+            )
         payload = {**job_input, self._tag_key: tag} if self._tag_key else job_input
         body: dict[str, Any] = {"input": payload}
         if self._version:
@@ -110,8 +138,10 @@ class ReplicateBackend(HttpBackend):
         duration = float(predict) if isinstance(predict, int | float) and predict >= 0 else None
         if status == "succeeded":
             if body.get("data_removed") is True:
-                raise NotFound(f"replicate backend {self.name!r}: prediction {remote_id} succeeded, but its output "
-                               "was removed (data_removed): it must be run again")
+                raise NotFound(
+                    f"replicate backend {self.name!r}: prediction {remote_id} succeeded, but its output "
+                    "was removed (data_removed): it must be run again"
+                )
             output = self._require(body, "output", object, "poll")
             return RemoteResult("succeeded", output=output, duration_s=duration, metrics=metrics)
         if status == "failed":

@@ -32,8 +32,13 @@ from offload.backends.settings import Settings
 
 DEFAULT_BASE = "https://api.runpod.ai/v2"
 STATUSES: dict[str, RemoteStatus] = {
-    "IN_QUEUE": "queued", "IN_PROGRESS": "running", "RUNNING": "running", "COMPLETED": "succeeded",
-    "FAILED": "failed", "TIMED_OUT": "failed", "CANCELLED": "cancelled",
+    "IN_QUEUE": "queued",
+    "IN_PROGRESS": "running",
+    "RUNNING": "running",
+    "COMPLETED": "succeeded",
+    "FAILED": "failed",
+    "TIMED_OUT": "failed",
+    "CANCELLED": "cancelled",
 }
 
 
@@ -62,13 +67,28 @@ class RunPodBackend(HttpBackend):
 
     kind = "runpod"
 
-    def __init__(self, name: str, *, endpoint_id: str, base_url: str = DEFAULT_BASE, api_key: str | None = None,
-                 timeout: float = DEFAULT_TIMEOUT, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 webhook_url: str | None = None, policy: dict[str, Any] | None = None,
-                 client: httpx.AsyncClient | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        endpoint_id: str,
+        base_url: str = DEFAULT_BASE,
+        api_key: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        webhook_url: str | None = None,
+        policy: dict[str, Any] | None = None,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
         root = base_url.rstrip("/")
-        super().__init__(name, base_url=root if root.endswith("/v2") else f"{root}/v2", api_key=api_key,
-                         timeout=timeout, max_connections=max_connections, client=client)
+        super().__init__(
+            name,
+            base_url=root if root.endswith("/v2") else f"{root}/v2",
+            api_key=api_key,
+            timeout=timeout,
+            max_connections=max_connections,
+            client=client,
+        )
         self._endpoint = f"{self.base_url}/{quote(endpoint_id, safe='')}"
         self._webhook = webhook_url
         self._policy = policy
@@ -76,8 +96,11 @@ class RunPodBackend(HttpBackend):
     @classmethod
     def from_settings(cls, name: str, s: Settings, client: httpx.AsyncClient | None) -> RunPodBackend:
         common = s.common(default_base=DEFAULT_BASE)
-        options: dict[str, Any] = {"endpoint_id": s.need("endpoint_id"), "webhook_url": s.url("webhook_url"),
-                   "policy": s.mapping("policy")}
+        options: dict[str, Any] = {
+            "endpoint_id": s.need("endpoint_id"),
+            "webhook_url": s.url("webhook_url"),
+            "policy": s.mapping("policy"),
+        }
         s.finish()
         return cls(name, **common, **options, client=client)
 
@@ -87,8 +110,9 @@ class RunPodBackend(HttpBackend):
             body["webhook"] = tagged_url(self._webhook, tag)
         if self._policy:
             body["policy"] = self._policy
-        answer = await self._call("POST", f"{self._endpoint}/run", json=body, has_body=True,
-                                  idempotency_key=idempotency_key)
+        answer = await self._call(
+            "POST", f"{self._endpoint}/run", json=body, has_body=True, idempotency_key=idempotency_key
+        )
         return Submission(self._require(answer, "id", str, "submit"))
 
     async def poll(self, remote_id: str) -> RemoteResult:

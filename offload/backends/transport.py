@@ -74,7 +74,9 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         if self._session is None:
             connector = aiohttp.TCPConnector(limit=self._limit, ssl=self._ssl, ttl_dns_cache=60)
             self._session = aiohttp.ClientSession(
-                connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
+                connector=connector,
+                auto_decompress=False,
+                cookie_jar=aiohttp.DummyCookieJar(),
                 skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
             )
         return self._session
@@ -85,20 +87,27 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         body = await request.aread()
         try:
             response = await self._pool().request(
-                request.method, str(request.url), headers=request.headers.multi_items(), data=body or None,
-                allow_redirects=False, timeout=_timeout(request.extensions.get("timeout")),
+                request.method,
+                str(request.url),
+                headers=request.headers.multi_items(),
+                data=body or None,
+                allow_redirects=False,
+                timeout=_timeout(request.extensions.get("timeout")),
             )
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise _httpx_error(exc, request) from exc
-        return httpx.Response(response.status, headers=list(response.raw_headers),
-                              stream=_Body(response, request), request=request)
+        return httpx.Response(
+            response.status, headers=list(response.raw_headers), stream=_Body(response, request), request=request
+        )
 
-    async def send(self, method: str, url: str, *, headers: dict[str, str], content: bytes | None,
-                   timeout: float) -> httpx.Response:
+    async def send(
+        self, method: str, url: str, *, headers: dict[str, str], content: bytes | None, timeout: float
+    ) -> httpx.Response:
         """One buffered request without building an httpx.Request first; raises httpx exceptions."""
         try:
-            async with self._pool().request(method, url, headers=headers, data=content, allow_redirects=False,
-                                            timeout=_timeout(timeout)) as response:
+            async with self._pool().request(
+                method, url, headers=headers, data=content, allow_redirects=False, timeout=_timeout(timeout)
+            ) as response:
                 raw = await response.read()
                 status, raw_headers = response.status, list(response.raw_headers)
         except (aiohttp.ClientError, TimeoutError) as exc:

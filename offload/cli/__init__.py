@@ -13,4 +13,3 @@ def main() -> None:
     from offload.cli.app import main as run
 
     run()
-

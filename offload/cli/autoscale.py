@@ -26,14 +26,20 @@ from offload.connection import connect
 autoscale_app = typer.Typer(no_args_is_help=True, help="GPU autoscaling: status, events, protect, run the loop.")
 providers_app = typer.Typer(no_args_is_help=True, help="Machine providers (mock, local, runpod, vastai).")
 autoscale_app.add_typer(providers_app, name="providers")
-credentials_app = typer.Typer(no_args_is_help=True, help="Vault credentials for private git repositories "
-                              "(a queue's deployment.git_credential); there is no HTTP route for them.")
+credentials_app = typer.Typer(
+    no_args_is_help=True,
+    help="Vault credentials for private git repositories "
+    "(a queue's deployment.git_credential); there is no HTTP route for them.",
+)
 autoscale_app.add_typer(credentials_app, name="credentials")
 
 
 @autoscale_app.command("status")
-def status(json_out: JsonOpt = False, url: UrlOpt = None,
-           history: Annotated[int, typer.Option(min=0, help="Finished instances to show too.")] = 20) -> None:
+def status(
+    json_out: JsonOpt = False,
+    url: UrlOpt = None,
+    history: Annotated[int, typer.Option(min=0, help="Finished instances to show too.")] = 20,
+) -> None:
     """Instances (id, queue, provider, status, worker, protected, cost), spend per queue, the leader."""
     from offload.autoscale.status import snapshot
 
@@ -43,14 +49,24 @@ def status(json_out: JsonOpt = False, url: UrlOpt = None,
         return
     table = Table("INSTANCE ID", "QUEUE", "PROVIDER", "STATUS", "WORKER", "PROTECTED", "COST", "REASON")
     for row in snap["instances"]:
-        table.add_row(row["id"], row["queue"], row["provider"], row["status"], row["worker_id"] or "-",
-                      str(row["protected"]).lower(), f"${row['cost']:.4f}", row["reason"][:60] or "")
+        table.add_row(
+            row["id"],
+            row["queue"],
+            row["provider"],
+            row["status"],
+            row["worker_id"] or "-",
+            str(row["protected"]).lower(),
+            f"${row['cost']:.4f}",
+            row["reason"][:60] or "",
+        )
     console = out()
     console.print(table)
     for queue, q in sorted(snap["queues"].items()):
         dry = f" (dry-run ${q['dry_run_spend_today']:.2f})" if q["dry_run_spend_today"] else ""
-        console.print(f"{queue}: {q['active']} active, {q['draining']} draining; spend today ${q['spend_today']:.2f}"
-                      f"{dry}, this month ${q['spend_month']:.2f}")
+        console.print(
+            f"{queue}: {q['active']} active, {q['draining']} draining; spend today ${q['spend_today']:.2f}"
+            f"{dry}, this month ${q['spend_month']:.2f}"
+        )
         for line in q["why"]:
             console.print(f"  {line}", markup=False)
     leader = snap["leader"]
@@ -58,8 +74,9 @@ def status(json_out: JsonOpt = False, url: UrlOpt = None,
 
 
 @autoscale_app.command("events")
-def events(limit: Annotated[int, typer.Option(min=1, max=1000)] = 50, json_out: JsonOpt = False,
-           url: UrlOpt = None) -> None:
+def events(
+    limit: Annotated[int, typer.Option(min=1, max=1000)] = 50, json_out: JsonOpt = False, url: UrlOpt = None
+) -> None:
     """The autoscaler's journal: rentals, readiness, drains, teardowns, failures, backoffs, alerts."""
     from offload.autoscale.instances import read_events
 
@@ -98,9 +115,14 @@ def unprotect(instance_id: Annotated[str, typer.Argument(help="as-… id")], url
 
 
 @autoscale_app.command("run")
-def run(config: ConfigOpt = None, url: UrlOpt = None, server_url: Annotated[str | None, typer.Option(
-        help="Server URL for `local` workers (else autoscaler.public_url).")] = None,
-        log_level: LogLevelOpt = "info") -> None:
+def run(
+    config: ConfigOpt = None,
+    url: UrlOpt = None,
+    server_url: Annotated[
+        str | None, typer.Option(help="Server URL for `local` workers (else autoscaler.public_url).")
+    ] = None,
+    log_level: LogLevelOpt = "info",
+) -> None:
     """Run the autoscaler loop in the foreground (servers run it too; one leader acts at a time)."""
     from offload.autoscale.scaler import Autoscaler
 
@@ -149,9 +171,14 @@ SetOpt = Annotated[list[str] | None, typer.Option("--set", help="key=value (JSON
 
 
 @providers_app.command("create")
-def providers_create(name: Annotated[str, typer.Argument()],
-                     kind: Annotated[str, typer.Option("--type", help="mock, local, runpod or vastai.")],
-                     config: CfgOpt = None, sets: SetOpt = None, url: UrlOpt = None, json_out: JsonOpt = False) -> None:
+def providers_create(
+    name: Annotated[str, typer.Argument()],
+    kind: Annotated[str, typer.Option("--type", help="mock, local, runpod or vastai.")],
+    config: CfgOpt = None,
+    sets: SetOpt = None,
+    url: UrlOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
     """Register a provider; its secrets are encrypted with OFFLOAD_VAULT_MASTER_KEY."""
     from offload.autoscale.provider_store import ProviderStore
 
@@ -161,8 +188,13 @@ def providers_create(name: Annotated[str, typer.Argument()],
 
 
 @providers_app.command("update")
-def providers_update(name: Annotated[str, typer.Argument()], config: CfgOpt = None, sets: SetOpt = None,
-                     url: UrlOpt = None, json_out: JsonOpt = False) -> None:
+def providers_update(
+    name: Annotated[str, typer.Argument()],
+    config: CfgOpt = None,
+    sets: SetOpt = None,
+    url: UrlOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
     """Change settings; secrets you do not pass (or pass masked) keep their stored values."""
     from offload.autoscale.provider_store import ProviderStore
 
@@ -202,10 +234,14 @@ def providers_delete(name: Annotated[str, typer.Argument()], url: UrlOpt = None)
 
 
 @credentials_app.command("set")
-def credentials_set(name: Annotated[str, typer.Argument(help="The name a deployment's git_credential uses.")],
-                    from_env: Annotated[str | None, typer.Option(
-                        "--from-env", help="Read the value from this environment variable instead of a prompt.")]
-                    = None, url: UrlOpt = None) -> None:
+def credentials_set(
+    name: Annotated[str, typer.Argument(help="The name a deployment's git_credential uses.")],
+    from_env: Annotated[
+        str | None,
+        typer.Option("--from-env", help="Read the value from this environment variable instead of a prompt."),
+    ] = None,
+    url: UrlOpt = None,
+) -> None:
     """Store a token (or `username:token`), encrypted with OFFLOAD_VAULT_MASTER_KEY. Never passed as an
     argument: it would show in the process list and the shell history."""
     import os
@@ -244,13 +280,18 @@ def credentials_delete(name: Annotated[str, typer.Argument()], url: UrlOpt = Non
 
 # `offload providers add|list|remove|...`: the same commands at the top level, with familiar aliases.
 top_providers_app = typer.Typer(no_args_is_help=True, help="Machine providers (same as `offload autoscale providers`).")
-for _name, _fn in (("create", providers_create), ("add", providers_create), ("update", providers_update),
-                   ("list", providers_list), ("show", providers_show), ("delete", providers_delete),
-                   ("remove", providers_delete)):
+for _name, _fn in (
+    ("create", providers_create),
+    ("add", providers_create),
+    ("update", providers_update),
+    ("list", providers_list),
+    ("show", providers_show),
+    ("delete", providers_delete),
+    ("remove", providers_delete),
+):
     top_providers_app.command(_name)(_fn)
 
 
 def register(app: typer.Typer) -> None:
     app.add_typer(autoscale_app, name="autoscale")
     app.add_typer(top_providers_app, name="providers")
-

@@ -47,16 +47,19 @@ MOVE_BATCH = 1_000
 INGEST_BATCH = 1_000
 LINE_OPTIONS = ("priority", "delay", "max_attempts", "output_key", "idempotency_key")
 TIME_FIELDS = ("created_at", "run_at", "started_at", "finished_at", "lease_deadline", "intent_at")
-COUNT_COLUMNS = ("queued", "delayed", "active", "submitted", "retrying", "held", "succeeded", "dead",
-                 "cancelled")
+COUNT_COLUMNS = ("queued", "delayed", "active", "submitted", "retrying", "held", "succeeded", "dead", "cancelled")
 
 dead_app = typer.Typer(no_args_is_help=True, help="Dead-lettered jobs: list, requeue, purge.")
 held_app = typer.Typer(no_args_is_help=True, help="Jobs held over a cap: list, release.")
 
 
 def _run(
-    url: str | None, fn: Callable[[QueueStore], Awaitable[T]], *,
-    queues: Sequence[str] = (), jobs: Sequence[str] = (), config: Path | None = None,
+    url: str | None,
+    fn: Callable[[QueueStore], Awaitable[T]],
+    *,
+    queues: Sequence[str] = (),
+    jobs: Sequence[str] = (),
+    config: Path | None = None,
 ) -> T:
     """Validate names first (a typo should not wait out a connect timeout), then connect, run, close."""
     with errors():
@@ -101,8 +104,9 @@ def _parse_lines(lines: Iterator[bytes], defaults: dict[str, Any]) -> list[JobSp
         if isinstance(item, dict) and "input" in item:
             unknown = sorted(set(item) - {"input", *LINE_OPTIONS})
             if unknown:
-                raise InvalidJob(f"line {n}: unknown key(s) {', '.join(unknown)}; "
-                                 f"allowed: input, {', '.join(LINE_OPTIONS)}")
+                raise InvalidJob(
+                    f"line {n}: unknown key(s) {', '.join(unknown)}; allowed: input, {', '.join(LINE_OPTIONS)}"
+                )
             opts.update({k: v for k, v in item.items() if k != "input"})
             item = item["input"]
         try:
@@ -128,15 +132,23 @@ async def _enqueue_bulk(store: QueueStore, queue: str, specs: list[JobSpec]) -> 
 def enqueue(
     queue: QueueOpt,
     input: Annotated[str | None, typer.Option("--input", "-i", metavar="JSON", help="Job input.")] = None,
-    file: Annotated[typer.FileBinaryRead | None, typer.Option(
-        "--file", "-f", metavar="PATH", help="JSON Lines ('-' for stdin): per line one input, or "
-        '{"input": ..., options}. The options below become per-line defaults.')] = None,
+    file: Annotated[
+        typer.FileBinaryRead | None,
+        typer.Option(
+            "--file",
+            "-f",
+            metavar="PATH",
+            help="JSON Lines ('-' for stdin): per line one input, or "
+            '{"input": ..., options}. The options below become per-line defaults.',
+        ),
+    ] = None,
     priority: Annotated[int, typer.Option(min=-1000, max=1000, help="Higher runs first.")] = 0,
     delay: Annotated[float | None, typer.Option(min=0, help="Seconds before the job is ready.")] = None,
     max_attempts: Annotated[int, typer.Option(min=1)] = DEFAULT_MAX_ATTEMPTS,
     output_key: Annotated[str | None, typer.Option(help="Result key (default results/<id>.json).")] = None,
-    idempotency_key: Annotated[str | None, typer.Option(
-        help="Enqueueing the same key again returns the first job's id.")] = None,
+    idempotency_key: Annotated[
+        str | None, typer.Option(help="Enqueueing the same key again returns the first job's id.")
+    ] = None,
     json_out: JsonOpt = False,
     url: UrlOpt = None,
 ) -> None:
@@ -145,8 +157,13 @@ def enqueue(
         raise typer.BadParameter("give exactly one of --input or --file")
     if file is not None and (idempotency_key or output_key):  # one value for every line would collide
         raise typer.BadParameter("--output-key and --idempotency-key name one job; set them per line")
-    defaults: dict[str, Any] = {"priority": priority, "delay": delay, "max_attempts": max_attempts,
-                                "output_key": output_key, "idempotency_key": idempotency_key}
+    defaults: dict[str, Any] = {
+        "priority": priority,
+        "delay": delay,
+        "max_attempts": max_attempts,
+        "output_key": output_key,
+        "idempotency_key": idempotency_key,
+    }
     if input is not None:
         try:
             value = orjson.loads(input)
@@ -164,8 +181,7 @@ def enqueue(
     print_json({"count": len(ids), "ids": ids}) if json_out else typer.echo(len(ids))
 
 
-def status(job_id: JobArg, json_out: JsonOpt = False,
-           url: UrlOpt = None) -> None:
+def status(job_id: JobArg, json_out: JsonOpt = False, url: UrlOpt = None) -> None:
     """Show one job's record (the lease token is never shown: it authorises writes)."""
     job = _run(url, lambda store: store.get(job_id), jobs=[job_id])
     record = job.to_dict()
@@ -187,8 +203,14 @@ def _jobs_table(jobs: list[Job]) -> Table:
     for name in ("state", "tries", "prio", "finished/created", "error"):
         table.add_column(name)
     for j in jobs:
-        table.add_row(Text(j.id), j.state.value, f"{j.attempts}/{j.max_attempts}", str(j.priority),
-                      _when(j.finished_at or j.created_at), Text(_short(j.error or "", 60)))
+        table.add_row(
+            Text(j.id),
+            j.state.value,
+            f"{j.attempts}/{j.max_attempts}",
+            str(j.priority),
+            _when(j.finished_at or j.created_at),
+            Text(_short(j.error or "", 60)),
+        )
     return table
 
 
@@ -207,7 +229,10 @@ def _list(url: str | None, queue: str, state: str, limit: int, cursor: int, json
 def jobs_cmd(
     queue: QueueArg,
     state: Annotated[str, typer.Option(help=f"One of: {', '.join(STATE_SETS)}.", show_default=False)],
-    limit: LimitOpt = 50, cursor: CursorOpt = 0, json_out: JsonOpt = False, url: UrlOpt = None,
+    limit: LimitOpt = 50,
+    cursor: CursorOpt = 0,
+    json_out: JsonOpt = False,
+    url: UrlOpt = None,
 ) -> None:
     """List a queue's jobs in one state (waiting states oldest first, finished ones newest first)."""
     if state not in STATE_SETS:
@@ -227,8 +252,9 @@ def _queues_table(stats: list[QueueStats]) -> Table:
     for column in (*COUNT_COLUMNS, "workers", "oldest"):
         table.add_column(column, justify="right")
     for name, s in zip(names, stats, strict=True):
-        table.add_row(name, *(str(s.counts.get(c, 0)) for c in COUNT_COLUMNS), str(s.workers),
-                      _age(s.oldest_ready_age_ms))
+        table.add_row(
+            name, *(str(s.counts.get(c, 0)) for c in COUNT_COLUMNS), str(s.workers), _age(s.oldest_ready_age_ms)
+        )
     return table
 
 
@@ -264,8 +290,7 @@ def queues(
     _run(url, loop)
 
 
-def _move(url: str | None, queue: str, state: str, job_ids: list[str] | None, all_: bool,
-          json_out: bool) -> None:
+def _move(url: str | None, queue: str, state: str, job_ids: list[str] | None, all_: bool, json_out: bool) -> None:
     """Requeue dead or release held jobs. --all is bounded by the count at the start, so jobs that
     fail straight back into the set (e.g. malformed input) cannot keep the command looping."""
     ids = job_ids or []
@@ -294,15 +319,17 @@ def _move(url: str | None, queue: str, state: str, job_ids: list[str] | None, al
 
 
 @dead_app.command("list")
-def dead_list(queue: QueueArg, limit: LimitOpt = 50, cursor: CursorOpt = 0, json_out: JsonOpt = False,
-              url: UrlOpt = None) -> None:
+def dead_list(
+    queue: QueueArg, limit: LimitOpt = 50, cursor: CursorOpt = 0, json_out: JsonOpt = False, url: UrlOpt = None
+) -> None:
     """Dead-lettered jobs, newest first, with the reason they died."""
     _list(url, queue, "dead", limit, cursor, json_out)
 
 
 @dead_app.command("requeue")
-def dead_requeue(queue: QueueArg, job_ids: IdsArg = None, all_: AllOpt = False, json_out: JsonOpt = False,
-                 url: UrlOpt = None) -> None:
+def dead_requeue(
+    queue: QueueArg, job_ids: IdsArg = None, all_: AllOpt = False, json_out: JsonOpt = False, url: UrlOpt = None
+) -> None:
     """Send dead jobs back to the queue with a fresh attempt budget."""
     _move(url, queue, "dead", job_ids, all_, json_out)
 
@@ -314,15 +341,17 @@ def dead_purge(queue: QueueArg, url: UrlOpt = None) -> None:
 
 
 @held_app.command("list")
-def held_list(queue: QueueArg, limit: LimitOpt = 50, cursor: CursorOpt = 0, json_out: JsonOpt = False,
-              url: UrlOpt = None) -> None:
+def held_list(
+    queue: QueueArg, limit: LimitOpt = 50, cursor: CursorOpt = 0, json_out: JsonOpt = False, url: UrlOpt = None
+) -> None:
     """Jobs held because a cap was reached, oldest first."""
     _list(url, queue, "held", limit, cursor, json_out)
 
 
 @held_app.command("release")
-def held_release(queue: QueueArg, job_ids: IdsArg = None, all_: AllOpt = False, json_out: JsonOpt = False,
-                 url: UrlOpt = None) -> None:
+def held_release(
+    queue: QueueArg, job_ids: IdsArg = None, all_: AllOpt = False, json_out: JsonOpt = False, url: UrlOpt = None
+) -> None:
     """Make held jobs ready now instead of waiting for the cap window to reset."""
     _move(url, queue, "held", job_ids, all_, json_out)
 
@@ -345,15 +374,25 @@ def cancel(job_id: JobArg, url: UrlOpt = None) -> None:
     typer.echo("cancelled" if code == "cancelled" else "cancel requested")
 
 
-def purge(queue: QueueArg, state: Annotated[str, typer.Option(help="State to delete.", show_default=False)],
-          url: UrlOpt = None) -> None:
+def purge(
+    queue: QueueArg,
+    state: Annotated[str, typer.Option(help="State to delete.", show_default=False)],
+    url: UrlOpt = None,
+) -> None:
     """Delete every job of the queue in one state (active jobs cannot be purged)."""
     typer.echo(f"purged {_run(url, lambda store: store.purge(queue, state), queues=[queue])}")
 
 
 def ingest(
-    from_list: Annotated[str, typer.Option("--from-list", envvar="QUEUE_KEY", show_default=False,
-                                           help="The tutorial's Redis list (default: $QUEUE_KEY).")],
+    from_list: Annotated[
+        str,
+        typer.Option(
+            "--from-list",
+            envvar="QUEUE_KEY",
+            show_default=False,
+            help="The tutorial's Redis list (default: $QUEUE_KEY).",
+        ),
+    ],
     queue: QueueOpt,
     follow: Annotated[bool, typer.Option("--follow", help="Keep draining until Ctrl-C.")] = False,
     max_attempts: Annotated[int, typer.Option(min=1)] = DEFAULT_MAX_ATTEMPTS,
@@ -384,8 +423,6 @@ def ingest(
         print_json({"ingested": ok, "dead": bad})
     else:
         typer.echo(f"ingested {ok}" + (f", {bad} malformed (dead-lettered)" if bad else ""))
-
-
 
 
 def result(
@@ -425,8 +462,16 @@ def result(
 
 def register(app: typer.Typer) -> None:
     commands: dict[str, Callable[..., None]] = {
-        "enqueue": enqueue, "status": status, "jobs": jobs_cmd, "queues": queues, "pause": pause, "resume": resume,
-        "cancel": cancel, "purge": purge, "ingest": ingest, "result": result,
+        "enqueue": enqueue,
+        "status": status,
+        "jobs": jobs_cmd,
+        "queues": queues,
+        "pause": pause,
+        "resume": resume,
+        "cancel": cancel,
+        "purge": purge,
+        "ingest": ingest,
+        "result": result,
     }
     for name, command in commands.items():
         app.command(name)(command)

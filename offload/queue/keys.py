@@ -34,8 +34,7 @@ def validate_queue(name: str) -> str:
     """Reject names that would break key tags, URLs or S3 keys, naming the rule that failed."""
     if not isinstance(name, str) or not QUEUE_NAME_RE.match(name):
         raise InvalidQueueName(
-            f"invalid queue name {name!r}: use 1-100 characters from A-Z a-z 0-9 _ . -, "
-            "starting with a letter or digit"
+            f"invalid queue name {name!r}: use 1-100 characters from A-Z a-z 0-9 _ . -, starting with a letter or digit"
         )
     return name
 

@@ -12,9 +12,27 @@ EVENTS_MAX = 10_000
 #: Upper bounds (seconds) of the wait (ready -> claimed) and run (claimed -> succeeded) histograms the scripts keep.
 HIST_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 NAMES = (
-    "enqueue", "claim", "heartbeat", "checkpoint", "complete", "fail", "hold", "move", "cancel",
-    "ack_cancel", "release_leases", "reap", "purge", "stats", "get", "ingest", "reserve",
-    "release_window", "forgive", "begin", "fence",
+    "enqueue",
+    "claim",
+    "heartbeat",
+    "checkpoint",
+    "complete",
+    "fail",
+    "hold",
+    "move",
+    "cancel",
+    "ack_cancel",
+    "release_leases",
+    "reap",
+    "purge",
+    "stats",
+    "get",
+    "ingest",
+    "reserve",
+    "release_window",
+    "forgive",
+    "begin",
+    "fence",
 )
 
 

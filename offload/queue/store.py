@@ -125,9 +125,7 @@ class QueueStore:
         except TypeError as exc:
             raise InvalidJob(f"job input is not JSON-serialisable: {exc}") from None
         if len(payload) > self.max_payload:
-            raise PayloadTooLarge(
-                f"job input is {len(payload)} bytes, over the limit of {self.max_payload} bytes"
-            )
+            raise PayloadTooLarge(f"job input is {len(payload)} bytes, over the limit of {self.max_payload} bytes")
         return payload
 
     def _job_args(
@@ -138,8 +136,15 @@ class QueueStore:
         job_id = spec.job_id or new_job_id(queue)
         if spec.job_id is not None and queue_of(job_id) != queue:
             raise InvalidJob(f"job id {job_id!r} does not belong to queue {queue!r}")
-        options = (spec.priority, spec.delay, spec.run_at, spec.max_attempts, spec.retention,
-                   spec.idempotency_key, spec.output_key)
+        options = (
+            spec.priority,
+            spec.delay,
+            spec.run_at,
+            spec.max_attempts,
+            spec.retention,
+            spec.idempotency_key,
+            spec.output_key,
+        )
         index = metas.get(options)
         if index is None:
             meta_list.append(self._meta(spec, now_s))
@@ -170,8 +175,14 @@ class QueueStore:
         elif spec.run_at is not None:
             run_at = str(int(spec.run_at * 1000))
         return "\t".join(
-            (str(spec.priority), run_at, str(spec.max_attempts), str(spec.retention),
-             spec.idempotency_key or "", spec.output_key or "")
+            (
+                str(spec.priority),
+                run_at,
+                str(spec.max_attempts),
+                str(spec.retention),
+                spec.idempotency_key or "",
+                spec.output_key or "",
+            )
         )
 
     async def enqueue_many(self, queue: str, specs: Sequence[JobSpec]) -> list[str]:
@@ -195,10 +206,14 @@ class QueueStore:
         script = SCRIPTS.enqueue
         results: list[Any]
         if isinstance(self.redis, RedisCluster):  # cluster pipelines refuse EVALSHA: run chunks concurrently
-            results = list(await asyncio.gather(*(
-                script(self.redis, keys, [now, int(check_ids), metas_arg, orjson.dumps(c), nonce])
-                for c, nonce in zip(chunks, nonces, strict=True)
-            )))
+            results = list(
+                await asyncio.gather(
+                    *(
+                        script(self.redis, keys, [now, int(check_ids), metas_arg, orjson.dumps(c), nonce])
+                        for c, nonce in zip(chunks, nonces, strict=True)
+                    )
+                )
+            )
         else:
             for attempt in range(2):
                 pipe = self.redis.pipeline(transaction=False)
@@ -220,8 +235,13 @@ class QueueStore:
         return (await self.enqueue_many(queue, [spec]))[0]
 
     async def ingest(
-        self, list_key: str, queue: str, *, limit: int = 1000,
-        max_attempts: int = DEFAULT_MAX_ATTEMPTS, retention: int = DEFAULT_RETENTION_S,
+        self,
+        list_key: str,
+        queue: str,
+        *,
+        limit: int = 1000,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        retention: int = DEFAULT_RETENTION_S,
     ) -> tuple[int, int]:
         """Move tutorial-format jobs from a plain list into the durable queue. Returns (ingested, dead)."""
         validate_queue(queue)
@@ -244,8 +264,16 @@ class QueueStore:
     # -- working ---------------------------------------------------------------------------------
 
     async def claim(
-        self, queue: str, worker_id: str, n: int, lease_ms: int | None = None, *, window: str = "",
-        job_cap: int | None = None, spend_cap: float | None = None, estimate: float = 0.0,
+        self,
+        queue: str,
+        worker_id: str,
+        n: int,
+        lease_ms: int | None = None,
+        *,
+        window: str = "",
+        job_cap: int | None = None,
+        spend_cap: float | None = None,
+        estimate: float = 0.0,
         request_id: str | None = None,
     ) -> list[ClaimedJob]:
         """Lease up to `n` jobs. With a cap `window` and caps, nothing fresh is taken while a cap is reached
@@ -253,48 +281,88 @@ class QueueStore:
         this very call answer the same jobs."""
         lease = lease_ms or self.lease_ms
         flat = await self._run(
-            SCRIPTS.claim, queue, worker_id, n, lease, request_id or _nonce(), window,
-            "" if job_cap is None else job_cap, "" if spend_cap is None else spend_cap, repr(float(estimate)),
+            SCRIPTS.claim,
+            queue,
+            worker_id,
+            n,
+            lease,
+            request_id or _nonce(),
+            window,
+            "" if job_cap is None else job_cap,
+            "" if spend_cap is None else spend_cap,
+            repr(float(estimate)),
             self._silence(lease),
         )
         return [
             ClaimedJob(
-                id=flat[i], token=flat[i + 1], attempt=int(flat[i + 2]), max_attempts=int(flat[i + 3]),
-                input_json=flat[i + 4], output_key=flat[i + 5], backend=flat[i + 6] or None,
-                remote_id=flat[i + 7] or None, cancel_requested=flat[i + 8] == "1",
-                redelivered=flat[i + 9] == "1", submission=int(flat[i + 10] or 0), intent_open=flat[i + 11] == "1",
+                id=flat[i],
+                token=flat[i + 1],
+                attempt=int(flat[i + 2]),
+                max_attempts=int(flat[i + 3]),
+                input_json=flat[i + 4],
+                output_key=flat[i + 5],
+                backend=flat[i + 6] or None,
+                remote_id=flat[i + 7] or None,
+                cancel_requested=flat[i + 8] == "1",
+                redelivered=flat[i + 9] == "1",
+                submission=int(flat[i + 10] or 0),
+                intent_open=flat[i + 11] == "1",
             )
             for i in range(0, len(flat), 12)
         ]
 
     async def heartbeat(
-        self, queue: str, worker_id: str, leases: Sequence[LeaseRef] = (), lease_ms: int | None = None, *,
-        since: int | None = None, grace_ms: int | None = None,
+        self,
+        queue: str,
+        worker_id: str,
+        leases: Sequence[LeaseRef] = (),
+        lease_ms: int | None = None,
+        *,
+        since: int | None = None,
+        grace_ms: int | None = None,
     ) -> HeartbeatReply:
         """Extend the worker's leases. `leases`: job ids, or (job id, token) pairs (a lease is then lost also
         when the job was claimed again under another token). Jobs the worker owns but does not list are
         handed back when their lease is no newer than `since` (the `seq` of an earlier reply) or older
         than `grace_ms`."""
         lease = lease_ms or self.lease_ms
-        args: list[Any] = [worker_id, lease, self._silence(lease), "" if since is None else since,
-                           "" if grace_ms is None else grace_ms]
+        args: list[Any] = [
+            worker_id,
+            lease,
+            self._silence(lease),
+            "" if since is None else since,
+            "" if grace_ms is None else grace_ms,
+        ]
         for ref in leases:
             args.extend((ref, "") if isinstance(ref, str) else ref)
         lost, cancels, seq, released = await self._run(SCRIPTS.heartbeat, queue, *args)
         return HeartbeatReply(lost=list(lost), cancel_requested=list(cancels), seq=int(seq), released=int(released))
 
     async def begin_many(
-        self, queue: str, window: str, items: Sequence[tuple[str, str, float]], *, job_cap: int | None = None,
-        spend_cap: float | None = None, backend: str = "",
+        self,
+        queue: str,
+        window: str,
+        items: Sequence[tuple[str, str, float]],
+        *,
+        job_cap: int | None = None,
+        spend_cap: float | None = None,
+        backend: str = "",
     ) -> list[str]:
         """Right before the provider call, per (id, token, estimated cost): lease and cancel check, cap
         reservation (held when over) and the submit intent. Per item OK:<n>, OK:<n>:DUP (a possible duplicate:
         an earlier try of that submission has an unknown outcome), CAP:jobs, CAP:spend, CANCEL, STALE or
         NOTFOUND (see begin.lua)."""
-        return list(await self._run(
-            SCRIPTS.begin, queue, window, "" if job_cap is None else job_cap, "" if spend_cap is None else spend_cap,
-            backend, orjson.dumps([(i, t, repr(float(c))) for i, t, c in items]),
-        ))
+        return list(
+            await self._run(
+                SCRIPTS.begin,
+                queue,
+                window,
+                "" if job_cap is None else job_cap,
+                "" if spend_cap is None else spend_cap,
+                backend,
+                orjson.dumps([(i, t, repr(float(c))) for i, t, c in items]),
+            )
+        )
 
     async def fence_many(self, queue: str, items: Sequence[tuple[str, str]]) -> list[str]:
         """OK / STALE / NOTFOUND per (id, token): whether each token still holds its lease (changes nothing)."""
@@ -313,9 +381,7 @@ class QueueStore:
         per item. The submission's intent is closed."""
         return list(await self._run(SCRIPTS.checkpoint, queue, orjson.dumps(items)))
 
-    async def complete_many(
-        self, queue: str, items: Sequence[tuple[str, str, str, float | None]]
-    ) -> list[str]:
+    async def complete_many(self, queue: str, items: Sequence[tuple[str, str, str, float | None]]) -> list[str]:
         """Ack many (id, token, result location, cost); returns OK / STALE / NOTFOUND per item."""
         batch = orjson.dumps([(i, t, r, "" if c is None else repr(float(c))) for i, t, r, c in items])
         return list(await self._run(SCRIPTS.complete, queue, batch))
@@ -325,17 +391,35 @@ class QueueStore:
         _expect(code, job_id)
 
     async def fail(
-        self, job_id: str, token: str, error: str, *, retryable: bool = True,
-        delay_ms: int | None = None, keep_remote: bool = False, attempt: int = 1, answered: bool = False,
-        cost: float | None = None, refund: bool = False,
+        self,
+        job_id: str,
+        token: str,
+        error: str,
+        *,
+        retryable: bool = True,
+        delay_ms: int | None = None,
+        keep_remote: bool = False,
+        attempt: int = 1,
+        answered: bool = False,
+        cost: float | None = None,
+        refund: bool = False,
     ) -> str:
         """Returns "retrying" or "dead". `answered`: the provider answered the submit (its intent is closed);
         `cost`: what the failed run cost (settles its reservation); `refund`: the provider refused the
         submission, so it is not counted against the caps."""
         delay = retry_delay_ms(attempt) if delay_ms is None else delay_ms
         code = await self._run(
-            SCRIPTS.fail, queue_of(job_id), job_id, token, error[:4000], int(retryable), delay, int(keep_remote),
-            int(answered), "" if cost is None else repr(float(cost)), int(refund),
+            SCRIPTS.fail,
+            queue_of(job_id),
+            job_id,
+            token,
+            error[:4000],
+            int(retryable),
+            delay,
+            int(keep_remote),
+            int(answered),
+            "" if cost is None else repr(float(cost)),
+            int(refund),
         )
         _expect(code, job_id)
         return str(code)
@@ -345,18 +429,28 @@ class QueueStore:
     ) -> str | None:
         """Count one submission against the queue's caps for `window`; None if allowed, else which cap is
         reached ("jobs" or "spend"). Idempotent per job and window."""
-        (verdict,) = await self.reserve_many(queue_of(job_id), window, [(job_id, cost)], job_cap=job_cap,
-                                             spend_cap=spend_cap)
+        (verdict,) = await self.reserve_many(
+            queue_of(job_id), window, [(job_id, cost)], job_cap=job_cap, spend_cap=spend_cap
+        )
         return verdict
 
     async def reserve_many(
-        self, queue: str, window: str, items: Sequence[tuple[str, float]], *, job_cap: int | None,
+        self,
+        queue: str,
+        window: str,
+        items: Sequence[tuple[str, float]],
+        *,
+        job_cap: int | None,
         spend_cap: float | None,
     ) -> list[str | None]:
         """`reserve` for many (id, estimated cost), decided in order in one atomic step."""
         codes = await self._run(
-            SCRIPTS.reserve, queue, window, "" if job_cap is None else job_cap,
-            "" if spend_cap is None else spend_cap, orjson.dumps([(i, repr(float(c))) for i, c in items]),
+            SCRIPTS.reserve,
+            queue,
+            window,
+            "" if job_cap is None else job_cap,
+            "" if spend_cap is None else spend_cap,
+            orjson.dumps([(i, repr(float(c))) for i, c in items]),
         )
         return [None if code == "OK" else str(code).split(":", 1)[1] for code in codes]
 
@@ -403,8 +497,9 @@ class QueueStore:
         """Held jobs back to ready (all of them up to limit, or the given ids)."""
         return list(await self._run(SCRIPTS.move, validate_queue(queue), "held", limit, *job_ids))
 
-    async def release_held_before(self, queue: str, window: str, *, chunk: int = RELEASE_CHUNK,
-                                  max_chunks: int | None = None) -> int:
+    async def release_held_before(
+        self, queue: str, window: str, *, chunk: int = RELEASE_CHUNK, max_chunks: int | None = None
+    ) -> int:
         """Release the jobs held in a cap window earlier than `window` (e.g. "20261130"), `chunk` at a time
         until none is due (or `max_chunks` were moved), so a backlog of any size never blocks Redis for
         long. Returns how many were released."""
@@ -475,8 +570,7 @@ class QueueStore:
 
     async def stats(self, queue: str) -> QueueStats:
         r = await self._run(SCRIPTS.stats, validate_queue(queue))
-        names = ("queued", "delayed", "active", "submitted", "retrying", "held", "succeeded", "dead",
-                 "cancelled")
+        names = ("queued", "delayed", "active", "submitted", "retrying", "held", "succeeded", "dead", "cancelled")
         totals_flat = r[12]
         return QueueStats(
             queue=queue,

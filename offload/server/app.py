@@ -80,8 +80,12 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
         store = QueueStore(redis, lease_ms=options.worker_lease_ms)
         keys = KeyStore(redis, options.admin_key) if options.admin_key else KeyStore.from_env(redis)
         state = ServerState(
-            options=options, redis=redis, store=store, keys=keys,
-            storage=create_storage(_storage_settings(options)), hub=events.EventHub(store),
+            options=options,
+            redis=redis,
+            store=store,
+            keys=keys,
+            storage=create_storage(_storage_settings(options)),
+            hub=events.EventHub(store),
             registry=WorkerRegistry(store, ttl_ms=max(3 * options.worker_lease_ms, 10_000)),
             rates=metrics.RateTracker(),
         )
@@ -101,9 +105,11 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
             await redis.aclose()
 
     app = FastAPI(
-        title="offload", version=__version__, lifespan=lifespan,
+        title="offload",
+        version=__version__,
+        lifespan=lifespan,
         description="Control plane for bursty GPU work: enqueue and follow jobs, operate queues, run GPU workers "
-                    "over HTTP. Authenticate with `Authorization: Bearer <key>` or `X-API-Key: <key>`.",
+        "over HTTP. Authenticate with `Authorization: Bearer <key>` or `X-API-Key: <key>`.",
     )
     errors.install(app)  # bodies are bounded per route, before they are read (auth.GuardedRoute)
 
@@ -121,8 +127,16 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
             log.warning("readiness check failed: %s", type(exc).__name__)
         return JSONResponse({"error": "unavailable", "detail": "the job store does not answer"}, status_code=503)
 
-    for module in (routes_jobs, routes_queues, routes_workers, routes_keys, events, metrics, routes_autoscale,
-                   dashboard):
+    for module in (
+        routes_jobs,
+        routes_queues,
+        routes_workers,
+        routes_keys,
+        events,
+        metrics,
+        routes_autoscale,
+        dashboard,
+    ):
         app.include_router(module.router)
     describe = app.openapi
 
@@ -130,8 +144,7 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
         """The description states this server's batch limit (schemas.py checks it per request)."""
         if app.openapi_schema is None:
             schema = describe()
-            schema["components"]["schemas"]["BatchEnqueueRequest"]["properties"]["jobs"]["maxItems"] = \
-                options.max_batch
+            schema["components"]["schemas"]["BatchEnqueueRequest"]["properties"]["jobs"]["maxItems"] = options.max_batch
         return app.openapi_schema or describe()
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -42,8 +42,10 @@ ASSETS = {  # the whole public surface of the dashboard: nothing else under /ui/
     "autoscale.js": "text/javascript; charset=utf-8",
     "style.css": "text/css; charset=utf-8",
 }
-CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
-       "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
 SECURITY_HEADERS = {
     "Content-Security-Policy": CSP,
     "X-Content-Type-Options": "nosniff",
@@ -106,12 +108,19 @@ class BudgetView(BaseModel):
     spend_cap: float | None = None
 
 
-@router.get("/v1/dashboard/whoami", response_model=WhoAmI, tags=["dashboard"],
-            summary="The presented key's scope and queues (for hiding actions it may not take)")
+@router.get(
+    "/v1/dashboard/whoami",
+    response_model=WhoAmI,
+    tags=["dashboard"],
+    summary="The presented key's scope and queues (for hiding actions it may not take)",
+)
 async def whoami(key: Principal) -> WhoAmI:
     doc = key.to_dict()
     return WhoAmI(
-        scope=key.scope, name=key.name, queues=doc["queues"], can_admin=key.scope == "admin",
+        scope=key.scope,
+        name=key.name,
+        queues=doc["queues"],
+        can_admin=key.scope == "admin",
         can_cancel=key.scope in ("admin", "producer"),
         can_see_workers=key.scope == "admin" or (key.scope == "viewer" and key.queues is None),
     )
@@ -120,12 +129,22 @@ async def whoami(key: Principal) -> WhoAmI:
 async def _budget(state: ServerState, queue: str, window: str) -> BudgetView:
     jobs, spend = await state.store.usage(queue, window)
     caps = state.options.settings.queues.get(queue)
-    return BudgetView(queue=queue, window=window, jobs_used=jobs, spend_used=round(spend, 6),
-                      jobs_cap=caps.daily_job_cap if caps else None, spend_cap=caps.daily_spend_cap if caps else None)
+    return BudgetView(
+        queue=queue,
+        window=window,
+        jobs_used=jobs,
+        spend_used=round(spend, 6),
+        jobs_cap=caps.daily_job_cap if caps else None,
+        spend_cap=caps.daily_spend_cap if caps else None,
+    )
 
 
-@router.get("/v1/dashboard/budget", response_model=list[BudgetView], tags=["dashboard"],
-            summary="Today's (UTC) cap usage and caps, per queue the key may read")
+@router.get(
+    "/v1/dashboard/budget",
+    response_model=list[BudgetView],
+    tags=["dashboard"],
+    summary="Today's (UTC) cap usage and caps, per queue the key may read",
+)
 async def budget(request: Request, key: Principal) -> list[BudgetView]:
     state = get_state(request)
     names = sorted(set(await state.store.queues()) | set(state.options.settings.queues))

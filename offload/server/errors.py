@@ -32,9 +32,19 @@ from offload.errors import (
 from offload.server.keys import InvalidKeyRequest
 
 log = logging.getLogger("offload.server")
-KINDS = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
-         409: "conflict", 413: "too_large", 422: "invalid", 429: "too_many_requests", 500: "internal",
-         503: "unavailable"}
+KINDS = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "too_large",
+    422: "invalid",
+    429: "too_many_requests",
+    500: "internal",
+    503: "unavailable",
+}
 MAX_PROBLEMS = 50
 
 

@@ -44,8 +44,10 @@ def _record_key(key_id: str) -> str:
 def check_admin_key(token: str) -> str:
     """The bootstrap admin key, if long enough to be a secret; else a ConfigError naming the variable."""
     if len(token) < MIN_ADMIN_KEY:
-        raise ConfigError(f"{ADMIN_ENV} must be at least {MIN_ADMIN_KEY} characters (it has {len(token)}): "
-                          "generate one with `openssl rand -hex 32`")
+        raise ConfigError(
+            f"{ADMIN_ENV} must be at least {MIN_ADMIN_KEY} characters (it has {len(token)}): "
+            "generate one with `openssl rand -hex 32`"
+        )
     return token
 
 
@@ -106,10 +108,16 @@ class KeyStore:
         key_id = secrets.token_hex(6)
         token = f"{TOKEN_PREFIX}{key_id}_{secrets.token_urlsafe(32)}"
         key = ApiKey(key_id, scope, allowed, name[:200], int(time.time() * 1000))
-        await self.redis.hset(_record_key(key_id), mapping={
-            "hash": hash_token(token), "scope": scope, "name": key.name, "created_at": key.created_at,
-            "queues": ALL_QUEUES if allowed is None else ",".join(sorted(allowed)),
-        })
+        await self.redis.hset(
+            _record_key(key_id),
+            mapping={
+                "hash": hash_token(token),
+                "scope": scope,
+                "name": key.name,
+                "created_at": key.created_at,
+                "queues": ALL_QUEUES if allowed is None else ",".join(sorted(allowed)),
+            },
+        )
         await self.redis.sadd(KEYS_INDEX, key_id)
         return key, token
 
@@ -122,7 +130,7 @@ class KeyStore:
             return ApiKey(BOOTSTRAP_ID, "admin", None, "OFFLOAD_ADMIN_KEY")
         if not token.startswith(TOKEN_PREFIX):
             return None
-        key_id, sep, _ = token[len(TOKEN_PREFIX):].partition("_")
+        key_id, sep, _ = token[len(TOKEN_PREFIX) :].partition("_")
         if not sep or not key_id.isalnum():
             return None
         record = await self.redis.hgetall(_record_key(key_id))
@@ -153,5 +161,6 @@ class KeyStore:
 def _from_record(key_id: str, record: dict[str, str]) -> ApiKey:
     raw = record.get("queues", "")
     queues = None if raw == ALL_QUEUES else frozenset(q for q in raw.split(",") if q)
-    return ApiKey(key_id, record.get("scope", "viewer"), queues, record.get("name", ""),
-                  int(record.get("created_at") or 0))
+    return ApiKey(
+        key_id, record.get("scope", "viewer"), queues, record.get("name", ""), int(record.get("created_at") or 0)
+    )

@@ -82,8 +82,9 @@ async def collect(state: ServerState) -> list[Metric]:
     hists = await asyncio.gather(*(store.histograms(q) for q in queues))
     window = time.strftime("%Y%m%d", time.gmtime())
     depth = GaugeMetricFamily("offload_queue_jobs", "Jobs in each state now.", labels=["queue", "state"])
-    totals = CounterMetricFamily("offload_jobs", "Job transitions since the queue was created.",
-                                 labels=["queue", "event"])
+    totals = CounterMetricFamily(
+        "offload_jobs", "Job transitions since the queue was created.", labels=["queue", "event"]
+    )
     oldest = GaugeMetricFamily("offload_queue_oldest_ready_seconds", "Age of the oldest ready job.", labels=["queue"])
     paused = GaugeMetricFamily("offload_queue_paused", "1 when claims are paused.", labels=["queue"])
     workers = GaugeMetricFamily("offload_workers", "Live workers per queue (lease not expired).", labels=["queue"])
@@ -106,8 +107,9 @@ async def collect(state: ServerState) -> list[Metric]:
             caps.add_metric([queue, "jobs"], q.daily_job_cap)
         if q is not None and q.daily_spend_cap is not None:
             caps.add_metric([queue, "spend"], q.daily_spend_cap)
-    remote = GaugeMetricFamily("offload_remote_workers", "Registered remote (HTTP) workers alive, per queue served.",
-                               labels=["queue"])
+    remote = GaugeMetricFamily(
+        "offload_remote_workers", "Registered remote (HTTP) workers alive, per queue served.", labels=["queue"]
+    )
     per_queue: dict[str, int] = dict.fromkeys(queues, 0)
     for w in await state.registry.remote():
         for served in w.queues:
@@ -117,22 +119,45 @@ async def collect(state: ServerState) -> list[Metric]:
     dups = CounterMetricFamily(
         "offload_possible_duplicate_submissions",
         "Submissions sent again because a worker was lost inside the submit call (the provider may have run "
-        "the job twice, unless it honours the Idempotency-Key).", labels=["queue", "backend"])
-    for queue, per_backend in zip(queues, await asyncio.gather(*(store.possible_duplicates(q) for q in queues)),
-                                  strict=True):
+        "the job twice, unless it honours the Idempotency-Key).",
+        labels=["queue", "backend"],
+    )
+    for queue, per_backend in zip(
+        queues, await asyncio.gather(*(store.possible_duplicates(q) for q in queues)), strict=True
+    ):
         for name, n in sorted(per_backend.items()):
             dups.add_metric([queue, name], n)
-    backend = CounterMetricFamily("offload_backend_requests", "Dispatch-worker requests to a backend by outcome.",
-                                  labels=["backend", "outcome"])
+    backend = CounterMetricFamily(
+        "offload_backend_requests", "Dispatch-worker requests to a backend by outcome.", labels=["backend", "outcome"]
+    )
     for name in sorted(state.options.settings.backends):
         for outcome, n in (await backend_counters(state.redis, name)).items():
             backend.add_metric([name, outcome], n)
-    wait = _histogram("offload_job_wait_seconds", "From ready (enqueue, retry, release) to claimed.",
-                      {q: h["wait"] for q, h in zip(queues, hists, strict=True)})
-    run = _histogram("offload_job_run_seconds", "From claimed to succeeded.",
-                     {q: h["run"] for q, h in zip(queues, hists, strict=True)})
-    return [depth, totals, oldest, paused, workers, budget, caps, remote, dups, backend, wait, run,
-            *await autoscale_families(state.redis)]
+    wait = _histogram(
+        "offload_job_wait_seconds",
+        "From ready (enqueue, retry, release) to claimed.",
+        {q: h["wait"] for q, h in zip(queues, hists, strict=True)},
+    )
+    run = _histogram(
+        "offload_job_run_seconds",
+        "From claimed to succeeded.",
+        {q: h["run"] for q, h in zip(queues, hists, strict=True)},
+    )
+    return [
+        depth,
+        totals,
+        oldest,
+        paused,
+        workers,
+        budget,
+        caps,
+        remote,
+        dups,
+        backend,
+        wait,
+        run,
+        *await autoscale_families(state.redis),
+    ]
 
 
 @router.get("/metrics", summary="Prometheus metrics (text format)", response_class=Response)

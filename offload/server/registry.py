@@ -41,11 +41,19 @@ class WorkerRegistry:
         worker_id = f"{REMOTE_PREFIX}{host}-{secrets.token_hex(4)}"
         now = _now_ms()
         record = {
-            "id": worker_id, "key_id": key_id, "host": req.host, "version": req.version,
-            "queues": ",".join(req.queues), "pid": req.pid or "", "concurrency": req.concurrency,
-            "instance_id": req.instance_id or "", "protected": int(req.protected),
+            "id": worker_id,
+            "key_id": key_id,
+            "host": req.host,
+            "version": req.version,
+            "queues": ",".join(req.queues),
+            "pid": req.pid or "",
+            "concurrency": req.concurrency,
+            "instance_id": req.instance_id or "",
+            "protected": int(req.protected),
             "gpus": orjson.dumps([g.model_dump(exclude_unset=True) for g in req.gpus]).decode(),
-            "registered_at": now, "last_heartbeat": now, "in_flight": 0,
+            "registered_at": now,
+            "last_heartbeat": now,
+            "in_flight": 0,
         }
         await self.redis.hset(_key(worker_id), mapping=record)
         await self.redis.pexpire(_key(worker_id), self.ttl_ms)
@@ -56,8 +64,7 @@ class WorkerRegistry:
         record: dict[str, str] = await self.redis.hgetall(_key(worker_id))
         return record or None
 
-    async def touch(self, worker_id: str, in_flight: int, protected: bool | None,
-                    instance_id: str | None) -> None:
+    async def touch(self, worker_id: str, in_flight: int, protected: bool | None, instance_id: str | None) -> None:
         now = _now_ms()
         fields: dict[str, Any] = {"last_heartbeat": now, "in_flight": in_flight}
         if protected is not None:
@@ -83,14 +90,22 @@ class WorkerRegistry:
             if r is None:
                 gone.append(worker_id)
                 continue
-            views.append(WorkerView(
-                id=worker_id, kind="remote", host=r.get("host", ""), version=r.get("version", ""),
-                queues=[q for q in r.get("queues", "").split(",") if q], in_flight=int(r.get("in_flight") or 0),
-                last_heartbeat=int(r.get("last_heartbeat") or 0) or None, instance_id=r.get("instance_id") or None,
-                protected=r.get("protected") == "1", gpus=orjson.loads(r.get("gpus") or "[]"),
-                concurrency=int(r.get("concurrency") or 0) or None,
-                registered_at=int(r.get("registered_at") or 0) or None,
-            ))
+            views.append(
+                WorkerView(
+                    id=worker_id,
+                    kind="remote",
+                    host=r.get("host", ""),
+                    version=r.get("version", ""),
+                    queues=[q for q in r.get("queues", "").split(",") if q],
+                    in_flight=int(r.get("in_flight") or 0),
+                    last_heartbeat=int(r.get("last_heartbeat") or 0) or None,
+                    instance_id=r.get("instance_id") or None,
+                    protected=r.get("protected") == "1",
+                    gpus=orjson.loads(r.get("gpus") or "[]"),
+                    concurrency=int(r.get("concurrency") or 0) or None,
+                    registered_at=int(r.get("registered_at") or 0) or None,
+                )
+            )
         if gone:
             await self.redis.zrem(INDEX, *gone)
         return views
@@ -111,8 +126,14 @@ class WorkerRegistry:
                     host = worker_id.split(":", 1)[0] if ":" in worker_id else ""  # host:pid:random
                     # a remote worker whose registration expired still shows, as what it is
                     kind = "remote" if worker_id.startswith(REMOTE_PREFIX) and ":" not in worker_id else "dispatch"
-                    found[worker_id] = WorkerView(id=worker_id, kind=kind, host=host, queues=[queue],
-                                                  in_flight=in_flight, lease_deadline=int(deadline))
+                    found[worker_id] = WorkerView(
+                        id=worker_id,
+                        kind=kind,
+                        host=host,
+                        queues=[queue],
+                        in_flight=in_flight,
+                        lease_deadline=int(deadline),
+                    )
                 else:
                     view.queues.append(queue)
                     view.in_flight += in_flight

@@ -54,9 +54,15 @@ async def status(request: Request, key: Principal) -> dict[str, Any]:
     scaler: Autoscaler | None = state.extra.get("autoscaler")
     # This process's own autoscaler (which server answered, whether it leads, how often it called providers):
     # with several servers behind a balancer, it tells them apart. None when OFFLOAD_AUTOSCALER=off.
-    snap["server"] = None if scaler is None else {
-        "owner": scaler.leader.owner, "leader": bool(snap["leader"] and snap["leader"]["owner"] == scaler.leader.owner),
-        "provider_calls": scaler.provider_calls}
+    snap["server"] = (
+        None
+        if scaler is None
+        else {
+            "owner": scaler.leader.owner,
+            "leader": bool(snap["leader"] and snap["leader"]["owner"] == scaler.leader.owner),
+            "provider_calls": scaler.provider_calls,
+        }
+    )
     return snap
 
 
@@ -102,8 +108,9 @@ async def create_provider(request: Request, body: ProviderCreate, key: Principal
 
 @router.patch("/providers/{name}", summary="Change a provider's config; a secret not retyped keeps its value")
 @guard(admin_only("change providers"))
-async def update_provider(request: Request, name: str, key: Principal,
-                          changes: dict[str, Any] = Body(...)) -> dict[str, Any]:
+async def update_provider(
+    request: Request, name: str, key: Principal, changes: dict[str, Any] = Body(...)
+) -> dict[str, Any]:
     redis = get_state(request).redis
     try:
         check_provider_over_api(await redis.hget(keys.provider(name), "type") or "")
@@ -134,7 +141,8 @@ async def list_queues(request: Request, key: Principal) -> dict[str, dict[str, A
     state = get_state(request)
     out: dict[str, dict[str, Any]] = {
         name: {"source": "offload.yaml", "autoscale": _masked(block)}
-        for name, block in sorted(yaml_blocks(state.options.settings).items())}
+        for name, block in sorted(yaml_blocks(state.options.settings).items())
+    }
     names = sorted(await state.redis.smembers(keys.QUEUE_CONFIGS))
     raws = await state.redis.mget([keys.queue_config(q) for q in names]) if names else []
     for name, raw in zip(names, raws, strict=True):
@@ -190,16 +198,21 @@ def _unmasked(queue: str, block: dict[str, Any], stored: dict[str, Any] | None) 
     for name, value in env.items():
         if isinstance(value, str) and value.startswith(MASK):
             if name not in old:
-                raise FieldError(["body", "instance", "env", name],
-                                 f"queues.{queue}.autoscale.instance.env.{name}: a masked value, but none is stored")
+                raise FieldError(
+                    ["body", "instance", "env", name],
+                    f"queues.{queue}.autoscale.instance.env.{name}: a masked value, but none is stored",
+                )
             env[name] = old[name]
     return {**block, "instance": {**instance, "env": env}}
 
 
-@router.put("/queues/{queue}", summary="Set a queue's autoscale block (validated; overrides offload.yaml)",
-            description="422 lists every problem with its field path (`{path, msg}`); 403 when the block would run "
-                        "commands on this host (a deployment, handler or env with a `local` provider): those belong "
-                        "in offload.yaml.")
+@router.put(
+    "/queues/{queue}",
+    summary="Set a queue's autoscale block (validated; overrides offload.yaml)",
+    description="422 lists every problem with its field path (`{path, msg}`); 403 when the block would run "
+    "commands on this host (a deployment, handler or env with a `local` provider): those belong "
+    "in offload.yaml.",
+)
 @guard(admin_only("configure autoscaling"))
 async def put_queue(request: Request, queue: str, key: Principal, block: dict[str, Any] = Body(...)) -> dict[str, Any]:
     state = get_state(request)

@@ -29,8 +29,12 @@ from offload.storage import StorageError
 from offload.storage.namespace import key_problem
 
 router = APIRouter(tags=["jobs"], route_class=GuardedRoute)
-IdemHeader = Annotated[str | None, Header(alias="Idempotency-Key", max_length=1024,
-                                          description="A repeat with the same key returns the first job's id.")]
+IdemHeader = Annotated[
+    str | None,
+    Header(
+        alias="Idempotency-Key", max_length=1024, description="A repeat with the same key returns the first job's id."
+    ),
+]
 
 
 def job_queue(job_id: str) -> str:
@@ -72,11 +76,22 @@ async def require_queue(state: ServerState, queue: str) -> None:
         raise HTTPException(404, f"unknown queue {queue!r}")
 
 
-@router.post("/v1/queues/{queue}/jobs", status_code=201, response_model=EnqueueReply,
-             summary="Enqueue one job", responses={200: {"description": "Idempotent repeat: the first job's id"}})
+@router.post(
+    "/v1/queues/{queue}/jobs",
+    status_code=201,
+    response_model=EnqueueReply,
+    summary="Enqueue one job",
+    responses={200: {"description": "Idempotent repeat: the first job's id"}},
+)
 @guard(produce_path_queue, big_body=True)
-async def enqueue(request: Request, response: Response, queue: str, body: EnqueueRequest, key: Principal,
-                  idempotency_key: IdemHeader = None) -> EnqueueReply:
+async def enqueue(
+    request: Request,
+    response: Response,
+    queue: str,
+    body: EnqueueRequest,
+    key: Principal,
+    idempotency_key: IdemHeader = None,
+) -> EnqueueReply:
     state = get_state(request)
     check_output_key(state, queue, body.output_key, ["body", "output_key"])
     fresh = new_job_id(queue)
@@ -86,11 +101,16 @@ async def enqueue(request: Request, response: Response, queue: str, body: Enqueu
     return EnqueueReply(id=job_id, duplicate=job_id != fresh)
 
 
-@router.post("/v1/queues/{queue}/jobs/batch", status_code=201, response_model=BatchEnqueueReply,
-             summary="Enqueue many jobs in one request (up to the server's batch limit)")
+@router.post(
+    "/v1/queues/{queue}/jobs/batch",
+    status_code=201,
+    response_model=BatchEnqueueReply,
+    summary="Enqueue many jobs in one request (up to the server's batch limit)",
+)
 @guard(produce_path_queue, big_body=True)
-async def enqueue_batch(request: Request, queue: str, body: BatchEnqueueRequest, key: Principal,
-                        idempotency_key: IdemHeader = None) -> BatchEnqueueReply:
+async def enqueue_batch(
+    request: Request, queue: str, body: BatchEnqueueRequest, key: Principal, idempotency_key: IdemHeader = None
+) -> BatchEnqueueReply:
     """With an Idempotency-Key header, item i gets the key `<header>:<i>` unless it names its own, so a
     retried batch returns the same ids instead of enqueueing twice."""
     state = get_state(request)
@@ -107,19 +127,26 @@ async def enqueue_batch(request: Request, queue: str, body: BatchEnqueueRequest,
 
 
 @router.get("/v1/jobs/{job_id}", response_model=JobView, summary="A job's record (and a presigned URL to its result)")
-async def get_job(request: Request, job_id: str, key: Principal,
-                  presign: Annotated[bool, Query(description="Include result_url for succeeded jobs.")] = True,
-                  ) -> JobView:
+async def get_job(
+    request: Request,
+    job_id: str,
+    key: Principal,
+    presign: Annotated[bool, Query(description="Include result_url for succeeded jobs.")] = True,
+) -> JobView:
     need_read(key, job_queue(job_id))
     state = get_state(request)
     return await job_view(state, await state.store.get(job_id), presign)
 
 
-@router.get("/v1/jobs/{job_id}/wait", response_model=WaitReply,
-            summary="Long-poll until the job finishes or the timeout passes")
-async def wait_job(request: Request, job_id: str, key: Principal,
-                   timeout: Annotated[float, Query(ge=0, le=3600, description="Seconds (capped by the server).")] = 30,
-                   ) -> WaitReply:
+@router.get(
+    "/v1/jobs/{job_id}/wait", response_model=WaitReply, summary="Long-poll until the job finishes or the timeout passes"
+)
+async def wait_job(
+    request: Request,
+    job_id: str,
+    key: Principal,
+    timeout: Annotated[float, Query(ge=0, le=3600, description="Seconds (capped by the server).")] = 30,
+) -> WaitReply:
     """Wakes on the queue's event stream, so a finished job answers within milliseconds; a slow re-read
     every two seconds covers events lost to a Redis failover."""
     queue = job_queue(job_id)
@@ -152,7 +179,9 @@ async def cancel_job(request: Request, job_id: str, key: Principal) -> CancelRep
 
 @router.get("/v1/queues/{queue}/jobs", response_model=JobPage, summary="Jobs of a queue in one state, paginated")
 async def list_jobs(
-    request: Request, queue: str, key: Principal,
+    request: Request,
+    queue: str,
+    key: Principal,
     state: Annotated[str, Query(description=f"One of: {', '.join(STATE_SETS)}")] = "queued",
     cursor: Annotated[str | None, Query(max_length=15, pattern=r"^\d+$")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,

@@ -11,8 +11,9 @@ from offload.server.state import get_state
 router = APIRouter(tags=["keys"], route_class=GuardedRoute)
 
 
-@router.post("/v1/keys", response_model=KeyCreated, status_code=201,
-             summary="Create a key; the token is in this reply only")
+@router.post(
+    "/v1/keys", response_model=KeyCreated, status_code=201, summary="Create a key; the token is in this reply only"
+)
 @guard(admin_only("manage keys"))
 async def create_key(request: Request, body: KeyCreateRequest, key: Principal) -> KeyCreated:
     created, token = await get_state(request).keys.create(body.scope, body.queues, body.name)

@@ -92,14 +92,18 @@ async def _move(state: ServerState, queue: str, source: str, body: MoveRequest) 
 
 
 @router.get("/v1/queues/{queue}/dead", response_model=JobPage, summary="Dead-lettered jobs, newest first")
-async def dead_list(request: Request, queue: str, key: Principal, cursor: CursorQ = None,
-                    limit: LimitQ = 50) -> JobPage:
+async def dead_list(
+    request: Request, queue: str, key: Principal, cursor: CursorQ = None, limit: LimitQ = 50
+) -> JobPage:
     need_read(key, queue)
     return await page(get_state(request), queue, "dead", cursor, limit)
 
 
-@router.post("/v1/queues/{queue}/dead/requeue", response_model=MoveReply,
-             summary="Dead jobs back to ready with a fresh attempt budget")
+@router.post(
+    "/v1/queues/{queue}/dead/requeue",
+    response_model=MoveReply,
+    summary="Dead jobs back to ready with a fresh attempt budget",
+)
 @guard(admin_only("requeue dead jobs"), big_body=True)  # up to 10,000 ids
 async def dead_requeue(request: Request, queue: str, body: MoveRequest, key: Principal) -> MoveReply:
     return await _move(get_state(request), queue, "dead", body)
@@ -114,14 +118,18 @@ async def dead_purge(request: Request, queue: str, key: Principal) -> CountReply
 
 
 @router.get("/v1/queues/{queue}/held", response_model=JobPage, summary="Jobs held over a cap, oldest first")
-async def held_list(request: Request, queue: str, key: Principal, cursor: CursorQ = None,
-                    limit: LimitQ = 50) -> JobPage:
+async def held_list(
+    request: Request, queue: str, key: Principal, cursor: CursorQ = None, limit: LimitQ = 50
+) -> JobPage:
     need_read(key, queue)
     return await page(get_state(request), queue, "held", cursor, limit)
 
 
-@router.post("/v1/queues/{queue}/held/release", response_model=MoveReply,
-             summary="Held jobs back to ready now, before their cap window resets")
+@router.post(
+    "/v1/queues/{queue}/held/release",
+    response_model=MoveReply,
+    summary="Held jobs back to ready now, before their cap window resets",
+)
 @guard(admin_only("release held jobs"), big_body=True)
 async def held_release(request: Request, queue: str, body: MoveRequest, key: Principal) -> MoveReply:
     return await _move(get_state(request), queue, "held", body)

@@ -85,8 +85,12 @@ def _work_path_job(key: ApiKey, params: Mapping[str, Any]) -> None:
     need_work(key, job_queue(params["job_id"]))
 
 
-@router.post("/v1/workers/register", response_model=RegisterReply, status_code=201,
-             summary="Register a remote worker (returns its worker id and lease timing)")
+@router.post(
+    "/v1/workers/register",
+    response_model=RegisterReply,
+    status_code=201,
+    summary="Register a remote worker (returns its worker id and lease timing)",
+)
 @guard(worker_only)
 async def register(request: Request, body: RegisterRequest, key: Principal) -> RegisterReply:
     for q in body.queues:
@@ -95,10 +99,16 @@ async def register(request: Request, body: RegisterRequest, key: Principal) -> R
     state = get_state(request)
     worker_id = await state.registry.register(key.id, body)
     lease = state.options.worker_lease_ms
-    log.info("remote worker %s registered (host %s, queues %s, instance %s)", worker_id, body.host,
-             ",".join(body.queues), body.instance_id or "-")
-    return RegisterReply(worker_id=worker_id, lease_ms=lease, heartbeat_interval_s=lease / 3000,
-                         max_wait_s=state.options.max_wait_s)
+    log.info(
+        "remote worker %s registered (host %s, queues %s, instance %s)",
+        worker_id,
+        body.host,
+        ",".join(body.queues),
+        body.instance_id or "-",
+    )
+    return RegisterReply(
+        worker_id=worker_id, lease_ms=lease, heartbeat_interval_s=lease / 3000, max_wait_s=state.options.max_wait_s
+    )
 
 
 def _draining(record: dict[str, str] | None) -> bool:
@@ -107,12 +117,23 @@ def _draining(record: dict[str, str] | None) -> bool:
 
 
 def _view(queue: str, job: ClaimedJob) -> ClaimedView:
-    return ClaimedView(id=job.id, token=job.token, queue=queue, attempt=job.attempt, max_attempts=job.max_attempts,
-                       input=job.input, output_key=job.output_key, cancel_requested=job.cancel_requested)
+    return ClaimedView(
+        id=job.id,
+        token=job.token,
+        queue=queue,
+        attempt=job.attempt,
+        max_attempts=job.max_attempts,
+        input=job.input,
+        output_key=job.output_key,
+        cancel_requested=job.cancel_requested,
+    )
 
 
-@router.post("/v1/workers/{worker_id}/claim", response_model=ClaimReply,
-             summary="Lease up to `max` jobs, long-polling up to `wait` seconds when none is ready")
+@router.post(
+    "/v1/workers/{worker_id}/claim",
+    response_model=ClaimReply,
+    summary="Lease up to `max` jobs, long-polling up to `wait` seconds when none is ready",
+)
 @guard(worker_only)
 async def claim(request: Request, worker_id: str, body: ClaimRequest, key: Principal) -> ClaimReply:
     need_work(key, body.queue)
@@ -168,8 +189,11 @@ async def _storable(state: ServerState, jobs: list[ClaimedJob]) -> list[ClaimedJ
     return keep
 
 
-@router.post("/v1/workers/{worker_id}/heartbeat", response_model=HeartbeatReplyView,
-             summary="Keep the worker's leases alive; learn which it lost and which were cancelled")
+@router.post(
+    "/v1/workers/{worker_id}/heartbeat",
+    response_model=HeartbeatReplyView,
+    summary="Keep the worker's leases alive; learn which it lost and which were cancelled",
+)
 @guard(worker_only, big_body=True)  # a busy worker names every job it holds
 async def heartbeat(request: Request, worker_id: str, body: HeartbeatRequest, key: Principal) -> HeartbeatReplyView:
     """Leases are judged by (job id, token) when the worker sends `tokens` (a job claimed again under another
@@ -214,11 +238,15 @@ async def _job_for(request: Request, key: ApiKey, worker_id: str, job_id: str, t
     return state
 
 
-@router.post("/v1/workers/{worker_id}/jobs/{job_id}/complete", response_model=CompleteReply,
-             summary="Store the handler's output (server-side) and mark the job succeeded")
+@router.post(
+    "/v1/workers/{worker_id}/jobs/{job_id}/complete",
+    response_model=CompleteReply,
+    summary="Store the handler's output (server-side) and mark the job succeeded",
+)
 @guard(_work_path_job, big_body=True)
-async def complete(request: Request, worker_id: str, job_id: str, body: CompleteRequest,
-                   key: Principal) -> CompleteReply:
+async def complete(
+    request: Request, worker_id: str, job_id: str, body: CompleteRequest, key: Principal
+) -> CompleteReply:
     """The output is written before the job is marked succeeded (guarantee 5). The token is checked first so
     a worker whose lease was taken over cannot overwrite the result of the job's new owner; a repeat of a
     complete that went through (its reply was lost) answers 200 again."""
@@ -238,25 +266,33 @@ async def complete(request: Request, worker_id: str, job_id: str, body: Complete
         raise HTTPException(422, f"output is not JSON-serialisable: {exc}") from None
     except StorageError as exc:
         log.warning("storing the output of %s failed: %s", job_id, exc)
-        raise HTTPException(503, "storing the output failed; retry the complete",
-                            headers={"Retry-After": "1"}) from None
+        raise HTTPException(
+            503, "storing the output failed; retry the complete", headers={"Retry-After": "1"}
+        ) from None
     await state.store.complete(job_id, body.token, location)
     return CompleteReply(id=job_id, result=location)
 
 
-@router.post("/v1/workers/{worker_id}/jobs/{job_id}/fail", response_model=FailReply,
-             summary="Report a failed attempt: retried with backoff per the job's policy, else dead")
+@router.post(
+    "/v1/workers/{worker_id}/jobs/{job_id}/fail",
+    response_model=FailReply,
+    summary="Report a failed attempt: retried with backoff per the job's policy, else dead",
+)
 @guard(_work_path_job)
 async def fail(request: Request, worker_id: str, job_id: str, body: FailRequest, key: Principal) -> FailReply:
     state = await _job_for(request, key, worker_id, job_id, body.token)
     job = await state.store.get(job_id)
-    result = await state.store.fail(job_id, body.token, body.error, retryable=body.retryable,
-                                    attempt=max(job.attempts, 1))
+    result = await state.store.fail(
+        job_id, body.token, body.error, retryable=body.retryable, attempt=max(job.attempts, 1)
+    )
     return FailReply(id=job_id, state=result)
 
 
-@router.post("/v1/workers/{worker_id}/jobs/{job_id}/cancelled", response_model=FailReply,
-             summary="Acknowledge a requested cancel: the job ends cancelled")
+@router.post(
+    "/v1/workers/{worker_id}/jobs/{job_id}/cancelled",
+    response_model=FailReply,
+    summary="Acknowledge a requested cancel: the job ends cancelled",
+)
 @guard(_work_path_job)
 async def cancelled(request: Request, worker_id: str, job_id: str, body: TokenRequest, key: Principal) -> FailReply:
     state = await _job_for(request, key, worker_id, job_id, body.token)
@@ -264,8 +300,11 @@ async def cancelled(request: Request, worker_id: str, job_id: str, body: TokenRe
     return FailReply(id=job_id, state="cancelled")
 
 
-@router.post("/v1/workers/{worker_id}/deregister", status_code=204,
-             summary="A draining worker leaves: its remaining leases go back to ready at once")
+@router.post(
+    "/v1/workers/{worker_id}/deregister",
+    status_code=204,
+    summary="A draining worker leaves: its remaining leases go back to ready at once",
+)
 @guard(worker_only)
 async def deregister(request: Request, worker_id: str, body: DeregisterRequest, key: Principal) -> None:
     state = get_state(request)

@@ -66,23 +66,38 @@ def _header_deadline(seconds: float) -> type[asyncio.Protocol]:
 
 def _server(options: ServerOptions, host: str, port: int, log_level: str, access_log: bool) -> uvicorn.Server:
     config = uvicorn.Config(
-        create_app(options), host=host, port=port, log_level=log_level, access_log=access_log,
-        http=_header_deadline(options.header_timeout_s), limit_concurrency=options.max_connections,
-        timeout_keep_alive=30, backlog=4096, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN,
-        lifespan="on", proxy_headers=False,
+        create_app(options),
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=access_log,
+        http=_header_deadline(options.header_timeout_s),
+        limit_concurrency=options.max_connections,
+        timeout_keep_alive=30,
+        backlog=4096,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN,
+        lifespan="on",
+        proxy_headers=False,
     )
     return uvicorn.Server(config)
 
 
-def serve(options: ServerOptions, host: str = "127.0.0.1", port: int = 8080, *, log_level: str = "info",
-          access_log: bool = True) -> None:
+def serve(
+    options: ServerOptions,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    *,
+    log_level: str = "info",
+    access_log: bool = True,
+) -> None:
     """Serve until SIGTERM/SIGINT. Access logs hold method, path and status only (keys travel in headers)."""
     _server(options, host, port, log_level, access_log).run()
 
 
 @contextlib.contextmanager
-def running_server(options: ServerOptions, *, host: str = "127.0.0.1", port: int = 0,
-                   log_level: str = "warning") -> Iterator[str]:
+def running_server(
+    options: ServerOptions, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"
+) -> Iterator[str]:
     """Start on a free port (port 0: the kernel picks, read back from the socket); yield the base URL."""
     server = _server(options, host, port, log_level, access_log=False)
     thread = threading.Thread(target=server.run, name="offload-server", daemon=True)

@@ -32,8 +32,9 @@ class JobOptions(_Request):
     run_at: float | None = Field(None, ge=0, le=LAST_EPOCH_S, description="Epoch seconds when the job is ready.")
     max_attempts: int = Field(DEFAULT_MAX_ATTEMPTS, ge=1, le=1000)
     output_key: str | None = Field(None, min_length=1, max_length=1024, description="Default results/<id>.json.")
-    retention: int = Field(DEFAULT_RETENTION_S, ge=0, le=CENTURY_S,
-                           description="Seconds a finished record is kept (0: a century).")
+    retention: int = Field(
+        DEFAULT_RETENTION_S, ge=0, le=CENTURY_S, description="Seconds a finished record is kept (0: a century)."
+    )
     idempotency_key: str | None = Field(None, min_length=1, max_length=1024)
 
 
@@ -42,15 +43,24 @@ class EnqueueRequest(JobOptions):
 
     def spec(self, idempotency_key: str | None = None, job_id: str | None = None) -> JobSpec:
         return JobSpec(
-            input=self.input, priority=self.priority, delay=self.delay, run_at=self.run_at,
-            max_attempts=self.max_attempts, output_key=self.output_key, retention=self.retention,
-            idempotency_key=self.idempotency_key or idempotency_key, job_id=job_id,
+            input=self.input,
+            priority=self.priority,
+            delay=self.delay,
+            run_at=self.run_at,
+            max_attempts=self.max_attempts,
+            output_key=self.output_key,
+            retention=self.retention,
+            idempotency_key=self.idempotency_key or idempotency_key,
+            job_id=job_id,
         )
 
 
 class BatchEnqueueRequest(_Request):
-    jobs: list[EnqueueRequest] = Field(..., min_length=1, description="At most the server's --max-batch jobs "
-                                       "(its OpenAPI description states the number as maxItems).")
+    jobs: list[EnqueueRequest] = Field(
+        ...,
+        min_length=1,
+        description="At most the server's --max-batch jobs (its OpenAPI description states the number as maxItems).",
+    )
 
     @field_validator("jobs", mode="before")
     @classmethod
@@ -100,8 +110,11 @@ class JobView(BaseModel):
     idempotency_key: str | None = None
     raw: str | None = None
     submission: int | None = Field(None, description="The number of its latest submission to the provider.")
-    possible_duplicates: int = Field(0, description="Submissions sent again after a worker was lost inside "
-                                     "the submit call (the provider may have run the job twice).")
+    possible_duplicates: int = Field(
+        0,
+        description="Submissions sent again after a worker was lost inside "
+        "the submit call (the provider may have run the job twice).",
+    )
 
 
 class WaitReply(JobView):
@@ -186,8 +199,10 @@ class RegisterRequest(_Request):
     pid: int | None = Field(None, ge=0, le=2**31)
     concurrency: int = Field(1, ge=1, le=10_000)
     instance_id: str | None = Field(None, pattern=INSTANCE_ID)
-    protected: bool = Field(False, description="Honoured by the autoscaler only where the instance's provider "
-                                               "config sets allow_worker_protect.")
+    protected: bool = Field(
+        False,
+        description="Honoured by the autoscaler only where the instance's provider config sets allow_worker_protect.",
+    )
     gpus: list[GpuInfo] = Field(default_factory=list, max_length=16)
 
 
@@ -222,7 +237,8 @@ class ClaimReply(BaseModel):
 class HeartbeatRequest(_Request):
     jobs: list[Annotated[str, Field(max_length=256)]] = Field(default_factory=list, max_length=10_000)
     tokens: list[Annotated[str, Field(max_length=256)]] | None = Field(
-        None, max_length=10_000, description="the lease token of each job in `jobs`, in the same order")
+        None, max_length=10_000, description="the lease token of each job in `jobs`, in the same order"
+    )
     protected: bool | None = None
     instance_id: str | None = Field(None, pattern=INSTANCE_ID)
 

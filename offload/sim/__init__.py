@@ -20,6 +20,13 @@ from offload.sim.config import Behaviour, Latency, OutageWindow, SimConfig
 from offload.sim.server import RunningSim, running_sim, serve
 
 __all__ = [
-    "Behaviour", "Latency", "OutageWindow", "RunningSim", "SimApp", "SimConfig", "create_app", "running_sim",
+    "Behaviour",
+    "Latency",
+    "OutageWindow",
+    "RunningSim",
+    "SimApp",
+    "SimConfig",
+    "create_app",
+    "running_sim",
     "serve",
 ]

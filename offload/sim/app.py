@@ -42,8 +42,11 @@ class SimApp:
         status = exc.status_code if isinstance(exc, HTTPException) else 500
         self.sim.stats.request("unmatched")
         self.sim.stats.status("unmatched", status)
-        body = {"error": "not found" if status == 404 else "method not allowed" if status == 405 else "error",
-                "path": request.url.path, "method": request.method}
+        body = {
+            "error": "not found" if status == 404 else "method not allowed" if status == 405 else "error",
+            "path": request.url.path,
+            "method": request.method,
+        }
         return Response(orjson.dumps(body), status_code=status, media_type="application/json")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

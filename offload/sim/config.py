@@ -124,23 +124,28 @@ class Behaviour(_Strict):
     malformed_kind: Literal["mixed", "invalid_json", "missing_fields"] = "mixed"
     error_rate: float = Field(default=0.0, ge=0, le=1, description="share of requests answered with a 5xx")
     error_statuses: list[Annotated[int, Field(ge=500, le=599)]] = Field(
-        default_factory=lambda: [500, 502, 503], min_length=1, description="the 5xx codes error_rate draws from")
+        default_factory=lambda: [500, 502, 503], min_length=1, description="the 5xx codes error_rate draws from"
+    )
     submit_latency: Latency = Field(
         default_factory=lambda: Latency(seconds=0.0),
         description="how long a submit (or a machine rental) takes to answer once it is done (a slow API)",
     )
     lost_response_rate: float = Field(
-        default=0.0, ge=0, le=1,
+        default=0.0,
+        ge=0,
+        le=1,
         description="share of submits that create the job, then reset the connection instead of answering",
     )
     faults_on: list[Op] = Field(default_factory=lambda: list(ALL_OPS), description="ops that 429/malformed hit")
     outages: list[OutageWindow] = Field(default_factory=list)
     result_ttl: float | None = Field(
-        default=1800.0, ge=0,
+        default=1800.0,
+        ge=0,
         description="seconds after a job ends until it 404s (RunPod keeps /run results 30 min); null: forever",
     )
     expiry_mode: Literal["404", "data_removed"] = Field(
-        default="404", description="replicate only: data_removed keeps the prediction but nulls output/input",
+        default="404",
+        description="replicate only: data_removed keeps the prediction but nulls output/input",
     )
     files_per_job: int = Field(default=1, ge=0, le=100)
     file_type: Literal["png", "txt", "json", "bin"] = "png"
@@ -165,8 +170,14 @@ class Offer(_Strict):
 
 
 def _default_offers() -> list[Offer]:
-    rows = [(0.35, 1001, "Quebec, CA"), (0.31, 1002, "Shanghai, CN"), (0.42, 1003, "Oregon, US"),
-            (0.38, 1004, "Bavaria, DE"), (0.55, 1005, "Texas, US"), (0.29, 1006, "Lagos, NG")]
+    rows = [
+        (0.35, 1001, "Quebec, CA"),
+        (0.31, 1002, "Shanghai, CN"),
+        (0.42, 1003, "Oregon, US"),
+        (0.38, 1004, "Bavaria, DE"),
+        (0.55, 1005, "Texas, US"),
+        (0.29, 1006, "Lagos, NG"),
+    ]
     offers = [Offer(id=5000 + i, dph_total=p, machine_id=m, geolocation=g) for i, (p, m, g) in enumerate(rows)]
     offers[5].verified = False
     return offers
@@ -177,22 +188,33 @@ class MachineSim(_Strict):
 
     boot_seconds: float = Field(default=1.0, ge=0, description="created -> running")
     runpod_gpus: dict[str, float] = Field(
-        default_factory=lambda: {"NVIDIA GeForce RTX 4090": 0.69, "NVIDIA RTX A5000": 0.36,
-                                 "NVIDIA GeForce RTX 3090": 0.43},
-        description="RunPod GPU ids for rent and their price per hour")
+        default_factory=lambda: {
+            "NVIDIA GeForce RTX 4090": 0.69,
+            "NVIDIA RTX A5000": 0.36,
+            "NVIDIA GeForce RTX 3090": 0.43,
+        },
+        description="RunPod GPU ids for rent and their price per hour",
+    )
     out_of_stock: list[str] = Field(default_factory=list, description="RunPod GPU ids with no capacity")
     offers: list[Offer] = Field(default_factory=_default_offers)
     offer_taken: list[int] = Field(default_factory=list, description="offers that are gone when rented (no_such_ask)")
     broken_hosts: list[str] = Field(default_factory=list, description="machine ids that never start the container")
     preempt_after: float | None = Field(default=None, ge=0, description="running machines vanish after this")
-    runpod_spot_gpus: dict[str, float] = Field(default_factory=dict, description="RunPod minimum bid per GPU and hour "
-                                               "for interruptible pods (default: half the on-demand price)")
-    spot_preempt_after: float | None = Field(default=None, ge=0, description="running interruptible machines are "
-                                             "pre-empted after this (RunPod: EXITED; Vast.ai: outbid, stopped)")
+    runpod_spot_gpus: dict[str, float] = Field(
+        default_factory=dict,
+        description="RunPod minimum bid per GPU and hour for interruptible pods (default: half the on-demand price)",
+    )
+    spot_preempt_after: float | None = Field(
+        default=None,
+        ge=0,
+        description="running interruptible machines are "
+        "pre-empted after this (RunPod: EXITED; Vast.ai: outbid, stopped)",
+    )
     destroy_failures: int = Field(default=0, ge=0, description="the next N destroy calls answer 500")
     create_errors: int = Field(default=0, ge=0, description="the next N create/rent calls answer 503, renting nothing")
-    create_lost: int = Field(default=0, ge=0,
-                             description="the next N create/rent calls rent the machine, then drop the connection")
+    create_lost: int = Field(
+        default=0, ge=0, description="the next N create/rent calls rent the machine, then drop the connection"
+    )
     rest_disabled: bool = Field(default=False, description="RunPod REST pod routes answer 404 (GraphQL only)")
 
 
@@ -205,7 +227,8 @@ class SimConfig(_Strict):
     fal_prefix: str = Field(default="", description="mount fal's queue routes under this path, e.g. /fal")
     max_wait: float = Field(default=60.0, ge=0, description="cap for Prefer: wait and /runsync holds")
     honour_idempotency_key: bool = Field(
-        default=True, description="a submit repeating an Idempotency-Key gets the first answer, no new job")
+        default=True, description="a submit repeating an Idempotency-Key gets the first answer, no new job"
+    )
     idempotency_ttl: float = Field(default=86_400.0, gt=0, description="seconds a key is remembered")
     default: Behaviour = Field(default_factory=Behaviour)
     families: dict[Family, Behaviour] = Field(default_factory=dict)

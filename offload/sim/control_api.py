@@ -86,8 +86,13 @@ def routes(sim: Sim) -> list[Route]:
         else:
             end = None if ask.seconds is None else now + ask.seconds
             sim.runtime_outages.append(RuntimeOutage(ask.family, ask.mode, now, end))
-        return _json({"outages": [{"family": o.family, "mode": o.mode, "start": o.start, "end": o.end}
-                                  for o in sim.runtime_outages]})
+        return _json(
+            {
+                "outages": [
+                    {"family": o.family, "mode": o.mode, "start": o.start, "end": o.end} for o in sim.runtime_outages
+                ]
+            }
+        )
 
     async def jobs(request: Request) -> Response:
         """Filter by family, status (simulator phase), target, input_id, and `tag`: a substring of the

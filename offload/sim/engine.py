@@ -127,12 +127,27 @@ class Call:
         return data
 
     def submit(
-        self, target: str, payload: Any, *, job_id: str | None = None, meta: dict[str, Any] | None = None,
-        run_timeout: float | None = None, hard_ttl: float | None = None,
+        self,
+        target: str,
+        payload: Any,
+        *,
+        job_id: str | None = None,
+        meta: dict[str, Any] | None = None,
+        run_timeout: float | None = None,
+        hard_ttl: float | None = None,
     ) -> Job:
         """Create a remote job with its whole timeline, and count it as a submission of its input id."""
-        job = self.sim.new_job(self.dialect.family, target, payload, self.behaviour, self.now, job_id=job_id,
-                               meta=meta, run_timeout=run_timeout, hard_ttl=hard_ttl)
+        job = self.sim.new_job(
+            self.dialect.family,
+            target,
+            payload,
+            self.behaviour,
+            self.now,
+            job_id=job_id,
+            meta=meta,
+            run_timeout=run_timeout,
+            hard_ttl=hard_ttl,
+        )
         self.created = job
         return job
 
@@ -203,8 +218,17 @@ class Sim:
         return value
 
     def new_job(
-        self, family: str, target: str, payload: Any, behaviour: Behaviour, now: float, *, job_id: str | None,
-        meta: dict[str, Any] | None, run_timeout: float | None, hard_ttl: float | None,
+        self,
+        family: str,
+        target: str,
+        payload: Any,
+        behaviour: Behaviour,
+        now: float,
+        *,
+        job_id: str | None,
+        meta: dict[str, Any] | None,
+        run_timeout: float | None,
+        hard_ttl: float | None,
     ) -> Job:
         started = now + behaviour.queue_delay.sample(self.rng)
         run = behaviour.latency.sample(self.rng)
@@ -212,10 +236,19 @@ class Sim:
         if run_timeout is not None and run > run_timeout:
             run, outcome = run_timeout, "timed_out"
         job = Job(
-            id=job_id or self.uuid(), family=family, target=target, input=payload, input_key=input_key(payload),
-            created=now, started=started, finished=started + run, outcome=outcome,
-            error=behaviour.error_message if outcome == "failed" else None, meta=meta or {},
-            result_ttl=behaviour.result_ttl, hard_ttl_at=None if hard_ttl is None else now + hard_ttl,
+            id=job_id or self.uuid(),
+            family=family,
+            target=target,
+            input=payload,
+            input_key=input_key(payload),
+            created=now,
+            started=started,
+            finished=started + run,
+            outcome=outcome,
+            error=behaviour.error_message if outcome == "failed" else None,
+            meta=meta or {},
+            result_ttl=behaviour.result_ttl,
+            hard_ttl_at=None if hard_ttl is None else now + hard_ttl,
             keep_after_expiry=family == "replicate" and behaviour.expiry_mode == "data_removed",
         )
         self.store.add(job)
@@ -223,7 +256,11 @@ class Sim:
         return job
 
     def endpoint(
-        self, dialect: Dialect, route: str, op: Op, handler: Handler,
+        self,
+        dialect: Dialect,
+        route: str,
+        op: Op,
+        handler: Handler,
     ) -> Callable[[Request], Awaitable[Response]]:
         """A Starlette endpoint: counting, auth, faults, then the handler, then faults on its answer."""
 
@@ -266,11 +303,13 @@ class Sim:
             verdict = self.submissions.begin(family, key, await request.body(), now, self.config.idempotency_ttl)
             if verdict == "busy":
                 stats.fault(route, "idempotency_conflict")
-                return dialect.error(409, "A request with this Idempotency-Key is being processed",
-                                     code="idempotency_conflict").render()
+                return dialect.error(
+                    409, "A request with this Idempotency-Key is being processed", code="idempotency_conflict"
+                ).render()
             if verdict == "mismatch":
-                return dialect.error(422, "Idempotency-Key reused with a different request body",
-                                     code="idempotency_mismatch").render()
+                return dialect.error(
+                    422, "Idempotency-Key reused with a different request body", code="idempotency_mismatch"
+                ).render()
             if verdict != "new":
                 assert verdict.job is not None
                 stats.replayed(family)
@@ -325,10 +364,17 @@ class Sim:
         headers = {"Retry-After": retry_after_value(behaviour, now)} if behaviour.retry_after_header else {}
         return dialect.throttled(behaviour, headers).render()
 
-    def _log(self, request: Request, family: str, route: str, job: Job, key: str | None, now: float, *,
-             replay: bool) -> Submission:
+    def _log(
+        self, request: Request, family: str, route: str, job: Job, key: str | None, now: float, *, replay: bool
+    ) -> Submission:
         server = request.scope.get("server")
         return self.submissions.add(
-            family, route, job, key=key, user_agent=request.headers.get("user-agent"),
-            port=int(server[1]) if server else None, arrival=now, replay=replay,
+            family,
+            route,
+            job,
+            key=key,
+            user_agent=request.headers.get("user-agent"),
+            port=int(server[1]) if server else None,
+            arrival=now,
+            replay=replay,
         )

@@ -28,9 +28,11 @@ from offload.sim.store import Job
 
 NAMESPACES = ("workflows", "comfy")
 RESERVED = ("_sim", "v1", "v2", "jobs")  # first path segments owned by other families when the prefix is empty
-NGINX_503 = (b"<html>\r\n<head><title>503 Service Temporarily Unavailable</title></head>\r\n<body>\r\n<center>"
-             b"<h1>503 Service Temporarily Unavailable</h1></center>\r\n<hr><center>nginx</center>\r\n</body>\r\n"
-             b"</html>\r\n")
+NGINX_503 = (
+    b"<html>\r\n<head><title>503 Service Temporarily Unavailable</title></head>\r\n<body>\r\n<center>"
+    b"<h1>503 Service Temporarily Unavailable</h1></center>\r\n<hr><center>nginx</center>\r\n</body>\r\n"
+    b"</html>\r\n"
+)
 RUNNING = ("queued", "running")
 
 

@@ -71,5 +71,10 @@ def _png(name: str) -> bytes:
     ihdr = struct.pack(">IIBBBBB", 1, 1, 8, 0, 0, 0, 0)  # 1x1, 8-bit greyscale
     idat = zlib.compress(bytes([0, shade]))  # filter byte 0, one pixel
     text = b"Title\x00" + name.encode("latin-1", "replace")
-    return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"tEXt", text) + _chunk(b"IDAT", idat)
-            + _chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + _chunk(b"IHDR", ihdr)
+        + _chunk(b"tEXt", text)
+        + _chunk(b"IDAT", idat)
+        + _chunk(b"IEND", b"")
+    )

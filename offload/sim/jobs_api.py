@@ -15,8 +15,13 @@ from offload.sim.engine import Call, Dialect, Reply, Sim
 from offload.sim.store import Job
 
 STATUS = {
-    "queued": "queued", "running": "running", "succeeded": "succeeded", "failed": "failed",
-    "timed_out": "failed", "cancelled": "cancelled", "aborted": "cancelled",
+    "queued": "queued",
+    "running": "running",
+    "succeeded": "succeeded",
+    "failed": "failed",
+    "timed_out": "failed",
+    "cancelled": "cancelled",
+    "aborted": "cancelled",
 }
 
 

@@ -28,8 +28,9 @@ from starlette.routing import Route
 from offload.sim.engine import Call, Dialect, Reply, Sim
 from offload.sim.faults import ConnectionReset
 
-OUT_OF_STOCK = ("There are no longer any instances available with the requested specifications. "
-                "Please refresh and try again.")
+OUT_OF_STOCK = (
+    "There are no longer any instances available with the requested specifications. Please refresh and try again."
+)
 
 
 @dataclass
@@ -74,8 +75,11 @@ class Machines:
         self.seq = 0
 
     def visible(self, provider: str, now: float) -> list[SimMachine]:
-        return [m for m in self.all.values()
-                if m.provider == provider and m.phase(self.sim, now) not in ("deleted", "vanished")]
+        return [
+            m
+            for m in self.all.values()
+            if m.provider == provider and m.phase(self.sim, now) not in ("deleted", "vanished")
+        ]
 
     def get(self, provider: str, machine_id: str, now: float) -> SimMachine | None:
         m = self.all.get(machine_id)
@@ -83,10 +87,22 @@ class Machines:
             return None
         return m
 
-    def add(self, provider: str, label: str, image: str, gpu: str, price: float, host: str, now: float,
-            env: dict[str, Any], *, spot: bool = False, start_cmd: list[str] | str | None = None) -> SimMachine:
+    def add(
+        self,
+        provider: str,
+        label: str,
+        image: str,
+        gpu: str,
+        price: float,
+        host: str,
+        now: float,
+        env: dict[str, Any],
+        *,
+        spot: bool = False,
+        start_cmd: list[str] | str | None = None,
+    ) -> SimMachine:
         self.seq += 1
-        mid = (f"{self.sim.token(14)}" if provider == "runpod" else str(7_000_000 + self.seq))
+        mid = f"{self.sim.token(14)}" if provider == "runpod" else str(7_000_000 + self.seq)
         m = SimMachine(mid, provider, label, image, gpu, price, host, now, env, spot=spot, start_cmd=start_cmd)
         self.all[mid] = m
         return m
@@ -118,8 +134,11 @@ class PodsDialect(Dialect):
     required = ("id",)
 
     def error(self, status: int, message: str, *, code: str | None = None) -> Reply:
-        return Reply({"title": message.split(":")[0][:60], "status": status, "detail": message}, status,
-                     media_type="application/problem+json")
+        return Reply(
+            {"title": message.split(":")[0][:60], "status": status, "detail": message},
+            status,
+            media_type="application/problem+json",
+        )
 
 
 class GraphQLDialect(PodsDialect):
@@ -149,11 +168,21 @@ RP_STATUS = {"starting": "STARTING", "broken": "STARTING", "running": "RUNNING",
 
 def _pod(sim: Sim, m: SimMachine, now: float) -> dict[str, Any]:
     status = RP_STATUS.get(m.phase(sim, now), "TERMINATED")
-    return {"id": m.id, "name": m.label, "image": m.image, "status": status,
-            "desiredStatus": "EXITED" if status == "EXITED" else "RUNNING", "interruptible": m.spot,
-            "cost": m.price, "costPerHr": m.price, "machineId": m.host, "gpu": {"id": m.gpu, "count": 1},
-            "env": m.env, "lastStatusChange": f"{status.lower()} since {m.created:.0f}",
-            "runtime": {"uptimeInSeconds": int(now - m.created)} if status == "RUNNING" else None}
+    return {
+        "id": m.id,
+        "name": m.label,
+        "image": m.image,
+        "status": status,
+        "desiredStatus": "EXITED" if status == "EXITED" else "RUNNING",
+        "interruptible": m.spot,
+        "cost": m.price,
+        "costPerHr": m.price,
+        "machineId": m.host,
+        "gpu": {"id": m.gpu, "count": 1},
+        "env": m.env,
+        "lastStatusChange": f"{status.lower()} since {m.created:.0f}",
+        "runtime": {"uptimeInSeconds": int(now - m.created)} if status == "RUNNING" else None,
+    }
 
 
 def _min_bid(call: Call, gpu: str) -> float:
@@ -161,8 +190,17 @@ def _min_bid(call: Call, gpu: str) -> float:
     return cfg.runpod_spot_gpus.get(gpu, round(cfg.runpod_gpus.get(gpu, 0.0) / 2, 4))
 
 
-def _runpod_create(call: Call, store: Machines, name: str, image: str, gpu: str, env: dict[str, Any], *,
-                   bid: float | None = None, start_cmd: list[str] | str | None = None) -> SimMachine:
+def _runpod_create(
+    call: Call,
+    store: Machines,
+    name: str,
+    image: str,
+    gpu: str,
+    env: dict[str, Any],
+    *,
+    bid: float | None = None,
+    start_cmd: list[str] | str | None = None,
+) -> SimMachine:
     cfg = call.sim.config.machines
     if gpu not in cfg.runpod_gpus:
         call.reject(400, f"Invalid GPU type id: {gpu}")
@@ -172,8 +210,7 @@ def _runpod_create(call: Call, store: Machines, name: str, image: str, gpu: str,
         call.reject(400, f"Your bid of {bid} is below the current minimum bid price of {_min_bid(call, gpu)}.")
     host = f"rp-host-{len(store.all) % 7}"
     price = cfg.runpod_gpus[gpu] if bid is None else bid
-    return store.add("runpod", name, image, gpu, price, host, call.now, env, spot=bid is not None,
-                     start_cmd=start_cmd)
+    return store.add("runpod", name, image, gpu, price, host, call.now, env, spot=bid is not None, start_cmd=start_cmd)
 
 
 def runpod_routes(sim: Sim, store: Machines) -> list[Route]:
@@ -189,8 +226,15 @@ def runpod_routes(sim: Sim, store: Machines) -> list[Route]:
         if store.create_fails():
             call.reject(503, "Service Unavailable: please retry")
         gpu = (body.get("gpu") or {}).get("id") or ""
-        m = _runpod_create(call, store, str(body.get("name") or "my pod"), str(body.get("image") or ""), gpu,
-                           body.get("env") or {}, start_cmd=body.get("dockerStartCmd"))
+        m = _runpod_create(
+            call,
+            store,
+            str(body.get("name") or "my pod"),
+            str(body.get("image") or ""),
+            gpu,
+            body.get("env") or {},
+            start_cmd=body.get("dockerStartCmd"),
+        )
         if store.create_lost():
             return ConnectionReset()
         return Reply(_pod(sim, m, call.now), 201)
@@ -228,6 +272,7 @@ def runpod_routes(sim: Sim, store: Machines) -> list[Route]:
             def field_(name: str) -> str:
                 found = re.search(name + r':\s*"((?:[^"\\]|\\.)*)"', query)
                 return found.group(1) if found else ""
+
             gpu = field_("gpuTypeId")
             if gpu in call.sim.config.machines.out_of_stock:
                 return dg.error(200, OUT_OF_STOCK)
@@ -238,11 +283,20 @@ def runpod_routes(sim: Sim, store: Machines) -> list[Route]:
                 found = re.search(r"bidPerGpu:\s*([0-9.]+)", query)
                 bid = float(found.group(1)) if found else 0.0
                 if bid < _min_bid(call, gpu):
-                    return dg.error(200, f"Your bid of {bid} is below the current minimum bid price of "
-                                    f"{_min_bid(call, gpu)}.")
+                    return dg.error(
+                        200, f"Your bid of {bid} is below the current minimum bid price of {_min_bid(call, gpu)}."
+                    )
             env = dict(re.findall(r'\{key:\s*"([^"]*)",\s*value:\s*"([^"]*)"\}', query))
-            m = _runpod_create(call, store, field_("name"), field_("imageName"), gpu, env, bid=bid,
-                               start_cmd=field_("dockerArgs") or None)
+            m = _runpod_create(
+                call,
+                store,
+                field_("name"),
+                field_("imageName"),
+                gpu,
+                env,
+                bid=bid,
+                start_cmd=field_("dockerArgs") or None,
+            )
             if store.create_lost():
                 return ConnectionReset()
             return Reply({"data": {mutation: _pod(sim, m, call.now)}})
@@ -254,8 +308,17 @@ def runpod_routes(sim: Sim, store: Machines) -> list[Route]:
                 if wanted and wanted.group(1) != gpu:
                     continue
                 stock = None if gpu in cfg.out_of_stock else "High"
-                rows.append({"id": gpu, "displayName": gpu.replace("NVIDIA ", ""), "lowestPrice": {
-                    "minimumBidPrice": _min_bid(call, gpu), "uninterruptablePrice": price, "stockStatus": stock}})
+                rows.append(
+                    {
+                        "id": gpu,
+                        "displayName": gpu.replace("NVIDIA ", ""),
+                        "lowestPrice": {
+                            "minimumBidPrice": _min_bid(call, gpu),
+                            "uninterruptablePrice": price,
+                            "stockStatus": stock,
+                        },
+                    }
+                )
             return Reply({"data": {"gpuTypes": rows}})
         if "podTerminate" in query:
             pod_id = re.search(r'podId:\s*"([^"]*)"', query)
@@ -266,8 +329,9 @@ def runpod_routes(sim: Sim, store: Machines) -> list[Route]:
                 gone.deleted = call.now
             return Reply({"data": {"podTerminate": None}})
         if "myself" in query:
-            return Reply({"data": {"myself": {"pods": [_pod(sim, m, call.now)
-                                                       for m in store.visible("runpod", call.now)]}}})
+            return Reply(
+                {"data": {"myself": {"pods": [_pod(sim, m, call.now) for m in store.visible("runpod", call.now)]}}}
+            )
         if "pod(" in query:
             pod_id = re.search(r'podId:\s*"([^"]*)"', query)
             one = store.get("runpod", pod_id.group(1) if pod_id else "", call.now)
@@ -291,19 +355,40 @@ VAST_STATUS = {"starting": "loading", "running": "running", "broken": "exited", 
 def _instance(sim: Sim, m: SimMachine, now: float) -> dict[str, Any]:
     phase = m.phase(sim, now)
     status = VAST_STATUS.get(phase)
-    msg = ("Error response from daemon: failed to create task for container: nvidia-container-cli: "
-           "initialization error" if phase == "broken" else "")
-    return {"id": int(m.id), "label": m.label, "actual_status": status, "is_bid": m.spot,
-            "intended_status": "stopped" if phase == "preempted" else "running",
-            "cur_state": "running", "status_msg": msg, "machine_id": int(m.host), "gpu_name": m.gpu,
-            "num_gpus": 1, "dph_total": m.price, "image_uuid": m.image, "start_date": m.created,
-            "extra_env": [[k, v] for k, v in m.env.items()]}
+    msg = (
+        "Error response from daemon: failed to create task for container: nvidia-container-cli: initialization error"
+        if phase == "broken"
+        else ""
+    )
+    return {
+        "id": int(m.id),
+        "label": m.label,
+        "actual_status": status,
+        "is_bid": m.spot,
+        "intended_status": "stopped" if phase == "preempted" else "running",
+        "cur_state": "running",
+        "status_msg": msg,
+        "machine_id": int(m.host),
+        "gpu_name": m.gpu,
+        "num_gpus": 1,
+        "dph_total": m.price,
+        "image_uuid": m.image,
+        "start_date": m.created,
+        "extra_env": [[k, v] for k, v in m.env.items()],
+    }
 
 
 def _matches(offer: dict[str, Any], query: dict[str, Any]) -> bool:
-    ops: dict[str, Any] = {"eq": lambda a, b: a == b, "neq": lambda a, b: a != b, "gt": lambda a, b: a > b,
-           "lt": lambda a, b: a < b, "gte": lambda a, b: a >= b, "lte": lambda a, b: a <= b,
-           "in": lambda a, b: a in b, "notin": lambda a, b: a not in b}
+    ops: dict[str, Any] = {
+        "eq": lambda a, b: a == b,
+        "neq": lambda a, b: a != b,
+        "gt": lambda a, b: a > b,
+        "lt": lambda a, b: a < b,
+        "gte": lambda a, b: a >= b,
+        "lte": lambda a, b: a <= b,
+        "in": lambda a, b: a in b,
+        "notin": lambda a, b: a not in b,
+    }
     for key, cond in query.items():
         if not isinstance(cond, dict) or key not in offer:
             continue  # like the real API: unknown fields are ignored
@@ -320,10 +405,15 @@ def vast_routes(sim: Sim, store: Machines) -> list[Route]:
         out = []
         for o in sim.config.machines.offers:
             row = o.model_dump()
-            row.update(rentable=True, rented=o.id in store.rented_offers,
-                       verification="verified" if o.verified else "unverified", ask_contract_id=o.id,
-                       host_id=o.machine_id, reliability=o.reliability2,
-                       min_bid=o.min_bid if o.min_bid is not None else round(o.dph_total / 2, 4))
+            row.update(
+                rentable=True,
+                rented=o.id in store.rented_offers,
+                verification="verified" if o.verified else "unverified",
+                ask_contract_id=o.id,
+                host_id=o.machine_id,
+                reliability=o.reliability2,
+                min_bid=o.min_bid if o.min_bid is not None else round(o.dph_total / 2, 4),
+            )
             if not row["rented"]:
                 out.append(row)
         return out
@@ -332,8 +422,10 @@ def vast_routes(sim: Sim, store: Machines) -> list[Route]:
         query = await call.json_object()
         found = [o for o in offers(call.now) if _matches(o, query)]
         for key, direction in query.get("order") or []:
+
             def by(o: dict[str, Any], k: str = str(key)) -> float:
                 return float(o.get(k, 0) or 0)
+
             found.sort(key=by, reverse=direction == "desc")
         return Reply({"offers": found[: int(query.get("limit") or 64)]})
 
@@ -344,8 +436,15 @@ def vast_routes(sim: Sim, store: Machines) -> list[Route]:
             return d.error(503, "Service Unavailable", code="server_error")
         offer = next((o for o in sim.config.machines.offers if o.id == offer_id), None)
         if offer is None or offer_id in store.rented_offers or offer_id in sim.config.machines.offer_taken:
-            return Reply({"success": False, "error": "no_such_ask", "msg": f"Instance type {offer_id} is no longer "
-                          "available.", "ask_id": offer_id}, 404)
+            return Reply(
+                {
+                    "success": False,
+                    "error": "no_such_ask",
+                    "msg": f"Instance type {offer_id} is no longer available.",
+                    "ask_id": offer_id,
+                },
+                404,
+            )
         if not body.get("image"):
             return d.error(400, "image is required", code="invalid_args")
         env = body.get("env") or {}
@@ -353,9 +452,18 @@ def vast_routes(sim: Sim, store: Machines) -> list[Route]:
         min_bid = offer.min_bid if offer.min_bid is not None else round(offer.dph_total / 2, 4)
         if bid is not None and float(bid) < min_bid:
             return d.error(400, f"bid price {bid} is below the minimum bid {min_bid}", code="invalid_args")
-        m = store.add("vastai", str(body.get("label") or ""), str(body["image"]), offer.gpu_name,
-                      offer.dph_total if bid is None else float(bid), str(offer.machine_id), call.now,
-                      env if isinstance(env, dict) else {}, spot=bid is not None, start_cmd=body.get("args"))
+        m = store.add(
+            "vastai",
+            str(body.get("label") or ""),
+            str(body["image"]),
+            offer.gpu_name,
+            offer.dph_total if bid is None else float(bid),
+            str(offer.machine_id),
+            call.now,
+            env if isinstance(env, dict) else {},
+            spot=bid is not None,
+            start_cmd=body.get("args"),
+        )
         store.rented_offers.add(offer_id)
         m.env["_offer"] = offer_id
         if store.create_lost():
@@ -385,8 +493,11 @@ def vast_routes(sim: Sim, store: Machines) -> list[Route]:
         Route(f"{base}/asks/{{offer_id}}/", sim.endpoint(d, "vastai.rent", "submit", rent), methods=["PUT"]),
         Route(f"{base}/instances/", sim.endpoint(d, "vastai.list", "status", list_instances), methods=["GET"]),
         Route(f"{base}/instances/{{instance_id}}/", sim.endpoint(d, "vastai.show", "status", show), methods=["GET"]),
-        Route(f"{base}/instances/{{instance_id}}/", sim.endpoint(d, "vastai.destroy", "cancel", destroy),
-              methods=["DELETE"]),
+        Route(
+            f"{base}/instances/{{instance_id}}/",
+            sim.endpoint(d, "vastai.destroy", "cancel", destroy),
+            methods=["DELETE"],
+        ),
     ]
 
 
@@ -396,9 +507,21 @@ def control_routes(sim: Sim, store: Machines) -> list[Route]:
 
     async def listing(request: Request) -> Response:
         now = sim.clock()
-        rows = [{"id": m.id, "provider": m.provider, "label": m.label, "phase": m.phase(sim, now), "host": m.host,
-                 "price": m.price, "env": m.env, "spot": m.spot, "start_cmd": m.start_cmd, "gpu": m.gpu}
-                for m in store.all.values()]
+        rows = [
+            {
+                "id": m.id,
+                "provider": m.provider,
+                "label": m.label,
+                "phase": m.phase(sim, now),
+                "host": m.host,
+                "price": m.price,
+                "env": m.env,
+                "spot": m.spot,
+                "start_cmd": m.start_cmd,
+                "gpu": m.gpu,
+            }
+            for m in store.all.values()
+        ]
         return Response(orjson.dumps({"machines": rows}), media_type="application/json")
 
     async def vanish(request: Request) -> Response:
@@ -408,8 +531,10 @@ def control_routes(sim: Sim, store: Machines) -> list[Route]:
         m.deleted = sim.clock()
         return Response(b'{"ok": true}', media_type="application/json")
 
-    return [Route("/_sim/machines", listing, methods=["GET"]),
-            Route("/_sim/machines/{machine_id}/vanish", vanish, methods=["POST"])]
+    return [
+        Route("/_sim/machines", listing, methods=["GET"]),
+        Route("/_sim/machines/{machine_id}/vanish", vanish, methods=["POST"]),
+    ]
 
 
 def routes(sim: Sim) -> list[Route]:

@@ -19,8 +19,14 @@ from starlette.routing import Route
 from offload.sim.config import Behaviour
 from offload.sim.engine import Call, Dialect, Rejected, Reply, Sim
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-               429: "requests", 500: "server_error", 503: "server_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    429: "requests",
+    500: "server_error",
+    503: "server_error",
+}
 
 
 class OpenAIDialect(Dialect):
@@ -28,19 +34,29 @@ class OpenAIDialect(Dialect):
     required = ("choices", "id")
 
     def error(self, status: int, message: str, *, code: str | None = None, param: str | None = None) -> Reply:
-        body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "api_error"), "param": param,
-                          "code": code}}
+        body = {
+            "error": {"message": message, "type": ERROR_TYPES.get(status, "api_error"), "param": param, "code": code}
+        }
         return Reply(body, status)
 
     def unauthorized(self) -> Reply:
-        return self.error(401, "Incorrect API key provided. You can find your API key in your account settings.",
-                          code="invalid_api_key")
+        return self.error(
+            401,
+            "Incorrect API key provided. You can find your API key in your account settings.",
+            code="invalid_api_key",
+        )
 
     def throttled(self, behaviour: Behaviour, headers: dict[str, str]) -> Reply:
-        reply = self.error(429, "Rate limit reached for requests (simulated). Please try again later.",
-                           code="rate_limit_exceeded")
-        reply.headers.update({"x-ratelimit-limit-requests": "60", "x-ratelimit-remaining-requests": "0",
-                              "x-ratelimit-reset-requests": f"{behaviour.retry_after_seconds:g}s"})
+        reply = self.error(
+            429, "Rate limit reached for requests (simulated). Please try again later.", code="rate_limit_exceeded"
+        )
+        reply.headers.update(
+            {
+                "x-ratelimit-limit-requests": "60",
+                "x-ratelimit-remaining-requests": "0",
+                "x-ratelimit-reset-requests": f"{behaviour.retry_after_seconds:g}s",
+            }
+        )
         if headers:
             reply.headers.update(headers)
             reply.headers["retry-after-ms"] = str(round(behaviour.retry_after_seconds * 1000))
@@ -68,8 +84,7 @@ async def chat_completions(call: Call) -> Reply:
     messages = body.get("messages")
     if not isinstance(model, str) or not model:
         _invalid("you must provide a model parameter", "model")
-    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m
-                                                                   for m in messages):
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
         _invalid("'messages' must be a non-empty array of objects with a 'role'", "messages")
     if body.get("stream"):
         _invalid("streaming is not supported by the simulator", "stream")
@@ -86,21 +101,47 @@ async def chat_completions(call: Call) -> Reply:
     turns: list[dict[str, Any]] = messages
     prompt = sum(_tokens(str(m.get("content", ""))) + 4 for m in turns)
     completion = _tokens(content) * n
-    choices: list[dict[str, Any]] = [{"index": i, "message": {"role": "assistant", "content": content, "refusal": None,
-                                        "annotations": []},
-                "finish_reason": "stop", "logprobs": None} for i in range(n)]
-    return Reply({
-        "id": job.id, "object": "chat.completion", "created": int(job.created), "model": model,
-        "choices": choices,
-        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                  "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
-                  "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0,
-                                                "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}},
-        "system_fingerprint": "fp_offload_sim", "service_tier": body.get("service_tier") or "default",
-    }, headers={"x-request-id": "req_" + call.sim.token(24),
-                "openai-processing-ms": str(round((job.finished - job.created) * 1000))})
+    choices: list[dict[str, Any]] = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": content, "refusal": None, "annotations": []},
+            "finish_reason": "stop",
+            "logprobs": None,
+        }
+        for i in range(n)
+    ]
+    return Reply(
+        {
+            "id": job.id,
+            "object": "chat.completion",
+            "created": int(job.created),
+            "model": model,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+                "completion_tokens_details": {
+                    "reasoning_tokens": 0,
+                    "audio_tokens": 0,
+                    "accepted_prediction_tokens": 0,
+                    "rejected_prediction_tokens": 0,
+                },
+            },
+            "system_fingerprint": "fp_offload_sim",
+            "service_tier": body.get("service_tier") or "default",
+        },
+        headers={
+            "x-request-id": "req_" + call.sim.token(24),
+            "openai-processing-ms": str(round((job.finished - job.created) * 1000)),
+        },
+    )
 
 
 def routes(sim: Sim) -> list[Route]:
-    return [Route("/v1/chat/completions", sim.endpoint(DIALECT, "openai.chat", "submit", chat_completions),
-                  methods=["POST"])]
+    return [
+        Route(
+            "/v1/chat/completions", sim.endpoint(DIALECT, "openai.chat", "submit", chat_completions), methods=["POST"]
+        )
+    ]

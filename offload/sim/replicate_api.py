@@ -22,11 +22,23 @@ from offload.sim.engine import Call, Dialect, Rejected, Reply, Sim
 from offload.sim.store import Job
 
 STATUS = {
-    "queued": "starting", "running": "processing", "succeeded": "succeeded", "failed": "failed",
-    "timed_out": "failed", "cancelled": "canceled", "aborted": "aborted",
+    "queued": "starting",
+    "running": "processing",
+    "succeeded": "succeeded",
+    "failed": "failed",
+    "timed_out": "failed",
+    "cancelled": "canceled",
+    "aborted": "aborted",
 }
-TITLES = {400: "Bad request", 401: "Unauthenticated", 404: "Not found", 422: "Input validation failed",
-          429: "Too many requests", 500: "Internal server error", 503: "Service unavailable"}
+TITLES = {
+    400: "Bad request",
+    401: "Unauthenticated",
+    404: "Not found",
+    422: "Input validation failed",
+    429: "Too many requests",
+    500: "Internal server error",
+    503: "Service unavailable",
+}
 PROBLEM = "application/problem+json"
 PAGE = 100
 MIN_CANCEL_AFTER = 5.0
@@ -60,11 +72,22 @@ def _view(call: Call, job: Job) -> dict[str, Any]:
     base = call.base_url
     removed = job.keep_after_expiry and job.expired(call.now)
     body: dict[str, Any] = {
-        "id": job.id, "model": job.meta.get("model", "simulated/model"), "version": job.meta.get("version", "hidden"),
-        "input": {} if removed else job.input, "output": None, "logs": "", "error": None,
-        "status": STATUS[phase], "created_at": _iso(job.created), "data_removed": removed, "source": "api",
-        "urls": {"get": f"{base}/v1/predictions/{job.id}", "cancel": f"{base}/v1/predictions/{job.id}/cancel",
-                 "web": f"{base}/_sim/jobs/{job.id}"},
+        "id": job.id,
+        "model": job.meta.get("model", "simulated/model"),
+        "version": job.meta.get("version", "hidden"),
+        "input": {} if removed else job.input,
+        "output": None,
+        "logs": "",
+        "error": None,
+        "status": STATUS[phase],
+        "created_at": _iso(job.created),
+        "data_removed": removed,
+        "source": "api",
+        "urls": {
+            "get": f"{base}/v1/predictions/{job.id}",
+            "cancel": f"{base}/v1/predictions/{job.id}/cancel",
+            "web": f"{base}/_sim/jobs/{job.id}",
+        },
     }
     for key in ("webhook", "webhook_events_filter", "deployment"):
         if key in job.meta:
@@ -76,8 +99,10 @@ def _view(call: Call, job: Job) -> dict[str, Any]:
         body["logs"] = "" if removed else "simulated: processing\n"
     if phase in ("succeeded", "failed", "timed_out", "cancelled", "aborted"):
         body["completed_at"] = _iso(job.ended_at())
-        body["metrics"] = {"predict_time": round(job.ran_for(call.now), 6),
-                           "total_time": round(job.ended_at() - job.created, 6)}
+        body["metrics"] = {
+            "predict_time": round(job.ran_for(call.now), 6),
+            "total_time": round(job.ended_at() - job.created, 6),
+        }
         if not removed and phase != "aborted":
             body["logs"] += "simulated: done\n"
     if phase == "succeeded" and not removed:
@@ -191,16 +216,19 @@ async def list_predictions(call: Call) -> Reply:
         start = int(call.request.query_params.get("cursor", "0"))
     except ValueError:
         call.reject(400, "invalid cursor")
-    jobs = [j for j in call.sim.store if j.family == "replicate" and not (j.expired(call.now)
-                                                                          and not j.keep_after_expiry)]
+    jobs = [
+        j for j in call.sim.store if j.family == "replicate" and not (j.expired(call.now) and not j.keep_after_expiry)
+    ]
     jobs.reverse()
-    page = jobs[start:start + PAGE]
+    page = jobs[start : start + PAGE]
     url = f"{call.base_url}/v1/predictions?cursor="
-    return Reply({
-        "next": f"{url}{start + PAGE}" if start + PAGE < len(jobs) else None,
-        "previous": f"{url}{max(0, start - PAGE)}" if start > 0 else None,
-        "results": [_view(call, j) for j in page],
-    })
+    return Reply(
+        {
+            "next": f"{url}{start + PAGE}" if start + PAGE < len(jobs) else None,
+            "previous": f"{url}{max(0, start - PAGE)}" if start > 0 else None,
+            "results": [_view(call, j) for j in page],
+        }
+    )
 
 
 def routes(sim: Sim) -> list[Route]:
@@ -208,11 +236,20 @@ def routes(sim: Sim) -> list[Route]:
     return [
         Route("/v1/predictions", sim.endpoint(d, "replicate.create", "submit", create), methods=["POST"]),
         Route("/v1/predictions", sim.endpoint(d, "replicate.list", "status", list_predictions), methods=["GET"]),
-        Route("/v1/models/{owner}/{name}/predictions",
-              sim.endpoint(d, "replicate.create_model", "submit", create_for_model), methods=["POST"]),
-        Route("/v1/deployments/{owner}/{name}/predictions",
-              sim.endpoint(d, "replicate.create_deployment", "submit", create_for_deployment), methods=["POST"]),
+        Route(
+            "/v1/models/{owner}/{name}/predictions",
+            sim.endpoint(d, "replicate.create_model", "submit", create_for_model),
+            methods=["POST"],
+        ),
+        Route(
+            "/v1/deployments/{owner}/{name}/predictions",
+            sim.endpoint(d, "replicate.create_deployment", "submit", create_for_deployment),
+            methods=["POST"],
+        ),
         Route("/v1/predictions/{prediction_id}", sim.endpoint(d, "replicate.get", "status", get), methods=["GET"]),
-        Route("/v1/predictions/{prediction_id}/cancel",
-              sim.endpoint(d, "replicate.cancel", "cancel", cancel), methods=["POST"]),
+        Route(
+            "/v1/predictions/{prediction_id}/cancel",
+            sim.endpoint(d, "replicate.cancel", "cancel", cancel),
+            methods=["POST"],
+        ),
     ]

@@ -19,8 +19,13 @@ from offload.sim.engine import Call, Dialect, Reply, Sim
 from offload.sim.store import Job
 
 STATUS = {
-    "queued": "IN_QUEUE", "running": "IN_PROGRESS", "succeeded": "COMPLETED", "failed": "FAILED",
-    "timed_out": "TIMED_OUT", "cancelled": "CANCELLED", "aborted": "CANCELLED",
+    "queued": "IN_QUEUE",
+    "running": "IN_PROGRESS",
+    "succeeded": "COMPLETED",
+    "failed": "FAILED",
+    "timed_out": "TIMED_OUT",
+    "cancelled": "CANCELLED",
+    "aborted": "CANCELLED",
 }
 SYNC_WAIT_DEFAULT_MS = 90_000
 SYNC_WAIT_RANGE_MS = (1_000, 300_000)
@@ -85,8 +90,14 @@ async def _create(call: Call, sync: bool) -> Job:
     ttl = _ms_field(call, policy, "ttl")
     meta: dict[str, Any] = {k: body[k] for k in ("webhook", "policy", "s3Config") if k in body}
     job_id = ("sync-" if sync else "") + call.sim.uuid() + "-u1"
-    return call.submit(call.request.path_params["endpoint_id"], body["input"], job_id=job_id, meta=meta,
-                       run_timeout=run_timeout, hard_ttl=ttl)
+    return call.submit(
+        call.request.path_params["endpoint_id"],
+        body["input"],
+        job_id=job_id,
+        meta=meta,
+        run_timeout=run_timeout,
+        hard_ttl=ttl,
+    )
 
 
 async def run(call: Call) -> Reply:
@@ -155,8 +166,13 @@ async def purge_queue(call: Call) -> Reply:
 async def health(call: Call) -> Reply:
     endpoint_id = call.request.path_params["endpoint_id"]
     counts = {"completed": 0, "failed": 0, "inProgress": 0, "inQueue": 0, "retried": 0}
-    key = {"succeeded": "completed", "failed": "failed", "timed_out": "failed", "running": "inProgress",
-           "queued": "inQueue"}
+    key = {
+        "succeeded": "completed",
+        "failed": "failed",
+        "timed_out": "failed",
+        "running": "inProgress",
+        "queued": "inQueue",
+    }
     for job in call.sim.store:
         if job.family != "runpod" or job.target != endpoint_id or job.expired(call.now):
             continue

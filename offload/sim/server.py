@@ -25,28 +25,49 @@ GRACEFUL_SHUTDOWN = 3  # seconds: held requests (Prefer: wait, /runsync) must no
 
 
 def _server(
-    app: SimApp, host: str, port: int, *, log_level: str, access_log: bool,
-    ssl_certfile: str | None, ssl_keyfile: str | None,
+    app: SimApp,
+    host: str,
+    port: int,
+    *,
+    log_level: str,
+    access_log: bool,
+    ssl_certfile: str | None,
+    ssl_keyfile: str | None,
 ) -> uvicorn.Server:
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, access_log=access_log, lifespan="off",
-        ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, timeout_keep_alive=30, backlog=4096,
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=access_log,
+        lifespan="off",
+        ssl_certfile=ssl_certfile,
+        ssl_keyfile=ssl_keyfile,
+        timeout_keep_alive=30,
+        backlog=4096,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN,
     )
     return uvicorn.Server(config)
 
 
 def serve(
-    host: str = "127.0.0.1", port: int = 8089, config: SimConfig | None = None, *, log_level: str = "info",
-    access_log: bool = False, ssl_certfile: str | None = None, ssl_keyfile: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8089,
+    config: SimConfig | None = None,
+    *,
+    log_level: str = "info",
+    access_log: bool = False,
+    ssl_certfile: str | None = None,
+    ssl_keyfile: str | None = None,
     also_ports: Sequence[int] = (),
 ) -> None:
     """Serve until interrupted (Ctrl+C / SIGTERM). `also_ports`: more ports for the same simulator; the
     submission log records the port each submit arrived on, so giving each client its own port tells them
     apart even when their User-Agent does not."""
     app = create_app(config)
-    server = _server(app, host, port, log_level=log_level, access_log=access_log, ssl_certfile=ssl_certfile,
-                     ssl_keyfile=ssl_keyfile)
+    server = _server(
+        app, host, port, log_level=log_level, access_log=access_log, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile
+    )
     if not also_ports:
         server.run()
         return
@@ -75,8 +96,14 @@ class RunningSim(str):
 
 @contextlib.contextmanager
 def running_sim(
-    config: SimConfig | None = None, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-    ssl_certfile: str | None = None, ssl_keyfile: str | None = None, clock: Clock | None = None,
+    config: SimConfig | None = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    log_level: str = "warning",
+    ssl_certfile: str | None = None,
+    ssl_keyfile: str | None = None,
+    clock: Clock | None = None,
 ) -> Iterator[RunningSim]:
     """Start a simulator on a free port in a background thread; yield its base URL; stop it on exit.
 
@@ -84,8 +111,9 @@ def running_sim(
     never race for a port. `https://` when a certificate is given (the fal SDK only speaks https).
     """
     app = create_app(config, clock=clock)
-    server = _server(app, host, port, log_level=log_level, access_log=False, ssl_certfile=ssl_certfile,
-                     ssl_keyfile=ssl_keyfile)
+    server = _server(
+        app, host, port, log_level=log_level, access_log=False, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile
+    )
     thread = threading.Thread(target=server.run, name="offload-sim", daemon=True)
     thread.start()
     deadline = time.monotonic() + START_TIMEOUT

@@ -102,9 +102,17 @@ class Job:
 
     def summary(self, now: float) -> dict[str, Any]:
         return {
-            "id": self.id, "family": self.family, "target": self.target, "status": self.phase(now),
-            "input_id": self.input_key, "input": self.input, "meta": self.meta, "created": self.created,
-            "started": self.started, "finished": self.ended_at(), "expired": self.expired(now),
+            "id": self.id,
+            "family": self.family,
+            "target": self.target,
+            "status": self.phase(now),
+            "input_id": self.input_key,
+            "input": self.input,
+            "meta": self.meta,
+            "created": self.created,
+            "started": self.started,
+            "finished": self.ended_at(),
+            "expired": self.expired(now),
         }
 
 

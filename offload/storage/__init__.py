@@ -40,8 +40,19 @@ __all__ = [
 ]
 
 DEFAULT_LOCAL_PATH = ".offload/results"
-_S3_KEYS = {"bucket", "endpoint_url", "prefix", "region", "access_key_id", "secret_access_key", "addressing_style",
-            "max_threads", "connect_timeout", "read_timeout", "max_attempts"}
+_S3_KEYS = {
+    "bucket",
+    "endpoint_url",
+    "prefix",
+    "region",
+    "access_key_id",
+    "secret_access_key",
+    "addressing_style",
+    "max_threads",
+    "connect_timeout",
+    "read_timeout",
+    "max_attempts",
+}
 _LOCAL_KEYS = {"path", "prefix"}
 # Settings of the storage block that belong to store_output, not to the store itself: accepted, ignored here.
 _OUTPUT_KEYS = {"kind", "copy_files", "allow_hosts", "max_file_bytes", "max_files", "file_timeout_s"}

@@ -223,7 +223,12 @@ def _first_error(eg: BaseExceptionGroup[BaseException], timeout_s: float) -> Bas
 
 
 async def _copy_file(
-    storage: Storage, http: httpx.AsyncClient, url: str, index: int, prefix: str, limit: int,
+    storage: Storage,
+    http: httpx.AsyncClient,
+    url: str,
+    index: int,
+    prefix: str,
+    limit: int,
     headers: dict[str, str],
 ) -> CopiedFile:
     shown = bare_url(url)  # signed provider URLs carry tokens in the query, some carry userinfo

@@ -143,16 +143,23 @@ class S3Storage:
 
     async def put_bytes(self, key: str, data: bytes, content_type: str = "application/octet-stream") -> str:
         full = self._key(key)
-        put = functools.partial(self._client.put_object, Bucket=self.bucket, Key=full, Body=data,
-                                ContentType=content_type)
+        put = functools.partial(
+            self._client.put_object, Bucket=self.bucket, Key=full, Body=data, ContentType=content_type
+        )
         await self._run("put", full, put)
         return f"s3://{self.bucket}/{full}"
 
     async def put_fileobj(self, key: str, fileobj: IO[bytes], content_type: str = "application/octet-stream") -> str:
         """Multipart above 8 MiB (boto3's threshold), in the calling pool thread only."""
         full = self._key(key)
-        upload = functools.partial(self._client.upload_fileobj, fileobj, self.bucket, full,
-                                   ExtraArgs={"ContentType": content_type}, Config=self._transfer)
+        upload = functools.partial(
+            self._client.upload_fileobj,
+            fileobj,
+            self.bucket,
+            full,
+            ExtraArgs={"ContentType": content_type},
+            Config=self._transfer,
+        )
         await self._run("put", full, upload)
         return f"s3://{self.bucket}/{full}"
 

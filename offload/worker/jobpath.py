@@ -87,13 +87,13 @@ class WorkerOptions:
         return self.price_per_job
 
 
-
 def _key_problem(key: str) -> str | None:
     try:
         validate_key(key)
     except InvalidKey as exc:
         return str(exc)
     return None
+
 
 class JobPath:
     """The per-job half of the Worker (see dispatch.py for the other)."""

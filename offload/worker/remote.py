@@ -91,8 +91,13 @@ def gpu_info() -> list[dict[str, Any]]:
     if not exe:
         return []
     try:
-        out = subprocess.run([exe, "--query-gpu=index,name,memory.total,uuid", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10, check=True).stdout
+        out = subprocess.run(
+            [exe, "--query-gpu=index,name,memory.total,uuid", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return []
     gpus = []
@@ -105,8 +110,11 @@ def gpu_info() -> list[dict[str, Any]]:
 
 def _wants_context(fn: Callable[..., Any]) -> bool:
     try:
-        params = [p for p in inspect.signature(fn).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        params = [
+            p
+            for p in inspect.signature(fn).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
     except (TypeError, ValueError):
         return False
     return len(params) >= 2
@@ -148,8 +156,13 @@ async def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 class RemoteWorker:
-    def __init__(self, options: RemoteOptions, handler: Callable[..., Any],
-                 load: Callable[[], Any] | None = None, api: ServerApi | None = None) -> None:
+    def __init__(
+        self,
+        options: RemoteOptions,
+        handler: Callable[..., Any],
+        load: Callable[[], Any] | None = None,
+        api: ServerApi | None = None,
+    ) -> None:
         self.o = options
         self.handler = handler
         self.load = load
@@ -167,16 +180,26 @@ class RemoteWorker:
 
     async def _register(self, retry_for: float = 300.0) -> None:
         info = {
-            "queues": self.o.queues, "host": socket.gethostname(), "version": _version(), "pid": os.getpid(),
-            "concurrency": self.o.concurrency, "instance_id": self.o.instance_id, "protected": self.o.protected,
+            "queues": self.o.queues,
+            "host": socket.gethostname(),
+            "version": _version(),
+            "pid": os.getpid(),
+            "concurrency": self.o.concurrency,
+            "instance_id": self.o.instance_id,
+            "protected": self.o.protected,
             "gpus": await asyncio.to_thread(gpu_info),
         }
         reply = await self.api.register(info, retry_for)
         self.worker_id = reply["worker_id"]
         self.heartbeat_s = float(reply["heartbeat_interval_s"])
         self.o.poll_wait_s = min(self.o.poll_wait_s, float(reply.get("max_wait_s", self.o.poll_wait_s)))
-        log.info("registered as %s on %s (queue %s, up to %d at once)", self.worker_id, self.o.server,
-                 ",".join(self.o.queues), self.o.concurrency)
+        log.info(
+            "registered as %s on %s (queue %s, up to %d at once)",
+            self.worker_id,
+            self.o.server,
+            ",".join(self.o.queues),
+            self.o.concurrency,
+        )
 
     def _next_queue(self) -> tuple[str, float]:
         """The queue to claim from and how long to long-poll it. One queue: the full wait. Several: in turn, a
@@ -250,8 +273,9 @@ class RemoteWorker:
             await asyncio.sleep(self.heartbeat_s)
             try:
                 ids = list(self.tokens)
-                reply = await self.api.heartbeat(self.worker_id, ids, self.o.protected, self.o.instance_id,
-                                                 [self.tokens[i] for i in ids])
+                reply = await self.api.heartbeat(
+                    self.worker_id, ids, self.o.protected, self.o.instance_id, [self.tokens[i] for i in ids]
+                )
             except Unregistered:
                 log.warning("the server forgot this worker (silent too long): registering again")
                 with contextlib.suppress(Exception):
@@ -318,8 +342,9 @@ class RemoteWorker:
         except Stale as exc:
             log.info("job %s: %s", job_id, exc)
         except (Rejected, ConnectionError, Unregistered) as exc:
-            log.warning("job %s: reporting the result failed: %s (its lease is handed back and it is re-run)",
-                        job_id, exc)
+            log.warning(
+                "job %s: reporting the result failed: %s (its lease is handed back and it is re-run)", job_id, exc
+            )
         finally:
             if self.tasks.get(job_id) is me:  # not a newer lease of the same job that took this one's place
                 del self.tasks[job_id]
@@ -362,8 +387,9 @@ def _truthy(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
-async def run_remote_worker(options: RemoteOptions, handler_spec: str, load_spec: str | None = None,
-                            *, install_signals: bool = True) -> None:
+async def run_remote_worker(
+    options: RemoteOptions, handler_spec: str, load_spec: str | None = None, *, install_signals: bool = True
+) -> None:
     """Entry point of `offload worker --handler`: resolve the functions, serve until a signal, drain."""
     handler = resolve(handler_spec)
     load = resolve(load_spec) if load_spec else None

@@ -42,22 +42,28 @@ class Rejected(OffloadError):
 
 
 class ServerApi:
-    def __init__(self, base_url: str, token: str, *, timeout: float = 30.0,
-                 client: httpx.AsyncClient | None = None) -> None:
+    def __init__(
+        self, base_url: str, token: str, *, timeout: float = 30.0, client: httpx.AsyncClient | None = None
+    ) -> None:
         self.base = base_url.rstrip("/")
         self.http = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0))
         self._headers = {"Authorization": f"Bearer {token}"}
 
-    async def call(self, path: str, body: dict[str, Any], *, retry_for: float = 0.0,
-                   timeout: float | None = None) -> Any:
+    async def call(
+        self, path: str, body: dict[str, Any], *, retry_for: float = 0.0, timeout: float | None = None
+    ) -> Any:
         """POST and decode. Connection errors and 502/503/504 are retried with backoff for `retry_for` seconds."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + retry_for
         delay = 0.2
         while True:
             try:
-                response = await self.http.post(self.base + path, json=body, headers=self._headers,
-                                                timeout=timeout if timeout is not None else self.http.timeout)
+                response = await self.http.post(
+                    self.base + path,
+                    json=body,
+                    headers=self._headers,
+                    timeout=timeout if timeout is not None else self.http.timeout,
+                )
                 if response.status_code not in RETRY_STATUSES:
                     return self._decode(response)
                 problem = f"HTTP {response.status_code}"
@@ -91,13 +97,20 @@ class ServerApi:
         return reply
 
     async def claim(self, worker_id: str, queue: str, n: int, wait: float) -> list[dict[str, Any]]:
-        reply = await self.call(f"/v1/workers/{worker_id}/claim", {"queue": queue, "max": n, "wait": wait},
-                                timeout=wait + 30)
+        reply = await self.call(
+            f"/v1/workers/{worker_id}/claim", {"queue": queue, "max": n, "wait": wait}, timeout=wait + 30
+        )
         jobs: list[dict[str, Any]] = reply["jobs"]
         return jobs
 
-    async def heartbeat(self, worker_id: str, jobs: list[str], protected: bool | None,
-                        instance_id: str | None, tokens: list[str] | None = None) -> dict[str, list[str]]:
+    async def heartbeat(
+        self,
+        worker_id: str,
+        jobs: list[str],
+        protected: bool | None,
+        instance_id: str | None,
+        tokens: list[str] | None = None,
+    ) -> dict[str, list[str]]:
         body: dict[str, Any] = {"jobs": jobs, "protected": protected}
         if tokens is not None:
             body["tokens"] = tokens
@@ -110,12 +123,16 @@ class ServerApi:
     # server or its job store is away: giving up would throw away the GPU work and run the job again.
 
     async def complete(self, worker_id: str, job_id: str, token: str, output: Any) -> None:
-        await self.call(f"/v1/workers/{worker_id}/jobs/{job_id}/complete", {"token": token, "output": output},
-                        retry_for=math.inf)
+        await self.call(
+            f"/v1/workers/{worker_id}/jobs/{job_id}/complete", {"token": token, "output": output}, retry_for=math.inf
+        )
 
     async def fail(self, worker_id: str, job_id: str, token: str, error: str, retryable: bool) -> str:
-        reply = await self.call(f"/v1/workers/{worker_id}/jobs/{job_id}/fail",
-                                {"token": token, "error": error[:4000], "retryable": retryable}, retry_for=math.inf)
+        reply = await self.call(
+            f"/v1/workers/{worker_id}/jobs/{job_id}/fail",
+            {"token": token, "error": error[:4000], "retryable": retryable},
+            retry_for=math.inf,
+        )
         return str(reply["state"])
 
     async def cancelled(self, worker_id: str, job_id: str, token: str) -> None:

@@ -33,22 +33,43 @@ def storage_settings(settings: Settings) -> dict[str, Any]:
 
 
 async def run_worker(
-    settings: Settings, queue: str, *, concurrency: int | None = None, worker_id: str | None = None,
-    stop: asyncio.Event | None = None, grace_s: float = 30.0, clock: Callable[[], float] = time.time,
-    install_signals: bool = True, on_ready: Callable[[Worker], None] | None = None,
+    settings: Settings,
+    queue: str,
+    *,
+    concurrency: int | None = None,
+    worker_id: str | None = None,
+    stop: asyncio.Event | None = None,
+    grace_s: float = 30.0,
+    clock: Callable[[], float] = time.time,
+    install_signals: bool = True,
+    on_ready: Callable[[Worker], None] | None = None,
 ) -> Worker:
     """Serve `queue` until `stop` is set (or a signal arrives); returns the drained worker."""
     (worker,) = await run_workers(
-        settings, [queue], concurrency=concurrency, worker_id=worker_id, stop=stop, grace_s=grace_s, clock=clock,
-        install_signals=install_signals, on_ready=on_ready,
+        settings,
+        [queue],
+        concurrency=concurrency,
+        worker_id=worker_id,
+        stop=stop,
+        grace_s=grace_s,
+        clock=clock,
+        install_signals=install_signals,
+        on_ready=on_ready,
     )
     return worker
 
 
 async def run_workers(
-    settings: Settings, queues: Sequence[str], *, concurrency: int | None = None, worker_id: str | None = None,
-    stop: asyncio.Event | None = None, grace_s: float = 30.0, clock: Callable[[], float] = time.time,
-    install_signals: bool = True, on_ready: Callable[[Worker], None] | None = None,
+    settings: Settings,
+    queues: Sequence[str],
+    *,
+    concurrency: int | None = None,
+    worker_id: str | None = None,
+    stop: asyncio.Event | None = None,
+    grace_s: float = 30.0,
+    clock: Callable[[], float] = time.time,
+    install_signals: bool = True,
+    on_ready: Callable[[Worker], None] | None = None,
 ) -> list[Worker]:
     """Serve every queue of `queues` from this process until `stop` is set (or a signal arrives); returns the
     drained workers.
@@ -77,8 +98,11 @@ async def run_workers(
     total = sum(concurrency or q.concurrency for _, q, _, _ in plans)
     worker_id = worker_id or default_worker_id()  # one id per process: it is in every request's User-Agent
     async with contextlib.AsyncExitStack() as resources:
-        http = new_client(max_connections=min(max(total, 16), 1024),
-                          timeout=max(bs.timeout or 600.0 for *_, bs in plans), agent=user_agent(worker_id))
+        http = new_client(
+            max_connections=min(max(total, 16), 1024),
+            timeout=max(bs.timeout or 600.0 for *_, bs in plans),
+            agent=user_agent(worker_id),
+        )
         resources.push_async_callback(http.aclose)
         backends: dict[str, Backend] = {}
         for _, _, backend_name, bs in plans:  # every backend's settings are checked before anything connects
@@ -92,34 +116,59 @@ async def run_workers(
         store = QueueStore(redis)
 
         async def save(key: str, output: Any, run: str, fence: Fence) -> str:
-            stored = await store_output(storage, key, output, http, copy_files=settings.storage.copy_files,
-                                        run=run, before_write=fence)
+            stored = await store_output(
+                storage, key, output, http, copy_files=settings.storage.copy_files, run=run, before_write=fence
+            )
             return stored.location
 
         limits: dict[str, BackendLimits] = {}
         workers: list[Worker] = []
         for queue, q, backend_name, bs in plans:
             if backend_name not in limits:
-                limits[backend_name] = BackendLimits(redis, backend_name,
-                                                     parse_rate(bs.rate_limit) if bs.rate_limit else None)
+                limits[backend_name] = BackendLimits(
+                    redis, backend_name, parse_rate(bs.rate_limit) if bs.rate_limit else None
+                )
             # Liveness must never queue behind thousands of job tasks waiting for the shared pool: a late
             # heartbeat lets the reaper hand live jobs to another worker, which would then pay for them again.
             control = await connect(settings.redis_url, max_connections=2)
             resources.push_async_callback(control.aclose)
             in_flight = concurrency or q.concurrency
             options = WorkerOptions(
-                queue=queue, backend_name=backend_name, concurrency=in_flight, poll_interval=q.poll_interval,
-                poll_timeout=q.poll_timeout, grace_s=grace_s, daily_job_cap=q.daily_job_cap,
-                daily_spend_cap=q.daily_spend_cap, price_per_job=bs.price_per_job,
-                price_per_second=bs.price_per_second, max_job_cost=bs.max_job_cost, ingest_list=q.ingest_list,
-                max_attempts=q.max_attempts, submit_concurrency=q.submit_concurrency,
+                queue=queue,
+                backend_name=backend_name,
+                concurrency=in_flight,
+                poll_interval=q.poll_interval,
+                poll_timeout=q.poll_timeout,
+                grace_s=grace_s,
+                daily_job_cap=q.daily_job_cap,
+                daily_spend_cap=q.daily_spend_cap,
+                price_per_job=bs.price_per_job,
+                price_per_second=bs.price_per_second,
+                max_job_cost=bs.max_job_cost,
+                ingest_list=q.ingest_list,
+                max_attempts=q.max_attempts,
+                submit_concurrency=q.submit_concurrency,
                 **({"lease_ms": int(lease_ms)} if lease_ms is not None else {}),
             )
-            worker = Worker(store, backends[backend_name], save, limits[backend_name], options, worker_id=worker_id,
-                            clock=clock, control=QueueStore(control))
+            worker = Worker(
+                store,
+                backends[backend_name],
+                save,
+                limits[backend_name],
+                options,
+                worker_id=worker_id,
+                clock=clock,
+                control=QueueStore(control),
+            )
             workers.append(worker)
-            log.info("worker %s serving queue %s via %s (%s), up to %d in flight", worker.id, queue, backend_name,
-                     bs.kind, in_flight)
+            log.info(
+                "worker %s serving queue %s via %s (%s), up to %d in flight",
+                worker.id,
+                queue,
+                backend_name,
+                bs.kind,
+                in_flight,
+            )
         if on_ready:
             for worker in workers:
                 on_ready(worker)

@@ -119,8 +119,10 @@ class Tracker:
     def flush(self) -> None:
         with self.lock:
             runs, self.dirty = self.dirty, set()
-            rows = [(r, self.done.get(r, 0), self.inflight.get(r, 0), self.peak.get(r, 0), self.finished.get(r))
-                    for r in runs]
+            rows = [
+                (r, self.done.get(r, 0), self.inflight.get(r, 0), self.peak.get(r, 0), self.finished.get(r))
+                for r in runs
+            ]
         if not rows:
             return
         pid = str(os.getpid())

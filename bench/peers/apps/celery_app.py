@@ -34,7 +34,8 @@ def enqueue(jobs: Iterable[benchjob.JobArgs]) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "work":
-        app.worker_main(["worker", "--pool", "gevent", "--concurrency", sys.argv[2], "--queues", "bench",
-                         "--loglevel", "WARNING"])
+        app.worker_main(
+            ["worker", "--pool", "gevent", "--concurrency", sys.argv[2], "--queues", "bench", "--loglevel", "WARNING"]
+        )
     else:
         benchjob.produce_sync(sys.argv[2:], enqueue)

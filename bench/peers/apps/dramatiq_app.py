@@ -35,7 +35,22 @@ if __name__ == "__main__":
     if sys.argv[1] == "work":
         here = os.path.dirname(os.path.abspath(__file__))
         os.environ["BENCH_THREADS"] = sys.argv[2]
-        os.execv(sys.executable, [sys.executable, "-m", "dramatiq", "dramatiq_app", "--processes", "1",
-                                  "--threads", sys.argv[2], "--path", here, "--queues", "bench"])
+        os.execv(
+            sys.executable,
+            [
+                sys.executable,
+                "-m",
+                "dramatiq",
+                "dramatiq_app",
+                "--processes",
+                "1",
+                "--threads",
+                sys.argv[2],
+                "--path",
+                here,
+                "--queues",
+                "bench",
+            ],
+        )
     else:
         benchjob.produce_sync(sys.argv[2:], enqueue)

@@ -44,8 +44,13 @@ ENQUEUE_BATCH = 5_000
 
 
 def _args(job_input: Any) -> benchjob.JobArgs:
-    return (str(job_input["run"]), int(job_input["i"]), int(job_input["n"]), float(job_input["sleep"]),
-            bool(job_input["track"]))
+    return (
+        str(job_input["run"]),
+        int(job_input["i"]),
+        int(job_input["n"]),
+        float(job_input["sleep"]),
+        bool(job_input["track"]),
+    )
 
 
 class LocalBackend:

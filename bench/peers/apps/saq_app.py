@@ -22,8 +22,9 @@ async def produce(queue: Queue, argv: list[str]) -> None:
     options: dict[str, Any] = {"timeout": timeout} if timeout else {}
 
     async def enqueue(jobs: list[benchjob.JobArgs]) -> None:
-        await asyncio.gather(*(queue.enqueue("job", run=r, i=i, n=n, sleep_s=s, track=t, **options)
-                               for r, i, n, s, t in jobs))
+        await asyncio.gather(
+            *(queue.enqueue("job", run=r, i=i, n=n, sleep_s=s, track=t, **options) for r, i, n, s, t in jobs)
+        )
 
     await queue.connect()
     await benchjob.produce_async(argv, enqueue)

@@ -34,7 +34,23 @@ async def produce(argv: list[str]) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "work":
         here = os.path.dirname(os.path.abspath(__file__))
-        os.execv(sys.executable, [sys.executable, "-m", "taskiq", "worker", "taskiq_app:broker", "--workers", "1",
-                                  "--max-async-tasks", sys.argv[2], "--app-dir", here, "--log-level", "WARNING"])
+        os.execv(
+            sys.executable,
+            [
+                sys.executable,
+                "-m",
+                "taskiq",
+                "worker",
+                "taskiq_app:broker",
+                "--workers",
+                "1",
+                "--max-async-tasks",
+                sys.argv[2],
+                "--app-dir",
+                here,
+                "--log-level",
+                "WARNING",
+            ],
+        )
     else:
         asyncio.run(produce(sys.argv[2:]))

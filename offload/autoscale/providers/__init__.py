@@ -30,12 +30,28 @@ from offload.autoscale.providers.vastai import VastProvider
 from offload.errors import ConfigError
 
 TYPES: dict[str, type[Provider]] = {
-    "mock": MockProvider, "local": LocalProvider, "runpod": RunPodProvider, "vastai": VastProvider,
+    "mock": MockProvider,
+    "local": LocalProvider,
+    "runpod": RunPodProvider,
+    "vastai": VastProvider,
 }
 
 __all__ = [
-    "HOST_TYPES", "LABEL_PREFIX", "TYPES", "LaunchSpec", "Machine", "MachineState", "NotOurs", "OutOfCapacity",
-    "Provider", "ProviderError", "Unauthorized", "build", "describe", "is_ours", "validate_config",
+    "HOST_TYPES",
+    "LABEL_PREFIX",
+    "TYPES",
+    "LaunchSpec",
+    "Machine",
+    "MachineState",
+    "NotOurs",
+    "OutOfCapacity",
+    "Provider",
+    "ProviderError",
+    "Unauthorized",
+    "build",
+    "describe",
+    "is_ours",
+    "validate_config",
 ]
 HOST_TYPES = ("local",)  # types whose machines are processes on the control-plane host: operator-only
 
@@ -68,8 +84,16 @@ def describe(kind: str) -> dict[str, Any]:
         default = None if info.is_required() or info.default_factory is not None else info.default
         if info.default_factory is not None:
             default = info.default_factory()  # type: ignore[call-arg]
-        fields.append({"name": name, "kind": "secret" if secret else form, "choices": choices,
-                       "required": info.is_required(), "default": default, "description": info.description or ""})
+        fields.append(
+            {
+                "name": name,
+                "kind": "secret" if secret else form,
+                "choices": choices,
+                "required": info.is_required(),
+                "default": default,
+                "description": info.description or "",
+            }
+        )
     return {"type": kind, "operator_only": kind in HOST_TYPES, "fields": fields}
 
 

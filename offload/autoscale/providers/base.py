@@ -70,8 +70,9 @@ class ProviderError(Exception):
     """A call failed. `retryable`: worth trying again later; `ambiguous`: the machine may exist anyway (a
     create whose answer was lost), so the caller must look it up by label rather than rent again."""
 
-    def __init__(self, message: str, *, retryable: bool = True, ambiguous: bool = False,
-                 host_id: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, retryable: bool = True, ambiguous: bool = False, host_id: str | None = None
+    ) -> None:
         super().__init__(message)
         self.retryable = retryable
         self.ambiguous = ambiguous
@@ -91,8 +92,10 @@ class NotOurs(ProviderError):
     """Refused: the machine's name/label does not start with `offload-`."""
 
     def __init__(self, provider_id: str, label: str) -> None:
-        super().__init__(f"refusing to touch machine {provider_id}: its label {label!r} does not start with "
-                         f"{LABEL_PREFIX!r}", retryable=False)
+        super().__init__(
+            f"refusing to touch machine {provider_id}: its label {label!r} does not start with {LABEL_PREFIX!r}",
+            retryable=False,
+        )
 
 
 def is_ours(label: str | None) -> bool:
@@ -102,9 +105,12 @@ def is_ours(label: str | None) -> bool:
 class ProviderConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    allow_worker_protect: bool = Field(False, description="honour a worker's own OFFLOAD_PROTECTED flag (the "
-                                       "machine could otherwise keep itself rented forever); operators can always "
-                                       "protect an instance")
+    allow_worker_protect: bool = Field(
+        False,
+        description="honour a worker's own OFFLOAD_PROTECTED flag (the "
+        "machine could otherwise keep itself rented forever); operators can always "
+        "protect an instance",
+    )
 
 
 class Provider(ABC):
@@ -152,12 +158,21 @@ class Http:
     errors retry a few times, except for calls that would rent twice if repeated (`idempotent=False`), which
     raise ProviderError(ambiguous=True) instead so the scaler reconciles by label."""
 
-    def __init__(self, base_url: str, headers: dict[str, str], *, timeout: float = 30.0, attempts: int = 4,
-                 max_wait: float = 10.0, client: httpx.AsyncClient | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        headers: dict[str, str],
+        *,
+        timeout: float = 30.0,
+        attempts: int = 4,
+        max_wait: float = 10.0,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
         # the credentials this client sends are what an echoing provider would show back: never in an excerpt
         self.secrets = {v for h in headers.values() for v in (h, h.partition(" ")[2])}
-        self.client = client or httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers,
-                                                  timeout=httpx.Timeout(timeout, connect=10.0))
+        self.client = client or httpx.AsyncClient(
+            base_url=base_url.rstrip("/"), headers=headers, timeout=httpx.Timeout(timeout, connect=10.0)
+        )
         self.attempts = attempts
         self.max_wait = max_wait
         self.calls = 0
@@ -171,8 +186,9 @@ class Http:
                 response = await self.client.request(method, path, **kwargs)
             except httpx.TransportError as exc:
                 if not idempotent:
-                    raise ProviderError(f"{method} {path}: {type(exc).__name__} (the request may have gone through)",
-                                        ambiguous=True) from None
+                    raise ProviderError(
+                        f"{method} {path}: {type(exc).__name__} (the request may have gone through)", ambiguous=True
+                    ) from None
                 last = type(exc).__name__
             else:
                 if response.status_code == 429:
@@ -185,8 +201,9 @@ class Http:
                     raise ProviderError(f"{method} {path}: rate limited (429)")
                 if response.status_code >= 500:
                     if not idempotent:
-                        raise ProviderError(f"{method} {path}: HTTP {response.status_code} {self.excerpt(response)}",
-                                            ambiguous=True)
+                        raise ProviderError(
+                            f"{method} {path}: HTTP {response.status_code} {self.excerpt(response)}", ambiguous=True
+                        )
                     last = f"HTTP {response.status_code}"
                 else:
                     return response

@@ -50,8 +50,23 @@ from offload.autoscale.providers.base import (
 log = logging.getLogger("offload.autoscale.local")
 # What a worker process inherits from the server's environment: how to run Python and find the handler, nothing
 # else. Never the vault master key, the Redis URL, the admin key or backend and storage credentials.
-PASS_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "PYTHONPATH",
-            "VIRTUAL_ENV", "SSL_CERT_FILE", "SSL_CERT_DIR", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
+PASS_ENV = (
+    "PATH",
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "LANG",
+    "LC_ALL",
+    "LC_CTYPE",
+    "TZ",
+    "TMPDIR",
+    "PYTHONPATH",
+    "VIRTUAL_ENV",
+    "SSL_CERT_FILE",
+    "SSL_CERT_DIR",
+    "CUDA_VISIBLE_DEVICES",
+    "NVIDIA_VISIBLE_DEVICES",
+)
 
 
 def worker_env(server_env: Mapping[str, str], launch: Mapping[str, str]) -> dict[str, str]:
@@ -69,8 +84,9 @@ class LocalConfig(ProviderConfig):
     grace: float = Field(30.0, ge=0, description="seconds a draining worker may finish in-flight jobs")
     stop_timeout: float = Field(10.0, ge=0, description="after SIGTERM on destroy, SIGKILL after this")
     price_per_hour: float = Field(0.0, ge=0)
-    deploy_dir: str | None = Field(None, description="where per-instance deployment work dirs go (default: a "
-                                   "directory under the system temp dir)")
+    deploy_dir: str | None = Field(
+        None, description="where per-instance deployment work dirs go (default: a directory under the system temp dir)"
+    )
 
 
 def _start_time(pid: int) -> str | None:
@@ -79,7 +95,7 @@ def _start_time(pid: int) -> str | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = stat[stat.rfind(")") + 2:].split()
+    fields = stat[stat.rfind(")") + 2 :].split()
     if fields[0] in ("Z", "X"):
         return None
     return fields[19]
@@ -105,8 +121,10 @@ class LocalProvider(Provider):
     async def create(self, spec: LaunchSpec) -> Machine:
         handler = self.config.handler or spec.handler
         if not handler and not spec.script:
-            raise ProviderError("local: no handler (set the provider's `handler`, the queue's instance.handler or a "
-                                "deployment)", retryable=False)
+            raise ProviderError(
+                "local: no handler (set the provider's `handler`, the queue's instance.handler or a deployment)",
+                retryable=False,
+            )
         server = spec.env.get("OFFLOAD_SERVER")
         if not server or not spec.env.get("OFFLOAD_TOKEN"):
             raise ProviderError("local: the server URL and a worker key are needed to start a worker", retryable=False)
@@ -120,31 +138,66 @@ class LocalProvider(Provider):
             env.update(OFFLOAD_WORKDIR=str(workdir), OFFLOAD_PYTHON=self.config.python)
         else:
             assert handler is not None
-            cmd = [self.config.python, "-m", "offload", "worker", "--handler", handler, "--queue", spec.queue,
-                   "--server", server, "--concurrency", str(self.config.concurrency), "--grace",
-                   str(self.config.grace)]
+            cmd = [
+                self.config.python,
+                "-m",
+                "offload",
+                "worker",
+                "--handler",
+                handler,
+                "--queue",
+                spec.queue,
+                "--server",
+                server,
+                "--concurrency",
+                str(self.config.concurrency),
+                "--grace",
+                str(self.config.grace),
+            ]
         log_path = str(Path(self.config.log_dir) / f"{spec.label}.log") if self.config.log_dir else None
         try:
             proc = await asyncio.to_thread(self._spawn, cmd, env, log_path, cwd)
         except OSError as exc:
             raise ProviderError(f"local: cannot start the worker: {exc}", retryable=False) from None
         self._children[proc.pid] = proc
-        record = {"id": provider_id, "label": spec.label, "pid": proc.pid, "start": _start_time(proc.pid),
-                  "created": self.clock(), "log": log_path, "queue": spec.queue,
-                  "workdir": str(workdir) if workdir else None}
+        record = {
+            "id": provider_id,
+            "label": spec.label,
+            "pid": proc.pid,
+            "start": _start_time(proc.pid),
+            "created": self.clock(),
+            "log": log_path,
+            "queue": spec.queue,
+            "workdir": str(workdir) if workdir else None,
+        }
         await self.redis.hset(self.key, provider_id, orjson.dumps(record))
         log.info("local: started worker pid %d for %s (queue %s)", proc.pid, spec.label, spec.queue)
         return self._machine(record)
 
-    def _spawn(self, cmd: list[str], env: dict[str, str], log_path: str | None,
-               cwd: str | None) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self, cmd: list[str], env: dict[str, str], log_path: str | None, cwd: str | None
+    ) -> subprocess.Popen[bytes]:
         if log_path is None:
-            return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, start_new_session=True)
+            return subprocess.Popen(
+                cmd,
+                env=env,
+                cwd=cwd,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as out:
-            return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            return subprocess.Popen(
+                cmd,
+                env=env,
+                cwd=cwd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
 
     def _alive(self, record: dict[str, Any]) -> bool:
         pid = int(record["pid"])
@@ -155,8 +208,14 @@ class LocalProvider(Provider):
 
     def _machine(self, r: dict[str, Any]) -> Machine:
         state = MachineState.RUNNING if self._alive(r) else MachineState.TERMINATED
-        return Machine(provider_id=r["id"], label=r["label"], state=state, price_per_hour=self.config.price_per_hour,
-                       host_id="localhost", raw=r)
+        return Machine(
+            provider_id=r["id"],
+            label=r["label"],
+            state=state,
+            price_per_hour=self.config.price_per_hour,
+            host_id="localhost",
+            raw=r,
+        )
 
     async def list(self) -> builtins.list[Machine]:
         raw = await self.redis.hgetall(self.key)

@@ -64,8 +64,16 @@ class MockProvider(Provider):
             raise OutOfCapacity("mock: no capacity (fail_creates)")
         provider_id = "mock-" + secrets.token_hex(6)
         price = self._price(spec)
-        record = {"id": provider_id, "label": spec.label, "created": self.clock(), "price": price,
-                  "host": "mockhost-" + provider_id[-4:], "queue": spec.queue, "gpu": spec.gpu, "spot": spec.spot}
+        record = {
+            "id": provider_id,
+            "label": spec.label,
+            "created": self.clock(),
+            "price": price,
+            "host": "mockhost-" + provider_id[-4:],
+            "queue": spec.queue,
+            "gpu": spec.gpu,
+            "spot": spec.spot,
+        }
         await self.redis.hset(self.key, provider_id, orjson.dumps(record))
         log.info("mock: would rent %s for queue %s (%s, image %s)", spec.label, spec.queue, spec.gpu, spec.image)
         return self._machine(record)
@@ -82,8 +90,14 @@ class MockProvider(Provider):
     def _machine(self, r: dict[str, Any]) -> Machine:
         booted = self.clock() - float(r["created"]) >= self.config.boot_seconds
         state = MachineState.RUNNING if booted else MachineState.STARTING
-        return Machine(provider_id=r["id"], label=r["label"], state=state, price_per_hour=r.get("price"),
-                       host_id=r.get("host"), raw=r)
+        return Machine(
+            provider_id=r["id"],
+            label=r["label"],
+            state=state,
+            price_per_hour=r.get("price"),
+            host_id=r.get("host"),
+            raw=r,
+        )
 
     async def list(self) -> builtins.list[Machine]:
         self.calls["list"] += 1
@@ -110,8 +124,11 @@ class MockProvider(Provider):
     async def plant(self, label: str) -> str:
         """Test hook: a machine we have no record of (an orphan), or a foreign one (label not offload-)."""
         provider_id = "mock-" + secrets.token_hex(6)
-        await self.redis.hset(self.key, provider_id, orjson.dumps(
-            {"id": provider_id, "label": label, "created": self.clock(), "price": 0.1, "host": "h"}))
+        await self.redis.hset(
+            self.key,
+            provider_id,
+            orjson.dumps({"id": provider_id, "label": label, "created": self.clock(), "price": 0.1, "host": "h"}),
+        )
         return provider_id
 
     async def all_ids(self) -> builtins.list[str]:

@@ -38,12 +38,21 @@ from offload.autoscale.providers.base import (
 )
 
 CUDA_VERSIONS = ("11.8", "12.0", "12.1", "12.2", "12.3", "12.4", "12.5", "12.6", "12.7", "12.8", "12.9", "13.0")
-OUT_OF_STOCK = ("no longer any instances available", "out of stock", "no available", "not enough capacity",
-                "minimum bid")
+OUT_OF_STOCK = (
+    "no longer any instances available",
+    "out of stock",
+    "no available",
+    "not enough capacity",
+    "minimum bid",
+)
 SPOT_MARGIN = 1.1  # bid this much over the current minimum bid: less likely to be outbid at once
 REST_STATES = {
-    "PROVISIONING": MachineState.PENDING, "STARTING": MachineState.STARTING, "RUNNING": MachineState.RUNNING,
-    "EXITED": MachineState.STOPPED, "ERROR": MachineState.FAILED, "TERMINATED": MachineState.TERMINATED,
+    "PROVISIONING": MachineState.PENDING,
+    "STARTING": MachineState.STARTING,
+    "RUNNING": MachineState.RUNNING,
+    "EXITED": MachineState.STOPPED,
+    "ERROR": MachineState.FAILED,
+    "TERMINATED": MachineState.TERMINATED,
 }
 POD_FIELDS = "id name desiredStatus costPerHr machineId lastStatusChange runtime { uptimeInSeconds }"
 
@@ -85,17 +94,17 @@ class RunPodProvider(Provider):
         if not self.config.min_cuda_version:
             return None
         if self.config.min_cuda_version not in CUDA_VERSIONS:
-            raise ProviderError(f"runpod: unknown min_cuda_version {self.config.min_cuda_version!r}",
-                                retryable=False)
-        return list(CUDA_VERSIONS[CUDA_VERSIONS.index(self.config.min_cuda_version):])
+            raise ProviderError(f"runpod: unknown min_cuda_version {self.config.min_cuda_version!r}", retryable=False)
+        return list(CUDA_VERSIONS[CUDA_VERSIONS.index(self.config.min_cuda_version) :])
 
     def _gpus(self, spec: LaunchSpec) -> list[str]:
         gpus = self.config.gpu_type_ids or ([self.config.gpu_type_id] if self.config.gpu_type_id else [])
         if not gpus and spec.gpu:
             gpus = [spec.gpu]
         if not gpus:
-            raise ProviderError("runpod: no GPU type (set gpu_type_ids / gpu_type_id, or the queue's instance.gpu)",
-                                retryable=False)
+            raise ProviderError(
+                "runpod: no GPU type (set gpu_type_ids / gpu_type_id, or the queue's instance.gpu)", retryable=False
+            )
         return gpus
 
     def _check(self, response: Any, what: str) -> None:
@@ -103,8 +112,10 @@ class RunPodProvider(Provider):
             raise Unauthorized(f"runpod: {what}: the API key was rejected (HTTP {response.status_code})")
 
     async def _prices(self, gpu: str, count: int) -> dict[str, Any]:
-        query = ("query { gpuTypes(input: {id: " + orjson.dumps(gpu).decode() + "}) { id lowestPrice(input: "
-                 "{gpuCount: " + str(count) + "}) { minimumBidPrice uninterruptablePrice stockStatus } } }")
+        query = (
+            "query { gpuTypes(input: {id: " + orjson.dumps(gpu).decode() + "}) { id lowestPrice(input: "
+            "{gpuCount: " + str(count) + "}) { minimumBidPrice uninterruptablePrice stockStatus } } }"
+        )
         data = await self._gql(query, "prices")
         for row in data.get("gpuTypes") or []:
             if row.get("id") == gpu and row.get("lowestPrice") and row["lowestPrice"].get("stockStatus"):
@@ -189,10 +200,15 @@ class RunPodProvider(Provider):
 
     @staticmethod
     def _rest_machine(pod: dict[str, Any]) -> Machine:
-        return Machine(provider_id=str(pod["id"]), label=str(pod.get("name") or ""),
-                       state=REST_STATES.get(str(pod.get("status") or "").upper(), MachineState.PENDING),
-                       price_per_hour=_float(pod.get("cost")), host_id=pod.get("machineId"),
-                       message=str(pod.get("lastStatusChange") or ""), raw=pod)
+        return Machine(
+            provider_id=str(pod["id"]),
+            label=str(pod.get("name") or ""),
+            state=REST_STATES.get(str(pod.get("status") or "").upper(), MachineState.PENDING),
+            price_per_hour=_float(pod.get("cost")),
+            host_id=pod.get("machineId"),
+            message=str(pod.get("lastStatusChange") or ""),
+            raw=pod,
+        )
 
     def _rest_gone(self, r: Any) -> None:
         """A 404/410/501 with no problem body naming a pod means the route itself is missing."""
@@ -201,8 +217,12 @@ class RunPodProvider(Provider):
 
     async def _rest_create(self, spec: LaunchSpec, gpu: str) -> Machine:
         body: dict[str, Any] = {
-            "name": spec.label, "image": spec.image, "cloud": self.config.cloud_type,
-            "gpu": {"id": gpu, "count": spec.gpu_count}, "env": spec.env, "ports": self.config.ports,
+            "name": spec.label,
+            "image": spec.image,
+            "cloud": self.config.cloud_type,
+            "gpu": {"id": gpu, "count": spec.gpu_count},
+            "env": spec.env,
+            "ports": self.config.ports,
             "disk": spec.disk_gb or self.config.container_disk_gb or 50,
         }
         if cuda := self._cuda():
@@ -220,8 +240,9 @@ class RunPodProvider(Provider):
             return self._rest_machine(r.json())
         if _out_of_stock(r.text):
             raise OutOfCapacity(f"runpod: {gpu}: {self.http.excerpt(r)}")
-        raise ProviderError(f"runpod: create: HTTP {r.status_code} {self.http.excerpt(r)}",
-                            retryable=r.status_code != 400)
+        raise ProviderError(
+            f"runpod: create: HTTP {r.status_code} {self.http.excerpt(r)}", retryable=r.status_code != 400
+        )
 
     async def _rest_list(self) -> builtins.list[Machine]:
         r = await self.http.request("GET", "/v2/pods")
@@ -274,15 +295,26 @@ class RunPodProvider(Provider):
             state = MachineState.STOPPED
         else:
             state = MachineState.RUNNING if pod.get("runtime") else MachineState.STARTING
-        return Machine(provider_id=str(pod["id"]), label=str(pod.get("name") or ""), state=state,
-                       price_per_hour=_float(pod.get("costPerHr")), host_id=pod.get("machineId"),
-                       message=str(pod.get("lastStatusChange") or ""), raw=pod)
+        return Machine(
+            provider_id=str(pod["id"]),
+            label=str(pod.get("name") or ""),
+            state=state,
+            price_per_hour=_float(pod.get("costPerHr")),
+            host_id=pod.get("machineId"),
+            message=str(pod.get("lastStatusChange") or ""),
+            raw=pod,
+        )
 
     def _gql_fields(self, spec: LaunchSpec, gpu: str) -> dict[str, Any]:
         fields: dict[str, Any] = {
-            "name": spec.label, "imageName": spec.image, "gpuTypeId": gpu, "cloudType": _Enum(self.config.cloud_type),
-            "gpuCount": spec.gpu_count, "containerDiskInGb": spec.disk_gb or self.config.container_disk_gb or 50,
-            "volumeInGb": self.config.volume_in_gb or 0, "ports": ",".join(self.config.ports),
+            "name": spec.label,
+            "imageName": spec.image,
+            "gpuTypeId": gpu,
+            "cloudType": _Enum(self.config.cloud_type),
+            "gpuCount": spec.gpu_count,
+            "containerDiskInGb": spec.disk_gb or self.config.container_disk_gb or 50,
+            "volumeInGb": self.config.volume_in_gb or 0,
+            "ports": ",".join(self.config.ports),
             "env": [{"key": k, "value": v} for k, v in spec.env.items()],
         }
         if self.config.volume_in_gb:
@@ -295,8 +327,11 @@ class RunPodProvider(Provider):
 
     async def _gql_create(self, spec: LaunchSpec, gpu: str) -> Machine:
         fields = self._gql_fields(spec, gpu)
-        query = ("mutation { podFindAndDeployOnDemand(input: " + _gql_literal(fields)
-                 + ") { id name machineId costPerHr desiredStatus } }")
+        query = (
+            "mutation { podFindAndDeployOnDemand(input: "
+            + _gql_literal(fields)
+            + ") { id name machineId costPerHr desiredStatus } }"
+        )
         data = await self._gql(query, "create", idempotent=False)
         pod = data.get("podFindAndDeployOnDemand")
         if not pod:
@@ -307,12 +342,17 @@ class RunPodProvider(Provider):
         minimum = _float((await self._prices(gpu, spec.gpu_count)).get("minimumBidPrice"))
         cap = (spec.spot_max_price or 0.0) / spec.gpu_count
         if not minimum or minimum > cap:
-            raise OutOfCapacity(f"runpod: {gpu}: no interruptible capacity at <= ${cap:.3f}/GPU/h"
-                                + (f" (minimum bid ${minimum:.3f})" if minimum else ""))
+            raise OutOfCapacity(
+                f"runpod: {gpu}: no interruptible capacity at <= ${cap:.3f}/GPU/h"
+                + (f" (minimum bid ${minimum:.3f})" if minimum else "")
+            )
         fields = self._gql_fields(spec, gpu)
         fields["bidPerGpu"] = round(min(cap, minimum * SPOT_MARGIN), 4)
-        query = ("mutation { podRentInterruptable(input: " + _gql_literal(fields)
-                 + ") { id name machineId costPerHr desiredStatus } }")
+        query = (
+            "mutation { podRentInterruptable(input: "
+            + _gql_literal(fields)
+            + ") { id name machineId costPerHr desiredStatus } }"
+        )
         data = await self._gql(query, "rent interruptible", idempotent=False)
         pod = data.get("podRentInterruptable")
         if not pod:

@@ -34,10 +34,17 @@ from offload.autoscale.providers.base import (
 
 SPOT_MARGIN = 1.1  # bid this much over an offer's minimum bid: less likely to be outbid at once
 STATES = {
-    None: MachineState.PENDING, "": MachineState.PENDING, "created": MachineState.PENDING,
-    "loading": MachineState.STARTING, "rebooting": MachineState.STARTING, "running": MachineState.RUNNING,
-    "stopped": MachineState.STOPPED, "frozen": MachineState.STOPPED, "exited": MachineState.FAILED,
-    "unknown": MachineState.FAILED, "offline": MachineState.FAILED,
+    None: MachineState.PENDING,
+    "": MachineState.PENDING,
+    "created": MachineState.PENDING,
+    "loading": MachineState.STARTING,
+    "rebooting": MachineState.STARTING,
+    "running": MachineState.RUNNING,
+    "stopped": MachineState.STOPPED,
+    "frozen": MachineState.STOPPED,
+    "exited": MachineState.FAILED,
+    "unknown": MachineState.FAILED,
+    "offline": MachineState.FAILED,
 }
 
 
@@ -131,10 +138,15 @@ class VastProvider(Provider):
     async def search(self, spec: LaunchSpec) -> list[dict[str, Any]]:
         gpu, price, disk = self._wanted(spec)
         query: dict[str, Any] = {
-            "gpu_name": {"eq": gpu}, "num_gpus": {"eq": spec.gpu_count}, "rentable": {"eq": True},
-            "rented": {"eq": False}, "disk_space": {"gte": disk}, "inet_down": {"gte": self.config.min_download_mbps},
+            "gpu_name": {"eq": gpu},
+            "num_gpus": {"eq": spec.gpu_count},
+            "rentable": {"eq": True},
+            "rented": {"eq": False},
+            "disk_space": {"gte": disk},
+            "inet_down": {"gte": self.config.min_download_mbps},
             "reliability2": {"gte": self.config.min_reliability},
-            "order": [["min_bid" if spec.spot else "dph_total", "asc"]], "type": "bid" if spec.spot else "on-demand",
+            "order": [["min_bid" if spec.spot else "dph_total", "asc"]],
+            "type": "bid" if spec.spot else "on-demand",
             "limit": 64,
         }
         if spec.spot and spec.spot_max_price is not None:
@@ -168,13 +180,21 @@ class VastProvider(Provider):
             gpu, price, _ = self._wanted(spec)
             if spec.spot:
                 price = spec.spot_max_price
-            raise OutOfCapacity(f"vastai: no {'interruptible ' if spec.spot else ''}offer for {gpu}"
-                                + (f" at <= ${price}/h" if price else ""))
+            raise OutOfCapacity(
+                f"vastai: no {'interruptible ' if spec.spot else ''}offer for {gpu}"
+                + (f" at <= ${price}/h" if price else "")
+            )
         _, _, disk = self._wanted(spec)
         taken = 0
         for offer in offers[: self.config.offers_to_try]:
-            body: dict[str, Any] = {"client_id": "me", "image": spec.image, "env": spec.env, "disk": disk,
-                                    "label": spec.label, "runtype": "args"}
+            body: dict[str, Any] = {
+                "client_id": "me",
+                "image": spec.image,
+                "env": spec.env,
+                "disk": disk,
+                "label": spec.label,
+                "runtype": "args",
+            }
             if spec.command:
                 body["args"] = spec.command
             if self.config.onstart:
@@ -188,22 +208,33 @@ class VastProvider(Provider):
                 taken += 1
                 continue  # taken between search and rent: the next cheapest
             if r.status_code != 200 or not data.get("success"):
-                raise ProviderError(f"vastai: rent offer {offer['id']}: HTTP {r.status_code} {self.http.excerpt(r)}",
-                                    retryable=r.status_code != 400)
+                raise ProviderError(
+                    f"vastai: rent offer {offer['id']}: HTTP {r.status_code} {self.http.excerpt(r)}",
+                    retryable=r.status_code != 400,
+                )
             contract = str(data["new_contract"])
-            return Machine(provider_id=contract, label=spec.label, state=MachineState.PENDING,
-                           price_per_hour=self._cost(offer, spec) or None,
-                           host_id=str(offer.get("machine_id")) if offer.get("machine_id") is not None else None,
-                           raw={"offer": offer})
+            return Machine(
+                provider_id=contract,
+                label=spec.label,
+                state=MachineState.PENDING,
+                price_per_hour=self._cost(offer, spec) or None,
+                host_id=str(offer.get("machine_id")) if offer.get("machine_id") is not None else None,
+                raw={"offer": offer},
+            )
         raise OutOfCapacity(f"vastai: {taken} offer(s) taken before they could be rented")
 
     @staticmethod
     def _machine(inst: dict[str, Any]) -> Machine:
         status = inst.get("actual_status")
-        return Machine(provider_id=str(inst["id"]), label=str(inst.get("label") or ""),
-                       state=STATES.get(status, MachineState.STARTING), price_per_hour=_float(inst.get("dph_total")),
-                       host_id=None if inst.get("machine_id") is None else str(inst.get("machine_id")),
-                       message=str(inst.get("status_msg") or ""), raw=inst)
+        return Machine(
+            provider_id=str(inst["id"]),
+            label=str(inst.get("label") or ""),
+            state=STATES.get(status, MachineState.STARTING),
+            price_per_hour=_float(inst.get("dph_total")),
+            host_id=None if inst.get("machine_id") is None else str(inst.get("machine_id")),
+            message=str(inst.get("status_msg") or ""),
+            raw=inst,
+        )
 
     async def list(self) -> builtins.list[Machine]:
         r = await self.http.request("GET", "/api/v0/instances/", params={"owner": "me"})
