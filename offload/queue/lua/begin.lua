@@ -9,7 +9,9 @@
 -- died or lost its lease inside the submit call), so it is submitted again with the same number and counted
 -- as a possible duplicate. A repeat with the same token (a lost reply, or another try after a 429) answers
 -- the same number again and counts nothing.
--- Returns per item OK:<n>, OK:<n>:DUP, CAP:jobs, CAP:spend (held), CANCEL, STALE or NOTFOUND.
+-- A remote job recorded for the current submission since the claim (a stale worker's answer, attached by
+-- checkpoint.lua) is answered REMOTE:<n>:<remote id>: nothing is sent, the caller polls it.
+-- Returns per item OK:<n>, OK:<n>:DUP, REMOTE:<n>:<id>, CAP:jobs, CAP:spend (held), CANCEL, STALE or NOTFOUND.
 local now = now_ms(ARGV[1])
 local window, job_cap, spend_cap, backend = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 local capped = window ~= '' and (job_cap or spend_cap)
@@ -23,10 +25,13 @@ for _, item in ipairs(cjson.decode(ARGV[6])) do
     out[#out + 1] = err
   else
     local k = jkey(id)
-    local g = redis.call('HMGET', k, 'cancel', 'sub_n', 'sub_open', 'intent_tok', 'remote_n', 'resv_w', 'resv_n')
+    local g = redis.call('HMGET', k, 'cancel', 'sub_n', 'sub_open', 'intent_tok', 'remote_n', 'resv_w', 'resv_n',
+      'remote_id')
     local sub = tonumber(g[2] or '')
     if g[1] == '1' then
       out[#out + 1] = 'CANCEL'
+    elseif sub and g[8] and g[8] ~= '' and tonumber(g[5] or '') == sub then
+      out[#out + 1] = 'REMOTE:' .. sub .. ':' .. g[8]  -- attached since the claim: poll it, pay nothing
     elseif sub and g[3] == '1' and g[4] == token then
       out[#out + 1] = 'OK:' .. sub
     else

@@ -11,6 +11,7 @@ local EVENT_IDS = 100  -- job ids per stream entry: an entry (and so the capped 
 local PRIO_SPAN = 1000000000000  -- 1e12 sequence numbers per priority level
 local CHUNK = 500
 local CENTURY_S = 3153600000
+local TERMINAL = {succeeded = true, dead = true, cancelled = true}  -- states a job never leaves
 
 local function now_ms(arg)
   if arg ~= nil and arg ~= '' then return tonumber(arg) end
