@@ -26,6 +26,7 @@ from offload.autoscale.providers.base import Clock
 from offload.errors import ConfigError
 from offload.queue.keys import prefix
 from offload.redact import Redactor, mask_url
+from offload.redis_client import RedisClient
 
 log = logging.getLogger("offload.autoscale.alerts")
 AlertKind = Literal["autoscale_failure", "boot_timeout", "spend_cap_reached", "dead_letter_growth", "queue_latency"]
@@ -87,7 +88,7 @@ class Alerter:
     def __init__(
         self,
         settings: AlertSettings,
-        redis: Any,
+        redis: RedisClient,
         clock: Clock = time.time,
         http: httpx.AsyncClient | None = None,
         redact: Redactor | None = None,

@@ -30,6 +30,7 @@ import orjson
 
 from offload.autoscale import keys
 from offload.redact import redact
+from offload.redis_client import RedisClient
 
 STATUSES = ("provisioning", "booting", "running", "draining", "terminated", "failed")
 ACTIVE = ("provisioning", "booting", "running")  # counted as capacity
@@ -158,7 +159,7 @@ def _encode(values: dict[str, Any]) -> bytes:
 
 
 class InstanceStore:
-    def __init__(self, redis: Any) -> None:
+    def __init__(self, redis: RedisClient) -> None:
         self.redis = redis
         self._script = redis.register_script(_WRITE)
 
@@ -238,7 +239,7 @@ class InstanceStore:
         return inst
 
 
-async def log_event(redis: Any, now: float, kind: str, message: str, **fields_: Any) -> None:
+async def log_event(redis: RedisClient, now: float, kind: str, message: str, **fields_: Any) -> None:
     """The autoscaler's journal for people: `offload autoscale events` and the API read it (viewer keys too), so
     the message is redacted once more here, whatever the caller did (offload/redact.py)."""
     entry = {
@@ -250,6 +251,6 @@ async def log_event(redis: Any, now: float, kind: str, message: str, **fields_: 
     await redis.xadd(keys.EVENTS, entry, maxlen=EVENTS_MAX, approximate=True)
 
 
-async def read_events(redis: Any, count: int = 50) -> list[dict[str, str]]:
+async def read_events(redis: RedisClient, count: int = 50) -> list[dict[str, str]]:
     rows = await redis.xrevrange(keys.EVENTS, count=count)
     return [dict(fields_) for _, fields_ in reversed(rows)]

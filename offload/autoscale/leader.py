@@ -13,11 +13,11 @@ from __future__ import annotations
 import socket
 import time
 import uuid
-from typing import Any
 
 from offload.autoscale import keys
 from offload.autoscale.instances import Fenced
 from offload.autoscale.providers.base import Clock
+from offload.redis_client import RedisClient
 
 _ACQUIRE = """
 local cur = redis.call('GET', KEYS[1])
@@ -43,7 +43,9 @@ return 0
 
 
 class Leader:
-    def __init__(self, redis: Any, *, ttl: float = 30.0, clock: Clock = time.time, owner: str | None = None) -> None:
+    def __init__(
+        self, redis: RedisClient, *, ttl: float = 30.0, clock: Clock = time.time, owner: str | None = None
+    ) -> None:
         self.redis = redis
         self.ttl = ttl
         self.clock = clock
@@ -78,7 +80,7 @@ class Leader:
         self.token = ""
 
     @staticmethod
-    async def current(redis: Any) -> dict[str, str] | None:
+    async def current(redis: RedisClient) -> dict[str, str] | None:
         cur = await redis.get(keys.LEADER)
         if not cur:
             return None

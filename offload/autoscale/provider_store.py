@@ -21,6 +21,7 @@ from offload.autoscale import keys
 from offload.autoscale.providers import TYPES, validate_config
 from offload.autoscale.vault import Vault
 from offload.errors import ConfigError, OffloadError
+from offload.redis_client import RedisClient
 
 MASK = "****"
 _SWAP = """
@@ -67,7 +68,7 @@ def check_name(name: str, what: str = "provider") -> str:
 
 
 class ProviderStore:
-    def __init__(self, redis: Any, vault: Vault | None = None) -> None:
+    def __init__(self, redis: RedisClient, vault: Vault | None = None) -> None:
         self.redis = redis
         self.vault = vault
         self._pending: list[tuple[str, str, str]] = []

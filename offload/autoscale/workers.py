@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from offload.queue.keys import NAMESPACE, prefix
+from offload.redis_client import RedisClient
 
 INDEX = f"{NAMESPACE}:rworkers"
 REMOTE_PREFIX = "r-"  # the server's GPU-worker ids (offload/server/registry.py); dispatch workers are host:pid
@@ -57,7 +58,7 @@ class WorkerSource(Protocol):
 class RedisWorkers:
     """Reads the registry and the queue events from Redis."""
 
-    def __init__(self, redis: Any) -> None:
+    def __init__(self, redis: RedisClient) -> None:
         self.redis = redis
         self._last: dict[str, str] = {}
 

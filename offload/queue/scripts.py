@@ -8,6 +8,8 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
+from offload.redis_client import RedisClient
+
 EVENTS_MAX = 10_000
 #: Upper bounds (seconds) of the wait (ready -> claimed) and run (claimed -> succeeded) histograms the scripts keep.
 HIST_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
@@ -54,7 +56,7 @@ class Script:
         self.source = source if source is not None else _source(name)
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
 
-    async def __call__(self, redis: Any, keys: list[str], args: list[Any]) -> Any:
+    async def __call__(self, redis: RedisClient, keys: list[str], args: list[Any]) -> Any:
         try:
             return await redis.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:

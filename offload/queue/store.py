@@ -30,6 +30,7 @@ from offload.errors import (
 from offload.models import ClaimedJob, HeartbeatReply, Job, QueueStats
 from offload.queue.keys import QUEUES_KEY, STATE_SETS, new_job_id, prefix, queue_of, validate_queue
 from offload.queue.scripts import HIST_BUCKETS_S, SCRIPTS, Script
+from offload.redis_client import RedisClient
 
 DEFAULT_LEASE_MS = 10_000
 MAX_SILENCE_MS = 5_000
@@ -82,12 +83,56 @@ def _expect(code: Any, job_id: str) -> None:
         raise StaleLease(f"job {job_id}: lease token is stale (another worker owns it or it finished)")
 
 
+def max_payload_limit(max_payload: int | None = None) -> int:
+    """The input-size limit in bytes: the one given, else OFFLOAD_MAX_PAYLOAD, else the default."""
+    return max_payload or env_int("OFFLOAD_MAX_PAYLOAD", DEFAULT_MAX_PAYLOAD, minimum=1)
+
+
+def encode_input(spec: JobSpec, max_payload: int) -> bytes:
+    """The job input as stored (JSON), or the InvalidJob / PayloadTooLarge enqueue raises. A function, so a
+    producer can check specs up front (the CLI reading a file) without a job-store connection."""
+    try:
+        payload = orjson.dumps(spec.input)
+    except TypeError as exc:
+        raise InvalidJob(f"job input is not JSON-serialisable: {exc}") from None
+    if len(payload) > max_payload:
+        raise PayloadTooLarge(f"job input is {len(payload)} bytes, over the limit of {max_payload} bytes")
+    return payload
+
+
+def check_options(spec: JobSpec) -> None:
+    """Raise InvalidJob naming the first option of the spec enqueue would refuse."""
+    if type(spec.priority) is not int or spec.priority not in PRIORITY_RANGE:
+        raise InvalidJob(f"priority must be an integer from -1000 to 1000, got {spec.priority!r}")
+    if type(spec.max_attempts) is not int or spec.max_attempts < 1:
+        raise InvalidJob(f"max_attempts must be an integer >= 1, got {spec.max_attempts!r}")
+    if not isinstance(spec.retention, int) or spec.retention < 0:
+        raise InvalidJob(f"retention must be an integer >= 0 seconds, got {spec.retention!r}")
+    if spec.delay is not None and spec.run_at is not None:
+        raise InvalidJob("give either delay or run_at, not both")
+    if spec.delay is not None and (type(spec.delay) not in (int, float) or spec.delay < 0):
+        raise InvalidJob(f"delay must be >= 0 seconds, got {spec.delay!r}")
+    for name in ("idempotency_key", "output_key"):
+        value = getattr(spec, name)
+        if value is not None and (
+            not isinstance(value, str) or not value or len(value) > 1024 or any(ord(c) < 32 for c in value)
+        ):
+            raise InvalidJob(f"{name} must be a string of 1-1024 printable characters, got {value!r}")
+
+
+def validate_spec(spec: JobSpec, max_payload: int | None = None) -> None:
+    """Raise the error enqueue would raise for this spec, without enqueuing and without a connection (the CLI
+    checks a whole file before the first job goes in)."""
+    encode_input(spec, max_payload_limit(max_payload))
+    check_options(spec)
+
+
 class QueueStore:
     """Async access to the queues of one Redis/Valkey deployment."""
 
     def __init__(
         self,
-        redis: Any,
+        redis: RedisClient,
         *,
         clock: Callable[[], int] | None = None,
         max_payload: int | None = None,
@@ -99,7 +144,7 @@ class QueueStore:
         self.redis = redis
         self.clock = clock
         self.excuse_outages = excuse_outages
-        self.max_payload = max_payload or env_int("OFFLOAD_MAX_PAYLOAD", DEFAULT_MAX_PAYLOAD, minimum=1)
+        self.max_payload = max_payload_limit(max_payload)
         self.lease_ms = lease_ms
         self._known_queues: set[str] = set()
 
@@ -116,17 +161,10 @@ class QueueStore:
 
     def validate(self, spec: JobSpec) -> None:
         """Raise the error enqueue would raise for this spec, without enqueuing (for up-front checks)."""
-        self._payload(spec)
-        self._meta(spec, time.time())
+        validate_spec(spec, self.max_payload)
 
     def _payload(self, spec: JobSpec) -> bytes:
-        try:
-            payload = orjson.dumps(spec.input)
-        except TypeError as exc:
-            raise InvalidJob(f"job input is not JSON-serialisable: {exc}") from None
-        if len(payload) > self.max_payload:
-            raise PayloadTooLarge(f"job input is {len(payload)} bytes, over the limit of {self.max_payload} bytes")
-        return payload
+        return encode_input(spec, self.max_payload)
 
     def _job_args(
         self, queue: str, spec: JobSpec, now_s: float, metas: dict[tuple[Any, ...], int], meta_list: list[str]
@@ -152,22 +190,7 @@ class QueueStore:
         return job_id, payload.decode(), index
 
     def _meta(self, spec: JobSpec, now_s: float) -> str:
-        if type(spec.priority) is not int or spec.priority not in PRIORITY_RANGE:
-            raise InvalidJob(f"priority must be an integer from -1000 to 1000, got {spec.priority!r}")
-        if type(spec.max_attempts) is not int or spec.max_attempts < 1:
-            raise InvalidJob(f"max_attempts must be an integer >= 1, got {spec.max_attempts!r}")
-        if not isinstance(spec.retention, int) or spec.retention < 0:
-            raise InvalidJob(f"retention must be an integer >= 0 seconds, got {spec.retention!r}")
-        if spec.delay is not None and spec.run_at is not None:
-            raise InvalidJob("give either delay or run_at, not both")
-        if spec.delay is not None and (type(spec.delay) not in (int, float) or spec.delay < 0):
-            raise InvalidJob(f"delay must be >= 0 seconds, got {spec.delay!r}")
-        for name in ("idempotency_key", "output_key"):
-            value = getattr(spec, name)
-            if value is not None and (
-                not isinstance(value, str) or not value or len(value) > 1024 or any(ord(c) < 32 for c in value)
-            ):
-                raise InvalidJob(f"{name} must be a string of 1-1024 printable characters, got {value!r}")
+        check_options(spec)
         run_at = ""
         if spec.delay:
             base = self.clock() / 1000 if self.clock else now_s

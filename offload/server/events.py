@@ -21,6 +21,7 @@ import orjson
 from fastapi import APIRouter, Header, HTTPException, Query, Request
 from fastapi.responses import StreamingResponse
 from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
 
 from offload.queue.keys import prefix, validate_queue
 from offload.queue.store import QueueStore
@@ -164,7 +165,7 @@ class EventHub:
         redis = self.store.redis
         by_slot: dict[int, dict[str, str]] = {}
         for key, last in streams.items():
-            by_slot.setdefault(redis.keyslot(key), {})[key] = last
+            by_slot.setdefault(key_slot(key.encode()), {})[key] = last
         found: list[Any] = []
         for reply in await asyncio.gather(*(redis.xread(s, count=500) for s in by_slot.values())):
             found += list(reply.items()) if isinstance(reply, dict) else list(reply or [])

@@ -23,6 +23,7 @@ from typing import Any
 
 from offload.errors import ConfigError, OffloadError
 from offload.queue.keys import NAMESPACE, validate_queue
+from offload.redis_client import RedisClient
 
 SCOPES = ("admin", "producer", "worker", "viewer")
 ALL_QUEUES = "*"
@@ -94,12 +95,12 @@ def _check(scope: str, queues: list[str]) -> frozenset[str] | None:
 class KeyStore:
     """Create, look up, list and revoke keys. Plain single-key commands, so it works on a cluster too."""
 
-    def __init__(self, redis: Any, bootstrap_token: str | None = None) -> None:
+    def __init__(self, redis: RedisClient, bootstrap_token: str | None = None) -> None:
         self.redis = redis
         self._bootstrap = hash_token(check_admin_key(bootstrap_token)) if bootstrap_token else None
 
     @classmethod
-    def from_env(cls, redis: Any) -> KeyStore:
+    def from_env(cls, redis: RedisClient) -> KeyStore:
         return cls(redis, os.environ.get(ADMIN_ENV) or None)
 
     async def create(self, scope: str, queues: list[str] | None = None, name: str = "") -> tuple[ApiKey, str]:

@@ -12,9 +12,9 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from typing import Any
 
 from offload.queue.scripts import Script
+from offload.redis_client import RedisClient
 from offload.worker.batching import Batcher
 
 COOL_PROBE_S = 0.1
@@ -57,7 +57,7 @@ return redis.call('PTTL', KEYS[1])
 class BackendLimits:
     """`await limits.acquire()` before each request to the backend; `cool_down(s)` after a 429."""
 
-    def __init__(self, redis: Any, backend: str, rate_per_s: float | None, burst: int = 1) -> None:
+    def __init__(self, redis: RedisClient, backend: str, rate_per_s: float | None, burst: int = 1) -> None:
         self.redis = redis
         self.keys = [f"offload:{{backend:{backend}}}:gcra", f"offload:{{backend:{backend}}}:cooldown"]
         self.counts_key = counts_key(backend)
@@ -126,6 +126,6 @@ def counts_key(backend: str) -> str:
     return f"offload:{{backend:{backend}}}:counts"
 
 
-async def backend_counters(redis: Any, backend: str) -> dict[str, int]:
+async def backend_counters(redis: RedisClient, backend: str) -> dict[str, int]:
     raw = await redis.hgetall(counts_key(backend))
     return {o: int(raw.get(o, 0)) for o in OUTCOMES}
