@@ -24,7 +24,7 @@ from offload.autoscale.config import Duration
 from offload.autoscale.instances import log_event
 from offload.autoscale.providers.base import Clock
 from offload.errors import ConfigError
-from offload.queue.keys import prefix
+from offload.queue.keys import dead_letter_alert
 from offload.redact import Redactor, mask_url
 from offload.redis_client import RedisClient
 
@@ -196,7 +196,7 @@ class Alerter:
                     )
             if s.dead_letter_growth is not None:
                 dead = stats.counts.get("dead", 0)
-                key = prefix(queue) + "alert:dlg"
+                key = dead_letter_alert(queue)
                 snap = await self.redis.get(key)
                 if snap is None:
                     await self.redis.set(key, f"{dead}|{now}")

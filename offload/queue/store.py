@@ -28,6 +28,7 @@ from offload.errors import (
     StaleLease,
 )
 from offload.models import ClaimedJob, HeartbeatReply, Job, QueueStats
+from offload.queue import keys
 from offload.queue.keys import QUEUES_KEY, STATE_SETS, new_job_id, prefix, queue_of, validate_queue
 from offload.queue.scripts import HIST_BUCKETS_S, SCRIPTS, Script
 from offload.redis_client import RedisClient
@@ -224,7 +225,7 @@ class QueueStore:
         if queue not in self._known_queues:
             await self.redis.sadd(QUEUES_KEY, queue)
             self._known_queues.add(queue)
-        keys = [prefix(queue)]
+        keyset = [prefix(queue)]
         now = self._now()
         script = SCRIPTS.enqueue
         results: list[Any]
@@ -232,7 +233,7 @@ class QueueStore:
             results = list(
                 await asyncio.gather(
                     *(
-                        script(self.redis, keys, [now, int(check_ids), metas_arg, orjson.dumps(c), nonce])
+                        script(self.redis, keyset, [now, int(check_ids), metas_arg, orjson.dumps(c), nonce])
                         for c, nonce in zip(chunks, nonces, strict=True)
                     )
                 )
@@ -241,7 +242,7 @@ class QueueStore:
             for attempt in range(2):
                 pipe = self.redis.pipeline(transaction=False)
                 for chunk, nonce in zip(chunks, nonces, strict=True):
-                    pipe.evalsha(script.sha, 1, *keys, now, int(check_ids), metas_arg, orjson.dumps(chunk), nonce)
+                    pipe.evalsha(script.sha, 1, *keyset, now, int(check_ids), metas_arg, orjson.dumps(chunk), nonce)
                 results = await pipe.execute(raise_on_error=False)
                 if attempt == 0 and any(isinstance(r, NoScriptError) for r in results):
                     await self.redis.script_load(script.source)
@@ -479,7 +480,7 @@ class QueueStore:
 
     async def usage(self, queue: str, window: str) -> tuple[int, float]:
         """(jobs counted, spend) in a cap window, for status views and metrics."""
-        jobs, spend = await self.redis.mget(prefix(queue) + f"cap:{window}:jobs", prefix(queue) + f"cap:{window}:spend")
+        jobs, spend = await self.redis.mget(keys.cap(queue, window, "jobs"), keys.cap(queue, window, "spend"))
         return int(jobs or 0), float(spend or 0.0)
 
     async def hold(self, job_id: str, token: str, reason: str, window: str = "") -> None:
@@ -551,11 +552,11 @@ class QueueStore:
 
     async def pause(self, queue: str) -> None:
         """Stop claims on a queue (it may not have had jobs yet: it is listed from now on)."""
-        await self.redis.set(prefix(validate_queue(queue)) + "paused", "1")
+        await self.redis.set(keys.paused(validate_queue(queue)), "1")
         await self.redis.sadd(QUEUES_KEY, queue)
 
     async def resume(self, queue: str) -> None:
-        await self.redis.delete(prefix(validate_queue(queue)) + "paused")
+        await self.redis.delete(keys.paused(validate_queue(queue)))
 
     async def reap(self, queue: str, limit: int = 1000) -> tuple[int, int, int]:
         """Maintenance step: (promoted, reaped, trimmed). Safe to run from any number of processes."""
@@ -580,7 +581,7 @@ class QueueStore:
         """Jobs in one state, oldest first for waiting states, newest first for finished ones."""
         if state not in STATE_SETS:
             raise InvalidJob(f"unknown state {state!r}; choose one of: {', '.join(STATE_SETS)}")
-        key = prefix(validate_queue(queue)) + STATE_SETS[state]
+        key = keys.state_set(validate_queue(queue), state)
         newest_first = state in ("succeeded", "dead", "cancelled")
         ids = await self.redis.zrange(key, cursor, cursor + limit - 1, desc=newest_first)
         found = await asyncio.gather(*(self.get(job_id) for job_id in ids), return_exceptions=True)
@@ -607,7 +608,7 @@ class QueueStore:
     async def histograms(self, queue: str) -> dict[str, tuple[list[int], int, int]]:
         """The latency histograms the scripts keep: name ("wait", "run") -> (count per bucket of
         HIST_BUCKETS_S plus +Inf, not cumulative; total count; sum in ms)."""
-        raw = await self.redis.hgetall(prefix(validate_queue(queue)) + "hist")
+        raw = await self.redis.hgetall(keys.histograms(validate_queue(queue)))
         out: dict[str, tuple[list[int], int, int]] = {}
         for name in ("wait", "run"):
             buckets = [int(raw.get(f"{name}:{i}", 0)) for i in range(1, len(HIST_BUCKETS_S) + 2)]
@@ -616,7 +617,7 @@ class QueueStore:
 
     async def possible_duplicates(self, queue: str) -> dict[str, int]:
         """Per backend: submissions made again whose earlier try had an unknown outcome (begin.lua)."""
-        raw = await self.redis.hgetall(prefix(validate_queue(queue)) + "dups")
+        raw = await self.redis.hgetall(keys.duplicates(validate_queue(queue)))
         return {backend: int(n) for backend, n in raw.items()}
 
     async def queues(self) -> list[str]:
@@ -626,7 +627,7 @@ class QueueStore:
         self, queue: str, last_id: str = "$", *, block_ms: int | None = None, count: int = 100
     ) -> list[tuple[str, dict[str, str]]]:
         """State changes after `last_id` from the queue's capped stream (for dashboards and --watch)."""
-        key = prefix(validate_queue(queue)) + "events"
+        key = keys.events(validate_queue(queue))
         reply = await self.redis.xread({key: last_id}, count=count, block=block_ms)
         if not reply:
             return []

@@ -13,6 +13,7 @@ import contextlib
 import time
 from collections import Counter
 
+from offload.queue.keys import backend_cooldown, backend_counts, backend_rate
 from offload.queue.scripts import Script
 from offload.redis_client import RedisClient
 from offload.worker.batching import Batcher
@@ -59,8 +60,8 @@ class BackendLimits:
 
     def __init__(self, redis: RedisClient, backend: str, rate_per_s: float | None, burst: int = 1) -> None:
         self.redis = redis
-        self.keys = [f"offload:{{backend:{backend}}}:gcra", f"offload:{{backend:{backend}}}:cooldown"]
-        self.counts_key = counts_key(backend)
+        self.keys = [backend_rate(backend), backend_cooldown(backend)]
+        self.counts_key = backend_counts(backend)
         self.interval_ms = 1000.0 / rate_per_s if rate_per_s else 0.0
         self.burst = max(burst, 1)
         self._counts: Batcher[str, None] = Batcher(self._add_counts)
@@ -122,10 +123,6 @@ class BackendLimits:
 OUTCOMES = ("submitted", "throttled", "errors")
 
 
-def counts_key(backend: str) -> str:
-    return f"offload:{{backend:{backend}}}:counts"
-
-
 async def backend_counters(redis: RedisClient, backend: str) -> dict[str, int]:
-    raw = await redis.hgetall(counts_key(backend))
+    raw = await redis.hgetall(backend_counts(backend))
     return {o: int(raw.get(o, 0)) for o in OUTCOMES}

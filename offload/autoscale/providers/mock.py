@@ -56,7 +56,7 @@ class MockProvider(Provider):
 
     async def _take_fault(self, field: str, configured: int) -> bool:
         """Fault budgets count down in Redis, so they survive a scaler restart (the day test restarts it)."""
-        used = int(await self.redis.hincrby(self.key + ":faults", field, 1))
+        used = int(await self.redis.hincrby(keys.mock_faults(self.name), field, 1))
         return used <= configured
 
     async def create(self, spec: LaunchSpec) -> Machine:
