@@ -116,7 +116,7 @@ def test_docstrings_and_comments_may_mention_keys(tmp_path: Path) -> None:
 
 def _lua_suffixes() -> set[str]:
     found: set[str] = set()
-    for path in LUA.glob("*.lua"):
+    for path in LUA.rglob("*.lua"):
         found.update(re.findall(r"\bP \.\. '([^']*)'", path.read_text()))
     return found
 

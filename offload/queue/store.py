@@ -245,7 +245,7 @@ class QueueStore:
                     pipe.evalsha(script.sha, 1, *keyset, now, int(check_ids), metas_arg, orjson.dumps(chunk), nonce)
                 results = await pipe.execute(raise_on_error=False)
                 if attempt == 0 and any(isinstance(r, NoScriptError) for r in results):
-                    await self.redis.script_load(script.source)
+                    await script.load(self.redis)
                     continue  # re-running is safe: chunks that ran are recognised by their nonce
                 break
         ids: list[str] = []

@@ -14,45 +14,11 @@ import time
 from collections import Counter
 
 from offload.queue.keys import backend_cooldown, backend_counts, backend_rate
-from offload.queue.scripts import Script
+from offload.queue.scripts import SCRIPTS
 from offload.redis_client import RedisClient
 from offload.worker.batching import Batcher
 
 COOL_PROBE_S = 0.1
-
-_ACQUIRE = Script(
-    "rate_acquire",
-    """
--- KEYS: the backend's GCRA key, its cool-down key. ARGV: ms between requests, burst.
--- Returns ms to wait: positive = a slot is reserved, go after the wait; negative = the backend is cooling
--- down, ask again after the wait.
-local cool = redis.call('PTTL', KEYS[2])
-if cool > 0 then return -cool end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local interval, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
-if interval <= 0 then return 0 end
-local tat = tonumber(redis.call('GET', KEYS[1]) or now)
-if tat < now then tat = now end
-local wait = tat - now - (burst - 1) * interval
-if wait < 0 then wait = 0 end
-redis.call('SET', KEYS[1], string.format('%.0f', tat + interval), 'PX', math.ceil(tat + interval - now) + 1000)
-return math.ceil(wait)
-""",
-)
-
-
-_COOL = Script(
-    "cool_down",
-    """
--- KEYS: the backend's cool-down key. ARGV: ms. Extends the cool-down to ms from now unless a longer one runs:
--- one step, so two workers' 429s at once can never shorten the longer pause.
-if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[1]) then
-  redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])
-end
-return redis.call('PTTL', KEYS[1])
-""",
-)
 
 
 class BackendLimits:
@@ -74,7 +40,7 @@ class BackendLimits:
         waited = 0.0
         while True:
             if self.interval_ms:
-                wait_ms = int(await _ACQUIRE(self.redis, self.keys, [self.interval_ms, self.burst]))
+                wait_ms = int(await SCRIPTS.rate_acquire(self.redis, self.keys, [self.interval_ms, self.burst]))
             else:
                 wait_ms = -await self._cooling_ms()
             if wait_ms == 0:
@@ -101,7 +67,7 @@ class BackendLimits:
     async def cool_down(self, seconds: float) -> None:
         """Every worker pauses this backend for `seconds` (the longest requested cool-down wins)."""
         ms = max(int(seconds * 1000), 1)
-        await _COOL(self.redis, [self.keys[1]], [ms])
+        await SCRIPTS.cool_down(self.redis, [self.keys[1]], [ms])
         self._cool_until = max(self._cool_until, time.monotonic() + ms / 1000)  # this process pauses at once
 
     async def count(self, outcome: str) -> None:

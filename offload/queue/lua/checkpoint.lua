@@ -1,8 +1,11 @@
+-- Records where each job runs BEFORE the worker polls it, so a re-delivered job is resumed instead of submitted
+-- (and paid for) again, and closes the submit intent of that submission. Batched: a worker with thousands of
+-- submissions in flight records them in a few calls, not one round trip each.
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
 -- ARGV: now, items: a JSON list of [id, token, backend, remote id, submission number (optional: the job's
--- current one)]. Records where each job runs BEFORE the worker polls it, so a re-delivered job is resumed
--- instead of submitted (and paid for) again, and closes the submit intent of that submission. Batched: a
--- worker with thousands of submissions in flight records them in a few calls, not one round trip each.
--- Returns per item OK, STALE or NOTFOUND; OK:CANCEL when a cancel was requested meanwhile.
+--   current one)]
+-- Returns: per item OK, STALE or NOTFOUND; OK:CANCEL when a cancel was requested meanwhile
+--- @include "common"
 local now = now_ms(ARGV[1])
 local out, ids = {}, {}
 local cancels = redis.call('SCARD', P .. 'cancelreq') > 0
