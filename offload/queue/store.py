@@ -28,7 +28,7 @@ from offload.errors import (
     StaleLease,
 )
 from offload.models import ClaimedJob, HeartbeatReply, Job, QueueStats
-from offload.queue import keys
+from offload.queue import keys, replies
 from offload.queue.keys import QUEUES_KEY, STATE_SETS, new_job_id, prefix, queue_of, validate_queue
 from offload.queue.scripts import HIST_BUCKETS_S, SCRIPTS, Script
 from offload.redis_client import RedisClient
@@ -317,23 +317,7 @@ class QueueStore:
             repr(float(estimate)),
             self._silence(lease),
         )
-        return [
-            ClaimedJob(
-                id=flat[i],
-                token=flat[i + 1],
-                attempt=int(flat[i + 2]),
-                max_attempts=int(flat[i + 3]),
-                input_json=flat[i + 4],
-                output_key=flat[i + 5],
-                backend=flat[i + 6] or None,
-                remote_id=flat[i + 7] or None,
-                cancel_requested=flat[i + 8] == "1",
-                redelivered=flat[i + 9] == "1",
-                submission=int(flat[i + 10] or 0),
-                intent_open=flat[i + 11] == "1",
-            )
-            for i in range(0, len(flat), 12)
-        ]
+        return replies.claimed(flat)
 
     async def heartbeat(
         self,
@@ -572,8 +556,7 @@ class QueueStore:
         if not reply:
             raise JobNotFound(f"job {job_id} not found")
         flat, deadline = reply
-        h = dict(zip(flat[::2], flat[1::2], strict=True))
-        return Job.from_hash(job_id, h, int(float(deadline)) if deadline else None)
+        return Job.from_hash(job_id, replies.pairs(flat), int(float(deadline)) if deadline else None)
 
     async def list_jobs(
         self, queue: str, state: str, *, cursor: int = 0, limit: int = 50
@@ -593,17 +576,7 @@ class QueueStore:
         return jobs, next_cursor
 
     async def stats(self, queue: str) -> QueueStats:
-        r = await self._run(SCRIPTS.stats, validate_queue(queue))
-        names = ("queued", "delayed", "active", "submitted", "retrying", "held", "succeeded", "dead", "cancelled")
-        totals_flat = r[12]
-        return QueueStats(
-            queue=queue,
-            paused=bool(r[0]),
-            counts={name: int(v) for name, v in zip(names, r[1:10], strict=True)},
-            oldest_ready_age_ms=int(r[10]) if int(r[10]) >= 0 else None,
-            workers=int(r[11]),
-            totals={k: int(v) for k, v in zip(totals_flat[::2], totals_flat[1::2], strict=True)},
-        )
+        return replies.queue_stats(queue, await self._run(SCRIPTS.stats, validate_queue(queue)))
 
     async def histograms(self, queue: str) -> dict[str, tuple[list[int], int, int]]:
         """The latency histograms the scripts keep: name ("wait", "run") -> (count per bucket of
