@@ -174,3 +174,30 @@ async def test_moved_scripts_run_again_after_the_server_forgets_them(valkey_url:
         assert (await store.get(job_id)).state == "queued"
     finally:
         await redis.aclose()
+
+
+async def test_a_garbled_leader_lock_is_taken_over_not_an_error_forever(valkey_url: str) -> None:
+    """A lock value not in the owner|token|expiry form (a hand edit, a restore from an old dump) made the acquire
+    script compare nil with a number: every acquire failed with a script error, so no server could ever lead
+    again. Now the value parses to nothing: nobody holds it, the next acquire takes it, and a fenced instance
+    write checked against it is refused, never applied."""
+    from offload.autoscale.instances import Fenced, Instance, InstanceStore
+
+    redis = await connect(valkey_url)
+    try:
+        await redis.set(autoscale_keys.LEADER, "garbage")
+        store = InstanceStore(redis)
+        inst = Instance(id="i-1", queue="gpu", provider="mock", status="provisioning", created_at=1.0)
+        with pytest.raises(Fenced):
+            await store.create(inst, fence="1")
+        assert await redis.exists(autoscale_keys.instance("i-1")) == 0
+        other = Leader(redis, ttl=30, owner="other")
+        await other.release()  # not its lock: nothing happens
+        assert await redis.get(autoscale_keys.LEADER) == "garbage"
+        leader = Leader(redis, ttl=30, owner="me")
+        assert await leader.acquire()
+        await leader.check()
+        await store.create(inst, fence=leader.token)
+        assert await redis.hget(autoscale_keys.instance("i-1"), "status") == "provisioning"
+    finally:
+        await redis.aclose()
