@@ -9,24 +9,17 @@ refuses EVALSHA, one XREAD cannot span slots): there `isinstance(redis, RedisClu
 
 A command offload starts using is added here, with the reply type decoded responses give; mypy then rejects a
 call the Protocol does not list, so a typo or a wrong argument is caught where `Any` let it through.
+`register_script` is left out on purpose: scripts run through the one loader, offload/queue/scripts.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol, overload
 
 Value = str | bytes | int | float
 Entry = tuple[str, dict[str, str]]  # one stream entry: (id, fields)
 Members = set[str]  # named here: inside RedisClient, `set` is the SET command
-
-
-class RedisScript(Protocol):
-    """What `register_script` returns: a callable that runs the script by SHA, loading it on NOSCRIPT."""
-
-    def __call__(
-        self, keys: Sequence[str] | None = None, args: Iterable[Value] | None = None, client: RedisClient | None = None
-    ) -> Awaitable[Any]: ...
 
 
 class RedisPipeline(Protocol):
@@ -61,7 +54,6 @@ class RedisClient(Protocol):
     async def eval(self, script: str, numkeys: int, *keys_and_args: Value) -> Any: ...
     async def evalsha(self, sha: str, numkeys: int, *keys_and_args: Value) -> Any: ...
     async def script_load(self, script: str) -> str: ...
-    def register_script(self, script: str) -> RedisScript: ...
 
     # keys and strings
     async def get(self, name: str) -> str | None: ...

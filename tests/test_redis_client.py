@@ -21,11 +21,7 @@ from offload.redis_client import RedisClient, RedisPipeline
 
 
 def _members(protocol: type) -> list[str]:
-    return sorted(
-        name
-        for name, value in vars(protocol).items()
-        if callable(value) and not name.startswith("_") and name not in ("register_script",)
-    )
+    return sorted(name for name, value in vars(protocol).items() if callable(value) and not name.startswith("_"))
 
 
 def _params(fn: object) -> list[inspect.Parameter]:
@@ -81,10 +77,6 @@ class _Wrong(Protocol):
 
 def test_the_check_catches_a_wrong_protocol() -> None:
     assert _problems(_Wrong, Redis) == ["Redis.get has no parameter 'key'", "Redis.hgetall_typo does not exist"]
-
-
-def test_register_script_exists_on_both_clients() -> None:
-    assert callable(Redis.register_script) and callable(RedisCluster.register_script)
 
 
 async def test_the_connected_client_answers_str_as_promised(valkey_url: str) -> None:
