@@ -66,7 +66,8 @@ def claimed(flat: list[str]) -> list[ClaimedJob]:
         raise ValueError(
             f"claim reply of {len(flat)} fields is not {CLAIM_WIDTH} per job: claim.lua and replies.py disagree"
         )
-    return [_claimed_job(*flat[i : i + CLAIM_WIDTH]) for i in range(0, len(flat), CLAIM_WIDTH)]
+    rows = [iter(flat)] * CLAIM_WIDTH  # one iterator CLAIM_WIDTH times: zip takes each job's fields in turn
+    return [_claimed_job(*row) for row in zip(*rows, strict=True)]
 
 
 def pairs(flat: list[str]) -> dict[str, str]:
