@@ -38,7 +38,7 @@ from offload.cli.session import run_redis, settings
 from offload.errors import InvalidJob, OffloadError
 from offload.models import Job, QueueStats
 from offload.queue.keys import STATE_SETS, queue_of, validate_queue
-from offload.queue.store import DEFAULT_MAX_ATTEMPTS, JobSpec, QueueStore
+from offload.queue.store import DEFAULT_MAX_ATTEMPTS, JobSpec, QueueStore, max_payload_limit, validate_spec
 
 T = TypeVar("T")
 
@@ -92,7 +92,7 @@ def _parse_lines(lines: Iterator[bytes], defaults: dict[str, Any]) -> list[JobSp
     """A line is a bare JSON input, or {"input": ..., <JobSpec options>} to set options per job. Every line
     is checked by the store's own validation before anything is enqueued."""
     specs: list[JobSpec] = []
-    checker = QueueStore(None)
+    limit = max_payload_limit()  # read once, before any line: a bad OFFLOAD_MAX_PAYLOAD is not a line's fault
     for n, raw in enumerate(lines, 1):
         if not raw.strip():
             continue
@@ -111,7 +111,7 @@ def _parse_lines(lines: Iterator[bytes], defaults: dict[str, Any]) -> list[JobSp
             item = item["input"]
         try:
             spec = JobSpec(input=item, **opts)
-            checker.validate(spec)
+            validate_spec(spec, limit)
         except (OffloadError, TypeError) as exc:
             raise InvalidJob(f"line {n}: {exc}") from None
         specs.append(spec)

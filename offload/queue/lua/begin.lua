@@ -1,17 +1,19 @@
--- ARGV: now, cap window, job cap ('' none), spend cap ('' none), backend name, items: a JSON list of
--- [id, token, estimated cost]. Run right before the provider call, per job, in one atomic step: the lease
--- check (a stale worker must not pay), the cancel check (a job cancelled while its worker waited on the
--- rate limit is not submitted), the cap reservation (over a cap the job is held, here, at once), and the
--- submit intent: the submission number `sub_n`, `intent_at` and `intent_by`, open until the checkpoint
--- records the remote id. The submission number names the remote run in the Idempotency-Key: it goes up only
--- when a new run is wanted (the first submission, or after the previous remote job failed, expired or timed
--- out); an intent still open from an earlier lease means that submission's outcome is unknown (its worker
--- died or lost its lease inside the submit call), so it is submitted again with the same number and counted
--- as a possible duplicate. A repeat with the same token (a lost reply, or another try after a 429) answers
--- the same number again and counts nothing.
--- A remote job recorded for the current submission since the claim (a stale worker's answer, attached by
--- checkpoint.lua) is answered REMOTE:<n>:<remote id>: nothing is sent, the caller polls it.
--- Returns per item OK:<n>, OK:<n>:DUP, REMOTE:<n>:<id>, CAP:jobs, CAP:spend (held), CANCEL, STALE or NOTFOUND.
+-- Run right before the provider call, per job, in one atomic step: the lease check (a stale worker must not pay),
+-- the cancel check (a job cancelled while its worker waited on the rate limit is not submitted), the cap
+-- reservation (over a cap the job is held, here, at once), and the submit intent: the submission number `sub_n`,
+-- `intent_at` and `intent_by`, open until the checkpoint records the remote id. The submission number names the
+-- remote run in the Idempotency-Key: it goes up only when a new run is wanted (the first submission, or after the
+-- previous remote job failed, expired or timed out); an intent still open from an earlier lease means that
+-- submission's outcome is unknown (its worker died or lost its lease inside the submit call), so it is submitted
+-- again with the same number and counted as a possible duplicate. A repeat with the same token (a lost reply, or
+-- another try after a 429) answers the same number again and counts nothing. A remote job recorded for the
+-- current submission since the claim (a stale worker's answer, attached by checkpoint.lua) is answered REMOTE:
+-- nothing is sent, the caller polls it.
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- ARGV: now, cap window, job cap ('' none), spend cap ('' none), backend name, items: a JSON list of [id,
+--   token, estimated cost]
+-- Returns: per item OK:<n>, OK:<n>:DUP, REMOTE:<n>:<remote id>, CAP:jobs, CAP:spend (held), CANCEL, STALE or NOTFOUND
+--- @include "common"
 local now = now_ms(ARGV[1])
 local window, job_cap, spend_cap, backend = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 local capped = window ~= '' and (job_cap or spend_cap)

@@ -1,15 +1,19 @@
--- ARGV: now, items: a JSON list of [id, token, backend, remote id, submission number (optional: the job's
--- current one)]. Records where each job runs BEFORE the worker polls it, so a re-delivered job is resumed
--- instead of submitted (and paid for) again, and closes the submit intent of that submission. Batched: a
--- worker with thousands of submissions in flight records them in a few calls, not one round trip each.
+-- Records where each job runs BEFORE the worker polls it, so a re-delivered job is resumed instead of submitted
+-- (and paid for) again, and closes the submit intent of that submission. Batched: a worker with thousands of
+-- submissions in flight records them in a few calls, not one round trip each.
 -- A remote id is never thrown away while it can still serve its job: a worker whose lease lapsed while its
--- submit call was out (a SIGSTOP, a starved process) still reports the answer, and when the job is not
--- terminal and that submission has no remote id yet, the id is ATTACHED to the job (the next owner polls it
--- instead of paying again: begin.lua answers REMOTE). A second remote id for a submission that already has
--- one (a provider that ignored the Idempotency-Key ran it twice) is refused with the first id, so the caller
--- cancels its own copy: DUP:<first> to the owner (which goes on with the first), STALE:DUP to a stale worker.
--- Returns per item OK, OK:CANCEL (a cancel was requested meanwhile), DUP:<first id>, ATTACHED, STALE:DUP,
--- STALE or NOTFOUND.
+-- submit call was out (a SIGSTOP, a starved process) still reports the answer, and when the job is not terminal
+-- and that submission has no remote id yet, the id is ATTACHED to the job (the next owner polls it instead of
+-- paying again: begin.lua answers REMOTE). A second remote id for a submission that already has one (a provider
+-- that ignored the Idempotency-Key ran it twice) is refused with the first id, so the caller cancels its own
+-- copy: DUP:<first> to the owner (which goes on with the first), STALE:DUP to a stale worker. Attach and DUP
+-- need the caller's submission number (the dispatch worker always sends it).
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- ARGV: now, items: a JSON list of [id, token, backend, remote id, submission number (optional: the job's
+--   current one)]
+-- Returns: per item OK, OK:CANCEL (a cancel was requested meanwhile), DUP:<first id>, ATTACHED, STALE:DUP,
+--   STALE or NOTFOUND
+--- @include "common"
 local now = now_ms(ARGV[1])
 local out, ids = {}, {}
 local cancels = redis.call('SCARD', P .. 'cancelreq') > 0
