@@ -15,6 +15,7 @@ Messages never contain credentials: they name the setting (`storage.secret_acces
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import IO, Any, Protocol, runtime_checkable
 
 import orjson
@@ -51,6 +52,17 @@ class ObjectNotFound(OffloadError, KeyError):
 class InvalidKey(OffloadError, ValueError):
     """A key that is unsafe as a path (`..`, absolute, NUL) or too long; rejected by every backend alike so a
     key that works on S3 in production also works on the local backend in development, and vice versa."""
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """What a HEAD or a listing tells about one object. `etag` without quotes (S3's MD5-based tag, or None);
+    `modified` in epoch seconds."""
+
+    key: str
+    size: int
+    etag: str | None
+    modified: float
 
 
 def validate_key(key: str) -> str:
@@ -117,6 +129,28 @@ class Storage(Protocol):
 
     async def presigned_url(self, key: str, expires_s: int = 3600) -> str:
         """A URL that reads the object without credentials: an expiring presigned GET for S3, `file://` locally."""
+        ...
+
+    async def head(self, key: str) -> ObjectInfo | None:
+        """Size, ETag and modification time of the object at `key`; None when there is none."""
+        ...
+
+    async def delete(self, key: str) -> None:
+        """Remove the object at `key`; a missing object is not an error (deletes are retried)."""
+        ...
+
+    async def list_objects(self, prefix: str, limit: int = 1000) -> list[ObjectInfo]:
+        """Up to `limit` objects whose key starts with `prefix`, in key order."""
+        ...
+
+    async def presigned_put_url(self, key: str, expires_s: int, content_type: str, size: int) -> str | None:
+        """A URL that writes exactly `size` bytes to `key` without credentials; None where the backend cannot
+        issue one (the local directory), so callers can say that files over HTTP need S3."""
+        ...
+
+    async def abort_uploads(self, prefix: str, older_than_s: float) -> int:
+        """Abort multipart uploads under `prefix` started more than `older_than_s` ago (their parts cost storage
+        but are invisible to listings); how many. A backend without multipart uploads returns 0."""
         ...
 
     async def aclose(self) -> None:
