@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any, cast
 
+from offload.errors import OffloadError
+
 REF_KEY = "$file"
 REF_FIELDS = frozenset({REF_KEY, "size", "sha256", "content_type", "name"})
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
@@ -82,7 +84,7 @@ class File:
         return len(self._data) if self._data is not None else None
 
 
-class FileUnreadable(ValueError):
+class FileUnreadable(OffloadError, ValueError):
     """A `File` whose source cannot be read: the message names the path and why."""
 
 

@@ -14,8 +14,12 @@ Messages never contain credentials: they name the setting (`storage.secret_acces
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
 import orjson
@@ -87,6 +91,25 @@ def dump_json(obj: Any) -> bytes:
         return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
 
 
+def write_stream(path: Path, chunks: Iterator[bytes]) -> tuple[int, str]:
+    """Write `chunks` to a temp file beside `path`, then rename it over `path`: (size, SHA-256 hex). A failure
+    part-way leaves no file at `path` (blocking: run it in a thread)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name[:100]}.{os.getpid()}.part")
+    digest, size = hashlib.sha256(), 0
+    try:
+        with tmp.open("wb") as f:
+            for chunk in chunks:
+                digest.update(chunk)
+                size += len(chunk)
+                f.write(chunk)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return size, digest.hexdigest()
+
+
 def join_prefix(prefix: str, key: str) -> str:
     """`prefix` + `key` with exactly one slash between them; an empty prefix adds nothing."""
     prefix = prefix.strip("/")
@@ -129,6 +152,11 @@ class Storage(Protocol):
 
     async def presigned_url(self, key: str, expires_s: int = 3600) -> str:
         """A URL that reads the object without credentials: an expiring presigned GET for S3, `file://` locally."""
+        ...
+
+    async def download(self, key: str, path: Path) -> tuple[int, str]:
+        """Stream the object to the file `path` (replaced when complete); its (size, SHA-256 hex).
+        `ObjectNotFound` if there is none."""
         ...
 
     async def head(self, key: str) -> ObjectInfo | None:

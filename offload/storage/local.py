@@ -19,7 +19,15 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any
 
-from offload.storage.base import ObjectInfo, ObjectNotFound, StorageError, dump_json, join_prefix, validate_key
+from offload.storage.base import (
+    ObjectInfo,
+    ObjectNotFound,
+    StorageError,
+    dump_json,
+    join_prefix,
+    validate_key,
+    write_stream,
+)
 
 TMP_SUFFIX = ".tmp"
 
@@ -68,6 +76,18 @@ class LocalStorage:
     async def presigned_url(self, key: str, expires_s: int = 3600) -> str:
         """A `file://` URL; nothing expires locally, so `expires_s` is ignored."""
         return self._path(key).as_uri()
+
+    async def download(self, key: str, path: Path) -> tuple[int, str]:
+        source = self._path(key)
+
+        def copy() -> tuple[int, str]:
+            try:
+                with source.open("rb") as f:
+                    return write_stream(path, iter(lambda: f.read(1 << 20), b""))
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+                raise ObjectNotFound(f"no object at {source}") from None
+
+        return await asyncio.to_thread(copy)
 
     async def head(self, key: str) -> ObjectInfo | None:
         path = self._path(key)

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
@@ -45,6 +46,7 @@ from offload.storage.base import (
     dump_json,
     join_prefix,
     validate_key,
+    write_stream,
 )
 
 if TYPE_CHECKING:
@@ -199,6 +201,15 @@ class S3Storage:
         """Signed locally (no request), so it works even when the store is down; S3 caps `expires_s` at 7 days."""
         params = {"Bucket": self.bucket, "Key": self._key(key)}
         return self._client.generate_presigned_url("get_object", Params=params, ExpiresIn=int(expires_s))
+
+    async def download(self, key: str, path: Path) -> tuple[int, str]:
+        full = self._key(key)
+
+        def fetch() -> tuple[int, str]:
+            body = self._client.get_object(Bucket=self.bucket, Key=full)["Body"]
+            return write_stream(path, iter(lambda: body.read(1 << 20), b""))
+
+        return await self._run("get", full, fetch)
 
     async def head(self, key: str) -> ObjectInfo | None:
         full = self._key(key)
