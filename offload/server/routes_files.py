@@ -17,10 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from offload.errors import InvalidJob, JobNotFound, StaleLease
 from offload.files import reference
-from offload.queue.keys import new_job_id, queue_of
+from offload.queue.keys import new_job_id, queue_of, validate_queue
 from offload.server.auth import GuardedRoute, Principal, guard, produce_path_queue
 from offload.server.file_refs import input_keys
-from offload.server.routes_jobs import require_queue
 from offload.server.routes_workers import _job_for, _work_path_job
 from offload.server.state import ServerState, get_state
 from offload.storage.inputs import file_key, inputs_prefix, outputs_prefix
@@ -90,7 +89,7 @@ async def _put_url(state: ServerState, key: str, content_type: str, size: int) -
 @guard(produce_path_queue)
 async def create_upload(request: Request, queue: str, body: UploadRequest, key: Principal) -> UploadReply:
     state = get_state(request)
-    await require_queue(state, queue)
+    validate_queue(queue)  # like an enqueue, the first upload may name a queue nothing was sent to yet
     _limit(state, body.size)
     job_id = body.job_id or new_job_id(queue)
     try:
