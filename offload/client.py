@@ -15,15 +15,17 @@ import asyncio
 import dataclasses
 import threading
 from collections.abc import Coroutine, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from offload.connection import connect
-from offload.files import files_in
+from offload.files import DEFAULT_MAX_FILE_BYTES, files_in
 from offload.models import Job, QueueStats
 from offload.queue.keys import new_job_id
 from offload.queue.store import JobSpec, QueueStore
-from offload.storage import Storage, create_storage
-from offload.storage.inputs import DEFAULT_MAX_FILE_BYTES, delete_keys, upload_input_files
+
+if TYPE_CHECKING:  # storage (boto3) loads on the first File, not with `import offload`
+    from offload.storage import Storage
+
 
 T = TypeVar("T")
 
@@ -52,7 +54,7 @@ class AsyncClient:
         self._store: QueueStore | None = None
         self._lock = asyncio.Lock()
         self._storage_arg = storage
-        self._storage: Storage | None = storage if isinstance(storage, Storage) else None
+        self._storage: Storage | None = None if storage is None or isinstance(storage, Mapping) else storage
         self._owns_storage = False
         self._max_file_bytes = max_file_bytes
 
@@ -66,6 +68,8 @@ class AsyncClient:
 
     async def _files_storage(self) -> tuple[Storage, int]:
         """The storage for input files: the one given, else offload.yaml's (built on first need)."""
+        from offload.storage import create_storage
+
         if self._storage is None:
             if isinstance(self._storage_arg, Mapping):
                 block: Mapping[str, Any] = self._storage_arg
@@ -86,6 +90,8 @@ class AsyncClient:
         """The spec with its files uploaded and replaced by references (its id fixed first), and their keys."""
         if not files_in(spec.input):
             return spec, []
+        from offload.storage.inputs import upload_input_files
+
         storage, limit = await self._files_storage()
         job_id = spec.job_id or new_job_id(queue)
         (await self.store()).validate(dataclasses.replace(spec, input=None))  # bad options: fail before uploading
@@ -95,6 +101,8 @@ class AsyncClient:
     async def _enqueue_specs(self, queue: str, specs: list[JobSpec]) -> list[str]:
         """Upload files, then enqueue; on any failure (or a duplicate that kept an earlier job) delete what this
         call uploaded, so no file is left that no job refers to."""
+        from offload.storage.inputs import delete_keys
+
         uploads: list[tuple[str | None, list[str]]] = []  # (job id, its file keys) per spec
         ready: list[JobSpec] = []
         try:

@@ -24,6 +24,7 @@ from typing import IO, Any, cast
 from offload.errors import OffloadError
 
 REF_KEY = "$file"
+DEFAULT_MAX_FILE_BYTES = 5 * 1024**3  # storage.max_input_file_bytes unless set: S3's single-PUT limit
 REF_FIELDS = frozenset({REF_KEY, "size", "sha256", "content_type", "name"})
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")

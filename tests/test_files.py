@@ -8,6 +8,7 @@ import hashlib
 import io
 import os
 import secrets
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,9 @@ from s3server import RcloneS3
 
 from offload import AsyncClient, File
 from offload.files import REF_KEY, field_name, references_in
+from offload.queue.keys import new_job_id
 from offload.queue.store import QueueStore
+from offload.server.file_sweep import FileSweep
 from offload.storage import S3Storage, create_storage
 from offload.storage.inputs import FileTooLarge, inputs_prefix, job_of_key, outputs_prefix
 
@@ -214,12 +217,13 @@ async def test_bad_options_fail_before_anything_is_uploaded(client: AsyncClient,
 def test_key_layout_names_the_job() -> None:
     job_id = "gpu:0190a1b2c3d4e5f6a7b8c9d0e1f2"
     assert inputs_prefix(job_id) == "results/gpu:_in/0190a1b2c3d4e5f6a7b8c9d0e1f2/"
-    assert outputs_prefix(job_id) == "results/gpu:0190a1b2c3d4e5f6a7b8c9d0e1f2/files/out/"
+    assert outputs_prefix(job_id) == "results/gpu:_out/0190a1b2c3d4e5f6a7b8c9d0e1f2/"
     assert job_of_key("gpu", inputs_prefix(job_id) + "0-a.wav") == job_id
     assert job_of_key("gpu", outputs_prefix(job_id) + "0-a.png") == job_id
     assert job_of_key("gpu", "results/gpu:0190a1b2c3d4e5f6a7b8c9d0e1f2.json") is None
     assert job_of_key("other", inputs_prefix(job_id) + "0-a.wav") is None
     assert job_of_key("gpu", "results/gpu:_in/../x") is None
+    assert job_of_key("gpu", "results/gpu:_in/0190a1b2c3d4e5f6a7b8c9d0e1f2") is None  # a prefix, not a file
     assert field_name(("a", 0, "b")) == "input.a[0].b"
 
 
@@ -241,3 +245,31 @@ async def test_inputs_without_files_never_touch_storage(backend_url: str) -> Non
         ids = await c.enqueue_many("plain", [{"b": 2}])
         assert (await c.get(job_id)).input == {"a": 1} and len(ids) == 1
         assert c._storage is None
+
+
+async def test_sweep_deletes_files_whose_job_is_gone(
+    client: AsyncClient, storage: S3Storage, s3: RcloneS3, bucket: str
+) -> None:
+    """Retention or purge removes a record; the sweep then removes its files, keeping live jobs' files and
+    fresh uploads (their enqueue may still be coming) and aborting old unfinished multipart uploads."""
+    store = await client.store()
+    live = await client.enqueue("sweep-live", {"f": File(b"keep me")})
+    purged = await client.enqueue("sweep-gone", {"f": File(b"purge me"), "g": [File(b"and me")]})
+    orphan = new_job_id("sweep-live")  # an upload whose producer died before enqueueing
+    await storage.put_bytes(inputs_prefix(orphan) + "0-x.bin", b"orphan")
+    outputs = outputs_prefix(purged) + "1/0-out.png"  # a GPU worker's output of the purged job
+    await storage.put_bytes(outputs, b"png")
+    multipart = s3.client().create_multipart_upload(Bucket=bucket, Key=inputs_prefix(orphan) + "1-big.bin")
+    assert await store.purge("sweep-gone", "queued") == 1
+    before = set(objects(s3, bucket))
+
+    fresh = FileSweep(storage, store, grace_s=3600)  # everything is younger than the grace: nothing goes
+    assert await fresh.run_once() == 0 and set(objects(s3, bucket)) == before
+    assert len(pending_uploads(s3, bucket)) == 1
+
+    later = FileSweep(storage, store, grace_s=3600, clock=lambda: time.time() + 7200)
+    assert await later.run_once() == 4  # the purged job's two inputs and its output, and the orphan
+    left = objects(s3, bucket)
+    assert left and all(job_of_key("sweep-live", k) == live for k in left)
+    assert pending_uploads(s3, bucket) == [] and multipart["UploadId"]
+    assert (await client.get(live)).input["f"]["size"] == 7

@@ -21,8 +21,6 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from offload.redact import bare_url
-
 _URL = re.compile(r"https?://[^\s\"'<>]+", re.IGNORECASE)
 FETCH_TIMEOUT_S = 600.0
 CHUNK = 1 << 20
@@ -53,6 +51,13 @@ def _loopback(url: str) -> bool:
         return False
 
 
+def _shown(url: str) -> str:
+    """scheme://host[:port]/path: a presigned URL's query is its credential (the simulator stands alone, so it does
+    not borrow offload.redact's copy of this rule)."""
+    p = urlsplit(url)
+    return f"{p.scheme}://{p.hostname}{f':{p.port}' if p.port else ''}{p.path}"
+
+
 def input_urls(payload: Any) -> list[str]:
     return list(dict.fromkeys(s for s in _strings(payload) if _URL.fullmatch(s) and _loopback(s)))
 
@@ -77,7 +82,7 @@ class InputFetcher:
             task.add_done_callback(self._tasks.discard)
 
     async def _fetch(self, job_id: str, url: str) -> None:
-        entry: dict[str, Any] = {"url": bare_url(url), "status": None, "size": 0, "sha256": None}
+        entry: dict[str, Any] = {"url": _shown(url), "status": None, "size": 0, "sha256": None}
         digest = hashlib.sha256()
         try:
             async with (

@@ -167,8 +167,8 @@ class Storage(Protocol):
         """Remove the object at `key`; a missing object is not an error (deletes are retried)."""
         ...
 
-    async def list_objects(self, prefix: str, limit: int = 1000) -> list[ObjectInfo]:
-        """Up to `limit` objects whose key starts with `prefix`, in key order."""
+    async def list_objects(self, prefix: str, limit: int = 1000, after: str = "") -> list[ObjectInfo]:
+        """Up to `limit` objects whose key starts with `prefix`, in key order, from the first key after `after`."""
         ...
 
     async def presigned_put_url(self, key: str, expires_s: int, content_type: str, size: int) -> str | None:

@@ -3,8 +3,8 @@ GPU worker gets at them without our credentials.
 
 Keys (inside each queue's own namespace, `offload.storage.namespace`; the `_` makes them reserved):
 
-    results/<queue>:_in/<hex>/<n>-<name>       input files of job <queue>:<hex>
-    results/<queue>:<hex>/files/out/<n>-<name>  files a GPU worker's handler returned for that job
+    results/<queue>:_in/<hex>/<n>-<name>            input files of job <queue>:<hex>
+    results/<queue>:_out/<hex>/<attempt>/<n>-<name>  files a GPU worker's handler returned for that job
 
 Both carry the job id, so the server's sweep (`sweep`) can tell whose a file is without an index: a file whose job
 record is gone (retention, purge) and that is older than the upload grace is deleted. The grace covers the window
@@ -31,16 +31,16 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from offload.errors import OffloadError
-from offload.files import REF_KEY, File, field_name, files_in, reference, replace, safe_name
+from offload.files import DEFAULT_MAX_FILE_BYTES, REF_KEY, File, field_name, files_in, reference, replace, safe_name
 from offload.storage.base import Storage, StorageError
 from offload.storage.namespace import own_prefix
 from offload.storage.s3 import PART_BYTES
 
-DEFAULT_MAX_FILE_BYTES = 5 * 1024**3
 DEFAULT_URL_EXPIRES_S = 86_400
 INPUTS = "_in/"
-OUTPUTS = "files/out/"
-_HEX = re.compile(r"^[0-9a-f]{12,64}$")
+OUTPUTS = "_out/"
+# the part of a job id after its queue: hex for ids offload issues; ingested tutorial jobs keep their own ids
+_HEX = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _ETAG = re.compile(r"^[0-9a-f]{32}(-\d+)?$")
 
 
@@ -66,22 +66,18 @@ def inputs_prefix(job_id: str) -> str:
 
 def outputs_prefix(job_id: str) -> str:
     """Where a GPU worker may put files for this job, and nowhere else."""
-    _split(job_id)
-    return f"results/{job_id}/{OUTPUTS}"
+    queue, hex_part = _split(job_id)
+    return f"{own_prefix(queue)}{OUTPUTS}{hex_part}/"
 
 
 def job_of_key(queue: str, key: str) -> str | None:
     """The job a file key belongs to (inputs or worker outputs of `queue`), None for any other key."""
     rest = key.removeprefix(own_prefix(queue))
-    if rest == key:
-        return None
-    if rest.startswith(INPUTS):
-        hex_part = rest[len(INPUTS) :].partition("/")[0]
-    else:
-        hex_part, slash, tail = rest.partition("/")
-        if not slash or not tail.startswith(OUTPUTS):
-            return None
-    return f"{queue}:{hex_part}" if _HEX.match(hex_part) else None
+    for space in (INPUTS, OUTPUTS):
+        if rest != key and rest.startswith(space):
+            hex_part, slash, tail = rest[len(space) :].partition("/")
+            return f"{queue}:{hex_part}" if slash and tail and _HEX.match(hex_part) else None
+    return None
 
 
 def file_key(prefix: str, index: int, name: str) -> str:

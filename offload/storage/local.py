@@ -102,7 +102,7 @@ class LocalStorage:
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             await asyncio.to_thread(path.unlink)
 
-    async def list_objects(self, prefix: str, limit: int = 1000) -> list[ObjectInfo]:
+    async def list_objects(self, prefix: str, limit: int = 1000, after: str = "") -> list[ObjectInfo]:
         """Keys are file paths, so a prefix is a directory plus the start of a name in it."""
         base = self.root / self.prefix if self.prefix else self.root
 
@@ -114,7 +114,9 @@ class LocalStorage:
             found: list[ObjectInfo] = []
             for path in sorted(directory.rglob("*")):
                 rel = path.relative_to(base).as_posix()
-                if path.is_file() and rel.startswith(prefix) and not path.name.endswith(TMP_SUFFIX):
+                if rel <= after or not rel.startswith(prefix) or path.name.endswith(TMP_SUFFIX):
+                    continue
+                if path.is_file():
                     stat = path.stat()
                     found.append(ObjectInfo(rel, stat.st_size, None, stat.st_mtime))
                     if len(found) >= limit:

@@ -226,14 +226,18 @@ class S3Storage:
         full = self._key(key)
         await self._run("delete", full, functools.partial(self._client.delete_object, Bucket=self.bucket, Key=full))
 
-    async def list_objects(self, prefix: str, limit: int = 1000) -> list[ObjectInfo]:
+    async def list_objects(self, prefix: str, limit: int = 1000, after: str = "") -> list[ObjectInfo]:
         full = join_prefix(self.prefix, prefix) if prefix else self.prefix
         strip = len(self.prefix) + 1 if self.prefix else 0
 
         def listing() -> list[ObjectInfo]:
             found: list[ObjectInfo] = []
+            extra = {"StartAfter": join_prefix(self.prefix, after)} if after else {}
             pages = self._client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=full, PaginationConfig={"MaxItems": limit, "PageSize": min(limit, 1000)}
+                Bucket=self.bucket,
+                Prefix=full,
+                PaginationConfig={"MaxItems": limit, "PageSize": min(limit, 1000)},
+                **extra,  # type: ignore[arg-type]
             )
             for page in pages:
                 for item in page.get("Contents", []):
