@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
+import json
 import os
 import secrets
 import time
@@ -273,3 +274,46 @@ async def test_sweep_deletes_files_whose_job_is_gone(
     assert left and all(job_of_key("sweep-live", k) == live for k in left)
     assert pending_uploads(s3, bucket) == [] and multipart["UploadId"]
     assert (await client.get(live)).input["f"]["size"] == 7
+
+
+def test_cli_attach_uploads_and_enqueues_a_reference(
+    backend_url: str, s3: RcloneS3, bucket: str, tmp_path: Path
+) -> None:
+    import yaml
+    from typer.testing import CliRunner
+
+    from offload.cli.app import app
+
+    config = tmp_path / "offload.yaml"
+    config.write_text(yaml.safe_dump({"storage": {**s3.settings(bucket), "max_input_file_bytes": 1000}}))
+    talk = tmp_path / "talk.mp3"
+    talk.write_bytes(b"ID3 not really an mp3")
+    runner = CliRunner()
+
+    def enqueue(*args: str) -> Any:
+        return runner.invoke(
+            app, ["enqueue", "--queue", "cli-files", "--url", backend_url, "--config", str(config), *args]
+        )
+
+    done = enqueue("--input", '{"lang": "en"}', "--attach", f"audio={talk}", "--json")
+    assert done.exit_code == 0, done.output
+    job_id = json.loads(done.stdout)["id"]
+
+    async def record() -> Any:
+        async with AsyncClient(backend_url) as c:
+            return await c.get(job_id)
+
+    job = asyncio.run(record())
+    assert job.input["lang"] == "en" and job.input["audio"]["sha256"] == hashlib.sha256(talk.read_bytes()).hexdigest()
+    assert job.input["audio"]["content_type"] == "audio/mpeg"
+    keys = objects(s3, bucket)
+    assert keys == [job.input["audio"][REF_KEY]]
+    missing = enqueue("--attach", f"audio={tmp_path / 'nope.wav'}")
+    assert missing.exit_code == 1 and "nope.wav: not a readable file" in missing.output
+    clash = enqueue("--input", '{"audio": 1}', "--attach", f"audio={talk}")
+    assert clash.exit_code == 1 and "already has a field 'audio'" in clash.output
+    big = tmp_path / "big.bin"
+    big.write_bytes(b"x" * 1001)
+    too_big = enqueue("--attach", f"blob={big}")
+    assert too_big.exit_code == 1 and "over the 1000-byte limit" in too_big.output
+    assert objects(s3, bucket) == keys  # no failed attempt left anything
