@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from offload.connection import connect
 from offload.files import DEFAULT_MAX_FILE_BYTES, files_in
 from offload.models import Job, QueueStats
-from offload.queue.keys import new_job_id
+from offload.queue.keys import QUEUES_KEY, new_job_id
 from offload.queue.store import JobSpec, QueueStore
 
 if TYPE_CHECKING:  # storage (boto3) loads on the first File, not with `import offload`
@@ -94,7 +94,9 @@ class AsyncClient:
 
         storage, limit = await self._files_storage()
         job_id = spec.job_id or new_job_id(queue)
-        (await self.store()).validate(dataclasses.replace(spec, input=None))  # bad options: fail before uploading
+        store = await self.store()
+        store.validate(dataclasses.replace(spec, input=None))  # bad options: fail before uploading
+        await store.redis.sadd(QUEUES_KEY, queue)  # known before its first file lands, so the sweep finds orphans
         value, keys = await upload_input_files(storage, job_id, spec.input, max_bytes=limit)
         return dataclasses.replace(spec, input=value, job_id=job_id), keys
 

@@ -9,6 +9,7 @@ import io
 import json
 import os
 import secrets
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -317,3 +318,39 @@ def test_cli_attach_uploads_and_enqueues_a_reference(
     too_big = enqueue("--attach", f"blob={big}")
     assert too_big.exit_code == 1 and "over the 1000-byte limit" in too_big.output
     assert objects(s3, bucket) == keys  # no failed attempt left anything
+
+
+KILLED_UPLOADER = """
+import json, sys
+from offload import Client, File
+
+with Client(sys.argv[1], storage=json.loads(sys.argv[2])) as client:
+    client.enqueue("killed", {"f": File(sys.stdin.buffer, name="pipe.bin")})
+"""
+
+
+async def test_producer_killed_mid_upload_leaves_no_job_and_the_sweep_clears_its_parts(
+    backend_url: str, storage: S3Storage, s3: RcloneS3, bucket: str
+) -> None:
+    """SIGKILL while a multipart upload is under way: no job (the enqueue never ran), no object (it was never
+    completed); its parts are invisible but cost storage until the sweep aborts the upload."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", KILLED_UPLOADER, backend_url, json.dumps(s3.settings(bucket)),
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    assert proc.stdin is not None
+    proc.stdin.write(os.urandom(12 * MiB))  # past the multipart threshold: the upload has started
+    await proc.stdin.drain()
+    deadline = time.monotonic() + 60
+    while not pending_uploads(s3, bucket):
+        assert time.monotonic() < deadline, "the uploader never started a multipart upload"
+        await asyncio.sleep(0.05)
+    proc.kill()
+    await proc.wait()
+    async with AsyncClient(backend_url) as c:
+        store = await c.store()
+        assert await queue_jobs(store, "killed") == 0
+        assert objects(s3, bucket) == [] and len(pending_uploads(s3, bucket)) == 1
+        sweep = FileSweep(storage, store, grace_s=3600, clock=lambda: time.time() + 7200)
+        await sweep.run_once()
+    assert pending_uploads(s3, bucket) == [] and objects(s3, bucket) == []

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from offload.errors import InvalidJob, JobNotFound, StaleLease
 from offload.files import reference
-from offload.queue.keys import new_job_id, queue_of, validate_queue
+from offload.queue.keys import QUEUES_KEY, new_job_id, queue_of, validate_queue
 from offload.server.auth import GuardedRoute, Principal, guard, produce_path_queue
 from offload.server.file_refs import input_keys
 from offload.server.routes_workers import _job_for, _work_path_job
@@ -105,6 +105,7 @@ async def create_upload(request: Request, queue: str, body: UploadRequest, key: 
             pass
         else:
             raise HTTPException(409, f"job {job_id} exists already: its files cannot change")
+    await state.redis.sadd(QUEUES_KEY, queue)  # a queue with files is one the sweep must visit, enqueued or not
     object_key = file_key(prefix, secrets.randbelow(10**9), body.name)
     url, expires = await _put_url(state, object_key, body.content_type, body.size)
     ref = reference(object_key, body.size, "", body.content_type)
