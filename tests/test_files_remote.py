@@ -136,9 +136,12 @@ def test_enqueue_refuses_bad_references(api: tuple[str, str], s3: RcloneS3) -> N
     with client(url, mine) as c:
         r = c.post(f"/v1/queues/{q}/jobs/batch", json={"jobs": [{"input": 1}, {"input": {"f": foreign["reference"]}}]})
     assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "jobs", 1, "input", "f"]
-    with client(url, mine) as c:  # the good one goes in once; reusing its files for a second job is refused
-        assert c.post(f"/v1/queues/{q}/jobs", json={"input": {"a": own["reference"]}}).status_code == 201
-        again = c.post(f"/v1/queues/{q}/jobs", json={"input": {"a": own["reference"]}})
+    with client(url, mine) as c:  # the good one goes in once; a resent request (reply lost) gets the same job,
+        first = c.post(f"/v1/queues/{q}/jobs", json={"input": {"a": own["reference"]}})  # reusing the files for
+        assert first.status_code == 201  # another input is refused
+        resent = c.post(f"/v1/queues/{q}/jobs", json={"input": {"a": own["reference"]}})
+        assert resent.status_code == 200 and resent.json() == {"id": first.json()["id"], "duplicate": True}
+        again = c.post(f"/v1/queues/{q}/jobs", json={"input": {"a": own["reference"], "b": 2}})
         assert again.status_code == 422 and "belong to job" in again.json()["detail"][0]["msg"]
         stats = c.get(f"/v1/queues/{q}").json()
     assert sum(stats["counts"].values()) == 1

@@ -4,8 +4,10 @@ output may refer to, and the presigned URLs a reader of a job gets for its files
 A producer over HTTP holds a key for its queue only, so a reference it sends must name an upload of that queue
 (`results/<queue>:_in/<hex>/...`, issued by `POST /v1/queues/{queue}/uploads`) whose object exists with the size
 it claims; all references of one job come from uploads for the same job id, which becomes the job's id, so the
-files live and die with it. Anything else is a 422 naming the field. A GPU worker's output may refer to files under
-its job's output prefix (uploaded through URLs the server issued for that job) or to the job's own inputs.
+files live and die with it. A repeat of an enqueue that went through (its reply lost) answers with that job;
+the same files in a different input are refused. Anything else is a 422 naming the field. A GPU worker's output
+may refer to files under its job's output prefix (uploaded through URLs the server issued for that job) or to
+the job's own inputs.
 """
 
 from __future__ import annotations
@@ -39,8 +41,11 @@ async def _check_object(state: ServerState, loc: list[str | int], ref: dict[str,
         raise FieldError(loc, f"file {ref[REF_KEY]} has {info.size} bytes, the reference says {ref['size']}")
 
 
-async def check_input_refs(state: ServerState, queue: str, value: Any, loc: Sequence[str | int]) -> str | None:
-    """422 for any bad reference in an HTTP enqueue; returns the job id the references imply (None: no files)."""
+async def check_input_refs(
+    state: ServerState, queue: str, value: Any, loc: Sequence[str | int]
+) -> tuple[str | None, bool]:
+    """422 for any bad reference in an HTTP enqueue; returns the job id the references imply (None: no files)
+    and whether that job exists already (a resent request)."""
     implied: str | None = None
     for path, ref in references_in(value):
         where = [*loc, *path]
@@ -56,11 +61,13 @@ async def check_input_refs(state: ServerState, queue: str, value: Any, loc: Sequ
         await _check_object(state, where, ref)
     if implied is not None:
         try:
-            await state.store.get(implied)
+            existing = await state.store.get(implied)
         except JobNotFound:
-            return implied
-        raise FieldError(list(loc), f"these files belong to job {implied} already; upload again for a new job")
-    return implied
+            return implied, False
+        if existing.input != value:  # the same request again (its reply was lost) answers with that job
+            raise FieldError(list(loc), f"these files belong to job {implied} already; upload again for a new job")
+        return implied, True
+    return None, False
 
 
 def input_keys(job: Job) -> set[str]:

@@ -98,11 +98,13 @@ async def enqueue(
 ) -> EnqueueReply:
     state = get_state(request)
     check_output_key(state, queue, body.output_key, ["body", "output_key"])
-    fresh = await check_input_refs(state, queue, body.input, ["body", "input"]) or new_job_id(queue)
+    implied, resent = await check_input_refs(state, queue, body.input, ["body", "input"])
+    fresh = implied or new_job_id(queue)
     job_id = await state.store.enqueue(queue, body.spec(idempotency_key, job_id=fresh))
-    if job_id != fresh:
+    duplicate = job_id != fresh or resent
+    if duplicate:
         response.status_code = 200
-    return EnqueueReply(id=job_id, duplicate=job_id != fresh)
+    return EnqueueReply(id=job_id, duplicate=duplicate)
 
 
 @router.post(
@@ -121,7 +123,8 @@ async def enqueue_batch(
     specs = [job.spec(f"{idempotency_key}:{i}" if idempotency_key else None) for i, job in enumerate(body.jobs)]
     for i, spec in enumerate(specs):
         check_output_key(state, queue, spec.output_key, ["body", "jobs", i, "output_key"])
-        if implied := await check_input_refs(state, queue, spec.input, ["body", "jobs", i, "input"]):
+        implied, _ = await check_input_refs(state, queue, spec.input, ["body", "jobs", i, "input"])
+        if implied:
             specs[i] = spec = dataclasses.replace(spec, job_id=implied)
         try:
             state.store.validate(spec)
