@@ -223,6 +223,9 @@ def test_key_layout_names_the_job() -> None:
     assert job_of_key("gpu", inputs_prefix(job_id) + "0-a.wav") == job_id
     assert job_of_key("gpu", outputs_prefix(job_id) + "0-a.png") == job_id
     assert job_of_key("gpu", "results/gpu:0190a1b2c3d4e5f6a7b8c9d0e1f2.json") is None
+    assert job_of_key("gpu", "results/gpu:0190a1b2c3d4e5f6a7b8c9d0e1f2/files/1/0-a.png") == job_id
+    assert job_of_key("gpu", "results/gpu:0190a1b2c3d4e5f6a7b8c9d0e1f2/files/") is None
+    assert job_of_key("gpu", "results/gpu:mine/other.json") is None
     assert job_of_key("other", inputs_prefix(job_id) + "0-a.wav") is None
     assert job_of_key("gpu", "results/gpu:_in/../x") is None
     assert job_of_key("gpu", "results/gpu:_in/0190a1b2c3d4e5f6a7b8c9d0e1f2") is None  # a prefix, not a file
@@ -261,6 +264,8 @@ async def test_sweep_deletes_files_whose_job_is_gone(
     await storage.put_bytes(inputs_prefix(orphan) + "0-x.bin", b"orphan")
     outputs = outputs_prefix(purged) + "1/0-out.png"  # a GPU worker's output of the purged job
     await storage.put_bytes(outputs, b"png")
+    await storage.put_bytes(f"results/{purged}/files/1/0-copied.png", b"provider file")  # a dispatch copy
+    await storage.put_bytes(f"results/{purged}.json", b"{}")  # its result document stays
     multipart = s3.client().create_multipart_upload(Bucket=bucket, Key=inputs_prefix(orphan) + "1-big.bin")
     assert await store.purge("sweep-gone", "queued") == 1
     before = set(objects(s3, bucket))
@@ -270,9 +275,10 @@ async def test_sweep_deletes_files_whose_job_is_gone(
     assert len(pending_uploads(s3, bucket)) == 1
 
     later = FileSweep(storage, store, grace_s=3600, clock=lambda: time.time() + 7200)
-    assert await later.run_once() == 4  # the purged job's two inputs and its output, and the orphan
+    assert await later.run_once() == 5  # the purged job's two inputs, its output and copy, and the orphan
     left = objects(s3, bucket)
-    assert left and all(job_of_key("sweep-live", k) == live for k in left)
+    assert f"results/{purged}.json" in left
+    assert all(job_of_key("sweep-live", k) == live for k in left if k != f"results/{purged}.json")
     assert pending_uploads(s3, bucket) == [] and multipart["UploadId"]
     assert (await client.get(live)).input["f"]["size"] == 7
 

@@ -1,12 +1,14 @@
-"""Files expire with their job: the server's sweep deletes input and worker-output files whose job record is gone.
+"""Files expire with their job: the server's sweep deletes input, worker-output and copied provider files whose job
+record is gone.
 
 A job record disappears when its retention runs out or it is purged; its files must not outlive it (they are
-the large part). Every file key names its job (`offload.storage.inputs`), so the sweep lists each queue's
-`_in/` and `_out/` spaces, asks the job store which of those jobs still exist, and deletes the files of the
-others, but only files older than `storage.upload_grace_s`: a file uploaded for a job that is not enqueued yet
-(the HTTP form, or a client between its upload and its enqueue) has no record yet either. It also aborts
-multipart uploads older than the grace under those spaces (a producer killed mid-upload), whose parts cost
-storage but are invisible to listings.
+the large part). Every file key names its job (`offload.storage.inputs`), so the sweep lists each queue's `_in/`
+and `_out/` spaces (and its results, for provider files copied beside them), asks the job store which of those
+jobs still exist, and deletes the files of the others, but only files older than `storage.upload_grace_s`: a
+file uploaded for a job that is not enqueued yet (the HTTP form, or a client between its upload and its enqueue)
+has no record yet either. It also aborts multipart uploads older than the grace under those spaces (a producer
+killed mid-upload), whose parts cost storage but are invisible to listings. Result JSON documents stay: only
+files go.
 
 This is done by the server for every backend alike rather than by an S3 lifecycle rule: a rule expires by age
 under a prefix, while offload's retention is per job (and a purge is immediate). The sweep works through at most
@@ -43,7 +45,9 @@ class FileSweep:
         """One round over every queue; how many files were deleted."""
         deleted = 0
         for queue in await self.store.queues():
-            for space in (INPUTS, OUTPUTS):
+            # inputs and worker outputs have spaces of their own; copied provider files sit among the queue's
+            # results, so that walk (the whole namespace, a batch a round) is the slow one
+            for space in (INPUTS, OUTPUTS, ""):
                 deleted += await self._space(queue, own_prefix(queue) + space)
         return deleted
 

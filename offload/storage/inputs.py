@@ -39,6 +39,7 @@ from offload.storage.s3 import PART_BYTES
 DEFAULT_URL_EXPIRES_S = 86_400
 INPUTS = "_in/"
 OUTPUTS = "_out/"
+COPIED = "files/"  # provider files the dispatch worker copied beside results/<job id>.json
 # the part of a job id after its queue: hex for ids offload issues; ingested tutorial jobs keep their own ids
 _HEX = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _ETAG = re.compile(r"^[0-9a-f]{32}(-\d+)?$")
@@ -71,12 +72,19 @@ def outputs_prefix(job_id: str) -> str:
 
 
 def job_of_key(queue: str, key: str) -> str | None:
-    """The job a file key belongs to (inputs or worker outputs of `queue`), None for any other key."""
+    """The job a file key belongs to: inputs, worker outputs, or provider files copied next to a default output key
+    (`results/<queue>:<hex>/files/...`, offload.storage.outputs) of `queue`; None for any other key (a result
+    JSON, a custom output key)."""
     rest = key.removeprefix(own_prefix(queue))
+    if rest == key:
+        return None
     for space in (INPUTS, OUTPUTS):
-        if rest != key and rest.startswith(space):
+        if rest.startswith(space):
             hex_part, slash, tail = rest[len(space) :].partition("/")
             return f"{queue}:{hex_part}" if slash and tail and _HEX.match(hex_part) else None
+    hex_part, _, tail = rest.partition("/")
+    if tail.startswith(COPIED) and len(tail) > len(COPIED) and not hex_part.startswith("_") and _HEX.match(hex_part):
+        return f"{queue}:{hex_part}"
     return None
 
 
