@@ -106,3 +106,21 @@ def files(input: Any, ctx: JobContext) -> dict[str, Any]:
         "extra": {"blob": offload.File(out / "weights.bin"), "note": "two files"},
         "source": input["audio"],
     }
+
+
+async def files_async(input: Any, ctx: JobContext) -> dict[str, Any]:
+    """The async forms: `await ctx.aopen(ref)` / `ctx.adownload`; the blocking ones refuse on the loop."""
+    with await ctx.aopen(input["f"]) as f:
+        data = f.read()
+    saved = await ctx.adownload(input["f"], Path(tempfile.mkdtemp()) / "f.bin")
+    try:
+        ctx.open(input["f"])
+    except RuntimeError as exc:
+        refused = str(exc)
+    else:
+        refused = ""
+    return {
+        "upper": offload.File(data.upper(), name="upper.txt"),
+        "same": saved.read_bytes() == data,
+        "refused": refused,
+    }

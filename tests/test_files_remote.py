@@ -204,3 +204,21 @@ def test_worker_cannot_reach_outside_its_job(api: tuple[str, str], s3: RcloneS3)
     with client(url, producer) as c:
         job = c.get(f"/v1/jobs/{held['id']}").json()
     assert job["state"] == "active"  # nothing was stored: the worker can still complete properly
+
+
+def test_async_handler_reads_and_returns_files(api: tuple[str, str], s3: RcloneS3, tmp_path: Path) -> None:
+    url, boot = api
+    q = new_queue("async")
+    producer = make_key(url, boot, "producer", [q])
+    target = upload(url, producer, q, "words.txt", b"quiet words")
+    with client(url, producer) as c:
+        job_id = c.post(f"/v1/queues/{q}/jobs", json={"input": {"f": target["reference"]}}).json()["id"]
+    spawn_worker(url, make_key(url, boot, "worker", [q]), q, "files_async", tmp_path)
+    done = wait_state(url, producer, job_id, "succeeded", timeout=60)
+    (upper_key,) = [k for k in done["file_urls"] if k.startswith(outputs_prefix(job_id))]
+    assert httpx.get(done["file_urls"][upper_key]).content == b"QUIET WORDS"
+    key = done["result"].split("/", 3)[-1]  # s3://bucket/<key>
+    output = orjson.loads(s3.client().get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    assert output["same"] is True and "await ctx.aopen" in output["refused"]
+    assert output["upper"] == {"$file": upper_key, "size": 11, "content_type": "text/plain",
+                               "sha256": hashlib.sha256(b"QUIET WORDS").hexdigest()}  # fmt: skip

@@ -66,10 +66,15 @@ class UrlReply(BaseModel):
     headers: dict[str, str] = {}
 
 
+SINGLE_PUT_MAX = 5 * 1024**3  # S3 refuses a single PUT above 5 GiB; these targets are single PUTs
+
+
 def _limit(state: ServerState, size: int) -> None:
     limit = state.options.settings.storage.max_input_file_bytes
     if size > limit:
         raise HTTPException(413, f"file of {size} bytes is over the limit of {limit} (storage.max_input_file_bytes)")
+    if size > SINGLE_PUT_MAX:
+        raise HTTPException(413, f"file of {size} bytes is over S3's 5 GiB single-PUT limit: use the Python client")
 
 
 async def _put_url(state: ServerState, key: str, content_type: str, size: int) -> tuple[str, int]:
