@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from offload.cli.attach import enqueue_attached
 from offload.cli.errors import errors, fail
 from offload.cli.options import (
     AllOpt,
@@ -34,10 +35,9 @@ from offload.cli.options import (
     UrlOpt,
 )
 from offload.cli.output import err, out, print_json
-from offload.cli.session import redis_url, run_redis, settings
-from offload.client import AsyncClient
+from offload.cli.results import result
+from offload.cli.session import run_redis
 from offload.errors import InvalidJob, OffloadError
-from offload.files import File
 from offload.models import Job, QueueStats
 from offload.queue.keys import STATE_SETS, queue_of, validate_queue
 from offload.queue.store import DEFAULT_MAX_ATTEMPTS, JobSpec, QueueStore
@@ -186,7 +186,7 @@ def enqueue(
         except orjson.JSONDecodeError as exc:
             fail(f"--input is not valid JSON: {exc}")
         if attach:
-            job_id = _enqueue_attached(url, config, queue, value, attach, defaults)
+            job_id = enqueue_attached(url, config, queue, value, attach, defaults)
         else:
             spec = JobSpec(input=value, **defaults)
             job_id = _run(url, lambda store: store.enqueue(queue, spec), queues=[queue])
@@ -198,41 +198,6 @@ def enqueue(
         specs = _parse_lines(iter(file), defaults)
     ids = _run(url, lambda store: _enqueue_bulk(store, queue, specs))
     print_json({"count": len(ids), "ids": ids}) if json_out else typer.echo(len(ids))
-
-
-def _attachments(value: Any, attach: list[str]) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        fail("--attach needs --input to be a JSON object (the files go in under their names)")
-    merged = dict(value)
-    for item in attach:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            fail(f"--attach {item!r}: expected NAME=PATH")
-        if name in merged:
-            fail(f"--attach {name}: the input already has a field {name!r}")
-        if not Path(path).is_file():
-            fail(f"--attach {name}: {path}: not a readable file (missing, or a directory)")
-        merged[name] = File(path)
-    return merged
-
-
-def _enqueue_attached(
-    url: str | None, config: Path | None, queue: str, value: Any, attach: list[str], defaults: dict[str, Any]
-) -> str:
-    """Upload the attached files (streamed, checked) and enqueue with references; a failure leaves neither."""
-    job_input = _attachments(value, attach)
-    conf = settings(config)
-    target = redis_url(url, config)
-
-    async def go() -> str:
-        storage = conf.storage.model_dump()
-        async with AsyncClient(target, storage=storage, max_file_bytes=conf.storage.max_input_file_bytes) as client:
-            return await client.enqueue(queue, job_input, **{k: v for k, v in defaults.items() if v is not None})
-
-    with errors():
-        validate_queue(queue)
-        return asyncio.run(go())
-    raise AssertionError("unreachable")
 
 
 def status(job_id: JobArg, json_out: JsonOpt = False, url: UrlOpt = None) -> None:
@@ -477,58 +442,6 @@ def ingest(
         print_json({"ingested": ok, "dead": bad})
     else:
         typer.echo(f"ingested {ok}" + (f", {bad} malformed (dead-lettered)" if bad else ""))
-
-
-def result(
-    job_id: JobArg,
-    download: Annotated[
-        Path | None,
-        typer.Option(
-            "--download",
-            help="A directory (existing, or ending in /): the output as output.json and every file it refers "
-            "to beside it. A file path: the output JSON only, as before.",
-        ),
-    ] = None,
-    config: ConfigOpt = None,
-    json_out: JsonOpt = False,
-) -> None:
-    """Where a succeeded job's output is, a presigned URL to it, and optionally the output and its files."""
-    from offload.storage import create_storage
-    from offload.storage.results import download_result
-    from offload.worker.run import storage_settings
-
-    config_settings = settings(config)
-    job = _run(None, lambda store: store.get(job_id), jobs=[job_id], config=config)
-    if job.state.value != "succeeded":
-        fail(f"job {job_id} is {job.state.value}, it has no result yet" + (f": {job.error}" if job.error else ""))
-    into_dir = download is not None and (download.is_dir() or str(download).endswith("/"))
-
-    async def fetch() -> tuple[str, list[str]]:
-        storage = create_storage(storage_settings(config_settings))
-        saved: list[str] = []
-        try:
-            presigned = await storage.presigned_url(job.output_key)
-            if download is not None and into_dir:
-                done = await download_result(storage, job.output_key, download)
-                saved = [str(done.output), *(str(p) for p in done.files)]
-            elif download is not None:
-                download.write_bytes(await storage.get_bytes(job.output_key))
-                saved = [str(download)]
-        finally:
-            await storage.aclose()
-        return presigned, saved
-
-    with errors():
-        presigned, saved = asyncio.run(fetch())
-    info: dict[str, Any] = {"job": job_id, "location": job.result or "", "presigned_url": presigned}
-    if saved:
-        info["saved"] = saved
-    if json_out:
-        print_json(info)
-    else:
-        typer.echo(f"{info['location']}\n{info['presigned_url']}")
-        for path in saved:
-            typer.echo(f"saved to {path}", err=True)
 
 
 def register(app: typer.Typer) -> None:

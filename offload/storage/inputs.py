@@ -31,8 +31,18 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from offload.errors import OffloadError
-from offload.files import DEFAULT_MAX_FILE_BYTES, REF_KEY, File, field_name, files_in, reference, replace, safe_name
-from offload.storage.base import Storage, StorageError
+from offload.files import (
+    DEFAULT_MAX_FILE_BYTES,
+    REF_KEY,
+    File,
+    field_name,
+    files_in,
+    reference,
+    references_in,
+    replace,
+    safe_name,
+)
+from offload.storage.base import ObjectNotFound, Storage, StorageError
 from offload.storage.namespace import own_prefix
 from offload.storage.s3 import PART_BYTES
 
@@ -218,9 +228,6 @@ async def delete_keys(storage: Storage, keys: Sequence[str]) -> None:
 async def presign_references(storage: Storage, value: Any, expires_s: int) -> Any:
     """The input a provider gets: every reference replaced by a presigned GET URL of its object. A missing object
     raises `ObjectNotFound` naming the field, before anything is paid for."""
-    from offload.files import references_in
-    from offload.storage.base import ObjectNotFound
-
     urls: dict[str, str] = {}
     for path, ref in references_in(value):
         key = ref[REF_KEY]
