@@ -207,3 +207,19 @@ async def test_200_mib_input_reaches_the_provider_as_a_url_with_bounded_client_m
     assert job.state.value == "succeeded", job.error
     (fetched,) = await sim_inputs(sim, "big", 1, timeout=120)
     assert fetched["status"] == 200 and fetched["size"] == size and fetched["sha256"] == digest.hexdigest()
+
+
+async def test_files_on_local_storage_dead_letter_with_the_reason(
+    valkey_url: str, s3: RcloneS3, sim: str, store: QueueStore, tmp_path: Path
+) -> None:
+    """A provider cannot fetch a file:// URL: the job says why instead of sending a link nobody can open."""
+    local = {"kind": "local", "path": str(tmp_path / "results")}
+    settings = settings_for(valkey_url, s3, sim, "http-job").model_copy(
+        update={"storage": Settings.model_validate({"storage": local}).storage}
+    )
+    async with AsyncClient(valkey_url, storage=local) as client:
+        job_id = await client.enqueue("q", {"id": "local", "f": File(b"on disk")})
+    job = await run_until_done(settings, store, job_id)
+    assert job.state.value == "dead" and job.error is not None and "need S3 storage" in job.error
+    async with httpx.AsyncClient() as http:
+        assert (await http.get(f"{sim}/_sim/jobs", params={"input_id": "local"})).json()["count"] == 0

@@ -22,6 +22,11 @@ from offload.storage import ObjectNotFound, Storage, StorageError
 from offload.storage.inputs import presign_references
 
 
+def _local(storage: Storage) -> bool:
+    """A local directory signs `file://` URLs, which no provider can fetch."""
+    return not storage.location("x").startswith("s3://")
+
+
 class FileInputs:
     """A `Backend` that turns file references into presigned URLs before the wrapped backend submits."""
 
@@ -32,12 +37,15 @@ class FileInputs:
 
     async def submit(self, job_input: Any, *, tag: str, idempotency_key: str | None = None) -> Submission:
         if references_in(job_input):
+            if _local(self.storage):
+                raise Fatal("input files need S3 storage (storage.kind: s3): a provider cannot fetch a local file")
             try:
                 job_input = await presign_references(self.storage, job_input, self.expires_s)
             except ObjectNotFound as exc:
                 raise Fatal(str(exc)) from None
             except StorageError as exc:
                 raise Transient(f"signing input file URLs failed: {exc}") from None
+
         return await self.inner.submit(job_input, tag=tag, idempotency_key=idempotency_key)
 
     async def poll(self, remote_id: str) -> RemoteResult:
