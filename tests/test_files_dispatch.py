@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from s3server import RcloneS3
+from servers import free_port
 
 from offload import AsyncClient, File
 from offload.config import Settings
@@ -223,3 +224,32 @@ async def test_files_on_local_storage_dead_letter_with_the_reason(
     assert job.state.value == "dead" and job.error is not None and "need S3 storage" in job.error
     async with httpx.AsyncClient() as http:
         assert (await http.get(f"{sim}/_sim/jobs", params={"input_id": "local"})).json()["count"] == 0
+
+
+async def test_storage_outage_at_submit_is_retried_not_dead(
+    valkey_url: str, s3: RcloneS3, sim: str, store: QueueStore
+) -> None:
+    """The worker cannot reach storage to check and sign a file: a transient failure (tried again later, with
+    its reason on record), never a submission with a missing link and never an immediate dead letter."""
+    async with AsyncClient(valkey_url, storage=s3.settings(BUCKET)) as client:
+        job_id = await client.enqueue("q", {"id": "outage", "f": File(b"unreachable for now")}, max_attempts=5)
+    settings = settings_for(valkey_url, s3, sim, "http-job")
+    down = {**s3.settings(BUCKET), "endpoint_url": f"http://127.0.0.1:{free_port()}"}
+    broken = settings.model_copy(update={"storage": Settings.model_validate({"storage": down}).storage})
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_worker(broken, "q", stop=stop, install_signals=False, grace_s=5))
+    try:
+
+        async def retried() -> Any:
+            job = await store.get(job_id)
+            return job if job.error and job.state.value in ("retrying", "queued") else None
+
+        job = await wait_for(retried, 30, "a retry after the storage outage")
+    finally:
+        stop.set()
+        await task
+    assert "signing input file URLs failed" in (job.error or "") and job.state.value != "dead"
+    async with httpx.AsyncClient() as http:
+        assert (await http.get(f"{sim}/_sim/jobs", params={"input_id": "outage"})).json()["count"] == 0
+    job = await run_until_done(settings, store, job_id)  # storage back: the same job goes through
+    assert job.state.value == "succeeded", job.error
