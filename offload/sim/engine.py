@@ -24,6 +24,7 @@ from starlette.responses import Response
 from offload.sim.config import FAMILIES, Behaviour, Family, Op, SimConfig
 from offload.sim.faults import ConnectionReset, RuntimeOutage, garble, outage_mode, retry_after_value
 from offload.sim.files import output_for
+from offload.sim.inputs import InputFetcher
 from offload.sim.stats import Stats
 from offload.sim.store import Job, JobStore, Outcome, input_key
 from offload.sim.submissions import Submission, SubmissionLog
@@ -179,6 +180,7 @@ class Sim:
         self.stats = Stats()
         self.submissions = SubmissionLog()
         self.runtime_outages: list[RuntimeOutage] = []
+        self.inputs = InputFetcher()  # URL inputs downloaded and checksummed, as a provider fetches them
         self._issued: set[str] = set()
         self.apply(config or SimConfig())
 
@@ -194,6 +196,7 @@ class Sim:
         self.submissions.clear()
         self._issued.clear()  # a reset simulator is a fresh one: the same seed gives the same ids again
         self.runtime_outages.clear()
+        self.inputs.clear()
         self.apply(self.config)
 
     def behaviour(self, family: str) -> Behaviour:
@@ -253,6 +256,7 @@ class Sim:
         )
         self.store.add(job)
         self.stats.submitted(family, job.input_key)
+        self.inputs.watch(job.id, payload)
         return job
 
     def endpoint(
