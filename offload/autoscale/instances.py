@@ -29,6 +29,7 @@ from typing import Any
 import orjson
 
 from offload.autoscale import keys
+from offload.errors import FencingError
 from offload.redact import redact
 
 STATUSES = ("provisioning", "booting", "running", "draining", "terminated", "failed")
@@ -72,11 +73,11 @@ return 'OK'
 """
 
 
-class Fenced(Exception):
+class Fenced(FencingError):
     """This server is no longer the leader: its write (and the provider call after it) must not happen."""
 
 
-class StaleState(Exception):
+class StaleState(FencingError):
     """The instance is not in a state the write expected (someone else moved it)."""
 
 

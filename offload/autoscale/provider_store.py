@@ -20,7 +20,7 @@ import orjson
 from offload.autoscale import keys
 from offload.autoscale.providers import TYPES, validate_config
 from offload.autoscale.vault import Vault
-from offload.errors import ConfigError, OffloadError
+from offload.errors import ConfigError, RequestError
 
 MASK = "****"
 _SWAP = """
@@ -30,11 +30,11 @@ return 1
 NAME_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789-_.")
 
 
-class ProviderNotFound(OffloadError, KeyError):
+class ProviderNotFound(RequestError, KeyError):
     """No provider by that name."""
 
 
-class ProviderInUse(OffloadError, ValueError):
+class ProviderInUse(RequestError, ValueError):
     """A provider with live instances cannot be deleted (they would be leaked)."""
 
 

@@ -72,14 +72,6 @@ class Latency(_Strict):
         value = rng.lognormvariate(math.log(self.median), self.sigma)
         return min(value, self.max) if self.max is not None else value
 
-    def mean(self) -> float:
-        if self.kind == "fixed":
-            return self.seconds
-        if self.kind == "uniform":
-            assert self.max is not None
-            return (self.min + self.max) / 2
-        return self.median * math.exp(self.sigma**2 / 2)
-
 
 def parse_latency(text: str) -> dict[str, Any]:
     """The CLI/shorthand grammar: `2`, `1-3` / `1..3`, `lognormal:median[:sigma[:cap]]`."""

@@ -47,8 +47,9 @@ class Reply:
         return Response(content, status_code=self.status, headers=self.headers, media_type=self.media_type)
 
 
-class Rejected(Exception):
-    """Raised by a handler to answer with an error reply (bad body, unknown id) from anywhere in its code."""
+class ErrorReply(Exception):
+    """Raised by a handler to answer with an error reply (bad body, unknown id) from anywhere in its code. Not an
+    OffloadError: the simulator plays the providers and imports nothing of offload (tests/test_errors.py lists it)."""
 
     def __init__(self, reply: Reply) -> None:
         super().__init__(reply.status)
@@ -109,7 +110,7 @@ class Call:
         return public.rstrip("/") if public else str(self.request.base_url).rstrip("/")
 
     def reject(self, status: int, message: str, *, code: str | None = None) -> NoReturn:
-        raise Rejected(self.dialect.error(status, message, code=code))
+        raise ErrorReply(self.dialect.error(status, message, code=code))
 
     async def json(self) -> Any:
         body = await self.request.body()
@@ -321,7 +322,7 @@ class Sim:
         try:
             try:
                 outcome = await handler(call)
-            except Rejected as rejected:
+            except ErrorReply as rejected:
                 outcome = rejected.reply
         finally:
             accepted = call.created is not None and isinstance(outcome, Reply) and 200 <= outcome.status < 300

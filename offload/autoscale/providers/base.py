@@ -21,6 +21,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from offload import redact
+from offload.errors import ProviderError as ProviderError  # the branch root, drawn in offload.errors
 
 LABEL_PREFIX = "offload-"
 Clock = Callable[[], float]
@@ -64,19 +65,6 @@ class LaunchSpec:
     spot: bool = False  # interruptible / bid rental, at most spot_max_price per hour
     spot_max_price: float | None = None
     script: str | None = None  # the deployment script (offload.autoscale.deploy): local runs it in a work dir
-
-
-class ProviderError(Exception):
-    """A call failed. `retryable`: worth trying again later; `ambiguous`: the machine may exist anyway (a
-    create whose answer was lost), so the caller must look it up by label rather than rent again."""
-
-    def __init__(
-        self, message: str, *, retryable: bool = True, ambiguous: bool = False, host_id: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.retryable = retryable
-        self.ambiguous = ambiguous
-        self.host_id = host_id
 
 
 class OutOfCapacity(ProviderError):

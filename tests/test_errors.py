@@ -1,0 +1,123 @@
+"""One exception tree: every exception class offload defines derives from OffloadError, and the tree drawn in
+offload/errors.py names every one of them, so the drawing cannot drift from the code."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+import offload
+from offload import errors
+from offload.errors import (
+    BackendError,
+    ConfigError,
+    FencingError,
+    ObjectStoreError,
+    OffloadError,
+    ProviderError,
+    RequestError,
+    StaleLease,
+    StoreError,
+    WorkerError,
+)
+
+# Exception classes that may stand outside the tree, with the reason (also named in offload/errors.py).
+ALLOWED: dict[str, str] = {
+    "offload.sim.engine.ErrorReply": "the simulator plays the providers and imports nothing of offload; "
+    "its handlers raise it to answer with an error reply, and it never leaves the simulator",
+}
+
+
+def exception_classes() -> dict[str, type[BaseException]]:
+    """Every exception class defined (not merely imported) in a module of the offload package."""
+    found: dict[str, type[BaseException]] = {}
+    root = Path(offload.__file__).parent
+    for file in sorted(root.rglob("*.py")):  # not pkgutil: offload.worker and offload.autoscale are namespace packages
+        parts = file.relative_to(root.parent).with_suffix("").parts
+        if parts[-1] == "__main__":
+            continue  # importing it would start the CLI
+        module = importlib.import_module(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+        for name, obj in vars(module).items():
+            if inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__ == module.__name__:
+                found[f"{module.__name__}.{name}"] = obj
+    return found
+
+
+def test_the_walk_sees_the_whole_package() -> None:
+    """The walk must reach the leaves that live beside their code, or the next test proves nothing."""
+    found = exception_classes()
+    for where in (
+        "offload.backends.base.Throttled",
+        "offload.autoscale.instances.Fenced",
+        "offload.worker.jobpath.PollTimeout",
+        "offload.worker.remote.PermanentError",
+        "offload.sim.engine.ErrorReply",
+        "offload.storage.base.StorageError",
+        "offload.server.errors.BodyTooLarge",
+    ):
+        assert where in found
+    assert len(found) >= 40
+
+
+def test_every_exception_class_derives_from_offload_error() -> None:
+    found = exception_classes()
+    outside = sorted(
+        where for where, cls in found.items() if not issubclass(cls, OffloadError) and where not in ALLOWED
+    )
+    assert outside == []
+
+
+def test_the_drawn_tree_names_every_class() -> None:
+    doc = errors.__doc__ or ""
+    drawn = set(re.findall(r"\b([A-Z][A-Za-z]+)\b", doc))
+    missing = sorted(
+        cls.__name__ for cls in exception_classes().values() if cls.__name__ not in drawn and cls.__name__[0] != "_"
+    )
+    assert missing == []
+
+
+@pytest.mark.parametrize(
+    ("leaf", "branch"),
+    [
+        ("offload.errors.ConnectionFailed", StoreError),
+        ("offload.errors.JobNotFound", StoreError),
+        ("offload.errors.JobNotFound", KeyError),
+        ("offload.errors.InvalidQueueName", ValueError),
+        ("offload.storage.base.StorageConfigError", ConfigError),
+        ("offload.autoscale.vault.VaultError", ConfigError),
+        ("offload.autoscale.instances.Fenced", FencingError),
+        ("offload.autoscale.instances.StaleState", FencingError),
+        ("offload.errors.StaleLease", FencingError),
+        ("offload.backends.base.Transient", BackendError),
+        ("offload.autoscale.providers.base.OutOfCapacity", ProviderError),
+        ("offload.storage.base.ObjectNotFound", ObjectStoreError),
+        ("offload.storage.base.ObjectNotFound", KeyError),
+        ("offload.storage.base.StorageError", ObjectStoreError),
+        ("offload.worker.remote_api.ServerUnavailable", ConnectionError),
+        ("offload.worker.remote_api.ServerRejected", WorkerError),
+        ("offload.worker.jobpath.PollTimeout", WorkerError),
+        ("offload.server.errors.BodyTooLarge", RequestError),
+    ],
+)
+def test_each_leaf_hangs_on_its_branch(leaf: str, branch: type[BaseException]) -> None:
+    assert issubclass(exception_classes()[leaf], branch)
+
+
+def test_branch_roots_stay_importable_where_they_lived() -> None:
+    from offload.autoscale.providers.base import ProviderError as provider_root
+    from offload.backends.base import BackendError as backend_root
+
+    assert (backend_root, provider_root) == (BackendError, ProviderError)
+
+
+def test_one_stale_lease_and_two_distinct_rejections() -> None:
+    """`Stale` (the server's 409 to a GPU worker) was a second StaleLease; the two `Rejected` were unrelated."""
+    found = exception_classes()
+    names = [where.rsplit(".", 1)[1] for where in found]
+    assert "Stale" not in names and "Rejected" not in names
+    assert names.count("StaleLease") == 1
+    assert found["offload.errors.StaleLease"] is StaleLease
