@@ -44,10 +44,10 @@ The branch roots are defined here; a leaf lives beside the code that raises it a
     - InvalidKeyRequest (ValueError) - an API-key request (offload.server.keys)
     - ProviderNotFound (KeyError), ProviderInUse (ValueError) - the provider catalogue (autoscale.provider_store)
     - OperatorOnly - a setting only the operator's file may give (offload.autoscale.operator_only)
+  + ErrorReply - the simulator's handlers answering with an error reply (offload.sim.engine); never leaves it
 
-`tests/test_errors.py` walks every module of the package and fails on an exception class outside this tree, but
-for its allow-list of one: the simulator's ErrorReply (offload.sim.engine), which never leaves the simulator, and
-the simulator, standing in for the providers, imports nothing of offload.
+A leaf module (it imports nothing), so the simulator, which stands alone, can use it too. `tests/test_errors.py`
+walks every module of the package and fails on an exception class outside this tree.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from offload.config import config_file, load_settings, parse_rate
 from offload.errors import ConfigError
 
 README = Path(__file__).parent.parent / "README.md"
+HTTP_JOB = "{kind: http-job, base_url: 'http://gpu'}"
 SECRETS = {
     name: f"secret-{name.lower()}"
     for name in (
@@ -44,7 +45,7 @@ def test_the_readme_example_is_valid_and_builds_every_backend(tmp_path: Path) ->
     assert settings.storage.secret_access_key.get_secret_value() == "secret-s3_secret_key"
     assert "secret-s3_secret_key" not in repr(settings)  # secrets stay masked in reprs and logs
     for name, backend in settings.backends.items():
-        built = create_backend(backend.kind, name, backend.provider_settings())
+        built = create_backend(name, backend)
         assert built.name == name
 
 
@@ -58,12 +59,19 @@ def test_missing_env_reference_names_field_and_variable(tmp_path: Path) -> None:
     ("yaml_text", "message"),
     [
         ("queues: {gpu: {backend: nope}}", r"queues\.gpu\.backend: no backend named 'nope'"),
-        ("backends: {b: {kind: http-job}}\nqueues: {gpu: {backend: b, concurrency: 0}}", r"queues\.gpu\.concurrency"),
+        (f"backends: {{b: {HTTP_JOB}}}\nqueues: {{gpu: {{backend: b, concurrency: 0}}}}", r"queues\.gpu\.concurrency"),
+        ("backends: {b: {kind: http-job}}", r"backends\.b\.base_url: Field required"),
+        ("backends: {b: {kind: runpod, endpiont_id: e}}", r"backends\.b\.endpiont_id: unknown setting"),
+        ("backends: {b: {kind: replicate, model: sdxl}}", r"backends\.b: model must look like owner/name"),
+        ("backends: {b: {base_url: 'http://h'}}", r"backends\.b\.kind: Field required"),
+        ("storage: {kind: s3, bucket: b, access_key_id: ak}", r"storage: access_key_id and secret_access_key"),
+        ("storage: {kind: s3, bucket: b, max_threads: 0}", r"storage\.max_threads"),
+        ("storage: {kind: local, bucket: b}", r"storage\.bucket: unknown setting"),
         ("backends: {b: {kind: teleport}}", r"backends\.b\.kind"),
-        ("backends: {b: {kind: http-job, rate_limit: fast}}", r"backends\.b\.rate_limit"),
+        (f"backends: {{b: {{{HTTP_JOB[1:-1]}, rate_limit: fast}}}}", r"backends\.b\.rate_limit"),
         ("storage: {kind: s3}", r"storage\.bucket"),
         ("storage: {kind: s3, bucket: b, endpoint_ulr: x}", r"storage\.endpoint_ulr"),
-        ("backends: {b: {kind: http-job}}\nqueues: {'bad name': {backend: b}}", r"invalid queue name"),
+        (f"backends: {{b: {HTTP_JOB}}}\nqueues: {{'bad name': {{backend: b}}}}", r"invalid queue name"),
         ("- just\n- a list", r"top level must be a mapping"),
         ("queues: [unclosed", r"not valid YAML"),
     ],
@@ -171,7 +179,7 @@ def test_the_stack_config_gets_its_s3_secret_however_it_is_named(
     home.mkdir()
     (home / "s3-credentials.json").write_text('{"access_key_id": "ak", "secret_access_key": "stack-secret"}')
     (home / "offload.yaml").write_text(
-        "storage: {kind: s3, bucket: results, secret_access_key: '${OFFLOAD_S3_SECRET}'}\n"
+        "storage: {kind: s3, bucket: results, access_key_id: ak, secret_access_key: '${OFFLOAD_S3_SECRET}'}\n"
     )
     env = {"OFFLOAD_HOME": str(home)}
     for path in (None, home / "offload.yaml"):

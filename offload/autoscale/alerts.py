@@ -17,15 +17,15 @@ from typing import Any, Literal
 
 import httpx
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
 from offload.autoscale import keys
 from offload.autoscale.config import Duration
 from offload.autoscale.instances import log_event
 from offload.autoscale.providers.base import Clock
-from offload.errors import ConfigError
 from offload.queue.keys import prefix
 from offload.redact import Redactor, mask_url
+from offload.schema import Strict, parse
 
 log = logging.getLogger("offload.autoscale.alerts")
 AlertKind = Literal["autoscale_failure", "boot_timeout", "spend_cap_reached", "dead_letter_growth", "queue_latency"]
@@ -40,17 +40,13 @@ return 1
 """
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class WebhookTarget(_Strict):
+class WebhookTarget(Strict):
     url: str
     headers: dict[str, str] = Field(default_factory=dict)
     kinds: list[AlertKind] | None = None
 
 
-class EmailTarget(_Strict):
+class EmailTarget(Strict):
     host: str
     port: int = 25
     from_addr: str
@@ -61,7 +57,7 @@ class EmailTarget(_Strict):
     kinds: list[AlertKind] | None = None
 
 
-class AlertSettings(_Strict):
+class AlertSettings(Strict):
     webhooks: list[WebhookTarget] = Field(default_factory=list)
     email: EmailTarget | None = None
     cooldown: Duration = Field(900.0, ge=0)
@@ -76,11 +72,8 @@ def _wants(kinds: list[AlertKind] | None, kind: str) -> bool:
 
 
 def alert_settings(data: Any) -> AlertSettings:
-    try:
-        return AlertSettings.model_validate(data or {})
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        raise ConfigError(f"alerts.{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+    parsed: AlertSettings = parse(AlertSettings, data or {}, "alerts")
+    return parsed
 
 
 class Alerter:

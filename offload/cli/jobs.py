@@ -433,7 +433,6 @@ def result(
 ) -> None:
     """Where a succeeded job's output is, a presigned URL to it, and optionally the output itself."""
     from offload.storage import create_storage
-    from offload.worker.run import storage_settings
 
     config_settings = settings(config)
     job = _run(None, lambda store: store.get(job_id), jobs=[job_id], config=config)
@@ -441,7 +440,7 @@ def result(
         fail(f"job {job_id} is {job.state.value}, it has no result yet" + (f": {job.error}" if job.error else ""))
 
     async def fetch() -> str:
-        storage = create_storage(storage_settings(config_settings))
+        storage = create_storage(config_settings.storage)
         try:
             presigned = await storage.presigned_url(job.output_key)
             if download:

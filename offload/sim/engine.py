@@ -21,6 +21,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from offload.errors import OffloadError
 from offload.sim.config import FAMILIES, Behaviour, Family, Op, SimConfig
 from offload.sim.faults import ConnectionReset, RuntimeOutage, garble, outage_mode, retry_after_value
 from offload.sim.files import output_for
@@ -47,9 +48,9 @@ class Reply:
         return Response(content, status_code=self.status, headers=self.headers, media_type=self.media_type)
 
 
-class ErrorReply(Exception):
-    """Raised by a handler to answer with an error reply (bad body, unknown id) from anywhere in its code. Not an
-    OffloadError: the simulator plays the providers and imports nothing of offload (tests/test_errors.py lists it)."""
+class ErrorReply(OffloadError):
+    """Raised by a handler to answer with an error reply (bad body, unknown id) from anywhere in its code; the
+    simulator turns it into that reply, so it never leaves it."""
 
     def __init__(self, reply: Reply) -> None:
         super().__init__(reply.status)

@@ -7,8 +7,6 @@ import types
 import typing
 from typing import Any, Literal
 
-from pydantic import ValidationError
-
 from offload.autoscale.providers.base import (
     LABEL_PREFIX,
     Clock,
@@ -28,6 +26,7 @@ from offload.autoscale.providers.mock import MockProvider
 from offload.autoscale.providers.runpod import RunPodProvider
 from offload.autoscale.providers.vastai import VastProvider
 from offload.errors import ConfigError
+from offload.schema import parse
 
 TYPES: dict[str, type[Provider]] = {
     "mock": MockProvider,
@@ -101,13 +100,8 @@ def validate_config(kind: str, config: dict[str, Any]) -> ProviderConfig:
     cls = TYPES.get(kind)
     if cls is None:
         raise ConfigError(f"type: unknown provider type {kind!r}; choose one of: {', '.join(TYPES)}")
-    try:
-        parsed: ProviderConfig = cls.Config.model_validate(config)
-        return parsed
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ConfigError(f"config.{where}: {first['msg']}") from None
+    parsed: ProviderConfig = parse(cls.Config, config, "config")
+    return parsed
 
 
 def build(name: str, kind: str, config: dict[str, Any], redis: Any, clock: Clock = time.time) -> Provider:

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from offload import redact
 from offload.errors import ProviderError as ProviderError  # the branch root, drawn in offload.errors
+from offload.schema import Strict
 
 LABEL_PREFIX = "offload-"
 Clock = Callable[[], float]
@@ -90,8 +91,8 @@ def is_ours(label: str | None) -> bool:
     return bool(label) and str(label).startswith(LABEL_PREFIX)
 
 
-class ProviderConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ProviderConfig(Strict):
+    """Settings common to every provider type; each type's `Config` adds its own (one model per type)."""
 
     allow_worker_protect: bool = Field(
         False,
