@@ -52,6 +52,8 @@ walks every module of the package and fails on an exception class outside this t
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 
 class OffloadError(Exception):
     """Base class: every error offload raises on purpose derives from it."""
@@ -67,7 +69,19 @@ class ConfigError(OffloadError):
 class MissingExtra(ConfigError):
     """An optional dependency is not installed. The message names the extra: `pip install 'offload[server]'`.
 
-    A ConfigError, because the fix is in how the machine was set up, not in the job or the request."""
+    A ConfigError, because the fix is in how the machine was set up, not in the job or the request. `EXTRA_OF`
+    is the one table of which extra installs which module (pyproject.toml's optional dependencies)."""
+
+    EXTRA_OF: ClassVar[dict[str, str]] = {
+        "aiohttp": "worker",
+        "boto3": "s3",
+        "botocore": "s3",
+        "s3transfer": "s3",
+        "fastapi": "server",
+        "prometheus_client": "server",
+        "starlette": "server",
+        "uvicorn": "server",
+    }
 
     def __init__(self, extra: str, module: str, feature: str) -> None:
         super().__init__(
@@ -76,6 +90,15 @@ class MissingExtra(ConfigError):
         )
         self.extra = extra
         self.module = module
+
+    @classmethod
+    def of(cls, exc: BaseException, feature: str = "this command") -> MissingExtra | None:
+        """The MissingExtra an optional module's ModuleNotFoundError stands for; None for any other error."""
+        if not isinstance(exc, ModuleNotFoundError) or exc.name is None:
+            return None
+        top = exc.name.split(".")[0]
+        extra = cls.EXTRA_OF.get(top)
+        return cls(extra, top, feature) if extra else None
 
 
 # --- store -------------------------------------------------------------------------------------------------------

@@ -1,0 +1,44 @@
+"""offload: a control plane for bursty GPU work on a durable Redis/Valkey job queue."""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from offload.client import AsyncClient, Client
+from offload.errors import (
+    ConfigError,
+    ConnectionFailed,
+    InvalidJob,
+    InvalidQueueName,
+    InvalidTransition,
+    JobNotFound,
+    OffloadError,
+    PayloadTooLarge,
+    StaleLease,
+)
+from offload.models import ClaimedJob, Job, JobState, QueueStats
+from offload.queue.store import JobSpec, QueueStore
+
+try:  # the one version is pyproject's; an uninstalled checkout (no metadata) says so rather than guessing
+    __version__ = version("offload")
+except PackageNotFoundError:  # pragma: no cover - only a source tree on sys.path without `pip install -e`
+    __version__ = "0+unknown"
+
+__all__ = [
+    "AsyncClient",
+    "ClaimedJob",
+    "Client",
+    "ConfigError",
+    "ConnectionFailed",
+    "InvalidJob",
+    "InvalidQueueName",
+    "InvalidTransition",
+    "Job",
+    "JobNotFound",
+    "JobSpec",
+    "JobState",
+    "OffloadError",
+    "PayloadTooLarge",
+    "QueueStats",
+    "QueueStore",
+    "StaleLease",
+    "__version__",
+]

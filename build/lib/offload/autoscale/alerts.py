@@ -1,0 +1,211 @@
+"""Alerts: `autoscale_failure`, `boot_timeout`, `spend_cap_reached`, `dead_letter_growth`, `queue_latency`,
+delivered by webhook (a JSON POST, retried with backoff) and by email (SMTP).
+
+The same alert (kind + subject, e.g. a queue) is sent at most once per cooldown across all servers: the last
+send time lives in Redis and the check-and-set is one SET with a compare in Lua. Deliveries run as background
+tasks so a slow webhook never delays the scaler; `drain()` waits for them (tests, shutdown).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import smtplib
+import time
+from email.message import EmailMessage
+from typing import Any, Literal
+
+import httpx
+import orjson
+from pydantic import Field
+
+from offload.autoscale import keys
+from offload.autoscale.config import Duration
+from offload.autoscale.instances import log_event
+from offload.autoscale.providers.base import Clock
+from offload.queue.keys import prefix
+from offload.redact import Redactor, mask_url
+from offload.schema import Strict, parse
+
+log = logging.getLogger("offload.autoscale.alerts")
+AlertKind = Literal["autoscale_failure", "boot_timeout", "spend_cap_reached", "dead_letter_growth", "queue_latency"]
+# A target filtering on a kind also receives its sub-kinds: a machine that never booted is an autoscale failure.
+PARENT: dict[str, str] = {"boot_timeout": "autoscale_failure"}
+
+_ONCE = """
+local last = redis.call('GET', KEYS[1])
+if last and tonumber(ARGV[1]) - tonumber(last) < tonumber(ARGV[2]) then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', math.max(1, math.ceil(tonumber(ARGV[2]))))
+return 1
+"""
+
+
+class WebhookTarget(Strict):
+    url: str
+    headers: dict[str, str] = Field(default_factory=dict)
+    kinds: list[AlertKind] | None = None
+
+
+class EmailTarget(Strict):
+    host: str
+    port: int = 25
+    from_addr: str
+    to: list[str] = Field(..., min_length=1)
+    username: str | None = None
+    password: str | None = None
+    starttls: bool = False
+    kinds: list[AlertKind] | None = None
+
+
+class AlertSettings(Strict):
+    webhooks: list[WebhookTarget] = Field(default_factory=list)
+    email: EmailTarget | None = None
+    cooldown: Duration = Field(900.0, ge=0)
+    attempts: int = Field(4, ge=1, le=10)
+    dead_letter_growth: int | None = Field(None, ge=1, description="dead jobs added within the window")
+    dead_letter_window: Duration = Field(600.0, gt=0)
+    queue_latency: Duration | None = Field(None, gt=0, description="oldest ready job older than this")
+
+
+def _wants(kinds: list[AlertKind] | None, kind: str) -> bool:
+    return kinds is None or kind in kinds or PARENT.get(kind) in kinds
+
+
+def alert_settings(data: Any) -> AlertSettings:
+    parsed: AlertSettings = parse(AlertSettings, data or {}, "alerts")
+    return parsed
+
+
+class Alerter:
+    def __init__(
+        self,
+        settings: AlertSettings,
+        redis: Any,
+        clock: Clock = time.time,
+        http: httpx.AsyncClient | None = None,
+        redact: Redactor | None = None,
+    ) -> None:
+        self.settings = settings
+        # alerts leave the process (webhooks, email, the journal): redacted with every secret the caller
+        # knows plus the alert targets' own (webhook headers, the SMTP password)
+        self.redact = redact or Redactor()
+        self.redact.add(*(v for hook in settings.webhooks for v in hook.headers.values()))
+        self.redact.add(settings.email.password if settings.email else None)
+        self.redis = redis
+        self.clock = clock
+        self.http = http or httpx.AsyncClient(timeout=10.0)
+        self._once = redis.register_script(_ONCE)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.sent: list[dict[str, Any]] = []
+        self.failed: list[str] = []
+
+    async def alert(self, kind: AlertKind, subject: str, message: str, **details: Any) -> bool:
+        """Raise an alert; False if the same one was sent within the cooldown."""
+        now = self.clock()
+        if not await self._once(keys=[keys.alert(kind, subject)], args=[repr(now), self.settings.cooldown]):
+            return False
+        message = self.redact(message)
+        details = {k: self.redact(v) if isinstance(v, str) else v for k, v in details.items()}
+        doc = {"kind": kind, "subject": subject, "message": message, "details": details, "ts": now, "source": "offload"}
+        log.warning("alert %s (%s): %s", kind, subject, message)
+        await log_event(self.redis, now, "alert", message, alert=kind, subject=subject)
+        self.sent.append(doc)
+        for hook in self.settings.webhooks:
+            if _wants(hook.kinds, kind):
+                self._spawn(self._webhook(hook, doc))
+        email = self.settings.email
+        if email is not None and _wants(email.kinds, kind):
+            self._spawn(asyncio.to_thread(self._email, email, doc))
+        return True
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _webhook(self, hook: WebhookTarget, doc: dict[str, Any]) -> None:
+        delay = 0.2
+        body = orjson.dumps(doc)
+        for attempt in range(self.settings.attempts):
+            try:
+                r = await self.http.post(
+                    hook.url, content=body, headers={"Content-Type": "application/json", **hook.headers}
+                )
+                if r.status_code < 300:
+                    return
+                problem = f"HTTP {r.status_code}"
+                if 400 <= r.status_code < 500 and r.status_code not in (408, 429):
+                    break
+            except httpx.HTTPError as exc:
+                problem = type(exc).__name__
+            if attempt + 1 < self.settings.attempts:
+                await asyncio.sleep(delay)
+                delay *= 2
+        self.failed.append(f"webhook {mask_url(hook.url)}: {problem}")
+        log.warning("alert webhook %s failed: %s", mask_url(hook.url), problem)
+
+    def _email(self, target: EmailTarget, doc: dict[str, Any]) -> None:
+        msg = EmailMessage()
+        msg["Subject"] = f"[offload] {doc['kind']}: {doc['subject']}"
+        msg["From"] = target.from_addr
+        msg["To"] = ", ".join(target.to)
+        msg.set_content(f"{doc['message']}\n\n{orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode()}\n")
+        for attempt in range(self.settings.attempts):
+            try:
+                with smtplib.SMTP(target.host, target.port, timeout=10) as smtp:
+                    if target.starttls:
+                        smtp.starttls()
+                    if target.username:
+                        smtp.login(target.username, target.password or "")
+                    smtp.send_message(msg)
+                return
+            except (OSError, smtplib.SMTPException) as exc:
+                problem = type(exc).__name__
+                if attempt + 1 < self.settings.attempts:
+                    time.sleep(0.2 * 2**attempt)
+        self.failed.append(f"email {target.host}: {problem}")
+
+    async def drain(self) -> None:
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    async def monitor(self, store: Any, queues: list[str]) -> None:
+        """Queue-level alerts: dead-letter growth over a window, and queue latency."""
+        s = self.settings
+        if s.dead_letter_growth is None and s.queue_latency is None:
+            return
+        now = self.clock()
+        for queue in queues:
+            stats = await store.stats(queue)
+            if s.queue_latency is not None and stats.oldest_ready_age_ms is not None and not stats.paused:
+                age = stats.oldest_ready_age_ms / 1000
+                if age > s.queue_latency:
+                    await self.alert(
+                        "queue_latency",
+                        queue,
+                        f"queue {queue}: the oldest ready job has waited {age:.0f}s (limit {s.queue_latency:.0f}s)",
+                        age_s=age,
+                    )
+            if s.dead_letter_growth is not None:
+                dead = stats.counts.get("dead", 0)
+                key = prefix(queue) + "alert:dlg"
+                snap = await self.redis.get(key)
+                if snap is None:
+                    await self.redis.set(key, f"{dead}|{now}")
+                    continue
+                base, since = snap.split("|")
+                if dead - int(base) >= s.dead_letter_growth:
+                    await self.alert(
+                        "dead_letter_growth",
+                        queue,
+                        f"queue {queue}: {dead - int(base)} jobs went dead in {now - float(since):.0f}s",
+                        dead=dead,
+                        added=dead - int(base),
+                    )
+                    await self.redis.set(key, f"{dead}|{now}")
+                elif now - float(since) >= s.dead_letter_window or dead < int(base):
+                    await self.redis.set(key, f"{dead}|{now}")
+
+    async def aclose(self) -> None:
+        await self.drain()
+        await self.http.aclose()

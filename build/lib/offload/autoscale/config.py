@@ -1,0 +1,346 @@
+"""The per-queue `autoscale` block of offload.yaml (also settable through the API), plus durations and cron.
+
+The same pydantic model validates the YAML file, the API body and what is stored in Redis, so every way in
+names the offending field the same way (`queues.gpu.autoscale.max_workers: ...`). Cron expressions are read
+by cronsim; the scaler needs one operation only ("the latest fire time at or before t"), evaluated against an
+injectable clock.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timedelta
+from typing import Annotated, Any, Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from cronsim import CronSim, CronSimError
+from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
+
+from offload.autoscale.deploy import Deployment
+from offload.autoscale.vault import Vault
+from offload.errors import ConfigError
+from offload.schema import Strict, parse
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)")
+_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(value: Any) -> float:
+    """`30s`, `5m`, `1h30m`, `250ms` or a bare number of seconds -> seconds."""
+    if isinstance(value, bool):
+        raise ValueError("a duration must be a number of seconds or text like '30s', '5m', '1h30m'")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip().lower().replace(" ", "")
+        try:
+            seconds = float(text)
+        except ValueError:
+            parts = _DURATION.findall(text)
+            if not parts or "".join(n + u for n, u in parts) != text:
+                raise ValueError(f"bad duration {value!r}: use e.g. '30s', '5m', '1h30m' or seconds") from None
+            seconds = sum(float(n) * _UNITS[u] for n, u in parts)
+    else:
+        raise ValueError("a duration must be a number of seconds or text like '30s'")
+    if seconds < 0:
+        raise ValueError("a duration cannot be negative")
+    return seconds
+
+
+Duration = Annotated[float, BeforeValidator(parse_duration)]
+
+
+class Cron:
+    """A standard five-field cron expression (minute hour day-of-month month day-of-week) in a time zone, read
+    by cronsim (Debian cron's rules, including day-of-month/day-of-week "either matches" and DST: a time skipped
+    by the spring change fires at the first minute after it, a repeated one fires once)."""
+
+    def __init__(self, expr: str, tz: str = "UTC") -> None:
+        if len(expr.split()) != 5:
+            raise ValueError(f"cron {expr!r} must have 5 fields (minute hour day month weekday)")
+        try:
+            self.tz = ZoneInfo(tz)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"unknown time zone {tz!r}") from None
+        try:
+            CronSim(expr, datetime.now(self.tz))
+        except CronSimError as exc:
+            raise ValueError(f"bad cron {expr!r}: {exc}") from None
+        self.expr = expr
+
+    def last_fire(self, now: float, lookback: float) -> float | None:
+        """The latest minute at or before `now` (epoch seconds) that matches, if within `lookback` seconds."""
+        minute = datetime.fromtimestamp(now, self.tz).replace(second=0, microsecond=0)
+        fire = next(CronSim(self.expr, minute + timedelta(minutes=1), reverse=True), None)
+        if fire is None:
+            return None
+        at = fire.timestamp()
+        return at if now - at <= lookback + 60 else None
+
+
+def _cron_text(v: str) -> str:
+    Cron(v)
+    return v
+
+
+class NoWorkers(Strict):
+    trigger: Literal["no_workers"]
+
+
+class QueueDepth(Strict):
+    trigger: Literal["queue_depth"]
+    threshold: int = Field(..., ge=0)
+
+
+class Latency(Strict):
+    trigger: Literal["latency"]
+    max_latency: Duration = Field(..., gt=0)
+
+
+class UpSchedule(Strict):
+    trigger: Literal["schedule"]
+    cron: Annotated[str, BeforeValidator(_cron_text)]
+    workers: int = Field(1, ge=0)
+    duration: Duration | None = Field(None, gt=0, description="how long the floor holds; default: one poll")
+
+
+class Idle(Strict):
+    trigger: Literal["idle"]
+    timeout: Duration = Field(..., gt=0)
+
+
+class DownSchedule(Strict):
+    trigger: Literal["schedule"]
+    cron: Annotated[str, BeforeValidator(_cron_text)]
+
+
+ScaleUp = Annotated[NoWorkers | QueueDepth | Latency | UpSchedule, Field(discriminator="trigger")]
+ScaleDown = Annotated[Idle | DownSchedule, Field(discriminator="trigger")]
+
+
+class InstanceSpec(Strict):
+    """What to rent. The provider's own GPU setting wins over `gpu` (GPU names differ per provider)."""
+
+    gpu: str | None = None
+    gpu_count: int = Field(1, ge=1, le=16)
+    image: str | None = None
+    disk_gb: int | None = Field(None, ge=1, le=10_000)
+    max_price_per_hour: float | None = Field(None, gt=0)
+    handler: str | None = Field(None, description="module:function: start `offload worker --handler` with it")
+    env: dict[str, str] = Field(default_factory=dict)
+    spot: bool = Field(False, description="rent interruptible machines (RunPod interruptible, Vast.ai bids)")
+    spot_max_price: float | None = Field(None, gt=0, description="the most to pay per hour for a spot machine")
+
+    @field_validator("env")
+    @classmethod
+    def _no_secrets_override(cls, v: dict[str, str]) -> dict[str, str]:
+        for name in v:
+            if name in RESERVED_ENV or name.startswith("OFFLOAD_GIT_"):
+                raise ValueError(f"{name} is set by the autoscaler and cannot be overridden")
+        return v
+
+    @model_validator(mode="after")
+    def _spot_has_a_cap(self) -> InstanceSpec:
+        if self.spot and self.spot_max_price is None:
+            raise ValueError("spot_max_price: required with spot: true (spot machines are rented up to this price)")
+        return self
+
+
+RESERVED_ENV = (
+    "OFFLOAD_TOKEN",
+    "OFFLOAD_SERVER",
+    "OFFLOAD_INSTANCE_ID",
+    "OFFLOAD_QUEUE",
+    "OFFLOAD_WORKDIR",
+    "OFFLOAD_PYTHON",
+)
+
+
+class AutoscaleSettings(Strict):
+    """One queue's autoscaling policy."""
+
+    enabled: bool = False
+    provider: str | None = None
+    providers: list[str] = Field(default_factory=list, description="several providers, in order of preference")
+    choose: Literal["first", "cheapest"] = Field(
+        "first",
+        description="which usable provider rents: the first in the list, or the one with the lowest current offer",
+    )
+    min_workers: int = Field(0, ge=0)
+    max_workers: int | None = Field(None, ge=1)
+    jobs_per_worker: int | None = Field(None, ge=1, description="ramp in one step to ceil(jobs / jobs_per_worker)")
+    poll_interval: Duration = Field(30.0, ge=0.05)
+    boot_timeout: Duration = Field(1200.0, gt=0)
+    drain_timeout: Duration = Field(
+        3600.0,
+        gt=0,
+        description="a draining machine is destroyed after this even if "
+        "its worker is still busy (a hung handler must not bill forever)",
+    )
+    protected_failures: Literal["keep", "destroy"] = Field(
+        "keep", description="a protected instance whose worker died or never booted: keep it (and alert) or destroy it"
+    )
+    timezone: str = "UTC"
+    scale_up: list[ScaleUp] = Field(default_factory=lambda: [NoWorkers(trigger="no_workers")])  # type: ignore[arg-type]
+    scale_down: list[ScaleDown] = Field(default_factory=lambda: [Idle(trigger="idle", timeout=600.0)])  # type: ignore[arg-type]
+    instance: InstanceSpec = Field(default_factory=lambda: InstanceSpec.model_validate({}))
+    deployment: Deployment | None = None
+    daily_spend_cap: float | None = Field(None, gt=0)
+    monthly_spend_cap: float | None = Field(None, gt=0)
+
+    @field_validator("timezone")
+    @classmethod
+    def _tz(cls, v: str) -> str:
+        try:
+            ZoneInfo(v)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"unknown time zone {v!r}") from None
+        return v
+
+    @field_validator("providers")
+    @classmethod
+    def _distinct(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError("a provider is named twice")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AutoscaleSettings:
+        if self.provider and self.providers:
+            raise ValueError("providers: set either provider or providers, not both")
+        if self.enabled and not self.names:
+            raise ValueError("provider: required when autoscaling is enabled (or providers: [a, b])")
+        if self.enabled and self.max_workers is None:
+            raise ValueError("max_workers: required when autoscaling is enabled (>= 1)")
+        if self.max_workers is not None and self.min_workers > self.max_workers:
+            raise ValueError(f"min_workers: {self.min_workers} is above max_workers ({self.max_workers})")
+        for i, t in enumerate(self.scale_up):
+            if isinstance(t, UpSchedule) and self.max_workers is not None and t.workers > self.max_workers:
+                raise ValueError(f"scale_up.{i}.workers: {t.workers} is above max_workers ({self.max_workers})")
+        if self.deployment is not None and self.instance.handler:
+            raise ValueError("instance.handler: set the handler in deployment.handler only")
+        return self
+
+    @property
+    def names(self) -> list[str]:
+        """The providers, in order of preference."""
+        return [self.provider] if self.provider else list(self.providers)
+
+    @property
+    def limit(self) -> int:
+        return self.max_workers or 0
+
+    def crons(self) -> tuple[list[tuple[Cron, UpSchedule]], list[Cron]]:
+        up = [(Cron(t.cron, self.timezone), t) for t in self.scale_up if isinstance(t, UpSchedule)]
+        down = [Cron(t.cron, self.timezone) for t in self.scale_down if isinstance(t, DownSchedule)]
+        return up, down
+
+
+def autoscale_errors(data: Any, where: str = "autoscale") -> list[tuple[str, str]]:
+    """Every problem of an autoscale block as (field path, message), e.g. ("q.scale_up.1.threshold", "Field
+    required"): the API answers with all of them, so a form can show each one at its field."""
+    try:
+        AutoscaleSettings.model_validate(data)
+    except ValidationError as exc:
+        return [_located(e, where) for e in exc.errors()]
+    return []
+
+
+def _located(error: Any, where: str) -> tuple[str, str]:
+    loc = [str(p) for p in error["loc"] if not str(p).startswith(("function-", "tagged-union"))]
+    # the trigger union adds the tag as a path element: keep "scale_up.1.threshold", drop "queue_depth"
+    loc = [p for p in loc if p not in ("no_workers", "queue_depth", "latency", "schedule", "idle")]
+    msg = str(error["msg"]).removeprefix("Value error, ")
+    field = ".".join([where, *loc])
+    if ":" in msg and msg.split(":", 1)[0].replace(".", "_").isidentifier():  # a model check names its field
+        name, rest = msg.split(":", 1)
+        field, msg = ".".join([where, *loc, name]), rest.strip()
+    return field, msg
+
+
+SEALED = "sealed"  # an instance.env value stored encrypted: {"sealed": "<vault token>"}
+
+
+def seal_env(block: dict[str, Any], vault: Vault, queue: str) -> dict[str, Any]:
+    """The block as stored in Redis: `instance.env` values (HF_TOKEN and the like) encrypted like a provider's
+    credentials, so a copy of the database holds none of them."""
+    env = (block.get("instance") or {}).get("env") if isinstance(block.get("instance"), dict) else None
+    if not isinstance(env, dict) or not env:
+        return block
+    sealed = {k: {SEALED: vault.encrypt(str(v), f"queue:{queue}:env:{k}")} for k, v in env.items()}
+    return {**block, "instance": {**block["instance"], "env": sealed}}
+
+
+def open_env(block: dict[str, Any], vault: Vault | None, queue: str) -> dict[str, Any]:
+    """The stored block with `instance.env` decrypted (VaultError without the master key)."""
+    env = (block.get("instance") or {}).get("env") if isinstance(block.get("instance"), dict) else None
+    if not isinstance(env, dict) or not any(isinstance(v, dict) for v in env.values()):
+        return block
+    if vault is None:
+        vault = Vault.from_env()
+    opened = {
+        k: vault.decrypt(v[SEALED], f"queue:{queue}:env:{k}") if isinstance(v, dict) else v for k, v in env.items()
+    }
+    return {**block, "instance": {**block["instance"], "env": opened}}
+
+
+def validate_autoscale(data: Any, where: str = "autoscale") -> AutoscaleSettings:
+    """Validate an autoscale block from any source; the error names the field (`where.max_workers: ...`)."""
+    try:
+        return AutoscaleSettings.model_validate(data)
+    except ValidationError as exc:
+        field, msg = _located(exc.errors()[0], where)
+        raise ConfigError(f"{field}: {msg}") from None
+
+
+def yaml_blocks(settings: Any) -> dict[str, dict[str, Any]]:
+    """Each queue's autoscale block from offload.yaml (`settings`: offload.config.Settings), with the guide's layout
+    accepted too: `deployment:` next to `autoscale:` in the queue. It belongs to the autoscale block (the API and
+    the dashboard edit it there), so it may be set in one place only."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, q in settings.queues.items():
+        block, deployment, where = q.autoscale, q.deployment, f"queues.{name}"
+        if deployment is not None:
+            if block is None:
+                raise ConfigError(f"{where}.deployment: a deployment needs an autoscale block to rent machines for it")
+            if "deployment" in block:
+                raise ConfigError(f"{where}.deployment: also set in {where}.autoscale.deployment; keep one")
+            block = {**block, "deployment": deployment}
+        if block is not None:
+            out[name] = block
+    return out
+
+
+class ServerSide(Strict):
+    """The top-level `autoscaler:` block: what every queue's autoscaling shares.
+
+    `public_url` and `worker_key` are what a rented machine receives (OFFLOAD_PUBLIC_URL and
+    OFFLOAD_WORKER_API_KEY override them): a datacenter GPU cannot reach `localhost`, and a third-party host
+    must never hold the admin key, so real providers refuse to rent until both are set."""
+
+    public_url: str | None = None
+    worker_key: str | None = None
+    destroy_orphans: bool = False
+    orphan_sweep_interval: Duration = Field(600.0, gt=0)
+    tick: Duration = Field(1.0, gt=0, description="how often the loop wakes; each queue runs per its poll_interval")
+    leader_ttl: Duration = Field(30.0, gt=0)
+    heartbeat_timeout: Duration = Field(300.0, gt=0)
+    recent_task: Duration = Field(30.0, ge=0, description="a worker that touched a task this recently is spared")
+    drain_settle: Duration = Field(
+        15.0,
+        ge=0,
+        description="after asking a worker to drain, wait this long (a "
+        "heartbeat or two) before trusting its in-flight count",
+    )
+
+
+def server_side(data: Any, env: dict[str, str] | None = None) -> ServerSide:
+    import os
+
+    env = dict(os.environ) if env is None else env
+    out: ServerSide = parse(ServerSide, data or {}, "autoscaler")
+    if env.get("OFFLOAD_PUBLIC_URL"):
+        out.public_url = env["OFFLOAD_PUBLIC_URL"]
+    if env.get("OFFLOAD_WORKER_API_KEY"):
+        out.worker_key = env["OFFLOAD_WORKER_API_KEY"]
+    return out

@@ -1,0 +1,256 @@
+"""Instance records: one Redis hash per rented machine, moved through its states by fenced atomic writes.
+
+    provisioning -> booting -> running -> draining -> terminated
+         \\------------\\-----------\\----------\\----> failed (with a reason)
+
+- provisioning: the record exists before the provider is called (the journal of the rental: a server that dies
+  inside the create call leaves a record a successor reconciles by the machine's `offload-<id>` label);
+- booting: the provider reports the machine up, no worker has registered yet;
+- running: a worker registered with OFFLOAD_INSTANCE_ID = this id;
+- draining: the worker was asked to stop claiming; destroyed once it has nothing in flight (or after the
+  queue's drain_timeout). A drain is cancelled (back to running) when load returns before the teardown.
+
+Teardown is orthogonal to status: `teardown=pending` is written before the provider's destroy call and only
+becomes `done` when the provider confirms, so a failed call or a restart leaves a journal entry that the next
+evaluation retries. `teardown=kept` is a failed instance the operator protected: it stays billed (and counted
+against max_workers) until unprotected, then its teardown is journaled like any other. An instance leaves the
+live set only once its teardown is done.
+
+Every write of the scaler carries its fencing token; the script refuses it (FENCED) if another server has
+become leader meanwhile, so a paused ex-leader cannot overwrite its successor's decisions.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, fields
+from typing import Any
+
+import orjson
+
+from offload.autoscale import keys
+from offload.errors import FencingError
+from offload.redact import redact
+
+STATUSES = ("provisioning", "booting", "running", "draining", "terminated", "failed")
+ACTIVE = ("provisioning", "booting", "running")  # counted as capacity
+TRANSITIONS: dict[str, tuple[str, ...]] = {
+    "provisioning": ("booting", "running", "failed", "draining"),
+    "booting": ("running", "failed", "draining"),
+    "running": ("draining", "failed"),
+    "draining": ("terminated", "failed", "running"),  # running again: the drain was cancelled
+    "terminated": (),
+    "failed": (),
+}
+EVENTS_MAX = 20_000
+
+_WRITE = """
+local cur = redis.call('GET', KEYS[1])
+if ARGV[1] == '' or not cur then return 'FENCED' end
+local tok = string.match(cur, '^[^|]*|([^|]*)|')
+if tok ~= ARGV[1] then return 'FENCED' end
+local status = redis.call('HGET', KEYS[2], 'status')
+if ARGV[2] == '+create' then
+  if status then return 'EXISTS' end
+elseif not status then
+  return 'NOTFOUND'
+elseif ARGV[2] ~= '' then
+  local ok = false
+  for s in string.gmatch(ARGV[2], '[^,]+') do if s == status then ok = true end end
+  if not ok then return 'STATE:' .. status end
+end
+local f = cjson.decode(ARGV[3])
+local flat = {}
+for k, v in pairs(f) do flat[#flat + 1] = k; flat[#flat + 1] = tostring(v) end
+if #flat > 0 then redis.call('HSET', KEYS[2], unpack(flat)) end
+if ARGV[4] == 'add' then
+  redis.call('SADD', KEYS[3], ARGV[5])
+  redis.call('ZADD', KEYS[4], ARGV[6], ARGV[5])
+elseif ARGV[4] == 'remove' then
+  redis.call('SREM', KEYS[3], ARGV[5])
+end
+return 'OK'
+"""
+
+
+class Fenced(FencingError):
+    """This server is no longer the leader: its write (and the provider call after it) must not happen."""
+
+
+class StaleState(FencingError):
+    """The instance is not in a state the write expected (someone else moved it)."""
+
+
+@dataclass
+class Instance:
+    id: str
+    queue: str
+    provider: str
+    provider_type: str = ""
+    provider_id: str = ""
+    label: str = ""
+    status: str = "provisioning"
+    reason: str = ""
+    worker_id: str = ""
+    protect: bool = False  # by an operator (`offload autoscale protect`)
+    worker_protected: bool = False  # by the worker itself (OFFLOAD_PROTECTED=true)
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    booted_at: float = 0.0
+    ready_at: float = 0.0
+    last_seen_at: float = 0.0
+    last_task_at: float = 0.0
+    drain_at: float = 0.0
+    teardown: str = ""  # "" | pending | done | kept (failed, but protected: not destroyed)
+    teardown_at: float = 0.0
+    teardown_attempts: int = 0
+    teardown_error: str = ""
+    destroyed_at: float = 0.0
+    price: float = 0.0
+    price_reported: bool = False
+    cost: float = 0.0
+    accrued_at: float = 0.0
+    host: str = ""
+    gpu: str = ""
+    in_flight: int = 0
+    spot: bool = False  # interruptible / bid rental
+    drain_reason: str = ""  # idle | schedule | disabled | spend cap
+
+    @property
+    def protected(self) -> bool:
+        return self.protect or self.worker_protected
+
+    @property
+    def live(self) -> bool:
+        return self.status not in ("terminated", "failed") or self.teardown in ("pending", "kept")
+
+    @classmethod
+    def from_hash(cls, h: dict[str, str]) -> Instance:
+        kwargs: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name not in h:
+                continue
+            raw = h[f.name]
+            if f.type in ("float",):
+                kwargs[f.name] = float(raw or 0)
+            elif f.type in ("int",):
+                kwargs[f.name] = int(float(raw or 0))
+            elif f.type in ("bool",):
+                kwargs[f.name] = raw in ("1", "True", "true")
+            else:
+                kwargs[f.name] = raw
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["protected"] = self.protected
+        return d
+
+
+def new_instance_id() -> str:
+    return "as-" + secrets.token_hex(8)
+
+
+def _encode(values: dict[str, Any]) -> bytes:
+    out = {}
+    for k, v in values.items():
+        out[k] = int(v) if isinstance(v, bool) else (repr(v) if isinstance(v, float) else v)
+    return orjson.dumps(out)
+
+
+class InstanceStore:
+    def __init__(self, redis: Any) -> None:
+        self.redis = redis
+        self._script = redis.register_script(_WRITE)
+
+    async def _write(
+        self, instance_id: str, fence: str, expect: str, values: dict[str, Any], live: str = "", score: float = 0.0
+    ) -> None:
+        code = await self._script(
+            keys=[keys.LEADER, keys.instance(instance_id), keys.LIVE, keys.ALL],
+            args=[fence, expect, _encode(values), live, instance_id, int(score * 1000)],
+        )
+        if code == "FENCED":
+            raise Fenced("lost the autoscaler leadership: another server decides now")
+        if code != "OK":
+            raise StaleState(f"instance {instance_id}: {code}")
+
+    async def create(self, inst: Instance, fence: str) -> None:
+        values = {k: v for k, v in inst.to_dict().items() if k != "protected"}
+        await self._write(inst.id, fence, "+create", values, live="add", score=inst.created_at)
+
+    async def update(
+        self, inst: Instance, fence: str, now: float, *, expect: tuple[str, ...] | None = None, **changes: Any
+    ) -> None:
+        """Write `changes` (and apply them to `inst`); `status` changes are checked against TRANSITIONS."""
+        if "status" in changes and changes["status"] != inst.status:
+            allowed = TRANSITIONS[inst.status]
+            if changes["status"] not in allowed:
+                raise StaleState(f"instance {inst.id}: {inst.status} -> {changes['status']} is not allowed")
+            expect = expect or (inst.status,)
+        current = inst.to_dict()
+        changes = {k: v for k, v in changes.items() if k == "status" or current.get(k) != v}
+        if not changes:
+            return
+        changes["updated_at"] = now
+        leaving = False
+        merged = {**inst.to_dict(), **changes}
+        if merged["status"] in ("terminated", "failed") and merged["teardown"] not in ("pending", "kept"):
+            leaving = True
+        await self._write(inst.id, fence, ",".join(expect or ()), changes, live="remove" if leaving else "")
+        for k, v in changes.items():
+            setattr(inst, k, v)
+
+    async def get(self, instance_id: str) -> Instance | None:
+        h = await self.redis.hgetall(keys.instance(instance_id))
+        return Instance.from_hash(h) if h else None
+
+    async def _many(self, ids: list[str]) -> list[Instance]:
+        if not ids:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for i in ids:
+            pipe.hgetall(keys.instance(i))
+        return [Instance.from_hash(h) for h in await pipe.execute() if h]
+
+    async def live(self) -> list[Instance]:
+        ids = sorted(await self.redis.smembers(keys.LIVE))
+        return sorted(await self._many(ids), key=lambda i: (i.created_at, i.id))
+
+    async def recent(self, limit: int = 200) -> list[Instance]:
+        return await self._many(list(await self.redis.zrevrange(keys.ALL, 0, limit - 1)))
+
+    async def forget_before(self, cutoff: float, limit: int = 1000) -> int:
+        """Delete finished instance records created before `cutoff` (history retention); live ones stay."""
+        ids = await self.redis.zrangebyscore(keys.ALL, "-inf", int(cutoff * 1000), start=0, num=limit)
+        gone = [i for i in ids if not await self.redis.sismember(keys.LIVE, i)]
+        if gone:
+            await self.redis.delete(*(keys.instance(i) for i in gone))
+            await self.redis.zrem(keys.ALL, *gone)
+        return len(gone)
+
+    async def set_protect(self, instance_id: str, value: bool) -> Instance:
+        """Operators protect/unprotect at any time, leader or not: the flag only ever prevents a destroy."""
+        if not await self.redis.exists(keys.instance(instance_id)):
+            raise KeyError(f"no instance {instance_id!r}")
+        await self.redis.hset(keys.instance(instance_id), "protect", int(value))
+        inst = await self.get(instance_id)
+        assert inst is not None
+        return inst
+
+
+async def log_event(redis: Any, now: float, kind: str, message: str, **fields_: Any) -> None:
+    """The autoscaler's journal for people: `offload autoscale events` and the API read it (viewer keys too), so
+    the message is redacted once more here, whatever the caller did (offload/redact.py)."""
+    entry = {
+        "ts": repr(now),
+        "kind": kind,
+        "message": redact(message),
+        **{k: str(v) for k, v in fields_.items() if v is not None},
+    }
+    await redis.xadd(keys.EVENTS, entry, maxlen=EVENTS_MAX, approximate=True)
+
+
+async def read_events(redis: Any, count: int = 50) -> list[dict[str, str]]:
+    rows = await redis.xrevrange(keys.EVENTS, count=count)
+    return [dict(fields_) for _, fields_ in reversed(rows)]

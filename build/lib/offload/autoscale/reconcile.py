@@ -1,0 +1,370 @@
+"""Bring instance records in line with what the provider and the worker registry report, and carry out the
+teardown journal. Split from the scaler so the decisions (scaler.py) and the bookkeeping (here) read apart.
+
+Failure handling, in order of evidence:
+- the provider reports the machine failed / stopped / terminated, or it vanished (pre-empted): destroy it
+  anyway (a stopped machine still bills for disk) and mark it failed. It was taken away, which is not the jobs'
+  fault: its worker's jobs go back to the queue without using up an attempt (QueueStore.forgive). If it never
+  had a ready worker and the provider says *failed*, the host could not start the container: avoid the host
+  24 h, pause renting briefly;
+- no worker became ready within boot_timeout: destroy, mark failed, back off the next rental (boot_timeout x
+  2^(n-1) up to 1 h; the first ready worker resets it);
+- the worker stopped heart-beating for 5 minutes: destroy, mark failed;
+- a draining machine whose worker is still busy after drain_timeout: destroy (a hung handler must not bill
+  forever); one drained for the spend cap goes after one poll interval, its jobs back uncounted.
+A protected instance is not destroyed for the failures above while the machine exists (`protected_failures:
+keep`, the default): it is marked failed with `teardown=kept`, alerted, and destroyed once unprotected.
+Every failure raises an alert (once per cooldown per subject).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from offload.autoscale import keys
+from offload.autoscale.alerts import AlertKind
+from offload.autoscale.instances import Instance, StaleState, log_event
+from offload.autoscale.providers import Machine, MachineState, NotOurs, Provider, ProviderError
+from offload.autoscale.safety import HOST_AVOID, PROVISION_GRACE, TEARDOWN_ALERT_AFTER, boot_backoff, host_pause
+from offload.autoscale.state import QueueState, add_cost
+from offload.autoscale.workers import WorkerInfo
+
+if TYPE_CHECKING:
+    from offload.autoscale.config import AutoscaleSettings
+    from offload.autoscale.scaler import Autoscaler
+
+log = logging.getLogger("offload.autoscale")
+DEAD_STATES = (MachineState.FAILED, MachineState.TERMINATED, MachineState.STOPPED)
+
+
+async def fail(
+    a: Autoscaler, inst: Instance, reason: str, now: float, *, destroy: bool = True, keep: bool = False
+) -> None:
+    """Mark failed and (normally) journal the teardown in the same write, before any provider call. `keep`: the
+    instance is protected: failed, but its machine stays (teardown=kept) until it is unprotected."""
+    changes: dict[str, Any] = {"status": "failed", "reason": reason}
+    if keep:
+        changes.update(teardown="kept", reason=f"{reason}; kept: protected")
+    elif destroy:
+        changes.update(teardown="pending", teardown_at=now)
+    await a.instances.update(inst, a.leader.token, now, **changes)
+    await log_event(a.redis, now, "failed", f"{inst.id}: {changes['reason']}", instance=inst.id, queue=inst.queue)
+    log.warning("instance %s (%s) failed: %s", inst.id, inst.queue, changes["reason"])
+
+
+async def accrue(a: Autoscaler, inst: Instance, now: float) -> None:
+    """Add the cost since the last accrual (price x time) to the instance and its queue's spend buckets (the
+    mock's in dry-run buckets: it rents nothing)."""
+    if not inst.provider_id or inst.teardown == "done" or inst.destroyed_at:
+        return
+    since = inst.accrued_at or inst.created_at
+    if now <= since:
+        return
+    delta = inst.price * (now - since) / 3600
+    await a.instances.update(inst, a.leader.token, now, cost=inst.cost + delta, accrued_at=now)
+    await add_cost(a.redis, inst.queue, now, delta, dry_run=inst.provider_type == "mock")
+
+
+async def _failure(
+    a: Autoscaler,
+    inst: Instance,
+    cfg: AutoscaleSettings,
+    reason: str,
+    alert: str,
+    now: float,
+    *,
+    machine_exists: bool = True,
+    kind: AlertKind = "autoscale_failure",
+) -> None:
+    """A failed instance: kept if protected (and its machine still exists), else destroyed; alerted either way."""
+    keep = inst.protected and machine_exists and cfg.protected_failures == "keep"
+    await fail(a, inst, reason, now, keep=keep)
+    verb = "keeping it: it is protected (unprotect it to destroy it)" if keep else "destroying it"
+    await a.alerter.alert(
+        kind,
+        inst.queue if kind == "boot_timeout" else inst.id,
+        f"instance {inst.id} ({inst.queue}): {alert}; {verb}",
+    )
+
+
+async def _forgive(a: Autoscaler, inst: Instance, now: float, why: str) -> None:
+    """The machine was taken away by the provider (or retired by the spend cap): its worker's jobs go back
+    without using up an attempt."""
+    if not inst.worker_id:
+        return
+    released, refunded, revived = await a.store.forgive(inst.queue, inst.worker_id)
+    if released or refunded:
+        await log_event(
+            a.redis,
+            now,
+            "forgiven",
+            f"{inst.id}: {why}: jobs back without using an attempt "
+            f"({released} lease(s) handed back, {refunded} lease expiry(ies) refunded"
+            + (f", {revived} revived from dead)" if revived else ")"),
+            instance=inst.id,
+            queue=inst.queue,
+        )
+
+
+async def sync(
+    a: Autoscaler,
+    inst: Instance,
+    cfg: AutoscaleSettings,
+    machine: Machine | None,
+    listed: bool,
+    worker: WorkerInfo | None,
+    touched: set[str],
+    qs: QueueState,
+    now: float,
+) -> None:
+    """One instance: correlate its worker, follow the provider's report, enforce timeouts."""
+    if inst.teardown == "pending":
+        return
+    if inst.teardown == "kept":
+        if not inst.protected:  # unprotected: now its teardown is journaled like any other
+            await a.instances.update(inst, a.leader.token, now, teardown="pending", teardown_at=now)
+            await log_event(
+                a.redis,
+                now,
+                "unkept",
+                f"{inst.id}: no longer protected; destroying it",
+                instance=inst.id,
+                queue=inst.queue,
+            )
+        return
+    if worker is not None:
+        changes: dict[str, Any] = {
+            "worker_id": worker.id,
+            "in_flight": worker.in_flight,
+            "worker_protected": worker.protected,
+            "last_seen_at": min(worker.last_heartbeat or now, now),
+        }
+        if worker.in_flight > 0 or worker.id in touched:
+            changes["last_task_at"] = now
+        if inst.status in ("provisioning", "booting"):
+            changes.update(status="running", ready_at=now)
+            await qs.save(a.redis, inst.queue, boot_failures=0, boot_until=0.0)
+            await log_event(
+                a.redis,
+                now,
+                "ready",
+                f"{inst.id}: worker {worker.id} registered",
+                instance=inst.id,
+                queue=inst.queue,
+                worker=worker.id,
+            )
+        await a.instances.update(inst, a.leader.token, now, **changes)
+        if inst.status == "draining" and not worker.draining:  # e.g. it registered again: keep it from claiming
+            await a.workers.set_draining(worker.id)
+    if not inst.provider_id:
+        if machine is not None:
+            await a.instances.update(
+                inst,
+                a.leader.token,
+                now,
+                provider_id=machine.provider_id,
+                host=machine.host_id or "",
+                **_price(machine, inst),
+            )
+            await qs.provider_ok(a.redis, inst.queue, inst.provider)  # the ambiguous create did go through
+            await log_event(
+                a.redis,
+                now,
+                "adopted",
+                f"{inst.id}: found machine {machine.provider_id} by its label",
+                instance=inst.id,
+                queue=inst.queue,
+            )
+        elif listed and now - inst.created_at > PROVISION_GRACE:
+            reason = "provisioning was interrupted and no machine with its label appeared"
+            await fail(a, inst, reason, now)
+            await a.alerter.alert(
+                "autoscale_failure",
+                f"{inst.queue}/{inst.provider}",
+                f"queue {inst.queue}: instance {inst.id}: {reason} (the provider's answer to the create was lost)",
+            )
+            return
+        else:
+            return
+    young = now - inst.created_at < PROVISION_GRACE  # a fresh rental may not be in the provider's list yet
+    if listed and ((machine is None and not young) or (machine is not None and machine.state in DEAD_STATES)):
+        state = "vanished (pre-empted or deleted)" if machine is None else f"reported {machine.state.value}"
+        if inst.spot and (machine is None or machine.state != MachineState.FAILED):
+            state = f"pre-empted the spot machine ({state})"
+        detail = f": {a.redact(machine.message)}" if machine is not None and machine.message else ""
+        await _forgive(a, inst, now, f"the provider {state}")
+        if inst.status == "draining":  # it was going anyway: finish the teardown, not a failure
+            await a.instances.update(inst, a.leader.token, now, teardown="pending", teardown_at=now)
+            return
+        if machine is not None and machine.state == MachineState.FAILED and not inst.ready_at:
+            await avoid_host(a, inst, machine, qs, now)
+        exists = machine is not None and machine.state != MachineState.TERMINATED
+        await _failure(
+            a, inst, cfg, f"the provider {state}{detail}", f"the provider {state}{detail}", now, machine_exists=exists
+        )
+        return
+    if machine is not None and machine.state == MachineState.RUNNING and inst.status == "provisioning":
+        await a.instances.update(inst, a.leader.token, now, status="booting", booted_at=now)
+    if inst.status in ("provisioning", "booting") and now - inst.created_at > cfg.boot_timeout:
+        failures = qs.boot_failures + 1
+        pause = boot_backoff(cfg.boot_timeout, failures)
+        await qs.save(a.redis, inst.queue, boot_failures=failures, boot_until=now + pause)
+        await _failure(
+            a,
+            inst,
+            cfg,
+            f"no worker became ready within boot_timeout ({cfg.boot_timeout:.0f}s)",
+            f"no ready worker after {cfg.boot_timeout:.0f}s (the next rental waits {pause:.0f}s)",
+            now,
+            kind="boot_timeout",
+        )
+        return
+    if inst.status == "running":
+        seen = max(inst.last_seen_at, inst.ready_at)
+        if now - seen > a.server.heartbeat_timeout:
+            await _failure(
+                a,
+                inst,
+                cfg,
+                f"no heartbeat for {now - seen:.0f}s (machine died or hung)",
+                "its worker stopped heart-beating",
+                now,
+            )
+            return
+    if inst.status == "draining":
+        await _drained(a, inst, cfg, worker, now)
+
+
+async def _drained(
+    a: Autoscaler, inst: Instance, cfg: AutoscaleSettings, worker: WorkerInfo | None, now: float
+) -> None:
+    """When a draining machine may go: its worker holds nothing (after the settle time), or the spend cap needs
+    it gone (after one poll: its jobs come back uncounted), or drain_timeout ran out (a hung handler)."""
+    busy = worker is not None and worker.in_flight > 0
+    waited = now - inst.drain_at
+    if inst.drain_reason == "spend cap" and busy and waited >= cfg.poll_interval and not inst.protected:
+        await _forgive(a, inst, now, "the spend cap was reached")
+        await a.instances.update(
+            inst,
+            a.leader.token,
+            now,
+            teardown="pending",
+            teardown_at=now,
+            reason="destroyed busy: the spend cap was reached",
+        )
+    elif busy and waited >= cfg.drain_timeout:
+        reason = f"drain_timeout: still busy after draining {waited:.0f}s (a hung handler?)"
+        await a.instances.update(inst, a.leader.token, now, teardown="pending", teardown_at=now, reason=reason)
+        await log_event(a.redis, now, "drain_timeout", f"{inst.id}: {reason}", instance=inst.id, queue=inst.queue)
+        await a.alerter.alert(
+            "autoscale_failure", inst.id, f"instance {inst.id} ({inst.queue}): {reason}; destroying it"
+        )
+    elif not busy and waited >= a.drain_settle:
+        await a.instances.update(inst, a.leader.token, now, teardown="pending", teardown_at=now)
+
+
+async def avoid_host(a: Autoscaler, inst: Instance, machine: Machine, qs: QueueState, now: float) -> None:
+    if machine.host_id:
+        await a.redis.zadd(keys.avoid(inst.provider), {machine.host_id: now + HOST_AVOID})
+    failures = qs.host_failures + 1
+    await qs.save(a.redis, inst.queue, host_failures=failures, host_until=now + host_pause(failures))
+    await log_event(
+        a.redis,
+        now,
+        "host_avoided",
+        f"host {machine.host_id or '?'} could not start the container; avoided for 24h",
+        instance=inst.id,
+        queue=inst.queue,
+        host=machine.host_id,
+    )
+
+
+async def avoided_hosts(a: Autoscaler, provider: str, now: float) -> set[str]:
+    await a.redis.zremrangebyscore(keys.avoid(provider), "-inf", now)
+    return {str(h) for h in await a.redis.zrange(keys.avoid(provider), 0, -1)}
+
+
+def _price(machine: Machine, inst: Instance) -> dict[str, Any]:
+    if machine.price_per_hour:
+        return {"price": float(machine.price_per_hour), "price_reported": True}
+    return {}
+
+
+async def teardown(a: Autoscaler, inst: Instance, provider: Provider, machines: dict[str, Machine], now: float) -> bool:
+    """Carry out one journaled teardown; True once the provider confirmed (or there was nothing to destroy)."""
+    target = inst.provider_id or (machines[inst.label].provider_id if inst.label in machines else "")
+    try:
+        if target:
+            await a.leader.check()
+            a.provider_calls += 1
+            await provider.destroy(target)
+        elif now - inst.created_at <= PROVISION_GRACE:
+            return False  # an interrupted create may still surface under its label
+    except NotOurs as exc:
+        await log_event(a.redis, now, "refused", a.why(exc), instance=inst.id, queue=inst.queue)
+    except ProviderError as exc:
+        await a.instances.update(
+            inst, a.leader.token, now, teardown_attempts=inst.teardown_attempts + 1, teardown_error=a.why(exc)[:300]
+        )
+        log.warning(
+            "teardown of %s failed (attempt %d, retried next evaluation): %s",
+            inst.id,
+            inst.teardown_attempts,
+            a.why(exc),
+        )
+        if inst.teardown_attempts >= TEARDOWN_ALERT_AFTER:
+            await a.alerter.alert(
+                "autoscale_failure",
+                inst.id,
+                f"instance {inst.id} ({inst.queue}): the provider "
+                f"refused to destroy it {inst.teardown_attempts} times ({a.why(exc)}); it may "
+                "still be billing, retrying every evaluation",
+            )
+        return False
+    await accrue(a, inst, now)
+    final = "terminated" if inst.status == "draining" else inst.status
+    try:
+        await a.instances.update(inst, a.leader.token, now, status=final, teardown="done", destroyed_at=now)
+    except StaleState:
+        return False
+    await log_event(
+        a.redis,
+        now,
+        "destroyed",
+        f"{inst.id}: machine {target or '-'} destroyed ({final})",
+        instance=inst.id,
+        queue=inst.queue,
+    )
+    return True
+
+
+async def sweep_orphans(
+    a: Autoscaler, name: str, provider: Provider, machines: list[Machine], known: set[str], now: float
+) -> list[str]:
+    """Machines labelled `offload-…` at the provider that no record accounts for: report, and destroy them
+    if `autoscaler.destroy_orphans` is on (off by default: two deployments may share one account)."""
+    orphans = [m for m in machines if m.label not in known and m.state != MachineState.TERMINATED]
+    for m in orphans:
+        verb = "destroying" if a.server.destroy_orphans else "reporting"
+        await log_event(
+            a.redis,
+            now,
+            "orphan",
+            f"{verb} machine {m.provider_id} ({m.label}) at provider {name}: no record of it",
+            provider=name,
+            machine=m.provider_id,
+        )
+        await a.alerter.alert(
+            "autoscale_failure",
+            f"orphan:{m.provider_id}",
+            f"provider {name} runs {m.provider_id} ({m.label}) that offload has no record of ({verb} it)",
+        )
+        if a.server.destroy_orphans:
+            try:
+                await a.leader.check()
+                a.provider_calls += 1
+                await provider.destroy(m.provider_id)
+            except ProviderError as exc:
+                log.warning("orphan %s: destroy failed: %s", m.provider_id, a.why(exc))
+    return [m.provider_id for m in orphans]

@@ -1,0 +1,335 @@
+"""Scaling up: which provider rents, what the machine receives, the spend cap, and the rental journal around the
+provider call.
+
+- A queue names one provider or several in order of preference (`providers: [a, b]`). A provider is usable now
+  unless it cannot be built, lacks a prerequisite, or backs off after failures (per provider: poll x 2^n, capped
+  at 10 min). `choose: first` rents from the first usable one; `cheapest` asks each for its current offer price
+  (`Provider.quote`) and rents from the lowest. Out of stock or a failed create moves on to the next provider
+  in the same evaluation.
+- Every failure, ambiguous ones included (a 5xx or a lost answer: the machine may exist), counts against the
+  provider's backoff and raises an alert. An ambiguous create keeps its record, so the machine is adopted by its
+  `offload-as-…` label if it shows up, and is never rented twice.
+- The spend cap looks one poll ahead: a rental is refused when today's spend plus the fleet's cost until the next
+  evaluation would reach it. Dry-run (mock) spend is checked against dry-run spend only.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from offload.autoscale import reconcile
+from offload.autoscale.credentials import Credentials
+from offload.autoscale.deploy import TOKEN_ENV, USER_ENV, script, start_command
+from offload.autoscale.instances import Instance, log_event, new_instance_id
+from offload.autoscale.operator_only import WHERE, host_commands, runs_on_host
+from offload.autoscale.providers import LaunchSpec, OutOfCapacity, Provider, ProviderError
+from offload.autoscale.safety import provision_backoff
+from offload.autoscale.state import QueueState, spend
+
+if TYPE_CHECKING:
+    from offload.autoscale.config import AutoscaleSettings
+    from offload.autoscale.scaler import Autoscaler
+
+log = logging.getLogger("offload.autoscale")
+
+
+@dataclass
+class Choice:
+    """Which providers may rent now, in which order, and why (shown by `offload autoscale status`)."""
+
+    order: list[Provider] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    quotes: dict[str, float | None] = field(default_factory=dict)
+    why: str = ""
+
+    def explain(self) -> dict[str, Any]:
+        return {"order": [p.name for p in self.order], "skipped": self.skipped, "quotes": self.quotes, "why": self.why}
+
+
+async def prerequisites(
+    a: Autoscaler, provider: Provider, queue: str, cfg: AutoscaleSettings, source: str
+) -> str | None:
+    """Why renting from this provider must not happen (None: fine). The admin key never goes to a machine, and
+    a block set over the API never runs its commands on this host (operator_only.py decides which those are):
+    checked again here in case the provider became local after the block was set."""
+    if source == "api" and runs_on_host(provider.type) and (fields := host_commands(cfg.model_dump())):
+        return (
+            f"{fields[0]} of an autoscale block set over the HTTP API would run on the server's own host "
+            f"(provider type {provider.type!r}): {WHERE}"
+        )
+    key = a.server.worker_key
+    if provider.real and not a.server.public_url:
+        return "autoscaler.public_url (OFFLOAD_PUBLIC_URL) is not set: a rented machine could not reach us"
+    if provider.type != "mock" and not key:
+        return "autoscaler.worker_key (OFFLOAD_WORKER_API_KEY) is not set: rented machines need a worker key"
+    if key and key == a.env.get("OFFLOAD_ADMIN_KEY"):
+        return "autoscaler.worker_key is the admin key: refusing to send it to a rented machine"
+    if provider.type == "local" and not (a.server.public_url or a.server_url):
+        return "no server URL for local workers (set autoscaler.public_url)"
+    if key and provider.type != "mock":  # the mock ships nothing anywhere
+        return await worker_key_problem(a, key, queue)
+    return None
+
+
+async def worker_key_problem(a: Autoscaler, token: str, queue: str) -> str | None:
+    """The key a machine receives must be a live worker key covering the queue: never an admin, producer or
+    viewer key, never one that was revoked (the machine would only loop on 401s)."""
+    from offload.server.keys import KeyStore  # lazy: the server's routes import the autoscaler
+
+    key = await KeyStore(a.redis).authenticate(token)
+    what = "autoscaler.worker_key (OFFLOAD_WORKER_API_KEY)"
+    if key is None:
+        return (
+            f"{what} is not a valid API key (unknown or revoked): create one with `offload keys create "
+            f"--scope worker --queues {queue}`"
+        )
+    if key.scope != "worker":
+        return f"{what} is a {key.scope} key: rented machines only ever get a worker-scoped key"
+    if not key.covers(queue):
+        return f"{what} does not cover queue {queue!r}"
+    return None
+
+
+async def cap_reached(
+    a: Autoscaler,
+    queue: str,
+    cfg: AutoscaleSettings,
+    insts: list[Instance],
+    now: float,
+    *,
+    dry_run: bool,
+    extra: float = 0.0,
+) -> str | None:
+    """Whether today's (or this month's) spend plus the fleet's cost until the next evaluation (plus `extra`
+    $/h more) reaches the queue's cap. Real and dry-run (mock) spend are counted apart."""
+    if cfg.daily_spend_cap is None and cfg.monthly_spend_cap is None:
+        return None
+    fleet = sum(i.price for i in insts if i.live and (i.provider_type == "mock") == dry_run)
+    ahead = (fleet + extra) * cfg.poll_interval / 3600
+    today, month, _ = await spend(a.redis, queue, now, dry_run=dry_run)
+    kind = "dry-run " if dry_run else ""
+    if cfg.daily_spend_cap is not None and today + ahead >= cfg.daily_spend_cap:
+        return (
+            f"queue {queue}: daily {kind}spend cap ${cfg.daily_spend_cap:.2f} reached (${today:.2f} spent, "
+            f"${ahead:.2f} more until the next evaluation)"
+        )
+    if cfg.monthly_spend_cap is not None and month + ahead >= cfg.monthly_spend_cap:
+        return (
+            f"queue {queue}: monthly {kind}spend cap ${cfg.monthly_spend_cap:.2f} reached (${month:.2f} spent, "
+            f"${ahead:.2f} more until the next evaluation)"
+        )
+    return None
+
+
+async def choose(a: Autoscaler, queue: str, cfg: AutoscaleSettings, qs: QueueState, now: float, source: str) -> Choice:
+    c = Choice()
+    for name in cfg.names:
+        try:
+            provider = await a.provider(name)
+        except Exception as exc:
+            c.skipped[name] = f"unusable: {a.why(exc)}"
+            await a.alerter.alert(
+                "autoscale_failure", f"{queue}/{name}", f"queue {queue}: provider {name!r} is unusable: {a.why(exc)}"
+            )
+            continue
+        if why := await prerequisites(a, provider, queue, cfg, source):
+            c.skipped[name] = why
+            await a.alerter.alert(
+                "autoscale_failure", f"{queue}/{name}", f"queue {queue}: not renting from {name}: {why}"
+            )
+            continue
+        until = qs.prov_until.get(name, 0.0)
+        if until > now:
+            c.skipped[name] = f"backing off {until - now:.0f}s after {qs.prov_failures.get(name, 0)} failure(s)"
+            continue
+        c.order.append(provider)
+    if cfg.choose == "cheapest" and len(c.order) > 1:
+        for p in c.order:
+            try:
+                c.quotes[p.name] = await p.quote(await launch_spec(a, queue, cfg, "offload-quote", quote=True))
+            except Exception as exc:  # a quote is advice: a provider that cannot answer still rents, last
+                log.warning("provider %s: quote failed: %s", p.name, a.why(exc))
+                c.quotes[p.name] = None
+        rank = {p.name: i for i, p in enumerate(c.order)}
+        c.order.sort(key=lambda p: (c.quotes[p.name] is None, c.quotes[p.name] or 0.0, rank[p.name]))
+        best = c.quotes[c.order[0].name]
+        c.why = (
+            f"cheapest current offer: {c.order[0].name} at ${best:.3f}/h"
+            if best is not None
+            else "no provider quoted a price: in order of preference"
+        )
+    elif c.order:
+        c.why = f"first usable in order of preference: {c.order[0].name}"
+    else:
+        c.why = "no provider can rent now"
+    return c
+
+
+async def launch_spec(
+    a: Autoscaler, queue: str, cfg: AutoscaleSettings, label: str, *, quote: bool = False
+) -> LaunchSpec:
+    """What the machine receives: server URL, worker key, queue, instance id (and the git credential of its
+    deployment). `quote`: the same for a price quote, without any secret."""
+    spec_cfg = cfg.instance
+    env = {"OFFLOAD_QUEUE": queue, "OFFLOAD_INSTANCE_ID": label.removeprefix("offload-"), **spec_cfg.env}
+    if url := a.server.public_url or a.server_url:
+        env["OFFLOAD_SERVER"] = url
+    if a.server.worker_key and not quote:
+        env["OFFLOAD_TOKEN"] = a.server.worker_key
+    handler = spec_cfg.handler
+    command = ["offload", "worker", "--handler", handler, "--queue", queue] if handler else None
+    deploy_script = None
+    if cfg.deployment is not None:
+        deploy_script, command, handler = script(cfg.deployment), start_command(cfg.deployment), None
+        if cfg.deployment.git_credential and not quote:
+            user, token = await Credentials(a.redis).reveal(cfg.deployment.git_credential)
+            env[TOKEN_ENV] = token
+            a.redact.add(token)
+            if user:
+                env[USER_ENV] = user
+    return LaunchSpec(
+        label=label,
+        queue=queue,
+        image=spec_cfg.image,
+        gpu=spec_cfg.gpu,
+        gpu_count=spec_cfg.gpu_count,
+        disk_gb=spec_cfg.disk_gb,
+        max_price_per_hour=spec_cfg.max_price_per_hour,
+        env=env,
+        handler=handler,
+        command=command,
+        spot=spec_cfg.spot,
+        spot_max_price=spec_cfg.spot_max_price,
+        script=deploy_script,
+    )
+
+
+async def provision(
+    a: Autoscaler,
+    queue: str,
+    cfg: AutoscaleSettings,
+    qs: QueueState,
+    n: int,
+    reasons: list[str],
+    insts: list[Instance],
+    now: float,
+    plan: dict[str, Any],
+    source: str,
+) -> int:
+    """Rent up to `n` machines; returns how many rentals were started (an ambiguous one counts: it may exist)."""
+    until, why_paused = qs.paused_until()
+    if until > now:
+        plan["held"] = f"renting paused {until - now:.0f}s after {why_paused}"
+        if qs.last_reason != why_paused:
+            await qs.save(a.redis, queue, last_reason=why_paused)
+            await log_event(
+                a.redis, now, "backoff", f"{queue}: renting paused {until - now:.0f}s after {why_paused}", queue=queue
+            )
+        return 0
+    choice = await choose(a, queue, cfg, qs, now, source)
+    plan["provider"] = choice.explain()
+    rented, failed_now = 0, set()
+    avoid: dict[str, set[str]] = {}
+    for _ in range(n):
+        for provider in choice.order:
+            if provider.name in failed_now:
+                continue
+            price = cfg.instance.spot_max_price if cfg.instance.spot else cfg.instance.max_price_per_hour
+            if blocked := await cap_reached(
+                a, queue, cfg, insts, now, dry_run=provider.type == "mock", extra=price or 0.0
+            ):
+                await a.alerter.alert("spend_cap_reached", queue, blocked + "; not renting")
+                plan["held"] = blocked
+                continue
+            if provider.name not in avoid:
+                avoid[provider.name] = await reconcile.avoided_hosts(a, provider.name, now)
+            outcome, inst = await rent_one(a, queue, cfg, provider, qs, avoid[provider.name], reasons, now)
+            if outcome in ("ok", "ambiguous"):
+                rented += 1
+                if inst is not None:
+                    insts.append(inst)
+                plan.setdefault("rented", []).append(provider.name)
+                break
+            failed_now.add(provider.name)  # out of stock or failed: the next provider, this very evaluation
+        else:
+            break
+    return rented
+
+
+async def rent_one(
+    a: Autoscaler,
+    queue: str,
+    cfg: AutoscaleSettings,
+    provider: Provider,
+    qs: QueueState,
+    avoid: set[str],
+    reasons: list[str],
+    now: float,
+) -> tuple[str, Instance | None]:
+    """One rental, journaled before the provider call: ("ok" | "ambiguous" | "capacity" | "failed", record)."""
+    spec_cfg = cfg.instance
+    price = (spec_cfg.spot_max_price if spec_cfg.spot else spec_cfg.max_price_per_hour) or 0.0
+    inst = Instance(
+        id=new_instance_id(),
+        queue=queue,
+        provider=provider.name,
+        provider_type=provider.type,
+        status="provisioning",
+        created_at=now,
+        updated_at=now,
+        gpu=spec_cfg.gpu or "",
+        price=price,
+        spot=spec_cfg.spot,
+    )
+    inst.label = f"offload-{inst.id}"
+    try:
+        spec = await launch_spec(a, queue, cfg, inst.label)
+    except Exception as exc:  # e.g. the deployment's credential is missing: nothing was rented
+        await a.alerter.alert(
+            "autoscale_failure", f"{queue}/{provider.name}", f"queue {queue}: cannot rent: {a.why(exc)}"
+        )
+        return "failed", None
+    spec.avoid_hosts = avoid
+    await a.instances.create(inst, a.leader.token)  # the journal entry, before the provider call
+    await log_event(
+        a.redis,
+        now,
+        "provisioning",
+        f"{inst.id}: renting from {provider.name} for {queue} ({'; '.join(reasons)})",
+        instance=inst.id,
+        queue=queue,
+    )
+    try:
+        await a.leader.check()
+        a.provider_calls += 1
+        machine = await provider.create(spec)
+    except ProviderError as error:
+        said = a.why(error)
+        pause = provision_backoff(cfg.poll_interval, qs.prov_failures.get(provider.name, 0) + 1)
+        await qs.provider_failed(a.redis, queue, provider.name, pause, now)
+        if error.ambiguous:  # may exist: reconcile adopts it by label, or fails it after the grace period
+            await log_event(a.redis, now, "ambiguous", f"{inst.id}: {said}", instance=inst.id, queue=queue)
+            await a.alerter.alert(
+                "autoscale_failure",
+                f"{queue}/{provider.name}",
+                f"queue {queue}: renting "
+                f"{inst.id} from {provider.name} may have failed ({said}); looking for it by its "
+                f"label, renting from {provider.name} again in {pause:.0f}s",
+            )
+            return "ambiguous", inst
+        await reconcile.fail(a, inst, f"provisioning failed: {said}", now, destroy=False)
+        await a.alerter.alert(
+            "autoscale_failure",
+            f"{queue}/{provider.name}",
+            f"queue {queue}: renting {inst.id} from {provider.name} failed ({said}); retrying there in {pause:.0f}s",
+        )
+        return ("capacity" if isinstance(error, OutOfCapacity) else "failed"), None
+    changes: dict[str, Any] = {"provider_id": machine.provider_id, "host": machine.host_id or "", "accrued_at": now}
+    if machine.price_per_hour:
+        changes.update(price=float(machine.price_per_hour), price_reported=True)
+    await a.instances.update(inst, a.leader.token, now, **changes)
+    await qs.provider_ok(a.redis, queue, provider.name)
+    log.info("rented %s for %s: %s at %s", inst.id, queue, machine.provider_id, provider.name)
+    return "ok", inst

@@ -1,0 +1,48 @@
+"""The rules that keep the autoscaler from leaking machines or killing work, as small pure functions and
+constants, so each can be tested on its own and read in one place.
+
+- never destroy a worker that is busy, touched a task in the last 30 s, or is protected (`spared`);
+- provisioning failures back off poll x 2^n, capped at 10 min (`provision_backoff`);
+- a machine that never got a ready worker within boot_timeout: the next rental waits boot_timeout x 2^(n-1),
+  up to 1 h, reset by the first worker that becomes ready (`boot_backoff`);
+- a host that could not start the container is avoided for 24 h, and the next rental waits 30 s, doubling to
+  10 min (`host_pause`), instead of the boot backoff (the image is probably fine; the host was not);
+- a running instance whose heartbeats stopped for `autoscaler.heartbeat_timeout` (5 min by default) is destroyed
+  (the reconcile loop applies it; the setting lives in offload.autoscale.config).
+"""
+
+from __future__ import annotations
+
+from offload.autoscale.instances import Instance
+
+RECENT_TASK = 30.0
+PROVISION_BACKOFF_CAP = 600.0
+BOOT_BACKOFF_CAP = 3600.0
+HOST_AVOID = 86_400.0
+HOST_PAUSE_BASE = 30.0
+HOST_PAUSE_CAP = 600.0
+PROVISION_GRACE = 120.0  # a provisioning record with no machine id: wait this long for it to show at the provider
+TEARDOWN_ALERT_AFTER = 3  # failed destroy calls of one machine before an alert (it may still bill)
+
+
+def spared(inst: Instance, now: float, recent: float = RECENT_TASK) -> str | None:
+    """Why this instance must not be scaled down now, or None if it may be drained."""
+    if inst.protected:
+        return "protected"
+    if inst.in_flight > 0:
+        return "busy"
+    if inst.last_task_at and now - inst.last_task_at < recent:
+        return f"touched a task in the last {recent:.0f}s"
+    return None
+
+
+def provision_backoff(poll_interval: float, failures: int) -> float:
+    return float(min(poll_interval * 2 ** max(failures, 0), PROVISION_BACKOFF_CAP))
+
+
+def boot_backoff(boot_timeout: float, failures: int) -> float:
+    return float(min(boot_timeout * 2 ** max(failures - 1, 0), BOOT_BACKOFF_CAP))
+
+
+def host_pause(failures: int) -> float:
+    return float(min(HOST_PAUSE_BASE * 2 ** max(failures - 1, 0), HOST_PAUSE_CAP))

@@ -1,0 +1,359 @@
+"""The autoscaler loop: one leader (Redis lock + fencing token) evaluates each queue every poll_interval.
+
+One evaluation of a queue:
+1. list the providers' `offload-…` machines once, read the worker registry and the queue's events;
+2. reconcile every live instance (reconcile.sync): worker correlation, provider-reported failures and
+   pre-emptions, boot timeout, lost heartbeats, drain completion and drain timeout;
+3. decide (triggers.py) the desired count and act: cancel idle drains and rent (rent.py) up to it, within
+   max_workers counted over every machine still billed (draining and failing ones too), unless a backoff, the
+   spend cap or missing prerequisites say wait; or drain (drain.py) what the scale-down rules allow;
+4. carry out the teardown journal (reconcile.teardown) until the provider confirms;
+5. accrue cost, and record the decision and its reasons (`offload autoscale status` shows them). Every few
+   minutes, sweep each provider for orphans.
+
+Time comes from an injectable clock, so a whole day of load runs in a test in seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+from typing import Any
+
+import orjson
+
+from offload.autoscale import drain, keys, reconcile, rent
+from offload.autoscale.alerts import Alerter, alert_settings
+from offload.autoscale.config import (
+    AutoscaleSettings,
+    ServerSide,
+    open_env,
+    server_side,
+    validate_autoscale,
+    yaml_blocks,
+)
+from offload.autoscale.instances import ACTIVE, Fenced, Instance, InstanceStore, StaleState
+from offload.autoscale.leader import Leader
+from offload.autoscale.provider_store import ProviderStore
+from offload.autoscale.providers import TYPES, Machine, Provider, build
+from offload.autoscale.safety import RECENT_TASK
+from offload.autoscale.state import QueueState, save_decision
+from offload.autoscale.triggers import QueueLoad, scale_up
+from offload.autoscale.workers import RedisWorkers, WorkerInfo, WorkerSource
+from offload.config import Settings
+from offload.errors import ConfigError
+from offload.queue.store import QueueStore
+from offload.redact import Redactor
+
+log = logging.getLogger("offload.autoscale")
+Clock = Any
+HISTORY_DAYS = 30  # finished instance records are kept this long (status history, cost audit)
+Listings = dict[str, tuple[bool, list[Machine]]]
+
+
+class Autoscaler:
+    def __init__(
+        self,
+        redis: Any,
+        settings: Settings | None = None,
+        *,
+        clock: Clock = time.time,
+        owner: str | None = None,
+        workers: WorkerSource | None = None,
+        providers: ProviderStore | None = None,
+        alerter: Alerter | None = None,
+        server_url: str | None = None,
+        provider_override: dict[str, Provider] | None = None,
+        drain_settle: float | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.redis = redis
+        self.settings = settings or Settings()
+        self.clock = clock
+        self.env = dict(os.environ) if env is None else env
+        self.server: ServerSide = server_side(self.settings.autoscaler, self.env)
+        self.store = QueueStore(redis, clock=lambda: int(self.clock() * 1000))
+        self.instances = InstanceStore(redis)
+        self.leader = Leader(redis, ttl=self.server.leader_ttl, clock=clock, owner=owner)
+        self.workers = workers or RedisWorkers(redis)
+        self.providers = providers or ProviderStore(redis)
+        # every provider error, machine message and alert goes through this, fed with the secrets of the
+        # configurations the scaler loaded (provider credentials, the worker key, instance.env values)
+        self.redact = Redactor([self.server.worker_key])
+        self.alerter = alerter or Alerter(alert_settings(self.settings.alerts), redis, clock, redact=self.redact)
+        self.server_url = server_url
+        self.override = provider_override or {}
+        self.drain_settle = self.server.drain_settle if drain_settle is None else drain_settle
+        self._cache: dict[str, tuple[int, Provider]] = {}
+        self._next: dict[str, float] = {}
+        self._next_sweep = 0.0
+        self.sources: dict[str, str] = {}  # queue -> where its block came from: "offload.yaml" or "api"
+        self.unreadable: set[str] = set()  # API-set blocks that cannot be decrypted here: not evaluated
+        self.provider_calls = 0  # calls this process made to providers (the two-server test counts them)
+
+    # -- configuration ---------------------------------------------------------------------------
+
+    async def configs(self) -> dict[str, AutoscaleSettings]:
+        """offload.yaml's autoscale blocks, overridden by any set through the API (stored in Redis). Where each
+        came from is kept in `self.sources` (a block set over the API may not run commands on this host)."""
+        out: dict[str, AutoscaleSettings] = {}
+        for name, block in yaml_blocks(self.settings).items():
+            out[name] = validate_autoscale(block, f"queues.{name}.autoscale")
+            self.sources[name] = "offload.yaml"
+        names = sorted(await self.redis.smembers(keys.QUEUE_CONFIGS))
+        raws = await self.redis.mget([keys.queue_config(q) for q in names]) if names else []
+        self.unreadable = set()
+        for queue, raw in zip(names, raws, strict=True):
+            if raw:
+                try:
+                    block = open_env(orjson.loads(raw), self.providers.vault, queue)
+                except ConfigError as exc:  # e.g. no master key: leave the queue alone rather than scale it to 0
+                    log.warning("queue %s: its autoscale block cannot be read: %s", queue, exc)
+                    self.unreadable.add(queue)
+                    continue
+                out[queue] = validate_autoscale(block, f"queues.{queue}.autoscale")
+                self.sources[queue] = "api"
+        for cfg in out.values():
+            self.redact.add(*cfg.instance.env.values())
+        return out
+
+    async def provider(self, name: str) -> Provider:
+        if name in self.override:
+            return self.override[name]
+        record = await self.providers.get(name, reveal=True)
+        self.redact.add(*(str(record.config[f]) for f in TYPES[record.type].secret_fields if record.config.get(f)))
+        cached = self._cache.get(name)
+        if cached and cached[0] == record.updated_at:
+            return cached[1]
+        if cached:
+            await cached[1].aclose()
+        built = build(name, record.type, record.config, self.redis, self.clock)
+        self._cache[name] = (record.updated_at, built)
+        return built
+
+    def why(self, exc: BaseException) -> str:
+        """An exception's text as it may be stored, logged or alerted: redacted."""
+        return self.redact(str(exc))
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        log.info("autoscaler started (%s)", self.leader.owner)
+        while not stop.is_set():
+            try:
+                await self.tick()
+            except Fenced as exc:
+                log.warning("autoscaler: %s", exc)
+            except Exception:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # a cancel that redis-py turned into a TimeoutError: still a cancel
+                log.exception("autoscaler evaluation failed; retrying next tick")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.server.tick)
+        with contextlib.suppress(Exception):
+            await self.leader.release()
+        await self.aclose()
+
+    async def tick(self, *, force: bool = False) -> bool:
+        """One pass: evaluate the queues that are due. Returns whether this server is the leader."""
+        if not await self.leader.acquire():
+            return False
+        now = self.clock()
+        configs = await self.configs()
+        live = await self.instances.live()
+        queues = (set(configs) | {i.queue for i in live}) - self.unreadable
+        due = [q for q in sorted(queues) if force or now >= self._next.get(q, 0.0)]
+        if due:
+            workers = await self.workers.workers()
+            listings: dict[str, tuple[bool, list[Machine]]] = {}
+            for queue in due:
+                cfg = configs.get(queue) or AutoscaleSettings.model_validate({})
+                self._next[queue] = now + cfg.poll_interval
+                await self.evaluate(queue, cfg, [i for i in live if i.queue == queue], workers, listings, now)
+        if now >= self._next_sweep:
+            self._next_sweep = now + self.server.orphan_sweep_interval
+            await self.sweep(now)
+            await self.instances.forget_before(now - HISTORY_DAYS * 86400)
+            with contextlib.suppress(Exception):
+                await self.alerter.monitor(self.store, await self.store.queues())
+        return True
+
+    async def listing(self, name: str, listings: Listings) -> tuple[bool, list[Machine]]:
+        """The provider's machines, once per tick. (False, []) when the call failed: no conclusions then."""
+        if name not in listings:
+            try:
+                provider = await self.provider(name)
+                await self.leader.check()
+                self.provider_calls += 1
+                listings[name] = (True, await provider.list())
+            except Fenced:
+                raise
+            except Exception as exc:
+                log.warning("provider %s: listing failed: %s", name, self.why(exc))
+                listings[name] = (False, [])
+        return listings[name]
+
+    async def evaluate(
+        self,
+        queue: str,
+        cfg: AutoscaleSettings,
+        insts: list[Instance],
+        workers: list[WorkerInfo],
+        listings: Listings,
+        now: float,
+    ) -> None:
+        qs = await QueueState.load(self.redis, queue)
+        by_instance = {w.instance_id: w for w in workers if w.instance_id}
+        touched = await self.workers.touched(queue)
+        for inst in insts:
+            listed, machines = await self.listing(inst.provider, listings)
+            by_id = {m.provider_id: m for m in machines}
+            by_label = {m.label: m for m in machines}
+            machine = by_id.get(inst.provider_id) if inst.provider_id else by_label.get(inst.label)
+            try:
+                worker = by_instance.get(inst.id)
+                if worker is not None and worker.protected and not await self._self_protect_allowed(inst.provider):
+                    worker = dataclasses.replace(worker, protected=False)  # a claim the provider does not honour
+                await reconcile.sync(self, inst, cfg, machine, listed, worker, touched, qs, now)
+                await reconcile.accrue(self, inst, now)
+            except StaleState as exc:
+                log.info("instance %s moved meanwhile: %s", inst.id, exc)
+        await self._teardowns(insts, listings, now)
+        insts = [i for i in insts if i.live]
+        active = [i for i in insts if i.status in ACTIVE and not i.teardown]
+        draining = [i for i in insts if i.status == "draining" and not i.teardown]
+        load = await self._load(queue, insts, workers, now)
+        decision = scale_up(cfg, load, active, now, qs.last_down_fire)
+        target, floor = decision.target, decision.floor
+        plan: dict[str, Any] = {
+            "at": now,
+            "enabled": cfg.enabled,
+            "active": len(active),
+            "billed": len(insts),
+            "draining": len(draining),
+            "pending": load.pending,
+            "in_flight": load.in_flight,
+            "live_workers": load.live_workers,
+            "reasons": decision.reasons,
+        }
+        capped = {dry: await rent.cap_reached(self, queue, cfg, insts, now, dry_run=dry) for dry in (False, True)}
+        kinds = {(await self._kind(name)) == "mock" for name in cfg.names}
+        mode = ""
+        if not cfg.enabled:
+            target = floor = 0
+            mode = "disabled"
+        elif kinds and all(capped[k] for k in kinds):
+            target = floor = 0
+            mode = "spend cap"
+            await self.alerter.alert("spend_cap_reached", queue, next(m for m in capped.values() if m) or "")
+            plan["held"] = next(m for m in capped.values() if m)
+        plan.update(desired=target, floor=floor)
+        short = target - len(active)
+        if short > 0:
+            undrained = await drain.cancel(self, draining, short, now)
+            want, room = short - undrained, cfg.limit - len(insts)
+            if undrained:
+                plan["undrained"] = undrained
+            if want > 0 and room <= 0:
+                plan["held"] = (
+                    f"max_workers {cfg.limit} reached: {len(insts)} machine(s) billed "
+                    f"({len(active)} active, {len(draining)} draining, "
+                    f"{len(insts) - len(active) - len(draining)} failed, not yet destroyed)"
+                )
+            elif want > 0:
+                await rent.provision(
+                    self,
+                    queue,
+                    cfg,
+                    qs,
+                    min(want, room),
+                    decision.reasons,
+                    insts,
+                    now,
+                    plan,
+                    self.sources.get(queue, "offload.yaml"),
+                )
+        elif decision.held:
+            plan["held"] = "a machine is booting: queue_depth and latency hold the count"
+        if mode or (short <= 0 and not decision.demand):
+            fleet = [i for i in active if mode != "spend cap" or capped[i.provider_type == "mock"]]
+            await drain.scale_down(self, queue, cfg, qs, fleet, floor, listings, now, plan, mode=mode)
+        await save_decision(self.redis, queue, plan)
+
+    async def _load(self, queue: str, insts: list[Instance], workers: list[WorkerInfo], now: float) -> QueueLoad:
+        """The queue's load. A worker counts as live only if it heart-beats, is not draining and its instance is
+        not retired: a draining or failed machine's worker takes no new work (so no_workers must fire)."""
+        stats = await self.store.stats(queue)
+        retired = {i.id for i in insts if i.status not in ACTIVE or i.teardown}
+        serving = [w for w in workers if queue in w.queues and now - w.last_heartbeat < self.server.heartbeat_timeout]
+        live = [w for w in serving if not w.draining and (w.instance_id is None or w.instance_id not in retired)]
+        dispatch = await self.workers.dispatch_workers(queue, now, {w.id for w in workers})
+        counts = stats.counts
+        return QueueLoad(
+            pending=0 if stats.paused else counts.get("queued", 0),
+            oldest_age=None if stats.paused or stats.oldest_ready_age_ms is None else stats.oldest_ready_age_ms / 1000,
+            live_workers=len(live) + dispatch,
+            paused=stats.paused,
+            in_flight=counts.get("active", 0) + counts.get("submitted", 0),
+        )
+
+    async def _kind(self, name: str) -> str:
+        try:
+            return (await self.provider(name)).type
+        except Exception:
+            return ""
+
+    async def _teardowns(self, insts: list[Instance], listings: Listings, now: float) -> None:
+        for inst in insts:
+            if inst.teardown != "pending":
+                continue
+            listed, machines = await self.listing(inst.provider, listings)
+            try:
+                provider = await self.provider(inst.provider)
+            except Exception as exc:
+                log.warning("instance %s: provider %s unavailable: %s", inst.id, inst.provider, self.why(exc))
+                continue
+            await reconcile.teardown(self, inst, provider, {m.label: m for m in machines} if listed else {}, now)
+
+    async def _self_protect_allowed(self, name: str) -> bool:
+        """A worker reports `protected` itself; only a provider config with allow_worker_protect trusts it."""
+        try:
+            provider = await self.provider(name)
+        except Exception:
+            return False
+        return bool(getattr(getattr(provider, "config", None), "allow_worker_protect", False))
+
+    # -- orphans ---------------------------------------------------------------------------------
+
+    async def sweep(self, now: float) -> dict[str, list[str]]:
+        known = {i.label for i in await self.instances.live()}
+        names = set(self.override) | set(await self.redis.smembers(keys.PROVIDERS))
+        found: dict[str, list[str]] = {}
+        for name in sorted(names):
+            try:
+                provider = await self.provider(name)
+                await self.leader.check()
+                self.provider_calls += 1
+                machines = await provider.list()
+            except Fenced:
+                raise
+            except Exception as exc:
+                log.warning("orphan sweep of %s failed: %s", name, self.why(exc))
+                continue
+            found[name] = await reconcile.sweep_orphans(self, name, provider, machines, known, now)
+        return found
+
+    async def aclose(self) -> None:
+        for _, provider in self._cache.values():
+            with contextlib.suppress(Exception):
+                await provider.aclose()
+        self._cache.clear()
+        await self.alerter.aclose()
+
+
+__all__ = ["RECENT_TASK", "Autoscaler"]

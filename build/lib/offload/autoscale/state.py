@@ -1,0 +1,132 @@
+"""Per-queue autoscaler state in Redis (backoffs, schedule bookkeeping, the last decision) and spend buckets.
+
+Kept in Redis, not in the process, so a new leader after a restart or failover continues the same backoff
+instead of renting again at once (a broken image would otherwise cost one machine per failover).
+
+Provisioning failures back off per provider (`prov_failures:<name>`, `prov_until:<name>`), so a queue with a
+fallback list moves on to the next provider while the first one waits. Machines that never boot and hosts that
+cannot start the container pause the whole queue (the image is the same whichever provider rents).
+
+Spend of the `mock` provider is dry-run spend: kept in buckets of its own (`dry:<period>`), shown apart, and
+checked only against rehearsed caps (a queue renting from the mock), never against a real provider's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+
+from offload.autoscale import keys
+
+
+@dataclass
+class QueueState:
+    boot_failures: int = 0
+    boot_until: float = 0.0
+    host_failures: int = 0
+    host_until: float = 0.0
+    last_down_fire: float = 0.0
+    down_targets: str = ""  # instances a fired scale-down schedule retires (comma-separated ids)
+    last_reason: str = ""
+    prov_failures: dict[str, int] = field(default_factory=dict)
+    prov_until: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    async def load(cls, redis: Any, queue: str) -> QueueState:
+        h = await redis.hgetall(keys.queue_state(queue))
+        kwargs: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name in h and f.type in ("str", "float", "int"):
+                kwargs[f.name] = (
+                    h[f.name] if f.type == "str" else (float(h[f.name]) if f.type == "float" else int(float(h[f.name])))
+                )
+        state = cls(**kwargs)
+        for k, v in h.items():
+            name, _, provider = k.partition(":")
+            if name == "prov_failures" and provider:
+                state.prov_failures[provider] = int(float(v))
+            elif name == "prov_until" and provider:
+                state.prov_until[provider] = float(v)
+        return state
+
+    async def save(self, redis: Any, queue: str, **changes: Any) -> None:
+        for k, v in changes.items():
+            setattr(self, k, v)
+        await redis.hset(
+            keys.queue_state(queue), mapping={k: repr(v) if isinstance(v, float) else v for k, v in changes.items()}
+        )
+
+    async def provider_failed(self, redis: Any, queue: str, provider: str, pause: float, now: float) -> int:
+        """Count one provisioning failure of `provider` and pause it until now + pause; returns the count."""
+        n = self.prov_failures.get(provider, 0) + 1
+        self.prov_failures[provider] = n
+        self.prov_until[provider] = now + pause
+        await redis.hset(
+            keys.queue_state(queue),
+            mapping={f"prov_failures:{provider}": n, f"prov_until:{provider}": repr(now + pause)},
+        )
+        return n
+
+    async def provider_ok(self, redis: Any, queue: str, provider: str) -> None:
+        if self.prov_failures.get(provider) or self.prov_until.get(provider):
+            self.prov_failures[provider] = 0
+            self.prov_until[provider] = 0.0
+            await redis.hset(
+                keys.queue_state(queue), mapping={f"prov_failures:{provider}": 0, f"prov_until:{provider}": "0.0"}
+            )
+
+    def paused_until(self) -> tuple[float, str]:
+        """When renting may resume for the whole queue and why (machines that never booted, broken hosts)."""
+        options = [
+            (self.boot_until, "machines that never booted"),
+            (self.host_until, "a host that could not start the container"),
+        ]
+        return max(options)
+
+    def targets(self) -> set[str]:
+        return {i for i in self.down_targets.split(",") if i}
+
+
+def periods(now: float) -> tuple[str, str]:
+    t = datetime.fromtimestamp(now, UTC)
+    return t.strftime("%Y%m%d"), t.strftime("%Y%m")
+
+
+def _bucket(period: str, dry_run: bool) -> str:
+    return f"dry:{period}" if dry_run else period
+
+
+async def add_cost(redis: Any, queue: str, now: float, amount: float, *, dry_run: bool = False) -> None:
+    if amount <= 0:
+        return
+    day, month = periods(now)
+    pipe = redis.pipeline(transaction=False)
+    for period, ttl in ((day, 40 * 86400), (month, 400 * 86400)):
+        pipe.incrbyfloat(keys.cost(queue, _bucket(period, dry_run)), amount)
+        pipe.expire(keys.cost(queue, _bucket(period, dry_run)), ttl)
+    pipe.incrbyfloat(keys.cost(queue, _bucket("total", dry_run)), amount)
+    await pipe.execute()
+
+
+async def spend(redis: Any, queue: str, now: float, *, dry_run: bool = False) -> tuple[float, float, float]:
+    """(today, this month, all time) in USD for a queue, from the accrued buckets (real or dry-run spend)."""
+    day, month = periods(now)
+    values = await redis.mget([keys.cost(queue, _bucket(p, dry_run)) for p in (day, month, "total")])
+    today, this_month, total = (float(v or 0) for v in values)
+    return today, this_month, total
+
+
+async def save_decision(redis: Any, queue: str, decision: dict[str, Any]) -> None:
+    """The last evaluation of a queue, for `offload autoscale status` and the dashboard: why it does what it does."""
+    pipe = redis.pipeline(transaction=False)
+    pipe.set(keys.decision(queue), orjson.dumps(decision), ex=7 * 86400)
+    pipe.sadd(keys.DECIDED, queue)
+    await pipe.execute()
+
+
+async def load_decision(redis: Any, queue: str) -> dict[str, Any] | None:
+    raw = await redis.get(keys.decision(queue))
+    return None if raw is None else dict(orjson.loads(raw))

@@ -1,0 +1,155 @@
+"""`backends.<name>` of offload.yaml: one model per backend kind, discriminated by `kind`.
+
+Each model holds every setting its kind reads, typed, with its default, so a typo such as `endpoint_Id` is an
+error naming `backends.<name>.endpoint_Id` instead of a default nobody chose, and a backend is built from the
+typed object (`from_settings`) without reading or checking anything again. Imports no HTTP stack, so offload.yaml
+is read without the `worker` extra.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Self, TypedDict
+
+from pydantic import Discriminator, Field, SecretStr, Tag, field_validator, model_validator
+
+from offload.schema import NonEmpty, Strict, http_url, parse_rate
+
+DEFAULT_MAX_CONNECTIONS = 512
+DEFAULT_TIMEOUT = 30.0
+OPENAI_BASE = "https://api.openai.com/v1"
+OPENAI_PATH = "/chat/completions"
+OPENAI_TIMEOUT = 600.0  # the OpenAI SDK's: a long completion is slow, not broken
+RUNPOD_BASE = "https://api.runpod.ai/v2"
+REPLICATE_BASE = "https://api.replicate.com/v1"
+REPLICATE_FIND_PAGES = 3
+FAL_BASE = "https://queue.fal.run"
+
+
+class HttpOptions(TypedDict):
+    """The keyword arguments every HttpBackend takes from its settings."""
+
+    base_url: str
+    api_key: str | None
+    timeout: float
+    max_connections: int
+
+
+class _Backend(Strict):
+    """Settings common to every kind. The worker reads `rate_limit` and the prices; the backend the rest."""
+
+    base_url: str
+    api_key: SecretStr | None = Field(None, description="None: a placeholder credential, which the simulator accepts")
+    timeout: float = Field(DEFAULT_TIMEOUT, gt=0, description="seconds per request")
+    max_connections: int = Field(DEFAULT_MAX_CONNECTIONS, ge=1, description="only used when no client is shared")
+    rate_limit: str | None = None
+    price_per_job: float | None = Field(None, ge=0)
+    price_per_second: float | None = Field(None, ge=0)
+    max_job_cost: float | None = Field(
+        None, ge=0, description="the most one submission may cost (USD): reserved against daily_spend_cap first"
+    )
+
+    @field_validator("base_url", "webhook_url", check_fields=False)
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        return http_url(v)
+
+    @field_validator("api_key")
+    @classmethod
+    def _key(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and not v.get_secret_value().strip():
+            raise ValueError("must be a non-empty string (is its environment variable set?)")
+        return v
+
+    @field_validator("rate_limit")
+    @classmethod
+    def _rate(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_rate(v)
+        return v
+
+    def http(self) -> HttpOptions:
+        """What HttpBackend takes; the key is revealed only here, on its way to the provider."""
+        key = self.api_key.get_secret_value().strip() if self.api_key else None
+        return {
+            "base_url": self.base_url,
+            "api_key": key,
+            "timeout": self.timeout,
+            "max_connections": self.max_connections,
+        }
+
+
+class HttpJobSettings(_Backend):
+    """The tutorial's job API. `cancel: false` for providers without the cancel route."""
+
+    kind: Literal["http-job"] = "http-job"
+    cancel: bool = True
+
+
+class OpenAISettings(_Backend):
+    kind: Literal["openai"] = "openai"
+    base_url: str = OPENAI_BASE
+    timeout: float = Field(OPENAI_TIMEOUT, gt=0)
+    path: NonEmpty = OPENAI_PATH
+    model: NonEmpty | None = Field(None, description="filled into inputs that lack one")
+    price_per_million_input_tokens: float | None = Field(None, ge=0)
+    price_per_million_output_tokens: float | None = Field(None, ge=0)
+
+
+class RunPodSettings(_Backend):
+    kind: Literal["runpod"] = "runpod"
+    base_url: str = RUNPOD_BASE
+    endpoint_id: NonEmpty
+    webhook_url: str | None = None
+    policy: dict[str, Any] | None = Field(None, description="RunPod's policy object (executionTimeout, ttl in ms)")
+
+
+class ReplicateSettings(_Backend):
+    """Exactly one of `version`, `model` (owner/name) and `deployment` (owner/name)."""
+
+    kind: Literal["replicate"] = "replicate"
+    base_url: str = REPLICATE_BASE
+    version: NonEmpty | None = None
+    model: NonEmpty | None = None
+    deployment: NonEmpty | None = None
+    webhook_url: str | None = None
+    tag_input_key: NonEmpty | None = None
+    find_pages: int = Field(REPLICATE_FIND_PAGES, ge=1)
+
+    @model_validator(mode="after")
+    def _target(self) -> Self:
+        targets = [t for t in (self.version, self.model, self.deployment) if t]
+        if len(targets) != 1:
+            raise ValueError("set exactly one of version, model, deployment for kind replicate")
+        for key in ("model", "deployment"):
+            value = getattr(self, key)
+            if value is not None and value.count("/") != 1:
+                raise ValueError(f"{key} must look like owner/name, got {value!r}")
+        return self
+
+
+class FalSettings(_Backend):
+    kind: Literal["fal"] = "fal"
+    base_url: str = FAL_BASE
+    app: NonEmpty = Field(description="owner/app[/subpath] on the queue host")
+    webhook_url: str | None = None
+
+
+KINDS = ("http-job", "openai", "runpod", "replicate", "fal")
+AnyBackendSettings = HttpJobSettings | OpenAISettings | RunPodSettings | ReplicateSettings | FalSettings
+
+
+def _kind(value: Any) -> str | None:
+    kind = value.get("kind") if isinstance(value, dict) else getattr(value, "kind", None)
+    return kind if isinstance(kind, str) else None
+
+
+BackendSettings = Annotated[
+    Annotated[HttpJobSettings, Tag("http-job")]
+    | Annotated[OpenAISettings, Tag("openai")]
+    | Annotated[RunPodSettings, Tag("runpod")]
+    | Annotated[ReplicateSettings, Tag("replicate")]
+    | Annotated[FalSettings, Tag("fal")],
+    Discriminator(
+        _kind, custom_error_type="unknown_kind", custom_error_message=f"must be one of {', '.join(map(repr, KINDS))}"
+    ),
+]

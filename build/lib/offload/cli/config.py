@@ -1,0 +1,41 @@
+"""`offload config check`: load offload.yaml plus the environment the way every command does, and say what it found."""
+
+from __future__ import annotations
+
+import typer
+
+from offload.cli.errors import errors
+from offload.cli.options import ConfigOpt, JsonOpt
+from offload.cli.output import print_json
+from offload.cli.session import settings
+from offload.config import config_file
+
+config_app = typer.Typer(help="Validate offload.yaml and the environment.", no_args_is_help=True)
+
+
+@config_app.command("check")
+def config_check(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
+    """Load offload.yaml plus the environment; name the offending field if anything is wrong."""
+    loaded = settings(config)
+    if json_out:
+        with errors():
+            file = config_file(config)
+        print_json(
+            {
+                "ok": True,
+                "config": str(file) if file else None,
+                "storage": loaded.storage.kind,
+                "backends": {name: b.kind for name, b in loaded.backends.items()},
+                "queues": {
+                    name: {"backend": q.backend, "autoscale": q.autoscale is not None}
+                    for name, q in loaded.queues.items()
+                },
+            }
+        )
+        return
+    queues = ", ".join(f"{n} -> {q.backend}" for n, q in loaded.queues.items()) or "none"
+    typer.echo(f"ok: storage {loaded.storage.kind}, backends {', '.join(loaded.backends) or 'none'}, queues {queues}")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(config_app, name="config")

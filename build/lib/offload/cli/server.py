@@ -1,0 +1,60 @@
+"""`offload server`: the HTTP API, SSE events, /metrics and the dashboard (FastAPI on uvicorn)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Annotated
+
+import typer
+
+from offload.cli.errors import errors
+from offload.cli.options import ConfigOpt, LogLevelOpt, UrlOpt
+from offload.cli.session import settings
+
+
+def server(
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535)] = 8080,
+    config: ConfigOpt = None,
+    url: UrlOpt = None,
+    max_batch: Annotated[int, typer.Option(min=1, max=100_000, help="Jobs per batch enqueue.")] = 1000,
+    max_body: Annotated[int, typer.Option(min=1024, help="Largest request body, bytes.")] = 16 << 20,
+    worker_lease: Annotated[
+        float, typer.Option(min=0.5, help="Seconds a GPU worker's leases last without a heartbeat.")
+    ] = 30.0,
+    max_connections: Annotated[
+        int, typer.Option(min=1, help="Concurrent connections and requests; past it new requests get 503.")
+    ] = 2048,
+    header_timeout: Annotated[
+        float,
+        typer.Option(min=0.1, help="Seconds a client has to send a request's headers before its connection is closed."),
+    ] = 10.0,
+    log_level: LogLevelOpt = "info",
+    access_log: Annotated[bool, typer.Option(help="Log each request (method, path, status).")] = True,
+) -> None:
+    """Serve the HTTP API, SSE events and /metrics. Keys: `offload keys create`, or OFFLOAD_ADMIN_KEY."""
+    from offload.server.keys import ADMIN_ENV, check_admin_key
+    from offload.server.runner import serve
+    from offload.server.state import ServerOptions
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    with errors():
+        if admin := os.environ.get(ADMIN_ENV):
+            check_admin_key(admin)  # refuse before listening, naming the variable
+    loaded = settings(config)
+    options = ServerOptions(
+        redis_url=url or loaded.redis_url,
+        settings=loaded,
+        max_batch=max_batch,
+        max_body=max_body,
+        worker_lease_ms=int(worker_lease * 1000),
+        max_connections=max_connections,
+        header_timeout_s=header_timeout,
+    )
+    with errors():
+        serve(options, host, port, log_level=log_level, access_log=access_log)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(server)

@@ -1,0 +1,220 @@
+"""Configuration: `offload.yaml` (storage, backends, queues) with `${ENV}` references for secrets, env
+overrides, and the tutorial's env names as fallbacks, so a team keeps its env file when it moves over.
+
+This is the one validation: every block has its typed model (storage and each backend kind one per kind, in
+offload.storage.settings and offload.backends.settings; autoscale and alerts in offload.autoscale), all checked
+here when the file is read, and passed on as those typed objects. Every problem is a ConfigError that names the
+offending field (`storage.bucket: required`), raised at start, never mid-run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, field_validator
+
+from offload import stack
+from offload.backends.settings import AnyBackendSettings, BackendSettings
+from offload.embedded import data_dir
+from offload.errors import ConfigError
+from offload.queue.keys import validate_queue
+from offload.schema import Strict, parse, parse_rate
+from offload.storage.namespace import check_prefixes
+from offload.storage.settings import LocalStorageSettings, StorageSettings
+
+ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+__all__ = [
+    "BackendSettings",
+    "ConfigError",
+    "QueueSettings",
+    "Settings",
+    "StorageSettings",
+    "config_file",
+    "load_settings",
+    "parse_rate",
+]
+
+
+class QueueSettings(Strict):
+    backend: str | None = None  # None: served by GPU workers (`offload worker --handler`), not dispatched
+    concurrency: int = Field(256, ge=1, le=100_000)
+    max_attempts: int = Field(3, ge=1)
+    daily_job_cap: int | None = Field(None, ge=0)
+    daily_spend_cap: float | None = Field(None, ge=0)
+    poll_interval: float = Field(5.0, gt=0)
+    poll_timeout: float = Field(600.0, gt=0)
+    submit_concurrency: int = Field(
+        32,
+        ge=1,
+        description="submissions between intent and recorded remote id at "
+        "once, per worker (not for synchronous backends)",
+    )
+    ingest_list: str | None = None
+    # a storage prefix this queue owns besides its own results/<queue>: (offload/storage/namespace.py)
+    output_prefix: str | None = None
+    autoscale: dict[str, Any] | None = None  # validated by offload.autoscale.config (see load_settings)
+    deployment: dict[str, Any] | None = None  # the guide's place for autoscale.deployment (see yaml_blocks)
+
+
+class Settings(Strict):
+    redis_url: str | None = None
+    storage: StorageSettings = LocalStorageSettings()
+    backends: dict[str, BackendSettings] = Field(default_factory=dict)
+    queues: dict[str, QueueSettings] = Field(default_factory=dict)
+    autoscaler: dict[str, Any] | None = None  # validated by offload.autoscale.config.server_side
+    alerts: dict[str, Any] | None = None  # validated by offload.autoscale.alerts.alert_settings
+
+    @field_validator("queues")
+    @classmethod
+    def _names(cls, v: dict[str, QueueSettings]) -> dict[str, QueueSettings]:
+        for name in v:
+            validate_queue(name)
+        return v
+
+    def queue(self, name: str) -> QueueSettings:
+        try:
+            return self.queues[name]
+        except KeyError:
+            known = ", ".join(sorted(self.queues)) or "none"
+            raise ConfigError(f"queue {name!r} is not configured (configured: {known})") from None
+
+    def output_prefixes(self) -> dict[str, str | None]:
+        return {name: q.output_prefix for name, q in self.queues.items()}
+
+    def backend_for(self, queue: str) -> tuple[str, AnyBackendSettings]:
+        q = self.queue(queue)
+        name = q.backend
+        if name is None:
+            raise ConfigError(f"queues.{queue}.backend: required to dispatch this queue (it names no backend)")
+        b = self.backends[name]
+        if (
+            q.daily_spend_cap is not None
+            and b.max_job_cost is None
+            and b.price_per_job is None
+            and b.price_per_second is None
+        ):
+            raise ConfigError(
+                f"queues.{queue}.daily_spend_cap: backend {name!r} has no price_per_job, price_per_second or "
+                f"max_job_cost, so a submission cannot be reserved against the cap before it is sent; set "
+                f"backends.{name}.max_job_cost (the most one submission may cost)"
+            )
+        return name, b
+
+
+def _expand(value: Any, env: Mapping[str, str], path: str) -> Any:
+    """Replace ${VAR} and ${VAR:-default} in strings; a missing variable names the field that needs it."""
+    if isinstance(value, dict):
+        return {k: _expand(v, env, f"{path}.{k}" if path else str(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_expand(v, env, f"{path}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, str):
+
+        def sub(m: re.Match[str]) -> str:
+            if m.group(1) in env:
+                return env[m.group(1)]
+            if m.group(2) is not None:
+                return m.group(2)
+            raise ConfigError(f"{path}: environment variable {m.group(1)} is not set")
+
+        return ENV_REF.sub(sub, value)
+    return value
+
+
+def _pick(env: Mapping[str, str], *names: str) -> str | None:
+    """The first variable set: OFFLOAD_* names first, then the tutorial's."""
+    return next((env[n] for n in names if env.get(n)), None)
+
+
+def _from_env(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+    """Overlay env settings (OFFLOAD_* first, tutorial names as fallback) onto the file's data."""
+    if url := _pick(env, "OFFLOAD_REDIS_URL", "REDIS_URL"):
+        data["redis_url"] = url
+    base = _pick(env, "OFFLOAD_API_BASE", "GPU_API_BASE")
+    list_key = _pick(env, "OFFLOAD_QUEUE_KEY", "QUEUE_KEY")
+    if base or list_key:  # the tutorial's single-queue setup
+        queue_name = _pick(env, "OFFLOAD_QUEUE") or re.sub(r"[^A-Za-z0-9_.-]", "-", list_key or "gpu:jobs")
+        backends = data.setdefault("backends", {})
+        if base:
+            backends.setdefault("gpu", {"kind": "http-job"})
+            backends["gpu"]["base_url"] = base
+            if key := _pick(env, "OFFLOAD_API_KEY", "GPU_API_KEY"):
+                backends["gpu"]["api_key"] = key
+        queue = data.setdefault("queues", {}).setdefault(queue_name, {"backend": "gpu"})
+        queue.setdefault("ingest_list", list_key or "gpu:jobs")
+        queue.setdefault("output_prefix", "results/")  # the tutorial's producers name results/<id>.json
+        for field, names in {
+            "max_attempts": ("OFFLOAD_MAX_ATTEMPTS", "MAX_ATTEMPTS"),
+            "daily_job_cap": ("OFFLOAD_DAILY_JOB_CAP", "DAILY_JOB_CAP"),
+            "poll_interval": ("OFFLOAD_POLL_INTERVAL", "POLL_INTERVAL"),
+            "poll_timeout": ("OFFLOAD_POLL_TIMEOUT", "POLL_TIMEOUT"),
+        }.items():
+            if (v := _pick(env, *names)) is not None:
+                queue[field] = v
+    if bucket := _pick(env, "OFFLOAD_RESULT_BUCKET", "RESULT_BUCKET"):
+        storage = data.setdefault("storage", {})
+        storage.update({"kind": "s3", "bucket": bucket})
+        for field, names in {
+            "endpoint_url": ("OFFLOAD_S3_ENDPOINT", "S3_ENDPOINT"),
+            "access_key_id": ("OFFLOAD_S3_ACCESS_KEY_ID", "AWS_ACCESS_KEY_ID"),
+            "secret_access_key": ("OFFLOAD_S3_SECRET_ACCESS_KEY", "AWS_SECRET_ACCESS_KEY"),
+        }.items():
+            if (v := _pick(env, *names)) is not None:
+                storage[field] = v
+    return data
+
+
+def config_file(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> Path | None:
+    """The offload.yaml to read: `path` (--config), else OFFLOAD_CONFIG, else ./offload.yaml, else the local
+    stack's (`offload up`), else none (the environment alone). A file named by `path` or OFFLOAD_CONFIG must exist:
+    a typo there would otherwise run on another configuration."""
+    env = os.environ if env is None else env
+    named = path or env.get("OFFLOAD_CONFIG")
+    if named:
+        file = Path(named)
+        if not file.is_file():
+            raise ConfigError(f"{'--config' if path else 'OFFLOAD_CONFIG'}: config file {file} does not exist")
+        return file
+    for candidate in (Path("offload.yaml"), stack.config_path(data_dir(env.get("OFFLOAD_HOME")))):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def load_settings(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> Settings:
+    """Read the offload.yaml `config_file` picks, then the environment on top."""
+    env = os.environ if env is None else env
+    file = config_file(path, env)
+    data: dict[str, Any] = {}
+    if file is not None:
+        home = data_dir(env.get("OFFLOAD_HOME"))
+        if file.resolve() == stack.config_path(home):  # the generated file refers to the stack's S3 secret
+            env = {**stack.secret_env(home), **env}
+        try:
+            loaded = yaml.safe_load(file.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{file}: not valid YAML: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{file}: the top level must be a mapping")
+        data = _expand(loaded, env, "")
+    data = _from_env(data, env)
+    settings: Settings = parse(Settings, data)
+    from offload.autoscale.config import validate_autoscale, yaml_blocks  # a leaf schema module: no cycle
+
+    for qname, block in yaml_blocks(settings).items():
+        validate_autoscale(block, f"queues.{qname}.autoscale")
+    for qname, q in settings.queues.items():
+        if q.backend is not None and q.backend not in settings.backends:
+            raise ConfigError(f"queues.{qname}.backend: no backend named {q.backend!r} is configured")
+    if settings.autoscaler is not None or settings.alerts is not None:
+        from offload.autoscale.alerts import alert_settings
+        from offload.autoscale.config import server_side
+
+        server_side(settings.autoscaler, dict(env))
+        alert_settings(settings.alerts)
+    check_prefixes(settings.output_prefixes())
+    return settings

@@ -1,0 +1,206 @@
+"""Typed records shared by the queue, the clients and the CLI."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+
+class JobState(enum.StrEnum):
+    """Where a job is in its lifecycle (see DESIGN.md, "Job lifecycle")."""
+
+    QUEUED = "queued"
+    DELAYED = "delayed"
+    ACTIVE = "active"
+    SUBMITTED = "submitted"
+    RETRYING = "retrying"
+    HELD = "held"
+    SUCCEEDED = "succeeded"
+    DEAD = "dead"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+
+TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.DEAD, JobState.CANCELLED})
+
+
+def _int(value: str | None, default: int = 0) -> int:
+    return int(value) if value not in (None, "") else default
+
+
+def _opt_int(value: str | None) -> int | None:
+    return int(value) if value not in (None, "") else None
+
+
+def _opt_str(value: str | None) -> str | None:
+    return value if value not in (None, "") else None
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """A snapshot of one job record. Times are Unix epoch milliseconds."""
+
+    id: str
+    queue: str
+    state: JobState
+    input: Any
+    output_key: str
+    priority: int
+    attempts: int
+    max_attempts: int
+    lease_expiries: int
+    created_at: int
+    run_at: int | None = None
+    started_at: int | None = None
+    finished_at: int | None = None
+    lease_owner: str | None = None
+    lease_token: str | None = None
+    lease_deadline: int | None = None
+    backend: str | None = None
+    remote_id: str | None = None
+    result: str | None = None
+    cost: float | None = None
+    error: str | None = None
+    cancel_requested: bool = False
+    idempotency_key: str | None = None
+    raw: str | None = None
+    submission: int | None = None
+    intent_at: int | None = None
+    intent_by: str | None = None
+    possible_duplicates: int = 0
+
+    @classmethod
+    def from_hash(cls, job_id: str, h: dict[str, str], lease_deadline: int | None = None) -> Job:
+        """Build a Job from the Redis hash. The store writes only fields that differ from their defaults
+        (attempts 0, output key results/<id>.json), so absent fields take those defaults here."""
+        raw_input = h.get("input")
+        try:
+            decoded = orjson.loads(raw_input) if raw_input not in (None, "") else None
+        except orjson.JSONDecodeError:
+            decoded = raw_input
+        cost = h.get("cost")
+        state = JobState(h["state"])
+        leased = state in (JobState.ACTIVE, JobState.SUBMITTED)
+        return cls(
+            id=job_id,
+            queue=job_id.partition(":")[0],
+            state=state,
+            input=decoded,
+            output_key=h.get("output_key") or f"results/{job_id}.json",
+            priority=_int(h.get("priority")),
+            attempts=_int(h.get("attempts")),
+            max_attempts=_int(h.get("max_attempts"), 1),
+            lease_expiries=_int(h.get("expiries")),
+            created_at=_int(h.get("created_at")),
+            run_at=_opt_int(h.get("run_at")),
+            started_at=_opt_int(h.get("started_at")),
+            finished_at=_opt_int(h.get("finished_at")),
+            lease_owner=_opt_str(h.get("owner")),
+            lease_token=_opt_str(h.get("token")) if leased else None,  # a finished job keeps it only to
+            # recognise a repeated complete; it is no lease any more
+            lease_deadline=lease_deadline if _opt_str(h.get("owner")) else None,
+            backend=_opt_str(h.get("backend")),
+            remote_id=_opt_str(h.get("remote_id")),
+            result=_opt_str(h.get("result")),
+            cost=float(cost) if cost not in (None, "") else None,
+            error=_opt_str(h.get("error")),
+            cancel_requested=h.get("cancel") == "1",
+            idempotency_key=_opt_str(h.get("idem")),
+            raw=_opt_str(h.get("raw")),
+            submission=_opt_int(h.get("sub_n")),
+            intent_at=_opt_int(h.get("intent_at")),
+            intent_by=_opt_str(h.get("intent_by")),
+            possible_duplicates=_int(h.get("possible_duplicates")),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready view; the lease token is left out because it authorises writes."""
+        return {
+            "id": self.id,
+            "queue": self.queue,
+            "state": self.state.value,
+            "input": self.input,
+            "output_key": self.output_key,
+            "priority": self.priority,
+            "attempts": self.attempts,
+            "max_attempts": self.max_attempts,
+            "lease_expiries": self.lease_expiries,
+            "created_at": self.created_at,
+            "run_at": self.run_at,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "lease_owner": self.lease_owner,
+            "lease_deadline": self.lease_deadline,
+            "backend": self.backend,
+            "remote_id": self.remote_id,
+            "result": self.result,
+            "cost": self.cost,
+            "error": self.error,
+            "cancel_requested": self.cancel_requested,
+            "idempotency_key": self.idempotency_key,
+            "raw": self.raw,
+            "submission": self.submission,
+            "intent_at": self.intent_at,
+            "intent_by": self.intent_by,
+            "possible_duplicates": self.possible_duplicates,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimedJob:
+    """What a worker needs to run one leased job. `remote_id` set means: resume polling, never resubmit."""
+
+    id: str
+    token: str
+    attempt: int
+    max_attempts: int
+    input_json: str
+    output_key: str
+    backend: str | None
+    remote_id: str | None
+    cancel_requested: bool
+    redelivered: bool = False  # claimed before (a retry or a crashed lease)
+    submission: int = 0  # the number of its latest submit intent (0: never submitted)
+    intent_open: bool = False  # that intent has no recorded remote id: it may have reached the provider
+
+    @property
+    def input(self) -> Any:
+        return orjson.loads(self.input_json)
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatReply:
+    """Jobs the worker must act on: leases it lost (stop touching them) and cancels to carry out."""
+
+    lost: list[str] = field(default_factory=list)
+    cancel_requested: list[str] = field(default_factory=list)
+    seq: int = 0  # the queue's lease sequence number when the heartbeat ran: `since` for the next one
+    released: int = 0  # leases the worker did not list, handed back
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStats:
+    """Counts per state plus the age of the oldest ready job, for `offload queues` and autoscaling."""
+
+    queue: str
+    paused: bool
+    counts: dict[str, int]
+    oldest_ready_age_ms: int | None
+    workers: int
+    totals: dict[str, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "queue": self.queue,
+            "paused": self.paused,
+            "counts": self.counts,
+            "oldest_ready_age_ms": self.oldest_ready_age_ms,
+            "workers": self.workers,
+            "totals": self.totals,
+        }

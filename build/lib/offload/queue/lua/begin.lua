@@ -1,0 +1,65 @@
+-- ARGV: now, cap window, job cap ('' none), spend cap ('' none), backend name, items: a JSON list of
+-- [id, token, estimated cost]. Run right before the provider call, per job, in one atomic step: the lease
+-- check (a stale worker must not pay), the cancel check (a job cancelled while its worker waited on the
+-- rate limit is not submitted), the cap reservation (over a cap the job is held, here, at once), and the
+-- submit intent: the submission number `sub_n`, `intent_at` and `intent_by`, open until the checkpoint
+-- records the remote id. The submission number names the remote run in the Idempotency-Key: it goes up only
+-- when a new run is wanted (the first submission, or after the previous remote job failed, expired or timed
+-- out); an intent still open from an earlier lease means that submission's outcome is unknown (its worker
+-- died or lost its lease inside the submit call), so it is submitted again with the same number and counted
+-- as a possible duplicate. A repeat with the same token (a lost reply, or another try after a 429) answers
+-- the same number again and counts nothing.
+-- Returns per item OK:<n>, OK:<n>:DUP, CAP:jobs, CAP:spend (held), CANCEL, STALE or NOTFOUND.
+local now = now_ms(ARGV[1])
+local window, job_cap, spend_cap, backend = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
+local capped = window ~= '' and (job_cap or spend_cap)
+local st = nil
+if capped then st = cap_open(window) end
+local out, dups = {}, 0
+for _, item in ipairs(cjson.decode(ARGV[6])) do
+  local id, token, estimate = item[1], item[2], tonumber(item[3]) or 0
+  local f, err = owned(id, token)
+  if err then
+    out[#out + 1] = err
+  else
+    local k = jkey(id)
+    local g = redis.call('HMGET', k, 'cancel', 'sub_n', 'sub_open', 'intent_tok', 'remote_n', 'resv_w', 'resv_n')
+    local sub = tonumber(g[2] or '')
+    if g[1] == '1' then
+      out[#out + 1] = 'CANCEL'
+    elseif sub and g[3] == '1' and g[4] == token then
+      out[#out + 1] = 'OK:' .. sub
+    else
+      local n, dup = 1, false
+      if sub then
+        if g[3] == '1' then
+          n, dup = sub, true
+        elseif tonumber(g[5] or '') == sub then
+          n = sub + 1
+        else
+          n = sub  -- the last try was answered without a remote job: the same run is still wanted
+        end
+      end
+      local verdict = nil
+      local again = dup or g[6] ~= window or tonumber(g[7] or '') ~= n
+      if capped then verdict = cap_take(st, id, estimate, job_cap, spend_cap, again) end
+      if verdict then
+        hold_job(id, f[2], now, 'daily ' .. verdict .. ' cap reached (window ' .. window .. ')', window)
+        out[#out + 1] = 'CAP:' .. verdict
+      else
+        redis.call('HSET', k, 'sub_n', n, 'sub_open', '1', 'intent_at', now, 'intent_by', f[2], 'intent_tok', token)
+        if capped and again then redis.call('HSET', k, 'resv', estimate, 'resv_w', window, 'resv_n', n) end
+        if dup then
+          redis.call('HINCRBY', k, 'possible_duplicates', 1)
+          dups = dups + 1
+          out[#out + 1] = 'OK:' .. n .. ':DUP'
+        else
+          out[#out + 1] = 'OK:' .. n
+        end
+      end
+    end
+  end
+end
+if st then cap_commit(st) end
+if dups > 0 then redis.call('HINCRBY', P .. 'dups', backend, dups) end
+return out

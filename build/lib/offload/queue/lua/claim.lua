@@ -1,0 +1,114 @@
+-- ARGV: now, worker id, max jobs, lease ms, request id, cap window, job cap, spend cap, estimated cost of
+-- one submission, silence ms. Claiming also proves the worker alive, promotes due delayed jobs, returns the
+-- jobs of dead workers to ready and deletes expired records (a bounded amount of each, the trimming in step
+-- with the claiming), so a queue that has workers needs no separate scheduler to make progress.
+-- Over a cap (in the caller's cap window) no fresh job is taken: only jobs that go on without a new
+-- submission (a remote job to resume; under the job cap, a job already counted in the window), from the
+-- head of the ready set. A repeat of the worker's last claim (same request id: its reply was lost and the
+-- client sent it again) answers the same jobs again instead of leasing more.
+-- Returns a flat list, 12 fields per job: id, token, attempt, max_attempts, input, output_key, backend,
+-- remote_id, cancel, claimed before (1/0), submission number, submit intent open (1/0: an earlier
+-- delivery may have left a submission it never recorded).
+local now = now_ms(ARGV[1])
+local wid, n, lease, req, window = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5], ARGV[6]
+local job_cap, spend_cap, estimate, silence = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9]) or 0,
+  tonumber(ARGV[10])
+local SCAN = 200
+local FIELDS = {'max_attempts', 'attempts', 'remote_id', 'input', 'output_key', 'backend', 'cancel',
+  'started_at', 'ready_at', 'created_at', 'sub_n', 'sub_open', 'token'}
+stamp(now, silence)
+heard(wid, now, lease)
+local last_key = P .. 'lastclaim:' .. wid
+
+local function reply(out, id, token, f, before)
+  out[#out + 1] = id
+  out[#out + 1] = token
+  out[#out + 1] = tonumber(f[2] or 0)
+  out[#out + 1] = f[1]
+  out[#out + 1] = f[4]
+  out[#out + 1] = f[5] or ('results/' .. id .. '.json')
+  out[#out + 1] = f[6] or ''
+  out[#out + 1] = f[3] or ''
+  out[#out + 1] = f[7] or '0'
+  out[#out + 1] = before
+  out[#out + 1] = f[11] or '0'
+  out[#out + 1] = f[12] or '0'
+end
+
+if req ~= '' then
+  local last = redis.call('GET', last_key)
+  if last then
+    local memo = cjson.decode(last)
+    if memo[1] == req then
+      local out = {}
+      for i, id in ipairs(memo[2]) do
+        local f = redis.call('HMGET', jkey(id), unpack(FIELDS))
+        if f[1] and (f[13] or '') ~= '' and redis.call('ZSCORE', P .. 'owned:' .. wid, id) then
+          reply(out, id, f[13], f, memo[3][i])
+        end
+      end
+      return out
+    end
+  end
+end
+
+promote(now, 1000)
+reap(now, 100)
+trim(now, 100 + 2 * n)
+if n <= 0 or redis.call('EXISTS', P .. 'paused') == 1 then return {} end
+local picked = {}
+local capped = cap_reached(window, job_cap, spend_cap, estimate)
+if capped then
+  local counted = cap_base(window) .. 'counted'
+  for _, id in ipairs(redis.call('ZRANGE', P .. 'ready', 0, SCAN - 1)) do
+    if #picked >= n then break end
+    local rid = redis.call('HGET', jkey(id), 'remote_id')
+    if (rid and rid ~= '') or (capped == 'jobs' and redis.call('SISMEMBER', counted, id) == 1) then
+      picked[#picked + 1] = id
+    end
+  end
+  bulk('ZREM', P .. 'ready', picked)
+else
+  local popped = redis.call('ZPOPMIN', P .. 'ready', n)
+  for j = 1, #popped, 2 do picked[#picked + 1] = popped[j] end
+end
+if #picked == 0 then return {} end
+local out, ids, active, owned, submitted, cancels, waits, flags = {}, {}, {}, {}, {}, {}, {}, {}
+local base = redis.call('INCRBY', P .. 'tok', #picked) - #picked
+for _, id in ipairs(picked) do
+  local k = jkey(id)
+  local f = redis.call('HMGET', k, unpack(FIELDS))
+  if f[1] then
+    base = base + 1
+    local token = wid .. '/' .. base
+    local attempt = tonumber(f[2] or 0) + 1
+    local state = 'active'
+    if f[3] and f[3] ~= '' then
+      state = 'submitted'
+      submitted[#submitted + 1] = id
+    end
+    redis.call('HSET', k, 'state', state, 'owner', wid, 'token', token, 'started_at', now, 'attempts', attempt)
+    f[2] = attempt
+    ids[#ids + 1] = id
+    active[#active + 1] = now
+    active[#active + 1] = id
+    owned[#owned + 1] = base
+    owned[#owned + 1] = id
+    if f[7] == '1' then cancels[#cancels + 1] = id end
+    waits[#waits + 1] = now - tonumber(f[9] or f[10] or now)
+    local before = '0'
+    if f[8] then before = '1' end
+    flags[#flags + 1] = before
+    reply(out, id, token, f, before)
+  end
+end
+bulk_zadd(P .. 'active', active)
+bulk_zadd(P .. 'owned:' .. wid, owned)
+bulk('SADD', P .. 'submitted', submitted)
+bulk('SADD', P .. 'cancelreq', cancels)
+if req ~= '' then
+  redis.call('SET', last_key, cjson.encode({req, ids, flags}), 'PX', math.max(lease * 3, 1000))
+end
+event(ids, 'active')
+observe('wait', waits)
+return out

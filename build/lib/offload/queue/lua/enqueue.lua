@@ -1,0 +1,68 @@
+-- ARGV: now, check ids (1: ids may repeat, e.g. caller-chosen), metas, jobs, batch nonce (random per call). metas is a JSON list of
+-- "priority\trun_at\tmax_attempts\tretention\tidempotency key\toutput key" strings (empty output key:
+-- results/<id>.json); jobs is a JSON list of [id, input, meta index]. One JSON argument per batch instead
+-- of one argument per field is what makes bulk enqueue cheap on both sides of the connection.
+-- Returns, per job, its id (an existing one when the idempotency key or the id was seen before).
+-- The nonce makes a repeat of the same call (its reply was lost and the client sent it again) check every
+-- id, so it returns the jobs the first run made instead of putting them into ready a second time, where
+-- they may already be leased. Fresh calls skip that check: their ids are new.
+local now = now_ms(ARGV[1])
+local check_ids = ARGV[2] == '1'
+if ARGV[5] and ARGV[5] ~= '' and not redis.call('SET', P .. 'enq:' .. ARGV[5], '1', 'NX', 'EX', 600) then
+  check_ids = true
+end
+local metas = cjson.decode(ARGV[3])
+local jobs = cjson.decode(ARGV[4])
+local n = #jobs
+local out, ready, readyz, delayed, delayz = {}, {}, {}, {}, {}
+local seq = redis.call('INCRBY', P .. 'seq', n) - n
+local parsed = {}
+for _, job in ipairs(jobs) do
+  local id, input, meta = job[1], job[2], metas[job[3]]
+  local m = parsed[meta]
+  if not m then
+    local prio, run_at, maxa, ret, idem, okey = string.match(meta, '^([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t(.*)$')
+    m = {prio = prio, run_at = tonumber(run_at), maxa = maxa, ret = ret, idem = idem, okey = okey,
+         base = (1000 - tonumber(prio)) * PRIO_SPAN}
+    parsed[meta] = m
+  end
+  local existing = nil
+  if m.idem ~= '' then
+    local ik = P .. 'idem:' .. m.idem
+    existing = redis.call('GET', ik)
+    if existing and redis.call('EXISTS', jkey(existing)) == 0 then existing = nil end
+    if not existing then redis.call('SET', ik, id) end  -- no expiry until the job finishes (finish())
+  end
+  if not existing and check_ids and redis.call('EXISTS', jkey(id)) == 1 then existing = id end
+  if existing then
+    out[#out + 1] = existing
+  else
+    seq = seq + 1
+    local k = jkey(id)
+    -- Only what differs from the defaults is stored (attempts 0, output key results/<id>.json, ready
+    -- since creation): fewer hash fields make every later read and write of the job cheaper.
+    if m.run_at and m.run_at > now then
+      redis.call('HSET', k, 'input', input, 'priority', m.prio, 'max_attempts', m.maxa, 'retention', m.ret,
+        'created_at', now, 'state', 'delayed', 'run_at', m.run_at)
+      delayz[#delayz + 1] = m.run_at
+      delayz[#delayz + 1] = id
+      delayed[#delayed + 1] = id
+    else
+      local score = fmt(m.base + seq)
+      redis.call('HSET', k, 'input', input, 'priority', m.prio, 'max_attempts', m.maxa, 'retention', m.ret,
+        'created_at', now, 'state', 'queued', 'score', score)
+      readyz[#readyz + 1] = score
+      readyz[#readyz + 1] = id
+      ready[#ready + 1] = id
+    end
+    if m.idem ~= '' then redis.call('HSET', k, 'idem', m.idem) end
+    if m.okey ~= '' then redis.call('HSET', k, 'output_key', m.okey) end
+    out[#out + 1] = id
+  end
+end
+bulk_zadd(P .. 'ready', readyz)
+bulk_zadd(P .. 'delayed', delayz)
+count('enqueued', #ready + #delayed)
+event(ready, 'queued')
+event(delayed, 'delayed')
+return out

@@ -1,0 +1,25 @@
+-- ARGV: now, id, token, error, retryable (1/0), delay ms, keep remote id (1/0), submit answered (1/0: the
+-- provider answered the submit, so the submit intent is closed), cost of the failed run ('' unknown),
+-- refund (1/0: the provider refused the submission, nothing ran: the job is not counted against the caps).
+-- A retry is scheduled in Redis (the worker never sleeps); exhausted or fatal goes dead with the reason.
+-- Returns retrying, dead, STALE or NOTFOUND.
+local now = now_ms(ARGV[1])
+local id, token, err_text = ARGV[2], ARGV[3], ARGV[4]
+local f, err = owned(id, token)
+if err then return err end
+local k = jkey(id)
+unlease({id}, {[id] = f[2]})
+count('failed', 1)
+if ARGV[8] == '1' then redis.call('HSET', k, 'sub_open', '0') end
+settle(k, id, tonumber(ARGV[9] or ''), ARGV[10] == '1')
+local g = redis.call('HMGET', k, 'attempts', 'max_attempts')
+if ARGV[5] == '1' and tonumber(g[1]) < tonumber(g[2]) then
+  local at = now + tonumber(ARGV[6])
+  redis.call('HSET', k, 'state', 'retrying', 'error', err_text, 'run_at', at, 'owner', '', 'token', '')
+  if ARGV[7] ~= '1' then redis.call('HDEL', k, 'backend', 'remote_id') end
+  redis.call('ZADD', P .. 'retry', at, id)
+  event({id}, 'retrying')
+  return 'retrying'
+end
+finish({id}, 'dead', now, err_text, {{f[3], f[5]}})
+return 'dead'

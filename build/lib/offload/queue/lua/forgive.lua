@@ -1,0 +1,33 @@
+-- ARGV: now, worker id. The worker's machine was taken away by its provider (pre-empted, stopped, vanished):
+-- that is not the jobs' fault, so it costs them nothing. Its current leases go back to ready uncounted (with
+-- their remote ids); jobs the reaper already took back from it counting lease expiries (remembered for a day
+-- in the hash lost:<worker>, job -> count) get those expiries back, and one that an expiry had sent dead
+-- ("lease expired") is ready again. Returns {released, refunded expiries, revived}.
+local now = now_ms(ARGV[1])
+local wid = ARGV[2]
+local released = return_leases(redis.call('ZRANGE', P .. 'owned:' .. wid, 0, -1), now, false)
+forget_worker(wid)
+local lost_key = P .. 'lost:' .. wid
+local refunded, revived = 0, {}
+local lost = redis.call('HGETALL', lost_key)
+for i = 1, #lost, 2 do
+  local id, n = lost[i], tonumber(lost[i + 1])
+  local k = jkey(id)
+  local f = redis.call('HMGET', k, 'state', 'expiries', 'error', 'attempts', 'idem')
+  local exp = tonumber(f[2] or 0)
+  if f[1] and exp > 0 then
+    local back = math.min(n, exp)
+    redis.call('HSET', k, 'expiries', exp - back)
+    refunded = refunded + back
+    if f[1] == 'dead' and f[3] == 'lease expired' then
+      redis.call('ZREM', P .. 'dead', id)
+      redis.call('HSET', k, 'attempts', math.max(tonumber(f[4] or 1) - 1, 0))
+      redis.call('HDEL', k, 'error', 'finished_at')
+      if f[5] and f[5] ~= '' then redis.call('PERSIST', P .. 'idem:' .. f[5]) end  -- not finished any more
+      revived[#revived + 1] = id
+    end
+  end
+end
+redis.call('DEL', lost_key)
+make_ready(revived, now, true)
+return {released, refunded, #revived}

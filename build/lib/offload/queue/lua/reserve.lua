@@ -1,0 +1,15 @@
+-- ARGV: now, window, job cap ('' = none), spend cap ('' = none), items: a JSON list of [id, estimated cost].
+-- The cap check and the count are one step, so any number of callers together count exactly `cap` jobs
+-- per window; items are decided in order, as if reserved one by one. A job already counted in this window
+-- passes without being counted again. (Workers reserve inside begin.lua, with the submit intent; this is
+-- the same rule for callers that only count.) Returns per item OK, CAP:jobs or CAP:spend.
+local window = ARGV[2]
+local job_cap, spend_cap = tonumber(ARGV[3]), tonumber(ARGV[4])
+local st = cap_open(window)
+local out = {}
+for _, item in ipairs(cjson.decode(ARGV[5])) do
+  local verdict = cap_take(st, item[1], tonumber(item[2]), job_cap, spend_cap, false)
+  if verdict then out[#out + 1] = 'CAP:' .. verdict else out[#out + 1] = 'OK' end
+end
+cap_commit(st)
+return out

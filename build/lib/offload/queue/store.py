@@ -1,0 +1,611 @@
+"""The job store: one async method per atomic transition, each a single Lua script on the server.
+
+The store knows nothing about HTTP, providers or storage. It takes an already-connected redis-py
+asyncio client (standalone or cluster) and an optional clock, so tests can drive time without sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoScriptError, RedisClusterException, ResponseError
+
+from offload.env import env_int
+from offload.errors import (
+    ConfigError,
+    InvalidJob,
+    InvalidTransition,
+    JobNotFound,
+    PayloadTooLarge,
+    StaleLease,
+)
+from offload.models import ClaimedJob, HeartbeatReply, Job, QueueStats
+from offload.queue.keys import QUEUES_KEY, STATE_SETS, new_job_id, prefix, queue_of, validate_queue
+from offload.queue.scripts import HIST_BUCKETS_S, SCRIPTS, Script
+
+DEFAULT_LEASE_MS = 10_000
+MAX_SILENCE_MS = 5_000
+DEFAULT_MAX_ATTEMPTS = 3
+DEFAULT_RETENTION_S = 7 * 86_400
+DEFAULT_MAX_PAYLOAD = 1 << 20
+ENQUEUE_CHUNK = 500
+RELEASE_CHUNK = 500
+PRIORITY_RANGE = range(-1000, 1001)
+LeaseRef = str | tuple[str, str]  # a job id, or (job id, lease token)
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """One job to enqueue. `delay` (seconds) and `run_at` (epoch seconds) are alternatives."""
+
+    input: Any
+    priority: int = 0
+    delay: float | None = None
+    run_at: float | None = None
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    output_key: str | None = None
+    retention: int = DEFAULT_RETENTION_S
+    idempotency_key: str | None = None
+    job_id: str | None = None
+
+
+def retry_delay_ms(attempt: int, base_ms: int = 1_000, cap_ms: int = 300_000) -> int:
+    """Exponential backoff with "equal jitter": half fixed, half random, so retries of a burst spread out."""
+    ceiling = min(cap_ms, base_ms * 2 ** max(attempt - 1, 0))
+    return int(ceiling / 2 + random.random() * ceiling / 2)
+
+
+def silence_ms(lease_ms: int) -> int:
+    """How long a queue may hear from no worker before that counts as an outage rather than as workers
+    that died (see `stamp` in common.lua): half a lease, so an outage is noticed before anyone's lease could
+    have run out unheard, and never more than 5 s. Live workers speak every third of a lease (heartbeat) or
+    more often (claims, the server's maintenance), so a silence that long does not happen without one."""
+    return min(lease_ms // 2, MAX_SILENCE_MS)
+
+
+def _nonce() -> str:
+    return os.urandom(8).hex()
+
+
+def _expect(code: Any, job_id: str) -> None:
+    if code == "NOTFOUND":
+        raise JobNotFound(f"job {job_id} not found")
+    if code == "STALE":
+        raise StaleLease(f"job {job_id}: lease token is stale (another worker owns it or it finished)")
+
+
+class QueueStore:
+    """Async access to the queues of one Redis/Valkey deployment."""
+
+    def __init__(
+        self,
+        redis: Any,
+        *,
+        clock: Callable[[], int] | None = None,
+        max_payload: int | None = None,
+        lease_ms: int = DEFAULT_LEASE_MS,
+        excuse_outages: bool = True,
+    ) -> None:
+        """`excuse_outages=False`: a silence of the whole queue is never taken for an outage (for tests that
+        move a virtual clock past leases without modelling the calls live workers would make meanwhile)."""
+        self.redis = redis
+        self.clock = clock
+        self.excuse_outages = excuse_outages
+        self.max_payload = max_payload or env_int("OFFLOAD_MAX_PAYLOAD", DEFAULT_MAX_PAYLOAD, minimum=1)
+        self.lease_ms = lease_ms
+        self._known_queues: set[str] = set()
+
+    def _silence(self, lease_ms: int) -> int | str:
+        return silence_ms(lease_ms) if self.excuse_outages else ""
+
+    def _now(self) -> str:
+        return str(self.clock()) if self.clock else ""
+
+    async def _run(self, script: Script, queue: str, *args: Any, extra_keys: Sequence[str] = ()) -> Any:
+        return await script(self.redis, [prefix(queue), *extra_keys], [self._now(), *args])
+
+    # -- producing -------------------------------------------------------------------------------
+
+    def validate(self, spec: JobSpec) -> None:
+        """Raise the error enqueue would raise for this spec, without enqueuing (for up-front checks)."""
+        self._payload(spec)
+        self._meta(spec, time.time())
+
+    def _payload(self, spec: JobSpec) -> bytes:
+        try:
+            payload = orjson.dumps(spec.input)
+        except TypeError as exc:
+            raise InvalidJob(f"job input is not JSON-serialisable: {exc}") from None
+        if len(payload) > self.max_payload:
+            raise PayloadTooLarge(f"job input is {len(payload)} bytes, over the limit of {self.max_payload} bytes")
+        return payload
+
+    def _job_args(
+        self, queue: str, spec: JobSpec, now_s: float, metas: dict[tuple[Any, ...], int], meta_list: list[str]
+    ) -> tuple[str, str, int]:
+        """Validate one spec and encode it as (id, input JSON, meta index); equal options share one meta."""
+        payload = self._payload(spec)
+        job_id = spec.job_id or new_job_id(queue)
+        if spec.job_id is not None and queue_of(job_id) != queue:
+            raise InvalidJob(f"job id {job_id!r} does not belong to queue {queue!r}")
+        options = (
+            spec.priority,
+            spec.delay,
+            spec.run_at,
+            spec.max_attempts,
+            spec.retention,
+            spec.idempotency_key,
+            spec.output_key,
+        )
+        index = metas.get(options)
+        if index is None:
+            meta_list.append(self._meta(spec, now_s))
+            index = metas[options] = len(meta_list)  # Lua lists count from 1
+        return job_id, payload.decode(), index
+
+    def _meta(self, spec: JobSpec, now_s: float) -> str:
+        if type(spec.priority) is not int or spec.priority not in PRIORITY_RANGE:
+            raise InvalidJob(f"priority must be an integer from -1000 to 1000, got {spec.priority!r}")
+        if type(spec.max_attempts) is not int or spec.max_attempts < 1:
+            raise InvalidJob(f"max_attempts must be an integer >= 1, got {spec.max_attempts!r}")
+        if not isinstance(spec.retention, int) or spec.retention < 0:
+            raise InvalidJob(f"retention must be an integer >= 0 seconds, got {spec.retention!r}")
+        if spec.delay is not None and spec.run_at is not None:
+            raise InvalidJob("give either delay or run_at, not both")
+        if spec.delay is not None and (type(spec.delay) not in (int, float) or spec.delay < 0):
+            raise InvalidJob(f"delay must be >= 0 seconds, got {spec.delay!r}")
+        for name in ("idempotency_key", "output_key"):
+            value = getattr(spec, name)
+            if value is not None and (
+                not isinstance(value, str) or not value or len(value) > 1024 or any(ord(c) < 32 for c in value)
+            ):
+                raise InvalidJob(f"{name} must be a string of 1-1024 printable characters, got {value!r}")
+        run_at = ""
+        if spec.delay:
+            base = self.clock() / 1000 if self.clock else now_s
+            run_at = str(int((base + spec.delay) * 1000))
+        elif spec.run_at is not None:
+            run_at = str(int(spec.run_at * 1000))
+        return "\t".join(
+            (
+                str(spec.priority),
+                run_at,
+                str(spec.max_attempts),
+                str(spec.retention),
+                spec.idempotency_key or "",
+                spec.output_key or "",
+            )
+        )
+
+    async def enqueue_many(self, queue: str, specs: Sequence[JobSpec]) -> list[str]:
+        """Enqueue in chunks of 500 jobs per script call, all chunks in one pipelined round trip."""
+        validate_queue(queue)
+        now_s = time.time()
+        metas: dict[tuple[Any, ...], int] = {}
+        meta_list: list[str] = []
+        check_ids = any(spec.job_id is not None for spec in specs)
+        chunks = [
+            [self._job_args(queue, spec, now_s, metas, meta_list) for spec in specs[i : i + ENQUEUE_CHUNK]]
+            for i in range(0, len(specs), ENQUEUE_CHUNK)
+        ]
+        metas_arg = orjson.dumps(meta_list)
+        nonces = [_nonce() for _ in chunks]  # one per chunk: a resent chunk is recognised (enqueue.lua)
+        if queue not in self._known_queues:
+            await self.redis.sadd(QUEUES_KEY, queue)
+            self._known_queues.add(queue)
+        keys = [prefix(queue)]
+        now = self._now()
+        script = SCRIPTS.enqueue
+        results: list[Any]
+        if isinstance(self.redis, RedisCluster):  # cluster pipelines refuse EVALSHA: run chunks concurrently
+            results = list(
+                await asyncio.gather(
+                    *(
+                        script(self.redis, keys, [now, int(check_ids), metas_arg, orjson.dumps(c), nonce])
+                        for c, nonce in zip(chunks, nonces, strict=True)
+                    )
+                )
+            )
+        else:
+            for attempt in range(2):
+                pipe = self.redis.pipeline(transaction=False)
+                for chunk, nonce in zip(chunks, nonces, strict=True):
+                    pipe.evalsha(script.sha, 1, *keys, now, int(check_ids), metas_arg, orjson.dumps(chunk), nonce)
+                results = await pipe.execute(raise_on_error=False)
+                if attempt == 0 and any(isinstance(r, NoScriptError) for r in results):
+                    await self.redis.script_load(script.source)
+                    continue  # re-running is safe: chunks that ran are recognised by their nonce
+                break
+        ids: list[str] = []
+        for r in results:
+            if isinstance(r, Exception):
+                raise r
+            ids.extend(r)
+        return ids
+
+    async def enqueue(self, queue: str, spec: JobSpec) -> str:
+        return (await self.enqueue_many(queue, [spec]))[0]
+
+    async def ingest(
+        self,
+        list_key: str,
+        queue: str,
+        *,
+        limit: int = 1000,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        retention: int = DEFAULT_RETENTION_S,
+    ) -> tuple[int, int]:
+        """Move tutorial-format jobs from a plain list into the durable queue. Returns (ingested, dead)."""
+        validate_queue(queue)
+        if queue not in self._known_queues:
+            await self.redis.sadd(QUEUES_KEY, queue)
+            self._known_queues.add(queue)
+        try:
+            ok, bad = await self._run(
+                SCRIPTS.ingest, queue, limit, max_attempts, retention, queue, extra_keys=[list_key]
+            )
+        except (RedisClusterException, ResponseError) as exc:
+            if "slot" not in str(exc).lower():
+                raise
+            raise ConfigError(
+                f"on a cluster the list {list_key!r} must share queue {queue!r}'s hash slot: "
+                f"name it like '{{{queue}}}:jobs'"
+            ) from None
+        return int(ok), int(bad)
+
+    # -- working ---------------------------------------------------------------------------------
+
+    async def claim(
+        self,
+        queue: str,
+        worker_id: str,
+        n: int,
+        lease_ms: int | None = None,
+        *,
+        window: str = "",
+        job_cap: int | None = None,
+        spend_cap: float | None = None,
+        estimate: float = 0.0,
+        request_id: str | None = None,
+    ) -> list[ClaimedJob]:
+        """Lease up to `n` jobs. With a cap `window` and caps, nothing fresh is taken while a cap is reached
+        (only jobs that resume a remote job). `request_id` (default: a new one per call) makes a repeat of
+        this very call answer the same jobs."""
+        lease = lease_ms or self.lease_ms
+        flat = await self._run(
+            SCRIPTS.claim,
+            queue,
+            worker_id,
+            n,
+            lease,
+            request_id or _nonce(),
+            window,
+            "" if job_cap is None else job_cap,
+            "" if spend_cap is None else spend_cap,
+            repr(float(estimate)),
+            self._silence(lease),
+        )
+        return [
+            ClaimedJob(
+                id=flat[i],
+                token=flat[i + 1],
+                attempt=int(flat[i + 2]),
+                max_attempts=int(flat[i + 3]),
+                input_json=flat[i + 4],
+                output_key=flat[i + 5],
+                backend=flat[i + 6] or None,
+                remote_id=flat[i + 7] or None,
+                cancel_requested=flat[i + 8] == "1",
+                redelivered=flat[i + 9] == "1",
+                submission=int(flat[i + 10] or 0),
+                intent_open=flat[i + 11] == "1",
+            )
+            for i in range(0, len(flat), 12)
+        ]
+
+    async def heartbeat(
+        self,
+        queue: str,
+        worker_id: str,
+        leases: Sequence[LeaseRef] = (),
+        lease_ms: int | None = None,
+        *,
+        since: int | None = None,
+        grace_ms: int | None = None,
+    ) -> HeartbeatReply:
+        """Extend the worker's leases. `leases`: job ids, or (job id, token) pairs (a lease is then lost also
+        when the job was claimed again under another token). Jobs the worker owns but does not list are
+        handed back when their lease is no newer than `since` (the `seq` of an earlier reply) or older
+        than `grace_ms`."""
+        lease = lease_ms or self.lease_ms
+        args: list[Any] = [
+            worker_id,
+            lease,
+            self._silence(lease),
+            "" if since is None else since,
+            "" if grace_ms is None else grace_ms,
+        ]
+        for ref in leases:
+            args.extend((ref, "") if isinstance(ref, str) else ref)
+        lost, cancels, seq, released = await self._run(SCRIPTS.heartbeat, queue, *args)
+        return HeartbeatReply(lost=list(lost), cancel_requested=list(cancels), seq=int(seq), released=int(released))
+
+    async def begin_many(
+        self,
+        queue: str,
+        window: str,
+        items: Sequence[tuple[str, str, float]],
+        *,
+        job_cap: int | None = None,
+        spend_cap: float | None = None,
+        backend: str = "",
+    ) -> list[str]:
+        """Right before the provider call, per (id, token, estimated cost): lease and cancel check, cap
+        reservation (held when over) and the submit intent. Per item OK:<n>, OK:<n>:DUP (a possible duplicate:
+        an earlier try of that submission has an unknown outcome), CAP:jobs, CAP:spend, CANCEL, STALE or
+        NOTFOUND (see begin.lua)."""
+        return list(
+            await self._run(
+                SCRIPTS.begin,
+                queue,
+                window,
+                "" if job_cap is None else job_cap,
+                "" if spend_cap is None else spend_cap,
+                backend,
+                orjson.dumps([(i, t, repr(float(c))) for i, t, c in items]),
+            )
+        )
+
+    async def fence_many(self, queue: str, items: Sequence[tuple[str, str]]) -> list[str]:
+        """OK / STALE / NOTFOUND per (id, token): whether each token still holds its lease (changes nothing)."""
+        return list(await self._run(SCRIPTS.fence, queue, orjson.dumps(items)))
+
+    async def checkpoint(self, job_id: str, token: str, backend: str, remote_id: str) -> bool:
+        """Record the remote job; returns True when a cancel was requested meanwhile."""
+        (code,) = await self.checkpoint_many(queue_of(job_id), [(job_id, token, backend, remote_id)])
+        _expect(code, job_id)
+        return bool(code == "OK:CANCEL")
+
+    async def checkpoint_many(
+        self, queue: str, items: Sequence[tuple[str, str, str, str] | tuple[str, str, str, str, int]]
+    ) -> list[str]:
+        """Record many (id, token, backend, remote id[, submission number]); OK, OK:CANCEL, STALE or NOTFOUND
+        per item. The submission's intent is closed."""
+        return list(await self._run(SCRIPTS.checkpoint, queue, orjson.dumps(items)))
+
+    async def complete_many(self, queue: str, items: Sequence[tuple[str, str, str, float | None]]) -> list[str]:
+        """Ack many (id, token, result location, cost); returns OK / STALE / NOTFOUND per item."""
+        batch = orjson.dumps([(i, t, r, "" if c is None else repr(float(c))) for i, t, r, c in items])
+        return list(await self._run(SCRIPTS.complete, queue, batch))
+
+    async def complete(self, job_id: str, token: str, result: str, cost: float | None = None) -> None:
+        (code,) = await self.complete_many(queue_of(job_id), [(job_id, token, result, cost)])
+        _expect(code, job_id)
+
+    async def fail(
+        self,
+        job_id: str,
+        token: str,
+        error: str,
+        *,
+        retryable: bool = True,
+        delay_ms: int | None = None,
+        keep_remote: bool = False,
+        attempt: int = 1,
+        answered: bool = False,
+        cost: float | None = None,
+        refund: bool = False,
+    ) -> str:
+        """Returns "retrying" or "dead". `answered`: the provider answered the submit (its intent is closed);
+        `cost`: what the failed run cost (settles its reservation); `refund`: the provider refused the
+        submission, so it is not counted against the caps."""
+        delay = retry_delay_ms(attempt) if delay_ms is None else delay_ms
+        code = await self._run(
+            SCRIPTS.fail,
+            queue_of(job_id),
+            job_id,
+            token,
+            error[:4000],
+            int(retryable),
+            delay,
+            int(keep_remote),
+            int(answered),
+            "" if cost is None else repr(float(cost)),
+            int(refund),
+        )
+        _expect(code, job_id)
+        return str(code)
+
+    async def reserve(
+        self, job_id: str, window: str, *, job_cap: int | None, spend_cap: float | None, cost: float = 0.0
+    ) -> str | None:
+        """Count one submission against the queue's caps for `window`; None if allowed, else which cap is
+        reached ("jobs" or "spend"). Idempotent per job and window."""
+        (verdict,) = await self.reserve_many(
+            queue_of(job_id), window, [(job_id, cost)], job_cap=job_cap, spend_cap=spend_cap
+        )
+        return verdict
+
+    async def reserve_many(
+        self,
+        queue: str,
+        window: str,
+        items: Sequence[tuple[str, float]],
+        *,
+        job_cap: int | None,
+        spend_cap: float | None,
+    ) -> list[str | None]:
+        """`reserve` for many (id, estimated cost), decided in order in one atomic step."""
+        codes = await self._run(
+            SCRIPTS.reserve,
+            queue,
+            window,
+            "" if job_cap is None else job_cap,
+            "" if spend_cap is None else spend_cap,
+            orjson.dumps([(i, repr(float(c))) for i, c in items]),
+        )
+        return [None if code == "OK" else str(code).split(":", 1)[1] for code in codes]
+
+    async def usage(self, queue: str, window: str) -> tuple[int, float]:
+        """(jobs counted, spend) in a cap window, for status views and metrics."""
+        jobs, spend = await self.redis.mget(prefix(queue) + f"cap:{window}:jobs", prefix(queue) + f"cap:{window}:spend")
+        return int(jobs or 0), float(spend or 0.0)
+
+    async def hold(self, job_id: str, token: str, reason: str, window: str = "") -> None:
+        """Held until a cap window later than `window` (digits, e.g. "20261130"; "" = released by any)."""
+        if window and not window.isdigit():
+            raise InvalidJob(f"cap window must be digits like 20261130, got {window!r}")
+        _expect(await self._run(SCRIPTS.hold, queue_of(job_id), job_id, token, reason, window), job_id)
+
+    async def ack_cancel(self, job_id: str, token: str) -> None:
+        _expect(await self._run(SCRIPTS.ack_cancel, queue_of(job_id), job_id, token), job_id)
+
+    async def release_leases(
+        self, queue: str, worker_id: str, job_ids: Sequence[str] = (), *, forget_idle: bool = False
+    ) -> int:
+        """Hand leases back uncounted (all, or the given ids). All, or with `forget_idle` the last ones the
+        worker holds, also forget the worker (it is no longer listed as alive)."""
+        mode = "idle" if forget_idle else "ids" if job_ids else "all"
+        return int(await self._run(SCRIPTS.release_leases, queue, worker_id, mode, *job_ids))
+
+    async def forgive(self, queue: str, worker_id: str) -> tuple[int, int, int]:
+        """The worker's machine was pre-empted (the provider took it away): its jobs come back without using up
+        an attempt, including any the reaper already took back counting a lease expiry. (released, refunded,
+        revived from dead)."""
+        released, refunded, revived = await self._run(SCRIPTS.forgive, queue, worker_id)
+        return int(released), int(refunded), int(revived)
+
+    # -- operating -------------------------------------------------------------------------------
+
+    async def cancel(self, job_id: str) -> str:
+        """Returns "cancelled" (it was waiting) or "requested" (its worker will cancel the remote job)."""
+        code = await self._run(SCRIPTS.cancel, queue_of(job_id), job_id)
+        _expect(code, job_id)
+        if str(code).startswith("ALREADY:"):
+            raise InvalidTransition(f"job {job_id} is already {code.split(':', 1)[1]}")
+        return str(code)
+
+    async def release(self, queue: str, job_ids: Sequence[str] = (), limit: int = 1000) -> list[str]:
+        """Held jobs back to ready (all of them up to limit, or the given ids)."""
+        return list(await self._run(SCRIPTS.move, validate_queue(queue), "held", limit, *job_ids))
+
+    async def release_held_before(
+        self, queue: str, window: str, *, chunk: int = RELEASE_CHUNK, max_chunks: int | None = None
+    ) -> int:
+        """Release the jobs held in a cap window earlier than `window` (e.g. "20261130"), `chunk` at a time
+        until none is due (or `max_chunks` were moved), so a backlog of any size never blocks Redis for
+        long. Returns how many were released."""
+        if not window.isdigit():
+            raise InvalidJob(f"cap window must be digits like 20261130, got {window!r}")
+        total, chunks = 0, 0
+        while max_chunks is None or chunks < max_chunks:
+            n = int(await self._run(SCRIPTS.release_window, validate_queue(queue), window, chunk))
+            total, chunks = total + n, chunks + 1
+            if n < chunk:
+                break
+        return total
+
+    async def requeue_dead(self, queue: str, job_ids: Sequence[str] = (), limit: int = 1000) -> list[str]:
+        """Dead jobs back to ready with a fresh attempt budget."""
+        return list(await self._run(SCRIPTS.move, validate_queue(queue), "dead", limit, *job_ids))
+
+    async def purge(self, queue: str, state: str) -> int:
+        if state not in STATE_SETS or state == "active":
+            allowed = ", ".join(s for s in STATE_SETS if s != "active")
+            raise InvalidJob(f"cannot purge state {state!r}; choose one of: {allowed}")
+        total = 0
+        while n := int(await self._run(SCRIPTS.purge, validate_queue(queue), STATE_SETS[state], 1000)):
+            total += n
+        return total
+
+    async def pause(self, queue: str) -> None:
+        """Stop claims on a queue (it may not have had jobs yet: it is listed from now on)."""
+        await self.redis.set(prefix(validate_queue(queue)) + "paused", "1")
+        await self.redis.sadd(QUEUES_KEY, queue)
+
+    async def resume(self, queue: str) -> None:
+        await self.redis.delete(prefix(validate_queue(queue)) + "paused")
+
+    async def reap(self, queue: str, limit: int = 1000) -> tuple[int, int, int]:
+        """Maintenance step: (promoted, reaped, trimmed). Safe to run from any number of processes."""
+        promoted, reaped, trimmed = await self._run(
+            SCRIPTS.reap, validate_queue(queue), limit, self._silence(self.lease_ms)
+        )
+        return int(promoted), int(reaped), int(trimmed)
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    async def get(self, job_id: str) -> Job:
+        reply = await self._run(SCRIPTS.get, queue_of(job_id), job_id)
+        if not reply:
+            raise JobNotFound(f"job {job_id} not found")
+        flat, deadline = reply
+        h = dict(zip(flat[::2], flat[1::2], strict=True))
+        return Job.from_hash(job_id, h, int(float(deadline)) if deadline else None)
+
+    async def list_jobs(
+        self, queue: str, state: str, *, cursor: int = 0, limit: int = 50
+    ) -> tuple[list[Job], int | None]:
+        """Jobs in one state, oldest first for waiting states, newest first for finished ones."""
+        if state not in STATE_SETS:
+            raise InvalidJob(f"unknown state {state!r}; choose one of: {', '.join(STATE_SETS)}")
+        key = prefix(validate_queue(queue)) + STATE_SETS[state]
+        newest_first = state in ("succeeded", "dead", "cancelled")
+        ids = await self.redis.zrange(key, cursor, cursor + limit - 1, desc=newest_first)
+        found = await asyncio.gather(*(self.get(job_id) for job_id in ids), return_exceptions=True)
+        jobs = [j for j in found if isinstance(j, Job)]  # JobNotFound: expired since the index read
+        for problem in found:
+            if isinstance(problem, BaseException) and not isinstance(problem, JobNotFound):
+                raise problem
+        next_cursor = cursor + limit if len(ids) == limit else None
+        return jobs, next_cursor
+
+    async def stats(self, queue: str) -> QueueStats:
+        r = await self._run(SCRIPTS.stats, validate_queue(queue))
+        names = ("queued", "delayed", "active", "submitted", "retrying", "held", "succeeded", "dead", "cancelled")
+        totals_flat = r[12]
+        return QueueStats(
+            queue=queue,
+            paused=bool(r[0]),
+            counts={name: int(v) for name, v in zip(names, r[1:10], strict=True)},
+            oldest_ready_age_ms=int(r[10]) if int(r[10]) >= 0 else None,
+            workers=int(r[11]),
+            totals={k: int(v) for k, v in zip(totals_flat[::2], totals_flat[1::2], strict=True)},
+        )
+
+    async def histograms(self, queue: str) -> dict[str, tuple[list[int], int, int]]:
+        """The latency histograms the scripts keep: name ("wait", "run") -> (count per bucket of
+        HIST_BUCKETS_S plus +Inf, not cumulative; total count; sum in ms)."""
+        raw = await self.redis.hgetall(prefix(validate_queue(queue)) + "hist")
+        out: dict[str, tuple[list[int], int, int]] = {}
+        for name in ("wait", "run"):
+            buckets = [int(raw.get(f"{name}:{i}", 0)) for i in range(1, len(HIST_BUCKETS_S) + 2)]
+            out[name] = (buckets, int(raw.get(f"{name}:count", 0)), int(raw.get(f"{name}:sum", 0)))
+        return out
+
+    async def possible_duplicates(self, queue: str) -> dict[str, int]:
+        """Per backend: submissions made again whose earlier try had an unknown outcome (begin.lua)."""
+        raw = await self.redis.hgetall(prefix(validate_queue(queue)) + "dups")
+        return {backend: int(n) for backend, n in raw.items()}
+
+    async def queues(self) -> list[str]:
+        return sorted(await self.redis.smembers(QUEUES_KEY))
+
+    async def events(
+        self, queue: str, last_id: str = "$", *, block_ms: int | None = None, count: int = 100
+    ) -> list[tuple[str, dict[str, str]]]:
+        """State changes after `last_id` from the queue's capped stream (for dashboards and --watch)."""
+        key = prefix(validate_queue(queue)) + "events"
+        reply = await self.redis.xread({key: last_id}, count=count, block=block_ms)
+        if not reply:
+            return []
+        entries = reply[0][1] if isinstance(reply, list) else next(iter(reply.values()))[0]
+        return [(eid, fields) for eid, fields in entries]

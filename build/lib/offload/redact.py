@@ -1,0 +1,111 @@
+"""The one redaction path for text that leaves a process: backend and provider error excerpts, autoscaler
+events and alerts, job errors, log lines, URLs in messages.
+
+Two layers, always both:
+1. the secrets of the configuration the text came from (a backend's API key, a provider's credentials, the
+   worker key shipped to a rented machine), replaced wherever they occur, also percent-encoded and, for
+   `id:secret` pairs (fal), each half;
+2. anything shaped like a credential: URL userinfo (a password may itself contain `@`), query parameters
+   named like a secret (`?password=`, `token`, `sig`, `X-Amz-Signature` ...), JSON or header fields named like
+   one (`"token": "..."`, `"api_key"`, `Authorization: ...`), `Bearer`/`Basic` values and known key formats.
+
+Layer 2 exists because a provider may echo a secret we never knew (its own session token, a signed URL);
+layer 1 because a secret may have any shape. Redaction always runs before truncation, so a key cut at the
+boundary cannot leak half of itself.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from urllib.parse import quote, urlsplit
+
+REDACTED = "[REDACTED]"
+MASK = "***"
+EXCERPT_CHARS = 300
+MIN_SECRET = 6  # shorter "secrets" (a port, "none") would blank out ordinary text
+
+# scheme://userinfo@ : the userinfo runs to the LAST '@' before the path, so a password containing '@' is
+# masked whole; its user part (before the first ':') is kept, a bare token (`https://TOKEN@host`) is not.
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)([^\s/?#@]*(?:@[^\s/?#@]*)*)@(?=[^\s@]*(?:[/?#\s]|$))")
+_SECRET_WORDS = (
+    r"password|passwd|pwd|secret|token|api[_-]?key|apikey|access[_-]?key|private[_-]?key|signature|"
+    r"credential|authorization"
+)
+# in a query string short names are common too (Azure's `sig`, `X-Amz-Credential`, `?key=`)
+_QUERY_PARAM = re.compile(rf"(?i)([?&;][^=&\s#\"']*(?:{_SECRET_WORDS}|sig|key|auth)[^=&\s#\"']*=)[^&\s#\"']*")
+_NAMED = re.compile(
+    rf"(?i)([\"']?)([\w.-]*(?:{_SECRET_WORDS})[\w.-]*)\1(\s*[:=]\s*)"
+    r"(\"(?:[^\"\\]|\\.)*\"|'[^']*'|[^\s\"',;}&]+)"
+)
+_SCHEME_TOKEN = re.compile(r"\b(Bearer|Basic|Token|Key)\s+(?=\S*\d)[A-Za-z0-9._~+/:=-]{8,}")
+_KEY_SHAPES = re.compile(
+    r"\b(?:sk-[A-Za-z0-9_-]{8,}|r8_[A-Za-z0-9]{8,}|rpa_[A-Za-z0-9]{8,}|whsec_[A-Za-z0-9+/=]{8,}"
+    r"|ofk_[A-Za-z0-9]+_[A-Za-z0-9_-]{8,}|hf_[A-Za-z0-9]{8,}|gh[pousr]_[A-Za-z0-9]{8,}|AKIA[A-Z0-9]{12,})"
+)
+_SPACE = re.compile(r"\s+")
+
+
+def _variants(secret: str) -> set[str]:
+    parts = {secret, *secret.split(":")}  # fal keys are `id:secret`; either half is sensitive
+    parts |= {quote(p, safe="") for p in list(parts)}
+    return {p for p in parts if len(p) >= MIN_SECRET}
+
+
+def _named(m: re.Match[str]) -> str:
+    value = m[4]
+    if value.startswith(REDACTED) or value.startswith(MASK):
+        return m[0]
+    quote_char = value[0] if value[:1] in ("'", '"') else ""
+    return f"{m[1]}{m[2]}{m[1]}{m[3]}{quote_char}{REDACTED}{quote_char}"
+
+
+def mask_url(url: str) -> str:
+    """`url` with the password of its userinfo and any secret-named query parameter replaced by `***`."""
+    out = _USERINFO.sub(_mask_userinfo, url)
+    return _QUERY_PARAM.sub(lambda m: m[1] + MASK, out)
+
+
+def _mask_userinfo(m: re.Match[str]) -> str:
+    user, sep, _ = m[2].partition(":")
+    return f"{m[1]}{user}:{MASK}@" if sep else f"{m[1]}{MASK}@"
+
+
+def bare_url(url: str) -> str:
+    """scheme://host[:port]/path only: for URLs whose query or userinfo is nobody's business (a redirect's
+    Location, a provider's signed file URL)."""
+    try:
+        p = urlsplit(url)
+        return f"{p.scheme}://{p.hostname}{f':{p.port}' if p.port else ''}{p.path}"
+    except ValueError:
+        return "<unparseable URL>"
+
+
+def redact(text: str, secrets: Iterable[str | None] = ()) -> str:
+    """`text` with the given secrets and anything shaped like a credential replaced."""
+    for secret in sorted({v for s in secrets if s for v in _variants(str(s))}, key=len, reverse=True):
+        text = text.replace(secret, REDACTED)
+    text = mask_url(text)
+    text = _SCHEME_TOKEN.sub(lambda m: f"{m[1]} {REDACTED}", text)
+    text = _NAMED.sub(_named, text)
+    return _KEY_SHAPES.sub(REDACTED, text)
+
+
+def excerpt(text: str, secrets: Iterable[str | None] = (), limit: int = EXCERPT_CHARS) -> str:
+    """A short, single-line, redacted piece of a response body or message."""
+    flat = _SPACE.sub(" ", redact(text, secrets)).strip()
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+class Redactor:
+    """The secrets one process knows about (fed as configurations are loaded), applied to everything it writes
+    where others can read it: autoscaler events, alerts and instance reasons."""
+
+    def __init__(self, secrets: Iterable[str | None] = ()) -> None:
+        self.secrets: set[str] = {s for s in secrets if s}
+
+    def add(self, *secrets: str | None) -> None:
+        self.secrets.update(s for s in secrets if s)
+
+    def __call__(self, text: str) -> str:
+        return redact(text, self.secrets)

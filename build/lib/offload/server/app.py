@@ -1,0 +1,144 @@
+"""The HTTP API's application factory: wiring, lifespan (connections, maintenance) and health routes.
+
+Public routes are `/healthz`, `/readyz`, the API description (`/openapi.json`, `/docs`) and the dashboard's
+static files (`/ui/`, see `dashboard.py`), which carry no data; everything else needs an API key (see `auth.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from offload import __version__
+from offload.connection import connect
+from offload.queue.store import QueueStore
+from offload.server import (
+    dashboard,
+    errors,
+    events,
+    metrics,
+    routes_autoscale,
+    routes_jobs,
+    routes_keys,
+    routes_queues,
+    routes_workers,
+)
+from offload.server.keys import KeyStore
+from offload.server.registry import WorkerRegistry
+from offload.server.state import ServerOptions, ServerState
+from offload.storage import create_storage
+
+log = logging.getLogger("offload.server")
+
+
+async def _maintain(state: ServerState, stop: asyncio.Event) -> None:
+    """Promote due delayed/retry jobs, return the jobs of silent workers, trim expired records, release held
+    jobs of past cap windows, and sample totals for rates. Queues served only by remote workers rely on this
+    (dispatch workers do it themselves when they claim). Safe to run in every server process at once: each step
+    is one atomic script.
+
+    It ends on `stop` rather than by cancellation alone: redis-py can turn a cancel that lands during its own
+    timeout handling into a TimeoutError, which a retry loop would swallow and keep going."""
+    while not stop.is_set():
+        try:
+            window = time.strftime("%Y%m%d", time.gmtime())
+            for queue in await state.store.queues():
+                await state.store.reap(queue)
+                # held jobs of an earlier cap window (UTC day): a few chunks a round, so queues served only by
+                # GPU workers, or by workers all stopped at midnight, get theirs back too
+                await state.store.release_held_before(queue, window, max_chunks=4)
+                state.rates.observe(queue, (await state.store.stats(queue)).totals)
+        except Exception as exc:  # Redis away: /readyz says so; try again next round
+            if stop.is_set():
+                break
+            log.warning("maintenance: %s", type(exc).__name__)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), state.options.maintenance_interval_s)
+
+
+def create_app(options: ServerOptions | None = None) -> FastAPI:
+    options = options or ServerOptions()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        redis = await connect(options.redis_url or options.settings.redis_url)
+        store = QueueStore(redis, lease_ms=options.worker_lease_ms)
+        keys = KeyStore(redis, options.admin_key) if options.admin_key else KeyStore.from_env(redis)
+        state = ServerState(
+            options=options,
+            redis=redis,
+            store=store,
+            keys=keys,
+            storage=create_storage(options.settings.storage),
+            hub=events.EventHub(store),
+            registry=WorkerRegistry(store, ttl_ms=max(3 * options.worker_lease_ms, 10_000)),
+            rates=metrics.RateTracker(),
+        )
+        app.state.offload = state
+        stop = asyncio.Event()
+        task = asyncio.create_task(_maintain(state, stop), name="maintenance")
+        autoscaler = routes_autoscale.start(state)
+        try:
+            yield
+        finally:
+            await routes_autoscale.stop(state, autoscaler)
+            stop.set()
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(task, 5.0)
+            await state.hub.aclose()
+            await state.storage.aclose()
+            await redis.aclose()
+
+    app = FastAPI(
+        title="offload",
+        version=__version__,
+        lifespan=lifespan,
+        description="Control plane for bursty GPU work: enqueue and follow jobs, operate queues, run GPU workers "
+        "over HTTP. Authenticate with `Authorization: Bearer <key>` or `X-API-Key: <key>`.",
+    )
+    errors.install(app)  # bodies are bounded per route, before they are read (auth.GuardedRoute)
+
+    @app.get("/healthz", tags=["health"], summary="The process is up (no dependencies checked)")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["health"], summary="The job store answers: ready to serve")
+    async def readyz(request: Request) -> JSONResponse:
+        state: ServerState | None = getattr(request.app.state, "offload", None)
+        try:
+            if state is not None and await asyncio.wait_for(state.redis.ping(), 2.0):
+                return JSONResponse({"status": "ready"})
+        except Exception as exc:
+            log.warning("readiness check failed: %s", type(exc).__name__)
+        return JSONResponse({"error": "unavailable", "detail": "the job store does not answer"}, status_code=503)
+
+    for module in (
+        routes_jobs,
+        routes_queues,
+        routes_workers,
+        routes_keys,
+        events,
+        metrics,
+        routes_autoscale,
+        dashboard,
+    ):
+        app.include_router(module.router)
+    describe = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        """The description states this server's batch limit (schemas.py checks it per request)."""
+        if app.openapi_schema is None:
+            schema = describe()
+            schema["components"]["schemas"]["BatchEnqueueRequest"]["properties"]["jobs"]["maxItems"] = options.max_batch
+        return app.openapi_schema or describe()
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app

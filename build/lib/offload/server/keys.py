@@ -1,0 +1,166 @@
+"""API keys: scoped, stored hashed in Redis, shown in full exactly once (at creation).
+
+A token is `ofk_<id>_<secret>`: the id finds the record with one read, and only the SHA-256 of the whole token
+is stored, so a copy of the database (or a backup, or a `MONITOR` session) never yields a usable key. The
+secret has 256 bits of entropy, which is why a fast unsalted hash is enough here (no password-style
+stretching is needed for random tokens), and hashes are compared with `hmac.compare_digest` so timing
+reveals nothing about how much of a guess was right.
+
+A bootstrap admin key may come from `OFFLOAD_ADMIN_KEY`; it is never written to Redis, and unsetting the
+variable (and restarting) revokes it. Being chosen by a person rather than generated, it must be at least 32
+characters (the server refuses to start otherwise), so it cannot be guessed past the failed-auth limit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from offload.errors import ConfigError, RequestError
+from offload.queue.keys import NAMESPACE, validate_queue
+
+SCOPES = ("admin", "producer", "worker", "viewer")
+ALL_QUEUES = "*"
+TOKEN_PREFIX = "ofk_"
+KEYS_INDEX = f"{NAMESPACE}:apikeys"
+BOOTSTRAP_ID = "bootstrap"
+ADMIN_ENV = "OFFLOAD_ADMIN_KEY"
+MIN_ADMIN_KEY = 32
+
+
+class InvalidKeyRequest(RequestError, ValueError):
+    """A key request is malformed (unknown scope, bad queue name, missing queues)."""
+
+
+def _record_key(key_id: str) -> str:
+    return f"{NAMESPACE}:apikey:{key_id}"
+
+
+def check_admin_key(token: str) -> str:
+    """The bootstrap admin key, if long enough to be a secret; else a ConfigError naming the variable."""
+    if len(token) < MIN_ADMIN_KEY:
+        raise ConfigError(
+            f"{ADMIN_ENV} must be at least {MIN_ADMIN_KEY} characters (it has {len(token)}): "
+            "generate one with `openssl rand -hex 32`"
+        )
+    return token
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    """What a key may do. `queues` None means every queue."""
+
+    id: str
+    scope: str
+    queues: frozenset[str] | None
+    name: str = ""
+    created_at: int = 0
+
+    def covers(self, queue: str) -> bool:
+        return self.queues is None or queue in self.queues
+
+    def to_dict(self) -> dict[str, Any]:
+        """The public view: never the token, never its hash."""
+        return {
+            "id": self.id,
+            "scope": self.scope,
+            "queues": sorted(self.queues) if self.queues is not None else [ALL_QUEUES],
+            "name": self.name,
+            "created_at": self.created_at,
+        }
+
+
+def _check(scope: str, queues: list[str]) -> frozenset[str] | None:
+    if scope not in SCOPES:
+        raise InvalidKeyRequest(f"unknown scope {scope!r}; choose one of: {', '.join(SCOPES)}")
+    if scope == "admin" or ALL_QUEUES in queues:
+        return None
+    if not queues:
+        if scope == "viewer":
+            return None
+        raise InvalidKeyRequest(f"a {scope} key needs --queues (queue names, or '*' for every queue)")
+    return frozenset(validate_queue(q) for q in queues)
+
+
+class KeyStore:
+    """Create, look up, list and revoke keys. Plain single-key commands, so it works on a cluster too."""
+
+    def __init__(self, redis: Any, bootstrap_token: str | None = None) -> None:
+        self.redis = redis
+        self._bootstrap = hash_token(check_admin_key(bootstrap_token)) if bootstrap_token else None
+
+    @classmethod
+    def from_env(cls, redis: Any) -> KeyStore:
+        return cls(redis, os.environ.get(ADMIN_ENV) or None)
+
+    async def create(self, scope: str, queues: list[str] | None = None, name: str = "") -> tuple[ApiKey, str]:
+        """Returns the key and its token; the token cannot be recovered later."""
+        allowed = _check(scope, list(queues or []))
+        key_id = secrets.token_hex(6)
+        token = f"{TOKEN_PREFIX}{key_id}_{secrets.token_urlsafe(32)}"
+        key = ApiKey(key_id, scope, allowed, name[:200], int(time.time() * 1000))
+        await self.redis.hset(
+            _record_key(key_id),
+            mapping={
+                "hash": hash_token(token),
+                "scope": scope,
+                "name": key.name,
+                "created_at": key.created_at,
+                "queues": ALL_QUEUES if allowed is None else ",".join(sorted(allowed)),
+            },
+        )
+        await self.redis.sadd(KEYS_INDEX, key_id)
+        return key, token
+
+    async def authenticate(self, token: str) -> ApiKey | None:
+        """The key for a presented token, or None. Unknown ids and wrong secrets take the same path."""
+        if not token or len(token) > 256:
+            return None
+        digest = hash_token(token)
+        if self._bootstrap is not None and hmac.compare_digest(digest, self._bootstrap):
+            return ApiKey(BOOTSTRAP_ID, "admin", None, "OFFLOAD_ADMIN_KEY")
+        if not token.startswith(TOKEN_PREFIX):
+            return None
+        key_id, sep, _ = token[len(TOKEN_PREFIX) :].partition("_")
+        if not sep or not key_id.isalnum():
+            return None
+        record = await self.redis.hgetall(_record_key(key_id))
+        if not record or not hmac.compare_digest(digest, record.get("hash", "")):
+            return None
+        return _from_record(key_id, record)
+
+    async def alive(self, key: ApiKey) -> bool:
+        """Whether a key authenticated earlier still exists (long-lived streams re-check on an interval)."""
+        return key.id == BOOTSTRAP_ID or bool(await self.redis.exists(_record_key(key.id)))
+
+    async def list(self) -> list[ApiKey]:
+        ids = sorted(await self.redis.smembers(KEYS_INDEX))
+        keys = []
+        for key_id in ids:
+            record = await self.redis.hgetall(_record_key(key_id))
+            if record:
+                keys.append(_from_record(key_id, record))
+        return keys
+
+    async def revoke(self, key_id: str) -> bool:
+        """True if the key existed. Takes effect on the next request (no cache)."""
+        removed = int(await self.redis.delete(_record_key(key_id)))
+        await self.redis.srem(KEYS_INDEX, key_id)
+        return removed > 0
+
+
+def _from_record(key_id: str, record: dict[str, str]) -> ApiKey:
+    raw = record.get("queues", "")
+    queues = None if raw == ALL_QUEUES else frozenset(q for q in raw.split(",") if q)
+    return ApiKey(
+        key_id, record.get("scope", "viewer"), queues, record.get("name", ""), int(record.get("created_at") or 0)
+    )

@@ -1,0 +1,168 @@
+"""`/metrics` in the Prometheus text format, read from Redis on every scrape.
+
+Nothing is counted in the server's memory: totals and latency histograms are kept by the queue's Lua scripts
+and per-backend counters by the dispatch workers, all in Redis, so any number of server processes report the
+same (correct) numbers and a restart resets nothing. Rates for the API are derived from the same totals,
+sampled in-process over a sliding window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from offload.autoscale.status import autoscale_families
+from offload.queue.scripts import HIST_BUCKETS_S
+from offload.server.auth import GuardedRoute, Principal, need_global_read
+from offload.server.state import ServerState, get_state
+from offload.worker.limits import backend_counters
+
+router = APIRouter(tags=["metrics"], route_class=GuardedRoute)
+RATE_FIELDS = ("enqueued", "succeeded", "failed", "dead", "cancelled")
+
+
+class RateTracker:
+    """Per-queue samples of the Redis totals; a rate is the change over the oldest sample in the window."""
+
+    def __init__(self, window_s: float = 60.0) -> None:
+        self.window_s = window_s
+        self._samples: dict[str, deque[tuple[float, dict[str, int]]]] = {}
+
+    def observe(self, queue: str, totals: dict[str, int], now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        samples = self._samples.setdefault(queue, deque())
+        if samples and now - samples[-1][0] < 0.5:
+            return  # one sample per half second is plenty
+        samples.append((now, dict(totals)))
+        while len(samples) > 2 and now - samples[1][0] >= self.window_s:
+            samples.popleft()
+
+    def rates(self, queue: str) -> tuple[dict[str, float | None], float | None]:
+        samples = self._samples.get(queue)
+        if not samples or len(samples) < 2:
+            return dict.fromkeys(RATE_FIELDS), None
+        (t0, first), (t1, last) = samples[0], samples[-1]
+        span = t1 - t0
+        return {f: round((last.get(f, 0) - first.get(f, 0)) / span, 3) for f in RATE_FIELDS}, round(span, 3)
+
+
+class _Snapshot:
+    """prometheus_client collectors are synchronous: gather everything first, then hand over the families."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self.families
+
+
+def _histogram(name: str, doc: str, per_queue: dict[str, tuple[list[int], int, int]]) -> HistogramMetricFamily:
+    fam = HistogramMetricFamily(name, doc, labels=["queue"])
+    for queue, (counts, total, sum_ms) in per_queue.items():
+        cumulative, running = [], 0
+        for bound, c in zip([*(str(float(b)) for b in HIST_BUCKETS_S), "+Inf"], counts, strict=True):
+            running += c
+            cumulative.append((bound, running))
+        cumulative[-1] = ("+Inf", total)
+        fam.add_metric([queue], cumulative, sum_ms / 1000)
+    return fam
+
+
+async def collect(state: ServerState) -> list[Metric]:
+    store = state.store
+    queues = sorted(set(await store.queues()) | set(state.options.settings.queues))
+    stats = await asyncio.gather(*(store.stats(q) for q in queues))
+    hists = await asyncio.gather(*(store.histograms(q) for q in queues))
+    window = time.strftime("%Y%m%d", time.gmtime())
+    depth = GaugeMetricFamily("offload_queue_jobs", "Jobs in each state now.", labels=["queue", "state"])
+    totals = CounterMetricFamily(
+        "offload_jobs", "Job transitions since the queue was created.", labels=["queue", "event"]
+    )
+    oldest = GaugeMetricFamily("offload_queue_oldest_ready_seconds", "Age of the oldest ready job.", labels=["queue"])
+    paused = GaugeMetricFamily("offload_queue_paused", "1 when claims are paused.", labels=["queue"])
+    workers = GaugeMetricFamily("offload_workers", "Live workers per queue (lease not expired).", labels=["queue"])
+    budget = GaugeMetricFamily("offload_budget_used", "Counted against today's (UTC) caps.", labels=["queue", "kind"])
+    caps = GaugeMetricFamily("offload_budget_cap", "Daily caps from offload.yaml.", labels=["queue", "kind"])
+    for queue, s in zip(queues, stats, strict=True):
+        state.rates.observe(queue, s.totals)
+        for name, n in s.counts.items():
+            depth.add_metric([queue, name], n)
+        for event in RATE_FIELDS:
+            totals.add_metric([queue, event], s.totals.get(event, 0))
+        oldest.add_metric([queue], (s.oldest_ready_age_ms or 0) / 1000)
+        paused.add_metric([queue], int(s.paused))
+        workers.add_metric([queue], s.workers)
+        jobs_used, spend_used = await store.usage(queue, window)
+        budget.add_metric([queue, "jobs"], jobs_used)
+        budget.add_metric([queue, "spend"], spend_used)
+        q = state.options.settings.queues.get(queue)
+        if q is not None and q.daily_job_cap is not None:
+            caps.add_metric([queue, "jobs"], q.daily_job_cap)
+        if q is not None and q.daily_spend_cap is not None:
+            caps.add_metric([queue, "spend"], q.daily_spend_cap)
+    remote = GaugeMetricFamily(
+        "offload_remote_workers", "Registered remote (HTTP) workers alive, per queue served.", labels=["queue"]
+    )
+    per_queue: dict[str, int] = dict.fromkeys(queues, 0)
+    for w in await state.registry.remote():
+        for served in w.queues:
+            per_queue[served] = per_queue.get(served, 0) + 1
+    for served, n in sorted(per_queue.items()):
+        remote.add_metric([served], n)
+    dups = CounterMetricFamily(
+        "offload_possible_duplicate_submissions",
+        "Submissions sent again because a worker was lost inside the submit call (the provider may have run "
+        "the job twice, unless it honours the Idempotency-Key).",
+        labels=["queue", "backend"],
+    )
+    for queue, per_backend in zip(
+        queues, await asyncio.gather(*(store.possible_duplicates(q) for q in queues)), strict=True
+    ):
+        for name, n in sorted(per_backend.items()):
+            dups.add_metric([queue, name], n)
+    backend = CounterMetricFamily(
+        "offload_backend_requests", "Dispatch-worker requests to a backend by outcome.", labels=["backend", "outcome"]
+    )
+    for name in sorted(state.options.settings.backends):
+        for outcome, n in (await backend_counters(state.redis, name)).items():
+            backend.add_metric([name, outcome], n)
+    wait = _histogram(
+        "offload_job_wait_seconds",
+        "From ready (enqueue, retry, release) to claimed.",
+        {q: h["wait"] for q, h in zip(queues, hists, strict=True)},
+    )
+    run = _histogram(
+        "offload_job_run_seconds",
+        "From claimed to succeeded.",
+        {q: h["run"] for q, h in zip(queues, hists, strict=True)},
+    )
+    return [
+        depth,
+        totals,
+        oldest,
+        paused,
+        workers,
+        budget,
+        caps,
+        remote,
+        dups,
+        backend,
+        wait,
+        run,
+        *await autoscale_families(state.redis),
+    ]
+
+
+@router.get("/metrics", summary="Prometheus metrics (text format)", response_class=Response)
+async def metrics(request: Request, key: Principal) -> Response:
+    need_global_read(key, "metrics")
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot(await collect(get_state(request))))
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,140 @@
+"""The registry of remote (HTTP) workers: one Redis hash per worker that expires when heartbeats stop.
+
+It is what `GET /v1/workers` lists and what an autoscaler correlates with the machines it rents (through
+OFFLOAD_INSTANCE_ID and the protected flag). It is bookkeeping only: leases live in the job store, which
+returns a silent worker's jobs through its reaper whether or not this record still exists.
+Dispatch workers do not register; `GET /v1/workers` shows them from the store's per-queue liveness sets.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+import orjson
+
+from offload.queue.keys import NAMESPACE, prefix
+from offload.queue.store import QueueStore
+from offload.server.schemas import RegisterRequest, WorkerView
+
+INDEX = f"{NAMESPACE}:rworkers"
+REMOTE_PREFIX = "r-"
+
+
+def _key(worker_id: str) -> str:
+    return f"{NAMESPACE}:rworker:{worker_id}"
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class WorkerRegistry:
+    def __init__(self, store: QueueStore, ttl_ms: int) -> None:
+        self.store = store
+        self.redis = store.redis
+        self.ttl_ms = ttl_ms
+
+    async def register(self, key_id: str, req: RegisterRequest) -> str:
+        host = "".join(c if c.isalnum() or c in "-." else "-" for c in req.host)[:60] or "worker"
+        worker_id = f"{REMOTE_PREFIX}{host}-{secrets.token_hex(4)}"
+        now = _now_ms()
+        record = {
+            "id": worker_id,
+            "key_id": key_id,
+            "host": req.host,
+            "version": req.version,
+            "queues": ",".join(req.queues),
+            "pid": req.pid or "",
+            "concurrency": req.concurrency,
+            "instance_id": req.instance_id or "",
+            "protected": int(req.protected),
+            "gpus": orjson.dumps([g.model_dump(exclude_unset=True) for g in req.gpus]).decode(),
+            "registered_at": now,
+            "last_heartbeat": now,
+            "in_flight": 0,
+        }
+        await self.redis.hset(_key(worker_id), mapping=record)
+        await self.redis.pexpire(_key(worker_id), self.ttl_ms)
+        await self.redis.zadd(INDEX, {worker_id: now})
+        return worker_id
+
+    async def get(self, worker_id: str) -> dict[str, str] | None:
+        record: dict[str, str] = await self.redis.hgetall(_key(worker_id))
+        return record or None
+
+    async def touch(self, worker_id: str, in_flight: int, protected: bool | None, instance_id: str | None) -> None:
+        now = _now_ms()
+        fields: dict[str, Any] = {"last_heartbeat": now, "in_flight": in_flight}
+        if protected is not None:
+            fields["protected"] = int(protected)
+        if instance_id is not None:
+            fields["instance_id"] = instance_id
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(_key(worker_id), mapping=fields)
+        pipe.pexpire(_key(worker_id), self.ttl_ms)
+        pipe.zadd(INDEX, {worker_id: now})
+        await pipe.execute()
+
+    async def remove(self, worker_id: str) -> None:
+        await self.redis.delete(_key(worker_id))
+        await self.redis.zrem(INDEX, worker_id)
+
+    async def remote(self) -> list[WorkerView]:
+        """Live remote workers; index entries whose record expired are pruned on the way."""
+        ids = await self.redis.zrange(INDEX, 0, -1)
+        views, gone = [], []
+        for worker_id in ids:
+            r = await self.get(worker_id)
+            if r is None:
+                gone.append(worker_id)
+                continue
+            views.append(
+                WorkerView(
+                    id=worker_id,
+                    kind="remote",
+                    host=r.get("host", ""),
+                    version=r.get("version", ""),
+                    queues=[q for q in r.get("queues", "").split(",") if q],
+                    in_flight=int(r.get("in_flight") or 0),
+                    last_heartbeat=int(r.get("last_heartbeat") or 0) or None,
+                    instance_id=r.get("instance_id") or None,
+                    protected=r.get("protected") == "1",
+                    gpus=orjson.loads(r.get("gpus") or "[]"),
+                    concurrency=int(r.get("concurrency") or 0) or None,
+                    registered_at=int(r.get("registered_at") or 0) or None,
+                )
+            )
+        if gone:
+            await self.redis.zrem(INDEX, *gone)
+        return views
+
+    async def dispatch(self, queues: list[str], skip: set[str]) -> list[WorkerView]:
+        """Workers the store sees alive (lease deadline in the future) that did not register over HTTP."""
+        now = _now_ms()
+        found: dict[str, WorkerView] = {}
+        for queue in queues:
+            p = prefix(queue)
+            alive = await self.redis.zrangebyscore(p + "workers", now, "+inf", withscores=True)
+            for worker_id, deadline in alive:
+                if worker_id in skip:
+                    continue
+                in_flight = int(await self.redis.zcard(p + f"owned:{worker_id}"))
+                view = found.get(worker_id)
+                if view is None:
+                    host = worker_id.split(":", 1)[0] if ":" in worker_id else ""  # host:pid:random
+                    # a remote worker whose registration expired still shows, as what it is
+                    kind = "remote" if worker_id.startswith(REMOTE_PREFIX) and ":" not in worker_id else "dispatch"
+                    found[worker_id] = WorkerView(
+                        id=worker_id,
+                        kind=kind,
+                        host=host,
+                        queues=[queue],
+                        in_flight=in_flight,
+                        lease_deadline=int(deadline),
+                    )
+                else:
+                    view.queues.append(queue)
+                    view.in_flight += in_flight
+        return list(found.values())

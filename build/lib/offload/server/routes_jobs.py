@@ -1,0 +1,200 @@
+"""Producer routes: enqueue (single and batch), read, wait for, cancel and list jobs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
+
+from offload.errors import InvalidJob, InvalidTransition, JobNotFound, PayloadTooLarge
+from offload.models import Job
+from offload.queue.keys import STATE_SETS, new_job_id, queue_of, validate_queue
+from offload.server.auth import GuardedRoute, Principal, guard, need_produce, need_read, produce_path_queue
+from offload.server.errors import FieldError
+from offload.server.schemas import (
+    BatchEnqueueReply,
+    BatchEnqueueRequest,
+    CancelReply,
+    EnqueueReply,
+    EnqueueRequest,
+    JobPage,
+    JobView,
+    WaitReply,
+)
+from offload.server.state import ServerState, get_state
+from offload.storage import StorageError
+from offload.storage.namespace import key_problem
+
+router = APIRouter(tags=["jobs"], route_class=GuardedRoute)
+IdemHeader = Annotated[
+    str | None,
+    Header(
+        alias="Idempotency-Key", max_length=1024, description="A repeat with the same key returns the first job's id."
+    ),
+]
+
+
+def job_queue(job_id: str) -> str:
+    """The queue of a job id; an id offload could never have issued is simply an unknown job."""
+    try:
+        return queue_of(job_id)
+    except InvalidJob:
+        raise JobNotFound(f"job {job_id} not found") from None
+
+
+async def job_view(state: ServerState, job: Job, presign: bool = True) -> JobView:
+    """A presigned URL only for the job's own object: its result is where its output key says, and that key
+    is in the job's queue's namespace (a record written some other way gets no URL to another queue's data)."""
+    url = None
+    if presign and job.state.value == "succeeded" and job.result and _own_object(state, job):
+        with contextlib.suppress(StorageError, ValueError):
+            url = await state.storage.presigned_url(job.output_key, state.options.presign_expires_s)
+    return JobView(**job.to_dict(), result_url=url)
+
+
+def _own_object(state: ServerState, job: Job) -> bool:
+    if key_problem(job.queue, job.output_key, state.options.settings.output_prefixes()) is not None:
+        return False
+    try:
+        return job.result == state.storage.location(job.output_key)
+    except ValueError:
+        return False
+
+
+def check_output_key(state: ServerState, queue: str, key: str | None, loc: list[str | int]) -> None:
+    """422 naming the field when an output key would leave the queue's storage namespace."""
+    if key is not None and (problem := key_problem(queue, key, state.options.settings.output_prefixes())):
+        raise FieldError(loc, f"output_key: {problem}")
+
+
+async def require_queue(state: ServerState, queue: str) -> None:
+    validate_queue(queue)
+    if not await state.known_queue(queue):
+        raise HTTPException(404, f"unknown queue {queue!r}")
+
+
+@router.post(
+    "/v1/queues/{queue}/jobs",
+    status_code=201,
+    response_model=EnqueueReply,
+    summary="Enqueue one job",
+    responses={200: {"description": "Idempotent repeat: the first job's id"}},
+)
+@guard(produce_path_queue, big_body=True)
+async def enqueue(
+    request: Request,
+    response: Response,
+    queue: str,
+    body: EnqueueRequest,
+    key: Principal,
+    idempotency_key: IdemHeader = None,
+) -> EnqueueReply:
+    state = get_state(request)
+    check_output_key(state, queue, body.output_key, ["body", "output_key"])
+    fresh = new_job_id(queue)
+    job_id = await state.store.enqueue(queue, body.spec(idempotency_key, job_id=fresh))
+    if job_id != fresh:
+        response.status_code = 200
+    return EnqueueReply(id=job_id, duplicate=job_id != fresh)
+
+
+@router.post(
+    "/v1/queues/{queue}/jobs/batch",
+    status_code=201,
+    response_model=BatchEnqueueReply,
+    summary="Enqueue many jobs in one request (up to the server's batch limit)",
+)
+@guard(produce_path_queue, big_body=True)
+async def enqueue_batch(
+    request: Request, queue: str, body: BatchEnqueueRequest, key: Principal, idempotency_key: IdemHeader = None
+) -> BatchEnqueueReply:
+    """With an Idempotency-Key header, item i gets the key `<header>:<i>` unless it names its own, so a
+    retried batch returns the same ids instead of enqueueing twice."""
+    state = get_state(request)
+    specs = [job.spec(f"{idempotency_key}:{i}" if idempotency_key else None) for i, job in enumerate(body.jobs)]
+    for i, spec in enumerate(specs):
+        check_output_key(state, queue, spec.output_key, ["body", "jobs", i, "output_key"])
+        try:
+            state.store.validate(spec)
+        except (InvalidJob, PayloadTooLarge) as exc:
+            if isinstance(exc, PayloadTooLarge):
+                raise PayloadTooLarge(f"jobs.{i}: {exc}") from None
+            raise FieldError(["body", "jobs", i], str(exc)) from None
+    return BatchEnqueueReply(ids=await state.store.enqueue_many(queue, specs))
+
+
+@router.get("/v1/jobs/{job_id}", response_model=JobView, summary="A job's record (and a presigned URL to its result)")
+async def get_job(
+    request: Request,
+    job_id: str,
+    key: Principal,
+    presign: Annotated[bool, Query(description="Include result_url for succeeded jobs.")] = True,
+) -> JobView:
+    need_read(key, job_queue(job_id))
+    state = get_state(request)
+    return await job_view(state, await state.store.get(job_id), presign)
+
+
+@router.get(
+    "/v1/jobs/{job_id}/wait", response_model=WaitReply, summary="Long-poll until the job finishes or the timeout passes"
+)
+async def wait_job(
+    request: Request,
+    job_id: str,
+    key: Principal,
+    timeout: Annotated[float, Query(ge=0, le=3600, description="Seconds (capped by the server).")] = 30,
+) -> WaitReply:
+    """Wakes on the queue's event stream, so a finished job answers within milliseconds; a slow re-read
+    every two seconds covers events lost to a Redis failover."""
+    queue = job_queue(job_id)
+    need_read(key, queue)
+    state = get_state(request)
+    deadline = time.monotonic() + min(timeout, state.options.max_wait_s)
+    with state.hub.subscribe([queue]) as sub:
+        while True:
+            job = await state.store.get(job_id)
+            left = deadline - time.monotonic()
+            if job.state.terminal or left <= 0:
+                view = await job_view(state, job)
+                return WaitReply(**view.model_dump(), timed_out=not job.state.terminal)
+            end = time.monotonic() + min(left, 2.0)
+            while (remaining := end - time.monotonic()) > 0:
+                event = await sub.next(remaining)
+                if event is None or not event[2].get("jobs") or job_id in event[2]["jobs"].split():
+                    break
+
+
+@router.post("/v1/jobs/{job_id}/cancel", response_model=CancelReply, summary="Cancel a job")
+async def cancel_job(request: Request, job_id: str, key: Principal) -> CancelReply:
+    need_produce(key, job_queue(job_id), "cancel jobs")
+    try:
+        result = await get_state(request).store.cancel(job_id)
+    except InvalidTransition as exc:
+        raise HTTPException(409, str(exc)) from None
+    return CancelReply(id=job_id, result=result)
+
+
+@router.get("/v1/queues/{queue}/jobs", response_model=JobPage, summary="Jobs of a queue in one state, paginated")
+async def list_jobs(
+    request: Request,
+    queue: str,
+    key: Principal,
+    state: Annotated[str, Query(description=f"One of: {', '.join(STATE_SETS)}")] = "queued",
+    cursor: Annotated[str | None, Query(max_length=15, pattern=r"^\d+$")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+) -> JobPage:
+    need_read(key, queue)
+    return await page(get_state(request), queue, state, cursor, limit)
+
+
+async def page(state: ServerState, queue: str, job_state: str, cursor: str | None, limit: int) -> JobPage:
+    """Waiting states oldest first, finished ones newest first. The cursor is opaque to clients."""
+    await require_queue(state, queue)
+    if job_state not in STATE_SETS:
+        raise FieldError(["query", "state"], f"unknown state {job_state!r}; choose one of: {', '.join(STATE_SETS)}")
+    jobs, nxt = await state.store.list_jobs(queue, job_state, cursor=int(cursor or 0), limit=limit)
+    views = await asyncio.gather(*(job_view(state, j, presign=False) for j in jobs))
+    return JobPage(jobs=list(views), next_cursor=None if nxt is None else str(nxt))

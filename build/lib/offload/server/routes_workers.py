@@ -1,0 +1,315 @@
+"""The GPU-worker protocol: machines that run the work themselves talk to the server, never to Redis or storage.
+
+Each registered remote worker is one worker id in the job store. Its HTTP heartbeat becomes a store heartbeat
+for that id, so a worker that goes silent loses its leases through the store's ordinary reaper, exactly like a
+dispatch worker that dies; the server never heartbeats on its own, which would keep a dead machine's jobs
+leased. The server writes results to object storage for the worker, so a rented machine holds nothing but a
+worker key scoped to its queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Request
+
+from offload.errors import StaleLease
+from offload.models import ClaimedJob
+from offload.queue.keys import validate_queue
+from offload.queue.store import LeaseRef
+from offload.server.auth import (
+    GuardedRoute,
+    Principal,
+    guard,
+    need_global_read,
+    need_work,
+    need_worker_scope,
+    worker_only,
+)
+from offload.server.keys import ApiKey
+from offload.server.routes_jobs import job_queue
+from offload.server.schemas import (
+    ClaimedView,
+    ClaimReply,
+    ClaimRequest,
+    CompleteReply,
+    CompleteRequest,
+    DeregisterRequest,
+    FailReply,
+    FailRequest,
+    HeartbeatReplyView,
+    HeartbeatRequest,
+    RegisterReply,
+    RegisterRequest,
+    TokenRequest,
+    WorkerView,
+)
+from offload.server.state import ServerState, get_state
+from offload.storage import InvalidKey, StorageError
+
+log = logging.getLogger("offload.server")
+router = APIRouter(tags=["workers"], route_class=GuardedRoute)
+
+
+async def _worker(state: ServerState, key: ApiKey, worker_id: str) -> list[str]:
+    """The worker's queues, after checking it exists and belongs to this key (admins may act for any)."""
+    need_worker_scope(key)
+    record = await state.registry.get(worker_id)
+    if record is None:
+        raise HTTPException(404, f"unknown worker {worker_id!r} (it expired or never registered: register again)")
+    if key.scope != "admin" and record.get("key_id") != key.id:
+        raise HTTPException(403, f"worker {worker_id!r} belongs to another key")
+    return [q for q in record.get("queues", "").split(",") if q]
+
+
+def _owned_token(worker_id: str, token: str) -> None:
+    """Lease tokens are `<worker id>/<n>`: a worker can only write jobs leased to itself."""
+    if not token.startswith(f"{worker_id}/"):
+        raise StaleLease("the lease token does not belong to this worker")
+
+
+@router.get("/v1/workers", response_model=list[WorkerView], summary="Live workers: remote (HTTP) and dispatch")
+async def list_workers(request: Request, key: Principal) -> list[WorkerView]:
+    need_global_read(key, "workers")
+    state = get_state(request)
+    remote = await state.registry.remote()
+    dispatch = await state.registry.dispatch(await state.store.queues(), {w.id for w in remote})
+    return remote + dispatch
+
+
+def _work_path_job(key: ApiKey, params: Mapping[str, Any]) -> None:
+    need_work(key, job_queue(params["job_id"]))
+
+
+@router.post(
+    "/v1/workers/register",
+    response_model=RegisterReply,
+    status_code=201,
+    summary="Register a remote worker (returns its worker id and lease timing)",
+)
+@guard(worker_only)
+async def register(request: Request, body: RegisterRequest, key: Principal) -> RegisterReply:
+    for q in body.queues:
+        validate_queue(q)
+        need_work(key, q)
+    state = get_state(request)
+    worker_id = await state.registry.register(key.id, body)
+    lease = state.options.worker_lease_ms
+    log.info(
+        "remote worker %s registered (host %s, queues %s, instance %s)",
+        worker_id,
+        body.host,
+        ",".join(body.queues),
+        body.instance_id or "-",
+    )
+    return RegisterReply(
+        worker_id=worker_id, lease_ms=lease, heartbeat_interval_s=lease / 3000, max_wait_s=state.options.max_wait_s
+    )
+
+
+def _draining(record: dict[str, str] | None) -> bool:
+    """Set by the autoscaler (offload/autoscale/workers.py) when it drains the worker's instance."""
+    return record is not None and record.get("draining") == "1"
+
+
+def _view(queue: str, job: ClaimedJob) -> ClaimedView:
+    return ClaimedView(
+        id=job.id,
+        token=job.token,
+        queue=queue,
+        attempt=job.attempt,
+        max_attempts=job.max_attempts,
+        input=job.input,
+        output_key=job.output_key,
+        cancel_requested=job.cancel_requested,
+    )
+
+
+@router.post(
+    "/v1/workers/{worker_id}/claim",
+    response_model=ClaimReply,
+    summary="Lease up to `max` jobs, long-polling up to `wait` seconds when none is ready",
+)
+@guard(worker_only)
+async def claim(request: Request, worker_id: str, body: ClaimRequest, key: Principal) -> ClaimReply:
+    need_work(key, body.queue)
+    state = get_state(request)
+    if body.queue not in await _worker(state, key, worker_id):
+        raise HTTPException(403, f"worker {worker_id!r} did not register for queue {body.queue!r}")
+    lease = state.options.worker_lease_ms
+    deadline = time.monotonic() + min(body.wait, state.options.max_wait_s)
+    if _draining(await state.registry.get(worker_id)):  # the autoscaler is retiring its machine: no new work
+        await asyncio.sleep(min(body.wait, state.options.max_wait_s))
+        return ClaimReply(jobs=[])
+    with state.hub.subscribe([body.queue]) as sub:
+        while True:
+            jobs = await state.store.claim(body.queue, worker_id, body.max, lease)
+            record = await state.registry.get(worker_id)
+            if record is None:  # deregistered (or expired) meanwhile: hand back what this call claimed. Only that:
+                # a worker that died holding jobs must lose them by lease expiry, which counts against each
+                # job's crash budget (a poison job that kills its workers goes dead instead of looping). A worker
+                # left with nothing is forgotten: this claim must not list a deregistered worker as alive again.
+                await state.store.release_leases(body.queue, worker_id, [j.id for j in jobs], forget_idle=True)
+                return ClaimReply(jobs=[])
+            if _draining(record):  # drained meanwhile: hand back only what this call claimed
+                if jobs:
+                    await state.store.release_leases(body.queue, worker_id, [j.id for j in jobs])
+                return ClaimReply(jobs=[])
+            jobs = await _storable(state, jobs)
+            if jobs:
+                if await request.is_disconnected():  # nobody will receive them: hand them straight back
+                    await state.store.release_leases(body.queue, worker_id, [j.id for j in jobs])
+                    return ClaimReply(jobs=[])
+                return ClaimReply(jobs=[_view(body.queue, j) for j in jobs])
+            left = deadline - time.monotonic()
+            if left <= 0 or await request.is_disconnected():
+                return ClaimReply(jobs=[])
+            end = time.monotonic() + min(left, 1.0)
+            while (remaining := end - time.monotonic()) > 0:
+                event = await sub.next(remaining)
+                if event is None or event[2].get("state") in ("queued", "resync"):
+                    break
+
+
+async def _storable(state: ServerState, jobs: list[ClaimedJob]) -> list[ClaimedJob]:
+    """Jobs whose output key no storage accepts (`..`, absolute: a producer with Redis access wrote it) fail
+    permanently here, before a GPU runs them, instead of failing at complete and being re-run forever."""
+    keep = []
+    for job in jobs:
+        try:
+            state.storage.location(job.output_key)
+        except InvalidKey as exc:
+            await state.store.fail(job.id, job.token, f"output_key cannot be stored: {exc}", retryable=False)
+            continue
+        keep.append(job)
+    return keep
+
+
+@router.post(
+    "/v1/workers/{worker_id}/heartbeat",
+    response_model=HeartbeatReplyView,
+    summary="Keep the worker's leases alive; learn which it lost and which were cancelled",
+)
+@guard(worker_only, big_body=True)  # a busy worker names every job it holds
+async def heartbeat(request: Request, worker_id: str, body: HeartbeatRequest, key: Principal) -> HeartbeatReplyView:
+    """Leases are judged by (job id, token) when the worker sends `tokens` (a job claimed again under another
+    token is lost to the old lease). Jobs the store leases to this worker that it does not list (a claim reply
+    lost on the way, a task that ended without reporting) are handed back once they are a lease period old:
+    a claim reply may still be in flight while this heartbeat is sent."""
+    state = get_state(request)
+    queues = await _worker(state, key, worker_id)
+    if body.tokens is not None and len(body.tokens) != len(body.jobs):
+        raise HTTPException(422, "tokens must have one entry per job in jobs")
+    by_queue: dict[str, list[LeaseRef]] = {q: [] for q in queues}
+    lost: list[str] = []
+    for i, job_id in enumerate(body.jobs):
+        q = job_queue(job_id)
+        ref: LeaseRef = (job_id, body.tokens[i]) if body.tokens is not None else job_id
+        if q in by_queue:
+            by_queue[q].append(ref)
+        else:
+            lost.append(job_id)
+    cancels: list[str] = []
+    lease = state.options.worker_lease_ms
+    for q, refs in by_queue.items():
+        need_work(key, q)
+        reply = await state.store.heartbeat(q, worker_id, refs, lease, grace_ms=lease)
+        lost += reply.lost
+        cancels += reply.cancel_requested
+        if reply.released:
+            log.warning("worker %s: released %d leased job(s) it does not know about", worker_id, reply.released)
+    # in flight: the listed jobs the store really leases to this worker, not what it claims (a worker reporting
+    # 100k jobs would look busy to the autoscaler forever)
+    held = len(set(body.jobs) - set(lost))
+    await state.registry.touch(worker_id, held, body.protected, body.instance_id)
+    return HeartbeatReplyView(lost=lost, cancel_requested=cancels)
+
+
+async def _job_for(request: Request, key: ApiKey, worker_id: str, job_id: str, token: str) -> ServerState:
+    queue = job_queue(job_id)
+    need_work(key, queue)
+    state = get_state(request)
+    await _worker(state, key, worker_id)
+    _owned_token(worker_id, token)
+    return state
+
+
+@router.post(
+    "/v1/workers/{worker_id}/jobs/{job_id}/complete",
+    response_model=CompleteReply,
+    summary="Store the handler's output (server-side) and mark the job succeeded",
+)
+@guard(_work_path_job, big_body=True)
+async def complete(
+    request: Request, worker_id: str, job_id: str, body: CompleteRequest, key: Principal
+) -> CompleteReply:
+    """The output is written before the job is marked succeeded (guarantee 5). The token is checked first so
+    a worker whose lease was taken over cannot overwrite the result of the job's new owner; a repeat of a
+    complete that went through (its reply was lost) answers 200 again."""
+    state = await _job_for(request, key, worker_id, job_id, body.token)
+    job = await state.store.get(job_id)
+    if job.state.value == "succeeded" and job.result:
+        await state.store.complete(job_id, body.token, job.result)  # OK for the same token, else StaleLease
+        return CompleteReply(id=job_id, result=job.result)
+    if job.lease_token != body.token:
+        raise StaleLease(f"job {job_id}: lease token is stale (another worker owns it or it finished)")
+    try:
+        location = await state.storage.put_json(job.output_key, body.output)
+    except InvalidKey as exc:  # can never be stored: dead now, not released to run again
+        await state.store.fail(job_id, body.token, f"output_key cannot be stored: {exc}", retryable=False)
+        raise HTTPException(422, f"job {job_id}: output_key cannot be stored ({exc}); the job is dead") from None
+    except TypeError as exc:
+        raise HTTPException(422, f"output is not JSON-serialisable: {exc}") from None
+    except StorageError as exc:
+        log.warning("storing the output of %s failed: %s", job_id, exc)
+        raise HTTPException(
+            503, "storing the output failed; retry the complete", headers={"Retry-After": "1"}
+        ) from None
+    await state.store.complete(job_id, body.token, location)
+    return CompleteReply(id=job_id, result=location)
+
+
+@router.post(
+    "/v1/workers/{worker_id}/jobs/{job_id}/fail",
+    response_model=FailReply,
+    summary="Report a failed attempt: retried with backoff per the job's policy, else dead",
+)
+@guard(_work_path_job)
+async def fail(request: Request, worker_id: str, job_id: str, body: FailRequest, key: Principal) -> FailReply:
+    state = await _job_for(request, key, worker_id, job_id, body.token)
+    job = await state.store.get(job_id)
+    result = await state.store.fail(
+        job_id, body.token, body.error, retryable=body.retryable, attempt=max(job.attempts, 1)
+    )
+    return FailReply(id=job_id, state=result)
+
+
+@router.post(
+    "/v1/workers/{worker_id}/jobs/{job_id}/cancelled",
+    response_model=FailReply,
+    summary="Acknowledge a requested cancel: the job ends cancelled",
+)
+@guard(_work_path_job)
+async def cancelled(request: Request, worker_id: str, job_id: str, body: TokenRequest, key: Principal) -> FailReply:
+    state = await _job_for(request, key, worker_id, job_id, body.token)
+    await state.store.ack_cancel(job_id, body.token)
+    return FailReply(id=job_id, state="cancelled")
+
+
+@router.post(
+    "/v1/workers/{worker_id}/deregister",
+    status_code=204,
+    summary="A draining worker leaves: its remaining leases go back to ready at once",
+)
+@guard(worker_only)
+async def deregister(request: Request, worker_id: str, body: DeregisterRequest, key: Principal) -> None:
+    state = get_state(request)
+    queues = await _worker(state, key, worker_id)
+    await state.registry.remove(worker_id)  # first: a claim still running sees it gone and lets go
+    for q in queues:
+        if body.release:
+            await state.store.release_leases(q, worker_id)

@@ -1,0 +1,121 @@
+"""Run the server: `serve` in the foreground (`offload server`), `running_server` in a thread (tests, embedding).
+
+Both are real uvicorn servers on a real socket. SSE streams and long polls would hold a graceful shutdown
+open for their whole timeout, so the shutdown grace is short: clients of both reconnect by design.
+
+Connection hygiene for a server on the internet: uvicorn's own settings bound concurrent connections and
+requests (`limit_concurrency`: 503 past `max_connections`) and idle keep-alive connections
+(`timeout_keep_alive`), but uvicorn has no deadline for a request's headers, so a client that opens a
+connection and trickles (or never sends) its headers holds a socket forever; `_HeaderDeadline` closes such a
+connection after `header_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
+import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+from offload.server.app import create_app
+from offload.server.state import ServerOptions
+
+START_TIMEOUT = 20.0
+GRACEFUL_SHUTDOWN = 3
+
+
+def _header_deadline(seconds: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol (httptools when installed, else h11) with a deadline for each request's headers:
+    armed when the connection opens and after every response, met when a new request's headers are parsed
+    (the protocol then starts a new request cycle)."""
+
+    class HeaderDeadline(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        _deadline: asyncio.TimerHandle | None = None
+        _waiting_from: object = None
+
+        def _arm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            self._waiting_from = self.cycle
+            self._deadline = self.loop.call_later(seconds, self._expire)
+
+        def _expire(self) -> None:
+            if self.cycle is self._waiting_from and not self.transport.is_closing():
+                self.transport.close()  # no request headers since the deadline was armed
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            super().connection_lost(exc)
+
+    return HeaderDeadline
+
+
+def _server(options: ServerOptions, host: str, port: int, log_level: str, access_log: bool) -> uvicorn.Server:
+    config = uvicorn.Config(
+        create_app(options),
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=access_log,
+        http=_header_deadline(options.header_timeout_s),
+        limit_concurrency=options.max_connections,
+        timeout_keep_alive=30,
+        backlog=4096,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN,
+        lifespan="on",
+        proxy_headers=False,
+    )
+    return uvicorn.Server(config)
+
+
+def serve(
+    options: ServerOptions,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    *,
+    log_level: str = "info",
+    access_log: bool = True,
+) -> None:
+    """Serve until SIGTERM/SIGINT. Access logs hold method, path and status only (keys travel in headers)."""
+    _server(options, host, port, log_level, access_log).run()
+
+
+@contextlib.contextmanager
+def running_server(
+    options: ServerOptions, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"
+) -> Iterator[str]:
+    """Start on a free port (port 0: the kernel picks, read back from the socket); yield the base URL."""
+    server = _server(options, host, port, log_level, access_log=False)
+    thread = threading.Thread(target=server.run, name="offload-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + START_TIMEOUT
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("server failed to start (see the log above)")
+        if time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError("server did not start in time")
+        time.sleep(0.01)
+    bound = server.servers[0].sockets[0].getsockname()
+    try:
+        yield f"http://{host}:{bound[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(GRACEFUL_SHUTDOWN + 5)
+        if thread.is_alive():
+            server.force_exit = True
+            thread.join(5)

@@ -1,0 +1,293 @@
+"""Request and response bodies. Requests forbid unknown fields, so a misspelt option is a 422 naming it
+instead of a silently ignored setting."""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from typing import Annotated, Any
+
+from fastapi import HTTPException
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from offload.queue.store import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETENTION_S, JobSpec
+
+DEFAULT_MAX_BATCH = 1000
+# The answering server's --max-batch, set per request by GuardedRoute (auth.py) before the body is validated.
+BATCH_LIMIT: ContextVar[int] = ContextVar("offload_batch_limit", default=DEFAULT_MAX_BATCH)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+CENTURY_S = 100 * 365 * 86_400
+LAST_EPOCH_S = 253_402_300_799  # 9999-12-31: times past it overflow Redis scores and Python dates alike
+
+
+class JobOptions(_Request):
+    """Per-job options, as in `Client.enqueue`. Upper bounds keep values inside what Redis can store."""
+
+    priority: int = Field(0, ge=-1000, le=1000, description="Higher runs first; FIFO within a priority.")
+    delay: float | None = Field(None, ge=0, le=CENTURY_S, description="Seconds before the job is ready.")
+    run_at: float | None = Field(None, ge=0, le=LAST_EPOCH_S, description="Epoch seconds when the job is ready.")
+    max_attempts: int = Field(DEFAULT_MAX_ATTEMPTS, ge=1, le=1000)
+    output_key: str | None = Field(None, min_length=1, max_length=1024, description="Default results/<id>.json.")
+    retention: int = Field(
+        DEFAULT_RETENTION_S, ge=0, le=CENTURY_S, description="Seconds a finished record is kept (0: a century)."
+    )
+    idempotency_key: str | None = Field(None, min_length=1, max_length=1024)
+
+
+class EnqueueRequest(JobOptions):
+    input: Any = Field(..., description="The job input: any JSON value (at most 1 MiB by default).")
+
+    def spec(self, idempotency_key: str | None = None, job_id: str | None = None) -> JobSpec:
+        return JobSpec(
+            input=self.input,
+            priority=self.priority,
+            delay=self.delay,
+            run_at=self.run_at,
+            max_attempts=self.max_attempts,
+            output_key=self.output_key,
+            retention=self.retention,
+            idempotency_key=self.idempotency_key or idempotency_key,
+            job_id=job_id,
+        )
+
+
+class BatchEnqueueRequest(_Request):
+    jobs: list[EnqueueRequest] = Field(
+        ...,
+        min_length=1,
+        description="At most the server's --max-batch jobs (its OpenAPI description states the number as maxItems).",
+    )
+
+    @field_validator("jobs", mode="before")
+    @classmethod
+    def _at_most_max_batch(cls, v: Any) -> Any:
+        """Before the items are validated (pydantic checks max_length only after validating every item, which
+        for a million `{}` is a million error records). An HTTPException passes through pydantic: 413."""
+        limit = BATCH_LIMIT.get()
+        if isinstance(v, list) and len(v) > limit:
+            raise HTTPException(413, f"batch of {len(v)} jobs is over the limit of {limit}")
+        return v
+
+
+class EnqueueReply(BaseModel):
+    id: str
+    duplicate: bool = Field(False, description="True when the idempotency key was seen before.")
+
+
+class BatchEnqueueReply(BaseModel):
+    ids: list[str]
+
+
+class JobView(BaseModel):
+    """A job record. The lease token is never included: it authorises writes."""
+
+    id: str
+    queue: str
+    state: str
+    input: Any = None
+    output_key: str
+    priority: int
+    attempts: int
+    max_attempts: int
+    lease_expiries: int
+    created_at: int
+    run_at: int | None = None
+    started_at: int | None = None
+    finished_at: int | None = None
+    lease_owner: str | None = None
+    lease_deadline: int | None = None
+    backend: str | None = None
+    remote_id: str | None = None
+    result: str | None = None
+    result_url: str | None = Field(None, description="Presigned GET of the stored output (succeeded jobs).")
+    cost: float | None = None
+    error: str | None = None
+    cancel_requested: bool = False
+    idempotency_key: str | None = None
+    raw: str | None = None
+    submission: int | None = Field(None, description="The number of its latest submission to the provider.")
+    possible_duplicates: int = Field(
+        0,
+        description="Submissions sent again after a worker was lost inside "
+        "the submit call (the provider may have run the job twice).",
+    )
+
+
+class WaitReply(JobView):
+    timed_out: bool = Field(False, description="True when the wait ended before the job finished.")
+
+
+class JobPage(BaseModel):
+    jobs: list[JobView]
+    next_cursor: str | None = Field(None, description="Pass as ?cursor= for the next page; null at the end.")
+
+
+class CancelReply(BaseModel):
+    id: str
+    result: str = Field(..., description="cancelled (it was waiting) or requested (its worker will cancel it)")
+
+
+class QueueView(BaseModel):
+    queue: str
+    paused: bool
+    counts: dict[str, int]
+    oldest_ready_age_ms: int | None
+    workers: int
+    totals: dict[str, int]
+    rates: dict[str, float | None] = Field(default_factory=dict, description="Per second, over rate_window_s.")
+    rate_window_s: float | None = None
+
+
+class MoveRequest(_Request):
+    ids: list[str] = Field(default_factory=list, max_length=10_000)
+    all: bool = Field(False, description="Every job in the set (bounded by its size at the start).")
+
+
+class MoveReply(BaseModel):
+    moved: list[str]
+
+
+class PurgeRequest(_Request):
+    state: str
+
+
+class CountReply(BaseModel):
+    count: int
+
+
+class KeyCreateRequest(_Request):
+    scope: str
+    queues: list[str] = Field(default_factory=list)
+    name: str = Field("", max_length=200)
+
+
+class KeyView(BaseModel):
+    id: str
+    scope: str
+    queues: list[str]
+    name: str
+    created_at: int
+
+
+class KeyCreated(KeyView):
+    token: str = Field(..., description="Shown once; only its hash is stored.")
+
+
+INSTANCE_ID = r"^[A-Za-z0-9._:-]{1,128}$"
+Short = Annotated[str, Field(max_length=128)]
+
+
+class GpuInfo(_Request):
+    """One GPU as `nvidia-smi` reports it (what a worker may say about itself, bounded)."""
+
+    index: Annotated[str, Field(max_length=16)] | int | None = None
+    name: Short = ""
+    memory_mb: Annotated[str, Field(max_length=16)] | int | None = None
+    uuid: Short = ""
+
+
+class RegisterRequest(_Request):
+    """A worker's self-report: shown to operators and read by the autoscaler, so every field is bounded."""
+
+    queues: list[str] = Field(..., min_length=1, max_length=100)
+    host: str = Field("", max_length=255)
+    version: str = Field("", max_length=64)
+    pid: int | None = Field(None, ge=0, le=2**31)
+    concurrency: int = Field(1, ge=1, le=10_000)
+    instance_id: str | None = Field(None, pattern=INSTANCE_ID)
+    protected: bool = Field(
+        False,
+        description="Honoured by the autoscaler only where the instance's provider config sets allow_worker_protect.",
+    )
+    gpus: list[GpuInfo] = Field(default_factory=list, max_length=16)
+
+
+class RegisterReply(BaseModel):
+    worker_id: str
+    lease_ms: int
+    heartbeat_interval_s: float
+    max_wait_s: float
+
+
+class ClaimRequest(_Request):
+    queue: str
+    max: int = Field(1, ge=1, le=1000)
+    wait: float = Field(0, ge=0, description="Seconds to long-poll when nothing is ready.")
+
+
+class ClaimedView(BaseModel):
+    id: str
+    token: str
+    queue: str
+    attempt: int
+    max_attempts: int
+    input: Any
+    output_key: str
+    cancel_requested: bool
+
+
+class ClaimReply(BaseModel):
+    jobs: list[ClaimedView]
+
+
+class HeartbeatRequest(_Request):
+    jobs: list[Annotated[str, Field(max_length=256)]] = Field(default_factory=list, max_length=10_000)
+    tokens: list[Annotated[str, Field(max_length=256)]] | None = Field(
+        None, max_length=10_000, description="the lease token of each job in `jobs`, in the same order"
+    )
+    protected: bool | None = None
+    instance_id: str | None = Field(None, pattern=INSTANCE_ID)
+
+
+class HeartbeatReplyView(BaseModel):
+    lost: list[str]
+    cancel_requested: list[str]
+
+
+class CompleteRequest(_Request):
+    token: str = Field(..., min_length=1, max_length=512)
+    output: Any = Field(None, description="The handler's result: stored as JSON at the job's output key.")
+
+
+class CompleteReply(BaseModel):
+    id: str
+    result: str
+
+
+class FailRequest(_Request):
+    token: str = Field(..., min_length=1, max_length=512)
+    error: str = Field(..., max_length=4000)
+    retryable: bool = True
+
+
+class FailReply(BaseModel):
+    id: str
+    state: str
+
+
+class TokenRequest(_Request):
+    token: str = Field(..., min_length=1, max_length=512)
+
+
+class DeregisterRequest(_Request):
+    release: bool = Field(True, description="Hand back every lease still held (remote ids kept).")
+
+
+class WorkerView(BaseModel):
+    id: str
+    kind: str = Field(..., description="remote (HTTP, runs a handler) or dispatch (submits to a backend)")
+    host: str = ""
+    version: str = ""
+    queues: list[str]
+    in_flight: int
+    last_heartbeat: int | None = None
+    instance_id: str | None = None
+    protected: bool = False
+    gpus: list[dict[str, Any]] = Field(default_factory=list)
+    concurrency: int | None = None
+    registered_at: int | None = None
+    lease_deadline: int | None = Field(default=None, description="Dispatch: when the store reaps it if silent.")

@@ -1,0 +1,65 @@
+"""What one server process holds: its options and the long-lived clients every request shares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+
+from offload.config import Settings
+from offload.queue.keys import QUEUES_KEY
+from offload.queue.store import QueueStore
+from offload.storage import Storage
+
+if TYPE_CHECKING:
+    from offload.server.events import EventHub
+    from offload.server.keys import KeyStore
+    from offload.server.metrics import RateTracker
+    from offload.server.registry import WorkerRegistry
+
+
+@dataclass
+class ServerOptions:
+    """Limits and timings. Defaults suit a server on the internet talking to rented GPU machines."""
+
+    redis_url: str | None = None
+    settings: Settings = field(default_factory=Settings)
+    max_batch: int = 1000  # jobs per batch enqueue
+    max_body: int = 16 << 20  # bytes per request body
+    max_wait_s: float = 60.0  # longest long-poll (wait, claim)
+    worker_lease_ms: int = 30_000  # lease of a remote (HTTP) worker; it heartbeats every third of it
+    maintenance_interval_s: float = 1.0  # promote delayed jobs, reap dead workers, sample rates
+    presign_expires_s: int = 3600
+    sse_keepalive_s: float = 15.0
+    admin_key: str | None = None  # bootstrap admin token; default: OFFLOAD_ADMIN_KEY
+    auth_fail_limit: int = 20  # invalid keys per client address per window, then 429 until the window ends
+    auth_fail_window_s: float = 60.0
+    max_stream_queues: int = 1000  # queues one event stream may follow
+    key_recheck_s: float = 5.0  # an open event stream re-checks its key this often (closed when revoked)
+    max_connections: int = 2048  # concurrent connections + requests (uvicorn's limit_concurrency), then 503
+    header_timeout_s: float = 10.0  # a connection must send its request headers within this (slowloris)
+
+
+@dataclass
+class ServerState:
+    options: ServerOptions
+    redis: Any
+    store: QueueStore
+    keys: KeyStore
+    storage: Storage
+    hub: EventHub
+    registry: WorkerRegistry
+    rates: RateTracker
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    async def known_queue(self, queue: str) -> bool:
+        """A queue exists once anything was enqueued to it, it was paused, or offload.yaml declares it."""
+        if queue in self.options.settings.queues:
+            return True
+        return bool(await self.redis.sismember(QUEUES_KEY, queue))
+
+
+def get_state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.offload
+    return state

@@ -1,0 +1,510 @@
+// The offload dashboard: one vanilla ES module, no build step, talking to the server's own /v1 API.
+//
+// Safety rules this file keeps (the tests check them):
+// - Job data (inputs, errors, outputs) is user data: the DOM is built with el(), which sets text only
+//   (textContent / text nodes), never innerHTML; links pass safeHref (http, https or an in-page #route).
+// - The API key lives in sessionStorage (this tab only) and travels as an Authorization header; it is never
+//   put in the DOM, a URL or a cookie. The sign-in field is cleared as soon as it is read.
+// - Actions a key may not take are hidden, but the server decides: a forced request gets 403, shown as an error.
+import { makeAutoscaleView } from "./autoscale.js";
+
+const KEY = "offload.key";
+const STATES = ["queued", "delayed", "retrying", "active", "held", "succeeded", "dead", "cancelled"];
+const TERMINAL = new Set(["succeeded", "dead", "cancelled"]);
+const PAGE = 25;
+const $ = (id) => document.getElementById(id);
+const enc = encodeURIComponent;
+
+let me = null; // the signed-in key's whoami: scope and permissions
+let route = { name: "overview" };
+let gen = 0; // bumps on navigation, so a slow load for the previous view never draws
+let seq = 0; // orders overlapping refreshes: an older answer never replaces a newer one
+let drawn = 0;
+let lastSig = "";
+let stream = null; // AbortController of the event stream
+let retryMs = 1000;
+let refreshTimer = null;
+let tickTimer = null;
+const cursors = {}; // "queue|state" -> stack of page cursors (null = first page)
+
+class ApiError extends Error {
+  constructor(status, body) {
+    const detail = body && body.detail;
+    const text = Array.isArray(detail) ? detail.map((d) => `${d.path || ""}: ${d.msg}`).join("; ") : detail;
+    super(`${status || ""} ${(body && body.error) || "error"}: ${text || "request failed"}`.trim());
+    this.status = status;
+    this.body = body;
+  }
+}
+
+// ---- DOM helpers -------------------------------------------------------------------------------------------
+function el(tag, attrs, ...kids) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === null || v === undefined || v === false) continue;
+    if (k === "text") node.textContent = String(v);
+    else if (k === "class") node.className = v;
+    else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+    else if (k === "href") node.setAttribute("href", safeHref(v));
+    else if (k === "data") for (const [dk, dv] of Object.entries(v)) node.dataset[dk] = String(dv);
+    else node.setAttribute(k, v === true ? "" : String(v));
+  }
+  for (const kid of kids.flat(Infinity)) {
+    if (kid === null || kid === undefined || kid === false) continue;
+    node.append(kid instanceof Node ? kid : document.createTextNode(String(kid)));
+  }
+  return node;
+}
+
+function safeHref(v) {
+  const s = String(v);
+  if (s.startsWith("#")) return s;
+  try {
+    const u = new URL(s, location.href);
+    if (u.protocol === "http:" || u.protocol === "https:") return u.href;
+  } catch (_) { /* not a URL */ }
+  return "#";
+}
+
+const fmtTime = (ms) => (ms ? new Date(ms).toISOString().slice(0, 19).replace("T", " ") + "Z" : "—");
+const fmtRate = (r) => (r === null || r === undefined ? "—" : `${r.toFixed(2)}/s`);
+const pretty = (v) => (typeof v === "string" ? v : JSON.stringify(v, null, 2));
+function ago(ms) {
+  if (!ms) return "—";
+  const s = Math.max(0, Math.round((Date.now() - ms) / 1000));
+  return s < 120 ? `${s}s ago` : s < 7200 ? `${Math.round(s / 60)}m ago` : `${Math.round(s / 3600)}h ago`;
+}
+const jobLink = (id) => el("a", { href: `#/jobs/${enc(id)}`, class: "mono", data: { job: id } }, id);
+const queueLink = (q) => el("a", { href: `#/queues/${enc(q)}` }, q);
+const table = (heads, rows, attrs) => el("table", attrs, el("thead", null, el("tr", null, heads.map((h) => el("th", null, h)))),
+  el("tbody", null, rows));
+
+// ---- API ---------------------------------------------------------------------------------------------------
+async function api(path, { method = "GET", body, key } = {}) {
+  const token = key ?? sessionStorage.getItem(KEY);
+  const headers = { Authorization: `Bearer ${token}`, Accept: "application/json" };
+  if (body !== undefined) headers["Content-Type"] = "application/json";
+  let r;
+  try {
+    r = await fetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body),
+      cache: "no-store", credentials: "omit" });
+  } catch (_) {
+    throw new ApiError(0, { error: "network", detail: "cannot reach the server" });
+  }
+  const doc = r.status === 204 ? null : await r.json().catch(() => null);
+  if (r.status === 401 && key === undefined && me) signOut("The server no longer accepts this key (revoked?): sign in again.");
+  if (!r.ok) throw new ApiError(r.status, doc);
+  return doc;
+}
+
+// ---- banners, confirm, actions -----------------------------------------------------------------------------
+function showError(e) {
+  $("error-text").textContent = e instanceof Error ? e.message : String(e);
+  $("error").hidden = false;
+}
+function showNotice(text) {
+  const n = $("notice");
+  n.textContent = text;
+  n.hidden = false;
+  clearTimeout(showNotice.t);
+  showNotice.t = setTimeout(() => { n.hidden = true; }, 4000);
+}
+
+function ask(question, verb) {
+  const d = $("confirm");
+  $("confirm-text").textContent = question;
+  $("confirm-ok").textContent = verb || "Confirm";
+  return new Promise((resolve) => {
+    const done = (v) => {
+      d.oncancel = $("confirm-ok").onclick = $("confirm-cancel").onclick = null;
+      if (d.open) d.close();
+      resolve(v);
+    };
+    $("confirm-ok").onclick = () => done(true);
+    $("confirm-cancel").onclick = () => done(false);
+    d.oncancel = () => done(false);
+    d.showModal();
+  });
+}
+
+// A button for an action. perm: "admin" or "cancel"; a key without it gets the button hidden and disabled.
+function action(label, perm, run, { question, danger, name } = {}) {
+  const allowed = perm === "admin" ? me.can_admin : me.can_cancel;
+  return el("button", {
+    type: "button", class: danger ? "danger" : null, hidden: !allowed, disabled: !allowed,
+    data: { action: name || label.toLowerCase() },
+    onclick: async (ev) => {
+      const btn = ev.currentTarget;
+      if (question && !(await ask(question, label))) return;
+      btn.disabled = true;
+      try {
+        showNotice(await run());
+        $("error").hidden = true;
+      } catch (e) {
+        showError(e);
+      } finally {
+        btn.disabled = false;
+        lastSig = "";
+        refresh();
+      }
+    },
+  }, label);
+}
+
+const post = (path, body) => api(path, { method: "POST", body });
+const cancelJob = (id) => action("Cancel", "cancel", async () =>
+  `Cancel ${id}: ${(await post(`/v1/jobs/${enc(id)}/cancel`)).result}`);
+const requeueJob = (q, id) => action("Requeue", "admin", async () =>
+  `Requeued ${(await post(`/v1/queues/${enc(q)}/dead/requeue`, { ids: [id] })).moved.length} job`);
+const releaseJob = (q, id) => action("Release", "admin", async () =>
+  `Released ${(await post(`/v1/queues/${enc(q)}/held/release`, { ids: [id] })).moved.length} job`);
+const requeueAll = (q) => action("Requeue all", "admin", async () =>
+  `Requeued ${(await post(`/v1/queues/${enc(q)}/dead/requeue`, { all: true })).moved.length} jobs of ${q}`,
+{ name: "requeue-all" });
+const releaseAll = (q) => action("Release all", "admin", async () =>
+  `Released ${(await post(`/v1/queues/${enc(q)}/held/release`, { all: true })).moved.length} jobs of ${q}`,
+{ name: "release-all" });
+function purge(q, state, n) {
+  const path = state === "dead" ? `/v1/queues/${enc(q)}/dead/purge` : `/v1/queues/${enc(q)}/purge`;
+  return action(`Purge ${state}`, "admin", async () =>
+    `Purged ${(await post(path, state === "dead" ? undefined : { state })).count} ${state} jobs of ${q}`,
+  { danger: true, name: "purge", question: `Delete all ${n} ${state} jobs of queue ${q}? This cannot be undone.` });
+}
+function rowActions(job) {
+  return el("td", { class: "actions" }, TERMINAL.has(job.state) ? null : cancelJob(job.id),
+    job.state === "dead" ? requeueJob(job.queue, job.id) : null,
+    job.state === "held" ? releaseJob(job.queue, job.id) : null);
+}
+function jobRows(jobs) {
+  return jobs.map((j) => el("tr", { data: { job: j.id, state: j.state } }, el("td", null, jobLink(j.id)),
+    el("td", null, el("span", { class: `state ${j.state}` }, j.state)), el("td", null, `${j.attempts}/${j.max_attempts}`),
+    el("td", null, fmtTime(j.finished_at || j.created_at)), el("td", { class: "err" }, j.error || ""), rowActions(j)));
+}
+const JOB_HEADS = ["Job", "State", "Attempts", "Updated", "Error", ""];
+
+// ---- views -------------------------------------------------------------------------------------------------
+function budgetText(b) {
+  if (!b) return "—";
+  let text = b.jobs_cap === null ? `${b.jobs_used} jobs` : `${b.jobs_used} / ${b.jobs_cap} jobs`;
+  if (b.spend_cap !== null || b.spend_used > 0) {
+    text += ` · $${b.spend_used.toFixed(2)}${b.spend_cap === null ? "" : ` / $${b.spend_cap.toFixed(2)}`}`;
+  }
+  return text;
+}
+const inFlight = (c) => (c.active || 0) + (c.submitted || 0);
+const card = (label, value, name) => el("div", { class: "card", data: { card: name } },
+  el("div", { class: "value" }, value), el("div", { class: "label" }, label));
+
+const overview = {
+  async load() {
+    const [queues, budget, workers] = await Promise.all([api("/v1/queues"), api("/v1/dashboard/budget"),
+      me.can_see_workers ? api("/v1/workers") : null]);
+    return { queues, budget, workers };
+  },
+  draw({ queues, budget, workers }) {
+    const budgets = Object.fromEntries(budget.map((b) => [b.queue, b]));
+    const sum = (f) => queues.reduce((n, q) => n + f(q), 0);
+    const rows = queues.map((q) => {
+      const c = q.counts;
+      const cell = (col, v) => el("td", { data: { col }, class: "num" }, v);
+      return el("tr", { data: { queue: q.queue } }, el("td", null, queueLink(q.queue)),
+        el("td", { data: { col: "status" } }, q.paused ? el("span", { class: "badge paused" }, "paused") : "running"),
+        cell("queued", c.queued), cell("inflight", inFlight(c)), cell("waiting", c.delayed + c.retrying),
+        cell("held", c.held), cell("dead", c.dead), cell("succeeded", c.succeeded),
+        cell("enqueue-rate", fmtRate(q.rates.enqueued)), cell("done-rate", fmtRate(q.rates.succeeded)),
+        cell("workers", q.workers), el("td", { data: { col: "budget" } }, budgetText(budgets[q.queue])));
+    });
+    return el("section", null, el("h1", null, "Overview"),
+      el("div", { class: "cards" }, card("queues", queues.length, "queues"),
+        card("in flight", sum((q) => inFlight(q.counts)), "inflight"), card("queued", sum((q) => q.counts.queued), "queued"),
+        card("workers", workers ? workers.length : "—", "workers"), card("dead", sum((q) => q.counts.dead), "dead")),
+      queues.length ? table(["Queue", "Status", "Queued", "In flight", "Delayed / retrying", "Held", "Dead", "Succeeded",
+        "Enqueue rate", "Success rate", "Workers", "Budget today (UTC)"], rows, { id: "queues" })
+        : el("p", { class: "muted" }, "No queues yet: enqueue a job to create one."),
+      workers && workers.length ? [el("h2", null, "Workers ", el("a", { href: "#/workers", class: "more" }, "all →")),
+        table(["Worker", "Host", "Queues", "In flight", "Last heartbeat"], workers.slice(0, 10).map((w) =>
+          el("tr", { data: { worker: w.id } }, el("td", { class: "mono" }, w.id), el("td", null, w.host || "—"),
+            el("td", null, w.queues.join(", ")), el("td", { class: "num", data: { col: "inflight" } }, w.in_flight),
+            el("td", null, ago(w.last_heartbeat)))), { id: "overview-workers" })] : null);
+  },
+};
+
+const queueView = {
+  async load({ queue, state }) {
+    const stack = (cursors[`${queue}|${state}`] ||= [null]);
+    const cursor = stack[stack.length - 1];
+    const [q, page] = await Promise.all([api(`/v1/queues/${enc(queue)}`),
+      api(`/v1/queues/${enc(queue)}/jobs?state=${enc(state)}&limit=${PAGE}${cursor ? `&cursor=${cursor}` : ""}`)]);
+    return { q, page, pageNo: stack.length };
+  },
+  draw({ q, page, pageNo }, { queue, state }) {
+    const stack = cursors[`${queue}|${state}`];
+    const count = (s) => (s === "active" ? inFlight(q.counts) : q.counts[s] || 0);
+    const turn = (fn) => () => { fn(); lastSig = ""; refresh(); };
+    const tabs = STATES.map((s) => el("a", { href: `#/queues/${enc(queue)}?state=${s}`, class: s === state ? "tab on" : "tab",
+      data: { state: s } }, s, " ", el("span", { class: "n" }, count(s))));
+    return el("section", null,
+      el("h1", null, "Queue ", el("span", { class: "mono" }, queue), " ",
+        q.paused ? el("span", { class: "badge paused", id: "paused" }, "paused") : null),
+      el("div", { class: "toolbar" },
+        q.paused ? action("Resume", "admin", async () => { await post(`/v1/queues/${enc(queue)}/resume`); return `Resumed ${queue}`; })
+          : action("Pause", "admin", async () => { await post(`/v1/queues/${enc(queue)}/pause`); return `Paused ${queue}`; }),
+        state === "dead" ? requeueAll(queue) : null, state === "held" ? releaseAll(queue) : null,
+        state !== "active" && count(state) > 0 ? purge(queue, state, count(state)) : null,
+        el("span", { class: "muted" }, `${q.workers} workers · enqueued ${fmtRate(q.rates.enqueued)} · succeeded ${fmtRate(q.rates.succeeded)}`)),
+      el("nav", { class: "tabs" }, tabs),
+      page.jobs.length ? table(JOB_HEADS, jobRows(page.jobs), { id: "jobs" }) : el("p", { class: "muted" }, `No ${state} jobs.`),
+      el("div", { class: "pager" },
+        el("button", { type: "button", disabled: pageNo <= 1, data: { page: "prev" }, onclick: turn(() => stack.pop()) }, "← Previous"),
+        el("span", null, `page ${pageNo}`),
+        el("button", { type: "button", disabled: !page.next_cursor, data: { page: "next" },
+          onclick: turn(() => stack.push(page.next_cursor)) }, "Next →")));
+  },
+};
+
+const jobView = {
+  load: ({ id }) => api(`/v1/jobs/${enc(id)}`),
+  draw(j) {
+    const row = (label, value, name) => [el("dt", null, label), el("dd", { data: { field: name } }, value ?? "—")];
+    const output = j.result_url
+      ? el("a", { href: j.result_url, target: "_blank", rel: "noopener noreferrer", id: "output-link" }, "Open output")
+      : null;
+    return el("section", null,
+      el("h1", null, "Job ", el("span", { class: "mono" }, j.id)),
+      el("div", { class: "toolbar" }, TERMINAL.has(j.state) ? null : cancelJob(j.id),
+        j.state === "dead" ? requeueJob(j.queue, j.id) : null, j.state === "held" ? releaseJob(j.queue, j.id) : null),
+      el("dl", { class: "fields" },
+        row("Queue", queueLink(j.queue), "queue"), row("State", el("span", { class: `state ${j.state}` }, j.state), "state"),
+        row("Attempts", `${j.attempts} of ${j.max_attempts}` + (j.lease_expiries ? ` (${j.lease_expiries} lease expiries)` : ""), "attempts"),
+        row("Priority", j.priority, "priority"), row("Created", fmtTime(j.created_at), "created"),
+        row("Started", fmtTime(j.started_at), "started"), row("Finished", fmtTime(j.finished_at), "finished"),
+        row("Worker", j.lease_owner, "worker"), row("Backend", j.backend && `${j.backend} ${j.remote_id || ""}`, "backend"),
+        row("Cost", j.cost, "cost"), row("Output key", j.output_key, "output-key"),
+        row("Result", j.result ? [el("span", { class: "mono" }, j.result), " ", output] : null, "result"),
+        j.cancel_requested ? row("Cancel", "requested", "cancel") : null),
+      j.error ? [el("h2", null, "Error"), el("pre", { id: "job-error", class: "err" }, j.error)] : null,
+      el("h2", null, "Input"), el("pre", { id: "job-input" }, pretty(j.input)),
+      j.raw ? [el("h2", null, "Raw entry"), el("pre", { id: "job-raw" }, j.raw)] : null);
+  },
+};
+
+function setView(state) {
+  const verb = state === "dead" ? "Requeue" : "Release";
+  return {
+    async load() {
+      const queues = (await api("/v1/queues")).filter((q) => q.counts[state] > 0);
+      const pages = await Promise.all(queues.map((q) => api(`/v1/queues/${enc(q.queue)}/${state}?limit=${PAGE}`)));
+      return queues.map((q, i) => ({ queue: q.queue, count: q.counts[state], jobs: pages[i].jobs, more: !!pages[i].next_cursor }));
+    },
+    draw(sets) {
+      const title = state === "dead" ? "Dead letter" : "Held jobs";
+      const why = state === "dead" ? "Jobs that used up their attempts or were rejected as bad input. " +
+        `${verb} gives them a fresh attempt budget.` : "Jobs held over a daily cap; they are released when the window resets. " +
+        `${verb} sends them to the queue now.`;
+      return el("section", null, el("h1", null, title), el("p", { class: "muted" }, why),
+        sets.length ? sets.map((s) => el("section", { class: "set", data: { queue: s.queue } },
+          el("h2", null, queueLink(s.queue), ` · ${s.count} ${state}`),
+          el("div", { class: "toolbar" }, state === "dead" ? requeueAll(s.queue) : releaseAll(s.queue), purge(s.queue, state, s.count)),
+          table(JOB_HEADS, jobRows(s.jobs)),
+          s.more ? el("a", { href: `#/queues/${enc(s.queue)}?state=${state}` }, `All ${s.count} in the queue view →`) : null))
+          : el("p", { class: "empty" }, `No ${state} jobs.`));
+    },
+  };
+}
+
+const workersView = {
+  load: () => (me.can_see_workers ? api("/v1/workers") : null),
+  draw(workers) {
+    if (workers === null) {
+      return el("p", { class: "muted" }, "Workers span every queue: they need an admin key or an unrestricted viewer key.");
+    }
+    const rows = workers.map((w) => el("tr", { data: { worker: w.id } },
+      el("td", { class: "mono" }, w.id), el("td", null, w.kind), el("td", { data: { col: "host" } }, w.host || "—"),
+      el("td", { data: { col: "version" } }, w.version || "—"), el("td", null, w.queues.map((q) => [queueLink(q), " "])),
+      el("td", { class: "num", data: { col: "inflight" } }, w.in_flight),
+      el("td", { data: { col: "heartbeat" }, title: fmtTime(w.last_heartbeat) }, ago(w.last_heartbeat)),
+      el("td", { data: { col: "instance" } }, w.instance_id || "—"), el("td", { data: { col: "protected" } }, w.protected ? "yes" : "no"),
+      el("td", null, w.gpus.map((g) => g.name || "gpu").join(", ") || "—")));
+    return el("section", null, el("h1", null, "Workers"),
+      workers.length ? table(["Worker", "Kind", "Host", "Version", "Queues", "In flight", "Last heartbeat", "Instance",
+        "Protected", "GPUs"], rows, { id: "workers" }) : el("p", { class: "empty" }, "No live workers."));
+  },
+};
+
+// Autoscaling (autoscale.js): instances, per-queue config, spend and why, providers, and their forms.
+const autoscaleView = makeAutoscaleView({
+  el, api, table, queueLink, enc, action, showNotice, me: () => me, redraw: () => { lastSig = ""; refresh(); },
+});
+
+const VIEWS = { overview, queue: queueView, job: jobView, dead: setView("dead"), held: setView("held"), workers: workersView,
+  autoscale: autoscaleView };
+
+// ---- routing and refresh -----------------------------------------------------------------------------------
+function parseRoute() {
+  const [path, query] = location.hash.slice(1).split("?");
+  const parts = (path || "/").split("/").filter(Boolean).map((p) => { try { return decodeURIComponent(p); } catch (_) { return p; } });
+  const state = new URLSearchParams(query || "").get("state");
+  if (parts[0] === "queues" && parts[1]) return { name: "queue", queue: parts[1], state: STATES.includes(state) ? state : "queued" };
+  if (parts[0] === "jobs" && parts[1]) return { name: "job", id: parts[1] };
+  if (["dead", "held", "workers", "autoscale"].includes(parts[0])) return { name: parts[0] };
+  return { name: "overview" };
+}
+
+function navigate() {
+  if (!me) return;
+  route = parseRoute();
+  autoscaleView.reset();
+  gen += 1;
+  lastSig = "";
+  document.body.dataset.view = route.name;
+  for (const a of document.querySelectorAll("[data-nav]")) a.classList.toggle("on", a.dataset.nav === route.name);
+  $("view").replaceChildren(el("p", { class: "muted" }, "Loading…"));
+  refresh();
+}
+
+// Presigned URLs change on every read; they do not count as a change worth redrawing for.
+const signature = (data) => JSON.stringify(data, (k, v) => (k === "result_url" ? undefined : v));
+
+async function refresh() {
+  if (!me) return;
+  const mine = gen;
+  const n = ++seq;
+  const view = VIEWS[route.name];
+  if (view.busy && view.busy()) return; // a form is open: redraw when it closes
+  try {
+    const data = await view.load(route);
+    if (mine !== gen || n < drawn || !me) return;
+    drawn = n;
+    const sig = signature(data);
+    if (sig === lastSig) return;
+    lastSig = sig;
+    $("view").replaceChildren(view.draw(data, route));
+  } catch (e) {
+    if (mine === gen && me) $("view").replaceChildren(el("p", { class: "error load-error" }, e.message));
+  }
+}
+
+function schedule() {
+  if (refreshTimer === null) refreshTimer = setTimeout(() => { refreshTimer = null; refresh(); }, 200);
+}
+
+// A slow refresh besides the events: rates, heartbeats and ages change without a job event.
+function tick() {
+  clearTimeout(tickTimer);
+  if (!me) return;
+  tickTimer = setTimeout(() => { refresh(); tick(); }, $("live").dataset.mode === "live" ? 5000 : 2000);
+}
+
+function setMode(mode) {
+  const live = $("live");
+  live.dataset.mode = mode;
+  live.textContent = mode === "live" ? "live" : "polling";
+}
+
+// Live updates: the SSE stream read with fetch(), so the key goes in a header (EventSource cannot send one).
+// Any job event schedules a (throttled) refresh of the current view; if the stream fails we poll and retry.
+async function connect() {
+  if (stream) stream.abort();
+  const ctl = new AbortController();
+  stream = ctl;
+  try {
+    const r = await fetch("/v1/events", { headers: { Authorization: `Bearer ${sessionStorage.getItem(KEY)}`,
+      Accept: "text/event-stream" }, signal: ctl.signal, cache: "no-store", credentials: "omit" });
+    if (!r.ok || !r.body) throw new Error(`event stream: HTTP ${r.status}`);
+    setMode("live");
+    retryMs = 1000;
+    const reader = r.body.pipeThrough(new TextDecoderStream()).getReader();
+    let buf = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buf += value.replace(/\r\n/g, "\n");
+      let i;
+      while ((i = buf.indexOf("\n\n")) >= 0) {
+        const frame = buf.slice(0, i);
+        buf = buf.slice(i + 2);
+        if (/^event: (jobs|resync)$/m.test(frame)) schedule();
+      }
+    }
+  } catch (_) { /* network error or aborted: handled below */ }
+  if (ctl.signal.aborted || stream !== ctl || !me) return;
+  setMode("polling");
+  tick();
+  setTimeout(() => { if (stream === ctl && me) connect(); }, retryMs);
+  retryMs = Math.min(retryMs + 1000, 15000); // a server restart is back within seconds; a proxy that cuts streams is not
+}
+
+// ---- sign-in -----------------------------------------------------------------------------------------------
+function showSignin(message) {
+  $("top").hidden = true;
+  $("view").replaceChildren();
+  $("signin").hidden = false;
+  const err = $("signin-error");
+  err.textContent = message || "";
+  err.hidden = !message;
+  $("key").focus();
+}
+
+function start(who) {
+  me = who;
+  $("signin").hidden = true;
+  $("top").hidden = false;
+  $("who").textContent = who.can_admin ? `${who.scope}` : `${who.scope} · ${who.can_cancel ? "may cancel" : "read-only"}`;
+  $("who").title = who.name ? `key: ${who.name}` : "";
+  setMode("polling");
+  connect();
+  navigate();
+  tick();
+}
+
+function signOut(message) {
+  me = null;
+  sessionStorage.removeItem(KEY);
+  if (stream) stream.abort();
+  stream = null;
+  clearTimeout(tickTimer);
+  $("error").hidden = true;
+  showSignin(message);
+}
+
+async function signIn(ev) {
+  ev.preventDefault();
+  const input = $("key");
+  const key = input.value.trim();
+  input.value = ""; // the key never stays in the page
+  if (!/^[\x21-\x7e]{1,256}$/.test(key)) {
+    showSignin("That is not an API key: keys are printable ASCII, like ofk_….");
+    return;
+  }
+  try {
+    const who = await api("/v1/dashboard/whoami", { key });
+    if (who.scope === "worker") {
+      showSignin("Sign-in failed: a worker key cannot use the dashboard. Use a viewer or admin key.");
+      return;
+    }
+    sessionStorage.setItem(KEY, key);
+    start(who);
+  } catch (e) {
+    showSignin(e.status === 401 ? "Sign-in failed: the server did not accept that key (invalid or revoked)."
+      : `Sign-in failed: ${e.message}`);
+  }
+}
+
+async function boot() {
+  $("signin-form").addEventListener("submit", signIn);
+  $("signout").addEventListener("click", () => signOut());
+  $("error-close").addEventListener("click", () => { $("error").hidden = true; });
+  window.addEventListener("hashchange", navigate);
+  if (!sessionStorage.getItem(KEY)) {
+    showSignin();
+    return;
+  }
+  try {
+    start(await api("/v1/dashboard/whoami"));
+  } catch (e) {
+    if (e.status === 401) sessionStorage.removeItem(KEY);
+    if (!me) showSignin(e.status === 401 ? "The saved key is no longer accepted: sign in again." : e.message);
+  }
+}
+
+boot();

@@ -1,0 +1,61 @@
+"""Assemble the simulator's ASGI app: every family's routes on one server, in an order that keeps fal's generic
+paths from shadowing the others.
+
+The outermost layer saves uvicorn's own `send` in the scope before Starlette wraps it, because that bound method
+is the only way from inside ASGI to the TCP transport, which a simulated connection reset must abort.
+"""
+
+from __future__ import annotations
+
+import orjson
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from offload.sim import control_api, fal_api, jobs_api, machines_api, openai_api, replicate_api, runpod_api
+from offload.sim.config import SimConfig
+from offload.sim.engine import Clock, Sim
+from offload.sim.faults import RAW_SEND_KEY
+
+
+class SimApp:
+    """The ASGI callable uvicorn runs; `sim` is exposed for in-process inspection."""
+
+    def __init__(self, sim: Sim) -> None:
+        self.sim = sim
+        routes = [
+            *control_api.routes(sim),
+            *jobs_api.routes(sim),
+            *machines_api.routes(sim),  # before runpod's /v2/{endpoint_id}/... so /v2/pods/{id} is a pod
+            *runpod_api.routes(sim),
+            *openai_api.routes(sim),
+            *replicate_api.routes(sim),
+            *fal_api.routes(sim),  # last: its submit route is a catch-all POST
+        ]
+        self.starlette = Starlette(routes=routes, exception_handlers={HTTPException: self._http_error})
+
+    async def _http_error(self, request: Request, exc: Exception) -> Response:
+        """Unknown paths and wrong methods get a JSON body and are counted, so a test can spot a client that
+        calls a path no provider has."""
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        self.sim.stats.request("unmatched")
+        self.sim.stats.status("unmatched", status)
+        body = {
+            "error": "not found" if status == 404 else "method not allowed" if status == 405 else "error",
+            "path": request.url.path,
+            "method": request.method,
+        }
+        return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[RAW_SEND_KEY] = send
+        await self.starlette(scope, receive, send)
+
+
+def create_app(config: SimConfig | None = None, *, clock: Clock | None = None) -> SimApp:
+    """A fresh simulator (its own jobs and counters). `clock` is injectable for unit tests."""
+    sim = Sim(config, clock) if clock is not None else Sim(config)
+    return SimApp(sim)

@@ -1,0 +1,172 @@
+"""`/_sim/*`: the test hooks. Inspect counters and jobs, replace the config, toggle outages, reset, and serve the
+files that outputs link to. No auth and no injected faults here: these routes are how a test observes and
+steers the simulator, so they must always answer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from offload.sim.config import FAMILIES, Family, SimConfig
+from offload.sim.engine import Sim
+from offload.sim.faults import RuntimeOutage
+from offload.sim.files import CONTENT_TYPES, file_bytes, parse_name
+
+DEFAULT_LIST_LIMIT = 1000
+SUBMISSIONS_PAGE = 10_000
+
+
+def _json(body: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+
+
+def _error(status: int, message: str, **extra: Any) -> Response:
+    return _json({"error": message, **extra}, status)
+
+
+async def _body(request: Request) -> Any:
+    raw = await request.body()
+    return orjson.loads(raw) if raw.strip() else None
+
+
+class OutageRequest(BaseModel):
+    """`POST /_sim/outage`: start an outage now (`mode`), for `seconds` or until cleared; `mode: null` clears.
+    Mode `429` is a rate-limit storm: every request of the family is throttled (with Retry-After)."""
+
+    model_config = ConfigDict(extra="forbid")
+    family: Family | None = None
+    mode: Literal["503", "reset", "429"] | None = "503"
+    seconds: float | None = None
+
+
+def routes(sim: Sim) -> list[Route]:
+    async def stats(request: Request) -> Response:
+        sim.store.purge(sim.clock())
+        return _json(sim.stats.snapshot(len(sim.store)))
+
+    async def get_config(request: Request) -> Response:
+        return _json(sim.config.public_dump())
+
+    async def set_config(request: Request) -> Response:
+        """Replace the whole config, or with `?merge=true` change only the given fields (jobs and counters
+        stay either way). Windows in `outages` restart from now; so does the random sequence (seed)."""
+        merge = request.query_params.get("merge", "").lower() in ("1", "true")
+        try:
+            body = await _body(request) or {}
+            if merge and not isinstance(body, dict):
+                return _error(400, "a merge needs a JSON object")
+            config = sim.config.merged(body) if merge else SimConfig.model_validate(body)
+        except orjson.JSONDecodeError:
+            return _error(400, "body is not valid JSON")
+        except ValidationError as exc:
+            return _error(422, "invalid config", details=orjson.loads(exc.json()))
+        if config.fal_prefix != sim.config.fal_prefix:
+            return _error(400, "fal_prefix is fixed when the server starts; restart to change it")
+        sim.apply(config)
+        return _json(sim.config.public_dump())
+
+    async def reset(request: Request) -> Response:
+        sim.reset()
+        return _json({"ok": True})
+
+    async def outage(request: Request) -> Response:
+        try:
+            ask = OutageRequest.model_validate(await _body(request) or {})
+        except (orjson.JSONDecodeError, ValidationError) as exc:
+            return _error(422, f"invalid outage request: {exc}")
+        now = sim.clock()
+        if ask.mode is None:
+            sim.runtime_outages[:] = [o for o in sim.runtime_outages if ask.family not in (None, o.family)]
+        else:
+            end = None if ask.seconds is None else now + ask.seconds
+            sim.runtime_outages.append(RuntimeOutage(ask.family, ask.mode, now, end))
+        return _json(
+            {
+                "outages": [
+                    {"family": o.family, "mode": o.mode, "start": o.start, "end": o.end} for o in sim.runtime_outages
+                ]
+            }
+        )
+
+    async def jobs(request: Request) -> Response:
+        """Filter by family, status (simulator phase), target, input_id, and `tag`: a substring of the
+        metadata/webhook the client sent, which is how a test finds an orphaned submission."""
+        q = request.query_params
+        now = sim.clock()
+        sim.store.purge(now)
+        try:
+            limit = int(q.get("limit", DEFAULT_LIST_LIMIT))
+        except ValueError:
+            return _error(400, "limit must be an integer")
+        tag = q.get("tag")
+        matched = []
+        for job in sim.store:
+            if q.get("family") not in (None, job.family) or q.get("target") not in (None, job.target):
+                continue
+            if q.get("input_id") not in (None, job.input_key) or q.get("status") not in (None, job.phase(now)):
+                continue
+            if tag is not None and tag not in orjson.dumps(job.meta).decode():
+                continue
+            matched.append(job)
+        return _json({"count": len(matched), "jobs": [j.summary(now) for j in matched[:limit]]})
+
+    async def job(request: Request) -> Response:
+        now = sim.clock()
+        found = sim.store.get(request.path_params["job_id"], now)
+        if found is None:
+            return _error(404, "job not found")
+        return _json(found.summary(now))
+
+    async def files(request: Request) -> Response:
+        """Bytes for an output file while its job exists; 404 once the job expired, as provider files do."""
+        name = request.path_params["name"]
+        sim.stats.request("sim.files")
+        parsed = parse_name(name)
+        owner = sim.store.get(parsed[0], sim.clock()) if parsed else None
+        if parsed is None or owner is None:
+            sim.stats.status("sim.files", 404)
+            return _error(404, "file not found")
+        ext = parsed[1]
+        size = sim.behaviour(owner.family).file_size
+        sim.stats.status("sim.files", 200)
+        return Response(file_bytes(name, ext, size), media_type=CONTENT_TYPES[ext])
+
+    async def submissions(request: Request) -> Response:
+        """The submission log, oldest first, `limit` entries after `after` (a seq); `next` is the `after` of the
+        following page, null at the end. Each entry says who sent it (User-Agent worker id, port), when it
+        arrived and was answered, whether it was a replay or its answer was lost, and how its remote job ended."""
+        q = request.query_params
+        try:
+            after = int(q.get("after", 0))
+            limit = min(int(q.get("limit", SUBMISSIONS_PAGE)), SUBMISSIONS_PAGE)
+        except ValueError:
+            return _error(400, "after and limit must be integers")
+        if after < 0 or limit < 1:
+            return _error(400, "after must be >= 0 and limit >= 1")
+        now = sim.clock()
+        page = [entry.view(now) for entry in sim.submissions.page(after, limit)]
+        last = page[-1]["seq"] if page else after
+        more = last < len(sim.submissions)
+        return _json({"total": len(sim.submissions), "submissions": page, "next": last if more else None})
+
+    async def health(request: Request) -> Response:
+        return _json({"ok": True, "families": list(FAMILIES), "jobs": len(sim.store)})
+
+    return [
+        Route("/_sim/health", health, methods=["GET"]),
+        Route("/_sim/stats", stats, methods=["GET"]),
+        Route("/_sim/config", get_config, methods=["GET"]),
+        Route("/_sim/config", set_config, methods=["POST"]),
+        Route("/_sim/reset", reset, methods=["POST"]),
+        Route("/_sim/outage", outage, methods=["POST"]),
+        Route("/_sim/jobs", jobs, methods=["GET"]),
+        Route("/_sim/submissions", submissions, methods=["GET"]),
+        Route("/_sim/jobs/{job_id}", job, methods=["GET"]),
+        Route("/_sim/files/{name}", files, methods=["GET"]),
+    ]

@@ -1,0 +1,382 @@
+"""The simulator's core: shared state (`Sim`), the per-family `Dialect`, and the wrapper every route goes through.
+
+A provider route is written as a plain handler that turns a request into a `Reply`. `Sim.endpoint` wraps it with
+everything that is not the provider's logic and is the same for every family: request counting, auth, outage
+windows, injected 429s and 5xx, Idempotency-Key replays, slow and lost submit responses, garbage bodies, and the
+submission log (`submissions`). Keeping faults out of the handlers means each
+fault behaves identically across families and each handler reads like the provider's documentation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, NoReturn, cast
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from offload.errors import OffloadError
+from offload.sim.config import FAMILIES, Behaviour, Family, Op, SimConfig
+from offload.sim.faults import ConnectionReset, RuntimeOutage, garble, outage_mode, retry_after_value
+from offload.sim.files import output_for
+from offload.sim.stats import Stats
+from offload.sim.store import Job, JobStore, Outcome, input_key
+from offload.sim.submissions import Submission, SubmissionLog
+
+Clock = Callable[[], float]
+HOLD_STEP = 0.25  # seconds between checks while holding a synchronous request (a cancel can end a job early)
+
+
+@dataclass(slots=True)
+class Reply:
+    """A JSON answer before it is rendered, so the fault layer can still garble it."""
+
+    body: Any
+    status: int = 200
+    headers: dict[str, str] = field(default_factory=dict)
+    media_type: str = "application/json"
+    raw: bytes | None = None
+
+    def render(self) -> Response:
+        content = self.raw if self.raw is not None else orjson.dumps(self.body)
+        return Response(content, status_code=self.status, headers=self.headers, media_type=self.media_type)
+
+
+class ErrorReply(OffloadError):
+    """Raised by a handler to answer with an error reply (bad body, unknown id) from anywhere in its code; the
+    simulator turns it into that reply, so it never leaves it."""
+
+    def __init__(self, reply: Reply) -> None:
+        super().__init__(reply.status)
+        self.reply = reply
+
+
+class Dialect:
+    """How one provider spells auth and errors. Subclasses override `error` and, where the provider differs,
+    `throttled` / `unavailable`; `required` names the fields a garbled body loses."""
+
+    family: Family = "jobs"
+    schemes: tuple[str, ...] = ("Bearer",)
+    bare_key_ok: bool = False
+    query_key_ok: bool = False  # `?api_key=` (Vast.ai, RunPod GraphQL)
+    required: tuple[str, ...] = ("id", "status")
+
+    def authorized(self, header: str | None, api_key: str | None) -> bool:
+        if not header or not header.strip():
+            return False
+        scheme, _, token = header.strip().partition(" ")
+        if token.strip() and scheme.lower() in {s.lower() for s in self.schemes}:
+            credential = token.strip()
+        elif self.bare_key_ok and not token and scheme.lower() not in {s.lower() for s in self.schemes}:
+            credential = scheme
+        else:
+            return False
+        return api_key is None or credential == api_key
+
+    def error(self, status: int, message: str, *, code: str | None = None) -> Reply:
+        return Reply({"error": message}, status)
+
+    def unauthorized(self) -> Reply:
+        return self.error(401, "Unauthorized", code="invalid_api_key")
+
+    def throttled(self, behaviour: Behaviour, headers: dict[str, str]) -> Reply:
+        reply = self.error(429, "Too Many Requests", code="rate_limit_exceeded")
+        reply.headers.update(headers)
+        return reply
+
+    def unavailable(self) -> Reply:
+        return self.error(503, "Service Unavailable", code="service_unavailable")
+
+
+@dataclass(slots=True)
+class Call:
+    """One request being served: what a handler needs besides the request itself."""
+
+    sim: Sim
+    request: Request
+    dialect: Dialect
+    behaviour: Behaviour
+    now: float
+    created: Job | None = None
+
+    @property
+    def base_url(self) -> str:
+        public = self.sim.config.public_url
+        return public.rstrip("/") if public else str(self.request.base_url).rstrip("/")
+
+    def reject(self, status: int, message: str, *, code: str | None = None) -> NoReturn:
+        raise ErrorReply(self.dialect.error(status, message, code=code))
+
+    async def json(self) -> Any:
+        body = await self.request.body()
+        if not body:
+            return None
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError:
+            self.reject(400, "Request body is not valid JSON", code="invalid_json")
+
+    async def json_object(self) -> dict[str, Any]:
+        data = await self.json()
+        if not isinstance(data, dict):
+            self.reject(400, "Request body must be a JSON object", code="invalid_request")
+        return data
+
+    def submit(
+        self,
+        target: str,
+        payload: Any,
+        *,
+        job_id: str | None = None,
+        meta: dict[str, Any] | None = None,
+        run_timeout: float | None = None,
+        hard_ttl: float | None = None,
+    ) -> Job:
+        """Create a remote job with its whole timeline, and count it as a submission of its input id."""
+        job = self.sim.new_job(
+            self.dialect.family,
+            target,
+            payload,
+            self.behaviour,
+            self.now,
+            job_id=job_id,
+            meta=meta,
+            run_timeout=run_timeout,
+            hard_ttl=hard_ttl,
+        )
+        self.created = job
+        return job
+
+    async def hold(self, job: Job, seconds: float) -> None:
+        """Keep a synchronous request open until the job ends or `seconds` pass (capped by `max_wait`)."""
+        deadline = self.now + min(seconds, self.sim.config.max_wait)
+        while True:
+            now = self.sim.clock()
+            left = min(deadline, job.ended_at()) - now
+            if left <= 0:
+                break
+            await asyncio.sleep(min(left, HOLD_STEP))
+        self.now = self.sim.clock()
+
+    def output(self, job: Job) -> dict[str, Any]:
+        b = self.behaviour
+        return output_for(self.base_url, job.id, job.input, b.files_per_job, b.file_type)
+
+
+Handler = Callable[[Call], Awaitable[Reply | Response]]
+
+
+class Sim:
+    """Everything the routes share. Replacing the config keeps jobs and counters; `reset` clears them."""
+
+    def __init__(self, config: SimConfig | None = None, clock: Clock = time.time) -> None:
+        self.clock = clock
+        self.store = JobStore()
+        self.stats = Stats()
+        self.submissions = SubmissionLog()
+        self.runtime_outages: list[RuntimeOutage] = []
+        self._issued: set[str] = set()
+        self.apply(config or SimConfig())
+
+    def apply(self, config: SimConfig) -> None:
+        self.config = config
+        self.applied_at = self.clock()
+        self.rng = random.Random(config.seed)
+        self._behaviours: dict[str, Behaviour] = {f: config.behaviour(f) for f in FAMILIES}
+
+    def reset(self) -> None:
+        self.store.clear()
+        self.stats = Stats()
+        self.submissions.clear()
+        self._issued.clear()  # a reset simulator is a fresh one: the same seed gives the same ids again
+        self.runtime_outages.clear()
+        self.apply(self.config)
+
+    def behaviour(self, family: str) -> Behaviour:
+        return self._behaviours[family]
+
+    def chance(self, rate: float) -> bool:
+        """Draw only for non-zero rates, so enabling one fault does not reshuffle the others' sequences."""
+        return rate > 0 and self.rng.random() < rate
+
+    def uuid(self) -> str:
+        return self._fresh(lambda: str(uuid.UUID(int=self.rng.getrandbits(128), version=4)))
+
+    def token(self, length: int, alphabet: str = "abcdefghijklmnopqrstuvwxyz0123456789") -> str:
+        return self._fresh(lambda: "".join(self.rng.choice(alphabet) for _ in range(length)))
+
+    def _fresh(self, draw: Callable[[], str]) -> str:
+        """A value never handed out before by this simulator. Applying a config restarts the seeded sequence,
+        which would otherwise repeat the ids of the first jobs: a poll of an old job would read a new one."""
+        while (value := draw()) in self._issued:
+            pass
+        self._issued.add(value)
+        return value
+
+    def new_job(
+        self,
+        family: str,
+        target: str,
+        payload: Any,
+        behaviour: Behaviour,
+        now: float,
+        *,
+        job_id: str | None,
+        meta: dict[str, Any] | None,
+        run_timeout: float | None,
+        hard_ttl: float | None,
+    ) -> Job:
+        started = now + behaviour.queue_delay.sample(self.rng)
+        run = behaviour.latency.sample(self.rng)
+        outcome: Outcome = "failed" if self.chance(behaviour.fail_rate) else "succeeded"
+        if run_timeout is not None and run > run_timeout:
+            run, outcome = run_timeout, "timed_out"
+        job = Job(
+            id=job_id or self.uuid(),
+            family=family,
+            target=target,
+            input=payload,
+            input_key=input_key(payload),
+            created=now,
+            started=started,
+            finished=started + run,
+            outcome=outcome,
+            error=behaviour.error_message if outcome == "failed" else None,
+            meta=meta or {},
+            result_ttl=behaviour.result_ttl,
+            hard_ttl_at=None if hard_ttl is None else now + hard_ttl,
+            keep_after_expiry=family == "replicate" and behaviour.expiry_mode == "data_removed",
+        )
+        self.store.add(job)
+        self.stats.submitted(family, job.input_key)
+        return job
+
+    def endpoint(
+        self,
+        dialect: Dialect,
+        route: str,
+        op: Op,
+        handler: Handler,
+    ) -> Callable[[Request], Awaitable[Response]]:
+        """A Starlette endpoint: counting, auth, faults, then the handler, then faults on its answer."""
+
+        async def serve(request: Request) -> Response:
+            response = await self._serve(request, dialect, route, op, handler)
+            self.stats.status(route, response.status_code)
+            return response
+
+        return serve
+
+    async def _serve(self, request: Request, dialect: Dialect, route: str, op: Op, handler: Handler) -> Response:
+        stats = self.stats
+        stats.request(route)
+        family = dialect.family
+        behaviour = self._behaviours[family]
+        now = self.clock()
+        auth = request.headers.get("authorization")
+        if auth is None and dialect.query_key_ok and request.query_params.get("api_key"):
+            auth = "Bearer " + request.query_params["api_key"]
+        if not dialect.authorized(auth, self.config.api_key):
+            return dialect.unauthorized().render()
+        mode = outage_mode(behaviour, family, now, self.applied_at, self.runtime_outages)
+        if mode == "429":
+            stats.fault(route, "storm_429")
+            return self._throttled(dialect, behaviour, now)
+        if mode is not None:
+            stats.fault(route, "outage_" + mode)
+            return ConnectionReset() if mode == "reset" else dialect.unavailable().render()
+        faulty = op in behaviour.faults_on
+        if faulty and self.chance(behaviour.rate_429):
+            stats.fault(route, "429" if behaviour.retry_after_header else "429_bare")
+            return self._throttled(dialect, behaviour, now)
+        if faulty and self.chance(behaviour.error_rate):
+            code = behaviour.error_statuses[self.rng.randrange(len(behaviour.error_statuses))]
+            stats.fault(route, str(code))
+            return dialect.error(code, "Simulated server error", code="server_error").render()
+        sent_key = request.headers.get("idempotency-key") if op == "submit" else None
+        key = sent_key if self.config.honour_idempotency_key else None  # the key the cache works with
+        if key is not None:
+            verdict = self.submissions.begin(family, key, await request.body(), now, self.config.idempotency_ttl)
+            if verdict == "busy":
+                stats.fault(route, "idempotency_conflict")
+                return dialect.error(
+                    409, "A request with this Idempotency-Key is being processed", code="idempotency_conflict"
+                ).render()
+            if verdict == "mismatch":
+                return dialect.error(
+                    422, "Idempotency-Key reused with a different request body", code="idempotency_mismatch"
+                ).render()
+            if verdict != "new":
+                assert verdict.job is not None
+                stats.replayed(family)
+                replayed = self._log(request, family, route, verdict.job, key, now, replay=True)
+                replayed.responded, replayed.status = self.clock(), verdict.reply.status
+                return cast(Reply, verdict.reply).render()
+        call = Call(self, request, dialect, behaviour, now)
+        outcome: Reply | Response | None = None
+        try:
+            try:
+                outcome = await handler(call)
+            except ErrorReply as rejected:
+                outcome = rejected.reply
+        finally:
+            accepted = call.created is not None and isinstance(outcome, Reply) and 200 <= outcome.status < 300
+            if key is not None and not accepted:  # only a job accepted with a 2xx is remembered: a rejected,
+                self.submissions.abandon(family, key)  # throttled or failed submit may be retried with its key
+        result = outcome
+        entry: Submission | None = None
+        if call.created is not None:
+            entry = self._log(request, family, route, call.created, sent_key, now, replay=False)
+            delay = behaviour.submit_latency.sample(self.rng) if op == "submit" else 0.0
+            try:
+                if delay > 0:
+                    await asyncio.sleep(delay)  # the key stays "in progress" (409) until the answer goes out
+            finally:
+                if key is not None and accepted:
+                    self.submissions.done(family, key, call.created, result)
+            entry.responded = self.clock()
+            if self.chance(behaviour.lost_response_rate):
+                stats.fault(route, "lost_response")
+                entry.lost, entry.status = True, 599
+                return ConnectionReset()
+        elif op == "submit" and isinstance(result, Reply) and 200 <= result.status < 300:
+            delay = behaviour.submit_latency.sample(self.rng)  # a slow create of another kind (a machine rental)
+            if delay > 0:
+                await asyncio.sleep(delay)
+        if not isinstance(result, Reply):
+            if entry is not None:
+                entry.status = result.status_code
+            return result
+        if entry is not None:
+            entry.status = result.status
+        if faulty and 200 <= result.status < 300 and self.chance(behaviour.malformed_rate):
+            stats.fault(route, "malformed")
+            garbled = Reply(result.body, result.status, result.headers, result.media_type)  # the cache keeps
+            garbled.raw = garble(result.body, behaviour, self.rng, dialect.required)  # the clean answer
+            return garbled.render()
+        return result.render()
+
+    def _throttled(self, dialect: Dialect, behaviour: Behaviour, now: float) -> Response:
+        headers = {"Retry-After": retry_after_value(behaviour, now)} if behaviour.retry_after_header else {}
+        return dialect.throttled(behaviour, headers).render()
+
+    def _log(
+        self, request: Request, family: str, route: str, job: Job, key: str | None, now: float, *, replay: bool
+    ) -> Submission:
+        server = request.scope.get("server")
+        return self.submissions.add(
+            family,
+            route,
+            job,
+            key=key,
+            user_agent=request.headers.get("user-agent"),
+            port=int(server[1]) if server else None,
+            arrival=now,
+            replay=replay,
+        )

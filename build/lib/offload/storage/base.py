@@ -1,0 +1,124 @@
+"""The storage contract the worker relies on for guarantee 5 (results durable before success).
+
+A job is marked succeeded only after its output is written here, so every backend must make a write either fully
+visible or not visible at all, and must tell a caller whether a failure is worth retrying:
+
+- `StorageError`: transient (network, timeouts, 5xx, throttling, a provider file that 500s). The worker keeps the
+  job and retries the store later; the remote result is not re-bought.
+- `StorageConfigError`: the settings are wrong (no such bucket, rejected credentials, bad endpoint). Retrying the
+  job cannot help until an operator fixes the named setting, so it is a `ConfigError`, not a `StorageError`.
+- `ObjectNotFound`: a read of a key that was never written (not a failure of the store itself).
+
+Messages never contain credentials: they name the setting (`storage.secret_access_key`), never its value.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import IO, Any, Protocol, runtime_checkable
+
+import orjson
+
+from offload.errors import ConfigError, ObjectStoreError
+
+MAX_KEY_LENGTH = 1024  # S3's limit, in UTF-8 bytes
+
+
+class StorageError(ObjectStoreError):
+    """A transient storage failure: retrying the same write later is expected to work.
+
+    `permanent` is a hint for the few failures that are not configuration problems but will not heal either
+    (a provider file that 404s because it expired, one that exceeds the size limit). The worker may retry them
+    like any other `StorageError`; it can also dead-letter sooner.
+    """
+
+    def __init__(self, message: str, *, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.permanent = permanent
+
+
+class StorageConfigError(ConfigError):
+    """The storage settings are wrong; the message names the offending setting, never a secret value."""
+
+
+class ObjectNotFound(ObjectStoreError, KeyError):
+    """`get_bytes` of a key that does not exist."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message and add quotes
+        return str(self.args[0]) if self.args else "object not found"
+
+
+class InvalidKey(ObjectStoreError, ValueError):
+    """A key that is unsafe as a path (`..`, absolute, NUL) or too long; rejected by every backend alike so a
+    key that works on S3 in production also works on the local backend in development, and vice versa."""
+
+
+def validate_key(key: str) -> str:
+    """Return `key` if it is a safe relative object key, else raise `InvalidKey`."""
+    if not isinstance(key, str) or not key:
+        raise InvalidKey("storage key must be a non-empty string")
+    if key.startswith("/") or "\\" in key or "\x00" in key:
+        raise InvalidKey(f"storage key {key[:200]!r} must be relative, without backslashes or NUL")
+    if any(part in ("", ".", "..") for part in key.split("/")):
+        raise InvalidKey(f"storage key {key[:200]!r} has an empty, '.' or '..' segment")
+    if len(key.encode()) > MAX_KEY_LENGTH:
+        raise InvalidKey(f"storage key is longer than {MAX_KEY_LENGTH} bytes")
+    return key
+
+
+def dump_json(obj: Any) -> bytes:
+    """Compact UTF-8 JSON. orjson is fast but refuses integers beyond 64 bits, which a provider may well return,
+    so those fall back to the standard library; a value that is not JSON at all raises TypeError."""
+    try:
+        return orjson.dumps(obj)
+    except TypeError:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+
+def join_prefix(prefix: str, key: str) -> str:
+    """`prefix` + `key` with exactly one slash between them; an empty prefix adds nothing."""
+    prefix = prefix.strip("/")
+    return f"{prefix}/{key}" if prefix else key
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """Async object storage addressed by relative keys (`results/<id>.json`).
+
+    Locations returned by writes are what the job record and stored outputs point at: `s3://bucket/prefix/key`
+    for S3 (usable as is with `aws s3 cp`), an absolute file path for the local backend.
+    """
+
+    def location(self, key: str) -> str:
+        """Where `key` lives (or would live), without touching the store."""
+        ...
+
+    async def put_json(self, key: str, obj: Any) -> str:
+        """Write `obj` as compact UTF-8 JSON (`application/json`) and return its location; TypeError if `obj`
+        is not JSON-serialisable (a bug or bad provider data, not a storage failure)."""
+        ...
+
+    async def put_bytes(self, key: str, data: bytes, content_type: str = "application/octet-stream") -> str:
+        """Write `data` atomically and return its location."""
+        ...
+
+    async def put_fileobj(self, key: str, fileobj: IO[bytes], content_type: str = "application/octet-stream") -> str:
+        """Write a readable binary file object from its current position to EOF; for large copied files, which
+        would cost too much memory as `bytes` when thousands of jobs finish at once."""
+        ...
+
+    async def get_bytes(self, key: str) -> bytes:
+        """The object's bytes; `ObjectNotFound` if it does not exist."""
+        ...
+
+    async def exists(self, key: str) -> bool:
+        """Whether an object exists at `key`."""
+        ...
+
+    async def presigned_url(self, key: str, expires_s: int = 3600) -> str:
+        """A URL that reads the object without credentials: an expiring presigned GET for S3, `file://` locally."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release threads and connections; the storage must not be used afterwards."""
+        ...

@@ -1,0 +1,265 @@
+"""Store a job's output durably, copying the provider-hosted files it links to first (guarantee 5).
+
+Providers answer with URLs to files they delete soon after (Replicate ~1 h, RunPod `/run` 30 min), so a result
+that only holds those URLs is lost by the time anyone reads it. `store_output` therefore:
+
+1. walks the output JSON and picks every string that is, in its entirety, an http(s) URL (optionally only for
+   hosts on an allow-list); strings that merely contain a URL are text and are left alone;
+2. downloads each distinct URL (streamed, size- and time-limited, a few at a time) and stores it next to the
+   output: `results/<id>.json` gets its files at `results/<id>/files/<run>/<n>-<basename>`, with the provider's
+   Content-Type (`<run>` is the job's submission number, so two remote runs of one job never share a file key,
+   and `<n>` the URL's position in the output, so a retried store of the same run overwrites the same keys);
+3. asks `before_write` (the worker: is the lease still mine?), then writes the rewritten JSON to the output key,
+   last, so an output that exists is always complete and only refers to files of its own run.
+
+The stored JSON keeps the output's shape; each copied URL string is replaced by our copy's location
+(`s3://bucket/key`, or a file path for local storage), a permanent address that `aws s3 cp` and
+`Storage.presigned_url` accept (a presigned URL would expire like the provider's). When the output is a JSON object,
+the provenance is added under one reserved key, `"_offload_files": {original_url: location}`; lists and bare
+strings (common with Replicate) cannot take an extra key, so their mapping is only in the returned `StoredOutput`.
+
+Any failure raises before the output key is written, so the worker never marks the job succeeded on a partial
+result: a network error or a 5xx/429 from the file host is a plain (transient) `StorageError`; a 404/410 (the file
+already expired), another 4xx or a file over the size limit is a `StorageError` with `permanent=True`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import mimetypes
+import re
+import tempfile
+from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import httpx
+
+from offload.redact import bare_url
+from offload.storage.base import Storage, StorageError
+
+FILES_KEY = "_offload_files"
+DEFAULT_MAX_FILE_BYTES = 512 * 1024 * 1024
+DEFAULT_MAX_FILES = 256
+DEFAULT_FILE_TIMEOUT_S = 300.0
+COPY_CONCURRENCY = 4  # per output; the worker bounds how many outputs are stored at once
+SPOOL_BYTES = 8 * 1024 * 1024  # smaller files stay in memory, larger ones go to a temp file
+_URL = re.compile(r"https?://[^\s\"'<>]+", re.IGNORECASE)
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+@dataclass(frozen=True)
+class CopiedFile:
+    """One provider file copied into our storage."""
+
+    url: str
+    key: str
+    location: str
+    content_type: str
+    size: int
+
+
+@dataclass(frozen=True)
+class StoredOutput:
+    """Where the output went and which files were copied alongside it (in the order they appear)."""
+
+    location: str
+    key: str
+    files: list[CopiedFile] = field(default_factory=list)
+
+    @property
+    def file_map(self) -> dict[str, str]:
+        return {f.url: f.location for f in self.files}
+
+
+def files_prefix(output_key: str) -> str:
+    """`results/abc.json` -> `results/abc/files/`; a key without `.json` gets `<key>.files/` instead, so the
+    prefix never collides with the output itself (a file and a directory of the same name, on local storage)."""
+    stem = output_key.removesuffix(".json")
+    return f"{stem}/files/" if stem != output_key else f"{output_key}.files/"
+
+
+def host_allowed(url: str, allow_hosts: Collection[str] | None) -> bool:
+    """No list: any http(s) URL except cloud metadata endpoints. Entries are exact hosts (`replicate.delivery`)
+    or suffixes (`.fal.media`); a listed host is trusted even if it is link-local."""
+    try:
+        host = (urlsplit(url).hostname or "").lower()
+    except ValueError:
+        return False
+    if not host:
+        return False
+    if allow_hosts is None:
+        return not _metadata_host(host)
+    for entry in allow_hosts:
+        entry = entry.lower()
+        if host == entry.lstrip(".") or (entry.startswith(".") and host.endswith(entry)):
+            return True
+    return False
+
+
+def _metadata_host(host: str) -> bool:
+    """Outputs often echo user input, so a URL in them is not trusted: never fetch the instance-metadata service
+    (link-local addresses, `metadata.google.internal`) by default, or a crafted input could copy the worker's
+    cloud credentials into the results bucket. Loopback and private hosts stay allowed for local stacks."""
+    if host in ("metadata.google.internal", "metadata"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_link_local
+    except ValueError:
+        return False
+
+
+def find_file_urls(output: Any, allow_hosts: Collection[str] | None = None) -> list[str]:
+    """Distinct candidate URLs in document order (dict insertion order, then list order)."""
+    seen: dict[str, None] = {}
+    for s in _strings(output):
+        if s not in seen and _URL.fullmatch(s) and host_allowed(s, allow_hosts):
+            seen[s] = None
+    return list(seen)
+
+
+def _strings(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _strings(v)
+
+
+def rewrite(value: Any, mapping: Mapping[str, str]) -> Any:
+    """A copy of `value` with every string that is a key of `mapping` replaced; the input is not mutated."""
+    if isinstance(value, str):
+        return mapping.get(value, value)
+    if isinstance(value, Mapping):
+        return {k: rewrite(v, mapping) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [rewrite(v, mapping) for v in value]
+    return value
+
+
+def file_name(url: str, index: int, content_type: str) -> str:
+    """`<index>-<basename>`, the basename made safe for any store; an extension is added from the Content-Type
+    when the URL has none, so downloaded copies open with the right program."""
+    raw = unquote(urlsplit(url).path.rsplit("/", 1)[-1])
+    base = _UNSAFE.sub("_", raw).strip("._")[-100:] or "file"
+    if "." not in base:
+        ext = mimetypes.guess_extension(content_type.split(";")[0].strip()) or ""
+        base += ext
+    return f"{index}-{base}"
+
+
+async def store_output(
+    storage: Storage,
+    output_key: str,
+    output: Any,
+    http: httpx.AsyncClient,
+    *,
+    copy_files: bool = True,
+    allow_hosts: Collection[str] | None = None,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    max_files: int = DEFAULT_MAX_FILES,
+    file_timeout_s: float = DEFAULT_FILE_TIMEOUT_S,
+    auth_headers: Mapping[str, Mapping[str, str]] | None = None,
+    run: str | None = None,
+    before_write: Callable[[], Awaitable[None]] | None = None,
+) -> StoredOutput:
+    """Copy the output's files, then write the (rewritten) output JSON to `output_key`; see the module docstring.
+    `run` names the remote run (files under `<prefix>/<run>/`); `before_write` runs right before the JSON is
+    written and may raise to stop it (a worker that lost its lease must not overwrite a newer run's output).
+
+    `http` must carry no provider credentials in its default headers, since file URLs may point anywhere. Pass
+    them in `auth_headers` instead: host -> headers sent only to that host (Replicate's file host wants the API
+    token). On a redirect to another origin httpx drops `Authorization`, but not other headers.
+    """
+    urls = find_file_urls(output, allow_hosts) if copy_files else []
+    if len(urls) > max_files:
+        raise StorageError(f"output links {len(urls)} files, more than the limit of {max_files}", permanent=True)
+    files: list[CopiedFile] = []
+    host_headers = {host.lower(): dict(h) for host, h in (auth_headers or {}).items()}
+    if urls:
+        prefix = files_prefix(output_key) + (f"{run}/" if run else "")
+        gate = asyncio.Semaphore(COPY_CONCURRENCY)
+
+        async def copy(index: int, url: str) -> CopiedFile:
+            async with gate:
+                headers = host_headers.get((urlsplit(url).hostname or "").lower(), {})
+                async with asyncio.timeout(file_timeout_s):
+                    return await _copy_file(storage, http, url, index, prefix, max_file_bytes, headers)
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(copy(i, url)) for i, url in enumerate(urls)]
+        except BaseExceptionGroup as eg:
+            raise _first_error(eg, file_timeout_s) from None
+        files = [t.result() for t in tasks]
+        mapping = {f.url: f.location for f in files}
+        stored = rewrite(output, mapping)
+        if isinstance(stored, dict):
+            previous = stored.get(FILES_KEY)
+            stored[FILES_KEY] = {**(previous if isinstance(previous, dict) else {}), **mapping}
+    else:
+        stored = output
+    if before_write is not None:
+        await before_write()
+    location = await storage.put_json(output_key, stored)
+    return StoredOutput(location=location, key=output_key, files=files)
+
+
+def _first_error(eg: BaseExceptionGroup[BaseException], timeout_s: float) -> BaseException:
+    """TaskGroup wraps failures in a group; the worker wants the first real one (cancellations are fallout)."""
+    for exc in eg.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            return _first_error(exc, timeout_s)
+        if isinstance(exc, TimeoutError):
+            return StorageError(f"copying an output file took longer than {timeout_s:g}s")
+        if not isinstance(exc, asyncio.CancelledError):
+            return exc
+    return eg
+
+
+async def _copy_file(
+    storage: Storage,
+    http: httpx.AsyncClient,
+    url: str,
+    index: int,
+    prefix: str,
+    limit: int,
+    headers: dict[str, str],
+) -> CopiedFile:
+    shown = bare_url(url)  # signed provider URLs carry tokens in the query, some carry userinfo
+    with tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES) as spool:
+        try:
+            async with http.stream("GET", url, headers=headers, follow_redirects=True) as resp:
+                if resp.status_code != 200:
+                    transient = resp.status_code >= 500 or resp.status_code in (408, 425, 429)
+                    expired = " (the provider's file has expired)" if resp.status_code in (404, 410) else ""
+                    raise StorageError(f"copying {shown}: HTTP {resp.status_code}{expired}", permanent=not transient)
+                declared = resp.headers.get("content-length", "")
+                if declared.isdigit() and int(declared) > limit:
+                    raise _too_large(shown, limit)
+                size = 0
+                async for chunk in resp.aiter_bytes():  # decoded: a gzip transfer is not the file
+                    size += len(chunk)
+                    if size > limit:
+                        raise _too_large(shown, limit)
+                    spool.write(chunk)
+                content_type = resp.headers.get("content-type") or _guess_type(url)
+        except httpx.HTTPError as exc:
+            raise StorageError(f"copying {shown}: {type(exc).__name__}") from None
+        spool.seek(0)
+        key = prefix + file_name(url, index, content_type)
+        location = await storage.put_fileobj(key, spool, content_type)
+    return CopiedFile(url=url, key=key, location=location, content_type=content_type, size=size)
+
+
+def _too_large(shown: str, limit: int) -> StorageError:
+    return StorageError(f"copying {shown}: larger than the {limit}-byte limit", permanent=True)
+
+
+def _guess_type(url: str) -> str:
+    return mimetypes.guess_type(urlsplit(url).path)[0] or "application/octet-stream"

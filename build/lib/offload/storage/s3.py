@@ -1,0 +1,237 @@
+"""S3-compatible object storage (AWS S3, MinIO, Ceph/OpenStack Swift S3, R2, `rclone serve s3`) through boto3.
+
+boto3 is synchronous, so every call runs in this storage's own ThreadPoolExecutor (16 threads by default) with a
+connection pool of the same size: a worker with thousands of jobs in flight queues its writes instead of spawning
+thousands of threads or sockets. Large copied files are uploaded with `use_threads=False` for the same reason
+(boto3's transfer manager would otherwise start 10 threads per upload).
+
+Path-style addressing is the default because most S3-compatible servers need it; checksums are only sent when an
+operation requires them, because several of those servers (rclone among them) reject the newer default trailers.
+Presigned URLs use SigV4, which every current server accepts (boto3 falls back to SigV2 for custom endpoints).
+
+Credentials live only in the boto3 session. Neither `repr()` nor any error raised here contains them: errors are
+rebuilt from the S3 error code and name the setting to fix (`storage.secret_access_key`), never its value.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import IO, TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlsplit
+
+import boto3
+from boto3.exceptions import S3UploadFailedError
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    NoCredentialsError,
+    ParamValidationError,
+    PartialCredentialsError,
+)
+
+from offload.storage.base import ObjectNotFound, StorageConfigError, StorageError, dump_json, join_prefix, validate_key
+from offload.storage.settings import S3StorageSettings
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3 import S3Client
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+TRANSIENT_CODES = frozenset({
+    "SlowDown", "RequestTimeout", "Throttling", "ThrottlingException", "RequestThrottled", "InternalError",
+    "ServiceUnavailable", "RequestTimeTooSkewed", "OperationAborted",
+})  # fmt: skip
+_CREDS = "storage.access_key_id / storage.secret_access_key"
+# S3 error code -> (setting to fix, what went wrong). Codes of HEAD requests are bare statuses (no body).
+CONFIG_CODES = {
+    "NoSuchBucket": ("storage.bucket", "bucket {bucket!r} does not exist at {endpoint}"),
+    "InvalidBucketName": ("storage.bucket", "{bucket!r} is not a valid bucket name"),
+    "InvalidAccessKeyId": ("storage.access_key_id", "the access key id was not recognised by {endpoint}"),
+    "SignatureDoesNotMatch": ("storage.secret_access_key", "{endpoint} rejected the request signature (wrong secret?)"),
+    "AccessDenied": (_CREDS, "access to bucket {bucket!r} was denied (check the key's permissions)"),
+    "403": (_CREDS, "access to bucket {bucket!r} was denied (wrong credentials or missing permissions)"),
+    "AllAccessDisabled": ("storage.bucket", "all access to bucket {bucket!r} is disabled"),
+    "AccountProblem": (_CREDS, "the account behind these credentials cannot use {endpoint}"),
+    "InvalidToken": (_CREDS, "the credentials' session token is invalid"),
+    "ExpiredToken": (_CREDS, "the credentials' session token has expired"),
+    "AuthorizationHeaderMalformed": ("storage.region", "{endpoint} expects a different region than {region!r}"),
+    "PermanentRedirect": ("storage.region", "bucket {bucket!r} is in a different region than {region!r}"),
+    "301": ("storage.region", "bucket {bucket!r} is in a different region than {region!r}"),
+    "IllegalLocationConstraintException": ("storage.region", "region {region!r} does not match the endpoint"),
+}
+
+
+class S3Storage:
+    """Objects at `s3://bucket/prefix/key`."""
+
+    def __init__(self, settings: S3StorageSettings) -> None:
+        """`settings` as offload.storage.settings validated them (bucket set, keys in pairs, positive limits)."""
+        self.settings = settings
+        self.bucket = settings.bucket
+        self.prefix = settings.prefix.strip("/")
+        self._endpoint = _endpoint_label(settings.endpoint_url)
+        config = Config(
+            region_name=settings.region,
+            signature_version="s3v4",
+            s3={"addressing_style": settings.addressing_style},
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+            max_pool_connections=settings.max_threads,
+            connect_timeout=settings.connect_timeout,
+            read_timeout=settings.read_timeout,
+            retries={"mode": "standard", "max_attempts": settings.max_attempts},
+        )
+        session = boto3.session.Session(
+            aws_access_key_id=settings.access_key_id,
+            aws_secret_access_key=settings.secret_access_key.get_secret_value() if settings.secret_access_key else None,
+            region_name=settings.region,
+        )
+        try:
+            self._client: S3Client = session.client("s3", endpoint_url=settings.endpoint_url, config=config)
+        except ValueError:  # botocore: "Invalid endpoint: ..."
+            raise StorageConfigError("storage.endpoint_url: not a valid URL (expected https://host[:port])") from None
+        self._pool = ThreadPoolExecutor(settings.max_threads, thread_name_prefix="offload-s3")
+        self._transfer = TransferConfig(use_threads=False)
+
+    def __repr__(self) -> str:
+        return f"S3Storage(bucket={self.bucket!r}, prefix={self.prefix!r}, endpoint={self._endpoint!r})"
+
+    def _key(self, key: str) -> str:
+        return join_prefix(self.prefix, validate_key(key))
+
+    def location(self, key: str) -> str:
+        return f"s3://{self.bucket}/{self._key(key)}"
+
+    async def _run(self, op: str, key: str | None, fn: Callable[[], T]) -> T:
+        """Run one blocking boto3 call in the pool and translate its errors."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._pool, fn)
+        except (BotoCoreError, ClientError, S3UploadFailedError) as exc:
+            raise self._translate(exc, op, key) from None
+
+    async def put_json(self, key: str, obj: Any) -> str:
+        return await self.put_bytes(key, dump_json(obj), "application/json")
+
+    async def put_bytes(self, key: str, data: bytes, content_type: str = "application/octet-stream") -> str:
+        full = self._key(key)
+        put = functools.partial(
+            self._client.put_object, Bucket=self.bucket, Key=full, Body=data, ContentType=content_type
+        )
+        await self._run("put", full, put)
+        return f"s3://{self.bucket}/{full}"
+
+    async def put_fileobj(self, key: str, fileobj: IO[bytes], content_type: str = "application/octet-stream") -> str:
+        """Multipart above 8 MiB (boto3's threshold), in the calling pool thread only."""
+        full = self._key(key)
+        upload = functools.partial(
+            self._client.upload_fileobj,
+            fileobj,
+            self.bucket,
+            full,
+            ExtraArgs={"ContentType": content_type},
+            Config=self._transfer,
+        )
+        await self._run("put", full, upload)
+        return f"s3://{self.bucket}/{full}"
+
+    async def get_bytes(self, key: str) -> bytes:
+        full = self._key(key)
+
+        def get() -> bytes:
+            return self._client.get_object(Bucket=self.bucket, Key=full)["Body"].read()
+
+        return await self._run("get", full, get)
+
+    async def exists(self, key: str) -> bool:
+        """A missing bucket also reads as False (a HEAD answer has no body to tell the two 404s apart); the next
+        write then raises the `storage.bucket` error."""
+        full = self._key(key)
+        try:
+            await self._run("head", full, functools.partial(self._client.head_object, Bucket=self.bucket, Key=full))
+        except ObjectNotFound:
+            return False
+        return True
+
+    async def presigned_url(self, key: str, expires_s: int = 3600) -> str:
+        """Signed locally (no request), so it works even when the store is down; S3 caps `expires_s` at 7 days."""
+        params = {"Bucket": self.bucket, "Key": self._key(key)}
+        return self._client.generate_presigned_url("get_object", Params=params, ExpiresIn=int(expires_s))
+
+    async def create_bucket_if_missing(self) -> bool:
+        """Create the bucket unless it exists (local stack, tests); True if it was created."""
+
+        def ensure() -> bool:
+            try:
+                self._client.head_bucket(Bucket=self.bucket)
+                return False
+            except ClientError as exc:
+                if _code(exc) not in ("404", "NoSuchBucket"):
+                    raise
+            kwargs: dict[str, Any] = {"Bucket": self.bucket}
+            if self.settings.region != "us-east-1":  # AWS rejects an explicit us-east-1 constraint
+                kwargs["CreateBucketConfiguration"] = {"LocationConstraint": self.settings.region}
+            try:
+                self._client.create_bucket(**kwargs)
+            except ClientError as exc:
+                if _code(exc) in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                    return False  # a concurrent creator won; "Exists" means someone else's: the next put will say
+                raise
+            return True
+
+        return await self._run("create bucket", None, ensure)
+
+    async def aclose(self) -> None:
+        """Wait for in-flight calls (a write in progress should finish), then close sockets."""
+        await asyncio.to_thread(self._pool.shutdown, wait=True)
+        self._client.close()
+
+    def _translate(self, exc: Exception, op: str, key: str | None) -> Exception:
+        """A credential-free error that says whether to retry (StorageError) or fix a setting."""
+        where = f"s3://{self.bucket}/{key}" if key else f"s3://{self.bucket}"
+        if isinstance(exc, S3UploadFailedError) and isinstance(exc.__context__, ClientError):
+            exc = exc.__context__
+        if isinstance(exc, NoCredentialsError | PartialCredentialsError):
+            return StorageConfigError(f"{_CREDS}: no S3 credentials were found (set them or use an instance role)")
+        if isinstance(exc, ParamValidationError):
+            if "bucket name" in str(exc).lower():
+                return StorageConfigError(f"storage.bucket: {self.bucket!r} is not a valid bucket name")
+            return StorageError(f"{op} {where}: invalid request: {exc}", permanent=True)
+        if not isinstance(exc, ClientError):  # connection refused/reset, timeouts, ...
+            log.debug("s3 %s %s failed: %s", op, where, type(exc).__name__)
+            return StorageError(f"{op} {where} failed: cannot reach {self._endpoint} ({type(exc).__name__})")
+        code = _code(exc)
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        if code in ("NoSuchKey", "404") and key is not None:
+            return ObjectNotFound(f"no object at {where}")
+        if code == "404":  # HEAD of a bucket has no body, hence no NoSuchBucket code
+            code = "NoSuchBucket"
+        if code in CONFIG_CODES:
+            setting, what = CONFIG_CODES[code]
+            detail = what.format(bucket=self.bucket, endpoint=self._endpoint, region=self.settings.region)
+            return StorageConfigError(f"{setting}: {detail} (during {op} {where})")
+        if status >= 500 or status in (408, 429) or code in TRANSIENT_CODES:
+            return StorageError(f"{op} {where} failed: {code} (HTTP {status}) from {self._endpoint}")
+        return StorageError(f"{op} {where} failed: {code} (HTTP {status}) from {self._endpoint}", permanent=True)
+
+
+def _code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+def _endpoint_label(url: str | None) -> str:
+    """scheme://host[:port] only: an endpoint URL may carry userinfo or a query that must not reach a message."""
+    if not url:
+        return "AWS S3"
+    try:
+        parts = urlsplit(url)
+        return f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}"
+    except ValueError:
+        return "<invalid endpoint URL>"

@@ -1,0 +1,280 @@
+"""The dispatch loop: one asyncio process keeps up to `concurrency` remote jobs in flight.
+
+It claims in batches, runs each job as a task (`offload.worker.jobpath`: submit, record the remote id, poll,
+store, complete), and keeps every lease alive with one heartbeat per interval. Nothing here sleeps on behalf of
+another job: retries are scheduled in Redis, waits are per task.
+
+What the loop guarantees about leases: a heartbeat never runs while a claim is in flight (one lock), so every
+lease the store has handed this process by the time a heartbeat is sent is either in its list or was never
+received; the heartbeat lists (job id, token) pairs and hands the others back (`since`). A job claimed again
+while an older task of it still runs (the old lease was reaped) starts only after the old task is stopped.
+And the loop never exits for the job store's sake: claims, window rolls and the drain wait out an outage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from offload.backends.base import Backend
+from offload.connection import is_outage
+from offload.models import ClaimedJob
+from offload.queue.store import QueueStore
+from offload.worker.batching import Batcher
+from offload.worker.health import StoreHealth, describe
+from offload.worker.jobpath import JobPath, StoreOutput, WorkerOptions
+from offload.worker.limits import BackendLimits
+
+log = logging.getLogger("offload.worker")
+__all__ = ["StoreOutput", "Worker", "WorkerOptions", "default_worker_id"]
+
+
+def default_worker_id() -> str:
+    """`host:pid:random`. The random part makes every process a new worker to the store, also a container
+    restarted with the same hostname and PID 1, which would otherwise inherit its predecessor's leases."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
+class Worker(JobPath):
+    """Serves one queue. `run(stop)` returns after a graceful drain once `stop` is set."""
+
+    def __init__(
+        self,
+        store: QueueStore,
+        backend: Backend,
+        store_output: StoreOutput,
+        limits: BackendLimits,
+        options: WorkerOptions,
+        *,
+        worker_id: str | None = None,
+        clock: Callable[[], float] = time.time,
+        control: QueueStore | None = None,
+    ) -> None:
+        self.store, self.backend, self.store_output, self.limits = store, backend, store_output, limits
+        # Claims and heartbeats on their own connection (when given): job tasks can keep every connection of
+        # the main pool busy, and a heartbeat that waits for one past the lease loses every job.
+        self.control = control or store
+        self.o = options
+        self.id = worker_id or default_worker_id()
+        self.clock = clock
+        self.health = StoreHealth(store.redis.ping, max_pause_s=min(2.0, options.lease_ms / 4000))
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.tokens: dict[str, str] = {}  # the newest lease of each job this process runs
+        self.claimed_at: dict[str, float] = {}  # when the claim that delivered it was sent (monotonic)
+        self.cancels: set[str] = set()
+        self._cancel_waits: dict[str, asyncio.Event] = {}  # jobs waiting on the rate limit, woken by a cancel
+        self.peak_in_flight = 0
+        self._slot = asyncio.Event()
+        self._window = ""  # unknown: the first loop releases jobs held in earlier windows
+        self._lock = asyncio.Lock()  # claim and heartbeat, never both at once
+        self._since: int | None = None  # the lease sequence number of the last heartbeat
+        self._beat_at = 0.0  # when the last heartbeat that went through was sent (monotonic)
+        # Each submission between its intent and its recorded remote id is one a kill would leave unknown: a
+        # bounded number of them at a time bounds what one kill can cost (not for synchronous APIs, whose
+        # submit is the whole job).
+        self._gate = None if backend.synchronous else asyncio.Semaphore(options.submit_concurrency)
+        # The per-job writes of the hot path, coalesced: thousands of tasks, a few script calls.
+        q = options.queue
+        self._checkpoints: Batcher[tuple[str, str, str, str, int], str] = Batcher(
+            lambda items: store.checkpoint_many(q, items)
+        )
+        self._completes: Batcher[tuple[str, str, str, float | None], str] = Batcher(
+            lambda items: store.complete_many(q, items)
+        )
+        self._begins: Batcher[tuple[str, str], str] = Batcher(self._begin_many)
+        self._fences: Batcher[tuple[str, str], str] = Batcher(lambda items: store.fence_many(q, items))
+        self._beats: Batcher[None, None] = Batcher(self._beat_many, concurrency=1)
+
+    def window(self) -> str:
+        """The cap window: the UTC day of the (injectable) clock."""
+        return time.strftime("%Y%m%d", time.gmtime(self.clock()))
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        helpers = [asyncio.create_task(self._heartbeat_loop())]
+        if self.o.ingest_list:
+            helpers.append(asyncio.create_task(self._ingest_loop(stop)))
+        idle = 0.02
+        try:
+            while not stop.is_set():
+                free = self.o.concurrency - len(self.tasks)
+                batch = min(free, self.o.claim_batch)
+                claimed: list[ClaimedJob] = []
+                try:
+                    await self._roll_window()
+                    if batch > 0:
+                        claimed = await self._claim(batch)
+                except Exception as exc:
+                    if not is_outage(exc):
+                        raise
+                    self.health.failed(exc)
+                    await _first(self.health.wait(), stop.wait())
+                    continue
+                self.peak_in_flight = max(self.peak_in_flight, len(self.tasks))
+                if claimed and len(claimed) == batch:
+                    idle = 0.02
+                    continue
+                self._slot.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(_first(self._slot.wait(), stop.wait()), idle if free > 0 else None)
+                idle = min(idle * 2, 0.5) if not claimed else 0.02
+        finally:
+            await self._drain(helpers)
+
+    async def _claim(self, n: int) -> list[ClaimedJob]:
+        o = self.o
+        async with self._lock:
+            sent = time.monotonic()
+            jobs = await self.control.claim(
+                o.queue,
+                self.id,
+                n,
+                o.lease_ms,
+                window=self._window,
+                job_cap=o.daily_job_cap,
+                spend_cap=o.daily_spend_cap,
+                estimate=o.reservation,
+            )
+            for job in jobs:
+                self._start(job, sent)
+        return jobs
+
+    def _start(self, job: ClaimedJob, sent: float) -> None:
+        old = self.tasks.get(job.id)
+        if old is not None:  # our old lease of it was reaped (we stalled) and the store gave it back to us
+            log.warning("job %s: leased to this worker again; its earlier task is stopped first", job.id)
+            old.cancel()
+        self.tokens[job.id] = job.token
+        self.claimed_at[job.id] = sent
+        self.tasks[job.id] = asyncio.create_task(self._run_job(job, old))
+
+    def _done(self, job: ClaimedJob) -> None:
+        """A task ends: forget it, unless a newer lease of the same job has taken its place."""
+        if self.tasks.get(job.id) is asyncio.current_task():
+            del self.tasks[job.id]
+            self.tokens.pop(job.id, None)
+            self.claimed_at.pop(job.id, None)
+            self.cancels.discard(job.id)
+        self._slot.set()
+
+    async def _drain(self, helpers: list[asyncio.Task[None]]) -> None:
+        """Stop claiming, let in-flight jobs finish for the grace period, then hand the rest back with
+        their remote ids (the next worker resumes polling them)."""
+        if self.tasks:
+            await asyncio.wait(list(self.tasks.values()), timeout=self.o.grace_s)
+        for task in self.tasks.values():
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        for h in helpers:
+            h.cancel()
+        await asyncio.gather(*helpers, return_exceptions=True)
+        try:
+            async with asyncio.timeout(max(5.0, self.o.lease_ms / 1000)):
+                released = await self.health.call(lambda: self.control.release_leases(self.o.queue, self.id))
+            log.info("drained: released %d leases (remote ids kept)", released)
+        except TimeoutError:
+            log.warning("drained without the job store: the leases run out instead (and count as expired)")
+        await self.health.aclose()
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.o.lease_ms / 3000)
+            try:
+                await self._beats(None)
+            except Exception as exc:  # an outage is waited out by the tasks; the next beat tries again
+                if is_outage(exc):
+                    self.health.failed(exc)
+                else:
+                    log.warning("heartbeat failed: %s", describe(exc))
+
+    async def _beat(self) -> None:
+        """Extend every lease in one call; stop the tasks whose lease is gone; hand back leases we never got."""
+        async with self._lock:
+            sent = time.monotonic()
+            reply = await self.control.heartbeat(
+                self.o.queue, self.id, list(self.tokens.items()), self.o.lease_ms, since=self._since
+            )
+            self._since, self._beat_at = reply.seq, sent
+            for job_id in reply.lost:
+                if task := self.tasks.get(job_id):
+                    log.warning("lease of %s lost; another worker owns it now", job_id)
+                    task.cancel()
+        if reply.released:
+            log.warning(
+                "handed back %d leases this worker never knew of (a claim whose reply was lost, or an "
+                "earlier process with this worker id)",
+                reply.released,
+            )
+        self.cancels.update(reply.cancel_requested)
+        for job_id in reply.cancel_requested:
+            if heard := self._cancel_waits.get(job_id):
+                heard.set()
+
+    async def _beat_many(self, items: list[None]) -> list[None]:
+        await self._beat()
+        return [None] * len(items)
+
+    async def _fresh_lease(self, job: ClaimedJob) -> None:
+        """Before paying for a submission, make sure the lease is fresh. A process starved of CPU (an
+        overloaded host, a SIGSTOP) can miss beats; if its leases lapsed, another worker may already own this
+        job, and submitting now would pay twice. The lease is known fresh from the claim that delivered it or
+        from a later heartbeat (which listed it); else a beat first, which cancels this task if it is gone."""
+        fresh = max(self.claimed_at.get(job.id, 0.0), self._beat_at)
+        if time.monotonic() - fresh > self.o.lease_ms / 3000:
+            await self.health.call(lambda: self._beats(None))
+
+    async def _ingest_loop(self, stop: asyncio.Event) -> None:
+        assert self.o.ingest_list is not None
+        while not stop.is_set():
+            try:
+                ok, bad = await self.store.ingest(self.o.ingest_list, self.o.queue, max_attempts=self.o.max_attempts)
+            except Exception as exc:
+                if is_outage(exc):
+                    self.health.failed(exc)
+                    await self.health.wait()
+                else:
+                    log.warning("ingest from %s failed: %s", self.o.ingest_list, exc)
+                ok = bad = 0
+            if ok + bad == 0:
+                await asyncio.sleep(0.2)
+
+    async def _roll_window(self) -> None:
+        """Jobs held in an earlier cap window go back to ready: when the window rolls over during the worker's
+        life, and when a worker starts in a later window than the one they were held in (a restart after
+        midnight). Every worker may do this: moving a held job is atomic. The window counts as rolled only once
+        the release went through, so one interrupted by an outage is done again."""
+        window = self.window()
+        if window != self._window:
+            released = await self.control.release_held_before(self.o.queue, window)
+            self._window = window
+            if released:
+                log.info("cap window %s: released %d held jobs", window, released)
+
+    async def _begin_many(self, items: list[tuple[str, str]]) -> list[str]:
+        o = self.o
+        return await self.store.begin_many(
+            o.queue,
+            self._window,
+            [(i, t, o.reservation) for i, t in items],
+            job_cap=o.daily_job_cap,
+            spend_cap=o.daily_spend_cap,
+            backend=o.backend_name,
+        )
+
+
+async def _first(*aws: Any) -> None:
+    """Wait until the first of several awaitables finishes; the others are cancelled."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -1,0 +1,131 @@
+"""Per-backend limits shared by every worker on every machine: a global request rate (GCRA in Redis) and a
+cool-down that one worker's 429 imposes on all of them.
+
+Each backend's keys carry the hash tag `{backend:<name>}`, so the script runs on one cluster node. Callers
+are told how long to wait and sleep on their own (asyncio), so a limited backend never blocks a worker's
+other jobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import Counter
+from typing import Any
+
+from offload.queue.scripts import Script
+from offload.worker.batching import Batcher
+
+COOL_PROBE_S = 0.1
+
+_ACQUIRE = Script(
+    "rate_acquire",
+    """
+-- KEYS: the backend's GCRA key, its cool-down key. ARGV: ms between requests, burst.
+-- Returns ms to wait: positive = a slot is reserved, go after the wait; negative = the backend is cooling
+-- down, ask again after the wait.
+local cool = redis.call('PTTL', KEYS[2])
+if cool > 0 then return -cool end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local interval, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
+if interval <= 0 then return 0 end
+local tat = tonumber(redis.call('GET', KEYS[1]) or now)
+if tat < now then tat = now end
+local wait = tat - now - (burst - 1) * interval
+if wait < 0 then wait = 0 end
+redis.call('SET', KEYS[1], string.format('%.0f', tat + interval), 'PX', math.ceil(tat + interval - now) + 1000)
+return math.ceil(wait)
+""",
+)
+
+
+_COOL = Script(
+    "cool_down",
+    """
+-- KEYS: the backend's cool-down key. ARGV: ms. Extends the cool-down to ms from now unless a longer one runs:
+-- one step, so two workers' 429s at once can never shorten the longer pause.
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[1]) then
+  redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])
+end
+return redis.call('PTTL', KEYS[1])
+""",
+)
+
+
+class BackendLimits:
+    """`await limits.acquire()` before each request to the backend; `cool_down(s)` after a 429."""
+
+    def __init__(self, redis: Any, backend: str, rate_per_s: float | None, burst: int = 1) -> None:
+        self.redis = redis
+        self.keys = [f"offload:{{backend:{backend}}}:gcra", f"offload:{{backend:{backend}}}:cooldown"]
+        self.counts_key = counts_key(backend)
+        self.interval_ms = 1000.0 / rate_per_s if rate_per_s else 0.0
+        self.burst = max(burst, 1)
+        self._counts: Batcher[str, None] = Batcher(self._add_counts)
+        self._probe: Batcher[None, int] = Batcher(self._pttl, concurrency=1)
+        self._probed_at = -COOL_PROBE_S
+        self._cool_until = 0.0
+
+    async def acquire(self, max_wait_s: float = 3600.0) -> float:
+        """Wait until this request may go; returns the seconds waited."""
+        waited = 0.0
+        while True:
+            if self.interval_ms:
+                wait_ms = int(await _ACQUIRE(self.redis, self.keys, [self.interval_ms, self.burst]))
+            else:
+                wait_ms = -await self._cooling_ms()
+            if wait_ms == 0:
+                return waited
+            await asyncio.sleep(abs(wait_ms) / 1000)
+            waited += abs(wait_ms) / 1000
+            if wait_ms > 0 or waited >= max_wait_s:
+                return waited
+
+    async def _cooling_ms(self) -> int:
+        """Without a rate limit only the shared cool-down matters. It is read at most once per COOL_PROBE_S
+        per process, and concurrent readers share that one read: a burst of 10,000 submissions costs a
+        handful of round trips, and a 429 seen by any worker still pauses every other within 0.1 s."""
+        now = time.monotonic()
+        if now - self._probed_at >= COOL_PROBE_S:
+            self._probed_at = now
+            self._cool_until = now + max(0, await self._probe(None)) / 1000
+        return max(0, int((self._cool_until - time.monotonic()) * 1000))
+
+    async def _pttl(self, items: list[None]) -> list[int]:
+        ttl = int(await self.redis.pttl(self.keys[1]))
+        return [ttl] * len(items)
+
+    async def cool_down(self, seconds: float) -> None:
+        """Every worker pauses this backend for `seconds` (the longest requested cool-down wins)."""
+        ms = max(int(seconds * 1000), 1)
+        await _COOL(self.redis, [self.keys[1]], [ms])
+        self._cool_until = max(self._cool_until, time.monotonic() + ms / 1000)  # this process pauses at once
+
+    async def count(self, outcome: str) -> None:
+        """Bump a per-backend counter for /metrics (submitted, throttled, errors). Shared in Redis so every
+        server reports the totals of all workers; a failure to count never fails the job."""
+        with contextlib.suppress(Exception):
+            await self._counts(outcome)
+
+    async def _add_counts(self, outcomes: list[str]) -> list[None]:
+        """One HINCRBY per outcome for a whole burst: at 10,000 jobs in flight a round trip per count would
+        queue behind (and slow) the job tasks' own store calls."""
+        pipe = self.redis.pipeline(transaction=False)
+        for outcome, n in Counter(outcomes).items():
+            pipe.hincrby(self.counts_key, outcome, n)
+        await pipe.execute()
+        return [None] * len(outcomes)
+
+
+OUTCOMES = ("submitted", "throttled", "errors")
+
+
+def counts_key(backend: str) -> str:
+    return f"offload:{{backend:{backend}}}:counts"
+
+
+async def backend_counters(redis: Any, backend: str) -> dict[str, int]:
+    raw = await redis.hgetall(counts_key(backend))
+    return {o: int(raw.get(o, 0)) for o in OUTCOMES}

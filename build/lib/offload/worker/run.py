@@ -1,0 +1,182 @@
+"""Builds a dispatch worker from the configuration and runs it until SIGTERM/SIGINT, then drains."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from offload.backends import Backend, create_backend, new_client
+from offload.backends.http import user_agent
+from offload.config import Settings, parse_rate
+from offload.connection import connect
+from offload.env import env_float, env_int
+from offload.errors import ConfigError
+from offload.queue.store import QueueStore
+from offload.storage import create_storage, store_output
+from offload.worker.dispatch import Worker, WorkerOptions, default_worker_id
+from offload.worker.jobpath import Fence
+from offload.worker.limits import BackendLimits
+
+log = logging.getLogger("offload.worker")
+
+
+async def run_worker(
+    settings: Settings,
+    queue: str,
+    *,
+    concurrency: int | None = None,
+    worker_id: str | None = None,
+    stop: asyncio.Event | None = None,
+    grace_s: float = 30.0,
+    clock: Callable[[], float] = time.time,
+    install_signals: bool = True,
+    on_ready: Callable[[Worker], None] | None = None,
+) -> Worker:
+    """Serve `queue` until `stop` is set (or a signal arrives); returns the drained worker."""
+    (worker,) = await run_workers(
+        settings,
+        [queue],
+        concurrency=concurrency,
+        worker_id=worker_id,
+        stop=stop,
+        grace_s=grace_s,
+        clock=clock,
+        install_signals=install_signals,
+        on_ready=on_ready,
+    )
+    return worker
+
+
+async def run_workers(
+    settings: Settings,
+    queues: Sequence[str],
+    *,
+    concurrency: int | None = None,
+    worker_id: str | None = None,
+    stop: asyncio.Event | None = None,
+    grace_s: float = 30.0,
+    clock: Callable[[], float] = time.time,
+    install_signals: bool = True,
+    on_ready: Callable[[Worker], None] | None = None,
+) -> list[Worker]:
+    """Serve every queue of `queues` from this process until `stop` is set (or a signal arrives); returns the
+    drained workers.
+
+    One `Worker` per queue on one event loop. They share the Redis pool, the HTTP client, the storage and one
+    backend (with its limits) per backend name; each keeps a control connection of its own, so one queue's
+    claims never delay another queue's heartbeats. `concurrency` applies per queue. If one worker fails, the
+    others drain as on SIGTERM and the failure is raised: a process serving only some of its queues would look
+    healthy to systemd while a queue starves.
+    """
+    plans = [(name, settings.queue(name), *settings.backend_for(name)) for name in dict.fromkeys(queues)]
+    if not plans:
+        raise ConfigError("no queue to serve")
+    lease_ms = env_int("OFFLOAD_LEASE_MS", None, minimum=1)
+    offset = env_float("OFFLOAD_CLOCK_OFFSET_S", None)
+    if offset and clock is time.time:  # shifts the cap window only; an injected clock wins
+
+        def clock() -> float:
+            return time.time() + offset
+
+    stop = stop or asyncio.Event()
+    if install_signals:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    total = sum(concurrency or q.concurrency for _, q, _, _ in plans)
+    worker_id = worker_id or default_worker_id()  # one id per process: it is in every request's User-Agent
+    async with contextlib.AsyncExitStack() as resources:
+        http = new_client(
+            max_connections=min(max(total, 16), 1024),
+            timeout=max(bs.timeout for *_, bs in plans),
+            agent=user_agent(worker_id),
+        )
+        resources.push_async_callback(http.aclose)
+        backends: dict[str, Backend] = {}
+        for _, _, backend_name, bs in plans:  # every backend's settings are checked before anything connects
+            if backend_name not in backends:
+                backends[backend_name] = create_backend(backend_name, bs, client=http)
+                resources.push_async_callback(backends[backend_name].aclose)
+        storage = create_storage(settings.storage)
+        resources.push_async_callback(storage.aclose)
+        redis = await connect(settings.redis_url)
+        resources.push_async_callback(redis.aclose)
+        store = QueueStore(redis)
+
+        async def save(key: str, output: Any, run: str, fence: Fence) -> str:
+            stored = await store_output(
+                storage, key, output, http, copy_files=settings.storage.copy_files, run=run, before_write=fence
+            )
+            return stored.location
+
+        limits: dict[str, BackendLimits] = {}
+        workers: list[Worker] = []
+        for queue, q, backend_name, bs in plans:
+            if backend_name not in limits:
+                limits[backend_name] = BackendLimits(
+                    redis, backend_name, parse_rate(bs.rate_limit) if bs.rate_limit else None
+                )
+            # Liveness must never queue behind thousands of job tasks waiting for the shared pool: a late
+            # heartbeat lets the reaper hand live jobs to another worker, which would then pay for them again.
+            control = await connect(settings.redis_url, max_connections=2)
+            resources.push_async_callback(control.aclose)
+            in_flight = concurrency or q.concurrency
+            options = WorkerOptions(
+                queue=queue,
+                backend_name=backend_name,
+                concurrency=in_flight,
+                poll_interval=q.poll_interval,
+                poll_timeout=q.poll_timeout,
+                grace_s=grace_s,
+                daily_job_cap=q.daily_job_cap,
+                daily_spend_cap=q.daily_spend_cap,
+                price_per_job=bs.price_per_job,
+                price_per_second=bs.price_per_second,
+                max_job_cost=bs.max_job_cost,
+                ingest_list=q.ingest_list,
+                max_attempts=q.max_attempts,
+                submit_concurrency=q.submit_concurrency,
+                **({"lease_ms": int(lease_ms)} if lease_ms is not None else {}),
+            )
+            worker = Worker(
+                store,
+                backends[backend_name],
+                save,
+                limits[backend_name],
+                options,
+                worker_id=worker_id,
+                clock=clock,
+                control=QueueStore(control),
+            )
+            workers.append(worker)
+            log.info(
+                "worker %s serving queue %s via %s (%s), up to %d in flight",
+                worker.id,
+                queue,
+                backend_name,
+                bs.kind,
+                in_flight,
+            )
+        if on_ready:
+            for worker in workers:
+                on_ready(worker)
+        await _serve_all(workers, stop)
+    return workers
+
+
+async def _serve_all(workers: list[Worker], stop: asyncio.Event) -> None:
+    """Run every worker until `stop`; the first failure stops (and drains) the rest, then is raised."""
+    tasks = [asyncio.create_task(w.run(stop), name=f"worker {w.o.queue}") for w in workers]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        stop.set()  # reached with every task done, or on cancellation: either way the rest drain
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    failure = next((r for r in results if isinstance(r, BaseException)), None)
+    if failure is not None:
+        raise failure
