@@ -118,3 +118,40 @@ def test_one_stale_lease_and_two_distinct_rejections() -> None:
     assert "Stale" not in names and "Rejected" not in names
     assert names.count("StaleLease") == 1
     assert found["offload.errors.StaleLease"] is StaleLease
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "env", "message"),
+    [
+        ("queues: {gpu: {concurrency: lots}}", {}, "queues.gpu.concurrency: Input should be a valid integer"),
+        ("storage: {kind: s3, bucket: b, max_threads: 0}", {}, "storage.max_threads: Input should be greater than"),
+        ("storage: {kind: s3}", {}, "storage.bucket: Field required"),
+        ("backends: {b: {kind: runpod, endpiont_id: x}}", {}, "backends.b.endpiont_id: unknown setting"),
+        ("backends: {b: {kind: fal, app: a, timeout: -1}}", {}, "backends.b.timeout: Input should be greater than 0"),
+        ("", {"GPU_API_BASE": "https://gpu", "POLL_INTERVAL": "soon"}, "queues.gpu-jobs.poll_interval: Input should"),
+        ("", {"GPU_API_BASE": "gpu.example.com"}, "backends.gpu.base_url: must be an http:// or https:// URL"),
+    ],
+)
+@pytest.mark.parametrize("command", [["worker"], ["config", "check"]])
+def test_a_bad_setting_ends_the_real_cli_in_one_line_naming_it(
+    tmp_path: Path, yaml_text: str, env: dict[str, str], message: str, command: list[str]
+) -> None:
+    """Through `python -m offload`, as an operator meets it: exit 1, one `error:` line naming the field, no
+    traceback, for a bad offload.yaml value and a bad tutorial env value (tests/test_cli.py holds the OFFLOAD_*
+    numbers such as OFFLOAD_MAX_PAYLOAD to the same)."""
+    import os
+    import subprocess
+    import sys
+
+    config = tmp_path / "offload.yaml"
+    config.write_text(yaml_text)
+    proc = subprocess.run(
+        [sys.executable, "-m", "offload", *command, "--config", str(config)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OFFLOAD_HOME": str(tmp_path / ".offload"), "OFFLOAD_CONFIG": "", **env},
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert (proc.returncode, proc.stdout) == (1, ""), proc.stderr
+    assert proc.stderr.startswith(f"error: {message}") and proc.stderr.count("\n") == 1, proc.stderr
