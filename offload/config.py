@@ -19,6 +19,8 @@ import yaml
 from pydantic import Field, field_validator
 
 from offload import stack
+from offload.autoscale.alerts import AlertSettings
+from offload.autoscale.config import ServerSide, validate_autoscale, yaml_blocks
 from offload.backends.settings import AnyBackendSettings, BackendSettings
 from offload.embedded import data_dir
 from offload.errors import ConfigError
@@ -66,8 +68,8 @@ class Settings(Strict):
     storage: StorageSettings = LocalStorageSettings()
     backends: dict[str, BackendSettings] = Field(default_factory=dict)
     queues: dict[str, QueueSettings] = Field(default_factory=dict)
-    autoscaler: dict[str, Any] | None = None  # validated by offload.autoscale.config.server_side
-    alerts: dict[str, Any] | None = None  # validated by offload.autoscale.alerts.alert_settings
+    autoscaler: ServerSide | None = None  # the autoscaler's server-side settings (offload.autoscale.config)
+    alerts: AlertSettings | None = None  # where alerts go (offload.autoscale.alerts)
 
     @field_validator("queues")
     @classmethod
@@ -203,18 +205,10 @@ def load_settings(path: str | os.PathLike[str] | None = None, env: Mapping[str, 
         data = _expand(loaded, env, "")
     data = _from_env(data, env)
     settings: Settings = parse(Settings, data)
-    from offload.autoscale.config import validate_autoscale, yaml_blocks  # a leaf schema module: no cycle
-
     for qname, block in yaml_blocks(settings).items():
         validate_autoscale(block, f"queues.{qname}.autoscale")
     for qname, q in settings.queues.items():
         if q.backend is not None and q.backend not in settings.backends:
             raise ConfigError(f"queues.{qname}.backend: no backend named {q.backend!r} is configured")
-    if settings.autoscaler is not None or settings.alerts is not None:
-        from offload.autoscale.alerts import alert_settings
-        from offload.autoscale.config import server_side
-
-        server_side(settings.autoscaler, dict(env))
-        alert_settings(settings.alerts)
     check_prefixes(settings.output_prefixes())
     return settings

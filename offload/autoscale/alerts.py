@@ -12,6 +12,7 @@ import asyncio
 import logging
 import smtplib
 import time
+from collections.abc import Mapping
 from email.message import EmailMessage
 from typing import Any, Literal
 
@@ -52,7 +53,7 @@ class EmailTarget(Strict):
     from_addr: str
     to: list[str] = Field(..., min_length=1)
     username: str | None = None
-    password: str | None = None
+    password: str | None = Field(None, repr=False)
     starttls: bool = False
     kinds: list[AlertKind] | None = None
 
@@ -71,7 +72,10 @@ def _wants(kinds: list[AlertKind] | None, kind: str) -> bool:
     return kinds is None or kind in kinds or PARENT.get(kind) in kinds
 
 
-def alert_settings(data: Any) -> AlertSettings:
+def alert_settings(data: AlertSettings | Mapping[str, Any] | None) -> AlertSettings:
+    """The typed `alerts:` block as offload.config validated it; a mapping (a test's, a caller's) is validated."""
+    if isinstance(data, AlertSettings):
+        return data
     parsed: AlertSettings = parse(AlertSettings, data or {}, "alerts")
     return parsed
 

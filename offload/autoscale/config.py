@@ -9,6 +9,7 @@ injectable clock.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Annotated, Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -319,7 +320,7 @@ class ServerSide(Strict):
     must never hold the admin key, so real providers refuse to rent until both are set."""
 
     public_url: str | None = None
-    worker_key: str | None = None
+    worker_key: str | None = Field(None, repr=False)  # a secret: never in a repr or a log line
     destroy_orphans: bool = False
     orphan_sweep_interval: Duration = Field(600.0, gt=0)
     tick: Duration = Field(1.0, gt=0, description="how often the loop wakes; each queue runs per its poll_interval")
@@ -334,11 +335,13 @@ class ServerSide(Strict):
     )
 
 
-def server_side(data: Any, env: dict[str, str] | None = None) -> ServerSide:
+def server_side(data: ServerSide | Mapping[str, Any] | None, env: dict[str, str] | None = None) -> ServerSide:
+    """The typed `autoscaler:` block (offload.config validated it; a mapping is validated here) with the
+    environment's OFFLOAD_PUBLIC_URL and OFFLOAD_WORKER_API_KEY on top."""
     import os
 
     env = dict(os.environ) if env is None else env
-    out: ServerSide = parse(ServerSide, data or {}, "autoscaler")
+    out: ServerSide = data.model_copy() if isinstance(data, ServerSide) else parse(ServerSide, data or {}, "autoscaler")
     if env.get("OFFLOAD_PUBLIC_URL"):
         out.public_url = env["OFFLOAD_PUBLIC_URL"]
     if env.get("OFFLOAD_WORKER_API_KEY"):

@@ -21,10 +21,10 @@ from offload.autoscale.providers.base import (
     Unauthorized,
     is_ours,
 )
-from offload.autoscale.providers.local import LocalProvider
-from offload.autoscale.providers.mock import MockProvider
-from offload.autoscale.providers.runpod import RunPodProvider
-from offload.autoscale.providers.vastai import VastProvider
+from offload.autoscale.providers.local import LocalConfig, LocalProvider
+from offload.autoscale.providers.mock import MockConfig, MockProvider
+from offload.autoscale.providers.runpod import RunPodConfig, RunPodProvider
+from offload.autoscale.providers.vastai import VastConfig, VastProvider
 from offload.errors import ConfigError
 from offload.schema import parse
 
@@ -105,11 +105,15 @@ def validate_config(kind: str, config: dict[str, Any]) -> ProviderConfig:
 
 
 def build(name: str, kind: str, config: dict[str, Any], redis: Any, clock: Clock = time.time) -> Provider:
+    """The adapter for a stored provider record: its config (decrypted from Redis, so read like any input) is
+    validated once by the type's model and handed to the adapter as that typed object."""
     parsed = validate_config(kind, config)
-    if kind == "mock":
-        return MockProvider(name, parsed, redis, clock)  # type: ignore[arg-type]
-    if kind == "local":
-        return LocalProvider(name, parsed, redis, clock)  # type: ignore[arg-type]
-    if kind == "runpod":
-        return RunPodProvider(name, parsed)  # type: ignore[arg-type]
-    return VastProvider(name, parsed)  # type: ignore[arg-type]
+    if isinstance(parsed, MockConfig):
+        return MockProvider(name, parsed, redis, clock)
+    if isinstance(parsed, LocalConfig):
+        return LocalProvider(name, parsed, redis, clock)
+    if isinstance(parsed, RunPodConfig):
+        return RunPodProvider(name, parsed)
+    if isinstance(parsed, VastConfig):
+        return VastProvider(name, parsed)
+    raise ConfigError(f"type: provider type {kind!r} has no adapter")  # TYPES and this list disagree: a bug
