@@ -42,8 +42,8 @@ def http_url(value: str | None) -> str | None:
     """An http(s) URL without its trailing slash (every backend appends paths to it)."""
     if value is None:
         return None
-    if not value.startswith(("http://", "https://")):
-        raise ValueError(f"must be an http:// or https:// URL, got {value!r}")
+    if not value.startswith(("http://", "https://")):  # the value is not echoed: it may carry user:password@
+        raise ValueError("must be an http:// or https:// URL")
     return value.rstrip("/")
 
 
@@ -68,9 +68,13 @@ def field_error(exc: ValidationError, where: str = "", data: Any = None) -> Conf
     path += _path(first["loc"], data)
     message = _message(first)
     if first["type"] == "unknown_kind":  # a discriminator's own error (see offload.storage.settings): name `kind`
-        path.append("kind")
-        got = first["input"].get("kind") if isinstance(first["input"], Mapping) else first["input"]
-        message = f"{message}, got {got!r}" if got is not None else f"Field required, {message}"
+        given = first["input"]
+        if not isinstance(given, Mapping):
+            message = f"must be a mapping of settings, got {type(given).__name__}"
+        else:
+            path.append("kind")
+            got = given.get("kind")
+            message = f"{message}, got {str(got)[:40]!r}" if got is not None else f"Field required, {message}"
     return ConfigError(f"{'.'.join(path) or 'config'}: {message}")
 
 

@@ -213,3 +213,51 @@ def test_config_check_reads_offload_config_before_the_local_stack(
     )
     assert result.exit_code == 0, result.stderr
     assert '"config":"' + str(home.resolve() / "offload.yaml") + '"' in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "message"),
+    [
+        ("storage: just-a-string", r"^storage: must be a mapping of settings, got str$"),
+        ("backends: {b: [1, 2]}", r"^backends\.b: must be a mapping of settings, got list$"),
+        ("backends: {b: {kind: fal, app: a, base_url: 'admin:hunter2@fal.example'}}", r"^backends\.b\.base_url: must"),
+        ("backends: {b: {kind: runpod, endpoint_id: e, webhook_url: 'hunter2'}}", r"^backends\.b\.webhook_url: must"),
+        ("storage: {kind: s3, bucket: b, endpoint_url: 'key:hunter2@s3'}", r"^storage\.endpoint_url: must"),
+    ],
+)
+def test_a_hostile_block_is_named_and_no_value_is_echoed(tmp_path: Path, yaml_text: str, message: str) -> None:
+    """A URL without its scheme may still carry user:password@, so its value never reaches the error line."""
+    path = tmp_path / "offload.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(ConfigError, match=message) as caught:
+        load_settings(path, env={})
+    assert "hunter2" not in str(caught.value)
+
+
+def test_typed_blocks_are_what_the_settings_hold(tmp_path: Path) -> None:
+    """Every block is its kind's model after loading (nothing left as a dict to check again later), and the
+    secrets stay SecretStr until the one place that sends them."""
+    from offload.autoscale.alerts import AlertSettings
+    from offload.autoscale.config import ServerSide
+    from offload.backends.settings import (
+        FalSettings,
+        HttpJobSettings,
+        OpenAISettings,
+        ReplicateSettings,
+        RunPodSettings,
+    )
+    from offload.storage.settings import S3StorageSettings
+
+    path = readme_yaml(tmp_path)
+    path.write_text(path.read_text() + "autoscaler: {worker_key: wk-secret-1}\nalerts: {cooldown: 60}\n")
+    settings = load_settings(path, env=SECRETS)
+    kinds = {name: type(b) for name, b in settings.backends.items()}
+    assert set(kinds.values()) == {HttpJobSettings, RunPodSettings, ReplicateSettings, FalSettings, OpenAISettings}
+    assert isinstance(settings.storage, S3StorageSettings)
+    assert isinstance(settings.autoscaler, ServerSide) and isinstance(settings.alerts, AlertSettings)
+    runpod = settings.backends["sdxl"]
+    assert isinstance(runpod, RunPodSettings) and runpod.base_url == "https://api.runpod.ai/v2"
+    assert runpod.http()["api_key"] == "secret-runpod_api_key"
+    plain = {SECRETS["OFFLOAD_REDIS_URL"], SECRETS["S3_ACCESS_KEY"]}  # a URL and a key id are no secrets
+    for secret in {*SECRETS.values(), "wk-secret-1"} - plain:
+        assert secret not in repr(settings)
