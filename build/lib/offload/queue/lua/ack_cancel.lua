@@ -1,8 +1,0 @@
--- ARGV: now, id, token. The worker has cancelled the remote job: the job ends cancelled.
-local now = now_ms(ARGV[1])
-local id, token = ARGV[2], ARGV[3]
-local f, err = owned(id, token)
-if err then return err end
-unlease({id}, {[id] = f[2]})
-finish({id}, 'cancelled', now, nil, {{f[3], f[5]}})
-return 'OK'

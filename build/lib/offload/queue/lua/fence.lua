@@ -1,9 +1,0 @@
--- ARGV: now, items: a JSON list of [id, token]. Answers per item OK (the token still holds the lease),
--- STALE or NOTFOUND, changing nothing: the last check before a worker writes where a newer owner of the job
--- may write too (its output in object storage).
-local out = {}
-for _, item in ipairs(cjson.decode(ARGV[2])) do
-  local _, err = owned(item[1], item[2])
-  out[#out + 1] = err or 'OK'
-end
-return out

@@ -1,9 +1,0 @@
--- ARGV: now, id, token, reason, cap window (optional, digits). A leased job that may not be submitted (cap
--- reached) waits in held, without using up an attempt, until release; the window it was held in is kept so
--- it is released once a worker's (or the server's) window is later, whatever their clocks say about wall time.
-local now = now_ms(ARGV[1])
-local id, token = ARGV[2], ARGV[3]
-local f, err = owned(id, token)
-if err then return err end
-hold_job(id, f[2], now, ARGV[4], ARGV[5] or '')
-return 'OK'

@@ -1,9 +1,0 @@
--- ARGV: now, limit, silence ms. Maintenance: promote due delayed jobs, return dead workers' jobs, and delete
--- the records of finished jobs whose retention ran out. Returns {promoted, reaped, trimmed}.
-local now = now_ms(ARGV[1])
-local limit = tonumber(ARGV[2])
-stamp(now, tonumber(ARGV[3]))
-local promoted = promote(now, limit)
-local reaped = reap(now, limit)
-local trimmed = trim(now, limit)
-return {promoted, reaped, trimmed}
