@@ -903,7 +903,8 @@ def test_python_m_offload_sim_loads_no_other_command_group() -> None:
     )
     assert proc.returncode == 0 and "serve" in proc.stdout, proc.stderr[-2000:]
     loaded = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
-    assert "offload.cli.sim" in loaded and "offload.sim.server" in loaded
+    assert "offload.cli.sim" in loaded and "offload.sim.config" in loaded
+    assert "offload.sim.server" not in loaded  # the HTTP server (the `server` extra) loads only to serve
     others = sorted(
         m
         for m in loaded
