@@ -91,7 +91,7 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 
-        require("worker", "aiohttp", f"offload.backends.{name}")
+        require("worker", "aiohttp", "the dispatch worker")
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
