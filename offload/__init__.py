@@ -1,5 +1,7 @@
 """offload: a control plane for bursty GPU work on a durable Redis/Valkey job queue."""
 
+from importlib.metadata import PackageNotFoundError, version
+
 from offload.client import AsyncClient, Client
 from offload.errors import (
     ConfigError,
@@ -16,7 +18,10 @@ from offload.files import File
 from offload.models import ClaimedJob, Job, JobState, QueueStats
 from offload.queue.store import JobSpec, QueueStore
 
-__version__ = "0.1.0"
+try:  # the one version is pyproject's; an uninstalled checkout (no metadata) says so rather than guessing
+    __version__ = version("offload")
+except PackageNotFoundError:  # pragma: no cover - only a source tree on sys.path without `pip install -e`
+    __version__ = "0+unknown"
 
 __all__ = [
     "AsyncClient",
@@ -37,4 +42,5 @@ __all__ = [
     "QueueStats",
     "QueueStore",
     "StaleLease",
+    "__version__",
 ]

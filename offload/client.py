@@ -71,19 +71,21 @@ class AsyncClient:
         from offload.storage import create_storage
 
         if self._storage is None:
+            from offload.storage.settings import LocalStorageSettings, S3StorageSettings, StorageSettings
+
+            block: LocalStorageSettings | S3StorageSettings
             if isinstance(self._storage_arg, Mapping):
-                block: Mapping[str, Any] = self._storage_arg
+                from offload.schema import parse
+
+                block = parse(StorageSettings, dict(self._storage_arg), "storage")
             else:
                 from offload.config import load_settings
 
-                settings = load_settings()
-                block = settings.storage.model_dump()  # create_storage reveals the SecretStr itself
-                if self._max_file_bytes is None:
-                    self._max_file_bytes = settings.storage.max_input_file_bytes
+                block = load_settings().storage
             self._storage = create_storage(block)
             self._owns_storage = True
             if self._max_file_bytes is None:
-                self._max_file_bytes = int(block.get("max_input_file_bytes") or DEFAULT_MAX_FILE_BYTES)
+                self._max_file_bytes = block.max_input_file_bytes
         return self._storage, self._max_file_bytes or DEFAULT_MAX_FILE_BYTES
 
     async def _upload(self, queue: str, spec: JobSpec) -> tuple[JobSpec, list[str]]:

@@ -1,7 +1,10 @@
 """Configuration: `offload.yaml` (storage, backends, queues) with `${ENV}` references for secrets, env
 overrides, and the tutorial's env names as fallbacks, so a team keeps its env file when it moves over.
 
-Every problem is a ConfigError that names the offending field, raised at start, never mid-run.
+This is the one validation: every block has its typed model (storage and each backend kind one per kind, in
+offload.storage.settings and offload.backends.settings; autoscale and alerts in offload.autoscale), all checked
+here when the file is read, and passed on as those typed objects. Every problem is a ConfigError that names the
+offending field (`storage.bucket: required`), raised at start, never mid-run.
 """
 
 from __future__ import annotations
@@ -10,89 +13,36 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, field_validator
 
 from offload import stack
+from offload.autoscale.alerts import AlertSettings
+from offload.autoscale.config import ServerSide, validate_autoscale, yaml_blocks
+from offload.backends.settings import AnyBackendSettings, BackendSettings
 from offload.embedded import data_dir
 from offload.errors import ConfigError
-from offload.files import DEFAULT_MAX_FILE_BYTES
 from offload.queue.keys import validate_queue
+from offload.schema import Strict, parse, parse_rate
 from offload.storage.namespace import check_prefixes
+from offload.storage.settings import LocalStorageSettings, StorageSettings
 
-RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*(s|sec|second|m|min|minute|h|hour)\s*$")
 ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
-_PER = {"s": 1, "sec": 1, "second": 1, "m": 60, "min": 60, "minute": 60, "h": 3600, "hour": 3600}
+__all__ = [
+    "BackendSettings",
+    "ConfigError",
+    "QueueSettings",
+    "Settings",
+    "StorageSettings",
+    "config_file",
+    "load_settings",
+    "parse_rate",
+]
 
 
-def parse_rate(text: str) -> float:
-    """'20/s' -> 20.0 requests per second."""
-    m = RATE_RE.match(text)
-    if not m:
-        raise ValueError(f"rate limit must look like '20/s', '600/min' or '1000/hour', got {text!r}")
-    return float(m.group(1)) / _PER[m.group(2)]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class StorageSettings(_Strict):
-    kind: Literal["s3", "local"] = "local"
-    path: str = ".offload/results"
-    endpoint_url: str | None = None
-    bucket: str | None = None
-    prefix: str = ""
-    region: str = "us-east-1"
-    access_key_id: str | None = None
-    secret_access_key: SecretStr | None = None
-    copy_files: bool = True
-    # files by reference (offload.storage.inputs): the largest File() a job may carry; the life of the presigned
-    # GET a provider gets for an input file; how old an uploaded file no job refers to must be before the
-    # server's sweep removes it; seconds between sweeps
-    max_input_file_bytes: Annotated[int, Field(ge=1)] = DEFAULT_MAX_FILE_BYTES
-    input_url_expires_s: Annotated[int, Field(ge=60, le=7 * 86_400)] = 86_400
-    upload_grace_s: Annotated[float, Field(gt=0)] = 3600.0
-    sweep_interval_s: Annotated[float, Field(gt=0)] = 600.0
-
-
-class BackendSettings(BaseModel):
-    """Common settings; each backend kind reads its own extra keys (endpoint_id, model, ...)."""
-
-    model_config = ConfigDict(extra="allow")
-    kind: Literal["http-job", "openai", "runpod", "replicate", "fal"]
-    base_url: str | None = None
-    api_key: SecretStr | None = None
-    timeout: float | None = Field(None, gt=0, description="seconds per request; default: the backend's own")
-    rate_limit: str | None = None
-    price_per_job: float | None = Field(None, ge=0)
-    price_per_second: float | None = Field(None, ge=0)
-    max_job_cost: float | None = Field(
-        None,
-        ge=0,
-        description="the most one submission may cost (USD): what is "
-        "reserved against daily_spend_cap before it is sent",
-    )
-
-    @field_validator("rate_limit")
-    @classmethod
-    def _rate(cls, v: str | None) -> str | None:
-        if v is not None:
-            parse_rate(v)
-        return v
-
-    def provider_settings(self) -> dict[str, Any]:
-        """What the backend constructor sees: plain values, secrets revealed only here."""
-        data = self.model_dump(
-            exclude={"rate_limit", "price_per_job", "price_per_second", "max_job_cost", "kind"}, exclude_none=True
-        )
-        data["api_key"] = self.api_key.get_secret_value() if self.api_key else None
-        return data
-
-
-class QueueSettings(_Strict):
+class QueueSettings(Strict):
     backend: str | None = None  # None: served by GPU workers (`offload worker --handler`), not dispatched
     concurrency: int = Field(256, ge=1, le=100_000)
     max_attempts: int = Field(3, ge=1)
@@ -113,13 +63,13 @@ class QueueSettings(_Strict):
     deployment: dict[str, Any] | None = None  # the guide's place for autoscale.deployment (see yaml_blocks)
 
 
-class Settings(_Strict):
+class Settings(Strict):
     redis_url: str | None = None
-    storage: StorageSettings = StorageSettings()
-    backends: dict[str, BackendSettings] = {}
-    queues: dict[str, QueueSettings] = {}
-    autoscaler: dict[str, Any] | None = None  # validated by offload.autoscale.config.server_side
-    alerts: dict[str, Any] | None = None  # validated by offload.autoscale.alerts.alert_settings
+    storage: StorageSettings = LocalStorageSettings()
+    backends: dict[str, BackendSettings] = Field(default_factory=dict)
+    queues: dict[str, QueueSettings] = Field(default_factory=dict)
+    autoscaler: ServerSide | None = None  # the autoscaler's server-side settings (offload.autoscale.config)
+    alerts: AlertSettings | None = None  # where alerts go (offload.autoscale.alerts)
 
     @field_validator("queues")
     @classmethod
@@ -138,7 +88,7 @@ class Settings(_Strict):
     def output_prefixes(self) -> dict[str, str | None]:
         return {name: q.output_prefix for name, q in self.queues.items()}
 
-    def backend_for(self, queue: str) -> tuple[str, BackendSettings]:
+    def backend_for(self, queue: str) -> tuple[str, AnyBackendSettings]:
         q = self.queue(queue)
         name = q.backend
         if name is None:
@@ -254,26 +204,11 @@ def load_settings(path: str | os.PathLike[str] | None = None, env: Mapping[str, 
             raise ConfigError(f"{file}: the top level must be a mapping")
         data = _expand(loaded, env, "")
     data = _from_env(data, env)
-    try:
-        settings = Settings.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ConfigError(f"{where}: {first['msg']}") from None
-    from offload.autoscale.config import validate_autoscale, yaml_blocks  # a leaf schema module: no cycle
-
+    settings: Settings = parse(Settings, data)
     for qname, block in yaml_blocks(settings).items():
         validate_autoscale(block, f"queues.{qname}.autoscale")
     for qname, q in settings.queues.items():
         if q.backend is not None and q.backend not in settings.backends:
             raise ConfigError(f"queues.{qname}.backend: no backend named {q.backend!r} is configured")
-    if settings.autoscaler is not None or settings.alerts is not None:
-        from offload.autoscale.alerts import alert_settings
-        from offload.autoscale.config import server_side
-
-        server_side(settings.autoscaler, dict(env))
-        alert_settings(settings.alerts)
     check_prefixes(settings.output_prefixes())
-    if settings.storage.kind == "s3" and not settings.storage.bucket:
-        raise ConfigError("storage.bucket: required when storage.kind is s3")
     return settings

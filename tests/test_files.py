@@ -23,8 +23,9 @@ from offload.files import REF_KEY, field_name, references_in
 from offload.queue.keys import new_job_id
 from offload.queue.store import QueueStore
 from offload.server.file_sweep import FileSweep
-from offload.storage import S3Storage, create_storage
+from offload.storage import create_storage
 from offload.storage.inputs import FileTooLarge, inputs_prefix, job_of_key, outputs_prefix
+from offload.storage.s3 import S3Storage
 
 MiB = 1024 * 1024
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
+from pydantic import SecretStr
 from s3server import RcloneS3, wait_port_closed
 from servers import free_port
 
@@ -31,8 +32,7 @@ from offload.storage import (
     InvalidKey,
     LocalStorage,
     ObjectNotFound,
-    S3Settings,
-    S3Storage,
+    S3StorageSettings,
     Storage,
     StorageConfigError,
     StorageError,
@@ -40,6 +40,7 @@ from offload.storage import (
     files_prefix,
     store_output,
 )
+from offload.storage.s3 import S3Storage  # the s3 extra: not imported with offload.storage
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -194,8 +195,11 @@ async def test_s3_missing_bucket_and_unreachable_endpoint(s3: RcloneS3) -> None:
 async def test_s3_create_bucket_if_missing(s3: RcloneS3) -> None:
     name = f"new-{secrets.token_hex(5)}"
     store = S3Storage(
-        S3Settings(
-            bucket=name, endpoint_url=s3.endpoint_url, access_key_id=s3.access_key, secret_access_key=s3.secret_key
+        S3StorageSettings(
+            bucket=name,
+            endpoint_url=s3.endpoint_url,
+            access_key_id=s3.access_key,
+            secret_access_key=SecretStr(s3.secret_key),
         )
     )
     try:
@@ -489,34 +493,60 @@ async def test_store_output_on_local_storage(tmp_path: Path, file_host: str) -> 
 
 
 @pytest.mark.parametrize(("settings", "message"), [
-    ({"kind": "s3"}, "storage.bucket: required when storage.kind is s3"),
-    ({"kind": "gcs", "bucket": "b"}, "storage.kind: must be 's3' or 'local'"),
+    ({"kind": "s3"}, "storage.bucket: Field required"),
+    ({"kind": "s3", "bucket": " "}, "storage.bucket: String should have at least 1 character"),
+    ({"kind": "gcs", "bucket": "b"}, "storage.kind: must be one of 'local', 's3', got 'gcs'"),
     ({"kind": "s3", "bucket": "bkt", "endpoint_ulr": "http://x"}, "storage.endpoint_ulr: unknown setting"),
-    ({"kind": "s3", "bucket": "bkt", "access_key_id": "AK"}, "storage.access_key_id / storage.secret_access_key"),
-    ({"kind": "s3", "bucket": "bkt", "endpoint_url": "not a url"}, "storage.endpoint_url"),
-    ({"kind": "s3", "bucket": "bkt", "max_threads": 0}, "storage.max_threads: must be positive"),
+    ({"kind": "s3", "bucket": "bkt", "access_key_id": "AK"}, "storage: access_key_id and secret_access_key: set both"),
+    ({"kind": "s3", "bucket": "bkt", "endpoint_url": "not a url"}, "storage.endpoint_url: must be an http"),
+    ({"kind": "s3", "bucket": "bkt", "max_threads": 0}, "storage.max_threads: Input should be greater than or equal"),
+    ({"kind": "s3", "bucket": "bkt", "read_timeout": -1}, "storage.read_timeout: Input should be greater than 0"),
     ({"kind": "s3", "bucket": "bkt", "addressing_style": "sideways"}, "storage.addressing_style"),
+    ({"kind": "local", "bucket": "bkt"}, "storage.bucket: unknown setting"),
 ])  # fmt: skip
 def test_create_storage_names_the_bad_setting(settings: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
         create_storage(settings)
 
 
-async def test_create_storage_accepts_the_config_model_dump(s3: RcloneS3, bucket: str) -> None:
-    """offload.config holds the secret as a pydantic SecretStr and passes its defaults for both kinds."""
-    from pydantic import SecretStr
+async def test_the_yaml_storage_block_reaches_the_store_typed(s3: RcloneS3, bucket: str, tmp_path: Path) -> None:
+    """offload.yaml can set the S3 pool and timeouts (they used to be accepted only by create_storage, which the
+    config never let them reach), and the validated model is what builds the store: the secret stays a SecretStr
+    until boto3's session, and nothing is dumped and checked again."""
+    from offload.config import load_settings
 
-    settings = {
-        **s3.settings(bucket),
-        "secret_access_key": SecretStr(s3.secret_key),
-        "path": ".offload/results",
-        "copy_files": True,
-        "prefix": "",
-        "region": "us-east-1",
-    }
-    store = create_storage(settings)
+    (tmp_path / "offload.yaml").write_text(
+        textwrap.dedent(f"""
+        storage:
+          kind: s3
+          endpoint_url: {s3.endpoint_url}
+          bucket: {bucket}
+          access_key_id: {s3.access_key}
+          secret_access_key: ${{S3_SECRET}}
+          max_threads: 4
+          connect_timeout: 2
+          read_timeout: 7
+          max_attempts: 1
+        """)
+    )
+    settings = load_settings(tmp_path / "offload.yaml", env={"S3_SECRET": s3.secret_key})
+    assert isinstance(settings.storage, S3StorageSettings)
+    assert s3.secret_key not in repr(settings) and s3.secret_key not in str(settings.model_dump())
+    store = create_storage(settings.storage)
     try:
+        assert isinstance(store, S3Storage) and store.settings is settings.storage
+        config = store._client.meta.config
+        assert (config.max_pool_connections, config.connect_timeout, config.read_timeout) == (4, 2, 7)
+        assert config.retries["total_max_attempts"] == 2  # the first try and max_attempts retries
+        assert store._pool._max_workers == 4
         assert await store.put_json("results/m.json", {}) == f"s3://{bucket}/results/m.json"
     finally:
         await store.aclose()
-    assert isinstance(create_storage({"kind": "local", "path": None}), LocalStorage)  # None means the default
+
+
+def test_a_storage_mapping_is_validated_by_the_same_model(tmp_path: Path) -> None:
+    """A programmatic caller's mapping goes through the model offload.yaml does: defaults filled, nothing else."""
+    store = create_storage({"path": str(tmp_path)})  # kind defaults to local, as in offload.yaml
+    assert isinstance(store, LocalStorage) and store.root == tmp_path.resolve()
+    with pytest.raises(ConfigError, match=r"^storage\.path: Input should be a valid string"):
+        create_storage({"kind": "local", "path": None})

@@ -651,7 +651,7 @@ async def test_an_orphan_of_a_crash_inside_submit_is_adopted_by_its_tag(
     assert await store.begin_many("q", "", [(claimed.id, claimed.token, 0.0)]) == ["OK:1"]
     name, bs = settings.backend_for("q")
     async with new_client() as http:
-        backend = create_backend(bs.kind, name, bs.provider_settings(), client=http)
+        backend = create_backend(name, bs, client=http)
         submission = await backend.submit(claimed.input, tag=claimed.id)  # accepted; the crash loses the answer
     async with serving(settings) as worker:
         jobs = await until_state(store, [orphan_id, fresh_id], "succeeded", worker)
@@ -679,7 +679,7 @@ async def test_a_worker_whose_lease_lapsed_does_not_submit(valkey_url: str, sim:
 
     await until(taken_over, "another worker to take over the lapsed job")
     async with new_client() as http:
-        backend = create_backend("http-job", "gpu", {"base_url": sim, "api_key": "sim-key"}, client=http)
+        backend = create_backend("gpu", {"kind": "http-job", "base_url": sim, "api_key": "sim-key"}, client=http)
         worker = Worker(
             store,
             backend,

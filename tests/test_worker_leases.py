@@ -440,7 +440,7 @@ async def test_every_backend_sends_the_idempotency_key_and_the_worker_in_its_use
         async with new_client(agent=agent) as http:
             for kind, settings in BACKENDS.items():
                 backend = create_backend(
-                    kind, "gpu", {**settings, "base_url": f"{base}/v1" if kind == "openai" else base}, client=http
+                    "gpu", {**settings, "base_url": f"{base}/v1" if kind == "openai" else base}, client=http
                 )
                 await backend.submit({"prompt": "hi", "messages": []}, tag="q:job1", idempotency_key="q:job1.3")
     finally:

@@ -12,22 +12,23 @@ import asyncio
 import logging
 import smtplib
 import time
+from collections.abc import Mapping
 from email.message import EmailMessage
 from typing import Any, Literal
 
 import httpx
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
 from offload.autoscale import keys
 from offload.autoscale.config import Duration
 from offload.autoscale.instances import log_event
 from offload.autoscale.providers.base import Clock
-from offload.errors import ConfigError
 from offload.queue.keys import dead_letter_alert
 from offload.queue.scripts import SCRIPTS
 from offload.redact import Redactor, mask_url
 from offload.redis_client import RedisClient
+from offload.schema import Strict, parse
 
 log = logging.getLogger("offload.autoscale.alerts")
 AlertKind = Literal["autoscale_failure", "boot_timeout", "spend_cap_reached", "dead_letter_growth", "queue_latency"]
@@ -35,28 +36,24 @@ AlertKind = Literal["autoscale_failure", "boot_timeout", "spend_cap_reached", "d
 PARENT: dict[str, str] = {"boot_timeout": "autoscale_failure"}
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class WebhookTarget(_Strict):
+class WebhookTarget(Strict):
     url: str
     headers: dict[str, str] = Field(default_factory=dict)
     kinds: list[AlertKind] | None = None
 
 
-class EmailTarget(_Strict):
+class EmailTarget(Strict):
     host: str
     port: int = 25
     from_addr: str
     to: list[str] = Field(..., min_length=1)
     username: str | None = None
-    password: str | None = None
+    password: str | None = Field(None, repr=False)
     starttls: bool = False
     kinds: list[AlertKind] | None = None
 
 
-class AlertSettings(_Strict):
+class AlertSettings(Strict):
     webhooks: list[WebhookTarget] = Field(default_factory=list)
     email: EmailTarget | None = None
     cooldown: Duration = Field(900.0, ge=0)
@@ -70,12 +67,12 @@ def _wants(kinds: list[AlertKind] | None, kind: str) -> bool:
     return kinds is None or kind in kinds or PARENT.get(kind) in kinds
 
 
-def alert_settings(data: Any) -> AlertSettings:
-    try:
-        return AlertSettings.model_validate(data or {})
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        raise ConfigError(f"alerts.{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+def alert_settings(data: AlertSettings | Mapping[str, Any] | None) -> AlertSettings:
+    """The typed `alerts:` block as offload.config validated it; a mapping (a test's, a caller's) is validated."""
+    if isinstance(data, AlertSettings):
+        return data
+    parsed: AlertSettings = parse(AlertSettings, data or {}, "alerts")
+    return parsed
 
 
 class Alerter:

@@ -9,16 +9,18 @@ injectable clock.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Annotated, Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from cronsim import CronSim, CronSimError
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
 
 from offload.autoscale.deploy import Deployment
 from offload.autoscale.vault import Vault
 from offload.errors import ConfigError
+from offload.schema import Strict, parse
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)")
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -77,42 +79,38 @@ class Cron:
         return at if now - at <= lookback + 60 else None
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
 def _cron_text(v: str) -> str:
     Cron(v)
     return v
 
 
-class NoWorkers(_Strict):
+class NoWorkers(Strict):
     trigger: Literal["no_workers"]
 
 
-class QueueDepth(_Strict):
+class QueueDepth(Strict):
     trigger: Literal["queue_depth"]
     threshold: int = Field(..., ge=0)
 
 
-class Latency(_Strict):
+class Latency(Strict):
     trigger: Literal["latency"]
     max_latency: Duration = Field(..., gt=0)
 
 
-class UpSchedule(_Strict):
+class UpSchedule(Strict):
     trigger: Literal["schedule"]
     cron: Annotated[str, BeforeValidator(_cron_text)]
     workers: int = Field(1, ge=0)
     duration: Duration | None = Field(None, gt=0, description="how long the floor holds; default: one poll")
 
 
-class Idle(_Strict):
+class Idle(Strict):
     trigger: Literal["idle"]
     timeout: Duration = Field(..., gt=0)
 
 
-class DownSchedule(_Strict):
+class DownSchedule(Strict):
     trigger: Literal["schedule"]
     cron: Annotated[str, BeforeValidator(_cron_text)]
 
@@ -121,7 +119,7 @@ ScaleUp = Annotated[NoWorkers | QueueDepth | Latency | UpSchedule, Field(discrim
 ScaleDown = Annotated[Idle | DownSchedule, Field(discriminator="trigger")]
 
 
-class InstanceSpec(_Strict):
+class InstanceSpec(Strict):
     """What to rent. The provider's own GPU setting wins over `gpu` (GPU names differ per provider)."""
 
     gpu: str | None = None
@@ -159,7 +157,7 @@ RESERVED_ENV = (
 )
 
 
-class AutoscaleSettings(_Strict):
+class AutoscaleSettings(Strict):
     """One queue's autoscaling policy."""
 
     enabled: bool = False
@@ -314,7 +312,7 @@ def yaml_blocks(settings: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-class ServerSide(_Strict):
+class ServerSide(Strict):
     """The top-level `autoscaler:` block: what every queue's autoscaling shares.
 
     `public_url` and `worker_key` are what a rented machine receives (OFFLOAD_PUBLIC_URL and
@@ -322,7 +320,7 @@ class ServerSide(_Strict):
     must never hold the admin key, so real providers refuse to rent until both are set."""
 
     public_url: str | None = None
-    worker_key: str | None = None
+    worker_key: str | None = Field(None, repr=False)  # a secret: never in a repr or a log line
     destroy_orphans: bool = False
     orphan_sweep_interval: Duration = Field(600.0, gt=0)
     tick: Duration = Field(1.0, gt=0, description="how often the loop wakes; each queue runs per its poll_interval")
@@ -337,15 +335,13 @@ class ServerSide(_Strict):
     )
 
 
-def server_side(data: Any, env: dict[str, str] | None = None) -> ServerSide:
+def server_side(data: ServerSide | Mapping[str, Any] | None, env: dict[str, str] | None = None) -> ServerSide:
+    """The typed `autoscaler:` block (offload.config validated it; a mapping is validated here) with the
+    environment's OFFLOAD_PUBLIC_URL and OFFLOAD_WORKER_API_KEY on top."""
     import os
 
     env = dict(os.environ) if env is None else env
-    try:
-        out = ServerSide.model_validate(data or {})
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        raise ConfigError(f"autoscaler.{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+    out: ServerSide = data.model_copy() if isinstance(data, ServerSide) else parse(ServerSide, data or {}, "autoscaler")
     if env.get("OFFLOAD_PUBLIC_URL"):
         out.public_url = env["OFFLOAD_PUBLIC_URL"]
     if env.get("OFFLOAD_WORKER_API_KEY"):

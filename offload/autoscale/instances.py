@@ -29,6 +29,7 @@ from typing import Any
 import orjson
 
 from offload.autoscale import keys
+from offload.errors import FencingError
 from offload.queue.scripts import SCRIPTS
 from offload.redact import redact
 from offload.redis_client import RedisClient
@@ -46,11 +47,11 @@ TRANSITIONS: dict[str, tuple[str, ...]] = {
 EVENTS_MAX = 20_000
 
 
-class Fenced(Exception):
+class Fenced(FencingError):
     """This server is no longer the leader: its write (and the provider call after it) must not happen."""
 
 
-class StaleState(Exception):
+class StaleState(FencingError):
     """The instance is not in a state the write expected (someone else moved it)."""
 
 

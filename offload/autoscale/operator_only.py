@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from offload.errors import OffloadError
+from offload.errors import RequestError
 
 HOST_PROVIDER_TYPES = frozenset({"local"})  # provider types whose machines are processes on this host
 # dotted paths in a queue's autoscale block; a deployment clones and runs a repository's code wherever it goes
@@ -33,7 +33,7 @@ HOST_COMMAND_FIELDS = (
 WHERE = "set it in offload.yaml or with the `offload` CLI on the server's host (direct Redis access)"
 
 
-class OperatorOnly(OffloadError):
+class OperatorOnly(RequestError):
     """A setting that would run commands on the control-plane host, refused over the HTTP API (403)."""
 
 

@@ -20,7 +20,7 @@ import orjson
 from offload.autoscale import keys
 from offload.autoscale.providers import TYPES, validate_config
 from offload.autoscale.vault import Vault
-from offload.errors import ConfigError, OffloadError
+from offload.errors import ConfigError, RequestError
 from offload.queue.scripts import SCRIPTS
 from offload.redis_client import RedisClient
 
@@ -28,11 +28,11 @@ MASK = "****"
 NAME_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789-_.")
 
 
-class ProviderNotFound(OffloadError, KeyError):
+class ProviderNotFound(RequestError, KeyError):
     """No provider by that name."""
 
 
-class ProviderInUse(OffloadError, ValueError):
+class ProviderInUse(RequestError, ValueError):
     """A provider with live instances cannot be deleted (they would be leaked)."""
 
 

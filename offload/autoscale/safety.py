@@ -7,7 +7,8 @@ constants, so each can be tested on its own and read in one place.
   up to 1 h, reset by the first worker that becomes ready (`boot_backoff`);
 - a host that could not start the container is avoided for 24 h, and the next rental waits 30 s, doubling to
   10 min (`host_pause`), instead of the boot backoff (the image is probably fine; the host was not);
-- a running instance whose heartbeats stopped for 5 min is destroyed (HEARTBEAT_LOST).
+- a running instance whose heartbeats stopped for `autoscaler.heartbeat_timeout` (5 min by default) is destroyed
+  (the reconcile loop applies it; the setting lives in offload.autoscale.config).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 from offload.autoscale.instances import Instance
 
 RECENT_TASK = 30.0
-HEARTBEAT_LOST = 300.0
 PROVISION_BACKOFF_CAP = 600.0
 BOOT_BACKOFF_CAP = 3600.0
 HOST_AVOID = 86_400.0

@@ -1,19 +1,20 @@
-"""Remote GPU/model APIs behind one interface (`Backend`), and the registry that builds one from config.
+"""Remote GPU/model APIs behind one interface (`Backend`), and the registry that builds one from its settings.
 
-    backend = create_backend("runpod", "sdxl", {"endpoint_id": "abc123", "api_key": key}, client)
+    backend = create_backend("sdxl", RunPodSettings(endpoint_id="abc123", api_key=key), client)
     submission = await backend.submit({"prompt": "..."}, tag=job_id)
 
-Settings common to every kind: `base_url`, `api_key` (None: a placeholder credential, which the simulator
-accepts), `timeout` (seconds per request) and `max_connections` (only used when no client is passed). Pass one
-shared `httpx.AsyncClient` (see `new_client`) to all backends of a process so their polls share one pool.
+The settings are the typed model of the kind (offload.backends.settings), as offload.config validated them from
+offload.yaml; a plain mapping is validated by the same model first. Pass one shared `httpx.AsyncClient` (see
+`new_client`) to all backends of a process so their polls share one pool.
+
+Only the interface and the settings are imported with the package: the backend modules (and the HTTP stack of
+the `worker` extra under them) load when a backend is built, so reading offload.yaml does not need them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
-
-import httpx
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from offload.backends.base import (
     TERMINAL,
@@ -27,43 +28,81 @@ from offload.backends.base import (
     Throttled,
     Transient,
 )
-from offload.backends.fal import FalBackend
-from offload.backends.http import new_client
-from offload.backends.http_job import HttpJobBackend
-from offload.backends.openai import OpenAIBackend
-from offload.backends.replicate import ReplicateBackend
-from offload.backends.runpod import RunPodBackend
-from offload.backends.settings import Settings
-from offload.errors import ConfigError
+from offload.backends.settings import KINDS, AnyBackendSettings, BackendSettings
+from offload.extras import require
+from offload.schema import parse
 
-Factory = Callable[[str, Settings, httpx.AsyncClient | None], Backend]
+if TYPE_CHECKING:
+    import httpx
 
-KINDS: dict[str, Factory] = {
-    "http-job": HttpJobBackend.from_settings,
-    "runpod": RunPodBackend.from_settings,
-    "replicate": ReplicateBackend.from_settings,
-    "fal": FalBackend.from_settings,
-    "openai": OpenAIBackend.from_settings,
-}
+    from offload.backends.fal import FalBackend
+    from offload.backends.http import new_client
+    from offload.backends.http_job import HttpJobBackend
+    from offload.backends.openai import OpenAIBackend
+    from offload.backends.replicate import ReplicateBackend
+    from offload.backends.runpod import RunPodBackend
+
+
+def backend_settings(name: str, settings: Mapping[str, Any]) -> AnyBackendSettings:
+    """Validate one `backends.<name>` mapping (its `kind` included) by the model of its kind; a ConfigError names
+    `backends.<name>.<field>`. offload.config does this for every backend of offload.yaml."""
+    parsed: AnyBackendSettings = parse(BackendSettings, dict(settings), f"backends.{name}")
+    return parsed
 
 
 def create_backend(
-    kind: str, name: str, settings: Mapping[str, Any], client: httpx.AsyncClient | None = None
+    name: str, settings: AnyBackendSettings | Mapping[str, Any], client: httpx.AsyncClient | None = None
 ) -> Backend:
-    """Build backend `name` of `kind` from its settings. Raises ConfigError naming `backends.<name>.<field>` for
-    an unknown kind, a missing or malformed setting, or a setting the kind does not know (a typo). Settings are
-    all checked before the backend (and its client, when none is passed) is created."""
-    factory = KINDS.get(kind)
-    if factory is None:
-        raise ConfigError(f"backends.{name}.kind: unknown backend kind {kind!r} (known: {', '.join(sorted(KINDS))})")
-    return factory(name, Settings(kind, name, settings), client)
+    """Build backend `name` from its typed settings (a mapping is validated first, see `backend_settings`). The
+    backend, and its client when none is passed, is created only from settings already checked."""
+    if isinstance(settings, Mapping):
+        settings = backend_settings(name, settings)
+    require("worker", "aiohttp", "dispatching to a backend")
+    from offload.backends.fal import FalBackend
+    from offload.backends.http_job import HttpJobBackend
+    from offload.backends.openai import OpenAIBackend
+    from offload.backends.replicate import ReplicateBackend
+    from offload.backends.runpod import RunPodBackend
+    from offload.backends.settings import FalSettings, HttpJobSettings, OpenAISettings, ReplicateSettings
+
+    if isinstance(settings, HttpJobSettings):
+        return HttpJobBackend.from_settings(name, settings, client)
+    if isinstance(settings, OpenAISettings):
+        return OpenAIBackend.from_settings(name, settings, client)
+    if isinstance(settings, ReplicateSettings):
+        return ReplicateBackend.from_settings(name, settings, client)
+    if isinstance(settings, FalSettings):
+        return FalBackend.from_settings(name, settings, client)
+    return RunPodBackend.from_settings(name, settings, client)
+
+
+_LAZY = {
+    "new_client": "offload.backends.http",
+    "FalBackend": "offload.backends.fal",
+    "HttpJobBackend": "offload.backends.http_job",
+    "OpenAIBackend": "offload.backends.openai",
+    "ReplicateBackend": "offload.backends.replicate",
+    "RunPodBackend": "offload.backends.runpod",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The backend classes and `new_client`, imported on first use (see the module docstring)."""
+    if name in _LAZY:
+        import importlib
+
+        require("worker", "aiohttp", "the dispatch worker")
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
     "KINDS",
     "TERMINAL",
+    "AnyBackendSettings",
     "Backend",
     "BackendError",
+    "BackendSettings",
     "FalBackend",
     "Fatal",
     "HttpJobBackend",
@@ -76,6 +115,7 @@ __all__ = [
     "Submission",
     "Throttled",
     "Transient",
+    "backend_settings",
     "create_backend",
     "new_client",
 ]

@@ -11,17 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from offload.errors import BackendError as BackendError  # the branch root, drawn in offload.errors
+
 RemoteStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
-
-
-class BackendError(Exception):
-    """Base class. `excerpt` is a short, secret-free piece of the provider's response for the job record."""
-
-    def __init__(self, message: str, *, status: int | None = None, excerpt: str = "") -> None:
-        super().__init__(message)
-        self.status = status
-        self.excerpt = excerpt
 
 
 class Throttled(BackendError):

@@ -24,17 +24,15 @@ import orjson
 
 from offload.backends.base import Fatal, RemoteResult, Submission
 from offload.backends.http import (
-    DEFAULT_MAX_CONNECTIONS,
-    DEFAULT_TIMEOUT,
     HttpBackend,
     decode,
     same_origin,
     tagged_url,
     warn_unknown_status,
 )
-from offload.backends.settings import Settings
+from offload.backends.settings import DEFAULT_MAX_CONNECTIONS, DEFAULT_TIMEOUT, FAL_BASE, FalSettings
 
-DEFAULT_BASE = "https://queue.fal.run"
+DEFAULT_BASE = FAL_BASE
 CANCELLED_TYPES = frozenset({"request_cancelled", "cancelled"})
 URL_KEYS = ("response_url", "status_url", "cancel_url")
 
@@ -64,11 +62,8 @@ class FalBackend(HttpBackend):
         self._webhook = webhook_url
 
     @classmethod
-    def from_settings(cls, name: str, s: Settings, client: httpx.AsyncClient | None) -> FalBackend:
-        common = s.common(default_base=DEFAULT_BASE)
-        app, webhook_url = s.need("app"), s.url("webhook_url")
-        s.finish()
-        return cls(name, app=app, **common, webhook_url=webhook_url, client=client)
+    def from_settings(cls, name: str, s: FalSettings, client: httpx.AsyncClient | None) -> FalBackend:
+        return cls(name, app=s.app, **s.http(), webhook_url=s.webhook_url, client=client)
 
     # --- remote id <-> URLs ---------------------------------------------------------------------------------
 

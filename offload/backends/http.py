@@ -23,13 +23,12 @@ import httpx
 import orjson
 
 from offload.backends.base import BackendError, Fatal, NotFound, Throttled, Transient
+from offload.backends.settings import DEFAULT_MAX_CONNECTIONS, DEFAULT_TIMEOUT
 from offload.backends.transport import AiohttpTransport, fast_path
 from offload.redact import bare_url, excerpt  # the one redaction path (offload/redact.py)
 
 log = logging.getLogger("offload.backends")
 
-DEFAULT_MAX_CONNECTIONS = 512
-DEFAULT_TIMEOUT = 30.0
 NO_KEY = "none"
 
 _AVAILABLE_IN = re.compile(r"(?i)expected available in (\d+(?:\.\d+)?) second")

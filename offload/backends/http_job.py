@@ -17,8 +17,8 @@ from urllib.parse import quote
 import httpx
 
 from offload.backends.base import RemoteResult, RemoteStatus, Submission
-from offload.backends.http import DEFAULT_MAX_CONNECTIONS, DEFAULT_TIMEOUT, HttpBackend, warn_unknown_status
-from offload.backends.settings import Settings
+from offload.backends.http import HttpBackend, warn_unknown_status
+from offload.backends.settings import DEFAULT_MAX_CONNECTIONS, DEFAULT_TIMEOUT, HttpJobSettings
 
 STATUSES: dict[str, RemoteStatus] = {
     "queued": "queued",
@@ -53,11 +53,8 @@ class HttpJobBackend(HttpBackend):
         self._cancel = cancel
 
     @classmethod
-    def from_settings(cls, name: str, s: Settings, client: httpx.AsyncClient | None) -> HttpJobBackend:
-        common = s.common(default_base=None)
-        cancel = s.flag("cancel", True)
-        s.finish()
-        return cls(name, **common, cancel=cancel, client=client)
+    def from_settings(cls, name: str, s: HttpJobSettings, client: httpx.AsyncClient | None) -> HttpJobBackend:
+        return cls(name, **s.http(), cancel=s.cancel, client=client)
 
     def _job_url(self, remote_id: str) -> str:
         return f"{self.base_url}/jobs/{quote(remote_id, safe='')}"

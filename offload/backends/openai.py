@@ -24,12 +24,10 @@ from typing import Any
 import httpx
 
 from offload.backends.base import Fatal, NotFound, RemoteResult, Submission, Throttled
-from offload.backends.http import DEFAULT_MAX_CONNECTIONS, HttpBackend
-from offload.backends.settings import Settings
+from offload.backends.http import HttpBackend
+from offload.backends.settings import DEFAULT_MAX_CONNECTIONS, OPENAI_BASE, OPENAI_PATH, OPENAI_TIMEOUT, OpenAISettings
 
-DEFAULT_BASE = "https://api.openai.com/v1"
-DEFAULT_PATH = "/chat/completions"
-DEFAULT_TIMEOUT = 600.0  # the OpenAI SDK's: a long completion is slow, not broken
+DEFAULT_BASE, DEFAULT_PATH, DEFAULT_TIMEOUT = OPENAI_BASE, OPENAI_PATH, OPENAI_TIMEOUT
 PER = 1_000_000
 
 
@@ -62,16 +60,16 @@ class OpenAIBackend(HttpBackend):
         self._prices = (price_per_million_input_tokens, price_per_million_output_tokens)
 
     @classmethod
-    def from_settings(cls, name: str, s: Settings, client: httpx.AsyncClient | None) -> OpenAIBackend:
-        common = s.common(default_base=DEFAULT_BASE, default_timeout=DEFAULT_TIMEOUT)
-        options: dict[str, Any] = {
-            "path": s.text("path", DEFAULT_PATH) or DEFAULT_PATH,
-            "model": s.text("model"),
-            "price_per_million_input_tokens": s.number("price_per_million_input_tokens", None),
-            "price_per_million_output_tokens": s.number("price_per_million_output_tokens", None),
-        }
-        s.finish()
-        return cls(name, **common, **options, client=client)
+    def from_settings(cls, name: str, s: OpenAISettings, client: httpx.AsyncClient | None) -> OpenAIBackend:
+        return cls(
+            name,
+            **s.http(),
+            path=s.path,
+            model=s.model,
+            price_per_million_input_tokens=s.price_per_million_input_tokens,
+            price_per_million_output_tokens=s.price_per_million_output_tokens,
+            client=client,
+        )
 
     def cost(self, usage: Any) -> float | None:
         """USD from token counts; None when prices are not configured or usage is missing."""

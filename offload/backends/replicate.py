@@ -24,18 +24,20 @@ import httpx
 
 from offload.backends.base import Fatal, NotFound, RemoteResult, RemoteStatus, Submission
 from offload.backends.http import (
-    DEFAULT_MAX_CONNECTIONS,
-    DEFAULT_TIMEOUT,
     HttpBackend,
     same_origin,
     tagged_url,
     warn_unknown_status,
 )
-from offload.backends.settings import Settings
-from offload.errors import ConfigError
+from offload.backends.settings import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_TIMEOUT,
+    REPLICATE_BASE,
+    REPLICATE_FIND_PAGES,
+    ReplicateSettings,
+)
 
-DEFAULT_BASE = "https://api.replicate.com/v1"
-DEFAULT_FIND_PAGES = 3
+DEFAULT_BASE, DEFAULT_FIND_PAGES = REPLICATE_BASE, REPLICATE_FIND_PAGES
 STATUSES: dict[str, RemoteStatus] = {
     "starting": "queued",
     "processing": "running",
@@ -68,13 +70,7 @@ class ReplicateBackend(HttpBackend):
         find_pages: int = DEFAULT_FIND_PAGES,
         client: httpx.AsyncClient | None = None,
     ) -> None:
-        targets = [t for t in (version, model, deployment) if t]
-        if len(targets) != 1:
-            raise ConfigError(f"backends.{name}: set exactly one of version, model, deployment for kind replicate")
-        owner_name = model or deployment
-        if owner_name is not None and owner_name.count("/") != 1:
-            key = "model" if model else "deployment"
-            raise ConfigError(f"backends.{name}.{key} must look like owner/name, got {owner_name!r}")
+        owner_name = model or deployment  # exactly one of the three: ReplicateSettings checks it
         root = base_url.rstrip("/")
         super().__init__(
             name,
@@ -94,18 +90,18 @@ class ReplicateBackend(HttpBackend):
         self._find_pages = find_pages
 
     @classmethod
-    def from_settings(cls, name: str, s: Settings, client: httpx.AsyncClient | None) -> ReplicateBackend:
-        common = s.common(default_base=DEFAULT_BASE)
-        targets: dict[str, Any] = {k: s.text(k) for k in ("version", "model", "deployment")}
-        if not any(targets.values()):
-            raise ConfigError(f"{s.where('version')} (or model, or deployment) is required for kind replicate")
-        options: dict[str, Any] = {
-            "webhook_url": s.url("webhook_url"),
-            "tag_input_key": s.text("tag_input_key"),
-            "find_pages": s.integer("find_pages", DEFAULT_FIND_PAGES),
-        }
-        s.finish()
-        return cls(name, **targets, **common, **options, client=client)
+    def from_settings(cls, name: str, s: ReplicateSettings, client: httpx.AsyncClient | None) -> ReplicateBackend:
+        return cls(
+            name,
+            version=s.version,
+            model=s.model,
+            deployment=s.deployment,
+            **s.http(),
+            webhook_url=s.webhook_url,
+            tag_input_key=s.tag_input_key,
+            find_pages=s.find_pages,
+            client=client,
+        )
 
     def _prediction_url(self, remote_id: str) -> str:
         return f"{self.base_url}/predictions/{quote(remote_id, safe='')}"

@@ -22,15 +22,13 @@ import orjson
 
 from offload.backends.base import RemoteResult, RemoteStatus, Submission
 from offload.backends.http import (
-    DEFAULT_MAX_CONNECTIONS,
-    DEFAULT_TIMEOUT,
     HttpBackend,
     tagged_url,
     warn_unknown_status,
 )
-from offload.backends.settings import Settings
+from offload.backends.settings import DEFAULT_MAX_CONNECTIONS, DEFAULT_TIMEOUT, RUNPOD_BASE, RunPodSettings
 
-DEFAULT_BASE = "https://api.runpod.ai/v2"
+DEFAULT_BASE = RUNPOD_BASE
 STATUSES: dict[str, RemoteStatus] = {
     "IN_QUEUE": "queued",
     "IN_PROGRESS": "running",
@@ -94,15 +92,10 @@ class RunPodBackend(HttpBackend):
         self._policy = policy
 
     @classmethod
-    def from_settings(cls, name: str, s: Settings, client: httpx.AsyncClient | None) -> RunPodBackend:
-        common = s.common(default_base=DEFAULT_BASE)
-        options: dict[str, Any] = {
-            "endpoint_id": s.need("endpoint_id"),
-            "webhook_url": s.url("webhook_url"),
-            "policy": s.mapping("policy"),
-        }
-        s.finish()
-        return cls(name, **common, **options, client=client)
+    def from_settings(cls, name: str, s: RunPodSettings, client: httpx.AsyncClient | None) -> RunPodBackend:
+        return cls(
+            name, **s.http(), endpoint_id=s.endpoint_id, webhook_url=s.webhook_url, policy=s.policy, client=client
+        )
 
     async def submit(self, job_input: Any, *, tag: str, idempotency_key: str | None = None) -> Submission:
         body: dict[str, Any] = {"input": job_input}

@@ -1,110 +1,155 @@
-"""Reading one backend's settings from the config mapping, with errors that name the offending field.
+"""`backends.<name>` of offload.yaml: one model per backend kind, discriminated by `kind`.
 
-Every read is remembered, so after a backend has taken what it needs, anything left over is reported as unknown:
-a typo such as `endpoint_Id` would otherwise be ignored and the backend would run with a default nobody chose.
+Each model holds every setting its kind reads, typed, with its default, so a typo such as `endpoint_Id` is an
+error naming `backends.<name>.endpoint_Id` instead of a default nobody chose, and a backend is built from the
+typed object (`from_settings`) without reading or checking anything again. Imports no HTTP stack, so offload.yaml
+is read without the `worker` extra.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any, Literal, Self, TypedDict
 
-from offload.backends.http import DEFAULT_MAX_CONNECTIONS, DEFAULT_TIMEOUT
-from offload.errors import ConfigError
+from pydantic import Discriminator, Field, SecretStr, Tag, field_validator, model_validator
+
+from offload.schema import NonEmpty, Strict, http_url, parse_rate
+
+DEFAULT_MAX_CONNECTIONS = 512
+DEFAULT_TIMEOUT = 30.0
+OPENAI_BASE = "https://api.openai.com/v1"
+OPENAI_PATH = "/chat/completions"
+OPENAI_TIMEOUT = 600.0  # the OpenAI SDK's: a long completion is slow, not broken
+RUNPOD_BASE = "https://api.runpod.ai/v2"
+REPLICATE_BASE = "https://api.replicate.com/v1"
+REPLICATE_FIND_PAGES = 3
+FAL_BASE = "https://queue.fal.run"
 
 
-class Settings:
-    """Typed accessors over `backends.<name>`; each raises ConfigError naming `backends.<name>.<key>`."""
+class HttpOptions(TypedDict):
+    """The keyword arguments every HttpBackend takes from its settings."""
 
-    def __init__(self, kind: str, name: str, values: Mapping[str, Any]) -> None:
-        if not isinstance(values, Mapping):
-            raise ConfigError(f"backends.{name} must be a mapping of settings, not {type(values).__name__}")
-        self.kind = kind
-        self.name = name
-        self._values = dict(values)
-        self._used: set[str] = {"kind"}  # the config file may keep the kind next to the settings
+    base_url: str
+    api_key: str | None
+    timeout: float
+    max_connections: int
 
-    def where(self, key: str) -> str:
-        return f"backends.{self.name}.{key}"
 
-    def _get(self, key: str) -> Any:
-        self._used.add(key)
-        return self._values.get(key)
+class _Backend(Strict):
+    """Settings common to every kind. The worker reads `rate_limit` and the prices; the backend the rest."""
 
-    def text(self, key: str, default: str | None = None) -> str | None:
-        value = self._get(key)
-        if value is None:
-            return default
-        if not isinstance(value, str) or not value.strip():
-            raise ConfigError(f"{self.where(key)} must be a non-empty string (is its environment variable set?)")
-        return value.strip()
+    base_url: str
+    api_key: SecretStr | None = Field(None, description="None: a placeholder credential, which the simulator accepts")
+    timeout: float = Field(DEFAULT_TIMEOUT, gt=0, description="seconds per request")
+    max_connections: int = Field(DEFAULT_MAX_CONNECTIONS, ge=1, description="only used when no client is shared")
+    rate_limit: str | None = None
+    price_per_job: float | None = Field(None, ge=0)
+    price_per_second: float | None = Field(None, ge=0)
+    max_job_cost: float | None = Field(
+        None, ge=0, description="the most one submission may cost (USD): reserved against daily_spend_cap first"
+    )
 
-    def need(self, key: str) -> str:
-        value = self.text(key)
-        if value is None:
-            raise ConfigError(f"{self.where(key)} is required for kind {self.kind}")
-        return value
+    @field_validator("base_url", "webhook_url", check_fields=False)
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        return http_url(v)
 
-    def url(self, key: str, default: str | None = None) -> str | None:
-        value = self.text(key, default)
-        if value is not None and not value.startswith(("http://", "https://")):
-            raise ConfigError(f"{self.where(key)} must be an http:// or https:// URL, got {value!r}")
-        return value.rstrip("/") if value is not None else None
+    @field_validator("api_key")
+    @classmethod
+    def _key(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and not v.get_secret_value().strip():
+            raise ValueError("must be a non-empty string (is its environment variable set?)")
+        return v
 
-    def number(self, key: str, default: float | None) -> float | None:
-        value = self._get(key)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-            raise ConfigError(f"{self.where(key)} must be a non-negative number, got {value!r}")
-        return float(value)
+    @field_validator("rate_limit")
+    @classmethod
+    def _rate(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_rate(v)
+        return v
 
-    def positive(self, key: str, default: float) -> float:
-        value = self.number(key, default)
-        if value is None or value <= 0:
-            raise ConfigError(f"{self.where(key)} must be a positive number, got {value!r}")
-        return value
-
-    def integer(self, key: str, default: int, minimum: int = 1) -> int:
-        value = self._get(key)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ConfigError(f"{self.where(key)} must be an integer >= {minimum}, got {value!r}")
-        return value
-
-    def flag(self, key: str, default: bool) -> bool:
-        value = self._get(key)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise ConfigError(f"{self.where(key)} must be true or false, got {value!r}")
-        return value
-
-    def mapping(self, key: str) -> dict[str, Any] | None:
-        value = self._get(key)
-        if value is None:
-            return None
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{self.where(key)} must be a mapping, got {type(value).__name__}")
-        return dict(value)
-
-    def common(self, *, default_base: str | None, default_timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
-        """`base_url`, `api_key`, `timeout` and `max_connections`: the keyword arguments of HttpBackend."""
-        base_url = self.url("base_url", default_base)
-        if base_url is None:
-            raise ConfigError(f"{self.where('base_url')} is required for kind {self.kind}")
+    def http(self) -> HttpOptions:
+        """What HttpBackend takes; the key is revealed only here, on its way to the provider."""
+        key = self.api_key.get_secret_value().strip() if self.api_key else None
         return {
-            "base_url": base_url,
-            "api_key": self.text("api_key"),
-            "timeout": self.positive("timeout", default_timeout),
-            "max_connections": self.integer("max_connections", DEFAULT_MAX_CONNECTIONS),
+            "base_url": self.base_url,
+            "api_key": key,
+            "timeout": self.timeout,
+            "max_connections": self.max_connections,
         }
 
-    def finish(self) -> None:
-        """Raise for the first setting nobody read. A None value counts as unset (a model dump of optional
-        fields), so only settings someone actually gave are reported."""
-        unknown = sorted(k for k, v in self._values.items() if k not in self._used and v is not None)
-        if unknown:
-            known = ", ".join(sorted(self._used - {"kind"}))
-            raise ConfigError(f"{self.where(unknown[0])} is not a setting of kind {self.kind} (known: {known})")
+
+class HttpJobSettings(_Backend):
+    """The tutorial's job API. `cancel: false` for providers without the cancel route."""
+
+    kind: Literal["http-job"] = "http-job"
+    cancel: bool = True
+
+
+class OpenAISettings(_Backend):
+    kind: Literal["openai"] = "openai"
+    base_url: str = OPENAI_BASE
+    timeout: float = Field(OPENAI_TIMEOUT, gt=0)
+    path: NonEmpty = OPENAI_PATH
+    model: NonEmpty | None = Field(None, description="filled into inputs that lack one")
+    price_per_million_input_tokens: float | None = Field(None, ge=0)
+    price_per_million_output_tokens: float | None = Field(None, ge=0)
+
+
+class RunPodSettings(_Backend):
+    kind: Literal["runpod"] = "runpod"
+    base_url: str = RUNPOD_BASE
+    endpoint_id: NonEmpty
+    webhook_url: str | None = None
+    policy: dict[str, Any] | None = Field(None, description="RunPod's policy object (executionTimeout, ttl in ms)")
+
+
+class ReplicateSettings(_Backend):
+    """Exactly one of `version`, `model` (owner/name) and `deployment` (owner/name)."""
+
+    kind: Literal["replicate"] = "replicate"
+    base_url: str = REPLICATE_BASE
+    version: NonEmpty | None = None
+    model: NonEmpty | None = None
+    deployment: NonEmpty | None = None
+    webhook_url: str | None = None
+    tag_input_key: NonEmpty | None = None
+    find_pages: int = Field(REPLICATE_FIND_PAGES, ge=1)
+
+    @model_validator(mode="after")
+    def _target(self) -> Self:
+        targets = [t for t in (self.version, self.model, self.deployment) if t]
+        if len(targets) != 1:
+            raise ValueError("set exactly one of version, model, deployment for kind replicate")
+        for key in ("model", "deployment"):
+            value = getattr(self, key)
+            if value is not None and value.count("/") != 1:
+                raise ValueError(f"{key} must look like owner/name, got {value!r}")
+        return self
+
+
+class FalSettings(_Backend):
+    kind: Literal["fal"] = "fal"
+    base_url: str = FAL_BASE
+    app: NonEmpty = Field(description="owner/app[/subpath] on the queue host")
+    webhook_url: str | None = None
+
+
+KINDS = ("http-job", "openai", "runpod", "replicate", "fal")
+AnyBackendSettings = HttpJobSettings | OpenAISettings | RunPodSettings | ReplicateSettings | FalSettings
+
+
+def _kind(value: Any) -> str | None:
+    kind = value.get("kind") if isinstance(value, dict) else getattr(value, "kind", None)
+    return kind if isinstance(kind, str) else None
+
+
+BackendSettings = Annotated[
+    Annotated[HttpJobSettings, Tag("http-job")]
+    | Annotated[OpenAISettings, Tag("openai")]
+    | Annotated[RunPodSettings, Tag("runpod")]
+    | Annotated[ReplicateSettings, Tag("replicate")]
+    | Annotated[FalSettings, Tag("fal")],
+    Discriminator(
+        _kind, custom_error_type="unknown_kind", custom_error_message=f"must be one of {', '.join(map(repr, KINDS))}"
+    ),
+]

@@ -38,9 +38,15 @@ def enqueue_attached(
     target = redis_url(url, config)
 
     async def go() -> str:
-        storage = conf.storage.model_dump()
-        async with AsyncClient(target, storage=storage, max_file_bytes=conf.storage.max_input_file_bytes) as client:
-            return await client.enqueue(queue, job_input, **{k: v for k, v in defaults.items() if v is not None})
+        from offload.storage import create_storage
+
+        storage = create_storage(conf.storage)  # the typed block as is
+        try:
+            limit = conf.storage.max_input_file_bytes
+            async with AsyncClient(target, storage=storage, max_file_bytes=limit) as client:
+                return await client.enqueue(queue, job_input, **{k: v for k, v in defaults.items() if v is not None})
+        finally:
+            await storage.aclose()
 
     with errors():
         validate_queue(queue)

@@ -15,7 +15,7 @@ from typing import NoReturn
 import typer
 from redis.exceptions import RedisError
 
-from offload.errors import OffloadError
+from offload.errors import MissingExtra, OffloadError
 
 
 def error_line(message: str) -> str:
@@ -33,6 +33,8 @@ def describe(exc: BaseException) -> str:
     """The message of one error line: ours carry their own, Redis's get a prefix, a bug names its type."""
     if isinstance(exc, OffloadError):
         return str(exc) or type(exc).__name__
+    if missing := MissingExtra.of(exc):  # an optional dependency: name the extra that installs it
+        return str(missing)
     if isinstance(exc, RedisError):  # e.g. the server went away mid-command, or a script error
         return f"Redis/Valkey: {exc}"
     if isinstance(exc, OSError):  # a file the operator named: `[Errno 2] No such file or directory: 'x'`
@@ -46,6 +48,10 @@ def errors() -> Iterator[None]:
     try:
         yield
     except (OffloadError, RedisError, OSError) as exc:
+        fail(describe(exc))
+    except ModuleNotFoundError as exc:
+        if MissingExtra.of(exc) is None:
+            raise  # a bug (a module of offload itself missing), which `main` still reports in one line
         fail(describe(exc))
     except KeyboardInterrupt:
         raise typer.Exit(130) from None

@@ -32,7 +32,6 @@ def result(
     """Where a succeeded job's output is, a presigned URL to it, and optionally the output and its files."""
     from offload.storage import create_storage
     from offload.storage.results import download_result
-    from offload.worker.run import storage_settings
 
     config_settings = settings(config)
     with errors():
@@ -43,7 +42,7 @@ def result(
     into_dir = download is not None and (download.is_dir() or str(download).endswith("/"))
 
     async def fetch() -> tuple[str, list[str]]:
-        storage = create_storage(storage_settings(config_settings))
+        storage = create_storage(config_settings.storage)
         saved: list[str] = []
         try:
             presigned = await storage.presigned_url(job.output_key)

@@ -17,9 +17,8 @@ import typer
 import yaml
 from pydantic import ValidationError
 
-from offload.cli.errors import fail
+from offload.cli.errors import describe, fail
 from offload.sim.config import SimConfig, parse_latency
-from offload.sim.server import serve as run_server
 
 sim_app = typer.Typer(
     no_args_is_help=True,
@@ -158,6 +157,10 @@ def serve(
             else str(exc)
         )
         fail(f"invalid simulator config: {detail}")
+    try:
+        from offload.sim.server import serve as run_server
+    except ModuleNotFoundError as exc:  # the `server` extra is not installed
+        fail(describe(exc))
     scheme = "https" if ssl_certfile else "http"
     extra = "".join(f", :{p}" for p in also_port or ())
     typer.echo(
@@ -165,6 +168,7 @@ def serve(
         "/_sim/submissions)",
         err=True,
     )
+
     run_server(
         host,
         port,

@@ -41,13 +41,6 @@ from offload.storage import create_storage
 log = logging.getLogger("offload.server")
 
 
-def _storage_settings(options: ServerOptions) -> dict[str, Any]:
-    data = options.settings.storage.model_dump()
-    secret = options.settings.storage.secret_access_key
-    data["secret_access_key"] = secret.get_secret_value() if secret else None
-    return data
-
-
 async def _maintain(state: ServerState, stop: asyncio.Event) -> None:
     """Promote due delayed/retry jobs, return the jobs of silent workers, trim expired records, release held
     jobs of past cap windows, and sample totals for rates. Queues served only by remote workers rely on this
@@ -94,7 +87,7 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
             redis=redis,
             store=store,
             keys=keys,
-            storage=create_storage(_storage_settings(options)),
+            storage=create_storage(options.settings.storage),
             hub=events.EventHub(store),
             registry=WorkerRegistry(store, ttl_ms=max(3 * options.worker_lease_ms, 10_000)),
             rates=metrics.RateTracker(),

@@ -27,6 +27,7 @@ from offload.errors import (
     InvalidTransition,
     JobNotFound,
     PayloadTooLarge,
+    RequestError,
     StaleLease,
 )
 from offload.server.keys import InvalidKeyRequest
@@ -48,7 +49,7 @@ KINDS = {
 MAX_PROBLEMS = 50
 
 
-class FieldError(Exception):
+class FieldError(RequestError):
     """A 422 about one field, for checks pydantic cannot express (they need the store or the server's limits)."""
 
     def __init__(self, loc: Sequence[str | int], msg: str) -> None:
@@ -131,7 +132,7 @@ def install(app: FastAPI) -> None:
         return _json(500, "internal error")
 
 
-class BodyTooLarge(StarletteHTTPException):
+class BodyTooLarge(RequestError, StarletteHTTPException):
     """413. An HTTPException so FastAPI's body reader re-raises it as is (it turns other errors into a 400);
     raised by the per-route body bound (auth.GuardedRoute)."""
 

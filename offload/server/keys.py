@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from offload.errors import ConfigError, OffloadError
+from offload.errors import ConfigError, RequestError
 from offload.queue.keys import API_KEYS, api_key, validate_queue
 from offload.redis_client import RedisClient
 
@@ -33,7 +33,7 @@ ADMIN_ENV = "OFFLOAD_ADMIN_KEY"
 MIN_ADMIN_KEY = 32
 
 
-class InvalidKeyRequest(OffloadError, ValueError):
+class InvalidKeyRequest(RequestError, ValueError):
     """A key request is malformed (unknown scope, bad queue name, missing queues)."""
 
 

@@ -13,11 +13,43 @@ From a shell: `offload sim serve --port 8089 --latency 1-3 --fail-rate 0.1 --rat
 `RUNPOD_ENDPOINT_BASE_URL=http://HOST:PORT/v2`, `replicate.Client(base_url="http://HOST:PORT")`,
 `openai.OpenAI(base_url="http://HOST:PORT/v1")`, and for fal (https only) serve with `--ssl-certfile/--ssl-keyfile`
 and set `FAL_QUEUE_RUN_HOST=HOST:PORT`. The tutorial's `GPU_API_BASE` is `http://HOST:PORT`.
+
+The HTTP parts (starlette, uvicorn: the `server` extra) load on first use of `create_app`, `running_sim` and the
+rest, so `offload.sim.config` (and the CLI that parses its options) imports without them.
 """
 
-from offload.sim.app import SimApp, create_app
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from offload.sim.config import Behaviour, Latency, OutageWindow, SimConfig
-from offload.sim.server import RunningSim, running_sim, serve
+
+if TYPE_CHECKING:
+    from offload.sim.app import SimApp, create_app
+    from offload.sim.server import RunningSim, running_sim, serve
+
+_LAZY = {
+    "SimApp": "offload.sim.app",
+    "create_app": "offload.sim.app",
+    "RunningSim": "offload.sim.server",
+    "running_sim": "offload.sim.server",
+    "serve": "offload.sim.server",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        from offload.errors import MissingExtra
+
+        try:
+            module = importlib.import_module(_LAZY[name])
+        except ModuleNotFoundError as exc:
+            raise (MissingExtra.of(exc, "the simulator") or exc) from None
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "Behaviour",

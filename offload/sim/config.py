@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from offload.schema import Strict
 
 Family = Literal["jobs", "runpod", "replicate", "fal", "openai", "pods", "vastai"]
 FAMILIES: tuple[Family, ...] = ("jobs", "runpod", "replicate", "fal", "openai", "pods", "vastai")
@@ -28,13 +30,7 @@ _RANGE = re.compile(r"^\s*([0-9.]+)\s*(?:-|\.\.)\s*([0-9.]+)\s*$")
 _LOGNORMAL = re.compile(r"^\s*(?:lognormal|ln):([0-9.]+)(?::([0-9.]+))?(?::([0-9.]+))?\s*$")
 
 
-class _Strict(BaseModel):
-    """Unknown keys are errors: a typo in a fault config would otherwise silently test nothing."""
-
-    model_config = ConfigDict(extra="forbid")
-
-
-class Latency(_Strict):
+class Latency(Strict):
     """A duration distribution. Also accepts shorthands: `2` (fixed), `"1-3"` (uniform),
     `"lognormal:2:0.5[:30]"` (median, sigma, optional cap)."""
 
@@ -72,14 +68,6 @@ class Latency(_Strict):
         value = rng.lognormvariate(math.log(self.median), self.sigma)
         return min(value, self.max) if self.max is not None else value
 
-    def mean(self) -> float:
-        if self.kind == "fixed":
-            return self.seconds
-        if self.kind == "uniform":
-            assert self.max is not None
-            return (self.min + self.max) / 2
-        return self.median * math.exp(self.sigma**2 / 2)
-
 
 def parse_latency(text: str) -> dict[str, Any]:
     """The CLI/shorthand grammar: `2`, `1-3` / `1..3`, `lognormal:median[:sigma[:cap]]`."""
@@ -99,7 +87,7 @@ def parse_latency(text: str) -> dict[str, Any]:
         raise ValueError(f"bad latency {text!r}: use 2, 1-3 or lognormal:2:0.5") from None
 
 
-class OutageWindow(_Strict):
+class OutageWindow(Strict):
     """A time range (seconds after the config was applied) in which every request of the family fails.
     `mode` 503 answers with the family's 503 body; `reset` drops the TCP connection (RST) without a response;
     `429` answers every request with the family's 429 (a rate-limit storm)."""
@@ -109,7 +97,7 @@ class OutageWindow(_Strict):
     mode: Literal["503", "reset", "429"] = "503"
 
 
-class Behaviour(_Strict):
+class Behaviour(Strict):
     """How one route family behaves. Rates are probabilities per request (faults) or per job (fail_rate)."""
 
     latency: Latency = Field(default_factory=lambda: Latency(seconds=1.0))
@@ -152,7 +140,7 @@ class Behaviour(_Strict):
     file_size: int = Field(default=1024, ge=0, le=64 * 1024 * 1024, description="bytes of a .bin file")
 
 
-class Offer(_Strict):
+class Offer(Strict):
     """A Vast.ai offer (a machine for rent); RunPod pods draw from the same hosts."""
 
     id: int
@@ -183,7 +171,7 @@ def _default_offers() -> list[Offer]:
     return offers
 
 
-class MachineSim(_Strict):
+class MachineSim(Strict):
     """The GPU-rental side (RunPod pods, Vast.ai instances): what is for rent and how machines misbehave."""
 
     boot_seconds: float = Field(default=1.0, ge=0, description="created -> running")
@@ -218,7 +206,7 @@ class MachineSim(_Strict):
     rest_disabled: bool = Field(default=False, description="RunPod REST pod routes answer 404 (GraphQL only)")
 
 
-class SimConfig(_Strict):
+class SimConfig(Strict):
     """The whole simulator. `families` holds partial overrides of `default`."""
 
     seed: int | None = None

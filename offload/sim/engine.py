@@ -21,6 +21,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from offload.errors import OffloadError
 from offload.sim.config import FAMILIES, Behaviour, Family, Op, SimConfig
 from offload.sim.faults import ConnectionReset, RuntimeOutage, garble, outage_mode, retry_after_value
 from offload.sim.files import output_for
@@ -48,8 +49,9 @@ class Reply:
         return Response(content, status_code=self.status, headers=self.headers, media_type=self.media_type)
 
 
-class Rejected(Exception):
-    """Raised by a handler to answer with an error reply (bad body, unknown id) from anywhere in its code."""
+class ErrorReply(OffloadError):
+    """Raised by a handler to answer with an error reply (bad body, unknown id) from anywhere in its code; the
+    simulator turns it into that reply, so it never leaves it."""
 
     def __init__(self, reply: Reply) -> None:
         super().__init__(reply.status)
@@ -110,7 +112,7 @@ class Call:
         return public.rstrip("/") if public else str(self.request.base_url).rstrip("/")
 
     def reject(self, status: int, message: str, *, code: str | None = None) -> NoReturn:
-        raise Rejected(self.dialect.error(status, message, code=code))
+        raise ErrorReply(self.dialect.error(status, message, code=code))
 
     async def json(self) -> Any:
         body = await self.request.body()
@@ -325,7 +327,7 @@ class Sim:
         try:
             try:
                 outcome = await handler(call)
-            except Rejected as rejected:
+            except ErrorReply as rejected:
                 outcome = rejected.reply
         finally:
             accepted = call.created is not None and isinstance(outcome, Reply) and 200 <= outcome.status < 300

@@ -17,7 +17,7 @@ import orjson
 from starlette.routing import Route
 
 from offload.sim.config import Behaviour
-from offload.sim.engine import Call, Dialect, Rejected, Reply, Sim
+from offload.sim.engine import Call, Dialect, ErrorReply, Reply, Sim
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -75,7 +75,7 @@ DIALECT = OpenAIDialect()
 
 
 def _invalid(message: str, param: str) -> NoReturn:
-    raise Rejected(DIALECT.error(400, message, param=param))
+    raise ErrorReply(DIALECT.error(400, message, param=param))
 
 
 async def chat_completions(call: Call) -> Reply:

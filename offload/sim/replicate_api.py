@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 from starlette.routing import Route
 
 from offload.sim.config import Behaviour
-from offload.sim.engine import Call, Dialect, Rejected, Reply, Sim
+from offload.sim.engine import Call, Dialect, ErrorReply, Reply, Sim
 from offload.sim.store import Job
 
 STATUS = {
@@ -174,7 +174,7 @@ def raise_invalid(call: Call, field: str, description: str) -> NoReturn:
     """Replicate's 422: problem JSON plus `invalid_fields`."""
     reply = call.dialect.error(422, f"- {field}: {description}")
     reply.body["invalid_fields"] = [{"type": "required", "field": field, "description": description}]
-    raise Rejected(reply)
+    raise ErrorReply(reply)
 
 
 async def create(call: Call) -> Reply:

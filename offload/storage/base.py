@@ -24,12 +24,17 @@ from typing import IO, Any, Protocol, runtime_checkable
 
 import orjson
 
-from offload.errors import ConfigError, OffloadError
+from offload.errors import ConfigError, ObjectStoreError
 
 MAX_KEY_LENGTH = 1024  # S3's limit, in UTF-8 bytes
 
 
-class StorageError(OffloadError):
+# Streamed uploads go multipart from this size on, in parts of this size (boto3's defaults, pinned: the expected
+# ETag of an upload, checked after it, depends on both; see offload.storage.inputs).
+PART_BYTES = 8 * 1024 * 1024
+
+
+class StorageError(ObjectStoreError):
     """A transient storage failure: retrying the same write later is expected to work.
 
     `permanent` is a hint for the few failures that are not configuration problems but will not heal either
@@ -46,14 +51,14 @@ class StorageConfigError(ConfigError):
     """The storage settings are wrong; the message names the offending setting, never a secret value."""
 
 
-class ObjectNotFound(OffloadError, KeyError):
+class ObjectNotFound(ObjectStoreError, KeyError):
     """`get_bytes` of a key that does not exist."""
 
     def __str__(self) -> str:  # KeyError would repr() the message and add quotes
         return str(self.args[0]) if self.args else "object not found"
 
 
-class InvalidKey(OffloadError, ValueError):
+class InvalidKey(ObjectStoreError, ValueError):
     """A key that is unsafe as a path (`..`, absolute, NUL) or too long; rejected by every backend alike so a
     key that works on S3 in production also works on the local backend in development, and vice versa."""
 

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
-from offload.errors import OffloadError
+from offload.errors import ObjectStoreError
 from offload.files import (
     DEFAULT_MAX_FILE_BYTES,
     REF_KEY,
@@ -42,9 +42,8 @@ from offload.files import (
     replace,
     safe_name,
 )
-from offload.storage.base import ObjectNotFound, Storage, StorageError
+from offload.storage.base import PART_BYTES, ObjectNotFound, Storage, StorageError
 from offload.storage.namespace import own_prefix
-from offload.storage.s3 import PART_BYTES
 
 DEFAULT_URL_EXPIRES_S = 86_400
 INPUTS = "_in/"
@@ -55,11 +54,11 @@ _HEX = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _ETAG = re.compile(r"^[0-9a-f]{32}(-\d+)?$")
 
 
-class FileTooLarge(OffloadError, ValueError):
+class FileTooLarge(ObjectStoreError, ValueError):
     """A file over `storage.max_input_file_bytes`."""
 
 
-class UploadCancelled(Exception):
+class UploadCancelled(ObjectStoreError):
     """Raised inside the upload thread when the caller gave up, so boto3 aborts the multipart upload."""
 
 

@@ -21,9 +21,8 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Literal, TypeVar
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 import boto3
@@ -39,6 +38,7 @@ from botocore.exceptions import (
 )
 
 from offload.storage.base import (
+    PART_BYTES,
     ObjectInfo,
     ObjectNotFound,
     StorageConfigError,
@@ -48,6 +48,7 @@ from offload.storage.base import (
     validate_key,
     write_stream,
 )
+from offload.storage.settings import S3StorageSettings
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -55,10 +56,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-DEFAULT_THREADS = 16
-# Streamed uploads go multipart from this size on, in parts of this size (boto3's defaults, pinned: the expected
-# ETag of an upload, checked after it, depends on both; see offload.storage.inputs).
-PART_BYTES = 8 * 1024 * 1024
 TRANSIENT_CODES = frozenset({
     "SlowDown", "RequestTimeout", "Throttling", "ThrottlingException", "RequestThrottled", "InternalError",
     "ServiceUnavailable", "RequestTimeTooSkewed", "OperationAborted",
@@ -83,31 +80,11 @@ CONFIG_CODES = {
 }
 
 
-@dataclass(frozen=True)
-class S3Settings:
-    """Connection settings. No access key means boto3's default chain (env vars, profile, instance role)."""
-
-    bucket: str
-    endpoint_url: str | None = None
-    prefix: str = ""
-    region: str = "us-east-1"
-    access_key_id: str | None = None
-    secret_access_key: str | None = field(default=None, repr=False)
-    addressing_style: Literal["path", "virtual", "auto"] = "path"
-    max_threads: int = DEFAULT_THREADS
-    connect_timeout: float = 5.0
-    read_timeout: float = 60.0
-    max_attempts: int = 3  # botocore's own retries (standard mode) before a StorageError reaches the worker
-
-
 class S3Storage:
     """Objects at `s3://bucket/prefix/key`."""
 
-    def __init__(self, settings: S3Settings) -> None:
-        if not settings.bucket:
-            raise StorageConfigError("storage.bucket: required for kind s3")
-        if (settings.access_key_id is None) != (settings.secret_access_key is None):
-            raise StorageConfigError(f"{_CREDS}: set both or neither (neither uses boto3's default chain)")
+    def __init__(self, settings: S3StorageSettings) -> None:
+        """`settings` as offload.storage.settings validated them (bucket set, keys in pairs, positive limits)."""
         self.settings = settings
         self.bucket = settings.bucket
         self.prefix = settings.prefix.strip("/")
@@ -125,7 +102,7 @@ class S3Storage:
         )
         session = boto3.session.Session(
             aws_access_key_id=settings.access_key_id,
-            aws_secret_access_key=settings.secret_access_key,
+            aws_secret_access_key=settings.secret_access_key.get_secret_value() if settings.secret_access_key else None,
             region_name=settings.region,
         )
         try:

@@ -24,7 +24,7 @@ import orjson
 
 from offload.backends.base import Backend, BackendError, Fatal, NotFound, RemoteResult, Throttled, Transient
 from offload.connection import is_outage
-from offload.errors import StaleLease
+from offload.errors import StaleLease, WorkerError
 from offload.models import ClaimedJob
 from offload.queue.store import QueueStore, retry_delay_ms
 from offload.storage import InvalidKey, StorageError, validate_key
@@ -39,7 +39,7 @@ Fence = Callable[[], Awaitable[None]]
 StoreOutput = Callable[[str, Any, str, Fence], Awaitable[str]]
 
 
-class PollTimeout(Exception):
+class PollTimeout(WorkerError):
     """The remote job did not finish within POLL_TIMEOUT."""
 
 

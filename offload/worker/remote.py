@@ -34,13 +34,14 @@ from typing import IO, Any
 
 import orjson
 
-from offload.worker.remote_api import Rejected, ServerApi, Stale, Unregistered
+from offload.errors import StaleLease, WorkerError
+from offload.worker.remote_api import ServerApi, ServerRejected, Unregistered
 from offload.worker.remote_files import FileTransferError, JobFiles
 
 log = logging.getLogger("offload.worker.remote")
 
 
-class PermanentError(Exception):
+class PermanentError(WorkerError):
     """Raise from a handler when retrying cannot help: the job goes dead at once with this message."""
 
 
@@ -258,7 +259,7 @@ class RemoteWorker:
                 except Unregistered:
                     await self._register()
                     continue
-                except Rejected as exc:
+                except ServerRejected as exc:
                     if exc.status in (401, 403):  # the key was revoked or never fit: retrying cannot help
                         raise
                     log.warning("claim failed: %s", exc)
@@ -360,7 +361,7 @@ class RemoteWorker:
             except (FileTransferError, OSError, ValueError) as exc:
                 await self._fail(job_id, token, f"uploading output files failed: {_describe(exc)}", retryable=True)
                 return
-            except Rejected as exc:
+            except ServerRejected as exc:
                 await self._fail(job_id, token, f"uploading output files refused: {exc}", retryable=exc.status != 413)
                 return
             try:
@@ -370,9 +371,9 @@ class RemoteWorker:
                 return
             await self.api.complete(self.worker_id, job_id, token, output)
             log.info("job %s succeeded", job_id)
-        except Stale as exc:
+        except StaleLease as exc:
             log.info("job %s: %s", job_id, exc)
-        except (Rejected, ConnectionError, Unregistered) as exc:
+        except (ServerRejected, ConnectionError, Unregistered) as exc:
             log.warning(
                 "job %s: reporting the result failed: %s (its lease is handed back and it is re-run)", job_id, exc
             )

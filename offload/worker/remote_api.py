@@ -14,25 +14,21 @@ from typing import Any
 
 import httpx
 
-from offload.errors import OffloadError
+from offload.errors import StaleLease, WorkerError
 
 log = logging.getLogger("offload.worker.remote")
 RETRY_STATUSES = {502, 503, 504}
 
 
-class ServerUnavailable(OffloadError, ConnectionError):
+class ServerUnavailable(WorkerError, ConnectionError):
     """The server did not answer (or answered 502/503/504) for the whole retry period."""
 
 
-class Stale(Exception):
-    """The server says the lease is gone (409): another worker owns the job now, or it finished."""
-
-
-class Unregistered(Exception):
+class Unregistered(WorkerError):
     """The server does not know this worker id (it expired): register again."""
 
 
-class Rejected(OffloadError):
+class ServerRejected(WorkerError):
     """A 4xx the worker cannot fix by retrying (bad key, wrong queue, invalid output)."""
 
     def __init__(self, status: int, detail: Any) -> None:
@@ -87,10 +83,10 @@ class ServerApi:
             return data
         detail = data.get("detail") if isinstance(data, dict) else data
         if response.status_code == 409:
-            raise Stale(str(detail))
+            raise StaleLease(str(detail))  # 409: another worker owns the job now, or it finished
         if response.status_code == 404 and "worker" in str(detail):
             raise Unregistered(str(detail))
-        raise Rejected(response.status_code, detail)
+        raise ServerRejected(response.status_code, detail)
 
     async def register(self, info: dict[str, Any], retry_for: float) -> dict[str, Any]:
         reply: dict[str, Any] = await self.call("/v1/workers/register", info, retry_for=retry_for)

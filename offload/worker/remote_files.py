@@ -24,6 +24,7 @@ from typing import IO, Any, TypeVar
 
 import httpx
 
+from offload.errors import WorkerError
 from offload.files import REF_KEY, File, files_in, is_reference, reference, replace
 from offload.worker.remote_api import ServerApi
 
@@ -34,7 +35,7 @@ _ETAG = re.compile(r"^[0-9a-f]{32}$")
 TIMEOUT = httpx.Timeout(300.0, connect=10.0)
 
 
-class FileTransferError(Exception):
+class FileTransferError(WorkerError):
     """Downloading an input or uploading an output file failed: a failed attempt, tried again."""
 
 

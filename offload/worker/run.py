@@ -26,13 +26,6 @@ from offload.worker.limits import BackendLimits
 log = logging.getLogger("offload.worker")
 
 
-def storage_settings(settings: Settings) -> dict[str, Any]:
-    data = settings.storage.model_dump()
-    secret = settings.storage.secret_access_key
-    data["secret_access_key"] = secret.get_secret_value() if secret else None
-    return data
-
-
 async def run_worker(
     settings: Settings,
     queue: str,
@@ -101,16 +94,16 @@ async def run_workers(
     async with contextlib.AsyncExitStack() as resources:
         http = new_client(
             max_connections=min(max(total, 16), 1024),
-            timeout=max(bs.timeout or 600.0 for *_, bs in plans),
+            timeout=max(bs.timeout for *_, bs in plans),
             agent=user_agent(worker_id),
         )
         resources.push_async_callback(http.aclose)
-        storage = create_storage(storage_settings(settings))
+        storage = create_storage(settings.storage)
         resources.push_async_callback(storage.aclose)
         backends: dict[str, Backend] = {}
         for _, _, backend_name, bs in plans:  # every backend's settings are checked before anything connects
             if backend_name not in backends:
-                backend = create_backend(bs.kind, backend_name, bs.provider_settings(), client=http)
+                backend = create_backend(backend_name, bs, client=http)
                 backends[backend_name] = FileInputs(backend, storage, settings.storage.input_url_expires_s)
                 resources.push_async_callback(backends[backend_name].aclose)
         redis = await connect(settings.redis_url)

@@ -7,8 +7,6 @@ import types
 import typing
 from typing import Any, Literal
 
-from pydantic import ValidationError
-
 from offload.autoscale.providers.base import (
     LABEL_PREFIX,
     Clock,
@@ -23,12 +21,13 @@ from offload.autoscale.providers.base import (
     Unauthorized,
     is_ours,
 )
-from offload.autoscale.providers.local import LocalProvider
-from offload.autoscale.providers.mock import MockProvider
-from offload.autoscale.providers.runpod import RunPodProvider
-from offload.autoscale.providers.vastai import VastProvider
+from offload.autoscale.providers.local import LocalConfig, LocalProvider
+from offload.autoscale.providers.mock import MockConfig, MockProvider
+from offload.autoscale.providers.runpod import RunPodConfig, RunPodProvider
+from offload.autoscale.providers.vastai import VastConfig, VastProvider
 from offload.errors import ConfigError
 from offload.redis_client import RedisClient
+from offload.schema import parse
 
 TYPES: dict[str, type[Provider]] = {
     "mock": MockProvider,
@@ -102,21 +101,20 @@ def validate_config(kind: str, config: dict[str, Any]) -> ProviderConfig:
     cls = TYPES.get(kind)
     if cls is None:
         raise ConfigError(f"type: unknown provider type {kind!r}; choose one of: {', '.join(TYPES)}")
-    try:
-        parsed: ProviderConfig = cls.Config.model_validate(config)
-        return parsed
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ConfigError(f"config.{where}: {first['msg']}") from None
+    parsed: ProviderConfig = parse(cls.Config, config, "config")
+    return parsed
 
 
 def build(name: str, kind: str, config: dict[str, Any], redis: RedisClient, clock: Clock = time.time) -> Provider:
+    """The adapter for a stored provider record: its config (decrypted from Redis, so read like any input) is
+    validated once by the type's model and handed to the adapter as that typed object."""
     parsed = validate_config(kind, config)
-    if kind == "mock":
-        return MockProvider(name, parsed, redis, clock)  # type: ignore[arg-type]
-    if kind == "local":
-        return LocalProvider(name, parsed, redis, clock)  # type: ignore[arg-type]
-    if kind == "runpod":
-        return RunPodProvider(name, parsed)  # type: ignore[arg-type]
-    return VastProvider(name, parsed)  # type: ignore[arg-type]
+    if isinstance(parsed, MockConfig):
+        return MockProvider(name, parsed, redis, clock)
+    if isinstance(parsed, LocalConfig):
+        return LocalProvider(name, parsed, redis, clock)
+    if isinstance(parsed, RunPodConfig):
+        return RunPodProvider(name, parsed)
+    if isinstance(parsed, VastConfig):
+        return VastProvider(name, parsed)
+    raise ConfigError(f"type: provider type {kind!r} has no adapter")  # TYPES and this list disagree: a bug

@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from offload import redact
+from offload.errors import ProviderError as ProviderError  # the branch root, drawn in offload.errors
+from offload.schema import Strict
 
 LABEL_PREFIX = "offload-"
 Clock = Callable[[], float]
@@ -66,19 +68,6 @@ class LaunchSpec:
     script: str | None = None  # the deployment script (offload.autoscale.deploy): local runs it in a work dir
 
 
-class ProviderError(Exception):
-    """A call failed. `retryable`: worth trying again later; `ambiguous`: the machine may exist anyway (a
-    create whose answer was lost), so the caller must look it up by label rather than rent again."""
-
-    def __init__(
-        self, message: str, *, retryable: bool = True, ambiguous: bool = False, host_id: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.retryable = retryable
-        self.ambiguous = ambiguous
-        self.host_id = host_id
-
-
 class OutOfCapacity(ProviderError):
     """No offer / out of stock for what was asked: back off and try again later."""
 
@@ -102,8 +91,8 @@ def is_ours(label: str | None) -> bool:
     return bool(label) and str(label).startswith(LABEL_PREFIX)
 
 
-class ProviderConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ProviderConfig(Strict):
+    """Settings common to every provider type; each type's `Config` adds its own (one model per type)."""
 
     allow_worker_protect: bool = Field(
         False,

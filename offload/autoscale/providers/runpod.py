@@ -213,7 +213,7 @@ class RunPodProvider(Provider):
     def _rest_gone(self, r: Any) -> None:
         """A 404/410/501 with no problem body naming a pod means the route itself is missing."""
         if r.status_code in (410, 501) or (r.status_code == 404 and "pod" not in r.text.lower()):
-            raise _RestUnavailable
+            raise _RestUnavailable(f"RunPod REST pods route answered {r.status_code}: switching to GraphQL")
 
     async def _rest_create(self, spec: LaunchSpec, gpu: str) -> Machine:
         body: dict[str, Any] = {
@@ -373,7 +373,7 @@ class RunPodProvider(Provider):
         return self._gql_machine(pod) if pod else None
 
 
-class _RestUnavailable(Exception):
+class _RestUnavailable(ProviderError):
     """The REST pods routes are not there: switch this provider to GraphQL."""
 
 

@@ -1,0 +1,108 @@
+"""The building blocks of every configuration model (offload.yaml, backends, storage, autoscale, alerts, the
+simulator), and the one translation of pydantic's errors into a `ConfigError` that names the field.
+
+A leaf module (it imports only offload.errors), so any model module, the simulator's included, can build on it
+without an import cycle. The models themselves are validated once, by `offload.config.load_settings` (or by the
+one `parse` call of a programmatic caller), and passed on as typed objects.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, StringConstraints, TypeAdapter, ValidationError
+
+from offload.errors import ConfigError
+
+T = TypeVar("T")
+
+NonEmpty = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)]
+RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*(s|sec|second|m|min|minute|h|hour)\s*$")
+_PER = {"s": 1, "sec": 1, "second": 1, "m": 60, "min": 60, "minute": 60, "h": 3600, "hour": 3600}
+
+
+class Strict(BaseModel):
+    """Unknown keys are errors: a typo (`endpoint_ulr`, a misspelt fault) would otherwise run on a default nobody
+    chose, or silently test nothing."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def parse_rate(text: str) -> float:
+    """'20/s' -> 20.0 requests per second."""
+    m = RATE_RE.match(text)
+    if not m:
+        raise ValueError(f"rate limit must look like '20/s', '600/min' or '1000/hour', got {text!r}")
+    return float(m.group(1)) / _PER[m.group(2)]
+
+
+def http_url(value: str | None) -> str | None:
+    """An http(s) URL without its trailing slash (every backend appends paths to it)."""
+    if value is None:
+        return None
+    if not value.startswith(("http://", "https://")):  # the value is not echoed: it may carry user:password@
+        raise ValueError("must be an http:// or https:// URL")
+    return value.rstrip("/")
+
+
+def parse(model: type[T] | Any, data: Any, where: str = "") -> T:
+    """Validate `data` against `model` (a model class or an Annotated union) once; a ConfigError names the field
+    of the first problem, under the path `where` (e.g. `backends.sdxl`)."""
+    try:
+        result: T = TypeAdapter(model).validate_python(data)
+    except ValidationError as exc:
+        raise field_error(exc, where, data) from None
+    return result
+
+
+def field_error(exc: ValidationError, where: str = "", data: Any = None) -> ConfigError:
+    """The first problem of `exc` (an unknown key before all else) as `<field path>: <what is wrong>`. `data` is
+    the validated input: with it, the union tags pydantic puts into the path (`backends.b.runpod.endpoint_id`) are
+    dropped, since no one can type them into offload.yaml."""
+    errors = exc.errors()
+    # a typo of a required key shows as two errors, `missing` and `extra_forbidden`: the typo is the cause
+    first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+    path = [where] if where else []
+    path += _path(first["loc"], data)
+    message = _message(first)
+    if first["type"] == "unknown_kind":  # a discriminator's own error (see offload.storage.settings): name `kind`
+        given = first["input"]
+        if not isinstance(given, Mapping):
+            message = f"must be a mapping of settings, got {type(given).__name__}"
+        else:
+            path.append("kind")
+            got = given.get("kind")
+            message = f"{message}, got {str(got)[:40]!r}" if got is not None else f"Field required, {message}"
+    return ConfigError(f"{'.'.join(path) or 'config'}: {message}")
+
+
+def _path(loc: Sequence[int | str], data: Any) -> list[str]:
+    parts: list[str] = []
+    node = data
+    for item in loc:
+        if isinstance(item, str) and item.startswith(("function-", "tagged-union[")):
+            continue  # a validator's own frame
+        if isinstance(node, Mapping) and item not in node and item == node.get("kind", "local"):
+            continue  # the tag of a discriminated union member, not a key
+        parts.append(str(item))
+        if isinstance(node, Mapping):
+            node = node.get(item)
+        elif isinstance(node, list) and isinstance(item, int) and 0 <= item < len(node):
+            node = node[item]
+        else:
+            node = None
+    return parts
+
+
+def _message(error: Any) -> str:
+    kind, ctx = error["type"], error.get("ctx", {})
+    if kind == "missing":
+        return "Field required"  # pydantic's words, which the API and the dashboard's forms show as well
+    if kind == "extra_forbidden":
+        return "unknown setting"
+    if kind == "union_tag_invalid":
+        return f"unknown kind {ctx.get('tag')!r} (known: {ctx.get('expected_tags')})"
+    message = str(error["msg"])
+    return message.removeprefix("Value error, ").removeprefix("Assertion failed, ")
