@@ -43,7 +43,7 @@ async def worker(settings: Settings, *, worker_id: str | None = None, **options:
 
     def tune(w: Worker) -> None:
         for name, value in {"first_poll": 0.05, **options}.items():
-            setattr(w.o, name, value)
+            setattr(w.options, name, value)
         ready.set_result(w)
 
     task = asyncio.create_task(

@@ -61,7 +61,7 @@ class Worker(JobPath):
         # Claims and heartbeats on their own connection (when given): job tasks can keep every connection of
         # the main pool busy, and a heartbeat that waits for one past the lease loses every job.
         self.control = control or store
-        self.o = options
+        self.options = options
         self.id = worker_id or default_worker_id()
         self.clock = clock
         self.health = StoreHealth(store.redis.ping, max_pause_s=min(2.0, options.lease_ms / 4000))
@@ -100,13 +100,13 @@ class Worker(JobPath):
 
     async def run(self, stop: asyncio.Event) -> None:
         helpers = [asyncio.create_task(self._heartbeat_loop())]
-        if self.o.ingest_list:
+        if self.options.ingest_list:
             helpers.append(asyncio.create_task(self._ingest_loop(stop)))
         idle = 0.02
         try:
             while not stop.is_set():
-                free = self.o.concurrency - len(self.tasks)
-                batch = min(free, self.o.claim_batch)
+                free = self.options.concurrency - len(self.tasks)
+                batch = min(free, self.options.claim_batch)
                 claimed: list[ClaimedJob] = []
                 try:
                     await self._roll_window()
@@ -130,18 +130,18 @@ class Worker(JobPath):
             await self._drain(helpers)
 
     async def _claim(self, n: int) -> list[ClaimedJob]:
-        o = self.o
+        opts = self.options
         async with self._lock:
             sent = time.monotonic()
             jobs = await self.control.claim(
-                o.queue,
+                opts.queue,
                 self.id,
                 n,
-                o.lease_ms,
+                opts.lease_ms,
                 window=self._window,
-                job_cap=o.daily_job_cap,
-                spend_cap=o.daily_spend_cap,
-                estimate=o.reservation,
+                job_cap=opts.daily_job_cap,
+                spend_cap=opts.daily_spend_cap,
+                estimate=opts.reservation,
             )
             for job in jobs:
                 self._start(job, sent)
@@ -169,7 +169,7 @@ class Worker(JobPath):
         """Stop claiming, let in-flight jobs finish for the grace period, then hand the rest back with
         their remote ids (the next worker resumes polling them)."""
         if self.tasks:
-            await asyncio.wait(list(self.tasks.values()), timeout=self.o.grace_s)
+            await asyncio.wait(list(self.tasks.values()), timeout=self.options.grace_s)
         for task in self.tasks.values():
             task.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
@@ -177,8 +177,8 @@ class Worker(JobPath):
             h.cancel()
         await asyncio.gather(*helpers, return_exceptions=True)
         try:
-            async with asyncio.timeout(max(5.0, self.o.lease_ms / 1000)):
-                released = await self.health.call(lambda: self.control.release_leases(self.o.queue, self.id))
+            async with asyncio.timeout(max(5.0, self.options.lease_ms / 1000)):
+                released = await self.health.call(lambda: self.control.release_leases(self.options.queue, self.id))
             log.info("drained: released %d leases (remote ids kept)", released)
         except TimeoutError:
             log.warning("drained without the job store: the leases run out instead (and count as expired)")
@@ -186,7 +186,7 @@ class Worker(JobPath):
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.o.lease_ms / 3000)
+            await asyncio.sleep(self.options.lease_ms / 3000)
             try:
                 await self._beats(None)
             except Exception as exc:  # an outage is waited out by the tasks; the next beat tries again
@@ -200,7 +200,7 @@ class Worker(JobPath):
         async with self._lock:
             sent = time.monotonic()
             reply = await self.control.heartbeat(
-                self.o.queue, self.id, list(self.tokens.items()), self.o.lease_ms, since=self._since
+                self.options.queue, self.id, list(self.tokens.items()), self.options.lease_ms, since=self._since
             )
             self._since, self._beat_at = reply.seq, sent
             for job_id in reply.lost:
@@ -228,20 +228,22 @@ class Worker(JobPath):
         job, and submitting now would pay twice. The lease is known fresh from the claim that delivered it or
         from a later heartbeat (which listed it); else a beat first, which cancels this task if it is gone."""
         fresh = max(self.claimed_at.get(job.id, 0.0), self._beat_at)
-        if time.monotonic() - fresh > self.o.lease_ms / 3000:
+        if time.monotonic() - fresh > self.options.lease_ms / 3000:
             await self.health.call(lambda: self._beats(None))
 
     async def _ingest_loop(self, stop: asyncio.Event) -> None:
-        assert self.o.ingest_list is not None
+        assert self.options.ingest_list is not None
         while not stop.is_set():
             try:
-                ok, bad = await self.store.ingest(self.o.ingest_list, self.o.queue, max_attempts=self.o.max_attempts)
+                ok, bad = await self.store.ingest(
+                    self.options.ingest_list, self.options.queue, max_attempts=self.options.max_attempts
+                )
             except Exception as exc:
                 if is_outage(exc):
                     self.health.failed(exc)
                     await self.health.wait()
                 else:
-                    log.warning("ingest from %s failed: %s", self.o.ingest_list, exc)
+                    log.warning("ingest from %s failed: %s", self.options.ingest_list, exc)
                 ok = bad = 0
             if ok + bad == 0:
                 await asyncio.sleep(0.2)
@@ -253,20 +255,20 @@ class Worker(JobPath):
         the release went through, so one interrupted by an outage is done again."""
         window = self.window()
         if window != self._window:
-            released = await self.control.release_held_before(self.o.queue, window)
+            released = await self.control.release_held_before(self.options.queue, window)
             self._window = window
             if released:
                 log.info("cap window %s: released %d held jobs", window, released)
 
     async def _begin_many(self, items: list[tuple[str, str]]) -> list[str]:
-        o = self.o
+        opts = self.options
         return await self.store.begin_many(
-            o.queue,
+            opts.queue,
             self._window,
-            [(i, t, o.reservation) for i, t in items],
-            job_cap=o.daily_job_cap,
-            spend_cap=o.daily_spend_cap,
-            backend=o.backend_name,
+            [(i, t, opts.reservation) for i, t in items],
+            job_cap=opts.daily_job_cap,
+            spend_cap=opts.daily_spend_cap,
+            backend=opts.backend_name,
         )
 
 

@@ -102,7 +102,7 @@ class JobPath:
     backend: Backend
     store_output: StoreOutput
     limits: BackendLimits
-    o: WorkerOptions
+    options: WorkerOptions
     health: StoreHealth
     cancels: set[str]
     _cancel_waits: dict[str, asyncio.Event]
@@ -210,7 +210,7 @@ class JobPath:
         """Submit a job that has no remote job: (remote id, result of a synchronous API, submission number), or
         None when it went elsewhere (held over a cap, cancelled, failed)."""
         throttled: Throttled | None = None
-        for attempt in range(self.o.submit_retries_on_429 + 1):
+        for attempt in range(self.options.submit_retries_on_429 + 1):
             await self._fresh_lease(job)
             await self._acquire(job)  # may wait long: the intent (with the cancel check) comes after
             async with self._gate or contextlib.nullcontext():
@@ -237,7 +237,7 @@ class JobPath:
                     submission = await self.backend.submit(job_input, tag=job.id, idempotency_key=f"{job.id}.{n}")
                 except Throttled as exc:
                     await self.limits.count("throttled")
-                    if attempt == self.o.submit_retries_on_429:
+                    if attempt == self.options.submit_retries_on_429:
                         raise
                     throttled = exc
                 except BackendError as exc:
@@ -281,15 +281,15 @@ class JobPath:
     async def _record(self, job: ClaimedJob, remote_id: str, run: int) -> bool:
         """Checkpoint a remote job (through any outage: until the id is recorded, a lost worker means the
         next attempt pays for the job again). Returns whether a cancel was requested meanwhile."""
-        item = (job.id, job.token, self.o.backend_name, remote_id, run)
+        item = (job.id, job.token, self.options.backend_name, remote_id, run)
         code = await self.health.call(lambda: self._checkpoints(item))
         if code in ("STALE", "NOTFOUND"):
             raise StaleLease(f"job {job.id}: lease lost before its remote id {remote_id} was recorded ({code})")
         return code == "OK:CANCEL"
 
     async def _poll(self, job: ClaimedJob, remote_id: str) -> RemoteResult | None:
-        deadline = time.monotonic() + self.o.poll_timeout
-        interval = self.o.first_poll
+        deadline = time.monotonic() + self.options.poll_timeout
+        interval = self.options.first_poll
         transient = 0
         while True:
             if job.id in self.cancels:
@@ -311,9 +311,9 @@ class JobPath:
                 if transient >= 10:
                     raise
             if time.monotonic() > deadline:  # also when every poll is throttled: the timeout bounds the job
-                raise PollTimeout(f"remote job {remote_id} not done after {self.o.poll_timeout:g}s")
+                raise PollTimeout(f"remote job {remote_id} not done after {self.options.poll_timeout:g}s")
             await asyncio.sleep(wait)
-            interval = min(interval * 2, self.o.poll_interval)  # doubling: few wasted polls on long GPU jobs
+            interval = min(interval * 2, self.options.poll_interval)  # doubling: few wasted polls on long GPU jobs
 
     async def _finish(self, job: ClaimedJob, result: RemoteResult, run: int) -> None:
         if result.status != "succeeded":
@@ -321,11 +321,11 @@ class JobPath:
                 job,
                 f"remote job {result.status}: {result.error or 'no error given'}",
                 keep_remote=False,
-                cost=self.o.cost(result),
+                cost=self.options.cost(result),
             )
             return
         location = await self._store(job, result.output, run)
-        cost = self.o.cost(result)
+        cost = self.options.cost(result)
         code = await self.health.call(lambda: self._completes((job.id, job.token, location, cost)))
         if code != "OK":
             raise StaleLease(f"job {job.id}: lease lost before it could be completed ({code})")
@@ -334,7 +334,7 @@ class JobPath:
         """Store the output. Object storage (our own infrastructure, like Redis) failing for a while costs the
         job nothing: it keeps its lease and its finished remote result and tries again, up to `poll_timeout`;
         only then (or for a failure that cannot heal, like an expired provider file) is the attempt given up."""
-        deadline = time.monotonic() + self.o.poll_timeout
+        deadline = time.monotonic() + self.options.poll_timeout
         pause = 0.5
         while True:
             try:
