@@ -70,8 +70,11 @@ class Worker(JobPath):
         self.claimed_at: dict[str, float] = {}  # when the claim that delivered it was sent (monotonic)
         self.cancels: set[str] = set()
         self._cancel_waits: dict[str, asyncio.Event] = {}  # jobs waiting on the rate limit, woken by a cancel
-        self.peak_in_flight = 0
-        self._slot = asyncio.Event()
+        self.peak_in_flight = 0  # the most remote jobs at once (slots taken), at most `concurrency`
+        self.in_flight = 0
+        self._slots = asyncio.Semaphore(options.concurrency)
+        self._ahead: set[asyncio.Task[None]] = set()  # claimed, waiting for a slot: nothing sent anywhere yet
+        self._room = asyncio.Event()  # set when a task ends: room to claim
         self._window = ""  # unknown: the first loop releases jobs held in earlier windows
         self._lock = asyncio.Lock()  # claim and heartbeat, never both at once
         self._since: int | None = None  # the lease sequence number of the last heartbeat
@@ -105,7 +108,7 @@ class Worker(JobPath):
         idle = 0.02
         try:
             while not stop.is_set():
-                free = self.options.concurrency - len(self.tasks)
+                free = self.options.leased_max - len(self.tasks)
                 batch = min(free, self.options.claim_batch)
                 claimed: list[ClaimedJob] = []
                 try:
@@ -118,13 +121,12 @@ class Worker(JobPath):
                     self.health.failed(exc)
                     await _first(self.health.wait(), stop.wait())
                     continue
-                self.peak_in_flight = max(self.peak_in_flight, len(self.tasks))
                 if claimed and len(claimed) == batch:
                     idle = 0.02
                     continue
-                self._slot.clear()
+                self._room.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(_first(self._slot.wait(), stop.wait()), idle if free > 0 else None)
+                    await asyncio.wait_for(_first(self._room.wait(), stop.wait()), idle if free > 0 else None)
                 idle = min(idle * 2, 0.5) if not claimed else 0.02
         finally:
             await self._drain(helpers)
@@ -156,6 +158,25 @@ class Worker(JobPath):
         self.claimed_at[job.id] = sent
         self.tasks[job.id] = asyncio.create_task(self._run_job(job, old))
 
+    async def _enter_remote(self, job: ClaimedJob) -> None:
+        """Take a slot: at most `concurrency` jobs are past this point (submitting, at the provider, polled)."""
+        if self._slots.locked():
+            task = asyncio.current_task()
+            assert task is not None
+            self._ahead.add(task)
+            try:
+                await self._slots.acquire()
+            finally:
+                self._ahead.discard(task)
+        else:
+            await self._slots.acquire()
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+
+    def _leave_remote(self) -> None:
+        self.in_flight -= 1
+        self._slots.release()
+
     def _done(self, job: ClaimedJob) -> None:
         """A task ends: forget it, unless a newer lease of the same job has taken its place."""
         if self.tasks.get(job.id) is asyncio.current_task():
@@ -163,11 +184,14 @@ class Worker(JobPath):
             self.tokens.pop(job.id, None)
             self.claimed_at.pop(job.id, None)
             self.cancels.discard(job.id)
-        self._slot.set()
+        self._room.set()
 
     async def _drain(self, helpers: list[asyncio.Task[None]]) -> None:
         """Stop claiming, let in-flight jobs finish for the grace period, then hand the rest back with
-        their remote ids (the next worker resumes polling them)."""
+        their remote ids (the next worker resumes polling them). Jobs claimed ahead that never got a slot go
+        back at once: nothing of them was sent anywhere."""
+        for task in list(self._ahead):
+            task.cancel()
         if self.tasks:
             await asyncio.wait(list(self.tasks.values()), timeout=self.options.grace_s)
         for task in self.tasks.values():
@@ -176,6 +200,7 @@ class Worker(JobPath):
         for h in helpers:
             h.cancel()
         await asyncio.gather(*helpers, return_exceptions=True)
+        await self.limits.flush()
         try:
             async with asyncio.timeout(max(5.0, self.options.lease_ms / 1000)):
                 released = await self.health.call(lambda: self.control.release_leases(self.options.queue, self.id))

@@ -63,6 +63,16 @@ class WorkerOptions:
     max_attempts: int = 3
     submit_retries_on_429: int = 8
     submit_concurrency: int = 32
+    prefetch: int | None = None  # jobs leased beyond `concurrency`, ready for the next free slot (None: auto)
+
+    @property
+    def leased_max(self) -> int:
+        """How many jobs the worker holds at most: `concurrency` at the provider plus `prefetch` claimed ahead
+        (default: a quarter of `concurrency`, at least 8 and at most `claim_batch`). The ones ahead are what
+        keeps every slot busy while a claim is on its way; they are few, so workers beside this one still get
+        their share of a short queue."""
+        ahead = self.prefetch if self.prefetch is not None else min(max(self.concurrency // 4, 8), self.claim_batch)
+        return self.concurrency + max(ahead, 0)
 
     @property
     def reservation(self) -> float:
@@ -114,6 +124,10 @@ class JobPath:
 
     async def _fresh_lease(self, job: ClaimedJob) -> None: ...
 
+    async def _enter_remote(self, job: ClaimedJob) -> None: ...
+
+    def _leave_remote(self) -> None: ...
+
     def _done(self, job: ClaimedJob) -> None: ...
 
     async def _run_job(self, job: ClaimedJob, after: asyncio.Task[None] | None = None) -> None:
@@ -135,20 +149,27 @@ class JobPath:
             remote_id = job.remote_id
             run = job.submission or 1
             result: RemoteResult | None = None
-            if remote_id is None:
-                if adopted := await self._adopt(job):
-                    if await self._record(job, adopted, run):
-                        self.cancels.add(job.id)
-                    remote_id = adopted
-                else:
-                    started = await self._submit(job, job_input)
-                    if started is None:
-                        return  # held, cancelled or failed: the job has moved on
-                    remote_id, result, run = started
-            if result is None:
-                result = await self._poll(job, remote_id)
+            # One of the `concurrency` slots while the job is at the provider (or about to be): claimed jobs
+            # beyond them wait here, so a slot that frees is filled without waiting for a claim, and the store
+            # writes after the remote work (output, ack) run outside the slot.
+            await self._enter_remote(job)
+            try:
+                if remote_id is None:
+                    if adopted := await self._adopt(job):
+                        if await self._record(job, adopted, run):
+                            self.cancels.add(job.id)
+                        remote_id = adopted
+                    else:
+                        started = await self._submit(job, job_input)
+                        if started is None:
+                            return  # held, cancelled or failed: the job has moved on
+                        remote_id, result, run = started
                 if result is None:
-                    return  # cancelled
+                    result = await self._poll(job, remote_id)
+                    if result is None:
+                        return  # cancelled
+            finally:
+                self._leave_remote()
             await self._finish(job, result, run)
         except StaleLease:
             log.info("job %s: lease taken over, leaving it to its new owner", job.id)
@@ -236,18 +257,18 @@ class JobPath:
                 try:
                     submission = await self.backend.submit(job_input, tag=job.id, idempotency_key=f"{job.id}.{n}")
                 except Throttled as exc:
-                    await self.limits.count("throttled")
+                    self.limits.note("throttled")
                     if attempt == self.options.submit_retries_on_429:
                         raise
                     throttled = exc
                 except BackendError as exc:
-                    await self.limits.count("errors")
+                    self.limits.note("errors")
                     await self._submit_failed(job, exc)
                     return None
                 else:
                     if await self._record(job, submission.remote_id, n):
                         self.cancels.add(job.id)
-                    await self.limits.count("submitted")  # after the checkpoint: the window before it stays small
+                    self.limits.note("submitted")  # after the checkpoint: the window before it stays small
                     return submission.remote_id, submission.result, n
             pause = (throttled.retry_after if throttled else None) or min(2.0**attempt, 30.0)
             await self.health.call(functools.partial(self.limits.cool_down, pause))
@@ -256,7 +277,7 @@ class JobPath:
     async def _acquire(self, job: ClaimedJob) -> None:
         """Wait for the backend's rate limit (up to an hour), or until a cancel of this job is heard of: the
         begin script then finds the cancel and the job is not submitted."""
-        if job.id in self.cancels:
+        if job.id in self.cancels or self.limits.free_now():  # the common case: no wait, no tasks for one
             return
         heard = self._cancel_waits.setdefault(job.id, asyncio.Event())
         waits = [asyncio.ensure_future(self.health.call(self.limits.acquire)), asyncio.ensure_future(heard.wait())]
@@ -302,11 +323,11 @@ class JobPath:
                 if result.terminal:
                     return result
             except Throttled as exc:
-                await self.limits.count("throttled")
+                self.limits.note("throttled")
                 wait = exc.retry_after or interval
                 await self.health.call(functools.partial(self.limits.cool_down, wait))
             except Transient:
-                await self.limits.count("errors")
+                self.limits.note("errors")
                 transient += 1
                 if transient >= 10:
                     raise
