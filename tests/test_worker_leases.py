@@ -178,8 +178,9 @@ async def test_a_job_leased_again_to_the_same_worker_runs_in_one_task(
     peak = 0
     async with worker(make_settings(valkey_url, no_outputs, sim, "http-job")) as (task, w):
         await until_state(store, [job_id], "submitted", task)
-        await store.redis.zadd(prefix("q") + "workers", {w.id: 0})
-        assert (await store.reap("q"))[1] == 1  # back to ready, with its remote id
+        async with w._lock:  # the worker stalls: no claim or heartbeat of it can say it is alive meanwhile
+            await store.redis.zadd(prefix("q") + "workers", {w.id: 0})
+            assert (await store.reap("q"))[1] == 1  # back to ready, with its remote id
 
         async def finished() -> bool:
             nonlocal peak

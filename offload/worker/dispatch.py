@@ -69,6 +69,9 @@ class Worker(JobPath):
         self.tokens: dict[str, str] = {}  # the newest lease of each job this process runs
         self.claimed_at: dict[str, float] = {}  # when the claim that delivered it was sent (monotonic)
         self.cancels: set[str] = set()
+        # Jobs whose last write (ack, failure, cancel) is on its way: a heartbeat that no longer finds their lease
+        # has most likely raced that write, and the write's own reply tells the task what happened.
+        self.settling: set[str] = set()
         self._cancel_waits: dict[str, asyncio.Event] = {}  # jobs waiting on the rate limit, woken by a cancel
         self.peak_in_flight = 0  # the most remote jobs at once (slots taken), at most `concurrency`
         self.in_flight = 0
@@ -156,6 +159,7 @@ class Worker(JobPath):
             old.cancel()
         self.tokens[job.id] = job.token
         self.claimed_at[job.id] = sent
+        self.settling.discard(job.id)  # an older lease's last write says nothing about this one
         self.tasks[job.id] = asyncio.create_task(self._run_job(job, old))
 
     async def _enter_remote(self, job: ClaimedJob) -> None:
@@ -184,6 +188,7 @@ class Worker(JobPath):
             self.tokens.pop(job.id, None)
             self.claimed_at.pop(job.id, None)
             self.cancels.discard(job.id)
+            self.settling.discard(job.id)
         self._room.set()
 
     async def _drain(self, helpers: list[asyncio.Task[None]]) -> None:
@@ -229,6 +234,8 @@ class Worker(JobPath):
             )
             self._since, self._beat_at = reply.seq, sent
             for job_id in reply.lost:
+                if job_id in self.settling:
+                    continue
                 if task := self.tasks.get(job_id):
                     log.warning("lease of %s lost; another worker owns it now", job_id)
                     task.cancel()

@@ -115,6 +115,7 @@ class JobPath:
     options: WorkerOptions
     health: StoreHealth
     cancels: set[str]
+    settling: set[str]
     _cancel_waits: dict[str, asyncio.Event]
     _gate: asyncio.Semaphore | None
     _checkpoints: Batcher[tuple[str, str, str, str, int], str]
@@ -347,6 +348,7 @@ class JobPath:
             return
         location = await self._store(job, result.output, run)
         cost = self.options.cost(result)
+        self.settling.add(job.id)
         code = await self.health.call(lambda: self._completes((job.id, job.token, location, cost)))
         if code != "OK":
             raise StaleLease(f"job {job.id}: lease lost before it could be completed ({code})")
@@ -378,6 +380,7 @@ class JobPath:
         if remote_id:
             with contextlib.suppress(NotFound):
                 await self.backend.cancel(remote_id)
+        self.settling.add(job.id)
         await self.health.call(lambda: self.store.ack_cancel(job.id, job.token))
 
     async def _retry(
@@ -407,6 +410,7 @@ class JobPath:
         refund: bool = False,
     ) -> None:
         delay = delay_ms if delay_ms is not None else retry_delay_ms(job.attempt)
+        self.settling.add(job.id)
         try:
             state = await self.health.call(
                 lambda: self.store.fail(
