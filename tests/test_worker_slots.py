@@ -153,3 +153,59 @@ async def test_a_heartbeat_racing_an_ack_is_no_lost_lease(
 
 async def _no_tasks(w: Worker) -> bool:
     return not w.tasks
+
+
+# -- a synchronous API's answer: recorded by the ack -----------------------------------------------------------
+
+
+async def test_a_synchronous_answer_is_recorded_by_its_ack_alone(
+    valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chat completions answer the submit with the result: the worker writes the job twice (the submit intent,
+    then the ack that also records the run), not three times; the record still names the remote run."""
+    checkpoints: list[int] = []
+    real = QueueStore.checkpoint_many
+
+    async def counted(self: QueueStore, queue: str, items: Any) -> list[str]:
+        checkpoints.append(len(items))
+        return await real(self, queue, items)
+
+    monkeypatch.setattr(QueueStore, "checkpoint_many", counted)
+    jobs = await enqueue(store, "sync", 5)
+    async with worker(make_settings(valkey_url, no_outputs, sim, "openai")) as (task, _):
+        done = await until_state(store, [j for j, _ in jobs], "succeeded", task)
+    assert checkpoints == [], "a synchronous answer was checkpointed before its ack"
+    for job in done:
+        assert job.backend == "gpu" and job.remote_id, job
+        assert job.submission == 1 and job.possible_duplicates == 0 and job.attempts == 1, job
+    assert (await stats(sim))["submissions_by_input_id"] == {i: 1 for _, i in jobs}
+
+
+async def test_a_synchronous_answer_lost_to_a_worker_error_closes_its_intent(
+    valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The answer is in, then storing it fails with a bug (not a storage error). The attempt fails with the
+    provider's answer known and the intent closed: the next attempt is the same run under the same
+    Idempotency-Key, which the provider answers from its replay cache (paid once), is not counted a possible
+    duplicate, and no attempt is wasted polling a synchronous call that cannot be polled. (Before: the run was
+    checkpointed, the next attempt polled it (NotFound), a third submitted under a new key and paid again.)"""
+    import offload.worker.run as run_module
+
+    real = run_module.store_output
+    calls = [0]
+
+    async def broken_once(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("a bug in the output path (injected)")
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(run_module, "store_output", broken_once)
+    [(job_id, input_id)] = await enqueue(store, "sync-bug")
+    async with worker(make_settings(valkey_url, no_outputs, sim, "openai")) as (task, _):
+        [job] = await until_state(store, [job_id], "succeeded", task)
+    assert calls[0] == 2
+    assert job.attempts == 2 and job.submission == 1 and job.possible_duplicates == 0, job
+    seen = await stats(sim)
+    assert seen["submissions_by_input_id"] == {input_id: 1}, "the answer already paid for was paid again"
+    assert seen["idempotent_replays"] == {"openai": 1}, seen

@@ -26,7 +26,7 @@ from typing import Any
 from offload.backends.base import Backend
 from offload.connection import is_outage
 from offload.models import ClaimedJob
-from offload.queue.store import QueueStore
+from offload.queue.store import CompleteItem, QueueStore
 from offload.worker.batching import Batcher
 from offload.worker.health import StoreHealth, describe
 from offload.worker.jobpath import JobPath, StoreOutput, WorkerOptions
@@ -91,9 +91,7 @@ class Worker(JobPath):
         self._checkpoints: Batcher[tuple[str, str, str, str, int], str] = Batcher(
             lambda items: store.checkpoint_many(q, items)
         )
-        self._completes: Batcher[tuple[str, str, str, float | None], str] = Batcher(
-            lambda items: store.complete_many(q, items)
-        )
+        self._completes: Batcher[CompleteItem, str] = Batcher(lambda items: store.complete_many(q, items))
         self._begins: Batcher[tuple[str, str], str] = Batcher(self._begin_many)
         self._fences: Batcher[tuple[str, str], str] = Batcher(lambda items: store.fence_many(q, items))
         self._beats: Batcher[None, None] = Batcher(self._beat_many, concurrency=1)

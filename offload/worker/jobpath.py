@@ -26,7 +26,7 @@ from offload.backends.base import Backend, BackendError, Fatal, NotFound, Remote
 from offload.connection import is_outage
 from offload.errors import StaleLease
 from offload.models import ClaimedJob
-from offload.queue.store import QueueStore, retry_delay_ms
+from offload.queue.store import CompleteItem, QueueStore, retry_delay_ms
 from offload.storage import InvalidKey, StorageError, validate_key
 from offload.worker.batching import Batcher
 from offload.worker.health import StoreHealth, describe
@@ -119,7 +119,7 @@ class JobPath:
     _cancel_waits: dict[str, asyncio.Event]
     _gate: asyncio.Semaphore | None
     _checkpoints: Batcher[tuple[str, str, str, str, int], str]
-    _completes: Batcher[tuple[str, str, str, float | None], str]
+    _completes: Batcher[CompleteItem, str]
     _begins: Batcher[tuple[str, str], str]
     _fences: Batcher[tuple[str, str], str]
 
@@ -132,7 +132,12 @@ class JobPath:
     def _done(self, job: ClaimedJob) -> None: ...
 
     async def _run_job(self, job: ClaimedJob, after: asyncio.Task[None] | None = None) -> None:
-        remote_id: str | None = None  # once set: recorded in the job record
+        remote_id: str | None = None  # once set: recorded in the job record (unless `unrecorded`)
+        # A synchronous answer: its run is recorded with the ack. A failure before the ack closes the intent,
+        # unrecorded: the next try is the same run under the same Idempotency-Key (a provider that honours it
+        # answers again without charging twice), not a possible duplicate, and no attempt is spent polling a
+        # call that cannot be polled.
+        unrecorded = False
         try:
             if after is not None:
                 await asyncio.wait([after])
@@ -165,13 +170,14 @@ class JobPath:
                         if started is None:
                             return  # held, cancelled or failed: the job has moved on
                         remote_id, result, run = started
+                        unrecorded = result is not None
                 if result is None:
                     result = await self._poll(job, remote_id)
                     if result is None:
                         return  # cancelled
             finally:
                 self._leave_remote()
-            await self._finish(job, result, run)
+            await self._finish(job, result, run, remote_id if unrecorded else None)
         except StaleLease:
             log.info("job %s: lease taken over, leaving it to its new owner", job.id)
         except asyncio.CancelledError:
@@ -202,6 +208,7 @@ class JobPath:
                 job,
                 f"storing the output failed: {exc}",
                 keep_remote=remote_id is not None and not getattr(exc, "permanent", False),
+                answered=unrecorded,
             )
         except Fatal as exc:
             await self._fail(job, f"fatal: {exc}{_detail(exc)}", retryable=False)
@@ -213,7 +220,11 @@ class JobPath:
             # retry resumes the paid-for remote job instead of submitting again.
             log.exception("job %s: unexpected error", job.id)
             await self._fail(
-                job, f"worker error: {type(exc).__name__}: {exc}", retryable=True, keep_remote=remote_id is not None
+                job,
+                f"worker error: {type(exc).__name__}: {exc}",
+                retryable=True,
+                keep_remote=remote_id is not None,
+                answered=unrecorded,
             )
         finally:
             self._done(job)
@@ -267,7 +278,11 @@ class JobPath:
                     await self._submit_failed(job, exc)
                     return None
                 else:
-                    if await self._record(job, submission.remote_id, n):
+                    # A remote job is recorded before it is polled. A synchronous answer carries the result: its
+                    # run is recorded by the ack itself (one write, not two), or closed by the failure that
+                    # follows; a worker lost in between leaves the intent open, and the next attempt submits
+                    # again under the same key, counted as a possible duplicate (there is nothing to resume).
+                    if submission.result is None and await self._record(job, submission.remote_id, n):
                         self.cancels.add(job.id)
                     self.limits.note("submitted")  # after the checkpoint: the window before it stays small
                     return submission.remote_id, submission.result, n
@@ -278,7 +293,7 @@ class JobPath:
     async def _acquire(self, job: ClaimedJob) -> None:
         """Wait for the backend's rate limit (up to an hour), or until a cancel of this job is heard of: the
         begin script then finds the cancel and the job is not submitted."""
-        if job.id in self.cancels or self.limits.free_now():  # the common case: no wait, no tasks for one
+        if job.id in self.cancels or await self.health.call(self.limits.ready):  # the common case: no wait
             return
         heard = self._cancel_waits.setdefault(job.id, asyncio.Event())
         waits = [asyncio.ensure_future(self.health.call(self.limits.acquire)), asyncio.ensure_future(heard.wait())]
@@ -337,8 +352,12 @@ class JobPath:
             await asyncio.sleep(wait)
             interval = min(interval * 2, self.options.poll_interval)  # doubling: few wasted polls on long GPU jobs
 
-    async def _finish(self, job: ClaimedJob, result: RemoteResult, run: int) -> None:
+    async def _finish(self, job: ClaimedJob, result: RemoteResult, run: int, unrecorded: str | None = None) -> None:
+        """Store the output and ack. `unrecorded`: the remote id of a run that was never checkpointed, recorded
+        by the ack."""
         if result.status != "succeeded":
+            if unrecorded is not None:  # recorded, so that the next try is a new run (a new Idempotency-Key)
+                await self._record(job, unrecorded, run)
             await self._retry(
                 job,
                 f"remote job {result.status}: {result.error or 'no error given'}",
@@ -349,7 +368,10 @@ class JobPath:
         location = await self._store(job, result.output, run)
         cost = self.options.cost(result)
         self.settling.add(job.id)
-        code = await self.health.call(lambda: self._completes((job.id, job.token, location, cost)))
+        item: CompleteItem = (job.id, job.token, location, cost)
+        if unrecorded is not None:
+            item = (*item, self.options.backend_name, unrecorded, run)
+        code = await self.health.call(lambda: self._completes(item))
         if code != "OK":
             raise StaleLease(f"job {job.id}: lease lost before it could be completed ({code})")
 

@@ -70,14 +70,11 @@ class BackendLimits:
         self._probed_at = -COOL_PROBE_S
         self._cool_until = 0.0
 
-    def free_now(self) -> bool:
-        """Whether `acquire` would return at once without asking Redis: no rate limit, and the shared cool-down
-        was read less than COOL_PROBE_S ago and is over. Lets a caller skip the machinery of a wait (tasks, a
-        race with a cancel) on the common path."""
-        if self.interval_ms:
-            return False
-        now = time.monotonic()
-        return now - self._probed_at < COOL_PROBE_S and self._cool_until <= now
+    async def ready(self) -> bool:
+        """Whether a request may go at once: no rate limit and no shared cool-down (read as `acquire` reads it:
+        at most once per COOL_PROBE_S, shared by every caller). Lets a caller skip the machinery of a wait
+        (tasks, a race with a cancel) on the common path; when False, `acquire` decides how long to wait."""
+        return not self.interval_ms and await self._cooling_ms() == 0
 
     async def acquire(self, max_wait_s: float = 3600.0) -> float:
         """Wait until this request may go; returns the seconds waited."""
