@@ -4,6 +4,12 @@ It claims in batches, runs each job as a task (`offload.worker.jobpath`: submit,
 store, complete), and keeps every lease alive with one heartbeat per interval. Nothing here sleeps on behalf of
 another job: retries are scheduled in Redis, waits are per task.
 
+`concurrency` is a number of slots, one per job at the provider (from its submit intent to its result). A few
+jobs more are claimed ahead and wait for a slot, so a slot that frees is filled at once instead of after a claim's
+round trip; the output and the ack come after the slot is given back, so their round trips do not keep a remote
+job from starting either (measured by bench/worker_throughput.py: waiting for a claim and for the ack inside the
+slot cost a 50 ms job a third of its slot).
+
 What the loop guarantees about leases: a heartbeat never runs while a claim is in flight (one lock), so every
 lease the store has handed this process by the time a heartbeat is sent is either in its list or was never
 received; the heartbeat lists (job id, token) pairs and hands the others back (`since`). A job claimed again
@@ -77,6 +83,7 @@ class Worker(JobPath):
         self.in_flight = 0
         self._slots = asyncio.Semaphore(options.concurrency)
         self._ahead: set[asyncio.Task[None]] = set()  # claimed, waiting for a slot: nothing sent anywhere yet
+        self._past: set[str] = set()  # jobs whose remote work is over: storing the output, acking
         self._room = asyncio.Event()  # set when a task ends: room to claim
         self._window = ""  # unknown: the first loop releases jobs held in earlier windows
         self._lock = asyncio.Lock()  # claim and heartbeat, never both at once
@@ -109,7 +116,7 @@ class Worker(JobPath):
         idle = 0.02
         try:
             while not stop.is_set():
-                free = self.options.leased_max - len(self.tasks)
+                free = self._room_to_claim()
                 batch = min(free, self.options.claim_batch)
                 claimed: list[ClaimedJob] = []
                 try:
@@ -158,6 +165,7 @@ class Worker(JobPath):
         self.tokens[job.id] = job.token
         self.claimed_at[job.id] = sent
         self.settling.discard(job.id)  # an older lease's last write says nothing about this one
+        self._past.discard(job.id)
         self.tasks[job.id] = asyncio.create_task(self._run_job(job, old))
 
     async def _enter_remote(self, job: ClaimedJob) -> None:
@@ -175,9 +183,21 @@ class Worker(JobPath):
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
 
-    def _leave_remote(self) -> None:
+    def _leave_remote(self, job: ClaimedJob) -> None:
         self.in_flight -= 1
         self._slots.release()
+        if self.tasks.get(job.id) is asyncio.current_task():
+            self._past.add(job.id)
+        self._room.set()
+
+    def _room_to_claim(self) -> int:
+        """Jobs to claim now. Up to `leased_max` jobs that are before or in their remote work; the ones past it
+        (storing an output, acking: a round trip or two) do not hold back the next claim, but they have an
+        allowance of their own, `concurrency`, so that a storage outage stops the claiming (and paying) soon."""
+        before = len(self.tasks) - len(self._past)
+        return min(
+            self.options.leased_max - before, self.options.leased_max + self.options.concurrency - len(self.tasks)
+        )
 
     def _done(self, job: ClaimedJob) -> None:
         """A task ends: forget it, unless a newer lease of the same job has taken its place."""
@@ -187,6 +207,7 @@ class Worker(JobPath):
             self.claimed_at.pop(job.id, None)
             self.cancels.discard(job.id)
             self.settling.discard(job.id)
+            self._past.discard(job.id)
         self._room.set()
 
     async def _drain(self, helpers: list[asyncio.Task[None]]) -> None:

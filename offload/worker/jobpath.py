@@ -127,7 +127,7 @@ class JobPath:
 
     async def _enter_remote(self, job: ClaimedJob) -> None: ...
 
-    def _leave_remote(self) -> None: ...
+    def _leave_remote(self, job: ClaimedJob) -> None: ...
 
     def _done(self, job: ClaimedJob) -> None: ...
 
@@ -176,7 +176,7 @@ class JobPath:
                     if result is None:
                         return  # cancelled
             finally:
-                self._leave_remote()
+                self._leave_remote(job)
             await self._finish(job, result, run, remote_id if unrecorded else None)
         except StaleLease:
             log.info("job %s: lease taken over, leaving it to its new owner", job.id)
