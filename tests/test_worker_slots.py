@@ -58,8 +58,8 @@ async def test_concurrency_bounds_the_provider_and_a_few_jobs_wait_claimed_ahead
     valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore
 ) -> None:
     """2 slots, 2 claimed ahead, 8 jobs of 1 s: never more than 2 jobs at the provider (the simulator's own
-    record of when each remote job ran), while 4 are leased: the 2 ahead start the moment a slot frees. Every
-    job runs once."""
+    record of when each remote job ran), while 4 or more are leased: the 2 ahead start the moment a slot frees,
+    and jobs past their remote work (the ack) do not hold back a claim. Every job runs once."""
     await configure(sim, latency=1.0)
     jobs = await enqueue(store, "slots", 8)
     peak_leased = 0
@@ -69,12 +69,13 @@ async def test_concurrency_bounds_the_provider_and_a_few_jobs_wait_claimed_ahead
             nonlocal peak_leased
             c = await counts(store)
             peak_leased = max(peak_leased, c["active"] + c["submitted"])
-            assert c["active"] + c["submitted"] <= 4, c
+            # 2 slots + 2 ahead, plus up to 2 past their remote work (output, ack)
+            assert c["active"] + c["submitted"] <= 6, c
             return c["succeeded"] == len(jobs)
 
         await until(all_done, "every job to succeed", task, timeout=30)
         assert w.peak_in_flight == 2
-    assert peak_leased == 4, "no job was claimed ahead of a free slot"
+    assert peak_leased >= 4, "no job was claimed ahead of a free slot"
     seen = await stats(sim)
     assert seen["submissions_by_input_id"] == {input_id: 1 for _, input_id in jobs}
     spans = [r for _, input_id in jobs for r in await remote_jobs(sim, input_id)]

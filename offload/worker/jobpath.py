@@ -67,11 +67,17 @@ class WorkerOptions:
 
     @property
     def leased_max(self) -> int:
-        """How many jobs the worker holds at most: `concurrency` at the provider plus `prefetch` claimed ahead
-        (default: a quarter of `concurrency`, at least 8 and at most `claim_batch`). The ones ahead are what
-        keeps every slot busy while a claim is on its way; they are few, so workers beside this one still get
-        their share of a short queue."""
-        ahead = self.prefetch if self.prefetch is not None else min(max(self.concurrency // 4, 8), self.claim_batch)
+        """How many jobs before or in their remote work the worker holds at most: `concurrency` at the provider
+        plus `prefetch` claimed ahead. The ones ahead keep every slot busy while a claim is on its way; they
+        are few (default: a quarter of `concurrency`, at least 1, at most `claim_batch`), so workers beside this
+        one still get their share of a short queue. None by default under a daily cap: a job claimed ahead when
+        the cap is reached is held until the next window, and a cap is where hoarding costs most."""
+        if self.prefetch is not None:
+            ahead = self.prefetch
+        elif self.daily_job_cap is not None or self.daily_spend_cap is not None:
+            ahead = 0
+        else:
+            ahead = min(max(self.concurrency // 4, 1), self.claim_batch)
         return self.concurrency + max(ahead, 0)
 
     @property
