@@ -170,16 +170,13 @@ class Worker(JobPath):
 
     async def _enter_remote(self, job: ClaimedJob) -> None:
         """Take a slot: at most `concurrency` jobs are past this point (submitting, at the provider, polled)."""
-        if self._slots.locked():
-            task = asyncio.current_task()
-            assert task is not None
-            self._ahead.add(task)
-            try:
-                await self._slots.acquire()
-            finally:
-                self._ahead.discard(task)
-        else:
+        task = asyncio.current_task()
+        assert task is not None
+        self._ahead.add(task)  # (not `locked()` first: asyncio's scans every waiter, per call)
+        try:
             await self._slots.acquire()
+        finally:
+            self._ahead.discard(task)
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
 

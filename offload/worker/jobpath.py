@@ -299,7 +299,7 @@ class JobPath:
     async def _acquire(self, job: ClaimedJob) -> None:
         """Wait for the backend's rate limit (up to an hour), or until a cancel of this job is heard of: the
         begin script then finds the cancel and the job is not submitted."""
-        if job.id in self.cancels or await self.health.call(self.limits.ready):  # the common case: no wait
+        if job.id in self.cancels or self.limits.free_now() or await self.health.call(self.limits.ready):
             return
         heard = self._cancel_waits.setdefault(job.id, asyncio.Event())
         waits = [asyncio.ensure_future(self.health.call(self.limits.acquire)), asyncio.ensure_future(heard.wait())]

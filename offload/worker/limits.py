@@ -70,6 +70,12 @@ class BackendLimits:
         self._probed_at = -COOL_PROBE_S
         self._cool_until = 0.0
 
+    def free_now(self) -> bool:
+        """`ready` without awaiting: True only when the answer is known without a read (no rate limit, and the
+        cool-down read less than COOL_PROBE_S ago is over)."""
+        now = time.monotonic()
+        return not self.interval_ms and now - self._probed_at < COOL_PROBE_S and self._cool_until <= now
+
     async def ready(self) -> bool:
         """Whether a request may go at once: no rate limit and no shared cool-down (read as `acquire` reads it:
         at most once per COOL_PROBE_S, shared by every caller). Lets a caller skip the machinery of a wait
