@@ -221,7 +221,9 @@ class Worker(JobPath):
         for h in helpers:
             h.cancel()
         await asyncio.gather(*helpers, return_exceptions=True)
-        await self.limits.flush()
+        with contextlib.suppress(TimeoutError):  # metrics only: never hold a drain past a moment for them
+            async with asyncio.timeout(2.0):
+                await self.limits.flush()
         try:
             async with asyncio.timeout(max(5.0, self.options.lease_ms / 1000)):
                 released = await self.health.call(lambda: self.control.release_leases(self.options.queue, self.id))
