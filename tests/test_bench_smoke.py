@@ -48,3 +48,19 @@ def test_http_enqueue_bench() -> None:
     doc = last_json(["bench/http_enqueue.py", "--jobs", "2000", "--singles", "50"], timeout=90)
     assert set(doc) == {"batch_jobs_per_s", "single_p50_ms", "single_p99_ms", "single_per_s"}
     assert doc["batch_jobs_per_s"] > 0 and 0 < doc["single_p50_ms"] <= doc["single_p99_ms"], doc
+
+
+def test_worker_throughput_bench() -> None:
+    doc = last_json(["bench/worker_throughput.py", "--quick"], timeout=30)
+    assert set(doc) == {
+        "worker_noop_per_s",
+        "lean_noop_per_s",
+        "worker_io50_per_s",
+        "io50_bound_per_s",
+        "noop_ratio",
+        "io50_ratio",
+    }
+    assert doc["io50_bound_per_s"] == 2000, doc  # 100 in flight / 0.05 s
+    # Each rate is jobs completed over time, and the bench exits non-zero unless every job was acknowledged.
+    assert doc["worker_noop_per_s"] > 0 and doc["lean_noop_per_s"] > 0 and doc["worker_io50_per_s"] > 0, doc
+    assert doc["noop_ratio"] > 0 and doc["io50_ratio"] > 0, doc

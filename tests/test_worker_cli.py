@@ -344,14 +344,14 @@ class _Loop:
     raise): the coordination is the subject here, not Redis."""
 
     def __init__(self, queue: str, fail_after: float | None = None) -> None:
-        self.o = type("Options", (), {"queue": queue})()
+        self.options = type("Options", (), {"queue": queue})()
         self.fail_after = fail_after
         self.drained = False
 
     async def run(self, stop: asyncio.Event) -> None:
         if self.fail_after is not None:
             await asyncio.sleep(self.fail_after)
-            raise ConnectionError(f"{self.o.queue}: Redis went away")
+            raise ConnectionError(f"{self.options.queue}: Redis went away")
         await stop.wait()
         await asyncio.sleep(0.05)  # a drain takes a moment; the failure must wait for it
         self.drained = True

@@ -481,6 +481,9 @@ async def test_1000_jobs_4_workers_one_killed_every_second(
         await wait_until(
             all_done, 170, f"{n_jobs} jobs to succeed", every=0.2, why=lambda: f"problems: {fleet.problems()}"
         )
+        # the monitor's last pass reads every job's final remote id: cancelled before it, the jobs that
+        # succeeded since its previous pass would look as if they never had one
+        await asyncio.wait_for(tasks[0], 30)
     finally:
         for task in tasks:
             task.cancel()

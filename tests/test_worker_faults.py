@@ -207,7 +207,7 @@ async def serving(settings: Settings, *, grace_s: float = 1.0, **options: Any) -
 
     def tune(worker: Worker) -> None:
         for name, value in {"first_poll": 0.05, **options}.items():
-            setattr(worker.o, name, value)
+            setattr(worker.options, name, value)
 
     task = asyncio.create_task(
         run_worker(settings, "q", stop=stop, install_signals=False, grace_s=grace_s, on_ready=tune)

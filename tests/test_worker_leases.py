@@ -43,7 +43,7 @@ async def worker(settings: Settings, *, worker_id: str | None = None, **options:
 
     def tune(w: Worker) -> None:
         for name, value in {"first_poll": 0.05, **options}.items():
-            setattr(w.o, name, value)
+            setattr(w.options, name, value)
         ready.set_result(w)
 
     task = asyncio.create_task(
@@ -183,8 +183,9 @@ async def test_a_job_leased_again_to_the_same_worker_runs_in_one_task(
             return job_id not in w._submitting
 
         await until(polling, "the job's task to poll", task)
-        await store.redis.zadd(prefix("q") + "workers", {w.id: 0})
-        assert (await store.reap("q"))[1] == 1  # back to ready, with its remote id
+        async with w._lock:  # the worker stalls: no claim or heartbeat of it can say it is alive meanwhile
+            await store.redis.zadd(prefix("q") + "workers", {w.id: 0})
+            assert (await store.reap("q"))[1] == 1  # back to ready, with its remote id
 
         async def finished() -> bool:
             nonlocal peak

@@ -59,6 +59,10 @@ class JobSpec:
     job_id: str | None = None
 
 
+#: (id, token, result location, cost) or, for a run never checkpointed, (..., backend, remote id, submission n).
+CompleteItem = tuple[str, str, str, float | None] | tuple[str, str, str, float | None, str, str, int]
+
+
 def retry_delay_ms(attempt: int, base_ms: int = 1_000, cap_ms: int = 300_000) -> int:
     """Exponential backoff with "equal jitter": half fixed, half random, so retries of a burst spread out."""
     ceiling = min(cap_ms, base_ms * 2 ** max(attempt - 1, 0))
@@ -389,9 +393,13 @@ class QueueStore:
         per item. The submission's intent is closed."""
         return list(await self._run(SCRIPTS.checkpoint, queue, orjson.dumps(items)))
 
-    async def complete_many(self, queue: str, items: Sequence[tuple[str, str, str, float | None]]) -> list[str]:
-        """Ack many (id, token, result location, cost); returns OK / STALE / NOTFOUND per item."""
-        batch = orjson.dumps([(i, t, r, "" if c is None else repr(float(c))) for i, t, r, c in items])
+    async def complete_many(self, queue: str, items: Sequence[CompleteItem]) -> list[str]:
+        """Ack many (id, token, result location, cost[, backend, remote id, submission number]); returns OK /
+        STALE / NOTFOUND per item. The remote part records a run that was never checkpointed (a synchronous
+        API answers the submit with the result) and closes its submit intent, in the same step as the ack."""
+        batch = orjson.dumps(
+            [(*item[:3], "" if item[3] is None else repr(float(item[3])), *item[4:]) for item in items]
+        )
         return list(await self._run(SCRIPTS.complete, queue, batch))
 
     async def complete(self, job_id: str, token: str, result: str, cost: float | None = None) -> None:

@@ -35,11 +35,12 @@ class Batcher(Generic[T, R]):
         self._concurrency = concurrency
 
     async def __call__(self, item: T) -> R:
-        future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[R] = loop.create_future()
         self._pending.append((item, future))
         if self._active < self._concurrency:
             self._active += 1
-            task = asyncio.get_running_loop().create_task(self._drain())
+            task = loop.create_task(self._drain())
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         return await future

@@ -4,6 +4,12 @@ It claims in batches, runs each job as a task (`offload.worker.jobpath`: submit,
 store, complete), and keeps every lease alive with one heartbeat per interval. Nothing here sleeps on behalf of
 another job: retries are scheduled in Redis, waits are per task.
 
+`concurrency` is a number of slots, one per job at the provider (from its submit intent to its result). A few
+jobs more are claimed ahead and wait for a slot, so a slot that frees is filled at once instead of after a claim's
+round trip; the output and the ack come after the slot is given back, so their round trips do not keep a remote
+job from starting either (measured by bench/worker_throughput.py: waiting for a claim and for the ack inside the
+slot cost a 50 ms job a third of its slot).
+
 What the loop guarantees about leases: a heartbeat never runs while a claim is in flight (one lock), so every
 lease the store has handed this process by the time a heartbeat is sent is either in its list or was never
 received; the heartbeat lists (job id, token) pairs and hands the others back (`since`). A job claimed again
@@ -26,7 +32,7 @@ from typing import Any
 from offload.backends.base import Backend
 from offload.connection import is_outage
 from offload.models import ClaimedJob
-from offload.queue.store import QueueStore
+from offload.queue.store import CompleteItem, QueueStore
 from offload.worker.batching import Batcher
 from offload.worker.health import StoreHealth, describe
 from offload.worker.jobpath import JobPath, StoreOutput, WorkerOptions
@@ -61,7 +67,7 @@ class Worker(JobPath):
         # Claims and heartbeats on their own connection (when given): job tasks can keep every connection of
         # the main pool busy, and a heartbeat that waits for one past the lease loses every job.
         self.control = control or store
-        self.o = options
+        self.options = options
         self.id = worker_id or default_worker_id()
         self.clock = clock
         self.health = StoreHealth(store.redis.ping, max_pause_s=min(2.0, options.lease_ms / 4000))
@@ -70,9 +76,16 @@ class Worker(JobPath):
         self.claimed_at: dict[str, float] = {}  # when the claim that delivered it was sent (monotonic)
         self.cancels: set[str] = set()
         self._submitting: set[str] = set()
+        # Jobs whose last write (ack, failure, cancel) is on its way: a heartbeat that no longer finds their lease
+        # has most likely raced that write, and the write's own reply tells the task what happened.
+        self.settling: set[str] = set()
         self._cancel_waits: dict[str, asyncio.Event] = {}  # jobs waiting on the rate limit, woken by a cancel
-        self.peak_in_flight = 0
-        self._slot = asyncio.Event()
+        self.peak_in_flight = 0  # the most remote jobs at once (slots taken), at most `concurrency`
+        self.in_flight = 0
+        self._slots = asyncio.Semaphore(options.concurrency)
+        self._ahead: set[asyncio.Task[None]] = set()  # claimed, waiting for a slot: nothing sent anywhere yet
+        self._past: set[str] = set()  # jobs whose remote work is over: storing the output, acking
+        self._room = asyncio.Event()  # set when a task ends: room to claim
         self._window = ""  # unknown: the first loop releases jobs held in earlier windows
         self._lock = asyncio.Lock()  # claim and heartbeat, never both at once
         self._since: int | None = None  # the lease sequence number of the last heartbeat
@@ -86,9 +99,7 @@ class Worker(JobPath):
         self._checkpoints: Batcher[tuple[str, str, str, str, int], str] = Batcher(
             lambda items: store.checkpoint_many(q, items)
         )
-        self._completes: Batcher[tuple[str, str, str, float | None], str] = Batcher(
-            lambda items: store.complete_many(q, items)
-        )
+        self._completes: Batcher[CompleteItem, str] = Batcher(lambda items: store.complete_many(q, items))
         self._begins: Batcher[tuple[str, str], str] = Batcher(self._begin_many)
         self._fences: Batcher[tuple[str, str], str] = Batcher(lambda items: store.fence_many(q, items))
         self._beats: Batcher[None, None] = Batcher(self._beat_many, concurrency=1)
@@ -101,13 +112,13 @@ class Worker(JobPath):
 
     async def run(self, stop: asyncio.Event) -> None:
         helpers = [asyncio.create_task(self._heartbeat_loop())]
-        if self.o.ingest_list:
+        if self.options.ingest_list:
             helpers.append(asyncio.create_task(self._ingest_loop(stop)))
         idle = 0.02
         try:
             while not stop.is_set():
-                free = self.o.concurrency - len(self.tasks)
-                batch = min(free, self.o.claim_batch)
+                free = self._room_to_claim()
+                batch = min(free, self.options.claim_batch)
                 claimed: list[ClaimedJob] = []
                 try:
                     await self._roll_window()
@@ -119,30 +130,29 @@ class Worker(JobPath):
                     self.health.failed(exc)
                     await _first(self.health.wait(), stop.wait())
                     continue
-                self.peak_in_flight = max(self.peak_in_flight, len(self.tasks))
                 if claimed and len(claimed) == batch:
                     idle = 0.02
                     continue
-                self._slot.clear()
+                self._room.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(_first(self._slot.wait(), stop.wait()), idle if free > 0 else None)
+                    await asyncio.wait_for(_first(self._room.wait(), stop.wait()), idle if free > 0 else None)
                 idle = min(idle * 2, 0.5) if not claimed else 0.02
         finally:
             await self._drain(helpers)
 
     async def _claim(self, n: int) -> list[ClaimedJob]:
-        o = self.o
+        opts = self.options
         async with self._lock:
             sent = time.monotonic()
             jobs = await self.control.claim(
-                o.queue,
+                opts.queue,
                 self.id,
                 n,
-                o.lease_ms,
+                opts.lease_ms,
                 window=self._window,
-                job_cap=o.daily_job_cap,
-                spend_cap=o.daily_spend_cap,
-                estimate=o.reservation,
+                job_cap=opts.daily_job_cap,
+                spend_cap=opts.daily_spend_cap,
+                estimate=opts.reservation,
             )
             for job in jobs:
                 self._start(job, sent)
@@ -157,7 +167,37 @@ class Worker(JobPath):
             old.cancel()
         self.tokens[job.id] = job.token
         self.claimed_at[job.id] = sent
+        self.settling.discard(job.id)  # an older lease's last write says nothing about this one
+        self._past.discard(job.id)
         self.tasks[job.id] = asyncio.create_task(self._run_job(job, old))
+
+    async def _enter_remote(self, job: ClaimedJob) -> None:
+        """Take a slot: at most `concurrency` jobs are past this point (submitting, at the provider, polled)."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._ahead.add(task)  # (not `locked()` first: asyncio's scans every waiter, per call)
+        try:
+            await self._slots.acquire()
+        finally:
+            self._ahead.discard(task)
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+
+    def _leave_remote(self, job: ClaimedJob) -> None:
+        self.in_flight -= 1
+        self._slots.release()
+        if self.tasks.get(job.id) is asyncio.current_task():
+            self._past.add(job.id)
+        self._room.set()
+
+    def _room_to_claim(self) -> int:
+        """Jobs to claim now. Up to `leased_max` jobs that are before or in their remote work; the ones past it
+        (storing an output, acking: a round trip or two) do not hold back the next claim, but they have an
+        allowance of their own, `concurrency`, so that a storage outage stops the claiming (and paying) soon."""
+        before = len(self.tasks) - len(self._past)
+        return min(
+            self.options.leased_max - before, self.options.leased_max + self.options.concurrency - len(self.tasks)
+        )
 
     def _done(self, job: ClaimedJob) -> None:
         """A task ends: forget it, unless a newer lease of the same job has taken its place."""
@@ -166,22 +206,30 @@ class Worker(JobPath):
             self.tokens.pop(job.id, None)
             self.claimed_at.pop(job.id, None)
             self.cancels.discard(job.id)
-        self._slot.set()
+            self.settling.discard(job.id)
+            self._past.discard(job.id)
+        self._room.set()
 
     async def _drain(self, helpers: list[asyncio.Task[None]]) -> None:
         """Stop claiming, let in-flight jobs finish for the grace period, then hand the rest back with
-        their remote ids (the next worker resumes polling them)."""
+        their remote ids (the next worker resumes polling them). Jobs claimed ahead that never got a slot go
+        back at once: nothing of them was sent anywhere."""
+        for task in list(self._ahead):
+            task.cancel()
         if self.tasks:
-            await asyncio.wait(list(self.tasks.values()), timeout=self.o.grace_s)
+            await asyncio.wait(list(self.tasks.values()), timeout=self.options.grace_s)
         for task in self.tasks.values():
             task.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
         for h in helpers:
             h.cancel()
         await asyncio.gather(*helpers, return_exceptions=True)
+        with contextlib.suppress(TimeoutError):  # metrics only: never hold a drain past a moment for them
+            async with asyncio.timeout(2.0):
+                await self.limits.flush()
         try:
-            async with asyncio.timeout(max(5.0, self.o.lease_ms / 1000)):
-                released = await self.health.call(lambda: self.control.release_leases(self.o.queue, self.id))
+            async with asyncio.timeout(max(5.0, self.options.lease_ms / 1000)):
+                released = await self.health.call(lambda: self.control.release_leases(self.options.queue, self.id))
             log.info("drained: released %d leases (remote ids kept)", released)
         except TimeoutError:
             log.warning("drained without the job store: the leases run out instead (and count as expired)")
@@ -189,7 +237,7 @@ class Worker(JobPath):
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.o.lease_ms / 3000)
+            await asyncio.sleep(self.options.lease_ms / 3000)
             try:
                 await self._beats(None)
             except Exception as exc:  # an outage is waited out by the tasks; the next beat tries again
@@ -203,10 +251,12 @@ class Worker(JobPath):
         async with self._lock:
             sent = time.monotonic()
             reply = await self.control.heartbeat(
-                self.o.queue, self.id, list(self.tokens.items()), self.o.lease_ms, since=self._since
+                self.options.queue, self.id, list(self.tokens.items()), self.options.lease_ms, since=self._since
             )
             self._since, self._beat_at = reply.seq, sent
             for job_id in reply.lost:
+                if job_id in self.settling:
+                    continue
                 if job_id in self._submitting:  # its answer is recorded for the new owner, then the task ends
                     log.warning("lease of %s lost while its submit call is out", job_id)
                 elif task := self.tasks.get(job_id):
@@ -233,20 +283,22 @@ class Worker(JobPath):
         job, and submitting now would pay twice. The lease is known fresh from the claim that delivered it or
         from a later heartbeat (which listed it); else a beat first, which cancels this task if it is gone."""
         fresh = max(self.claimed_at.get(job.id, 0.0), self._beat_at)
-        if time.monotonic() - fresh > self.o.lease_ms / 3000:
+        if time.monotonic() - fresh > self.options.lease_ms / 3000:
             await self.health.call(lambda: self._beats(None))
 
     async def _ingest_loop(self, stop: asyncio.Event) -> None:
-        assert self.o.ingest_list is not None
+        assert self.options.ingest_list is not None
         while not stop.is_set():
             try:
-                ok, bad = await self.store.ingest(self.o.ingest_list, self.o.queue, max_attempts=self.o.max_attempts)
+                ok, bad = await self.store.ingest(
+                    self.options.ingest_list, self.options.queue, max_attempts=self.options.max_attempts
+                )
             except Exception as exc:
                 if is_outage(exc):
                     self.health.failed(exc)
                     await self.health.wait()
                 else:
-                    log.warning("ingest from %s failed: %s", self.o.ingest_list, exc)
+                    log.warning("ingest from %s failed: %s", self.options.ingest_list, exc)
                 ok = bad = 0
             if ok + bad == 0:
                 await asyncio.sleep(0.2)
@@ -258,20 +310,20 @@ class Worker(JobPath):
         the release went through, so one interrupted by an outage is done again."""
         window = self.window()
         if window != self._window:
-            released = await self.control.release_held_before(self.o.queue, window)
+            released = await self.control.release_held_before(self.options.queue, window)
             self._window = window
             if released:
                 log.info("cap window %s: released %d held jobs", window, released)
 
     async def _begin_many(self, items: list[tuple[str, str]]) -> list[str]:
-        o = self.o
+        opts = self.options
         return await self.store.begin_many(
-            o.queue,
+            opts.queue,
             self._window,
-            [(i, t, o.reservation) for i, t in items],
-            job_cap=o.daily_job_cap,
-            spend_cap=o.daily_spend_cap,
-            backend=o.backend_name,
+            [(i, t, opts.reservation) for i, t in items],
+            job_cap=opts.daily_job_cap,
+            spend_cap=opts.daily_spend_cap,
+            backend=opts.backend_name,
         )
 
 

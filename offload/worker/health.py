@@ -78,7 +78,8 @@ class StoreHealth:
     async def call(self, fn: Callable[[], Awaitable[T]]) -> T:
         """`fn()` until it returns; an outage makes it wait for the store, any other error is raised."""
         while True:
-            await self._up.wait()
+            if not self._up.is_set():  # (a check, not an await: this runs a few times per job)
+                await self._up.wait()
             try:
                 return await fn()
             except Exception as exc:

@@ -26,7 +26,7 @@ from offload.backends.base import Backend, BackendError, Fatal, NotFound, Remote
 from offload.connection import is_outage
 from offload.errors import StaleLease, WorkerError
 from offload.models import ClaimedJob
-from offload.queue.store import QueueStore, retry_delay_ms
+from offload.queue.store import CompleteItem, QueueStore, retry_delay_ms
 from offload.storage import InvalidKey, StorageError, validate_key
 from offload.worker.batching import Batcher
 from offload.worker.health import StoreHealth, describe
@@ -63,6 +63,22 @@ class WorkerOptions:
     max_attempts: int = 3
     submit_retries_on_429: int = 8
     submit_concurrency: int = 32
+    prefetch: int | None = None  # jobs leased beyond `concurrency`, ready for the next free slot (None: auto)
+
+    @property
+    def leased_max(self) -> int:
+        """How many jobs before or in their remote work the worker holds at most: `concurrency` at the provider
+        plus `prefetch` claimed ahead. The ones ahead keep every slot busy while a claim is on its way; they
+        are few (default: a quarter of `concurrency`, at least 1, at most `claim_batch`), so workers beside this
+        one still get their share of a short queue. None by default under a daily cap: a job claimed ahead when
+        the cap is reached is held until the next window, and a cap is where hoarding costs most."""
+        if self.prefetch is not None:
+            ahead = self.prefetch
+        elif self.daily_job_cap is not None or self.daily_spend_cap is not None:
+            ahead = 0
+        else:
+            ahead = min(max(self.concurrency // 4, 1), self.claim_batch)
+        return self.concurrency + max(ahead, 0)
 
     @property
     def reservation(self) -> float:
@@ -102,24 +118,34 @@ class JobPath:
     backend: Backend
     store_output: StoreOutput
     limits: BackendLimits
-    o: WorkerOptions
+    options: WorkerOptions
     health: StoreHealth
     tasks: dict[str, asyncio.Task[None]]
     cancels: set[str]
     _submitting: set[str]  # jobs whose submit call is out: a lost lease waits for the answer to be recorded
+    settling: set[str]
     _cancel_waits: dict[str, asyncio.Event]
     _gate: asyncio.Semaphore | None
     _checkpoints: Batcher[tuple[str, str, str, str, int], str]
-    _completes: Batcher[tuple[str, str, str, float | None], str]
+    _completes: Batcher[CompleteItem, str]
     _begins: Batcher[tuple[str, str], str]
     _fences: Batcher[tuple[str, str], str]
 
     async def _fresh_lease(self, job: ClaimedJob) -> None: ...
 
+    async def _enter_remote(self, job: ClaimedJob) -> None: ...
+
+    def _leave_remote(self, job: ClaimedJob) -> None: ...
+
     def _done(self, job: ClaimedJob) -> None: ...
 
     async def _run_job(self, job: ClaimedJob, after: asyncio.Task[None] | None = None) -> None:
-        remote_id: str | None = None  # once set: recorded in the job record
+        remote_id: str | None = None  # once set: recorded in the job record (unless `unrecorded`)
+        # A synchronous answer: its run is recorded with the ack. A failure before the ack closes the intent,
+        # unrecorded: the next try is the same run under the same Idempotency-Key (a provider that honours it
+        # answers again without charging twice), not a possible duplicate, and no attempt is spent polling a
+        # call that cannot be polled.
+        unrecorded = False
         try:
             if after is not None:
                 await asyncio.wait([after])
@@ -137,19 +163,27 @@ class JobPath:
             remote_id = job.remote_id
             run = job.submission or 1
             result: RemoteResult | None = None
-            if remote_id is None:
-                if adopted := await self._adopt(job):
-                    remote_id = await self._record(job, adopted, run)
-                else:
-                    started = await self._submit(job, job_input)
-                    if started is None:
-                        return  # held, cancelled or failed: the job has moved on
-                    remote_id, result, run = started
-            if result is None:
-                result = await self._poll(job, remote_id)
+            # One of the `concurrency` slots while the job is at the provider (or about to be): claimed jobs
+            # beyond them wait here, so a slot that frees is filled without waiting for a claim, and the store
+            # writes after the remote work (output, ack) run outside the slot.
+            await self._enter_remote(job)
+            try:
+                if remote_id is None:
+                    if adopted := await self._adopt(job):
+                        remote_id = await self._record(job, adopted, run)
+                    else:
+                        started = await self._submit(job, job_input)
+                        if started is None:
+                            return  # held, cancelled or failed: the job has moved on
+                        remote_id, result, run = started
+                        unrecorded = result is not None
                 if result is None:
-                    return  # cancelled
-            await self._finish(job, result, run)
+                    result = await self._poll(job, remote_id)
+                    if result is None:
+                        return  # cancelled
+            finally:
+                self._leave_remote(job)
+            await self._finish(job, result, run, remote_id if unrecorded else None)
         except StaleLease:
             log.info("job %s: lease taken over, leaving it to its new owner", job.id)
         except asyncio.CancelledError:
@@ -180,6 +214,7 @@ class JobPath:
                 job,
                 f"storing the output failed: {exc}",
                 keep_remote=remote_id is not None and not getattr(exc, "permanent", False),
+                answered=unrecorded,
             )
         except Fatal as exc:
             await self._fail(job, f"fatal: {exc}{_detail(exc)}", retryable=False)
@@ -191,7 +226,11 @@ class JobPath:
             # retry resumes the paid-for remote job instead of submitting again.
             log.exception("job %s: unexpected error", job.id)
             await self._fail(
-                job, f"worker error: {type(exc).__name__}: {exc}", retryable=True, keep_remote=remote_id is not None
+                job,
+                f"worker error: {type(exc).__name__}: {exc}",
+                retryable=True,
+                keep_remote=remote_id is not None,
+                answered=unrecorded,
             )
         finally:
             self._done(job)
@@ -210,7 +249,7 @@ class JobPath:
         """Submit a job that has no remote job: (remote id, result of a synchronous API, submission number), or
         None when it went elsewhere (held over a cap, cancelled, failed)."""
         throttled: Throttled | None = None
-        for attempt in range(self.o.submit_retries_on_429 + 1):
+        for attempt in range(self.options.submit_retries_on_429 + 1):
             await self._fresh_lease(job)
             await self._acquire(job)  # may wait long: the intent (with the cancel check) comes after
             async with self._gate or contextlib.nullcontext():
@@ -241,17 +280,23 @@ class JobPath:
                 try:
                     submission = await self.backend.submit(job_input, tag=job.id, idempotency_key=f"{job.id}.{n}")
                 except Throttled as exc:
-                    await self.limits.count("throttled")
-                    if attempt == self.o.submit_retries_on_429:
+                    self.limits.note("throttled")
+                    if attempt == self.options.submit_retries_on_429:
                         raise
                     throttled = exc
                 except BackendError as exc:
-                    await self.limits.count("errors")
+                    self.limits.note("errors")
                     await self._submit_failed(job, exc)
                     return None
                 else:
-                    remote = await self._record(job, submission.remote_id, n)
-                    await self.limits.count("submitted")  # after the checkpoint: the window before it stays small
+                    # A remote job is recorded before it is polled. A synchronous answer carries the result: its
+                    # run is recorded by the ack itself (one write, not two), or closed by the failure that
+                    # follows; a worker lost in between leaves the intent open, and the next attempt submits
+                    # again under the same key, counted as a possible duplicate (there is nothing to resume).
+                    remote = submission.remote_id
+                    if submission.result is None:
+                        remote = await self._record(job, submission.remote_id, n)
+                    self.limits.note("submitted")  # after the checkpoint: the window before it stays small
                     if self.tasks.get(job.id) is not asyncio.current_task():
                         raise StaleLease(f"job {job.id}: leased to this worker again while submitting")
                     return remote, submission.result if remote == submission.remote_id else None, n
@@ -264,7 +309,7 @@ class JobPath:
     async def _acquire(self, job: ClaimedJob) -> None:
         """Wait for the backend's rate limit (up to an hour), or until a cancel of this job is heard of: the
         begin script then finds the cancel and the job is not submitted."""
-        if job.id in self.cancels:
+        if job.id in self.cancels or self.limits.free_now() or await self.health.call(self.limits.ready):
             return
         heard = self._cancel_waits.setdefault(job.id, asyncio.Event())
         waits = [asyncio.ensure_future(self.health.call(self.limits.acquire)), asyncio.ensure_future(heard.wait())]
@@ -292,7 +337,7 @@ class JobPath:
         while the submit call was out still records the answer (ATTACHED: the job's next owner polls it) before
         giving up. When the submission already has another remote id (the provider ran it twice), our copy is
         cancelled and the first one kept."""
-        item = (job.id, job.token, self.o.backend_name, remote_id, run)
+        item = (job.id, job.token, self.options.backend_name, remote_id, run)
         code = await self.health.call(lambda: self._checkpoints(item))
         if code == "OK:CANCEL":
             self.cancels.add(job.id)
@@ -308,8 +353,8 @@ class JobPath:
         return remote_id
 
     async def _poll(self, job: ClaimedJob, remote_id: str) -> RemoteResult | None:
-        deadline = time.monotonic() + self.o.poll_timeout
-        interval = self.o.first_poll
+        deadline = time.monotonic() + self.options.poll_timeout
+        interval = self.options.first_poll
         transient = 0
         while True:
             if job.id in self.cancels:
@@ -322,31 +367,39 @@ class JobPath:
                 if result.terminal:
                     return result
             except Throttled as exc:
-                await self.limits.count("throttled")
+                self.limits.note("throttled")
                 wait = exc.retry_after or interval
                 await self.health.call(functools.partial(self.limits.cool_down, wait))
             except Transient:
-                await self.limits.count("errors")
+                self.limits.note("errors")
                 transient += 1
                 if transient >= 10:
                     raise
             if time.monotonic() > deadline:  # also when every poll is throttled: the timeout bounds the job
-                raise PollTimeout(f"remote job {remote_id} not done after {self.o.poll_timeout:g}s")
+                raise PollTimeout(f"remote job {remote_id} not done after {self.options.poll_timeout:g}s")
             await asyncio.sleep(wait)
-            interval = min(interval * 2, self.o.poll_interval)  # doubling: few wasted polls on long GPU jobs
+            interval = min(interval * 2, self.options.poll_interval)  # doubling: few wasted polls on long GPU jobs
 
-    async def _finish(self, job: ClaimedJob, result: RemoteResult, run: int) -> None:
+    async def _finish(self, job: ClaimedJob, result: RemoteResult, run: int, unrecorded: str | None = None) -> None:
+        """Store the output and ack. `unrecorded`: the remote id of a run that was never checkpointed, recorded
+        by the ack."""
         if result.status != "succeeded":
+            if unrecorded is not None:  # recorded, so that the next try is a new run (a new Idempotency-Key)
+                await self._record(job, unrecorded, run)
             await self._retry(
                 job,
                 f"remote job {result.status}: {result.error or 'no error given'}",
                 keep_remote=False,
-                cost=self.o.cost(result),
+                cost=self.options.cost(result),
             )
             return
         location = await self._store(job, result.output, run)
-        cost = self.o.cost(result)
-        code = await self.health.call(lambda: self._completes((job.id, job.token, location, cost)))
+        cost = self.options.cost(result)
+        self.settling.add(job.id)
+        item: CompleteItem = (job.id, job.token, location, cost)
+        if unrecorded is not None:
+            item = (*item, self.options.backend_name, unrecorded, run)
+        code = await self.health.call(lambda: self._completes(item))
         if code != "OK":
             raise StaleLease(f"job {job.id}: lease lost before it could be completed ({code})")
 
@@ -354,7 +407,7 @@ class JobPath:
         """Store the output. Object storage (our own infrastructure, like Redis) failing for a while costs the
         job nothing: it keeps its lease and its finished remote result and tries again, up to `poll_timeout`;
         only then (or for a failure that cannot heal, like an expired provider file) is the attempt given up."""
-        deadline = time.monotonic() + self.o.poll_timeout
+        deadline = time.monotonic() + self.options.poll_timeout
         pause = 0.5
         while True:
             try:
@@ -377,6 +430,7 @@ class JobPath:
         if remote_id:
             with contextlib.suppress(NotFound):
                 await self.backend.cancel(remote_id)
+        self.settling.add(job.id)
         await self.health.call(lambda: self.store.ack_cancel(job.id, job.token))
 
     async def _retry(
@@ -406,6 +460,7 @@ class JobPath:
         refund: bool = False,
     ) -> None:
         delay = delay_ms if delay_ms is not None else retry_delay_ms(job.attempt)
+        self.settling.add(job.id)
         try:
             state = await self.health.call(
                 lambda: self.store.fail(

@@ -31,9 +31,23 @@ class BackendLimits:
         self.interval_ms = 1000.0 / rate_per_s if rate_per_s else 0.0
         self.burst = max(burst, 1)
         self._counts: Batcher[str, None] = Batcher(self._add_counts)
+        self._noted: Counter[str] = Counter()  # counted by `note`, not yet sent
+        self._noting: asyncio.Task[None] | None = None
         self._probe: Batcher[None, int] = Batcher(self._pttl, concurrency=1)
         self._probed_at = -COOL_PROBE_S
         self._cool_until = 0.0
+
+    def free_now(self) -> bool:
+        """`ready` without awaiting: True only when the answer is known without a read (no rate limit, and the
+        cool-down read less than COOL_PROBE_S ago is over)."""
+        now = time.monotonic()
+        return not self.interval_ms and now - self._probed_at < COOL_PROBE_S and self._cool_until <= now
+
+    async def ready(self) -> bool:
+        """Whether a request may go at once: no rate limit and no shared cool-down (read as `acquire` reads it:
+        at most once per COOL_PROBE_S, shared by every caller). Lets a caller skip the machinery of a wait
+        (tasks, a race with a cancel) on the common path; when False, `acquire` decides how long to wait."""
+        return not self.interval_ms and await self._cooling_ms() == 0
 
     async def acquire(self, max_wait_s: float = 3600.0) -> float:
         """Wait until this request may go; returns the seconds waited."""
@@ -76,14 +90,36 @@ class BackendLimits:
         with contextlib.suppress(Exception):
             await self._counts(outcome)
 
+    def note(self, outcome: str) -> None:
+        """`count` without waiting for it: the counter is sent by a background flush (one for everything noted
+        meanwhile), so the job that counts does not wait a round trip for a metric. `flush` sends what is left."""
+        self._noted[outcome] += 1
+        if self._noting is None or self._noting.done():
+            self._noting = asyncio.get_running_loop().create_task(self._send_noted())
+
+    async def _send_noted(self) -> None:
+        await asyncio.sleep(0)  # everything noted in this pass of the event loop goes in one call
+        while self._noted:
+            noted, self._noted = self._noted, Counter()
+            with contextlib.suppress(Exception):  # like `count`: a failure to count never fails a job
+                await self._send(noted)
+
+    async def flush(self) -> None:
+        """Wait until every noted outcome was sent (or failed to be): before a worker exits."""
+        if self._noting is not None:
+            await asyncio.gather(self._noting, return_exceptions=True)
+
     async def _add_counts(self, outcomes: list[str]) -> list[None]:
         """One HINCRBY per outcome for a whole burst: at 10,000 jobs in flight a round trip per count would
         queue behind (and slow) the job tasks' own store calls."""
+        await self._send(Counter(outcomes))
+        return [None] * len(outcomes)
+
+    async def _send(self, counts: Counter[str]) -> None:
         pipe = self.redis.pipeline(transaction=False)
-        for outcome, n in Counter(outcomes).items():
+        for outcome, n in counts.items():
             pipe.hincrby(self.counts_key, outcome, n)
         await pipe.execute()
-        return [None] * len(outcomes)
 
 
 OUTCOMES = ("submitted", "throttled", "errors")

@@ -173,7 +173,7 @@ async def run_workers(
 
 async def _serve_all(workers: list[Worker], stop: asyncio.Event) -> None:
     """Run every worker until `stop`; the first failure stops (and drains) the rest, then is raised."""
-    tasks = [asyncio.create_task(w.run(stop), name=f"worker {w.o.queue}") for w in workers]
+    tasks = [asyncio.create_task(w.run(stop), name=f"worker {w.options.queue}") for w in workers]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     finally:

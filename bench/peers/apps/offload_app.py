@@ -30,7 +30,7 @@ import orjson
 from offload.backends.base import RemoteResult, Submission
 from offload.connection import connect
 from offload.models import ClaimedJob
-from offload.queue.store import DEFAULT_LEASE_MS, JobSpec, QueueStore
+from offload.queue.store import DEFAULT_LEASE_MS, CompleteItem, JobSpec, QueueStore
 from offload.worker.dispatch import Worker, WorkerOptions, default_worker_id
 from offload.worker.limits import BackendLimits
 
@@ -90,7 +90,7 @@ class CountingStore(QueueStore):
         super().__init__(redis)
         self.backend = backend
 
-    async def complete_many(self, queue: str, items: Sequence[tuple[str, str, str, float | None]]) -> list[str]:
+    async def complete_many(self, queue: str, items: Sequence[CompleteItem]) -> list[str]:
         """The worker acks through here (batched); a job counts as done once its ack is accepted."""
         codes = await super().complete_many(queue, items)
         for (job_id, *_), code in zip(items, codes, strict=True):

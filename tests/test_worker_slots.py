@@ -1,0 +1,212 @@
+"""The dispatch worker's remote slots (issue 15): `concurrency` bounds the jobs at the provider, a few more are
+claimed ahead so a freed slot is filled without waiting for a claim, the claimed-ahead jobs go back at once on a
+drain, and a heartbeat that races an acknowledgement does not take the finished job for a lost lease.
+
+Real Valkey, the real simulator over HTTP (fixtures and helpers from test_worker_faults).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import pytest
+import test_worker_faults as faults
+from test_worker_faults import configure, enqueue, make_settings, remote_jobs, stats, until, until_state
+
+from offload.config import Settings
+from offload.queue.store import QueueStore
+from offload.worker.dispatch import Worker
+from offload.worker.run import run_worker
+
+s3, sim, no_outputs, bucket, store = faults.s3, faults.sim, faults.no_outputs, faults.bucket, faults.store
+_quick_backoff, _clean_sim = faults._quick_backoff, faults._clean_sim
+
+
+@contextlib.asynccontextmanager
+async def worker(settings: Settings, *, grace_s: float = 1.0, **options: Any) -> AsyncIterator[tuple[Any, Worker]]:
+    """A dispatch worker on queue `q`; yields (its task, the Worker once it runs) and stops it after the block."""
+    stop = asyncio.Event()
+    ready: asyncio.Future[Worker] = asyncio.get_running_loop().create_future()
+
+    def tune(w: Worker) -> None:
+        for name, value in {"first_poll": 0.05, **options}.items():
+            setattr(w.options, name, value)
+        ready.set_result(w)
+
+    task = asyncio.create_task(
+        run_worker(settings, "q", stop=stop, install_signals=False, grace_s=grace_s, on_ready=tune)
+    )
+    try:
+        await asyncio.wait([task, ready], return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()
+        yield task, ready.result()
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+async def counts(store: QueueStore) -> dict[str, int]:
+    return (await store.stats("q")).counts
+
+
+async def test_concurrency_bounds_the_provider_and_a_few_jobs_wait_claimed_ahead(
+    valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore
+) -> None:
+    """2 slots, 2 claimed ahead, 8 jobs of 1 s: never more than 2 jobs at the provider (the simulator's own
+    record of when each remote job ran), while 4 or more are leased: the 2 ahead start the moment a slot frees,
+    and jobs past their remote work (the ack) do not hold back a claim. Every job runs once."""
+    await configure(sim, latency=1.0)
+    jobs = await enqueue(store, "slots", 8)
+    peak_leased = 0
+    async with worker(make_settings(valkey_url, no_outputs, sim, "http-job", concurrency=2), prefetch=2) as (task, w):
+
+        async def all_done() -> bool:
+            nonlocal peak_leased
+            c = await counts(store)
+            peak_leased = max(peak_leased, c["active"] + c["submitted"])
+            # 2 slots + 2 ahead, plus up to 2 past their remote work (output, ack)
+            assert c["active"] + c["submitted"] <= 6, c
+            return c["succeeded"] == len(jobs)
+
+        await until(all_done, "every job to succeed", task, timeout=30)
+        assert w.peak_in_flight == 2
+    assert peak_leased >= 4, "no job was claimed ahead of a free slot"
+    seen = await stats(sim)
+    assert seen["submissions_by_input_id"] == {input_id: 1 for _, input_id in jobs}
+    spans = [r for _, input_id in jobs for r in await remote_jobs(sim, input_id)]
+    assert len(spans) == len(jobs)
+    assert _most_at_once([(r["created"], r["created"] + 1.0) for r in spans]) <= 2, spans
+
+
+def _most_at_once(spans: Sequence[tuple[float, float]]) -> int:
+    """The most intervals that overlap at one instant (an end before a start at the same instant)."""
+    edges = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans], key=lambda e: (e[0], e[1]))
+    most = now = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    return most
+
+
+async def test_the_stop_itself_hands_back_the_jobs_ahead_without_the_grace_period(
+    valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore
+) -> None:
+    """The real drain: `stop` set with 2 jobs at the provider (5 s) and 2 ahead, grace 20 s. The jobs at the
+    provider finish inside the grace and succeed; the 2 ahead were handed back at the stop: unsubmitted."""
+    await configure(sim, latency=3.0)
+    jobs = await enqueue(store, "stop", 4)
+    settings = make_settings(valkey_url, no_outputs, sim, "http-job", concurrency=2)
+    async with worker(settings, grace_s=20.0, prefetch=2) as (task, _):
+
+        async def two_and_two() -> bool:
+            c = await counts(store)
+            return c["submitted"] == 2 and c["active"] == 2
+
+        await until(two_and_two, "2 jobs submitted and 2 claimed ahead", task)
+        ahead = [j for j, _ in jobs if (await store.get(j)).state == "active"]
+    states = {j: (await store.get(j)).state for j, _ in jobs}
+    assert sorted(states.values()) == ["queued", "queued", "succeeded", "succeeded"], states
+    assert all(states[j] == "queued" for j in ahead), states
+    assert sum([len(await remote_jobs(sim, i)) for _, i in jobs]) == 2
+
+
+async def test_a_heartbeat_racing_an_ack_is_no_lost_lease(
+    valkey_url: str,
+    no_outputs: dict[str, Any],
+    sim: str,
+    store: QueueStore,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A heartbeat that runs after an ack went through, but before the job's task has heard the reply, no longer
+    finds the lease. That is the ack's doing, not another worker's: no "lease lost" warning, the task is not
+    cancelled, the job succeeds once. (Before: a warning per job, and a cancel, at every such race.)"""
+    caplog.set_level(logging.INFO, logger="offload")
+    await configure(sim, latency=0.1)
+    [(job_id, input_id)] = await enqueue(store, "race")
+    holder: list[Worker] = []
+    raced: list[bool] = []
+    real = QueueStore.complete_many
+
+    async def complete_then_beat(self: QueueStore, queue: str, items: Any) -> list[str]:
+        codes = await real(self, queue, items)
+        if holder and not raced:
+            await holder[0]._beat()  # the heartbeat lands exactly in the window
+            raced.append(True)
+        return codes
+
+    monkeypatch.setattr(QueueStore, "complete_many", complete_then_beat)
+    async with worker(make_settings(valkey_url, no_outputs, sim, "http-job")) as (task, w):
+        holder.append(w)
+        [job] = await until_state(store, [job_id], "succeeded", task)
+        await until(lambda: _no_tasks(w), "the task to end", task)
+    assert raced, "the heartbeat never ran inside the window"
+    assert "lost" not in caplog.text, caplog.text
+    assert "unexpected error" not in caplog.text
+    assert job.attempts == 1
+    assert (await stats(sim))["submissions_by_input_id"] == {input_id: 1}
+
+
+async def _no_tasks(w: Worker) -> bool:
+    return not w.tasks
+
+
+# -- a synchronous API's answer: recorded by the ack -----------------------------------------------------------
+
+
+async def test_a_synchronous_answer_is_recorded_by_its_ack_alone(
+    valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chat completions answer the submit with the result: the worker writes the job twice (the submit intent,
+    then the ack that also records the run), not three times; the record still names the remote run."""
+    checkpoints: list[int] = []
+    real = QueueStore.checkpoint_many
+
+    async def counted(self: QueueStore, queue: str, items: Any) -> list[str]:
+        checkpoints.append(len(items))
+        return await real(self, queue, items)
+
+    monkeypatch.setattr(QueueStore, "checkpoint_many", counted)
+    jobs = await enqueue(store, "sync", 5)
+    async with worker(make_settings(valkey_url, no_outputs, sim, "openai")) as (task, _):
+        done = await until_state(store, [j for j, _ in jobs], "succeeded", task)
+    assert checkpoints == [], "a synchronous answer was checkpointed before its ack"
+    for job in done:
+        assert job.backend == "gpu" and job.remote_id, job
+        assert job.submission == 1 and job.possible_duplicates == 0 and job.attempts == 1, job
+    assert (await stats(sim))["submissions_by_input_id"] == {i: 1 for _, i in jobs}
+
+
+async def test_a_synchronous_answer_lost_to_a_worker_error_closes_its_intent(
+    valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The answer is in, then storing it fails with a bug (not a storage error). The attempt fails with the
+    provider's answer known and the intent closed: the next attempt is the same run under the same
+    Idempotency-Key, which the provider answers from its replay cache (paid once), is not counted a possible
+    duplicate, and no attempt is wasted polling a synchronous call that cannot be polled. (Before: the run was
+    checkpointed, the next attempt polled it (NotFound), a third submitted under a new key and paid again.)"""
+    import offload.worker.run as run_module
+
+    real = run_module.store_output
+    calls = [0]
+
+    async def broken_once(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("a bug in the output path (injected)")
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(run_module, "store_output", broken_once)
+    [(job_id, input_id)] = await enqueue(store, "sync-bug")
+    async with worker(make_settings(valkey_url, no_outputs, sim, "openai")) as (task, _):
+        [job] = await until_state(store, [job_id], "succeeded", task)
+    assert calls[0] == 2
+    assert job.attempts == 2 and job.submission == 1 and job.possible_duplicates == 0, job
+    seen = await stats(sim)
+    assert seen["submissions_by_input_id"] == {input_id: 1}, "the answer already paid for was paid again"
+    assert seen["idempotent_replays"] == {"openai": 1}, seen
