@@ -1,0 +1,60 @@
+"""The README's layout section and docs/architecture.md match the tree: every module of `offload/` is named in
+the layout (in its package's paragraph), and every repository path docs/architecture.md names exists."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _layout() -> str:
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("```\noffload/queue/")
+    return readme[start : readme.index("```", start + 3)]
+
+
+def _paragraphs(layout: str) -> dict[str, str]:
+    """Package dir ('offload/worker/') -> the text of its lines (a header line and its indented continuation)."""
+    out: dict[str, str] = {}
+    current = ""
+    for line in layout.splitlines():
+        if line and not line.startswith(" "):
+            current = line.split()[0]
+        out[current] = out.get(current, "") + "\n" + line
+    return out
+
+
+def test_every_module_is_named_in_the_readme_layout() -> None:
+    layout = _layout()
+    paragraphs = _paragraphs(layout)
+    missing = []
+    for path in sorted((ROOT / "offload").rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if path.name in ("__init__.py", "__main__.py"):
+            continue
+        parts = rel.parts
+        if len(parts) == 2:  # offload/x.py: named by its path
+            if str(rel) not in layout:
+                missing.append(str(rel))
+            continue
+        package = f"{parts[0]}/{parts[1]}/"
+        text = paragraphs.get(package, "")
+        if not re.search(rf"\b{re.escape(path.stem)}\b", text):
+            missing.append(str(rel))
+    assert not missing, f"modules the README's layout section does not name: {missing}"
+
+
+def test_every_path_named_in_the_architecture_exists() -> None:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"`((?:offload|tests|bench|deploy|docs)/[\w/.*-]+?)(?:::\w+)?`", text))
+    assert len(named) > 20, "the architecture names few paths: is the pattern right?"
+    missing = []
+    for rel in sorted(named):
+        if "*" in rel:
+            if not list(ROOT.glob(rel)):
+                missing.append(rel)
+        elif not (ROOT / rel).exists():
+            missing.append(rel)
+    assert not missing, f"paths docs/architecture.md names that are not in the tree: {missing}"
