@@ -22,6 +22,11 @@ from offload.queue.keys import validate_queue
 from offload.storage.namespace import check_prefixes
 
 RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*(s|sec|second|m|min|minute|h|hour)\s*$")
+FAL_JWKS_URL = "https://rest.alpha.fal.ai/.well-known/jwks.json"
+WEBHOOK_KINDS = frozenset({"replicate", "fal", "runpod"})
+WEBHOOK_FIELDS = frozenset(
+    {"webhook_secret", "webhook_jwks_url", "webhook_jwks_ttl_s", "webhook_grace_s", "webhook_poll_interval_s"}
+)
 ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _PER = {"s": 1, "sec": 1, "second": 1, "m": 60, "min": 60, "minute": 60, "h": 3600, "hour": 3600}
 
@@ -68,6 +73,22 @@ class BackendSettings(BaseModel):
         "reserved against daily_spend_cap before it is sent",
     )
 
+    # Webhooks (used when `server.public_url` is set; see the README's "Webhooks"):
+    webhook_secret: SecretStr | None = Field(
+        None, description="replicate: the account's webhook signing secret (whsec_...), GET /v1/webhooks/default/secret"
+    )
+    webhook_jwks_url: str = Field(FAL_JWKS_URL, description="fal: where the webhook signing keys are published")
+    webhook_jwks_ttl_s: float = Field(86_400.0, gt=0, description="fal: how long fetched signing keys are trusted")
+    webhook_grace_s: float | None = Field(
+        None,
+        ge=0,
+        description="a job whose earlier submission's outcome is unknown waits this long for its webhook before "
+        "it is submitted again (default 10 s with webhooks on, else 0)",
+    )
+    webhook_poll_interval_s: float = Field(
+        60.0, gt=0, description="with webhooks on, the fallback poll interval of a remote job"
+    )
+
     @field_validator("rate_limit")
     @classmethod
     def _rate(cls, v: str | None) -> str | None:
@@ -75,13 +96,42 @@ class BackendSettings(BaseModel):
             parse_rate(v)
         return v
 
+    @field_validator("webhook_secret")
+    @classmethod
+    def _whsec(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and not re.fullmatch(r"whsec_[A-Za-z0-9+/=]{8,}", v.get_secret_value()):
+            raise ValueError("must look like whsec_<base64> (Replicate's webhook signing secret)")
+        return v
+
+    @field_validator("webhook_jwks_url")
+    @classmethod
+    def _jwks(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"must be an http:// or https:// URL, got {v!r}")
+        return v
+
     def provider_settings(self) -> dict[str, Any]:
         """What the backend constructor sees: plain values, secrets revealed only here."""
         data = self.model_dump(
-            exclude={"rate_limit", "price_per_job", "price_per_second", "max_job_cost", "kind"}, exclude_none=True
+            exclude={"rate_limit", "price_per_job", "price_per_second", "max_job_cost", "kind", *WEBHOOK_FIELDS},
+            exclude_none=True,
         )
         data["api_key"] = self.api_key.get_secret_value() if self.api_key else None
         return data
+
+
+class ServerSettings(_Strict):
+    """What the server's public address is: set, backends that support it send each submission a webhook URL
+    under it (`<public_url>/v1/hooks/...`), and polling becomes a slow fallback."""
+
+    public_url: str | None = None
+
+    @field_validator("public_url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", v):
+            raise ValueError(f"must be an http:// or https:// URL without query or fragment, got {v!r}")
+        return v.rstrip("/") if v is not None else None
 
 
 class QueueSettings(_Strict):
@@ -108,6 +158,7 @@ class QueueSettings(_Strict):
 class Settings(_Strict):
     redis_url: str | None = None
     storage: StorageSettings = StorageSettings()
+    server: ServerSettings = ServerSettings()
     backends: dict[str, BackendSettings] = {}
     queues: dict[str, QueueSettings] = {}
     autoscaler: dict[str, Any] | None = None  # validated by offload.autoscale.config.server_side
@@ -126,6 +177,21 @@ class Settings(_Strict):
         except KeyError:
             known = ", ".join(sorted(self.queues)) or "none"
             raise ConfigError(f"queue {name!r} is not configured (configured: {known})") from None
+
+    def hook_base(self, backend: str) -> str | None:
+        """Where the provider of `backend` is to call back (`<public_url>/v1/hooks/<backend>`), or None: no public
+        URL configured, or a kind without webhooks."""
+        b = self.backends.get(backend)
+        if not self.server.public_url or b is None or b.kind not in WEBHOOK_KINDS:
+            return None
+        return f"{self.server.public_url}/v1/hooks/{backend}"
+
+    def hook_grace_s(self, backend: str) -> float:
+        """How long a job whose earlier submission's outcome is unknown waits for that submission's webhook."""
+        b = self.backends[backend]
+        if b.webhook_grace_s is not None:
+            return b.webhook_grace_s if self.hook_base(backend) else 0.0
+        return 10.0 if self.hook_base(backend) else 0.0
 
     def output_prefixes(self) -> dict[str, str | None]:
         return {name: q.output_prefix for name, q in self.queues.items()}
@@ -178,6 +244,8 @@ def _from_env(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
     """Overlay env settings (OFFLOAD_* first, tutorial names as fallback) onto the file's data."""
     if url := _pick(env, "OFFLOAD_REDIS_URL", "REDIS_URL"):
         data["redis_url"] = url
+    if public := _pick(env, "OFFLOAD_PUBLIC_URL"):
+        data.setdefault("server", {})["public_url"] = public
     base = _pick(env, "OFFLOAD_API_BASE", "GPU_API_BASE")
     list_key = _pick(env, "OFFLOAD_QUEUE_KEY", "QUEUE_KEY")
     if base or list_key:  # the tutorial's single-queue setup
@@ -265,6 +333,13 @@ def load_settings(path: str | os.PathLike[str] | None = None, env: Mapping[str, 
 
         server_side(settings.autoscaler, dict(env))
         alert_settings(settings.alerts)
+    if settings.server.public_url:
+        for bname, b in settings.backends.items():
+            if b.kind == "replicate" and b.webhook_secret is None:
+                raise ConfigError(
+                    f"backends.{bname}.webhook_secret: required with server.public_url set (Replicate signs its "
+                    "webhooks; the secret is at GET /v1/webhooks/default/secret)"
+                )
     check_prefixes(settings.output_prefixes())
     if settings.storage.kind == "s3" and not settings.storage.bucket:
         raise ConfigError("storage.bucket: required when storage.kind is s3")

@@ -20,7 +20,7 @@ from urllib.parse import quote
 import httpx
 import orjson
 
-from offload.backends.base import RemoteResult, RemoteStatus, Submission
+from offload.backends.base import TERMINAL, BackendError, HookEvent, RemoteResult, RemoteStatus, Submission
 from offload.backends.http import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_TIMEOUT,
@@ -104,10 +104,12 @@ class RunPodBackend(HttpBackend):
         s.finish()
         return cls(name, **common, **options, client=client)
 
-    async def submit(self, job_input: Any, *, tag: str, idempotency_key: str | None = None) -> Submission:
+    async def submit(
+        self, job_input: Any, *, tag: str, idempotency_key: str | None = None, webhook: str | None = None
+    ) -> Submission:
         body: dict[str, Any] = {"input": job_input}
-        if self._webhook:
-            body["webhook"] = tagged_url(self._webhook, tag)
+        if webhook or self._webhook:
+            body["webhook"] = webhook or tagged_url(self._webhook or "", tag)
         if self._policy:
             body["policy"] = self._policy
         answer = await self._call(
@@ -117,6 +119,22 @@ class RunPodBackend(HttpBackend):
 
     async def poll(self, remote_id: str) -> RemoteResult:
         body = await self._call("GET", f"{self._endpoint}/status/{quote(remote_id, safe='')}", known=True)
+        return self._read(body)
+
+    def hook_event(self, body: Any) -> HookEvent | None:
+        """RunPod posts the job's status body (unsigned: the URL secret is the whole check)."""
+        if not isinstance(body, dict) or not isinstance(body.get("id"), str) or not isinstance(body.get("status"), str):
+            return None
+        status = STATUSES.get(body["status"])
+        return HookEvent(body["id"], status is not None and status in TERMINAL)
+
+    def hook_result(self, body: Any) -> RemoteResult | None:
+        try:
+            return self._read(body)
+        except BackendError:
+            return None
+
+    def _read(self, body: Any) -> RemoteResult:
         raw = self._require(body, "status", str, "poll")
         status = STATUSES.get(raw)
         if status is None:

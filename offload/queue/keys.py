@@ -7,6 +7,7 @@ job can be found from its id alone without a cross-slot index.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import time
@@ -55,3 +56,13 @@ def queue_of(job_id: str) -> str:
 def new_job_id(queue: str) -> str:
     """Time-ordered, collision-resistant id: 48-bit ms timestamp + 64 random bits, hex."""
     return f"{queue}:{int(time.time() * 1000):012x}{os.urandom(8).hex()}"
+
+
+def hooks_channel(queue: str, worker_id: str) -> str:
+    """The pub/sub channel on which a dispatch worker hears of webhooks for the jobs it holds (hook.lua)."""
+    return f"{prefix(queue)}hooks:{worker_id}"
+
+
+def hook_digest(secret: str) -> str:
+    """What a job record keeps of a webhook URL's secret (begin.lua), and what the server compares it with."""
+    return hashlib.sha256(secret.encode()).hexdigest()

@@ -33,6 +33,7 @@ NAMES = (
     "forgive",
     "begin",
     "fence",
+    "hook",
 )
 
 

@@ -26,6 +26,7 @@ from offload.server import (
     events,
     metrics,
     routes_autoscale,
+    routes_hooks,
     routes_jobs,
     routes_keys,
     routes_queues,
@@ -101,6 +102,7 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
             with contextlib.suppress(TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(task, 5.0)
             await state.hub.aclose()
+            await routes_hooks.aclose(state)
             await state.storage.aclose()
             await redis.aclose()
 
@@ -132,6 +134,7 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
         routes_queues,
         routes_workers,
         routes_keys,
+        routes_hooks,
         events,
         metrics,
         routes_autoscale,

@@ -15,17 +15,29 @@ import asyncio
 import contextlib
 import functools
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import orjson
 
-from offload.backends.base import Backend, BackendError, Fatal, NotFound, RemoteResult, Throttled, Transient
+from offload.backends.base import (
+    Backend,
+    BackendError,
+    Fatal,
+    NotFound,
+    RemoteResult,
+    Throttled,
+    Transient,
+    WebhookBackend,
+)
 from offload.connection import is_outage
 from offload.errors import StaleLease
 from offload.models import ClaimedJob
+from offload.queue.keys import hook_digest
 from offload.queue.store import QueueStore, retry_delay_ms
 from offload.storage import InvalidKey, StorageError, validate_key
 from offload.worker.batching import Batcher
@@ -63,6 +75,12 @@ class WorkerOptions:
     max_attempts: int = 3
     submit_retries_on_429: int = 8
     submit_concurrency: int = 32
+    # Webhooks (`server.public_url` set and a backend whose provider calls back): the URL prefix
+    # `<public_url>/v1/hooks/<backend>`, the fallback poll interval, and how long a job whose earlier
+    # submission's outcome is unknown waits for that submission's webhook before submitting again.
+    hook_base: str | None = None
+    hook_poll_interval: float = 60.0
+    hook_grace_s: float = 0.0
 
     @property
     def reservation(self) -> float:
@@ -109,8 +127,9 @@ class JobPath:
     _gate: asyncio.Semaphore | None
     _checkpoints: Batcher[tuple[str, str, str, str, int], str]
     _completes: Batcher[tuple[str, str, str, float | None], str]
-    _begins: Batcher[tuple[str, str], str]
+    _begins: Batcher[tuple[str, str, str], str]
     _fences: Batcher[tuple[str, str], str]
+    _hooked: dict[str, asyncio.Event]  # jobs in flight a webhook may wake (see wakeups.py)
 
     async def _fresh_lease(self, job: ClaimedJob) -> None: ...
 
@@ -135,6 +154,10 @@ class JobPath:
             remote_id = job.remote_id
             run = job.submission or 1
             result: RemoteResult | None = None
+            if remote_id is None and job.intent_open and self._hooks() and self.o.hook_grace_s > 0:
+                remote_id = await self._await_hook(job, run)
+                if remote_id is not None and await self._record(job, remote_id, run):
+                    self.cancels.add(job.id)
             if remote_id is None:
                 if adopted := await self._adopt(job):
                     if await self._record(job, adopted, run):
@@ -146,7 +169,7 @@ class JobPath:
                         return  # held, cancelled or failed: the job has moved on
                     remote_id, result, run = started
             if result is None:
-                result = await self._poll(job, remote_id)
+                result = await (self._poll_hooked(job, remote_id, run) if self._hooks() else self._poll(job, remote_id))
                 if result is None:
                     return  # cancelled
             await self._finish(job, result, run)
@@ -196,6 +219,76 @@ class JobPath:
         finally:
             self._done(job)
 
+    def _hooks(self) -> WebhookBackend | None:
+        """The backend, when this worker's submissions carry webhook URLs."""
+        return self.backend if self.o.hook_base and isinstance(self.backend, WebhookBackend) else None
+
+    def _hook_event(self, job_id: str) -> asyncio.Event:
+        return self._hooked.setdefault(job_id, asyncio.Event())
+
+    async def _await_hook(self, job: ClaimedJob, run: int) -> str | None:
+        """Submission `run` of this job may have reached the provider (its worker died inside the submit call):
+        wait up to the grace for its webhook, which records its remote id (hook.lua), instead of paying again."""
+        heard = self._hook_event(job.id)
+        deadline = time.monotonic() + self.o.hook_grace_s
+        while True:
+            heard.clear()
+            remote_id, current = await self.health.call(lambda: self.store.current_remote(job.id))
+            if current != run:
+                raise StaleLease(f"job {job.id}: submission {run} is no longer current ({current})")
+            if remote_id is not None:
+                log.info("job %s: submission %d adopted from its webhook; not submitted again", job.id, run)
+                return remote_id
+            left = deadline - time.monotonic()
+            if left <= 0 or job.id in self.cancels:
+                return None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(heard.wait(), left)
+
+    async def _poll_hooked(self, job: ClaimedJob, remote_id: str, run: int) -> RemoteResult | None:
+        """With webhooks on: the result comes from the webhook the server kept, read at once when woken and
+        once up front (it may have come before this task, or before this worker claimed the job); the provider
+        is polled only every `hook_poll_interval`, so a webhook that never comes cannot strand the job, and at
+        once when the kept body lacks the result (fal's `payload_error`)."""
+        hooks = self._hooks()
+        assert hooks is not None
+        heard = self._hook_event(job.id)
+        deadline = time.monotonic() + self.o.poll_timeout
+        next_poll = time.monotonic() + self.o.hook_poll_interval
+        transient = 0
+        while True:
+            if job.id in self.cancels:
+                await self._cancel(job, remote_id)
+                return None
+            heard.clear()
+            body = await self.health.call(lambda: self.store.hook_body(job.id, run))
+            if body is not None:
+                kept = _kept(hooks, body)
+                if kept is not None:
+                    return kept
+                next_poll = min(next_poll, time.monotonic())
+            if time.monotonic() >= next_poll:
+                next_poll = time.monotonic() + self.o.hook_poll_interval
+                try:
+                    result = await self.backend.poll(remote_id)
+                    transient = 0
+                    if result.terminal:
+                        return result
+                except Throttled as exc:
+                    await self.limits.count("throttled")
+                    await self.health.call(functools.partial(self.limits.cool_down, exc.retry_after or 5.0))
+                except Transient:
+                    await self.limits.count("errors")
+                    transient += 1
+                    if transient >= 10:
+                        raise
+                    next_poll = time.monotonic() + min(self.o.poll_interval, self.o.hook_poll_interval)
+            now = time.monotonic()
+            if now > deadline:
+                raise PollTimeout(f"remote job {remote_id} not done after {self.o.poll_timeout:g}s")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(heard.wait(), max(0.0, min(next_poll, deadline) - now))
+
     async def _adopt(self, job: ClaimedJob) -> str | None:
         """A job whose last submit intent has no remote id may have been submitted by a worker that died (or
         lost its lease) inside the submit call; backends that tag submissions can find it, so we poll it
@@ -210,11 +303,14 @@ class JobPath:
         """Submit a job that has no remote job: (remote id, result of a synchronous API, submission number), or
         None when it went elsewhere (held over a cap, cancelled, failed)."""
         throttled: Throttled | None = None
+        hooks = self._hooks()
+        secret = secrets.token_urlsafe(24) if hooks else ""  # one per claim: a resend keeps its URL
+        digest = hook_digest(secret) if hooks else ""
         for attempt in range(self.o.submit_retries_on_429 + 1):
             await self._fresh_lease(job)
             await self._acquire(job)  # may wait long: the intent (with the cancel check) comes after
             async with self._gate or contextlib.nullcontext():
-                verdict = await self.health.call(lambda: self._begins((job.id, job.token)))
+                verdict = await self.health.call(lambda: self._begins((job.id, job.token, digest)))
                 if verdict == "CANCEL":
                     await self._cancel(job, None)
                     return None
@@ -234,7 +330,12 @@ class JobPath:
                         n,
                     )
                 try:
-                    submission = await self.backend.submit(job_input, tag=job.id, idempotency_key=f"{job.id}.{n}")
+                    key = f"{job.id}.{n}"
+                    if hooks is not None:
+                        url = f"{self.o.hook_base}/{quote(job.id, safe='')}/{n}/{secret}"
+                        submission = await hooks.submit(job_input, tag=job.id, idempotency_key=key, webhook=url)
+                    else:
+                        submission = await self.backend.submit(job_input, tag=job.id, idempotency_key=key)
                 except Throttled as exc:
                     await self.limits.count("throttled")
                     if attempt == self.o.submit_retries_on_429:
@@ -404,6 +505,15 @@ class JobPath:
         except StaleLease:
             return
         log.info("job %s: %s -> %s", job.id, error[:200], state)
+
+
+def _kept(hooks: WebhookBackend, body: str) -> RemoteResult | None:
+    """The result a kept final webhook body carries, or None (unreadable, or without the result)."""
+    try:
+        result = hooks.hook_result(orjson.loads(body))
+    except orjson.JSONDecodeError:
+        return None
+    return result if result is not None and result.terminal else None
 
 
 def _detail(exc: BackendError) -> str:

@@ -148,6 +148,9 @@ async def run_workers(
                 ingest_list=q.ingest_list,
                 max_attempts=q.max_attempts,
                 submit_concurrency=q.submit_concurrency,
+                hook_base=settings.hook_base(backend_name),
+                hook_poll_interval=bs.webhook_poll_interval_s,
+                hook_grace_s=settings.hook_grace_s(backend_name),
                 **({"lease_ms": int(lease_ms)} if lease_ms is not None else {}),
             )
             worker = Worker(

@@ -1,5 +1,5 @@
 -- ARGV: now, cap window, job cap ('' none), spend cap ('' none), backend name, items: a JSON list of
--- [id, token, estimated cost]. Run right before the provider call, per job, in one atomic step: the lease
+-- [id, token, estimated cost, webhook secret hash ('' none)]. Run right before the provider call, per job, in one atomic step: the lease
 -- check (a stale worker must not pay), the cancel check (a job cancelled while its worker waited on the
 -- rate limit is not submitted), the cap reservation (over a cap the job is held, here, at once), and the
 -- submit intent: the submission number `sub_n`, `intent_at` and `intent_by`, open until the checkpoint
@@ -9,6 +9,8 @@
 -- died or lost its lease inside the submit call), so it is submitted again with the same number and counted
 -- as a possible duplicate. A repeat with the same token (a lost reply, or another try after a 429) answers
 -- the same number again and counts nothing.
+-- A webhook secret's hash is kept per submission (`hook:<n>`, the last few: a resend of an unknown submission
+-- under the same number carries a new secret, and the first one's webhook must still be recognised).
 -- Returns per item OK:<n>, OK:<n>:DUP, CAP:jobs, CAP:spend (held), CANCEL, STALE or NOTFOUND.
 local now = now_ms(ARGV[1])
 local window, job_cap, spend_cap, backend = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
@@ -16,6 +18,20 @@ local capped = window ~= '' and (job_cap or spend_cap)
 local st = nil
 if capped then st = cap_open(window) end
 local out, dups = {}, 0
+local function remember_hook(k, n, digest)
+  if digest == nil or digest == '' then return end
+  local field = 'hook:' .. n
+  local known = redis.call('HGET', k, field)
+  if not known then
+    redis.call('HSET', k, field, digest)
+  elseif not string.find(known, digest, 1, true) then
+    local kept = {}
+    for h in string.gmatch(known, '%S+') do kept[#kept + 1] = h end
+    while #kept >= 4 do table.remove(kept, 1) end
+    kept[#kept + 1] = digest
+    redis.call('HSET', k, field, table.concat(kept, ' '))
+  end
+end
 for _, item in ipairs(cjson.decode(ARGV[6])) do
   local id, token, estimate = item[1], item[2], tonumber(item[3]) or 0
   local f, err = owned(id, token)
@@ -28,6 +44,7 @@ for _, item in ipairs(cjson.decode(ARGV[6])) do
     if g[1] == '1' then
       out[#out + 1] = 'CANCEL'
     elseif sub and g[3] == '1' and g[4] == token then
+      remember_hook(k, sub, item[4])
       out[#out + 1] = 'OK:' .. sub
     else
       local n, dup = 1, false
@@ -48,6 +65,7 @@ for _, item in ipairs(cjson.decode(ARGV[6])) do
         out[#out + 1] = 'CAP:' .. verdict
       else
         redis.call('HSET', k, 'sub_n', n, 'sub_open', '1', 'intent_at', now, 'intent_by', f[2], 'intent_tok', token)
+        remember_hook(k, n, item[4])
         if capped and again then redis.call('HSET', k, 'resv', estimate, 'resv_w', window, 'resv_n', n) end
         if dup then
           redis.call('HINCRBY', k, 'possible_duplicates', 1)
