@@ -122,13 +122,19 @@ async def test_forged_wrong_secret_and_replayed_deliveries_are_refused(
         job_id, url = await _held_job(w, "replicate", sim_url, "forged")
         remote = (await w.store.get(job_id)).remote_id
         body = orjson.dumps({"id": remote, "status": "succeeded", "output": ["https://evil.example/x.png"]})
-        with httpx.Client(timeout=10) as http:
-            forged = http.post(url, content=body, headers={**replicate_signed(body), "webhook-signature": "v1,AAAA"})
-            unsigned = http.post(url, content=body)
-            replayed = http.post(url, content=body, headers=replicate_signed(body, stamp=int(time.time()) - 3600))
-            wrong_secret = http.post(url.rsplit("/", 1)[0] + "/" + "x" * 32, content=body, headers=replicate_signed(body))
-            other_run = http.post(url.replace("/1/", "/2/"), content=body, headers=replicate_signed(body))
-            foreign = http.post(url, content=orjson.dumps({"id": "someone-else", "status": "succeeded", "output": 1}))
+        async with httpx.AsyncClient(timeout=10) as http:
+            forged = await http.post(
+                url, content=body, headers={**replicate_signed(body), "webhook-signature": "v1,AAAA"}
+            )
+            unsigned = await http.post(url, content=body)
+            replayed = await http.post(url, content=body, headers=replicate_signed(body, stamp=int(time.time()) - 3600))
+            wrong_secret = await http.post(
+                url.rsplit("/", 1)[0] + "/" + "x" * 32, content=body, headers=replicate_signed(body)
+            )
+            other_run = await http.post(url.replace("/1/", "/2/"), content=body, headers=replicate_signed(body))
+            foreign = await http.post(
+                url, content=orjson.dumps({"id": "someone-else", "status": "succeeded", "output": 1})
+            )
         assert [forged.status_code, unsigned.status_code, replayed.status_code] == [401, 401, 401]
         assert wrong_secret.status_code == 404 and other_run.status_code == 404
         assert foreign.status_code == 401
@@ -137,8 +143,8 @@ async def test_forged_wrong_secret_and_replayed_deliveries_are_refused(
         assert job.state != JobState.SUCCEEDED and job.result is None
         # a genuine delivery (signed with the account's secret) still completes it at once
         real = orjson.dumps({"id": remote, "status": "succeeded", "output": ["fine"]})
-        with httpx.Client(timeout=10) as http:
-            ok = http.post(url, content=real, headers=replicate_signed(real))
+        async with httpx.AsyncClient(timeout=10) as http:
+            ok = await http.post(url, content=real, headers=replicate_signed(real))
         assert ok.status_code == 200 and ok.json()["verdict"] == "wake"
         done = await w.finished(job_id, timeout=5)
         assert done.state == JobState.SUCCEEDED
@@ -160,13 +166,13 @@ async def test_fal_and_runpod_forgeries_are_refused(
                 "x-fal-webhook-timestamp": str(int(time.time())),
                 "x-fal-webhook-signature": "ab" * 64,
             }
-            with httpx.Client(timeout=10) as http:
-                assert http.post(url, content=body, headers=headers).status_code == 401
-                assert http.post(url, content=body).status_code == 401
+            async with httpx.AsyncClient(timeout=10) as http:
+                assert await http.post(url, content=body, headers=headers).status_code == 401
+                assert await http.post(url, content=body).status_code == 401
         body = orjson.dumps({"id": sim_job["id"], "status": "COMPLETED", "output": {"evil": True}})
-        with httpx.Client(timeout=10) as http:
-            assert http.post(url.rsplit("/", 1)[0] + "/guess", content=body).status_code == 404
-            assert http.post(url.replace(QUEUES[provider], "other"), content=body).status_code == 404
+        async with httpx.AsyncClient(timeout=10) as http:
+            assert await http.post(url.rsplit("/", 1)[0] + "/guess", content=body).status_code == 404
+            assert await http.post(url.replace(QUEUES[provider], "other"), content=body).status_code == 404
         assert (await w.store.get(job_id)).result is None
 
 
@@ -190,11 +196,13 @@ async def test_late_webhook_after_polling_finished_the_job_changes_nothing(
 async def test_official_sdk_validates_the_simulators_replicate_signature(sim_url: str) -> None:
     """The `replicate` package's own webhook validation accepts what the simulator sends: the headers and
     the signature scheme are Replicate's, not just self-consistent."""
-    from replicate.webhook import WebhookSigningSecret, Webhooks
+    from replicate.webhook import Webhooks, WebhookSigningSecret
     from standardwebhooks import Webhook
 
     configure_sim(sim_url)
-    secret = httpx.get(f"{sim_url}/v1/webhooks/default/secret", headers={"Authorization": "Bearer k"}).json()["key"]
+    async with httpx.AsyncClient() as http:
+        answer = await http.get(f"{sim_url}/v1/webhooks/default/secret", headers={"Authorization": "Bearer k"})
+    secret = answer.json()["key"]
     assert secret == REPLICATE_SECRET
     from offload.sim.webhooks import HookSender
 

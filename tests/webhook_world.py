@@ -31,7 +31,11 @@ QUEUES = {"replicate": "q-rep", "fal": "q-fal", "runpod": "q-rp"}
 BACKENDS = {"replicate": "rep", "fal": "falapp", "runpod": "rp"}
 
 
-def settings_for(
+def settings_for(redis_url: str, sim_url: str, public_url: str | None, results: Path, **kw: Any) -> Settings:
+    return Settings.model_validate(config_for(redis_url, sim_url, public_url, results, **kw))
+
+
+def config_for(
     redis_url: str,
     sim_url: str,
     public_url: str | None,
@@ -39,36 +43,32 @@ def settings_for(
     *,
     poll_s: float = 60.0,
     grace_s: float | None = None,
-) -> Settings:
+) -> dict[str, Any]:
     common: dict[str, Any] = {"base_url": sim_url, "api_key": "sim-key", "webhook_poll_interval_s": poll_s}
     if grace_s is not None:
         common["webhook_grace_s"] = grace_s
-    return Settings.model_validate(
-        {
-            "redis_url": redis_url,
-            "storage": {"kind": "local", "path": str(results)},
-            "server": {"public_url": public_url},
-            "backends": {
-                "rep": {"kind": "replicate", "version": "v1hash", "webhook_secret": REPLICATE_SECRET, **common},
-                "falapp": {
-                    "kind": "fal",
-                    "app": "fal-ai/flux/dev",
-                    "webhook_jwks_url": f"{sim_url}/_sim/fal/jwks.json",
-                    **common,
-                },
-                "rp": {"kind": "runpod", "endpoint_id": "ep1", **common},
+    return {
+        "redis_url": redis_url,
+        "storage": {"kind": "local", "path": str(results)},
+        "server": {"public_url": public_url},
+        "backends": {
+            "rep": {"kind": "replicate", "version": "v1hash", "webhook_secret": REPLICATE_SECRET, **common},
+            "falapp": {
+                "kind": "fal",
+                "app": "fal-ai/flux/dev",
+                "webhook_jwks_url": f"{sim_url}/_sim/fal/jwks.json",
+                **common,
             },
-            "queues": {
-                q: {"backend": BACKENDS[p], "poll_interval": 0.2, "poll_timeout": 60, "max_attempts": 3}
-                for p, q in QUEUES.items()
-            },
-        }
-    )
+            "rp": {"kind": "runpod", "endpoint_id": "ep1", **common},
+        },
+        "queues": {
+            q: {"backend": BACKENDS[p], "poll_interval": 0.2, "poll_timeout": 60, "max_attempts": 3}
+            for p, q in QUEUES.items()
+        },
+    }
 
 
-def configure_sim(
-    sim_url: str, *, latency: float = 0.3, behaviour: dict[str, Any] | None = None, **hooks: Any
-) -> None:
+def configure_sim(sim_url: str, *, latency: float = 0.3, behaviour: dict[str, Any] | None = None, **hooks: Any) -> None:
     """Fresh jobs and counters; jobs of fixed `latency` (and other `behaviour` fields); webhook faults `hooks`;
     the known Replicate secret. Idempotency-Key is ignored, as the real providers do."""
     behaviour = behaviour or {}

@@ -1,0 +1,88 @@
+"""The double-pay window closed by a webhook: a dispatch worker (a real `offload worker` process) SIGKILLed
+inside the submit call, after the provider accepted the submission but before its answer arrived. The next
+worker finds the submit intent open and waits the grace for that submission's webhook instead of submitting
+again; the webhook adopts the remote id and the job completes with exactly one submission at the provider
+(the simulator's submission log). On main, the second worker submits again: two remote jobs, paid twice."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from servers import free_port
+from test_worker_crash import OFFLOAD, base_env, spawn, stop
+from webhook_world import QUEUES, config_for, configure_sim, deliveries, sim_jobs, wait_for
+
+from offload.config import Settings
+from offload.connection import connect
+from offload.models import JobState
+from offload.queue.store import JobSpec, QueueStore
+from offload.server.runner import running_server
+from offload.server.state import ServerOptions
+from offload.sim import running_sim
+
+
+def submissions(sim_url: str) -> list[dict[str, object]]:
+    return list(httpx.get(f"{sim_url}/_sim/submissions").json()["submissions"])
+
+
+@pytest.mark.parametrize("provider", ["replicate", "runpod"])
+async def test_worker_killed_inside_submit_is_adopted_by_its_webhook_not_paid_twice(
+    provider: str, valkey_url: str, tmp_path: Path
+) -> None:
+    port = free_port()
+    with running_sim() as sim_url:
+        # the provider takes 2.5 s to answer a submit (the window the kill lands in) and runs a job 4 s
+        configure_sim(str(sim_url), latency=4.0, behaviour={"submit_latency": 2.5})
+        data = config_for(valkey_url, str(sim_url), f"http://127.0.0.1:{port}", tmp_path / "results")
+        path = tmp_path / "offload.yaml"
+        path.write_text(yaml.safe_dump(data))
+        options = ServerOptions(
+            redis_url=valkey_url,
+            settings=Settings.model_validate(data),
+            admin_key="boot-admin-0123456789abcdef-0123456789",
+        )
+        client = await connect(valkey_url)
+        store = QueueStore(client)
+        env = {**base_env(), "OFFLOAD_LEASE_MS": "1500"}
+        queue = QUEUES[provider]
+        cmd = [OFFLOAD, "worker", "--queue", queue, "--config", str(path), "--grace", "1", "--log-level", "info"]
+        with running_server(options, port=port):
+            job_id = await store.enqueue(queue, JobSpec(input={"id": "crash-1", "prompt": "p"}))
+            a = spawn(cmd, env, tmp_path, tmp_path / "a.log")
+            b = None
+            try:
+
+                async def arrived() -> bool:
+                    return bool(submissions(str(sim_url)))
+
+                await wait_for(arrived, 20, "the submission to reach the provider")
+                (entry,) = submissions(str(sim_url))
+                assert entry["responded"] is None  # the answer is still on its way: A dies inside the call
+                stop(a, signal.SIGKILL)
+                assert a.returncode == -signal.SIGKILL
+                b = spawn(cmd, env, tmp_path, tmp_path / "b.log")
+
+                # B claims the job once A's lease ran out; the job completes with the one remote job there is
+                async def succeeded() -> bool:
+                    return (await store.get(job_id)).state == JobState.SUCCEEDED
+
+                try:
+                    await wait_for(succeeded, 30, "the job to succeed")
+                except AssertionError:
+                    raise AssertionError((tmp_path / "b.log").read_text()[-3000:]) from None
+                job = await store.get(job_id)
+                assert len(submissions(str(sim_url))) == 1, submissions(str(sim_url))
+                assert len(sim_jobs(str(sim_url), job_id)) == 1
+                assert job.possible_duplicates == 0 and job.result is not None
+                assert await client.hget(f"offload:{{{queue}}}:job:{job_id}", "adopted") == "1"
+                assert "adopted from its webhook" in (tmp_path / "b.log").read_text()
+                assert [d["statuses"] for d in deliveries(str(sim_url))] == [[200]]
+            finally:
+                stop(a)
+                if b is not None:
+                    stop(b)
+                await client.aclose()
