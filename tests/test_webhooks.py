@@ -167,12 +167,12 @@ async def test_fal_and_runpod_forgeries_are_refused(
                 "x-fal-webhook-signature": "ab" * 64,
             }
             async with httpx.AsyncClient(timeout=10) as http:
-                assert await http.post(url, content=body, headers=headers).status_code == 401
-                assert await http.post(url, content=body).status_code == 401
+                assert (await http.post(url, content=body, headers=headers)).status_code == 401
+                assert (await http.post(url, content=body)).status_code == 401
         body = orjson.dumps({"id": sim_job["id"], "status": "COMPLETED", "output": {"evil": True}})
         async with httpx.AsyncClient(timeout=10) as http:
-            assert await http.post(url.rsplit("/", 1)[0] + "/guess", content=body).status_code == 404
-            assert await http.post(url.replace(QUEUES[provider], "other"), content=body).status_code == 404
+            assert (await http.post(url.rsplit("/", 1)[0] + "/guess", content=body)).status_code == 404
+            assert (await http.post(url.replace(QUEUES[provider], "other"), content=body)).status_code == 404
         assert (await w.store.get(job_id)).result is None
 
 
