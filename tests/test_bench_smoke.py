@@ -48,3 +48,18 @@ def test_http_enqueue_bench() -> None:
     doc = last_json(["bench/http_enqueue.py", "--jobs", "2000", "--singles", "50"], timeout=90)
     assert set(doc) == {"batch_jobs_per_s", "single_p50_ms", "single_p99_ms", "single_per_s"}
     assert doc["batch_jobs_per_s"] > 0 and 0 < doc["single_p50_ms"] <= doc["single_p99_ms"], doc
+
+
+def test_webhooks_bench() -> None:
+    doc = last_json(["bench/webhooks.py", "--quick", "--jobs", "20", "--latency", "0.5"], timeout=90)
+    assert set(doc) == {
+        "poll_p50_ms",
+        "poll_p99_ms",
+        "webhook_p50_ms",
+        "webhook_p99_ms",
+        "poll_calls_per_job",
+        "webhook_calls_per_job",
+    }
+    assert 0 <= doc["webhook_p50_ms"] <= doc["webhook_p99_ms"] and 0 <= doc["poll_p50_ms"] <= doc["poll_p99_ms"], doc
+    # with webhooks each job costs its submit and nothing else (the fallback poll is 60 s away)
+    assert doc["webhook_calls_per_job"] == 1.0 and doc["poll_calls_per_job"] > 1.0, doc
