@@ -244,7 +244,9 @@ def _from_env(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
     """Overlay env settings (OFFLOAD_* first, tutorial names as fallback) onto the file's data."""
     if url := _pick(env, "OFFLOAD_REDIS_URL", "REDIS_URL"):
         data["redis_url"] = url
-    if public := _pick(env, "OFFLOAD_PUBLIC_URL"):
+    if public := _pick(
+        env, "OFFLOAD_SERVER_PUBLIC_URL"
+    ):  # not OFFLOAD_PUBLIC_URL: the autoscaler's, for rented machines
         data.setdefault("server", {})["public_url"] = public
     base = _pick(env, "OFFLOAD_API_BASE", "GPU_API_BASE")
     list_key = _pick(env, "OFFLOAD_QUEUE_KEY", "QUEUE_KEY")
