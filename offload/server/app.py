@@ -1,7 +1,9 @@
 """The HTTP API's application factory: wiring, lifespan (connections, maintenance) and health routes.
 
 Public routes are `/healthz`, `/readyz`, the API description (`/openapi.json`, `/docs`) and the dashboard's
-static files (`/ui/`, see `dashboard.py`), which carry no data; everything else needs an API key (see `auth.py`).
+static files (`/ui/`, see `dashboard.py`), which carry no data, and provider webhooks (`/v1/hooks/...`, proven by a
+per-submission secret and the provider's signature, see `routes_hooks.py`); everything else needs an API key
+(see `auth.py`).
 """
 
 from __future__ import annotations
