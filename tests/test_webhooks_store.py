@@ -113,3 +113,21 @@ async def test_a_final_webhook_for_a_job_nobody_holds_is_kept_for_its_next_claim
     (again,) = await vstore.claim("q", "w2", 1)
     assert (again.remote_id, again.intent_open) == ("r-9", False)
     assert await vstore.hook_body(job_id, again.submission) == FINAL.decode()
+
+
+async def test_a_late_callback_of_a_failed_run_does_not_bring_its_remote_id_back(vstore: QueueStore) -> None:
+    """Run 1 failed (seen by a poll) and its remote id was let go; its webhook arrives before the retry is
+    submitted: adopting it would make the retry resume the failed run (and burn an attempt)."""
+    [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1, max_attempts=5)])
+    (c,) = await vstore.claim("q", "w1", 1)
+    await vstore.begin_many("q", "", [(job_id, c.token, 0.0, hook_digest("a"))])
+    await vstore.checkpoint_many("q", [(job_id, c.token, "b", "r-1", 1)])
+    await vstore.fail(job_id, c.token, "remote job failed", delay_ms=0)
+    assert await vstore.hook(job_id, 1, "r-1", terminal=True, body=b'{"status":"failed"}') == "STALE"
+    (again,) = await vstore.claim("q", "w2", 1)
+    assert again.remote_id is None and not again.intent_open
+    # and a submit the provider refused (answered, no remote job) cannot be adopted either
+    assert await vstore.begin_many("q", "", [(job_id, again.token, 0.0, hook_digest("b"))]) == ["OK:2"]
+    await vstore.fail(job_id, again.token, "503", delay_ms=0, answered=True)
+    assert await vstore.hook(job_id, 2, "r-2", terminal=True, body=FINAL) == "STALE"
+    assert await vstore.current_remote(job_id) == (None, 2)

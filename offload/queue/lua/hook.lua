@@ -5,19 +5,23 @@
 -- submit call: adoption, counted), and for a final event keeps the body (`hook_n`, `hook_body`) and tells the
 -- worker holding the lease (PUBLISH on its channel) so it stores the result at once; a job nobody holds is
 -- resumed by its next claim, which finds the remote id and the body. Duplicates, late and reordered deliveries
--- change nothing. Returns WAKE (final event kept, owner told), KEPT (final event kept, nobody holds the job),
+-- change nothing, as does a callback of a run already given up (its remote id let go). Returns WAKE (final event kept, owner told), KEPT (final event kept, nobody holds the job),
 -- ADOPTED / OK (not final), DUP, LATE (the job is finished), STALE (an earlier submission), MISMATCH (another
 -- remote id than the one recorded for this submission), NOTFOUND.
 local now = now_ms(ARGV[1])
 local id, n, remote, terminal, body = ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5] == '1', ARGV[6]
 local k = jkey(id)
-local g = redis.call('HMGET', k, 'state', 'sub_n', 'remote_n', 'remote_id', 'hook_n', 'owner')
+local g = redis.call('HMGET', k, 'state', 'sub_n', 'remote_n', 'remote_id', 'hook_n', 'owner', 'sub_open')
 if not g[1] then return 'NOTFOUND' end
 if g[1] == 'succeeded' or g[1] == 'dead' or g[1] == 'cancelled' then return 'LATE' end
 if tonumber(g[2] or '') ~= n then return 'STALE' end
 local verdict = 'OK'
 if tonumber(g[3] or '') == n and g[4] and g[4] ~= '' then
   if remote ~= '' and g[4] ~= remote then return 'MISMATCH' end
+elseif g[7] ~= '1' then
+  -- no remote job recorded and no intent open: this run is over (it failed or expired and its remote id was
+  -- let go, or the provider refused the submit); a late callback of it must not bring its remote id back
+  return 'STALE'
 elseif remote ~= '' then
   redis.call('HSET', k, 'remote_id', remote, 'remote_n', n, 'sub_open', '0', 'adopted_at', now)
   redis.call('HINCRBY', k, 'adopted', 1)
