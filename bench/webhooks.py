@@ -130,14 +130,20 @@ async def run_once(
             if worker.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"{name}: jobs did not finish:\n{procs.log_tail(f'worker-{name}')}")
             await asyncio.sleep(0.1)
-        finished = {}
+        finished, kept = {}, {}
         for job_id in ids:
             job = await store.get(job_id)
             assert job.state == JobState.SUCCEEDED and job.finished_at is not None
             finished[job.input["id"]] = job.finished_at / 1000
+            if at := await r.hget(f"offload:{{{QUEUE}}}:job:{job_id}", "hook_at"):  # when the server kept it
+                kept[job.input["id"]] = int(at) / 1000
         remote = (await sim.get("/_sim/jobs", params={"limit": jobs * 2})).json()["jobs"]
         ends = {j["input_id"]: j["finished"] for j in remote}
         latencies = [(finished[k] - ends[k]) * 1000 for k in finished]
+        if kept:
+            server = statistics.median((kept[k] - ends[k]) * 1000 for k in kept)
+            worker_ms = statistics.median((finished[k] - kept[k]) * 1000 for k in kept)
+            print(f"{name}: kept by the server p50 {server:.0f} ms after the end, stored p50 {worker_ms:.0f} ms later")
         sent = (await sim.get("/_sim/webhooks")).json()["deliveries"]
         if sent:
             answered = [(d["sent_at"] - d["ended"]) * 1000 for d in sent]

@@ -35,8 +35,9 @@ async def test_worker_killed_inside_submit_is_adopted_by_its_webhook_not_paid_tw
 ) -> None:
     port = free_port()
     with running_sim() as sim_url:
-        # the provider takes 2.5 s to answer a submit (the window the kill lands in) and runs a job 4 s
-        configure_sim(str(sim_url), latency=4.0, behaviour={"submit_latency": 2.5})
+        # the provider takes 60 s to answer a submit (the window the kill lands in) and runs a job 12 s: the
+        # second worker is up and claims the job (A's lease runs out after 1.5 s) before the webhook comes
+        configure_sim(str(sim_url), latency=12.0, behaviour={"submit_latency": 60.0})
         data = config_for(valkey_url, str(sim_url), f"http://127.0.0.1:{port}", tmp_path / "results")
         path = tmp_path / "offload.yaml"
         path.write_text(yaml.safe_dump(data))
@@ -60,11 +61,16 @@ async def test_worker_killed_inside_submit_is_adopted_by_its_webhook_not_paid_tw
                     return bool(submissions(str(sim_url)))
 
                 await wait_for(arrived, 20, "the submission to reach the provider")
+                b = spawn(cmd, env, tmp_path, tmp_path / "b.log")
+
+                async def b_ready() -> bool:
+                    return "serving queue" in (tmp_path / "b.log").read_text()
+
+                await wait_for(b_ready, 20, "the second worker to start")
                 (entry,) = submissions(str(sim_url))
                 assert entry["responded"] is None  # the answer is still on its way: A dies inside the call
                 stop(a, signal.SIGKILL)
                 assert a.returncode == -signal.SIGKILL
-                b = spawn(cmd, env, tmp_path, tmp_path / "b.log")
 
                 # B claims the job once A's lease ran out; the job completes with the one remote job there is
                 async def succeeded() -> bool:

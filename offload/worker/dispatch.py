@@ -162,9 +162,13 @@ class Worker(JobPath):
         self.claimed_at[job.id] = sent
         self.tasks[job.id] = asyncio.create_task(self._run_job(job, old))
 
-    def _wake(self, job_id: str) -> None:
-        """A webhook for a job of ours was kept by the server: its task reads it now (see wakeups.py)."""
-        if job_id in self.tasks:
+    def _wake(self, job_id: str | None) -> None:
+        """A webhook for a job of ours was kept by the server: its task reads it now (None: every job, after a
+        lost subscription; see wakeups.py)."""
+        if job_id is None:
+            for event in self._hooked.values():
+                event.set()
+        elif job_id in self.tasks:
             self._hook_event(job_id).set()
 
     def _done(self, job: ClaimedJob) -> None:

@@ -21,15 +21,18 @@ log = logging.getLogger("offload.worker")
 RECONNECT_MAX_S = 5.0
 
 
-async def listen(redis: Any, channel: str, wake: Callable[[str], None], ready: asyncio.Event | None = None) -> None:
-    """Call `wake(job_id)` for every message on `channel` until cancelled; reconnect after an outage."""
+async def listen(redis: Any, channel: str, wake: Callable[[str | None], None]) -> None:
+    """Call `wake(job_id)` for every message on `channel` until cancelled; reconnect after an outage, then
+    `wake(None)`: every job looks for a kept webhook once, since messages sent meanwhile were lost."""
     pause = 0.1
+    subscribed_before = False
     while True:
         pubsub = redis.pubsub(ignore_subscribe_messages=True)
         try:
             await pubsub.subscribe(channel)
-            if ready is not None:
-                ready.set()
+            if subscribed_before:
+                wake(None)
+            subscribed_before = True
             pause = 0.1
             while True:
                 message = await pubsub.get_message(timeout=30.0)
