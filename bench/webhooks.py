@@ -143,7 +143,9 @@ async def run_once(
         if kept:
             server_ms = statistics.median((kept[k] - ends[k]) * 1000 for k in kept)
             worker_ms = statistics.median((finished[k] - kept[k]) * 1000 for k in kept)
-            print(f"{name}: kept by the server p50 {server_ms:.0f} ms after the end, stored p50 {worker_ms:.0f} ms later")
+            print(
+                f"{name}: kept by the server p50 {server_ms:.0f} ms after the end, stored p50 {worker_ms:.0f} ms later"
+            )
         sent = (await sim.get("/_sim/webhooks")).json()["deliveries"]
         if sent:
             answered = [(d["sent_at"] - d["ended"]) * 1000 for d in sent]
