@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import orjson
@@ -223,3 +224,25 @@ async def test_official_sdk_validates_the_simulators_replicate_signature(sim_url
 
 def test_hook_route_names_backend_kinds_that_have_webhooks() -> None:
     assert set(BACKENDS) == {"replicate", "fal", "runpod"}
+
+
+async def test_hostile_deliveries_get_a_4xx_with_a_json_body(valkey_url: str, sim_url: str, tmp_path: Path) -> None:
+    """With the right URL secret (RunPod's only check) but a body that is too large, not JSON, or not a RunPod
+    job report; and paths that name no webhook. Nothing reaches the job."""
+    configure_sim(sim_url, latency=0.2, drop_rate=1.0)
+    async with world(valkey_url, sim_url, tmp_path) as w, w.worker("runpod"):
+        job_id, url = await _held_job(w, "runpod", sim_url, "hostile")
+        base = url.split("/v1/hooks/")[0]
+        async with httpx.AsyncClient(timeout=10) as http:
+            huge = await http.post(url, content=b"[" + b"1," * (1 << 20) + b"1]")
+            garbage = await http.post(url, content=b"{not json")
+            wrong_shape = await http.post(url, content=b'{"hello": "world"}')
+            bad_job = await http.post(f"{base}/v1/hooks/rp/not-a-job-id/1/secret", content=b"{}")
+            bad_number = await http.post(f"{base}/v1/hooks/rp/{quote(job_id, safe='')}/one/secret", content=b"{}")
+            no_hooks = await http.post(f"{base}/v1/hooks/nosuch/{quote(job_id, safe='')}/1/secret", content=b"{}")
+        assert (huge.status_code, garbage.status_code, wrong_shape.status_code) == (413, 400, 400)
+        assert (bad_job.status_code, bad_number.status_code, no_hooks.status_code) == (404, 422, 404)
+        for answer in (huge, garbage, wrong_shape, bad_job, bad_number, no_hooks):
+            assert answer.headers["content-type"].startswith("application/json") and answer.json()["error"]
+        job = await w.store.get(job_id)
+        assert job.result is None and job.state != JobState.SUCCEEDED
