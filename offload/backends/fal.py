@@ -10,6 +10,8 @@ Remote id (what a different worker needs to resume): normally the response URL r
 e.g. `fal-ai/flux/requests/<request_id>`, from which status (`/status`) and cancel (`/cancel`) follow as fal
 documents. If an answer ever departs from that shape, the id is a JSON object of the three absolute URLs instead.
 The key is only ever sent to `base_url`'s origin: URLs pointing elsewhere are refused (Fatal).
+Webhooks: `submit(webhook=...)` goes out as `?fal_webhook=`; fal posts `{"request_id", "status": OK|ERROR,
+"payload"}` once, signed with ED25519 (checked by the server); the payload is the output.
 Tagging: with `webhook_url`, `?fal_webhook=` carries `offload_tag=<job id>`; fal cannot list requests, so `find`
 returns None.
 """

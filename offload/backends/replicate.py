@@ -9,6 +9,9 @@ HTTP 200 with `status: failed`. After about an hour Replicate nulls `output` and
 prediction whose data is gone is NotFound, like a 404, because the result must be produced again.
 
 Remote id: the prediction id as is (`GET /predictions/{id}` needs nothing else).
+Webhooks: `submit(webhook=...)` (offload's own per-submission URL, when `server.public_url` is set) is sent as
+`webhook` with `webhook_events_filter: ["completed"]`; the body Replicate posts is the prediction, read by
+`hook_event` / `hook_result` like a poll's answer.
 Tagging: with `webhook_url`, each prediction's webhook carries `offload_tag=<job id>`; with `tag_input_key`, the
 tag is also put into the input under that key (only for models that tolerate an extra input field), and `find`
 lists the newest `find_pages` pages of `GET /predictions` for a prediction whose input carries it. Without

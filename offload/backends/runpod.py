@@ -8,6 +8,8 @@ FAILED/TIMED_OUT -> failed, CANCELLED -> cancelled. A FAILED job's `error` is of
 `executionTime` (ms) is the billed time -> duration_s. A 404 on a known job is RunPod's TTL: NotFound.
 
 Remote id: RunPod's job id as is (the endpoint comes from config, so any worker with it can resume).
+Webhooks: `submit(webhook=...)` goes out as `webhook`; RunPod posts the status body (unsigned), read by
+`hook_event` / `hook_result` like a poll's answer.
 Tagging: RunPod cannot list jobs, so `find` returns None; with `webhook_url` set, each job's webhook carries
 `offload_tag=<job id>`, so a webhook receiver can still adopt an orphan.
 """
