@@ -28,6 +28,9 @@ from webhook_world import (
     world,
 )
 
+from offload.backends import KINDS, create_backend
+from offload.backends.base import WebhookBackend
+from offload.config import WEBHOOK_KINDS
 from offload.models import JobState
 from offload.sim import running_sim
 
@@ -222,8 +225,21 @@ async def test_official_sdk_validates_the_simulators_replicate_signature(sim_url
         Webhooks.validate(headers=headers, body=body.decode() + " ", secret=WebhookSigningSecret(key=secret))
 
 
-def test_hook_route_names_backend_kinds_that_have_webhooks() -> None:
-    assert set(BACKENDS) == {"replicate", "fal", "runpod"}
+def test_exactly_the_webhook_kinds_implement_webhooks() -> None:
+    """config.WEBHOOK_KINDS (which backends get a URL) and the backends that can read a webhook agree."""
+    settings = {
+        "replicate": {"version": "v"},
+        "fal": {"app": "a/b"},
+        "runpod": {"endpoint_id": "e"},
+        "http-job": {"base_url": "http://x"},
+        "openai": {"model": "m"},
+    }
+    implemented = {
+        kind
+        for kind in KINDS
+        if isinstance(create_backend(kind, "b", settings[kind], client=httpx.AsyncClient()), WebhookBackend)
+    }
+    assert implemented == WEBHOOK_KINDS == set(BACKENDS)
 
 
 async def test_hostile_deliveries_get_a_4xx_with_a_json_body(valkey_url: str, sim_url: str, tmp_path: Path) -> None:
