@@ -262,3 +262,16 @@ async def test_hostile_deliveries_get_a_4xx_with_a_json_body(valkey_url: str, si
             assert answer.headers["content-type"].startswith("application/json") and answer.json()["error"]
         job = await w.store.get(job_id)
         assert job.result is None and job.state != JobState.SUCCEEDED
+
+
+async def test_a_lost_submit_answer_is_healed_by_the_webhook_that_came_first(
+    valkey_url: str, sim_url: str, tmp_path: Path
+) -> None:
+    """The provider accepted the submission, the job ran and called back, but the submit's answer never arrived
+    (connection reset): the worker takes the remote id the webhook recorded instead of retrying the submit."""
+    configure_sim(sim_url, latency=0.1, behaviour={"submit_latency": 1.5, "lost_response_rate": 1.0})
+    async with world(valkey_url, sim_url, tmp_path) as w, w.worker("replicate"):
+        job = await w.finished(await w.enqueue("replicate", "lost-answer"))
+        stats = httpx.get(f"{sim_url}/_sim/stats").json()
+    assert job.state == JobState.SUCCEEDED and job.attempts == 1 and job.possible_duplicates == 0
+    assert stats["submissions"] == 1 and stats["faults"] == {"replicate.create lost_response": 1}, stats

@@ -343,6 +343,13 @@ class JobPath:
                     throttled = exc
                 except BackendError as exc:
                     await self.limits.count("errors")
+                    if hooks is not None and not isinstance(exc, Fatal):  # no answer, but the provider may
+                        # have called back meanwhile: then the submission was accepted and its id is known
+                        adopted, current = await self.health.call(lambda: self.store.current_remote(job.id))
+                        if adopted is not None and current == n:
+                            if await self._record(job, adopted, n):
+                                self.cancels.add(job.id)
+                            return adopted, None, n
                     await self._submit_failed(job, exc)
                     return None
                 else:
