@@ -272,6 +272,7 @@ async def test_a_lost_submit_answer_is_healed_by_the_webhook_that_came_first(
     configure_sim(sim_url, latency=0.1, behaviour={"submit_latency": 1.5, "lost_response_rate": 1.0})
     async with world(valkey_url, sim_url, tmp_path) as w, w.worker("replicate"):
         job = await w.finished(await w.enqueue("replicate", "lost-answer"))
-        stats = httpx.get(f"{sim_url}/_sim/stats").json()
+        async with httpx.AsyncClient() as http:
+            stats = (await http.get(f"{sim_url}/_sim/stats")).json()
     assert job.state == JobState.SUCCEEDED and job.attempts == 1 and job.possible_duplicates == 0
     assert stats["submissions"] == 1 and stats["faults"] == {"replicate.create lost_response": 1}, stats
