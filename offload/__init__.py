@@ -12,6 +12,7 @@ from offload.errors import (
     PayloadTooLarge,
     StaleLease,
 )
+from offload.files import File
 from offload.models import ClaimedJob, Job, JobState, QueueStats
 from offload.queue.store import JobSpec, QueueStore
 
@@ -23,6 +24,7 @@ __all__ = [
     "Client",
     "ConfigError",
     "ConnectionFailed",
+    "File",
     "InvalidJob",
     "InvalidQueueName",
     "InvalidTransition",

@@ -2,18 +2,30 @@
 
 `Client` runs an `AsyncClient` on a private event loop in a background thread, so it works the same
 from scripts, threads and inside frameworks that already run an event loop.
+
+`offload.File(...)` values anywhere in an input are uploaded to the job's storage first (`offload.storage.inputs`)
+and replaced by references; the job gets its id before the upload, so its files live under its own key. A failed
+upload enqueues nothing; a failed enqueue (or one that found an earlier job with the same idempotency key) deletes
+the files it uploaded. The storage is the `storage:` block of offload.yaml unless one is passed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import Coroutine, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from offload.connection import connect
+from offload.files import DEFAULT_MAX_FILE_BYTES, files_in
 from offload.models import Job, QueueStats
+from offload.queue.keys import QUEUES_KEY, new_job_id
 from offload.queue.store import JobSpec, QueueStore
+
+if TYPE_CHECKING:  # storage (boto3) loads on the first File, not with `import offload`
+    from offload.storage import Storage
+
 
 T = TypeVar("T")
 
@@ -29,11 +41,22 @@ def _spec(item: Any) -> JobSpec:
 class AsyncClient:
     """Enqueue jobs and follow them. Connects lazily on first use; use `async with` or `aclose()`."""
 
-    def __init__(self, url: str | None = None, *, max_payload: int | None = None) -> None:
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        max_payload: int | None = None,
+        storage: Storage | Mapping[str, Any] | None = None,
+        max_file_bytes: int | None = None,
+    ) -> None:
         self._url = url
         self._max_payload = max_payload
         self._store: QueueStore | None = None
         self._lock = asyncio.Lock()
+        self._storage_arg = storage
+        self._storage: Storage | None = None if storage is None or isinstance(storage, Mapping) else storage
+        self._owns_storage = False
+        self._max_file_bytes = max_file_bytes
 
     async def store(self) -> QueueStore:
         """The underlying job store (connecting on first call)."""
@@ -42,6 +65,62 @@ class AsyncClient:
                 if self._store is None:
                     self._store = QueueStore(await connect(self._url), max_payload=self._max_payload)
         return self._store
+
+    async def _files_storage(self) -> tuple[Storage, int]:
+        """The storage for input files: the one given, else offload.yaml's (built on first need)."""
+        from offload.storage import create_storage
+
+        if self._storage is None:
+            if isinstance(self._storage_arg, Mapping):
+                block: Mapping[str, Any] = self._storage_arg
+            else:
+                from offload.config import load_settings
+
+                settings = load_settings()
+                block = settings.storage.model_dump()  # create_storage reveals the SecretStr itself
+                if self._max_file_bytes is None:
+                    self._max_file_bytes = settings.storage.max_input_file_bytes
+            self._storage = create_storage(block)
+            self._owns_storage = True
+            if self._max_file_bytes is None:
+                self._max_file_bytes = int(block.get("max_input_file_bytes") or DEFAULT_MAX_FILE_BYTES)
+        return self._storage, self._max_file_bytes or DEFAULT_MAX_FILE_BYTES
+
+    async def _upload(self, queue: str, spec: JobSpec) -> tuple[JobSpec, list[str]]:
+        """The spec with its files uploaded and replaced by references (its id fixed first), and their keys."""
+        if not files_in(spec.input):
+            return spec, []
+        from offload.storage.inputs import upload_input_files
+
+        storage, limit = await self._files_storage()
+        job_id = spec.job_id or new_job_id(queue)
+        store = await self.store()
+        store.validate(dataclasses.replace(spec, input=None))  # bad options: fail before uploading
+        await store.redis.sadd(QUEUES_KEY, queue)  # known before its first file lands, so the sweep finds orphans
+        value, keys = await upload_input_files(storage, job_id, spec.input, max_bytes=limit)
+        return dataclasses.replace(spec, input=value, job_id=job_id), keys
+
+    async def _enqueue_specs(self, queue: str, specs: list[JobSpec]) -> list[str]:
+        """Upload files, then enqueue; on any failure (or a duplicate that kept an earlier job) delete what this
+        call uploaded, so no file is left that no job refers to."""
+        from offload.storage.inputs import delete_keys
+
+        uploads: list[tuple[str | None, list[str]]] = []  # (job id, its file keys) per spec
+        ready: list[JobSpec] = []
+        try:
+            for spec in specs:
+                done, keys = await self._upload(queue, spec)
+                ready.append(done)
+                uploads.append((done.job_id, keys))
+            ids = await (await self.store()).enqueue_many(queue, ready)
+        except BaseException:
+            if self._storage is not None:
+                await delete_keys(self._storage, [k for _, keys in uploads for k in keys])
+            raise
+        if self._storage is not None:  # an idempotent repeat returned an earlier job: these files are no one's
+            orphans = [k for (job_id, keys), got in zip(uploads, ids, strict=True) if got != job_id for k in keys]
+            await delete_keys(self._storage, orphans)
+        return ids
 
     async def enqueue(
         self,
@@ -67,12 +146,15 @@ class AsyncClient:
             retention=retention,
             idempotency_key=idempotency_key,
         )
-        return await (await self.store()).enqueue(queue, spec)
+        return (await self._enqueue_specs(queue, [spec]))[0]
 
     async def enqueue_many(self, queue: str, items: Iterable[Any]) -> list[str]:
         """Enqueue many jobs in pipelined batches. Each item is a JobSpec, a dict with an "input" key and
         JobSpec options, or a bare input."""
-        return await (await self.store()).enqueue_many(queue, [_spec(i) for i in items])
+        specs = [_spec(i) for i in items]
+        if not any(files_in(s.input) for s in specs):
+            return await (await self.store()).enqueue_many(queue, specs)
+        return await self._enqueue_specs(queue, specs)
 
     async def get(self, job_id: str) -> Job:
         return await (await self.store()).get(job_id)
@@ -101,6 +183,9 @@ class AsyncClient:
         if self._store is not None:
             await self._store.redis.aclose()
             self._store = None
+        if self._storage is not None and self._owns_storage:
+            await self._storage.aclose()
+            self._storage = None
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -112,11 +197,18 @@ class AsyncClient:
 class Client:
     """The blocking face of `AsyncClient`; same methods, same arguments."""
 
-    def __init__(self, url: str | None = None, *, max_payload: int | None = None) -> None:
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        max_payload: int | None = None,
+        storage: Storage | Mapping[str, Any] | None = None,
+        max_file_bytes: int | None = None,
+    ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="offload-client", daemon=True)
         self._thread.start()
-        self._async = AsyncClient(url, max_payload=max_payload)
+        self._async = AsyncClient(url, max_payload=max_payload, storage=storage, max_file_bytes=max_file_bytes)
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

@@ -10,7 +10,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 from offload import stack
 from offload.embedded import data_dir
 from offload.errors import ConfigError
+from offload.files import DEFAULT_MAX_FILE_BYTES
 from offload.queue.keys import validate_queue
 from offload.storage.namespace import check_prefixes
 
@@ -53,6 +54,13 @@ class StorageSettings(_Strict):
     access_key_id: str | None = None
     secret_access_key: SecretStr | None = None
     copy_files: bool = True
+    # files by reference (offload.storage.inputs): the largest File() a job may carry; the life of the presigned
+    # GET a provider gets for an input file; how old an uploaded file no job refers to must be before the
+    # server's sweep removes it; seconds between sweeps
+    max_input_file_bytes: Annotated[int, Field(ge=1)] = DEFAULT_MAX_FILE_BYTES
+    input_url_expires_s: Annotated[int, Field(ge=60, le=7 * 86_400)] = 86_400
+    upload_grace_s: Annotated[float, Field(gt=0)] = 3600.0
+    sweep_interval_s: Annotated[float, Field(gt=0)] = 600.0
 
 
 class BackendSettings(BaseModel):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
@@ -18,6 +18,7 @@ from offload.env import env_float
 from offload.errors import ConnectionFailed
 from offload.redact import mask_url as mask_url  # re-exported: the one redaction path
 from offload.redact import redact
+from offload.redis_client import RedisClient
 
 
 class GatedPool(aioredis.ConnectionPool):
@@ -103,7 +104,7 @@ def _split_cluster_flag(url: str) -> tuple[str, bool]:
     return urlunsplit(parts._replace(query=urlencode(query, doseq=True))), flag
 
 
-async def connect(url: str | None = None, *, retry_for: float | None = None, max_connections: int = 64) -> Any:
+async def connect(url: str | None = None, *, retry_for: float | None = None, max_connections: int = 64) -> RedisClient:
     """Connect and PING, retrying with exponential backoff for `retry_for` seconds (default 10, env
     OFFLOAD_REDIS_CONNECT_TIMEOUT), so a worker started before its Redis waits instead of crashing."""
     target = resolve_url(url)
@@ -114,7 +115,7 @@ async def connect(url: str | None = None, *, retry_for: float | None = None, max
     deadline = loop.time() + retry_for
     delay = 0.1
     while True:
-        client: Any = None
+        client: aioredis.Redis | RedisCluster | None = None
         try:
             if cluster:
                 client = RedisCluster.from_url(plain, decode_responses=True)
@@ -125,7 +126,7 @@ async def connect(url: str | None = None, *, retry_for: float | None = None, max
                 pool = GatedPool.from_url(plain, decode_responses=True, max_connections=max_connections, timeout=60)
                 client = aioredis.Redis(connection_pool=pool)
             await client.ping()
-            return client
+            return cast(RedisClient, client)  # decode_responses=True: the replies are str, as RedisClient says
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             if client is not None:
                 await client.aclose()

@@ -10,7 +10,7 @@ import orjson
 
 
 class JobState(enum.StrEnum):
-    """Where a job is in its lifecycle (see DESIGN.md, "Job lifecycle")."""
+    """Where a job is in its lifecycle (see docs/architecture.md, "The job lifecycle")."""
 
     QUEUED = "queued"
     DELAYED = "delayed"

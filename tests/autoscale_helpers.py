@@ -10,8 +10,9 @@ import httpx
 
 from offload.autoscale.providers.mock import MockConfig, MockProvider
 from offload.autoscale.scaler import Autoscaler
-from offload.autoscale.workers import INDEX, worker_key
 from offload.config import Settings
+from offload.queue.keys import REMOTE_WORKERS as INDEX
+from offload.queue.keys import remote_worker as worker_key
 
 VAULT_KEY = "test-master-key-0123456789abcdef"
 

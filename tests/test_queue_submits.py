@@ -119,3 +119,68 @@ async def test_the_spend_cap_reserves_the_worst_case_and_settles_the_real_cost(v
     # a failed run's reported cost settles too, and its retry is a new run, reserved again
     assert await vstore.fail(c3.id, c3.token, "remote job failed", delay_ms=0, cost=0.5) == "retrying"
     assert await vstore.usage("q", W) == (2, 0.75)
+
+
+async def test_a_stale_workers_answer_is_attached_and_the_next_owner_polls_it(vstore: QueueStore) -> None:
+    """A worker SIGSTOPped inside the submit call wakes with the provider's answer after its lease went to
+    another worker: the remote id is kept for the job (ATTACHED) and the new owner's begin answers REMOTE, so
+    nothing is sent twice."""
+    [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1)])
+    (c1,) = await vstore.claim("q", "w1", 1)
+    assert await vstore.begin_many("q", "", [(job_id, c1.token, 0.0)]) == ["OK:1"]
+    await lapse(vstore, "w1")
+    (c2,) = await vstore.claim("q", "w2", 1)
+    assert await vstore.checkpoint_many("q", [(job_id, c1.token, "gpu", "r-1", 1)]) == ["ATTACHED"]
+    assert await vstore.begin_many("q", "", [(job_id, c2.token, 0.0)]) == ["REMOTE:1:r-1"]
+    job = await vstore.get(job_id)
+    assert (job.remote_id, job.submission, job.possible_duplicates) == ("r-1", 1, 0)
+    # a job reaped while nobody holds it is claimed with the attached remote id: resumed, not submitted
+    await lapse(vstore, "w2")
+    (c3,) = await vstore.claim("q", "w3", 1)
+    assert c3.remote_id == "r-1"
+
+
+async def test_a_second_remote_id_for_one_submission_is_refused_with_the_first(vstore: QueueStore) -> None:
+    """Both the stalled worker and the new owner sent submission 1 (a provider that ignores the
+    Idempotency-Key ran it twice): whichever answer comes second learns of the first and cancels its copy."""
+    [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1)])
+    (c1,) = await vstore.claim("q", "w1", 1)
+    assert await vstore.begin_many("q", "", [(job_id, c1.token, 0.0)]) == ["OK:1"]
+    await lapse(vstore, "w1")
+    (c2,) = await vstore.claim("q", "w2", 1)
+    assert await vstore.begin_many("q", "", [(job_id, c2.token, 0.0)]) == ["OK:1:DUP"]
+    assert await vstore.checkpoint_many("q", [(job_id, c1.token, "gpu", "r-1", 1)]) == ["ATTACHED"]
+    assert await vstore.checkpoint_many("q", [(job_id, c2.token, "gpu", "r-2", 1)]) == ["DUP:r-1"]
+    assert await vstore.checkpoint_many("q", [(job_id, c2.token, "gpu", "r-1", 1)]) == ["OK"]  # goes on with r-1
+    assert (await vstore.get(job_id)).remote_id == "r-1"
+
+
+async def test_a_stale_second_remote_id_is_refused_when_the_owner_recorded_first(vstore: QueueStore) -> None:
+    [other] = await vstore.enqueue_many("q", [JobSpec(input=2)])
+    (d1,) = await vstore.claim("q", "w1", 1)
+    assert await vstore.begin_many("q", "", [(other, d1.token, 0.0)]) == ["OK:1"]
+    await lapse(vstore, "w1")
+    (d2,) = await vstore.claim("q", "w2", 1)
+    await vstore.begin_many("q", "", [(other, d2.token, 0.0)])
+    assert await vstore.checkpoint_many("q", [(other, d2.token, "gpu", "s-2", 1)]) == ["OK"]
+    assert await vstore.checkpoint_many("q", [(other, d1.token, "gpu", "s-1", 1)]) == ["STALE:DUP"]
+    assert (await vstore.get(other)).remote_id == "s-2"
+
+
+async def test_a_stale_answer_for_a_finished_job_or_an_older_submission_is_not_attached(vstore: QueueStore) -> None:
+    [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1, max_attempts=5)])
+    (c1,) = await vstore.claim("q", "w1", 1)
+    assert await vstore.begin_many("q", "", [(job_id, c1.token, 0.0)]) == ["OK:1"]
+    await lapse(vstore, "w1")
+    (c2,) = await vstore.claim("q", "w2", 1)
+    await vstore.begin_many("q", "", [(job_id, c2.token, 0.0)])
+    await vstore.checkpoint_many("q", [(job_id, c2.token, "gpu", "r-2", 1)])
+    await vstore.fail(job_id, c2.token, "remote job failed", delay_ms=0)  # a new run is wanted: submission 2
+    (c3,) = await vstore.claim("q", "w3", 1)
+    assert await vstore.begin_many("q", "", [(job_id, c3.token, 0.0)]) == ["OK:2"]
+    assert await vstore.checkpoint_many("q", [(job_id, c1.token, "gpu", "r-1", 1)]) == ["STALE"]  # run 1 is over
+    await vstore.checkpoint_many("q", [(job_id, c3.token, "gpu", "r-3", 2)])
+    await vstore.complete(job_id, c3.token, "mem://x")
+    assert await vstore.checkpoint_many("q", [(job_id, c1.token, "gpu", "r-9", 2)]) == ["STALE:DUP"]
+    job = await vstore.get(job_id)
+    assert (job.state, job.remote_id) == (JobState.SUCCEEDED, "r-3")

@@ -1,5 +1,6 @@
 """Stateful property test of the job store: random operation sequences against a real Valkey, checked
-step by step against a plain-Python model of the lifecycle (DESIGN.md "Job lifecycle", "Guarantees").
+step by step against a plain-Python model of the lifecycle (docs/architecture.md, "The job lifecycle" and
+"The guarantees").
 
 Rules: enqueue (one or a batch, random priority, optional delay, existing ids mixed in); claim (3 workers,
 random batch size, sometimes on a paused queue); a worker's turn (heartbeat, claim, then per lease: submit

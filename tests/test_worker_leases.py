@@ -178,6 +178,11 @@ async def test_a_job_leased_again_to_the_same_worker_runs_in_one_task(
     peak = 0
     async with worker(make_settings(valkey_url, no_outputs, sim, "http-job")) as (task, w):
         await until_state(store, [job_id], "submitted", task)
+
+        async def polling() -> bool:  # out of the submit call (a task inside it is left to record its answer)
+            return job_id not in w._submitting
+
+        await until(polling, "the job's task to poll", task)
         await store.redis.zadd(prefix("q") + "workers", {w.id: 0})
         assert (await store.reap("q"))[1] == 1  # back to ready, with its remote id
 
@@ -444,3 +449,31 @@ async def test_every_backend_sends_the_idempotency_key_and_the_worker_in_its_use
     assert [h.get("Idempotency-Key") for h in seen] == ["q:job1.3"] * len(BACKENDS)
     assert {h.get("User-Agent") for h in seen} == {agent} and agent.endswith(" worker/gpu-box:1:abc123")
     assert re.fullmatch(r"offload/\S+ worker/gpu-box:1:abc123", agent)
+
+
+async def test_a_lease_lost_while_the_submit_call_is_out_costs_no_second_submission(
+    valkey_url: str,
+    no_outputs: dict[str, Any],
+    sim: str,
+    store: QueueStore,
+) -> None:
+    """The worker stalls inside a slow submit call (its lease lapses and is reaped), then gets the job again.
+    The provider ignores Idempotency-Key, so a second send would be a second paid run: the first task must
+    record its answer (attached to the job) and the new lease poll it, with one submission in all."""
+    await configure(sim, honour_idempotency_key=False, latency=0.2, submit_latency=1.5)
+    [(job_id, input_id)] = await enqueue(store, "slow-submit")
+    async with worker(make_settings(valkey_url, no_outputs, sim, "http-job")) as (task, w):
+        await until(lambda: _intent(store, job_id), "the submit call to be out (1.5 s long)", task)
+
+        async def reaped() -> bool:  # its beat deadline put in the past (again, should a beat renew it): reaped
+            await store.redis.zadd(prefix("q") + "workers", {w.id: 0})
+            return (await store.reap("q"))[1] == 1 or (await store.get(job_id)).lease_expiries >= 1
+
+        await until(reaped, "the lease to be reaped", task)
+        [job] = await until_state(store, [job_id], "succeeded", task, timeout=20)
+    assert (await stats(sim))["submissions_by_input_id"] == {input_id: 1}
+    assert (job.submission, job.possible_duplicates) == (1, 0)
+
+
+async def _intent(store: QueueStore, job_id: str) -> bool:
+    return (await store.get(job_id)).submission == 1

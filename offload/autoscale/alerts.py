@@ -24,20 +24,15 @@ from offload.autoscale.config import Duration
 from offload.autoscale.instances import log_event
 from offload.autoscale.providers.base import Clock
 from offload.errors import ConfigError
-from offload.queue.keys import prefix
+from offload.queue.keys import dead_letter_alert
+from offload.queue.scripts import SCRIPTS
 from offload.redact import Redactor, mask_url
+from offload.redis_client import RedisClient
 
 log = logging.getLogger("offload.autoscale.alerts")
 AlertKind = Literal["autoscale_failure", "boot_timeout", "spend_cap_reached", "dead_letter_growth", "queue_latency"]
 # A target filtering on a kind also receives its sub-kinds: a machine that never booted is an autoscale failure.
 PARENT: dict[str, str] = {"boot_timeout": "autoscale_failure"}
-
-_ONCE = """
-local last = redis.call('GET', KEYS[1])
-if last and tonumber(ARGV[1]) - tonumber(last) < tonumber(ARGV[2]) then return 0 end
-redis.call('SET', KEYS[1], ARGV[1], 'EX', math.max(1, math.ceil(tonumber(ARGV[2]))))
-return 1
-"""
 
 
 class _Strict(BaseModel):
@@ -87,7 +82,7 @@ class Alerter:
     def __init__(
         self,
         settings: AlertSettings,
-        redis: Any,
+        redis: RedisClient,
         clock: Clock = time.time,
         http: httpx.AsyncClient | None = None,
         redact: Redactor | None = None,
@@ -101,7 +96,6 @@ class Alerter:
         self.redis = redis
         self.clock = clock
         self.http = http or httpx.AsyncClient(timeout=10.0)
-        self._once = redis.register_script(_ONCE)
         self._tasks: set[asyncio.Task[None]] = set()
         self.sent: list[dict[str, Any]] = []
         self.failed: list[str] = []
@@ -109,7 +103,7 @@ class Alerter:
     async def alert(self, kind: AlertKind, subject: str, message: str, **details: Any) -> bool:
         """Raise an alert; False if the same one was sent within the cooldown."""
         now = self.clock()
-        if not await self._once(keys=[keys.alert(kind, subject)], args=[repr(now), self.settings.cooldown]):
+        if not await SCRIPTS.alert_once(self.redis, [keys.alert(kind, subject)], [repr(now), self.settings.cooldown]):
             return False
         message = self.redact(message)
         details = {k: self.redact(v) if isinstance(v, str) else v for k, v in details.items()}
@@ -195,7 +189,7 @@ class Alerter:
                     )
             if s.dead_letter_growth is not None:
                 dead = stats.counts.get("dead", 0)
-                key = prefix(queue) + "alert:dlg"
+                key = dead_letter_alert(queue)
                 snap = await self.redis.get(key)
                 if snap is None:
                     await self.redis.set(key, f"{dead}|{now}")

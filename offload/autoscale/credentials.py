@@ -9,16 +9,15 @@ the operator (`offload autoscale credentials set NAME`): there is no HTTP route 
 
 from __future__ import annotations
 
-from typing import Any
-
 from offload.autoscale import keys
 from offload.autoscale.provider_store import MASK, check_name, mask
 from offload.autoscale.vault import Vault
 from offload.errors import ConfigError
+from offload.redis_client import RedisClient
 
 
 class Credentials:
-    def __init__(self, redis: Any, vault: Vault | None = None) -> None:
+    def __init__(self, redis: RedisClient, vault: Vault | None = None) -> None:
         self.redis = redis
         self.vault = vault
 

@@ -29,7 +29,9 @@ from typing import Any
 import orjson
 
 from offload.autoscale import keys
+from offload.queue.scripts import SCRIPTS
 from offload.redact import redact
+from offload.redis_client import RedisClient
 
 STATUSES = ("provisioning", "booting", "running", "draining", "terminated", "failed")
 ACTIVE = ("provisioning", "booting", "running")  # counted as capacity
@@ -42,34 +44,6 @@ TRANSITIONS: dict[str, tuple[str, ...]] = {
     "failed": (),
 }
 EVENTS_MAX = 20_000
-
-_WRITE = """
-local cur = redis.call('GET', KEYS[1])
-if ARGV[1] == '' or not cur then return 'FENCED' end
-local tok = string.match(cur, '^[^|]*|([^|]*)|')
-if tok ~= ARGV[1] then return 'FENCED' end
-local status = redis.call('HGET', KEYS[2], 'status')
-if ARGV[2] == '+create' then
-  if status then return 'EXISTS' end
-elseif not status then
-  return 'NOTFOUND'
-elseif ARGV[2] ~= '' then
-  local ok = false
-  for s in string.gmatch(ARGV[2], '[^,]+') do if s == status then ok = true end end
-  if not ok then return 'STATE:' .. status end
-end
-local f = cjson.decode(ARGV[3])
-local flat = {}
-for k, v in pairs(f) do flat[#flat + 1] = k; flat[#flat + 1] = tostring(v) end
-if #flat > 0 then redis.call('HSET', KEYS[2], unpack(flat)) end
-if ARGV[4] == 'add' then
-  redis.call('SADD', KEYS[3], ARGV[5])
-  redis.call('ZADD', KEYS[4], ARGV[6], ARGV[5])
-elseif ARGV[4] == 'remove' then
-  redis.call('SREM', KEYS[3], ARGV[5])
-end
-return 'OK'
-"""
 
 
 class Fenced(Exception):
@@ -158,16 +132,16 @@ def _encode(values: dict[str, Any]) -> bytes:
 
 
 class InstanceStore:
-    def __init__(self, redis: Any) -> None:
+    def __init__(self, redis: RedisClient) -> None:
         self.redis = redis
-        self._script = redis.register_script(_WRITE)
 
     async def _write(
         self, instance_id: str, fence: str, expect: str, values: dict[str, Any], live: str = "", score: float = 0.0
     ) -> None:
-        code = await self._script(
-            keys=[keys.LEADER, keys.instance(instance_id), keys.LIVE, keys.ALL],
-            args=[fence, expect, _encode(values), live, instance_id, int(score * 1000)],
+        code = await SCRIPTS.instance_write(
+            self.redis,
+            [keys.LEADER, keys.instance(instance_id), keys.LIVE, keys.ALL],
+            [fence, expect, _encode(values), live, instance_id, int(score * 1000)],
         )
         if code == "FENCED":
             raise Fenced("lost the autoscaler leadership: another server decides now")
@@ -238,7 +212,7 @@ class InstanceStore:
         return inst
 
 
-async def log_event(redis: Any, now: float, kind: str, message: str, **fields_: Any) -> None:
+async def log_event(redis: RedisClient, now: float, kind: str, message: str, **fields_: Any) -> None:
     """The autoscaler's journal for people: `offload autoscale events` and the API read it (viewer keys too), so
     the message is redacted once more here, whatever the caller did (offload/redact.py)."""
     entry = {
@@ -250,6 +224,6 @@ async def log_event(redis: Any, now: float, kind: str, message: str, **fields_: 
     await redis.xadd(keys.EVENTS, entry, maxlen=EVENTS_MAX, approximate=True)
 
 
-async def read_events(redis: Any, count: int = 50) -> list[dict[str, str]]:
+async def read_events(redis: RedisClient, count: int = 50) -> list[dict[str, str]]:
     rows = await redis.xrevrange(keys.EVENTS, count=count)
     return [dict(fields_) for _, fields_ in reversed(rows)]

@@ -59,3 +59,8 @@ def alert(kind: str, subject: str) -> str:
 def machines(provider_type: str, provider_name: str) -> str:
     """The mock and local providers' own records of what they 'rented'."""
     return P + f"{provider_type}:{provider_name}"
+
+
+def mock_faults(provider_name: str) -> str:
+    """How many of each scripted fault the mock provider has injected so far (hash)."""
+    return machines("mock", provider_name) + ":faults"

@@ -13,50 +13,30 @@ from __future__ import annotations
 import socket
 import time
 import uuid
-from typing import Any
 
 from offload.autoscale import keys
 from offload.autoscale.instances import Fenced
 from offload.autoscale.providers.base import Clock
-
-_ACQUIRE = """
-local cur = redis.call('GET', KEYS[1])
-local now, ttl = tonumber(ARGV[2]), tonumber(ARGV[3])
-if cur then
-  local owner, tok, exp = string.match(cur, '^([^|]*)|([^|]*)|([^|]*)$')
-  if owner == ARGV[1] and tok == ARGV[4] then
-    redis.call('SET', KEYS[1], owner .. '|' .. tok .. '|' .. (now + ttl), 'PX', ttl)
-    return tok
-  end
-  if tonumber(exp) > now then return false end
-end
-local t = redis.call('INCR', KEYS[2])
-redis.call('SET', KEYS[1], ARGV[1] .. '|' .. t .. '|' .. (now + ttl), 'PX', ttl)
-return tostring(t)
-"""
-
-_RELEASE = """
-local cur = redis.call('GET', KEYS[1])
-if cur and string.match(cur, '^([^|]*)|') == ARGV[1] then redis.call('DEL', KEYS[1]) return 1 end
-return 0
-"""
+from offload.queue.scripts import SCRIPTS
+from offload.redis_client import RedisClient
 
 
 class Leader:
-    def __init__(self, redis: Any, *, ttl: float = 30.0, clock: Clock = time.time, owner: str | None = None) -> None:
+    def __init__(
+        self, redis: RedisClient, *, ttl: float = 30.0, clock: Clock = time.time, owner: str | None = None
+    ) -> None:
         self.redis = redis
         self.ttl = ttl
         self.clock = clock
         self.owner = owner or f"{socket.gethostname()}:{uuid.uuid4().hex[:8]}"
         self.token = ""
-        self._acquire = redis.register_script(_ACQUIRE)
-        self._release = redis.register_script(_RELEASE)
 
     async def acquire(self) -> bool:
         """Take or renew the lock; True while this server is the leader (its token in `self.token`)."""
-        tok = await self._acquire(
-            keys=[keys.LEADER, keys.FENCE],
-            args=[self.owner, int(self.clock() * 1000), int(self.ttl * 1000), self.token],
+        tok = await SCRIPTS.leader_acquire(
+            self.redis,
+            [keys.LEADER, keys.FENCE],
+            [self.owner, int(self.clock() * 1000), int(self.ttl * 1000), self.token],
         )
         self.token = str(tok) if tok else ""
         return bool(tok)
@@ -74,11 +54,11 @@ class Leader:
             raise Fenced("another server holds the autoscaler lock")
 
     async def release(self) -> None:
-        await self._release(keys=[keys.LEADER], args=[self.owner])
+        await SCRIPTS.leader_release(self.redis, [keys.LEADER], [self.owner])
         self.token = ""
 
     @staticmethod
-    async def current(redis: Any) -> dict[str, str] | None:
+    async def current(redis: RedisClient) -> dict[str, str] | None:
         cur = await redis.get(keys.LEADER)
         if not cur:
             return None

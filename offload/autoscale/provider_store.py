@@ -21,12 +21,10 @@ from offload.autoscale import keys
 from offload.autoscale.providers import TYPES, validate_config
 from offload.autoscale.vault import Vault
 from offload.errors import ConfigError, OffloadError
+from offload.queue.scripts import SCRIPTS
+from offload.redis_client import RedisClient
 
 MASK = "****"
-_SWAP = """
-if redis.call('HGET', KEYS[1], 'secrets') == ARGV[1] then redis.call('HSET', KEYS[1], 'secrets', ARGV[2]) end
-return 1
-"""
 NAME_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789-_.")
 
 
@@ -67,7 +65,7 @@ def check_name(name: str, what: str = "provider") -> str:
 
 
 class ProviderStore:
-    def __init__(self, redis: Any, vault: Vault | None = None) -> None:
+    def __init__(self, redis: RedisClient, vault: Vault | None = None) -> None:
         self.redis = redis
         self.vault = vault
         self._pending: list[tuple[str, str, str]] = []
@@ -156,7 +154,7 @@ class ProviderStore:
         """Rewrite records read in an older vault format (see vault.py), unless they changed meanwhile."""
         while self._pending:
             name, old, new = self._pending.pop()
-            await self.redis.eval(_SWAP, 1, keys.provider(name), old, new)
+            await SCRIPTS.provider_swap(self.redis, [keys.provider(name)], [old, new])
 
     async def get(self, name: str, *, reveal: bool = False) -> ProviderRecord:
         raw = await self._raw(name)

@@ -48,6 +48,7 @@ from offload.config import Settings
 from offload.errors import ConfigError
 from offload.queue.store import QueueStore
 from offload.redact import Redactor
+from offload.redis_client import RedisClient
 
 log = logging.getLogger("offload.autoscale")
 Clock = Any
@@ -58,7 +59,7 @@ Listings = dict[str, tuple[bool, list[Machine]]]
 class Autoscaler:
     def __init__(
         self,
-        redis: Any,
+        redis: RedisClient,
         settings: Settings | None = None,
         *,
         clock: Clock = time.time,

@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 
 from offload.autoscale import keys
+from offload.redis_client import RedisClient
 
 
 @dataclass
@@ -35,7 +36,7 @@ class QueueState:
     prov_until: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    async def load(cls, redis: Any, queue: str) -> QueueState:
+    async def load(cls, redis: RedisClient, queue: str) -> QueueState:
         h = await redis.hgetall(keys.queue_state(queue))
         kwargs: dict[str, Any] = {}
         for f in fields(cls):
@@ -52,14 +53,14 @@ class QueueState:
                 state.prov_until[provider] = float(v)
         return state
 
-    async def save(self, redis: Any, queue: str, **changes: Any) -> None:
+    async def save(self, redis: RedisClient, queue: str, **changes: Any) -> None:
         for k, v in changes.items():
             setattr(self, k, v)
         await redis.hset(
             keys.queue_state(queue), mapping={k: repr(v) if isinstance(v, float) else v for k, v in changes.items()}
         )
 
-    async def provider_failed(self, redis: Any, queue: str, provider: str, pause: float, now: float) -> int:
+    async def provider_failed(self, redis: RedisClient, queue: str, provider: str, pause: float, now: float) -> int:
         """Count one provisioning failure of `provider` and pause it until now + pause; returns the count."""
         n = self.prov_failures.get(provider, 0) + 1
         self.prov_failures[provider] = n
@@ -70,7 +71,7 @@ class QueueState:
         )
         return n
 
-    async def provider_ok(self, redis: Any, queue: str, provider: str) -> None:
+    async def provider_ok(self, redis: RedisClient, queue: str, provider: str) -> None:
         if self.prov_failures.get(provider) or self.prov_until.get(provider):
             self.prov_failures[provider] = 0
             self.prov_until[provider] = 0.0
@@ -99,7 +100,7 @@ def _bucket(period: str, dry_run: bool) -> str:
     return f"dry:{period}" if dry_run else period
 
 
-async def add_cost(redis: Any, queue: str, now: float, amount: float, *, dry_run: bool = False) -> None:
+async def add_cost(redis: RedisClient, queue: str, now: float, amount: float, *, dry_run: bool = False) -> None:
     if amount <= 0:
         return
     day, month = periods(now)
@@ -111,7 +112,7 @@ async def add_cost(redis: Any, queue: str, now: float, amount: float, *, dry_run
     await pipe.execute()
 
 
-async def spend(redis: Any, queue: str, now: float, *, dry_run: bool = False) -> tuple[float, float, float]:
+async def spend(redis: RedisClient, queue: str, now: float, *, dry_run: bool = False) -> tuple[float, float, float]:
     """(today, this month, all time) in USD for a queue, from the accrued buckets (real or dry-run spend)."""
     day, month = periods(now)
     values = await redis.mget([keys.cost(queue, _bucket(p, dry_run)) for p in (day, month, "total")])
@@ -119,7 +120,7 @@ async def spend(redis: Any, queue: str, now: float, *, dry_run: bool = False) ->
     return today, this_month, total
 
 
-async def save_decision(redis: Any, queue: str, decision: dict[str, Any]) -> None:
+async def save_decision(redis: RedisClient, queue: str, decision: dict[str, Any]) -> None:
     """The last evaluation of a queue, for `offload autoscale status` and the dashboard: why it does what it does."""
     pipe = redis.pipeline(transaction=False)
     pipe.set(keys.decision(queue), orjson.dumps(decision), ex=7 * 86400)
@@ -127,6 +128,6 @@ async def save_decision(redis: Any, queue: str, decision: dict[str, Any]) -> Non
     await pipe.execute()
 
 
-async def load_decision(redis: Any, queue: str) -> dict[str, Any] | None:
+async def load_decision(redis: RedisClient, queue: str) -> dict[str, Any] | None:
     raw = await redis.get(keys.decision(queue))
     return None if raw is None else dict(orjson.loads(raw))

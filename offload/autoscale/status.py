@@ -18,6 +18,7 @@ from offload.autoscale import keys
 from offload.autoscale.instances import ACTIVE, Instance, InstanceStore, read_events
 from offload.autoscale.leader import Leader
 from offload.autoscale.state import QueueState, load_decision, spend
+from offload.redis_client import RedisClient
 
 
 def live_cost(inst: Instance, now: float) -> float:
@@ -27,7 +28,7 @@ def live_cost(inst: Instance, now: float) -> float:
     return inst.cost + inst.price * max(0.0, now - since) / 3600
 
 
-async def snapshot(redis: Any, *, history: int = 50, now: float | None = None) -> dict[str, Any]:
+async def snapshot(redis: RedisClient, *, history: int = 50, now: float | None = None) -> dict[str, Any]:
     now = time.time() if now is None else now
     store = InstanceStore(redis)
     live = await store.live()
@@ -126,7 +127,7 @@ def explain(q: dict[str, Any], now: float) -> list[str]:
     return out
 
 
-async def autoscale_families(redis: Any) -> list[Metric]:
+async def autoscale_families(redis: RedisClient) -> list[Metric]:
     """Gauges for /metrics: instances by queue and status, spend, and the estimated cost of live machines."""
     now = time.time()
     snap = await snapshot(redis, history=0, now=now)

@@ -17,18 +17,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
-from offload.queue.keys import NAMESPACE, prefix
+from offload.queue.keys import REMOTE_WORKERS, events, job, remote_worker, workers
+from offload.redis_client import RedisClient
 
-INDEX = f"{NAMESPACE}:rworkers"
 REMOTE_PREFIX = "r-"  # the server's GPU-worker ids (offload/server/registry.py); dispatch workers are host:pid
 TOUCH_STATES = {"active", "succeeded", "retrying", "dead", "cancelled", "queued", "held"}
 MAX_EVENTS = 5000
-
-
-def worker_key(worker_id: str) -> str:
-    return f"{NAMESPACE}:rworker:{worker_id}"
 
 
 @dataclass
@@ -57,17 +53,17 @@ class WorkerSource(Protocol):
 class RedisWorkers:
     """Reads the registry and the queue events from Redis."""
 
-    def __init__(self, redis: Any) -> None:
+    def __init__(self, redis: RedisClient) -> None:
         self.redis = redis
         self._last: dict[str, str] = {}
 
     async def workers(self) -> list[WorkerInfo]:
-        ids = await self.redis.zrange(INDEX, 0, -1)
+        ids = await self.redis.zrange(REMOTE_WORKERS, 0, -1)
         if not ids:
             return []
         pipe = self.redis.pipeline(transaction=False)
         for worker_id in ids:
-            pipe.hgetall(worker_key(worker_id))
+            pipe.hgetall(remote_worker(worker_id))
         out = []
         for worker_id, h in zip(ids, await pipe.execute(), strict=True):
             if not h:
@@ -90,7 +86,7 @@ class RedisWorkers:
     async def touched(self, queue: str) -> set[str]:
         """Workers that claimed or finished a job of `queue` since the previous call (the first call looks
         back one minute). Newest events first, so a flood cannot hide the latest activity."""
-        key = prefix(queue) + "events"
+        key = events(queue)
         last = self._last.get(queue) or f"{int(time.time() * 1000) - 60_000}-0"
         entries = await self.redis.xrevrange(key, max="+", min="(" + last, count=MAX_EVENTS)
         if not entries:
@@ -102,7 +98,7 @@ class RedisWorkers:
         pipe = self.redis.pipeline(transaction=False)
         ordered = sorted(jobs)
         for job_id in ordered:
-            pipe.hmget(prefix(queue) + f"job:{job_id}", "owner", "token")
+            pipe.hmget(job(queue, job_id), "owner", "token")
         found: set[str] = set()
         for owner, token in await pipe.execute():
             if owner:
@@ -114,16 +110,16 @@ class RedisWorkers:
     async def set_draining(self, worker_id: str, on: bool = True) -> None:
         """Mark the worker's registry record draining (the server then hands it no new jobs), or clear the mark
         when a drain is cancelled because load came back."""
-        if not await self.redis.exists(worker_key(worker_id)):
+        if not await self.redis.exists(remote_worker(worker_id)):
             return
         if on:
-            await self.redis.hset(worker_key(worker_id), "draining", 1)
+            await self.redis.hset(remote_worker(worker_id), "draining", 1)
         else:
-            await self.redis.hdel(worker_key(worker_id), "draining")
+            await self.redis.hdel(remote_worker(worker_id), "draining")
 
     async def dispatch_workers(self, queue: str, now: float, registered: set[str]) -> int:
         """Workers alive in the job store for `queue` (lease deadline ahead) that are not GPU workers: dispatch
         workers, which call a remote API and never drain. A GPU worker whose registry record is gone (it died,
         its lease has not run out yet) is not one."""
-        alive = await self.redis.zrangebyscore(prefix(queue) + "workers", int(now * 1000), "+inf")
+        alive = await self.redis.zrangebyscore(workers(queue), int(now * 1000), "+inf")
         return sum(1 for w in alive if w not in registered and not w.startswith(REMOTE_PREFIX))

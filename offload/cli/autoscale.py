@@ -22,6 +22,7 @@ from offload.cli.options import ConfigOpt, JsonOpt, LogLevelOpt, UrlOpt
 from offload.cli.output import out, print_json
 from offload.cli.session import run_redis, settings
 from offload.connection import connect
+from offload.redis_client import RedisClient
 
 autoscale_app = typer.Typer(no_args_is_help=True, help="GPU autoscaling: status, events, protect, run the loop.")
 providers_app = typer.Typer(no_args_is_help=True, help="Machine providers (mock, local, runpod, vastai).")
@@ -92,7 +93,7 @@ def events(
 def _protect(instance_id: str, value: bool, url: str | None) -> None:
     from offload.autoscale.instances import InstanceStore
 
-    async def go(r: Any) -> None:
+    async def go(r: RedisClient) -> None:
         await InstanceStore(r).set_protect(instance_id, value)
 
     try:

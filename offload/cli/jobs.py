@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from offload.cli.attach import enqueue_attached
 from offload.cli.errors import errors, fail
 from offload.cli.options import (
     AllOpt,
@@ -34,11 +35,12 @@ from offload.cli.options import (
     UrlOpt,
 )
 from offload.cli.output import err, out, print_json
-from offload.cli.session import run_redis, settings
+from offload.cli.results import result
+from offload.cli.session import run_redis
 from offload.errors import InvalidJob, OffloadError
 from offload.models import Job, QueueStats
 from offload.queue.keys import STATE_SETS, queue_of, validate_queue
-from offload.queue.store import DEFAULT_MAX_ATTEMPTS, JobSpec, QueueStore
+from offload.queue.store import DEFAULT_MAX_ATTEMPTS, JobSpec, QueueStore, max_payload_limit, validate_spec
 
 T = TypeVar("T")
 
@@ -92,7 +94,7 @@ def _parse_lines(lines: Iterator[bytes], defaults: dict[str, Any]) -> list[JobSp
     """A line is a bare JSON input, or {"input": ..., <JobSpec options>} to set options per job. Every line
     is checked by the store's own validation before anything is enqueued."""
     specs: list[JobSpec] = []
-    checker = QueueStore(None)
+    limit = max_payload_limit()  # read once, before any line: a bad OFFLOAD_MAX_PAYLOAD is not a line's fault
     for n, raw in enumerate(lines, 1):
         if not raw.strip():
             continue
@@ -111,7 +113,7 @@ def _parse_lines(lines: Iterator[bytes], defaults: dict[str, Any]) -> list[JobSp
             item = item["input"]
         try:
             spec = JobSpec(input=item, **opts)
-            checker.validate(spec)
+            validate_spec(spec, limit)
         except (OffloadError, TypeError) as exc:
             raise InvalidJob(f"line {n}: {exc}") from None
         specs.append(spec)
@@ -149,12 +151,26 @@ def enqueue(
     idempotency_key: Annotated[
         str | None, typer.Option(help="Enqueueing the same key again returns the first job's id.")
     ] = None,
+    attach: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--attach",
+            "-a",
+            metavar="NAME=PATH",
+            help="Upload a file to storage and put its reference in the input under NAME (repeatable).",
+        ),
+    ] = None,
     json_out: JsonOpt = False,
     url: UrlOpt = None,
+    config: ConfigOpt = None,
 ) -> None:
     """Enqueue one job (prints its id) or a JSON Lines file (prints the count)."""
+    if attach and input is None and file is None:
+        input = "{}"
     if (input is None) == (file is None):
         raise typer.BadParameter("give exactly one of --input or --file")
+    if attach and file is not None:
+        raise typer.BadParameter("--attach adds files to one job's input: use it with --input")
     if file is not None and (idempotency_key or output_key):  # one value for every line would collide
         raise typer.BadParameter("--output-key and --idempotency-key name one job; set them per line")
     defaults: dict[str, Any] = {
@@ -169,8 +185,11 @@ def enqueue(
             value = orjson.loads(input)
         except orjson.JSONDecodeError as exc:
             fail(f"--input is not valid JSON: {exc}")
-        spec = JobSpec(input=value, **defaults)
-        job_id = _run(url, lambda store: store.enqueue(queue, spec), queues=[queue])
+        if attach:
+            job_id = enqueue_attached(url, config, queue, value, attach, defaults)
+        else:
+            spec = JobSpec(input=value, **defaults)
+            job_id = _run(url, lambda store: store.enqueue(queue, spec), queues=[queue])
         print_json({"id": job_id}) if json_out else typer.echo(job_id)
         return
     assert file is not None
@@ -423,41 +442,6 @@ def ingest(
         print_json({"ingested": ok, "dead": bad})
     else:
         typer.echo(f"ingested {ok}" + (f", {bad} malformed (dead-lettered)" if bad else ""))
-
-
-def result(
-    job_id: JobArg,
-    download: Annotated[Path | None, typer.Option("--download", help="Save the stored output here.")] = None,
-    config: ConfigOpt = None,
-    json_out: JsonOpt = False,
-) -> None:
-    """Where a succeeded job's output is, a presigned URL to it, and optionally the output itself."""
-    from offload.storage import create_storage
-    from offload.worker.run import storage_settings
-
-    config_settings = settings(config)
-    job = _run(None, lambda store: store.get(job_id), jobs=[job_id], config=config)
-    if job.state.value != "succeeded":
-        fail(f"job {job_id} is {job.state.value}, it has no result yet" + (f": {job.error}" if job.error else ""))
-
-    async def fetch() -> str:
-        storage = create_storage(storage_settings(config_settings))
-        try:
-            presigned = await storage.presigned_url(job.output_key)
-            if download:
-                download.write_bytes(await storage.get_bytes(job.output_key))
-        finally:
-            await storage.aclose()
-        return presigned
-
-    with errors():
-        info = {"job": job_id, "location": job.result or "", "presigned_url": asyncio.run(fetch())}
-    if json_out:
-        print_json(info)
-    else:
-        typer.echo(f"{info['location']}\n{info['presigned_url']}")
-        if download:
-            typer.echo(f"saved to {download}", err=True)
 
 
 def register(app: typer.Typer) -> None:

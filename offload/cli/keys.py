@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 
@@ -12,6 +12,7 @@ from offload.cli.errors import fail
 from offload.cli.options import ConfigOpt, JsonOpt, UrlOpt
 from offload.cli.output import print_json
 from offload.cli.session import run_redis
+from offload.redis_client import RedisClient
 
 if TYPE_CHECKING:
     from offload.server.keys import KeyStore
@@ -23,7 +24,7 @@ keys_app = typer.Typer(no_args_is_help=True, help="API keys for the HTTP server:
 def _with_keys(url: str | None, config: Path | None, fn: Callable[[KeyStore], Awaitable[T]]) -> T:
     from offload.server.keys import KeyStore  # not at import time: it loads the whole server package
 
-    def go(redis: Any) -> Awaitable[T]:
+    def go(redis: RedisClient) -> Awaitable[T]:
         return fn(KeyStore(redis))
 
     return run_redis(url, go, config=config)

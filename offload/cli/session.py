@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from offload.cli.errors import errors
 from offload.config import Settings, load_settings
 from offload.connection import configured_url, connect
+from offload.redis_client import RedisClient
 
 T = TypeVar("T")
 
@@ -32,7 +33,7 @@ def redis_url(url: str | None, config: Path | None = None) -> str | None:
     return url or configured_url() or settings(config).redis_url
 
 
-def run_redis(url: str | None, fn: Callable[[Any], Awaitable[T]], *, config: Path | None = None) -> T:
+def run_redis(url: str | None, fn: Callable[[RedisClient], Awaitable[T]], *, config: Path | None = None) -> T:
     """Connect, run `fn(redis)`, close; failures become one error line."""
     target = redis_url(url, config)
 

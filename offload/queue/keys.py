@@ -1,8 +1,11 @@
-"""Key layout, queue-name rules and job ids.
+"""Key layout, queue-name rules and job ids: every Redis key offload uses outside the autoscaler (whose keys
+are in offload.autoscale.keys) is named here, and nowhere else in Python (tests/test_keys_and_scripts.py greps).
 
 Every key of a queue carries the queue's name as a Redis Cluster hash tag (`offload:{gpu}:ready`), so all
-of a queue's atomic scripts run on one node of a cluster. Job ids embed their queue (`gpu:0192ab...`) so a
-job can be found from its id alone without a cross-slot index.
+of a queue's atomic scripts run on one node of a cluster. The scripts get the prefix as KEYS[1] and append the
+suffixes listed in QUEUE_SUFFIXES themselves (a script may only touch keys derived from the ones it is given).
+Job ids embed their queue (`gpu:0192ab...`) so a job can be found from its id alone without a cross-slot index.
+Keys of one backend share a `{backend:<name>}` tag (its rate limiter's script touches two of them at once).
 """
 
 from __future__ import annotations
@@ -16,7 +19,44 @@ from offload.errors import InvalidJob, InvalidQueueName
 
 NAMESPACE = "offload"
 QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
-QUEUES_KEY = f"{NAMESPACE}:queues"
+QUEUES_KEY = f"{NAMESPACE}:queues"  # every queue ever used (set)
+
+#: The suffixes of a queue's keys after `prefix(queue)`, with what each holds: the whole per-queue layout, the
+#: Lua scripts included (a test checks every `P .. '<suffix>'` of offload/queue/lua is listed here).
+QUEUE_SUFFIXES: dict[str, str] = {
+    "job:": "job:<id>, a job's hash",
+    "ready": "jobs waiting to be claimed, by priority then age (zset)",
+    "delayed": "jobs waiting for their run_at (zset, ms)",
+    "retry": "jobs waiting out a retry backoff (zset, ms)",
+    "active": "claimed jobs by lease expiry (zset, ms)",
+    "held": "jobs held over a cap (zset)",
+    "succeeded": "finished jobs kept for their retention (zset)",
+    "dead": "dead-lettered jobs (zset)",
+    "cancelled": "cancelled jobs (zset)",
+    "cancelreq": "active jobs asked to cancel (set)",
+    "submitted": "active jobs already submitted to a remote API (set)",
+    "owned:": "owned:<worker>, the jobs a worker holds (zset)",
+    "workers": "workers by last sign of life (zset, ms)",
+    "lastclaim:": "lastclaim:<worker>, when a worker last claimed",
+    "lost:": "lost:<worker>, jobs whose lease a worker lost, with counts (hash, 1 day)",
+    "excused": "workers whose silence was excused as a job-store outage (set)",
+    "tok": "lease-token counter (the fencing tokens)",
+    "seq": "enqueue sequence counter (ready-set ordering)",
+    "seen": "the latest clock reading a script saw (a clock running behind keeps the later one)",
+    "enq:": "enq:<nonce>, an enqueue already applied (a retried enqueue adds nothing twice; 10 min)",
+    "idem:": "idem:<key>, the job an idempotency key created",
+    "idem:tutorial:": "idem:tutorial:<id>, jobs ingested from the tutorial's list",
+    "stats": "per-queue counters (hash)",
+    "hist": "wait and run histograms (hash)",
+    "dups": "duplicate-delivery counters (hash)",
+    "cap:": "cap:<window>:jobs|spend, the spend cap's counters",
+    "paused": "present while the queue is paused",
+    "events": "job state changes (stream, capped)",
+    "alert:dlg": "the dead-letter alert's last snapshot",
+}
+
+API_KEYS = f"{NAMESPACE}:apikeys"  # ids of the HTTP server's API keys (set)
+REMOTE_WORKERS = f"{NAMESPACE}:rworkers"  # HTTP-registered workers by heartbeat deadline (zset, ms)
 
 #: Sets a job can be listed from, by the state name users see.
 STATE_SETS: dict[str, str] = {
@@ -43,6 +83,82 @@ def validate_queue(name: str) -> str:
 def prefix(queue: str) -> str:
     """The key prefix every script receives as KEYS[1]."""
     return f"{NAMESPACE}:{{{queue}}}:"
+
+
+def job(queue: str, job_id: str) -> str:
+    """A job's hash (`job_id` is the full id, queue included)."""
+    return prefix(queue) + "job:" + job_id
+
+
+def state_set(queue: str, state: str) -> str:
+    """The set a job in `state` (a key of STATE_SETS, as users name states) is listed from."""
+    return prefix(queue) + STATE_SETS[state]
+
+
+def events(queue: str) -> str:
+    return prefix(queue) + "events"
+
+
+def paused(queue: str) -> str:
+    return prefix(queue) + "paused"
+
+
+def histograms(queue: str) -> str:
+    return prefix(queue) + "hist"
+
+
+def duplicates(queue: str) -> str:
+    return prefix(queue) + "dups"
+
+
+def workers(queue: str) -> str:
+    return prefix(queue) + "workers"
+
+
+def owned(queue: str, worker_id: str) -> str:
+    return prefix(queue) + f"owned:{worker_id}"
+
+
+def cap(queue: str, window: str, counter: str) -> str:
+    """A spend cap's counter for one window: `counter` is "jobs" or "spend"."""
+    return prefix(queue) + f"cap:{window}:{counter}"
+
+
+def dead_letter_alert(queue: str) -> str:
+    return prefix(queue) + "alert:dlg"
+
+
+def api_key(key_id: str) -> str:
+    return f"{NAMESPACE}:apikey:{key_id}"
+
+
+def auth_failures(ip: str) -> str:
+    """Failed-authentication counter of one client address (a fixed window)."""
+    return f"{NAMESPACE}:authfail:{ip}"
+
+
+def remote_worker(worker_id: str) -> str:
+    """An HTTP-registered worker's record (hash, expires with its heartbeats)."""
+    return f"{NAMESPACE}:rworker:{worker_id}"
+
+
+def backend_prefix(backend: str) -> str:
+    return f"{NAMESPACE}:{{backend:{backend}}}:"
+
+
+def backend_rate(backend: str) -> str:
+    """The backend's GCRA rate-limiter state (theoretical arrival time, ms)."""
+    return backend_prefix(backend) + "gcra"
+
+
+def backend_cooldown(backend: str) -> str:
+    """Present while the provider asked every worker to back off (429 / Retry-After)."""
+    return backend_prefix(backend) + "cooldown"
+
+
+def backend_counts(backend: str) -> str:
+    """Per-outcome call counters of a backend (hash)."""
+    return backend_prefix(backend) + "counts"
 
 
 def queue_of(job_id: str) -> str:

@@ -1,48 +1,48 @@
-"""Loads the Lua scripts once and runs them by SHA, reloading after a server restart (NOSCRIPT)."""
+"""The one loader of offload's Lua scripts: every server-side atomic step is a file in offload/queue/lua/, read
+once per process and run by SHA, reloaded after a server restart (NOSCRIPT).
+
+A script file starts with a header naming its KEYS, ARGV and reply (`-- KEYS:`, `-- ARGV:`, `-- Returns:`), as
+BullMQ's src/commands do. Code several scripts share lives in lua/includes/ and is put in by a line
+`--- @include "<name>"` (each include at most once per script, includes may include others). The queue's scripts
+include "common"; the autoscaler's, the HTTP server's and the backend limiter's scripts live here too, so there
+is one way to load and run a script. tests/test_lua_scripts.py checks every file has the header and is a
+`Scripts` attribute, and every attribute is used.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import re
 from importlib import resources
 from typing import Any
 
 from redis.exceptions import NoScriptError
 
+from offload.redis_client import RedisClient
+
 EVENTS_MAX = 10_000
 #: Upper bounds (seconds) of the wait (ready -> claimed) and run (claimed -> succeeded) histograms the scripts keep.
 HIST_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
-NAMES = (
-    "enqueue",
-    "claim",
-    "heartbeat",
-    "checkpoint",
-    "complete",
-    "fail",
-    "hold",
-    "move",
-    "cancel",
-    "ack_cancel",
-    "release_leases",
-    "reap",
-    "purge",
-    "stats",
-    "get",
-    "ingest",
-    "reserve",
-    "release_window",
-    "forgive",
-    "begin",
-    "fence",
-    "hook",
-)
+INCLUDE = re.compile(r'^--- @include "([a-z_]+)"[ \t]*$', re.MULTILINE)
+LUA = resources.files("offload.queue") / "lua"
 
 
-def _source(name: str) -> str:
-    lua = resources.files("offload.queue") / "lua"
+def _expand(text: str, seen: set[str]) -> str:
+    def include(match: re.Match[str]) -> str:
+        name = match[1]
+        if name in seen:
+            return ""
+        seen.add(name)
+        return _expand((LUA / "includes" / f"{name}.lua").read_text(), seen).rstrip("\n")
+
+    return INCLUDE.sub(include, text)
+
+
+def source(name: str) -> str:
+    """The script `name` as sent to Redis: includes put in, constants filled in."""
+    text = _expand((LUA / f"{name}.lua").read_text(), set())
     buckets = ", ".join(str(int(b * 1000)) for b in HIST_BUCKETS_S)
-    prelude = (lua / "common.lua").read_text().replace("__EVENTS_MAX__", str(EVENTS_MAX))
-    prelude = prelude.replace("__HIST_BUCKETS__", buckets)
-    return prelude + "\n" + (lua / f"{name}.lua").read_text()
+    return text.replace("__EVENTS_MAX__", str(EVENTS_MAX)).replace("__HIST_BUCKETS__", buckets)
 
 
 class Script:
@@ -50,12 +50,16 @@ class Script:
 
     __slots__ = ("name", "sha", "source")
 
-    def __init__(self, name: str, source: str | None = None) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
-        self.source = source if source is not None else _source(name)
+        self.source = source(name)
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
 
-    async def __call__(self, redis: Any, keys: list[str], args: list[Any]) -> Any:
+    async def load(self, redis: RedisClient) -> None:
+        """Send the source, for callers that pipeline EVALSHA themselves and got NOSCRIPT back."""
+        await redis.script_load(self.source)
+
+    async def __call__(self, redis: RedisClient, keys: list[str], args: list[Any]) -> Any:
         try:
             return await redis.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:
@@ -63,14 +67,48 @@ class Script:
 
 
 class Scripts:
-    """All scripts, parsed once per process."""
+    """Every script, parsed once per process: one typed attribute per file of offload/queue/lua, so a misspelt
+    script name is a mypy error (and an AttributeError), not a script that silently does not exist."""
+
+    # the job queue (offload/queue/store.py)
+    enqueue: Script
+    claim: Script
+    heartbeat: Script
+    checkpoint: Script
+    complete: Script
+    fail: Script
+    hold: Script
+    move: Script
+    cancel: Script
+    ack_cancel: Script
+    release_leases: Script
+    reap: Script
+    purge: Script
+    stats: Script
+    get: Script
+    ingest: Script
+    reserve: Script
+    release_window: Script
+    forgive: Script
+    begin: Script
+    fence: Script
+    hook: Script  # a verified provider webhook (offload/server/routes_hooks.py)
+    # a backend's shared rate limit (offload/worker/limits.py)
+    rate_acquire: Script
+    cool_down: Script
+    # the HTTP server's brute-force guard (offload/server/auth.py)
+    auth_fail: Script
+    # the autoscaler (offload/autoscale/)
+    leader_acquire: Script
+    leader_release: Script
+    instance_write: Script
+    provider_swap: Script
+    alert_once: Script
 
     def __init__(self) -> None:
         for name in NAMES:
             setattr(self, name, Script(name))
 
-    def __getattr__(self, name: str) -> Script:  # for mypy: attributes are set dynamically above
-        raise AttributeError(name)
 
-
+NAMES: tuple[str, ...] = tuple(Scripts.__annotations__)
 SCRIPTS = Scripts()

@@ -28,8 +28,10 @@ from offload.errors import (
     StaleLease,
 )
 from offload.models import ClaimedJob, HeartbeatReply, Job, QueueStats
+from offload.queue import keys, replies
 from offload.queue.keys import QUEUES_KEY, STATE_SETS, new_job_id, prefix, queue_of, validate_queue
 from offload.queue.scripts import HIST_BUCKETS_S, SCRIPTS, Script
+from offload.redis_client import RedisClient
 
 DEFAULT_LEASE_MS = 10_000
 MAX_SILENCE_MS = 5_000
@@ -82,12 +84,56 @@ def _expect(code: Any, job_id: str) -> None:
         raise StaleLease(f"job {job_id}: lease token is stale (another worker owns it or it finished)")
 
 
+def max_payload_limit(max_payload: int | None = None) -> int:
+    """The input-size limit in bytes: the one given, else OFFLOAD_MAX_PAYLOAD, else the default."""
+    return max_payload or env_int("OFFLOAD_MAX_PAYLOAD", DEFAULT_MAX_PAYLOAD, minimum=1)
+
+
+def encode_input(spec: JobSpec, max_payload: int) -> bytes:
+    """The job input as stored (JSON), or the InvalidJob / PayloadTooLarge enqueue raises. A function, so a
+    producer can check specs up front (the CLI reading a file) without a job-store connection."""
+    try:
+        payload = orjson.dumps(spec.input)
+    except TypeError as exc:
+        raise InvalidJob(f"job input is not JSON-serialisable: {exc}") from None
+    if len(payload) > max_payload:
+        raise PayloadTooLarge(f"job input is {len(payload)} bytes, over the limit of {max_payload} bytes")
+    return payload
+
+
+def check_options(spec: JobSpec) -> None:
+    """Raise InvalidJob naming the first option of the spec enqueue would refuse."""
+    if type(spec.priority) is not int or spec.priority not in PRIORITY_RANGE:
+        raise InvalidJob(f"priority must be an integer from -1000 to 1000, got {spec.priority!r}")
+    if type(spec.max_attempts) is not int or spec.max_attempts < 1:
+        raise InvalidJob(f"max_attempts must be an integer >= 1, got {spec.max_attempts!r}")
+    if not isinstance(spec.retention, int) or spec.retention < 0:
+        raise InvalidJob(f"retention must be an integer >= 0 seconds, got {spec.retention!r}")
+    if spec.delay is not None and spec.run_at is not None:
+        raise InvalidJob("give either delay or run_at, not both")
+    if spec.delay is not None and (type(spec.delay) not in (int, float) or spec.delay < 0):
+        raise InvalidJob(f"delay must be >= 0 seconds, got {spec.delay!r}")
+    for name in ("idempotency_key", "output_key"):
+        value = getattr(spec, name)
+        if value is not None and (
+            not isinstance(value, str) or not value or len(value) > 1024 or any(ord(c) < 32 for c in value)
+        ):
+            raise InvalidJob(f"{name} must be a string of 1-1024 printable characters, got {value!r}")
+
+
+def validate_spec(spec: JobSpec, max_payload: int | None = None) -> None:
+    """Raise the error enqueue would raise for this spec, without enqueuing and without a connection (the CLI
+    checks a whole file before the first job goes in)."""
+    encode_input(spec, max_payload_limit(max_payload))
+    check_options(spec)
+
+
 class QueueStore:
     """Async access to the queues of one Redis/Valkey deployment."""
 
     def __init__(
         self,
-        redis: Any,
+        redis: RedisClient,
         *,
         clock: Callable[[], int] | None = None,
         max_payload: int | None = None,
@@ -99,7 +145,7 @@ class QueueStore:
         self.redis = redis
         self.clock = clock
         self.excuse_outages = excuse_outages
-        self.max_payload = max_payload or env_int("OFFLOAD_MAX_PAYLOAD", DEFAULT_MAX_PAYLOAD, minimum=1)
+        self.max_payload = max_payload_limit(max_payload)
         self.lease_ms = lease_ms
         self._known_queues: set[str] = set()
 
@@ -116,17 +162,10 @@ class QueueStore:
 
     def validate(self, spec: JobSpec) -> None:
         """Raise the error enqueue would raise for this spec, without enqueuing (for up-front checks)."""
-        self._payload(spec)
-        self._meta(spec, time.time())
+        validate_spec(spec, self.max_payload)
 
     def _payload(self, spec: JobSpec) -> bytes:
-        try:
-            payload = orjson.dumps(spec.input)
-        except TypeError as exc:
-            raise InvalidJob(f"job input is not JSON-serialisable: {exc}") from None
-        if len(payload) > self.max_payload:
-            raise PayloadTooLarge(f"job input is {len(payload)} bytes, over the limit of {self.max_payload} bytes")
-        return payload
+        return encode_input(spec, self.max_payload)
 
     def _job_args(
         self, queue: str, spec: JobSpec, now_s: float, metas: dict[tuple[Any, ...], int], meta_list: list[str]
@@ -152,22 +191,7 @@ class QueueStore:
         return job_id, payload.decode(), index
 
     def _meta(self, spec: JobSpec, now_s: float) -> str:
-        if type(spec.priority) is not int or spec.priority not in PRIORITY_RANGE:
-            raise InvalidJob(f"priority must be an integer from -1000 to 1000, got {spec.priority!r}")
-        if type(spec.max_attempts) is not int or spec.max_attempts < 1:
-            raise InvalidJob(f"max_attempts must be an integer >= 1, got {spec.max_attempts!r}")
-        if not isinstance(spec.retention, int) or spec.retention < 0:
-            raise InvalidJob(f"retention must be an integer >= 0 seconds, got {spec.retention!r}")
-        if spec.delay is not None and spec.run_at is not None:
-            raise InvalidJob("give either delay or run_at, not both")
-        if spec.delay is not None and (type(spec.delay) not in (int, float) or spec.delay < 0):
-            raise InvalidJob(f"delay must be >= 0 seconds, got {spec.delay!r}")
-        for name in ("idempotency_key", "output_key"):
-            value = getattr(spec, name)
-            if value is not None and (
-                not isinstance(value, str) or not value or len(value) > 1024 or any(ord(c) < 32 for c in value)
-            ):
-                raise InvalidJob(f"{name} must be a string of 1-1024 printable characters, got {value!r}")
+        check_options(spec)
         run_at = ""
         if spec.delay:
             base = self.clock() / 1000 if self.clock else now_s
@@ -201,7 +225,7 @@ class QueueStore:
         if queue not in self._known_queues:
             await self.redis.sadd(QUEUES_KEY, queue)
             self._known_queues.add(queue)
-        keys = [prefix(queue)]
+        keyset = [prefix(queue)]
         now = self._now()
         script = SCRIPTS.enqueue
         results: list[Any]
@@ -209,7 +233,7 @@ class QueueStore:
             results = list(
                 await asyncio.gather(
                     *(
-                        script(self.redis, keys, [now, int(check_ids), metas_arg, orjson.dumps(c), nonce])
+                        script(self.redis, keyset, [now, int(check_ids), metas_arg, orjson.dumps(c), nonce])
                         for c, nonce in zip(chunks, nonces, strict=True)
                     )
                 )
@@ -218,10 +242,10 @@ class QueueStore:
             for attempt in range(2):
                 pipe = self.redis.pipeline(transaction=False)
                 for chunk, nonce in zip(chunks, nonces, strict=True):
-                    pipe.evalsha(script.sha, 1, *keys, now, int(check_ids), metas_arg, orjson.dumps(chunk), nonce)
+                    pipe.evalsha(script.sha, 1, *keyset, now, int(check_ids), metas_arg, orjson.dumps(chunk), nonce)
                 results = await pipe.execute(raise_on_error=False)
                 if attempt == 0 and any(isinstance(r, NoScriptError) for r in results):
-                    await self.redis.script_load(script.source)
+                    await script.load(self.redis)
                     continue  # re-running is safe: chunks that ran are recognised by their nonce
                 break
         ids: list[str] = []
@@ -293,23 +317,7 @@ class QueueStore:
             repr(float(estimate)),
             self._silence(lease),
         )
-        return [
-            ClaimedJob(
-                id=flat[i],
-                token=flat[i + 1],
-                attempt=int(flat[i + 2]),
-                max_attempts=int(flat[i + 3]),
-                input_json=flat[i + 4],
-                output_key=flat[i + 5],
-                backend=flat[i + 6] or None,
-                remote_id=flat[i + 7] or None,
-                cancel_requested=flat[i + 8] == "1",
-                redelivered=flat[i + 9] == "1",
-                submission=int(flat[i + 10] or 0),
-                intent_open=flat[i + 11] == "1",
-            )
-            for i in range(0, len(flat), 12)
-        ]
+        return replies.claimed(flat)
 
     async def heartbeat(
         self,
@@ -375,19 +383,17 @@ class QueueStore:
 
     async def hook_digests(self, job_id: str, submission: int) -> list[str]:
         """The webhook secret hashes begin.lua kept for this submission (none: no webhook was asked for)."""
-        raw = await self.redis.hget(prefix(queue_of(job_id)) + f"job:{job_id}", f"hook:{submission}")
+        raw = await self.redis.hget(keys.job(queue_of(job_id), job_id), f"hook:{submission}")
         return str(raw).split() if raw else []
 
     async def hook_body(self, job_id: str, submission: int) -> str | None:
         """The final webhook body of this submission, once one arrived."""
-        n, body = await self.redis.hmget(prefix(queue_of(job_id)) + f"job:{job_id}", "hook_n", "hook_body")
+        n, body = await self.redis.hmget(keys.job(queue_of(job_id), job_id), ["hook_n", "hook_body"])
         return str(body) if body is not None and n == str(submission) else None
 
     async def current_remote(self, job_id: str) -> tuple[str | None, int]:
         """(remote id of the current submission or None, the current submission number)."""
-        rid, rn, sn = await self.redis.hmget(
-            prefix(queue_of(job_id)) + f"job:{job_id}", "remote_id", "remote_n", "sub_n"
-        )
+        rid, rn, sn = await self.redis.hmget(keys.job(queue_of(job_id), job_id), ["remote_id", "remote_n", "sub_n"])
         n = int(sn or 0)
         return (str(rid) if rid and rn == sn else None), n
 
@@ -483,7 +489,7 @@ class QueueStore:
 
     async def usage(self, queue: str, window: str) -> tuple[int, float]:
         """(jobs counted, spend) in a cap window, for status views and metrics."""
-        jobs, spend = await self.redis.mget(prefix(queue) + f"cap:{window}:jobs", prefix(queue) + f"cap:{window}:spend")
+        jobs, spend = await self.redis.mget(keys.cap(queue, window, "jobs"), keys.cap(queue, window, "spend"))
         return int(jobs or 0), float(spend or 0.0)
 
     async def hold(self, job_id: str, token: str, reason: str, window: str = "") -> None:
@@ -555,11 +561,11 @@ class QueueStore:
 
     async def pause(self, queue: str) -> None:
         """Stop claims on a queue (it may not have had jobs yet: it is listed from now on)."""
-        await self.redis.set(prefix(validate_queue(queue)) + "paused", "1")
+        await self.redis.set(keys.paused(validate_queue(queue)), "1")
         await self.redis.sadd(QUEUES_KEY, queue)
 
     async def resume(self, queue: str) -> None:
-        await self.redis.delete(prefix(validate_queue(queue)) + "paused")
+        await self.redis.delete(keys.paused(validate_queue(queue)))
 
     async def reap(self, queue: str, limit: int = 1000) -> tuple[int, int, int]:
         """Maintenance step: (promoted, reaped, trimmed). Safe to run from any number of processes."""
@@ -575,8 +581,7 @@ class QueueStore:
         if not reply:
             raise JobNotFound(f"job {job_id} not found")
         flat, deadline = reply
-        h = dict(zip(flat[::2], flat[1::2], strict=True))
-        return Job.from_hash(job_id, h, int(float(deadline)) if deadline else None)
+        return Job.from_hash(job_id, replies.pairs(flat), int(float(deadline)) if deadline else None)
 
     async def list_jobs(
         self, queue: str, state: str, *, cursor: int = 0, limit: int = 50
@@ -584,7 +589,7 @@ class QueueStore:
         """Jobs in one state, oldest first for waiting states, newest first for finished ones."""
         if state not in STATE_SETS:
             raise InvalidJob(f"unknown state {state!r}; choose one of: {', '.join(STATE_SETS)}")
-        key = prefix(validate_queue(queue)) + STATE_SETS[state]
+        key = keys.state_set(validate_queue(queue), state)
         newest_first = state in ("succeeded", "dead", "cancelled")
         ids = await self.redis.zrange(key, cursor, cursor + limit - 1, desc=newest_first)
         found = await asyncio.gather(*(self.get(job_id) for job_id in ids), return_exceptions=True)
@@ -596,22 +601,12 @@ class QueueStore:
         return jobs, next_cursor
 
     async def stats(self, queue: str) -> QueueStats:
-        r = await self._run(SCRIPTS.stats, validate_queue(queue))
-        names = ("queued", "delayed", "active", "submitted", "retrying", "held", "succeeded", "dead", "cancelled")
-        totals_flat = r[12]
-        return QueueStats(
-            queue=queue,
-            paused=bool(r[0]),
-            counts={name: int(v) for name, v in zip(names, r[1:10], strict=True)},
-            oldest_ready_age_ms=int(r[10]) if int(r[10]) >= 0 else None,
-            workers=int(r[11]),
-            totals={k: int(v) for k, v in zip(totals_flat[::2], totals_flat[1::2], strict=True)},
-        )
+        return replies.queue_stats(queue, await self._run(SCRIPTS.stats, validate_queue(queue)))
 
     async def histograms(self, queue: str) -> dict[str, tuple[list[int], int, int]]:
         """The latency histograms the scripts keep: name ("wait", "run") -> (count per bucket of
         HIST_BUCKETS_S plus +Inf, not cumulative; total count; sum in ms)."""
-        raw = await self.redis.hgetall(prefix(validate_queue(queue)) + "hist")
+        raw = await self.redis.hgetall(keys.histograms(validate_queue(queue)))
         out: dict[str, tuple[list[int], int, int]] = {}
         for name in ("wait", "run"):
             buckets = [int(raw.get(f"{name}:{i}", 0)) for i in range(1, len(HIST_BUCKETS_S) + 2)]
@@ -620,7 +615,7 @@ class QueueStore:
 
     async def possible_duplicates(self, queue: str) -> dict[str, int]:
         """Per backend: submissions made again whose earlier try had an unknown outcome (begin.lua)."""
-        raw = await self.redis.hgetall(prefix(validate_queue(queue)) + "dups")
+        raw = await self.redis.hgetall(keys.duplicates(validate_queue(queue)))
         return {backend: int(n) for backend, n in raw.items()}
 
     async def queues(self) -> list[str]:
@@ -630,7 +625,7 @@ class QueueStore:
         self, queue: str, last_id: str = "$", *, block_ms: int | None = None, count: int = 100
     ) -> list[tuple[str, dict[str, str]]]:
         """State changes after `last_id` from the queue's capped stream (for dashboards and --watch)."""
-        key = prefix(validate_queue(queue)) + "events"
+        key = keys.events(validate_queue(queue))
         reply = await self.redis.xread({key: last_id}, count=count, block=block_ms)
         if not reply:
             return []

@@ -28,12 +28,14 @@ from offload.server import (
     events,
     metrics,
     routes_autoscale,
+    routes_files,
     routes_hooks,
     routes_jobs,
     routes_keys,
     routes_queues,
     routes_workers,
 )
+from offload.server.file_sweep import FileSweep
 from offload.server.keys import KeyStore
 from offload.server.registry import WorkerRegistry
 from offload.server.state import ServerOptions, ServerState
@@ -57,7 +59,15 @@ async def _maintain(state: ServerState, stop: asyncio.Event) -> None:
 
     It ends on `stop` rather than by cancellation alone: redis-py can turn a cancel that lands during its own
     timeout handling into a TimeoutError, which a retry loop would swallow and keep going."""
+    sweep = FileSweep(state.storage, state.store, state.options.settings.storage.upload_grace_s)
+    next_sweep = time.monotonic()
     while not stop.is_set():
+        if time.monotonic() >= next_sweep:  # files whose job record is gone (file_sweep.py)
+            next_sweep = time.monotonic() + state.options.settings.storage.sweep_interval_s
+            try:
+                await sweep.run_once()
+            except Exception as exc:  # storage or Redis away: the next sweep tries again (a Redis error's text
+                log.warning("file sweep: %s", type(exc).__name__)  # may carry a URL with a password: type only
         try:
             window = time.strftime("%Y%m%d", time.gmtime())
             for queue in await state.store.queues():
@@ -135,6 +145,7 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
         routes_jobs,
         routes_queues,
         routes_workers,
+        routes_files,
         routes_keys,
         routes_hooks,
         events,

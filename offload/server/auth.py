@@ -40,7 +40,8 @@ from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBea
 from starlette.responses import Response
 from starlette.types import Message
 
-from offload.queue.keys import NAMESPACE, validate_queue
+from offload.queue.keys import auth_failures, validate_queue
+from offload.queue.scripts import SCRIPTS
 from offload.server.errors import BodyTooLarge
 from offload.server.keys import ApiKey
 from offload.server.schemas import BATCH_LIMIT
@@ -53,11 +54,6 @@ GUARD_ATTR = "__offload_guard__"
 _STATE_KEY = "offload_key"
 _bearer = HTTPBearer(auto_error=False, description="An offload API key: `Authorization: Bearer ofk_...`")
 _header = APIKeyHeader(name="X-API-Key", auto_error=False, description="An offload API key (alternative header).")
-_FAIL = """
-local n = redis.call('INCR', KEYS[1])
-if n == 1 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
-return n
-"""
 
 
 @dataclass(frozen=True)
@@ -81,10 +77,6 @@ def guard(
         return fn
 
     return mark
-
-
-def _fail_key(ip: str) -> str:
-    return f"{NAMESPACE}:authfail:{ip}"
 
 
 def _presented(request: Request) -> str | None:
@@ -113,9 +105,9 @@ async def authenticate(request: Request) -> ApiKey:
     key = await state.keys.authenticate(token)
     if key is None:
         opts = state.options
-        failures = await state.redis.eval(_FAIL, 1, _fail_key(ip), int(opts.auth_fail_window_s * 1000))
+        failures = await SCRIPTS.auth_fail(state.redis, [auth_failures(ip)], [int(opts.auth_fail_window_s * 1000)])
         if int(failures) >= opts.auth_fail_limit:
-            wait = max(0.001, int(await state.redis.pttl(_fail_key(ip))) / 1000)
+            wait = max(0.001, int(await state.redis.pttl(auth_failures(ip))) / 1000)
             if len(blocked) > 10_000:  # many addresses: forget the expired blocks
                 now = time.monotonic()
                 for stale in [a for a, t in blocked.items() if t <= now]:

@@ -21,8 +21,10 @@ import orjson
 from fastapi import APIRouter, Header, HTTPException, Query, Request
 from fastapi.responses import StreamingResponse
 from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
 
-from offload.queue.keys import prefix, validate_queue
+from offload.queue import keys
+from offload.queue.keys import validate_queue
 from offload.queue.store import QueueStore
 from offload.server.auth import GuardedRoute, Principal, can_read, need_read
 from offload.server.errors import FieldError
@@ -40,10 +42,6 @@ CLUSTER_POLL_S = 0.25
 def _sid(stream_id: str) -> tuple[int, int]:
     ms, _, seq = stream_id.partition("-")
     return int(ms), int(seq or 0)
-
-
-def _stream_key(queue: str) -> str:
-    return prefix(queue) + "events"
 
 
 class Subscription:
@@ -118,7 +116,7 @@ class EventHub:
                     self._last.pop(q, None)
 
     async def last_id(self, queue: str) -> str:
-        newest = await self.store.redis.xrevrange(_stream_key(queue), count=1)
+        newest = await self.store.redis.xrevrange(keys.events(queue), count=1)
         return str(newest[0][0]) if newest else "0-0"
 
     async def _start_ids(self, queues: list[str]) -> None:
@@ -138,7 +136,7 @@ class EventHub:
             try:
                 if fresh := [q for q in self._subs if q not in self._last]:
                     await self._start_ids(fresh)
-                streams = {_stream_key(q): i for q, i in self._last.items() if q in self._subs}
+                streams = {keys.events(q): i for q, i in self._last.items() if q in self._subs}
                 self.reads += 1
                 replies = await (self._read_cluster(streams) if cluster else self._read_one(streams))
             except Exception as exc:  # Redis blip: subscribers time out and re-read; keep trying
@@ -164,7 +162,7 @@ class EventHub:
         redis = self.store.redis
         by_slot: dict[int, dict[str, str]] = {}
         for key, last in streams.items():
-            by_slot.setdefault(redis.keyslot(key), {})[key] = last
+            by_slot.setdefault(key_slot(key.encode()), {})[key] = last
         found: list[Any] = []
         for reply in await asyncio.gather(*(redis.xread(s, count=500) for s in by_slot.values())):
             found += list(reply.items()) if isinstance(reply, dict) else list(reply or [])
@@ -217,7 +215,7 @@ async def _stream(
         yield b": connected\n\n"
         floor = (0, 0)
         if since is not None and len(queues) == 1:  # replay what the client missed, then go live
-            backlog = await state.redis.xrange(_stream_key(queues[0]), f"({since}", "+", count=10_000)
+            backlog = await state.redis.xrange(keys.events(queues[0]), f"({since}", "+", count=10_000)
             for eid, fields in backlog:
                 floor = _sid(eid)
                 yield _frame((queues[0], eid, fields))

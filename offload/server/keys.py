@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from offload.errors import ConfigError, OffloadError
-from offload.queue.keys import NAMESPACE, validate_queue
+from offload.queue.keys import API_KEYS, api_key, validate_queue
+from offload.redis_client import RedisClient
 
 SCOPES = ("admin", "producer", "worker", "viewer")
 ALL_QUEUES = "*"
 TOKEN_PREFIX = "ofk_"
-KEYS_INDEX = f"{NAMESPACE}:apikeys"
 BOOTSTRAP_ID = "bootstrap"
 ADMIN_ENV = "OFFLOAD_ADMIN_KEY"
 MIN_ADMIN_KEY = 32
@@ -35,10 +35,6 @@ MIN_ADMIN_KEY = 32
 
 class InvalidKeyRequest(OffloadError, ValueError):
     """A key request is malformed (unknown scope, bad queue name, missing queues)."""
-
-
-def _record_key(key_id: str) -> str:
-    return f"{NAMESPACE}:apikey:{key_id}"
 
 
 def check_admin_key(token: str) -> str:
@@ -94,12 +90,12 @@ def _check(scope: str, queues: list[str]) -> frozenset[str] | None:
 class KeyStore:
     """Create, look up, list and revoke keys. Plain single-key commands, so it works on a cluster too."""
 
-    def __init__(self, redis: Any, bootstrap_token: str | None = None) -> None:
+    def __init__(self, redis: RedisClient, bootstrap_token: str | None = None) -> None:
         self.redis = redis
         self._bootstrap = hash_token(check_admin_key(bootstrap_token)) if bootstrap_token else None
 
     @classmethod
-    def from_env(cls, redis: Any) -> KeyStore:
+    def from_env(cls, redis: RedisClient) -> KeyStore:
         return cls(redis, os.environ.get(ADMIN_ENV) or None)
 
     async def create(self, scope: str, queues: list[str] | None = None, name: str = "") -> tuple[ApiKey, str]:
@@ -109,7 +105,7 @@ class KeyStore:
         token = f"{TOKEN_PREFIX}{key_id}_{secrets.token_urlsafe(32)}"
         key = ApiKey(key_id, scope, allowed, name[:200], int(time.time() * 1000))
         await self.redis.hset(
-            _record_key(key_id),
+            api_key(key_id),
             mapping={
                 "hash": hash_token(token),
                 "scope": scope,
@@ -118,7 +114,7 @@ class KeyStore:
                 "queues": ALL_QUEUES if allowed is None else ",".join(sorted(allowed)),
             },
         )
-        await self.redis.sadd(KEYS_INDEX, key_id)
+        await self.redis.sadd(API_KEYS, key_id)
         return key, token
 
     async def authenticate(self, token: str) -> ApiKey | None:
@@ -133,28 +129,28 @@ class KeyStore:
         key_id, sep, _ = token[len(TOKEN_PREFIX) :].partition("_")
         if not sep or not key_id.isalnum():
             return None
-        record = await self.redis.hgetall(_record_key(key_id))
+        record = await self.redis.hgetall(api_key(key_id))
         if not record or not hmac.compare_digest(digest, record.get("hash", "")):
             return None
         return _from_record(key_id, record)
 
     async def alive(self, key: ApiKey) -> bool:
         """Whether a key authenticated earlier still exists (long-lived streams re-check on an interval)."""
-        return key.id == BOOTSTRAP_ID or bool(await self.redis.exists(_record_key(key.id)))
+        return key.id == BOOTSTRAP_ID or bool(await self.redis.exists(api_key(key.id)))
 
     async def list(self) -> list[ApiKey]:
-        ids = sorted(await self.redis.smembers(KEYS_INDEX))
+        ids = sorted(await self.redis.smembers(API_KEYS))
         keys = []
         for key_id in ids:
-            record = await self.redis.hgetall(_record_key(key_id))
+            record = await self.redis.hgetall(api_key(key_id))
             if record:
                 keys.append(_from_record(key_id, record))
         return keys
 
     async def revoke(self, key_id: str) -> bool:
         """True if the key existed. Takes effect on the next request (no cache)."""
-        removed = int(await self.redis.delete(_record_key(key_id)))
-        await self.redis.srem(KEYS_INDEX, key_id)
+        removed = int(await self.redis.delete(api_key(key_id)))
+        await self.redis.srem(API_KEYS, key_id)
         return removed > 0
 
 

@@ -14,16 +14,11 @@ from typing import Any
 
 import orjson
 
-from offload.queue.keys import NAMESPACE, prefix
+from offload.queue.keys import REMOTE_WORKERS, owned, remote_worker, workers
 from offload.queue.store import QueueStore
 from offload.server.schemas import RegisterRequest, WorkerView
 
-INDEX = f"{NAMESPACE}:rworkers"
 REMOTE_PREFIX = "r-"
-
-
-def _key(worker_id: str) -> str:
-    return f"{NAMESPACE}:rworker:{worker_id}"
 
 
 def _now_ms() -> int:
@@ -55,13 +50,13 @@ class WorkerRegistry:
             "last_heartbeat": now,
             "in_flight": 0,
         }
-        await self.redis.hset(_key(worker_id), mapping=record)
-        await self.redis.pexpire(_key(worker_id), self.ttl_ms)
-        await self.redis.zadd(INDEX, {worker_id: now})
+        await self.redis.hset(remote_worker(worker_id), mapping=record)
+        await self.redis.pexpire(remote_worker(worker_id), self.ttl_ms)
+        await self.redis.zadd(REMOTE_WORKERS, {worker_id: now})
         return worker_id
 
     async def get(self, worker_id: str) -> dict[str, str] | None:
-        record: dict[str, str] = await self.redis.hgetall(_key(worker_id))
+        record: dict[str, str] = await self.redis.hgetall(remote_worker(worker_id))
         return record or None
 
     async def touch(self, worker_id: str, in_flight: int, protected: bool | None, instance_id: str | None) -> None:
@@ -72,18 +67,18 @@ class WorkerRegistry:
         if instance_id is not None:
             fields["instance_id"] = instance_id
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(_key(worker_id), mapping=fields)
-        pipe.pexpire(_key(worker_id), self.ttl_ms)
-        pipe.zadd(INDEX, {worker_id: now})
+        pipe.hset(remote_worker(worker_id), mapping=fields)
+        pipe.pexpire(remote_worker(worker_id), self.ttl_ms)
+        pipe.zadd(REMOTE_WORKERS, {worker_id: now})
         await pipe.execute()
 
     async def remove(self, worker_id: str) -> None:
-        await self.redis.delete(_key(worker_id))
-        await self.redis.zrem(INDEX, worker_id)
+        await self.redis.delete(remote_worker(worker_id))
+        await self.redis.zrem(REMOTE_WORKERS, worker_id)
 
     async def remote(self) -> list[WorkerView]:
         """Live remote workers; index entries whose record expired are pruned on the way."""
-        ids = await self.redis.zrange(INDEX, 0, -1)
+        ids = await self.redis.zrange(REMOTE_WORKERS, 0, -1)
         views, gone = [], []
         for worker_id in ids:
             r = await self.get(worker_id)
@@ -107,7 +102,7 @@ class WorkerRegistry:
                 )
             )
         if gone:
-            await self.redis.zrem(INDEX, *gone)
+            await self.redis.zrem(REMOTE_WORKERS, *gone)
         return views
 
     async def dispatch(self, queues: list[str], skip: set[str]) -> list[WorkerView]:
@@ -115,12 +110,11 @@ class WorkerRegistry:
         now = _now_ms()
         found: dict[str, WorkerView] = {}
         for queue in queues:
-            p = prefix(queue)
-            alive = await self.redis.zrangebyscore(p + "workers", now, "+inf", withscores=True)
+            alive = await self.redis.zrangebyscore(workers(queue), now, "+inf", withscores=True)
             for worker_id, deadline in alive:
                 if worker_id in skip:
                     continue
-                in_flight = int(await self.redis.zcard(p + f"owned:{worker_id}"))
+                in_flight = int(await self.redis.zcard(owned(queue, worker_id)))
                 view = found.get(worker_id)
                 if view is None:
                     host = worker_id.split(":", 1)[0] if ":" in worker_id else ""  # host:pid:random

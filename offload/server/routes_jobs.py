@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from typing import Annotated
 
@@ -14,6 +15,7 @@ from offload.models import Job
 from offload.queue.keys import STATE_SETS, new_job_id, queue_of, validate_queue
 from offload.server.auth import GuardedRoute, Principal, guard, need_produce, need_read, produce_path_queue
 from offload.server.errors import FieldError
+from offload.server.file_refs import check_input_refs, job_file_urls
 from offload.server.schemas import (
     BatchEnqueueReply,
     BatchEnqueueRequest,
@@ -49,10 +51,12 @@ async def job_view(state: ServerState, job: Job, presign: bool = True) -> JobVie
     """A presigned URL only for the job's own object: its result is where its output key says, and that key
     is in the job's queue's namespace (a record written some other way gets no URL to another queue's data)."""
     url = None
-    if presign and job.state.value == "succeeded" and job.result and _own_object(state, job):
+    own = job.state.value == "succeeded" and bool(job.result) and _own_object(state, job)
+    if presign and own:
         with contextlib.suppress(StorageError, ValueError):
             url = await state.storage.presigned_url(job.output_key, state.options.presign_expires_s)
-    return JobView(**job.to_dict(), result_url=url)
+    files = await job_file_urls(state, job, own) if presign else None
+    return JobView(**job.to_dict(), result_url=url, file_urls=files or None)
 
 
 def _own_object(state: ServerState, job: Job) -> bool:
@@ -94,11 +98,13 @@ async def enqueue(
 ) -> EnqueueReply:
     state = get_state(request)
     check_output_key(state, queue, body.output_key, ["body", "output_key"])
-    fresh = new_job_id(queue)
+    implied, resent = await check_input_refs(state, queue, body.input, ["body", "input"])
+    fresh = implied or new_job_id(queue)
     job_id = await state.store.enqueue(queue, body.spec(idempotency_key, job_id=fresh))
-    if job_id != fresh:
+    duplicate = job_id != fresh or resent
+    if duplicate:
         response.status_code = 200
-    return EnqueueReply(id=job_id, duplicate=job_id != fresh)
+    return EnqueueReply(id=job_id, duplicate=duplicate)
 
 
 @router.post(
@@ -117,6 +123,9 @@ async def enqueue_batch(
     specs = [job.spec(f"{idempotency_key}:{i}" if idempotency_key else None) for i, job in enumerate(body.jobs)]
     for i, spec in enumerate(specs):
         check_output_key(state, queue, spec.output_key, ["body", "jobs", i, "output_key"])
+        implied, _ = await check_input_refs(state, queue, spec.input, ["body", "jobs", i, "input"])
+        if implied:
+            specs[i] = spec = dataclasses.replace(spec, job_id=implied)
         try:
             state.store.validate(spec)
         except (InvalidJob, PayloadTooLarge) as exc:

@@ -30,6 +30,7 @@ from offload.server.auth import (
     need_worker_scope,
     worker_only,
 )
+from offload.server.file_refs import check_output_refs
 from offload.server.keys import ApiKey
 from offload.server.routes_jobs import job_queue
 from offload.server.schemas import (
@@ -257,6 +258,7 @@ async def complete(
         return CompleteReply(id=job_id, result=job.result)
     if job.lease_token != body.token:
         raise StaleLease(f"job {job_id}: lease token is stale (another worker owns it or it finished)")
+    await check_output_refs(state, job, body.output)  # files only under this job's own prefix, all present
     try:
         location = await state.storage.put_json(job.output_key, body.output)
     except InvalidKey as exc:  # can never be stored: dead now, not released to run again

@@ -104,6 +104,9 @@ class JobView(BaseModel):
     remote_id: str | None = None
     result: str | None = None
     result_url: str | None = Field(None, description="Presigned GET of the stored output (succeeded jobs).")
+    file_urls: dict[str, str] | None = Field(
+        None, description="Presigned GETs of the files the job's input and output refer to, by object key."
+    )
     cost: float | None = None
     error: str | None = None
     cancel_requested: bool = False

@@ -10,6 +10,7 @@ from fastapi import Request
 from offload.config import Settings
 from offload.queue.keys import QUEUES_KEY
 from offload.queue.store import QueueStore
+from offload.redis_client import RedisClient
 from offload.storage import Storage
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ class ServerOptions:
 @dataclass
 class ServerState:
     options: ServerOptions
-    redis: Any
+    redis: RedisClient
     store: QueueStore
     keys: KeyStore
     storage: Storage

@@ -124,6 +124,11 @@ def routes(sim: Sim) -> list[Route]:
             return _error(404, "job not found")
         return _json(found.summary(now))
 
+    async def job_inputs(request: Request) -> Response:
+        """The input URLs the simulator downloaded for a remote job, with their sizes and SHA-256 (sim/inputs.py)."""
+        view = sim.inputs.view(request.path_params["job_id"])
+        return _error(404, "no URL inputs for this job") if view is None else _json(view)
+
     async def files(request: Request) -> Response:
         """Bytes for an output file while its job exists; 404 once the job expired, as provider files do."""
         name = request.path_params["name"]
@@ -186,6 +191,7 @@ def routes(sim: Sim) -> list[Route]:
         Route("/_sim/jobs", jobs, methods=["GET"]),
         Route("/_sim/submissions", submissions, methods=["GET"]),
         Route("/_sim/jobs/{job_id}", job, methods=["GET"]),
+        Route("/_sim/jobs/{job_id}/inputs", job_inputs, methods=["GET"]),
         Route("/_sim/files/{name}", files, methods=["GET"]),
         Route("/_sim/webhooks", webhooks, methods=["GET"]),
         Route("/_sim/webhooks", set_webhooks, methods=["POST"]),

@@ -25,6 +25,7 @@ from starlette.responses import Response
 from offload.sim.config import FAMILIES, Behaviour, Family, Op, SimConfig
 from offload.sim.faults import ConnectionReset, RuntimeOutage, garble, outage_mode, retry_after_value
 from offload.sim.files import output_for
+from offload.sim.inputs import InputFetcher
 from offload.sim.stats import Stats
 from offload.sim.store import Job, JobStore, Outcome, input_key
 from offload.sim.submissions import Submission, SubmissionLog
@@ -194,6 +195,7 @@ class Sim:
         self.stats = Stats()
         self.submissions = SubmissionLog()
         self.runtime_outages: list[RuntimeOutage] = []
+        self.inputs = InputFetcher()  # URL inputs downloaded and checksummed, as a provider fetches them
         self._issued: set[str] = set()
         self.hooks = HookSender(clock, random.Random())  # its own draws: webhook faults never reshuffle others
         self.apply(config or SimConfig())
@@ -211,6 +213,7 @@ class Sim:
         self._issued.clear()  # a reset simulator is a fresh one: the same seed gives the same ids again
         self.runtime_outages.clear()
         self.hooks.reset()
+        self.inputs.clear()
         self.apply(self.config)
 
     def behaviour(self, family: str) -> Behaviour:
@@ -270,6 +273,7 @@ class Sim:
         )
         self.store.add(job)
         self.stats.submitted(family, job.input_key)
+        self.inputs.watch(job.id, payload)
         return job
 
     def endpoint(

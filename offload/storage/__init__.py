@@ -12,6 +12,7 @@ from typing import Any
 from offload.errors import ConfigError
 from offload.storage.base import (
     InvalidKey,
+    ObjectInfo,
     ObjectNotFound,
     Storage,
     StorageConfigError,
@@ -26,6 +27,7 @@ __all__ = [
     "CopiedFile",
     "InvalidKey",
     "LocalStorage",
+    "ObjectInfo",
     "ObjectNotFound",
     "S3Settings",
     "S3Storage",
@@ -55,7 +57,10 @@ _S3_KEYS = {
 }
 _LOCAL_KEYS = {"path", "prefix"}
 # Settings of the storage block that belong to store_output, not to the store itself: accepted, ignored here.
-_OUTPUT_KEYS = {"kind", "copy_files", "allow_hosts", "max_file_bytes", "max_files", "file_timeout_s"}
+_OUTPUT_KEYS = {
+    "kind", "copy_files", "allow_hosts", "max_file_bytes", "max_files", "file_timeout_s",
+    "max_input_file_bytes", "input_url_expires_s", "upload_grace_s", "sweep_interval_s",
+}  # fmt: skip
 
 
 def create_storage(settings: Mapping[str, Any]) -> Storage:

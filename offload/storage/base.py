@@ -14,7 +14,12 @@ Messages never contain credentials: they name the setting (`storage.secret_acces
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
 import orjson
@@ -53,6 +58,17 @@ class InvalidKey(OffloadError, ValueError):
     key that works on S3 in production also works on the local backend in development, and vice versa."""
 
 
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """What a HEAD or a listing tells about one object. `etag` without quotes (S3's MD5-based tag, or None);
+    `modified` in epoch seconds."""
+
+    key: str
+    size: int
+    etag: str | None
+    modified: float
+
+
 def validate_key(key: str) -> str:
     """Return `key` if it is a safe relative object key, else raise `InvalidKey`."""
     if not isinstance(key, str) or not key:
@@ -73,6 +89,25 @@ def dump_json(obj: Any) -> bytes:
         return orjson.dumps(obj)
     except TypeError:
         return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+
+def write_stream(path: Path, chunks: Iterator[bytes]) -> tuple[int, str]:
+    """Write `chunks` to a temp file beside `path`, then rename it over `path`: (size, SHA-256 hex). A failure
+    part-way leaves no file at `path` (blocking: run it in a thread)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name[:100]}.{os.getpid()}.part")
+    digest, size = hashlib.sha256(), 0
+    try:
+        with tmp.open("wb") as f:
+            for chunk in chunks:
+                digest.update(chunk)
+                size += len(chunk)
+                f.write(chunk)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return size, digest.hexdigest()
 
 
 def join_prefix(prefix: str, key: str) -> str:
@@ -117,6 +152,33 @@ class Storage(Protocol):
 
     async def presigned_url(self, key: str, expires_s: int = 3600) -> str:
         """A URL that reads the object without credentials: an expiring presigned GET for S3, `file://` locally."""
+        ...
+
+    async def download(self, key: str, path: Path) -> tuple[int, str]:
+        """Stream the object to the file `path` (replaced when complete); its (size, SHA-256 hex).
+        `ObjectNotFound` if there is none."""
+        ...
+
+    async def head(self, key: str) -> ObjectInfo | None:
+        """Size, ETag and modification time of the object at `key`; None when there is none."""
+        ...
+
+    async def delete(self, key: str) -> None:
+        """Remove the object at `key`; a missing object is not an error (deletes are retried)."""
+        ...
+
+    async def list_objects(self, prefix: str, limit: int = 1000, after: str = "") -> list[ObjectInfo]:
+        """Up to `limit` objects whose key starts with `prefix`, in key order, from the first key after `after`."""
+        ...
+
+    async def presigned_put_url(self, key: str, expires_s: int, content_type: str, size: int) -> str | None:
+        """A URL that writes exactly `size` bytes to `key` without credentials; None where the backend cannot
+        issue one (the local directory), so callers can say that files over HTTP need S3."""
+        ...
+
+    async def abort_uploads(self, prefix: str, older_than_s: float) -> int:
+        """Abort multipart uploads under `prefix` started more than `older_than_s` ago (their parts cost storage
+        but are invisible to listings); how many. A backend without multipart uploads returns 0."""
         ...
 
     async def aclose(self) -> None:

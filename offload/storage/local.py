@@ -19,7 +19,15 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any
 
-from offload.storage.base import ObjectNotFound, StorageError, dump_json, join_prefix, validate_key
+from offload.storage.base import (
+    ObjectInfo,
+    ObjectNotFound,
+    StorageError,
+    dump_json,
+    join_prefix,
+    validate_key,
+    write_stream,
+)
 
 TMP_SUFFIX = ".tmp"
 
@@ -68,6 +76,62 @@ class LocalStorage:
     async def presigned_url(self, key: str, expires_s: int = 3600) -> str:
         """A `file://` URL; nothing expires locally, so `expires_s` is ignored."""
         return self._path(key).as_uri()
+
+    async def download(self, key: str, path: Path) -> tuple[int, str]:
+        source = self._path(key)
+
+        def copy() -> tuple[int, str]:
+            try:
+                with source.open("rb") as f:
+                    return write_stream(path, iter(lambda: f.read(1 << 20), b""))
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+                raise ObjectNotFound(f"no object at {source}") from None
+
+        return await asyncio.to_thread(copy)
+
+    async def head(self, key: str) -> ObjectInfo | None:
+        path = self._path(key)
+        try:
+            stat = await asyncio.to_thread(path.stat)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return ObjectInfo(key, stat.st_size, None, stat.st_mtime) if path.is_file() else None
+
+    async def delete(self, key: str) -> None:
+        path = self._path(key)
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            await asyncio.to_thread(path.unlink)
+
+    async def list_objects(self, prefix: str, limit: int = 1000, after: str = "") -> list[ObjectInfo]:
+        """Keys are file paths, so a prefix is a directory plus the start of a name in it."""
+        base = self.root / self.prefix if self.prefix else self.root
+
+        def listing() -> list[ObjectInfo]:
+            head = prefix.rpartition("/")[0]
+            directory = base / head if head else base
+            if not directory.is_dir():
+                return []
+            found: list[ObjectInfo] = []
+            for path in sorted(directory.rglob("*")):
+                rel = path.relative_to(base).as_posix()
+                if rel <= after or not rel.startswith(prefix) or path.name.endswith(TMP_SUFFIX):
+                    continue
+                if path.is_file():
+                    stat = path.stat()
+                    found.append(ObjectInfo(rel, stat.st_size, None, stat.st_mtime))
+                    if len(found) >= limit:
+                        break
+            return found
+
+        return await asyncio.to_thread(listing)
+
+    async def presigned_put_url(self, key: str, expires_s: int, content_type: str, size: int) -> str | None:
+        """A directory cannot take an HTTP PUT: files over the HTTP API need S3 storage."""
+        return None
+
+    async def abort_uploads(self, prefix: str, older_than_s: float) -> int:
+        """Local writes go through temp files that a failure removes; there are no multipart uploads."""
+        return 0
 
     async def aclose(self) -> None:
         return None

@@ -12,8 +12,9 @@ Layout (one bucket, under `storage.prefix`):
     results/<queue>:<id>.json              a job's output (the default output_key)
     results/<queue>:<id>/files/<n>-<name>  files copied from that output (outputs.files_prefix)
     results/<queue>:<name>                 any other output_key a producer of the queue picks
-    results/<queue>:_<...>                 reserved for offload's own objects (per-queue input uploads,
-                                           per-job files written by GPU workers): never an output_key
+    results/<queue>:_<...>                 reserved for offload's own objects, never an output_key:
+    results/<queue>:_in/<hex>/...          input files of job <queue>:<hex> (offload.storage.inputs)
+    results/<queue>:_out/<hex>/...         files a GPU worker returned for that job
     <output_prefix><...>                   queues with an output_prefix (the tutorial queue: results/<id>.json)
 
 Checked at enqueue over the HTTP API (422 naming the field), before a presigned URL is issued, and by the

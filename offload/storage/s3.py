@@ -18,9 +18,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
@@ -36,7 +38,16 @@ from botocore.exceptions import (
     PartialCredentialsError,
 )
 
-from offload.storage.base import ObjectNotFound, StorageConfigError, StorageError, dump_json, join_prefix, validate_key
+from offload.storage.base import (
+    ObjectInfo,
+    ObjectNotFound,
+    StorageConfigError,
+    StorageError,
+    dump_json,
+    join_prefix,
+    validate_key,
+    write_stream,
+)
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -45,6 +56,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_THREADS = 16
+# Streamed uploads go multipart from this size on, in parts of this size (boto3's defaults, pinned: the expected
+# ETag of an upload, checked after it, depends on both; see offload.storage.inputs).
+PART_BYTES = 8 * 1024 * 1024
 TRANSIENT_CODES = frozenset({
     "SlowDown", "RequestTimeout", "Throttling", "ThrottlingException", "RequestThrottled", "InternalError",
     "ServiceUnavailable", "RequestTimeTooSkewed", "OperationAborted",
@@ -119,7 +133,9 @@ class S3Storage:
         except ValueError:  # botocore: "Invalid endpoint: ..."
             raise StorageConfigError("storage.endpoint_url: not a valid URL (expected https://host[:port])") from None
         self._pool = ThreadPoolExecutor(settings.max_threads, thread_name_prefix="offload-s3")
-        self._transfer = TransferConfig(use_threads=False)
+        self._transfer = TransferConfig(
+            use_threads=False, multipart_threshold=PART_BYTES, multipart_chunksize=PART_BYTES
+        )
 
     def __repr__(self) -> str:
         return f"S3Storage(bucket={self.bucket!r}, prefix={self.prefix!r}, endpoint={self._endpoint!r})"
@@ -185,6 +201,80 @@ class S3Storage:
         """Signed locally (no request), so it works even when the store is down; S3 caps `expires_s` at 7 days."""
         params = {"Bucket": self.bucket, "Key": self._key(key)}
         return self._client.generate_presigned_url("get_object", Params=params, ExpiresIn=int(expires_s))
+
+    async def download(self, key: str, path: Path) -> tuple[int, str]:
+        full = self._key(key)
+
+        def fetch() -> tuple[int, str]:
+            body = self._client.get_object(Bucket=self.bucket, Key=full)["Body"]
+            return write_stream(path, iter(lambda: body.read(1 << 20), b""))
+
+        return await self._run("get", full, fetch)
+
+    async def head(self, key: str) -> ObjectInfo | None:
+        full = self._key(key)
+        try:
+            meta = await self._run(
+                "head", full, functools.partial(self._client.head_object, Bucket=self.bucket, Key=full)
+            )
+        except ObjectNotFound:
+            return None
+        etag = str(meta.get("ETag") or "").strip('"') or None
+        return ObjectInfo(key, int(meta.get("ContentLength") or 0), etag, meta["LastModified"].timestamp())
+
+    async def delete(self, key: str) -> None:
+        full = self._key(key)
+        await self._run("delete", full, functools.partial(self._client.delete_object, Bucket=self.bucket, Key=full))
+
+    async def list_objects(self, prefix: str, limit: int = 1000, after: str = "") -> list[ObjectInfo]:
+        full = join_prefix(self.prefix, prefix) if prefix else self.prefix
+        strip = len(self.prefix) + 1 if self.prefix else 0
+
+        def listing() -> list[ObjectInfo]:
+            found: list[ObjectInfo] = []
+            extra = {"StartAfter": join_prefix(self.prefix, after)} if after else {}
+            pages = self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket,
+                Prefix=full,
+                PaginationConfig={"MaxItems": limit, "PageSize": min(limit, 1000)},
+                **extra,  # type: ignore[arg-type]
+            )
+            for page in pages:
+                for item in page.get("Contents", []):
+                    found.append(
+                        ObjectInfo(
+                            item["Key"][strip:],
+                            int(item.get("Size", 0)),
+                            str(item.get("ETag") or "").strip('"') or None,
+                            item["LastModified"].timestamp(),
+                        )
+                    )
+            return found[:limit]
+
+        return await self._run("list", full, listing)
+
+    async def presigned_put_url(self, key: str, expires_s: int, content_type: str, size: int) -> str | None:
+        """Signed with Content-Type and Content-Length, so the PUT must send exactly those: a client cannot
+        upload more than it declared (S3 caps a single PUT at 5 GiB)."""
+        params = {"Bucket": self.bucket, "Key": self._key(key), "ContentType": content_type, "ContentLength": size}
+        return self._client.generate_presigned_url("put_object", Params=params, ExpiresIn=int(expires_s))
+
+    async def abort_uploads(self, prefix: str, older_than_s: float) -> int:
+        full = join_prefix(self.prefix, prefix)
+
+        def abort() -> int:
+            cutoff = time.time() - older_than_s
+            uploads = self._client.list_multipart_uploads(Bucket=self.bucket, Prefix=full).get("Uploads", [])
+            count = 0
+            for upload in uploads:
+                if upload["Initiated"].timestamp() < cutoff:
+                    self._client.abort_multipart_upload(
+                        Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                    )
+                    count += 1
+            return count
+
+        return await self._run("abort uploads", full, abort)
 
     async def create_bucket_if_missing(self) -> bool:
         """Create the bucket unless it exists (local stack, tests); True if it was created."""

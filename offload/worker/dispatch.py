@@ -71,6 +71,7 @@ class Worker(JobPath):
         self.tokens: dict[str, str] = {}  # the newest lease of each job this process runs
         self.claimed_at: dict[str, float] = {}  # when the claim that delivered it was sent (monotonic)
         self.cancels: set[str] = set()
+        self._submitting: set[str] = set()
         self._cancel_waits: dict[str, asyncio.Event] = {}  # jobs waiting on the rate limit, woken by a cancel
         self.peak_in_flight = 0
         self._slot = asyncio.Event()
@@ -155,7 +156,9 @@ class Worker(JobPath):
 
     def _start(self, job: ClaimedJob, sent: float) -> None:
         old = self.tasks.get(job.id)
-        if old is not None:  # our old lease of it was reaped (we stalled) and the store gave it back to us
+        if old is not None and job.id not in self._submitting:
+            # our old lease of it was reaped (we stalled) and the store gave it back to us; an old task whose
+            # submit call is out is left to record the answer (attached), which the new task then polls
             log.warning("job %s: leased to this worker again; its earlier task is stopped first", job.id)
             old.cancel()
         self.tokens[job.id] = job.token
@@ -220,7 +223,9 @@ class Worker(JobPath):
             )
             self._since, self._beat_at = reply.seq, sent
             for job_id in reply.lost:
-                if task := self.tasks.get(job_id):
+                if job_id in self._submitting:  # its answer is recorded for the new owner, then the task ends
+                    log.warning("lease of %s lost while its submit call is out", job_id)
+                elif task := self.tasks.get(job_id):
                     log.warning("lease of %s lost; another worker owns it now", job_id)
                     task.cancel()
         if reply.released:

@@ -118,7 +118,9 @@ class JobPath(HookPath):
     limits: BackendLimits
     o: WorkerOptions
     health: StoreHealth
+    tasks: dict[str, asyncio.Task[None]]
     cancels: set[str]
+    _submitting: set[str]  # jobs whose submit call is out: a lost lease waits for the answer to be recorded
     _cancel_waits: dict[str, asyncio.Event]
     _gate: asyncio.Semaphore | None
     _checkpoints: Batcher[tuple[str, str, str, str, int], str]
@@ -151,13 +153,11 @@ class JobPath(HookPath):
             result: RemoteResult | None = None
             if remote_id is None and job.intent_open and self._hooks() and self.o.hook_grace_s > 0:
                 remote_id = await self._await_hook(job, run)
-                if remote_id is not None and await self._record(job, remote_id, run):
-                    self.cancels.add(job.id)
+                if remote_id is not None:
+                    remote_id = await self._record(job, remote_id, run)
             if remote_id is None:
                 if adopted := await self._adopt(job):
-                    if await self._record(job, adopted, run):
-                        self.cancels.add(job.id)
-                    remote_id = adopted
+                    remote_id = await self._record(job, adopted, run)
                 else:
                     started = await self._submit(job, job_input)
                     if started is None:
@@ -242,6 +242,10 @@ class JobPath(HookPath):
                 if verdict.startswith("CAP:"):
                     log.info("job %s: daily %s cap reached: held until the cap window rolls over", job.id, verdict[4:])
                     return None
+                if verdict.startswith("REMOTE:"):  # a stale worker's answer was attached to the job: poll it
+                    _, number, remote = verdict.split(":", 2)
+                    log.info("job %s: submission %s already has remote job %s; polling it", job.id, number, remote)
+                    return remote, None, int(number)
                 if not verdict.startswith("OK:"):
                     raise StaleLease(f"job {job.id}: lease lost before its submission ({verdict})")
                 _, number, *dup = verdict.split(":")
@@ -254,6 +258,7 @@ class JobPath(HookPath):
                         job.id,
                         n,
                     )
+                self._submitting.add(job.id)  # a lost lease now must not throw the answer away (see _record)
                 try:
                     key = f"{job.id}.{n}"
                     if hooks is not None:
@@ -272,16 +277,17 @@ class JobPath(HookPath):
                         # have called back meanwhile: then the submission was accepted and its id is known
                         adopted, current = await self.health.call(lambda: self.store.current_remote(job.id))
                         if adopted is not None and current == n:
-                            if await self._record(job, adopted, n):
-                                self.cancels.add(job.id)
-                            return adopted, None, n
+                            return await self._record(job, adopted, n), None, n
                     await self._submit_failed(job, exc)
                     return None
                 else:
-                    if await self._record(job, submission.remote_id, n):
-                        self.cancels.add(job.id)
+                    remote = await self._record(job, submission.remote_id, n)
                     await self.limits.count("submitted")  # after the checkpoint: the window before it stays small
-                    return submission.remote_id, submission.result, n
+                    if self.tasks.get(job.id) is not asyncio.current_task():
+                        raise StaleLease(f"job {job.id}: leased to this worker again while submitting")
+                    return remote, submission.result if remote == submission.remote_id else None, n
+                finally:
+                    self._submitting.discard(job.id)
             pause = (throttled.retry_after if throttled else None) or min(2.0**attempt, 30.0)
             await self.health.call(functools.partial(self.limits.cool_down, pause))
         raise AssertionError("unreachable")
@@ -311,14 +317,26 @@ class JobPath(HookPath):
         else:
             await self._fail(job, f"{type(exc).__name__.lower()}: {exc}", retryable=True, answered=answered)
 
-    async def _record(self, job: ClaimedJob, remote_id: str, run: int) -> bool:
+    async def _record(self, job: ClaimedJob, remote_id: str, run: int) -> str:
         """Checkpoint a remote job (through any outage: until the id is recorded, a lost worker means the
-        next attempt pays for the job again). Returns whether a cancel was requested meanwhile."""
+        next attempt pays for the job again) and return the remote id the job goes on with. A lease lost
+        while the submit call was out still records the answer (ATTACHED: the job's next owner polls it) before
+        giving up. When the submission already has another remote id (the provider ran it twice), our copy is
+        cancelled and the first one kept."""
         item = (job.id, job.token, self.o.backend_name, remote_id, run)
         code = await self.health.call(lambda: self._checkpoints(item))
-        if code in ("STALE", "NOTFOUND"):
-            raise StaleLease(f"job {job.id}: lease lost before its remote id {remote_id} was recorded ({code})")
-        return code == "OK:CANCEL"
+        if code == "OK:CANCEL":
+            self.cancels.add(job.id)
+        elif code.startswith("DUP:") or code == "STALE:DUP":
+            log.warning("job %s: submission %d already runs remotely; cancelling our copy %s", job.id, run, remote_id)
+            with contextlib.suppress(BackendError):
+                await self.backend.cancel(remote_id)
+            if code.startswith("DUP:"):
+                return code[4:]
+        if code not in ("OK", "OK:CANCEL") and not code.startswith("DUP:"):
+            what = "attached for the job's next owner" if code == "ATTACHED" else f"not recorded ({code})"
+            raise StaleLease(f"job {job.id}: lease lost while submitting; remote id {remote_id} {what}")
+        return remote_id
 
     async def _poll(self, job: ClaimedJob, remote_id: str) -> RemoteResult | None:
         deadline = time.monotonic() + self.o.poll_timeout

@@ -12,55 +12,22 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from typing import Any
 
-from offload.queue.scripts import Script
+from offload.queue.keys import backend_cooldown, backend_counts, backend_rate
+from offload.queue.scripts import SCRIPTS
+from offload.redis_client import RedisClient
 from offload.worker.batching import Batcher
 
 COOL_PROBE_S = 0.1
-
-_ACQUIRE = Script(
-    "rate_acquire",
-    """
--- KEYS: the backend's GCRA key, its cool-down key. ARGV: ms between requests, burst.
--- Returns ms to wait: positive = a slot is reserved, go after the wait; negative = the backend is cooling
--- down, ask again after the wait.
-local cool = redis.call('PTTL', KEYS[2])
-if cool > 0 then return -cool end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local interval, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
-if interval <= 0 then return 0 end
-local tat = tonumber(redis.call('GET', KEYS[1]) or now)
-if tat < now then tat = now end
-local wait = tat - now - (burst - 1) * interval
-if wait < 0 then wait = 0 end
-redis.call('SET', KEYS[1], string.format('%.0f', tat + interval), 'PX', math.ceil(tat + interval - now) + 1000)
-return math.ceil(wait)
-""",
-)
-
-
-_COOL = Script(
-    "cool_down",
-    """
--- KEYS: the backend's cool-down key. ARGV: ms. Extends the cool-down to ms from now unless a longer one runs:
--- one step, so two workers' 429s at once can never shorten the longer pause.
-if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[1]) then
-  redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])
-end
-return redis.call('PTTL', KEYS[1])
-""",
-)
 
 
 class BackendLimits:
     """`await limits.acquire()` before each request to the backend; `cool_down(s)` after a 429."""
 
-    def __init__(self, redis: Any, backend: str, rate_per_s: float | None, burst: int = 1) -> None:
+    def __init__(self, redis: RedisClient, backend: str, rate_per_s: float | None, burst: int = 1) -> None:
         self.redis = redis
-        self.keys = [f"offload:{{backend:{backend}}}:gcra", f"offload:{{backend:{backend}}}:cooldown"]
-        self.counts_key = counts_key(backend)
+        self.keys = [backend_rate(backend), backend_cooldown(backend)]
+        self.counts_key = backend_counts(backend)
         self.interval_ms = 1000.0 / rate_per_s if rate_per_s else 0.0
         self.burst = max(burst, 1)
         self._counts: Batcher[str, None] = Batcher(self._add_counts)
@@ -73,7 +40,7 @@ class BackendLimits:
         waited = 0.0
         while True:
             if self.interval_ms:
-                wait_ms = int(await _ACQUIRE(self.redis, self.keys, [self.interval_ms, self.burst]))
+                wait_ms = int(await SCRIPTS.rate_acquire(self.redis, self.keys, [self.interval_ms, self.burst]))
             else:
                 wait_ms = -await self._cooling_ms()
             if wait_ms == 0:
@@ -100,7 +67,7 @@ class BackendLimits:
     async def cool_down(self, seconds: float) -> None:
         """Every worker pauses this backend for `seconds` (the longest requested cool-down wins)."""
         ms = max(int(seconds * 1000), 1)
-        await _COOL(self.redis, [self.keys[1]], [ms])
+        await SCRIPTS.cool_down(self.redis, [self.keys[1]], [ms])
         self._cool_until = max(self._cool_until, time.monotonic() + ms / 1000)  # this process pauses at once
 
     async def count(self, outcome: str) -> None:
@@ -122,10 +89,6 @@ class BackendLimits:
 OUTCOMES = ("submitted", "throttled", "errors")
 
 
-def counts_key(backend: str) -> str:
-    return f"offload:{{backend:{backend}}}:counts"
-
-
-async def backend_counters(redis: Any, backend: str) -> dict[str, int]:
-    raw = await redis.hgetall(counts_key(backend))
+async def backend_counters(redis: RedisClient, backend: str) -> dict[str, int]:
+    raw = await redis.hgetall(backend_counts(backend))
     return {o: int(raw.get(o, 0)) for o in OUTCOMES}

@@ -29,11 +29,13 @@ import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 import orjson
 
 from offload.worker.remote_api import Rejected, ServerApi, Stale, Unregistered
+from offload.worker.remote_files import FileTransferError, JobFiles
 
 log = logging.getLogger("offload.worker.remote")
 
@@ -53,6 +55,26 @@ class JobContext:
     output_key: str
     loaded: Any = None
     cancelled: threading.Event = field(default_factory=threading.Event)  # set when a cancel was requested
+    files: JobFiles | None = None  # input downloads and output uploads through URLs the server signs
+
+    def _files(self) -> JobFiles:
+        if self.files is None:
+            raise RuntimeError("this context has no server connection for files")
+        return self.files
+
+    def open(self, ref: Any) -> IO[bytes]:
+        """An input file (a `{"$file": ...}` reference) as a readable binary file; blocks (sync handlers)."""
+        return self._files().open(ref)
+
+    def download(self, ref: Any, path: str | os.PathLike[str]) -> Path:
+        """Save an input file at `path`, size and SHA-256 checked; blocks (sync handlers)."""
+        return self._files().download(ref, path)
+
+    async def aopen(self, ref: Any) -> IO[bytes]:
+        return await self._files().aopen(ref)
+
+    async def adownload(self, ref: Any, path: str | os.PathLike[str]) -> Path:
+        return await self._files().adownload(ref, path)
 
 
 MULTI_QUEUE_WAIT_S = 1.0  # the long-poll per claim when serving several queues (see RemoteWorker._next_queue)
@@ -303,6 +325,7 @@ class RemoteWorker:
     async def _run_job(self, job: dict[str, Any], after: asyncio.Task[None] | None = None) -> None:
         job_id, token = job["id"], job["token"]
         ctx = JobContext(job_id, job["queue"], job["attempt"], job["max_attempts"], job["output_key"], self.loaded)
+        ctx.files = JobFiles(self.api, asyncio.get_running_loop(), self.worker_id, job_id, token)
         me = asyncio.current_task()
         try:
             if after is not None:  # an async handler stops; a sync one runs on in its thread, reporting stale
@@ -331,6 +354,14 @@ class RemoteWorker:
                 return
             if ctx.cancelled.is_set():
                 await self.api.cancelled(self.worker_id, job_id, token)
+                return
+            try:
+                output = await ctx.files.upload_outputs(output)  # File values -> uploaded, then references
+            except (FileTransferError, OSError, ValueError) as exc:
+                await self._fail(job_id, token, f"uploading output files failed: {_describe(exc)}", retryable=True)
+                return
+            except Rejected as exc:
+                await self._fail(job_id, token, f"uploading output files refused: {exc}", retryable=exc.status != 413)
                 return
             try:
                 orjson.dumps(output)

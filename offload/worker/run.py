@@ -19,6 +19,7 @@ from offload.errors import ConfigError
 from offload.queue.store import QueueStore
 from offload.storage import create_storage, store_output
 from offload.worker.dispatch import Worker, WorkerOptions, default_worker_id
+from offload.worker.file_inputs import with_file_inputs
 from offload.worker.jobpath import Fence
 from offload.worker.limits import BackendLimits
 
@@ -104,13 +105,14 @@ async def run_workers(
             agent=user_agent(worker_id),
         )
         resources.push_async_callback(http.aclose)
+        storage = create_storage(storage_settings(settings))
+        resources.push_async_callback(storage.aclose)
         backends: dict[str, Backend] = {}
         for _, _, backend_name, bs in plans:  # every backend's settings are checked before anything connects
             if backend_name not in backends:
-                backends[backend_name] = create_backend(bs.kind, backend_name, bs.provider_settings(), client=http)
+                backend = create_backend(bs.kind, backend_name, bs.provider_settings(), client=http)
+                backends[backend_name] = with_file_inputs(backend, storage, settings.storage.input_url_expires_s)
                 resources.push_async_callback(backends[backend_name].aclose)
-        storage = create_storage(storage_settings(settings))
-        resources.push_async_callback(storage.aclose)
         redis = await connect(settings.redis_url)
         resources.push_async_callback(redis.aclose)
         store = QueueStore(redis)

@@ -28,6 +28,7 @@ from offload.autoscale.providers.mock import MockProvider
 from offload.autoscale.providers.runpod import RunPodProvider
 from offload.autoscale.providers.vastai import VastProvider
 from offload.errors import ConfigError
+from offload.redis_client import RedisClient
 
 TYPES: dict[str, type[Provider]] = {
     "mock": MockProvider,
@@ -110,7 +111,7 @@ def validate_config(kind: str, config: dict[str, Any]) -> ProviderConfig:
         raise ConfigError(f"config.{where}: {first['msg']}") from None
 
 
-def build(name: str, kind: str, config: dict[str, Any], redis: Any, clock: Clock = time.time) -> Provider:
+def build(name: str, kind: str, config: dict[str, Any], redis: RedisClient, clock: Clock = time.time) -> Provider:
     parsed = validate_config(kind, config)
     if kind == "mock":
         return MockProvider(name, parsed, redis, clock)  # type: ignore[arg-type]

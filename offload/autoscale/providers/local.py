@@ -46,6 +46,7 @@ from offload.autoscale.providers.base import (
     ProviderError,
     is_ours,
 )
+from offload.redis_client import RedisClient
 
 log = logging.getLogger("offload.autoscale.local")
 # What a worker process inherits from the server's environment: how to run Python and find the handler, nothing
@@ -106,7 +107,7 @@ class LocalProvider(Provider):
     real = False
     Config = LocalConfig
 
-    def __init__(self, name: str, config: LocalConfig, redis: Any, clock: Clock = time.time) -> None:
+    def __init__(self, name: str, config: LocalConfig, redis: RedisClient, clock: Clock = time.time) -> None:
         super().__init__(name)
         self.config = config
         self.redis = redis

@@ -29,6 +29,7 @@ from offload.autoscale.providers.base import (
     ProviderError,
     is_ours,
 )
+from offload.redis_client import RedisClient
 
 log = logging.getLogger("offload.autoscale.mock")
 
@@ -45,7 +46,7 @@ class MockProvider(Provider):
     real = False
     Config = MockConfig
 
-    def __init__(self, name: str, config: MockConfig, redis: Any, clock: Clock = time.time) -> None:
+    def __init__(self, name: str, config: MockConfig, redis: RedisClient, clock: Clock = time.time) -> None:
         super().__init__(name)
         self.config = config
         self.redis = redis
@@ -55,7 +56,7 @@ class MockProvider(Provider):
 
     async def _take_fault(self, field: str, configured: int) -> bool:
         """Fault budgets count down in Redis, so they survive a scaler restart (the day test restarts it)."""
-        used = int(await self.redis.hincrby(self.key + ":faults", field, 1))
+        used = int(await self.redis.hincrby(keys.mock_faults(self.name), field, 1))
         return used <= configured
 
     async def create(self, spec: LaunchSpec) -> Machine:

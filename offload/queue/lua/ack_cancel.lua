@@ -1,4 +1,8 @@
--- ARGV: now, id, token. The worker has cancelled the remote job: the job ends cancelled.
+-- The worker has cancelled the remote job: the job ends cancelled.
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- ARGV: now, id, token
+-- Returns: OK, STALE or NOTFOUND
+--- @include "common"
 local now = now_ms(ARGV[1])
 local id, token = ARGV[2], ARGV[3]
 local f, err = owned(id, token)

@@ -1,17 +1,21 @@
--- ARGV: now, cap window, job cap ('' none), spend cap ('' none), backend name, items: a JSON list of
--- [id, token, estimated cost, webhook secret hash ('' none)]. Run right before the provider call, per job, in one atomic step: the lease
--- check (a stale worker must not pay), the cancel check (a job cancelled while its worker waited on the
--- rate limit is not submitted), the cap reservation (over a cap the job is held, here, at once), and the
--- submit intent: the submission number `sub_n`, `intent_at` and `intent_by`, open until the checkpoint
--- records the remote id. The submission number names the remote run in the Idempotency-Key: it goes up only
--- when a new run is wanted (the first submission, or after the previous remote job failed, expired or timed
--- out); an intent still open from an earlier lease means that submission's outcome is unknown (its worker
--- died or lost its lease inside the submit call), so it is submitted again with the same number and counted
--- as a possible duplicate. A repeat with the same token (a lost reply, or another try after a 429) answers
--- the same number again and counts nothing.
--- A webhook secret's hash is kept per submission (`hook:<n>`, the last few: a resend of an unknown submission
+-- Run right before the provider call, per job, in one atomic step: the lease check (a stale worker must not pay),
+-- the cancel check (a job cancelled while its worker waited on the rate limit is not submitted), the cap
+-- reservation (over a cap the job is held, here, at once), and the submit intent: the submission number `sub_n`,
+-- `intent_at` and `intent_by`, open until the checkpoint records the remote id. The submission number names the
+-- remote run in the Idempotency-Key: it goes up only when a new run is wanted (the first submission, or after the
+-- previous remote job failed, expired or timed out); an intent still open from an earlier lease means that
+-- submission's outcome is unknown (its worker died or lost its lease inside the submit call), so it is submitted
+-- again with the same number and counted as a possible duplicate. A repeat with the same token (a lost reply, or
+-- another try after a 429) answers the same number again and counts nothing. A remote job recorded for the
+-- current submission since the claim (a stale worker's answer, attached by checkpoint.lua, or adopted from its
+-- webhook by hook.lua) is answered REMOTE: nothing is sent, the caller polls it. The hash of the submission's
+-- webhook secret, when given, is kept per submission (`hook:<n>`, the last four: a resend of an unknown submission
 -- under the same number carries a new secret, and the first one's webhook must still be recognised).
--- Returns per item OK:<n>, OK:<n>:DUP, CAP:jobs, CAP:spend (held), CANCEL, STALE or NOTFOUND.
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- ARGV: now, cap window, job cap ('' none), spend cap ('' none), backend name, items: a JSON list of [id,
+--   token, estimated cost, webhook secret hash ('' none)]
+-- Returns: per item OK:<n>, OK:<n>:DUP, REMOTE:<n>:<remote id>, CAP:jobs, CAP:spend (held), CANCEL, STALE or NOTFOUND
+--- @include "common"
 local now = now_ms(ARGV[1])
 local window, job_cap, spend_cap, backend = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 local capped = window ~= '' and (job_cap or spend_cap)
@@ -39,10 +43,13 @@ for _, item in ipairs(cjson.decode(ARGV[6])) do
     out[#out + 1] = err
   else
     local k = jkey(id)
-    local g = redis.call('HMGET', k, 'cancel', 'sub_n', 'sub_open', 'intent_tok', 'remote_n', 'resv_w', 'resv_n')
+    local g = redis.call('HMGET', k, 'cancel', 'sub_n', 'sub_open', 'intent_tok', 'remote_n', 'resv_w', 'resv_n',
+      'remote_id')
     local sub = tonumber(g[2] or '')
     if g[1] == '1' then
       out[#out + 1] = 'CANCEL'
+    elseif sub and g[8] and g[8] ~= '' and tonumber(g[5] or '') == sub then
+      out[#out + 1] = 'REMOTE:' .. sub .. ':' .. g[8]  -- attached since the claim: poll it, pay nothing
     elseif sub and g[3] == '1' and g[4] == token then
       remember_hook(k, sub, item[4])
       out[#out + 1] = 'OK:' .. sub

@@ -1,5 +1,9 @@
--- ARGV: now, id. A waiting job is cancelled at once; an active one is flagged so its worker cancels the
--- remote job and acknowledges. Returns cancelled, requested, NOTFOUND, or ALREADY:<terminal state>.
+-- A waiting job is cancelled at once; an active one is flagged so its worker cancels the remote job and
+-- acknowledges.
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- ARGV: now, id
+-- Returns: cancelled, requested, NOTFOUND, or ALREADY:<terminal state>
+--- @include "common"
 local now = now_ms(ARGV[1])
 local id = ARGV[2]
 local k = jkey(id)

@@ -1,19 +1,40 @@
+-- Records where each job runs BEFORE the worker polls it, so a re-delivered job is resumed instead of submitted
+-- (and paid for) again, and closes the submit intent of that submission. Batched: a worker with thousands of
+-- submissions in flight records them in a few calls, not one round trip each.
+-- A remote id is never thrown away while it can still serve its job: a worker whose lease lapsed while its
+-- submit call was out (a SIGSTOP, a starved process) still reports the answer, and when the job is not terminal
+-- and that submission has no remote id yet, the id is ATTACHED to the job (the next owner polls it instead of
+-- paying again: begin.lua answers REMOTE). A second remote id for a submission that already has one (a provider
+-- that ignored the Idempotency-Key ran it twice) is refused with the first id, so the caller cancels its own
+-- copy: DUP:<first> to the owner (which goes on with the first), STALE:DUP to a stale worker. Attach and DUP
+-- need the caller's submission number (the dispatch worker always sends it).
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
 -- ARGV: now, items: a JSON list of [id, token, backend, remote id, submission number (optional: the job's
--- current one)]. Records where each job runs BEFORE the worker polls it, so a re-delivered job is resumed
--- instead of submitted (and paid for) again, and closes the submit intent of that submission. Batched: a
--- worker with thousands of submissions in flight records them in a few calls, not one round trip each.
--- Returns per item OK, STALE or NOTFOUND; OK:CANCEL when a cancel was requested meanwhile.
+--   current one)]
+-- Returns: per item OK, OK:CANCEL (a cancel was requested meanwhile), DUP:<first id>, ATTACHED, STALE:DUP,
+--   STALE or NOTFOUND
+--- @include "common"
 local now = now_ms(ARGV[1])
 local out, ids = {}, {}
 local cancels = redis.call('SCARD', P .. 'cancelreq') > 0
 for _, item in ipairs(cjson.decode(ARGV[2])) do
   local id, token = item[1], item[2]
   local _, err = owned(id, token)
-  if err then
-    out[#out + 1] = err
+  local k = jkey(id)
+  local g = redis.call('HMGET', k, 'state', 'sub_n', 'remote_n', 'remote_id')
+  local n = tonumber(item[5]) or tonumber(g[2] or '') or 1
+  -- attach and DUP need the caller's submission number (the dispatch worker always sends it)
+  local first = (item[5] and tonumber(g[3] or '') == n and g[4] and g[4] ~= '') and g[4] or nil
+  if first and first ~= item[4] then
+    out[#out + 1] = err and (err == 'STALE' and 'STALE:DUP' or err) or ('DUP:' .. first)
+  elseif err then
+    if err == 'STALE' and item[5] and not first and tonumber(g[2] or '') == n and not TERMINAL[g[1]] then
+      redis.call('HSET', k, 'backend', item[3], 'remote_id', item[4], 'remote_n', n, 'sub_open', '0')
+      out[#out + 1] = 'ATTACHED'
+    else
+      out[#out + 1] = err
+    end
   else
-    local k = jkey(id)
-    local n = tonumber(item[5]) or tonumber(redis.call('HGET', k, 'sub_n') or '') or 1
     redis.call('HSET', k, 'state', 'submitted', 'backend', item[3], 'remote_id', item[4], 'submitted_at', now,
       'sub_n', n, 'remote_n', n, 'sub_open', '0')
     ids[#ids + 1] = id

@@ -1,14 +1,17 @@
--- ARGV: now, worker id, max jobs, lease ms, request id, cap window, job cap, spend cap, estimated cost of
--- one submission, silence ms. Claiming also proves the worker alive, promotes due delayed jobs, returns the
--- jobs of dead workers to ready and deletes expired records (a bounded amount of each, the trimming in step
--- with the claiming), so a queue that has workers needs no separate scheduler to make progress.
--- Over a cap (in the caller's cap window) no fresh job is taken: only jobs that go on without a new
--- submission (a remote job to resume; under the job cap, a job already counted in the window), from the
--- head of the ready set. A repeat of the worker's last claim (same request id: its reply was lost and the
--- client sent it again) answers the same jobs again instead of leasing more.
--- Returns a flat list, 12 fields per job: id, token, attempt, max_attempts, input, output_key, backend,
--- remote_id, cancel, claimed before (1/0), submission number, submit intent open (1/0: an earlier
--- delivery may have left a submission it never recorded).
+-- Leases up to `max jobs` ready jobs to a worker. Claiming also proves the worker alive, promotes due delayed
+-- jobs, returns the jobs of dead workers to ready and deletes expired records (a bounded amount of each, the
+-- trimming in step with the claiming), so a queue that has workers needs no separate scheduler to make progress.
+-- Over a cap (in the caller's cap window) no fresh job is taken: only jobs that go on without a new submission (a
+-- remote job to resume; under the job cap, a job already counted in the window), from the head of the ready set.
+-- A repeat of the worker's last claim (same request id: its reply was lost and the client sent it again) answers
+-- the same jobs again instead of leasing more.
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- ARGV: now, worker id, max jobs, lease ms, request id, cap window, job cap, spend cap, estimated cost of one
+--   submission, silence ms
+-- Returns: a flat list, 12 fields per job (decoded in one place: offload.queue.replies): id, token, attempt,
+--   max_attempts, input, output_key, backend, remote_id, cancel, claimed before (1/0), submission number,
+--   submit intent open (1/0: an earlier delivery may have left a submission it never recorded)
+--- @include "common"
 local now = now_ms(ARGV[1])
 local wid, n, lease, req, window = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5], ARGV[6]
 local job_cap, spend_cap, estimate, silence = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9]) or 0,

@@ -1,7 +1,10 @@
--- ARGV: now, items: a JSON list of [id, token, result location, cost or ""]. Batched so a worker acks many jobs
--- in one round trip. Returns per job OK, STALE or NOTFOUND. A repeat of a complete that already went
--- through (its reply was lost and the client retried) answers OK again instead of STALE. A known cost
--- settles the job's cap reservation (the real cost replaces the worst case) in the same step.
+-- Batched so a worker acks many jobs in one round trip. A repeat of a complete that already went through (its
+-- reply was lost and the client retried) answers OK again instead of STALE. A known cost settles the job's cap
+-- reservation (the real cost replaces the worst case) in the same step.
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- ARGV: now, items: a JSON list of [id, token, result location, cost or ""]
+-- Returns: per job OK, STALE or NOTFOUND
+--- @include "common"
 local now = now_ms(ARGV[1])
 local out, done, owners, infos, extra, seen, runs = {}, {}, {}, {}, {}, {}, {}
 for _, item in ipairs(cjson.decode(ARGV[2])) do

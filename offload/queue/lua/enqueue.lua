@@ -1,11 +1,13 @@
--- ARGV: now, check ids (1: ids may repeat, e.g. caller-chosen), metas, jobs, batch nonce (random per call). metas is a JSON list of
--- "priority\trun_at\tmax_attempts\tretention\tidempotency key\toutput key" strings (empty output key:
--- results/<id>.json); jobs is a JSON list of [id, input, meta index]. One JSON argument per batch instead
--- of one argument per field is what makes bulk enqueue cheap on both sides of the connection.
--- Returns, per job, its id (an existing one when the idempotency key or the id was seen before).
--- The nonce makes a repeat of the same call (its reply was lost and the client sent it again) check every
--- id, so it returns the jobs the first run made instead of putting them into ready a second time, where
--- they may already be leased. Fresh calls skip that check: their ids are new.
+-- One JSON argument per batch instead of one argument per field is what makes bulk enqueue cheap on both sides of
+-- the connection. The nonce makes a repeat of the same call (its reply was lost and the client sent it again)
+-- check every id, so it returns the jobs the first run made instead of putting them into ready a second time,
+-- where they may already be leased. Fresh calls skip that check: their ids are new.
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- ARGV: now, check ids (1: ids may repeat, e.g. caller-chosen), metas, jobs, batch nonce (random per call).
+--   metas is a JSON list of "priority\trun_at\tmax_attempts\tretention\tidempotency key\toutput key" strings
+--   (empty output key: results/<id>.json); jobs is a JSON list of [id, input, meta index]
+-- Returns: per job, its id (an existing one when the idempotency key or the id was seen before)
+--- @include "common"
 local now = now_ms(ARGV[1])
 local check_ids = ARGV[2] == '1'
 if ARGV[5] and ARGV[5] ~= '' and not redis.call('SET', P .. 'enq:' .. ARGV[5], '1', 'NX', 'EX', 600) then

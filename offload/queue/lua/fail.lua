@@ -1,8 +1,10 @@
--- ARGV: now, id, token, error, retryable (1/0), delay ms, keep remote id (1/0), submit answered (1/0: the
--- provider answered the submit, so the submit intent is closed), cost of the failed run ('' unknown),
--- refund (1/0: the provider refused the submission, nothing ran: the job is not counted against the caps).
 -- A retry is scheduled in Redis (the worker never sleeps); exhausted or fatal goes dead with the reason.
--- Returns retrying, dead, STALE or NOTFOUND.
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- ARGV: now, id, token, error, retryable (1/0), delay ms, keep remote id (1/0), submit answered (1/0: the
+--   provider answered the submit, so the submit intent is closed), cost of the failed run ('' unknown), refund
+--   (1/0: the provider refused the submission, nothing ran: the job is not counted against the caps)
+-- Returns: retrying, dead, STALE or NOTFOUND
+--- @include "common"
 local now = now_ms(ARGV[1])
 local id, token, err_text = ARGV[2], ARGV[3], ARGV[4]
 local f, err = owned(id, token)

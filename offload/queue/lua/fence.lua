@@ -1,6 +1,9 @@
--- ARGV: now, items: a JSON list of [id, token]. Answers per item OK (the token still holds the lease),
--- STALE or NOTFOUND, changing nothing: the last check before a worker writes where a newer owner of the job
--- may write too (its output in object storage).
+-- Changes nothing: the last check before a worker writes where a newer owner of the job may write too (its output
+-- in object storage).
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- ARGV: now, items: a JSON list of [id, token]
+-- Returns: per item OK (the token still holds the lease), STALE or NOTFOUND
+--- @include "common"
 local out = {}
 for _, item in ipairs(cjson.decode(ARGV[2])) do
   local _, err = owned(item[1], item[2])

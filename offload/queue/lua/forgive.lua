@@ -1,8 +1,11 @@
--- ARGV: now, worker id. The worker's machine was taken away by its provider (pre-empted, stopped, vanished):
--- that is not the jobs' fault, so it costs them nothing. Its current leases go back to ready uncounted (with
--- their remote ids); jobs the reaper already took back from it counting lease expiries (remembered for a day
--- in the hash lost:<worker>, job -> count) get those expiries back, and one that an expiry had sent dead
--- ("lease expired") is ready again. Returns {released, refunded expiries, revived}.
+-- The worker's machine was taken away by its provider (pre-empted, stopped, vanished): that is not the jobs'
+-- fault, so it costs them nothing. Its current leases go back to ready uncounted (with their remote ids); jobs
+-- the reaper already took back from it counting lease expiries (remembered for a day in the hash lost:<worker>,
+-- job -> count) get those expiries back, and one that an expiry had sent dead ("lease expired") is ready again.
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- ARGV: now, worker id
+-- Returns: {released, refunded expiries, revived}
+--- @include "common"
 local now = now_ms(ARGV[1])
 local wid = ARGV[2]
 local released = return_leases(redis.call('ZRANGE', P .. 'owned:' .. wid, 0, -1), now, false)

@@ -1,4 +1,8 @@
--- ARGV: now, id. The job record plus its lease deadline (leases live on the owning worker).
+-- The job record plus its lease deadline (leases live on the owning worker).
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- ARGV: now, id
+-- Returns: {} for no such job, else {the job hash as a flat list, its lease deadline in ms or ''}
+--- @include "common"
 local h = redis.call('HGETALL', jkey(ARGV[2]))
 if #h == 0 then return {} end
 local owner = redis.call('HGET', jkey(ARGV[2]), 'owner')

@@ -1,13 +1,15 @@
--- ARGV: now, worker id, lease ms, silence ms, since, grace ms, then (job id, lease token) pairs: the leases
--- the worker holds (a token '' is judged by ownership alone). One call extends every lease of the worker
--- (leases hang off the worker's liveness, not each job).
--- A listed lease is lost when the worker no longer owns the job or owns it under another token (it was
--- taken away and claimed again since). Jobs the worker owns but does not list are leases it does not know
--- of (a claim whose reply never arrived, a predecessor with the same worker id, a task that ended without
--- a verdict): they are handed back, uncounted, when their lease is no newer than `since` (a lease sequence
--- number the worker had seen before it sent this heartbeat: every claim it was answered up to then is in its
--- list) or, with `grace`, when they were claimed more than `grace` ms ago (for workers that cannot tell).
--- Returns {lost ids, cancel-requested ids, the lease sequence number now, how many were handed back}.
+-- One call extends every lease of the worker (leases hang off the worker's liveness, not each job). A listed
+-- lease is lost when the worker no longer owns the job or owns it under another token (it was taken away and
+-- claimed again since). Jobs the worker owns but does not list are leases it does not know of (a claim whose
+-- reply never arrived, a predecessor with the same worker id, a task that ended without a verdict): they are
+-- handed back, uncounted, when their lease is no newer than `since` (a lease sequence number the worker had seen
+-- before it sent this heartbeat: every claim it was answered up to then is in its list) or, with `grace`, when
+-- they were claimed more than `grace` ms ago (for workers that cannot tell).
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- ARGV: now, worker id, lease ms, silence ms, since, grace ms, then (job id, lease token) pairs: the leases the
+--   worker holds (a token '' is judged by ownership alone)
+-- Returns: {lost ids, cancel-requested ids, the lease sequence number now, how many were handed back}
+--- @include "common"
 local now = now_ms(ARGV[1])
 local wid, lease, silence = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local since, grace = tonumber(ARGV[5]), tonumber(ARGV[6])

@@ -1,6 +1,10 @@
--- ARGV: now, id, token, reason, cap window (optional, digits). A leased job that may not be submitted (cap
--- reached) waits in held, without using up an attempt, until release; the window it was held in is kept so
--- it is released once a worker's (or the server's) window is later, whatever their clocks say about wall time.
+-- A leased job that may not be submitted (cap reached) waits in held, without using up an attempt, until release;
+-- the window it was held in is kept so it is released once a worker's (or the server's) window is later, whatever
+-- their clocks say about wall time.
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- ARGV: now, id, token, reason, cap window (optional, digits)
+-- Returns: OK, STALE or NOTFOUND
+--- @include "common"
 local now = now_ms(ARGV[1])
 local id, token = ARGV[2], ARGV[3]
 local f, err = owned(id, token)

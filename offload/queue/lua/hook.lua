@@ -1,13 +1,16 @@
--- ARGV: now, job id, submission number, remote id ('' unknown), terminal ('1' / '0'), body.
 -- A provider webhook whose URL secret the server has already checked (against `hook:<n>`). Fenced by the
 -- submission number: only the job's current submission counts, so a late callback of an earlier run can never
 -- complete a newer one. It records the remote id when that submission has none (its worker died inside the
 -- submit call: adoption, counted), and for a final event keeps the body (`hook_n`, `hook_body`) and tells the
 -- worker holding the lease (PUBLISH on its channel) so it stores the result at once; a job nobody holds is
 -- resumed by its next claim, which finds the remote id and the body. Duplicates, late and reordered deliveries
--- change nothing, as does a callback of a run already given up (its remote id let go). Returns WAKE (final event kept, owner told), KEPT (final event kept, nobody holds the job),
--- ADOPTED / OK (not final), DUP, LATE (the job is finished), STALE (an earlier submission), MISMATCH (another
--- remote id than the one recorded for this submission), NOTFOUND.
+-- change nothing, as does a callback of a run already given up (its remote id let go).
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- ARGV: now, job id, submission number, remote id ('' unknown), terminal ('1' / '0'), body
+-- Returns: WAKE (final event kept, owner told), KEPT (final event kept, nobody holds the job), ADOPTED / OK
+--   (not final), DUP, LATE (the job is finished), STALE (an earlier submission), MISMATCH (another remote id than the one
+--   recorded for this submission), NOTFOUND.
+--- @include "common"
 local now = now_ms(ARGV[1])
 local id, n, remote, terminal, body = ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5] == '1', ARGV[6]
 local k = jkey(id)

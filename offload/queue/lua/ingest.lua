@@ -1,9 +1,12 @@
--- KEYS[2]: a plain list the tutorial's producer RPUSHes JSON onto. ARGV: now, limit, max_attempts,
--- retention, queue name. Pop and enqueue happen in this one script, so no crash can lose an entry.
--- A malformed entry becomes a dead job carrying the parse error and the raw text. Returns {ingested, dead}.
--- The job's input is kept as the producer wrote it, byte for byte: cjson only validates the entry, and the
--- input's text is cut out of the raw entry (a cjson round trip would round integers past 14 digits and turn
--- [] into {}).
+-- Pop and enqueue happen in this one script, so no crash can lose an entry. A malformed entry becomes a dead job
+-- carrying the parse error and the raw text. The job's input is kept as the producer wrote it, byte for byte:
+-- cjson only validates the entry, and the input's text is cut out of the raw entry (a cjson round trip would
+-- round integers past 14 digits and turn [] into {}).
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py), [2] the plain list the
+--   tutorial's producer RPUSHes JSON onto
+-- ARGV: now, limit, max_attempts, retention, queue name
+-- Returns: {ingested, dead}
+--- @include "common"
 local now = now_ms(ARGV[1])
 local limit, maxa, ret, queue = tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
 local ok_n = 0

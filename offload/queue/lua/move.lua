@@ -1,5 +1,8 @@
--- ARGV: now, source set (held or dead), limit, then optional ids. Moves jobs back to ready: release of
--- held jobs, requeue of dead ones (with a fresh attempt budget). Returns the ids moved.
+-- Moves jobs back to ready: release of held jobs, requeue of dead ones (with a fresh attempt budget).
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- ARGV: now, source set (held or dead), limit, then optional ids
+-- Returns: the ids moved
+--- @include "common"
 local now = now_ms(ARGV[1])
 local src, limit = ARGV[2], tonumber(ARGV[3])
 local ids = {}

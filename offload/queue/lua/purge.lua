@@ -1,5 +1,9 @@
--- ARGV: now, set name, limit. Deletes up to limit jobs (records and index entries) of one waiting or
--- finished set; active jobs are never purged. Returns the number deleted; callers loop until 0.
+-- Deletes up to limit jobs (records and index entries) of one waiting or finished set; active jobs are never
+-- purged.
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- ARGV: now, set name, limit
+-- Returns: the number deleted; callers loop until 0
+--- @include "common"
 local set, limit = ARGV[2], tonumber(ARGV[3])
 local ids = redis.call('ZRANGE', P .. set, 0, limit - 1)
 if #ids == 0 then return 0 end

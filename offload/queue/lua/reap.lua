@@ -1,5 +1,9 @@
--- ARGV: now, limit, silence ms. Maintenance: promote due delayed jobs, return dead workers' jobs, and delete
--- the records of finished jobs whose retention ran out. Returns {promoted, reaped, trimmed}.
+-- Maintenance: promote due delayed jobs, return dead workers' jobs, and delete the records of finished jobs whose
+-- retention ran out.
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- ARGV: now, limit, silence ms
+-- Returns: {promoted, reaped, trimmed}
+--- @include "common"
 local now = now_ms(ARGV[1])
 local limit = tonumber(ARGV[2])
 stamp(now, tonumber(ARGV[3]))

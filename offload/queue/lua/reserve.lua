@@ -1,8 +1,11 @@
--- ARGV: now, window, job cap ('' = none), spend cap ('' = none), items: a JSON list of [id, estimated cost].
--- The cap check and the count are one step, so any number of callers together count exactly `cap` jobs
--- per window; items are decided in order, as if reserved one by one. A job already counted in this window
--- passes without being counted again. (Workers reserve inside begin.lua, with the submit intent; this is
--- the same rule for callers that only count.) Returns per item OK, CAP:jobs or CAP:spend.
+-- The cap check and the count are one step, so any number of callers together count exactly `cap` jobs per
+-- window; items are decided in order, as if reserved one by one. A job already counted in this window passes
+-- without being counted again. (Workers reserve inside begin.lua, with the submit intent; this is the same rule
+-- for callers that only count.)
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- ARGV: now, window, job cap ('' = none), spend cap ('' = none), items: a JSON list of [id, estimated cost]
+-- Returns: per item OK, CAP:jobs or CAP:spend
+--- @include "common"
 local window = ARGV[2]
 local job_cap, spend_cap = tonumber(ARGV[3]), tonumber(ARGV[4])
 local st = cap_open(window)

@@ -1,9 +1,11 @@
--- Shared prelude, prepended to every script. KEYS[1] is the queue's key prefix, e.g. "offload:{gpu}:",
+-- Shared prelude of the queue scripts, put in where a script includes "common" (offload/queue/scripts.py).
+-- KEYS[1] is the queue's key prefix, e.g. "offload:{gpu}:",
 -- so every key a script touches carries the queue's hash tag and lives in one cluster slot.
 -- Hot paths batch their set updates (one ZADD/SREM for many jobs) and write each job hash once: the cost
 -- of a script is mostly the number of redis.call()s it makes.
 -- Every script is safe to run twice with the same arguments (a reply lost on the way back, then the client
 -- sending the command again, as cluster clients do on their own): the second run changes nothing more.
+-- ARGV[1] of every queue script is `now`, in ms ('' = the server's clock, TIME): tests run on a virtual clock.
 local P = KEYS[1]
 local QUEUE = string.match(P, '{(.-)}')
 local EVENTS_MAX = __EVENTS_MAX__
@@ -11,12 +13,9 @@ local EVENT_IDS = 100  -- job ids per stream entry: an entry (and so the capped 
 local PRIO_SPAN = 1000000000000  -- 1e12 sequence numbers per priority level
 local CHUNK = 500
 local CENTURY_S = 3153600000
+local TERMINAL = {succeeded = true, dead = true, cancelled = true}  -- states a job never leaves
 
-local function now_ms(arg)
-  if arg ~= nil and arg ~= '' then return tonumber(arg) end
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+--- @include "clock"
 
 local function jkey(id) return P .. 'job:' .. id end
 

@@ -1,0 +1,48 @@
+"""`offload enqueue --attach NAME=PATH`: files uploaded to storage and enqueued by reference (offload.files)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from offload.cli.errors import errors, fail
+from offload.cli.session import redis_url, settings
+from offload.client import AsyncClient
+from offload.files import File
+from offload.queue.keys import validate_queue
+
+
+def _attachments(value: Any, attach: list[str]) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        fail("--attach needs --input to be a JSON object (the files go in under their names)")
+    merged = dict(value)
+    for item in attach:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            fail(f"--attach {item!r}: expected NAME=PATH")
+        if name in merged:
+            fail(f"--attach {name}: the input already has a field {name!r}")
+        if not Path(path).is_file():
+            fail(f"--attach {name}: {path}: not a readable file (missing, or a directory)")
+        merged[name] = File(path)
+    return merged
+
+
+def enqueue_attached(
+    url: str | None, config: Path | None, queue: str, value: Any, attach: list[str], defaults: dict[str, Any]
+) -> str:
+    """Upload the attached files (streamed, checked) and enqueue with references; a failure leaves neither."""
+    job_input = _attachments(value, attach)
+    conf = settings(config)
+    target = redis_url(url, config)
+
+    async def go() -> str:
+        storage = conf.storage.model_dump()
+        async with AsyncClient(target, storage=storage, max_file_bytes=conf.storage.max_input_file_bytes) as client:
+            return await client.enqueue(queue, job_input, **{k: v for k, v in defaults.items() if v is not None})
+
+    with errors():
+        validate_queue(queue)
+        return asyncio.run(go())
+    raise AssertionError("unreachable")

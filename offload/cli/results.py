@@ -1,0 +1,70 @@
+"""`offload result ID [--download PATH | DIR/]`: where a job's output is, and bringing it (and its files) home."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from offload.cli.errors import errors, fail
+from offload.cli.options import ConfigOpt, JobArg, JsonOpt
+from offload.cli.output import print_json
+from offload.cli.session import run_redis, settings
+from offload.queue.keys import queue_of
+from offload.queue.store import QueueStore
+
+
+def result(
+    job_id: JobArg,
+    download: Annotated[
+        Path | None,
+        typer.Option(
+            "--download",
+            help="A directory (existing, or ending in /): the output as output.json and every file it refers "
+            "to beside it. A file path: the output JSON only, as before.",
+        ),
+    ] = None,
+    config: ConfigOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Where a succeeded job's output is, a presigned URL to it, and optionally the output and its files."""
+    from offload.storage import create_storage
+    from offload.storage.results import download_result
+    from offload.worker.run import storage_settings
+
+    config_settings = settings(config)
+    with errors():
+        queue_of(job_id)  # a malformed id fails before any connection is made
+    job = run_redis(None, lambda redis: QueueStore(redis).get(job_id), config=config)
+    if job.state.value != "succeeded":
+        fail(f"job {job_id} is {job.state.value}, it has no result yet" + (f": {job.error}" if job.error else ""))
+    into_dir = download is not None and (download.is_dir() or str(download).endswith("/"))
+
+    async def fetch() -> tuple[str, list[str]]:
+        storage = create_storage(storage_settings(config_settings))
+        saved: list[str] = []
+        try:
+            presigned = await storage.presigned_url(job.output_key)
+            if download is not None and into_dir:
+                done = await download_result(storage, job.output_key, download)
+                saved = [str(done.output), *(str(p) for p in done.files)]
+            elif download is not None:
+                download.write_bytes(await storage.get_bytes(job.output_key))
+                saved = [str(download)]
+        finally:
+            await storage.aclose()
+        return presigned, saved
+
+    with errors():
+        presigned, saved = asyncio.run(fetch())
+    info: dict[str, Any] = {"job": job_id, "location": job.result or "", "presigned_url": presigned}
+    if saved:
+        info["saved"] = saved
+    if json_out:
+        print_json(info)
+    else:
+        typer.echo(f"{info['location']}\n{info['presigned_url']}")
+        for path in saved:
+            typer.echo(f"saved to {path}", err=True)

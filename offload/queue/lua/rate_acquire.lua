@@ -1,0 +1,19 @@
+-- A backend's global request rate (GCRA) shared by every worker on every machine, and the cool-down one
+-- worker's 429 imposes on all of them. Callers sleep the wait on their own, so a limited backend never blocks
+-- a worker's other jobs.
+-- KEYS: [1] the backend's GCRA state, [2] its cool-down key (offload.queue.keys.backend_rate, backend_cooldown)
+-- ARGV: [1] ms between requests, [2] burst
+-- Returns: ms to wait: positive = a slot is reserved, go after the wait; negative = the backend is cooling
+--   down, ask again after the wait
+--- @include "clock"
+local cool = redis.call('PTTL', KEYS[2])
+if cool > 0 then return -cool end
+local now = now_ms('')
+local interval, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
+if interval <= 0 then return 0 end
+local tat = tonumber(redis.call('GET', KEYS[1]) or now)
+if tat < now then tat = now end
+local wait = tat - now - (burst - 1) * interval
+if wait < 0 then wait = 0 end
+redis.call('SET', KEYS[1], string.format('%.0f', tat + interval), 'PX', math.ceil(tat + interval - now) + 1000)
+return math.ceil(wait)

@@ -1,0 +1,69 @@
+"""Bringing a job's result home: the output JSON and every file it refers to, checked on arrival.
+
+An output refers to files in two ways: `{"$file": key, ...}` references (files a GPU worker's handler returned)
+and location strings of our own storage (`s3://bucket/key`, or a path under the local root: provider files the
+dispatch worker copied, `offload.storage.outputs`). `download_result` saves the output as `output.json` in a
+directory and each referenced file beside it under its key's last segment, streaming, and checks a reference's
+size and SHA-256 (a file that does not match is removed and reported).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from offload.files import REF_KEY, references_in
+from offload.storage.base import Storage, StorageError
+
+
+@dataclass(frozen=True)
+class Downloaded:
+    output: Path
+    files: list[Path]
+
+
+def referenced_keys(storage: Storage, output: Any) -> list[tuple[str, dict[str, Any] | None]]:
+    """(key, reference or None) for every file the output refers to, in document order, each key once."""
+    found: dict[str, dict[str, Any] | None] = {}
+    for _, ref in references_in(output):
+        found.setdefault(ref[REF_KEY], ref)
+    root = storage.location("x")[:-1]  # where every key of this storage starts, e.g. s3://bucket/prefix/
+    for text in _strings(output):
+        if text.startswith(root) and len(text) > len(root):
+            found.setdefault(text[len(root) :], None)
+    return list(found.items())
+
+
+def _strings(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
+async def download_result(storage: Storage, output_key: str, directory: Path) -> Downloaded:
+    await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
+    raw = await storage.get_bytes(output_key)
+    output_path = directory / "output.json"
+    await asyncio.to_thread(output_path.write_bytes, raw)
+    saved: list[Path] = []
+    taken: set[str] = {"output.json"}
+    for key, ref in referenced_keys(storage, orjson.loads(raw)):
+        name = key.rsplit("/", 1)[-1]
+        while name in taken:
+            name = "_" + name
+        taken.add(name)
+        path = directory / name
+        size, digest = await storage.download(key, path)
+        if ref is not None and (ref.get("size") not in (None, size) or ref.get("sha256") not in (None, digest)):
+            await asyncio.to_thread(path.unlink, missing_ok=True)
+            raise StorageError(f"{key}: downloaded file does not match its reference (size or SHA-256)", permanent=True)
+        saved.append(path)
+    return Downloaded(output_path, saved)
