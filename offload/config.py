@@ -29,6 +29,7 @@ from offload.schema import Strict, parse, parse_rate
 from offload.storage.namespace import check_prefixes
 from offload.storage.settings import LocalStorageSettings, StorageSettings
 
+WEBHOOK_KINDS = frozenset({"replicate", "fal", "runpod"})  # the backends whose providers call back
 ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 __all__ = [
     "BackendSettings",
@@ -40,6 +41,20 @@ __all__ = [
     "load_settings",
     "parse_rate",
 ]
+
+
+class ServerSettings(Strict):
+    """What the server's public address is: set, backends that support it send each submission a webhook URL
+    under it (`<public_url>/v1/hooks/...`), and polling becomes a slow fallback."""
+
+    public_url: str | None = None
+
+    @field_validator("public_url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", v):
+            raise ValueError(f"must be an http:// or https:// URL without query or fragment, got {v!r}")
+        return v.rstrip("/") if v is not None else None
 
 
 class QueueSettings(Strict):
@@ -66,6 +81,7 @@ class QueueSettings(Strict):
 class Settings(Strict):
     redis_url: str | None = None
     storage: StorageSettings = LocalStorageSettings()
+    server: ServerSettings = ServerSettings()
     backends: dict[str, BackendSettings] = Field(default_factory=dict)
     queues: dict[str, QueueSettings] = Field(default_factory=dict)
     autoscaler: ServerSide | None = None  # the autoscaler's server-side settings (offload.autoscale.config)
@@ -84,6 +100,21 @@ class Settings(Strict):
         except KeyError:
             known = ", ".join(sorted(self.queues)) or "none"
             raise ConfigError(f"queue {name!r} is not configured (configured: {known})") from None
+
+    def hook_base(self, backend: str) -> str | None:
+        """Where the provider of `backend` is to call back (`<public_url>/v1/hooks/<backend>`), or None: no public
+        URL configured, or a kind without webhooks."""
+        b = self.backends.get(backend)
+        if not self.server.public_url or b is None or b.kind not in WEBHOOK_KINDS:
+            return None
+        return f"{self.server.public_url}/v1/hooks/{backend}"
+
+    def hook_grace_s(self, backend: str) -> float:
+        """How long a job whose earlier submission's outcome is unknown waits for that submission's webhook."""
+        b = self.backends[backend]
+        if b.webhook_grace_s is not None:
+            return b.webhook_grace_s if self.hook_base(backend) else 0.0
+        return 10.0 if self.hook_base(backend) else 0.0
 
     def output_prefixes(self) -> dict[str, str | None]:
         return {name: q.output_prefix for name, q in self.queues.items()}
@@ -136,6 +167,10 @@ def _from_env(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
     """Overlay env settings (OFFLOAD_* first, tutorial names as fallback) onto the file's data."""
     if url := _pick(env, "OFFLOAD_REDIS_URL", "REDIS_URL"):
         data["redis_url"] = url
+    if public := _pick(
+        env, "OFFLOAD_SERVER_PUBLIC_URL"
+    ):  # not OFFLOAD_PUBLIC_URL: the autoscaler's, for rented machines
+        data.setdefault("server", {})["public_url"] = public
     base = _pick(env, "OFFLOAD_API_BASE", "GPU_API_BASE")
     list_key = _pick(env, "OFFLOAD_QUEUE_KEY", "QUEUE_KEY")
     if base or list_key:  # the tutorial's single-queue setup
@@ -210,5 +245,12 @@ def load_settings(path: str | os.PathLike[str] | None = None, env: Mapping[str, 
     for qname, q in settings.queues.items():
         if q.backend is not None and q.backend not in settings.backends:
             raise ConfigError(f"queues.{qname}.backend: no backend named {q.backend!r} is configured")
+    if settings.server.public_url:
+        for bname, b in settings.backends.items():
+            if b.kind == "replicate" and b.webhook_secret is None:
+                raise ConfigError(
+                    f"backends.{bname}.webhook_secret: required with server.public_url set (Replicate signs its "
+                    "webhooks; the secret is at GET /v1/webhooks/default/secret)"
+                )
     check_prefixes(settings.output_prefixes())
     return settings

@@ -35,7 +35,7 @@ The branch roots are defined here; a leaf lives beside the code that raises it a
     - FileTooLarge (ValueError) - a File() over storage.max_input_file_bytes (offload.storage.inputs)
     - UploadCancelled - an input upload stopped midway; what it wrote is removed (offload.storage.inputs)
   + WorkerError - one job inside a worker, or a GPU worker's link to the server
-    - PollTimeout - the remote job did not finish within poll_timeout (offload.worker.jobpath)
+    - PollTimeout - the remote job did not finish within poll_timeout (offload.worker.hookpath)
     - PermanentError - raised by a handler: the job goes dead at once (offload.worker.remote)
     - ServerUnavailable (ConnectionError) - the server did not answer for the retry period (offload.worker.remote_api)
     - Unregistered - the server no longer knows this worker id (offload.worker.remote_api)
@@ -48,6 +48,7 @@ The branch roots are defined here; a leaf lives beside the code that raises it a
     - ProviderNotFound (KeyError), ProviderInUse (ValueError) - the provider catalogue (autoscale.provider_store)
     - OperatorOnly - a setting only the operator's file may give (offload.autoscale.operator_only)
     - FileUnreadable (ValueError) - a File() whose source cannot be read (offload.files)
+    - Forged - a provider callback whose signature does not check out (offload.server.webhooks)
   + ErrorReply - the simulator's handlers answering with an error reply (offload.sim.engine); never leaves it
 
 A leaf module (it imports nothing), so the simulator, which stands alone, can use it too. `tests/test_errors.py`

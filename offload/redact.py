@@ -44,6 +44,8 @@ _KEY_SHAPES = re.compile(
     r"|ofk_[A-Za-z0-9]+_[A-Za-z0-9_-]{8,}|hf_[A-Za-z0-9]{8,}|gh[pousr]_[A-Za-z0-9]{8,}|AKIA[A-Z0-9]{12,})"
 )
 _SPACE = re.compile(r"\s+")
+# offload's own webhook URLs carry a per-submission secret as their last path segment (routes_hooks.py)
+_HOOK_PATH = re.compile(r"(/v1/hooks/[^/\s]+/[^/\s]+/\d+/)[^/\s?#\"']+")
 
 
 def _variants(secret: str) -> set[str]:
@@ -86,9 +88,15 @@ def redact(text: str, secrets: Iterable[str | None] = ()) -> str:
     for secret in sorted({v for s in secrets if s for v in _variants(str(s))}, key=len, reverse=True):
         text = text.replace(secret, REDACTED)
     text = mask_url(text)
+    text = hook_paths(text)
     text = _SCHEME_TOKEN.sub(lambda m: f"{m[1]} {REDACTED}", text)
     text = _NAMED.sub(_named, text)
     return _KEY_SHAPES.sub(REDACTED, text)
+
+
+def hook_paths(text: str) -> str:
+    """`text` with the secret of every offload webhook path in it replaced (access logs, echoed URLs)."""
+    return _HOOK_PATH.sub(lambda m: m[1] + REDACTED, text)
 
 
 def excerpt(text: str, secrets: Iterable[str | None] = (), limit: int = EXCERPT_CHARS) -> str:

@@ -64,3 +64,18 @@ def test_worker_throughput_bench() -> None:
     # Each rate is jobs completed over time, and the bench exits non-zero unless every job was acknowledged.
     assert doc["worker_noop_per_s"] > 0 and doc["lean_noop_per_s"] > 0 and doc["worker_io50_per_s"] > 0, doc
     assert doc["noop_ratio"] > 0 and doc["io50_ratio"] > 0, doc
+
+
+def test_webhooks_bench() -> None:
+    doc = last_json(["bench/webhooks.py", "--quick", "--jobs", "20", "--latency", "0.5"], timeout=90)
+    assert set(doc) == {
+        "poll_p50_ms",
+        "poll_p99_ms",
+        "webhook_p50_ms",
+        "webhook_p99_ms",
+        "poll_calls_per_job",
+        "webhook_calls_per_job",
+    }
+    assert 0 <= doc["webhook_p50_ms"] <= doc["webhook_p99_ms"] and 0 <= doc["poll_p50_ms"] <= doc["poll_p99_ms"], doc
+    # with webhooks each job costs its submit and nothing else (the fallback poll is 60 s away)
+    assert doc["webhook_calls_per_job"] == 1.0 and doc["poll_calls_per_job"] > 1.0, doc

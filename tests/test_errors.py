@@ -50,7 +50,7 @@ def test_the_walk_sees_the_whole_package() -> None:
     for where in (
         "offload.backends.base.Throttled",
         "offload.autoscale.instances.Fenced",
-        "offload.worker.jobpath.PollTimeout",
+        "offload.worker.hookpath.PollTimeout",
         "offload.worker.remote.PermanentError",
         "offload.sim.engine.ErrorReply",
         "offload.storage.base.StorageError",
@@ -96,7 +96,7 @@ def test_the_drawn_tree_names_every_class() -> None:
         ("offload.storage.base.StorageError", ObjectStoreError),
         ("offload.worker.remote_api.ServerUnavailable", ConnectionError),
         ("offload.worker.remote_api.ServerRejected", WorkerError),
-        ("offload.worker.jobpath.PollTimeout", WorkerError),
+        ("offload.worker.hookpath.PollTimeout", WorkerError),
         ("offload.server.errors.BodyTooLarge", RequestError),
     ],
 )

@@ -194,6 +194,9 @@ def operations(spec: dict[str, Any], w: dict[str, Any]) -> list[tuple[str, str, 
         "name": "rp",
         "instance_id": "as-none",
         "action": "protect",
+        "backend": "rp",  # the webhook route: no key, proven by its URL secret (tests/test_webhooks.py)
+        "submission": "1",
+        "secret": "not-the-secret",
     }
     components = spec.get("components", {}).get("schemas", {})
     out = []

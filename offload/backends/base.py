@@ -9,7 +9,7 @@ result expired, submit again (counted).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from offload.errors import BackendError as BackendError  # the branch root, drawn in offload.errors
 
@@ -94,3 +94,27 @@ class Backend(Protocol):
         ...
 
     async def aclose(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class HookEvent:
+    """What a provider webhook says: which remote job, and whether it has ended (its body then is the result)."""
+
+    remote_id: str
+    terminal: bool
+
+
+@runtime_checkable
+class WebhookBackend(Backend, Protocol):
+    """A backend whose provider calls a URL when a job ends (Replicate, fal, RunPod). `submit(webhook=url)`
+    sends that URL with the submission; the server reads a delivery with `hook_event` (after it checked the
+    URL secret and the provider's signature) and the worker turns a final one into the result with
+    `hook_result` (None: the body does not carry the result, e.g. fal's `payload_error`: poll for it)."""
+
+    async def submit(
+        self, job_input: Any, *, tag: str, idempotency_key: str | None = None, webhook: str | None = None
+    ) -> Submission: ...
+
+    def hook_event(self, body: Any) -> HookEvent | None: ...
+
+    def hook_result(self, body: Any) -> RemoteResult | None: ...

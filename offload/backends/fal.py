@@ -10,6 +10,8 @@ Remote id (what a different worker needs to resume): normally the response URL r
 e.g. `fal-ai/flux/requests/<request_id>`, from which status (`/status`) and cancel (`/cancel`) follow as fal
 documents. If an answer ever departs from that shape, the id is a JSON object of the three absolute URLs instead.
 The key is only ever sent to `base_url`'s origin: URLs pointing elsewhere are refused (Fatal).
+Webhooks: `submit(webhook=...)` goes out as `?fal_webhook=`; fal posts `{"request_id", "status": OK|ERROR,
+"payload"}` once, signed with ED25519 (checked by the server); the payload is the output.
 Tagging: with `webhook_url`, `?fal_webhook=` carries `offload_tag=<job id>`; fal cannot list requests, so `find`
 returns None.
 """
@@ -22,7 +24,7 @@ from urllib.parse import quote
 import httpx
 import orjson
 
-from offload.backends.base import Fatal, RemoteResult, Submission
+from offload.backends.base import Fatal, HookEvent, RemoteResult, Submission
 from offload.backends.http import (
     HttpBackend,
     decode,
@@ -35,6 +37,7 @@ from offload.backends.settings import DEFAULT_MAX_CONNECTIONS, DEFAULT_TIMEOUT, 
 DEFAULT_BASE = FAL_BASE
 CANCELLED_TYPES = frozenset({"request_cancelled", "cancelled"})
 URL_KEYS = ("response_url", "status_url", "cancel_url")
+NAMESPACES = frozenset({"workflows", "comfy"})  # apps whose status/result URLs keep three path parts
 
 
 class FalBackend(HttpBackend):
@@ -59,6 +62,8 @@ class FalBackend(HttpBackend):
             name, base_url=base_url, api_key=api_key, timeout=timeout, max_connections=max_connections, client=client
         )
         self._submit_url = f"{self.base_url}/{quote(app.strip('/'), safe='/')}"
+        parts = app.strip("/").split("/")
+        self._short_app = "/".join(parts[: 3 if parts[0] in NAMESPACES else 2])
         self._webhook = webhook_url
 
     @classmethod
@@ -100,14 +105,45 @@ class FalBackend(HttpBackend):
 
     # --- the Backend protocol -------------------------------------------------------------------------------
 
-    async def submit(self, job_input: Any, *, tag: str, idempotency_key: str | None = None) -> Submission:
+    async def submit(
+        self, job_input: Any, *, tag: str, idempotency_key: str | None = None, webhook: str | None = None
+    ) -> Submission:
         url = self._submit_url
-        if self._webhook:
-            url = str(httpx.URL(url).copy_merge_params({"fal_webhook": tagged_url(self._webhook, tag)}))
+        if webhook or self._webhook:
+            hook = webhook or tagged_url(self._webhook or "", tag)
+            url = str(httpx.URL(url).copy_merge_params({"fal_webhook": hook}))
         body = await self._call("POST", url, json=job_input, has_body=True, idempotency_key=idempotency_key)
         self._require(body, "request_id", str, "submit")
         urls = {k: self._check(self._require(body, k, str, "submit")) for k in URL_KEYS}
         return Submission(self.encode(urls))
+
+    def hook_event(self, body: Any) -> HookEvent | None:
+        """fal calls back once, when the request is done: `{"request_id", "status": OK|ERROR, "payload"}`. The
+        remote id is rebuilt the way fal names its URLs: the app's `owner/app` (namespaced apps keep three
+        parts), `/requests/<id>`."""
+        if not isinstance(body, dict) or not isinstance(body.get("request_id"), str):
+            return None
+        request_id = body["request_id"]
+        if not request_id or "/" in request_id or body.get("status") not in ("OK", "ERROR"):
+            return None
+        return HookEvent(f"{self._short_app}/requests/{request_id}", True)
+
+    def hook_result(self, body: Any) -> RemoteResult | None:
+        """OK with a payload: the output. ERROR: failed, with fal's error. A payload fal could not deliver
+        (`payload_error`, e.g. too large) is fetched by a poll instead (None)."""
+        if not isinstance(body, dict) or body.get("payload_error"):
+            return None
+        payload = body.get("payload")
+        if body.get("status") == "OK" and payload is not None:
+            return RemoteResult("succeeded", output=payload)
+        if body.get("status") == "ERROR":
+            detail = payload.get("detail") if isinstance(payload, dict) else None
+            error_type = payload.get("error_type") if isinstance(payload, dict) else None
+            if error_type in CANCELLED_TYPES:
+                return RemoteResult("cancelled")
+            text = str(body.get("error") or detail or "request failed (no error given)")
+            return RemoteResult("failed", error=self._redact(f"{error_type}: {text}" if error_type else text))
+        return None
 
     async def poll(self, remote_id: str) -> RemoteResult:
         urls = self.decode_id(remote_id)

@@ -9,6 +9,9 @@ HTTP 200 with `status: failed`. After about an hour Replicate nulls `output` and
 prediction whose data is gone is NotFound, like a 404, because the result must be produced again.
 
 Remote id: the prediction id as is (`GET /predictions/{id}` needs nothing else).
+Webhooks: `submit(webhook=...)` (offload's own per-submission URL, when `server.public_url` is set) is sent as
+`webhook` with `webhook_events_filter: ["completed"]`; the body Replicate posts is the prediction, read by
+`hook_event` / `hook_result` like a poll's answer.
 Tagging: with `webhook_url`, each prediction's webhook carries `offload_tag=<job id>`; with `tag_input_key`, the
 tag is also put into the input under that key (only for models that tolerate an extra input field), and `find`
 lists the newest `find_pages` pages of `GET /predictions` for a prediction whose input carries it. Without
@@ -22,7 +25,16 @@ from urllib.parse import quote
 
 import httpx
 
-from offload.backends.base import Fatal, NotFound, RemoteResult, RemoteStatus, Submission
+from offload.backends.base import (
+    TERMINAL,
+    BackendError,
+    Fatal,
+    HookEvent,
+    NotFound,
+    RemoteResult,
+    RemoteStatus,
+    Submission,
+)
 from offload.backends.http import (
     HttpBackend,
     same_origin,
@@ -106,7 +118,9 @@ class ReplicateBackend(HttpBackend):
     def _prediction_url(self, remote_id: str) -> str:
         return f"{self.base_url}/predictions/{quote(remote_id, safe='')}"
 
-    async def submit(self, job_input: Any, *, tag: str, idempotency_key: str | None = None) -> Submission:
+    async def submit(
+        self, job_input: Any, *, tag: str, idempotency_key: str | None = None, webhook: str | None = None
+    ) -> Submission:
         if not isinstance(job_input, dict):
             raise Fatal(
                 f"replicate backend {self.name!r}: the job input must be a JSON object (the model's input), "
@@ -116,14 +130,30 @@ class ReplicateBackend(HttpBackend):
         body: dict[str, Any] = {"input": payload}
         if self._version:
             body["version"] = self._version
-        if self._webhook:
-            body["webhook"] = tagged_url(self._webhook, tag)
+        if webhook or self._webhook:
+            body["webhook"] = webhook or tagged_url(self._webhook or "", tag)
             body["webhook_events_filter"] = ["completed"]
         answer = await self._call("POST", self._create_url, json=body, has_body=True, idempotency_key=idempotency_key)
         return Submission(self._require(answer, "id", str, "submit"))
 
     async def poll(self, remote_id: str) -> RemoteResult:
         body = await self._call("GET", self._prediction_url(remote_id), known=True)
+        return self._read(body, remote_id)
+
+    def hook_event(self, body: Any) -> HookEvent | None:
+        """A webhook's body is the prediction object, as a poll returns it."""
+        if not isinstance(body, dict) or not isinstance(body.get("id"), str) or not isinstance(body.get("status"), str):
+            return None
+        status = STATUSES.get(body["status"])
+        return HookEvent(body["id"], status is not None and status in TERMINAL)
+
+    def hook_result(self, body: Any) -> RemoteResult | None:
+        try:
+            return self._read(body, str(body.get("id")) if isinstance(body, dict) else "?")
+        except BackendError:
+            return None
+
+    def _read(self, body: Any, remote_id: str) -> RemoteResult:
         raw = self._require(body, "status", str, "poll")
         status = STATUSES.get(raw)
         if status is None:

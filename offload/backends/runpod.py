@@ -8,6 +8,8 @@ FAILED/TIMED_OUT -> failed, CANCELLED -> cancelled. A FAILED job's `error` is of
 `executionTime` (ms) is the billed time -> duration_s. A 404 on a known job is RunPod's TTL: NotFound.
 
 Remote id: RunPod's job id as is (the endpoint comes from config, so any worker with it can resume).
+Webhooks: `submit(webhook=...)` goes out as `webhook`; RunPod posts the status body (unsigned), read by
+`hook_event` / `hook_result` like a poll's answer.
 Tagging: RunPod cannot list jobs, so `find` returns None; with `webhook_url` set, each job's webhook carries
 `offload_tag=<job id>`, so a webhook receiver can still adopt an orphan.
 """
@@ -20,7 +22,7 @@ from urllib.parse import quote
 import httpx
 import orjson
 
-from offload.backends.base import RemoteResult, RemoteStatus, Submission
+from offload.backends.base import TERMINAL, BackendError, HookEvent, RemoteResult, RemoteStatus, Submission
 from offload.backends.http import (
     HttpBackend,
     tagged_url,
@@ -97,10 +99,12 @@ class RunPodBackend(HttpBackend):
             name, **s.http(), endpoint_id=s.endpoint_id, webhook_url=s.webhook_url, policy=s.policy, client=client
         )
 
-    async def submit(self, job_input: Any, *, tag: str, idempotency_key: str | None = None) -> Submission:
+    async def submit(
+        self, job_input: Any, *, tag: str, idempotency_key: str | None = None, webhook: str | None = None
+    ) -> Submission:
         body: dict[str, Any] = {"input": job_input}
-        if self._webhook:
-            body["webhook"] = tagged_url(self._webhook, tag)
+        if webhook or self._webhook:
+            body["webhook"] = webhook or tagged_url(self._webhook or "", tag)
         if self._policy:
             body["policy"] = self._policy
         answer = await self._call(
@@ -110,6 +114,22 @@ class RunPodBackend(HttpBackend):
 
     async def poll(self, remote_id: str) -> RemoteResult:
         body = await self._call("GET", f"{self._endpoint}/status/{quote(remote_id, safe='')}", known=True)
+        return self._read(body)
+
+    def hook_event(self, body: Any) -> HookEvent | None:
+        """RunPod posts the job's status body (unsigned: the URL secret is the whole check)."""
+        if not isinstance(body, dict) or not isinstance(body.get("id"), str) or not isinstance(body.get("status"), str):
+            return None
+        status = STATUSES.get(body["status"])
+        return HookEvent(body["id"], status is not None and status in TERMINAL)
+
+    def hook_result(self, body: Any) -> RemoteResult | None:
+        try:
+            return self._read(body)
+        except BackendError:
+            return None
+
+    def _read(self, body: Any) -> RemoteResult:
         raw = self._require(body, "status", str, "poll")
         status = STATUSES.get(raw)
         if status is None:

@@ -8,6 +8,7 @@ is read without the `worker` extra.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, Self, TypedDict
 
 from pydantic import Discriminator, Field, SecretStr, Tag, field_validator, model_validator
@@ -23,6 +24,7 @@ RUNPOD_BASE = "https://api.runpod.ai/v2"
 REPLICATE_BASE = "https://api.replicate.com/v1"
 REPLICATE_FIND_PAGES = 3
 FAL_BASE = "https://queue.fal.run"
+FAL_JWKS_URL = "https://rest.alpha.fal.ai/.well-known/jwks.json"
 
 
 class HttpOptions(TypedDict):
@@ -47,6 +49,38 @@ class _Backend(Strict):
     max_job_cost: float | None = Field(
         None, ge=0, description="the most one submission may cost (USD): reserved against daily_spend_cap first"
     )
+    # Webhooks, for the kinds whose providers call back (replicate, fal, runpod), used when `server.public_url`
+    # is set (see the README's "Webhooks"); read by the server and the worker, never sent to the provider.
+    webhook_secret: SecretStr | None = Field(
+        None,
+        repr=False,
+        description="replicate: the account's webhook signing secret (whsec_...), GET /v1/webhooks/default/secret",
+    )
+    webhook_jwks_url: str = Field(FAL_JWKS_URL, description="fal: where the webhook signing keys are published")
+    webhook_jwks_ttl_s: float = Field(86_400.0, gt=0, description="fal: how long fetched signing keys are trusted")
+    webhook_grace_s: float | None = Field(
+        None,
+        ge=0,
+        description="a job whose earlier submission's outcome is unknown waits this long for its webhook before "
+        "it is submitted again (default 10 s with webhooks on, else 0)",
+    )
+    webhook_poll_interval_s: float = Field(
+        60.0, gt=0, description="with webhooks on, the fallback poll interval of a remote job"
+    )
+
+    @field_validator("webhook_secret")
+    @classmethod
+    def _whsec(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and not re.fullmatch(r"whsec_[A-Za-z0-9+/=]{8,}", v.get_secret_value()):
+            raise ValueError("must look like whsec_<base64> (Replicate's webhook signing secret)")
+        return v
+
+    @field_validator("webhook_jwks_url")
+    @classmethod
+    def _jwks(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"must be an http:// or https:// URL, got {v!r}")
+        return v
 
     @field_validator("base_url", "webhook_url", check_fields=False)
     @classmethod

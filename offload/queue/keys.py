@@ -10,6 +10,7 @@ Keys of one backend share a `{backend:<name>}` tag (its rate limiter's script to
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import time
@@ -51,6 +52,7 @@ QUEUE_SUFFIXES: dict[str, str] = {
     "cap:": "cap:<window>:jobs|spend, the spend cap's counters",
     "paused": "present while the queue is paused",
     "events": "job state changes (stream, capped)",
+    "hooks:": "hooks:<worker id>, pub/sub: webhooks kept for the jobs that dispatch worker holds (hook.lua)",
     "alert:dlg": "the dead-letter alert's last snapshot",
 }
 
@@ -171,3 +173,13 @@ def queue_of(job_id: str) -> str:
 def new_job_id(queue: str) -> str:
     """Time-ordered, collision-resistant id: 48-bit ms timestamp + 64 random bits, hex."""
     return f"{queue}:{int(time.time() * 1000):012x}{os.urandom(8).hex()}"
+
+
+def hooks_channel(queue: str, worker_id: str) -> str:
+    """The pub/sub channel on which a dispatch worker hears of webhooks for the jobs it holds (hook.lua)."""
+    return f"{prefix(queue)}hooks:{worker_id}"
+
+
+def hook_digest(secret: str) -> str:
+    """What a job record keeps of a webhook URL's secret (begin.lua), and what the server compares it with."""
+    return hashlib.sha256(secret.encode()).hexdigest()

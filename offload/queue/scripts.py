@@ -92,6 +92,7 @@ class Scripts:
     forgive: Script
     begin: Script
     fence: Script
+    hook: Script  # a verified provider webhook (offload/server/routes_hooks.py)
     # a backend's shared rate limit (offload/worker/limits.py)
     rate_acquire: Script
     cool_down: Script

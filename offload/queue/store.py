@@ -354,14 +354,15 @@ class QueueStore:
         self,
         queue: str,
         window: str,
-        items: Sequence[tuple[str, str, float]],
+        items: Sequence[tuple[str, str, float] | tuple[str, str, float, str]],
         *,
         job_cap: int | None = None,
         spend_cap: float | None = None,
         backend: str = "",
     ) -> list[str]:
         """Right before the provider call, per (id, token, estimated cost): lease and cancel check, cap
-        reservation (held when over) and the submit intent. Per item OK:<n>, OK:<n>:DUP (a possible duplicate:
+        reservation (held when over) and the submit intent, with the hash of the submission's webhook secret
+        when the item carries one (id, token, cost, hash). Per item OK:<n>, OK:<n>:DUP (a possible duplicate:
         an earlier try of that submission has an unknown outcome), CAP:jobs, CAP:spend, CANCEL, STALE or
         NOTFOUND (see begin.lua)."""
         return list(
@@ -372,9 +373,33 @@ class QueueStore:
                 "" if job_cap is None else job_cap,
                 "" if spend_cap is None else spend_cap,
                 backend,
-                orjson.dumps([(i, t, repr(float(c))) for i, t, c in items]),
+                orjson.dumps([(i[0], i[1], repr(float(i[2])), i[3] if len(i) > 3 else "") for i in items]),
             )
         )
+
+    async def hook(self, job_id: str, submission: int, remote_id: str, *, terminal: bool, body: bytes) -> str:
+        """A verified provider webhook for submission `submission` of a job (see hook.lua for the verdicts)."""
+        return str(
+            await self._run(
+                SCRIPTS.hook, queue_of(job_id), job_id, submission, remote_id, "1" if terminal else "0", body
+            )
+        )
+
+    async def hook_digests(self, job_id: str, submission: int) -> list[str]:
+        """The webhook secret hashes begin.lua kept for this submission (none: no webhook was asked for)."""
+        raw = await self.redis.hget(keys.job(queue_of(job_id), job_id), f"hook:{submission}")
+        return str(raw).split() if raw else []
+
+    async def hook_body(self, job_id: str, submission: int) -> str | None:
+        """The final webhook body of this submission, once one arrived."""
+        n, body = await self.redis.hmget(keys.job(queue_of(job_id), job_id), ["hook_n", "hook_body"])
+        return str(body) if body is not None and n == str(submission) else None
+
+    async def current_remote(self, job_id: str) -> tuple[str | None, int]:
+        """(remote id of the current submission or None, the current submission number)."""
+        rid, rn, sn = await self.redis.hmget(keys.job(queue_of(job_id), job_id), ["remote_id", "remote_n", "sub_n"])
+        n = int(sn or 0)
+        return (str(rid) if rid and rn == sn else None), n
 
     async def fence_many(self, queue: str, items: Sequence[tuple[str, str]]) -> list[str]:
         """OK / STALE / NOTFOUND per (id, token): whether each token still holds its lease (changes nothing)."""

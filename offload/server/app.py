@@ -1,7 +1,9 @@
 """The HTTP API's application factory: wiring, lifespan (connections, maintenance) and health routes.
 
 Public routes are `/healthz`, `/readyz`, the API description (`/openapi.json`, `/docs`) and the dashboard's
-static files (`/ui/`, see `dashboard.py`), which carry no data; everything else needs an API key (see `auth.py`).
+static files (`/ui/`, see `dashboard.py`), which carry no data, and provider webhooks (`/v1/hooks/...`, proven by a
+per-submission secret and the provider's signature, see `routes_hooks.py`); everything else needs an API key
+(see `auth.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from offload.server import (
     metrics,
     routes_autoscale,
     routes_files,
+    routes_hooks,
     routes_jobs,
     routes_keys,
     routes_queues,
@@ -104,6 +107,7 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
             with contextlib.suppress(TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(task, 5.0)
             await state.hub.aclose()
+            await routes_hooks.aclose(state)
             await state.storage.aclose()
             await redis.aclose()
 
@@ -136,6 +140,7 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
         routes_workers,
         routes_files,
         routes_keys,
+        routes_hooks,
         events,
         metrics,
         routes_autoscale,

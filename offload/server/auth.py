@@ -60,16 +60,20 @@ _header = APIKeyHeader(name="X-API-Key", auto_error=False, description="An offlo
 class Guard:
     rule: Callable[[ApiKey, Mapping[str, Any]], None] | None = None
     big_body: bool = False
+    body_limit: int | None = None
 
 
 def guard(
-    rule: Callable[[ApiKey, Mapping[str, Any]], None] | None = None, *, big_body: bool = False
+    rule: Callable[[ApiKey, Mapping[str, Any]], None] | None = None,
+    *,
+    big_body: bool = False,
+    body_limit: int | None = None,
 ) -> Callable[[F], F]:
     """Mark a route: `rule(key, path_params)` runs before the body is read; `big_body` allows the server's
-    `--max-body` instead of 64 KiB."""
+    `--max-body` instead of 64 KiB; `body_limit` sets the route's own bound (still at most `--max-body`)."""
 
     def mark(fn: F) -> F:
-        setattr(fn, GUARD_ATTR, Guard(rule, big_body))
+        setattr(fn, GUARD_ATTR, Guard(rule, big_body, body_limit))
         return fn
 
     return mark
@@ -186,7 +190,8 @@ class GuardedRoute(APIRoute):
 
         async def run(request: Request) -> Response:
             opts = get_state(request).options
-            _bound_body(request, opts.max_body if marked.big_body else min(SMALL_BODY, opts.max_body))
+            limit = marked.body_limit or (opts.max_body if marked.big_body else SMALL_BODY)
+            _bound_body(request, min(limit, opts.max_body))
             if needs_key:
                 key = await authenticate(request)
                 setattr(request.state, _STATE_KEY, key)

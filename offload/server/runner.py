@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from collections.abc import Iterator
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from offload.redact import hook_paths
 from offload.server.app import create_app
 from offload.server.state import ServerOptions
 
@@ -64,7 +66,19 @@ def _header_deadline(seconds: float) -> type[asyncio.Protocol]:
     return HeaderDeadline
 
 
+class _HookPathFilter(logging.Filter):
+    """uvicorn's access log prints each request's path; a webhook path ends in its submission's secret."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(hook_paths(a) if isinstance(a, str) else a for a in record.args)
+        return True
+
+
 def _server(options: ServerOptions, host: str, port: int, log_level: str, access_log: bool) -> uvicorn.Server:
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, _HookPathFilter) for f in access.filters):
+        access.addFilter(_HookPathFilter())
     config = uvicorn.Config(
         create_app(options),
         host=host,

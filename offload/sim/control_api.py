@@ -17,6 +17,7 @@ from offload.sim.config import FAMILIES, Family, SimConfig
 from offload.sim.engine import Sim
 from offload.sim.faults import RuntimeOutage
 from offload.sim.files import CONTENT_TYPES, file_bytes, parse_name
+from offload.sim.webhooks import HookFaults
 
 DEFAULT_LIST_LIMIT = 1000
 SUBMISSIONS_PAGE = 10_000
@@ -160,6 +161,23 @@ def routes(sim: Sim) -> list[Route]:
         more = last < len(sim.submissions)
         return _json({"total": len(sim.submissions), "submissions": page, "next": last if more else None})
 
+    async def set_webhooks(request: Request) -> Response:
+        """Webhook fault knobs (drop/duplicate/reorder rates, delay) and the Replicate signing secret."""
+        try:
+            faults = HookFaults.model_validate(await _body(request) or {})
+        except (orjson.JSONDecodeError, ValidationError) as exc:
+            return _error(422, f"invalid webhook settings: {exc}")
+        sim.hooks.configure(faults)
+        return _json(faults.model_dump(exclude={"replicate_secret"}))
+
+    async def webhooks(request: Request) -> Response:
+        """Every webhook delivery so far: job, when the job ended and the hook went out, faults, HTTP statuses."""
+        return _json({"deliveries": sim.hooks.sent})
+
+    async def jwks(request: Request) -> Response:
+        """The public keys fal-scheme webhooks are signed with (fal publishes its own as a JWKS)."""
+        return _json(sim.hooks.jwks())
+
     async def health(request: Request) -> Response:
         return _json({"ok": True, "families": list(FAMILIES), "jobs": len(sim.store)})
 
@@ -175,4 +193,7 @@ def routes(sim: Sim) -> list[Route]:
         Route("/_sim/jobs/{job_id}", job, methods=["GET"]),
         Route("/_sim/jobs/{job_id}/inputs", job_inputs, methods=["GET"]),
         Route("/_sim/files/{name}", files, methods=["GET"]),
+        Route("/_sim/webhooks", webhooks, methods=["GET"]),
+        Route("/_sim/webhooks", set_webhooks, methods=["POST"]),
+        Route("/_sim/fal/jwks.json", jwks, methods=["GET"]),
     ]

@@ -10,6 +10,7 @@ fault behaves identically across families and each handler reads like the provid
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 import uuid
@@ -29,6 +30,7 @@ from offload.sim.inputs import InputFetcher
 from offload.sim.stats import Stats
 from offload.sim.store import Job, JobStore, Outcome, input_key
 from offload.sim.submissions import Submission, SubmissionLog
+from offload.sim.webhooks import HookSender, Render
 
 Clock = Callable[[], float]
 HOLD_STEP = 0.25  # seconds between checks while holding a synchronous request (a cancel can end a job early)
@@ -165,6 +167,19 @@ class Call:
             await asyncio.sleep(min(left, HOLD_STEP))
         self.now = self.sim.clock()
 
+    def webhook(self, job: Job, url: Any, view: Callable[[Call, Job], dict[str, Any]]) -> None:
+        """Send `url` the job's final state when it ends (`view(call, job)` renders the body as a poll would
+        see it; a stale body, for a reordered delivery, is the view from while the job still ran)."""
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            return
+
+        def render(now: float, final: bool) -> dict[str, Any]:
+            at = now if final else (job.started if job.started < job.ended_at() else job.created)
+            return view(dataclasses.replace(self, now=at), job)
+
+        hook: Render = render
+        self.sim.hooks.schedule(job, url, hook)
+
     def output(self, job: Job) -> dict[str, Any]:
         b = self.behaviour
         return output_for(self.base_url, job.id, job.input, b.files_per_job, b.file_type)
@@ -184,6 +199,7 @@ class Sim:
         self.runtime_outages: list[RuntimeOutage] = []
         self.inputs = InputFetcher()  # URL inputs downloaded and checksummed, as a provider fetches them
         self._issued: set[str] = set()
+        self.hooks = HookSender(clock, random.Random())  # its own draws: webhook faults never reshuffle others
         self.apply(config or SimConfig())
 
     def apply(self, config: SimConfig) -> None:
@@ -198,6 +214,7 @@ class Sim:
         self.submissions.clear()
         self._issued.clear()  # a reset simulator is a fresh one: the same seed gives the same ids again
         self.runtime_outages.clear()
+        self.hooks.reset()
         self.inputs.clear()
         self.apply(self.config)
 

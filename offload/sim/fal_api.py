@@ -106,6 +106,21 @@ def _error(job: Job, phase: str) -> tuple[int, str, str] | None:
     return None
 
 
+def _hook_body(call: Call, job: Job) -> dict[str, Any]:
+    """fal's webhook body: `status` OK with the output as `payload`, or ERROR with `error` (documented shape)."""
+    phase = job.phase(call.now)
+    body: dict[str, Any] = {"request_id": job.id, "gateway_request_id": job.id, "status": "OK", "payload": None}
+    if phase in RUNNING:  # fal sends no progress events; a stale copy is the final one without its payload
+        body["payload_error"] = "payload not ready"
+        return body
+    if failure := _error(job, phase):
+        body.update(status="ERROR", error=failure[1], payload={"detail": failure[1], "error_type": failure[2]})
+    else:
+        body["payload"] = call.output(job)
+        body["error"] = None
+    return body
+
+
 async def submit(call: Call) -> Reply:
     parts = [p for p in call.request.path_params["path"].split("/") if p]
     if parts and parts[0] in RESERVED and not call.sim.config.fal_prefix:
@@ -125,6 +140,7 @@ async def submit(call: Call) -> Reply:
         if name.startswith("x-fal-"):
             meta[name] = value
     job = call.submit(app, payload, job_id=call.sim.uuid(), meta=meta)
+    call.webhook(job, meta.get("webhook"), _hook_body)
     return Reply({"request_id": job.id, **_urls(call, app, job.id), "queue_position": _position(job, call.now)})
 
 

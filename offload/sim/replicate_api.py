@@ -164,6 +164,9 @@ async def _create(call: Call, meta: dict[str, Any]) -> Reply:
         job.stopped = job.created + deadline
         job.stop_phase = "aborted" if job.stopped < job.started else "cancelled"
         call.sim.store.rescheduled(job)
+    events = meta.get("webhook_events_filter")
+    if not isinstance(events, list) or "completed" in events:
+        call.webhook(job, meta.get("webhook"), _view)
     if wait is not None:
         await call.hold(job, wait)
     view = _view(call, job)
@@ -231,9 +234,19 @@ async def list_predictions(call: Call) -> Reply:
     )
 
 
+async def webhook_secret(call: Call) -> Reply:
+    """The signing secret of this account's webhooks, as Replicate serves it."""
+    return Reply({"key": call.sim.hooks.replicate_secret})
+
+
 def routes(sim: Sim) -> list[Route]:
     d = ReplicateDialect()
     return [
+        Route(
+            "/v1/webhooks/default/secret",
+            sim.endpoint(d, "replicate.webhook_secret", "status", webhook_secret),
+            methods=["GET"],
+        ),
         Route("/v1/predictions", sim.endpoint(d, "replicate.create", "submit", create), methods=["POST"]),
         Route("/v1/predictions", sim.endpoint(d, "replicate.list", "status", list_predictions), methods=["GET"]),
         Route(

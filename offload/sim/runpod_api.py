@@ -102,6 +102,7 @@ async def _create(call: Call, sync: bool) -> Job:
 
 async def run(call: Call) -> Reply:
     job = await _create(call, sync=False)
+    call.webhook(job, job.meta.get("webhook"), _view)
     return Reply({"id": job.id, "status": "IN_QUEUE"})
 
 

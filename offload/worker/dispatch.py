@@ -32,7 +32,9 @@ from typing import Any
 from offload.backends.base import Backend
 from offload.connection import is_outage
 from offload.models import ClaimedJob
+from offload.queue.keys import hooks_channel
 from offload.queue.store import CompleteItem, QueueStore
+from offload.worker import wakeups
 from offload.worker.batching import Batcher
 from offload.worker.health import StoreHealth, describe
 from offload.worker.jobpath import JobPath, StoreOutput, WorkerOptions
@@ -100,7 +102,8 @@ class Worker(JobPath):
             lambda items: store.checkpoint_many(q, items)
         )
         self._completes: Batcher[CompleteItem, str] = Batcher(lambda items: store.complete_many(q, items))
-        self._begins: Batcher[tuple[str, str], str] = Batcher(self._begin_many)
+        self._begins: Batcher[tuple[str, str, str], str] = Batcher(self._begin_many)
+        self._hooked: dict[str, asyncio.Event] = {}
         self._fences: Batcher[tuple[str, str], str] = Batcher(lambda items: store.fence_many(q, items))
         self._beats: Batcher[None, None] = Batcher(self._beat_many, concurrency=1)
 
@@ -114,6 +117,9 @@ class Worker(JobPath):
         helpers = [asyncio.create_task(self._heartbeat_loop())]
         if self.options.ingest_list:
             helpers.append(asyncio.create_task(self._ingest_loop(stop)))
+        if self._hooks():
+            channel = hooks_channel(self.options.queue, self.id)
+            helpers.append(asyncio.create_task(wakeups.listen(self.store.redis, channel, self._wake)))
         idle = 0.02
         try:
             while not stop.is_set():
@@ -199,6 +205,15 @@ class Worker(JobPath):
             self.options.leased_max - before, self.options.leased_max + self.options.concurrency - len(self.tasks)
         )
 
+    def _wake(self, job_id: str | None) -> None:
+        """A webhook for a job of ours was kept by the server: its task reads it now (None: every job, after a
+        lost subscription; see wakeups.py)."""
+        if job_id is None:
+            for event in self._hooked.values():
+                event.set()
+        elif job_id in self.tasks:
+            self._hook_event(job_id).set()
+
     def _done(self, job: ClaimedJob) -> None:
         """A task ends: forget it, unless a newer lease of the same job has taken its place."""
         if self.tasks.get(job.id) is asyncio.current_task():
@@ -208,6 +223,7 @@ class Worker(JobPath):
             self.cancels.discard(job.id)
             self.settling.discard(job.id)
             self._past.discard(job.id)
+            self._hooked.pop(job.id, None)
         self._room.set()
 
     async def _drain(self, helpers: list[asyncio.Task[None]]) -> None:
@@ -272,6 +288,8 @@ class Worker(JobPath):
         for job_id in reply.cancel_requested:
             if heard := self._cancel_waits.get(job_id):
                 heard.set()
+            if hooked := self._hooked.get(job_id):  # a task waiting for its webhook acts on the cancel now
+                hooked.set()
 
     async def _beat_many(self, items: list[None]) -> list[None]:
         await self._beat()
@@ -315,12 +333,12 @@ class Worker(JobPath):
             if released:
                 log.info("cap window %s: released %d held jobs", window, released)
 
-    async def _begin_many(self, items: list[tuple[str, str]]) -> list[str]:
+    async def _begin_many(self, items: list[tuple[str, str, str]]) -> list[str]:
         opts = self.options
         return await self.store.begin_many(
             opts.queue,
             self._window,
-            [(i, t, opts.reservation) for i, t in items],
+            [(i, t, opts.reservation, h) for i, t, h in items],
             job_cap=opts.daily_job_cap,
             spend_cap=opts.daily_spend_cap,
             backend=opts.backend_name,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from offload.backends.base import Backend, Fatal, RemoteResult, Submission, Transient
+from offload.backends.base import Backend, Fatal, HookEvent, RemoteResult, Submission, Transient, WebhookBackend
 from offload.files import references_in
 from offload.storage import ObjectNotFound, Storage, StorageError
 from offload.storage.inputs import presign_references
@@ -36,6 +36,10 @@ class FileInputs:
         self.synchronous = inner.synchronous
 
     async def submit(self, job_input: Any, *, tag: str, idempotency_key: str | None = None) -> Submission:
+        job_input = await self._presigned(job_input)
+        return await self.inner.submit(job_input, tag=tag, idempotency_key=idempotency_key)
+
+    async def _presigned(self, job_input: Any) -> Any:
         if references_in(job_input):
             if _local(self.storage):
                 raise Fatal("input files need S3 storage (storage.kind: s3): a provider cannot fetch a local file")
@@ -45,8 +49,7 @@ class FileInputs:
                 raise Fatal(str(exc)) from None
             except StorageError as exc:
                 raise Transient(f"signing input file URLs failed: {exc}") from None
-
-        return await self.inner.submit(job_input, tag=tag, idempotency_key=idempotency_key)
+        return job_input
 
     async def poll(self, remote_id: str) -> RemoteResult:
         return await self.inner.poll(remote_id)
@@ -59,3 +62,31 @@ class FileInputs:
 
     async def aclose(self) -> None:
         await self.inner.aclose()
+
+
+class HookFileInputs(FileInputs):
+    """`FileInputs` over a backend with webhooks: the webhook URL and the reading of deliveries pass through."""
+
+    inner: WebhookBackend
+
+    def __init__(self, inner: WebhookBackend, storage: Storage, expires_s: int) -> None:
+        super().__init__(inner, storage, expires_s)
+
+    async def submit(
+        self, job_input: Any, *, tag: str, idempotency_key: str | None = None, webhook: str | None = None
+    ) -> Submission:
+        job_input = await self._presigned(job_input)
+        return await self.inner.submit(job_input, tag=tag, idempotency_key=idempotency_key, webhook=webhook)
+
+    def hook_event(self, body: Any) -> HookEvent | None:
+        return self.inner.hook_event(body)
+
+    def hook_result(self, body: Any) -> RemoteResult | None:
+        return self.inner.hook_result(body)
+
+
+def with_file_inputs(inner: Backend, storage: Storage, expires_s: int) -> FileInputs:
+    """The wrapper that keeps what `inner` can do (webhooks included)."""
+    if isinstance(inner, WebhookBackend):
+        return HookFileInputs(inner, storage, expires_s)
+    return FileInputs(inner, storage, expires_s)

@@ -15,21 +15,33 @@ import asyncio
 import contextlib
 import functools
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import orjson
 
-from offload.backends.base import Backend, BackendError, Fatal, NotFound, RemoteResult, Throttled, Transient
+from offload.backends.base import (
+    Backend,
+    BackendError,
+    Fatal,
+    NotFound,
+    RemoteResult,
+    Throttled,
+    Transient,
+)
 from offload.connection import is_outage
-from offload.errors import StaleLease, WorkerError
+from offload.errors import StaleLease
 from offload.models import ClaimedJob
+from offload.queue.keys import hook_digest
 from offload.queue.store import CompleteItem, QueueStore, retry_delay_ms
 from offload.storage import InvalidKey, StorageError, validate_key
 from offload.worker.batching import Batcher
 from offload.worker.health import StoreHealth, describe
+from offload.worker.hookpath import HookPath, PollTimeout
 from offload.worker.limits import BackendLimits
 
 log = logging.getLogger("offload.worker")
@@ -37,10 +49,6 @@ Fence = Callable[[], Awaitable[None]]
 # (output key, output, run, fence) -> location. `run` names the remote run (the submission number), so files
 # of two runs never share a key; `fence` is awaited right before the output itself is written.
 StoreOutput = Callable[[str, Any, str, Fence], Awaitable[str]]
-
-
-class PollTimeout(WorkerError):
-    """The remote job did not finish within POLL_TIMEOUT."""
 
 
 @dataclass
@@ -80,6 +88,13 @@ class WorkerOptions:
             ahead = min(max(self.concurrency // 4, 1), self.claim_batch)
         return self.concurrency + max(ahead, 0)
 
+    # Webhooks (`server.public_url` set and a backend whose provider calls back): the URL prefix
+    # `<public_url>/v1/hooks/<backend>`, the fallback poll interval, and how long a job whose earlier
+    # submission's outcome is unknown waits for that submission's webhook before submitting again.
+    hook_base: str | None = None
+    hook_poll_interval: float = 60.0
+    hook_grace_s: float = 0.0
+
     @property
     def reservation(self) -> float:
         """What one submission is reserved at against the spend cap before it is sent: the most it may cost.
@@ -111,7 +126,7 @@ def _key_problem(key: str) -> str | None:
     return None
 
 
-class JobPath:
+class JobPath(HookPath):
     """The per-job half of the Worker (see dispatch.py for the other)."""
 
     store: QueueStore
@@ -128,7 +143,7 @@ class JobPath:
     _gate: asyncio.Semaphore | None
     _checkpoints: Batcher[tuple[str, str, str, str, int], str]
     _completes: Batcher[CompleteItem, str]
-    _begins: Batcher[tuple[str, str], str]
+    _begins: Batcher[tuple[str, str, str], str]
     _fences: Batcher[tuple[str, str], str]
 
     async def _fresh_lease(self, job: ClaimedJob) -> None: ...
@@ -168,6 +183,10 @@ class JobPath:
             # writes after the remote work (output, ack) run outside the slot.
             await self._enter_remote(job)
             try:
+                if remote_id is None and job.intent_open and self._hooks() and self.options.hook_grace_s > 0:
+                    remote_id = await self._await_hook(job, run)  # its webhook may name the remote job: no resend
+                    if remote_id is not None:
+                        remote_id = await self._record(job, remote_id, run)
                 if remote_id is None:
                     if adopted := await self._adopt(job):
                         remote_id = await self._record(job, adopted, run)
@@ -178,7 +197,8 @@ class JobPath:
                         remote_id, result, run = started
                         unrecorded = result is not None
                 if result is None:
-                    result = await self._poll(job, remote_id)
+                    hooked = self._hooks()
+                    result = await (self._poll_hooked(job, remote_id, run) if hooked else self._poll(job, remote_id))
                     if result is None:
                         return  # cancelled
             finally:
@@ -249,11 +269,14 @@ class JobPath:
         """Submit a job that has no remote job: (remote id, result of a synchronous API, submission number), or
         None when it went elsewhere (held over a cap, cancelled, failed)."""
         throttled: Throttled | None = None
+        hooks = self._hooks()
+        secret = secrets.token_urlsafe(24) if hooks else ""  # one per claim: a resend keeps its URL
+        digest = hook_digest(secret) if hooks else ""
         for attempt in range(self.options.submit_retries_on_429 + 1):
             await self._fresh_lease(job)
             await self._acquire(job)  # may wait long: the intent (with the cancel check) comes after
             async with self._gate or contextlib.nullcontext():
-                verdict = await self.health.call(lambda: self._begins((job.id, job.token)))
+                verdict = await self.health.call(lambda: self._begins((job.id, job.token, digest)))
                 if verdict == "CANCEL":
                     await self._cancel(job, None)
                     return None
@@ -278,14 +301,24 @@ class JobPath:
                     )
                 self._submitting.add(job.id)  # a lost lease now must not throw the answer away (see _record)
                 try:
-                    submission = await self.backend.submit(job_input, tag=job.id, idempotency_key=f"{job.id}.{n}")
+                    key = f"{job.id}.{n}"
+                    if hooks is not None:
+                        url = f"{self.options.hook_base}/{quote(job.id, safe='')}/{n}/{secret}"
+                        submission = await hooks.submit(job_input, tag=job.id, idempotency_key=key, webhook=url)
+                    else:
+                        submission = await self.backend.submit(job_input, tag=job.id, idempotency_key=key)
                 except Throttled as exc:
                     self.limits.note("throttled")
                     if attempt == self.options.submit_retries_on_429:
                         raise
                     throttled = exc
                 except BackendError as exc:
-                    self.limits.note("errors")
+                    await self.limits.count("errors")
+                    if hooks is not None and not isinstance(exc, Fatal):  # no answer, but the provider may
+                        # have called back meanwhile: then the submission was accepted and its id is known
+                        adopted, current = await self.health.call(lambda: self.store.current_remote(job.id))
+                        if adopted is not None and current == n:
+                            return await self._record(job, adopted, n), None, n
                     await self._submit_failed(job, exc)
                     return None
                 else:

@@ -19,7 +19,7 @@ from offload.errors import ConfigError
 from offload.queue.store import QueueStore
 from offload.storage import create_storage, store_output
 from offload.worker.dispatch import Worker, WorkerOptions, default_worker_id
-from offload.worker.file_inputs import FileInputs
+from offload.worker.file_inputs import with_file_inputs
 from offload.worker.jobpath import Fence
 from offload.worker.limits import BackendLimits
 
@@ -104,7 +104,7 @@ async def run_workers(
         for _, _, backend_name, bs in plans:  # every backend's settings are checked before anything connects
             if backend_name not in backends:
                 backend = create_backend(backend_name, bs, client=http)
-                backends[backend_name] = FileInputs(backend, storage, settings.storage.input_url_expires_s)
+                backends[backend_name] = with_file_inputs(backend, storage, settings.storage.input_url_expires_s)
                 resources.push_async_callback(backends[backend_name].aclose)
         redis = await connect(settings.redis_url)
         resources.push_async_callback(redis.aclose)
@@ -143,6 +143,9 @@ async def run_workers(
                 ingest_list=q.ingest_list,
                 max_attempts=q.max_attempts,
                 submit_concurrency=q.submit_concurrency,
+                hook_base=settings.hook_base(backend_name),
+                hook_poll_interval=bs.webhook_poll_interval_s,
+                hook_grace_s=settings.hook_grace_s(backend_name),
                 **({"lease_ms": int(lease_ms)} if lease_ms is not None else {}),
             )
             worker = Worker(

@@ -7,11 +7,13 @@
 -- submission's outcome is unknown (its worker died or lost its lease inside the submit call), so it is submitted
 -- again with the same number and counted as a possible duplicate. A repeat with the same token (a lost reply, or
 -- another try after a 429) answers the same number again and counts nothing. A remote job recorded for the
--- current submission since the claim (a stale worker's answer, attached by checkpoint.lua) is answered REMOTE:
--- nothing is sent, the caller polls it.
+-- current submission since the claim (a stale worker's answer, attached by checkpoint.lua, or adopted from its
+-- webhook by hook.lua) is answered REMOTE: nothing is sent, the caller polls it. The hash of the submission's
+-- webhook secret, when given, is kept per submission (`hook:<n>`, the last four: a resend of an unknown submission
+-- under the same number carries a new secret, and the first one's webhook must still be recognised).
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
 -- ARGV: now, cap window, job cap ('' none), spend cap ('' none), backend name, items: a JSON list of [id,
---   token, estimated cost]
+--   token, estimated cost, webhook secret hash ('' none)]
 -- Returns: per item OK:<n>, OK:<n>:DUP, REMOTE:<n>:<remote id>, CAP:jobs, CAP:spend (held), CANCEL, STALE or NOTFOUND
 --- @include "common"
 local now = now_ms(ARGV[1])
@@ -20,6 +22,20 @@ local capped = window ~= '' and (job_cap or spend_cap)
 local st = nil
 if capped then st = cap_open(window) end
 local out, dups = {}, 0
+local function remember_hook(k, n, digest)
+  if digest == nil or digest == '' then return end
+  local field = 'hook:' .. n
+  local known = redis.call('HGET', k, field)
+  if not known then
+    redis.call('HSET', k, field, digest)
+  elseif not string.find(known, digest, 1, true) then
+    local kept = {}
+    for h in string.gmatch(known, '%S+') do kept[#kept + 1] = h end
+    while #kept >= 4 do table.remove(kept, 1) end
+    kept[#kept + 1] = digest
+    redis.call('HSET', k, field, table.concat(kept, ' '))
+  end
+end
 for _, item in ipairs(cjson.decode(ARGV[6])) do
   local id, token, estimate = item[1], item[2], tonumber(item[3]) or 0
   local f, err = owned(id, token)
@@ -35,6 +51,7 @@ for _, item in ipairs(cjson.decode(ARGV[6])) do
     elseif sub and g[8] and g[8] ~= '' and tonumber(g[5] or '') == sub then
       out[#out + 1] = 'REMOTE:' .. sub .. ':' .. g[8]  -- attached since the claim: poll it, pay nothing
     elseif sub and g[3] == '1' and g[4] == token then
+      remember_hook(k, sub, item[4])
       out[#out + 1] = 'OK:' .. sub
     else
       local n, dup = 1, false
@@ -55,6 +72,7 @@ for _, item in ipairs(cjson.decode(ARGV[6])) do
         out[#out + 1] = 'CAP:' .. verdict
       else
         redis.call('HSET', k, 'sub_n', n, 'sub_open', '1', 'intent_at', now, 'intent_by', f[2], 'intent_tok', token)
+        remember_hook(k, n, item[4])
         if capped and again then redis.call('HSET', k, 'resv', estimate, 'resv_w', window, 'resv_n', n) end
         if dup then
           redis.call('HINCRBY', k, 'possible_duplicates', 1)

@@ -1,0 +1,116 @@
+"""`POST /v1/hooks/{backend}/{job_id}/{submission}/{secret}`: where providers report a finished remote job.
+
+No API key (a provider has none of ours); instead, in this order, before anything else is believed:
+1. the path names a backend with webhooks on and a job id offload issued;
+2. the per-submission secret (`secrets.token_urlsafe`, sent only to the provider inside this URL) hashes to one
+   the submission's intent recorded (begin.lua), compared in constant time; an unknown job, submission or
+   secret all get the same 404, so the route tells a prober nothing;
+3. only then is the body read (bounded to `HOOK_BODY` by `GuardedRoute`), and the provider's own signature
+   checked where it has one (`webhooks.Verifier`).
+A verified delivery goes to hook.lua, which fences it by submission number and makes duplicates, late and
+reordered deliveries no-ops; the answer is 200 for every verified delivery (the verdict says what it changed)
+so the provider does not retry one that had nothing left to do.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+from fastapi import APIRouter, HTTPException, Request
+
+from offload.backends import create_backend
+from offload.backends.base import WebhookBackend
+from offload.errors import InvalidJob
+from offload.queue.keys import hook_digest, queue_of
+from offload.server.auth import GuardedRoute, guard
+from offload.server.state import ServerState, get_state
+from offload.server.webhooks import Forged, Verifier
+
+log = logging.getLogger("offload.server")
+router = APIRouter(tags=["webhooks"], route_class=GuardedRoute)
+HOOK_BODY = 1 << 20  # a prediction object with inline output and logs; far below the server's --max-body
+MAX_SECRET = 128
+_STATE_KEY = "webhooks"
+
+
+@dataclass
+class _Hooks:
+    client: httpx.AsyncClient = field(default_factory=lambda: httpx.AsyncClient(timeout=10.0))
+    verifier: Verifier | None = None
+    backends: dict[str, WebhookBackend] = field(default_factory=dict)
+
+
+def _hooks(state: ServerState) -> _Hooks:
+    hooks: _Hooks | None = state.extra.get(_STATE_KEY)
+    if hooks is None:
+        hooks = _Hooks()
+        hooks.verifier = Verifier(hooks.client)
+        state.extra[_STATE_KEY] = hooks
+    return hooks
+
+
+async def aclose(state: ServerState) -> None:
+    hooks: _Hooks | None = state.extra.pop(_STATE_KEY, None)
+    if hooks is not None:
+        await hooks.client.aclose()
+
+
+def _backend(state: ServerState, hooks: _Hooks, name: str) -> WebhookBackend | None:
+    if name not in hooks.backends:
+        settings = state.options.settings.backends[name]
+        made = create_backend(name, settings, client=hooks.client)
+        if not isinstance(made, WebhookBackend):
+            return None
+        hooks.backends[name] = made
+    return hooks.backends[name]
+
+
+NOT_FOUND = "no such webhook (unknown backend, job, submission or secret)"
+
+
+@router.post(
+    "/v1/hooks/{backend}/{job_id}/{submission}/{secret}",
+    summary="A provider reports a remote job (webhook; authenticated by the URL's secret and its signature)",
+)
+@guard(body_limit=HOOK_BODY)
+async def receive(backend: str, job_id: str, submission: int, secret: str, request: Request) -> dict[str, Any]:
+    state = get_state(request)
+    settings = state.options.settings
+    if settings.hook_base(backend) is None or not 0 < submission < 1 << 31 or not 0 < len(secret) <= MAX_SECRET:
+        raise HTTPException(404, NOT_FOUND)
+    try:
+        queue_of(job_id)
+    except InvalidJob:
+        raise HTTPException(404, NOT_FOUND) from None
+    given = hook_digest(secret)
+    matched = False
+    for digest in await state.store.hook_digests(job_id, submission):
+        matched |= hmac.compare_digest(digest, given)
+    if not matched:
+        raise HTTPException(404, NOT_FOUND)
+    body = await request.body()
+    hooks = _hooks(state)
+    assert hooks.verifier is not None
+    b = settings.backends[backend]
+    try:
+        await hooks.verifier.verify(b, request.headers, body)
+    except Forged as exc:
+        log.warning("webhook for job %s (backend %s) refused: %s", job_id, backend, exc)
+        raise HTTPException(401, "the webhook's signature does not verify") from None
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise HTTPException(400, "the webhook body is not JSON") from None
+    made = _backend(state, hooks, backend)
+    event = made.hook_event(parsed) if made is not None else None
+    if event is None:
+        raise HTTPException(400, f"the webhook body is not a {b.kind} job report")
+    verdict = await state.store.hook(job_id, submission, event.remote_id, terminal=event.terminal, body=body)
+    if verdict == "ADOPTED" or verdict == "MISMATCH":
+        log.info("webhook for job %s submission %d: %s", job_id, submission, verdict.lower())
+    return {"ok": True, "verdict": verdict.lower()}

@@ -1,0 +1,210 @@
+"""Webhooks the simulator sends when a remote job ends, signed the way each provider signs them, with faults.
+
+Replicate signs with Standard Webhooks (`webhook-id`, `webhook-timestamp`, `webhook-signature`: HMAC-SHA256 over
+`id.timestamp.body` keyed with the secret after `whsec_`; the secret is served at `GET /v1/webhooks/default/secret`
+as Replicate does). fal signs with ED25519: `X-Fal-Webhook-Signature` is the hex signature of
+`request_id \\n user_id \\n timestamp \\n sha256(body)`, verifiable with the public keys at `/_sim/fal/jwks.json`.
+RunPod does not sign at all.
+
+Jobs are fixed timelines (see store.py), so nothing runs per job: one task sleeps until the earliest due
+delivery. The fault knobs (`POST /_sim/webhooks`) drop, duplicate, delay and reorder deliveries (a reordered
+delivery sends a stale "still running" body after the final one), so a receiver can be shown to shrug them off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import heapq
+import itertools
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+import aiohttp
+import orjson
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from pydantic import BaseModel, ConfigDict, Field
+from standardwebhooks import Webhook
+
+from offload.sim.store import TERMINAL, Job
+
+Render = Callable[[float, bool], dict[str, Any]]  # (now, final) -> the body; final=False: a stale "running" body
+FAL_USER_ID = "sim-user"
+RETRIES = 2  # RunPod retries twice; Replicate "a few times"; fal more, but two show the behaviour
+RETRY_PAUSE_S = 0.5
+MAX_CONNECTIONS = 256
+Rate = Annotated[float, Field(ge=0, le=1)]
+
+
+class HookFaults(BaseModel):
+    """Runtime knobs. Rates are probabilities per delivery; `delay_s` is added to every delivery."""
+
+    model_config = ConfigDict(extra="forbid")
+    drop_rate: Rate = 0.0
+    duplicate_rate: Rate = 0.0
+    reorder_rate: Rate = 0.0
+    delay_s: Annotated[float, Field(ge=0, le=3600)] = 0.0
+    replicate_secret: Annotated[str | None, Field(pattern=r"^whsec_[A-Za-z0-9+/=]+$")] = None
+
+
+@dataclass(slots=True)
+class Delivery:
+    """One webhook due at `due`: what it is about and how it is rendered."""
+
+    job: Job
+    url: str
+    render: Render
+    attempts: list[int] = field(default_factory=list)  # HTTP status per attempt (0: no answer)
+    dropped: bool = False
+
+
+def _b64url(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+class HookSender:
+    """Schedules, signs and sends the simulator's webhooks."""
+
+    def __init__(self, clock: Callable[[], float], rng: Any) -> None:
+        self.clock = clock
+        self.rng = rng
+        self.faults = HookFaults()
+        self.replicate_secret = "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()
+        self._fal_key = Ed25519PrivateKey.generate()
+        self._heap: list[tuple[float, int, Delivery]] = []
+        self._seq = itertools.count()
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._client: aiohttp.ClientSession | None = None
+        self.sent: list[dict[str, Any]] = []  # the delivery log: GET /_sim/webhooks
+
+    def configure(self, faults: HookFaults) -> None:
+        self.faults = faults
+        if faults.replicate_secret:
+            self.replicate_secret = faults.replicate_secret
+
+    def reset(self) -> None:
+        self._heap.clear()
+        self.sent.clear()
+        self.faults = HookFaults(replicate_secret=self.replicate_secret)
+
+    def jwks(self) -> dict[str, Any]:
+        raw = self._fal_key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        return {"keys": [{"kty": "OKP", "crv": "Ed25519", "x": _b64url(raw), "kid": "sim-1", "use": "sig"}]}
+
+    # -- scheduling ------------------------------------------------------------------------------------
+
+    def schedule(self, job: Job, url: str, render: Render) -> None:
+        """Deliver once `job` has ended (its timeline is fixed at submit; a cancel only moves the end earlier,
+        and a cancelled job's webhook then simply comes at the planned end)."""
+        self._push(max(job.ended_at(), self.clock()), Delivery(job, url, render))
+        if self._task is None or self._task.done():
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        elif self._wake is not None:
+            self._wake.set()
+
+    def _push(self, due: float, delivery: Delivery) -> None:
+        heapq.heappush(self._heap, (due, next(self._seq), delivery))
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        while True:
+            self._wake.clear()
+            now = self.clock()
+            while self._heap and self._heap[0][0] <= now:
+                _, _, delivery = heapq.heappop(self._heap)
+                if delivery.job.phase(now) not in TERMINAL:  # not yet: its end moved (a retried RunPod job)
+                    self._push(delivery.job.ended_at(), delivery)
+                    continue
+                asyncio.get_running_loop().create_task(self._deliver(delivery))
+            timeout = (self._heap[0][0] - now) if self._heap else None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+
+    async def _deliver(self, d: Delivery) -> None:
+        f = self.faults
+        if f.delay_s > 0:
+            await asyncio.sleep(f.delay_s)
+        if f.drop_rate > 0 and self.rng.random() < f.drop_rate:
+            d.dropped = True
+            self._log(d, final=True, copies=0)
+            return
+        copies = 2 if f.duplicate_rate > 0 and self.rng.random() < f.duplicate_rate else 1
+        reorder = f.reorder_rate > 0 and self.rng.random() < f.reorder_rate
+        message_id = "msg_" + secrets.token_hex(12)  # a duplicate is the same message delivered twice
+        body = orjson.dumps(d.render(self.clock(), True))
+        for _ in range(copies):
+            await self._send(d, body, message_id)
+        if reorder:  # a stale "still running" event arriving after the final one
+            await self._send(d, orjson.dumps(d.render(self.clock(), False)), "msg_" + secrets.token_hex(12))
+        self._log(d, final=True, copies=copies, reordered=reorder)
+
+    async def _send(self, d: Delivery, body: bytes, message_id: str) -> None:
+        if self._client is None:  # aiohttp: httpx's own pool costs ms per request at hundreds in flight
+            self._client = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=MAX_CONNECTIONS),
+                timeout=aiohttp.ClientTimeout(total=10.0),
+                headers={"User-Agent": "offload-sim-webhooks"},
+            )
+        for attempt in range(RETRIES + 1):
+            headers = {"content-type": "application/json", **self._sign(d.job, body, message_id)}
+            try:
+                async with self._client.post(d.url, data=body, headers=headers) as response:
+                    await response.read()
+                    d.attempts.append(response.status)
+                    if response.status < 500:
+                        return
+            except (aiohttp.ClientError, TimeoutError):
+                d.attempts.append(0)
+            if attempt < RETRIES:
+                await asyncio.sleep(RETRY_PAUSE_S)
+
+    def _sign(self, job: Job, body: bytes, message_id: str) -> dict[str, str]:
+        if job.family == "replicate":
+            stamp = datetime.fromtimestamp(int(time.time()), UTC)
+            signature = Webhook(self.replicate_secret).sign(message_id, stamp, body.decode())
+            return {
+                "webhook-id": message_id,
+                "webhook-timestamp": str(int(stamp.timestamp())),
+                "webhook-signature": signature,
+            }
+        if job.family == "fal":
+            seconds = str(int(time.time()))
+            message = "\n".join([job.id, FAL_USER_ID, seconds, hashlib.sha256(body).hexdigest()]).encode()
+            return {
+                "x-fal-webhook-request-id": job.id,
+                "x-fal-webhook-user-id": FAL_USER_ID,
+                "x-fal-webhook-timestamp": seconds,
+                "x-fal-webhook-signature": self._fal_key.sign(message).hex(),
+            }
+        return {}  # RunPod: no signature; the URL is the only secret
+
+    def _log(self, d: Delivery, *, final: bool, copies: int, reordered: bool = False) -> None:
+        self.sent.append(
+            {
+                "job": d.job.id,
+                "family": d.job.family,
+                "ended": d.job.ended_at(),
+                "sent_at": self.clock(),
+                "dropped": d.dropped,
+                "copies": copies,
+                "reordered": reordered,
+                "statuses": list(d.attempts),
+            }
+        )
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._client is not None:
+            await self._client.close()

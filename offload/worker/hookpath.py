@@ -1,0 +1,126 @@
+"""The webhook half of a job's path (see jobpath.py): waiting for a kept webhook instead of polling.
+
+With webhooks on (`WorkerOptions.hook_base`), a job's result comes from the final webhook the server kept in the
+job record (hook.lua), read when the worker's subscription wakes the job (wakeups.py) and once up front; the
+provider is polled only every `hook_poll_interval`, so a webhook that never comes cannot strand the job. And a
+job whose last submission's outcome is unknown waits `hook_grace_s` for that submission's webhook before paying
+for it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import orjson
+
+from offload.backends.base import Backend, RemoteResult, Throttled, Transient, WebhookBackend
+from offload.errors import StaleLease, WorkerError
+from offload.models import ClaimedJob
+from offload.queue.store import QueueStore
+from offload.worker.health import StoreHealth
+from offload.worker.limits import BackendLimits
+
+if TYPE_CHECKING:
+    from offload.worker.jobpath import WorkerOptions
+
+log = logging.getLogger("offload.worker")
+
+
+class PollTimeout(WorkerError):
+    """The remote job did not finish within `poll_timeout`."""
+
+
+class HookPath:
+    store: QueueStore
+    backend: Backend
+    limits: BackendLimits
+    options: WorkerOptions
+    health: StoreHealth
+    cancels: set[str]
+    _hooked: dict[str, asyncio.Event]  # jobs in flight a webhook may wake (see wakeups.py)
+
+    async def _cancel(self, job: ClaimedJob, remote_id: str | None) -> None: ...
+
+    def _hooks(self) -> WebhookBackend | None:
+        """The backend, when this worker's submissions carry webhook URLs."""
+        return self.backend if self.options.hook_base and isinstance(self.backend, WebhookBackend) else None
+
+    def _hook_event(self, job_id: str) -> asyncio.Event:
+        return self._hooked.setdefault(job_id, asyncio.Event())
+
+    async def _await_hook(self, job: ClaimedJob, run: int) -> str | None:
+        """Submission `run` of this job may have reached the provider (its worker died inside the submit call):
+        wait up to the grace for its webhook, which records its remote id (hook.lua), instead of paying again."""
+        heard = self._hook_event(job.id)
+        deadline = time.monotonic() + self.options.hook_grace_s
+        while True:
+            heard.clear()
+            remote_id, current = await self.health.call(lambda: self.store.current_remote(job.id))
+            if current != run:
+                raise StaleLease(f"job {job.id}: submission {run} is no longer current ({current})")
+            if remote_id is not None:
+                log.info("job %s: submission %d adopted from its webhook; not submitted again", job.id, run)
+                return remote_id
+            left = deadline - time.monotonic()
+            if left <= 0 or job.id in self.cancels:
+                return None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(heard.wait(), left)
+
+    async def _poll_hooked(self, job: ClaimedJob, remote_id: str, run: int) -> RemoteResult | None:
+        """With webhooks on: the result comes from the webhook the server kept, read at once when woken and
+        once up front (it may have come before this task, or before this worker claimed the job); the provider
+        is polled only every `hook_poll_interval`, so a webhook that never comes cannot strand the job, and at
+        once when the kept body lacks the result (fal's `payload_error`)."""
+        hooks = self._hooks()
+        assert hooks is not None
+        heard = self._hook_event(job.id)
+        deadline = time.monotonic() + self.options.poll_timeout
+        next_poll = time.monotonic() + self.options.hook_poll_interval
+        transient = 0
+        while True:
+            if job.id in self.cancels:
+                await self._cancel(job, remote_id)
+                return None
+            heard.clear()
+            body = await self.health.call(lambda: self.store.hook_body(job.id, run))
+            if body is not None:
+                kept = _kept(hooks, body)
+                if kept is not None:
+                    return kept
+                next_poll = min(next_poll, time.monotonic())
+            if time.monotonic() >= next_poll:
+                next_poll = time.monotonic() + self.options.hook_poll_interval
+                try:
+                    result = await self.backend.poll(remote_id)
+                    transient = 0
+                    if result.terminal:
+                        return result
+                except Throttled as exc:
+                    self.limits.note("throttled")
+                    await self.health.call(functools.partial(self.limits.cool_down, exc.retry_after or 5.0))
+                except Transient:
+                    self.limits.note("errors")
+                    transient += 1
+                    if transient >= 10:
+                        raise
+                    next_poll = time.monotonic() + min(self.options.poll_interval, self.options.hook_poll_interval)
+            now = time.monotonic()
+            if now > deadline:
+                raise PollTimeout(f"remote job {remote_id} not done after {self.options.poll_timeout:g}s")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(heard.wait(), max(0.0, min(next_poll, deadline) - now))
+
+
+def _kept(hooks: WebhookBackend, body: str) -> RemoteResult | None:
+    """The result a kept final webhook body carries, or None (unreadable, or without the result)."""
+    try:
+        result = hooks.hook_result(orjson.loads(body))
+    except orjson.JSONDecodeError:
+        return None
+    return result if result is not None and result.terminal else None

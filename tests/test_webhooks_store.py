@@ -1,0 +1,133 @@
+"""hook.lua and the webhook secret kept by begin.lua, on Valkey 9 and (when present) the system Redis 7:
+fencing by submission number, adoption of an unrecorded remote id, and every delivery that must change
+nothing (duplicate, late, reordered, another remote id)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from offload.connection import connect
+from offload.models import JobState
+from offload.queue.keys import hook_digest, hooks_channel
+from offload.queue.store import JobSpec, QueueStore
+
+FINAL = b'{"status":"succeeded"}'
+
+
+@pytest.fixture
+async def vstore(backend_url: str) -> AsyncIterator[QueueStore]:
+    now = [10_000_000]
+    store = QueueStore(await connect(backend_url), clock=lambda: now[0], lease_ms=1000, excuse_outages=False)
+    store.now = now  # type: ignore[attr-defined]
+    yield store
+    await store.redis.aclose()
+
+
+async def lapse(store: QueueStore) -> None:
+    store.now[0] += 1_001  # type: ignore[attr-defined]
+    await store.reap("q")
+
+
+async def test_begin_keeps_the_hash_of_each_submissions_secret(vstore: QueueStore) -> None:
+    [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1, max_attempts=5)])
+    (c,) = await vstore.claim("q", "w1", 1)
+    assert await vstore.begin_many("q", "", [(job_id, c.token, 0.0, hook_digest("s1"))]) == ["OK:1"]
+    assert await vstore.hook_digests(job_id, 1) == [hook_digest("s1")]
+    raw = await vstore.redis.hgetall(f"offload:{{q}}:job:{job_id}")
+    assert "s1" not in str(raw.values())  # only the hash is stored
+    # killed inside the submit call; the next worker resends submission 1 under a new secret: both are kept,
+    # so the first submission's webhook is still recognised
+    await lapse(vstore)
+    (c2,) = await vstore.claim("q", "w2", 1)
+    assert await vstore.begin_many("q", "", [(job_id, c2.token, 0.0, hook_digest("s2"))]) == ["OK:1:DUP"]
+    assert await vstore.hook_digests(job_id, 1) == [hook_digest("s1"), hook_digest("s2")]
+    assert await vstore.hook_digests(job_id, 2) == []
+
+
+async def test_webhook_adopts_an_unrecorded_remote_id_and_wakes_the_owner(vstore: QueueStore) -> None:
+    [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1, max_attempts=5)])
+    (c,) = await vstore.claim("q", "w1", 1)
+    await vstore.begin_many("q", "", [(job_id, c.token, 0.0, hook_digest("s"))])
+    pubsub = vstore.redis.pubsub(ignore_subscribe_messages=True)
+    await pubsub.subscribe(hooks_channel("q", "w1"))
+    assert await vstore.current_remote(job_id) == (None, 1)
+    assert await vstore.hook(job_id, 1, "r-1", terminal=False, body=b"{}") == "ADOPTED"
+    assert await vstore.current_remote(job_id) == ("r-1", 1)
+    assert await vstore.hook(job_id, 1, "r-1", terminal=True, body=FINAL) == "WAKE"
+    message = None
+    deadline = time.monotonic() + 5
+    while message is None and time.monotonic() < deadline:  # the first reads may be the subscribe reply
+        message = await pubsub.get_message(timeout=1)
+    assert message is not None and message["data"] == f"{job_id} 1"
+    await pubsub.aclose()
+    assert await vstore.hook_body(job_id, 1) == FINAL.decode()
+    assert await vstore.hook_body(job_id, 2) is None
+    assert (await vstore.get(job_id)).remote_id == "r-1"
+    # the adopted job, handed to another worker, is resumed (its remote id), not submitted again
+    await lapse(vstore)
+    (again,) = await vstore.claim("q", "w2", 1)
+    assert (again.remote_id, again.intent_open, again.submission) == ("r-1", False, 1)
+
+
+async def test_duplicate_reordered_mismatched_and_late_deliveries_change_nothing(vstore: QueueStore) -> None:
+    [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1, max_attempts=5)])
+    (c,) = await vstore.claim("q", "w1", 1)
+    await vstore.begin_many("q", "", [(job_id, c.token, 0.0, hook_digest("s"))])
+    await vstore.checkpoint_many("q", [(job_id, c.token, "b", "r-1", 1)])
+    assert await vstore.hook(job_id, 1, "r-1", terminal=True, body=FINAL) == "WAKE"
+    before = await vstore.redis.hgetall(f"offload:{{q}}:job:{job_id}")
+    assert await vstore.hook(job_id, 1, "r-1", terminal=True, body=b'{"status":"failed"}') == "DUP"
+    assert await vstore.hook(job_id, 1, "r-1", terminal=False, body=b'{"status":"processing"}') == "OK"
+    assert await vstore.hook(job_id, 1, "r-other", terminal=True, body=b"{}") == "MISMATCH"
+    assert await vstore.redis.hgetall(f"offload:{{q}}:job:{job_id}") == before
+    await vstore.complete(job_id, c.token, "results/x.json")
+    assert await vstore.hook(job_id, 1, "r-1", terminal=True, body=b"{}") == "LATE"
+    job = await vstore.get(job_id)
+    assert job.state == JobState.SUCCEEDED and job.result == "results/x.json"
+    assert await vstore.hook("q:unknown", 1, "r", terminal=True, body=b"{}") == "NOTFOUND"
+
+
+async def test_a_callback_of_an_earlier_submission_cannot_complete_the_newer_run(vstore: QueueStore) -> None:
+    [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1, max_attempts=5)])
+    (c,) = await vstore.claim("q", "w1", 1)
+    await vstore.begin_many("q", "", [(job_id, c.token, 0.0, hook_digest("a"))])
+    await vstore.checkpoint_many("q", [(job_id, c.token, "b", "r-1", 1)])
+    await vstore.fail(job_id, c.token, "remote job failed", delay_ms=0)  # run 1 failed: run 2 is wanted
+    (c2,) = await vstore.claim("q", "w2", 1)
+    assert await vstore.begin_many("q", "", [(job_id, c2.token, 0.0, hook_digest("b"))]) == ["OK:2"]
+    assert await vstore.hook(job_id, 1, "r-1", terminal=True, body=FINAL) == "STALE"
+    assert await vstore.hook(job_id, 1, "r-x", terminal=False, body=b"{}") == "STALE"
+    assert await vstore.current_remote(job_id) == (None, 2)
+    assert await vstore.hook_body(job_id, 1) is None and await vstore.hook_body(job_id, 2) is None
+
+
+async def test_a_final_webhook_for_a_job_nobody_holds_is_kept_for_its_next_claim(vstore: QueueStore) -> None:
+    [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1, max_attempts=5)])
+    (c,) = await vstore.claim("q", "w1", 1)
+    await vstore.begin_many("q", "", [(job_id, c.token, 0.0, hook_digest("s"))])
+    await lapse(vstore)  # the worker died inside submit; the job is back in the queue
+    assert await vstore.hook(job_id, 1, "r-9", terminal=True, body=FINAL) == "KEPT"
+    (again,) = await vstore.claim("q", "w2", 1)
+    assert (again.remote_id, again.intent_open) == ("r-9", False)
+    assert await vstore.hook_body(job_id, again.submission) == FINAL.decode()
+
+
+async def test_a_late_callback_of_a_failed_run_does_not_bring_its_remote_id_back(vstore: QueueStore) -> None:
+    """Run 1 failed (seen by a poll) and its remote id was let go; its webhook arrives before the retry is
+    submitted: adopting it would make the retry resume the failed run (and burn an attempt)."""
+    [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1, max_attempts=5)])
+    (c,) = await vstore.claim("q", "w1", 1)
+    await vstore.begin_many("q", "", [(job_id, c.token, 0.0, hook_digest("a"))])
+    await vstore.checkpoint_many("q", [(job_id, c.token, "b", "r-1", 1)])
+    await vstore.fail(job_id, c.token, "remote job failed", delay_ms=0)
+    assert await vstore.hook(job_id, 1, "r-1", terminal=True, body=b'{"status":"failed"}') == "STALE"
+    (again,) = await vstore.claim("q", "w2", 1)
+    assert again.remote_id is None and not again.intent_open
+    # and a submit the provider refused (answered, no remote job) cannot be adopted either
+    assert await vstore.begin_many("q", "", [(job_id, again.token, 0.0, hook_digest("b"))]) == ["OK:2"]
+    await vstore.fail(job_id, again.token, "503", delay_ms=0, answered=True)
+    assert await vstore.hook(job_id, 2, "r-2", terminal=True, body=FINAL) == "STALE"
+    assert await vstore.current_remote(job_id) == (None, 2)
