@@ -49,6 +49,12 @@ def traffic(redis_url: str, queue: str) -> None:
     asyncio.run(go())
 
 
+def _shared(scraped: dict[Any, float], queue: str) -> dict[Any, float]:
+    """The families every server reads from Redis, for this queue (and the backend's counters)."""
+    families = ("offload_jobs", "offload_job_", "offload_queue_jobs", "offload_backend")
+    return {k: v for k, v in scraped.items() if k[0].startswith(families) and dict(k[1]).get("queue", queue) == queue}
+
+
 def test_metrics_counters_are_shared_and_correct(valkey: ValkeyServer) -> None:
     q = new_queue("metrics")
     settings: dict[str, Any] = {
@@ -61,6 +67,9 @@ def test_metrics_counters_are_shared_and_correct(valkey: ValkeyServer) -> None:
             assert worker.status_code == 201
         traffic(valkey.url, q)
         one, two = scrape(url1, boot1), scrape(url2, boot2)
+        deadline = time.monotonic() + 10
+        while _shared(one, q) != _shared(two, q) and time.monotonic() < deadline:
+            one, two = scrape(url1, boot1), scrape(url2, boot2)
     lq = (("queue", q),)
 
     def m(name: str, **labels: str) -> float:
@@ -83,7 +92,6 @@ def test_metrics_counters_are_shared_and_correct(valkey: ValkeyServer) -> None:
     assert one[("offload_backend_requests_total", (("backend", "gpu"), ("outcome", "throttled")))] == 1
     assert m("offload_remote_workers") == 1
     assert one[("offload_queue_paused", lq)] == 0
-    # the second server instance reads the same numbers from Redis
-    for key, value in one.items():
-        if key[0].startswith(("offload_jobs", "offload_job_", "offload_queue_jobs", "offload_backend")):
-            assert two[key] == value, key
+    # the second server instance reads the same numbers from Redis (scraped again while they differ, for a few
+    # seconds: a state gauge may move between two scrapes when either server's maintenance runs in between)
+    assert _shared(one, q) == _shared(two, q)

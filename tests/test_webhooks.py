@@ -237,7 +237,7 @@ def test_exactly_the_webhook_kinds_implement_webhooks() -> None:
     implemented = {
         kind
         for kind in KINDS
-        if isinstance(create_backend(kind, "b", settings[kind], client=httpx.AsyncClient()), WebhookBackend)
+        if isinstance(create_backend("b", {"kind": kind, **settings[kind]}, client=httpx.AsyncClient()), WebhookBackend)
     }
     assert implemented == WEBHOOK_KINDS == set(BACKENDS)
 
