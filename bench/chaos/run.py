@@ -49,7 +49,7 @@ FAULTS = ("kill", "stop", "valkey", "drop", "reset", "blackhole", "storm", "prov
 BACKENDS = {
     "http-job": {},
     "runpod": {"endpoint_id": "chaos"},
-    "replicate": {"version": "chaos-version", "tag_input_key": "offload_tag"},  # orphans found by tag
+    "replicate": {"version": "chaos-version"},
     "fal": {"app": "chaos/app"},
 }
 QUICK = {
