@@ -200,23 +200,37 @@ async def enqueue(
 
 
 @contextlib.asynccontextmanager
-async def serving(settings: Settings, *, grace_s: float = 1.0, **options: Any) -> AsyncIterator[asyncio.Task[Any]]:
-    """A dispatch worker on queue `q` for the block; `options` override WorkerOptions fields (a quick first poll
-    by default, so a 0.2 s remote job is seen finished at once)."""
+async def worker(
+    settings: Settings, *, grace_s: float = 1.0, worker_id: str | None = None, **options: Any
+) -> AsyncIterator[tuple[asyncio.Task[Any], Worker]]:
+    """A dispatch worker on queue `q` for the block; yields (its task, the Worker once it runs). `options`
+    override WorkerOptions fields (a quick first poll by default, so a 0.2 s remote job is seen finished at once)."""
     stop = asyncio.Event()
+    ready: asyncio.Future[Worker] = asyncio.get_running_loop().create_future()
 
-    def tune(worker: Worker) -> None:
+    def tune(w: Worker) -> None:
         for name, value in {"first_poll": 0.05, **options}.items():
-            setattr(worker.options, name, value)
+            setattr(w.options, name, value)
+        ready.set_result(w)
 
     task = asyncio.create_task(
-        run_worker(settings, "q", stop=stop, install_signals=False, grace_s=grace_s, on_ready=tune)
+        run_worker(settings, "q", stop=stop, install_signals=False, grace_s=grace_s, worker_id=worker_id, on_ready=tune)
     )
     try:
-        yield task
+        await asyncio.wait([task, ready], return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()
+        yield task, ready.result()
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
+
+
+@contextlib.asynccontextmanager
+async def serving(settings: Settings, *, grace_s: float = 1.0, **options: Any) -> AsyncIterator[asyncio.Task[Any]]:
+    """`worker`, for a block that needs only its task."""
+    async with worker(settings, grace_s=grace_s, **options) as (task, _):
+        yield task
 
 
 async def until(

@@ -9,10 +9,8 @@ instant); everything else goes to the real server.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 import socket
-from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
@@ -21,42 +19,15 @@ import test_worker_faults as faults
 from redis.exceptions import ConnectionError as RedisConnectionError
 from s3server import RcloneS3
 from test_worker import BACKENDS, BUCKET
-from test_worker_faults import configure, enqueue, make_settings, stats, until, until_state
+from test_worker_faults import configure, enqueue, make_settings, stats, until, until_state, worker
 
-from offload.config import Settings
 from offload.queue.keys import prefix
 from offload.queue.store import JobSpec, QueueStore
-from offload.worker.dispatch import Worker
-from offload.worker.run import run_worker
 
 # the fixtures this module shares with test_worker_faults (module-scoped servers, a clean simulator per test)
 s3, sim, no_outputs, bucket, store = faults.s3, faults.sim, faults.no_outputs, faults.bucket, faults.store
 _quick_backoff, _clean_sim = faults._quick_backoff, faults._clean_sim
 QUICK_LEASE_MS = 1500  # beats every 0.5 s: a lease the worker does not know of is handed back within ~1 s
-
-
-@contextlib.asynccontextmanager
-async def worker(settings: Settings, *, worker_id: str | None = None, **options: Any) -> AsyncIterator[Any]:
-    """A dispatch worker on queue `q`; yields (its task, the Worker once it runs)."""
-    stop = asyncio.Event()
-    ready: asyncio.Future[Worker] = asyncio.get_running_loop().create_future()
-
-    def tune(w: Worker) -> None:
-        for name, value in {"first_poll": 0.05, **options}.items():
-            setattr(w.options, name, value)
-        ready.set_result(w)
-
-    task = asyncio.create_task(
-        run_worker(settings, "q", stop=stop, install_signals=False, grace_s=1.0, worker_id=worker_id, on_ready=tune)
-    )
-    try:
-        await asyncio.wait([task, ready], return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            task.result()
-        yield task, ready.result()
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
 
 
 def fail_first(monkeypatch: pytest.MonkeyPatch, name: str, times: int = 1) -> list[int]:

@@ -7,47 +7,19 @@ Real Valkey, the real simulator over HTTP (fixtures and helpers from test_worker
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import test_worker_faults as faults
-from test_worker_faults import configure, enqueue, make_settings, remote_jobs, stats, until, until_state
+from test_worker_faults import configure, enqueue, make_settings, remote_jobs, stats, until, until_state, worker
 
-from offload.config import Settings
 from offload.queue.store import QueueStore
 from offload.worker.dispatch import Worker
-from offload.worker.run import run_worker
 
 s3, sim, no_outputs, bucket, store = faults.s3, faults.sim, faults.no_outputs, faults.bucket, faults.store
 _quick_backoff, _clean_sim = faults._quick_backoff, faults._clean_sim
-
-
-@contextlib.asynccontextmanager
-async def worker(settings: Settings, *, grace_s: float = 1.0, **options: Any) -> AsyncIterator[tuple[Any, Worker]]:
-    """A dispatch worker on queue `q`; yields (its task, the Worker once it runs) and stops it after the block."""
-    stop = asyncio.Event()
-    ready: asyncio.Future[Worker] = asyncio.get_running_loop().create_future()
-
-    def tune(w: Worker) -> None:
-        for name, value in {"first_poll": 0.05, **options}.items():
-            setattr(w.options, name, value)
-        ready.set_result(w)
-
-    task = asyncio.create_task(
-        run_worker(settings, "q", stop=stop, install_signals=False, grace_s=grace_s, on_ready=tune)
-    )
-    try:
-        await asyncio.wait([task, ready], return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            task.result()
-        yield task, ready.result()
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
 
 
 async def counts(store: QueueStore) -> dict[str, int]:
