@@ -8,14 +8,14 @@ import hashlib
 import io
 import json
 import os
-import secrets
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import test_storage
 from s3server import RcloneS3
 
 from offload import AsyncClient, File
@@ -23,32 +23,12 @@ from offload.files import REF_KEY, field_name, references_in
 from offload.queue.keys import new_job_id
 from offload.queue.store import QueueStore
 from offload.server.file_sweep import FileSweep
-from offload.storage import create_storage
 from offload.storage.inputs import FileTooLarge, inputs_prefix, job_of_key, outputs_prefix
 from offload.storage.s3 import S3Storage
 
+# the servers and storage fixtures this module shares with test_storage (a module-scoped S3, a fresh bucket)
+s3, bucket, storage = test_storage.s3, test_storage.bucket, test_storage.storage
 MiB = 1024 * 1024
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RcloneS3]:
-    with RcloneS3(tmp_path_factory.mktemp("s3") / "data") as server:
-        yield server
-
-
-@pytest.fixture
-def bucket(s3: RcloneS3) -> str:
-    name = f"f-{secrets.token_hex(6)}"
-    s3.make_bucket(name)
-    return name
-
-
-@pytest.fixture
-async def storage(s3: RcloneS3, bucket: str) -> AsyncIterator[S3Storage]:
-    store = create_storage(s3.settings(bucket, max_attempts=1))
-    assert isinstance(store, S3Storage)
-    yield store
-    await store.aclose()
 
 
 @pytest.fixture
