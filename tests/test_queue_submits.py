@@ -184,3 +184,22 @@ async def test_a_stale_answer_for_a_finished_job_or_an_older_submission_is_not_a
     assert await vstore.checkpoint_many("q", [(job_id, c1.token, "gpu", "r-9", 2)]) == ["STALE:DUP"]
     job = await vstore.get(job_id)
     assert (job.state, job.remote_id) == (JobState.SUCCEEDED, "r-3")
+
+
+async def test_a_drain_closes_only_the_unsent_intents_its_own_lease_opened(vstore: QueueStore) -> None:
+    """A draining worker names the jobs it began but never sent: their intents close, and the next owner sends
+    the same run, uncounted; the job's spend reservation stands (taken once). A pair naming another lease's
+    intent (a forged or stale token), or a job whose call was sent (not named), keeps its intent open and
+    is counted when sent again."""
+    a, b, c = await vstore.enqueue_many("q", [JobSpec(input=i) for i in range(3)])
+    leases = {j.id: j.token for j in await vstore.claim("q", "w1", 3)}
+    items = [(j, leases[j], 2.0) for j in (a, b, c)]
+    assert await vstore.begin_many("q", W, items, spend_cap=100.0) == ["OK:1", "OK:1", "OK:1"]
+    unsent = [(a, leases[a]), (b, "w1/999")]  # b: not this lease's token; c: sent, so not named
+    assert await vstore.release_leases("q", "w1", unsent=unsent) == 3
+    again = {j.id: j for j in await vstore.claim("q", "w2", 3)}
+    assert {j: again[j].intent_open for j in (a, b, c)} == {a: False, b: True, c: True}
+    verdicts = await vstore.begin_many("q", W, [(j, again[j].token, 2.0) for j in (a, b, c)], spend_cap=100.0)
+    assert verdicts == ["OK:1", "OK:1:DUP", "OK:1:DUP"]
+    assert (await vstore.get(a)).possible_duplicates == 0
+    assert (await vstore.usage("q", W))[1] == pytest.approx(2.0 + 2 * 4.0)  # a reserved once; b, c again

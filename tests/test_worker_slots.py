@@ -15,6 +15,7 @@ import pytest
 import test_worker_faults as faults
 from test_worker_faults import configure, enqueue, make_settings, remote_jobs, stats, until, until_state, worker
 
+from offload.queue import keys
 from offload.queue.store import QueueStore
 from offload.worker.dispatch import Worker
 
@@ -69,22 +70,58 @@ async def test_the_stop_itself_hands_back_the_jobs_ahead_without_the_grace_perio
     valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore
 ) -> None:
     """The real drain: `stop` set with 2 jobs at the provider (5 s) and 2 ahead, grace 20 s. The jobs at the
-    provider finish inside the grace and succeed; the 2 ahead were handed back at the stop: unsubmitted."""
+    provider finish inside the grace and succeed; the 2 ahead were handed back at the stop: unsubmitted. The 2
+    ahead had begun (their begin runs before they wait for a slot): the drain closes those intents, so the next
+    owner sends them as the same run, not as possible duplicates."""
     await configure(sim, latency=3.0)
     jobs = await enqueue(store, "stop", 4)
     settings = make_settings(valkey_url, no_outputs, sim, "http-job", concurrency=2)
     async with worker(settings, grace_s=20.0, prefetch=2) as (task, _):
 
-        async def two_and_two() -> bool:
+        async def two_and_two_begun() -> bool:
             c = await counts(store)
-            return c["submitted"] == 2 and c["active"] == 2
+            # the submitted ones have their remote id recorded (intent closed); the 2 ahead have begun
+            return c["submitted"] == 2 and c["active"] == 2 and await _open_intents(store, jobs) == 2
 
-        await until(two_and_two, "2 jobs submitted and 2 claimed ahead", task)
+        await until(two_and_two_begun, "2 jobs submitted and 2 begun and waiting for a slot", task)
         ahead = [j for j, _ in jobs if (await store.get(j)).state == "active"]
     states = {j: (await store.get(j)).state for j, _ in jobs}
     assert sorted(states.values()) == ["queued", "queued", "succeeded", "succeeded"], states
     assert all(states[j] == "queued" for j in ahead), states
     assert sum([len(await remote_jobs(sim, i)) for _, i in jobs]) == 2
+    redelivered = await store.claim("q", "next-owner", 2)
+    assert sorted(j.id for j in redelivered) == sorted(ahead)
+    assert [j.intent_open for j in redelivered] == [False, False], "a drained, unsent intent was left open"
+    verdicts = await store.begin_many("q", "", [(j.id, j.token, 0.0) for j in redelivered])
+    assert verdicts == ["OK:1", "OK:1"], "the same run again, not a possible duplicate"
+
+
+async def _open_intents(store: QueueStore, jobs: Sequence[tuple[str, str]]) -> int:
+    return sum([await store.redis.hget(keys.job("q", j), "sub_open") == "1" for j, _ in jobs])
+
+
+async def test_a_cancel_heard_while_a_begun_job_waits_for_its_slot_is_not_submitted(
+    valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore
+) -> None:
+    """1 slot, 1 ahead: the job ahead has begun (its intent is open) and waits for the slot held by a 3 s remote
+    job. It is cancelled meanwhile; the worker hears it from a heartbeat and, once the job has its slot, checks
+    it right before the call: the job ends cancelled and the provider never sees it."""
+    await configure(sim, latency=3.0)
+    (first, first_input), (second, second_input) = await enqueue(store, "cancel-ahead", 2)
+    settings = make_settings(valkey_url, no_outputs, sim, "http-job", concurrency=1)
+    async with worker(settings, prefetch=1, lease_ms=1500) as (task, _):
+
+        async def one_out_one_begun() -> bool:
+            c = await counts(store)
+            return c["submitted"] == 1 and await _open_intents(store, [(second, second_input)]) == 1
+
+        await until(one_out_one_begun, "one job at the provider and one begun behind it", task)
+        assert (await store.get(second)).state == "active"
+        assert await store.cancel(second) == "requested"
+        await until_state(store, [second], "cancelled", task)
+        await until_state(store, [first], "succeeded", task)
+    assert await remote_jobs(sim, second_input) == [], "a cancelled job was submitted"
+    assert len(await remote_jobs(sim, first_input)) == 1
 
 
 async def test_a_heartbeat_racing_an_ack_is_no_lost_lease(

@@ -510,12 +510,21 @@ class QueueStore:
         _expect(await self._run(SCRIPTS.ack_cancel, queue_of(job_id), job_id, token), job_id)
 
     async def release_leases(
-        self, queue: str, worker_id: str, job_ids: Sequence[str] = (), *, forget_idle: bool = False
+        self,
+        queue: str,
+        worker_id: str,
+        job_ids: Sequence[str] = (),
+        *,
+        forget_idle: bool = False,
+        unsent: Sequence[tuple[str, str]] = (),
     ) -> int:
         """Hand leases back uncounted (all, or the given ids). All, or with `forget_idle` the last ones the
-        worker holds, also forget the worker (it is no longer listed as alive)."""
+        worker holds, also forget the worker (it is no longer listed as alive). `unsent`: (id, token) of jobs
+        whose submit intent that lease opened but whose call was never sent: the intent is closed, so the next
+        owner sends that submission again as the same run, not as a possible duplicate."""
         mode = "idle" if forget_idle else "ids" if job_ids else "all"
-        return int(await self._run(SCRIPTS.release_leases, queue, worker_id, mode, *job_ids))
+        closing = orjson.dumps(unsent) if unsent else ""
+        return int(await self._run(SCRIPTS.release_leases, queue, worker_id, mode, closing, *job_ids))
 
     async def forgive(self, queue: str, worker_id: str) -> tuple[int, int, int]:
         """The worker's machine was pre-empted (the provider took it away): its jobs come back without using up

@@ -78,6 +78,8 @@ class Worker(JobPath):
         self.claimed_at: dict[str, float] = {}  # when the claim that delivered it was sent (monotonic)
         self.cancels: set[str] = set()
         self._submitting: set[str] = set()
+        self._unsent: dict[str, str] = {}  # begun, not sent: a drain closes these intents (kept while draining)
+        self._draining = False
         # Jobs whose last write (ack, failure, cancel) is on its way: a heartbeat that no longer finds their lease
         # has most likely raced that write, and the write's own reply tells the task what happened.
         self.settling: set[str] = set()
@@ -224,12 +226,16 @@ class Worker(JobPath):
             self.settling.discard(job.id)
             self._past.discard(job.id)
             self._hooked.pop(job.id, None)
+            if not self._draining:
+                self._unsent.pop(job.id, None)
         self._room.set()
 
     async def _drain(self, helpers: list[asyncio.Task[None]]) -> None:
         """Stop claiming, let in-flight jobs finish for the grace period, then hand the rest back with
         their remote ids (the next worker resumes polling them). Jobs claimed ahead that never got a slot go
-        back at once: nothing of them was sent anywhere."""
+        back at once: nothing of them was sent anywhere, so the intents their begin opened are closed with the
+        release (the next owner sends the same submission, not a possible duplicate)."""
+        self._draining = True
         for task in list(self._ahead):
             task.cancel()
         if self.tasks:
@@ -245,7 +251,10 @@ class Worker(JobPath):
                 await self.limits.flush()
         try:
             async with asyncio.timeout(max(5.0, self.options.lease_ms / 1000)):
-                released = await self.health.call(lambda: self.control.release_leases(self.options.queue, self.id))
+                unsent = list(self._unsent.items())  # every task has ended: these never sent their call
+                released = await self.health.call(
+                    lambda: self.control.release_leases(self.options.queue, self.id, unsent=unsent)
+                )
             log.info("drained: released %d leases (remote ids kept)", released)
         except TimeoutError:
             log.warning("drained without the job store: the leases run out instead (and count as expired)")

@@ -118,6 +118,26 @@ class WorkerOptions:
         return self.price_per_job
 
 
+class Slot:
+    """One job's hold on one of the worker's `concurrency` slots: taken at most once, at the job's first remote
+    step, and given back once when its remote work ends (or it ends before any)."""
+
+    __slots__ = ("_job", "_path", "held")
+
+    def __init__(self, path: JobPath, job: ClaimedJob) -> None:
+        self._path, self._job, self.held = path, job, False
+
+    async def take(self) -> None:
+        if not self.held:
+            await self._path._enter_remote(self._job)
+            self.held = True
+
+    def give_back(self) -> None:
+        if self.held:
+            self.held = False
+            self._path._leave_remote(self._job)
+
+
 def _key_problem(key: str) -> str | None:
     try:
         validate_key(key)
@@ -138,6 +158,7 @@ class JobPath(HookPath):
     tasks: dict[str, asyncio.Task[None]]
     cancels: set[str]
     _submitting: set[str]  # jobs whose submit call is out: a lost lease waits for the answer to be recorded
+    _unsent: dict[str, str]  # job id -> token: begun (an open intent), the call not sent yet
     settling: set[str]
     _cancel_waits: dict[str, asyncio.Event]
     _gate: asyncio.Semaphore | None
@@ -178,31 +199,35 @@ class JobPath(HookPath):
             remote_id = job.remote_id
             run = job.submission or 1
             result: RemoteResult | None = None
-            # One of the `concurrency` slots while the job is at the provider (or about to be): claimed jobs
-            # beyond them wait here, so a slot that frees is filled without waiting for a claim, and the store
-            # writes after the remote work (output, ack) run outside the slot.
-            await self._enter_remote(job)
+            # One of the `concurrency` slots while the job is at the provider: taken at its first remote step (a
+            # fresh submission takes it after its begin script, see _submit), given back when the remote work
+            # ends; the store writes after it (output, ack) run outside the slot.
+            slot = Slot(self, job)
             try:
                 if remote_id is None and job.intent_open and self._hooks() and self.options.hook_grace_s > 0:
+                    await slot.take()
                     remote_id = await self._await_hook(job, run)  # its webhook may name the remote job: no resend
                     if remote_id is not None:
                         remote_id = await self._record(job, remote_id, run)
                 if remote_id is None:
+                    if job.intent_open:
+                        await slot.take()  # the provider is asked for the job by its tag
                     if adopted := await self._adopt(job):
                         remote_id = await self._record(job, adopted, run)
                     else:
-                        started = await self._submit(job, job_input)
+                        started = await self._submit(job, job_input, slot)
                         if started is None:
                             return  # held, cancelled or failed: the job has moved on
                         remote_id, result, run = started
                         unrecorded = result is not None
                 if result is None:
+                    await slot.take()
                     hooked = self._hooks()
                     result = await (self._poll_hooked(job, remote_id, run) if hooked else self._poll(job, remote_id))
                     if result is None:
                         return  # cancelled
             finally:
-                self._leave_remote(job)
+                slot.give_back()
             await self._finish(job, result, run, remote_id if unrecorded else None)
         except StaleLease:
             log.info("job %s: lease taken over, leaving it to its new owner", job.id)
@@ -265,9 +290,14 @@ class JobPath(HookPath):
             return await self.backend.find(job.id)
         return None
 
-    async def _submit(self, job: ClaimedJob, job_input: Any) -> tuple[str, RemoteResult | None, int] | None:
+    async def _submit(self, job: ClaimedJob, job_input: Any, slot: Slot) -> tuple[str, RemoteResult | None, int] | None:
         """Submit a job that has no remote job: (remote id, result of a synchronous API, submission number), or
-        None when it went elsewhere (held over a cap, cancelled, failed)."""
+        None when it went elsewhere (held over a cap, cancelled, failed).
+
+        The begin script runs before the job takes its slot (see docs/architecture.md, *Slots*): its round trip
+        is spent while the slot is still busy with another job, not inside this one's. Between the begin and the
+        call the job is `unsent` (a drain closes its intent: nothing was sent) and, once it has its slot, the
+        cancels this worker has heard of since the begin are checked right before the call."""
         throttled: Throttled | None = None
         hooks = self._hooks()
         secret = secrets.token_urlsafe(24) if hooks else ""  # one per claim: a resend keeps its URL
@@ -291,6 +321,12 @@ class JobPath(HookPath):
                     raise StaleLease(f"job {job.id}: lease lost before its submission ({verdict})")
                 _, number, *dup = verdict.split(":")
                 n = int(number)
+                self._unsent[job.id] = job.token
+                await slot.take()
+                if job.id in self.cancels:  # heard of since the begin (a heartbeat): not sent
+                    self._unsent.pop(job.id, None)
+                    await self._cancel(job, None)
+                    return None
                 await self._fresh_lease(job)  # no I/O unless this process stalled since its last proof of life
                 if dup:
                     log.warning(
@@ -299,6 +335,7 @@ class JobPath(HookPath):
                         job.id,
                         n,
                     )
+                self._unsent.pop(job.id, None)
                 self._submitting.add(job.id)  # a lost lease now must not throw the answer away (see _record)
                 try:
                     key = f"{job.id}.{n}"

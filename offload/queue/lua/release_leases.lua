@@ -1,18 +1,27 @@
 -- A draining worker lets go of jobs it will not finish; they go back to ready with their remote id, without
 -- counting as a lease expiry. Modes: 'all' (every lease of the worker, and the worker itself is forgotten), 'ids'
 -- (the given ones), 'idle' (the given ones, then the worker is forgotten if it holds nothing else).
+-- Intents the worker opened but never sent (begun, then drained before the call) are closed first, when the
+-- intent is still that lease's: the submission is then sent again as the same run, not as a possible duplicate.
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
--- ARGV: now, worker id, mode, then ids
+-- ARGV: now, worker id, mode, unsent: a JSON list of [id, token] ('' none), then ids
 -- Returns: the number of jobs released
 --- @include "common"
 local now = now_ms(ARGV[1])
 local wid, mode = ARGV[2], ARGV[3]
 local owned_key = P .. 'owned:' .. wid
+if ARGV[4] ~= '' then
+  for _, item in ipairs(cjson.decode(ARGV[4])) do
+    local k = jkey(item[1])
+    local g = redis.call('HMGET', k, 'sub_open', 'intent_tok')
+    if g[1] == '1' and g[2] == item[2] then redis.call('HSET', k, 'sub_open', '0') end
+  end
+end
 local ids = {}
 if mode == 'all' then
   ids = redis.call('ZRANGE', owned_key, 0, -1)
 else
-  for i = 4, #ARGV do
+  for i = 5, #ARGV do
     if redis.call('ZSCORE', owned_key, ARGV[i]) then ids[#ids + 1] = ARGV[i] end
   end
 end
