@@ -80,7 +80,8 @@ def validate_key(key: str) -> str:
         raise InvalidKey("storage key must be a non-empty string")
     if key.startswith("/") or "\\" in key or "\x00" in key:
         raise InvalidKey(f"storage key {key[:200]!r} must be relative, without backslashes or NUL")
-    if any(part in ("", ".", "..") for part in key.split("/")):
+    parts = key.split("/")  # (membership tests, not a generator: this runs once per job in the dispatch worker)
+    if "" in parts or "." in parts or ".." in parts:
         raise InvalidKey(f"storage key {key[:200]!r} has an empty, '.' or '..' segment")
     if len(key.encode()) > MAX_KEY_LENGTH:
         raise InvalidKey(f"storage key is longer than {MAX_KEY_LENGTH} bytes")
