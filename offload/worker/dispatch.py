@@ -180,10 +180,8 @@ class Worker(JobPath):
         self._past.discard(job.id)
         self.tasks[job.id] = asyncio.create_task(self._run_job(job, old))
 
-    async def _enter_remote(self, job: ClaimedJob) -> None:
+    async def _enter_remote(self, job: ClaimedJob, task: asyncio.Task[None]) -> None:
         """Take a slot: at most `concurrency` jobs are past this point (submitting, at the provider, polled)."""
-        task = asyncio.current_task()
-        assert task is not None
         self._ahead.add(task)  # (not `locked()` first: asyncio's scans every waiter, per call)
         try:
             await self._slots.acquire()
@@ -195,7 +193,7 @@ class Worker(JobPath):
     def _leave_remote(self, job: ClaimedJob) -> None:
         self.in_flight -= 1
         self._slots.release()
-        if self.tasks.get(job.id) is asyncio.current_task():
+        if self._newest(job):
             self._past.add(job.id)
         self._room.set()
 
@@ -219,7 +217,7 @@ class Worker(JobPath):
 
     def _done(self, job: ClaimedJob) -> None:
         """A task ends: forget it, unless a newer lease of the same job has taken its place."""
-        if self.tasks.get(job.id) is asyncio.current_task():
+        if self._newest(job):
             del self.tasks[job.id]
             self.tokens.pop(job.id, None)
             self.claimed_at.pop(job.id, None)

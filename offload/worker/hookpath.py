@@ -26,7 +26,7 @@ from offload.worker.health import StoreHealth
 from offload.worker.limits import BackendLimits
 
 if TYPE_CHECKING:
-    from offload.worker.jobpath import WorkerOptions
+    from offload.worker.options import WorkerOptions
 
 log = logging.getLogger("offload.worker")
 

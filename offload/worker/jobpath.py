@@ -18,7 +18,6 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
@@ -43,99 +42,15 @@ from offload.worker.batching import Batcher
 from offload.worker.health import StoreHealth, describe
 from offload.worker.hookpath import HookPath, PollTimeout
 from offload.worker.limits import BackendLimits
+from offload.worker.options import WorkerOptions
+from offload.worker.slots import Slot
 
 log = logging.getLogger("offload.worker")
+__all__ = ["Fence", "JobPath", "StoreOutput", "WorkerOptions"]
 Fence = Callable[[], Awaitable[None]]
 # (output key, output, run, fence) -> location. `run` names the remote run (the submission number), so files
 # of two runs never share a key; `fence` is awaited right before the output itself is written.
 StoreOutput = Callable[[str, Any, str, Fence], Awaitable[str]]
-
-
-@dataclass
-class WorkerOptions:
-    queue: str
-    backend_name: str
-    concurrency: int = 256
-    lease_ms: int = 10_000
-    poll_interval: float = 5.0
-    poll_timeout: float = 600.0
-    first_poll: float = 0.25
-    claim_batch: int = 500
-    grace_s: float = 30.0
-    daily_job_cap: int | None = None
-    daily_spend_cap: float | None = None
-    price_per_job: float | None = None
-    price_per_second: float | None = None
-    max_job_cost: float | None = None
-    ingest_list: str | None = None
-    max_attempts: int = 3
-    submit_retries_on_429: int = 8
-    submit_concurrency: int = 32
-    prefetch: int | None = None  # jobs leased beyond `concurrency`, ready for the next free slot (None: auto)
-
-    @property
-    def leased_max(self) -> int:
-        """How many jobs before or in their remote work the worker holds at most: `concurrency` at the provider
-        plus `prefetch` claimed ahead. The ones ahead keep every slot busy while a claim is on its way; they
-        are few (default: a quarter of `concurrency`, at least 1, at most `claim_batch`), so workers beside this
-        one still get their share of a short queue. None by default under a daily cap: a job claimed ahead when
-        the cap is reached is held until the next window, and a cap is where hoarding costs most."""
-        if self.prefetch is not None:
-            ahead = self.prefetch
-        elif self.daily_job_cap is not None or self.daily_spend_cap is not None:
-            ahead = 0
-        else:
-            ahead = min(max(self.concurrency // 4, 1), self.claim_batch)
-        return self.concurrency + max(ahead, 0)
-
-    # Webhooks (`server.public_url` set and a backend whose provider calls back): the URL prefix
-    # `<public_url>/v1/hooks/<backend>`, the fallback poll interval, and how long a job whose earlier
-    # submission's outcome is unknown waits for that submission's webhook before submitting again.
-    hook_base: str | None = None
-    hook_poll_interval: float = 60.0
-    hook_grace_s: float = 0.0
-
-    @property
-    def reservation(self) -> float:
-        """What one submission is reserved at against the spend cap before it is sent: the most it may cost.
-        `max_job_cost` when set; else `price_per_job`; else `price_per_second` times `poll_timeout` (a remote
-        job still running then is cancelled)."""
-        if self.max_job_cost is not None:
-            return self.max_job_cost
-        if self.price_per_job is not None:
-            return self.price_per_job
-        if self.price_per_second is not None:
-            return self.price_per_second * self.poll_timeout
-        return 0.0
-
-    def cost(self, result: RemoteResult) -> float | None:
-        """What a finished remote run cost: as reported, else billed seconds times the price, else the price
-        per job; None when unknown (its reservation then stands as its cost)."""
-        if result.cost is not None:
-            return result.cost
-        if self.price_per_second is not None and result.duration_s is not None:
-            return self.price_per_second * result.duration_s
-        return self.price_per_job
-
-
-class Slot:
-    """One job's hold on one of the worker's `concurrency` slots: taken at most once, at the job's first remote
-    step, and given back once when its remote work ends (or it ends before any)."""
-
-    __slots__ = ("_job", "_path", "held")
-
-    def __init__(self, path: JobPath, job: ClaimedJob) -> None:
-        self._path, self._job, self.held = path, job, False
-
-    async def take(self) -> None:
-        if not self.held:
-            await self._path._enter_remote(self._job)
-            self.held = True
-
-    def give_back(self) -> None:
-        if self.held:
-            self.held = False
-            self._path._leave_remote(self._job)
 
 
 def _key_problem(key: str) -> str | None:
@@ -156,6 +71,7 @@ class JobPath(HookPath):
     options: WorkerOptions
     health: StoreHealth
     tasks: dict[str, asyncio.Task[None]]
+    tokens: dict[str, str]  # the newest lease of each job this process runs
     cancels: set[str]
     _submitting: set[str]  # jobs whose submit call is out: a lost lease waits for the answer to be recorded
     _unsent: dict[str, str]  # job id -> token: begun (an open intent), the call not sent yet
@@ -169,11 +85,17 @@ class JobPath(HookPath):
 
     async def _fresh_lease(self, job: ClaimedJob) -> None: ...
 
-    async def _enter_remote(self, job: ClaimedJob) -> None: ...
+    async def _enter_remote(self, job: ClaimedJob, task: asyncio.Task[None]) -> None: ...
 
     def _leave_remote(self, job: ClaimedJob) -> None: ...
 
     def _done(self, job: ClaimedJob) -> None: ...
+
+    def _newest(self, job: ClaimedJob) -> bool:
+        """Whether `job` is the newest lease of its job this process runs, i.e. its task is the one in `tasks`
+        (each lease has its own token; compared instead of `asyncio.current_task()`, a Python call in 3.11 that
+        ran four times per job)."""
+        return self.tokens.get(job.id) == job.token
 
     async def _run_job(self, job: ClaimedJob, after: asyncio.Task[None] | None = None) -> None:
         remote_id: str | None = None  # once set: recorded in the job record (unless `unrecorded`)
@@ -202,7 +124,9 @@ class JobPath(HookPath):
             # One of the `concurrency` slots while the job is at the provider: taken at its first remote step (a
             # fresh submission takes it after its begin script, see _submit), given back when the remote work
             # ends; the store writes after it (output, ack) run outside the slot.
-            slot = Slot(self, job)
+            me = asyncio.current_task()
+            assert me is not None
+            slot = Slot(self, job, me)
             try:
                 if remote_id is None and job.intent_open and self._hooks() and self.options.hook_grace_s > 0:
                     await slot.take()
@@ -367,7 +291,7 @@ class JobPath(HookPath):
                     if submission.result is None:
                         remote = await self._record(job, submission.remote_id, n)
                     self.limits.note("submitted")  # after the checkpoint: the window before it stays small
-                    if self.tasks.get(job.id) is not asyncio.current_task():
+                    if not self._newest(job):
                         raise StaleLease(f"job {job.id}: leased to this worker again while submitting")
                     return remote, submission.result if remote == submission.remote_id else None, n
                 finally:

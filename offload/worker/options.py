@@ -1,0 +1,75 @@
+"""What a dispatch worker is told: its queue, backend, limits (slots, prefetch, submit gate), timings, caps and
+prices; and what follows from them (how many jobs it leases, what one submission reserves, what a run cost)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from offload.backends.base import RemoteResult
+
+
+@dataclass
+class WorkerOptions:
+    queue: str
+    backend_name: str
+    concurrency: int = 256
+    lease_ms: int = 10_000
+    poll_interval: float = 5.0
+    poll_timeout: float = 600.0
+    first_poll: float = 0.25
+    claim_batch: int = 500
+    grace_s: float = 30.0
+    daily_job_cap: int | None = None
+    daily_spend_cap: float | None = None
+    price_per_job: float | None = None
+    price_per_second: float | None = None
+    max_job_cost: float | None = None
+    ingest_list: str | None = None
+    max_attempts: int = 3
+    submit_retries_on_429: int = 8
+    submit_concurrency: int = 32
+    prefetch: int | None = None  # jobs leased beyond `concurrency`, ready for the next free slot (None: auto)
+
+    @property
+    def leased_max(self) -> int:
+        """How many jobs before or in their remote work the worker holds at most: `concurrency` at the provider
+        plus `prefetch` claimed ahead. The ones ahead keep every slot busy while a claim is on its way; they
+        are few (default: a quarter of `concurrency`, at least 1, at most `claim_batch`), so workers beside this
+        one still get their share of a short queue. None by default under a daily cap: a job claimed ahead when
+        the cap is reached is held until the next window, and a cap is where hoarding costs most."""
+        if self.prefetch is not None:
+            ahead = self.prefetch
+        elif self.daily_job_cap is not None or self.daily_spend_cap is not None:
+            ahead = 0
+        else:
+            ahead = min(max(self.concurrency // 4, 1), self.claim_batch)
+        return self.concurrency + max(ahead, 0)
+
+    # Webhooks (`server.public_url` set and a backend whose provider calls back): the URL prefix
+    # `<public_url>/v1/hooks/<backend>`, the fallback poll interval, and how long a job whose earlier
+    # submission's outcome is unknown waits for that submission's webhook before submitting again.
+    hook_base: str | None = None
+    hook_poll_interval: float = 60.0
+    hook_grace_s: float = 0.0
+
+    @property
+    def reservation(self) -> float:
+        """What one submission is reserved at against the spend cap before it is sent: the most it may cost.
+        `max_job_cost` when set; else `price_per_job`; else `price_per_second` times `poll_timeout` (a remote
+        job still running then is cancelled)."""
+        if self.max_job_cost is not None:
+            return self.max_job_cost
+        if self.price_per_job is not None:
+            return self.price_per_job
+        if self.price_per_second is not None:
+            return self.price_per_second * self.poll_timeout
+        return 0.0
+
+    def cost(self, result: RemoteResult) -> float | None:
+        """What a finished remote run cost: as reported, else billed seconds times the price, else the price
+        per job; None when unknown (its reservation then stands as its cost)."""
+        if result.cost is not None:
+            return result.cost
+        if self.price_per_second is not None and result.duration_s is not None:
+            return self.price_per_second * result.duration_s
+        return self.price_per_job
