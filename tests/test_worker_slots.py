@@ -13,7 +13,17 @@ from typing import Any
 
 import pytest
 import test_worker_faults as faults
-from test_worker_faults import configure, enqueue, make_settings, remote_jobs, stats, until, until_state, worker
+from test_worker_faults import (
+    configure,
+    enqueue,
+    fault_count,
+    make_settings,
+    remote_jobs,
+    stats,
+    until,
+    until_state,
+    worker,
+)
 
 from offload.queue import keys
 from offload.queue.store import QueueStore
@@ -69,22 +79,43 @@ def _most_at_once(spans: Sequence[tuple[float, float]]) -> int:
 async def test_the_stop_itself_hands_back_the_jobs_ahead_without_the_grace_period(
     valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore
 ) -> None:
-    """The real drain: `stop` set with 2 jobs at the provider (5 s) and 2 ahead, grace 20 s. The jobs at the
-    provider finish inside the grace and succeed; the 2 ahead were handed back at the stop: unsubmitted. The 2
-    ahead had begun (their begin runs before they wait for a slot): the drain closes those intents, so the next
-    owner sends them as the same run, not as possible duplicates."""
+    """The real drain: `stop` set with 2 jobs at the provider (3 s) and 2 ahead, grace 20 s. The jobs at the
+    provider finish inside the grace and succeed; the 2 ahead were handed back at the stop: unsubmitted."""
     await configure(sim, latency=3.0)
     jobs = await enqueue(store, "stop", 4)
     settings = make_settings(valkey_url, no_outputs, sim, "http-job", concurrency=2)
     async with worker(settings, grace_s=20.0, prefetch=2) as (task, _):
 
-        async def two_and_two_begun() -> bool:
+        async def two_and_two() -> bool:
             c = await counts(store)
-            # the submitted ones have their remote id recorded (intent closed); the 2 ahead have begun
-            return c["submitted"] == 2 and c["active"] == 2 and await _open_intents(store, jobs) == 2
+            return c["submitted"] == 2 and c["active"] == 2
 
-        await until(two_and_two_begun, "2 jobs submitted and 2 begun and waiting for a slot", task)
+        await until(two_and_two, "2 jobs submitted and 2 claimed ahead", task)
         ahead = [j for j, _ in jobs if (await store.get(j)).state == "active"]
+        assert await _open_intents(store, jobs) == 0, "an asynchronous API's job began before its slot"
+    states = {j: (await store.get(j)).state for j, _ in jobs}
+    assert sorted(states.values()) == ["queued", "queued", "succeeded", "succeeded"], states
+    assert all(states[j] == "queued" for j in ahead), states
+    assert sum([len(await remote_jobs(sim, i)) for _, i in jobs]) == 2
+
+
+async def test_a_drain_closes_the_intents_of_synchronous_jobs_begun_ahead_of_a_slot(
+    valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore
+) -> None:
+    """A synchronous API (the submit is the whole job): a job claimed ahead begins before it waits for a slot.
+    `stop` with 2 answers 3 s out and 2 begun behind them: the 2 at the provider succeed inside the grace, the 2
+    ahead go back unsent with their intents closed, so the next owner sends them as the same run, uncounted."""
+    await configure(sim, latency=3.0)
+    jobs = await enqueue(store, "stop-sync", 4)
+    settings = make_settings(valkey_url, no_outputs, sim, "openai", concurrency=2)
+    async with worker(settings, grace_s=20.0, prefetch=2) as (task, w):
+
+        async def two_out_two_begun() -> bool:
+            return w.in_flight == 2 and await _open_intents(store, jobs) == 4
+
+        await until(two_out_two_begun, "2 jobs at the provider and 2 begun, waiting for a slot", task)
+        ahead = [j for j in w.tasks if j not in w._submitting]
+        assert len(ahead) == 2, (list(w.tasks), w._submitting)
     states = {j: (await store.get(j)).state for j, _ in jobs}
     assert sorted(states.values()) == ["queued", "queued", "succeeded", "succeeded"], states
     assert all(states[j] == "queued" for j in ahead), states
@@ -103,25 +134,26 @@ async def _open_intents(store: QueueStore, jobs: Sequence[tuple[str, str]]) -> i
 async def test_a_cancel_heard_while_a_begun_job_waits_for_its_slot_is_not_submitted(
     valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore
 ) -> None:
-    """1 slot, 1 ahead: the job ahead has begun (its intent is open) and waits for the slot held by a 3 s remote
-    job. It is cancelled meanwhile; the worker hears it from a heartbeat and, once the job has its slot, checks
-    it right before the call: the job ends cancelled and the provider never sees it."""
+    """A synchronous API, 1 slot, 1 ahead: the job ahead has begun (its intent is open) and waits for the slot
+    held by a 3 s call. It is cancelled meanwhile; the worker hears it from a heartbeat and, once the job has its
+    slot, checks it right before the call: the job ends cancelled and the provider never sees it."""
     await configure(sim, latency=3.0)
-    (first, first_input), (second, second_input) = await enqueue(store, "cancel-ahead", 2)
-    settings = make_settings(valkey_url, no_outputs, sim, "http-job", concurrency=1)
-    async with worker(settings, prefetch=1, lease_ms=1500) as (task, _):
+    jobs = await enqueue(store, "cancel-ahead", 2)
+    inputs = dict(jobs)
+    settings = make_settings(valkey_url, no_outputs, sim, "openai", concurrency=1)
+    async with worker(settings, prefetch=1, lease_ms=1500) as (task, w):
 
         async def one_out_one_begun() -> bool:
-            c = await counts(store)
-            return c["submitted"] == 1 and await _open_intents(store, [(second, second_input)]) == 1
+            return len(w._submitting) == 1 and await _open_intents(store, jobs) == 2
 
         await until(one_out_one_begun, "one job at the provider and one begun behind it", task)
-        assert (await store.get(second)).state == "active"
+        [first] = w._submitting
+        [second] = [j for j in inputs if j != first]
         assert await store.cancel(second) == "requested"
         await until_state(store, [second], "cancelled", task)
         await until_state(store, [first], "succeeded", task)
-    assert await remote_jobs(sim, second_input) == [], "a cancelled job was submitted"
-    assert len(await remote_jobs(sim, first_input)) == 1
+    assert await remote_jobs(sim, inputs[second]) == [], "a cancelled job was submitted"
+    assert len(await remote_jobs(sim, inputs[first])) == 1
 
 
 async def test_a_heartbeat_racing_an_ack_is_no_lost_lease(
@@ -219,3 +251,28 @@ async def test_a_synchronous_answer_lost_to_a_worker_error_closes_its_intent(
     seen = await stats(sim)
     assert seen["submissions_by_input_id"] == {input_id: 1}, "the answer already paid for was paid again"
     assert seen["idempotent_replays"] == {"openai": 1}, seen
+
+
+async def test_an_asynchronous_api_under_429s_with_more_jobs_ahead_than_the_submit_gate_does_not_stall(
+    valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore
+) -> None:
+    """An asynchronous API takes the slot before the submit gate and its begin: jobs holding slots wait for the
+    gate again after each 429, so a job holding the gate must never wait for a slot (with the begin before the
+    slot, the 2 jobs ahead took the one gate permit and waited for a slot, while the 2 slot holders waited for
+    the gate: nothing moved again). 2 slots, 2 ahead, a gate of 1, every submit answered 429 for a while: once the
+    429s stop, every job is submitted once and succeeds."""
+    await configure(sim, faults_on=["submit"], rate_429=1.0, retry_after_header=True, retry_after_seconds=0.2)
+    jobs = await enqueue(store, "gate", 4)
+    settings = make_settings(valkey_url, no_outputs, sim, "http-job", concurrency=2, submit_concurrency=1)
+    async with worker(settings, prefetch=2) as (task, w):
+        assert w._gate is not None and w._gate._value == 1
+
+        async def throttled_and_ahead() -> bool:
+            c = await counts(store)
+            return await fault_count(sim, "jobs.submit", "429") >= 4 and c["active"] == 4
+
+        await until(throttled_and_ahead, "4 jobs leased and their submits answered 429", task)
+        await configure(sim)
+        await until_state(store, [j for j, _ in jobs], "succeeded", task, timeout=30)
+        assert w.peak_in_flight == 2
+    assert (await stats(sim))["submissions_by_input_id"] == {i: 1 for _, i in jobs}

@@ -139,6 +139,10 @@ class JobPath(HookPath):
                     if adopted := await self._adopt(job):
                         remote_id = await self._record(job, adopted, run)
                     else:
+                        if self._gate is not None:
+                            # an asynchronous API: slot, then gate, then begin, as a job holding a slot may wait for
+                            # the gate again (after a 429), so one holding the gate must never wait for a slot
+                            await slot.take()
                         started = await self._submit(job, job_input, slot)
                         if started is None:
                             return  # held, cancelled or failed: the job has moved on
@@ -218,10 +222,11 @@ class JobPath(HookPath):
         """Submit a job that has no remote job: (remote id, result of a synchronous API, submission number), or
         None when it went elsewhere (held over a cap, cancelled, failed).
 
-        The begin script runs before the job takes its slot (see docs/architecture.md, *Slots*): its round trip
-        is spent while the slot is still busy with another job, not inside this one's. Between the begin and the
-        call the job is `unsent` (a drain closes its intent: nothing was sent) and, once it has its slot, the
-        cancels this worker has heard of since the begin are checked right before the call."""
+        For a synchronous API (no submit gate) the begin script runs before the job takes its slot (see
+        docs/architecture.md, *Slots*): its round trip is spent while the slot is still busy with another job,
+        not inside this one's. Between the begin and the call the job is `unsent` (a drain closes its intent:
+        nothing was sent) and, once it has its slot, the cancels this worker has heard of since the begin are
+        checked right before the call."""
         throttled: Throttled | None = None
         hooks = self._hooks()
         secret = secrets.token_urlsafe(24) if hooks else ""  # one per claim: a resend keeps its URL
