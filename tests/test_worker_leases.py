@@ -281,9 +281,16 @@ async def test_a_reaped_worker_does_not_overwrite_the_new_owners_output(
     key = f"results/{job_id}.json"
     async with worker(make_settings(valkey_url, s3, sim, "http-job", concurrency=1)) as (task, w):
         await until(lambda: _is_set(stalled), "the worker to reach its output write", task)
-        await store.redis.zadd(prefix("q") + "workers", {w.id: 0})
-        await store.reap("q")  # its lease is gone; a new owner finishes the job (from a newer remote run)
-        (new,) = await store.claim("q", "new-owner", 1, lease_ms=60_000)
+        taken: list[Any] = []
+
+        async def taken_over() -> bool:  # its lease is gone; a new owner finishes the job (from a newer remote run)
+            await store.redis.zadd(prefix("q") + "workers", {w.id: 0})  # (again if the worker's own claim loop
+            await store.reap("q")  # spoke between the two and so renewed itself: a race under load)
+            taken[:] = await store.claim("q", "new-owner", 1, lease_ms=60_000)
+            return bool(taken)
+
+        await until(taken_over, "a new owner to take the reaped job", task)
+        (new,) = taken
         bucket.put_object(Bucket=BUCKET, Key=key, Body=b'{"from": "the new owner"}')
         await store.complete(job_id, new.token, f"s3://{BUCKET}/{key}")
         go.set()
