@@ -50,13 +50,15 @@ Rate = Annotated[float, Field(ge=0, le=1)]
 
 
 class HookFaults(BaseModel):
-    """Runtime knobs. Rates are probabilities per delivery; `delay_s` is added to every delivery."""
+    """Runtime knobs. Rates are probabilities per delivery; `delay_s` is added to a `delay_rate` share of the
+    deliveries (all of them by default)."""
 
     model_config = ConfigDict(extra="forbid")
     drop_rate: Rate = 0.0
     duplicate_rate: Rate = 0.0
     reorder_rate: Rate = 0.0
     delay_s: Annotated[float, Field(ge=0, le=3600)] = 0.0
+    delay_rate: Rate = 1.0
     replicate_secret: Annotated[str | None, Field(pattern=r"^whsec_[A-Za-z0-9+/=]+$")] = None
 
 
@@ -70,6 +72,7 @@ class Delivery:
     event: Event = "completed"
     attempts: list[int] = field(default_factory=list)  # HTTP status per attempt (0: no answer)
     dropped: bool = False
+    delayed: bool = False
 
 
 def _b64url(raw: bytes) -> str:
@@ -140,7 +143,8 @@ class HookSender:
 
     async def _deliver(self, d: Delivery) -> None:
         f = self.faults
-        if f.delay_s > 0:
+        if f.delay_s > 0 and (f.delay_rate >= 1 or self.rng.random() < f.delay_rate):
+            d.delayed = True
             await asyncio.sleep(f.delay_s)
         if f.drop_rate > 0 and self.rng.random() < f.drop_rate:
             d.dropped = True
@@ -215,6 +219,7 @@ class HookSender:
                 "ended": d.job.ended_at(),
                 "sent_at": self.clock(),
                 "dropped": d.dropped,
+                "delayed": d.delayed,
                 "copies": copies,
                 "reordered": reordered,
                 "statuses": list(d.attempts),
