@@ -162,7 +162,14 @@ class Run:
         healed = time.time()
         await self._heal()
         cap_slot = self.slots[-1]
-        self.held_at_roll = int(await self.direct.zcard(f"offload:{{{CAPPED}}}:held"))
+        for attempt in range(5):  # the direct client's connection may predate the last Valkey restart
+            try:
+                self.held_at_roll = int(await self.direct.zcard(f"offload:{{{CAPPED}}}:held"))
+                break
+            except (RedisError, OSError):
+                if attempt == 4:
+                    raise
+                await asyncio.sleep(0.5)
         await asyncio.to_thread(cap_slot.terminate)
         self.rolled_at = time.time()
         cap_slot.start(OFFLOAD_CLOCK_OFFSET_S="86400")  # the next UTC day: held jobs must come back
