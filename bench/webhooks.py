@@ -146,7 +146,8 @@ async def run_once(
             print(
                 f"{name}: kept by the server p50 {server_ms:.0f} ms after the end, stored p50 {worker_ms:.0f} ms later"
             )
-        sent = (await sim.get("/_sim/webhooks")).json()["deliveries"]
+        # the completions only: a Replicate `start` goes out the moment the prediction exists
+        sent = [d for d in (await sim.get("/_sim/webhooks")).json()["deliveries"] if d.get("event") == "completed"]
         if sent:
             answered = [(d["sent_at"] - d["ended"]) * 1000 for d in sent]
             print(f"{name}: webhook answered by the server p50 {statistics.median(answered):.0f} ms after the end")

@@ -276,3 +276,77 @@ async def test_a_lost_submit_answer_is_healed_by_the_webhook_that_came_first(
             stats = (await http.get(f"{sim_url}/_sim/stats")).json()
     assert job.state == JobState.SUCCEEDED and job.attempts == 1 and job.possible_duplicates == 0
     assert stats["submissions"] == 1 and stats["faults"] == {"replicate.create lost_response": 1}, stats
+
+
+async def test_replicate_asks_for_start_and_a_start_neither_completes_nor_makes_the_worker_poll(
+    valkey_url: str, sim_url: str, tmp_path: Path
+) -> None:
+    """Every submission asks for `start` and `completed`; the start delivery (the prediction as created) is
+    verified and changes nothing for a job whose worker recorded the id; the result comes from `completed`
+    alone, with no poll."""
+    configure_sim(sim_url, latency=1.0)
+    async with world(valkey_url, sim_url, tmp_path) as w, w.worker("replicate"):
+        job_id = await w.enqueue("replicate", "start-1")
+        job = await w.finished(job_id)
+    (remote,) = sim_jobs(sim_url, job_id)
+    assert remote["meta"]["webhook_events_filter"] == ["start", "completed"]
+    (start,) = deliveries(sim_url, "start")
+    assert start["statuses"] == [200] and start["sent_at"] < start["ended"]  # sent at once, not at the end
+    assert job.state == JobState.SUCCEEDED and job.attempts == 1 and job.possible_duplicates == 0
+    assert sim_requests(sim_url).get(POLL_ROUTES["replicate"], 0) == 0
+
+
+async def test_forged_and_foreign_start_deliveries_cannot_adopt_an_open_submission(
+    valkey_url: str, sim_url: str, tmp_path: Path
+) -> None:
+    """A submission whose answer has not come (the provider holds the create call): its intent is open with
+    no remote id, the one moment a start could name any id. A forged signature, a wrong URL secret and an
+    unsigned body are refused and record nothing; the genuine start records the id (STARTED), its duplicate
+    is a no-op, and a start naming another prediction is refused as a mismatch."""
+    configure_sim(sim_url, latency=30.0, behaviour={"submit_latency": 60.0}, drop_rate=1.0)
+    async with world(valkey_url, sim_url, tmp_path) as w, w.worker("replicate"):
+        job_id = await w.enqueue("replicate", "open")
+
+        async def at_provider() -> bool:
+            return bool(sim_jobs(sim_url, job_id))
+
+        await wait_for(at_provider, what="the submission to reach the provider")
+        (remote,) = sim_jobs(sim_url, job_id)
+        url = str(remote["meta"]["webhook"])
+        body = orjson.dumps({"id": "attacker-run", "status": "starting"})
+        genuine = orjson.dumps({"id": remote["id"], "status": "starting"})
+        async with httpx.AsyncClient(timeout=10) as http:
+            forged = await http.post(url, content=body, headers={**replicate_signed(body), "webhook-signature": "v1,A"})
+            unsigned = await http.post(url, content=body)
+            guessed = await http.post(
+                url.rsplit("/", 1)[0] + "/" + "y" * 32, content=body, headers=replicate_signed(body)
+            )
+            assert (forged.status_code, unsigned.status_code, guessed.status_code) == (401, 401, 404)
+            assert await w.store.current_remote(job_id) == (None, 1)
+            first = await http.post(url, content=genuine, headers=replicate_signed(genuine, msg_id="msg_a"))
+            again = await http.post(url, content=genuine, headers=replicate_signed(genuine, msg_id="msg_a"))
+            foreign = await http.post(url, content=body, headers=replicate_signed(body, msg_id="msg_b"))
+        assert [r.json()["verdict"] for r in (first, again, foreign)] == ["started", "ok", "mismatch"]
+        assert await w.store.current_remote(job_id) == (remote["id"], 1)
+        job = await w.store.get(job_id)
+        assert job.result is None and job.state != JobState.SUCCEEDED
+
+
+async def test_a_start_arriving_after_completion_changes_nothing(valkey_url: str, sim_url: str, tmp_path: Path) -> None:
+    """Reordered: every start comes after its job's completion (and after the job is stored): LATE, the
+    record unchanged."""
+    configure_sim(sim_url, latency=0.3, reorder_rate=1.0)
+    async with world(valkey_url, sim_url, tmp_path) as w, w.worker("replicate"):
+        job_id = await w.enqueue("replicate", "late-start")
+        job = await w.finished(job_id)
+        before = await w.store.redis.hgetall(f"offload:{{{QUEUES['replicate']}}}:job:{job_id}")
+
+        async def start_sent() -> bool:
+            return bool(deliveries(sim_url, "start"))
+
+        await wait_for(start_sent, what="the reordered start")
+        after = await w.store.redis.hgetall(f"offload:{{{QUEUES['replicate']}}}:job:{job_id}")
+    (start,) = deliveries(sim_url, "start")
+    (done,) = deliveries(sim_url)
+    assert start["reordered"] and start["statuses"] == [200] and start["sent_at"] > done["sent_at"]
+    assert job.state == JobState.SUCCEEDED and after == before

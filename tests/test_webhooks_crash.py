@@ -42,8 +42,30 @@ async def test_worker_killed_inside_submit_is_adopted_by_its_webhook_not_paid_tw
         assert len(sim_jobs(sim_url, job_id)) == 1
         assert job.possible_duplicates == 0 and job.result is not None
         assert await store.redis.hget(f"offload:{{{QUEUES[provider]}}}:job:{job_id}", "adopted") == "1"
-        assert "adopted from its webhook" in b_log.read_text()
         assert [d["statuses"] for d in deliveries(sim_url)] == [[200]]
+        if provider == "runpod":  # RunPod calls only on completion: B waited out the grace for it
+            assert "adopted from its webhook" in b_log.read_text()
+        else:  # Replicate's `start` named the remote id before A's lease even ran out: B just resumed it
+            assert [d["statuses"] for d in deliveries(sim_url, "start")] == [[200]]
+            assert "adopted from its webhook" not in b_log.read_text()
+
+
+async def test_a_start_webhook_adopts_a_killed_submission_that_runs_far_longer_than_the_grace(
+    valkey_url: str, tmp_path: Path
+) -> None:
+    """Against a Replicate that ignores the Idempotency-Key, the remote job runs 8 s and the grace is 1 s: on
+    completion alone, B would give up waiting and pay again. The `start` event (delivered twice, as a provider
+    may) names the remote id at once: one submission, no possible duplicate, and B never resends."""
+    async with killed_inside_submit(
+        "replicate", valkey_url, tmp_path, latency=8.0, duplicate_rate=1.0, grace_s=1.0, poll_s=30.0
+    ) as (sim_url, store, job_id, b_log):
+        job = await store.get(job_id)
+        assert len(submissions(sim_url)) == 1, submissions(sim_url)
+        assert job.possible_duplicates == 0 and job.result is not None and job.attempts == 1
+        (start,) = deliveries(sim_url, "start")
+        assert start["copies"] == 2 and start["statuses"] == [200, 200]
+        assert await store.redis.hget(f"offload:{{{QUEUES['replicate']}}}:job:{job_id}", "adopted") == "1"
+        assert "sending it again" not in b_log.read_text()
 
 
 async def test_without_its_webhook_the_job_is_submitted_again_after_the_grace(valkey_url: str, tmp_path: Path) -> None:
@@ -59,12 +81,19 @@ async def test_without_its_webhook_the_job_is_submitted_again_after_the_grace(va
         sent = submissions(sim_url)
         assert len(sent) == 2 and job.possible_duplicates == 1, sent
         assert "adopted from its webhook" not in b_log.read_text()
-        assert all(d["dropped"] for d in deliveries(sim_url))
+        assert all(d["dropped"] for d in deliveries(sim_url, None))  # its start and its completion
 
 
 @contextlib.asynccontextmanager
 async def killed_inside_submit(
-    provider: str, valkey_url: str, tmp_path: Path, *, drop: bool = False, **settings: Any
+    provider: str,
+    valkey_url: str,
+    tmp_path: Path,
+    *,
+    drop: bool = False,
+    latency: float = 12.0,
+    duplicate_rate: float = 0.0,
+    **settings: Any,
 ) -> AsyncIterator[tuple[str, QueueStore, str, Path]]:
     """Worker A is SIGKILLed while the provider holds its submit call open (the remote job already exists);
     worker B, already running, takes the job over once A's lease ran out. Yields once the job succeeded:
@@ -72,9 +101,15 @@ async def killed_inside_submit(
     port = free_port()
     with running_sim() as base:
         sim_url = str(base)
-        # the provider takes 60 s to answer a submit (the window the kill lands in) and runs a job 12 s: the
-        # second worker is up and claims the job (A's lease runs out after 1.5 s) before the webhook comes
-        configure_sim(sim_url, latency=12.0, behaviour={"submit_latency": 60.0}, drop_rate=1.0 if drop else 0.0)
+        # the provider takes 60 s to answer a submit (the window the kill lands in) and runs a job `latency` s
+        # (12: the second worker is up and claims the job, A's lease runs out after 1.5 s, before the job ends)
+        configure_sim(
+            sim_url,
+            latency=latency,
+            behaviour={"submit_latency": 60.0},
+            drop_rate=1.0 if drop else 0.0,
+            duplicate_rate=duplicate_rate,
+        )
         data = config_for(valkey_url, sim_url, f"http://127.0.0.1:{port}", tmp_path / "results", **settings)
         path = tmp_path / "offload.yaml"
         path.write_text(yaml.safe_dump(data))

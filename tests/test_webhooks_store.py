@@ -54,8 +54,11 @@ async def test_webhook_adopts_an_unrecorded_remote_id_and_wakes_the_owner(vstore
     pubsub = vstore.redis.pubsub(ignore_subscribe_messages=True)
     await pubsub.subscribe(hooks_channel("q", "w1"))
     assert await vstore.current_remote(job_id) == (None, 1)
-    assert await vstore.hook(job_id, 1, "r-1", terminal=False, body=b"{}") == "ADOPTED"
+    # a start event while its submitter still holds the lease: recorded (that worker may be dead inside the
+    # call), not counted as an adoption (it may as well be alive and about to record the same id itself)
+    assert await vstore.hook(job_id, 1, "r-1", terminal=False, body=b"{}") == "STARTED"
     assert await vstore.current_remote(job_id) == ("r-1", 1)
+    assert await vstore.redis.hget(f"offload:{{q}}:job:{job_id}", "adopted") is None
     assert await vstore.hook(job_id, 1, "r-1", terminal=True, body=FINAL) == "WAKE"
     message = None
     deadline = time.monotonic() + 5
@@ -66,8 +69,10 @@ async def test_webhook_adopts_an_unrecorded_remote_id_and_wakes_the_owner(vstore
     assert await vstore.hook_body(job_id, 1) == FINAL.decode()
     assert await vstore.hook_body(job_id, 2) is None
     assert (await vstore.get(job_id)).remote_id == "r-1"
-    # the adopted job, handed to another worker, is resumed (its remote id), not submitted again
+    # the adopted job, handed to another worker, is resumed (its remote id), not submitted again; its lease
+    # ended without the submitter recording the id, so the start event is counted as the adoption it was
     await lapse(vstore)
+    assert await vstore.redis.hget(f"offload:{{q}}:job:{job_id}", "adopted") == "1"
     (again,) = await vstore.claim("q", "w2", 1)
     assert (again.remote_id, again.intent_open, again.submission) == ("r-1", False, 1)
 
@@ -131,3 +136,57 @@ async def test_a_late_callback_of_a_failed_run_does_not_bring_its_remote_id_back
     await vstore.fail(job_id, again.token, "503", delay_ms=0, answered=True)
     assert await vstore.hook(job_id, 2, "r-2", terminal=True, body=FINAL) == "STALE"
     assert await vstore.current_remote(job_id) == (None, 2)
+
+
+async def test_a_start_event_adopts_for_the_worker_waiting_out_the_grace(vstore: QueueStore) -> None:
+    """The submitter died inside the call and its job went to w2 (in `_await_hook`) before the provider's
+    `start` came: the id is adopted, counted, w2 is told at once, and an `adopted` event marks the moment. The
+    body of a non-final event is never kept, and nothing after it (a duplicate start, the dead worker's
+    checkpoint of the same id, a start after completion) changes the record."""
+    [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1, max_attempts=5)])
+    (c,) = await vstore.claim("q", "w1", 1)
+    await vstore.begin_many("q", "", [(job_id, c.token, 0.0, hook_digest("s"))])
+    await lapse(vstore)
+    (c2,) = await vstore.claim("q", "w2", 1)
+    assert c2.intent_open and c2.remote_id is None
+    pubsub = vstore.redis.pubsub(ignore_subscribe_messages=True)
+    await pubsub.subscribe(hooks_channel("q", "w2"))
+    key = f"offload:{{q}}:job:{job_id}"
+    assert await vstore.hook(job_id, 1, "r-1", terminal=False, body=b'{"status":"starting"}') == "ADOPTED"
+    message = None
+    deadline = time.monotonic() + 5
+    while message is None and time.monotonic() < deadline:
+        message = await pubsub.get_message(timeout=1)
+    await pubsub.aclose()
+    assert message is not None and message["data"] == f"{job_id} 1"
+    assert await vstore.current_remote(job_id) == ("r-1", 1)
+    assert await vstore.hook_body(job_id, 1) is None
+    assert await vstore.redis.hget(key, "adopted") == "1"
+    events = [e for _, e in await vstore.redis.xrange("offload:{q}:events") if e["state"] == "adopted"]
+    assert [e["jobs"] for e in events] == [job_id]
+    before = await vstore.redis.hgetall(key)
+    assert await vstore.hook(job_id, 1, "r-1", terminal=False, body=b'{"status":"starting"}') == "OK"
+    assert await vstore.hook(job_id, 1, "r-2", terminal=False, body=b'{"status":"starting"}') == "MISMATCH"
+    assert await vstore.redis.hgetall(key) == before
+    # the dead worker's answer, had it come: the same id is no second run
+    assert await vstore.checkpoint_many("q", [(job_id, c.token, "b", "r-1", 1)]) == ["STALE"]
+    assert await vstore.begin_many("q", "", [(job_id, c2.token, 0.0, hook_digest("t"))]) == ["REMOTE:1:r-1"]
+    assert await vstore.hook(job_id, 1, "r-1", terminal=True, body=FINAL) == "WAKE"
+    await vstore.complete(job_id, c2.token, "results/x.json")
+    assert await vstore.hook(job_id, 1, "r-1", terminal=False, body=b'{"status":"starting"}') == "LATE"
+    job = await vstore.get(job_id)
+    assert job.state == JobState.SUCCEEDED and job.result == "results/x.json" and job.possible_duplicates == 0
+
+
+async def test_a_start_event_racing_the_live_submitters_answer_is_no_duplicate(vstore: QueueStore) -> None:
+    """Replicate may call `start` before the create call's answer is back: the id is recorded first, and the
+    submitter's checkpoint of the same id then goes through as usual (no DUP, no adoption counted)."""
+    [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1, max_attempts=5)])
+    (c,) = await vstore.claim("q", "w1", 1)
+    await vstore.begin_many("q", "", [(job_id, c.token, 0.0, hook_digest("s"))])
+    assert await vstore.hook(job_id, 1, "r-1", terminal=False, body=b"{}") == "STARTED"
+    assert await vstore.checkpoint_many("q", [(job_id, c.token, "b", "r-1", 1)]) == ["OK"]
+    job = await vstore.get(job_id)
+    assert job.state == JobState.SUBMITTED and job.remote_id == "r-1" and job.possible_duplicates == 0
+    await lapse(vstore)  # even when that worker dies later: it had recorded the id itself
+    assert await vstore.redis.hget(f"offload:{{q}}:job:{job_id}", "adopted") is None

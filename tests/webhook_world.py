@@ -79,8 +79,10 @@ def configure_sim(sim_url: str, *, latency: float = 0.3, behaviour: dict[str, An
     httpx.post(f"{sim_url}/_sim/webhooks", json=body).raise_for_status()
 
 
-def deliveries(sim_url: str) -> list[dict[str, Any]]:
-    return list(httpx.get(f"{sim_url}/_sim/webhooks").json()["deliveries"])
+def deliveries(sim_url: str, event: str | None = "completed") -> list[dict[str, Any]]:
+    """The simulator's webhook deliveries of one event (`completed`, `start`), or of all (None)."""
+    sent = httpx.get(f"{sim_url}/_sim/webhooks").json()["deliveries"]
+    return [d for d in sent if event is None or d["event"] == event]
 
 
 def sim_jobs(sim_url: str, job_id: str) -> list[dict[str, Any]]:

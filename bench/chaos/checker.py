@@ -39,6 +39,7 @@ SIM_JOB = re.compile(r"/_sim/files/(.+)-\d+\.\w+$")
 # whose id the job store never learnt, because the worker was killed or stopped (the design's stated window),
 # cut off from Valkey, or never got the answer. With a provider honouring Idempotency-Key all of them must be 0.
 UNAVOIDABLE = {"killed_inside_submit", "partition_inside_submit", "valkey_crash_inside_submit", "response_lost"}
+RECORDED = ("submitted", "adopted")  # the events that mean the job store knows the remote id
 INFRA_ERRORS = ("worker error", "lease expired", "ConnectionError", "TimeoutError", "Redis", "Connection")
 
 
@@ -367,10 +368,11 @@ class Checker:
         return end
 
     def _recorded(self, job_id: str, prev: dict[str, Any], sub: dict[str, Any]) -> float | None:
-        """When the job store recorded a remote id between the two submissions (the checkpoint's event)."""
+        """When the job store recorded a remote id between the two submissions: the checkpoint's event, or
+        hook.lua's `adopted` (a webhook named it), after which resubmitting is a defect too."""
         t0, t1 = prev["arrival"], sub["arrival"]
         return next(
-            (t for t, state in self.d.events.get(job_id, []) if state == "submitted" and t0 - 0.05 <= t <= t1), None
+            (t for t, state in self.d.events.get(job_id, []) if state in RECORDED and t0 - 0.05 <= t <= t1), None
         )
 
     def _after_recorded(self, recorded: float, t1: float) -> str:

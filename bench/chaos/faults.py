@@ -55,6 +55,14 @@ class Profile:
     capped_jobs: int = 64
     daily_job_cap: int = 40
     max_attempts: int = 25
+    # with --webhooks (bench/chaos/hooks.py): per-delivery fault rates at the simulator, and the grace a job
+    # whose submission's outcome is unknown waits for its webhook
+    hook_drop_rate: float = 0.02
+    hook_duplicate_rate: float = 0.02
+    hook_reorder_rate: float = 0.02
+    hook_delay_rate: float = 0.05
+    hook_delay_s: float = 2.0
+    hook_grace_s: float = 5.0
 
     def sim_config(self, seed: int, honour: bool) -> dict[str, Any]:
         return {

@@ -352,6 +352,7 @@ class WorkerSlot:
         self.proc: subprocess.Popen[bytes] | None = None
         self.lives: list[Incarnation] = []
         self.stopped = False
+        self.terminating = False  # terminate() is under way (in a thread): its exit is not the worker's own
 
     @property
     def current(self) -> Incarnation | None:
@@ -393,7 +394,7 @@ class WorkerSlot:
         self.proc = spawn(cmd, log, {**self.env, **env}, cwd=self.dir)
         life = Incarnation(n, self.proc.pid, log, time.time())
         self.lives.append(life)
-        self.stopped = False
+        self.stopped = self.terminating = False
         return life
 
     def kill(self) -> None:
@@ -420,7 +421,7 @@ class WorkerSlot:
 
     def exited(self) -> int | None:
         """The exit code if the current incarnation ended by itself (recorded), else None."""
-        if self.proc is None or (life := self.current) is None:
+        if self.proc is None or self.terminating or (life := self.current) is None:
             return None
         code = self.proc.poll()
         if code is None:
@@ -431,6 +432,7 @@ class WorkerSlot:
     def terminate(self, grace: float = 15.0) -> None:
         if self.proc is None or (life := self.current) is None:
             return
+        self.terminating = True
         self.sigcont()
         signal_group(self.proc, signal.SIGTERM)
         try:

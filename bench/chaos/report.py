@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from bench.chaos import hooks
 from bench.chaos.checker import Checker, RunData
 from bench.chaos.procs import Incarnation
 from bench.chaos.proxy import DroppedReply
@@ -64,6 +65,7 @@ def report(
         "wall_s": round(wall, 1),
         "seed": run.args.seed,
         "minutes": run.p.minutes,
+        "webhooks": hooks.summary(run.hook_log, run.server) if run.server is not None else None,
     }
     for key in (
         "everysec_loss",
@@ -114,6 +116,8 @@ def human(doc: dict[str, Any], run: Run) -> str:
         f"per kill): {doc['duplicates_by_cause']}",
         f"cap {doc.get('cap')}, held released {doc.get('held_released')}, worker exits {doc['worker_exits']}",
     ]
+    if doc.get("webhooks"):
+        lines.append(f"webhooks (through offload server): {doc['webhooks']}")
     lines += [f"  ! {f}" for f in run.findings[:25]] + [f"  ! worker {n}" for n in run.exit_notes]
     verdict = (
         "PASS" if not (doc["lost"] or doc["stuck"] or doc["wrong_results"] or doc["defect_duplicates"]) else "FAIL"

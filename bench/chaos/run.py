@@ -22,7 +22,6 @@ import tempfile
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,8 @@ from redis.retry import Retry
 from bench.chaos import report
 from bench.chaos.checker import TERMINAL, Checker, RunData
 from bench.chaos.faults import Profile, Schedule
+from bench.chaos.hooks import Server, check_backend
+from bench.chaos.options import BACKENDS, parse_args, profile_for
 from bench.chaos.procs import HOST, S3, Sim, Valkey, WorkerSlot, base_env, pidns_support, signal_group
 from bench.chaos.proxy import FaultProxy
 from offload.connection import connect
@@ -45,105 +46,33 @@ from offload.queue.store import JobSpec, QueueStore
 log = logging.getLogger("chaos")
 QUEUE, CAPPED, BUCKET = "chaos", "capped", "chaos-results"
 INGEST_LIST = "chaos:jobs"
-FAULTS = ("kill", "stop", "valkey", "drop", "reset", "blackhole", "storm", "provider")
-BACKENDS = {
-    "http-job": {},
-    "runpod": {"endpoint_id": "chaos"},
-    "replicate": {"version": "chaos-version"},
-    "fal": {"app": "chaos/app"},
-}
-QUICK = {
-    "minutes": 1.0,
-    "concurrency": 60,
-    "jobs_per_s": 12.0,
-    "kill_every": 3.0,
-    "stop_every": 15.0,
-    "valkey_every": 25.0,
-    "drop_every": 2.0,
-    "reset_every": 20.0,
-    "blackhole_every": 30.0,
-    "blackhole_s": 2.0,
-    "storm_every": 20.0,
-    "storm_s": 3.0,
-    "latency": "3-8",
-    "result_ttl": 8.0,
-    "capped_jobs": 24,
-    "daily_job_cap": 15,
-}
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="the CI-sized profile (about a minute of faults)")
-    p.add_argument("--minutes", type=float, help="length of the fault phase (default 10, quick 1)")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--workers", type=int, help="dispatch worker processes on the main queue (default 3)")
-    p.add_argument("--in-flight", type=int, help="concurrency per worker (default 200, quick 60)")
-    p.add_argument("--jobs-per-s", type=float, help="producer rate during the fault phase (default 20)")
-    p.add_argument("--jobs", type=int, help="total jobs on the main queue (sets the rate over the fault phase)")
-    p.add_argument("--faults", default="all", help=f"comma list of {','.join(FAULTS)}, or all / none")
-    p.add_argument("--kill-every", type=float, help="mean seconds between worker SIGKILLs (default 2)")
-    p.add_argument("--aof", choices=("always", "everysec"), default="always", help="Valkey appendfsync")
-    honour = p.add_mutually_exclusive_group()
-    honour.add_argument("--honour-idempotency-key", dest="honour", action="store_true", default=True)
-    honour.add_argument(
-        "--ignore-idempotency-key",
-        dest="honour",
-        action="store_false",
-        help="the simulator treats every submit as new, as most provider APIs do",
-    )
-    p.add_argument("--backend", choices=sorted(BACKENDS), default="http-job", help="API family the workers use")
-    p.add_argument("--no-pidns", action="store_true", help="do not restart workers in PID namespaces")
-    p.add_argument("--settle", type=float, help="max seconds to wait for quiescence (default: 3 min, quick 50 s)")
-    p.add_argument("--out", type=Path, help="directory for logs and data (default: a new temp dir)")
-    p.add_argument("--autoscale", action="store_true", help="run the server-killed-mid-autoscale scenario only")
-    return p.parse_args(argv)
-
-
-def profile_for(args: argparse.Namespace) -> Profile:
-    profile = Profile(**QUICK) if args.quick else Profile()  # type: ignore[arg-type]
-    overrides = {
-        "minutes": args.minutes,
-        "workers": args.workers,
-        "concurrency": args.in_flight,
-        "jobs_per_s": args.jobs_per_s,
-        "kill_every": args.kill_every,
-    }
-    profile = replace(profile, **{k: v for k, v in overrides.items() if v is not None})
-    if args.jobs:  # the producer enqueues for 85 % of the fault phase, a batch every 0.5 s
-        profile = replace(profile, jobs_per_s=args.jobs / (profile.minutes * 60 * 0.85))
-    chosen = set(FAULTS) if args.faults == "all" else set() if args.faults == "none" else set(args.faults.split(","))
-    if unknown := chosen - set(FAULTS):
-        raise SystemExit(f"error: unknown fault(s) {', '.join(sorted(unknown))}; choose from {', '.join(FAULTS)}")
-    off: dict[str, Any] = {}
-    for fault, fields in (
-        ("kill", ["kill_every"]),
-        ("stop", ["stop_every"]),
-        ("valkey", ["valkey_every"]),
-        ("drop", ["drop_every"]),
-        ("reset", ["reset_every"]),
-        ("blackhole", ["blackhole_every"]),
-        ("storm", ["storm_every"]),
-        ("provider", ["error_rate", "rate_429", "lost_response_rate", "fail_rate"]),
-    ):
-        if fault not in chosen:
-            off.update(dict.fromkeys(fields, 0.0))
-    return replace(profile, **off)
-
-
-def worker_config(path: Path, redis_url: str, s3: S3, base_url: str, backend: str, p: Profile) -> Path:
+def worker_config(
+    path: Path, redis_url: str, s3: S3, base_url: str, backend: str, p: Profile, server: Server | None = None
+) -> Path:
     queue = {"backend": "sim", "max_attempts": p.max_attempts, "poll_interval": 2, "poll_timeout": 300}
-    config = {
+    hooks = server.backend(backend, base_url, p) if server else {}
+    config: dict[str, Any] = {
         "redis_url": redis_url,
         "storage": s3.settings(),
         "backends": {
-            "sim": {"kind": backend, "base_url": base_url, "api_key": "sim-key", "timeout": 30, **BACKENDS[backend]}
+            "sim": {
+                "kind": backend,
+                "base_url": base_url,
+                "api_key": "sim-key",
+                "timeout": 30,
+                **BACKENDS[backend],
+                **hooks,
+            }
         },
         "queues": {
             QUEUE: {**queue, "concurrency": p.concurrency, "ingest_list": INGEST_LIST},
             CAPPED: {**queue, "concurrency": 16, "daily_job_cap": p.daily_job_cap},
         },
     }
+    if server is not None:
+        config["server"] = {"public_url": server.url}
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
 
@@ -169,13 +98,17 @@ class Run:
         self.s3 = await asyncio.to_thread(S3(self.out / "s3", BUCKET).start)
         self.sim = await asyncio.to_thread(Sim(self.out, p.workers + 1).start)
         self.slots: list[WorkerSlot] = []
+        self.server: Server | None = None
+        self.hook_log: list[dict[str, Any]] = []  # the simulator's webhook deliveries (with --webhooks)
         try:
             return await self._run(pidns)
         finally:
             for slot in self.slots:  # normally already drained; after an error or Ctrl+C, gone for sure
                 if slot.proc is not None and slot.proc.poll() is None:
                     signal_group(slot.proc, signal.SIGKILL)
-            for stop in (self.sim.stop, self.s3.stop, self.valkey.stop):
+            for stop in (self.server.stop if self.server else None, self.sim.stop, self.s3.stop, self.valkey.stop):
+                if stop is None:
+                    continue
                 with contextlib.suppress(Exception):
                     await asyncio.to_thread(stop)
 
@@ -187,10 +120,23 @@ class Run:
         env = base_env(
             CHAOS_S3_SECRET=self.s3.secret_key, OFFLOAD_LEASE_MS=str(p.lease_ms), OFFLOAD_REDIS_CONNECT_TIMEOUT="60"
         )
+        if args.webhooks:  # through the proxy, like every client (see hooks.py); the simulator signs and faults
+            self.server = Server(self.out, env)
+            await asyncio.to_thread(self.sim.post, "/_sim/webhooks", self.server.sim_faults(p))
+            config = worker_config(
+                self.out / "offload-server.yaml", self.proxy.url, self.s3, self.sim.url, args.backend, p, self.server
+            )
+            await asyncio.to_thread(self.server.start, config)
         for n in range(p.workers + 1):
             name, queue = (f"w{n + 1}", QUEUE) if n < p.workers else ("c1", CAPPED)
             cfg = worker_config(
-                self.out / f"offload-{name}.yaml", self.proxy.url, self.s3, self.sim.slot_url(n), args.backend, p
+                self.out / f"offload-{name}.yaml",
+                self.proxy.url,
+                self.s3,
+                self.sim.slot_url(n),
+                args.backend,
+                p,
+                self.server,
             )
             self.slots.append(WorkerSlot(name, queue, cfg, env, self.out, concurrency=p.concurrency, pidns=pidns))
         self.direct = aioredis.Redis.from_url(
@@ -216,7 +162,14 @@ class Run:
         healed = time.time()
         await self._heal()
         cap_slot = self.slots[-1]
-        self.held_at_roll = int(await self.direct.zcard(f"offload:{{{CAPPED}}}:held"))
+        for attempt in range(5):  # the direct client's connection may predate the last Valkey restart
+            try:
+                self.held_at_roll = int(await self.direct.zcard(f"offload:{{{CAPPED}}}:held"))
+                break
+            except (RedisError, OSError):
+                if attempt == 4:
+                    raise
+                await asyncio.sleep(0.5)
         await asyncio.to_thread(cap_slot.terminate)
         self.rolled_at = time.time()
         cap_slot.start(OFFLOAD_CLOCK_OFFSET_S="86400")  # the next UTC day: held jobs must come back
@@ -362,6 +315,9 @@ class Run:
         healthy = {"error_rate": 0, "rate_429": 0, "lost_response_rate": 0, "submit_latency": 0}
         await asyncio.to_thread(self.sim.post, "/_sim/config?merge=true", {"default": healthy})
         await asyncio.to_thread(self.sim.post, "/_sim/outage", {"mode": None})
+        if self.server is not None:
+            healed = {**self.server.sim_faults(self.p), "drop_rate": 0, "duplicate_rate": 0, "reorder_rate": 0}
+            await asyncio.to_thread(self.sim.post, "/_sim/webhooks", healed | {"delay_s": 0})
         for slot in self.slots:
             slot.sigcont()
             if not slot.running:
@@ -402,6 +358,8 @@ class Run:
     async def _gather(self, records: dict[str, dict[str, str]]) -> RunData:
         submissions = await asyncio.to_thread(self.sim.submissions)
         self.sim_stats = await asyncio.to_thread(self.sim.get, "/_sim/stats")
+        if self.server is not None:
+            self.hook_log = (await asyncio.to_thread(self.sim.get, "/_sim/webhooks"))["deliveries"]
         outputs, files = await asyncio.to_thread(self._bucket, records)
         return RunData(
             acked=self.acked,
@@ -454,6 +412,8 @@ class Run:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.webhooks:
+        check_backend(args.backend)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", stream=sys.stderr)
     if args.autoscale:
         from bench.chaos.autoscale import main as autoscale_main

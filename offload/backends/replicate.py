@@ -10,8 +10,11 @@ prediction whose data is gone is NotFound, like a 404, because the result must b
 
 Remote id: the prediction id as is (`GET /predictions/{id}` needs nothing else).
 Webhooks: `submit(webhook=...)` (offload's own per-submission URL, when `server.public_url` is set) is sent as
-`webhook` with `webhook_events_filter: ["completed"]`; the body Replicate posts is the prediction, read by
-`hook_event` / `hook_result` like a poll's answer.
+`webhook` with `webhook_events_filter: ["start", "completed"]`; the body Replicate posts is the prediction, read
+by `hook_event` / `hook_result` like a poll's answer. `start` comes the moment the prediction exists: it names
+the remote id of a submission whose worker died inside the create call (or lost its answer), so the job is
+adopted within a webhook's round trip instead of when the prediction ends (see hook.lua); `completed` carries
+the result.
 Tagging: with `webhook_url`, each prediction's webhook carries `offload_tag=<job id>`; with `tag_input_key`, the
 tag is also put into the input under that key (only for models that tolerate an extra input field), and `find`
 lists the newest `find_pages` pages of `GET /predictions` for a prediction whose input carries it. Without
@@ -50,6 +53,7 @@ from offload.backends.settings import (
 )
 
 DEFAULT_BASE, DEFAULT_FIND_PAGES = REPLICATE_BASE, REPLICATE_FIND_PAGES
+WEBHOOK_EVENTS = ("start", "completed")  # never output/logs: each would cost a delivery and a script call
 STATUSES: dict[str, RemoteStatus] = {
     "starting": "queued",
     "processing": "running",
@@ -132,7 +136,7 @@ class ReplicateBackend(HttpBackend):
             body["version"] = self._version
         if webhook or self._webhook:
             body["webhook"] = webhook or tagged_url(self._webhook or "", tag)
-            body["webhook_events_filter"] = ["completed"]
+            body["webhook_events_filter"] = list(WEBHOOK_EVENTS)
         answer = await self._call("POST", self._create_url, json=body, has_body=True, idempotency_key=idempotency_key)
         return Submission(self._require(answer, "id", str, "submit"))
 

@@ -1,4 +1,5 @@
-"""`POST /v1/hooks/{backend}/{job_id}/{submission}/{secret}`: where providers report a finished remote job.
+"""`POST /v1/hooks/{backend}/{job_id}/{submission}/{secret}`: where providers report a remote job (started or
+finished).
 
 No API key (a provider has none of ours); instead, in this order, before anything else is believed:
 1. the path names a backend with webhooks on and a job id offload issued;

@@ -124,6 +124,8 @@ def _replicate(backend: BackendSettings, headers: Mapping[str, str], body: bytes
         Webhook(backend.webhook_secret.get_secret_value()).verify(body, wanted)
     except WebhookVerificationError as exc:
         raise Forged(f"Standard Webhooks signature: {exc}") from None
+    except (binascii.Error, ValueError):  # the library decodes a hostile `v1,<not base64>` before comparing
+        raise Forged("Standard Webhooks signature: not base64") from None
 
 
 def _parse_jwks(doc: object) -> list[Ed25519PublicKey]:

@@ -30,6 +30,7 @@ from offload.sim.inputs import InputFetcher
 from offload.sim.stats import Stats
 from offload.sim.store import Job, JobStore, Outcome, input_key
 from offload.sim.submissions import Submission, SubmissionLog
+from offload.sim.webhooks import Event as HookEvent
 from offload.sim.webhooks import HookSender, Render
 
 Clock = Callable[[], float]
@@ -167,18 +168,20 @@ class Call:
             await asyncio.sleep(min(left, HOLD_STEP))
         self.now = self.sim.clock()
 
-    def webhook(self, job: Job, url: Any, view: Callable[[Call, Job], dict[str, Any]]) -> None:
-        """Send `url` the job's final state when it ends (`view(call, job)` renders the body as a poll would
-        see it; a stale body, for a reordered delivery, is the view from while the job still ran)."""
+    def webhook(
+        self, job: Job, url: Any, view: Callable[[Call, Job], dict[str, Any]], event: HookEvent = "completed"
+    ) -> None:
+        """Send `url` the job's final state when it ends, or (`event="start"`) the job as created, at once.
+        `view(call, job)` renders the body as a poll at that moment would see it (a stale body, for a reordered
+        delivery, is the view from while the job still ran)."""
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             return
 
-        def render(now: float, final: bool) -> dict[str, Any]:
-            at = now if final else (job.started if job.started < job.ended_at() else job.created)
+        def render(at: float) -> dict[str, Any]:
             return view(dataclasses.replace(self, now=at), job)
 
         hook: Render = render
-        self.sim.hooks.schedule(job, url, hook)
+        self.sim.hooks.schedule(job, url, hook, event)
 
     def output(self, job: Job) -> dict[str, Any]:
         b = self.behaviour

@@ -165,6 +165,8 @@ async def _create(call: Call, meta: dict[str, Any]) -> Reply:
         job.stop_phase = "aborted" if job.stopped < job.started else "cancelled"
         call.sim.store.rescheduled(job)
     events = meta.get("webhook_events_filter")
+    if isinstance(events, list) and "start" in events:  # sent the moment the prediction exists
+        call.webhook(job, meta.get("webhook"), _view, "start")
     if not isinstance(events, list) or "completed" in events:
         call.webhook(job, meta.get("webhook"), _view)
     if wait is not None:

@@ -1,4 +1,5 @@
-"""Webhooks the simulator sends when a remote job ends, signed the way each provider signs them, with faults.
+"""Webhooks the simulator sends when a remote job ends (and, for Replicate, when it starts), signed the way each
+provider signs them, with faults.
 
 Replicate signs with Standard Webhooks (`webhook-id`, `webhook-timestamp`, `webhook-signature`: HMAC-SHA256 over
 `id.timestamp.body` keyed with the secret after `whsec_`; the secret is served at `GET /v1/webhooks/default/secret`
@@ -7,8 +8,11 @@ as Replicate does). fal signs with ED25519: `X-Fal-Webhook-Signature` is the hex
 RunPod does not sign at all.
 
 Jobs are fixed timelines (see store.py), so nothing runs per job: one task sleeps until the earliest due
-delivery. The fault knobs (`POST /_sim/webhooks`) drop, duplicate, delay and reorder deliveries (a reordered
-delivery sends a stale "still running" body after the final one), so a receiver can be shown to shrug them off.
+delivery. A Replicate prediction whose `webhook_events_filter` names `start` also gets a `start` delivery at
+once (the prediction as it was created, `starting`), which is how a receiver learns the id of a prediction
+whose create answer never reached its client. The fault knobs (`POST /_sim/webhooks`) drop, duplicate, delay
+and reorder deliveries (a reordered final delivery is followed by a stale "still running" body; a reordered
+`start` arrives after the job ended), so a receiver can be shown to shrug them off.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import aiohttp
 import orjson
@@ -35,34 +39,40 @@ from standardwebhooks import Webhook
 
 from offload.sim.store import TERMINAL, Job
 
-Render = Callable[[float, bool], dict[str, Any]]  # (now, final) -> the body; final=False: a stale "running" body
+Render = Callable[[float], dict[str, Any]]  # (at) -> the body as a poll at time `at` would have seen it
+Event = Literal["completed", "start"]
 FAL_USER_ID = "sim-user"
 RETRIES = 2  # RunPod retries twice; Replicate "a few times"; fal more, but two show the behaviour
 RETRY_PAUSE_S = 0.5
+REORDER_LAG_S = 0.2  # a reordered `start` comes this long after the job ended (after its final delivery)
 MAX_CONNECTIONS = 256
 Rate = Annotated[float, Field(ge=0, le=1)]
 
 
 class HookFaults(BaseModel):
-    """Runtime knobs. Rates are probabilities per delivery; `delay_s` is added to every delivery."""
+    """Runtime knobs. Rates are probabilities per delivery; `delay_s` is added to a `delay_rate` share of the
+    deliveries (all of them by default)."""
 
     model_config = ConfigDict(extra="forbid")
     drop_rate: Rate = 0.0
     duplicate_rate: Rate = 0.0
     reorder_rate: Rate = 0.0
     delay_s: Annotated[float, Field(ge=0, le=3600)] = 0.0
+    delay_rate: Rate = 1.0
     replicate_secret: Annotated[str | None, Field(pattern=r"^whsec_[A-Za-z0-9+/=]+$")] = None
 
 
 @dataclass(slots=True)
 class Delivery:
-    """One webhook due at `due`: what it is about and how it is rendered."""
+    """One webhook due at `due`: what it is about, which event, and how it is rendered."""
 
     job: Job
     url: str
     render: Render
+    event: Event = "completed"
     attempts: list[int] = field(default_factory=list)  # HTTP status per attempt (0: no answer)
     dropped: bool = False
+    delayed: bool = False
 
 
 def _b64url(raw: bytes) -> str:
@@ -101,10 +111,11 @@ class HookSender:
 
     # -- scheduling ------------------------------------------------------------------------------------
 
-    def schedule(self, job: Job, url: str, render: Render) -> None:
-        """Deliver once `job` has ended (its timeline is fixed at submit; a cancel only moves the end earlier,
-        and a cancelled job's webhook then simply comes at the planned end)."""
-        self._push(max(job.ended_at(), self.clock()), Delivery(job, url, render))
+    def schedule(self, job: Job, url: str, render: Render, event: Event = "completed") -> None:
+        """Deliver `completed` once `job` has ended (its timeline is fixed at submit; a cancel only moves the end
+        earlier, and a cancelled job's webhook then simply comes at the planned end), `start` at once."""
+        due = self.clock() if event == "start" else max(job.ended_at(), self.clock())
+        self._push(due, Delivery(job, url, render, event))
         if self._task is None or self._task.done():
             self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run())
@@ -121,7 +132,8 @@ class HookSender:
             now = self.clock()
             while self._heap and self._heap[0][0] <= now:
                 _, _, delivery = heapq.heappop(self._heap)
-                if delivery.job.phase(now) not in TERMINAL:  # not yet: its end moved (a retried RunPod job)
+                if delivery.event == "completed" and delivery.job.phase(now) not in TERMINAL:  # not yet: its
+                    # end moved (a retried RunPod job)
                     self._push(delivery.job.ended_at(), delivery)
                     continue
                 asyncio.get_running_loop().create_task(self._deliver(delivery))
@@ -131,21 +143,32 @@ class HookSender:
 
     async def _deliver(self, d: Delivery) -> None:
         f = self.faults
-        if f.delay_s > 0:
+        if f.delay_s > 0 and (f.delay_rate >= 1 or self.rng.random() < f.delay_rate):
+            d.delayed = True
             await asyncio.sleep(f.delay_s)
         if f.drop_rate > 0 and self.rng.random() < f.drop_rate:
             d.dropped = True
-            self._log(d, final=True, copies=0)
+            self._log(d, copies=0)
             return
         copies = 2 if f.duplicate_rate > 0 and self.rng.random() < f.duplicate_rate else 1
         reorder = f.reorder_rate > 0 and self.rng.random() < f.reorder_rate
         message_id = "msg_" + secrets.token_hex(12)  # a duplicate is the same message delivered twice
-        body = orjson.dumps(d.render(self.clock(), True))
+        if d.event == "start":
+            if reorder:  # overtaken by the final delivery: it arrives after the job ended
+                await asyncio.sleep(max(0.0, d.job.ended_at() - self.clock()) + REORDER_LAG_S)
+            body = orjson.dumps(d.render(d.job.created))
+            for _ in range(copies):
+                await self._send(d, body, message_id)
+            self._log(d, copies=copies, reordered=reorder)
+            return
+        body = orjson.dumps(d.render(self.clock()))
         for _ in range(copies):
             await self._send(d, body, message_id)
         if reorder:  # a stale "still running" event arriving after the final one
-            await self._send(d, orjson.dumps(d.render(self.clock(), False)), "msg_" + secrets.token_hex(12))
-        self._log(d, final=True, copies=copies, reordered=reorder)
+            job = d.job
+            stale = job.started if job.started < job.ended_at() else job.created
+            await self._send(d, orjson.dumps(d.render(stale)), "msg_" + secrets.token_hex(12))
+        self._log(d, copies=copies, reordered=reorder)
 
     async def _send(self, d: Delivery, body: bytes, message_id: str) -> None:
         if self._client is None:  # aiohttp: httpx's own pool costs ms per request at hundreds in flight
@@ -187,14 +210,16 @@ class HookSender:
             }
         return {}  # RunPod: no signature; the URL is the only secret
 
-    def _log(self, d: Delivery, *, final: bool, copies: int, reordered: bool = False) -> None:
+    def _log(self, d: Delivery, *, copies: int, reordered: bool = False) -> None:
         self.sent.append(
             {
                 "job": d.job.id,
                 "family": d.job.family,
+                "event": d.event,
                 "ended": d.job.ended_at(),
                 "sent_at": self.clock(),
                 "dropped": d.dropped,
+                "delayed": d.delayed,
                 "copies": copies,
                 "reordered": reordered,
                 "statuses": list(d.attempts),

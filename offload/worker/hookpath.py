@@ -55,7 +55,10 @@ class HookPath:
 
     async def _await_hook(self, job: ClaimedJob, run: int) -> str | None:
         """Submission `run` of this job may have reached the provider (its worker died inside the submit call):
-        wait up to the grace for its webhook, which records its remote id (hook.lua), instead of paying again."""
+        wait up to the grace for its webhook, which records its remote id (hook.lua), instead of paying again.
+        Replicate's `start` usually recorded it before this job was even re-claimed (then the claim carries the
+        id and nothing waits here); this wait is for a late `start` (woken by hook.lua's PUBLISH) or, on
+        providers that call only on completion, for that."""
         heard = self._hook_event(job.id)
         deadline = time.monotonic() + self.options.hook_grace_s
         while True:

@@ -1,20 +1,30 @@
 -- A provider webhook whose URL secret the server has already checked (against `hook:<n>`). Fenced by the
 -- submission number: only the job's current submission counts, so a late callback of an earlier run can never
 -- complete a newer one. It records the remote id when that submission has none (its worker died inside the
--- submit call: adoption, counted), and for a final event keeps the body (`hook_n`, `hook_body`) and tells the
--- worker holding the lease (PUBLISH on its channel) so it stores the result at once; a job nobody holds is
--- resumed by its next claim, which finds the remote id and the body. Duplicates, late and reordered deliveries
--- change nothing, as does a callback of a run already given up (its remote id let go).
+-- submit call: adoption), for a non-final event (Replicate's `start`, sent the moment the prediction exists) as
+-- for a final one, so the double-pay window closes within a webhook's round trip instead of at the remote job's
+-- end. Recorded while the worker that opened the intent still holds the lease, the id is STARTED (that worker
+-- may still get the same id as its answer; its checkpoint then agrees), counted as adopted only if that lease
+-- ends without the worker recording it (common.lua's return_leases); recorded for a job already
+-- handed to another worker (waiting out the grace in `_await_hook`), it is ADOPTED, counted, and that worker is
+-- told (PUBLISH). Either way an `adopted` event is written, so the fault harness knows when the id was known. A
+-- non-final body is never kept and wakes nobody else (the worker polls no sooner). A final event keeps the body
+-- (`hook_n`, `hook_body`) and tells the worker holding the lease (PUBLISH on its channel) so it stores the
+-- result at once; a job nobody holds is resumed by its next claim, which finds the remote id and the body.
+-- Duplicates, late and reordered deliveries (a `start` after `completed`) change nothing, as does a callback of
+-- a run already given up (its remote id let go).
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
 -- ARGV: now, job id, submission number, remote id ('' unknown), terminal ('1' / '0'), body
--- Returns: WAKE (final event kept, owner told), KEPT (final event kept, nobody holds the job), ADOPTED / OK
---   (not final), DUP, LATE (the job is finished), STALE (an earlier submission), MISMATCH (another remote id than the one
---   recorded for this submission), NOTFOUND.
+-- Returns: WAKE (final event kept, owner told), KEPT (final event kept, nobody holds the job), ADOPTED (the id
+--   recorded for a re-delivered job) / STARTED (recorded while its submitter holds the lease) / OK (not final,
+--   nothing new), DUP, LATE (the job is finished), STALE (an earlier submission), MISMATCH (another remote id
+--   than the one recorded for this submission), NOTFOUND.
 --- @include "common"
 local now = now_ms(ARGV[1])
 local id, n, remote, terminal, body = ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5] == '1', ARGV[6]
 local k = jkey(id)
-local g = redis.call('HMGET', k, 'state', 'sub_n', 'remote_n', 'remote_id', 'hook_n', 'owner', 'sub_open')
+local g = redis.call('HMGET', k, 'state', 'sub_n', 'remote_n', 'remote_id', 'hook_n', 'owner', 'sub_open', 'token',
+  'intent_tok')
 if not g[1] then return 'NOTFOUND' end
 if g[1] == 'succeeded' or g[1] == 'dead' or g[1] == 'cancelled' then return 'LATE' end
 if tonumber(g[2] or '') ~= n then return 'STALE' end
@@ -27,9 +37,17 @@ elseif g[7] ~= '1' then
   return 'STALE'
 elseif remote ~= '' then
   redis.call('HSET', k, 'remote_id', remote, 'remote_n', n, 'sub_open', '0', 'adopted_at', now)
-  redis.call('HINCRBY', k, 'adopted', 1)
-  count('adopted', 1)
-  verdict = 'ADOPTED'
+  event({id}, 'adopted')
+  local submitter = g[8] and g[8] ~= '' and g[8] == g[9]
+  if terminal or not submitter then
+    redis.call('HINCRBY', k, 'adopted', 1)
+    count('adopted', 1)
+    verdict = 'ADOPTED'
+    if not terminal and g[6] and g[6] ~= '' then redis.call('PUBLISH', P .. 'hooks:' .. g[6], id .. ' ' .. n) end
+  else
+    redis.call('HSET', k, 'started_n', n)  -- counted as adopted if this lease ends unrecorded (return_leases)
+    verdict = 'STARTED'
+  end
 end
 if not terminal then return verdict end
 if tonumber(g[5] or '') == n then return 'DUP' end

@@ -196,18 +196,27 @@ local function promote(now, limit)
 end
 
 -- Leases that ended without a verdict (worker died or let go). The remote id is kept so the next worker
--- resumes polling; only a crash (counted=true) uses up one of the job's lease expiries.
+-- resumes polling; only a crash (counted=true) uses up one of the job's lease expiries. A remote id that a
+-- `start` webhook recorded while this lease held the job (hook.lua's STARTED, `started_n`) and that the
+-- worker never checkpointed itself (still `active`) was learnt from the provider alone: counted as adopted.
 local function return_leases(ids, now, counted)
   local back, dead, cancelled, leaving, owners = {}, {}, {}, {}, {}
   for _, id in ipairs(ids) do
     local k = jkey(id)
     local f = redis.call('HMGET', k, 'state', 'owner', 'expiries', 'max_attempts', 'cancel', 'remote_id',
-      'attempts')
+      'attempts', 'started_n')
     if not f[1] then
       leaving[#leaving + 1] = id
     elseif f[1] == 'active' or f[1] == 'submitted' then
       leaving[#leaving + 1] = id
       owners[id] = f[2]
+      if f[8] then
+        redis.call('HDEL', k, 'started_n')
+        if f[1] == 'active' then
+          redis.call('HINCRBY', k, 'adopted', 1)
+          count('adopted', 1)
+        end
+      end
       local attempts = tonumber(f[7] or 0) - 1
       local exp = tonumber(f[3] or 0)
       if counted then exp = exp + 1 end

@@ -1,0 +1,102 @@
+"""The command line of `python -m bench.chaos` and the fault profile it selects (the default, `--quick`'s
+CI-sized one, and the overrides and `--faults` choices on top)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from bench.chaos.faults import Profile
+
+FAULTS = ("kill", "stop", "valkey", "drop", "reset", "blackhole", "storm", "provider")
+BACKENDS = {
+    "http-job": {},
+    "runpod": {"endpoint_id": "chaos"},
+    "replicate": {"version": "chaos-version"},
+    "fal": {"app": "chaos/app"},
+}
+QUICK = {
+    "minutes": 1.0,
+    "concurrency": 60,
+    "jobs_per_s": 12.0,
+    "kill_every": 3.0,
+    "stop_every": 15.0,
+    "valkey_every": 25.0,
+    "drop_every": 2.0,
+    "reset_every": 20.0,
+    "blackhole_every": 30.0,
+    "blackhole_s": 2.0,
+    "storm_every": 20.0,
+    "storm_s": 3.0,
+    "latency": "3-8",
+    "result_ttl": 8.0,
+    "capped_jobs": 24,
+    "daily_job_cap": 15,
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    about = "One run of the fault harness, from a clean slate to a verdict."
+    p = argparse.ArgumentParser(prog="python -m bench.chaos", description=about)
+    p.add_argument("--quick", action="store_true", help="the CI-sized profile (about a minute of faults)")
+    p.add_argument("--minutes", type=float, help="length of the fault phase (default 10, quick 1)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--workers", type=int, help="dispatch worker processes on the main queue (default 3)")
+    p.add_argument("--in-flight", type=int, help="concurrency per worker (default 200, quick 60)")
+    p.add_argument("--jobs-per-s", type=float, help="producer rate during the fault phase (default 20)")
+    p.add_argument("--jobs", type=int, help="total jobs on the main queue (sets the rate over the fault phase)")
+    p.add_argument("--faults", default="all", help=f"comma list of {','.join(FAULTS)}, or all / none")
+    p.add_argument("--kill-every", type=float, help="mean seconds between worker SIGKILLs (default 2)")
+    p.add_argument("--aof", choices=("always", "everysec"), default="always", help="Valkey appendfsync")
+    honour = p.add_mutually_exclusive_group()
+    honour.add_argument("--honour-idempotency-key", dest="honour", action="store_true", default=True)
+    honour.add_argument(
+        "--ignore-idempotency-key",
+        dest="honour",
+        action="store_false",
+        help="the simulator treats every submit as new, as most provider APIs do",
+    )
+    p.add_argument("--backend", choices=sorted(BACKENDS), default="http-job", help="API family the workers use")
+    p.add_argument(
+        "--webhooks",
+        action="store_true",
+        help="run `offload server` as every worker's public_url: the provider calls back (replicate, fal, runpod)",
+    )
+    p.add_argument("--no-pidns", action="store_true", help="do not restart workers in PID namespaces")
+    p.add_argument("--settle", type=float, help="max seconds to wait for quiescence (default: 3 min, quick 50 s)")
+    p.add_argument("--out", type=Path, help="directory for logs and data (default: a new temp dir)")
+    p.add_argument("--autoscale", action="store_true", help="run the server-killed-mid-autoscale scenario only")
+    return p.parse_args(argv)
+
+
+def profile_for(args: argparse.Namespace) -> Profile:
+    profile = Profile(**QUICK) if args.quick else Profile()  # type: ignore[arg-type]
+    overrides = {
+        "minutes": args.minutes,
+        "workers": args.workers,
+        "concurrency": args.in_flight,
+        "jobs_per_s": args.jobs_per_s,
+        "kill_every": args.kill_every,
+    }
+    profile = replace(profile, **{k: v for k, v in overrides.items() if v is not None})
+    if args.jobs:  # the producer enqueues for 85 % of the fault phase, a batch every 0.5 s
+        profile = replace(profile, jobs_per_s=args.jobs / (profile.minutes * 60 * 0.85))
+    chosen = set(FAULTS) if args.faults == "all" else set() if args.faults == "none" else set(args.faults.split(","))
+    if unknown := chosen - set(FAULTS):
+        raise SystemExit(f"error: unknown fault(s) {', '.join(sorted(unknown))}; choose from {', '.join(FAULTS)}")
+    off: dict[str, Any] = {}
+    for fault, fields in (
+        ("kill", ["kill_every"]),
+        ("stop", ["stop_every"]),
+        ("valkey", ["valkey_every"]),
+        ("drop", ["drop_every"]),
+        ("reset", ["reset_every"]),
+        ("blackhole", ["blackhole_every"]),
+        ("storm", ["storm_every"]),
+        ("provider", ["error_rate", "rate_429", "lost_response_rate", "fail_rate"]),
+    ):
+        if fault not in chosen:
+            off.update(dict.fromkeys(fields, 0.0))
+    return replace(profile, **off)
