@@ -73,6 +73,42 @@ async def probe(redis_url: str, results: str) -> dict[str, object]:
     return {"imports": [m for m in first_imports if m != "(none)"], "calls": calls, "statuses": statuses}
 
 
+async def frozen_after_start(redis_url: str, results: str, freeze: bool) -> dict[str, int]:
+    """Objects frozen, and objects the cyclic GC still tracks, once the app has started (offload/heap.py)."""
+    import gc
+
+    from offload.config import Settings
+    from offload.server.app import create_app
+    from offload.server.state import ServerOptions
+
+    settings = Settings.model_validate({"redis_url": redis_url, "storage": {"kind": "local", "path": results}})
+    app = create_app(ServerOptions(redis_url=redis_url, settings=settings, freeze_heap=freeze))
+    async with app.router.lifespan_context(app):
+        return {"frozen": gc.get_freeze_count(), "tracked": len(gc.get_objects())}
+
+
+def test_offload_server_freezes_its_start_up_heap_and_tests_do_not(valkey_url: str, tmp_path: Path) -> None:
+    """`offload server` (freeze_heap) leaves the GC's full collections a fraction of the objects to walk: a full
+    collection of the start-up heap took 60-130 ms with the event loop stopped. Off by default (tests, embedding)."""
+    code = (
+        "import asyncio, json, sys; import test_server_warm as t; "
+        "print(json.dumps(asyncio.run(t.frozen_after_start(sys.argv[1], sys.argv[2], sys.argv[3] == '1'))))"
+    )
+    seen = {}
+    for freeze in ("1", "0"):
+        proc = subprocess.run(
+            [sys.executable, "-c", code, valkey_url, str(tmp_path / "results"), freeze],
+            cwd=HERE,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        seen[freeze] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["0"]["frozen"] == 0 and seen["0"]["tracked"] > 50_000, seen
+    assert seen["1"]["frozen"] > 50_000 and seen["1"]["tracked"] < seen["1"]["frozen"] / 10, seen
+
+
 def test_the_first_webhook_after_a_start_costs_what_later_ones_do(valkey_url: str, tmp_path: Path) -> None:
     code = (
         "import asyncio, json, sys; import test_server_warm as t; "

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse
 
 from offload import __version__
 from offload.connection import connect
+from offload.heap import freeze_startup
 from offload.queue.store import QueueStore
 from offload.server import (
     dashboard,
@@ -108,6 +109,8 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
         app.state.offload = state
         routes_hooks.prepare(state)
         await _warm_routes(app)
+        if options.freeze_heap:
+            freeze_startup()
         stop = asyncio.Event()
         task = asyncio.create_task(_maintain(state, stop), name="maintenance")
         autoscaler = routes_autoscale.start(state)
