@@ -1,5 +1,6 @@
 """The peer benchmark's runner end to end at a tiny size, offload only (the peers' venvs are not installed here):
-every workload through the same code path as the full run, and the page, plots and JSON it promises."""
+every workload through the same code path as the full run (offload's 30 s jobs both polling and with webhooks),
+and the page, plots and JSON it promises."""
 
 from __future__ import annotations
 
@@ -46,11 +47,16 @@ def test_peers_bench_offload_only(tmp_path: Path) -> None:
     row = summary["systems"]["offload"]
     assert row["noop_jobs_per_s"] > 0 and row["io_jobs_per_s"] > 0, row
     assert 0 < row["gpu_peak_in_flight"] <= 20, row
+    # (c) ran twice for offload: polling, and with provider webhooks on (the real server receiving them)
+    assert 0 < row["gpu_webhooks_peak_in_flight"] <= 20, row
+    assert row["gpu_all_done_s"] > 0.5 and row["gpu_webhooks_all_done_s"] > 0.5, row
     assert set(row["crash"]) == {"lost", "rerun", "duplicated", "all_done_s"}
     assert row["crash"]["rerun"] == 0 and row["crash"]["duplicated"] == 0, row  # resumed, never re-submitted
 
     results = json.loads((out / "benchmarks.json").read_text())
     assert {r["workload"] for r in results["runs"]} == {"noop", "io", "gpu"}
+    gpu = {r["system"]: r for r in results["runs"] if r["workload"] == "gpu"}
+    assert set(gpu) == {"offload", "offload-webhooks"} and gpu["offload-webhooks"]["done"] == 20, gpu
     assert not [r["error"] for r in results["runs"] if r["error"]]
     (crash,) = results["crashes"]
     assert crash["error"] is None and crash["in_flight_at_kill"] > 0, crash
@@ -68,7 +74,7 @@ def test_peers_bench_offload_only(tmp_path: Path) -> None:
         "## Method",
     ):
         assert heading in page, heading
-    assert "| offload |" in page
+    assert "| offload |" in page and "| offload, webhooks |" in page and "(webhooks: " in page
     pngs = sorted(p.name for p in (out / "img").glob("*.png"))
     assert pngs == ["peers-durability.png", "peers-inflight.png", "peers-throughput.png"]
     assert all((out / "img" / p).read_bytes().startswith(b"\x89PNG") for p in pngs)

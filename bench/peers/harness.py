@@ -26,11 +26,12 @@ from typing import Any
 import httpx
 import redis
 
-from bench.peers.systems import APPS, System
+from bench.peers import offload_hooks
+from bench.peers.systems import APPS, OFFLOAD_WEBHOOKS, System
 
 HOST = "127.0.0.1"
 POLL = 0.05
-OFFLOAD_GPU_QUEUE = "bench-gpu"
+OFFLOAD_GPU_QUEUE = offload_hooks.QUEUE
 
 PROBLEM = re.compile(r"WARNING|ERROR|CRITICAL|Traceback|Exception|Error\b")
 MASK = re.compile(r"0x[0-9a-f]+|[0-9a-f]{8,}(?:-[0-9a-f]{4,})*|\d+(?:[.,:]\d+)*")
@@ -302,16 +303,22 @@ class Bench:
             db,
         )
 
-    def offload_worker(self, db: int, sim_url: str, concurrency: int, tag: str) -> Proc:
-        """The real `offload worker` against the simulator (http-job backend, results in a local directory)."""
-        config = {
-            "redis_url": self.url(db),
-            "storage": {"kind": "local", "path": str(self.workdir / f"results-{tag}")},
-            "backends": {"sim": {"kind": "http-job", "base_url": sim_url, "api_key": "bench"}},
-            "queues": {OFFLOAD_GPU_QUEUE: {"backend": "sim", "concurrency": concurrency, "poll_interval": 5}},
-        }
+    def offload_config(self, db: int, sim_url: str, concurrency: int, tag: str, public_url: str | None = None) -> Path:
+        """Write offload's config for (c) or the SIGKILL test (see offload_hooks.py): polling, or webhooks on."""
         path = self.workdir / f"offload-{tag}.yaml"
-        path.write_text(json.dumps(config))
+        results = self.workdir / f"results-{tag}"
+        path.write_text(json.dumps(offload_hooks.config(self.url(db), sim_url, results, concurrency, public_url)))
+        return path
+
+    def offload_server(self, config: Path, port: int, tag: str) -> Proc:
+        """The real `offload server` on `port` (the config's public URL), answering /healthz."""
+        proc = self.start(offload_hooks.server_argv(config, port), f"offload-{tag}-server", None)
+        url = f"http://{HOST}:{port}/healthz"
+        self._wait(lambda: httpx.get(url, timeout=1).status_code == 200, proc, "offload server")
+        return proc
+
+    def offload_worker(self, config: Path, concurrency: int, tag: str) -> Proc:
+        """The real `offload worker` against the simulator, with a config from `offload_config`."""
         return self.start(
             [
                 sys.executable,
@@ -321,7 +328,7 @@ class Bench:
                 "--queue",
                 OFFLOAD_GPU_QUEUE,
                 "--config",
-                str(path),
+                str(config),
                 "--concurrency",
                 str(concurrency),
                 "--grace",
@@ -331,7 +338,7 @@ class Bench:
             ],
             f"offload-{tag}-worker",
             None,
-            db,
+            0,
             {"OFFLOAD_LEASE_MS": str(self.offload_lease_ms)} if self.offload_lease_ms else None,
         )
 
@@ -500,17 +507,33 @@ def gpu_session(
         worker.kill()
 
 
-def offload_gpu_session(bench: Bench, db: int, rep: int, n: int, sleep_s: float, concurrency: int, cap: float) -> Run:
-    """(c) for offload: the real `offload worker` against the simulator. In flight = jobs whose remote job was
-    submitted (state `submitted`: remote id recorded, running at the provider), from the queue's own counts; the
-    jobs claimed (active + submitted) are recorded beside it."""
+def offload_gpu_session(
+    bench: Bench, db: int, rep: int, n: int, sleep_s: float, concurrency: int, cap: float, *, webhooks: bool = False
+) -> Run:
+    """(c) for offload: the real `offload worker` against the simulator, polling, or with `webhooks` (and the
+    real `offload server` receiving them; see offload_hooks.py), reported as system OFFLOAD_WEBHOOKS. In flight
+    = jobs whose remote job was submitted (state `submitted`: remote id recorded, running at the provider), from
+    the queue's own counts; the jobs claimed (active + submitted) are recorded beside it."""
     from offload.connection import connect
     from offload.queue.store import JobSpec, QueueStore
 
     bench.client(db).flushdb()
     sim_url = bench.sim(sleep_s)
-    worker = bench.offload_worker(db, sim_url, concurrency, f"gpu{rep}")
-    run = Run("offload", "gpu", rep, n, concurrency)
+    tag = f"gpu{rep}" + ("-hooks" if webhooks else "")
+    run = Run(OFFLOAD_WEBHOOKS if webhooks else "offload", "gpu", rep, n, concurrency)
+    server: Proc | None = None
+    if webhooks:
+        httpx.post(f"{sim_url}/_sim/webhooks", json={"replicate_secret": offload_hooks.SECRET}).raise_for_status()
+        port = free_port()
+        config = bench.offload_config(db, sim_url, concurrency, tag, f"http://{HOST}:{port}")
+        try:
+            server = bench.offload_server(config, port, tag)
+        except RuntimeError as exc:
+            run.error = str(exc)[:2000]
+            return run
+    else:
+        config = bench.offload_config(db, sim_url, concurrency, tag)
+    worker = bench.offload_worker(config, concurrency, tag)
     usage = Usage(worker.pid)
     sim_usage = Usage(bench.sims[sleep_s][0].pid)
 
@@ -566,6 +589,9 @@ def offload_gpu_session(bench: Bench, db: int, rep: int, n: int, sleep_s: float,
     finally:
         worker.kill()
         run.log_problems = worker.problems()
+        if server is not None:
+            server.kill()
+            run.log_problems = _merge(run.log_problems, server.problems())
     return run
 
 
@@ -664,7 +690,8 @@ def crash_offload(bench: Bench, db: int, crash: Crash, kill_after: float) -> Cra
     client = bench.client(db)
     client.flushdb()
     sim_url = bench.sim(crash.sleep_s)
-    worker = bench.offload_worker(db, sim_url, crash.concurrency, "crash1")
+    config = bench.offload_config(db, sim_url, crash.concurrency, "crash")
+    worker = bench.offload_worker(config, crash.concurrency, "crash1")
     second: Proc | None = None
     tag = f"crash{os.getpid()}-{time.time_ns()}"
 
@@ -704,7 +731,7 @@ def crash_offload(bench: Bench, db: int, crash: Crash, kill_after: float) -> Cra
         worker.kill()
         t_kill = time.time()
         starts0, ends0 = submissions(), ends()
-        second = bench.offload_worker(db, sim_url, crash.concurrency, "crash2")
+        second = bench.offload_worker(config, crash.concurrency, "crash2")
         in_flight = {i for i in starts0 if i not in ends0}
         crash.in_flight_at_kill, crash.done_at_kill = len(in_flight), len(ends0)
         while True:

@@ -6,7 +6,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench.peers.systems import BY_NAME
+from bench.peers.systems import BY_NAME, LABELS, OFFLOAD_WEBHOOKS
 
 WORKLOAD_TITLES = {"noop": "no-op jobs/s", "io": "50 ms I/O jobs/s"}
 X = "\u00d7"  # multiplication sign
@@ -15,7 +15,7 @@ DAGGER = "\u2020"
 
 
 def label(name: str) -> str:
-    return BY_NAME[name].label if name in BY_NAME else name
+    return LABELS.get(name, name)
 
 
 def rate_stats(results: dict[str, Any], workload: str) -> dict[str, dict[str, Any]]:
@@ -105,6 +105,31 @@ def _peak_cell(runs: list[dict[str, Any]] | None) -> str:
     return f"{med:,.0f}" if peaks[0] == peaks[-1] else f"{med:,.0f} ({peaks[0]:,}{DASH}{peaks[-1]:,})"
 
 
+def _done_cell(runs: list[dict[str, Any]] | None) -> str:
+    """When the last of (c)'s jobs was done (the median over the repetitions), or why there is no figure."""
+    if not runs:
+        return "—"
+    ok = [r for r in runs if not r["error"]]
+    if not ok:
+        return "failed"
+    if any(r["capped"] for r in ok):
+        return f"not within {max(r['seconds'] for r in ok):.0f} s"
+    return f"{statistics.median(r['seconds'] for r in ok):.1f} s"
+
+
+def _gpu_done(gpu: dict[str, list[dict[str, Any]]], name: str) -> str:
+    """offload's cell carries the run with webhooks on beside the polling one."""
+    cell = _done_cell(gpu.get(name))
+    if name == "offload" and OFFLOAD_WEBHOOKS in gpu:
+        cell += f" (webhooks: {_done_cell(gpu[OFFLOAD_WEBHOOKS])})"
+    return cell
+
+
+def with_variants(systems: list[str]) -> list[str]:
+    """The systems, with offload's webhook run of (c) right after offload."""
+    return [v for name in systems for v in ((name, OFFLOAD_WEBHOOKS) if name == "offload" else (name,))]
+
+
 def _crash_time(c: dict[str, Any]) -> str:
     if c["error"]:
         return "failed"
@@ -122,8 +147,8 @@ def headline(results: dict[str, Any]) -> list[str]:
     base_io = (io.get("offload") or {}).get("median")
     lines = [
         f"| system | no-op jobs/s | {X} offload | 50 ms I/O jobs/s | {X} offload | peak in flight, 30 s jobs "
-        "| SIGKILL: lost | re-run | duplicated | all done after |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| 30 s jobs all done after | SIGKILL: lost | re-run | duplicated | all done after |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name in systems:
         n, i = noop.get(name), io.get(name)
@@ -136,7 +161,7 @@ def headline(results: dict[str, Any]) -> list[str]:
         lines.append(
             f"| {label(name)} | {_rate_cell(n)} | {_ratio((n or {}).get('median'), base_noop)} "
             f"| {_rate_cell(i)} | {_ratio((i or {}).get('median'), base_io)} | "
-            f"{_peak_cell(gpu.get(name)) if name in gpu else '—'} {crash} |"
+            f"{_peak_cell(gpu.get(name)) if name in gpu else '—'} | {_gpu_done(gpu, name)} {crash} |"
         )
     return lines
 
@@ -167,7 +192,8 @@ def throughput_table(results: dict[str, Any], workload: str) -> list[str]:
 def gpu_notes(results: dict[str, Any]) -> list[str]:
     """What the data says about offload's (c) run beyond the table, if anything."""
     notes: list[str] = []
-    for r in _gpu_runs(results).get("offload", []):
+    gpu = _gpu_runs(results)
+    for r in gpu.get("offload", []) + gpu.get(OFFLOAD_WEBHOOKS, []):
         lost = sum(n for line, n in r.get("log_problems", []) if "lease of" in line and "lost" in line)
         if lost:
             notes.append(
@@ -290,7 +316,7 @@ def plots(results: dict[str, Any], img: Path) -> list[str]:
     gpu = _gpu_runs(results)
     if gpu:
         fig, ax = plt.subplots(figsize=(9, 4.5))
-        for name in systems:
+        for name in with_variants(systems):
             runs = [r for r in gpu.get(name, []) if not r["error"] and r["samples"]]
             if not runs:
                 continue
@@ -300,7 +326,7 @@ def plots(results: dict[str, Any], img: Path) -> list[str]:
                 ts,
                 inflight,
                 label=f"{label(name)} (peak {r['peak_in_flight']:,})",
-                linewidth=2.5 if name == "offload" else 1.3,
+                linewidth=2.5 if name in ("offload", OFFLOAD_WEBHOOKS) else 1.3,
             )
         ax.set_xlabel("seconds since the first enqueue")
         ax.set_ylabel("jobs in flight in the worker process")
@@ -361,7 +387,9 @@ def markdown(results: dict[str, Any], images: list[str], img_rel: str) -> str:
         f"offload's. {DAGGER} = a run hit the "
         f"{p['cap']:g} s cap before all jobs were done: jobs/s is then the jobs done over the cap. "
         f"Peak in flight: {p['gpu_jobs']:,} jobs of {p['gpu_seconds']:g} s, the concurrency setting at "
-        f"{p['gpu_jobs']:,}. SIGKILL: {p['crash_jobs']} jobs of {p['crash_seconds']:g} s, {p['concurrency']} in "
+        f"{p['gpu_jobs']:,}; 30 s jobs all done after: from the first enqueue to the last job done (offload: "
+        "polling, and in brackets with provider webhooks on). "
+        f"SIGKILL: {p['crash_jobs']} jobs of {p['crash_seconds']:g} s, {p['concurrency']} in "
         f"flight, the worker killed mid-job and a new one started at once, watched for {p['crash_cap']:g} s; lost = "
         "in flight at the kill and never finished; re-run = in flight at the kill and started again from scratch "
         "(for a GPU job: paid twice); duplicated = finished twice.",
@@ -471,6 +499,11 @@ cut at {gpu_cap:g} s. {gpu_reps} repetition(s). The peers' jobs only sleep; offl
 of a dispatch worker for each job (an HTTP submit, polls on a growing interval up to 5 s, the output fetched and
 written to a local directory, an atomic script per step), with the simulator answering on the same two cores, so its
 "all done after" also carries its poll interval (a 30 s job is seen done at its first poll after 30 s).
+offload runs (c) a second time with provider webhooks on ("offload, webhooks"): the same worker, now against the
+simulator's Replicate API (the tutorial job API has no webhooks), with `server.public_url` set and a real
+`offload server` on it; the simulator signs each delivery as Replicate does (Standard Webhooks), the server
+verifies it and wakes the worker, which stores the result at once (its fallback poll is 60 s away). The
+server's CPU is not in that row's worker CPU.
 
 **SIGKILL.** All systems at once (each in its own database; the jobs only wait, so they do not compete for
 CPU): start a worker with {concurrency} in flight, enqueue {crash_jobs} jobs of {crash_seconds:g} s, and once

@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # run as a file: make `bench.peers` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 from bench.peers import harness, report
-from bench.peers.systems import ALL, BY_NAME, ROOT, System, ensure_venv, installed_versions
+from bench.peers.systems import ALL, BY_NAME, OFFLOAD_WEBHOOKS, ROOT, System, ensure_venv, installed_versions
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,6 +53,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gpu-jobs", type=int, default=None, help="(c) jobs (2000; quick 200)")
     parser.add_argument("--gpu-seconds", type=float, default=None, help="(c) seconds per job (30; quick 2)")
     parser.add_argument("--gpu-reps", type=int, default=1, help="repetitions of (c)")
+    parser.add_argument(
+        "--no-offload-webhooks",
+        dest="offload_webhooks",
+        action="store_false",
+        help="run offload's (c) only polling, not also with provider webhooks on",
+    )
     parser.add_argument("--crash-jobs", type=int, default=None, help="SIGKILL test jobs (200; quick 60)")
     parser.add_argument("--crash-seconds", type=float, default=None, help="SIGKILL test seconds per job (5; quick 3)")
     parser.add_argument("--crash-cap", type=float, default=None, help="SIGKILL test watch, seconds (120; quick 20)")
@@ -224,23 +230,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if "gpu" in workloads:
             for rep in range(args.gpu_reps):
                 for s in rotate([s for s in systems if "gpu" in s.workloads], rep):
-                    if s.name == "offload":
-                        run = harness.offload_gpu_session(
-                            bench, db[s.name], rep, args.gpu_jobs, args.gpu_seconds, args.gpu_jobs, gpu_cap
-                        )
+                    if s.name == "offload":  # polling, then with provider webhooks on (offload_hooks.py)
+                        gpu_runs = [
+                            harness.offload_gpu_session(
+                                bench, db[s.name], rep, args.gpu_jobs, args.gpu_seconds, args.gpu_jobs, gpu_cap,
+                                webhooks=hooks,
+                            )
+                            for hooks in (False, *([True] if args.offload_webhooks else []))
+                        ]  # fmt: skip
                     else:
-                        run = harness.gpu_session(
-                            bench, s, db[s.name], rep, args.gpu_jobs, args.gpu_seconds, args.gpu_jobs, gpu_cap
+                        gpu_runs = [
+                            harness.gpu_session(
+                                bench, s, db[s.name], rep, args.gpu_jobs, args.gpu_seconds, args.gpu_jobs, gpu_cap
+                            )
+                        ]
+                    for run in gpu_runs:
+                        results["runs"].append(run.to_dict())
+                        log(
+                            f"gpu {run.system:>16}: "
+                            + (
+                                f"FAILED {run.error.splitlines()[0]}"
+                                if run.error
+                                else f"peak in flight {run.peak_in_flight}, {run.done}/{run.n} done in "
+                                f"{run.seconds:.1f} s"
+                            )
                         )
-                    results["runs"].append(run.to_dict())
-                    log(
-                        f"gpu {s.name:>13}: "
-                        + (
-                            f"FAILED {run.error.splitlines()[0]}"
-                            if run.error
-                            else f"peak in flight {run.peak_in_flight}, {run.done}/{run.n} done in {run.seconds:.1f} s"
-                        )
-                    )
 
         if "durability" in workloads:
             crash_systems = [s for s in systems if "durability" in s.workloads]
@@ -285,7 +299,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def summarize(results: dict[str, Any]) -> dict[str, Any]:
-    """The headline per system: median jobs/s of (a) and (b), peak in flight of (c), the SIGKILL counts."""
+    """The headline per system: median jobs/s of (a) and (b), peak in flight of (c) and when all its jobs were
+    done (None: not all within the cap; offload's also with webhooks on), the SIGKILL counts."""
     out: dict[str, Any] = {}
     for name in results["systems"]:
         row: dict[str, Any] = {}
@@ -297,13 +312,12 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
             ]
             if rates:
                 row[f"{workload}_jobs_per_s"] = round(statistics.median(rates), 1)
-        peaks = [
-            r["peak_in_flight"]
-            for r in results["runs"]
-            if r["system"] == name and r["workload"] == "gpu" and not r["error"]
-        ]
-        if peaks:
-            row["gpu_peak_in_flight"] = max(peaks)
+        for run_of, key in ((name, "gpu"), *([(OFFLOAD_WEBHOOKS, "gpu_webhooks")] if name == "offload" else [])):
+            gpu = [r for r in results["runs"] if r["system"] == run_of and r["workload"] == "gpu" and not r["error"]]
+            if gpu:
+                row[f"{key}_peak_in_flight"] = max(r["peak_in_flight"] for r in gpu)
+                done = [r["seconds"] for r in gpu if not r["capped"]]
+                row[f"{key}_all_done_s"] = round(statistics.median(done), 1) if len(done) == len(gpu) else None
         for c in results["crashes"]:
             if c["system"] == name and not c["error"]:
                 row["crash"] = {

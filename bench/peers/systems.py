@@ -120,6 +120,10 @@ PEERS = (
 )
 ALL = (OFFLOAD, OFFLOAD_STORE, *PEERS)
 BY_NAME = {s.name: s for s in ALL}
+# offload's (c) runs a second time with provider webhooks on (bench/peers/offload_hooks.py): a run of the
+# offload system, reported under its own name beside the polling one.
+OFFLOAD_WEBHOOKS = "offload-webhooks"
+LABELS = {s.name: s.label for s in ALL} | {OFFLOAD_WEBHOOKS: "offload, webhooks"}
 
 
 def ensure_venv(system: System, log: Path) -> float:

@@ -51,6 +51,7 @@ def server(
         worker_lease_ms=int(worker_lease * 1000),
         max_connections=max_connections,
         header_timeout_s=header_timeout,
+        freeze_heap=True,
     )
     with errors():
         serve(options, host, port, log_level=log_level, access_log=access_log)

@@ -107,12 +107,16 @@ def worker(
     if handler is not None:
         run_handler_worker(given, handler, server, token, load, concurrency or 1, grace)
         return
+    from offload.heap import freeze_startup
     from offload.worker.run import run_workers
 
     loaded = settings(config)
     queues = dispatch_queues(given, loaded, config)
     with errors():
-        asyncio.run(run_workers(loaded, queues, concurrency=concurrency, grace_s=grace))
+        # on_ready: set up, about to claim; freeze what start-up built (offload/heap.py)
+        asyncio.run(
+            run_workers(loaded, queues, concurrency=concurrency, grace_s=grace, on_ready=lambda _: freeze_startup())
+        )
 
 
 def run_handler_worker(

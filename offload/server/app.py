@@ -16,11 +16,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from offload import __version__
 from offload.connection import connect
+from offload.heap import freeze_startup
 from offload.queue.store import QueueStore
 from offload.server import (
     dashboard,
@@ -77,6 +79,15 @@ async def _maintain(state: ServerState, stop: asyncio.Event) -> None:
             await asyncio.wait_for(stop.wait(), state.options.maintenance_interval_s)
 
 
+async def _warm_routes(app: FastAPI) -> None:
+    """Send one request that no route matches through the app, in process, before the server listens. FastAPI
+    builds each included router's route state on the first request that reaches it (tens of ms with the event
+    loop blocked), so without this the first requests after a start (a burst of webhooks, say) queue behind it."""
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://warm-up.invalid") as client:
+        await client.get("/_warm-up")
+
+
 def create_app(options: ServerOptions | None = None) -> FastAPI:
     options = options or ServerOptions()
 
@@ -96,6 +107,10 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
             rates=metrics.RateTracker(),
         )
         app.state.offload = state
+        routes_hooks.prepare(state)
+        await _warm_routes(app)
+        if options.freeze_heap:
+            freeze_startup()
         stop = asyncio.Event()
         task = asyncio.create_task(_maintain(state, stop), name="maintenance")
         autoscaler = routes_autoscale.start(state)

@@ -26,7 +26,7 @@ from fastapi import APIRouter, HTTPException, Request
 
 from offload.backends import create_backend
 from offload.backends.base import WebhookBackend
-from offload.errors import InvalidJob
+from offload.errors import InvalidJob, MissingExtra
 from offload.queue.keys import hook_digest, queue_of
 from offload.server.auth import GuardedRoute, guard
 from offload.server.state import ServerState, get_state
@@ -53,6 +53,19 @@ def _hooks(state: ServerState) -> _Hooks:
         hooks.verifier = Verifier(hooks.client)
         state.extra[_STATE_KEY] = hooks
     return hooks
+
+
+def prepare(state: ServerState) -> None:
+    """Build the webhook machinery at startup, for every backend whose provider calls back, rather than on the
+    first delivery: that builds an HTTP client and imports the backends (aiohttp and all), a few hundred ms with
+    the event loop blocked, and the first deliveries of a burst all queue behind it (issue 15's webhook p99).
+    A backend that cannot be built here is left to the first delivery, which reports why."""
+    settings = state.options.settings
+    for name in [n for n in settings.backends if settings.hook_base(n) is not None]:
+        try:
+            _backend(state, _hooks(state), name)
+        except MissingExtra as exc:
+            log.warning("webhooks for backend %s: %s", name, exc)
 
 
 async def aclose(state: ServerState) -> None:

@@ -40,6 +40,7 @@ class ServerOptions:
     key_recheck_s: float = 5.0  # an open event stream re-checks its key this often (closed when revoked)
     max_connections: int = 2048  # concurrent connections + requests (uvicorn's limit_concurrency), then 503
     header_timeout_s: float = 10.0  # a connection must send its request headers within this (slowloris)
+    freeze_heap: bool = False  # after start-up (offload/heap.py); `offload server` sets it, tests do not
 
 
 @dataclass

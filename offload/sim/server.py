@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 
 import uvicorn
 
+from offload.heap import freeze_startup
 from offload.sim.app import SimApp, create_app
 from offload.sim.config import SimConfig
 from offload.sim.engine import Clock
@@ -68,6 +69,7 @@ def serve(
     server = _server(
         app, host, port, log_level=log_level, access_log=access_log, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile
     )
+    freeze_startup()  # the foreground simulator lives as long as its process (offload/heap.py)
     if not also_ports:
         server.run()
         return
