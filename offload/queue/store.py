@@ -392,8 +392,19 @@ class QueueStore:
 
     async def hook_body(self, job_id: str, submission: int) -> str | None:
         """The final webhook body of this submission, once one arrived."""
-        n, body = await self.redis.hmget(keys.job(queue_of(job_id), job_id), ["hook_n", "hook_body"])
-        return str(body) if body is not None and n == str(submission) else None
+        return (await self.hook_bodies([(job_id, submission)]))[0]
+
+    async def hook_bodies(self, items: Sequence[tuple[str, int]]) -> list[str | None]:
+        """`hook_body` for many (job id, submission) in one pipelined round trip: a burst of webhooks wakes
+        hundreds of jobs at once, and one HMGET each through the shared pool cost more than the reads."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id, _ in items:
+            pipe.hmget(keys.job(queue_of(job_id), job_id), ["hook_n", "hook_body"])
+        replies = await pipe.execute()
+        return [
+            str(body) if body is not None and n == str(submission) else None
+            for (_, submission), (n, body) in zip(items, replies, strict=True)
+        ]
 
     async def current_remote(self, job_id: str) -> tuple[str | None, int]:
         """(remote id of the current submission or None, the current submission number)."""
