@@ -4,6 +4,7 @@ deliveries change nothing; a webhook that never comes leaves the job to the fall
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import hmac
@@ -350,3 +351,38 @@ async def test_a_start_arriving_after_completion_changes_nothing(valkey_url: str
     (done,) = deliveries(sim_url)
     assert start["reordered"] and start["statuses"] == [200] and start["sent_at"] > done["sent_at"]
     assert job.state == JobState.SUCCEEDED and after == before
+
+
+async def test_a_burst_of_deliveries_at_once_gets_one_verdict_each(
+    valkey_url: str, sim_url: str, tmp_path: Path
+) -> None:
+    """The server batches the store calls of the deliveries in flight (secret digests, hook.lua): a burst that
+    mixes genuine, duplicate, wrong-secret and forged deliveries for many jobs, all sent at once, still gets each
+    delivery its own answer, a bad one fails nobody else in its batch, and every job completes once."""
+    configure_sim(sim_url, latency=0.2, drop_rate=1.0)
+    async with world(valkey_url, sim_url, tmp_path) as w, w.worker("replicate"):
+        ids = [await w.enqueue("replicate", f"burst-{i}") for i in range(30)]
+
+        async def all_submitted() -> bool:
+            return all([bool(sim_jobs(sim_url, i)) and (await w.store.get(i)).remote_id is not None for i in ids])
+
+        await wait_for(all_submitted, what="the submissions")
+        sends: list[tuple[str, bytes, dict[str, str]]] = []
+        for n, job_id in enumerate(ids):
+            url, remote = hook_url(sim_url, job_id), (await w.store.get(job_id)).remote_id
+            body = orjson.dumps({"id": remote, "status": "succeeded", "output": [f"out-{n}"]})
+            sends.append((url, body, replicate_signed(body, msg_id=f"msg_{n}")))
+            sends.append((url, body, replicate_signed(body, msg_id=f"msg_{n}")))  # a duplicate
+            sends.append((url.rsplit("/", 1)[0] + "/" + "x" * 32, body, replicate_signed(body)))  # wrong secret
+            sends.append((url, body, {**replicate_signed(body), "webhook-signature": "v1,AAAA"}))  # forged
+        async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=200)) as http:
+            replies = await asyncio.gather(*(http.post(u, content=b, headers=h) for u, b, h in sends))
+        for k in range(0, len(replies), 4):
+            genuine, duplicate, wrong, forged = replies[k : k + 4]
+            verdicts = {genuine.json()["verdict"], duplicate.json()["verdict"]}
+            # one of the two wakes the worker; the other finds it kept (dup), or already stored (late)
+            assert genuine.status_code == duplicate.status_code == 200, verdicts
+            assert verdicts in ({"wake", "dup"}, {"wake", "late"}), verdicts
+            assert (wrong.status_code, forged.status_code) == (404, 401)
+        done = [await w.finished(i, timeout=15) for i in ids]
+    assert all(j.state == JobState.SUCCEEDED and j.attempts == 1 for j in done)

@@ -12,7 +12,7 @@ import pytest
 from offload.connection import connect
 from offload.models import JobState
 from offload.queue.keys import hook_digest, hooks_channel
-from offload.queue.store import JobSpec, QueueStore
+from offload.queue.store import HookItem, JobSpec, QueueStore
 
 FINAL = b'{"status":"succeeded"}'
 
@@ -190,3 +190,38 @@ async def test_a_start_event_racing_the_live_submitters_answer_is_no_duplicate(v
     assert job.state == JobState.SUBMITTED and job.remote_id == "r-1" and job.possible_duplicates == 0
     await lapse(vstore)  # even when that worker dies later: it had recorded the id itself
     assert await vstore.redis.hget(f"offload:{{q}}:job:{job_id}", "adopted") is None
+
+
+async def test_hook_bodies_reads_many_in_one_call_each_fenced_by_its_own_submission(vstore: QueueStore) -> None:
+    """The worker's batched read (a burst wakes hundreds of jobs): each answer is the kept body only for the
+    submission asked about, in the order asked, and a job without a kept body (or gone) reads as None."""
+    ids = await vstore.enqueue_many("q", [JobSpec(input=i, max_attempts=5) for i in range(3)])
+    claimed = {c.id: c for c in await vstore.claim("q", "w1", 3)}
+    for job_id in ids:
+        await vstore.begin_many("q", "", [(job_id, claimed[job_id].token, 0.0, hook_digest("s"))])
+    await vstore.hook(ids[0], 1, "r-0", terminal=True, body=b'{"n":0}')
+    await vstore.hook(ids[2], 1, "r-2", terminal=True, body=b'{"n":2}')
+    missing = ids[1][:-4] + "zzzz"
+    asked = [(ids[2], 1), (ids[0], 2), (ids[1], 1), (ids[0], 1), (missing, 1)]
+    assert await vstore.hook_bodies(asked) == ['{"n":2}', None, None, '{"n":0}', None]
+    assert await vstore.hook_bodies([]) == []
+
+
+async def test_hook_many_gives_each_delivery_its_own_verdict_and_survives_a_script_flush(vstore: QueueStore) -> None:
+    """The server's batched hook.lua (one pipelined round trip for every delivery in flight): each item runs
+    its own fenced script and gets its own verdict in order, a duplicate within one batch changes nothing the
+    second time, and a Valkey that forgot the script (SCRIPT FLUSH, as after a restart) still runs each once."""
+    ids = await vstore.enqueue_many("q", [JobSpec(input=i, max_attempts=5) for i in range(2)])
+    claimed = {c.id: c for c in await vstore.claim("q", "w1", 2)}
+    for job_id in ids:
+        await vstore.begin_many("q", "", [(job_id, claimed[job_id].token, 0.0, hook_digest("s"))])
+    await vstore.redis.script_flush()
+    batch = [
+        HookItem(ids[0], 1, "r-0", True, b'{"n":0}'),
+        HookItem(ids[0], 1, "r-0", True, b'{"n":0}'),
+        HookItem(ids[1], 2, "r-1", True, b'{"n":1}'),
+        HookItem(ids[1], 1, "r-1", False, b"{}"),
+    ]
+    assert await vstore.hook_many(batch) == ["WAKE", "DUP", "STALE", "STARTED"]
+    assert await vstore.hook_bodies([(ids[0], 1), (ids[1], 1)]) == ['{"n":0}', None]
+    assert await vstore.hook_digests_many([(ids[0], 1), (ids[1], 2)]) == [[hook_digest("s")], []]

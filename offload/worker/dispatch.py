@@ -107,6 +107,7 @@ class Worker(JobPath):
         self._completes: Batcher[CompleteItem, str] = Batcher(lambda items: store.complete_many(q, items))
         self._begins: Batcher[tuple[str, str, str], str] = Batcher(self._begin_many)
         self._hooked: dict[str, asyncio.Event] = {}
+        self._hook_bodies: Batcher[tuple[str, int], str | None] = Batcher(store.hook_bodies)
         self._fences: Batcher[tuple[str, str], str] = Batcher(lambda items: store.fence_many(q, items))
         self._beats: Batcher[None, None] = Batcher(self._beat_many, concurrency=1)
 

@@ -22,6 +22,7 @@ from offload.backends.base import Backend, RemoteResult, Throttled, Transient, W
 from offload.errors import StaleLease, WorkerError
 from offload.models import ClaimedJob
 from offload.queue.store import QueueStore
+from offload.worker.batching import Batcher
 from offload.worker.health import StoreHealth
 from offload.worker.limits import BackendLimits
 
@@ -43,6 +44,7 @@ class HookPath:
     health: StoreHealth
     cancels: set[str]
     _hooked: dict[str, asyncio.Event]  # jobs in flight a webhook may wake (see wakeups.py)
+    _hook_bodies: Batcher[tuple[str, int], str | None]  # QueueStore.hook_bodies, coalesced
 
     async def _cancel(self, job: ClaimedJob, remote_id: str | None) -> None: ...
 
@@ -91,7 +93,7 @@ class HookPath:
                 await self._cancel(job, remote_id)
                 return None
             heard.clear()
-            body = await self.health.call(lambda: self.store.hook_body(job.id, run))
+            body = await self.health.call(lambda: self._hook_bodies((job.id, run)))  # batched: a burst wakes many
             if body is not None:
                 kept = _kept(hooks, body)
                 if kept is not None:
