@@ -47,7 +47,8 @@ import httpx
 import redis
 
 from offload.connection import connect
-from offload.queue.store import JobSpec, QueueStore
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
 
 try:
     import psutil

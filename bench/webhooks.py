@@ -38,7 +38,8 @@ from inflight import HOST, Processes, free_port, start_valkey, wait_until
 
 from offload.connection import connect
 from offload.models import JobState
-from offload.queue.store import JobSpec, QueueStore
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
 
 QUEUE = "hooks"
 SECRET = "whsec_" + "YmVuY2gtd2ViaG9vay1zaWduaW5nLXNlY3JldA=="

@@ -16,7 +16,8 @@ from offload.errors import (
 )
 from offload.files import File
 from offload.models import ClaimedJob, Job, JobState, QueueStats
-from offload.queue.store import JobSpec, QueueStore
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
 
 try:  # the one version is pyproject's; an uninstalled checkout (no metadata) says so rather than guessing
     __version__ = version("offload")

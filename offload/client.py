@@ -21,7 +21,8 @@ from offload.connection import connect
 from offload.files import DEFAULT_MAX_FILE_BYTES, files_in
 from offload.models import Job, QueueStats
 from offload.queue.keys import QUEUES_KEY, new_job_id
-from offload.queue.store import JobSpec, QueueStore
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
 
 if TYPE_CHECKING:  # storage (boto3) loads on the first File, not with `import offload`
     from offload.storage import Storage

@@ -18,7 +18,8 @@ from offload import stack
 from offload.config import load_settings
 from offload.connection import connect
 from offload.embedded import data_dir
-from offload.queue.store import JobSpec, QueueStore
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
 from offload.storage import S3StorageSettings, create_storage
 
 PROMPTS = ("a haiku about queues", "a limerick about GPUs", "a sonnet about retries", "an ode to idempotency")

@@ -31,7 +31,8 @@ from offload.autoscale.providers.mock import MockConfig, MockProvider
 from offload.autoscale.scaler import Autoscaler
 from offload.config import Settings
 from offload.errors import StaleLease
-from offload.queue.store import JobSpec, QueueStore
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
 
 QUEUE = "gpu"
 DAY0 = datetime(2027, 3, 28, tzinfo=UTC).timestamp()  # a Sunday: Europe's clocks go forward at 01:00 UTC

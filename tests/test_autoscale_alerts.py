@@ -18,7 +18,8 @@ from servers import free_port
 
 from offload.autoscale.alerts import Alerter, alert_settings
 from offload.connection import connect
-from offload.queue.store import JobSpec, QueueStore
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
 
 
 class Receiver:

@@ -25,7 +25,8 @@ from offload.autoscale.providers import LaunchSpec, Machine
 from offload.autoscale.providers.mock import MockConfig, MockProvider
 from offload.autoscale.scaler import Autoscaler
 from offload.connection import connect
-from offload.queue.store import JobSpec, QueueStore
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
 
 DAY_START = datetime(2027, 1, 18, 0, 0, tzinfo=UTC).timestamp()  # a Monday
 TICK = 60.0

@@ -25,7 +25,8 @@ from offload.autoscale.scaler import Autoscaler
 from offload.autoscale.vault import Vault
 from offload.config import Settings
 from offload.connection import connect
-from offload.queue.store import JobSpec, QueueStore
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
 from offload.server.keys import KeyStore
 from offload.server.runner import running_server
 from offload.server.state import ServerOptions

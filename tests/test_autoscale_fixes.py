@@ -26,7 +26,8 @@ from offload.autoscale.providers.vastai import VastConfig, VastProvider
 from offload.autoscale.scaler import Autoscaler
 from offload.autoscale.status import snapshot
 from offload.connection import connect
-from offload.queue.store import JobSpec, QueueStore
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
 from offload.sim.config import SimConfig
 from offload.sim.server import running_sim
 

@@ -20,7 +20,8 @@ from offload.autoscale.providers.vastai import VastConfig, VastProvider
 from offload.autoscale.safety import boot_backoff, host_pause, provision_backoff
 from offload.autoscale.scaler import Autoscaler
 from offload.connection import connect
-from offload.queue.store import JobSpec, QueueStore
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
 from offload.sim.config import SimConfig
 from offload.sim.server import running_sim
 

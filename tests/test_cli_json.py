@@ -21,7 +21,8 @@ from typer.testing import CliRunner
 
 from offload.cli.app import app
 from offload.connection import connect
-from offload.queue.store import JobSpec, QueueStore
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
 
 READ_NAMES = {"status", "list", "show", "events", "check", "queues", "jobs", "result"}
 NOT_READ = {  # command -> why it is not a read command

@@ -14,7 +14,8 @@ from offload.connection import connect
 from offload.errors import ConfigError
 from offload.models import JobState
 from offload.queue.keys import prefix
-from offload.queue.store import JobSpec, QueueStore
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
 
 
 @pytest.fixture(scope="module")

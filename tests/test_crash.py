@@ -28,7 +28,8 @@ from servers import ValkeyServer
 
 from offload.connection import connect
 from offload.models import JobState
-from offload.queue.store import DEFAULT_LEASE_MS, JobSpec, QueueStore
+from offload.queue.specs import JobSpec
+from offload.queue.store import DEFAULT_LEASE_MS, QueueStore
 
 CLAIMER = Path(__file__).with_name("claimer.py")
 TRANSIENT = (RedisConnectionError, RedisTimeoutError, OSError)

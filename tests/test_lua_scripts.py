@@ -19,7 +19,8 @@ from offload.autoscale.leader import Leader
 from offload.connection import connect
 from offload.queue import keys as queue_keys
 from offload.queue.scripts import INCLUDE, NAMES, SCRIPTS, Scripts, source
-from offload.queue.store import JobSpec, QueueStore
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
 from offload.worker.limits import BackendLimits
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -6,7 +6,8 @@ import pytest
 
 from offload import InvalidJob, InvalidQueueName, InvalidTransition, JobNotFound, PayloadTooLarge, StaleLease
 from offload.models import JobState
-from offload.queue.store import JobSpec, QueueStore, retry_delay_ms
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore, retry_delay_ms
 
 
 async def test_enqueue_then_get_returns_a_typed_record(store: QueueStore) -> None:

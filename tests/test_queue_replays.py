@@ -22,7 +22,8 @@ from offload.connection import connect
 from offload.models import JobState
 from offload.queue.keys import prefix
 from offload.queue.scripts import SCRIPTS
-from offload.queue.store import JobSpec, QueueStore
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
 
 Hook = Callable[[], Awaitable[None]]
 

@@ -9,7 +9,8 @@ import pytest
 from offload.queue import replies
 from offload.queue.keys import prefix
 from offload.queue.scripts import SCRIPTS
-from offload.queue.store import JobSpec, QueueStore
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
 
 
 async def test_claim_reply_is_claim_width_per_job(store: QueueStore) -> None:

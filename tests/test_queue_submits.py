@@ -9,7 +9,8 @@ import pytest
 
 from offload.connection import connect
 from offload.models import JobState
-from offload.queue.store import JobSpec, QueueStore
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
 
 W = "20260301"
 

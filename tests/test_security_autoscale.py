@@ -36,7 +36,8 @@ from offload.autoscale.scaler import Autoscaler
 from offload.autoscale.vault import ENV as VAULT_ENV
 from offload.autoscale.vault import Vault, VaultError
 from offload.connection import connect
-from offload.queue.store import JobSpec, QueueStore
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
 from offload.server.keys import KeyStore
 
 

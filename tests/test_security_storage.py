@@ -21,7 +21,8 @@ from servers import ValkeyServer
 from offload.config import Settings, load_settings
 from offload.connection import connect
 from offload.errors import ConfigError
-from offload.queue.store import JobSpec, QueueStore
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
 from offload.sim.config import SimConfig
 from offload.sim.server import running_sim
 from offload.worker.run import run_worker

@@ -12,7 +12,8 @@ from servers import ValkeyServer
 from test_server_metrics import scrape
 
 from offload.connection import connect
-from offload.queue.store import JobSpec, QueueStore
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
 
 
 def run(coro: Any) -> Any:

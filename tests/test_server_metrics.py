@@ -11,7 +11,8 @@ from server_helpers import client, new_queue, server
 from servers import ValkeyServer
 
 from offload.connection import connect
-from offload.queue.store import JobSpec, QueueStore
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
 from offload.worker.limits import BackendLimits
 
 

@@ -31,7 +31,8 @@ async def probe(redis_url: str, results: str) -> dict[str, object]:
     from offload.config import Settings
     from offload.connection import connect
     from offload.queue.keys import hook_digest
-    from offload.queue.store import JobSpec, QueueStore
+    from offload.queue.specs import JobSpec
+    from offload.queue.store import QueueStore
     from offload.server.app import create_app
     from offload.server.state import ServerOptions
 

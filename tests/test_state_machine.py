@@ -56,7 +56,8 @@ from offload.connection import connect
 from offload.errors import InvalidTransition, StaleLease
 from offload.models import Job
 from offload.queue.keys import STATE_SETS
-from offload.queue.store import JobSpec, QueueStore
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
 
 Q = "sm"
 LEASE = 10_000

@@ -22,7 +22,8 @@ from webhook_world import QUEUES, config_for, configure_sim, deliveries, sim_job
 from offload.config import Settings
 from offload.connection import connect
 from offload.models import JobState
-from offload.queue.store import JobSpec, QueueStore
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
 from offload.server.runner import running_server
 from offload.server.state import ServerOptions
 from offload.sim import running_sim

@@ -14,7 +14,8 @@ from s3server import RcloneS3
 
 from offload.config import Settings
 from offload.connection import connect
-from offload.queue.store import JobSpec, QueueStore
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
 from offload.sim.config import SimConfig
 from offload.sim.server import running_sim
 from offload.worker.run import run_worker

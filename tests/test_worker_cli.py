@@ -30,7 +30,8 @@ from typer.testing import CliRunner
 
 from offload.cli.app import app
 from offload.connection import connect
-from offload.queue.store import JobSpec, QueueStore
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
 from offload.sim.config import SimConfig
 from offload.sim.server import running_sim
 

@@ -41,7 +41,8 @@ from servers import HOST, free_port
 from offload.connection import connect
 from offload.models import Job, JobState
 from offload.queue.keys import prefix
-from offload.queue.store import JobSpec, QueueStore
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
 
 BUCKET = "gpu-results"
 OFFLOAD = str(Path(sys.executable).with_name("offload"))

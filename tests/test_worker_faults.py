@@ -29,7 +29,8 @@ from test_worker import BACKENDS, BUCKET
 from offload.config import Settings
 from offload.connection import connect
 from offload.models import Job
-from offload.queue.store import JobSpec, QueueStore, retry_delay_ms
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore, retry_delay_ms
 from offload.sim.config import SimConfig
 from offload.sim.server import running_sim
 from offload.worker import jobpath

@@ -22,7 +22,8 @@ from test_worker import BACKENDS, BUCKET
 from test_worker_faults import configure, enqueue, make_settings, stats, until, until_state, worker
 
 from offload.queue.keys import prefix
-from offload.queue.store import JobSpec, QueueStore
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
 
 # the fixtures this module shares with test_worker_faults (module-scoped servers, a clean simulator per test)
 s3, sim, no_outputs, bucket, store = faults.s3, faults.sim, faults.no_outputs, faults.bucket, faults.store

@@ -25,7 +25,8 @@ from servers import ValkeyServer
 from test_worker_crash import QUEUE, Fleet, SimProcess, job_input, result_keys, wait_until, worker_env, write_config
 
 from offload.connection import connect
-from offload.queue.store import JobSpec, QueueStore
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
 
 s3, sim, bucket, fleets = crash.s3, crash.sim, crash.bucket, crash.fleets  # fixtures shared with test_worker_crash
 LEASE_MS = 3000

@@ -20,7 +20,8 @@ from offload.config import Settings
 from offload.connection import connect
 from offload.models import Job, JobState
 from offload.queue.keys import hooks_channel
-from offload.queue.store import JobSpec, QueueStore
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
 from offload.server.runner import running_server
 from offload.server.state import ServerOptions
 from offload.worker.dispatch import Worker

@@ -41,7 +41,8 @@ from bench.chaos.procs import HOST, S3, Sim, Valkey, WorkerSlot, base_env, pidns
 from bench.chaos.proxy import FaultProxy
 from offload.connection import connect
 from offload.queue.scripts import NAMES, SCRIPTS
-from offload.queue.store import JobSpec, QueueStore
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
 
 log = logging.getLogger("chaos")
 QUEUE, CAPPED, BUCKET = "chaos", "capped", "chaos-results"

@@ -515,7 +515,8 @@ def offload_gpu_session(
     = jobs whose remote job was submitted (state `submitted`: remote id recorded, running at the provider), from
     the queue's own counts; the jobs claimed (active + submitted) are recorded beside it."""
     from offload.connection import connect
-    from offload.queue.store import JobSpec, QueueStore
+    from offload.queue.specs import JobSpec
+    from offload.queue.store import QueueStore
 
     bench.client(db).flushdb()
     sim_url = bench.sim(sleep_s)
@@ -685,7 +686,8 @@ def crash_offload(bench: Bench, db: int, crash: Crash, kill_after: float) -> Cra
     (counted by the simulator per job), its end is `succeeded`."""
     from offload.connection import connect
     from offload.queue.keys import prefix
-    from offload.queue.store import JobSpec, QueueStore
+    from offload.queue.specs import JobSpec
+    from offload.queue.store import QueueStore
 
     client = bench.client(db)
     client.flushdb()

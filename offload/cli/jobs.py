@@ -40,7 +40,8 @@ from offload.cli.session import run_redis
 from offload.errors import InvalidJob, OffloadError
 from offload.models import Job, QueueStats
 from offload.queue.keys import STATE_SETS, queue_of, validate_queue
-from offload.queue.store import DEFAULT_MAX_ATTEMPTS, JobSpec, QueueStore, max_payload_limit, validate_spec
+from offload.queue.specs import DEFAULT_MAX_ATTEMPTS, JobSpec, max_payload_limit, validate_spec
+from offload.queue.store import QueueStore
 
 T = TypeVar("T")
 

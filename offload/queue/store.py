@@ -11,67 +11,40 @@ import os
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisClusterException, ResponseError
 
-from offload.env import env_int
 from offload.errors import (
     ConfigError,
     InvalidJob,
     InvalidTransition,
     JobNotFound,
-    PayloadTooLarge,
     StaleLease,
 )
 from offload.models import ClaimedJob, HeartbeatReply, Job, QueueStats
 from offload.queue import keys, replies
+from offload.queue.hook_store import HookStore
 from offload.queue.keys import QUEUES_KEY, STATE_SETS, new_job_id, prefix, queue_of, validate_queue
 from offload.queue.scripts import HIST_BUCKETS_S, SCRIPTS, Script
+from offload.queue.specs import (
+    DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_RETENTION_S,
+    JobSpec,
+    check_options,
+    encode_input,
+    max_payload_limit,
+    validate_spec,
+)
 from offload.redis_client import RedisClient
 
 DEFAULT_LEASE_MS = 10_000
 MAX_SILENCE_MS = 5_000
-DEFAULT_MAX_ATTEMPTS = 3
-DEFAULT_RETENTION_S = 7 * 86_400
-DEFAULT_MAX_PAYLOAD = 1 << 20
 ENQUEUE_CHUNK = 500
 RELEASE_CHUNK = 500
-PRIORITY_RANGE = range(-1000, 1001)
 LeaseRef = str | tuple[str, str]  # a job id, or (job id, lease token)
-
-
-@dataclass(frozen=True, slots=True)
-class HookItem:
-    """One verified webhook for hook.lua: submission `submission` of a job, its remote id ('' unknown)."""
-
-    job_id: str
-    submission: int
-    remote_id: str
-    terminal: bool
-    body: bytes
-
-    @property
-    def flag(self) -> str:
-        return "1" if self.terminal else "0"
-
-
-@dataclass(frozen=True, slots=True)
-class JobSpec:
-    """One job to enqueue. `delay` (seconds) and `run_at` (epoch seconds) are alternatives."""
-
-    input: Any
-    priority: int = 0
-    delay: float | None = None
-    run_at: float | None = None
-    max_attempts: int = DEFAULT_MAX_ATTEMPTS
-    output_key: str | None = None
-    retention: int = DEFAULT_RETENTION_S
-    idempotency_key: str | None = None
-    job_id: str | None = None
 
 
 #: (id, token, result location, cost) or, for a run never checkpointed, (..., backend, remote id, submission n).
@@ -103,51 +76,7 @@ def _expect(code: Any, job_id: str) -> None:
         raise StaleLease(f"job {job_id}: lease token is stale (another worker owns it or it finished)")
 
 
-def max_payload_limit(max_payload: int | None = None) -> int:
-    """The input-size limit in bytes: the one given, else OFFLOAD_MAX_PAYLOAD, else the default."""
-    return max_payload or env_int("OFFLOAD_MAX_PAYLOAD", DEFAULT_MAX_PAYLOAD, minimum=1)
-
-
-def encode_input(spec: JobSpec, max_payload: int) -> bytes:
-    """The job input as stored (JSON), or the InvalidJob / PayloadTooLarge enqueue raises. A function, so a
-    producer can check specs up front (the CLI reading a file) without a job-store connection."""
-    try:
-        payload = orjson.dumps(spec.input)
-    except TypeError as exc:
-        raise InvalidJob(f"job input is not JSON-serialisable: {exc}") from None
-    if len(payload) > max_payload:
-        raise PayloadTooLarge(f"job input is {len(payload)} bytes, over the limit of {max_payload} bytes")
-    return payload
-
-
-def check_options(spec: JobSpec) -> None:
-    """Raise InvalidJob naming the first option of the spec enqueue would refuse."""
-    if type(spec.priority) is not int or spec.priority not in PRIORITY_RANGE:
-        raise InvalidJob(f"priority must be an integer from -1000 to 1000, got {spec.priority!r}")
-    if type(spec.max_attempts) is not int or spec.max_attempts < 1:
-        raise InvalidJob(f"max_attempts must be an integer >= 1, got {spec.max_attempts!r}")
-    if not isinstance(spec.retention, int) or spec.retention < 0:
-        raise InvalidJob(f"retention must be an integer >= 0 seconds, got {spec.retention!r}")
-    if spec.delay is not None and spec.run_at is not None:
-        raise InvalidJob("give either delay or run_at, not both")
-    if spec.delay is not None and (type(spec.delay) not in (int, float) or spec.delay < 0):
-        raise InvalidJob(f"delay must be >= 0 seconds, got {spec.delay!r}")
-    for name in ("idempotency_key", "output_key"):
-        value = getattr(spec, name)
-        if value is not None and (
-            not isinstance(value, str) or not value or len(value) > 1024 or any(ord(c) < 32 for c in value)
-        ):
-            raise InvalidJob(f"{name} must be a string of 1-1024 printable characters, got {value!r}")
-
-
-def validate_spec(spec: JobSpec, max_payload: int | None = None) -> None:
-    """Raise the error enqueue would raise for this spec, without enqueuing and without a connection (the CLI
-    checks a whole file before the first job goes in)."""
-    encode_input(spec, max_payload_limit(max_payload))
-    check_options(spec)
-
-
-class QueueStore:
+class QueueStore(HookStore):
     """Async access to the queues of one Redis/Valkey deployment."""
 
     def __init__(
@@ -170,9 +99,6 @@ class QueueStore:
 
     def _silence(self, lease_ms: int) -> int | str:
         return silence_ms(lease_ms) if self.excuse_outages else ""
-
-    def _now(self) -> str:
-        return str(self.clock()) if self.clock else ""
 
     async def _run(self, script: Script, queue: str, *args: Any, extra_keys: Sequence[str] = ()) -> Any:
         return await script(self.redis, [prefix(queue), *extra_keys], [self._now(), *args])
@@ -391,66 +317,6 @@ class QueueStore:
                 orjson.dumps([(i[0], i[1], repr(float(i[2])), i[3] if len(i) > 3 else "") for i in items]),
             )
         )
-
-    async def hook(self, job_id: str, submission: int, remote_id: str, *, terminal: bool, body: bytes) -> str:
-        """A verified provider webhook for submission `submission` of a job (see hook.lua for the verdicts)."""
-        return (await self.hook_many([HookItem(job_id, submission, remote_id, terminal, body)]))[0]
-
-    async def hook_many(self, items: Sequence[HookItem]) -> list[str]:
-        """`hook` for many verified webhooks (of any queues) in one pipelined round trip, each its own atomic
-        script run: a burst of deliveries, each a script call through the pool, cost the server more than the
-        scripts did. A script that Redis did not know (NOSCRIPT: it did not run) is sent again by its source."""
-        keyset = [[prefix(queue_of(i.job_id))] for i in items]
-        args: list[list[Any]] = [[self._now(), i.job_id, i.submission, i.remote_id, i.flag, i.body] for i in items]
-        script = SCRIPTS.hook
-        results: list[Any]
-        if isinstance(self.redis, RedisCluster):  # cluster pipelines refuse EVALSHA
-            results = list(await asyncio.gather(*(script(self.redis, k, a) for k, a in zip(keyset, args, strict=True))))
-        else:
-            pipe = self.redis.pipeline(transaction=False)
-            for k, a in zip(keyset, args, strict=True):
-                pipe.evalsha(script.sha, 1, *k, *a)
-            results = await pipe.execute(raise_on_error=False)
-            for n, r in enumerate(results):
-                if isinstance(r, NoScriptError):  # it did not run: safe to run now
-                    results[n] = await script(self.redis, keyset[n], args[n])
-        for r in results:
-            if isinstance(r, Exception):
-                raise r
-        return [str(r) for r in results]
-
-    async def hook_digests(self, job_id: str, submission: int) -> list[str]:
-        """The webhook secret hashes begin.lua kept for this submission (none: no webhook was asked for)."""
-        return (await self.hook_digests_many([(job_id, submission)]))[0]
-
-    async def hook_digests_many(self, items: Sequence[tuple[str, int]]) -> list[list[str]]:
-        """`hook_digests` for many (job id, submission) in one pipelined round trip (the server's burst path)."""
-        pipe = self.redis.pipeline(transaction=False)
-        for job_id, submission in items:
-            pipe.hget(keys.job(queue_of(job_id), job_id), f"hook:{submission}")
-        return [str(raw).split() if raw else [] for raw in await pipe.execute()]
-
-    async def hook_body(self, job_id: str, submission: int) -> str | None:
-        """The final webhook body of this submission, once one arrived."""
-        return (await self.hook_bodies([(job_id, submission)]))[0]
-
-    async def hook_bodies(self, items: Sequence[tuple[str, int]]) -> list[str | None]:
-        """`hook_body` for many (job id, submission) in one pipelined round trip: a burst of webhooks wakes
-        hundreds of jobs at once, and one HMGET each through the shared pool cost more than the reads."""
-        pipe = self.redis.pipeline(transaction=False)
-        for job_id, _ in items:
-            pipe.hmget(keys.job(queue_of(job_id), job_id), ["hook_n", "hook_body"])
-        replies = await pipe.execute()
-        return [
-            str(body) if body is not None and n == str(submission) else None
-            for (_, submission), (n, body) in zip(items, replies, strict=True)
-        ]
-
-    async def current_remote(self, job_id: str) -> tuple[str | None, int]:
-        """(remote id of the current submission or None, the current submission number)."""
-        rid, rn, sn = await self.redis.hmget(keys.job(queue_of(job_id), job_id), ["remote_id", "remote_n", "sub_n"])
-        n = int(sn or 0)
-        return (str(rid) if rid and rn == sn else None), n
 
     async def fence_many(self, queue: str, items: Sequence[tuple[str, str]]) -> list[str]:
         """OK / STALE / NOTFOUND per (id, token): whether each token still holds its lease (changes nothing)."""

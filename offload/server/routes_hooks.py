@@ -27,8 +27,8 @@ from fastapi import APIRouter, HTTPException, Request
 from offload.backends import create_backend
 from offload.backends.base import WebhookBackend
 from offload.errors import InvalidJob, MissingExtra
+from offload.queue.hook_store import HookItem
 from offload.queue.keys import hook_digest, queue_of
-from offload.queue.store import HookItem
 from offload.server.auth import GuardedRoute, guard
 from offload.server.state import ServerState, get_state
 from offload.server.webhooks import Forged, Verifier

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 from fastapi import HTTPException
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from offload.queue.store import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETENTION_S, JobSpec
+from offload.queue.specs import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETENTION_S, JobSpec
 
 DEFAULT_MAX_BATCH = 1000
 # The answering server's --max-batch, set per request by GuardedRoute (auth.py) before the body is validated.

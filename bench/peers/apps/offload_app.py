@@ -30,7 +30,8 @@ import orjson
 from offload.backends.base import RemoteResult, Submission
 from offload.connection import connect
 from offload.models import ClaimedJob
-from offload.queue.store import DEFAULT_LEASE_MS, CompleteItem, JobSpec, QueueStore
+from offload.queue.specs import JobSpec
+from offload.queue.store import DEFAULT_LEASE_MS, CompleteItem, QueueStore
 from offload.worker.dispatch import Worker, WorkerOptions, default_worker_id
 from offload.worker.limits import BackendLimits
 
