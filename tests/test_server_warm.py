@@ -127,6 +127,8 @@ def test_the_first_webhook_after_a_start_costs_what_later_ones_do(valkey_url: st
     assert report["statuses"] == [200] * DELIVERIES, report
     assert report["imports"] == [], report  # nothing left to import on the first delivery
     first, *later = report["calls"]
-    # Lazy set-up made the first ~35x a later one; what is left is the maintenance loop's first pass, which
-    # runs beside it in the same thread (the profile counts it too), and two new Redis connections.
-    assert first <= 5 * max(later), report
+    # Lazy set-up made the first ~35x a later one (~177,000 calls against ~5,000). What is left, 3-5x, is not the
+    # delivery's own: the maintenance loop's and the autoscaler's first passes run beside it in the same thread
+    # (the profile counts them too), and the pool opens its first two connections (redis-py reads its own
+    # version from the package metadata for each, ~3 ms). The bound leaves room for those, not for set-up.
+    assert first <= 10 * max(later), report

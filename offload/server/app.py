@@ -80,12 +80,15 @@ async def _maintain(state: ServerState, stop: asyncio.Event) -> None:
 
 
 async def _warm_routes(app: FastAPI) -> None:
-    """Send one request that no route matches through the app, in process, before the server listens. FastAPI
-    builds each included router's route state on the first request that reaches it (tens of ms with the event
-    loop blocked), so without this the first requests after a start (a burst of webhooks, say) queue behind it."""
+    """Send two requests through the app, in process, before the server listens: one that no route matches,
+    and one webhook for a backend that does not exist (a 404 decided before any store call). FastAPI builds
+    each included router's route state on the first request that reaches it, and an endpoint's context (its
+    source file and line, read with `inspect`) on the first call of that endpoint: tens of ms with the event
+    loop blocked, so without this the first requests after a start (a burst of webhooks, say) queue behind it."""
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://warm-up.invalid") as client:
         await client.get("/_warm-up")
+        await client.post("/v1/hooks/-warm-up-/-/1/-", content=b"{}")
 
 
 def create_app(options: ServerOptions | None = None) -> FastAPI:
