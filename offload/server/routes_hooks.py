@@ -43,22 +43,20 @@ _STATE_KEY = "webhooks"
 
 @dataclass
 class _Hooks:
-    client: httpx.AsyncClient = field(default_factory=lambda: httpx.AsyncClient(timeout=10.0))
-    verifier: Verifier | None = None
-    backends: dict[str, WebhookBackend] = field(default_factory=dict)
+    client: httpx.AsyncClient
+    verifier: Verifier
     # The two store calls of every delivery, coalesced across the deliveries in flight (a burst of a few
     # thousand jobs ending together): one pipelined round trip per batch instead of one pool checkout each.
-    digests: Batcher[tuple[str, int], list[str]] | None = None
-    verdicts: Batcher[HookItem, str] | None = None
+    digests: Batcher[tuple[str, int], list[str]]
+    verdicts: Batcher[HookItem, str]
+    backends: dict[str, WebhookBackend] = field(default_factory=dict)
 
 
 def _hooks(state: ServerState) -> _Hooks:
     hooks: _Hooks | None = state.extra.get(_STATE_KEY)
     if hooks is None:
-        hooks = _Hooks()
-        hooks.verifier = Verifier(hooks.client)
-        hooks.digests = Batcher(state.store.hook_digests_many)
-        hooks.verdicts = Batcher(state.store.hook_many)
+        client = httpx.AsyncClient(timeout=10.0)
+        hooks = _Hooks(client, Verifier(client), Batcher(state.store.hook_digests_many), Batcher(state.store.hook_many))
         state.extra[_STATE_KEY] = hooks
     return hooks
 
@@ -112,7 +110,6 @@ async def receive(backend: str, job_id: str, submission: int, secret: str, reque
     given = hook_digest(secret)
     matched = False
     hooks = _hooks(state)
-    assert hooks.verifier is not None and hooks.digests is not None and hooks.verdicts is not None
     for digest in await hooks.digests((job_id, submission)):
         matched |= hmac.compare_digest(digest, given)
     if not matched:
