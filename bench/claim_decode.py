@@ -31,15 +31,17 @@ def by_index(flat: list[str]) -> list[ClaimedJob]:
             redelivered=flat[i + 9] == "1",
             submission=int(flat[i + 10] or 0),
             intent_open=flat[i + 11] == "1",
+            begun=flat[i + 12] == "1",
         )
-        for i in range(0, len(flat), 12)
+        for i in range(0, len(flat), 13)
     ]
 
 
 def reply(jobs: int = JOBS) -> list[str]:
     flat: list[str] = []
     for j in range(jobs):
-        flat += [f"gpu:{j:024x}", f"w/{j}", "1", "3", '{"prompt": "x"}', f"out/{j}.json", "", "", "0", "0", "0", "0"]
+        flat += [f"gpu:{j:024x}", f"w/{j}", "1", "3", '{"prompt": "x"}', f"out/{j}.json", "", ""]
+        flat += ["0", "0", "0", "0", "0"]
     return flat
 
 

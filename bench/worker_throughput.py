@@ -10,12 +10,16 @@ Three workloads, each on a queue filled up front and drained by one worker proce
   with an in-process synchronous backend in place of a remote API (submit answers at once, the output is not
   stored), so each job takes the worker's real path: claim, the submit intent, submit, complete, heartbeats;
 - `worker_io50`: the dispatch worker on jobs whose submit waits 50 ms, `--concurrency` in flight: the bound is
-  concurrency / 0.05 s (2,000/s at 100).
+  concurrency / 0.05 s (2,000/s at 100);
+- `loop_io50`: no queue at all, `--concurrency` asyncio tasks that each await `asyncio.sleep(0.05)` in a loop,
+  the same number of times: what the event loop itself delivers against that bound (a timer wakes up to a
+  millisecond late: epoll's timeout is in whole milliseconds, rounded up), the ceiling of any asyncio worker.
 
 Valkey runs as `offload.embedded` ships it (AOF, `appendfsync everysec`, no RDB snapshots). The repetitions
 interleave the workloads (lean, worker, io50, lean, ...) so that a noisy neighbour hurts all of them alike;
 each figure is the median over the repetitions. The last line printed is JSON:
-{"worker_noop_per_s", "lean_noop_per_s", "worker_io50_per_s", "io50_bound_per_s", "noop_ratio", "io50_ratio"}.
+{"worker_noop_per_s", "lean_noop_per_s", "worker_io50_per_s", "io50_bound_per_s", "noop_ratio", "io50_ratio",
+"loop_io50_per_s", "io50_loop_ratio"} (the last two: the event loop's own ceiling, and the worker against it).
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from offload.worker.dispatch import Worker, WorkerOptions, default_worker_id
 from offload.worker.limits import BackendLimits
 
 QUEUE = "wbench"
-WORKLOADS = ("lean_noop", "worker_noop", "worker_io50")
+WORKLOADS = ("lean_noop", "worker_noop", "worker_io50", "loop_io50")
 IO_SLEEP_S = 0.05
 ROOT = Path(__file__).resolve().parent.parent
 # As offload.embedded starts Valkey: every write logged, fsynced once a second, no RDB snapshots.
@@ -215,6 +219,21 @@ async def run_lean(url: str, done: Done, concurrency: int) -> None:
         await redis.aclose()
 
 
+async def run_loop(done: Done, concurrency: int) -> None:
+    """The event loop's own ceiling: `concurrency` tasks each sleeping IO_SLEEP_S in turn until `done.jobs`
+    sleeps have ended; no queue, no worker."""
+    started = 0
+
+    async def one() -> None:
+        nonlocal started
+        while started < done.jobs:
+            started += 1
+            await asyncio.sleep(IO_SLEEP_S)
+            done.add(("OK",))
+
+    await asyncio.gather(*(one() for _ in range(concurrency)))
+
+
 async def _until(event: asyncio.Event, *tasks: asyncio.Task[None]) -> None:
     """Wait for `event`; a task that ends first (a crash) raises here instead of hanging the bench."""
     waiter = asyncio.create_task(event.wait())
@@ -236,6 +255,8 @@ async def child(workload: str, url: str, jobs: int, concurrency: int) -> None:
     t0 = time.perf_counter()
     if workload == "lean_noop":
         await run_lean(url, done, concurrency)
+    elif workload == "loop_io50":
+        await run_loop(done, concurrency)
     else:
         await run_worker(url, done, concurrency)
     elapsed = time.perf_counter() - t0
@@ -244,7 +265,8 @@ async def child(workload: str, url: str, jobs: int, concurrency: int) -> None:
 
 def measure(workload: str, url: str, jobs: int, concurrency: int, timeout: float) -> float:
     """Fill the queue, drain it with a fresh worker process; returns jobs per second."""
-    asyncio.run(fill(url, jobs, IO_SLEEP_S if workload == "worker_io50" else 0.0))
+    if workload != "loop_io50":
+        asyncio.run(fill(url, jobs, IO_SLEEP_S if workload == "worker_io50" else 0.0))
     cmd = [sys.executable, __file__, "--child", workload, "--url", url, "--jobs", str(jobs)]
     cmd += ["--concurrency", str(concurrency)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
@@ -284,7 +306,7 @@ def main() -> None:
             _wait_ready(url)
         for rep in range(reps):
             for workload in WORKLOADS:
-                n = io_jobs if workload == "worker_io50" else jobs
+                n = io_jobs if workload.endswith("io50") else jobs
                 rates[workload].append(measure(workload, url, n, args.concurrency, timeout))
                 print(f"rep {rep + 1}/{reps}  {workload:<12} {rates[workload][-1]:>10,.0f} jobs/s", flush=True)
     finally:
@@ -292,11 +314,13 @@ def main() -> None:
             proc.terminate()
             proc.wait()
         shutil.rmtree(workdir, ignore_errors=True)
-    lean, worker, io50 = (statistics.median(rates[w]) for w in WORKLOADS)
+    lean, worker, io50, loop = (statistics.median(rates[w]) for w in WORKLOADS)
     print(f"jobs={jobs} io_jobs={io_jobs} concurrency={args.concurrency} reps={reps} (medians)")
     print(f"lean QueueStore loop, no-op   {lean:>10,.0f} jobs/s")
     print(f"dispatch worker, no-op        {worker:>10,.0f} jobs/s ({worker / lean:.0%} of the lean loop)")
     print(f"dispatch worker, 50 ms jobs   {io50:>10,.0f} jobs/s ({io50 / bound:.0%} of the bound {bound:,.0f}/s)")
+    print(f"asyncio sleeps alone, 50 ms   {loop:>10,.0f} /s     ({loop / bound:.0%} of the bound)")
+    print(f"  the worker's 50 ms jobs against the event loop's own ceiling: {io50 / loop:.1%}")
     print(
         json.dumps(
             {
@@ -306,6 +330,8 @@ def main() -> None:
                 "io50_bound_per_s": round(bound),
                 "noop_ratio": round(worker / lean, 3),
                 "io50_ratio": round(io50 / bound, 3),
+                "loop_io50_per_s": round(loop),
+                "io50_loop_ratio": round(io50 / loop, 3),
             }
         )
     )

@@ -168,6 +168,7 @@ class ClaimedJob:
     redelivered: bool = False  # claimed before (a retry or a crashed lease)
     submission: int = 0  # the number of its latest submit intent (0: never submitted)
     intent_open: bool = False  # that intent has no recorded remote id: it may have reached the provider
+    begun: bool = False  # the claim opened this lease's intent for `submission` (claim.lua's `begin`)
 
     @property
     def input(self) -> Any:

@@ -204,3 +204,53 @@ async def test_a_drain_closes_only_the_unsent_intents_its_own_lease_opened(vstor
     assert verdicts == ["OK:1", "OK:1:DUP", "OK:1:DUP"]
     assert (await vstore.get(a)).possible_duplicates == 0
     assert (await vstore.usage("q", W))[1] == pytest.approx(2.0 + 2 * 4.0)  # a reserved once; b, c again
+
+
+async def test_a_claim_with_begin_opens_the_intents_begin_would_and_leaves_the_unsettled_ones_to_it(
+    vstore: QueueStore,
+) -> None:
+    """claim.lua's `begin` (a synchronous API without caps): each fresh job comes back begun, with the number
+    begin.lua would give it and the intent recorded as this lease's; a repeat of the claim (its reply lost)
+    answers the same; the begin of the job's first try is then only a repeat. A job with an open intent from a
+    lost lease or a cap in the window is not begun: begin.lua decides those."""
+    a, b, c = await vstore.enqueue_many("q", [JobSpec(input=i, max_attempts=5) for i in range(3)])
+    first = {j.id: j for j in await vstore.claim("q", "w1", 3, begin=True, request_id="r1")}
+    assert {j: (first[j].begun, first[j].submission, first[j].intent_open) for j in first} == {
+        a: (True, 1, False),
+        b: (True, 1, False),
+        c: (True, 1, False),
+    }
+    job = await vstore.get(a)
+    assert (job.submission, job.intent_by, job.possible_duplicates) == (1, "w1", 0) and job.intent_at
+    repeat = {j.id: j for j in await vstore.claim("q", "w1", 3, begin=True, request_id="r1")}
+    assert repeat == first, "a repeated claim answered other leases or another begin"
+    assert await vstore.begin_many("q", "", [(j, first[j].token, 0.0) for j in (a, b, c)]) == ["OK:1"] * 3
+    # a: its run recorded and failed (a new run is wanted: number 2); b: its worker is lost with the intent open
+    await vstore.checkpoint_many("q", [(a, first[a].token, "gpu", "r-a", 1)])
+    assert await vstore.fail(a, first[a].token, "remote job failed", delay_ms=0) == "retrying"
+    assert await vstore.complete_many("q", [(c, first[c].token, "results/c", None)]) == ["OK"]
+    await lapse(vstore, "w1")
+    again = {j.id: j for j in await vstore.claim("q", "w2", 3, begin=True)}
+    assert set(again) == {a, b}
+    assert (again[a].begun, again[a].submission, again[a].intent_open) == (True, 2, False)
+    assert (again[b].begun, again[b].submission, again[b].intent_open) == (False, 1, True)
+    verdicts = await vstore.begin_many("q", "", [(j, again[j].token, 0.0) for j in (a, b)], backend="gpu")
+    assert verdicts == ["OK:2", "OK:1:DUP"]
+    # under a cap the claim begins nothing: the reservation is begin.lua's
+    [d] = await vstore.enqueue_many("q", [JobSpec(input=9)])
+    (capped,) = await vstore.claim("q", "w3", 1, begin=True, window=W, job_cap=5)
+    assert (capped.id, capped.begun, capped.submission) == (d, False, 0)
+    assert await vstore.begin_many("q", W, [(d, capped.token, 0.0)], job_cap=5) == ["OK:1"]
+    assert (await vstore.usage("q", W))[0] == 1
+
+
+async def test_a_drain_closes_the_intents_a_claim_opened(vstore: QueueStore) -> None:
+    """Jobs begun by their claim and handed back unsent (a drain) go out again as the same run, uncounted; one
+    not named (its call was sent) is a possible duplicate."""
+    a, b = await vstore.enqueue_many("q", [JobSpec(input=i) for i in range(2)])
+    leases = {j.id: j.token for j in await vstore.claim("q", "w1", 2, begin=True)}
+    assert await vstore.release_leases("q", "w1", unsent=[(a, leases[a])]) == 2
+    again = {j.id: j for j in await vstore.claim("q", "w2", 2)}
+    assert {j: again[j].intent_open for j in (a, b)} == {a: False, b: True}
+    verdicts = await vstore.begin_many("q", "", [(j, again[j].token, 0.0) for j in (a, b)], backend="gpu")
+    assert verdicts == ["OK:1", "OK:1:DUP"]

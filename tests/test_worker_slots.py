@@ -276,3 +276,75 @@ async def test_an_asynchronous_api_under_429s_with_more_jobs_ahead_than_the_subm
         await until_state(store, [j for j, _ in jobs], "succeeded", task, timeout=30)
         assert w.peak_in_flight == 2
     assert (await stats(sim))["submissions_by_input_id"] == {i: 1 for _, i in jobs}
+
+
+@pytest.mark.parametrize("rate_limit", [None, "500/s"])
+async def test_a_synchronous_worker_begins_fresh_jobs_in_their_claim_unless_a_rate_limit_comes_first(
+    valkey_url: str,
+    no_outputs: dict[str, Any],
+    sim: str,
+    store: QueueStore,
+    monkeypatch: pytest.MonkeyPatch,
+    rate_limit: str | None,
+) -> None:
+    """A synchronous API (no webhooks) without a rate limit or caps begins each job the moment it has it, so
+    the claim opens the intents (claim.lua's `begin`) and the worker sends no begin script for a first try: a
+    round trip less per job. With a rate limit the intent must wait for the limit, so each job is begun by the
+    begin script, after it. Either way every job is sent once, as submission 1, and nothing is counted."""
+    begun: list[str] = []
+    real = QueueStore.begin_many
+
+    async def counting(self: QueueStore, queue: str, window: str, items: Any, **kw: Any) -> list[str]:
+        begun.extend(item[0] for item in items)
+        return await real(self, queue, window, items, **kw)
+
+    monkeypatch.setattr(QueueStore, "begin_many", counting)
+    await configure(sim, latency=0.05)
+    jobs = await enqueue(store, "sync-begin", 12)
+    settings = make_settings(valkey_url, no_outputs, sim, "openai", concurrency=3)
+    if rate_limit is not None:
+        backend = settings.backends["gpu"].model_copy(update={"rate_limit": rate_limit})
+        settings = settings.model_copy(update={"backends": {"gpu": backend}})
+    async with worker(settings, prefetch=3) as (task, _):
+
+        async def all_done() -> bool:
+            return (await counts(store))["succeeded"] == len(jobs)
+
+        await until(all_done, "every job succeeded", task)
+    ids = [j for j, _ in jobs]
+    assert sorted(begun) == (sorted(ids) if rate_limit else []), begun
+    records = [await store.get(j) for j in ids]
+    assert {(r.submission, r.possible_duplicates) for r in records} == {(1, 0)}
+    assert [len(await remote_jobs(sim, i)) for _, i in jobs] == [1] * len(jobs)
+    assert await store.possible_duplicates("q") == {}
+
+
+async def test_the_slot_pool_serves_in_order_and_never_loses_a_slot_to_a_cancelled_waiter() -> None:
+    """SlotPool: first come first served; a waiter cancelled while waiting takes nothing, and one cancelled
+    after a slot was handed to it (before it resumed) passes that slot on; the count of free slots ends where it
+    began once every holder gave its slot back."""
+    import asyncio
+
+    from offload.worker.slots import SlotPool
+
+    pool = SlotPool(1)
+    assert pool.try_take() and not pool.try_take()
+    order: list[str] = []
+
+    async def wait_for(name: str) -> None:
+        await pool.acquire()
+        order.append(name)
+
+    a, b, c, d = (asyncio.create_task(wait_for(n)) for n in "abcd")
+    await asyncio.sleep(0)  # all four queued behind the taken slot
+    b.cancel()  # cancelled while waiting
+    await asyncio.gather(b, return_exceptions=True)
+    pool.release()  # handed to a
+    await asyncio.sleep(0)
+    assert order == ["a"]
+    pool.release()  # a gives it back: b was cancelled, so c gets it
+    c.cancel()  # ... and c is cancelled before it resumes: the slot goes on to d
+    await asyncio.wait_for(asyncio.gather(a, c, d, return_exceptions=True), 5)  # a lost slot: d never runs
+    assert order == ["a", "d"] and c.cancelled()
+    pool.release()  # d gives it back: nobody waits, the slot is free again
+    assert pool.try_take() and not pool.try_take()

@@ -23,6 +23,7 @@ CLAIM_FIELDS = (
     "claimed_before",
     "submission",
     "intent_open",
+    "begun",
 )
 CLAIM_WIDTH = len(CLAIM_FIELDS)
 
@@ -43,6 +44,7 @@ def _claimed_job(
     claimed_before: str,
     submission: str,
     intent_open: str,
+    begun: str,
 ) -> ClaimedJob:
     return ClaimedJob(
         id=job_id,
@@ -57,6 +59,7 @@ def _claimed_job(
         redelivered=claimed_before == "1",
         submission=int(submission or 0),
         intent_open=intent_open == "1",
+        begun=begun == "1",
     )
 
 

@@ -244,10 +244,13 @@ class QueueStore(HookStore):
         spend_cap: float | None = None,
         estimate: float = 0.0,
         request_id: str | None = None,
+        begin: bool = False,
     ) -> list[ClaimedJob]:
         """Lease up to `n` jobs. With a cap `window` and caps, nothing fresh is taken while a cap is reached
         (only jobs that resume a remote job). `request_id` (default: a new one per call) makes a repeat of
-        this very call answer the same jobs."""
+        this very call answer the same jobs. `begin`: also open the submit intent of each fresh job (no
+        remote id, no open intent, no cancel, no cap in the window), as `begin_many` would; those come back
+        `begun`, the others are begun the usual way."""
         lease = lease_ms or self.lease_ms
         flat = await self._run(
             SCRIPTS.claim,
@@ -261,6 +264,7 @@ class QueueStore(HookStore):
             "" if spend_cap is None else spend_cap,
             repr(float(estimate)),
             self._silence(lease),
+            "1" if begin else "",
         )
         return replies.claimed(flat)
 

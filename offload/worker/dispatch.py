@@ -40,6 +40,7 @@ from offload.worker.batching import Batcher
 from offload.worker.health import StoreHealth, describe
 from offload.worker.jobpath import JobPath, StoreOutput, WorkerOptions
 from offload.worker.limits import BackendLimits
+from offload.worker.slots import SlotPool
 
 log = logging.getLogger("offload.worker")
 __all__ = ["StoreOutput", "Worker", "WorkerOptions", "default_worker_id"]
@@ -87,7 +88,7 @@ class Worker(JobPath):
         self._cancel_waits: dict[str, asyncio.Event] = {}  # jobs waiting on the rate limit, woken by a cancel
         self.peak_in_flight = 0  # the most remote jobs at once (slots taken), at most `concurrency`
         self.in_flight = 0
-        self._slots = asyncio.Semaphore(options.concurrency)
+        self._slots = SlotPool(options.concurrency)
         self._ahead: set[asyncio.Task[None]] = set()  # claimed, waiting for a slot: nothing sent anywhere yet
         self._past: set[str] = set()  # jobs whose remote work is over: storing the output, acking
         self._room = asyncio.Event()  # set when a task ends: room to claim
@@ -99,6 +100,9 @@ class Worker(JobPath):
         # bounded number of them at a time bounds what one kill can cost (not for synchronous APIs, whose
         # submit is the whole job).
         self._gate = None if backend.synchronous else asyncio.Semaphore(options.submit_concurrency)
+        # A synchronous API without a rate limit begins each job the moment it has it (see _submit), so the claim
+        # opens the intents itself: one script call per job less (claim.lua's `begin`; caps leave it to begin).
+        self._begin_at_claim = backend.synchronous and not limits.interval_ms and self._hooks() is None
         # The per-job writes of the hot path, coalesced: thousands of tasks, a few script calls.
         q = options.queue
         self._checkpoints: Batcher[tuple[str, str, str, str, int], str] = Batcher(
@@ -163,6 +167,7 @@ class Worker(JobPath):
                 job_cap=opts.daily_job_cap,
                 spend_cap=opts.daily_spend_cap,
                 estimate=opts.reservation,
+                begin=self._begin_at_claim,
             )
             for job in jobs:
                 self._start(job, sent)
@@ -179,15 +184,18 @@ class Worker(JobPath):
         self.claimed_at[job.id] = sent
         self.settling.discard(job.id)  # an older lease's last write says nothing about this one
         self._past.discard(job.id)
+        if job.begun:  # an open intent, nothing sent: a drain closes it (see _submit)
+            self._unsent[job.id] = job.token
         self.tasks[job.id] = asyncio.create_task(self._run_job(job, old))
 
     async def _enter_remote(self, job: ClaimedJob, task: asyncio.Task[None]) -> None:
         """Take a slot: at most `concurrency` jobs are past this point (submitting, at the provider, polled)."""
-        self._ahead.add(task)  # (not `locked()` first: asyncio's scans every waiter, per call)
-        try:
-            await self._slots.acquire()
-        finally:
-            self._ahead.discard(task)
+        if not self._slots.try_take():
+            self._ahead.add(task)
+            try:
+                await self._slots.acquire()
+            finally:
+                self._ahead.discard(task)
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
 

@@ -53,6 +53,19 @@ Fence = Callable[[], Awaitable[None]]
 StoreOutput = Callable[[str, Any, str, Fence], Awaitable[str]]
 
 
+class _NoGate:
+    """The submit gate of a synchronous API: none (a shared instance, not a new nullcontext per job)."""
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_GATE = _NoGate()
+
+
 def _key_problem(key: str) -> str | None:
     try:
         validate_key(key)
@@ -136,7 +149,7 @@ class JobPath(HookPath):
                 if remote_id is None:
                     if job.intent_open:
                         await slot.take()  # the provider is asked for the job by its tag
-                    if adopted := await self._adopt(job):
+                    if job.intent_open and (adopted := await self._adopt(job)):
                         remote_id = await self._record(job, adopted, run)
                     else:
                         if self._gate is not None:
@@ -226,16 +239,23 @@ class JobPath(HookPath):
         docs/architecture.md, *Slots*): its round trip is spent while the slot is still busy with another job,
         not inside this one's. Between the begin and the call the job is `unsent` (a drain closes its intent:
         nothing was sent) and, once it has its slot, the cancels this worker has heard of since the begin are
-        checked right before the call."""
+        checked right before the call. A job the claim has begun (`job.begun`: a synchronous API without a rate
+        limit or caps, see claim.lua) starts here with its intent open and skips the begin of its first try."""
         throttled: Throttled | None = None
         hooks = self._hooks()
         secret = secrets.token_urlsafe(24) if hooks else ""  # one per claim: a resend keeps its URL
         digest = hook_digest(secret) if hooks else ""
         for attempt in range(self.options.submit_retries_on_429 + 1):
-            await self._fresh_lease(job)
-            await self._acquire(job)  # may wait long: the intent (with the cancel check) comes after
-            async with self._gate or contextlib.nullcontext():
-                verdict = await self.health.call(lambda: self._begins((job.id, job.token, digest)))
+            begun = job.begun and attempt == 0
+            if not begun:
+                await self._fresh_lease(job)
+            if not self.limits.free_now():  # (checked here too: a call less per job on the common path)
+                await self._acquire(job)  # may wait long: the intent (with the cancel check) comes after
+            async with self._gate or _NO_GATE:
+                if begun:
+                    verdict = f"OK:{job.submission}"
+                else:
+                    verdict = await self.health.call(lambda: self._begins((job.id, job.token, digest)))
                 if verdict == "CANCEL":
                     await self._cancel(job, None)
                     return None

@@ -5,20 +5,26 @@
 -- remote job to resume; under the job cap, a job already counted in the window), from the head of the ready set.
 -- A repeat of the worker's last claim (same request id: its reply was lost and the client sent it again) answers
 -- the same jobs again instead of leasing more.
+-- With `begin` ('1'), the claim also opens the submit intent of each fresh job, as begin.lua would right after it
+-- (a worker on a synchronous API without caps begins every job the moment it has it: one round trip less per
+-- job). Only a job with nothing unsettled is begun here: no remote id, no open intent, no cancel, and no cap
+-- in the window (caps reserve in begin.lua); the others are left to begin.lua, which decides them.
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
 -- ARGV: now, worker id, max jobs, lease ms, request id, cap window, job cap, spend cap, estimated cost of one
---   submission, silence ms
--- Returns: a flat list, 12 fields per job (decoded in one place: offload.queue.replies): id, token, attempt,
+--   submission, silence ms, begin ('1' or '')
+-- Returns: a flat list, 13 fields per job (decoded in one place: offload.queue.replies): id, token, attempt,
 --   max_attempts, input, output_key, backend, remote_id, cancel, claimed before (1/0), submission number,
---   submit intent open (1/0: an earlier delivery may have left a submission it never recorded)
+--   submit intent open (1/0: an earlier delivery may have left a submission it never recorded), begun (1/0: the
+--   intent of the submission number is this lease's own, opened by this claim)
 --- @include "common"
 local now = now_ms(ARGV[1])
 local wid, n, lease, req, window = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5], ARGV[6]
 local job_cap, spend_cap, estimate, silence = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9]) or 0,
   tonumber(ARGV[10])
+local begin = ARGV[11] == '1' and not (window ~= '' and (job_cap or spend_cap))
 local SCAN = 200
 local FIELDS = {'max_attempts', 'attempts', 'remote_id', 'input', 'output_key', 'backend', 'cancel',
-  'started_at', 'ready_at', 'created_at', 'sub_n', 'sub_open', 'token'}
+  'started_at', 'ready_at', 'created_at', 'sub_n', 'sub_open', 'token', 'intent_tok', 'remote_n'}
 stamp(now, silence)
 heard(wid, now, lease)
 local last_key = P .. 'lastclaim:' .. wid
@@ -35,7 +41,9 @@ local function reply(out, id, token, f, before)
   out[#out + 1] = f[7] or '0'
   out[#out + 1] = before
   out[#out + 1] = f[11] or '0'
-  out[#out + 1] = f[12] or '0'
+  local open, own = f[12] == '1', f[14] == token
+  out[#out + 1] = (open and not own) and '1' or '0'
+  out[#out + 1] = (open and own) and '1' or '0'
 end
 
 if req ~= '' then
@@ -90,7 +98,19 @@ for _, id in ipairs(picked) do
       state = 'submitted'
       submitted[#submitted + 1] = id
     end
-    redis.call('HSET', k, 'state', state, 'owner', wid, 'token', token, 'started_at', now, 'attempts', attempt)
+    if begin and state == 'active' and f[12] ~= '1' and f[7] ~= '1' then
+      -- the submission number as begin.lua picks it for a job without an open intent
+      local sub, n = tonumber(f[11] or ''), 1
+      if sub then
+        n = sub
+        if tonumber(f[15] or '') == sub then n = sub + 1 end
+      end
+      redis.call('HSET', k, 'state', state, 'owner', wid, 'token', token, 'started_at', now, 'attempts', attempt,
+        'sub_n', n, 'sub_open', '1', 'intent_at', now, 'intent_by', wid, 'intent_tok', token)
+      f[11], f[12], f[14] = tostring(n), '1', token
+    else
+      redis.call('HSET', k, 'state', state, 'owner', wid, 'token', token, 'started_at', now, 'attempts', attempt)
+    end
     f[2] = attempt
     ids[#ids + 1] = id
     active[#active + 1] = now
