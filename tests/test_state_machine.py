@@ -442,7 +442,8 @@ class QueueMachine(RuleBasedStateMachine):
         self.paused = False
 
     def _claim(self, worker: str, n: int) -> list[Lease]:
-        got = self.run(self.s.claim(Q, worker, n))
+        begin = worker == WORKERS[0]  # this one serves a synchronous API: its claims open the submit intents
+        got = self.run(self.s.claim(Q, worker, n, begin=begin))
         self._stamp(LEASE)
         self._heard(worker, LEASE)  # claiming proves the worker alive, before reaping
         self._promote()
@@ -461,6 +462,11 @@ class QueueMachine(RuleBasedStateMachine):
             assert c.cancel_requested == j.cancel
             assert c.input == j.input
             assert c.output_key == f"results/{j.id}.json"
+            # a claim begins only a job with nothing unsettled: no remote job, no cancel, no intent left open
+            settled = not c.remote_id and not c.cancel_requested and not c.intent_open
+            assert c.begun == (begin and settled), "a claim begins exactly the jobs with nothing unsettled"
+            if c.begun:
+                event("claim: begun (submit intent opened by the claim)")
             if c.remote_id:
                 event("claim: re-delivered with its remote id (resume, not resubmit)")
             if c.cancel_requested:
