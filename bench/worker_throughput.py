@@ -43,6 +43,7 @@ import orjson
 
 from offload.backends.base import RemoteResult, Submission
 from offload.connection import connect
+from offload.heap import freeze_startup
 from offload.models import ClaimedJob
 from offload.queue.specs import JobSpec
 from offload.queue.store import DEFAULT_LEASE_MS, CompleteItem, QueueStore
@@ -250,7 +251,10 @@ async def _until(event: asyncio.Event, *tasks: asyncio.Task[None]) -> None:
 
 
 async def child(workload: str, url: str, jobs: int, concurrency: int) -> None:
-    """One workload in this (fresh) process; prints {"jobs", "seconds"}: from the first claim to the last ack."""
+    """One workload in this (fresh) process; prints {"jobs", "seconds"}: from the first claim to the last ack.
+    Start-up objects are frozen first, as `offload worker` does once it is ready (offload/heap.py), for every
+    workload alike."""
+    freeze_startup()
     done = Done(jobs)
     t0 = time.perf_counter()
     if workload == "lean_noop":

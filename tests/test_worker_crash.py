@@ -397,6 +397,67 @@ async def test_worker_killed_after_submit_is_resumed_not_resubmitted(
     assert body["echo"] == job_input("resume-1")
 
 
+@pytest.mark.parametrize("honour", [True, False], ids=["key-honoured", "key-ignored"])
+async def test_synchronous_worker_killed_with_intents_its_claims_opened(
+    valkey_url: str,
+    bucket: RcloneS3,
+    sim: SimProcess,
+    store: QueueStore,
+    fleets: Callable[..., Fleet],
+    tmp_path: Path,
+    honour: bool,
+) -> None:
+    """A synchronous API (`openai`: the submit is the whole job, nothing to resume): the claim itself opens the
+    intents (claim.lua's `begin`), so a SIGKILL leaves one open on every job A held: the 4 at the provider and
+    the 1 begun ahead of a slot. B sends each again under the same Idempotency-Key and counts it as a possible
+    duplicate (a kill cannot tell a sent call from an unsent one). Nothing is lost or finished twice; a provider
+    that honours the key runs every job once; one that ignores it runs the 4 A had sent twice, and the job A
+    began but never sent once."""
+    sim.configure(latency=3.0)
+    httpx.post(f"{sim.url}/_sim/config?merge=true", json={"honour_idempotency_key": honour}).raise_for_status()
+    config = {
+        "redis_url": valkey_url,
+        "storage": {**bucket.settings(BUCKET), "secret_access_key": "${TEST_S3_SECRET}"},
+        "backends": {"gpu": {"kind": "openai", "model": "gpt-sim", "base_url": f"{sim.url}/v1", "api_key": "k"}},
+        "queues": {QUEUE: {"backend": "gpu", "concurrency": 4, "poll_timeout": 60}},
+    }
+    (tmp_path / "offload.yaml").write_text(yaml.safe_dump(config))
+    fleet = fleets(config=tmp_path / "offload.yaml")
+    env = worker_env(bucket, OFFLOAD_LEASE_MS=1000)
+    inputs = [f"sync-{i}" for i in range(8)]
+    specs = [JobSpec(input={**job_input(i), "messages": [{"role": "user", "content": i}]}) for i in inputs]
+    ids = await store.enqueue_many(QUEUE, specs)
+
+    fleet.start("A", env=env)
+
+    async def four_out_one_ahead() -> bool:
+        c = await counts(store)
+        return sim.stats()["submissions"] == 4 and c["active"] == 5
+
+    await wait_until(four_out_one_ahead, 30, "4 calls out and 1 job begun ahead", why=lambda: fleet.tail("A"))
+    held = [j for j in ids if (await store.get(j)).state == JobState.ACTIVE]
+    sent = {i for i, n in sim.stats()["submissions_by_input_id"].items() if n}
+    fleet.kill("A")
+    assert fleet.procs["A"].returncode == -signal.SIGKILL
+    opened = [await store.get(j) for j in held]
+    assert [(r.submission, r.intent_by is not None) for r in opened] == [(1, True)] * 5, "the claim opened them"
+
+    fleet.start("B", env=env)
+
+    async def all_done() -> bool:
+        return (await counts(store))["succeeded"] == len(ids)
+
+    await wait_until(all_done, 60, "worker B to finish every job", why=lambda: fleet.tail("B"))
+    records = {j: await store.get(j) for j in ids}
+    by_input = sim.stats()["submissions_by_input_id"]
+    assert len(sent) == 4 and {by_input[i] for i in sent} == ({1} if honour else {2}), by_input  # A's, resent
+    assert [by_input[i] for i in inputs if i not in sent] == [1] * 4, by_input  # the one A began, the 3 after
+    dups = {j for j, r in records.items() if r.possible_duplicates}
+    assert dups == set(held) and all(records[j].possible_duplicates == 1 for j in held), records
+    assert await store.possible_duplicates(QUEUE) == {"gpu": 5}
+    assert {r.state for r in records.values()} == {JobState.SUCCEEDED}
+
+
 # -- 2. 1,000 jobs, 4 workers, one SIGKILLed every second ------------------------------------------
 
 
