@@ -134,10 +134,11 @@ class SimProcess:
             stop(self.proc)
         raise RuntimeError(f"simulator did not start: {(self.dir / 'sim.log').read_text()[-2000:]}")
 
-    def configure(self, **default: Any) -> None:
+    def configure(self, *, honour_idempotency_key: bool = True, **default: Any) -> None:
         """Replace the config (fresh jobs and counters) with these `default` behaviour fields."""
         httpx.post(f"{self.url}/_sim/reset").raise_for_status()
-        httpx.post(f"{self.url}/_sim/config", json={"seed": 7, "default": default}).raise_for_status()
+        config = {"seed": 7, "honour_idempotency_key": honour_idempotency_key, "default": default}
+        httpx.post(f"{self.url}/_sim/config", json=config).raise_for_status()
 
     def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = httpx.get(f"{self.url}/_sim/stats", timeout=30).json()
@@ -413,8 +414,7 @@ async def test_synchronous_worker_killed_with_intents_its_claims_opened(
     duplicate (a kill cannot tell a sent call from an unsent one). Nothing is lost or finished twice; a provider
     that honours the key runs every job once; one that ignores it runs the 4 A had sent twice, and the job A
     began but never sent once."""
-    sim.configure(latency=3.0)
-    httpx.post(f"{sim.url}/_sim/config?merge=true", json={"honour_idempotency_key": honour}).raise_for_status()
+    sim.configure(latency=3.0, honour_idempotency_key=honour)
     config = {
         "redis_url": valkey_url,
         "storage": {**bucket.settings(BUCKET), "secret_access_key": "${TEST_S3_SECRET}"},
