@@ -53,17 +53,7 @@ Fence = Callable[[], Awaitable[None]]
 StoreOutput = Callable[[str, Any, str, Fence], Awaitable[str]]
 
 
-class _NoGate:
-    """The submit gate of a synchronous API: none (a shared instance, not a new nullcontext per job)."""
-
-    async def __aenter__(self) -> None:
-        return None
-
-    async def __aexit__(self, *exc: object) -> None:
-        return None
-
-
-_NO_GATE = _NoGate()
+_NO_GATE = contextlib.nullcontext()  # a synchronous API's submit gate: none (one shared, not a new one per job)
 
 
 def _key_problem(key: str) -> str | None:
@@ -147,9 +137,11 @@ class JobPath(HookPath):
                     if remote_id is not None:
                         remote_id = await self._record(job, remote_id, run)
                 if remote_id is None:
+                    adopted = None
                     if job.intent_open:
                         await slot.take()  # the provider is asked for the job by its tag
-                    if job.intent_open and (adopted := await self._adopt(job)):
+                        adopted = await self._adopt(job)
+                    if adopted:
                         remote_id = await self._record(job, adopted, run)
                     else:
                         if self._gate is not None:
@@ -224,9 +216,7 @@ class JobPath(HookPath):
     async def _adopt(self, job: ClaimedJob) -> str | None:
         """A job whose last submit intent has no remote id may have been submitted by a worker that died (or
         lost its lease) inside the submit call; backends that tag submissions can find it, so we poll it
-        instead of paying again."""
-        if not job.intent_open:
-            return None
+        instead of paying again. Called for such a job only (`job.intent_open`)."""
         with contextlib.suppress(BackendError):
             return await self.backend.find(job.id)
         return None

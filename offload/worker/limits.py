@@ -20,7 +20,7 @@ from offload.worker.batching import Batcher
 
 COOL_PROBE_S = 0.1
 # How long noted outcomes gather before one write sends them all: a metric 50 ms late, against a write per
-# event-loop pass (a worker doing 7,000 jobs/s sent ~250 a second, bench/worker_throughput.py; now ~20).
+# event-loop pass (a worker doing 7,000 jobs/s sent ~300 a second, bench/worker_throughput.py; now ~20).
 NOTE_EVERY_S = 0.05
 
 

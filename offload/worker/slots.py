@@ -38,7 +38,7 @@ class Slot:
 class SlotPool:
     """The worker's `concurrency` slots: a first-come first-served counting semaphore. Not asyncio.Semaphore,
     whose `acquire` (3.11) first asks `locked()`, which scans every waiter: with the jobs claimed ahead waiting
-    there, each job paid a scan of them (measured in bench/worker_throughput.py's no-op run: 5 % of the worker's
+    there, each job paid a scan of them (measured in bench/worker_throughput.py's no-op run: ~3 % of the worker's
     time in `locked`). Invariant: a slot is free only while nobody waits (`release` hands it over first)."""
 
     __slots__ = ("_free", "_waiters")
@@ -55,8 +55,7 @@ class SlotPool:
         return False
 
     async def acquire(self) -> None:
-        if self._free > 0:
-            self._free -= 1
+        if self.try_take():
             return
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)

@@ -57,16 +57,8 @@ for _, item in ipairs(cjson.decode(ARGV[6])) do
       remember_hook(k, sub, item[4])
       out[#out + 1] = 'OK:' .. sub
     else
-      local n, dup = 1, false
-      if sub then
-        if g[3] == '1' then
-          n, dup = sub, true
-        elseif tonumber(g[5] or '') == sub then
-          n = sub + 1
-        else
-          n = sub  -- the last try was answered without a remote job: the same run is still wanted
-        end
-      end
+      local n, dup = next_submission(g[2], g[5]), false
+      if sub and g[3] == '1' then n, dup = sub, true end  -- an earlier lease's intent, still open
       local verdict = nil
       local again = dup or g[6] ~= window or tonumber(g[7] or '') ~= n
       if capped then verdict = cap_take(st, id, estimate, job_cap, spend_cap, again) end

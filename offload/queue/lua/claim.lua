@@ -98,19 +98,15 @@ for _, id in ipairs(picked) do
       state = 'submitted'
       submitted[#submitted + 1] = id
     end
-    if begin and state == 'active' and f[12] ~= '1' and f[7] ~= '1' then
-      -- the submission number as begin.lua picks it for a job without an open intent
-      local sub, n = tonumber(f[11] or ''), 1
-      if sub then
-        n = sub
-        if tonumber(f[15] or '') == sub then n = sub + 1 end
+    local fields = {'state', state, 'owner', wid, 'token', token, 'started_at', now, 'attempts', attempt}
+    if begin and state == 'active' and f[12] ~= '1' and f[7] ~= '1' then  -- the intent begin.lua would open
+      local n = next_submission(f[11], f[15])
+      for _, v in ipairs({'sub_n', n, 'sub_open', '1', 'intent_at', now, 'intent_by', wid, 'intent_tok', token}) do
+        fields[#fields + 1] = v
       end
-      redis.call('HSET', k, 'state', state, 'owner', wid, 'token', token, 'started_at', now, 'attempts', attempt,
-        'sub_n', n, 'sub_open', '1', 'intent_at', now, 'intent_by', wid, 'intent_tok', token)
       f[11], f[12], f[14] = tostring(n), '1', token
-    else
-      redis.call('HSET', k, 'state', state, 'owner', wid, 'token', token, 'started_at', now, 'attempts', attempt)
     end
+    redis.call('HSET', k, unpack(fields))
     f[2] = attempt
     ids[#ids + 1] = id
     active[#active + 1] = now

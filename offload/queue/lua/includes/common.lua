@@ -276,6 +276,16 @@ local function trim(now, limit)
   return trimmed
 end
 
+-- The submission number a job is sent under when no intent of it is open (begin.lua, and claim.lua's `begin`):
+-- 1 for the first; the next after a run whose remote id was recorded (`remote_n` = `sub_n`); else the same
+-- number again (the last try was answered without a remote job: the same run is still wanted).
+local function next_submission(sub_n, remote_n)
+  local sub = tonumber(sub_n or '')
+  if not sub then return 1 end
+  if tonumber(remote_n or '') == sub then return sub + 1 end
+  return sub
+end
+
 -- Check that `token` still owns job `id`: returns {state, owner, retention, started_at, idem} or nil
 -- and an error word.
 local function owned(id, token)
