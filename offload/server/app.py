@@ -137,6 +137,7 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
         "over HTTP. Authenticate with `Authorization: Bearer <key>` or `X-API-Key: <key>`.",
     )
     errors.install(app)  # bodies are bounded per route, before they are read (auth.GuardedRoute)
+    app.add_middleware(routes_hooks.FastPath)  # provider webhooks answered without FastAPI's layers
 
     @app.get("/healthz", tags=["health"], summary="The process is up (no dependencies checked)")
     async def healthz() -> dict[str, str]:

@@ -30,6 +30,7 @@ from offload.errors import (
     RequestError,
     StaleLease,
 )
+from offload.redact import hook_paths
 from offload.server.keys import InvalidKeyRequest
 
 log = logging.getLogger("offload.server")
@@ -58,12 +59,13 @@ class FieldError(RequestError):
         self.msg = msg
 
 
-def _body(status: int, detail: Any) -> dict[str, Any]:
+def error_body(status: int, detail: Any) -> dict[str, Any]:
+    """The one error shape (see the module docstring); also used by routes_hooks.FastPath, outside FastAPI."""
     return {"error": KINDS.get(status, "error"), "detail": detail}
 
 
 def _json(status: int, detail: Any, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(_body(status, detail), status_code=status, headers=headers)
+    return JSONResponse(error_body(status, detail), status_code=status, headers=headers)
 
 
 def _field(loc: Sequence[str | int], msg: str, kind: str = "value_error") -> dict[str, Any]:
@@ -82,7 +84,7 @@ def install(app: FastAPI) -> None:
         problems = [_field(e["loc"], e["msg"], e["type"]) for e in errors[:MAX_PROBLEMS]]
         if len(errors) > MAX_PROBLEMS:
             problems.append(_field(["body"], f"... and {len(errors) - MAX_PROBLEMS} more problems", "truncated"))
-        return JSONResponse(jsonable_encoder(_body(422, problems)), status_code=422)
+        return JSONResponse(jsonable_encoder(error_body(422, problems)), status_code=422)
 
     @app.exception_handler(FieldError)
     async def field_error(request: Request, exc: FieldError) -> JSONResponse:
@@ -118,7 +120,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RedisError)
     async def redis_down(request: Request, exc: RedisError) -> JSONResponse:
-        log.warning("job store error on %s %s: %s", request.method, request.url.path, type(exc).__name__)
+        log.warning("job store error on %s %s: %s", request.method, hook_paths(request.url.path), type(exc).__name__)
         return _json(503, "the job store is unavailable; retry later", {"Retry-After": "1"})
 
     @app.exception_handler(ConnectionFailed)
@@ -128,7 +130,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
         """A bug: logged with its traceback here, a bare JSON 500 for the client (no internals leak)."""
-        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        log.error("unhandled error on %s %s", request.method, hook_paths(request.url.path), exc_info=exc)
         return _json(500, "internal error")
 
 

@@ -38,6 +38,7 @@ from offload.queue.store import CompleteItem, QueueStore
 from offload.worker import wakeups
 from offload.worker.batching import Batcher
 from offload.worker.health import StoreHealth, describe
+from offload.worker.hookpath import hook_backend
 from offload.worker.jobpath import JobPath, StoreOutput, WorkerOptions
 from offload.worker.limits import BackendLimits
 from offload.worker.slots import SlotPool
@@ -72,6 +73,7 @@ class Worker(JobPath):
         # the main pool busy, and a heartbeat that waits for one past the lease loses every job.
         self.control = control or store
         self.options = options
+        self._hook_backend = hook_backend(backend, options)
         self.id = worker_id or default_worker_id()
         self.clock = clock
         self.health = StoreHealth(store.redis.ping, max_pause_s=min(2.0, options.lease_ms / 4000))

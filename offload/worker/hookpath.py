@@ -43,14 +43,16 @@ class HookPath:
     options: WorkerOptions
     health: StoreHealth
     cancels: set[str]
+    _hook_backend: WebhookBackend | None  # see _hooks
     _hooked: dict[str, asyncio.Event]  # jobs in flight a webhook may wake (see wakeups.py)
     _hook_bodies: Batcher[tuple[str, int], str | None]  # QueueStore.hook_bodies, coalesced
 
     async def _cancel(self, job: ClaimedJob, remote_id: str | None) -> None: ...
 
     def _hooks(self) -> WebhookBackend | None:
-        """The backend, when this worker's submissions carry webhook URLs."""
-        return self.backend if self.options.hook_base and isinstance(self.backend, WebhookBackend) else None
+        """The backend, when this worker's submissions carry webhook URLs. Decided once (`hook_backend`): an
+        isinstance check against a runtime Protocol walks its members, and this is asked a few times per job."""
+        return self._hook_backend
 
     def _hook_event(self, job_id: str) -> asyncio.Event:
         return self._hooked.setdefault(job_id, asyncio.Event())
@@ -129,3 +131,9 @@ def _kept(hooks: WebhookBackend, body: str) -> RemoteResult | None:
     except orjson.JSONDecodeError:
         return None
     return result if result is not None and result.terminal else None
+
+
+def hook_backend(backend: Backend, options: WorkerOptions) -> WebhookBackend | None:
+    """`backend` when the worker's submissions carry webhook URLs (`hook_base` set and a provider that calls
+    back), else None."""
+    return backend if options.hook_base and isinstance(backend, WebhookBackend) else None
