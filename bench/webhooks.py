@@ -13,7 +13,9 @@ the server verifies and wakes the worker; the fallback poll is 60 s away).
 Latency is measured per job from the remote job's end (the simulator's `finished`) to the stored result (the
 job record's `finished_at`), on one machine's clock. Provider calls per job are the simulator's request counts
 (create + get) over N. `--quick` is 200 jobs of 3 s. The last line printed is JSON: {"poll_p50_ms",
-"poll_p99_ms", "webhook_p50_ms", "webhook_p99_ms", "poll_calls_per_job", "webhook_calls_per_job"}.
+"poll_p99_ms", "webhook_p50_ms", "webhook_p99_ms", "poll_calls_per_job", "webhook_calls_per_job",
+"server_cpu_ms_per_delivery"} (the last: the offload server's CPU over the webhook run, per delivery it
+received, starts and completions alike).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import shutil
 import signal
 import statistics
@@ -46,6 +49,15 @@ SECRET = "whsec_" + "YmVuY2gtd2ViaG9vay1zaWduaW5nLXNlY3JldA=="
 ADMIN = "bench-admin-" + "0" * 40
 ROUTES = ("replicate.create", "replicate.get")
 TICK_S = 0.05
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process `pid` so far (Linux /proc; None elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -96,8 +108,9 @@ async def run_once(
     public: str | None,
     jobs: int,
     latency: float,
-) -> tuple[list[float], float]:
-    """(latencies in ms, provider calls per job) of one run of `jobs` jobs all in flight."""
+) -> tuple[list[float], float, float | None]:
+    """(latencies in ms, provider calls per job, the server's CPU ms per delivery or None without a server) of
+    one run of `jobs` jobs all in flight."""
     sim = httpx.AsyncClient(base_url=sim_url, timeout=60)
     (await sim.post("/_sim/reset")).raise_for_status()
     (await sim.post("/_sim/webhooks", json={"replicate_secret": SECRET})).raise_for_status()
@@ -120,6 +133,7 @@ async def run_once(
                 "--log-level", "warning"),
     )  # fmt: skip
     try:
+        server_cpu0 = cpu_seconds(server.pid) if server is not None else None
         deadline = time.monotonic() + 30
         while (await store.stats(QUEUE)).workers < 1:
             if worker.poll() is not None or time.monotonic() > deadline:
@@ -131,6 +145,7 @@ async def run_once(
             if worker.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"{name}: jobs did not finish:\n{procs.log_tail(f'worker-{name}')}")
             await asyncio.sleep(0.1)
+        server_cpu = cpu_seconds(server.pid) - server_cpu0 if server is not None and server_cpu0 is not None else None
         finished, kept = {}, {}
         for job_id in ids:
             job = await store.get(job_id)
@@ -150,8 +165,13 @@ async def run_once(
                 f"stored p50 {percentile(worker_ms, 0.5):.0f} / p99 "
                 f"{percentile(worker_ms, 0.99):.0f} ms later"
             )
+        every = (await sim.get("/_sim/webhooks")).json()["deliveries"]
+        per_delivery = None
+        if server_cpu is not None and every:  # starts and completions alike: each is one verified delivery
+            per_delivery = server_cpu * 1000 / len(every)
+            print(f"{name}: the server spent {per_delivery:.2f} ms of CPU per delivery ({len(every)} deliveries)")
         # the completions only: a Replicate `start` goes out the moment the prediction exists
-        sent = [d for d in (await sim.get("/_sim/webhooks")).json()["deliveries"] if d.get("event") == "completed"]
+        sent = [d for d in every if d.get("event") == "completed"]
         if sent:
             answered = [(d["sent_at"] - d["ended"]) * 1000 for d in sent]
             print(
@@ -160,7 +180,7 @@ async def run_once(
             )
         requests = (await sim.get("/_sim/stats")).json()["requests"]
         calls = sum(requests.get(route, 0) for route in ROUTES) / jobs
-        return latencies, calls
+        return latencies, calls, per_delivery
     finally:
         procs.stop(worker)
         if server is not None:
@@ -169,7 +189,7 @@ async def run_once(
         await sim.aclose()
 
 
-async def main_async(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
+async def main_async(args: argparse.Namespace, workdir: Path) -> dict[str, float | None]:
     procs = Processes(workdir)
     try:
         redis_url = start_valkey(procs)
@@ -182,8 +202,8 @@ async def main_async(args: argparse.Namespace, workdir: Path) -> dict[str, float
         sim_url = f"http://{HOST}:{port}"
         wait_until(lambda: httpx.get(f"{sim_url}/_sim/health").status_code == 200, sim, "simulator", procs, "sim")
         public = f"http://{HOST}:{free_port()}"
-        poll, poll_calls = await run_once(procs, workdir, "poll", redis_url, sim_url, None, args.jobs, args.latency)
-        hook, hook_calls = await run_once(
+        poll, poll_calls, _ = await run_once(procs, workdir, "poll", redis_url, sim_url, None, args.jobs, args.latency)
+        hook, hook_calls, server_ms = await run_once(
             procs, workdir, "webhook", redis_url, sim_url, public, args.jobs, args.latency
         )
         print(
@@ -197,6 +217,7 @@ async def main_async(args: argparse.Namespace, workdir: Path) -> dict[str, float
             "webhook_p99_ms": round(percentile(hook, 0.99), 1),
             "poll_calls_per_job": round(poll_calls, 3),
             "webhook_calls_per_job": round(hook_calls, 3),
+            "server_cpu_ms_per_delivery": round(server_ms, 3) if server_ms is not None else None,
         }
     finally:
         procs.stop_all()

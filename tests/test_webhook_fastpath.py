@@ -149,3 +149,25 @@ async def test_a_provider_hanging_up_mid_body_leaves_the_server_answering(server
         whole = await http.post(hook(server, job_id), content=report("rp-whole"))
         assert whole.status_code == 200 and whole.json() == {"ok": True, "verdict": "started"}
     assert await store.current_remote(job_id) == ("rp-whole", 1)
+
+
+@pytest.mark.parametrize(
+    ("tail", "status"),
+    [
+        ("1/" + "s" * 200, 404),  # a secret longer than any we issue
+        ("0/" + SECRET, 404),  # submission numbers start at 1
+        ("2/" + SECRET, 404),  # a submission that was never begun
+        ("99999999999/" + SECRET, 404),  # past the fast path's ten digits: FastAPI's route, same answer
+        ("%D9%A3/" + SECRET, 422),  # an Arabic-Indic three is no submission number for either path
+        ("1/" + SECRET + "/extra", 404),  # no such route
+    ],
+)
+async def test_hostile_webhook_paths_get_a_json_4xx_and_change_nothing(
+    tail: str, status: int, server: str, store: QueueStore
+) -> None:
+    job_id = await submitted_job(store)
+    async with httpx.AsyncClient(timeout=30) as http:
+        answer = await http.post(f"{server}/v1/hooks/rp/{quote(job_id, safe='')}/{tail}", content=report("rp-x"))
+    assert answer.status_code == status, answer.text
+    assert answer.headers["content-type"].startswith("application/json") and answer.json()["error"], answer.text
+    assert await store.current_remote(job_id) == (None, 1)
