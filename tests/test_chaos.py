@@ -5,7 +5,8 @@ a result stored for the wrong input, duplicates with each kind of cause) and mus
 run (`--quick`: three workers SIGKILLed every ~3 s and restarted with the same host:pid, SIGSTOPs past the lease,
 two Valkey crashes with AOF always, dropped replies, resets, black-holes, 5xx and 429 storms, lost and slow
 submits, expiring results, a capped queue rolled over to the next day) must show zero lost, stuck and wrong
-results and no duplicate whose cause is not "killed inside submit", with every kind of fault really injected.
+results and no duplicate whose cause is not "killed inside submit", with every kind of fault really injected;
+also against a synchronous API (`--backend openai`), where the answer is the result and nothing is polled.
 """
 
 from __future__ import annotations
@@ -140,6 +141,91 @@ def test_the_checker_names_every_broken_invariant(tmp_path: Path) -> None:
     assert any("stuck: q:stuck state=active owner=host:1" in f for f in verdict.findings)
 
 
+def _chat(input_id: str) -> dict[str, Any]:
+    """A chat-completions request as the harness sends it to a synchronous (`openai`) backend."""
+    return {"model": "m", "messages": [{"role": "user", "content": input_id}], "metadata": {"id": input_id}}
+
+
+def _answer(remote: str, body: dict[str, Any]) -> bytes:
+    """The simulator's chat completion for `body` (its JSON echo in the message), as the worker stores it."""
+    content = orjson.dumps({"echo": body, "files": [f"{SIM}/{remote}-0.png"]}).decode()
+    message = {"role": "assistant", "content": content}
+    return orjson.dumps({"id": remote, "object": "chat.completion", "choices": [{"index": 0, "message": message}]})
+
+
+def test_the_checker_judges_a_synchronous_run_strictly(tmp_path: Path) -> None:
+    """With a synchronous backend the stored chat completion must be the run the ack recorded, submitted for
+    this job's input, echoing its own request; a resend after a kill inside the call is unavoidable only under
+    the same Idempotency-Key and only where the key is ignored; the ack records the run, so a resubmit after
+    `succeeded` is a defect (a synchronous result's expiry at the provider excuses nothing); and a job may
+    succeed once."""
+    w1a = Incarnation(1, 101, tmp_path / "w1-1.log", started=0.0, ended=12.0, end="kill")
+    w1b = Incarnation(2, 102, tmp_path / "w1-2.log", started=13.0)
+    w2 = Incarnation(1, 201, tmp_path / "w2-1.log", started=0.0)
+    w3 = Incarnation(1, 301, tmp_path / "w3-1.log", started=0.0, ended=32.0, end="kill")
+
+    def done(input_id: str, job_id: str, remote: str) -> dict[str, str]:
+        result = f"s3://{BUCKET}/results/{job_id}.json"
+        return {"state": "succeeded", "input": json.dumps(_chat(input_id)), "result": result, "remote_id": remote}
+
+    records = {
+        "q:ok": done("i-ok", "q:ok", "c-ok"),
+        "q:swapped": done("i-swapped", "q:swapped", "c-sw"),
+        "q:foreign": done("i-foreign", "q:foreign", "c-f"),
+        "q:killed": {"state": "dead", "input": json.dumps(_chat("i-killed"))},
+        "q:newkey": {"state": "dead", "input": json.dumps(_chat("i-newkey"))},
+        "q:after": {"state": "dead", "input": json.dumps(_chat("i-after"))},
+    }
+    subs = [
+        _sub("i-ok", "c-ok", 1.0, 2, idempotency_key="q:ok.1"),
+        _sub("i-swapped", "c-sw", 1.0, 2),
+        _sub("i-swapped", "c-sw2", 1.0, 2, replay=True),  # a run of its input, but not the one the ack recorded
+        _sub("i-foreign", "c-f", 1.0, 2),
+        # w1 killed at 12 inside its 5 s call; w2 resends under the same key: unavoidable where it is ignored
+        _sub("i-killed", "c-k1", 10.0, 1, responded=15.0, idempotency_key="q:killed.1"),
+        _sub("i-killed", "c-k2", 14.0, 2, responded=19.0, idempotency_key="q:killed.1"),
+        # w3 killed at 32 inside the call; w2 resends it as a new run
+        _sub("i-newkey", "c-n1", 30.0, 3, responded=35.0, idempotency_key="q:newkey.1"),
+        _sub("i-newkey", "c-n2", 34.0, 2, responded=39.0, idempotency_key="q:newkey.2"),
+        # answered at 45, acked at 45.5, the provider forgot it at 48; sent again at 50
+        _sub("i-after", "c-a1", 40.0, 2, responded=45.0, remote_expires_at=48.0, idempotency_key="q:after.1"),
+        _sub("i-after", "c-a2", 50.0, 1, responded=55.0, idempotency_key="q:after.2"),
+    ]
+    data = RunData(
+        acked={j: ("q", json.loads(h["input"])["metadata"]["id"], 0.5) for j, h in records.items()},
+        records=records,
+        submissions=subs,
+        outputs={
+            "results/q:ok.json": _answer("c-ok", _chat("i-ok")),
+            "results/q:swapped.json": _answer("c-sw2", _chat("i-swapped")),  # not the run the ack recorded
+            "results/q:foreign.json": _answer("c-f", _chat("i-ok")),  # echoes another job's request
+        },
+        files={},
+        lives={"w1": [w1a, w1b], "w2": [w2], "w3": [w3]},
+        slot_ports={1: "w1", 2: "w2", 3: "w3"},
+        timeline=[],
+        valkey_down=[],
+        appendfsync="always",
+        events={"q:ok": [(1.5, "succeeded"), (9.0, "succeeded")], "q:after": [(45.5, "succeeded")]},
+        dropped=[],
+        bucket=BUCKET,
+        synchronous=True,
+    )
+    verdict = Checker(data).verdict()
+    s = verdict.summary
+    assert (s["lost"], s["stuck"], s["wrong_results"], s["finished_twice"]) == (0, 0, 2, 1), verdict.findings
+    assert s["wrong_by_kind"] == {"foreign run": 1, "foreign": 1}, verdict.findings
+    assert s["duplicates_by_cause"] == {
+        "killed_inside_submit": 1,
+        "resent_under_new_key": 1,
+        "resubmitted_after_recorded_id": 1,
+    }
+    assert s["defect_duplicates"] == 2 and s["idempotent_replays"] == 1
+    data.honoured = True  # the same resend is a paid second run although the provider honours the key
+    s = Checker(data).verdict().summary
+    assert s["duplicates_by_cause"]["key_not_honoured"] == 1 and s["defect_duplicates"] == 3
+
+
 def _chaos(tmp_path: Path, *args: str) -> tuple[dict[str, Any], str]:
     """A `--quick` run with `args`: (its JSON verdict, the human summary for failure messages), after checking
     that every kind of fault was really injected and that every guarantee common to all runs held."""
@@ -193,6 +279,21 @@ def test_ci_sized_chaos_run_with_webhooks_closes_the_double_pay_window(tmp_path:
     assert faulted >= 3 and hooks["server_alive_at_end"], hooks
     assert doc["defect_duplicates"] == 0, summary
     assert doc["duplicates_per_kill"] < 0.5, summary
+
+
+@pytest.mark.xdist_group("chaos")
+@pytest.mark.timeout(420)
+def test_ci_sized_chaos_run_against_a_synchronous_api(tmp_path: Path) -> None:
+    """The same faults against OpenAI chat completions (`--backend openai`), whose submit call is the whole job:
+    each call is held 3-9 s, longer than the 3 s lease, so SIGKILLs and SIGSTOPs land inside calls, Valkey crashes
+    between an answer and its ack. With the simulator honouring Idempotency-Key every resend of a job whose worker
+    was lost is the same run again (a replay, or a 409 while the first call is still held): no job finished twice,
+    every stored answer is its own run's, and no job was paid for twice except after a failed run."""
+    doc, summary = _chaos(tmp_path, "--seed", "13", "--backend", "openai")
+    assert doc["synchronous"] and doc["backend"] == "openai", doc
+    assert doc["finished_twice"] == 0 and doc["defect_duplicates"] == 0, summary
+    assert doc["duplicates_by_cause"] == {}, summary
+    assert doc["idempotent_replays"] >= 5, summary  # the kills really cut calls short: their jobs were resent
 
 
 def test_the_checker_counts_an_everysec_loss_apart_from_a_real_loss(tmp_path: Path) -> None:

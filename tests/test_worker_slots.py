@@ -7,10 +7,13 @@ Real Valkey, the real simulator over HTTP (fixtures and helpers from test_worker
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from typing import Any
 
+import httpx
+import orjson
 import pytest
 import test_worker_faults as faults
 from test_worker_faults import (
@@ -348,3 +351,33 @@ async def test_the_slot_pool_serves_in_order_and_never_loses_a_slot_to_a_cancell
     assert order == ["a", "d"] and c.cancelled()
     pool.release()  # d gives it back: nobody waits, the slot is free again
     assert pool.try_take() and not pool.try_take()
+
+
+async def test_a_resend_answered_409_in_progress_waits_for_the_first_call_without_spending_attempts(
+    valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore
+) -> None:
+    """A synchronous call (3 s) is still being served when the job's next owner resends it under the same
+    Idempotency-Key, as after a SIGKILL inside the call (here the first call is sent by the test, under the key
+    the worker will use). A provider that honours the key answers 409 "being processed" until the first call
+    ends, then replays its answer. The worker must wait for that inside its attempt: before, each 409 failed the
+    attempt (Transient) and a job with max_attempts=2 went dead on the second 409 while its paid run was still
+    finishing (in the --quick --backend openai chaos run, one kill cost a job 3 attempts this way)."""
+    await configure(sim, latency=3.0)
+    [(job_id, input_id)] = await enqueue(store, "busy", 1, max_attempts=2)
+    body = {**faults.job_input(input_id), "model": faults.BACKENDS["openai"]["model"]}
+    headers = {"Authorization": "Bearer sim-key", "Idempotency-Key": f"{job_id}.1"}
+    headers["Content-Type"] = "application/json"
+    async with httpx.AsyncClient(base_url=sim, timeout=30) as client:
+        first = asyncio.create_task(client.post("/v1/chat/completions", content=orjson.dumps(body), headers=headers))
+        await until(lambda: _served(sim), "the first call to be held")
+        async with worker(make_settings(valkey_url, no_outputs, sim, "openai")) as (task, _):
+            [job] = await until_state(store, [job_id], "succeeded", task, timeout=30)
+        answer = (await first).json()
+    assert job.attempts == 1 and job.remote_id == answer["id"], job
+    assert await fault_count(sim, "openai.chat", "idempotency_conflict") >= 1, "the resend never met the busy key"
+    assert (await stats(sim))["submissions_by_input_id"] == {input_id: 1}, "paid twice"
+
+
+async def _served(sim: str) -> bool:
+    """The simulator has created the remote job of the test's first call (it holds the request meanwhile)."""
+    return bool(await remote_jobs(sim, "busy-0"))

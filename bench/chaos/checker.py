@@ -5,11 +5,17 @@ bucket and the record of every fault the harness injected.
   `lost` (with `everysec` AOF, a job acknowledged within the last second before a Valkey crash is counted as
   `everysec_loss`, the documented cost, not as lost), not terminal after quiescence is `stuck`;
 - every succeeded job's stored output is its own: the JSON at its output key echoes its input, the remote job it
-  names was submitted for that input, and each copied file holds that remote job's bytes (`wrong_results`);
+  names was submitted for that input, and each copied file holds that remote job's bytes (`wrong_results`); for a
+  synchronous API (`RunData.synchronous`: a chat completion is the stored output) the answer is the run the ack
+  recorded, that run was a submission of this job's input, and every choice's message echoes its request body;
+- no job finished twice (two `succeeded` transitions in the events stream);
 - every extra submission of one job is attributed: after the previous remote run failed or expired it is a
   retry (not a duplicate); otherwise a duplicate, whose cause is `killed_inside_submit` when the previous
   submission's worker was SIGKILLed or SIGSTOPped while that submit was in flight or before its remote id was
-  recorded, and anything else is a defect with a name (see `_cause`);
+  recorded, and anything else is a defect with a name (see `_cause`). Even the unavoidable causes must resend
+  under the previous submission's Idempotency-Key (the same run: `resent_under_new_key` otherwise), and where the
+  simulator honours the key (`RunData.honoured`) such a resend is a replay, not a second paid run, so a duplicate
+  of that kind is a defect there (`key_not_honoured`);
 - the daily cap is exact, held jobs are released, memory and the events stream stay bounded.
 """
 
@@ -28,6 +34,7 @@ import orjson
 from bench.chaos.procs import Incarnation
 from bench.chaos.proxy import DroppedReply
 from offload.sim.files import file_bytes, parse_name
+from offload.sim.store import input_key
 
 TERMINAL = {"succeeded", "dead", "cancelled"}
 IN_FLIGHT_S = 1.0  # how late the simulator may stamp a submit that was sent just before its sender's kill/stop
@@ -40,6 +47,8 @@ SIM_JOB = re.compile(r"/_sim/files/(.+)-\d+\.\w+$")
 # cut off from Valkey, or never got the answer. With a provider honouring Idempotency-Key all of them must be 0.
 UNAVOIDABLE = {"killed_inside_submit", "partition_inside_submit", "valkey_crash_inside_submit", "response_lost"}
 RECORDED = ("submitted", "adopted")  # the events that mean the job store knows the remote id
+# ... and for a synchronous API the ack too: its answer's remote id is recorded by the complete itself
+RECORDED_SYNC = (*RECORDED, "succeeded")
 INFRA_ERRORS = ("worker error", "lease expired", "ConnectionError", "TimeoutError", "Redis", "Connection")
 
 
@@ -66,6 +75,12 @@ class RunData:
     held_at_roll: int = 0
     samples: dict[str, Any] = field(default_factory=dict)
     sent: dict[str, Any] = field(default_factory=dict)  # job id -> the input as the producer sent it
+    # the backend's submit call is the whole job (offload's Backend.synchronous): its answer is the stored output
+    # and the ack records its remote id; there is nothing to poll, so a remote run's expiry excuses no resubmit
+    synchronous: bool = False
+    # the simulator honoured Idempotency-Key: a resend under a submission's key is a replay, never a second run
+    # (False for runs saved before this field, which were judged without it)
+    honoured: bool = False
 
 
 @dataclass
@@ -183,6 +198,8 @@ class Checker:
         except orjson.JSONDecodeError:
             return "unreadable: the stored output is not JSON"
         expected = _decode(h.get("input"))
+        if self.d.synchronous:
+            return self._wrong_answer(h, stored, expected)
         if not isinstance(stored, dict) or stored.get("echo") != expected:
             echo = stored.get("echo") if isinstance(stored, dict) else None
             return f"foreign: output echoes {str(echo)[:80]} instead of its own input"
@@ -203,6 +220,46 @@ class Checker:
             if parsed and got != file_bytes(name, parsed[1], 1024):
                 return f"file mixed: {file_key} does not hold {name}"
         return None
+
+    def _wrong_answer(self, h: dict[str, str], stored: Any, expected: Any) -> str | None:
+        """A synchronous API's stored answer (a chat completion) belongs to its job: its `id` is the remote run
+        the ack recorded (so the output and the record name the same run), the simulator logged that run as a
+        submission of this job's input, and every choice's message is the simulator's JSON echo of this job's
+        request body, with file URLs of that run. A replayed answer (Idempotency-Key) carries the first run's
+        id, which is still this job's."""
+        if not isinstance(stored, dict) or stored.get("object") != "chat.completion":
+            return "unreadable: the stored output is not a chat.completion"
+        remote = stored.get("id")
+        if remote != h.get("remote_id"):
+            return f"foreign run: answer {remote} is not the run the ack recorded ({h.get('remote_id')})"
+        if self.remote_input.get(str(remote)) != _input_id(h.get("input")):
+            return f"foreign run: answer {remote} was not a submission of this job's input"
+        choices = stored.get("choices")
+        if not isinstance(choices, list) or not choices:
+            return "unreadable: the answer has no choices"
+        for choice in choices:
+            message = choice.get("message") if isinstance(choice, dict) else None
+            try:
+                content = orjson.loads(message.get("content") or b"") if isinstance(message, dict) else None
+            except orjson.JSONDecodeError:
+                content = None
+            if not isinstance(content, dict):
+                return "unreadable: a choice's message is not the simulator's JSON answer"
+            if content.get("echo") != expected:
+                return f"foreign: answer echoes {str(content.get('echo'))[:80]} instead of its own request"
+            for url in content.get("files") or []:
+                parsed = parse_name(str(url).rsplit("/", 1)[-1])
+                if parsed is None or parsed[0] != remote:
+                    return f"foreign run: answer {remote} links {str(url)[-60:]}, a file of another run"
+        return None
+
+    def finished_twice(self) -> dict[str, Any]:
+        """A job must reach `succeeded` once: a second transition means two workers both completed it (a repeat
+        of the same ack after a lost reply answers OK without a new event)."""
+        twice = [j for j, evs in self.d.events.items() if sum(state == "succeeded" for _, state in evs) > 1]
+        for job_id in twice[:5]:
+            self.find(f"finished twice: {job_id} {self.d.events[job_id]}")
+        return {"finished_twice": len(twice)}
 
     # -- submissions -----------------------------------------------------------------------------
 
@@ -241,11 +298,14 @@ class Checker:
         for job_id, subs in per_job.items():
             subs.sort(key=lambda s: s["arrival"])
             for prev, sub in itertools.pairwise(subs):
-                legit = _retry_reason(prev, sub, self._recorded(job_id, prev, sub) is not None)
+                recorded = self._recorded(job_id, prev, sub) is not None and not self.d.synchronous
+                legit = _retry_reason(prev, sub, recorded)
                 if legit:
                     retries[legit] += 1
                     continue
                 cause, how = self._cause(job_id, prev, sub)
+                if cause in UNAVOIDABLE:
+                    cause = self._keyed(prev, sub, cause)
                 causes[cause] += 1
                 if how:
                     kill_kinds[how] += 1
@@ -325,6 +385,18 @@ class Checker:
             return "resubmitted_after_recorded_id", None
         return "lease_lost_while_owner_alive", None
 
+    def _keyed(self, prev: dict[str, Any], sub: dict[str, Any], cause: str) -> str:
+        """An unavoidable resend is the same run sent again: it must carry the previous submission's
+        Idempotency-Key (a new key means the worker started a new run while the last one's outcome was unknown),
+        and a simulator honouring the key answers it as a replay, which is not in these pairs: so with the key
+        honoured, a paid second run is not unavoidable at all."""
+        key, again = prev.get("idempotency_key"), sub.get("idempotency_key")
+        if key is not None and again is not None and key != again:
+            return "resent_under_new_key"
+        if self.d.honoured:
+            return "key_not_honoured"
+        return cause
+
     def _stale(self, job_id: str, life: Incarnation, sent: float) -> bool:
         """A submit the simulator received after its worker's SIGCONT, while during the stop the job went back
         to the queue (its lease expired) and nobody claimed it since the SIGCONT: the worker sent it without
@@ -371,8 +443,9 @@ class Checker:
         """When the job store recorded a remote id between the two submissions: the checkpoint's event, or
         hook.lua's `adopted` (a webhook named it), after which resubmitting is a defect too."""
         t0, t1 = prev["arrival"], sub["arrival"]
+        recorded = RECORDED_SYNC if self.d.synchronous else RECORDED
         return next(
-            (t for t, state in self.d.events.get(job_id, []) if state in RECORDED and t0 - 0.05 <= t <= t1), None
+            (t for t, state in self.d.events.get(job_id, []) if state in recorded and t0 - 0.05 <= t <= t1), None
         )
 
     def _after_recorded(self, recorded: float, t1: float) -> str:
@@ -456,7 +529,8 @@ class Checker:
 
     def verdict(self) -> Verdict:
         summary: dict[str, Any] = {}
-        for part in (self.terminal(), self.results(), self.duplicates(), self.caps(), self.bounds()):
+        parts = (self.terminal(), self.results(), self.finished_twice(), self.duplicates(), self.caps(), self.bounds())
+        for part in parts:
             summary.update(part)
         return Verdict(summary, self.findings, self.details)
 
@@ -471,10 +545,9 @@ def _decode(raw: str | None) -> Any:
 
 
 def _input_id(raw: str | None) -> str | None:
+    """The input id as the simulator's submission log names it (`id`, or `metadata.id` in a chat request)."""
     value = _decode(raw)
-    if isinstance(value, dict) and isinstance(value.get("id"), str):
-        return str(value["id"])
-    return None
+    return input_key(value) if isinstance(value, dict) else None
 
 
 def _reason(error: str) -> str:

@@ -16,7 +16,15 @@ BACKENDS = {
     "runpod": {"endpoint_id": "chaos"},
     "replicate": {"version": "chaos-version"},
     "fal": {"app": "chaos/app"},
+    "openai": {},  # the model is in every input (a chat-completions request body), as a real client sends it
 }
+# Where each family lives under the simulator's port, as the backend's base_url names it (OpenAI's SDK convention:
+# `{host}/v1`, the backend adding `/chat/completions`); the others' base_url is the port itself.
+API_ROOTS = {"openai": "/v1"}
+# The families whose submit call is the whole job (offload's `Backend.synchronous`): the answer carries the result,
+# nothing is polled, and the remote id is recorded by the ack. The checker judges their runs accordingly.
+SYNCHRONOUS = frozenset({"openai"})
+MODEL = "chaos-model"  # the `model` of every chat-completions input
 QUICK = {
     "minutes": 1.0,
     "concurrency": 60,
@@ -58,7 +66,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_false",
         help="the simulator treats every submit as new, as most provider APIs do",
     )
-    p.add_argument("--backend", choices=sorted(BACKENDS), default="http-job", help="API family the workers use")
+    p.add_argument(
+        "--backend",
+        choices=sorted(BACKENDS),
+        default="http-job",
+        help="API family the workers use (openai: synchronous chat completions, the answer is the result)",
+    )
     p.add_argument(
         "--webhooks",
         action="store_true",

@@ -13,6 +13,7 @@ import orjson
 
 from bench.chaos import hooks
 from bench.chaos.checker import Checker, RunData
+from bench.chaos.options import SYNCHRONOUS
 from bench.chaos.procs import Incarnation
 from bench.chaos.proxy import DroppedReply
 
@@ -33,6 +34,7 @@ def report(
         "lost": summary["lost"],
         "stuck": summary["stuck"],
         "wrong_results": summary["wrong_results"],
+        "finished_twice": summary["finished_twice"],
         "duplicate_submissions": summary["duplicate_submissions"],
         "duplicates_by_cause": summary["duplicates_by_cause"],
         "kills": kinds["kill"],
@@ -60,6 +62,7 @@ def report(
         "aof": run.args.aof,
         "honour_idempotency_key": run.args.honour,
         "backend": run.args.backend,
+        "synchronous": run.args.backend in SYNCHRONOUS,
         "enqueue_errors": run.counts["enqueue_errors"],
         "worker_processes": len(lives),
         "wall_s": round(wall, 1),
@@ -110,7 +113,8 @@ def human(doc: dict[str, Any], run: Run) -> str:
         f"Valkey crashes, {doc['dropped_replies']} dropped replies, {doc['resets']} resets, {doc['blackholes']} "
         f"black-holes, {doc['storms_429']} 429 storms, provider faults {doc['sim_faults']}",
         f"in flight per worker: mean {doc['in_flight_per_worker']['mean']}, peak {doc['in_flight_per_worker']['peak']}",
-        f"lost {doc['lost']}, stuck {doc['stuck']}, wrong results {doc['wrong_results']}, dead {doc.get('dead')}, "
+        f"lost {doc['lost']}, stuck {doc['stuck']}, wrong results {doc['wrong_results']}, finished twice "
+        f"{doc['finished_twice']}, dead {doc.get('dead')}, "
         f"all terminal {doc['all_terminal_s']} s after the faults stopped",
         f"duplicate submissions {doc['duplicate_submissions']} ({doc['duplicates_per_kill']} killed-inside-submit "
         f"per kill): {doc['duplicates_by_cause']}",
@@ -119,9 +123,8 @@ def human(doc: dict[str, Any], run: Run) -> str:
     if doc.get("webhooks"):
         lines.append(f"webhooks (through offload server): {doc['webhooks']}")
     lines += [f"  ! {f}" for f in run.findings[:25]] + [f"  ! worker {n}" for n in run.exit_notes]
-    verdict = (
-        "PASS" if not (doc["lost"] or doc["stuck"] or doc["wrong_results"] or doc["defect_duplicates"]) else "FAIL"
-    )
+    failed = doc["lost"] or doc["stuck"] or doc["wrong_results"] or doc["finished_twice"] or doc["defect_duplicates"]
+    verdict = "FAIL" if failed else "PASS"
     lines.append(f"{verdict}; logs and data in {run.out}")
     return "\n".join(lines)
 

@@ -36,13 +36,14 @@ from bench.chaos import report
 from bench.chaos.checker import TERMINAL, Checker, RunData
 from bench.chaos.faults import Profile, Schedule
 from bench.chaos.hooks import Server, check_backend
-from bench.chaos.options import BACKENDS, parse_args, profile_for
+from bench.chaos.options import API_ROOTS, BACKENDS, MODEL, SYNCHRONOUS, parse_args, profile_for
 from bench.chaos.procs import HOST, S3, Sim, Valkey, WorkerSlot, base_env, pidns_support, signal_group
 from bench.chaos.proxy import FaultProxy
 from offload.connection import connect
 from offload.queue.scripts import NAMES, SCRIPTS
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
+from offload.sim.store import input_key
 
 log = logging.getLogger("chaos")
 QUEUE, CAPPED, BUCKET = "chaos", "capped", "chaos-results"
@@ -60,7 +61,7 @@ def worker_config(
         "backends": {
             "sim": {
                 "kind": backend,
-                "base_url": base_url,
+                "base_url": base_url + API_ROOTS.get(backend, ""),
                 "api_key": "sim-key",
                 "timeout": 30,
                 **BACKENDS[backend],
@@ -146,7 +147,7 @@ class Run:
         store = QueueStore(await connect(self.valkey.url))
         capped = [JobSpec(input=self._input(f"cap-{i}"), max_attempts=p.max_attempts) for i in range(p.capped_jobs)]
         for job_id, spec in zip(await store.enqueue_many(CAPPED, capped), capped, strict=True):
-            self.acked[job_id] = (CAPPED, spec.input["id"], time.time())
+            self.acked[job_id] = (CAPPED, input_key(spec.input), time.time())
         for slot in self.slots:
             slot.start()
         await self._until(lambda: all(s.current and s.current.read_id() for s in self.slots), 90, "workers up")
@@ -204,8 +205,15 @@ class Run:
         return doc
 
     def _input(self, input_id: str) -> dict[str, Any]:
-        """Distinct per job and echoed back by the simulator, so a result stored for the wrong job shows."""
-        return {"id": input_id, "prompt": f"chaos {input_id}", "salt": self.rng.getrandbits(48)}
+        """Distinct per job and echoed back by the simulator, so a result stored for the wrong job shows. For a
+        chat-completions backend it is a request body the API accepts (model, messages); the id and the salt
+        ride in `metadata` (string values, as OpenAI's metadata takes), where the simulator's submission log
+        finds the id (`offload.sim.store.input_key`) and its answer echoes the whole body back."""
+        salt = self.rng.getrandbits(48)
+        if self.args.backend == "openai":
+            prompt = {"role": "user", "content": f"chaos {input_id} {salt}"}
+            return {"model": MODEL, "messages": [prompt], "metadata": {"id": input_id, "salt": str(salt)}}
+        return {"id": input_id, "prompt": f"chaos {input_id}", "salt": salt}
 
     async def _until(self, check: Any, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
@@ -229,7 +237,7 @@ class Run:
             for _ in range(size):
                 n += 1
                 job_input = self._input(f"job-{n}")
-                key = job_input["id"] if mode == "keyed" else None
+                key = input_key(job_input) if mode == "keyed" else None
                 specs.append(JobSpec(input=job_input, max_attempts=self.p.max_attempts, idempotency_key=key))
             for attempt in range(3 if mode == "keyed" else 1):
                 try:
@@ -245,7 +253,7 @@ class Run:
                     continue
                 now = time.time()
                 for job_id, spec in zip(ids, specs, strict=True):
-                    self.acked[job_id] = (QUEUE, spec.input["id"], now)
+                    self.acked[job_id] = (QUEUE, input_key(spec.input), now)
                     self.sent[job_id] = spec.input
                 break
             tick += 0.5
@@ -257,14 +265,14 @@ class Run:
         input carries an integer past 14 digits and an empty list, which must survive ingestion byte for byte."""
         entries = []
         for spec in specs:
-            spec.input.update(big=12345678901234567, tags=[])
-            tid = spec.input["id"].replace("job-", "t-")
-            spec.input["id"] = tid
+            spec.input.update(big=12345678901234567, tags=[])  # (the simulator's chat endpoint takes extra fields)
+            tid = input_key(spec.input).replace("job-", "t-")
+            spec.input.get("metadata", spec.input)["id"] = tid  # where input_key found it
             entries.append(
                 orjson.dumps({"id": tid, "input": spec.input, "output_key": f"results/{tid}.json", "attempt": 1})
             )
         await asyncio.wait_for(client.rpush(INGEST_LIST, *entries), 30)
-        return [f"{QUEUE}:{spec.input['id']}" for spec in specs]
+        return [f"{QUEUE}:{input_key(spec.input)}" for spec in specs]
 
     async def _tail_events(self) -> None:
         """Every transition of every job, read straight from Valkey (not through the proxy) while it happens: the
@@ -382,6 +390,8 @@ class Run:
             cap_rolled_at=self.rolled_at,
             held_at_roll=self.held_at_roll,
             samples=self.samples,
+            synchronous=self.args.backend in SYNCHRONOUS,
+            honoured=self.args.honour,
         )
 
     def _bucket(self, records: dict[str, dict[str, str]]) -> tuple[dict[str, bytes | None], dict[str, bytes | None]]:

@@ -232,10 +232,12 @@ class JobPath(HookPath):
         checked right before the call. A job the claim has begun (`job.begun`: a synchronous API without a rate
         limit or caps, see claim.lua) starts here with its intent open and skips the begin of its first try."""
         throttled: Throttled | None = None
+        retries = self.options.submit_retries_on_429
         hooks = self._hooks()
         secret = secrets.token_urlsafe(24) if hooks else ""  # one per claim: a resend keeps its URL
         digest = hook_digest(secret) if hooks else ""
-        for attempt in range(self.options.submit_retries_on_429 + 1):
+        for attempt in range(retries + 1):
+            in_progress = False
             begun = job.begun and attempt == 0
             if not begun:
                 await self._fresh_lease(job)
@@ -285,18 +287,20 @@ class JobPath(HookPath):
                         submission = await self.backend.submit(job_input, tag=job.id, idempotency_key=key)
                 except Throttled as exc:
                     self.limits.note("throttled")
-                    if attempt == self.options.submit_retries_on_429:
+                    if attempt == retries:
                         raise
                     throttled = exc
                 except BackendError as exc:
-                    await self.limits.count("errors")
-                    if hooks is not None and not isinstance(exc, Fatal):  # no answer, but the provider may
-                        # have called back meanwhile: then the submission was accepted and its id is known
-                        adopted, current = await self.health.call(lambda: self.store.current_remote(job.id))
-                        if adopted is not None and current == n:
-                            return await self._record(job, adopted, n), None, n
-                    await self._submit_failed(job, exc)
-                    return None
+                    if exc.status == 409 and attempt < retries:
+                        # 409 to a request carrying an Idempotency-Key: the provider is still serving an earlier
+                        # request under the same key (this run, sent by a worker lost inside the call; a
+                        # synchronous call lasts as long as the job). Nothing failed: wait inside this attempt
+                        # and send again under the same key, which is answered from the first request once it
+                        # is done. (As an attempt's failure, a kill inside a 30 s call spent every attempt of a
+                        # job with the default 3 on 409s while its paid run was still finishing.)
+                        in_progress = True
+                    else:
+                        return await self._submit_error(job, exc, n, hooked=hooks is not None)
                 else:
                     # A remote job is recorded before it is polled. A synchronous answer carries the result: its
                     # run is recorded by the ack itself (one write, not two), or closed by the failure that
@@ -311,9 +315,27 @@ class JobPath(HookPath):
                     return remote, submission.result if remote == submission.remote_id else None, n
                 finally:
                     self._submitting.discard(job.id)
+            if in_progress:  # only this job waits: the backend is not throttled (no cool-down for the others)
+                pause = min(2.0**attempt, 30.0)
+                log.info("job %s: submission still being served by the provider (409); again in %gs", job.id, pause)
+                await asyncio.sleep(pause)
+                continue
             pause = (throttled.retry_after if throttled else None) or min(2.0**attempt, 30.0)
             await self.health.call(functools.partial(self.limits.cool_down, pause))
         raise AssertionError("unreachable")
+
+    async def _submit_error(
+        self, job: ClaimedJob, exc: BackendError, n: int, *, hooked: bool
+    ) -> tuple[str, RemoteResult | None, int] | None:
+        """A submit that raised: the remote id a webhook named meanwhile, if any, else the attempt fails."""
+        await self.limits.count("errors")
+        if hooked and not isinstance(exc, Fatal):  # no answer, but the provider may have called back
+            # meanwhile: then the submission was accepted and its id is known
+            adopted, current = await self.health.call(lambda: self.store.current_remote(job.id))
+            if adopted is not None and current == n:
+                return await self._record(job, adopted, n), None, n
+        await self._submit_failed(job, exc)
+        return None
 
     async def _acquire(self, job: ClaimedJob) -> None:
         """Wait for the backend's rate limit (up to an hour), or until a cancel of this job is heard of: the

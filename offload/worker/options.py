@@ -26,7 +26,7 @@ class WorkerOptions:
     max_job_cost: float | None = None
     ingest_list: str | None = None
     max_attempts: int = 3
-    submit_retries_on_429: int = 8
+    submit_retries_on_429: int = 8  # also the resends of a submit answered 409 (its key still being served)
     submit_concurrency: int = 32
     prefetch: int | None = None  # jobs leased beyond `concurrency`, ready for the next free slot (None: auto)
 
