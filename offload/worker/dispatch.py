@@ -41,6 +41,7 @@ from offload.worker.health import StoreHealth, describe
 from offload.worker.hookpath import hook_backend
 from offload.worker.jobpath import JobPath, StoreOutput, WorkerOptions
 from offload.worker.limits import BackendLimits
+from offload.worker.prefetch import Prefetch
 from offload.worker.slots import SlotPool
 
 log = logging.getLogger("offload.worker")
@@ -91,6 +92,7 @@ class Worker(JobPath):
         self.peak_in_flight = 0  # the most remote jobs at once (slots taken), at most `concurrency`
         self.in_flight = 0
         self._slots = SlotPool(options.concurrency)
+        self._prefetch = Prefetch(options, time.monotonic())  # how many jobs to lease ahead of the slots
         self._ahead: set[asyncio.Task[None]] = set()  # claimed, waiting for a slot: nothing sent anywhere yet
         self._past: set[str] = set()  # jobs whose remote work is over: storing the output, acking
         self._room = asyncio.Event()  # set when a task ends: room to claim
@@ -171,6 +173,7 @@ class Worker(JobPath):
                 estimate=opts.reservation,
                 begin=self._begin_at_claim,
             )
+            self._prefetch.claimed(sent, time.monotonic())
             for job in jobs:
                 self._start(job, sent)
         return jobs
@@ -204,18 +207,19 @@ class Worker(JobPath):
     def _leave_remote(self, job: ClaimedJob) -> None:
         self.in_flight -= 1
         self._slots.release()
+        self._prefetch.left()
         if self._newest(job):
             self._past.add(job.id)
         self._room.set()
 
     def _room_to_claim(self) -> int:
-        """Jobs to claim now. Up to `leased_max` jobs that are before or in their remote work; the ones past it
-        (storing an output, acking: a round trip or two) do not hold back the next claim, but they have an
-        allowance of their own, `concurrency`, so that a storage outage stops the claiming (and paying) soon."""
+        """Jobs to claim now. Up to `leased_max` jobs that are before or in their remote work (prefetch.py: how
+        many ahead of the slots); the ones past it (storing an output, acking: a round trip or two) do not hold
+        back the next claim, but they have an allowance of their own, `concurrency`, so that a storage outage
+        stops the claiming (and paying) soon."""
         before = len(self.tasks) - len(self._past)
-        return min(
-            self.options.leased_max - before, self.options.leased_max + self.options.concurrency - len(self.tasks)
-        )
+        most = self._prefetch.leased_max()
+        return min(most - before, most + self.options.concurrency - len(self.tasks))
 
     def _wake(self, job_id: str | None) -> None:
         """A webhook for a job of ours was kept by the server: its task reads it now (None: every job, after a

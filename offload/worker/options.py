@@ -28,15 +28,16 @@ class WorkerOptions:
     max_attempts: int = 3
     submit_retries_on_429: int = 8  # also the resends of a submit answered 409 (its key still being served)
     submit_concurrency: int = 32
-    prefetch: int | None = None  # jobs leased beyond `concurrency`, ready for the next free slot (None: auto)
+    prefetch: int | None = None  # jobs leased beyond `concurrency`, ready for the next free slot (None: paced)
 
     @property
     def leased_max(self) -> int:
-        """How many jobs before or in their remote work the worker holds at most: `concurrency` at the provider
-        plus `prefetch` claimed ahead. The ones ahead keep every slot busy while a claim is on its way; they
-        are few (default: a quarter of `concurrency`, at least 1, at most `claim_batch`), so workers beside this
-        one still get their share of a short queue. None by default under a daily cap: a job claimed ahead when
-        the cap is reached is held until the next window, and a cap is where hoarding costs most."""
+        """How many jobs before or in their remote work the worker holds at least: `concurrency` at the provider
+        plus `prefetch` claimed ahead. The ones ahead keep every slot busy while a claim is on its way; by
+        default a quarter of `concurrency` (at least 1, at most `claim_batch`), raised by `prefetch.Prefetch`
+        as far as the pace of the jobs needs (up to `concurrency`), so that on long jobs workers beside this one
+        still get their share of a short queue. None by default under a daily cap: a job claimed ahead when the
+        cap is reached is held until the next window, and a cap is where hoarding costs most."""
         if self.prefetch is not None:
             ahead = self.prefetch
         elif self.daily_job_cap is not None or self.daily_spend_cap is not None:

@@ -1,0 +1,63 @@
+"""How many jobs a dispatch worker leases ahead of its slots (see docs/architecture.md, *Slots*).
+
+The jobs claimed ahead keep every slot busy while the next claim is on its way. A fixed share of `concurrency`
+fits one pace only: long jobs (a GPU's seconds to minutes) leave a slot a few times a second and need few ahead,
+while jobs of milliseconds leave thousands of slots a second and a quarter of `concurrency` ran out while each
+claim was out (bench/worker_throughput.py's no-op jobs at 100 in flight: ~6,000/s with 25 ahead against
+~7,400/s with 100, the lean loop ~7,500/s, on this machine). So, by default, as many jobs are leased ahead as
+leave their slots during two claim round trips at the current pace: never fewer than the floor
+(`WorkerOptions.leased_max`: a quarter of `concurrency`), never more than `concurrency` or `claim_batch`. A
+`prefetch` given, and a daily cap (nothing ahead: a job claimed ahead of a reached cap is held), are kept as
+they are.
+"""
+
+from __future__ import annotations
+
+import math
+
+from offload.worker.options import WorkerOptions
+
+ALPHA = 0.3  # weight of the newest sample in the moving averages
+MIN_WINDOW_S = 0.05  # the pace is sampled over at least this long (claims can follow each other within a ms)
+ROUND_TRIPS = 2.0  # jobs ahead to cover this many claim round trips at the current pace
+
+
+class Prefetch:
+    """The pace at which jobs leave their slots and the claims' round trip, and what they ask to lease."""
+
+    __slots__ = ("_left", "_pace", "_rtt", "_since", "options")
+
+    def __init__(self, options: WorkerOptions, now: float) -> None:
+        self.options = options  # read at each claim: the worker's options may be tuned after it was made
+        self._left = 0
+        self._since = now
+        self._pace = 0.0  # jobs leaving their slots per second
+        self._rtt = 0.0  # seconds from a claim's send to its reply
+
+    def left(self) -> None:
+        """A job left its slot (its remote work ended)."""
+        self._left += 1
+
+    def claimed(self, sent: float, now: float) -> None:
+        """A claim sent at `sent` was answered at `now` (monotonic seconds)."""
+        self._rtt = _average(self._rtt, now - sent)
+        if now - self._since >= MIN_WINDOW_S:
+            self._pace = _average(self._pace, self._left / (now - self._since))
+            self._left, self._since = 0, now
+
+    def ahead(self) -> int:
+        """Jobs to lease beyond `concurrency` now."""
+        o = self.options
+        floor = o.leased_max - o.concurrency
+        if o.prefetch is not None or o.daily_job_cap is not None or o.daily_spend_cap is not None:
+            return floor
+        need = math.ceil(ROUND_TRIPS * self._pace * self._rtt)
+        return min(max(need, floor), max(floor, min(o.concurrency, o.claim_batch)))
+
+    def leased_max(self) -> int:
+        """Jobs before or in their remote work this worker may hold now."""
+        return self.options.concurrency + self.ahead()
+
+
+def _average(old: float, sample: float) -> float:
+    return sample if old == 0.0 else old + ALPHA * (sample - old)
