@@ -339,7 +339,9 @@ async def test_status_outage_never_resubmits(
     remote job once the outage is over: it succeeds with exactly one submission."""
     k = KINDS[kind]
     assert k.status is not None
-    await configure(sim, latency=1.0)  # still running when the outage starts, done when it is over
+    # still running when the outage starts (set once the job is seen submitted: a loaded machine took over a
+    # second for that, and a 1 s job had finished by then), done when it is over
+    await configure(sim, latency=3.0)
     [(job_id, input_id)] = await enqueue(store, f"outage-{kind}")
     async with serving(make_settings(valkey_url, s3, sim, kind, poll_interval=0.05)) as worker:
         [submitted] = await until_state(store, [job_id], "submitted", worker)
