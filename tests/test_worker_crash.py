@@ -623,9 +623,6 @@ async def test_1000_jobs_4_workers_one_killed_every_second(
 # -- 3. the daily cap across 20 worker processes ------------------------------------------------------
 
 
-# Twenty processes must start and race within the test's waits: not beside a chaos run's own twenty-odd (the
-# "chaos" group runs on one pytest worker, one test at a time), where the fleet starved past its 20 s.
-@pytest.mark.xdist_group("chaos")
 async def test_caps_exact_across_20_worker_processes(
     valkey_url: str,
     bucket: RcloneS3,
@@ -696,11 +693,12 @@ async def test_caps_exact_across_20_worker_processes(
         return took
 
     # Day D: all twenty up first, then the jobs arrive, so every process races for the 100 submissions.
-    # (the lead covers the fleet's start and day D: twenty starts took 19 s alone, 34 s beside other tests)
-    fleet_a, flip_a, startup_a = await spawn_fleet("a", 0, lead=50.0)
+    # (the lead covers the fleet's start and day D: twenty starts took 19 s alone, 34 s beside other tests; day D
+    # 2 s alone, over 20 beside a chaos run's twenty-odd processes)
+    fleet_a, flip_a, startup_a = await spawn_fleet("a", 0, lead=60.0)
     ids = await store.enqueue_many(QUEUE, [JobSpec(input=job_input(f"cap-{i}")) for i in range(n_jobs)])
     day_d = await wait_until(
-        settled(cap, n_jobs - cap), 20, "100 succeeded and 200 waiting", every=0.1, why=fleet_a.problems
+        settled(cap, n_jobs - cap), 30, "100 succeeded and 200 waiting", every=0.1, why=fleet_a.problems
     )
     assert time.time() < flip_a, f"day D took {startup_a + day_d:.1f}s, past fleet a's midnight: raise its lead"
     stats_d = sim.stats()
