@@ -281,21 +281,6 @@ def test_ci_sized_chaos_run_with_webhooks_closes_the_double_pay_window(tmp_path:
     assert doc["duplicates_per_kill"] < 0.5, summary
 
 
-@pytest.mark.xdist_group("chaos")
-@pytest.mark.timeout(420)
-def test_ci_sized_chaos_run_against_a_synchronous_api(tmp_path: Path) -> None:
-    """The same faults against OpenAI chat completions (`--backend openai`), whose submit call is the whole job:
-    each call is held 3-9 s, longer than the 3 s lease, so SIGKILLs and SIGSTOPs land inside calls, Valkey crashes
-    between an answer and its ack. With the simulator honouring Idempotency-Key every resend of a job whose worker
-    was lost is the same run again (a replay, or a 409 while the first call is still held): no job finished twice,
-    every stored answer is its own run's, and no job was paid for twice except after a failed run."""
-    doc, summary = _chaos(tmp_path, "--seed", "13", "--backend", "openai")
-    assert doc["synchronous"] and doc["backend"] == "openai", doc
-    assert doc["finished_twice"] == 0 and doc["defect_duplicates"] == 0, summary
-    assert doc["duplicates_by_cause"] == {}, summary
-    assert doc["idempotent_replays"] >= 5, summary  # the kills really cut calls short: their jobs were resent
-
-
 def test_the_checker_counts_an_everysec_loss_apart_from_a_real_loss(tmp_path: Path) -> None:
     """With AOF everysec a job acknowledged just before a Valkey crash may be gone: the documented cost, reported
     as everysec_loss; one acknowledged long before the crash is lost all the same."""
