@@ -145,7 +145,7 @@ def _needs_key(dependant: Dependant) -> bool:
     return any(d.call is principal or _needs_key(d) for d in dependant.dependencies)
 
 
-def _bound_body(request: Request, limit: int) -> None:
+def bound_body(request: Request, limit: int) -> None:
     """413 once a body passes `limit` bytes: at once when Content-Length says so, else while it streams in."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
@@ -191,7 +191,7 @@ class GuardedRoute(APIRoute):
         async def run(request: Request) -> Response:
             opts = get_state(request).options
             limit = marked.body_limit or (opts.max_body if marked.big_body else SMALL_BODY)
-            _bound_body(request, min(limit, opts.max_body))
+            bound_body(request, min(limit, opts.max_body))
             if needs_key:
                 key = await authenticate(request)
                 setattr(request.state, _STATE_KEY, key)

@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 import orjson
 from fastapi import APIRouter, HTTPException, Request
-from starlette.datastructures import Headers
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from offload.backends import create_backend
@@ -35,7 +35,7 @@ from offload.backends.base import WebhookBackend
 from offload.errors import InvalidJob, MissingExtra, RequestError
 from offload.queue.hook_store import HookItem
 from offload.queue.keys import hook_digest, queue_of
-from offload.server.auth import GuardedRoute, guard
+from offload.server.auth import GuardedRoute, bound_body, guard
 from offload.server.errors import BodyTooLarge, error_body
 from offload.server.state import ServerState, get_state
 from offload.server.webhooks import Forged, Verifier
@@ -173,8 +173,8 @@ class FastPath:
     jobs ending together is a few thousand deliveries, and those layers were over half the server's CPU per
     delivery (py-spy, bench.peers' 2,000 x 30 s run). Anything else, any other shape of hook path (FastAPI
     then answers 404/422 as before) and any delivery that fails unexpectedly (a Redis outage: replayed
-    through FastAPI, whose handlers in errors.py map it) goes to the app. Body bound and error bodies as
-    GuardedRoute and errors.py make them."""
+    through FastAPI, whose handlers in errors.py map it) goes to the app. The body is bounded by GuardedRoute's
+    own `bound_body`; error bodies are errors.py's."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -185,34 +185,24 @@ class FastPath:
         if len(parts) != 7 or parts[1:3] != ["v1", "hooks"] or not _number(parts[5]) or state is None:
             await self.app(scope, receive, send)
             return
-        headers = Headers(scope=scope)
-        limit = min(HOOK_BODY, state.options.max_body)
-        read: list[bytes] | None = None  # the body as read so far (None: not touched)
+        request = Request(scope, receive)
+        read: bytes | None = None  # the body, once read (a body is read whole or not at all)
 
         async def read_body() -> bytes:
             nonlocal read
-            declared = headers.get("content-length", "")
-            if declared.isdigit() and int(declared) > limit:
-                raise Refused(413, BodyTooLarge(limit).detail)
-            read, size, more = [], 0, True
-            while more:
-                message = await receive()
-                if message["type"] != "http.request":
-                    raise _Gone
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > limit:
-                    raise Refused(413, BodyTooLarge(limit).detail)
-                read.append(chunk)
-                more = message.get("more_body", False)
-            return b"".join(read)
+            read = await request.body()
+            return read
 
         try:
+            bound_body(request, min(HOOK_BODY, state.options.max_body))  # GuardedRoute's bound, the same rule
             _, _, _, backend, job_id, submission, secret = parts
-            status, answer = 200, await deliver(state, backend, job_id, int(submission), secret, headers, read_body)
+            answer = await deliver(state, backend, job_id, int(submission), secret, request.headers, read_body)
+            status = 200
         except Refused as exc:
             status, answer = exc.status, error_body(exc.status, exc.detail)
-        except _Gone:
+        except BodyTooLarge as exc:
+            status, answer = exc.status_code, error_body(exc.status_code, exc.detail)
+        except ClientDisconnect:
             return  # the provider hung up mid-body: nobody to answer
         except Exception:
             await self.app(scope, _replay(read, receive), send)
@@ -232,19 +222,15 @@ def _number(text: str) -> bool:
     return 0 < len(text) <= 10 and text.isascii() and text.isdigit()
 
 
-class _Gone(RequestError):
-    """The client disconnected before its body was complete."""
-
-
 _JSON = [(b"content-type", b"application/json")]
 
 
-def _replay(read: list[bytes] | None, receive: Receive) -> Receive:
-    """`receive` as if nothing had been read: the body bytes read so far first (all of it: a body is read whole
-    or not at all before anything that can fail unexpectedly), then the connection's own messages."""
+def _replay(read: bytes | None, receive: Receive) -> Receive:
+    """`receive` as if nothing had been read: the body first, when it was read, then the connection's own
+    messages."""
     if read is None:
         return receive
-    pending: list[Message] = [{"type": "http.request", "body": b"".join(read), "more_body": False}]
+    pending: list[Message] = [{"type": "http.request", "body": read, "more_body": False}]
 
     async def replayed() -> Message:
         return pending.pop() if pending else await receive()
