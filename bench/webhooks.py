@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import shutil
 import signal
 import statistics
@@ -37,7 +36,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from inflight import HOST, Processes, free_port, start_valkey, wait_until
+from inflight import HOST, Processes, ProcStats, free_port, start_valkey, wait_until
 
 from offload.connection import connect
 from offload.models import JobState
@@ -49,15 +48,6 @@ SECRET = "whsec_" + "YmVuY2gtd2ViaG9vay1zaWduaW5nLXNlY3JldA=="
 ADMIN = "bench-admin-" + "0" * 40
 ROUTES = ("replicate.create", "replicate.get")
 TICK_S = 0.05
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of process `pid` so far (Linux /proc; None elsewhere)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -133,7 +123,8 @@ async def run_once(
                 "--log-level", "warning"),
     )  # fmt: skip
     try:
-        server_cpu0 = cpu_seconds(server.pid) if server is not None else None
+        server_stats = ProcStats(server.pid) if server is not None else None
+        server_cpu0 = server_stats.cpu_seconds() if server_stats is not None else 0.0
         deadline = time.monotonic() + 30
         while (await store.stats(QUEUE)).workers < 1:
             if worker.poll() is not None or time.monotonic() > deadline:
@@ -145,7 +136,7 @@ async def run_once(
             if worker.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"{name}: jobs did not finish:\n{procs.log_tail(f'worker-{name}')}")
             await asyncio.sleep(0.1)
-        server_cpu = cpu_seconds(server.pid) - server_cpu0 if server is not None and server_cpu0 is not None else None
+        server_cpu = server_stats.cpu_seconds() - server_cpu0 if server_stats is not None else None
         finished, kept = {}, {}
         for job_id in ids:
             job = await store.get(job_id)

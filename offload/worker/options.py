@@ -31,6 +31,11 @@ class WorkerOptions:
     prefetch: int | None = None  # jobs leased beyond `concurrency`, ready for the next free slot (None: paced)
 
     @property
+    def capped(self) -> bool:
+        """Whether a daily job or spend cap applies to this worker's submissions."""
+        return self.daily_job_cap is not None or self.daily_spend_cap is not None
+
+    @property
     def leased_max(self) -> int:
         """How many jobs before or in their remote work the worker holds at least: `concurrency` at the provider
         plus `prefetch` claimed ahead. The ones ahead keep every slot busy while a claim is on its way; by
@@ -40,7 +45,7 @@ class WorkerOptions:
         cap is reached is held until the next window, and a cap is where hoarding costs most."""
         if self.prefetch is not None:
             ahead = self.prefetch
-        elif self.daily_job_cap is not None or self.daily_spend_cap is not None:
+        elif self.capped:
             ahead = 0
         else:
             ahead = min(max(self.concurrency // 4, 1), self.claim_batch)

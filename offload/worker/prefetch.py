@@ -49,7 +49,7 @@ class Prefetch:
         """Jobs to lease beyond `concurrency` now."""
         o = self.options
         floor = o.leased_max - o.concurrency
-        if o.prefetch is not None or o.daily_job_cap is not None or o.daily_spend_cap is not None:
+        if o.prefetch is not None or o.capped:
             return floor
         need = math.ceil(ROUND_TRIPS * self._pace * self._rtt)
         return min(max(need, floor), max(floor, min(o.concurrency, o.claim_batch)))
