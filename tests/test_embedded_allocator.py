@@ -1,0 +1,99 @@
+"""The wheel's Valkey runs with jemalloc preloaded where the machine has it (offload.embedded.server_env).
+
+`make test` installs Debian's libjemalloc2 when it is missing, so these tests see a machine that has it; the
+other case (a machine without it) is the loader lookup answering None.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from offload import Client
+from offload.embedded import ALLOCATOR_VAR, _jemalloc, data_dir, ensure_embedded, server_env, stop_embedded
+from offload.errors import ConfigError
+
+
+def _maps(pid: int) -> str:
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+def _pid(home: Path) -> int:
+    return int(json.loads((home / "valkey" / "server.json").read_text())["pid"])
+
+
+@pytest.fixture
+def no_jemalloc(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The loader finds no jemalloc (a machine without libjemalloc2)."""
+    _jemalloc.cache_clear()
+    monkeypatch.setattr("ctypes.util.find_library", lambda name: None)
+    yield
+    _jemalloc.cache_clear()
+
+
+def test_this_machine_has_jemalloc() -> None:
+    """What the rest assumes: `make test` put libjemalloc2 here, and the loader finds it by name."""
+    lib = _jemalloc()
+    assert lib is not None and lib.startswith("libjemalloc.so")
+
+
+def test_jemalloc_is_preloaded_and_other_preloads_are_kept() -> None:
+    lib = _jemalloc()
+    assert server_env({})["LD_PRELOAD"] == lib
+    env = server_env({"LD_PRELOAD": "libmine.so", "PATH": "/bin"})
+    assert env["LD_PRELOAD"] == f"{lib} libmine.so" and env["PATH"] == "/bin"
+
+
+def test_libc_keeps_glibc_and_the_variable_does_not_reach_the_server() -> None:
+    env = server_env({ALLOCATOR_VAR: " LIBC ", "PATH": "/bin"})
+    assert env == {"PATH": "/bin"}
+
+
+def test_a_bad_allocator_names_the_variable() -> None:
+    with pytest.raises(ConfigError, match=rf"{ALLOCATOR_VAR}: expected one of jemalloc, libc, got 'tcmalloc'"):
+        server_env({ALLOCATOR_VAR: "tcmalloc"})
+
+
+@pytest.mark.usefixtures("no_jemalloc")
+def test_without_jemalloc_the_default_runs_glibc_and_asking_for_it_is_an_error() -> None:
+    assert "LD_PRELOAD" not in server_env({})
+    with pytest.raises(ConfigError, match=rf"{ALLOCATOR_VAR}: jemalloc was asked for and is not on this machine"):
+        server_env({ALLOCATOR_VAR: "jemalloc"})
+
+
+def test_the_embedded_valkey_runs_on_jemalloc_and_keeps_its_jobs_across_a_kill(tmp_home: Path) -> None:
+    """The server really maps jemalloc (the preload took), serves the queue, and its AOF replays after a SIGKILL
+    under the same allocator: the allocator changes nothing that the queue keeps."""
+    try:
+        ensure_embedded()
+        pid = _pid(tmp_home)
+        assert "libjemalloc" in _maps(pid)
+        with Client() as client:
+            ids = client.enqueue_many("demo", [{"n": i} for i in range(200)])
+        os.kill(pid, signal.SIGKILL)  # (the AOF is written before each reply: a process kill loses nothing)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        url = ensure_embedded()  # started again: the AOF is replayed
+        assert "libjemalloc" in _maps(_pid(tmp_home)) and _pid(tmp_home) != pid
+        with Client(url) as client:
+            assert client.stats("demo").counts["queued"] == 200
+            assert client.get(ids[-1]).input == {"n": 199}
+    finally:
+        assert stop_embedded()
+
+
+def test_libc_is_kept_by_the_embedded_valkey_when_asked(tmp_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ALLOCATOR_VAR, "libc")
+    try:
+        ensure_embedded()
+        assert "libjemalloc" not in _maps(_pid(tmp_home))
+        assert data_dir() == tmp_home
+    finally:
+        assert stop_embedded()
