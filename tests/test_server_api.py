@@ -17,6 +17,7 @@ from server_helpers import BUCKET, client, new_queue, poll, server
 from servers import ValkeyServer
 
 from offload.connection import connect
+from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 
 
@@ -300,3 +301,26 @@ def test_workers_lists_dispatch_workers_from_the_store(admin: httpx.Client, valk
     (w,) = [w for w in admin.get("/v1/workers").json() if w["id"] == "cpu-box:4242:9f3a1c"]
     assert (w["kind"], w["host"], w["queues"], w["in_flight"]) == ("dispatch", "cpu-box", [q], 2)
     assert w["lease_deadline"] > 0
+
+
+async def test_a_new_stream_has_its_start_fixed_before_it_says_connected(valkey: ValkeyServer) -> None:
+    """The hub's start-id lookup runs as a task; `started` waits for it, so an event written the moment after
+    (a client enqueueing on `: connected`) reaches the stream. Without the wait the enqueue below, sent before the
+    lookup's XREVRANGE, fixed the start past its own event, which was then never delivered."""
+    from offload.server.events import EventHub
+
+    redis = await connect(valkey.url)
+    store = QueueStore(redis)
+    hub = EventHub(store, block_ms=50)
+    q = new_queue()
+    try:
+        await store.enqueue(q, JobSpec(input={"n": 0}))  # the stream exists and has history the new stream must not replay
+        with hub.subscribe([q]) as sub:
+            await hub.started(sub)
+            job_id = await store.enqueue(q, JobSpec(input={"n": 1}))
+            event = await sub.next(5)
+            assert event is not None and event[2]["state"] == "queued" and event[2]["jobs"] == job_id
+            assert await sub.next(0.3) is None  # and the earlier enqueue was not replayed
+    finally:
+        await hub.aclose()
+        await redis.aclose()

@@ -37,6 +37,7 @@ RESYNC: Event = ("", "", {"state": "resync"})
 SUBSCRIBER_BUFFER = 1000
 FOLLOW_INTERVAL_S = 2.0
 CLUSTER_POLL_S = 0.25
+START_WAIT_S = 5.0  # how long a new stream waits for its start ids before it says `connected`
 
 
 def _sid(stream_id: str) -> tuple[int, int]:
@@ -80,7 +81,7 @@ class EventHub:
         self._subs: dict[str, set[Subscription]] = {}
         self._last: dict[str, str] = {}  # per followed queue: the last stream id read
         self._reader: asyncio.Task[None] | None = None
-        self._starting: set[asyncio.Task[None]] = set()
+        self._starting: dict[str, asyncio.Task[None]] = {}  # per newly followed queue: its start-id lookup
         self._closed = False
         self.reads = 0  # XREAD calls made (tests count them)
 
@@ -99,12 +100,21 @@ class EventHub:
         self._subs.setdefault(queue, set()).add(sub)
         if self._closed:
             return
-        if fresh:  # where it starts, fixed now: events until the reader's next XREAD includes it are not lost
+        if fresh:  # where it starts, fixed by this lookup: events after it are not lost (see `started`)
             task = asyncio.create_task(self._start_ids([queue]))
-            self._starting.add(task)
-            task.add_done_callback(self._starting.discard)
+            self._starting[queue] = task
+            task.add_done_callback(lambda t, q=queue: self._starting.pop(q) if self._starting.get(q) is t else None)
         if self._reader is None or self._reader.done():
             self._reader = asyncio.create_task(self._read(), name="events")
+
+    async def started(self, sub: Subscription) -> None:
+        """Wait until every queue of `sub` has its start fixed (at most START_WAIT_S: a Redis blip leaves it to the
+        reader). A stream says `connected` only then: a client that acts on it (enqueues, say) must see the events
+        that follow. Before, `connected` went out while the start was still being looked up, and an event written
+        in between was skipped (seen under load: the SSE test's one event, lost)."""
+        pending = [task for q in sub.queues if (task := self._starting.get(q)) is not None]
+        if pending:
+            await asyncio.wait(pending, timeout=START_WAIT_S)
 
     def _unsubscribe(self, sub: Subscription) -> None:
         for q in sub.queues:
@@ -172,7 +182,7 @@ class EventHub:
 
     async def aclose(self) -> None:
         self._closed = True
-        for task in list(self._starting):
+        for task in list(self._starting.values()):
             task.cancel()
         if self._reader is not None:
             self._reader.cancel()
@@ -212,6 +222,7 @@ async def _stream(
     tick = min(keepalive, opts.key_recheck_s, FOLLOW_INTERVAL_S if follow else keepalive)
     quiet_since = recheck_at = time.monotonic()
     with state.hub.subscribe(queues) as sub:
+        await state.hub.started(sub)
         yield b": connected\n\n"
         floor = (0, 0)
         if since is not None and len(queues) == 1:  # replay what the client missed, then go live
