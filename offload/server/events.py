@@ -11,6 +11,7 @@ Subscribers get bounded queues; one that falls behind gets a `resync` marker ins
 from __future__ import annotations
 
 import asyncio
+import functools
 import contextlib
 import logging
 import time
@@ -103,9 +104,13 @@ class EventHub:
         if fresh:  # where it starts, fixed by this lookup: events after it are not lost (see `started`)
             task = asyncio.create_task(self._start_ids([queue]))
             self._starting[queue] = task
-            task.add_done_callback(lambda t, q=queue: self._starting.pop(q) if self._starting.get(q) is t else None)
+            task.add_done_callback(functools.partial(self._started_one, queue))
         if self._reader is None or self._reader.done():
             self._reader = asyncio.create_task(self._read(), name="events")
+
+    def _started_one(self, queue: str, task: asyncio.Task[None]) -> None:
+        if self._starting.get(queue) is task:
+            del self._starting[queue]
 
     async def started(self, sub: Subscription) -> None:
         """Wait until every queue of `sub` has its start fixed (at most START_WAIT_S: a Redis blip leaves it to the
