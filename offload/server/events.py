@@ -11,8 +11,8 @@ Subscribers get bounded queues; one that falls behind gets a `resync` marker ins
 from __future__ import annotations
 
 import asyncio
-import functools
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
