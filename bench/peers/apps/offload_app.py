@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from offload import eventloop
 from offload.backends.base import RemoteResult, Submission
 from offload.connection import connect
 from offload.models import ClaimedJob
@@ -196,9 +195,9 @@ async def produce(argv: list[str]) -> None:
 def main() -> None:
     command = sys.argv[1]
     if command == "work-dispatch":
-        eventloop.run(work_dispatch(int(sys.argv[2])))  # the loop `offload worker` runs on
+        asyncio.run(work_dispatch(int(sys.argv[2])))
     elif command == "work-store":
-        eventloop.run(work_store(int(sys.argv[2])))
+        asyncio.run(work_store(int(sys.argv[2])))
     elif command == "produce":
         asyncio.run(produce(sys.argv[2:]))
     else:
