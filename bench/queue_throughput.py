@@ -33,7 +33,8 @@ from offload.queue.store import QueueStore
 
 
 def start_valkey(workdir: str, *, aof: bool = True) -> tuple[subprocess.Popen[bytes], str]:
-    """A private Valkey: AOF everysec (offload's embedded default), or Valkey's shipped persistence."""
+    """A private Valkey on offload.embedded's allocator: AOF everysec (offload's embedded default), or Valkey's
+    shipped persistence."""
     from offload.embedded import server_binary, server_env
 
     with socket.socket() as s:
@@ -41,7 +42,7 @@ def start_valkey(workdir: str, *, aof: bool = True) -> tuple[subprocess.Popen[by
         port = s.getsockname()[1]
     persistence = ["--appendonly", "yes", "--appendfsync", "everysec", "--save", ""] if aof else []
     proc = subprocess.Popen(
-        [str(server_binary()), "--port", str(port), "--dir", workdir, *persistence],
+        [str(server_binary()), "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir, *persistence],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=server_env(),

@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import json
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,9 +40,11 @@ from typing import Any
 
 import orjson
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from queue_throughput import start_valkey  # AOF everysec, no RDB snapshots, its allocator: as offload.embedded
+
 from offload.backends.base import RemoteResult, Submission
 from offload.connection import connect
-from offload.embedded import server_binary, server_env
 from offload.heap import freeze_startup
 from offload.models import ClaimedJob
 from offload.queue.specs import JobSpec
@@ -55,23 +56,6 @@ QUEUE = "wbench"
 WORKLOADS = ("lean_noop", "worker_noop", "worker_io50", "loop_io50")
 IO_SLEEP_S = 0.05
 ROOT = Path(__file__).resolve().parent.parent
-# As offload.embedded starts Valkey: every write logged, fsynced once a second, no RDB snapshots.
-SHIPPED_PERSISTENCE = ("--appendonly", "yes", "--appendfsync", "everysec", "--save", "")
-
-
-def start_valkey(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
-    """A private Valkey as `offload.embedded` ships it: AOF everysec, no RDB snapshots, its allocator."""
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [str(server_binary()), "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir, *SHIPPED_PERSISTENCE],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=server_env(),
-    )
-    return proc, f"redis://127.0.0.1:{port}/0"
 
 
 async def fill(url: str, jobs: int, sleep_s: float) -> None:

@@ -314,9 +314,8 @@ async def test_a_new_stream_has_its_start_fixed_before_it_says_connected(valkey:
     hub = EventHub(store, block_ms=50)
     q = new_queue()
     try:
-        await store.enqueue(
-            q, JobSpec(input={"n": 0})
-        )  # the stream exists and has history the new stream must not replay
+        # the stream exists, with history the new stream must not replay
+        await store.enqueue(q, JobSpec(input={"n": 0}))
         with hub.subscribe([q]) as sub:
             await hub.started(sub)
             job_id = await store.enqueue(q, JobSpec(input={"n": 1}))
