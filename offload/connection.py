@@ -78,12 +78,18 @@ OUTAGE_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
 )
 _OUTAGE_REPLIES = ("LOADING", "MISCONF", "MASTERDOWN", "NOREPLICAS", "CLUSTERDOWN", "TRYAGAIN", "READONLY")
+# uvloop's answer to a write on a connection the server has reset (asyncio's loop raises ConnectionResetError
+# there): redis-py lets it through as it is, after dropping the connection. Taken for a worker error, one Valkey
+# crash failed attempts and stopped a worker (stop 22's chaos run); it is an outage like the others.
+_CLOSED_TRANSPORT = "the handler is closed"
 
 
 def is_outage(exc: BaseException) -> bool:
     """True for the job store being unreachable or not serving (worth waiting for), False for anything else."""
     if isinstance(exc, OUTAGE_ERRORS):
         return True
+    if isinstance(exc, RuntimeError):
+        return _CLOSED_TRANSPORT in str(exc)
     return isinstance(exc, ResponseError) and str(exc).startswith(_OUTAGE_REPLIES)
 
 

@@ -33,7 +33,7 @@ from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore, retry_delay_ms
 from offload.sim.config import SimConfig
 from offload.sim.server import running_sim
-from offload.worker import jobpath
+from offload.worker import endings
 from offload.worker.dispatch import Worker
 from offload.worker.run import run_worker
 
@@ -108,7 +108,7 @@ def bucket(s3: RcloneS3) -> Any:
 @pytest.fixture(autouse=True)
 def _quick_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
     """The worker's retry delays with a 0.25 s base: same formula, a quarter of the wait."""
-    monkeypatch.setattr(jobpath, "retry_delay_ms", functools.partial(retry_delay_ms, base_ms=BACKOFF_MS))
+    monkeypatch.setattr(endings, "retry_delay_ms", functools.partial(retry_delay_ms, base_ms=BACKOFF_MS))
 
 
 @pytest.fixture(autouse=True)
@@ -639,6 +639,52 @@ async def test_an_unexpected_error_after_submit_keeps_the_paid_for_remote_job(
     assert failures == 1
     assert job.remote_id == retrying.remote_id and job.attempts == 2
     assert (await stats(sim))["submissions_by_input_id"] == {input_id: 1}
+    assert_stored(bucket, job, input_id)
+
+
+CLOSED_TRANSPORT = "unable to perform operation on <TCPTransport closed=True>; the handler is closed"  # uvloop's
+
+
+@pytest.mark.parametrize(
+    ("lost", "error", "attempts"),
+    [(1, "a reply garbled in transit", 1), (2, "a reply garbled in transit", 2), (3, CLOSED_TRANSPORT, 1)],
+)
+async def test_a_checkpoint_reply_lost_without_a_connection_error_never_pays_twice(
+    valkey_url: str,
+    s3: RcloneS3,
+    sim: str,
+    store: QueueStore,
+    bucket: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    lost: int,
+    error: str,
+    attempts: int,
+) -> None:
+    """The checkpoint of an accepted submission is written, and its reply is lost `lost` times in a row as a
+    RuntimeError. The provider ignores the Idempotency-Key, so a second submission would be a second paid run.
+    An error that is not an outage, once: the checkpoint is sent again and the job goes on in the same attempt;
+    twice: the attempt fails as a worker error, keeping the remote id the store holds, and the retry polls it.
+    uvloop's closed-transport error is an outage (connection.is_outage): waited out, however often, at no
+    attempt. One submission in all, every time (before the fix, 2 and 3)."""
+    real = QueueStore.checkpoint_many
+    failures = 0
+
+    async def reply_lost(self: QueueStore, queue: str, items: Any) -> list[str]:
+        nonlocal failures
+        codes = await real(self, queue, items)
+        if failures < lost:
+            failures += 1
+            raise RuntimeError(error)
+        return codes
+
+    monkeypatch.setattr(QueueStore, "checkpoint_many", reply_lost)
+    await configure(sim, honour_idempotency_key=False)
+    [(job_id, input_id)] = await enqueue(store, f"lost-checkpoint-{lost}", max_attempts=3)
+    async with serving(make_settings(valkey_url, s3, sim, "http-job")) as worker:
+        [job] = await until_state(store, [job_id], "succeeded", worker)
+    assert failures == lost
+    assert (await stats(sim))["submissions_by_input_id"] == {input_id: 1}
+    assert job.attempts == attempts, job
     assert_stored(bucket, job, input_id)
 
 

@@ -21,9 +21,8 @@ import orjson
 from offload.backends.base import Backend, RemoteResult, Throttled, Transient, WebhookBackend
 from offload.errors import StaleLease, WorkerError
 from offload.models import ClaimedJob
-from offload.queue.store import QueueStore
 from offload.worker.batching import Batcher
-from offload.worker.health import StoreHealth
+from offload.worker.endings import Endings
 from offload.worker.limits import BackendLimits
 
 if TYPE_CHECKING:
@@ -36,18 +35,12 @@ class PollTimeout(WorkerError):
     """The remote job did not finish within `poll_timeout`."""
 
 
-class HookPath:
-    store: QueueStore
-    backend: Backend
+class HookPath(Endings):
     limits: BackendLimits
-    options: WorkerOptions
-    health: StoreHealth
     cancels: set[str]
     _hook_backend: WebhookBackend | None  # see _hooks
     _hooked: dict[str, asyncio.Event]  # jobs in flight a webhook may wake (see wakeups.py)
     _hook_bodies: Batcher[tuple[str, int], str | None]  # QueueStore.hook_bodies, coalesced
-
-    async def _cancel(self, job: ClaimedJob, remote_id: str | None) -> None: ...
 
     def _hooks(self) -> WebhookBackend | None:
         """The backend, when this worker's submissions carry webhook URLs. Decided once (`hook_backend`): an

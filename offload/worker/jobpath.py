@@ -17,7 +17,6 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import quote
 
@@ -36,9 +35,10 @@ from offload.connection import is_outage
 from offload.errors import StaleLease
 from offload.models import ClaimedJob
 from offload.queue.keys import hook_digest
-from offload.queue.store import CompleteItem, QueueStore, retry_delay_ms
+from offload.queue.store import CompleteItem, QueueStore
 from offload.storage import InvalidKey, StorageError, validate_key
 from offload.worker.batching import Batcher
+from offload.worker.endings import Fence, StoreOutput
 from offload.worker.health import StoreHealth, describe
 from offload.worker.hookpath import HookPath, PollTimeout
 from offload.worker.limits import BackendLimits
@@ -47,13 +47,15 @@ from offload.worker.slots import Slot
 
 log = logging.getLogger("offload.worker")
 __all__ = ["Fence", "JobPath", "StoreOutput", "WorkerOptions"]
-Fence = Callable[[], Awaitable[None]]
-# (output key, output, run, fence) -> location. `run` names the remote run (the submission number), so files
-# of two runs never share a key; `fence` is awaited right before the output itself is written.
-StoreOutput = Callable[[str, Any, str, Fence], Awaitable[str]]
 
 
 _NO_GATE = contextlib.nullcontext()  # a synchronous API's submit gate: none (one shared, not a new one per job)
+
+
+class Unrecorded(Exception):
+    """A remote job known to exist (accepted, adopted, named by a webhook) whose checkpoint raised twice with an
+    error that is not an outage (`_record` waits outages out). The write may have landed with its reply lost,
+    so the attempt fails keeping whatever remote id the store holds: dropping one would pay for the job again."""
 
 
 def _key_problem(key: str) -> str | None:
@@ -135,14 +137,14 @@ class JobPath(HookPath):
                     await slot.take()
                     remote_id = await self._await_hook(job, run)  # its webhook may name the remote job: no resend
                     if remote_id is not None:
-                        remote_id = await self._record(job, remote_id, run)
+                        remote_id = await self._record_known(job, remote_id, run)
                 if remote_id is None:
                     adopted = None
                     if job.intent_open:
                         await slot.take()  # the provider is asked for the job by its tag
                         adopted = await self._adopt(job)
                     if adopted:
-                        remote_id = await self._record(job, adopted, run)
+                        remote_id = await self._record_known(job, adopted, run)
                     else:
                         if self._gate is not None:
                             # an asynchronous API: slot, then gate, then begin, as a job holding a slot may wait for
@@ -203,11 +205,12 @@ class JobPath(HookPath):
             # A bug or garbage must dead-letter the job, never kill the worker. A recorded remote id is kept: the
             # retry resumes the paid-for remote job instead of submitting again.
             log.exception("job %s: unexpected error", job.id)
+            cause = exc.__cause__ if isinstance(exc, Unrecorded) and exc.__cause__ is not None else exc
             await self._fail(
                 job,
-                f"worker error: {type(exc).__name__}: {exc}",
+                f"worker error: {type(cause).__name__}: {cause}",
                 retryable=True,
-                keep_remote=remote_id is not None,
+                keep_remote=remote_id is not None or isinstance(exc, Unrecorded),
                 answered=unrecorded,
             )
         finally:
@@ -308,7 +311,7 @@ class JobPath(HookPath):
                     # again under the same key, counted as a possible duplicate (there is nothing to resume).
                     remote = submission.remote_id
                     if submission.result is None:
-                        remote = await self._record(job, submission.remote_id, n)
+                        remote = await self._record_known(job, submission.remote_id, n)
                     self.limits.note("submitted")  # after the checkpoint: the window before it stays small
                     if not self._newest(job):
                         raise StaleLease(f"job {job.id}: leased to this worker again while submitting")
@@ -333,7 +336,7 @@ class JobPath(HookPath):
             # meanwhile: then the submission was accepted and its id is known
             adopted, current = await self.health.call(lambda: self.store.current_remote(job.id))
             if adopted is not None and current == n:
-                return await self._record(job, adopted, n), None, n
+                return await self._record_known(job, adopted, n), None, n
         await self._submit_failed(job, exc)
         return None
 
@@ -361,6 +364,21 @@ class JobPath(HookPath):
             await self._fail(job, f"fatal: {exc}{_detail(exc)}", retryable=False, answered=True, refund=True)
         else:
             await self._fail(job, f"{type(exc).__name__.lower()}: {exc}", retryable=True, answered=answered)
+
+    async def _record_known(self, job: ClaimedJob, remote_id: str, run: int) -> str:
+        """`_record` for a remote job known to exist. A checkpoint that raises something other than an outage
+        (the reply to a write that landed, lost in a way redis-py does not call a connection error; a script
+        error) is sent once more, as every checkpoint is idempotent; a second failure raises `Unrecorded`."""
+        for last in (False, True):
+            try:
+                return await self._record(job, remote_id, run)
+            except StaleLease:
+                raise
+            except Exception as exc:
+                if last:
+                    raise Unrecorded(f"job {job.id}: remote job {remote_id} could not be recorded") from exc
+                log.warning("job %s: recording remote job %s failed (%s); once more", job.id, remote_id, describe(exc))
+        raise AssertionError("unreachable")
 
     async def _record(self, job: ClaimedJob, remote_id: str, run: int) -> str:
         """Checkpoint a remote job (through any outage: until the id is recorded, a lost worker means the
@@ -433,83 +451,6 @@ class JobPath(HookPath):
         code = await self.health.call(lambda: self._completes(item))
         if code != "OK":
             raise StaleLease(f"job {job.id}: lease lost before it could be completed ({code})")
-
-    async def _store(self, job: ClaimedJob, output: Any, run: int) -> str:
-        """Store the output. Object storage (our own infrastructure, like Redis) failing for a while costs the
-        job nothing: it keeps its lease and its finished remote result and tries again, up to `poll_timeout`;
-        only then (or for a failure that cannot heal, like an expired provider file) is the attempt given up."""
-        deadline = time.monotonic() + self.options.poll_timeout
-        pause = 0.5
-        while True:
-            try:
-                return await self.store_output(job.output_key, output, str(run), lambda: self._fence(job))
-            except StorageError as exc:
-                if exc.permanent or time.monotonic() + pause > deadline:
-                    raise
-                log.warning("job %s: storing the output failed (%s), trying again in %.1fs", job.id, exc, pause)
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, 30.0)
-
-    async def _fence(self, job: ClaimedJob) -> None:
-        """Right before the output is written: a worker whose lease was taken over must not overwrite what the
-        job's new owner stores (perhaps from a newer remote run)."""
-        code = await self.health.call(lambda: self._fences((job.id, job.token)))
-        if code != "OK":
-            raise StaleLease(f"job {job.id}: lease lost before its output was written ({code})")
-
-    async def _cancel(self, job: ClaimedJob, remote_id: str | None) -> None:
-        if remote_id:
-            with contextlib.suppress(NotFound):
-                await self.backend.cancel(remote_id)
-        self.settling.add(job.id)
-        await self.health.call(lambda: self.store.ack_cancel(job.id, job.token))
-
-    async def _retry(
-        self,
-        job: ClaimedJob,
-        error: str,
-        *,
-        keep_remote: bool,
-        delay_ms: int | None = None,
-        cost: float | None = None,
-        answered: bool = False,
-    ) -> None:
-        await self._fail(
-            job, error, retryable=True, keep_remote=keep_remote, delay_ms=delay_ms, cost=cost, answered=answered
-        )
-
-    async def _fail(
-        self,
-        job: ClaimedJob,
-        error: str,
-        *,
-        retryable: bool,
-        keep_remote: bool = False,
-        delay_ms: int | None = None,
-        answered: bool = False,
-        cost: float | None = None,
-        refund: bool = False,
-    ) -> None:
-        delay = delay_ms if delay_ms is not None else retry_delay_ms(job.attempt)
-        self.settling.add(job.id)
-        try:
-            state = await self.health.call(
-                lambda: self.store.fail(
-                    job.id,
-                    job.token,
-                    error,
-                    retryable=retryable,
-                    keep_remote=keep_remote,
-                    delay_ms=delay,
-                    attempt=job.attempt,
-                    answered=answered,
-                    cost=cost,
-                    refund=refund,
-                )
-            )
-        except StaleLease:
-            return
-        log.info("job %s: %s -> %s", job.id, error[:200], state)
 
 
 def _detail(exc: BackendError) -> str:
