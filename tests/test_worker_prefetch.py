@@ -69,3 +69,35 @@ def test_a_clock_that_stands_still_or_steps_back_changes_nothing() -> None:
         p.claimed(10.0, 10.0)
     p.claimed(10.0, 9.0)
     assert p.ahead() == 25
+
+
+def bursts(p: Prefetch, *, size: int, every_s: float, rtt_s: float, seconds: float, start: float = 0.0) -> float:
+    """Feed `p` jobs that leave in step: `size` at once every `every_s`, each burst answered by one claim after
+    `rtt_s`, and a claim every 10 ms in between (answered, nothing left meanwhile); returns the time."""
+    now, next_burst = start, start + every_s
+    while now < start + seconds:
+        now += 0.01
+        if now >= next_burst:
+            for _ in range(size):
+                p.left()
+            next_burst += every_s
+        p.claimed(now - rtt_s, now)
+    return now
+
+
+def test_short_jobs_leaving_in_bursts_get_the_burst_covered() -> None:
+    """100 jobs of 50 ms in step: on average 4 leave during a 2 ms round trip, so the pace alone asks for the
+    floor (25), and 75 slots would wait for each claim. The burst is covered (up to concurrency); it decays when
+    the jobs leave evenly again, and GPU jobs leaving in the same bursts keep the floor."""
+    options = WorkerOptions(queue="q", backend_name="b", concurrency=100)
+    even = Prefetch(options, now=0.0)
+    paced(even, jobs_per_s=2000, rtt_s=0.002, seconds=2)
+    assert even.ahead() == 25
+    p = Prefetch(options, now=0.0)
+    end = bursts(p, size=100, every_s=0.05, rtt_s=0.002, seconds=2)
+    assert p.ahead() == 100 and p.leased_max() == 200
+    end = paced(p, jobs_per_s=2000, rtt_s=0.002, seconds=30, start=end)  # six half-lives of even departures
+    assert p.ahead() == 25, p.ahead()
+    gpu = Prefetch(options, now=0.0)
+    bursts(gpu, size=100, every_s=30.0, rtt_s=0.002, seconds=95)  # 30 s jobs, all 100 in step
+    assert gpu.ahead() == 25
