@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from offload.heap import GEN0_THRESHOLD
+
 HERE = Path(__file__).resolve().parent
 DELIVERIES = 3
 
@@ -85,12 +87,13 @@ async def frozen_after_start(redis_url: str, results: str, freeze: bool) -> dict
     settings = Settings.model_validate({"redis_url": redis_url, "storage": {"kind": "local", "path": results}})
     app = create_app(ServerOptions(redis_url=redis_url, settings=settings, freeze_heap=freeze))
     async with app.router.lifespan_context(app):
-        return {"frozen": gc.get_freeze_count(), "tracked": len(gc.get_objects())}
+        return {"frozen": gc.get_freeze_count(), "tracked": len(gc.get_objects()), "young": gc.get_threshold()[0]}
 
 
 def test_offload_server_freezes_its_start_up_heap_and_tests_do_not(valkey_url: str, tmp_path: Path) -> None:
     """`offload server` (freeze_heap) leaves the GC's full collections a fraction of the objects to walk: a full
-    collection of the start-up heap took 60-130 ms with the event loop stopped. Off by default (tests, embedding)."""
+    collection of the start-up heap took 60-130 ms with the event loop stopped; and it collects the youngest
+    generation less often (GEN0_THRESHOLD). Off by default (tests, embedding)."""
     code = (
         "import asyncio, json, sys; import test_server_warm as t; "
         "print(json.dumps(asyncio.run(t.frozen_after_start(sys.argv[1], sys.argv[2], sys.argv[3] == '1'))))"
@@ -108,6 +111,7 @@ def test_offload_server_freezes_its_start_up_heap_and_tests_do_not(valkey_url: s
         seen[freeze] = json.loads(proc.stdout.strip().splitlines()[-1])
     assert seen["0"]["frozen"] == 0 and seen["0"]["tracked"] > 50_000, seen
     assert seen["1"]["frozen"] > 50_000 and seen["1"]["tracked"] < seen["1"]["frozen"] / 10, seen
+    assert (seen["0"]["young"], seen["1"]["young"]) == (700, GEN0_THRESHOLD), seen  # CPython's default, ours
 
 
 def test_the_first_webhook_after_a_start_costs_what_later_ones_do(valkey_url: str, tmp_path: Path) -> None:
