@@ -15,6 +15,9 @@ Three workloads, each on a queue filled up front and drained by one worker proce
   the same number of times: what the event loop itself delivers against that bound (a timer wakes up to a
   millisecond late: epoll's timeout is in whole milliseconds, rounded up), the ceiling of any asyncio worker.
 
+Every workload runs on the event loop `offload worker` ships with (offload/eventloop.py: uvloop where installed;
+OFFLOAD_EVENT_LOOP=asyncio for asyncio's own).
+
 Valkey runs as `offload.embedded` ships it (AOF, `appendfsync everysec`, no RDB snapshots). The repetitions
 interleave the workloads (lean, worker, io50, lean, ...) so that a noisy neighbour hurts all of them alike;
 each figure is the median over the repetitions. The last line printed is JSON:
@@ -43,6 +46,7 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from queue_throughput import start_valkey  # AOF everysec, no RDB snapshots, its allocator: as offload.embedded
 
+from offload import eventloop
 from offload.backends.base import RemoteResult, Submission
 from offload.connection import connect
 from offload.heap import freeze_startup
@@ -279,7 +283,7 @@ def main() -> None:
     args = parser.parse_args()
     jobs = args.jobs if args.jobs is not None else 3_000 if args.quick else 100_000
     if args.child:
-        asyncio.run(child(args.child, args.url, jobs, args.concurrency))
+        eventloop.run(child(args.child, args.url, jobs, args.concurrency))  # the loop `offload worker` runs on
         return
     io_jobs = args.io_jobs if args.io_jobs is not None else 1_000 if args.quick else 20_000
     reps = args.reps if args.reps is not None else 1 if args.quick else 3

@@ -11,7 +11,6 @@ flag at all. Several queues are served by one process: one event loop, one drain
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 from collections.abc import Iterable
@@ -20,6 +19,7 @@ from typing import Annotated
 
 import typer
 
+from offload import eventloop
 from offload.cli.errors import errors, fail
 from offload.cli.options import ConfigOpt, LogLevelOpt
 from offload.cli.session import settings
@@ -114,7 +114,7 @@ def worker(
     queues = dispatch_queues(given, loaded, config)
     with errors():
         # on_ready: set up, about to claim; freeze what start-up built (offload/heap.py)
-        asyncio.run(
+        eventloop.run(
             run_workers(loaded, queues, concurrency=concurrency, grace_s=grace, on_ready=lambda _: freeze_startup())
         )
 
@@ -140,7 +140,7 @@ def run_handler_worker(
     options = RemoteOptions(server=server_url, token=token, queues=queues, concurrency=concurrency, grace_s=grace)
     with errors():
         try:
-            asyncio.run(run_remote_worker(options, handler, load))
+            eventloop.run(run_remote_worker(options, handler, load))
         except (ImportError, AttributeError, ValueError) as exc:
             fail(f"cannot load the handler: {exc}")
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from offload import eventloop
 from offload.backends.base import RemoteResult, Submission
 from offload.connection import connect
 from offload.models import ClaimedJob
@@ -195,9 +196,9 @@ async def produce(argv: list[str]) -> None:
 def main() -> None:
     command = sys.argv[1]
     if command == "work-dispatch":
-        asyncio.run(work_dispatch(int(sys.argv[2])))
+        eventloop.run(work_dispatch(int(sys.argv[2])))  # the loop `offload worker` runs on
     elif command == "work-store":
-        asyncio.run(work_store(int(sys.argv[2])))
+        eventloop.run(work_store(int(sys.argv[2])))
     elif command == "produce":
         asyncio.run(produce(sys.argv[2:]))
     else:
