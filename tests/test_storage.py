@@ -256,6 +256,37 @@ async def test_local_round_trip(tmp_path: Path) -> None:
         await store.put_json("a/../../etc/passwd", {})
 
 
+async def test_local_writes_fsync_every_directory_they_make_into_its_parent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file is durable only once the entries leading to it are: a write that makes `a/b/c/` fsyncs the file's
+    directory and the parent of each directory it made (innermost first); a write into an existing directory
+    fsyncs that directory alone, and makes no directory. Also when two writers make the same new directories at
+    once: both finish, and each fsyncs the parents (the other's may not have happened when it acks)."""
+    from offload.storage import local
+
+    synced: list[Path] = []
+    real = local._fsync_dir
+
+    def record(directory: Path) -> None:
+        synced.append(directory)
+        real(directory)
+
+    monkeypatch.setattr(local, "_fsync_dir", record)
+    store = LocalStorage(tmp_path / "root")
+    (tmp_path / "root").mkdir()
+    await store.put_bytes("a/b/c/one.json", b"1")
+    root = tmp_path / "root"
+    assert synced == [root / "a/b/c", root / "a/b", root / "a", root]
+    synced.clear()
+    await store.put_bytes("a/b/c/two.json", b"2")
+    assert synced == [root / "a/b/c"]
+    synced.clear()
+    await asyncio.gather(store.put_bytes("x/y/1.json", b"1"), store.put_bytes("x/y/2.json", b"2"))
+    assert (root / "x/y/1.json").read_bytes() == b"1" and (root / "x/y/2.json").read_bytes() == b"2"
+    assert synced.count(root / "x") >= 1 and synced.count(root) >= 1, synced
+
+
 async def test_local_failed_write_keeps_the_previous_object(tmp_path: Path) -> None:
     store = LocalStorage(tmp_path)
     await store.put_bytes("r/out.bin", b"old" * 1000)

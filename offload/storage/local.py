@@ -1,7 +1,8 @@
 """A directory on local disk as object storage: the zero-setup default for development and the demo.
 
 Every write goes to a temporary file in the target's directory, is fsynced, and is then renamed over the target
-with `os.replace` (atomic on POSIX), and the directory is fsynced so the rename itself survives a power cut. A
+with `os.replace` (atomic on POSIX), and the directory is fsynced so the rename itself survives a power cut (as
+is the parent of each directory the write had to make). A
 crash at any point leaves either the previous object or the new one, never half a result; at worst a stray
 `.<name>.<random>.tmp` file remains beside it, which readers never see because they only open exact key paths.
 
@@ -138,10 +139,17 @@ class LocalStorage:
 
 
 def _atomic_write(path: Path, write: Any) -> None:
-    """Write via a temp file in the same directory (same file system, so the rename is atomic), then replace."""
+    """Write via a temp file in the same directory (same file system, so the rename is atomic), then replace.
+    Directories are made only when the temp file cannot be created (one syscall less per write into an existing
+    one), and each one made here is fsynced into its parent too: a file in a directory whose own entry is lost
+    to a power cut is lost with it."""
+    made: list[Path] = []
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:100]}.", suffix=TMP_SUFFIX, dir=path.parent)
+        try:
+            fd, tmp = _temp_beside(path)
+        except FileNotFoundError:
+            made = _make_dirs(path.parent)
+            fd, tmp = _temp_beside(path)
     except OSError as exc:
         raise StorageError(f"cannot write under {path.parent}: {exc.strerror or exc}") from None
     try:
@@ -158,6 +166,29 @@ def _atomic_write(path: Path, write: Any) -> None:
             raise StorageError(f"writing {path} failed: {exc.strerror or exc}") from None
         raise
     _fsync_dir(path.parent)
+    for directory in reversed(made):  # innermost first; the outermost's parent existed before
+        _fsync_dir(directory.parent)
+
+
+def _temp_beside(path: Path) -> tuple[int, str]:
+    return tempfile.mkstemp(prefix=f".{path.name[:100]}.", suffix=TMP_SUFFIX, dir=path.parent)
+
+
+def _make_dirs(directory: Path) -> list[Path]:
+    """`directory` and its missing parents, outermost first; returns the ones this call made or found made
+    meanwhile by a concurrent writer (whose parent fsync may not have happened yet)."""
+    missing: list[Path] = []
+    while not directory.is_dir():
+        missing.append(directory)
+        if directory.parent == directory:
+            break
+        directory = directory.parent
+    made = []
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            d.mkdir()
+        made.append(d)
+    return made
 
 
 def _fsync_dir(directory: Path) -> None:
