@@ -169,28 +169,14 @@ def wait_until(
 
 
 def start_valkey(procs: Processes) -> str:
-    from offload.embedded import server_binary, server_env
+    from offload.embedded import server_argv, server_env
 
     port = free_port()
     data = procs.workdir / "valkey"
     data.mkdir()
     proc = procs.start(
         "valkey",
-        [
-            str(server_binary()),
-            "--port",
-            str(port),
-            "--bind",
-            HOST,
-            "--dir",
-            str(data),
-            "--appendonly",
-            "yes",
-            "--appendfsync",
-            "everysec",
-            "--save",
-            "",
-        ],
+        server_argv(port, data, bind=HOST),
         server_env(child_env()),
     )
     url = f"redis://{HOST}:{port}/0"

@@ -35,14 +35,13 @@ from offload.queue.store import QueueStore
 def start_valkey(workdir: str, *, aof: bool = True) -> tuple[subprocess.Popen[bytes], str]:
     """A private Valkey on offload.embedded's allocator: AOF everysec (offload's embedded default), or Valkey's
     shipped persistence."""
-    from offload.embedded import server_binary, server_env
+    from offload.embedded import server_argv, server_env
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    persistence = ["--appendonly", "yes", "--appendfsync", "everysec", "--save", ""] if aof else []
     proc = subprocess.Popen(
-        [str(server_binary()), "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir, *persistence],
+        server_argv(port, workdir, appendfsync="everysec" if aof else None),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=server_env(),

@@ -24,7 +24,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from offload.errors import ConfigError
@@ -93,6 +93,28 @@ def running_url(root: str | os.PathLike[str] | None = None) -> str | None:
     return None
 
 
+def server_argv(
+    port: int,
+    directory: str | os.PathLike[str],
+    *,
+    bind: str = "127.0.0.1",
+    appendfsync: str | None = "everysec",
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """The wheel's Valkey on `bind:port` with its data in `directory`, in the foreground, with offload's shipped
+    persistence: AOF with `appendfsync` and no RDB snapshots (None: Valkey's own defaults). `extra` flags come
+    last. The one place for these flags: the embedded default, the tests' servers, the fault harness and every
+    benchmark start it so (with `server_env` for its allocator)."""
+    persistence = ["--appendonly", "yes", "--appendfsync", appendfsync, "--save", ""] if appendfsync else []
+    return [
+        str(server_binary()),
+        *("--port", str(port), "--bind", bind, "--dir", str(directory)),
+        *persistence,
+        *("--daemonize", "no"),
+        *extra,
+    ]
+
+
 def ensure_embedded(root: str | os.PathLike[str] | None = None, appendfsync: str = "everysec") -> str:
     """Return the URL of the embedded Valkey, starting it if it is not running. Safe to race."""
     home = data_dir(root) / "valkey"
@@ -105,25 +127,7 @@ def ensure_embedded(root: str | os.PathLike[str] | None = None, appendfsync: str
         port = _free_port()
         log = open(home / "valkey.log", "ab")  # noqa: SIM115 - handed to the child process
         proc = subprocess.Popen(
-            [
-                str(server_binary()),
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--dir",
-                str(home),
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                appendfsync,
-                "--save",
-                "",
-                "--daemonize",
-                "no",
-                "--protected-mode",
-                "yes",
-            ],
+            server_argv(port, home, appendfsync=appendfsync, extra=("--protected-mode", "yes")),
             stdout=log,
             stderr=log,
             stdin=subprocess.DEVNULL,

@@ -22,7 +22,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from offload.embedded import server_binary, server_env
+from offload.embedded import server_argv, server_env
 
 HOST = "127.0.0.1"
 START_TIMEOUT = 10.0
@@ -113,13 +113,8 @@ class ValkeyServer:
         return self
 
     def _launch(self) -> None:
-        cmd = [
-            str(server_binary()),
-            "--port", str(self.port), "--bind", HOST, "--dir", str(self.dir),
-            "--appendonly", "yes", "--appendfsync", self.appendfsync, "--save", "",
-            "--daemonize", "no", "--protected-mode", "no", "--logfile", self.logfile.name,
-            *self.extra_args,
-        ]  # fmt: skip
+        extra = ("--protected-mode", "no", "--logfile", self.logfile.name, *self.extra_args)
+        cmd = server_argv(self.port, self.dir, bind=HOST, appendfsync=self.appendfsync, extra=extra)
         with open(self.dir / "stderr.log", "wb") as err:
             self._proc = subprocess.Popen(
                 cmd, cwd=self.dir, stdout=err, stderr=err, start_new_session=True, env=server_env()

@@ -16,7 +16,16 @@ from pathlib import Path
 import pytest
 
 from offload import Client
-from offload.embedded import ALLOCATOR_VAR, _jemalloc, data_dir, ensure_embedded, server_env, stop_embedded
+from offload.embedded import (
+    ALLOCATOR_VAR,
+    _jemalloc,
+    data_dir,
+    ensure_embedded,
+    server_argv,
+    server_binary,
+    server_env,
+    stop_embedded,
+)
 from offload.errors import ConfigError
 
 
@@ -97,3 +106,22 @@ def test_libc_is_kept_by_the_embedded_valkey_when_asked(tmp_home: Path, monkeypa
         assert data_dir() == tmp_home
     finally:
         assert stop_embedded()
+
+
+def test_every_valkey_started_from_the_wheel_gets_one_argv(tmp_path: Path) -> None:
+    """server_argv is the one place for the flags (the embedded default, the tests' servers, the fault harness,
+    every benchmark): offload's persistence unless told otherwise, in the foreground, extra flags last (a later
+    flag wins in Valkey's argv, so a caller can override one of ours)."""
+    argv = server_argv(6399, tmp_path, extra=("--appendfsync", "always"))
+    assert argv[0] == str(server_binary()) and argv[1:7] == [
+        "--port",
+        "6399",
+        "--bind",
+        "127.0.0.1",
+        "--dir",
+        str(tmp_path),
+    ]
+    assert argv[7:13] == ["--appendonly", "yes", "--appendfsync", "everysec", "--save", ""]
+    assert argv[-4:] == ["--daemonize", "no", "--appendfsync", "always"]
+    bare = server_argv(6399, tmp_path, bind="0.0.0.0", appendfsync=None)  # Valkey's own persistence defaults
+    assert "--appendonly" not in bare and "--save" not in bare and bare[4] == "0.0.0.0"

@@ -119,29 +119,10 @@ class Valkey:
         return redis.Redis(host=HOST, port=self.port, socket_timeout=5, socket_connect_timeout=2)
 
     def start(self) -> Valkey:
-        from offload.embedded import server_binary, server_env
+        from offload.embedded import server_argv, server_env
 
-        cmd = [
-            str(server_binary()),
-            "--port",
-            str(self.port),
-            "--bind",
-            HOST,
-            "--dir",
-            str(self.dir),
-            "--appendonly",
-            "yes",
-            "--appendfsync",
-            self.appendfsync,
-            "--save",
-            "",
-            "--daemonize",
-            "no",
-            "--protected-mode",
-            "no",
-            "--logfile",
-            "valkey.log",
-        ]
+        extra = ("--protected-mode", "no", "--logfile", "valkey.log")
+        cmd = server_argv(self.port, self.dir, bind=HOST, appendfsync=self.appendfsync, extra=extra)
         self.proc = spawn(cmd, self.dir / "stderr.log", env=server_env(), cwd=self.dir)
         deadline = time.monotonic() + 60
         with redis.Redis(host=HOST, port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5) as c:

@@ -175,29 +175,13 @@ class Bench:
     # -- services ------------------------------------------------------------------------------------------
 
     def start_valkey(self) -> str:
-        from offload.embedded import server_binary, server_env
+        from offload.embedded import server_argv, server_env
 
         self.port = free_port()
         data = self.workdir / "valkey"
         data.mkdir(exist_ok=True)
         self.valkey = Proc(
-            [
-                str(server_binary()),
-                "--port",
-                str(self.port),
-                "--bind",
-                HOST,
-                "--dir",
-                str(data),
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "everysec",
-                "--save",
-                "",
-                "--databases",
-                "16",
-            ],
+            server_argv(self.port, data, bind=HOST, extra=("--databases", "16")),
             self.logs / "valkey.log",
             server_env(),
         )
