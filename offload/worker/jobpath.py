@@ -32,7 +32,7 @@ from offload.backends.base import (
     Transient,
 )
 from offload.connection import is_outage
-from offload.errors import StaleLease
+from offload.errors import StaleLease, WorkerError
 from offload.models import ClaimedJob
 from offload.queue.keys import hook_digest
 from offload.queue.store import CompleteItem, QueueStore
@@ -52,7 +52,7 @@ __all__ = ["Fence", "JobPath", "StoreOutput", "WorkerOptions"]
 _NO_GATE = contextlib.nullcontext()  # a synchronous API's submit gate: none (one shared, not a new one per job)
 
 
-class Unrecorded(Exception):
+class Unrecorded(WorkerError):
     """A remote job known to exist (accepted, adopted, named by a webhook) whose checkpoint raised twice with an
     error that is not an outage (`_record` waits outages out). The write may have landed with its reply lost,
     so the attempt fails keeping whatever remote id the store holds: dropping one would pay for the job again."""
