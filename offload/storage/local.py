@@ -2,9 +2,9 @@
 
 Every write goes to a temporary file in the target's directory, is fsynced, and is then renamed over the target
 with `os.replace` (atomic on POSIX), and the directory is fsynced so the rename itself survives a power cut (as
-is the parent of each directory the write had to make). A
-crash at any point leaves either the previous object or the new one, never half a result; at worst a stray
-`.<name>.<random>.tmp` file remains beside it, which readers never see because they only open exact key paths.
+is the parent of each directory the write had to make). A crash at any point leaves either the previous object
+or the new one, never half a result; at worst a stray `.<name>.<random>.tmp` file remains beside it, which
+readers never see because they only open exact key paths.
 
 File IO blocks, so it runs in asyncio's default thread pool, which is already bounded (min(32, CPUs + 4)).
 Content types are not kept: a file system has nowhere standard to put them, and nothing reads them back locally.

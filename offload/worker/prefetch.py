@@ -16,7 +16,7 @@ two, every 51 ms). Every job that leaves between two claim replies is replaced f
 the next reply, so the most that left between two replies (a peak that halves every `BURST_HALF_LIFE_S`) is
 also covered, where the jobs are short enough for that wait to matter: where one round trip is at least
 `BURST_SHARE` of a job's time in its slot. Measured on those 50 ms jobs: slots 96.5 % busy with the pace alone
-(the 25 ahead ran out at each burst), ~99.5 % with the burst covered. GPU jobs (a round trip is a ten-thousandth
+(the 25 ahead ran out at each burst), ~99 % with the burst covered. GPU jobs (a round trip is a ten-thousandth
 of their time) keep the floor, however they leave.
 """
 
