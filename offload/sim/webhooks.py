@@ -44,7 +44,8 @@ Event = Literal["completed", "start"]
 FAL_USER_ID = "sim-user"
 RETRIES = 2  # RunPod retries twice; Replicate "a few times"; fal more, but two show the behaviour
 RETRY_PAUSE_S = 0.5
-REORDER_LAG_S = 0.2  # a reordered `start` comes this long after the job ended (after its final delivery)
+REORDER_LAG_S = 0.2  # a reordered `start` comes this long after the job ended, and after its final delivery
+REORDER_WAIT_S = 30.0  # the longest a reordered `start` waits for that final delivery to have been sent
 MAX_CONNECTIONS = 256
 Rate = Annotated[float, Field(ge=0, le=1)]
 
@@ -94,6 +95,7 @@ class HookSender:
         self._task: asyncio.Task[None] | None = None
         self._client: aiohttp.ClientSession | None = None
         self.sent: list[dict[str, Any]] = []  # the delivery log: GET /_sim/webhooks
+        self._finals: dict[str, asyncio.Event] = {}  # job id -> set once its final delivery has been sent
 
     def configure(self, faults: HookFaults) -> None:
         self.faults = faults
@@ -103,6 +105,9 @@ class HookSender:
     def reset(self) -> None:
         self._heap.clear()
         self.sent.clear()
+        for final in self._finals.values():
+            final.set()
+        self._finals.clear()
         self.faults = HookFaults(replicate_secret=self.replicate_secret)
 
     def jwks(self) -> dict[str, Any]:
@@ -115,6 +120,8 @@ class HookSender:
         """Deliver `completed` once `job` has ended (its timeline is fixed at submit; a cancel only moves the end
         earlier, and a cancelled job's webhook then simply comes at the planned end), `start` at once."""
         due = self.clock() if event == "start" else max(job.ended_at(), self.clock())
+        if event == "completed":
+            self._finals.setdefault(job.id, asyncio.Event())
         self._push(due, Delivery(job, url, render, event))
         if self._task is None or self._task.done():
             self._wake = asyncio.Event()
@@ -154,8 +161,13 @@ class HookSender:
         reorder = f.reorder_rate > 0 and self.rng.random() < f.reorder_rate
         message_id = "msg_" + secrets.token_hex(12)  # a duplicate is the same message delivered twice
         if d.event == "start":
-            if reorder:  # overtaken by the final delivery: it arrives after the job ended
+            if reorder:  # overtaken by the final delivery: it arrives after the job ended and after that
+                # delivery was answered (a slow receiver or a retried final must not let the start pass it)
                 await asyncio.sleep(max(0.0, d.job.ended_at() - self.clock()) + REORDER_LAG_S)
+                final = self._finals.get(d.job.id)
+                if final is not None:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(final.wait(), REORDER_WAIT_S)
             body = orjson.dumps(d.render(d.job.created))
             for _ in range(copies):
                 await self._send(d, body, message_id)
@@ -211,6 +223,8 @@ class HookSender:
         return {}  # RunPod: no signature; the URL is the only secret
 
     def _log(self, d: Delivery, *, copies: int, reordered: bool = False) -> None:
+        if d.event == "completed" and (final := self._finals.pop(d.job.id, None)) is not None:
+            final.set()
         self.sent.append(
             {
                 "job": d.job.id,
