@@ -7,6 +7,9 @@ is the only way from inside ASGI to the TCP transport, which a simulated connect
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -34,7 +37,16 @@ class SimApp:
             *replicate_api.routes(sim),
             *fal_api.routes(sim),  # last: its submit route is a catch-all POST
         ]
-        self.starlette = Starlette(routes=routes, exception_handlers={HTTPException: self._http_error})
+        self.starlette = Starlette(
+            routes=routes, exception_handlers={HTTPException: self._http_error}, lifespan=self._lifespan
+        )
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        """Close the webhook sender's connection pool on shutdown (left open, aiohttp warns of an unclosed
+        session at exit)."""
+        yield
+        await self.sim.hooks.aclose()
 
     async def _http_error(self, request: Request, exc: Exception) -> Response:
         """Unknown paths and wrong methods get a JSON body and are counted, so a test can spot a client that

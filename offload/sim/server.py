@@ -41,7 +41,7 @@ def _server(
         port=port,
         log_level=log_level,
         access_log=access_log,
-        lifespan="off",
+        lifespan="on",  # the app's shutdown closes the webhook sender's pool
         ssl_certfile=ssl_certfile,
         ssl_keyfile=ssl_keyfile,
         timeout_keep_alive=30,
