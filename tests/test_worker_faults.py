@@ -23,13 +23,11 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from s3server import RcloneS3
 from test_worker import BACKENDS, BUCKET
 
 from offload.config import Settings
-from offload.connection import connect
+from offload.connection import connect, is_outage
 from offload.models import Job
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore, retry_delay_ms
@@ -255,8 +253,10 @@ async def _observed(check: Callable[[], Awaitable[bool]]) -> bool:
     while the worker under test carried on. A stall only means "not yet"; `until`'s deadline still holds."""
     try:
         return await check()
-    except (RedisTimeoutError, RedisConnectionError):
-        return False
+    except Exception as exc:
+        if is_outage(exc):  # the worker's own rule for what an outage is
+            return False
+        raise
 
 
 async def until_state(
