@@ -5,6 +5,9 @@ tutorial's `results/<id>.json`, copied files must carry their Content-Type, and 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
+import gzip
 import json
 import os
 import secrets
@@ -15,10 +18,12 @@ import textwrap
 import threading
 import time
 import traceback
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractAsyncContextManager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote, unquote
 
 import httpx
 import pytest
@@ -26,6 +31,8 @@ from pydantic import SecretStr
 from s3server import RcloneS3, wait_port_closed
 from servers import free_port
 
+from offload.backends import new_client
+from offload.backends.transport import fast_path
 from offload.errors import ConfigError
 from offload.sim import SimConfig, running_sim
 from offload.storage import (
@@ -40,6 +47,7 @@ from offload.storage import (
     files_prefix,
     store_output,
 )
+from offload.storage.outputs import PlainGet
 from offload.storage.s3 import S3Storage  # the s3 extra: not imported with offload.storage
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -268,11 +276,19 @@ async def test_local_writes_fsync_every_directory_they_make_into_its_parent(
     synced: list[Path] = []
     real = local._fsync_dir
 
-    def record(directory: Path) -> None:
-        synced.append(directory)
+    def record(directory: str | Path) -> None:
+        synced.append(Path(directory))
         real(directory)
 
     monkeypatch.setattr(local, "_fsync_dir", record)
+    files_synced: list[int] = []
+    real_sync = local._sync_and_close
+
+    def record_file(fd: int) -> None:
+        files_synced.append(fd)
+        real_sync(fd)
+
+    monkeypatch.setattr(local, "_sync_and_close", record_file)  # the small-object road's file fsync
     store = LocalStorage(tmp_path / "root")
     (tmp_path / "root").mkdir()
     await store.put_bytes("a/b/c/one.json", b"1")
@@ -285,6 +301,42 @@ async def test_local_writes_fsync_every_directory_they_make_into_its_parent(
     await asyncio.gather(store.put_bytes("x/y/1.json", b"1"), store.put_bytes("x/y/2.json", b"2"))
     assert (root / "x/y/1.json").read_bytes() == b"1" and (root / "x/y/2.json").read_bytes() == b"2"
     assert synced.count(root / "x") >= 1 and synced.count(root) >= 1, synced
+    assert len(files_synced) == 4  # every small write fsynced its file before the rename
+
+
+def _fds_back_to(count: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while len(os.listdir("/proc/self/fd")) > count:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+async def test_local_small_writes_cancelled_mid_fsync_leak_nothing(tmp_path: Path) -> None:
+    """A small write's fsync runs in the thread pool while the task waits: cancelling the task there (a worker
+    stopping) still closes the file, also when the pool had not started that fsync yet (both of its threads
+    busy), removes the temp file, and keeps the previous object."""
+    loop = asyncio.get_running_loop()
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+    loop.set_default_executor(pool)
+    store = LocalStorage(tmp_path)
+    await store.put_bytes("r/out.json", b"old")
+    fds_before = len(os.listdir("/proc/self/fd"))
+    release = threading.Event()
+    blockers = [loop.run_in_executor(pool, release.wait) for _ in range(2)]  # the fsyncs queue behind these
+    tasks = [asyncio.create_task(store.put_bytes("r/out.json", b"new %d" % i)) for i in range(20)]
+    await asyncio.sleep(0.05)  # each has written its temp file and queued its fsync
+    assert len(os.listdir("/proc/self/fd")) == fds_before + 20
+    for task in tasks:
+        task.cancel()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert all(isinstance(r, asyncio.CancelledError) for r in results)
+    release.set()
+    await asyncio.gather(*blockers)
+    assert await asyncio.to_thread(_fds_back_to, fds_before)  # the queued fsyncs ran, and closed their files
+    assert os.listdir(tmp_path / "r") == ["out.json"]
+    assert (tmp_path / "r" / "out.json").read_bytes() == b"old"
 
 
 async def test_local_failed_write_keeps_the_previous_object(tmp_path: Path) -> None:
@@ -305,6 +357,37 @@ async def test_local_failed_write_keeps_the_previous_object(tmp_path: Path) -> N
         await store.put_fileobj("r/out.bin", Exploding())  # type: ignore[arg-type]
     assert (tmp_path / "r" / "out.bin").read_bytes() == b"old" * 1000
     assert os.listdir(tmp_path / "r") == ["out.bin"]  # the temp file was removed
+
+
+async def test_local_temp_names_never_clobber_a_stray_or_a_concurrent_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Temp files are made with O_EXCL: a stray temp file of the same name (a SIGKILLed process's, or a forked
+    child's with the same counter) is skipped, not truncated, and 20 writers of one key at once all finish,
+    leaving one whole version and no temp file."""
+    import itertools
+
+    from offload.storage import local
+
+    store = LocalStorage(tmp_path)
+    await store.put_bytes("r/x.bin", b"first")
+    monkeypatch.setattr(local, "_SERIAL", itertools.count(7))
+    stray = tmp_path / "r" / f".x.bin.{local._TOKEN}-7{local.TMP_SUFFIX}"
+    stray.write_bytes(b"someone else's")
+    await store.put_bytes("r/x.bin", b"second")
+    assert (tmp_path / "r" / "x.bin").read_bytes() == b"second"
+    assert stray.read_bytes() == b"someone else's"
+    stray.unlink()
+    versions = [bytes([65 + i]) * 50_000 for i in range(20)]
+    await asyncio.gather(*(store.put_bytes("r/x.bin", v) for v in versions))
+    assert (tmp_path / "r" / "x.bin").read_bytes() in versions
+    assert os.listdir(tmp_path / "r") == ["x.bin"]
+    old = os.umask(0o027)
+    try:
+        await store.put_bytes("r/private.bin", b"p")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "r" / "private.bin").stat().st_mode & 0o777 == 0o640  # the umask applies, as to any file
 
 
 CRASH_WRITER = textwrap.dedent("""
@@ -365,6 +448,22 @@ class _FileHost(BaseHTTPRequestHandler):
             self.wfile.write(b"67890")
         elif path == "/gone.png":
             self._send(404, b"expired", "text/plain")
+        elif path == "/moved":  # a redirect to the URL in the query (a provider's CDN hop)
+            self.send_response(302)
+            self.send_header("Location", unquote(self.path.split("?to=", 1)[1]))
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        elif path == "/gzipped.txt":  # encoded whatever the client asked for
+            body = gzip.compress(b"plain words " * 100)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Encoding", "gzip")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        elif path.startswith("/echo"):  # what reached the host: the raw request target and the headers
+            seen = {"target": self.path, "headers": {k.lower(): v for k, v in self.headers.items()}}
+            self._send(200, json.dumps(seen).encode(), "application/json")
         else:
             self._send(500, b"boom", "text/plain")
 
@@ -387,6 +486,29 @@ def file_host() -> Iterator[str]:
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
+
+
+Road = Callable[[], AbstractAsyncContextManager[tuple[httpx.AsyncClient, PlainGet | None]]]
+
+
+@pytest.fixture(params=["httpx", "aiohttp"])
+def road(request: pytest.FixtureRequest) -> Road:
+    """Both ways a file is fetched: httpx alone (any client), and the worker's client, whose aiohttp transport
+    takes the plain GETs itself (`plain`) and hands redirects and encoded bodies back to httpx."""
+
+    @contextlib.asynccontextmanager
+    async def open_road() -> AsyncIterator[tuple[httpx.AsyncClient, PlainGet | None]]:
+        if request.param == "httpx":
+            async with httpx.AsyncClient() as http:
+                yield http, None
+            return
+        http = new_client(timeout=10, agent="offload-test/1")
+        try:
+            yield http, fast_path(http)
+        finally:
+            await http.aclose()
+
+    return open_road
 
 
 async def test_store_output_copies_simulator_files(s3: RcloneS3, bucket: str, storage: S3Storage) -> None:
@@ -423,12 +545,12 @@ async def test_store_output_copies_simulator_files(s3: RcloneS3, bucket: str, st
 
 
 async def test_store_output_rewrites_nested_and_duplicate_urls(
-    s3: RcloneS3, bucket: str, storage: S3Storage, file_host: str
+    s3: RcloneS3, bucket: str, storage: S3Storage, file_host: str, road: Road
 ) -> None:
     text_url, image_url = f"{file_host}/files/report.txt?token=s3cr3t", f"{file_host}/files/image"
     output = [image_url, {"deep": [text_url, image_url]}, f"see {text_url}", 3, None]  # a Replicate-style list
-    async with httpx.AsyncClient() as http:
-        stored = await store_output(storage, "results/j2.json", output, http)
+    async with road() as (http, plain):
+        stored = await store_output(storage, "results/j2.json", output, http, plain=plain)
     loc0 = f"s3://{bucket}/results/j2/files/0-image.png"
     loc1 = f"s3://{bucket}/results/j2/files/1-report.txt"
     assert [(f.location, f.content_type, f.size) for f in stored.files] == [
@@ -465,52 +587,61 @@ async def test_store_output_without_files_is_the_tutorial_layout(
     ("/big.bin", True, "limit"),
 ])  # fmt: skip
 async def test_store_output_file_failure_raises_before_writing(
-    storage: S3Storage, file_host: str, path: str, permanent: bool, message: str
+    storage: S3Storage, file_host: str, path: str, permanent: bool, message: str, road: Road
 ) -> None:
     output = {"files": [f"{file_host}/files/report.txt", f"{file_host}{path}?sig=topsecret"]}
-    async with httpx.AsyncClient() as http:
+    async with road() as (http, plain):
         with pytest.raises(StorageError, match=message) as err:
-            await store_output(storage, "results/f.json", output, http, max_file_bytes=1000)
+            await store_output(storage, "results/f.json", output, http, max_file_bytes=1000, plain=plain)
     assert err.value.permanent is permanent
     assert "topsecret" not in str(err.value)  # signed query strings are redacted
     assert not await storage.exists("results/f.json")  # no output, so the job cannot be marked succeeded
 
 
-async def test_store_output_stalled_file_times_out_as_transient(storage: S3Storage, file_host: str) -> None:
-    async with httpx.AsyncClient() as http:
+async def test_store_output_stalled_file_times_out_as_transient(storage: S3Storage, file_host: str, road: Road) -> None:
+    async with road() as (http, plain):
         with pytest.raises(StorageError, match=r"longer than 0\.2s") as err:
-            await store_output(storage, "results/t.json", {"f": f"{file_host}/slow.bin"}, http, file_timeout_s=0.2)
+            await store_output(
+                storage, "results/t.json", {"f": f"{file_host}/slow.bin"}, http, file_timeout_s=0.2, plain=plain
+            )
     assert not err.value.permanent and not await storage.exists("results/t.json")
 
 
-async def test_store_output_unreachable_file_host_is_transient(storage: S3Storage) -> None:
+async def test_store_output_unreachable_file_host_is_transient(storage: S3Storage, road: Road) -> None:
     output = {"file": f"http://127.0.0.1:{free_port()}/x.png"}
-    async with httpx.AsyncClient() as http:
+    async with road() as (http, plain):
         with pytest.raises(StorageError, match="ConnectError") as err:
-            await store_output(storage, "results/u.json", output, http)
+            await store_output(storage, "results/u.json", output, http, plain=plain)
     assert not err.value.permanent
 
 
-async def test_store_output_sends_auth_headers_only_to_their_host(storage: S3Storage, file_host: str) -> None:
+async def test_store_output_sends_auth_headers_only_to_their_host(
+    storage: S3Storage, file_host: str, road: Road
+) -> None:
     auth = {"127.0.0.1": {"Authorization": "Token r8-test"}}
-    async with httpx.AsyncClient() as http:
+    async with road() as (http, plain):
         stored = await store_output(
-            storage, "results/p.json", {"f": f"{file_host}/files/private.txt"}, http, auth_headers=auth
+            storage, "results/p.json", {"f": f"{file_host}/files/private.txt"}, http, auth_headers=auth, plain=plain
         )
         assert await storage.get_bytes(stored.files[0].key) == b"private"
         other_host = file_host.replace("127.0.0.1", "localhost")  # same server, another host name: no token
         with pytest.raises(StorageError, match="HTTP 401") as err:
             await store_output(
-                storage, "results/q.json", {"f": f"{other_host}/files/private.txt"}, http, auth_headers=auth
+                storage,
+                "results/q.json",
+                {"f": f"{other_host}/files/private.txt"},
+                http,
+                auth_headers=auth,
+                plain=plain,
             )
     assert err.value.permanent
 
 
-async def test_store_output_on_local_storage(tmp_path: Path, file_host: str) -> None:
+async def test_store_output_on_local_storage(tmp_path: Path, file_host: str, road: Road) -> None:
     store = LocalStorage(tmp_path)
     output = {"img": f"{file_host}/files/image"}
-    async with httpx.AsyncClient() as http:
-        stored = await store_output(store, "results/l.json", output, http)
+    async with road() as (http, plain):
+        stored = await store_output(store, "results/l.json", output, http, plain=plain)
     copy = tmp_path / "results" / "l" / "files" / "0-image.png"
     assert copy.read_bytes() == PNG + b"pixels"
     assert json.loads((tmp_path / "results" / "l.json").read_bytes()) == {
@@ -518,6 +649,44 @@ async def test_store_output_on_local_storage(tmp_path: Path, file_host: str) -> 
         "_offload_files": {output["img"]: str(copy)},
     }
     assert stored.location == str(tmp_path / "results" / "l.json")
+
+
+async def test_store_output_sends_the_url_as_given_and_asks_for_the_file_unencoded(
+    tmp_path: Path, file_host: str, road: Road
+) -> None:
+    """A signed URL's bytes are what its signature covers: the request target that reaches the host is the
+    URL's own, percent-escapes and all, on either road. The worker's road asks for the file unencoded and
+    carries the client's User-Agent and the host's auth header, as httpx's would."""
+    store = LocalStorage(tmp_path)
+    url = f"{file_host}/echo/a%2Fb%7Ec~d(1)?X-Amz-Signature=ab%2Bcd&list=1,2&e=%3D"
+    async with road() as (http, plain):
+        stored = await store_output(
+            store, "results/e.json", {"f": url}, http, auth_headers={"127.0.0.1": {"X-Token": "t"}}, plain=plain
+        )
+        agent = http.headers["user-agent"]
+    seen = json.loads(await store.get_bytes(stored.files[0].key))
+    assert seen["target"] == url.removeprefix(file_host)
+    assert seen["headers"]["x-token"] == "t" and seen["headers"]["user-agent"] == agent
+    if plain is not None:
+        assert seen["headers"]["accept-encoding"] == "identity"  # taken by aiohttp, not handed to httpx
+
+
+async def test_store_output_redirects_and_encoded_bodies_take_httpx_rules(
+    tmp_path: Path, file_host: str, road: Road
+) -> None:
+    """A redirect to another origin drops Authorization (httpx's rule, kept on the worker's road by handing the
+    redirect back to httpx), and a gzip body a host sends regardless is stored decoded: the file, not its
+    transfer."""
+    store = LocalStorage(tmp_path)
+    other = file_host.replace("127.0.0.1", "localhost")
+    auth = {"127.0.0.1": {"Authorization": "Token r8-test"}}
+    output = {"hop": f"{file_host}/moved?to={quote(other + '/echo/x', safe='')}", "z": f"{file_host}/gzipped.txt"}
+    async with road() as (http, plain):
+        stored = await store_output(store, "results/r.json", output, http, auth_headers=auth, plain=plain)
+    hop, z = stored.files
+    seen = json.loads(await store.get_bytes(hop.key))
+    assert seen["target"] == "/echo/x" and "authorization" not in seen["headers"]
+    assert await store.get_bytes(z.key) == b"plain words " * 100 and z.size == 1200
 
 
 # ---------------------------------------------------------------- configuration

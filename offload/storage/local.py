@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import itertools
 import os
-import shutil
-import tempfile
+import secrets
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -31,6 +33,20 @@ from offload.storage.base import (
 )
 
 TMP_SUFFIX = ".tmp"
+COPY_CHUNK = 1 << 20
+INLINE_BYTES = 1 << 20  # objects up to this size are written from the event loop (see _small_write)
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+_TOKEN = secrets.token_hex(6)  # this process's temp-file names (see _temp_beside)
+_SERIAL = itertools.count()
+
+
+def _new_token() -> None:
+    """A forked child names its temp files apart from its parent's (O_EXCL would catch a clash, at a retry)."""
+    global _TOKEN
+    _TOKEN = secrets.token_hex(6)
+
+
+os.register_at_fork(after_in_child=_new_token)
 
 
 class LocalStorage:
@@ -54,12 +70,19 @@ class LocalStorage:
 
     async def put_bytes(self, key: str, data: bytes, content_type: str = "application/octet-stream") -> str:
         path = self._path(key)
-        await asyncio.to_thread(_atomic_write, path, lambda f: f.write(data))
+        if len(data) <= INLINE_BYTES:
+            await _small_write(os.fspath(path), data)
+        else:
+            await asyncio.to_thread(_atomic_write, path, lambda fd: _write_all(fd, data))
         return str(path)
 
     async def put_fileobj(self, key: str, fileobj: IO[bytes], content_type: str = "application/octet-stream") -> str:
         path = self._path(key)
-        await asyncio.to_thread(_atomic_write, path, lambda f: shutil.copyfileobj(fileobj, f, 1 << 20))
+        small = _small_remainder(fileobj)
+        if small is not None:
+            await _small_write(os.fspath(path), small)
+        else:
+            await asyncio.to_thread(_atomic_write, path, lambda fd: _copy_into(fd, fileobj))
         return str(path)
 
     async def get_bytes(self, key: str) -> bytes:
@@ -138,40 +161,133 @@ class LocalStorage:
         return None
 
 
-def _atomic_write(path: Path, write: Any) -> None:
-    """Write via a temp file in the same directory (same file system, so the rename is atomic), then replace.
-    Directories are made only when the temp file cannot be created (one syscall less per write into an existing
-    one), and each one made here is fsynced into its parent too: a file in a directory whose own entry is lost
-    to a power cut is lost with it."""
+def _small_remainder(fileobj: IO[bytes]) -> bytes | None:
+    """The rest of `fileobj` when it is seekable and at most INLINE_BYTES long (a spooled copy of a provider's
+    file, typically), else None (it is then streamed in a thread)."""
+    try:
+        if not fileobj.seekable():
+            return None
+        here = fileobj.tell()
+        size = fileobj.seek(0, os.SEEK_END) - here
+        fileobj.seek(here)
+    except (AttributeError, OSError, ValueError):  # not a real file object: streamed, as any other
+        return None
+    return fileobj.read() if size <= INLINE_BYTES else None
+
+
+async def _small_write(target: str, data: bytes) -> None:
+    """`_atomic_write` for a small object, with only the two waits on the disk in the thread pool: the file's
+    fsync, and the fsyncs of its directory (and of the parent of each directory made for it), in one hop each.
+
+    Why not all of it in the thread, as `_atomic_write` does: in the thread each of the ~7-20 system calls of
+    a write gives up the GIL and must win it back from the busy event loop, so 2,000 outputs finishing at once
+    queued for seconds in the pool (measured: 1.1 s from the fence to the stored JSON, median, with fsync on or
+    off alike). The calls that only touch the page cache and the directory (open, write, close, rename, mkdir:
+    microseconds) are made here, on the loop, instead."""
+    directory = os.path.dirname(target)
     made: list[Path] = []
     try:
         try:
-            fd, tmp = _temp_beside(path)
+            fd, tmp = _temp_beside(target)
         except FileNotFoundError:
-            made = _make_dirs(path.parent)
-            fd, tmp = _temp_beside(path)
+            made = _make_dirs(Path(directory))
+            fd, tmp = _temp_beside(target)
     except OSError as exc:
-        raise StorageError(f"cannot write under {path.parent}: {exc.strerror or exc}") from None
+        raise StorageError(f"cannot write under {directory}: {exc.strerror or exc}") from None
     try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results should be readable like any other file
-        os.replace(tmp, path)
+        try:
+            _write_all(fd, data)
+        except BaseException:
+            os.close(fd)
+            raise
+        # Shielded: cancelling this task must not cancel the pool's work item before it starts, or the file
+        # would never be closed; the thread closes it whatever happens here.
+        await asyncio.shield(asyncio.ensure_future(asyncio.to_thread(_sync_and_close, fd)))
+        os.replace(tmp, target)
     except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         if isinstance(exc, OSError):
-            raise StorageError(f"writing {path} failed: {exc.strerror or exc}") from None
+            raise StorageError(f"writing {target} failed: {exc.strerror or exc}") from None
         raise
-    _fsync_dir(path.parent)
-    for directory in reversed(made):  # innermost first; the outermost's parent existed before
-        _fsync_dir(directory.parent)
+    await asyncio.to_thread(_fsync_dirs, [directory, *(os.fspath(d.parent) for d in reversed(made))])
 
 
-def _temp_beside(path: Path) -> tuple[int, str]:
-    return tempfile.mkstemp(prefix=f".{path.name[:100]}.", suffix=TMP_SUFFIX, dir=path.parent)
+def _sync_and_close(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dirs(directories: list[str]) -> None:
+    for directory in directories:  # innermost first; the outermost made one's parent existed before
+        _fsync_dir(directory)
+
+
+def _atomic_write(path: Path, write: Callable[[int], None]) -> None:
+    """Write via a temp file in the same directory (same file system, so the rename is atomic), then replace.
+    Directories are made only when the temp file cannot be created (one syscall less per write into an existing
+    one), and each one made here is fsynced into its parent too: a file in a directory whose own entry is lost
+    to a power cut is lost with it.
+
+    Plain `os` calls on a file descriptor and string paths, not `tempfile.mkstemp` and a file object: this runs in
+    a thread while the worker's event loop needs the GIL, and each Python step here is taken from the loop (in the
+    2,000-job burst of issue 15, mkstemp's random names, the file object and pathlib held the GIL for ~13 % of
+    the samples). The temp file is created with mode 0644 under the process umask, as any other file is."""
+    target = os.fspath(path)
+    directory = os.path.dirname(target)
+    made: list[Path] = []
+    try:
+        try:
+            fd, tmp = _temp_beside(target)
+        except FileNotFoundError:
+            made = _make_dirs(Path(directory))
+            fd, tmp = _temp_beside(target)
+    except OSError as exc:
+        raise StorageError(f"cannot write under {directory}: {exc.strerror or exc}") from None
+    try:
+        try:
+            write(fd)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise StorageError(f"writing {target} failed: {exc.strerror or exc}") from None
+        raise
+    _fsync_dir(directory)
+    for made_dir in reversed(made):  # innermost first; the outermost's parent existed before
+        _fsync_dir(os.fspath(made_dir.parent))
+
+
+def _temp_beside(target: str) -> tuple[int, str]:
+    """A new temp file next to `target`, named `.<name>.<process token>-<n>.tmp`: unique within the process by the
+    counter, across processes by the token, and O_EXCL settles the rest (a stray file of a process long gone)."""
+    head, name = os.path.split(target)
+    prefix = os.path.join(head, f".{name[:100]}.{_TOKEN}-")
+    for _ in range(100):
+        tmp = f"{prefix}{next(_SERIAL)}{TMP_SUFFIX}"
+        try:
+            return os.open(tmp, _CREATE, 0o644), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temp file name", prefix)
+
+
+def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
+    """`os.write` may write less than it was given (a signal, a full pipe): loop until all of it is out."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _copy_into(fd: int, fileobj: IO[bytes]) -> None:
+    while chunk := fileobj.read(COPY_CHUNK):
+        _write_all(fd, chunk)
 
 
 def _make_dirs(directory: Path) -> list[Path]:
@@ -191,7 +307,7 @@ def _make_dirs(directory: Path) -> list[Path]:
     return made
 
 
-def _fsync_dir(directory: Path) -> None:
+def _fsync_dir(directory: str | Path) -> None:
     """Make the rename durable; not every platform can open a directory, and that is no reason to fail."""
     with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)
