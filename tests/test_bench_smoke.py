@@ -85,3 +85,11 @@ def test_webhooks_bench() -> None:
     assert 0 <= doc["webhook_p50_ms"] <= doc["webhook_p99_ms"] and 0 <= doc["poll_p50_ms"] <= doc["poll_p99_ms"], doc
     # with webhooks each job costs its submit and nothing else (the fallback poll is 60 s away)
     assert doc["webhook_calls_per_job"] == 1.0 and doc["poll_calls_per_job"] > 1.0, doc
+
+
+def test_store_outputs_bench() -> None:
+    doc = last_json(["bench/store_outputs.py", "--quick", "--jobs", "50"], timeout=60)
+    assert set(doc) == {"httpx_jobs_per_s", "plain_jobs_per_s", "ratio", "httpx_cpu_ms_per_job", "plain_cpu_ms_per_job"}
+    # each rate counts outputs found stored on disk afterwards (the bench exits non-zero on a missing one)
+    assert doc["httpx_jobs_per_s"] > 0 and doc["plain_jobs_per_s"] > 0 and doc["ratio"] > 0, doc
+    assert doc["httpx_cpu_ms_per_job"] > 0 and doc["plain_cpu_ms_per_job"] > 0, doc

@@ -30,9 +30,10 @@ import ipaddress
 import mimetypes
 import re
 import tempfile
-from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any, Protocol
 from urllib.parse import unquote, urlsplit
 
 import httpx
@@ -48,6 +49,27 @@ COPY_CONCURRENCY = 4  # per output; the worker bounds how many outputs are store
 SPOOL_BYTES = 8 * 1024 * 1024  # smaller files stay in memory, larger ones go to a temp file
 _URL = re.compile(r"https?://[^\s\"'<>]+", re.IGNORECASE)
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+class PlainAnswer(Protocol):
+    """A file's answer on a plain GET (see `PlainGet`)."""
+
+    @property
+    def status(self) -> int: ...
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    def chunks(self) -> AsyncIterator[bytes]: ...
+
+
+class PlainGet(Protocol):
+    """A shorter road for the common file copy than httpx's (the worker's aiohttp transport:
+    `offload.backends.transport.AiohttpTransport.get_plain`): None when httpx must take the request after all."""
+
+    def get_plain(
+        self, url: str, *, headers: Mapping[str, str], timeout: httpx.Timeout
+    ) -> AbstractAsyncContextManager[PlainAnswer | None]: ...
 
 
 @dataclass(frozen=True)
@@ -167,6 +189,7 @@ async def store_output(
     auth_headers: Mapping[str, Mapping[str, str]] | None = None,
     run: str | None = None,
     before_write: Callable[[], Awaitable[None]] | None = None,
+    plain: PlainGet | None = None,
 ) -> StoredOutput:
     """Copy the output's files, then write the (rewritten) output JSON to `output_key`; see the module docstring.
     `run` names the remote run (files under `<prefix>/<run>/`); `before_write` runs right before the JSON is
@@ -174,7 +197,8 @@ async def store_output(
 
     `http` must carry no provider credentials in its default headers, since file URLs may point anywhere. Pass
     them in `auth_headers` instead: host -> headers sent only to that host (Replicate's file host wants the API
-    token). On a redirect to another origin httpx drops `Authorization`, but not other headers.
+    token). On a redirect to another origin httpx drops `Authorization`, but not other headers. `plain`: a
+    shorter road for a file whose URL and answer need nothing of httpx (no redirect, no encoded body).
     """
     urls = find_file_urls(output, allow_hosts) if copy_files else []
     if len(urls) > max_files:
@@ -189,7 +213,7 @@ async def store_output(
             async with gate:
                 headers = host_headers.get((urlsplit(url).hostname or "").lower(), {})
                 async with asyncio.timeout(file_timeout_s):
-                    return await _copy_file(storage, http, url, index, prefix, max_file_bytes, headers)
+                    return await _copy_file(storage, http, plain, url, index, prefix, max_file_bytes, headers)
 
         try:
             async with asyncio.TaskGroup() as group:
@@ -225,6 +249,7 @@ def _first_error(eg: BaseExceptionGroup[BaseException], timeout_s: float) -> Bas
 async def _copy_file(
     storage: Storage,
     http: httpx.AsyncClient,
+    plain: PlainGet | None,
     url: str,
     index: int,
     prefix: str,
@@ -234,27 +259,50 @@ async def _copy_file(
     shown = bare_url(url)  # signed provider URLs carry tokens in the query, some carry userinfo
     with tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES) as spool:
         try:
-            async with http.stream("GET", url, headers=headers, follow_redirects=True) as resp:
-                if resp.status_code != 200:
-                    transient = resp.status_code >= 500 or resp.status_code in (408, 425, 429)
-                    expired = " (the provider's file has expired)" if resp.status_code in (404, 410) else ""
-                    raise StorageError(f"copying {shown}: HTTP {resp.status_code}{expired}", permanent=not transient)
-                declared = resp.headers.get("content-length", "")
-                if declared.isdigit() and int(declared) > limit:
-                    raise _too_large(shown, limit)
-                size = 0
-                async for chunk in resp.aiter_bytes():  # decoded: a gzip transfer is not the file
-                    size += len(chunk)
-                    if size > limit:
-                        raise _too_large(shown, limit)
-                    spool.write(chunk)
-                content_type = resp.headers.get("content-type") or _guess_type(url)
+            got: tuple[int, str] | None = None
+            if plain is not None:
+                agent = http.headers.get("user-agent")
+                sent = {**({"User-Agent": agent} if agent else {}), **headers}
+                async with plain.get_plain(url, headers=sent, timeout=http.timeout) as answer:
+                    if answer is not None:
+                        got = await _receive(answer.status, answer.headers, answer.chunks(), spool, url, shown, limit)
+            if got is None:
+                async with http.stream("GET", url, headers=headers, follow_redirects=True) as resp:
+                    # aiter_bytes: decoded, since a gzip transfer is not the file
+                    got = await _receive(resp.status_code, resp.headers, resp.aiter_bytes(), spool, url, shown, limit)
         except httpx.HTTPError as exc:
             raise StorageError(f"copying {shown}: {type(exc).__name__}") from None
+        size, content_type = got
         spool.seek(0)
         key = prefix + file_name(url, index, content_type)
         location = await storage.put_fileobj(key, spool, content_type)
     return CopiedFile(url=url, key=key, location=location, content_type=content_type, size=size)
+
+
+async def _receive(
+    status: int,
+    headers: Mapping[str, str],
+    chunks: AsyncIterator[bytes],
+    spool: IO[bytes],
+    url: str,
+    shown: str,
+    limit: int,
+) -> tuple[int, str]:
+    """One answer for a provider file, spooled: its (size, content type), or the StorageError it deserves."""
+    if status != 200:
+        transient = status >= 500 or status in (408, 425, 429)
+        expired = " (the provider's file has expired)" if status in (404, 410) else ""
+        raise StorageError(f"copying {shown}: HTTP {status}{expired}", permanent=not transient)
+    declared = headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(shown, limit)
+    size = 0
+    async for chunk in chunks:
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(shown, limit)
+        spool.write(chunk)
+    return size, headers.get("content-type") or _guess_type(url)
 
 
 def _too_large(shown: str, limit: int) -> StorageError:

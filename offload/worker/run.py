@@ -12,6 +12,7 @@ from typing import Any
 
 from offload.backends import Backend, create_backend, new_client
 from offload.backends.http import user_agent
+from offload.backends.transport import fast_path
 from offload.config import Settings, parse_rate
 from offload.connection import connect
 from offload.env import env_float, env_int
@@ -98,6 +99,7 @@ async def run_workers(
             agent=user_agent(worker_id),
         )
         resources.push_async_callback(http.aclose)
+        plain = fast_path(http)  # output files copied on aiohttp directly where httpx adds nothing
         storage = create_storage(settings.storage)
         resources.push_async_callback(storage.aclose)
         backends: dict[str, Backend] = {}
@@ -112,7 +114,14 @@ async def run_workers(
 
         async def save(key: str, output: Any, run: str, fence: Fence) -> str:
             stored = await store_output(
-                storage, key, output, http, copy_files=settings.storage.copy_files, run=run, before_write=fence
+                storage,
+                key,
+                output,
+                http,
+                copy_files=settings.storage.copy_files,
+                run=run,
+                before_write=fence,
+                plain=plain,
             )
             return stored.location
 
