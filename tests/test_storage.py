@@ -5,7 +5,6 @@ tutorial's `results/<id>.json`, copied files must carry their Content-Type, and 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import gzip
 import json
@@ -313,30 +312,84 @@ def _fds_back_to(count: int, timeout: float = 10.0) -> bool:
     return True
 
 
-async def test_local_small_writes_cancelled_mid_fsync_leak_nothing(tmp_path: Path) -> None:
-    """A small write's fsync runs in the thread pool while the task waits: cancelling the task there (a worker
-    stopping) still closes the file, also when the pool had not started that fsync yet (both of its threads
-    busy), removes the temp file, and keeps the previous object."""
-    loop = asyncio.get_running_loop()
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
-    loop.set_default_executor(pool)
+async def test_local_small_writes_cancelled_mid_fsync_leak_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A small write waits for its fsync on the fsync thread: cancelling the task there (a worker stopping),
+    also before that thread got to its file, still closes the file, removes the temp file, and keeps the
+    previous object."""
+    from offload.storage import local
+
     store = LocalStorage(tmp_path)
     await store.put_bytes("r/out.json", b"old")
     fds_before = len(os.listdir("/proc/self/fd"))
     release = threading.Event()
-    blockers = [loop.run_in_executor(pool, release.wait) for _ in range(2)]  # the fsyncs queue behind these
+    real = local._sync_and_close
+
+    def held(fd: int) -> None:
+        release.wait(10)  # the thread is busy: every write queues behind this one
+        real(fd)
+
+    monkeypatch.setattr(local, "_sync_and_close", held)
     tasks = [asyncio.create_task(store.put_bytes("r/out.json", b"new %d" % i)) for i in range(20)]
-    await asyncio.sleep(0.05)  # each has written its temp file and queued its fsync
+    await asyncio.sleep(0.05)  # each has written its temp file and handed it over
     assert len(os.listdir("/proc/self/fd")) == fds_before + 20
     for task in tasks:
         task.cancel()
     results = await asyncio.gather(*tasks, return_exceptions=True)
     assert all(isinstance(r, asyncio.CancelledError) for r in results)
     release.set()
-    await asyncio.gather(*blockers)
     assert await asyncio.to_thread(_fds_back_to, fds_before)  # the queued fsyncs ran, and closed their files
     assert os.listdir(tmp_path / "r") == ["out.json"]
     assert (tmp_path / "r" / "out.json").read_bytes() == b"old"
+
+
+async def test_local_failed_fsync_fails_the_write_and_keeps_the_previous_object(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An fsync that fails (EIO) fails that write alone with the reason, before its rename; the writes
+    batched with it on the fsync thread succeed."""
+    from offload.storage import local
+
+    store = LocalStorage(tmp_path)
+    await store.put_bytes("r/out.json", b"old")
+    real = local._sync_and_close
+    doomed: set[int] = set()
+
+    def failing(fd: int) -> None:
+        if fd in doomed:
+            os.close(fd)
+            raise OSError(5, "Input/output error")
+        real(fd)
+
+    monkeypatch.setattr(local, "_sync_and_close", failing)
+    real_temp = local._temp_beside
+
+    def marked(target: str) -> tuple[int, str]:
+        fd, tmp = real_temp(target)
+        if target.endswith("out.json"):
+            doomed.add(fd)
+        return fd, tmp
+
+    monkeypatch.setattr(local, "_temp_beside", marked)
+    results = await asyncio.gather(
+        store.put_bytes("r/out.json", b"new"), store.put_bytes("r/other.json", b"fine"), return_exceptions=True
+    )
+    assert isinstance(results[0], StorageError) and "Input/output error" in str(results[0])
+    assert results[1] == str(tmp_path / "r" / "other.json")
+    assert (tmp_path / "r" / "out.json").read_bytes() == b"old"
+    assert sorted(os.listdir(tmp_path / "r")) == ["other.json", "out.json"]
+
+
+async def test_local_write_under_a_file_names_the_directory(tmp_path: Path) -> None:
+    """A key whose directory would have to go where a file is (`a` a file, key `a/b/c.json`): a clear
+    StorageError naming the directory, for either size of object, and nothing written."""
+    store = LocalStorage(tmp_path)
+    await store.put_bytes("a", b"a file")
+    for data in (b"small", b"x" * (2 << 20)):
+        with pytest.raises(StorageError, match=r"cannot write under .*/a/b"):
+            await store.put_bytes("a/b/c.json", data)
+    assert sorted(os.listdir(tmp_path)) == ["a"] and (tmp_path / "a").read_bytes() == b"a file"
 
 
 async def test_local_failed_write_keeps_the_previous_object(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ from offload.storage.base import (
     validate_key,
     write_stream,
 )
+from offload.storage.fsyncs import GroupSync
 
 TMP_SUFFIX = ".tmp"
 COPY_CHUNK = 1 << 20
@@ -175,9 +176,15 @@ def _small_remainder(fileobj: IO[bytes]) -> bytes | None:
     return fileobj.read() if size <= INLINE_BYTES else None
 
 
+# One fsync thread for every local store of the process (see fsyncs.py); the lambdas look the two functions up
+# at call time.
+_SYNC = GroupSync(lambda fd: _sync_and_close(fd), lambda directory: _fsync_dir(directory))
+
+
 async def _small_write(target: str, data: bytes) -> None:
-    """`_atomic_write` for a small object, with only the two waits on the disk in the thread pool: the file's
-    fsync, and the fsyncs of its directory (and of the parent of each directory made for it), in one hop each.
+    """`_atomic_write` for a small object, with only the two waits on the disk off the loop, on the group-fsync
+    thread (fsyncs.py): the file's fsync, then the fsyncs of its directory and of the parent of each directory
+    made for it.
 
     Why not all of it in the thread, as `_atomic_write` does: in the thread each of the ~7-20 system calls of
     a write gives up the GIL and must win it back from the busy event loop, so 2,000 outputs finishing at once
@@ -185,12 +192,12 @@ async def _small_write(target: str, data: bytes) -> None:
     off alike). The calls that only touch the page cache and the directory (open, write, close, rename, mkdir:
     microseconds) are made here, on the loop, instead."""
     directory = os.path.dirname(target)
-    made: list[Path] = []
+    made: list[str] = []
     try:
         try:
             fd, tmp = _temp_beside(target)
         except FileNotFoundError:
-            made = _make_dirs(Path(directory))
+            made = _make_dirs(directory)
             fd, tmp = _temp_beside(target)
     except OSError as exc:
         raise StorageError(f"cannot write under {directory}: {exc.strerror or exc}") from None
@@ -200,9 +207,7 @@ async def _small_write(target: str, data: bytes) -> None:
         except BaseException:
             os.close(fd)
             raise
-        # Shielded: cancelling this task must not cancel the pool's work item before it starts, or the file
-        # would never be closed; the thread closes it whatever happens here.
-        await asyncio.shield(asyncio.ensure_future(asyncio.to_thread(_sync_and_close, fd)))
+        await _SYNC.file(fd)  # closed by the fsync thread, even if this task is cancelled meanwhile
         os.replace(tmp, target)
     except BaseException as exc:
         with contextlib.suppress(OSError):
@@ -210,7 +215,7 @@ async def _small_write(target: str, data: bytes) -> None:
         if isinstance(exc, OSError):
             raise StorageError(f"writing {target} failed: {exc.strerror or exc}") from None
         raise
-    await asyncio.to_thread(_fsync_dirs, [directory, *(os.fspath(d.parent) for d in reversed(made))])
+    await _SYNC.dirs([directory, *(os.path.dirname(d) for d in reversed(made))])
 
 
 def _sync_and_close(fd: int) -> None:
@@ -218,11 +223,6 @@ def _sync_and_close(fd: int) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _fsync_dirs(directories: list[str]) -> None:
-    for directory in directories:  # innermost first; the outermost made one's parent existed before
-        _fsync_dir(directory)
 
 
 def _atomic_write(path: Path, write: Callable[[int], None]) -> None:
@@ -237,12 +237,12 @@ def _atomic_write(path: Path, write: Callable[[int], None]) -> None:
     the samples). The temp file is created with mode 0644 under the process umask, as any other file is."""
     target = os.fspath(path)
     directory = os.path.dirname(target)
-    made: list[Path] = []
+    made: list[str] = []
     try:
         try:
             fd, tmp = _temp_beside(target)
         except FileNotFoundError:
-            made = _make_dirs(Path(directory))
+            made = _make_dirs(directory)
             fd, tmp = _temp_beside(target)
     except OSError as exc:
         raise StorageError(f"cannot write under {directory}: {exc.strerror or exc}") from None
@@ -261,7 +261,7 @@ def _atomic_write(path: Path, write: Callable[[int], None]) -> None:
         raise
     _fsync_dir(directory)
     for made_dir in reversed(made):  # innermost first; the outermost's parent existed before
-        _fsync_dir(os.fspath(made_dir.parent))
+        _fsync_dir(os.path.dirname(made_dir))
 
 
 def _temp_beside(target: str) -> tuple[int, str]:
@@ -290,21 +290,30 @@ def _copy_into(fd: int, fileobj: IO[bytes]) -> None:
         _write_all(fd, chunk)
 
 
-def _make_dirs(directory: Path) -> list[Path]:
+def _make_dirs(directory: str) -> list[str]:
     """`directory` and its missing parents, outermost first; returns the ones this call made or found made
-    meanwhile by a concurrent writer (whose parent fsync may not have happened yet)."""
-    missing: list[Path] = []
-    while not directory.is_dir():
-        missing.append(directory)
-        if directory.parent == directory:
-            break
-        directory = directory.parent
-    made = []
-    for d in reversed(missing):
+    meanwhile by a concurrent writer (whose parent fsync may not have happened yet). Made from the inside out:
+    a `mkdir` that finds its parent missing is itself the test, so a key's new directories cost one call each
+    and one more per level that was missing, not a stat of every level first."""
+    missing: list[str] = []
+    level = directory
+    while True:
+        try:
+            os.mkdir(level)
+        except FileNotFoundError:
+            parent = os.path.dirname(level)
+            if parent == level:
+                raise
+            missing.append(level)
+            level = parent
+            continue
+        except FileExistsError:
+            pass  # a concurrent writer made it: its parent's fsync is still ours to wait for
+        break
+    for child in reversed(missing):  # outermost first
         with contextlib.suppress(FileExistsError):
-            d.mkdir()
-        made.append(d)
-    return made
+            os.mkdir(child)
+    return [level, *reversed(missing)]
 
 
 def _fsync_dir(directory: str | Path) -> None:
