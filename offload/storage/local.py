@@ -56,6 +56,7 @@ class LocalStorage:
     def __init__(self, root: str | os.PathLike[str], prefix: str = "") -> None:
         self.root = Path(root).expanduser().resolve()
         self.prefix = prefix.strip("/")
+        self._base = os.fspath(self.root / self.prefix) if self.prefix else os.fspath(self.root)
 
     def __repr__(self) -> str:
         return f"LocalStorage({str(self.root)!r}, prefix={self.prefix!r})"
@@ -63,28 +64,32 @@ class LocalStorage:
     def _path(self, key: str) -> Path:
         return self.root / join_prefix(self.prefix, validate_key(key))
 
+    def _target(self, key: str) -> str:
+        """`_path` as a string, for the writes: a burst of outputs builds thousands of them on the event loop."""
+        return os.path.join(self._base, validate_key(key))
+
     def location(self, key: str) -> str:
-        return str(self._path(key))
+        return self._target(key)
 
     async def put_json(self, key: str, obj: Any) -> str:
         return await self.put_bytes(key, dump_json(obj), "application/json")
 
     async def put_bytes(self, key: str, data: bytes, content_type: str = "application/octet-stream") -> str:
-        path = self._path(key)
+        path = self._target(key)
         if len(data) <= INLINE_BYTES:
-            await _small_write(os.fspath(path), data)
+            await _small_write(path, data)
         else:
             await asyncio.to_thread(_atomic_write, path, lambda fd: _write_all(fd, data))
-        return str(path)
+        return path
 
     async def put_fileobj(self, key: str, fileobj: IO[bytes], content_type: str = "application/octet-stream") -> str:
-        path = self._path(key)
+        path = self._target(key)
         small = _small_remainder(fileobj)
         if small is not None:
-            await _small_write(os.fspath(path), small)
+            await _small_write(path, small)
         else:
             await asyncio.to_thread(_atomic_write, path, lambda fd: _copy_into(fd, fileobj))
-        return str(path)
+        return path
 
     async def get_bytes(self, key: str) -> bytes:
         path = self._path(key)
@@ -225,7 +230,7 @@ def _sync_and_close(fd: int) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: Path, write: Callable[[int], None]) -> None:
+def _atomic_write(path: str, write: Callable[[int], None]) -> None:
     """Write via a temp file in the same directory (same file system, so the rename is atomic), then replace.
     Directories are made only when the temp file cannot be created (one syscall less per write into an existing
     one), and each one made here is fsynced into its parent too: a file in a directory whose own entry is lost
