@@ -197,15 +197,7 @@ async def _small_write(target: str, data: bytes) -> None:
     off alike). The calls that only touch the page cache and the directory (open, write, close, rename, mkdir:
     microseconds) are made here, on the loop, instead."""
     directory = os.path.dirname(target)
-    made: list[str] = []
-    try:
-        try:
-            fd, tmp = _temp_beside(target)
-        except FileNotFoundError:
-            made = _make_dirs(directory)
-            fd, tmp = _temp_beside(target)
-    except OSError as exc:
-        raise StorageError(f"cannot write under {directory}: {exc.strerror or exc}") from None
+    fd, tmp, made = _open_temp(target, directory)
     try:
         try:
             _write_all(fd, data)
@@ -242,15 +234,7 @@ def _atomic_write(path: str, write: Callable[[int], None]) -> None:
     the samples). The temp file is created with mode 0644 under the process umask, as any other file is."""
     target = os.fspath(path)
     directory = os.path.dirname(target)
-    made: list[str] = []
-    try:
-        try:
-            fd, tmp = _temp_beside(target)
-        except FileNotFoundError:
-            made = _make_dirs(directory)
-            fd, tmp = _temp_beside(target)
-    except OSError as exc:
-        raise StorageError(f"cannot write under {directory}: {exc.strerror or exc}") from None
+    fd, tmp, made = _open_temp(target, directory)
     try:
         try:
             write(fd)
@@ -267,6 +251,22 @@ def _atomic_write(path: str, write: Callable[[int], None]) -> None:
     _fsync_dir(directory)
     for made_dir in reversed(made):  # innermost first; the outermost's parent existed before
         _fsync_dir(os.path.dirname(made_dir))
+
+
+def _open_temp(target: str, directory: str) -> tuple[int, str, list[str]]:
+    """A temp file beside `target`, its directories made when missing: (fd, temp path, directories made, outermost
+    first). Directories are made only when the temp file cannot be created (one syscall less per write into an
+    existing one)."""
+    made: list[str] = []
+    try:
+        try:
+            fd, tmp = _temp_beside(target)
+        except FileNotFoundError:
+            made = _make_dirs(directory)
+            fd, tmp = _temp_beside(target)
+    except OSError as exc:
+        raise StorageError(f"cannot write under {directory}: {exc.strerror or exc}") from None
+    return fd, tmp, made
 
 
 def _temp_beside(target: str) -> tuple[int, str]:
