@@ -96,3 +96,38 @@ def test_metrics_counters_are_shared_and_correct(valkey: ValkeyServer) -> None:
     # the second server instance reads the same numbers from Redis (scraped again while they differ, for a few
     # seconds: a state gauge may move between two scrapes when either server's maintenance runs in between)
     assert _shared(one, q) == _shared(two, q)
+
+
+async def test_noted_outcomes_are_written_once_per_interval_and_none_is_lost(valkey: ValkeyServer) -> None:
+    """A worker notes an outcome per job; under a steady stream of notes (some arriving during every write's
+    round trip) the counters go out once per NOTE_EVERY_S, not back to back, and after `flush` Redis holds
+    every one of them."""
+    from offload.queue.keys import backend_counts
+    from offload.worker import limits as limits_module
+
+    redis = await connect(valkey.url)
+    backend = new_queue("notes")
+    limits = BackendLimits(redis, backend, None)
+    writes = 0
+    send = limits._send
+
+    async def counted(counts: Any) -> None:
+        nonlocal writes
+        writes += 1
+        await send(counts)
+
+    limits._send = counted  # type: ignore[method-assign]  # the real write, counted
+    try:
+        noted, t0 = 0, time.monotonic()
+        while time.monotonic() - t0 < 0.5:
+            limits.note("submitted")
+            noted += 1
+            await asyncio.sleep(0)
+        elapsed = time.monotonic() - t0
+        await limits.flush()
+        assert noted > 1000  # many notes per write's round trip: the case that wrote back to back
+        assert 1 <= writes <= elapsed / limits_module.NOTE_EVERY_S + 2, (writes, noted)
+        assert int(await redis.hget(backend_counts(backend), "submitted") or 0) == noted
+    finally:
+        await redis.delete(backend_counts(backend))
+        await redis.aclose()

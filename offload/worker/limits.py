@@ -101,8 +101,14 @@ class BackendLimits:
             self._noting = asyncio.get_running_loop().create_task(self._send_noted())
 
     async def _send_noted(self) -> None:
-        await asyncio.sleep(NOTE_EVERY_S)  # everything noted meanwhile goes in one call
-        while self._noted:
+        """One write per NOTE_EVERY_S while outcomes keep being noted, then the task ends. The wait comes
+        before every write, not only the first: a worker noting thousands of outcomes a second finds some
+        noted during each write's round trip, and went on writing back to back (~1,500 writes a second at
+        ~20,000 no-op jobs a second, 4 % of its CPU, bench/worker_throughput.py)."""
+        while True:
+            await asyncio.sleep(NOTE_EVERY_S)  # everything noted meanwhile goes in one call
+            if not self._noted:
+                return
             noted, self._noted = self._noted, Counter()
             with contextlib.suppress(Exception):  # like `count`: a failure to count never fails a job
                 await self._send(noted)
