@@ -90,7 +90,7 @@ class JobPath(HookPath):
 
     async def _fresh_lease(self, job: ClaimedJob) -> None: ...
 
-    async def _enter_remote(self, job: ClaimedJob, task: asyncio.Task[None]) -> None: ...
+    async def _enter_remote(self, job: ClaimedJob) -> None: ...
 
     def _leave_remote(self, job: ClaimedJob) -> None: ...
 
@@ -129,9 +129,7 @@ class JobPath(HookPath):
             # One of the `concurrency` slots while the job is at the provider: taken at its first remote step (a
             # fresh submission takes it after its begin script, see _submit), given back when the remote work
             # ends; the store writes after it (output, ack) run outside the slot.
-            me = asyncio.current_task()
-            assert me is not None
-            slot = Slot(self, job, me)
+            slot = Slot(self, job)
             try:
                 if remote_id is None and job.intent_open and self._hooks() and self.options.hook_grace_s > 0:
                     await slot.take()
