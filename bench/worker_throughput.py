@@ -1,4 +1,4 @@
-"""The dispatch worker against the lean QueueStore loop, in one run on one Valkey with offload's shipped persistence.
+"""The dispatch worker against the lean QueueStore loop, in one run, on Valkey's shipped persistence and on offload's.
 
     python bench/worker_throughput.py [--quick] [--jobs 100000] [--io-jobs 20000] [--concurrency 100] [--reps 3]
 
@@ -18,11 +18,16 @@ Three workloads, each on a queue filled up front and drained by one worker proce
 Every workload runs on the event loop `offload worker` ships with (offload/eventloop.py: uvloop where installed;
 OFFLOAD_EVENT_LOOP=asyncio for asyncio's own).
 
-Valkey runs as `offload.embedded` ships it (AOF, `appendfsync everysec`, no RDB snapshots). The repetitions
-interleave the workloads (lean, worker, io50, lean, ...) so that a noisy neighbour hurts all of them alike;
-each figure is the median over the repetitions. The last line printed is JSON:
-{"worker_noop_per_s", "lean_noop_per_s", "worker_io50_per_s", "io50_bound_per_s", "noop_ratio", "io50_ratio",
-"loop_io50_per_s", "io50_loop_ratio"} (the last two: the event loop's own ceiling, and the worker against it).
+Two private Valkeys run side by side, on offload.embedded's allocator. The headline figures are taken on one
+with Valkey's shipped persistence (RDB snapshots, no AOF: as bench/queue_throughput.py's headline and the peers
+in bench/peers are measured). The two no-op workloads run again on one started as `offload.embedded` ships it
+(AOF, `appendfsync everysec`, no RDB snapshots), which logs every write a script makes: `lean_noop_aof` and
+`worker_noop_aof`. The repetitions interleave the workloads (lean, worker, io50, loop, lean on AOF, worker on
+AOF, lean, ...) so that a noisy neighbour hurts all of them alike; each figure is the median over the
+repetitions. The last line printed is JSON: {"worker_noop_per_s", "lean_noop_per_s", "worker_io50_per_s",
+"io50_bound_per_s", "noop_ratio", "io50_ratio", "loop_io50_per_s", "io50_loop_ratio", "worker_noop_aof_per_s",
+"lean_noop_aof_per_s", "noop_aof_ratio"} (`loop_*`: the event loop's own ceiling, and the worker against it;
+`*_aof`: on the AOF server, null with --url, where only the given server is measured).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from typing import Any
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from queue_throughput import start_valkey  # AOF everysec, no RDB snapshots, its allocator: as offload.embedded
+from queue_throughput import start_valkey  # offload.embedded's allocator; AOF everysec or Valkey's shipped
 
 from offload import eventloop
 from offload.backends.base import RemoteResult, Submission
@@ -58,6 +63,7 @@ from offload.worker.limits import BackendLimits
 
 QUEUE = "wbench"
 WORKLOADS = ("lean_noop", "worker_noop", "worker_io50", "loop_io50")
+AOF_WORKLOADS = ("lean_noop_aof", "worker_noop_aof")  # the no-op pair again, on the AOF server
 IO_SLEEP_S = 0.05
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -279,11 +285,12 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=100, help="jobs in flight, every workload")
     parser.add_argument("--reps", type=int, default=None, help="repetitions (3; quick 1); medians are reported")
     parser.add_argument("--url", default=None, help="an existing server (its current database is FLUSHED)")
-    parser.add_argument("--child", choices=WORKLOADS, help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=WORKLOADS + AOF_WORKLOADS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     jobs = args.jobs if args.jobs is not None else 3_000 if args.quick else 100_000
     if args.child:
-        eventloop.run(child(args.child, args.url, jobs, args.concurrency))  # the loop `offload worker` runs on
+        workload = args.child.removesuffix("_aof")  # the same workload; only the server differs
+        eventloop.run(child(workload, args.url, jobs, args.concurrency))  # the loop `offload worker` runs on
         return
     io_jobs = args.io_jobs if args.io_jobs is not None else 1_000 if args.quick else 20_000
     reps = args.reps if args.reps is not None else 1 if args.quick else 3
@@ -292,28 +299,45 @@ def main() -> None:
     bound = args.concurrency / IO_SLEEP_S
     timeout = 60 + max(jobs / 2_000, io_jobs / bound * 3)
     workdir = tempfile.mkdtemp(prefix="offload-wbench-")
-    proc, url = (None, args.url) if args.url else start_valkey(workdir)
-    rates: dict[str, list[float]] = {w: [] for w in WORKLOADS}
+    procs: list[subprocess.Popen[bytes]] = []
+    urls: dict[str, str] = {}  # "shipped" (Valkey's own persistence) and "aof" (offload.embedded's)
+    if args.url:
+        urls["shipped"] = args.url
+    else:
+        for name, aof in (("shipped", False), ("aof", True)):
+            Path(workdir, name).mkdir()
+            proc, urls[name] = start_valkey(str(Path(workdir, name)), aof=aof)
+            procs.append(proc)
+    order = WORKLOADS + (AOF_WORKLOADS if "aof" in urls else ())
+    rates: dict[str, list[float]] = {w: [] for w in order}
     try:
-        if proc is not None:
+        for url in urls.values():
             _wait_ready(url)
         for rep in range(reps):
-            for workload in WORKLOADS:
+            for workload in order:
                 n = io_jobs if workload.endswith("io50") else jobs
+                url = urls["aof" if workload in AOF_WORKLOADS else "shipped"]
                 rates[workload].append(measure(workload, url, n, args.concurrency, timeout))
-                print(f"rep {rep + 1}/{reps}  {workload:<12} {rates[workload][-1]:>10,.0f} jobs/s", flush=True)
+                print(f"rep {rep + 1}/{reps}  {workload:<16} {rates[workload][-1]:>10,.0f} jobs/s", flush=True)
     finally:
-        if proc is not None:
+        for proc in procs:
             proc.terminate()
             proc.wait()
         shutil.rmtree(workdir, ignore_errors=True)
     lean, worker, io50, loop = (statistics.median(rates[w]) for w in WORKLOADS)
+    lean_aof, worker_aof = (statistics.median(rates[w]) if rates.get(w) else None for w in AOF_WORKLOADS)
     print(f"jobs={jobs} io_jobs={io_jobs} concurrency={args.concurrency} reps={reps} (medians)")
+    print("on Valkey's shipped persistence (RDB snapshots):")
     print(f"lean QueueStore loop, no-op   {lean:>10,.0f} jobs/s")
     print(f"dispatch worker, no-op        {worker:>10,.0f} jobs/s ({worker / lean:.0%} of the lean loop)")
     print(f"dispatch worker, 50 ms jobs   {io50:>10,.0f} jobs/s ({io50 / bound:.0%} of the bound {bound:,.0f}/s)")
     print(f"asyncio sleeps alone, 50 ms   {loop:>10,.0f} /s     ({loop / bound:.0%} of the bound)")
     print(f"  the worker's 50 ms jobs against the event loop's own ceiling: {io50 / loop:.1%}")
+    if lean_aof is not None and worker_aof is not None:
+        print("on offload.embedded's persistence (AOF appendfsync everysec):")
+        print(f"lean QueueStore loop, no-op   {lean_aof:>10,.0f} jobs/s")
+        share = worker_aof / lean_aof
+        print(f"dispatch worker, no-op        {worker_aof:>10,.0f} jobs/s ({share:.0%} of the lean loop)")
     print(
         json.dumps(
             {
@@ -325,6 +349,9 @@ def main() -> None:
                 "io50_ratio": round(io50 / bound, 3),
                 "loop_io50_per_s": round(loop),
                 "io50_loop_ratio": round(io50 / loop, 3),
+                "worker_noop_aof_per_s": round(worker_aof) if worker_aof is not None else None,
+                "lean_noop_aof_per_s": round(lean_aof) if lean_aof is not None else None,
+                "noop_aof_ratio": round(worker_aof / lean_aof, 3) if worker_aof and lean_aof else None,
             }
         )
     )

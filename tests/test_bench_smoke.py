@@ -61,8 +61,13 @@ def test_worker_throughput_bench() -> None:
         "io50_ratio",
         "loop_io50_per_s",
         "io50_loop_ratio",
+        "worker_noop_aof_per_s",
+        "lean_noop_aof_per_s",
+        "noop_aof_ratio",
     }
     assert doc["io50_bound_per_s"] == 2000, doc  # 100 in flight / 0.05 s
+    # the no-op pair ran again on the AOF server (no --url given): every figure is a rate, none missing
+    assert doc["worker_noop_aof_per_s"] > 0 and doc["lean_noop_aof_per_s"] > 0 and doc["noop_aof_ratio"] > 0, doc
     # Each rate is jobs completed over time, and the bench exits non-zero unless every job was acknowledged.
     assert doc["worker_noop_per_s"] > 0 and doc["lean_noop_per_s"] > 0 and doc["worker_io50_per_s"] > 0, doc
     assert doc["noop_ratio"] > 0 and doc["io50_ratio"] > 0, doc
