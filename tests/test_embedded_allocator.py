@@ -19,6 +19,7 @@ from offload import Client
 from offload.embedded import (
     ALLOCATOR_VAR,
     _jemalloc,
+    allocator,
     data_dir,
     ensure_embedded,
     server_argv,
@@ -50,6 +51,30 @@ def test_this_machine_has_jemalloc() -> None:
     """What the rest assumes: `make test` put libjemalloc2 here, and the loader finds it by name."""
     lib = _jemalloc()
     assert lib is not None and lib.startswith("libjemalloc.so")
+    assert allocator({}) == "jemalloc" and allocator({ALLOCATOR_VAR: "libc"}) == "libc"
+
+
+@pytest.mark.usefixtures("no_jemalloc")
+def test_without_jemalloc_the_embedded_valkey_says_it_runs_on_glibc(
+    tmp_home: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A machine without libjemalloc2 gets glibc's malloc by default, and is told so once per start, with the
+    package to install; asking for libc explicitly starts it without the notice."""
+    monkeypatch.delenv(ALLOCATOR_VAR, raising=False)
+    try:
+        with caplog.at_level("WARNING", logger="offload.embedded"):
+            ensure_embedded()
+        assert "libjemalloc" not in _maps(_pid(tmp_home))
+        notices = [r.getMessage() for r in caplog.records if r.name == "offload.embedded"]
+        assert len(notices) == 1 and "glibc" in notices[0] and "libjemalloc2" in notices[0], notices
+        assert stop_embedded()
+        caplog.clear()
+        monkeypatch.setenv(ALLOCATOR_VAR, "libc")
+        with caplog.at_level("WARNING", logger="offload.embedded"):
+            ensure_embedded()
+        assert not [r for r in caplog.records if r.name == "offload.embedded"]
+    finally:
+        stop_embedded()
 
 
 def test_jemalloc_is_preloaded_and_other_preloads_are_kept() -> None:
@@ -71,7 +96,7 @@ def test_a_bad_allocator_names_the_variable() -> None:
 
 @pytest.mark.usefixtures("no_jemalloc")
 def test_without_jemalloc_the_default_runs_glibc_and_asking_for_it_is_an_error() -> None:
-    assert "LD_PRELOAD" not in server_env({})
+    assert "LD_PRELOAD" not in server_env({}) and allocator({}) == "libc"
     with pytest.raises(ConfigError, match=rf"{ALLOCATOR_VAR}: jemalloc was asked for and is not on this machine"):
         server_env({ALLOCATOR_VAR: "jemalloc"})
 

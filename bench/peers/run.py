@@ -32,6 +32,7 @@ if __package__ in (None, ""):  # run as a file: make `bench.peers` importable
 
 from bench.peers import harness, report
 from bench.peers.systems import ALL, BY_NAME, OFFLOAD_WEBHOOKS, ROOT, System, ensure_venv, installed_versions
+from offload.embedded import allocator
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -127,6 +128,7 @@ def machine(valkey: str) -> dict[str, Any]:
         "os": f"{platform.system()} {platform.release()}",
         "python": platform.python_version(),
         "valkey": valkey,
+        "valkey_allocator": allocator(),  # what offload.embedded.server_env preloads (glibc's without jemalloc)
         "load_before": " ".join(f"{x:.2f}" for x in os.getloadavg()),
     }
 
