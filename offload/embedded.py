@@ -140,7 +140,7 @@ def ensure_embedded(root: str | os.PathLike[str] | None = None, appendfsync: str
         if url := running_url(root):
             return url
         port = _free_port()
-        if allocator() == "libc" and not os.environ.get(ALLOCATOR_VAR):
+        if allocator() == "libc" and not os.environ.get(ALLOCATOR_VAR, "").strip():
             # said once per start, not silently: the default asked for jemalloc and the machine has none
             _log.warning(
                 "the embedded Valkey runs on glibc's malloc: jemalloc is not on this machine (install "

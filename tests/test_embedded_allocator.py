@@ -59,16 +59,21 @@ def test_without_jemalloc_the_embedded_valkey_says_it_runs_on_glibc(
     tmp_home: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A machine without libjemalloc2 gets glibc's malloc by default, and is told so once per start, with the
-    package to install; asking for libc explicitly starts it without the notice."""
-    monkeypatch.delenv(ALLOCATOR_VAR, raising=False)
+    package to install (the variable unset, or blank, which server_env reads as unset); asking for libc
+    explicitly starts it without the notice."""
     try:
-        with caplog.at_level("WARNING", logger="offload.embedded"):
-            ensure_embedded()
-        assert "libjemalloc" not in _maps(_pid(tmp_home))
-        notices = [r.getMessage() for r in caplog.records if r.name == "offload.embedded"]
-        assert len(notices) == 1 and "glibc" in notices[0] and "libjemalloc2" in notices[0], notices
-        assert stop_embedded()
-        caplog.clear()
+        for asked in (None, " "):
+            if asked is None:
+                monkeypatch.delenv(ALLOCATOR_VAR, raising=False)
+            else:
+                monkeypatch.setenv(ALLOCATOR_VAR, asked)
+            with caplog.at_level("WARNING", logger="offload.embedded"):
+                ensure_embedded()
+            assert "libjemalloc" not in _maps(_pid(tmp_home))
+            notices = [r.getMessage() for r in caplog.records if r.name == "offload.embedded"]
+            assert len(notices) == 1 and "glibc" in notices[0] and "libjemalloc2" in notices[0], (asked, notices)
+            assert stop_embedded()
+            caplog.clear()
         monkeypatch.setenv(ALLOCATOR_VAR, "libc")
         with caplog.at_level("WARNING", logger="offload.embedded"):
             ensure_embedded()
