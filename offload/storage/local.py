@@ -1,12 +1,14 @@
 """A directory on local disk as object storage: the zero-setup default for development and the demo.
 
-Every write goes to a temporary file in the target's directory, is fsynced, and is then renamed over the target
-with `os.replace` (atomic on POSIX), and the directory is fsynced so the rename itself survives a power cut (as
-is the parent of each directory the write had to make). A crash at any point leaves either the previous object
-or the new one, never half a result; at worst a stray `.<name>.<random>.tmp` file remains beside it, which
-readers never see because they only open exact key paths.
+Every write goes to a temporary file in the target's directory, is made durable, and is then renamed over the
+target with `os.replace` (atomic on POSIX), and the directory is made durable so the rename itself survives a
+power cut (as is the parent of each directory the write had to make). A crash at any point leaves either the
+previous object or the new one, never half a result; at worst a stray `.<name>.<random>.tmp` file remains beside
+it, which readers never see because they only open exact key paths.
 
-File IO blocks, so it runs in asyncio's default thread pool, which is already bounded (min(32, CPUs + 4)).
+File IO blocks, so it never runs on the event loop: objects up to `INLINE_BYTES` are written by the group-commit
+lanes (fsyncs.py, `_commit`: a burst's writes made durable together), larger ones in asyncio's default thread
+pool, which is already bounded (min(32, CPUs + 4)).
 Content types are not kept: a file system has nowhere standard to put them, and nothing reads them back locally.
 """
 
@@ -14,10 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import errno
 import itertools
 import os
 import secrets
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -31,11 +35,11 @@ from offload.storage.base import (
     validate_key,
     write_stream,
 )
-from offload.storage.fsyncs import GroupSync
+from offload.storage.fsyncs import GroupCommit, Pending
 
 TMP_SUFFIX = ".tmp"
 COPY_CHUNK = 1 << 20
-INLINE_BYTES = 1 << 20  # objects up to this size are written from the event loop (see _small_write)
+INLINE_BYTES = 1 << 20  # objects up to this size are written by the group-commit lanes (see _small_write)
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
 _TOKEN = secrets.token_hex(6)  # this process's temp-file names (see _temp_beside)
 _SERIAL = itertools.count()
@@ -181,38 +185,121 @@ def _small_remainder(fileobj: IO[bytes]) -> bytes | None:
     return fileobj.read() if size <= INLINE_BYTES else None
 
 
-# One fsync thread for every local store of the process (see fsyncs.py); the lambdas look the two functions up
+# The group-commit lanes every local store of the process shares (see fsyncs.py); the lambda looks `_commit` up
 # at call time.
-_SYNC = GroupSync(lambda fd: _sync_and_close(fd), lambda directory: _fsync_dir(directory))
+_GROUP = GroupCommit(lambda batch: _commit(batch))
+GROUP_MIN = 8  # a batch of at least this many writes is made durable with syncfs(2), two calls in all
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_SYNCFS: Callable[[int], int] | None = getattr(_LIBC, "syncfs", None)
+
+
+def _syncfs_reports_errors(release: str) -> bool:
+    """syncfs(2) reports writeback errors since Linux 5.8; before, it returned 0 whatever was lost."""
+    try:
+        major, minor = (int(part) for part in release.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (5, 8)
+
+
+if sys.platform != "linux" or not _syncfs_reports_errors(os.uname().release):
+    _SYNCFS = None
 
 
 async def _small_write(target: str, data: bytes) -> None:
-    """`_atomic_write` for a small object, with only the two waits on the disk off the loop, on the group-fsync
-    thread (fsyncs.py): the file's fsync, then the fsyncs of its directory and of the parent of each directory
-    made for it.
+    """`_atomic_write` for a small object, done by a group-commit lane (fsyncs.py) together with every other
+    small write in flight: the event loop only hands the bytes over and waits."""
+    await _GROUP.write(target, data)
 
-    Why not all of it in the thread, as `_atomic_write` does: in the thread each of the ~7-20 system calls of
-    a write gives up the GIL and must win it back from the busy event loop, so 2,000 outputs finishing at once
-    queued for seconds in the pool (measured: 1.1 s from the fence to the stored JSON, median, with fsync on or
-    off alike). The calls that only touch the page cache and the directory (open, write, close, rename, mkdir:
-    microseconds) are made here, on the loop, instead."""
-    directory = os.path.dirname(target)
-    fd, tmp, made = _open_temp(target, directory)
-    try:
+
+def _commit(batch: list[Pending]) -> None:
+    """Write a batch of small objects atomically and durably: each to a temp file, then made durable, then
+    renamed over its target, then the renames and any directories made durable. A large batch (`GROUP_MIN`) is
+    made durable with one syncfs(2) per step and file system (the whole file system's dirty data and journal
+    in one call: ~4x less kernel CPU than fsyncing each file and directory, measured in a 2,000-write burst);
+    a small one, or where syncfs cannot report a lost write, fsyncs each file, then each directory once. A
+    failure fails the writes it concerns, never the whole batch, and removes their temp files."""
+    grouped = _SYNCFS is not None and len(batch) >= GROUP_MIN
+    per_file = not grouped
+    for p in batch:
         try:
-            _write_all(fd, data)
-        except BaseException:
-            os.close(fd)
-            raise
-        await _SYNC.file(fd)  # closed by the fsync thread, even if this task is cancelled meanwhile
-        os.replace(tmp, target)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(exc, OSError):
-            raise StorageError(f"writing {target} failed: {exc.strerror or exc}") from None
-        raise
-    await _SYNC.dirs([directory, *(os.path.dirname(d) for d in reversed(made))])
+            fd, p.tmp, p.made = _open_temp(p.target, os.path.dirname(p.target))
+        except StorageError as exc:
+            p.error = exc
+            continue
+        try:
+            try:
+                _write_all(fd, p.data)
+            except BaseException:
+                os.close(fd)
+                raise
+            if per_file:
+                _sync_and_close(fd)  # closes it, also when the fsync fails
+            else:
+                os.close(fd)
+        except OSError as exc:
+            _failed(p, exc)
+    staged = [p for p in batch if p.error is None]
+    if grouped:
+        _sync_groups(staged)
+    for p in staged:
+        if p.error is not None:
+            continue
+        if p.abandoned:  # the caller gave up before the rename: the previous object stays
+            _failed(p, None)
+            continue
+        try:
+            os.replace(p.tmp, p.target)
+        except OSError as exc:
+            _failed(p, exc)
+    renamed = [p for p in staged if p.error is None]
+    if grouped:
+        _sync_groups(renamed)
+        return
+    synced: set[str] = set()
+    for p in renamed:  # every rename of the batch has happened: each directory once
+        for directory in (os.path.dirname(p.target), *(os.path.dirname(d) for d in reversed(p.made))):
+            if directory not in synced:
+                synced.add(directory)
+                _fsync_dir(directory)
+
+
+def _sync_groups(batch: list[Pending]) -> None:
+    """One `_syncfs` per file system the batch's writes are on; a failure fails that file system's writes."""
+    by_device: dict[int, list[Pending]] = {}
+    for p in batch:
+        try:
+            by_device.setdefault(os.stat(os.path.dirname(p.target)).st_dev, []).append(p)
+        except OSError as exc:
+            _failed(p, exc)
+    for writes in by_device.values():
+        try:
+            fd = os.open(os.path.dirname(writes[0].target), os.O_RDONLY)
+            try:
+                _syncfs(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            for p in writes:
+                _failed(p, exc)
+
+
+def _syncfs(fd: int) -> None:
+    """syncfs(2) on the file system holding `fd` (only called where `_SYNCFS` is set)."""
+    assert _SYNCFS is not None
+    if _SYNCFS(fd) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def _failed(p: Pending, exc: OSError | None) -> None:
+    """Fail one write of a batch (`exc` None: its caller gave up) and remove its temp file, if it is still there."""
+    with contextlib.suppress(OSError):
+        os.unlink(p.tmp)
+    if exc is not None:
+        p.error = StorageError(f"writing {p.target} failed: {exc.strerror or exc}")
+    else:
+        p.error = asyncio.CancelledError()
 
 
 def _sync_and_close(fd: int) -> None:
