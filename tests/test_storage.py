@@ -10,9 +10,11 @@ import gzip
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -400,6 +402,32 @@ async def test_local_burst_is_made_durable_with_one_syncfs_per_batch(
     assert calls, "a burst of 200 writes took no grouped sync"
     assert len(calls) + len(per_file) < 200, (len(calls), len(per_file))
     assert not [n for n in os.listdir(tmp_path / "results" / "j0" / "files" / "1") if n.endswith(".tmp")]
+
+
+async def test_local_burst_across_two_file_systems_syncs_each(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two local stores on different file systems (a directory and /dev/shm) written in one burst: syncfs(2)
+    flushes one file system only, so a batch holding writes of both syncs each, and every object is there."""
+    from offload.storage import local
+
+    shm = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        assert os.stat(shm).st_dev != os.stat(tmp_path).st_dev
+        monkeypatch.setattr(local, "GROUP_MIN", 1)
+        devices: set[int] = set()
+        real = local._syncfs
+
+        def recorded(fd: int) -> None:
+            devices.add(os.fstat(fd).st_dev)
+            real(fd)
+
+        monkeypatch.setattr(local, "_syncfs", recorded)
+        disk, memory = LocalStorage(tmp_path), LocalStorage(shm)
+        writes = [store.put_bytes(f"r/{i}.json", b"%d" % i) for i in range(40) for store in (disk, memory)]
+        await asyncio.gather(*writes)
+        assert devices == {os.stat(tmp_path).st_dev, os.stat(shm).st_dev}
+        assert all((root / "r" / f"{i}.json").read_bytes() == b"%d" % i for i in range(40) for root in (tmp_path, shm))
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 async def test_local_failed_syncfs_fails_its_writes_and_keeps_the_previous_objects(
