@@ -30,13 +30,13 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-import aiohttp
 import orjson
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from pydantic import BaseModel, ConfigDict, Field
 from standardwebhooks import Webhook
 
+from offload.sim.sender import LeanPost, SendError
 from offload.sim.store import TERMINAL, Job
 
 Render = Callable[[float], dict[str, Any]]  # (at) -> the body as a poll at time `at` would have seen it
@@ -93,7 +93,7 @@ class HookSender:
         self._seq = itertools.count()
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
-        self._client: aiohttp.ClientSession | None = None
+        self._client: LeanPost | None = None
         self.sent: list[dict[str, Any]] = []  # the delivery log: GET /_sim/webhooks
         self._finals: dict[str, asyncio.Event] = {}  # job id -> set once its final delivery has been sent
 
@@ -183,21 +183,16 @@ class HookSender:
         self._log(d, copies=copies, reordered=reorder)
 
     async def _send(self, d: Delivery, body: bytes, message_id: str) -> None:
-        if self._client is None:  # aiohttp: httpx's own pool costs ms per request at hundreds in flight
-            self._client = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=MAX_CONNECTIONS),
-                timeout=aiohttp.ClientTimeout(total=10.0),
-                headers={"User-Agent": "offload-sim-webhooks"},
-            )
+        if self._client is None:  # not aiohttp: see sender.py
+            self._client = LeanPost(limit=MAX_CONNECTIONS, timeout_s=10.0, agent="offload-sim-webhooks")
         for attempt in range(RETRIES + 1):
             headers = {"content-type": "application/json", **self._sign(d.job, body, message_id)}
             try:
-                async with self._client.post(d.url, data=body, headers=headers) as response:
-                    await response.read()
-                    d.attempts.append(response.status)
-                    if response.status < 500:
-                        return
-            except (aiohttp.ClientError, TimeoutError):
+                status = await self._client.post(d.url, body, headers)
+                d.attempts.append(status)
+                if status < 500:
+                    return
+            except (SendError, TimeoutError):
                 d.attempts.append(0)
             if attempt < RETRIES:
                 await asyncio.sleep(RETRY_PAUSE_S)
@@ -246,4 +241,4 @@ class HookSender:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         if self._client is not None:
-            await self._client.close()
+            await self._client.aclose()
