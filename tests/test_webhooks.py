@@ -9,7 +9,7 @@ import base64
 import hashlib
 import hmac
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -33,6 +33,7 @@ from offload.backends import KINDS, create_backend
 from offload.backends.base import WebhookBackend
 from offload.config import WEBHOOK_KINDS
 from offload.models import JobState
+from offload.queue.store import QueueStore
 from offload.sim import running_sim
 
 POLL_ROUTES = {"replicate": "replicate.get", "fal": "fal.status", "runpod": "runpod.status"}
@@ -61,8 +62,18 @@ def hook_url(sim_url: str, job_id: str) -> str:
 
 @pytest.mark.parametrize("provider", ["replicate", "fal", "runpod"])
 async def test_webhook_completes_the_job_without_a_single_poll(
-    provider: str, valkey_url: str, sim_url: str, tmp_path: Path
+    provider: str, valkey_url: str, sim_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """...and without reading the kept body back: the wake-up carries it (a small body), so each job's record is
+    read once, up front, before its webhook came."""
+    reads: list[str] = []
+    real = QueueStore.hook_bodies
+
+    async def counted(self: QueueStore, items: Sequence[tuple[str, int]]) -> list[str | None]:
+        reads.extend(job_id for job_id, _ in items)
+        return await real(self, items)
+
+    monkeypatch.setattr(QueueStore, "hook_bodies", counted)
     configure_sim(sim_url, latency=0.3)
     async with world(valkey_url, sim_url, tmp_path) as w, w.worker(provider):
         ids = [await w.enqueue(provider, f"{provider}-{i}") for i in range(5)]
@@ -73,6 +84,7 @@ async def test_webhook_completes_the_job_without_a_single_poll(
     assert len(sent) == 5 and all(d["statuses"] == [200] for d in sent), sent
     for job in jobs:
         assert job.result is not None and job.attempts == 1
+    assert sorted(reads) == sorted(ids), reads
 
 
 @pytest.mark.parametrize("provider", ["replicate", "fal", "runpod"])

@@ -49,6 +49,27 @@ async def test_begin_keeps_the_hash_of_each_submissions_secret(vstore: QueueStor
     assert await vstore.hook_digests(job_id, 2) == []
 
 
+async def test_a_large_final_body_is_kept_but_not_carried_by_the_wake_up(vstore: QueueStore) -> None:
+    """A final body over 4 KiB (a prediction with long logs) wakes its worker with `<id> <n>` alone: 2,000 such
+    messages at once must not fill the subscriber's output buffer (Valkey drops a pub/sub client past 8 MiB for
+    a minute). The worker then reads the body from the record, where it is kept whole."""
+    [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1, max_attempts=5)])
+    (c,) = await vstore.claim("q", "w1", 1)
+    await vstore.begin_many("q", "", [(job_id, c.token, 0.0, hook_digest("s"))])
+    await vstore.checkpoint_many("q", [(job_id, c.token, "b", "r-1", 1)])
+    pubsub = vstore.redis.pubsub(ignore_subscribe_messages=True)
+    await pubsub.subscribe(hooks_channel("q", "w1"))
+    large = b'{"status":"succeeded","logs":"' + b"x" * 5000 + b'"}'
+    assert await vstore.hook(job_id, 1, "r-1", terminal=True, body=large) == "WAKE"
+    message = None
+    deadline = time.monotonic() + 5
+    while message is None and time.monotonic() < deadline:
+        message = await pubsub.get_message(timeout=1)
+    assert message is not None and message["data"] == f"{job_id} 1"
+    await pubsub.aclose()
+    assert await vstore.hook_body(job_id, 1) == large.decode()
+
+
 async def test_webhook_adopts_an_unrecorded_remote_id_and_wakes_the_owner(vstore: QueueStore) -> None:
     [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1, max_attempts=5)])
     (c,) = await vstore.claim("q", "w1", 1)
@@ -66,7 +87,7 @@ async def test_webhook_adopts_an_unrecorded_remote_id_and_wakes_the_owner(vstore
     deadline = time.monotonic() + 5
     while message is None and time.monotonic() < deadline:  # the first reads may be the subscribe reply
         message = await pubsub.get_message(timeout=1)
-    assert message is not None and message["data"] == f"{job_id} 1"
+    assert message is not None and message["data"] == f"{job_id} 1 {FINAL.decode()}"  # a small body rides along
     await pubsub.aclose()
     assert await vstore.hook_body(job_id, 1) == FINAL.decode()
     assert await vstore.hook_body(job_id, 2) is None

@@ -115,6 +115,7 @@ class Worker(JobPath):
         self._completes: Batcher[CompleteItem, str] = Batcher(lambda items: store.complete_many(q, items))
         self._begins: Batcher[tuple[str, str, str], str] = Batcher(self._begin_many)
         self._hooked: dict[str, asyncio.Event] = {}
+        self._heard: dict[str, tuple[int, str]] = {}  # job id -> (submission, final body) a wake-up carried
         self._hook_bodies: Batcher[tuple[str, int], str | None] = Batcher(store.hook_bodies)
         self._fences: Batcher[tuple[str, str], str] = Batcher(lambda items: store.fence_many(q, items))
         self._beats: Batcher[None, None] = Batcher(self._beat_many, concurrency=1)
@@ -226,13 +227,15 @@ class Worker(JobPath):
         most = self._prefetch.leased_max()
         return min(most - before, most + self.options.concurrency - len(self.tasks))
 
-    def _wake(self, job_id: str | None) -> None:
+    def _wake(self, job_id: str | None, submission: int, body: str | None) -> None:
         """A webhook for a job of ours was kept by the server: its task reads it now (None: every job, after a
-        lost subscription; see wakeups.py)."""
+        lost subscription; see wakeups.py), from `body` when the message carried it."""
         if job_id is None:
             for event in self._hooked.values():
                 event.set()
         elif job_id in self.tasks:
+            if body is not None and submission > 0:
+                self._heard[job_id] = (submission, body)
             self._hook_event(job_id).set()
 
     def _done(self, job: ClaimedJob) -> None:
@@ -245,6 +248,7 @@ class Worker(JobPath):
             self.settling.discard(job.id)
             self._past.discard(job.id)
             self._hooked.pop(job.id, None)
+            self._heard.pop(job.id, None)
             if not self._draining:
                 self._unsent.pop(job.id, None)
         self._room.set()

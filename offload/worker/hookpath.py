@@ -40,6 +40,7 @@ class HookPath(Endings):
     cancels: set[str]
     _hook_backend: WebhookBackend | None  # see _hooks
     _hooked: dict[str, asyncio.Event]  # jobs in flight a webhook may wake (see wakeups.py)
+    _heard: dict[str, tuple[int, str]]  # the final body a wake-up carried, by job id (see wakeups.py)
     _hook_bodies: Batcher[tuple[str, int], str | None]  # QueueStore.hook_bodies, coalesced
 
     def _hooks(self) -> WebhookBackend | None:
@@ -73,10 +74,10 @@ class HookPath(Endings):
                 await asyncio.wait_for(heard.wait(), left)
 
     async def _poll_hooked(self, job: ClaimedJob, remote_id: str, run: int) -> RemoteResult | None:
-        """With webhooks on: the result comes from the webhook the server kept, read at once when woken and
-        once up front (it may have come before this task, or before this worker claimed the job); the provider
-        is polled only every `hook_poll_interval`, so a webhook that never comes cannot strand the job, and at
-        once when the kept body lacks the result (fal's `payload_error`)."""
+        """With webhooks on: the result comes from the webhook the server kept, taken from the wake-up or read at
+        once when woken, and read once up front (it may have come before this task, or before this worker
+        claimed the job); the provider is polled only every `hook_poll_interval`, so a webhook that never comes
+        cannot strand the job, and at once when the kept body lacks the result (fal's `payload_error`)."""
         hooks = self._hooks()
         assert hooks is not None
         heard = self._hook_event(job.id)
@@ -88,7 +89,11 @@ class HookPath(Endings):
                 await self._cancel(job, remote_id)
                 return None
             heard.clear()
-            body = await self.health.call(lambda: self._hook_bodies((job.id, run)))  # batched: a burst wakes many
+            carried = self._heard.pop(job.id, None)
+            if carried is not None and carried[0] == run:
+                body: str | None = carried[1]  # the wake-up brought it: no read (wakeups.py)
+            else:
+                body = await self.health.call(lambda: self._hook_bodies((job.id, run)))  # batched: a burst wakes many
             if body is not None:
                 kept = _kept(hooks, body)
                 if kept is not None:

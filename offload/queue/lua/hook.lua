@@ -9,8 +9,10 @@
 -- handed to another worker (waiting out the grace in `_await_hook`), it is ADOPTED, counted, and that worker is
 -- told (PUBLISH). Either way an `adopted` event is written, so the fault harness knows when the id was known. A
 -- non-final body is never kept and wakes nobody else (the worker polls no sooner). A final event keeps the body
--- (`hook_n`, `hook_body`) and tells the worker holding the lease (PUBLISH on its channel) so it stores the
--- result at once; a job nobody holds is resumed by its next claim, which finds the remote id and the body.
+-- (`hook_n`, `hook_body`) and tells the worker holding the lease (PUBLISH on its channel: `<id> <n>`, followed by
+-- ` <body>` when the body is at most INLINE bytes, so that worker stores the result without reading it back; a
+-- larger one is read from the record, which keeps a burst's messages within the subscriber's output buffer); a
+-- job nobody holds is resumed by its next claim, which finds the remote id and the body.
 -- Duplicates, late and reordered deliveries (a `start` after `completed`) change nothing, as does a callback of
 -- a run already given up (its remote id let go).
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
@@ -53,7 +55,10 @@ if not terminal then return verdict end
 if tonumber(g[5] or '') == n then return 'DUP' end
 redis.call('HSET', k, 'hook_n', n, 'hook_body', body, 'hook_at', now)
 if (g[1] == 'active' or g[1] == 'submitted') and g[6] and g[6] ~= '' then
-  redis.call('PUBLISH', P .. 'hooks:' .. g[6], id .. ' ' .. n)
+  local INLINE = 4096
+  local told = id .. ' ' .. n
+  if #body <= INLINE then told = told .. ' ' .. body end
+  redis.call('PUBLISH', P .. 'hooks:' .. g[6], told)
   return 'WAKE'
 end
 return 'KEPT'
