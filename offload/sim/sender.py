@@ -21,11 +21,13 @@ import time
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
+from offload.errors import OffloadError
+
 MAX_HEAD = 64 << 10
 MAX_BODY = 1 << 20  # a receiver's answer is read to reuse the connection; nothing this large is expected
 
 
-class SendError(Exception):
+class SendError(OffloadError):
     """The request got no usable answer (refused, reset, malformed); the message says which."""
 
 
