@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 @dataclass(slots=True)
 class Pending:
     """One write handed to a lane: the commit function sets `error` for a write that failed (or leaves it None)
-    and may note its temp file and directories on the way."""
+    and may note its temp file, directories and file system on the way."""
 
     target: str
     data: bytes
@@ -37,6 +37,7 @@ class Pending:
     error: BaseException | None = None
     tmp: str = ""
     made: list[str] = field(default_factory=list)
+    device: int = 0
 
     @property
     def abandoned(self) -> bool:

@@ -220,7 +220,6 @@ def _commit(batch: list[Pending]) -> None:
     a small one, or where syncfs cannot report a lost write, fsyncs each file, then each directory once. A
     failure fails the writes it concerns, never the whole batch, and removes their temp files."""
     grouped = _SYNCFS is not None and len(batch) >= GROUP_MIN
-    per_file = not grouped
     for p in batch:
         try:
             fd, p.tmp, p.made = _open_temp(p.target, os.path.dirname(p.target))
@@ -233,10 +232,13 @@ def _commit(batch: list[Pending]) -> None:
             except BaseException:
                 os.close(fd)
                 raise
-            if per_file:
-                _sync_and_close(fd)  # closes it, also when the fsync fails
+            if grouped:
+                try:
+                    p.device = os.fstat(fd).st_dev  # the file system its batch's syncfs must cover
+                finally:
+                    os.close(fd)
             else:
-                os.close(fd)
+                _sync_and_close(fd)  # closes it, also when the fsync fails
         except OSError as exc:
             _failed(p, exc)
     staged = [p for p in batch if p.error is None]
@@ -265,13 +267,11 @@ def _commit(batch: list[Pending]) -> None:
 
 
 def _sync_groups(batch: list[Pending]) -> None:
-    """One `_syncfs` per file system the batch's writes are on; a failure fails that file system's writes."""
+    """One `_syncfs` per file system the batch's writes are on (each noted when its temp file was written); a
+    failure fails that file system's writes."""
     by_device: dict[int, list[Pending]] = {}
     for p in batch:
-        try:
-            by_device.setdefault(os.stat(os.path.dirname(p.target)).st_dev, []).append(p)
-        except OSError as exc:
-            _failed(p, exc)
+        by_device.setdefault(p.device, []).append(p)
     for writes in by_device.values():
         try:
             fd = os.open(os.path.dirname(writes[0].target), os.O_RDONLY)
