@@ -40,6 +40,7 @@ from offload.storage import (
     InvalidKey,
     LocalStorage,
     ObjectNotFound,
+    Put,
     S3StorageSettings,
     Storage,
     StorageConfigError,
@@ -824,6 +825,106 @@ async def test_store_output_on_local_storage(tmp_path: Path, file_host: str, roa
         "_offload_files": {output["img"]: str(copy)},
     }
     assert stored.location == str(tmp_path / "results" / "l.json")
+
+
+async def test_store_output_on_local_storage_writes_small_files_with_the_json_in_one_batch(
+    tmp_path: Path, file_host: str, road: Road, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small copied files wait in memory and go to the lanes together with the output JSON, as one group commit
+    with the JSON last; a file beyond the per-output room (`HOLD_BYTES`) is written on its own, before."""
+    from offload.storage import local, outputs
+
+    batches: list[list[str]] = []
+    real = local._commit
+
+    def recorded(batch: list[Any]) -> None:
+        batches.append([os.path.relpath(p.target, tmp_path) for p in batch])
+        real(batch)
+
+    monkeypatch.setattr(local, "_commit", recorded)
+    store = LocalStorage(tmp_path)
+    output = {"txt": f"{file_host}/files/report.txt", "img": f"{file_host}/files/image"}
+    async with road() as (http, plain):
+        await store_output(store, "results/a.json", output, http, plain=plain)
+        assert batches == [["results/a/files/0-report.txt", "results/a/files/1-image.png", "results/a.json"]]
+        batches.clear()
+        monkeypatch.setattr(outputs, "HOLD_BYTES", len(b"report body\n"))  # room for the text file only
+        await store_output(store, "results/b.json", output, http, plain=plain)
+    assert batches == [["results/b/files/1-image.png"], ["results/b/files/0-report.txt", "results/b.json"]]
+    stored = json.loads((tmp_path / "results" / "b.json").read_bytes())
+    assert (tmp_path / "results" / "b" / "files" / "0-report.txt").read_bytes() == b"report body\n"
+    assert stored["img"] == str(tmp_path / "results" / "b" / "files" / "1-image.png")
+    assert (tmp_path / "results" / "b" / "files" / "1-image.png").read_bytes() == PNG + b"pixels"
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["syncfs", "fsync-each"])
+async def test_local_put_all_writes_nothing_after_a_failed_object(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, grouped: bool
+) -> None:
+    """`put_all` of a file and the output JSON that links it: when the file cannot be written (a plain file
+    where its directory should be), the JSON is not replaced either, the error names the file, and no temp file
+    is left; a later object of another caller in the same batch is not held back by it."""
+    from offload.storage import local
+
+    monkeypatch.setattr(local, "GROUP_MIN", 1 if grouped else 10**9)
+    store = LocalStorage(tmp_path)
+    await store.put_bytes("results/x.json", b"old")
+    (tmp_path / "blocked").write_bytes(b"a file, not a directory")
+    group = store.put_all([Put("blocked/0-out.png", b"png"), Put("results/x.json", b"new")])
+    results = await asyncio.gather(group, store.put_bytes("results/y.json", b"other"), return_exceptions=True)
+    assert isinstance(results[0], StorageError) and "blocked" in str(results[0]), results[0]
+    assert results[1] == str(tmp_path / "results" / "y.json")
+    assert (tmp_path / "results" / "x.json").read_bytes() == b"old"
+    assert (tmp_path / "results" / "y.json").read_bytes() == b"other"
+    assert sorted(os.listdir(tmp_path / "results")) == ["x.json", "y.json"]
+    ok = await store.put_all([Put("results/x/files/0-a.png", b"a"), Put("results/x.json", b"new")])
+    assert ok == [str(tmp_path / "results" / "x" / "files" / "0-a.png"), str(tmp_path / "results" / "x.json")]
+    assert (tmp_path / "results" / "x.json").read_bytes() == b"new"
+
+
+async def test_local_put_all_cancelled_in_its_sync_keeps_every_previous_object(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job's files and JSON given up while their lane is held in its sync (a worker stopping): neither the
+    files nor the JSON replace the previous ones, and no temp file is left."""
+    from offload.storage import local
+
+    monkeypatch.setattr(local, "GROUP_MIN", 1)
+    store = LocalStorage(tmp_path)
+    await store.put_all([Put("r/f/0-a.png", b"old a"), Put("r.json", b"old")])
+    entered, release = threading.Event(), threading.Event()
+    real = local._syncfs
+
+    def held(fd: int) -> None:
+        entered.set()
+        release.wait(10)
+        real(fd)
+
+    monkeypatch.setattr(local, "_syncfs", held)
+    task = asyncio.create_task(store.put_all([Put("r/f/0-a.png", b"new a"), Put("r.json", b"new")]))
+    assert await asyncio.to_thread(entered.wait, 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    release.set()
+    assert await asyncio.to_thread(_listing_becomes, tmp_path / "r" / "f", ["0-a.png"])
+    assert (tmp_path / "r" / "f" / "0-a.png").read_bytes() == b"old a"
+    assert (tmp_path / "r.json").read_bytes() == b"old"
+    assert sorted(os.listdir(tmp_path)) == ["r", "r.json"]
+
+
+async def test_s3_put_all_never_sends_the_last_after_a_failure(storage: S3Storage, bucket: str) -> None:
+    """On S3 the others go at once, then the last: when one of the others fails, the last is not sent."""
+    await storage.put_bytes("results/s.json", b"old")
+    with pytest.raises(InvalidKey):
+        await storage.put_all(
+            [Put("results/s/files/0-a.png", b"a"), Put("x" * 2000, b"b"), Put("results/s.json", b"new")]
+        )
+    assert await storage.get_bytes("results/s.json") == b"old"
+    done = await storage.put_all([Put("results/s/files/0-a.png", b"a", "image/png"), Put("results/s.json", b"new")])
+    assert done == [f"s3://{bucket}/results/s/files/0-a.png", f"s3://{bucket}/results/s.json"]
+    assert await storage.get_bytes("results/s.json") == b"new"
+    assert await storage.get_bytes("results/s/files/0-a.png") == b"a"
 
 
 async def test_store_output_sends_the_url_as_given_and_asks_for_the_file_unencoded(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
@@ -61,6 +61,15 @@ class ObjectNotFound(ObjectStoreError, KeyError):
 class InvalidKey(ObjectStoreError, ValueError):
     """A key that is unsafe as a path (`..`, absolute, NUL) or too long; rejected by every backend alike so a
     key that works on S3 in production also works on the local backend in development, and vice versa."""
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    """One object of `Storage.put_all`: small bytes, already in memory."""
+
+    key: str
+    data: bytes
+    content_type: str = "application/octet-stream"
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +155,12 @@ class Storage(Protocol):
     async def put_fileobj(self, key: str, fileobj: IO[bytes], content_type: str = "application/octet-stream") -> str:
         """Write a readable binary file object from its current position to EOF; for large copied files, which
         would cost too much memory as `bytes` when thousands of jobs finish at once."""
+        ...
+
+    async def put_all(self, puts: Sequence[Put]) -> list[str]:
+        """Write each object atomically, and the last only once all the others are written (a job's output JSON
+        after the files it links); their locations. Nothing after a failed one is written. Local storage makes
+        them durable in one group commit (fsyncs.py), S3 writes the others at once, then the last."""
         ...
 
     async def get_bytes(self, key: str) -> bytes:

@@ -22,13 +22,14 @@ import itertools
 import os
 import secrets
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 from offload.storage.base import (
     ObjectInfo,
     ObjectNotFound,
+    Put,
     StorageError,
     dump_json,
     join_prefix,
@@ -94,6 +95,15 @@ class LocalStorage:
         else:
             await asyncio.to_thread(_atomic_write, path, lambda fd: _copy_into(fd, fileobj))
         return path
+
+    async def put_all(self, puts: Sequence[Put]) -> list[str]:
+        targets = [self._target(put.key) for put in puts]
+        if all(len(put.data) <= INLINE_BYTES for put in puts):
+            await _GROUP.write_many([(target, put.data) for target, put in zip(targets, puts, strict=True)])
+        else:  # a large one is written by a thread of its own: one after the other, each durable before the next
+            for put in puts:
+                await self.put_bytes(put.key, put.data, put.content_type)
+        return targets
 
     async def get_bytes(self, key: str) -> bytes:
         path = self._path(key)
@@ -250,6 +260,9 @@ def _commit(batch: list[Pending]) -> None:
         if p.abandoned:  # the caller gave up before the rename: the previous object stays
             _failed(p, None)
             continue
+        if p.orphaned:  # an earlier write of its group failed: never an output without its files
+            _failed(p, None, f"writing {p.target} skipped: an earlier object of the same write failed")
+            continue
         try:
             os.replace(p.tmp, p.target)
         except OSError as exc:
@@ -292,12 +305,15 @@ def _syncfs(fd: int) -> None:
         raise OSError(err, os.strerror(err))
 
 
-def _failed(p: Pending, exc: OSError | None) -> None:
-    """Fail one write of a batch (`exc` None: its caller gave up) and remove its temp file, if it is still there."""
+def _failed(p: Pending, exc: OSError | None, reason: str = "") -> None:
+    """Fail one write of a batch (`exc` None and no `reason`: its caller gave up) and remove its temp file, if it
+    is still there."""
     with contextlib.suppress(OSError):
         os.unlink(p.tmp)
     if exc is not None:
         p.error = StorageError(f"writing {p.target} failed: {exc.strerror or exc}")
+    elif reason:
+        p.error = StorageError(reason)
     else:
         p.error = asyncio.CancelledError()
 

@@ -10,7 +10,10 @@ that only holds those URLs is lost by the time anyone reads it. `store_output` t
    Content-Type (`<run>` is the job's submission number, so two remote runs of one job never share a file key,
    and `<n>` the URL's position in the output, so a retried store of the same run overwrites the same keys);
 3. asks `before_write` (the worker: is the lease still mine?), then writes the rewritten JSON to the output key,
-   last, so an output that exists is always complete and only refers to files of its own run.
+   last, so an output that exists is always complete and only refers to files of its own run. Small files (up
+   to `HOLD_BYTES` in all) wait in memory and are written with the JSON by one `Storage.put_all`, the JSON
+   after them: on local storage that is one group commit per job instead of one for the files and another for
+   the JSON (in a burst of 2,000 job ends each group commit was a wait of ~130-300 ms at the median).
 
 The stored JSON keeps the output's shape; each copied URL string is replaced by our copy's location
 (`s3://bucket/key`, or a file path for local storage), a permanent address that `aws s3 cp` and
@@ -40,7 +43,7 @@ from urllib.parse import unquote, urlsplit
 import httpx
 
 from offload.redact import bare_url
-from offload.storage.base import Storage, StorageError
+from offload.storage.base import Put, Storage, StorageError, dump_json
 
 FILES_KEY = "_offload_files"
 DEFAULT_MAX_FILE_BYTES = 512 * 1024 * 1024
@@ -48,6 +51,7 @@ DEFAULT_MAX_FILES = 256
 DEFAULT_FILE_TIMEOUT_S = 300.0
 COPY_CONCURRENCY = 4  # per output; the worker bounds how many outputs are stored at once
 SPOOL_BYTES = 8 * 1024 * 1024  # smaller files stay in memory, larger ones go to a temp file
+HOLD_BYTES = 1024 * 1024  # per output: copied files up to this much in all are written together with its JSON
 _URL = re.compile(r"https?://[^\s\"'<>]+", re.IGNORECASE)
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
@@ -208,23 +212,36 @@ async def store_output(
     if len(urls) > max_files:
         raise StorageError(f"output links {len(urls)} files, more than the limit of {max_files}", permanent=True)
     files: list[CopiedFile] = []
+    held: list[Put] = []  # small copied files, written with the JSON
     host_headers = {host.lower(): dict(h) for host, h in (auth_headers or {}).items()}
     if urls:
         prefix = files_prefix(output_key) + (f"{run}/" if run else "")
         gate = asyncio.Semaphore(COPY_CONCURRENCY)
+        room = HOLD_BYTES
 
-        async def copy(index: int, url: str) -> CopiedFile:
+        def hold(size: int) -> bool:
+            nonlocal room
+            if size > room:
+                return False
+            room -= size
+            return True
+
+        async def copy(index: int, url: str) -> tuple[CopiedFile, bytes | None]:
             async with gate:
                 headers = host_headers.get((urlsplit(url).hostname or "").lower(), {})
                 async with asyncio.timeout(file_timeout_s):
-                    return await _copy_file(storage, http, plain, url, index, prefix, max_file_bytes, headers)
+                    return await _copy_file(storage, http, plain, url, index, prefix, max_file_bytes, headers, hold)
 
         try:
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(copy(i, url)) for i, url in enumerate(urls)]
         except BaseExceptionGroup as eg:
             raise _first_error(eg, file_timeout_s) from None
-        files = [t.result() for t in tasks]
+        for task in tasks:
+            copied, data = task.result()
+            files.append(copied)
+            if data is not None:
+                held.append(Put(copied.key, data, copied.content_type))
         mapping = {f.url: f.location for f in files}
         stored = rewrite(output, mapping)
         if isinstance(stored, dict):
@@ -234,7 +251,8 @@ async def store_output(
         stored = output
     if before_write is not None:
         await before_write()
-    location = await storage.put_json(output_key, stored)
+    document = Put(output_key, dump_json(stored), "application/json")
+    location = (await storage.put_all([*held, document]))[-1]
     return StoredOutput(location=location, key=output_key, files=files)
 
 
@@ -259,7 +277,9 @@ async def _copy_file(
     prefix: str,
     limit: int,
     headers: dict[str, str],
-) -> CopiedFile:
+    hold: Callable[[int], bool],
+) -> tuple[CopiedFile, bytes | None]:
+    """Copy one file: written now, or (when `hold` takes its size) its bytes returned, for the caller to write."""
     shown = bare_url(url)  # signed provider URLs carry tokens in the query, some carry userinfo
     with tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES) as spool:
         try:
@@ -279,8 +299,13 @@ async def _copy_file(
         size, content_type = got
         spool.seek(0)
         key = prefix + file_name(url, index, content_type)
-        location = await storage.put_fileobj(key, spool, content_type)
-    return CopiedFile(url=url, key=key, location=location, content_type=content_type, size=size)
+        if hold(size):
+            data: bytes | None = spool.read()
+            location = storage.location(key)
+        else:
+            data = None
+            location = await storage.put_fileobj(key, spool, content_type)
+    return CopiedFile(url=url, key=key, location=location, content_type=content_type, size=size), data
 
 
 async def _receive(

@@ -19,7 +19,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, TypeVar
@@ -41,6 +41,7 @@ from offload.storage.base import (
     PART_BYTES,
     ObjectInfo,
     ObjectNotFound,
+    Put,
     StorageConfigError,
     StorageError,
     dump_json,
@@ -141,6 +142,18 @@ class S3Storage:
         )
         await self._run("put", full, put)
         return f"s3://{self.bucket}/{full}"
+
+    async def put_all(self, puts: Sequence[Put]) -> list[str]:
+        *first, last = puts
+        done = await asyncio.gather(
+            *(self.put_bytes(p.key, p.data, p.content_type) for p in first), return_exceptions=True
+        )
+        locations: list[str] = []
+        for outcome in done:
+            if isinstance(outcome, BaseException):
+                raise outcome  # the last is never sent
+            locations.append(outcome)
+        return [*locations, await self.put_bytes(last.key, last.data, last.content_type)]
 
     async def put_fileobj(self, key: str, fileobj: IO[bytes], content_type: str = "application/octet-stream") -> str:
         """Multipart above 8 MiB (boto3's threshold), in the calling pool thread only."""
