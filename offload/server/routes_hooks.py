@@ -12,8 +12,9 @@ A verified delivery goes to hook.lua, which fences it by submission number and m
 reordered deliveries no-ops; the answer is 200 for every verified delivery (the verdict says what it changed)
 so the provider does not retry one that had nothing left to do.
 
-Deliveries of the usual shape are answered by `FastPath`, an ASGI middleware in front of FastAPI, with the same
-`deliver` as the documented route (which answers the rest): a burst of deliveries costs half the CPU.
+Deliveries of the usual shape are answered by `FastPath`, in front of FastAPI and all of its middleware
+(app.OffloadAPI), with the same `deliver` as the documented route (which answers the rest): a burst of
+deliveries costs half the CPU.
 """
 
 from __future__ import annotations
