@@ -698,6 +698,23 @@ def test_unmatched_paths_are_counted() -> None:
         assert stats(c)["requests"]["unmatched"] == 1
 
 
+def test_a_known_path_with_a_wrong_method_is_405_and_routes_keep_their_order() -> None:
+    """Requests that fully match a route skip Starlette's router (app.SimApp._route); a known path with a wrong
+    method still gets Starlette's 405 with the simulator's JSON body, and a path two routes could take goes to
+    the first one in the documented order (a pod, not a RunPod endpoint named `pods`)."""
+    with sim() as c:
+        r = c.delete("/v1/predictions")
+        assert r.status_code == 405 and r.json() == {
+            "error": "method not allowed",
+            "path": "/v1/predictions",
+            "method": "DELETE",
+        }
+        assert stats(c)["requests"]["unmatched"] == 1
+        pod = c.get("/v2/pods/nope")
+        assert pod.status_code == 404 and pod.json()["title"] == "pod not found"  # machines' answer, not RunPod's
+        assert stats(c)["requests"]["unmatched"] == 1
+
+
 @pytest.mark.parametrize(
     ("kind", "content_type"),
     [
