@@ -11,11 +11,16 @@ repetition:
 
 - `httpx`: the file fetched through httpx's client layers (`plain=None`; what every file took before);
 - `plain`: through `AiohttpTransport.get_plain` (`plain=fast_path(http)`), httpx only for a redirect or an
-  encoded body.
+  encoded body, on a pool of at most `FILE_CONNECTIONS_PER_HOST` connections per host, as the worker's;
+- `unbounded`: `plain` on a pool bounded only in total (1,024), as before the per-host bound: a burst opens a
+  connection for most of its files instead of reusing a few dozen.
 
-Both write through the same LocalStorage. Each figure is the median over the repetitions; CPU is this process's.
-The last line printed is JSON: {"httpx_jobs_per_s", "plain_jobs_per_s", "ratio", "httpx_cpu_ms_per_job",
-"plain_cpu_ms_per_job"}.
+Each burst starts on a fresh pool (a worker's pool holds few idle connections when a burst begins). All write
+through the same LocalStorage. Each figure is the median over the repetitions; CPU is this process's, and the
+simulator's (serving the files) is given per job too. The last line printed is JSON: {"httpx_jobs_per_s",
+"plain_jobs_per_s", "unbounded_jobs_per_s", "ratio", "per_host_ratio", "httpx_cpu_ms_per_job",
+"plain_cpu_ms_per_job", "unbounded_cpu_ms_per_job", "plain_sim_cpu_ms_per_job", "unbounded_sim_cpu_ms_per_job"}
+where `ratio` is plain over httpx and `per_host_ratio` plain over unbounded (jobs per second).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -40,6 +46,7 @@ from offload import eventloop
 from offload.backends import new_client
 from offload.backends.transport import fast_path
 from offload.storage import LocalStorage, store_output
+from offload.worker.run import FILE_CONNECTIONS_PER_HOST
 
 AUTH = {"Authorization": "Bearer bench"}
 
@@ -56,7 +63,7 @@ async def one_output(http: httpx.AsyncClient, sim: str) -> Any:
 
 
 async def burst(http: httpx.AsyncClient, output: Any, jobs: int, plain: bool, root: Path) -> tuple[float, float]:
-    """(jobs per second, CPU ms per job) for `jobs` outputs stored at once."""
+    """(jobs per second, CPU ms per job) for `jobs` outputs stored at once, on `http`'s pool."""
     store = LocalStorage(root)
     road = fast_path(http) if plain else None
 
@@ -75,29 +82,49 @@ async def burst(http: httpx.AsyncClient, output: Any, jobs: int, plain: bool, ro
     return jobs / wall, cpu * 1000 / jobs
 
 
-async def run(sim: str, jobs: int, reps: int, workdir: Path) -> dict[str, float]:
-    http = new_client(max_connections=1024, timeout=60)
+ROADS = ("httpx", "plain", "unbounded")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of process `pid` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def run(sim: str, sim_pid: int, jobs: int, reps: int, workdir: Path) -> dict[str, float]:
+    first = new_client(max_connections=1024, timeout=60)
     try:
-        output = await one_output(http, sim)
-        rates: dict[str, list[float]] = {"httpx": [], "plain": []}
-        cpus: dict[str, list[float]] = {"httpx": [], "plain": []}
-        for rep in range(reps):
-            for name in ("httpx", "plain") if rep % 2 == 0 else ("plain", "httpx"):
-                root = workdir / f"{name}{rep}"
-                rate, cpu = await burst(http, output, jobs, name == "plain", root)
-                shutil.rmtree(root, ignore_errors=True)
-                rates[name].append(rate)
-                cpus[name].append(cpu)
-                print(f"rep {rep + 1} {name}: {rate:,.0f} jobs/s, {cpu:.2f} ms CPU per job", flush=True)
+        output = await one_output(first, sim)
     finally:
-        await http.aclose()
-    httpx_rate, plain_rate = statistics.median(rates["httpx"]), statistics.median(rates["plain"])
+        await first.aclose()
+    rates: dict[str, list[float]] = {name: [] for name in ROADS}
+    cpus: dict[str, list[float]] = {name: [] for name in ROADS}
+    sims: dict[str, list[float]] = {name: [] for name in ROADS}
+    for rep in range(reps):
+        for name in ROADS[rep % len(ROADS) :] + ROADS[: rep % len(ROADS)]:
+            per_host = 0 if name == "unbounded" else FILE_CONNECTIONS_PER_HOST
+            http = new_client(max_connections=1024, timeout=60, per_host=per_host)
+            root = workdir / f"{name}{rep}"
+            sim0 = cpu_seconds(sim_pid)
+            try:
+                rate, cpu = await burst(http, output, jobs, name != "httpx", root)
+            finally:
+                await http.aclose()
+            sims[name].append((cpu_seconds(sim_pid) - sim0) * 1000 / jobs)
+            shutil.rmtree(root, ignore_errors=True)
+            rates[name].append(rate)
+            cpus[name].append(cpu)
+            print(f"rep {rep + 1} {name}: {rate:,.0f} jobs/s, {cpu:.2f} ms CPU per job", flush=True)
+    rate = {name: statistics.median(rates[name]) for name in ROADS}
     return {
-        "httpx_jobs_per_s": round(httpx_rate),
-        "plain_jobs_per_s": round(plain_rate),
-        "ratio": round(plain_rate / httpx_rate, 3),
-        "httpx_cpu_ms_per_job": round(statistics.median(cpus["httpx"]), 3),
-        "plain_cpu_ms_per_job": round(statistics.median(cpus["plain"]), 3),
+        "httpx_jobs_per_s": round(rate["httpx"]),
+        "plain_jobs_per_s": round(rate["plain"]),
+        "unbounded_jobs_per_s": round(rate["unbounded"]),
+        "ratio": round(rate["plain"] / rate["httpx"], 3),
+        "per_host_ratio": round(rate["plain"] / rate["unbounded"], 3),
+        **{f"{name}_cpu_ms_per_job": round(statistics.median(cpus[name]), 3) for name in ROADS},
+        "plain_sim_cpu_ms_per_job": round(statistics.median(sims["plain"]), 3),
+        "unbounded_sim_cpu_ms_per_job": round(statistics.median(sims["unbounded"]), 3),
     }
 
 
@@ -112,8 +139,8 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="offload-store-bench-"))
     procs = Processes(workdir)
     try:
-        sim, _ = start_sim(procs, 0.01)
-        result = eventloop.run(run(sim, jobs, reps, workdir))
+        sim, sim_proc = start_sim(procs, 0.01)
+        result = eventloop.run(run(sim, sim_proc.pid, jobs, reps, workdir))
     finally:
         procs.stop_all()
         shutil.rmtree(workdir, ignore_errors=True)

@@ -94,7 +94,15 @@ def test_webhooks_bench() -> None:
 
 def test_store_outputs_bench() -> None:
     doc = last_json(["bench/store_outputs.py", "--quick", "--jobs", "50"], timeout=60)
-    assert set(doc) == {"httpx_jobs_per_s", "plain_jobs_per_s", "ratio", "httpx_cpu_ms_per_job", "plain_cpu_ms_per_job"}
+    roads = ("httpx", "plain", "unbounded")
+    assert set(doc) == {
+        *(f"{road}_jobs_per_s" for road in roads),
+        *(f"{road}_cpu_ms_per_job" for road in roads),
+        "ratio",
+        "per_host_ratio",
+        "plain_sim_cpu_ms_per_job",
+        "unbounded_sim_cpu_ms_per_job",
+    }
     # each rate counts outputs found stored on disk afterwards (the bench exits non-zero on a missing one)
-    assert doc["httpx_jobs_per_s"] > 0 and doc["plain_jobs_per_s"] > 0 and doc["ratio"] > 0, doc
-    assert doc["httpx_cpu_ms_per_job"] > 0 and doc["plain_cpu_ms_per_job"] > 0, doc
+    assert all(doc[f"{road}_jobs_per_s"] > 0 and doc[f"{road}_cpu_ms_per_job"] > 0 for road in roads), doc
+    assert doc["ratio"] > 0 and doc["per_host_ratio"] > 0 and doc["plain_sim_cpu_ms_per_job"] > 0, doc

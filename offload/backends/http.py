@@ -44,13 +44,18 @@ def user_agent(worker_id: str | None = None) -> str:
 
 
 def new_client(
-    *, max_connections: int = DEFAULT_MAX_CONNECTIONS, timeout: float = DEFAULT_TIMEOUT, agent: str | None = None
+    *,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    timeout: float = DEFAULT_TIMEOUT,
+    agent: str | None = None,
+    per_host: int = 0,
 ) -> httpx.AsyncClient:
     """A client sized for thousands of concurrent polls, on aiohttp's pool (see `transport`): every connection
     may be kept alive, so a poll burst reuses sockets instead of paying a TLS handshake each; requests beyond the
     limit wait for a free connection (up to `timeout`, then Transient). No default auth header: one client may be
-    shared by several backends. `agent`: the User-Agent of every request (default `user_agent()`)."""
-    transport = AiohttpTransport(max_connections=max_connections, ssl_context=_tls())
+    shared by several backends. `agent`: the User-Agent of every request (default `user_agent()`). `per_host`:
+    at most this many connections to any one host as well (0: only the total)."""
+    transport = AiohttpTransport(max_connections=max_connections, ssl_context=_tls(), per_host=per_host)
     return httpx.AsyncClient(
         transport=transport,
         timeout=httpx.Timeout(timeout),

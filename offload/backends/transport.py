@@ -90,14 +90,17 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
     """Every connection of the process in one aiohttp pool. The session is made lazily, inside the event
     loop that uses it. Redirects, cookies and decompression stay httpx's business."""
 
-    def __init__(self, *, max_connections: int, ssl_context: ssl.SSLContext) -> None:
+    def __init__(self, *, max_connections: int, ssl_context: ssl.SSLContext, per_host: int = 0) -> None:
         self._limit = max_connections
+        self._per_host = per_host  # 0: no limit per host, only the total
         self._ssl = ssl_context
         self._session: aiohttp.ClientSession | None = None
 
     def _pool(self) -> aiohttp.ClientSession:
         if self._session is None:
-            connector = aiohttp.TCPConnector(limit=self._limit, ssl=self._ssl, ttl_dns_cache=60)
+            connector = aiohttp.TCPConnector(
+                limit=self._limit, limit_per_host=self._per_host, ssl=self._ssl, ttl_dns_cache=60
+            )
             self._session = aiohttp.ClientSession(
                 connector=connector,
                 auto_decompress=False,
