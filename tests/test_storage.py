@@ -849,12 +849,14 @@ async def test_store_output_on_local_storage_writes_small_files_with_the_json_in
         assert batches == [["results/a/files/0-report.txt", "results/a/files/1-image.png", "results/a.json"]]
         batches.clear()
         monkeypatch.setattr(outputs, "HOLD_BYTES", len(b"report body\n"))  # room for the text file only
-        await store_output(store, "results/b.json", output, http, plain=plain)
-    assert batches == [["results/b/files/1-image.png"], ["results/b/files/0-report.txt", "results/b.json"]]
+        await store_output(store, "results/b.json", output, http, plain=plain, run="3")
+    # the run is a prefix of the file's name, not a directory: one inode less per job on local storage
+    assert batches == [["results/b/files/r3-1-image.png"], ["results/b/files/r3-0-report.txt", "results/b.json"]]
     stored = json.loads((tmp_path / "results" / "b.json").read_bytes())
-    assert (tmp_path / "results" / "b" / "files" / "0-report.txt").read_bytes() == b"report body\n"
-    assert stored["img"] == str(tmp_path / "results" / "b" / "files" / "1-image.png")
-    assert (tmp_path / "results" / "b" / "files" / "1-image.png").read_bytes() == PNG + b"pixels"
+    assert (tmp_path / "results" / "b" / "files" / "r3-0-report.txt").read_bytes() == b"report body\n"
+    assert stored["img"] == str(tmp_path / "results" / "b" / "files" / "r3-1-image.png")
+    assert (tmp_path / "results" / "b" / "files" / "r3-1-image.png").read_bytes() == PNG + b"pixels"
+    assert sorted(os.listdir(tmp_path / "results" / "b" / "files")) == ["r3-0-report.txt", "r3-1-image.png"]
 
 
 @pytest.mark.parametrize("grouped", [True, False], ids=["syncfs", "fsync-each"])

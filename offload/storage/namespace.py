@@ -9,13 +9,13 @@ inside another queue's `results/<name>:` namespace, which stays that queue's eve
 
 Layout (one bucket, under `storage.prefix`):
 
-    results/<queue>:<id>.json              a job's output (the default output_key)
-    results/<queue>:<id>/files/<n>-<name>  files copied from that output (outputs.files_prefix)
-    results/<queue>:<name>                 any other output_key a producer of the queue picks
-    results/<queue>:_<...>                 reserved for offload's own objects, never an output_key:
-    results/<queue>:_in/<hex>/...          input files of job <queue>:<hex> (offload.storage.inputs)
-    results/<queue>:_out/<hex>/...         files a GPU worker returned for that job
-    <output_prefix><...>                   queues with an output_prefix (the tutorial queue: results/<id>.json)
+    results/<queue>:<id>.json                     a job's output (the default output_key)
+    results/<queue>:<id>/files/r<run>-<n>-<name>  files copied from that output (outputs.files_prefix)
+    results/<queue>:<name>                        any other output_key a producer of the queue picks
+    results/<queue>:_<...>                        reserved for offload's own objects, never an output_key:
+    results/<queue>:_in/<hex>/...                 input files of job <queue>:<hex> (offload.storage.inputs)
+    results/<queue>:_out/<hex>/...                files a GPU worker returned for that job
+    <output_prefix><...>                          queues with an output_prefix (the tutorial queue: results/<id>.json)
 
 Checked at enqueue over the HTTP API (422 naming the field), before a presigned URL is issued, and by the
 config loader (no two queues' prefixes may overlap). Producers with direct Redis access (the Python client,
