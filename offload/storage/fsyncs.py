@@ -19,9 +19,9 @@ call in a thread must win the GIL back from the busy loop; a lane pays those onc
 default: each more thread is one more contender for the GIL (futex wake-ups were ~11 % of the worker's CPU in
 that burst with four), and a sync flushes the whole file system whichever lane calls it. Measured with
 bench/store_outputs.py's `burst` of 2,000 outputs, the lane count set by hand (three rounds of three bursts
-each, interleaved): 0.79 ms of CPU per output
-with one lane, 0.87 with two, 0.93 with four, at the same outputs per second (~1,200-1,300); in bench.peers'
-webhook run the worker's end phase took ~7 % less CPU with one lane than with four (four pairs).
+each, interleaved): 0.79 ms of CPU per output with one lane, 0.87 with two, 0.93 with four, at the same outputs
+per second (~1,200-1,300); in bench.peers' webhook run the worker's end phase took ~7 % less CPU with one lane
+than with four (four pairs).
 
 A write whose caller was cancelled before its lane got to it is skipped; one cancelled later is finished by the
 lane or undone (its temp file removed) before its rename. The threads are daemons, started on first use (again
