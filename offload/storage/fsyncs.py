@@ -13,15 +13,13 @@ lane, not two in a row; in a burst of 2,000 job ends on 2 cores (bench.peers' we
 Why the file system work is here and not on the event loop: on ext4 under a burst, creating, renaming and
 making directories wait for the journal while a sync commits it (the loop blocked in the kernel for ~40 % of
 the worker's end phase in bench.peers' 2,000 x 30 s run), and one fsync per file and per directory cost
-~0.4 ms of kernel CPU per job where one sync per batch costs ~0.1 ms. Why lanes and not the default thread
-pool: a pool work item per write is a future, a queue, a thread woken and a loop wakeup each, and every system
-call in a thread must win the GIL back from the busy loop; a lane pays those once per batch. Why one lane by
-default: each more thread is one more contender for the GIL (futex wake-ups were ~11 % of the worker's CPU in
-that burst with four), and a sync flushes the whole file system whichever lane calls it. Measured with
-bench/store_outputs.py's `burst` of 2,000 outputs, the lane count set by hand (three rounds of three bursts
-each, interleaved): 0.79 ms of CPU per output with one lane, 0.87 with two, 0.93 with four, at the same outputs
-per second (~1,200-1,300); in bench.peers' webhook run the worker's end phase took ~7 % less CPU with one lane
-than with four (four pairs).
+~0.4 ms of kernel CPU per job where one sync per batch costs ~0.1 ms. Why a few lanes and not the default
+thread pool: a pool work item per write is a future, a queue, a thread woken and a loop wakeup each, and every
+system call in a thread must win the GIL back from the busy loop; a lane pays those once per batch. Why four
+and not one: one lane took less CPU per output in bench/store_outputs.py's burst (0.79 ms against 0.93, the lane
+count set by hand), but in bench.peers' webhook run, where the file system's inode allocation was slow (an ext4
+that had just deleted many files: 0.1-0.9 ms of kernel CPU per inode), one lane serialised that kernel work and
+the worker's end phase took more system CPU (0.9-1.5 s against 0.74-0.89 s with four, three rounds).
 
 A write whose caller was cancelled before its lane got to it is skipped; one cancelled later is finished by the
 lane or undone (its temp file removed) before its rename. The threads are daemons, started on first use (again
@@ -70,7 +68,7 @@ class GroupCommit:
     """`await group.write(target, data)`, batched on `lanes` threads (writes are dealt to them in turn), each
     batch written by `commit`, which must never raise: it sets `Pending.error` instead."""
 
-    def __init__(self, commit: Commit, lanes: int = 1) -> None:
+    def __init__(self, commit: Commit, lanes: int = 4) -> None:
         self._lanes = [_Lane(commit) for _ in range(lanes)]
         self._next = 0
 

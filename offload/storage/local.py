@@ -7,7 +7,7 @@ previous object or the new one, never half a result; at worst a stray `.<name>.<
 it, which readers never see because they only open exact key paths.
 
 File IO blocks, so it never runs on the event loop: objects up to `INLINE_BYTES` are written by the group-commit
-lane (fsyncs.py, `_commit`: a burst's writes made durable together), larger ones in asyncio's default thread
+lanes (fsyncs.py, `_commit`: a burst's writes made durable together), larger ones in asyncio's default thread
 pool, which is already bounded (min(32, CPUs + 4)).
 Content types are not kept: a file system has nowhere standard to put them, and nothing reads them back locally.
 """
@@ -195,7 +195,7 @@ def _small_remainder(fileobj: IO[bytes]) -> bytes | None:
     return fileobj.read() if size <= INLINE_BYTES else None
 
 
-# The group-commit lane every local store of the process shares (see fsyncs.py); the lambda looks `_commit` up
+# The group-commit lanes every local store of the process shares (see fsyncs.py); the lambda looks `_commit` up
 # at call time.
 _GROUP = GroupCommit(lambda batch: _commit(batch))
 GROUP_MIN = 8  # a batch of at least this many writes is made durable with syncfs(2), two calls in all
