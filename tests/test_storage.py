@@ -324,6 +324,23 @@ def _fds_back_to(count: int, timeout: float = 10.0) -> bool:
     return True
 
 
+def _hold_sync(monkeypatch: pytest.MonkeyPatch, name: str) -> tuple[threading.Event, threading.Event]:
+    """Make local storage's sync `name` (`_syncfs` or `_sync_and_close`) wait, before it syncs, until the second
+    event is set; the first is set once a lane is held there (before any of its batch's renames)."""
+    from offload.storage import local
+
+    entered, release = threading.Event(), threading.Event()
+    real = getattr(local, name)
+
+    def held(fd: int) -> None:
+        entered.set()
+        release.wait(10)
+        real(fd)
+
+    monkeypatch.setattr(local, name, held)
+    return entered, release
+
+
 @pytest.mark.parametrize("grouped", [True, False], ids=["syncfs", "fsync-each"])
 async def test_local_small_writes_cancelled_before_their_rename_leak_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, grouped: bool
@@ -336,28 +353,12 @@ async def test_local_small_writes_cancelled_before_their_rename_leak_nothing(
     store = LocalStorage(tmp_path)
     await store.put_bytes("r/out.json", b"old")
     fds_before = len(os.listdir("/proc/self/fd"))
-    entered, release = threading.Event(), threading.Event()
     if grouped:
         assert local._SYNCFS is not None  # Linux >= 5.8, as CI: the road a burst takes
         monkeypatch.setattr(local, "GROUP_MIN", 1)
-        real_group = local._syncfs
-
-        def held_group(fd: int) -> None:
-            entered.set()
-            release.wait(10)  # every lane that has a batch waits here, before any rename
-            real_group(fd)
-
-        monkeypatch.setattr(local, "_syncfs", held_group)
     else:
         monkeypatch.setattr(local, "GROUP_MIN", 10**9)
-        real_file = local._sync_and_close
-
-        def held_file(fd: int) -> None:
-            entered.set()
-            release.wait(10)
-            real_file(fd)
-
-        monkeypatch.setattr(local, "_sync_and_close", held_file)
+    entered, release = _hold_sync(monkeypatch, "_syncfs" if grouped else "_sync_and_close")
     tasks = [asyncio.create_task(store.put_bytes("r/out.json", b"new %d" % i)) for i in range(20)]
     assert await asyncio.to_thread(entered.wait, 10)
     for task in tasks:
@@ -894,15 +895,7 @@ async def test_local_put_all_cancelled_in_its_sync_keeps_every_previous_object(
     monkeypatch.setattr(local, "GROUP_MIN", 1)
     store = LocalStorage(tmp_path)
     await store.put_all([Put("r/f/0-a.png", b"old a"), Put("r.json", b"old")])
-    entered, release = threading.Event(), threading.Event()
-    real = local._syncfs
-
-    def held(fd: int) -> None:
-        entered.set()
-        release.wait(10)
-        real(fd)
-
-    monkeypatch.setattr(local, "_syncfs", held)
+    entered, release = _hold_sync(monkeypatch, "_syncfs")
     task = asyncio.create_task(store.put_all([Put("r/f/0-a.png", b"new a"), Put("r.json", b"new")]))
     assert await asyncio.to_thread(entered.wait, 10)
     task.cancel()
