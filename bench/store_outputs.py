@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -40,7 +39,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from inflight import Processes, start_sim
+from inflight import Processes, ProcStats, start_sim
 
 from offload import eventloop
 from offload.backends import new_client
@@ -85,13 +84,8 @@ async def burst(http: httpx.AsyncClient, output: Any, jobs: int, plain: bool, ro
 ROADS = ("httpx", "plain", "unbounded")
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of process `pid` so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def run(sim: str, sim_pid: int, jobs: int, reps: int, workdir: Path) -> dict[str, float]:
+    sim_cpu = ProcStats(sim_pid)
     first = new_client(max_connections=1024, timeout=60)
     try:
         output = await one_output(first, sim)
@@ -105,12 +99,12 @@ async def run(sim: str, sim_pid: int, jobs: int, reps: int, workdir: Path) -> di
             per_host = 0 if name == "unbounded" else FILE_CONNECTIONS_PER_HOST
             http = new_client(max_connections=1024, timeout=60, per_host=per_host)
             root = workdir / f"{name}{rep}"
-            sim0 = cpu_seconds(sim_pid)
+            sim0 = sim_cpu.cpu_seconds()
             try:
                 rate, cpu = await burst(http, output, jobs, name != "httpx", root)
             finally:
                 await http.aclose()
-            sims[name].append((cpu_seconds(sim_pid) - sim0) * 1000 / jobs)
+            sims[name].append((sim_cpu.cpu_seconds() - sim0) * 1000 / jobs)
             shutil.rmtree(root, ignore_errors=True)
             rates[name].append(rate)
             cpus[name].append(cpu)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import time
@@ -100,18 +101,15 @@ async def run_workers(
     total = sum(concurrency or q.concurrency for _, q, _, _ in plans)
     worker_id = worker_id or default_worker_id()  # one id per process: it is in every request's User-Agent
     async with contextlib.AsyncExitStack() as resources:
-        http = new_client(
+        pool = functools.partial(
+            new_client,
             max_connections=min(max(total, 16), 1024),
             timeout=max(bs.timeout for *_, bs in plans),
             agent=user_agent(worker_id),
         )
+        http = pool()
         resources.push_async_callback(http.aclose)
-        files = new_client(  # a pool of its own: the providers' APIs are never queued behind file copies
-            max_connections=min(max(total, 16), 1024),
-            per_host=FILE_CONNECTIONS_PER_HOST,
-            timeout=max(bs.timeout for *_, bs in plans),
-            agent=user_agent(worker_id),
-        )
+        files = pool(per_host=FILE_CONNECTIONS_PER_HOST)  # its own: the providers' APIs never queue behind copies
         resources.push_async_callback(files.aclose)
         plain = fast_path(files)  # output files copied on aiohttp directly where httpx adds nothing
         storage = create_storage(settings.storage)
