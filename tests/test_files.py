@@ -23,7 +23,8 @@ from offload.files import REF_KEY, field_name, references_in
 from offload.queue.keys import new_job_id
 from offload.queue.store import QueueStore
 from offload.server.file_sweep import FileSweep
-from offload.storage.inputs import FileTooLarge, inputs_prefix, job_of_key, outputs_prefix
+from offload.storage.inputs import FileTooLarge, copied_prefix, inputs_prefix, job_of_key, outputs_prefix
+from offload.storage.outputs import files_prefix
 from offload.storage.s3 import S3Storage
 
 # the servers and storage fixtures this module shares with test_storage (a module-scoped S3, a fresh bucket)
@@ -204,8 +205,18 @@ def test_key_layout_names_the_job() -> None:
     assert job_of_key("gpu", inputs_prefix(job_id) + "0-a.wav") == job_id
     assert job_of_key("gpu", outputs_prefix(job_id) + "0-a.png") == job_id
     assert job_of_key("gpu", "results/gpu:0190a1b2c3d4e5f6a7b8c9d0e1f2.json") is None
-    assert job_of_key("gpu", "results/gpu:0190a1b2c3d4e5f6a7b8c9d0e1f2/files/1/0-a.png") == job_id
+    copied = files_prefix(f"results/{job_id}.json")  # the default output key's copies: one flat space
+    assert copied == "results/gpu:_files/0190a1b2c3d4e5f6a7b8c9d0e1f2~" == copied_prefix(job_id)
+    assert job_of_key("gpu", copied + "r1-0-a.png") == job_id
+    assert job_of_key("gpu", copied) is None  # a prefix, not a file
+    assert job_of_key("gpu", "results/gpu:_files/0190a1b2c3d4e5f6a7b8c9d0e1f2") is None  # no `~`: no job named
+    assert job_of_key("gpu", "results/gpu:_files/a.b~r1-0-x~y.png") == "gpu:a.b"  # ids may hold dots, never `~`
+    assert job_of_key("gpu", "results/gpu:0190a1b2c3d4e5f6a7b8c9d0e1f2/files/1/0-a.png") == job_id  # earlier layout
     assert job_of_key("gpu", "results/gpu:0190a1b2c3d4e5f6a7b8c9d0e1f2/files/") is None
+    # other output keys keep their copies beside them, which name no job the sweep could mistake them for
+    assert files_prefix("results/gpu:mine/x.json") == "results/gpu:mine/x/files/"
+    assert files_prefix("results/gpu:_x.json") == "results/gpu:_x/files/"  # reserved, never a default key
+    assert files_prefix("results/abc.json") == "results/abc/files/"  # a tutorial id (no queue)
     assert job_of_key("gpu", "results/gpu:mine/other.json") is None
     assert job_of_key("other", inputs_prefix(job_id) + "0-a.wav") is None
     assert job_of_key("gpu", "results/gpu:_in/../x") is None
@@ -245,7 +256,10 @@ async def test_sweep_deletes_files_whose_job_is_gone(
     await storage.put_bytes(inputs_prefix(orphan) + "0-x.bin", b"orphan")
     outputs = outputs_prefix(purged) + "1/0-out.png"  # a GPU worker's output of the purged job
     await storage.put_bytes(outputs, b"png")
-    await storage.put_bytes(f"results/{purged}/files/1/0-copied.png", b"provider file")  # a dispatch copy
+    await storage.put_bytes(files_prefix(f"results/{purged}.json") + "r1-0-copied.png", b"provider file")  # a copy
+    await storage.put_bytes(f"results/{purged}/files/1/0-old.png", b"provider file")  # copied by an earlier version
+    custom = "results/sweep-gone:mine~r1-0-x.png"  # a producer's own output key, whatever it looks like, stays
+    await storage.put_bytes(custom, b"producer output")
     await storage.put_bytes(f"results/{purged}.json", b"{}")  # its result document stays
     multipart = s3.client().create_multipart_upload(Bucket=bucket, Key=inputs_prefix(orphan) + "1-big.bin")
     assert await store.purge("sweep-gone", "queued") == 1
@@ -256,10 +270,10 @@ async def test_sweep_deletes_files_whose_job_is_gone(
     assert len(pending_uploads(s3, bucket)) == 1
 
     later = FileSweep(storage, store, grace_s=3600, clock=lambda: time.time() + 7200)
-    assert await later.run_once() == 5  # the purged job's two inputs, its output and copy, and the orphan
+    assert await later.run_once() == 6  # the purged job's two inputs, its output and two copies, and the orphan
     left = objects(s3, bucket)
-    assert f"results/{purged}.json" in left
-    assert all(job_of_key("sweep-live", k) == live for k in left if k != f"results/{purged}.json")
+    assert f"results/{purged}.json" in left and custom in left
+    assert all(job_of_key("sweep-live", k) == live for k in left if k not in (f"results/{purged}.json", custom))
     assert pending_uploads(s3, bucket) == [] and multipart["UploadId"]
     assert (await client.get(live)).input["f"]["size"] == 7
 

@@ -558,7 +558,7 @@ async def test_1000_jobs_4_workers_one_killed_every_second(
     assert len(keys_found) == len(set(keys_found))
     json_keys = {k for k in keys_found if k.count("/") == 1}
     assert json_keys == {f"results/{job_id}.json" for job_id in ids}
-    assert len(keys_found) == 2 * n_jobs, len(keys_found)  # results/<id>/files/0-*.png: one per job
+    assert len(keys_found) == 2 * n_jobs, len(keys_found)  # results/<queue>:_files/<id>~r1-0-*.png: one per job
 
     jobs = await get_all(store, ids)
     assert all(j.state == JobState.SUCCEEDED for j in jobs)

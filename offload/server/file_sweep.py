@@ -2,13 +2,13 @@
 record is gone.
 
 A job record disappears when its retention runs out or it is purged; its files must not outlive it (they are
-the large part). Every file key names its job (`offload.storage.inputs`), so the sweep lists each queue's `_in/`
-and `_out/` spaces (and its results, for provider files copied beside them), asks the job store which of those
-jobs still exist, and deletes the files of the others, but only files older than `storage.upload_grace_s`: a
-file uploaded for a job that is not enqueued yet (the HTTP form, or a client between its upload and its enqueue)
-has no record yet either. It also aborts multipart uploads older than the grace under those spaces (a producer
-killed mid-upload), whose parts cost storage but are invisible to listings. Result JSON documents stay: only
-files go.
+the large part). Every file key names its job (`offload.storage.inputs`), so the sweep lists each queue's
+`_in/`, `_out/` and `_files/` spaces (and its results, for provider files earlier versions copied beside
+them), asks the job store which of those jobs still exist, and deletes the files of the others, but only files
+older than `storage.upload_grace_s`: a file uploaded for a job that is not enqueued yet (the HTTP form, or a
+client between its upload and its enqueue) has no record yet either. It also aborts multipart uploads older
+than the grace under those spaces (a producer killed mid-upload), whose parts cost storage but are invisible
+to listings. Result JSON documents stay: only files go.
 
 This is done by the server for every backend alike rather than by an S3 lifecycle rule: a rule expires by age
 under a prefix, while offload's retention is per job (and a purge is immediate). The sweep works through at most
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from offload.errors import JobNotFound
 from offload.queue.store import QueueStore
 from offload.storage import Storage
-from offload.storage.inputs import INPUTS, OUTPUTS, job_of_key
+from offload.storage.inputs import COPIED, INPUTS, OUTPUTS, job_of_key
 from offload.storage.namespace import own_prefix
 
 log = logging.getLogger("offload.server")
@@ -45,9 +45,9 @@ class FileSweep:
         """One round over every queue; how many files were deleted."""
         deleted = 0
         for queue in await self.store.queues():
-            # inputs and worker outputs have spaces of their own; copied provider files sit among the queue's
-            # results, so that walk (the whole namespace, a batch a round) is the slow one
-            for space in (INPUTS, OUTPUTS, ""):
+            # inputs, worker outputs and copied provider files have spaces of their own; the last walk (the whole
+            # namespace, a batch a round: the slow one) finds the copies earlier versions put among the results
+            for space in (INPUTS, OUTPUTS, COPIED, ""):
                 deleted += await self._space(queue, own_prefix(queue) + space)
         return deleted
 

@@ -5,8 +5,10 @@ Keys (inside each queue's own namespace, `offload.storage.namespace`; the `_` ma
 
     results/<queue>:_in/<hex>/<n>-<name>            input files of job <queue>:<hex>
     results/<queue>:_out/<hex>/<attempt>/<n>-<name>  files a GPU worker's handler returned for that job
+    results/<queue>:_files/<hex>~r<run>-<n>-<name>   provider files a dispatch worker copied from that job's
+                                                     output (offload.storage.outputs; `~` never occurs in an id)
 
-Both carry the job id, so the server's sweep (`sweep`) can tell whose a file is without an index: a file whose job
+All carry the job id, so the server's sweep (`sweep`) can tell whose a file is without an index: a file whose job
 record is gone (retention, purge) and that is older than the upload grace is deleted. The grace covers the window
 between an upload and its enqueue, and a producer killed in between leaves a file the sweep removes.
 
@@ -43,12 +45,14 @@ from offload.files import (
     safe_name,
 )
 from offload.storage.base import PART_BYTES, ObjectNotFound, Storage, StorageError
-from offload.storage.namespace import own_prefix
+from offload.storage.namespace import own_prefix, space_of
 
 DEFAULT_URL_EXPIRES_S = 86_400
 INPUTS = "_in/"
 OUTPUTS = "_out/"
-COPIED = "files/"  # provider files the dispatch worker copied beside results/<job id>.json
+COPIED = "_files/"  # provider files the dispatch worker copied from a job's default output, one flat space
+COPIED_END = "~"  # ends the job id in a copied file's key: ids (`_HEX`) never contain it
+LEGACY_COPIED = "files/"  # where earlier versions copied them: results/<job id>/files/...
 # the part of a job id after its queue: hex for ids offload issues; ingested tutorial jobs keep their own ids
 _HEX = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _ETAG = re.compile(r"^[0-9a-f]{32}(-\d+)?$")
@@ -80,10 +84,28 @@ def outputs_prefix(job_id: str) -> str:
     return f"{own_prefix(queue)}{OUTPUTS}{hex_part}/"
 
 
+def copied_prefix(job_id: str) -> str:
+    """Where the provider files copied from job `job_id`'s default output go: a name prefix in the queue's one
+    copied-files space, not a directory per job (on local storage each directory is an inode to allocate, and
+    two per job, `<id>/files/`, were a tenth of a 2,000-job burst's end on this project's machines)."""
+    queue, hex_part = _split(job_id)
+    return f"{own_prefix(queue)}{COPIED}{hex_part}{COPIED_END}"
+
+
+def default_job(output_key: str) -> str | None:
+    """The job whose default output key (`results/<job id>.json`) `output_key` is, for an id offload issues;
+    None for any other key."""
+    queue = space_of(output_key)
+    if queue is None or not output_key.endswith(".json"):
+        return None
+    hex_part = output_key[len(own_prefix(queue)) : -len(".json")]
+    return f"{queue}:{hex_part}" if _HEX.match(hex_part) and not hex_part.startswith("_") else None
+
+
 def job_of_key(queue: str, key: str) -> str | None:
-    """The job a file key belongs to: inputs, worker outputs, or provider files copied next to a default output key
-    (`results/<queue>:<hex>/files/...`, offload.storage.outputs) of `queue`; None for any other key (a result
-    JSON, a custom output key)."""
+    """The job a file key belongs to: inputs, worker outputs, or provider files copied from a default output key
+    (`results/<queue>:_files/<hex>~...`, or `results/<queue>:<hex>/files/...` as earlier versions wrote them) of
+    `queue`; None for any other key (a result JSON, a custom output key)."""
     rest = key.removeprefix(own_prefix(queue))
     if rest == key:
         return None
@@ -91,8 +113,12 @@ def job_of_key(queue: str, key: str) -> str | None:
         if rest.startswith(space):
             hex_part, slash, tail = rest[len(space) :].partition("/")
             return f"{queue}:{hex_part}" if slash and tail and _HEX.match(hex_part) else None
+    if rest.startswith(COPIED):
+        hex_part, end, tail = rest[len(COPIED) :].partition(COPIED_END)
+        return f"{queue}:{hex_part}" if end and tail and _HEX.match(hex_part) else None
     hex_part, _, tail = rest.partition("/")
-    if tail.startswith(COPIED) and len(tail) > len(COPIED) and not hex_part.startswith("_") and _HEX.match(hex_part):
+    legacy = tail.startswith(LEGACY_COPIED) and len(tail) > len(LEGACY_COPIED)
+    if legacy and not hex_part.startswith("_") and _HEX.match(hex_part):
         return f"{queue}:{hex_part}"
     return None
 

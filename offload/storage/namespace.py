@@ -9,13 +9,13 @@ inside another queue's `results/<name>:` namespace, which stays that queue's eve
 
 Layout (one bucket, under `storage.prefix`):
 
-    results/<queue>:<id>.json                     a job's output (the default output_key)
-    results/<queue>:<id>/files/r<run>-<n>-<name>  files copied from that output (outputs.files_prefix)
-    results/<queue>:<name>                        any other output_key a producer of the queue picks
-    results/<queue>:_<...>                        reserved for offload's own objects, never an output_key:
-    results/<queue>:_in/<hex>/...                 input files of job <queue>:<hex> (offload.storage.inputs)
-    results/<queue>:_out/<hex>/...                files a GPU worker returned for that job
-    <output_prefix><...>                          queues with an output_prefix (the tutorial queue: results/<id>.json)
+    results/<queue>:<id>.json                      a job's output (the default output_key)
+    results/<queue>:<name>                         any other output_key a producer of the queue picks
+    results/<queue>:_<...>                         reserved for offload's own objects, never an output_key:
+    results/<queue>:_files/<id>~r<run>-<n>-<name>  provider files copied from job <queue>:<id>'s output
+    results/<queue>:_in/<hex>/...                  input files of job <queue>:<hex> (offload.storage.inputs)
+    results/<queue>:_out/<hex>/...                 files a GPU worker returned for that job
+    <output_prefix><...>                           queues with an output_prefix (the tutorial queue: results/<id>.json)
 
 Checked at enqueue over the HTTP API (422 naming the field), before a presigned URL is issued, and by the
 config loader (no two queues' prefixes may overlap). Producers with direct Redis access (the Python client,
@@ -38,6 +38,12 @@ _JOB_SPACE = re.compile(r"^results/([A-Za-z0-9][A-Za-z0-9_.-]{0,99}):")
 def own_prefix(queue: str) -> str:
     """The namespace every queue has: where its job ids put their outputs by default."""
     return f"{ROOT}{queue}:"
+
+
+def space_of(key: str) -> str | None:
+    """The queue whose own namespace (`results/<queue>:`) `key` is in; None outside every queue's."""
+    m = _JOB_SPACE.match(key)
+    return m[1] if m else None
 
 
 def key_problem(queue: str, key: str, prefixes: Mapping[str, str | None]) -> str | None:
