@@ -269,8 +269,17 @@ async def test_sweep_deletes_files_whose_job_is_gone(
     assert await fresh.run_once() == 0 and set(objects(s3, bucket)) == before
     assert len(pending_uploads(s3, bucket)) == 1
 
-    later = FileSweep(storage, store, grace_s=3600, clock=lambda: time.time() + 7200)
+    checked: list[str] = []
+
+    class Counted(FileSweep):
+        async def _exists(self, job_id: str) -> bool:
+            checked.append(job_id)
+            return await super()._exists(job_id)
+
+    later = Counted(storage, store, grace_s=3600, clock=lambda: time.time() + 7200)
     assert await later.run_once() == 6  # the purged job's two inputs, its output and two copies, and the orphan
+    # each job once per space its files are in: the whole-namespace walk leaves offload's own `_` spaces alone
+    assert checked.count(live) == 1 and checked.count(purged) == 4, checked
     left = objects(s3, bucket)
     assert f"results/{purged}.json" in left and custom in left
     assert all(job_of_key("sweep-live", k) == live for k in left if k not in (f"results/{purged}.json", custom))

@@ -45,13 +45,15 @@ class FileSweep:
         """One round over every queue; how many files were deleted."""
         deleted = 0
         for queue in await self.store.queues():
-            # inputs, worker outputs and copied provider files have spaces of their own; the last walk (the whole
-            # namespace, a batch a round: the slow one) finds the copies earlier versions put among the results
-            for space in (INPUTS, OUTPUTS, COPIED, ""):
-                deleted += await self._space(queue, own_prefix(queue) + space)
+            own = own_prefix(queue)
+            for space in (INPUTS, OUTPUTS, COPIED):  # inputs, worker outputs and copied provider files
+                deleted += await self._space(queue, own + space)
+            # the whole namespace, a batch a round (the slow walk), for the copies earlier versions put among the
+            # results; keys of offload's own `_` spaces are left to their walks above (one existence check each)
+            deleted += await self._space(queue, own, skip=own + "_")
         return deleted
 
-    async def _space(self, queue: str, prefix: str) -> int:
+    async def _space(self, queue: str, prefix: str, skip: str | None = None) -> int:
         after = self._cursors.get(prefix, "")
         listing = await self.storage.list_objects(prefix, BATCH, after)
         self._cursors[prefix] = listing[-1].key if len(listing) == BATCH else ""  # wrap around at the end
@@ -59,6 +61,8 @@ class FileSweep:
         alive: dict[str, bool] = {}
         deleted = 0
         for obj in listing:
+            if skip is not None and obj.key.startswith(skip):
+                continue
             job_id = job_of_key(queue, obj.key)
             if job_id is None or obj.modified > cutoff:
                 continue

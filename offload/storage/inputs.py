@@ -86,8 +86,7 @@ def outputs_prefix(job_id: str) -> str:
 
 def copied_prefix(job_id: str) -> str:
     """Where the provider files copied from job `job_id`'s default output go: a name prefix in the queue's one
-    copied-files space, not a directory per job (on local storage each directory is an inode to allocate, and
-    two per job, `<id>/files/`, were a tenth of a 2,000-job burst's end on this project's machines)."""
+    copied-files space, not a directory per job (why: offload.storage.outputs)."""
     queue, hex_part = _split(job_id)
     return f"{own_prefix(queue)}{COPIED}{hex_part}{COPIED_END}"
 
@@ -99,7 +98,7 @@ def default_job(output_key: str) -> str | None:
     if queue is None or not output_key.endswith(".json"):
         return None
     hex_part = output_key[len(own_prefix(queue)) : -len(".json")]
-    return f"{queue}:{hex_part}" if _HEX.match(hex_part) and not hex_part.startswith("_") else None
+    return f"{queue}:{hex_part}" if _HEX.match(hex_part) else None  # (`_HEX` starts with no `_`: never reserved)
 
 
 def job_of_key(queue: str, key: str) -> str | None:
@@ -117,8 +116,7 @@ def job_of_key(queue: str, key: str) -> str | None:
         hex_part, end, tail = rest[len(COPIED) :].partition(COPIED_END)
         return f"{queue}:{hex_part}" if end and tail and _HEX.match(hex_part) else None
     hex_part, _, tail = rest.partition("/")
-    legacy = tail.startswith(LEGACY_COPIED) and len(tail) > len(LEGACY_COPIED)
-    if legacy and not hex_part.startswith("_") and _HEX.match(hex_part):
+    if tail.startswith(LEGACY_COPIED) and len(tail) > len(LEGACY_COPIED) and _HEX.match(hex_part):
         return f"{queue}:{hex_part}"
     return None
 
