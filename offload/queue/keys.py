@@ -53,6 +53,8 @@ QUEUE_SUFFIXES: dict[str, str] = {
     "paused": "present while the queue is paused",
     "events": "job state changes (stream, capped)",
     "hooks:": "hooks:<worker id>, pub/sub: webhooks kept for the jobs that dispatch worker holds (hook.lua)",
+    "idle": "present while a claim found the ready set empty: the next job made ready PUBLISHes on `wake`",
+    "wake": "pub/sub: jobs became ready after a claim found none (common.lua's `wake`): idle workers claim at once",
     "alert:dlg": "the dead-letter alert's last snapshot",
 }
 
@@ -178,6 +180,11 @@ def new_job_id(queue: str) -> str:
 def hooks_channel(queue: str, worker_id: str) -> str:
     """The pub/sub channel on which a dispatch worker hears of webhooks for the jobs it holds (hook.lua)."""
     return f"{prefix(queue)}hooks:{worker_id}"
+
+
+def wake_channel(queue: str) -> str:
+    """The pub/sub channel on which idle dispatch workers hear that jobs became ready (common.lua's `wake`)."""
+    return f"{prefix(queue)}wake"
 
 
 def hook_digest(secret: str) -> str:

@@ -503,7 +503,10 @@ class QueueStore(HookStore):
         await self.redis.sadd(QUEUES_KEY, queue)
 
     async def resume(self, queue: str) -> None:
+        """Let claims take jobs again; idle workers hear of it at once (`keys.wake_channel`), not at their next
+        poll."""
         await self.redis.delete(keys.paused(validate_queue(queue)))
+        await self.redis.publish(keys.wake_channel(queue), "")
 
     async def reap(self, queue: str, limit: int = 1000) -> tuple[int, int, int]:
         """Maintenance step: (promoted, reaped, trimmed). Safe to run from any number of processes."""

@@ -33,7 +33,7 @@ from typing import Any
 from offload.backends.base import Backend
 from offload.connection import is_outage
 from offload.models import ClaimedJob
-from offload.queue.keys import hooks_channel
+from offload.queue.keys import hooks_channel, wake_channel
 from offload.queue.store import CompleteItem, QueueStore
 from offload.worker import wakeups
 from offload.worker.batching import Batcher
@@ -96,6 +96,7 @@ class Worker(JobPath):
         self._ahead: set[asyncio.Task[None]] = set()  # claimed, waiting for a slot: nothing sent anywhere yet
         self._past: set[str] = set()  # jobs whose remote work is over: storing the output, acking
         self._room = asyncio.Event()  # set when a task ends: room to claim
+        self._ready = asyncio.Event()  # set when jobs became ready after a claim found none (wakeups.py)
         self._window = ""  # unknown: the first loop releases jobs held in earlier windows
         self._lock = asyncio.Lock()  # claim and heartbeat, never both at once
         self._since: int | None = None  # the lease sequence number of the last heartbeat
@@ -130,15 +131,17 @@ class Worker(JobPath):
         helpers = [asyncio.create_task(self._heartbeat_loop())]
         if self.options.ingest_list:
             helpers.append(asyncio.create_task(self._ingest_loop(stop)))
+        channels: dict[str, Callable[[str | None], None]] = {wake_channel(self.options.queue): self._ready_news}
         if self._hooks():
-            channel = hooks_channel(self.options.queue, self.id)
-            helpers.append(asyncio.create_task(wakeups.listen(self.store.redis, channel, self._wake)))
+            channels[hooks_channel(self.options.queue, self.id)] = wakeups.hook_messages(self._wake)
+        helpers.append(asyncio.create_task(wakeups.listen(self.store.redis, channels)))
         idle = 0.02
         try:
             while not stop.is_set():
                 free = self._room_to_claim()
                 batch = min(free, self.options.claim_batch)
                 claimed: list[ClaimedJob] = []
+                self._ready.clear()  # before the claim: news that comes while it is out is not missed
                 try:
                     await self._roll_window()
                     if batch > 0:
@@ -153,9 +156,12 @@ class Worker(JobPath):
                     idle = 0.02
                     continue
                 self._room.clear()
+                # Room (a task ended) or, with room, jobs made ready (wakeups.py); the poll is the fallback for
+                # a lost message and for jobs that became due in the delayed and retry sets.
+                wake = (self._room.wait(), self._ready.wait()) if free > 0 else (self._room.wait(),)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(_first(self._room.wait(), stop.wait()), idle if free > 0 else None)
-                idle = min(idle * 2, 0.5) if not claimed else 0.02
+                    await asyncio.wait_for(_first(*wake, stop.wait()), idle if free > 0 else None)
+                idle = min(idle * 2, self.options.idle_poll_max) if not claimed else 0.02
         finally:
             await self._drain(helpers)
 
@@ -226,6 +232,10 @@ class Worker(JobPath):
         before = len(self.tasks) - len(self._past)
         most = self._prefetch.leased_max()
         return min(most - before, most + self.options.concurrency - len(self.tasks))
+
+    def _ready_news(self, _: str | None) -> None:
+        """Jobs became ready (or the subscription was lost and may have missed it): claim now."""
+        self._ready.set()
 
     def _wake(self, job_id: str | None, submission: int, body: str | None) -> None:
         """A webhook for a job of ours was kept by the server: its task reads it now (None: every job, after a

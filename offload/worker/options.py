@@ -29,6 +29,9 @@ class WorkerOptions:
     submit_retries_on_429: int = 8  # also the resends of a submit answered 409 (its key still being served)
     submit_concurrency: int = 32
     prefetch: int | None = None  # jobs leased beyond `concurrency`, ready for the next free slot (None: paced)
+    # An idle worker's claims back off from 20 ms to this. Jobs made ready wake it at once (wakeups.py); the poll
+    # is the fallback for a lost wake-up, and how soon a due delayed or retrying job is seen.
+    idle_poll_max: float = 0.5
 
     @property
     def capped(self) -> bool:

@@ -1,12 +1,18 @@
-"""Hearing of webhooks: one pub/sub subscription per dispatch worker and queue, for all the jobs it holds.
+"""Wake-ups over pub/sub: one subscription per dispatch worker and queue, for two kinds of news.
 
-The server's hook.lua PUBLISHes `<job id> <submission>` on the channel of the worker that holds the job
-(`keys.hooks_channel`) right after it kept a verified final webhook, with ` <body>` after it when the body is
-small. One blocking read serves every job in flight: a message sets that job's event, and its task takes the
-body from the message, or reads the kept one from the job record (a burst of 2,000 completions spent ~90 ms per
-job, median, between the wake-up and that read: a round trip in a batch behind the others). Pub/sub delivers
-at most once, so a message lost to a dropped connection costs that job only its fallback poll (and a job
-claimed later finds the body by itself), never its result.
+- **Jobs became ready** (`keys.wake_channel`): a claim that found the queue's ready set empty leaves a flag,
+  and the next script that makes a job ready PUBLISHes once (common.lua's `wake`). An idle worker claims at
+  once instead of at its next poll, which backs off to 0.5 s.
+- **Webhooks** (`keys.hooks_channel`, with webhooks on): the server's hook.lua PUBLISHes `<job id> <submission>`
+  on the channel of the worker that holds the job right after it kept a verified final webhook, with ` <body>`
+  after it when the body is small. One blocking read serves every job in flight: a message sets that job's
+  event, and its task takes the body from the message, or reads the kept one from the job record (a burst of
+  2,000 completions spent ~90 ms per job, median, between the wake-up and that read: a round trip in a batch
+  behind the others).
+
+Pub/sub delivers at most once, so a message lost to a dropped connection costs a wake-up only its fallback (the
+claim loop's next poll; a job's fallback poll, and a job claimed later finds its webhook body by itself), never a
+job or a result. After a reconnect every channel's handler is told (`on_resubscribed`) since messages were lost.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from offload.connection import is_outage
@@ -26,31 +32,47 @@ RECONNECT_MAX_S = 5.0
 Wake = Callable[[str | None, int, str | None], None]
 
 
-async def listen(redis: Any, channel: str, wake: Wake) -> None:
-    """Call `wake(job_id, submission, body or None)` for every message on `channel` until cancelled; reconnect
-    after an outage, then `wake(None, 0, None)`: every job looks for a kept webhook once, since messages sent
-    meanwhile were lost. A message that does not parse wakes its job without a body (it reads the record)."""
+def hook_messages(wake: Wake) -> Callable[[str | None], None]:
+    """A `listen` handler for a worker's hooks channel: `wake(job_id, submission, body or None)` per message,
+    `wake(None, 0, None)` after a reconnect (every job looks for a kept webhook once). A message that does not
+    parse wakes its job without a body (it reads the record)."""
+
+    def handle(data: str | None) -> None:
+        if data is None:
+            wake(None, 0, None)
+            return
+        job_id, _, rest = data.partition(" ")
+        number, _, body = rest.partition(" ")
+        wake(job_id, int(number) if number.isdigit() else 0, body or None)
+
+    return handle
+
+
+async def listen(redis: Any, handlers: Mapping[str, Callable[[str | None], None]]) -> None:
+    """Call `handlers[channel](data)` for every message until cancelled; reconnect after an outage, then call
+    every handler with None: messages sent meanwhile were lost."""
     pause = 0.1
     subscribed_before = False
     while True:
         pubsub = redis.pubsub(ignore_subscribe_messages=True)
         try:
-            await pubsub.subscribe(channel)
+            await pubsub.subscribe(*handlers)
             if subscribed_before:
-                wake(None, 0, None)
+                for handle in handlers.values():
+                    handle(None)
             subscribed_before = True
             pause = 0.1
             while True:
                 message = await pubsub.get_message(timeout=30.0)
                 if message is not None and message.get("type") == "message":
-                    job_id, _, rest = str(message["data"]).partition(" ")
-                    number, _, body = rest.partition(" ")
-                    wake(job_id, int(number) if number.isdigit() else 0, body or None)
+                    handler = handlers.get(str(message["channel"]))
+                    if handler is not None:
+                        handler(str(message["data"]))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             if not is_outage(exc):
-                log.warning("webhook wake-ups: %s: %s", type(exc).__name__, exc)
+                log.warning("pub/sub wake-ups: %s: %s", type(exc).__name__, exc)
             await asyncio.sleep(pause)
             pause = min(pause * 2, RECONNECT_MAX_S)
         finally:

@@ -5,6 +5,8 @@
 -- remote job to resume; under the job cap, a job already counted in the window), from the head of the ready set.
 -- A repeat of the worker's last claim (same request id: its reply was lost and the client sent it again) answers
 -- the same jobs again instead of leasing more.
+-- A claim that empties the ready set leaves `idle` behind: the next script that makes a job ready PUBLISHes on
+-- `wake` (common.lua), so an idle worker claims the moment work comes instead of at its next poll.
 -- With `begin` ('1'), the claim also opens the submit intent of each fresh job, as begin.lua would right after it
 -- (a worker on a synchronous API without caps begins every job the moment it has it: one round trip less per
 -- job). Only a job with nothing unsettled is begun here: no remote id, no open intent, no cancel, and no cap
@@ -82,6 +84,9 @@ if capped then
 else
   local popped = redis.call('ZPOPMIN', P .. 'ready', n)
   for j = 1, #popped, 2 do picked[#picked + 1] = popped[j] end
+  -- the ready set ran dry: the next job made ready wakes the idle workers (common.lua's `wake`). Not under a
+  -- cap or a pause, whose claims take nothing however many jobs come: each would be a wake-up for nothing.
+  if #picked < n then redis.call('SET', P .. 'idle', '1', 'PX', 600000) end
 end
 if #picked == 0 then return {} end
 local out, ids, active, owned, submitted, cancels, waits, flags = {}, {}, {}, {}, {}, {}, {}, {}

@@ -64,6 +64,7 @@ for _, job in ipairs(jobs) do
 end
 bulk_zadd(P .. 'ready', readyz)
 bulk_zadd(P .. 'delayed', delayz)
+if #ready > 0 then wake() end
 count('enqueued', #ready + #delayed)
 event(ready, 'queued')
 event(delayed, 'delayed')

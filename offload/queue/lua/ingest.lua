@@ -115,5 +115,6 @@ for _ = 1, limit do
 end
 count('enqueued', #queued + #bad)
 event(queued, 'queued')
+if #queued > 0 then wake() end
 finish(bad, 'dead', now, nil, nil)
 return {ok_n, #bad}

@@ -100,6 +100,13 @@ local function heard(wid, now, lease)
   redis.call('SREM', P .. 'excused', wid)
 end
 
+-- Jobs became ready: if a claim found the ready set empty since the last wake (it set `idle`), tell the idle
+-- workers at once (they wait on `wake` instead of their next poll, up to 0.5 s away). One message per idle
+-- spell, not one per job: a queue whose workers are busy costs a DEL per call and nothing more.
+local function wake()
+  if redis.call('DEL', P .. 'idle') == 1 then redis.call('PUBLISH', P .. 'wake', '') end
+end
+
 -- Put jobs into the ready set. A fresh score puts a job behind everything of its priority; a reaped job
 -- keeps its old score so it is resumed before newer work.
 local function make_ready(ids, now, fresh)
@@ -123,6 +130,7 @@ local function make_ready(ids, now, fresh)
   end
   bulk_zadd(P .. 'ready', zs)
   event(ids, 'queued')
+  wake()
 end
 
 -- Leave the active set: forget the leases everywhere they are indexed. owners: id -> owner. A worker's
