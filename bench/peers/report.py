@@ -500,6 +500,10 @@ cut at {gpu_cap:g} s. {gpu_reps} repetition(s). The peers' jobs only sleep; offl
 of a dispatch worker for each job (an HTTP submit, polls on a growing interval up to 5 s, the output fetched and
 written to a local directory, an atomic script per step), with the simulator answering on the same two cores, so its
 "all done after" also carries its poll interval (a 30 s job is seen done at its first poll after 30 s).
+"All done after" is each system's own record of its last job done: the peers' reporter stamps the moment the
+last job body returned (before its broker acknowledgement); offload's is the `finished_at` Valkey stamped in the
+script that marked the last job succeeded, after its output was stored (the harness's own 0.1 s polls of the
+queue's counts, which it once used, added up to 0.1 s; their figure is kept in the JSON as `detected_s`).
 offload runs (c) a second time with provider webhooks on ("offload, webhooks"): the same worker, now against the
 simulator's Replicate API (the tutorial job API has no webhooks), with `server.public_url` set and a real
 `offload server` on it; the simulator signs each delivery as Replicate does (Standard Webhooks), the server
