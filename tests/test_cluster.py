@@ -3,6 +3,8 @@ the node that owns the queue's hash tag, for queues spread over all three nodes.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -13,9 +15,10 @@ from servers import SLOT_RANGES, ValkeyCluster
 from offload.connection import connect
 from offload.errors import ConfigError
 from offload.models import JobState
-from offload.queue.keys import prefix
+from offload.queue.keys import prefix, wake_channel
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
+from offload.worker import wakeups
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +82,23 @@ async def test_ingest_from_a_list_in_the_queue_slot(cstore: QueueStore) -> None:
 async def test_ingest_from_a_list_in_another_slot_names_the_fix(cstore: QueueStore) -> None:
     with pytest.raises(ConfigError, match=r"\{gpu\}"):
         await cstore.ingest("gpu:jobs", "gpu")
+
+
+async def test_idle_workers_are_woken_on_every_master(cstore: QueueStore) -> None:
+    """The wake-up (wakeups.py) on a cluster: the script PUBLISHes on the node of the queue's slot and classic
+    pub/sub carries it to a subscriber connected anywhere. Until the subscription is in place a message is
+    lost, so the test claims (leaving `idle`) and enqueues again until one arrives."""
+    for queue in queues_on_every_node():
+        woken = asyncio.Event()
+        listener = asyncio.create_task(wakeups.listen(cstore.redis, {wake_channel(queue): lambda _, w=woken: w.set()}))
+        try:
+            deadline = asyncio.get_running_loop().time() + 10
+            while not woken.is_set():
+                assert asyncio.get_running_loop().time() < deadline, f"no wake-up for {queue}"
+                await cstore.claim(queue, "w", 100)  # empties the ready set: leaves `idle`
+                await cstore.enqueue(queue, JobSpec(input="x"))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(woken.wait(), 0.2)
+        finally:
+            listener.cancel()
+            await asyncio.gather(listener, return_exceptions=True)
