@@ -246,14 +246,21 @@ async def test_a_cancel_during_the_rate_limit_wait_is_never_submitted(
     await configure(sim, latency=30)
     settings = make_settings(valkey_url, no_outputs, sim, "http-job")
     settings.backends["gpu"].rate_limit = "1/hour"
-    (first, _), (second, second_input) = await enqueue(store, "ratelimited", 2)
+    pairs = await enqueue(store, "ratelimited", 2)
     async with worker(settings, lease_ms=3000) as (task, _):
-        await until_state(store, [first], "submitted", task)
-        assert (await store.get(second)).state == "active"  # waiting for its slot, an hour away
-        assert await store.cancel(second) == "requested"
-        [job] = await until_state(store, [second], "cancelled", task, timeout=10)
+        # The two jobs ask for the one token at once, on two connections: either may get it (it was assumed
+        # to be the first enqueued, and once under load the second won and the test waited on the first).
+        async def one_submitted() -> bool:
+            return "submitted" in [(await store.get(job_id)).state for job_id, _ in pairs]
+
+        await until(one_submitted, "one job to take the only token", task)
+        states = {job_id: (await store.get(job_id)).state for job_id, _ in pairs}
+        assert sorted(states.values()) == ["active", "submitted"]  # the other waits for a token an hour away
+        waiting, waiting_input = next((j, i) for j, i in pairs if states[j] == "active")
+        assert await store.cancel(waiting) == "requested"
+        [job] = await until_state(store, [waiting], "cancelled", task, timeout=10)
     assert job.submission is None
-    assert second_input not in (await stats(sim))["submissions_by_input_id"]
+    assert waiting_input not in (await stats(sim))["submissions_by_input_id"]
 
 
 # -- defect 11: a worker reaped while storing the output still writes it ----------------------------------------
