@@ -10,12 +10,13 @@ next is 2.56 s): a job claimed within 1 s of its enqueue was claimed on the wake
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import test_worker_faults as faults
+from redis.exceptions import ConnectionError as RedisConnectionError
 from servers import ValkeyServer
 from test_worker_faults import make_settings, until, until_state, worker
 
@@ -23,6 +24,7 @@ from offload.connection import connect
 from offload.queue import keys
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
+from offload.worker import wakeups
 
 sim, _clean_sim = faults.sim, faults._clean_sim  # the simulator (module-scoped) and its reset between tests
 IDLE_S = 3.0  # see the module docstring
@@ -161,4 +163,46 @@ async def test_after_a_valkey_restart_the_worker_is_woken_again(
             await until(subscribed, "the worker to subscribe again", task, timeout=30)
             await idle_then_enqueue(store, task, "restart-2")
     finally:
+        await redis.aclose()
+
+
+async def test_listen_routes_by_channel_and_tells_every_handler_once_subscribed(own_valkey: ValkeyServer) -> None:
+    """Each handler gets None whenever the subscription is (again) in place, the first time included: a wake
+    published before it was lost, and the worker's first claims may have run ahead of it. Then messages go to
+    their channel's handler only. After a Valkey SIGKILL and restart both handlers are told again."""
+    redis = await connect(own_valkey.url)
+    got: dict[str, list[str | None]] = {"a": [], "b": []}
+    news = asyncio.Event()
+
+    def handler(name: str) -> Callable[[str | None], None]:
+        def handle(data: str | None) -> None:
+            got[name].append(data)
+            news.set()
+
+        return handle
+
+    listener = asyncio.create_task(wakeups.listen(redis, {"chan-a": handler("a"), "chan-b": handler("b")}))
+
+    async def heard(expected: dict[str, list[str | None]]) -> None:
+        async def equal() -> bool:
+            return got == expected
+
+        await until(equal, f"the handlers to have heard {expected} (they heard {got})", timeout=30)
+
+    try:
+        await heard({"a": [None], "b": [None]})
+        await redis.publish("chan-b", "hello")
+        await redis.publish("chan-other", "not ours")
+        await heard({"a": [None], "b": [None, "hello"]})
+        own_valkey.kill()
+        own_valkey.restart()
+        await heard({"a": [None, None], "b": [None, "hello", None]})
+        try:
+            await redis.publish("chan-a", "again")
+        except RedisConnectionError:  # this test's own pooled connection died with the server: once more
+            await redis.publish("chan-a", "again")
+        await heard({"a": [None, None, "again"], "b": [None, "hello", None]})
+    finally:
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
         await redis.aclose()

@@ -12,7 +12,8 @@
 
 Pub/sub delivers at most once, so a message lost to a dropped connection costs a wake-up only its fallback (the
 claim loop's next poll; a job's fallback poll, and a job claimed later finds its webhook body by itself), never a
-job or a result. After a reconnect every channel's handler is told (`on_resubscribed`) since messages were lost.
+job or a result. Once subscribed (after a reconnect, and the first time) every channel's handler is called
+with None, since messages sent before were lost.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ Wake = Callable[[str | None, int, str | None], None]
 
 def hook_messages(wake: Wake) -> Callable[[str | None], None]:
     """A `listen` handler for a worker's hooks channel: `wake(job_id, submission, body or None)` per message,
-    `wake(None, 0, None)` after a reconnect (every job looks for a kept webhook once). A message that does not
-    parse wakes its job without a body (it reads the record)."""
+    `wake(None, 0, None)` once subscribed (every job in flight looks for a kept webhook once: after a reconnect,
+    messages were lost; the first time, the jobs are few if any). A message that does not parse wakes its job
+    without a body (it reads the record)."""
 
     def handle(data: str | None) -> None:
         if data is None:
@@ -49,18 +51,17 @@ def hook_messages(wake: Wake) -> Callable[[str | None], None]:
 
 
 async def listen(redis: Any, handlers: Mapping[str, Callable[[str | None], None]]) -> None:
-    """Call `handlers[channel](data)` for every message until cancelled; reconnect after an outage, then call
-    every handler with None: messages sent meanwhile were lost."""
+    """Call `handlers[channel](data)` for every message until cancelled; reconnect after an outage. Every
+    handler is called with None each time the subscription is in place, the first time too: messages sent
+    before it (while reconnecting, or while the worker's first claims ran ahead of its first subscription)
+    were lost."""
     pause = 0.1
-    subscribed_before = False
     while True:
         pubsub = redis.pubsub(ignore_subscribe_messages=True)
         try:
             await pubsub.subscribe(*handlers)
-            if subscribed_before:
-                for handle in handlers.values():
-                    handle(None)
-            subscribed_before = True
+            for handle in handlers.values():
+                handle(None)
             pause = 0.1
             while True:
                 message = await pubsub.get_message(timeout=30.0)
