@@ -68,6 +68,14 @@ def fast_valkey_url(fast_valkey: ValkeyServer) -> Iterator[str]:
 
 
 @pytest.fixture
+def own_valkey(tmp_path: Path) -> Iterator[ValkeyServer]:
+    """A Valkey of the test's own (AOF, appendfsync always: nothing acknowledged is lost), for tests that
+    SIGKILL, SIGSTOP or restart it."""
+    with ValkeyServer(tmp_path / "valkey", appendfsync="always") as server:
+        yield server
+
+
+@pytest.fixture
 async def store(backend_url: str) -> AsyncIterator[QueueStore]:
     client = await connect(backend_url)
     yield QueueStore(client)

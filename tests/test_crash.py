@@ -76,13 +76,6 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
         p.kill_all()
 
 
-@pytest.fixture
-def dedicated_valkey(tmp_path: Path) -> Iterator[ValkeyServer]:
-    """A server of this test's own, since the test SIGKILLs it."""
-    with ValkeyServer(tmp_path / "valkey", appendfsync="always") as server:
-        yield server
-
-
 async def open_store(url: str, **kwargs: Any) -> QueueStore:
     client = await connect(url)
     client.set_retry(Retry(NoBackoff(), 0))  # the test handles outages itself, without hidden delays
@@ -90,8 +83,8 @@ async def open_store(url: str, **kwargs: Any) -> QueueStore:
 
 
 @pytest.fixture
-async def crash_store(dedicated_valkey: ValkeyServer) -> AsyncIterator[QueueStore]:
-    store = await open_store(dedicated_valkey.url)
+async def crash_store(own_valkey: ValkeyServer) -> AsyncIterator[QueueStore]:
+    store = await open_store(own_valkey.url)
     yield store
     await store.redis.aclose()
 
@@ -182,9 +175,9 @@ async def succeeded(store: QueueStore, queue: str) -> int | None:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 async def test_every_job_completes_exactly_once_through_kills_and_server_restart(
-    dedicated_valkey: ValkeyServer, crash_store: QueueStore, procs: Procs
+    own_valkey: ValkeyServer, crash_store: QueueStore, procs: Procs
 ) -> None:
-    store, server, out = crash_store, dedicated_valkey, procs.out
+    store, server, out = crash_store, own_valkey, procs.out
     queue, total, lease_ms, batch, work_ms = "crash", 5_000, 1_000, 20, 1.0
     seed = int(os.environ.get("OFFLOAD_CRASH_SEED", "20240611"))
     rng = random.Random(seed)

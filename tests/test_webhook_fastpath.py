@@ -31,12 +31,6 @@ SECRET = "fast-path-secret-0123456789abcdef"
 
 
 @pytest.fixture
-def own_valkey(tmp_path: Path) -> Iterator[ValkeyServer]:
-    with ValkeyServer(tmp_path / "valkey") as server:
-        yield server
-
-
-@pytest.fixture
 def server(own_valkey: ValkeyServer, tmp_path: Path) -> Iterator[str]:
     port = free_port()
     settings = Settings.model_validate(

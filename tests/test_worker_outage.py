@@ -16,7 +16,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -31,13 +31,6 @@ from offload.queue.store import QueueStore
 s3, sim, bucket, fleets = crash.s3, crash.sim, crash.bucket, crash.fleets  # fixtures shared with test_worker_crash
 LEASE_MS = 3000
 N_JOBS = 30
-
-
-@pytest.fixture
-def own_valkey(tmp_path: Path) -> Iterator[ValkeyServer]:
-    """A Valkey of this test's own: it is stopped and killed."""
-    with ValkeyServer(tmp_path / "valkey", appendfsync="always") as server:
-        yield server
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ next is 2.56 s): a job claimed within 1 s of its enqueue was claimed on the wake
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,16 +26,9 @@ from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 from offload.worker import wakeups
 
-sim, _clean_sim = faults.sim, faults._clean_sim  # the simulator (module-scoped) and its reset between tests
+sim, _clean_sim, store = faults.sim, faults._clean_sim, faults.store  # the simulator, its reset, a QueueStore
 IDLE_S = 3.0  # see the module docstring
 PROMPT_S = 1.0
-
-
-@pytest.fixture
-async def store(valkey_url: str) -> AsyncIterator[QueueStore]:
-    redis = await connect(valkey_url)
-    yield QueueStore(redis)
-    await redis.aclose()
 
 
 @pytest.fixture
@@ -106,7 +99,6 @@ async def _exists(store: QueueStore, key: str) -> bool:
 async def test_an_idle_worker_claims_a_new_job_at_once(
     store: QueueStore, valkey_url: str, sim: str, outputs: dict[str, Any]
 ) -> None:
-    await store.redis.delete(keys.prefix("q") + "idle")
     settings = make_settings(valkey_url, outputs, sim, "http-job")
     async with worker(settings, idle_poll_max=60.0) as (task, _):
         await idle_then_enqueue(store, task, "wake-1")
@@ -134,13 +126,6 @@ async def test_a_resumed_queue_is_claimed_at_once(
 
 async def _claimed(store: QueueStore, job_id: str) -> bool:
     return (await store.get(job_id)).started_at is not None
-
-
-@pytest.fixture
-def own_valkey(tmp_path: Path) -> Iterator[ValkeyServer]:
-    """A Valkey of this test's own: it is killed and restarted."""
-    with ValkeyServer(tmp_path / "valkey", appendfsync="always") as server:
-        yield server
 
 
 async def test_after_a_valkey_restart_the_worker_is_woken_again(

@@ -238,8 +238,8 @@ class Worker(JobPath):
         self._ready.set()
 
     def _wake(self, job_id: str | None, submission: int, body: str | None) -> None:
-        """A webhook for a job of ours was kept by the server: its task reads it now (None: every job, after a
-        lost subscription; see wakeups.py), from `body` when the message carried it."""
+        """A webhook for a job of ours was kept by the server: its task reads it now (None: every job, once the
+        subscription is in place; see wakeups.py), from `body` when the message carried it."""
         if job_id is None:
             for event in self._hooked.values():
                 event.set()
