@@ -48,3 +48,16 @@ def run(main: Coroutine[Any, Any, T]) -> T:
         raise
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(main)
+
+
+async def first_of(*aws: Any) -> None:
+    """Wait until the first of several awaitables finishes (a stop event, a wake-up, a timer), then cancel the
+    others this created; a future passed in is the caller's and is left alone. One helper for every wait of the
+    worker's loops, so none leaves a waiter task behind."""
+    tasks = [a if isinstance(a, asyncio.Future) else asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for given, task in zip(aws, tasks, strict=True):
+            if task is not given:
+                task.cancel()

@@ -28,10 +28,10 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
-from typing import Any
 
 from offload.backends.base import Backend
 from offload.connection import is_outage
+from offload.eventloop import first_of
 from offload.models import ClaimedJob
 from offload.queue.keys import hooks_channel, wake_channel
 from offload.queue.store import CompleteItem, QueueStore
@@ -150,7 +150,7 @@ class Worker(JobPath):
                     if not is_outage(exc):
                         raise
                     self.health.failed(exc)
-                    await _first(self.health.wait(), stop.wait())
+                    await first_of(self.health.wait(), stop.wait())
                     continue
                 if claimed and len(claimed) == batch:
                     idle = 0.02
@@ -160,7 +160,7 @@ class Worker(JobPath):
                 # a lost message and for jobs that became due in the delayed and retry sets.
                 wake = (self._room.wait(), self._ready.wait()) if free > 0 else (self._room.wait(),)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(_first(*wake, stop.wait()), idle if free > 0 else None)
+                    await asyncio.wait_for(first_of(*wake, stop.wait()), idle if free > 0 else None)
                 idle = min(idle * 2, self.options.idle_poll_max) if not claimed else 0.02
         finally:
             await self._drain(helpers)
@@ -385,13 +385,3 @@ class Worker(JobPath):
             spend_cap=opts.daily_spend_cap,
             backend=opts.backend_name,
         )
-
-
-async def _first(*aws: Any) -> None:
-    """Wait until the first of several awaitables finishes; the others are cancelled."""
-    tasks = [asyncio.ensure_future(a) for a in aws]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in tasks:
-            task.cancel()

@@ -35,6 +35,7 @@ from typing import IO, Any
 import orjson
 
 from offload.errors import StaleLease, WorkerError
+from offload.eventloop import first_of
 from offload.worker.remote_api import ServerApi, ServerRejected, Unregistered
 from offload.worker.remote_files import FileTransferError, JobFiles
 
@@ -244,11 +245,11 @@ class RemoteWorker:
                 free = self.o.concurrency - len(self.tasks)
                 if free <= 0:
                     self._slot.clear()
-                    await _first(self._slot.wait(), stop.wait())
+                    await first_of(self._slot.wait(), stop.wait())
                     continue
                 queue, wait = self._next_queue()
                 claim = asyncio.create_task(self.api.claim(self.worker_id, queue, free, wait))
-                await _first(claim, stop.wait())
+                await first_of(claim, stop.wait())
                 if not claim.done():  # stopping: the server sees the disconnect and hands back what it claimed
                     claim.cancel()
                     with contextlib.suppress(BaseException):
@@ -263,11 +264,11 @@ class RemoteWorker:
                     if exc.status in (401, 403):  # the key was revoked or never fit: retrying cannot help
                         raise
                     log.warning("claim failed: %s", exc)
-                    await _first(asyncio.sleep(1.0), stop.wait())
+                    await first_of(asyncio.sleep(1.0), stop.wait())
                     continue
                 except ConnectionError as exc:
                     log.warning("claim failed: %s", exc)
-                    await _first(asyncio.sleep(1.0), stop.wait())
+                    await first_of(asyncio.sleep(1.0), stop.wait())
                     continue
                 for job in jobs:
                     if old := self.tasks.get(job["id"]):  # our earlier lease of it was lost and it came back to us
@@ -396,17 +397,6 @@ def _describe(exc: BaseException, with_trace: bool = False) -> str:
         tail = "".join(traceback.format_exception(exc)[-3:])
         text = f"{text}\n{tail}"
     return text[:4000]
-
-
-async def _first(*aws: Any) -> None:
-    """Wait until the first of several awaitables finishes; the others (if created here) are cancelled."""
-    tasks = [a if isinstance(a, asyncio.Future) else asyncio.ensure_future(a) for a in aws]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for given, task in zip(aws, tasks, strict=True):
-            if task is not given:
-                task.cancel()
 
 
 def _version() -> str:
