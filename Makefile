@@ -2,7 +2,15 @@
 #   make demo   - the main job on the embedded default (a persistent Valkey under ./.offload/)
 #   make test   - lint, type-check and the whole test suite (pytest) against real servers (and a real browser:
 #                 Debian's chromium, installed with apt-get when missing, as is libjemalloc2)
-PYTHON ?= python3
+# The venvs' interpreter: the distro's CPython (/usr/bin/python3) where it is 3.11 or newer and has venv, as
+# deploy/'s cloud-init and image install offload on it, else the first python3 on PATH; `make PYTHON=...` to
+# choose. Why the distro's first: tests and benchmarks then run on the interpreter offload is deployed with, and a
+# CPython built without PGO/LTO (pyenv's default, the PATH's python3 on these machines) ran offload's 2,000-job
+# webhook burst with 15-20 % more CPU in the worker and the simulator (docs/benchmarks.md, *Interpreter*).
+PYTHON ?= $(shell for p in /usr/bin/python3 python3; do "$$p" -c 'import sys, ensurepip, venv; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1 && { echo "$$p"; break; }; done)
+ifeq ($(strip $(PYTHON)),)
+$(error no Python 3.11+ with the venv module found: install one, or run make PYTHON=/path/to/python3.11)
+endif
 VENV := .venv
 BIN := $(VENV)/bin
 # checkov (IaC scanner) lives in a venv of its own: it pins dependencies the project's venv must not inherit. The

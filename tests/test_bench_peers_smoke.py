@@ -79,3 +79,16 @@ def test_peers_bench_offload_only(tmp_path: Path) -> None:
     assert pngs == ["peers-durability.png", "peers-inflight.png", "peers-throughput.png"]
     assert all((out / "img" / p).read_bytes().startswith(b"\x89PNG") for p in pngs)
     assert all(f"img/{p}" in page for p in pngs)
+
+
+def test_a_peer_venv_made_by_another_interpreter_is_made_again(tmp_path: Path) -> None:
+    """Every system must run on the interpreter that runs the benchmark: a venv's stamp names its interpreter."""
+    from bench.peers.systems import PEERS, venv_key
+
+    peer = PEERS[0]
+    other = tmp_path / "python3"
+    other.symlink_to(sys.executable)
+    assert venv_key(peer, sys.executable) == venv_key(peer, sys.executable)
+    assert venv_key(peer, sys.executable) != venv_key(peer, str(tmp_path / "elsewhere" / "python3"))
+    assert venv_key(peer, str(other)) == venv_key(peer, sys.executable)  # a link to the same interpreter is it
+    assert venv_key(peer, sys.executable) != venv_key(PEERS[1], sys.executable)

@@ -519,6 +519,15 @@ happen (offload: the simulator counts submissions per job; the end is `succeeded
 the new worker resumes polling them. Measured earlier on this machine with a longer watch (not by this
 runner): arq re-ran the killed jobs after ~308 s, Dramatiq after ~321 s; RQ, Celery and taskiq never did.
 
+**Interpreter.** Every system runs on the interpreter that runs the benchmark: each peer's venv is made from it
+(and made again when it changes), and offload runs from the project's `.venv`, which `make` makes from the
+distro's CPython where it is 3.11 or newer: the interpreter deploy/'s cloud-init and image install offload on.
+The build matters for a worker that spends its time in Python. Measured by hand on 2026-12-03 on a 2-core AMD
+EPYC (not by this runner), `--workloads gpu --systems offload` twice under each of two builds of CPython 3.11,
+interleaved: Debian's 3.11.2 against pyenv's default build of 3.11.7 (no PGO or LTO, a shared libpython), for
+(c) with webhooks on: worker CPU 1.91 and 1.84 s against 2.22 and 2.19 s, simulator CPU 1.19 and 1.14 s against
+1.45 and 1.38 s, all done after 31.45 and 31.31 s against 31.55 and 31.55 s.
+
 **Reference.** Figures measured by hand earlier on this machine (100 in flight, one process, no-op jobs/s):
 taskiq ~2.2k, Dramatiq ~2.1k, SAQ ~1.5k, arq ~0.9k, Celery ~0.85k, RQ 0.06-0.27k. The runner does not use them;
 they are here to compare with what it measured.

@@ -126,7 +126,8 @@ def machine(valkey: str) -> dict[str, Any]:
         "cpu": cpu,
         "memory_gb": mem,
         "os": f"{platform.system()} {platform.release()}",
-        "python": platform.python_version(),
+        # the interpreter every system's venv is made from (systems.ensure_venv): its build moves every figure
+        "python": f"{platform.python_version()} ({os.path.realpath(getattr(sys, '_base_executable', sys.executable))})",
         "valkey": valkey,
         "valkey_allocator": allocator(),  # what offload.embedded.server_env preloads (glibc's without jemalloc)
         "load_before": " ".join(f"{x:.2f}" for x in os.getloadavg()),

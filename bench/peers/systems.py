@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import os
 import subprocess
 import sys
 import time
@@ -126,16 +127,29 @@ OFFLOAD_WEBHOOKS = "offload-webhooks"
 LABELS = {s.name: s.label for s in ALL} | {OFFLOAD_WEBHOOKS: "offload, webhooks"}
 
 
+def venv_key(system: System, base: str) -> str:
+    """What a system's venv is made from: its pinned requirements and the interpreter `base` (its real path), so a
+    venv made by another interpreter is made again, never reused (a venv follows its interpreter's in-place
+    upgrades by itself: it links to it)."""
+    key = [sorted(system.requirements), os.path.realpath(base)]
+    return hashlib.sha256(json.dumps(key).encode()).hexdigest()
+
+
+def _base() -> str:
+    return getattr(sys, "_base_executable", sys.executable)
+
+
 def ensure_venv(system: System, log: Path) -> float:
-    """Create or reuse the system's venv (keyed by its pinned requirements); returns the seconds spent."""
+    """Create or reuse the system's venv (keyed by its pinned requirements and the interpreter it is made from:
+    every system runs on the interpreter that runs the benchmark); returns the seconds spent."""
     if system.venv is None:
         return 0.0
     stamp = system.venv / ".bench-requirements"
-    wanted = hashlib.sha256(json.dumps(sorted(system.requirements)).encode()).hexdigest()
+    base = _base()
+    wanted = venv_key(system, base)
     if stamp.exists() and stamp.read_text() == wanted and Path(system.python).exists():
         return 0.0
     t0 = time.perf_counter()
-    base = getattr(sys, "_base_executable", sys.executable)
     with log.open("ab") as out:
         subprocess.run([base, "-m", "venv", "--clear", str(system.venv)], check=True, stdout=out, stderr=out)
         subprocess.run(
