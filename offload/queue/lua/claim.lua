@@ -31,21 +31,24 @@ stamp(now, silence)
 heard(wid, now, lease)
 local last_key = P .. 'lastclaim:' .. wid
 
-local function reply(out, id, token, f, before)
-  out[#out + 1] = id
-  out[#out + 1] = token
-  out[#out + 1] = tonumber(f[2] or 0)
-  out[#out + 1] = f[1]
-  out[#out + 1] = f[4]
-  out[#out + 1] = f[5] or ('results/' .. id .. '.json')
-  out[#out + 1] = f[6] or ''
-  out[#out + 1] = f[3] or ''
-  out[#out + 1] = f[7] or '0'
-  out[#out + 1] = before
-  out[#out + 1] = f[11] or '0'
+-- Appends one job's reply fields at `no` (the count so far; a running count, as `#out` is a search each time)
+-- and returns the new count.
+local function reply(out, no, id, token, f, before)
   local open, own = f[12] == '1', f[14] == token
-  out[#out + 1] = (open and not own) and '1' or '0'
-  out[#out + 1] = (open and own) and '1' or '0'
+  out[no + 1] = id
+  out[no + 2] = token
+  out[no + 3] = tonumber(f[2] or 0)
+  out[no + 4] = f[1]
+  out[no + 5] = f[4]
+  out[no + 6] = f[5] or ('results/' .. id .. '.json')
+  out[no + 7] = f[6] or ''
+  out[no + 8] = f[3] or ''
+  out[no + 9] = f[7] or '0'
+  out[no + 10] = before
+  out[no + 11] = f[11] or '0'
+  out[no + 12] = (open and not own) and '1' or '0'
+  out[no + 13] = (open and own) and '1' or '0'
+  return no + 13
 end
 
 if req ~= '' then
@@ -53,11 +56,11 @@ if req ~= '' then
   if last then
     local memo = cjson.decode(last)
     if memo[1] == req then
-      local out = {}
+      local out, no = {}, 0
       for i, id in ipairs(memo[2]) do
         local f = redis.call('HMGET', jkey(id), unpack(FIELDS))
         if f[1] and (f[13] or '') ~= '' and redis.call('ZSCORE', P .. 'owned:' .. wid, id) then
-          reply(out, id, f[13], f, memo[3][i])
+          no = reply(out, no, id, f[13], f, memo[3][i])
         end
       end
       return out
@@ -90,6 +93,7 @@ else
 end
 if #picked == 0 then return {} end
 local out, ids, active, owned, submitted, cancels, waits, flags = {}, {}, {}, {}, {}, {}, {}, {}
+local no, taken = 0, 0  -- running counts: the reply's fields, the jobs leased
 local base = redis.call('INCRBY', P .. 'tok', #picked) - #picked
 for _, id in ipairs(picked) do
   local k = jkey(id)
@@ -103,27 +107,26 @@ for _, id in ipairs(picked) do
       state = 'submitted'
       submitted[#submitted + 1] = id
     end
-    local fields = {'state', state, 'owner', wid, 'token', token, 'started_at', now, 'attempts', attempt}
     if begin and state == 'active' and f[12] ~= '1' and f[7] ~= '1' then  -- the intent begin.lua would open
       local n = next_submission(f[11], f[15])
-      for _, v in ipairs({'sub_n', n, 'sub_open', '1', 'intent_at', now, 'intent_by', wid, 'intent_tok', token}) do
-        fields[#fields + 1] = v
-      end
+      redis.call('HSET', k, 'state', state, 'owner', wid, 'token', token, 'started_at', now, 'attempts', attempt,
+        'sub_n', n, 'sub_open', '1', 'intent_at', now, 'intent_by', wid, 'intent_tok', token)
       f[11], f[12], f[14] = tostring(n), '1', token
+    else
+      redis.call('HSET', k, 'state', state, 'owner', wid, 'token', token, 'started_at', now, 'attempts', attempt)
     end
-    redis.call('HSET', k, unpack(fields))
     f[2] = attempt
-    ids[#ids + 1] = id
-    active[#active + 1] = now
-    active[#active + 1] = id
-    owned[#owned + 1] = base
-    owned[#owned + 1] = id
+    taken = taken + 1
+    ids[taken] = id
+    active[2 * taken - 1] = now
+    active[2 * taken] = id
+    owned[2 * taken - 1] = base
+    owned[2 * taken] = id
     if f[7] == '1' then cancels[#cancels + 1] = id end
-    waits[#waits + 1] = now - tonumber(f[9] or f[10] or now)
-    local before = '0'
-    if f[8] then before = '1' end
-    flags[#flags + 1] = before
-    reply(out, id, token, f, before)
+    waits[taken] = now - tonumber(f[9] or f[10] or now)
+    local before = f[8] and '1' or '0'
+    flags[taken] = before
+    no = reply(out, no, id, token, f, before)
   end
 end
 bulk_zadd(P .. 'active', active)

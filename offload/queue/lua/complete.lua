@@ -9,7 +9,8 @@
 --- @include "common"
 local now = now_ms(ARGV[1])
 local out, done, owners, infos, extra, seen, runs = {}, {}, {}, {}, {}, {}, {}
-for _, item in ipairs(cjson.decode(ARGV[2])) do
+local nd = 0  -- jobs completed so far (a running count: `#t` is a search each time)
+for i, item in ipairs(cjson.decode(ARGV[2])) do
   local id, token, result, cost = item[1], item[2], item[3], item[4]
   local f, err = nil, nil
   if seen[id] then  -- the same job twice in one batch: the first item decided it
@@ -18,30 +19,32 @@ for _, item in ipairs(cjson.decode(ARGV[2])) do
     f, err = owned(id, token)
   end
   if err == 'REPEAT' then
-    out[#out + 1] = 'OK'
+    out[i] = 'OK'
   elseif err == 'STALE' and redis.call('HGET', jkey(id), 'state') == 'succeeded'
       and redis.call('HGET', jkey(id), 'token') == token then
-    out[#out + 1] = 'OK'
+    out[i] = 'OK'
   elseif err then
-    out[#out + 1] = err
+    out[i] = err
   else
     local fields = {'result', result}
     if cost ~= '' then
-      fields[#fields + 1] = 'cost'
-      fields[#fields + 1] = cost
+      fields[3], fields[4] = 'cost', cost
       settle(jkey(id), id, tonumber(cost), false)
     end
     if item[6] then  -- a run never checkpointed: record it and close its submit intent (as checkpoint.lua would)
-      for _, v in ipairs({'backend', item[5], 'remote_id', item[6], 'submitted_at', now, 'sub_n', item[7],
-          'remote_n', item[7], 'sub_open', '0'}) do fields[#fields + 1] = v end
+      local m = #fields
+      fields[m + 1], fields[m + 2], fields[m + 3], fields[m + 4] = 'backend', item[5], 'remote_id', item[6]
+      fields[m + 5], fields[m + 6], fields[m + 7], fields[m + 8] = 'submitted_at', now, 'sub_n', item[7]
+      fields[m + 9], fields[m + 10], fields[m + 11], fields[m + 12] = 'remote_n', item[7], 'sub_open', '0'
     end
-    extra[#extra + 1] = fields
-    done[#done + 1] = id
+    nd = nd + 1
+    extra[nd] = fields
+    done[nd] = id
     seen[id] = token
     owners[id] = f[2]
-    infos[#infos + 1] = {f[3], f[5]}
-    runs[#runs + 1] = now - tonumber(f[4] or now)
-    out[#out + 1] = 'OK'
+    infos[nd] = {f[3], f[5]}
+    runs[nd] = now - tonumber(f[4] or now)
+    out[i] = 'OK'
   end
 end
 unlease(done, owners)

@@ -2,7 +2,11 @@
 -- KEYS[1] is the queue's key prefix, e.g. "offload:{gpu}:",
 -- so every key a script touches carries the queue's hash tag and lives in one cluster slot.
 -- Hot paths batch their set updates (one ZADD/SREM for many jobs) and write each job hash once: the cost
--- of a script is mostly the number of redis.call()s it makes.
+-- of a script is mostly the number of redis.call()s it makes. In a per-job loop, the Lua around those calls
+-- counts too: append with a running count, not `t[#t + 1]` (`#` is a search each time in Lua 5.1), and pass a
+-- job's fields to HSET as arguments instead of building a table to unpack. Done in claim, complete and finish,
+-- that cut the Valkey time per job of a worker's no-op job from ~51 to ~45 µs (commandstats over 50,000 jobs of
+-- bench/worker_throughput.py's worker, two interleaved pairs).
 -- Every script is safe to run twice with the same arguments (a reply lost on the way back, then the client
 -- sending the command again, as cluster clients do on their own): the second run changes nothing more.
 -- ARGV[1] of every queue script is `now`, in ms ('' = the server's clock, TIME): tests run on a virtual clock.
@@ -14,6 +18,7 @@ local PRIO_SPAN = 1000000000000  -- 1e12 sequence numbers per priority level
 local CHUNK = 500
 local CENTURY_S = 3153600000
 local TERMINAL = {succeeded = true, dead = true, cancelled = true}  -- states a job never leaves
+local NONE = {}  -- nothing to unpack
 
 --- @include "clock"
 
@@ -140,12 +145,14 @@ local function unlease(ids, owners)
   bulk('ZREM', P .. 'active', ids)
   if redis.call('SCARD', P .. 'submitted') > 0 then bulk('SREM', P .. 'submitted', ids) end
   if redis.call('SCARD', P .. 'cancelreq') > 0 then bulk('SREM', P .. 'cancelreq', ids) end
-  local by_owner = {}
+  local by_owner, counts = {}, {}
   for _, id in ipairs(ids) do
     local o = owners[id]
     if o and o ~= '' then
-      by_owner[o] = by_owner[o] or {}
-      table.insert(by_owner[o], id)
+      local c = (counts[o] or 0) + 1
+      if c == 1 then by_owner[o] = {} end
+      by_owner[o][c] = id
+      counts[o] = c
     end
   end
   for o, list in pairs(by_owner) do bulk('ZREM', P .. 'owned:' .. o, list) end
@@ -165,21 +172,26 @@ end
 -- already; `extra` an optional flat list of more fields to set on every job.
 local function finish(ids, state, now, err, infos, extra)
   if #ids == 0 then return end
-  local zs = {}
+  local zs, expiry = {}, {}  -- expiry: the terminal score by retention (a batch mostly shares one)
   for i, id in ipairs(ids) do
     local k = jkey(id)
-    local fields = {'state', state, 'finished_at', now, 'owner', ''}  -- token kept: repeats are recognised
-    if err then fields[#fields + 1] = 'error'; fields[#fields + 1] = err end
-    if extra and extra[i] then
-      for _, v in ipairs(extra[i]) do fields[#fields + 1] = v end
+    local more = extra and extra[i] or NONE  -- the fields are passed as they are: no table built per job
+    if err then  -- the token is kept: repeats are recognised
+      redis.call('HSET', k, 'state', state, 'finished_at', now, 'owner', '', 'error', err, unpack(more))
+    else
+      redis.call('HSET', k, 'state', state, 'finished_at', now, 'owner', '', unpack(more))
     end
-    redis.call('HSET', k, unpack(fields))
     local info = infos and infos[i] or redis.call('HMGET', k, 'retention', 'idem')
     local ret = tonumber(info[1] or '0') or 0
     if ret <= 0 then ret = CENTURY_S end
     idem_expire(info[2], ret)
-    zs[#zs + 1] = fmt(now + ret * 1000)
-    zs[#zs + 1] = id
+    local at = expiry[ret]
+    if not at then
+      at = fmt(now + ret * 1000)
+      expiry[ret] = at
+    end
+    zs[2 * i - 1] = at
+    zs[2 * i] = id
   end
   bulk_zadd(P .. state, zs)
   count(state, #ids)
