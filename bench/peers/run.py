@@ -31,7 +31,16 @@ if __package__ in (None, ""):  # run as a file: make `bench.peers` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 from bench.peers import harness, report
-from bench.peers.systems import ALL, BY_NAME, OFFLOAD_WEBHOOKS, ROOT, System, ensure_venv, installed_versions
+from bench.peers.systems import (
+    ALL,
+    BY_NAME,
+    OFFLOAD_WEBHOOKS,
+    ROOT,
+    System,
+    base_interpreter,
+    ensure_venv,
+    installed_versions,
+)
 from offload.embedded import allocator
 
 
@@ -127,7 +136,7 @@ def machine(valkey: str) -> dict[str, Any]:
         "memory_gb": mem,
         "os": f"{platform.system()} {platform.release()}",
         # the interpreter every system's venv is made from (systems.ensure_venv): its build moves every figure
-        "python": f"{platform.python_version()} ({os.path.realpath(getattr(sys, '_base_executable', sys.executable))})",
+        "python": f"{platform.python_version()} ({os.path.realpath(base_interpreter())})",
         "valkey": valkey,
         "valkey_allocator": allocator(),  # what offload.embedded.server_env preloads (glibc's without jemalloc)
         "load_before": " ".join(f"{x:.2f}" for x in os.getloadavg()),

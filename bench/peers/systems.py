@@ -135,7 +135,8 @@ def venv_key(system: System, base: str) -> str:
     return hashlib.sha256(json.dumps(key).encode()).hexdigest()
 
 
-def _base() -> str:
+def base_interpreter() -> str:
+    """The interpreter running the benchmark, outside any venv: every system's venv is made from it."""
     return getattr(sys, "_base_executable", sys.executable)
 
 
@@ -145,7 +146,7 @@ def ensure_venv(system: System, log: Path) -> float:
     if system.venv is None:
         return 0.0
     stamp = system.venv / ".bench-requirements"
-    base = _base()
+    base = base_interpreter()
     wanted = venv_key(system, base)
     if stamp.exists() and stamp.read_text() == wanted and Path(system.python).exists():
         return 0.0
