@@ -34,7 +34,9 @@ class Batcher(Generic[T, R]):
         self._active = 0
         self._concurrency = concurrency
 
-    async def __call__(self, item: T) -> R:
+    def __call__(self, item: T) -> asyncio.Future[R]:
+        """The item's result, to await. A future, not a coroutine: one coroutine less per call on the hot path
+        (awaiting the future directly is the same to the caller, a cancel included)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[R] = loop.create_future()
         self._pending.append((item, future))
@@ -43,7 +45,7 @@ class Batcher(Generic[T, R]):
             task = loop.create_task(self._drain())
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        return await future
+        return future
 
     async def _drain(self) -> None:
         try:

@@ -181,11 +181,14 @@ class Worker(JobPath):
                 begin=self._begin_at_claim,
             )
             self._prefetch.claimed(sent, time.monotonic())
+            loop = asyncio.get_running_loop()
             for job in jobs:
-                self._start(job, sent)
+                self._start(job, sent, loop)
         return jobs
 
-    def _start(self, job: ClaimedJob, sent: float) -> None:
+    def _start(self, job: ClaimedJob, sent: float, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Run a claimed job as a task (on `loop`: the claim passes it, one lookup per claim instead of one per job
+        inside `asyncio.create_task`)."""
         old = self.tasks.get(job.id)
         if old is not None and job.id not in self._submitting:
             # our old lease of it was reaped (we stalled) and the store gave it back to us; an old task whose
@@ -198,21 +201,31 @@ class Worker(JobPath):
         self._past.discard(job.id)
         if job.begun:  # an open intent, nothing sent: a drain closes it (see _submit)
             self._unsent[job.id] = job.token
-        self.tasks[job.id] = asyncio.create_task(self._run_job(job, old))
+        self.tasks[job.id] = (loop or asyncio.get_running_loop()).create_task(self._run_job(job, old))
+
+    def _take_free(self, job: ClaimedJob) -> bool:
+        """A slot now, if one is free (see `_enter_remote`); False, taking nothing, if the job must wait."""
+        if not self._slots.try_take():
+            return False
+        self.in_flight += 1
+        if self.in_flight > self.peak_in_flight:
+            self.peak_in_flight = self.in_flight
+        return True
 
     async def _enter_remote(self, job: ClaimedJob) -> None:
         """Take a slot: at most `concurrency` jobs are past this point (submitting, at the provider, polled). A
         job that must wait is one of the jobs ahead (a drain cancels those at once); its task is looked up only
         then (`asyncio.current_task` is a Python call in 3.11: once per job it was ~4 % of the worker's no-op
         run, bench/worker_throughput.py)."""
-        if not self._slots.try_take():
-            task = asyncio.current_task()
-            assert task is not None
-            self._ahead.add(task)
-            try:
-                await self._slots.acquire()
-            finally:
-                self._ahead.discard(task)
+        if self._take_free(job):
+            return
+        task = asyncio.current_task()
+        assert task is not None
+        self._ahead.add(task)
+        try:
+            await self._slots.acquire()
+        finally:
+            self._ahead.discard(task)
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
 
@@ -337,14 +350,18 @@ class Worker(JobPath):
         await self._beat()
         return [None] * len(items)
 
-    async def _fresh_lease(self, job: ClaimedJob) -> None:
-        """Before paying for a submission, make sure the lease is fresh. A process starved of CPU (an
+    def _lease_stale(self, job: ClaimedJob) -> bool:
+        """Whether the lease must be proven fresh before paying for a submission. A process starved of CPU (an
         overloaded host, a SIGSTOP) can miss beats; if its leases lapsed, another worker may already own this
         job, and submitting now would pay twice. The lease is known fresh from the claim that delivered it or
-        from a later heartbeat (which listed it); else a beat first, which cancels this task if it is gone."""
+        from a later heartbeat (which listed it); else `_renew_leases` first, which cancels this task if it is
+        gone. A check, not a coroutine: it runs once or twice per job, and is almost always False."""
         fresh = max(self.claimed_at.get(job.id, 0.0), self._beat_at)
-        if time.monotonic() - fresh > self.options.lease_ms / 3000:
-            await self.health.call(lambda: self._beats(None))
+        return time.monotonic() - fresh > self.options.lease_ms / 3000
+
+    async def _renew_leases(self) -> None:
+        """A heartbeat now (joining one on its way), through any outage."""
+        await self.health.call(lambda: self._beats(None))
 
     async def _ingest_loop(self, stop: asyncio.Event) -> None:
         assert self.options.ingest_list is not None

@@ -49,9 +49,6 @@ log = logging.getLogger("offload.worker")
 __all__ = ["Fence", "JobPath", "StoreOutput", "WorkerOptions"]
 
 
-_NO_GATE = contextlib.nullcontext()  # a synchronous API's submit gate: none (one shared, not a new one per job)
-
-
 class Unrecorded(WorkerError):
     """A remote job known to exist (accepted, adopted, named by a webhook) whose checkpoint raised twice with an
     error that is not an outage (`_record` waits outages out). The write may have landed with its reply lost,
@@ -88,7 +85,13 @@ class JobPath(HookPath):
     _begins: Batcher[tuple[str, str, str], str]
     _fences: Batcher[tuple[str, str], str]
 
-    async def _fresh_lease(self, job: ClaimedJob) -> None: ...
+    def _lease_stale(self, job: ClaimedJob) -> bool:
+        raise NotImplementedError  # the Worker's (dispatch.py), as every method declared here without a body
+
+    async def _renew_leases(self) -> None: ...
+
+    def _take_free(self, job: ClaimedJob) -> bool:
+        raise NotImplementedError
 
     async def _enter_remote(self, job: ClaimedJob) -> None: ...
 
@@ -154,7 +157,8 @@ class JobPath(HookPath):
                         remote_id, result, run = started
                         unrecorded = result is not None
                 if result is None:
-                    await slot.take()
+                    if not slot.take_now():
+                        await slot.take()
                     hooked = self._hooks()
                     result = await (self._poll_hooked(job, remote_id, run) if hooked else self._poll(job, remote_id))
                     if result is None:
@@ -240,36 +244,33 @@ class JobPath(HookPath):
         for attempt in range(retries + 1):
             in_progress = False
             begun = job.begun and attempt == 0
-            if not begun:
-                await self._fresh_lease(job)
+            if not begun and self._lease_stale(job):
+                await self._renew_leases()
             if not self.limits.free_now():  # (checked here too: a call less per job on the common path)
                 await self._acquire(job)  # may wait long: the intent (with the cancel check) comes after
-            async with self._gate or _NO_GATE:
-                if begun:
-                    verdict = f"OK:{job.submission}"
+            # The gate by hand, not `async with self._gate or nullcontext()`: a synchronous API has none, and the
+            # context manager cost it two coroutines per job.
+            gate = self._gate
+            if gate is not None:
+                await gate.acquire()
+            try:
+                if begun:  # the claim opened this intent: no verdict to read
+                    n, dup = job.submission, False
                 else:
                     verdict = await self.health.call(lambda: self._begins((job.id, job.token, digest)))
-                if verdict == "CANCEL":
-                    await self._cancel(job, None)
-                    return None
-                if verdict.startswith("CAP:"):
-                    log.info("job %s: daily %s cap reached: held until the cap window rolls over", job.id, verdict[4:])
-                    return None
-                if verdict.startswith("REMOTE:"):  # a stale worker's answer was attached to the job: poll it
-                    _, number, remote = verdict.split(":", 2)
-                    log.info("job %s: submission %s already has remote job %s; polling it", job.id, number, remote)
-                    return remote, None, int(number)
-                if not verdict.startswith("OK:"):
-                    raise StaleLease(f"job {job.id}: lease lost before its submission ({verdict})")
-                _, number, *dup = verdict.split(":")
-                n = int(number)
+                    if not verdict.startswith("OK:"):
+                        return await self._not_begun(job, verdict)
+                    _, number, *more = verdict.split(":")
+                    n, dup = int(number), bool(more)
                 self._unsent[job.id] = job.token
-                await slot.take()
+                if not slot.take_now():
+                    await slot.take()
                 if job.id in self.cancels:  # heard of since the begin (a heartbeat): not sent
                     self._unsent.pop(job.id, None)
                     await self._cancel(job, None)
                     return None
-                await self._fresh_lease(job)  # no I/O unless this process stalled since its last proof of life
+                if self._lease_stale(job):  # only if this process stalled since its last proof of life
+                    await self._renew_leases()
                 if dup:
                     log.warning(
                         "job %s: submission %d may have reached the provider already (its worker was lost "
@@ -316,6 +317,9 @@ class JobPath(HookPath):
                     return remote, submission.result if remote == submission.remote_id else None, n
                 finally:
                     self._submitting.discard(job.id)
+            finally:
+                if gate is not None:
+                    gate.release()
             if in_progress:  # only this job waits: the backend is not throttled (no cool-down for the others)
                 pause = min(2.0**attempt, 30.0)
                 log.info("job %s: submission still being served by the provider (409); again in %gs", job.id, pause)
@@ -324,6 +328,22 @@ class JobPath(HookPath):
             pause = (throttled.retry_after if throttled else None) or min(2.0**attempt, 30.0)
             await self.health.call(functools.partial(self.limits.cool_down, pause))
         raise AssertionError("unreachable")
+
+    async def _not_begun(self, job: ClaimedJob, verdict: str) -> tuple[str, RemoteResult | None, int] | None:
+        """A begin that opened no intent (begin.lua's verdicts other than OK): the remote job a stale worker's
+        answer attached (polled, not submitted again), or None when the job went elsewhere (cancelled, or held
+        over a cap); a lost lease raises `StaleLease`."""
+        if verdict == "CANCEL":
+            await self._cancel(job, None)
+            return None
+        if verdict.startswith("CAP:"):
+            log.info("job %s: daily %s cap reached: held until the cap window rolls over", job.id, verdict[4:])
+            return None
+        if verdict.startswith("REMOTE:"):  # a stale worker's answer was attached to the job: poll it
+            _, number, remote = verdict.split(":", 2)
+            log.info("job %s: submission %s already has remote job %s; polling it", job.id, number, remote)
+            return remote, None, int(number)
+        raise StaleLease(f"job {job.id}: lease lost before its submission ({verdict})")
 
     async def _submit_error(
         self, job: ClaimedJob, exc: BackendError, n: int, *, hooked: bool

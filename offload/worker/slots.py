@@ -10,6 +10,8 @@ from offload.models import ClaimedJob
 
 
 class SlotOwner(Protocol):
+    def _take_free(self, job: ClaimedJob) -> bool: ...
+
     async def _enter_remote(self, job: ClaimedJob) -> None: ...
 
     def _leave_remote(self, job: ClaimedJob) -> None: ...
@@ -23,6 +25,15 @@ class Slot:
 
     def __init__(self, path: SlotOwner, job: ClaimedJob) -> None:
         self._path, self._job, self.held = path, job, False
+
+    def take_now(self) -> bool:
+        """Whether the slot is held now, taking a free one if need be: no coroutine on the common path (a worker
+        with room), as `if not slot.take_now(): await slot.take()`. Two coroutines less per job than `take`
+        alone (creating and running a coroutine costs ~0.2 us in 3.11; bench/worker_throughput.py's no-op jobs
+        lost ~12 % of their rate to 3 us more Python per job)."""
+        if not self.held:
+            self.held = self._path._take_free(self._job)
+        return self.held
 
     async def take(self) -> None:
         if not self.held:
