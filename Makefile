@@ -7,7 +7,10 @@
 # choose. Why the distro's first: tests and benchmarks then run on the interpreter offload is deployed with, and a
 # CPython built without PGO/LTO (pyenv's default, the PATH's python3 on these machines) ran offload's 2,000-job
 # webhook burst with 15-20 % more CPU in the worker and the simulator (docs/benchmarks.md, *Interpreter*).
-PYTHON ?= $(shell for p in /usr/bin/python3 python3; do "$$p" -c 'import sys, ensurepip, venv; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1 && { echo "$$p"; break; }; done)
+# (Probed once: `?=` would make a recursive variable, which runs the probe again wherever $(PYTHON) is used.)
+ifeq ($(origin PYTHON),undefined)
+PYTHON := $(shell for p in /usr/bin/python3 python3; do "$$p" -c 'import sys, ensurepip, venv; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1 && { echo "$$p"; break; }; done)
+endif
 ifeq ($(strip $(PYTHON)),)
 $(error no Python 3.11+ with the venv module found: install one, or run make PYTHON=/path/to/python3.11)
 endif

@@ -207,9 +207,7 @@ class Worker(JobPath):
         """A slot now, if one is free (see `_enter_remote`); False, taking nothing, if the job must wait."""
         if not self._slots.try_take():
             return False
-        self.in_flight += 1
-        if self.in_flight > self.peak_in_flight:
-            self.peak_in_flight = self.in_flight
+        self._entered()
         return True
 
     async def _enter_remote(self, job: ClaimedJob) -> None:
@@ -226,8 +224,13 @@ class Worker(JobPath):
             await self._slots.acquire()
         finally:
             self._ahead.discard(task)
+        self._entered()
+
+    def _entered(self) -> None:
+        """A slot was taken: count the job in flight."""
         self.in_flight += 1
-        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        if self.in_flight > self.peak_in_flight:
+            self.peak_in_flight = self.in_flight
 
     def _leave_remote(self, job: ClaimedJob) -> None:
         self.in_flight -= 1
