@@ -101,8 +101,9 @@ def test_mask_url_hides_passwords() -> None:
 
 
 async def test_thousands_of_callers_share_a_small_pool_without_starving(valkey_url: str) -> None:
-    """5,000 concurrent commands through 4 connections all complete, in about the time the server needs, and a
-    caller that cannot get a connection within the pool timeout gets redis-py's clear error."""
+    """5,000 concurrent commands through 4 connections all complete (a starving pool fails its waiters with "No
+    connection available" once the pool timeout passes), and a caller that cannot get a connection within the pool
+    timeout gets redis-py's clear error."""
     from redis.exceptions import ConnectionError as RedisConnectionError
 
     from offload.connection import GatedPool
@@ -111,10 +112,8 @@ async def test_thousands_of_callers_share_a_small_pool_without_starving(valkey_u
     try:
         pool = redis.connection_pool
         assert isinstance(pool, GatedPool)
-        t0 = time.monotonic()
         replies = await asyncio.gather(*(redis.incr("gated-pool-test") for _ in range(5000)))
         assert sorted(replies) == list(range(1, 5001))
-        assert time.monotonic() - t0 < 20
         assert len(pool._in_use_connections) == 0 and len(pool._available_connections) <= 4
         assert pool._gate._value == 4  # every slot handed back
         pool._gate_timeout = 0.2
