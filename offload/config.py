@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from offload import stack
 from offload.autoscale.alerts import AlertSettings
@@ -76,6 +76,22 @@ class QueueSettings(Strict):
     output_prefix: str | None = None
     autoscale: dict[str, Any] | None = None  # validated by offload.autoscale.config (see load_settings)
     deployment: dict[str, Any] | None = None  # the guide's place for autoscale.deployment (see yaml_blocks)
+    timeout: float | None = Field(
+        None,
+        gt=0,
+        description="seconds one attempt may run on a GPU worker (`offload worker --handler`); past it the server "
+        "fails the attempt and tells the worker to abandon it. Dispatch queues are bounded by poll_timeout",
+    )
+
+    @field_validator("timeout")
+    @classmethod
+    def _timeout_for_gpu_workers(cls, v: float | None, info: ValidationInfo) -> float | None:
+        if v is not None and info.data.get("backend") is not None:  # one meaning per name: no second poll_timeout
+            raise ValueError(
+                "bounds a run on GPU workers (a queue without a backend); a dispatch queue's remote jobs are "
+                "bounded by poll_timeout"
+            )
+        return v
 
 
 class Settings(Strict):

@@ -153,6 +153,16 @@ class Job:
 
 
 @dataclass(frozen=True, slots=True)
+class Enqueued:
+    """What an enqueue made of one job: its id, and `record_gone` when an idempotency key answered with a job
+    that finished and whose record was trimmed since (the key outlives it): nothing new runs, and `get` of the
+    id raises JobNotFound."""
+
+    id: str
+    record_gone: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class ClaimedJob:
     """What a worker needs to run one leased job. `remote_id` set means: resume polling, never resubmit."""
 

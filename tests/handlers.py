@@ -7,6 +7,7 @@ import hashlib
 import os
 import struct
 import tempfile
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -39,6 +40,14 @@ def echo(input: Any, ctx: JobContext) -> dict[str, Any]:
         "loads": loaded.get("loads"),
         "load_calls": LOADS["count"],
     }
+
+
+def hang_or_echo(input: Any, ctx: JobContext) -> Any:
+    """Sync: an input {"hang": true} blocks its thread for good (a deadlocked CUDA call, a read that never returns),
+    anything else is echoed at once. The hung thread writes nothing: only the server's timeout ends its job."""
+    if isinstance(input, dict) and input.get("hang"):
+        threading.Event().wait()
+    return {"echo": input, "job": ctx.id, "pid": os.getpid()}
 
 
 def boom(input: Any) -> Any:

@@ -140,7 +140,8 @@ def test_enqueue_refuses_bad_references(api: tuple[str, str], s3: RcloneS3) -> N
         first = c.post(f"/v1/queues/{q}/jobs", json={"input": {"a": own["reference"]}})  # reusing the files for
         assert first.status_code == 201  # another input is refused
         resent = c.post(f"/v1/queues/{q}/jobs", json={"input": {"a": own["reference"]}})
-        assert resent.status_code == 200 and resent.json() == {"id": first.json()["id"], "duplicate": True}
+        reply = {"id": first.json()["id"], "duplicate": True, "record_gone": False}
+        assert resent.status_code == 200 and resent.json() == reply
         again = c.post(f"/v1/queues/{q}/jobs", json={"input": {"a": own["reference"], "b": 2}})
         assert again.status_code == 422 and "belong to job" in again.json()["detail"][0]["msg"]
         stats = c.get(f"/v1/queues/{q}").json()

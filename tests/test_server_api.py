@@ -124,7 +124,7 @@ def test_idempotency_key_single_and_batch(admin: httpx.Client) -> None:
     first = admin.post(f"/v1/queues/{q}/jobs", json={"input": 1}, headers={"Idempotency-Key": "order-17"})
     again = admin.post(f"/v1/queues/{q}/jobs", json={"input": 1}, headers={"Idempotency-Key": "order-17"})
     assert first.status_code == 201 and again.status_code == 200
-    assert again.json() == {"id": first.json()["id"], "duplicate": True}
+    assert again.json() == {"id": first.json()["id"], "duplicate": True, "record_gone": False}
     body = {"jobs": [{"input": i} for i in range(3)]}
     a = admin.post(f"/v1/queues/{q}/jobs/batch", json=body, headers={"Idempotency-Key": "batch-1"}).json()["ids"]
     b = admin.post(f"/v1/queues/{q}/jobs/batch", json=body, headers={"Idempotency-Key": "batch-1"}).json()["ids"]

@@ -121,6 +121,7 @@ class MJob:
     token: str | None = None
     backend: str | None = None
     remote_id: str | None = None
+    intent_open: bool = False  # a submit intent with no remote id recorded (its outcome unknown)
     cancel: bool = False
     error: str | None = None
     result: str | None = None
@@ -254,6 +255,8 @@ class QueueMachine(RuleBasedStateMachine):
                 self.seq += 1
                 j.score, j.queued_since = (1000 - j.priority) * PRIO_SPAN + self.seq, self.now
             assert j.score is not None
+            if j.cancel:  # a cancel that waits for its remote job: ahead of every priority, in sequence order
+                j.score = j.score % PRIO_SPAN - PRIO_SPAN
             j.state, j.owner, j.token, j.ready_at = "queued", None, None, self.now
 
     def _finish(self, ids: list[str], state: str, error: str | None = None) -> None:
@@ -283,7 +286,7 @@ class QueueMachine(RuleBasedStateMachine):
             j.attempts -= 1  # an attempt that ended without a verdict is given back
             if counted:
                 j.expiries += 1
-            if j.cancel and not j.remote_id:
+            if j.cancel and not j.remote_id and not j.intent_open:
                 cancelled.append(jid)
             elif j.expiries > j.max_attempts:
                 j.attempts += 1
@@ -448,7 +451,7 @@ class QueueMachine(RuleBasedStateMachine):
         self._heard(worker, LEASE)  # claiming proves the worker alive, before reaping
         self._promote()
         self._reap_workers(100)
-        expected = [] if n <= 0 or self.paused else sorted(self._in("queued"), key=lambda j: j.score or 0)[:n]
+        expected = [] if n <= 0 or self.paused else sorted(self._in("queued"), key=lambda j: (j.score or 0, j.id))[:n]
         assert [c.id for c in got] == [j.id for j in expected], "claim order: priority, then FIFO"
         issued = {le.token for le in self.leases}
         for c, j in zip(got, expected, strict=True):
@@ -460,12 +463,14 @@ class QueueMachine(RuleBasedStateMachine):
             assert (c.remote_id, c.backend) == (j.remote_id, j.backend)
             assert (c.attempt, c.max_attempts) == (j.attempts, j.max_attempts)
             assert c.cancel_requested == j.cancel
+            assert c.intent_open == j.intent_open, "an intent an earlier lease left open is reported"
             assert c.input == j.input
             assert c.output_key == f"results/{j.id}.json"
             # a claim begins only a job with nothing unsettled: no remote job, no cancel, no intent left open
             settled = not c.remote_id and not c.cancel_requested and not c.intent_open
             assert c.begun == (begin and settled), "a claim begins exactly the jobs with nothing unsettled"
             if c.begun:
+                j.intent_open = True
                 event("claim: begun (submit intent opened by the claim)")
             if c.remote_id:
                 event("claim: re-delivered with its remote id (resume, not resubmit)")
@@ -629,7 +634,7 @@ class QueueMachine(RuleBasedStateMachine):
         j = self.jobs[lease.job_id]
         assert cancel == j.cancel
         event(f"checkpoint: {'OK:CANCEL' if cancel else 'OK'}{', new remote id' if j.remote_id else ''}")
-        j.state, j.backend, j.remote_id = "submitted", "sim", remote_id
+        j.state, j.backend, j.remote_id, j.intent_open = "submitted", "sim", remote_id, False
 
     def _hold(self, lease: Lease) -> None:
         call = self.s.hold(lease.job_id, lease.token, "daily cap")
@@ -704,7 +709,7 @@ class QueueMachine(RuleBasedStateMachine):
             self._expire(set(self.workers) - {owner}, 0, reap_now=True)
             if j.state != "queued":
                 return
-            queue = sorted(self._in("queued"), key=lambda m: m.score or 0)
+            queue = sorted(self._in("queued"), key=lambda m: (m.score or 0, m.id))
             heir = data.draw(st.sampled_from([w for w in WORKERS if w != owner]), label="next worker")
             self._claim(heir, queue.index(j) + 1)  # everything ahead of it, and it
         lease = next(le for le in reversed(self.leases) if le.job_id == jid)
@@ -770,6 +775,11 @@ class QueueMachine(RuleBasedStateMachine):
         elif j.state in LEASED:  # only flagged: its worker cancels the remote job, then acks
             assert self.run(self.s.cancel(jid)) == "requested"
             j.cancel = True
+        elif j.remote_id or j.intent_open:  # waiting, but a remote job may run: first in line for a worker
+            assert self.run(self.s.cancel(jid)) == "requested"
+            j.cancel = True
+            self._make_ready([jid], fresh=True)
+            event("cancel: a waiting job whose remote job may run -> requested, first in line")
         else:
             assert self.run(self.s.cancel(jid)) == "cancelled"
             self._finish([jid], "cancelled")
@@ -802,7 +812,7 @@ class QueueMachine(RuleBasedStateMachine):
                 j = self.jobs[jid]
                 j.attempts = j.expiries = 0
                 j.finished_at = j.backend = j.remote_id = None
-                j.cancel = False
+                j.cancel = j.intent_open = False
         self._make_ready(moved, fresh=True)
 
     def _reap(self, limit: int = 1000) -> None:
@@ -870,7 +880,7 @@ class QueueMachine(RuleBasedStateMachine):
 
     def _expected_order(self, state: str) -> list[str]:
         if state == "queued":
-            return [j.id for j in sorted(self._in("queued"), key=lambda j: j.score or 0)]
+            return [j.id for j in sorted(self._in("queued"), key=lambda j: (j.score or 0, j.id))]
         key: Callable[[MJob], Any] = {
             "delayed": lambda j: j.run_at,
             "retrying": lambda j: j.run_at,

@@ -16,7 +16,10 @@ bucket and the record of every fault the harness injected.
   under the previous submission's Idempotency-Key (the same run: `resent_under_new_key` otherwise), and where the
   simulator honours the key (`RunData.honoured`) such a resend is a replay, not a second paid run, so a duplicate
   of that kind is a defect there (`key_not_honoured`);
-- the daily cap is exact, held jobs are released, memory and the events stream stay bounded.
+- the daily cap is exact, held jobs are released, memory and the events stream stay bounded;
+- an operator's cancel (the `cancel` fault) stops what it may cost: a job answered `cancelled` ends so, no job is
+  submitted after its cancel was answered (`submitted_after_cancel`), and the remote job a cancelled job last
+  recorded is not left to run on after the job ended cancelled (`ran_after_cancel`: paid for nothing).
 """
 
 from __future__ import annotations
@@ -527,9 +530,59 @@ class Checker:
                 t += 1.0
         return {"mean": round(sum(counts) / max(len(counts), 1), 1), "peak": max(counts, default=0)}
 
+    def cancels(self) -> dict[str, Any]:
+        """The operator's cancels (timeline `cancel`): none costs a remote run the store knew of, none is sent on."""
+        done = [e for e in self.d.timeline if e["kind"] == "cancel"]
+        if not done:
+            return {}
+        runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for sub in self.d.submissions:
+            if not sub["replay"]:
+                runs[sub["remote_id"]].append(sub)
+        slack = max(RECORD_GRACE_S, IN_FLIGHT_S + 1.0)  # a submit past its begin when the cancel came, in flight
+        not_cancelled = after = ran = 0
+        for e in done:
+            job_id = e["target"]
+            h = self.d.records.get(job_id, {})
+            if e["answer"] == "cancelled" and h.get("state") != "cancelled":
+                not_cancelled += 1
+                self.find(f"cancel: {job_id} answered cancelled but ended {h.get('state')}")
+            input_id = _input_id(h.get("input"))
+            late = [
+                s
+                for s in self.d.submissions
+                if s["input_id"] == input_id and not s["replay"] and s["arrival"] > e["t"] + slack
+            ]
+            if input_id is not None and late:
+                after += 1
+                self.find(f"cancel: {job_id} submitted again {late[0]['arrival'] - e['t']:.1f}s after its cancel")
+            ended = next((t for t, state in self.d.events.get(job_id, []) if state == "cancelled"), None)
+            for sub in runs.get(h.get("remote_id") or "", []) if ended is not None else []:
+                if sub.get("remote_status") not in ("cancelled", "aborted") and sub["remote_ended_at"] > ended + 1.0:
+                    ran += 1
+                    self.find(
+                        f"cancel: {job_id} ended cancelled while its remote job {sub['remote_id']} ran on "
+                        f"{sub['remote_ended_at'] - ended:.1f}s to {sub.get('remote_status')} (answered {e['answer']})"
+                    )
+        answers = Counter(f"{e.get('was')}:{e['answer']}" for e in done)
+        return {
+            "cancels": dict(answers),
+            "cancel_not_honoured": not_cancelled,
+            "submitted_after_cancel": after,
+            "ran_after_cancel": ran,
+        }
+
     def verdict(self) -> Verdict:
         summary: dict[str, Any] = {}
-        parts = (self.terminal(), self.results(), self.finished_twice(), self.duplicates(), self.caps(), self.bounds())
+        parts = (
+            self.terminal(),
+            self.results(),
+            self.finished_twice(),
+            self.duplicates(),
+            self.caps(),
+            self.bounds(),
+            self.cancels(),
+        )
         for part in parts:
             summary.update(part)
         return Verdict(summary, self.findings, self.details)

@@ -3,8 +3,9 @@
 `Profile` holds the rates (mean seconds between faults; 0 turns one off). `Schedule` runs every fault loop as
 an asyncio task against the run's processes: worker SIGKILL (restarted after a container-like pause, in its PID
 namespace when there is one) and SIGSTOP past the lease, Valkey SIGKILL + restart, the proxy's dropped replies,
-resets and black-holes, and 429 storms at the simulator. Every fault is appended to `timeline` with its time,
-which the checker uses to attribute what went wrong to what was done.
+resets and black-holes, 429 storms at the simulator, and an operator cancelling jobs (`operator`: mostly jobs that
+wait with a remote job that may still run, handed back by a killed or stopped worker, else running ones). Every
+fault is appended to `timeline` with its time, which the checker uses to attribute what went wrong to what was done.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 import random
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +47,7 @@ class Profile:
     delay_ms: float = 0.0
     storm_every: float = 60.0
     storm_s: float = 4.0
+    cancel_every: float = 5.0
     error_rate: float = 0.05
     rate_429: float = 0.01
     lost_response_rate: float = 0.002
@@ -97,6 +100,8 @@ class Schedule:
     timeline: list[dict[str, Any]] = field(default_factory=list)
     counts: Counter[str] = field(default_factory=Counter)
     valkey_down: list[tuple[float, float]] = field(default_factory=list)
+    # cancels one job as an operator would and says what it did ({"job", "answer", ...}), or None (nothing to cancel)
+    operator: Callable[[], Awaitable[dict[str, Any] | None]] | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _stopping: bool = False
     _pending: set[asyncio.Task[None]] = field(default_factory=set)
@@ -123,6 +128,7 @@ class Schedule:
             (p.reset_every, self._reset),
             (p.blackhole_every, self._blackhole),
             (p.storm_every, self._storm),
+            (p.cancel_every if self.operator else 0.0, self._cancel),
         ]
         self.proxy.delay_s = p.delay_ms / 1000
         for mean, action in loops:
@@ -232,6 +238,12 @@ class Schedule:
     async def _blackhole(self) -> None:
         self.proxy.blackhole(self.profile.blackhole_s)
         self.note("blackhole", "proxy", seconds=self.profile.blackhole_s)
+
+    async def _cancel(self) -> None:
+        assert self.operator is not None
+        done = await self.operator()
+        if done is not None:
+            self.note("cancel", done.pop("job"), **done)
 
     async def _storm(self) -> None:
         await asyncio.to_thread(self.sim.post, "/_sim/outage", {"mode": "429", "seconds": self.profile.storm_s})

@@ -10,7 +10,7 @@ from typing import Any
 
 from bench.chaos.faults import Profile
 
-FAULTS = ("kill", "stop", "valkey", "drop", "reset", "blackhole", "storm", "provider")
+FAULTS = ("kill", "stop", "valkey", "drop", "reset", "blackhole", "storm", "provider", "cancel")
 BACKENDS = {
     "http-job": {},
     "runpod": {"endpoint_id": "chaos"},
@@ -38,6 +38,7 @@ QUICK = {
     "blackhole_s": 2.0,
     "storm_every": 20.0,
     "storm_s": 3.0,
+    "cancel_every": 2.0,
     "latency": "3-8",
     "result_ttl": 8.0,
     "capped_jobs": 24,
@@ -109,6 +110,7 @@ def profile_for(args: argparse.Namespace) -> Profile:
         ("blackhole", ["blackhole_every"]),
         ("storm", ["storm_every"]),
         ("provider", ["error_rate", "rate_429", "lost_response_rate", "fail_rate"]),
+        ("cancel", ["cancel_every"]),
     ):
         if fault not in chosen:
             off.update(dict.fromkeys(fields, 0.0))

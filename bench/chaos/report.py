@@ -88,6 +88,10 @@ def report(
         "memory_bounded",
         "events_bounded",
         "events",
+        "cancels",
+        "cancel_not_honoured",
+        "submitted_after_cancel",
+        "ran_after_cancel",
     ):
         if key in summary:
             doc[key] = summary[key]
@@ -122,8 +126,14 @@ def human(doc: dict[str, Any], run: Run) -> str:
     ]
     if doc.get("webhooks"):
         lines.append(f"webhooks (through offload server): {doc['webhooks']}")
+    if doc.get("cancels"):
+        lines.append(
+            f"cancels {doc['cancels']}: not honoured {doc['cancel_not_honoured']}, submitted after the cancel "
+            f"{doc['submitted_after_cancel']}, remote job left running {doc['ran_after_cancel']}"
+        )
     lines += [f"  ! {f}" for f in run.findings[:25]] + [f"  ! worker {n}" for n in run.exit_notes]
     failed = doc["lost"] or doc["stuck"] or doc["wrong_results"] or doc["finished_twice"] or doc["defect_duplicates"]
+    failed = failed or any(doc.get(k) for k in ("cancel_not_honoured", "submitted_after_cancel", "ran_after_cancel"))
     verdict = "FAIL" if failed else "PASS"
     lines.append(f"{verdict}; logs and data in {run.out}")
     return "\n".join(lines)

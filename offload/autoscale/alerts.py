@@ -1,5 +1,6 @@
 """Alerts: `autoscale_failure`, `boot_timeout`, `spend_cap_reached`, `dead_letter_growth`, `queue_latency`,
-delivered by webhook (a JSON POST, retried with backoff) and by email (SMTP).
+`file_sweep` (the file sweep stopped itself: see offload/server/file_sweep.py), delivered by webhook (a JSON POST,
+retried with backoff) and by email (SMTP).
 
 The same alert (kind + subject, e.g. a queue) is sent at most once per cooldown across all servers: the last
 send time lives in Redis and the check-and-set is one SET with a compare in Lua. Deliveries run as background
@@ -31,7 +32,9 @@ from offload.redis_client import RedisClient
 from offload.schema import Strict, parse
 
 log = logging.getLogger("offload.autoscale.alerts")
-AlertKind = Literal["autoscale_failure", "boot_timeout", "spend_cap_reached", "dead_letter_growth", "queue_latency"]
+AlertKind = Literal[
+    "autoscale_failure", "boot_timeout", "spend_cap_reached", "dead_letter_growth", "queue_latency", "file_sweep"
+]
 # A target filtering on a kind also receives its sub-kinds: a machine that never booted is an autoscale failure.
 PARENT: dict[str, str] = {"boot_timeout": "autoscale_failure"}
 

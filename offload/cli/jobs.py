@@ -38,7 +38,7 @@ from offload.cli.output import err, out, print_json
 from offload.cli.results import result
 from offload.cli.session import run_redis
 from offload.errors import InvalidJob, OffloadError
-from offload.models import Job, QueueStats
+from offload.models import Enqueued, Job, QueueStats
 from offload.queue.keys import STATE_SETS, queue_of, validate_queue
 from offload.queue.specs import DEFAULT_MAX_ATTEMPTS, JobSpec, max_payload_limit, validate_spec
 from offload.queue.store import QueueStore
@@ -121,15 +121,25 @@ def _parse_lines(lines: Iterator[bytes], defaults: dict[str, Any]) -> list[JobSp
     return specs
 
 
-async def _enqueue_bulk(store: QueueStore, queue: str, specs: list[JobSpec]) -> list[str]:
+async def _enqueue_bulk(store: QueueStore, queue: str, specs: list[JobSpec]) -> list[Enqueued]:
     columns = (TextColumn("enqueue"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    ids: list[str] = []
+    done: list[Enqueued] = []
     with Progress(*columns, console=err, disable=not err.is_terminal) as progress:
         task = progress.add_task("enqueue", total=len(specs))
         for i in range(0, len(specs), BULK_CHUNK):
-            ids += await store.enqueue_many(queue, specs[i : i + BULK_CHUNK])
-            progress.update(task, completed=len(ids))
-    return ids
+            done += await store.enqueue_results(queue, specs[i : i + BULK_CHUNK])
+            progress.update(task, completed=len(done))
+    return done
+
+
+def _record_gone_note(ids: list[str]) -> None:
+    """An idempotency key answered with a job that finished and whose record was trimmed: said on stderr, so a
+    script reading the id from stdout is not confused, and a person is not surprised by `status` finding nothing."""
+    if ids:
+        err.print(
+            f"{len(ids)} job(s) already ran under their idempotency key and their records were trimmed: "
+            f"not enqueued again ({', '.join(ids[:3])}{' ...' if len(ids) > 3 else ''})"
+        )
 
 
 def enqueue(
@@ -187,23 +197,32 @@ def enqueue(
         except orjson.JSONDecodeError as exc:
             fail(f"--input is not valid JSON: {exc}")
         if attach:
-            job_id = enqueue_attached(url, config, queue, value, attach, defaults)
+            done = Enqueued(enqueue_attached(url, config, queue, value, attach, defaults))
         else:
             spec = JobSpec(input=value, **defaults)
-            job_id = _run(url, lambda store: store.enqueue(queue, spec), queues=[queue])
-        print_json({"id": job_id}) if json_out else typer.echo(job_id)
+            (done,) = _run(url, lambda store: store.enqueue_results(queue, [spec]), queues=[queue])
+        if json_out:
+            print_json({"id": done.id, "record_gone": done.record_gone})
+            return
+        _record_gone_note([done.id] if done.record_gone else [])
+        typer.echo(done.id)
         return
     assert file is not None
     with errors():
         validate_queue(queue)
         specs = _parse_lines(iter(file), defaults)
-    ids = _run(url, lambda store: _enqueue_bulk(store, queue, specs))
-    print_json({"count": len(ids), "ids": ids}) if json_out else typer.echo(len(ids))
+    results = _run(url, lambda store: _enqueue_bulk(store, queue, specs))
+    ids, gone = [d.id for d in results], [d.id for d in results if d.record_gone]
+    if json_out:
+        print_json({"count": len(ids), "ids": ids, "record_gone": gone})
+        return
+    _record_gone_note(gone)
+    typer.echo(len(ids))
 
 
 def status(job_id: JobArg, json_out: JsonOpt = False, url: UrlOpt = None) -> None:
     """Show one job's record (the lease token is never shown: it authorises writes)."""
-    job = _run(url, lambda store: store.get(job_id), jobs=[job_id])
+    job, workers = _run(url, lambda store: _job_and_workers(store, job_id), jobs=[job_id])
     record = job.to_dict()
     if json_out:
         print_json(record)
@@ -215,6 +234,19 @@ def status(job_id: JobArg, json_out: JsonOpt = False, url: UrlOpt = None) -> Non
         shown = _when(value) if key in TIME_FIELDS else "-" if value is None else _short(value, 2000)
         table.add_row(key, Text(shown))
     out().print(table)
+    if workers is not None:
+        who = f"{workers} worker(s) of the queue are alive" if workers else "no worker of the queue is alive"
+        remote = f"remote job {job.remote_id}" if job.remote_id else "a submission whose outcome is unknown"
+        wait = f"until a dispatch worker of queue {job.queue} claims this job, first in line, and cancels it"
+        out().print(Text(f"cancel requested: {remote} may still run (and be paid) {wait}; {who}"))
+
+
+async def _job_and_workers(store: QueueStore, job_id: str) -> tuple[Job, int | None]:
+    """The job, and for a waiting job whose cancel waits for a dispatch worker (cancel.lua) the live workers."""
+    job = await store.get(job_id)
+    if not job.cancel_requested or job.state.terminal or job.state.value in ("active", "submitted"):
+        return job, None
+    return job, (await store.stats(job.queue)).workers
 
 
 def _jobs_table(jobs: list[Job]) -> Table:
@@ -389,7 +421,8 @@ def resume(queue: QueueArg, url: UrlOpt = None) -> None:
 
 
 def cancel(job_id: JobArg, url: UrlOpt = None) -> None:
-    """Cancel a job: at once if it waits, else its worker cancels the remote job and acknowledges."""
+    """Cancel a job: at once if it waits with nothing remote, else a worker cancels the remote job first (the
+    one holding it, or the next to claim it) and then acknowledges: `offload status` shows it meanwhile."""
     code = _run(url, lambda store: store.cancel(job_id), jobs=[job_id])
     typer.echo("cancelled" if code == "cancelled" else "cancel requested")
 

@@ -59,6 +59,9 @@ QUEUE_SUFFIXES: dict[str, str] = {
 }
 
 API_KEYS = f"{NAMESPACE}:apikeys"  # ids of the HTTP server's API keys (set)
+# This job store's identity: a random id, written once (the file sweep's first start), named by a marker object in
+# the bucket (offload.storage.namespace.STORE_MARKER). The sweep deletes files only while the two agree.
+STORE_ID = f"{NAMESPACE}:store-id"
 REMOTE_WORKERS = f"{NAMESPACE}:rworkers"  # HTTP-registered workers by heartbeat deadline (zset, ms)
 
 #: Sets a job can be listed from, by the state name users see.

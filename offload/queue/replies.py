@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from offload.models import ClaimedJob, QueueStats
+from offload.models import ClaimedJob, Enqueued, QueueStats
 
 #: claim.lua's fields per job, in reply order.
 CLAIM_FIELDS = (
@@ -71,6 +71,11 @@ def claimed(flat: list[str]) -> list[ClaimedJob]:
         )
     rows = [iter(flat)] * CLAIM_WIDTH  # one iterator CLAIM_WIDTH times: zip takes each job's fields in turn
     return [_claimed_job(*row) for row in zip(*rows, strict=True)]
+
+
+def enqueued(reply: list[Any]) -> list[Enqueued]:
+    """enqueue.lua's reply: per job its id, or {id, 'gone'} for a key whose job's record was trimmed."""
+    return [Enqueued(item) if isinstance(item, str) else Enqueued(item[0], record_gone=True) for item in reply]
 
 
 def pairs(flat: list[str]) -> dict[str, str]:

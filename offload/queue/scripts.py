@@ -92,6 +92,7 @@ class Scripts:
     forgive: Script
     begin: Script
     fence: Script
+    overdue: Script  # GPU-worker runs past their queue's timeout (offload/server/routes_workers.py)
     hook: Script  # a verified provider webhook (offload/server/routes_hooks.py)
     # a backend's shared rate limit (offload/worker/limits.py)
     rate_acquire: Script

@@ -24,7 +24,7 @@ from offload.errors import (
     JobNotFound,
     StaleLease,
 )
-from offload.models import ClaimedJob, HeartbeatReply, Job, QueueStats
+from offload.models import ClaimedJob, Enqueued, HeartbeatReply, Job, QueueStats
 from offload.queue import keys, replies
 from offload.queue.hook_store import HookStore
 from offload.queue.keys import QUEUES_KEY, STATE_SETS, new_job_id, prefix, queue_of, validate_queue
@@ -156,6 +156,10 @@ class QueueStore(HookStore):
 
     async def enqueue_many(self, queue: str, specs: Sequence[JobSpec]) -> list[str]:
         """Enqueue in chunks of 500 jobs per script call, all chunks in one pipelined round trip."""
+        return [done.id for done in await self.enqueue_results(queue, specs)]
+
+    async def enqueue_results(self, queue: str, specs: Sequence[JobSpec]) -> list[Enqueued]:
+        """`enqueue_many`, telling per job whether an idempotency key answered with a trimmed record."""
         validate_queue(queue)
         now_s = time.time()
         metas: dict[tuple[Any, ...], int] = {}
@@ -193,12 +197,12 @@ class QueueStore(HookStore):
                     await script.load(self.redis)
                     continue  # re-running is safe: chunks that ran are recognised by their nonce
                 break
-        ids: list[str] = []
+        done: list[Enqueued] = []
         for r in results:
             if isinstance(r, Exception):
                 raise r
-            ids.extend(r)
-        return ids
+            done.extend(replies.enqueued(r))
+        return done
 
     async def enqueue(self, queue: str, spec: JobSpec) -> str:
         return (await self.enqueue_many(queue, [spec]))[0]
@@ -321,6 +325,13 @@ class QueueStore(HookStore):
                 orjson.dumps([(i[0], i[1], repr(float(i[2])), i[3] if len(i) > 3 else "") for i in items]),
             )
         )
+
+    async def overdue(
+        self, queue: str, worker_id: str, job_ids: Sequence[str], max_ms: int
+    ) -> list[tuple[str, str, int]]:
+        """(id, token, attempt) of the worker's leases among `job_ids` that have run longer than `max_ms`."""
+        flat = await self._run(SCRIPTS.overdue, queue, worker_id, max_ms, *job_ids)
+        return [(flat[i], flat[i + 1], int(flat[i + 2])) for i in range(0, len(flat), 3)]
 
     async def fence_many(self, queue: str, items: Sequence[tuple[str, str]]) -> list[str]:
         """OK / STALE / NOTFOUND per (id, token): whether each token still holds its lease (changes nothing)."""

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
 from offload import __version__
+from offload.autoscale.alerts import Alerter, alert_settings
 from offload.connection import connect
 from offload.heap import freeze_startup
 from offload.queue.store import QueueStore
@@ -56,7 +57,20 @@ async def _maintain(state: ServerState, stop: asyncio.Event) -> None:
 
     It ends on `stop` rather than by cancellation alone: redis-py can turn a cancel that lands during its own
     timeout handling into a TimeoutError, which a retry loop would swallow and keep going."""
-    sweep = FileSweep(state.storage, state.store, state.options.settings.storage.upload_grace_s)
+    alerter = Alerter(alert_settings(state.options.settings.alerts), state.redis)
+    sweep = FileSweep(
+        state.storage,
+        state.store,
+        state.options.settings.storage.upload_grace_s,
+        alert=lambda subject, message: alerter.alert("file_sweep", subject, message),
+    )
+    try:
+        await _maintenance_loop(state, stop, sweep)
+    finally:
+        await alerter.aclose()
+
+
+async def _maintenance_loop(state: ServerState, stop: asyncio.Event, sweep: FileSweep) -> None:
     next_sweep = time.monotonic()
     while not stop.is_set():
         if time.monotonic() >= next_sweep:  # files whose job record is gone (file_sweep.py)

@@ -100,11 +100,11 @@ async def enqueue(
     check_output_key(state, queue, body.output_key, ["body", "output_key"])
     implied, resent = await check_input_refs(state, queue, body.input, ["body", "input"])
     fresh = implied or new_job_id(queue)
-    job_id = await state.store.enqueue(queue, body.spec(idempotency_key, job_id=fresh))
-    duplicate = job_id != fresh or resent
+    (done,) = await state.store.enqueue_results(queue, [body.spec(idempotency_key, job_id=fresh)])
+    duplicate = done.id != fresh or resent
     if duplicate:
         response.status_code = 200
-    return EnqueueReply(id=job_id, duplicate=duplicate)
+    return EnqueueReply(id=done.id, duplicate=duplicate, record_gone=done.record_gone)
 
 
 @router.post(
@@ -132,7 +132,8 @@ async def enqueue_batch(
             if isinstance(exc, PayloadTooLarge):
                 raise PayloadTooLarge(f"jobs.{i}: {exc}") from None
             raise FieldError(["body", "jobs", i], str(exc)) from None
-    return BatchEnqueueReply(ids=await state.store.enqueue_many(queue, specs))
+    done = await state.store.enqueue_results(queue, specs)
+    return BatchEnqueueReply(ids=[d.id for d in done], record_gone=[d.id for d in done if d.record_gone])
 
 
 @router.get("/v1/jobs/{job_id}", response_model=JobView, summary="A job's record (and a presigned URL to its result)")

@@ -215,6 +215,7 @@ async def heartbeat(request: Request, worker_id: str, body: HeartbeatRequest, ke
         else:
             lost.append(job_id)
     cancels: list[str] = []
+    timed_out: list[str] = []
     lease = state.options.worker_lease_ms
     for q, refs in by_queue.items():
         need_work(key, q)
@@ -223,11 +224,35 @@ async def heartbeat(request: Request, worker_id: str, body: HeartbeatRequest, ke
         cancels += reply.cancel_requested
         if reply.released:
             log.warning("worker %s: released %d leased job(s) it does not know about", worker_id, reply.released)
+        gone = set(reply.lost)
+        timed_out += await _time_out(state, q, worker_id, [r if isinstance(r, str) else r[0] for r in refs], gone)
     # in flight: the listed jobs the store really leases to this worker, not what it claims (a worker reporting
     # 100k jobs would look busy to the autoscaler forever)
-    held = len(set(body.jobs) - set(lost))
+    held = len(set(body.jobs) - set(lost) - set(timed_out))
     await state.registry.touch(worker_id, held, body.protected, body.instance_id)
-    return HeartbeatReplyView(lost=lost, cancel_requested=cancels)
+    # a timed-out lease is lost too: a worker that does not know `timed_out` still lets go of it
+    return HeartbeatReplyView(lost=lost + timed_out, cancel_requested=cancels, timed_out=timed_out)
+
+
+async def _time_out(state: ServerState, queue: str, worker_id: str, ids: list[str], lost: set[str]) -> list[str]:
+    """The worker's leases that have run past their queue's `timeout`: each attempt fails with the reason (retried
+    with backoff, or dead when it was the last), and the worker is told to abandon the run. Fenced by the lease
+    token: a job that finished meanwhile is left alone, and a late complete of an ended run is refused."""
+    timeout = getattr(state.options.settings.queues.get(queue), "timeout", None)
+    held = [i for i in ids if i not in lost]
+    if timeout is None or not held:
+        return []
+    ended: list[str] = []
+    reason = f"timed out after {timeout:g} s"
+    for job_id, token, attempt in await state.store.overdue(queue, worker_id, held, int(timeout * 1000)):
+        try:
+            verdict = await state.store.fail(job_id, token, reason, retryable=True, attempt=max(attempt, 1))
+        except StaleLease:  # completed, failed or cancelled between the two steps
+            continue
+        log.warning("job %s: %s on worker %s -> %s; the worker is told to abandon it",
+                    job_id, reason, worker_id, verdict)  # fmt: skip
+        ended.append(job_id)
+    return ended
 
 
 async def _job_for(request: Request, key: ApiKey, worker_id: str, job_id: str, token: str) -> ServerState:

@@ -76,10 +76,20 @@ class BatchEnqueueRequest(_Request):
 class EnqueueReply(BaseModel):
     id: str
     duplicate: bool = Field(False, description="True when the idempotency key was seen before.")
+    record_gone: bool = Field(
+        False,
+        description="True when the key's job finished and its record was trimmed since (the key outlives it): "
+        "nothing runs again, and GET of the id answers 404.",
+    )
 
 
 class BatchEnqueueReply(BaseModel):
     ids: list[str]
+    record_gone: list[str] = Field(
+        default_factory=list,
+        description="The ids among `ids` whose idempotency key answered with a finished job whose record was "
+        "trimmed since: nothing runs again, and GET of such an id answers 404.",
+    )
 
 
 class JobView(BaseModel):
@@ -131,7 +141,12 @@ class JobPage(BaseModel):
 
 class CancelReply(BaseModel):
     id: str
-    result: str = Field(..., description="cancelled (it was waiting) or requested (its worker will cancel it)")
+    result: str = Field(
+        ...,
+        description="cancelled (it was waiting, nothing remote) or requested: a remote job may still run, and the "
+        "worker holding the job (or, for a waiting one, the next dispatch worker to claim it) cancels it first; "
+        "a repeat answers requested until then",
+    )
 
 
 class QueueView(BaseModel):
@@ -249,6 +264,11 @@ class HeartbeatRequest(_Request):
 class HeartbeatReplyView(BaseModel):
     lost: list[str]
     cancel_requested: list[str]
+    timed_out: list[str] = Field(
+        default_factory=list,
+        description="Runs that passed their queue's `timeout`: the attempt failed with the reason (also listed in "
+        "`lost`); abandon the run, its result is refused.",
+    )
 
 
 class CompleteRequest(_Request):

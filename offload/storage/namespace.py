@@ -16,6 +16,7 @@ Layout (one bucket, under `storage.prefix`):
     results/<queue>:_in/<hex>/...                  input files of job <queue>:<hex> (offload.storage.inputs)
     results/<queue>:_out/<hex>/...                 files a GPU worker returned for that job
     <output_prefix><...>                           queues with an output_prefix (the tutorial queue: results/<id>.json)
+    _offload/store-id                              names the job store these files belong to (the file sweep's check)
 
 Checked at enqueue over the HTTP API (422 naming the field), before a presigned URL is issued, and by the
 config loader (no two queues' prefixes may overlap). Producers with direct Redis access (the Python client,
@@ -32,6 +33,7 @@ from offload.errors import ConfigError
 from offload.storage.base import InvalidKey, validate_key
 
 ROOT = "results/"
+STORE_MARKER = "_offload/store-id"  # outside every queue's namespace: no output key can reach it over the HTTP API
 _JOB_SPACE = re.compile(r"^results/([A-Za-z0-9][A-Za-z0-9_.-]{0,99}):")
 
 

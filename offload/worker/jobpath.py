@@ -120,13 +120,15 @@ class JobPath(HookPath):
             except orjson.JSONDecodeError as exc:
                 await self._fail(job, f"fatal: the job input is not valid JSON: {exc}", retryable=False)
                 return
-            if job.cancel_requested:
-                await self._cancel(job, job.remote_id)
+            remote_id = job.remote_id  # set before the cancel: a failed cancel call keeps it (the retry cancels)
+            if job.cancel_requested:  # its remote job is cancelled first (cancel.lua)
+                if remote_id is None and job.intent_open:  # a submission of unknown outcome: found by its tag
+                    remote_id = await self._adopt(job)
+                await self._cancel(job, remote_id)
                 return
             if problem := _key_problem(job.output_key):  # before paying for a result that cannot be stored
                 await self._fail(job, f"output_key cannot be stored: {problem}", retryable=False)
                 return
-            remote_id = job.remote_id
             run = job.submission or 1
             result: RemoteResult | None = None
             # One of the `concurrency` slots while the job is at the provider: taken at its first remote step (a

@@ -9,7 +9,8 @@ is `context.loaded`.
 
 SIGTERM/SIGINT: stop claiming, let running handlers finish for `grace` seconds, then deregister, which hands
 every remaining lease back to the queue at once. A SIGKILLed worker's leases run out instead and the store's
-reaper re-delivers its jobs to another worker.
+reaper re-delivers its jobs to another worker. A run past its queue's `timeout` is ended by the server (the attempt
+fails with the reason), and the heartbeat reply tells the worker to abandon it (`_abandon`).
 """
 
 from __future__ import annotations
@@ -308,8 +309,12 @@ class RemoteWorker:
             except Exception as exc:  # the next beat retries; the lease outlives a few misses
                 log.warning("heartbeat failed: %s", exc)
                 continue
+            timed_out = set(reply.get("timed_out", []))
+            for job_id in timed_out:
+                self._abandon(job_id)
             for job_id in reply.get("lost", []):
-                self._drop(job_id, "lease lost: another worker owns it now")
+                if job_id not in timed_out:
+                    self._drop(job_id, "lease lost: another worker owns it now")
             for job_id in reply.get("cancel_requested", []):
                 ctx = self.contexts.get(job_id)
                 if ctx is not None and not ctx.cancelled.is_set():
@@ -323,6 +328,21 @@ class RemoteWorker:
             self.lost.add(job_id)
             if inspect.iscoroutinefunction(self.handler):
                 self.tasks[job_id].cancel()
+
+    def _abandon(self, job_id: str) -> None:
+        """The server ended this run: it passed its queue's `timeout` (the attempt failed with that reason). The
+        worker stops waiting for it and its slot serves the next job. An async handler is cancelled; a thread cannot
+        be stopped, so a sync handler is told (`ctx.cancelled`) and left to end on its own: whatever it returns is
+        dropped (the server would refuse it), and what it holds (GPU memory) stays held until it does."""
+        task = self.tasks.get(job_id)
+        if task is None or task.done():
+            return
+        self.lost.add(job_id)
+        if ctx := self.contexts.get(job_id):
+            ctx.cancelled.set()
+        task.cancel()
+        kind = "cancelled" if inspect.iscoroutinefunction(self.handler) else "its thread runs on until it returns"
+        log.warning("job %s: timed out (the queue's timeout): abandoned, the handler %s", job_id, kind)
 
     async def _run_job(self, job: dict[str, Any], after: asyncio.Task[None] | None = None) -> None:
         job_id, token = job["id"], job["token"]

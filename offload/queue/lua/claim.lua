@@ -2,7 +2,8 @@
 -- jobs, returns the jobs of dead workers to ready and deletes expired records (a bounded amount of each, the
 -- trimming in step with the claiming), so a queue that has workers needs no separate scheduler to make progress.
 -- Over a cap (in the caller's cap window) no fresh job is taken: only jobs that go on without a new submission (a
--- remote job to resume; under the job cap, a job already counted in the window), from the head of the ready set.
+-- remote job to resume, a cancel to carry out; under the job cap, a job already counted in the window), from the
+-- head of the ready set.
 -- A repeat of the worker's last claim (same request id: its reply was lost and the client sent it again) answers
 -- the same jobs again instead of leasing more.
 -- A claim that empties the ready set leaves `idle` behind: the next script that makes a job ready PUBLISHes on
@@ -78,8 +79,8 @@ if capped then
   local counted = cap_base(window) .. 'counted'
   for _, id in ipairs(redis.call('ZRANGE', P .. 'ready', 0, SCAN - 1)) do
     if #picked >= n then break end
-    local rid = redis.call('HGET', jkey(id), 'remote_id')
-    if (rid and rid ~= '') or (capped == 'jobs' and redis.call('SISMEMBER', counted, id) == 1) then
+    local g = redis.call('HMGET', jkey(id), 'remote_id', 'cancel')  -- a cancel to carry out takes no cap either
+    if (g[1] and g[1] ~= '') or g[2] == '1' or (capped == 'jobs' and redis.call('SISMEMBER', counted, id) == 1) then
       picked[#picked + 1] = id
     end
   end

@@ -6,7 +6,9 @@
 -- ARGV: now, check ids (1: ids may repeat, e.g. caller-chosen), metas, jobs, batch nonce (random per call).
 --   metas is a JSON list of "priority\trun_at\tmax_attempts\tretention\tidempotency key\toutput key" strings
 --   (empty output key: results/<id>.json); jobs is a JSON list of [id, input, meta index]
--- Returns: per job, its id (an existing one when the idempotency key or the id was seen before)
+-- Returns: per job, its id (an existing one when the idempotency key or the id was seen before), or
+--   {id, 'gone'} when the key's job finished and its record was trimmed: the key still answers (a repeat
+--   never makes a second, paid run while the key lives), and the caller is told the record is gone
 --- @include "common"
 local now = now_ms(ARGV[1])
 local check_ids = ARGV[2] == '1'
@@ -28,15 +30,17 @@ for _, job in ipairs(jobs) do
          base = (1000 - tonumber(prio)) * PRIO_SPAN}
     parsed[meta] = m
   end
-  local existing = nil
+  local existing, gone = nil, false
   if m.idem ~= '' then
     local ik = P .. 'idem:' .. m.idem
     existing = redis.call('GET', ik)
-    if existing and redis.call('EXISTS', jkey(existing)) == 0 then existing = nil end
+    gone = existing and redis.call('EXISTS', jkey(existing)) == 0
     if not existing then redis.call('SET', ik, id) end  -- no expiry until the job finishes (finish())
   end
   if not existing and check_ids and redis.call('EXISTS', jkey(id)) == 1 then existing = id end
-  if existing then
+  if gone then
+    out[#out + 1] = {existing, 'gone'}
+  elseif existing then
     out[#out + 1] = existing
   else
     seq = seq + 1

@@ -98,7 +98,9 @@ for _ = 1, limit do
     local id = queue .. ':' .. tid
     local k = jkey(id)
     local ik = P .. 'idem:tutorial:' .. tid
-    if redis.call('EXISTS', k) == 0 then
+    -- the key outlives the record (common.lua's idem_expire): a job re-pushed after its record was trimmed has
+    -- run already and is not run (and paid for) again while the key lives
+    if redis.call('EXISTS', k) == 0 and redis.call('EXISTS', ik) == 0 then
       local okey = job.output_key or ('results/' .. tid .. '.json')
       local prior = math.max((tonumber(job.attempt) or 1) - 1, 0)
       local score = PRIO_SPAN * 1000 + redis.call('INCR', P .. 'seq')

@@ -152,8 +152,13 @@ function action(label, perm, run, { question, danger, name } = {}) {
 }
 
 const post = (path, body) => api(path, { method: "POST", body });
-const cancelJob = (id) => action("Cancel", "cancel", async () =>
-  `Cancel ${id}: ${(await post(`/v1/jobs/${enc(id)}/cancel`)).result}`);
+// "requested": a remote job may still run; a dispatch worker cancels it, then the job ends cancelled.
+const cancelJob = (id) => action("Cancel", "cancel", async () => {
+  const { result } = await post(`/v1/jobs/${enc(id)}/cancel`);
+  return result === "requested"
+    ? `Cancel ${id}: requested (a worker cancels its remote job first, then it ends cancelled)`
+    : `Cancel ${id}: ${result}`;
+});
 const requeueJob = (q, id) => action("Requeue", "admin", async () =>
   `Requeued ${(await post(`/v1/queues/${enc(q)}/dead/requeue`, { ids: [id] })).moved.length} job`);
 const releaseJob = (q, id) => action("Release", "admin", async () =>
@@ -281,7 +286,7 @@ const jobView = {
         row("Worker", j.lease_owner, "worker"), row("Backend", j.backend && `${j.backend} ${j.remote_id || ""}`, "backend"),
         row("Cost", j.cost, "cost"), row("Output key", j.output_key, "output-key"),
         row("Result", j.result ? [el("span", { class: "mono" }, j.result), " ", output] : null, "result"),
-        j.cancel_requested ? row("Cancel", "requested", "cancel") : null),
+        j.cancel_requested ? row("Cancel", "requested: a worker cancels its remote job, then it ends cancelled", "cancel") : null),
       j.error ? [el("h2", null, "Error"), el("pre", { id: "job-error", class: "err" }, j.error)] : null,
       el("h2", null, "Input"), el("pre", { id: "job-input" }, pretty(j.input)),
       j.raw ? [el("h2", null, "Raw entry"), el("pre", { id: "job-raw" }, j.raw)] : null);

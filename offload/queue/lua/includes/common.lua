@@ -112,6 +112,11 @@ local function wake()
   if redis.call('DEL', P .. 'idle') == 1 then redis.call('PUBLISH', P .. 'wake', '') end
 end
 
+-- A job whose cancel waits for its remote job to be cancelled (cancel.lua: a remote job may still run, and is
+-- paid while it does) goes ahead of every priority, in a level of its own below 0 (its sequence number kept, so
+-- these stay in order too): the next claim cancels it, whatever the backlog.
+local function cancel_first(score) return fmt(tonumber(score) % PRIO_SPAN - PRIO_SPAN) end
+
 -- Put jobs into the ready set. A fresh score puts a job behind everything of its priority; a reaped job
 -- keeps its old score so it is resumed before newer work.
 local function make_ready(ids, now, fresh)
@@ -124,10 +129,13 @@ local function make_ready(ids, now, fresh)
     local score
     if fresh then
       seq = seq + 1
-      score = fmt((1000 - tonumber(redis.call('HGET', k, 'priority') or 0)) * PRIO_SPAN + seq)
+      local g = redis.call('HMGET', k, 'priority', 'cancel')
+      score = fmt((1000 - tonumber(g[1] or 0)) * PRIO_SPAN + seq)
+      if g[2] == '1' then score = cancel_first(score) end
       redis.call('HSET', k, 'state', 'queued', 'score', score, 'ready_at', now, 'owner', '', 'token', '')
     else
-      score = redis.call('HGET', k, 'score')  -- and its old ready time: it has been waiting since then
+      local g = redis.call('HMGET', k, 'score', 'cancel')  -- and its old ready time: it has been waiting since then
+      score = g[2] == '1' and cancel_first(g[1]) or g[1]
       redis.call('HSET', k, 'state', 'queued', 'owner', '', 'token', '')
     end
     zs[#zs + 1] = score
@@ -219,12 +227,14 @@ end
 -- resumes polling; only a crash (counted=true) uses up one of the job's lease expiries. A remote id that a
 -- `start` webhook recorded while this lease held the job (hook.lua's STARTED, `started_n`) and that the
 -- worker never checkpointed itself (still `active`) was learnt from the provider alone: counted as adopted.
+-- A cancelled job ends here only when nothing remote may run (no remote id, no intent left open); else it
+-- goes back first in line, for the next worker to cancel the remote job (see cancel.lua).
 local function return_leases(ids, now, counted)
   local back, dead, cancelled, leaving, owners = {}, {}, {}, {}, {}
   for _, id in ipairs(ids) do
     local k = jkey(id)
     local f = redis.call('HMGET', k, 'state', 'owner', 'expiries', 'max_attempts', 'cancel', 'remote_id',
-      'attempts', 'started_n')
+      'attempts', 'started_n', 'sub_open')
     if not f[1] then
       leaving[#leaving + 1] = id
     elseif f[1] == 'active' or f[1] == 'submitted' then
@@ -241,7 +251,7 @@ local function return_leases(ids, now, counted)
       local exp = tonumber(f[3] or 0)
       if counted then exp = exp + 1 end
       redis.call('HSET', k, 'attempts', attempts, 'expiries', exp)
-      if f[5] == '1' and (not f[6] or f[6] == '') then
+      if f[5] == '1' and (not f[6] or f[6] == '') and f[9] ~= '1' then
         cancelled[#cancelled + 1] = id
       elseif exp > tonumber(f[4]) then
         redis.call('HSET', k, 'attempts', attempts + 1)
