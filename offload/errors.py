@@ -21,10 +21,12 @@ The branch roots are defined here; a leaf lives beside the code that raises it a
     - StaleLease - the lease token no longer owns the job (the store's answer, and the server's 409)
     - Fenced - this server is no longer the autoscaler's leader (offload.autoscale.instances)
     - StaleState - the instance moved on since it was read (offload.autoscale.instances)
-  + BackendError - a remote GPU/model API call failed; `status`, secret-free `excerpt` (offload.backends.base)
+  + BackendError - a remote GPU/model API call failed; `status`, secret-free `excerpt`, `maybe_accepted`
+    (offload.backends.base)
     - Throttled - 429; `retry_after`
     - Transient - 5xx, 408, 409, timeouts, connection errors, garbled answers: try again later
     - Fatal - any other 4xx: retrying cannot help
+      - TooLarge - an answer over the backend's max_response_bytes: reading stopped at the limit
     - NotFound - a known remote job expired at the provider: submit again
   + ProviderError - an autoscale provider call failed; `retryable`, `ambiguous` (offload.autoscale.providers.base)
     - OutOfCapacity, Unauthorized, NotOurs
@@ -161,12 +163,17 @@ class StaleLease(FencingError):
 
 class BackendError(OffloadError):
     """A remote GPU/model API call failed. `excerpt` is a short, secret-free piece of the provider's response for
-    the job record. The leaves (offload.backends.base) say what the worker does about it."""
+    the job record. `maybe_accepted`: the request was sent and no answer the provider gave says it refused it (a
+    gateway's 502/503/504/52x, a timeout or a reset after sending, an unreadable 2xx), so a submission may run
+    and be paid for. The leaves (offload.backends.base) say what the worker does about it."""
 
-    def __init__(self, message: str, *, status: int | None = None, excerpt: str = "") -> None:
+    def __init__(
+        self, message: str, *, status: int | None = None, excerpt: str = "", maybe_accepted: bool = False
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.excerpt = excerpt
+        self.maybe_accepted = maybe_accepted
 
 
 class ProviderError(OffloadError):

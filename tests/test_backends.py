@@ -9,6 +9,8 @@ waiting is a short poll loop with a deadline, never a fixed sleep.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gzip
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -17,19 +19,22 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from servers import free_port
 
 from offload.backends import (
     Backend,
+    BackendError,
     Fatal,
     NotFound,
     RemoteResult,
     Throttled,
+    TooLarge,
     Transient,
     create_backend,
     new_client,
 )
 from offload.backends.fal import FalBackend
-from offload.backends.http import error_for_response, excerpt, retry_after, warn_unknown_status
+from offload.backends.http import error_for_exception, error_for_response, excerpt, retry_after, warn_unknown_status
 from offload.backends.runpod import error_text
 from offload.errors import ConfigError
 from offload.sim import running_sim
@@ -325,6 +330,121 @@ async def test_timeout_is_transient(make: Make, sim: Callable[..., None]) -> Non
     sim(latency=3)
     with pytest.raises(Transient, match="timed out"):
         await make("openai", timeout=0.2).submit(INPUT, tag="job-1")
+
+
+async def test_each_failure_says_whether_the_provider_may_have_accepted_the_request(
+    make: Make, sim: Callable[..., None], sim_url: str
+) -> None:
+    """Over real HTTP: a gateway's 5xx page after the provider created the job, a timeout after sending, a reset
+    connection and a garbled 2xx may all have been accepted (`maybe_accepted`); the provider's own 4xx/500 and a
+    connection never made (refused) were not."""
+
+    async def failure(backend: Backend) -> BackendError:
+        with pytest.raises(BackendError) as info:
+            await backend.submit(INPUT, tag="job-1")
+        return info.value
+
+    for status in (502, 504, 524):
+        sim(gateway_error_rate=1.0, gateway_statuses=[status])
+        err = await failure(make("http-job"))
+        assert isinstance(err, Transient) and err.status == status and err.maybe_accepted, err
+    sim(submit_latency=2.0)
+    assert (await failure(make("http-job", timeout=0.3))).maybe_accepted
+    sim(lost_response_rate=1.0)
+    assert (await failure(make("http-job"))).maybe_accepted
+    sim(malformed_rate=1.0, malformed_kind="invalid_json", faults_on=["submit"])
+    assert (await failure(make("http-job"))).maybe_accepted
+    sim(error_rate=1.0, error_statuses=[500])
+    assert not (await failure(make("http-job"))).maybe_accepted
+    sim()
+    assert not (await failure(make("http-job", api_key="wrong-key-0123"))).maybe_accepted  # 401
+    nowhere = make("http-job", base_url=f"http://127.0.0.1:{free_port()}")
+    refused = await failure(nowhere)
+    assert isinstance(refused, Transient) and not refused.maybe_accepted, refused
+
+
+def test_the_mapping_of_unknown_outcomes() -> None:
+    """The one rule, by status and by transport error: only what a gateway answers for a provider that was slow
+    or cut off (502, 503, 504, 520-527) and errors once the request was on its way may have been accepted."""
+    request = httpx.Request("POST", "http://h/jobs")
+    for status in (502, 503, 504, 520, 522, 524, 527):
+        assert error_for_response(response(status), what="w").maybe_accepted, status
+    for status in (400, 401, 404, 408, 409, 422, 429, 500, 501, 505, 519, 528):
+        assert not error_for_response(response(status), what="w").maybe_accepted, status
+    for sent in (httpx.ReadTimeout, httpx.WriteTimeout, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
+        assert error_for_exception(sent("x", request=request), what="w").maybe_accepted, sent
+    for unsent in (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout):
+        assert not error_for_exception(unsent("x", request=request), what="w").maybe_accepted, unsent
+
+
+@pytest.mark.parametrize("road", ["aiohttp", "httpx"])
+async def test_an_answer_over_max_response_bytes_is_not_read_past_it(
+    road: str, sim: Callable[..., None], sim_url: str
+) -> None:
+    """A 2 MiB output against a 1 MiB limit raises TooLarge naming the limit and the setting, on the worker's
+    aiohttp road and on httpx's own (a client not made by `new_client`); an answer within the limit reads whole."""
+    sim(output_bytes=2 * 2**20)
+    settings = {"kind": "http-job", **settings_for("http-job", sim_url), "max_response_bytes": 2**20}
+    async with httpx.AsyncClient() as plain:
+        backend = create_backend("big", settings, client=plain if road == "httpx" else None)
+        try:
+            remote_id = (await backend.submit(INPUT, tag="job-1")).remote_id
+            with pytest.raises(TooLarge, match=r"max_response_bytes \(1048576 bytes, backends\.big\.max_resp"):
+                await settle(backend, remote_id)
+            sim(output_bytes=2**19)
+            remote_id = (await backend.submit(INPUT, tag="job-2")).remote_id
+            result = await settle(backend, remote_id)
+            assert result.status == "succeeded" and len(result.output["padding"]) == 2**19
+        finally:
+            await backend.aclose()
+
+
+@contextlib.asynccontextmanager
+async def answering(body: bytes, **headers: str) -> AsyncIterator[str]:
+    """A plain HTTP server (asyncio streams) that answers every request 200 with `body` and `headers`, as a
+    provider (or a proxy) misbehaving in ways the simulator does not: compressing unasked."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        extra = "".join(f"{k.replace('_', '-')}: {v}\r\n" for k, v in headers.items())
+        head = f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n{extra}"
+        writer.write(f"{head}connection: close\r\n\r\n".encode() + body)
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+@pytest.mark.parametrize("road", ["aiohttp", "httpx"])
+async def test_a_compressed_answer_is_bounded_once_decompressed_too(road: str) -> None:
+    """An answer compressed although the request asked for none: 64 MiB of JSON in ~64 KiB of gzip is refused
+    at the 1 MiB limit without being inflated whole; a small gzip answer decodes as usual; an encoding offload
+    cannot bound (br) is an unreadable answer (Transient)."""
+    big = b'{"status": "succeeded", "output": "' + b"0" * 64 * 2**20 + b'"}'
+    small = orjson.dumps({"status": "succeeded", "output": {"ok": 1}})
+    async with httpx.AsyncClient() as plain:
+        client = plain if road == "httpx" else None
+        settings = {"kind": "http-job", "api_key": KEY, "max_response_bytes": 2**20}
+        async with answering(gzip.compress(big), content_encoding="gzip") as url:
+            backend = create_backend("bomb", {**settings, "base_url": url}, client=client)
+            with pytest.raises(TooLarge, match="max_response_bytes"):
+                await backend.poll("job-1")
+            await backend.aclose()
+        async with answering(gzip.compress(small), content_encoding="gzip") as url:
+            backend = create_backend("gz", {**settings, "base_url": url}, client=client)
+            assert (await backend.poll("job-1")).output == {"ok": 1}
+            await backend.aclose()
+        async with answering(b"\x0b\x02\x80{}\x03", content_encoding="br") as url:
+            backend = create_backend("br", {**settings, "base_url": url}, client=client)
+            with pytest.raises(Transient, match="Content-Encoding 'br'"):
+                await backend.poll("job-1")
+            await backend.aclose()
 
 
 async def test_replicate_model_and_deployment_routes(make: Make, sim_url: str) -> None:

@@ -4,8 +4,9 @@ The checker is first fed a small hand-made run in which every invariant is broke
 a result stored for the wrong input, duplicates with each kind of cause) and must name each. Then the CI-sized
 run (`--quick`: three workers SIGKILLed every ~3 s and restarted with the same host:pid, SIGSTOPs past the lease,
 two Valkey crashes with AOF always, dropped replies, resets, black-holes, 5xx and 429 storms, lost and slow
-submits, expiring results, a capped queue rolled over to the next day) must show zero lost, stuck and wrong
-results and no duplicate whose cause is not "killed inside submit", with every kind of fault really injected;
+submits, a gateway's 5xx after accepted submits, a status that lags the submit, expiring results, a capped queue
+rolled over to the next day) must show zero lost, stuck and wrong results, no uncounted resend and no false
+expiry, and no duplicate whose cause is not "killed inside submit", with every kind of fault really injected;
 also against a synchronous API (`--backend openai`), where the answer is the result and nothing is polled.
 """
 
@@ -226,6 +227,45 @@ def test_the_checker_judges_a_synchronous_run_strictly(tmp_path: Path) -> None:
     assert s["duplicates_by_cause"]["key_not_honoured"] == 1 and s["defect_duplicates"] == 3
 
 
+def test_the_checker_finds_uncounted_resends_after_a_gateway_error_and_false_expiries(tmp_path: Path) -> None:
+    """A gateway answered a submission's 5xx after the provider took it: each later submission under its key (a
+    replay, or a second paid run where the key is ignored) must be counted on its job; and a job dead as "remote
+    result expired" while the provider still had its remote job (a lagging status read) is a false expiry."""
+    w1 = Incarnation(1, 101, tmp_path / "w1-1.log", started=0.0)
+    records = {
+        "q:counted": _record("i-counted", possible_duplicates="1"),
+        "q:silent": _record("i-silent"),
+        "q:paid": _record("i-paid", possible_duplicates="1"),
+        "q:lagged": _record("i-lagged", "dead", error="remote result expired: GET /jobs/r7: HTTP 404"),
+        "q:expired": _record("i-expired", "dead", error="remote result expired: GET /jobs/r8: HTTP 404"),
+    }
+    subs = [
+        _sub("i-counted", "r1", 1.0, 1, gateway_error=True, idempotency_key="q:counted.1"),
+        _sub("i-counted", "r1", 3.0, 1, replay=True, idempotency_key="q:counted.1"),
+        _sub("i-silent", "r2", 1.0, 1, gateway_error=True, idempotency_key="q:silent.1"),
+        _sub("i-silent", "r2", 3.0, 1, replay=True, idempotency_key="q:silent.1"),  # resent, counted nowhere
+        _sub("i-paid", "r3", 1.0, 1, gateway_error=True, idempotency_key="q:paid.1"),
+        _sub("i-paid", "r4", 3.0, 1, idempotency_key="q:paid.1"),  # the key ignored: a second run, counted
+        _sub("i-lagged", "r7", 1.0, 1, remote_expires_at=100.0),
+        _sub("i-expired", "r8", 1.0, 1, remote_expires_at=5.0),
+    ]
+    data = RunData(
+        acked={j: ("q", json.loads(h["input"])["id"], 0.5) for j, h in records.items()},
+        records=records, submissions=subs, outputs={}, files={}, lives={"w1": [w1]}, slot_ports={1: "w1"},
+        timeline=[], valkey_down=[], appendfsync="always",
+        events={"q:lagged": [(1.5, "dead")], "q:expired": [(9.0, "dead")]}, dropped=[], bucket=BUCKET,
+    )  # fmt: skip
+    verdict = Checker(data).verdict()
+    s = verdict.summary
+    assert (s["gateway_errors"], s["gateway_resends"], s["uncounted_resends"]) == (3, 3, 1), verdict.findings
+    assert s["false_expiries"] == 1, verdict.findings
+    assert s["duplicates_by_cause"] == {"gateway_error": 1} and s["defect_duplicates"] == 0
+    assert any("uncounted resend: q:silent" in f for f in verdict.findings), verdict.findings
+    assert any("false expiry: q:lagged" in f for f in verdict.findings), verdict.findings
+    data.honoured = True  # where the key is honoured, the second paid run is a defect
+    assert Checker(data).verdict().summary["duplicates_by_cause"] == {"key_not_honoured": 1}
+
+
 def _chaos(tmp_path: Path, *args: str) -> tuple[dict[str, Any], str]:
     """A `--quick` run with `args`: (its JSON verdict, the human summary for failure messages), after checking
     that every kind of fault was really injected and that every guarantee common to all runs held."""
@@ -245,6 +285,9 @@ def _chaos(tmp_path: Path, *args: str) -> tuple[dict[str, Any], str]:
     assert doc["dropped_replies"] >= 5 and doc["resets"] >= 1 and doc["blackholes"] >= 1, doc
     faults = doc["sim_faults"]
     assert sum(faults.get(c, 0) for c in ("500", "502", "503")) > 0 and faults.get("storm_429", 0) > 0, faults
+    assert sum(faults.get(f"gateway_{c}", 0) for c in (502, 504, 524)) > 0, faults
+    # (with webhooks the first poll comes long after the lag: the result arrives by webhook)
+    assert faults.get("status_lag", 0) > 0 or doc["webhooks"], faults
     assert doc["jobs"] >= 300, doc
     # ... and every guarantee held
     assert doc["lost"] == 0, summary
@@ -253,6 +296,7 @@ def _chaos(tmp_path: Path, *args: str) -> tuple[dict[str, Any], str]:
     assert doc["cap"]["exact"] and doc["held_released"], summary
     assert doc["memory_bounded"] and doc["events_bounded"], summary
     assert doc["all_terminal_s"] is not None, summary
+    assert doc["uncounted_resends"] == 0 and doc["false_expiries"] == 0, summary
     return doc, summary
 
 

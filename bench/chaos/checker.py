@@ -16,6 +16,10 @@ bucket and the record of every fault the harness injected.
   under the previous submission's Idempotency-Key (the same run: `resent_under_new_key` otherwise), and where the
   simulator honours the key (`RunData.honoured`) such a resend is a replay, not a second paid run, so a duplicate
   of that kind is a defect there (`key_not_honoured`);
+- a resend of a submission a gateway answered with a 5xx after the provider took it (its outcome unknown to the
+  worker) is counted on its job, replayed or paid (`uncounted_resends`); a status read that lags the submit is not
+  expiry: no job is dead as "remote result expired" while the provider still had its remote job
+  (`false_expiries`);
 - the daily cap is exact, held jobs are released, memory and the events stream stay bounded;
 - an operator's cancel (the `cancel` fault) stops what it may cost: a job answered `cancelled` ends so, no job is
   submitted after its cancel was answered (`submitted_after_cancel`), and the remote job a cancelled job last
@@ -48,7 +52,13 @@ SIM_JOB = re.compile(r"/_sim/files/(.+)-\d+\.\w+$")
 # The window no worker can close against an API without idempotency keys: the provider accepted a submission
 # whose id the job store never learnt, because the worker was killed or stopped (the design's stated window),
 # cut off from Valkey, or never got the answer. With a provider honouring Idempotency-Key all of them must be 0.
-UNAVOIDABLE = {"killed_inside_submit", "partition_inside_submit", "valkey_crash_inside_submit", "response_lost"}
+UNAVOIDABLE = {
+    "killed_inside_submit",
+    "partition_inside_submit",
+    "valkey_crash_inside_submit",
+    "response_lost",
+    "gateway_error",
+}
 RECORDED = ("submitted", "adopted")  # the events that mean the job store knows the remote id
 # ... and for a synchronous API the ack too: its answer's remote id is recorded by the complete itself
 RECORDED_SYNC = (*RECORDED, "succeeded")
@@ -349,6 +359,8 @@ class Checker:
         t0, t1 = prev["arrival"], sub["arrival"]
         if prev.get("lost_response"):
             return "response_lost", None  # the provider accepted it; its answer never reached the worker
+        if prev.get("gateway_error"):
+            return "gateway_error", None  # the provider accepted it; a gateway's 5xx page reached the worker instead
         who, again = self._who(prev), self._who(sub)
         if who is None:
             return "unattributed", None
@@ -458,6 +470,57 @@ class Checker:
         ):
             return "everysec_loss"
         return "resubmitted_after_recorded_id"
+
+    # -- unknown outcomes and lagging status ------------------------------------------------------
+
+    def _submissions_by_job(self) -> dict[str, list[dict[str, Any]]]:
+        """Every logged submission (replays too) per job, oldest first."""
+        per_job: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for sub in self.d.submissions:
+            if (job_id := self.by_input.get(sub["input_id"])) is not None:
+                per_job[job_id].append(sub)
+        for subs in per_job.values():
+            subs.sort(key=lambda s: s["arrival"])
+        return per_job
+
+    def unknown_outcomes(self) -> dict[str, Any]:
+        """A submission answered with a gateway's 5xx after the provider created its job has an outcome the worker
+        cannot know: each later submission under its Idempotency-Key (a replay where the key is honoured, a second
+        paid run elsewhere) must be counted on the job as a possible duplicate, never silent. And a job dead as
+        "remote result expired" while the provider still had its last remote job (a status read lagging the
+        submit taken for expiry) is a `false_expiry`."""
+        per_job = self._submissions_by_job()
+        resends = uncounted = false_expiries = 0
+        for job_id, subs in per_job.items():
+            h = self.d.records.get(job_id)
+            if h is None:
+                continue
+            again = 0  # the submissions under a key after the first of them a gateway answered
+            for key in {s.get("idempotency_key") for s in subs if s.get("gateway_error") and s.get("idempotency_key")}:
+                same = [s for s in subs if s.get("idempotency_key") == key]
+                first = next(i for i, s in enumerate(same) if s.get("gateway_error"))
+                again += len(same) - first - 1
+            resends += again
+            if again > int(h.get("possible_duplicates") or 0):
+                uncounted += again - int(h.get("possible_duplicates") or 0)
+                self.find(
+                    f"uncounted resend: {job_id} sent again {again}x after a gateway 5xx, counted "
+                    f"{h.get('possible_duplicates') or 0}"
+                )
+            if h.get("state") == "dead" and "remote result expired" in (h.get("error") or ""):
+                died = next((t for t, state in reversed(self.d.events.get(job_id, [])) if state == "dead"), None)
+                paid = [s for s in subs if not s["replay"]]
+                expires = paid[-1].get("remote_expires_at") if paid else None
+                if died is not None and paid and (expires is None or expires > died):
+                    false_expiries += 1
+                    self.find(f"false expiry: {job_id} dead as expired while remote job {paid[-1]['remote_id']} lived")
+        gateway = sum(1 for s in self.d.submissions if s.get("gateway_error"))
+        return {
+            "gateway_errors": gateway,
+            "gateway_resends": resends,
+            "uncounted_resends": uncounted,
+            "false_expiries": false_expiries,
+        }
 
     # -- caps, held jobs, memory -----------------------------------------------------------------
 
@@ -579,6 +642,7 @@ class Checker:
             self.results(),
             self.finished_twice(),
             self.duplicates(),
+            self.unknown_outcomes(),
             self.caps(),
             self.bounds(),
             self.cancels(),

@@ -4,8 +4,10 @@
 an asyncio task against the run's processes: worker SIGKILL (restarted after a container-like pause, in its PID
 namespace when there is one) and SIGSTOP past the lease, Valkey SIGKILL + restart, the proxy's dropped replies,
 resets and black-holes, 429 storms at the simulator, and an operator cancelling jobs (`operator`: mostly jobs that
-wait with a remote job that may still run, handed back by a killed or stopped worker, else running ones). Every
-fault is appended to `timeline` with its time, which the checker uses to attribute what went wrong to what was done.
+wait with a remote job that may still run, handed back by a killed or stopped worker, else running ones). The
+provider's own faults (5xx, 429s, lost answers, a gateway's 5xx after a submit was accepted, a status that lags the
+submit) are the simulator's config (`Profile.sim_config`). Every fault is appended to `timeline` with its time,
+which the checker uses to attribute what went wrong to what was done.
 """
 
 from __future__ import annotations
@@ -52,6 +54,12 @@ class Profile:
     rate_429: float = 0.01
     lost_response_rate: float = 0.002
     fail_rate: float = 0.02
+    gateway_error_rate: float = 0.01  # submits created, then answered a gateway's 502/504/524 page
+    status_lag: float = 1.0  # seconds a job's status answers 404 after its submit
+    # the workers' `not_found_grace_s`: past the lag and short of `result_ttl`, as the default 30 s is to a
+    # provider's lag of seconds and its results kept for 30 min (a grace past result_ttl only delays the jobs whose
+    # remote result expired before the worker that resumed them polled)
+    not_found_grace_s: float = 4.0
     latency: str = "10-22"
     submit_latency: str = "0.02-0.4"
     result_ttl: float = 10.0
@@ -80,6 +88,8 @@ class Profile:
                 "rate_429": self.rate_429,
                 "retry_after_seconds": 1,
                 "lost_response_rate": self.lost_response_rate,
+                "gateway_error_rate": self.gateway_error_rate,
+                "status_lag": self.status_lag,
                 "result_ttl": self.result_ttl,
                 "files_per_job": 1,
                 "file_type": "png",

@@ -10,7 +10,7 @@ from typing import Any
 
 from bench.chaos.faults import Profile
 
-FAULTS = ("kill", "stop", "valkey", "drop", "reset", "blackhole", "storm", "provider", "cancel")
+FAULTS = ("kill", "stop", "valkey", "drop", "reset", "blackhole", "storm", "provider", "cancel", "gateway", "lag")
 BACKENDS = {
     "http-job": {},
     "runpod": {"endpoint_id": "chaos"},
@@ -43,6 +43,7 @@ QUICK = {
     "result_ttl": 8.0,
     "capped_jobs": 24,
     "daily_job_cap": 15,
+    "gateway_error_rate": 0.05,
 }
 
 
@@ -111,6 +112,8 @@ def profile_for(args: argparse.Namespace) -> Profile:
         ("storm", ["storm_every"]),
         ("provider", ["error_rate", "rate_429", "lost_response_rate", "fail_rate"]),
         ("cancel", ["cancel_every"]),
+        ("gateway", ["gateway_error_rate"]),
+        ("lag", ["status_lag"]),
     ):
         if fault not in chosen:
             off.update(dict.fromkeys(fields, 0.0))

@@ -79,6 +79,10 @@ def report(
         "wrong_by_kind",
         "outputs_of_unfinished_jobs",
         "killed_inside_submit_by",
+        "gateway_errors",
+        "gateway_resends",
+        "uncounted_resends",
+        "false_expiries",
         "resubmits_after_remote_end",
         "idempotent_replays",
         "submissions",
@@ -123,6 +127,8 @@ def human(doc: dict[str, Any], run: Run) -> str:
         f"duplicate submissions {doc['duplicate_submissions']} ({doc['duplicates_per_kill']} killed-inside-submit "
         f"per kill): {doc['duplicates_by_cause']}",
         f"cap {doc.get('cap')}, held released {doc.get('held_released')}, worker exits {doc['worker_exits']}",
+        f"gateway 5xx after accept {doc.get('gateway_errors')}, sent again {doc.get('gateway_resends')} (uncounted "
+        f"{doc.get('uncounted_resends')}); dead as expired while the remote job lived {doc.get('false_expiries')}",
     ]
     if doc.get("webhooks"):
         lines.append(f"webhooks (through offload server): {doc['webhooks']}")
@@ -134,6 +140,7 @@ def human(doc: dict[str, Any], run: Run) -> str:
     lines += [f"  ! {f}" for f in run.findings[:25]] + [f"  ! worker {n}" for n in run.exit_notes]
     failed = doc["lost"] or doc["stuck"] or doc["wrong_results"] or doc["finished_twice"] or doc["defect_duplicates"]
     failed = failed or any(doc.get(k) for k in ("cancel_not_honoured", "submitted_after_cancel", "ran_after_cancel"))
+    failed = failed or doc.get("uncounted_resends") or doc.get("false_expiries")
     verdict = "FAIL" if failed else "PASS"
     lines.append(f"{verdict}; logs and data in {run.out}")
     return "\n".join(lines)

@@ -65,6 +65,7 @@ def worker_config(
                 "base_url": base_url + API_ROOTS.get(backend, ""),
                 "api_key": "sim-key",
                 "timeout": 30,
+                "not_found_grace_s": p.not_found_grace_s,
                 **BACKENDS[backend],
                 **hooks,
             }
@@ -374,7 +375,13 @@ class Run:
 
     async def _heal(self) -> None:
         """No more faults: the simulator behaves, stopped workers continue, dead slots are started again."""
-        healthy = {"error_rate": 0, "rate_429": 0, "lost_response_rate": 0, "submit_latency": 0}
+        healthy = {
+            "error_rate": 0,
+            "rate_429": 0,
+            "lost_response_rate": 0,
+            "submit_latency": 0,
+            "gateway_error_rate": 0,
+        }
         await asyncio.to_thread(self.sim.post, "/_sim/config?merge=true", {"default": healthy})
         await asyncio.to_thread(self.sim.post, "/_sim/outage", {"mode": None})
         if self.server is not None:

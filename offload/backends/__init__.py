@@ -26,6 +26,7 @@ from offload.backends.base import (
     RemoteStatus,
     Submission,
     Throttled,
+    TooLarge,
     Transient,
 )
 from offload.backends.settings import KINDS, AnyBackendSettings, BackendSettings
@@ -114,6 +115,7 @@ __all__ = [
     "RunPodBackend",
     "Submission",
     "Throttled",
+    "TooLarge",
     "Transient",
     "backend_settings",
     "create_backend",

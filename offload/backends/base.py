@@ -3,7 +3,8 @@
 A backend knows nothing of Redis or storage: it turns a job input into a remote job and reports what became
 of it. The worker decides what an error means for the job: throttled -> shared cool-down and try again;
 transient -> try again later (the remote job, if any, is kept); fatal -> dead now; not found -> the remote
-result expired, submit again (counted).
+result expired, submit again (counted). Any of them with `maybe_accepted` on a submit: the submission's outcome
+is unknown, so its intent stays open and a resend is counted (see offload.backends.http for the rule).
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ class Transient(BackendError):
 
 class Fatal(BackendError):
     """4xx other than 408/409/429 (bad input, bad credentials): retrying cannot help."""
+
+
+class TooLarge(Fatal):
+    """A 2xx answer longer than the backend's `max_response_bytes`: reading stopped at the limit, so one answer
+    cannot grow the worker past it. The remote work was done (it may be paid for): the job is dead with the
+    reason, never run again by itself (the same run would answer the same); a large output belongs in files."""
 
 
 class NotFound(BackendError):
@@ -84,9 +91,10 @@ class Backend(Protocol):
         a status the backend does not recognise is reported as non-terminal, never as a failure."""
         ...
 
-    async def cancel(self, remote_id: str) -> None:
-        """Ask the provider to stop the job. Idempotent: a job that already ended or no longer exists is not an
-        error. Throttled/Transient still propagate, so the caller can try again."""
+    async def cancel(self, remote_id: str) -> bool:
+        """Ask the provider to stop the job: True once it took the cancel (or the job had already ended or no
+        longer exists: not an error), False when this backend cannot cancel (no cancel route), so the job may
+        still run and be paid for. Idempotent. Throttled/Transient still propagate, so the caller can try again."""
         ...
 
     async def find(self, tag: str) -> str | None:

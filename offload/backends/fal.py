@@ -32,7 +32,13 @@ from offload.backends.http import (
     tagged_url,
     warn_unknown_status,
 )
-from offload.backends.settings import DEFAULT_MAX_CONNECTIONS, DEFAULT_TIMEOUT, FAL_BASE, FalSettings
+from offload.backends.settings import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_RESPONSE_BYTES,
+    DEFAULT_TIMEOUT,
+    FAL_BASE,
+    FalSettings,
+)
 
 DEFAULT_BASE = FAL_BASE
 CANCELLED_TYPES = frozenset({"request_cancelled", "cancelled"})
@@ -56,10 +62,17 @@ class FalBackend(HttpBackend):
         timeout: float = DEFAULT_TIMEOUT,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         webhook_url: str | None = None,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         client: httpx.AsyncClient | None = None,
     ) -> None:
         super().__init__(
-            name, base_url=base_url, api_key=api_key, timeout=timeout, max_connections=max_connections, client=client
+            name,
+            base_url=base_url,
+            api_key=api_key,
+            timeout=timeout,
+            max_connections=max_connections,
+            max_response_bytes=max_response_bytes,
+            client=client,
         )
         self._submit_url = f"{self.base_url}/{quote(app.strip('/'), safe='/')}"
         parts = app.strip("/").split("/")
@@ -189,12 +202,12 @@ class FalBackend(HttpBackend):
             return RemoteResult("failed", error=self._redact(text), duration_s=duration, metrics=metrics)
         raise self._fail(response, "GET", url, known=True)
 
-    async def cancel(self, remote_id: str) -> None:
+    async def cancel(self, remote_id: str) -> bool:
         """PUT cancel_url. ALREADY_COMPLETED (400) and NOT_FOUND (404) leave nothing to cancel."""
         url = self.decode_id(remote_id)["cancel_url"]
         response = await self._send("PUT", url)
         if 200 <= response.status_code < 300 or response.status_code == 404:
-            return
+            return True
         if response.status_code == 400 and b"ALREADY_COMPLETED" in response.content:
-            return
+            return True
         raise self._fail(response, "PUT", url, known=True)

@@ -5,7 +5,14 @@ The mapping lives in one place because the worker's whole reaction (cool down, r
 resubmit) hangs on the error class: the same HTTP situation must mean the same thing for every provider.
 Rules: 429 -> Throttled (Retry-After seconds or HTTP-date, `retry-after-ms`, or Replicate's "Expected available
 in N second" hint); 408/409, 5xx, timeouts, connection errors and unreadable 2xx bodies -> Transient; 404 on a
-remote job we know -> NotFound (it expired), any other 404 -> Fatal; other 3xx/4xx -> Fatal.
+remote job we know -> NotFound (it expired), any other 404 -> Fatal; other 3xx/4xx -> Fatal; a 2xx answer longer
+than the backend's `max_response_bytes` -> TooLarge (reading stops at the limit).
+And whether the provider may have accepted the request (`maybe_accepted`, which decides whether a failed submit's
+intent stays open and a resend is counted): yes for 502/503/504 and 520-527 (a gateway such as nginx, an ALB or
+Cloudflare answers these when the provider was slow or dropped the connection, often after it took the request),
+for a timeout or a broken connection once the request was on its way, and for an unreadable 2xx; no for a
+connection that was never made (refused, DNS, connect or pool timeout: nothing was sent) and for any other
+answer, which is the provider's own.
 """
 
 from __future__ import annotations
@@ -22,9 +29,9 @@ from typing import Any, ClassVar
 import httpx
 import orjson
 
-from offload.backends.base import BackendError, Fatal, NotFound, Throttled, Transient
-from offload.backends.settings import DEFAULT_MAX_CONNECTIONS, DEFAULT_TIMEOUT
-from offload.backends.transport import AiohttpTransport, fast_path
+from offload.backends.base import BackendError, Fatal, NotFound, Throttled, TooLarge, Transient
+from offload.backends.settings import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_TIMEOUT
+from offload.backends.transport import ACCEPT_ENCODING, AiohttpTransport, bounded_response, fast_path, read_bounded
 from offload.redact import bare_url, excerpt  # the one redaction path (offload/redact.py)
 
 log = logging.getLogger("offload.backends")
@@ -32,6 +39,11 @@ log = logging.getLogger("offload.backends")
 NO_KEY = "none"
 
 _AVAILABLE_IN = re.compile(r"(?i)expected available in (\d+(?:\.\d+)?) second")
+# Statuses a gateway in front of the provider answers when the provider was slow or cut the connection: the
+# request may have been taken (see the module docstring).
+UNKNOWN_OUTCOME = frozenset({502, 503, 504, *range(520, 528)})
+# Transport errors raised before any byte of the request left: the provider cannot have taken it.
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 _warned: set[tuple[str, str]] = set()
 
 
@@ -108,7 +120,7 @@ def error_for_response(
     if status == 429:
         return Throttled(message, retry_after=retry_after(response), status=status, excerpt=body)
     if status in (408, 409) or status >= 500:
-        return Transient(message, status=status, excerpt=body)
+        return Transient(message, status=status, excerpt=body, maybe_accepted=status in UNKNOWN_OUTCOME)
     if status == 404 and known:
         return NotFound(message, status=status, excerpt=body)
     if 300 <= status < 400:
@@ -118,14 +130,15 @@ def error_for_response(
 
 
 def error_for_exception(exc: Exception, *, what: str, secrets: Iterable[str | None] = ()) -> BackendError:
-    """Transport problems are Transient (the request may never have arrived), except a URL httpx cannot even
-    try (a typo in base_url), which no retry can fix."""
+    """Transport problems are Transient, except a URL httpx cannot even try (a typo in base_url), which no retry
+    can fix. The provider may have taken the request unless the connection was never made."""
     detail = excerpt(f"{type(exc).__name__}: {exc}", secrets)
     if isinstance(exc, httpx.UnsupportedProtocol | httpx.InvalidURL):
         return Fatal(f"{what}: {detail} (check base_url)")
+    sent = not isinstance(exc, _NOT_SENT)
     if isinstance(exc, httpx.TimeoutException):
-        return Transient(f"{what}: timed out ({detail})")
-    return Transient(f"{what}: {detail}")
+        return Transient(f"{what}: timed out ({detail})", maybe_accepted=sent)
+    return Transient(f"{what}: {detail}", maybe_accepted=sent)
 
 
 def decode(response: httpx.Response, *, what: str, secrets: Iterable[str | None] = ()) -> Any:
@@ -135,7 +148,10 @@ def decode(response: httpx.Response, *, what: str, secrets: Iterable[str | None]
     except orjson.JSONDecodeError:
         body = excerpt(response.text, secrets)
         raise Transient(
-            f"{what}: response is not valid JSON: {body}", status=response.status_code, excerpt=body
+            f"{what}: response is not valid JSON: {body}",
+            status=response.status_code,
+            excerpt=body,
+            maybe_accepted=response.is_success,  # a 2xx the provider sent, garbled on its way: it took the request
         ) from None
 
 
@@ -143,9 +159,11 @@ def require(
     body: Any, name: str, kind: type | tuple[type, ...], *, what: str, secrets: Iterable[str | None] = ()
 ) -> Any:
     """`body[name]`, checked to be of `kind`; a missing or mistyped field is a malformed answer (Transient)."""
-    if not isinstance(body, dict):
+    if not isinstance(body, dict):  # (a 2xx: the provider took the request, see the module docstring)
         raise Transient(
-            f"{what}: expected a JSON object, got {type(body).__name__}", excerpt=excerpt(repr(body), secrets)
+            f"{what}: expected a JSON object, got {type(body).__name__}",
+            excerpt=excerpt(repr(body), secrets),
+            maybe_accepted=True,
         )
     value = body.get(name)
     kinds = kind if isinstance(kind, tuple) else (kind,)
@@ -154,7 +172,7 @@ def require(
             body_text = excerpt(orjson.dumps(body, default=str).decode(), secrets)
         except orjson.JSONEncodeError:
             body_text = excerpt(repr(body), secrets)
-        raise Transient(f"{what}: response lacks a valid {name!r}: {body_text}", excerpt=body_text)
+        raise Transient(f"{what}: response lacks a valid {name!r}: {body_text}", excerpt=body_text, maybe_accepted=True)
     return value
 
 
@@ -193,11 +211,13 @@ class HttpBackend:
         timeout: float = DEFAULT_TIMEOUT,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         client: httpx.AsyncClient | None = None,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
     ) -> None:
         self.name = name
         self.base_url = base_url.rstrip("/")
         self._api_key = api_key
         self._timeout = timeout
+        self._max_bytes = max_response_bytes
         self._owns_client = client is None
         self._client = client or new_client(max_connections=max_connections, timeout=timeout)
         self._fast = fast_path(self._client)
@@ -224,13 +244,37 @@ class HttpBackend:
             raise Fatal(f"{self._what(method, url)}: the request body is not serialisable as JSON: {exc}") from None
         if content is not None:
             headers["Content-Type"] = "application/json"
+        headers["Accept-Encoding"] = ACCEPT_ENCODING  # see transport.bounded_response
         try:
             if self._fast is not None:  # the hot path: no httpx.Request built, no httpx pool walked
                 headers["User-Agent"] = self._agent
-                return await self._fast.send(method, url, headers=headers, content=content, timeout=self._timeout)
-            return await self._client.request(method, url, content=content, headers=headers, timeout=self._timeout)
+                return await self._fast.send(
+                    method, url, headers=headers, content=content, timeout=self._timeout, limit=self._max_bytes
+                )
+            return await self._bounded(method, url, content=content, headers=headers)
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise error_for_exception(exc, what=self._what(method, url), secrets=[self._api_key]) from None
+        except TooLarge as exc:
+            raise TooLarge(
+                f"{self._what(method, url)}: the answer is larger than max_response_bytes ({self._max_bytes} bytes, "
+                f"backends.{self.name}.max_response_bytes); reading stopped there. A large output belongs in "
+                "files (a URL the output names is copied to storage)",
+                status=exc.status,
+                maybe_accepted=True,
+            ) from None
+
+    async def _bounded(
+        self, method: str, url: str, *, content: bytes | None, headers: dict[str, str]
+    ) -> httpx.Response:
+        """`_send` through httpx's own API (a client not made by `new_client`): streamed, so that an answer over
+        `max_response_bytes` is not read past the limit either."""
+        async with self._client.stream(
+            method, url, content=content, headers=headers, timeout=self._timeout
+        ) as response:
+            raw = await read_bounded(
+                response.aiter_raw(), self._max_bytes, ok=response.is_success, status=response.status_code
+            )
+        return bounded_response(response.status_code, response.headers, raw, self._max_bytes)
 
     async def _call(
         self,

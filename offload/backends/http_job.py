@@ -3,7 +3,8 @@
 `POST {base}/jobs` with the job input as the body -> `{"id"}`; `GET {base}/jobs/{id}` ->
 `{"status": queued|running|succeeded|failed, "output", "error"?}`; Bearer auth. Cancel (`POST {base}/jobs/{id}/cancel`)
 is an extension the tutorial lacks: it is tried when enabled, and a 404/405 (no such route, or the job is gone) is
-ignored, since the tutorial's API gives no way to tell those apart.
+not an error but reports the job as not cancelled, since the tutorial's API gives no way to tell those apart: a
+remote job still running at `poll_timeout` is then not submitted again (see the worker's poll timeout).
 
 Remote id: the provider's job id as is (the base URL comes from the shared config, so any worker can resume).
 Tagging: none: the API has no metadata field and no listing, so `find` returns None.
@@ -18,7 +19,12 @@ import httpx
 
 from offload.backends.base import RemoteResult, RemoteStatus, Submission
 from offload.backends.http import HttpBackend, warn_unknown_status
-from offload.backends.settings import DEFAULT_MAX_CONNECTIONS, DEFAULT_TIMEOUT, HttpJobSettings
+from offload.backends.settings import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_RESPONSE_BYTES,
+    DEFAULT_TIMEOUT,
+    HttpJobSettings,
+)
 
 STATUSES: dict[str, RemoteStatus] = {
     "queued": "queued",
@@ -45,10 +51,17 @@ class HttpJobBackend(HttpBackend):
         timeout: float = DEFAULT_TIMEOUT,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         cancel: bool = True,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         client: httpx.AsyncClient | None = None,
     ) -> None:
         super().__init__(
-            name, base_url=base_url, api_key=api_key, timeout=timeout, max_connections=max_connections, client=client
+            name,
+            base_url=base_url,
+            api_key=api_key,
+            timeout=timeout,
+            max_connections=max_connections,
+            max_response_bytes=max_response_bytes,
+            client=client,
         )
         self._cancel = cancel
 
@@ -81,11 +94,15 @@ class HttpJobBackend(HttpBackend):
             return RemoteResult("failed", error=self._redact(str(error)))
         return RemoteResult(status)
 
-    async def cancel(self, remote_id: str) -> None:
+    async def cancel(self, remote_id: str) -> bool:
+        """False without the route (`cancel: false`, or a 404/405 from it: a job that ended or expired needs no
+        cancel, but one still running keeps running)."""
         if not self._cancel:
-            return
+            return False
         url = f"{self._job_url(remote_id)}/cancel"
         response = await self._send("POST", url)
-        if response.status_code in (404, 405) or 200 <= response.status_code < 300:
-            return
+        if 200 <= response.status_code < 300:
+            return True
+        if response.status_code in (404, 405):
+            return False
         raise self._fail(response, "POST", url, known=True)

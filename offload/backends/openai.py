@@ -25,7 +25,14 @@ import httpx
 
 from offload.backends.base import Fatal, NotFound, RemoteResult, Submission, Throttled
 from offload.backends.http import HttpBackend
-from offload.backends.settings import DEFAULT_MAX_CONNECTIONS, OPENAI_BASE, OPENAI_PATH, OPENAI_TIMEOUT, OpenAISettings
+from offload.backends.settings import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_RESPONSE_BYTES,
+    OPENAI_BASE,
+    OPENAI_PATH,
+    OPENAI_TIMEOUT,
+    OpenAISettings,
+)
 
 DEFAULT_BASE, DEFAULT_PATH, DEFAULT_TIMEOUT = OPENAI_BASE, OPENAI_PATH, OPENAI_TIMEOUT
 PER = 1_000_000
@@ -49,10 +56,17 @@ class OpenAIBackend(HttpBackend):
         model: str | None = None,
         price_per_million_input_tokens: float | None = None,
         price_per_million_output_tokens: float | None = None,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         client: httpx.AsyncClient | None = None,
     ) -> None:
         super().__init__(
-            name, base_url=base_url, api_key=api_key, timeout=timeout, max_connections=max_connections, client=client
+            name,
+            base_url=base_url,
+            api_key=api_key,
+            timeout=timeout,
+            max_connections=max_connections,
+            max_response_bytes=max_response_bytes,
+            client=client,
         )
         self._url = f"{self.base_url}/{path.lstrip('/')}"
         self._chat = path.rstrip("/").endswith("chat/completions")
@@ -116,5 +130,6 @@ class OpenAIBackend(HttpBackend):
             "returned by submit, so it must be submitted again"
         )
 
-    async def cancel(self, remote_id: str) -> None:
+    async def cancel(self, remote_id: str) -> bool:
         """Nothing runs remotely after submit returns."""
+        return True

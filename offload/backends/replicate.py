@@ -46,6 +46,7 @@ from offload.backends.http import (
 )
 from offload.backends.settings import (
     DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_RESPONSE_BYTES,
     DEFAULT_TIMEOUT,
     REPLICATE_BASE,
     REPLICATE_FIND_PAGES,
@@ -84,6 +85,7 @@ class ReplicateBackend(HttpBackend):
         webhook_url: str | None = None,
         tag_input_key: str | None = None,
         find_pages: int = DEFAULT_FIND_PAGES,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         client: httpx.AsyncClient | None = None,
     ) -> None:
         owner_name = model or deployment  # exactly one of the three: ReplicateSettings checks it
@@ -94,6 +96,7 @@ class ReplicateBackend(HttpBackend):
             api_key=api_key,
             timeout=timeout,
             max_connections=max_connections,
+            max_response_bytes=max_response_bytes,
             client=client,
         )
         self._version = version
@@ -179,12 +182,12 @@ class ReplicateBackend(HttpBackend):
             return RemoteResult("failed", error=error, duration_s=duration, metrics=metrics)
         return RemoteResult(status, duration_s=duration, metrics=metrics)
 
-    async def cancel(self, remote_id: str) -> None:
+    async def cancel(self, remote_id: str) -> bool:
         """Replicate answers a finished prediction with its final state; a vanished one (404) needs nothing."""
         url = f"{self._prediction_url(remote_id)}/cancel"
         response = await self._send("POST", url)
         if response.status_code == 404 or 200 <= response.status_code < 300:
-            return
+            return True
         raise self._fail(response, "POST", url, known=True)
 
     async def find(self, tag: str) -> str | None:

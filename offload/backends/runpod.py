@@ -28,7 +28,13 @@ from offload.backends.http import (
     tagged_url,
     warn_unknown_status,
 )
-from offload.backends.settings import DEFAULT_MAX_CONNECTIONS, DEFAULT_TIMEOUT, RUNPOD_BASE, RunPodSettings
+from offload.backends.settings import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_RESPONSE_BYTES,
+    DEFAULT_TIMEOUT,
+    RUNPOD_BASE,
+    RunPodSettings,
+)
 
 DEFAULT_BASE = RUNPOD_BASE
 STATUSES: dict[str, RemoteStatus] = {
@@ -78,6 +84,7 @@ class RunPodBackend(HttpBackend):
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         webhook_url: str | None = None,
         policy: dict[str, Any] | None = None,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         client: httpx.AsyncClient | None = None,
     ) -> None:
         root = base_url.rstrip("/")
@@ -87,6 +94,7 @@ class RunPodBackend(HttpBackend):
             api_key=api_key,
             timeout=timeout,
             max_connections=max_connections,
+            max_response_bytes=max_response_bytes,
             client=client,
         )
         self._endpoint = f"{self.base_url}/{quote(endpoint_id, safe='')}"
@@ -149,10 +157,10 @@ class RunPodBackend(HttpBackend):
             return RemoteResult("failed", error=self._redact(error), duration_s=duration, metrics=metrics)
         return RemoteResult(status, duration_s=duration, metrics=metrics)
 
-    async def cancel(self, remote_id: str) -> None:
+    async def cancel(self, remote_id: str) -> bool:
         """A job that is gone (404) has nothing left to cancel; an ended one answers 200 with its final status."""
         url = f"{self._endpoint}/cancel/{quote(remote_id, safe='')}"
         response = await self._send("POST", url)
         if response.status_code == 404 or 200 <= response.status_code < 300:
-            return
+            return True
         raise self._fail(response, "POST", url, known=True)

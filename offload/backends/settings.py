@@ -17,6 +17,8 @@ from offload.schema import NonEmpty, Strict, http_url, parse_rate
 
 DEFAULT_MAX_CONNECTIONS = 512
 DEFAULT_TIMEOUT = 30.0
+DEFAULT_MAX_RESPONSE_BYTES = 8 * 2**20  # JSON answers: a large output belongs in files
+DEFAULT_NOT_FOUND_GRACE_S = 30.0
 OPENAI_BASE = "https://api.openai.com/v1"
 OPENAI_PATH = "/chat/completions"
 OPENAI_TIMEOUT = 600.0  # the OpenAI SDK's: a long completion is slow, not broken
@@ -34,6 +36,7 @@ class HttpOptions(TypedDict):
     api_key: str | None
     timeout: float
     max_connections: int
+    max_response_bytes: int
 
 
 class _Backend(Strict):
@@ -43,6 +46,22 @@ class _Backend(Strict):
     api_key: SecretStr | None = Field(None, description="None: a placeholder credential, which the simulator accepts")
     timeout: float = Field(DEFAULT_TIMEOUT, gt=0, description="seconds per request")
     max_connections: int = Field(DEFAULT_MAX_CONNECTIONS, ge=1, description="only used when no client is shared")
+    max_response_bytes: int = Field(
+        DEFAULT_MAX_RESPONSE_BYTES,
+        ge=1024,
+        description="the longest answer read from the provider; a job whose answer is longer is dead with the reason",
+    )
+    not_found_grace_s: float = Field(
+        DEFAULT_NOT_FOUND_GRACE_S,
+        ge=0,
+        description="a 404 for a remote job no poll or webhook has found yet is the provider's status lagging its "
+        "submit, not expiry, until this long after the submit (at most the queue's poll_timeout)",
+    )
+    resubmit_on_timeout: bool = Field(
+        False,
+        description="a remote job still running at poll_timeout that this backend cannot cancel is submitted again "
+        "(a second paid run, counted as a possible duplicate) instead of ending the job dead",
+    )
     rate_limit: str | None = None
     price_per_job: float | None = Field(None, ge=0)
     price_per_second: float | None = Field(None, ge=0)
@@ -109,11 +128,13 @@ class _Backend(Strict):
             "api_key": key,
             "timeout": self.timeout,
             "max_connections": self.max_connections,
+            "max_response_bytes": self.max_response_bytes,
         }
 
 
 class HttpJobSettings(_Backend):
-    """The tutorial's job API. `cancel: false` for providers without the cancel route."""
+    """The tutorial's job API. `cancel: false` for providers without the cancel route (a 404 or 405 from the
+    route is taken the same way: that remote job may still run)."""
 
     kind: Literal["http-job"] = "http-job"
     cancel: bool = True

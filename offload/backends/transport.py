@@ -5,6 +5,8 @@ httpcore's pool re-scans every queued request and every connection whenever one 
 ~7 ms of CPU per request through httpx's own pool against ~0.2 ms through aiohttp. The backends keep speaking
 httpx (requests, responses, exceptions: one error mapping for every provider); only the wire moves to aiohttp.
 `send` is a shorter path for the backends' hot loop (submit and poll): it skips building an httpx.Request.
+Both roads read a backend's answer through `read_bounded` and `bounded_response`, so an answer is never read, nor
+decompressed, past the backend's `max_response_bytes`: one huge answer must not grow (or kill) the worker.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import contextlib
 import re
 import ssl
+import zlib
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -20,7 +23,13 @@ import aiohttp
 import httpx
 import yarl
 
+from offload.backends.base import TooLarge
+
 CHUNK = 64 * 1024
+# What a backend's request accepts: no compression (a JSON answer is small, and decoding costs the loop CPU); an
+# answer compressed all the same is decoded by `bounded_response` if it can bound it.
+ACCEPT_ENCODING = "identity"
+_INFLATE = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
 _REDIRECTS = frozenset((301, 302, 303, 307, 308))
@@ -61,6 +70,65 @@ class _Body(httpx.AsyncByteStream):
 
     async def aclose(self) -> None:
         self._response.release()
+
+
+async def read_bounded(chunks: AsyncIterator[bytes], limit: int, *, ok: bool, status: int) -> bytes:
+    """A body read up to `limit` bytes. A success answer (`ok`) over it raises TooLarge, with the rest unread
+    (the caller's context closes the connection); an error answer is cut at the limit, since only an excerpt of it
+    is ever read."""
+    body = bytearray()
+    async for chunk in chunks:
+        body += chunk
+        if len(body) > limit:
+            if ok:
+                raise TooLarge(f"answer over {limit} bytes", status=status, maybe_accepted=True)
+            del body[limit:]
+            break
+    return bytes(body)
+
+
+def bounded_response(
+    status: int, headers: httpx.Headers | list[tuple[bytes, bytes]], raw: bytes, limit: int | None
+) -> httpx.Response:
+    """The response to hand a backend: `raw` as the body, or decoded when it came compressed (gzip or deflate),
+    then to at most `limit` bytes too (zlib's `max_length`: a small compressed answer can inflate a thousandfold,
+    and httpx's own decoding has no bound). Another encoding is a decoding error (Transient, as a garbled
+    answer): a backend's request asks for none."""
+    if limit is None or not _encoded(headers):
+        return httpx.Response(status, headers=headers, content=raw)
+    parsed = httpx.Headers(headers)
+    encoding = parsed.get("content-encoding", "").strip().lower()
+    if encoding in ("", "identity"):
+        return httpx.Response(status, headers=parsed, content=raw)
+    wbits = _INFLATE.get(encoding)
+    if wbits is None:
+        raise httpx.DecodingError(f"answer in Content-Encoding {encoding!r}, which was not asked for")
+    try:
+        body = _inflate(raw, wbits, limit)
+    except zlib.error:
+        if encoding != "deflate":
+            raise httpx.DecodingError(f"answer in Content-Encoding {encoding!r} does not decode") from None
+        try:
+            body = _inflate(raw, -zlib.MAX_WBITS, limit)  # raw deflate, without zlib's header, as some servers send
+        except zlib.error:
+            raise httpx.DecodingError("answer in Content-Encoding 'deflate' does not decode") from None
+    if len(body) > limit:
+        if 200 <= status < 300:
+            raise TooLarge(f"answer over {limit} bytes once decompressed", status=status, maybe_accepted=True)
+        body = body[:limit]
+    kept = [(k, v) for k, v in parsed.multi_items() if k.lower() not in ("content-encoding", "content-length")]
+    return httpx.Response(status, headers=kept, content=body)
+
+
+def _encoded(headers: httpx.Headers | list[tuple[bytes, bytes]]) -> bool:
+    if isinstance(headers, httpx.Headers):
+        return "content-encoding" in headers
+    return any(k.lower() == b"content-encoding" for k, _ in headers)
+
+
+def _inflate(raw: bytes, wbits: int, limit: int) -> bytes:
+    """At most `limit` + 1 bytes of `raw` decompressed: one past the limit says it is over."""
+    return zlib.decompressobj(wbits).decompress(raw, limit + 1)
 
 
 def _timeout(value: Mapping[str, float | None] | float | None) -> aiohttp.ClientTimeout:
@@ -129,20 +197,37 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         )
 
     async def send(
-        self, method: str, url: str, *, headers: dict[str, str], content: bytes | None, timeout: float
+        self,
+        method: str,
+        url: str,
+        *,
+        headers: dict[str, str],
+        content: bytes | None,
+        timeout: float,
+        limit: int | None = None,
     ) -> httpx.Response:
-        """One buffered request without building an httpx.Request first; raises httpx exceptions."""
+        """One buffered request without building an httpx.Request first; raises httpx exceptions, and TooLarge
+        for a success answer over `limit` bytes (see `read_bounded`)."""
         try:
             async with self._pool().request(
                 method, url, headers=headers, data=content, allow_redirects=False, timeout=_timeout(timeout)
             ) as response:
-                raw = await response.read()
-                status, raw_headers = response.status, list(response.raw_headers)
+                status, size = response.status, response.content_length
+                if limit is None or (size is not None and size <= limit):
+                    raw = await response.read()  # the common case: a declared length within the limit
+                else:
+                    try:
+                        ok = 200 <= status < 300
+                        raw = await read_bounded(response.content.iter_chunked(CHUNK), limit, ok=ok, status=status)
+                    finally:
+                        if not response.content.at_eof():
+                            response.close()  # the rest unread: this connection cannot serve another request
+                raw_headers = list(response.raw_headers)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise _httpx_error(exc, httpx.Request(method, url)) from exc
         except ValueError as exc:  # yarl's verdict on a URL it cannot parse
             raise httpx.InvalidURL(str(exc)) from exc
-        return httpx.Response(status, headers=raw_headers, content=raw)
+        return bounded_response(status, raw_headers, raw, limit)
 
     @contextlib.asynccontextmanager
     async def get_plain(

@@ -376,10 +376,12 @@ class QueueStore(HookStore):
         answered: bool = False,
         cost: float | None = None,
         refund: bool = False,
+        duplicate: bool = False,
     ) -> str:
         """Returns "retrying" or "dead". `answered`: the provider answered the submit (its intent is closed);
         `cost`: what the failed run cost (settles its reservation); `refund`: the provider refused the
-        submission, so it is not counted against the caps."""
+        submission, so it is not counted against the caps; `duplicate`: the run given up may still be running
+        (and paid for) when the next one starts: counted as a possible duplicate."""
         delay = retry_delay_ms(attempt) if delay_ms is None else delay_ms
         code = await self._run(
             SCRIPTS.fail,
@@ -393,6 +395,7 @@ class QueueStore(HookStore):
             int(answered),
             "" if cost is None else repr(float(cost)),
             int(refund),
+            int(duplicate),
         )
         _expect(code, job_id)
         return str(code)
@@ -534,6 +537,21 @@ class QueueStore(HookStore):
             raise JobNotFound(f"job {job_id} not found")
         flat, deadline = reply
         return Job.from_hash(job_id, replies.pairs(flat), int(float(deadline)) if deadline else None)
+
+    async def submitted_age_ms(self, job_id: str) -> int | None:
+        """How long ago, by the store's clock, the job's current submission was recorded: the later of its remote
+        id's checkpoint and its intent (a checkpoint older than the intent is an earlier run's); None when the
+        record has neither. Read only for a 404 on a resumed remote job (worker/lag.py)."""
+        stamps = await self.redis.hmget(keys.job(queue_of(job_id), job_id), ["submitted_at", "intent_at"])
+        known = [int(float(s)) for s in stamps if s]
+        if not known:
+            return None
+        if self.clock is not None:
+            now = self.clock()
+        else:
+            seconds, micros = await self.redis.time()
+            now = seconds * 1000 + micros // 1000
+        return now - max(known)
 
     async def list_jobs(
         self, queue: str, state: str, *, cursor: int = 0, limit: int = 50

@@ -124,6 +124,28 @@ class Behaviour(Strict):
         le=1,
         description="share of submits that create the job, then reset the connection instead of answering",
     )
+    gateway_error_rate: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="share of submits that create the job, then answer a gateway's 5xx page instead (nginx, an ALB, "
+        "Cloudflare in front of the API: the provider took it, the client cannot tell)",
+    )
+    gateway_statuses: list[Annotated[int, Field(ge=500, le=599)]] = Field(
+        default_factory=lambda: [502, 504, 524], min_length=1, description="the 5xx codes gateway_error_rate draws from"
+    )
+    status_lag: float = Field(
+        default=0.0, ge=0, description="seconds after its submit during which a job's status and result answer 404"
+    )
+    output_bytes: int = Field(
+        default=0, ge=0, le=4 * 2**30, description="padding added to every succeeded output (a huge answer)"
+    )
+    cancel_error: int | None = Field(
+        default=None,
+        ge=400,
+        le=599,
+        description="answer every cancel with this status, cancelling nothing (405: an API without the route)",
+    )
     faults_on: list[Op] = Field(default_factory=lambda: list(ALL_OPS), description="ops that 429/malformed hit")
     outages: list[OutageWindow] = Field(default_factory=list)
     result_ttl: float | None = Field(

@@ -2,9 +2,11 @@
 
 A provider route is written as a plain handler that turns a request into a `Reply`. `Sim.endpoint` wraps it with
 everything that is not the provider's logic and is the same for every family: request counting, auth, outage
-windows, injected 429s and 5xx, Idempotency-Key replays, slow and lost submit responses, garbage bodies, and the
-submission log (`submissions`). Keeping faults out of the handlers means each
-fault behaves identically across families and each handler reads like the provider's documentation.
+windows, injected 429s and 5xx, Idempotency-Key replays, slow and lost submit responses, a gateway's 5xx after the
+job was created, failing cancels, garbage bodies, and the submission log (`submissions`). A handler finds a job
+through `Call.lookup`, which also plays a status store that lags the submit (`status_lag`). Keeping faults out of
+the handlers means each fault behaves identically across families and each handler reads like the provider's
+documentation.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from starlette.responses import Response
 
 from offload.errors import OffloadError
 from offload.sim.config import FAMILIES, Behaviour, Family, Op, SimConfig
-from offload.sim.faults import ConnectionReset, RuntimeOutage, garble, outage_mode, retry_after_value
+from offload.sim.faults import ConnectionReset, RuntimeOutage, garble, gateway_page, outage_mode, retry_after_value
 from offload.sim.files import output_for
 from offload.sim.inputs import InputFetcher
 from offload.sim.stats import Stats
@@ -108,11 +110,23 @@ class Call:
     behaviour: Behaviour
     now: float
     created: Job | None = None
+    op: Op = "submit"
+    route: str = ""
 
     @property
     def base_url(self) -> str:
         public = self.sim.config.public_url
         return public.rstrip("/") if public else str(self.request.base_url).rstrip("/")
+
+    def lookup(self, job_id: str) -> Job | None:
+        """The family's job `job_id` as the provider's status store sees it now: on the status and result routes,
+        absent for `status_lag` seconds after its submit (a status read that lags the submit answers 404)."""
+        job = self.sim.store.get(job_id, self.now, self.dialect.family)
+        lag = self.behaviour.status_lag
+        if job is not None and lag > 0 and self.op in ("status", "result") and self.now < job.created + lag:
+            self.sim.stats.fault(self.route, "status_lag")
+            return None
+        return job
 
     def reject(self, status: int, message: str, *, code: str | None = None) -> NoReturn:
         raise ErrorReply(self.dialect.error(status, message, code=code))
@@ -185,7 +199,10 @@ class Call:
 
     def output(self, job: Job) -> dict[str, Any]:
         b = self.behaviour
-        return output_for(self.base_url, job.id, job.input, b.files_per_job, b.file_type)
+        out = output_for(self.base_url, job.id, job.input, b.files_per_job, b.file_type)
+        if b.output_bytes:
+            out["padding"] = "x" * b.output_bytes
+        return out
 
 
 Handler = Callable[[Call], Awaitable[Reply | Response]]
@@ -323,6 +340,9 @@ class Sim:
             code = behaviour.error_statuses[self.rng.randrange(len(behaviour.error_statuses))]
             stats.fault(route, str(code))
             return dialect.error(code, "Simulated server error", code="server_error").render()
+        if op == "cancel" and behaviour.cancel_error is not None:
+            stats.fault(route, f"cancel_{behaviour.cancel_error}")
+            return dialect.error(behaviour.cancel_error, "Simulated cancel failure", code="cancel_failed").render()
         sent_key = request.headers.get("idempotency-key") if op == "submit" else None
         key = sent_key if self.config.honour_idempotency_key else None  # the key the cache works with
         if key is not None:
@@ -342,7 +362,7 @@ class Sim:
                 replayed = self._log(request, family, route, verdict.job, key, now, replay=True)
                 replayed.responded, replayed.status = self.clock(), verdict.reply.status
                 return cast(Reply, verdict.reply).render()
-        call = Call(self, request, dialect, behaviour, now)
+        call = Call(self, request, dialect, behaviour, now, op=op, route=route)
         outcome: Reply | Response | None = None
         try:
             try:
@@ -369,6 +389,12 @@ class Sim:
                 stats.fault(route, "lost_response")
                 entry.lost, entry.status = True, 599
                 return ConnectionReset()
+            # a gateway's error page instead of the answer: the job exists, and the key cache keeps the real answer
+            if op == "submit" and self.chance(behaviour.gateway_error_rate):
+                code = behaviour.gateway_statuses[self.rng.randrange(len(behaviour.gateway_statuses))]
+                stats.fault(route, f"gateway_{code}")
+                entry.gateway, entry.status = True, code
+                return gateway_page(code)
         elif op == "submit" and isinstance(result, Reply) and 200 <= result.status < 300:
             delay = behaviour.submit_latency.sample(self.rng)  # a slow create of another kind (a machine rental)
             if delay > 0:

@@ -77,7 +77,7 @@ def _urls(call: Call, app: str, request_id: str) -> dict[str, str]:
 
 def _find(call: Call) -> Job:
     app = _app(call)
-    job = call.sim.store.get(call.request.path_params["request_id"], call.now, "fal")
+    job = call.lookup(call.request.path_params["request_id"])
     if job is None or job.target != app:
         call.reject(404, "Request not found")
     return job

@@ -1,4 +1,5 @@
-"""The ways a provider misbehaves, as reusable pieces: outages, 429 hints, garbage bodies, dropped connections.
+"""The ways a provider misbehaves, as reusable pieces: outages, 429 hints, garbage bodies, dropped connections,
+a gateway's error page.
 
 Each family renders these in its own dialect (see `engine.Dialect`); this module holds what is common: whether
 an outage window is open, how Retry-After is spelled, how a good body is turned into a bad one, and how to drop
@@ -74,6 +75,30 @@ def garble(body: Any, behaviour: Behaviour, rng: random.Random, required: tuple[
         return orjson.dumps(stripped)
     blob = orjson.dumps(body)
     return blob[: max(1, len(blob) // 2)] + b'",<'
+
+
+_GATEWAY_TITLES = {502: "Bad Gateway", 503: "Service Temporarily Unavailable", 504: "Gateway Time-out"}
+
+
+def gateway_page(status: int) -> Response:
+    """What a gateway in front of the API answers when the provider was slow or dropped the connection: nginx's
+    HTML page for 50x, Cloudflare's for 52x (524: the origin took longer than 100 s). Never the provider's JSON."""
+    if 520 <= status <= 527:
+        body = (
+            f"<!DOCTYPE html>\n<html><head><title>api.example.com | {status}: A timeout occurred</title></head>"
+            f'<body><div id="cf-error-details"><h1>A timeout occurred</h1><span>Error code {status}</span>'
+            "<p>The origin web server timed out responding to this request.</p>"
+            "<span>Cloudflare Ray ID: 8f1e2d3c4b5a6978</span></div></body></html>\n"
+        )
+        headers = {"server": "cloudflare", "cf-ray": "8f1e2d3c4b5a6978-AMS"}
+    else:
+        title = f"{status} {_GATEWAY_TITLES.get(status, 'Server Error')}"
+        body = (
+            f"<html>\r\n<head><title>{title}</title></head>\r\n<body>\r\n<center><h1>{title}</h1></center>\r\n"
+            "<hr><center>nginx</center>\r\n</body>\r\n</html>\r\n"
+        )
+        headers = {"server": "nginx"}
+    return Response(body, status_code=status, headers=headers, media_type="text/html")
 
 
 class ConnectionReset(Response):

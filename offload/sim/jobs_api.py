@@ -44,7 +44,7 @@ def _view(call: Call, job: Job) -> dict[str, Any]:
 
 
 def _find(call: Call) -> Job:
-    job = call.sim.store.get(call.request.path_params["job_id"], call.now, "jobs")
+    job = call.lookup(call.request.path_params["job_id"])
     if job is None:
         call.reject(404, "job not found", code="not_found")
     return job

@@ -117,7 +117,7 @@ def _view(call: Call, job: Job) -> dict[str, Any]:
 
 
 def _find(call: Call) -> Job:
-    job = call.sim.store.get(call.request.path_params["prediction_id"], call.now, "replicate")
+    job = call.lookup(call.request.path_params["prediction_id"])
     if job is None:
         call.reject(404, "The requested resource could not be found.")
     return job

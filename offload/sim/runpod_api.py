@@ -64,7 +64,7 @@ def _view(call: Call, job: Job) -> dict[str, Any]:
 
 
 def _find(call: Call) -> Job:
-    job = call.sim.store.get(call.request.path_params["job_id"], call.now, "runpod")
+    job = call.lookup(call.request.path_params["job_id"])
     if job is None or job.target != call.request.path_params["endpoint_id"]:
         call.reject(404, "request does not exist")
     return job

@@ -3,7 +3,8 @@
 Every submission that reaches a provider handler and creates a remote job (or is answered from the key cache)
 is logged: the client-side input id, the key, the worker named in the User-Agent (`offload/<v> worker/<id>`),
 the port it arrived on (a harness can give each client its own port), arrival and response times, and whether
-it was a replay or its answer was lost. `GET /_sim/submissions` pages through the log, so a fault harness can
+it was a replay or its answer was lost (a reset, or a gateway's 5xx page instead, with that status).
+`GET /_sim/submissions` pages through the log, so a fault harness can
 tell which duplicate was paid for by whom, and why.
 
 Keys follow the IETF httpapi idempotency-key draft: a key seen before (within the TTL, per API family) gets the
@@ -50,6 +51,7 @@ class Submission:
     replay: bool
     responded: float | None = None
     lost: bool = False
+    gateway: bool = False  # created, but a gateway's 5xx went out instead of the answer (`status`)
     status: int = 0
 
     def view(self, now: float) -> dict[str, Any]:
@@ -68,6 +70,7 @@ class Submission:
             "responded": self.responded,
             "replay": self.replay,
             "lost_response": self.lost,
+            "gateway_error": self.gateway,
             "status": self.status,
             "remote_status": job.phase(now),
             "remote_ended_at": job.ended_at(),

@@ -14,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from offload.backends.base import Backend, NotFound
+from offload.backends.base import Backend, BackendError, NotFound
 from offload.errors import StaleLease
 from offload.models import ClaimedJob
 from offload.queue.store import QueueStore, retry_delay_ms
@@ -67,9 +67,33 @@ class Endings:
     async def _cancel(self, job: ClaimedJob, remote_id: str | None) -> None:
         if remote_id:
             with contextlib.suppress(NotFound):
-                await self.backend.cancel(remote_id)
+                if not await self.backend.cancel(remote_id):
+                    log.warning(
+                        "job %s: the backend cannot cancel remote job %s: it runs to its end", job.id, remote_id
+                    )
         self.settling.add(job.id)
         await self.health.call(lambda: self.store.ack_cancel(job.id, job.token))
+
+    async def _timed_out(self, job: ClaimedJob, remote_id: str, timeout: Exception) -> None:
+        """`poll_timeout` passed with the remote job still running. A new run is submitted only once the provider
+        took the cancel of this one: a backend that cannot cancel ends the job dead (or, with
+        `resubmit_on_timeout`, pays for a second run, counted), and a cancel that failed keeps the remote job for
+        the retry to poll again. Either way nothing is paid twice unseen."""
+        waited = f"remote job {remote_id} still running after {self.options.poll_timeout:g}s"
+        try:
+            stopped = await self.backend.cancel(remote_id)
+        except BackendError as exc:
+            reason = f"{waited}; its cancel failed ({exc}), so it is kept (a retry polls it), not submitted again"
+            await self._retry(job, f"polltimeout: {reason}", keep_remote=True)
+            return
+        if stopped:
+            await self._retry(job, f"polltimeout: {timeout}; cancelled at the provider", keep_remote=False)
+        elif self.options.resubmit_on_timeout:
+            reason = f"{waited}; this backend cannot cancel it: submitted again (resubmit_on_timeout, counted)"
+            await self._fail(job, f"polltimeout: {reason}", retryable=True, duplicate=True)
+        else:
+            reason = f"{waited}; this backend cannot cancel it, so it is not submitted again"
+            await self._fail(job, f"polltimeout: {reason}", retryable=False, keep_remote=True)
 
     async def _retry(
         self,
@@ -96,6 +120,7 @@ class Endings:
         answered: bool = False,
         cost: float | None = None,
         refund: bool = False,
+        duplicate: bool = False,
     ) -> None:
         delay = delay_ms if delay_ms is not None else retry_delay_ms(job.attempt)
         self.settling.add(job.id)
@@ -112,6 +137,7 @@ class Endings:
                     answered=answered,
                     cost=cost,
                     refund=refund,
+                    duplicate=duplicate,
                 )
             )
         except StaleLease:

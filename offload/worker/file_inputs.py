@@ -54,8 +54,8 @@ class FileInputs:
     async def poll(self, remote_id: str) -> RemoteResult:
         return await self.inner.poll(remote_id)
 
-    async def cancel(self, remote_id: str) -> None:
-        await self.inner.cancel(remote_id)
+    async def cancel(self, remote_id: str) -> bool:
+        return await self.inner.cancel(remote_id)
 
     async def find(self, tag: str) -> str | None:
         return await self.inner.find(tag)

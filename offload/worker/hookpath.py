@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from offload.backends.base import Backend, RemoteResult, Throttled, Transient, WebhookBackend
+from offload.backends.base import Backend, NotFound, RemoteResult, Throttled, Transient, WebhookBackend
 from offload.errors import StaleLease, WorkerError
 from offload.models import ClaimedJob
 from offload.worker.batching import Batcher
 from offload.worker.endings import Endings
+from offload.worker.lag import Sighting
 from offload.worker.limits import BackendLimits
 
 if TYPE_CHECKING:
@@ -73,7 +74,21 @@ class HookPath(Endings):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(heard.wait(), left)
 
-    async def _poll_hooked(self, job: ClaimedJob, remote_id: str, run: int) -> RemoteResult | None:
+    def _sighting(self) -> Sighting:
+        """A remote job's sighting (worker/lag.py), with the grace bounded by `poll_timeout`."""
+        return Sighting(min(self.options.not_found_grace_s, self.options.poll_timeout))
+
+    async def _lagging(self, job: ClaimedJob, exc: NotFound, lag: Sighting) -> bool:
+        """Whether `exc`, a 404 for the job's remote job, is the provider's status lagging its submit (poll on)
+        rather than expiry. A NotFound that is no 404 (a result the provider said it removed) is expiry."""
+        if exc.status != 404:
+            return False
+        lagging = await lag.lagging(lambda: self.health.call(lambda: self.store.submitted_age_ms(job.id)))
+        if lagging:
+            log.debug("job %s: its remote job is not found yet; taken for a status that lags the submit", job.id)
+        return lagging
+
+    async def _poll_hooked(self, job: ClaimedJob, remote_id: str, run: int, lag: Sighting) -> RemoteResult | None:
         """With webhooks on: the result comes from the webhook the server kept, taken from the wake-up or read at
         once when woken, and read once up front (it may have come before this task, or before this worker
         claimed the job); the provider is polled only every `hook_poll_interval`, so a webhook that never comes
@@ -104,8 +119,13 @@ class HookPath(Endings):
                 try:
                     result = await self.backend.poll(remote_id)
                     transient = 0
+                    lag.seen = True
                     if result.terminal:
                         return result
+                except NotFound as exc:
+                    if not await self._lagging(job, exc, lag):
+                        raise
+                    next_poll = time.monotonic() + min(self.options.poll_interval, self.options.hook_poll_interval)
                 except Throttled as exc:
                     self.limits.note("throttled")
                     await self.health.call(functools.partial(self.limits.cool_down, exc.retry_after or 5.0))

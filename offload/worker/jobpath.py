@@ -41,6 +41,7 @@ from offload.worker.batching import Batcher
 from offload.worker.endings import Fence, StoreOutput
 from offload.worker.health import StoreHealth, describe
 from offload.worker.hookpath import HookPath, PollTimeout
+from offload.worker.lag import Sighting
 from offload.worker.limits import BackendLimits
 from offload.worker.options import WorkerOptions
 from offload.worker.slots import Slot
@@ -131,6 +132,7 @@ class JobPath(HookPath):
                 return
             run = job.submission or 1
             result: RemoteResult | None = None
+            lag = self._sighting()  # a resumed remote job: not seen yet, its grace from the store's submit time
             # One of the `concurrency` slots while the job is at the provider: taken at its first remote step (a
             # fresh submission takes it after its begin script, see _submit), given back when the remote work
             # ends; the store writes after it (output, ack) run outside the slot.
@@ -141,6 +143,7 @@ class JobPath(HookPath):
                     remote_id = await self._await_hook(job, run)  # its webhook may name the remote job: no resend
                     if remote_id is not None:
                         remote_id = await self._record_known(job, remote_id, run)
+                        lag.submitted()
                 if remote_id is None:
                     adopted = None
                     if job.intent_open:
@@ -148,6 +151,7 @@ class JobPath(HookPath):
                         adopted = await self._adopt(job)
                     if adopted:
                         remote_id = await self._record_known(job, adopted, run)
+                        lag.submitted()  # named by a listing or a webhook; a status read may lag it still
                     else:
                         if self._gate is not None:
                             # an asynchronous API: slot, then gate, then begin, as a job holding a slot may wait for
@@ -158,11 +162,14 @@ class JobPath(HookPath):
                             return  # held, cancelled or failed: the job has moved on
                         remote_id, result, run = started
                         unrecorded = result is not None
+                        lag.submitted()
                 if result is None:
                     if not slot.take_now():
                         await slot.take()
                     hooked = self._hooks()
-                    result = await (self._poll_hooked(job, remote_id, run) if hooked else self._poll(job, remote_id))
+                    result = await (
+                        self._poll_hooked(job, remote_id, run, lag) if hooked else self._poll(job, remote_id, lag)
+                    )
                     if result is None:
                         return  # cancelled
             finally:
@@ -185,8 +192,8 @@ class JobPath(HookPath):
             await self._retry(job, f"remote result expired: {exc}", keep_remote=False)
         except (Transient, PollTimeout) as exc:
             if isinstance(exc, PollTimeout) and remote_id:
-                with contextlib.suppress(BackendError):
-                    await self.backend.cancel(remote_id)
+                await self._timed_out(job, remote_id, exc)  # a new run only once this one is cancelled
+                return
             await self._retry(
                 job,
                 f"{type(exc).__name__.lower()}: {exc}",
@@ -275,8 +282,9 @@ class JobPath(HookPath):
                     await self._renew_leases()
                 if dup:
                     log.warning(
-                        "job %s: submission %d may have reached the provider already (its worker was lost "
-                        "inside the submit call); sending it again with the same Idempotency-Key",
+                        "job %s: submission %d may have reached the provider already (its outcome is unknown: a "
+                        "worker lost inside the call, or no answer that says); sending it again with the same "
+                        "Idempotency-Key",
                         job.id,
                         n,
                     )
@@ -377,11 +385,14 @@ class JobPath(HookPath):
             self._cancel_waits.pop(job.id, None)
 
     async def _submit_failed(self, job: ClaimedJob, exc: BackendError) -> None:
-        """The provider answered the submit with an error (or none arrived: a timeout, a reset connection,
-        whose submission may still have been accepted: its intent stays open and a resend is counted)."""
-        answered = exc.status is not None
+        """The submit failed. Where the provider may have accepted it all the same (`maybe_accepted`: a gateway's
+        502/503/504/52x, a timeout or a reset after sending, an unreadable 2xx; see offload.backends.http) its
+        intent stays open, as for a lost reply: the next claim looks for it (tag, listing, webhook) and a resend
+        is counted as a possible duplicate. Otherwise (the provider's own answer, or a connection never made) the
+        intent is closed and the next try is the same run under the same key, uncounted."""
+        answered = not exc.maybe_accepted
         if isinstance(exc, Fatal):  # refused: nothing runs, so nothing counts against the caps
-            await self._fail(job, f"fatal: {exc}{_detail(exc)}", retryable=False, answered=True, refund=True)
+            await self._fail(job, f"fatal: {exc}{_detail(exc)}", retryable=False, answered=answered, refund=answered)
         else:
             await self._fail(job, f"{type(exc).__name__.lower()}: {exc}", retryable=True, answered=answered)
 
@@ -421,7 +432,7 @@ class JobPath(HookPath):
             raise StaleLease(f"job {job.id}: lease lost while submitting; remote id {remote_id} {what}")
         return remote_id
 
-    async def _poll(self, job: ClaimedJob, remote_id: str) -> RemoteResult | None:
+    async def _poll(self, job: ClaimedJob, remote_id: str, lag: Sighting) -> RemoteResult | None:
         deadline = time.monotonic() + self.options.poll_timeout
         interval = self.options.first_poll
         transient = 0
@@ -433,8 +444,12 @@ class JobPath(HookPath):
             try:
                 result = await self.backend.poll(remote_id)
                 transient = 0
+                lag.seen = True
                 if result.terminal:
                     return result
+            except NotFound as exc:
+                if not await self._lagging(job, exc, lag):
+                    raise
             except Throttled as exc:
                 self.limits.note("throttled")
                 wait = exc.retry_after or interval

@@ -16,6 +16,8 @@ class WorkerOptions:
     lease_ms: int = 10_000
     poll_interval: float = 5.0
     poll_timeout: float = 600.0
+    not_found_grace_s: float = 30.0  # a 404 for a remote job not yet seen: the status lagging (worker/lag.py)
+    resubmit_on_timeout: bool = False  # at poll_timeout, submit again although the backend cannot cancel
     first_poll: float = 0.25
     claim_batch: int = 500
     grace_s: float = 30.0

@@ -155,6 +155,8 @@ async def run_workers(
                 concurrency=in_flight,
                 poll_interval=q.poll_interval,
                 poll_timeout=q.poll_timeout,
+                not_found_grace_s=bs.not_found_grace_s,
+                resubmit_on_timeout=bs.resubmit_on_timeout,
                 grace_s=grace_s,
                 daily_job_cap=q.daily_job_cap,
                 daily_spend_cap=q.daily_spend_cap,

@@ -2,7 +2,9 @@
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
 -- ARGV: now, id, token, error, retryable (1/0), delay ms, keep remote id (1/0), submit answered (1/0: the
 --   provider answered the submit, so the submit intent is closed), cost of the failed run ('' unknown), refund
---   (1/0: the provider refused the submission, nothing ran: the job is not counted against the caps)
+--   (1/0: the provider refused the submission, nothing ran: the job is not counted against the caps), duplicate
+--   (1/0: a retry's next run is paid for while this one may still run, e.g. resubmit_on_timeout without a
+--   cancel: counted as a possible duplicate, on the job and per backend, when the job is retried)
 -- Returns: retrying, dead, STALE or NOTFOUND
 --- @include "common"
 local now = now_ms(ARGV[1])
@@ -18,6 +20,11 @@ local g = redis.call('HMGET', k, 'attempts', 'max_attempts')
 if ARGV[5] == '1' and tonumber(g[1]) < tonumber(g[2]) then
   local at = now + tonumber(ARGV[6])
   redis.call('HSET', k, 'state', 'retrying', 'error', err_text, 'run_at', at, 'owner', '', 'token', '')
+  if ARGV[11] == '1' then
+    redis.call('HINCRBY', k, 'possible_duplicates', 1)
+    local backend = redis.call('HGET', k, 'backend')
+    if backend and backend ~= '' then redis.call('HINCRBY', P .. 'dups', backend, 1) end
+  end
   if ARGV[7] ~= '1' then redis.call('HDEL', k, 'backend', 'remote_id') end
   redis.call('ZADD', P .. 'retry', at, id)
   event({id}, 'retrying')
