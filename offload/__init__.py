@@ -13,6 +13,8 @@ from offload.errors import (
     OffloadError,
     PayloadTooLarge,
     StaleLease,
+    StoreFull,
+    UnsafeEvictionPolicy,
 )
 from offload.files import File
 from offload.models import ClaimedJob, Job, JobState, QueueStats
@@ -43,5 +45,7 @@ __all__ = [
     "QueueStats",
     "QueueStore",
     "StaleLease",
+    "StoreFull",
+    "UnsafeEvictionPolicy",
     "__version__",
 ]

@@ -21,6 +21,7 @@ from offload.connection import connect
 from offload.files import DEFAULT_MAX_FILE_BYTES, files_in
 from offload.models import Job, QueueStats
 from offload.queue.keys import QUEUES_KEY, new_job_id
+from offload.queue.memory import require_noeviction
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 
@@ -60,11 +61,18 @@ class AsyncClient:
         self._max_file_bytes = max_file_bytes
 
     async def store(self) -> QueueStore:
-        """The underlying job store (connecting on first call)."""
+        """The underlying job store (connecting on first call). A store that may evict (its maxmemory-policy is
+        not noeviction) is refused with `UnsafeEvictionPolicy`: a job acknowledged there can vanish."""
         if self._store is None:
             async with self._lock:
                 if self._store is None:
-                    self._store = QueueStore(await connect(self._url), max_payload=self._max_payload)
+                    redis = await connect(self._url)
+                    try:
+                        await require_noeviction(redis)
+                    except BaseException:
+                        await redis.aclose()
+                        raise
+                    self._store = QueueStore(redis, max_payload=self._max_payload)
         return self._store
 
     async def _files_storage(self) -> tuple[Storage, int]:

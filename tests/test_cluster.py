@@ -13,9 +13,10 @@ from redis.cluster import key_slot
 from servers import SLOT_RANGES, ValkeyCluster
 
 from offload.connection import connect
-from offload.errors import ConfigError
+from offload.errors import ConfigError, UnsafeEvictionPolicy
 from offload.models import JobState
 from offload.queue.keys import prefix, wake_channel
+from offload.queue.memory import read_memory, require_noeviction
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 from offload.worker import wakeups
@@ -102,3 +103,27 @@ async def test_idle_workers_are_woken_on_every_master(cstore: QueueStore) -> Non
         finally:
             listener.cancel()
             await asyncio.gather(listener, return_exceptions=True)
+
+
+async def test_every_primary_is_read_for_its_memory_and_eviction_policy(
+    cluster: ValkeyCluster, cstore: QueueStore
+) -> None:
+    """One primary of three switched to volatile-lru is enough to refuse the store, and the line names it; a
+    full primary makes the store full (issue 34: a cluster checks every master)."""
+    memory = await read_memory(cstore.redis)
+    assert sorted(n.node for n in memory.nodes) == sorted(f"127.0.0.1:{n.port}" for n in cluster.nodes)
+    assert memory.problem is None and not memory.full
+    odd = cluster.nodes[2]
+    with odd.client() as c:
+        c.config_set("maxmemory-policy", "volatile-lru")
+    try:
+        with pytest.raises(UnsafeEvictionPolicy) as refused:
+            await require_noeviction(cstore.redis)
+        assert str(refused.value).startswith(f"maxmemory-policy is volatile-lru on 127.0.0.1:{odd.port}:")
+        with odd.client() as c:
+            c.config_set("maxmemory", 1)
+        assert (await read_memory(cstore.redis)).full
+    finally:
+        with odd.client() as c:
+            c.config_set("maxmemory-policy", "noeviction")
+            c.config_set("maxmemory", 0)

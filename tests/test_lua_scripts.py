@@ -32,6 +32,8 @@ LOADER = PACKAGE / "queue" / "scripts.py"
 
 def _header(text: str) -> list[str]:
     lines = text.split("\n")
+    if lines[0].startswith("#!lua"):  # script flags (allow-oom) come first, then the header
+        lines = lines[1:]
     head: list[str] = []
     for line in lines:
         if not line.startswith("--") or INCLUDE.match(line):

@@ -23,7 +23,11 @@ bucket and the record of every fault the harness injected.
 - the daily cap is exact, held jobs are released, memory and the events stream stay bounded;
 - an operator's cancel (the `cancel` fault) stops what it may cost: a job answered `cancelled` ends so, no job is
   submitted after its cancel was answered (`submitted_after_cancel`), and the remote job a cancelled job last
-  recorded is not left to run on after the job ended cancelled (`ran_after_cancel`: paid for nothing).
+  recorded is not left to run on after the job ended cancelled (`ran_after_cancel`: paid for nothing);
+- the job store's memory (issue 34): at maxmemory (`RunData.full`) no job dies of it and no duplicate comes of it
+  (`oom_inside_submit` is a defect: the checkpoint runs at the limit), and while the policy may evict
+  (`RunData.evicting`) nothing is submitted once the workers had `store_check_s` (plus a margin) to notice
+  (`paid_while_evicting`); no worker exits by itself, except one refused at its start while the policy was wrong.
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ RECORDED = ("submitted", "adopted")  # the events that mean the job store knows 
 # ... and for a synchronous API the ack too: its answer's remote id is recorded by the complete itself
 RECORDED_SYNC = (*RECORDED, "succeeded")
 INFRA_ERRORS = ("worker error", "lease expired", "ConnectionError", "TimeoutError", "Redis", "Connection")
+OOM_TEXT = "maxmemory"  # in a job's error: it died of the store's limit, which must never happen
+NOTICE_MARGIN_S = 3.0  # after the policy re-read, how long a submission already past its check may still arrive
 
 
 @dataclass
@@ -94,6 +100,10 @@ class RunData:
     # the simulator honoured Idempotency-Key: a resend under a submission's key is a replay, never a second run
     # (False for runs saved before this field, which were judged without it)
     honoured: bool = False
+    # the store's memory faults: spans at maxmemory, spans with an evicting policy, and how often workers re-read it
+    full: list[tuple[float, float]] = field(default_factory=list)
+    evicting: list[tuple[float, float]] = field(default_factory=list)
+    store_check_s: float = 5.0
 
 
 @dataclass
@@ -384,6 +394,8 @@ class Checker:
             if recorded is None or recorded > at:
                 return ("killed_inside_submit", how) if at <= window else ("remote_id_not_recorded", None)
             return self._after_recorded(recorded, t1), None
+        if self._full_in_submit(prev, recorded):
+            return "oom_inside_submit", None  # a defect: the checkpoint runs at the limit (allow-oom)
         if outage := self._outage_in_submit(prev, recorded):
             return f"{outage}_inside_submit", None  # Valkey out of reach before the id could be recorded
         if life.end and life.end.startswith("exit") and ended is not None and t0 - IN_FLIGHT_S <= ended <= t1 + 1:
@@ -439,6 +451,13 @@ class Checker:
         if any(e["kind"] == "blackhole" and e["t"] <= end and e["t"] + e["seconds"] >= start for e in self.d.timeline):
             return "partition"
         return None
+
+    def _full_in_submit(self, prev: dict[str, Any], recorded: float | None) -> bool:
+        start = prev["arrival"] - IN_FLIGHT_S
+        end = (prev.get("responded") or prev["arrival"]) + RECORD_GRACE_S
+        if recorded is not None:
+            end = min(end, recorded)
+        return any(began <= end and back >= start for began, back in self.d.full)
 
     def _record_window(self, prev: dict[str, Any]) -> float:
         """Until when a worker may still be recording the remote id of `prev`: its answer plus RECORD_GRACE_S,
@@ -551,6 +570,33 @@ class Checker:
             "held_released": released,
         }
 
+    def store_faults(self) -> dict[str, Any]:
+        """The store's memory faults: deaths of the limit, payments while the policy could evict, worker exits."""
+        dead_oom = [j for j, h in self.d.records.items() if h.get("state") == "dead" and OOM_TEXT in h.get("error", "")]
+        for job_id in dead_oom[:5]:
+            self.find(f"dead of the store's limit: {job_id}: {self.d.records[job_id].get('error', '')[:120]}")
+        judged = [(b + self.d.store_check_s + NOTICE_MARGIN_S, e) for b, e in self.d.evicting]
+        paid = [s for s in self.d.submissions if not s["replay"] and any(lo <= s["arrival"] <= hi for lo, hi in judged)]
+        for sub in paid[:5]:
+            self.find(f"paid while evicting: {sub['input_id']} submitted at {sub['arrival']:.3f} by {self._name(sub)}")
+        exits = [e for e in self.d.timeline if e["kind"] == "worker_exit"]
+        refused = [e for e in exits if self._refused_start(e)]
+        for e in [e for e in exits if e not in refused][:3]:
+            self.find(f"worker exit: {e['target']}#{e.get('n')} code {e.get('code')}: {str(e.get('tail'))[-160:]}")
+        return {
+            "oom_spells": len(self.d.full),
+            "eviction_spells": len(self.d.evicting),
+            "dead_by_oom": len(dead_oom),
+            "paid_while_evicting": len(paid),
+            "worker_exits_refused_start": len(refused),
+            "worker_exits_unexplained": len(exits) - len(refused),
+        }
+
+    def _refused_start(self, exit_: dict[str, Any]) -> bool:
+        """A worker (re)started while the policy could evict exits 1 with the policy's line, by design."""
+        during = any(b <= exit_["t"] <= e + 2.0 for b, e in self.d.evicting)
+        return during and exit_.get("code") == 1 and "maxmemory-policy" in str(exit_.get("tail", ""))
+
     def bounds(self) -> dict[str, Any]:
         s = self.d.samples
         jobs = max(len(self.d.records), 1)
@@ -644,6 +690,7 @@ class Checker:
             self.duplicates(),
             self.unknown_outcomes(),
             self.caps(),
+            self.store_faults(),
             self.bounds(),
             self.cancels(),
         )

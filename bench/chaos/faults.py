@@ -3,11 +3,13 @@
 `Profile` holds the rates (mean seconds between faults; 0 turns one off). `Schedule` runs every fault loop as
 an asyncio task against the run's processes: worker SIGKILL (restarted after a container-like pause, in its PID
 namespace when there is one) and SIGSTOP past the lease, Valkey SIGKILL + restart, the proxy's dropped replies,
-resets and black-holes, 429 storms at the simulator, and an operator cancelling jobs (`operator`: mostly jobs that
-wait with a remote job that may still run, handed back by a killed or stopped worker, else running ones). The
-provider's own faults (5xx, 429s, lost answers, a gateway's 5xx after a submit was accepted, a status that lags the
-submit) are the simulator's config (`Profile.sim_config`). Every fault is appended to `timeline` with its time,
-which the checker uses to attribute what went wrong to what was done.
+resets and black-holes, 429 storms at the simulator, an operator cancelling jobs (`operator`: mostly jobs that
+wait with a remote job that may still run, handed back by a killed or stopped worker, else running ones), Valkey at
+its maxmemory (`oom`: maxmemory lowered under what it holds for a while, then lifted) and Valkey switched to an
+evicting maxmemory-policy for a while (`eviction`, allkeys-lru with no maxmemory: nothing is really evicted, the
+workers must stop paying). The provider's own faults (5xx, 429s, lost answers, a gateway's 5xx after a submit was
+accepted, a status that lags the submit) are the simulator's config (`Profile.sim_config`). Every fault is appended
+to `timeline` with its time, which the checker uses to attribute what went wrong to what was done.
 """
 
 from __future__ import annotations
@@ -74,6 +76,11 @@ class Profile:
     hook_delay_rate: float = 0.05
     hook_delay_s: float = 2.0
     hook_grace_s: float = 5.0
+    # the job store's memory (issue 34): at maxmemory for `oom_s`, evicting policy for `eviction_s`
+    oom_every: float = 90.0
+    oom_s: float = 8.0
+    eviction_every: float = 120.0
+    eviction_s: float = 12.0
 
     def sim_config(self, seed: int, honour: bool) -> dict[str, Any]:
         return {
@@ -112,8 +119,12 @@ class Schedule:
     valkey_down: list[tuple[float, float]] = field(default_factory=list)
     # cancels one job as an operator would and says what it did ({"job", "answer", ...}), or None (nothing to cancel)
     operator: Callable[[], Awaitable[dict[str, Any] | None]] | None = None
+    full: list[tuple[float, float]] = field(default_factory=list)  # Valkey at its maxmemory
+    evicting: list[tuple[float, float]] = field(default_factory=list)  # maxmemory-policy not noeviction
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _stopping: bool = False
+    # an evicting policy with a maxmemory reached would really evict (and lose acknowledged jobs): never both at once
+    _store_fault: asyncio.Lock = field(default_factory=asyncio.Lock)
     _pending: set[asyncio.Task[None]] = field(default_factory=set)
 
     def note(self, kind: str, target: str = "", **detail: Any) -> None:
@@ -139,6 +150,8 @@ class Schedule:
             (p.blackhole_every, self._blackhole),
             (p.storm_every, self._storm),
             (p.cancel_every if self.operator else 0.0, self._cancel),
+            (p.oom_every, self._oom),
+            (p.eviction_every, self._eviction),
         ]
         self.proxy.delay_s = p.delay_ms / 1000
         for mean, action in loops:
@@ -157,6 +170,7 @@ class Schedule:
         self.proxy.delay_s = 0.0
         self.proxy.drop_rate = 0.0
         self.proxy._drop_next = 0
+        await self._store_settings_back()  # a fault cancelled midway leaves neither a limit nor an evicting policy
         if self.proxy.blackholed:
             await asyncio.sleep(self.profile.blackhole_s)
 
@@ -228,6 +242,43 @@ class Schedule:
                     tail = " | ".join(life.log.read_text(errors="replace").strip().splitlines()[-3:])[-400:]
                 self.note("worker_exit", slot.name, code=code, n=life.n, tail=tail)
                 self._later(self._restart(slot, 1.0))
+
+    async def _oom(self) -> None:
+        """Valkey at its maxmemory: the limit lowered under what it holds, so it refuses every write that adds data
+        (claims, begins, enqueues) while the scripts that end or keep a job run; then lifted, as an operator would."""
+        if self._store_fault.locked():
+            return
+        async with self._store_fault:
+            began = time.time()
+            limit = await asyncio.to_thread(self.valkey.squeeze)
+            self.note("oom", "valkey", seconds=self.profile.oom_s, maxmemory=limit)
+            try:
+                await asyncio.sleep(self.profile.oom_s)
+            finally:
+                await asyncio.to_thread(self.valkey.config_set, "maxmemory", 0)
+                self.full.append((began, time.time()))
+
+    async def _eviction(self) -> None:
+        """An evicting maxmemory-policy (a managed Redis's default, or a config change): the workers must notice
+        within OFFLOAD_STORE_CHECK_S and claim or submit nothing until it is noeviction again."""
+        if self._store_fault.locked():
+            return
+        async with self._store_fault:
+            began = time.time()
+            await asyncio.to_thread(self.valkey.config_set, "maxmemory-policy", "allkeys-lru")
+            self.note("eviction", "valkey", seconds=self.profile.eviction_s)
+            try:
+                await asyncio.sleep(self.profile.eviction_s)
+            finally:
+                await asyncio.to_thread(self.valkey.config_set, "maxmemory-policy", "noeviction")
+                self.evicting.append((began, time.time()))
+
+    async def _store_settings_back(self) -> None:
+        for name, value in (("maxmemory", 0), ("maxmemory-policy", "noeviction")):
+            try:
+                await asyncio.to_thread(self.valkey.config_set, name, value)
+            except Exception as exc:  # (Valkey restarting: it comes back with both as they were)
+                log.warning("restoring %s failed: %s", name, exc)
 
     async def _valkey(self) -> None:
         began = time.time()

@@ -10,7 +10,21 @@ from typing import Any
 
 from bench.chaos.faults import Profile
 
-FAULTS = ("kill", "stop", "valkey", "drop", "reset", "blackhole", "storm", "provider", "cancel", "gateway", "lag")
+FAULTS = (
+    "kill",
+    "stop",
+    "valkey",
+    "drop",
+    "reset",
+    "blackhole",
+    "storm",
+    "provider",
+    "cancel",
+    "gateway",
+    "lag",
+    "oom",
+    "eviction",
+)
 BACKENDS = {
     "http-job": {},
     "runpod": {"endpoint_id": "chaos"},
@@ -44,6 +58,10 @@ QUICK = {
     "capped_jobs": 24,
     "daily_job_cap": 15,
     "gateway_error_rate": 0.05,
+    "oom_every": 20.0,
+    "oom_s": 6.0,
+    "eviction_every": 18.0,
+    "eviction_s": 8.0,
 }
 
 
@@ -110,6 +128,8 @@ def profile_for(args: argparse.Namespace) -> Profile:
         ("reset", ["reset_every"]),
         ("blackhole", ["blackhole_every"]),
         ("storm", ["storm_every"]),
+        ("oom", ["oom_every"]),
+        ("eviction", ["eviction_every"]),
         ("provider", ["error_rate", "rate_429", "lost_response_rate", "fail_rate"]),
         ("cancel", ["cancel_every"]),
         ("gateway", ["gateway_error_rate"]),

@@ -133,6 +133,20 @@ class Valkey:
                 time.sleep(0.02)
         raise RuntimeError(f"valkey-server on port {self.port} did not start; see {self.dir}")
 
+    def config_set(self, name: str, value: str | int) -> None:
+        with self.client() as c:
+            c.config_set(name, value)
+
+    def squeeze(self, under: int = 64 * 1024) -> int:
+        """Lower maxmemory `under` bytes below what the server holds against it for good (less the clients'
+        buffers, which it gives back on its own): it is full. The limit set."""
+        with self.client() as c:
+            info = c.info("memory")
+            transient = int(info.get("mem_not_counted_for_evict", 0)) + int(info.get("mem_clients_normal", 0))
+            limit = max(int(info["used_memory"]) - transient - under, 1)
+            c.config_set("maxmemory", limit)
+        return limit
+
     def crash(self) -> None:
         if self.proc is not None:
             signal_group(self.proc, signal.SIGKILL)

@@ -47,6 +47,11 @@ def report(
         ),
         "stops": kinds["stop"],
         "worker_exits": kinds["worker_exit"],
+        "worker_exits_unexplained": summary["worker_exits_unexplained"],
+        "oom_spells": kinds["oom"],
+        "eviction_spells": kinds["eviction"],
+        "paid_while_evicting": summary["paid_while_evicting"],
+        "dead_by_oom": summary["dead_by_oom"],
         "pidns_restarts": kinds["restart"] if pidns else 0,
         "pidns": pidns,
         "dropped_replies": run.proxy.counts["dropped_replies"],
@@ -126,9 +131,12 @@ def human(doc: dict[str, Any], run: Run) -> str:
         f"all terminal {doc['all_terminal_s']} s after the faults stopped",
         f"duplicate submissions {doc['duplicate_submissions']} ({doc['duplicates_per_kill']} killed-inside-submit "
         f"per kill): {doc['duplicates_by_cause']}",
-        f"cap {doc.get('cap')}, held released {doc.get('held_released')}, worker exits {doc['worker_exits']}",
+        f"cap {doc.get('cap')}, held released {doc.get('held_released')}, worker exits {doc['worker_exits']} "
+        f"({doc['worker_exits_unexplained']} unexplained)",
         f"gateway 5xx after accept {doc.get('gateway_errors')}, sent again {doc.get('gateway_resends')} (uncounted "
         f"{doc.get('uncounted_resends')}); dead as expired while the remote job lived {doc.get('false_expiries')}",
+        f"store memory: {doc['oom_spells']} spells at maxmemory, {doc['dead_by_oom']} dead of it; "
+        f"{doc['eviction_spells']} spells of an evicting policy, {doc['paid_while_evicting']} paid meanwhile",
     ]
     if doc.get("webhooks"):
         lines.append(f"webhooks (through offload server): {doc['webhooks']}")
@@ -141,6 +149,7 @@ def human(doc: dict[str, Any], run: Run) -> str:
     failed = doc["lost"] or doc["stuck"] or doc["wrong_results"] or doc["finished_twice"] or doc["defect_duplicates"]
     failed = failed or any(doc.get(k) for k in ("cancel_not_honoured", "submitted_after_cancel", "ran_after_cancel"))
     failed = failed or doc.get("uncounted_resends") or doc.get("false_expiries")
+    failed = failed or doc["worker_exits_unexplained"] or doc["paid_while_evicting"] or doc["dead_by_oom"]
     verdict = "FAIL" if failed else "PASS"
     lines.append(f"{verdict}; logs and data in {run.out}")
     return "\n".join(lines)
@@ -174,6 +183,8 @@ def load(path: Path) -> RunData:
     doc["acked"] = {k: tuple(v) for k, v in doc["acked"].items()}
     doc["events"] = {k: [tuple(e) for e in v] for k, v in doc["events"].items()}
     doc["valkey_down"] = [tuple(x) for x in doc["valkey_down"]]
+    for spans in ("full", "evicting"):  # (absent from runs saved before the store's memory faults)
+        doc[spans] = [tuple(x) for x in doc.get(spans, [])]
     return RunData(**doc)
 
 

@@ -40,7 +40,7 @@ from bench.chaos.options import API_ROOTS, BACKENDS, MODEL, SYNCHRONOUS, parse_a
 from bench.chaos.procs import HOST, S3, Sim, Valkey, WorkerSlot, base_env, pidns_support, signal_group
 from bench.chaos.proxy import FaultProxy
 from offload.connection import connect
-from offload.errors import InvalidTransition, JobNotFound
+from offload.errors import InvalidTransition, JobNotFound, StoreFull
 from offload.queue.scripts import NAMES, SCRIPTS
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
@@ -48,6 +48,7 @@ from offload.sim.store import input_key
 
 log = logging.getLogger("chaos")
 QUEUE, CAPPED, BUCKET = "chaos", "capped", "chaos-results"
+STORE_CHECK_S = 1.0  # the workers' policy re-read (OFFLOAD_STORE_CHECK_S)
 INGEST_LIST = "chaos:jobs"
 
 
@@ -122,7 +123,10 @@ class Run:
         self.proxy = await FaultProxy((HOST, self.valkey.port), seed=args.seed, script_names=names).start()
         await asyncio.to_thread(self.sim.post, "/_sim/config", p.sim_config(args.seed, args.honour))
         env = base_env(
-            CHAOS_S3_SECRET=self.s3.secret_key, OFFLOAD_LEASE_MS=str(p.lease_ms), OFFLOAD_REDIS_CONNECT_TIMEOUT="60"
+            CHAOS_S3_SECRET=self.s3.secret_key,
+            OFFLOAD_LEASE_MS=str(p.lease_ms),
+            OFFLOAD_REDIS_CONNECT_TIMEOUT="60",
+            OFFLOAD_STORE_CHECK_S=str(STORE_CHECK_S),  # how soon an evicting policy must stop the payments
         )
         if args.webhooks:  # through the proxy, like every client (see hooks.py); the simulator signs and faults
             self.server = Server(self.out, env)
@@ -250,7 +254,7 @@ class Run:
                         ids = [await asyncio.wait_for(store.enqueue(QUEUE, spec), 30) for spec in specs]
                     else:
                         ids = await asyncio.wait_for(store.enqueue_many(QUEUE, specs), 30)
-                except (RedisError, OSError, TimeoutError) as exc:
+                except (RedisError, OSError, TimeoutError, StoreFull) as exc:  # (StoreFull: at maxmemory)
                     self.counts["enqueue_errors"] += 1
                     log.info("enqueue (%s, try %d) failed: %s", mode, attempt + 1, exc)
                     continue
@@ -441,6 +445,9 @@ class Run:
             slot_ports={port: self.slots[n].name for n, port in enumerate(self.sim.slot_ports)},
             timeline=self.schedule.timeline,
             valkey_down=self.schedule.valkey_down,
+            full=self.schedule.full,
+            evicting=self.schedule.evicting,
+            store_check_s=STORE_CHECK_S,
             appendfsync=self.args.aof,
             events=self.events,
             dropped=self.proxy.dropped,

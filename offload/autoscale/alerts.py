@@ -1,6 +1,7 @@
 """Alerts: `autoscale_failure`, `boot_timeout`, `spend_cap_reached`, `dead_letter_growth`, `queue_latency`,
-`file_sweep` (the file sweep stopped itself: see offload/server/file_sweep.py), delivered by webhook (a JSON POST,
-retried with backoff) and by email (SMTP).
+`file_sweep` (the file sweep stopped itself: see offload/server/file_sweep.py), `store_memory` and
+`eviction_policy` (the job store's, offload/server/store_watch.py), delivered by webhook (a JSON POST, retried with
+backoff) and by email (SMTP).
 
 The same alert (kind + subject, e.g. a queue) is sent at most once per cooldown across all servers: the last
 send time lives in Redis and the check-and-set is one SET with a compare in Lua. Deliveries run as background
@@ -25,6 +26,7 @@ from offload.autoscale import keys
 from offload.autoscale.config import Duration
 from offload.autoscale.instances import log_event
 from offload.autoscale.providers.base import Clock
+from offload.connection import is_outage
 from offload.queue.keys import dead_letter_alert
 from offload.queue.scripts import SCRIPTS
 from offload.redact import Redactor, mask_url
@@ -33,7 +35,14 @@ from offload.schema import Strict, parse
 
 log = logging.getLogger("offload.autoscale.alerts")
 AlertKind = Literal[
-    "autoscale_failure", "boot_timeout", "spend_cap_reached", "dead_letter_growth", "queue_latency", "file_sweep"
+    "autoscale_failure",
+    "boot_timeout",
+    "spend_cap_reached",
+    "dead_letter_growth",
+    "queue_latency",
+    "file_sweep",
+    "store_memory",
+    "eviction_policy",
 ]
 # A target filtering on a kind also receives its sub-kinds: a machine that never booted is an autoscale failure.
 PARENT: dict[str, str] = {"boot_timeout": "autoscale_failure"}
@@ -64,6 +73,9 @@ class AlertSettings(Strict):
     dead_letter_growth: int | None = Field(None, ge=1, description="dead jobs added within the window")
     dead_letter_window: Duration = Field(600.0, gt=0)
     queue_latency: Duration | None = Field(None, gt=0, description="oldest ready job older than this")
+    store_memory: float | None = Field(
+        0.9, gt=0, le=1, description="the job store's used memory past this share of its maxmemory (null: off)"
+    )
 
 
 def _wants(kinds: list[AlertKind] | None, kind: str) -> bool:
@@ -109,7 +121,6 @@ class Alerter:
         details = {k: self.redact(v) if isinstance(v, str) else v for k, v in details.items()}
         doc = {"kind": kind, "subject": subject, "message": message, "details": details, "ts": now, "source": "offload"}
         log.warning("alert %s (%s): %s", kind, subject, message)
-        await log_event(self.redis, now, "alert", message, alert=kind, subject=subject)
         self.sent.append(doc)
         for hook in self.settings.webhooks:
             if _wants(hook.kinds, kind):
@@ -117,6 +128,12 @@ class Alerter:
         email = self.settings.email
         if email is not None and _wants(email.kinds, kind):
             self._spawn(asyncio.to_thread(self._email, email, doc))
+        try:  # after the deliveries: a store at its maxmemory refuses the journal, never the alert about it
+            await log_event(self.redis, now, "alert", message, alert=kind, subject=subject)
+        except Exception as exc:
+            if not is_outage(exc):
+                raise
+            log.warning("alert %s (%s) not journalled: %s", kind, subject, type(exc).__name__)
         return True
 
     def _spawn(self, coro: Any) -> None:

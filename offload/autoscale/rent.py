@@ -27,6 +27,7 @@ from offload.autoscale.operator_only import WHERE, host_commands, runs_on_host
 from offload.autoscale.providers import LaunchSpec, OutOfCapacity, Provider, ProviderError
 from offload.autoscale.safety import provision_backoff
 from offload.autoscale.state import QueueState, spend
+from offload.queue.memory import read_memory
 
 if TYPE_CHECKING:
     from offload.autoscale.config import AutoscaleSettings
@@ -227,6 +228,11 @@ async def provision(
             await log_event(
                 a.redis, now, "backoff", f"{queue}: renting paused {until - now:.0f}s after {why_paused}", queue=queue
             )
+        return 0
+    memory = await read_memory(a.redis)  # a store that may evict, or is full: a machine would be paid for nothing
+    full = "the job store is full (maxmemory): a GPU worker could claim nothing" if memory.full else None
+    if held := memory.problem or full:
+        plan["held"] = held
         return 0
     choice = await choose(a, queue, cfg, qs, now, source)
     plan["provider"] = choice.explain()

@@ -45,6 +45,7 @@ from offload.autoscale.state import QueueState, save_decision
 from offload.autoscale.triggers import QueueLoad, scale_up
 from offload.autoscale.workers import RedisWorkers, WorkerInfo, WorkerSource
 from offload.config import Settings
+from offload.connection import is_outage
 from offload.errors import ConfigError
 from offload.queue.store import QueueStore
 from offload.redact import Redactor
@@ -149,11 +150,14 @@ class Autoscaler:
                 await self.tick()
             except Fenced as exc:
                 log.warning("autoscaler: %s", exc)
-            except Exception:
+            except Exception as exc:
                 task = asyncio.current_task()
                 if task is not None and task.cancelling():
                     raise  # a cancel that redis-py turned into a TimeoutError: still a cancel
-                log.exception("autoscaler evaluation failed; retrying next tick")
+                if is_outage(exc):  # the store down or full (its maxmemory): nothing can be recorded, so nothing done
+                    log.warning("autoscaler: the job store is unavailable (%s); retrying next tick", type(exc).__name__)
+                else:
+                    log.exception("autoscaler evaluation failed; retrying next tick")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.server.tick)
         with contextlib.suppress(Exception):

@@ -37,9 +37,10 @@ from offload.cli.options import (
 from offload.cli.output import err, out, print_json
 from offload.cli.results import result
 from offload.cli.session import run_redis
-from offload.errors import InvalidJob, OffloadError
+from offload.errors import InvalidJob, OffloadError, StoreFull
 from offload.models import Enqueued, Job, QueueStats
 from offload.queue.keys import STATE_SETS, queue_of, validate_queue
+from offload.queue.memory import store_full
 from offload.queue.specs import DEFAULT_MAX_ATTEMPTS, JobSpec, max_payload_limit, validate_spec
 from offload.queue.store import QueueStore
 
@@ -63,14 +64,16 @@ def _run(
     queues: Sequence[str] = (),
     jobs: Sequence[str] = (),
     config: Path | None = None,
+    makes_work: bool = False,
 ) -> T:
-    """Validate names first (a typo should not wait out a connect timeout), then connect, run, close."""
+    """Validate names first (a typo should not wait out a connect timeout), then connect, run, close. A command
+    that adds or restarts jobs (`makes_work`) refuses a store that may evict."""
     with errors():
         for queue in queues:
             validate_queue(queue)
         for job_id in jobs:
             queue_of(job_id)
-    return run_redis(url, lambda redis: fn(QueueStore(redis)), config=config)
+    return run_redis(url, lambda redis: fn(QueueStore(redis)), config=config, makes_work=makes_work)
 
 
 def _when(ms: int | None) -> str:
@@ -127,7 +130,10 @@ async def _enqueue_bulk(store: QueueStore, queue: str, specs: list[JobSpec]) -> 
     with Progress(*columns, console=err, disable=not err.is_terminal) as progress:
         task = progress.add_task("enqueue", total=len(specs))
         for i in range(0, len(specs), BULK_CHUNK):
-            done += await store.enqueue_results(queue, specs[i : i + BULK_CHUNK])
+            try:
+                done += await store.enqueue_results(queue, specs[i : i + BULK_CHUNK])
+            except StoreFull as exc:  # the count of the whole file, not of the chunk refused
+                raise store_full(len(specs), [d.id for d in done] + exc.enqueued) from None
             progress.update(task, completed=len(done))
     return done
 
@@ -200,7 +206,7 @@ def enqueue(
             done = Enqueued(enqueue_attached(url, config, queue, value, attach, defaults))
         else:
             spec = JobSpec(input=value, **defaults)
-            (done,) = _run(url, lambda store: store.enqueue_results(queue, [spec]), queues=[queue])
+            (done,) = _run(url, lambda store: store.enqueue_results(queue, [spec]), queues=[queue], makes_work=True)
         if json_out:
             print_json({"id": done.id, "record_gone": done.record_gone})
             return
@@ -211,7 +217,7 @@ def enqueue(
     with errors():
         validate_queue(queue)
         specs = _parse_lines(iter(file), defaults)
-    results = _run(url, lambda store: _enqueue_bulk(store, queue, specs))
+    results = _run(url, lambda store: _enqueue_bulk(store, queue, specs), makes_work=True)
     ids, gone = [d.id for d in results], [d.id for d in results if d.record_gone]
     if json_out:
         print_json({"count": len(ids), "ids": ids, "record_gone": gone})
@@ -362,7 +368,7 @@ def _move(url: str | None, queue: str, state: str, job_ids: list[str] | None, al
             moved += batch
         return moved
 
-    moved = _run(url, go, queues=[queue], jobs=ids)
+    moved = _run(url, go, queues=[queue], jobs=ids, makes_work=True)
     verb = "requeued" if state == "dead" else "released"
     print_json({verb: moved}) if json_out else typer.echo(f"{verb} {len(moved)}")
     missing = sorted(set(ids) - set(moved))
@@ -416,7 +422,7 @@ def pause(queue: QueueArg, url: UrlOpt = None) -> None:
 
 def resume(queue: QueueArg, url: UrlOpt = None) -> None:
     """Let workers claim from a paused queue again."""
-    _run(url, lambda store: store.resume(queue), queues=[queue])
+    _run(url, lambda store: store.resume(queue), queues=[queue], makes_work=True)
     typer.echo(f"resumed {queue}")
 
 
@@ -471,7 +477,7 @@ def ingest(
                 raise
         return ok_total, bad_total
 
-    ok, bad = _run(url, drain, queues=[queue])
+    ok, bad = _run(url, drain, queues=[queue], makes_work=True)
     if json_out:
         print_json({"ingested": ok, "dead": bad})
     else:

@@ -10,7 +10,8 @@ import typer
 
 from offload.cli.errors import errors
 from offload.cli.options import ConfigOpt, LogLevelOpt, UrlOpt
-from offload.cli.session import settings
+from offload.cli.session import run_redis, settings
+from offload.queue.memory import require_noeviction
 
 
 def server(
@@ -53,6 +54,8 @@ def server(
         header_timeout_s=header_timeout,
         freeze_heap=True,
     )
+    # A store that may evict is refused before listening, in one line (the app's start-up refuses it too)
+    run_redis(options.redis_url, require_noeviction)
     with errors():
         serve(options, host, port, log_level=log_level, access_log=access_log)
 

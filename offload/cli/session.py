@@ -16,6 +16,7 @@ from typing import TypeVar
 from offload.cli.errors import errors
 from offload.config import Settings, load_settings
 from offload.connection import configured_url, connect
+from offload.queue.memory import require_noeviction
 from offload.redis_client import RedisClient
 
 T = TypeVar("T")
@@ -33,13 +34,18 @@ def redis_url(url: str | None, config: Path | None = None) -> str | None:
     return url or configured_url() or settings(config).redis_url
 
 
-def run_redis(url: str | None, fn: Callable[[RedisClient], Awaitable[T]], *, config: Path | None = None) -> T:
-    """Connect, run `fn(redis)`, close; failures become one error line."""
+def run_redis(
+    url: str | None, fn: Callable[[RedisClient], Awaitable[T]], *, config: Path | None = None, makes_work: bool = False
+) -> T:
+    """Connect, run `fn(redis)`, close; failures become one error line. `makes_work`: the command adds or
+    restarts jobs, so a store that may evict is refused first (queue/memory.py)."""
     target = redis_url(url, config)
 
     async def session() -> T:
         redis = await connect(target)
         try:
+            if makes_work:
+                await require_noeviction(redis)
             return await fn(redis)
         finally:
             await redis.aclose()

@@ -7,6 +7,14 @@ BullMQ's src/commands do. Code several scripts share lives in lua/includes/ and 
 include "common"; the autoscaler's, the HTTP server's and the backend limiter's scripts live here too, so there
 is one way to load and run a script. tests/test_lua_scripts.py checks every file has the header and is a
 `Scripts` attribute, and every attribute is used.
+
+A script that must run when Redis/Valkey is at its `maxmemory` opens with the shebang `#!lua flags=allow-oom`
+(Redis 7+, Valkey): without it the server refuses a script's first write that adds data (SET, HSET, ZADD, XADD,
+HINCRBY...) at the limit, so a checkpoint could not record a paid remote job and nothing could free memory. Those
+are the small, bounded scripts that end or keep a job's lease (checkpoint, complete, fail, hold, ack_cancel,
+heartbeat, release_leases), maintenance (reap, which trims first) and the alert mark; the scripts that add work
+(enqueue, claim, begin, ...) are refused at the limit and their callers wait or refuse cleanly. The shebang is the
+first line of the file, never in an include; the header follows it.
 """
 
 from __future__ import annotations
@@ -33,7 +41,10 @@ def _expand(text: str, seen: set[str]) -> str:
         if name in seen:
             return ""
         seen.add(name)
-        return _expand((LUA / "includes" / f"{name}.lua").read_text(), seen).rstrip("\n")
+        text = (LUA / "includes" / f"{name}.lua").read_text()
+        if text.startswith("#!"):
+            raise ValueError(f"include {name!r} has a shebang: script flags belong on a script's first line")
+        return _expand(text, seen).rstrip("\n")
 
     return INCLUDE.sub(include, text)
 

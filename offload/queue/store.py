@@ -15,8 +15,9 @@ from typing import Any
 
 import orjson
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import NoScriptError, RedisClusterException, ResponseError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
+from offload.connection import is_oom
 from offload.errors import (
     ConfigError,
     InvalidJob,
@@ -28,6 +29,7 @@ from offload.models import ClaimedJob, Enqueued, HeartbeatReply, Job, QueueStats
 from offload.queue import keys, replies
 from offload.queue.hook_store import HookStore
 from offload.queue.keys import QUEUES_KEY, STATE_SETS, new_job_id, prefix, queue_of, validate_queue
+from offload.queue.memory import store_full
 from offload.queue.scripts import HIST_BUCKETS_S, SCRIPTS, Script
 from offload.queue.specs import (
     DEFAULT_MAX_ATTEMPTS,
@@ -155,11 +157,20 @@ class QueueStore(HookStore):
         )
 
     async def enqueue_many(self, queue: str, specs: Sequence[JobSpec]) -> list[str]:
-        """Enqueue in chunks of 500 jobs per script call, all chunks in one pipelined round trip."""
+        """Enqueue in chunks of 500 jobs per script call, all chunks in one pipelined round trip. A store at its
+        maxmemory refuses with `StoreFull` (each chunk's script is refused before it writes anything)."""
         return [done.id for done in await self.enqueue_results(queue, specs)]
 
     async def enqueue_results(self, queue: str, specs: Sequence[JobSpec]) -> list[Enqueued]:
         """`enqueue_many`, telling per job whether an idempotency key answered with a trimmed record."""
+        try:
+            return await self._enqueue_results(queue, specs)
+        except RedisError as exc:
+            if is_oom(exc):
+                raise store_full(len(specs), []) from None
+            raise
+
+    async def _enqueue_results(self, queue: str, specs: Sequence[JobSpec]) -> list[Enqueued]:
         validate_queue(queue)
         now_s = time.time()
         metas: dict[tuple[Any, ...], int] = {}
@@ -184,7 +195,8 @@ class QueueStore(HookStore):
                     *(
                         script(self.redis, keyset, [now, int(check_ids), metas_arg, orjson.dumps(c), nonce])
                         for c, nonce in zip(chunks, nonces, strict=True)
-                    )
+                    ),
+                    return_exceptions=True,
                 )
             )
         else:
@@ -199,8 +211,8 @@ class QueueStore(HookStore):
                 break
         done: list[Enqueued] = []
         for r in results:
-            if isinstance(r, Exception):
-                raise r
+            if isinstance(r, BaseException):
+                raise store_full(len(specs), [d.id for d in done]) if is_oom(r) else r
             done.extend(replies.enqueued(r))
         return done
 

@@ -24,8 +24,9 @@ from starlette.types import Receive, Scope, Send
 
 from offload import __version__
 from offload.autoscale.alerts import Alerter, alert_settings
-from offload.connection import connect
+from offload.connection import connect, is_oom
 from offload.heap import freeze_startup
+from offload.queue.memory import require_noeviction
 from offload.queue.store import QueueStore
 from offload.server import (
     dashboard,
@@ -44,6 +45,7 @@ from offload.server.file_sweep import FileSweep
 from offload.server.keys import KeyStore
 from offload.server.registry import WorkerRegistry
 from offload.server.state import ServerOptions, ServerState
+from offload.server.store_watch import StoreWatch
 from offload.storage import create_storage
 
 log = logging.getLogger("offload.server")
@@ -90,6 +92,8 @@ async def _maintenance_loop(state: ServerState, stop: asyncio.Event, sweep: File
         except Exception as exc:  # Redis away: /readyz says so; try again next round
             if stop.is_set():
                 break
+            if is_oom(exc):  # (reap.lua trims first and runs at the limit: this was a later step)
+                state.store_watch.oom_seen()
             log.warning("maintenance: %s", type(exc).__name__)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), state.options.maintenance_interval_s)
@@ -127,6 +131,11 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         redis = await connect(options.redis_url or options.settings.redis_url)
+        try:
+            await require_noeviction(redis)  # `offload server` checks first, for one error line (cli/server.py)
+        except BaseException:
+            await redis.aclose()
+            raise
         store = QueueStore(redis, lease_ms=options.worker_lease_ms)
         keys = KeyStore(redis, options.admin_key) if options.admin_key else KeyStore.from_env(redis)
         state = ServerState(
@@ -138,6 +147,7 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
             hub=events.EventHub(store),
             registry=WorkerRegistry(store, ttl_ms=max(3 * options.worker_lease_ms, 10_000)),
             rates=metrics.RateTracker(),
+            store_watch=StoreWatch(redis, options.settings),
         )
         app.state.offload = state
         routes_hooks.prepare(state)
@@ -146,14 +156,18 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
             freeze_startup()
         stop = asyncio.Event()
         task = asyncio.create_task(_maintain(state, stop), name="maintenance")
+        watch = asyncio.create_task(state.store_watch.run(), name="store watch")
         autoscaler = routes_autoscale.start(state)
         try:
             yield
         finally:
             await routes_autoscale.stop(state, autoscaler)
             stop.set()
+            watch.cancel()
             with contextlib.suppress(TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(task, 5.0)
+            await asyncio.gather(watch, return_exceptions=True)
+            await state.store_watch.aclose()
             await state.hub.aclose()
             await routes_hooks.aclose(state)
             await state.storage.aclose()

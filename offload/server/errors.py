@@ -2,7 +2,8 @@
 
 Status codes carry the meaning (401 no/invalid key, 403 wrong scope, 404 unknown queue or job, 409 a
 transition the job's state does not allow or a stale lease, 413 too large, 422 invalid input with field
-paths, 503 the job store is unreachable), so clients can branch without parsing messages. Messages come from
+paths, 503 the job store is unreachable, full at its maxmemory or may evict), so clients can branch without
+parsing messages. Messages come from
 offload's own exceptions, which never carry credentials; Redis errors are not echoed at all, because a
 connection error can name a URL with a password in it.
 """
@@ -20,6 +21,7 @@ from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from offload.connection import is_oom
 from offload.errors import (
     ConnectionFailed,
     InvalidJob,
@@ -29,6 +31,8 @@ from offload.errors import (
     PayloadTooLarge,
     RequestError,
     StaleLease,
+    StoreFull,
+    UnsafeEvictionPolicy,
 )
 from offload.redact import hook_paths
 from offload.server.keys import InvalidKeyRequest
@@ -121,7 +125,19 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RedisError)
     async def redis_down(request: Request, exc: RedisError) -> JSONResponse:
         log.warning("job store error on %s %s: %s", request.method, hook_paths(request.url.path), type(exc).__name__)
+        if is_oom(exc):
+            _oom_seen(request)
+            return _json(503, "the job store is full (its maxmemory); retry later", {"Retry-After": "5"})
         return _json(503, "the job store is unavailable; retry later", {"Retry-After": "1"})
+
+    @app.exception_handler(StoreFull)
+    async def store_full(request: Request, exc: StoreFull) -> JSONResponse:
+        _oom_seen(request)
+        return _json(503, str(exc), {"Retry-After": "5"})
+
+    @app.exception_handler(UnsafeEvictionPolicy)
+    async def may_evict(request: Request, exc: UnsafeEvictionPolicy) -> JSONResponse:
+        return _json(503, str(exc), {"Retry-After": "30"})
 
     @app.exception_handler(ConnectionFailed)
     async def unreachable(request: Request, exc: ConnectionFailed) -> JSONResponse:
@@ -132,6 +148,13 @@ def install(app: FastAPI) -> None:
         """A bug: logged with its traceback here, a bare JSON 500 for the client (no internals leak)."""
         log.error("unhandled error on %s %s", request.method, hook_paths(request.url.path), exc_info=exc)
         return _json(500, "internal error")
+
+
+def _oom_seen(request: Request) -> None:
+    """The store watch alerts on its next pass (server/store_watch.py)."""
+    state = getattr(request.app.state, "offload", None)
+    if state is not None:
+        state.store_watch.oom_seen()
 
 
 class BodyTooLarge(RequestError, StarletteHTTPException):

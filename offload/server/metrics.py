@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from offload.autoscale.status import autoscale_families
+from offload.queue.memory import read_memory
 from offload.queue.scripts import HIST_BUCKETS_S
 from offload.server.auth import GuardedRoute, Principal, need_global_read
 from offload.server.state import ServerState, get_state
@@ -144,6 +145,7 @@ async def collect(state: ServerState) -> list[Metric]:
         {q: h["run"] for q, h in zip(queues, hists, strict=True)},
     )
     return [
+        *await _store_families(state),
         depth,
         totals,
         oldest,
@@ -158,6 +160,38 @@ async def collect(state: ServerState) -> list[Metric]:
         run,
         *await autoscale_families(state.redis),
     ]
+
+
+async def _store_families(state: ServerState) -> list[Metric]:
+    """The job store's memory and eviction policy, per primary (queue/memory.py): INFO memory at each scrape."""
+    memory = await read_memory(state.redis)
+    used = GaugeMetricFamily(
+        "offload_store_memory_used_bytes",
+        "Memory the job store holds against its maxmemory (used_memory less replication and AOF buffers).",
+        labels=["node"],
+    )
+    limit = GaugeMetricFamily("offload_store_memory_max_bytes", "The job store's maxmemory (0: none).", labels=["node"])
+    ratio = GaugeMetricFamily(
+        "offload_store_memory_ratio",
+        "Used over maxmemory (only where a maxmemory is set): past 1 writes that add data are refused.",
+        labels=["node"],
+    )
+    policy = GaugeMetricFamily(
+        "offload_store_maxmemory_policy", "1 for the maxmemory-policy in force.", labels=["node", "policy"]
+    )
+    safe = GaugeMetricFamily(
+        "offload_store_eviction_safe",
+        "1 when every primary's maxmemory-policy is noeviction; 0 stops new claims, submissions and enqueues.",
+    )
+    for n in memory.nodes:
+        node = n.node or "primary"
+        used.add_metric([node], n.counted)
+        limit.add_metric([node], n.maxmemory)
+        if n.ratio is not None:
+            ratio.add_metric([node], round(n.ratio, 4))
+        policy.add_metric([node, n.policy or "unknown"], 1)
+    safe.add_metric([], int(memory.problem is None))
+    return [used, limit, ratio, policy, safe]
 
 
 @router.get("/metrics", summary="Prometheus metrics (text format)", response_class=Response)

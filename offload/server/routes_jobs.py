@@ -97,6 +97,7 @@ async def enqueue(
     idempotency_key: IdemHeader = None,
 ) -> EnqueueReply:
     state = get_state(request)
+    state.store_watch.require_safe()  # a store that may evict would lose what we acknowledge: 503
     check_output_key(state, queue, body.output_key, ["body", "output_key"])
     implied, resent = await check_input_refs(state, queue, body.input, ["body", "input"])
     fresh = implied or new_job_id(queue)
@@ -120,6 +121,7 @@ async def enqueue_batch(
     """With an Idempotency-Key header, item i gets the key `<header>:<i>` unless it names its own, so a
     retried batch returns the same ids instead of enqueueing twice."""
     state = get_state(request)
+    state.store_watch.require_safe()
     specs = [job.spec(f"{idempotency_key}:{i}" if idempotency_key else None) for i, job in enumerate(body.jobs)]
     for i, spec in enumerate(specs):
         check_output_key(state, queue, spec.output_key, ["body", "jobs", i, "output_key"])

@@ -16,7 +16,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request
+from redis.exceptions import RedisError
 
+from offload.connection import is_oom
 from offload.errors import StaleLease
 from offload.models import ClaimedJob
 from offload.queue.keys import validate_queue
@@ -148,6 +150,9 @@ async def claim(request: Request, worker_id: str, body: ClaimRequest, key: Princ
         return ClaimReply(jobs=[])
     with state.hub.subscribe([body.queue]) as sub:
         while True:
+            if not state.store_watch.safe:  # the store may evict: no new work (the server says why, loudly)
+                await asyncio.sleep(max(deadline - time.monotonic(), 0.0))
+                return ClaimReply(jobs=[])
             jobs = await state.store.claim(body.queue, worker_id, body.max, lease)
             record = await state.registry.get(worker_id)
             if record is None:  # deregistered (or expired) meanwhile: hand back what this call claimed. Only that:
@@ -229,7 +234,12 @@ async def heartbeat(request: Request, worker_id: str, body: HeartbeatRequest, ke
     # in flight: the listed jobs the store really leases to this worker, not what it claims (a worker reporting
     # 100k jobs would look busy to the autoscaler forever)
     held = len(set(body.jobs) - set(lost) - set(timed_out))
-    await state.registry.touch(worker_id, held, body.protected, body.instance_id)
+    try:
+        await state.registry.touch(worker_id, held, body.protected, body.instance_id)
+    except RedisError as exc:  # at maxmemory the record's TTL still moves on (PEXPIRE adds nothing); the leases
+        if not is_oom(exc):  # were extended above, and the worker must hear which it lost
+            raise
+        state.store_watch.oom_seen()
     # a timed-out lease is lost too: a worker that does not know `timed_out` still lets go of it
     return HeartbeatReplyView(lost=lost + timed_out, cancel_requested=cancels, timed_out=timed_out)
 

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from offload.server.keys import KeyStore
     from offload.server.metrics import RateTracker
     from offload.server.registry import WorkerRegistry
+    from offload.server.store_watch import StoreWatch
 
 
 @dataclass
@@ -53,6 +54,7 @@ class ServerState:
     hub: EventHub
     registry: WorkerRegistry
     rates: RateTracker
+    store_watch: StoreWatch  # the store's memory and eviction policy: gates enqueues and claims, alerts
     extra: dict[str, Any] = field(default_factory=dict)
 
     async def known_queue(self, queue: str) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -34,6 +35,7 @@ from offload.connection import is_outage
 from offload.eventloop import first_of
 from offload.models import ClaimedJob
 from offload.queue.keys import hooks_channel, wake_channel
+from offload.queue.memory import PolicyWatch, has_room
 from offload.queue.store import CompleteItem, QueueStore
 from offload.worker import wakeups
 from offload.worker.batching import Batcher
@@ -77,7 +79,14 @@ class Worker(JobPath):
         self._hook_backend = hook_backend(backend, options)
         self.id = worker_id or default_worker_id()
         self.clock = clock
-        self.health = StoreHealth(store.redis.ping, max_pause_s=min(2.0, options.lease_ms / 4000))
+        self.health = StoreHealth(
+            store.redis.ping,
+            max_pause_s=min(2.0, options.lease_ms / 4000),
+            room=functools.partial(has_room, store.redis),
+            heal=functools.partial(store.reap, options.queue),  # trims first: the store's way back under its limit
+        )
+        # a store that may evict stops the claims and submissions (no new payments) until it is fixed
+        self.policy = PolicyWatch(store.redis, what="claim or submission")
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.tokens: dict[str, str] = {}  # the newest lease of each job this process runs
         self.claimed_at: dict[str, float] = {}  # when the claim that delivered it was sent (monotonic)
@@ -128,7 +137,7 @@ class Worker(JobPath):
     # -- the loop ----------------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
-        helpers = [asyncio.create_task(self._heartbeat_loop())]
+        helpers = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self.policy.run())]
         if self.options.ingest_list:
             helpers.append(asyncio.create_task(self._ingest_loop(stop)))
         channels: dict[str, Callable[[str | None], None]] = {wake_channel(self.options.queue): self._ready_news}
@@ -138,6 +147,9 @@ class Worker(JobPath):
         idle = 0.02
         try:
             while not stop.is_set():
+                if not self.policy.safe:
+                    await first_of(self.policy.wait_safe(), stop.wait())
+                    continue
                 free = self._room_to_claim()
                 batch = min(free, self.options.claim_batch)
                 claimed: list[ClaimedJob] = []
@@ -149,8 +161,7 @@ class Worker(JobPath):
                 except Exception as exc:
                     if not is_outage(exc):
                         raise
-                    self.health.failed(exc)
-                    await first_of(self.health.wait(), stop.wait())
+                    await first_of(self.health.after(exc), stop.wait())
                     continue
                 if claimed and len(claimed) == batch:
                     idle = 0.02
@@ -375,8 +386,7 @@ class Worker(JobPath):
                 )
             except Exception as exc:
                 if is_outage(exc):
-                    self.health.failed(exc)
-                    await self.health.wait()
+                    await self.health.after(exc)
                 else:
                     log.warning("ingest from %s failed: %s", self.options.ingest_list, exc)
                 ok = bad = 0

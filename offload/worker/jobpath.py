@@ -35,6 +35,7 @@ from offload.connection import is_outage
 from offload.errors import StaleLease, WorkerError
 from offload.models import ClaimedJob
 from offload.queue.keys import hook_digest
+from offload.queue.memory import PolicyWatch
 from offload.queue.store import CompleteItem, QueueStore
 from offload.storage import InvalidKey, StorageError, validate_key
 from offload.worker.batching import Batcher
@@ -73,6 +74,7 @@ class JobPath(HookPath):
     limits: BackendLimits
     options: WorkerOptions
     health: StoreHealth
+    policy: PolicyWatch
     tasks: dict[str, asyncio.Task[None]]
     tokens: dict[str, str]  # the newest lease of each job this process runs
     cancels: set[str]
@@ -263,6 +265,8 @@ class JobPath(HookPath):
             if gate is not None:
                 await gate.acquire()
             try:
+                if not self.policy.current:  # the store may evict: no new payment until it is fixed (queue/memory.py)
+                    await self.policy.confirm()
                 if begun:  # the claim opened this intent: no verdict to read
                     n, dup = job.submission, False
                 else:
@@ -278,6 +282,8 @@ class JobPath(HookPath):
                     self._unsent.pop(job.id, None)
                     await self._cancel(job, None)
                     return None
+                if not self.policy.current:  # again: the begin or the slot may have waited meanwhile
+                    await self.policy.confirm()
                 if self._lease_stale(job):  # only if this process stalled since its last proof of life
                     await self._renew_leases()
                 if dup:

@@ -18,6 +18,7 @@ from offload.config import Settings, parse_rate
 from offload.connection import connect
 from offload.env import env_float, env_int
 from offload.errors import ConfigError
+from offload.queue.memory import require_noeviction
 from offload.queue.store import QueueStore
 from offload.storage import create_storage, store_output
 from offload.worker.dispatch import Worker, WorkerOptions, default_worker_id
@@ -122,6 +123,7 @@ async def run_workers(
                 resources.push_async_callback(backends[backend_name].aclose)
         redis = await connect(settings.redis_url)
         resources.push_async_callback(redis.aclose)
+        await require_noeviction(redis)  # a store that may evict loses leases and caps: refuse before any claim
         store = QueueStore(redis)
 
         async def save(key: str, output: Any, run: str, fence: Fence) -> str:

@@ -1,3 +1,4 @@
+#!lua flags=allow-oom
 -- The worker has cancelled the remote job: the job ends cancelled.
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
 -- ARGV: now, id, token

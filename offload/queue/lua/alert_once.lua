@@ -1,3 +1,4 @@
+#!lua flags=allow-oom
 -- At most one alert of a kind and subject per cooldown, across every server: the check and the mark are one
 -- step, so two servers noticing the same problem at once send it once.
 -- KEYS: [1] the alert's last-sent key (offload.autoscale.keys.alert)

@@ -1,3 +1,4 @@
+#!lua flags=allow-oom
 -- Records where each job runs BEFORE the worker polls it, so a re-delivered job is resumed instead of submitted
 -- (and paid for) again, and closes the submit intent of that submission. Batched: a worker with thousands of
 -- submissions in flight records them in a few calls, not one round trip each.

@@ -1,3 +1,4 @@
+#!lua flags=allow-oom
 -- Batched so a worker acks many jobs in one round trip. A repeat of a complete that already went through (its
 -- reply was lost and the client retried) answers OK again instead of STALE. A known cost settles the job's cap
 -- reservation (the real cost replaces the worst case) in the same step. A run that was never checkpointed (a

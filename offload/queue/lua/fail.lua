@@ -1,3 +1,4 @@
+#!lua flags=allow-oom
 -- A retry is scheduled in Redis (the worker never sleeps); exhausted or fatal goes dead with the reason.
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
 -- ARGV: now, id, token, error, retryable (1/0), delay ms, keep remote id (1/0), submit answered (1/0: the

@@ -1,3 +1,4 @@
+#!lua flags=allow-oom
 -- One call extends every lease of the worker (leases hang off the worker's liveness, not each job). A listed
 -- lease is lost when the worker no longer owns the job or owns it under another token (it was taken away and
 -- claimed again since). Jobs the worker owns but does not list are leases it does not know of (a claim whose

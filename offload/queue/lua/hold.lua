@@ -1,3 +1,4 @@
+#!lua flags=allow-oom
 -- A leased job that may not be submitted (cap reached) waits in held, without using up an attempt, until release;
 -- the window it was held in is kept so it is released once a worker's (or the server's) window is later, whatever
 -- their clocks say about wall time.

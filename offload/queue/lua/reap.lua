@@ -1,3 +1,4 @@
+#!lua flags=allow-oom
 -- Maintenance: promote due delayed jobs, return dead workers' jobs, and delete the records of finished jobs whose
 -- retention ran out.
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
@@ -6,8 +7,8 @@
 --- @include "common"
 local now = now_ms(ARGV[1])
 local limit = tonumber(ARGV[2])
+local trimmed = trim(now, limit)  -- first: a store at its maxmemory gets the room back before anything is written
 stamp(now, tonumber(ARGV[3]))
 local promoted = promote(now, limit)
 local reaped = reap(now, limit)
-local trimmed = trim(now, limit)
 return {promoted, reaped, trimmed}

@@ -1,3 +1,4 @@
+#!lua flags=allow-oom
 -- A draining worker lets go of jobs it will not finish; they go back to ready with their remote id, without
 -- counting as a lease expiry. Modes: 'all' (every lease of the worker, and the worker itself is forgotten), 'ids'
 -- (the given ones), 'idle' (the given ones, then the worker is forgotten if it holds nothing else).
