@@ -41,6 +41,7 @@ The branch roots are defined here; a leaf lives beside the code that raises it a
   + WorkerError - one job inside a worker, or a GPU worker's link to the server
     - PollTimeout - the remote job did not finish within poll_timeout (offload.worker.hookpath)
     - Unrecorded - a remote job known to exist whose checkpoint failed twice, not as an outage (offload.worker.jobpath)
+    - Drained - a job that had not sent its call when its worker began to drain: handed back (offload.worker.jobpath)
     - PermanentError - raised by a handler: the job goes dead at once (offload.worker.remote)
     - ServerUnavailable (ConnectionError) - the server did not answer for the retry period (offload.worker.remote_api)
     - Unregistered - the server no longer knows this worker id (offload.worker.remote_api)

@@ -4,10 +4,12 @@ The checker is first fed a small hand-made run in which every invariant is broke
 a result stored for the wrong input, duplicates with each kind of cause) and must name each. Then the CI-sized
 run (`--quick`: three workers SIGKILLed every ~3 s and restarted with the same host:pid, SIGSTOPs past the lease,
 two Valkey crashes with AOF always, dropped replies, resets, black-holes, 5xx and 429 storms, lost and slow
-submits, a gateway's 5xx after accepted submits, a status that lags the submit, expiring results, a capped queue
-rolled over to the next day) must show zero lost, stuck and wrong results, no uncounted resend and no false
-expiry, and no duplicate whose cause is not "killed inside submit", with every kind of fault really injected;
-also against a synchronous API (`--backend openai`), where the answer is the result and nothing is polled.
+submits, a gateway's 5xx after accepted submits, a status that lags the submit, graceful SIGTERM restarts with
+jobs at the submit gate and the rate limit (some cut by a second SIGTERM), expiring results, a capped queue rolled
+over to the next day) must show zero lost, stuck and wrong results, no uncounted resend and no false expiry, and no
+duplicate whose cause is not "killed inside submit" (nor a resend after a graceful drain), with every kind of fault
+really injected; also against a synchronous API (`--backend openai`), where the answer is the result and nothing
+is polled.
 """
 
 from __future__ import annotations
@@ -193,6 +195,93 @@ def test_the_checker_names_what_the_stores_memory_faults_break(tmp_path: Path) -
     assert (s["oom_spells"], s["eviction_spells"]) == (1, 1)
 
 
+def test_the_checker_blames_a_graceful_drain_for_a_resend_and_counts_a_cut_one_as_its_cost(tmp_path: Path) -> None:
+    """The drain fault: a job sent again after its worker's graceful drain (one SIGTERM) is a defect, paid or
+    answered from the Idempotency-Key cache; after a drain cut by a second SIGTERM it is that cut's documented
+    cost, like a kill inside submit. A drain that ends in anything but exit 0 is a finding."""
+    w1a = Incarnation(1, 101, tmp_path / "w1-1.log", started=0.0, ended=12.5, end="drain", drained=10.0)
+    w1b = Incarnation(2, 102, tmp_path / "w1-2.log", started=13.0)
+    w2a = Incarnation(1, 201, tmp_path / "w2-1.log", started=0.0, ended=20.7, end="drain_cut", drained=20.0, cut=20.5)
+    w3 = Incarnation(1, 301, tmp_path / "w3-1.log", started=0.0)
+    records = {f"q:{name}": _record(f"i-{name}") for name in ("drained", "cut", "handed", "replayed")}
+    subs = [
+        _sub("i-drained", "r1", 9.0, 1),
+        _sub("i-drained", "r2", 15.0, 3),  # w1 drained gracefully at 10 with the call out: resent
+        _sub("i-cut", "r3", 19.0, 2),
+        _sub("i-cut", "r4", 25.0, 3),  # w2's drain cut at 20.5 with the call out
+        _sub("i-handed", "r5", 12.0, 3),  # handed back unsent by w1: one submission, no duplicate
+        _sub("i-replayed", "r6", 9.5, 1),
+        _sub("i-replayed", "r6", 14.0, 3, replay=True),  # resent after w1's graceful drain, answered from the key
+    ]
+    drains = [
+        {"t": 12.5, "kind": "drain", "target": "w1", "n": 1, "cut": False, "code": 0, "took_s": 2.5},
+        {"t": 20.7, "kind": "drain", "target": "w2", "n": 1, "cut": True, "code": 1, "took_s": 0.7},
+    ]
+    data = RunData(
+        acked={j: ("q", json.loads(h["input"])["id"], 0.5) for j, h in records.items()},
+        records=records,
+        submissions=subs,
+        outputs={},
+        files={},
+        lives={"w1": [w1a, w1b], "w2": [w2a], "w3": [w3]},
+        slot_ports={1: "w1", 2: "w2", 3: "w3"},
+        timeline=drains,
+        valkey_down=[],
+        appendfsync="always",
+        events={},
+        dropped=[],
+        bucket=BUCKET,
+    )
+    verdict = Checker(data).verdict()
+    s = verdict.summary
+    assert s["duplicates_by_cause"] == {"drained_gracefully": 1, "drain_cut_inside_submit": 1}
+    assert s["defect_duplicates"] == 1 and s["replays_after_graceful_drain"] == 1
+    assert s["drains"] == {
+        "graceful": 1,
+        "cut": 1,
+        "handed_back_unsent": 0,
+        "calls_out": 0,
+        "longest_s": 2.5,
+        "killed_while_draining": 0,
+        "bad_exits": 1,
+    }
+    assert any("drain: w2#1 exited 1" in f for f in verdict.findings), verdict.findings
+    assert any("drained_gracefully" in f for f in verdict.findings), verdict.findings
+
+
+def test_the_checker_takes_an_attached_id_polled_to_its_expiry_for_a_retry(tmp_path: Path) -> None:
+    """A worker SIGSTOPped inside its submit call reports the answer after SIGCONT: checkpoint.lua ATTACHES it to
+    the job without a `submitted` event. The next owner polls it, finds it expired (the job's error names it) and
+    runs the job again: a retry after the remote run's expiry, not a duplicate of a kill inside submit resent
+    under a new key."""
+    w1 = Incarnation(1, 101, tmp_path / "w1-1.log", started=0.0, stops=[[10.5, 19.0]])
+    w2 = Incarnation(1, 201, tmp_path / "w2-1.log", started=0.0)
+    expired = "remote result expired: http-job backend 'sim': GET http://sim/jobs/r-first: HTTP 404"
+    records = {"q:attached": _record("i-attached", error=expired, sub_n="2")}
+    subs = [
+        _sub("i-attached", "r-first", 10.0, 1, idempotency_key="q:attached.1", remote_expires_at=23.0),
+        _sub("i-attached", "r-second", 40.0, 2, idempotency_key="q:attached.2"),
+    ]
+    data = RunData(
+        acked={"q:attached": ("q", "i-attached", 0.5)},
+        records=records,
+        submissions=subs,
+        outputs={},
+        files={},
+        lives={"w1": [w1], "w2": [w2]},
+        slot_ports={1: "w1", 2: "w2"},
+        timeline=[],
+        valkey_down=[],
+        appendfsync="always",
+        events={"q:attached": [(13.0, "queued"), (19.5, "active"), (38.0, "retrying"), (39.0, "active")]},
+        dropped=[],
+        bucket=BUCKET,
+        honoured=True,
+    )
+    s = Checker(data).verdict().summary
+    assert s["duplicates_by_cause"] == {} and s["resubmits_after_remote_end"] == {"after_remote_expiry": 1}, s
+
+
 def _chat(input_id: str) -> dict[str, Any]:
     """A chat-completions request as the harness sends it to a synchronous (`openai`) backend."""
     return {"model": "m", "messages": [{"role": "user", "content": input_id}], "metadata": {"id": input_id}}
@@ -340,6 +429,8 @@ def _chaos(tmp_path: Path, *args: str) -> tuple[dict[str, Any], str]:
     # (with webhooks the first poll comes long after the lag: the result arrives by webhook)
     assert faults.get("status_lag", 0) > 0 or doc["webhooks"], faults
     assert doc["jobs"] >= 300, doc
+    drains = doc["drains"]
+    assert drains["graceful"] >= 1 and drains["handed_back_unsent"] + drains["calls_out"] > 0, drains
     # ... and every guarantee held
     assert doc["lost"] == 0, summary
     assert doc["stuck"] == 0, summary
@@ -348,6 +439,7 @@ def _chaos(tmp_path: Path, *args: str) -> tuple[dict[str, Any], str]:
     assert doc["memory_bounded"] and doc["events_bounded"], summary
     assert doc["all_terminal_s"] is not None, summary
     assert doc["uncounted_resends"] == 0 and doc["false_expiries"] == 0, summary
+    assert doc["replays_after_graceful_drain"] == 0 and not doc["drains"]["bad_exits"], summary
     return doc, summary
 
 

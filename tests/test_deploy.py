@@ -1,4 +1,4 @@
-"""The systemd units: verified by systemd-analyze (where it exists); the worker's stop timeout covers its grace, and
+"""The systemd units: verified by systemd-analyze (where it exists); the worker's stop timeout covers its drain, and
 the server unit runs `offload server` on port 8000 from its own 0600 env file, sandboxed."""
 
 from __future__ import annotations
@@ -10,16 +10,23 @@ from pathlib import Path
 
 import pytest
 
+from offload.backends.settings import DEFAULT_TIMEOUT
+from offload.worker.dispatch import RECORD_S
+
 UNITS = Path(__file__).parent.parent / "deploy" / "systemd"
 UNIT = UNITS / "offload-worker@.service"
 SERVER_UNIT = UNITS / "offload-server.service"
 
 
-def test_stop_timeout_covers_the_grace_period() -> None:
+def test_stop_timeout_covers_the_whole_drain() -> None:
+    """systemd's SIGKILL must not come before the drain ends: the grace, or the submit calls out awaited until the
+    default backend timeout + RECORD_S (whichever is longer), then the metrics flush (2 s) and the release (a
+    lease, 10 s). A SIGKILL inside the drain costs what a cut does."""
     text = UNIT.read_text()
     grace = int(re.search(r"--grace (\d+)", text).group(1))  # type: ignore[union-attr]
     stop = int(re.search(r"TimeoutStopSec=(\d+)", text).group(1))  # type: ignore[union-attr]
-    assert stop > grace
+    assert stop >= max(grace, DEFAULT_TIMEOUT + RECORD_S) + 2 + 10 + 5
+    assert re.search(r"^KillMode=mixed$", text, re.M), "SIGTERM to the worker only"
     assert "Restart=always" in text and "EnvironmentFile=/etc/offload/worker.env" in text
 
 

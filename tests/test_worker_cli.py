@@ -349,7 +349,7 @@ class _Loop:
         self.fail_after = fail_after
         self.drained = False
 
-    async def run(self, stop: asyncio.Event) -> None:
+    async def run(self, stop: asyncio.Event, cut: asyncio.Event | None = None) -> None:
         if self.fail_after is not None:
             await asyncio.sleep(self.fail_after)
             raise ConnectionError(f"{self.options.queue}: Redis went away")

@@ -12,10 +12,12 @@ bucket and the record of every fault the harness injected.
 - every extra submission of one job is attributed: after the previous remote run failed or expired it is a
   retry (not a duplicate); otherwise a duplicate, whose cause is `killed_inside_submit` when the previous
   submission's worker was SIGKILLed or SIGSTOPped while that submit was in flight or before its remote id was
-  recorded, and anything else is a defect with a name (see `_cause`). Even the unavoidable causes must resend
-  under the previous submission's Idempotency-Key (the same run: `resent_under_new_key` otherwise), and where the
-  simulator honours the key (`RunData.honoured`) such a resend is a replay, not a second paid run, so a duplicate
-  of that kind is a defect there (`key_not_honoured`);
+  recorded, and anything else is a defect with a name (see `_cause`): among them `drained_gracefully`, a
+  resend after the earlier sender's graceful drain (one SIGTERM), which must hand its jobs back unsent or await
+  and record every call out (`drain_cut_inside_submit`, a drain cut by a second SIGTERM, costs what a kill inside
+  submit does). Even the unavoidable causes must resend under the previous submission's Idempotency-Key (the
+  same run: `resent_under_new_key` otherwise), and where the simulator honours the key (`RunData.honoured`) such
+  a resend is a replay, not a second paid run, so a duplicate of that kind is a defect there (`key_not_honoured`);
 - a resend of a submission a gateway answered with a 5xx after the provider took it (its outcome unknown to the
   worker) is counted on its job, replayed or paid (`uncounted_resends`); a status read that lags the submit is not
   expiry: no job is dead as "remote result expired" while the provider still had its remote job
@@ -62,6 +64,7 @@ UNAVOIDABLE = {
     "valkey_crash_inside_submit",
     "response_lost",
     "gateway_error",
+    "drain_cut_inside_submit",
 }
 RECORDED = ("submitted", "adopted")  # the events that mean the job store knows the remote id
 # ... and for a synchronous API the ack too: its answer's remote id is recorded by the complete itself
@@ -307,10 +310,10 @@ class Checker:
 
     def duplicates(self) -> dict[str, Any]:
         per_job: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        replays = 0
+        replays: list[dict[str, Any]] = []
         for sub in self.d.submissions:
             if sub["replay"]:
-                replays += 1
+                replays.append(sub)
                 continue
             job_id = self.by_input.get(sub["input_id"])
             if job_id is not None:
@@ -322,7 +325,7 @@ class Checker:
             subs.sort(key=lambda s: s["arrival"])
             for prev, sub in itertools.pairwise(subs):
                 recorded = self._recorded(job_id, prev, sub) is not None and not self.d.synchronous
-                legit = _retry_reason(prev, sub, recorded)
+                legit = _retry_reason(prev, sub, recorded or self._polled_to_expiry(job_id, prev))
                 if legit:
                     retries[legit] += 1
                     continue
@@ -359,9 +362,35 @@ class Checker:
             "duplicates_not_killed_inside_submit": total - causes["killed_inside_submit"],
             "killed_inside_submit_by": dict(kill_kinds),
             "resubmits_after_remote_end": dict(retries),
-            "idempotent_replays": replays,
+            "idempotent_replays": len(replays),
+            "replays_after_graceful_drain": self._drain_replays(per_job, replays),
             "submissions": sum(1 for s in self.d.submissions if not s["replay"]),
         }
+
+    def _polled_to_expiry(self, job_id: str, prev: dict[str, Any]) -> bool:
+        """Whether the job's last error is `prev`'s remote run found expired: a worker polled that id, so the job
+        store knew it, although no `submitted` event says so (a stale worker's answer ATTACHED by checkpoint.lua,
+        after a SIGSTOP inside the call, records the id without an event)."""
+        error = self.d.records.get(job_id, {}).get("error") or ""
+        return error.startswith("remote result expired") and str(prev.get("remote_id")) in error
+
+    def _drain_replays(self, per_job: dict[str, list[dict[str, Any]]], replays: list[dict[str, Any]]) -> int:
+        """Resends the simulator answered from its Idempotency-Key cache (nothing paid) whose earlier submission's
+        worker was drained gracefully: a provider that ignores the key would have run them twice, so each is the
+        same defect as a paid `drained_gracefully` duplicate."""
+        found = 0
+        for replay in replays:
+            job_id = self.by_input.get(replay["input_id"])
+            earlier = [s for s in per_job.get(job_id or "", []) if s["arrival"] < replay["arrival"]]
+            if job_id is None or not earlier:
+                continue
+            if self._cause(job_id, earlier[-1], replay)[0] == "drained_gracefully":
+                found += 1
+                self.find(
+                    f"resent after a graceful drain: {job_id} (first at {earlier[-1]['arrival']:.3f} by "
+                    f"{self._name(earlier[-1])}, replayed at {replay['arrival']:.3f} by {self._name(replay)})"
+                )
+        return found
 
     def _cause(self, job_id: str, prev: dict[str, Any], sub: dict[str, Any]) -> tuple[str, str | None]:
         """Why `sub` was sent although `prev` had not failed or expired. Only killed_inside_submit is the
@@ -398,6 +427,10 @@ class Checker:
             return "oom_inside_submit", None  # a defect: the checkpoint runs at the limit (allow-oom)
         if outage := self._outage_in_submit(prev, recorded):
             return f"{outage}_inside_submit", None  # Valkey out of reach before the id could be recorded
+        if life.drained is not None and life.drained <= t1 and t0 - IN_FLIGHT_S <= (life.ended or t1):
+            # its worker was drained with the job: a cut drain abandons its calls out (the documented cost);
+            # a graceful one must have handed the job back unsent, or awaited and recorded its call
+            return ("drain_cut_inside_submit" if life.cut is not None else "drained_gracefully"), None
         if life.end and life.end.startswith("exit") and ended is not None and t0 - IN_FLIGHT_S <= ended <= t1 + 1:
             # (an exit is noticed up to a watchdog period late; the drain before it hands the job on at once)
             return "worker_crashed_inside_submit", None  # it died by itself (not killed by the harness)
@@ -539,6 +572,29 @@ class Checker:
             "gateway_resends": resends,
             "uncounted_resends": uncounted,
             "false_expiries": false_expiries,
+        }
+
+    # -- drains ----------------------------------------------------------------------------------------
+
+    def drains(self) -> dict[str, Any]:
+        """The graceful restarts: each must end with exit 0 (a drain is no crash), unless the kill fault SIGKILLed
+        the draining worker first (then its jobs cost what a kill's do)."""
+        drains = [e for e in self.d.timeline if e["kind"] == "drain"]
+        bad = [e for e in drains if e.get("code") != 0 and not e.get("killed")]
+        for e in bad:
+            self.find(f"drain: {e['target']}#{e.get('n')} exited {e.get('code')} after {e.get('took_s')} s")
+        if not drains:
+            return {}
+        return {
+            "drains": {
+                "graceful": sum(1 for e in drains if not e.get("cut")),
+                "cut": sum(1 for e in drains if e.get("cut")),
+                "handed_back_unsent": sum(e.get("handed_back") or 0 for e in drains),
+                "calls_out": sum(e.get("calls_out") or 0 for e in drains),
+                "longest_s": max(e.get("took_s") or 0.0 for e in drains),
+                "killed_while_draining": sum(1 for e in drains if e.get("killed")),
+                "bad_exits": len(bad),
+            }
         }
 
     # -- caps, held jobs, memory -----------------------------------------------------------------
@@ -689,6 +745,7 @@ class Checker:
             self.finished_twice(),
             self.duplicates(),
             self.unknown_outcomes(),
+            self.drains(),
             self.caps(),
             self.store_faults(),
             self.bounds(),

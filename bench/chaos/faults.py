@@ -2,14 +2,15 @@
 
 `Profile` holds the rates (mean seconds between faults; 0 turns one off). `Schedule` runs every fault loop as
 an asyncio task against the run's processes: worker SIGKILL (restarted after a container-like pause, in its PID
-namespace when there is one) and SIGSTOP past the lease, Valkey SIGKILL + restart, the proxy's dropped replies,
-resets and black-holes, 429 storms at the simulator, an operator cancelling jobs (`operator`: mostly jobs that
-wait with a remote job that may still run, handed back by a killed or stopped worker, else running ones), Valkey at
-its maxmemory (`oom`: maxmemory lowered under what it holds for a while, then lifted) and Valkey switched to an
-evicting maxmemory-policy for a while (`eviction`, allkeys-lru with no maxmemory: nothing is really evicted, the
-workers must stop paying). The provider's own faults (5xx, 429s, lost answers, a gateway's 5xx after a submit was
-accepted, a status that lags the submit) are the simulator's config (`Profile.sim_config`). Every fault is appended
-to `timeline` with its time, which the checker uses to attribute what went wrong to what was done.
+namespace when there is one) and SIGSTOP past the lease, graceful SIGTERM restarts (some cut by a second
+SIGTERM), Valkey SIGKILL + restart, the proxy's dropped replies, resets and black-holes, 429 storms at the
+simulator, an operator cancelling jobs (`operator`: mostly jobs that wait with a remote job that may still run,
+handed back by a killed or stopped worker, else running ones), Valkey at its maxmemory (`oom`: maxmemory lowered
+under what it holds for a while, then lifted) and Valkey switched to an evicting maxmemory-policy for a while
+(`eviction`, allkeys-lru with no maxmemory: nothing is really evicted, the workers must stop paying). The provider's
+own faults (5xx, 429s, lost answers, a gateway's 5xx after a submit was accepted, a status that lags the submit) are
+the simulator's config (`Profile.sim_config`). Every fault is appended to `timeline` with its time, which the
+checker uses to attribute what went wrong to what was done.
 """
 
 from __future__ import annotations
@@ -52,6 +53,15 @@ class Profile:
     storm_every: float = 60.0
     storm_s: float = 4.0
     cancel_every: float = 5.0
+    # graceful restarts (`systemctl restart`: SIGTERM, the workers' --grace 2) of the worker holding the most
+    # leases, right after a burst of `drain_burst` jobs, a share of them cut by a second SIGTERM after
+    # `drain_cut_after` seconds; with them on, jobs wait at the submit gate and the rate limit (options.profile_for)
+    drain_every: float = 40.0
+    drain_burst: int = 40
+    drain_cut_share: float = 0.3
+    drain_cut_after: tuple[float, float] = (0.1, 1.0)
+    submit_concurrency: int | None = None  # the queues' setting (None: offload's default)
+    rate_limit: str | None = None  # the backend's (None: none)
     error_rate: float = 0.05
     rate_429: float = 0.01
     lost_response_rate: float = 0.002
@@ -114,6 +124,7 @@ class Schedule:
     valkey: Valkey
     proxy: FaultProxy
     sim: Sim
+    burst: Callable[[int], Awaitable[None]] | None = None  # enqueues that many jobs at once (the run's producer)
     timeline: list[dict[str, Any]] = field(default_factory=list)
     counts: Counter[str] = field(default_factory=Counter)
     valkey_down: list[tuple[float, float]] = field(default_factory=list)
@@ -126,6 +137,7 @@ class Schedule:
     # an evicting policy with a maxmemory reached would really evict (and lose acknowledged jobs): never both at once
     _store_fault: asyncio.Lock = field(default_factory=asyncio.Lock)
     _pending: set[asyncio.Task[None]] = field(default_factory=set)
+    _drains: set[asyncio.Task[None]] = field(default_factory=set)
 
     def note(self, kind: str, target: str = "", **detail: Any) -> None:
         self.timeline.append({"t": time.time(), "kind": kind, "target": target, **detail})
@@ -152,6 +164,7 @@ class Schedule:
             (p.cancel_every if self.operator else 0.0, self._cancel),
             (p.oom_every, self._oom),
             (p.eviction_every, self._eviction),
+            (p.drain_every, self._drain),
         ]
         self.proxy.delay_s = p.delay_ms / 1000
         for mean, action in loops:
@@ -165,6 +178,8 @@ class Schedule:
         for task in self._tasks[:-1]:  # keep the watchdog: it restarts workers that die on their own
             task.cancel()
         await asyncio.gather(*self._tasks[:-1], return_exceptions=True)
+        # a drain under way runs to its end first: a later SIGTERM (the run's own stops) would cut it unrecorded
+        await asyncio.gather(*self._drains, return_exceptions=True)
         for slot in self.slots:
             slot.sigcont()
         self.proxy.delay_s = 0.0
@@ -226,6 +241,49 @@ class Schedule:
         if slot.stopped:
             slot.sigcont()
             self.note("cont", slot.name)
+
+    async def _drain(self) -> None:
+        """A graceful restart while jobs wait at the gate and the rate limit: a burst of jobs, then SIGTERM to the
+        serving worker holding the most leases (sometimes a second SIGTERM soon after: a cut), its exit and a
+        restart, in the background (the fault phase's end waits for it)."""
+        if self.burst is not None:
+            await self.burst(self.profile.drain_burst)
+        slots = [s for s in self._alive(unstopped=True) if s.current and s.current.read_id() and not s.terminating]
+        if not slots:
+            return
+        leases = await asyncio.to_thread(self._leases, slots)
+        slot = max(slots, key=lambda s: (leases.get(s.name, 0), self.rng.random()))
+        p = self.profile
+        cut = self.rng.uniform(*p.drain_cut_after) if self.rng.random() < p.drain_cut_share else None
+        task = asyncio.create_task(self._drain_then_restart(slot, cut))
+        self._drains.add(task)
+        task.add_done_callback(self._drains.discard)
+
+    def _leases(self, slots: list[WorkerSlot]) -> dict[str, int]:
+        """Leases each slot's worker holds (read straight from Valkey; none if it cannot be read)."""
+        counts: dict[str, int] = {}
+        with contextlib.suppress(Exception), self.valkey.client() as client:
+            for slot in slots:
+                if slot.current and (worker := slot.current.read_id()):
+                    counts[slot.name] = int(client.zcard(f"offload:{{{slot.queue}}}:owned:{worker}"))
+        return counts
+
+    async def _drain_then_restart(self, slot: WorkerSlot, cut_after: float | None) -> None:
+        life = slot.current
+        began = time.time()
+        code, found = await asyncio.to_thread(slot.drain, cut_after)
+        self.note(
+            "drain",
+            slot.name,
+            n=life.n if life else None,
+            cut=cut_after is not None,
+            killed=bool(life and life.end == "kill"),  # the kill fault came first: not this drain's doing
+            code=code,
+            took_s=round(time.time() - began, 2),
+            handed_back=found[0] if found else None,
+            calls_out=found[1] if found else None,
+        )
+        await self._restart(slot, self.rng.uniform(*self.profile.restart_delay))
 
     async def _watchdog(self) -> None:
         """A worker that exits on its own (e.g. a Redis blip it did not ride out) is a finding: record it with

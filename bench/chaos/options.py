@@ -24,6 +24,7 @@ FAULTS = (
     "lag",
     "oom",
     "eviction",
+    "drain",
 )
 BACKENDS = {
     "http-job": {},
@@ -53,6 +54,7 @@ QUICK = {
     "storm_every": 20.0,
     "storm_s": 3.0,
     "cancel_every": 2.0,
+    "drain_every": 10.0,
     "latency": "3-8",
     "result_ttl": 8.0,
     "capped_jobs": 24,
@@ -134,7 +136,12 @@ def profile_for(args: argparse.Namespace) -> Profile:
         ("cancel", ["cancel_every"]),
         ("gateway", ["gateway_error_rate"]),
         ("lag", ["status_lag"]),
+        ("drain", ["drain_every"]),
     ):
         if fault not in chosen:
             off.update(dict.fromkeys(fields, 0.0))
+    if "drain" in chosen:  # drains must find jobs waiting: a small submit gate, slower submits, a rate limit
+        off.update(
+            submit_concurrency=8, submit_latency="0.2-1", rate_limit=f"{max(2, round(profile.jobs_per_s * 2))}/s"
+        )
     return replace(profile, **off)

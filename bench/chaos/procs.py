@@ -30,6 +30,8 @@ import redis
 HOST = "127.0.0.1"
 OFFLOAD = str(Path(sys.executable).with_name("offload"))
 WORKER_ID = re.compile(r"\bworker (\S+:\S+)")  # host:pid or host:pid:random, never "worker error: ..."
+# what a dispatch worker logs when its drain begins (offload/worker/dispatch.py, Worker._drain)
+DRAINING = re.compile(r"draining: no new submissions; (\d+) waiting jobs handed back unsent, (\d+) submit calls out")
 
 
 def free_port() -> int:
@@ -320,9 +322,11 @@ class Incarnation:
     log: Path
     started: float
     ended: float | None = None
-    end: str | None = None  # "kill", "exit:<code>", "term"
+    end: str | None = None  # "kill", "exit:<code>", "term", "drain" (one SIGTERM), "drain_cut" (a second one)
     stops: list[list[float]] = field(default_factory=list)  # [stopped_at, continued_at]
     worker_id: str | None = None
+    drained: float | None = None  # when a graceful stop's SIGTERM was sent (the drain fault)
+    cut: float | None = None  # when the second SIGTERM that cut that drain was sent
 
     def read_id(self) -> str | None:
         if self.worker_id is None:
@@ -423,6 +427,31 @@ class WorkerSlot:
             return None
         life.ended, life.end = time.time(), f"exit:{code}"
         return code
+
+    def drain(self, cut_after: float | None = None, wait: float = 90.0) -> tuple[int | None, list[int]]:
+        """A graceful stop, as `systemctl stop` sends it: SIGTERM, then the drain runs its course; with `cut_after`
+        a second SIGTERM that many seconds later, which cuts it (an impatient operator); SIGKILL only if the process
+        is still there after `wait`. Returns the exit code and what the worker said it found when its drain began
+        ([jobs waiting handed back, submit calls out], empty if it did not say)."""
+        if self.proc is None or (life := self.current) is None:
+            return None, []
+        self.terminating = True
+        life.drained = time.time()
+        signal_group(self.proc, signal.SIGTERM)
+        if cut_after is not None:
+            try:
+                self.proc.wait(cut_after)
+            except subprocess.TimeoutExpired:
+                life.cut = time.time()
+                signal_group(self.proc, signal.SIGTERM)
+        code = reap(self.proc, wait)
+        if life.ended is None:  # (unless a SIGKILL of the fault schedule came first)
+            life.ended, life.end = time.time(), "drain_cut" if life.cut is not None else "drain"
+        found = []
+        with contextlib.suppress(OSError):
+            if m := DRAINING.search(life.log.read_text(errors="replace")):
+                found = [int(m[1]), int(m[2])]
+        return code, found
 
     def terminate(self, grace: float = 15.0) -> None:
         if self.proc is None or (life := self.current) is None:

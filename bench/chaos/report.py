@@ -58,6 +58,7 @@ def report(
         "resets": kinds["reset"],
         "blackholes": kinds["blackhole"],
         "storms_429": kinds["storm_429"],
+        "drains": summary.get("drains"),
         "sim_faults": _sum_faults(run.sim_stats.get("faults", {})),
         "in_flight_per_worker": run.in_flight,
         "leases_per_worker": {
@@ -90,6 +91,7 @@ def report(
         "false_expiries",
         "resubmits_after_remote_end",
         "idempotent_replays",
+        "replays_after_graceful_drain",
         "submissions",
         "cap",
         "held_released",
@@ -124,7 +126,7 @@ def human(doc: dict[str, Any], run: Run) -> str:
         f"{'honoured' if doc['honour_idempotency_key'] else 'ignored'} by the simulator; {run.pidns_note}",
         f"injected: {doc['kills']} SIGKILLs, {doc['stops']} SIGSTOPs past the lease, {doc['valkey_restarts']} "
         f"Valkey crashes, {doc['dropped_replies']} dropped replies, {doc['resets']} resets, {doc['blackholes']} "
-        f"black-holes, {doc['storms_429']} 429 storms, provider faults {doc['sim_faults']}",
+        f"black-holes, {doc['storms_429']} 429 storms, provider faults {doc['sim_faults']}, drains {doc['drains']}",
         f"in flight per worker: mean {doc['in_flight_per_worker']['mean']}, peak {doc['in_flight_per_worker']['peak']}",
         f"lost {doc['lost']}, stuck {doc['stuck']}, wrong results {doc['wrong_results']}, finished twice "
         f"{doc['finished_twice']}, dead {doc.get('dead')}, "
@@ -150,6 +152,7 @@ def human(doc: dict[str, Any], run: Run) -> str:
     failed = failed or any(doc.get(k) for k in ("cancel_not_honoured", "submitted_after_cancel", "ran_after_cancel"))
     failed = failed or doc.get("uncounted_resends") or doc.get("false_expiries")
     failed = failed or doc["worker_exits_unexplained"] or doc["paid_while_evicting"] or doc["dead_by_oom"]
+    failed = failed or doc.get("replays_after_graceful_drain")
     verdict = "FAIL" if failed else "PASS"
     lines.append(f"{verdict}; logs and data in {run.out}")
     return "\n".join(lines)

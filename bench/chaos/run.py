@@ -40,7 +40,7 @@ from bench.chaos.options import API_ROOTS, BACKENDS, MODEL, SYNCHRONOUS, parse_a
 from bench.chaos.procs import HOST, S3, Sim, Valkey, WorkerSlot, base_env, pidns_support, signal_group
 from bench.chaos.proxy import FaultProxy
 from offload.connection import connect
-from offload.errors import InvalidTransition, JobNotFound, StoreFull
+from offload.errors import InvalidTransition, JobNotFound, StoreError, StoreFull
 from offload.queue.scripts import NAMES, SCRIPTS
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
@@ -55,8 +55,11 @@ INGEST_LIST = "chaos:jobs"
 def worker_config(
     path: Path, redis_url: str, s3: S3, base_url: str, backend: str, p: Profile, server: Server | None = None
 ) -> Path:
-    queue = {"backend": "sim", "max_attempts": p.max_attempts, "poll_interval": 2, "poll_timeout": 300}
+    queue: dict[str, Any] = {"backend": "sim", "max_attempts": p.max_attempts, "poll_interval": 2, "poll_timeout": 300}
+    if p.submit_concurrency is not None:
+        queue["submit_concurrency"] = p.submit_concurrency
     hooks = server.backend(backend, base_url, p) if server else {}
+    limit = {"rate_limit": p.rate_limit} if p.rate_limit else {}
     config: dict[str, Any] = {
         "redis_url": redis_url,
         "storage": s3.settings(),
@@ -67,6 +70,7 @@ def worker_config(
                 "api_key": "sim-key",
                 "timeout": 30,
                 "not_found_grace_s": p.not_found_grace_s,
+                **limit,
                 **BACKENDS[backend],
                 **hooks,
             }
@@ -158,7 +162,9 @@ class Run:
             slot.start()
         await self._until(lambda: all(s.current and s.current.read_id() for s in self.slots), 90, "workers up")
         self.ops = store
-        self.schedule = Schedule(p, self.rng, self.slots, self.valkey, self.proxy, self.sim, operator=self._cancel_one)
+        self.schedule = Schedule(
+            p, self.rng, self.slots, self.valkey, self.proxy, self.sim, operator=self._cancel_one, burst=self._burst
+        )
         background = [asyncio.create_task(self._tail_events()), asyncio.create_task(self._sample())]
         started = time.time()
         fault_s = p.minutes * 60
@@ -266,6 +272,26 @@ class Run:
             tick += 0.5
             await asyncio.sleep(max(0.0, tick - time.time()))
         await client.aclose()
+
+    async def _burst(self, n: int) -> None:
+        """`n` jobs at once (the drain fault's burst), through the proxy like every enqueue; acknowledged only if
+        the enqueue returned."""
+        tag = len(self.acked)
+        specs = [JobSpec(input=self._input(f"burst-{tag}-{i}"), max_attempts=self.p.max_attempts) for i in range(n)]
+        try:
+            client = await connect(self.proxy.url, retry_for=10)
+            try:
+                ids = await asyncio.wait_for(QueueStore(client).enqueue_many(QUEUE, specs), 30)
+            finally:
+                await client.aclose()
+        except (RedisError, OSError, TimeoutError, StoreError) as exc:
+            self.counts["enqueue_errors"] += 1
+            log.info("burst enqueue failed: %s", exc)
+            return
+        now = time.time()
+        for job_id, spec in zip(ids, specs, strict=True):
+            self.acked[job_id] = (QUEUE, input_key(spec.input), now)
+            self.sent[job_id] = spec.input
 
     async def _push_tutorial(self, client: Any, specs: list[JobSpec]) -> list[str]:
         """Tutorial JSON (`id`, `input`, `output_key`, `attempt`) on the ingest list, one RPUSH for the batch. The

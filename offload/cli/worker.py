@@ -84,7 +84,13 @@ def worker(
         ),
     ] = None,
     config: ConfigOpt = None,
-    grace: Annotated[float, typer.Option(help="Seconds to keep polling after SIGTERM before releasing.")] = 30.0,
+    grace: Annotated[
+        float,
+        typer.Option(
+            help="Seconds to keep polling after SIGTERM before releasing (submit calls out are awaited up to the "
+            "backend's timeout anyway; a second SIGTERM cuts)."
+        ),
+    ] = 30.0,
     log_level: LogLevelOpt = "info",
     handler: Annotated[
         str | None, typer.Option(help="GPU worker: run module:function on each job here, talking only to --server.")

@@ -16,6 +16,11 @@ lease the store has handed this process by the time a heartbeat is sent is eithe
 received; the heartbeat lists (job id, token) pairs and hands the others back (`since`). A job claimed again
 while an older task of it still runs (the old lease was reaped) starts only after the old task is stopped.
 And the loop never exits for the job store's sake: claims, window rolls and the drain wait out an outage.
+
+What a drain (SIGTERM) guarantees: no submission starts once it begins (the jobs that have not sent their call go
+back unsent, their intents closed), and every submit call already out is awaited and its answer checkpointed
+before the leases are handed back, for up to the backend's timeout, even past the grace; only a second signal (or
+a call hung past that bound) cuts one off. See `_drain`.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from offload.backends.base import Backend
 from offload.connection import is_outage
@@ -41,13 +47,17 @@ from offload.worker import wakeups
 from offload.worker.batching import Batcher
 from offload.worker.health import StoreHealth, describe
 from offload.worker.hookpath import hook_backend
-from offload.worker.jobpath import JobPath, StoreOutput, WorkerOptions
+from offload.worker.jobpath import Drained, JobPath, StoreOutput, WorkerOptions
 from offload.worker.limits import BackendLimits
 from offload.worker.prefetch import Prefetch
 from offload.worker.slots import SlotPool
 
 log = logging.getLogger("offload.worker")
 __all__ = ["StoreOutput", "Worker", "WorkerOptions", "default_worker_id"]
+T = TypeVar("T")
+# How long a drain waits, past the backend's timeout, for the answers of the calls that were out to be checkpointed
+# (a store write, which waits out a short outage).
+RECORD_S = 10.0
 
 
 def default_worker_id() -> str:
@@ -93,7 +103,10 @@ class Worker(JobPath):
         self.cancels: set[str] = set()
         self._submitting: set[str] = set()
         self._unsent: dict[str, str] = {}  # begun, not sent: a drain closes these intents (kept while draining)
+        self._answers: set[str] = set()
         self._draining = False
+        self._grace_over = False
+        self._cut = asyncio.Event()  # a second signal: the drain ends at once (see run_workers)
         # Jobs whose last write (ack, failure, cancel) is on its way: a heartbeat that no longer finds their lease
         # has most likely raced that write, and the write's own reply tells the task what happened.
         self.settling: set[str] = set()
@@ -102,7 +115,8 @@ class Worker(JobPath):
         self.in_flight = 0
         self._slots = SlotPool(options.concurrency)
         self._prefetch = Prefetch(options, time.monotonic())  # how many jobs to lease ahead of the slots
-        self._ahead: set[asyncio.Task[None]] = set()  # claimed, waiting for a slot: nothing sent anywhere yet
+        # waiting for a slot, the rate limit or the gate, or pausing before a resend: nothing sent, a drain cancels
+        self._ahead: dict[asyncio.Task[Any], ClaimedJob] = {}
         self._past: set[str] = set()  # jobs whose remote work is over: storing the output, acking
         self._room = asyncio.Event()  # set when a task ends: room to claim
         self._ready = asyncio.Event()  # set when jobs became ready after a claim found none (wakeups.py)
@@ -129,6 +143,7 @@ class Worker(JobPath):
         self._hook_bodies: Batcher[tuple[str, int], str | None] = Batcher(store.hook_bodies)
         self._fences: Batcher[tuple[str, str], str] = Batcher(lambda items: store.fence_many(q, items))
         self._beats: Batcher[None, None] = Batcher(self._beat_many, concurrency=1)
+        self._handbacks: Batcher[ClaimedJob, None] = Batcher(self._release_unsent)
 
     def window(self) -> str:
         """The cap window: the UTC day of the (injectable) clock."""
@@ -136,7 +151,10 @@ class Worker(JobPath):
 
     # -- the loop ----------------------------------------------------------------------------------
 
-    async def run(self, stop: asyncio.Event) -> None:
+    async def run(self, stop: asyncio.Event, cut: asyncio.Event | None = None) -> None:
+        """Serve until `stop`, then drain; `cut` (a second signal) ends the drain at once."""
+        if cut is not None:
+            self._cut = cut
         helpers = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self.policy.run())]
         if self.options.ingest_list:
             helpers.append(asyncio.create_task(self._ingest_loop(stop)))
@@ -223,19 +241,28 @@ class Worker(JobPath):
 
     async def _enter_remote(self, job: ClaimedJob) -> None:
         """Take a slot: at most `concurrency` jobs are past this point (submitting, at the provider, polled). A
-        job that must wait is one of the jobs ahead (a drain cancels those at once); its task is looked up only
-        then (`asyncio.current_task` is a Python call in 3.11: once per job it was ~4 % of the worker's no-op
-        run, bench/worker_throughput.py)."""
+        job that must wait is one of the jobs ahead (a drain cancels those at once)."""
         if self._take_free(job):
             return
+        await self._wait_ahead(job, self._slots.acquire())
+        self._entered()
+
+    async def _wait_ahead(self, job: ClaimedJob, aw: Awaitable[T]) -> T:
+        """Wait for `aw` (a slot, the rate limit, the submit gate, a pause before a resend) as one of the jobs
+        ahead of their call: a drain cancels the wait and hands the job back; once draining none starts
+        (`Drained`). Only a wait is registered, and its task looked up then (`asyncio.current_task` is a Python
+        call in 3.11: once per job it was ~4 % of the worker's no-op run, bench/worker_throughput.py)."""
+        if self._draining:
+            if asyncio.iscoroutine(aw):
+                aw.close()
+            raise Drained(job.id)
         task = asyncio.current_task()
         assert task is not None
-        self._ahead.add(task)
+        self._ahead[task] = job
         try:
-            await self._slots.acquire()
+            return await aw
         finally:
-            self._ahead.discard(task)
-        self._entered()
+            self._ahead.pop(task, None)
 
     def _entered(self) -> None:
         """A slot was taken: count the job in flight."""
@@ -286,26 +313,61 @@ class Worker(JobPath):
             self._past.discard(job.id)
             self._hooked.pop(job.id, None)
             self._heard.pop(job.id, None)
+            self._answers.discard(job.id)
             if not self._draining:
                 self._unsent.pop(job.id, None)
         self._room.set()
 
     async def _drain(self, helpers: list[asyncio.Task[None]]) -> None:
-        """Stop claiming, let in-flight jobs finish for the grace period, then hand the rest back with
-        their remote ids (the next worker resumes polling them). Jobs claimed ahead that never got a slot go
-        back at once: nothing of them was sent anywhere, so the intents their begin opened are closed with the
-        release (the next owner sends the same submission, not a possible duplicate)."""
+        """Stop claiming and start no submission; hand the jobs that have not sent their call back at once (their
+        intents closed: the next owner sends the same submission, not a possible duplicate); let the rest finish
+        for the grace period. Then cut the polls (their remote ids are recorded: the next worker resumes them),
+        but await every submit call still out, and a synchronous answer being stored, until the backend's timeout
+        (from the drain's start: no call starts after it) plus RECORD_S, so that its answer is checkpointed
+        instead of paid for again. Last, hand every lease back with its remote id. A second signal (`_cut`) ends
+        every wait at once: a call it cuts leaves its intent open, and the next worker adopts or resends it,
+        counted as a possible duplicate."""
         self._draining = True
-        for task in list(self._ahead):
+        began = time.monotonic()
+        ahead = dict(self._ahead)
+        for task in ahead:
             task.cancel()
-        if self.tasks:
-            await asyncio.wait(list(self.tasks.values()), timeout=self.options.grace_s)
+        log.info(
+            "draining: no new submissions; %d waiting jobs handed back unsent, %d submit calls out awaited (up to "
+            "%gs), the rest finish for up to %gs; a second SIGTERM or SIGINT cuts",
+            len(ahead),
+            len(self._submitting),
+            self.options.backend_timeout + RECORD_S,
+            self.options.grace_s,
+        )
+        if ahead:
+            await asyncio.gather(*ahead, return_exceptions=True)
+            await self._hand_back([job for job in ahead.values() if job.id not in self.tasks])
+        await self._until_ended(list(self.tasks.values()), began + self.options.grace_s - time.monotonic())
+        self._grace_over = True
+        out = [t for j, t in self.tasks.items() if j in self._submitting or j in self._answers]
+        for task in self.tasks.values():
+            if task not in out:
+                task.cancel()
+        await self._until_ended(out, began + self.options.backend_timeout + RECORD_S - time.monotonic())
+        left = sum(1 for j, t in self.tasks.items() if not t.done() and (j in self._submitting or j in self._answers))
+        if left or self._cut.is_set():
+            log.warning(
+                "drain cut (%s) with %d submit calls out: their intents stay open, the next worker adopts or "
+                "resends them, counted as possible duplicates",
+                "a second signal" if self._cut.is_set() else "no answer within the backend's timeout",
+                left,
+            )
         for task in self.tasks.values():
             task.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
         for h in helpers:
             h.cancel()
         await asyncio.gather(*helpers, return_exceptions=True)
+        await self._release_all()
+
+    async def _release_all(self) -> None:
+        """The drain's end: every task and helper has ended; flush the metrics and hand every lease back."""
         with contextlib.suppress(TimeoutError):  # metrics only: never hold a drain past a moment for them
             async with asyncio.timeout(2.0):
                 await self.limits.flush()
@@ -319,6 +381,36 @@ class Worker(JobPath):
         except TimeoutError:
             log.warning("drained without the job store: the leases run out instead (and count as expired)")
         await self.health.aclose()
+
+    async def _until_ended(self, tasks: list[asyncio.Task[None]], timeout: float) -> None:
+        """Until every task of `tasks` has ended, `timeout` has passed, or the drain is cut."""
+        pending = [t for t in tasks if not t.done()]
+        if not pending or timeout <= 0 or self._cut.is_set():
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await first_of(asyncio.wait(pending), self._cut.wait())
+
+    async def _hand_back(self, jobs: list[ClaimedJob]) -> None:
+        """Draining: jobs that never sent their call go back to the queue now (uncounted, remote ids kept),
+        closing the intents their leases opened, instead of at the drain's end; the jobs of one moment in one
+        release. Bounded; whatever does not go through is handed back by the drain's last release."""
+        if not jobs:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(5.0, self.options.lease_ms / 1000)):
+                await first_of(
+                    self.health.call(lambda: asyncio.gather(*(self._handbacks(job) for job in jobs))),
+                    self._cut.wait(),
+                )
+
+    async def _release_unsent(self, jobs: list[ClaimedJob]) -> list[None]:
+        unsent = [(job.id, token) for job in jobs if (token := self._unsent.get(job.id)) is not None]
+        ids = [job.id for job in jobs]
+        await self.control.release_leases(self.options.queue, self.id, ids, unsent=unsent)
+        for job_id, _ in unsent:  # closed: the last release need not send them again
+            self._unsent.pop(job_id, None)
+        return [None] * len(jobs)
 
     async def _heartbeat_loop(self) -> None:
         while True:

@@ -17,7 +17,8 @@ import functools
 import logging
 import secrets
 import time
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import orjson
@@ -48,13 +49,20 @@ from offload.worker.options import WorkerOptions
 from offload.worker.slots import Slot
 
 log = logging.getLogger("offload.worker")
-__all__ = ["Fence", "JobPath", "StoreOutput", "WorkerOptions"]
+__all__ = ["Drained", "Fence", "JobPath", "StoreOutput", "WorkerOptions"]
+T = TypeVar("T")
 
 
 class Unrecorded(WorkerError):
     """A remote job known to exist (accepted, adopted, named by a webhook) whose checkpoint raised twice with an
     error that is not an outage (`_record` waits outages out). The write may have landed with its reply lost,
     so the attempt fails keeping whatever remote id the store holds: dropping one would pay for the job again."""
+
+
+class Drained(WorkerError):
+    """The worker is draining and this job has not sent its call: it goes back to the queue unsent (its intent, if
+    this lease opened one, closed by the release), instead of starting a submission the drain would have to wait
+    for or cut."""
 
 
 def _key_problem(key: str) -> str | None:
@@ -80,6 +88,9 @@ class JobPath(HookPath):
     cancels: set[str]
     _submitting: set[str]  # jobs whose submit call is out: a lost lease waits for the answer to be recorded
     _unsent: dict[str, str]  # job id -> token: begun (an open intent), the call not sent yet
+    _answers: set[str]  # jobs holding a synchronous answer not acked yet: a drain awaits them like calls out
+    _draining: bool  # no submission starts once set (see dispatch.py, _drain)
+    _grace_over: bool  # the drain's grace has ended: a job whose answer was just recorded does not poll
     settling: set[str]
     _cancel_waits: dict[str, asyncio.Event]
     _gate: asyncio.Semaphore | None
@@ -97,6 +108,11 @@ class JobPath(HookPath):
         raise NotImplementedError
 
     async def _enter_remote(self, job: ClaimedJob) -> None: ...
+
+    async def _wait_ahead(self, job: ClaimedJob, aw: Awaitable[T]) -> T:
+        raise NotImplementedError
+
+    async def _hand_back(self, jobs: list[ClaimedJob]) -> None: ...
 
     def _leave_remote(self, job: ClaimedJob) -> None: ...
 
@@ -165,7 +181,11 @@ class JobPath(HookPath):
                         remote_id, result, run = started
                         unrecorded = result is not None
                         lag.submitted()
+                        if unrecorded:
+                            self._answers.add(job.id)
                 if result is None:
+                    if self._grace_over:
+                        return  # a drain past its grace: recorded, the next owner polls it
                     if not slot.take_now():
                         await slot.take()
                     hooked = self._hooks()
@@ -179,6 +199,10 @@ class JobPath(HookPath):
             await self._finish(job, result, run, remote_id if unrecorded else None)
         except StaleLease:
             log.info("job %s: lease taken over, leaving it to its new owner", job.id)
+        except Drained:
+            if self._newest(job):
+                self.settling.add(job.id)
+                await self._hand_back([job])
         except asyncio.CancelledError:
             raise
         except Throttled as exc:
@@ -246,7 +270,11 @@ class JobPath(HookPath):
         not inside this one's. Between the begin and the call the job is `unsent` (a drain closes its intent:
         nothing was sent) and, once it has its slot, the cancels this worker has heard of since the begin are
         checked right before the call. A job the claim has begun (`job.begun`: a synchronous API without a rate
-        limit or caps, see claim.lua) starts here with its intent open and skips the begin of its first try."""
+        limit or caps, see claim.lua) starts here with its intent open and skips the begin of its first try.
+
+        Once the worker drains, no call is sent: a job at the rate limit, the gate or its slot, or pausing before a
+        resend, raises `Drained` (the drain cancels those waits), and so does one whose begin or slot came after
+        the drain began, checked right before the call, with nothing awaited in between."""
         throttled: Throttled | None = None
         retries = self.options.submit_retries_on_429
         hooks = self._hooks()
@@ -255,15 +283,18 @@ class JobPath(HookPath):
         for attempt in range(retries + 1):
             in_progress = False
             begun = job.begun and attempt == 0
+            if self._draining:  # (also before every resend after a 429 or a 409)
+                raise Drained(job.id)
             if not begun and self._lease_stale(job):
                 await self._renew_leases()
             if not self.limits.free_now():  # (checked here too: a call less per job on the common path)
-                await self._acquire(job)  # may wait long: the intent (with the cancel check) comes after
+                # may wait long: the intent (with the cancel check) comes after; a drain ends the wait
+                await self._wait_ahead(job, self._acquire(job))
             # The gate by hand, not `async with self._gate or nullcontext()`: a synchronous API has none, and the
-            # context manager cost it two coroutines per job.
+            # context manager cost it two coroutines per job. Only a wait for it is one a drain can end.
             gate = self._gate
             if gate is not None:
-                await gate.acquire()
+                await (self._wait_ahead(job, gate.acquire()) if gate.locked() else gate.acquire())
             try:
                 if not self.policy.current:  # the store may evict: no new payment until it is fixed (queue/memory.py)
                     await self.policy.confirm()
@@ -286,6 +317,8 @@ class JobPath(HookPath):
                     await self.policy.confirm()
                 if self._lease_stale(job):  # only if this process stalled since its last proof of life
                     await self._renew_leases()
+                if self._draining:  # since the begin or the slot: not sent, its intent closed by the release
+                    raise Drained(job.id)
                 if dup:
                     log.warning(
                         "job %s: submission %d may have reached the provider already (its outcome is unknown: a "
@@ -308,6 +341,7 @@ class JobPath(HookPath):
                     if attempt == retries:
                         raise
                     throttled = exc
+                    self._unsent[job.id] = job.token  # answered 429, nothing accepted: unsent until sent again
                 except BackendError as exc:
                     if exc.status == 409 and attempt < retries:
                         # 409 to a request carrying an Idempotency-Key: the provider is still serving an earlier
@@ -339,7 +373,8 @@ class JobPath(HookPath):
             if in_progress:  # only this job waits: the backend is not throttled (no cool-down for the others)
                 pause = min(2.0**attempt, 30.0)
                 log.info("job %s: submission still being served by the provider (409); again in %gs", job.id, pause)
-                await asyncio.sleep(pause)
+                # a drain ends the wait with the intent left open: that earlier request may yet be accepted
+                await self._wait_ahead(job, asyncio.sleep(pause))
                 continue
             pause = (throttled.retry_after if throttled else None) or min(2.0**attempt, 30.0)
             await self.health.call(functools.partial(self.limits.cool_down, pause))

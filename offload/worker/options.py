@@ -21,6 +21,9 @@ class WorkerOptions:
     first_poll: float = 0.25
     claim_batch: int = 500
     grace_s: float = 30.0
+    # The backend's `timeout` per request: a drain awaits the submit calls already out at least this long (plus
+    # dispatch.RECORD_S to checkpoint their answers), even past `grace_s`.
+    backend_timeout: float = 30.0
     daily_job_cap: int | None = None
     daily_spend_cap: float | None = None
     price_per_job: float | None = None

@@ -95,10 +95,11 @@ async def run_workers(
             return time.time() + offset
 
     stop = stop or asyncio.Event()
+    cut = asyncio.Event()
     if install_signals:
-        loop = asyncio.get_running_loop()
+        loop, handle = asyncio.get_running_loop(), _on_signal(stop, cut)  # one count for both signals
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, handle)
     total = sum(concurrency or q.concurrency for _, q, _, _ in plans)
     worker_id = worker_id or default_worker_id()  # one id per process: it is in every request's User-Agent
     async with contextlib.AsyncExitStack() as resources:
@@ -160,6 +161,7 @@ async def run_workers(
                 not_found_grace_s=bs.not_found_grace_s,
                 resubmit_on_timeout=bs.resubmit_on_timeout,
                 grace_s=grace_s,
+                backend_timeout=bs.timeout,
                 daily_job_cap=q.daily_job_cap,
                 daily_spend_cap=q.daily_spend_cap,
                 price_per_job=bs.price_per_job,
@@ -195,13 +197,31 @@ async def run_workers(
         if on_ready:
             for worker in workers:
                 on_ready(worker)
-        await _serve_all(workers, stop)
+        await _serve_all(workers, stop, cut)
     return workers
 
 
-async def _serve_all(workers: list[Worker], stop: asyncio.Event) -> None:
+def _on_signal(stop: asyncio.Event, cut: asyncio.Event) -> Callable[[], None]:
+    """SIGTERM/SIGINT: the first drains (`stop`), the next cuts the drain short (`cut`): submit calls still out are
+    abandoned with their intents open, so the next worker adopts or resends them, counted as possible
+    duplicates."""
+    signals = 0
+
+    def handle() -> None:
+        nonlocal signals
+        signals += 1
+        if signals == 1:
+            stop.set()
+        elif not cut.is_set():
+            log.warning("second signal: cutting the drain short")
+            cut.set()
+
+    return handle
+
+
+async def _serve_all(workers: list[Worker], stop: asyncio.Event, cut: asyncio.Event | None = None) -> None:
     """Run every worker until `stop`; the first failure stops (and drains) the rest, then is raised."""
-    tasks = [asyncio.create_task(w.run(stop), name=f"worker {w.options.queue}") for w in workers]
+    tasks = [asyncio.create_task(w.run(stop, cut), name=f"worker {w.options.queue}") for w in workers]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     finally:
