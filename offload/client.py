@@ -7,12 +7,17 @@ from scripts, threads and inside frameworks that already run an event loop.
 and replaced by references; the job gets its id before the upload, so its files live under its own key. A failed
 upload enqueues nothing; a failed enqueue (or one that found an earlier job with the same idempotency key) deletes
 the files it uploaded. The storage is the `storage:` block of offload.yaml unless one is passed.
+
+`durability` (or OFFLOAD_DURABILITY_REPLICAS / _TIMEOUT_MS / _FSYNC) makes an enqueue return only once replicas
+have the job (offload/queue/durability.py); one that they did not confirm in time raises `NotReplicated`, and is
+sent again with the same idempotency key. Its uploaded files are kept then: the job may exist.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import threading
 from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -20,6 +25,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from offload.connection import connect
 from offload.files import DEFAULT_MAX_FILE_BYTES, files_in
 from offload.models import Job, QueueStats
+from offload.queue import durability as durable
+from offload.queue.durability import Durability, NotReplicated
 from offload.queue.keys import QUEUES_KEY, new_job_id
 from offload.queue.memory import require_noeviction
 from offload.queue.specs import JobSpec
@@ -30,6 +37,18 @@ if TYPE_CHECKING:  # storage (boto3) loads on the first File, not with `import o
 
 
 T = TypeVar("T")
+
+
+def _durability(given: Durability | Mapping[str, Any] | None) -> Durability | None:
+    """The `durability` argument, else the environment's, checked now (a bad value names the field)."""
+    if isinstance(given, Durability):
+        return given
+    fields = dict(given) if given is not None else durable.from_env(os.environ)
+    if not fields:
+        return None
+    from offload.schema import parse  # pydantic: loaded only by a producer that asks for durability
+
+    return parse(Durability, fields, "durability")
 
 
 def _spec(item: Any) -> JobSpec:
@@ -50,8 +69,10 @@ class AsyncClient:
         max_payload: int | None = None,
         storage: Storage | Mapping[str, Any] | None = None,
         max_file_bytes: int | None = None,
+        durability: Durability | Mapping[str, Any] | None = None,
     ) -> None:
         self._url = url
+        self._durability = _durability(durability)
         self._max_payload = max_payload
         self._store: QueueStore | None = None
         self._lock = asyncio.Lock()
@@ -72,7 +93,7 @@ class AsyncClient:
                     except BaseException:
                         await redis.aclose()
                         raise
-                    self._store = QueueStore(redis, max_payload=self._max_payload)
+                    self._store = QueueStore(redis, max_payload=self._max_payload, durability=self._durability)
         return self._store
 
     async def _files_storage(self) -> tuple[Storage, int]:
@@ -124,8 +145,8 @@ class AsyncClient:
                 ready.append(done)
                 uploads.append((done.job_id, keys))
             ids = await (await self.store()).enqueue_many(queue, ready)
-        except BaseException:
-            if self._storage is not None:
+        except BaseException as exc:
+            if self._storage is not None and not isinstance(exc, NotReplicated):  # (that job may well exist)
                 await delete_keys(self._storage, [k for _, keys in uploads for k in keys])
             raise
         if self._storage is not None:  # an idempotent repeat returned an earlier job: these files are no one's
@@ -215,11 +236,15 @@ class Client:
         max_payload: int | None = None,
         storage: Storage | Mapping[str, Any] | None = None,
         max_file_bytes: int | None = None,
+        durability: Durability | Mapping[str, Any] | None = None,
     ) -> None:
+        durability = _durability(durability)  # a bad value fails here, before a thread is started
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="offload-client", daemon=True)
         self._thread.start()
-        self._async = AsyncClient(url, max_payload=max_payload, storage=storage, max_file_bytes=max_file_bytes)
+        self._async = AsyncClient(
+            url, max_payload=max_payload, storage=storage, max_file_bytes=max_file_bytes, durability=durability
+        )
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

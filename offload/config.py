@@ -24,6 +24,8 @@ from offload.autoscale.config import ServerSide, validate_autoscale, yaml_blocks
 from offload.backends.settings import AnyBackendSettings, BackendSettings
 from offload.embedded import data_dir
 from offload.errors import ConfigError
+from offload.queue import durability
+from offload.queue.durability import Durability
 from offload.queue.keys import validate_queue
 from offload.schema import Strict, parse, parse_rate
 from offload.storage.namespace import check_prefixes
@@ -96,6 +98,7 @@ class QueueSettings(Strict):
 
 class Settings(Strict):
     redis_url: str | None = None
+    durability: Durability | None = None  # acknowledged writes wait for replicas (offload/queue/durability.py)
     storage: StorageSettings = LocalStorageSettings()
     server: ServerSettings = ServerSettings()
     backends: dict[str, BackendSettings] = Field(default_factory=dict)
@@ -183,6 +186,8 @@ def _from_env(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
     """Overlay env settings (OFFLOAD_* first, tutorial names as fallback) onto the file's data."""
     if url := _pick(env, "OFFLOAD_REDIS_URL", "REDIS_URL"):
         data["redis_url"] = url
+    if wanted := durability.from_env(env):  # OFFLOAD_DURABILITY_REPLICAS, _TIMEOUT_MS, _FSYNC
+        data["durability"] = {**(data.get("durability") or {}), **wanted}
     if public := _pick(
         env, "OFFLOAD_SERVER_PUBLIC_URL"
     ):  # not OFFLOAD_PUBLIC_URL: the autoscaler's, for rented machines

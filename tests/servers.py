@@ -151,6 +151,32 @@ class ValkeyServer:
         why = "exited" if exited else f"did not answer PING within {START_TIMEOUT:.0f}s"
         raise RuntimeError(f"valkey-server on port {self._port} {why}; log tail:\n{self.log_tail()}")
 
+    def follow(self, host: str, port: int, timeout: float = 60.0) -> None:
+        """Become a replica of host:port and wait until its first sync is done (the link is up)."""
+        with self.client(decode_responses=True) as c:
+            c.execute_command("REPLICAOF", host, port)
+            deadline = time.monotonic() + timeout
+            while c.info("replication").get("master_link_status") != "up":
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"replica on port {self.port} did not sync within {timeout:.0f}s:\n{self.log_tail()}"
+                    )
+                time.sleep(0.05)
+
+    def pause(self) -> None:
+        """SIGSTOP: the process answers nothing, as a host that froze."""
+        assert self._proc is not None
+        os.kill(self._proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self._proc is not None
+        os.kill(self._proc.pid, signal.SIGCONT)
+
+    def promote(self) -> None:
+        """REPLICAOF NO ONE: what Sentinel or a managed failover does to the replica it picks."""
+        with self.client() as c:
+            c.execute_command("REPLICAOF", "NO", "ONE")
+
     def kill(self) -> None:
         """SIGKILL: simulates a crash, so only fsynced AOF data survives. The whole process group dies, since
         a background AOF-rewrite child would otherwise keep the listening socket and block a restart."""
@@ -190,6 +216,7 @@ class ValkeyCluster:
     def __init__(self, data_dir: Path) -> None:
         self.dir = Path(data_dir)
         self.nodes: list[ValkeyServer] = []
+        self.replicas: list[ValkeyServer] = []
 
     @property
     def startup_nodes(self) -> list[tuple[str, int]]:
@@ -202,16 +229,46 @@ class ValkeyCluster:
     def start(self) -> Self:
         try:
             for i in range(3):
-                # Explicit bus port: port+10000 is not guaranteed free.
-                bus = str(free_port())
-                args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
-                args += ["--cluster-port", bus]
-                self.nodes.append(ValkeyServer(self.dir / f"node{i}", extra_args=args).start())
+                self.nodes.append(self._node(f"node{i}"))
             self._create()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _node(self, name: str) -> ValkeyServer:
+        # Explicit bus port: port+10000 is not guaranteed free.
+        args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-port", str(free_port())]
+        return ValkeyServer(self.dir / name, extra_args=[*args, "--repl-diskless-sync-delay", "0"]).start()
+
+    def add_replica(self, of: int) -> ValkeyServer:
+        """A replica of master `of`, returned once it is known to the cluster and its first sync is done."""
+        node = self._node(f"replica{len(self.replicas)}")
+        self.replicas.append(node)
+        master = self.nodes[of]
+        bus = master.extra_args[master.extra_args.index("--cluster-port") + 1]
+        with node.client(decode_responses=True) as c, master.client(decode_responses=True) as m:
+            c.execute_command("CLUSTER", "MEET", HOST, master.port, bus)
+            master_id = m.execute_command("CLUSTER", "MYID")
+            deadline = time.monotonic() + CLUSTER_TIMEOUT
+            while True:
+                try:
+                    c.execute_command("CLUSTER", "REPLICATE", master_id)  # refused until MEET has taught it the id
+                    break
+                except redis.ResponseError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+            while c.info("replication").get("master_link_status") != "up" or not self._knows_all(m, node):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"cluster replica on port {node.port} did not sync:\n{node.log_tail()}")
+                time.sleep(0.05)
+        return node
+
+    @staticmethod
+    def _knows_all(master: redis.Redis, node: ValkeyServer) -> bool:
+        """The master lists the replica in CLUSTER SHARDS/NODES, so clients discover it."""
+        return f":{node.port}@" in str(master.execute_command("CLUSTER", "NODES"))
 
     def _create(self) -> None:
         clients = [n.client() for n in self.nodes]
@@ -246,7 +303,7 @@ class ValkeyCluster:
         return fields.get("cluster_known_nodes") == "3" and covered == 16384
 
     def stop(self) -> None:
-        for n in self.nodes:
+        for n in [*self.replicas, *self.nodes]:
             n.stop()
 
     def __enter__(self) -> Self:

@@ -480,3 +480,32 @@ def test_the_checker_counts_an_everysec_loss_apart_from_a_real_loss(tmp_path: Pa
     assert (s["lost"], s["everysec_loss"]) == (1, 1)
     data.appendfsync = "always"
     assert Checker(data).verdict().summary["lost"] == 2
+
+
+def test_the_checker_drops_the_events_a_failover_took_back(tmp_path: Path) -> None:
+    """Read from the old primary after the last event its replica had (ms 10,000 of queue q), before the clients
+    were switched to the promoted replica (t = 20 s): those transitions never happened to the store that goes
+    on. A job completed there (not acknowledged: `durability`) and completed again on the new primary finished
+    once; what the replica had (up to its last event of that queue) and what came after the switch is kept."""
+    events = {
+        "q:a": [(5.0, "active"), (12.0, "succeeded"), (21.0, "succeeded")],
+        "q:b": [(9.5, "submitted"), (10.0, "succeeded"), (22.0, "succeeded")],
+        "other:c": [(12.0, "succeeded"), (21.0, "succeeded")],
+    }
+    failover = {
+        "t": 25.0,
+        "kind": "failover",
+        "cut_at": 9.0,
+        "switched_at": 20.0,
+        "kept": {"q": 10_000, "other": 15_000},
+    }
+    data = RunData(
+        acked={}, records={}, submissions=[], outputs={}, files={}, lives={}, slot_ports={}, timeline=[failover],
+        valkey_down=[], appendfsync="always", events=events, dropped=[], bucket=BUCKET,
+    )  # fmt: skip
+    checker = Checker(data)
+    assert checker.d.events["q:a"] == [(5.0, "active"), (21.0, "succeeded")]
+    assert checker.d.events["q:b"] == events["q:b"]  # up to the replica's last event, and after the switch: kept
+    assert checker.verdict().summary["finished_twice"] == 2  # q:b and other:c: all of theirs kept
+    data.timeline = []
+    assert Checker(data).verdict().summary["finished_twice"] == 3

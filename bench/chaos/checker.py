@@ -30,11 +30,15 @@ bucket and the record of every fault the harness injected.
   (`oom_inside_submit` is a defect: the checkpoint runs at the limit), and while the policy may evict
   (`RunData.evicting`) nothing is submitted once the workers had `store_check_s` (plus a margin) to notice
   (`paid_while_evicting`); no worker exits by itself, except one refused at its start while the policy was wrong.
+- across a failover (bench/chaos/failover.py, writers with `durability` on) the same holds: no acknowledged job
+  lost, none paid for twice. The events the harness read from the old primary after the last one the promoted
+  replica had are dropped first: the job store that goes on never had them.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import re
 from collections import Counter, defaultdict
@@ -118,7 +122,7 @@ class Verdict:
 
 class Checker:
     def __init__(self, data: RunData) -> None:
-        self.d = data
+        self.d = dataclasses.replace(data, events=_forgotten(data.events, data.timeline))
         self.findings: list[str] = []
         self.details: list[dict[str, Any]] = []  # the evidence behind each defect, for the run's report.json
         self._kinds: Counter[str] = Counter()
@@ -501,6 +505,7 @@ class Checker:
         outages += [
             (e["t"], float(e.get("seconds") or 1.0)) for e in self.d.timeline if e["kind"] in ("blackhole", "reset")
         ]
+        outages += [(e["cut_at"], e["switched_at"] - e["cut_at"]) for e in self.d.timeline if e["kind"] == "failover"]
         for began, length in sorted(outages):
             if began <= end and began + length >= prev["arrival"] - IN_FLIGHT_S:  # overlapping the window
                 end = max(end, began + length + OUTAGE_GRACE_S)
@@ -754,6 +759,22 @@ class Checker:
         for part in parts:
             summary.update(part)
         return Verdict(summary, self.findings, self.details)
+
+
+def _forgotten(
+    events: dict[str, list[tuple[float, str]]], timeline: Iterable[dict[str, Any]]
+) -> dict[str, list[tuple[float, str]]]:
+    """`events` without those a failover took back: read from the old primary after the last event of the job's
+    queue the promoted replica had (`kept`, ms), before the clients were switched to it."""
+    failovers = [(e["kept"], e["switched_at"]) for e in timeline if e["kind"] == "failover"]
+    if not failovers:
+        return events
+
+    def lost(job_id: str, t: float) -> bool:
+        queue = job_id.partition(":")[0]
+        return any(kept.get(queue, 0) < round(t * 1000) and t < switched for kept, switched in failovers)
+
+    return {job_id: [(t, s) for t, s in evs if not lost(job_id, t)] for job_id, evs in events.items()}
 
 
 def _decode(raw: str | None) -> Any:

@@ -6,11 +6,12 @@ namespace when there is one) and SIGSTOP past the lease, graceful SIGTERM restar
 SIGTERM), Valkey SIGKILL + restart, the proxy's dropped replies, resets and black-holes, 429 storms at the
 simulator, an operator cancelling jobs (`operator`: mostly jobs that wait with a remote job that may still run,
 handed back by a killed or stopped worker, else running ones), Valkey at its maxmemory (`oom`: maxmemory lowered
-under what it holds for a while, then lifted) and Valkey switched to an evicting maxmemory-policy for a while
-(`eviction`, allkeys-lru with no maxmemory: nothing is really evicted, the workers must stop paying). The provider's
-own faults (5xx, 429s, lost answers, a gateway's 5xx after a submit was accepted, a status that lags the submit) are
-the simulator's config (`Profile.sim_config`). Every fault is appended to `timeline` with its time, which the
-checker uses to attribute what went wrong to what was done.
+under what it holds for a while, then lifted), Valkey switched to an evicting maxmemory-policy for a while
+(`eviction`, allkeys-lru with no maxmemory: nothing is really evicted, the workers must stop paying), and failovers
+to a replica cut off (bench/chaos/failover.py). The provider's own faults (5xx, 429s, lost answers, a gateway's 5xx
+after a submit was accepted, a status that lags the submit) are the simulator's config (`Profile.sim_config`).
+Every fault is appended to `timeline` with its time, which the checker uses to attribute what went wrong to what
+was done.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.chaos.failover import Failover
 from bench.chaos.procs import Sim, Valkey, WorkerSlot
 from bench.chaos.proxy import FaultProxy
 
@@ -62,6 +64,8 @@ class Profile:
     drain_cut_after: tuple[float, float] = (0.1, 1.0)
     submit_concurrency: int | None = None  # the queues' setting (None: offload's default)
     rate_limit: str | None = None  # the backend's (None: none)
+    failover_every: float = 150.0
+    failover_cut_s: float = 4.0  # how long the replica is cut off before it is promoted
     error_rate: float = 0.05
     rate_429: float = 0.01
     lost_response_rate: float = 0.002
@@ -125,6 +129,7 @@ class Schedule:
     proxy: FaultProxy
     sim: Sim
     burst: Callable[[int], Awaitable[None]] | None = None  # enqueues that many jobs at once (the run's producer)
+    failover: Failover | None = None
     timeline: list[dict[str, Any]] = field(default_factory=list)
     counts: Counter[str] = field(default_factory=Counter)
     valkey_down: list[tuple[float, float]] = field(default_factory=list)
@@ -136,6 +141,7 @@ class Schedule:
     _stopping: bool = False
     # an evicting policy with a maxmemory reached would really evict (and lose acknowledged jobs): never both at once
     _store_fault: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _switching: asyncio.Task[None] | None = None
     _pending: set[asyncio.Task[None]] = field(default_factory=set)
     _drains: set[asyncio.Task[None]] = field(default_factory=set)
 
@@ -165,6 +171,7 @@ class Schedule:
             (p.oom_every, self._oom),
             (p.eviction_every, self._eviction),
             (p.drain_every, self._drain),
+            (p.failover_every if self.failover else 0.0, self._failover),
         ]
         self.proxy.delay_s = p.delay_ms / 1000
         for mean, action in loops:
@@ -182,6 +189,10 @@ class Schedule:
         await asyncio.gather(*self._drains, return_exceptions=True)
         for slot in self.slots:
             slot.sigcont()
+        if self._switching is not None:  # a failover under way is finished, never left half done
+            await self._switching
+        if self.failover is not None:
+            self.failover.heal()
         self.proxy.delay_s = 0.0
         self.proxy.drop_rate = 0.0
         self.proxy._drop_next = 0
@@ -363,6 +374,25 @@ class Schedule:
         done = await self.operator()
         if done is not None:
             self.note("cancel", done.pop("job"), **done)
+
+    async def _failover(self) -> None:
+        """Cut the replica off, let the primary take writes it will lose, then fail over to the replica."""
+        assert self.failover is not None
+        self.failover.cut()
+        self.note("replica_cut", "valkey", seconds=self.profile.failover_cut_s)
+        try:
+            await asyncio.sleep(self.profile.failover_cut_s)
+        except asyncio.CancelledError:
+            self.failover.heal()  # the run is ending: no failover this time
+            raise
+        self._switching = asyncio.create_task(self._switch())
+        await asyncio.shield(self._switching)
+
+    async def _switch(self) -> None:
+        assert self.failover is not None
+        done = await self.failover.fail_over()
+        self.valkey = self.failover.primary  # the Valkey restarts (`_valkey`) hit the primary of the moment
+        self.note("failover", "valkey", seconds=round(done["switched_at"] - done["cut_at"], 2), **done)
 
     async def _storm(self) -> None:
         await asyncio.to_thread(self.sim.post, "/_sim/outage", {"mode": "429", "seconds": self.profile.storm_s})

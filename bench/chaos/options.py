@@ -25,6 +25,7 @@ FAULTS = (
     "oom",
     "eviction",
     "drain",
+    "failover",
 )
 BACKENDS = {
     "http-job": {},
@@ -55,6 +56,8 @@ QUICK = {
     "storm_s": 3.0,
     "cancel_every": 2.0,
     "drain_every": 10.0,
+    "failover_every": 20.0,
+    "failover_cut_s": 3.0,
     "latency": "3-8",
     "result_ttl": 8.0,
     "capped_jobs": 24,
@@ -132,6 +135,7 @@ def profile_for(args: argparse.Namespace) -> Profile:
         ("storm", ["storm_every"]),
         ("oom", ["oom_every"]),
         ("eviction", ["eviction_every"]),
+        ("failover", ["failover_every"]),
         ("provider", ["error_rate", "rate_429", "lost_response_rate", "fail_rate"]),
         ("cancel", ["cancel_every"]),
         ("gateway", ["gateway_error_rate"]),

@@ -59,6 +59,7 @@ def report(
         "blackholes": kinds["blackhole"],
         "storms_429": kinds["storm_429"],
         "drains": summary.get("drains"),
+        "failovers": kinds["failover"],
         "sim_faults": _sum_faults(run.sim_stats.get("faults", {})),
         "in_flight_per_worker": run.in_flight,
         "leases_per_worker": {
@@ -126,7 +127,8 @@ def human(doc: dict[str, Any], run: Run) -> str:
         f"{'honoured' if doc['honour_idempotency_key'] else 'ignored'} by the simulator; {run.pidns_note}",
         f"injected: {doc['kills']} SIGKILLs, {doc['stops']} SIGSTOPs past the lease, {doc['valkey_restarts']} "
         f"Valkey crashes, {doc['dropped_replies']} dropped replies, {doc['resets']} resets, {doc['blackholes']} "
-        f"black-holes, {doc['storms_429']} 429 storms, provider faults {doc['sim_faults']}, drains {doc['drains']}",
+        f"black-holes, {doc['storms_429']} 429 storms, {doc['failovers']} failovers, provider faults "
+        f"{doc['sim_faults']}, drains {doc['drains']}",
         f"in flight per worker: mean {doc['in_flight_per_worker']['mean']}, peak {doc['in_flight_per_worker']['peak']}",
         f"lost {doc['lost']}, stuck {doc['stuck']}, wrong results {doc['wrong_results']}, finished twice "
         f"{doc['finished_twice']}, dead {doc.get('dead')}, "

@@ -2,8 +2,9 @@
 
 Starts Valkey (AOF `always` or `everysec`), `rclone serve s3`, the simulator (one port per worker slot) and the
 fault proxy; writes an offload.yaml per worker slot (Valkey through the proxy, the simulator's port for that slot,
-S3); starts the workers (in PID namespaces where the machine allows it); enqueues through the proxy for the fault
-phase while the schedule breaks things; then heals everything, rolls the capped queue's window over to release its
+S3); with the `failover` fault, a replica too (bench/chaos/failover.py) and `durability` on for every writer; starts
+the workers (in PID namespaces where the machine allows it); enqueues through the proxy for the fault phase while
+the schedule breaks things; then heals everything, rolls the capped queue's window over to release its
 held jobs, waits (bounded) until every acknowledged job is terminal, and hands the job store, the submission log
 and the bucket to the checker. Prints a short human summary, and as its last line the JSON verdict.
 """
@@ -32,7 +33,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
-from bench.chaos import report
+from bench.chaos import failover, report
 from bench.chaos.checker import TERMINAL, Checker, RunData
 from bench.chaos.faults import Profile, Schedule
 from bench.chaos.hooks import Server, check_backend
@@ -41,6 +42,7 @@ from bench.chaos.procs import HOST, S3, Sim, Valkey, WorkerSlot, base_env, pidns
 from bench.chaos.proxy import FaultProxy
 from offload.connection import connect
 from offload.errors import InvalidTransition, JobNotFound, StoreError, StoreFull
+from offload.queue.durability import Durability
 from offload.queue.scripts import NAMES, SCRIPTS
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
@@ -108,6 +110,7 @@ class Run:
         self.sim = await asyncio.to_thread(Sim(self.out, p.workers + 1).start)
         self.slots: list[WorkerSlot] = []
         self.server: Server | None = None
+        self.failover: failover.Failover | None = None
         self.hook_log: list[dict[str, Any]] = []  # the simulator's webhook deliveries (with --webhooks)
         try:
             return await self._run(pidns)
@@ -115,6 +118,8 @@ class Run:
             for slot in self.slots:  # normally already drained; after an error or Ctrl+C, gone for sure
                 if slot.proc is not None and slot.proc.poll() is None:
                     signal_group(slot.proc, signal.SIGKILL)
+            if self.failover is not None:
+                await self.failover.close()
             for stop in (self.server.stop if self.server else None, self.sim.stop, self.s3.stop, self.valkey.stop):
                 if stop is None:
                     continue
@@ -125,12 +130,21 @@ class Run:
         p, args = self.p, self.args
         names = {getattr(SCRIPTS, n).sha: n for n in NAMES}
         self.proxy = await FaultProxy((HOST, self.valkey.port), seed=args.seed, script_names=names).start()
+        self.read_url = self.valkey.url  # where the harness reads the job store itself
+        self.durability: Durability | None = None  # the producer's
+        durable: dict[str, str] = {}
+        if p.failover_every > 0:  # the harness reads through a proxy without faults that follows the failovers
+            front = await FaultProxy((HOST, self.valkey.port)).start()
+            self.failover = await failover.Failover(self.out, self.valkey, [self.proxy, front], [QUEUE, CAPPED]).start()
+            self.read_url, durable = front.url, failover.ENV
+            self.durability = Durability(replicas=1, timeout_ms=failover.TIMEOUT_MS)
         await asyncio.to_thread(self.sim.post, "/_sim/config", p.sim_config(args.seed, args.honour))
         env = base_env(
             CHAOS_S3_SECRET=self.s3.secret_key,
             OFFLOAD_LEASE_MS=str(p.lease_ms),
             OFFLOAD_REDIS_CONNECT_TIMEOUT="60",
             OFFLOAD_STORE_CHECK_S=str(STORE_CHECK_S),  # how soon an evicting policy must stop the payments
+            **durable,
         )
         if args.webhooks:  # through the proxy, like every client (see hooks.py); the simulator signs and faults
             self.server = Server(self.out, env)
@@ -152,9 +166,9 @@ class Run:
             )
             self.slots.append(WorkerSlot(name, queue, cfg, env, self.out, concurrency=p.concurrency, pidns=pidns))
         self.direct = aioredis.Redis.from_url(
-            self.valkey.url, decode_responses=True, socket_timeout=10, retry=Retry(NoBackoff(), 0)
+            self.read_url, decode_responses=True, socket_timeout=10, retry=Retry(NoBackoff(), 0)
         )
-        store = QueueStore(await connect(self.valkey.url))
+        store = QueueStore(await connect(self.read_url), durability=self.durability)
         capped = [JobSpec(input=self._input(f"cap-{i}"), max_attempts=p.max_attempts) for i in range(p.capped_jobs)]
         for job_id, spec in zip(await store.enqueue_many(CAPPED, capped), capped, strict=True):
             self.acked[job_id] = (CAPPED, input_key(spec.input), time.time())
@@ -163,7 +177,15 @@ class Run:
         await self._until(lambda: all(s.current and s.current.read_id() for s in self.slots), 90, "workers up")
         self.ops = store
         self.schedule = Schedule(
-            p, self.rng, self.slots, self.valkey, self.proxy, self.sim, operator=self._cancel_one, burst=self._burst
+            p,
+            self.rng,
+            self.slots,
+            self.valkey,
+            self.proxy,
+            self.sim,
+            operator=self._cancel_one,
+            burst=self._burst,
+            failover=self.failover,
         )
         background = [asyncio.create_task(self._tail_events()), asyncio.create_task(self._sample())]
         started = time.time()
@@ -239,7 +261,7 @@ class Run:
         """Enqueue through the proxy: plain batches, batches with idempotency keys (retried with the same keys
         after an error) and single jobs. Only an enqueue that returned counts as acknowledged."""
         client = await connect(self.proxy.url, retry_for=60)
-        store = QueueStore(client)
+        store = QueueStore(client, durability=self.durability)
         n, tick = 0, time.time()
         began = tick
         while time.time() < until:
@@ -304,7 +326,13 @@ class Run:
             entries.append(
                 orjson.dumps({"id": tid, "input": spec.input, "output_key": f"results/{tid}.json", "attempt": 1})
             )
-        await asyncio.wait_for(client.rpush(INGEST_LIST, *entries), 30)
+        if self.durability is None:
+            await asyncio.wait_for(client.rpush(INGEST_LIST, *entries), 30)
+        else:  # a durable tutorial producer WAITs for the replica after its RPUSH, on the same connection
+            pipe = client.pipeline(transaction=False)
+            pipe.rpush(INGEST_LIST, *entries)
+            pipe.execute_command("WAIT", self.durability.replicas, self.durability.timeout_ms)
+            self.durability.check((await asyncio.wait_for(pipe.execute(), 30))[1])
         return [f"{QUEUE}:{input_key(spec.input)}" for spec in specs]
 
     async def _cancel_one(self) -> dict[str, Any] | None:
@@ -364,7 +392,7 @@ class Run:
         streams = {f"offload:{{{q}}}:events": "0-0" for q in (QUEUE, CAPPED)}
         biggest = 0
         client = aioredis.Redis.from_url(
-            self.valkey.url, decode_responses=True, socket_timeout=5, retry=Retry(NoBackoff(), 0)
+            self.read_url, decode_responses=True, socket_timeout=5, retry=Retry(NoBackoff(), 0)
         )
         while not self.stop_background.is_set():
             try:

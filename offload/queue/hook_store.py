@@ -17,6 +17,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
 from offload.queue import keys
+from offload.queue.durability import Durability, mark, run_script, settle
 from offload.queue.keys import prefix, queue_of
 from offload.queue.scripts import SCRIPTS
 from offload.redis_client import RedisClient
@@ -42,6 +43,7 @@ class HookStore:
 
     redis: RedisClient
     clock: Callable[[], int] | None
+    durability: Durability | None
 
     def _now(self) -> str:
         """The clock argument every script takes ('' = the server's TIME)."""
@@ -54,21 +56,34 @@ class HookStore:
     async def hook_many(self, items: Sequence[HookItem]) -> list[str]:
         """`hook` for many verified webhooks (of any queues) in one pipelined round trip, each its own atomic
         script run: a burst of deliveries, each a script call through the pool, cost the server more than the
-        scripts did. A script that Redis did not know (NOSCRIPT: it did not run) is sent again by its source."""
+        scripts did. A script that Redis did not know (NOSCRIPT: it did not run) is sent again by its source.
+        With `durability`, the batch is answered only once replicated (one WAIT after it)."""
         keyset = [[prefix(queue_of(i.job_id))] for i in items]
         args: list[list[Any]] = [[self._now(), i.job_id, i.submission, i.remote_id, i.flag, i.body] for i in items]
         script = SCRIPTS.hook
         results: list[Any]
+        durability = self.durability
+
+        async def one(k: list[str], a: list[Any]) -> Any:
+            if durability is None:
+                return await script(self.redis, k, a)
+            return await run_script(script, self.redis, k, a, durability)
+
         if isinstance(self.redis, RedisCluster):  # cluster pipelines refuse EVALSHA
-            results = list(await asyncio.gather(*(script(self.redis, k, a) for k, a in zip(keyset, args, strict=True))))
+            results = list(await asyncio.gather(*(one(k, a) for k, a in zip(keyset, args, strict=True))))
         else:
             pipe = self.redis.pipeline(transaction=False)
             for k, a in zip(keyset, args, strict=True):
                 pipe.evalsha(script.sha, 1, *k, *a)
+            if durability is not None and keyset:  # one WAIT after the batch, on the pipeline's one connection
+                mark(pipe, keyset[0][0], durability)
             results = await pipe.execute(raise_on_error=False)
+            confirmation, results = results[len(keyset) :], results[: len(keyset)]
             for n, r in enumerate(results):
                 if isinstance(r, NoScriptError):  # it did not run: safe to run now
-                    results[n] = await script(self.redis, keyset[n], args[n])
+                    results[n] = await one(keyset[n], args[n])
+            if durability is not None and keyset:
+                await settle(self.redis, keyset[0][0], confirmation, durability)
         for r in results:
             if isinstance(r, Exception):
                 raise r

@@ -56,6 +56,7 @@ QUEUE_SUFFIXES: dict[str, str] = {
     "idle": "present while a claim found the ready set empty: the next job made ready PUBLISHes on `wake`",
     "wake": "pub/sub: jobs became ready after a claim found none (common.lua's `wake`): idle workers claim at once",
     "alert:dlg": "the dead-letter alert's last snapshot",
+    "synced": "written before each WAIT of a durable write, so the WAIT covers a resent one (sync_mark.lua)",
 }
 
 API_KEYS = f"{NAMESPACE}:apikeys"  # ids of the HTTP server's API keys (set)

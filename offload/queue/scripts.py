@@ -116,6 +116,8 @@ class Scripts:
     instance_write: Script
     provider_swap: Script
     alert_once: Script
+    # the mark before a durable write's WAIT (offload/queue/durability.py)
+    sync_mark: Script
 
     def __init__(self) -> None:
         for name in NAMES:

@@ -7,6 +7,7 @@ asyncio client (standalone or cluster) and an optional clock, so tests can drive
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import time
@@ -27,6 +28,7 @@ from offload.errors import (
 )
 from offload.models import ClaimedJob, Enqueued, HeartbeatReply, Job, QueueStats
 from offload.queue import keys, replies
+from offload.queue.durability import Durability, NotReplicated, confirm, mark, run_script, settle
 from offload.queue.hook_store import HookStore
 from offload.queue.keys import QUEUES_KEY, STATE_SETS, new_job_id, prefix, queue_of, validate_queue
 from offload.queue.memory import store_full
@@ -42,6 +44,7 @@ from offload.queue.specs import (
 )
 from offload.redis_client import RedisClient
 
+log = logging.getLogger("offload.queue")
 DEFAULT_LEASE_MS = 10_000
 MAX_SILENCE_MS = 5_000
 ENQUEUE_CHUNK = 500
@@ -89,10 +92,13 @@ class QueueStore(HookStore):
         max_payload: int | None = None,
         lease_ms: int = DEFAULT_LEASE_MS,
         excuse_outages: bool = True,
+        durability: Durability | None = None,
     ) -> None:
         """`excuse_outages=False`: a silence of the whole queue is never taken for an outage (for tests that
-        move a virtual clock past leases without modelling the calls live workers would make meanwhile)."""
+        move a virtual clock past leases without modelling the calls live workers would make meanwhile).
+        `durability`: the writes someone acts on wait for replicas (offload/queue/durability.py)."""
         self.redis = redis
+        self.durability = durability
         self.clock = clock
         self.excuse_outages = excuse_outages
         self.max_payload = max_payload_limit(max_payload)
@@ -102,8 +108,32 @@ class QueueStore(HookStore):
     def _silence(self, lease_ms: int) -> int | str:
         return silence_ms(lease_ms) if self.excuse_outages else ""
 
-    async def _run(self, script: Script, queue: str, *args: Any, extra_keys: Sequence[str] = ()) -> Any:
-        return await script(self.redis, [prefix(queue), *extra_keys], [self._now(), *args])
+    async def _run(
+        self, script: Script, queue: str, *args: Any, extra_keys: Sequence[str] = (), durable: bool = False
+    ) -> Any:
+        """`durable`: a write someone acts on, acknowledged only once replicated (when `durability` is set)."""
+        keyset, argv = [prefix(queue), *extra_keys], [self._now(), *args]
+        if durable and self.durability is not None:
+            return await run_script(script, self.redis, keyset, argv, self.durability)
+        return await script(self.redis, keyset, argv)
+
+    async def check_durability(self, queues: Sequence[str]) -> None:
+        """At a process's start: a `durability` the server cannot honour fails now, naming the setting; one
+        its replicas do not meet now is only logged (they may be syncing: the writes that need them wait)."""
+        if self.durability is None:
+            return
+        for queue in queues or ["offload"]:
+            try:
+                await self.probe(queue)
+            except NotReplicated as exc:
+                shortfall = str(exc).removeprefix("NOREPLICAS ").split(";")[0]
+                log.warning("queue %s, at start: %s; the writes that need the replicas wait for them", queue, shortfall)
+
+    async def probe(self, queue: str) -> None:
+        """Whether the store answers and, with `durability`, keeps writes safe (the worker's outage probe)."""
+        await self.redis.ping()
+        if self.durability is not None:
+            await confirm(self.redis, prefix(queue), self.durability)
 
     # -- producing -------------------------------------------------------------------------------
 
@@ -188,6 +218,7 @@ class QueueStore(HookStore):
         keyset = [prefix(queue)]
         now = self._now()
         script = SCRIPTS.enqueue
+        durability = self.durability
         results: list[Any]
         if isinstance(self.redis, RedisCluster):  # cluster pipelines refuse EVALSHA: run chunks concurrently
             results = list(
@@ -199,21 +230,31 @@ class QueueStore(HookStore):
                     return_exceptions=True,
                 )
             )
+            confirmation = None
         else:
             for attempt in range(2):
                 pipe = self.redis.pipeline(transaction=False)
                 for chunk, nonce in zip(chunks, nonces, strict=True):
                     pipe.evalsha(script.sha, 1, *keyset, now, int(check_ids), metas_arg, orjson.dumps(chunk), nonce)
+                if durability is not None:  # one WAIT after every chunk, on the pipeline's one connection
+                    mark(pipe, keyset[0], durability)
                 results = await pipe.execute(raise_on_error=False)
                 if attempt == 0 and any(isinstance(r, NoScriptError) for r in results):
                     await script.load(self.redis)
                     continue  # re-running is safe: chunks that ran are recognised by their nonce
                 break
+            confirmation = results[len(chunks) :]
+            results = results[: len(chunks)]
         done: list[Enqueued] = []
         for r in results:
             if isinstance(r, BaseException):
                 raise store_full(len(specs), [d.id for d in done]) if is_oom(r) else r
             done.extend(replies.enqueued(r))
+        if durability is not None:
+            if confirmation is None:
+                await confirm(self.redis, keyset[0], durability)
+            else:
+                await settle(self.redis, keyset[0], confirmation, durability)
         return done
 
     async def enqueue(self, queue: str, spec: JobSpec) -> str:
@@ -335,6 +376,7 @@ class QueueStore(HookStore):
                 "" if spend_cap is None else spend_cap,
                 backend,
                 orjson.dumps([(i[0], i[1], repr(float(i[2])), i[3] if len(i) > 3 else "") for i in items]),
+                durable=True,
             )
         )
 
@@ -360,7 +402,7 @@ class QueueStore(HookStore):
     ) -> list[str]:
         """Record many (id, token, backend, remote id[, submission number]); OK, OK:CANCEL, STALE or NOTFOUND
         per item. The submission's intent is closed."""
-        return list(await self._run(SCRIPTS.checkpoint, queue, orjson.dumps(items)))
+        return list(await self._run(SCRIPTS.checkpoint, queue, orjson.dumps(items), durable=True))
 
     async def complete_many(self, queue: str, items: Sequence[CompleteItem]) -> list[str]:
         """Ack many (id, token, result location, cost[, backend, remote id, submission number]); returns OK /
@@ -369,7 +411,7 @@ class QueueStore(HookStore):
         batch = orjson.dumps(
             [(*item[:3], "" if item[3] is None else repr(float(item[3])), *item[4:]) for item in items]
         )
-        return list(await self._run(SCRIPTS.complete, queue, batch))
+        return list(await self._run(SCRIPTS.complete, queue, batch, durable=True))
 
     async def complete(self, job_id: str, token: str, result: str, cost: float | None = None) -> None:
         (code,) = await self.complete_many(queue_of(job_id), [(job_id, token, result, cost)])
@@ -484,7 +526,7 @@ class QueueStore(HookStore):
 
     async def cancel(self, job_id: str) -> str:
         """Returns "cancelled" (it was waiting) or "requested" (its worker will cancel the remote job)."""
-        code = await self._run(SCRIPTS.cancel, queue_of(job_id), job_id)
+        code = await self._run(SCRIPTS.cancel, queue_of(job_id), job_id, durable=True)
         _expect(code, job_id)
         if str(code).startswith("ALREADY:"):
             raise InvalidTransition(f"job {job_id} is already {code.split(':', 1)[1]}")

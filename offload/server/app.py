@@ -136,7 +136,8 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
         except BaseException:
             await redis.aclose()
             raise
-        store = QueueStore(redis, lease_ms=options.worker_lease_ms)
+        store = QueueStore(redis, lease_ms=options.worker_lease_ms, durability=options.settings.durability)
+        await store.check_durability(list(options.settings.queues))
         keys = KeyStore(redis, options.admin_key) if options.admin_key else KeyStore.from_env(redis)
         state = ServerState(
             options=options,

@@ -2,10 +2,9 @@
 
 Status codes carry the meaning (401 no/invalid key, 403 wrong scope, 404 unknown queue or job, 409 a
 transition the job's state does not allow or a stale lease, 413 too large, 422 invalid input with field
-paths, 503 the job store is unreachable, full at its maxmemory or may evict), so clients can branch without
-parsing messages. Messages come from
-offload's own exceptions, which never carry credentials; Redis errors are not echoed at all, because a
-connection error can name a URL with a password in it.
+paths, 503 the job store is unreachable, full at its maxmemory, may evict, or could not make a write safe), so
+clients can branch without parsing messages. Messages come from offload's own exceptions, which never carry
+credentials; Redis errors are not echoed at all, because a connection error can name a URL with a password in it.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from offload.errors import (
     StoreFull,
     UnsafeEvictionPolicy,
 )
+from offload.queue.durability import NotReplicated
 from offload.redact import hook_paths
 from offload.server.keys import InvalidKeyRequest
 
@@ -138,6 +138,11 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(UnsafeEvictionPolicy)
     async def may_evict(request: Request, exc: UnsafeEvictionPolicy) -> JSONResponse:
         return _json(503, str(exc), {"Retry-After": "30"})
+
+    @app.exception_handler(NotReplicated)
+    async def not_replicated(request: Request, exc: NotReplicated) -> JSONResponse:
+        """Not acknowledged: a failover could lose the write (durability); the client sends it again."""
+        return _json(503, str(exc).removeprefix("NOREPLICAS "), {"Retry-After": "1"})
 
     @app.exception_handler(ConnectionFailed)
     async def unreachable(request: Request, exc: ConnectionFailed) -> JSONResponse:

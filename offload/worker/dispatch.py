@@ -89,8 +89,9 @@ class Worker(JobPath):
         self._hook_backend = hook_backend(backend, options)
         self.id = worker_id or default_worker_id()
         self.clock = clock
+        # (with durability, the probe waits for replicas too: a write they did not confirm is sent again)
         self.health = StoreHealth(
-            store.redis.ping,
+            lambda: store.probe(options.queue),
             max_pause_s=min(2.0, options.lease_ms / 4000),
             room=functools.partial(has_room, store.redis),
             heal=functools.partial(store.reap, options.queue),  # trims first: the store's way back under its limit
@@ -130,7 +131,11 @@ class Worker(JobPath):
         self._gate = None if backend.synchronous else asyncio.Semaphore(options.submit_concurrency)
         # A synchronous API without a rate limit begins each job the moment it has it (see _submit), so the claim
         # opens the intents itself: one script call per job less (claim.lua's `begin`; caps leave it to begin).
-        self._begin_at_claim = backend.synchronous and not limits.interval_ms and self._hooks() is None
+        # Not with durability: the intent must be replicated before the call, and begin.lua's WAIT is resent
+        # through an outage like any write of a job, where a claim's would not be.
+        self._begin_at_claim = (
+            backend.synchronous and not limits.interval_ms and self._hooks() is None and store.durability is None
+        )
         # The per-job writes of the hot path, coalesced: thousands of tasks, a few script calls.
         q = options.queue
         self._checkpoints: Batcher[tuple[str, str, str, str, int], str] = Batcher(

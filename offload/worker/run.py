@@ -125,7 +125,8 @@ async def run_workers(
         redis = await connect(settings.redis_url)
         resources.push_async_callback(redis.aclose)
         await require_noeviction(redis)  # a store that may evict loses leases and caps: refuse before any claim
-        store = QueueStore(redis)
+        store = QueueStore(redis, durability=settings.durability)
+        await store.check_durability([queue for queue, *_ in plans])
 
         async def save(key: str, output: Any, run: str, fence: Fence) -> str:
             stored = await store_output(
@@ -183,7 +184,7 @@ async def run_workers(
                 options,
                 worker_id=worker_id,
                 clock=clock,
-                control=QueueStore(control),
+                control=QueueStore(control, durability=settings.durability),
             )
             workers.append(worker)
             log.info(
