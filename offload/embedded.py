@@ -54,7 +54,9 @@ def server_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     preloaded where the machine has it, unless OFFLOAD_VALKEY_ALLOCATOR says `libc` (see the module docstring)."""
     env = dict(os.environ if environ is None else environ)
     choice, lib = _allocator(env.pop(ALLOCATOR_VAR, ""))
-    if choice == "jemalloc" and lib is not None:
+    # a server under libfaketime (the fault harness's and the tests' steppable clock) keeps glibc's malloc: the two
+    # do not mix (libfaketime's start-up recursion through jemalloc's clock_gettime stops the server at once)
+    if choice == "jemalloc" and lib is not None and "libfaketime" not in env.get("LD_PRELOAD", ""):
         env["LD_PRELOAD"] = " ".join(filter(None, (lib, env.get("LD_PRELOAD", ""))))
     return env
 

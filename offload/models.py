@@ -193,6 +193,7 @@ class HeartbeatReply:
     cancel_requested: list[str] = field(default_factory=list)
     seq: int = 0  # the queue's lease sequence number when the heartbeat ran: `since` for the next one
     released: int = 0  # leases the worker did not list, handed back
+    stepped_back_ms: int = 0  # the store's clock stepped back this far, and this call moved its times back with it
 
 
 @dataclass(frozen=True, slots=True)

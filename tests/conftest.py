@@ -13,6 +13,7 @@ import pytest
 import redis
 from servers import ValkeyServer, system_redis
 
+from bench.chaos.faketime import ClockFile
 from offload.connection import connect
 from offload.queue.store import QueueStore
 
@@ -72,6 +73,15 @@ def own_valkey(tmp_path: Path) -> Iterator[ValkeyServer]:
     """A Valkey of the test's own (AOF, appendfsync always: nothing acknowledged is lost), for tests that
     SIGKILL, SIGSTOP or restart it."""
     with ValkeyServer(tmp_path / "valkey", appendfsync="always") as server:
+        yield server
+
+
+@pytest.fixture
+def stepped_valkey(tmp_path: Path) -> Iterator[ValkeyServer]:
+    """A Valkey of the test's own whose wall clock the test steps while it runs (`stepped_valkey.clock.set(s)`,
+    libfaketime: bench/chaos/faketime.py), for the faults of the store's clock and of its UTC day."""
+    clock = ClockFile(tmp_path / "valkey-clock")
+    with ValkeyServer(tmp_path / "valkey-stepped", appendfsync="always", clock=clock) as server:
         yield server
 
 

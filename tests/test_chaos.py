@@ -509,3 +509,32 @@ def test_the_checker_drops_the_events_a_failover_took_back(tmp_path: Path) -> No
     assert checker.verdict().summary["finished_twice"] == 2  # q:b and other:c: all of theirs kept
     data.timeline = []
     assert Checker(data).verdict().summary["finished_twice"] == 3
+
+
+def test_the_checker_names_a_clock_step_moved_twice_or_never_made() -> None:
+    """Two steps back of Valkey's clock (and one forward): a queue that recorded each once passes; one that moved its
+    times back twice for one step, or for a step of a size the harness never made, is named."""
+    timeline = [
+        {"t": 10.0, "kind": "valkey_clock", "target": "valkey", "step_s": -600.0, "offset_s": -600.0},
+        {"t": 20.0, "kind": "valkey_clock", "target": "valkey", "step_s": 600.0, "offset_s": 0.0},
+        {"t": 30.0, "kind": "valkey_clock", "target": "valkey", "step_s": -1200.0, "offset_s": -1200.0},
+        {"t": 35.0, "kind": "worker_clock", "target": "c1", "n": 2, "skew_s": 86400},
+    ]
+    data = RunData(
+        acked={}, records={}, submissions=[], outputs={}, files={}, lives={}, slot_ports={}, timeline=timeline,
+        valkey_down=[], appendfsync="always", events={}, dropped=[], bucket=BUCKET,
+        clock_events=[("good", 10.5, 600_400), ("good", 30.2, 1_199_800)],
+    )  # fmt: skip
+    verdict = Checker(data).verdict()
+    assert verdict.findings == [], verdict.findings
+    assert verdict.summary["clock"] == {
+        "valkey_steps_back": 2,
+        "valkey_steps_forward": 1,
+        "steps_back_recorded": {"good": 2},
+        "worker_skews_s": [86400],
+    }
+    data.clock_events += [("twice", 10.5, 600_000), ("twice", 11.0, 600_000), ("invented", 12.0, 45_000)]
+    findings = Checker(data).verdict().findings
+    assert any("queue twice moved its times back twice" in f for f in findings), findings
+    assert any("queue invented moved its times back 45000 ms for a step the harness never made" in f for f in findings)
+    assert len(findings) == 2, findings

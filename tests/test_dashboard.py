@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import re
 import secrets
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -86,8 +85,7 @@ def test_overview_counts_follow_jobs_live(
 
     # budget used / cap for a capped queue: a dispatch worker counts a submission at submit time
     (job_id,) = enqueue(admin, CAPPED, "counted")
-    window = time.strftime("%Y%m%d", time.gmtime())
-    store_call(valkey.url, lambda s: s.reserve(job_id, window, job_cap=100, spend_cap=None))
+    store_call(valkey.url, lambda s: s.reserve(job_id, job_cap=100, spend_cap=None))
     expect(cell(page, CAPPED, "budget")).to_have_text("1 / 100 jobs")
 
     enqueue(admin, q, 1, 2, 3)

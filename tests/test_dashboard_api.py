@@ -96,12 +96,12 @@ def test_budget_shows_usage_and_caps_per_readable_queue(api: tuple[str, str], va
     with client(url, boot) as admin:
         job = admin.post(f"/v1/queues/{CAPPED}/jobs", json={"input": 1}).json()["id"]
         admin.post(f"/v1/queues/{other}/jobs", json={"input": 1})
-    window = time.strftime("%Y%m%d", time.gmtime())
+    window = time.strftime("%Y%m%d", time.gmtime())  # the store's day: its clock is this machine's
 
     async def count() -> None:
         redis = await connect(valkey.url)
         store = QueueStore(redis)
-        assert await store.reserve(job, window, job_cap=50, spend_cap=12.5, cost=0.75) is None
+        assert await store.reserve(job, job_cap=50, spend_cap=12.5, cost=0.75) is None
         await redis.aclose()
 
     asyncio.run(count())

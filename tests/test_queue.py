@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import pytest
 
 from offload import InvalidJob, InvalidQueueName, InvalidTransition, JobNotFound, PayloadTooLarge, StaleLease
+from offload.connection import connect
 from offload.models import JobState
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore, retry_delay_ms
@@ -331,24 +334,25 @@ async def test_batched_checkpoint_answers_per_item(store: QueueStore) -> None:
     assert (second.state, second.remote_id) == (JobState.ACTIVE, None)
 
 
-async def test_batched_reservations_decide_in_order_and_count_once(store: QueueStore) -> None:
+async def test_batched_reservations_decide_in_order_and_count_once(backend_url: str) -> None:
     """Five reservations against a cap of three: the first three pass, the rest are capped, and a job already
-    counted in the window passes again without taking another slot."""
-    verdicts = await store.reserve_many(
-        "q", "20261129", [(f"q:{n:016x}", 0.0) for n in range(5)], job_cap=3, spend_cap=None
-    )
+    counted in the window passes again without taking another slot. The window is the UTC day of the store's
+    clock (here a virtual one, a minute before and a minute after midnight)."""
+    now = [int(datetime(2026, 11, 29, 23, 59, tzinfo=UTC).timestamp() * 1000)]
+    store = QueueStore(await connect(backend_url), clock=lambda: now[0])
+    verdicts = await store.reserve_many("q", [(f"q:{n:016x}", 0.0) for n in range(5)], job_cap=3, spend_cap=None)
     assert verdicts == [None, None, None, "jobs", "jobs"]
     again = await store.reserve_many(
-        "q", "20261129", [("q:0000000000000001", 0.0), ("q:00000000000000ff", 0.0)], job_cap=3, spend_cap=None
+        "q", [("q:0000000000000001", 0.0), ("q:00000000000000ff", 0.0)], job_cap=3, spend_cap=None
     )
     assert again == [None, "jobs"]
-    assert await store.usage("q", "20261129") == (3, 0.0)
-    spend = await store.reserve_many(
-        "q", "20261130", [("q:a", 0.4), ("q:b", 0.4), ("q:c", 0.1)], job_cap=None, spend_cap=1.0
-    )
-    assert spend == [None, None, None]  # 0.4 + 0.4 + 0.1 fits under 1.0
-    jobs, spent = await store.usage("q", "20261130")
-    assert spent <= 1.0 and jobs == sum(v is None for v in spend)
+    assert await store.usage("q") == ("20261129", 3, 0.0)
+    now[0] += 120_000
+    spend = await store.reserve_many("q", [("q:a", 0.4), ("q:b", 0.4), ("q:c", 0.1)], job_cap=None, spend_cap=1.0)
+    assert spend == [None, None, None]  # 0.4 + 0.4 + 0.1 fits under 1.0, and the new day's job cap is unspent
+    window, jobs, spent = await store.usage("q")
+    assert window == "20261130" and spent <= 1.0 and jobs == sum(v is None for v in spend)
+    await store.redis.aclose()
 
 
 async def test_forgive_returns_a_preempted_workers_jobs_without_using_an_attempt(backend_url: str) -> None:

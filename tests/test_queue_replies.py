@@ -30,7 +30,7 @@ async def test_every_claimed_field_lands_in_its_name(store: QueueStore) -> None:
     assert first.input == {"prompt": "a cat"}
     assert (first.backend, first.remote_id, first.cancel_requested, first.redelivered) == (None, None, False, False)
     assert (first.submission, first.intent_open) == (0, False)
-    [begun] = await store.begin_many("rq", "", [(job_id, first.token, 0.0)], backend="runpod")
+    [begun] = await store.begin_many("rq", [(job_id, first.token, 0.0)], backend="runpod")
     assert begun == "OK:1"
     await store.release_leases("rq", "w1", [job_id])  # back to ready uncounted, intent still open
     [again] = await store.claim("rq", "w2", 1)

@@ -12,8 +12,6 @@ from offload.models import JobState
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 
-W = "20260301"
-
 
 @pytest.fixture
 async def vstore(backend_url: str) -> AsyncIterator[QueueStore]:
@@ -35,43 +33,43 @@ async def test_submission_numbers_name_remote_runs(vstore: QueueStore) -> None:
     [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1, max_attempts=5)])
     (c,) = await vstore.claim("q", "w1", 1)
     assert (c.submission, c.intent_open) == (0, False)
-    assert await vstore.begin_many("q", "", [(job_id, c.token, 0.0)]) == ["OK:1"]
-    assert await vstore.begin_many("q", "", [(job_id, c.token, 0.0)]) == ["OK:1"]  # a repeat: the same, nothing new
+    assert await vstore.begin_many("q", [(job_id, c.token, 0.0)]) == ["OK:1"]
+    assert await vstore.begin_many("q", [(job_id, c.token, 0.0)]) == ["OK:1"]  # a repeat: the same, nothing new
     job = await vstore.get(job_id)
     assert (job.submission, job.intent_by, job.possible_duplicates) == (1, "w1", 0) and job.intent_at
     # the provider answered with an error (a 503): the same run is still wanted, under the same number
     assert await vstore.fail(job_id, c.token, "503", delay_ms=0, answered=True) == "retrying"
     (c,) = await vstore.claim("q", "w1", 1)
     assert (c.submission, c.intent_open) == (1, False)
-    assert await vstore.begin_many("q", "", [(job_id, c.token, 0.0)]) == ["OK:1"]
+    assert await vstore.begin_many("q", [(job_id, c.token, 0.0)]) == ["OK:1"]
     await vstore.checkpoint_many("q", [(job_id, c.token, "gpu", "r-1", 1)])
     # the remote run failed: a new run, a new number
     assert await vstore.fail(job_id, c.token, "remote job failed", delay_ms=0) == "retrying"
     (c,) = await vstore.claim("q", "w1", 1)
-    assert await vstore.begin_many("q", "", [(job_id, c.token, 0.0)]) == ["OK:2"]
+    assert await vstore.begin_many("q", [(job_id, c.token, 0.0)]) == ["OK:2"]
     assert (await vstore.possible_duplicates("q")) == {}
 
 
 async def test_an_intent_left_open_by_a_lost_worker_is_sent_again_and_counted(vstore: QueueStore) -> None:
     [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1)])
     (c,) = await vstore.claim("q", "w1", 1)
-    assert await vstore.begin_many("q", "", [(job_id, c.token, 0.0)], backend="gpu") == ["OK:1"]
+    assert await vstore.begin_many("q", [(job_id, c.token, 0.0)], backend="gpu") == ["OK:1"]
     await lapse(vstore, "w1")  # killed inside the submit call: the provider may have the job, we do not know
     (c2,) = await vstore.claim("q", "w2", 1)
     assert (c2.submission, c2.intent_open, c2.redelivered) == (1, True, True)
-    assert await vstore.begin_many("q", "", [(job_id, c2.token, 0.0)], backend="gpu") == ["OK:1:DUP"]
-    assert await vstore.begin_many("q", "", [(job_id, c2.token, 0.0)], backend="gpu") == ["OK:1"]  # a repeat
+    assert await vstore.begin_many("q", [(job_id, c2.token, 0.0)], backend="gpu") == ["OK:1:DUP"]
+    assert await vstore.begin_many("q", [(job_id, c2.token, 0.0)], backend="gpu") == ["OK:1"]  # a repeat
     job = await vstore.get(job_id)
     assert (job.submission, job.possible_duplicates, job.intent_by) == (1, 1, "w2")
     assert await vstore.possible_duplicates("q") == {"gpu": 1}
-    assert await vstore.begin_many("q", "", [(job_id, c.token, 0.0)]) == ["STALE"]  # the lost worker pays nothing
+    assert await vstore.begin_many("q", [(job_id, c.token, 0.0)]) == ["STALE"]  # the lost worker pays nothing
 
 
 async def test_begin_sees_a_cancel_right_before_the_submit(vstore: QueueStore) -> None:
     [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1)])
     (c,) = await vstore.claim("q", "w1", 1)
     assert await vstore.cancel(job_id) == "requested"
-    assert await vstore.begin_many("q", "", [(job_id, c.token, 0.0)]) == ["CANCEL"]
+    assert await vstore.begin_many("q", [(job_id, c.token, 0.0)]) == ["CANCEL"]
     assert (await vstore.get(job_id)).submission is None
 
 
@@ -79,47 +77,47 @@ async def test_over_the_job_cap_the_job_is_held_at_once_and_a_refused_submit_giv
     vstore: QueueStore,
 ) -> None:
     a, b, c = await vstore.enqueue_many("q", [JobSpec(input=i) for i in range(3)])
-    ca, cb = await vstore.claim("q", "w", 2, window=W, job_cap=1)
-    assert await vstore.begin_many("q", W, [(a, ca.token, 0.0), (b, cb.token, 0.0)], job_cap=1) == ["OK:1", "CAP:jobs"]
+    ca, cb = await vstore.claim("q", "w", 2, job_cap=1)
+    assert await vstore.begin_many("q", [(a, ca.token, 0.0), (b, cb.token, 0.0)], job_cap=1) == ["OK:1", "CAP:jobs"]
     held = await vstore.get(b)
     assert held.state is JobState.HELD and held.attempts == 0 and "jobs cap" in (held.error or "")
-    assert await vstore.claim("q", "w", 5, window=W, job_cap=1) == [], "a capped queue hands out no fresh job"
+    assert await vstore.claim("q", "w", 5, job_cap=1) == [], "a capped queue hands out no fresh job"
     # a job counted today already (its remote run failed) may still go: it takes no more of the cap
     await vstore.checkpoint_many("q", [(a, ca.token, "gpu", "r-1", 1)])
     assert await vstore.fail(a, ca.token, "remote job failed", delay_ms=0) == "retrying"
-    (ca,) = await vstore.claim("q", "w", 5, window=W, job_cap=1)
+    (ca,) = await vstore.claim("q", "w", 5, job_cap=1)
     assert ca.id == a
-    assert await vstore.begin_many("q", W, [(a, ca.token, 0.0)], job_cap=1) == ["OK:2"]
-    assert await vstore.usage("q", W) == (1, 0.0)
+    assert await vstore.begin_many("q", [(a, ca.token, 0.0)], job_cap=1) == ["OK:2"]
+    assert (await vstore.usage("q"))[1:] == (1, 0.0)
     # the provider refused a's submission (a 4xx): nothing runs, so it does not count
     assert await vstore.fail(a, ca.token, "fatal: 400", retryable=False, answered=True, refund=True) == "dead"
-    assert await vstore.usage("q", W) == (0, 0.0)
-    (cc,) = await vstore.claim("q", "w", 5, window=W, job_cap=1)
+    assert (await vstore.usage("q"))[1:] == (0, 0.0)
+    (cc,) = await vstore.claim("q", "w", 5, job_cap=1)
     assert cc.id == c
-    assert await vstore.begin_many("q", W, [(c, cc.token, 0.0)], job_cap=1) == ["OK:1"]
+    assert await vstore.begin_many("q", [(c, cc.token, 0.0)], job_cap=1) == ["OK:1"]
 
 
 async def test_the_spend_cap_reserves_the_worst_case_and_settles_the_real_cost(vstore: QueueStore) -> None:
     ids = await vstore.enqueue_many("q", [JobSpec(input=i) for i in range(3)])
-    c1, c2 = await vstore.claim("q", "w1", 2, window=W, spend_cap=1.5, estimate=1.0)
-    assert await vstore.begin_many("q", W, [(c1.id, c1.token, 1.0), (c2.id, c2.token, 1.0)], spend_cap=1.5) == [
+    c1, c2 = await vstore.claim("q", "w1", 2, spend_cap=1.5, estimate=1.0)
+    assert await vstore.begin_many("q", [(c1.id, c1.token, 1.0), (c2.id, c2.token, 1.0)], spend_cap=1.5) == [
         "OK:1",
         "CAP:spend",
     ]
-    assert await vstore.usage("q", W) == (1, 1.0)
-    assert await vstore.claim("q", "w1", 1, window=W, spend_cap=1.5, estimate=1.0) == []  # 1.0 + 1.0 > 1.5
+    assert (await vstore.usage("q"))[1:] == (1, 1.0)
+    assert await vstore.claim("q", "w1", 1, spend_cap=1.5, estimate=1.0) == []  # 1.0 + 1.0 > 1.5
     await vstore.checkpoint_many("q", [(c1.id, c1.token, "gpu", "r-1", 1)])
     await lapse(vstore, "w1")  # its worker dies after the checkpoint: another one resumes and completes it
-    (resumed,) = await vstore.claim("q", "w2", 1, window=W, spend_cap=1.5, estimate=1.0)
+    (resumed,) = await vstore.claim("q", "w2", 1, spend_cap=1.5, estimate=1.0)
     assert resumed.id == c1.id and resumed.remote_id == "r-1"
     await vstore.complete(resumed.id, resumed.token, "s3://b/r", cost=0.25)  # the real cost replaces 1.0
-    assert await vstore.usage("q", W) == (1, 0.25)
-    (c3,) = await vstore.claim("q", "w2", 1, window=W, spend_cap=1.5, estimate=1.0)
+    assert (await vstore.usage("q"))[1:] == (1, 0.25)
+    (c3,) = await vstore.claim("q", "w2", 1, spend_cap=1.5, estimate=1.0)
     assert c3.id == ids[2]
-    assert await vstore.begin_many("q", W, [(c3.id, c3.token, 1.0)], spend_cap=1.5) == ["OK:1"]
+    assert await vstore.begin_many("q", [(c3.id, c3.token, 1.0)], spend_cap=1.5) == ["OK:1"]
     # a failed run's reported cost settles too, and its retry is a new run, reserved again
     assert await vstore.fail(c3.id, c3.token, "remote job failed", delay_ms=0, cost=0.5) == "retrying"
-    assert await vstore.usage("q", W) == (2, 0.75)
+    assert (await vstore.usage("q"))[1:] == (2, 0.75)
 
 
 async def test_a_stale_workers_answer_is_attached_and_the_next_owner_polls_it(vstore: QueueStore) -> None:
@@ -128,11 +126,11 @@ async def test_a_stale_workers_answer_is_attached_and_the_next_owner_polls_it(vs
     nothing is sent twice."""
     [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1)])
     (c1,) = await vstore.claim("q", "w1", 1)
-    assert await vstore.begin_many("q", "", [(job_id, c1.token, 0.0)]) == ["OK:1"]
+    assert await vstore.begin_many("q", [(job_id, c1.token, 0.0)]) == ["OK:1"]
     await lapse(vstore, "w1")
     (c2,) = await vstore.claim("q", "w2", 1)
     assert await vstore.checkpoint_many("q", [(job_id, c1.token, "gpu", "r-1", 1)]) == ["ATTACHED"]
-    assert await vstore.begin_many("q", "", [(job_id, c2.token, 0.0)]) == ["REMOTE:1:r-1"]
+    assert await vstore.begin_many("q", [(job_id, c2.token, 0.0)]) == ["REMOTE:1:r-1"]
     job = await vstore.get(job_id)
     assert (job.remote_id, job.submission, job.possible_duplicates) == ("r-1", 1, 0)
     # a job reaped while nobody holds it is claimed with the attached remote id: resumed, not submitted
@@ -146,10 +144,10 @@ async def test_a_second_remote_id_for_one_submission_is_refused_with_the_first(v
     Idempotency-Key ran it twice): whichever answer comes second learns of the first and cancels its copy."""
     [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1)])
     (c1,) = await vstore.claim("q", "w1", 1)
-    assert await vstore.begin_many("q", "", [(job_id, c1.token, 0.0)]) == ["OK:1"]
+    assert await vstore.begin_many("q", [(job_id, c1.token, 0.0)]) == ["OK:1"]
     await lapse(vstore, "w1")
     (c2,) = await vstore.claim("q", "w2", 1)
-    assert await vstore.begin_many("q", "", [(job_id, c2.token, 0.0)]) == ["OK:1:DUP"]
+    assert await vstore.begin_many("q", [(job_id, c2.token, 0.0)]) == ["OK:1:DUP"]
     assert await vstore.checkpoint_many("q", [(job_id, c1.token, "gpu", "r-1", 1)]) == ["ATTACHED"]
     assert await vstore.checkpoint_many("q", [(job_id, c2.token, "gpu", "r-2", 1)]) == ["DUP:r-1"]
     assert await vstore.checkpoint_many("q", [(job_id, c2.token, "gpu", "r-1", 1)]) == ["OK"]  # goes on with r-1
@@ -159,10 +157,10 @@ async def test_a_second_remote_id_for_one_submission_is_refused_with_the_first(v
 async def test_a_stale_second_remote_id_is_refused_when_the_owner_recorded_first(vstore: QueueStore) -> None:
     [other] = await vstore.enqueue_many("q", [JobSpec(input=2)])
     (d1,) = await vstore.claim("q", "w1", 1)
-    assert await vstore.begin_many("q", "", [(other, d1.token, 0.0)]) == ["OK:1"]
+    assert await vstore.begin_many("q", [(other, d1.token, 0.0)]) == ["OK:1"]
     await lapse(vstore, "w1")
     (d2,) = await vstore.claim("q", "w2", 1)
-    await vstore.begin_many("q", "", [(other, d2.token, 0.0)])
+    await vstore.begin_many("q", [(other, d2.token, 0.0)])
     assert await vstore.checkpoint_many("q", [(other, d2.token, "gpu", "s-2", 1)]) == ["OK"]
     assert await vstore.checkpoint_many("q", [(other, d1.token, "gpu", "s-1", 1)]) == ["STALE:DUP"]
     assert (await vstore.get(other)).remote_id == "s-2"
@@ -171,14 +169,14 @@ async def test_a_stale_second_remote_id_is_refused_when_the_owner_recorded_first
 async def test_a_stale_answer_for_a_finished_job_or_an_older_submission_is_not_attached(vstore: QueueStore) -> None:
     [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1, max_attempts=5)])
     (c1,) = await vstore.claim("q", "w1", 1)
-    assert await vstore.begin_many("q", "", [(job_id, c1.token, 0.0)]) == ["OK:1"]
+    assert await vstore.begin_many("q", [(job_id, c1.token, 0.0)]) == ["OK:1"]
     await lapse(vstore, "w1")
     (c2,) = await vstore.claim("q", "w2", 1)
-    await vstore.begin_many("q", "", [(job_id, c2.token, 0.0)])
+    await vstore.begin_many("q", [(job_id, c2.token, 0.0)])
     await vstore.checkpoint_many("q", [(job_id, c2.token, "gpu", "r-2", 1)])
     await vstore.fail(job_id, c2.token, "remote job failed", delay_ms=0)  # a new run is wanted: submission 2
     (c3,) = await vstore.claim("q", "w3", 1)
-    assert await vstore.begin_many("q", "", [(job_id, c3.token, 0.0)]) == ["OK:2"]
+    assert await vstore.begin_many("q", [(job_id, c3.token, 0.0)]) == ["OK:2"]
     assert await vstore.checkpoint_many("q", [(job_id, c1.token, "gpu", "r-1", 1)]) == ["STALE"]  # run 1 is over
     await vstore.checkpoint_many("q", [(job_id, c3.token, "gpu", "r-3", 2)])
     await vstore.complete(job_id, c3.token, "mem://x")
@@ -195,15 +193,15 @@ async def test_a_drain_closes_only_the_unsent_intents_its_own_lease_opened(vstor
     a, b, c = await vstore.enqueue_many("q", [JobSpec(input=i) for i in range(3)])
     leases = {j.id: j.token for j in await vstore.claim("q", "w1", 3)}
     items = [(j, leases[j], 2.0) for j in (a, b, c)]
-    assert await vstore.begin_many("q", W, items, spend_cap=100.0) == ["OK:1", "OK:1", "OK:1"]
+    assert await vstore.begin_many("q", items, spend_cap=100.0) == ["OK:1", "OK:1", "OK:1"]
     unsent = [(a, leases[a]), (b, "w1/999")]  # b: not this lease's token; c: sent, so not named
     assert await vstore.release_leases("q", "w1", unsent=unsent) == 3
     again = {j.id: j for j in await vstore.claim("q", "w2", 3)}
     assert {j: again[j].intent_open for j in (a, b, c)} == {a: False, b: True, c: True}
-    verdicts = await vstore.begin_many("q", W, [(j, again[j].token, 2.0) for j in (a, b, c)], spend_cap=100.0)
+    verdicts = await vstore.begin_many("q", [(j, again[j].token, 2.0) for j in (a, b, c)], spend_cap=100.0)
     assert verdicts == ["OK:1", "OK:1:DUP", "OK:1:DUP"]
     assert (await vstore.get(a)).possible_duplicates == 0
-    assert (await vstore.usage("q", W))[1] == pytest.approx(2.0 + 2 * 4.0)  # a reserved once; b, c again
+    assert (await vstore.usage("q"))[2] == pytest.approx(2.0 + 2 * 4.0)  # a reserved once; b, c again
 
 
 async def test_a_claim_with_begin_opens_the_intents_begin_would_and_leaves_the_unsettled_ones_to_it(
@@ -224,7 +222,7 @@ async def test_a_claim_with_begin_opens_the_intents_begin_would_and_leaves_the_u
     assert (job.submission, job.intent_by, job.possible_duplicates) == (1, "w1", 0) and job.intent_at
     repeat = {j.id: j for j in await vstore.claim("q", "w1", 3, begin=True, request_id="r1")}
     assert repeat == first, "a repeated claim answered other leases or another begin"
-    assert await vstore.begin_many("q", "", [(j, first[j].token, 0.0) for j in (a, b, c)]) == ["OK:1"] * 3
+    assert await vstore.begin_many("q", [(j, first[j].token, 0.0) for j in (a, b, c)]) == ["OK:1"] * 3
     # a: its run recorded and failed (a new run is wanted: number 2); b: its worker is lost with the intent open
     await vstore.checkpoint_many("q", [(a, first[a].token, "gpu", "r-a", 1)])
     assert await vstore.fail(a, first[a].token, "remote job failed", delay_ms=0) == "retrying"
@@ -234,14 +232,14 @@ async def test_a_claim_with_begin_opens_the_intents_begin_would_and_leaves_the_u
     assert set(again) == {a, b}
     assert (again[a].begun, again[a].submission, again[a].intent_open) == (True, 2, False)
     assert (again[b].begun, again[b].submission, again[b].intent_open) == (False, 1, True)
-    verdicts = await vstore.begin_many("q", "", [(j, again[j].token, 0.0) for j in (a, b)], backend="gpu")
+    verdicts = await vstore.begin_many("q", [(j, again[j].token, 0.0) for j in (a, b)], backend="gpu")
     assert verdicts == ["OK:2", "OK:1:DUP"]
     # under a cap the claim begins nothing: the reservation is begin.lua's
     [d] = await vstore.enqueue_many("q", [JobSpec(input=9)])
-    (capped,) = await vstore.claim("q", "w3", 1, begin=True, window=W, job_cap=5)
+    (capped,) = await vstore.claim("q", "w3", 1, begin=True, job_cap=5)
     assert (capped.id, capped.begun, capped.submission) == (d, False, 0)
-    assert await vstore.begin_many("q", W, [(d, capped.token, 0.0)], job_cap=5) == ["OK:1"]
-    assert (await vstore.usage("q", W))[0] == 1
+    assert await vstore.begin_many("q", [(d, capped.token, 0.0)], job_cap=5) == ["OK:1"]
+    assert (await vstore.usage("q"))[1] == 1
 
 
 async def test_a_drain_closes_the_intents_a_claim_opened(vstore: QueueStore) -> None:
@@ -252,5 +250,5 @@ async def test_a_drain_closes_the_intents_a_claim_opened(vstore: QueueStore) -> 
     assert await vstore.release_leases("q", "w1", unsent=[(a, leases[a])]) == 2
     again = {j.id: j for j in await vstore.claim("q", "w2", 2)}
     assert {j: again[j].intent_open for j in (a, b)} == {a: False, b: True}
-    verdicts = await vstore.begin_many("q", "", [(j, again[j].token, 0.0) for j in (a, b)], backend="gpu")
+    verdicts = await vstore.begin_many("q", [(j, again[j].token, 0.0) for j in (a, b)], backend="gpu")
     assert verdicts == ["OK:1", "OK:1:DUP"]

@@ -358,7 +358,7 @@ async def test_every_write_someone_acts_on_waits_for_the_replica_and_the_others_
     pair.cut()
     refused = {
         "enqueue": store.enqueue(Q, JobSpec(input=9)),
-        "begin": store.begin_many(Q, "", [(a.id, a.token, 0.0)]),
+        "begin": store.begin_many(Q, [(a.id, a.token, 0.0)]),
         "checkpoint": store.checkpoint(b.id, b.token, "gpu", "r-b"),
         "hook": store.hook(c.id, 1, "r-c", terminal=False, body=b"{}"),
         "complete": store.complete(c.id, c.token, "loc"),
@@ -465,7 +465,7 @@ async def test_on_a_cluster_wait_counts_the_replicas_of_the_master_that_owns_the
     kept, alone = queue_on(cluster, 0), queue_on(cluster, 1)
     job_id = await store.enqueue(kept, JobSpec(input=1))
     (job,) = await store.claim(kept, "w", 1)
-    assert (await store.begin_many(kept, "", [(job.id, job.token, 0.0)])) == ["OK:1"]
+    assert (await store.begin_many(kept, [(job.id, job.token, 0.0)])) == ["OK:1"]
     assert await store.checkpoint(job.id, job.token, "gpu", "r-1") is False
     await store.complete(job.id, job.token, "loc")
     assert (await store.get(job_id)).state is JobState.SUCCEEDED

@@ -55,10 +55,10 @@ def test_metrics_count_possible_duplicate_submissions(valkey: ValkeyServer) -> N
     async def resend(store: QueueStore) -> None:
         [job] = await store.enqueue_many(q, [JobSpec(input=1)])
         (first,) = await store.claim(q, "lost-worker", 1, lease_ms=60_000)
-        assert await store.begin_many(q, "", [(job, first.token, 0.0)], backend="gpu") == ["OK:1"]
+        assert await store.begin_many(q, [(job, first.token, 0.0)], backend="gpu") == ["OK:1"]
         await store.release_leases(q, "lost-worker")  # (a drain hands back the open intent, as a crash would)
         (second,) = await store.claim(q, "next-worker", 1, lease_ms=60_000)
-        assert await store.begin_many(q, "", [(job, second.token, 0.0)], backend="gpu") == ["OK:1:DUP"]
+        assert await store.begin_many(q, [(job, second.token, 0.0)], backend="gpu") == ["OK:1:DUP"]
 
     run(_with_store(valkey.url, resend))
     settings = {

@@ -36,9 +36,8 @@ def traffic(redis_url: str, queue: str) -> None:
         ids = await store.enqueue_many(queue, [JobSpec(input=i) for i in range(5)])
         assert len(ids) == 5
         jobs = await store.claim(queue, "metrics-worker", 4, lease_ms=60_000)
-        window = time.strftime("%Y%m%d", time.gmtime())
         for j in jobs[:2]:
-            assert await store.reserve(j.id, window, job_cap=100, spend_cap=None) is None
+            assert await store.reserve(j.id, job_cap=100, spend_cap=None) is None
         for j in jobs[:3]:
             await store.complete(j.id, j.token, f"s3://b/{j.output_key}")
         assert await store.fail(jobs[3].id, jobs[3].token, "bad", retryable=False) == "dead"

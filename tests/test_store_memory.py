@@ -122,7 +122,7 @@ async def test_at_maxmemory_the_scripts_that_end_jobs_run_and_the_ones_that_add_
         await getattr(SCRIPTS, name).load(store.redis)
     await store.enqueue_many("q", [JobSpec(input={"n": i, "pad": "x" * 1000}) for i in range(40)])
     jobs = await store.claim("q", "w1", 8)
-    begun = await store.begin_many("q", "", [(j.id, j.token, 0.0) for j in jobs[:7]])  # the 8th begins at the limit
+    begun = await store.begin_many("q", [(j.id, j.token, 0.0) for j in jobs[:7]])  # the 8th begins at the limit
     assert all(v.startswith("OK:") for v in begun)
     before = (await store.stats("q")).counts
     squeeze(own_server)
@@ -134,7 +134,7 @@ async def test_at_maxmemory_the_scripts_that_end_jobs_run_and_the_ones_that_add_
     assert "nothing was enqueued" in str(refused.value) and refused.value.enqueued == []
     for adds_work in (
         lambda: store.claim("q", "w2", 4),
-        lambda: store.begin_many("q", "", [(jobs[7].id, jobs[7].token, 0.0)]),
+        lambda: store.begin_many("q", [(jobs[7].id, jobs[7].token, 0.0)]),
     ):
         with pytest.raises(ResponseError) as exc:
             await adds_work()

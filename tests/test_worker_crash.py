@@ -6,9 +6,9 @@ and the workers, each in its own process group, configured by an offload.yaml wr
 tutorial's env names alone). Every process a test starts is killed by process group in fixture teardown, with
 an atexit safety net. Figures are printed (run with `-s`).
 
-Two test hooks, read in `offload/worker/run.py` only: OFFLOAD_LEASE_MS (the claim lease, so a killed worker's
-jobs come back within a second or two) and OFFLOAD_CLOCK_OFFSET_S (seconds added to the clock of the cap
-window, so a worker can live through a UTC midnight on demand).
+One test hook, read in `offload/worker/run.py` only: OFFLOAD_LEASE_MS (the claim lease, so a killed worker's
+jobs come back within a second or two). The cap window is the job store's UTC day: the cap tests live through a
+midnight on demand by stepping their own Valkey's clock (`stepped_valkey`, libfaketime).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import pytest
 import redis
 import yaml
 from s3server import RcloneS3
-from servers import HOST, free_port
+from servers import HOST, ValkeyServer, free_port
 
 from offload.connection import connect
 from offload.models import Job, JobState
@@ -624,24 +624,25 @@ async def test_1000_jobs_4_workers_one_killed_every_second(
 
 
 async def test_caps_exact_across_20_worker_processes(
-    valkey_url: str,
+    stepped_valkey: ValkeyServer,
     bucket: RcloneS3,
     sim: SimProcess,
-    store: QueueStore,
     fleets: Callable[..., Fleet],
     tmp_path: Path,
 ) -> None:
     """Twenty processes race for a daily cap of 100 in each of three UTC days.
 
-    The cap window is the UTC day of the worker's clock. OFFLOAD_CLOCK_OFFSET_S sets each fleet's clock so
-    that it crosses midnight `lead` seconds after the spawn, once every worker is up: a worker alive across
-    midnight releases the held jobs (Worker._roll_window). All workers of a fleet share one clock (the offset
-    is computed against one flip instant). Fleet A serves day D, then D+1; fleet B (a restart) D+1, then D+2.
-    A worker merely STARTED in a later day releases them too: see the test below.
+    The cap window is the UTC day of the job store's clock. Each fleet's spawn sets the store's clock so that it
+    crosses midnight `lead` seconds later, once every worker is up: a worker alive across midnight releases the
+    held jobs at the store's midnight (Worker._roll_window, told when it comes by the store). Fleet A serves day
+    D, then D+1; fleet B (a restart) D+1, then D+2. A worker merely STARTED in a later day releases them too: see
+    the test below.
     """
     n_jobs, n_workers, cap = 300, 20, 100
+    redis = await connect(stepped_valkey.url)
+    store = QueueStore(redis)
     sim.configure(latency="0.2-0.5")
-    config = write_config(tmp_path / "offload.yaml", valkey_url, bucket, sim, concurrency=5, daily_job_cap=cap)
+    config = write_config(tmp_path / "offload.yaml", stepped_valkey.url, bucket, sim, concurrency=5, daily_job_cap=cap)
     env = worker_env(bucket, OFFLOAD_LEASE_MS=3000)
     next_midnight = (time.time() // DAY + 1) * DAY
     t_start = time.monotonic()
@@ -662,14 +663,15 @@ async def test_caps_exact_across_20_worker_processes(
         return check
 
     async def spawn_fleet(name: str, day: int, lead: float) -> tuple[Fleet, float, float]:
-        """20 workers whose clocks read day `day` until `lead` s from now, then day + 1; returns the fleet,
-        the flip instant (epoch s) and how long the fleet took to start."""
+        """20 workers, the store's clock reading day `day` until `lead` s from now, then day + 1; returns the
+        fleet, the flip instant (epoch s) and how long the fleet took to start."""
         fleet = fleets(name, config)
         flip_at = time.time() + lead
-        offset = next_midnight + day * DAY - flip_at
+        assert stepped_valkey.clock is not None
+        stepped_valkey.clock.set(next_midnight + day * DAY - flip_at)
         t0 = time.monotonic()
         for i in range(n_workers):
-            fleet.start(f"w{i}", env={**env, "OFFLOAD_CLOCK_OFFSET_S": f"{offset:.3f}"})
+            fleet.start(f"w{i}", env=env)
 
         async def all_ready() -> bool:
             return all(fleet.ready(n) for n in fleet.procs)
@@ -737,19 +739,22 @@ async def test_caps_exact_across_20_worker_processes(
     c = await counts(store)
     assert c["succeeded"] == n_jobs and c["held"] == 0
     assert {f"results/{j}.json" for j in ids} <= set(result_keys(bucket))
+    await redis.aclose()
 
 
 async def test_held_jobs_released_by_workers_started_in_a_later_window(
-    valkey_url: str,
+    stepped_valkey: ValkeyServer,
     bucket: RcloneS3,
     sim: SimProcess,
-    store: QueueStore,
     fleets: Callable[..., Fleet],
     tmp_path: Path,
 ) -> None:
-    """The brief's scenario: workers restarted with the clock a day ahead must release yesterday's held jobs."""
+    """The brief's scenario: workers restarted once the store's day has rolled over must release yesterday's
+    held jobs."""
+    redis = await connect(stepped_valkey.url)
+    store = QueueStore(redis)
     sim.configure(latency=0.2)
-    config = write_config(tmp_path / "offload.yaml", valkey_url, bucket, sim, daily_job_cap=1)
+    config = write_config(tmp_path / "offload.yaml", stepped_valkey.url, bucket, sim, daily_job_cap=1)
     env = worker_env(bucket, OFFLOAD_LEASE_MS=3000)
     await store.enqueue_many(QUEUE, [JobSpec(input=job_input(f"held-{i}")) for i in range(3)])
     today = fleets("today", config)
@@ -761,8 +766,10 @@ async def test_held_jobs_released_by_workers_started_in_a_later_window(
 
     await wait_until(day_one, 30, "1 succeeded, 2 held")
     today.stop_all()
+    assert stepped_valkey.clock is not None
+    stepped_valkey.clock.step(DAY)
     tomorrow = fleets("tomorrow", config)
-    tomorrow.start("w0", env={**env, "OFFLOAD_CLOCK_OFFSET_S": str(DAY)})
+    tomorrow.start("w0", env=env)
 
     seen: dict[str, int] = {}
 
@@ -778,6 +785,7 @@ async def test_held_jobs_released_by_workers_started_in_a_later_window(
         why=lambda: f"counts {seen}\n{tomorrow.tail('w0')}\n{tomorrow.problems()}",
     )
     assert sim.stats()["submissions"] == 2
+    await redis.aclose()
 
 
 # -- 4. the tutorial's producer and env file -----------------------------------------------------------

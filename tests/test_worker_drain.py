@@ -314,7 +314,7 @@ async def test_a_drain_ends_the_429_resubmit_loop_and_closes_the_intent(
     assert (record.state, record.attempts, record.error) == (JobState.QUEUED, 0, None), record
     assert await store.redis.hget(keys.job(QUEUE, job_id), "sub_open") != "1", "a 429'd submission left open"
     [again] = await store.claim(QUEUE, "next-owner", 1)
-    assert await store.begin_many(QUEUE, "", [(again.id, again.token, 0.0)]) == ["OK:1"]  # the same run, uncounted
+    assert await store.begin_many(QUEUE, [(again.id, again.token, 0.0)]) == ["OK:1"]  # the same run, uncounted
 
 
 async def test_a_drain_ends_the_409_resend_loop_leaving_the_intent_open(
@@ -335,7 +335,7 @@ async def test_a_drain_ends_the_409_resend_loop_leaving_the_intent_open(
     fleet = fleets(config=config)
     [job_id], [input_id] = await enqueue(store, "in-progress", 1)
     [claimed] = await store.claim(QUEUE, "lost-worker", 1, 60_000)
-    assert await store.begin_many(QUEUE, "", [(job_id, claimed.token, 0.0)]) == ["OK:1"]
+    assert await store.begin_many(QUEUE, [(job_id, claimed.token, 0.0)]) == ["OK:1"]
     backend = create_backend("gpu", {"kind": "http-job", "base_url": sim.url, "api_key": "k", "timeout": 120})
     lost = asyncio.create_task(backend.submit(job_input(input_id), tag=job_id, idempotency_key=f"{job_id}.1"))
     try:

@@ -728,7 +728,7 @@ async def test_an_orphan_of_a_crash_inside_submit_is_adopted_by_its_tag(
     [claimed] = await store.claim("q", "crashed-worker", 1, lease_ms=200)
     assert claimed.id == orphan_id and not claimed.redelivered and not claimed.intent_open
     # as a worker does right before the provider call: the submit intent (submission 1) is recorded
-    assert await store.begin_many("q", "", [(claimed.id, claimed.token, 0.0)]) == ["OK:1"]
+    assert await store.begin_many("q", [(claimed.id, claimed.token, 0.0)]) == ["OK:1"]
     name, bs = settings.backend_for("q")
     async with new_client() as http:
         backend = create_backend(name, bs, client=http)

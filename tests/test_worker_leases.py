@@ -193,16 +193,15 @@ async def test_the_spend_cap_holds_with_price_per_second(
     jobs = await enqueue(store, "spend", 30)
     settings = make_settings(valkey_url, no_outputs, sim, "runpod", daily_spend_cap=0.1, poll_timeout=2)
     settings.backends["gpu"].price_per_second = 0.025
-    async with worker(settings) as (task, w):
+    async with worker(settings) as (task, _):
 
         async def settled() -> bool:
             c = (await store.stats("q")).counts
             return c["succeeded"] >= 2 and c["active"] + c["submitted"] == 0
 
         await until(settled, "the queue to settle at the cap", task, timeout=30)
-        window = w.window()
     done = [j for j in [await store.get(j) for j, _ in jobs] if j.state == "succeeded"]
-    spent = (await store.usage("q", window))[1]
+    spent = (await store.usage("q"))[2]
     real = sum(j.cost or 0 for j in done)
     submitted = (await stats(sim))["submissions"]
     assert spent <= 0.1 + 1e-9, f"spent {spent} over a cap of 0.1"
@@ -346,7 +345,7 @@ async def test_an_intent_left_open_by_a_killed_worker_is_sent_again_under_its_ke
 ) -> None:
     [(job_id, input_id)] = await enqueue(store, "reopened")
     [dead] = await store.claim("q", "killed-worker", 1, lease_ms=200)
-    assert await store.begin_many("q", "", [(dead.id, dead.token, 0.0)], backend="gpu") == ["OK:1"]
+    assert await store.begin_many("q", [(dead.id, dead.token, 0.0)], backend="gpu") == ["OK:1"]
     # killed here, inside the submit call: the intent stays open
     async with worker(make_settings(valkey_url, no_outputs, sim, "http-job")) as (task, w):
         [job] = await until_state(store, [job_id], "succeeded", task)

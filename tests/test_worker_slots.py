@@ -126,7 +126,7 @@ async def test_a_drain_closes_the_intents_of_synchronous_jobs_begun_ahead_of_a_s
     redelivered = await store.claim("q", "next-owner", 2)
     assert sorted(j.id for j in redelivered) == sorted(ahead)
     assert [j.intent_open for j in redelivered] == [False, False], "a drained, unsent intent was left open"
-    verdicts = await store.begin_many("q", "", [(j.id, j.token, 0.0) for j in redelivered])
+    verdicts = await store.begin_many("q", [(j.id, j.token, 0.0) for j in redelivered])
     assert verdicts == ["OK:1", "OK:1"], "the same run again, not a possible duplicate"
 
 
@@ -297,9 +297,9 @@ async def test_a_synchronous_worker_begins_fresh_jobs_in_their_claim_unless_a_ra
     begun: list[str] = []
     real = QueueStore.begin_many
 
-    async def counting(self: QueueStore, queue: str, window: str, items: Any, **kw: Any) -> list[str]:
+    async def counting(self: QueueStore, queue: str, items: Any, **kw: Any) -> list[str]:
         begun.extend(item[0] for item in items)
-        return await real(self, queue, window, items, **kw)
+        return await real(self, queue, items, **kw)
 
     monkeypatch.setattr(QueueStore, "begin_many", counting)
     await configure(sim, latency=0.05)

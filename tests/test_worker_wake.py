@@ -73,7 +73,7 @@ async def test_one_wake_per_idle_spell_and_none_under_a_pause_or_a_cap(store: Qu
         assert await wakes_before(redis, pubsub, channel) == 1
         await store.resume("wq")  # resuming tells the idle workers itself
         assert await wakes_before(redis, pubsub, channel) == 1
-        capped = await store.claim("wq", "w1", 3, window="20261203", job_cap=0)
+        capped = await store.claim("wq", "w1", 3, job_cap=0)
         assert capped == [] and await redis.exists(idle) == 0  # over a cap: claims take nothing however many come
         await store.enqueue_many("wq", [JobSpec(input={"i": 7})])
         assert await wakes_before(redis, pubsub, channel) == 0

@@ -22,7 +22,10 @@ bucket and the record of every fault the harness injected.
   worker) is counted on its job, replayed or paid (`uncounted_resends`); a status read that lags the submit is not
   expiry: no job is dead as "remote result expired" while the provider still had its remote job
   (`false_expiries`);
-- the daily cap is exact, held jobs are released, memory and the events stream stay bounded;
+- the daily cap is exact (the cap window is the store's UTC day: a worker restarted with its clock hours or a day
+  off opens no window of its own), held jobs are released, memory and the events stream stay bounded;
+- a step back of Valkey's clock is found and its times moved back once per queue (`clock_stepped_back` events: never
+  twice for one step, never one that was not made), and nothing waits for the clock to catch up (`stuck`);
 - an operator's cancel (the `cancel` fault) stops what it may cost: a job answered `cancelled` ends so, no job is
   submitted after its cancel was answered (`submitted_after_cancel`), and the remote job a cancelled job last
   recorded is not left to run on after the job ended cancelled (`ran_after_cancel`: paid for nothing);
@@ -73,6 +76,7 @@ UNAVOIDABLE = {
 RECORDED = ("submitted", "adopted")  # the events that mean the job store knows the remote id
 # ... and for a synchronous API the ack too: its answer's remote id is recorded by the complete itself
 RECORDED_SYNC = (*RECORDED, "succeeded")
+STEP_UNSEEN_S = 60.0  # how much of a step back of Valkey's clock a queue may not see (its silence before the step)
 INFRA_ERRORS = ("worker error", "lease expired", "ConnectionError", "TimeoutError", "Redis", "Connection")
 OOM_TEXT = "maxmemory"  # in a job's error: it died of the store's limit, which must never happen
 NOTICE_MARGIN_S = 3.0  # after the policy re-read, how long a submission already past its check may still arrive
@@ -96,6 +100,7 @@ class RunData:
     dropped: list[DroppedReply]
     bucket: str
     capped_queue: str | None = None
+    clock_events: list[tuple[str, float, int]] = field(default_factory=list)  # (queue, when, ms) steps back found
     daily_job_cap: int | None = None
     cap_rolled_at: float | None = None
     held_at_roll: int = 0
@@ -658,6 +663,37 @@ class Checker:
         during = any(b <= exit_["t"] <= e + 2.0 for b, e in self.d.evicting)
         return during and exit_.get("code") == 1 and "maxmemory-policy" in str(exit_.get("tail", ""))
 
+    def clock(self) -> dict[str, Any]:
+        """Every `clock_stepped_back` a queue recorded is a step back the harness made, each step moved once at
+        most per queue. A queue sees a step less the time nobody read the clock before it (a worker restarting:
+        up to STEP_UNSEEN_S), never more. A step may go unrecorded in a queue nobody read until the clock was
+        forward again (nothing there was scheduled on the stepped clock by then): counted, not a finding."""
+        steps = [e for e in self.d.timeline if e["kind"] == "valkey_clock"]
+        skews = [e for e in self.d.timeline if e["kind"] == "worker_clock"]
+        if not steps and not skews and not self.d.clock_events:
+            return {}
+        back = [e for e in steps if e["step_s"] < -1]
+        found: dict[str, int] = Counter()
+        used: set[tuple[str, int]] = set()
+        for queue, _, ms in self.d.clock_events:
+            found[queue] += 1
+            sizes = [i for i, e in enumerate(back) if -e["step_s"] - STEP_UNSEEN_S <= ms / 1000 <= -e["step_s"] + 2]
+            fresh = [i for i in sizes if (queue, i) not in used]
+            if fresh:
+                used.add((queue, fresh[0]))
+            elif sizes:
+                self.find(f"clock: queue {queue} moved its times back twice for one step of {ms} ms")
+            else:
+                self.find(f"clock: queue {queue} moved its times back {ms} ms for a step the harness never made")
+        return {
+            "clock": {
+                "valkey_steps_back": len(back),
+                "valkey_steps_forward": sum(e["step_s"] > 0 for e in steps),
+                "steps_back_recorded": dict(found),
+                "worker_skews_s": sorted(e["skew_s"] for e in skews),
+            }
+        }
+
     def bounds(self) -> dict[str, Any]:
         s = self.d.samples
         jobs = max(len(self.d.records), 1)
@@ -752,6 +788,7 @@ class Checker:
             self.unknown_outcomes(),
             self.drains(),
             self.caps(),
+            self.clock(),
             self.store_faults(),
             self.bounds(),
             self.cancels(),

@@ -40,7 +40,9 @@ class Failover:
     def __init__(self, out: Path, primary: Valkey, proxies: list[FaultProxy], queues: list[str]) -> None:
         self.queues = queues
         self.primary = primary
-        self.replica = Valkey(out / "valkey-replica", primary.appendfsync)
+        # the same steppable clock as the primary's (bench/chaos/faketime.py): a step of the store's clock, and the
+        # end of run's step to the next midnight, hold whichever of the two is the primary then
+        self.replica = Valkey(out / "valkey-replica", primary.appendfsync, primary.clock)
         self.proxies = proxies
         self.link: FaultProxy | None = None
         self.cut_at: float | None = None

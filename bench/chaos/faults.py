@@ -2,16 +2,16 @@
 
 `Profile` holds the rates (mean seconds between faults; 0 turns one off). `Schedule` runs every fault loop as
 an asyncio task against the run's processes: worker SIGKILL (restarted after a container-like pause, in its PID
-namespace when there is one) and SIGSTOP past the lease, graceful SIGTERM restarts (some cut by a second
-SIGTERM), Valkey SIGKILL + restart, the proxy's dropped replies, resets and black-holes, 429 storms at the
-simulator, an operator cancelling jobs (`operator`: mostly jobs that wait with a remote job that may still run,
-handed back by a killed or stopped worker, else running ones), Valkey at its maxmemory (`oom`: maxmemory lowered
-under what it holds for a while, then lifted), Valkey switched to an evicting maxmemory-policy for a while
-(`eviction`, allkeys-lru with no maxmemory: nothing is really evicted, the workers must stop paying), and failovers
-to a replica cut off (bench/chaos/failover.py). The provider's own faults (5xx, 429s, lost answers, a gateway's 5xx
-after a submit was accepted, a status that lags the submit) are the simulator's config (`Profile.sim_config`).
-Every fault is appended to `timeline` with its time, which the checker uses to attribute what went wrong to what
-was done.
+namespace when there is one) and SIGSTOP past the lease, a worker restarted with its wall clock hours or a day off,
+graceful SIGTERM restarts (some cut by a second SIGTERM), Valkey SIGKILL + restart, steps of Valkey's clock back
+and forward, the proxy's dropped replies, resets and black-holes, 429 storms at the simulator, an operator
+cancelling jobs (`operator`: mostly jobs that wait with a remote job that may still run, handed back by a killed or
+stopped worker, else running ones), Valkey at its maxmemory (`oom`: maxmemory lowered under what it holds for a
+while, then lifted), Valkey switched to an evicting maxmemory-policy for a while (`eviction`, allkeys-lru with no
+maxmemory: nothing is really evicted, the workers must stop paying), and failovers to a replica cut off
+(bench/chaos/failover.py). The provider's own faults (5xx, 429s, lost answers, a gateway's 5xx after a submit was
+accepted, a status that lags the submit) are the simulator's config (`Profile.sim_config`). Every fault is appended
+to `timeline` with its time, which the checker uses to attribute what went wrong to what was done.
 """
 
 from __future__ import annotations
@@ -27,10 +27,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.chaos.failover import Failover
+from bench.chaos.faketime import ClockFile
 from bench.chaos.procs import Sim, Valkey, WorkerSlot
 from bench.chaos.proxy import FaultProxy
 
 log = logging.getLogger("chaos")
+DAY_S = 86_400
+# a worker's wall clock after a bad RTC, an NTP step or a VM restored from a snapshot: hours or a day either way
+WORKER_SKEWS_S = (-DAY_S, -3 * 3600, 3 * 3600, DAY_S)
 
 
 @dataclass
@@ -47,6 +51,12 @@ class Profile:
     stop_every: float = 30.0
     stop_lease_factor: tuple[float, float] = (1.5, 3.0)
     valkey_every: float = 150.0
+    # a worker slot restarted with its clock skewed (WORKER_SKEWS_S), back on the true clock `worker_clock_s` later
+    worker_clock_every: float = 60.0
+    worker_clock_s: float = 20.0
+    # Valkey's clock stepped back by a random amount in this range, and later forward to the true time again
+    valkey_clock_every: float = 45.0
+    valkey_clock_step_s: tuple[float, float] = (300.0, 3600.0)
     drop_every: float = 3.0
     reset_every: float = 45.0
     blackhole_every: float = 90.0
@@ -144,6 +154,7 @@ class Schedule:
     _switching: asyncio.Task[None] | None = None
     _pending: set[asyncio.Task[None]] = field(default_factory=set)
     _drains: set[asyncio.Task[None]] = field(default_factory=set)
+    _clocked: set[str] = field(default_factory=set)  # slots a clock fault is restarting, or running skewed
 
     def note(self, kind: str, target: str = "", **detail: Any) -> None:
         self.timeline.append({"t": time.time(), "kind": kind, "target": target, **detail})
@@ -163,6 +174,8 @@ class Schedule:
             (p.kill_every, self._kill),
             (p.stop_every, self._stop),
             (p.valkey_every, self._valkey),
+            (p.worker_clock_every, self._worker_clock),
+            (p.valkey_clock_every, self._valkey_clock),
             (p.drop_every, self._drop),
             (p.reset_every, self._reset),
             (p.blackhole_every, self._blackhole),
@@ -348,6 +361,49 @@ class Schedule:
                 await asyncio.to_thread(self.valkey.config_set, name, value)
             except Exception as exc:  # (Valkey restarting: it comes back with both as they were)
                 log.warning("restoring %s failed: %s", name, exc)
+
+    async def _worker_clock(self) -> None:
+        """A worker slot restarted (SIGTERM, as a reboot would) with its wall clock hours or a day off: the capped
+        queue's slot first, where a cap window of its own would pay past the cap. `worker_clock_s` later it is
+        restarted on the true clock (NTP caught up, or the host was replaced), unless it ended meanwhile."""
+        alive = [s for s in self._alive(unstopped=True) if s.name not in self._clocked]
+        if not alive:
+            return
+        capped = self.slots[-1]
+        slot = capped if not self.counts["worker_clock"] and capped in alive else self.rng.choice(alive)
+        skew = self.rng.choice(WORKER_SKEWS_S)
+        self._clocked.add(slot.name)  # one restart of a slot at a time: never two processes in one slot
+        await asyncio.to_thread(slot.terminate)
+        life = slot.start(ClockFile(slot.dir / f"{slot.name}-clock-{len(slot.lives) + 1}", skew))
+        self.note("worker_clock", slot.name, n=life.n, skew_s=skew)
+        self._later(self._true_clock(slot, life))
+
+    async def _true_clock(self, slot: WorkerSlot, life: Any) -> None:
+        try:
+            await asyncio.sleep(self.profile.worker_clock_s)
+            if slot.current is life and not self._stopping:
+                await asyncio.to_thread(slot.terminate)
+                again = slot.start()
+                self.note("restart", slot.name, n=again.n, pidns=slot.pidns)
+        finally:
+            self._clocked.discard(slot.name)
+
+    async def _valkey_clock(self) -> None:
+        """Valkey's clock steps back (an NTP correction of a clock that ran ahead, a failover to a host whose
+        clock is behind) and, the next time, forward to the true time again. It never runs ahead of the true time
+        nor back past its last midnight, so the capped queue's day stays the one the run began in (the roll at
+        the end is the harness's own step)."""
+        clock = self.valkey.clock
+        assert clock is not None  # the run's Valkey always has one
+        if clock.offset_s < 0:
+            step = -clock.offset_s
+        else:
+            since_midnight = (time.time() + clock.offset_s) % DAY_S
+            step = -min(self.rng.uniform(*self.profile.valkey_clock_step_s), since_midnight - 120)
+            if step >= 0:
+                return
+        clock.step(step)
+        self.note("valkey_clock", "valkey", step_s=round(step, 1), offset_s=round(clock.offset_s, 1))
 
     async def _valkey(self) -> None:
         began = time.time()

@@ -26,6 +26,8 @@ FAULTS = (
     "eviction",
     "drain",
     "failover",
+    "worker-clock",
+    "valkey-clock",
 )
 BACKENDS = {
     "http-job": {},
@@ -48,6 +50,9 @@ QUICK = {
     "kill_every": 3.0,
     "stop_every": 15.0,
     "valkey_every": 25.0,
+    "worker_clock_every": 20.0,
+    "worker_clock_s": 12.0,
+    "valkey_clock_every": 12.0,
     "drop_every": 2.0,
     "reset_every": 20.0,
     "blackhole_every": 30.0,
@@ -141,6 +146,8 @@ def profile_for(args: argparse.Namespace) -> Profile:
         ("gateway", ["gateway_error_rate"]),
         ("lag", ["status_lag"]),
         ("drain", ["drain_every"]),
+        ("worker-clock", ["worker_clock_every"]),
+        ("valkey-clock", ["valkey_clock_every"]),
     ):
         if fault not in chosen:
             off.update(dict.fromkeys(fields, 0.0))

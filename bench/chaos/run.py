@@ -1,12 +1,14 @@
 """`python -m bench.chaos`: one run of the fault harness, from a clean slate to a verdict.
 
-Starts Valkey (AOF `always` or `everysec`), `rclone serve s3`, the simulator (one port per worker slot) and the
-fault proxy; writes an offload.yaml per worker slot (Valkey through the proxy, the simulator's port for that slot,
-S3); with the `failover` fault, a replica too (bench/chaos/failover.py) and `durability` on for every writer; starts
-the workers (in PID namespaces where the machine allows it); enqueues through the proxy for the fault phase while
-the schedule breaks things; then heals everything, rolls the capped queue's window over to release its
-held jobs, waits (bounded) until every acknowledged job is terminal, and hands the job store, the submission log
-and the bucket to the checker. Prints a short human summary, and as its last line the JSON verdict.
+Starts Valkey (AOF `always` or `everysec`, its wall clock steppable: libfaketime, bench/chaos/faketime.py),
+`rclone serve s3`, the simulator (one port per worker slot) and the fault proxy; writes an offload.yaml per worker
+slot (Valkey through the proxy, the simulator's port for that slot, S3); with the `failover` fault, a replica too
+(bench/chaos/failover.py) and `durability` on for every writer; starts the workers (in PID namespaces where the
+machine allows it); enqueues through the proxy for the fault phase while the schedule breaks things; then heals
+everything, rolls the capped queue's window over to release its held jobs (the cap window is the store's UTC day:
+Valkey's clock steps to its next midnight), waits (bounded) until every acknowledged job is terminal, and hands the
+job store, the submission log and the bucket to the checker. Prints a short human summary, and as its last line the
+JSON verdict.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import random
@@ -35,6 +38,7 @@ from redis.retry import Retry
 
 from bench.chaos import failover, report
 from bench.chaos.checker import TERMINAL, Checker, RunData
+from bench.chaos.faketime import ClockFile
 from bench.chaos.faults import Profile, Schedule
 from bench.chaos.hooks import Server, check_backend
 from bench.chaos.options import API_ROOTS, BACKENDS, MODEL, SYNCHRONOUS, parse_args, profile_for
@@ -51,6 +55,7 @@ from offload.sim.store import input_key
 log = logging.getLogger("chaos")
 QUEUE, CAPPED, BUCKET = "chaos", "capped", "chaos-results"
 STORE_CHECK_S = 1.0  # the workers' policy re-read (OFFLOAD_STORE_CHECK_S)
+DAY_S = 86_400
 INGEST_LIST = "chaos:jobs"
 
 
@@ -105,7 +110,9 @@ class Run:
         p, args = self.p, self.args
         pidns, why = (False, "disabled by --no-pidns") if args.no_pidns else pidns_support()
         self.pidns_note = "restarts keep host:pid (PID namespace)" if pidns else f"no PID namespaces: {why}"
-        self.valkey = await asyncio.to_thread(Valkey(self.out / "valkey", args.aof).start)
+        self.clock = ClockFile(self.out / "valkey-clock")
+        self.clock_events: list[tuple[str, float, int]] = []  # (queue, when, step ms): the queues' clock_stepped_back
+        self.valkey = await asyncio.to_thread(Valkey(self.out / "valkey", args.aof, self.clock).start)
         self.s3 = await asyncio.to_thread(S3(self.out / "s3", BUCKET).start)
         self.sim = await asyncio.to_thread(Sim(self.out, p.workers + 1).start)
         self.slots: list[WorkerSlot] = []
@@ -198,18 +205,7 @@ class Run:
         await asyncio.wait_for(producer, 120)
         healed = time.time()
         await self._heal()
-        cap_slot = self.slots[-1]
-        for attempt in range(5):  # the direct client's connection may predate the last Valkey restart
-            try:
-                self.held_at_roll = int(await self.direct.zcard(f"offload:{{{CAPPED}}}:held"))
-                break
-            except (RedisError, OSError):
-                if attempt == 4:
-                    raise
-                await asyncio.sleep(0.5)
-        await asyncio.to_thread(cap_slot.terminate)
-        self.rolled_at = time.time()
-        cap_slot.start(OFFLOAD_CLOCK_OFFSET_S="86400")  # the next UTC day: held jobs must come back
+        await self._roll_store_day()
         settle = args.settle if args.settle is not None else (50.0 if args.quick else 180.0)
         all_terminal = await self._until_terminal(settle)
         all_terminal_s = None if all_terminal is None else round(all_terminal - healed, 1)
@@ -400,9 +396,12 @@ class Run:
             except (RedisError, OSError):
                 await asyncio.sleep(0.2)
                 continue
+            received = time.time()
             for stream, entries in got or []:
                 for entry_id, fields in entries:
-                    at = int(entry_id.split("-")[0]) / 1000
+                    at = self._event_time(int(entry_id.split("-")[0]), received)
+                    if fields.get("state") == "clock_stepped_back":
+                        self.clock_events.append((stream.split("{")[1].split("}")[0], at, int(fields["step_ms"])))
                     ids = (fields.get("jobs") or fields.get("id") or "").split()
                     biggest = max(biggest, len(ids))
                     for job_id in ids:
@@ -410,6 +409,26 @@ class Run:
                     streams[stream] = entry_id
         self.samples["event_ids_max"] = biggest
         await client.aclose()
+
+    def _event_time(self, entry_ms: int, received: float) -> float:
+        """When an event happened on the true clock (the one the simulator stamps submissions with). Its stream id
+        is the store's ms: off by the store's clock offset at the time, and held at the last id after a step back
+        (ids only grow, so for as long as the step they name the moment of the step). So once the clock has been
+        stepped: the id less an offset, where that time falls while the offset was in force and just before the
+        read; else the read itself (events are read as they come, a moment late)."""
+        at = entry_ms / 1000
+        history = self.clock.history
+        if len(history) == 1 and history[0][1] == 0:
+            return at
+        # ids name the moment of a step back for as long as it: after one, only a reading just before the read fits
+        lag = 2.0 if any(b[1] < a[1] for a, b in itertools.pairwise(history)) else 30.0
+        fits = []
+        for i, (start, offset) in enumerate(history):
+            end = history[i + 1][0] if i + 1 < len(history) else float("inf")
+            t = at - offset
+            if start - 0.5 <= t <= end + 0.5 and received - lag <= t <= received + 0.05:
+                fits.append(t)
+        return max(fits) if fits else received
 
     async def _sample(self) -> None:
         """Valkey memory, the events streams' length and jobs in flight per live worker, every 2 s."""
@@ -447,8 +466,41 @@ class Run:
             await asyncio.to_thread(self.sim.post, "/_sim/webhooks", healed | {"delay_s": 0})
         for slot in self.slots:
             slot.sigcont()
+            if slot.current and slot.current.clock_skew_s:  # back on the true clock
+                await asyncio.to_thread(slot.terminate)
             if not slot.running:
                 slot.start()
+        if self.clock.offset_s:
+            self.clock.set(0.0)
+
+    async def _roll_store_day(self) -> None:
+        """The capped queue's window rolls over: its worker stops (its calls out are awaited), the store's clock
+        steps to just past its next UTC midnight, and the worker starts again in the new day, where the held jobs
+        must come back. `rolled_at` is when the store's TIME first read the new day."""
+        cap_slot = self.slots[-1]
+        for attempt in range(5):  # the direct client's connection may predate the last Valkey restart
+            try:
+                self.held_at_roll = int(await self.direct.zcard(f"offload:{{{CAPPED}}}:held"))
+                now = await self._store_time()
+                break
+            except (RedisError, OSError):
+                if attempt == 4:
+                    raise
+                await asyncio.sleep(0.5)
+        await asyncio.to_thread(cap_slot.terminate)
+        midnight = (now // DAY_S + 1) * DAY_S
+        self.clock.step(midnight + 1 - now)
+        deadline = time.monotonic() + 30
+        while await self._store_time() < midnight:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Valkey's clock did not step to its next day; logs in {self.out}")
+            await asyncio.sleep(0.05)
+        self.rolled_at = time.time()
+        cap_slot.start()
+
+    async def _store_time(self) -> float:
+        seconds, micros = await self.direct.time()
+        return int(seconds) + int(micros) / 1e6
 
     async def _until_terminal(self, timeout: float) -> float | None:
         """When every acknowledged job was terminal, or None if that did not happen within `timeout`."""
@@ -507,6 +559,7 @@ class Run:
             dropped=self.proxy.dropped,
             bucket=BUCKET,
             capped_queue=CAPPED,
+            clock_events=self.clock_events,
             daily_job_cap=self.p.daily_job_cap,
             cap_rolled_at=self.rolled_at,
             held_at_roll=self.held_at_roll,

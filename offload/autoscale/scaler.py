@@ -11,7 +11,9 @@ One evaluation of a queue:
 5. accrue cost, and record the decision and its reasons (`offload autoscale status` shows them). Every few
    minutes, sweep each provider for orphans.
 
-Time comes from an injectable clock, so a whole day of load runs in a test in seconds.
+Time is the job store's (offload/queue/clock.py: Valkey's TIME, read at every tick), so every server that may lead
+agrees on spend days, instance and heartbeat times and the lock's expiry whatever its own clock says; a test
+injects a clock instead, so a whole day of load runs in seconds.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import time
 from typing import Any
 
 import orjson
@@ -47,6 +48,7 @@ from offload.autoscale.workers import RedisWorkers, WorkerInfo, WorkerSource
 from offload.config import Settings
 from offload.connection import is_outage
 from offload.errors import ConfigError
+from offload.queue.clock import StoreClock
 from offload.queue.store import QueueStore
 from offload.redact import Redactor
 from offload.redis_client import RedisClient
@@ -63,7 +65,7 @@ class Autoscaler:
         redis: RedisClient,
         settings: Settings | None = None,
         *,
-        clock: Clock = time.time,
+        clock: Clock | None = None,
         owner: str | None = None,
         workers: WorkerSource | None = None,
         providers: ProviderStore | None = None,
@@ -75,10 +77,12 @@ class Autoscaler:
     ) -> None:
         self.redis = redis
         self.settings = settings or Settings()
-        self.clock = clock
+        self.clock = clock = clock or StoreClock()
         self.env = dict(os.environ) if env is None else env
         self.server: ServerSide = server_side(self.settings.autoscaler, self.env)
-        self.store = QueueStore(redis, clock=lambda: int(self.clock() * 1000))
+        # the queue's scripts read the store's clock themselves; an injected (test) clock is passed on to them
+        injected = None if isinstance(clock, StoreClock) else lambda: int(self.clock() * 1000)
+        self.store = QueueStore(redis, clock=injected)
         self.instances = InstanceStore(redis)
         self.leader = Leader(redis, ttl=self.server.leader_ttl, clock=clock, owner=owner)
         self.workers = workers or RedisWorkers(redis)
@@ -166,6 +170,8 @@ class Autoscaler:
 
     async def tick(self, *, force: bool = False) -> bool:
         """One pass: evaluate the queues that are due. Returns whether this server is the leader."""
+        if isinstance(self.clock, StoreClock):
+            await self.clock.sync(self.redis)
         if not await self.leader.acquire():
             return False
         now = self.clock()

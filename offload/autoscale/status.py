@@ -9,7 +9,6 @@ read between two evaluations is not behind.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -18,6 +17,7 @@ from offload.autoscale import keys
 from offload.autoscale.instances import ACTIVE, Instance, InstanceStore, read_events
 from offload.autoscale.leader import Leader
 from offload.autoscale.state import QueueState, load_decision, spend
+from offload.queue.clock import StoreClock
 from offload.redis_client import RedisClient
 
 
@@ -29,7 +29,7 @@ def live_cost(inst: Instance, now: float) -> float:
 
 
 async def snapshot(redis: RedisClient, *, history: int = 50, now: float | None = None) -> dict[str, Any]:
-    now = time.time() if now is None else now
+    now = await StoreClock().sync(redis) if now is None else now  # the store's day: the one spend is counted in
     store = InstanceStore(redis)
     live = await store.live()
     recent = [i for i in await store.recent(history) if i.id not in {x.id for x in live}] if history > 0 else []
@@ -129,7 +129,7 @@ def explain(q: dict[str, Any], now: float) -> list[str]:
 
 async def autoscale_families(redis: RedisClient) -> list[Metric]:
     """Gauges for /metrics: instances by queue and status, spend, and the estimated cost of live machines."""
-    now = time.time()
+    now = await StoreClock().sync(redis)
     snap = await snapshot(redis, history=0, now=now)
     inst = GaugeMetricFamily(
         "offload_autoscale_instances", "Rented instances by status.", labels=["queue", "provider", "status"]

@@ -15,7 +15,6 @@ last look are known exactly, not sampled at the poll interval.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -87,7 +86,9 @@ class RedisWorkers:
         """Workers that claimed or finished a job of `queue` since the previous call (the first call looks
         back one minute). Newest events first, so a flood cannot hide the latest activity."""
         key = events(queue)
-        last = self._last.get(queue) or f"{int(time.time() * 1000) - 60_000}-0"
+        if (last := self._last.get(queue)) is None:  # stream ids are the store's ms, not this host's
+            seconds, _ = await self.redis.time()
+            last = f"{(int(seconds) - 60) * 1000}-0"
         entries = await self.redis.xrevrange(key, max="+", min="(" + last, count=MAX_EVENTS)
         if not entries:
             return set()

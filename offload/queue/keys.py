@@ -42,7 +42,8 @@ QUEUE_SUFFIXES: dict[str, str] = {
     "excused": "workers whose silence was excused as a job-store outage (set)",
     "tok": "lease-token counter (the fencing tokens)",
     "seq": "enqueue sequence counter (ready-set ordering)",
-    "seen": "the latest clock reading a script saw (a clock running behind keeps the later one)",
+    "seen": "the latest clock reading a script saw (a clock running behind keeps the later one; one more than a "
+    "second behind is a step back), and the steps back not yet logged",
     "enq:": "enq:<nonce>, an enqueue already applied (a retried enqueue adds nothing twice; 10 min)",
     "idem:": "idem:<key>, the job an idempotency key created",
     "idem:tutorial:": "idem:tutorial:<id>, jobs ingested from the tutorial's list",

@@ -100,6 +100,7 @@ class Scripts:
     ingest: Script
     reserve: Script
     release_window: Script
+    usage: Script
     forgive: Script
     begin: Script
     fence: Script

@@ -10,7 +10,6 @@ import asyncio
 import logging
 import os
 import random
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,6 +27,7 @@ from offload.errors import (
 )
 from offload.models import ClaimedJob, Enqueued, HeartbeatReply, Job, QueueStats
 from offload.queue import keys, replies
+from offload.queue.clock import HeldRelease, log_clock_step
 from offload.queue.durability import Durability, NotReplicated, confirm, mark, run_script, settle
 from offload.queue.hook_store import HookStore
 from offload.queue.keys import QUEUES_KEY, STATE_SETS, new_job_id, prefix, queue_of, validate_queue
@@ -145,7 +145,7 @@ class QueueStore(HookStore):
         return encode_input(spec, self.max_payload)
 
     def _job_args(
-        self, queue: str, spec: JobSpec, now_s: float, metas: dict[tuple[Any, ...], int], meta_list: list[str]
+        self, queue: str, spec: JobSpec, metas: dict[tuple[Any, ...], int], meta_list: list[str]
     ) -> tuple[str, str, int]:
         """Validate one spec and encode it as (id, input JSON, meta index); equal options share one meta."""
         payload = self._payload(spec)
@@ -163,16 +163,15 @@ class QueueStore(HookStore):
         )
         index = metas.get(options)
         if index is None:
-            meta_list.append(self._meta(spec, now_s))
+            meta_list.append(self._meta(spec))
             index = metas[options] = len(meta_list)  # Lua lists count from 1
         return job_id, payload.decode(), index
 
-    def _meta(self, spec: JobSpec, now_s: float) -> str:
+    def _meta(self, spec: JobSpec) -> str:
         check_options(spec)
         run_at = ""
-        if spec.delay:
-            base = self.clock() / 1000 if self.clock else now_s
-            run_at = str(int((base + spec.delay) * 1000))
+        if spec.delay:  # from the store's now (enqueue.lua), never this process's clock
+            run_at = f"+{int(spec.delay * 1000)}"
         elif spec.run_at is not None:
             run_at = str(int(spec.run_at * 1000))
         return "\t".join(
@@ -202,12 +201,11 @@ class QueueStore(HookStore):
 
     async def _enqueue_results(self, queue: str, specs: Sequence[JobSpec]) -> list[Enqueued]:
         validate_queue(queue)
-        now_s = time.time()
         metas: dict[tuple[Any, ...], int] = {}
         meta_list: list[str] = []
         check_ids = any(spec.job_id is not None for spec in specs)
         chunks = [
-            [self._job_args(queue, spec, now_s, metas, meta_list) for spec in specs[i : i + ENQUEUE_CHUNK]]
+            [self._job_args(queue, spec, metas, meta_list) for spec in specs[i : i + ENQUEUE_CHUNK]]
             for i in range(0, len(specs), ENQUEUE_CHUNK)
         ]
         metas_arg = orjson.dumps(meta_list)
@@ -296,17 +294,16 @@ class QueueStore(HookStore):
         n: int,
         lease_ms: int | None = None,
         *,
-        window: str = "",
         job_cap: int | None = None,
         spend_cap: float | None = None,
         estimate: float = 0.0,
         request_id: str | None = None,
         begin: bool = False,
     ) -> list[ClaimedJob]:
-        """Lease up to `n` jobs. With a cap `window` and caps, nothing fresh is taken while a cap is reached
-        (only jobs that resume a remote job). `request_id` (default: a new one per call) makes a repeat of
-        this very call answer the same jobs. `begin`: also open the submit intent of each fresh job (no
-        remote id, no open intent, no cancel, no cap in the window), as `begin_many` would; those come back
+        """Lease up to `n` jobs. With caps, nothing fresh is taken while a cap is reached in the store's cap
+        window (its UTC day: only jobs that resume a remote job). `request_id` (default: a new one per call)
+        makes a repeat of this very call answer the same jobs. `begin`: also open the submit intent of each fresh
+        job (no remote id, no open intent, no cancel, no cap in the window), as `begin_many` would; those come back
         `begun`, the others are begun the usual way."""
         lease = lease_ms or self.lease_ms
         flat = await self._run(
@@ -316,7 +313,6 @@ class QueueStore(HookStore):
             n,
             lease,
             request_id or _nonce(),
-            window,
             "" if job_cap is None else job_cap,
             "" if spend_cap is None else spend_cap,
             repr(float(estimate)),
@@ -349,13 +345,18 @@ class QueueStore(HookStore):
         ]
         for ref in leases:
             args.extend((ref, "") if isinstance(ref, str) else ref)
-        lost, cancels, seq, released = await self._run(SCRIPTS.heartbeat, queue, *args)
-        return HeartbeatReply(lost=list(lost), cancel_requested=list(cancels), seq=int(seq), released=int(released))
+        lost, cancels, seq, released, stepped = await self._run(SCRIPTS.heartbeat, queue, *args)
+        return HeartbeatReply(
+            lost=list(lost),
+            cancel_requested=list(cancels),
+            seq=int(seq),
+            released=int(released),
+            stepped_back_ms=int(stepped),
+        )
 
     async def begin_many(
         self,
         queue: str,
-        window: str,
         items: Sequence[tuple[str, str, float] | tuple[str, str, float, str]],
         *,
         job_cap: int | None = None,
@@ -363,15 +364,14 @@ class QueueStore(HookStore):
         backend: str = "",
     ) -> list[str]:
         """Right before the provider call, per (id, token, estimated cost): lease and cancel check, cap
-        reservation (held when over) and the submit intent, with the hash of the submission's webhook secret
-        when the item carries one (id, token, cost, hash). Per item OK:<n>, OK:<n>:DUP (a possible duplicate:
-        an earlier try of that submission has an unknown outcome), CAP:jobs, CAP:spend, CANCEL, STALE or
-        NOTFOUND (see begin.lua)."""
+        reservation in the store's cap window (held when over) and the submit intent, with the hash of the
+        submission's webhook secret when the item carries one (id, token, cost, hash). Per item OK:<n>,
+        OK:<n>:DUP (a possible duplicate: an earlier try of that submission has an unknown outcome), CAP:jobs,
+        CAP:spend, CANCEL, STALE or NOTFOUND (see begin.lua)."""
         return list(
             await self._run(
                 SCRIPTS.begin,
                 queue,
-                window,
                 "" if job_cap is None else job_cap,
                 "" if spend_cap is None else spend_cap,
                 backend,
@@ -455,19 +455,16 @@ class QueueStore(HookStore):
         return str(code)
 
     async def reserve(
-        self, job_id: str, window: str, *, job_cap: int | None, spend_cap: float | None, cost: float = 0.0
+        self, job_id: str, *, job_cap: int | None, spend_cap: float | None, cost: float = 0.0
     ) -> str | None:
-        """Count one submission against the queue's caps for `window`; None if allowed, else which cap is
-        reached ("jobs" or "spend"). Idempotent per job and window."""
-        (verdict,) = await self.reserve_many(
-            queue_of(job_id), window, [(job_id, cost)], job_cap=job_cap, spend_cap=spend_cap
-        )
+        """Count one submission against the queue's caps in the store's cap window (its UTC day); None if
+        allowed, else which cap is reached ("jobs" or "spend"). Idempotent per job and window."""
+        (verdict,) = await self.reserve_many(queue_of(job_id), [(job_id, cost)], job_cap=job_cap, spend_cap=spend_cap)
         return verdict
 
     async def reserve_many(
         self,
         queue: str,
-        window: str,
         items: Sequence[tuple[str, float]],
         *,
         job_cap: int | None,
@@ -477,17 +474,17 @@ class QueueStore(HookStore):
         codes = await self._run(
             SCRIPTS.reserve,
             queue,
-            window,
             "" if job_cap is None else job_cap,
             "" if spend_cap is None else spend_cap,
             orjson.dumps([(i, repr(float(c))) for i, c in items]),
         )
         return [None if code == "OK" else str(code).split(":", 1)[1] for code in codes]
 
-    async def usage(self, queue: str, window: str) -> tuple[int, float]:
-        """(jobs counted, spend) in a cap window, for status views and metrics."""
-        jobs, spend = await self.redis.mget(keys.cap(queue, window, "jobs"), keys.cap(queue, window, "spend"))
-        return int(jobs or 0), float(spend or 0.0)
+    async def usage(self, queue: str) -> tuple[str, int, float]:
+        """(window, jobs counted, spend) of the queue's current cap window (the store's UTC day, digits), for
+        status views and metrics."""
+        window, jobs, spend = await self._run(SCRIPTS.usage, validate_queue(queue))
+        return str(window), int(jobs), float(spend)
 
     async def hold(self, job_id: str, token: str, reason: str, window: str = "") -> None:
         """Held until a cap window later than `window` (digits, e.g. "20261130"; "" = released by any)."""
@@ -536,21 +533,18 @@ class QueueStore(HookStore):
         """Held jobs back to ready (all of them up to limit, or the given ids)."""
         return list(await self._run(SCRIPTS.move, validate_queue(queue), "held", limit, *job_ids))
 
-    async def release_held_before(
-        self, queue: str, window: str, *, chunk: int = RELEASE_CHUNK, max_chunks: int | None = None
-    ) -> int:
-        """Release the jobs held in a cap window earlier than `window` (e.g. "20261130"), `chunk` at a time
-        until none is due (or `max_chunks` were moved), so a backlog of any size never blocks Redis for
-        long. Returns how many were released."""
-        if not window.isdigit():
-            raise InvalidJob(f"cap window must be digits like 20261130, got {window!r}")
+    async def release_held(
+        self, queue: str, *, chunk: int = RELEASE_CHUNK, max_chunks: int | None = None
+    ) -> HeldRelease:
+        """Release the jobs held in a cap window earlier than the store's current one (its UTC day), `chunk` at
+        a time until none is due (or `max_chunks` were moved), so a backlog of any size never blocks Redis for
+        long. The reply says how many went back, which window the store is in and when its next one begins."""
         total, chunks = 0, 0
-        while max_chunks is None or chunks < max_chunks:
-            n = int(await self._run(SCRIPTS.release_window, validate_queue(queue), window, chunk))
-            total, chunks = total + n, chunks + 1
-            if n < chunk:
-                break
-        return total
+        while True:
+            n, window, left_ms = await self._run(SCRIPTS.release_window, validate_queue(queue), chunk)
+            total, chunks = total + int(n), chunks + 1
+            if int(n) < chunk or (max_chunks is not None and chunks >= max_chunks):
+                return HeldRelease(total, str(window), int(left_ms) / 1000)
 
     async def requeue_dead(self, queue: str, job_ids: Sequence[str] = (), limit: int = 1000) -> list[str]:
         """Dead jobs back to ready with a fresh attempt budget."""
@@ -577,10 +571,14 @@ class QueueStore(HookStore):
         await self.redis.publish(keys.wake_channel(queue), "")
 
     async def reap(self, queue: str, limit: int = 1000) -> tuple[int, int, int]:
-        """Maintenance step: (promoted, reaped, trimmed). Safe to run from any number of processes."""
-        promoted, reaped, trimmed = await self._run(
+        """Maintenance step: (promoted, reaped, trimmed). Safe to run from any number of processes. A step back
+        of the store's clock this call found (and moved the queue's times back by: `shift_back` in common.lua) is
+        logged here."""
+        promoted, reaped, trimmed, stepped = await self._run(
             SCRIPTS.reap, validate_queue(queue), limit, self._silence(self.lease_ms)
         )
+        if int(stepped):
+            log_clock_step(queue, int(stepped))
         return int(promoted), int(reaped), int(trimmed)
 
     # -- reading ---------------------------------------------------------------------------------

@@ -82,12 +82,12 @@ async def _maintenance_loop(state: ServerState, stop: asyncio.Event, sweep: File
             except Exception as exc:  # storage or Redis away: the next sweep tries again (a Redis error's text
                 log.warning("file sweep: %s", type(exc).__name__)  # may carry a URL with a password: type only
         try:
-            window = time.strftime("%Y%m%d", time.gmtime())
+            await state.registry.clock.sync(state.redis)
             for queue in await state.store.queues():
                 await state.store.reap(queue)
-                # held jobs of an earlier cap window (UTC day): a few chunks a round, so queues served only by
-                # GPU workers, or by workers all stopped at midnight, get theirs back too
-                await state.store.release_held_before(queue, window, max_chunks=4)
+                # held jobs of an earlier cap window (the store's UTC day): a few chunks a round, so queues served
+                # only by GPU workers, or by workers all stopped at midnight, get theirs back too
+                await state.store.release_held(queue, max_chunks=4)
                 state.rates.observe(queue, (await state.store.stats(queue)).totals)
         except Exception as exc:  # Redis away: /readyz says so; try again next round
             if stop.is_set():
@@ -151,6 +151,8 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
             store_watch=StoreWatch(redis, options.settings),
         )
         app.state.offload = state
+        with contextlib.suppress(Exception):  # the store's time for the GPU-worker registry (maintenance keeps it)
+            await state.registry.clock.sync(redis)
         routes_hooks.prepare(state)
         await _warm_routes(app)
         if options.freeze_heap:

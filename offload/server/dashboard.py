@@ -23,7 +23,6 @@ Two routes exist for the dashboard's sake:
 from __future__ import annotations
 
 import asyncio
-import time
 from functools import cache
 from importlib import resources
 
@@ -101,7 +100,7 @@ class WhoAmI(BaseModel):
 
 class BudgetView(BaseModel):
     queue: str
-    window: str = Field(..., description="The cap window: the UTC day, YYYYMMDD.")
+    window: str = Field(..., description="The cap window: the job store's UTC day, YYYYMMDD.")
     jobs_used: int
     jobs_cap: int | None = None
     spend_used: float
@@ -126,8 +125,8 @@ async def whoami(key: Principal) -> WhoAmI:
     )
 
 
-async def _budget(state: ServerState, queue: str, window: str) -> BudgetView:
-    jobs, spend = await state.store.usage(queue, window)
+async def _budget(state: ServerState, queue: str) -> BudgetView:
+    window, jobs, spend = await state.store.usage(queue)  # the store's day: the one the workers count in
     caps = state.options.settings.queues.get(queue)
     return BudgetView(
         queue=queue,
@@ -143,7 +142,7 @@ async def _budget(state: ServerState, queue: str, window: str) -> BudgetView:
     "/v1/dashboard/budget",
     response_model=list[BudgetView],
     tags=["dashboard"],
-    summary="Today's (UTC) cap usage and caps, per queue the key may read",
+    summary="Cap usage and caps of the job store's UTC day, per queue the key may read",
 )
 async def budget(request: Request, key: Principal) -> list[BudgetView]:
     state = get_state(request)
@@ -151,5 +150,4 @@ async def budget(request: Request, key: Principal) -> list[BudgetView]:
     visible = [q for q in names if can_read(key, q)]
     if key.scope == "worker":
         raise HTTPException(403, "a worker key may not read budgets")
-    window = time.strftime("%Y%m%d", time.gmtime())  # the dispatch worker's cap window
-    return list(await asyncio.gather(*(_budget(state, q, window) for q in visible)))
+    return list(await asyncio.gather(*(_budget(state, q) for q in visible)))

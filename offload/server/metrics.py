@@ -81,7 +81,6 @@ async def collect(state: ServerState) -> list[Metric]:
     queues = sorted(set(await store.queues()) | set(state.options.settings.queues))
     stats = await asyncio.gather(*(store.stats(q) for q in queues))
     hists = await asyncio.gather(*(store.histograms(q) for q in queues))
-    window = time.strftime("%Y%m%d", time.gmtime())
     depth = GaugeMetricFamily("offload_queue_jobs", "Jobs in each state now.", labels=["queue", "state"])
     totals = CounterMetricFamily(
         "offload_jobs", "Job transitions since the queue was created.", labels=["queue", "event"]
@@ -89,7 +88,9 @@ async def collect(state: ServerState) -> list[Metric]:
     oldest = GaugeMetricFamily("offload_queue_oldest_ready_seconds", "Age of the oldest ready job.", labels=["queue"])
     paused = GaugeMetricFamily("offload_queue_paused", "1 when claims are paused.", labels=["queue"])
     workers = GaugeMetricFamily("offload_workers", "Live workers per queue (lease not expired).", labels=["queue"])
-    budget = GaugeMetricFamily("offload_budget_used", "Counted against today's (UTC) caps.", labels=["queue", "kind"])
+    budget = GaugeMetricFamily(
+        "offload_budget_used", "Counted against the caps of the job store's UTC day.", labels=["queue", "kind"]
+    )
     caps = GaugeMetricFamily("offload_budget_cap", "Daily caps from offload.yaml.", labels=["queue", "kind"])
     for queue, s in zip(queues, stats, strict=True):
         state.rates.observe(queue, s.totals)
@@ -100,7 +101,7 @@ async def collect(state: ServerState) -> list[Metric]:
         oldest.add_metric([queue], (s.oldest_ready_age_ms or 0) / 1000)
         paused.add_metric([queue], int(s.paused))
         workers.add_metric([queue], s.workers)
-        jobs_used, spend_used = await store.usage(queue, window)
+        _, jobs_used, spend_used = await store.usage(queue)
         budget.add_metric([queue, "jobs"], jobs_used)
         budget.add_metric([queue, "spend"], spend_used)
         q = state.options.settings.queues.get(queue)

@@ -4,16 +4,18 @@ It is what `GET /v1/workers` lists and what an autoscaler correlates with the ma
 OFFLOAD_INSTANCE_ID and the protected flag). It is bookkeeping only: leases live in the job store, which
 returns a silent worker's jobs through its reaper whether or not this record still exists.
 Dispatch workers do not register; `GET /v1/workers` shows them from the store's per-queue liveness sets.
+Its times are the job store's (`clock`, synced by the server's maintenance): the autoscaler, on whichever server
+leads, judges a heartbeat stamped here against the same clock, and the store's lease deadlines are in it too.
 """
 
 from __future__ import annotations
 
 import secrets
-import time
 from typing import Any
 
 import orjson
 
+from offload.queue.clock import StoreClock
 from offload.queue.keys import REMOTE_WORKERS, owned, remote_worker, workers
 from offload.queue.store import QueueStore
 from offload.server.schemas import RegisterRequest, WorkerView
@@ -21,20 +23,20 @@ from offload.server.schemas import RegisterRequest, WorkerView
 REMOTE_PREFIX = "r-"
 
 
-def _now_ms() -> int:
-    return int(time.time() * 1000)
-
-
 class WorkerRegistry:
     def __init__(self, store: QueueStore, ttl_ms: int) -> None:
         self.store = store
         self.redis = store.redis
         self.ttl_ms = ttl_ms
+        self.clock = StoreClock()
+
+    def _now_ms(self) -> int:
+        return int(self.clock() * 1000)
 
     async def register(self, key_id: str, req: RegisterRequest) -> str:
         host = "".join(c if c.isalnum() or c in "-." else "-" for c in req.host)[:60] or "worker"
         worker_id = f"{REMOTE_PREFIX}{host}-{secrets.token_hex(4)}"
-        now = _now_ms()
+        now = self._now_ms()
         record = {
             "id": worker_id,
             "key_id": key_id,
@@ -60,7 +62,7 @@ class WorkerRegistry:
         return record or None
 
     async def touch(self, worker_id: str, in_flight: int, protected: bool | None, instance_id: str | None) -> None:
-        now = _now_ms()
+        now = self._now_ms()
         fields: dict[str, Any] = {"last_heartbeat": now, "in_flight": in_flight}
         if protected is not None:
             fields["protected"] = int(protected)
@@ -107,7 +109,7 @@ class WorkerRegistry:
 
     async def dispatch(self, queues: list[str], skip: set[str]) -> list[WorkerView]:
         """Workers the store sees alive (lease deadline in the future) that did not register over HTTP."""
-        now = _now_ms()
+        now = self._now_ms()
         found: dict[str, WorkerView] = {}
         for queue in queues:
             alive = await self.redis.zrangebyscore(workers(queue), now, "+inf", withscores=True)

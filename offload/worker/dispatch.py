@@ -40,6 +40,7 @@ from offload.backends.base import Backend
 from offload.connection import is_outage
 from offload.eventloop import first_of
 from offload.models import ClaimedJob
+from offload.queue.clock import log_clock_step
 from offload.queue.keys import hooks_channel, wake_channel
 from offload.queue.memory import PolicyWatch, has_room
 from offload.queue.store import CompleteItem, QueueStore
@@ -53,6 +54,10 @@ from offload.worker.prefetch import Prefetch
 from offload.worker.slots import SlotPool
 
 log = logging.getLogger("offload.worker")
+# The store answers each release of held jobs with the time until its next cap window (its UTC day, never this
+# host's); it is asked again at least this often, so a step of its clock is followed within seconds (the server's
+# maintenance releases every second too).
+WINDOW_RECHECK_S = 10.0
 __all__ = ["StoreOutput", "Worker", "WorkerOptions", "default_worker_id"]
 T = TypeVar("T")
 # How long a drain waits, past the backend's timeout, for the answers of the calls that were out to be checkpointed
@@ -78,7 +83,6 @@ class Worker(JobPath):
         options: WorkerOptions,
         *,
         worker_id: str | None = None,
-        clock: Callable[[], float] = time.time,
         control: QueueStore | None = None,
     ) -> None:
         self.store, self.backend, self.store_output, self.limits = store, backend, store_output, limits
@@ -88,7 +92,6 @@ class Worker(JobPath):
         self.options = options
         self._hook_backend = hook_backend(backend, options)
         self.id = worker_id or default_worker_id()
-        self.clock = clock
         # (with durability, the probe waits for replicas too: a write they did not confirm is sent again)
         self.health = StoreHealth(
             lambda: store.probe(options.queue),
@@ -121,7 +124,7 @@ class Worker(JobPath):
         self._past: set[str] = set()  # jobs whose remote work is over: storing the output, acking
         self._room = asyncio.Event()  # set when a task ends: room to claim
         self._ready = asyncio.Event()  # set when jobs became ready after a claim found none (wakeups.py)
-        self._window = ""  # unknown: the first loop releases jobs held in earlier windows
+        self._next_window = 0.0  # when the store's next cap window begins (monotonic): the first loop releases
         self._lock = asyncio.Lock()  # claim and heartbeat, never both at once
         self._since: int | None = None  # the lease sequence number of the last heartbeat
         self._beat_at = 0.0  # when the last heartbeat that went through was sent (monotonic)
@@ -149,10 +152,6 @@ class Worker(JobPath):
         self._fences: Batcher[tuple[str, str], str] = Batcher(lambda items: store.fence_many(q, items))
         self._beats: Batcher[None, None] = Batcher(self._beat_many, concurrency=1)
         self._handbacks: Batcher[ClaimedJob, None] = Batcher(self._release_unsent)
-
-    def window(self) -> str:
-        """The cap window: the UTC day of the (injectable) clock."""
-        return time.strftime("%Y%m%d", time.gmtime(self.clock()))
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -208,7 +207,6 @@ class Worker(JobPath):
                 self.id,
                 n,
                 opts.lease_ms,
-                window=self._window,
                 job_cap=opts.daily_job_cap,
                 spend_cap=opts.daily_spend_cap,
                 estimate=opts.reservation,
@@ -436,6 +434,9 @@ class Worker(JobPath):
                 self.options.queue, self.id, list(self.tokens.items()), self.options.lease_ms, since=self._since
             )
             self._since, self._beat_at = reply.seq, sent
+            if reply.stepped_back_ms:  # held jobs of a window the store's clock left behind were released too
+                log_clock_step(self.options.queue, reply.stepped_back_ms)
+                self._next_window = 0.0
             for job_id in reply.lost:
                 if job_id in self.settling:
                     continue
@@ -493,20 +494,21 @@ class Worker(JobPath):
     async def _roll_window(self) -> None:
         """Jobs held in an earlier cap window go back to ready: when the window rolls over during the worker's
         life, and when a worker starts in a later window than the one they were held in (a restart after
-        midnight). Every worker may do this: moving a held job is atomic. The window counts as rolled only once
-        the release went through, so one interrupted by an outage is done again."""
-        window = self.window()
-        if window != self._window:
-            released = await self.control.release_held_before(self.options.queue, window)
-            self._window = window
-            if released:
-                log.info("cap window %s: released %d held jobs", window, released)
+        midnight). The window is the store's UTC day, whatever this host's clock says: the store answers which
+        window it is in and when the next begins, and this host only measures that wait (monotonic). Every worker
+        may do this: moving a held job is atomic. The next release is scheduled only once this one went through,
+        so one interrupted by an outage is done again."""
+        if time.monotonic() < self._next_window:
+            return
+        done = await self.control.release_held(self.options.queue)
+        self._next_window = time.monotonic() + min(max(done.next_window_s, 0.05), WINDOW_RECHECK_S)
+        if done.released:
+            log.info("cap window %s (the job store's UTC day): released %d held jobs", done.window, done.released)
 
     async def _begin_many(self, items: list[tuple[str, str, str]]) -> list[str]:
         opts = self.options
         return await self.store.begin_many(
             opts.queue,
-            self._window,
             [(i, t, opts.reservation, h) for i, t, h in items],
             job_cap=opts.daily_job_cap,
             spend_cap=opts.daily_spend_cap,

@@ -7,7 +7,6 @@ import contextlib
 import functools
 import logging
 import signal
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,7 +15,7 @@ from offload.backends.http import user_agent
 from offload.backends.transport import fast_path
 from offload.config import Settings, parse_rate
 from offload.connection import connect
-from offload.env import env_float, env_int
+from offload.env import env_int
 from offload.errors import ConfigError
 from offload.queue.memory import require_noeviction
 from offload.queue.store import QueueStore
@@ -44,7 +43,6 @@ async def run_worker(
     worker_id: str | None = None,
     stop: asyncio.Event | None = None,
     grace_s: float = 30.0,
-    clock: Callable[[], float] = time.time,
     install_signals: bool = True,
     on_ready: Callable[[Worker], None] | None = None,
 ) -> Worker:
@@ -56,7 +54,6 @@ async def run_worker(
         worker_id=worker_id,
         stop=stop,
         grace_s=grace_s,
-        clock=clock,
         install_signals=install_signals,
         on_ready=on_ready,
     )
@@ -71,7 +68,6 @@ async def run_workers(
     worker_id: str | None = None,
     stop: asyncio.Event | None = None,
     grace_s: float = 30.0,
-    clock: Callable[[], float] = time.time,
     install_signals: bool = True,
     on_ready: Callable[[Worker], None] | None = None,
 ) -> list[Worker]:
@@ -88,12 +84,6 @@ async def run_workers(
     if not plans:
         raise ConfigError("no queue to serve")
     lease_ms = env_int("OFFLOAD_LEASE_MS", None, minimum=1)
-    offset = env_float("OFFLOAD_CLOCK_OFFSET_S", None)
-    if offset and clock is time.time:  # shifts the cap window only; an injected clock wins
-
-        def clock() -> float:
-            return time.time() + offset
-
     stop = stop or asyncio.Event()
     cut = asyncio.Event()
     if install_signals:
@@ -183,7 +173,6 @@ async def run_workers(
                 limits[backend_name],
                 options,
                 worker_id=worker_id,
-                clock=clock,
                 control=QueueStore(control, durability=settings.durability),
             )
             workers.append(worker)

@@ -12,13 +12,13 @@
 -- webhook secret, when given, is kept per submission (`hook:<n>`, the last four: a resend of an unknown submission
 -- under the same number carries a new secret, and the first one's webhook must still be recognised).
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
--- ARGV: now, cap window, job cap ('' none), spend cap ('' none), backend name, items: a JSON list of [id,
---   token, estimated cost, webhook secret hash ('' none)]
+-- ARGV: now, job cap ('' none), spend cap ('' none), backend name, items: a JSON list of [id, token, estimated
+--   cost, webhook secret hash ('' none)]. The cap window is the store's UTC day (`window_of` in clock.lua).
 -- Returns: per item OK:<n>, OK:<n>:DUP, REMOTE:<n>:<remote id>, CAP:jobs, CAP:spend (held), CANCEL, STALE or NOTFOUND
 --- @include "common"
 local now = now_ms(ARGV[1])
-local window, job_cap, spend_cap, backend = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
-local capped = window ~= '' and (job_cap or spend_cap)
+local window, job_cap, spend_cap, backend = window_of(now), tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+local capped = job_cap or spend_cap
 local st = nil
 if capped then st = cap_open(window) end
 local out, dups = {}, 0
@@ -36,7 +36,7 @@ local function remember_hook(k, n, digest)
     redis.call('HSET', k, field, table.concat(kept, ' '))
   end
 end
-for _, item in ipairs(cjson.decode(ARGV[6])) do
+for _, item in ipairs(cjson.decode(ARGV[5])) do
   local id, token, estimate = item[1], item[2], tonumber(item[3]) or 0
   local k = jkey(id)
   -- the lease check of owned() (common.lua) and the fields the intent needs, in one read: this runs per job

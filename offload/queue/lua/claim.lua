@@ -1,9 +1,9 @@
 -- Leases up to `max jobs` ready jobs to a worker. Claiming also proves the worker alive, promotes due delayed
 -- jobs, returns the jobs of dead workers to ready and deletes expired records (a bounded amount of each, the
 -- trimming in step with the claiming), so a queue that has workers needs no separate scheduler to make progress.
--- Over a cap (in the caller's cap window) no fresh job is taken: only jobs that go on without a new submission (a
--- remote job to resume, a cancel to carry out; under the job cap, a job already counted in the window), from the
--- head of the ready set.
+-- Over a cap (in the cap window: the store's UTC day, `window_of` in clock.lua) no fresh job is taken: only jobs
+-- that go on without a new submission (a remote job to resume, a cancel to carry out; under the job cap, a job
+-- already counted in the window), from the head of the ready set.
 -- A repeat of the worker's last claim (same request id: its reply was lost and the client sent it again) answers
 -- the same jobs again instead of leasing more.
 -- A claim that empties the ready set leaves `idle` behind: the next script that makes a job ready PUBLISHes on
@@ -13,18 +13,19 @@
 -- job). Only a job with nothing unsettled is begun here: no remote id, no open intent, no cancel, and no cap
 -- in the window (caps reserve in begin.lua); the others are left to begin.lua, which decides them.
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
--- ARGV: now, worker id, max jobs, lease ms, request id, cap window, job cap, spend cap, estimated cost of one
---   submission, silence ms, begin ('1' or '')
+-- ARGV: now, worker id, max jobs, lease ms, request id, job cap, spend cap, estimated cost of one submission,
+--   silence ms, begin ('1' or '')
 -- Returns: a flat list, 13 fields per job (decoded in one place: offload.queue.replies): id, token, attempt,
 --   max_attempts, input, output_key, backend, remote_id, cancel, claimed before (1/0), submission number,
 --   submit intent open (1/0: an earlier delivery may have left a submission it never recorded), begun (1/0: the
 --   intent of the submission number is this lease's own, opened by this claim)
 --- @include "common"
 local now = now_ms(ARGV[1])
-local wid, n, lease, req, window = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5], ARGV[6]
-local job_cap, spend_cap, estimate, silence = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9]) or 0,
-  tonumber(ARGV[10])
-local begin = ARGV[11] == '1' and not (window ~= '' and (job_cap or spend_cap))
+local wid, n, lease, req = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
+local job_cap, spend_cap, estimate, silence = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]) or 0,
+  tonumber(ARGV[9])
+local window = (job_cap or spend_cap) and window_of(now) or ''
+local begin = ARGV[10] == '1' and window == ''
 local SCAN = 200
 local FIELDS = {'max_attempts', 'attempts', 'remote_id', 'input', 'output_key', 'backend', 'cancel',
   'started_at', 'ready_at', 'created_at', 'sub_n', 'sub_open', 'token', 'intent_tok', 'remote_n'}

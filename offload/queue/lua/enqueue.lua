@@ -5,12 +5,14 @@
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
 -- ARGV: now, check ids (1: ids may repeat, e.g. caller-chosen), metas, jobs, batch nonce (random per call).
 --   metas is a JSON list of "priority\trun_at\tmax_attempts\tretention\tidempotency key\toutput key" strings
---   (empty output key: results/<id>.json); jobs is a JSON list of [id, input, meta index]
+--   (empty output key: results/<id>.json; run_at: epoch ms, '' none, or "+<ms>": a delay from the store's now,
+--   so a producer's clock never decides when its job is due); jobs is a JSON list of [id, input, meta index]
 -- Returns: per job, its id (an existing one when the idempotency key or the id was seen before), or
 --   {id, 'gone'} when the key's job finished and its record was trimmed: the key still answers (a repeat
 --   never makes a second, paid run while the key lives), and the caller is told the record is gone
 --- @include "common"
 local now = now_ms(ARGV[1])
+rewind(now)  -- before a delay is scheduled on the store's clock
 local check_ids = ARGV[2] == '1'
 if ARGV[5] and ARGV[5] ~= '' and not redis.call('SET', P .. 'enq:' .. ARGV[5], '1', 'NX', 'EX', 600) then
   check_ids = true
@@ -26,8 +28,10 @@ for _, job in ipairs(jobs) do
   local m = parsed[meta]
   if not m then
     local prio, run_at, maxa, ret, idem, okey = string.match(meta, '^([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t(.*)$')
+    local delay = string.match(run_at, '^%+(%d+)$')
     m = {prio = prio, run_at = tonumber(run_at), maxa = maxa, ret = ret, idem = idem, okey = okey,
-         base = (1000 - tonumber(prio)) * PRIO_SPAN}
+         base = (1000 - tonumber(prio)) * PRIO_SPAN, delay = delay}
+    if delay then m.run_at = now + tonumber(delay) end
     parsed[meta] = m
   end
   local existing, gone = nil, false
@@ -50,6 +54,7 @@ for _, job in ipairs(jobs) do
     if m.run_at and m.run_at > now then
       redis.call('HSET', k, 'input', input, 'priority', m.prio, 'max_attempts', m.maxa, 'retention', m.ret,
         'created_at', now, 'state', 'delayed', 'run_at', m.run_at)
+      if m.delay then redis.call('HSET', k, 'delay', m.delay) end  -- relative: `shift_back` moves it
       delayz[#delayz + 1] = m.run_at
       delayz[#delayz + 1] = id
       delayed[#delayed + 1] = id

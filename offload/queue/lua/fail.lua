@@ -9,6 +9,7 @@
 -- Returns: retrying, dead, STALE or NOTFOUND
 --- @include "common"
 local now = now_ms(ARGV[1])
+rewind(now)  -- before a retry is scheduled on the store's clock
 local id, token, err_text = ARGV[2], ARGV[3], ARGV[4]
 local f, err = owned(id, token)
 if err then return err end

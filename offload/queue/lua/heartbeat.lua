@@ -9,13 +9,15 @@
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
 -- ARGV: now, worker id, lease ms, silence ms, since, grace ms, then (job id, lease token) pairs: the leases the
 --   worker holds (a token '' is judged by ownership alone)
--- Returns: {lost ids, cancel-requested ids, the lease sequence number now, how many were handed back}
+-- Returns: {lost ids, cancel-requested ids, the lease sequence number now, how many were handed back, the ms the
+--   store's clock stepped back since a heartbeat or maintenance pass last said so (0: none; `shift_back` in
+--   common.lua)}
 --- @include "common"
 local now = now_ms(ARGV[1])
 local wid, lease, silence = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local since, grace = tonumber(ARGV[5]), tonumber(ARGV[6])
 local owned_key = P .. 'owned:' .. wid
-stamp(now, silence)
+local _, stepped = stamp(now, silence, true)
 heard(wid, now, lease)
 reap(now, 100)
 local lost, cancels, listed, n_listed = {}, {}, {}, 0
@@ -61,4 +63,4 @@ if (since or grace) and redis.call('ZCARD', owned_key) > n_listed then
   released = return_leases(unknown, now, false)
   bulk('ZREM', owned_key, unknown)  -- also the entries of records that are gone or moved on
 end
-return {lost, cancels, redis.call('GET', P .. 'tok') or '0', released}
+return {lost, cancels, redis.call('GET', P .. 'tok') or '0', released, stepped}

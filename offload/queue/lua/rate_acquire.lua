@@ -11,9 +11,14 @@ if cool > 0 then return -cool end
 local now = now_ms('')
 local interval, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
 if interval <= 0 then return 0 end
-local tat = tonumber(redis.call('GET', KEYS[1]) or now)
+-- the state is "<theoretical arrival time> <now when written>": a step back of the store's clock since the last
+-- write moves the arrival time back with it, or every caller would wait for the clock to catch up
+local tat, at = string.match(redis.call('GET', KEYS[1]) or '', '^(%S+) ?(%S*)$')
+tat, at = tonumber(tat) or now, tonumber(at)
+if at and now < at - 1000 then tat = tat - (at - now) end
 if tat < now then tat = now end
 local wait = tat - now - (burst - 1) * interval
 if wait < 0 then wait = 0 end
-redis.call('SET', KEYS[1], string.format('%.0f', tat + interval), 'PX', math.ceil(tat + interval - now) + 1000)
+redis.call('SET', KEYS[1], string.format('%.0f %.0f', tat + interval, now), 'PX',
+  math.ceil(tat + interval - now) + 1000)
 return math.ceil(wait)

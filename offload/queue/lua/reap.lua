@@ -3,12 +3,13 @@
 -- retention ran out.
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
 -- ARGV: now, limit, silence ms
--- Returns: {promoted, reaped, trimmed}
+-- Returns: {promoted, reaped, trimmed, the ms the store's clock stepped back since a heartbeat or
+--   maintenance pass last said so (0: none; `shift_back` in common.lua)}
 --- @include "common"
 local now = now_ms(ARGV[1])
 local limit = tonumber(ARGV[2])
 local trimmed = trim(now, limit)  -- first: a store at its maxmemory gets the room back before anything is written
-stamp(now, tonumber(ARGV[3]))
+local _, stepped = stamp(now, tonumber(ARGV[3]), true)
 local promoted = promote(now, limit)
 local reaped = reap(now, limit)
-return {promoted, reaped, trimmed}
+return {promoted, reaped, trimmed, stepped}
