@@ -22,7 +22,7 @@ import threading
 from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from offload.connection import connect
+from offload.connection import at_start, connect
 from offload.files import DEFAULT_MAX_FILE_BYTES, files_in
 from offload.models import Job, QueueStats
 from offload.queue import durability as durable
@@ -89,7 +89,7 @@ class AsyncClient:
                 if self._store is None:
                     redis = await connect(self._url)
                     try:
-                        await require_noeviction(redis)
+                        await at_start(lambda: require_noeviction(redis))
                     except BaseException:
                         await redis.aclose()
                         raise

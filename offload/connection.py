@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any, cast
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, cast
 from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
@@ -26,6 +27,8 @@ from offload.errors import ConnectionFailed
 from offload.redact import mask_url as mask_url  # re-exported: the one redaction path
 from offload.redact import redact
 from offload.redis_client import RedisClient
+
+T = TypeVar("T")
 
 
 class GatedPool(aioredis.ConnectionPool):
@@ -162,5 +165,24 @@ async def connect(url: str | None = None, *, retry_for: float | None = None, max
                 raise ConnectionFailed(
                     f"cannot reach Redis/Valkey at {mask_url(target)} after {retry_for:g}s: {reason}"
                 ) from None
+            await asyncio.sleep(min(delay, max(deadline - loop.time(), 0.0)))
+            delay = min(delay * 2, 2.0)
+
+
+async def at_start(fn: Callable[[], Awaitable[T]], *, retry_for: float | None = None) -> T:
+    """`fn()`, a start-up read of the store made right after `connect` (its eviction policy, its replicas), sent
+    again through an outage for as long as `connect` would wait: a store that fails over, restarts or resets our
+    connections just as a process starts is waited for like one that is not up yet, never a crash."""
+    if retry_for is None:
+        retry_for = env_float("OFFLOAD_REDIS_CONNECT_TIMEOUT", 10.0, minimum=0)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + retry_for
+    delay = 0.1
+    while True:
+        try:
+            return await fn()
+        except Exception as exc:
+            if not is_outage(exc) or loop.time() >= deadline:
+                raise
             await asyncio.sleep(min(delay, max(deadline - loop.time(), 0.0)))
             delay = min(delay * 2, 2.0)

@@ -126,3 +126,31 @@ async def test_thousands_of_callers_share_a_small_pool_without_starving(valkey_u
     finally:
         await redis.delete("gated-pool-test")
         await redis.aclose()
+
+
+async def test_a_start_up_read_is_sent_again_through_a_store_restart(tmp_path: Path) -> None:
+    """The reads a process makes right after `connect` (its eviction policy, its replicas) ride out a store that
+    restarts or resets connections just then, as `connect` itself does: a worker started during a failover waits
+    instead of exiting 1. Anything that is not an outage is raised at once."""
+    from servers import ValkeyServer
+
+    from offload.connection import at_start
+    from offload.errors import UnsafeEvictionPolicy
+    from offload.queue.memory import require_noeviction
+
+    with ValkeyServer(tmp_path / "v") as server:
+        client = await connect(server.url)
+        try:
+            server.kill()  # the connection the client holds is gone, and nothing listens until the restart
+            restart = asyncio.create_task(asyncio.to_thread(server.restart))
+            memory = await at_start(lambda: require_noeviction(client), retry_for=30)
+            await restart
+            assert restart.done() and memory.problem is None
+            with server.client() as c:
+                c.config_set("maxmemory-policy", "allkeys-lru")
+            started = time.monotonic()
+            with pytest.raises(UnsafeEvictionPolicy):
+                await at_start(lambda: require_noeviction(client), retry_for=30)
+            assert time.monotonic() - started < 5  # refused, not retried for 30 s
+        finally:
+            await client.aclose()

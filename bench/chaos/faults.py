@@ -149,7 +149,8 @@ class Schedule:
     evicting: list[tuple[float, float]] = field(default_factory=list)  # maxmemory-policy not noeviction
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _stopping: bool = False
-    # an evicting policy with a maxmemory reached would really evict (and lose acknowledged jobs): never both at once
+    # one at a time: an evicting policy with a maxmemory reached would really evict (and lose acknowledged jobs),
+    # and a Valkey restart or a failover drops the CONFIG SET of a spell in force
     _store_fault: asyncio.Lock = field(default_factory=asyncio.Lock)
     _switching: asyncio.Task[None] | None = None
     _pending: set[asyncio.Task[None]] = field(default_factory=set)
@@ -406,10 +407,13 @@ class Schedule:
         self.note("valkey_clock", "valkey", step_s=round(step, 1), offset_s=round(clock.offset_s, 1))
 
     async def _valkey(self) -> None:
-        began = time.time()
-        down = await asyncio.to_thread(self.valkey.restart)
-        self.valkey_down.append((began, began + down))
-        self.note("valkey_restart", "valkey", down_s=round(down, 2), appendfsync=self.valkey.appendfsync)
+        if self._store_fault.locked():  # a restart undoes a spell's CONFIG SET: the checker would judge a spell
+            return  # that was not there any more
+        async with self._store_fault:
+            began = time.time()
+            down = await asyncio.to_thread(self.valkey.restart)
+            self.valkey_down.append((began, began + down))
+            self.note("valkey_restart", "valkey", down_s=round(down, 2), appendfsync=self.valkey.appendfsync)
 
     # -- network and provider faults ------------------------------------------------------------------
 
@@ -434,15 +438,18 @@ class Schedule:
     async def _failover(self) -> None:
         """Cut the replica off, let the primary take writes it will lose, then fail over to the replica."""
         assert self.failover is not None
-        self.failover.cut()
-        self.note("replica_cut", "valkey", seconds=self.profile.failover_cut_s)
-        try:
-            await asyncio.sleep(self.profile.failover_cut_s)
-        except asyncio.CancelledError:
-            self.failover.heal()  # the run is ending: no failover this time
-            raise
-        self._switching = asyncio.create_task(self._switch())
-        await asyncio.shield(self._switching)
+        if self._store_fault.locked():  # the promoted replica has none of a spell's CONFIG SET (see _valkey)
+            return
+        async with self._store_fault:
+            self.failover.cut()
+            self.note("replica_cut", "valkey", seconds=self.profile.failover_cut_s)
+            try:
+                await asyncio.sleep(self.profile.failover_cut_s)
+            except asyncio.CancelledError:
+                self.failover.heal()  # the run is ending: no failover this time
+                raise
+            self._switching = asyncio.create_task(self._switch())
+            await asyncio.shield(self._switching)
 
     async def _switch(self) -> None:
         assert self.failover is not None

@@ -299,7 +299,9 @@ class Run:
         try:
             client = await connect(self.proxy.url, retry_for=10)
             try:
-                ids = await asyncio.wait_for(QueueStore(client).enqueue_many(QUEUE, specs), 30)
+                ids = await asyncio.wait_for(
+                    QueueStore(client, durability=self.durability).enqueue_many(QUEUE, specs), 30
+                )
             finally:
                 await client.aclose()
         except (RedisError, OSError, TimeoutError, StoreError) as exc:

@@ -24,7 +24,7 @@ from starlette.types import Receive, Scope, Send
 
 from offload import __version__
 from offload.autoscale.alerts import Alerter, alert_settings
-from offload.connection import connect, is_oom
+from offload.connection import at_start, connect, is_oom
 from offload.heap import freeze_startup
 from offload.queue.memory import require_noeviction
 from offload.queue.store import QueueStore
@@ -132,12 +132,12 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         redis = await connect(options.redis_url or options.settings.redis_url)
         try:
-            await require_noeviction(redis)  # `offload server` checks first, for one error line (cli/server.py)
+            await at_start(lambda: require_noeviction(redis))  # (cli/server.py checks first: one error line)
         except BaseException:
             await redis.aclose()
             raise
         store = QueueStore(redis, lease_ms=options.worker_lease_ms, durability=options.settings.durability)
-        await store.check_durability(list(options.settings.queues))
+        await at_start(lambda: store.check_durability(list(options.settings.queues)))
         keys = KeyStore(redis, options.admin_key) if options.admin_key else KeyStore.from_env(redis)
         state = ServerState(
             options=options,

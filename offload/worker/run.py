@@ -14,7 +14,7 @@ from offload.backends import Backend, create_backend, new_client
 from offload.backends.http import user_agent
 from offload.backends.transport import fast_path
 from offload.config import Settings, parse_rate
-from offload.connection import connect
+from offload.connection import at_start, connect
 from offload.env import env_int
 from offload.errors import ConfigError
 from offload.queue.memory import require_noeviction
@@ -114,9 +114,9 @@ async def run_workers(
                 resources.push_async_callback(backends[backend_name].aclose)
         redis = await connect(settings.redis_url)
         resources.push_async_callback(redis.aclose)
-        await require_noeviction(redis)  # a store that may evict loses leases and caps: refuse before any claim
+        await at_start(lambda: require_noeviction(redis))  # a store that may evict loses leases and caps: refuse
         store = QueueStore(redis, durability=settings.durability)
-        await store.check_durability([queue for queue, *_ in plans])
+        await at_start(lambda: store.check_durability([queue for queue, *_ in plans]))
 
         async def save(key: str, output: Any, run: str, fence: Fence) -> str:
             stored = await store_output(
