@@ -28,6 +28,7 @@ from offload.queue import durability
 from offload.queue.durability import Durability
 from offload.queue.keys import validate_queue
 from offload.schema import Strict, parse, parse_rate
+from offload.server.clientaddr import parse_networks
 from offload.storage.namespace import check_prefixes
 from offload.storage.settings import LocalStorageSettings, StorageSettings
 
@@ -47,9 +48,17 @@ __all__ = [
 
 class ServerSettings(Strict):
     """What the server's public address is: set, backends that support it send each submission a webhook URL
-    under it (`<public_url>/v1/hooks/...`), and polling becomes a slow fallback."""
+    under it (`<public_url>/v1/hooks/...`), and polling becomes a slow fallback. `trusted_proxies`: the reverse
+    proxies (CIDRs) whose forwarding headers name the client (offload/server/clientaddr.py)."""
 
     public_url: str | None = None
+    trusted_proxies: list[str] = Field(default_factory=list)
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _cidrs(cls, v: list[str]) -> list[str]:
+        parse_networks(v)
+        return [c.strip() for c in v]
 
     @field_validator("public_url")
     @classmethod
@@ -192,6 +201,8 @@ def _from_env(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
         env, "OFFLOAD_SERVER_PUBLIC_URL"
     ):  # not OFFLOAD_PUBLIC_URL: the autoscaler's, for rented machines
         data.setdefault("server", {})["public_url"] = public
+    if proxies := _pick(env, "OFFLOAD_TRUSTED_PROXIES"):
+        data.setdefault("server", {})["trusted_proxies"] = [p for p in proxies.split(",") if p.strip()]
     base = _pick(env, "OFFLOAD_API_BASE", "GPU_API_BASE")
     list_key = _pick(env, "OFFLOAD_QUEUE_KEY", "QUEUE_KEY")
     if base or list_key:  # the tutorial's single-queue setup

@@ -51,6 +51,7 @@ The branch roots are defined here; a leaf lives beside the code that raises it a
   + RequestError - an API or operator request that cannot be served as asked
     - FieldError - a 422 about one field (offload.server.errors)
     - BodyTooLarge (starlette's HTTPException) - a 413, raised inside FastAPI's body reader (offload.server.errors)
+    - BodyTimeout (starlette's HTTPException) - a 408: the body did not arrive in time (offload.server.limits)
     - InvalidKeyRequest (ValueError) - an API-key request (offload.server.keys)
     - ProviderNotFound (KeyError), ProviderInUse (ValueError) - the provider catalogue (autoscale.provider_store)
     - OperatorOnly - a setting only the operator's file may give (offload.autoscale.operator_only)

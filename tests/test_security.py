@@ -1,8 +1,10 @@
 """The attacker's walk: every operation of the server's own OpenAPI description (generated, never hand-listed)
-called with no key, a revoked key, and a producer key and a worker key of another queue, against a server
+called with no key, a revoked key, a wrong secret for a real key's id, and a producer key and a worker key of
+another queue, all through a trusted reverse proxy from one client address, against a server
 holding every kind of secret (admin key, vault master key, provider and backend credentials, storage keys,
-alert webhook token and SMTP password, a queue's instance.env). Every call is refused (401/403; a listing
-that takes no parameters may answer, with nothing of the victim queue in it), and none of the secrets appears
+alert webhook token and SMTP password, a queue's instance.env). Every call is refused (401/403, or 429 once the
+bad keys pass the failed-auth limit, which never refuses the valid keys from the same address; a listing that
+takes no parameters may answer, with nothing of the victim queue in it), and none of the secrets appears
 in any response, log line or stored record (every key of the Redis database is read). The server's autoscaler
 runs meanwhile against a provider that echoes the request, credentials and worker key included, into its
 errors, so redaction is walked too."""
@@ -25,7 +27,10 @@ from servers import ValkeyServer, free_port
 
 from offload.autoscale.vault import ENV as VAULT_ENV
 
-IDENTITIES = ("anonymous", "revoked", "producer of another queue", "worker of another queue")
+IDENTITIES = ("anonymous", "revoked", "forged", "producer of another queue", "worker of another queue")
+# Every identity comes through the trusted reverse proxy (127.0.0.1) from one client address, with a spoofed hop
+# of its own in front: the bad keys' failures block that address and the forged key's id, never a valid key.
+FORWARDED = {"X-Forwarded-For": "10.9.9.9, 198.51.100.7"}
 
 
 def secret(tag: str) -> str:
@@ -58,6 +63,7 @@ def world(valkey: ValkeyServer, s3: RcloneS3) -> Iterator[dict[str, Any]]:
     try:
         with echo_server() as echo:
             settings = {
+                "server": {"trusted_proxies": ["127.0.0.1/32"]},
                 "backends": {"gpu": {"kind": "http-job", "base_url": echo.url, "api_key": given["backend api key"]}},
                 "autoscaler": {"public_url": "https://cp.example.com", "worker_key": rented_key, "tick": 0.1},
                 "alerts": {
@@ -80,6 +86,7 @@ def world(valkey: ValkeyServer, s3: RcloneS3) -> Iterator[dict[str, Any]]:
                 admin_key=given["admin key"],
                 max_wait_s=1,
                 key_recheck_s=0.5,
+                auth_fail_limit=20,
             ) as (url, _):
                 yield {
                     "url": url,
@@ -236,29 +243,44 @@ def test_the_attackers_walk(world: dict[str, Any], caplog: pytest.LogCaptureFixt
     spec = httpx.get(f"{url}/openapi.json").json()
     ops = operations(spec, w)
     assert len(ops) >= 40, len(ops)  # the whole API, from its own description
+    victim_key_id = w["victim worker"].split("_")[1]
     tokens = {
         "anonymous": None,
         "revoked": w["revoked"],
+        "forged": f"ofk_{victim_key_id}_not-its-secret",
         "producer of another queue": w["producer"],
         "worker of another queue": w["worker"],
     }
     responses: list[tuple[str, str]] = list(w["responses"])
-    refused = 0
+    refused, limited = 0, 0
     for who in IDENTITIES:
         with client(url, tokens[who]) as c:
+            c.headers.update(FORWARDED)
             for method, path, body, needs_key, listing in ops:
                 if not needs_key:
                     continue
                 status, text = _call(c, method, path, body)
                 responses.append((f"{who}: {method} {path}", text))
-                if who in ("anonymous", "revoked"):
+                if who == "anonymous":
                     assert status == 401, (who, method, path, status, text)
+                elif who in ("revoked", "forged"):  # past the failure limit: 429, for this address or key id
+                    assert status in (401, 429), (who, method, path, status, text)
+                    limited += status == 429
                 elif listing and status < 300:  # e.g. GET /v1/queues: only the key's own queues
                     assert w["victim"] not in text, (who, method, path, text)
-                else:
+                else:  # valid keys from the blocked address: judged by their scope, never refused for it
                     assert status == 403, (who, method, path, status, text)
-                refused += status in (401, 403)
-    assert refused >= 3 * len([o for o in ops if o[3]])
+                refused += status in (401, 403, 429)
+    keyed = len([o for o in ops if o[3]])
+    assert refused >= 4 * keyed and limited >= keyed  # the forged key alone: refused for its id and address
+    with client(url, w["victim worker"]) as vw:  # its id was attacked; the key itself still works
+        vw.headers.update(FORWARDED)
+        r = vw.post(f"/v1/workers/{w['worker id']}/heartbeat", json={"jobs": []})
+        assert r.status_code == 200, r.text
+    stored_counters = redis_dump(w["valkey"])
+    assert "offload:authfail:ip:198.51.100.7" in stored_counters
+    assert f"offload:authfail:key:{victim_key_id}" in stored_counters
+    assert "authfail:ip:10.9.9.9" not in stored_counters and "authfail:ip:127.0.0.1" not in stored_counters
 
     for path in (
         "/v1/autoscale/providers",

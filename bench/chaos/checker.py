@@ -51,6 +51,7 @@ from typing import Any
 
 import orjson
 
+from bench.chaos import hostile
 from bench.chaos.procs import Incarnation
 from bench.chaos.proxy import DroppedReply
 from offload.sim.files import file_bytes, parse_name
@@ -795,6 +796,9 @@ class Checker:
         )
         for part in parts:
             summary.update(part)
+        hostile_part, hostile_findings = hostile.check(self.d.timeline)  # --faults hostile (bench/chaos/hostile.py)
+        summary.update(hostile_part)
+        self.findings += hostile_findings
         return Verdict(summary, self.findings, self.details)
 
 

@@ -76,6 +76,7 @@ class Profile:
     rate_limit: str | None = None  # the backend's (None: none)
     failover_every: float = 150.0
     failover_cut_s: float = 4.0  # how long the replica is cut off before it is promoted
+    hostile_every: float = 20.0  # with the server (--webhooks): bad-key bursts and trickled bodies (hostile.py)
     error_rate: float = 0.05
     rate_429: float = 0.01
     lost_response_rate: float = 0.002

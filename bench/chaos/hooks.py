@@ -53,8 +53,8 @@ class Server:
     def url(self) -> str:
         return f"http://{HOST}:{self.port}"
 
-    def start(self, config: Path) -> Server:
-        cmd = [OFFLOAD, "server", "--config", str(config), "--host", HOST, "--port", str(self.port)]
+    def start(self, config: Path, *extra: str) -> Server:
+        cmd = [OFFLOAD, "server", "--config", str(config), "--host", HOST, "--port", str(self.port), *extra]
         self.proc = spawn([*cmd, "--no-access-log", "--log-level", "warning"], self.out / "server.log", self.env)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and self.proc.poll() is None:

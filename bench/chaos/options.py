@@ -28,6 +28,7 @@ FAULTS = (
     "failover",
     "worker-clock",
     "valkey-clock",
+    "hostile",
 )
 BACKENDS = {
     "http-job": {},
@@ -63,6 +64,7 @@ QUICK = {
     "drain_every": 10.0,
     "failover_every": 20.0,
     "failover_cut_s": 3.0,
+    "hostile_every": 8.0,
     "latency": "3-8",
     "result_ttl": 8.0,
     "capped_jobs": 24,
@@ -148,6 +150,7 @@ def profile_for(args: argparse.Namespace) -> Profile:
         ("drain", ["drain_every"]),
         ("worker-clock", ["worker_clock_every"]),
         ("valkey-clock", ["valkey_clock_every"]),
+        ("hostile", ["hostile_every"]),
     ):
         if fault not in chosen:
             off.update(dict.fromkeys(fields, 0.0))

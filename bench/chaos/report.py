@@ -107,6 +107,10 @@ def report(
         "cancel_not_honoured",
         "submitted_after_cancel",
         "ran_after_cancel",
+        "hostile",
+        "valid_key_refused",
+        "bad_keys_not_limited",
+        "loris_not_cut",
     ):
         if key in summary:
             doc[key] = summary[key]

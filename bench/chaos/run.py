@@ -36,7 +36,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
-from bench.chaos import failover, report
+from bench.chaos import failover, hostile, report
 from bench.chaos.checker import TERMINAL, Checker, RunData
 from bench.chaos.faketime import ClockFile
 from bench.chaos.faults import Profile, Schedule
@@ -154,12 +154,12 @@ class Run:
             **durable,
         )
         if args.webhooks:  # through the proxy, like every client (see hooks.py); the simulator signs and faults
-            self.server = Server(self.out, env)
+            self.server = Server(self.out, {**env, "OFFLOAD_ADMIN_KEY": hostile.ADMIN_KEY})
             await asyncio.to_thread(self.sim.post, "/_sim/webhooks", self.server.sim_faults(p))
             config = worker_config(
                 self.out / "offload-server.yaml", self.proxy.url, self.s3, self.sim.url, args.backend, p, self.server
             )
-            await asyncio.to_thread(self.server.start, config)
+            await asyncio.to_thread(self.server.start, config, "--body-timeout", str(hostile.BODY_TIMEOUT_S))
         for n in range(p.workers + 1):
             name, queue = (f"w{n + 1}", QUEUE) if n < p.workers else ("c1", CAPPED)
             cfg = worker_config(
@@ -199,8 +199,13 @@ class Run:
         fault_s = p.minutes * 60
         producer = asyncio.create_task(self._produce(started + fault_s * 0.85))
         self.schedule.start()
+        attacker = hostile.Hostile(self.schedule, self.server.url, QUEUE) if self.server else None
+        if attacker is not None and p.hostile_every > 0:
+            attacker.start(p.hostile_every)
         log.warning("fault phase: %.0f s, %s", fault_s, self.pidns_note)
         await asyncio.sleep(fault_s)
+        if attacker is not None:
+            await attacker.stop()
         await self.schedule.stop()
         await asyncio.wait_for(producer, 120)
         healed = time.time()

@@ -65,6 +65,8 @@ resource "openstack_compute_instance_v2" "server" {
       env = { for k, v in merge(local.server_env, {
         OFFLOAD_SERVER_HOST = var.server_domain != null ? "127.0.0.1" : local.server_ip
         OFFLOAD_PUBLIC_URL  = local.server_url
+        # Caddy on the same host: its X-Forwarded-For names each client (else all share Caddy's address)
+        OFFLOAD_TRUSTED_PROXIES = var.server_domain != null ? "127.0.0.1,::1" : null
       }) : k => v if v != null }
     })
     unit           = local.server_unit

@@ -31,6 +31,21 @@ def server(
         float,
         typer.Option(min=0.1, help="Seconds a client has to send a request's headers before its connection is closed."),
     ] = 10.0,
+    body_timeout: Annotated[
+        float, typer.Option(min=0.1, help="Seconds a request body gets to arrive (plus what --body-min-rate earns).")
+    ] = 30.0,
+    body_min_rate: Annotated[
+        int, typer.Option(min=1, help="Bytes per second of body that earn one more second; slower bodies get 408.")
+    ] = 16 << 10,
+    max_requests_per_key: Annotated[
+        int, typer.Option(min=1, help="Requests one API key may have open at once; past it 429.")
+    ] = 1024,
+    max_streams_per_key: Annotated[
+        int, typer.Option(min=1, help="Event streams and long-polls (SSE, wait, claim) one key may have open; 429.")
+    ] = 512,
+    max_requests_per_address: Annotated[
+        int, typer.Option(min=1, help="Requests without an API key (webhooks too) open per client address; 429.")
+    ] = 256,
     log_level: LogLevelOpt = "info",
     access_log: Annotated[bool, typer.Option(help="Log each request (method, path, status).")] = True,
 ) -> None:
@@ -52,6 +67,11 @@ def server(
         worker_lease_ms=int(worker_lease * 1000),
         max_connections=max_connections,
         header_timeout_s=header_timeout,
+        body_timeout_s=body_timeout,
+        body_min_rate=body_min_rate,
+        max_requests_per_key=max_requests_per_key,
+        max_streams_per_key=max_streams_per_key,
+        max_requests_per_address=max_requests_per_address,
         freeze_heap=True,
     )
     # A store that may evict is refused before listening, in one line (the app's start-up refuses it too)

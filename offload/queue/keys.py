@@ -140,9 +140,14 @@ def api_key(key_id: str) -> str:
     return f"{NAMESPACE}:apikey:{key_id}"
 
 
-def auth_failures(ip: str) -> str:
-    """Failed-authentication counter of one client address (a fixed window)."""
-    return f"{NAMESPACE}:authfail:{ip}"
+def auth_failures(address: str) -> str:
+    """Failed-authentication counter of one client address (an IPv4 address or an IPv6 /64; a fixed window)."""
+    return f"{NAMESPACE}:authfail:ip:{address}"
+
+
+def auth_key_failures(key_id: str) -> str:
+    """Failed-authentication counter of one existing API key id: wrong secrets presented for it (a fixed window)."""
+    return f"{NAMESPACE}:authfail:key:{key_id}"
 
 
 def remote_worker(worker_id: str) -> str:

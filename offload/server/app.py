@@ -32,6 +32,7 @@ from offload.server import (
     dashboard,
     errors,
     events,
+    limits,
     metrics,
     routes_autoscale,
     routes_files,
@@ -83,6 +84,7 @@ async def _maintenance_loop(state: ServerState, stop: asyncio.Event, sweep: File
                 log.warning("file sweep: %s", type(exc).__name__)  # may carry a URL with a password: type only
         try:
             await state.registry.clock.sync(state.redis)
+            await state.registry.prune()  # registrations whose record expired leave the index
             for queue in await state.store.queues():
                 await state.store.reap(queue)
                 # held jobs of an earlier cap window (the store's UTC day): a few chunks a round, so queues served
@@ -122,6 +124,10 @@ class OffloadAPI(FastAPI):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope["app"] = self  # as Starlette sets it: FastPath finds the server's state there
+        state: ServerState | None = getattr(self.state, "offload", None)
+        if scope["type"] == "http" and state is not None:  # body deadline, per-key and per-address caps
+            await limits.admit(state, scope, receive, send, self._fast)
+            return
         await self._fast(scope, receive, send)
 
 

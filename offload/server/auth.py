@@ -17,15 +17,17 @@ route's `guard` rule (the checks that need only the path: `@guard(produce_path_q
 (64 KiB unless the route is marked `big_body`) before FastAPI's handler starts: a request from a wrong key
 costs its headers, nothing more. Rules that need the body (a claim's queue) still run in the route.
 
-Failed authentication is counted per client address in Redis (so it holds across servers): past
-`auth_fail_limit` bad keys within `auth_fail_window_s`, the address gets 429 with Retry-After, and no key it
-presents is checked until the window ends, so guessing cannot go faster than that. A server learns of a block
-from the shared counter on its first failure from that address, so a request with a good key costs no extra
-Redis call.
+Failed authentication is counted in Redis (so it holds across servers) per client address (clientaddr.py: the
+socket peer, or what a trusted proxy forwarded) and per key id a wrong secret was presented for: past
+`auth_fail_limit` within `auth_fail_window_s`, bad keys from that address or for that key id get 429 with
+Retry-After until the window ends. A valid key is always served, whatever its address or id did: every
+presented key is checked, and only a failure is counted, so a good key costs no extra Redis call and nobody can
+lock a key or an address (a reverse proxy's included) out by failing on purpose.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 import time
@@ -40,12 +42,13 @@ from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBea
 from starlette.responses import Response
 from starlette.types import Message
 
-from offload.queue.keys import auth_failures, validate_queue
+from offload.queue.keys import auth_failures, auth_key_failures, validate_queue
 from offload.queue.scripts import SCRIPTS
 from offload.server.errors import BodyTooLarge
 from offload.server.keys import ApiKey
+from offload.server.limits import hold_key
 from offload.server.schemas import BATCH_LIMIT
-from offload.server.state import get_state
+from offload.server.state import ServerState, get_state
 
 F = TypeVar("F", bound=Callable[..., Any])
 SMALL_BODY = 64 << 10  # what every route but enqueue, batch, complete and heartbeat needs
@@ -61,6 +64,7 @@ class Guard:
     rule: Callable[[ApiKey, Mapping[str, Any]], None] | None = None
     big_body: bool = False
     body_limit: int | None = None
+    stream: bool = False
 
 
 def guard(
@@ -68,12 +72,14 @@ def guard(
     *,
     big_body: bool = False,
     body_limit: int | None = None,
+    stream: bool = False,
 ) -> Callable[[F], F]:
     """Mark a route: `rule(key, path_params)` runs before the body is read; `big_body` allows the server's
-    `--max-body` instead of 64 KiB; `body_limit` sets the route's own bound (still at most `--max-body`)."""
+    `--max-body` instead of 64 KiB; `body_limit` sets the route's own bound (still at most `--max-body`);
+    `stream`: an event stream or long-poll, counted against its key's stream cap (limits.py)."""
 
     def mark(fn: F) -> F:
-        setattr(fn, GUARD_ATTR, Guard(rule, big_body, body_limit))
+        setattr(fn, GUARD_ATTR, Guard(rule, big_body, body_limit, stream))
         return fn
 
     return mark
@@ -87,7 +93,8 @@ def _presented(request: Request) -> str | None:
 
 
 async def authenticate(request: Request) -> ApiKey:
-    """The request's key, or 401 (no key, unknown, revoked) / 429 (this address failed too often)."""
+    """The request's key, or 401 (no key, unknown, revoked) / 429 (a bad key from an address, or for a key id,
+    that failed too often)."""
     state = get_state(request)
     token = _presented(request)
     if not token:
@@ -96,36 +103,65 @@ async def authenticate(request: Request) -> ApiKey:
             "missing API key: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'",
             headers={"WWW-Authenticate": "Bearer"},
         )
-    ip = request.client.host if request.client else "unknown"
+    key, named = await state.keys.lookup(token)
+    if key is not None:
+        return key
+    await _count_failure(state, state.limits.address(request.scope), named)
+    raise HTTPException(401, "invalid or revoked API key", headers={"WWW-Authenticate": "Bearer"})
+
+
+async def _count_failure(state: ServerState, address: str, key_id: str | None) -> None:
+    """Count a bad key against its address and the key id it named (when that key exists); 429 once either is
+    past the limit. A server remembers a block it learnt of until its window ends and counts no more against
+    it, so a blocked guesser costs no Redis call beyond its key's lookup."""
+    opts = state.options
     blocked: dict[str, float] = state.extra.setdefault("auth_blocked", {})
-    if (until := blocked.get(ip)) is not None:
-        if (wait := until - time.monotonic()) > 0:
-            raise _too_many(wait)
-        del blocked[ip]
-    key = await state.keys.authenticate(token)
-    if key is None:
-        opts = state.options
-        failures = await SCRIPTS.auth_fail(state.redis, [auth_failures(ip)], [int(opts.auth_fail_window_s * 1000)])
-        if int(failures) >= opts.auth_fail_limit:
-            wait = max(0.001, int(await state.redis.pttl(auth_failures(ip))) / 1000)
-            if len(blocked) > 10_000:  # many addresses: forget the expired blocks
-                now = time.monotonic()
-                for stale in [a for a, t in blocked.items() if t <= now]:
-                    del blocked[stale]
-            blocked[ip] = time.monotonic() + wait
-            if int(failures) > opts.auth_fail_limit:
-                raise _too_many(wait)
-        raise HTTPException(401, "invalid or revoked API key", headers={"WWW-Authenticate": "Bearer"})
-    return key
+    counters = {auth_failures(address): "address"}
+    if key_id is not None:
+        counters[auth_key_failures(key_id)] = "key"
+    now = time.monotonic()
+    refuse: tuple[float, str] | None = None
+    for counter, what in list(counters.items()):
+        if (until := blocked.get(counter)) is not None:
+            if until > now:
+                refuse = max(refuse or (0.0, what), (until - now, what))
+                del counters[counter]
+            else:
+                del blocked[counter]
+    window = int(opts.auth_fail_window_s * 1000)
+    counts = await asyncio.gather(*(SCRIPTS.auth_fail(state.redis, [c], [window]) for c in counters))
+    for (counter, what), (failures, left_ms) in zip(counters.items(), counts, strict=True):
+        if int(failures) < opts.auth_fail_limit:
+            continue
+        wait = max(0.001, int(left_ms) / 1000)
+        if len(blocked) > 10_000:  # many addresses: forget the expired blocks
+            for stale in [c for c, t in blocked.items() if t <= now]:
+                del blocked[stale]
+        blocked[counter] = now + wait
+        if int(failures) > opts.auth_fail_limit:
+            refuse = max(refuse or (0.0, what), (wait, what))
+    if refuse is not None:
+        raise _too_many(*refuse)
 
 
-def _too_many(wait: float) -> HTTPException:
+def _too_many(wait: float, what: str) -> HTTPException:
     seconds = max(1, math.ceil(wait))
+    source = "from this address" if what == "address" else "for this key id"
     return HTTPException(
         429,
-        f"too many requests with invalid API keys from this address; retry in {seconds}s",
+        f"too many requests with invalid API keys {source}; retry in {seconds}s (a valid key is not refused)",
         headers={"Retry-After": str(seconds)},
     )
+
+
+def revoked() -> HTTPException:
+    return HTTPException(401, "the API key was revoked", headers={"WWW-Authenticate": "Bearer"})
+
+
+async def still_valid(state: ServerState, key: ApiKey) -> None:
+    """401 once a key authenticated earlier has been revoked: streams and long-polls call it at every wake."""
+    if not await state.keys.alive(key):
+        raise revoked()
 
 
 async def principal(
@@ -189,7 +225,8 @@ class GuardedRoute(APIRoute):
         needs_key = _needs_key(self.dependant)
 
         async def run(request: Request) -> Response:
-            opts = get_state(request).options
+            state = get_state(request)
+            opts = state.options
             limit = marked.body_limit or (opts.max_body if marked.big_body else SMALL_BODY)
             bound_body(request, min(limit, opts.max_body))
             if needs_key:
@@ -197,6 +234,7 @@ class GuardedRoute(APIRoute):
                 setattr(request.state, _STATE_KEY, key)
                 if marked.rule is not None:
                     marked.rule(key, request.path_params)
+                hold_key(request.scope, state.limits, key.id, marked.stream)
             if marked.big_body:
                 _count_values(await request.body())  # cached: FastAPI's reader gets the same bytes
             BATCH_LIMIT.set(opts.max_batch)

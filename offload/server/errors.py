@@ -1,10 +1,11 @@
 """Every error is JSON: `{"error": <kind>, "detail": <message or list of field problems>}`.
 
-Status codes carry the meaning (401 no/invalid key, 403 wrong scope, 404 unknown queue or job, 409 a
-transition the job's state does not allow or a stale lease, 413 too large, 422 invalid input with field
-paths, 503 the job store is unreachable, full at its maxmemory, may evict, or could not make a write safe), so
-clients can branch without parsing messages. Messages come from offload's own exceptions, which never carry
-credentials; Redis errors are not echoed at all, because a connection error can name a URL with a password in it.
+Status codes carry the meaning (401 no/invalid key, 403 wrong scope, 404 unknown queue or job, 408 a body that
+did not arrive in time, 409 a transition the job's state does not allow or a stale lease, 413 too large, 422
+invalid input with field paths, 429 a limit reached, 503 the job store is unreachable, full at its maxmemory, may
+evict, or could not make a write safe), so clients can branch without parsing messages. Messages come from
+offload's own exceptions, which never carry credentials; Redis errors are not echoed at all, because a connection
+error can name a URL with a password in it.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ KINDS = {
     403: "forbidden",
     404: "not_found",
     405: "method_not_allowed",
+    408: "timeout",
     409: "conflict",
     413: "too_large",
     422: "invalid",

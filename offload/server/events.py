@@ -27,7 +27,7 @@ from redis.crc import key_slot
 from offload.queue import keys
 from offload.queue.keys import validate_queue
 from offload.queue.store import QueueStore
-from offload.server.auth import GuardedRoute, Principal, can_read, need_read
+from offload.server.auth import GuardedRoute, Principal, can_read, guard, need_read
 from offload.server.errors import FieldError
 from offload.server.keys import ApiKey
 from offload.server.state import get_state
@@ -265,6 +265,7 @@ def _sse(gen: AsyncIterator[bytes]) -> StreamingResponse:
 
 
 @router.get("/v1/events", summary="Server-sent events of job state changes on every queue the key may read")
+@guard(stream=True)
 async def all_events(
     request: Request,
     key: Principal,
@@ -293,6 +294,7 @@ async def all_events(
 
 
 @router.get("/v1/queues/{queue}/events", summary="Server-sent events of one queue (resumable: Last-Event-ID)")
+@guard(stream=True)
 async def queue_events(
     request: Request,
     queue: str,

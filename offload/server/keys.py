@@ -119,20 +119,28 @@ class KeyStore:
 
     async def authenticate(self, token: str) -> ApiKey | None:
         """The key for a presented token, or None. Unknown ids and wrong secrets take the same path."""
+        return (await self.lookup(token))[0]
+
+    async def lookup(self, token: str) -> tuple[ApiKey | None, str | None]:
+        """(the key, None) for a good token; (None, the key id) for a wrong secret of a key that exists, which the
+        server counts per key id; (None, None) for anything else. The answer to the client is the same for both
+        failures: only the server's own counters tell them apart."""
         if not token or len(token) > 256:
-            return None
+            return None, None
         digest = hash_token(token)
         if self._bootstrap is not None and hmac.compare_digest(digest, self._bootstrap):
-            return ApiKey(BOOTSTRAP_ID, "admin", None, "OFFLOAD_ADMIN_KEY")
+            return ApiKey(BOOTSTRAP_ID, "admin", None, "OFFLOAD_ADMIN_KEY"), None
         if not token.startswith(TOKEN_PREFIX):
-            return None
+            return None, None
         key_id, sep, _ = token[len(TOKEN_PREFIX) :].partition("_")
         if not sep or not key_id.isalnum():
-            return None
+            return None, None
         record = await self.redis.hgetall(api_key(key_id))
-        if not record or not hmac.compare_digest(digest, record.get("hash", "")):
-            return None
-        return _from_record(key_id, record)
+        if not record:
+            return None, None
+        if not hmac.compare_digest(digest, record.get("hash", "")):
+            return None, key_id
+        return _from_record(key_id, record), None
 
     async def alive(self, key: ApiKey) -> bool:
         """Whether a key authenticated earlier still exists (long-lived streams re-check on an interval)."""

@@ -78,6 +78,22 @@ class WorkerRegistry:
         await self.redis.delete(remote_worker(worker_id))
         await self.redis.zrem(REMOTE_WORKERS, worker_id)
 
+    async def prune(self, batch: int = 500) -> int:
+        """Drop index entries whose record has expired (its worker stopped heartbeating a TTL ago), so the index
+        holds live workers and not every registration ever made. Only entries not heartbeated for a TTL by the
+        store's clock (the heartbeats' own) are looked at, and only those whose record is gone are removed: a clock
+        off makes the look wider or later, never drops a live worker. Returns how many went."""
+        stale = await self.redis.zrangebyscore(REMOTE_WORKERS, "-inf", self._now_ms() - self.ttl_ms, start=0, num=batch)
+        if not stale:
+            return 0
+        pipe = self.redis.pipeline(transaction=False)
+        for worker_id in stale:
+            pipe.hget(remote_worker(worker_id), "last_heartbeat")
+        gone = [w for w, seen in zip(stale, await pipe.execute(), strict=True) if seen is None]
+        if gone:
+            await self.redis.zrem(REMOTE_WORKERS, *gone)
+        return len(gone)
+
     async def remote(self) -> list[WorkerView]:
         """Live remote workers; index entries whose record expired are pruned on the way."""
         ids = await self.redis.zrange(REMOTE_WORKERS, 0, -1)

@@ -13,7 +13,15 @@ from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
 from offload.errors import InvalidJob, InvalidTransition, JobNotFound, PayloadTooLarge
 from offload.models import Job
 from offload.queue.keys import STATE_SETS, new_job_id, queue_of, validate_queue
-from offload.server.auth import GuardedRoute, Principal, guard, need_produce, need_read, produce_path_queue
+from offload.server.auth import (
+    GuardedRoute,
+    Principal,
+    guard,
+    need_produce,
+    need_read,
+    produce_path_queue,
+    still_valid,
+)
 from offload.server.errors import FieldError
 from offload.server.file_refs import check_input_refs, job_file_urls
 from offload.server.schemas import (
@@ -153,6 +161,7 @@ async def get_job(
 @router.get(
     "/v1/jobs/{job_id}/wait", response_model=WaitReply, summary="Long-poll until the job finishes or the timeout passes"
 )
+@guard(stream=True)
 async def wait_job(
     request: Request,
     job_id: str,
@@ -167,6 +176,7 @@ async def wait_job(
     deadline = time.monotonic() + min(timeout, state.options.max_wait_s)
     with state.hub.subscribe([queue]) as sub:
         while True:
+            await still_valid(state, key)  # a key revoked meanwhile reads no more
             job = await state.store.get(job_id)
             left = deadline - time.monotonic()
             if job.state.terminal or left <= 0:

@@ -30,6 +30,8 @@ from offload.server.auth import (
     need_global_read,
     need_work,
     need_worker_scope,
+    revoked,
+    still_valid,
     worker_only,
 )
 from offload.server.file_refs import check_output_refs
@@ -137,8 +139,10 @@ def _view(queue: str, job: ClaimedJob) -> ClaimedView:
     response_model=ClaimReply,
     summary="Lease up to `max` jobs, long-polling up to `wait` seconds when none is ready",
 )
-@guard(worker_only)
+@guard(worker_only, stream=True)
 async def claim(request: Request, worker_id: str, body: ClaimRequest, key: Principal) -> ClaimReply:
+    """The key is re-checked right before each claim and again before the jobs go out: once it is revoked, no
+    job is handed out (what the last claim took goes back to ready) and the long-poll ends with 401."""
     need_work(key, body.queue)
     state = get_state(request)
     if body.queue not in await _worker(state, key, worker_id):
@@ -150,10 +154,14 @@ async def claim(request: Request, worker_id: str, body: ClaimRequest, key: Princ
         return ClaimReply(jobs=[])
     with state.hub.subscribe([body.queue]) as sub:
         while True:
+            await still_valid(state, key)
             if not state.store_watch.safe:  # the store may evict: no new work (the server says why, loudly)
                 await asyncio.sleep(max(deadline - time.monotonic(), 0.0))
                 return ClaimReply(jobs=[])
             jobs = await state.store.claim(body.queue, worker_id, body.max, lease)
+            if jobs and not await state.keys.alive(key):  # revoked during the claim: hand back what it took
+                await state.store.release_leases(body.queue, worker_id, [j.id for j in jobs])
+                raise revoked()
             record = await state.registry.get(worker_id)
             if record is None:  # deregistered (or expired) meanwhile: hand back what this call claimed. Only that:
                 # a worker that died holding jobs must lose them by lease expiry, which counts against each

@@ -11,6 +11,7 @@ from offload.config import Settings
 from offload.queue.keys import QUEUES_KEY
 from offload.queue.store import QueueStore
 from offload.redis_client import RedisClient
+from offload.server.limits import Limits
 from offload.storage import Storage
 
 if TYPE_CHECKING:
@@ -35,12 +36,19 @@ class ServerOptions:
     presign_expires_s: int = 3600
     sse_keepalive_s: float = 15.0
     admin_key: str | None = None  # bootstrap admin token; default: OFFLOAD_ADMIN_KEY
-    auth_fail_limit: int = 20  # invalid keys per client address per window, then 429 until the window ends
+    # invalid keys per client address, and per existing key id, per window; past it, invalid keys from that
+    # address or for that key id get 429 until the window ends (a valid key is always served)
+    auth_fail_limit: int = 20
     auth_fail_window_s: float = 60.0
     max_stream_queues: int = 1000  # queues one event stream may follow
-    key_recheck_s: float = 5.0  # an open event stream re-checks its key this often (closed when revoked)
+    key_recheck_s: float = 1.0  # open streams and long-polls re-check their key this often (ended when revoked)
     max_connections: int = 2048  # concurrent connections + requests (uvicorn's limit_concurrency), then 503
     header_timeout_s: float = 10.0  # a connection must send its request headers within this (slowloris)
+    body_timeout_s: float = 30.0  # a request body gets this long to arrive (limits.py) ...
+    body_min_rate: int = 16 << 10  # ... plus one second per this many bytes it delivers; then 408, closed
+    max_requests_per_key: int = 1024  # requests one key has open at once (per server process), then 429
+    max_streams_per_key: int = 512  # event streams and long-polls (SSE, wait, claim) one key has open, then 429
+    max_requests_per_address: int = 256  # requests without a key (webhooks included) open per client address
     freeze_heap: bool = False  # after start-up (offload/heap.py); `offload server` sets it, tests do not
 
 
@@ -56,6 +64,10 @@ class ServerState:
     rates: RateTracker
     store_watch: StoreWatch  # the store's memory and eviction policy: gates enqueues and claims, alerts
     extra: dict[str, Any] = field(default_factory=dict)
+    limits: Limits = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.limits = Limits(self.options)
 
     async def known_queue(self, queue: str) -> bool:
         """A queue exists once anything was enqueued to it, it was paused, or offload.yaml declares it."""

@@ -17,7 +17,7 @@ import httpx
 from offload.errors import StaleLease, WorkerError
 
 log = logging.getLogger("offload.worker.remote")
-RETRY_STATUSES = {502, 503, 504}
+RETRY_STATUSES = {429, 502, 503, 504}  # 429: the key is at one of the server's caps for a moment (Retry-After)
 
 
 class ServerUnavailable(WorkerError, ConnectionError):
@@ -37,6 +37,12 @@ class ServerRejected(WorkerError):
         self.detail = detail
 
 
+def _retry_after(response: httpx.Response) -> float:
+    """The server's Retry-After in seconds (at most 30), else 0."""
+    value = response.headers.get("retry-after", "")
+    return min(float(value), 30.0) if value.isdigit() else 0.0
+
+
 class ServerApi:
     def __init__(
         self, base_url: str, token: str, *, timeout: float = 30.0, client: httpx.AsyncClient | None = None
@@ -48,7 +54,8 @@ class ServerApi:
     async def call(
         self, path: str, body: dict[str, Any], *, retry_for: float = 0.0, timeout: float | None = None
     ) -> Any:
-        """POST and decode. Connection errors and 502/503/504 are retried with backoff for `retry_for` seconds."""
+        """POST and decode. Connection errors and 429/502/503/504 are retried with backoff (at least the server's
+        Retry-After) for `retry_for` seconds."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + retry_for
         delay = 0.2
@@ -63,12 +70,14 @@ class ServerApi:
                 if response.status_code not in RETRY_STATUSES:
                     return self._decode(response)
                 problem = f"HTTP {response.status_code}"
+                pause = max(delay, _retry_after(response))
             except httpx.TransportError as exc:
                 problem = type(exc).__name__
-            if loop.time() + delay > deadline:
+                pause = delay
+            if loop.time() + pause > deadline:
                 raise ServerUnavailable(f"{self.base}{path}: server unavailable ({problem})")
-            log.debug("%s: %s, retrying in %.1fs", path, problem, delay)
-            await asyncio.sleep(delay)
+            log.debug("%s: %s, retrying in %.1fs", path, problem, pause)
+            await asyncio.sleep(pause)
             delay = min(delay * 2, 5.0)
 
     @staticmethod
