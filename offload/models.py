@@ -42,6 +42,16 @@ def _opt_str(value: str | None) -> str | None:
     return value if value not in (None, "") else None
 
 
+def _files(recorded: str | None, raw_input: str | None) -> tuple[str, ...] | None:
+    """The keys enqueue recorded; none when the input cannot hold a `$file` key (not even escaped); None when a
+    record without the field (written before it, or ingested as the producer wrote it) may hold references."""
+    if recorded:
+        return tuple(orjson.loads(recorded))
+    if not raw_input or ("$file" not in raw_input and "\\u" not in raw_input):
+        return ()
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class Job:
     """A snapshot of one job record. Times are Unix epoch milliseconds."""
@@ -74,6 +84,7 @@ class Job:
     intent_at: int | None = None
     intent_by: str | None = None
     possible_duplicates: int = 0
+    files: tuple[str, ...] | None = ()  # the object keys the input refers to; None: not recorded (`_files`)
 
     @classmethod
     def from_hash(cls, job_id: str, h: dict[str, str], lease_deadline: int | None = None) -> Job:
@@ -117,6 +128,7 @@ class Job:
             intent_at=_opt_int(h.get("intent_at")),
             intent_by=_opt_str(h.get("intent_by")),
             possible_duplicates=_int(h.get("possible_duplicates")),
+            files=_files(h.get("files"), raw_input),
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -81,7 +81,7 @@ def world(valkey: ValkeyServer, s3: RcloneS3) -> Iterator[dict[str, Any]]:
             }
             with server(
                 valkey.url,
-                s3.settings(BUCKET),
+                s3.settings(BUCKET, max_files_per_job=2, max_upload_bytes_per_job=100),
                 settings=settings,
                 admin_key=given["admin key"],
                 max_wait_s=1,
@@ -281,6 +281,14 @@ def test_the_attackers_walk(world: dict[str, Any], caplog: pytest.LogCaptureFixt
     assert "offload:authfail:ip:198.51.100.7" in stored_counters
     assert f"offload:authfail:key:{victim_key_id}" in stored_counters
     assert "authfail:ip:10.9.9.9" not in stored_counters and "authfail:ip:127.0.0.1" not in stored_counters
+    with client(url, w["producer"]) as own:  # the per-job limits hold for a key on its own queue too
+        first = own.post(f"/v1/queues/{w['mine']}/uploads", json={"name": "a", "size": 1})
+        assert first.status_code == 201, first.text
+        job_id = first.json()["job_id"]
+        for size, setting in ((100, "max_upload_bytes_per_job"), (1, None), (1, "max_files_per_job")):
+            r = own.post(f"/v1/queues/{w['mine']}/uploads", json={"name": "a", "size": size, "job_id": job_id})
+            assert (r.status_code, setting is None or setting in r.text) == (413 if setting else 201, True), r.text
+            responses.append((f"producer: upload of {size} bytes", r.text))
 
     for path in (
         "/v1/autoscale/providers",

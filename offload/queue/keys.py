@@ -58,6 +58,8 @@ QUEUE_SUFFIXES: dict[str, str] = {
     "wake": "pub/sub: jobs became ready after a claim found none (common.lua's `wake`): idle workers claim at once",
     "alert:dlg": "the dead-letter alert's last snapshot",
     "synced": "written before each WAIT of a durable write, so the WAIT covers a resent one (sync_mark.lua)",
+    "uploads:": "uploads:<job id>[/<run>], the HTTP uploads issued for a job's input (or one run's output): object "
+    "key -> bytes (hash, expires)",
 }
 
 API_KEYS = f"{NAMESPACE}:apikeys"  # ids of the HTTP server's API keys (set)
@@ -134,6 +136,11 @@ def cap(queue: str, window: str, counter: str) -> str:
 
 def dead_letter_alert(queue: str) -> str:
     return prefix(queue) + "alert:dlg"
+
+
+def uploads(queue: str, job_id: str, run: int | None = None) -> str:
+    """The HTTP uploads issued for a job's input, or for one run's output (routes_files.py's per-job limits)."""
+    return prefix(queue) + f"uploads:{job_id}" + ("" if run is None else f"/{run}")
 
 
 def api_key(key_id: str) -> str:

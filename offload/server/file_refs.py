@@ -8,106 +8,191 @@ files live and die with it. A repeat of an enqueue that went through (its reply 
 the same files in a different input are refused. Anything else is a 422 naming the field. A GPU worker's output
 may refer to files under its job's output prefix (uploaded through URLs the server issued for that job) or to
 the job's own inputs.
+
+No check may hold the event loop: a value is searched for references only after its size limit passed, and only
+when its compact JSON holds the `"$file":` marker (a byte search); the walk that finds where they are runs in a
+thread unless the value is small. At most `storage.max_files_per_job` distinct files per value, each checked with
+one HEAD, a bounded number at once. The job record keeps its input's keys (`Job.files`), so reads never walk.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from offload.errors import JobNotFound
-from offload.files import REF_KEY, Path_, reference_problem, references_in
+from offload.files import (
+    REF_KEY,
+    TooManyReferences,
+    find_references,
+    reference_keys,
+    reference_problem,
+)
 from offload.models import Job
 from offload.server.errors import FieldError
 from offload.server.state import ServerState
-from offload.storage import ObjectNotFound, StorageError
+from offload.storage import ObjectInfo, ObjectNotFound, StorageError
+from offload.storage.base import dump_json
 from offload.storage.inputs import INPUTS, inputs_prefix, job_of_key, outputs_prefix
 from offload.storage.namespace import own_prefix
 
 MAX_OUTPUT_READ = 16 << 20  # a stored output larger than this is not scanned for files on every GET
+WALK_ON_LOOP_BYTES = 64 << 10  # a value this small is walked in place (about a millisecond); larger in a thread
+HEADS_AT_ONCE = 16  # storage HEADs one check runs concurrently
+_WALKS = "file_walks"  # ServerState.extra: one walk thread per server at a time, so the loop keeps the GIL often
+Loc = Sequence[str | int]
+# key -> the size each occurrence claims (None: no claim) -> where the first occurrence with that claim is
+Claims = dict[str, dict[int | None, list[str | int]]]
 
 
-async def _check_object(state: ServerState, loc: list[str | int], ref: dict[str, Any]) -> None:
+@dataclass(frozen=True)
+class InputFiles:
+    """What the references of one HTTP enqueue imply: the job id they belong to (None: no files), whether that
+    job exists already (a resent request), and the distinct object keys."""
+
+    job_id: str | None = None
+    resent: bool = False
+    keys: tuple[str, ...] = ()
+
+
+def _limit(state: ServerState) -> int:
+    return state.options.settings.storage.max_files_per_job
+
+
+def _too_many(loc: Loc, limit: int, found: int | None = None) -> FieldError:
+    count = f"{found} different files" if found is not None else f"more than {limit} different files"
+    return FieldError(loc, f"refers to {count}: over the limit of {limit} per job (storage.max_files_per_job)")
+
+
+def _claims(value: Any, loc: Loc, limit: int) -> Claims:
+    """Every reference in `value`, checked for shape, grouped by key (runs in a thread for a large value)."""
     try:
-        info = await state.storage.head(ref[REF_KEY])
-    except StorageError as exc:
-        raise FieldError(loc, f"cannot check file {ref[REF_KEY]}: {exc}") from None
-    if info is None:
-        raise FieldError(loc, f"file {ref[REF_KEY]} does not exist (upload it first)")
-    if ref.get("size") is not None and ref["size"] != info.size:
-        raise FieldError(loc, f"file {ref[REF_KEY]} has {info.size} bytes, the reference says {ref['size']}")
-
-
-async def check_input_refs(
-    state: ServerState, queue: str, value: Any, loc: Sequence[str | int]
-) -> tuple[str | None, bool]:
-    """422 for any bad reference in an HTTP enqueue; returns the job id the references imply (None: no files)
-    and whether that job exists already (a resent request)."""
-    implied: str | None = None
-    for path, ref in references_in(value):
+        found = find_references(value, limit)
+    except TooManyReferences:
+        raise _too_many(loc, limit) from None
+    claims: Claims = {}
+    for path, ref in found:
         where = [*loc, *path]
         if problem := reference_problem(ref):
             raise FieldError(where, problem)
-        key = ref[REF_KEY]
+        claims.setdefault(ref[REF_KEY], {}).setdefault(ref.get("size"), where)
+    return claims
+
+
+async def _find(state: ServerState, value: Any, encoded: bytes, loc: Loc) -> Claims:
+    """The references of a value whose JSON is `encoded`: none, or too many, by a byte search; else one walk
+    (for the paths and fields), off the loop unless the value is small."""
+    keys = reference_keys(encoded)
+    limit = _limit(state)
+    if not keys:
+        return {}
+    if len(keys) > limit:
+        raise _too_many(loc, limit, len(keys))
+    if len(encoded) <= WALK_ON_LOOP_BYTES:
+        return _claims(value, loc, limit)
+    async with state.extra.setdefault(_WALKS, asyncio.Semaphore(1)):
+        return await asyncio.to_thread(_claims, value, loc, limit)
+
+
+async def _check_objects(state: ServerState, claims: Claims) -> None:
+    """One HEAD per distinct key, HEADS_AT_ONCE at a time; then every claimed size against the object's."""
+    gate = asyncio.Semaphore(HEADS_AT_ONCE)
+
+    async def head(key: str) -> ObjectInfo | StorageError | None:
+        async with gate:
+            try:
+                return await state.storage.head(key)
+            except StorageError as exc:
+                return exc
+
+    infos = await asyncio.gather(*(head(key) for key in claims))
+    for (key, sizes), info in zip(claims.items(), infos, strict=True):
+        first = next(iter(sizes.values()))
+        if isinstance(info, StorageError):
+            raise FieldError(first, f"cannot check file {key}: {info}")
+        if info is None:
+            raise FieldError(first, f"file {key} does not exist (upload it first)")
+        for size, where in sizes.items():
+            if size is not None and size != info.size:
+                raise FieldError(where, f"file {key} has {info.size} bytes, the reference says {size}")
+
+
+async def check_input_refs(state: ServerState, queue: str, value: Any, encoded: bytes, loc: Loc) -> InputFiles:
+    """422 for any bad reference in an HTTP enqueue whose input `value` encodes to `encoded` (checked against the
+    size limit first); what the references imply."""
+    claims = await _find(state, value, encoded, loc)
+    implied: str | None = None
+    for key, sizes in claims.items():
+        where = next(iter(sizes.values()))
         owner = job_of_key(queue, key)
         if owner is None or not key.startswith(own_prefix(queue) + INPUTS):
             raise FieldError(where, f"file {key[:200]!r} is not an upload of queue {queue!r}")
         if implied not in (None, owner):
             raise FieldError(where, "all files of one job must be uploads for the same job_id")
         implied = owner
-        await _check_object(state, where, ref)
-    if implied is not None:
-        try:
-            existing = await state.store.get(implied)
-        except JobNotFound:
-            return implied, False
-        if existing.input != value:  # the same request again (its reply was lost) answers with that job
-            raise FieldError(list(loc), f"these files belong to job {implied} already; upload again for a new job")
-        return implied, True
-    return None, False
-
-
-def input_keys(job: Job) -> set[str]:
+    if implied is None:
+        return InputFiles()
+    await _check_objects(state, claims)
     try:
-        return {ref[REF_KEY] for _, ref in references_in(job.input)}
-    except ValueError:  # an input that is not valid JSON has no files
-        return set()
+        existing = await state.store.get(implied)
+    except JobNotFound:
+        return InputFiles(implied, False, tuple(claims))
+    if existing.input != value:  # the same request again (its reply was lost) answers with that job
+        raise FieldError(list(loc), f"these files belong to job {implied} already; upload again for a new job")
+    return InputFiles(implied, True, tuple(claims))
+
+
+async def input_keys(job: Job) -> tuple[str, ...]:
+    """The object keys the job's input refers to: as its record keeps them, else (a record from before the
+    field, or ingested) read off the compact JSON of its input by a byte search, never a walk."""
+    if job.files is not None:
+        return job.files
+    try:
+        return tuple(reference_keys(orjson.dumps(job.input)))
+    except TypeError:
+        return ()
 
 
 async def check_output_refs(state: ServerState, job: Job, output: Any) -> None:
     """422 unless every reference in a GPU worker's output names an existing object of this job."""
+    try:
+        encoded = dump_json(output)
+    except (TypeError, ValueError):  # not JSON: the store refuses it, with its own 422
+        return
+    claims = await _find(state, output, encoded, ["body", "output"])
+    if not claims:
+        return
     own = outputs_prefix(job.id)
-    inputs = input_keys(job)
-    for path, ref in references_in(output):
-        where: list[str | int] = ["body", "output", *path]
-        if problem := reference_problem(ref):
-            raise FieldError(where, problem)
-        key = ref[REF_KEY]
+    inputs = set(await input_keys(job))
+    for key, sizes in claims.items():
         if not key.startswith(own) and key not in inputs:
+            where = next(iter(sizes.values()))
             raise FieldError(where, f"file {key[:200]!r} is outside job {job.id}'s output prefix {own}")
-        await _check_object(state, where, ref)
+    await _check_objects(state, claims)
 
 
 async def job_file_urls(state: ServerState, job: Job, stored_output: bool) -> dict[str, str]:
     """Presigned GETs for every file a job refers to: its input's, and its stored output's when `stored_output`
-    (the caller has checked the output is this job's own object)."""
-    refs: list[tuple[Path_, dict[str, Any]]] = []
-    with contextlib.suppress(ValueError):
-        refs += references_in(job.input)
+    (the caller has checked the output is this job's own object). The output is searched as bytes, not parsed."""
+    keys = list(await input_keys(job))
     if stored_output:
         with contextlib.suppress(ObjectNotFound, StorageError, ValueError):
             info = await state.storage.head(job.output_key)
             if info is not None and info.size <= MAX_OUTPUT_READ:
-                refs += references_in(orjson.loads(await state.storage.get_bytes(job.output_key)))
+                keys += reference_keys(await state.storage.get_bytes(job.output_key))
     allowed = (inputs_prefix(job.id), outputs_prefix(job.id))
     urls: dict[str, str] = {}
     expires = state.options.presign_expires_s
-    for _, ref in refs:
-        key = ref[REF_KEY]
-        if key not in urls and key.startswith(allowed):  # never a URL to someone else's object
+    most = 2 * _limit(state)  # what an input and an output may each hold
+    for key in dict.fromkeys(keys):
+        if len(urls) >= most:
+            break
+        if key.startswith(allowed):  # never a URL to someone else's object
             with contextlib.suppress(StorageError, ValueError):
                 urls[key] = await state.storage.presigned_url(key, expires)
     return urls

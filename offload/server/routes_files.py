@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from offload.errors import InvalidJob, JobNotFound, StaleLease
 from offload.files import reference
-from offload.queue.keys import QUEUES_KEY, new_job_id, queue_of, validate_queue
+from offload.queue.keys import QUEUES_KEY, new_job_id, queue_of, uploads, validate_queue
 from offload.server.auth import GuardedRoute, Principal, guard, produce_path_queue
 from offload.server.file_refs import input_keys
 from offload.server.routes_workers import _job_for, _work_path_job
@@ -113,6 +113,7 @@ async def create_upload(request: Request, queue: str, body: UploadRequest, key: 
     await state.redis.sadd(QUEUES_KEY, queue)  # a queue with files is one the sweep must visit, enqueued or not
     object_key = file_key(prefix, secrets.randbelow(10**9), body.name)
     url, expires = await _put_url(state, object_key, body.content_type, body.size)
+    await _count_upload(state, uploads(queue, job_id), object_key, body.size)
     ref = reference(object_key, body.size, "", body.content_type)
     del ref["sha256"]  # the server never sees the bytes; a client that hashed them may add it
     return UploadReply(
@@ -121,6 +122,33 @@ async def create_upload(request: Request, queue: str, body: UploadRequest, key: 
         headers={"Content-Type": body.content_type, "Content-Length": str(body.size)},
         expires_s=expires,
         reference=ref,
+    )
+
+
+async def _count_upload(state: ServerState, counter: str, object_key: str, size: int) -> None:
+    """413 past the limits on one job's uploads (storage.max_files_per_job, storage.max_upload_bytes_per_job): a
+    producer's for the job's input, or a GPU worker's for one run of it. Each issued upload is a field of the
+    counter (so a request repeated for the same object counts once), added first and taken back when over, so
+    concurrent requests never get past the limits between them. The counter lives as long as an upload issued
+    now can still land and stay unswept without a job."""
+    limits = state.options.settings.storage
+    pipe = state.redis.pipeline(transaction=False)
+    pipe.hset(counter, object_key, size)
+    pipe.hvals(counter)
+    pipe.pexpire(counter, int((state.options.presign_expires_s + limits.upload_grace_s) * 1000))
+    added, sizes, _ = await pipe.execute()
+    total = sum(int(v) for v in sizes)
+    if not int(added) or (len(sizes) <= limits.max_files_per_job and total <= limits.max_upload_bytes_per_job):
+        return
+    await state.redis.hdel(counter, object_key)
+    if len(sizes) > limits.max_files_per_job:
+        raise HTTPException(
+            413, f"over the limit of {limits.max_files_per_job} uploads per job (storage.max_files_per_job)"
+        )
+    raise HTTPException(
+        413,
+        f"uploads of {total} bytes for one job: over the limit of {limits.max_upload_bytes_per_job} "
+        "(storage.max_upload_bytes_per_job)",
     )
 
 
@@ -142,7 +170,7 @@ async def worker_file_url(
     request: Request, worker_id: str, job_id: str, body: WorkerFileRequest, key: Principal
 ) -> UrlReply:
     state, job = await _leased(request, key, worker_id, job_id, body.token)
-    if body.key not in input_keys(job):
+    if body.key not in await input_keys(job):
         raise HTTPException(403, f"{body.key[:200]!r} is not an input file of job {job_id}")
     expires = state.options.settings.storage.input_url_expires_s
     return UrlReply(key=body.key, url=await state.storage.presigned_url(body.key, expires))
@@ -161,5 +189,6 @@ async def worker_upload(
     _limit(state, body.size)
     object_key = file_key(f"{outputs_prefix(job_id)}{max(job.attempts, 1)}/", body.index, body.name)
     url, _ = await _put_url(state, object_key, body.content_type, body.size)
+    await _count_upload(state, uploads(queue_of(job_id), job_id, max(job.attempts, 1)), object_key, body.size)
     headers = {"Content-Type": body.content_type, "Content-Length": str(body.size)}
     return UrlReply(key=object_key, url=url, headers=headers)

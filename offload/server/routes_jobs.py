@@ -13,6 +13,7 @@ from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
 from offload.errors import InvalidJob, InvalidTransition, JobNotFound, PayloadTooLarge
 from offload.models import Job
 from offload.queue.keys import STATE_SETS, new_job_id, queue_of, validate_queue
+from offload.queue.specs import check_options, encode_input
 from offload.server.auth import (
     GuardedRoute,
     Principal,
@@ -107,10 +108,13 @@ async def enqueue(
     state = get_state(request)
     state.store_watch.require_safe()  # a store that may evict would lose what we acknowledge: 503
     check_output_key(state, queue, body.output_key, ["body", "output_key"])
-    implied, resent = await check_input_refs(state, queue, body.input, ["body", "input"])
-    fresh = implied or new_job_id(queue)
-    (done,) = await state.store.enqueue_results(queue, [body.spec(idempotency_key, job_id=fresh)])
-    duplicate = done.id != fresh or resent
+    spec = body.spec(idempotency_key)
+    payload = encode_input(spec, state.store.max_payload)  # the size limit, before any search for files
+    check_options(spec)
+    files = await check_input_refs(state, queue, body.input, payload, ["body", "input"])
+    fresh = files.job_id or new_job_id(queue)
+    (done,) = await state.store.enqueue_results(queue, [dataclasses.replace(spec, job_id=fresh)])
+    duplicate = done.id != fresh or files.resent
     if duplicate:
         response.status_code = 200
     return EnqueueReply(id=done.id, duplicate=duplicate, record_gone=done.record_gone)
@@ -131,17 +135,20 @@ async def enqueue_batch(
     state = get_state(request)
     state.store_watch.require_safe()
     specs = [job.spec(f"{idempotency_key}:{i}" if idempotency_key else None) for i, job in enumerate(body.jobs)]
-    for i, spec in enumerate(specs):
+    payloads = []
+    for i, spec in enumerate(specs):  # every size limit before any search for files
         check_output_key(state, queue, spec.output_key, ["body", "jobs", i, "output_key"])
-        implied, _ = await check_input_refs(state, queue, spec.input, ["body", "jobs", i, "input"])
-        if implied:
-            specs[i] = spec = dataclasses.replace(spec, job_id=implied)
         try:
-            state.store.validate(spec)
+            payloads.append(encode_input(spec, state.store.max_payload))
+            check_options(spec)
         except (InvalidJob, PayloadTooLarge) as exc:
             if isinstance(exc, PayloadTooLarge):
                 raise PayloadTooLarge(f"jobs.{i}: {exc}") from None
             raise FieldError(["body", "jobs", i], str(exc)) from None
+    for i, (spec, payload) in enumerate(zip(specs, payloads, strict=True)):
+        files = await check_input_refs(state, queue, spec.input, payload, ["body", "jobs", i, "input"])
+        if files.job_id:
+            specs[i] = dataclasses.replace(spec, job_id=files.job_id)
     done = await state.store.enqueue_results(queue, specs)
     return BatchEnqueueReply(ids=[d.id for d in done], record_gone=[d.id for d in done if d.record_gone])
 

@@ -16,14 +16,20 @@ from offload.schema import NonEmpty, Strict, http_url
 
 DEFAULT_LOCAL_PATH = ".offload/results"
 DEFAULT_THREADS = 16
+DEFAULT_MAX_FILES_PER_JOB = 100
+DEFAULT_MAX_UPLOAD_BYTES_PER_JOB = 10 * DEFAULT_MAX_FILE_BYTES
 
 
 class _FileSettings(Strict):
-    """Files by reference (offload.storage.inputs): the largest File() a job may carry; the life of the presigned
-    GET a provider gets for an input file; how old an uploaded file no job refers to must be before the server's
-    sweep removes it; seconds between sweeps."""
+    """Files by reference (offload.storage.inputs): the largest File() a job may carry; the most distinct files
+    one job's input (or a GPU worker's output) may refer to and one job id may be issued HTTP uploads for; the
+    bytes of HTTP uploads one job id may be issued; the life of the presigned GET a provider gets for an input
+    file; how old an uploaded file no job refers to must be before the server's sweep removes it; seconds between
+    sweeps."""
 
     max_input_file_bytes: Annotated[int, Field(ge=1)] = DEFAULT_MAX_FILE_BYTES
+    max_files_per_job: Annotated[int, Field(ge=1, le=100_000)] = DEFAULT_MAX_FILES_PER_JOB
+    max_upload_bytes_per_job: Annotated[int, Field(ge=1)] = DEFAULT_MAX_UPLOAD_BYTES_PER_JOB
     input_url_expires_s: Annotated[int, Field(ge=60, le=7 * 86_400)] = 86_400
     upload_grace_s: Annotated[float, Field(gt=0)] = 3600.0
     sweep_interval_s: Annotated[float, Field(gt=0)] = 600.0

@@ -6,7 +6,8 @@
 -- ARGV: now, check ids (1: ids may repeat, e.g. caller-chosen), metas, jobs, batch nonce (random per call).
 --   metas is a JSON list of "priority\trun_at\tmax_attempts\tretention\tidempotency key\toutput key" strings
 --   (empty output key: results/<id>.json; run_at: epoch ms, '' none, or "+<ms>": a delay from the store's now,
---   so a producer's clock never decides when its job is due); jobs is a JSON list of [id, input, meta index]
+--   so a producer's clock never decides when its job is due); jobs is a JSON list of [id, input, meta index(,
+--   file keys)], the file keys (a JSON list of the object keys the input refers to) only for an input with files
 -- Returns: per job, its id (an existing one when the idempotency key or the id was seen before), or
 --   {id, 'gone'} when the key's job finished and its record was trimmed: the key still answers (a repeat
 --   never makes a second, paid run while the key lives), and the caller is told the record is gone
@@ -24,7 +25,7 @@ local out, ready, readyz, delayed, delayz = {}, {}, {}, {}, {}
 local seq = redis.call('INCRBY', P .. 'seq', n) - n
 local parsed = {}
 for _, job in ipairs(jobs) do
-  local id, input, meta = job[1], job[2], metas[job[3]]
+  local id, input, meta, files = job[1], job[2], metas[job[3]], job[4]
   local m = parsed[meta]
   if not m then
     local prio, run_at, maxa, ret, idem, okey = string.match(meta, '^([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t(.*)$')
@@ -68,6 +69,7 @@ for _, job in ipairs(jobs) do
     end
     if m.idem ~= '' then redis.call('HSET', k, 'idem', m.idem) end
     if m.okey ~= '' then redis.call('HSET', k, 'output_key', m.okey) end
+    if files then redis.call('HSET', k, 'files', files) end
     out[#out + 1] = id
   end
 end
