@@ -128,13 +128,14 @@ class World:
     @contextlib.asynccontextmanager
     async def worker(self, provider: str, settings: Settings | None = None) -> AsyncIterator[Worker]:
         """A dispatch worker for the provider's queue, in this event loop, drained on exit."""
-        stop = asyncio.Event()
+        stop, cut = asyncio.Event(), asyncio.Event()
         ready: list[Worker] = []
         task = asyncio.create_task(
             run_worker(
                 settings or self.settings,
                 QUEUES[provider],
                 stop=stop,
+                cut=cut,
                 grace_s=1.0,
                 install_signals=False,
                 on_ready=ready.append,
@@ -158,7 +159,10 @@ class World:
         try:
             yield ready[0]
         finally:
-            stop.set()
+            stop.set()  # a drain awaits the submit calls out (up to the backend's timeout): a test that holds one
+            done, _ = await asyncio.wait([task], timeout=5)  # at the provider on purpose ends by cutting the drain
+            if not done:
+                cut.set()
             await asyncio.wait_for(task, 15)
 
 

@@ -42,17 +42,20 @@ async def run_worker(
     concurrency: int | None = None,
     worker_id: str | None = None,
     stop: asyncio.Event | None = None,
+    cut: asyncio.Event | None = None,
     grace_s: float = 30.0,
     install_signals: bool = True,
     on_ready: Callable[[Worker], None] | None = None,
 ) -> Worker:
-    """Serve `queue` until `stop` is set (or a signal arrives); returns the drained worker."""
+    """Serve `queue` until `stop` is set (or a signal arrives); returns the drained worker. `cut` set during the
+    drain ends it at once, as a second signal does."""
     (worker,) = await run_workers(
         settings,
         [queue],
         concurrency=concurrency,
         worker_id=worker_id,
         stop=stop,
+        cut=cut,
         grace_s=grace_s,
         install_signals=install_signals,
         on_ready=on_ready,
@@ -67,6 +70,7 @@ async def run_workers(
     concurrency: int | None = None,
     worker_id: str | None = None,
     stop: asyncio.Event | None = None,
+    cut: asyncio.Event | None = None,
     grace_s: float = 30.0,
     install_signals: bool = True,
     on_ready: Callable[[Worker], None] | None = None,
@@ -78,14 +82,15 @@ async def run_workers(
     backend (with its limits) per backend name; each keeps a control connection of its own, so one queue's
     claims never delay another queue's heartbeats. `concurrency` applies per queue. If one worker fails, the
     others drain as on SIGTERM and the failure is raised: a process serving only some of its queues would look
-    healthy to systemd while a queue starves.
+    healthy to systemd while a queue starves. `cut`, set during the drain, ends it at once (a second signal sets
+    it): the submit calls still out keep their intents open, for the next worker to adopt or resend (counted).
     """
     plans = [(name, settings.queue(name), *settings.backend_for(name)) for name in dict.fromkeys(queues)]
     if not plans:
         raise ConfigError("no queue to serve")
     lease_ms = env_int("OFFLOAD_LEASE_MS", None, minimum=1)
     stop = stop or asyncio.Event()
-    cut = asyncio.Event()
+    cut = cut or asyncio.Event()
     if install_signals:
         loop, handle = asyncio.get_running_loop(), _on_signal(stop, cut)  # one count for both signals
         for sig in (signal.SIGTERM, signal.SIGINT):
