@@ -44,6 +44,7 @@ from inflight import Processes, ProcStats, start_sim
 from offload import eventloop
 from offload.backends import new_client
 from offload.backends.transport import fast_path
+from offload.egress import FilePolicy
 from offload.storage import LocalStorage, store_output
 from offload.worker.run import FILE_CONNECTIONS_PER_HOST
 
@@ -61,16 +62,21 @@ async def one_output(http: httpx.AsyncClient, sim: str) -> Any:
     raise RuntimeError(f"the simulator's prediction did not finish: {body}")
 
 
-async def burst(http: httpx.AsyncClient, output: Any, jobs: int, plain: bool, root: Path) -> tuple[float, float]:
+async def burst(
+    http: httpx.AsyncClient, output: Any, jobs: int, plain: bool, root: Path, sim: str
+) -> tuple[float, float]:
     """(jobs per second, CPU ms per job) for `jobs` outputs stored at once, on `http`'s pool."""
     store = LocalStorage(root)
     road = fast_path(http) if plain else None
+    own = FilePolicy.of(sim)  # the simulator is the backend: its files are on its own origin, on loopback
 
     async def fence() -> None:
         return None
 
     async def one(i: int) -> None:
-        await store_output(store, f"results/j{i}.json", output, http, run="1", before_write=fence, plain=road)
+        await store_output(
+            store, f"results/j{i}.json", output, http, run="1", before_write=fence, plain=road, policy=own
+        )
 
     wall0, cpu0 = time.perf_counter(), time.process_time()
     await asyncio.gather(*(one(i) for i in range(jobs)))
@@ -97,11 +103,11 @@ async def run(sim: str, sim_pid: int, jobs: int, reps: int, workdir: Path) -> di
     for rep in range(reps):
         for name in ROADS[rep % len(ROADS) :] + ROADS[: rep % len(ROADS)]:
             per_host = 0 if name == "unbounded" else FILE_CONNECTIONS_PER_HOST
-            http = new_client(max_connections=1024, timeout=60, per_host=per_host)
+            http = new_client(max_connections=1024, timeout=60, per_host=per_host, egress=True)
             root = workdir / f"{name}{rep}"
             sim0 = sim_cpu.cpu_seconds()
             try:
-                rate, cpu = await burst(http, output, jobs, name != "httpx", root)
+                rate, cpu = await burst(http, output, jobs, name != "httpx", root, sim)
             finally:
                 await http.aclose()
             sims[name].append((sim_cpu.cpu_seconds() - sim0) * 1000 / jobs)

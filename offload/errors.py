@@ -35,6 +35,8 @@ The branch roots are defined here; a leaf lives beside the code that raises it a
     - OutOfCapacity, Unauthorized, NotOurs
   + ObjectStoreError - result storage (S3 or a local directory) (offload.storage.base)
     - StorageError - a transient failure: the same write later is expected to work
+      - FileRefused - an output file the egress rule refuses to fetch (offload.storage.outputs)
+    - AddressRefused (PermissionError) - a connection to an address or host the egress rule refuses (offload.egress)
     - ObjectNotFound (KeyError)
     - InvalidKey (ValueError) - a key unsafe as a path
     - FileTooLarge (ValueError) - a File() over storage.max_input_file_bytes (offload.storage.inputs)

@@ -34,6 +34,7 @@ from servers import free_port
 
 from offload.backends import new_client
 from offload.backends.transport import fast_path
+from offload.egress import FilePolicy
 from offload.errors import ConfigError
 from offload.sim import SimConfig, running_sim
 from offload.storage import (
@@ -53,6 +54,12 @@ from offload.storage.outputs import PlainGet
 from offload.storage.s3 import S3Storage  # the s3 extra: not imported with offload.storage
 
 PNG = b"\x89PNG\r\n\x1a\n"
+LOCAL = FilePolicy(allow_private=True)  # the file hosts here are on loopback: a local stack's opt-in
+GENERIC = r"^output file {n} could not be copied \(the worker's log says why\)$"
+
+
+def logged(caplog: pytest.LogCaptureFixture) -> str:
+    return "\n".join(r.getMessage() for r in caplog.records if r.name == "offload.storage")
 
 
 @pytest.fixture(scope="module")
@@ -670,18 +677,15 @@ Road = Callable[[], AbstractAsyncContextManager[tuple[httpx.AsyncClient, PlainGe
 
 @pytest.fixture(params=["httpx", "aiohttp"])
 def road(request: pytest.FixtureRequest) -> Road:
-    """Both ways a file is fetched: httpx alone (any client), and the worker's client, whose aiohttp transport
-    takes the plain GETs itself (`plain`) and hands redirects and encoded bodies back to httpx."""
+    """Both ways a file is fetched on the worker's egress client: through httpx (its redirects and decoding),
+    and straight on its aiohttp transport, which takes the plain GETs itself (`plain`) and hands redirects and
+    encoded bodies back to httpx."""
 
     @contextlib.asynccontextmanager
     async def open_road() -> AsyncIterator[tuple[httpx.AsyncClient, PlainGet | None]]:
-        if request.param == "httpx":
-            async with httpx.AsyncClient() as http:
-                yield http, None
-            return
-        http = new_client(timeout=10, agent="offload-test/1")
+        http = new_client(timeout=10, agent="offload-test/1", egress=True)
         try:
-            yield http, fast_path(http)
+            yield http, (fast_path(http) if request.param == "aiohttp" else None)
         finally:
             await http.aclose()
 
@@ -702,7 +706,12 @@ async def test_store_output_copies_simulator_files(s3: RcloneS3, bucket: str, st
             output = body["output"]
             originals = {u: (await http.get(u)).content for u in output["files"]}
             job_id = "job-7"
-            stored = await store_output(storage, f"results/{job_id}.json", output, http)
+            files = new_client(timeout=10, egress=True)
+            try:  # the simulator is the backend: its own origin may be on loopback
+                own = FilePolicy.of(str(base))
+                stored = await store_output(storage, f"results/{job_id}.json", output, files, policy=own)
+            finally:
+                await files.aclose()
             assert (await http.post("/_sim/reset")).status_code == 200  # the provider forgets the job
             assert [(await http.get(u)).status_code for u in output["files"]] == [404, 404]
 
@@ -727,7 +736,7 @@ async def test_store_output_rewrites_nested_and_duplicate_urls(
     text_url, image_url = f"{file_host}/files/report.txt?token=s3cr3t", f"{file_host}/files/image"
     output = [image_url, {"deep": [text_url, image_url]}, f"see {text_url}", 3, None]  # a Replicate-style list
     async with road() as (http, plain):
-        stored = await store_output(storage, "results/j2.json", output, http, plain=plain)
+        stored = await store_output(storage, "results/j2.json", output, http, plain=plain, policy=LOCAL)
     loc0 = f"s3://{bucket}/results/j2/files/0-image.png"
     loc1 = f"s3://{bucket}/results/j2/files/1-report.txt"
     assert [(f.location, f.content_type, f.size) for f in stored.files] == [
@@ -745,10 +754,13 @@ async def test_store_output_without_files_is_the_tutorial_layout(
     s3: RcloneS3, bucket: str, storage: S3Storage, file_host: str
 ) -> None:
     output = {"text": "done", "link": f"{file_host}/files/report.txt", "meta": "http://169.254.169.254/latest/"}
-    async with httpx.AsyncClient() as http:
+    async with httpx.AsyncClient() as http:  # nothing is fetched here but the listed host
         plain = await store_output(storage, "results/a.json", output, http, copy_files=False)
-        other = await store_output(storage, "results/b.json", output, http, allow_hosts=[".replicate.delivery"])
-        await store_output(storage, "results/c.json", output, http, allow_hosts=["127.0.0.1"])
+        listed = FilePolicy(hosts=(".replicate.delivery",))
+        other = await store_output(storage, "results/b.json", output, http, policy=listed)
+    async with new_client(egress=True) as http:
+        own = FilePolicy(allow_private=True, hosts=("127.0.0.1",))
+        await store_output(storage, "results/c.json", output, http, policy=own)
     reader = s3.client()
     for stored, key in ((plain, "results/a.json"), (other, "results/b.json")):
         assert stored.files == []
@@ -764,45 +776,70 @@ async def test_store_output_without_files_is_the_tutorial_layout(
     ("/big.bin", True, "limit"),
 ])  # fmt: skip
 async def test_store_output_file_failure_raises_before_writing(
-    storage: S3Storage, file_host: str, path: str, permanent: bool, message: str, road: Road
+    storage: S3Storage,
+    file_host: str,
+    path: str,
+    permanent: bool,
+    message: str,
+    road: Road,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """The error (what a producer sees) is one generic line; the reason is in the log, for the operator."""
     output = {"files": [f"{file_host}/files/report.txt", f"{file_host}{path}?sig=topsecret"]}
     async with road() as (http, plain):
-        with pytest.raises(StorageError, match=message) as err:
-            await store_output(storage, "results/f.json", output, http, max_file_bytes=1000, plain=plain)
+        with pytest.raises(StorageError, match=GENERIC.format(n=2)) as err:
+            await store_output(storage, "results/f.json", output, http, max_file_bytes=1000, plain=plain, policy=LOCAL)
     assert err.value.permanent is permanent
-    assert "topsecret" not in str(err.value)  # signed query strings are redacted
+    assert message in logged(caplog) and path in logged(caplog)
+    assert "topsecret" not in str(err.value) + logged(caplog)  # signed query strings are redacted
     assert not await storage.exists("results/f.json")  # no output, so the job cannot be marked succeeded
 
 
-async def test_store_output_stalled_file_times_out_as_transient(storage: S3Storage, file_host: str, road: Road) -> None:
+async def test_store_output_stalled_file_times_out_as_transient(
+    storage: S3Storage, file_host: str, road: Road, caplog: pytest.LogCaptureFixture
+) -> None:
     async with road() as (http, plain):
-        with pytest.raises(StorageError, match=r"longer than 0\.2s") as err:
+        with pytest.raises(StorageError, match=GENERIC.format(n=1)) as err:
             await store_output(
-                storage, "results/t.json", {"f": f"{file_host}/slow.bin"}, http, file_timeout_s=0.2, plain=plain
+                storage,
+                "results/t.json",
+                {"f": f"{file_host}/slow.bin"},
+                http,
+                file_timeout_s=0.2,
+                plain=plain,
+                policy=LOCAL,
             )
     assert not err.value.permanent and not await storage.exists("results/t.json")
+    assert "longer than 0.2s" in logged(caplog)
 
 
-async def test_store_output_unreachable_file_host_is_transient(storage: S3Storage, road: Road) -> None:
+async def test_store_output_unreachable_file_host_is_transient(
+    storage: S3Storage, road: Road, caplog: pytest.LogCaptureFixture
+) -> None:
     output = {"file": f"http://127.0.0.1:{free_port()}/x.png"}
     async with road() as (http, plain):
-        with pytest.raises(StorageError, match="ConnectError") as err:
-            await store_output(storage, "results/u.json", output, http, plain=plain)
-    assert not err.value.permanent
+        with pytest.raises(StorageError, match=GENERIC.format(n=1)) as err:
+            await store_output(storage, "results/u.json", output, http, plain=plain, policy=LOCAL)
+    assert not err.value.permanent and "ConnectError" in logged(caplog)
 
 
 async def test_store_output_sends_auth_headers_only_to_their_host(
-    storage: S3Storage, file_host: str, road: Road
+    storage: S3Storage, file_host: str, road: Road, caplog: pytest.LogCaptureFixture
 ) -> None:
     auth = {"127.0.0.1": {"Authorization": "Token r8-test"}}
     async with road() as (http, plain):
         stored = await store_output(
-            storage, "results/p.json", {"f": f"{file_host}/files/private.txt"}, http, auth_headers=auth, plain=plain
+            storage,
+            "results/p.json",
+            {"f": f"{file_host}/files/private.txt"},
+            http,
+            auth_headers=auth,
+            plain=plain,
+            policy=LOCAL,
         )
         assert await storage.get_bytes(stored.files[0].key) == b"private"
         other_host = file_host.replace("127.0.0.1", "localhost")  # same server, another host name: no token
-        with pytest.raises(StorageError, match="HTTP 401") as err:
+        with pytest.raises(StorageError, match=GENERIC.format(n=1)) as err:
             await store_output(
                 storage,
                 "results/q.json",
@@ -810,15 +847,16 @@ async def test_store_output_sends_auth_headers_only_to_their_host(
                 http,
                 auth_headers=auth,
                 plain=plain,
+                policy=LOCAL,
             )
-    assert err.value.permanent
+    assert err.value.permanent and "HTTP 401" in logged(caplog)
 
 
 async def test_store_output_on_local_storage(tmp_path: Path, file_host: str, road: Road) -> None:
     store = LocalStorage(tmp_path)
     output = {"img": f"{file_host}/files/image"}
     async with road() as (http, plain):
-        stored = await store_output(store, "results/l.json", output, http, plain=plain)
+        stored = await store_output(store, "results/l.json", output, http, plain=plain, policy=LOCAL)
     copy = tmp_path / "results" / "l" / "files" / "0-image.png"
     assert copy.read_bytes() == PNG + b"pixels"
     assert json.loads((tmp_path / "results" / "l.json").read_bytes()) == {
@@ -846,11 +884,11 @@ async def test_store_output_on_local_storage_writes_small_files_with_the_json_in
     store = LocalStorage(tmp_path)
     output = {"txt": f"{file_host}/files/report.txt", "img": f"{file_host}/files/image"}
     async with road() as (http, plain):
-        await store_output(store, "results/a.json", output, http, plain=plain)
+        await store_output(store, "results/a.json", output, http, plain=plain, policy=LOCAL)
         assert batches == [["results/a/files/0-report.txt", "results/a/files/1-image.png", "results/a.json"]]
         batches.clear()
         monkeypatch.setattr(outputs, "HOLD_BYTES", len(b"report body\n"))  # room for the text file only
-        await store_output(store, "results/b.json", output, http, plain=plain, run="3")
+        await store_output(store, "results/b.json", output, http, plain=plain, policy=LOCAL, run="3")
     # the run is a prefix of the file's name, not a directory: one inode less per job on local storage
     assert batches == [["results/b/files/r3-1-image.png"], ["results/b/files/r3-0-report.txt", "results/b.json"]]
     stored = json.loads((tmp_path / "results" / "b.json").read_bytes())
@@ -933,7 +971,13 @@ async def test_store_output_sends_the_url_as_given_and_asks_for_the_file_unencod
     url = f"{file_host}/echo/a%2Fb%7Ec~d(1)?X-Amz-Signature=ab%2Bcd&list=1,2&e=%3D"
     async with road() as (http, plain):
         stored = await store_output(
-            store, "results/e.json", {"f": url}, http, auth_headers={"127.0.0.1": {"X-Token": "t"}}, plain=plain
+            store,
+            "results/e.json",
+            {"f": url},
+            http,
+            auth_headers={"127.0.0.1": {"X-Token": "t"}},
+            plain=plain,
+            policy=LOCAL,
         )
         agent = http.headers["user-agent"]
     seen = json.loads(await store.get_bytes(stored.files[0].key))
@@ -954,7 +998,7 @@ async def test_store_output_redirects_and_encoded_bodies_take_httpx_rules(
     auth = {"127.0.0.1": {"Authorization": "Token r8-test"}}
     output = {"hop": f"{file_host}/moved?to={quote(other + '/echo/x', safe='')}", "z": f"{file_host}/gzipped.txt"}
     async with road() as (http, plain):
-        stored = await store_output(store, "results/r.json", output, http, auth_headers=auth, plain=plain)
+        stored = await store_output(store, "results/r.json", output, http, auth_headers=auth, plain=plain, policy=LOCAL)
     hop, z = stored.files
     seen = json.loads(await store.get_bytes(hop.key))
     assert seen["target"] == "/echo/x" and "authorization" not in seen["headers"]

@@ -51,7 +51,7 @@ from typing import Any
 
 import orjson
 
-from bench.chaos import hostile
+from bench.chaos import egress, hostile
 from bench.chaos.procs import Incarnation
 from bench.chaos.proxy import DroppedReply
 from offload.sim.files import file_bytes, parse_name
@@ -117,6 +117,9 @@ class RunData:
     full: list[tuple[float, float]] = field(default_factory=list)
     evicting: list[tuple[float, float]] = field(default_factory=list)
     store_check_s: float = 5.0
+    # the ssrf fault: the internal service hostile inputs named, and what a dispatch worker asked it
+    internal_url: str | None = None
+    internal_hits: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -793,6 +796,7 @@ class Checker:
             self.store_faults(),
             self.bounds(),
             self.cancels(),
+            egress.verdict(self.d, self.find),
         )
         for part in parts:
             summary.update(part)

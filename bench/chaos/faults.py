@@ -106,6 +106,7 @@ class Profile:
     oom_s: float = 8.0
     eviction_every: float = 120.0
     eviction_s: float = 12.0
+    ssrf_share: float = 0.02  # of the produced jobs: inputs naming an internal service (bench/chaos/egress.py)
 
     def sim_config(self, seed: int, honour: bool) -> dict[str, Any]:
         return {

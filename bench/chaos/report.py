@@ -111,6 +111,10 @@ def report(
         "valid_key_refused",
         "bad_keys_not_limited",
         "loris_not_cut",
+        "ssrf_jobs",
+        "ssrf_refused",
+        "ssrf_fetched",
+        "ssrf_copied",
     ):
         if key in summary:
             doc[key] = summary[key]
@@ -158,12 +162,18 @@ def human(doc: dict[str, Any], run: Run) -> str:
             f"cancels {doc['cancels']}: not honoured {doc['cancel_not_honoured']}, submitted after the cancel "
             f"{doc['submitted_after_cancel']}, remote job left running {doc['ran_after_cancel']}"
         )
+    if doc.get("ssrf_jobs"):
+        lines.append(
+            f"ssrf: {doc['ssrf_jobs']} inputs named an internal service, {doc['ssrf_refused']} refused, "
+            f"{doc['ssrf_fetched']} fetches of it, {doc['ssrf_copied']} copies stored"
+        )
     lines += [f"  ! {f}" for f in run.findings[:25]] + [f"  ! worker {n}" for n in run.exit_notes]
     failed = doc["lost"] or doc["stuck"] or doc["wrong_results"] or doc["finished_twice"] or doc["defect_duplicates"]
     failed = failed or any(doc.get(k) for k in ("cancel_not_honoured", "submitted_after_cancel", "ran_after_cancel"))
     failed = failed or doc.get("uncounted_resends") or doc.get("false_expiries")
     failed = failed or doc["worker_exits_unexplained"] or doc["paid_while_evicting"] or doc["dead_by_oom"]
     failed = failed or doc.get("replays_after_graceful_drain")
+    failed = failed or doc.get("ssrf_fetched") or doc.get("ssrf_copied")
     verdict = "FAIL" if failed else "PASS"
     lines.append(f"{verdict}; logs and data in {run.out}")
     return "\n".join(lines)

@@ -36,7 +36,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
-from bench.chaos import failover, hostile, report
+from bench.chaos import egress, failover, hostile, report
 from bench.chaos.checker import TERMINAL, Checker, RunData
 from bench.chaos.faketime import ClockFile
 from bench.chaos.faults import Profile, Schedule
@@ -105,6 +105,7 @@ class Run:
         self.samples: dict[str, Any] = {"in_flight": []}
         self.counts: dict[str, int] = defaultdict(int)
         self.stop_background = asyncio.Event()
+        self.internal = egress.Internal() if profile.ssrf_share > 0 else None  # the ssrf fault's target
 
     async def main(self) -> dict[str, Any]:
         p, args = self.p, self.args
@@ -127,7 +128,14 @@ class Run:
                     signal_group(slot.proc, signal.SIGKILL)
             if self.failover is not None:
                 await self.failover.close()
-            for stop in (self.server.stop if self.server else None, self.sim.stop, self.s3.stop, self.valkey.stop):
+            internal = self.internal.stop if self.internal else None
+            for stop in (
+                internal,
+                self.server.stop if self.server else None,
+                self.sim.stop,
+                self.s3.stop,
+                self.valkey.stop,
+            ):
                 if stop is None:
                     continue
                 with contextlib.suppress(Exception):
@@ -273,6 +281,8 @@ class Run:
             for _ in range(size):
                 n += 1
                 job_input = self._input(f"job-{n}")
+                if self.internal is not None and self.rng.random() < self.p.ssrf_share:
+                    job_input = egress.hostile(job_input, self.internal.url, f"job-{n}")
                 key = input_key(job_input) if mode == "keyed" else None
                 specs.append(JobSpec(input=job_input, max_attempts=self.p.max_attempts, idempotency_key=key))
             for attempt in range(3 if mode == "keyed" else 1):
@@ -573,6 +583,8 @@ class Run:
             samples=self.samples,
             synchronous=self.args.backend in SYNCHRONOUS,
             honoured=self.args.honour,
+            internal_url=self.internal.url if self.internal else None,
+            internal_hits=list(self.internal.hits) if self.internal else [],
         )
 
     def _bucket(self, records: dict[str, dict[str, str]]) -> tuple[dict[str, bytes | None], dict[str, bytes | None]]:

@@ -61,13 +61,15 @@ def new_client(
     timeout: float = DEFAULT_TIMEOUT,
     agent: str | None = None,
     per_host: int = 0,
+    egress: bool = False,
 ) -> httpx.AsyncClient:
     """A client sized for thousands of concurrent polls, on aiohttp's pool (see `transport`): every connection
     may be kept alive, so a poll burst reuses sockets instead of paying a TLS handshake each; requests beyond the
     limit wait for a free connection (up to `timeout`, then Transient). No default auth header: one client may be
     shared by several backends. `agent`: the User-Agent of every request (default `user_agent()`). `per_host`:
-    at most this many connections to any one host as well (0: only the total)."""
-    transport = AiohttpTransport(max_connections=max_connections, ssl_context=_tls(), per_host=per_host)
+    at most this many connections to any one host as well (0: only the total). `egress`: for URLs a provider or
+    an input named, every connection obeys offload.egress (the request's FilePolicy)."""
+    transport = AiohttpTransport(max_connections=max_connections, ssl_context=_tls(), per_host=per_host, egress=egress)
     return httpx.AsyncClient(
         transport=transport,
         timeout=httpx.Timeout(timeout),

@@ -27,6 +27,7 @@ REPLICATE_BASE = "https://api.replicate.com/v1"
 REPLICATE_FIND_PAGES = 3
 FAL_BASE = "https://queue.fal.run"
 FAL_JWKS_URL = "https://rest.alpha.fal.ai/.well-known/jwks.json"
+_HOST = re.compile(r"\.?[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*")  # a name, .suffix or IP
 
 
 class HttpOptions(TypedDict):
@@ -61,6 +62,17 @@ class _Backend(Strict):
         False,
         description="a remote job still running at poll_timeout that this backend cannot cancel is submitted again "
         "(a second paid run, counted as a possible duplicate) instead of ending the job dead",
+    )
+    allow_private_hosts: bool = Field(
+        False,
+        description="output files may be copied from loopback, private (RFC 1918, CGNAT) and ULA addresses too: "
+        "a local stack or a self-hosted provider (files on base_url's own host are, without it); link-local and "
+        "cloud metadata addresses never",
+    )
+    file_hosts: list[NonEmpty] | None = Field(
+        None,
+        description="copy output files only from these hosts (exact, or `.suffix` for its subdomains), every "
+        "redirect hop included; URLs on other hosts are left as they are",
     )
     rate_limit: str | None = None
     price_per_job: float | None = Field(None, ge=0)
@@ -112,6 +124,14 @@ class _Backend(Strict):
         if v is not None and not v.get_secret_value().strip():
             raise ValueError("must be a non-empty string (is its environment variable set?)")
         return v
+
+    @field_validator("file_hosts")
+    @classmethod
+    def _hosts(cls, v: list[str] | None) -> list[str] | None:
+        for host in v or ():
+            if not _HOST.fullmatch(host):
+                raise ValueError(f"{host!r} is not a host name or address (no scheme, port or path), e.g. .fal.media")
+        return [h.lower() for h in v] if v is not None else None
 
     @field_validator("rate_limit")
     @classmethod

@@ -24,6 +24,7 @@ import httpx
 import yarl
 
 from offload.backends.base import TooLarge
+from offload.egress import POLICY, AddressRefused, FilePolicy, Reach, socket_factory
 
 CHUNK = 64 * 1024
 # What a backend's request accepts: no compression (a JSON answer is small, and decoding costs the loop CPU); an
@@ -140,6 +141,13 @@ def _timeout(value: Mapping[str, float | None] | float | None) -> aiohttp.Client
     return aiohttp.ClientTimeout(total=None, connect=wait, sock_connect=connect, sock_read=value.get("read"))
 
 
+def _refused(exc: BaseException) -> AddressRefused | None:
+    """The egress rule's refusal behind a failed connect (raised as itself, not as a network error: a refusal
+    is not worth retrying)."""
+    cause = exc.os_error if isinstance(exc, aiohttp.ClientConnectorError) else None
+    return cause if isinstance(cause, AddressRefused) else None
+
+
 def _httpx_error(exc: BaseException, request: httpx.Request) -> httpx.HTTPError:
     """aiohttp's failures as the httpx exceptions the error mapping already understands."""
     text = str(exc) or type(exc).__name__
@@ -158,40 +166,61 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
     """Every connection of the process in one aiohttp pool. The session is made lazily, inside the event
     loop that uses it. Redirects, cookies and decompression stay httpx's business."""
 
-    def __init__(self, *, max_connections: int, ssl_context: ssl.SSLContext, per_host: int = 0) -> None:
+    def __init__(
+        self, *, max_connections: int, ssl_context: ssl.SSLContext, per_host: int = 0, egress: bool = False
+    ) -> None:
         self._limit = max_connections
         self._per_host = per_host  # 0: no limit per host, only the total
         self._ssl = ssl_context
-        self._session: aiohttp.ClientSession | None = None
+        # egress: every connection obeys offload.egress (the request's FilePolicy, else public addresses only),
+        # one pool per reach, so a connection opened for a backend's own host never serves another's request
+        self.enforces_egress = egress
+        self._sessions: dict[Reach | None, aiohttp.ClientSession] = {}
 
-    def _pool(self) -> aiohttp.ClientSession:
-        if self._session is None:
+    def _pool(self, reach: Reach | None = None) -> aiohttp.ClientSession:
+        key = (reach or Reach.PUBLIC) if self.enforces_egress else None
+        session = self._sessions.get(key)
+        if session is None:
             connector = aiohttp.TCPConnector(
-                limit=self._limit, limit_per_host=self._per_host, ssl=self._ssl, ttl_dns_cache=60
+                limit=self._limit,
+                limit_per_host=self._per_host,
+                ssl=self._ssl,
+                ttl_dns_cache=60,
+                socket_factory=None if key is None else socket_factory(key),
             )
-            self._session = aiohttp.ClientSession(
+            session = self._sessions[key] = aiohttp.ClientSession(
                 connector=connector,
                 auto_decompress=False,
                 cookie_jar=aiohttp.DummyCookieJar(),
                 skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
             )
-        return self._session
+        return session
+
+    def _reach(self, url: yarl.URL, policy: Any) -> Reach | None:
+        """The pool a request of an egress transport takes (None for any other): its FilePolicy's verdict on the
+        URL exactly as aiohttp will connect to it, or AddressRefused for a host the policy does not list."""
+        if not self.enforces_egress:
+            return None
+        rule = policy if isinstance(policy, FilePolicy) else FilePolicy()
+        return rule.check(url.scheme, url.host or "", url.port)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if request.url.scheme not in ("http", "https"):
             raise httpx.UnsupportedProtocol(f"unsupported URL scheme {request.url.scheme!r}", request=request)
         body = await request.aread()
+        url = yarl.URL(str(request.url), encoded=True)  # httpx's bytes, as httpx would send them
+        pool = self._pool(self._reach(url, request.extensions.get(POLICY)))
         try:
-            response = await self._pool().request(
+            response = await pool.request(
                 request.method,
-                str(request.url),
+                url,
                 headers=request.headers.multi_items(),
                 data=body or None,
                 allow_redirects=False,
                 timeout=_timeout(request.extensions.get("timeout")),
             )
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise _httpx_error(exc, request) from exc
+            raise _refused(exc) or _httpx_error(exc, request) from exc
         return httpx.Response(
             response.status, headers=list(response.raw_headers), stream=_Body(response, request), request=request
         )
@@ -231,25 +260,28 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
 
     @contextlib.asynccontextmanager
     async def get_plain(
-        self, url: str, *, headers: Mapping[str, str], timeout: httpx.Timeout
+        self, url: str, *, headers: Mapping[str, str], timeout: httpx.Timeout, policy: FilePolicy | None = None
     ) -> AsyncIterator[PlainBody | None]:
         """A streamed GET of `url` straight on aiohttp, for copying a provider's file: the body as it came, or
         None when httpx must take the request instead (the URL needs httpx's encoding, or the answer is a
         redirect, whose header policy is httpx's, or an encoded body, which httpx decodes). Per file this skips
         httpx's request building, URL parsing, auth and redirect layers and cookie jar: in the 2,000-job burst of
-        issue 15 the copy was ~40 % of the worker's event loop and httpx about a third of that."""
+        issue 15 the copy was ~40 % of the worker's event loop and httpx about a third of that. On an egress
+        transport `policy` decides where it may connect (offload.egress), as for a request through httpx."""
         if not _PLAIN_URL.fullmatch(url):
             yield None
             return
+        target = yarl.URL(url, encoded=True)
+        pool = self._pool(self._reach(target, policy))
         try:
-            response = await self._pool().get(
-                yarl.URL(url, encoded=True),
+            response = await pool.get(
+                target,
                 headers={**headers, "Accept-Encoding": "identity"},
                 allow_redirects=False,
                 timeout=_timeout(timeout.as_dict()),
             )
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise _httpx_error(exc, httpx.Request("GET", url)) from exc
+            raise _refused(exc) or _httpx_error(exc, httpx.Request("GET", url)) from exc
         try:
             encoding = response.headers.get("Content-Encoding", "identity").strip().lower()
             if response.status in _REDIRECTS or encoding not in ("", "identity"):
@@ -260,9 +292,10 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             response.release()
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        sessions, self._sessions = list(self._sessions.values()), {}
+        for session in sessions:
+            await session.close()
+        if sessions:
             await asyncio.sleep(0)  # let aiohttp finish closing its sockets before the loop goes away
 
 

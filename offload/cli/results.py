@@ -19,7 +19,7 @@ from offload.queue.store import QueueStore
 def result(
     job_id: JobArg,
     download: Annotated[
-        Path | None,
+        str | None,  # not a Path, which would drop the trailing / that asks for a directory
         typer.Option(
             "--download",
             help="A directory (existing, or ending in /): the output as output.json and every file it refers "
@@ -39,19 +39,22 @@ def result(
     job = run_redis(None, lambda redis: QueueStore(redis).get(job_id), config=config)
     if job.state.value != "succeeded":
         fail(f"job {job_id} is {job.state.value}, it has no result yet" + (f": {job.error}" if job.error else ""))
-    into_dir = download is not None and (download.is_dir() or str(download).endswith("/"))
+    target = Path(download) if download is not None else None
+    into_dir = target is not None and (target.is_dir() or str(download).endswith("/"))
 
     async def fetch() -> tuple[str, list[str]]:
         storage = create_storage(config_settings.storage)
         saved: list[str] = []
         try:
             presigned = await storage.presigned_url(job.output_key)
-            if download is not None and into_dir:
-                done = await download_result(storage, job.output_key, download)
+            if target is not None and into_dir:
+                done = await download_result(storage, job_id, job.output_key, target)
                 saved = [str(done.output), *(str(p) for p in done.files)]
-            elif download is not None:
-                download.write_bytes(await storage.get_bytes(job.output_key))
-                saved = [str(download)]
+                for key in done.skipped:
+                    typer.echo(f"warning: skipped {key[:200]!r}: not an object of job {job_id}", err=True)
+            elif target is not None:
+                target.write_bytes(await storage.get_bytes(job.output_key))
+                saved = [str(target)]
         finally:
             await storage.aclose()
         return presigned, saved

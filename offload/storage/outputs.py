@@ -3,9 +3,10 @@
 Providers answer with URLs to files they delete soon after (Replicate ~1 h, RunPod `/run` 30 min), so a result
 that only holds those URLs is lost by the time anyone reads it. `store_output` therefore:
 
-1. walks the output JSON and picks every string that is, in its entirety, an http(s) URL (optionally only for
-   hosts on an allow-list); strings that merely contain a URL are text and are left alone;
-2. downloads each distinct URL (streamed, size- and time-limited, a few at a time) and stores it with the
+1. walks the output JSON and picks every string that is, in its entirety, an http(s) URL (only for hosts the
+   backend's `file_hosts` names, when it names any); strings that merely contain a URL are text and are left alone;
+2. downloads each distinct URL (streamed, size- and time-limited, a few at a time, every connection and redirect
+   hop under the backend's egress rule, offload.egress) and stores it with the
    provider's Content-Type: a job's default output `results/<queue>:<id>.json` gets its files at
    `results/<queue>:_files/<id>~r<run>-<n>-<basename>` (the queue's reserved copied-files space,
    offload.storage.inputs, where the server's sweep finds them), any other output key `<stem>.json` at
@@ -30,18 +31,20 @@ strings (common with Replicate) cannot take an extra key, so their mapping is on
 
 Any failure raises before the output key is written, so the worker never marks the job succeeded on a partial
 result: a network error or a 5xx/429 from the file host is a plain (transient) `StorageError`; a 404/410 (the file
-already expired), another 4xx or a file over the size limit is a `StorageError` with `permanent=True`.
+already expired), another 4xx or a file over the size limit is a `StorageError` with `permanent=True`; a URL the
+egress rule refuses is a `FileRefused`. The URL is the producer's to choose (outputs echo inputs), so what it
+may see of a failure is one generic line whatever happened (refused, closed port, timeout, HTTP status): anything
+more would map the worker's network for it. The reason goes to the worker's log, the URL bare of its query.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import ipaddress
+import logging
 import mimetypes
 import re
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
@@ -49,7 +52,8 @@ from urllib.parse import unquote, urlsplit
 
 import httpx
 
-from offload.redact import bare_url
+from offload.egress import POLICY, AddressRefused, FilePolicy, enforced
+from offload.redact import bare_url, redact
 from offload.storage.base import Put, Storage, StorageError, dump_json
 from offload.storage.inputs import copied_prefix, default_job
 
@@ -62,6 +66,16 @@ SPOOL_BYTES = 8 * 1024 * 1024  # smaller files stay in memory, larger ones go to
 HOLD_BYTES = 1024 * 1024  # per output: copied files up to this much in all are written together with its JSON
 _URL = re.compile(r"https?://[^\s\"'<>]+", re.IGNORECASE)
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+PUBLIC_ONLY = FilePolicy()
+log = logging.getLogger("offload.storage")
+
+
+class FileRefused(StorageError):
+    """An output file whose URL (or a redirect hop of it) the egress rule refuses: the same output would be
+    refused again, so the worker ends the job rather than paying for another run."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, permanent=True)
 
 
 class PlainAnswer(Protocol):
@@ -81,7 +95,7 @@ class PlainGet(Protocol):
     `offload.backends.transport.AiohttpTransport.get_plain`): None when httpx must take the request after all."""
 
     def get_plain(
-        self, url: str, *, headers: Mapping[str, str], timeout: httpx.Timeout
+        self, url: str, *, headers: Mapping[str, str], timeout: httpx.Timeout, policy: FilePolicy | None = None
     ) -> AbstractAsyncContextManager[PlainAnswer | None]: ...
 
 
@@ -119,46 +133,22 @@ def files_prefix(output_key: str) -> str:
     return f"{stem}/files/" if stem != output_key else f"{output_key}.files/"
 
 
-def host_allowed(url: str, allow_hosts: Collection[str] | None) -> bool:
-    """No list: any http(s) URL except cloud metadata endpoints. Entries are exact hosts (`replicate.delivery`)
-    or suffixes (`.fal.media`); a listed host is trusted even if it is link-local."""
-    try:
-        host = (urlsplit(url).hostname or "").lower()
-    except ValueError:
-        return False
-    if not host:
-        return False
-    if allow_hosts is None:
-        return not _metadata_host(host)
-    for entry in allow_hosts:
-        entry = entry.lower()
-        if host == entry.lstrip(".") or (entry.startswith(".") and host.endswith(entry)):
-            return True
-    return False
-
-
-@functools.lru_cache(maxsize=1024)
-def _metadata_host(host: str) -> bool:
-    """Outputs often echo user input, so a URL in them is not trusted: never fetch the instance-metadata service
-    (link-local addresses, `metadata.google.internal`) by default, or a crafted input could copy the worker's
-    cloud credentials into the results bucket. Loopback and private hosts stay allowed for local stacks.
-    Cached: a burst of outputs names the same few file hosts, and parsing an address was ~1.5 % of storing one
-    (bench/store_outputs.py)."""
-    if host in ("metadata.google.internal", "metadata"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_link_local
-    except ValueError:
-        return False
-
-
-def find_file_urls(output: Any, allow_hosts: Collection[str] | None = None) -> list[str]:
-    """Distinct candidate URLs in document order (dict insertion order, then list order)."""
+def find_file_urls(output: Any, policy: FilePolicy = PUBLIC_ONLY) -> list[str]:
+    """Distinct candidate URLs in document order (dict insertion order, then list order): whole-string http(s)
+    URLs whose host the policy lists (any host, without `file_hosts`). Whether one may be fetched is decided at
+    its connection (offload.egress)."""
     seen: dict[str, None] = {}
     for s in _strings(output):
-        if s not in seen and _URL.fullmatch(s) and host_allowed(s, allow_hosts):
+        if s not in seen and _URL.fullmatch(s) and policy.listed(_host(s)):
             seen[s] = None
     return list(seen)
+
+
+def _host(url: str) -> str:
+    try:
+        return urlsplit(url).hostname or ""
+    except ValueError:
+        return ""
 
 
 def _strings(value: Any) -> Iterator[str]:
@@ -201,7 +191,7 @@ async def store_output(
     http: httpx.AsyncClient,
     *,
     copy_files: bool = True,
-    allow_hosts: Collection[str] | None = None,
+    policy: FilePolicy = PUBLIC_ONLY,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     max_files: int = DEFAULT_MAX_FILES,
     file_timeout_s: float = DEFAULT_FILE_TIMEOUT_S,
@@ -214,12 +204,16 @@ async def store_output(
     `run` names the remote run (its files are `<prefix>r<run>-<n>-<name>`); `before_write` runs right before the JSON is
     written and may raise to stop it (a worker that lost its lease must not overwrite a newer run's output).
 
-    `http` must carry no provider credentials in its default headers, since file URLs may point anywhere. Pass
-    them in `auth_headers` instead: host -> headers sent only to that host (Replicate's file host wants the API
-    token). On a redirect to another origin httpx drops `Authorization`, but not other headers. `plain`: a
-    shorter road for a file whose URL and answer need nothing of httpx (no redirect, no encoded body).
+    `http` must be an egress client (`new_client(egress=True)`): `policy` (the backend's FilePolicy) is applied
+    to each of its connections and redirect hops. It must carry no provider credentials in its default headers,
+    since file URLs may point anywhere. Pass them in `auth_headers` instead: host -> headers sent only to that
+    host (Replicate's file host wants the API token). On a redirect to another origin httpx drops
+    `Authorization`, but not other headers. `plain`: a shorter road for a file whose URL and answer need nothing
+    of httpx (no redirect, no encoded body).
     """
-    urls = find_file_urls(output, allow_hosts) if copy_files else []
+    urls = find_file_urls(output, policy) if copy_files else []
+    if urls and not enforced(http):
+        raise TypeError("store_output copies provider files only through an egress client (new_client(egress=True))")
     if len(urls) > max_files:
         raise StorageError(f"output links {len(urls)} files, more than the limit of {max_files}", permanent=True)
     files: list[CopiedFile] = []
@@ -239,15 +233,19 @@ async def store_output(
 
         async def copy(index: int, url: str) -> tuple[CopiedFile, bytes | None]:
             async with gate:
-                headers = host_headers.get((urlsplit(url).hostname or "").lower(), {})
-                async with asyncio.timeout(file_timeout_s):
-                    return await _copy_file(storage, http, plain, url, index, prefix, max_file_bytes, headers, hold)
+                headers = host_headers.get(_host(url).lower(), {})
+                road = _Road(http, plain, policy)
+                try:
+                    async with asyncio.timeout(file_timeout_s):
+                        return await _copy_file(storage, road, url, index, prefix, max_file_bytes, headers, hold)
+                except (StorageError, AddressRefused, TimeoutError) as exc:
+                    raise _not_copied(output_key, index, url, exc, file_timeout_s) from None
 
         try:
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(copy(i, url)) for i, url in enumerate(urls)]
         except BaseExceptionGroup as eg:
-            raise _first_error(eg, file_timeout_s) from None
+            raise _first_error(eg) from None
         for task in tasks:
             copied, data = task.result()
             files.append(copied)
@@ -267,22 +265,44 @@ async def store_output(
     return StoredOutput(location=location, key=output_key, files=files)
 
 
-def _first_error(eg: BaseExceptionGroup[BaseException], timeout_s: float) -> BaseException:
+def _first_error(eg: BaseExceptionGroup[BaseException]) -> BaseException:
     """TaskGroup wraps failures in a group; the worker wants the first real one (cancellations are fallout)."""
     for exc in eg.exceptions:
         if isinstance(exc, BaseExceptionGroup):
-            return _first_error(exc, timeout_s)
-        if isinstance(exc, TimeoutError):
-            return StorageError(f"copying an output file took longer than {timeout_s:g}s")
+            return _first_error(exc)
         if not isinstance(exc, asyncio.CancelledError):
             return exc
     return eg
 
 
+def _not_copied(output_key: str, index: int, url: str, exc: BaseException, timeout_s: float) -> StorageError:
+    """The one line a producer sees for any failed copy, the reason logged for the operator (see the module
+    docstring); transient or permanent as the reason is, and FileRefused for a refusal."""
+    if isinstance(exc, AddressRefused):
+        reason = f"copying {bare_url(url)}: refused, {exc.address} is {exc.why}"
+    elif isinstance(exc, TimeoutError):
+        reason = f"copying {bare_url(url)}: took longer than {timeout_s:g}s"
+    else:
+        reason = str(exc)  # the URL in it bare already (`_copy_file`)
+    log.warning("output %s: file %d not copied: %s", output_key, index + 1, redact(reason))
+    message = f"output file {index + 1} could not be copied (the worker's log says why)"
+    if isinstance(exc, AddressRefused):
+        return FileRefused(message)
+    return StorageError(message, permanent=isinstance(exc, StorageError) and exc.permanent)
+
+
+@dataclass(frozen=True)
+class _Road:
+    """How one output's files are fetched: the egress client, its aiohttp fast path, and the backend's policy."""
+
+    http: httpx.AsyncClient
+    plain: PlainGet | None
+    policy: FilePolicy
+
+
 async def _copy_file(
     storage: Storage,
-    http: httpx.AsyncClient,
-    plain: PlainGet | None,
+    road: _Road,
     url: str,
     index: int,
     prefix: str,
@@ -295,14 +315,17 @@ async def _copy_file(
     with tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES) as spool:
         try:
             got: tuple[int, str] | None = None
-            if plain is not None:
+            http = road.http
+            if road.plain is not None:
                 agent = http.headers.get("user-agent")
                 sent = {**({"User-Agent": agent} if agent else {}), **headers}
-                async with plain.get_plain(url, headers=sent, timeout=http.timeout) as answer:
+                async with road.plain.get_plain(url, headers=sent, timeout=http.timeout, policy=road.policy) as answer:
                     if answer is not None:
                         got = await _receive(answer.status, answer.headers, answer.chunks(), spool, url, shown, limit)
             if got is None:
-                async with http.stream("GET", url, headers=headers, follow_redirects=True) as resp:
+                # every hop carries the policy to the transport, which checks it on the hop's own URL
+                hops = {POLICY: road.policy}
+                async with http.stream("GET", url, headers=headers, follow_redirects=True, extensions=hops) as resp:
                     # aiter_bytes: decoded, since a gzip transfer is not the file
                     got = await _receive(resp.status_code, resp.headers, resp.aiter_bytes(), spool, url, shown, limit)
         except httpx.HTTPError as exc:

@@ -5,6 +5,11 @@ and location strings of our own storage (`s3://bucket/key`, or a path under the 
 dispatch worker copied, `offload.storage.outputs`). `download_result` saves the output as `output.json` in a
 directory and each referenced file beside it under its key's last segment, streaming, and checks a reference's
 size and SHA-256 (a file that does not match is removed and reported).
+
+Only the job's own objects are taken: its input files, the files a GPU worker returned for it and the provider
+files copied from its output (offload.storage.inputs knows whose keys are whose). An output echoes its input, so a
+reference to another job's or another queue's object is the producer's text, not the job's file: it is skipped
+and reported, never fetched with the credentials of whoever downloads the result.
 """
 
 from __future__ import annotations
@@ -17,13 +22,30 @@ from typing import Any
 import orjson
 
 from offload.files import REF_KEY, references_in
-from offload.storage.base import Storage, StorageError
+from offload.storage.base import InvalidKey, Storage, StorageError, validate_key
+from offload.storage.inputs import job_of_key
+from offload.storage.namespace import space_of
+from offload.storage.outputs import files_prefix
 
 
 @dataclass(frozen=True)
 class Downloaded:
     output: Path
     files: list[Path]
+    skipped: list[str]  # keys the output refers to that are not the job's own
+
+
+def owns(job_id: str, output_key: str, key: str) -> bool:
+    """Whether `key` is one of job `job_id`'s own files: under its inputs, its GPU worker's outputs or its copied
+    provider files (for an output key of its own choosing: the files beside it, `files_prefix`)."""
+    try:
+        validate_key(key)  # no `..` walking out of the job's prefix
+    except InvalidKey:
+        return False
+    queue = job_id.partition(":")[0]
+    if job_of_key(queue, key) == job_id:
+        return True
+    return space_of(key) in (None, queue) and key.startswith(files_prefix(output_key)) and key != output_key
 
 
 def referenced_keys(storage: Storage, output: Any) -> list[tuple[str, dict[str, Any] | None]]:
@@ -48,14 +70,18 @@ def _strings(value: Any) -> list[str]:
     return []
 
 
-async def download_result(storage: Storage, output_key: str, directory: Path) -> Downloaded:
+async def download_result(storage: Storage, job_id: str, output_key: str, directory: Path) -> Downloaded:
     await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
     raw = await storage.get_bytes(output_key)
     output_path = directory / "output.json"
     await asyncio.to_thread(output_path.write_bytes, raw)
     saved: list[Path] = []
+    skipped: list[str] = []
     taken: set[str] = {"output.json"}
     for key, ref in referenced_keys(storage, orjson.loads(raw)):
+        if not owns(job_id, output_key, key):
+            skipped.append(key)
+            continue
         name = key.rsplit("/", 1)[-1]
         while name in taken:
             name = "_" + name
@@ -66,4 +92,4 @@ async def download_result(storage: Storage, output_key: str, directory: Path) ->
             await asyncio.to_thread(path.unlink, missing_ok=True)
             raise StorageError(f"{key}: downloaded file does not match its reference (size or SHA-256)", permanent=True)
         saved.append(path)
-    return Downloaded(output_path, saved)
+    return Downloaded(output_path, saved, skipped)

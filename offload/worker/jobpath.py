@@ -39,6 +39,7 @@ from offload.queue.keys import hook_digest
 from offload.queue.memory import PolicyWatch
 from offload.queue.store import CompleteItem, QueueStore
 from offload.storage import InvalidKey, StorageError, validate_key
+from offload.storage.outputs import FileRefused
 from offload.worker.batching import Batcher
 from offload.worker.endings import Fence, StoreOutput
 from offload.worker.health import StoreHealth, describe
@@ -225,6 +226,8 @@ class JobPath(HookPath):
                 f"{type(exc).__name__.lower()}: {exc}",
                 keep_remote=remote_id is not None and not isinstance(exc, PollTimeout),
             )
+        except FileRefused as exc:  # the egress rule refuses a file of this output: another run would be too
+            await self._fail(job, f"storing the output failed: {exc}", retryable=False, answered=unrecorded)
         except StorageError as exc:  # the remote job finished: keep its id so the retry re-polls, not re-pays,
             # unless the failure cannot heal (e.g. a provider file already expired): then it must run again
             await self._retry(

@@ -9,20 +9,23 @@ import logging
 import signal
 from collections.abc import Callable, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 from offload.backends import Backend, create_backend, new_client
 from offload.backends.http import user_agent
+from offload.backends.settings import AnyBackendSettings
 from offload.backends.transport import fast_path
 from offload.config import Settings, parse_rate
 from offload.connection import at_start, connect
+from offload.egress import FilePolicy
 from offload.env import env_int
 from offload.errors import ConfigError
 from offload.queue.memory import require_noeviction
 from offload.queue.store import QueueStore
-from offload.storage import create_storage, store_output
+from offload.storage import S3StorageSettings, create_storage, store_output
 from offload.worker.dispatch import Worker, WorkerOptions, default_worker_id
 from offload.worker.file_inputs import with_file_inputs
-from offload.worker.jobpath import Fence
+from offload.worker.jobpath import Fence, StoreOutput
 from offload.worker.limits import BackendLimits
 
 log = logging.getLogger("offload.worker")
@@ -106,7 +109,8 @@ async def run_workers(
         )
         http = pool()
         resources.push_async_callback(http.aclose)
-        files = pool(per_host=FILE_CONNECTIONS_PER_HOST)  # its own: the providers' APIs never queue behind copies
+        # its own: the providers' APIs never queue behind copies; and under the egress rule (offload.egress)
+        files = pool(per_host=FILE_CONNECTIONS_PER_HOST, egress=True)
         resources.push_async_callback(files.aclose)
         plain = fast_path(files)  # output files copied on aiohttp directly where httpx adds nothing
         storage = create_storage(settings.storage)
@@ -123,18 +127,24 @@ async def run_workers(
         store = QueueStore(redis, durability=settings.durability)
         await at_start(lambda: store.check_durability([queue for queue, *_ in plans]))
 
-        async def save(key: str, output: Any, run: str, fence: Fence) -> str:
-            stored = await store_output(
-                storage,
-                key,
-                output,
-                files,
-                copy_files=settings.storage.copy_files,
-                run=run,
-                before_write=fence,
-                plain=plain,
-            )
-            return stored.location
+        def saver(bs: AnyBackendSettings) -> StoreOutput:
+            policy = file_policy(settings, bs)
+
+            async def save(key: str, output: Any, run: str, fence: Fence) -> str:
+                stored = await store_output(
+                    storage,
+                    key,
+                    output,
+                    files,
+                    copy_files=settings.storage.copy_files,
+                    policy=policy,
+                    run=run,
+                    before_write=fence,
+                    plain=plain,
+                )
+                return stored.location
+
+            return save
 
         limits: dict[str, BackendLimits] = {}
         workers: list[Worker] = []
@@ -174,7 +184,7 @@ async def run_workers(
             worker = Worker(
                 store,
                 backends[backend_name],
-                save,
+                saver(bs),
                 limits[backend_name],
                 options,
                 worker_id=worker_id,
@@ -194,6 +204,18 @@ async def run_workers(
                 on_ready(worker)
         await _serve_all(workers, stop, cut)
     return workers
+
+
+def file_policy(settings: Settings, bs: AnyBackendSettings) -> FilePolicy:
+    """Where a backend's output files may be copied from (offload.egress). The backend's own origin and the result
+    store's are the operator's, fetched even on a private address: a local stack's simulator serves its files
+    itself, and an output that echoes its input names the store's presigned URLs (path- or virtual-host-style)."""
+    own = [bs.base_url]
+    store = settings.storage
+    if isinstance(store, S3StorageSettings) and store.endpoint_url:
+        parts = urlsplit(store.endpoint_url)
+        own += [store.endpoint_url, f"{parts.scheme}://{store.bucket}.{parts.netloc}"]
+    return FilePolicy.of(*own, allow_private=bs.allow_private_hosts, hosts=bs.file_hosts)
 
 
 def _on_signal(stop: asyncio.Event, cut: asyncio.Event) -> Callable[[], None]:
