@@ -231,7 +231,7 @@ async def test_a_private_repository_token_comes_from_the_vault_never_in_the_scri
     for the clone only, so it is in no argv, no script, no .git/config, no event and no instance record."""
     r = await connect(fast_valkey_url)
     token = "ghp_" + secrets.token_hex(16)
-    await Credentials(r, Vault(VAULT_KEY)).set("gh", f"deploy-bot:{token}")
+    await Credentials(r, Vault(VAULT_KEY)).set("gh", f"deploy-bot:{token}", "git.example.com")
     assert token not in str(await r.get("offload:{as}:cred:gh"))
     clock = Clock()
     block = queue_block(
@@ -318,10 +318,26 @@ def test_cli_credentials_never_take_the_secret_as_an_argument(
     monkeypatch.setenv("GH_TOKEN", "ghp_" + "x" * 36 + "WXYZ")
     runner = CliRunner()
     res = runner.invoke(
-        app, ["autoscale", "credentials", "set", "gh", "--from-env", "GH_TOKEN", "--url", fast_valkey_url]
+        app,
+        [
+            "autoscale",
+            "credentials",
+            "set",
+            "gh",
+            "--host",
+            "github.com",
+            "--from-env",
+            "GH_TOKEN",
+            "--url",
+            fast_valkey_url,
+        ],
     )
     assert res.exit_code == 0, res.output
-    res = runner.invoke(app, ["autoscale", "credentials", "set", "bad name", "--url", fast_valkey_url], input="tok\n")
+    res = runner.invoke(
+        app,
+        ["autoscale", "credentials", "set", "bad name", "--host", "github.com", "--url", fast_valkey_url],
+        input="tok\n",
+    )
     assert res.exit_code == 1 and "invalid credential name" in res.output
     res = runner.invoke(app, ["autoscale", "credentials", "list", "--url", fast_valkey_url])
     assert "gh" in res.output and "****WXYZ" in res.output and "ghp_" not in res.output

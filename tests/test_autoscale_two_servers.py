@@ -7,6 +7,7 @@ shape: separate processes, each electing through the Redis lock, configured by o
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import signal
@@ -25,6 +26,9 @@ from dashboard_helpers import HttpWorker
 from server_helpers import client, direct_key, poll
 from servers import ValkeyServer, free_port
 
+from offload.autoscale.provider_store import ProviderStore
+from offload.autoscale.vault import Vault
+from offload.connection import connect
 from offload.sim.config import SimConfig
 from offload.sim.server import running_sim
 
@@ -86,6 +90,15 @@ def offload_server(name: str, config: Path, redis_url: str, admin: str, tmp: Pat
         log.close()
 
 
+async def _operator_provider(redis_url: str, name: str, kind: str, config: dict[str, Any]) -> None:
+    """`offload providers create` as the operator runs it on the server's host (direct Redis access)."""
+    redis = await connect(redis_url)
+    try:
+        await ProviderStore(redis, Vault(VAULT_KEY)).create(name, kind, config)
+    finally:
+        await redis.aclose()
+
+
 def me(api: httpx.Client) -> dict[str, Any]:
     """The answering server's own autoscaler: its owner id, whether it leads, its provider calls."""
     server: dict[str, Any] = api.get("/v1/autoscale/status").json()["server"]
@@ -136,16 +149,10 @@ def test_two_server_processes_only_the_leader_rents_and_the_survivor_takes_over(
         owner_a, owner_b = me(api_a)["owner"], me(api_b)["owner"]
         assert owner_a != owner_b and not me(api_b)["leader"]
 
-        # the provider is registered through the API (encrypted in Redis); both processes can read it
-        created = api_b.post(
-            "/v1/autoscale/providers",
-            json={
-                "name": "v",
-                "type": "vastai",
-                "config": {"api_key": "k", "base_url": sim_url, "gpu_name": "RTX 4090"},
-            },
-        )
-        assert created.status_code == 201, created.text
+        # the operator registers the provider with the CLI (encrypted in Redis); both processes can read it. One made
+        # over the API would get none of the operator's secrets (the worker key of the offload.yaml block).
+        config = {"api_key": "k", "base_url": sim_url, "gpu_name": "RTX 4090"}
+        asyncio.run(_operator_provider(valkey.url, "v", "vastai", config))
         assert api_b.post(f"/v1/queues/{QUEUE}/jobs", json={"input": 1}).status_code == 201
 
         def rental() -> Any:
@@ -161,9 +168,11 @@ def test_two_server_processes_only_the_leader_rents_and_the_survivor_takes_over(
         poll(lambda: me(api_a)["provider_calls"] > calls_a, 5, "the leader to keep polling the provider")
         assert me(api_b)["provider_calls"] == 0  # b has been running its loop all along, and never called
 
-        # a GPU worker on the rented machine registers with its instance id (through b)
+        # a GPU worker on the rented machine registers with its instance id and the token it was rented with (through b)
         wkey = api_b.post("/v1/keys", json={"scope": "worker", "queues": [QUEUE], "name": "rented"}).json()["token"]
-        worker = HttpWorker(url_b, wkey, QUEUE, instance_id=inst["id"])
+        machine = next(m for m in sim_call("GET", f"{sim_url}/_sim/machines")["machines"] if inst["id"] in m["label"])
+        token = machine["env"]["OFFLOAD_INSTANCE_TOKEN"]
+        worker = HttpWorker(url_b, wkey, QUEUE, instance_id=inst["id"], instance_token=token)
         stack.callback(worker.http.close)
         job = worker.claim(1)[0]
 

@@ -47,7 +47,7 @@ NOT_READ = {  # command -> why it is not a read command
     **{
         f"{g}{c}": "changes providers"
         for g in ("autoscale providers ", "providers ")
-        for c in ("create", "update", "delete")
+        for c in ("create", "update", "delete", "adopt")
     },
     **{c: "an alias of a write" for c in ("providers add", "providers remove")},
     **{c: "changes credentials" for c in ("autoscale credentials set", "autoscale credentials delete")},
@@ -71,7 +71,7 @@ ARGS: dict[str, tuple[list[str], Callable[[Any, dict[str, str]], bool]]] = {
     "autoscale providers show": (["PROVIDER"], lambda d, w: d["type"] == "mock"),
     "providers list": ([], lambda d, w: d[0]["name"] == w["PROVIDER"]),
     "providers show": (["PROVIDER"], lambda d, w: d["type"] == "mock"),
-    "autoscale credentials list": ([], lambda d, w: d == {"git-ci": "****7890"}),
+    "autoscale credentials list": ([], lambda d, w: d == {"git-ci": {"value": "****7890", "host": "github.com"}}),
     "embedded status": ([], lambda d, w: d["running"] is False),
     "config check": (["--config", "CONFIG"], lambda d, w: d["ok"] is True and d["queues"]["gpu"]["backend"] == "sim"),
 }
@@ -162,7 +162,7 @@ def world(valkey_url: str, tmp_path: Path, tmp_home: Path, monkeypatch: pytest.M
             job = await store.enqueue("gpu", JobSpec(input={"n": 3}))
             await KeyStore(redis).create("viewer", [], "dashboards")
             await ProviderStore(redis).create("try-it", "mock", {})
-            await Credentials(redis).set("git-ci", "ghp_token_1234567890")
+            await Credentials(redis).set("git-ci", "ghp_token_1234567890", "github.com")
         finally:
             await redis.aclose()
         return {"JOB": job, "DONE": done.id, "CONFIG": str(config), "PROVIDER": "try-it"}

@@ -7,10 +7,17 @@ bad keys pass the failed-auth limit, which never refuses the valid keys from the
 takes no parameters may answer, with nothing of the victim queue in it), and none of the secrets appears
 in any response, log line or stored record (every key of the Redis database is read). The server's autoscaler
 runs meanwhile against a provider that echoes the request, credentials and worker key included, into its
-errors, so redaction is walked too."""
+errors, so redaction is walked too.
+
+The operator's own configuration is there too (a provider made with the CLI, a vault credential for github.com,
+an offload.yaml block with a deployment and an `instance.env`), and the admin key plays the attacker of issue 35:
+it makes a provider of its own at a path of the echoing listener and points blocks at it. Nothing of the
+operator's (worker key, git token, offload.yaml's env) reaches that path, while the operator's provider gets what
+the operator sent it, and a machine's instance token is redacted like any secret."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
@@ -22,10 +29,15 @@ import httpx
 import pytest
 from s3server import RcloneS3
 from security_helpers import echo_server, leaks, redis_dump
-from server_helpers import BUCKET, client, direct_key, new_queue, poll, server
+from server_helpers import BUCKET, client, new_queue, poll, server
 from servers import ValkeyServer, free_port
 
+from offload.autoscale.credentials import Credentials
+from offload.autoscale.provider_store import ProviderStore
 from offload.autoscale.vault import ENV as VAULT_ENV
+from offload.autoscale.vault import Vault
+from offload.connection import connect
+from offload.server.keys import KeyStore
 
 IDENTITIES = ("anonymous", "revoked", "forged", "producer of another queue", "worker of another queue")
 # Every identity comes through the trusted reverse proxy (127.0.0.1) from one client address, with a spoofed hop
@@ -46,7 +58,7 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RcloneS3]:
 
 @pytest.fixture(scope="module")
 def world(valkey: ValkeyServer, s3: RcloneS3) -> Iterator[dict[str, Any]]:
-    victim, mine = new_queue("victim"), new_queue("mine")
+    victim, mine, deployed = new_queue("victim"), new_queue("mine"), new_queue("deployed")
     given = {
         "admin key": secret("admin"),
         "vault master key": secret("vault"),
@@ -55,17 +67,37 @@ def world(valkey: ValkeyServer, s3: RcloneS3) -> Iterator[dict[str, Any]]:
         "webhook token": secret("hook"),
         "smtp password": secret("smtp"),
         "instance.env HF_TOKEN": secret("hf"),
+        "offload.yaml instance.env": secret("yamlenv"),
+        "vault git token": secret("ghp"),
         "storage secret": s3.secret_key,
     }
-    rented_key = direct_key(valkey.url, "worker", victim)
+    rented_key = operator_key(valkey.url, [victim, deployed])
     saved = os.environ.get(VAULT_ENV)
     os.environ[VAULT_ENV] = given["vault master key"]
     try:
         with echo_server() as echo:
+            operator_setup(valkey.url, given, echo.url)
             settings = {
                 "server": {"trusted_proxies": ["127.0.0.1/32"]},
                 "backends": {"gpu": {"kind": "http-job", "base_url": echo.url, "api_key": given["backend api key"]}},
                 "autoscaler": {"public_url": "https://cp.example.com", "worker_key": rented_key, "tick": 0.1},
+                "queues": {
+                    deployed: {
+                        "autoscale": {
+                            "enabled": True,
+                            "provider": "rp",
+                            "max_workers": 1,
+                            "poll_interval": "0.2s",
+                            "scale_up": [{"trigger": "queue_depth", "threshold": 0}],
+                            "instance": {"image": "img", "env": {"MODEL_TOKEN": given["offload.yaml instance.env"]}},
+                            "deployment": {
+                                "git_url": "https://github.com/example/private.git",
+                                "handler": "app:run",
+                                "git_credential": "gh",
+                            },
+                        }
+                    }
+                },
                 "alerts": {
                     "cooldown": 0,
                     "webhooks": [{"url": f"{echo.url}/hook", "headers": {"X-Token": given["webhook token"]}}],
@@ -95,6 +127,7 @@ def world(valkey: ValkeyServer, s3: RcloneS3) -> Iterator[dict[str, Any]]:
                     "given": given,
                     "echo": echo,
                     "rented key": rented_key,
+                    "deployed": deployed,
                     "valkey": valkey.url,
                 }
     finally:
@@ -102,6 +135,72 @@ def world(valkey: ValkeyServer, s3: RcloneS3) -> Iterator[dict[str, Any]]:
             os.environ.pop(VAULT_ENV, None)
         else:
             os.environ[VAULT_ENV] = saved
+
+
+def operator_key(redis_url: str, queues: list[str]) -> str:
+    """The worker key the operator configures for rented machines (`offload keys create`, straight in Redis)."""
+
+    async def go() -> str:
+        redis = await connect(redis_url)
+        try:
+            return (await KeyStore(redis).create("worker", queues, "rented machines"))[1]
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(go())
+
+
+def operator_setup(redis_url: str, given: dict[str, str], echo_url: str) -> None:
+    """What the operator does on the server's host (direct Redis access): the provider `rp` (at the echoing
+    listener) and the vault credential `gh` for github.com."""
+
+    async def go() -> None:
+        redis = await connect(redis_url)
+        try:
+            vault = Vault(given["vault master key"])
+            config = {
+                "api_key": given["provider api key"],
+                "base_url": echo_url,
+                "gpu_type_id": "NVIDIA X",
+                "api": "rest",
+            }
+            await ProviderStore(redis, vault).create("rp", "runpod", config)
+            await Credentials(redis, vault).set("gh", given["vault git token"], "github.com")
+        finally:
+            await redis.aclose()
+
+    asyncio.run(go())
+
+
+def _attack(w: dict[str, Any], admin: httpx.Client, out: dict[str, Any]) -> None:
+    """The admin key as the attacker: a provider of its own at `/evil` of the listener, a block of `mine` on it
+    naming the operator's vault credential (refused), then without it (accepted, and refused at rental: the
+    provider has no worker key of its own), and the offload.yaml block sent back masked with that provider."""
+    evil = {"api_key": "evil-0123456789abcdef", "base_url": w["echo"].url + "/evil", "gpu_type_id": "X", "api": "rest"}
+    r = admin.post("/v1/autoscale/providers", json={"name": "evil", "type": "runpod", "config": evil})
+    assert r.status_code == 201, r.text
+    block = {
+        "enabled": True,
+        "provider": "evil",
+        "max_workers": 1,
+        "poll_interval": "0.2s",
+        "scale_up": [{"trigger": "queue_depth", "threshold": 0}],
+        "instance": {"image": "img"},
+        "deployment": {"git_url": "https://github.com/example/private.git", "handler": "a:b", "git_credential": "gh"},
+    }
+    r = admin.put(f"/v1/autoscale/queues/{w['mine']}", json=block)
+    assert r.status_code == 403 and "vault credential" in r.text, r.text
+    del block["deployment"]["git_credential"]
+    assert admin.put(f"/v1/autoscale/queues/{w['mine']}", json=block).status_code == 200
+    shown = admin.get(f"/v1/autoscale/queues/{w['deployed']}").json()["autoscale"]
+    r = admin.put(f"/v1/autoscale/queues/{w['deployed']}", json={**shown, "provider": "evil"})
+    assert r.status_code in (403, 422), r.text  # the credential (403), or the masked env (422): never restored
+    for q in (w["mine"], w["deployed"]):
+        assert admin.post(f"/v1/queues/{q}/jobs", json={"input": 1}).status_code == 201
+    for call in (admin.patch("/v1/autoscale/providers/rp", json={"base_url": w["echo"].url + "/evil"}),
+                 admin.delete("/v1/autoscale/providers/rp")):  # fmt: skip
+        assert call.status_code == 403, call.text
+        out["responses"].append((f"{call.request.method} {call.request.url.path}", call.text))
 
 
 def _setup(w: dict[str, Any]) -> dict[str, Any]:
@@ -124,19 +223,6 @@ def _setup(w: dict[str, Any]) -> dict[str, Any]:
         assert r.status_code == 201, r.text
         out["job"] = r.json()["id"]
         for call in (
-            lambda: admin.post(
-                "/v1/autoscale/providers",
-                json={
-                    "name": "rp",
-                    "type": "runpod",
-                    "config": {
-                        "api_key": g["provider api key"],
-                        "base_url": w["echo"].url,
-                        "gpu_type_id": "NVIDIA X",
-                        "api": "rest",
-                    },
-                },
-            ),
             lambda: admin.put(
                 f"/v1/autoscale/queues/{victim}",
                 json={
@@ -152,6 +238,7 @@ def _setup(w: dict[str, Any]) -> dict[str, Any]:
             r = call()
             assert r.status_code in (200, 201), r.text
             out["responses"].append((f"{r.request.method} {r.request.url.path}", r.text))
+        _attack(w, admin, out)
     with client(w["url"], out["victim worker"]) as vw:
         r = vw.post("/v1/workers/register", json={"queues": [victim], "host": "victim-gpu"})
         assert r.status_code == 201, r.text
@@ -239,6 +326,35 @@ def test_the_attackers_walk(world: dict[str, Any], caplog: pytest.LogCaptureFixt
     )
     echoed = [r for r in w["echo"].requests if r[0] == "POST" and r[1] == "/v2/pods"]
     assert echoed and g["provider api key"] in str(echoed[0][2]) and w["rented key"] in echoed[0][3]
+    # a machine holding the rented worker key cannot pass itself off as an instance it was not rented as
+    rented = [i["id"] for i in admin.get("/v1/autoscale/status").json()["instances"]]
+    with client(url, w["rented key"]) as machine:
+        for inst in [*rented[:3], "as-00000000000000ff"]:
+            r = machine.post("/v1/workers/register", json={"queues": [w["victim"]], "instance_id": inst})
+            assert r.status_code == 403, (inst, r.text)
+    # the operator's offload.yaml block rented from the operator's provider: its git token and env went there...
+    poll(
+        lambda: any(g["vault git token"] in r[3] for r in w["echo"].requests if r[1] == "/v2/pods"),
+        30,
+        "the operator's deployment to reach the operator's provider",
+    )
+    # ...and the attacker's blocks were evaluated: the rental from its provider refused for want of a worker key
+    poll(
+        lambda: all(
+            (admin.get("/v1/autoscale/status").json()["queues"].get(q) or {}).get("decision", {}).get("provider")
+            for q in (w["mine"],)
+        ),
+        30,
+        "the attacker's queue to be evaluated",
+    )
+    evil = [(f"{m} {p}", f"{h} {b}") for m, p, h, b in w["echo"].requests if p.startswith("/evil")]
+    operators = {k: v for k, v in g.items() if k in ("offload.yaml instance.env", "vault git token", "admin key")}
+    assert leaks({**operators, "rented worker key": w["rented key"]}, evil) == []
+    instance_tokens = {
+        f"instance token {i}": t
+        for i, t in enumerate(re.findall(r'"OFFLOAD_INSTANCE_TOKEN":\s*"([^"]+)"', " ".join(r[3] for r in echoed)))
+    }
+    assert instance_tokens, "each rental carries its machine's instance token"
 
     spec = httpx.get(f"{url}/openapi.json").json()
     ops = operations(spec, w)
@@ -311,6 +427,7 @@ def test_the_attackers_walk(world: dict[str, Any], caplog: pytest.LogCaptureFixt
 
     secrets_ = {
         **g,
+        **instance_tokens,
         "rented worker key": w["rented key"],
         "revoked key": w["revoked"],
         "victim's worker key": w["victim worker"],

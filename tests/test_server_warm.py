@@ -12,6 +12,7 @@ Measured before the fix: 107 modules imported and ~177,000 calls on the first de
 from __future__ import annotations
 
 import json
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -53,7 +54,9 @@ async def probe(redis_url: str, results: str) -> dict[str, object]:
     claimed = await store.claim("q", "w1", DELIVERIES)
     begun = await store.begin_many("q", [(c.id, c.token, 0.0, hook_digest(f"s-{c.id}")) for c in claimed])
     assert all(v.startswith("OK:") for v in begun), begun
-    app = create_app(ServerOptions(redis_url=redis_url, settings=settings, admin_key="warm-admin-key-" + "0" * 32))
+    app = create_app(
+        ServerOptions(redis_url=redis_url, settings=settings, admin_key="warm-admin-" + secrets.token_hex(16))
+    )
     calls: list[int] = []
     statuses: list[int] = []
     async with app.router.lifespan_context(app):

@@ -9,6 +9,7 @@ RunPod deliveries: the URL's secret is their whole proof, so the test can delive
 from __future__ import annotations
 
 import asyncio
+import secrets
 import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -42,7 +43,9 @@ def server(own_valkey: ValkeyServer, tmp_path: Path) -> Iterator[str]:
             "queues": {"q": {"backend": "rp"}},
         }
     )
-    options = ServerOptions(redis_url=own_valkey.url, settings=settings, admin_key="fast-path-admin-key-" + "0" * 32)
+    options = ServerOptions(
+        redis_url=own_valkey.url, settings=settings, admin_key="fast-path-admin-" + secrets.token_hex(16)
+    )
     with running_server(options, port=port) as url:
         yield url
 

@@ -7,6 +7,7 @@ again; the webhook adopts the remote id and the job completes with exactly one s
 from __future__ import annotations
 
 import contextlib
+import secrets
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -120,7 +121,7 @@ async def killed_inside_submit(
         options = ServerOptions(
             redis_url=valkey_url,
             settings=Settings.model_validate(data),
-            admin_key="boot-admin-0123456789abcdef-0123456789",
+            admin_key="boot-admin-" + secrets.token_hex(16),
         )
         client = await connect(valkey_url)
         store = QueueStore(client)

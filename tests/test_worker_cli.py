@@ -125,13 +125,13 @@ def test_rented_machine_runs_the_image_entrypoint_with_its_env_alone(api: tuple[
         OFFLOAD_SERVER=url,
         OFFLOAD_TOKEN=token,
         OFFLOAD_QUEUE=q,
-        OFFLOAD_INSTANCE_ID="as-rented1",
+        OFFLOAD_INSTANCE_ID="i-rented1",  # not an autoscaler id (as-…): no token needed,
     )
     proc = spawn(["/bin/sh", str(ENTRYPOINT)], env, REPO, log)
     ids = enqueue(url, boot, q, [{"n": 1}, {"n": 2}])
     assert [wait_state(url, boot, j, "succeeded")["attempts"] for j in ids] == [1, 1]
     (me,) = [w for w in workers(url, boot) if q in w["queues"]]
-    assert (me["queues"], me["instance_id"], me["kind"]) == ([q], "as-rented1", "remote")
+    assert (me["queues"], me["instance_id"], me["kind"]) == ([q], "i-rented1", "remote")
     cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")  # the entrypoint exec'd offload
     assert b"worker" in cmdline and token.encode() not in b" ".join(cmdline)
     assert stopped(proc, log) == 0

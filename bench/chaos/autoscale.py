@@ -8,11 +8,18 @@ call) must let the new server adopt the machine the dead one was renting instead
 end the queue is scaled to zero (with a boot timeout of 1 s: no worker ever starts on a simulated machine). The
 verdict: no machine leaked (alive at the provider with no record, or left after the teardown), none doubled (two
 live machines for one label), never more than the queue's maximum.
+
+The operator sets up as on the server's host: the provider with the CLI's store (its origin: the operator's), a
+worker key, a vault credential for github.com, and an offload.yaml block with a deployment and an `instance.env`
+secret. With `--faults hostile` (in `all`), every round also plays a hostile admin key and a hostile rented
+machine (bench/chaos/hostile_admin.py); the verdict then also needs none of the operator's secrets at the attacker's
+listener, every attack refused, and each machine's own token still registering it.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import secrets
 import signal
@@ -26,9 +33,11 @@ from typing import Any
 import httpx
 import yaml
 
+from bench.chaos.hostile_admin import Attacker, Listener
 from bench.chaos.procs import HOST, OFFLOAD, Sim, Valkey, base_env, free_port, reap, signal_group, spawn
 
 QUEUE = "gpu"
+ATTACK_QUEUE = "attacker"
 VAULT_KEY = "chaos-master-key-0123456789abcdef"
 SIM_KEY = "k"
 
@@ -86,16 +95,42 @@ class Server:
             signal_group(self.proc, signal.SIGTERM)
             reap(self.proc, 20)
 
-    def api(self, method: str, path: str, body: Any = None) -> Any:
-        r = httpx.request(
+    def call(self, method: str, path: str, body: Any = None) -> httpx.Response:
+        return httpx.request(
             method, f"{self.url}{path}", json=body, timeout=30, headers={"Authorization": f"Bearer {self.admin}"}
         )
+
+    def api(self, method: str, path: str, body: Any = None) -> Any:
+        r = self.call(method, path, body)
         if r.status_code >= 400:
             raise RuntimeError(f"{method} {path}: {r.status_code} {r.text[:300]}")
         return r.json() if r.content else None
 
 
-def _config(path: Path, results: Path, machines: int) -> Path:
+def _operator(redis_url: str, sim_url: str, git_token: str) -> str:
+    """What the operator does on the server's host (direct Redis access): the provider `v` at the simulator, the
+    vault credential `gh` for github.com, and the worker key rented machines get (returned)."""
+    from offload.autoscale.credentials import Credentials
+    from offload.autoscale.provider_store import ProviderStore
+    from offload.autoscale.vault import Vault
+    from offload.connection import connect
+    from offload.server.keys import KeyStore
+
+    async def go() -> str:
+        redis = await connect(redis_url)
+        try:
+            vault = Vault(VAULT_KEY)
+            config = {"api_key": SIM_KEY, "base_url": sim_url, "gpu_name": "RTX 4090"}
+            await ProviderStore(redis, vault).create("v", "vastai", config)
+            await Credentials(redis, vault).set("gh", git_token, "github.com")
+            return (await KeyStore(redis).create("worker", [QUEUE], "rented machines"))[1]
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(go())
+
+
+def _config(path: Path, results: Path, machines: int, worker_key: str, hf_token: str) -> Path:
     path.write_text(
         yaml.safe_dump(
             {
@@ -109,14 +144,23 @@ def _config(path: Path, results: Path, machines: int) -> Path:
                             "max_workers": machines,
                             "poll_interval": "0.3s",
                             "boot_timeout": "30m",
-                            "instance": {"image": "ghcr.io/example/worker:1", "max_price_per_hour": 1.0},
+                            "instance": {
+                                "image": "ghcr.io/example/worker:1",
+                                "max_price_per_hour": 1.0,
+                                "env": {"HF_TOKEN": hf_token},
+                            },
+                            "deployment": {
+                                "git_url": "https://github.com/example/private.git",
+                                "handler": "app:run",
+                                "git_credential": "gh",
+                            },
                             "scale_down": [{"trigger": "idle", "timeout": "1s"}],
                         }
                     }
                 },
                 "autoscaler": {
                     "public_url": "https://cp.example.com",
-                    "worker_key": "ofk_placeholder",
+                    "worker_key": worker_key,
                     "tick": 0.1,
                     "leader_ttl": 2,
                     "recent_task": 0,
@@ -127,6 +171,19 @@ def _config(path: Path, results: Path, machines: int) -> Path:
         )
     )
     return path
+
+
+def _tokens(server: Server, sim: Sim) -> list[tuple[str, str]]:
+    """(instance id, the token its machine received) of each live rental, as a machine would know its own."""
+    rows = {r["id"]: r for r in server.api("GET", "/v1/autoscale/status")["instances"]}
+    out = []
+    for m in sim.get("/_sim/machines")["machines"]:
+        inst = str(m["label"]).removeprefix("offload-")
+        row = rows.get(inst)
+        token = (m.get("env") or {}).get("OFFLOAD_INSTANCE_TOKEN")
+        if row and token and m["phase"] != "deleted" and row["status"] in ("provisioning", "booting", "running"):
+            out.append((inst, token))
+    return out
 
 
 def _wait(check: Any, timeout: float, what: str) -> Any:
@@ -143,12 +200,20 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     out = args.out or Path(tempfile.mkdtemp(prefix="offload-chaos-autoscale-"))
     out.mkdir(parents=True, exist_ok=True)
     machines, rounds = 3, 6
+    hostile = args.faults == "all" or "hostile" in args.faults.split(",")
+    given = {"vault git token": "ghp_" + secrets.token_hex(20), "offload.yaml HF_TOKEN": "hf_" + secrets.token_hex(20)}
     valkey = Valkey(out / "valkey", "always").start()
     sim = Sim(out, 0).start()
-    server = Server(
-        out, _config(out / "offload.yaml", out / "results", machines), valkey.url, "admin-" + secrets.token_hex(12)
+    given["worker key"] = _operator(valkey.url, sim.url, given["vault git token"])
+    config = _config(
+        out / "offload.yaml", out / "results", machines, given["worker key"], given["offload.yaml HF_TOKEN"]
     )
+    server = Server(out, config, valkey.url, "admin-" + secrets.token_hex(16))
     kills: list[dict[str, Any]] = []
+    listener = Listener()
+    attacker = Attacker(server.call, listener, QUEUE, ATTACK_QUEUE)
+    stack = contextlib.ExitStack()
+    stack.enter_context(listener.running())
     try:
         sim.post(
             "/_sim/config",
@@ -160,15 +225,6 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             },
         )
         server.start()
-        server.api(
-            "POST",
-            "/v1/autoscale/providers",
-            {
-                "name": "v",
-                "type": "vastai",
-                "config": {"api_key": SIM_KEY, "base_url": sim.url, "gpu_name": "RTX 4090"},
-            },
-        )
 
         def rents() -> int:
             return int(sim.get("/_sim/stats")["requests"].get("vastai.rent", 0))
@@ -183,6 +239,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             kills.append({"round": n + 1, "at": time.time(), "rent_calls": rents()})
             time.sleep(2.0)  # the call completes at the provider meanwhile; the leader lock's TTL runs out
             server.start()
+            if hostile:
+                attacker.admin_round()
+                attacker.machine_round(server.url, given["worker key"], _tokens(server, sim))
 
         def live() -> list[dict[str, Any]]:
             return [
@@ -231,11 +290,25 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         with contextlib.suppress(TimeoutError):
             _wait(lambda: not live(), 90, "the teardown")
         result["left_after_teardown"] = len(live())
+        if hostile:
+            result["hostile"] = {
+                "attacks": attacker.attacks,
+                "not_refused": attacker.refusals,
+                "foreign_registrations_accepted": attacker.foreign_registrations,
+                "own_registrations": attacker.own_registrations,
+                "own_registrations_refused": attacker.own_refused,
+                "requests_at_listener": len(listener.seen),
+                "operator_secrets_at_listener": attacker.leaked(given),
+            }
+        bad_hostile = hostile and bool(
+            attacker.refusals or attacker.own_refused or attacker.leaked(given) or not attacker.own_registrations
+        )
         result["ok"] = not (
-            result["leaked"] or result["doubled"] or result["over_max"] or result["left_after_teardown"]
+            result["leaked"] or result["doubled"] or result["over_max"] or result["left_after_teardown"] or bad_hostile
         )
         return result
     finally:
+        stack.close()
         for stop in (server.stop, sim.stop, valkey.stop):
             with contextlib.suppress(Exception):
                 stop()

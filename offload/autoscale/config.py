@@ -151,6 +151,7 @@ RESERVED_ENV = (
     "OFFLOAD_TOKEN",
     "OFFLOAD_SERVER",
     "OFFLOAD_INSTANCE_ID",
+    "OFFLOAD_INSTANCE_TOKEN",
     "OFFLOAD_QUEUE",
     "OFFLOAD_WORKDIR",
     "OFFLOAD_PYTHON",
@@ -259,17 +260,29 @@ def _located(error: Any, where: str) -> tuple[str, str]:
     return field, msg
 
 
-SEALED = "sealed"  # an instance.env value stored encrypted: {"sealed": "<vault token>"}
+SEALED = "sealed"  # an instance.env value stored encrypted: {"sealed": "<vault token>", "for": {provider: digest}}
+BOUND = "for"  # the providers (name -> destination digest, provider_store.py) the values were given for
 
 
-def seal_env(block: dict[str, Any], vault: Vault, queue: str) -> dict[str, Any]:
+def seal_env(block: dict[str, Any], vault: Vault, queue: str, bound: dict[str, str]) -> dict[str, Any]:
     """The block as stored in Redis: `instance.env` values (HF_TOKEN and the like) encrypted like a provider's
-    credentials, so a copy of the database holds none of them."""
+    credentials, so a copy of the database holds none of them, each bound to the providers it was given for."""
     env = (block.get("instance") or {}).get("env") if isinstance(block.get("instance"), dict) else None
     if not isinstance(env, dict) or not env:
         return block
-    sealed = {k: {SEALED: vault.encrypt(str(v), f"queue:{queue}:env:{k}")} for k, v in env.items()}
+    sealed = {k: {SEALED: vault.encrypt(str(v), f"queue:{queue}:env:{k}"), BOUND: bound} for k, v in env.items()}
     return {**block, "instance": {**block["instance"], "env": sealed}}
+
+
+def env_bound(stored: dict[str, Any]) -> dict[str, str] | None:
+    """The providers a stored block's `instance.env` values were given for; None when it has no values, {} when
+    they were stored before values were bound (they go nowhere until given again)."""
+    env = (stored.get("instance") or {}).get("env") if isinstance(stored.get("instance"), dict) else None
+    if not isinstance(env, dict) or not env:
+        return None
+    first = next(iter(env.values()))
+    bound = first.get(BOUND) if isinstance(first, dict) else None
+    return dict(bound) if isinstance(bound, dict) else {}
 
 
 def open_env(block: dict[str, Any], vault: Vault | None, queue: str) -> dict[str, Any]:

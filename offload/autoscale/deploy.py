@@ -84,6 +84,11 @@ class Deployment(BaseModel):
         return self
 
 
+def git_host(url: str) -> str:
+    """The host a git URL sends credentials to, lowercased ("" for file:// URLs, which have none)."""
+    return (urlsplit(url).hostname or "").lower()
+
+
 def script(d: Deployment) -> str:
     """The POSIX shell script that deploys and starts the worker. OFFLOAD_WORKDIR (set by the local provider)
     chooses where the clone goes; OFFLOAD_PYTHON the interpreter that runs `-m offload` (default python3, after

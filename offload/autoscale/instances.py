@@ -18,10 +18,18 @@ live set only once its teardown is done.
 
 Every write of the scaler carries its fencing token; the script refuses it (FENCED) if another server has
 become leader meanwhile, so a paused ex-leader cannot overwrite its successor's decisions.
+
+A rented machine is bound to its instance: it receives a random OFFLOAD_INSTANCE_TOKEN (only its SHA-256 is kept
+here), and a worker may register as an autoscaler instance (`as-…`) only with that token, only while the
+instance is live, and only for the queue it was rented for (`claim_problem`), so one machine (or any holder of
+the worker key) cannot pass itself off as another: keep a dead instance looking alive, protect it, or hide the
+real worker. Dry-run (mock) instances ship nothing and have no token.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import secrets
 from dataclasses import dataclass, fields
 from typing import Any
@@ -45,6 +53,8 @@ TRANSITIONS: dict[str, tuple[str, ...]] = {
     "failed": (),
 }
 EVENTS_MAX = 20_000
+ID_PREFIX = "as-"
+PRIVATE = ("token_hash",)  # kept in the record, never shown
 
 
 class Fenced(FencingError):
@@ -89,6 +99,7 @@ class Instance:
     in_flight: int = 0
     spot: bool = False  # interruptible / bid rental
     drain_reason: str = ""  # idle | schedule | disabled | spend cap
+    token_hash: str = ""  # SHA-256 of the machine's OFFLOAD_INSTANCE_TOKEN ("" for dry-run and older records)
 
     @property
     def protected(self) -> bool:
@@ -116,13 +127,46 @@ class Instance:
         return cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in PRIVATE}
         d["protected"] = self.protected
         return d
 
 
 def new_instance_id() -> str:
-    return "as-" + secrets.token_hex(8)
+    return ID_PREFIX + secrets.token_hex(8)
+
+
+def new_instance_token() -> tuple[str, str]:
+    """(token the machine receives, the hash the record keeps)."""
+    token = secrets.token_urlsafe(32)
+    return token, token_hash(token)
+
+
+def token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+async def claim_problem(
+    redis: RedisClient, instance_id: str | None, token: str | None, queues: list[str]
+) -> str | None:
+    """Why a worker registering for `queues` may not call itself `instance_id` (None: it may). Ids outside the
+    autoscaler's `as-…` namespace are free-form labels the autoscaler never matches against an instance."""
+    if not instance_id or not instance_id.startswith(ID_PREFIX):
+        return None
+    h: dict[str, str] = await redis.hgetall(keys.instance(instance_id))
+    if not h:
+        return f"instance_id {instance_id!r}: the autoscaler rented no such instance"
+    inst = Instance.from_hash(h)
+    if inst.queue not in queues:
+        return f"instance_id {instance_id!r} was rented for another queue than the ones this worker registers for"
+    if not inst.live or inst.status in ("terminated", "failed"):
+        return f"instance_id {instance_id!r} is no longer live (it is {inst.status})"
+    if inst.token_hash and not (token and hmac.compare_digest(token_hash(token), inst.token_hash)):
+        return (
+            f"instance_id {instance_id!r}: instance_token is missing or is not that machine's "
+            "(OFFLOAD_INSTANCE_TOKEN, given to the machine when it was rented)"
+        )
+    return None
 
 
 def _encode(values: dict[str, Any]) -> bytes:
@@ -151,6 +195,7 @@ class InstanceStore:
 
     async def create(self, inst: Instance, fence: str) -> None:
         values = {k: v for k, v in inst.to_dict().items() if k != "protected"}
+        values["token_hash"] = inst.token_hash
         await self._write(inst.id, fence, "+create", values, live="add", score=inst.created_at)
 
     async def update(

@@ -44,6 +44,11 @@ def credential(name: str) -> str:
     return P + f"cred:{name}"
 
 
+def credential_host(name: str) -> str:
+    """The git host a vault credential is bound to (plain text; it is also the credential's sealed context)."""
+    return P + f"credhost:{name}"
+
+
 def avoid(provider_name: str) -> str:
     return P + f"avoid:{provider_name}"
 

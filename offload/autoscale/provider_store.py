@@ -7,10 +7,19 @@ blob; everything else is plain JSON so `providers list` works without the master
 so a form (or `providers update`) never has to retype a key it did not mean to change, except when the
 update moves the provider to another endpoint (`base_url`): the stored key would then be sent to a host it
 was never meant for, so every secret must be given again.
+
+Each record says who made it (`origin`): `operator` (the CLI on the server's host, direct Redis access) or
+`api` (an admin key over HTTP; also records written before origins were kept, until `offload providers adopt`).
+Only an operator-made provider receives the operator's secrets (offload/autoscale/operator_only.py), and the
+HTTP API can neither change nor delete one. Its `destination` (a digest of the record's random uid, type and
+endpoint) changes when the provider is re-created under the same name or moved, so values bound to where a
+provider pointed are not sent to where it points now.
 """
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +27,8 @@ from typing import Any
 import orjson
 
 from offload.autoscale import keys
-from offload.autoscale.providers import TYPES, validate_config
+from offload.autoscale.operator_only import API, OPERATOR
+from offload.autoscale.providers import HOST_TYPES, TYPES, validate_config
 from offload.autoscale.vault import Vault
 from offload.errors import ConfigError, RequestError
 from offload.queue.scripts import SCRIPTS
@@ -47,11 +57,14 @@ class ProviderRecord:
     config: dict[str, Any]  # secrets masked unless revealed
     created_at: int
     updated_at: int
+    origin: str = API
+    destination: str = ""  # where its requests go, as a digest (see the module's docstring)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "type": self.type,
+            "origin": self.origin,
             "config": self.config,
             "created_at": self.created_at,
             "updated_at": self.updated_at,
@@ -62,6 +75,21 @@ def check_name(name: str, what: str = "provider") -> str:
     if not name or len(name) > 64 or not set(name.lower()) <= NAME_CHARS:
         raise ConfigError(f"name: invalid {what} name {name!r} (1-64 of a-z 0-9 - _ .)")
     return name
+
+
+def _origin(raw: dict[str, str]) -> str:
+    """Who made the provider. The API never creates a type that runs on this host, so those are the operator's."""
+    return OPERATOR if raw.get("type") in HOST_TYPES else raw.get("origin") or API
+
+
+def _destination(name: str, raw: dict[str, str]) -> str:
+    """A digest of where a provider's requests go: its identity (uid, or creation time for older records),
+    type and endpoint settings. Re-created under the same name or moved, it differs."""
+    kind = TYPES.get(raw.get("type", ""))
+    plain = orjson.loads(raw.get("config") or "{}")
+    endpoint = {f: plain.get(f) for f in (kind.endpoint_fields if kind else ())}
+    ident = [name, raw.get("uid") or raw.get("created_at", ""), raw.get("type", ""), endpoint]
+    return hashlib.sha256(orjson.dumps(ident, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
 
 class ProviderStore:
@@ -79,13 +107,21 @@ class ProviderStore:
         """The vault, for a type that has secrets (refusing without a master key); None for one that has none."""
         return self._need_vault() if kind in TYPES and TYPES[kind].secret_fields else None
 
-    async def create(self, name: str, kind: str, config: dict[str, Any]) -> ProviderRecord:
+    async def create(self, name: str, kind: str, config: dict[str, Any], *, origin: str = OPERATOR) -> ProviderRecord:
+        """`origin`: OPERATOR from the CLI (direct Redis access), API from the HTTP API."""
         check_name(name)
         validate_config(kind, config)
         vault = self._vault_for(kind)  # refuse before anything is stored
         if await self.redis.exists(keys.provider(name)):
             raise ConfigError(f"name: a provider named {name!r} exists (use update)")
-        await self._save(vault, name, kind, config, created=None)
+        await self._save(vault, name, kind, config, created=None, origin=origin, uid=secrets.token_hex(8))
+        return await self.get(name)
+
+    async def adopt(self, name: str) -> ProviderRecord:
+        """The operator vouches for a provider made over the API (or before origins were recorded): from now on
+        it receives the operator's secrets, and the API can no longer change or delete it."""
+        await self._raw(name)
+        await self.redis.hset(keys.provider(name), "origin", OPERATOR)
         return await self.get(name)
 
     async def update(self, name: str, changes: dict[str, Any]) -> ProviderRecord:
@@ -110,26 +146,44 @@ class ProviderStore:
                 continue  # not retyped: keep the stored secret
             merged[field] = value
         validate_config(raw["type"], merged)
-        await self._save(vault, name, raw["type"], merged, created=int(raw["created_at"]))
+        await self._save(
+            vault,
+            name,
+            raw["type"],
+            merged,
+            created=int(raw["created_at"]),
+            origin=raw.get("origin") or API,
+            uid=raw.get("uid") or "",
+        )
         return await self.get(name)
 
     async def _save(
-        self, vault: Vault | None, name: str, kind: str, config: dict[str, Any], created: int | None
+        self,
+        vault: Vault | None,
+        name: str,
+        kind: str,
+        config: dict[str, Any],
+        created: int | None,
+        *,
+        origin: str,
+        uid: str,
     ) -> None:
         secret_names = TYPES[kind].secret_fields
-        secrets = {k: v for k, v in config.items() if k in secret_names and v is not None}
+        hidden = {k: v for k, v in config.items() if k in secret_names and v is not None}
         plain = {k: v for k, v in config.items() if k not in secret_names}
         now = int(time.time() * 1000)
-        sealed = vault.encrypt(orjson.dumps(secrets).decode(), f"provider:{name}") if vault is not None else ""
+        sealed = vault.encrypt(orjson.dumps(hidden).decode(), f"provider:{name}") if vault is not None else ""
         await self.redis.hset(
             keys.provider(name),
             mapping={
                 "type": kind,
                 "config": orjson.dumps(plain),
                 "secrets": sealed,
-                "secret_fields": ",".join(sorted(secrets)),
+                "secret_fields": ",".join(sorted(hidden)),
                 "created_at": created or now,
                 "updated_at": now,
+                "origin": origin,
+                "uid": uid,
             },
         )
         await self.redis.sadd(keys.PROVIDERS, name)
@@ -169,7 +223,20 @@ class ProviderStore:
                 except ConfigError:  # no or another master key: still list it, secrets fully masked
                     config.update(dict.fromkeys(raw["secret_fields"].split(","), MASK))
         await self._upgrade()
-        return ProviderRecord(name, raw["type"], config, int(raw["created_at"]), int(raw["updated_at"]))
+        return ProviderRecord(
+            name,
+            raw["type"],
+            config,
+            int(raw["created_at"]),
+            int(raw["updated_at"]),
+            origin=_origin(raw),
+            destination=_destination(name, raw),
+        )
+
+    async def origin_of(self, name: str) -> tuple[str, str] | None:
+        """(origin, destination) of a provider without reading any secret; None: no such provider."""
+        raw: dict[str, str] = await self.redis.hgetall(keys.provider(name))
+        return (_origin(raw), _destination(name, raw)) if raw else None
 
     async def list(self) -> list[ProviderRecord]:
         names = sorted(await self.redis.smembers(keys.PROVIDERS))

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 from offload.autoscale import reconcile
 from offload.autoscale.credentials import Credentials
 from offload.autoscale.deploy import TOKEN_ENV, USER_ENV, script, start_command
-from offload.autoscale.instances import Instance, log_event, new_instance_id
-from offload.autoscale.operator_only import WHERE, host_commands, runs_on_host
+from offload.autoscale.instances import Instance, log_event, new_instance_id, new_instance_token
+from offload.autoscale.operator_only import OPERATOR, WHERE, host_commands, runs_on_host, secrets_problem
 from offload.autoscale.providers import LaunchSpec, OutOfCapacity, Provider, ProviderError
 from offload.autoscale.safety import provision_backoff
 from offload.autoscale.state import QueueState, spend
@@ -52,35 +52,76 @@ class Choice:
 async def prerequisites(
     a: Autoscaler, provider: Provider, queue: str, cfg: AutoscaleSettings, source: str
 ) -> str | None:
-    """Why renting from this provider must not happen (None: fine). The admin key never goes to a machine, and
-    a block set over the API never runs its commands on this host (operator_only.py decides which those are):
-    checked again here in case the provider became local after the block was set."""
-    if source == "api" and runs_on_host(provider.type) and (fields := host_commands(cfg.model_dump())):
+    """Why renting from this provider must not happen (None: fine). The admin key never goes to a machine, a
+    block set over the API never runs its commands on this host, and the operator's secrets go only where the
+    operator sent them (operator_only.py decides both): checked again here in case the provider changed after
+    the block was set."""
+    block = cfg.model_dump()
+    if source == "api" and runs_on_host(provider.type) and (fields := host_commands(block)):
         return (
             f"{fields[0]} of an autoscale block set over the HTTP API would run on the server's own host "
             f"(provider type {provider.type!r}): {WHERE}"
         )
-    key = a.server.worker_key
+    if provider.type != "mock" and (why := await secrets_elsewhere(a, provider, queue, cfg, source)):
+        return why
+    key, what = machine_key(a, provider)
     if provider.real and not a.server.public_url:
         return "autoscaler.public_url (OFFLOAD_PUBLIC_URL) is not set: a rented machine could not reach us"
     if provider.type != "mock" and not key:
         return "autoscaler.worker_key (OFFLOAD_WORKER_API_KEY) is not set: rented machines need a worker key"
     if key and key == a.env.get("OFFLOAD_ADMIN_KEY"):
-        return "autoscaler.worker_key is the admin key: refusing to send it to a rented machine"
+        return f"{what} is the admin key: refusing to send it to a rented machine"
     if provider.type == "local" and not (a.server.public_url or a.server_url):
         return "no server URL for local workers (set autoscaler.public_url)"
     if key and provider.type != "mock":  # the mock ships nothing anywhere
-        return await worker_key_problem(a, key, queue)
+        return await worker_key_problem(a, key, queue, what)
     return None
 
 
-async def worker_key_problem(a: Autoscaler, token: str, queue: str) -> str | None:
+async def secrets_elsewhere(
+    a: Autoscaler, provider: Provider, queue: str, cfg: AutoscaleSettings, source: str
+) -> str | None:
+    """Why this rental would carry a secret where it was not sent: an operator's secret to a provider or block an
+    admin key configured, a vault credential to another git host, or an API-set block's `instance.env` to a
+    provider that was re-created or moved since the values were given (None: it would not)."""
+    origin, destination = a.origin(provider.name)
+    own = bool(_own_key(provider))
+    if why := secrets_problem(queue, cfg.model_dump(), source, provider.name, origin, own):
+        return why
+    if source == "api" and cfg.instance.env and a.bound.get(queue, {}).get(provider.name) != destination:
+        return (
+            f"instance.env of queue {queue}'s block was given for provider {provider.name!r} as it was then; it "
+            "has been re-created or moved since (or the values predate that binding): PUT the block again "
+            "with the values"
+        )
+    deployment = cfg.deployment
+    if deployment is not None and deployment.git_credential:
+        return await Credentials(a.redis).problem(deployment.git_credential, deployment.git_url)
+    return None
+
+
+def _own_key(provider: Provider) -> str | None:
+    key = getattr(getattr(provider, "config", None), "worker_key", None)
+    return key if isinstance(key, str) and key else None
+
+
+def machine_key(a: Autoscaler, provider: Provider) -> tuple[str | None, str]:
+    """The worker key a machine of this provider receives, and its name for messages: the provider's own, else
+    the server's, which only the operator's providers get."""
+    if own := _own_key(provider):
+        return own, f"provider {provider.name!r}'s worker_key"
+    key = a.server.worker_key if a.origin(provider.name)[0] == OPERATOR else None
+    return key, "autoscaler.worker_key (OFFLOAD_WORKER_API_KEY)"
+
+
+async def worker_key_problem(
+    a: Autoscaler, token: str, queue: str, what: str = "autoscaler.worker_key (OFFLOAD_WORKER_API_KEY)"
+) -> str | None:
     """The key a machine receives must be a live worker key covering the queue: never an admin, producer or
     viewer key, never one that was revoked (the machine would only loop on 401s)."""
     from offload.server.keys import KeyStore  # lazy: the server's routes import the autoscaler
 
     key = await KeyStore(a.redis).authenticate(token)
-    what = "autoscaler.worker_key (OFFLOAD_WORKER_API_KEY)"
     if key is None:
         return (
             f"{what} is not a valid API key (unknown or revoked): create one with `offload keys create "
@@ -169,23 +210,36 @@ async def choose(a: Autoscaler, queue: str, cfg: AutoscaleSettings, qs: QueueSta
 
 
 async def launch_spec(
-    a: Autoscaler, queue: str, cfg: AutoscaleSettings, label: str, *, quote: bool = False
+    a: Autoscaler,
+    queue: str,
+    cfg: AutoscaleSettings,
+    label: str,
+    *,
+    provider: Provider | None = None,
+    instance_token: str | None = None,
+    quote: bool = False,
 ) -> LaunchSpec:
-    """What the machine receives: server URL, worker key, queue, instance id (and the git credential of its
-    deployment). `quote`: the same for a price quote, without any secret."""
+    """What the machine receives: server URL, worker key, queue, instance id and token (and the git credential
+    of its deployment). `quote`: the same for a price quote, without any secret."""
     spec_cfg = cfg.instance
-    env = {"OFFLOAD_QUEUE": queue, "OFFLOAD_INSTANCE_ID": label.removeprefix("offload-"), **spec_cfg.env}
+    env = {"OFFLOAD_QUEUE": queue, "OFFLOAD_INSTANCE_ID": label.removeprefix("offload-")}
+    if not quote:
+        env.update(spec_cfg.env)
     if url := a.server.public_url or a.server_url:
         env["OFFLOAD_SERVER"] = url
-    if a.server.worker_key and not quote:
-        env["OFFLOAD_TOKEN"] = a.server.worker_key
+    key = machine_key(a, provider)[0] if provider is not None and not quote else None
+    if key:
+        env["OFFLOAD_TOKEN"] = key
+    if instance_token and not quote:
+        env["OFFLOAD_INSTANCE_TOKEN"] = instance_token
+        a.redact.add(instance_token)
     handler = spec_cfg.handler
     command = ["offload", "worker", "--handler", handler, "--queue", queue] if handler else None
     deploy_script = None
     if cfg.deployment is not None:
         deploy_script, command, handler = script(cfg.deployment), start_command(cfg.deployment), None
         if cfg.deployment.git_credential and not quote:
-            user, token = await Credentials(a.redis).reveal(cfg.deployment.git_credential)
+            user, token = await Credentials(a.redis).reveal(cfg.deployment.git_credential, cfg.deployment.git_url)
             env[TOKEN_ENV] = token
             a.redact.add(token)
             if user:
@@ -290,8 +344,11 @@ async def rent_one(
         spot=spec_cfg.spot,
     )
     inst.label = f"offload-{inst.id}"
+    token = None
+    if provider.type != "mock":  # a dry run ships nothing: no machine to bind
+        token, inst.token_hash = new_instance_token()
     try:
-        spec = await launch_spec(a, queue, cfg, inst.label)
+        spec = await launch_spec(a, queue, cfg, inst.label, provider=provider, instance_token=token)
     except Exception as exc:  # e.g. the deployment's credential is missing: nothing was rented
         await a.alerter.alert(
             "autoscale_failure", f"{queue}/{provider.name}", f"queue {queue}: cannot rent: {a.why(exc)}"

@@ -32,6 +32,7 @@ from offload.autoscale.alerts import Alerter, alert_settings
 from offload.autoscale.config import (
     AutoscaleSettings,
     ServerSide,
+    env_bound,
     open_env,
     server_side,
     validate_autoscale,
@@ -39,6 +40,7 @@ from offload.autoscale.config import (
 )
 from offload.autoscale.instances import ACTIVE, Fenced, Instance, InstanceStore, StaleState
 from offload.autoscale.leader import Leader
+from offload.autoscale.operator_only import OPERATOR
 from offload.autoscale.provider_store import ProviderStore
 from offload.autoscale.providers import TYPES, Machine, Provider, build
 from offload.autoscale.safety import RECENT_TASK
@@ -99,6 +101,8 @@ class Autoscaler:
         self._next_sweep = 0.0
         self.sources: dict[str, str] = {}  # queue -> where its block came from: "offload.yaml" or "api"
         self.unreadable: set[str] = set()  # API-set blocks that cannot be decrypted here: not evaluated
+        self.bound: dict[str, dict[str, str]] = {}  # queue -> the providers its API-set instance.env was given for
+        self._origins: dict[str, tuple[str, str]] = {}  # provider -> (who made it, where it points), as last read
         self.provider_calls = 0  # calls this process made to providers (the two-server test counts them)
 
     # -- configuration ---------------------------------------------------------------------------
@@ -116,7 +120,9 @@ class Autoscaler:
         for queue, raw in zip(names, raws, strict=True):
             if raw:
                 try:
-                    block = open_env(orjson.loads(raw), self.providers.vault, queue)
+                    stored = orjson.loads(raw)
+                    self.bound[queue] = env_bound(stored) or {}
+                    block = open_env(stored, self.providers.vault, queue)
                 except ConfigError as exc:  # e.g. no master key: leave the queue alone rather than scale it to 0
                     log.warning("queue %s: its autoscale block cannot be read: %s", queue, exc)
                     self.unreadable.add(queue)
@@ -127,10 +133,18 @@ class Autoscaler:
             self.redact.add(*cfg.instance.env.values())
         return out
 
+    def origin(self, name: str) -> tuple[str, str]:
+        """(who made the provider, a digest of where it points) as of its last read: an injected provider is
+        the operator's own, an unread one nobody's."""
+        if name in self.override:
+            return OPERATOR, f"override:{name}"
+        return self._origins.get(name, ("", ""))
+
     async def provider(self, name: str) -> Provider:
         if name in self.override:
             return self.override[name]
         record = await self.providers.get(name, reveal=True)
+        self._origins[name] = (record.origin, record.destination)
         self.redact.add(*(str(record.config[f]) for f in TYPES[record.type].secret_fields if record.config.get(f)))
         cached = self._cache.get(name)
         if cached and cached[0] == record.updated_at:

@@ -214,7 +214,7 @@ def providers_list(url: UrlOpt = None, json_out: JsonOpt = False) -> None:
         print_json([r.to_dict() for r in recs])
         return
     for r in recs:
-        typer.echo(f"{r.name:<20} {r.type:<8} {orjson.dumps(r.config).decode()}")
+        typer.echo(f"{r.name:<20} {r.type:<8} {r.origin:<8} {orjson.dumps(r.config).decode()}")
 
 
 @providers_app.command("show")
@@ -223,6 +223,17 @@ def providers_show(name: Annotated[str, typer.Argument()], url: UrlOpt = None, j
     from offload.autoscale.provider_store import ProviderStore
 
     print_json(run_redis(url, lambda r: ProviderStore(r).get(name)).to_dict())
+
+
+@providers_app.command("adopt")
+def providers_adopt(name: Annotated[str, typer.Argument()], url: UrlOpt = None, json_out: JsonOpt = False) -> None:
+    """Vouch for a provider made over the HTTP API (or before offload recorded who made providers): it then
+    receives the operator's secrets (the worker key, vault credentials, offload.yaml's instance.env) and the API
+    can no longer change or delete it. Check where it points first (`offload providers show NAME`)."""
+    from offload.autoscale.provider_store import ProviderStore
+
+    rec = run_redis(url, lambda r: ProviderStore(r).adopt(name))
+    print_json(rec.to_dict()) if json_out else typer.echo(f"provider {name} is now the operator's")
 
 
 @providers_app.command("delete")
@@ -237,6 +248,9 @@ def providers_delete(name: Annotated[str, typer.Argument()], url: UrlOpt = None)
 @credentials_app.command("set")
 def credentials_set(
     name: Annotated[str, typer.Argument(help="The name a deployment's git_credential uses.")],
+    host: Annotated[
+        str, typer.Option("--host", help="The git host it is for (github.com): never revealed for another.")
+    ],
     from_env: Annotated[
         str | None,
         typer.Option("--from-env", help="Read the value from this environment variable instead of a prompt."),
@@ -252,21 +266,21 @@ def credentials_set(
     value = os.environ.get(from_env, "") if from_env else typer.prompt("value", hide_input=True)
     if not value:
         fail(f"{from_env} is empty or not set" if from_env else "empty value")
-    run_redis(url, lambda r: Credentials(r).set(name, value))
-    typer.echo(f"credential {name} stored")
+    run_redis(url, lambda r: Credentials(r).set(name, value, host))
+    typer.echo(f"credential {name} stored (for {host.strip().lower()} only)")
 
 
 @credentials_app.command("list")
 def credentials_list(url: UrlOpt = None, json_out: JsonOpt = False) -> None:
-    """Names, values masked."""
+    """Names, values masked, and the git host each is bound to."""
     from offload.autoscale.credentials import Credentials
 
     found = run_redis(url, lambda r: Credentials(r).list())
     if json_out:
         print_json(found)
         return
-    for name, masked in found.items():
-        typer.echo(f"{name:<24} {masked}")
+    for name, row in found.items():
+        typer.echo(f"{name:<24} {row['value']:<12} {row['host'] or '(no host: set it again with --host)'}")
 
 
 @credentials_app.command("delete")
@@ -287,6 +301,7 @@ for _name, _fn in (
     ("update", providers_update),
     ("list", providers_list),
     ("show", providers_show),
+    ("adopt", providers_adopt),
     ("delete", providers_delete),
     ("remove", providers_delete),
 ):

@@ -8,11 +8,14 @@ reveals nothing about how much of a guess was right.
 
 A bootstrap admin key may come from `OFFLOAD_ADMIN_KEY`; it is never written to Redis, and unsetting the
 variable (and restarting) revokes it. Being chosen by a person rather than generated, it must be at least 32
-characters (the server refuses to start otherwise), so it cannot be guessed past the failed-auth limit.
+characters and hard to guess, judged by zxcvbn (repeats, sequences, keyboard walks, dictionary words and dates
+count for little): at least 10^24 guesses (about 80 bits), so it cannot be guessed past the failed-auth limit.
+The server refuses to start otherwise, in one line naming the variable.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import os
@@ -31,6 +34,8 @@ TOKEN_PREFIX = "ofk_"
 BOOTSTRAP_ID = "bootstrap"
 ADMIN_ENV = "OFFLOAD_ADMIN_KEY"
 MIN_ADMIN_KEY = 32
+MIN_ADMIN_GUESSES_LOG10 = 24  # ~80 bits; `openssl rand -hex 32` scores ~63 (zxcvbn caps random text at 10^len)
+JUDGED_CHARS = 100  # zxcvbn's time grows with length; a strong 100-character prefix is strong enough
 
 
 class InvalidKeyRequest(RequestError, ValueError):
@@ -38,13 +43,28 @@ class InvalidKeyRequest(RequestError, ValueError):
 
 
 def check_admin_key(token: str) -> str:
-    """The bootstrap admin key, if long enough to be a secret; else a ConfigError naming the variable."""
+    """The bootstrap admin key, if long and random enough to be a secret; else a ConfigError naming the variable."""
     if len(token) < MIN_ADMIN_KEY:
         raise ConfigError(
             f"{ADMIN_ENV} must be at least {MIN_ADMIN_KEY} characters (it has {len(token)}): "
             "generate one with `openssl rand -hex 32`"
         )
+    if (why := _weakness(token)) is not None:
+        raise ConfigError(f"{ADMIN_ENV} is too easy to guess ({why}): generate one with `openssl rand -hex 32`")
     return token
+
+
+@functools.lru_cache(maxsize=8)
+def _weakness(token: str) -> str | None:
+    """What makes the key guessable, per zxcvbn (None: it is not)."""
+    from zxcvbn import zxcvbn  # lazy: only a server with a bootstrap key needs it
+
+    judged = zxcvbn(token[:JUDGED_CHARS])
+    if judged["guesses_log10"] >= MIN_ADMIN_GUESSES_LOG10:
+        return None
+    patterns = sorted({m["pattern"] for m in judged["sequence"] if m["pattern"] != "bruteforce"})
+    made_of = f"made of {', '.join(patterns)} patterns, " if patterns else ""
+    return f"{made_of}about 10^{int(judged['guesses_log10'])} guesses, under 10^{MIN_ADMIN_GUESSES_LOG10}"
 
 
 def hash_token(token: str) -> str:

@@ -61,13 +61,16 @@ class WorkerRegistry:
         record: dict[str, str] = await self.redis.hgetall(remote_worker(worker_id))
         return record or None
 
-    async def touch(self, worker_id: str, in_flight: int, protected: bool | None, instance_id: str | None) -> None:
+    async def instance_of(self, worker_id: str) -> str:
+        """The instance id the worker registered as ("" for none): fixed at registration, where it is checked."""
+        found: str | None = await self.redis.hget(remote_worker(worker_id), "instance_id")
+        return found or ""
+
+    async def touch(self, worker_id: str, in_flight: int, protected: bool | None) -> None:
         now = self._now_ms()
         fields: dict[str, Any] = {"last_heartbeat": now, "in_flight": in_flight}
         if protected is not None:
             fields["protected"] = int(protected)
-        if instance_id is not None:
-            fields["instance_id"] = instance_id
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(remote_worker(worker_id), mapping=fields)
         pipe.pexpire(remote_worker(worker_id), self.ttl_ms)

@@ -1,6 +1,9 @@
 """Autoscaling over HTTP: status, events, providers (secrets masked), per-queue autoscale blocks, protect.
 
 Reads need an admin key or an unrestricted viewer; every change needs an admin key (it can rent machines).
+Viewers see commands (a deployment's setup_cmd and startup_cmd, a provider's on-start script) masked: they may
+hold tokens. Where secrets may go is decided in offload/autoscale/operator_only.py; here the API refuses what
+would send one elsewhere (a provider the operator made, a masked value sent back for another destination).
 The server also runs the autoscaler loop (`start`): every server does, and the Redis lock makes exactly one
 of them act. `OFFLOAD_AUTOSCALER=off` keeps a server out of the election.
 """
@@ -18,9 +21,16 @@ from fastapi import APIRouter, Body, HTTPException, Request
 from pydantic import BaseModel, Field
 
 from offload.autoscale import keys
-from offload.autoscale.config import autoscale_errors, open_env, seal_env, validate_autoscale, yaml_blocks
+from offload.autoscale.config import (
+    autoscale_errors,
+    env_bound,
+    open_env,
+    seal_env,
+    validate_autoscale,
+    yaml_blocks,
+)
 from offload.autoscale.instances import InstanceStore, read_events
-from offload.autoscale.operator_only import OperatorOnly, check_block_over_api, check_provider_over_api
+from offload.autoscale.operator_only import API, OperatorOnly, check_block_over_api, check_provider_over_api
 from offload.autoscale.provider_store import MASK, ProviderInUse, ProviderNotFound, ProviderStore, mask
 from offload.autoscale.providers import TYPES, describe
 from offload.autoscale.scaler import Autoscaler
@@ -30,6 +40,7 @@ from offload.errors import ConfigError
 from offload.queue.keys import validate_queue
 from offload.server.auth import GuardedRoute, Principal, admin_only, guard, need_admin, need_global_read
 from offload.server.errors import FieldError
+from offload.server.keys import ApiKey
 from offload.server.state import ServerState, get_state
 
 log = logging.getLogger("offload.server")
@@ -72,10 +83,19 @@ async def events(request: Request, key: Principal, limit: int = 100) -> list[dic
     return await read_events(get_state(request).redis, max(1, min(limit, 1000)))
 
 
+def _shown(key: ApiKey, record: dict[str, Any]) -> dict[str, Any]:
+    """A provider as this key sees it: secrets masked for everyone, commands for all but admins."""
+    kind = TYPES.get(record["type"])
+    hidden = [f for f in (kind.command_fields if kind else ()) if record["config"].get(f)]
+    if key.scope == "admin" or not hidden:
+        return record
+    return {**record, "config": {**record["config"], **dict.fromkeys(hidden, MASK)}}
+
+
 @router.get("/providers", summary="Registered providers (secrets masked)")
 async def list_providers(request: Request, key: Principal) -> list[dict[str, Any]]:
     need_global_read(key, "providers")
-    return [p.to_dict() for p in await ProviderStore(get_state(request).redis).list()]
+    return [_shown(key, p.to_dict()) for p in await ProviderStore(get_state(request).redis).list()]
 
 
 @router.get("/provider-types", summary="Each provider type's settings (for forms: kind, required, default, secret)")
@@ -88,9 +108,21 @@ async def provider_types(key: Principal) -> list[dict[str, Any]]:
 async def get_provider(request: Request, name: str, key: Principal) -> dict[str, Any]:
     need_global_read(key, "providers")
     try:
-        return (await ProviderStore(get_state(request).redis).get(name)).to_dict()
+        return _shown(key, (await ProviderStore(get_state(request).redis).get(name)).to_dict())
     except ProviderNotFound as exc:
         raise _bad(exc, 404) from None
+
+
+async def _check_api_may_change(store: ProviderStore, name: str) -> None:
+    """403 for a provider that runs on this host or that the operator made; 404 for none."""
+    try:
+        record = await store.get(name)
+    except ProviderNotFound as exc:
+        raise _bad(exc, 404) from None
+    try:
+        check_provider_over_api(record.type, record.origin, name)
+    except OperatorOnly as exc:
+        raise _bad(exc, 403) from None
 
 
 @router.post("/providers", status_code=201, summary="Register a provider (needs OFFLOAD_VAULT_MASTER_KEY)")
@@ -101,7 +133,8 @@ async def create_provider(request: Request, body: ProviderCreate, key: Principal
     except OperatorOnly as exc:
         raise _bad(exc, 403) from None
     try:
-        return (await ProviderStore(get_state(request).redis).create(body.name, body.type, body.config)).to_dict()
+        store = ProviderStore(get_state(request).redis)
+        return (await store.create(body.name, body.type, body.config, origin=API)).to_dict()
     except ConfigError as exc:
         raise _bad(exc) from None
 
@@ -111,13 +144,10 @@ async def create_provider(request: Request, body: ProviderCreate, key: Principal
 async def update_provider(
     request: Request, name: str, key: Principal, changes: dict[str, Any] = Body(...)
 ) -> dict[str, Any]:
-    redis = get_state(request).redis
+    store = ProviderStore(get_state(request).redis)
+    await _check_api_may_change(store, name)
     try:
-        check_provider_over_api(await redis.hget(keys.provider(name), "type") or "")
-    except OperatorOnly as exc:
-        raise _bad(exc, 403) from None
-    try:
-        return (await ProviderStore(redis).update(name, changes)).to_dict()
+        return (await store.update(name, changes)).to_dict()
     except ProviderNotFound as exc:
         raise _bad(exc, 404) from None
     except ConfigError as exc:
@@ -127,8 +157,10 @@ async def update_provider(
 @router.delete("/providers/{name}", status_code=204, summary="Delete a provider with no live instances")
 async def delete_provider(request: Request, name: str, key: Principal) -> None:
     need_admin(key, "delete providers")
+    store = ProviderStore(get_state(request).redis)
+    await _check_api_may_change(store, name)
     try:
-        await ProviderStore(get_state(request).redis).delete(name)
+        await store.delete(name)
     except ProviderNotFound as exc:
         raise _bad(exc, 404) from None
     except ProviderInUse as exc:
@@ -140,14 +172,14 @@ async def list_queues(request: Request, key: Principal) -> dict[str, dict[str, A
     need_global_read(key, "autoscaling")
     state = get_state(request)
     out: dict[str, dict[str, Any]] = {
-        name: {"source": "offload.yaml", "autoscale": _masked(block)}
+        name: {"source": "offload.yaml", "autoscale": _masked(block, key)}
         for name, block in sorted(yaml_blocks(state.options.settings).items())
     }
     names = sorted(await state.redis.smembers(keys.QUEUE_CONFIGS))
     raws = await state.redis.mget([keys.queue_config(q) for q in names]) if names else []
     for name, raw in zip(names, raws, strict=True):
         if raw:
-            out[name] = {"source": "api", "autoscale": _masked(_readable(name, orjson.loads(raw)))}
+            out[name] = {"source": "api", "autoscale": _masked(_readable(name, orjson.loads(raw)), key)}
     return dict(sorted(out.items()))
 
 
@@ -166,22 +198,36 @@ async def get_queue(request: Request, queue: str, key: Principal) -> dict[str, A
     block = await _stored_block(state, validate_queue(queue))
     if block is None:
         raise HTTPException(404, f"queue {queue!r} has no autoscale block")
-    return {"source": block[0], "autoscale": _masked(block[1])}
+    return {"source": block[0], "autoscale": _masked(block[1], key)}
 
 
 async def _stored_block(state: ServerState, queue: str) -> tuple[str, dict[str, Any]] | None:
     """The queue's effective block as stored (secrets in clear): API-set, else offload.yaml's."""
+    found = await _stored(state, queue)
+    return (found[0], found[1]) if found else None
+
+
+async def _stored(state: ServerState, queue: str) -> tuple[str, dict[str, Any], dict[str, str]] | None:
+    """(source, block with secrets in clear, the providers its API-set instance.env was given for)."""
     raw = await state.redis.get(keys.queue_config(queue))
     if raw:
-        return "api", _readable(queue, orjson.loads(raw))
+        stored = orjson.loads(raw)
+        return "api", _readable(queue, stored), env_bound(stored) or {}
     block = yaml_blocks(state.options.settings).get(queue)
-    return ("offload.yaml", block) if block is not None else None
+    return ("offload.yaml", block, {}) if block is not None else None
 
 
-def _masked(block: dict[str, Any]) -> dict[str, Any]:
+COMMANDS = ("setup_cmd", "startup_cmd")  # a deployment's shell commands: shown to admin keys only
+
+
+def _masked(block: dict[str, Any], key: ApiKey | None = None) -> dict[str, Any]:
     """`instance.env` values (HF_TOKEN and the like) never leave the server: shown as `****abcd`, like a
-    provider's secrets; a PUT that sends one back masked keeps the stored value. Values still sealed (no master
-    key on this server) are shown fully masked."""
+    provider's secrets; a PUT that sends one back masked keeps the stored value (see `_unmasked`). Values still
+    sealed (no master key on this server) are shown fully masked. Commands are masked for all but admins."""
+    deployment = block.get("deployment")
+    if key is not None and key.scope != "admin" and isinstance(deployment, dict):
+        hidden = {c: MASK for c in COMMANDS if deployment.get(c)}
+        block = {**block, "deployment": {**deployment, **hidden}}
     instance = block.get("instance")
     if not isinstance(instance, dict) or not isinstance(instance.get("env"), dict):
         return block
@@ -189,47 +235,92 @@ def _masked(block: dict[str, Any]) -> dict[str, Any]:
     return {**block, "instance": {**instance, "env": env}}
 
 
-def _unmasked(queue: str, block: dict[str, Any], stored: dict[str, Any] | None) -> dict[str, Any]:
+def _route(block: dict[str, Any]) -> Any:
+    """What decides where a block's instance.env values go: its providers, image, handler and deployment."""
+    try:
+        cfg = validate_autoscale(block)
+    except ConfigError:
+        return None
+    deployment = cfg.deployment.model_dump() if cfg.deployment else None
+    return cfg.names, cfg.instance.image, cfg.instance.handler, deployment
+
+
+async def _destinations(state: ServerState, queue: str, names: list[str]) -> dict[str, str]:
+    """Where each provider points now (provider_store.py); 422 for one that does not exist."""
+    store, out = ProviderStore(state.redis), {}
+    for name in names:
+        found = await store.origin_of(name)
+        if found is None:
+            raise FieldError(
+                ["body", "instance", "env"],
+                f"queues.{queue}.autoscale.instance.env: provider {name!r} does not exist; create it first "
+                "(the values are bound to the providers they are given for)",
+            )
+        out[name] = found[1]
+    return out
+
+
+def _unmasked(
+    queue: str,
+    block: dict[str, Any],
+    stored: tuple[str, dict[str, Any], dict[str, str]] | None,
+    now: dict[str, str],
+) -> dict[str, Any]:
+    """The block with each masked `instance.env` value replaced by the stored one, which is kept only where it
+    would go to the same place: the queue's API-set block (offload.yaml's values are the operator's, never
+    handed to a block an admin key writes), the same providers pointing where they pointed when the value was
+    given (`now` against the stored binding), the same image, handler and deployment. Else 422: give it again."""
     instance = block.get("instance")
     if not isinstance(instance, dict) or not isinstance(instance.get("env"), dict):
         return block
-    old = ((stored or {}).get("instance") or {}).get("env") or {}
+    source, old_block, bound = stored if stored else ("", {}, {})
+    old = (old_block.get("instance") or {}).get("env") or {}
+    same = source == "api" and bound == now and _route(block) == _route(old_block)
     env = dict(instance["env"])
     for name, value in env.items():
         if isinstance(value, str) and value.startswith(MASK):
             if name not in old:
-                raise FieldError(
-                    ["body", "instance", "env", name],
-                    f"queues.{queue}.autoscale.instance.env.{name}: a masked value, but none is stored",
+                why = "a masked value, but none is stored"
+            elif not same:
+                why = (
+                    "a masked value is kept only for the block it was given for, with the same providers "
+                    "(pointing where they did), image, handler and deployment: give the value again"
+                    if source == "api"
+                    else "a masked value of offload.yaml's block is the operator's: give the value itself"
                 )
-            env[name] = old[name]
+            else:
+                env[name] = old[name]
+                continue
+            raise FieldError(["body", "instance", "env", name], f"queues.{queue}.autoscale.instance.env.{name}: {why}")
     return {**block, "instance": {**instance, "env": env}}
 
 
 @router.put(
     "/queues/{queue}",
     summary="Set a queue's autoscale block (validated; overrides offload.yaml)",
-    description="422 lists every problem with its field path (`{path, msg}`); 403 when the block would run "
-    "commands on this host (a deployment, handler or env with a `local` provider): those belong "
+    description="422 lists every problem with its field path (`{path, msg}`), and a masked `instance.env` value "
+    "sent back for another destination than it was given for; 403 when the block would run commands on this host "
+    "(a deployment, handler or env with a `local` provider) or names a vault credential: those belong "
     "in offload.yaml.",
 )
 @guard(admin_only("configure autoscaling"))
 async def put_queue(request: Request, queue: str, key: Principal, block: dict[str, Any] = Body(...)) -> dict[str, Any]:
     state = get_state(request)
-    stored = await _stored_block(state, validate_queue(queue))
-    block = _unmasked(queue, block, stored[1] if stored else None)
-    if errors := autoscale_errors(block, f"queues.{queue}.autoscale"):
+    stored = await _stored(state, validate_queue(queue))
+    if errors := autoscale_errors(block, f"queues.{queue}.autoscale"):  # a masked value is text like any other
         raise HTTPException(422, [{"path": path, "msg": msg} for path, msg in errors])
     parsed = validate_autoscale(block, f"queues.{queue}.autoscale")
+    now = await _destinations(state, queue, parsed.names) if parsed.instance.env else {}
+    block = _unmasked(queue, block, stored, now)
     redis = state.redis
     dumped = parsed.model_dump()
     try:
-        for name in parsed.names:  # every provider the queue may rent from
-            check_block_over_api(queue, dumped, await redis.hget(keys.provider(name), "type"))
+        for kind in [await redis.hget(keys.provider(n), "type") for n in parsed.names] or [None]:
+            check_block_over_api(queue, dumped, kind)  # every provider the queue may rent from
     except OperatorOnly as exc:
         raise _bad(exc, 403) from None
     try:
-        sealed = seal_env(block, Vault.from_env(), queue) if parsed.instance.env else block
+        sealed = seal_env(block, Vault.from_env(), queue, now) if parsed.instance.env else block
     except ConfigError as exc:
         raise _bad(ConfigError(f"queues.{queue}.autoscale.instance.env: {exc}")) from None
     await redis.set(keys.queue_config(queue), orjson.dumps(sealed))

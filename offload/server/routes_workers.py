@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Request
 from redis.exceptions import RedisError
 
+from offload.autoscale.instances import claim_problem
 from offload.connection import is_oom
 from offload.errors import StaleLease
 from offload.models import ClaimedJob
@@ -102,6 +103,10 @@ async def register(request: Request, body: RegisterRequest, key: Principal) -> R
         validate_queue(q)
         need_work(key, q)
     state = get_state(request)
+    # a machine registers only as the instance it was rented as
+    why = await claim_problem(state.redis, body.instance_id, body.instance_token, body.queues)
+    if why:
+        raise HTTPException(403, why)
     worker_id = await state.registry.register(key.id, body)
     lease = state.options.worker_lease_ms
     log.info(
@@ -216,6 +221,8 @@ async def heartbeat(request: Request, worker_id: str, body: HeartbeatRequest, ke
     a claim reply may still be in flight while this heartbeat is sent."""
     state = get_state(request)
     queues = await _worker(state, key, worker_id)
+    if body.instance_id is not None and body.instance_id != await state.registry.instance_of(worker_id):
+        raise HTTPException(403, f"worker {worker_id!r} registered as another instance_id: register again")
     if body.tokens is not None and len(body.tokens) != len(body.jobs):
         raise HTTPException(422, "tokens must have one entry per job in jobs")
     by_queue: dict[str, list[LeaseRef]] = {q: [] for q in queues}
@@ -243,7 +250,7 @@ async def heartbeat(request: Request, worker_id: str, body: HeartbeatRequest, ke
     # 100k jobs would look busy to the autoscaler forever)
     held = len(set(body.jobs) - set(lost) - set(timed_out))
     try:
-        await state.registry.touch(worker_id, held, body.protected, body.instance_id)
+        await state.registry.touch(worker_id, held, body.protected)
     except RedisError as exc:  # at maxmemory the record's TTL still moves on (PEXPIRE adds nothing); the leases
         if not is_oom(exc):  # were extended above, and the worker must hear which it lost
             raise

@@ -217,6 +217,11 @@ class RegisterRequest(_Request):
     pid: int | None = Field(None, ge=0, le=2**31)
     concurrency: int = Field(1, ge=1, le=10_000)
     instance_id: str | None = Field(None, pattern=INSTANCE_ID)
+    instance_token: str | None = Field(
+        None,
+        max_length=128,
+        description="The machine's OFFLOAD_INSTANCE_TOKEN: required to register as an autoscaler instance (`as-…`).",
+    )
     protected: bool = Field(
         False,
         description="Honoured by the autoscaler only where the instance's provider config sets allow_worker_protect.",
@@ -258,7 +263,9 @@ class HeartbeatRequest(_Request):
         None, max_length=10_000, description="the lease token of each job in `jobs`, in the same order"
     )
     protected: bool | None = None
-    instance_id: str | None = Field(None, pattern=INSTANCE_ID)
+    instance_id: str | None = Field(
+        None, pattern=INSTANCE_ID, description="Must be the one the worker registered with (or absent)."
+    )
 
 
 class HeartbeatReplyView(BaseModel):

@@ -92,6 +92,7 @@ class RemoteOptions:
     grace_s: float = 30.0
     poll_wait_s: float = 20.0
     instance_id: str | None = None
+    instance_token: str | None = field(default=None, repr=False)  # proves the machine is that instance
     protected: bool = False
 
 
@@ -211,6 +212,7 @@ class RemoteWorker:
             "pid": os.getpid(),
             "concurrency": self.o.concurrency,
             "instance_id": self.o.instance_id,
+            **({"instance_token": self.o.instance_token} if self.o.instance_token else {}),
             "protected": self.o.protected,
             "gpus": await asyncio.to_thread(gpu_info),
         }
@@ -439,6 +441,8 @@ async def run_remote_worker(
         logging.getLogger("httpx").setLevel(logging.WARNING)
     if options.instance_id is None:
         options.instance_id = os.environ.get("OFFLOAD_INSTANCE_ID") or None
+    if options.instance_token is None:
+        options.instance_token = os.environ.get("OFFLOAD_INSTANCE_TOKEN") or None
     options.protected = options.protected or _truthy(os.environ.get("OFFLOAD_PROTECTED"))
     stop = asyncio.Event()
     if install_signals:

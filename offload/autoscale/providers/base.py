@@ -25,6 +25,10 @@ from offload.errors import ProviderError as ProviderError  # the branch root, dr
 from offload.schema import Strict
 
 LABEL_PREFIX = "offload-"
+WORKER_KEY_HELP = (
+    "the worker key its machines get (a worker key of the queues it serves); required for a provider made "
+    "over the HTTP API, which never receives the server's"
+)
 Clock = Callable[[], float]
 
 
@@ -107,6 +111,8 @@ class Provider(ABC):
     real: ClassVar[bool] = True  # real providers need a public server URL and a worker key
     Config: ClassVar[builtins.type[ProviderConfig]]
     secret_fields: ClassVar[tuple[str, ...]] = ()
+    # settings that run commands on the machine (they may hold tokens): shown to admin keys only
+    command_fields: ClassVar[tuple[str, ...]] = ()
     # where the secrets are sent: an update that changes one of these must give the secrets again
     endpoint_fields: ClassVar[tuple[str, ...]] = ("base_url",)
 

@@ -24,6 +24,7 @@ import orjson
 from pydantic import Field
 
 from offload.autoscale.providers.base import (
+    WORKER_KEY_HELP,
     Http,
     LaunchSpec,
     Machine,
@@ -70,6 +71,7 @@ class RunPodConfig(ProviderConfig):
     min_cuda_version: str | None = Field(None, description="only hosts with this CUDA version or newer")
     ports: list[str] = Field(default_factory=list, description='ports to expose, e.g. ["8888/http"] (JSON list)')
     data_center_ids: list[str] = Field(default_factory=list, description="allowed data centers (JSON list)")
+    worker_key: str | None = Field(None, description=WORKER_KEY_HELP)
 
 
 def _out_of_stock(text: str) -> bool:
@@ -80,7 +82,7 @@ def _out_of_stock(text: str) -> bool:
 class RunPodProvider(Provider):
     type = "runpod"
     Config = RunPodConfig
-    secret_fields = ("api_key",)
+    secret_fields = ("api_key", "worker_key")
 
     def __init__(self, name: str, config: RunPodConfig, http: Http | None = None) -> None:
         super().__init__(name)

@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import Field
 
 from offload.autoscale.providers.base import (
+    WORKER_KEY_HELP,
     Http,
     LaunchSpec,
     Machine,
@@ -62,6 +63,7 @@ class VastConfig(ProviderConfig):
     min_download_mbps: float = Field(100.0, ge=0, description="minimum host download bandwidth")
     min_cuda_version: str | None = Field("12.8", description='hosts supporting this CUDA version ("none": any)')
     offers_to_try: int = Field(5, ge=1, le=50, description="offers to try when one is taken meanwhile")
+    worker_key: str | None = Field(None, description=WORKER_KEY_HELP)
 
 
 def _country(offer: dict[str, Any]) -> str:
@@ -72,7 +74,8 @@ def _country(offer: dict[str, Any]) -> str:
 class VastProvider(Provider):
     type = "vastai"
     Config = VastConfig
-    secret_fields = ("api_key",)
+    secret_fields = ("api_key", "worker_key")
+    command_fields = ("onstart",)
 
     def __init__(self, name: str, config: VastConfig, http: Http | None = None) -> None:
         super().__init__(name)

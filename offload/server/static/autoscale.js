@@ -4,7 +4,8 @@
 // - Provider forms are built from GET /v1/autoscale/provider-types (one labelled field per setting). Secrets come
 //   back masked (****1234) and are never put in a field: a secret field left empty keeps the stored value.
 //   `local` providers run processes on the control-plane host: the operator manages them from the CLI, so the
-//   page lists them read-only and offers mock, runpod and vastai only.
+//   page lists them read-only and offers mock, runpod and vastai only. So are the providers the operator made
+//   with the CLI (`origin: operator`): they receive the operator's secrets, and the API refuses to change them.
 // - The queue form edits the autoscale block as PUT /v1/autoscale/queues/{queue} takes it. The server validates
 //   (422 lists every problem with its field path) and the page shows each message at its field.
 // - The forms live in a container that survives the page's periodic redraws, so typing is never lost.
@@ -322,11 +323,11 @@ export function makeAutoscaleView(ui) {
       el("td", { class: "actions" }, protectButton(i))));
     const provRows = providers.map((p) => {
       const t = types && types.find((x) => x.type === p.type);
-      const managed = t && t.operator_only;
+      const managed = (t && t.operator_only) || p.origin === "operator";
       return el("tr", { data: { provider: p.name } }, el("td", null, p.name), el("td", null, p.type),
         el("td", { class: "mono", data: { col: "config" } }, fmtConfig(p.config)),
         el("td", { class: "actions" }, managed ? el("span", { class: "muted", data: { col: "managed" } },
-          "runs on this host: managed from the CLI")
+          t && t.operator_only ? "runs on this host: managed from the CLI" : "the operator's: managed from the CLI")
           : [adminButton("Edit provider", "edit-provider", () => providerForm(p)), deleteProvider(p)]));
     });
     const leader = status.leader ? `${status.leader.owner} (token ${status.leader.token})` : "none";
