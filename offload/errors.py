@@ -58,6 +58,7 @@ The branch roots are defined here; a leaf lives beside the code that raises it a
     - ProviderNotFound (KeyError), ProviderInUse (ValueError) - the provider catalogue (autoscale.provider_store)
     - OperatorOnly - a setting only the operator's file may give (offload.autoscale.operator_only)
     - FileUnreadable (ValueError) - a File() whose source cannot be read (offload.files)
+    - TooManyReferences (ValueError) - more distinct file references than a job may hold (offload.files)
     - Forged - a provider callback whose signature does not check out (offload.server.webhooks)
     - Refused - a provider callback answered with a 4xx: unknown, forged, unreadable (offload.server.routes_hooks)
   + ErrorReply - the simulator's handlers answering with an error reply (offload.sim.engine); never leaves it

@@ -228,7 +228,7 @@ def _children(value: Any) -> Iterator[tuple[Any, Any]]:
     return iter(())
 
 
-class TooManyReferences(ValueError):
+class TooManyReferences(RequestError, ValueError):
     """More distinct file references than a limit allows (`find_references`)."""
 
     def __init__(self, limit: int) -> None:
