@@ -97,3 +97,43 @@ def test_a_gpu_workers_leases_are_judged_by_token_and_unknown_ones_handed_back(v
             doc = poll(handed_back, 10, "the unknown lease to be handed back", interval=0.2)
             assert doc["lease_expiries"] == 0 and doc["attempts"] == 0
             assert admin.get(f"/v1/jobs/{kept['id']}").json()["state"] == "active"
+
+
+def test_a_heartbeat_handled_across_a_deregister_does_not_list_the_worker_again(
+    valkey: ValkeyServer, monkeypatch: Any
+) -> None:
+    """A GPU worker's last heartbeat can still be in the server when its deregister completes (the worker
+    cancels the beat, but the request was sent). That heartbeat re-stamped the registry record and the queue's
+    liveness set, so the stopped worker was listed as alive for a TTL. Here the deregister's steps run inside the
+    heartbeat, right after its registration check: the heartbeat answers 404 and the worker is not listed."""
+    from offload.queue.keys import REMOTE_WORKERS, remote_worker
+
+    q = new_queue("gone")
+    original = QueueStore.heartbeat
+    raced: list[str] = []
+
+    async def deregister_first(self: QueueStore, queue: str, worker_id: str, *args: Any, **kwargs: Any) -> Any:
+        if not raced:
+            raced.append(worker_id)
+            await self.redis.delete(remote_worker(worker_id))
+            await self.redis.zrem(REMOTE_WORKERS, worker_id)
+            await self.release_leases(queue, worker_id)
+        return await original(self, queue, worker_id, *args, **kwargs)
+
+    with server(valkey.url) as (url, boot):
+        token = make_key(url, boot, "worker", [q])
+        with client(url, boot) as admin, client(url, token) as c:
+            admin.post(f"/v1/queues/{q}/jobs/batch", json={"jobs": [{"input": 1}]})
+            wid = c.post("/v1/workers/register", json={"queues": [q]}).json()["worker_id"]
+            (job,) = c.post(f"/v1/workers/{wid}/claim", json={"queue": q, "max": 1, "wait": 0}).json()["jobs"]
+
+            def listed() -> list[str]:
+                return [w["id"] for w in admin.get("/v1/workers").json() if q in w["queues"]]
+
+            assert listed() == [wid]
+            monkeypatch.setattr(QueueStore, "heartbeat", deregister_first)
+            beat = c.post(f"/v1/workers/{wid}/heartbeat", json={"jobs": [job["id"]], "tokens": [job["token"]]})
+            assert raced == [wid]
+            assert beat.status_code == 404 and "register again" in beat.json()["detail"], beat.text
+            assert listed() == []
+            assert admin.get(f"/v1/jobs/{job['id']}").json()["state"] == "queued"

@@ -17,6 +17,7 @@ import orjson
 
 from offload.queue.clock import StoreClock
 from offload.queue.keys import REMOTE_WORKERS, owned, remote_worker, workers
+from offload.queue.scripts import SCRIPTS
 from offload.queue.store import QueueStore
 from offload.server.schemas import RegisterRequest, WorkerView
 
@@ -66,16 +67,18 @@ class WorkerRegistry:
         found: str | None = await self.redis.hget(remote_worker(worker_id), "instance_id")
         return found or ""
 
-    async def touch(self, worker_id: str, in_flight: int, protected: bool | None) -> None:
+    async def touch(self, worker_id: str, in_flight: int, protected: bool | None) -> bool:
+        """Stamp a heartbeat; False when the worker is no longer registered (it deregistered while this heartbeat
+        was being handled, or its record expired): the record is not brought back."""
         now = self._now_ms()
         fields: dict[str, Any] = {"last_heartbeat": now, "in_flight": in_flight}
         if protected is not None:
             fields["protected"] = int(protected)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(remote_worker(worker_id), mapping=fields)
-        pipe.pexpire(remote_worker(worker_id), self.ttl_ms)
-        pipe.zadd(REMOTE_WORKERS, {worker_id: now})
-        await pipe.execute()
+        pairs = [v for item in fields.items() for v in item]
+        if not await SCRIPTS.worker_touch(self.redis, [remote_worker(worker_id)], [self.ttl_ms, *pairs]):
+            return False
+        await self.redis.zadd(REMOTE_WORKERS, {worker_id: now})  # (a removal racing this is pruned by remote())
+        return True
 
     async def remove(self, worker_id: str) -> None:
         await self.redis.delete(remote_worker(worker_id))

@@ -250,11 +250,16 @@ async def heartbeat(request: Request, worker_id: str, body: HeartbeatRequest, ke
     # 100k jobs would look busy to the autoscaler forever)
     held = len(set(body.jobs) - set(lost) - set(timed_out))
     try:
-        await state.registry.touch(worker_id, held, body.protected)
-    except RedisError as exc:  # at maxmemory the record's TTL still moves on (PEXPIRE adds nothing); the leases
-        if not is_oom(exc):  # were extended above, and the worker must hear which it lost
+        registered = await state.registry.touch(worker_id, held, body.protected)
+    except RedisError as exc:  # at maxmemory the record's TTL still moves on (the script may run there); the
+        if not is_oom(exc):  # leases were extended above, and the worker must hear which it lost
             raise
         state.store_watch.oom_seen()
+        registered = True
+    if not registered:  # deregistered while this heartbeat ran: it must not leave the worker listed as alive
+        for q in queues:
+            await state.store.release_leases(q, worker_id, [], forget_idle=True)
+        raise HTTPException(404, f"unknown worker {worker_id!r} (it deregistered or expired: register again)")
     # a timed-out lease is lost too: a worker that does not know `timed_out` still lets go of it
     return HeartbeatReplyView(lost=lost + timed_out, cancel_requested=cancels, timed_out=timed_out)
 
