@@ -23,7 +23,7 @@ CHECKOV_VERSION := 3.3.30
 TOOLS := .venv-checkov
 TOOLS_STAMP := $(TOOLS)/.installed-$(CHECKOV_VERSION)
 
-.PHONY: demo test lint bench clean deploy-tools chromium jemalloc faketime
+.PHONY: demo test lint docs docs-serve reference bench clean deploy-tools chromium jemalloc faketime
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -53,9 +53,20 @@ demo: $(VENV)/.installed
 	@$(BIN)/offload demo
 
 lint: $(VENV)/.installed
-	$(BIN)/ruff check offload tests bench
-	$(BIN)/ruff format --check offload tests bench
+	$(BIN)/ruff check offload tests bench scripts
+	$(BIN)/ruff format --check offload tests bench scripts
 	$(BIN)/mypy
+
+# The docs site (mkdocs.yml, docs/): the generated reference pages written again from the code, then a strict
+# build into site/ (a broken link or anchor fails it); docs-serve serves it on 127.0.0.1:8000 while you write.
+reference: $(VENV)/.installed
+	$(BIN)/python -m scripts.reference
+
+docs: reference
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+docs-serve: reference
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 # The dashboard's browser tests drive Debian's Chromium through Playwright (never `playwright install`, whose
 # browser download does not work here). Installed on first use; CI runs as root.
@@ -84,4 +95,4 @@ bench: $(VENV)/.installed
 	$(BIN)/python bench/queue_throughput.py --jobs 100000
 
 clean:
-	rm -rf $(VENV) $(TOOLS) .offload .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(TOOLS) .offload .pytest_cache .mypy_cache .ruff_cache site

@@ -10,7 +10,7 @@ import orjson
 
 
 class JobState(enum.StrEnum):
-    """Where a job is in its lifecycle (see docs/architecture.md, "The job lifecycle")."""
+    """Where a job is in its lifecycle (see docs/explanation/architecture.md, "The job lifecycle")."""
 
     QUEUED = "queued"
     DELAYED = "delayed"

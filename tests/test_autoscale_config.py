@@ -198,13 +198,12 @@ def test_cli_providers_and_status(fast_valkey_url: str, monkeypatch: pytest.Monk
     assert res.exit_code == 0 and "deleted" in res.output
 
 
-def test_readme_autoscaling_example_loads(tmp_path: Path) -> None:
+def test_the_docs_autoscaling_example_loads(tmp_path: Path) -> None:
     import re
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    section = readme.split("## Autoscaling", 1)[1]
-    block = re.search(r"```yaml\n(.*?)```", section, re.S)
-    assert block, "the README's autoscaling example is missing"
+    page = (Path(__file__).parent.parent / "docs" / "how-to" / "autoscaling.md").read_text()
+    block = re.search(r"```yaml\n(.*?)```", page, re.S)
+    assert block, "the docs' autoscaling example is missing"
     f = tmp_path / "offload.yaml"
     f.write_text(block.group(1))
     settings = load_settings(f, env={"OFFLOAD_WORKER_API_KEY": "ofk_w", "HOOK_TOKEN": "t", "SMTP_PASSWORD": "p"})

@@ -13,7 +13,8 @@ from offload.backends import create_backend
 from offload.config import config_file, load_settings, parse_rate
 from offload.errors import ConfigError
 
-README = Path(__file__).parent.parent / "README.md"
+# the offload.yaml example of the docs (how-to: Configure offload.yaml and each provider)
+CONFIG_PAGE = Path(__file__).parent.parent / "docs" / "how-to" / "configuration.md"
 HTTP_JOB = "{kind: http-job, base_url: 'http://gpu'}"
 SECRETS = {
     name: f"secret-{name.lower()}"
@@ -30,16 +31,16 @@ SECRETS = {
 }
 
 
-def readme_yaml(tmp_path: Path) -> Path:
-    block = re.search(r"## Configuration: offload.yaml\n\n```yaml\n(.*?)```", README.read_text(), re.S)
-    assert block, "the README's offload.yaml example is missing"
+def docs_yaml(tmp_path: Path) -> Path:
+    block = re.search(r"```yaml\n(.*?)```", CONFIG_PAGE.read_text(), re.S)  # the page's first example
+    assert block, "the docs' offload.yaml example is missing"
     path = tmp_path / "offload.yaml"
     path.write_text(block.group(1))
     return path
 
 
-def test_the_readme_example_is_valid_and_builds_every_backend(tmp_path: Path) -> None:
-    settings = load_settings(readme_yaml(tmp_path), env=SECRETS)
+def test_the_docs_example_is_valid_and_builds_every_backend(tmp_path: Path) -> None:
+    settings = load_settings(docs_yaml(tmp_path), env=SECRETS)
     assert settings.queue("gpu").daily_job_cap == 1000
     assert settings.storage.secret_access_key is not None
     assert settings.storage.secret_access_key.get_secret_value() == "secret-s3_secret_key"
@@ -52,7 +53,7 @@ def test_the_readme_example_is_valid_and_builds_every_backend(tmp_path: Path) ->
 def test_missing_env_reference_names_field_and_variable(tmp_path: Path) -> None:
     env = {k: v for k, v in SECRETS.items() if k != "FAL_KEY"}
     with pytest.raises(ConfigError, match=r"backends\.fal-flux\.api_key: environment variable FAL_KEY is not set"):
-        load_settings(readme_yaml(tmp_path), env=env)
+        load_settings(docs_yaml(tmp_path), env=env)
 
 
 @pytest.mark.parametrize(
@@ -119,7 +120,7 @@ def test_rates() -> None:
 
 def test_config_check_command(tmp_path: Path) -> None:
     good = subprocess.run(
-        [sys.executable, "-m", "offload", "config", "check", "--config", str(readme_yaml(tmp_path))],
+        [sys.executable, "-m", "offload", "config", "check", "--config", str(docs_yaml(tmp_path))],
         capture_output=True,
         text=True,
         env={**SECRETS, "PATH": "/usr/bin"},
@@ -137,7 +138,7 @@ def test_config_check_command(tmp_path: Path) -> None:
     assert out.returncode == 1 and out.stderr.startswith("error: queues.gpu.backend") and "Traceback" not in out.stderr
 
 
-# -- which file: --config, else OFFLOAD_CONFIG, else ./offload.yaml, else the local stack's (the README's order) --
+# -- which file: --config, else OFFLOAD_CONFIG, else ./offload.yaml, else the local stack's (the docs' order) --
 
 
 def _yaml(path: Path, queue: str) -> Path:
@@ -145,7 +146,7 @@ def _yaml(path: Path, queue: str) -> Path:
     return path
 
 
-def test_config_file_precedence_matches_the_readme(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_config_file_precedence_matches_the_docs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     home = tmp_path / ".offload"
     home.mkdir()
@@ -195,7 +196,7 @@ def test_config_check_reads_offload_config_before_the_local_stack(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Regression: the CLI used the local stack's config whenever ./offload.yaml was missing, ignoring
-    OFFLOAD_CONFIG, although the README puts OFFLOAD_CONFIG first."""
+    OFFLOAD_CONFIG, although the docs put OFFLOAD_CONFIG first."""
     from typer.testing import CliRunner
 
     from offload.cli.app import app
@@ -248,7 +249,7 @@ def test_typed_blocks_are_what_the_settings_hold(tmp_path: Path) -> None:
     )
     from offload.storage.settings import S3StorageSettings
 
-    path = readme_yaml(tmp_path)
+    path = docs_yaml(tmp_path)
     path.write_text(path.read_text() + "autoscaler: {worker_key: wk-secret-1}\nalerts: {cooldown: 60}\n")
     settings = load_settings(path, env=SECRETS)
     kinds = {name: type(b) for name, b in settings.backends.items()}

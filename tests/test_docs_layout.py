@@ -1,5 +1,6 @@
-"""The README's layout section and docs/architecture.md match the tree: every module of `offload/` is named in
-the layout (in its package's paragraph), and every repository path docs/architecture.md names exists."""
+"""The docs' layout page and architecture match the tree: every module of `offload/` is named in
+docs/explanation/layout.md (in its package's paragraph), and every repository path docs/explanation/architecture.md
+names exists."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _layout() -> str:
-    readme = (ROOT / "README.md").read_text()
-    start = readme.index("```\noffload/queue/")
-    return readme[start : readme.index("```", start + 3)]
+    page = (ROOT / "docs" / "explanation" / "layout.md").read_text()
+    start = page.index("```\noffload/queue/")
+    return page[start : page.index("```", start + 3)]
 
 
 def _paragraphs(layout: str) -> dict[str, str]:
@@ -26,7 +27,7 @@ def _paragraphs(layout: str) -> dict[str, str]:
     return out
 
 
-def test_every_module_is_named_in_the_readme_layout() -> None:
+def test_every_module_is_named_in_the_layout_page() -> None:
     layout = _layout()
     paragraphs = _paragraphs(layout)
     missing = []
@@ -43,11 +44,11 @@ def test_every_module_is_named_in_the_readme_layout() -> None:
         text = paragraphs.get(package, "")
         if not re.search(rf"\b{re.escape(path.stem)}\b", text):
             missing.append(str(rel))
-    assert not missing, f"modules the README's layout section does not name: {missing}"
+    assert not missing, f"modules docs/explanation/layout.md does not name: {missing}"
 
 
 def test_every_path_named_in_the_architecture_exists() -> None:
-    text = (ROOT / "docs" / "architecture.md").read_text()
+    text = (ROOT / "docs" / "explanation" / "architecture.md").read_text()
     named = set(re.findall(r"`((?:offload|tests|bench|deploy|docs)/[\w/.*-]+?)(?:::\w+)?`", text))
     assert len(named) > 20, "the architecture names few paths: is the pattern right?"
     missing = []
@@ -57,4 +58,4 @@ def test_every_path_named_in_the_architecture_exists() -> None:
                 missing.append(rel)
         elif not (ROOT / rel).exists():
             missing.append(rel)
-    assert not missing, f"paths docs/architecture.md names that are not in the tree: {missing}"
+    assert not missing, f"paths docs/explanation/architecture.md names that are not in the tree: {missing}"

@@ -7,7 +7,7 @@ proxy, as Sentinel-aware clients or a managed endpoint follow a failover: the fa
 (`REPLICAOF NO ONE`), points that proxy at it, SIGKILLs the old primary and gives the new one a fresh replica.
 
 With `durability` on, nothing acknowledged is lost and nothing checkpointed is paid for again. Without it, the
-tests assert what the README (*Replication and failover*) says a failover to a replica that lagged costs.
+tests assert what docs/how-to/durability.md says a failover to a replica that lagged costs.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ async def test_a_durable_enqueue_fails_while_the_replica_is_cut_off_and_every_ac
 async def test_without_durability_a_failover_loses_every_write_acknowledged_since_the_replica_was_cut_off(
     pair: Pair,
 ) -> None:
-    """The cost the README states: an asynchronous replica cut off (or lagging) has none of the writes the primary
+    """The cost the docs state: an asynchronous replica cut off (or lagging) has none of the writes the primary
     acknowledged since, and a failover to it loses them all, acknowledged or not."""
     async with AsyncClient(pair.url) as client:
         before = await client.enqueue_many(Q, [{"n": i} for i in range(10)])

@@ -89,7 +89,7 @@ def test_wrong_secrets_for_one_key_id_are_limited_per_key_id_not_refusing_the_ke
 
 
 def test_trusted_proxies_name_the_client_and_nothing_else_does(own_valkey: ValkeyServer) -> None:
-    """Behind the reverse proxy the README recommends, every client had the proxy's address, so 21 bad keys
+    """Behind the reverse proxy the docs recommend, every client had the proxy's address, so 21 bad keys
     from anyone locked out everyone. `server.trusted_proxies` makes the right-most untrusted hop the client."""
     settings = {"server": {"trusted_proxies": ["127.0.0.1/32"]}}
     r = own_valkey.client()

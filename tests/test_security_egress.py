@@ -339,7 +339,8 @@ def _spellings(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> list[str]:
 
 
 def _expected(ip: ipaddress.IPv4Address | ipaddress.IPv6Address, reach: Any) -> bool:
-    """Whether the rule lets `ip` through at `reach`, from the README's words (not from the code under test)."""
+    """Whether the rule lets `ip` through at `reach`, from the docs' words (docs/explanation/security.md), not
+    from the code under test."""
     never = ip.is_link_local or ip.is_multicast or ip.is_unspecified or str(ip) in (
         "169.254.169.254", "fd00:ec2::254", "100.100.100.200", "192.0.0.192"
     )  # fmt: skip
@@ -356,7 +357,7 @@ def test_the_attackers_address_walk() -> None:
     """Every special-purpose network (first, second and last address), in every spelling that carries it, at each
     reach the settings give (the default; `allow_private_hosts` or the backend's own origin; a `file_hosts` list
     changes hosts, not addresses): the socket factory aiohttp calls with the address it is about to connect to
-    lets exactly the README's addresses through. No packet is sent: a refused address raises before a socket
+    lets exactly the docs' addresses through. No packet is sent: a refused address raises before a socket
     exists, an allowed one gets a socket that is closed unconnected."""
     from offload.egress import AddressRefused, FilePolicy, Reach, refusal, socket_factory
 

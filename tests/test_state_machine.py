@@ -1,5 +1,5 @@
 """Stateful property test of the job store: random operation sequences against a real Valkey, checked
-step by step against a plain-Python model of the lifecycle (docs/architecture.md, "The job lifecycle" and
+step by step against a plain-Python model of the lifecycle (docs/explanation/architecture.md, "The job lifecycle" and
 "The guarantees").
 
 Rules: enqueue (one or a batch, random priority, optional delay, existing ids mixed in); claim (3 workers,

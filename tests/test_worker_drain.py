@@ -2,7 +2,7 @@
 limit and inside slow submit calls (issue 34, item 1): a `systemctl restart` must cost nothing. The waiting jobs
 go back unsent (intents closed), the calls out are awaited and checkpointed even past the grace, and the next
 worker finishes everything: one paid submission per job, none counted as a possible duplicate. A second signal
-cuts the drain: what that costs (one possible duplicate per call out) is what the README says.
+cuts the drain: what that costs (one possible duplicate per call out) is what the docs say.
 
 Real Valkey, `rclone serve s3`, the simulator as its own process ignoring Idempotency-Key (as most provider APIs
 do: a resend is a second paid run), workers as processes (fixtures and helpers of test_worker_crash).
@@ -232,7 +232,7 @@ async def test_a_second_signal_cuts_the_drain_at_the_cost_the_readme_states(
 ) -> None:
     """Two submits held 90 s (the backend's timeout 120 s) and a third job waiting at a gate of 2, --grace 60: the
     first SIGTERM drains (the waiting job goes back at once, unsent), a second signal cuts at once instead of
-    waiting for the calls. The cost, as the README's fault table says: each call cut leaves its intent open, and
+    waiting for the calls. The cost, as the docs' fault table says: each call cut leaves its intent open, and
     the next worker sends it again under the same Idempotency-Key counted as a possible duplicate (a second paid
     run here, where the provider ignores the key and cannot be asked by tag); the job that was waiting costs
     nothing."""

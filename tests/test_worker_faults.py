@@ -275,7 +275,8 @@ async def until_state(
 
 
 def assert_stored(bucket: Any, job: Job, input_id: str) -> None:
-    """Guarantee 5 (docs/architecture.md): the output is in object storage at the job's key, and it is this job's."""
+    """Guarantee 5 (docs/explanation/architecture.md): the output is in object storage at the job's key, and it is
+    this job's."""
     assert job.result == f"s3://{BUCKET}/{job.output_key}"
     body = bucket.get_object(Bucket=BUCKET, Key=job.output_key)["Body"].read()
     assert input_id in orjson.dumps(orjson.loads(body)).decode()

@@ -81,7 +81,7 @@ class _Backend(Strict):
         None, ge=0, description="the most one submission may cost (USD): reserved against daily_spend_cap first"
     )
     # Webhooks, for the kinds whose providers call back (replicate, fal, runpod), used when `server.public_url`
-    # is set (see the README's "Webhooks"); read by the server and the worker, never sent to the provider.
+    # is set (see docs/how-to/webhooks.md); read by the server and the worker, never sent to the provider.
     webhook_secret: SecretStr | None = Field(
         None,
         repr=False,

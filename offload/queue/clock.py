@@ -7,7 +7,7 @@ The queue's scripts read TIME themselves (lua/includes/clock.lua: `now_ms`, `win
 scheduled back when the store's clock steps back (`shift_back` in common.lua). Python code that needs the store's time
 between calls (the autoscaler's tick, the server's GPU-worker registry) reads it through `StoreClock`: the store's
 TIME read at each `sync`, carried forward by this process's monotonic clock, so a step of the local wall clock
-changes nothing and a step of the store's is followed at the next sync. See docs/architecture.md, *Caps*.
+changes nothing and a step of the store's is followed at the next sync. See docs/explanation/architecture.md, *Caps*.
 """
 
 from __future__ import annotations

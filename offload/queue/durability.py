@@ -7,7 +7,7 @@ producer is told of, a submit intent before a paid call, a remote id, a completi
 cancel) are each followed on the same connection by `WAIT replicas timeout_ms` (`WAITAOF 1 replicas timeout_ms`
 with `fsync`: on the primary's disk and on the replicas' disks too). A write that falls short raises
 `NotReplicated`: the producer retries (with its idempotency key), the dispatch worker waits and sends it again as
-it does through an outage (the scripts are idempotent). See docs/architecture.md, *Replication*.
+it does through an outage (the scripts are idempotent). See docs/explanation/architecture.md, *Replication*.
 
 WAIT counts the replicas that have the connection's own last write. A write sent again after a reply it never
 got (or after a WAIT that fell short) may change nothing the second time, and then a WAIT would measure an

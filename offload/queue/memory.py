@@ -34,7 +34,7 @@ CHECK_EVERY_S = 5.0  # how often a long-running process re-reads the policy (OFF
 LOUD_EVERY_S = 60.0  # while the policy is wrong, the error line again this often
 HOW_TO_SET = (
     "set it with `CONFIG SET maxmemory-policy noeviction` and in redis.conf/valkey.conf, or in the managed "
-    "service's parameter group or settings (README: Memory and eviction)"
+    "service's parameter group or settings (docs/how-to/memory.md)"
 )
 
 
@@ -126,7 +126,7 @@ async def require_noeviction(redis: RedisClient) -> StoreMemory:
     if any(n.policy is None for n in memory.nodes):  # a service that hides it: said, not refused (no way to tell)
         log.warning(
             "the job store does not report its maxmemory-policy: offload cannot check that it is %s; make "
-            "sure the service never evicts (README: Memory and eviction)",
+            "sure the service never evicts (docs/how-to/memory.md)",
             SAFE_POLICY,
         )
     return memory

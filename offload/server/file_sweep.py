@@ -15,7 +15,7 @@ empty store, a failover to a replica that lost its data, a flush): every live in
 deletes only when the store proves its identity: a random id in the store (`offload:store-id`) and a marker object
 in the bucket naming it (`_offload/store-id`), both written when first seen together; a missing id or a marker that
 names another store stops the sweep, loudly (an error line every pass, a `file_sweep` alert), until an operator
-says which store is right (README, *Files*). And even then a pass deletes at most MAX_SHARE of the objects each
+says which store is right (docs/how-to/files.md). And even then a pass deletes at most MAX_SHARE of the objects each
 listing holds (at least one), resuming at the first file it left: a store that forgets every job at once costs a
 tenth of a listing per pass, in plain sight (a warning and an alert), not every input in one pass.
 
@@ -140,7 +140,7 @@ class FileSweep:
             why = f"the job store is {ours} while the bucket's {STORE_MARKER} names store {marker}"
         message = (
             f"file sweep stopped, nothing deleted: {why}, so a job record it lacks proves nothing. If this is the "
-            "right store, see README, Files, for how to bind it to the bucket"
+            "right store, see docs/how-to/files.md for how to bind it to the bucket"
         )
         log.error("%s", message)
         await self._tell("store identity", message)

@@ -9,7 +9,7 @@ jobs more are claimed ahead and wait for a slot (on a synchronous API already be
 recorded), so a slot that frees is filled at once instead of after a claim's (and a begin's) round trips; the
 output and the ack come after the slot is given back, so their round trips do not keep a remote job from
 starting either (measured by bench/worker_throughput.py: waiting for a claim and for the ack inside the slot
-cost a 50 ms job a third of its slot, the begin inside it another ~5 ms). See docs/architecture.md, *Slots*.
+cost a 50 ms job a third of its slot, the begin inside it another ~5 ms). See docs/explanation/architecture.md, *Slots*.
 
 What the loop guarantees about leases: a heartbeat never runs while a claim is in flight (one lock), so every
 lease the store has handed this process by the time a heartbeat is sent is either in its list or was never

@@ -3,7 +3,7 @@
 `FileInputs` wraps a backend. At submit time every `{"$file": key, ...}` reference in the job input becomes a
 presigned GET URL of its object (valid `storage.input_url_expires_s`, 24 h by default: long enough for a
 provider's queue), and the backend sends that body as it would any other; the stored job input keeps the
-reference, so a retry signs fresh URLs. Every backend kind takes URLs (see README, "Files"): Replicate and fal
+reference, so a retry signs fresh URLs. Every backend kind takes URLs (see docs/how-to/files.md): Replicate and fal
 accept a URL for any file input and fetch it themselves, a RunPod or http-job handler downloads it, an OpenAI
 request gets it where the API takes an image URL.
 

@@ -269,9 +269,9 @@ class JobPath(HookPath):
         None when it went elsewhere (held over a cap, cancelled, failed).
 
         For a synchronous API (no submit gate) the begin script runs before the job takes its slot (see
-        docs/architecture.md, *Slots*): its round trip is spent while the slot is still busy with another job,
-        not inside this one's. Between the begin and the call the job is `unsent` (a drain closes its intent:
-        nothing was sent) and, once it has its slot, the cancels this worker has heard of since the begin are
+        docs/explanation/architecture.md, *Slots*): its round trip is spent while the slot is still busy with
+        another job, not inside this one's. Between the begin and the call the job is `unsent` (a drain closes its
+        intent: nothing was sent) and, once it has its slot, the cancels this worker has heard of since the begin are
         checked right before the call. A job the claim has begun (`job.begun`: a synchronous API without a rate
         limit or caps, see claim.lua) starts here with its intent open and skips the begin of its first try.
 

@@ -1,4 +1,4 @@
-"""How many jobs a dispatch worker leases ahead of its slots (see docs/architecture.md, *Slots*).
+"""How many jobs a dispatch worker leases ahead of its slots (see docs/explanation/architecture.md, *Slots*).
 
 The jobs claimed ahead keep every slot busy while the next claim is on its way. A fixed share of `concurrency`
 fits one pace only: long jobs (a GPU's seconds to minutes) leave a slot a few times a second and need few ahead,

@@ -1,4 +1,4 @@
-"""One job's hold on one of a dispatch worker's `concurrency` slots (see docs/architecture.md, *Slots*)."""
+"""One job's hold on one of a dispatch worker's `concurrency` slots (see docs/explanation/architecture.md, *Slots*)."""
 
 from __future__ import annotations
 
