@@ -2,7 +2,7 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
-from offload.client import AsyncClient, Client
+from offload.client import AsyncClient, Client, NoResult
 from offload.errors import (
     ConfigError,
     ConnectionFailed,
@@ -40,6 +40,7 @@ __all__ = [
     "JobNotFound",
     "JobSpec",
     "JobState",
+    "NoResult",
     "OffloadError",
     "PayloadTooLarge",
     "QueueStats",

@@ -8,6 +8,14 @@ and replaced by references; the job gets its id before the upload, so its files 
 upload enqueues nothing; a failed enqueue (or one that found an earlier job with the same idempotency key) deletes
 the files it uploaded. The storage is the `storage:` block of offload.yaml unless one is passed.
 
+The store is found as every `offload` command finds it (`offload.config.store_url`): the URL given, else
+OFFLOAD_REDIS_URL, else REDIS_URL, else offload.yaml's redis_url (`config`, else OFFLOAD_CONFIG, else
+./offload.yaml, else the local stack's), else the embedded default. One that does not answer is retried for a few
+seconds (OFFLOAD_REDIS_CONNECT_TIMEOUT), then `ConnectionFailed` names it, its password masked.
+
+`result(id)` reads a succeeded job's output from storage and returns it (its files stay references, `{"$file":
+key, ...}`); `download(id, directory)` saves the output and every file of the job it refers to.
+
 `durability` (or OFFLOAD_DURABILITY_REPLICAS / _TIMEOUT_MS / _FSYNC) makes an enqueue return only once replicas
 have the job (offload/queue/durability.py); one that they did not confirm in time raises `NotReplicated`, and is
 sent again with the same idempotency key. Its uploaded files are kept then: the job may exist.
@@ -20,9 +28,13 @@ import dataclasses
 import os
 import threading
 from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from offload.connection import at_start, connect
+import orjson
+
+from offload.connection import CALLER_RETRY_S, at_start, connect, connect_timeout
+from offload.errors import StoreError
 from offload.files import DEFAULT_MAX_FILE_BYTES, files_in
 from offload.models import Job, QueueStats
 from offload.queue import durability as durable
@@ -34,9 +46,19 @@ from offload.queue.store import QueueStore
 
 if TYPE_CHECKING:  # storage (boto3) loads on the first File, not with `import offload`
     from offload.storage import Storage
+    from offload.storage.results import Downloaded
 
 
 T = TypeVar("T")
+
+
+class NoResult(StoreError):
+    """A result was asked of a job that has none: it failed, went dead, was cancelled, or has not finished.
+    `job` is the job as it was read, so a caller can tell which (and read its error)."""
+
+    def __init__(self, message: str, job: Job) -> None:
+        super().__init__(message)
+        self.job = job
 
 
 def _durability(given: Durability | Mapping[str, Any] | None) -> Durability | None:
@@ -70,8 +92,10 @@ class AsyncClient:
         storage: Storage | Mapping[str, Any] | None = None,
         max_file_bytes: int | None = None,
         durability: Durability | Mapping[str, Any] | None = None,
+        config: str | os.PathLike[str] | None = None,
     ) -> None:
         self._url = url
+        self._config = config
         self._durability = _durability(durability)
         self._max_payload = max_payload
         self._store: QueueStore | None = None
@@ -87,7 +111,9 @@ class AsyncClient:
         if self._store is None:
             async with self._lock:
                 if self._store is None:
-                    redis = await connect(self._url)
+                    from offload.config import store_url  # the settings models load only when they are needed
+
+                    redis = await connect(store_url(self._url, self._config), retry_for=connect_timeout(CALLER_RETRY_S))
                     try:
                         await at_start(lambda: require_noeviction(redis))
                     except BaseException:
@@ -111,7 +137,7 @@ class AsyncClient:
             else:
                 from offload.config import load_settings
 
-                block = load_settings().storage
+                block = load_settings(self._config).storage
             self._storage = create_storage(block)
             self._owns_storage = True
             if self._max_file_bytes is None:
@@ -205,6 +231,33 @@ class AsyncClient:
             await asyncio.sleep(min(interval, max(deadline - loop.time(), 0)))
             interval = min(interval * 1.5, 1.0)
 
+    async def _succeeded(self, job_id: str, timeout: float | None) -> Job:
+        job = await (self.wait(job_id, timeout) if timeout is not None else self.get(job_id))
+        if job.state.value != "succeeded":
+            why = f": {job.error}" if job.error else ""
+            raise NoResult(f"job {job_id} is {job.state.value}, it has no result{why}", job)
+        return job
+
+    async def result(self, job_id: str, timeout: float | None = None) -> Any:
+        """A succeeded job's output, read from storage and decoded. Files it holds stay references
+        (`{"$file": key, ...}`; `download` fetches them). `timeout`: wait that long for the job to finish first.
+        A job that did not succeed raises `NoResult` (its `job` says how it ended); one still running after
+        `timeout` raises TimeoutError."""
+        job = await self._succeeded(job_id, timeout)
+        storage, _ = await self._files_storage()
+        return orjson.loads(await storage.get_bytes(job.output_key))
+
+    async def download(
+        self, job_id: str, directory: str | os.PathLike[str], timeout: float | None = None
+    ) -> Downloaded:
+        """Save a succeeded job's output as `output.json` in `directory` (made if missing) and every file of the
+        job it refers to beside it, each checked against its reference (as `offload result --download DIR/`)."""
+        from offload.storage.results import download_result
+
+        job = await self._succeeded(job_id, timeout)
+        storage, _ = await self._files_storage()
+        return await download_result(storage, job_id, job.output_key, Path(directory))
+
     async def cancel(self, job_id: str) -> str:
         return await (await self.store()).cancel(job_id)
 
@@ -237,13 +290,19 @@ class Client:
         storage: Storage | Mapping[str, Any] | None = None,
         max_file_bytes: int | None = None,
         durability: Durability | Mapping[str, Any] | None = None,
+        config: str | os.PathLike[str] | None = None,
     ) -> None:
         durability = _durability(durability)  # a bad value fails here, before a thread is started
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="offload-client", daemon=True)
         self._thread.start()
         self._async = AsyncClient(
-            url, max_payload=max_payload, storage=storage, max_file_bytes=max_file_bytes, durability=durability
+            url,
+            max_payload=max_payload,
+            storage=storage,
+            max_file_bytes=max_file_bytes,
+            durability=durability,
+            config=config,
         )
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -260,6 +319,12 @@ class Client:
 
     def wait(self, job_id: str, timeout: float = 60.0) -> Job:
         return self._call(self._async.wait(job_id, timeout))
+
+    def result(self, job_id: str, timeout: float | None = None) -> Any:
+        return self._call(self._async.result(job_id, timeout))
+
+    def download(self, job_id: str, directory: str | os.PathLike[str], timeout: float | None = None) -> Downloaded:
+        return self._call(self._async.download(job_id, directory, timeout))
 
     def cancel(self, job_id: str) -> str:
         return self._call(self._async.cancel(job_id))

@@ -22,6 +22,7 @@ from offload import stack
 from offload.autoscale.alerts import AlertSettings
 from offload.autoscale.config import ServerSide, validate_autoscale, yaml_blocks
 from offload.backends.settings import AnyBackendSettings, BackendSettings
+from offload.connection import configured_url
 from offload.embedded import data_dir
 from offload.errors import ConfigError
 from offload.queue import durability
@@ -43,6 +44,7 @@ __all__ = [
     "config_file",
     "load_settings",
     "parse_rate",
+    "store_url",
 ]
 
 
@@ -286,3 +288,13 @@ def load_settings(path: str | os.PathLike[str] | None = None, env: Mapping[str, 
                 )
     check_prefixes(settings.output_prefixes())
     return settings
+
+
+def store_url(
+    url: str | None = None, config: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None
+) -> str | None:
+    """Where the job store is, for every command and the Python client alike: `url` (--url, `Client(url)`), else
+    OFFLOAD_REDIS_URL, else REDIS_URL, else the redis_url of the offload.yaml `config_file` picks, else None (the
+    embedded default). The file is read only when nothing before it names the store, so a shell without the
+    workers' secrets (which the file may refer to) still reaches it."""
+    return url or configured_url(env) or load_settings(config, env).redis_url

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar, cast
 from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import (
+    AuthenticationError,
     ClusterDownError,
     OutOfMemoryError,
     ReadOnlyError,
@@ -117,9 +118,21 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, ResponseError) and (str(exc).startswith("OOM ") or _OOM_TEXT in str(exc))
 
 
-def configured_url() -> str | None:
-    """OFFLOAD_REDIS_URL, else the tutorial's REDIS_URL, else None (meaning: the embedded default)."""
-    return os.environ.get("OFFLOAD_REDIS_URL") or os.environ.get("REDIS_URL") or None
+# How long a connect keeps trying before it fails in one line (OFFLOAD_REDIS_CONNECT_TIMEOUT overrides both): a
+# worker or server may start beside its store and wait for it; a command or a producer has a person waiting.
+SERVICE_RETRY_S = 10.0
+CALLER_RETRY_S = 3.0
+
+
+def connect_timeout(default: float = SERVICE_RETRY_S) -> float:
+    """Seconds a connect retries: OFFLOAD_REDIS_CONNECT_TIMEOUT, else `default`."""
+    return env_float("OFFLOAD_REDIS_CONNECT_TIMEOUT", default, minimum=0)
+
+
+def configured_url(env: Mapping[str, str] | None = None) -> str | None:
+    """OFFLOAD_REDIS_URL, else the tutorial's REDIS_URL, else None (meaning: the config's, else the embedded)."""
+    env = os.environ if env is None else env
+    return env.get("OFFLOAD_REDIS_URL") or env.get("REDIS_URL") or None
 
 
 def resolve_url(url: str | None = None) -> str:
@@ -135,12 +148,12 @@ def _split_cluster_flag(url: str) -> tuple[str, bool]:
 
 
 async def connect(url: str | None = None, *, retry_for: float | None = None, max_connections: int = 64) -> RedisClient:
-    """Connect and PING, retrying with exponential backoff for `retry_for` seconds (default 10, env
-    OFFLOAD_REDIS_CONNECT_TIMEOUT), so a worker started before its Redis waits instead of crashing."""
+    """Connect and PING, retrying with exponential backoff for `retry_for` seconds (default `connect_timeout()`),
+    so a worker started before its Redis waits instead of crashing."""
     target = resolve_url(url)
     plain, cluster = _split_cluster_flag(target)
     if retry_for is None:
-        retry_for = env_float("OFFLOAD_REDIS_CONNECT_TIMEOUT", 10.0, minimum=0)
+        retry_for = connect_timeout()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + retry_for
     delay = 0.1
@@ -160,8 +173,12 @@ async def connect(url: str | None = None, *, retry_for: float | None = None, max
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             if client is not None:
                 await client.aclose()
+            reason = redact(str(exc).replace(target, mask_url(target)), [_password(target)]) or type(exc).__name__
+            if isinstance(exc, AuthenticationError):  # a wrong password stays wrong: no point waiting it out
+                raise ConnectionFailed(
+                    f"Redis/Valkey at {mask_url(target)} refused the credentials: {reason}"
+                ) from None
             if loop.time() >= deadline:
-                reason = redact(str(exc).replace(target, mask_url(target)), [_password(target)]) or type(exc).__name__
                 raise ConnectionFailed(
                     f"cannot reach Redis/Valkey at {mask_url(target)} after {retry_for:g}s: {reason}"
                 ) from None
@@ -174,7 +191,7 @@ async def at_start(fn: Callable[[], Awaitable[T]], *, retry_for: float | None = 
     again through an outage for as long as `connect` would wait: a store that fails over, restarts or resets our
     connections just as a process starts is waited for like one that is not up yet, never a crash."""
     if retry_for is None:
-        retry_for = env_float("OFFLOAD_REDIS_CONNECT_TIMEOUT", 10.0, minimum=0)
+        retry_for = connect_timeout()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + retry_for
     delay = 0.1

@@ -19,6 +19,8 @@ The branch roots are defined here; a leaf lives beside the code that raises it a
     - PayloadTooLarge (ValueError)
     - JobNotFound (KeyError)
     - InvalidTransition - e.g. cancel a succeeded job
+    - NoResult - the job has no output to read: it failed, went dead, was cancelled or has not finished; `job`
+      (offload.client)
     - NotReplicated (redis's ResponseError) - a write too few replicas confirmed in time (offload.queue.durability)
   + FencingError - a write by someone who no longer owns what it writes; it must not happen
     - StaleLease - the lease token no longer owns the job (the store's answer, and the server's 409)

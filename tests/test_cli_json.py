@@ -2,7 +2,7 @@
 run against a real Valkey with real data in it.
 
 A *read command* reports state and changes nothing. Precisely: a command whose own name is one of READ_NAMES
-(`status`, `list`, `show`, `events`, `check` in any group; the top-level listings `queues`, `jobs`, `result`).
+(`status`, `list`, `show`, `events`, `check` in any group; the top-level `queues`, `jobs`, `result`, `wait`).
 Every other command must be classified in NOT_READ, so a new command fails here until someone decides which it
 is, and a new read command fails until it takes --json and has arguments in ARGS to run with.
 """
@@ -24,7 +24,7 @@ from offload.connection import connect
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 
-READ_NAMES = {"status", "list", "show", "events", "check", "queues", "jobs", "result"}
+READ_NAMES = {"status", "list", "show", "events", "check", "queues", "jobs", "result", "wait"}
 NOT_READ = {  # command -> why it is not a read command
     **{
         c: "changes jobs or queues"
@@ -62,6 +62,7 @@ ARGS: dict[str, tuple[list[str], Callable[[Any, dict[str, str]], bool]]] = {
         ["DONE", "--config", "CONFIG"],
         lambda d, w: d["job"] == w["DONE"] and d["presigned_url"].startswith("file://"),
     ),
+    "wait": (["DONE", "--config", "CONFIG"], lambda d, w: (d["job"], d["output"]) == (w["DONE"], {"ok": True})),
     "dead list": (["gpu"], lambda d, w: d["jobs"][0]["error"] == "bad input"),
     "held list": (["gpu"], lambda d, w: d["jobs"][0]["state"] == "held"),
     "keys list": ([], lambda d, w: d[0]["scope"] == "viewer" and "token" not in d[0]),
@@ -159,6 +160,9 @@ def world(valkey_url: str, tmp_path: Path, tmp_home: Path, monkeypatch: pytest.M
             await store.hold(held.id, held.token, "daily cap reached")
             (done,) = await store.claim("gpu", "w1", 1)
             await store.complete(done.id, done.token, f"file://{tmp_path}/results/{done.output_key}")
+            stored = tmp_path / "results" / done.output_key
+            stored.parent.mkdir(parents=True, exist_ok=True)
+            stored.write_bytes(b'{"ok": true}')
             job = await store.enqueue("gpu", JobSpec(input={"n": 3}))
             await KeyStore(redis).create("viewer", [], "dashboards")
             await ProviderStore(redis).create("try-it", "mock", {})

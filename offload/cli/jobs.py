@@ -35,7 +35,7 @@ from offload.cli.options import (
     UrlOpt,
 )
 from offload.cli.output import err, out, print_json
-from offload.cli.results import result
+from offload.cli.results import result, wait
 from offload.cli.session import run_redis
 from offload.errors import InvalidJob, OffloadError, StoreFull
 from offload.models import Enqueued, Job, QueueStats
@@ -496,6 +496,7 @@ def register(app: typer.Typer) -> None:
         "purge": purge,
         "ingest": ingest,
         "result": result,
+        "wait": wait,
     }
     for name, command in commands.items():
         app.command(name)(command)

@@ -1,4 +1,5 @@
-"""`offload result ID [--download PATH | DIR/]`: where a job's output is, and bringing it (and its files) home."""
+"""`offload result ID [--download PATH | DIR/]`: where a job's output is, and bringing it (and its files) home;
+`offload wait ID`: the output itself, once the job is done."""
 
 from __future__ import annotations
 
@@ -6,12 +7,14 @@ import asyncio
 from pathlib import Path
 from typing import Annotated, Any
 
+import orjson
 import typer
 
-from offload.cli.errors import errors, fail
-from offload.cli.options import ConfigOpt, JobArg, JsonOpt
+from offload.cli.errors import error_line, errors, fail
+from offload.cli.options import ConfigOpt, JobArg, JsonOpt, UrlOpt
 from offload.cli.output import print_json
-from offload.cli.session import run_redis, settings
+from offload.cli.session import redis_url, run_redis, settings
+from offload.models import Job
 from offload.queue.keys import queue_of
 from offload.queue.store import QueueStore
 
@@ -70,3 +73,40 @@ def result(
         typer.echo(f"{info['location']}\n{info['presigned_url']}")
         for path in saved:
             typer.echo(f"saved to {path}", err=True)
+
+
+TIMED_OUT = 124  # as timeout(1): scripts tell "still running" from "it failed" (1)
+
+
+def wait(
+    job_id: JobArg,
+    timeout: Annotated[float, typer.Option(min=0, help="Seconds to wait for the job to finish.")] = 60.0,
+    config: ConfigOpt = None,
+    url: UrlOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Wait for a job to finish and print its output. Exit 0 if it succeeded, 1 if it failed, went dead or was
+    cancelled, 124 if it is still running after --timeout."""
+    from offload.client import AsyncClient
+
+    with errors():
+        queue_of(job_id)  # a malformed id fails before any connection is made
+    target = redis_url(url, config)
+
+    async def go() -> tuple[Job, Any]:
+        async with AsyncClient(target, config=config) as client:
+            job = await client.wait(job_id, timeout)
+            return job, (await client.result(job_id) if job.state.value == "succeeded" else None)
+
+    with errors():
+        try:
+            job, output = asyncio.run(go())
+        except TimeoutError as exc:  # (an OSError too: caught here, before errors() would make it exit 1)
+            typer.echo(error_line(str(exc)), err=True)
+            raise typer.Exit(TIMED_OUT) from None
+    if json_out:
+        print_json({"job": job_id, "state": job.state.value, "error": job.error, "output": output})
+    elif job.state.value == "succeeded":
+        typer.echo(orjson.dumps(output, option=orjson.OPT_INDENT_2).decode())
+    if job.state.value != "succeeded":
+        fail(f"job {job_id} is {job.state.value}" + (f": {job.error}" if job.error else ""))

@@ -1,9 +1,8 @@
 """What a command needs before it can act: the settings, the Redis URL, a connection for the length of one call.
 
 Every command reads the configuration the same way (`offload.config.config_file` decides which file) and reaches
-Redis the same way: --url, else OFFLOAD_REDIS_URL / REDIS_URL, else the config's redis_url, else the embedded
-Valkey. The config is only read when the environment does not already name the server, so a queue command in a
-shell without the workers' secrets still works.
+Redis the same way as the Python client (`offload.config.store_url`). A command has a person waiting: an unreachable
+store is retried briefly (`CALLER_RETRY_S`) and then named in one error line.
 """
 
 from __future__ import annotations
@@ -14,8 +13,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from offload.cli.errors import errors
-from offload.config import Settings, load_settings
-from offload.connection import configured_url, connect
+from offload.config import Settings, load_settings, store_url
+from offload.connection import CALLER_RETRY_S, connect, connect_timeout
 from offload.queue.memory import require_noeviction
 from offload.redis_client import RedisClient
 
@@ -31,18 +30,26 @@ def settings(config: Path | None = None) -> Settings:
 
 def redis_url(url: str | None, config: Path | None = None) -> str | None:
     """None means the embedded Valkey (started on demand by `connect`)."""
-    return url or configured_url() or settings(config).redis_url
+    with errors():
+        return store_url(url, config)
+    raise AssertionError("unreachable")  # errors() either returns above or exits
 
 
 def run_redis(
-    url: str | None, fn: Callable[[RedisClient], Awaitable[T]], *, config: Path | None = None, makes_work: bool = False
+    url: str | None,
+    fn: Callable[[RedisClient], Awaitable[T]],
+    *,
+    config: Path | None = None,
+    makes_work: bool = False,
+    retry_for: float | None = None,
 ) -> T:
     """Connect, run `fn(redis)`, close; failures become one error line. `makes_work`: the command adds or
-    restarts jobs, so a store that may evict is refused first (queue/memory.py)."""
+    restarts jobs, so a store that may evict is refused first (queue/memory.py). `retry_for`: how long an
+    unreachable store is retried (default: a command's short `CALLER_RETRY_S`)."""
     target = redis_url(url, config)
 
     async def session() -> T:
-        redis = await connect(target)
+        redis = await connect(target, retry_for=connect_timeout(CALLER_RETRY_S) if retry_for is None else retry_for)
         try:
             if makes_work:
                 await require_noeviction(redis)

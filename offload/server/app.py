@@ -113,6 +113,30 @@ async def _warm_routes(app: FastAPI) -> None:
         await client.post("/v1/hooks/-warm-up-/-/1/-", content=b"{}")
 
 
+async def _open(options: ServerOptions) -> ServerState:
+    """Connect and check the store (its eviction policy, its replicas), then build the server's state."""
+    redis = await connect(options.redis_url or options.settings.redis_url)
+    try:
+        await at_start(lambda: require_noeviction(redis))  # (cli/server.py checks first: one error line)
+        store = QueueStore(redis, lease_ms=options.worker_lease_ms, durability=options.settings.durability)
+        await at_start(lambda: store.check_durability(list(options.settings.queues)))
+        keys = KeyStore(redis, options.admin_key) if options.admin_key else KeyStore.from_env(redis)
+        return ServerState(
+            options=options,
+            redis=redis,
+            store=store,
+            keys=keys,
+            storage=create_storage(options.settings.storage),
+            hub=events.EventHub(store),
+            registry=WorkerRegistry(store, ttl_ms=max(3 * options.worker_lease_ms, 10_000)),
+            rates=metrics.RateTracker(),
+            store_watch=StoreWatch(redis, options.settings),
+        )
+    except BaseException:
+        await redis.aclose()
+        raise
+
+
 class OffloadAPI(FastAPI):
     """FastAPI with provider webhooks answered in front of all of it (routes_hooks.FastPath): outside the
     middleware FastAPI and Starlette wrap every request in (error, telemetry and body-limit layers: ~13 % of
@@ -136,26 +160,12 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        redis = await connect(options.redis_url or options.settings.redis_url)
         try:
-            await at_start(lambda: require_noeviction(redis))  # (cli/server.py checks first: one error line)
-        except BaseException:
-            await redis.aclose()
+            state = await _open(options)
+        except Exception as exc:
+            app.state.startup_error = exc  # runner.serve reports it in one line instead of uvicorn's traceback
             raise
-        store = QueueStore(redis, lease_ms=options.worker_lease_ms, durability=options.settings.durability)
-        await at_start(lambda: store.check_durability(list(options.settings.queues)))
-        keys = KeyStore(redis, options.admin_key) if options.admin_key else KeyStore.from_env(redis)
-        state = ServerState(
-            options=options,
-            redis=redis,
-            store=store,
-            keys=keys,
-            storage=create_storage(options.settings.storage),
-            hub=events.EventHub(store),
-            registry=WorkerRegistry(store, ttl_ms=max(3 * options.worker_lease_ms, 10_000)),
-            rates=metrics.RateTracker(),
-            store_watch=StoreWatch(redis, options.settings),
-        )
+        redis = state.redis
         app.state.offload = state
         with contextlib.suppress(Exception):  # the store's time for the GPU-worker registry (maintenance keeps it)
             await state.registry.clock.sync(redis)

@@ -75,6 +75,22 @@ class _HookPathFilter(logging.Filter):
         return True
 
 
+class _StartupFailure(logging.Filter):
+    """Drops uvicorn's report of a failed start-up (the whole traceback, then "Application startup failed") when
+    the app recorded why it failed: `serve` raises that instead, which the command prints as one line."""
+
+    def __init__(self, app: object) -> None:
+        super().__init__()
+        self.app = app
+
+    def failure(self) -> BaseException | None:
+        found: BaseException | None = getattr(getattr(self.app, "state", None), "startup_error", None)
+        return found
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.failure() is None
+
+
 def _server(options: ServerOptions, host: str, port: int, log_level: str, access_log: bool) -> uvicorn.Server:
     access = logging.getLogger("uvicorn.access")
     if not any(isinstance(f, _HookPathFilter) for f in access.filters):
@@ -104,8 +120,21 @@ def serve(
     log_level: str = "info",
     access_log: bool = True,
 ) -> None:
-    """Serve until SIGTERM/SIGINT. Access logs hold method, path and status only (keys travel in headers)."""
-    _server(options, host, port, log_level, access_log).run()
+    """Serve until SIGTERM/SIGINT. Access logs hold method, path and status only (keys travel in headers). A
+    start-up that fails (the store unreachable, its replicas missing) raises why, for one error line."""
+    server = _server(options, host, port, log_level, access_log)
+    quiet = _StartupFailure(server.config.app)
+    errors = logging.getLogger("uvicorn.error")
+    errors.addFilter(quiet)
+    try:
+        server.run()  # a failed start-up ends in SystemExit(3) from uvicorn
+    except SystemExit:
+        if quiet.failure() is None:
+            raise
+    finally:
+        errors.removeFilter(quiet)
+    if (failure := quiet.failure()) is not None:
+        raise failure
 
 
 @contextlib.contextmanager
