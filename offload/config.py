@@ -22,6 +22,7 @@ from offload import stack
 from offload.autoscale.alerts import AlertSettings
 from offload.autoscale.config import ServerSide, validate_autoscale, yaml_blocks
 from offload.backends.settings import AnyBackendSettings, BackendSettings
+from offload.caps import CapLimits, reservation
 from offload.connection import configured_url
 from offload.embedded import data_dir
 from offload.errors import ConfigError
@@ -130,6 +131,25 @@ class Settings(Strict):
         except KeyError:
             known = ", ".join(sorted(self.queues)) or "none"
             raise ConfigError(f"queue {name!r} is not configured (configured: {known})") from None
+
+    def cap_limits(self, name: str) -> CapLimits | None:
+        """The daily caps of queue `name` and what one of its submissions reserves, or None: not configured, or
+        no cap."""
+        q = self.queues.get(name)
+        if q is None or (q.daily_job_cap is None and q.daily_spend_cap is None):
+            return None
+        b = self.backends.get(q.backend) if q.backend is not None else None
+        reserve = (
+            reservation(
+                max_job_cost=b.max_job_cost,
+                price_per_job=b.price_per_job,
+                price_per_second=b.price_per_second,
+                poll_timeout=q.poll_timeout,
+            )
+            if b is not None
+            else 0.0
+        )
+        return CapLimits(q.daily_job_cap, q.daily_spend_cap, reserve)
 
     def hook_base(self, backend: str) -> str | None:
         """Where the provider of `backend` is to call back (`<public_url>/v1/hooks/<backend>`), or None: no public

@@ -8,6 +8,8 @@ from typing import Any
 
 import orjson
 
+from offload.caps import CapKind, QueueStatus, queue_status
+
 
 class JobState(enum.StrEnum):
     """Where a job is in its lifecycle (see docs/explanation/architecture.md, "The job lifecycle")."""
@@ -218,10 +220,17 @@ class QueueStats:
     oldest_ready_age_ms: int | None
     workers: int
     totals: dict[str, int]
+    capped: CapKind | None = None  # the daily cap reached in the store's window, from the config (caps.py)
+
+    @property
+    def status(self) -> QueueStatus:
+        return queue_status(self.paused, self.capped)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "queue": self.queue,
+            "status": self.status,
+            "capped": self.capped,
             "paused": self.paused,
             "counts": self.counts,
             "oldest_ready_age_ms": self.oldest_ready_age_ms,

@@ -7,6 +7,7 @@ two readers: people get rich tables, scripts get `--json` (one document on stdou
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -20,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from offload.caps import CAPPED_WAIT, CapKind, CapLimits, cap_reached
 from offload.cli.attach import enqueue_attached
 from offload.cli.errors import errors, fail
 from offload.cli.options import (
@@ -36,7 +38,7 @@ from offload.cli.options import (
 )
 from offload.cli.output import err, out, print_json
 from offload.cli.results import result, wait
-from offload.cli.session import run_redis
+from offload.cli.session import configured_caps, run_redis
 from offload.errors import InvalidJob, OffloadError, StoreFull
 from offload.models import Enqueued, Job, QueueStats
 from offload.queue.keys import STATE_SETS, queue_of, validate_queue
@@ -228,7 +230,8 @@ def enqueue(
 
 def status(job_id: JobArg, json_out: JsonOpt = False, url: UrlOpt = None) -> None:
     """Show one job's record (the lease token is never shown: it authorises writes)."""
-    job, workers = _run(url, lambda store: _job_and_workers(store, job_id), jobs=[job_id])
+    caps = configured_caps()
+    job, workers, capped = _run(url, lambda store: _job_and_workers(store, job_id, caps), jobs=[job_id])
     record = job.to_dict()
     if json_out:
         print_json(record)
@@ -245,14 +248,21 @@ def status(job_id: JobArg, json_out: JsonOpt = False, url: UrlOpt = None) -> Non
         remote = f"remote job {job.remote_id}" if job.remote_id else "a submission whose outcome is unknown"
         wait = f"until a dispatch worker of queue {job.queue} claims this job, first in line, and cancels it"
         out().print(Text(f"cancel requested: {remote} may still run (and be paid) {wait}; {who}"))
+    if capped:
+        out().print(Text(f"queue {job.queue} is capped: its daily {capped} cap is reached; {CAPPED_WAIT}"))
 
 
-async def _job_and_workers(store: QueueStore, job_id: str) -> tuple[Job, int | None]:
-    """The job, and for a waiting job whose cancel waits for a dispatch worker (cancel.lua) the live workers."""
+async def _job_and_workers(
+    store: QueueStore, job_id: str, caps: dict[str, CapLimits]
+) -> tuple[Job, int | None, CapKind | None]:
+    """The job; for a waiting job whose cancel waits for a dispatch worker (cancel.lua) the live workers; for a
+    waiting job, the cap its queue has reached."""
     job = await store.get(job_id)
-    if not job.cancel_requested or job.state.terminal or job.state.value in ("active", "submitted"):
-        return job, None
-    return job, (await store.stats(job.queue)).workers
+    waiting = not job.state.terminal and job.state.value not in ("active", "submitted")
+    capped = await cap_reached(store, job.queue, caps.get(job.queue)) if waiting else None
+    if not job.cancel_requested or not waiting:
+        return job, None, capped
+    return job, (await store.stats(job.queue)).workers, capped
 
 
 def _jobs_table(jobs: list[Job]) -> Table:
@@ -298,14 +308,19 @@ def jobs_cmd(
     _list(url, queue, state, limit, cursor, json_out)
 
 
-async def _snapshot(store: QueueStore) -> list[QueueStats]:
+async def _stats(store: QueueStore, queue: str, caps: dict[str, CapLimits]) -> QueueStats:
+    stats = await store.stats(queue)
+    return dataclasses.replace(stats, capped=await cap_reached(store, queue, caps.get(queue)))
+
+
+async def _snapshot(store: QueueStore, caps: dict[str, CapLimits]) -> list[QueueStats]:
     names = await store.queues()
-    return list(await asyncio.gather(*(store.stats(q) for q in names)))
+    return list(await asyncio.gather(*(_stats(store, q, caps) for q in names)))
 
 
 def _queues_table(stats: list[QueueStats]) -> Table:
     table = Table(box=box.SIMPLE_HEAD)
-    names = [Text(s.queue + " (paused)", style="yellow") if s.paused else Text(s.queue) for s in stats]
+    names = [Text(f"{s.queue} ({s.status})", style="yellow") if s.status != "running" else Text(s.queue) for s in stats]
     table.add_column("queue", no_wrap=True, min_width=max((len(n) for n in names), default=5))
     for column in (*COUNT_COLUMNS, "workers", "oldest"):
         table.add_column(column, justify="right")
@@ -322,13 +337,15 @@ def queues(
     interval: Annotated[float, typer.Option(min=0.1, help="Seconds between refreshes.")] = 1.0,
     url: UrlOpt = None,
 ) -> None:
-    """Counts per state for every queue. With --watch and --json, one JSON document per line per refresh."""
+    """Counts per state for every queue, and which are paused or capped (a daily cap of offload.yaml reached).
+    With --watch and --json, one JSON document per line per refresh."""
+    caps = configured_caps()
 
     def show(stats: list[QueueStats]) -> None:
         print_json([s.to_dict() for s in stats]) if json_out else out().print(_queues_table(stats))
 
     if not watch:
-        show(_run(url, _snapshot))
+        show(_run(url, lambda store: _snapshot(store, caps)))
         return
 
     async def loop(store: QueueStore) -> None:
@@ -336,11 +353,11 @@ def queues(
         try:
             if json_out or not console.is_terminal:  # a pipe gets a stream of snapshots, not cursor tricks
                 while True:
-                    show(await _snapshot(store))
+                    show(await _snapshot(store, caps))
                     await asyncio.sleep(interval)
             with Live(console=console, auto_refresh=False) as live:
                 while True:
-                    live.update(_queues_table(await _snapshot(store)), refresh=True)
+                    live.update(_queues_table(await _snapshot(store, caps)), refresh=True)
                     await asyncio.sleep(interval)
         except asyncio.CancelledError:  # Ctrl-C is how a watch ends: leave quietly with status 0
             return

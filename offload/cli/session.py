@@ -12,9 +12,11 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
+from offload.caps import CapLimits
 from offload.cli.errors import errors
 from offload.config import Settings, load_settings, store_url
 from offload.connection import CALLER_RETRY_S, connect, connect_timeout
+from offload.errors import ConfigError
 from offload.queue.memory import require_noeviction
 from offload.redis_client import RedisClient
 
@@ -26,6 +28,16 @@ def settings(config: Path | None = None) -> Settings:
     with errors():
         return load_settings(config)
     raise AssertionError("unreachable")  # errors() either returns above or exits
+
+
+def configured_caps(config: Path | None = None) -> dict[str, CapLimits]:
+    """The daily caps of the configured queues, for showing which are capped. Best effort: a config this shell
+    cannot read (the workers' secrets unset) shows no caps rather than failing a command that only reads."""
+    try:
+        loaded = load_settings(config)
+    except ConfigError:
+        return {}
+    return {name: limits for name in loaded.queues if (limits := loaded.cap_limits(name)) is not None}
 
 
 def redis_url(url: str | None, config: Path | None = None) -> str | None:

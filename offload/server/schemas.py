@@ -9,6 +9,7 @@ from typing import Annotated, Any
 from fastapi import HTTPException
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from offload.caps import CapKind, QueueStatus
 from offload.queue.specs import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETENTION_S, JobSpec
 
 DEFAULT_MAX_BATCH = 1000
@@ -151,6 +152,11 @@ class CancelReply(BaseModel):
 
 class QueueView(BaseModel):
     queue: str
+    status: QueueStatus = Field(
+        description="running; paused (no claims); capped (a daily cap is reached: queued jobs wait for the next "
+        "cap window, the job store's UTC day)"
+    )
+    capped: CapKind | None = Field(None, description='The cap reached: "jobs" or "spend"; null when not capped.')
     paused: bool
     counts: dict[str, int]
     oldest_ready_age_ms: int | None

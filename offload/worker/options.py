@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from offload.backends.base import RemoteResult
+from offload.caps import reservation
 
 
 @dataclass
@@ -68,16 +69,13 @@ class WorkerOptions:
 
     @property
     def reservation(self) -> float:
-        """What one submission is reserved at against the spend cap before it is sent: the most it may cost.
-        `max_job_cost` when set; else `price_per_job`; else `price_per_second` times `poll_timeout` (a remote
-        job still running then is cancelled)."""
-        if self.max_job_cost is not None:
-            return self.max_job_cost
-        if self.price_per_job is not None:
-            return self.price_per_job
-        if self.price_per_second is not None:
-            return self.price_per_second * self.poll_timeout
-        return 0.0
+        """What one submission is reserved at against the spend cap before it is sent (offload.caps)."""
+        return reservation(
+            max_job_cost=self.max_job_cost,
+            price_per_job=self.price_per_job,
+            price_per_second=self.price_per_second,
+            poll_timeout=self.poll_timeout,
+        )
 
     def cost(self, result: RemoteResult) -> float | None:
         """What a finished remote run cost: as reported, else billed seconds times the price, else the price

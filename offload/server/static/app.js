@@ -197,6 +197,10 @@ function budgetText(b) {
   return text;
 }
 const inFlight = (c) => (c.active || 0) + (c.submitted || 0);
+// A queue's one-word status (server: offload/caps.py): paused, capped (a daily cap reached), else running.
+const statusBadge = (q, id) => (q.status === "running" ? null : el("span", { class: `badge ${q.status}`, id,
+  title: q.status === "capped" ? `daily ${q.capped} cap reached: queued jobs wait for the next window (UTC day)` : null },
+q.status));
 const card = (label, value, name) => el("div", { class: "card", data: { card: name } },
   el("div", { class: "value" }, value), el("div", { class: "label" }, label));
 
@@ -213,7 +217,7 @@ const overview = {
       const c = q.counts;
       const cell = (col, v) => el("td", { data: { col }, class: "num" }, v);
       return el("tr", { data: { queue: q.queue } }, el("td", null, queueLink(q.queue)),
-        el("td", { data: { col: "status" } }, q.paused ? el("span", { class: "badge paused" }, "paused") : "running"),
+        el("td", { data: { col: "status" } }, statusBadge(q) || "running"),
         cell("queued", c.queued), cell("inflight", inFlight(c)), cell("waiting", c.delayed + c.retrying),
         cell("held", c.held), cell("dead", c.dead), cell("succeeded", c.succeeded),
         cell("enqueue-rate", fmtRate(q.rates.enqueued)), cell("done-rate", fmtRate(q.rates.succeeded)),
@@ -249,8 +253,7 @@ const queueView = {
     const tabs = STATES.map((s) => el("a", { href: `#/queues/${enc(queue)}?state=${s}`, class: s === state ? "tab on" : "tab",
       data: { state: s } }, s, " ", el("span", { class: "n" }, count(s))));
     return el("section", null,
-      el("h1", null, "Queue ", el("span", { class: "mono" }, queue), " ",
-        q.paused ? el("span", { class: "badge paused", id: "paused" }, "paused") : null),
+      el("h1", null, "Queue ", el("span", { class: "mono" }, queue), " ", statusBadge(q, q.status)),
       el("div", { class: "toolbar" },
         q.paused ? action("Resume", "admin", async () => { await post(`/v1/queues/${enc(queue)}/resume`); return `Resumed ${queue}`; })
           : action("Pause", "admin", async () => { await post(`/v1/queues/${enc(queue)}/pause`); return `Paused ${queue}`; }),
@@ -297,9 +300,15 @@ function setView(state) {
   const verb = state === "dead" ? "Requeue" : "Release";
   return {
     async load() {
-      const queues = (await api("/v1/queues")).filter((q) => q.counts[state] > 0);
-      const pages = await Promise.all(queues.map((q) => api(`/v1/queues/${enc(q.queue)}/${state}?limit=${PAGE}`)));
-      return queues.map((q, i) => ({ queue: q.queue, count: q.counts[state], jobs: pages[i].jobs, more: !!pages[i].next_cursor }));
+      // Held also lists a capped queue's queued jobs: over a cap the queue takes no fresh job, so they are what
+      // the cap holds back (only jobs claimed before the cap was reached move to the held set itself).
+      const capped = (q) => state === "held" && q.status === "capped" && q.counts.queued > 0;
+      const queues = (await api("/v1/queues")).filter((q) => q.counts[state] > 0 || capped(q));
+      const list = (q, path) => api(`/v1/queues/${enc(q.queue)}/${path}limit=${PAGE}`);
+      const pages = await Promise.all(queues.map((q) => Promise.all([list(q, `${state}?`),
+        capped(q) ? list(q, "jobs?state=queued&") : null])));
+      return queues.map((q, i) => ({ queue: q.queue, count: q.counts[state], jobs: pages[i][0].jobs,
+        more: !!pages[i][0].next_cursor, capped: capped(q) ? { kind: q.capped, count: q.counts.queued, jobs: pages[i][1].jobs } : null }));
     },
     draw(sets) {
       const title = state === "dead" ? "Dead letter" : "Held jobs";
@@ -308,10 +317,13 @@ function setView(state) {
         `${verb} sends them to the queue now.`;
       return el("section", null, el("h1", null, title), el("p", { class: "muted" }, why),
         sets.length ? sets.map((s) => el("section", { class: "set", data: { queue: s.queue } },
-          el("h2", null, queueLink(s.queue), ` · ${s.count} ${state}`),
-          el("div", { class: "toolbar" }, state === "dead" ? requeueAll(s.queue) : releaseAll(s.queue), purge(s.queue, state, s.count)),
-          table(JOB_HEADS, jobRows(s.jobs)),
-          s.more ? el("a", { href: `#/queues/${enc(s.queue)}?state=${state}` }, `All ${s.count} in the queue view →`) : null))
+          el("h2", null, queueLink(s.queue), ` · ${s.count} ${state}`, s.capped ? [" ", statusBadge({ status: "capped", capped: s.capped.kind })] : null),
+          s.count ? [el("div", { class: "toolbar" }, state === "dead" ? requeueAll(s.queue) : releaseAll(s.queue), purge(s.queue, state, s.count)),
+            table(JOB_HEADS, jobRows(s.jobs))] : null,
+          s.more ? el("a", { href: `#/queues/${enc(s.queue)}?state=${state}` }, `All ${s.count} in the queue view →`) : null,
+          s.capped ? [el("p", { class: "muted", data: { capped: s.capped.kind } }, `Capped: the daily ${s.capped.kind} cap is reached, so ` +
+            `${s.capped.count} queued job${s.capped.count === 1 ? "" : "s"} wait for the next cap window (the job store's UTC day).`),
+          table(JOB_HEADS, jobRows(s.capped.jobs), { id: `capped-${s.queue}` })] : null))
           : el("p", { class: "empty" }, `No ${state} jobs.`));
     },
   };
