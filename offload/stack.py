@@ -90,6 +90,13 @@ def _rclone() -> str:
     return binary
 
 
+def _rclone_auth(creds: dict[str, str]) -> dict[str, str]:
+    """rclone's --auth-key as its environment variable: a command line is world-readable (`ps`), a process's
+    environment only its owner's. rclone reads a list flag's variable as CSV, so the "id,secret" pair is quoted."""
+    pair = f"{creds['access_key_id']},{creds['secret_access_key']}".replace('"', '""')
+    return {"RCLONE_AUTH_KEY": f'"{pair}"'}
+
+
 def state_path(home: Path) -> Path:
     return home / "stack.json"
 
@@ -136,11 +143,10 @@ def up(workers: int = 2, latency: str = "1-3", concurrency: int = 256) -> list[t
             "s3",
             "--addr",
             f"127.0.0.1:{s3_port}",
-            "--auth-key",
-            f"{creds['access_key_id']},{creds['secret_access_key']}",
             str(s3_dir),
         ],
         s3_log,
+        _rclone_auth(creds),
     )
     _wait_port(s3_port, s3, "the S3 server (rclone serve s3)", s3_log)
     s3_url = f"http://127.0.0.1:{s3_port}"

@@ -28,6 +28,10 @@ def test_demo_runs_the_pipeline_and_down_stops_everything(tmp_path: Path) -> Non
         assert "succeeded 12" in run.stdout and "offload result" in run.stdout
         comps = running_components(tmp_path / ".offload")
         assert {c.name for c in comps} == {"s3", "simulator", "worker-1", "worker-2"}
+        secret = orjson.loads((tmp_path / ".offload" / "s3-credentials.json").read_bytes())["secret_access_key"]
+        for comp in comps:  # no command line, which any local user can read (`ps`), carries the S3 secret
+            cmdline = Path(f"/proc/{comp.pid}/cmdline").read_bytes()
+            assert cmdline and secret.encode() not in cmdline, comp.name
         listing = offload(tmp_path, "jobs", "demo", "--state", "succeeded", "--json")
         jobs = orjson.loads(listing.stdout)["jobs"]
         assert len(jobs) == 12

@@ -8,7 +8,6 @@ are encrypted here, before they reach Redis.
 from __future__ import annotations
 
 import asyncio
-import logging
 import signal
 from datetime import datetime
 from typing import Annotated, Any
@@ -18,7 +17,8 @@ import typer
 from rich.table import Table
 
 from offload.cli.errors import errors, fail
-from offload.cli.options import ConfigOpt, JsonOpt, LogLevelOpt, UrlOpt
+from offload.cli.logs import configure as configure_logging
+from offload.cli.options import ConfigOpt, JsonOpt, LogLevel, LogLevelOpt, UrlOpt
 from offload.cli.output import out, print_json
 from offload.cli.session import run_redis, settings
 from offload.connection import connect
@@ -122,12 +122,12 @@ def run(
     server_url: Annotated[
         str | None, typer.Option(help="Server URL for `local` workers (else autoscaler.public_url).")
     ] = None,
-    log_level: LogLevelOpt = "info",
+    log_level: LogLevelOpt = LogLevel.INFO,
 ) -> None:
     """Run the autoscaler loop in the foreground (servers run it too; one leader acts at a time)."""
     from offload.autoscale.scaler import Autoscaler
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(log_level)
     loaded = settings(config)
 
     async def main() -> None:

@@ -5,6 +5,7 @@ A command group's own options stay in its module; what is here means the same th
 
 from __future__ import annotations
 
+import enum
 from pathlib import Path
 from typing import Annotated
 
@@ -29,7 +30,24 @@ ConfigOpt = Annotated[
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document (for scripts) instead of text.")]
-LogLevelOpt = Annotated[str, typer.Option(help="debug, info, warning.")]
+
+
+class LogLevel(enum.StrEnum):
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+LogLevelOpt = Annotated[
+    LogLevel,
+    typer.Option(
+        envvar="OFFLOAD_LOG_LEVEL",
+        case_sensitive=False,
+        help="info: start, stop and what went wrong, without a line per routine request or finished job; debug: "
+        "everything.",
+    ),
+]
 QueueOpt = Annotated[str, typer.Option("--queue", "-q", help="Queue name.", show_default=False)]
 QueueArg = Annotated[str, typer.Argument(help="Queue name.", show_default=False)]
 JobArg = Annotated[str, typer.Argument(help="Job id.", show_default=False)]

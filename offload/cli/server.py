@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Annotated
 
 import typer
 
 from offload.cli.errors import errors
-from offload.cli.options import ConfigOpt, LogLevelOpt, UrlOpt
+from offload.cli.logs import configure as configure_logging
+from offload.cli.options import ConfigOpt, LogLevel, LogLevelOpt, UrlOpt
 from offload.cli.session import run_redis, settings
 from offload.queue.memory import require_noeviction
 
@@ -46,7 +46,7 @@ def server(
     max_requests_per_address: Annotated[
         int, typer.Option(min=1, help="Requests without an API key (webhooks too) open per client address; 429.")
     ] = 256,
-    log_level: LogLevelOpt = "info",
+    log_level: LogLevelOpt = LogLevel.INFO,
     access_log: Annotated[bool, typer.Option(help="Log each request (method, path, status).")] = True,
 ) -> None:
     """Serve the HTTP API, SSE events and /metrics. Keys: `offload keys create`, or OFFLOAD_ADMIN_KEY."""
@@ -54,7 +54,7 @@ def server(
     from offload.server.runner import serve
     from offload.server.state import ServerOptions
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(log_level)
     with errors():
         if admin := os.environ.get(ADMIN_ENV):
             check_admin_key(admin)  # refuse before listening, naming the variable
@@ -77,7 +77,7 @@ def server(
     # A store that may evict is refused before listening, in one line (the app's start-up refuses it too)
     run_redis(options.redis_url, require_noeviction)
     with errors():
-        serve(options, host, port, log_level=log_level, access_log=access_log)
+        serve(options, host, port, log_level=log_level.value, access_log=access_log)
 
 
 def register(app: typer.Typer) -> None:

@@ -11,7 +11,6 @@ flag at all. Several queues are served by one process: one event loop, one drain
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -21,7 +20,8 @@ import typer
 
 from offload import eventloop
 from offload.cli.errors import errors, fail
-from offload.cli.options import ConfigOpt, LogLevelOpt
+from offload.cli.logs import configure as configure_logging
+from offload.cli.options import ConfigOpt, LogLevel, LogLevelOpt
 from offload.cli.session import settings
 from offload.config import Settings, config_file
 from offload.queue.keys import validate_queue
@@ -91,7 +91,7 @@ def worker(
             "backend's timeout anyway; a second SIGTERM cuts)."
         ),
     ] = 30.0,
-    log_level: LogLevelOpt = "info",
+    log_level: LogLevelOpt = LogLevel.INFO,
     handler: Annotated[
         str | None, typer.Option(help="GPU worker: run module:function on each job here, talking only to --server.")
     ] = None,
@@ -106,9 +106,7 @@ def worker(
 ) -> None:
     """Dispatch worker: claim, submit to the queue's backend, poll, store the output, complete. With --handler:
     a GPU worker that runs the handler itself and talks only to the server over HTTP."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if log_level.lower() != "debug":  # httpx logs every request at INFO: thousands of lines a second at scale
-        logging.getLogger("httpx").setLevel(logging.WARNING)
+    configure_logging(log_level)
     given = _given(queue)
     if handler is not None:
         run_handler_worker(given, handler, server, token, load, concurrency or 1, grace)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -91,10 +92,27 @@ class _StartupFailure(logging.Filter):
         return self.failure() is None
 
 
+# The worker protocol's routine calls: every GPU worker heartbeats every few seconds and long-polls its claims,
+# producers long-poll /wait. One INFO line each buried everything else; a failed one (4xx/5xx) is still logged.
+_ROUTINE = re.compile(r"^/v1/(workers/[^/?]+/(heartbeat|claim)|jobs/[^/?]+/wait)(\?|$)")
+
+
+class _RoutineFilter(logging.Filter):
+    """Leaves heartbeats, claims and long-polls that succeeded out of uvicorn's access log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if not isinstance(args, tuple) or len(args) < 5:
+            return True
+        path, status = args[2], args[4]
+        return not (isinstance(path, str) and _ROUTINE.match(path) and isinstance(status, int) and status < 400)
+
+
 def _server(options: ServerOptions, host: str, port: int, log_level: str, access_log: bool) -> uvicorn.Server:
     access = logging.getLogger("uvicorn.access")
-    if not any(isinstance(f, _HookPathFilter) for f in access.filters):
-        access.addFilter(_HookPathFilter())
+    for kind in (_HookPathFilter, _RoutineFilter):
+        if not any(isinstance(f, kind) for f in access.filters):
+            access.addFilter(kind())
     config = uvicorn.Config(
         create_app(options),
         host=host,

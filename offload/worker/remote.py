@@ -393,7 +393,7 @@ class RemoteWorker:
                 await self._fail(job_id, token, f"handler output is not JSON: {exc}", retryable=False)
                 return
             await self.api.complete(self.worker_id, job_id, token, output)
-            log.info("job %s succeeded", job_id)
+            log.debug("job %s succeeded", job_id)  # one a job: the server's events and metrics count them
         except StaleLease as exc:
             log.info("job %s: %s", job_id, exc)
         except (ServerRejected, ConnectionError, Unregistered) as exc:
