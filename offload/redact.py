@@ -3,8 +3,11 @@ events and alerts, job errors, log lines, URLs in messages.
 
 Two layers, always both:
 1. the secrets of the configuration the text came from (a backend's API key, a provider's credentials, the
-   worker key shipped to a rented machine), replaced wherever they occur, also percent-encoded and, for
-   `id:secret` pairs (fal), each half;
+   worker key shipped to a rented machine), replaced wherever they occur, in every form a URL or a JSON
+   document may carry them (`_variants`: percent-encoded, once or twice, with either case of hex digit or `+`
+   for a space; JSON-escaped, `\\/` or `\\u00xx`; base64, standard or URL-safe, padded or not) and, for
+   `id:secret` pairs (fal), each half; offload's own webhook paths lose their secret in the same forms
+   (`hook_paths`: fal carries the URL percent-encoded in a query string, a JSON body may escape its slashes);
 2. anything shaped like a credential: URL userinfo (a password may itself contain `@`), query parameters
    named like a secret (`?password=`, `token`, `sig`, `X-Amz-Signature` ...), JSON or header fields named like
    one (`"token": "..."`, `"api_key"`, `Authorization: ...`), `Bearer`/`Basic` values and known key formats.
@@ -16,9 +19,12 @@ boundary cannot leak half of itself.
 
 from __future__ import annotations
 
+import base64
+import functools
+import json
 import re
 from collections.abc import Iterable
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, quote_plus, urlsplit
 
 REDACTED = "[REDACTED]"
 MASK = "***"
@@ -44,14 +50,44 @@ _KEY_SHAPES = re.compile(
     r"|ofk_[A-Za-z0-9]+_[A-Za-z0-9_-]{8,}|hf_[A-Za-z0-9]{8,}|gh[pousr]_[A-Za-z0-9]{8,}|AKIA[A-Z0-9]{12,})"
 )
 _SPACE = re.compile(r"\s+")
-# offload's own webhook URLs carry a per-submission secret as their last path segment (routes_hooks.py)
-_HOOK_PATH = re.compile(r"(/v1/hooks/[^/\s]+/[^/\s]+/\d+/)[^/\s?#\"']+")
+# offload's own webhook URLs carry a per-submission secret as their last path segment (routes_hooks.py); the
+# path's slashes may be percent-encoded (once or twice: a URL in a query string) or JSON-escaped
+_SLASH = r"(?:/|%2[fF]|%252[fF]|\\/|\\u002[fF])"
+_SEGMENT = rf"(?:(?!{_SLASH})(?:\\u[0-9a-fA-F]{{4}}|[^/\s?#&\"'\\]))+"
+_HOOK_PATH = re.compile(rf"({_SLASH}v1{_SLASH}hooks{_SLASH}{_SEGMENT}{_SLASH}{_SEGMENT}{_SLASH}\d+{_SLASH}){_SEGMENT}")
 
 
-def _variants(secret: str) -> set[str]:
-    parts = {secret, *secret.split(":")}  # fal keys are `id:secret`; either half is sensitive
-    parts |= {quote(p, safe="") for p in list(parts)}
-    return {p for p in parts if len(p) >= MIN_SECRET}
+def _json_escaped(text: str) -> set[str]:
+    """`text` inside a JSON string as encoders write it: the minimal escapes, `/` as `\\/`, or everything but
+    letters and digits as `\\u00xx` (either case of hex digit)."""
+    minimal = json.dumps(text)[1:-1]
+    lower = "".join(c if c.isalnum() and c.isascii() else f"\\u{ord(c):04x}" for c in text)
+    upper = "".join(c if c.isalnum() and c.isascii() else f"\\u{ord(c):04X}" for c in text)
+    return {minimal, minimal.replace("/", "\\/"), json.dumps(text, ensure_ascii=False)[1:-1], lower, upper}
+
+
+def _encoded(text: str) -> set[str]:
+    """`text` percent-encoded as URLs carry it: fully or keeping `/`, `+` for a space, either case of hex digit,
+    and once more (a URL inside a query string)."""
+    once = {quote(text, safe=""), quote(text), quote_plus(text)}
+    once |= {re.sub(r"%[0-9A-F]{2}", lambda m: m[0].lower(), e) for e in once}
+    return once | {quote(e, safe="") for e in once}
+
+
+def _base64(text: str) -> set[str]:
+    """`text` base64-encoded on its own (standard and URL-safe alphabets, padded or not)."""
+    raw = text.encode()
+    forms = {base64.b64encode(raw).decode(), base64.urlsafe_b64encode(raw).decode()}
+    return forms | {f.rstrip("=") for f in forms}
+
+
+@functools.lru_cache(maxsize=1024)  # a process knows a few secrets; each text is redacted against all of them
+def _variants(secret: str) -> frozenset[str]:
+    parts = {p for p in (secret, *secret.split(":")) if len(p) >= MIN_SECRET}  # fal keys are `id:secret`
+    forms = set(parts)
+    for p in parts:
+        forms |= _encoded(p) | _json_escaped(p) | _base64(p)
+    return frozenset(forms)
 
 
 def _named(m: re.Match[str]) -> str:
