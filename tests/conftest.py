@@ -119,6 +119,17 @@ def admin(api: tuple[str, str]) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real S3 server (rclone) per module, with the servers' bucket (server_helpers.BUCKET) made."""
+    from s3server import RcloneS3
+    from server_helpers import BUCKET
+
+    with RcloneS3(tmp_path_factory.mktemp("s3")) as s:
+        s.make_bucket(BUCKET)
+        yield s
+
+
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
     """One headless Debian Chromium per module (Playwright with executable_path; never `playwright install`)."""
     from dashboard_helpers import chromium

@@ -22,16 +22,11 @@ from s3server import RcloneS3
 from server_helpers import BUCKET, make_key, new_queue, server
 from servers import ValkeyServer
 
+from offload.storage.inputs import outputs_prefix
+
 pytestmark = pytest.mark.xdist_group("dashboard-views")
 PROVIDER_SECRET = "sk-provider-" + secrets.token_hex(16)
 CAPPED = new_queue("capped")
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RcloneS3]:
-    with RcloneS3(tmp_path_factory.mktemp("s3")) as s:
-        s.make_bucket(BUCKET)
-        yield s
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +159,8 @@ def test_queue_detail_and_job_detail_with_output_link(
     page.locator(f'tr[data-job="{first["id"]}"] a').click()
     expect(page.locator('[data-field="state"]')).to_have_text("succeeded")
     expect(page.locator("#job-input")).to_have_text("0")
-    expect(page.locator('[data-field="result"]')).to_contain_text(f"s3://{BUCKET}/results/{first['id']}.json")
+    # a GPU worker's output: the object of the run whose complete was fenced (under the job's own prefix)
+    expect(page.locator('[data-field="result"]')).to_contain_text(f"s3://{BUCKET}/{outputs_prefix(first['id'])}run-")
     link = page.locator("#output-link")
     assert link.get_attribute("href", timeout=5000).startswith("http://127.0.0.1:")  # type: ignore[union-attr]
     with page.context.expect_page() as opened:

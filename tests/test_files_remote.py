@@ -34,13 +34,6 @@ MiB = 1024 * 1024
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RcloneS3]:
-    with RcloneS3(tmp_path_factory.mktemp("s3")) as s:
-        s.make_bucket(BUCKET)
-        yield s
-
-
-@pytest.fixture(scope="module")
 def api(valkey: ValkeyServer, s3: RcloneS3) -> Iterator[tuple[str, str]]:
     limits = {"max_input_file_bytes": 64 * MiB}
     with server(valkey.url, s3.settings(BUCKET, **limits), worker_lease_ms=3000, max_wait_s=2) as srv:
@@ -83,6 +76,9 @@ def test_gpu_worker_reads_an_input_and_returns_two_files(
 
     # both files under the job's own prefix, with the sizes the handler wrote
     stored = objects(s3, outputs_prefix(job_id))
+    (run,) = [k for k in stored if k.rsplit("/", 1)[-1].startswith("run-")]  # the output JSON the record names
+    assert done["result"] == f"s3://{BUCKET}/{run}"
+    del stored[run]
     assert sorted(k.rsplit("-", 1)[-1] for k in stored) == ["render.png", "weights.bin"]
     assert sorted(stored.values()) == sorted([len(tiny_png(hashlib.sha256(audio).hexdigest())), BLOB_MIB * MiB])
     assert set(done["file_urls"]) == {target["reference"]["$file"], *stored}  # presigned GETs for each one

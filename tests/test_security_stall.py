@@ -40,13 +40,6 @@ MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RcloneS3]:
-    with RcloneS3(tmp_path_factory.mktemp("s3-stall")) as s:
-        s.make_bucket(BUCKET)
-        yield s
-
-
-@pytest.fixture(scope="module")
 def api(valkey: ValkeyServer, s3: RcloneS3) -> Iterator[tuple[str, str]]:
     """Started the way `offload server` starts (its heap frozen after start-up, young collections rarer): a full
     collection then walks what requests allocate, not this process's test objects. The GC is put back after."""

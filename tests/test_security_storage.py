@@ -25,14 +25,8 @@ from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 from offload.sim.config import SimConfig
 from offload.sim.server import running_sim
+from offload.storage.inputs import outputs_prefix
 from offload.worker.run import run_worker
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RcloneS3]:
-    with RcloneS3(tmp_path_factory.mktemp("s3-ns")) as s:
-        s.make_bucket(BUCKET)
-        yield s
 
 
 @pytest.fixture(scope="module")
@@ -104,12 +98,14 @@ def test_a_producer_cannot_write_or_read_another_queues_objects(
     forged = run_one(url, worker_a, a, {"owner": "a?"})  # the trusted worker path writes where the record says
     with client(url, producer_a) as pa:
         view = pa.get(f"/v1/jobs/{forged}").json()
-        assert view["state"] == "succeeded" and view["result_url"] is None
+        # its own run object only, never b's
+        assert view["state"] == "succeeded" and quote(outputs_prefix(forged)) in view["result_url"]
+        assert quote(b_key) not in view["result_url"]
         with client(url, producer_a) as pa2:
             pa2.post(f"/v1/queues/{a}/jobs", json={"input": 1})
         own = run_one(url, worker_a, a, {"owner": "a"})
         own_url = pa.get(f"/v1/jobs/{own}").json()["result_url"]
-        assert own_url and quote(f"results/{own}.json") in own_url  # its own object: presigned as before
+        assert own_url and quote(outputs_prefix(own)) in own_url  # its own object: presigned
         assert httpx.get(own_url).json() == {"owner": "a"}
 
 

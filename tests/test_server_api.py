@@ -22,13 +22,6 @@ from offload.queue.store import QueueStore
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RcloneS3]:
-    with RcloneS3(tmp_path_factory.mktemp("s3")) as s:
-        s.make_bucket(BUCKET)
-        yield s
-
-
-@pytest.fixture(scope="module")
 def api(valkey: ValkeyServer, s3: RcloneS3) -> Iterator[tuple[str, str]]:
     with server(valkey.url, s3.settings(BUCKET), max_batch=50, max_body=64 * 1024, max_wait_s=5) as srv:
         yield srv

@@ -43,13 +43,6 @@ _live: list[subprocess.Popen[bytes]] = []
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RcloneS3]:
-    with RcloneS3(tmp_path_factory.mktemp("s3")) as s:
-        s.make_bucket(BUCKET)
-        yield s
-
-
-@pytest.fixture(scope="module")
 def sim() -> Iterator[str]:
     with running_sim(SimConfig.model_validate({"default": {"latency": 0.2}})) as url:
         yield str(url)

@@ -34,7 +34,7 @@ def result(
 ) -> None:
     """Where a succeeded job's output is, a presigned URL to it, and optionally the output and its files."""
     from offload.storage import create_storage
-    from offload.storage.results import download_result
+    from offload.storage.results import download_result, result_key
 
     config_settings = settings(config)
     with errors():
@@ -49,14 +49,15 @@ def result(
         storage = create_storage(config_settings.storage)
         saved: list[str] = []
         try:
-            presigned = await storage.presigned_url(job.output_key)
+            stored = result_key(storage, job_id, job.output_key, job.result) or job.output_key
+            presigned = await storage.presigned_url(stored)
             if target is not None and into_dir:
-                done = await download_result(storage, job_id, job.output_key, target)
+                done = await download_result(storage, job_id, job.output_key, target, stored)
                 saved = [str(done.output), *(str(p) for p in done.files)]
                 for key in done.skipped:
                     typer.echo(f"warning: skipped {key[:200]!r}: not an object of job {job_id}", err=True)
             elif target is not None:
-                target.write_bytes(await storage.get_bytes(job.output_key))
+                target.write_bytes(await storage.get_bytes(stored))
                 saved = [str(target)]
         finally:
             await storage.aclose()

@@ -176,15 +176,16 @@ async def check_output_refs(state: ServerState, job: Job, output: Any) -> None:
     await _check_objects(state, claims)
 
 
-async def job_file_urls(state: ServerState, job: Job, stored_output: bool) -> dict[str, str]:
-    """Presigned GETs for every file a job refers to: its input's, and its stored output's when `stored_output`
-    (the caller has checked the output is this job's own object). The output is searched as bytes, not parsed."""
+async def job_file_urls(state: ServerState, job: Job, stored_output: str | None) -> dict[str, str]:
+    """Presigned GETs for every file a job refers to: its input's, and those of its stored output at key
+    `stored_output` (the caller has checked it is this job's own object). The output is searched as bytes, not
+    parsed."""
     keys = list(await input_keys(job))
-    if stored_output:
+    if stored_output is not None:
         with contextlib.suppress(ObjectNotFound, StorageError, ValueError):
-            info = await state.storage.head(job.output_key)
+            info = await state.storage.head(stored_output)
             if info is not None and info.size <= MAX_OUTPUT_READ:
-                keys += reference_keys(await state.storage.get_bytes(job.output_key))
+                keys += reference_keys(await state.storage.get_bytes(stored_output))
     allowed = (inputs_prefix(job.id), outputs_prefix(job.id))
     urls: dict[str, str] = {}
     expires = state.options.presign_expires_s

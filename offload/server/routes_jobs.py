@@ -38,6 +38,7 @@ from offload.server.schemas import (
 from offload.server.state import ServerState, get_state
 from offload.storage import StorageError
 from offload.storage.namespace import key_problem
+from offload.storage.results import result_key
 
 router = APIRouter(tags=["jobs"], route_class=GuardedRoute)
 IdemHeader = Annotated[
@@ -57,24 +58,26 @@ def job_queue(job_id: str) -> str:
 
 
 async def job_view(state: ServerState, job: Job, presign: bool = True) -> JobView:
-    """A presigned URL only for the job's own object: its result is where its output key says, and that key
-    is in the job's queue's namespace (a record written some other way gets no URL to another queue's data)."""
+    """A presigned URL only for the job's own object: the one its record points at (its output key, or the run
+    object a GPU worker's fenced complete stored), in the job's queue's namespace (a record written some other
+    way gets no URL to another queue's data)."""
     url = None
-    own = job.state.value == "succeeded" and bool(job.result) and _own_object(state, job)
-    if presign and own:
+    own = _own_object(state, job)
+    if presign and own is not None:
         with contextlib.suppress(StorageError, ValueError):
-            url = await state.storage.presigned_url(job.output_key, state.options.presign_expires_s)
+            url = await state.storage.presigned_url(own, state.options.presign_expires_s)
     files = await job_file_urls(state, job, own) if presign else None
     return JobView(**job.to_dict(), result_url=url, file_urls=files or None)
 
 
-def _own_object(state: ServerState, job: Job) -> bool:
-    if key_problem(job.queue, job.output_key, state.options.settings.output_prefixes()) is not None:
-        return False
-    try:
-        return job.result == state.storage.location(job.output_key)
-    except ValueError:
-        return False
+def _own_object(state: ServerState, job: Job) -> str | None:
+    """The key of the succeeded job's stored output, when it is the job's own object; else None."""
+    if job.state.value != "succeeded":
+        return None
+    stored = result_key(state.storage, job.id, job.output_key, job.result)
+    if stored == job.output_key and key_problem(job.queue, stored, state.options.settings.output_prefixes()):
+        return None
+    return stored
 
 
 def check_output_key(state: ServerState, queue: str, key: str | None, loc: list[str | int]) -> None:

@@ -10,10 +10,11 @@ worker key scoped to its queues.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Awaitable, Mapping
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, HTTPException, Request
 from redis.exceptions import RedisError
@@ -21,7 +22,7 @@ from redis.exceptions import RedisError
 from offload.autoscale.instances import claim_problem
 from offload.connection import is_oom
 from offload.errors import StaleLease
-from offload.models import ClaimedJob
+from offload.models import ClaimedJob, Job
 from offload.queue.keys import validate_queue
 from offload.queue.store import LeaseRef
 from offload.server.auth import (
@@ -55,10 +56,14 @@ from offload.server.schemas import (
     WorkerView,
 )
 from offload.server.state import ServerState, get_state
-from offload.storage import InvalidKey, StorageError
+from offload.storage import InvalidKey, ObjectNotFound, StorageError
+from offload.storage.base import dump_json
+from offload.storage.inputs import delete_keys, run_output_key
+from offload.storage.results import result_key
 
 log = logging.getLogger("offload.server")
 router = APIRouter(tags=["workers"], route_class=GuardedRoute)
+T = TypeVar("T")
 
 
 async def _worker(state: ServerState, key: ApiKey, worker_id: str) -> list[str]:
@@ -303,31 +308,69 @@ async def _job_for(request: Request, key: ApiKey, worker_id: str, job_id: str, t
 async def complete(
     request: Request, worker_id: str, job_id: str, body: CompleteRequest, key: Principal
 ) -> CompleteReply:
-    """The output is written before the job is marked succeeded (guarantee 5). The token is checked first so
-    a worker whose lease was taken over cannot overwrite the result of the job's new owner; a repeat of a
-    complete that went through (its reply was lost) answers 200 again."""
+    """The output is written before the job is marked succeeded (guarantee 5), to an object of this lease's own
+    (`run_output_key`), and the fenced complete (complete.lua checks the token atomically) points the record at
+    it. A worker whose lease was taken over, even one that passed the checks here and paused before its write,
+    writes only its own run's object, which the record never names: its complete is a 409 StaleLease and the
+    object is deleted. Only then is the output copied to the job's `output_key`, for readers of the bucket, by
+    the run the record names and no other. A repeat of a complete that went through (its reply was lost)
+    answers 200 again and makes the copy again."""
     state = await _job_for(request, key, worker_id, job_id, body.token)
     job = await state.store.get(job_id)
     if job.state.value == "succeeded" and job.result:
         await state.store.complete(job_id, body.token, job.result)  # OK for the same token, else StaleLease
+        await _copy_again(state, job)
         return CompleteReply(id=job_id, result=job.result)
     if job.lease_token != body.token:
         raise StaleLease(f"job {job_id}: lease token is stale (another worker owns it or it finished)")
     await check_output_refs(state, job, body.output)  # files only under this job's own prefix, all present
     try:
-        location = await state.storage.put_json(job.output_key, body.output)
+        data = dump_json(body.output)
+    except (TypeError, ValueError) as exc:
+        raise HTTPException(422, f"output is not JSON-serialisable: {exc}") from None
+    try:
+        state.storage.location(job.output_key)
+        run_key = run_output_key(job_id, body.token)
     except InvalidKey as exc:  # can never be stored: dead now, not released to run again
         await state.store.fail(job_id, body.token, f"output_key cannot be stored: {exc}", retryable=False)
         raise HTTPException(422, f"job {job_id}: output_key cannot be stored ({exc}); the job is dead") from None
-    except TypeError as exc:
-        raise HTTPException(422, f"output is not JSON-serialisable: {exc}") from None
+    except ValueError:
+        raise StaleLease(f"job {job_id}: not a lease token of this job") from None
+    location = await _storage_call(job_id, state.storage.put_bytes(run_key, data, "application/json"))
+    try:
+        await state.store.complete(job_id, body.token, location)
+    except StaleLease:  # taken over meanwhile: this run's object is nobody's result
+        await delete_keys(state.storage, [run_key])
+        raise
+    await _copy_out(state, job, data)
+    return CompleteReply(id=job_id, result=location)
+
+
+async def _copy_out(state: ServerState, job: Job, data: bytes) -> None:
+    """The output at the job's `output_key` as well, where readers of the bucket (the tutorial's) look for it."""
+    await _storage_call(job.id, state.storage.put_bytes(job.output_key, data, "application/json"))
+
+
+async def _copy_again(state: ServerState, job: Job) -> None:
+    """A repeated complete: the copy at `output_key`, when the first one died before making it (a HEAD first, so
+    repeats cost no read and write of the output)."""
+    stored = result_key(state.storage, job.id, job.output_key, job.result)
+    if stored is None or stored == job.output_key:
+        return
+    if await _storage_call(job.id, state.storage.head(job.output_key)) is None:
+        with contextlib.suppress(ObjectNotFound):  # (only a purge removes it; the record is then gone too)
+            await _copy_out(state, job, await _storage_call(job.id, state.storage.get_bytes(stored)))
+
+
+async def _storage_call(job_id: str, call: Awaitable[T]) -> T:
+    """A storage call of the complete route: a failure is a 503 the worker retries the complete on."""
+    try:
+        return await call
     except StorageError as exc:
         log.warning("storing the output of %s failed: %s", job_id, exc)
         raise HTTPException(
             503, "storing the output failed; retry the complete", headers={"Retry-After": "1"}
         ) from None
-    await state.store.complete(job_id, body.token, location)
-    return CompleteReply(id=job_id, result=location)
 
 
 @router.post(

@@ -5,6 +5,9 @@ Keys (inside each queue's own namespace, `offload.storage.namespace`; the `_` ma
 
     results/<queue>:_in/<hex>/<n>-<name>            input files of job <queue>:<hex>
     results/<queue>:_out/<hex>/<attempt>/<n>-<name>  files a GPU worker's handler returned for that job
+    results/<queue>:_out/<hex>/run-<n>.json          the output a GPU worker sent under lease number <n>
+                                                     (`run_output_key`): the job's record names the one run
+                                                     whose complete the store fenced
     results/<queue>:_files/<hex>~r<run>-<n>-<name>   provider files a dispatch worker copied from that job's
                                                      output (offload.storage.outputs; `~` never occurs in an id)
 
@@ -56,6 +59,8 @@ LEGACY_COPIED = "files/"  # where earlier versions copied them: results/<job id>
 # the part of a job id after its queue: hex for ids offload issues; ingested tutorial jobs keep their own ids
 _HEX = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _ETAG = re.compile(r"^[0-9a-f]{32}(-\d+)?$")
+RUN_OUTPUT = "run-"
+_RUN = re.compile(r"run-[0-9]{1,20}\.json")
 
 
 class FileTooLarge(ObjectStoreError, ValueError):
@@ -82,6 +87,22 @@ def outputs_prefix(job_id: str) -> str:
     """Where a GPU worker may put files for this job, and nowhere else."""
     queue, hex_part = _split(job_id)
     return f"{own_prefix(queue)}{OUTPUTS}{hex_part}/"
+
+
+def run_output_key(job_id: str, token: str) -> str:
+    """Where the server stores the output a GPU worker sends under lease `token` (`<worker id>/<n>`, the queue's
+    lease counter): one object per lease, so a worker whose lease was taken over, however late its write lands,
+    writes only its own run's object, never the one the job's record points at (the fenced complete sets that)."""
+    number = token.rpartition("/")[2]
+    if not (number.isascii() and number.isdigit()):
+        raise ValueError(f"lease token {token[:80]!r} does not end in a lease number")
+    return f"{outputs_prefix(job_id)}{RUN_OUTPUT}{number}.json"
+
+
+def run_of(job_id: str, key: str) -> bool:
+    """Whether `key` is one of `run_output_key`'s objects of job `job_id`."""
+    rest = key.removeprefix(outputs_prefix(job_id))
+    return rest != key and _RUN.fullmatch(rest) is not None
 
 
 def copied_prefix(job_id: str) -> str:

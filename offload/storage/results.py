@@ -23,7 +23,7 @@ import orjson
 
 from offload.files import REF_KEY, references_in
 from offload.storage.base import InvalidKey, Storage, StorageError, validate_key
-from offload.storage.inputs import job_of_key
+from offload.storage.inputs import job_of_key, run_of
 from offload.storage.namespace import space_of
 from offload.storage.outputs import files_prefix
 
@@ -48,6 +48,21 @@ def owns(job_id: str, output_key: str, key: str) -> bool:
     return space_of(key) in (None, queue) and key.startswith(files_prefix(output_key)) and key != output_key
 
 
+def result_key(storage: Storage, job_id: str, output_key: str, result: str | None) -> str | None:
+    """The key of the object a succeeded job's record points at (its `result` location): the job's output key,
+    or the run object a GPU worker's fenced complete stored (`inputs.run_output_key`); None for anything else."""
+    if not result:
+        return None
+    try:
+        if result == storage.location(output_key):
+            return output_key
+        root = storage.location("x")[:-1]  # where every key of this storage starts
+        key = result[len(root) :] if result.startswith(root) else ""
+        return key if run_of(job_id, key) else None
+    except ValueError:  # a key or job id no storage takes: nothing of ours
+        return None
+
+
 def referenced_keys(storage: Storage, output: Any) -> list[tuple[str, dict[str, Any] | None]]:
     """(key, reference or None) for every file the output refers to, in document order, each key once."""
     found: dict[str, dict[str, Any] | None] = {}
@@ -70,9 +85,12 @@ def _strings(value: Any) -> list[str]:
     return []
 
 
-async def download_result(storage: Storage, job_id: str, output_key: str, directory: Path) -> Downloaded:
+async def download_result(
+    storage: Storage, job_id: str, output_key: str, directory: Path, stored: str | None = None
+) -> Downloaded:
+    """`stored`: the key the job's record points at (`result_key`), when it is not the output key."""
     await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
-    raw = await storage.get_bytes(output_key)
+    raw = await storage.get_bytes(stored or output_key)
     output_path = directory / "output.json"
     await asyncio.to_thread(output_path.write_bytes, raw)
     saved: list[Path] = []
