@@ -18,6 +18,7 @@ the operator sent it, and a machine's instance token is redacted like any secret
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import os
 import re
@@ -37,6 +38,9 @@ from offload.autoscale.provider_store import ProviderStore
 from offload.autoscale.vault import ENV as VAULT_ENV
 from offload.autoscale.vault import Vault
 from offload.connection import connect
+from offload.queue.keys import hook_digest
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
 from offload.server.keys import KeyStore
 
 IDENTITIES = ("anonymous", "revoked", "forged", "producer of another queue", "worker of another queue")
@@ -47,13 +51,6 @@ FORWARDED = {"X-Forwarded-For": "10.9.9.9, 198.51.100.7"}
 
 def secret(tag: str) -> str:
     return f"{tag}-{secrets.token_hex(16)}"
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RcloneS3]:
-    with RcloneS3(tmp_path_factory.mktemp("s3-sec")) as s:
-        s.make_bucket(BUCKET)
-        yield s
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +67,7 @@ def world(valkey: ValkeyServer, s3: RcloneS3) -> Iterator[dict[str, Any]]:
         "offload.yaml instance.env": secret("yamlenv"),
         "vault git token": secret("ghp"),
         "storage secret": s3.secret_key,
+        "replicate webhook secret": "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode(),
     }
     rented_key = operator_key(valkey.url, [victim, deployed])
     saved = os.environ.get(VAULT_ENV)
@@ -78,8 +76,19 @@ def world(valkey: ValkeyServer, s3: RcloneS3) -> Iterator[dict[str, Any]]:
         with echo_server() as echo:
             operator_setup(valkey.url, given, echo.url)
             settings = {
-                "server": {"trusted_proxies": ["127.0.0.1/32"]},
-                "backends": {"gpu": {"kind": "http-job", "base_url": echo.url, "api_key": given["backend api key"]}},
+                "server": {"trusted_proxies": ["127.0.0.1/32"], "public_url": "https://cp.example.com"},
+                "backends": {
+                    "gpu": {"kind": "http-job", "base_url": echo.url, "api_key": given["backend api key"]},
+                    # webhooks on: a provider that signs (Replicate) and one that signs nothing (RunPod)
+                    "rep": {
+                        "kind": "replicate",
+                        "version": "v1",
+                        "base_url": echo.url,
+                        "api_key": given["backend api key"],
+                        "webhook_secret": given["replicate webhook secret"],
+                    },
+                    "rp": {"kind": "runpod", "endpoint_id": "ep1", "base_url": echo.url, "api_key": "rp-key-0123"},
+                },
                 "autoscaler": {"public_url": "https://cp.example.com", "worker_key": rented_key, "tick": 0.1},
                 "queues": {
                     deployed: {
@@ -305,6 +314,56 @@ def operations(spec: dict[str, Any], w: dict[str, Any]) -> list[tuple[str, str, 
     return out
 
 
+def _hooked_job(redis_url: str) -> tuple[str, str]:
+    """(job id, its webhook URL's secret): a job of its own queue whose first submission went to backend `rep`
+    (Replicate, which signs its webhooks), as a dispatch worker leaves it inside the submit call."""
+    queue, hook_secret = new_queue("hooked"), secrets.token_urlsafe(24)
+
+    async def go() -> str:
+        redis = await connect(redis_url)
+        try:
+            store = QueueStore(redis)
+            job_id = await store.enqueue(queue, JobSpec(input={"prompt": "hooked"}))
+            (claimed,) = await store.claim(queue, "dispatch-1", 1, lease_ms=600_000)
+            begun = await store.begin_many(queue, [(job_id, claimed.token, 0.0, hook_digest("rep", hook_secret))])
+            assert begun == ["OK:1"], begun
+            return job_id
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(go()), hook_secret
+
+
+def _walk_hooks(w: dict[str, Any], ops: list[tuple[str, str, Any, bool, bool]], out: list[tuple[str, str]]) -> None:
+    """The keyless operations (health, webhooks proven by their URL secret): a guessed secret is a 404; the
+    real secret of a Replicate submission under the RunPod path (issue 35 finding 6) is a 403, and under its
+    own path without Replicate's signature a 401; the job records nothing."""
+    keyless = [o for o in ops if not o[3]]
+    assert any("/v1/hooks/" in o[1] for o in keyless), keyless
+    job_id, hook_secret = _hooked_job(w["valkey"])
+    body = {"id": "attacker-run", "status": "COMPLETED", "output": {"evil": True}}
+    with httpx.Client(base_url=w["url"], headers=FORWARDED, timeout=30) as c:
+        for method, path, _, _, _ in keyless:
+            status, text = _call(c, method, path, body)
+            out.append((f"anyone: {method} {path}", text))
+            assert status == 404 if "/v1/hooks/" in path else status < 500, (method, path, status, text)
+        for backend, refused in (("rp", 403), ("rep", 401)):
+            r = c.post(f"/v1/hooks/{backend}/{job_id}/1/{hook_secret}", json=body)
+            out.append((f"anyone: POST /v1/hooks/{backend}/<job>/1/<real secret>", r.text))
+            assert r.status_code == refused and r.json()["error"], (backend, r.text)
+
+    async def recorded() -> tuple[str | None, int]:
+        redis = await connect(w["valkey"])
+        try:
+            assert await QueueStore(redis).hook_body(job_id, 1) is None
+            return await QueueStore(redis).current_remote(job_id)
+        finally:
+            await redis.aclose()
+
+    assert asyncio.run(recorded()) == (None, 1)  # no remote id adopted, the submission still open
+    w["hook secret"] = hook_secret
+
+
 def _call(c: httpx.Client, method: str, path: str, body: Any) -> tuple[int, str]:
     """Status and body (for a stream that is let through: its first bytes)."""
     with c.stream(method, path, json=body, timeout=30) if body is not None else c.stream(method, path, timeout=30) as r:
@@ -389,6 +448,7 @@ def test_the_attackers_walk(world: dict[str, Any], caplog: pytest.LogCaptureFixt
                 refused += status in (401, 403, 429)
     keyed = len([o for o in ops if o[3]])
     assert refused >= 4 * keyed and limited >= keyed  # the forged key alone: refused for its id and address
+    _walk_hooks(w, ops, responses)
     with client(url, w["victim worker"]) as vw:  # its id was attacked; the key itself still works
         vw.headers.update(FORWARDED)
         r = vw.post(f"/v1/workers/{w['worker id']}/heartbeat", json={"jobs": []})
@@ -431,8 +491,13 @@ def test_the_attackers_walk(world: dict[str, Any], caplog: pytest.LogCaptureFixt
         "rented worker key": w["rented key"],
         "revoked key": w["revoked"],
         "victim's worker key": w["victim worker"],
+        "webhook URL secret": w["hook secret"],
     }
-    logs = [(f"log {r.name}", r.getMessage() + (r.exc_text or "")) for r in caplog.records]
+    logs = [
+        (f"log {r.name}", r.getMessage() + (r.exc_text or ""))
+        for r in caplog.records
+        if not (r.name == "httpx" and "/v1/hooks/" in r.getMessage())  # the walk's own client, not the server
+    ]
     alerts = [(f"alert to {p}", b) for m, p, _, b in w["echo"].requests if p == "/hook"]
     assert alerts, "the refused rental raised an alert"
     stored = [("redis", redis_dump(w["valkey"]))]

@@ -52,7 +52,7 @@ async def probe(redis_url: str, results: str) -> dict[str, object]:
     store = QueueStore(redis)
     ids = await store.enqueue_many("q", [JobSpec(input={"n": i}) for i in range(DELIVERIES)])
     claimed = await store.claim("q", "w1", DELIVERIES)
-    begun = await store.begin_many("q", [(c.id, c.token, 0.0, hook_digest(f"s-{c.id}")) for c in claimed])
+    begun = await store.begin_many("q", [(c.id, c.token, 0.0, hook_digest("rp", f"s-{c.id}")) for c in claimed])
     assert all(v.startswith("OK:") for v in begun), begun
     app = create_app(
         ServerOptions(redis_url=redis_url, settings=settings, admin_key="warm-admin-" + secrets.token_hex(16))

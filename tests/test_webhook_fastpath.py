@@ -64,7 +64,7 @@ async def submitted_job(store: QueueStore) -> str:
     submit call (no remote id yet): a delivery naming a remote job adopts it."""
     (job_id,) = await store.enqueue_many("q", [JobSpec(input={"n": 1})])
     (claimed,) = await store.claim("q", "w1", 1)
-    (verdict,) = await store.begin_many("q", [(claimed.id, claimed.token, 0.0, hook_digest(SECRET))])
+    (verdict,) = await store.begin_many("q", [(claimed.id, claimed.token, 0.0, hook_digest("rp", SECRET))])
     assert verdict.startswith("OK:"), verdict
     return job_id
 

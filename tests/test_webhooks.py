@@ -193,6 +193,40 @@ async def test_fal_and_runpod_forgeries_are_refused(
         assert (await w.store.get(job_id)).result is None
 
 
+@pytest.mark.parametrize("provider", ["replicate", "fal"])
+async def test_a_signed_providers_url_under_runpods_path_is_refused_and_counted(
+    provider: str, valkey_url: str, sim_url: str, tmp_path: Path
+) -> None:
+    """Issue 35 finding 6: the URL secret of a Replicate (or fal) submission, under the RunPod backend's path
+    (whose provider signs nothing), with the same job, submission and secret and an unsigned body naming the
+    real remote job as finished. Before, that path took it as RunPod's word and the job succeeded with the
+    attacker's output; now the secret is bound to the backend its submission went to: 403, counted, nothing
+    recorded. Under the right path the same unsigned body is still a 401 (its signature is checked)."""
+    configure_sim(sim_url, latency=0.2, drop_rate=1.0)
+    async with world(valkey_url, sim_url, tmp_path) as w, w.worker(provider):
+        job_id, url = await _held_job(w, provider, sim_url, f"crossed-{provider}")
+        remote = (await w.store.get(job_id)).remote_id
+        crossed = url.replace(f"/v1/hooks/{BACKENDS[provider]}/", f"/v1/hooks/{BACKENDS['runpod']}/")
+        assert crossed != url
+        body = orjson.dumps({"id": remote, "status": "COMPLETED", "output": {"evil": True}})
+        async with httpx.AsyncClient(timeout=10) as http:
+            refused = await http.post(crossed, content=body)
+            unsigned = await http.post(url, content=body)
+            scraped = await http.get(
+                f"{w.server_url}/metrics", headers={"Authorization": "Bearer boot-admin-key-for-tests-0123456789"}
+            )
+        assert refused.status_code == 403, refused.text
+        assert refused.json()["detail"] == "this webhook URL was issued for another backend's submission"
+        assert unsigned.status_code == 401, unsigned.text
+        assert 'offload_webhooks_refused_total{backend="rp",reason="backend"} 1.0' in scraped.text
+        assert f'offload_webhooks_refused_total{{backend="{BACKENDS[provider]}",reason="signature"}} 1.0' in (
+            scraped.text
+        )
+        job = await w.store.get(job_id)
+        assert job.state != JobState.SUCCEEDED and job.result is None and job.remote_id == remote
+        assert await w.store.hook_body(job_id, 1) is None
+
+
 async def test_late_webhook_after_polling_finished_the_job_changes_nothing(
     valkey_url: str, sim_url: str, tmp_path: Path
 ) -> None:

@@ -36,16 +36,16 @@ async def lapse(store: QueueStore) -> None:
 async def test_begin_keeps_the_hash_of_each_submissions_secret(vstore: QueueStore) -> None:
     [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1, max_attempts=5)])
     (c,) = await vstore.claim("q", "w1", 1)
-    assert await vstore.begin_many("q", [(job_id, c.token, 0.0, hook_digest("s1"))]) == ["OK:1"]
-    assert await vstore.hook_digests(job_id, 1) == [hook_digest("s1")]
+    assert await vstore.begin_many("q", [(job_id, c.token, 0.0, hook_digest("rp", "s1"))]) == ["OK:1"]
+    assert await vstore.hook_digests(job_id, 1) == [hook_digest("rp", "s1")]
     raw = await vstore.redis.hgetall(f"offload:{{q}}:job:{job_id}")
     assert "s1" not in str(raw.values())  # only the hash is stored
     # killed inside the submit call; the next worker resends submission 1 under a new secret: both are kept,
     # so the first submission's webhook is still recognised
     await lapse(vstore)
     (c2,) = await vstore.claim("q", "w2", 1)
-    assert await vstore.begin_many("q", [(job_id, c2.token, 0.0, hook_digest("s2"))]) == ["OK:1:DUP"]
-    assert await vstore.hook_digests(job_id, 1) == [hook_digest("s1"), hook_digest("s2")]
+    assert await vstore.begin_many("q", [(job_id, c2.token, 0.0, hook_digest("rp", "s2"))]) == ["OK:1:DUP"]
+    assert await vstore.hook_digests(job_id, 1) == [hook_digest("rp", "s1"), hook_digest("rp", "s2")]
     assert await vstore.hook_digests(job_id, 2) == []
 
 
@@ -55,7 +55,7 @@ async def test_a_large_final_body_is_kept_but_not_carried_by_the_wake_up(vstore:
     a minute). The worker then reads the body from the record, where it is kept whole."""
     [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1, max_attempts=5)])
     (c,) = await vstore.claim("q", "w1", 1)
-    await vstore.begin_many("q", [(job_id, c.token, 0.0, hook_digest("s"))])
+    await vstore.begin_many("q", [(job_id, c.token, 0.0, hook_digest("rp", "s"))])
     await vstore.checkpoint_many("q", [(job_id, c.token, "b", "r-1", 1)])
     pubsub = vstore.redis.pubsub(ignore_subscribe_messages=True)
     await pubsub.subscribe(hooks_channel("q", "w1"))
@@ -73,7 +73,7 @@ async def test_a_large_final_body_is_kept_but_not_carried_by_the_wake_up(vstore:
 async def test_webhook_adopts_an_unrecorded_remote_id_and_wakes_the_owner(vstore: QueueStore) -> None:
     [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1, max_attempts=5)])
     (c,) = await vstore.claim("q", "w1", 1)
-    await vstore.begin_many("q", [(job_id, c.token, 0.0, hook_digest("s"))])
+    await vstore.begin_many("q", [(job_id, c.token, 0.0, hook_digest("rp", "s"))])
     pubsub = vstore.redis.pubsub(ignore_subscribe_messages=True)
     await pubsub.subscribe(hooks_channel("q", "w1"))
     assert await vstore.current_remote(job_id) == (None, 1)
@@ -103,7 +103,7 @@ async def test_webhook_adopts_an_unrecorded_remote_id_and_wakes_the_owner(vstore
 async def test_duplicate_reordered_mismatched_and_late_deliveries_change_nothing(vstore: QueueStore) -> None:
     [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1, max_attempts=5)])
     (c,) = await vstore.claim("q", "w1", 1)
-    await vstore.begin_many("q", [(job_id, c.token, 0.0, hook_digest("s"))])
+    await vstore.begin_many("q", [(job_id, c.token, 0.0, hook_digest("rp", "s"))])
     await vstore.checkpoint_many("q", [(job_id, c.token, "b", "r-1", 1)])
     assert await vstore.hook(job_id, 1, "r-1", terminal=True, body=FINAL) == "WAKE"
     before = await vstore.redis.hgetall(f"offload:{{q}}:job:{job_id}")
@@ -121,11 +121,11 @@ async def test_duplicate_reordered_mismatched_and_late_deliveries_change_nothing
 async def test_a_callback_of_an_earlier_submission_cannot_complete_the_newer_run(vstore: QueueStore) -> None:
     [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1, max_attempts=5)])
     (c,) = await vstore.claim("q", "w1", 1)
-    await vstore.begin_many("q", [(job_id, c.token, 0.0, hook_digest("a"))])
+    await vstore.begin_many("q", [(job_id, c.token, 0.0, hook_digest("rp", "a"))])
     await vstore.checkpoint_many("q", [(job_id, c.token, "b", "r-1", 1)])
     await vstore.fail(job_id, c.token, "remote job failed", delay_ms=0)  # run 1 failed: run 2 is wanted
     (c2,) = await vstore.claim("q", "w2", 1)
-    assert await vstore.begin_many("q", [(job_id, c2.token, 0.0, hook_digest("b"))]) == ["OK:2"]
+    assert await vstore.begin_many("q", [(job_id, c2.token, 0.0, hook_digest("rp", "b"))]) == ["OK:2"]
     assert await vstore.hook(job_id, 1, "r-1", terminal=True, body=FINAL) == "STALE"
     assert await vstore.hook(job_id, 1, "r-x", terminal=False, body=b"{}") == "STALE"
     assert await vstore.current_remote(job_id) == (None, 2)
@@ -135,7 +135,7 @@ async def test_a_callback_of_an_earlier_submission_cannot_complete_the_newer_run
 async def test_a_final_webhook_for_a_job_nobody_holds_is_kept_for_its_next_claim(vstore: QueueStore) -> None:
     [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1, max_attempts=5)])
     (c,) = await vstore.claim("q", "w1", 1)
-    await vstore.begin_many("q", [(job_id, c.token, 0.0, hook_digest("s"))])
+    await vstore.begin_many("q", [(job_id, c.token, 0.0, hook_digest("rp", "s"))])
     await lapse(vstore)  # the worker died inside submit; the job is back in the queue
     assert await vstore.hook(job_id, 1, "r-9", terminal=True, body=FINAL) == "KEPT"
     (again,) = await vstore.claim("q", "w2", 1)
@@ -148,14 +148,14 @@ async def test_a_late_callback_of_a_failed_run_does_not_bring_its_remote_id_back
     submitted: adopting it would make the retry resume the failed run (and burn an attempt)."""
     [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1, max_attempts=5)])
     (c,) = await vstore.claim("q", "w1", 1)
-    await vstore.begin_many("q", [(job_id, c.token, 0.0, hook_digest("a"))])
+    await vstore.begin_many("q", [(job_id, c.token, 0.0, hook_digest("rp", "a"))])
     await vstore.checkpoint_many("q", [(job_id, c.token, "b", "r-1", 1)])
     await vstore.fail(job_id, c.token, "remote job failed", delay_ms=0)
     assert await vstore.hook(job_id, 1, "r-1", terminal=True, body=b'{"status":"failed"}') == "STALE"
     (again,) = await vstore.claim("q", "w2", 1)
     assert again.remote_id is None and not again.intent_open
     # and a submit the provider refused (answered, no remote job) cannot be adopted either
-    assert await vstore.begin_many("q", [(job_id, again.token, 0.0, hook_digest("b"))]) == ["OK:2"]
+    assert await vstore.begin_many("q", [(job_id, again.token, 0.0, hook_digest("rp", "b"))]) == ["OK:2"]
     await vstore.fail(job_id, again.token, "503", delay_ms=0, answered=True)
     assert await vstore.hook(job_id, 2, "r-2", terminal=True, body=FINAL) == "STALE"
     assert await vstore.current_remote(job_id) == (None, 2)
@@ -168,7 +168,7 @@ async def test_a_start_event_adopts_for_the_worker_waiting_out_the_grace(vstore:
     checkpoint of the same id, a start after completion) changes the record."""
     [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1, max_attempts=5)])
     (c,) = await vstore.claim("q", "w1", 1)
-    await vstore.begin_many("q", [(job_id, c.token, 0.0, hook_digest("s"))])
+    await vstore.begin_many("q", [(job_id, c.token, 0.0, hook_digest("rp", "s"))])
     await lapse(vstore)
     (c2,) = await vstore.claim("q", "w2", 1)
     assert c2.intent_open and c2.remote_id is None
@@ -193,7 +193,7 @@ async def test_a_start_event_adopts_for_the_worker_waiting_out_the_grace(vstore:
     assert await vstore.redis.hgetall(key) == before
     # the dead worker's answer, had it come: the same id is no second run
     assert await vstore.checkpoint_many("q", [(job_id, c.token, "b", "r-1", 1)]) == ["STALE"]
-    assert await vstore.begin_many("q", [(job_id, c2.token, 0.0, hook_digest("t"))]) == ["REMOTE:1:r-1"]
+    assert await vstore.begin_many("q", [(job_id, c2.token, 0.0, hook_digest("rp", "t"))]) == ["REMOTE:1:r-1"]
     assert await vstore.hook(job_id, 1, "r-1", terminal=True, body=FINAL) == "WAKE"
     await vstore.complete(job_id, c2.token, "results/x.json")
     assert await vstore.hook(job_id, 1, "r-1", terminal=False, body=b'{"status":"starting"}') == "LATE"
@@ -206,7 +206,7 @@ async def test_a_start_event_racing_the_live_submitters_answer_is_no_duplicate(v
     submitter's checkpoint of the same id then goes through as usual (no DUP, no adoption counted)."""
     [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1, max_attempts=5)])
     (c,) = await vstore.claim("q", "w1", 1)
-    await vstore.begin_many("q", [(job_id, c.token, 0.0, hook_digest("s"))])
+    await vstore.begin_many("q", [(job_id, c.token, 0.0, hook_digest("rp", "s"))])
     assert await vstore.hook(job_id, 1, "r-1", terminal=False, body=b"{}") == "STARTED"
     assert await vstore.checkpoint_many("q", [(job_id, c.token, "b", "r-1", 1)]) == ["OK"]
     job = await vstore.get(job_id)
@@ -221,7 +221,7 @@ async def test_hook_bodies_reads_many_in_one_call_each_fenced_by_its_own_submiss
     ids = await vstore.enqueue_many("q", [JobSpec(input=i, max_attempts=5) for i in range(3)])
     claimed = {c.id: c for c in await vstore.claim("q", "w1", 3)}
     for job_id in ids:
-        await vstore.begin_many("q", [(job_id, claimed[job_id].token, 0.0, hook_digest("s"))])
+        await vstore.begin_many("q", [(job_id, claimed[job_id].token, 0.0, hook_digest("rp", "s"))])
     await vstore.hook(ids[0], 1, "r-0", terminal=True, body=b'{"n":0}')
     await vstore.hook(ids[2], 1, "r-2", terminal=True, body=b'{"n":2}')
     missing = ids[1][:-4] + "zzzz"
@@ -237,7 +237,7 @@ async def test_hook_many_gives_each_delivery_its_own_verdict_and_survives_a_scri
     ids = await vstore.enqueue_many("q", [JobSpec(input=i, max_attempts=5) for i in range(2)])
     claimed = {c.id: c for c in await vstore.claim("q", "w1", 2)}
     for job_id in ids:
-        await vstore.begin_many("q", [(job_id, claimed[job_id].token, 0.0, hook_digest("s"))])
+        await vstore.begin_many("q", [(job_id, claimed[job_id].token, 0.0, hook_digest("rp", "s"))])
     await vstore.redis.script_flush()
     batch = [
         HookItem(ids[0], 1, "r-0", True, b'{"n":0}'),
@@ -247,4 +247,4 @@ async def test_hook_many_gives_each_delivery_its_own_verdict_and_survives_a_scri
     ]
     assert await vstore.hook_many(batch) == ["WAKE", "DUP", "STALE", "STARTED"]
     assert await vstore.hook_bodies([(ids[0], 1), (ids[1], 1)]) == ['{"n":0}', None]
-    assert await vstore.hook_digests_many([(ids[0], 1), (ids[1], 2)]) == [[hook_digest("s")], []]
+    assert await vstore.hook_digests_many([(ids[0], 1), (ids[1], 2)]) == [[hook_digest("rp", "s")], []]

@@ -204,6 +204,8 @@ def wake_channel(queue: str) -> str:
     return f"{prefix(queue)}wake"
 
 
-def hook_digest(secret: str) -> str:
-    """What a job record keeps of a webhook URL's secret (begin.lua), and what the server compares it with."""
-    return hashlib.sha256(secret.encode()).hexdigest()
+def hook_digest(backend: str, secret: str) -> str:
+    """What a job record keeps of a webhook URL's secret (begin.lua), and what the server compares it with. It binds
+    the secret to the backend the submission went to: under another backend's path (one that checks another
+    signature, or none) the same secret matches nothing."""
+    return hashlib.sha256(f"{len(backend)}:{backend}/{secret}".encode()).hexdigest()

@@ -22,6 +22,7 @@ from offload.autoscale.status import autoscale_families
 from offload.queue.memory import read_memory
 from offload.queue.scripts import HIST_BUCKETS_S
 from offload.server.auth import GuardedRoute, Principal, need_global_read
+from offload.server.routes_hooks import refusals
 from offload.server.state import ServerState, get_state
 from offload.worker.limits import backend_counters
 
@@ -135,6 +136,14 @@ async def collect(state: ServerState) -> list[Metric]:
     for name in sorted(state.options.settings.backends):
         for outcome, n in (await backend_counters(state.redis, name)).items():
             backend.add_metric([name, outcome], n)
+    refused = CounterMetricFamily(
+        "offload_webhooks_refused",
+        "Webhook deliveries whose URL secret matched but that were refused, by reason: `backend` (the URL was "
+        "issued for another backend) or `signature` (the provider's signature does not verify). Since start.",
+        labels=["backend", "reason"],
+    )
+    for (name, reason), n in sorted(refusals(state).items()):
+        refused.add_metric([name, reason], n)
     wait = _histogram(
         "offload_job_wait_seconds",
         "From ready (enqueue, retry, release) to claimed.",
@@ -157,6 +166,7 @@ async def collect(state: ServerState) -> list[Metric]:
         remote,
         dups,
         backend,
+        refused,
         wait,
         run,
         *await autoscale_families(state.redis),

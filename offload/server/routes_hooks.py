@@ -3,9 +3,11 @@ finished).
 
 No API key (a provider has none of ours); instead, in this order, before anything else is believed:
 1. the path names a backend with webhooks on and a job id offload issued;
-2. the per-submission secret (`secrets.token_urlsafe`, sent only to the provider inside this URL) hashes to one
-   the submission's intent recorded (begin.lua), compared in constant time; an unknown job, submission or
-   secret all get the same 404, so the route tells a prober nothing;
+2. the per-submission secret (`secrets.token_urlsafe`, sent only to the provider inside this URL) hashes, with
+   the path's backend, to one the submission's intent recorded (begin.lua, `keys.hook_digest`), compared in
+   constant time; an unknown job, submission or secret all get the same 404, so the route tells a prober
+   nothing. A secret issued for another backend's submission is a 403, logged and counted: under a backend whose
+   provider signs nothing (RunPod) it would otherwise skip the signature its own backend's provider makes;
 3. only then is the body read (bounded to `HOOK_BODY` by `GuardedRoute`), and the provider's own signature
    checked where it has one (`webhooks.Verifier`).
 A verified delivery goes to hook.lua, which fences it by submission number and makes duplicates, late and
@@ -21,7 +23,8 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +61,8 @@ class _Hooks:
     digests: Batcher[tuple[str, int], list[str]]
     verdicts: Batcher[HookItem, str]
     backends: dict[str, WebhookBackend] = field(default_factory=dict)
+    # deliveries refused after their URL's secret matched: (backend in the path, "backend" or "signature") -> count
+    refused: Counter[tuple[str, str]] = field(default_factory=Counter)
 
 
 def _hooks(state: ServerState) -> _Hooks:
@@ -101,8 +106,23 @@ def _backend(state: ServerState, hooks: _Hooks, name: str) -> WebhookBackend | N
 NOT_FOUND = "no such webhook (unknown backend, job, submission or secret)"
 
 
+def refusals(state: ServerState) -> dict[tuple[str, str], int]:
+    """The deliveries refused after their URL's secret matched, by (backend, reason), for /metrics."""
+    hooks: _Hooks | None = state.extra.get(_STATE_KEY)
+    return dict(hooks.refused) if hooks is not None else {}
+
+
+def _matches(digests: Iterable[str], given: str) -> bool:
+    """Whether `given` is one of `digests`, comparing every one in constant time."""
+    matched = False
+    for digest in digests:
+        matched |= hmac.compare_digest(digest, given)
+    return matched
+
+
 class Refused(RequestError):
-    """A delivery refused with `status` (404 unknown, 401 forged, 400 unreadable, 413 too large)."""
+    """A delivery refused with `status` (404 unknown, 403 another backend's, 401 forged, 400 unreadable, 413 too
+    large)."""
 
     def __init__(self, status: int, detail: str) -> None:
         super().__init__(detail)
@@ -127,18 +147,21 @@ async def deliver(
         queue_of(job_id)
     except InvalidJob:
         raise Refused(404, NOT_FOUND) from None
-    given = hook_digest(secret)
-    matched = False
     hooks = _hooks(state)
-    for digest in await hooks.digests((job_id, submission)):
-        matched |= hmac.compare_digest(digest, given)
-    if not matched:
+    digests = await hooks.digests((job_id, submission))
+    if not _matches(digests, hook_digest(backend, secret)):
+        others = [n for n in settings.backends if n != backend and settings.hook_base(n) is not None]
+        if any(_matches(digests, hook_digest(other, secret)) for other in others):
+            hooks.refused[(backend, "backend")] += 1
+            log.warning("webhook for job %s refused: its URL was issued for another backend than %s", job_id, backend)
+            raise Refused(403, "this webhook URL was issued for another backend's submission")
         raise Refused(404, NOT_FOUND)
     body = await read_body()
     b = settings.backends[backend]
     try:
         await hooks.verifier.verify(b, headers, body)
     except Forged as exc:
+        hooks.refused[(backend, "signature")] += 1
         log.warning("webhook for job %s (backend %s) refused: %s", job_id, backend, exc)
         raise Refused(401, "the webhook's signature does not verify") from None
     try:

@@ -282,7 +282,7 @@ class JobPath(HookPath):
         retries = self.options.submit_retries_on_429
         hooks = self._hooks()
         secret = secrets.token_urlsafe(24) if hooks else ""  # one per claim: a resend keeps its URL
-        digest = hook_digest(secret) if hooks else ""
+        digest = hook_digest(self.options.backend_name, secret) if hooks else ""
         for attempt in range(retries + 1):
             in_progress = False
             begun = job.begun and attempt == 0
