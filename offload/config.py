@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
 from offload import stack
 from offload.autoscale.alerts import AlertSettings
-from offload.autoscale.config import ServerSide, validate_autoscale, yaml_blocks
+from offload.autoscale.config import ServerSide, autoscale_problems, yaml_blocks
 from offload.backends.settings import AnyBackendSettings, BackendSettings
 from offload.caps import CapLimits, reservation
 from offload.connection import configured_url
@@ -29,10 +29,11 @@ from offload.errors import ConfigError
 from offload.queue import durability
 from offload.queue.durability import Durability
 from offload.queue.keys import validate_queue
-from offload.schema import Strict, parse, parse_rate
+from offload.schema import Strict, field_errors, parse, parse_rate
 from offload.server.clientaddr import parse_networks
 from offload.storage.namespace import check_prefixes
 from offload.storage.settings import LocalStorageSettings, StorageSettings
+from offload.suggest import closest, did_you_mean
 
 WEBHOOK_KINDS = frozenset({"replicate", "fal", "runpod"})  # the backends whose providers call back
 ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -189,12 +190,12 @@ class Settings(Strict):
         return name, b
 
 
-def _expand(value: Any, env: Mapping[str, str], path: str) -> Any:
+def _expand(value: Any, env: Mapping[str, str], path: str, missing: list[ConfigError] | None = None) -> Any:
     """Replace ${VAR} and ${VAR:-default} in strings; a missing variable names the field that needs it."""
     if isinstance(value, dict):
-        return {k: _expand(v, env, f"{path}.{k}" if path else str(k)) for k, v in value.items()}
+        return {k: _expand(v, env, f"{path}.{k}" if path else str(k), missing) for k, v in value.items()}
     if isinstance(value, list):
-        return [_expand(v, env, f"{path}[{i}]") for i, v in enumerate(value)]
+        return [_expand(v, env, f"{path}[{i}]", missing) for i, v in enumerate(value)]
     if isinstance(value, str):
 
         def sub(m: re.Match[str]) -> str:
@@ -202,7 +203,11 @@ def _expand(value: Any, env: Mapping[str, str], path: str) -> Any:
                 return env[m.group(1)]
             if m.group(2) is not None:
                 return m.group(2)
-            raise ConfigError(f"{path}: environment variable {m.group(1)} is not set")
+            problem = ConfigError(f"{path}: environment variable {m.group(1)} is not set")
+            if missing is None:
+                raise problem
+            missing.append(problem)
+            return ""
 
         return ENV_REF.sub(sub, value)
     return value
@@ -278,6 +283,31 @@ def config_file(path: str | os.PathLike[str] | None = None, env: Mapping[str, st
 
 def load_settings(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> Settings:
     """Read the offload.yaml `config_file` picks, then the environment on top."""
+    settings: Settings = parse(Settings, read_data(path, env))
+    if (problem := next(cross_checks(settings), None)) is not None:
+        raise problem
+    return settings
+
+
+def problems(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> list[ConfigError]:
+    """Every problem `load_settings` would raise one at a time, for `offload config check`. An unreadable file (or
+    none where one was named) is the one problem: nothing else can be checked without it."""
+    missing: list[ConfigError] = []
+    data = read_data(path, env, missing)
+    try:
+        settings = Settings.model_validate(data)
+    except ValidationError as exc:
+        return [*missing, *field_errors(exc, Settings, "", data)]
+    return [*missing, *cross_checks(settings)]
+
+
+def read_data(
+    path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    missing: list[ConfigError] | None = None,
+) -> dict[str, Any]:
+    """The file's settings with ${VAR}s expanded, and the environment's on top: the input of `parse`. A missing
+    variable raises, or with `missing` given is noted there (and reads as empty) so the rest is still checked."""
     env = os.environ if env is None else env
     file = config_file(path, env)
     data: dict[str, Any] = {}
@@ -288,26 +318,37 @@ def load_settings(path: str | os.PathLike[str] | None = None, env: Mapping[str, 
         try:
             loaded = yaml.safe_load(file.read_text()) or {}
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{file}: not valid YAML: {exc}") from None
+            raise ConfigError(f"{file}: not valid YAML: {' '.join(str(exc).split())}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"{file}: the top level must be a mapping")
-        data = _expand(loaded, env, "")
-    data = _from_env(data, env)
-    settings: Settings = parse(Settings, data)
-    for qname, block in yaml_blocks(settings).items():
-        validate_autoscale(block, f"queues.{qname}.autoscale")
+        data = _expand(loaded, env, "", missing)
+    return _from_env(data, env)
+
+
+def cross_checks(settings: Settings) -> Iterator[ConfigError]:
+    """The problems no single block's model can see (references between blocks, the autoscale blocks), each once."""
+    try:
+        blocks = yaml_blocks(settings)
+    except ConfigError as exc:
+        yield exc
+        blocks = {}
+    for qname, block in blocks.items():
+        yield from autoscale_problems(block, f"queues.{qname}.autoscale")
     for qname, q in settings.queues.items():
         if q.backend is not None and q.backend not in settings.backends:
-            raise ConfigError(f"queues.{qname}.backend: no backend named {q.backend!r} is configured")
+            near = did_you_mean(closest(q.backend, settings.backends))
+            yield ConfigError(f"queues.{qname}.backend: no backend named {q.backend!r} is configured{near}")
     if settings.server.public_url:
         for bname, b in settings.backends.items():
             if b.kind == "replicate" and b.webhook_secret is None:
-                raise ConfigError(
+                yield ConfigError(
                     f"backends.{bname}.webhook_secret: required with server.public_url set (Replicate signs its "
                     "webhooks; the secret is at GET /v1/webhooks/default/secret)"
                 )
-    check_prefixes(settings.output_prefixes())
-    return settings
+    try:
+        check_prefixes(settings.output_prefixes())
+    except ConfigError as exc:
+        yield exc
 
 
 def store_url(

@@ -8,11 +8,17 @@ are and how to read one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
 
 import orjson
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
 from offload import stack
 from offload.config import load_settings
@@ -23,6 +29,47 @@ from offload.queue.store import QueueStore
 from offload.storage import S3StorageSettings, create_storage
 
 PROMPTS = ("a haiku about queues", "a limerick about GPUs", "a sonnet about retries", "an ode to idempotency")
+
+
+def preview(value: Any, width: int = 60, items: int = 5) -> Any:
+    """The value with long strings cut (ending in an ellipsis) and long lists shortened: still valid JSON, and one
+    line of it shows the shape of the output without cutting through a token."""
+    if isinstance(value, str):
+        return value if len(value) <= width else value[: width - 1] + "…"
+    if isinstance(value, list):
+        shown = [preview(v, width, items) for v in value[:items]]
+        return [*shown, f"… {len(value) - items} more"] if len(value) > items else shown
+    if isinstance(value, dict):
+        return {k: preview(v, width, items) for k, v in value.items()}
+    return value
+
+
+def command() -> str:
+    """How this shell runs this install's `offload`: the bare name when PATH finds it, else its path (relative to
+    the working directory when under it, as `.venv/bin/offload` after `make demo`)."""
+    mine = Path(sys.executable).parent / "offload"
+    if not mine.exists():
+        return f"{sys.executable} -m offload"
+    found = shutil.which("offload")
+    if found is not None and Path(found).resolve() == mine.resolve():
+        return "offload"
+    with contextlib.suppress(ValueError):
+        return str(mine.absolute().relative_to(Path.cwd()))
+    return str(mine)
+
+
+def hints(job_id: str) -> str:
+    """What to run next, runnable as printed (a copied line works without the virtualenv on PATH)."""
+    run = command()
+    lines = [
+        f"read one:     {run} result {job_id} --download out/",
+        f"watch queues: {run} queues --watch",
+        f"stop it all:  {run} down",
+    ]
+    activate = Path(run).parent / "activate"  # the virtualenv's, beside its `offload`
+    if run != "offload" and activate.is_file():
+        lines.append(f"(or run `source {activate}` once: then plain `offload` works in this shell)")
+    return "\n" + "\n".join(lines)
 
 
 async def run_demo(console: Console, jobs: int = 40, timeout: float = 300.0) -> str:
@@ -76,13 +123,9 @@ async def run_demo(console: Console, jobs: int = 40, timeout: float = 300.0) -> 
                 f"\nresults are in {block.endpoint_url} bucket {block.bucket!r} "
                 f"under results/ (files under {data_dir() / 's3' / 'results'})"
             )
-        console.print(f"job {first.id}: {first.state.value}, stored at {first.result}")
-        console.print(f"its output: {orjson.dumps(body).decode()[:300]}")
-        console.print(
-            f"\nread one:     offload result {first.id} --download out.json"
-            "\nwatch queues: offload queues --watch"
-            "\nstop it all:  offload down"
-        )
+        console.print(f"job {first.id}: {first.state.value}, stored at {first.result}", soft_wrap=True)
+        console.print(Text(f"its output: {orjson.dumps(preview(body)).decode()}"), soft_wrap=True)
+        console.print(Text(hints(first.id)), soft_wrap=True)
         return ids[0]
     finally:
         await redis.aclose()

@@ -18,6 +18,7 @@ The branch roots are defined here; a leaf lives beside the code that raises it a
     - InvalidJob (ValueError)
     - PayloadTooLarge (ValueError)
     - JobNotFound (KeyError)
+    - QueueNotFound (KeyError) - nothing was ever enqueued to the queue, paused or configured
     - InvalidTransition - e.g. cancel a succeeded job
     - NoResult - the job has no output to read: it failed, went dead, was cancelled or has not finished; `job`
       (offload.client)
@@ -165,6 +166,13 @@ class JobNotFound(StoreError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else "job not found"
+
+
+class QueueNotFound(StoreError, KeyError):
+    """No queue of this name: nothing was enqueued to it or paused, and offload.yaml does not declare it."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "queue not found"
 
 
 class InvalidTransition(StoreError):

@@ -8,6 +8,7 @@ from typing import Any
 
 import orjson
 
+from offload import exactjson
 from offload.caps import CapKind, QueueStatus, queue_status
 
 
@@ -94,8 +95,8 @@ class Job:
         (attempts 0, output key results/<id>.json), so absent fields take those defaults here."""
         raw_input = h.get("input")
         try:
-            decoded = orjson.loads(raw_input) if raw_input not in (None, "") else None
-        except orjson.JSONDecodeError:
+            decoded = exactjson.loads(raw_input) if raw_input not in (None, "") else None
+        except ValueError:  # orjson's and the standard library's decode errors both derive from it
             decoded = raw_input
         cost = h.get("cost")
         state = JobState(h["state"])

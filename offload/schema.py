@@ -1,20 +1,22 @@
 """The building blocks of every configuration model (offload.yaml, backends, storage, autoscale, alerts, the
 simulator), and the one translation of pydantic's errors into a `ConfigError` that names the field.
 
-A leaf module (it imports only offload.errors), so any model module, the simulator's included, can build on it
-without an import cycle. The models themselves are validated once, by `offload.config.load_settings` (or by the
-one `parse` call of a programmatic caller), and passed on as typed objects.
+A leaf module (it imports only offload.errors and offload.suggest), so any model module, the simulator's included,
+can build on it without an import cycle. The models themselves are validated once, by
+`offload.config.load_settings` (or by the one `parse` call of a programmatic caller), and passed on as typed objects.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Any, TypeVar
+from types import UnionType
+from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, StringConstraints, TypeAdapter, ValidationError
 
 from offload.errors import ConfigError
+from offload.suggest import closest, did_you_mean
 
 T = TypeVar("T")
 
@@ -64,11 +66,35 @@ def field_error(exc: ValidationError, where: str = "", data: Any = None) -> Conf
     errors = exc.errors()
     # a typo of a required key shows as two errors, `missing` and `extra_forbidden`: the typo is the cause
     first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+    return _located(first, where, data)
+
+
+def field_errors(exc: ValidationError, model: Any, where: str = "", data: Any = None) -> list[ConfigError]:
+    """Every problem of `exc`, one line each (`offload config check`). An unknown key says which allowed key of
+    `model` at its place is closest ("did you mean 'bucket'?"), and that key's own `Field required` is left out:
+    the typo is the one problem."""
+    found: list[ConfigError] = []
+    meant: set[tuple[str, ...]] = set()
+    errors = exc.errors()
+    for error in (e for e in errors if e["type"] == "extra_forbidden"):
+        parent, key = _path(error["loc"][:-1], data), str(error["loc"][-1])
+        near = closest(key, allowed_keys(model, parent, data))
+        if near is not None:
+            meant.add((*parent, near))
+        found.append(ConfigError(f"{_located(error, where, data)}{did_you_mean(near)}"))
+    for error in (e for e in errors if e["type"] != "extra_forbidden"):
+        if error["type"] == "missing" and tuple(_path(error["loc"], data)) in meant:
+            continue
+        found.append(_located(error, where, data))
+    return found
+
+
+def _located(error: Any, where: str, data: Any) -> ConfigError:
     path = [where] if where else []
-    path += _path(first["loc"], data)
-    message = _message(first)
-    if first["type"] == "unknown_kind":  # a discriminator's own error (see offload.storage.settings): name `kind`
-        given = first["input"]
+    path += _path(error["loc"], data)
+    message = _message(error)
+    if error["type"] == "unknown_kind":  # a discriminator's own error (see offload.storage.settings): name `kind`
+        given = error["input"]
         if not isinstance(given, Mapping):
             message = f"must be a mapping of settings, got {type(given).__name__}"
         else:
@@ -76,6 +102,42 @@ def field_error(exc: ValidationError, where: str = "", data: Any = None) -> Conf
             got = given.get("kind")
             message = f"{message}, got {str(got)[:40]!r}" if got is not None else f"Field required, {message}"
     return ConfigError(f"{'.'.join(path) or 'config'}: {message}")
+
+
+def allowed_keys(model: Any, path: Sequence[str], data: Any) -> set[str]:
+    """The setting names `model` allows at `path` (a mapping's place in `data`), following dicts, lists, optional
+    values and kinds (`kind: s3` picks the s3 model); empty where the place is no model."""
+    node, value = model, data
+    for part in path:
+        node = _member(node, value)
+        if isinstance(node, type) and issubclass(node, BaseModel) and part in node.model_fields:
+            node = node.model_fields[part].annotation
+        elif get_origin(node) is dict:
+            node = get_args(node)[1]
+        elif get_origin(node) is list and part.isdigit():
+            node = get_args(node)[0]
+        else:
+            return set()
+        value = value.get(part) if isinstance(value, Mapping) else None
+    node = _member(node, value)
+    return set(node.model_fields) if isinstance(node, type) and issubclass(node, BaseModel) else set()
+
+
+def _member(node: Any, value: Any) -> Any:
+    """The model a (possibly Annotated, Optional or union) type means for `value`: a union member by `kind`."""
+    while get_origin(node) is Annotated:
+        node = get_args(node)[0]
+    if get_origin(node) not in (Union, UnionType):
+        return node
+    members = [_member(a, value) for a in get_args(node) if a is not type(None)]
+    if len(members) == 1:
+        return members[0]
+    kind = value.get("kind", "local") if isinstance(value, Mapping) else None
+    for member in members:
+        field = member.model_fields.get("kind") if isinstance(member, type) and issubclass(member, BaseModel) else None
+        if field is not None and field.default == kind:
+            return member
+    return None
 
 
 def _path(loc: Sequence[int | str], data: Any) -> list[str]:

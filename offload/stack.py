@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from offload.embedded import data_dir, ensure_embedded, stop_embedded
+from offload.embedded import data_dir, ensure_embedded, running_url, stop_embedded
 from offload.errors import ConfigError
 
 BUCKET = "results"
@@ -115,15 +116,37 @@ def config_path(home: Path | None = None) -> Path:
 
 
 def up(workers: int = 2, latency: str = "1-3", concurrency: int = 256) -> list[tuple[str, str]]:
-    """Start (or reuse) every component; returns (component, where it listens) lines."""
+    """Start (or reuse) every component; returns (component, where it listens) lines. A start that fails (or is
+    interrupted: Ctrl-C, SIGTERM) stops what it had started, the Valkey included unless it was running before."""
     home = data_dir()
-    logs = home / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
     existing = running_components(home)
     if existing:
         return [(c.name, c.url) for c in existing]
-    redis_url = ensure_embedded(home)
+    had_valkey = running_url(home) is not None
     comps: list[Component] = []
+    main = threading.current_thread() is threading.main_thread()  # only the main thread may set a handler
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main else None
+    try:
+        return _start(home, comps, workers, latency, concurrency)
+    except BaseException:
+        _stop(comps)
+        if not had_valkey:
+            stop_embedded(home)
+        raise
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM mid-start: unwind like Ctrl-C, so `up` stops what it started
+
+
+def _start(home: Path, comps: list[Component], workers: int, latency: str, concurrency: int) -> list[tuple[str, str]]:
+    """Start each component, adding it to `comps` as soon as its process exists (so a failure can stop it)."""
+    logs = home / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    redis_url = ensure_embedded(home)
     # S3: credentials are made once and kept (0600), so results stay readable across restarts.
     s3_dir = home / "s3"
     s3_dir.mkdir(exist_ok=True)
@@ -148,17 +171,17 @@ def up(workers: int = 2, latency: str = "1-3", concurrency: int = 256) -> list[t
         s3_log,
         _rclone_auth(creds),
     )
-    _wait_port(s3_port, s3, "the S3 server (rclone serve s3)", s3_log)
     s3_url = f"http://127.0.0.1:{s3_port}"
     comps.append(Component("s3", s3.pid, f"{s3_url} (bucket {BUCKET}, data in {s3_dir})"))
+    _wait_port(s3_port, s3, "the S3 server (rclone serve s3)", s3_log)
     sim_port = _free_port()
     sim_log = logs / "sim.log"
     sim = _spawn(
         [sys.executable, "-m", "offload", "sim", "serve", "--port", str(sim_port), "--latency", latency], sim_log
     )
-    _wait_port(sim_port, sim, "the GPU API simulator", sim_log)
     sim_url = f"http://127.0.0.1:{sim_port}"
     comps.append(Component("simulator", sim.pid, f"{sim_url} (tutorial job API, RunPod, Replicate, fal, OpenAI)"))
+    _wait_port(sim_port, sim, "the GPU API simulator", sim_log)
     config: dict[str, Any] = {
         "redis_url": redis_url,
         "storage": {
@@ -203,6 +226,22 @@ def _create_bucket(endpoint: str, creds: dict[str, str]) -> None:
         client.create_bucket(Bucket=BUCKET)
 
 
+def _stop(comps: list[Component]) -> list[str]:
+    """SIGTERM each component's process group (workers first, so they drain and hand back their leases), SIGKILL
+    what is still alive after 40 s; returns their names."""
+    ordered = sorted(comps, key=lambda c: not c.name.startswith("worker"))
+    for comp in ordered:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(comp.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 40
+        while _alive(comp.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _alive(comp.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(comp.pid, signal.SIGKILL)
+    return [comp.name for comp in ordered]
+
+
 def secret_env(home: Path | None = None) -> dict[str, str]:
     """The S3 secret the generated config refers to, for commands that read results."""
     creds_file = (home or data_dir()) / "s3-credentials.json"
@@ -214,18 +253,7 @@ def secret_env(home: Path | None = None) -> dict[str, str]:
 def down(keep_valkey: bool = False) -> list[str]:
     """Stop every component (workers first, so they drain and hand back their leases)."""
     home = data_dir()
-    stopped: list[str] = []
-    comps = running_components(home)
-    for comp in sorted(comps, key=lambda c: not c.name.startswith("worker")):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(comp.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 40
-        while _alive(comp.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if _alive(comp.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(comp.pid, signal.SIGKILL)
-        stopped.append(comp.name)
+    stopped = _stop(running_components(home))
     state_path(home).unlink(missing_ok=True)
     if not keep_valkey and stop_embedded(home):
         stopped.append("valkey")

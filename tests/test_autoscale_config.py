@@ -194,7 +194,7 @@ def test_cli_providers_and_status(fast_valkey_url: str, monkeypatch: pytest.Monk
     assert res.exit_code == 0 and "INSTANCE ID" in res.output and "leader: none" in res.output
     res = runner.invoke(app, ["autoscale", "protect", "as-nope", "--url", fast_valkey_url])
     assert res.exit_code == 1 and "no instance" in res.output
-    res = runner.invoke(app, ["providers", "remove", "rp", "--url", fast_valkey_url])
+    res = runner.invoke(app, ["providers", "remove", "rp", "--yes", "--url", fast_valkey_url])
     assert res.exit_code == 0 and "deleted" in res.output
 
 

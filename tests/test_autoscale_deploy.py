@@ -341,9 +341,9 @@ def test_cli_credentials_never_take_the_secret_as_an_argument(
     assert res.exit_code == 1 and "invalid credential name" in res.output
     res = runner.invoke(app, ["autoscale", "credentials", "list", "--url", fast_valkey_url])
     assert "gh" in res.output and "****WXYZ" in res.output and "ghp_" not in res.output
-    res = runner.invoke(app, ["autoscale", "credentials", "delete", "gh", "--url", fast_valkey_url])
+    res = runner.invoke(app, ["autoscale", "credentials", "delete", "gh", "--yes", "--url", fast_valkey_url])
     assert res.exit_code == 0
-    res = runner.invoke(app, ["autoscale", "credentials", "delete", "gh", "--url", fast_valkey_url])
+    res = runner.invoke(app, ["autoscale", "credentials", "delete", "gh", "--yes", "--url", fast_valkey_url])
     assert res.exit_code == 1 and "no credential named 'gh'" in res.output
 
 

@@ -294,7 +294,7 @@ def test_dead_list_requeue_purge_round_trip(valkey_url: str) -> None:
     assert counts(valkey_url, "gpu").items() >= {"dead": 0, "queued": 3}.items()
 
     again = kill_jobs(valkey_url, "gpu", 2)
-    assert ok(valkey_url, "dead", "purge", "gpu") == "purged 2\n"
+    assert ok(valkey_url, "dead", "purge", "gpu", "--yes") == "purged 2\n"
     assert as_json(valkey_url, "dead", "list", "gpu") == {"jobs": [], "next_cursor": None}
     failed(cli(valkey_url, "status", again[0]))
     failed(cli(valkey_url, "dead", "requeue", "gpu"), code=2)  # neither ids nor --all
@@ -351,7 +351,7 @@ def test_purge_by_state(valkey_url: str) -> None:
     for i in range(3):
         ok(valkey_url, "enqueue", "-q", "gpu", "-i", str(i))
     ok(valkey_url, "enqueue", "-q", "gpu", "-i", "9", "--delay", "600")
-    assert ok(valkey_url, "purge", "gpu", "--state", "queued") == "purged 3\n"
+    assert ok(valkey_url, "purge", "gpu", "--state", "queued", "--yes") == "purged 3\n"
     assert counts(valkey_url, "gpu").items() >= {"queued": 0, "delayed": 1}.items()
     assert "cannot purge state 'active'" in failed(cli(valkey_url, "purge", "gpu", "--state", "active"))
 

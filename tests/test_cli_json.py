@@ -23,6 +23,7 @@ from offload.cli.app import app
 from offload.connection import connect
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
+from offload.storage import LocalStorageSettings, create_storage
 
 READ_NAMES = {"status", "list", "show", "events", "check", "queues", "jobs", "result", "wait"}
 NOT_READ = {  # command -> why it is not a read command
@@ -159,10 +160,10 @@ def world(valkey_url: str, tmp_path: Path, tmp_home: Path, monkeypatch: pytest.M
             (held,) = await store.claim("gpu", "w1", 1)
             await store.hold(held.id, held.token, "daily cap reached")
             (done,) = await store.claim("gpu", "w1", 1)
-            await store.complete(done.id, done.token, f"file://{tmp_path}/results/{done.output_key}")
-            stored = tmp_path / "results" / done.output_key
-            stored.parent.mkdir(parents=True, exist_ok=True)
-            stored.write_bytes(b'{"ok": true}')
+            results = create_storage(LocalStorageSettings(path=str(tmp_path / "results")))
+            stored = await results.put_json(done.output_key, {"ok": True})  # `result` refuses a missing output
+            await results.aclose()
+            await store.complete(done.id, done.token, stored)
             job = await store.enqueue("gpu", JobSpec(input={"n": 3}))
             await KeyStore(redis).create("viewer", [], "dashboards")
             await ProviderStore(redis).create("try-it", "mock", {})

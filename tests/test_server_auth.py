@@ -185,7 +185,7 @@ def test_keys_cli(valkey: ValkeyServer, api: tuple[str, str]) -> None:
     assert r.exit_code == 1 and "needs --queues" in r.stderr
     r = runner.invoke(app, ["keys", "create", "--scope", "root", "--queues", q, "--url", valkey.url])
     assert r.exit_code == 1 and "unknown scope" in r.stderr
-    assert runner.invoke(app, ["keys", "revoke", doc["id"], "--url", valkey.url]).exit_code == 0
+    assert runner.invoke(app, ["keys", "revoke", doc["id"], "--yes", "--url", valkey.url]).exit_code == 0
     with client(api[0], doc["token"]) as c:
         assert c.post("/v1/workers/register", json={"queues": [q]}).status_code == 401
-    assert runner.invoke(app, ["keys", "revoke", doc["id"], "--url", valkey.url]).exit_code == 1
+    assert runner.invoke(app, ["keys", "revoke", doc["id"], "--yes", "--url", valkey.url]).exit_code == 1

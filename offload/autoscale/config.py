@@ -307,6 +307,15 @@ def validate_autoscale(data: Any, where: str = "autoscale") -> AutoscaleSettings
         raise ConfigError(f"{field}: {msg}") from None
 
 
+def autoscale_problems(data: Any, where: str = "autoscale") -> list[ConfigError]:
+    """Every problem of an autoscale block, one each (`offload config check`); none for a valid block."""
+    try:
+        AutoscaleSettings.model_validate(data)
+    except ValidationError as exc:
+        return [ConfigError("{}: {}".format(*_located(error, where))) for error in exc.errors()]
+    return []
+
+
 def yaml_blocks(settings: Any) -> dict[str, dict[str, Any]]:
     """Each queue's autoscale block from offload.yaml (`settings`: offload.config.Settings), with the guide's layout
     accepted too: `deployment:` next to `autoscale:` in the queue. It belongs to the autoscale block (the API and

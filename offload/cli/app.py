@@ -7,19 +7,39 @@ and never import each other.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
-from offload.cli import autoscale, config, jobs, keys, server, sim, stack, worker
+from offload import __version__
+from offload.cli import autoscale, config, jobs, keys, operate, server, sim, stack, worker
 from offload.cli.errors import describe, error_line
 
 app = typer.Typer(
     name="offload",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish, PowerShell
     pretty_exceptions_enable=False,
     help="A durable GPU job queue on Redis/Valkey.",
 )
-for group in (jobs, worker, server, keys, autoscale, stack, sim, config):
+
+
+def _print_version(wanted: bool) -> None:
+    if wanted:
+        typer.echo(f"offload {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """A durable GPU job queue on Redis/Valkey."""
+
+
+for group in (jobs, operate, worker, server, keys, autoscale, stack, sim, config):
     group.register(app)
 
 

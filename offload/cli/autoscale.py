@@ -16,9 +16,10 @@ import orjson
 import typer
 from rich.table import Table
 
+from offload.cli.confirm import confirmed
 from offload.cli.errors import errors, fail
 from offload.cli.logs import configure as configure_logging
-from offload.cli.options import ConfigOpt, JsonOpt, LogLevel, LogLevelOpt, UrlOpt
+from offload.cli.options import ConfigOpt, DryRunOpt, JsonOpt, LogLevel, LogLevelOpt, UrlOpt, YesOpt
 from offload.cli.output import out, print_json
 from offload.cli.session import run_redis, settings
 from offload.connection import connect
@@ -237,10 +238,15 @@ def providers_adopt(name: Annotated[str, typer.Argument()], url: UrlOpt = None, 
 
 
 @providers_app.command("delete")
-def providers_delete(name: Annotated[str, typer.Argument()], url: UrlOpt = None) -> None:
-    """Delete a provider that has no live instances."""
+def providers_delete(
+    name: Annotated[str, typer.Argument()], yes: YesOpt = False, dry_run: DryRunOpt = False, url: UrlOpt = None
+) -> None:
+    """Delete a provider that has no live instances, after asking."""
     from offload.autoscale.provider_store import ProviderStore
 
+    run_redis(url, lambda r: ProviderStore(r).get(name))  # an unknown name fails here, before any question
+    if not confirmed("delete", f"provider {name}", yes=yes, dry_run=dry_run):
+        return
     run_redis(url, lambda r: ProviderStore(r).delete(name))
     typer.echo(f"provider {name} deleted")
 
@@ -284,10 +290,16 @@ def credentials_list(url: UrlOpt = None, json_out: JsonOpt = False) -> None:
 
 
 @credentials_app.command("delete")
-def credentials_delete(name: Annotated[str, typer.Argument()], url: UrlOpt = None) -> None:
-    """Forget a credential (rentals that need it then fail, naming it)."""
+def credentials_delete(
+    name: Annotated[str, typer.Argument()], yes: YesOpt = False, dry_run: DryRunOpt = False, url: UrlOpt = None
+) -> None:
+    """Forget a credential, after asking (rentals that need it then fail, naming it)."""
     from offload.autoscale.credentials import Credentials
 
+    if name not in run_redis(url, lambda r: Credentials(r).list()):
+        fail(f"no credential named {name!r}")
+    if not confirmed("delete", f"credential {name}", yes=yes, dry_run=dry_run):
+        return
     if not run_redis(url, lambda r: Credentials(r).delete(name)):
         fail(f"no credential named {name!r}")
     typer.echo(f"credential {name} deleted")

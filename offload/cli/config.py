@@ -4,18 +4,26 @@ from __future__ import annotations
 
 import typer
 
-from offload.cli.errors import errors
+from offload.cli.errors import error_line, errors
 from offload.cli.options import ConfigOpt, JsonOpt
 from offload.cli.output import print_json
 from offload.cli.session import settings
-from offload.config import config_file
+from offload.config import config_file, problems
 
 config_app = typer.Typer(help="Validate offload.yaml and the environment.", no_args_is_help=True)
 
 
 @config_app.command("check")
 def config_check(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
-    """Load offload.yaml plus the environment; name the offending field if anything is wrong."""
+    """Load offload.yaml plus the environment; list every problem, one line each naming its field."""
+    with errors():
+        found = [" ".join(str(p).split()) for p in problems(config)]
+    if found:
+        if json_out:
+            print_json({"ok": False, "problems": found})
+        for line in found:
+            typer.echo(error_line(line), err=True)
+        raise typer.Exit(1)
     loaded = settings(config)
     if json_out:
         with errors():

@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 
+from offload.cli.confirm import confirmed
 from offload.cli.errors import fail
-from offload.cli.options import ConfigOpt, JsonOpt, UrlOpt
+from offload.cli.options import ConfigOpt, DryRunOpt, JsonOpt, UrlOpt, YesOpt
 from offload.cli.output import print_json
 from offload.cli.session import run_redis
 from offload.redis_client import RedisClient
@@ -70,12 +71,18 @@ def keys_list(json_out: JsonOpt = False, url: UrlOpt = None, config: ConfigOpt =
 @keys_app.command("revoke")
 def keys_revoke(
     key_id: Annotated[str, typer.Argument(help="The key's id (from keys list).")],
+    yes: YesOpt = False,
+    dry_run: DryRunOpt = False,
     url: UrlOpt = None,
     config: ConfigOpt = None,
 ) -> None:
-    """Revoke a key: the next request with it gets 401."""
-    if not _with_keys(url, config, lambda ks: ks.revoke(key_id)):
+    """Revoke a key, after asking: the next request with it gets 401."""
+    if not any(k.id == key_id for k in _with_keys(url, config, lambda ks: ks.list())):
         fail(f"no key with id {key_id!r}")
+    if not confirmed("revoke", f"key {key_id}", yes=yes, dry_run=dry_run):
+        return
+    if not _with_keys(url, config, lambda ks: ks.revoke(key_id)):
+        fail(f"no key with id {key_id!r}")  # revoked by someone else meanwhile
     typer.echo(f"revoked {key_id}")
 
 

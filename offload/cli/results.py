@@ -50,6 +50,8 @@ def result(
         saved: list[str] = []
         try:
             stored = result_key(storage, job_id, job.output_key, job.result) or job.output_key
+            if not await storage.exists(stored):  # else a URL to nothing, and a script thinks it has one
+                fail(_not_stored(job_id, stored, job.result, "storage" in config_settings.model_fields_set))
             presigned = await storage.presigned_url(stored)
             if target is not None and into_dir:
                 done = await download_result(storage, job_id, job.output_key, target, stored)
@@ -74,6 +76,12 @@ def result(
         typer.echo(f"{info['location']}\n{info['presigned_url']}")
         for path in saved:
             typer.echo(f"saved to {path}", err=True)
+
+
+def _not_stored(job_id: str, key: str, location: str | None, configured: bool) -> str:
+    where = "the configured storage" if configured else "the default local storage (no storage is configured)"
+    hint = "" if configured else "; set storage in offload.yaml (or OFFLOAD_RESULT_BUCKET) to where the workers write"
+    return f"the output of job {job_id} ({key}) is not in {where}; the job recorded it at {location or '-'}{hint}"
 
 
 TIMED_OUT = 124  # as timeout(1): scripts tell "still running" from "it failed" (1)

@@ -105,6 +105,11 @@ def state_set(queue: str, state: str) -> str:
     return prefix(queue) + STATE_SETS[state]
 
 
+def submitted(queue: str) -> str:
+    """The active jobs already submitted to a remote API (a set; `offload jobs --state submitted` lists it)."""
+    return prefix(queue) + "submitted"
+
+
 def events(queue: str) -> str:
     return prefix(queue) + "events"
 

@@ -97,6 +97,7 @@ class Scripts:
     purge: Script
     stats: Script
     get: Script
+    created: Script  # the listing of every state (offload/queue/listing.py)
     ingest: Script
     reserve: Script
     release_window: Script

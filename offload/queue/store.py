@@ -27,7 +27,7 @@ from offload.errors import (
 )
 from offload.files import reference_keys
 from offload.models import ClaimedJob, Enqueued, HeartbeatReply, Job, QueueStats
-from offload.queue import keys, replies
+from offload.queue import keys, listing, replies
 from offload.queue.clock import HeldRelease, log_clock_step
 from offload.queue.durability import Durability, NotReplicated, confirm, mark, run_script, settle
 from offload.queue.hook_store import HookStore
@@ -555,9 +555,7 @@ class QueueStore(HookStore):
         return list(await self._run(SCRIPTS.move, validate_queue(queue), "dead", limit, *job_ids))
 
     async def purge(self, queue: str, state: str) -> int:
-        if state not in STATE_SETS or state == "active":
-            allowed = ", ".join(s for s in STATE_SETS if s != "active")
-            raise InvalidJob(f"cannot purge state {state!r}; choose one of: {allowed}")
+        listing.check_purgeable(state)
         total = 0
         while n := int(await self._run(SCRIPTS.purge, validate_queue(queue), STATE_SETS[state], 1000)):
             total += n
@@ -610,20 +608,16 @@ class QueueStore(HookStore):
         return now - max(known)
 
     async def list_jobs(
-        self, queue: str, state: str, *, cursor: int = 0, limit: int = 50
+        self, queue: str, state: str | None, *, cursor: int = 0, limit: int = 50
     ) -> tuple[list[Job], int | None]:
-        """Jobs in one state, oldest first for waiting states, newest first for finished ones."""
-        if state not in STATE_SETS:
-            raise InvalidJob(f"unknown state {state!r}; choose one of: {', '.join(STATE_SETS)}")
-        key = keys.state_set(validate_queue(queue), state)
-        newest_first = state in ("succeeded", "dead", "cancelled")
-        ids = await self.redis.zrange(key, cursor, cursor + limit - 1, desc=newest_first)
+        """Jobs in one state (waiting states oldest first, finished ones newest first), or with `state` None in
+        every state, newest first (offload/queue/listing.py)."""
+        ids, next_cursor = await listing.page_ids(self.redis, queue, state, cursor, limit)
         found = await asyncio.gather(*(self.get(job_id) for job_id in ids), return_exceptions=True)
         jobs = [j for j in found if isinstance(j, Job)]  # JobNotFound: expired since the index read
         for problem in found:
             if isinstance(problem, BaseException) and not isinstance(problem, JobNotFound):
                 raise problem
-        next_cursor = cursor + limit if len(ids) == limit else None
         return jobs, next_cursor
 
     async def stats(self, queue: str) -> QueueStats:

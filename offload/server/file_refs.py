@@ -23,8 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
+from offload import exactjson
 from offload.errors import JobNotFound
 from offload.files import (
     REF_KEY,
@@ -153,7 +152,7 @@ async def input_keys(job: Job) -> tuple[str, ...]:
     if job.files is not None:
         return job.files
     try:
-        return tuple(reference_keys(orjson.dumps(job.input)))
+        return tuple(reference_keys(exactjson.dumps(job.input)))
     except TypeError:
         return ()
 

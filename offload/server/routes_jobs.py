@@ -12,7 +12,8 @@ from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
 
 from offload.errors import InvalidJob, InvalidTransition, JobNotFound, PayloadTooLarge
 from offload.models import Job
-from offload.queue.keys import STATE_SETS, new_job_id, queue_of, validate_queue
+from offload.queue.keys import new_job_id, queue_of, validate_queue
+from offload.queue.listing import LISTABLE_STATES
 from offload.queue.specs import check_options, encode_input
 from offload.server.auth import (
     GuardedRoute,
@@ -214,7 +215,7 @@ async def list_jobs(
     request: Request,
     queue: str,
     key: Principal,
-    state: Annotated[str, Query(description=f"One of: {', '.join(STATE_SETS)}")] = "queued",
+    state: Annotated[str, Query(description=f"One of: {', '.join(LISTABLE_STATES)}")] = "queued",
     cursor: Annotated[str | None, Query(max_length=15, pattern=r"^\d+$")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
 ) -> JobPage:
@@ -225,8 +226,10 @@ async def list_jobs(
 async def page(state: ServerState, queue: str, job_state: str, cursor: str | None, limit: int) -> JobPage:
     """Waiting states oldest first, finished ones newest first. The cursor is opaque to clients."""
     await require_queue(state, queue)
-    if job_state not in STATE_SETS:
-        raise FieldError(["query", "state"], f"unknown state {job_state!r}; choose one of: {', '.join(STATE_SETS)}")
+    if job_state not in LISTABLE_STATES:
+        raise FieldError(
+            ["query", "state"], f"unknown state {job_state!r}; choose one of: {', '.join(LISTABLE_STATES)}"
+        )
     jobs, nxt = await state.store.list_jobs(queue, job_state, cursor=int(cursor or 0), limit=limit)
     views = await asyncio.gather(*(job_view(state, j, presign=False) for j in jobs))
     return JobPage(jobs=list(views), next_cursor=None if nxt is None else str(nxt))
