@@ -896,15 +896,16 @@ def test_ten_thousand_jobs_in_flight_cost_no_tasks() -> None:
 
 
 def test_sim_imports_nothing_else_from_offload() -> None:
-    """The simulator stands alone: its modules import only each other from offload, besides three leaves (the base
-    of config models and the exception tree, which import nothing else; and the start-up heap freeze, which
-    imports nothing from offload), and its command line
+    """The simulator stands alone: its modules import only each other from offload, besides four leaves (the base
+    of config models, the exception tree and the "did you mean" of config errors, which import nothing else; and
+    the start-up heap freeze, which imports nothing from offload), and its command line
     (`offload/cli/sim.py`, which `python -m offload.sim` runs) needs only the CLI's error handling on top."""
     from test_import_graph import import_graph
 
     graph = import_graph()
-    leaves = {"offload.schema", "offload.errors", "offload.heap"}
-    assert graph["offload.schema"] == {"offload.errors"} and graph["offload.errors"] == graph["offload.heap"] == set()
+    leaves = {"offload.schema", "offload.errors", "offload.suggest", "offload.heap"}
+    assert graph["offload.schema"] == {"offload.errors", "offload.suggest"}
+    assert graph["offload.errors"] == graph["offload.suggest"] == graph["offload.heap"] == set()
     sim_modules = [m for m in graph if m.startswith("offload.sim")]
     assert "offload.sim.server" in sim_modules
     for module in sim_modules:
