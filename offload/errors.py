@@ -67,7 +67,7 @@ The branch roots are defined here; a leaf lives beside the code that raises it a
   + ErrorReply - the simulator's handlers answering with an error reply (offload.sim.engine); never leaves it
   + SendError - the simulator's webhook POST got no usable answer (offload.sim.sender); never leaves it
 
-A leaf module (it imports nothing), so the simulator, which stands alone, can use it too. `tests/test_errors.py`
+A leaf module (it imports nothing), so the simulator, which stands alone, can use it too. `tests/project/test_errors.py`
 walks every module of the package and fails on an exception class outside this tree.
 """
 

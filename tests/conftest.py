@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import redis
-from servers import ValkeyServer, system_redis
+from support.servers import ValkeyServer, system_redis
 
 from bench.chaos.faketime import ClockFile
 from offload.connection import connect
@@ -112,7 +112,7 @@ def tmp_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.fixture
 def admin(api: tuple[str, str]) -> Iterator[Any]:
     """An httpx client with the module's server's bootstrap admin key."""
-    from server_helpers import client
+    from support.server_helpers import client
 
     with client(api[0], api[1]) as c:
         yield c
@@ -121,8 +121,8 @@ def admin(api: tuple[str, str]) -> Iterator[Any]:
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A real S3 server (rclone) per module, with the servers' bucket (server_helpers.BUCKET) made."""
-    from s3server import RcloneS3
-    from server_helpers import BUCKET
+    from support.s3server import RcloneS3
+    from support.server_helpers import BUCKET
 
     with RcloneS3(tmp_path_factory.mktemp("s3")) as s:
         s.make_bucket(BUCKET)
@@ -132,7 +132,7 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
     """One headless Debian Chromium per module (Playwright with executable_path; never `playwright install`)."""
-    from dashboard_helpers import chromium
+    from support.dashboard_helpers import chromium
 
     with chromium() as b:
         yield b
@@ -140,7 +140,7 @@ def browser() -> Iterator[Any]:
 
 @pytest.fixture
 def page(browser: Any) -> Iterator[Any]:
-    from dashboard_helpers import new_page
+    from support.dashboard_helpers import new_page
 
     with new_page(browser) as p:
         yield p

@@ -4,7 +4,7 @@ package) preloaded, reading the offset from `FAKETIME_TIMESTAMP_FILE` at every c
 Only the wall clock is faked (`FAKETIME_DONT_FAKE_MONOTONIC`): timers and timeouts keep the true monotonic clock,
 as an NTP step or a restored VM leaves them. The fault harness runs its Valkey under one (to step the store's
 clock back and forth, and to roll the capped queue's day) and restarts worker slots under a skewed one; the tests
-do the same (tests/servers.py). libfaketime and jemalloc do not mix (libfaketime's start-up recursion through
+do the same (tests/support/servers.py). libfaketime and jemalloc do not mix (libfaketime's start-up recursion through
 jemalloc's clock_gettime kills the server at once), so `offload.embedded.server_env` keeps glibc's malloc for a
 Valkey started under it.
 """

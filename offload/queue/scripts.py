@@ -5,7 +5,7 @@ A script file starts with a header naming its KEYS, ARGV and reply (`-- KEYS:`, 
 BullMQ's src/commands do. Code several scripts share lives in lua/includes/ and is put in by a line
 `--- @include "<name>"` (each include at most once per script, includes may include others). The queue's scripts
 include "common"; the autoscaler's, the HTTP server's and the backend limiter's scripts live here too, so there
-is one way to load and run a script. tests/test_lua_scripts.py checks every file has the header and is a
+is one way to load and run a script. tests/jobstore/test_lua_scripts.py checks every file has the header and is a
 `Scripts` attribute, and every attribute is used.
 
 A script that must run when Redis/Valkey is at its `maxmemory` opens with the shebang `#!lua flags=allow-oom`

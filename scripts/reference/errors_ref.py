@@ -1,5 +1,5 @@
-"""docs/reference/errors.md: the exception tree drawn in offload/errors.py (tests/test_errors.py holds the drawing
-to the code), as a nested list."""
+"""docs/reference/errors.md: the exception tree drawn in offload/errors.py (tests/project/test_errors.py holds the
+drawing to the code), as a nested list."""
 
 from __future__ import annotations
 

@@ -1,0 +1,287 @@
+"""Dispatch workers against a job store at its maxmemory and one that may evict (issue 34, items 2 and 3): real
+`offload worker` processes, the simulator as its own process, rclone S3, and a Valkey of each test's own that
+the test reconfigures (CONFIG SET maxmemory / maxmemory-policy), as an operator's Redis would change under them.
+
+On main, a store reaching its limit while answers arrived had its checkpoints refused and the failure accepted:
+remote ids dropped and the jobs paid again, and the worker exited 1 on the OOM reply to its next claim. Expired
+records were never trimmed at the limit, so nothing could bring the store back. And a store whose
+maxmemory-policy changed to an evicting one went on being paid for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import test_worker_crash as crash
+from support.servers import ValkeyServer
+from test_store_memory import expired_records, held, set_config, squeeze, squeeze_between
+from test_worker import settings_for, start_worker
+from test_worker_crash import (
+    QUEUE,
+    Fleet,
+    SimProcess,
+    get_all,
+    job_input,
+    result_keys,
+    wait_until,
+    worker_env,
+    write_config,
+)
+
+from offload.connection import connect
+from offload.models import JobState
+from offload.queue.memory import read_memory
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
+from offload.sim.config import SimConfig
+from offload.sim.server import running_sim
+from offload.worker.dispatch import Worker
+
+s3, sim, bucket, fleets = crash.s3, crash.sim, crash.bucket, crash.fleets  # fixtures shared with test_worker_crash
+
+
+@pytest.fixture
+async def ostore(own_valkey: ValkeyServer) -> AsyncIterator[QueueStore]:
+    redis = await connect(own_valkey.url)
+    yield QueueStore(redis)
+    await redis.aclose()
+
+
+async def counts(store: QueueStore) -> dict[str, int]:
+    return (await store.stats(QUEUE)).counts
+
+
+def submissions(sim: SimProcess) -> dict[str, int]:
+    found: dict[str, int] = sim.stats()["submissions_by_input_id"]
+    return found
+
+
+async def test_a_worker_at_the_limit_while_answers_arrive_pays_each_job_once_and_never_exits(
+    own_valkey: ValkeyServer,
+    bucket: object,
+    sim: SimProcess,
+    ostore: QueueStore,
+    fleets: Callable[..., Fleet],
+    tmp_path: Path,
+) -> None:
+    """Ten submissions are out when the store reaches its maxmemory; their answers arrive at the limit. Every
+    remote id is recorded and every job completes there (checkpoint and complete run at the limit), no new job is
+    claimed or submitted until memory is freed, the worker never exits, and each of the 20 jobs is paid once."""
+    n = 20
+    sim.configure(honour_idempotency_key=False, submit_latency="3-4", latency="0.5-1")  # like most providers
+    config = write_config(tmp_path / "offload.yaml", own_valkey.url, bucket, sim, concurrency=10)  # type: ignore[arg-type]
+    fleet = fleets(config=config)
+    ids = await ostore.enqueue_many(QUEUE, [JobSpec(input=job_input(f"full-{i}")) for i in range(n)])
+    fleet.start("w0", env=worker_env(bucket))  # type: ignore[arg-type]
+
+    async def ten_submits_out() -> bool:
+        return sum(submissions(sim).values()) >= 10
+
+    await wait_until(ten_submits_out, 60, "ten submissions out", why=fleet.problems)
+    recorded_before = (await counts(ostore))["submitted"]
+    squeeze(own_valkey)  # the answers (3-4 s after their submits) arrive at the limit
+
+    async def in_flight_done() -> bool:
+        return (await counts(ostore))["succeeded"] >= 10
+
+    await wait_until(in_flight_done, 90, "the ten jobs in flight to finish at the limit", why=fleet.problems)
+    assert (await read_memory(ostore.redis)).full, "the store must still be at its limit"
+    assert sum(submissions(sim).values()) == 10, "nothing new may be submitted at the limit"
+    assert fleet.alive() == ["w0"], fleet.problems()
+
+    set_config(own_valkey, "maxmemory", 0)  # the operator frees memory
+
+    async def all_done() -> bool:
+        return (await counts(ostore))["succeeded"] == n
+
+    await wait_until(all_done, 120, f"all {n} jobs to succeed once memory was freed", why=fleet.problems)
+    jobs = await get_all(ostore, ids)
+    log = fleet.log("w0").read_text(errors="replace")
+    print(
+        f"\nat the limit: {recorded_before} of 10 remote ids recorded before it; submissions "
+        f"{sum(submissions(sim).values())} for {n} jobs; attempts {sorted({j.attempts for j in jobs})}"
+    )
+    assert fleet.alive() == ["w0"], fleet.problems()
+    assert submissions(sim) == {f"full-{i}": 1 for i in range(n)}
+    assert all(j.state == JobState.SUCCEEDED and j.attempts == 1 and j.remote_id for j in jobs)
+    assert set(result_keys(bucket)) >= {f"results/{j}.json" for j in ids}  # type: ignore[arg-type]
+    assert "job store full" in log and "Traceback" not in log, log[-3000:]
+
+
+async def test_a_worker_alone_trims_a_full_store_and_goes_back_to_work(
+    own_valkey: ValkeyServer,
+    bucket: object,
+    sim: SimProcess,
+    ostore: QueueStore,
+    fleets: Callable[..., Fleet],
+    tmp_path: Path,
+) -> None:
+    """No server: finished records whose retention ran out fill the store to its limit. The worker's claims are
+    refused; while they wait it trims (reap.lua deletes before its first write), the store has room again, and the
+    queued jobs run, each paid once."""
+    sim.configure(latency="0.2-0.5")
+    base = held(own_valkey, lasting=True)
+    old = await expired_records(ostore.redis, QUEUE)
+    ids = await ostore.enqueue_many(QUEUE, [JobSpec(input=job_input(f"heal-{i}")) for i in range(5)])
+    squeeze_between(own_valkey, base)
+    assert (await read_memory(ostore.redis)).full
+    config = write_config(tmp_path / "offload.yaml", own_valkey.url, bucket, sim)  # type: ignore[arg-type]
+    fleet = fleets(config=config)
+    fleet.start("w0", env=worker_env(bucket))  # type: ignore[arg-type]
+
+    async def all_done() -> bool:
+        return (await counts(ostore))["succeeded"] == 5
+
+    await wait_until(all_done, 90, "the queued jobs to run once the worker trimmed", why=fleet.problems)
+    assert await ostore.redis.exists(*(f"offload:{{{QUEUE}}}:job:{j}" for j in old)) == 0
+    assert submissions(sim) == {f"heal-{i}": 1 for i in range(5)}
+    assert all(j.attempts == 1 for j in await get_all(ostore, ids))
+    assert fleet.alive() == ["w0"], fleet.problems()
+
+
+async def test_a_policy_changed_to_evict_stops_claims_and_submissions_until_fixed(
+    own_valkey: ValkeyServer,
+    bucket: object,
+    sim: SimProcess,
+    ostore: QueueStore,
+    fleets: Callable[..., Fleet],
+    tmp_path: Path,
+) -> None:
+    """A running worker finds its store switched to allkeys-lru: it says so, claims and submits nothing (new
+    jobs stay queued, unpaid), and once the policy is noeviction again it goes on and runs every job once."""
+    sim.configure(latency="0.2-0.5")
+    config = write_config(tmp_path / "offload.yaml", own_valkey.url, bucket, sim)  # type: ignore[arg-type]
+    fleet = fleets(config=config)
+    fleet.start("w0", env=worker_env(bucket, OFFLOAD_STORE_CHECK_S="0.2"))  # type: ignore[arg-type]
+    await wait_until(lambda: _ready(fleet), 60, "the worker to serve", why=fleet.problems)
+    set_config(own_valkey, "maxmemory-policy", "allkeys-lru")
+
+    async def said() -> bool:
+        return "maxmemory-policy is allkeys-lru: offload needs noeviction" in fleet.log("w0").read_text()
+
+    await wait_until(said, 30, "the worker to say the policy is wrong", why=fleet.problems)
+    ids = await ostore.enqueue_many(QUEUE, [JobSpec(input=job_input(f"evict-{i}")) for i in range(6)])
+    watched = time.monotonic() + 3.0  # the observation: 15 policy checks and many claim polls, nothing sent
+    while time.monotonic() < watched:
+        assert submissions(sim) == {} and (await counts(ostore))["queued"] == 6
+        await asyncio.sleep(0.2)
+    set_config(own_valkey, "maxmemory-policy", "noeviction")
+
+    async def all_done() -> bool:
+        return (await counts(ostore))["succeeded"] == 6
+
+    await wait_until(all_done, 60, "the jobs to run once the policy was fixed", why=fleet.problems)
+    assert submissions(sim) == {f"evict-{i}": 1 for i in range(6)}
+    assert all(j.attempts == 1 for j in await get_all(ostore, ids))
+    assert fleet.alive() == ["w0"] and "noeviction again" in fleet.log("w0").read_text()
+
+
+async def _ready(fleet: Fleet) -> bool:
+    return fleet.ready("w0")
+
+
+async def test_jobs_already_claimed_are_not_submitted_while_the_store_may_evict(
+    own_valkey: ValkeyServer, bucket: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The submit gate, in process: one submission at a time (submit_concurrency 1) to an API that answers
+    after 3 s. While the first is out the policy turns to volatile-lru; the jobs already claimed and waiting for
+    the gate are held there, unsent, and go once it is noeviction again. Each job is paid once."""
+    monkeypatch.setenv("OFFLOAD_STORE_CHECK_S", "0.1")
+    redis = await connect(own_valkey.url)
+    store = QueueStore(redis)
+    workers: list[Worker] = []
+    config = SimConfig.model_validate({"default": {"latency": 0.2, "submit_latency": 3.0}})
+    with running_sim(config) as sim_url:
+
+        def sent() -> int:
+            return int(httpx.get(f"{sim_url}/_sim/stats").json()["submissions"])
+
+        settings = settings_for(own_valkey.url, bucket, str(sim_url), "http-job", submit_concurrency=1, concurrency=4)
+        ids = await store.enqueue_many("q", [JobSpec(input={"id": f"g-{i}"}) for i in range(4)])
+        stop, task = await start_worker(settings, on_ready=workers.append)
+        try:
+
+            async def first_out() -> bool:
+                return sent() == 1
+
+            await wait_until(first_out, 30, "the first submission")
+            set_config(own_valkey, "maxmemory-policy", "volatile-lru")
+
+            async def noticed() -> bool:
+                return bool(workers) and not workers[0].policy.safe
+
+            await wait_until(noticed, 30, "the worker to notice the policy")
+
+            async def first_done() -> bool:
+                return (await store.stats("q")).counts["succeeded"] == 1
+
+            await wait_until(first_done, 30, "the first job to finish")
+            watched = time.monotonic() + 2.0  # the gate is free: the others would go within this
+            while time.monotonic() < watched:
+                assert sent() == 1
+                await asyncio.sleep(0.1)
+            assert (await store.stats("q")).counts["active"] == 3  # claimed, held at the gate, unsent
+            set_config(own_valkey, "maxmemory-policy", "noeviction")
+
+            async def all_done() -> bool:
+                return (await store.stats("q")).counts["succeeded"] == 4
+
+            await wait_until(all_done, 60, "the held jobs to run once the policy was fixed")
+            assert sent() == 4
+            assert all(j.attempts == 1 for j in [await store.get(i) for i in ids])
+        finally:
+            stop.set()
+            with contextlib.suppress(Exception):
+                await task
+            await redis.aclose()
+
+
+async def test_a_worker_frozen_while_the_policy_changed_reads_it_again_before_paying(
+    own_valkey: ValkeyServer,
+    bucket: object,
+    sim: SimProcess,
+    ostore: QueueStore,
+    fleets: Callable[..., Fleet],
+    tmp_path: Path,
+) -> None:
+    """SIGSTOPped with jobs claimed and one submission out, while its store turns to volatile-lru: on SIGCONT the
+    worker must not trust the verdict it read before the freeze. The next job at the submit gate reads the policy
+    again first, so nothing more is paid until it is noeviction; then every job runs once."""
+    sim.configure(submit_latency="3", latency="0.2")
+    config = write_config(tmp_path / "offload.yaml", own_valkey.url, bucket, sim, submit_concurrency=1)  # type: ignore[arg-type]
+    fleet = fleets(config=config)
+    ids = await ostore.enqueue_many(QUEUE, [JobSpec(input=job_input(f"frozen-{i}")) for i in range(4)])
+    proc = fleet.start("w0", env=worker_env(bucket, OFFLOAD_STORE_CHECK_S="0.2"))  # type: ignore[arg-type]
+
+    async def first_out() -> bool:
+        return sum(submissions(sim).values()) == 1
+
+    await wait_until(first_out, 60, "the first submission", why=fleet.problems)
+    os.killpg(proc.pid, signal.SIGSTOP)
+    try:
+        set_config(own_valkey, "maxmemory-policy", "volatile-lru")
+        await asyncio.sleep(4)  # the fault itself: frozen past the first submit's answer, not a wait for anything
+    finally:
+        os.killpg(proc.pid, signal.SIGCONT)
+    watched = time.monotonic() + 3.0
+    while time.monotonic() < watched:
+        assert sum(submissions(sim).values()) == 1, "a submission went out on a verdict older than the freeze"
+        await asyncio.sleep(0.1)
+    set_config(own_valkey, "maxmemory-policy", "noeviction")
+
+    async def all_done() -> bool:
+        return (await counts(ostore))["succeeded"] == 4
+
+    await wait_until(all_done, 60, "every job once the policy was fixed", why=fleet.problems)
+    assert submissions(sim) == {f"frozen-{i}": 1 for i in range(4)}
+    assert all(j.attempts == 1 for j in await get_all(ostore, ids))
+    assert fleet.alive() == ["w0"], fleet.problems()
