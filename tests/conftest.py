@@ -1,5 +1,6 @@
-"""Shared fixtures: real servers only. `backend_url` runs a test on the embedded-style Valkey 9 and, when
-the machine has one, on the system Redis 7 (scratch DB 15, flushed before and after)."""
+"""Shared fixtures: real servers only. `backend_url` runs a test on the embedded-style Valkey 9, on a Redis 7 the
+tests start from the machine's redis-server (when it has one) and, only when OFFLOAD_TEST_REDIS_URL names one, on
+that Redis (its DB flushed before and after each test)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,18 @@ from typing import Any
 
 import pytest
 import redis
-from support.servers import ValkeyServer, system_redis
+from support.procs import no_process_outlives_the_session  # noqa: F401 (autouse: nothing outlives the session)
+from support.servers import REDIS7, ValkeyServer, named_redis
 
 from bench.chaos.faketime import ClockFile
 from offload.connection import connect
 from offload.queue.store import QueueStore
 
-# Parallel test workers (pytest-xdist) each get their own scratch DB on the shared system Redis, counting down
-# from OFFLOAD_TEST_REDIS_DB (default 15), so two checkouts tested at once on one machine never share a DB.
-_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-_TOP_DB = int(os.environ.get("OFFLOAD_TEST_REDIS_DB", "15"))
-SYSTEM_REDIS = system_redis(_TOP_DB - int(_WORKER.removeprefix("gw") or 0))
-BACKENDS = ["valkey9", *(["redis7"] if SYSTEM_REDIS else [])]
+# Parallel test workers (pytest-xdist) each get their own DB on a named Redis, counting down from the URL's.
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+NAMED_REDIS = named_redis(_WORKER)
+BACKENDS = ["valkey9", *(["redis7"] if REDIS7 else []), *(["named"] if NAMED_REDIS else [])]
+_BACKEND_FIXTURE = {"valkey9": "valkey", "redis7": "redis7"}
 
 
 @pytest.fixture(scope="session")
@@ -32,9 +33,17 @@ def valkey(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ValkeyServer]:
         yield server
 
 
+@pytest.fixture(scope="session")
+def redis7(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ValkeyServer]:
+    """One Redis 7 (the machine's redis-server, AOF) for the session: the compatibility half of `backend_url`."""
+    assert REDIS7 is not None
+    with ValkeyServer(tmp_path_factory.mktemp("redis7"), binary=REDIS7) as server:
+        yield server
+
+
 @pytest.fixture(params=BACKENDS)
 def backend_url(request: pytest.FixtureRequest) -> Iterator[str]:
-    url = request.getfixturevalue("valkey").url if request.param == "valkey9" else SYSTEM_REDIS
+    url = NAMED_REDIS if request.param == "named" else request.getfixturevalue(_BACKEND_FIXTURE[request.param]).url
     assert url is not None
     r = redis.Redis.from_url(url)
     r.flushdb()

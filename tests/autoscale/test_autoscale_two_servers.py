@@ -23,6 +23,7 @@ import pytest
 import yaml
 from support.autoscale_helpers import VAULT_KEY, sim_call
 from support.dashboard_helpers import HttpWorker
+from support.procs import die_with_parent
 from support.server_helpers import client, direct_key, poll
 from support.servers import ValkeyServer, free_port
 
@@ -66,6 +67,7 @@ def offload_server(name: str, config: Path, redis_url: str, admin: str, tmp: Pat
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
+        preexec_fn=die_with_parent,
     )
     url = f"http://127.0.0.1:{port}"
     try:

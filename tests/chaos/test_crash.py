@@ -24,6 +24,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from support.procs import die_with_parent
 from support.servers import ValkeyServer
 
 from offload.connection import connect
@@ -46,7 +47,9 @@ class Procs:
         args = [url, queue, wid, str(batch), *([str(lease_ms)] if lease_ms else [])]
         args += ["--out", str(self.out), "--work-ms", str(work_ms)]
         with open(self.out / f"{wid}.stderr", "wb") as err:
-            self.all[wid] = subprocess.Popen([sys.executable, str(CLAIMER), *args], stdout=err, stderr=err)
+            self.all[wid] = subprocess.Popen(
+                [sys.executable, str(CLAIMER), *args], stdout=err, stderr=err, preexec_fn=die_with_parent
+            )
 
     def alive(self) -> list[str]:
         return [wid for wid, p in self.all.items() if p.poll() is None]

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import orjson
 import pytest
+from support.procs import die_with_parent
 from support.servers import free_port
 from typer.testing import CliRunner, Result
 
@@ -426,6 +427,7 @@ def watcher(valkey_url: str) -> Iterator[subprocess.Popen[str]]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=die_with_parent,
     )
     yield proc
     if proc.poll() is None:
@@ -476,6 +478,7 @@ def test_process_ingest_follow_drains_until_ctrl_c_then_reports_totals(valkey_ur
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=die_with_parent,
     )
     try:
         assert proc.stderr is not None

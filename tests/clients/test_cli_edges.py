@@ -15,6 +15,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+from support.procs import die_with_parent
 from test_cli import as_json, cli, counts, failed, kill_jobs, ok, runner, with_store
 
 from offload.cli.app import app
@@ -32,7 +33,9 @@ def on_terminal(args: list[str], answer: bytes = b"", columns: int = 200, timeou
     exit code and everything shown."""
     leader, follower = pty.openpty()
     env = {**os.environ, "COLUMNS": str(columns), "LINES": "50", "TERM": "xterm"}
-    proc = subprocess.Popen([OFFLOAD, *args], stdin=follower, stdout=follower, stderr=follower, env=env)
+    proc = subprocess.Popen(
+        [OFFLOAD, *args], stdin=follower, stdout=follower, stderr=follower, env=env, preexec_fn=die_with_parent
+    )
     os.close(follower)
     if answer:
         os.write(leader, answer)

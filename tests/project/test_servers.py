@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import redis
 from redis.cluster import RedisCluster
-from support.servers import SLOT_RANGES, ValkeyCluster, ValkeyServer, system_redis
+from support.servers import HOST, NAMED_REDIS_VAR, SLOT_RANGES, ValkeyCluster, ValkeyServer, free_port, named_redis
 
 
 @pytest.fixture(scope="module")
@@ -61,13 +61,17 @@ def test_cluster_eval_same_hash_tag(cluster: ValkeyCluster) -> None:
         rc.close()
 
 
-def test_system_redis_url_or_none() -> None:
-    url = system_redis()
-    assert url is None or isinstance(url, str)
-    if url is not None:
-        assert url.endswith("/15")
-        with redis.Redis.from_url(url, socket_timeout=1) as c:
-            assert c.ping()
+def test_no_redis_but_the_tests_own_unless_a_variable_names_one(
+    valkey: ValkeyServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(NAMED_REDIS_VAR, raising=False)
+    assert named_redis() is None
+    monkeypatch.setenv(NAMED_REDIS_VAR, f"redis://{HOST}:{valkey.port}/9")
+    assert named_redis(worker=2) == f"redis://{HOST}:{valkey.port}/7"  # one DB per xdist worker
+    monkeypatch.setenv(NAMED_REDIS_VAR, f"redis://:hunter2@{HOST}:{free_port()}/15")
+    with pytest.raises(RuntimeError, match=f"{NAMED_REDIS_VAR}=redis://:\\*\\*\\*@.* does not answer") as e:
+        named_redis()
+    assert "hunter2" not in str(e.value)
 
 
 def test_start_failure_reports_log(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from support.procs import die_with_parent
 from support.s3server import RcloneS3
 from support.server_helpers import BUCKET, client, make_key, new_queue, poll, server
 from support.servers import ValkeyServer
@@ -75,6 +76,7 @@ def spawn_worker(
         stdout=log,
         stderr=log,
         start_new_session=True,
+        preexec_fn=die_with_parent,
     )
     log.close()
     _live.append(proc)

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 from support.dashboard_helpers import HttpWorker
+from support.procs import die_with_parent
 from support.server_helpers import client, make_key, new_queue, poll
 from support.servers import free_port
 
@@ -30,6 +31,7 @@ def start(
         env={**os.environ, "OFFLOAD_ADMIN_KEY": ADMIN, **(env or {})},
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
+        preexec_fn=die_with_parent,
     )
     url = f"http://127.0.0.1:{port}"
 

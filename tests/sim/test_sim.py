@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 from pydantic import ValidationError
+from support.procs import die_with_parent
 from typer.testing import CliRunner
 
 from offload.cli.sim import build_config, sim_app
@@ -823,6 +824,7 @@ def test_cli_serve_runs_a_real_server() -> None:
         env={**os.environ},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
+        preexec_fn=die_with_parent,
     )
     try:
         base = f"http://127.0.0.1:{port}"

@@ -29,6 +29,7 @@ from urllib.parse import quote, unquote
 import httpx
 import pytest
 from pydantic import SecretStr
+from support.procs import die_with_parent
 from support.s3server import RcloneS3, wait_port_closed
 from support.servers import free_port
 
@@ -593,7 +594,10 @@ def test_local_write_survives_sigkill_mid_write(tmp_path: Path) -> None:
     """SIGKILL a process that keeps rewriting a 4 MB object: the object is always one whole version."""
     for delay in (0.05, 0.17):
         proc = subprocess.Popen(
-            [sys.executable, "-c", CRASH_WRITER, str(tmp_path)], stdout=subprocess.PIPE, start_new_session=True
+            [sys.executable, "-c", CRASH_WRITER, str(tmp_path)],
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         try:
             assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"

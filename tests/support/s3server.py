@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import os
 import secrets
 import shutil
@@ -27,10 +26,10 @@ import boto3
 import httpx
 from botocore.config import Config
 
+from support.procs import preexec
 from support.servers import HOST, free_port
 
 START_TIMEOUT = 10.0
-PR_SET_PDEATHSIG = 1
 # rclone rejects access keys shorter than 3 characters and bucket names outside 3..63 characters.
 BOTO_CONFIG = Config(
     s3={"addressing_style": "path"},
@@ -46,14 +45,6 @@ _live: set[RcloneS3] = set()
 def _kill_leftovers() -> None:
     for server in list(_live):
         server.stop()
-
-
-def _die_with_parent() -> None:
-    """Linux: the kernel SIGKILLs rclone when the thread that started it dies, even by SIGKILL, where atexit
-    never runs. Start servers from a long-lived thread (fixtures run on the main one)."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def rclone_binary() -> str:
@@ -140,7 +131,7 @@ class RcloneS3:
                 stderr=log,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=preexec(),
             )
         _live.add(self)
         deadline = time.monotonic() + START_TIMEOUT

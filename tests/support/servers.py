@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Self
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -24,6 +25,8 @@ from redis.retry import Retry
 
 from bench.chaos.faketime import ClockFile
 from offload.embedded import server_argv, server_env
+from offload.redact import mask_url
+from support.procs import preexec
 
 HOST = "127.0.0.1"
 START_TIMEOUT = 10.0
@@ -137,7 +140,9 @@ class ValkeyServer:
             cmd[0] = self.binary
         env = server_env(self.clock.env() if self.clock else None) if self.binary is None else None
         with open(self.dir / "stderr.log", "wb") as err:
-            self._proc = subprocess.Popen(cmd, cwd=self.dir, stdout=err, stderr=err, start_new_session=True, env=env)
+            self._proc = subprocess.Popen(
+                cmd, cwd=self.dir, stdout=err, stderr=err, start_new_session=True, env=env, preexec_fn=preexec()
+            )
         _live.add(self)
         self._wait_ready()
 
@@ -322,11 +327,26 @@ class ValkeyCluster:
         self.stop()
 
 
-def system_redis(db: int = 15) -> str | None:
-    """The shared Debian Redis, if up; callers must FLUSHDB their scratch db before and after."""
-    url = f"redis://{HOST}:6379/{db}"
-    try:
-        with redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1) as c:
-            return url if c.ping() else None
-    except (redis.RedisError, OSError):
+# The one way a test run reaches a Redis it did not start: this variable names it (its DB is flushed before and
+# after each test). Unset, the tests use only servers they start themselves.
+NAMED_REDIS_VAR = "OFFLOAD_TEST_REDIS_URL"
+
+
+def named_redis(worker: int = 0) -> str | None:
+    """The Redis OFFLOAD_TEST_REDIS_URL names, on its DB (15 when it names none) less `worker` (pytest-xdist's
+    worker number: two workers never share a DB), or None when unset. A named Redis that does not answer is an
+    error, not a reason to test less."""
+    url = os.environ.get(NAMED_REDIS_VAR)
+    if not url:
         return None
+    parts = urlsplit(url)
+    db = int(parts.path.strip("/") or "15") - worker
+    if db < 0:
+        raise ValueError(f"{NAMED_REDIS_VAR}: DB {db + worker} is too low for xdist worker {worker}")
+    named = urlunsplit(parts._replace(path=f"/{db}"))
+    try:
+        with redis.Redis.from_url(named, socket_connect_timeout=2, socket_timeout=2) as c:
+            c.ping()
+    except (redis.RedisError, OSError) as e:
+        raise RuntimeError(f"{NAMED_REDIS_VAR}={mask_url(url)} does not answer: {e}") from e
+    return named

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from support.procs import die_with_parent
 from support.s3server import RcloneS3
 from support.server_helpers import BUCKET, make_key, new_queue, poll, server
 from support.servers import ValkeyServer
@@ -79,7 +80,14 @@ def machine_env(**names: str) -> dict[str, str]:
 def spawn(cmd: list[str], env: dict[str, str], cwd: Path, log: Path) -> subprocess.Popen[bytes]:
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
+            cmd,
+            env=env,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
         )
     _live.append(proc)
     return proc

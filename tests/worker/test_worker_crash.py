@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import ctypes
 import json
 import os
 import random
@@ -35,6 +34,7 @@ import httpx
 import pytest
 import redis
 import yaml
+from support.procs import die_with_parent
 from support.s3server import RcloneS3
 from support.servers import HOST, ValkeyServer, free_port
 
@@ -65,12 +65,6 @@ def _killpg(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel SIGKILLs the child if the test process dies, even by SIGKILL (atexit never runs)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def spawn(cmd: list[str], env: dict[str, str], cwd: Path, log: Path) -> subprocess.Popen[bytes]:
     """Start a process in its own session (so its whole group can be killed) with output to `log`."""
     with open(log, "ab") as out:
@@ -82,7 +76,7 @@ def spawn(cmd: list[str], env: dict[str, str], cwd: Path, log: Path) -> subproce
             stdout=out,
             stderr=out,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
     _live[proc.pid] = proc
     return proc
