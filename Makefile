@@ -1,5 +1,6 @@
-# Two entry points, both self-installing into ./.venv on first use:
+# Three entry points, all self-installing into ./.venv on first use:
 #   make demo   - the main job on the embedded default (a persistent Valkey under ./.offload/)
+#   make check  - lint, type-check and the fast tests (CHECK_TESTS, under a minute): the default while working
 #   make test   - lint, type-check and the whole test suite (pytest) against real servers (and a real browser:
 #                 Debian's chromium, installed with apt-get when missing, as is libjemalloc2)
 # The venvs' interpreter: the distro's CPython (/usr/bin/python3) where it is 3.11 or newer and has venv, as
@@ -23,7 +24,7 @@ CHECKOV_VERSION := 3.3.30
 TOOLS := .venv-checkov
 TOOLS_STAMP := $(TOOLS)/.installed-$(CHECKOV_VERSION)
 
-.PHONY: demo test lint docs docs-serve reference bench clean deploy-tools chromium jemalloc faketime
+.PHONY: demo test check lint docs docs-serve reference bench clean deploy-tools chromium jemalloc faketime
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -85,6 +86,19 @@ jemalloc:
 faketime:
 	@ls /usr/lib/*/faketime/libfaketime.so.1 >/dev/null 2>&1 || { export DEBIAN_FRONTEND=noninteractive; \
 		apt-get install -y -q faketime || { apt-get update -q && apt-get install -y -q faketime; }; }
+
+# The fast tier: real servers still, but no subprocess fleets, browsers, clusters or timed scenarios; chosen to run
+# in under a minute with lint on a loaded 2-core machine (measured with `time make check`: see CONTRIBUTING.md).
+CHECK_TESTS := tests/project/test_docs_layout.py tests/project/test_import_graph.py tests/project/test_keys_layout.py \
+	tests/jobstore/test_queue.py tests/jobstore/test_queue_replies.py tests/jobstore/test_queue_submits.py \
+	tests/jobstore/test_queue_replays.py tests/jobstore/test_redis_client.py tests/worker/test_batching.py \
+	tests/sim/test_sim_sender.py tests/sim/test_backends.py tests/security/test_security_redact.py \
+	tests/security/test_security_redact_forms.py \
+	tests/webhooks/test_webhooks_config.py tests/webhooks/test_webhooks_store.py tests/autoscale/test_autoscale_config.py \
+	tests/server/test_server_auth.py
+
+check: lint
+	$(BIN)/pytest -q $(CHECK_TESTS)
 
 # Three pytest processes on two cores: most of the suite waits on subprocesses, servers and timeouts (9:18 with
 # -n 2 against 7:02 with -n 3, the same 999 tests, one after the other on one machine).

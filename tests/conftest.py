@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import redis
 from support.procs import no_process_outlives_the_session  # noqa: F401 (autouse: nothing outlives the session)
+from support.s3server import RcloneS3
 from support.servers import REDIS7, ValkeyServer, named_redis
 
 from bench.chaos.faketime import ClockFile
@@ -94,6 +95,15 @@ def stepped_valkey(tmp_path: Path) -> Iterator[ValkeyServer]:
         yield server
 
 
+@pytest.fixture(scope="module")
+def s3(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RcloneS3]:
+    """One S3 server (rclone) per module, with the module's `BUCKET` made when it names one."""
+    with RcloneS3(tmp_path_factory.mktemp("s3")) as server:
+        if bucket := getattr(request.module, "BUCKET", None):
+            server.make_bucket(bucket)
+        yield server
+
+
 @pytest.fixture
 async def store(backend_url: str) -> AsyncIterator[QueueStore]:
     client = await connect(backend_url)
@@ -125,17 +135,6 @@ def admin(api: tuple[str, str]) -> Iterator[Any]:
 
     with client(api[0], api[1]) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """A real S3 server (rclone) per module, with the servers' bucket (server_helpers.BUCKET) made."""
-    from support.s3server import RcloneS3
-    from support.server_helpers import BUCKET
-
-    with RcloneS3(tmp_path_factory.mktemp("s3")) as s:
-        s.make_bucket(BUCKET)
-        yield s
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from email import message_from_bytes
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -14,6 +13,7 @@ from typing import Any
 import pytest
 from aiosmtpd.controller import Controller
 from support.autoscale_helpers import Clock, make_scaler, queue_block
+from support.eventually import eventually_sync
 from support.servers import free_port
 
 from offload.autoscale.alerts import Alerter, alert_settings
@@ -89,13 +89,6 @@ async def r(fast_valkey_url: str) -> AsyncIterator[Any]:
     await client.aclose()
 
 
-def wait_for(check: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
 async def test_webhook_and_email_delivery_with_retries_and_cooldown(
     r: Any, receiver: Receiver, smtp: tuple[Sink, int]
 ) -> None:
@@ -117,7 +110,7 @@ async def test_webhook_and_email_delivery_with_retries_and_cooldown(
     assert receiver.hits == 3 and len(receiver.bodies) == 1  # two 500s, then delivered
     doc = receiver.bodies[0]
     assert doc["auth"] == "t0k" and doc["json"]["kind"] == "boot_timeout" and doc["json"]["subject"] == "gpu"
-    wait_for(lambda: len(sink.messages) == 1)
+    eventually_sync(lambda: len(sink.messages) == 1)
     mail = message_from_bytes(sink.messages[0])
     assert mail["Subject"] == "[offload] boot_timeout: gpu" and "as-1 had no ready worker" in mail.get_payload()
     clock.advance(601)

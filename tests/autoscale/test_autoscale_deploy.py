@@ -11,7 +11,6 @@ import os
 import secrets
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,8 @@ import httpx
 import orjson
 import pytest
 from support.autoscale_helpers import VAULT_KEY, Clock, make_scaler, queue_block, sim_call, worker_token
+from support.eventually import eventually
+from support.server_helpers import server
 from support.servers import ValkeyServer, free_port
 
 from offload.autoscale.config import validate_autoscale
@@ -30,14 +31,12 @@ from offload.autoscale.providers.local import LocalConfig, LocalProvider
 from offload.autoscale.providers.runpod import RunPodConfig, RunPodProvider
 from offload.autoscale.providers.vastai import VastConfig, VastProvider
 from offload.autoscale.vault import Vault
-from offload.config import Settings, load_settings
+from offload.config import load_settings
 from offload.connection import connect
 from offload.errors import ConfigError
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 from offload.server.keys import KeyStore
-from offload.server.runner import running_server
-from offload.server.state import ServerOptions
 from offload.sim.config import SimConfig
 from offload.sim.server import running_sim
 
@@ -77,17 +76,6 @@ def make_repo(root: Path) -> Path:
     git(repo, "commit", "--quiet", "-am", "v2")
     git(repo, "checkout", "--quiet", "main")
     return repo
-
-
-async def until(check: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {value!r})")
-        await asyncio.sleep(0.1)
 
 
 @pytest.fixture
@@ -155,16 +143,8 @@ async def test_local_provider_deploys_a_branch_from_git_and_its_jobs_succeed(
     )
     settings = load_settings(cfg, env={})
     admin = "admin-" + secrets.token_hex(16)
-    options = ServerOptions(
-        redis_url=valkey.url,
-        settings=settings,
-        admin_key=admin,
-        worker_lease_ms=3000,
-        maintenance_interval_s=0.2,
-        max_wait_s=1,
-    )
     try:
-        with running_server(options, port=port):
+        with server(valkey.url, settings=settings, port=port, admin_key=admin, worker_lease_ms=3000, max_wait_s=1):
             store = QueueStore(r)
             ids = await store.enqueue_many(queue, [JobSpec(input={"n": i}) for i in range(3)])
 
@@ -172,7 +152,7 @@ async def test_local_provider_deploys_a_branch_from_git_and_its_jobs_succeed(
                 return (await store.stats(queue)).counts["succeeded"] == len(ids)
 
             try:
-                await until(done, 90, "the deployed worker to finish the jobs")
+                await eventually(done, 90, "the deployed worker to finish the jobs")
             except AssertionError:
                 for log in (tmp_path / "logs").glob("*.log"):
                     print(log.read_text()[-3000:])
@@ -188,7 +168,7 @@ async def test_local_provider_deploys_a_branch_from_git_and_its_jobs_succeed(
                     rows = (await api.get("/v1/autoscale/status")).json()["instances"]
                 return bool(rows) and all(row["status"] == "terminated" for row in rows)
 
-            await until(torn_down, 30, "the idle instance to be drained and destroyed")
+            await eventually(torn_down, 30, "the idle instance to be drained and destroyed")
             assert not await asyncio.to_thread(workdir.exists)  # the per-instance work dir goes with the machine
     finally:
         leftover = LocalProvider("here", LocalConfig(stop_timeout=1), r)
@@ -356,13 +336,8 @@ async def test_the_api_refuses_commands_that_would_run_on_this_host(
     await ProviderStore(r).create("here", "local", {})
     await ProviderStore(r).create("try-it", "mock", {})
     admin = "admin-" + secrets.token_hex(16)
-    options = ServerOptions(
-        redis_url=valkey.url,
-        admin_key=admin,
-        settings=Settings.model_validate({"storage": {"kind": "local", "path": str(tmp_path)}}),
-    )
     deployment = {"git_url": "https://github.com/example/models.git", "handler": "app:run"}
-    with running_server(options) as url:
+    with server(valkey.url, {"kind": "local", "path": str(tmp_path)}, admin_key=admin) as (url, _):
         async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {admin}"}) as api:
             base = {"enabled": True, "max_workers": 1, "deployment": deployment}
             res = await api.put("/v1/autoscale/queues/gpu", json={**base, "provider": "here"})

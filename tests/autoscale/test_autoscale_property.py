@@ -121,7 +121,7 @@ def world_redis(fast_valkey: ValkeyServer) -> str:
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
 )
 @given(sc=scenarios())
-@pytest.mark.timeout(max(300, 15 * EXAMPLES))  # a soak runs for as long as its scenarios take
+@pytest.mark.timeout(max(900, 45 * EXAMPLES))  # a deadline: a soak, or 20 days on a loaded machine
 def test_random_days_keep_every_promise(world_redis: str, sc: Scenario) -> None:
     note(repr(sc))
     problems, summary = asyncio.run(play(world_redis, sc))

@@ -23,8 +23,9 @@ import pytest
 import yaml
 from support.autoscale_helpers import VAULT_KEY, sim_call
 from support.dashboard_helpers import HttpWorker
+from support.eventually import eventually_sync
 from support.procs import die_with_parent
-from support.server_helpers import client, direct_key, poll
+from support.server_helpers import client, direct_key
 from support.servers import ValkeyServer, free_port
 
 from offload.autoscale.provider_store import ProviderStore
@@ -79,7 +80,7 @@ def offload_server(name: str, config: Path, redis_url: str, admin: str, tmp: Pat
             except httpx.TransportError:
                 return False
 
-        poll(up, 30, f"server {name} to listen")
+        eventually_sync(up, 60, f"server {name} to listen")
         yield url, proc
     finally:
         if proc.poll() is None:
@@ -134,7 +135,7 @@ def test_two_server_processes_only_the_leader_rents_and_the_survivor_takes_over(
                     "autoscaler": {
                         "public_url": "https://cp.example.com",
                         "tick": 0.1,
-                        "leader_ttl": 2,
+                        "leader_ttl": 6,  # a takeover while a lives would fail the test: renewals stall on a loaded box
                         "recent_task": 0,
                         "worker_key": direct_key(valkey.url, "worker", QUEUE),
                         "drain_settle": 0,
@@ -145,7 +146,7 @@ def test_two_server_processes_only_the_leader_rents_and_the_survivor_takes_over(
         )
         url_a, proc_a = stack.enter_context(offload_server("a", config, valkey.url, admin, tmp_path))
         api_a = stack.enter_context(client(url_a, admin))
-        poll(lambda: me(api_a)["leader"], 10, "server a to lead")
+        eventually_sync(lambda: me(api_a)["leader"], 60, "server a to lead")
         url_b, _ = stack.enter_context(offload_server("b", config, valkey.url, admin, tmp_path))
         api_b = stack.enter_context(client(url_b, admin))
         owner_a, owner_b = me(api_a)["owner"], me(api_b)["owner"]
@@ -161,13 +162,13 @@ def test_two_server_processes_only_the_leader_rents_and_the_survivor_takes_over(
             rows = api_b.get("/v1/autoscale/status").json()["instances"]
             return rows[0] if rows and rows[0]["provider_id"] else None
 
-        inst = poll(rental, 15, "a rental")
+        inst = eventually_sync(rental, 60, "a rental")
         sim_total = lambda: sum(sim_call("GET", f"{sim_url}/_sim/stats")["requests"].values())  # noqa: E731
         calls_a = me(api_a)["provider_calls"]
         assert calls_a > 0 and sim_total() >= calls_a  # (the adapter may retry, never fewer)
         assert me(api_b)["provider_calls"] == 0
         assert [m["phase"] for m in sim_call("GET", f"{sim_url}/_sim/machines")["machines"]] != []
-        poll(lambda: me(api_a)["provider_calls"] > calls_a, 5, "the leader to keep polling the provider")
+        eventually_sync(lambda: me(api_a)["provider_calls"] > calls_a, 30, "the leader to keep polling the provider")
         assert me(api_b)["provider_calls"] == 0  # b has been running its loop all along, and never called
 
         # a GPU worker on the rented machine registers with its instance id and the token it was rented with (through b)
@@ -189,7 +190,7 @@ def test_two_server_processes_only_the_leader_rents_and_the_survivor_takes_over(
             row = next(i for i in api_b.get("/v1/autoscale/status").json()["instances"] if i["id"] == inst["id"])
             return row if row["status"] == "terminated" and row["teardown"] == "done" else None
 
-        final = poll(torn_down, 20, "the survivor to drain and destroy the instance", interval=0.2)
+        final = eventually_sync(torn_down, 60, "the survivor to drain and destroy the instance", every=0.2)
         assert final["worker_id"] == worker.id
         status = api_b.get("/v1/autoscale/status").json()
         assert status["leader"]["owner"] == owner_b and int(status["leader"]["token"]) > int(token_a)

@@ -24,6 +24,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from support.eventually import seconds_until
 from support.procs import die_with_parent
 from support.servers import ValkeyServer
 
@@ -97,16 +98,6 @@ async def vstore(valkey_url: str) -> AsyncIterator[QueueStore]:
     store = await open_store(valkey_url)
     yield store
     await store.redis.aclose()
-
-
-async def wait_for(predicate: Any, limit_s: float, what: str, every: float = 0.02) -> float:
-    """Poll an async predicate; returns the seconds it took."""
-    t0 = time.monotonic()
-    while not await predicate():
-        if time.monotonic() - t0 > limit_s:
-            raise AssertionError(f"timed out after {limit_s:g}s waiting for {what}")
-        await asyncio.sleep(every)
-    return time.monotonic() - t0
 
 
 def journal(out: Path, wid: str) -> list[str]:
@@ -208,7 +199,7 @@ async def test_every_job_completes_exactly_once_through_kills_and_server_restart
     events.sort()
     log: list[str] = []
     for at, kind in events:
-        await wait_for(lambda at=at: _reached(store, queue, at), 120, f"{at} jobs succeeded")
+        await seconds_until(lambda at=at: _reached(store, queue, at), 120, f"{at} jobs succeeded")
         await asyncio.sleep(rng.uniform(0, 0.1))
         if kind == "claimer":
             victim = rng.choice(procs.alive())
@@ -230,10 +221,10 @@ async def test_every_job_completes_exactly_once_through_kills_and_server_restart
             raise AssertionError(f"all claimers exited at {n} succeeded: {await store.stats(queue)}")
         return n == total
 
-    await wait_for(all_done, 120, f"{total} jobs succeeded", every=0.1)
+    await seconds_until(all_done, 120, f"{total} jobs succeeded", every=0.1)
     t_done = time.monotonic() - t_start
     # Claimers leave on their own once the queue has been empty for 2 s.
-    await wait_for(lambda: _none_alive(procs), 30, "claimers to exit")
+    await seconds_until(lambda: _none_alive(procs), 30, "claimers to exit")
     for wid, p in procs.all.items():
         assert p.returncode in (0, -signal.SIGKILL), f"{wid} exited {p.returncode}:\n{procs.stderr(wid)}"
 
@@ -294,7 +285,7 @@ async def test_killed_claimer_jobs_back_in_ready_within_15s_by_default(
     async def claimed() -> bool:
         return any(ln.startswith("C ") and len(ln.split()) == n + 1 for ln in journal(procs.out, "holder"))
 
-    await wait_for(claimed, 30, "the claimer to claim 200 jobs")
+    await seconds_until(claimed, 30, "the claimer to claim 200 jobs")
     assert (await store.stats(queue)).counts["active"] == n
     # Kill right after a heartbeat: the worst case, a full fresh lease still to run out.
     beats = journal(procs.out, "holder").count("H")
@@ -302,7 +293,7 @@ async def test_killed_claimer_jobs_back_in_ready_within_15s_by_default(
     async def heartbeat_seen() -> bool:
         return journal(procs.out, "holder").count("H") > beats
 
-    await wait_for(heartbeat_seen, DEFAULT_LEASE_MS / 1000, "a heartbeat", every=0.005)
+    await seconds_until(heartbeat_seen, DEFAULT_LEASE_MS / 1000, "a heartbeat", every=0.005)
     procs.sigkill("holder")
     t_kill = time.monotonic()
 
@@ -317,7 +308,7 @@ async def test_killed_claimer_jobs_back_in_ready_within_15s_by_default(
         counts = (await store.stats(queue)).counts
         return counts["queued"] == n and counts["active"] == 0
 
-    await wait_for(back_in_ready, 30, "the jobs to return to ready", every=0.02)
+    await seconds_until(back_in_ready, 30, "the jobs to return to ready", every=0.02)
     elapsed = time.monotonic() - t_kill
     print(
         f"\n[lease] default lease {DEFAULT_LEASE_MS} ms, heartbeat every {DEFAULT_LEASE_MS / 3000:.2f}s, "

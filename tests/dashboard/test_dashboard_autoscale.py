@@ -16,7 +16,8 @@ import pytest
 from playwright.sync_api import Page, expect
 from support.autoscale_helpers import VAULT_KEY
 from support.dashboard_helpers import enqueue, go, save_screenshot, sign_in
-from support.server_helpers import client, make_key, new_queue, poll, server
+from support.eventually import eventually_sync
+from support.server_helpers import client, make_key, new_queue, server
 from support.servers import ValkeyServer
 
 pytestmark = pytest.mark.xdist_group("dashboard-autoscale")
@@ -63,7 +64,7 @@ def rented(api: tuple[str, str]) -> dict[str, Any]:
             rows = admin.get("/v1/autoscale/status").json()["instances"]
             return next((i for i in rows if i["queue"] == QUEUE and i["provider_id"]), None)
 
-        inst: dict[str, Any] = poll(instance, 20, "the autoscaler to rent through the mock provider")
+        inst: dict[str, Any] = eventually_sync(instance, 20, "the autoscaler to rent through the mock provider")
         return inst
 
 
@@ -108,7 +109,7 @@ def test_admin_sees_instances_config_spend_and_masked_providers(
     expect(page.locator("#notice")).to_contain_text(f"Protected {rented['id']}")
     expect(row.locator('[data-col="protected"]')).to_have_text("yes")
     with client(*api) as admin:
-        poll(
+        eventually_sync(
             lambda: next(i for i in admin.get("/v1/autoscale/status").json()["instances"] if i["id"] == rented["id"])[
                 "protect"
             ],

@@ -15,7 +15,8 @@ import pytest
 from playwright.sync_api import Page, expect
 from support.autoscale_helpers import VAULT_KEY
 from support.dashboard_helpers import go, in_thread, save_screenshot, sign_in
-from support.server_helpers import client, make_key, new_queue, poll, server
+from support.eventually import eventually_sync
+from support.server_helpers import client, make_key, new_queue, server
 from support.servers import ValkeyServer
 
 from offload.autoscale.provider_store import ProviderStore
@@ -191,7 +192,9 @@ def test_admin_sets_up_edits_and_removes_a_queue_block(api: tuple[str, str], pag
     page.locator("#confirm-ok").click()
     expect(page.locator("#notice")).to_contain_text(f"Removed the dashboard setting of {queue}")
     with client(*api) as admin:
-        poll(lambda: admin.get(f"/v1/autoscale/queues/{queue}").status_code == 404, 5, "the block to be gone")
+        eventually_sync(
+            lambda: admin.get(f"/v1/autoscale/queues/{queue}").status_code == 404, 5, "the block to be gone"
+        )
 
 
 def test_a_viewer_gets_no_forms(api: tuple[str, str], page: Page) -> None:

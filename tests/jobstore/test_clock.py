@@ -12,10 +12,10 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
+from support.eventually import seconds_until
 from support.servers import ValkeyServer
 
 from bench.chaos.faketime import ClockFile
@@ -40,16 +40,6 @@ async def store_now(redis: RedisClient) -> float:
     return int(seconds) + int(micros) / 1e6
 
 
-async def until(check: Callable[[], Awaitable[bool]], timeout: float, what: str) -> float:
-    """Poll `check` until true (bounded); returns the seconds it took."""
-    t0 = time.monotonic()
-    while not await check():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        await asyncio.sleep(0.05)
-    return time.monotonic() - t0
-
-
 async def step_store_clock(valkey: ValkeyServer, redis: RedisClient, offset_s: float) -> None:
     """Set the store's clock offset and wait until its TIME shows it (libfaketime re-reads the file)."""
     assert valkey.clock is not None
@@ -58,7 +48,7 @@ async def step_store_clock(valkey: ValkeyServer, redis: RedisClient, offset_s: f
     async def stepped() -> bool:
         return abs(await store_now(redis) - time.time() - offset_s) < 2
 
-    await until(stepped, 10, f"the store's clock at {offset_s:+g} s")
+    await seconds_until(stepped, 10, f"the store's clock at {offset_s:+g} s")
 
 
 async def test_the_cap_window_is_the_utc_day_of_the_stores_clock(valkey_url: str) -> None:
@@ -143,7 +133,7 @@ async def test_a_step_back_of_the_stores_clock_moves_deadlines_retries_and_delay
             states = {j: (await store.get(j)).state for j in (retry_id, leased_id, delayed_id)}
             return set(states.values()) == {JobState.QUEUED}
 
-        took = await until(back, 30, "the dead worker's job, the retry and the delayed job back in ready")
+        took = await seconds_until(back, 30, "the dead worker's job, the retry and the delayed job back in ready")
         assert took < 30  # they were due within seconds of the step
         assert (await store.get(run_at_id)).state is JobState.DELAYED  # due an hour from the store's now
     finally:

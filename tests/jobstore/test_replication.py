@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import httpx
 import pytest
+from support.eventually import eventually
 from support.server_helpers import client as http_client
 from support.server_helpers import server
 from support.servers import HOST, ValkeyCluster, ValkeyServer
@@ -117,17 +118,8 @@ async def retried(call: Callable[[], Awaitable[T]], timeout: float = 30.0) -> T:
 
 
 async def until(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 60.0, task: Any = None) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        with contextlib.suppress(Exception):
-            if await check():
-                return
-        if task is not None and task.done():
-            task.result()
-            raise AssertionError(f"the worker stopped while waiting for {what}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        await asyncio.sleep(0.05)
+    """`eventually`, riding out a failover (any error of `check` is "not yet"), failing when `task` ends."""
+    await eventually(check, timeout, what, task=task, tolerate=(Exception,))
 
 
 # -- producers ----------------------------------------------------------------------------------------------------

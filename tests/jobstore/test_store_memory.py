@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 import yaml
 from redis.exceptions import OutOfMemoryError, ResponseError
-from support.server_helpers import client, new_queue, poll, server
+from support.eventually import eventually_sync
+from support.server_helpers import client, new_queue, server
 from support.servers import REDIS7, ValkeyServer, free_port
 from test_autoscale_alerts import Receiver
 from test_server_metrics import scrape
@@ -263,7 +264,7 @@ async def test_the_server_gauges_alerts_and_gates_on_the_stores_memory(
                     b["json"] for b in receiver.bodies if (b["json"]["kind"], b["json"]["subject"]) == (kind, subject)
                 ]
 
-            high = poll(lambda: got("store_memory", "high"), 30, "the store_memory alert")[0]
+            high = eventually_sync(lambda: got("store_memory", "high"), 30, "the store_memory alert")[0]
             assert 0.3 <= high["details"]["ratio"] < 1
             metrics = scrape(url, admin)
             assert metrics[("offload_store_memory_max_bytes", (("node", "primary"),))] == room
@@ -273,17 +274,21 @@ async def test_the_server_gauges_alerts_and_gates_on_the_stores_memory(
             assert metrics[("offload_store_maxmemory_policy", (("node", "primary"), ("policy", "noeviction")))] == 1
 
             squeeze(plain_valkey)  # full: the alert goes out although the store refuses its journal entry
-            poll(lambda: got("store_memory", "full"), 30, "the store_memory alert for a full store")
+            eventually_sync(lambda: got("store_memory", "full"), 30, "the store_memory alert for a full store")
             set_config(plain_valkey, "maxmemory", 0)
 
             set_config(plain_valkey, "maxmemory-policy", "allkeys-lru")
-            alert = poll(lambda: got("eviction_policy", "store"), 30, "the eviction_policy alert")[0]
+            alert = eventually_sync(lambda: got("eviction_policy", "store"), 30, "the eviction_policy alert")[0]
             assert alert["message"].startswith("maxmemory-policy is allkeys-lru: offload needs noeviction")
             with client(url, admin) as c:
-                r = poll(lambda: (x := c.post(f"/v1/queues/{queue}/jobs", json={"input": 1})).status_code == 503 and x)
+                r = eventually_sync(
+                    lambda: (x := c.post(f"/v1/queues/{queue}/jobs", json={"input": 1})).status_code == 503 and x
+                )
                 assert r.json()["detail"].startswith("maxmemory-policy is allkeys-lru") and r.headers["Retry-After"]
                 assert scrape(url, admin)[("offload_store_eviction_safe", ())] == 0
                 set_config(plain_valkey, "maxmemory-policy", "noeviction")  # fixed: enqueues are taken again
-                poll(lambda: c.post(f"/v1/queues/{queue}/jobs", json={"input": 2}).status_code == 201, 30, "enqueue")
+                eventually_sync(
+                    lambda: c.post(f"/v1/queues/{queue}/jobs", json={"input": 2}).status_code == 201, 30, "enqueue"
+                )
     finally:
         receiver.close()

@@ -28,9 +28,10 @@ from typing import Any
 
 import httpx
 import pytest
+from support.eventually import eventually_sync
 from support.s3server import RcloneS3
 from support.security_helpers import echo_server, leaks, redis_dump
-from support.server_helpers import BUCKET, client, new_queue, poll, server
+from support.server_helpers import BUCKET, client, new_queue, server
 from support.servers import ValkeyServer, free_port
 
 from offload.autoscale.credentials import Credentials
@@ -378,7 +379,7 @@ def test_the_attackers_walk(world: dict[str, Any], caplog: pytest.LogCaptureFixt
     g, url = w["given"], w["url"]
     admin = client(url, g["admin key"])
     # the autoscaler tried to rent for the victim queue, and the provider echoed credentials into its error
-    poll(
+    eventually_sync(
         lambda: any("400" in e.get("message", "") for e in admin.get("/v1/autoscale/events").json()),
         30,
         "a refused rental in the autoscaler's journal",
@@ -392,13 +393,13 @@ def test_the_attackers_walk(world: dict[str, Any], caplog: pytest.LogCaptureFixt
             r = machine.post("/v1/workers/register", json={"queues": [w["victim"]], "instance_id": inst})
             assert r.status_code == 403, (inst, r.text)
     # the operator's offload.yaml block rented from the operator's provider: its git token and env went there...
-    poll(
+    eventually_sync(
         lambda: any(g["vault git token"] in r[3] for r in w["echo"].requests if r[1] == "/v2/pods"),
         30,
         "the operator's deployment to reach the operator's provider",
     )
     # ...and the attacker's blocks were evaluated: the rental from its provider refused for want of a worker key
-    poll(
+    eventually_sync(
         lambda: all(
             (admin.get("/v1/autoscale/status").json()["queues"].get(q) or {}).get("decision", {}).get("provider")
             for q in (w["mine"],)

@@ -18,7 +18,8 @@ from typing import Any
 
 import httpx
 import pytest
-from support.server_helpers import client, make_key, new_queue, poll, server
+from support.eventually import eventually_sync
+from support.server_helpers import client, make_key, new_queue, server
 from support.servers import ValkeyServer
 
 from offload.config import Settings
@@ -254,13 +255,19 @@ def test_streams_long_polls_and_requests_are_capped_per_key(valkey: ValkeyServer
             assert extra[-1][2].status_code == 200
             assert _get(url, producer, path=f"/v1/queues/{q}").status_code == 200  # a 4th request: under 4
             trickle = _open_post(url, f"/v1/queues/{q}/jobs", producer, 100, b"{")  # holds the 4th
-            capped = poll(lambda: (r := _get(url, producer, path=f"/v1/queues/{q}")).status_code == 429 and r, 15)
+            capped = eventually_sync(
+                lambda: (r := _get(url, producer, path=f"/v1/queues/{q}")).status_code == 429 and r, 15
+            )
             assert "max_requests_per_key" in capped.json()["detail"], capped.text
             _close(opened.pop())
             trickle.close()
             trickle = None
-            poll(lambda: _get(url, producer, path=f"/v1/queues/{q}").status_code == 200, 15, "a request slot back")
-            extra.append(poll(lambda: _reopen(url, producer, f"/v1/queues/{q}/events"), 15, "a stream slot back"))
+            eventually_sync(
+                lambda: _get(url, producer, path=f"/v1/queues/{q}").status_code == 200, 15, "a request slot back"
+            )
+            extra.append(
+                eventually_sync(lambda: _reopen(url, producer, f"/v1/queues/{q}/events"), 15, "a stream slot back")
+            )
         finally:
             for o in opened + extra:
                 _close(o)
@@ -292,7 +299,7 @@ def _claims_are_capped(url: str, boot: str) -> None:
     threads = [threading.Thread(target=claim, daemon=True) for _ in range(4)]
     for t in threads:
         t.start()
-    refused = poll(lambda: [a for a in answers if a.status_code == 429], 15, "one claim over the cap")
+    refused = eventually_sync(lambda: [a for a in answers if a.status_code == 429], 15, "one claim over the cap")
     assert len(refused) == 1 and "max_streams_per_key" in refused[0].json()["detail"], [a.text for a in answers]
     with client(url, boot) as admin:
         for i in range(3):
@@ -320,7 +327,9 @@ def test_requests_without_a_key_are_capped_per_address(own_valkey: ValkeyServer)
         try:
             for t in threads:
                 t.start()
-            refused = poll(lambda: (r := httpx.get(f"{url}/healthz", timeout=30)).status_code == 429 and r, 20)
+            refused = eventually_sync(
+                lambda: (r := httpx.get(f"{url}/healthz", timeout=30)).status_code == 429 and r, 20
+            )
             assert refused.headers["Retry-After"] == "1" and refused.json()["error"] == "too_many_requests"
             assert "max_requests_per_address" in refused.json()["detail"]
             whoami = _get(url, boot, path="/v1/dashboard/whoami")  # a valid key: not counted per address
@@ -330,7 +339,9 @@ def test_requests_without_a_key_are_capped_per_address(own_valkey: ValkeyServer)
             os.kill(own_valkey.pid, signal.SIGCONT)
             for t in threads:
                 t.join(30)
-        poll(lambda: httpx.get(f"{url}/healthz", timeout=10).status_code == 200, 15, "healthz answered again")
+        eventually_sync(
+            lambda: httpx.get(f"{url}/healthz", timeout=10).status_code == 200, 15, "healthz answered again"
+        )
 
 
 # -- revocation (finding 9) -------------------------------------------------------------------------------------
@@ -352,7 +363,7 @@ def test_a_claim_long_poll_hands_out_nothing_once_its_key_is_revoked(valkey: Val
                 daemon=True,
             )
             t.start()
-            poll(lambda: r.exists(prefix(q) + "idle"), 15, "the claim to find the queue empty and wait")
+            eventually_sync(lambda: r.exists(prefix(q) + "idle"), 15, "the claim to find the queue empty and wait")
             assert admin.delete(f"/v1/keys/{created['id']}").status_code == 204
             job = admin.post(f"/v1/queues/{q}/jobs", json={"input": "for a live key only"}).json()["id"]
             t.join(30)
@@ -384,10 +395,10 @@ def test_streams_and_waits_stop_serving_a_revoked_key_within_seconds(valkey: Val
 
         threading.Thread(target=wait, daemon=True).start()
         threading.Thread(target=follow, daemon=True).start()
-        poll(lambda: any("connected" in line for line in lines), 15, "the stream to open")
+        eventually_sync(lambda: any("connected" in line for line in lines), 15, "the stream to open")
         revoked_at = time.monotonic()
         assert admin.delete(f"/v1/keys/{created['id']}").status_code == 204
-        poll(lambda: ended and waited, 20, "the stream and the wait to end")
+        eventually_sync(lambda: ended and waited, 20, "the stream and the wait to end")
         assert "event: revoked" in lines
         assert ended[0] - revoked_at < 4.0, ended[0] - revoked_at  # re-checked every second (it was 5 s)
         assert waited[0][0] == 401 and waited[0][1] - revoked_at < 6.0, waited
@@ -417,7 +428,9 @@ def test_expired_worker_registrations_leave_the_index(own_valkey: ValkeyServer) 
         beater.start()
         try:
             assert set(silent) <= set(r.zrange(REMOTE_WORKERS, 0, -1))
-            poll(lambda: not set(silent) & set(r.zrange(REMOTE_WORKERS, 0, -1)), 60, "expired entries pruned")
+            eventually_sync(
+                lambda: not set(silent) & set(r.zrange(REMOTE_WORKERS, 0, -1)), 60, "expired entries pruned"
+            )
             assert live in r.zrange(REMOTE_WORKERS, 0, -1) and beater.is_alive()
         finally:
             stop.set()

@@ -116,13 +116,6 @@ def echo_provider() -> Listener:
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RcloneS3]:
-    with RcloneS3(tmp_path_factory.mktemp("s3-egress")) as server:
-        server.make_bucket(BUCKET)
-        yield server
-
-
-@pytest.fixture(scope="module")
 def sim() -> Iterator[str]:
     with running_sim(SimConfig.model_validate({"default": {"latency": 0.05}})) as url:
         yield str(url)

@@ -18,8 +18,9 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from support.eventually import eventually_sync
 from support.s3server import RcloneS3
-from support.server_helpers import BUCKET, client, make_key, new_queue, poll, server
+from support.server_helpers import BUCKET, client, make_key, new_queue, server
 from support.servers import ValkeyServer
 
 from offload.server import routes_workers
@@ -48,7 +49,7 @@ def _claim(c: httpx.Client, worker_id: str, queue: str) -> dict[str, Any]:
         jobs: list[dict[str, Any]] = r.json()["jobs"]
         return jobs
 
-    (job,) = poll(claimed, 30, f"worker {worker_id} to claim")
+    (job,) = eventually_sync(claimed, 30, f"worker {worker_id} to claim")
     return job
 
 

@@ -20,7 +20,8 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from support.server_helpers import client, make_key, new_queue, poll, server
+from support.eventually import eventually_sync
+from support.server_helpers import client, make_key, new_queue, server
 from support.servers import ValkeyServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,7 +114,7 @@ def test_event_streams_share_one_reader_and_follow_only_known_queues(
     for t in threads:
         t.start()
     try:
-        poll(lambda: len(streams) == 3, 10, "three streams")
+        eventually_sync(lambda: len(streams) == 3, 10, "three streams")
         assert streams == [200, 200, 200]
         time.sleep(0.5)  # let every reader block
         assert _blocked_clients(valkey.url) <= 1  # one XREAD for 450 followed queues, not a pooled connection each
@@ -145,7 +146,7 @@ def test_an_event_stream_ends_when_its_key_is_revoked(api: tuple[str, str]) -> N
         ended.set()
 
     threading.Thread(target=follow, daemon=True).start()
-    poll(lambda: any("connected" in g for g in got), 10, "the stream to open")
+    eventually_sync(lambda: any("connected" in g for g in got), 10, "the stream to open")
     with client(url, boot) as admin:
         assert admin.delete(f"/v1/keys/{created['id']}").status_code == 204
         assert ended.wait(10), "the stream kept going after its key was revoked"
@@ -192,7 +193,9 @@ def test_a_server_at_its_connection_limit_answers_503(valkey: ValkeyServer) -> N
                 s.__exit__(None, None, None)
             for c in clients:
                 c.close()
-        poll(lambda: httpx.get(f"{url}/healthz", timeout=10).status_code == 200, 15, "the server to accept again")
+        eventually_sync(
+            lambda: httpx.get(f"{url}/healthz", timeout=10).status_code == 200, 15, "the server to accept again"
+        )
 
 
 def test_failed_authentication_is_limited_per_address_across_servers(valkey: ValkeyServer) -> None:

@@ -27,8 +27,9 @@ from typing import Any
 import httpx
 import pytest
 from support.autoscale_helpers import VAULT_KEY, Clock, make_scaler, queue_block, sim_call, worker_token
+from support.eventually import eventually_sync
 from support.security_helpers import Echo, echo_server, leaks
-from support.server_helpers import client, make_key, new_queue, poll, server
+from support.server_helpers import client, make_key, new_queue, server
 from support.servers import ValkeyServer
 
 from offload.autoscale import keys
@@ -170,8 +171,10 @@ def test_an_admin_key_ships_none_of_the_operators_secrets_to_a_host_it_picks(wor
         for q in (world["yaml"], atk, own_q):
             assert admin.post(f"/v1/queues/{q}/jobs", json={"input": 1}).status_code == 201
         # the provider carrying a worker key of its own rents (with that key): the listener does get rentals
-        poll(lambda: any(own_key in b for _, b in _received(hostile, path)), 30, "the keyed provider's rental")
-        poll(lambda: _evaluated(admin, world["yaml"], atk, own_q), 30, "the three queues to be evaluated")
+        eventually_sync(
+            lambda: any(own_key in b for _, b in _received(hostile, path)), 30, "the keyed provider's rental"
+        )
+        eventually_sync(lambda: _evaluated(admin, world["yaml"], atk, own_q), 30, "the three queues to be evaluated")
         skipped = {
             q: admin.get("/v1/autoscale/status").json()["queues"][q]["decision"]["provider"]["skipped"]
             for q in (world["yaml"], atk)
@@ -223,7 +226,7 @@ def test_a_masked_value_is_kept_only_for_where_it_was_given(world: dict[str, Any
         r = admin.put(f"/v1/autoscale/queues/{q}", json={**shown, "enabled": True, "max_workers": 2})
         assert r.status_code == 422, r.text  # sent back now, it is refused too
         assert admin.post(f"/v1/queues/{q}/jobs", json={"input": 1}).status_code == 201
-        poll(lambda: _evaluated(admin, q), 30, "the queue to be evaluated")
+        eventually_sync(lambda: _evaluated(admin, q), 30, "the queue to be evaluated")
         skipped = admin.get("/v1/autoscale/status").json()["queues"][q]["decision"]["provider"]["skipped"]
         assert "re-created or moved" in skipped[f"a-{q}"], skipped
     assert leaks({"HF_TOKEN": token}, _received(hostile, moved_path)) == []
@@ -320,7 +323,7 @@ def _rented(world: dict[str, Any], admin: httpx.Client) -> list[tuple[str, str]]
         pairs = [(i["id"], machines[f"offload-{i['id']}"]["env"].get("OFFLOAD_INSTANCE_TOKEN", "")) for i in rows]
         return pairs if pairs else None
 
-    result: list[tuple[str, str]] = poll(found, 30, "a rental for the rent queue")
+    result: list[tuple[str, str]] = eventually_sync(found, 30, "a rental for the rent queue")
     return result
 
 

@@ -22,8 +22,9 @@ from typing import Any
 
 import httpx
 import pytest
+from support.eventually import eventually_sync
 from support.s3server import RcloneS3
-from support.server_helpers import BUCKET, client, make_key, new_queue, poll, server
+from support.server_helpers import BUCKET, client, make_key, new_queue, server
 from support.servers import ValkeyServer
 
 from offload.storage.s3 import S3Storage
@@ -81,12 +82,12 @@ class Probe:
 
     def __enter__(self) -> Probe:
         self._thread.start()
-        poll(lambda: len(self.samples) >= 3, 30, "the probe's first answers")
+        eventually_sync(lambda: len(self.samples) >= 3, 30, "the probe's first answers")
         return self
 
     def __exit__(self, *exc: object) -> None:
         count = len(self.samples)
-        poll(lambda: len(self.samples) >= count + 3, 30, "the probe's answers after the requests")
+        eventually_sync(lambda: len(self.samples) >= count + 3, 30, "the probe's answers after the requests")
         self._stop.set()
         self._thread.join(30)
 
@@ -182,7 +183,9 @@ def _lease(p: httpx.Client, w: httpx.Client, queue: str) -> tuple[str, dict[str,
     """A registered worker holding a fresh job: (worker id, the claimed job)."""
     wid = w.post("/v1/workers/register", json={"queues": [queue], "host": "stall"}).json()["worker_id"]
     assert p.post(f"/v1/queues/{queue}/jobs", json={"input": {"n": 1}}).status_code == 201
-    jobs = poll(lambda: w.post(f"/v1/workers/{wid}/claim", json={"queue": queue, "wait": 1}).json()["jobs"], 30)
+    jobs = eventually_sync(
+        lambda: w.post(f"/v1/workers/{wid}/claim", json={"queue": queue, "wait": 1}).json()["jobs"], 30
+    )
     return wid, jobs[0]
 
 
@@ -310,7 +313,9 @@ def test_a_gpu_workers_uploads_per_run_are_limited(api: tuple[str, str]) -> None
     with client(url, make_key(url, admin, "producer", [q])) as p, client(url, make_key(url, admin, "worker", [q])) as w:
         assert p.post(f"/v1/queues/{q}/jobs", json={"input": 1}).status_code == 201
         wid = w.post("/v1/workers/register", json={"queues": [q], "host": "t"}).json()["worker_id"]
-        held = poll(lambda: w.post(f"/v1/workers/{wid}/claim", json={"queue": q, "wait": 1}).json()["jobs"], 30)[0]
+        held = eventually_sync(
+            lambda: w.post(f"/v1/workers/{wid}/claim", json={"queue": q, "wait": 1}).json()["jobs"], 30
+        )[0]
         ask: Callable[[int, int], httpx.Response] = lambda index, size: w.post(  # noqa: E731
             f"/v1/workers/{wid}/jobs/{held['id']}/files/upload",
             json={"token": held["token"], "index": index, "name": "o.bin", "size": size},

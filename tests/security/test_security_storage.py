@@ -14,8 +14,9 @@ from urllib.parse import quote
 import httpx
 import orjson
 import pytest
+from support.eventually import eventually_sync
 from support.s3server import RcloneS3
-from support.server_helpers import BUCKET, client, make_key, new_queue, poll, server
+from support.server_helpers import BUCKET, client, make_key, new_queue, server
 from support.servers import ValkeyServer
 
 from offload.config import Settings, load_settings
@@ -230,7 +231,7 @@ def test_tutorial_results_land_at_their_exact_key_through_the_gpu_path(
     on_store(valkey.url, lambda st: st.redis.rpush(f"{q}:jobs", entry))
     assert on_store(valkey.url, lambda st: st.ingest(f"{q}:jobs", q)) == (1, 0)
     run_one(url, token, q, {"answer": 42})
-    body = poll(
+    body = eventually_sync(
         lambda: s3.client().get_object(Bucket=BUCKET, Key="results/t-17.json")["Body"].read(),
         10,
         "the tutorial's result",

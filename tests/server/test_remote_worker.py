@@ -16,9 +16,10 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from support.eventually import eventually_sync
 from support.procs import die_with_parent
 from support.s3server import RcloneS3
-from support.server_helpers import BUCKET, client, make_key, new_queue, poll, server
+from support.server_helpers import BUCKET, client, make_key, new_queue, server
 from support.servers import ValkeyServer
 
 from offload.storage.inputs import outputs_prefix
@@ -104,7 +105,7 @@ def enqueue(url: str, token: str, queue: str, inputs: list[Any], **options: Any)
 
 
 def wait_state(url: str, token: str, job_id: str, state: str, timeout: float = 45) -> dict[str, Any]:
-    result: dict[str, Any] = poll(
+    result: dict[str, Any] = eventually_sync(
         lambda: (d := job(url, token, job_id))["state"] == state and d, timeout, f"{job_id} to be {state}"
     )
     return result

@@ -12,8 +12,9 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from support.eventually import eventually_sync
 from support.s3server import RcloneS3
-from support.server_helpers import BUCKET, client, new_queue, poll, server
+from support.server_helpers import BUCKET, client, new_queue, server
 from support.servers import ValkeyServer
 
 from offload.connection import connect
@@ -260,7 +261,7 @@ def test_all_queues_stream_follows_new_queues(api: tuple[str, str], admin: httpx
             admin.post(f"/v1/queues/{q}/jobs", json={"input": 1})
         return bool(found)
 
-    poll(seen, 15, "an event of the new queue", interval=0.5)
+    eventually_sync(seen, 15, "an event of the new queue", every=0.5)
     assert found[0]["state"] == "queued" and found[0]["jobs"][0].startswith(f"{q}:")
 
 
@@ -273,7 +274,7 @@ def test_rates_appear_after_samples(admin: httpx.Client) -> None:
         view = admin.get(f"/v1/queues/{q}").json()
         return view if view["rate_window_s"] else None
 
-    view = poll(rated, 10, "a rate window")
+    view = eventually_sync(rated, 10, "a rate window")
     assert view["rates"]["enqueued"] > 0 and set(view["rates"]) >= {"enqueued", "succeeded", "dead"}
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from support.server_helpers import client, make_key, new_queue, poll, server
+from support.eventually import eventually_sync
+from support.server_helpers import client, make_key, new_queue, server
 from support.servers import ValkeyServer
 from test_server_metrics import scrape
 
@@ -46,7 +47,7 @@ def test_the_servers_maintenance_releases_jobs_held_in_a_past_window(valkey: Val
         def released() -> bool:
             return all(c.get(f"/v1/jobs/{j}").json()["state"] == "queued" for j in ids)
 
-        poll(released, 10, "the held jobs to be released")
+        eventually_sync(released, 10, "the held jobs to be released")
 
 
 def test_metrics_count_possible_duplicate_submissions(valkey: ValkeyServer) -> None:
@@ -94,7 +95,7 @@ def test_a_gpu_workers_leases_are_judged_by_token_and_unknown_ones_handed_back(v
                 doc = admin.get(f"/v1/jobs/{lost['id']}").json()
                 return doc["state"] == "queued" and doc
 
-            doc = poll(handed_back, 10, "the unknown lease to be handed back", interval=0.2)
+            doc = eventually_sync(handed_back, 10, "the unknown lease to be handed back", every=0.2)
             assert doc["lease_expiries"] == 0 and doc["attempts"] == 0
             assert admin.get(f"/v1/jobs/{kept['id']}").json()["state"] == "active"
 

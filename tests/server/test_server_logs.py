@@ -15,8 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 from support.dashboard_helpers import HttpWorker
+from support.eventually import eventually_sync
 from support.procs import die_with_parent
-from support.server_helpers import client, make_key, new_queue, poll
+from support.server_helpers import client, make_key, new_queue
 from support.servers import free_port
 
 ADMIN = "boot-" + secrets.token_urlsafe(32)
@@ -44,7 +45,7 @@ def start(
             return False
 
     try:
-        poll(ready, timeout=60, what="the server to answer")
+        eventually_sync(ready, timeout=60, what="the server to answer")
     except BaseException:
         stop(proc)  # a server that did not come up is not left running
         raise
@@ -84,7 +85,7 @@ def test_routine_worker_calls_leave_no_access_line(served: tuple[str, Path]) -> 
         assert worker.http.post(f"/v1/workers/{worker.id}x/heartbeat", json={"jobs": []}).status_code == 404
         admin.get("/v1/queues")  # the last request: once its line is there, every earlier one was written
     worker.close()
-    poll(lambda: "GET /v1/queues HTTP" in log.read_text(), what="the access line of GET /v1/queues")
+    eventually_sync(lambda: "GET /v1/queues HTTP" in log.read_text(), 30, what="the access line of GET /v1/queues")
     text = log.read_text()
     assert f'POST /v1/queues/{q}/jobs HTTP/1.1" 201' in text and '/complete HTTP/1.1" 200' in text
     assert f"/v1/workers/{worker.id}/heartbeat" not in text and "/claim HTTP" not in text

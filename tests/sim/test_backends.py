@@ -13,12 +13,13 @@ import contextlib
 import gzip
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
 import orjson
 import pytest
+from support.eventually import eventually
 from support.servers import free_port
 
 from offload.backends import (
@@ -118,13 +119,6 @@ async def settle(backend: Backend, remote_id: str, timeout: float = 5.0) -> Remo
         result = await backend.poll(remote_id)
         if result.terminal or time.monotonic() > deadline:
             return result
-        await asyncio.sleep(0.02)
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not await check():
-        assert time.monotonic() < deadline, "condition not reached in time"
         await asyncio.sleep(0.02)
 
 

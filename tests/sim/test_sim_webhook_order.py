@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
-from support.webhook_world import wait_for
+from support.eventually import eventually
 
 from offload.sim.store import Job
 from offload.sim.webhooks import REORDER_LAG_S, HookFaults, HookSender
@@ -53,7 +53,7 @@ async def test_a_reordered_start_waits_for_a_slow_final_delivery() -> None:
         async def both_logged() -> bool:
             return len(sender.sent) >= 2
 
-        await wait_for(both_logged, what="both deliveries logged")
+        await eventually(both_logged, what="both deliveries logged")
     finally:
         await sender.aclose()
         await runner.cleanup()

@@ -32,7 +32,7 @@ from offload.server.file_sweep import FileSweep
 from offload.storage.namespace import STORE_MARKER
 from offload.storage.s3 import S3Storage
 
-s3, bucket, storage = test_storage.s3, test_storage.bucket, test_storage.storage
+bucket, storage = test_storage.bucket, test_storage.storage
 LATER = 7200  # the sweep's clock this far ahead: every file is past the upload grace
 
 

@@ -29,7 +29,7 @@ from offload.storage.outputs import files_prefix
 from offload.storage.s3 import S3Storage
 
 # the servers and storage fixtures this module shares with test_storage (a module-scoped S3, a fresh bucket)
-s3, bucket, storage = test_storage.s3, test_storage.bucket, test_storage.storage
+bucket, storage = test_storage.bucket, test_storage.storage
 MiB = 1024 * 1024
 
 

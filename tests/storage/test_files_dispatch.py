@@ -9,13 +9,13 @@ import json
 import os
 import sys
 import textwrap
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from support.eventually import eventually
 from support.s3server import RcloneS3
 from support.servers import free_port
 
@@ -37,13 +37,6 @@ BACKENDS: dict[str, dict[str, Any]] = {
     "fal": {"kind": "fal", "app": "fal-ai/flux/dev"},
     "openai": {"kind": "openai", "model": "gpt-sim"},
 }
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RcloneS3]:
-    with RcloneS3(tmp_path_factory.mktemp("s3")) as server:
-        server.make_bucket(BUCKET)
-        yield server
 
 
 @pytest.fixture(scope="module")
@@ -76,15 +69,6 @@ def settings_for(valkey_url: str, s3: RcloneS3, sim: str, kind: str) -> Settings
     )
 
 
-async def wait_for(check: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (got := await check()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.1)
-    return got
-
-
 async def sim_inputs(sim: str, input_id: str, count: int, timeout: float = 60) -> list[dict[str, Any]]:
     """What the simulator downloaded for the remote job of `input_id`, once all `count` URLs are fetched."""
     async with httpx.AsyncClient() as http:
@@ -100,7 +84,7 @@ async def sim_inputs(sim: str, input_id: str, count: int, timeout: float = 60) -
             files: list[dict[str, Any]] = view["files"]
             return files
 
-        result: list[dict[str, Any]] = await wait_for(fetched, timeout, f"the simulator to fetch {input_id}'s files")
+        result: list[dict[str, Any]] = await eventually(fetched, timeout, f"the simulator to fetch {input_id}'s files")
         return result
 
 
@@ -113,7 +97,7 @@ async def run_until_done(settings: Settings, store: QueueStore, job_id: str, tim
             job = await store.get(job_id)
             return job if job.state.terminal else None
 
-        return await wait_for(finished, timeout, f"job {job_id} to finish")
+        return await eventually(finished, timeout, f"job {job_id} to finish")
     finally:
         stop.set()
         await task
@@ -244,7 +228,7 @@ async def test_storage_outage_at_submit_is_retried_not_dead(
             job = await store.get(job_id)
             return job if job.error and job.state.value in ("retrying", "queued") else None
 
-        job = await wait_for(retried, 30, "a retry after the storage outage")
+        job = await eventually(retried, 30, "a retry after the storage outage")
     finally:
         stop.set()
         await task

@@ -20,9 +20,10 @@ import httpx
 import orjson
 import pytest
 import yaml
+from support.eventually import eventually_sync
 from support.handlers import BLOB_MIB, blob_bytes, tiny_png
 from support.s3server import RcloneS3
-from support.server_helpers import BUCKET, client, make_key, new_queue, poll, server
+from support.server_helpers import BUCKET, client, make_key, new_queue, server
 from support.servers import ValkeyServer
 from test_remote_worker import _reap, spawn_worker, wait_state
 
@@ -174,7 +175,7 @@ def test_worker_cannot_reach_outside_its_job(api: tuple[str, str], s3: RcloneS3)
         job_b = c.post(f"/v1/queues/{q}/jobs", json={"input": {"f": second["reference"]}}).json()["id"]
     with client(url, worker) as c:
         wid = c.post("/v1/workers/register", json={"queues": [q], "host": "t"}).json()["worker_id"]
-        claimed = poll(
+        claimed = eventually_sync(
             lambda: c.post(f"/v1/workers/{wid}/claim", json={"queue": q, "max": 1, "wait": 1}).json()["jobs"],
             20,
             "a claim",

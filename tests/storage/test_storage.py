@@ -63,12 +63,6 @@ def logged(caplog: pytest.LogCaptureFixture) -> str:
     return "\n".join(r.getMessage() for r in caplog.records if r.name == "offload.storage")
 
 
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RcloneS3]:
-    with RcloneS3(tmp_path_factory.mktemp("s3") / "data") as server:
-        yield server
-
-
 @pytest.fixture
 def bucket(s3: RcloneS3) -> str:
     name = f"t-{secrets.token_hex(6)}"

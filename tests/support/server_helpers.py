@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import secrets
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -25,15 +24,25 @@ def new_queue(tag: str = "q") -> str:
 
 @contextmanager
 def server(
-    redis_url: str, storage: dict[str, Any] | None = None, settings: dict[str, Any] | None = None, **options: Any
+    redis_url: str,
+    storage: dict[str, Any] | None = None,
+    settings: dict[str, Any] | Settings | None = None,
+    *,
+    port: int = 0,
+    **options: Any,
 ) -> Iterator[tuple[str, str]]:
-    """Yields (base URL, bootstrap admin token). Local storage unless `storage` is given."""
+    """The one way a test runs an API server: yields (base URL, bootstrap admin token). `settings` a dict (local
+    storage unless `storage` or the dict names one) or a whole `Settings`; `port` a fixed one, for a test that
+    stops a server and starts one at the same address; `options` are ServerOptions fields."""
     admin = options.pop("admin_key", None) or "boot-" + secrets.token_urlsafe(24)
-    storage = storage or {"kind": "local", "path": tempfile.mkdtemp(prefix="offload-server-")}
-    config = Settings.model_validate({**(settings or {}), "storage": storage})
+    if not isinstance(settings, Settings):
+        storage = storage or (settings or {}).get("storage")
+        storage = storage or {"kind": "local", "path": tempfile.mkdtemp(prefix="offload-server-")}
+        settings = Settings.model_validate({**(settings or {}), "storage": storage})
     options.setdefault("auth_fail_limit", 100_000)  # tests present bad keys on purpose; test_security tests the limit
-    opts = ServerOptions(redis_url=redis_url, settings=config, admin_key=admin, maintenance_interval_s=0.2, **options)
-    with running_server(opts) as url:
+    options.setdefault("maintenance_interval_s", 0.2)
+    opts = ServerOptions(redis_url=redis_url, settings=settings, admin_key=admin, **options)
+    with running_server(opts, port=port) as url:
         yield url, admin
 
 
@@ -69,15 +78,3 @@ def make_key(url: str, admin: str, scope: str, queues: list[str] | None = None) 
         assert r.status_code == 201, r.text
         token: str = r.json()["token"]
         return token
-
-
-def poll(check: Callable[[], Any], timeout: float = 30.0, what: str = "condition", interval: float = 0.05) -> Any:
-    """Poll until `check()` returns something truthy; fail with `what` after `timeout` (never a bare sleep)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {value!r})")
-        time.sleep(interval)

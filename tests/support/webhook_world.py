@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,10 +20,10 @@ from offload.models import Job, JobState
 from offload.queue.keys import hooks_channel
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
-from offload.server.runner import running_server
-from offload.server.state import ServerOptions
 from offload.worker.dispatch import Worker
 from offload.worker.run import run_worker
+from support.eventually import eventually
+from support.server_helpers import server
 from support.servers import free_port
 
 REPLICATE_SECRET = "whsec_" + "c2ltdWxhdGVkLXJlcGxpY2F0ZS1zZWNyZXQ="
@@ -96,17 +95,6 @@ def sim_requests(sim_url: str) -> dict[str, int]:
     return dict(httpx.get(f"{sim_url}/_sim/stats").json()["requests"])
 
 
-async def wait_for(check: Callable[[], Awaitable[Any]], timeout: float = 20.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
 @dataclass
 class World:
     sim_url: str
@@ -122,7 +110,7 @@ class World:
             job = await self.store.get(job_id)
             return job if job.state in (JobState.SUCCEEDED, JobState.DEAD) else None
 
-        found: Job = await wait_for(done, timeout, f"job {job_id} to finish")
+        found: Job = await eventually(done, timeout, f"job {job_id} to finish")
         return found
 
     @contextlib.asynccontextmanager
@@ -147,7 +135,7 @@ class World:
                 task.result()
             return bool(ready)
 
-        await wait_for(started, 10, "the worker to start")
+        await eventually(started, 10, "the worker to start")
         if (settings or self.settings).hook_base(BACKENDS[provider]):
             channel = hooks_channel(QUEUES[provider], ready[0].id)
 
@@ -155,7 +143,7 @@ class World:
                 ((_, n),) = await self.store.redis.pubsub_numsub(channel)
                 return bool(n)
 
-            await wait_for(subscribed, 10, "the worker's webhook subscription")
+            await eventually(subscribed, 10, "the worker's webhook subscription")
         try:
             yield ready[0]
         finally:
@@ -168,8 +156,7 @@ class World:
 
 @contextlib.contextmanager
 def server_at(settings: Settings, redis_url: str, port: int) -> Any:
-    options = ServerOptions(redis_url=redis_url, settings=settings, admin_key="boot-admin-key-for-tests-0123456789")
-    with running_server(options, port=port) as url:
+    with server(redis_url, settings=settings, port=port, admin_key="boot-admin-key-for-tests-0123456789") as (url, _):
         yield url
 
 

@@ -9,7 +9,6 @@ RunPod deliveries: the URL's secret is their whole proof, so the test can delive
 from __future__ import annotations
 
 import asyncio
-import secrets
 import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ from urllib.parse import quote, urlsplit
 import httpx
 import orjson
 import pytest
+from support import server_helpers
 from support.servers import ValkeyServer, free_port
 
 from offload.config import Settings
@@ -25,8 +25,6 @@ from offload.connection import connect
 from offload.queue.keys import hook_digest
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
-from offload.server.runner import running_server
-from offload.server.state import ServerOptions
 
 SECRET = "fast-path-secret-0123456789abcdef"
 
@@ -43,10 +41,7 @@ def server(own_valkey: ValkeyServer, tmp_path: Path) -> Iterator[str]:
             "queues": {"q": {"backend": "rp"}},
         }
     )
-    options = ServerOptions(
-        redis_url=own_valkey.url, settings=settings, admin_key="fast-path-admin-" + secrets.token_hex(16)
-    )
-    with running_server(options, port=port) as url:
+    with server_helpers.server(own_valkey.url, settings=settings, port=port) as (url, _):
         yield url
 
 

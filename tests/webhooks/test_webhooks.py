@@ -17,6 +17,7 @@ from urllib.parse import quote
 import httpx
 import orjson
 import pytest
+from support.eventually import eventually
 from support.webhook_world import (
     BACKENDS,
     QUEUES,
@@ -25,7 +26,6 @@ from support.webhook_world import (
     deliveries,
     sim_jobs,
     sim_requests,
-    wait_for,
     world,
 )
 
@@ -111,7 +111,7 @@ async def test_duplicate_and_reordered_webhooks_change_nothing(
         async def all_sent() -> bool:
             return bool(deliveries(sim_url))
 
-        await wait_for(all_sent, what="the deliveries")
+        await eventually(all_sent, what="the deliveries")
         after = await w.store.get(job_id)
     (sent,) = deliveries(sim_url)
     assert sent["copies"] == 2 and sent["reordered"] and sent["statuses"] == [200, 200, 200], sent
@@ -127,7 +127,7 @@ async def _held_job(w: Any, provider: str, sim_url: str, name: str) -> tuple[str
     async def submitted() -> bool:
         return bool(sim_jobs(sim_url, job_id)) and (await w.store.get(job_id)).remote_id is not None
 
-    await wait_for(submitted, what="the submission")
+    await eventually(submitted, what="the submission")
     return job_id, hook_url(sim_url, job_id)
 
 
@@ -238,7 +238,7 @@ async def test_late_webhook_after_polling_finished_the_job_changes_nothing(
         async def delivered() -> bool:
             return bool(deliveries(sim_url))
 
-        await wait_for(delivered, what="the late delivery")
+        await eventually(delivered, what="the late delivery")
         after = await w.store.get(job_id)
     assert job.state == JobState.SUCCEEDED and deliveries(sim_url)[0]["statuses"] == [200]
     assert after.finished_at == job.finished_at and after.result == job.result
@@ -357,7 +357,7 @@ async def test_forged_and_foreign_start_deliveries_cannot_adopt_an_open_submissi
         async def at_provider() -> bool:
             return bool(sim_jobs(sim_url, job_id))
 
-        await wait_for(at_provider, what="the submission to reach the provider")
+        await eventually(at_provider, what="the submission to reach the provider")
         (remote,) = sim_jobs(sim_url, job_id)
         url = str(remote["meta"]["webhook"])
         body = orjson.dumps({"id": "attacker-run", "status": "starting"})
@@ -391,7 +391,7 @@ async def test_a_start_arriving_after_completion_changes_nothing(valkey_url: str
         async def start_sent() -> bool:
             return bool(deliveries(sim_url, "start"))
 
-        await wait_for(start_sent, what="the reordered start")
+        await eventually(start_sent, what="the reordered start")
         after = await w.store.redis.hgetall(f"offload:{{{QUEUES['replicate']}}}:job:{job_id}")
     (start,) = deliveries(sim_url, "start")
     (done,) = deliveries(sim_url)
@@ -412,7 +412,7 @@ async def test_a_burst_of_deliveries_at_once_gets_one_verdict_each(
         async def all_submitted() -> bool:
             return all([bool(sim_jobs(sim_url, i)) and (await w.store.get(i)).remote_id is not None for i in ids])
 
-        await wait_for(all_submitted, what="the submissions")
+        await eventually(all_submitted, what="the submissions")
         sends: list[tuple[str, bytes, dict[str, str]]] = []
         for n, job_id in enumerate(ids):
             url, remote = hook_url(sim_url, job_id), (await w.store.get(job_id)).remote_id

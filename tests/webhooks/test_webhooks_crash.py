@@ -7,7 +7,6 @@ again; the webhook adopts the remote id and the job completes with exactly one s
 from __future__ import annotations
 
 import contextlib
-import secrets
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,8 +15,10 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from support.eventually import eventually
+from support.server_helpers import server
 from support.servers import free_port
-from support.webhook_world import QUEUES, config_for, configure_sim, deliveries, sim_jobs, wait_for
+from support.webhook_world import QUEUES, config_for, configure_sim, deliveries, sim_jobs
 from test_worker_crash import OFFLOAD, base_env, spawn, stop
 
 from offload.config import Settings
@@ -25,8 +26,6 @@ from offload.connection import connect
 from offload.models import JobState
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
-from offload.server.runner import running_server
-from offload.server.state import ServerOptions
 from offload.sim import running_sim
 
 
@@ -118,18 +117,13 @@ async def killed_inside_submit(
         data = config_for(valkey_url, sim_url, f"http://127.0.0.1:{port}", tmp_path / "results", **settings)
         path = tmp_path / "offload.yaml"
         path.write_text(yaml.safe_dump(data))
-        options = ServerOptions(
-            redis_url=valkey_url,
-            settings=Settings.model_validate(data),
-            admin_key="boot-admin-" + secrets.token_hex(16),
-        )
         client = await connect(valkey_url)
         store = QueueStore(client)
         env = {**base_env(), "OFFLOAD_LEASE_MS": "1500"}
         queue = QUEUES[provider]
         cmd = [OFFLOAD, "worker", "--queue", queue, "--config", str(path), "--grace", "1", "--log-level", "info"]
         b_log = tmp_path / "b.log"
-        with running_server(options, port=port):
+        with server(valkey_url, settings=Settings.model_validate(data), port=port):
             job_id = await store.enqueue(queue, JobSpec(input={"id": "crash-1", "prompt": "p"}))
             a = spawn(cmd, env, tmp_path, tmp_path / "a.log")
             b = None
@@ -138,7 +132,7 @@ async def killed_inside_submit(
                 async def arrived() -> bool:
                     return bool(submissions(sim_url))
 
-                await wait_for(arrived, 20, "the submission to reach the provider")
+                await eventually(arrived, 20, "the submission to reach the provider")
                 if drop:  # from now on the provider answers at once and runs jobs of 1 s (A's call stays held)
                     config = {"seed": 7, "default": {"latency": 1.0}, "honour_idempotency_key": False}
                     async with httpx.AsyncClient() as http:
@@ -148,7 +142,7 @@ async def killed_inside_submit(
                 async def b_ready() -> bool:
                     return "serving queue" in b_log.read_text()
 
-                await wait_for(b_ready, 20, "the second worker to start")
+                await eventually(b_ready, 20, "the second worker to start")
                 (entry,) = submissions(sim_url)
                 assert entry["responded"] is None  # the answer is still on its way: A dies inside the call
                 stop(a, signal.SIGKILL)
@@ -158,7 +152,7 @@ async def killed_inside_submit(
                     return (await store.get(job_id)).state == JobState.SUCCEEDED
 
                 try:
-                    await wait_for(succeeded, 30, "the job to succeed")
+                    await eventually(succeeded, 30, "the job to succeed")
                 except AssertionError:
                     raise AssertionError(b_log.read_text()[-3000:]) from None
                 yield sim_url, store, job_id, b_log

@@ -49,7 +49,7 @@ from offload.queue import keys
 from offload.queue.store import QueueStore
 
 # the fixtures this module shares with test_worker_faults (module-scoped servers, a clean simulator per test)
-s3, sim, no_outputs, bucket, store = faults.s3, faults.sim, faults.no_outputs, faults.bucket, faults.store
+BUCKET, sim, no_outputs, bucket, store = faults.BUCKET, faults.sim, faults.no_outputs, faults.bucket, faults.store
 _quick_backoff, _clean_sim = faults._quick_backoff, faults._clean_sim
 MiB = 2**20
 

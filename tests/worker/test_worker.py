@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
 import orjson
 import pytest
+from support.eventually import eventually
 from support.s3server import RcloneS3
 
 from offload.config import Settings
@@ -21,13 +21,6 @@ from offload.sim.server import running_sim
 from offload.worker.run import run_worker
 
 BUCKET = "gpu-results"
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RcloneS3]:
-    with RcloneS3(tmp_path_factory.mktemp("s3")) as server:
-        server.make_bucket(BUCKET)
-        yield server
 
 
 @pytest.fixture(scope="module")
@@ -84,14 +77,6 @@ async def start_worker(settings: Settings, **kw: Any) -> tuple[asyncio.Event, as
     return stop, task
 
 
-async def wait_until(check: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
 @pytest.fixture
 async def store(valkey_url: str) -> AsyncIterator[QueueStore]:
     redis = await connect(valkey_url)
@@ -108,7 +93,7 @@ async def test_every_backend_end_to_end(kind: str, valkey_url: str, s3: RcloneS3
     async def all_done() -> bool:
         return (await store.stats("q")).counts["succeeded"] == 20
 
-    await wait_until(all_done, 60, "20 jobs to succeed")
+    await eventually(all_done, 60, "20 jobs to succeed")
     stop.set()
     await task
     client = s3.client()

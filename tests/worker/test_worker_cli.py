@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,9 +21,10 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from support.eventually import eventually, eventually_sync
 from support.procs import die_with_parent
 from support.s3server import RcloneS3
-from support.server_helpers import BUCKET, make_key, new_queue, poll, server
+from support.server_helpers import BUCKET, make_key, new_queue, server
 from support.servers import ValkeyServer
 from test_remote_worker import enqueue, wait_state, workers
 from typer.testing import CliRunner
@@ -103,12 +103,8 @@ def stopped(proc: subprocess.Popen[bytes], log: Path, timeout: float = 30) -> in
 
 
 async def wait_for(check: Callable[[], Any], timeout: float, what: str, log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while not await check():
-        if time.monotonic() > deadline:
-            tail = log.read_text()[-3000:]  # noqa: ASYNC240 - a small local file, on the way to failing
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}:\n{tail}")
-        await asyncio.sleep(0.05)
+    """`eventually`, with the worker's log tail in the failure."""
+    await eventually(check, timeout, what, why=lambda: log.read_text()[-3000:])
 
 
 # -- the GPU worker of a rented machine -------------------------------------------------------------------
@@ -138,7 +134,7 @@ def test_rented_machine_runs_the_image_entrypoint_with_its_env_alone(api: tuple[
     assert stopped(proc, log) == 0
     # Gone once its lease lapses at the latest: a long-poll claim the server is still running when the worker
     # deregisters renews the store's liveness once more (seen under load; the server's race, not the CLI's).
-    poll(lambda: not [w for w in workers(url, boot) if q in w["queues"]], 10, f"worker of {q} to be gone")
+    eventually_sync(lambda: not [w for w in workers(url, boot) if q in w["queues"]], 10, f"worker of {q} to be gone")
 
 
 def test_one_gpu_worker_serves_every_queue_of_offload_queue(api: tuple[str, str], tmp_path: Path) -> None:

@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 import test_worker_crash as crash
 import yaml
+from support.eventually import seconds_until
 from support.servers import ValkeyServer
-from test_worker_crash import QUEUE, Fleet, SimProcess, base_env, job_input, wait_until
+from test_worker_crash import QUEUE, Fleet, SimProcess, base_env, job_input
 
 from bench.chaos.faketime import ClockFile
 from offload.connection import connect
@@ -77,7 +78,7 @@ async def test_a_worker_whose_clock_is_a_day_ahead_pays_no_more_than_the_daily_c
     async def up() -> bool:
         return fleet.ready("true") and fleet.ready("ahead")
 
-    await wait_until(up, 60, "both workers serving", why=fleet.problems)
+    await seconds_until(up, 60, "both workers serving", why=fleet.problems)
     await sstore.enqueue_many(QUEUE, [JobSpec(input=job_input(f"cap-{i}")) for i in range(12)])
     seen: dict[str, int] = {}
 
@@ -95,7 +96,7 @@ async def test_a_worker_whose_clock_is_a_day_ahead_pays_no_more_than_the_daily_c
     def why() -> str:
         return f"counts {seen}, submissions {sim.stats()['submissions']}\n{fleet.problems()}"
 
-    await wait_until(settled(5, 7), 60, "5 succeeded and 7 waiting at the cap", every=0.1, why=why)
+    await seconds_until(settled(5, 7), 60, "5 succeeded and 7 waiting at the cap", every=0.1, why=why)
     # each worker claims and begins in turn for a while: neither finds a window of its own with room
     await asyncio.sleep(0)
     for _ in range(20):
@@ -106,13 +107,13 @@ async def test_a_worker_whose_clock_is_a_day_ahead_pays_no_more_than_the_daily_c
 
     assert stepped_valkey.clock is not None
     stepped_valkey.clock.step(await store_day_ends_in(sstore.redis) - 2)  # the store's midnight in 2 s
-    await wait_until(settled(10, 2), 60, "5 more paid in the store's next day", every=0.1, why=why)
+    await seconds_until(settled(10, 2), 60, "5 more paid in the store's next day", every=0.1, why=why)
 
     async def released() -> bool:  # what is held now was held in the second day (its cap is spent too)
         held = await sstore.redis.zrange(keys.prefix(QUEUE) + "held", 0, -1, withscores=True)
         return all(window > int(day1) for _, window in held)
 
-    await wait_until(released, 60, "the jobs held in the store's first day released", every=0.1, why=why)
+    await seconds_until(released, 60, "the jobs held in the store's first day released", every=0.1, why=why)
     day2, jobs_counted, _ = await sstore.usage(QUEUE)
     assert day2 > day1 and jobs_counted == 5
     assert sim.stats()["submissions"] == 10, why()
@@ -138,7 +139,7 @@ async def test_a_step_back_of_the_stores_clock_costs_a_crashed_workers_jobs_and_
     async def submitted() -> bool:
         return (await sstore.stats(QUEUE)).counts["submitted"] == 4
 
-    await wait_until(submitted, 60, "worker A's 4 jobs at the provider", why=fleet.problems)
+    await seconds_until(submitted, 60, "worker A's 4 jobs at the provider", why=fleet.problems)
     a_id = fleet.worker_id("a")
     assert a_id
     fleet.kill("a")
@@ -155,13 +156,13 @@ async def test_a_step_back_of_the_stores_clock_costs_a_crashed_workers_jobs_and_
     def why() -> str:
         return f"{fleet.tail('b')}\n{fleet.problems()}"
 
-    await wait_until(back, 60, "A's jobs and the retries with worker B", every=0.2, why=why)
+    await seconds_until(back, 60, "A's jobs and the retries with worker B", every=0.2, why=why)
     took = time.monotonic() - t0
 
     async def done() -> bool:
         return (await sstore.stats(QUEUE)).counts["succeeded"] == 7
 
-    await wait_until(done, 90, "all 7 jobs succeeded", every=0.2, why=why)
+    await seconds_until(done, 90, "all 7 jobs succeeded", every=0.2, why=why)
     assert took < 60
     events = await sstore.redis.xrange(keys.events(QUEUE), "-", "+")
     steps = [f for _, f in events if f["state"] == "clock_stepped_back"]

@@ -34,6 +34,7 @@ import httpx
 import pytest
 import redis
 import yaml
+from support.eventually import seconds_until
 from support.procs import die_with_parent
 from support.s3server import RcloneS3
 from support.servers import HOST, ValkeyServer, free_port
@@ -158,13 +159,6 @@ def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimProcess]:
         yield server
     finally:
         server.close()
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RcloneS3]:
-    with RcloneS3(tmp_path_factory.mktemp("s3")) as server:
-        server.make_bucket(BUCKET)
-        yield server
 
 
 @pytest.fixture
@@ -294,23 +288,6 @@ def job_input(input_id: str) -> dict[str, Any]:
     return {"id": input_id, "prompt": f"a haiku about {input_id}"}
 
 
-async def wait_until(
-    check: Callable[[], Awaitable[bool]],
-    timeout: float,
-    what: str,
-    every: float = 0.05,
-    why: Callable[[], str] | None = None,
-) -> float:
-    """Poll `check` until true; returns the seconds it took."""
-    t0 = time.monotonic()
-    while not await check():
-        if time.monotonic() - t0 > timeout:
-            detail = f"\n{why()}" if why else ""
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}{detail}")
-        await asyncio.sleep(every)
-    return time.monotonic() - t0
-
-
 async def counts(store: QueueStore) -> dict[str, int]:
     return (await store.stats(QUEUE)).counts
 
@@ -363,7 +340,7 @@ async def test_worker_killed_after_submit_is_resumed_not_resubmitted(
         job = await store.get(job_id)
         return job.state == JobState.SUBMITTED and job.remote_id is not None
 
-    await wait_until(recorded, 30, "worker A to record the remote id", why=lambda: fleet.tail("A"))
+    await seconds_until(recorded, 30, "worker A to record the remote id", why=lambda: fleet.tail("A"))
     remote_id = (await store.get(job_id)).remote_id
     fleet.kill("A")
     killed_at = time.time()
@@ -377,7 +354,7 @@ async def test_worker_killed_after_submit_is_resumed_not_resubmitted(
     async def succeeded() -> bool:
         return (await store.get(job_id)).state == JobState.SUCCEEDED
 
-    took = await wait_until(succeeded, 30, "worker B to finish the job", why=lambda: fleet.tail("B"))
+    took = await seconds_until(succeeded, 30, "worker B to finish the job", why=lambda: fleet.tail("B"))
     job = await store.get(job_id)
     stats = sim.stats()
     print(
@@ -428,7 +405,7 @@ async def test_synchronous_worker_killed_with_intents_its_claims_opened(
         c = await counts(store)
         return sim.stats()["submissions"] == 4 and c["active"] == 5
 
-    await wait_until(four_out_one_ahead, 30, "4 calls out and 1 job begun ahead", why=lambda: fleet.tail("A"))
+    await seconds_until(four_out_one_ahead, 30, "4 calls out and 1 job begun ahead", why=lambda: fleet.tail("A"))
     held = [j for j in ids if (await store.get(j)).state == JobState.ACTIVE]
     sent = {i for i, n in sim.stats()["submissions_by_input_id"].items() if n}
     fleet.kill("A")
@@ -441,7 +418,7 @@ async def test_synchronous_worker_killed_with_intents_its_claims_opened(
     async def all_done() -> bool:
         return (await counts(store))["succeeded"] == len(ids)
 
-    await wait_until(all_done, 60, "worker B to finish every job", why=lambda: fleet.tail("B"))
+    await seconds_until(all_done, 60, "worker B to finish every job", why=lambda: fleet.tail("B"))
     records = {j: await store.get(j) for j in ids}
     by_input = sim.stats()["submissions_by_input_id"]
     assert len(sent) == 4 and {by_input[i] for i in sent} == ({1} if honour else {2}), by_input  # A's, resent
@@ -534,7 +511,7 @@ async def test_1000_jobs_4_workers_one_killed_every_second(
             assert c["dead"] == 0, (c, fleet.problems())
             return c["succeeded"] == n_jobs
 
-        await wait_until(
+        await seconds_until(
             all_done, 170, f"{n_jobs} jobs to succeed", every=0.2, why=lambda: f"problems: {fleet.problems()}"
         )
         # the monitor's last pass reads every job's final remote id: cancelled before it, the jobs that
@@ -670,13 +647,13 @@ async def test_caps_exact_across_20_worker_processes(
         async def all_ready() -> bool:
             return all(fleet.ready(n) for n in fleet.procs)
 
-        await wait_until(all_ready, 60, f"fleet {name} to start", every=0.1, why=fleet.problems)
+        await seconds_until(all_ready, 60, f"fleet {name} to start", every=0.1, why=fleet.problems)
         return fleet, flip_at, time.monotonic() - t0
 
     async def across_midnight(fleet: Fleet, flip_at: float, succeeded: int, waiting: int) -> float:
         """Wait for the flip and for the queue to settle; returns the seconds from midnight to settled."""
         assert time.time() < flip_at, "the test itself was too slow for the flip: raise the fleet's lead"
-        await wait_until(
+        await seconds_until(
             settled(succeeded, waiting),
             flip_at - time.time() + 30,
             f"{succeeded} succeeded and {waiting} waiting after midnight",
@@ -685,7 +662,7 @@ async def test_caps_exact_across_20_worker_processes(
         )
         took = time.time() - flip_at
         await asyncio.sleep(max(0.0, flip_at + 1.0 - time.time()))  # every clock is past midnight by now
-        await wait_until(settled(succeeded, waiting), 10, "a quiet queue", every=0.1)
+        await seconds_until(settled(succeeded, waiting), 10, "a quiet queue", every=0.1)
         return took
 
     # Day D: all twenty up first, then the jobs arrive, so every process races for the 100 submissions.
@@ -693,7 +670,7 @@ async def test_caps_exact_across_20_worker_processes(
     # 2 s alone, over 20 beside a chaos run's twenty-odd processes)
     fleet_a, flip_a, startup_a = await spawn_fleet("a", 0, lead=60.0)
     ids = await store.enqueue_many(QUEUE, [JobSpec(input=job_input(f"cap-{i}")) for i in range(n_jobs)])
-    day_d = await wait_until(
+    day_d = await seconds_until(
         settled(cap, n_jobs - cap), 30, "100 succeeded and 200 waiting", every=0.1, why=fleet_a.problems
     )
     assert time.time() < flip_a, f"day D took {startup_a + day_d:.1f}s, past fleet a's midnight: raise its lead"
@@ -758,7 +735,7 @@ async def test_held_jobs_released_by_workers_started_in_a_later_window(
         c = await counts(store)
         return c["succeeded"] == 1 and c["held"] == 2
 
-    await wait_until(day_one, 30, "1 succeeded, 2 held")
+    await seconds_until(day_one, 30, "1 succeeded, 2 held")
     today.stop_all()
     assert stepped_valkey.clock is not None
     stepped_valkey.clock.step(DAY)
@@ -772,7 +749,7 @@ async def test_held_jobs_released_by_workers_started_in_a_later_window(
         return seen["succeeded"] == 2 and seen["held"] == 1
 
     # 30 s as every other wait here: a worker process started on a loaded CI machine took longer than 8 s
-    await wait_until(
+    await seconds_until(
         day_two,
         30,
         "a held job released on the new day",
@@ -827,7 +804,7 @@ async def test_tutorial_producer_and_env_file(
         assert c["dead"] == 0, fleet.tail("tutorial")
         return c["succeeded"] == len(sent)
 
-    took = await wait_until(done, 30, "the tutorial jobs to succeed", why=lambda: fleet.tail("tutorial"))
+    took = await seconds_until(done, 30, "the tutorial jobs to succeed", why=lambda: fleet.tail("tutorial"))
     assert list(os.listdir(empty)) == []  # no offload.yaml was read or written
 
     # Read back the way the tutorial's step 8 does: plain boto3 with the env file's credentials.

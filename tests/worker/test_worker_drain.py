@@ -22,19 +22,9 @@ import httpx
 import pytest
 import test_worker_crash as crash
 import yaml
+from support.eventually import seconds_until
 from support.s3server import RcloneS3
-from test_worker_crash import (
-    BUCKET,
-    OFFLOAD,
-    QUEUE,
-    Fleet,
-    SimProcess,
-    counts,
-    job_input,
-    spawn,
-    wait_until,
-    worker_env,
-)
+from test_worker_crash import BUCKET, OFFLOAD, QUEUE, Fleet, SimProcess, counts, job_input, spawn, worker_env
 
 from offload.backends import create_backend
 from offload.models import JobState
@@ -42,7 +32,7 @@ from offload.queue import keys
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 
-s3, sim, bucket, fleets, store = crash.s3, crash.sim, crash.bucket, crash.fleets, crash.store  # shared fixtures
+sim, bucket, fleets, store = crash.sim, crash.bucket, crash.fleets, crash.store  # shared fixtures
 N_JOBS = 40
 
 
@@ -85,7 +75,7 @@ async def exited(fleet: Fleet, name: str, timeout: float) -> int:
     async def gone() -> bool:
         return proc.poll() is not None
 
-    await wait_until(gone, timeout, f"worker {name} to exit", why=lambda: fleet.tail(name))
+    await seconds_until(gone, timeout, f"worker {name} to exit", why=lambda: fleet.tail(name))
     crash._live.pop(proc.pid, None)
     return int(proc.returncode)
 
@@ -97,7 +87,7 @@ async def finish_with(fleet: Fleet, name: str, env: dict[str, str], store: Queue
     async def all_done() -> bool:
         return (await counts(store))["succeeded"] == len(ids)
 
-    await wait_until(all_done, 120, f"worker {name} to finish every job", why=lambda: fleet.tail(name))
+    await seconds_until(all_done, 120, f"worker {name} to finish every job", why=lambda: fleet.tail(name))
 
 
 async def succeeded_once(store: QueueStore, ids: list[str]) -> Counter[str]:
@@ -162,7 +152,7 @@ async def test_sigterm_with_jobs_waiting_pays_each_job_once(
         c = await counts(store)
         return sim.stats()["submissions"] >= 4 and c["active"] >= N_JOBS // 2
 
-    await wait_until(waiting, 60, f"calls out and jobs waiting at the {wait_at}", why=lambda: fleet.tail("A"))
+    await seconds_until(waiting, 60, f"calls out and jobs waiting at the {wait_at}", why=lambda: fleet.tail("A"))
     fleet.procs["A"].send_signal(signal.SIGTERM)
     assert await exited(fleet, "A", 60) == 0, fleet.tail("A")
     sent_by_a = sim.stats()["submissions"]
@@ -205,7 +195,7 @@ async def test_a_submit_call_out_past_the_grace_is_awaited_and_checkpointed(
     async def all_out() -> bool:
         return sim.stats()["submissions"] == 3  # logged by the simulator before it holds the answer
 
-    await wait_until(all_out, 60, "three submit calls out", why=lambda: fleet.tail("A"))
+    await seconds_until(all_out, 60, "three submit calls out", why=lambda: fleet.tail("A"))
     fleet.procs["A"].send_signal(signal.SIGTERM)
     assert await exited(fleet, "A", 60) == 0, fleet.tail("A")
     records = [await store.get(j) for j in ids]
@@ -248,7 +238,7 @@ async def test_a_second_signal_cuts_the_drain_at_the_cost_the_readme_states(
     async def two_out() -> bool:
         return sim.stats()["submissions"] == 2 and (await counts(store))["active"] == 3
 
-    await wait_until(two_out, 60, "two submit calls out, one job at the gate", why=lambda: fleet.tail("A"))
+    await seconds_until(two_out, 60, "two submit calls out, one job at the gate", why=lambda: fleet.tail("A"))
     sent = {i for i, n in sim.stats()["submissions_by_input_id"].items() if n}
     fleet.procs["A"].send_signal(signal.SIGTERM)
     [waiting] = [j for j, i in zip(ids, inputs, strict=True) if i not in sent]
@@ -256,7 +246,7 @@ async def test_a_second_signal_cuts_the_drain_at_the_cost_the_readme_states(
     async def handed_back() -> bool:  # at once, unsent: also how the test knows the first signal was handled
         return (await store.get(waiting)).state == JobState.QUEUED
 
-    await wait_until(handed_back, 30, "the job waiting at the gate to go back", why=lambda: fleet.tail("A"))
+    await seconds_until(handed_back, 30, "the job waiting at the gate to go back", why=lambda: fleet.tail("A"))
     fleet.procs["A"].send_signal(second)
     assert await exited(fleet, "A", 30) == 0, fleet.tail("A")  # long before the held answers (90 s)
     assert "drain cut (a second signal) with 2 submit calls out" in fleet.tail("A")
@@ -305,7 +295,7 @@ async def test_a_drain_ends_the_429_resubmit_loop_and_closes_the_intent(
     async def throttled_twice() -> bool:
         return conflicts(sim, "429") >= 2
 
-    await wait_until(throttled_twice, 30, "two submits answered 429", why=lambda: fleet.tail("A"))
+    await seconds_until(throttled_twice, 30, "two submits answered 429", why=lambda: fleet.tail("A"))
     fleet.procs["A"].send_signal(signal.SIGTERM)
     at_signal = conflicts(sim, "429")
     assert await exited(fleet, "A", 30) == 0, fleet.tail("A")
@@ -343,14 +333,14 @@ async def test_a_drain_ends_the_409_resend_loop_leaving_the_intent_open(
         async def held() -> bool:
             return sim.stats()["submissions"] == 1
 
-        await wait_until(held, 30, "the lost worker's submission to be held by the simulator")
+        await seconds_until(held, 30, "the lost worker's submission to be held by the simulator")
         assert await store.release_leases(QUEUE, "lost-worker") == 1  # back to ready, the intent open
         start(fleet, "A", worker_env(bucket), grace=60)
 
         async def in_progress() -> bool:
             return conflicts(sim, "idempotency_conflict") >= 2
 
-        await wait_until(in_progress, 30, "two resends answered 409", why=lambda: fleet.tail("A"))
+        await seconds_until(in_progress, 30, "two resends answered 409", why=lambda: fleet.tail("A"))
         fleet.procs["A"].send_signal(signal.SIGTERM)
         at_signal = conflicts(sim, "idempotency_conflict")
         assert await exited(fleet, "A", 20) == 0, fleet.tail("A")

@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from support.eventually import eventually
 from support.s3server import RcloneS3
 from test_worker import BACKENDS, BUCKET
 
@@ -77,13 +78,6 @@ assert set(ALL) == set(BACKENDS)
 
 
 # -- fixtures and helpers -------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RcloneS3]:
-    with RcloneS3(tmp_path_factory.mktemp("s3")) as server:
-        server.make_bucket(BUCKET)
-        yield server
 
 
 @pytest.fixture(scope="module")
@@ -237,14 +231,8 @@ async def serving(settings: Settings, *, grace_s: float = 1.0, **options: Any) -
 async def until(
     check: Callable[[], Awaitable[bool]], what: str, worker: asyncio.Task[Any] | None = None, timeout: float = 20.0
 ) -> None:
-    deadline = time.monotonic() + timeout
-    while not await _observed(check):
-        if worker is not None and worker.done():
-            worker.result()  # a crashed worker raises here
-            raise AssertionError(f"the worker stopped while waiting for {what}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.05)
+    """`eventually`, through the test's own stall-tolerant read, failing at once when the worker ends."""
+    await eventually(lambda: _observed(check), timeout, what, task=worker)
 
 
 async def _observed(check: Callable[[], Awaitable[bool]]) -> bool:

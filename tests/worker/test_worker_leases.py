@@ -26,7 +26,7 @@ from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 
 # the fixtures this module shares with test_worker_faults (module-scoped servers, a clean simulator per test)
-s3, sim, no_outputs, bucket, store = faults.s3, faults.sim, faults.no_outputs, faults.bucket, faults.store
+sim, no_outputs, bucket, store = faults.sim, faults.no_outputs, faults.bucket, faults.store
 _quick_backoff, _clean_sim = faults._quick_backoff, faults._clean_sim
 QUICK_LEASE_MS = 1500  # beats every 0.5 s: a lease the worker does not know of is handed back within ~1 s
 

@@ -21,14 +21,20 @@ from pathlib import Path
 
 import pytest
 import test_worker_crash as crash
+from support.eventually import seconds_until
 from support.servers import ValkeyServer
-from test_worker_crash import QUEUE, Fleet, SimProcess, job_input, result_keys, wait_until, worker_env, write_config
+from test_worker_crash import QUEUE, Fleet, SimProcess, job_input, result_keys, worker_env, write_config
 
 from offload.connection import connect
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 
-s3, sim, bucket, fleets = crash.s3, crash.sim, crash.bucket, crash.fleets  # fixtures shared with test_worker_crash
+BUCKET, sim, bucket, fleets = (
+    crash.BUCKET,
+    crash.sim,
+    crash.bucket,
+    crash.fleets,
+)  # fixtures shared with test_worker_crash
 LEASE_MS = 3000
 N_JOBS = 30
 
@@ -87,7 +93,7 @@ async def ride_out(
                 and (await store.stats(QUEUE)).counts["submitted"] >= N_JOBS // 2
             )
 
-        await wait_until(in_flight, 60, "jobs in flight", why=fleet.problems)
+        await seconds_until(in_flight, 60, "jobs in flight", why=fleet.problems)
         t0 = time.monotonic()
         await asyncio.get_running_loop().run_in_executor(None, outage)
         down = time.monotonic() - t0
@@ -97,7 +103,7 @@ async def ride_out(
                 return (await store.stats(QUEUE)).counts["succeeded"] == N_JOBS
             return False
 
-        took = await wait_until(
+        took = await seconds_until(
             all_done, 90, f"{N_JOBS} jobs to succeed after the outage", every=0.2, why=fleet.problems
         )
     alive = fleet.alive()

@@ -22,20 +22,11 @@ from typing import Any
 import httpx
 import pytest
 import test_worker_crash as crash
+from support.eventually import seconds_until
 from support.servers import ValkeyServer
 from test_store_memory import expired_records, held, set_config, squeeze, squeeze_between
 from test_worker import settings_for, start_worker
-from test_worker_crash import (
-    QUEUE,
-    Fleet,
-    SimProcess,
-    get_all,
-    job_input,
-    result_keys,
-    wait_until,
-    worker_env,
-    write_config,
-)
+from test_worker_crash import QUEUE, Fleet, SimProcess, get_all, job_input, result_keys, worker_env, write_config
 
 from offload.connection import connect
 from offload.models import JobState
@@ -46,7 +37,12 @@ from offload.sim.config import SimConfig
 from offload.sim.server import running_sim
 from offload.worker.dispatch import Worker
 
-s3, sim, bucket, fleets = crash.s3, crash.sim, crash.bucket, crash.fleets  # fixtures shared with test_worker_crash
+BUCKET, sim, bucket, fleets = (
+    crash.BUCKET,
+    crash.sim,
+    crash.bucket,
+    crash.fleets,
+)  # fixtures shared with test_worker_crash
 
 
 @pytest.fixture
@@ -86,14 +82,14 @@ async def test_a_worker_at_the_limit_while_answers_arrive_pays_each_job_once_and
     async def ten_submits_out() -> bool:
         return sum(submissions(sim).values()) >= 10
 
-    await wait_until(ten_submits_out, 60, "ten submissions out", why=fleet.problems)
+    await seconds_until(ten_submits_out, 60, "ten submissions out", why=fleet.problems)
     recorded_before = (await counts(ostore))["submitted"]
     squeeze(own_valkey)  # the answers (3-4 s after their submits) arrive at the limit
 
     async def in_flight_done() -> bool:
         return (await counts(ostore))["succeeded"] >= 10
 
-    await wait_until(in_flight_done, 90, "the ten jobs in flight to finish at the limit", why=fleet.problems)
+    await seconds_until(in_flight_done, 90, "the ten jobs in flight to finish at the limit", why=fleet.problems)
     assert (await read_memory(ostore.redis)).full, "the store must still be at its limit"
     assert sum(submissions(sim).values()) == 10, "nothing new may be submitted at the limit"
     assert fleet.alive() == ["w0"], fleet.problems()
@@ -103,7 +99,7 @@ async def test_a_worker_at_the_limit_while_answers_arrive_pays_each_job_once_and
     async def all_done() -> bool:
         return (await counts(ostore))["succeeded"] == n
 
-    await wait_until(all_done, 120, f"all {n} jobs to succeed once memory was freed", why=fleet.problems)
+    await seconds_until(all_done, 120, f"all {n} jobs to succeed once memory was freed", why=fleet.problems)
     jobs = await get_all(ostore, ids)
     log = fleet.log("w0").read_text(errors="replace")
     print(
@@ -141,7 +137,7 @@ async def test_a_worker_alone_trims_a_full_store_and_goes_back_to_work(
     async def all_done() -> bool:
         return (await counts(ostore))["succeeded"] == 5
 
-    await wait_until(all_done, 90, "the queued jobs to run once the worker trimmed", why=fleet.problems)
+    await seconds_until(all_done, 90, "the queued jobs to run once the worker trimmed", why=fleet.problems)
     assert await ostore.redis.exists(*(f"offload:{{{QUEUE}}}:job:{j}" for j in old)) == 0
     assert submissions(sim) == {f"heal-{i}": 1 for i in range(5)}
     assert all(j.attempts == 1 for j in await get_all(ostore, ids))
@@ -162,13 +158,13 @@ async def test_a_policy_changed_to_evict_stops_claims_and_submissions_until_fixe
     config = write_config(tmp_path / "offload.yaml", own_valkey.url, bucket, sim)  # type: ignore[arg-type]
     fleet = fleets(config=config)
     fleet.start("w0", env=worker_env(bucket, OFFLOAD_STORE_CHECK_S="0.2"))  # type: ignore[arg-type]
-    await wait_until(lambda: _ready(fleet), 60, "the worker to serve", why=fleet.problems)
+    await seconds_until(lambda: _ready(fleet), 60, "the worker to serve", why=fleet.problems)
     set_config(own_valkey, "maxmemory-policy", "allkeys-lru")
 
     async def said() -> bool:
         return "maxmemory-policy is allkeys-lru: offload needs noeviction" in fleet.log("w0").read_text()
 
-    await wait_until(said, 30, "the worker to say the policy is wrong", why=fleet.problems)
+    await seconds_until(said, 30, "the worker to say the policy is wrong", why=fleet.problems)
     ids = await ostore.enqueue_many(QUEUE, [JobSpec(input=job_input(f"evict-{i}")) for i in range(6)])
     watched = time.monotonic() + 3.0  # the observation: 15 policy checks and many claim polls, nothing sent
     while time.monotonic() < watched:
@@ -179,7 +175,7 @@ async def test_a_policy_changed_to_evict_stops_claims_and_submissions_until_fixe
     async def all_done() -> bool:
         return (await counts(ostore))["succeeded"] == 6
 
-    await wait_until(all_done, 60, "the jobs to run once the policy was fixed", why=fleet.problems)
+    await seconds_until(all_done, 60, "the jobs to run once the policy was fixed", why=fleet.problems)
     assert submissions(sim) == {f"evict-{i}": 1 for i in range(6)}
     assert all(j.attempts == 1 for j in await get_all(ostore, ids))
     assert fleet.alive() == ["w0"] and "noeviction again" in fleet.log("w0").read_text()
@@ -213,18 +209,18 @@ async def test_jobs_already_claimed_are_not_submitted_while_the_store_may_evict(
             async def first_out() -> bool:
                 return sent() == 1
 
-            await wait_until(first_out, 30, "the first submission")
+            await seconds_until(first_out, 30, "the first submission")
             set_config(own_valkey, "maxmemory-policy", "volatile-lru")
 
             async def noticed() -> bool:
                 return bool(workers) and not workers[0].policy.safe
 
-            await wait_until(noticed, 30, "the worker to notice the policy")
+            await seconds_until(noticed, 30, "the worker to notice the policy")
 
             async def first_done() -> bool:
                 return (await store.stats("q")).counts["succeeded"] == 1
 
-            await wait_until(first_done, 30, "the first job to finish")
+            await seconds_until(first_done, 30, "the first job to finish")
             watched = time.monotonic() + 2.0  # the gate is free: the others would go within this
             while time.monotonic() < watched:
                 assert sent() == 1
@@ -235,7 +231,7 @@ async def test_jobs_already_claimed_are_not_submitted_while_the_store_may_evict(
             async def all_done() -> bool:
                 return (await store.stats("q")).counts["succeeded"] == 4
 
-            await wait_until(all_done, 60, "the held jobs to run once the policy was fixed")
+            await seconds_until(all_done, 60, "the held jobs to run once the policy was fixed")
             assert sent() == 4
             assert all(j.attempts == 1 for j in [await store.get(i) for i in ids])
         finally:
@@ -265,7 +261,7 @@ async def test_a_worker_frozen_while_the_policy_changed_reads_it_again_before_pa
     async def first_out() -> bool:
         return sum(submissions(sim).values()) == 1
 
-    await wait_until(first_out, 60, "the first submission", why=fleet.problems)
+    await seconds_until(first_out, 60, "the first submission", why=fleet.problems)
     os.killpg(proc.pid, signal.SIGSTOP)
     try:
         set_config(own_valkey, "maxmemory-policy", "volatile-lru")
@@ -281,7 +277,7 @@ async def test_a_worker_frozen_while_the_policy_changed_reads_it_again_before_pa
     async def all_done() -> bool:
         return (await counts(ostore))["succeeded"] == 4
 
-    await wait_until(all_done, 60, "every job once the policy was fixed", why=fleet.problems)
+    await seconds_until(all_done, 60, "every job once the policy was fixed", why=fleet.problems)
     assert submissions(sim) == {f"frozen-{i}": 1 for i in range(4)}
     assert all(j.attempts == 1 for j in await get_all(ostore, ids))
     assert fleet.alive() == ["w0"], fleet.problems()
