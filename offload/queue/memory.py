@@ -5,7 +5,9 @@ Two rules, read from `INFO memory` (which managed services answer where they dis
 - `maxmemory-policy` must be `noeviction`. Under any other policy the server deletes keys to make room: an
   evicted lease, cap counter, idempotency key or job record is a job paid twice or lost. Every offload process
   that starts work refuses to start on such a store (`require_noeviction`, one line naming the policy and what to
-  set), and a long-running one re-reads it (`PolicyWatch`) and starts no new paid work while it is wrong.
+  set), and a long-running one re-reads it (`PolicyWatch`) and starts no new paid work while it is wrong. A
+  dispatch worker starts paused instead of refusing: restarted by systemd or Kubernetes while the store is being
+  reconfigured, it must wait like a running one, not crash-loop.
 - At `maxmemory` (noeviction) the server refuses writes that add data (an OOM reply). That is an outage of the
   store for the processes that keep jobs moving (they wait, see `offload.connection.is_oom`), a clean refusal for a
   producer (`StoreFull`), and what the `offload_store_memory_*` gauges and the `store_memory` alert warn of.
@@ -123,13 +125,18 @@ async def require_noeviction(redis: RedisClient) -> StoreMemory:
     memory = await read_memory(redis)
     if problem := memory.problem:
         raise UnsafeEvictionPolicy(problem)
-    if any(n.policy is None for n in memory.nodes):  # a service that hides it: said, not refused (no way to tell)
+    warn_unreported(memory)
+    return memory
+
+
+def warn_unreported(memory: StoreMemory) -> None:
+    """A service that hides its policy: said at start, not refused (there is no way to tell)."""
+    if any(n.policy is None for n in memory.nodes):
         log.warning(
             "the job store does not report its maxmemory-policy: offload cannot check that it is %s; make "
             "sure the service never evicts (docs/how-to/memory.md)",
             SAFE_POLICY,
         )
-    return memory
 
 
 def store_full(total: int, enqueued: list[str]) -> StoreFull:
@@ -191,7 +198,10 @@ class PolicyWatch:
         await self._safe.wait()
 
     async def check(self) -> StoreMemory:
-        memory = await read_memory(self.redis)
+        return self.apply(await read_memory(self.redis))
+
+    def apply(self, memory: StoreMemory) -> StoreMemory:
+        """Take a reading of the store's memory (the start's, or `check`'s): pause or resume, said in one line."""
         self._read_at = time.monotonic()
         self.memory = memory
         problem, was = memory.problem, self.problem

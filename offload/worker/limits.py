@@ -78,8 +78,9 @@ class BackendLimits:
         return max(0, int((self._cool_until - time.monotonic()) * 1000))
 
     async def _pttl(self, items: list[None]) -> list[int]:
-        ttl = int(await self.redis.pttl(self.keys[1]))
-        return [ttl] * len(items)
+        # (rate_acquire with no interval only reads the cool-down, as the store's clock has it: rides its steps)
+        left = -int(await SCRIPTS.rate_acquire(self.redis, self.keys, [0, 1]))
+        return [left] * len(items)
 
     async def cool_down(self, seconds: float) -> None:
         """Every worker pauses this backend for `seconds` (the longest requested cool-down wins)."""

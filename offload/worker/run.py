@@ -20,7 +20,7 @@ from offload.connection import at_start, connect
 from offload.egress import FilePolicy
 from offload.env import env_int
 from offload.errors import ConfigError
-from offload.queue.memory import require_noeviction
+from offload.queue.memory import read_memory, warn_unreported
 from offload.queue.store import QueueStore
 from offload.storage import S3StorageSettings, create_storage, store_output
 from offload.worker.dispatch import Worker, WorkerOptions, default_worker_id
@@ -123,7 +123,9 @@ async def run_workers(
                 resources.push_async_callback(backends[backend_name].aclose)
         redis = await connect(settings.redis_url)
         resources.push_async_callback(redis.aclose)
-        await at_start(lambda: require_noeviction(redis))  # a store that may evict loses leases and caps: refuse
+        # a store that may evict loses leases and caps: the workers start paused, as running ones pause (PolicyWatch)
+        memory = await at_start(lambda: read_memory(redis))
+        warn_unreported(memory)
         store = QueueStore(redis, durability=settings.durability)
         await at_start(lambda: store.check_durability([queue for queue, *_ in plans]))
 
@@ -190,6 +192,7 @@ async def run_workers(
                 worker_id=worker_id,
                 control=QueueStore(control, durability=settings.durability),
             )
+            worker.policy.apply(memory)  # paused from the start (one line naming the setting) if the store may evict
             workers.append(worker)
             log.info(
                 "worker %s serving queue %s via %s (%s), up to %d in flight",

@@ -188,6 +188,25 @@ async def test_the_shared_rate_limit_rides_a_step_back_of_the_stores_clock(stepp
         await redis.aclose()
 
 
+async def test_a_backends_cool_down_rides_a_step_back_of_the_stores_clock(stepped_valkey: ValkeyServer) -> None:
+    """A 429's cool-down of 2 s, set just before a step back of an hour: its key's expiry is kept on the store's
+    clock too, so every worker paused for the hour (a fault-harness run's 46 claimed jobs were never sent). It ends
+    after its own length, for a process that reads it afresh, with a rate limit or without."""
+    from offload.worker.limits import BackendLimits
+
+    redis = await connect(stepped_valkey.url)
+    try:
+        await BackendLimits(redis, "cool", None).cool_down(2.0)
+        await step_store_clock(stepped_valkey, redis, -HOUR_S)
+        started = time.monotonic()
+        await asyncio.wait_for(BackendLimits(redis, "cool", None).acquire(), 10)
+        await asyncio.wait_for(BackendLimits(redis, "cool", 100.0).acquire(), 10)
+        assert time.monotonic() - started <= 4.0
+        assert await redis.exists(keys.backend_cooldown("cool")) == 0  # over, not waiting for the clock
+    finally:
+        await redis.aclose()
+
+
 async def test_the_autoscaler_and_the_gpu_worker_registry_keep_the_stores_time(stepped_valkey: ValkeyServer) -> None:
     """The store's clock is a day ahead of this host (or this host a day behind it): the autoscaler's spend day and
     instance times and a GPU worker's heartbeat stamp are the store's, as on any other server that may lead or

@@ -5,7 +5,8 @@ machine has one, a Redis 7 binary.
 At the limit (noeviction) the server refuses a script's first write that adds data unless the script carries
 `#!lua flags=allow-oom`: the scripts that end or keep a job (checkpoint, complete, fail, heartbeat, ...) and the
 trim must run there, the ones that add work must be refused (and a producer told so in one line). A store whose
-maxmemory-policy is not noeviction is refused at every start with one line naming the setting, and the server's
+maxmemory-policy is not noeviction is refused at every start with one line naming the setting (a worker starts
+paused), and the server's
 gauges and alerts say how full the store is.
 """
 
@@ -20,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from redis.exceptions import OutOfMemoryError, ResponseError
 from support.eventually import eventually_sync
 from support.server_helpers import client, new_queue, server
@@ -214,29 +214,15 @@ def test_an_enqueue_at_the_limit_is_refused_cleanly_by_client_api_and_cli(plain_
         assert producer.stats(queue).counts["queued"] == 1  # only the first: nothing half-written
 
 
-def worker_config(path: Path, url: str) -> Path:
-    config = {
-        "redis_url": url,
-        "storage": {"kind": "local", "path": str(path.parent / "results")},
-        "backends": {"gpu": {"kind": "http-job", "base_url": f"http://127.0.0.1:{free_port()}", "api_key": "k"}},
-        "queues": {"q": {"backend": "gpu"}},
-    }
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
-def test_a_store_that_may_evict_is_refused_at_every_start_in_one_line(
-    plain_valkey: ValkeyServer, tmp_path: Path
-) -> None:
+def test_a_store_that_may_evict_is_refused_at_every_start_in_one_line(plain_valkey: ValkeyServer) -> None:
     """A managed Redis on its default volatile-lru evicted cap counters, idempotency keys and jobs: every start
-    (worker, server, producer, a command that enqueues) refuses it, naming the setting and what to set."""
+    of what makes work (server, producer, a command that enqueues) refuses it, naming the setting and what to set.
+    (A dispatch worker starts paused instead: tests/test_worker_pressure.py.)"""
     set_config(plain_valkey, "maxmemory-policy", "volatile-lru")
     url = plain_valkey.url
-    config = worker_config(tmp_path / "offload.yaml", url)
-    worker = cli("worker", "--queue", "q", "--config", str(config), url=url)
     srv = cli("server", "--port", str(free_port()), "--url", url, url=url)
     enqueue = cli("enqueue", "--queue", "q", "--input", "{}", url=url)
-    for done in (worker, srv, enqueue):
+    for done in (srv, enqueue):
         line = done.stderr.strip().splitlines()[-1]
         assert done.returncode == 1, done.stderr[-2000:]
         assert line.startswith(POLICY_LINE) and "CONFIG SET maxmemory-policy noeviction" in line, line

@@ -166,23 +166,58 @@ async def test_a_policy_changed_to_evict_stops_claims_and_submissions_until_fixe
 
     await seconds_until(said, 30, "the worker to say the policy is wrong", why=fleet.problems)
     ids = await ostore.enqueue_many(QUEUE, [JobSpec(input=job_input(f"evict-{i}")) for i in range(6)])
-    watched = time.monotonic() + 3.0  # the observation: 15 policy checks and many claim polls, nothing sent
+    await _unpaid_until_fixed(own_valkey, fleet, sim, ostore, ids, "evict")
+
+
+async def _unpaid_until_fixed(
+    own_valkey: ValkeyServer, fleet: Fleet, sim: SimProcess, ostore: QueueStore, ids: list[str], name: str
+) -> None:
+    """The worker, told the store may evict: 3 s (15 policy checks and many claim polls) with nothing sent, every
+    job queued, the worker alive; then the policy fixed: every job runs, once, and the worker says so."""
+    watched = time.monotonic() + 3.0
     while time.monotonic() < watched:
-        assert submissions(sim) == {} and (await counts(ostore))["queued"] == 6
+        assert submissions(sim) == {} and (await counts(ostore))["queued"] == len(ids)
+        assert fleet.alive() == ["w0"], fleet.problems()
         await asyncio.sleep(0.2)
     set_config(own_valkey, "maxmemory-policy", "noeviction")
 
     async def all_done() -> bool:
-        return (await counts(ostore))["succeeded"] == 6
+        return (await counts(ostore))["succeeded"] == len(ids)
 
     await seconds_until(all_done, 60, "the jobs to run once the policy was fixed", why=fleet.problems)
-    assert submissions(sim) == {f"evict-{i}": 1 for i in range(6)}
+    assert submissions(sim) == {f"{name}-{i}": 1 for i in range(len(ids))}
     assert all(j.attempts == 1 for j in await get_all(ostore, ids))
     assert fleet.alive() == ["w0"] and "noeviction again" in fleet.log("w0").read_text()
 
 
 async def _ready(fleet: Fleet) -> bool:
     return fleet.ready("w0")
+
+
+async def test_a_worker_started_on_a_store_that_may_evict_waits_paused_then_serves(
+    own_valkey: ValkeyServer,
+    bucket: object,
+    sim: SimProcess,
+    ostore: QueueStore,
+    fleets: Callable[..., Fleet],
+    tmp_path: Path,
+) -> None:
+    """Restarted (systemd, Kubernetes) while its store is on allkeys-lru, a worker neither exits nor pays: it
+    says so in one line, claims nothing, and serves once the policy is noeviction; every job runs once."""
+    sim.configure(latency="0.2-0.5")
+    set_config(own_valkey, "maxmemory-policy", "allkeys-lru")
+    ids = await ostore.enqueue_many(QUEUE, [JobSpec(input=job_input(f"start-{i}")) for i in range(4)])
+    config = write_config(tmp_path / "offload.yaml", own_valkey.url, bucket, sim)  # type: ignore[arg-type]
+    fleet = fleets(config=config)
+    fleet.start("w0", env=worker_env(bucket, OFFLOAD_STORE_CHECK_S="0.2"))  # type: ignore[arg-type]
+    line = "maxmemory-policy is allkeys-lru: offload needs noeviction"
+
+    async def said() -> bool:
+        return line in fleet.log("w0").read_text()
+
+    await wait_until(said, 60, "the worker to say the policy is wrong", why=fleet.problems)
+    await _unpaid_until_fixed(own_valkey, fleet, sim, ostore, ids, "start")
+    assert fleet.log("w0").read_text().count(line) == 1  # one line, not one per check
 
 
 async def test_jobs_already_claimed_are_not_submitted_while_the_store_may_evict(

@@ -3,7 +3,12 @@
 -- KEYS: [1] the backend's cool-down key (offload.queue.keys.backend_cooldown)
 -- ARGV: [1] ms
 -- Returns: the cool-down's remaining ms
-if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[1]) then
-  redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])
+--- @include "clock"
+local now = now_ms('')
+local ms = tonumber(ARGV[1])
+local left = cooling(KEYS[1], now)
+if left < ms then
+  redis.call('SET', KEYS[1], string.format('%.0f %.0f', now + ms, now), 'PX', ms)
+  left = ms
 end
-return redis.call('PTTL', KEYS[1])
+return left

@@ -2,13 +2,13 @@
 -- worker's 429 imposes on all of them. Callers sleep the wait on their own, so a limited backend never blocks
 -- a worker's other jobs.
 -- KEYS: [1] the backend's GCRA state, [2] its cool-down key (offload.queue.keys.backend_rate, backend_cooldown)
--- ARGV: [1] ms between requests, [2] burst
+-- ARGV: [1] ms between requests (0: only the cool-down is read), [2] burst
 -- Returns: ms to wait: positive = a slot is reserved, go after the wait; negative = the backend is cooling
 --   down, ask again after the wait
 --- @include "clock"
-local cool = redis.call('PTTL', KEYS[2])
-if cool > 0 then return -cool end
 local now = now_ms('')
+local cool = cooling(KEYS[2], now)
+if cool > 0 then return -cool end
 local interval, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
 if interval <= 0 then return 0 end
 -- the state is "<theoretical arrival time> <now when written>": a step back of the store's clock since the last
