@@ -47,6 +47,10 @@ class Failover:
         self.link: FaultProxy | None = None
         self.cut_at: float | None = None
         self.failovers = 0
+        # per queue, the last events-stream id the promoted replica had at the last failover: a reader of the
+        # streams goes on from there (the new primary's ids may be below what it read from the old one: a step
+        # back of the clock holds them at their last value)
+        self.kept_ids: dict[str, str] = {}
 
     async def start(self) -> Failover:
         await asyncio.to_thread(self.replica.start)
@@ -88,7 +92,9 @@ class Failover:
         old, new = self.primary, self.replica
         with redis.Redis(host=HOST, port=new.port, socket_timeout=5, decode_responses=True) as c:
             c.execute_command("REPLICAOF", "NO", "ONE")
-            kept = {q: _last_event_ms(c, q) for q in self.queues}
+            last = {q: _last_event_id(c, q) for q in self.queues}
+        kept = {q: int(entry.split("-")[0]) for q, entry in last.items()}
+        self.kept_ids = last
         for proxy in self.proxies:
             proxy.upstream = (HOST, new.port)
             proxy.reset_all()
@@ -113,9 +119,9 @@ class Failover:
                 await asyncio.to_thread(node.stop)
 
 
-def _last_event_ms(client: redis.Redis, queue: str) -> int:
+def _last_event_id(client: redis.Redis, queue: str) -> str:
     last = client.xrevrange(events_key(queue), count=1)
-    return int(str(last[0][0]).split("-")[0]) if last else 0
+    return str(last[0][0]) if last else "0-0"
 
 
 def _link_status(node: Valkey) -> str:

@@ -369,7 +369,7 @@ class Schedule:
         """A worker slot restarted (SIGTERM, as a reboot would) with its wall clock hours or a day off: the capped
         queue's slot first, where a cap window of its own would pay past the cap. `worker_clock_s` later it is
         restarted on the true clock (NTP caught up, or the host was replaced), unless it ended meanwhile."""
-        alive = [s for s in self._alive(unstopped=True) if s.name not in self._clocked]
+        alive = [s for s in self._alive(unstopped=True) if s.name not in self._clocked and not s.terminating]
         if not alive:
             return
         capped = self.slots[-1]

@@ -112,7 +112,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="run `offload server` as every worker's public_url: the provider calls back (replicate, fal, runpod)",
     )
     p.add_argument("--no-pidns", action="store_true", help="do not restart workers in PID namespaces")
-    p.add_argument("--settle", type=float, help="max seconds to wait for quiescence (default: 3 min, quick 50 s)")
+    p.add_argument(
+        "--settle",
+        type=float,
+        help="after the faults, the longest wait with no job becoming terminal before the rest count as stuck "
+        "(default: 3 min, quick 50 s; at most 4 times that in all)",
+    )
     p.add_argument("--out", type=Path, help="directory for logs and data (default: a new temp dir)")
     p.add_argument("--autoscale", action="store_true", help="run the server-killed-mid-autoscale scenario only")
     return p.parse_args(argv)

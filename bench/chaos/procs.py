@@ -409,8 +409,9 @@ class WorkerSlot:
     def kill(self) -> None:
         if self.proc is None or (life := self.current) is None:
             return
-        signal_group(self.proc, signal.SIGKILL)
+        # marked first: a drain waiting on this process (another thread) must find the kill was not its doing
         life.ended, life.end = time.time(), "kill"
+        signal_group(self.proc, signal.SIGKILL)
         if self.stopped:
             life.stops[-1][1] = life.ended
         reap(self.proc)

@@ -131,6 +131,17 @@ def _sum_faults(faults: dict[str, int]) -> dict[str, int]:
     return dict(out)
 
 
+def passed(doc: dict[str, Any]) -> bool:
+    """The run's verdict: every guarantee held (the command exits 1 otherwise)."""
+    failed = doc["lost"] or doc["stuck"] or doc["wrong_results"] or doc["finished_twice"] or doc["defect_duplicates"]
+    failed = failed or any(doc.get(k) for k in ("cancel_not_honoured", "submitted_after_cancel", "ran_after_cancel"))
+    failed = failed or doc.get("uncounted_resends") or doc.get("false_expiries")
+    failed = failed or doc["worker_exits_unexplained"] or doc["paid_while_evicting"] or doc["dead_by_oom"]
+    failed = failed or doc.get("replays_after_graceful_drain")
+    failed = failed or doc.get("ssrf_fetched") or doc.get("ssrf_copied")
+    return not failed
+
+
 def human(doc: dict[str, Any], run: Run) -> str:
     lines = [
         f"chaos run: {doc['jobs']} jobs (+{doc.get('cap', {}).get('jobs', 0)} capped), {run.p.workers} workers, "
@@ -168,14 +179,7 @@ def human(doc: dict[str, Any], run: Run) -> str:
             f"{doc['ssrf_fetched']} fetches of it, {doc['ssrf_copied']} copies stored"
         )
     lines += [f"  ! {f}" for f in run.findings[:25]] + [f"  ! worker {n}" for n in run.exit_notes]
-    failed = doc["lost"] or doc["stuck"] or doc["wrong_results"] or doc["finished_twice"] or doc["defect_duplicates"]
-    failed = failed or any(doc.get(k) for k in ("cancel_not_honoured", "submitted_after_cancel", "ran_after_cancel"))
-    failed = failed or doc.get("uncounted_resends") or doc.get("false_expiries")
-    failed = failed or doc["worker_exits_unexplained"] or doc["paid_while_evicting"] or doc["dead_by_oom"]
-    failed = failed or doc.get("replays_after_graceful_drain")
-    failed = failed or doc.get("ssrf_fetched") or doc.get("ssrf_copied")
-    verdict = "FAIL" if failed else "PASS"
-    lines.append(f"{verdict}; logs and data in {run.out}")
+    lines.append(f"{'PASS' if passed(doc) else 'FAIL'}; logs and data in {run.out}")
     return "\n".join(lines)
 
 

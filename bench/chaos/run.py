@@ -5,8 +5,8 @@ Starts Valkey (AOF `always` or `everysec`, its wall clock steppable: libfaketime
 slot (Valkey through the proxy, the simulator's port for that slot, S3); with the `failover` fault, a replica too
 (bench/chaos/failover.py) and `durability` on for every writer; starts the workers (in PID namespaces where the
 machine allows it); enqueues through the proxy for the fault phase while the schedule breaks things; then heals
-everything, rolls the capped queue's window over to release its held jobs (the cap window is the store's UTC day:
-Valkey's clock steps to its next midnight), waits (bounded) until every acknowledged job is terminal, and hands the
+everything, rolls the capped queue's window over and waits until every acknowledged job is terminal
+(bench/chaos/settle.py), and hands the
 job store, the submission log and the bucket to the checker. Prints a short human summary, and as its last line the
 JSON verdict.
 """
@@ -37,13 +37,14 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from bench.chaos import egress, failover, hostile, report
-from bench.chaos.checker import TERMINAL, Checker, RunData
+from bench.chaos.checker import Checker, RunData
 from bench.chaos.faketime import ClockFile
 from bench.chaos.faults import Profile, Schedule
 from bench.chaos.hooks import Server, check_backend
 from bench.chaos.options import API_ROOTS, BACKENDS, MODEL, SYNCHRONOUS, parse_args, profile_for
 from bench.chaos.procs import HOST, S3, Sim, Valkey, WorkerSlot, base_env, pidns_support, signal_group
 from bench.chaos.proxy import FaultProxy
+from bench.chaos.settle import Settle
 from offload.connection import connect
 from offload.errors import InvalidTransition, JobNotFound, StoreError, StoreFull
 from offload.queue.durability import Durability
@@ -55,7 +56,6 @@ from offload.sim.store import input_key
 log = logging.getLogger("chaos")
 QUEUE, CAPPED, BUCKET = "chaos", "capped", "chaos-results"
 STORE_CHECK_S = 1.0  # the workers' policy re-read (OFFLOAD_STORE_CHECK_S)
-DAY_S = 86_400
 INGEST_LIST = "chaos:jobs"
 
 
@@ -77,6 +77,11 @@ def worker_config(
                 "api_key": "sim-key",
                 "timeout": 30,
                 "not_found_grace_s": p.not_found_grace_s,
+                # one provider served on a port per worker slot: a job adopted by another slot's worker (a webhook,
+                # a listing) names its files on the first slot's port, which is not this base_url's own origin;
+                # only HOST, so the ssrf fault's `localhost` stays refused
+                "allow_private_hosts": True,
+                "file_hosts": [HOST],
                 **limit,
                 **BACKENDS[backend],
                 **hooks,
@@ -91,6 +96,9 @@ def worker_config(
         config["server"] = {"public_url": server.url}
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
+
+
+HELD_MS = 1000  # an event id this far ahead of the store's clock was held by a step back (steps are 300 s or more)
 
 
 class Run:
@@ -218,9 +226,9 @@ class Run:
         await asyncio.wait_for(producer, 120)
         healed = time.time()
         await self._heal()
-        await self._roll_store_day()
+        self.settle = Settle(self.direct, self.slots[-1], self.clock, list(self.acked), CAPPED)
         settle = args.settle if args.settle is not None else (50.0 if args.quick else 180.0)
-        all_terminal = await self._until_terminal(settle)
+        all_terminal = await self.settle.run(settle)
         all_terminal_s = None if all_terminal is None else round(all_terminal - healed, 1)
         records = await self._records()  # the job store after quiescence, before the workers drain
         for slot in self.slots:
@@ -309,7 +317,8 @@ class Run:
     async def _burst(self, n: int) -> None:
         """`n` jobs at once (the drain fault's burst), through the proxy like every enqueue; acknowledged only if
         the enqueue returned."""
-        tag = len(self.acked)
+        self.counts["bursts"] += 1  # (every burst its own inputs, also when no job was acknowledged in between)
+        tag = self.counts["bursts"]
         specs = [JobSpec(input=self._input(f"burst-{tag}-{i}"), max_attempts=self.p.max_attempts) for i in range(n)]
         try:
             client = await connect(self.proxy.url, retry_for=10)
@@ -403,36 +412,55 @@ class Run:
         """Every transition of every job, read straight from Valkey (not through the proxy) while it happens: the
         checker needs to know when a remote id was recorded, long after the capped stream has moved on."""
         streams = {f"offload:{{{q}}}:events": "0-0" for q in (QUEUE, CAPPED)}
-        biggest = 0
+        biggest = failovers = 0
+        read: set[int] = set()  # entries read (after a failover's rewind, those read again are skipped)
         client = aioredis.Redis.from_url(
             self.read_url, decode_responses=True, socket_timeout=5, retry=Retry(NoBackoff(), 0)
         )
         while not self.stop_background.is_set():
+            if self.failover is not None and self.failover.failovers > failovers:
+                # read on from the promoted replica's last entry: what was read past it from the old primary is
+                # lost (the checker drops it), and the new primary's ids may be below it (held by a clock step)
+                failovers = self.failover.failovers
+                streams.update({f"offload:{{{q}}}:events": i for q, i in self.failover.kept_ids.items()})
             try:
                 got = await client.xread(streams, count=5000, block=300)  # type: ignore[arg-type]
             except (RedisError, OSError):
                 await asyncio.sleep(0.2)
                 continue
             received = time.time()
+            store_ms = None
+            if got:  # (the store's clock now: an id ahead of it was held there by a step back, see _event_time)
+                with contextlib.suppress(RedisError, OSError):
+                    seconds, micros = await client.time()
+                    store_ms = int(seconds) * 1000 + int(micros) // 1000
             for stream, entries in got or []:
                 for entry_id, fields in entries:
-                    at = self._event_time(int(entry_id.split("-")[0]), received)
+                    streams[stream] = entry_id
+                    entry = hash((stream, entry_id, fields.get("state"), fields.get("jobs"), fields.get("id")))
+                    if entry in read:
+                        continue
+                    read.add(entry)
+                    at = self._event_time(int(entry_id.split("-")[0]), received, store_ms)
                     if fields.get("state") == "clock_stepped_back":
                         self.clock_events.append((stream.split("{")[1].split("}")[0], at, int(fields["step_ms"])))
                     ids = (fields.get("jobs") or fields.get("id") or "").split()
                     biggest = max(biggest, len(ids))
                     for job_id in ids:
                         self.events[job_id].append((at, fields.get("state", "?")))
-                    streams[stream] = entry_id
         self.samples["event_ids_max"] = biggest
         await client.aclose()
 
-    def _event_time(self, entry_ms: int, received: float) -> float:
+    def _event_time(self, entry_ms: int, received: float, store_ms: int | None = None) -> float:
         """When an event happened on the true clock (the one the simulator stamps submissions with). Its stream id
         is the store's ms: off by the store's clock offset at the time, and held at the last id after a step back
-        (ids only grow, so for as long as the step they name the moment of the step). So once the clock has been
-        stepped: the id less an offset, where that time falls while the offset was in force and just before the
-        read; else the read itself (events are read as they come, a moment late)."""
+        (ids only grow, so for as long as the step they name the moment of the step). An id ahead of the store's
+        clock as read right after it (`store_ms`) is such a held one: the read itself, as the moment of the step
+        would be seconds early (and a remote id recorded after a submission would seem recorded before it). Else,
+        once the clock has been stepped: the id less an offset, where that time falls while the offset was in
+        force and just before the read; else the read itself (events are read as they come, a moment late)."""
+        if store_ms is not None and entry_ms > store_ms + HELD_MS:
+            return received
         at = entry_ms / 1000
         history = self.clock.history
         if len(history) == 1 and history[0][1] == 0:
@@ -490,55 +518,6 @@ class Run:
         if self.clock.offset_s:
             self.clock.set(0.0)
 
-    async def _roll_store_day(self) -> None:
-        """The capped queue's window rolls over: its worker stops (its calls out are awaited), the store's clock
-        steps to just past its next UTC midnight, and the worker starts again in the new day, where the held jobs
-        must come back. `rolled_at` is when the store's TIME first read the new day."""
-        cap_slot = self.slots[-1]
-        for attempt in range(5):  # the direct client's connection may predate the last Valkey restart
-            try:
-                self.held_at_roll = int(await self.direct.zcard(f"offload:{{{CAPPED}}}:held"))
-                now = await self._store_time()
-                break
-            except (RedisError, OSError):
-                if attempt == 4:
-                    raise
-                await asyncio.sleep(0.5)
-        await asyncio.to_thread(cap_slot.terminate)
-        midnight = (now // DAY_S + 1) * DAY_S
-        self.clock.step(midnight + 1 - now)
-        deadline = time.monotonic() + 30
-        while await self._store_time() < midnight:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"Valkey's clock did not step to its next day; logs in {self.out}")
-            await asyncio.sleep(0.05)
-        self.rolled_at = time.time()
-        cap_slot.start()
-
-    async def _store_time(self) -> float:
-        seconds, micros = await self.direct.time()
-        return int(seconds) + int(micros) / 1e6
-
-    async def _until_terminal(self, timeout: float) -> float | None:
-        """When every acknowledged job was terminal, or None if that did not happen within `timeout`."""
-        deadline = time.monotonic() + timeout
-        waiting = list(self.acked)
-        while time.monotonic() < deadline:
-            with contextlib.suppress(RedisError, OSError):
-                still = []
-                for i in range(0, len(waiting), 2000):
-                    chunk = waiting[i : i + 2000]
-                    pipe = self.direct.pipeline(transaction=False)
-                    for job_id in chunk:
-                        pipe.hget(f"offload:{{{job_id.partition(':')[0]}}}:job:{job_id}", "state")
-                    states = await pipe.execute()
-                    still += [j for j, s in zip(chunk, states, strict=True) if s is not None and s not in TERMINAL]
-                waiting = still
-                if not waiting:
-                    return time.time()
-            await asyncio.sleep(1)
-        return None
-
     async def _records(self) -> dict[str, dict[str, str]]:
         records: dict[str, dict[str, str]] = {}
         for q in (QUEUE, CAPPED):
@@ -578,8 +557,9 @@ class Run:
             capped_queue=CAPPED,
             clock_events=self.clock_events,
             daily_job_cap=self.p.daily_job_cap,
-            cap_rolled_at=self.rolled_at,
-            held_at_roll=self.held_at_roll,
+            cap_rolled_at=self.settle.rolls[0] if self.settle.rolls else None,
+            cap_rolls=self.settle.rolls,
+            held_at_roll=self.settle.held_at_roll,
             samples=self.samples,
             synchronous=self.args.backend in SYNCHRONOUS,
             honoured=self.args.honour,
@@ -628,5 +608,8 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     run = Run(args, profile_for(args), out)
     doc = asyncio.run(run.main())
+    doc["passed"] = report.passed(doc)
     print(report.human(doc, run), flush=True)
     print(json.dumps(doc), flush=True)
+    if not doc["passed"]:
+        raise SystemExit(1)  # CI and scripts see a failed verdict in the exit status, not only in the text

@@ -215,7 +215,7 @@ async def test_a_worker_started_on_a_store_that_may_evict_waits_paused_then_serv
     async def said() -> bool:
         return line in fleet.log("w0").read_text()
 
-    await wait_until(said, 60, "the worker to say the policy is wrong", why=fleet.problems)
+    await seconds_until(said, 60, "the worker to say the policy is wrong", why=fleet.problems)
     await _unpaid_until_fixed(own_valkey, fleet, sim, ostore, ids, "start")
     assert fleet.log("w0").read_text().count(line) == 1  # one line, not one per check
 

@@ -1,0 +1,117 @@
+"""After the faults: the capped queue's cap window rolls over and the harness waits until every acknowledged job is
+terminal, for as long as jobs keep finishing.
+
+The cap window is the store's UTC day, so a roll steps Valkey's clock to just past its next midnight (with the
+capped queue's worker stopped first, its calls out awaited, and started again in the new day), where the held jobs
+must come back. A new day's cap may fill again: a job whose earlier run expired at the provider before it was
+polled runs again, counted in the day of that run, and what it holds back waits for the next day, rolled to while
+nothing else is left (MAX_ROLLS in all).
+
+A job is stuck once `stall` seconds passed with no job becoming terminal (or SETTLE_CAP times that in all): a
+backlog worked off slowly (every fault combined leaves hundreds of jobs for after the faults, the rate limit paces
+them, a loaded CI machine slows everything) is not stuck; a job waiting on something that does not come (a lease
+never reaped, a clock) is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from bench.chaos.checker import TERMINAL
+from bench.chaos.faketime import ClockFile
+from bench.chaos.procs import WorkerSlot
+
+DAY_S = 86_400
+MAX_ROLLS = 3  # store days rolled to at most, while capped jobs wait for the next one
+SETTLE_CAP = 4  # the wait for every job to be terminal: `stall` s without progress, at most this many times it
+
+
+class Settle:
+    """`run(stall)`: the roll(s) and the wait; `rolls`, `held_at_roll` for the checker."""
+
+    def __init__(self, direct: Any, cap_slot: WorkerSlot, clock: ClockFile, acked: list[str], capped: str) -> None:
+        self.direct, self.cap_slot, self.clock, self.capped = direct, cap_slot, clock, capped
+        self.waiting = acked  # the jobs not terminal when last counted
+        self.rolls: list[float] = []  # when the store's clock reached each new day (the capped queue's windows)
+        self.held_at_roll = 0  # capped jobs held at the first roll
+        self.window = ""  # the store's day since the last roll (a cap window: 20261207)
+        self.held_today = 0  # capped jobs held in that window when the jobs were last counted
+
+    async def run(self, stall: float) -> float | None:
+        """When every job was terminal, or None (the rest are stuck)."""
+        await self.roll()
+        done = await self.until_terminal(stall)
+        for _ in range(MAX_ROLLS - 1):
+            if done is not None or not self.held_today or self.held_today < len(self.waiting):
+                break  # (only when nothing but jobs held until the next day is left)
+            await self.roll()
+            done = await self.until_terminal(stall)
+        return done
+
+    async def roll(self) -> None:
+        """The capped queue's window rolls over to the store's next day."""
+        for attempt in range(5):  # the direct client's connection may predate the last Valkey restart
+            try:
+                held = int(await self.direct.zcard(f"offload:{{{self.capped}}}:held"))
+                now = await self.store_time()
+                break
+            except (RedisError, OSError):
+                if attempt == 4:
+                    raise
+                await asyncio.sleep(0.5)
+        self.held_at_roll = self.held_at_roll if self.rolls else held
+        await asyncio.to_thread(self.cap_slot.terminate)
+        midnight = (now // DAY_S + 1) * DAY_S
+        self.clock.step(midnight + 1 - now)
+        deadline = time.monotonic() + 30
+        while await self.store_time() < midnight:
+            if time.monotonic() > deadline:
+                raise RuntimeError("Valkey's clock did not step to its next day")
+            await asyncio.sleep(0.05)
+        self.rolls.append(time.time())
+        self.window = time.strftime("%Y%m%d", time.gmtime(midnight + 1))
+        self.cap_slot.start()
+
+    async def store_time(self) -> float:
+        seconds, micros = await self.direct.time()
+        return int(seconds) + int(micros) / 1e6
+
+    async def until_terminal(self, stall: float) -> float | None:
+        """When every job was terminal; None once `stall` s passed without one becoming terminal, or at once when
+        all that is left is held in today's cap window (waiting longer changes nothing)."""
+        now = time.monotonic()
+        deadline, cap = now + stall, now + stall * SETTLE_CAP
+        while time.monotonic() < min(deadline, cap):
+            try:
+                still = await self._not_terminal()
+            except (RedisError, OSError):
+                await asyncio.sleep(1)
+                continue
+            if len(still) < len(self.waiting):
+                deadline = time.monotonic() + stall
+            self.waiting = still
+            if not still:
+                return time.time()
+            if self.held_today == len(still):
+                return None
+            await asyncio.sleep(1)
+        return None
+
+    async def _not_terminal(self) -> list[str]:
+        still: list[str] = []
+        today = 0
+        for i in range(0, len(self.waiting), 2000):
+            chunk = self.waiting[i : i + 2000]
+            pipe = self.direct.pipeline(transaction=False)
+            for job_id in chunk:
+                pipe.hmget(f"offload:{{{job_id.partition(':')[0]}}}:job:{job_id}", "state", "held_window")
+            found = await pipe.execute()
+            left = [(j, s, w) for j, (s, w) in zip(chunk, found, strict=True) if s and s not in TERMINAL]
+            still += [j for j, _, _ in left]
+            today += sum(s == "held" and w == self.window for _, s, w in left)
+        self.held_today = today
+        return still
