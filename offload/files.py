@@ -32,7 +32,8 @@ REF_FIELDS = frozenset({REF_KEY, "size", "sha256", "content_type", "name"})
 # A reference's key in JSON text as offload writes it (orjson, or json.dumps): `$` is never escaped there, and a
 # quote inside a string always is, so `"$file"` after `{` or `,` and before `:` is an object's key.
 REF_MARKER = b'"$file"'
-_REF_VALUE = re.compile(rb'\s*:\s*("(?:[^"\\]|\\.)*")')
+# a `"$file"` member name (after `{` or `,`: never inside a string, where its quotes would be escaped) and its value
+_REF_SCAN = re.compile(rb'[{,]\s*"\$file"\s*:\s*("[^"\\]*(?:\\.[^"\\]*)*")')
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 Path_ = tuple[str | int, ...]
@@ -165,19 +166,13 @@ def may_hold_references(encoded: bytes) -> bool:
 
 def reference_keys(encoded: bytes) -> list[str]:
     """The distinct `$file` strings of JSON text offload wrote, in order, found by byte search without parsing
-    the rest: every reference's key (and those nested in a reference's own fields, which the walk skips)."""
+    the rest: every reference's key (and those nested in a reference's own fields, which the walk skips). One
+    regex pass in C, and each distinct string decoded once: an input repeating one reference 3,000 times costs
+    what one does (a Python loop per occurrence held the server's loop ~15 ms per such job)."""
     keys: dict[str, None] = {}
-    at = encoded.find(REF_MARKER)
-    while at >= 0:
-        end = at + len(REF_MARKER)
-        before = at - 1
-        while before >= 0 and encoded[before] in b" \t\r\n":
-            before -= 1
-        if before >= 0 and encoded[before] in b"{," and (m := _REF_VALUE.match(encoded, end)):
-            with contextlib.suppress(ValueError):  # not a string any JSON encoder writes
-                keys.setdefault(orjson.loads(m.group(1)), None)
-            end = m.end()
-        at = encoded.find(REF_MARKER, end)
+    for raw in dict.fromkeys(_REF_SCAN.findall(encoded)):
+        with contextlib.suppress(ValueError):  # not a string any JSON encoder writes
+            keys.setdefault(orjson.loads(raw), None)
     return list(keys)
 
 
