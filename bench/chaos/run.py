@@ -32,9 +32,9 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 import yaml
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
-from redis.retry import Retry
 
 from bench.chaos import egress, failover, hostile, report
 from bench.chaos.checker import Checker, RunData

@@ -33,6 +33,7 @@ def start(
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
         preexec_fn=die_with_parent,
+        cwd=log.parent,  # not the checkout: a `make demo` leaves .offload/offload.yaml there, naming its S3 server
     )
     url = f"http://127.0.0.1:{port}"
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -122,9 +123,16 @@ class HttpWorker:
         assert r.status_code == 200, r.text
 
     def complete(self, job: dict[str, Any], output: Any) -> None:
-        r = self.http.post(
-            f"/v1/workers/{self.id}/jobs/{job['id']}/complete", json={"token": job["token"], "output": output}
-        )
+        """As the real GPU worker does: a 503 (the output could not be stored yet: a slow or busy store) is
+        retried after its Retry-After, for up to 30 s; any other answer but 200 fails the test."""
+        deadline = time.monotonic() + 30
+        while True:
+            r = self.http.post(
+                f"/v1/workers/{self.id}/jobs/{job['id']}/complete", json={"token": job["token"], "output": output}
+            )
+            if r.status_code != 503 or time.monotonic() > deadline:
+                break
+            time.sleep(float(r.headers.get("Retry-After", "1")))  # the protocol's back-off, not a synchronisation
         assert r.status_code == 200, r.text
 
     def fail(self, job: dict[str, Any], error: str, retryable: bool = False) -> None:
