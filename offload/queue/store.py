@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,6 +16,7 @@ import orjson
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
+from offload.backoff import retry_delay_ms
 from offload.connection import is_oom
 from offload.errors import (
     ConfigError,
@@ -55,12 +55,6 @@ LeaseRef = str | tuple[str, str]  # a job id, or (job id, lease token)
 
 #: (id, token, result location, cost) or, for a run never checkpointed, (..., backend, remote id, submission n).
 CompleteItem = tuple[str, str, str, float | None] | tuple[str, str, str, float | None, str, str, int]
-
-
-def retry_delay_ms(attempt: int, base_ms: int = 1_000, cap_ms: int = 300_000) -> int:
-    """Exponential backoff with "equal jitter": half fixed, half random, so retries of a burst spread out."""
-    ceiling = min(cap_ms, base_ms * 2 ** max(attempt - 1, 0))
-    return int(ceiling / 2 + random.random() * ceiling / 2)
 
 
 def silence_ms(lease_ms: int) -> int:

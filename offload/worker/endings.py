@@ -15,9 +15,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from offload.backends.base import Backend, BackendError, NotFound
+from offload.backoff import retry_delay_ms
 from offload.errors import StaleLease
 from offload.models import ClaimedJob
-from offload.queue.store import QueueStore, retry_delay_ms
+from offload.queue.store import QueueStore
 from offload.storage import StorageError
 from offload.worker.batching import Batcher
 from offload.worker.health import StoreHealth

@@ -7,10 +7,11 @@ from datetime import UTC, datetime
 import pytest
 
 from offload import InvalidJob, InvalidQueueName, InvalidTransition, JobNotFound, PayloadTooLarge, StaleLease
+from offload.backoff import retry_delay_ms
 from offload.connection import connect
 from offload.models import JobState
 from offload.queue.specs import JobSpec
-from offload.queue.store import QueueStore, retry_delay_ms
+from offload.queue.store import QueueStore
 
 
 async def test_enqueue_then_get_returns_a_typed_record(store: QueueStore) -> None:

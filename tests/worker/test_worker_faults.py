@@ -27,11 +27,12 @@ from support.eventually import eventually
 from support.s3server import RcloneS3
 from test_worker import BACKENDS, BUCKET
 
+from offload.backoff import retry_delay_ms
 from offload.config import Settings
 from offload.connection import connect, is_outage
 from offload.models import Job
 from offload.queue.specs import JobSpec
-from offload.queue.store import QueueStore, retry_delay_ms
+from offload.queue.store import QueueStore
 from offload.sim.config import SimConfig
 from offload.sim.server import running_sim
 from offload.worker import endings
