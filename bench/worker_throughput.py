@@ -56,10 +56,10 @@ from offload.backends.base import RemoteResult, Submission
 from offload.connection import connect
 from offload.heap import freeze_startup
 from offload.models import ClaimedJob
+from offload.queue.backend_limits import BackendLimits
 from offload.queue.specs import JobSpec
 from offload.queue.store import DEFAULT_LEASE_MS, CompleteItem, QueueStore
 from offload.worker.dispatch import Worker, WorkerOptions, default_worker_id
-from offload.worker.limits import BackendLimits
 
 QUEUE = "wbench"
 WORKLOADS = ("lean_noop", "worker_noop", "worker_io50", "loop_io50")

@@ -39,7 +39,7 @@ from offload.files import DEFAULT_MAX_FILE_BYTES, files_in
 from offload.models import Job, QueueStats
 from offload.queue import durability as durable
 from offload.queue.durability import Durability, NotReplicated
-from offload.queue.keys import QUEUES_KEY, new_job_id
+from offload.queue.keyspace import QUEUES_KEY, new_job_id
 from offload.queue.memory import require_noeviction
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore

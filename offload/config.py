@@ -19,8 +19,8 @@ import yaml
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
 from offload import stack
-from offload.autoscale.alerts import AlertSettings
-from offload.autoscale.config import ServerSide, autoscale_problems, yaml_blocks
+from offload.autoscale.alert_settings import AlertSettings
+from offload.autoscale.settings import ServerSide, autoscale_problems, yaml_blocks
 from offload.backends.settings import AnyBackendSettings, BackendSettings
 from offload.caps import CapLimits, reservation
 from offload.connection import configured_url
@@ -28,9 +28,8 @@ from offload.embedded import data_dir
 from offload.errors import ConfigError
 from offload.queue import durability
 from offload.queue.durability import Durability
-from offload.queue.keys import validate_queue
-from offload.schema import Strict, field_errors, parse, parse_rate
-from offload.server.clientaddr import parse_networks
+from offload.queue.keyspace import validate_queue
+from offload.schema import Strict, field_errors, parse, parse_networks, parse_rate
 from offload.storage.namespace import check_prefixes
 from offload.storage.settings import LocalStorageSettings, StorageSettings
 from offload.suggest import closest, did_you_mean
@@ -89,7 +88,7 @@ class QueueSettings(Strict):
     ingest_list: str | None = None
     # a storage prefix this queue owns besides its own results/<queue>: (offload/storage/namespace.py)
     output_prefix: str | None = None
-    autoscale: dict[str, Any] | None = None  # validated by offload.autoscale.config (see load_settings)
+    autoscale: dict[str, Any] | None = None  # validated by offload.autoscale.settings (see load_settings)
     deployment: dict[str, Any] | None = None  # the guide's place for autoscale.deployment (see yaml_blocks)
     timeout: float | None = Field(
         None,
@@ -116,8 +115,8 @@ class Settings(Strict):
     server: ServerSettings = ServerSettings()
     backends: dict[str, BackendSettings] = Field(default_factory=dict)
     queues: dict[str, QueueSettings] = Field(default_factory=dict)
-    autoscaler: ServerSide | None = None  # the autoscaler's server-side settings (offload.autoscale.config)
-    alerts: AlertSettings | None = None  # where alerts go (offload.autoscale.alerts)
+    autoscaler: ServerSide | None = None  # the autoscaler's server-side settings (offload.autoscale.settings)
+    alerts: AlertSettings | None = None  # where alerts go (offload.autoscale.alert_settings)
 
     @field_validator("queues")
     @classmethod

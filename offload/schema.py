@@ -8,8 +8,9 @@ can build on it without an import cycle. The models themselves are validated onc
 
 from __future__ import annotations
 
+import ipaddress
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import UnionType
 from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
 
@@ -19,6 +20,7 @@ from offload.errors import ConfigError
 from offload.suggest import closest, did_you_mean
 
 T = TypeVar("T")
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 NonEmpty = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)]
 RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*(s|sec|second|m|min|minute|h|hour)\s*$")
@@ -38,6 +40,17 @@ def parse_rate(text: str) -> float:
     if not m:
         raise ValueError(f"rate limit must look like '20/s', '600/min' or '1000/hour', got {text!r}")
     return float(m.group(1)) / _PER[m.group(2)]
+
+
+def parse_networks(values: Iterable[str]) -> tuple[Network, ...]:
+    """CIDRs (or bare addresses) as networks; a ValueError names the first one that is neither."""
+    out = []
+    for value in values:
+        try:
+            out.append(ipaddress.ip_network(value.strip(), strict=False))
+        except ValueError:
+            raise ValueError(f"{value!r} is not an IP address or CIDR (e.g. 10.0.0.0/8, ::1)") from None
+    return tuple(out)
 
 
 def http_url(value: str | None) -> str | None:

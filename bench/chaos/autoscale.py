@@ -110,11 +110,11 @@ class Server:
 def _operator(redis_url: str, sim_url: str, git_token: str) -> str:
     """What the operator does on the server's host (direct Redis access): the provider `v` at the simulator, the
     vault credential `gh` for github.com, and the worker key rented machines get (returned)."""
+    from offload.access.api_keys import KeyStore
     from offload.autoscale.credentials import Credentials
     from offload.autoscale.provider_store import ProviderStore
     from offload.autoscale.vault import Vault
     from offload.connection import connect
-    from offload.server.keys import KeyStore
 
     async def go() -> str:
         redis = await connect(redis_url)

@@ -26,7 +26,7 @@ import redis
 
 from bench.chaos.procs import HOST, Valkey
 from bench.chaos.proxy import FaultProxy
-from offload.queue.keys import events as events_key
+from offload.queue.keyspace import events as events_key
 
 log = logging.getLogger("chaos")
 TIMEOUT_MS = 500  # how long a durable write waits for the replica before it is refused (and sent again)

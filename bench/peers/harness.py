@@ -496,11 +496,11 @@ async def last_finished(r: Any, ids: list[str]) -> float:
     """When the last of `ids` finished (s, epoch), from the `finished_at` Valkey stamped on each record in the
     script that marked it succeeded, after its result was stored: offload's counterpart of the peers' reporter,
     which stamps the moment the n-th job body returned. The harness's own 0.1 s polls would add up to 0.1 s."""
-    from offload.queue import keys
+    from offload.queue import keyspace
 
     pipe = r.pipeline(transaction=False)
     for job_id in ids:
-        pipe.hget(keys.job(OFFLOAD_GPU_QUEUE, job_id), "finished_at")
+        pipe.hget(keyspace.job(OFFLOAD_GPU_QUEUE, job_id), "finished_at")
     stamps = [int(v) for v in await pipe.execute() if v is not None]
     if len(stamps) < len(ids):
         raise RuntimeError(f"{len(ids) - len(stamps)} finished jobs have no finished_at")
@@ -689,7 +689,7 @@ def crash_offload(bench: Bench, db: int, crash: Crash, kill_after: float) -> Cra
     """The same with the real `offload worker` against the simulator: a job's start is its remote submission
     (counted by the simulator per job), its end is `succeeded`."""
     from offload.connection import connect
-    from offload.queue.keys import prefix
+    from offload.queue.keyspace import prefix
     from offload.queue.specs import JobSpec
     from offload.queue.store import QueueStore
 

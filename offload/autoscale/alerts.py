@@ -14,80 +14,29 @@ import asyncio
 import logging
 import smtplib
 import time
-from collections.abc import Mapping
 from email.message import EmailMessage
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 import orjson
-from pydantic import Field
 
-from offload.autoscale import keys
-from offload.autoscale.config import Duration
+from offload.autoscale import keyspace
+from offload.autoscale.alert_settings import AlertKind, AlertSettings, EmailTarget, WebhookTarget
 from offload.autoscale.instances import log_event
 from offload.autoscale.providers.base import Clock
 from offload.connection import is_outage
-from offload.queue.keys import dead_letter_alert
+from offload.queue.keyspace import dead_letter_alert
 from offload.queue.scripts import SCRIPTS
 from offload.redact import Redactor, mask_url
 from offload.redis_client import RedisClient
-from offload.schema import Strict, parse
 
 log = logging.getLogger("offload.autoscale.alerts")
-AlertKind = Literal[
-    "autoscale_failure",
-    "boot_timeout",
-    "spend_cap_reached",
-    "dead_letter_growth",
-    "queue_latency",
-    "file_sweep",
-    "store_memory",
-    "eviction_policy",
-]
 # A target filtering on a kind also receives its sub-kinds: a machine that never booted is an autoscale failure.
 PARENT: dict[str, str] = {"boot_timeout": "autoscale_failure"}
 
 
-class WebhookTarget(Strict):
-    url: str
-    headers: dict[str, str] = Field(default_factory=dict)
-    kinds: list[AlertKind] | None = None
-
-
-class EmailTarget(Strict):
-    host: str
-    port: int = 25
-    from_addr: str
-    to: list[str] = Field(..., min_length=1)
-    username: str | None = None
-    password: str | None = Field(None, repr=False)
-    starttls: bool = False
-    kinds: list[AlertKind] | None = None
-
-
-class AlertSettings(Strict):
-    webhooks: list[WebhookTarget] = Field(default_factory=list)
-    email: EmailTarget | None = None
-    cooldown: Duration = Field(900.0, ge=0)
-    attempts: int = Field(4, ge=1, le=10)
-    dead_letter_growth: int | None = Field(None, ge=1, description="dead jobs added within the window")
-    dead_letter_window: Duration = Field(600.0, gt=0)
-    queue_latency: Duration | None = Field(None, gt=0, description="oldest ready job older than this")
-    store_memory: float | None = Field(
-        0.9, gt=0, le=1, description="the job store's used memory past this share of its maxmemory (null: off)"
-    )
-
-
 def _wants(kinds: list[AlertKind] | None, kind: str) -> bool:
     return kinds is None or kind in kinds or PARENT.get(kind) in kinds
-
-
-def alert_settings(data: AlertSettings | Mapping[str, Any] | None) -> AlertSettings:
-    """The typed `alerts:` block as offload.config validated it; a mapping (a test's, a caller's) is validated."""
-    if isinstance(data, AlertSettings):
-        return data
-    parsed: AlertSettings = parse(AlertSettings, data or {}, "alerts")
-    return parsed
 
 
 class Alerter:
@@ -115,7 +64,9 @@ class Alerter:
     async def alert(self, kind: AlertKind, subject: str, message: str, **details: Any) -> bool:
         """Raise an alert; False if the same one was sent within the cooldown."""
         now = self.clock()
-        if not await SCRIPTS.alert_once(self.redis, [keys.alert(kind, subject)], [repr(now), self.settings.cooldown]):
+        if not await SCRIPTS.alert_once(
+            self.redis, [keyspace.alert(kind, subject)], [repr(now), self.settings.cooldown]
+        ):
             return False
         message = self.redact(message)
         details = {k: self.redact(v) if isinstance(v, str) else v for k, v in details.items()}

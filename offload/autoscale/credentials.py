@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-from offload.autoscale import keys
+from offload.autoscale import keyspace
 from offload.autoscale.deploy import git_host
 from offload.autoscale.provider_store import MASK, check_name, mask
 from offload.autoscale.vault import Vault
@@ -50,19 +50,19 @@ class Credentials:
         if not value or value.startswith(MASK):
             raise ConfigError("value: empty (or still masked): give the token itself")
         sealed = self._vault().encrypt(value, _context(name, host))
-        await self.redis.set(keys.credential_host(name), host)
-        await self.redis.set(keys.credential(name), sealed)
-        await self.redis.sadd(keys.CREDENTIALS, name)
+        await self.redis.set(keyspace.credential_host(name), host)
+        await self.redis.set(keyspace.credential(name), sealed)
+        await self.redis.sadd(keyspace.CREDENTIALS, name)
 
     async def host(self, name: str) -> str | None:
         """The git host the credential is bound to (None: it has none, or does not exist)."""
-        found: str | None = await self.redis.get(keys.credential_host(name))
+        found: str | None = await self.redis.get(keyspace.credential_host(name))
         return found
 
     async def problem(self, name: str, git_url: str) -> str | None:
         """Why the credential must not be revealed for a clone of `git_url` (None: it may)."""
         where = f"deployment.git_credential: credential {name!r}"
-        if not await self.redis.exists(keys.credential(name)):
+        if not await self.redis.exists(keyspace.credential(name)):
             return f"{where} does not exist (offload autoscale credentials set NAME --host HOST)"
         bound = await self.host(name)
         if not bound:
@@ -75,7 +75,7 @@ class Credentials:
         """(username or None, token) of a credential, for a clone of `git_url` only; ConfigError naming why not."""
         if why := await self.problem(name, git_url):
             raise ConfigError(why)
-        sealed: str = await self.redis.get(keys.credential(name)) or ""
+        sealed: str = await self.redis.get(keyspace.credential(name)) or ""
         value = self._vault().decrypt(sealed, _context(name, git_host(git_url)))
         user, sep, token = value.partition(":")
         return (user, token) if sep and user and token else (None, value)
@@ -83,8 +83,8 @@ class Credentials:
     async def list(self) -> dict[str, dict[str, str]]:
         """Names with their values masked (`****abcd`) and the git host each is bound to."""
         out = {}
-        for name in sorted(await self.redis.smembers(keys.CREDENTIALS)):
-            sealed = await self.redis.get(keys.credential(name))
+        for name in sorted(await self.redis.smembers(keyspace.CREDENTIALS)):
+            sealed = await self.redis.get(keyspace.credential(name))
             if sealed is None:
                 continue
             host = await self.host(name) or ""
@@ -96,9 +96,9 @@ class Credentials:
         return out
 
     async def delete(self, name: str) -> bool:
-        gone = bool(await self.redis.delete(keys.credential(name)))
-        await self.redis.delete(keys.credential_host(name))
-        await self.redis.srem(keys.CREDENTIALS, name)
+        gone = bool(await self.redis.delete(keyspace.credential(name)))
+        await self.redis.delete(keyspace.credential_host(name))
+        await self.redis.srem(keyspace.CREDENTIALS, name)
         return gone
 
 

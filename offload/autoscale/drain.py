@@ -29,8 +29,8 @@ from offload.autoscale.state import QueueState
 from offload.autoscale.triggers import down_fire, idle_since, idle_timeout
 
 if TYPE_CHECKING:
-    from offload.autoscale.config import AutoscaleSettings
     from offload.autoscale.scaler import Autoscaler
+    from offload.autoscale.settings import AutoscaleSettings
 
 log = logging.getLogger("offload.autoscale")
 CANCELLABLE = ("idle", "schedule")  # drains that load coming back may cancel (not: disabled, spend cap)

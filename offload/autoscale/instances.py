@@ -36,7 +36,7 @@ from typing import Any
 
 import orjson
 
-from offload.autoscale import keys
+from offload.autoscale import keyspace
 from offload.errors import FencingError
 from offload.queue.scripts import SCRIPTS
 from offload.redact import redact
@@ -153,7 +153,7 @@ async def claim_problem(
     autoscaler's `as-…` namespace are free-form labels the autoscaler never matches against an instance."""
     if not instance_id or not instance_id.startswith(ID_PREFIX):
         return None
-    h: dict[str, str] = await redis.hgetall(keys.instance(instance_id))
+    h: dict[str, str] = await redis.hgetall(keyspace.instance(instance_id))
     if not h:
         return f"instance_id {instance_id!r}: the autoscaler rented no such instance"
     inst = Instance.from_hash(h)
@@ -185,7 +185,7 @@ class InstanceStore:
     ) -> None:
         code = await SCRIPTS.instance_write(
             self.redis,
-            [keys.LEADER, keys.instance(instance_id), keys.LIVE, keys.ALL],
+            [keyspace.LEADER, keyspace.instance(instance_id), keyspace.LIVE, keyspace.ALL],
             [fence, expect, _encode(values), live, instance_id, int(score * 1000)],
         )
         if code == "FENCED":
@@ -221,7 +221,7 @@ class InstanceStore:
             setattr(inst, k, v)
 
     async def get(self, instance_id: str) -> Instance | None:
-        h = await self.redis.hgetall(keys.instance(instance_id))
+        h = await self.redis.hgetall(keyspace.instance(instance_id))
         return Instance.from_hash(h) if h else None
 
     async def _many(self, ids: list[str]) -> list[Instance]:
@@ -229,30 +229,30 @@ class InstanceStore:
             return []
         pipe = self.redis.pipeline(transaction=False)
         for i in ids:
-            pipe.hgetall(keys.instance(i))
+            pipe.hgetall(keyspace.instance(i))
         return [Instance.from_hash(h) for h in await pipe.execute() if h]
 
     async def live(self) -> list[Instance]:
-        ids = sorted(await self.redis.smembers(keys.LIVE))
+        ids = sorted(await self.redis.smembers(keyspace.LIVE))
         return sorted(await self._many(ids), key=lambda i: (i.created_at, i.id))
 
     async def recent(self, limit: int = 200) -> list[Instance]:
-        return await self._many(list(await self.redis.zrevrange(keys.ALL, 0, limit - 1)))
+        return await self._many(list(await self.redis.zrevrange(keyspace.ALL, 0, limit - 1)))
 
     async def forget_before(self, cutoff: float, limit: int = 1000) -> int:
         """Delete finished instance records created before `cutoff` (history retention); live ones stay."""
-        ids = await self.redis.zrangebyscore(keys.ALL, "-inf", int(cutoff * 1000), start=0, num=limit)
-        gone = [i for i in ids if not await self.redis.sismember(keys.LIVE, i)]
+        ids = await self.redis.zrangebyscore(keyspace.ALL, "-inf", int(cutoff * 1000), start=0, num=limit)
+        gone = [i for i in ids if not await self.redis.sismember(keyspace.LIVE, i)]
         if gone:
-            await self.redis.delete(*(keys.instance(i) for i in gone))
-            await self.redis.zrem(keys.ALL, *gone)
+            await self.redis.delete(*(keyspace.instance(i) for i in gone))
+            await self.redis.zrem(keyspace.ALL, *gone)
         return len(gone)
 
     async def set_protect(self, instance_id: str, value: bool) -> Instance:
         """Operators protect/unprotect at any time, leader or not: the flag only ever prevents a destroy."""
-        if not await self.redis.exists(keys.instance(instance_id)):
+        if not await self.redis.exists(keyspace.instance(instance_id)):
             raise KeyError(f"no instance {instance_id!r}")
-        await self.redis.hset(keys.instance(instance_id), "protect", int(value))
+        await self.redis.hset(keyspace.instance(instance_id), "protect", int(value))
         inst = await self.get(instance_id)
         assert inst is not None
         return inst
@@ -267,9 +267,9 @@ async def log_event(redis: RedisClient, now: float, kind: str, message: str, **f
         "message": redact(message),
         **{k: str(v) for k, v in fields_.items() if v is not None},
     }
-    await redis.xadd(keys.EVENTS, entry, maxlen=EVENTS_MAX, approximate=True)
+    await redis.xadd(keyspace.EVENTS, entry, maxlen=EVENTS_MAX, approximate=True)
 
 
 async def read_events(redis: RedisClient, count: int = 50) -> list[dict[str, str]]:
-    rows = await redis.xrevrange(keys.EVENTS, count=count)
+    rows = await redis.xrevrange(keyspace.EVENTS, count=count)
     return [dict(fields_) for _, fields_ in reversed(rows)]

@@ -14,7 +14,7 @@ import socket
 import time
 import uuid
 
-from offload.autoscale import keys
+from offload.autoscale import keyspace
 from offload.autoscale.instances import Fenced
 from offload.autoscale.providers.base import Clock
 from offload.queue.scripts import SCRIPTS
@@ -35,7 +35,7 @@ class Leader:
         """Take or renew the lock; True while this server is the leader (its token in `self.token`)."""
         tok = await SCRIPTS.leader_acquire(
             self.redis,
-            [keys.LEADER, keys.FENCE],
+            [keyspace.LEADER, keyspace.FENCE],
             [self.owner, int(self.clock() * 1000), int(self.ttl * 1000), self.token],
         )
         self.token = str(tok) if tok else ""
@@ -45,7 +45,7 @@ class Leader:
         """Raise Fenced unless this server still holds the lock with its token (right before a provider call)."""
         if not self.token:
             raise Fenced("not the autoscaler leader")
-        cur = await self.redis.get(keys.LEADER)
+        cur = await self.redis.get(keyspace.LEADER)
         if not cur:
             raise Fenced("the autoscaler lock expired")
         owner, tok, exp = cur.split("|")
@@ -54,12 +54,12 @@ class Leader:
             raise Fenced("another server holds the autoscaler lock")
 
     async def release(self) -> None:
-        await SCRIPTS.leader_release(self.redis, [keys.LEADER], [self.owner])
+        await SCRIPTS.leader_release(self.redis, [keyspace.LEADER], [self.owner])
         self.token = ""
 
     @staticmethod
     async def current(redis: RedisClient) -> dict[str, str] | None:
-        cur = await redis.get(keys.LEADER)
+        cur = await redis.get(keyspace.LEADER)
         if not cur:
             return None
         owner, tok, exp = cur.split("|")

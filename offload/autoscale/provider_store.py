@@ -26,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from offload.autoscale import keys
+from offload.autoscale import keyspace
 from offload.autoscale.operator_only import API, OPERATOR
 from offload.autoscale.providers import HOST_TYPES, TYPES, validate_config
 from offload.autoscale.vault import Vault
@@ -112,7 +112,7 @@ class ProviderStore:
         check_name(name)
         validate_config(kind, config)
         vault = self._vault_for(kind)  # refuse before anything is stored
-        if await self.redis.exists(keys.provider(name)):
+        if await self.redis.exists(keyspace.provider(name)):
             raise ConfigError(f"name: a provider named {name!r} exists (use update)")
         await self._save(vault, name, kind, config, created=None, origin=origin, uid=secrets.token_hex(8))
         return await self.get(name)
@@ -121,7 +121,7 @@ class ProviderStore:
         """The operator vouches for a provider made over the API (or before origins were recorded): from now on
         it receives the operator's secrets, and the API can no longer change or delete it."""
         await self._raw(name)
-        await self.redis.hset(keys.provider(name), "origin", OPERATOR)
+        await self.redis.hset(keyspace.provider(name), "origin", OPERATOR)
         return await self.get(name)
 
     async def update(self, name: str, changes: dict[str, Any]) -> ProviderRecord:
@@ -174,7 +174,7 @@ class ProviderStore:
         now = int(time.time() * 1000)
         sealed = vault.encrypt(orjson.dumps(hidden).decode(), f"provider:{name}") if vault is not None else ""
         await self.redis.hset(
-            keys.provider(name),
+            keyspace.provider(name),
             mapping={
                 "type": kind,
                 "config": orjson.dumps(plain),
@@ -186,10 +186,10 @@ class ProviderStore:
                 "uid": uid,
             },
         )
-        await self.redis.sadd(keys.PROVIDERS, name)
+        await self.redis.sadd(keyspace.PROVIDERS, name)
 
     async def _raw(self, name: str) -> dict[str, str]:
-        raw: dict[str, str] = await self.redis.hgetall(keys.provider(name))
+        raw: dict[str, str] = await self.redis.hgetall(keyspace.provider(name))
         if not raw:
             raise ProviderNotFound(f"no provider named {name!r}")
         return raw
@@ -208,7 +208,7 @@ class ProviderStore:
         """Rewrite records read in an older vault format (see vault.py), unless they changed meanwhile."""
         while self._pending:
             name, old, new = self._pending.pop()
-            await SCRIPTS.provider_swap(self.redis, [keys.provider(name)], [old, new])
+            await SCRIPTS.provider_swap(self.redis, [keyspace.provider(name)], [old, new])
 
     async def get(self, name: str, *, reveal: bool = False) -> ProviderRecord:
         raw = await self._raw(name)
@@ -235,31 +235,31 @@ class ProviderStore:
 
     async def origin_of(self, name: str) -> tuple[str, str] | None:
         """(origin, destination) of a provider without reading any secret; None: no such provider."""
-        raw: dict[str, str] = await self.redis.hgetall(keys.provider(name))
+        raw: dict[str, str] = await self.redis.hgetall(keyspace.provider(name))
         return (_origin(raw), _destination(name, raw)) if raw else None
 
     async def list(self) -> list[ProviderRecord]:
-        names = sorted(await self.redis.smembers(keys.PROVIDERS))
+        names = sorted(await self.redis.smembers(keyspace.PROVIDERS))
         out = []
         for name in names:
             try:
                 out.append(await self.get(name))
             except ProviderNotFound:
-                await self.redis.srem(keys.PROVIDERS, name)
+                await self.redis.srem(keyspace.PROVIDERS, name)
         return out
 
     async def type_of(self, name: str) -> str | None:
         """The provider's type, without reading any secret (None: no such provider)."""
-        kind: str | None = await self.redis.hget(keys.provider(name), "type")
+        kind: str | None = await self.redis.hget(keyspace.provider(name), "type")
         return kind
 
     async def delete(self, name: str) -> None:
         await self._raw(name)
-        for instance_id in await self.redis.smembers(keys.LIVE):
-            if await self.redis.hget(keys.instance(instance_id), "provider") == name:
+        for instance_id in await self.redis.smembers(keyspace.LIVE):
+            if await self.redis.hget(keyspace.instance(instance_id), "provider") == name:
                 raise ProviderInUse(
                     f"provider {name!r} still has live instance {instance_id}: scale it to zero "
                     "(or wait for teardown) before deleting the provider"
                 )
-        await self.redis.delete(keys.provider(name))
-        await self.redis.srem(keys.PROVIDERS, name)
+        await self.redis.delete(keyspace.provider(name))
+        await self.redis.srem(keyspace.PROVIDERS, name)

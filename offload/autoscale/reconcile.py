@@ -22,8 +22,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from offload.autoscale import keys
-from offload.autoscale.alerts import AlertKind
+from offload.autoscale import keyspace as keys
+from offload.autoscale.alert_settings import AlertKind
 from offload.autoscale.instances import Instance, StaleState, log_event
 from offload.autoscale.providers import Machine, MachineState, NotOurs, Provider, ProviderError
 from offload.autoscale.safety import HOST_AVOID, PROVISION_GRACE, TEARDOWN_ALERT_AFTER, boot_backoff, host_pause
@@ -31,8 +31,8 @@ from offload.autoscale.state import QueueState, add_cost
 from offload.autoscale.workers import WorkerInfo
 
 if TYPE_CHECKING:
-    from offload.autoscale.config import AutoscaleSettings
     from offload.autoscale.scaler import Autoscaler
+    from offload.autoscale.settings import AutoscaleSettings
 
 log = logging.getLogger("offload.autoscale")
 DEAD_STATES = (MachineState.FAILED, MachineState.TERMINATED, MachineState.STOPPED)

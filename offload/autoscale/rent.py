@@ -19,6 +19,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from offload.access.api_keys import KeyStore
 from offload.autoscale import reconcile
 from offload.autoscale.credentials import Credentials
 from offload.autoscale.deploy import TOKEN_ENV, USER_ENV, script, start_command
@@ -30,8 +31,8 @@ from offload.autoscale.state import QueueState, spend
 from offload.queue.memory import read_memory
 
 if TYPE_CHECKING:
-    from offload.autoscale.config import AutoscaleSettings
     from offload.autoscale.scaler import Autoscaler
+    from offload.autoscale.settings import AutoscaleSettings
 
 log = logging.getLogger("offload.autoscale")
 
@@ -119,8 +120,6 @@ async def worker_key_problem(
 ) -> str | None:
     """The key a machine receives must be a live worker key covering the queue: never an admin, producer or
     viewer key, never one that was revoked (the machine would only loop on 401s)."""
-    from offload.server.keys import KeyStore  # lazy: the server's routes import the autoscaler
-
     key = await KeyStore(a.redis).authenticate(token)
     if key is None:
         return (

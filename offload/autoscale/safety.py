@@ -8,7 +8,7 @@ constants, so each can be tested on its own and read in one place.
 - a host that could not start the container is avoided for 24 h, and the next rental waits 30 s, doubling to
   10 min (`host_pause`), instead of the boot backoff (the image is probably fine; the host was not);
 - a running instance whose heartbeats stopped for `autoscaler.heartbeat_timeout` (5 min by default) is destroyed
-  (the reconcile loop applies it; the setting lives in offload.autoscale.config).
+  (the reconcile loop applies it; the setting lives in offload.autoscale.settings).
 """
 
 from __future__ import annotations

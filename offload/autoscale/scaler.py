@@ -27,9 +27,17 @@ from typing import Any
 
 import orjson
 
-from offload.autoscale import drain, keys, reconcile, rent
-from offload.autoscale.alerts import Alerter, alert_settings
-from offload.autoscale.config import (
+from offload.autoscale import drain, reconcile, rent
+from offload.autoscale import keyspace as keys
+from offload.autoscale.alert_settings import alert_settings
+from offload.autoscale.alerts import Alerter
+from offload.autoscale.instances import ACTIVE, Fenced, Instance, InstanceStore, StaleState
+from offload.autoscale.leader import Leader
+from offload.autoscale.operator_only import OPERATOR
+from offload.autoscale.provider_store import ProviderStore
+from offload.autoscale.providers import TYPES, Machine, Provider, build
+from offload.autoscale.safety import RECENT_TASK
+from offload.autoscale.settings import (
     AutoscaleSettings,
     ServerSide,
     env_bound,
@@ -38,12 +46,6 @@ from offload.autoscale.config import (
     validate_autoscale,
     yaml_blocks,
 )
-from offload.autoscale.instances import ACTIVE, Fenced, Instance, InstanceStore, StaleState
-from offload.autoscale.leader import Leader
-from offload.autoscale.operator_only import OPERATOR
-from offload.autoscale.provider_store import ProviderStore
-from offload.autoscale.providers import TYPES, Machine, Provider, build
-from offload.autoscale.safety import RECENT_TASK
 from offload.autoscale.state import QueueState, save_decision
 from offload.autoscale.triggers import QueueLoad, scale_up
 from offload.autoscale.workers import RedisWorkers, WorkerInfo, WorkerSource

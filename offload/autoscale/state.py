@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from offload.autoscale import keys
+from offload.autoscale import keyspace
 from offload.redis_client import RedisClient
 
 
@@ -37,7 +37,7 @@ class QueueState:
 
     @classmethod
     async def load(cls, redis: RedisClient, queue: str) -> QueueState:
-        h = await redis.hgetall(keys.queue_state(queue))
+        h = await redis.hgetall(keyspace.queue_state(queue))
         kwargs: dict[str, Any] = {}
         for f in fields(cls):
             if f.name in h and f.type in ("str", "float", "int"):
@@ -57,7 +57,7 @@ class QueueState:
         for k, v in changes.items():
             setattr(self, k, v)
         await redis.hset(
-            keys.queue_state(queue), mapping={k: repr(v) if isinstance(v, float) else v for k, v in changes.items()}
+            keyspace.queue_state(queue), mapping={k: repr(v) if isinstance(v, float) else v for k, v in changes.items()}
         )
 
     async def provider_failed(self, redis: RedisClient, queue: str, provider: str, pause: float, now: float) -> int:
@@ -66,7 +66,7 @@ class QueueState:
         self.prov_failures[provider] = n
         self.prov_until[provider] = now + pause
         await redis.hset(
-            keys.queue_state(queue),
+            keyspace.queue_state(queue),
             mapping={f"prov_failures:{provider}": n, f"prov_until:{provider}": repr(now + pause)},
         )
         return n
@@ -76,7 +76,7 @@ class QueueState:
             self.prov_failures[provider] = 0
             self.prov_until[provider] = 0.0
             await redis.hset(
-                keys.queue_state(queue), mapping={f"prov_failures:{provider}": 0, f"prov_until:{provider}": "0.0"}
+                keyspace.queue_state(queue), mapping={f"prov_failures:{provider}": 0, f"prov_until:{provider}": "0.0"}
             )
 
     def paused_until(self) -> tuple[float, str]:
@@ -106,16 +106,16 @@ async def add_cost(redis: RedisClient, queue: str, now: float, amount: float, *,
     day, month = periods(now)
     pipe = redis.pipeline(transaction=False)
     for period, ttl in ((day, 40 * 86400), (month, 400 * 86400)):
-        pipe.incrbyfloat(keys.cost(queue, _bucket(period, dry_run)), amount)
-        pipe.expire(keys.cost(queue, _bucket(period, dry_run)), ttl)
-    pipe.incrbyfloat(keys.cost(queue, _bucket("total", dry_run)), amount)
+        pipe.incrbyfloat(keyspace.cost(queue, _bucket(period, dry_run)), amount)
+        pipe.expire(keyspace.cost(queue, _bucket(period, dry_run)), ttl)
+    pipe.incrbyfloat(keyspace.cost(queue, _bucket("total", dry_run)), amount)
     await pipe.execute()
 
 
 async def spend(redis: RedisClient, queue: str, now: float, *, dry_run: bool = False) -> tuple[float, float, float]:
     """(today, this month, all time) in USD for a queue, from the accrued buckets (real or dry-run spend)."""
     day, month = periods(now)
-    values = await redis.mget([keys.cost(queue, _bucket(p, dry_run)) for p in (day, month, "total")])
+    values = await redis.mget([keyspace.cost(queue, _bucket(p, dry_run)) for p in (day, month, "total")])
     today, this_month, total = (float(v or 0) for v in values)
     return today, this_month, total
 
@@ -123,11 +123,11 @@ async def spend(redis: RedisClient, queue: str, now: float, *, dry_run: bool = F
 async def save_decision(redis: RedisClient, queue: str, decision: dict[str, Any]) -> None:
     """The last evaluation of a queue, for `offload autoscale status` and the dashboard: why it does what it does."""
     pipe = redis.pipeline(transaction=False)
-    pipe.set(keys.decision(queue), orjson.dumps(decision), ex=7 * 86400)
-    pipe.sadd(keys.DECIDED, queue)
+    pipe.set(keyspace.decision(queue), orjson.dumps(decision), ex=7 * 86400)
+    pipe.sadd(keyspace.DECIDED, queue)
     await pipe.execute()
 
 
 async def load_decision(redis: RedisClient, queue: str) -> dict[str, Any] | None:
-    raw = await redis.get(keys.decision(queue))
+    raw = await redis.get(keyspace.decision(queue))
     return None if raw is None else dict(orjson.loads(raw))

@@ -13,7 +13,7 @@ from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from offload.autoscale import keys
+from offload.autoscale import keyspace
 from offload.autoscale.instances import ACTIVE, Instance, InstanceStore, read_events
 from offload.autoscale.leader import Leader
 from offload.autoscale.state import QueueState, load_decision, spend
@@ -34,7 +34,7 @@ async def snapshot(redis: RedisClient, *, history: int = 50, now: float | None =
     live = await store.live()
     recent = [i for i in await store.recent(history) if i.id not in {x.id for x in live}] if history > 0 else []
     queues: dict[str, dict[str, Any]] = {}
-    for name in sorted(await redis.smembers(keys.DECIDED)):
+    for name in sorted(await redis.smembers(keyspace.DECIDED)):
         queues[name] = {"active": 0, "draining": 0, "live_cost": 0.0}
     for inst in live + recent:
         q = queues.setdefault(inst.queue, {"active": 0, "draining": 0, "live_cost": 0.0})
@@ -157,4 +157,4 @@ async def autoscale_families(redis: RedisClient) -> list[Metric]:
     return [inst, spend_g, live, leader]
 
 
-__all__ = ["autoscale_families", "keys", "live_cost", "snapshot"]
+__all__ = ["autoscale_families", "keyspace", "live_cost", "snapshot"]

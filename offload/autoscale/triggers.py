@@ -17,8 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from offload.autoscale.config import AutoscaleSettings, Idle, Latency, NoWorkers, QueueDepth
 from offload.autoscale.instances import Instance
+from offload.autoscale.settings import AutoscaleSettings, Idle, Latency, NoWorkers, QueueDepth
 
 
 @dataclass

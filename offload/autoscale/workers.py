@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from offload.queue.keys import REMOTE_WORKERS, events, job, remote_worker, workers
+from offload.queue.keyspace import REMOTE_WORKERS, events, job, remote_worker, workers
 from offload.redis_client import RedisClient
 
 REMOTE_PREFIX = "r-"  # the server's GPU-worker ids (offload/server/registry.py); dispatch workers are host:pid

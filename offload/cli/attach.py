@@ -10,7 +10,7 @@ from offload.cli.errors import errors, fail
 from offload.cli.session import redis_url, settings
 from offload.client import AsyncClient
 from offload.files import File
-from offload.queue.keys import validate_queue
+from offload.queue.keyspace import validate_queue
 
 
 def _attachments(value: Any, attach: list[str]) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from offload.cli.results import result, wait
 from offload.cli.session import configured_caps, run_store
 from offload.errors import InvalidJob, OffloadError, StoreFull
 from offload.models import Enqueued, Job, QueueStats
-from offload.queue.keys import validate_queue
+from offload.queue.keyspace import validate_queue
 from offload.queue.memory import store_full
 from offload.queue.specs import DEFAULT_MAX_ATTEMPTS, JobSpec, max_payload_limit, validate_spec
 from offload.queue.store import QueueStore

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, TypeVar
+from typing import Annotated, TypeVar
 
 import typer
 
+from offload.access.api_keys import KeyStore
 from offload.cli.confirm import confirmed
 from offload.cli.errors import fail
 from offload.cli.options import ConfigOpt, DryRunOpt, JsonOpt, UrlOpt, YesOpt
@@ -15,16 +16,11 @@ from offload.cli.output import print_json
 from offload.cli.session import run_redis
 from offload.redis_client import RedisClient
 
-if TYPE_CHECKING:
-    from offload.server.keys import KeyStore
-
 T = TypeVar("T")
 keys_app = typer.Typer(no_args_is_help=True, help="API keys for the HTTP server: create, list, revoke.")
 
 
 def _with_keys(url: str | None, config: Path | None, fn: Callable[[KeyStore], Awaitable[T]]) -> T:
-    from offload.server.keys import KeyStore  # not at import time: it loads the whole server package
-
     def go(redis: RedisClient) -> Awaitable[T]:
         return fn(KeyStore(redis))
 

@@ -15,7 +15,7 @@ from offload.cli.options import ConfigOpt, JobArg, JsonOpt, UrlOpt
 from offload.cli.output import print_json
 from offload.cli.session import redis_url, run_redis, settings
 from offload.models import Job
-from offload.queue.keys import queue_of
+from offload.queue.keyspace import queue_of
 from offload.queue.store import QueueStore
 
 

@@ -50,7 +50,7 @@ def server(
     access_log: Annotated[bool, typer.Option(help="Log each request (method, path, status).")] = True,
 ) -> None:
     """Serve the HTTP API, SSE events and /metrics. Keys: `offload keys create`, or OFFLOAD_ADMIN_KEY."""
-    from offload.server.keys import ADMIN_ENV, check_admin_key
+    from offload.access.api_keys import ADMIN_ENV, check_admin_key
     from offload.server.runner import serve
     from offload.server.state import ServerOptions
 

@@ -17,7 +17,7 @@ from offload.cli.errors import errors
 from offload.config import Settings, load_settings, store_url
 from offload.connection import CALLER_RETRY_S, connect, connect_timeout
 from offload.errors import OffloadError, QueueNotFound
-from offload.queue.keys import queue_of, validate_queue
+from offload.queue.keyspace import queue_of, validate_queue
 from offload.queue.memory import require_noeviction
 from offload.queue.store import QueueStore
 from offload.redis_client import RedisClient

@@ -24,7 +24,7 @@ from offload.cli.logs import configure as configure_logging
 from offload.cli.options import ConfigOpt, LogLevel, LogLevelOpt
 from offload.cli.session import settings
 from offload.config import Settings, config_file
-from offload.queue.keys import validate_queue
+from offload.queue.keyspace import validate_queue
 
 QueuesOpt = Annotated[
     list[str] | None,
@@ -133,7 +133,7 @@ def run_handler_worker(
     grace: float,
 ) -> None:
     """`offload worker --handler`: needs only the server URL and a worker key, never Redis or storage."""
-    from offload.worker.remote import RemoteOptions, run_remote_worker
+    from offload.gpu_worker.loop import GpuWorkerOptions, run_gpu_worker
 
     if not server_url:
         fail("--handler needs --server URL (or OFFLOAD_SERVER)")
@@ -141,10 +141,10 @@ def run_handler_worker(
         fail("--handler needs a worker key: OFFLOAD_TOKEN (or --token)")
     if not queues:
         fail("--handler needs a queue to serve: --queue, or OFFLOAD_QUEUE (comma-separated for several)")
-    options = RemoteOptions(server=server_url, token=token, queues=queues, concurrency=concurrency, grace_s=grace)
+    options = GpuWorkerOptions(server=server_url, token=token, queues=queues, concurrency=concurrency, grace_s=grace)
     with errors():
         try:
-            eventloop.run(run_remote_worker(options, handler, load))
+            eventloop.run(run_gpu_worker(options, handler, load))
         except (ImportError, AttributeError, ValueError) as exc:
             fail(f"cannot load the handler: {exc}")
 

@@ -16,9 +16,9 @@ from typing import Any
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
-from offload.queue import keys
+from offload.queue import keyspace
 from offload.queue.durability import Durability, mark, run_script, settle
-from offload.queue.keys import prefix, queue_of
+from offload.queue.keyspace import prefix, queue_of
 from offload.queue.scripts import SCRIPTS
 from offload.redis_client import RedisClient
 
@@ -97,7 +97,7 @@ class HookStore:
         """`hook_digests` for many (job id, submission) in one pipelined round trip (the server's burst path)."""
         pipe = self.redis.pipeline(transaction=False)
         for job_id, submission in items:
-            pipe.hget(keys.job(queue_of(job_id), job_id), f"hook:{submission}")
+            pipe.hget(keyspace.job(queue_of(job_id), job_id), f"hook:{submission}")
         return [str(raw).split() if raw else [] for raw in await pipe.execute()]
 
     async def hook_body(self, job_id: str, submission: int) -> str | None:
@@ -109,7 +109,7 @@ class HookStore:
         hundreds of jobs at once, and one HMGET each through the shared pool cost more than the reads."""
         pipe = self.redis.pipeline(transaction=False)
         for job_id, _ in items:
-            pipe.hmget(keys.job(queue_of(job_id), job_id), ["hook_n", "hook_body"])
+            pipe.hmget(keyspace.job(queue_of(job_id), job_id), ["hook_n", "hook_body"])
         replies = await pipe.execute()
         return [
             str(body) if body is not None and n == str(submission) else None
@@ -118,6 +118,6 @@ class HookStore:
 
     async def current_remote(self, job_id: str) -> tuple[str | None, int]:
         """(remote id of the current submission or None, the current submission number)."""
-        rid, rn, sn = await self.redis.hmget(keys.job(queue_of(job_id), job_id), ["remote_id", "remote_n", "sub_n"])
+        rid, rn, sn = await self.redis.hmget(keyspace.job(queue_of(job_id), job_id), ["remote_id", "remote_n", "sub_n"])
         n = int(sn or 0)
         return (str(rid) if rid and rn == sn else None), n

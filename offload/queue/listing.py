@@ -14,8 +14,8 @@ from __future__ import annotations
 import heapq
 
 from offload.errors import InvalidJob
-from offload.queue import keys
-from offload.queue.keys import STATE_SETS, validate_queue
+from offload.queue import keyspace
+from offload.queue.keyspace import STATE_SETS, validate_queue
 from offload.queue.scripts import SCRIPTS
 from offload.redis_client import RedisClient
 
@@ -46,9 +46,9 @@ async def page_ids(redis: RedisClient, queue: str, state: str | None, cursor: in
     if state is None:
         return await _newest(redis, queue, cursor, limit)
     if state == "submitted":
-        ids = sorted(await redis.smembers(keys.submitted(queue)))[cursor : cursor + limit + 1]
+        ids = sorted(await redis.smembers(keyspace.submitted(queue)))[cursor : cursor + limit + 1]
         return ids[:limit], cursor + limit if len(ids) > limit else None
-    ids = await redis.zrange(keys.state_set(queue, state), cursor, cursor + limit - 1, desc=state in NEWEST_FIRST)
+    ids = await redis.zrange(keyspace.state_set(queue, state), cursor, cursor + limit - 1, desc=state in NEWEST_FIRST)
     return ids, cursor + limit if len(ids) == limit else None
 
 
@@ -59,7 +59,9 @@ async def _newest(redis: RedisClient, queue: str, cursor: int, limit: int) -> Pa
     for state in STATE_SETS:
         start = 0
         while True:
-            read, flat = await SCRIPTS.created(redis, [keys.prefix(queue)], ["", STATE_SETS[state], start, SCAN_CHUNK])
+            read, flat = await SCRIPTS.created(
+                redis, [keyspace.prefix(queue)], ["", STATE_SETS[state], start, SCAN_CHUNK]
+            )
             start += int(read)
             for job_id, created in zip(flat[::2], flat[1::2], strict=True):
                 if job_id in seen:

@@ -108,7 +108,7 @@ class Scripts:
     overdue: Script  # GPU-worker runs past their queue's timeout (offload/server/routes_workers.py)
     hook: Script  # a verified provider webhook (offload/server/routes_hooks.py)
     worker_touch: Script  # a remote worker's heartbeat on its registry record (offload/server/registry.py)
-    # a backend's shared rate limit (offload/worker/limits.py)
+    # a backend's shared rate limit (offload/queue/backend_limits.py)
     rate_acquire: Script
     cool_down: Script
     # the HTTP server's brute-force guard (offload/server/auth.py)

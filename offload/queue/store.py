@@ -27,11 +27,12 @@ from offload.errors import (
 )
 from offload.files import reference_keys
 from offload.models import ClaimedJob, Enqueued, HeartbeatReply, Job, QueueStats
-from offload.queue import keys, listing, replies
+from offload.queue import keyspace as keys
+from offload.queue import listing, replies
 from offload.queue.clock import HeldRelease, log_clock_step
 from offload.queue.durability import Durability, NotReplicated, confirm, mark, run_script, settle
 from offload.queue.hook_store import HookStore
-from offload.queue.keys import QUEUES_KEY, STATE_SETS, new_job_id, prefix, queue_of, validate_queue
+from offload.queue.keyspace import QUEUES_KEY, STATE_SETS, new_job_id, prefix, queue_of, validate_queue
 from offload.queue.memory import store_full
 from offload.queue.scripts import HIST_BUCKETS_S, SCRIPTS, Script
 from offload.queue.specs import (

@@ -23,7 +23,9 @@ from fastapi.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
 from offload import __version__
-from offload.autoscale.alerts import Alerter, alert_settings
+from offload.access.api_keys import KeyStore
+from offload.autoscale.alert_settings import alert_settings
+from offload.autoscale.alerts import Alerter
 from offload.connection import at_start, connect, is_oom
 from offload.heap import freeze_startup
 from offload.queue.memory import require_noeviction
@@ -43,7 +45,6 @@ from offload.server import (
     routes_workers,
 )
 from offload.server.file_sweep import FileSweep
-from offload.server.keys import KeyStore
 from offload.server.registry import WorkerRegistry
 from offload.server.state import ServerOptions, ServerState
 from offload.server.store_watch import StoreWatch

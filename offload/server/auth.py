@@ -42,10 +42,10 @@ from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBea
 from starlette.responses import Response
 from starlette.types import Message
 
-from offload.queue.keys import auth_failures, auth_key_failures, validate_queue
+from offload.access.api_keys import ApiKey
+from offload.queue.keyspace import auth_failures, auth_key_failures, validate_queue
 from offload.queue.scripts import SCRIPTS
 from offload.server.errors import BodyTooLarge
-from offload.server.keys import ApiKey
 from offload.server.limits import hold_key
 from offload.server.schemas import BATCH_LIMIT
 from offload.server.state import ServerState, get_state

@@ -17,21 +17,11 @@ import ipaddress
 import re
 from collections.abc import Iterable, Sequence
 
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+from offload.schema import Network
+
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 UNKNOWN = "unknown"
 _FOR = re.compile(r'(?:^|[;,\s])for\s*=\s*("[^"]*"|[^;,\s]*)', re.IGNORECASE)
-
-
-def parse_networks(values: Iterable[str]) -> tuple[Network, ...]:
-    """CIDRs (or bare addresses) as networks; a ValueError names the first one that is neither."""
-    out = []
-    for value in values:
-        try:
-            out.append(ipaddress.ip_network(value.strip(), strict=False))
-        except ValueError:
-            raise ValueError(f"{value!r} is not an IP address or CIDR (e.g. 10.0.0.0/8, ::1)") from None
-    return tuple(out)
 
 
 def _address(text: str) -> Address | None:

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from offload.access.api_keys import InvalidKeyRequest
 from offload.connection import is_oom
 from offload.errors import (
     ConnectionFailed,
@@ -36,7 +37,6 @@ from offload.errors import (
 )
 from offload.queue.durability import NotReplicated
 from offload.redact import hook_paths
-from offload.server.keys import InvalidKeyRequest
 
 log = logging.getLogger("offload.server")
 KINDS = {

@@ -24,12 +24,12 @@ from fastapi.responses import StreamingResponse
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
-from offload.queue import keys
-from offload.queue.keys import validate_queue
+from offload.access.api_keys import ApiKey
+from offload.queue import keyspace
+from offload.queue.keyspace import validate_queue
 from offload.queue.store import QueueStore
 from offload.server.auth import GuardedRoute, Principal, can_read, guard, need_read
 from offload.server.errors import FieldError
-from offload.server.keys import ApiKey
 from offload.server.state import get_state
 
 log = logging.getLogger("offload.server")
@@ -131,7 +131,7 @@ class EventHub:
                     self._last.pop(q, None)
 
     async def last_id(self, queue: str) -> str:
-        newest = await self.store.redis.xrevrange(keys.events(queue), count=1)
+        newest = await self.store.redis.xrevrange(keyspace.events(queue), count=1)
         return str(newest[0][0]) if newest else "0-0"
 
     async def _start_ids(self, queues: list[str]) -> None:
@@ -151,7 +151,7 @@ class EventHub:
             try:
                 if fresh := [q for q in self._subs if q not in self._last]:
                     await self._start_ids(fresh)
-                streams = {keys.events(q): i for q, i in self._last.items() if q in self._subs}
+                streams = {keyspace.events(q): i for q, i in self._last.items() if q in self._subs}
                 self.reads += 1
                 replies = await (self._read_cluster(streams) if cluster else self._read_one(streams))
             except Exception as exc:  # Redis blip: subscribers time out and re-read; keep trying
@@ -231,7 +231,7 @@ async def _stream(
         yield b": connected\n\n"
         floor = (0, 0)
         if since is not None and len(queues) == 1:  # replay what the client missed, then go live
-            backlog = await state.redis.xrange(keys.events(queues[0]), f"({since}", "+", count=10_000)
+            backlog = await state.redis.xrange(keyspace.events(queues[0]), f"({since}", "+", count=10_000)
             for eid, fields in backlog:
                 floor = _sid(eid)
                 yield _frame((queues[0], eid, fields))

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from offload.errors import JobNotFound
-from offload.queue.keys import STORE_ID
+from offload.queue.keyspace import STORE_ID
 from offload.queue.store import QueueStore
 from offload.storage import ObjectNotFound, Storage
 from offload.storage.inputs import COPIED, INPUTS, OUTPUTS, job_of_key

@@ -25,7 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from offload.errors import RequestError
-from offload.server.clientaddr import Network, client_address, parse_networks
+from offload.schema import Network, parse_networks
+from offload.server.clientaddr import client_address
 
 if TYPE_CHECKING:
     from offload.server.state import ServerOptions, ServerState

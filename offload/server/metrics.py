@@ -19,12 +19,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from offload.autoscale.status import autoscale_families
+from offload.queue.backend_limits import backend_counters
 from offload.queue.memory import read_memory
 from offload.queue.scripts import HIST_BUCKETS_S
 from offload.server.auth import GuardedRoute, Principal, need_global_read
 from offload.server.routes_hooks import refusals
 from offload.server.state import ServerState, get_state
-from offload.worker.limits import backend_counters
 
 router = APIRouter(tags=["metrics"], route_class=GuardedRoute)
 RATE_FIELDS = ("enqueued", "succeeded", "failed", "dead", "cancelled")

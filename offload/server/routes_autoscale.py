@@ -20,8 +20,14 @@ import orjson
 from fastapi import APIRouter, Body, HTTPException, Request
 from pydantic import BaseModel, Field
 
-from offload.autoscale import keys
-from offload.autoscale.config import (
+from offload.access.api_keys import ApiKey
+from offload.autoscale import keyspace
+from offload.autoscale.instances import InstanceStore, read_events
+from offload.autoscale.operator_only import API, OperatorOnly, check_block_over_api, check_provider_over_api
+from offload.autoscale.provider_store import MASK, ProviderInUse, ProviderNotFound, ProviderStore, mask
+from offload.autoscale.providers import TYPES, describe
+from offload.autoscale.scaler import Autoscaler
+from offload.autoscale.settings import (
     autoscale_errors,
     env_bound,
     open_env,
@@ -29,18 +35,12 @@ from offload.autoscale.config import (
     validate_autoscale,
     yaml_blocks,
 )
-from offload.autoscale.instances import InstanceStore, read_events
-from offload.autoscale.operator_only import API, OperatorOnly, check_block_over_api, check_provider_over_api
-from offload.autoscale.provider_store import MASK, ProviderInUse, ProviderNotFound, ProviderStore, mask
-from offload.autoscale.providers import TYPES, describe
-from offload.autoscale.scaler import Autoscaler
 from offload.autoscale.status import snapshot
 from offload.autoscale.vault import Vault
 from offload.errors import ConfigError
-from offload.queue.keys import validate_queue
+from offload.queue.keyspace import validate_queue
 from offload.server.auth import GuardedRoute, Principal, admin_only, guard, need_admin, need_global_read
 from offload.server.errors import FieldError
-from offload.server.keys import ApiKey
 from offload.server.state import ServerState, get_state
 
 log = logging.getLogger("offload.server")
@@ -175,8 +175,8 @@ async def list_queues(request: Request, key: Principal) -> dict[str, dict[str, A
         name: {"source": "offload.yaml", "autoscale": _masked(block, key)}
         for name, block in sorted(yaml_blocks(state.options.settings).items())
     }
-    names = sorted(await state.redis.smembers(keys.QUEUE_CONFIGS))
-    raws = await state.redis.mget([keys.queue_config(q) for q in names]) if names else []
+    names = sorted(await state.redis.smembers(keyspace.QUEUE_CONFIGS))
+    raws = await state.redis.mget([keyspace.queue_config(q) for q in names]) if names else []
     for name, raw in zip(names, raws, strict=True):
         if raw:
             out[name] = {"source": "api", "autoscale": _masked(_readable(name, orjson.loads(raw)), key)}
@@ -209,7 +209,7 @@ async def _stored_block(state: ServerState, queue: str) -> tuple[str, dict[str, 
 
 async def _stored(state: ServerState, queue: str) -> tuple[str, dict[str, Any], dict[str, str]] | None:
     """(source, block with secrets in clear, the providers its API-set instance.env was given for)."""
-    raw = await state.redis.get(keys.queue_config(queue))
+    raw = await state.redis.get(keyspace.queue_config(queue))
     if raw:
         stored = orjson.loads(raw)
         return "api", _readable(queue, stored), env_bound(stored) or {}
@@ -315,7 +315,7 @@ async def put_queue(request: Request, queue: str, key: Principal, block: dict[st
     redis = state.redis
     dumped = parsed.model_dump()
     try:
-        for kind in [await redis.hget(keys.provider(n), "type") for n in parsed.names] or [None]:
+        for kind in [await redis.hget(keyspace.provider(n), "type") for n in parsed.names] or [None]:
             check_block_over_api(queue, dumped, kind)  # every provider the queue may rent from
     except OperatorOnly as exc:
         raise _bad(exc, 403) from None
@@ -323,8 +323,8 @@ async def put_queue(request: Request, queue: str, key: Principal, block: dict[st
         sealed = seal_env(block, Vault.from_env(), queue, now) if parsed.instance.env else block
     except ConfigError as exc:
         raise _bad(ConfigError(f"queues.{queue}.autoscale.instance.env: {exc}")) from None
-    await redis.set(keys.queue_config(queue), orjson.dumps(sealed))
-    await redis.sadd(keys.QUEUE_CONFIGS, queue)
+    await redis.set(keyspace.queue_config(queue), orjson.dumps(sealed))
+    await redis.sadd(keyspace.QUEUE_CONFIGS, queue)
     return {"source": "api", "autoscale": _masked(parsed.model_dump(mode="json"))}
 
 
@@ -332,8 +332,8 @@ async def put_queue(request: Request, queue: str, key: Principal, block: dict[st
 async def delete_queue(request: Request, queue: str, key: Principal) -> None:
     need_admin(key, "configure autoscaling")
     redis = get_state(request).redis
-    await redis.delete(keys.queue_config(validate_queue(queue)))
-    await redis.srem(keys.QUEUE_CONFIGS, queue)
+    await redis.delete(keyspace.queue_config(validate_queue(queue)))
+    await redis.srem(keyspace.QUEUE_CONFIGS, queue)
 
 
 @router.post("/instances/{instance_id}/{action}", summary="protect / unprotect an instance")

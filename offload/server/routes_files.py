@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from offload.errors import InvalidJob, JobNotFound, StaleLease
 from offload.files import reference
-from offload.queue.keys import QUEUES_KEY, new_job_id, queue_of, uploads, validate_queue
+from offload.queue.keyspace import QUEUES_KEY, new_job_id, queue_of, uploads, validate_queue
 from offload.server.auth import GuardedRoute, Principal, guard, produce_path_queue
 from offload.server.file_refs import input_keys
 from offload.server.routes_workers import _job_for, _work_path_job

@@ -37,13 +37,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from offload.backends import create_backend
 from offload.backends.base import WebhookBackend
 from offload.errors import InvalidJob, MissingExtra, RequestError
+from offload.queue.batching import Batcher
 from offload.queue.hook_store import HookItem
-from offload.queue.keys import hook_digest, queue_of
+from offload.queue.keyspace import hook_digest, queue_of
 from offload.server.auth import GuardedRoute, bound_body, guard
 from offload.server.errors import BodyTooLarge, error_body
 from offload.server.state import ServerState, get_state
 from offload.server.webhooks import Forged, Verifier
-from offload.worker.batching import Batcher
 
 log = logging.getLogger("offload.server")
 router = APIRouter(tags=["webhooks"], route_class=GuardedRoute)

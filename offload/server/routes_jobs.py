@@ -12,7 +12,7 @@ from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
 
 from offload.errors import InvalidJob, InvalidTransition, JobNotFound, PayloadTooLarge
 from offload.models import Job
-from offload.queue.keys import new_job_id, queue_of, validate_queue
+from offload.queue.keyspace import new_job_id, queue_of, validate_queue
 from offload.queue.listing import LISTABLE_STATES
 from offload.queue.specs import check_options, encode_input
 from offload.server.auth import (

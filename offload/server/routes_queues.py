@@ -9,7 +9,7 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Query, Request
 
 from offload.caps import cap_reached
-from offload.queue.keys import STATE_SETS
+from offload.queue.keyspace import STATE_SETS
 from offload.server.auth import GuardedRoute, Principal, admin_only, can_read, guard, need_admin, need_read
 from offload.server.errors import FieldError
 from offload.server.routes_jobs import page, require_queue

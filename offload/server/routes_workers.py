@@ -19,11 +19,12 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, HTTPException, Request
 from redis.exceptions import RedisError
 
+from offload.access.api_keys import ApiKey
 from offload.autoscale.instances import claim_problem
 from offload.connection import is_oom
 from offload.errors import StaleLease
 from offload.models import ClaimedJob, Job
-from offload.queue.keys import validate_queue
+from offload.queue.keyspace import validate_queue
 from offload.queue.store import LeaseRef
 from offload.server.auth import (
     GuardedRoute,
@@ -37,7 +38,6 @@ from offload.server.auth import (
     worker_only,
 )
 from offload.server.file_refs import check_output_refs
-from offload.server.keys import ApiKey
 from offload.server.routes_jobs import job_queue
 from offload.server.schemas import (
     ClaimedView,

@@ -8,15 +8,15 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 
 from offload.config import Settings
-from offload.queue.keys import QUEUES_KEY
+from offload.queue.keyspace import QUEUES_KEY
 from offload.queue.store import QueueStore
 from offload.redis_client import RedisClient
 from offload.server.limits import Limits
 from offload.storage import Storage
 
 if TYPE_CHECKING:
+    from offload.access.api_keys import KeyStore
     from offload.server.events import EventHub
-    from offload.server.keys import KeyStore
     from offload.server.metrics import RateTracker
     from offload.server.registry import WorkerRegistry
     from offload.server.store_watch import StoreWatch

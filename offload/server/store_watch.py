@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from offload.autoscale.alerts import Alerter, alert_settings
+from offload.autoscale.alert_settings import alert_settings
+from offload.autoscale.alerts import Alerter
 from offload.config import Settings
 from offload.connection import is_outage
 from offload.errors import UnsafeEvictionPolicy

@@ -40,16 +40,16 @@ from offload.backends.base import Backend
 from offload.connection import is_outage
 from offload.eventloop import first_of
 from offload.models import ClaimedJob
+from offload.queue.backend_limits import BackendLimits
+from offload.queue.batching import Batcher
 from offload.queue.clock import log_clock_step
-from offload.queue.keys import hooks_channel, wake_channel
+from offload.queue.keyspace import hooks_channel, wake_channel
 from offload.queue.memory import PolicyWatch, has_room
 from offload.queue.store import CompleteItem, QueueStore
 from offload.worker import wakeups
-from offload.worker.batching import Batcher
 from offload.worker.health import StoreHealth, describe
 from offload.worker.hookpath import hook_backend
 from offload.worker.jobpath import Drained, JobPath, StoreOutput, WorkerOptions
-from offload.worker.limits import BackendLimits
 from offload.worker.prefetch import Prefetch
 from offload.worker.slots import SlotPool
 

@@ -18,9 +18,9 @@ from offload.backends.base import Backend, BackendError, NotFound
 from offload.backoff import retry_delay_ms
 from offload.errors import StaleLease
 from offload.models import ClaimedJob
+from offload.queue.batching import Batcher
 from offload.queue.store import QueueStore
 from offload.storage import StorageError
-from offload.worker.batching import Batcher
 from offload.worker.health import StoreHealth
 from offload.worker.options import WorkerOptions
 

@@ -21,10 +21,10 @@ import orjson
 from offload.backends.base import Backend, NotFound, RemoteResult, Throttled, Transient, WebhookBackend
 from offload.errors import StaleLease, WorkerError
 from offload.models import ClaimedJob
-from offload.worker.batching import Batcher
+from offload.queue.backend_limits import BackendLimits
+from offload.queue.batching import Batcher
 from offload.worker.endings import Endings
 from offload.worker.lag import Sighting
-from offload.worker.limits import BackendLimits
 
 if TYPE_CHECKING:
     from offload.worker.options import WorkerOptions

@@ -35,17 +35,17 @@ from offload.backends.base import (
 from offload.connection import is_outage
 from offload.errors import StaleLease, WorkerError
 from offload.models import ClaimedJob
-from offload.queue.keys import hook_digest
+from offload.queue.backend_limits import BackendLimits
+from offload.queue.batching import Batcher
+from offload.queue.keyspace import hook_digest
 from offload.queue.memory import PolicyWatch
 from offload.queue.store import CompleteItem, QueueStore
 from offload.storage import InvalidKey, StorageError, validate_key
 from offload.storage.outputs import FileRefused
-from offload.worker.batching import Batcher
 from offload.worker.endings import Fence, StoreOutput
 from offload.worker.health import StoreHealth, describe
 from offload.worker.hookpath import HookPath, PollTimeout
 from offload.worker.lag import Sighting
-from offload.worker.limits import BackendLimits
 from offload.worker.options import WorkerOptions
 from offload.worker.slots import Slot
 

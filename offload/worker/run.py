@@ -20,13 +20,13 @@ from offload.connection import at_start, connect
 from offload.egress import FilePolicy
 from offload.env import env_int
 from offload.errors import ConfigError
+from offload.queue.backend_limits import BackendLimits
 from offload.queue.memory import read_memory, warn_unreported
 from offload.queue.store import QueueStore
 from offload.storage import S3StorageSettings, create_storage, store_output
 from offload.worker.dispatch import Worker, WorkerOptions, default_worker_id
 from offload.worker.file_inputs import with_file_inputs
 from offload.worker.jobpath import Fence, StoreOutput
-from offload.worker.limits import BackendLimits
 
 log = logging.getLogger("offload.worker")
 # Output files are copied over a pool of their own, at most this many connections per file host, each kept alive

@@ -12,14 +12,14 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from offload.autoscale.config import AutoscaleSettings
+from offload.autoscale.settings import AutoscaleSettings
 from offload.config import Settings
 from scripts.reference.schema_md import Schema, field_table, walk_refs
 
 INTRO = """# offload.yaml
 
 Every field of `offload.yaml`, generated from the settings models (`offload/config.py`,
-`offload/backends/settings.py`, `offload/storage/settings.py`, `offload/autoscale/config.py`,
+`offload/backends/settings.py`, `offload/storage/settings.py`, `offload/autoscale/settings.py`,
 `offload/autoscale/alerts.py`) by `python -m scripts.reference`. What the settings do, with an example file:
 [Configure offload.yaml and each provider](../how-to/configuration.md); which file is read:
 [Command line](../how-to/command-line.md). `${VAR}` and `${VAR:-default}` take a value from the environment;

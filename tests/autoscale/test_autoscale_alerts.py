@@ -16,7 +16,8 @@ from support.autoscale_helpers import Clock, make_scaler, queue_block
 from support.eventually import eventually_sync
 from support.servers import free_port
 
-from offload.autoscale.alerts import Alerter, alert_settings
+from offload.autoscale.alert_settings import alert_settings
+from offload.autoscale.alerts import Alerter
 from offload.connection import connect
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore

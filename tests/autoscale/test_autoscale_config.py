@@ -12,9 +12,9 @@ import pytest
 from support.autoscale_helpers import VAULT_KEY
 from typer.testing import CliRunner
 
-from offload.autoscale import keys
-from offload.autoscale.config import Cron, parse_duration, validate_autoscale
+from offload.autoscale import keyspace
 from offload.autoscale.provider_store import ProviderInUse, ProviderStore
+from offload.autoscale.settings import Cron, parse_duration, validate_autoscale
 from offload.autoscale.vault import Vault, VaultError
 from offload.cli.app import app
 from offload.config import load_settings
@@ -105,7 +105,7 @@ async def test_provider_store_encrypts_masks_and_keeps_untyped_secrets(r: Any) -
     store = ProviderStore(r, Vault(VAULT_KEY))
     rec = await store.create("gpu-vast", "vastai", {"api_key": "vast-key-1234567890", "gpu_name": "RTX 4090"})
     assert rec.config["api_key"] == "****7890" and rec.config["gpu_name"] == "RTX 4090"
-    raw = await r.hgetall(keys.provider("gpu-vast"))
+    raw = await r.hgetall(keyspace.provider("gpu-vast"))
     assert "vast-key-1234567890" not in json.dumps(raw)
     await store.update("gpu-vast", {"api_key": "****7890", "max_price_per_hour": 0.6})  # the form sent it back
     revealed = (await store.get("gpu-vast", reveal=True)).config
@@ -116,8 +116,8 @@ async def test_provider_store_encrypts_masks_and_keeps_untyped_secrets(r: Any) -
         await store.update("gpu-vast", {"min_reliability": 3})
     with pytest.raises(ConfigError, match=r"config\.api_key: Field required"):
         await store.create("rp", "runpod", {})
-    await r.sadd(keys.LIVE, "as-1")
-    await r.hset(keys.instance("as-1"), mapping={"provider": "gpu-vast", "status": "running"})
+    await r.sadd(keyspace.LIVE, "as-1")
+    await r.hset(keyspace.instance("as-1"), mapping={"provider": "gpu-vast", "status": "running"})
     with pytest.raises(ProviderInUse):
         await store.delete("gpu-vast")
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from support.autoscale_helpers import Clock, drop_worker, make_scaler, put_worker, queue_block
 
-from offload.autoscale import keys
+from offload.autoscale import keyspace
 from offload.autoscale.providers import LaunchSpec, Machine
 from offload.autoscale.providers.mock import MockConfig, MockProvider
 from offload.autoscale.scaler import Autoscaler
@@ -199,7 +199,7 @@ async def test_a_day_of_bursty_load(r: Any) -> None:
         if booting and new:
             reasons = [
                 e["message"]
-                for _, e in await r.xrange(keys.EVENTS)
+                for _, e in await r.xrange(keyspace.EVENTS)
                 if e.get("kind") == "provisioning" and e.get("instance") in new
             ]
             stacked += [m for m in reasons if "schedule" not in m and "no_workers" not in m and "min_workers" not in m]
@@ -217,7 +217,7 @@ async def test_a_day_of_bursty_load(r: Any) -> None:
     history = await scaler.instances.recent(500)
     reasons = " ".join(i.reason for i in history)
     assert "boot_timeout" in reasons and "vanished" in reasons
-    adopted = [e for _, e in await r.xrange(keys.EVENTS) if e.get("kind") == "adopted"]
+    adopted = [e for _, e in await r.xrange(keyspace.EVENTS) if e.get("kind") == "adopted"]
     assert len(adopted) == 1  # the machine rented by the crashed server was found by its label
     assert any(i.teardown_attempts >= 1 for i in history)  # teardown failed and was retried
     assert sum(i.cost for i in history) > 0

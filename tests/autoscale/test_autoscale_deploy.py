@@ -23,20 +23,20 @@ from support.eventually import eventually
 from support.server_helpers import server
 from support.servers import ValkeyServer, free_port
 
-from offload.autoscale.config import validate_autoscale
+from offload.access.api_keys import KeyStore
 from offload.autoscale.credentials import Credentials
 from offload.autoscale.deploy import Deployment, script
 from offload.autoscale.provider_store import ProviderStore
 from offload.autoscale.providers.local import LocalConfig, LocalProvider
 from offload.autoscale.providers.runpod import RunPodConfig, RunPodProvider
 from offload.autoscale.providers.vastai import VastConfig, VastProvider
+from offload.autoscale.settings import validate_autoscale
 from offload.autoscale.vault import Vault
 from offload.config import load_settings
 from offload.connection import connect
 from offload.errors import ConfigError
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
-from offload.server.keys import KeyStore
 from offload.sim.config import SimConfig
 from offload.sim.server import running_sim
 

@@ -20,6 +20,7 @@ from support.eventually import eventually
 from support.server_helpers import server
 from support.servers import ValkeyServer, free_port
 
+from offload.access.api_keys import KeyStore
 from offload.autoscale.provider_store import ProviderStore
 from offload.autoscale.providers.local import LocalConfig, LocalProvider
 from offload.autoscale.providers.vastai import VastConfig, VastProvider
@@ -29,7 +30,6 @@ from offload.config import Settings
 from offload.connection import connect
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
-from offload.server.keys import KeyStore
 from offload.sim.config import SimConfig
 from offload.sim.server import running_sim
 

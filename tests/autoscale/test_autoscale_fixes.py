@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from support.autoscale_helpers import Clock, make_scaler, put_worker, queue_block, sim_call, worker_token
 
-from offload.autoscale import keys
+from offload.autoscale import keyspace
 from offload.autoscale.instances import Instance
 from offload.autoscale.provider_store import ProviderStore
 from offload.autoscale.providers.runpod import RunPodConfig, RunPodProvider
@@ -67,7 +67,7 @@ async def serve_all(
 
 
 async def rentals(r: Any) -> list[dict[str, str]]:
-    return [e for _, e in await r.xrange(keys.EVENTS) if e.get("kind") == "provisioning"]
+    return [e for _, e in await r.xrange(keyspace.EVENTS) if e.get("kind") == "provisioning"]
 
 
 async def live(s: Autoscaler) -> list[Instance]:
@@ -198,7 +198,7 @@ async def test_a_lost_create_answer_is_adopted_and_not_rented_twice(r: Any) -> N
         assert len(machines) == 1
         (inst,) = await live(s)
         assert inst.provider_id == machines[0]["id"]
-        assert await r.hget(keys.queue_state("gpu"), "prov_failures:v") in (None, "0")  # adoption reset it
+        assert await r.hget(keyspace.queue_state("gpu"), "prov_failures:v") in (None, "0")  # adoption reset it
         await vast.aclose()
         await s.aclose()
 

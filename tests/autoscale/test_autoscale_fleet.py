@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from support.autoscale_helpers import Clock, make_scaler, put_worker, queue_block, sim_call, worker_token
 
-from offload.autoscale import keys
+from offload.autoscale import keyspace
 from offload.autoscale.providers.runpod import RunPodConfig, RunPodProvider
 from offload.autoscale.providers.vastai import VastConfig, VastProvider
 from offload.autoscale.scaler import Autoscaler
@@ -85,7 +85,7 @@ async def test_the_first_provider_out_of_stock_the_second_rents(r: Any) -> None:
         assert stats["pods.create"] == 1 and stats["vastai.rent"] == 2  # rp tried once, in the same evaluation
         why = await load_decision(r, "gpu")
         assert why is not None and why["provider"]["order"] == ["rp", "v"] and why["rented"] == ["v", "v"]
-        assert float(await r.hget(keys.queue_state("gpu"), "prov_until:rp")) > clock()  # rp backs off
+        assert float(await r.hget(keyspace.queue_state("gpu"), "prov_until:rp")) > clock()  # rp backs off
         await qstore(r, clock).enqueue("gpu", JobSpec(input=3))
         clock.advance(30)
         await s.tick()
@@ -170,7 +170,7 @@ async def test_a_preempted_spot_machine_returns_its_jobs_without_using_an_attemp
         for job_id in (first.id, other.id):
             job = await store.get(job_id)
             assert job.state.value == "queued" and job.attempts == 0 and job.lease_expiries == 0, job
-        events = [e["message"] for _, e in await r.xrange(keys.EVENTS) if e.get("kind") == "forgiven"]
+        events = [e["message"] for _, e in await r.xrange(keyspace.EVENTS) if e.get("kind") == "forgiven"]
         assert events and "(2 lease(s) handed back, 1 lease expiry(ies) refunded)" in events[0]
         phases = {m["phase"] for m in sim_call("GET", f"{url}/_sim/machines")["machines"] if m["id"] == machine["id"]}
         assert phases == {"deleted"}  # the stopped (outbid / EXITED) machine was destroyed: no disk left billing
@@ -250,7 +250,7 @@ async def test_a_drain_is_cancelled_when_load_returns(r: Any) -> None:
     assert got is not None and got.status == "running" and got.teardown == ""
     assert await r.hget("offload:rworker:r-w1", "draining") is None  # the server hands it jobs again
     assert mock.calls["create"] == 1 and len(await mock.all_ids()) == 1  # no new rental
-    kinds = [e["kind"] for _, e in await r.xrange(keys.EVENTS)]
+    kinds = [e["kind"] for _, e in await r.xrange(keyspace.EVENTS)]
     assert kinds.index("draining") < kinds.index("undrained")
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from support.autoscale_helpers import Clock, drop_worker, make_scaler, put_worker, queue_block, sim_call, worker_token
 
-from offload.autoscale import keys
+from offload.autoscale import keyspace
 from offload.autoscale.instances import Fenced, Instance
 from offload.autoscale.providers.mock import MockConfig
 from offload.autoscale.providers.vastai import VastConfig, VastProvider
@@ -204,7 +204,7 @@ async def test_teardown_is_journaled_and_retried_across_restarts(r: Any) -> None
     await step(s2, clock, times=3)
     got = await s2.instances.get(inst.id)
     assert got is not None and got.status == "terminated" and got.teardown == "done"
-    assert await mock2.all_ids() == [] and not await r.sismember(keys.LIVE, inst.id)
+    assert await mock2.all_ids() == [] and not await r.sismember(keyspace.LIVE, inst.id)
 
 
 async def test_preempted_machine_is_marked_failed_and_destroyed(r: Any) -> None:
@@ -237,7 +237,7 @@ async def test_boot_timeout_destroys_and_backs_off_until_a_worker_is_ready(r: An
     inst = await only(s)
     await put_worker(r, "w1", "gpu", inst.id, clock())
     await step(s, clock)
-    assert (await r.hget(keys.queue_state("gpu"), "boot_failures")) == "0"  # the first ready worker resets it
+    assert (await r.hget(keyspace.queue_state("gpu"), "boot_failures")) == "0"  # the first ready worker resets it
     assert boot_backoff(300, 10) == 3600
 
 
@@ -285,7 +285,7 @@ async def test_broken_host_is_avoided_and_the_next_rental_waits_briefly(r: Any) 
             rentals += [i for i in await s.instances.recent() if i.id not in before]
         got = await s.instances.get(first.id)
         assert got is not None and got.status == "failed" and "daemon" in got.reason and got.teardown == "done"
-        assert await r.zscore(keys.avoid("v"), "1001") == pytest.approx(clock.t - 150 + 86400, abs=60)
+        assert await r.zscore(keyspace.avoid("v"), "1001") == pytest.approx(clock.t - 150 + 86400, abs=60)
         assert len(rentals) == 1 and rentals[0].host != "1001"  # after a 30 s pause, not a boot backoff
         assert host_pause(1) == 30 and host_pause(10) == 600
         machines = sim_call("GET", f"{url}/_sim/machines")["machines"]
@@ -307,7 +307,7 @@ async def test_orphan_sweep_reports_and_destroys_only_offload_machines(r: Any) -
 
 
 async def _events(r: Any) -> AsyncIterator[dict[str, str]]:
-    for _, fields in await r.xrange(keys.EVENTS):
+    for _, fields in await r.xrange(keyspace.EVENTS):
         yield fields
 
 

@@ -21,7 +21,7 @@ from test_cli import as_json, cli, counts, failed, kill_jobs, ok, runner, with_s
 from offload.cli.app import app
 from offload.demo import command, hints, preview
 from offload.embedded import running_url, stop_embedded
-from offload.queue import keys
+from offload.queue import keyspace
 from offload.queue.store import QueueStore
 from offload.storage import LocalStorageSettings, create_storage
 
@@ -368,7 +368,7 @@ def test_a_job_trimmed_while_listing_every_state_is_skipped(valkey_url: str) -> 
     ids = [ok(valkey_url, "enqueue", "-q", "gpu", "-i", str(i)).strip() for i in range(3)]
 
     async def drop(store: QueueStore) -> None:  # the record goes, its set entry stays: a trim between two reads
-        await store.redis.delete(keys.job("gpu", ids[0]))
+        await store.redis.delete(keyspace.job("gpu", ids[0]))
 
     with_store(valkey_url, drop)
     assert sorted(j["id"] for j in as_json(valkey_url, "jobs", "gpu")["jobs"]) == sorted(ids[1:])

@@ -146,9 +146,9 @@ def world(valkey_url: str, tmp_path: Path, tmp_home: Path, monkeypatch: pytest.M
     )
 
     async def setup() -> dict[str, str]:
+        from offload.access.api_keys import KeyStore
         from offload.autoscale.credentials import Credentials
         from offload.autoscale.provider_store import ProviderStore
-        from offload.server.keys import KeyStore
 
         redis = await connect(valkey_url)
         try:

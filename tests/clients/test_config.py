@@ -238,8 +238,8 @@ def test_a_hostile_block_is_named_and_no_value_is_echoed(tmp_path: Path, yaml_te
 def test_typed_blocks_are_what_the_settings_hold(tmp_path: Path) -> None:
     """Every block is its kind's model after loading (nothing left as a dict to check again later), and the
     secrets stay SecretStr until the one place that sends them."""
-    from offload.autoscale.alerts import AlertSettings
-    from offload.autoscale.config import ServerSide
+    from offload.autoscale.alert_settings import AlertSettings
+    from offload.autoscale.settings import ServerSide
     from offload.backends.settings import (
         FalSettings,
         HttpJobSettings,

@@ -51,7 +51,7 @@ def test_static_files_are_public_with_a_strict_policy(api: tuple[str, str]) -> N
         assert "sessionStorage" in js.text and "localStorage" not in js.text and "document.cookie" not in js.text
         assert anon.get("/ui/style.css").headers["content-type"].startswith("text/css")
         # only the listed files: no directory listing, no traversal, no other package file
-        for path in ("/ui/dashboard.py", "/ui/..%2fapp.py", "/ui/../keys.py", "/ui/static", "/ui/%2e%2e/state.py"):
+        for path in ("/ui/dashboard.py", "/ui/..%2fapp.py", "/ui/../auth.py", "/ui/static", "/ui/%2e%2e/state.py"):
             r = anon.get(path)
             assert r.status_code == 404 and "import" not in r.text, path
         # the page and the API description carry no data; the API still needs a key

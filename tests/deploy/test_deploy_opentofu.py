@@ -24,7 +24,7 @@ import pytest
 import yaml
 from support.tftemplate import TemplateError, referenced_names, render, templatefile
 
-from offload.queue.keys import QUEUE_NAME_RE
+from offload.queue.keyspace import QUEUE_NAME_RE
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULE = ROOT / "deploy" / "opentofu"

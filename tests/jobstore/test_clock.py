@@ -24,7 +24,7 @@ from offload.autoscale.state import periods
 from offload.config import Settings
 from offload.connection import connect
 from offload.models import JobState
-from offload.queue import keys
+from offload.queue import keyspace
 from offload.queue.scripts import SCRIPTS
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
@@ -102,20 +102,20 @@ async def test_a_step_back_of_the_stores_clock_moves_deadlines_retries_and_delay
         at = await store_now(redis)
         (run_at_id,) = await store.enqueue_many(q, [JobSpec(input="r", run_at=at + 4)])
         before = {
-            name: dict(await redis.zrange(keys.prefix(q) + name, 0, -1, withscores=True))
+            name: dict(await redis.zrange(keyspace.prefix(q) + name, 0, -1, withscores=True))
             for name in ("workers", "retry", "delayed")
         }
         await step_store_clock(stepped_valkey, redis, -HOUR_S)
 
         await store.reap(q)
-        events = await redis.xrange(keys.events(q), "-", "+")
+        events = await redis.xrange(keyspace.events(q), "-", "+")
         steps = [f for _, f in events if f["state"] == "clock_stepped_back"]
         assert len(steps) == 1, steps
         step_ms = int(steps[0]["step_ms"])
         assert HOUR_S * 1000 - 30_000 < step_ms <= HOUR_S * 1000 + 2000, step_ms  # less the time unread before it
         assert (int(steps[0]["moved"]), int(steps[0]["released"])) == (2, 1)  # the retry and the delay; the held
         after = {
-            name: dict(await redis.zrange(keys.prefix(q) + name, 0, -1, withscores=True))
+            name: dict(await redis.zrange(keyspace.prefix(q) + name, 0, -1, withscores=True))
             for name in ("workers", "retry", "delayed")
         }
         assert after["workers"]["dead-worker"] == before["workers"]["dead-worker"] - step_ms
@@ -124,7 +124,7 @@ async def test_a_step_back_of_the_stores_clock_moves_deadlines_retries_and_delay
         assert after["delayed"][run_at_id] == before["delayed"][run_at_id], "a run_at is a time of day: it stays"
         assert (await store.get(retry_id)).run_at == after["retry"][retry_id]  # the record says so too
         await store.reap(q)
-        again = [f for _, f in await redis.xrange(keys.events(q), "-", "+") if f["state"] == "clock_stepped_back"]
+        again = [f for _, f in await redis.xrange(keyspace.events(q), "-", "+") if f["state"] == "clock_stepped_back"]
         assert len(again) == 1, "moved twice"
         assert (await store.release_held(q)).released == 1  # tomorrow's hold: the window it is in decides again
 
@@ -176,7 +176,7 @@ async def test_the_shared_rate_limit_rides_a_step_back_of_the_stores_clock(stepp
     one interval at most, not the hour until the clock catches up."""
     redis = await connect(stepped_valkey.url)
     args = [1000, 1]  # one request a second, no burst
-    key_set = [keys.backend_rate("gcra"), keys.backend_cooldown("gcra")]
+    key_set = [keyspace.backend_rate("gcra"), keyspace.backend_cooldown("gcra")]
     try:
         for _ in range(3):
             await SCRIPTS.rate_acquire(redis, key_set, args)
@@ -192,7 +192,7 @@ async def test_a_backends_cool_down_rides_a_step_back_of_the_stores_clock(steppe
     """A 429's cool-down of 2 s, set just before a step back of an hour: its key's expiry is kept on the store's
     clock too, so every worker paused for the hour (a fault-harness run's 46 claimed jobs were never sent). It ends
     after its own length, for a process that reads it afresh, with a rate limit or without."""
-    from offload.worker.limits import BackendLimits
+    from offload.queue.backend_limits import BackendLimits
 
     redis = await connect(stepped_valkey.url)
     try:
@@ -202,7 +202,7 @@ async def test_a_backends_cool_down_rides_a_step_back_of_the_stores_clock(steppe
         await asyncio.wait_for(BackendLimits(redis, "cool", None).acquire(), 10)
         await asyncio.wait_for(BackendLimits(redis, "cool", 100.0).acquire(), 10)
         assert time.monotonic() - started <= 4.0
-        assert await redis.exists(keys.backend_cooldown("cool")) == 0  # over, not waiting for the clock
+        assert await redis.exists(keyspace.backend_cooldown("cool")) == 0  # over, not waiting for the clock
     finally:
         await redis.aclose()
 

@@ -15,7 +15,7 @@ from support.servers import SLOT_RANGES, ValkeyCluster
 from offload.connection import connect
 from offload.errors import ConfigError, UnsafeEvictionPolicy
 from offload.models import JobState
-from offload.queue.keys import prefix, wake_channel
+from offload.queue.keyspace import prefix, wake_channel
 from offload.queue.memory import read_memory, require_noeviction
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore

@@ -23,8 +23,8 @@ from test_worker_faults import configure, job_input, make_settings, serving, sta
 from offload.client import AsyncClient
 from offload.connection import connect
 from offload.errors import JobNotFound
-from offload.queue import keys
-from offload.queue.keys import prefix
+from offload.queue import keyspace
+from offload.queue.keyspace import prefix
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 from offload.sim.config import SimConfig
@@ -184,7 +184,7 @@ def test_offload_enqueue_says_a_trimmed_key_ran_already(valkey_url: str, tmp_pat
     assert first["record_gone"] == []
 
     async def run_and_trim(store: QueueStore) -> None:
-        await store.redis.hset(keys.job("cli", job_id), "retention", 1)  # --file lines take no retention
+        await store.redis.hset(keyspace.job("cli", job_id), "retention", 1)  # --file lines take no retention
         await finish(store, "cli", job_id)
         await trimmed(store, "cli", job_id)
 

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from offload.autoscale import keys as autoscale_keys
+from offload.autoscale import keyspace as autoscale_keys
 from offload.autoscale.leader import Leader
 from offload.connection import connect
-from offload.queue import keys as queue_keys
+from offload.queue import keyspace as queue_keys
+from offload.queue.backend_limits import BackendLimits
 from offload.queue.scripts import INCLUDE, NAMES, SCRIPTS, Scripts, source
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
-from offload.worker.limits import BackendLimits
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "offload"

@@ -20,7 +20,7 @@ import pytest
 
 from offload.connection import connect
 from offload.models import JobState
-from offload.queue.keys import prefix
+from offload.queue.keyspace import prefix
 from offload.queue.scripts import SCRIPTS
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore

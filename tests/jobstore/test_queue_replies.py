@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from offload.queue import replies
-from offload.queue.keys import prefix
+from offload.queue.keyspace import prefix
 from offload.queue.scripts import SCRIPTS
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore

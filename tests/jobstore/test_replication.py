@@ -33,9 +33,9 @@ from offload.config import Settings, load_settings
 from offload.connection import connect, is_outage
 from offload.errors import ConfigError, StoreFull
 from offload.models import JobState
-from offload.queue import keys
+from offload.queue import keyspace
 from offload.queue.durability import Durability, NotReplicated
-from offload.queue.keys import prefix
+from offload.queue.keyspace import prefix
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 from offload.sim.config import SimConfig
@@ -275,7 +275,7 @@ async def test_a_durable_worker_sends_no_call_for_an_intent_the_replica_lacks_on
         await until(claimed_and_held, "the 5 jobs claimed on the primary, the worker waiting", task=task)
         assert submissions(sim) == {}
         active = [j.id for j in (await direct.list_jobs(Q, "active", limit=100))[0]]
-        opened = [await direct.redis.hget(keys.job(Q, j), "sub_open") for j in active]
+        opened = [await direct.redis.hget(keyspace.job(Q, j), "sub_open") for j in active]
         assert "1" in opened  # a begin ran on the primary; no call followed it
     await store.redis.aclose()
     await direct.redis.aclose()

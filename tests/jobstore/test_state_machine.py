@@ -55,7 +55,7 @@ from support.servers import ValkeyServer
 from offload.connection import connect
 from offload.errors import InvalidTransition, StaleLease
 from offload.models import Job
-from offload.queue.keys import STATE_SETS
+from offload.queue.keyspace import STATE_SETS
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 

@@ -18,7 +18,7 @@ import typer.main
 import yaml
 from pydantic import BaseModel
 
-from offload.autoscale.config import AutoscaleSettings
+from offload.autoscale.settings import AutoscaleSettings
 from offload.cli.app import app
 from offload.config import Settings
 from offload.server.app import create_app

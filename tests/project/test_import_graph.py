@@ -1,10 +1,16 @@
-"""No import cycle inside `offload/`, lazy imports included.
+"""No import cycle inside `offload/`, lazy imports included; and dependencies point one way, down the layers.
 
 The graph is read from the source with `ast`: every `import` and `from ... import`, wherever it stands (module
 level or inside a function, where a "lazy" import only hides a cycle until the function runs), except under
 `if TYPE_CHECKING:`, which never runs. Importing `a.b.c` also runs the `__init__` of the packages `a.b` and `a`,
 so those are edges too, unless the importer lives inside that package (its `__init__` is then already running
 or done). `from pkg import name` is an edge to `pkg.name` when that is a module, else to `pkg`.
+
+The layer contract (`LAYERS`, top first) holds on the same graph: a module may import a module of a lower layer, or
+of its own unit (the package or module the table names); an import sideways (another unit of the same layer) only
+where `SIDEWAYS` says why; never upwards. Every module of `offload/` must be in the table, and every entry of the
+table must exist, so a new module is placed on purpose (docs/explanation/architecture.md, *Dependencies point
+one way*).
 """
 
 from __future__ import annotations
@@ -158,3 +164,160 @@ def test_the_graph_sees_lazy_imports_and_skips_type_checking(tmp_path: Path) -> 
     assert graph["pkg.sub"] == {"pkg.sub.leaf"}  # a package importing its own module: no edge back to itself
     assert cycles(graph) == [["pkg.a", "pkg.b"]]
     assert _path(graph, ["pkg.a", "pkg.b"]) == "pkg.a -> pkg.b -> pkg.a"
+
+
+# Top first. A module belongs to the longest entry it starts with (`offload.autoscale.settings` before
+# `offload.autoscale`); the package root `offload` stands only for its own `__init__`.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("entry points", ("offload", "offload.__main__", "offload.sim.__main__", "offload.cli")),
+    (
+        "programs",
+        (
+            "offload.server",
+            "offload.worker",
+            "offload.gpu_worker",
+            "offload.autoscale",
+            "offload.client",
+            "offload.sim",
+            "offload.demo",
+        ),
+    ),
+    (
+        "settings",
+        (
+            "offload.config",
+            "offload.autoscale.settings",
+            "offload.autoscale.alert_settings",
+            "offload.autoscale.deploy",
+            "offload.autoscale.vault",
+        ),
+    ),
+    ("store and services", ("offload.queue", "offload.backends", "offload.storage", "offload.access")),
+    ("connections", ("offload.connection", "offload.embedded", "offload.stack")),
+    (
+        "building blocks",
+        (
+            "offload.models",
+            "offload.caps",
+            "offload.exactjson",
+            "offload.files",
+            "offload.schema",
+            "offload.suggest",
+            "offload.redis_client",
+            "offload.env",
+            "offload.backoff",
+            "offload.redact",
+            "offload.egress",
+            "offload.extras",
+            "offload.eventloop",
+            "offload.heap",
+        ),
+    ),
+    ("errors", ("offload.errors",)),
+]
+
+# (importer's unit, imported unit) of one layer, and why that edge is part of the design.
+SIDEWAYS: dict[tuple[str, str], str] = {
+    ("offload.__main__", "offload.cli"): "`python -m offload` runs the CLI",
+    ("offload.sim.__main__", "offload.cli"): "`python -m offload.sim` runs the CLI's sim commands",
+    ("offload.server", "offload.autoscale"): "the server hosts the autoscaler: its leader runs it, routes, alerts",
+    ("offload.config", "offload.autoscale.settings"): "offload.yaml's autoscale blocks, composed by config",
+    ("offload.config", "offload.autoscale.alert_settings"): "offload.yaml's alerts block, composed by config",
+    ("offload.autoscale.settings", "offload.autoscale.deploy"): "a queue's deployment block is its model",
+    ("offload.autoscale.settings", "offload.autoscale.vault"): "instance env values are sealed with the vault",
+    ("offload.autoscale.alert_settings", "offload.autoscale.settings"): "durations are read one way",
+    ("offload.access", "offload.queue"): "API keys live in the job store, under its key names",
+    ("offload.connection", "offload.embedded"): "with no URL configured, the store is the embedded Valkey",
+    ("offload.stack", "offload.embedded"): "`offload up` runs the embedded Valkey",
+    ("offload.models", "offload.caps"): "a queue's status names the cap it reached",
+    ("offload.models", "offload.exactjson"): "job input and output keep big integers exact",
+    ("offload.schema", "offload.suggest"): "a misspelt key gets a did-you-mean",
+}
+
+
+def unit_of(module: str, layers: list[tuple[str, tuple[str, ...]]] = LAYERS) -> tuple[int, str] | None:
+    """(layer index, the table entry) of `module`: its longest entry; None when the table does not place it."""
+    best: tuple[int, str] | None = None
+    for i, (_, members) in enumerate(layers):
+        for m in members:
+            inside = module == m or ("." in m and module.startswith(m + "."))
+            if inside and (best is None or len(m) > len(best[1])):
+                best = (i, m)
+    return best
+
+
+def layer_violations(
+    graph: dict[str, set[str]],
+    layers: list[tuple[str, tuple[str, ...]]] = LAYERS,
+    sideways: dict[tuple[str, str], str] = SIDEWAYS,
+) -> list[str]:
+    """Each import the contract does not allow, named with both layers; and each module the table misses."""
+    found = [f"{m} is in no layer of LAYERS: place it" for m in sorted(graph) if unit_of(m, layers) is None]
+    for importer in sorted(graph):
+        mine = unit_of(importer, layers)
+        for target in sorted(graph[importer]):
+            theirs = unit_of(target, layers)
+            if mine is None or theirs is None or theirs[0] > mine[0] or theirs[1] == mine[1]:
+                continue
+            if theirs[0] == mine[0] and (mine[1], theirs[1]) in sideways:
+                continue
+            way = "sideways" if theirs[0] == mine[0] else "upwards"
+            found.append(
+                f"{importer} imports {target}: {way}, {layers[mine[0]][0]} ({mine[1]}) -> "
+                f"{layers[theirs[0]][0]} ({theirs[1]})"
+            )
+    return found
+
+
+def test_dependencies_point_one_way() -> None:
+    graph = import_graph()
+    assert not (found := layer_violations(graph)), "imports against the layers:\n" + "\n".join(found)
+
+
+def test_the_layer_table_names_only_what_exists() -> None:
+    graph = import_graph()
+    entries = [m for _, members in LAYERS for m in members]
+    assert len(entries) == len(set(entries)), "an entry is in two layers"
+    missing = [m for m in entries if m not in graph and not any(g.startswith(m + ".") for g in graph)]
+    assert not missing, f"LAYERS names modules that do not exist: {missing}"
+    stale = [pair for pair in SIDEWAYS if not set(pair) <= set(entries)]
+    assert not stale, f"SIDEWAYS names units that are not in LAYERS: {stale}"
+    used = {
+        (mine[1], theirs[1])
+        for importer, targets in graph.items()
+        for target in targets
+        if (mine := unit_of(importer)) and (theirs := unit_of(target)) and mine[0] == theirs[0]
+    }
+    assert not (unused := sorted(set(SIDEWAYS) - used)), f"SIDEWAYS allows imports nobody makes: {unused}"
+
+
+def test_the_simulator_stands_alone() -> None:
+    """The simulator imports only the building blocks (and its own entry point the CLI's sim commands)."""
+    graph = import_graph()
+    floor = LAYERS.index(next(layer for layer in LAYERS if layer[0] == "building blocks"))
+    found = [
+        f"{m} imports {target}"
+        for m, targets in graph.items()
+        if (mine := unit_of(m)) and mine[1] == "offload.sim"
+        for target in targets
+        if (theirs := unit_of(target)) and theirs[1] != "offload.sim" and theirs[0] < floor
+    ]
+    assert not found, "the simulator leans on the product:\n" + "\n".join(found)
+
+
+def test_the_layer_check_names_upward_and_sideways_imports() -> None:
+    layers = [("top", ("pkg.a", "pkg.b")), ("bottom", ("pkg.c", "pkg.c.leaf"))]
+    graph = {
+        "pkg.a": {"pkg.c"},  # down: fine
+        "pkg.b": {"pkg.a"},  # sideways, allowed below
+        "pkg.a.x": {"pkg.b", "pkg.a"},  # sideways, not allowed; its own unit: fine
+        "pkg.c": {"pkg.b"},  # upwards
+        "pkg.c.leaf": {"pkg.c"},  # sideways into another entry of the layer
+        "pkg.d": set(),  # in no layer
+    }
+    assert layer_violations(graph, layers, {("pkg.b", "pkg.a"): "why"}) == [
+        "pkg.d is in no layer of LAYERS: place it",
+        "pkg.a.x imports pkg.b: sideways, top (pkg.a) -> top (pkg.b)",
+        "pkg.c imports pkg.b: upwards, bottom (pkg.c) -> top (pkg.b)",
+        "pkg.c.leaf imports pkg.c: sideways, bottom (pkg.c.leaf) -> bottom (pkg.c)",
+    ]

@@ -1,9 +1,9 @@
-"""Every Redis key is named in a keys module (offload/queue/keys.py, offload/autoscale/keys.py), nowhere else.
+"""Every Redis key is named in a keyspace module (offload/queue/keyspace.py, offload/autoscale/keyspace.py) only.
 
 Read from the source with `ast`, so comments and docstrings may mention keys but code may not build one: a
 string literal (or the first part of an f-string) starting with the namespace, a use of the bare namespace, or
-`prefix(queue) + "suffix"` outside a keys module fails here. The Lua side builds its keys from the prefix it gets
-as KEYS[1]: every suffix it appends must be one the queue keys module lists, so the layout is documented in
+`prefix(queue) + "suffix"` outside a keyspace module fails here. The Lua side builds its keys from the prefix it gets
+as KEYS[1]: every suffix it appends must be one the queue keyspace module lists, so the layout is documented in
 one place, scripts included.
 """
 
@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from offload.autoscale import keys as autoscale_keys
-from offload.queue import keys as queue_keys
+from offload.autoscale import keyspace as autoscale_keys
+from offload.queue import keyspace as queue_keys
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "offload"
-KEYS_MODULES = {PACKAGE / "queue" / "keys.py", PACKAGE / "autoscale" / "keys.py"}
+KEYSPACE_MODULES = {PACKAGE / "queue" / "keyspace.py", PACKAGE / "autoscale" / "keyspace.py"}
 LUA = PACKAGE / "queue" / "lua"
 
 
@@ -52,7 +52,7 @@ def _strings(tree: ast.AST) -> Iterator[tuple[int, str]]:
 
 
 def _prefix_concatenations(tree: ast.AST) -> Iterator[int]:
-    """Lines of `prefix(...) + ...`: a queue key built by hand instead of by a keys-module function."""
+    """Lines of `prefix(...) + ...`: a queue key built by hand instead of by a keyspace-module function."""
     for node in ast.walk(tree):
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
             left = node.left
@@ -71,10 +71,10 @@ def _namespace_uses(tree: ast.AST) -> Iterator[int]:
             yield getattr(node, "lineno", 0)
 
 
-def violations(root: Path = PACKAGE, keys_modules: set[Path] = KEYS_MODULES) -> list[str]:
+def violations(root: Path = PACKAGE, keyspace_modules: set[Path] = KEYSPACE_MODULES) -> list[str]:
     found: list[str] = []
     for path in sorted(root.rglob("*.py")):
-        if path in keys_modules:
+        if path in keyspace_modules:
             continue
         tree = ast.parse(path.read_text(), str(path))
         where = path.relative_to(root.parent)
@@ -82,11 +82,11 @@ def violations(root: Path = PACKAGE, keys_modules: set[Path] = KEYS_MODULES) -> 
             if text.startswith(f"{queue_keys.NAMESPACE}:"):
                 found.append(f"{where}:{line}: key literal {text[:40]!r}")
         found += [f"{where}:{line}: queue key built with prefix(...) + ..." for line in _prefix_concatenations(tree)]
-        found += [f"{where}:{line}: NAMESPACE used outside a keys module" for line in _namespace_uses(tree)]
+        found += [f"{where}:{line}: NAMESPACE used outside a keyspace module" for line in _namespace_uses(tree)]
     return found
 
 
-def test_no_key_is_named_outside_the_keys_modules() -> None:
+def test_no_key_is_named_outside_the_keyspace_modules() -> None:
     assert violations() == []
 
 
@@ -95,12 +95,12 @@ def test_no_key_is_named_outside_the_keys_modules() -> None:
     [
         'KEY = "offload:rworkers"\n',
         'def k(i: str) -> str:\n    return f"offload:{{backend:{i}}}:gcra"\n',
-        'from offload.queue.keys import prefix\nK = prefix("gpu") + "events"\n',
-        'from offload.queue.keys import NAMESPACE\nK = f"{NAMESPACE}:apikeys"\n',
+        'from offload.queue.keyspace import prefix\nK = prefix("gpu") + "events"\n',
+        'from offload.queue.keyspace import NAMESPACE\nK = f"{NAMESPACE}:apikeys"\n',
     ],
 )
 def test_the_check_catches_a_key_built_by_hand(tmp_path: Path, source: str) -> None:
-    """The check fails on each way a key used to be built outside a keys module (store.py, limits.py, ...)."""
+    """The check fails on each way a key used to be built outside a keyspace module (store.py, limits.py, ...)."""
     package = tmp_path / "offload"
     package.mkdir()
     (package / "rogue.py").write_text('"""offload: docstrings may say anything."""\n' + source)
@@ -121,7 +121,7 @@ def _lua_suffixes() -> set[str]:
     return found
 
 
-def test_every_suffix_the_scripts_append_is_listed_in_the_keys_module() -> None:
+def test_every_suffix_the_scripts_append_is_listed_in_the_keyspace_module() -> None:
     suffixes = _lua_suffixes()
     assert len(suffixes) > 20  # the pattern still matches how the scripts build keys
     assert sorted(suffixes - set(queue_keys.QUEUE_SUFFIXES)) == []
@@ -132,7 +132,7 @@ def test_every_state_set_is_a_listed_suffix() -> None:
 
 
 def test_key_functions_give_the_layout_the_scripts_use() -> None:
-    """The keys module and the scripts agree: what Python reads is what Lua wrote (same strings)."""
+    """The keyspace module and the scripts agree: what Python reads is what Lua wrote (same strings)."""
     q, job_id = "gpu", "gpu:0192ab"
     assert queue_keys.prefix(q) == "offload:{gpu}:"
     assert queue_keys.job(q, job_id) == "offload:{gpu}:job:gpu:0192ab"  # Lua: P .. 'job:' .. id

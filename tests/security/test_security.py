@@ -34,15 +34,15 @@ from support.security_helpers import echo_server, leaks, redis_dump
 from support.server_helpers import BUCKET, client, new_queue, server
 from support.servers import ValkeyServer, free_port
 
+from offload.access.api_keys import KeyStore
 from offload.autoscale.credentials import Credentials
 from offload.autoscale.provider_store import ProviderStore
 from offload.autoscale.vault import ENV as VAULT_ENV
 from offload.autoscale.vault import Vault
 from offload.connection import connect
-from offload.queue.keys import hook_digest
+from offload.queue.keyspace import hook_digest
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
-from offload.server.keys import KeyStore
 
 IDENTITIES = ("anonymous", "revoked", "forged", "producer of another queue", "worker of another queue")
 # Every identity comes through the trusted reverse proxy (127.0.0.1) from one client address, with a spoofed hop

@@ -24,9 +24,9 @@ from support.servers import ValkeyServer
 
 from offload.config import Settings
 from offload.errors import ConfigError
-from offload.queue.keys import REMOTE_WORKERS, prefix
-from offload.schema import parse
-from offload.server.clientaddr import client_address, parse_networks
+from offload.queue.keyspace import REMOTE_WORKERS, prefix
+from offload.schema import parse, parse_networks
+from offload.server.clientaddr import client_address
 
 GUESS = "ofk_000000000000_guess"
 

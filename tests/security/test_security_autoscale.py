@@ -26,7 +26,8 @@ from support.security_helpers import echo_server, redis_dump
 from support.server_helpers import client, make_key, new_queue, server
 from support.servers import ValkeyServer
 
-from offload.autoscale import keys
+from offload.access.api_keys import KeyStore
+from offload.autoscale import keyspace
 from offload.autoscale.provider_store import ProviderStore
 from offload.autoscale.providers import LaunchSpec, ProviderError
 from offload.autoscale.providers.local import LocalConfig, LocalProvider
@@ -38,7 +39,6 @@ from offload.autoscale.vault import Vault, VaultError
 from offload.connection import connect
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
-from offload.server.keys import KeyStore
 
 
 @pytest.fixture
@@ -116,8 +116,8 @@ def test_commands_on_the_servers_host_cannot_be_set_over_the_api(api: tuple[str,
 async def test_an_api_set_block_never_runs_here_even_once_its_provider_turns_local(r: Any, tmp_path: Path) -> None:
     q = new_queue("later")
     block = queue_block(provider="later", instance={"handler": "os:system"})
-    await r.set(keys.queue_config(q), orjson.dumps(block))  # as PUT /v1/autoscale/queues stores it
-    await r.sadd(keys.QUEUE_CONFIGS, q)
+    await r.set(keyspace.queue_config(q), orjson.dumps(block))  # as PUT /v1/autoscale/queues stores it
+    await r.sadd(keyspace.QUEUE_CONFIGS, q)
     local = LocalProvider("later", LocalConfig(log_dir=str(tmp_path)), r)
     clock = Clock()
     s, _ = make_scaler(
@@ -137,8 +137,8 @@ async def test_an_api_set_block_never_runs_here_even_once_its_provider_turns_loc
     finally:
         for m in await local.list():
             await local.destroy(m.provider_id)
-        await r.delete(keys.queue_config(q))
-        await r.srem(keys.QUEUE_CONFIGS, q)
+        await r.delete(keyspace.queue_config(q))
+        await r.srem(keyspace.QUEUE_CONFIGS, q)
         await s.aclose()
 
 
@@ -340,7 +340,7 @@ def test_the_vault_derives_slowly_migrates_old_records_and_reports_damage(valkey
 
     async def go(red: Any) -> tuple[str, str]:
         await red.hset(
-            keys.provider("old"),
+            keyspace.provider("old"),
             mapping={
                 "type": "vastai",
                 "config": "{}",
@@ -351,7 +351,7 @@ def test_the_vault_derives_slowly_migrates_old_records_and_reports_damage(valkey
             },
         )
         record = await ProviderStore(red, Vault(VAULT_KEY)).get("old", reveal=True)
-        return record.config["api_key"], await red.hget(keys.provider("old"), "secrets")
+        return record.config["api_key"], await red.hget(keyspace.provider("old"), "secrets")
 
     secret, stored = _store(valkey.url, go)
     assert secret == "old-0123456789abcd" and stored.startswith("v2:")

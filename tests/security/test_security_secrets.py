@@ -32,7 +32,8 @@ from support.security_helpers import Echo, echo_server, leaks
 from support.server_helpers import client, make_key, new_queue, server
 from support.servers import ValkeyServer
 
-from offload.autoscale import keys
+from offload.access.api_keys import KeyStore, check_admin_key
+from offload.autoscale import keyspace
 from offload.autoscale.credentials import Credentials
 from offload.autoscale.provider_store import ProviderStore
 from offload.autoscale.providers.runpod import RunPodConfig, RunPodProvider
@@ -42,7 +43,6 @@ from offload.connection import connect
 from offload.errors import ConfigError
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
-from offload.server.keys import KeyStore, check_admin_key
 from offload.sim.config import SimConfig
 from offload.sim.server import running_sim
 
@@ -240,8 +240,8 @@ async def test_a_vault_credential_goes_only_to_its_git_host(
     token = "ghp_" + secrets.token_hex(20)
     vault = Vault(VAULT_KEY)
     await Credentials(r, vault).set("gh", token, "github.com")
-    await r.set(keys.credential("old"), vault.encrypt(token, "credential:old"))  # stored before the binding
-    await r.sadd(keys.CREDENTIALS, "old")
+    await r.set(keyspace.credential("old"), vault.encrypt(token, "credential:old"))  # stored before the binding
+    await r.sadd(keyspace.CREDENTIALS, "old")
     sent: dict[str, bool] = {}
     with echo_server() as echo:
         for name, url, cred in (
@@ -280,7 +280,7 @@ def test_the_operators_providers_cannot_be_changed_deleted_or_replaced_over_the_
 
     async def older(redis: Any) -> None:  # a record written before origins were recorded: not the operator's
         await ProviderStore(redis, Vault(VAULT_KEY)).create(legacy, "mock", {})
-        await redis.hdel(keys.provider(legacy), "origin")
+        await redis.hdel(keyspace.provider(legacy), "origin")
 
     run(world["valkey"], older)
     with client(world["url"], world["admin"]) as admin:

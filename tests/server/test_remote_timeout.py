@@ -21,7 +21,7 @@ from support.servers import ValkeyServer
 from test_remote_worker import _reap, enqueue, job, spawn_worker, wait_state
 
 from offload.errors import StaleLease
-from offload.worker.remote_api import ServerApi
+from offload.gpu_worker.server_api import ServerApi
 
 _ = _reap  # the module's subprocesses are SIGKILLed after each test (test_remote_worker's autouse fixture)
 HUNG_Q = new_queue("hung")

@@ -107,7 +107,7 @@ def test_a_heartbeat_handled_across_a_deregister_does_not_list_the_worker_again(
     cancels the beat, but the request was sent). That heartbeat re-stamped the registry record and the queue's
     liveness set, so the stopped worker was listed as alive for a TTL. Here the deregister's steps run inside the
     heartbeat, right after its registration check: the heartbeat answers 404 and the worker is not listed."""
-    from offload.queue.keys import REMOTE_WORKERS, remote_worker
+    from offload.queue.keyspace import REMOTE_WORKERS, remote_worker
 
     q = new_queue("gone")
     original = QueueStore.heartbeat

@@ -11,9 +11,9 @@ from support.server_helpers import client, new_queue, server
 from support.servers import ValkeyServer
 
 from offload.connection import connect
+from offload.queue.backend_limits import BackendLimits
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
-from offload.worker.limits import BackendLimits
 
 
 def scrape(url: str, token: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -101,7 +101,7 @@ async def test_noted_outcomes_are_written_once_per_interval_and_none_is_lost(val
     """A worker notes an outcome per job; under a steady stream of notes (some arriving during every write's
     round trip) the counters go out once per NOTE_EVERY_S, not back to back, and after `flush` Redis holds
     every one of them."""
-    from offload.queue.keys import backend_counts
+    from offload.queue.keyspace import backend_counts
     from offload.worker import limits as limits_module
 
     redis = await connect(valkey.url)

@@ -33,7 +33,7 @@ async def probe(redis_url: str, results: str) -> dict[str, object]:
 
     from offload.config import Settings
     from offload.connection import connect
-    from offload.queue.keys import hook_digest
+    from offload.queue.keyspace import hook_digest
     from offload.queue.specs import JobSpec
     from offload.queue.store import QueueStore
     from offload.server.app import create_app

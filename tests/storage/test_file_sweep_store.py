@@ -24,8 +24,8 @@ from support.servers import ValkeyServer
 from offload import AsyncClient, File
 from offload.autoscale.instances import read_events
 from offload.connection import connect
-from offload.queue import keys
-from offload.queue.keys import STORE_ID
+from offload.queue import keyspace
+from offload.queue.keyspace import STORE_ID
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 from offload.server.file_sweep import FileSweep
@@ -174,7 +174,7 @@ async def test_the_right_store_deletes_at_most_a_tenth_of_a_listing_per_pass(
     ids = await with_inputs(valkey_url, storage, "gpu", 25)
     live = set(ids[:5])
     for job_id in ids[5:]:
-        await home.redis.delete(keys.job("gpu", job_id))  # the record gone, as a purge or an expiry leaves it
+        await home.redis.delete(keyspace.job("gpu", job_id))  # the record gone, as a purge or an expiry leaves it
     told: list[str] = []
     pass_sizes: list[int] = []
     sweeper = sweep(storage, home, told)

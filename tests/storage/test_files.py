@@ -20,7 +20,7 @@ from support.s3server import RcloneS3
 
 from offload import AsyncClient, File
 from offload.files import REF_KEY, field_name, references_in
-from offload.queue.keys import new_job_id
+from offload.queue.keyspace import new_job_id
 from offload.queue.store import QueueStore
 from offload.server.file_sweep import FileSweep
 from offload.storage.inputs import FileTooLarge, copied_prefix, inputs_prefix, job_of_key, outputs_prefix

@@ -11,8 +11,8 @@ import httpx
 from offload.autoscale.providers.mock import MockConfig, MockProvider
 from offload.autoscale.scaler import Autoscaler
 from offload.config import Settings
-from offload.queue.keys import REMOTE_WORKERS as INDEX
-from offload.queue.keys import remote_worker as worker_key
+from offload.queue.keyspace import REMOTE_WORKERS as INDEX
+from offload.queue.keyspace import remote_worker as worker_key
 
 VAULT_KEY = "test-master-key-0123456789abcdef"
 
@@ -67,7 +67,7 @@ async def drop_worker(redis: Any, worker_id: str) -> None:
 
 async def worker_token(redis: Any, queue: str = "gpu") -> str:
     """A real worker key for `queue`: the scaler checks the key it ships to real providers (the mock ships none)."""
-    from offload.server.keys import KeyStore
+    from offload.access.api_keys import KeyStore
 
     _, token = await KeyStore(redis).create("worker", [queue], "autoscaler test")
     return token

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from offload.autoscale import keys
+from offload.autoscale import keyspace
 from offload.autoscale.instances import InstanceStore
 from offload.autoscale.providers import LaunchSpec, Machine, OutOfCapacity, ProviderError
 from offload.autoscale.providers.mock import MockConfig, MockProvider
@@ -331,7 +331,7 @@ class World:
                     self.protected_ops.remove((inst_id, until))
         for at, length in self.sc.leader_stalls:
             if minute <= at < minute + step_minutes:
-                leader = await self.r.get(keys.LEADER)
+                leader = await self.r.get(keyspace.LEADER)
                 if leader:
                     self.stalled_until[leader.split("|")[0]] = self.clock() + length * 60
                     self.event("leader stalls")
@@ -390,7 +390,9 @@ class World:
         if self.sc.spend_cap is not None:
             now = self.clock()
             day = datetime.fromtimestamp(now, UTC).strftime("%Y%m%d")
-            spent = sum(float(v or 0) for v in await self.r.mget(keys.cost(QUEUE, day), keys.cost(QUEUE, f"dry:{day}")))
+            spent = sum(
+                float(v or 0) for v in await self.r.mget(keyspace.cost(QUEUE, day), keyspace.cost(QUEUE, f"dry:{day}"))
+            )
             # one poll of the whole fleet, plus a poll per machine the provider refused to destroy and per poll no
             # server evaluated (both only prolong what runs; neither is the autoscaler's decision)
             slack = (self.sc.max_workers + self.unattended) * self.sc.price * self.sc.poll / 3600 + 1e-6
@@ -402,7 +404,7 @@ class World:
                 self.sc = Scenario(**{**self.sc.__dict__, "spend_cap": None})  # report it once
 
     async def journal(self) -> list[dict[str, str]]:
-        return [e for _, e in await self.r.xrange(keys.EVENTS)]
+        return [e for _, e in await self.r.xrange(keyspace.EVENTS)]
 
     async def verdict(self) -> list[str]:
         """Every invariant that does not hold, as readable lines (empty: all hold)."""

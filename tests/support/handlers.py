@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import offload
-from offload.worker.remote import JobContext, PermanentError
+from offload.gpu_worker import JobContext, PermanentError
 
 LOADS = {"count": 0}
 

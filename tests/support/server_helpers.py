@@ -59,8 +59,8 @@ def direct_key(redis_url: str, scope: str, queue: str) -> str:
     """A key created the way `offload keys create` does (straight in Redis), before any server runs."""
     import asyncio
 
+    from offload.access.api_keys import KeyStore
     from offload.connection import connect
-    from offload.server.keys import KeyStore
 
     async def go() -> str:
         redis = await connect(redis_url)

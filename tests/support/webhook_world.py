@@ -17,7 +17,7 @@ import httpx
 from offload.config import Settings
 from offload.connection import connect
 from offload.models import Job, JobState
-from offload.queue.keys import hooks_channel
+from offload.queue.keyspace import hooks_channel
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 from offload.worker.dispatch import Worker

@@ -22,7 +22,7 @@ from support.servers import ValkeyServer, free_port
 
 from offload.config import Settings
 from offload.connection import connect
-from offload.queue.keys import hook_digest
+from offload.queue.keyspace import hook_digest
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 

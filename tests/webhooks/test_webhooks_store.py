@@ -12,7 +12,7 @@ import pytest
 from offload.connection import connect
 from offload.models import JobState
 from offload.queue.hook_store import HookItem
-from offload.queue.keys import hook_digest, hooks_channel
+from offload.queue.keyspace import hook_digest, hooks_channel
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 

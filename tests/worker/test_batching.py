@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from offload.worker.batching import Batcher
+from offload.queue.batching import Batcher
 
 
 async def test_each_caller_gets_its_own_result_and_concurrent_calls_share_a_flush() -> None:

@@ -45,7 +45,7 @@ from test_worker_faults import (
 
 from offload.config import Settings
 from offload.models import Job
-from offload.queue import keys
+from offload.queue import keyspace
 from offload.queue.store import QueueStore
 
 # the fixtures this module shares with test_worker_faults (module-scoped servers, a clean simulator per test)
@@ -71,7 +71,7 @@ def settings(
 
 
 async def intent_open(store: QueueStore, job_id: str) -> bool:
-    return await store.redis.hget(keys.job("q", job_id), "sub_open") == "1"
+    return await store.redis.hget(keyspace.job("q", job_id), "sub_open") == "1"
 
 
 # -- a gateway's 5xx after the provider accepted the submit --------------------------------------------------

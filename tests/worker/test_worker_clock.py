@@ -27,7 +27,7 @@ from test_worker_crash import QUEUE, Fleet, SimProcess, base_env, job_input
 from bench.chaos.faketime import ClockFile
 from offload.connection import connect
 from offload.models import JobState
-from offload.queue import keys
+from offload.queue import keyspace
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 from offload.redis_client import RedisClient
@@ -110,7 +110,7 @@ async def test_a_worker_whose_clock_is_a_day_ahead_pays_no_more_than_the_daily_c
     await seconds_until(settled(10, 2), 60, "5 more paid in the store's next day", every=0.1, why=why)
 
     async def released() -> bool:  # what is held now was held in the second day (its cap is spent too)
-        held = await sstore.redis.zrange(keys.prefix(QUEUE) + "held", 0, -1, withscores=True)
+        held = await sstore.redis.zrange(keyspace.prefix(QUEUE) + "held", 0, -1, withscores=True)
         return all(window > int(day1) for _, window in held)
 
     await seconds_until(released, 60, "the jobs held in the store's first day released", every=0.1, why=why)
@@ -164,7 +164,7 @@ async def test_a_step_back_of_the_stores_clock_costs_a_crashed_workers_jobs_and_
 
     await seconds_until(done, 90, "all 7 jobs succeeded", every=0.2, why=why)
     assert took < 60
-    events = await sstore.redis.xrange(keys.events(QUEUE), "-", "+")
+    events = await sstore.redis.xrange(keyspace.events(QUEUE), "-", "+")
     steps = [f for _, f in events if f["state"] == "clock_stepped_back"]
     # the step as the store saw it: less the time nobody read its clock before it (A dead, B starting)
     assert len(steps) == 1 and 3_540_000 < int(steps[0]["step_ms"]) <= 3_602_000, steps

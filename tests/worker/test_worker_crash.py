@@ -41,7 +41,7 @@ from support.servers import HOST, ValkeyServer, free_port
 
 from offload.connection import connect
 from offload.models import Job, JobState
-from offload.queue.keys import prefix
+from offload.queue.keyspace import prefix
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 

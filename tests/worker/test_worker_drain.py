@@ -28,7 +28,7 @@ from test_worker_crash import BUCKET, OFFLOAD, QUEUE, Fleet, SimProcess, counts,
 
 from offload.backends import create_backend
 from offload.models import JobState
-from offload.queue import keys
+from offload.queue import keyspace
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 
@@ -92,7 +92,7 @@ async def finish_with(fleet: Fleet, name: str, env: dict[str, str], store: Queue
 
 async def succeeded_once(store: QueueStore, ids: list[str]) -> Counter[str]:
     """How many `succeeded` transitions each job made (the events stream)."""
-    events = await store.redis.xrange(keys.events(QUEUE), count=100_000)
+    events = await store.redis.xrange(keyspace.events(QUEUE), count=100_000)
     seen: Counter[str] = Counter()
     for _, fields in events:
         if fields.get("state") == "succeeded":
@@ -158,7 +158,7 @@ async def test_sigterm_with_jobs_waiting_pays_each_job_once(
     sent_by_a = sim.stats()["submissions"]
     c = await counts(store)
     recorded = sum([(await store.get(j)).remote_id is not None for j in ids])
-    open_intents = [j for j in ids if await store.redis.hget(keys.job(QUEUE, j), "sub_open") == "1"]
+    open_intents = [j for j in ids if await store.redis.hget(keyspace.job(QUEUE, j), "sub_open") == "1"]
     await finish_with(fleet, "B", env, store, ids)
     print(
         f"\n{wait_at}: A sent {sent_by_a} of {N_JOBS} and recorded {recorded} remote ids, left {len(open_intents)} "
@@ -253,7 +253,7 @@ async def test_a_second_signal_cuts_the_drain_at_the_cost_the_readme_states(
     records = {i: await store.get(j) for j, i in zip(ids, inputs, strict=True)}
     assert all(r.state == JobState.QUEUED and r.remote_id is None for r in records.values()), records
     open_intents = {
-        i for j, i in zip(ids, inputs, strict=True) if await store.redis.hget(keys.job(QUEUE, j), "sub_open") == "1"
+        i for j, i in zip(ids, inputs, strict=True) if await store.redis.hget(keyspace.job(QUEUE, j), "sub_open") == "1"
     }
     assert open_intents == sent, "the cut calls' intents stay open, the waiting job's was never opened"
     fast_submits(sim)  # for B's resends; A's held calls run on to their end
@@ -302,7 +302,7 @@ async def test_a_drain_ends_the_429_resubmit_loop_and_closes_the_intent(
     assert conflicts(sim, "429") <= at_signal + 1, "the drained worker went on submitting"
     record = await store.get(job_id)
     assert (record.state, record.attempts, record.error) == (JobState.QUEUED, 0, None), record
-    assert await store.redis.hget(keys.job(QUEUE, job_id), "sub_open") != "1", "a 429'd submission left open"
+    assert await store.redis.hget(keyspace.job(QUEUE, job_id), "sub_open") != "1", "a 429'd submission left open"
     [again] = await store.claim(QUEUE, "next-owner", 1)
     assert await store.begin_many(QUEUE, [(again.id, again.token, 0.0)]) == ["OK:1"]  # the same run, uncounted
 
@@ -347,7 +347,7 @@ async def test_a_drain_ends_the_409_resend_loop_leaving_the_intent_open(
         assert conflicts(sim, "idempotency_conflict") <= at_signal + 1, "the drained worker went on resending"
         record = await store.get(job_id)
         assert (record.state, record.remote_id, record.possible_duplicates) == (JobState.QUEUED, None, 1), record
-        assert await store.redis.hget(keys.job(QUEUE, job_id), "sub_open") == "1", "an unknown outcome was closed"
+        assert await store.redis.hget(keyspace.job(QUEUE, job_id), "sub_open") == "1", "an unknown outcome was closed"
         assert sim.stats()["submissions"] == 1
     finally:
         lost.cancel()

@@ -738,8 +738,8 @@ async def test_a_worker_whose_lease_lapsed_does_not_submit(valkey_url: str, sim:
     the job. Before submitting, the starved worker beats first, learns the job is no longer its own and drops
     it: nothing is submitted, so the job is not paid for twice."""
     from offload.backends import create_backend, new_client
+    from offload.queue.backend_limits import BackendLimits
     from offload.worker.dispatch import WorkerOptions
-    from offload.worker.limits import BackendLimits
 
     [(job_id, input_id)] = await enqueue(store, "starved")
     [mine] = await store.claim("q", "starved-worker", 1, lease_ms=100)

@@ -21,7 +21,7 @@ from support.s3server import RcloneS3
 from test_worker import BACKENDS, BUCKET
 from test_worker_faults import configure, enqueue, make_settings, stats, until, until_state, worker
 
-from offload.queue.keys import prefix
+from offload.queue.keyspace import prefix
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 
@@ -366,7 +366,7 @@ def test_every_process_gets_its_own_worker_id() -> None:
 async def test_a_longer_cool_down_is_never_shortened(valkey_url: str, store: QueueStore) -> None:
     """Two workers' 429s at once: one asks for 1 s, one for 10 s. Reading the TTL and setting it in two
     commands lets the short one overwrite the long one."""
-    from offload.worker.limits import BackendLimits
+    from offload.queue.backend_limits import BackendLimits
 
     class SlowSet:
         def __init__(self, redis: Any) -> None:

@@ -28,7 +28,7 @@ from test_worker_faults import (
     worker,
 )
 
-from offload.queue import keys
+from offload.queue import keyspace
 from offload.queue.store import QueueStore
 from offload.worker.dispatch import Worker
 
@@ -131,7 +131,7 @@ async def test_a_drain_closes_the_intents_of_synchronous_jobs_begun_ahead_of_a_s
 
 
 async def _open_intents(store: QueueStore, jobs: Sequence[tuple[str, str]]) -> int:
-    return sum([await store.redis.hget(keys.job("q", j), "sub_open") == "1" for j, _ in jobs])
+    return sum([await store.redis.hget(keyspace.job("q", j), "sub_open") == "1" for j, _ in jobs])
 
 
 async def test_a_cancel_heard_while_a_begun_job_waits_for_its_slot_is_not_submitted(

@@ -21,7 +21,7 @@ from support.servers import ValkeyServer
 from test_worker_faults import make_settings, until, until_state, worker
 
 from offload.connection import connect
-from offload.queue import keys
+from offload.queue import keyspace
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 from offload.worker import wakeups
@@ -52,7 +52,7 @@ async def wakes_before(redis: Any, pubsub: Any, channel: str) -> int:
 
 
 async def test_one_wake_per_idle_spell_and_none_under_a_pause_or_a_cap(store: QueueStore) -> None:
-    redis, idle, channel = store.redis, keys.prefix("wq") + "idle", keys.wake_channel("wq")
+    redis, idle, channel = store.redis, keyspace.prefix("wq") + "idle", keyspace.wake_channel("wq")
     pubsub = redis.pubsub()  # type: ignore[attr-defined]
     await pubsub.subscribe(channel)
     try:
@@ -83,7 +83,7 @@ async def test_one_wake_per_idle_spell_and_none_under_a_pause_or_a_cap(store: Qu
 
 async def idle_then_enqueue(store: QueueStore, task: asyncio.Task[Any], tag: str) -> None:
     """Let the worker idle past its backoff, enqueue one job, and check it was claimed on the wake-up."""
-    await until(lambda: _exists(store, keys.prefix("q") + "idle"), "the worker to find the queue empty", task)
+    await until(lambda: _exists(store, keyspace.prefix("q") + "idle"), "the worker to find the queue empty", task)
     await asyncio.sleep(IDLE_S)  # not a synchronisation: the worker's poll interval grows meanwhile
     (job_id,) = await store.enqueue_many("q", [JobSpec(input=faults.job_input(tag))])
     (job,) = await until_state(store, [job_id], "succeeded", task)
@@ -138,7 +138,7 @@ async def test_after_a_valkey_restart_the_worker_is_woken_again(
     have been lost), which leaves the flag behind again, so the next job is claimed at once too."""
     redis = await connect(own_valkey.url)
     store = QueueStore(redis)
-    channel = keys.wake_channel("q")
+    channel = keyspace.wake_channel("q")
     try:
         async with worker(make_settings(own_valkey.url, outputs, sim, "http-job"), idle_poll_max=60.0) as (task, _):
             await idle_then_enqueue(store, task, "restart-1")

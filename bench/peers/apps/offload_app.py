@@ -31,10 +31,10 @@ from offload import eventloop
 from offload.backends.base import RemoteResult, Submission
 from offload.connection import connect
 from offload.models import ClaimedJob
+from offload.queue.backend_limits import BackendLimits
 from offload.queue.specs import JobSpec
 from offload.queue.store import DEFAULT_LEASE_MS, CompleteItem, QueueStore
 from offload.worker.dispatch import Worker, WorkerOptions, default_worker_id
-from offload.worker.limits import BackendLimits
 
 if TYPE_CHECKING:  # at run time apps/ is on sys.path; mypy sees it as part of the bench package
     from bench.peers.apps import benchjob

@@ -34,7 +34,7 @@ from typing import Any
 import orjson
 from pydantic import Field
 
-from offload.autoscale import keys
+from offload.autoscale import keyspace
 from offload.autoscale.providers.base import (
     Clock,
     LaunchSpec,
@@ -112,7 +112,7 @@ class LocalProvider(Provider):
         self.config = config
         self.redis = redis
         self.clock = clock
-        self.key = keys.machines("local", name)
+        self.key = keyspace.machines("local", name)
         self._children: dict[int, subprocess.Popen[bytes]] = {}
 
     def _workdir(self, label: str) -> Path:

@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 from pydantic import Field
 
-from offload.autoscale import keys
+from offload.autoscale import keyspace
 from offload.autoscale.providers.base import (
     Clock,
     LaunchSpec,
@@ -51,12 +51,12 @@ class MockProvider(Provider):
         self.config = config
         self.redis = redis
         self.clock = clock
-        self.key = keys.machines("mock", name)
+        self.key = keyspace.machines("mock", name)
         self.calls: dict[str, int] = {"create": 0, "list": 0, "destroy": 0}
 
     async def _take_fault(self, field: str, configured: int) -> bool:
         """Fault budgets count down in Redis, so they survive a scaler restart (the day test restarts it)."""
-        used = int(await self.redis.hincrby(keys.mock_faults(self.name), field, 1))
+        used = int(await self.redis.hincrby(keyspace.mock_faults(self.name), field, 1))
         return used <= configured
 
     async def create(self, spec: LaunchSpec) -> Machine:

@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
 -- The worker has cancelled the remote job: the job ends cancelled.
--- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, id, token
 -- Returns: OK, STALE or NOTFOUND
 --- @include "common"

@@ -1,7 +1,7 @@
 -- Counts a failed authentication in a fixed window (the HTTP server's brute-force guard, one counter per client
 -- address and one per presented key id): the window starts at the first failure, so the count and its expiry
 -- are set in one step.
--- KEYS: [1] the failure counter (offload.queue.keys.auth_failures or auth_key_failures)
+-- KEYS: [1] the failure counter (offload.queue.keyspace.auth_failures or auth_key_failures)
 -- ARGV: [1] the window in ms
 -- Returns: {failures in the current window (this one included), ms left in the window}
 local n = redis.call('INCR', KEYS[1])

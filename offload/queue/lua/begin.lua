@@ -11,7 +11,7 @@
 -- webhook by hook.lua) is answered REMOTE: nothing is sent, the caller polls it. The hash of the submission's
 -- webhook secret, when given, is kept per submission (`hook:<n>`, the last four: a resend of an unknown submission
 -- under the same number carries a new secret, and the first one's webhook must still be recognised).
--- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, job cap ('' none), spend cap ('' none), backend name, items: a JSON list of [id, token, estimated
 --   cost, webhook secret hash ('' none)]. The cap window is the store's UTC day (`window_of` in clock.lua).
 -- Returns: per item OK:<n>, OK:<n>:DUP, REMOTE:<n>:<remote id>, CAP:jobs, CAP:spend (held), CANCEL, STALE or NOTFOUND

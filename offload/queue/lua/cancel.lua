@@ -4,7 +4,7 @@
 -- and the dispatch worker that claims it cancels the remote job (or the one it finds by tag) before it acknowledges;
 -- until then the answer stays `requested`. Such a job is never submitted again (begin.lua refuses a cancel) and
 -- takes no cap (a claim under a cap takes it; the worker cancels before any begin).
--- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, id
 -- Returns: cancelled, requested, NOTFOUND, or ALREADY:<terminal state>
 --- @include "common"

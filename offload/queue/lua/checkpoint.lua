@@ -9,7 +9,7 @@
 -- that ignored the Idempotency-Key ran it twice) is refused with the first id, so the caller cancels its own
 -- copy: DUP:<first> to the owner (which goes on with the first), STALE:DUP to a stale worker. Attach and DUP
 -- need the caller's submission number (the dispatch worker always sends it).
--- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, items: a JSON list of [id, token, backend, remote id, submission number (optional: the job's
 --   current one)]
 -- Returns: per item OK, OK:CANCEL (a cancel was requested meanwhile), DUP:<first id>, ATTACHED, STALE:DUP,

@@ -12,7 +12,7 @@
 -- (a worker on a synchronous API without caps begins every job the moment it has it: one round trip less per
 -- job). Only a job with nothing unsettled is begun here: no remote id, no open intent, no cancel, and no cap
 -- in the window (caps reserve in begin.lua); the others are left to begin.lua, which decides them.
--- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, worker id, max jobs, lease ms, request id, job cap, spend cap, estimated cost of one submission,
 --   silence ms, begin ('1' or '')
 -- Returns: a flat list, 13 fields per job (decoded in one place: offload.queue.replies): id, token, attempt,

@@ -3,7 +3,7 @@
 -- reply was lost and the client retried) answers OK again instead of STALE. A known cost settles the job's cap
 -- reservation (the real cost replaces the worst case) in the same step. A run that was never checkpointed (a
 -- synchronous API's answer) is recorded by the ack itself.
--- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, items: a JSON list of [id, token, result location, cost or ""(, backend, remote id, submission
 --   number)]
 -- Returns: per job OK, STALE or NOTFOUND

@@ -1,7 +1,7 @@
 -- One chunk of a state's set with each job's creation time, for the listing of every state, newest first
 -- (offload/queue/listing.py): one call per chunk instead of one HGET per job; a job whose record is gone (trimmed
 -- since it was indexed) is left out. Read-only.
--- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now (unused), set name, start index, count
 -- Returns: {the number of ids read (fewer than count: the set's end), {id, created_at, id, created_at, ...}}
 --- @include "common"

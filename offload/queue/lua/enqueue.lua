@@ -2,7 +2,7 @@
 -- the connection. The nonce makes a repeat of the same call (its reply was lost and the client sent it again)
 -- check every id, so it returns the jobs the first run made instead of putting them into ready a second time,
 -- where they may already be leased. Fresh calls skip that check: their ids are new.
--- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, check ids (1: ids may repeat, e.g. caller-chosen), metas, jobs, batch nonce (random per call).
 --   metas is a JSON list of "priority\trun_at\tmax_attempts\tretention\tidempotency key\toutput key" strings
 --   (empty output key: results/<id>.json; run_at: epoch ms, '' none, or "+<ms>": a delay from the store's now,

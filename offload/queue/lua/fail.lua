@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
 -- A retry is scheduled in Redis (the worker never sleeps); exhausted or fatal goes dead with the reason.
--- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, id, token, error, retryable (1/0), delay ms, keep remote id (1/0), submit answered (1/0: the
 --   provider answered the submit, so the submit intent is closed), cost of the failed run ('' unknown), refund
 --   (1/0: the provider refused the submission, nothing ran: the job is not counted against the caps), duplicate

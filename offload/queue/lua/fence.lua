@@ -1,6 +1,6 @@
 -- Changes nothing: the last check before a worker writes where a newer owner of the job may write too (its output
 -- in object storage).
--- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, items: a JSON list of [id, token]
 -- Returns: per item OK (the token still holds the lease), STALE or NOTFOUND
 --- @include "common"

@@ -2,7 +2,7 @@
 -- fault, so it costs them nothing. Its current leases go back to ready uncounted (with their remote ids); jobs
 -- the reaper already took back from it counting lease expiries (remembered for a day in the hash lost:<worker>,
 -- job -> count) get those expiries back, and one that an expiry had sent dead ("lease expired") is ready again.
--- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, worker id
 -- Returns: {released, refunded expiries, revived}
 --- @include "common"

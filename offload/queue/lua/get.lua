@@ -1,5 +1,5 @@
 -- The job record plus its lease deadline (leases live on the owning worker).
--- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, id
 -- Returns: {} for no such job, else {the job hash as a flat list, its lease deadline in ms or ''}
 --- @include "common"

@@ -6,7 +6,7 @@
 -- handed back, uncounted, when their lease is no newer than `since` (a lease sequence number the worker had seen
 -- before it sent this heartbeat: every claim it was answered up to then is in its list) or, with `grace`, when
 -- they were claimed more than `grace` ms ago (for workers that cannot tell).
--- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, worker id, lease ms, silence ms, since, grace ms, then (job id, lease token) pairs: the leases the
 --   worker holds (a token '' is judged by ownership alone)
 -- Returns: {lost ids, cancel-requested ids, the lease sequence number now, how many were handed back, the ms the

@@ -1,7 +1,7 @@
 #!lua flags=allow-oom
 -- A leased job that may not be submitted (cap reached) waits in held, without using up an attempt, until release;
 -- the window it was held in is kept so it is released once the store's window (its UTC day) is later.
--- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, id, token, reason, cap window (optional, digits)
 -- Returns: OK, STALE or NOTFOUND
 --- @include "common"

@@ -15,7 +15,7 @@
 -- job nobody holds is resumed by its next claim, which finds the remote id and the body.
 -- Duplicates, late and reordered deliveries (a `start` after `completed`) change nothing, as does a callback of
 -- a run already given up (its remote id let go).
--- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, job id, submission number, remote id ('' unknown), terminal ('1' / '0'), body
 -- Returns: WAKE (final event kept, owner told), KEPT (final event kept, nobody holds the job), ADOPTED (the id
 --   recorded for a re-delivered job) / STARTED (recorded while its submitter holds the lease) / OK (not final,

@@ -2,7 +2,7 @@
 -- carrying the parse error and the raw text. The job's input is kept as the producer wrote it, byte for byte:
 -- cjson only validates the entry, and the input's text is cut out of the raw entry (a cjson round trip would
 -- round integers past 14 digits and turn [] into {}).
--- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py), [2] the plain list the
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py), [2] the plain list the
 --   tutorial's producer RPUSHes JSON onto
 -- ARGV: now, limit, max_attempts, retention, queue name
 -- Returns: {ingested, dead}

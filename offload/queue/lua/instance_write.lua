@@ -2,7 +2,7 @@
 -- deposed leader's write, and the provider call after it, must not happen), the instance's status must be one
 -- the change allows, and the live set and creation index change in the same step.
 -- KEYS: [1] the autoscaler's lock (LEADER), [2] the instance hash, [3] the live set (LIVE), [4] the creation
---   index (ALL) (offload.autoscale.keys)
+--   index (ALL) (offload.autoscale.keyspace)
 -- ARGV: [1] the leader's fencing token, [2] expected status: '+create' (must not exist), '' (any) or a comma
 --   list, [3] a JSON object of fields to set, [4] 'add', 'remove' or '' (the live set), [5] the instance id,
 --   [6] its creation time (ms, the ALL score)

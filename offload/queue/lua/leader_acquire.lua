@@ -1,6 +1,6 @@
 -- Takes or renews the autoscaler's lock. A new holder gets the next fencing token; the holder renewing with
 -- its token keeps it. An unexpired lock of another owner is left alone.
--- KEYS: [1] the lock (offload.autoscale.keys.LEADER), [2] the fencing-token counter (FENCE)
+-- KEYS: [1] the lock (offload.autoscale.keyspace.LEADER), [2] the fencing-token counter (FENCE)
 -- ARGV: [1] owner, [2] now (ms), [3] ttl (ms), [4] the caller's current token ('' none)
 -- Returns: the caller's token (a string) while it holds the lock, else false (nil)
 --- @include "leader"

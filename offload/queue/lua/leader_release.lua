@@ -1,5 +1,5 @@
 -- Gives the autoscaler's lock up, if the caller still holds it (a lock another server took since stays).
--- KEYS: [1] the lock (offload.autoscale.keys.LEADER)
+-- KEYS: [1] the lock (offload.autoscale.keyspace.LEADER)
 -- ARGV: [1] owner
 -- Returns: 1 when the lock was released, else 0
 --- @include "leader"

@@ -1,5 +1,5 @@
 -- Moves jobs back to ready: release of held jobs, requeue of dead ones (with a fresh attempt budget).
--- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, source set (held or dead), limit, then optional ids
 -- Returns: the ids moved
 --- @include "common"

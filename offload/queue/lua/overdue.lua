@@ -1,7 +1,7 @@
 -- Which of a GPU worker's leases have run longer than their queue's max run time (`timeout` in offload.yaml), on
 -- the store's clock, counted from the claim (`started_at`). Read only: the caller fails each with fail.lua, fenced by
 -- the token answered here, so a job that finished or moved on meanwhile is left alone.
--- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, worker id, max run ms, then the job ids the worker holds
 -- Returns: a flat list, 3 fields per overdue lease: id, token, attempt
 --- @include "common"

@@ -1,6 +1,6 @@
 -- Deletes up to limit jobs (records and index entries) of one waiting or finished set; active jobs are never
 -- purged.
--- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, set name, limit
 -- Returns: the number deleted; callers loop until 0
 --- @include "common"

@@ -1,7 +1,7 @@
 -- A backend's global request rate (GCRA) shared by every worker on every machine, and the cool-down one
 -- worker's 429 imposes on all of them. Callers sleep the wait on their own, so a limited backend never blocks
 -- a worker's other jobs.
--- KEYS: [1] the backend's GCRA state, [2] its cool-down key (offload.queue.keys.backend_rate, backend_cooldown)
+-- KEYS: [1] the backend's GCRA state, [2] its cool-down key (offload.queue.keyspace.backend_rate, backend_cooldown)
 -- ARGV: [1] ms between requests (0: only the cool-down is read), [2] burst
 -- Returns: ms to wait: positive = a slot is reserved, go after the wait; negative = the backend is cooling
 --   down, ask again after the wait

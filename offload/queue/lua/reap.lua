@@ -1,7 +1,7 @@
 #!lua flags=allow-oom
 -- Maintenance: promote due delayed jobs, return dead workers' jobs, and delete the records of finished jobs whose
 -- retention ran out.
--- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, limit, silence ms
 -- Returns: {promoted, reaped, trimmed, the ms the store's clock stepped back since a heartbeat or
 --   maintenance pass last said so (0: none; `shift_back` in common.lua)}

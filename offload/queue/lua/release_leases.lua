@@ -4,7 +4,7 @@
 -- (the given ones), 'idle' (the given ones, then the worker is forgotten if it holds nothing else).
 -- Intents the worker opened but never sent (begun, then drained before the call) are closed first, when the
 -- intent is still that lease's: the submission is then sent again as the same run, not as a possible duplicate.
--- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, worker id, mode, unsent: a JSON list of [id, token] ('' none), then ids
 -- Returns: the number of jobs released
 --- @include "common"

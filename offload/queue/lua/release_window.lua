@@ -3,7 +3,7 @@
 -- moves in small steps that never block Redis for long. The window is the store's UTC day (`window_of` in
 -- clock.lua), never a caller's: the reply tells a caller which window it is and when the next one begins, so a
 -- worker whose own clock is a day off still releases at the store's midnight and only then.
--- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, limit
 -- Returns: {the number released, the current window (digits, e.g. 20261130), ms until the next window begins}
 --- @include "common"

@@ -2,7 +2,7 @@
 -- window; items are decided in order, as if reserved one by one. A job already counted in this window passes
 -- without being counted again. (Workers reserve inside begin.lua, with the submit intent; this is the same rule
 -- for callers that only count.)
--- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, job cap ('' = none), spend cap ('' = none), items: a JSON list of [id, estimated cost]. The window
 --   is the store's UTC day (`window_of` in clock.lua).
 -- Returns: per item OK, CAP:jobs or CAP:spend

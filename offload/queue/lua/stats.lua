@@ -1,7 +1,7 @@
 -- One consistent snapshot of a queue: counts per state, oldest ready age, live workers, totals. The ready set is
 -- ordered by priority then FIFO, so the oldest ready job is the first of some priority level: look at the head of
 -- each level present (few in practice) instead of keeping a second index.
--- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keys.py)
+-- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now
 -- Returns: {paused (0/1), ready, delayed, active not yet submitted, submitted, retry, held, succeeded, dead, cancelled,
 --   oldest ready age (ms), live workers, the stats hash as a flat list}

@@ -1,5 +1,5 @@
 """Key layout, queue-name rules and job ids: every Redis key offload uses outside the autoscaler (whose keys
-are in offload.autoscale.keys) is named here, and nowhere else in Python (tests/project/test_keys_layout.py greps).
+are in offload.autoscale.keyspace) is named here, and nowhere else in Python (tests/project/test_keys_layout.py greps).
 
 Every key of a queue carries the queue's name as a Redis Cluster hash tag (`offload:{gpu}:ready`), so all
 of a queue's atomic scripts run on one node of a cluster. The scripts get the prefix as KEYS[1] and append the

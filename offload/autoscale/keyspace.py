@@ -5,7 +5,7 @@ small (instances, providers, per-queue counters), so one slot is plenty.
 
 from __future__ import annotations
 
-from offload.queue.keys import NAMESPACE
+from offload.queue.keyspace import NAMESPACE
 
 P = f"{NAMESPACE}:{{as}}:"
 LEADER = P + "leader"

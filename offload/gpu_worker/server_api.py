@@ -16,7 +16,7 @@ import httpx
 
 from offload.errors import StaleLease, WorkerError
 
-log = logging.getLogger("offload.worker.remote")
+log = logging.getLogger("offload.gpu_worker")
 RETRY_STATUSES = {429, 502, 503, 504}  # 429: the key is at one of the server's caps for a moment (Retry-After)
 
 

@@ -37,10 +37,10 @@ import orjson
 
 from offload.errors import StaleLease, WorkerError
 from offload.eventloop import first_of
-from offload.worker.remote_api import ServerApi, ServerRejected, Unregistered
-from offload.worker.remote_files import FileTransferError, JobFiles
+from offload.gpu_worker.job_files import FileTransferError, JobFiles
+from offload.gpu_worker.server_api import ServerApi, ServerRejected, Unregistered
 
-log = logging.getLogger("offload.worker.remote")
+log = logging.getLogger("offload.gpu_worker")
 
 
 class PermanentError(WorkerError):
@@ -80,11 +80,11 @@ class JobContext:
         return await self._files().adownload(ref, path)
 
 
-MULTI_QUEUE_WAIT_S = 1.0  # the long-poll per claim when serving several queues (see RemoteWorker._next_queue)
+MULTI_QUEUE_WAIT_S = 1.0  # the long-poll per claim when serving several queues (see GpuWorker._next_queue)
 
 
 @dataclass
-class RemoteOptions:
+class GpuWorkerOptions:
     server: str
     token: str
     queues: list[str]
@@ -181,10 +181,10 @@ async def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> Any:
     return await future
 
 
-class RemoteWorker:
+class GpuWorker:
     def __init__(
         self,
-        options: RemoteOptions,
+        options: GpuWorkerOptions,
         handler: Callable[..., Any],
         load: Callable[[], Any] | None = None,
         api: ServerApi | None = None,
@@ -431,8 +431,8 @@ def _truthy(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
-async def run_remote_worker(
-    options: RemoteOptions, handler_spec: str, load_spec: str | None = None, *, install_signals: bool = True
+async def run_gpu_worker(
+    options: GpuWorkerOptions, handler_spec: str, load_spec: str | None = None, *, install_signals: bool = True
 ) -> None:
     """Entry point of `offload worker --handler`: resolve the functions, serve until a signal, drain."""
     handler = resolve(handler_spec)
@@ -449,7 +449,7 @@ async def run_remote_worker(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-    worker = RemoteWorker(options, handler, load)
+    worker = GpuWorker(options, handler, load)
     try:
         await worker.run(stop)
     finally:

@@ -13,10 +13,10 @@ import contextlib
 import time
 from collections import Counter
 
-from offload.queue.keys import backend_cooldown, backend_counts, backend_rate
+from offload.queue.batching import Batcher
+from offload.queue.keyspace import backend_cooldown, backend_counts, backend_rate
 from offload.queue.scripts import SCRIPTS
 from offload.redis_client import RedisClient
-from offload.worker.batching import Batcher
 
 COOL_PROBE_S = 0.1
 # How long noted outcomes gather before one write sends them all: a metric 50 ms late, against a write per

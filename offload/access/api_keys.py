@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from offload.errors import ConfigError, RequestError
-from offload.queue.keys import API_KEYS, api_key, validate_queue
+from offload.queue.keyspace import API_KEYS, api_key, validate_queue
 from offload.redis_client import RedisClient
 
 SCOPES = ("admin", "producer", "worker", "viewer")

@@ -26,7 +26,7 @@ import httpx
 
 from offload.errors import WorkerError
 from offload.files import REF_KEY, File, files_in, is_reference, reference, replace
-from offload.worker.remote_api import ServerApi
+from offload.gpu_worker.server_api import ServerApi
 
 T = TypeVar("T")
 CHUNK = 1 << 20
