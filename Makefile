@@ -75,7 +75,7 @@ chromium:
 	@test -x /usr/bin/chromium || { export DEBIAN_FRONTEND=noninteractive; \
 		apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }; }
 
-# The wheel's Valkey runs with jemalloc preloaded where the machine has it (offload/embedded.py: ~35% less Valkey
+# The wheel's Valkey runs with jemalloc preloaded where the machine has it (offload/local/embedded.py: ~35% less Valkey
 # CPU per job than glibc's malloc); the tests check that it does, so `make test` installs Debian's libjemalloc2.
 jemalloc:
 	@/sbin/ldconfig -p | grep -q 'libjemalloc\.so\.2' || { export DEBIAN_FRONTEND=noninteractive; \

@@ -169,7 +169,7 @@ def wait_until(
 
 
 def start_valkey(procs: Processes) -> str:
-    from offload.embedded import server_argv, server_env
+    from offload.local.embedded import server_argv, server_env
 
     port = free_port()
     data = procs.workdir / "valkey"

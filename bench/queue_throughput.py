@@ -33,9 +33,9 @@ from offload.queue.store import QueueStore
 
 
 def start_valkey(workdir: str, *, aof: bool = True) -> tuple[subprocess.Popen[bytes], str]:
-    """A private Valkey on offload.embedded's allocator: AOF everysec (offload's embedded default), or Valkey's
+    """A private Valkey on offload.local.embedded's allocator: AOF everysec (offload's embedded default), or Valkey's
     shipped persistence."""
-    from offload.embedded import server_argv, server_env
+    from offload.local.embedded import server_argv, server_env
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

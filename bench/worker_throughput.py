@@ -18,9 +18,9 @@ Three workloads, each on a queue filled up front and drained by one worker proce
 Every workload runs on the event loop `offload worker` ships with (offload/eventloop.py: uvloop where installed;
 OFFLOAD_EVENT_LOOP=asyncio for asyncio's own).
 
-Two private Valkeys run side by side, on offload.embedded's allocator. The headline figures are taken on one
+Two private Valkeys run side by side, on offload.local.embedded's allocator. The headline figures are taken on one
 with Valkey's shipped persistence (RDB snapshots, no AOF: as bench/queue_throughput.py's headline and the peers
-in bench/peers are measured). The two no-op workloads run again on one started as `offload.embedded` ships it
+in bench/peers are measured). The two no-op workloads run again on one started as `offload.local.embedded` ships it
 (AOF, `appendfsync everysec`, no RDB snapshots), which logs every write a script makes: `lean_noop_aof` and
 `worker_noop_aof`. The repetitions interleave the workloads (lean, worker, io50, loop, lean on AOF, worker on
 AOF, lean, ...) so that a noisy neighbour hurts all of them alike; each figure is the median over the
@@ -49,7 +49,7 @@ from typing import Any
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from queue_throughput import start_valkey  # offload.embedded's allocator; AOF everysec or Valkey's shipped
+from queue_throughput import start_valkey  # offload.local.embedded's allocator; AOF everysec or Valkey's shipped
 
 from offload import eventloop
 from offload.backends.base import RemoteResult, Submission
@@ -300,7 +300,7 @@ def main() -> None:
     timeout = 60 + max(jobs / 2_000, io_jobs / bound * 3)
     workdir = tempfile.mkdtemp(prefix="offload-wbench-")
     procs: list[subprocess.Popen[bytes]] = []
-    urls: dict[str, str] = {}  # "shipped" (Valkey's own persistence) and "aof" (offload.embedded's)
+    urls: dict[str, str] = {}  # "shipped" (Valkey's own persistence) and "aof" (offload.local.embedded's)
     if args.url:
         urls["shipped"] = args.url
     else:
@@ -334,7 +334,7 @@ def main() -> None:
     print(f"asyncio sleeps alone, 50 ms   {loop:>10,.0f} /s     ({loop / bound:.0%} of the bound)")
     print(f"  the worker's 50 ms jobs against the event loop's own ceiling: {io50 / loop:.1%}")
     if lean_aof is not None and worker_aof is not None:
-        print("on offload.embedded's persistence (AOF appendfsync everysec):")
+        print("on offload.local.embedded's persistence (AOF appendfsync everysec):")
         print(f"lean QueueStore loop, no-op   {lean_aof:>10,.0f} jobs/s")
         share = worker_aof / lean_aof
         print(f"dispatch worker, no-op        {worker_aof:>10,.0f} jobs/s ({share:.0%} of the lean loop)")

@@ -18,14 +18,14 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
-from offload import stack
 from offload.autoscale.alert_settings import AlertSettings
 from offload.autoscale.settings import ServerSide, autoscale_problems, yaml_blocks
 from offload.backends.settings import AnyBackendSettings, BackendSettings
 from offload.caps import CapLimits, reservation
 from offload.connection import configured_url
-from offload.embedded import data_dir
 from offload.errors import ConfigError
+from offload.local import stack
+from offload.local.embedded import data_dir
 from offload.queue import durability
 from offload.queue.durability import Durability
 from offload.queue.keyspace import validate_queue

@@ -22,9 +22,9 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from offload.embedded import ensure_embedded
 from offload.env import env_float
 from offload.errors import ConnectionFailed
+from offload.local.embedded import ensure_embedded
 from offload.redact import mask_url as mask_url  # re-exported: the one redaction path
 from offload.redact import redact
 from offload.redis_client import RedisClient

@@ -64,8 +64,8 @@ The branch roots are defined here; a leaf lives beside the code that raises it a
     - TooManyReferences (ValueError) - more distinct file references than a job may hold (offload.files)
     - Forged - a provider callback whose signature does not check out (offload.server.webhooks)
     - Refused - a provider callback answered with a 4xx: unknown, forged, unreadable (offload.server.routes_hooks)
-  + ErrorReply - the simulator's handlers answering with an error reply (offload.sim.engine); never leaves it
-  + SendError - the simulator's webhook POST got no usable answer (offload.sim.sender); never leaves it
+  + ErrorReply - the simulator's handlers answering with an error reply (offload.testing.sim.engine); never leaves it
+  + SendError - the simulator's webhook POST got no usable answer (offload.testing.sim.sender); never leaves it
 
 A leaf module (it imports nothing), so the simulator, which stands alone, can use it too. `tests/project/test_errors.py`
 walks every module of the package and fails on an exception class outside this tree.

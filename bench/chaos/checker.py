@@ -54,8 +54,8 @@ import orjson
 from bench.chaos import egress, hostile
 from bench.chaos.procs import Incarnation
 from bench.chaos.proxy import DroppedReply
-from offload.sim.files import file_bytes, parse_name
-from offload.sim.store import input_key
+from offload.testing.sim.files import file_bytes, parse_name
+from offload.testing.sim.store import input_key
 
 TERMINAL = {"succeeded", "dead", "cancelled"}
 IN_FLIGHT_S = 1.0  # how late the simulator may stamp a submit that was sent just before its sender's kill/stop

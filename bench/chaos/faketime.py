@@ -5,7 +5,7 @@ Only the wall clock is faked (`FAKETIME_DONT_FAKE_MONOTONIC`): timers and timeou
 as an NTP step or a restored VM leaves them. The fault harness runs its Valkey under one (to step the store's
 clock back and forth, and to roll the capped queue's day) and restarts worker slots under a skewed one; the tests
 do the same (tests/support/servers.py). libfaketime and jemalloc do not mix (libfaketime's start-up recursion through
-jemalloc's clock_gettime kills the server at once), so `offload.embedded.server_env` keeps glibc's malloc for a
+jemalloc's clock_gettime kills the server at once), so `offload.local.embedded.server_env` keeps glibc's malloc for a
 Valkey started under it.
 """
 

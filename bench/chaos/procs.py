@@ -126,7 +126,7 @@ class Valkey:
         return redis.Redis(host=HOST, port=self.port, socket_timeout=5, socket_connect_timeout=2)
 
     def start(self) -> Valkey:
-        from offload.embedded import server_argv, server_env
+        from offload.local.embedded import server_argv, server_env
 
         extra = ("--protected-mode", "no", "--logfile", "valkey.log")
         cmd = server_argv(self.port, self.dir, bind=HOST, appendfsync=self.appendfsync, extra=extra)

@@ -51,7 +51,7 @@ from offload.queue.durability import Durability
 from offload.queue.scripts import NAMES, SCRIPTS
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
-from offload.sim.store import input_key
+from offload.testing.sim.store import input_key
 
 log = logging.getLogger("chaos")
 QUEUE, CAPPED, BUCKET = "chaos", "capped", "chaos-results"
@@ -260,7 +260,7 @@ class Run:
         """Distinct per job and echoed back by the simulator, so a result stored for the wrong job shows. For a
         chat-completions backend it is a request body the API accepts (model, messages); the id and the salt
         ride in `metadata` (string values, as OpenAI's metadata takes), where the simulator's submission log
-        finds the id (`offload.sim.store.input_key`) and its answer echoes the whole body back."""
+        finds the id (`offload.testing.sim.store.input_key`) and its answer echoes the whole body back."""
         salt = self.rng.getrandbits(48)
         if self.args.backend == "openai":
             prompt = {"role": "user", "content": f"chaos {input_id} {salt}"}

@@ -175,7 +175,7 @@ class Bench:
     # -- services ------------------------------------------------------------------------------------------
 
     def start_valkey(self) -> str:
-        from offload.embedded import server_argv, server_env
+        from offload.local.embedded import server_argv, server_env
 
         self.port = free_port()
         data = self.workdir / "valkey"
@@ -189,7 +189,7 @@ class Bench:
         return self.valkey_version()
 
     def valkey_version(self) -> str:
-        from offload.embedded import server_binary
+        from offload.local.embedded import server_binary
 
         out = subprocess.run([str(server_binary()), "--version"], capture_output=True, text=True).stdout
         return next((w.split("=", 1)[1] for w in out.split() if w.startswith("v=")), out.strip())

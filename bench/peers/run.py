@@ -41,7 +41,7 @@ from bench.peers.systems import (
     ensure_venv,
     installed_versions,
 )
-from offload.embedded import allocator
+from offload.local.embedded import allocator
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -138,7 +138,7 @@ def machine(valkey: str) -> dict[str, Any]:
         # the interpreter every system's venv is made from (systems.ensure_venv): its build moves every figure
         "python": f"{platform.python_version()} ({os.path.realpath(base_interpreter())})",
         "valkey": valkey,
-        "valkey_allocator": allocator(),  # what offload.embedded.server_env preloads (glibc's without jemalloc)
+        "valkey_allocator": allocator(),  # what offload.local.embedded.server_env preloads (glibc's without jemalloc)
         "load_before": " ".join(f"{x:.2f}" for x in os.getloadavg()),
     }
 

@@ -1,7 +1,7 @@
 """The `offload` command line (`offload = "offload.cli:main"`).
 
 Nothing is built at import time: `main` loads `offload.cli.app`, which mounts every command group, while
-`python -m offload.sim` imports `offload.cli.sim` alone and so starts the simulator without the rest. The root
+`python -m offload.testing.sim` imports `offload.cli.sim` alone and so starts the simulator without the rest. The root
 Typer app is `offload.cli.app.app` (no alias here: the submodule `offload.cli.app` would shadow it).
 """
 

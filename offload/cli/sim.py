@@ -1,7 +1,7 @@
-"""`offload sim serve` (and `python -m offload.sim serve`): run the simulator from a shell.
+"""`offload sim serve` (and `python -m offload.testing.sim serve`): run the simulator from a shell.
 
 `sim_app` is a Typer group of its own, mounted by the main CLI as `offload sim` and run alone by
-`python -m offload.sim`: this module imports only the simulator and the CLI's error handling, never the other
+`python -m offload.testing.sim`: this module imports only the simulator and the CLI's error handling, never the other
 command groups (`offload.cli` builds nothing at import time), so the simulator starts without the queue, server
 or autoscaler code. Shortcut flags override the config file's `default` behaviour, which is what a rehearsal
 usually wants ("everything 2 s, 10 % failures"); per-family settings need the file. Problems end in one
@@ -18,7 +18,7 @@ import yaml
 from pydantic import ValidationError
 
 from offload.cli.errors import describe, fail
-from offload.sim.config import SimConfig, parse_latency
+from offload.testing.sim.config import SimConfig, parse_latency
 
 sim_app = typer.Typer(
     no_args_is_help=True,
@@ -158,7 +158,7 @@ def serve(
         )
         fail(f"invalid simulator config: {detail}")
     try:
-        from offload.sim.server import serve as run_server
+        from offload.testing.sim.server import serve as run_server
     except ModuleNotFoundError as exc:  # the `server` extra is not installed
         fail(describe(exc))
     scheme = "https" if ssl_certfile else "http"

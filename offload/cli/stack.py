@@ -10,7 +10,7 @@ import typer
 from offload.cli.errors import errors
 from offload.cli.options import JsonOpt
 from offload.cli.output import out, print_json
-from offload.embedded import data_dir, ensure_embedded, running_url, stop_embedded
+from offload.local.embedded import data_dir, ensure_embedded, running_url, stop_embedded
 
 embedded_app = typer.Typer(no_args_is_help=True, help="The embedded Valkey under ./.offload (OFFLOAD_HOME).")
 
@@ -43,7 +43,7 @@ def embedded_stop() -> None:
 
 def demo(jobs: Annotated[int, typer.Option(min=1, max=10_000, help="Jobs to run.")] = 40) -> None:
     """Run a batch end to end on the local stack (started if needed) and show where the results are."""
-    from offload.demo import run_demo
+    from offload.local.demo import run_demo
 
     with errors():
         asyncio.run(run_demo(out(), jobs))
@@ -54,7 +54,7 @@ def up(
     latency: Annotated[str, typer.Option(help="Simulated GPU job time: 2, 1-3 or lognormal:2:0.5.")] = "1-3",
 ) -> None:
     """Start the local stack in the background: Valkey, S3, the GPU API simulator, N workers (./.offload/)."""
-    from offload.stack import up as stack_up
+    from offload.local.stack import up as stack_up
 
     with errors():
         for name, where in stack_up(workers=workers, latency=latency):
@@ -63,7 +63,7 @@ def up(
 
 def down() -> None:
     """Stop the local stack (workers drain first); data stays under ./.offload/."""
-    from offload.stack import down as stack_down
+    from offload.local.stack import down as stack_down
 
     with errors():
         typer.echo("stopped: " + (", ".join(stack_down()) or "nothing was running"))

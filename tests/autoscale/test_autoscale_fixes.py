@@ -28,8 +28,8 @@ from offload.autoscale.status import snapshot
 from offload.connection import connect
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
-from offload.sim.config import SimConfig
-from offload.sim.server import running_sim
+from offload.testing.sim.config import SimConfig
+from offload.testing.sim.server import running_sim
 
 DAY = datetime(2027, 1, 18, tzinfo=UTC).timestamp()  # a Monday, 00:00 UTC
 

@@ -20,8 +20,8 @@ from offload.autoscale.state import load_decision
 from offload.connection import connect
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
-from offload.sim.config import SimConfig
-from offload.sim.server import running_sim
+from offload.testing.sim.config import SimConfig
+from offload.testing.sim.server import running_sim
 
 PUBLIC = {"public_url": "https://cp.example.com"}
 

@@ -11,8 +11,8 @@ from support.autoscale_helpers import sim_call
 from offload.autoscale.providers import LaunchSpec, MachineState, NotOurs, OutOfCapacity, ProviderError
 from offload.autoscale.providers.runpod import RunPodConfig, RunPodProvider
 from offload.autoscale.providers.vastai import VastConfig, VastProvider
-from offload.sim.config import SimConfig
-from offload.sim.server import running_sim
+from offload.testing.sim.config import SimConfig
+from offload.testing.sim.server import running_sim
 
 
 def spec(label: str = "offload-as-1", gpu: str | None = None, **kw: object) -> LaunchSpec:

@@ -31,8 +31,8 @@ from support.servers import ValkeyServer, free_port
 from offload.autoscale.provider_store import ProviderStore
 from offload.autoscale.vault import Vault
 from offload.connection import connect
-from offload.sim.config import SimConfig
-from offload.sim.server import running_sim
+from offload.testing.sim.config import SimConfig
+from offload.testing.sim.server import running_sim
 
 pytestmark = pytest.mark.xdist_group("autoscale-two-servers")
 REPO = Path(__file__).resolve().parents[2]

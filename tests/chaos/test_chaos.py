@@ -61,7 +61,7 @@ def _output(input_id: str, remote: str, job_id: str) -> bytes:
 
 
 def test_the_checker_names_every_broken_invariant(tmp_path: Path) -> None:
-    from offload.sim.files import file_bytes
+    from offload.testing.sim.files import file_bytes
 
     w1a = Incarnation(1, 101, tmp_path / "w1-1.log", started=0.0, ended=10.1, end="kill")
     w1b = Incarnation(2, 102, tmp_path / "w1-2.log", started=11.0)

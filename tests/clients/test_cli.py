@@ -20,7 +20,7 @@ from typer.testing import CliRunner, Result
 
 from offload.cli.app import app
 from offload.connection import connect
-from offload.embedded import stop_embedded
+from offload.local.embedded import stop_embedded
 from offload.queue.store import QueueStore
 
 T = TypeVar("T")

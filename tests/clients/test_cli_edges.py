@@ -19,8 +19,8 @@ from support.procs import die_with_parent
 from test_cli import as_json, cli, counts, failed, kill_jobs, ok, runner, with_store
 
 from offload.cli.app import app
-from offload.demo import command, hints, preview
-from offload.embedded import running_url, stop_embedded
+from offload.local.demo import command, hints, preview
+from offload.local.embedded import running_url, stop_embedded
 from offload.queue import keyspace
 from offload.queue.store import QueueStore
 from offload.storage import LocalStorageSettings, create_storage

@@ -13,7 +13,7 @@ from support.servers import free_port
 
 from offload import AsyncClient, Client, ConnectionFailed, JobNotFound, JobState
 from offload.connection import connect, mask_url
-from offload.embedded import ensure_embedded, stop_embedded
+from offload.local.embedded import ensure_embedded, stop_embedded
 from offload.queue.store import QueueStore
 
 

@@ -171,7 +171,7 @@ def test_a_missing_extra_is_one_line_naming_it(valkey_url: str, tmp_path: Path, 
 def test_the_simulator_module_names_its_extra_too() -> None:
     proc = subprocess.run(
         [sys.executable, "-c", HOOK + "import runpy, sys\nsys.argv = ['x', 'serve', '--port', '0']\n"
-         "runpy.run_module('offload.sim', run_name='__main__')"],
+         "runpy.run_module('offload.testing.sim', run_name='__main__')"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import orjson
 
-from offload.stack import running_components
+from offload.local.stack import running_components
 
 
 def offload(home: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:

@@ -1,4 +1,4 @@
-"""The wheel's Valkey runs with jemalloc preloaded where the machine has it (offload.embedded.server_env).
+"""The wheel's Valkey runs with jemalloc preloaded where the machine has it (offload.local.embedded.server_env).
 
 `make test` installs Debian's libjemalloc2 when it is missing, so these tests see a machine that has it; the
 other case (a machine without it) is the loader lookup answering None.
@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from offload import Client
-from offload.embedded import (
+from offload.errors import ConfigError
+from offload.local.embedded import (
     ALLOCATOR_VAR,
     _jemalloc,
     allocator,
@@ -27,7 +28,6 @@ from offload.embedded import (
     server_env,
     stop_embedded,
 )
-from offload.errors import ConfigError
 
 
 def _maps(pid: int) -> str:

@@ -52,7 +52,7 @@ def test_the_walk_sees_the_whole_package() -> None:
         "offload.autoscale.instances.Fenced",
         "offload.worker.hookpath.PollTimeout",
         "offload.gpu_worker.loop.PermanentError",
-        "offload.sim.engine.ErrorReply",
+        "offload.testing.sim.engine.ErrorReply",
         "offload.storage.base.StorageError",
         "offload.server.errors.BodyTooLarge",
     ):

@@ -169,7 +169,7 @@ def test_the_graph_sees_lazy_imports_and_skips_type_checking(tmp_path: Path) -> 
 # Top first. A module belongs to the longest entry it starts with (`offload.autoscale.settings` before
 # `offload.autoscale`); the package root `offload` stands only for its own `__init__`.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("entry points", ("offload", "offload.__main__", "offload.sim.__main__", "offload.cli")),
+    ("entry points", ("offload", "offload.__main__", "offload.testing.sim.__main__", "offload.cli")),
     (
         "programs",
         (
@@ -178,8 +178,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "offload.gpu_worker",
             "offload.autoscale",
             "offload.client",
-            "offload.sim",
-            "offload.demo",
+            "offload.testing",
+            "offload.testing.sim",
+            "offload.local.demo",
         ),
     ),
     (
@@ -193,7 +194,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("store and services", ("offload.queue", "offload.backends", "offload.storage", "offload.access")),
-    ("connections", ("offload.connection", "offload.embedded", "offload.stack")),
+    ("connections", ("offload.connection", "offload.local", "offload.local.embedded", "offload.local.stack")),
     (
         "building blocks",
         (
@@ -219,7 +220,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 # (importer's unit, imported unit) of one layer, and why that edge is part of the design.
 SIDEWAYS: dict[tuple[str, str], str] = {
     ("offload.__main__", "offload.cli"): "`python -m offload` runs the CLI",
-    ("offload.sim.__main__", "offload.cli"): "`python -m offload.sim` runs the CLI's sim commands",
+    ("offload.testing.sim.__main__", "offload.cli"): "`python -m offload.testing.sim` runs the CLI's sim commands",
     ("offload.server", "offload.autoscale"): "the server hosts the autoscaler: its leader runs it, routes, alerts",
     ("offload.config", "offload.autoscale.settings"): "offload.yaml's autoscale blocks, composed by config",
     ("offload.config", "offload.autoscale.alert_settings"): "offload.yaml's alerts block, composed by config",
@@ -227,8 +228,9 @@ SIDEWAYS: dict[tuple[str, str], str] = {
     ("offload.autoscale.settings", "offload.autoscale.vault"): "instance env values are sealed with the vault",
     ("offload.autoscale.alert_settings", "offload.autoscale.settings"): "durations are read one way",
     ("offload.access", "offload.queue"): "API keys live in the job store, under its key names",
-    ("offload.connection", "offload.embedded"): "with no URL configured, the store is the embedded Valkey",
-    ("offload.stack", "offload.embedded"): "`offload up` runs the embedded Valkey",
+    ("offload.connection", "offload.local"): "the embedded Valkey's package (its __init__ imports nothing)",
+    ("offload.connection", "offload.local.embedded"): "with no URL configured, the store is the embedded Valkey",
+    ("offload.local.stack", "offload.local.embedded"): "`offload up` runs the embedded Valkey",
     ("offload.models", "offload.caps"): "a queue's status names the cap it reached",
     ("offload.models", "offload.exactjson"): "job input and output keep big integers exact",
     ("offload.schema", "offload.suggest"): "a misspelt key gets a did-you-mean",
@@ -298,9 +300,9 @@ def test_the_simulator_stands_alone() -> None:
     found = [
         f"{m} imports {target}"
         for m, targets in graph.items()
-        if (mine := unit_of(m)) and mine[1] == "offload.sim"
+        if (mine := unit_of(m)) and mine[1] == "offload.testing.sim"
         for target in targets
-        if (theirs := unit_of(target)) and theirs[1] != "offload.sim" and theirs[0] < floor
+        if (theirs := unit_of(target)) and theirs[1] != "offload.testing.sim" and theirs[0] < floor
     ]
     assert not found, "the simulator leans on the product:\n" + "\n".join(found)
 

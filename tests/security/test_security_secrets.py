@@ -43,8 +43,8 @@ from offload.connection import connect
 from offload.errors import ConfigError
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
-from offload.sim.config import SimConfig
-from offload.sim.server import running_sim
+from offload.testing.sim.config import SimConfig
+from offload.testing.sim.server import running_sim
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.xdist_group("security-secrets")

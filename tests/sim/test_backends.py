@@ -38,7 +38,7 @@ from offload.backends.fal import FalBackend
 from offload.backends.http import error_for_exception, error_for_response, excerpt, retry_after, warn_unknown_status
 from offload.backends.runpod import error_text
 from offload.errors import ConfigError
-from offload.sim import running_sim
+from offload.testing.sim import running_sim
 
 KEY = "sim-key-0123456789abcdef"
 KINDS = ["http-job", "runpod", "replicate", "fal", "openai"]

@@ -22,8 +22,8 @@ from support.procs import die_with_parent
 from typer.testing import CliRunner
 
 from offload.cli.sim import build_config, sim_app
-from offload.sim import SimConfig, running_sim
-from offload.sim.store import Job, JobStore, input_key
+from offload.testing.sim import SimConfig, running_sim
+from offload.testing.sim.store import Job, JobStore, input_key
 
 T = TypeVar("T")
 FAST = {"latency": 0.2, "queue_delay": 0.1}
@@ -807,7 +807,7 @@ def test_cli_serve_runs_a_real_server() -> None:
         [
             sys.executable,
             "-m",
-            "offload.sim",
+            "offload.testing.sim",
             "serve",
             "--port",
             str(port),
@@ -901,31 +901,35 @@ def test_sim_imports_nothing_else_from_offload() -> None:
     """The simulator stands alone: its modules import only each other from offload, besides four leaves (the base
     of config models, the exception tree and the "did you mean" of config errors, which import nothing else; and
     the start-up heap freeze, which imports nothing from offload), and its command line
-    (`offload/cli/sim.py`, which `python -m offload.sim` runs) needs only the CLI's error handling on top."""
+    (`offload/cli/sim.py`, which `python -m offload.testing.sim` runs) needs only the CLI's error handling on top."""
     from test_import_graph import import_graph
 
     graph = import_graph()
     leaves = {"offload.schema", "offload.errors", "offload.suggest", "offload.heap"}
     assert graph["offload.schema"] == {"offload.errors", "offload.suggest"}
     assert graph["offload.errors"] == graph["offload.suggest"] == graph["offload.heap"] == set()
-    sim_modules = [m for m in graph if m.startswith("offload.sim")]
-    assert "offload.sim.server" in sim_modules
+    assert graph["offload.testing"] == set()  # the simulator's package: a docstring, no imports
+    sim_modules = [m for m in graph if m.startswith("offload.testing.sim")]
+    assert "offload.testing.sim.server" in sim_modules
     for module in sim_modules:
-        allowed = leaves | ({"offload.cli", "offload.cli.sim"} if module == "offload.sim.__main__" else set())
-        assert {t for t in graph[module] if not t.startswith("offload.sim")} <= allowed, module
-    assert {t for t in graph["offload.cli.sim"] if not t.startswith("offload.sim")} == {"offload.cli.errors"}
+        allowed = leaves | ({"offload.cli", "offload.cli.sim"} if module == "offload.testing.sim.__main__" else set())
+        assert {t for t in graph[module] if not t.startswith("offload.testing.sim")} <= allowed, module
+    assert {t for t in graph["offload.cli.sim"] if not t.startswith("offload.testing")} == {"offload.cli.errors"}
     assert graph["offload.cli.errors"] == {"offload.errors"}
 
 
 def test_python_m_offload_sim_loads_no_other_command_group() -> None:
     """What actually runs (not only what the source says): no queue, worker, server or autoscale command code."""
     proc = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "offload.sim", "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-X", "importtime", "-m", "offload.testing.sim", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 0 and "serve" in proc.stdout, proc.stderr[-2000:]
     loaded = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
-    assert "offload.cli.sim" in loaded and "offload.sim.config" in loaded
-    assert "offload.sim.server" not in loaded  # the HTTP server (the `server` extra) loads only to serve
+    assert "offload.cli.sim" in loaded and "offload.testing.sim.config" in loaded
+    assert "offload.testing.sim.server" not in loaded  # the HTTP server (the `server` extra) loads only to serve
     others = sorted(
         m
         for m in loaded

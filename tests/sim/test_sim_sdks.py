@@ -22,7 +22,7 @@ import httpx
 import pytest
 from support import sim_sdk_check
 
-from offload.sim import SimConfig, running_sim
+from offload.testing.sim import SimConfig, running_sim
 
 CHECK = Path(__file__).parents[1] / "support" / "sim_sdk_check.py"
 CONFIG = SimConfig.model_validate({"seed": 11, "default": {"latency": 0.3, "queue_delay": 0.1}})

@@ -1,5 +1,5 @@
-"""The simulator's webhook client (offload/sim/sender.py) against real sockets: keep-alive reuse, a connection the
-receiver closed while idle, the three ways an answer's body ends, and the failures it must name."""
+"""The simulator's webhook client (offload/testing/sim/sender.py) against real sockets: keep-alive reuse, a
+connection the receiver closed while idle, the three ways an answer's body ends, and the failures it must name."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from offload.sim.sender import LeanPost, SendError
+from offload.testing.sim.sender import LeanPost, SendError
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

@@ -13,8 +13,8 @@ import orjson
 from aiohttp import web
 from support.eventually import eventually
 
-from offload.sim.store import Job
-from offload.sim.webhooks import REORDER_LAG_S, HookFaults, HookSender
+from offload.testing.sim.store import Job
+from offload.testing.sim.webhooks import REORDER_LAG_S, HookFaults, HookSender
 
 SLOW_ANSWER_S = REORDER_LAG_S + 0.4  # the receiver holds the final delivery longer than the start's lag
 

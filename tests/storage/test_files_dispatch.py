@@ -24,9 +24,9 @@ from offload.config import Settings
 from offload.connection import connect
 from offload.files import REF_KEY, references_in
 from offload.queue.store import QueueStore
-from offload.sim.config import SimConfig
-from offload.sim.server import running_sim
 from offload.storage.base import PART_BYTES
+from offload.testing.sim.config import SimConfig
+from offload.testing.sim.server import running_sim
 from offload.worker.run import run_worker
 
 BUCKET = "files-dispatch"

@@ -37,7 +37,6 @@ from offload.backends import new_client
 from offload.backends.transport import fast_path
 from offload.egress import FilePolicy
 from offload.errors import ConfigError
-from offload.sim import SimConfig, running_sim
 from offload.storage import (
     InvalidKey,
     LocalStorage,
@@ -53,6 +52,7 @@ from offload.storage import (
 )
 from offload.storage.outputs import PlainGet
 from offload.storage.s3 import S3Storage  # the s3 extra: not imported with offload.storage
+from offload.testing.sim import SimConfig, running_sim
 
 PNG = b"\x89PNG\r\n\x1a\n"
 LOCAL = FilePolicy(allow_private=True)  # the file hosts here are on loopback: a local stack's opt-in

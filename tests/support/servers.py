@@ -24,7 +24,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from bench.chaos.faketime import ClockFile
-from offload.embedded import server_argv, server_env
+from offload.local.embedded import server_argv, server_env
 from offload.redact import mask_url
 from support.procs import preexec
 

@@ -34,7 +34,7 @@ from offload.backends.base import WebhookBackend
 from offload.config import WEBHOOK_KINDS
 from offload.models import JobState
 from offload.queue.store import QueueStore
-from offload.sim import running_sim
+from offload.testing.sim import running_sim
 
 POLL_ROUTES = {"replicate": "replicate.get", "fal": "fal.status", "runpod": "runpod.status"}
 
@@ -255,7 +255,7 @@ async def test_official_sdk_validates_the_simulators_replicate_signature(sim_url
         answer = await http.get(f"{sim_url}/v1/webhooks/default/secret", headers={"Authorization": "Bearer k"})
     secret = answer.json()["key"]
     assert secret == REPLICATE_SECRET
-    from offload.sim.webhooks import HookSender
+    from offload.testing.sim.webhooks import HookSender
 
     sender = HookSender(time.time, __import__("random").Random(1))
     sender.replicate_secret = secret

@@ -26,7 +26,7 @@ from offload.connection import connect
 from offload.models import JobState
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
-from offload.sim import running_sim
+from offload.testing.sim import running_sim
 
 
 def submissions(sim_url: str) -> list[dict[str, object]]:

@@ -33,8 +33,8 @@ from offload.cli.app import app
 from offload.connection import connect
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
-from offload.sim.config import SimConfig
-from offload.sim.server import running_sim
+from offload.testing.sim.config import SimConfig
+from offload.testing.sim.server import running_sim
 
 BIN = Path(sys.executable).parent
 OFFLOAD = str(BIN / "offload")

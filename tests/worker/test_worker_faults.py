@@ -33,8 +33,8 @@ from offload.connection import connect, is_outage
 from offload.models import Job
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
-from offload.sim.config import SimConfig
-from offload.sim.server import running_sim
+from offload.testing.sim.config import SimConfig
+from offload.testing.sim.server import running_sim
 from offload.worker import endings
 from offload.worker.dispatch import Worker
 from offload.worker.run import run_worker

@@ -33,8 +33,8 @@ from offload.models import JobState
 from offload.queue.memory import read_memory
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
-from offload.sim.config import SimConfig
-from offload.sim.server import running_sim
+from offload.testing.sim.config import SimConfig
+from offload.testing.sim.server import running_sim
 from offload.worker.dispatch import Worker
 
 BUCKET, sim, bucket, fleets = (

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from offload.sim.store import Job
+from offload.testing.sim.store import Job
 
 WORKER_IN_AGENT = re.compile(r"\bworker/(\S+)")
 

@@ -15,8 +15,8 @@ from typing import Any
 
 from starlette.routing import Route
 
-from offload.sim.engine import Call, Dialect, Reply, Sim
-from offload.sim.store import Job
+from offload.testing.sim.engine import Call, Dialect, Reply, Sim
+from offload.testing.sim.store import Job
 
 STATUS = {
     "queued": "IN_QUEUE",

@@ -18,9 +18,9 @@ from typing import Any, NoReturn
 
 from starlette.routing import Route
 
-from offload.sim.config import Behaviour
-from offload.sim.engine import Call, Dialect, ErrorReply, Reply, Sim
-from offload.sim.store import Job
+from offload.testing.sim.config import Behaviour
+from offload.testing.sim.engine import Call, Dialect, ErrorReply, Reply, Sim
+from offload.testing.sim.store import Job
 
 STATUS = {
     "queued": "starting",

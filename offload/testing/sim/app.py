@@ -26,10 +26,10 @@ from starlette.responses import Response
 from starlette.routing import Match, Route
 from starlette.types import Receive, Scope, Send
 
-from offload.sim import control_api, fal_api, jobs_api, machines_api, openai_api, replicate_api, runpod_api
-from offload.sim.config import SimConfig
-from offload.sim.engine import Clock, Sim
-from offload.sim.faults import RAW_SEND_KEY
+from offload.testing.sim import control_api, fal_api, jobs_api, machines_api, openai_api, replicate_api, runpod_api
+from offload.testing.sim.config import SimConfig
+from offload.testing.sim.engine import Clock, Sim
+from offload.testing.sim.faults import RAW_SEND_KEY
 
 
 class SimApp:

@@ -25,8 +25,8 @@ from typing import Any
 
 import yaml
 
-from offload.embedded import data_dir, ensure_embedded, running_url, stop_embedded
 from offload.errors import ConfigError
+from offload.local.embedded import data_dir, ensure_embedded, running_url, stop_embedded
 
 BUCKET = "results"
 QUEUE = "demo"

@@ -13,11 +13,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from offload.sim.config import FAMILIES, Family, SimConfig
-from offload.sim.engine import Sim
-from offload.sim.faults import RuntimeOutage
-from offload.sim.files import CONTENT_TYPES, file_bytes, parse_name
-from offload.sim.webhooks import HookFaults
+from offload.testing.sim.config import FAMILIES, Family, SimConfig
+from offload.testing.sim.engine import Sim
+from offload.testing.sim.faults import RuntimeOutage
+from offload.testing.sim.files import CONTENT_TYPES, file_bytes, parse_name
+from offload.testing.sim.webhooks import HookFaults
 
 DEFAULT_LIST_LIMIT = 1000
 SUBMISSIONS_PAGE = 10_000

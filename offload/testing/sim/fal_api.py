@@ -22,9 +22,9 @@ from typing import Any
 
 from starlette.routing import Route
 
-from offload.sim.config import Behaviour
-from offload.sim.engine import Call, Dialect, Reply, Sim
-from offload.sim.store import Job
+from offload.testing.sim.config import Behaviour
+from offload.testing.sim.engine import Call, Dialect, Reply, Sim
+from offload.testing.sim.store import Job
 
 NAMESPACES = ("workflows", "comfy")
 RESERVED = ("_sim", "v1", "v2", "jobs")  # first path segments owned by other families when the prefix is empty

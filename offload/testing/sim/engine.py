@@ -25,15 +25,22 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from offload.errors import OffloadError
-from offload.sim.config import FAMILIES, Behaviour, Family, Op, SimConfig
-from offload.sim.faults import ConnectionReset, RuntimeOutage, garble, gateway_page, outage_mode, retry_after_value
-from offload.sim.files import output_for
-from offload.sim.inputs import InputFetcher
-from offload.sim.stats import Stats
-from offload.sim.store import Job, JobStore, Outcome, input_key
-from offload.sim.submissions import Submission, SubmissionLog
-from offload.sim.webhooks import Event as HookEvent
-from offload.sim.webhooks import HookSender, Render
+from offload.testing.sim.config import FAMILIES, Behaviour, Family, Op, SimConfig
+from offload.testing.sim.faults import (
+    ConnectionReset,
+    RuntimeOutage,
+    garble,
+    gateway_page,
+    outage_mode,
+    retry_after_value,
+)
+from offload.testing.sim.files import output_for
+from offload.testing.sim.inputs import InputFetcher
+from offload.testing.sim.stats import Stats
+from offload.testing.sim.store import Job, JobStore, Outcome, input_key
+from offload.testing.sim.submissions import Submission, SubmissionLog
+from offload.testing.sim.webhooks import Event as HookEvent
+from offload.testing.sim.webhooks import HookSender, Render
 
 Clock = Callable[[], float]
 HOLD_STEP = 0.25  # seconds between checks while holding a synchronous request (a cancel can end a job early)

@@ -16,8 +16,8 @@ from typing import Any, NoReturn
 import orjson
 from starlette.routing import Route
 
-from offload.sim.config import Behaviour
-from offload.sim.engine import Call, Dialect, ErrorReply, Reply, Sim
+from offload.testing.sim.config import Behaviour
+from offload.testing.sim.engine import Call, Dialect, ErrorReply, Reply, Sim
 
 ERROR_TYPES = {
     400: "invalid_request_error",

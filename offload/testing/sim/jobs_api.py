@@ -11,8 +11,8 @@ from typing import Any
 
 from starlette.routing import Route
 
-from offload.sim.engine import Call, Dialect, Reply, Sim
-from offload.sim.store import Job
+from offload.testing.sim.engine import Call, Dialect, Reply, Sim
+from offload.testing.sim.store import Job
 
 STATUS = {
     "queued": "queued",

@@ -21,9 +21,9 @@ import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from offload.sim.config import Behaviour, OutageWindow
+from offload.testing.sim.config import Behaviour, OutageWindow
 
-RAW_SEND_KEY = "offload.sim.raw_send"  # set by the app's outermost layer: uvicorn's own `send`
+RAW_SEND_KEY = "offload.testing.sim.raw_send"  # set by the app's outermost layer: uvicorn's own `send`
 
 
 @dataclass(slots=True)

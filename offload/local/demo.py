@@ -20,10 +20,10 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from offload import stack
 from offload.config import load_settings
 from offload.connection import connect
-from offload.embedded import data_dir
+from offload.local import stack
+from offload.local.embedded import data_dir
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 from offload.storage import S3StorageSettings, create_storage

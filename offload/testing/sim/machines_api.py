@@ -25,8 +25,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from offload.sim.engine import Call, Dialect, Reply, Sim
-from offload.sim.faults import ConnectionReset
+from offload.testing.sim.engine import Call, Dialect, Reply, Sim
+from offload.testing.sim.faults import ConnectionReset
 
 OUT_OF_STOCK = (
     "There are no longer any instances available with the requested specifications. Please refresh and try again."

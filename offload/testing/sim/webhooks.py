@@ -36,8 +36,8 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from pydantic import BaseModel, ConfigDict, Field
 from standardwebhooks import Webhook
 
-from offload.sim.sender import LeanPost, SendError
-from offload.sim.store import TERMINAL, Job
+from offload.testing.sim.sender import LeanPost, SendError
+from offload.testing.sim.store import TERMINAL, Job
 
 Render = Callable[[float], dict[str, Any]]  # (at) -> the body as a poll at time `at` would have seen it
 Event = Literal["completed", "start"]
