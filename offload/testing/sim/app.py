@@ -26,7 +26,17 @@ from starlette.responses import Response
 from starlette.routing import Match, Route
 from starlette.types import Receive, Scope, Send
 
-from offload.testing.sim import control_api, fal_api, jobs_api, machines_api, openai_api, replicate_api, runpod_api
+from offload.testing.sim import (
+    control_api,
+    fal_api,
+    jobs_api,
+    machines,
+    openai_api,
+    pods_api,
+    replicate_api,
+    runpod_api,
+    vastai_api,
+)
 from offload.testing.sim.config import SimConfig
 from offload.testing.sim.engine import Clock, Sim
 from offload.testing.sim.faults import RAW_SEND_KEY
@@ -37,10 +47,13 @@ class SimApp:
 
     def __init__(self, sim: Sim) -> None:
         self.sim = sim
+        rented = machines.Machines(sim)  # one store behind both rental APIs
         routes = [
             *control_api.routes(sim),
             *jobs_api.routes(sim),
-            *machines_api.routes(sim),  # before runpod's /v2/{endpoint_id}/... so /v2/pods/{id} is a pod
+            *machines.control_routes(sim, rented),
+            *pods_api.routes(sim, rented),  # before runpod's /v2/{endpoint_id}/... so /v2/pods/{id} is a pod
+            *vastai_api.routes(sim, rented),
             *runpod_api.routes(sim),
             *openai_api.routes(sim),
             *replicate_api.routes(sim),

@@ -46,15 +46,20 @@ class OutageRequest(BaseModel):
     seconds: float | None = None
 
 
-def routes(sim: Sim) -> list[Route]:
-    async def stats(request: Request) -> Response:
-        sim.store.purge(sim.clock())
-        return _json(sim.stats.snapshot(len(sim.store)))
+class Control:
+    """The `/_sim/*` handlers, one method each."""
 
-    async def get_config(request: Request) -> Response:
-        return _json(sim.config.public_dump())
+    def __init__(self, sim: Sim) -> None:
+        self.sim = sim
 
-    async def set_config(request: Request) -> Response:
+    async def stats(self, request: Request) -> Response:
+        self.sim.store.purge(self.sim.clock())
+        return _json(self.sim.stats.snapshot(len(self.sim.store)))
+
+    async def get_config(self, request: Request) -> Response:
+        return _json(self.sim.config.public_dump())
+
+    async def set_config(self, request: Request) -> Response:
         """Replace the whole config, or with `?merge=true` change only the given fields (jobs and counters
         stay either way). Windows in `outages` restart from now; so does the random sequence (seed)."""
         merge = request.query_params.get("merge", "").lower() in ("1", "true")
@@ -62,52 +67,53 @@ def routes(sim: Sim) -> list[Route]:
             body = await _body(request) or {}
             if merge and not isinstance(body, dict):
                 return _error(400, "a merge needs a JSON object")
-            config = sim.config.merged(body) if merge else SimConfig.model_validate(body)
+            config = self.sim.config.merged(body) if merge else SimConfig.model_validate(body)
         except orjson.JSONDecodeError:
             return _error(400, "body is not valid JSON")
         except ValidationError as exc:
             return _error(422, "invalid config", details=orjson.loads(exc.json()))
-        if config.fal_prefix != sim.config.fal_prefix:
+        if config.fal_prefix != self.sim.config.fal_prefix:
             return _error(400, "fal_prefix is fixed when the server starts; restart to change it")
-        sim.apply(config)
-        return _json(sim.config.public_dump())
+        self.sim.apply(config)
+        return _json(self.sim.config.public_dump())
 
-    async def reset(request: Request) -> Response:
-        sim.reset()
+    async def reset(self, request: Request) -> Response:
+        self.sim.reset()
         return _json({"ok": True})
 
-    async def outage(request: Request) -> Response:
+    async def outage(self, request: Request) -> Response:
         try:
             ask = OutageRequest.model_validate(await _body(request) or {})
         except (orjson.JSONDecodeError, ValidationError) as exc:
             return _error(422, f"invalid outage request: {exc}")
-        now = sim.clock()
+        now = self.sim.clock()
         if ask.mode is None:
-            sim.runtime_outages[:] = [o for o in sim.runtime_outages if ask.family not in (None, o.family)]
+            self.sim.runtime_outages[:] = [o for o in self.sim.runtime_outages if ask.family not in (None, o.family)]
         else:
             end = None if ask.seconds is None else now + ask.seconds
-            sim.runtime_outages.append(RuntimeOutage(ask.family, ask.mode, now, end))
+            self.sim.runtime_outages.append(RuntimeOutage(ask.family, ask.mode, now, end))
         return _json(
             {
                 "outages": [
-                    {"family": o.family, "mode": o.mode, "start": o.start, "end": o.end} for o in sim.runtime_outages
+                    {"family": o.family, "mode": o.mode, "start": o.start, "end": o.end}
+                    for o in self.sim.runtime_outages
                 ]
             }
         )
 
-    async def jobs(request: Request) -> Response:
+    async def jobs(self, request: Request) -> Response:
         """Filter by family, status (simulator phase), target, input_id, and `tag`: a substring of the
         metadata/webhook the client sent, which is how a test finds an orphaned submission."""
         q = request.query_params
-        now = sim.clock()
-        sim.store.purge(now)
+        now = self.sim.clock()
+        self.sim.store.purge(now)
         try:
             limit = int(q.get("limit", DEFAULT_LIST_LIMIT))
         except ValueError:
             return _error(400, "limit must be an integer")
         tag = q.get("tag")
         matched = []
-        for job in sim.store:
+        for job in self.sim.store:
             if q.get("family") not in (None, job.family) or q.get("target") not in (None, job.target):
                 continue
             if q.get("input_id") not in (None, job.input_key) or q.get("status") not in (None, job.phase(now)):
@@ -117,33 +123,33 @@ def routes(sim: Sim) -> list[Route]:
             matched.append(job)
         return _json({"count": len(matched), "jobs": [j.summary(now) for j in matched[:limit]]})
 
-    async def job(request: Request) -> Response:
-        now = sim.clock()
-        found = sim.store.get(request.path_params["job_id"], now)
+    async def job(self, request: Request) -> Response:
+        now = self.sim.clock()
+        found = self.sim.store.get(request.path_params["job_id"], now)
         if found is None:
             return _error(404, "job not found")
         return _json(found.summary(now))
 
-    async def job_inputs(request: Request) -> Response:
+    async def job_inputs(self, request: Request) -> Response:
         """The input URLs the simulator downloaded for a remote job, with their sizes and SHA-256 (sim/inputs.py)."""
-        view = sim.inputs.view(request.path_params["job_id"])
+        view = self.sim.inputs.view(request.path_params["job_id"])
         return _error(404, "no URL inputs for this job") if view is None else _json(view)
 
-    async def files(request: Request) -> Response:
+    async def files(self, request: Request) -> Response:
         """Bytes for an output file while its job exists; 404 once the job expired, as provider files do."""
         name = request.path_params["name"]
-        sim.stats.request("sim.files")
+        self.sim.stats.request("sim.files")
         parsed = parse_name(name)
-        owner = sim.store.get(parsed[0], sim.clock()) if parsed else None
+        owner = self.sim.store.get(parsed[0], self.sim.clock()) if parsed else None
         if parsed is None or owner is None:
-            sim.stats.status("sim.files", 404)
+            self.sim.stats.status("sim.files", 404)
             return _error(404, "file not found")
         ext = parsed[1]
-        size = sim.behaviour(owner.family).file_size
-        sim.stats.status("sim.files", 200)
+        size = self.sim.behaviour(owner.family).file_size
+        self.sim.stats.status("sim.files", 200)
         return Response(file_bytes(name, ext, size), media_type=CONTENT_TYPES[ext])
 
-    async def submissions(request: Request) -> Response:
+    async def submissions(self, request: Request) -> Response:
         """The submission log, oldest first, `limit` entries after `after` (a seq); `next` is the `after` of the
         following page, null at the end. Each entry says who sent it (User-Agent worker id, port), when it
         arrived and was answered, whether it was a replay or its answer was lost, and how its remote job ended."""
@@ -155,45 +161,48 @@ def routes(sim: Sim) -> list[Route]:
             return _error(400, "after and limit must be integers")
         if after < 0 or limit < 1:
             return _error(400, "after must be >= 0 and limit >= 1")
-        now = sim.clock()
-        page = [entry.view(now) for entry in sim.submissions.page(after, limit)]
+        now = self.sim.clock()
+        page = [entry.view(now) for entry in self.sim.submissions.page(after, limit)]
         last = page[-1]["seq"] if page else after
-        more = last < len(sim.submissions)
-        return _json({"total": len(sim.submissions), "submissions": page, "next": last if more else None})
+        more = last < len(self.sim.submissions)
+        return _json({"total": len(self.sim.submissions), "submissions": page, "next": last if more else None})
 
-    async def set_webhooks(request: Request) -> Response:
+    async def set_webhooks(self, request: Request) -> Response:
         """Webhook fault knobs (drop/duplicate/reorder rates, delay) and the Replicate signing secret."""
         try:
             faults = HookFaults.model_validate(await _body(request) or {})
         except (orjson.JSONDecodeError, ValidationError) as exc:
             return _error(422, f"invalid webhook settings: {exc}")
-        sim.hooks.configure(faults)
+        self.sim.hooks.configure(faults)
         return _json(faults.model_dump(exclude={"replicate_secret"}))
 
-    async def webhooks(request: Request) -> Response:
+    async def webhooks(self, request: Request) -> Response:
         """Every webhook delivery so far: job, when the job ended and the hook went out, faults, HTTP statuses."""
-        return _json({"deliveries": sim.hooks.sent})
+        return _json({"deliveries": self.sim.hooks.sent})
 
-    async def jwks(request: Request) -> Response:
+    async def jwks(self, request: Request) -> Response:
         """The public keys fal-scheme webhooks are signed with (fal publishes its own as a JWKS)."""
-        return _json(sim.hooks.jwks())
+        return _json(self.sim.hooks.jwks())
 
-    async def health(request: Request) -> Response:
-        return _json({"ok": True, "families": list(FAMILIES), "jobs": len(sim.store)})
+    async def health(self, request: Request) -> Response:
+        return _json({"ok": True, "families": list(FAMILIES), "jobs": len(self.sim.store)})
 
+
+def routes(sim: Sim) -> list[Route]:
+    c = Control(sim)
     return [
-        Route("/_sim/health", health, methods=["GET"]),
-        Route("/_sim/stats", stats, methods=["GET"]),
-        Route("/_sim/config", get_config, methods=["GET"]),
-        Route("/_sim/config", set_config, methods=["POST"]),
-        Route("/_sim/reset", reset, methods=["POST"]),
-        Route("/_sim/outage", outage, methods=["POST"]),
-        Route("/_sim/jobs", jobs, methods=["GET"]),
-        Route("/_sim/submissions", submissions, methods=["GET"]),
-        Route("/_sim/jobs/{job_id}", job, methods=["GET"]),
-        Route("/_sim/jobs/{job_id}/inputs", job_inputs, methods=["GET"]),
-        Route("/_sim/files/{name}", files, methods=["GET"]),
-        Route("/_sim/webhooks", webhooks, methods=["GET"]),
-        Route("/_sim/webhooks", set_webhooks, methods=["POST"]),
-        Route("/_sim/fal/jwks.json", jwks, methods=["GET"]),
+        Route("/_sim/health", c.health, methods=["GET"]),
+        Route("/_sim/stats", c.stats, methods=["GET"]),
+        Route("/_sim/config", c.get_config, methods=["GET"]),
+        Route("/_sim/config", c.set_config, methods=["POST"]),
+        Route("/_sim/reset", c.reset, methods=["POST"]),
+        Route("/_sim/outage", c.outage, methods=["POST"]),
+        Route("/_sim/jobs", c.jobs, methods=["GET"]),
+        Route("/_sim/submissions", c.submissions, methods=["GET"]),
+        Route("/_sim/jobs/{job_id}", c.job, methods=["GET"]),
+        Route("/_sim/jobs/{job_id}/inputs", c.job_inputs, methods=["GET"]),
+        Route("/_sim/files/{name}", c.files, methods=["GET"]),
+        Route("/_sim/webhooks", c.webhooks, methods=["GET"]),
+        Route("/_sim/webhooks", c.set_webhooks, methods=["POST"]),
+        Route("/_sim/fal/jwks.json", c.jwks, methods=["GET"]),
     ]

@@ -322,100 +322,137 @@ class Sim:
         return serve
 
     async def _serve(self, request: Request, dialect: Dialect, route: str, op: Op, handler: Handler) -> Response:
-        stats = self.stats
+        """One request: refused before its handler, replayed from its key, or handled and then faulted."""
+        stats = self.stats  # a reset during the request leaves its counts with the counters it began on
         stats.request(route)
-        family = dialect.family
-        behaviour = self._behaviours[family]
         now = self.clock()
+        call = Call(self, request, dialect, self._behaviours[dialect.family], now, op=op, route=route)
+        refused = self._refuse(call, stats)
+        if refused is not None:
+            return refused
+        sent_key = request.headers.get("idempotency-key") if op == "submit" else None
+        key = sent_key if self.config.honour_idempotency_key else None  # the key the cache works with
+        if key is not None:
+            replayed = await self._replay(call, key, stats)
+            if replayed is not None:
+                return replayed
+        result = await self._handle(call, handler, key)
+        entry: Submission | None = None
+        if call.created is not None:
+            entry = self._log(request, dialect.family, route, call.created, sent_key, now, replay=False)
+            dropped = await self._answer_created(call, result, entry, key, stats)
+            if dropped is not None:
+                return dropped
+        elif op == "submit" and isinstance(result, Reply) and 200 <= result.status < 300:
+            delay = call.behaviour.submit_latency.sample(self.rng)  # a slow create of another kind (a machine rental)
+            if delay > 0:
+                await asyncio.sleep(delay)
+        return self._finish(call, result, entry, stats)
+
+    def _refuse(self, call: Call, stats: Stats) -> Response | None:
+        """The answer given before the handler runs, if any: unauthorized, an outage, an injected 429 or 5xx, a
+        failing cancel."""
+        request, dialect, behaviour, route = call.request, call.dialect, call.behaviour, call.route
         auth = request.headers.get("authorization")
         if auth is None and dialect.query_key_ok and request.query_params.get("api_key"):
             auth = "Bearer " + request.query_params["api_key"]
         if not dialect.authorized(auth, self.config.api_key):
             return dialect.unauthorized().render()
-        mode = outage_mode(behaviour, family, now, self.applied_at, self.runtime_outages)
+        mode = outage_mode(behaviour, dialect.family, call.now, self.applied_at, self.runtime_outages)
         if mode == "429":
             stats.fault(route, "storm_429")
-            return self._throttled(dialect, behaviour, now)
+            return self._throttled(dialect, behaviour, call.now)
         if mode is not None:
             stats.fault(route, "outage_" + mode)
             return ConnectionReset() if mode == "reset" else dialect.unavailable().render()
-        faulty = op in behaviour.faults_on
+        faulty = call.op in behaviour.faults_on
         if faulty and self.chance(behaviour.rate_429):
             stats.fault(route, "429" if behaviour.retry_after_header else "429_bare")
-            return self._throttled(dialect, behaviour, now)
+            return self._throttled(dialect, behaviour, call.now)
         if faulty and self.chance(behaviour.error_rate):
             code = behaviour.error_statuses[self.rng.randrange(len(behaviour.error_statuses))]
             stats.fault(route, str(code))
             return dialect.error(code, "Simulated server error", code="server_error").render()
-        if op == "cancel" and behaviour.cancel_error is not None:
+        if call.op == "cancel" and behaviour.cancel_error is not None:
             stats.fault(route, f"cancel_{behaviour.cancel_error}")
             return dialect.error(behaviour.cancel_error, "Simulated cancel failure", code="cancel_failed").render()
-        sent_key = request.headers.get("idempotency-key") if op == "submit" else None
-        key = sent_key if self.config.honour_idempotency_key else None  # the key the cache works with
-        if key is not None:
-            verdict = self.submissions.begin(family, key, await request.body(), now, self.config.idempotency_ttl)
-            if verdict == "busy":
-                stats.fault(route, "idempotency_conflict")
-                return dialect.error(
-                    409, "A request with this Idempotency-Key is being processed", code="idempotency_conflict"
-                ).render()
-            if verdict == "mismatch":
-                return dialect.error(
-                    422, "Idempotency-Key reused with a different request body", code="idempotency_mismatch"
-                ).render()
-            if verdict != "new":
-                assert verdict.job is not None
-                stats.replayed(family)
-                replayed = self._log(request, family, route, verdict.job, key, now, replay=True)
-                replayed.responded, replayed.status = self.clock(), verdict.reply.status
-                return cast(Reply, verdict.reply).render()
-        call = Call(self, request, dialect, behaviour, now, op=op, route=route)
-        outcome: Reply | Response | None = None
+        return None
+
+    async def _replay(self, call: Call, key: str, stats: Stats) -> Response | None:
+        """An Idempotency-Key seen before: its first answer again, a 409 while that is still being made, a 422
+        for another body; None for a new key."""
+        family, request, now = call.dialect.family, call.request, call.now
+        verdict = self.submissions.begin(family, key, await request.body(), now, self.config.idempotency_ttl)
+        if verdict == "new":
+            return None
+        if verdict == "busy":
+            stats.fault(call.route, "idempotency_conflict")
+            message = "A request with this Idempotency-Key is being processed"
+            return call.dialect.error(409, message, code="idempotency_conflict").render()
+        if verdict == "mismatch":
+            message = "Idempotency-Key reused with a different request body"
+            return call.dialect.error(422, message, code="idempotency_mismatch").render()
+        assert verdict.job is not None
+        stats.replayed(family)
+        replayed = self._log(request, family, call.route, verdict.job, key, now, replay=True)
+        replayed.responded, replayed.status = self.clock(), verdict.reply.status
+        return cast(Reply, verdict.reply).render()
+
+    async def _handle(self, call: Call, handler: Handler, key: str | None) -> Reply | Response:
+        """The handler's answer (an `ErrorReply` becomes its reply). Only a job accepted with a 2xx is
+        remembered under its key: a rejected, throttled or failed submit may be retried with it."""
         try:
-            try:
-                outcome = await handler(call)
-            except ErrorReply as rejected:
-                outcome = rejected.reply
-        finally:
-            accepted = call.created is not None and isinstance(outcome, Reply) and 200 <= outcome.status < 300
-            if key is not None and not accepted:  # only a job accepted with a 2xx is remembered: a rejected,
-                self.submissions.abandon(family, key)  # throttled or failed submit may be retried with its key
-        result = outcome
-        entry: Submission | None = None
-        if call.created is not None:
-            entry = self._log(request, family, route, call.created, sent_key, now, replay=False)
-            delay = behaviour.submit_latency.sample(self.rng) if op == "submit" else 0.0
-            try:
-                if delay > 0:
-                    await asyncio.sleep(delay)  # the key stays "in progress" (409) until the answer goes out
-            finally:
-                if key is not None and accepted:
-                    self.submissions.done(family, key, call.created, result)
-            entry.responded = self.clock()
-            if self.chance(behaviour.lost_response_rate):
-                stats.fault(route, "lost_response")
-                entry.lost, entry.status = True, 599
-                return ConnectionReset()
-            # a gateway's error page instead of the answer: the job exists, and the key cache keeps the real answer
-            if op == "submit" and self.chance(behaviour.gateway_error_rate):
-                code = behaviour.gateway_statuses[self.rng.randrange(len(behaviour.gateway_statuses))]
-                stats.fault(route, f"gateway_{code}")
-                entry.gateway, entry.status = True, code
-                return gateway_page(code)
-        elif op == "submit" and isinstance(result, Reply) and 200 <= result.status < 300:
-            delay = behaviour.submit_latency.sample(self.rng)  # a slow create of another kind (a machine rental)
+            outcome = await handler(call)
+        except ErrorReply as rejected:
+            outcome = rejected.reply
+        except BaseException:
+            if key is not None:
+                self.submissions.abandon(call.dialect.family, key)
+            raise
+        if key is not None and not _accepted(call, outcome):
+            self.submissions.abandon(call.dialect.family, key)
+        return outcome
+
+    async def _answer_created(
+        self, call: Call, result: Reply | Response, entry: Submission, key: str | None, stats: Stats
+    ) -> Response | None:
+        """A created job's answer: after the submit latency, then perhaps lost (a reset) or replaced by a
+        gateway's error page (the job exists, and the key cache keeps the real answer); None to send it."""
+        assert call.created is not None
+        behaviour, route = call.behaviour, call.route
+        delay = behaviour.submit_latency.sample(self.rng) if call.op == "submit" else 0.0
+        try:
             if delay > 0:
-                await asyncio.sleep(delay)
+                await asyncio.sleep(delay)  # the key stays "in progress" (409) until the answer goes out
+        finally:
+            if key is not None and _accepted(call, result):
+                self.submissions.done(call.dialect.family, key, call.created, result)
+        entry.responded = self.clock()
+        if self.chance(behaviour.lost_response_rate):
+            stats.fault(route, "lost_response")
+            entry.lost, entry.status = True, 599
+            return ConnectionReset()
+        if call.op == "submit" and self.chance(behaviour.gateway_error_rate):
+            code = behaviour.gateway_statuses[self.rng.randrange(len(behaviour.gateway_statuses))]
+            stats.fault(route, f"gateway_{code}")
+            entry.gateway, entry.status = True, code
+            return gateway_page(code)
+        return None
+
+    def _finish(self, call: Call, result: Reply | Response, entry: Submission | None, stats: Stats) -> Response:
+        """The answer rendered, garbled now and then (`malformed_rate`), its status in the submission log."""
         if not isinstance(result, Reply):
             if entry is not None:
                 entry.status = result.status_code
             return result
         if entry is not None:
             entry.status = result.status
+        behaviour = call.behaviour
+        faulty = call.op in behaviour.faults_on
         if faulty and 200 <= result.status < 300 and self.chance(behaviour.malformed_rate):
-            stats.fault(route, "malformed")
+            stats.fault(call.route, "malformed")
             garbled = Reply(result.body, result.status, result.headers, result.media_type)  # the cache keeps
-            garbled.raw = garble(result.body, behaviour, self.rng, dialect.required)  # the clean answer
+            garbled.raw = garble(result.body, behaviour, self.rng, call.dialect.required)  # the clean answer
             return garbled.render()
         return result.render()
 
@@ -437,3 +474,8 @@ class Sim:
             arrival=now,
             replay=replay,
         )
+
+
+def _accepted(call: Call, outcome: Reply | Response) -> bool:
+    """A job created and answered with a 2xx: what an Idempotency-Key is remembered for."""
+    return call.created is not None and isinstance(outcome, Reply) and 200 <= outcome.status < 300
