@@ -3,10 +3,9 @@
 It is started detached, so it outlives the command that started it and every later offload process on
 this machine reuses it. AOF is on, so queued jobs survive a restart of the server or the machine.
 
-The wheel's server is built with glibc's malloc, which a queue's small, short-lived objects keep busy: a third of
-its CPU on no-op jobs (perf, bench/worker_throughput.py). Where the machine has jemalloc (Debian and Ubuntu's
-`libjemalloc2`, which their own Redis and Valkey packages are built against), the server runs with it preloaded:
-~35% less Valkey CPU per job and ~1.3x the dispatch worker's no-op jobs/s (docs/benchmarks.md).
+The wheel's server is built with glibc's malloc, which a queue's small, short-lived objects keep busy. Where the
+machine has jemalloc (Debian and Ubuntu's `libjemalloc2`, which their own Redis and Valkey packages are built
+against), the server runs with it preloaded (the gain: docs/explanation/performance.md, *The embedded Valkey*).
 `OFFLOAD_VALKEY_ALLOCATOR=libc` keeps glibc's; `=jemalloc` requires jemalloc (an error naming the variable when
 it is missing). `server_env()` is the one place for this rule: the benchmarks, the fault harness and the tests
 start the wheel's server with it too.

@@ -142,21 +142,26 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM mid-start: unwind like Ctrl-C, so `up` stops what it started
 
 
-def _start(home: Path, comps: list[Component], workers: int, latency: str, concurrency: int) -> list[tuple[str, str]]:
-    """Start each component, adding it to `comps` as soon as its process exists (so a failure can stop it)."""
-    logs = home / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    redis_url = ensure_embedded(home)
-    # S3: credentials are made once and kept (0600), so results stay readable across restarts.
-    s3_dir = home / "s3"
-    s3_dir.mkdir(exist_ok=True)
+def _s3_credentials(home: Path) -> dict[str, str]:
+    """The local S3 server's credentials: made once and kept (0600), so results stay readable across restarts."""
     creds_file = home / "s3-credentials.json"
     if not creds_file.exists():
         creds_file.write_text(
             json.dumps({"access_key_id": "offload" + secrets.token_hex(4), "secret_access_key": secrets.token_hex(16)})
         )
         creds_file.chmod(0o600)
-    creds = json.loads(creds_file.read_text())
+    creds: dict[str, str] = json.loads(creds_file.read_text())
+    return creds
+
+
+def _start(home: Path, comps: list[Component], workers: int, latency: str, concurrency: int) -> list[tuple[str, str]]:
+    """Start each component, adding it to `comps` as soon as its process exists (so a failure can stop it)."""
+    logs = home / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    redis_url = ensure_embedded(home)
+    s3_dir = home / "s3"
+    s3_dir.mkdir(exist_ok=True)
+    creds = _s3_credentials(home)
     s3_port = _free_port()
     s3_log = logs / "s3.log"
     s3 = _spawn(

@@ -6,10 +6,9 @@ is the only way from inside ASGI to the TCP transport, which a simulated connect
 
 It also answers every request that fully matches a route itself (`SimApp._route`): the route is found by its
 literal prefix, then its own regex, in Starlette's order, and its endpoint runs with no middleware or router
-around it. Why: the simulator shares the bench machine with the system under test, and in bench.peers' burst of
-2,000 jobs (a create, two webhooks and a file GET each) Starlette's error and exception middleware, its linear
-route scan and its wrapped sends were ~20 % of the simulator's CPU (py-spy). Anything else (an unknown path, a
-wrong method: Starlette's 404 and 405, through `_http_error`) goes through Starlette as before.
+around it, because the simulator shares the bench machine with the system under test
+(docs/explanation/performance.md, *The simulator*). Anything else (an unknown path, a wrong method: Starlette's
+404 and 405, through `_http_error`) goes through Starlette.
 """
 
 from __future__ import annotations

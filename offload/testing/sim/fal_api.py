@@ -1,6 +1,6 @@
 """fal's queue API (the `queue.fal.run` host), optionally under `fal_prefix`.
 
-Follows provider-apis.md A3: submit is `POST /{owner}/{app}[/{subpath}]` with the raw input as the body and
+As fal documents it: submit is `POST /{owner}/{app}[/{subpath}]` with the raw input as the body and
 answers `{request_id, response_url, status_url, cancel_url, queue_position}`; the three URLs point at this server
 and keep only `{owner}/{app}` (the subpath is dropped; `workflows/` and `comfy/` namespaces are kept); status is
 202 while `IN_QUEUE`/`IN_PROGRESS` and 200 when `COMPLETED`, always with `queue_position` and `logs` keys (the

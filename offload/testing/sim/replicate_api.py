@@ -1,6 +1,6 @@
 """Replicate predictions under `/v1` (point `replicate.Client(base_url=...)` or `REPLICATE_BASE_URL` at the sim).
 
-Follows provider-apis.md A2: creates answer 201 with the prediction object (`urls.get/cancel`), statuses
+As Replicate documents it: creates answer 201 with the prediction object (`urls.get/cancel`), statuses
 starting/processing/succeeded/failed/canceled (and `aborted` when a `Cancel-After` deadline passes before the
 prediction starts), `metrics.predict_time` once terminal, `Prefer: wait[=N]` holds the create, a failed model run
 is HTTP 200 with `status: "failed"`, API errors are RFC 7807 problem JSON, and a 429 says
@@ -66,8 +66,8 @@ class ReplicateDialect(Dialect):
 
 @functools.lru_cache(maxsize=8192)
 def _iso(ts: float) -> str:
-    """Cached: a prediction's few timestamps are formatted again for its answer and each of its webhooks (~5 %
-    of the simulator's CPU in bench.peers' 2,000-job burst)."""
+    """Cached: a prediction's few timestamps are formatted again for its answer and each of its webhooks
+    (docs/explanation/performance.md, *The simulator*)."""
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 

@@ -1,7 +1,7 @@
 """RunPod serverless queue endpoints under `/v2/{endpoint_id}` (point `RUNPOD_ENDPOINT_BASE_URL` at
 `{sim}/v2`).
 
-Follows provider-apis.md A1: `/run` → `{"id", "status": "IN_QUEUE"}`; `/status/{id}` with `delayTime` and
+As RunPod documents it: `/run` → `{"id", "status": "IN_QUEUE"}`; `/status/{id}` with `delayTime` and
 `executionTime` in ms; `FAILED` carries `error`; `/runsync?wait=ms` holds the request and falls back to a
 non-final status; `policy.executionTimeout` ends a job `TIMED_OUT`, `policy.ttl` removes it (404) even while
 running; auth is `Bearer <key>` or the bare key. The error body shape is UNVERIFIED upstream; `{"error": msg}` is

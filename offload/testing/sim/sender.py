@@ -1,11 +1,10 @@
 """The simulator's webhook client: HTTP/1.1 POSTs over a small keep-alive pool of plain asyncio streams.
 
 The simulator stands in for a provider on another machine, yet in the benchmarks it shares the cores with the
-offload server and worker it serves. When 2,000 jobs end at once it sends 2,000 deliveries, and through aiohttp's
-client each one cost more of the simulator's CPU than the job's create (request objects, payload registry,
-timers: ~40 % of the simulator's samples in bench.peers' 2,000 x 30 s webhook run). A webhook is one small POST
-with a known body whose answer only matters by its status, so this sends the bytes itself and reads the answer
-(`Content-Length`, chunked, or until the connection closes).
+offload server and worker it serves, and through aiohttp's client a delivery cost more of its CPU than the job's
+create (docs/explanation/performance.md, *The simulator*). A webhook is one small POST with a known body whose
+answer only matters by its status, so this sends the bytes itself and reads the answer (`Content-Length`,
+chunked, or until the connection closes).
 
 Connections are kept per (scheme, host, port) for `idle_s`, at most `limit` requests at once. A request on a
 reused connection that fails before any byte of an answer (the receiver closed it while it sat idle) is sent
