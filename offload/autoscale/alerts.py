@@ -24,6 +24,7 @@ from offload.autoscale import keyspace
 from offload.autoscale.alert_settings import AlertKind, AlertSettings, EmailTarget, WebhookTarget
 from offload.autoscale.instances import log_event
 from offload.autoscale.providers.base import Clock
+from offload.backoff import compute_backoff
 from offload.connection import is_outage
 from offload.queue.keyspace import dead_letter_alert
 from offload.queue.scripts import SCRIPTS
@@ -33,6 +34,11 @@ from offload.redis_client import RedisClient
 log = logging.getLogger("offload.autoscale.alerts")
 # A target filtering on a kind also receives its sub-kinds: a machine that never booted is an autoscale failure.
 PARENT: dict[str, str] = {"boot_timeout": "autoscale_failure"}
+
+
+def _retry_wait(attempt: int) -> float:
+    """Seconds before delivery try `attempt + 2`: 0.2, 0.4, 0.8... (`settings.attempts` bounds the tries)."""
+    return compute_backoff(attempt + 1, base=0.2, cap=float("inf"))
 
 
 def _wants(kinds: list[AlertKind] | None, kind: str) -> bool:
@@ -93,7 +99,6 @@ class Alerter:
         task.add_done_callback(self._tasks.discard)
 
     async def _webhook(self, hook: WebhookTarget, doc: dict[str, Any]) -> None:
-        delay = 0.2
         body = orjson.dumps(doc)
         for attempt in range(self.settings.attempts):
             try:
@@ -108,8 +113,7 @@ class Alerter:
             except httpx.HTTPError as exc:
                 problem = type(exc).__name__
             if attempt + 1 < self.settings.attempts:
-                await asyncio.sleep(delay)
-                delay *= 2
+                await asyncio.sleep(_retry_wait(attempt))
         self.failed.append(f"webhook {mask_url(hook.url)}: {problem}")
         log.warning("alert webhook %s failed: %s", mask_url(hook.url), problem)
 
@@ -131,7 +135,7 @@ class Alerter:
             except (OSError, smtplib.SMTPException) as exc:
                 problem = type(exc).__name__
                 if attempt + 1 < self.settings.attempts:
-                    time.sleep(0.2 * 2**attempt)
+                    time.sleep(_retry_wait(attempt))
         self.failed.append(f"email {target.host}: {problem}")
 
     async def drain(self) -> None:

@@ -14,6 +14,7 @@ constants, so each can be tested on its own and read in one place.
 from __future__ import annotations
 
 from offload.autoscale.instances import Instance
+from offload.backoff import compute_backoff
 
 RECENT_TASK = 30.0
 PROVISION_BACKOFF_CAP = 600.0
@@ -37,12 +38,12 @@ def spared(inst: Instance, now: float, recent: float = RECENT_TASK) -> str | Non
 
 
 def provision_backoff(poll_interval: float, failures: int) -> float:
-    return float(min(poll_interval * 2 ** max(failures, 0), PROVISION_BACKOFF_CAP))
+    return float(compute_backoff(max(failures, 0) + 1, base=poll_interval, cap=PROVISION_BACKOFF_CAP))
 
 
 def boot_backoff(boot_timeout: float, failures: int) -> float:
-    return float(min(boot_timeout * 2 ** max(failures - 1, 0), BOOT_BACKOFF_CAP))
+    return float(compute_backoff(failures, base=boot_timeout, cap=BOOT_BACKOFF_CAP))
 
 
 def host_pause(failures: int) -> float:
-    return float(min(HOST_PAUSE_BASE * 2 ** max(failures - 1, 0), HOST_PAUSE_CAP))
+    return float(compute_backoff(failures, base=HOST_PAUSE_BASE, cap=HOST_PAUSE_CAP))

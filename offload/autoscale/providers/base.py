@@ -21,6 +21,7 @@ import httpx
 from pydantic import Field
 
 from offload import redact
+from offload.backoff import compute_backoff
 from offload.errors import ProviderError as ProviderError  # the branch root, drawn in offload.errors
 from offload.schema import Strict
 
@@ -30,6 +31,7 @@ WORKER_KEY_HELP = (
     "over the HTTP API, which never receives the server's"
 )
 Clock = Callable[[], float]
+RETRY_BASE, RETRY_CAP = 0.1, 2.0  # seconds between the retries of one provider call, doubling
 
 
 class MachineState(enum.StrEnum):
@@ -173,9 +175,9 @@ class Http:
         self.calls = 0
 
     async def request(self, method: str, path: str, *, idempotent: bool = True, **kwargs: Any) -> httpx.Response:
-        delay = 0.1
         last = ""
         for attempt in range(self.attempts):
+            delay = compute_backoff(attempt + 1, base=RETRY_BASE, cap=RETRY_CAP)
             self.calls += 1
             try:
                 response = await self.client.request(method, path, **kwargs)
@@ -191,7 +193,6 @@ class Http:
                     wait = _retry_after(response) or delay
                     if attempt + 1 < self.attempts:
                         await asyncio.sleep(min(wait, self.max_wait))
-                        delay = min(delay * 2, 2.0)
                         continue
                     raise ProviderError(f"{method} {path}: rate limited (429)")
                 if response.status_code >= 500:
@@ -204,7 +205,6 @@ class Http:
                     return response
             if attempt + 1 < self.attempts:
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
         raise ProviderError(f"{method} {path}: {last} after {self.attempts} attempts")
 
     def excerpt(self, response: httpx.Response) -> str:
