@@ -22,7 +22,7 @@ import orjson
 
 from offload.autoscale import keyspace
 from offload.autoscale.alert_settings import AlertKind, AlertSettings, EmailTarget, WebhookTarget
-from offload.autoscale.instances import log_event
+from offload.autoscale.instances import EventKind, log_event
 from offload.autoscale.providers.base import Clock
 from offload.backoff import compute_backoff
 from offload.connection import is_outage
@@ -86,7 +86,7 @@ class Alerter:
         if email is not None and _wants(email.kinds, kind):
             self._spawn(asyncio.to_thread(self._email, email, doc))
         try:  # after the deliveries: a store at its maxmemory refuses the journal, never the alert about it
-            await log_event(self.redis, now, "alert", message, alert=kind, subject=subject)
+            await log_event(self.redis, now, EventKind.ALERT, message, alert=kind, subject=subject)
         except Exception as exc:
             if not is_outage(exc):
                 raise

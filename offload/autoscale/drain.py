@@ -19,96 +19,110 @@ made running again instead of renting a new machine.
 
 from __future__ import annotations
 
+import enum
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from offload.autoscale.instances import Instance, StaleState, log_event
-from offload.autoscale.providers import Machine, ProviderError
+from offload.autoscale.evaluation import Decision, Evaluation, ScaleDownOutcome
+from offload.autoscale.instances import EventKind, Instance, StaleState, log_event
+from offload.autoscale.providers import ProviderError
 from offload.autoscale.safety import spared
-from offload.autoscale.state import QueueState
 from offload.autoscale.triggers import down_fire, idle_since, idle_timeout
 
 if TYPE_CHECKING:
     from offload.autoscale.scaler import Autoscaler
-    from offload.autoscale.settings import AutoscaleSettings
 
 log = logging.getLogger("offload.autoscale")
-CANCELLABLE = ("idle", "schedule")  # drains that load coming back may cancel (not: disabled, spend cap)
 
 
-async def scale_down(
-    a: Autoscaler,
-    queue: str,
-    cfg: AutoscaleSettings,
-    qs: QueueState,
-    active: list[Instance],
-    floor: int,
-    listings: dict[str, tuple[bool, list[Machine]]],
-    now: float,
-    plan: dict[str, Any],
-    *,
-    mode: str = "",
-) -> int:
-    """Drain what the scale-down rules allow above `floor`; returns how many began draining. `mode`: "" (the
-    triggers), "disabled" or "spend cap" (everything goes)."""
+class DrainReason(enum.StrEnum):
+    """Why an instance drains (stored as its `drain_reason`, shown by status)."""
+
+    IDLE = "idle"
+    SCHEDULE = "schedule"
+    DISABLED = "disabled"  # autoscaling switched off: everything goes
+    SPEND_CAP = "spend cap"  # the capped fleet goes, busy machines too
+
+
+CANCELLABLE = (DrainReason.IDLE, DrainReason.SCHEDULE)  # drains that load coming back may cancel
+
+
+def _oldest_first(insts: list[Instance]) -> list[Instance]:
+    """Machines not yet serving go first, then the oldest."""
+    return sorted(insts, key=lambda i: (i.status == "running", i.created_at))
+
+
+async def _schedule_targets(a: Autoscaler, ev: Evaluation, active: list[Instance], floor: int) -> set[str]:
+    """Record a new scale-down schedule fire (the instances it saw become its targets); return the targets
+    still active."""
+    qs, cfg, now = ev.state, ev.cfg, ev.now
     fire = down_fire(cfg, now, max(cfg.poll_interval * 2, 120.0))
     if fire is not None and fire > qs.last_down_fire:
         seen = ",".join(i.id for i in active if i.created_at <= fire)
-        await qs.save(a.redis, queue, last_down_fire=fire, down_targets=seen)
+        await qs.save(a.redis, ev.queue, last_down_fire=fire, down_targets=seen)
         await log_event(
             a.redis,
             now,
-            "schedule",
-            f"{queue}: scale-down schedule fired ({len(active)} active, floor {floor})",
-            queue=queue,
+            EventKind.SCHEDULE,
+            f"{ev.queue}: scale-down schedule fired ({len(active)} active, floor {floor})",
+            queue=ev.queue,
         )
-    ids = {i.id for i in active}
-    targets = qs.targets() & ids
+    targets = qs.targets() & {i.id for i in active}
     if targets != qs.targets():
-        await qs.save(a.redis, queue, down_targets=",".join(sorted(targets)))
+        await qs.save(a.redis, ev.queue, down_targets=",".join(sorted(targets)))
+    return targets
+
+
+def _candidates(
+    ev: Evaluation, active: list[Instance], targets: set[str], mode: DrainReason | None
+) -> tuple[DrainReason, list[Instance]]:
+    """Why and which instances may drain, in the order they go."""
     if mode:
-        reason, candidates = mode, sorted(active, key=lambda i: (i.status == "running", i.created_at))
-    elif targets:
-        reason = "schedule"
-        candidates = sorted((i for i in active if i.id in targets), key=lambda i: (i.status == "running", i.created_at))
-    else:
-        reason, timeout = "idle", idle_timeout(cfg)
-        candidates = (
-            []
-            if timeout is None
-            else sorted(
-                (i for i in active if i.status == "running" and now - idle_since(i) >= timeout),
-                key=lambda i: i.created_at,
-            )
-        )
+        return mode, _oldest_first(active)
+    if targets:
+        return DrainReason.SCHEDULE, _oldest_first([i for i in active if i.id in targets])
+    timeout = idle_timeout(ev.cfg)
+    if timeout is None:
+        return DrainReason.IDLE, []
+    idle = [i for i in active if i.status == "running" and ev.now - idle_since(i) >= timeout]
+    return DrainReason.IDLE, sorted(idle, key=lambda i: i.created_at)
+
+
+async def scale_down(
+    a: Autoscaler, ev: Evaluation, decision: Decision, active: list[Instance], mode: DrainReason | None = None
+) -> int:
+    """Drain what the scale-down rules allow above the decision's floor; returns how many began draining.
+    `mode`: None (the triggers), DISABLED or SPEND_CAP (everything goes)."""
+    floor = decision.floor
+    targets = await _schedule_targets(a, ev, active, floor)
+    reason, candidates = _candidates(ev, active, targets, mode)
     excess = len(active) - floor
     drained, kept = 0, {}
     for inst in candidates:
         if excess <= 0:
             break
-        why = "protected" if inst.protected else (None if mode else spared(inst, now, a.server.recent_task))
+        why = "protected" if inst.protected else (None if mode else spared(inst, ev.now, a.server.recent_task))
         if why is not None:
             kept[inst.id] = why
             continue
-        if await drain(a, inst, listings, now, reason):
+        if await drain(a, ev, inst, reason):
             drained += 1
             excess -= 1
     if drained or kept:
-        plan["scale_down"] = {"reason": reason, "floor": floor, "draining": drained, "spared": kept}
+        decision.scale_down = ScaleDownOutcome(reason=reason, floor=floor, draining=drained, spared=kept)
     return drained
 
 
-async def drain(
-    a: Autoscaler, inst: Instance, listings: dict[str, tuple[bool, list[Machine]]], now: float, reason: str
-) -> bool:
+async def drain(a: Autoscaler, ev: Evaluation, inst: Instance, reason: DrainReason) -> bool:
     """Stop the worker claiming, let it finish what it has; reconcile destroys it once it holds nothing."""
+    now = ev.now
     try:
         await a.instances.update(inst, a.leader.token, now, status="draining", drain_at=now, drain_reason=reason)
     except StaleState:
         return False
     if inst.worker_id:
         await a.workers.set_draining(inst.worker_id)
-    _, machines = await a.listing(inst.provider, listings)
+    _, machines = await a.listing(inst.provider, ev.listings)
     machine = next((m for m in machines if m.provider_id == inst.provider_id), None)
     if machine is not None:
         try:
@@ -119,7 +133,12 @@ async def drain(
         except ProviderError as exc:
             log.warning("drain signal to %s failed: %s", inst.id, a.why(exc))
     await log_event(
-        a.redis, now, "draining", f"{inst.id}: draining before teardown ({reason})", instance=inst.id, queue=inst.queue
+        a.redis,
+        now,
+        EventKind.DRAINING,
+        f"{inst.id}: draining before teardown ({reason})",
+        instance=inst.id,
+        queue=inst.queue,
     )
     return True
 
@@ -143,7 +162,7 @@ async def cancel(a: Autoscaler, draining: list[Instance], n: int, now: float) ->
         await log_event(
             a.redis,
             now,
-            "undrained",
+            EventKind.UNDRAINED,
             f"{inst.id}: load came back; the drain is cancelled",
             instance=inst.id,
             queue=inst.queue,

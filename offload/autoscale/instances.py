@@ -28,6 +28,7 @@ real worker. Dry-run (mock) instances ship nothing and have no token.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
 import secrets
@@ -55,6 +56,28 @@ TRANSITIONS: dict[str, tuple[str, ...]] = {
 EVENTS_MAX = 20_000
 ID_PREFIX = "as-"
 PRIVATE = ("token_hash",)  # kept in the record, never shown
+
+
+class EventKind(enum.StrEnum):
+    """The kinds of entry in the autoscaler's event journal (`offload autoscale events`)."""
+
+    PROVISIONING = "provisioning"  # a rental journaled, the provider about to be called
+    AMBIGUOUS = "ambiguous"  # the create's answer was lost: the machine may exist
+    ADOPTED = "adopted"  # ... and it showed up under its label
+    READY = "ready"
+    BACKOFF = "backoff"
+    FAILED = "failed"
+    FORGIVEN = "forgiven"
+    HOST_AVOIDED = "host_avoided"
+    SCHEDULE = "schedule"
+    DRAINING = "draining"
+    UNDRAINED = "undrained"
+    DRAIN_TIMEOUT = "drain_timeout"
+    UNKEPT = "unkept"
+    REFUSED = "refused"
+    DESTROYED = "destroyed"
+    ORPHAN = "orphan"
+    ALERT = "alert"
 
 
 class Fenced(FencingError):
@@ -98,7 +121,7 @@ class Instance:
     gpu: str = ""
     in_flight: int = 0
     spot: bool = False  # interruptible / bid rental
-    drain_reason: str = ""  # idle | schedule | disabled | spend cap
+    drain_reason: str = ""  # a drain.DrainReason: idle | schedule | disabled | spend cap
     token_hash: str = ""  # SHA-256 of the machine's OFFLOAD_INSTANCE_TOKEN ("" for dry-run and older records)
 
     @property
@@ -258,12 +281,12 @@ class InstanceStore:
         return inst
 
 
-async def log_event(redis: RedisClient, now: float, kind: str, message: str, **fields_: Any) -> None:
+async def log_event(redis: RedisClient, now: float, kind: EventKind, message: str, **fields_: Any) -> None:
     """The autoscaler's journal for people: `offload autoscale events` and the API read it (viewer keys too), so
     the message is redacted once more here, whatever the caller did (offload/redact.py)."""
     entry = {
         "ts": repr(now),
-        "kind": kind,
+        "kind": str(kind),
         "message": redact(message),
         **{k: str(v) for k, v in fields_.items() if v is not None},
     }

@@ -24,15 +24,16 @@ from typing import TYPE_CHECKING, Any
 
 from offload.autoscale import keyspace as keys
 from offload.autoscale.alert_settings import AlertKind
-from offload.autoscale.instances import Instance, StaleState, log_event
+from offload.autoscale.drain import DrainReason
+from offload.autoscale.instances import EventKind, Instance, StaleState, log_event
 from offload.autoscale.providers import Machine, MachineState, NotOurs, Provider, ProviderError
 from offload.autoscale.safety import HOST_AVOID, PROVISION_GRACE, TEARDOWN_ALERT_AFTER, boot_backoff, host_pause
-from offload.autoscale.state import QueueState, add_cost
+from offload.autoscale.state import add_cost
 from offload.autoscale.workers import WorkerInfo
 
 if TYPE_CHECKING:
+    from offload.autoscale.evaluation import Evaluation
     from offload.autoscale.scaler import Autoscaler
-    from offload.autoscale.settings import AutoscaleSettings
 
 log = logging.getLogger("offload.autoscale")
 DEAD_STATES = (MachineState.FAILED, MachineState.TERMINATED, MachineState.STOPPED)
@@ -49,7 +50,9 @@ async def fail(
     elif destroy:
         changes.update(teardown="pending", teardown_at=now)
     await a.instances.update(inst, a.leader.token, now, **changes)
-    await log_event(a.redis, now, "failed", f"{inst.id}: {changes['reason']}", instance=inst.id, queue=inst.queue)
+    await log_event(
+        a.redis, now, EventKind.FAILED, f"{inst.id}: {changes['reason']}", instance=inst.id, queue=inst.queue
+    )
     log.warning("instance %s (%s) failed: %s", inst.id, inst.queue, changes["reason"])
 
 
@@ -68,18 +71,17 @@ async def accrue(a: Autoscaler, inst: Instance, now: float) -> None:
 
 async def _failure(
     a: Autoscaler,
+    ev: Evaluation,
     inst: Instance,
-    cfg: AutoscaleSettings,
     reason: str,
     alert: str,
-    now: float,
     *,
     machine_exists: bool = True,
     kind: AlertKind = "autoscale_failure",
 ) -> None:
     """A failed instance: kept if protected (and its machine still exists), else destroyed; alerted either way."""
-    keep = inst.protected and machine_exists and cfg.protected_failures == "keep"
-    await fail(a, inst, reason, now, keep=keep)
+    keep = inst.protected and machine_exists and ev.cfg.protected_failures == "keep"
+    await fail(a, inst, reason, ev.now, keep=keep)
     verb = "keeping it: it is protected (unprotect it to destroy it)" if keep else "destroying it"
     await a.alerter.alert(
         kind,
@@ -98,7 +100,7 @@ async def _forgive(a: Autoscaler, inst: Instance, now: float, why: str) -> None:
         await log_event(
             a.redis,
             now,
-            "forgiven",
+            EventKind.FORGIVEN,
             f"{inst.id}: {why}: jobs back without using an attempt "
             f"({released} lease(s) handed back, {refunded} lease expiry(ies) refunded"
             + (f", {revived} revived from dead)" if revived else ")"),
@@ -109,141 +111,163 @@ async def _forgive(a: Autoscaler, inst: Instance, now: float, why: str) -> None:
 
 async def sync(
     a: Autoscaler,
+    ev: Evaluation,
     inst: Instance,
-    cfg: AutoscaleSettings,
     machine: Machine | None,
     listed: bool,
     worker: WorkerInfo | None,
     touched: set[str],
-    qs: QueueState,
-    now: float,
 ) -> None:
-    """One instance: correlate its worker, follow the provider's report, enforce timeouts."""
+    """One instance: correlate its worker, follow the provider's report, enforce timeouts. `machine` is the
+    provider's (None: not in its list), `listed` whether the listing answered at all (no conclusions if not)."""
     if inst.teardown == "pending":
         return
     if inst.teardown == "kept":
-        if not inst.protected:  # unprotected: now its teardown is journaled like any other
-            await a.instances.update(inst, a.leader.token, now, teardown="pending", teardown_at=now)
-            await log_event(
-                a.redis,
-                now,
-                "unkept",
-                f"{inst.id}: no longer protected; destroying it",
-                instance=inst.id,
-                queue=inst.queue,
-            )
+        await _unkeep(a, inst, ev.now)
         return
     if worker is not None:
-        changes: dict[str, Any] = {
-            "worker_id": worker.id,
-            "in_flight": worker.in_flight,
-            "worker_protected": worker.protected,
-            "last_seen_at": min(worker.last_heartbeat or now, now),
-        }
-        if worker.in_flight > 0 or worker.id in touched:
-            changes["last_task_at"] = now
-        if inst.status in ("provisioning", "booting"):
-            changes.update(status="running", ready_at=now)
-            await qs.save(a.redis, inst.queue, boot_failures=0, boot_until=0.0)
-            await log_event(
-                a.redis,
-                now,
-                "ready",
-                f"{inst.id}: worker {worker.id} registered",
-                instance=inst.id,
-                queue=inst.queue,
-                worker=worker.id,
-            )
-        await a.instances.update(inst, a.leader.token, now, **changes)
-        if inst.status == "draining" and not worker.draining:  # e.g. it registered again: keep it from claiming
-            await a.workers.set_draining(worker.id)
-    if not inst.provider_id:
-        if machine is not None:
-            await a.instances.update(
-                inst,
-                a.leader.token,
-                now,
-                provider_id=machine.provider_id,
-                host=machine.host_id or "",
-                **_price(machine, inst),
-            )
-            await qs.provider_ok(a.redis, inst.queue, inst.provider)  # the ambiguous create did go through
-            await log_event(
-                a.redis,
-                now,
-                "adopted",
-                f"{inst.id}: found machine {machine.provider_id} by its label",
-                instance=inst.id,
-                queue=inst.queue,
-            )
-        elif listed and now - inst.created_at > PROVISION_GRACE:
-            reason = "provisioning was interrupted and no machine with its label appeared"
-            await fail(a, inst, reason, now)
-            await a.alerter.alert(
-                "autoscale_failure",
-                f"{inst.queue}/{inst.provider}",
-                f"queue {inst.queue}: instance {inst.id}: {reason} (the provider's answer to the create was lost)",
-            )
-            return
-        else:
-            return
-    young = now - inst.created_at < PROVISION_GRACE  # a fresh rental may not be in the provider's list yet
-    if listed and ((machine is None and not young) or (machine is not None and machine.state in DEAD_STATES)):
-        state = "vanished (pre-empted or deleted)" if machine is None else f"reported {machine.state.value}"
-        if inst.spot and (machine is None or machine.state != MachineState.FAILED):
-            state = f"pre-empted the spot machine ({state})"
-        detail = f": {a.redact(machine.message)}" if machine is not None and machine.message else ""
-        await _forgive(a, inst, now, f"the provider {state}")
-        if inst.status == "draining":  # it was going anyway: finish the teardown, not a failure
-            await a.instances.update(inst, a.leader.token, now, teardown="pending", teardown_at=now)
-            return
-        if machine is not None and machine.state == MachineState.FAILED and not inst.ready_at:
-            await avoid_host(a, inst, machine, qs, now)
-        exists = machine is not None and machine.state != MachineState.TERMINATED
-        await _failure(
-            a, inst, cfg, f"the provider {state}{detail}", f"the provider {state}{detail}", now, machine_exists=exists
-        )
+        await _correlate(a, ev, inst, worker, touched)
+    if not inst.provider_id and not await _adopt(a, ev, inst, machine, listed):
+        return
+    if await _taken_away(a, ev, inst, machine, listed):
         return
     if machine is not None and machine.state == MachineState.RUNNING and inst.status == "provisioning":
-        await a.instances.update(inst, a.leader.token, now, status="booting", booted_at=now)
+        await a.instances.update(inst, a.leader.token, ev.now, status="booting", booted_at=ev.now)
+    if await _timed_out(a, ev, inst):
+        return
+    if inst.status == "draining":
+        await _drained(a, ev, inst, worker)
+
+
+async def _unkeep(a: Autoscaler, inst: Instance, now: float) -> None:
+    """A kept instance that was unprotected: now its teardown is journaled like any other."""
+    if inst.protected:
+        return
+    await a.instances.update(inst, a.leader.token, now, teardown="pending", teardown_at=now)
+    await log_event(
+        a.redis,
+        now,
+        EventKind.UNKEPT,
+        f"{inst.id}: no longer protected; destroying it",
+        instance=inst.id,
+        queue=inst.queue,
+    )
+
+
+async def _correlate(a: Autoscaler, ev: Evaluation, inst: Instance, worker: WorkerInfo, touched: set[str]) -> None:
+    """Copy the worker's report onto the instance; its first registration makes the instance running."""
+    now = ev.now
+    changes: dict[str, Any] = {
+        "worker_id": worker.id,
+        "in_flight": worker.in_flight,
+        "worker_protected": worker.protected,
+        "last_seen_at": min(worker.last_heartbeat or now, now),
+    }
+    if worker.in_flight > 0 or worker.id in touched:
+        changes["last_task_at"] = now
+    if inst.status in ("provisioning", "booting"):
+        changes.update(status="running", ready_at=now)
+        await ev.state.save(a.redis, inst.queue, boot_failures=0, boot_until=0.0)
+        await log_event(
+            a.redis,
+            now,
+            EventKind.READY,
+            f"{inst.id}: worker {worker.id} registered",
+            instance=inst.id,
+            queue=inst.queue,
+            worker=worker.id,
+        )
+    await a.instances.update(inst, a.leader.token, now, **changes)
+    if inst.status == "draining" and not worker.draining:  # e.g. it registered again: keep it from claiming
+        await a.workers.set_draining(worker.id)
+
+
+async def _adopt(a: Autoscaler, ev: Evaluation, inst: Instance, machine: Machine | None, listed: bool) -> bool:
+    """A rental whose create answer was lost: adopt the machine found by its label (True), or fail the record once
+    the grace period is over and no such machine appeared (False: nothing more to check now)."""
+    now = ev.now
+    if machine is not None:
+        await a.instances.update(
+            inst, a.leader.token, now, provider_id=machine.provider_id, host=machine.host_id or "", **_price(machine)
+        )
+        await ev.state.provider_ok(a.redis, inst.queue, inst.provider)  # the ambiguous create did go through
+        await log_event(
+            a.redis,
+            now,
+            EventKind.ADOPTED,
+            f"{inst.id}: found machine {machine.provider_id} by its label",
+            instance=inst.id,
+            queue=inst.queue,
+        )
+        return True
+    if listed and now - inst.created_at > PROVISION_GRACE:
+        reason = "provisioning was interrupted and no machine with its label appeared"
+        await fail(a, inst, reason, now)
+        await a.alerter.alert(
+            "autoscale_failure",
+            f"{inst.queue}/{inst.provider}",
+            f"queue {inst.queue}: instance {inst.id}: {reason} (the provider's answer to the create was lost)",
+        )
+    return False
+
+
+async def _taken_away(a: Autoscaler, ev: Evaluation, inst: Instance, machine: Machine | None, listed: bool) -> bool:
+    """The provider reports the machine dead, or it vanished from the list (past the grace period of a fresh
+    rental): its jobs come back uncounted, and it is torn down (a draining one) or failed. True if so."""
+    young = ev.now - inst.created_at < PROVISION_GRACE  # a fresh rental may not be in the provider's list yet
+    if not listed or (machine is None and young) or (machine is not None and machine.state not in DEAD_STATES):
+        return False
+    state = "vanished (pre-empted or deleted)" if machine is None else f"reported {machine.state.value}"
+    if inst.spot and (machine is None or machine.state != MachineState.FAILED):
+        state = f"pre-empted the spot machine ({state})"
+    detail = f": {a.redact(machine.message)}" if machine is not None and machine.message else ""
+    await _forgive(a, inst, ev.now, f"the provider {state}")
+    if inst.status == "draining":  # it was going anyway: finish the teardown, not a failure
+        await a.instances.update(inst, a.leader.token, ev.now, teardown="pending", teardown_at=ev.now)
+        return True
+    if machine is not None and machine.state == MachineState.FAILED and not inst.ready_at:
+        await avoid_host(a, ev, inst, machine)
+    exists = machine is not None and machine.state != MachineState.TERMINATED
+    said = f"the provider {state}{detail}"
+    await _failure(a, ev, inst, said, said, machine_exists=exists)
+    return True
+
+
+async def _timed_out(a: Autoscaler, ev: Evaluation, inst: Instance) -> bool:
+    """No ready worker within boot_timeout (the next rental backs off), or a running worker's heartbeats stopped:
+    the instance fails. True if so."""
+    cfg, now = ev.cfg, ev.now
     if inst.status in ("provisioning", "booting") and now - inst.created_at > cfg.boot_timeout:
-        failures = qs.boot_failures + 1
+        failures = ev.state.boot_failures + 1
         pause = boot_backoff(cfg.boot_timeout, failures)
-        await qs.save(a.redis, inst.queue, boot_failures=failures, boot_until=now + pause)
+        await ev.state.save(a.redis, inst.queue, boot_failures=failures, boot_until=now + pause)
         await _failure(
             a,
+            ev,
             inst,
-            cfg,
             f"no worker became ready within boot_timeout ({cfg.boot_timeout:.0f}s)",
             f"no ready worker after {cfg.boot_timeout:.0f}s (the next rental waits {pause:.0f}s)",
-            now,
             kind="boot_timeout",
         )
-        return
-    if inst.status == "running":
-        seen = max(inst.last_seen_at, inst.ready_at)
-        if now - seen > a.server.heartbeat_timeout:
-            await _failure(
-                a,
-                inst,
-                cfg,
-                f"no heartbeat for {now - seen:.0f}s (machine died or hung)",
-                "its worker stopped heart-beating",
-                now,
-            )
-            return
-    if inst.status == "draining":
-        await _drained(a, inst, cfg, worker, now)
+        return True
+    if inst.status != "running":
+        return False
+    seen = max(inst.last_seen_at, inst.ready_at)
+    if now - seen <= a.server.heartbeat_timeout:
+        return False
+    await _failure(
+        a, ev, inst, f"no heartbeat for {now - seen:.0f}s (machine died or hung)", "its worker stopped heart-beating"
+    )
+    return True
 
 
-async def _drained(
-    a: Autoscaler, inst: Instance, cfg: AutoscaleSettings, worker: WorkerInfo | None, now: float
-) -> None:
+async def _drained(a: Autoscaler, ev: Evaluation, inst: Instance, worker: WorkerInfo | None) -> None:
     """When a draining machine may go: its worker holds nothing (after the settle time), or the spend cap needs
     it gone (after one poll: its jobs come back uncounted), or drain_timeout ran out (a hung handler)."""
+    cfg, now = ev.cfg, ev.now
     busy = worker is not None and worker.in_flight > 0
     waited = now - inst.drain_at
-    if inst.drain_reason == "spend cap" and busy and waited >= cfg.poll_interval and not inst.protected:
+    if inst.drain_reason == DrainReason.SPEND_CAP and busy and waited >= cfg.poll_interval and not inst.protected:
         await _forgive(a, inst, now, "the spend cap was reached")
         await a.instances.update(
             inst,
@@ -256,7 +280,9 @@ async def _drained(
     elif busy and waited >= cfg.drain_timeout:
         reason = f"drain_timeout: still busy after draining {waited:.0f}s (a hung handler?)"
         await a.instances.update(inst, a.leader.token, now, teardown="pending", teardown_at=now, reason=reason)
-        await log_event(a.redis, now, "drain_timeout", f"{inst.id}: {reason}", instance=inst.id, queue=inst.queue)
+        await log_event(
+            a.redis, now, EventKind.DRAIN_TIMEOUT, f"{inst.id}: {reason}", instance=inst.id, queue=inst.queue
+        )
         await a.alerter.alert(
             "autoscale_failure", inst.id, f"instance {inst.id} ({inst.queue}): {reason}; destroying it"
         )
@@ -264,7 +290,9 @@ async def _drained(
         await a.instances.update(inst, a.leader.token, now, teardown="pending", teardown_at=now)
 
 
-async def avoid_host(a: Autoscaler, inst: Instance, machine: Machine, qs: QueueState, now: float) -> None:
+async def avoid_host(a: Autoscaler, ev: Evaluation, inst: Instance, machine: Machine) -> None:
+    """The host could not start the container: avoid it a day, and pause the queue's renting briefly."""
+    qs, now = ev.state, ev.now
     if machine.host_id:
         await a.redis.zadd(keys.avoid(inst.provider), {machine.host_id: now + HOST_AVOID})
     failures = qs.host_failures + 1
@@ -272,7 +300,7 @@ async def avoid_host(a: Autoscaler, inst: Instance, machine: Machine, qs: QueueS
     await log_event(
         a.redis,
         now,
-        "host_avoided",
+        EventKind.HOST_AVOIDED,
         f"host {machine.host_id or '?'} could not start the container; avoided for 24h",
         instance=inst.id,
         queue=inst.queue,
@@ -285,7 +313,7 @@ async def avoided_hosts(a: Autoscaler, provider: str, now: float) -> set[str]:
     return {str(h) for h in await a.redis.zrange(keys.avoid(provider), 0, -1)}
 
 
-def _price(machine: Machine, inst: Instance) -> dict[str, Any]:
+def _price(machine: Machine) -> dict[str, Any]:
     if machine.price_per_hour:
         return {"price": float(machine.price_per_hour), "price_reported": True}
     return {}
@@ -302,7 +330,7 @@ async def teardown(a: Autoscaler, inst: Instance, provider: Provider, machines: 
         elif now - inst.created_at <= PROVISION_GRACE:
             return False  # an interrupted create may still surface under its label
     except NotOurs as exc:
-        await log_event(a.redis, now, "refused", a.why(exc), instance=inst.id, queue=inst.queue)
+        await log_event(a.redis, now, EventKind.REFUSED, a.why(exc), instance=inst.id, queue=inst.queue)
     except ProviderError as exc:
         await a.instances.update(
             inst, a.leader.token, now, teardown_attempts=inst.teardown_attempts + 1, teardown_error=a.why(exc)[:300]
@@ -331,7 +359,7 @@ async def teardown(a: Autoscaler, inst: Instance, provider: Provider, machines: 
     await log_event(
         a.redis,
         now,
-        "destroyed",
+        EventKind.DESTROYED,
         f"{inst.id}: machine {target or '-'} destroyed ({final})",
         instance=inst.id,
         queue=inst.queue,
@@ -350,7 +378,7 @@ async def sweep_orphans(
         await log_event(
             a.redis,
             now,
-            "orphan",
+            EventKind.ORPHAN,
             f"{verb} machine {m.provider_id} ({m.label}) at provider {name}: no record of it",
             provider=name,
             machine=m.provider_id,

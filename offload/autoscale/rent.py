@@ -15,55 +15,51 @@ provider call.
 
 from __future__ import annotations
 
+import enum
 import logging
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from offload.access.api_keys import KeyStore
 from offload.autoscale import reconcile
 from offload.autoscale.credentials import Credentials
 from offload.autoscale.deploy import TOKEN_ENV, USER_ENV, script, start_command
-from offload.autoscale.instances import Instance, log_event, new_instance_id, new_instance_token
+from offload.autoscale.evaluation import Choice, Decision, Evaluation
+from offload.autoscale.instances import EventKind, Instance, log_event, new_instance_id, new_instance_token
 from offload.autoscale.operator_only import OPERATOR, WHERE, host_commands, runs_on_host, secrets_problem
 from offload.autoscale.providers import LaunchSpec, OutOfCapacity, Provider, ProviderError
 from offload.autoscale.safety import provision_backoff
-from offload.autoscale.state import QueueState, spend
+from offload.autoscale.state import spend
 from offload.queue.memory import read_memory
 
 if TYPE_CHECKING:
     from offload.autoscale.scaler import Autoscaler
-    from offload.autoscale.settings import AutoscaleSettings
 
 log = logging.getLogger("offload.autoscale")
 
 
-@dataclass
-class Choice:
-    """Which providers may rent now, in which order, and why (shown by `offload autoscale status`)."""
-
-    order: list[Provider] = field(default_factory=list)
-    skipped: dict[str, str] = field(default_factory=dict)
-    quotes: dict[str, float | None] = field(default_factory=dict)
-    why: str = ""
-
-    def explain(self) -> dict[str, Any]:
-        return {"order": [p.name for p in self.order], "skipped": self.skipped, "quotes": self.quotes, "why": self.why}
+class RentOutcome(enum.StrEnum):
+    OK = "ok"
+    AMBIGUOUS = "ambiguous"  # the answer was lost: the machine may exist (its record stays, adopted by label)
+    CAPACITY = "capacity"  # out of stock
+    FAILED = "failed"
 
 
-async def prerequisites(
-    a: Autoscaler, provider: Provider, queue: str, cfg: AutoscaleSettings, source: str
-) -> str | None:
+STARTED = (RentOutcome.OK, RentOutcome.AMBIGUOUS)  # count as a rental: the machine (may) exist
+
+
+async def prerequisites(a: Autoscaler, ev: Evaluation, provider: Provider) -> str | None:
     """Why renting from this provider must not happen (None: fine). The admin key never goes to a machine, a
     block set over the API never runs its commands on this host, and the operator's secrets go only where the
     operator sent them (operator_only.py decides both): checked again here in case the provider changed after
     the block was set."""
+    queue, cfg, source = ev.queue, ev.cfg, ev.source
     block = cfg.model_dump()
     if source == "api" and runs_on_host(provider.type) and (fields := host_commands(block)):
         return (
             f"{fields[0]} of an autoscale block set over the HTTP API would run on the server's own host "
             f"(provider type {provider.type!r}): {WHERE}"
         )
-    if provider.type != "mock" and (why := await secrets_elsewhere(a, provider, queue, cfg, source)):
+    if provider.type != "mock" and (why := await secrets_elsewhere(a, ev, provider)):
         return why
     key, what = machine_key(a, provider)
     if provider.real and not a.server.public_url:
@@ -79,12 +75,11 @@ async def prerequisites(
     return None
 
 
-async def secrets_elsewhere(
-    a: Autoscaler, provider: Provider, queue: str, cfg: AutoscaleSettings, source: str
-) -> str | None:
+async def secrets_elsewhere(a: Autoscaler, ev: Evaluation, provider: Provider) -> str | None:
     """Why this rental would carry a secret where it was not sent: an operator's secret to a provider or block an
     admin key configured, a vault credential to another git host, or an API-set block's `instance.env` to a
     provider that was re-created or moved since the values were given (None: it would not)."""
+    queue, cfg, source = ev.queue, ev.cfg, ev.source
     origin, destination = a.origin(provider.name)
     own = bool(_own_key(provider))
     if why := secrets_problem(queue, cfg.model_dump(), source, provider.name, origin, own):
@@ -133,23 +128,15 @@ async def worker_key_problem(
     return None
 
 
-async def cap_reached(
-    a: Autoscaler,
-    queue: str,
-    cfg: AutoscaleSettings,
-    insts: list[Instance],
-    now: float,
-    *,
-    dry_run: bool,
-    extra: float = 0.0,
-) -> str | None:
+async def cap_reached(a: Autoscaler, ev: Evaluation, *, dry_run: bool, extra: float = 0.0) -> str | None:
     """Whether today's (or this month's) spend plus the fleet's cost until the next evaluation (plus `extra`
     $/h more) reaches the queue's cap. Real and dry-run (mock) spend are counted apart."""
+    queue, cfg = ev.queue, ev.cfg
     if cfg.daily_spend_cap is None and cfg.monthly_spend_cap is None:
         return None
-    fleet = sum(i.price for i in insts if i.live and (i.provider_type == "mock") == dry_run)
+    fleet = sum(i.price for i in ev.instances if i.live and (i.provider_type == "mock") == dry_run)
     ahead = (fleet + extra) * cfg.poll_interval / 3600
-    today, month, _ = await spend(a.redis, queue, now, dry_run=dry_run)
+    today, month, _ = await spend(a.redis, queue, ev.now, dry_run=dry_run)
     kind = "dry-run " if dry_run else ""
     if cfg.daily_spend_cap is not None and today + ahead >= cfg.daily_spend_cap:
         return (
@@ -164,43 +151,53 @@ async def cap_reached(
     return None
 
 
-async def choose(a: Autoscaler, queue: str, cfg: AutoscaleSettings, qs: QueueState, now: float, source: str) -> Choice:
-    c = Choice()
-    for name in cfg.names:
-        try:
-            provider = await a.provider(name)
-        except Exception as exc:
-            c.skipped[name] = f"unusable: {a.why(exc)}"
-            await a.alerter.alert(
-                "autoscale_failure", f"{queue}/{name}", f"queue {queue}: provider {name!r} is unusable: {a.why(exc)}"
-            )
-            continue
-        if why := await prerequisites(a, provider, queue, cfg, source):
-            c.skipped[name] = why
-            await a.alerter.alert(
-                "autoscale_failure", f"{queue}/{name}", f"queue {queue}: not renting from {name}: {why}"
-            )
-            continue
-        until = qs.prov_until.get(name, 0.0)
-        if until > now:
-            c.skipped[name] = f"backing off {until - now:.0f}s after {qs.prov_failures.get(name, 0)} failure(s)"
-            continue
-        c.order.append(provider)
-    if cfg.choose == "cheapest" and len(c.order) > 1:
-        for p in c.order:
-            try:
-                c.quotes[p.name] = await p.quote(await launch_spec(a, queue, cfg, "offload-quote", quote=True))
-            except Exception as exc:  # a quote is advice: a provider that cannot answer still rents, last
-                log.warning("provider %s: quote failed: %s", p.name, a.why(exc))
-                c.quotes[p.name] = None
-        rank = {p.name: i for i, p in enumerate(c.order)}
-        c.order.sort(key=lambda p: (c.quotes[p.name] is None, c.quotes[p.name] or 0.0, rank[p.name]))
-        best = c.quotes[c.order[0].name]
-        c.why = (
-            f"cheapest current offer: {c.order[0].name} at ${best:.3f}/h"
-            if best is not None
-            else "no provider quoted a price: in order of preference"
+async def _usable(a: Autoscaler, ev: Evaluation, name: str, c: Choice) -> Provider | None:
+    """The provider if it may rent now; else None, with why in `c.skipped` (alerted unless it only backs off)."""
+    queue = ev.queue
+    try:
+        provider = await a.provider(name)
+    except Exception as exc:
+        c.skipped[name] = f"unusable: {a.why(exc)}"
+        await a.alerter.alert(
+            "autoscale_failure", f"{queue}/{name}", f"queue {queue}: provider {name!r} is unusable: {a.why(exc)}"
         )
+        return None
+    if why := await prerequisites(a, ev, provider):
+        c.skipped[name] = why
+        await a.alerter.alert("autoscale_failure", f"{queue}/{name}", f"queue {queue}: not renting from {name}: {why}")
+        return None
+    until = ev.state.prov_until.get(name, 0.0)
+    if until > ev.now:
+        c.skipped[name] = f"backing off {until - ev.now:.0f}s after {ev.state.prov_failures.get(name, 0)} failure(s)"
+        return None
+    return provider
+
+
+async def _by_price(a: Autoscaler, ev: Evaluation, c: Choice) -> None:
+    """`choose: cheapest`: order the usable providers by their current offer (no quote: last)."""
+    for p in c.order:
+        try:
+            c.quotes[p.name] = await p.quote(await launch_spec(a, ev, "offload-quote", quote=True))
+        except Exception as exc:  # a quote is advice: a provider that cannot answer still rents, last
+            log.warning("provider %s: quote failed: %s", p.name, a.why(exc))
+            c.quotes[p.name] = None
+    rank = {p.name: i for i, p in enumerate(c.order)}
+    c.order.sort(key=lambda p: (c.quotes[p.name] is None, c.quotes[p.name] or 0.0, rank[p.name]))
+    best = c.quotes[c.order[0].name]
+    c.why = (
+        f"cheapest current offer: {c.order[0].name} at ${best:.3f}/h"
+        if best is not None
+        else "no provider quoted a price: in order of preference"
+    )
+
+
+async def choose(a: Autoscaler, ev: Evaluation) -> Choice:
+    c = Choice()
+    for name in ev.cfg.names:
+        if (provider := await _usable(a, ev, name, c)) is not None:
+            c.order.append(provider)
+    if ev.cfg.choose == "cheapest" and len(c.order) > 1:
+        await _by_price(a, ev, c)
     elif c.order:
         c.why = f"first usable in order of preference: {c.order[0].name}"
     else:
@@ -210,8 +207,7 @@ async def choose(a: Autoscaler, queue: str, cfg: AutoscaleSettings, qs: QueueSta
 
 async def launch_spec(
     a: Autoscaler,
-    queue: str,
-    cfg: AutoscaleSettings,
+    ev: Evaluation,
     label: str,
     *,
     provider: Provider | None = None,
@@ -220,6 +216,7 @@ async def launch_spec(
 ) -> LaunchSpec:
     """What the machine receives: server URL, worker key, queue, instance id and token (and the git credential
     of its deployment). `quote`: the same for a price quote, without any secret."""
+    queue, cfg = ev.queue, ev.cfg
     spec_cfg = cfg.instance
     env = {"OFFLOAD_QUEUE": queue, "OFFLOAD_INSTANCE_ID": label.removeprefix("offload-")}
     if not quote:
@@ -260,56 +257,49 @@ async def launch_spec(
     )
 
 
-async def provision(
-    a: Autoscaler,
-    queue: str,
-    cfg: AutoscaleSettings,
-    qs: QueueState,
-    n: int,
-    reasons: list[str],
-    insts: list[Instance],
-    now: float,
-    plan: dict[str, Any],
-    source: str,
-) -> int:
-    """Rent up to `n` machines; returns how many rentals were started (an ambiguous one counts: it may exist)."""
+async def _paused(a: Autoscaler, ev: Evaluation) -> str | None:
+    """Why the whole queue may not rent now: a rental pause after machines that never booted or a broken host, or
+    a job store that may evict or is full (a machine would be paid for nothing)."""
+    qs, now = ev.state, ev.now
     until, why_paused = qs.paused_until()
     if until > now:
-        plan["held"] = f"renting paused {until - now:.0f}s after {why_paused}"
         if qs.last_reason != why_paused:
-            await qs.save(a.redis, queue, last_reason=why_paused)
+            await qs.save(a.redis, ev.queue, last_reason=why_paused)
             await log_event(
-                a.redis, now, "backoff", f"{queue}: renting paused {until - now:.0f}s after {why_paused}", queue=queue
+                a.redis,
+                now,
+                EventKind.BACKOFF,
+                f"{ev.queue}: renting paused {until - now:.0f}s after {why_paused}",
+                queue=ev.queue,
             )
-        return 0
-    memory = await read_memory(a.redis)  # a store that may evict, or is full: a machine would be paid for nothing
+        return f"renting paused {until - now:.0f}s after {why_paused}"
+    memory = await read_memory(a.redis)
     full = "the job store is full (maxmemory): a GPU worker could claim nothing" if memory.full else None
-    if held := memory.problem or full:
-        plan["held"] = held
+    return memory.problem or full
+
+
+async def provision(a: Autoscaler, ev: Evaluation, decision: Decision, n: int) -> int:
+    """Rent up to `n` machines; returns how many rentals were started (an ambiguous one counts: it may exist)."""
+    if held := await _paused(a, ev):
+        decision.hold(held)
         return 0
-    choice = await choose(a, queue, cfg, qs, now, source)
-    plan["provider"] = choice.explain()
-    rented, failed_now = 0, set()
+    choice = await choose(a, ev)
+    decision.provider = choice
+    rented = 0
+    failed_now: set[str] = set()
     avoid: dict[str, set[str]] = {}
     for _ in range(n):
         for provider in choice.order:
-            if provider.name in failed_now:
-                continue
-            price = cfg.instance.spot_max_price if cfg.instance.spot else cfg.instance.max_price_per_hour
-            if blocked := await cap_reached(
-                a, queue, cfg, insts, now, dry_run=provider.type == "mock", extra=price or 0.0
-            ):
-                await a.alerter.alert("spend_cap_reached", queue, blocked + "; not renting")
-                plan["held"] = blocked
+            if provider.name in failed_now or await _capped(a, ev, decision, provider):
                 continue
             if provider.name not in avoid:
-                avoid[provider.name] = await reconcile.avoided_hosts(a, provider.name, now)
-            outcome, inst = await rent_one(a, queue, cfg, provider, qs, avoid[provider.name], reasons, now)
-            if outcome in ("ok", "ambiguous"):
+                avoid[provider.name] = await reconcile.avoided_hosts(a, provider.name, ev.now)
+            outcome, inst = await rent_one(a, ev, provider, avoid[provider.name], decision.reasons)
+            if outcome in STARTED:
                 rented += 1
                 if inst is not None:
-                    insts.append(inst)
-                plan.setdefault("rented", []).append(provider.name)
+                    ev.instances.append(inst)
+                decision.rented.append(provider.name)
                 break
             failed_now.add(provider.name)  # out of stock or failed: the next provider, this very evaluation
         else:
@@ -317,48 +307,59 @@ async def provision(
     return rented
 
 
-async def rent_one(
-    a: Autoscaler,
-    queue: str,
-    cfg: AutoscaleSettings,
-    provider: Provider,
-    qs: QueueState,
-    avoid: set[str],
-    reasons: list[str],
-    now: float,
-) -> tuple[str, Instance | None]:
-    """One rental, journaled before the provider call: ("ok" | "ambiguous" | "capacity" | "failed", record)."""
-    spec_cfg = cfg.instance
+async def _capped(a: Autoscaler, ev: Evaluation, decision: Decision, provider: Provider) -> bool:
+    """Whether one more machine from this provider would reach the spend cap (held and alerted if so)."""
+    spec = ev.cfg.instance
+    price = spec.spot_max_price if spec.spot else spec.max_price_per_hour
+    blocked = await cap_reached(a, ev, dry_run=provider.type == "mock", extra=price or 0.0)
+    if blocked:
+        await a.alerter.alert("spend_cap_reached", ev.queue, blocked + "; not renting")
+        decision.hold(blocked)
+    return bool(blocked)
+
+
+def _new_instance(ev: Evaluation, provider: Provider) -> tuple[Instance, str | None]:
+    """The record of one rental and the token its machine receives (None for a dry run: nothing to bind)."""
+    spec_cfg = ev.cfg.instance
     price = (spec_cfg.spot_max_price if spec_cfg.spot else spec_cfg.max_price_per_hour) or 0.0
     inst = Instance(
         id=new_instance_id(),
-        queue=queue,
+        queue=ev.queue,
         provider=provider.name,
         provider_type=provider.type,
         status="provisioning",
-        created_at=now,
-        updated_at=now,
+        created_at=ev.now,
+        updated_at=ev.now,
         gpu=spec_cfg.gpu or "",
         price=price,
         spot=spec_cfg.spot,
     )
     inst.label = f"offload-{inst.id}"
     token = None
-    if provider.type != "mock":  # a dry run ships nothing: no machine to bind
+    if provider.type != "mock":
         token, inst.token_hash = new_instance_token()
+    return inst, token
+
+
+async def rent_one(
+    a: Autoscaler, ev: Evaluation, provider: Provider, avoid: set[str], reasons: list[str]
+) -> tuple[RentOutcome, Instance | None]:
+    """One rental, journaled before the provider call; returns the outcome and the record (None if none stays)."""
+    queue, now = ev.queue, ev.now
+    inst, token = _new_instance(ev, provider)
     try:
-        spec = await launch_spec(a, queue, cfg, inst.label, provider=provider, instance_token=token)
+        spec = await launch_spec(a, ev, inst.label, provider=provider, instance_token=token)
     except Exception as exc:  # e.g. the deployment's credential is missing: nothing was rented
         await a.alerter.alert(
             "autoscale_failure", f"{queue}/{provider.name}", f"queue {queue}: cannot rent: {a.why(exc)}"
         )
-        return "failed", None
+        return RentOutcome.FAILED, None
     spec.avoid_hosts = avoid
     await a.instances.create(inst, a.leader.token)  # the journal entry, before the provider call
     await log_event(
         a.redis,
         now,
-        "provisioning",
+        EventKind.PROVISIONING,
         f"{inst.id}: renting from {provider.name} for {queue} ({'; '.join(reasons)})",
         instance=inst.id,
         queue=queue,
@@ -368,30 +369,38 @@ async def rent_one(
         a.provider_calls += 1
         machine = await provider.create(spec)
     except ProviderError as error:
-        said = a.why(error)
-        pause = provision_backoff(cfg.poll_interval, qs.prov_failures.get(provider.name, 0) + 1)
-        await qs.provider_failed(a.redis, queue, provider.name, pause, now)
-        if error.ambiguous:  # may exist: reconcile adopts it by label, or fails it after the grace period
-            await log_event(a.redis, now, "ambiguous", f"{inst.id}: {said}", instance=inst.id, queue=queue)
-            await a.alerter.alert(
-                "autoscale_failure",
-                f"{queue}/{provider.name}",
-                f"queue {queue}: renting "
-                f"{inst.id} from {provider.name} may have failed ({said}); looking for it by its "
-                f"label, renting from {provider.name} again in {pause:.0f}s",
-            )
-            return "ambiguous", inst
-        await reconcile.fail(a, inst, f"provisioning failed: {said}", now, destroy=False)
-        await a.alerter.alert(
-            "autoscale_failure",
-            f"{queue}/{provider.name}",
-            f"queue {queue}: renting {inst.id} from {provider.name} failed ({said}); retrying there in {pause:.0f}s",
-        )
-        return ("capacity" if isinstance(error, OutOfCapacity) else "failed"), None
+        return await _create_failed(a, ev, provider, inst, error)
     changes: dict[str, Any] = {"provider_id": machine.provider_id, "host": machine.host_id or "", "accrued_at": now}
     if machine.price_per_hour:
         changes.update(price=float(machine.price_per_hour), price_reported=True)
     await a.instances.update(inst, a.leader.token, now, **changes)
-    await qs.provider_ok(a.redis, queue, provider.name)
+    await ev.state.provider_ok(a.redis, queue, provider.name)
     log.info("rented %s for %s: %s at %s", inst.id, queue, machine.provider_id, provider.name)
-    return "ok", inst
+    return RentOutcome.OK, inst
+
+
+async def _create_failed(
+    a: Autoscaler, ev: Evaluation, provider: Provider, inst: Instance, error: ProviderError
+) -> tuple[RentOutcome, Instance | None]:
+    """The create call failed: back the provider off, alert, and keep the record only if the machine may exist."""
+    queue, now, qs = ev.queue, ev.now, ev.state
+    said = a.why(error)
+    pause = provision_backoff(ev.cfg.poll_interval, qs.prov_failures.get(provider.name, 0) + 1)
+    await qs.provider_failed(a.redis, queue, provider.name, pause, now)
+    if error.ambiguous:  # may exist: reconcile adopts it by label, or fails it after the grace period
+        await log_event(a.redis, now, EventKind.AMBIGUOUS, f"{inst.id}: {said}", instance=inst.id, queue=queue)
+        await a.alerter.alert(
+            "autoscale_failure",
+            f"{queue}/{provider.name}",
+            f"queue {queue}: renting "
+            f"{inst.id} from {provider.name} may have failed ({said}); looking for it by its "
+            f"label, renting from {provider.name} again in {pause:.0f}s",
+        )
+        return RentOutcome.AMBIGUOUS, inst
+    await reconcile.fail(a, inst, f"provisioning failed: {said}", now, destroy=False)
+    await a.alerter.alert(
+        "autoscale_failure",
+        f"{queue}/{provider.name}",
+        f"queue {queue}: renting {inst.id} from {provider.name} failed ({said}); retrying there in {pause:.0f}s",
+    )
+    return (RentOutcome.CAPACITY if isinstance(error, OutOfCapacity) else RentOutcome.FAILED), None

@@ -1,6 +1,6 @@
 """The autoscaler loop: one leader (Redis lock + fencing token) evaluates each queue every poll_interval.
 
-One evaluation of a queue:
+One evaluation of a queue reads into an `Evaluation` and ends in a `Decision` (evaluation.py):
 1. list the providers' `offload-…` machines once, read the worker registry and the queue's events;
 2. reconcile every live instance (reconcile.sync): worker correlation, provider-reported failures and
    pre-emptions, boot timeout, lost heartbeats, drain completion and drain timeout;
@@ -31,6 +31,8 @@ from offload.autoscale import drain, reconcile, rent
 from offload.autoscale import keyspace as keys
 from offload.autoscale.alert_settings import alert_settings
 from offload.autoscale.alerts import Alerter
+from offload.autoscale.drain import DrainReason
+from offload.autoscale.evaluation import Decision, Evaluation, Listings
 from offload.autoscale.instances import ACTIVE, Fenced, Instance, InstanceStore, StaleState
 from offload.autoscale.leader import Leader
 from offload.autoscale.operator_only import OPERATOR
@@ -47,7 +49,7 @@ from offload.autoscale.settings import (
     yaml_blocks,
 )
 from offload.autoscale.state import QueueState, save_decision
-from offload.autoscale.triggers import QueueLoad, scale_up
+from offload.autoscale.triggers import QueueLoad, UpDecision, scale_up
 from offload.autoscale.workers import RedisWorkers, WorkerInfo, WorkerSource
 from offload.config import Settings
 from offload.connection import is_outage
@@ -60,7 +62,6 @@ from offload.redis_client import RedisClient
 log = logging.getLogger("offload.autoscale")
 Clock = Any
 HISTORY_DAYS = 30  # finished instance records are kept this long (status history, cost audit)
-Listings = dict[str, tuple[bool, list[Machine]]]
 
 
 class Autoscaler:
@@ -233,12 +234,47 @@ class Autoscaler:
         workers: list[WorkerInfo],
         listings: Listings,
         now: float,
-    ) -> None:
+    ) -> Decision:
+        """One evaluation of one queue: reconcile its instances, decide, act, and record the decision."""
         qs = await QueueState.load(self.redis, queue)
+        source = self.sources.get(queue, "offload.yaml")
+        ev = Evaluation(queue=queue, cfg=cfg, state=qs, instances=insts, now=now, listings=listings, source=source)
+        await self._reconcile(ev, workers)
+        await self._teardowns(ev)
+        ev.instances = [i for i in ev.instances if i.live]
+        active = [i for i in ev.instances if i.status in ACTIVE and not i.teardown]
+        draining = [i for i in ev.instances if i.status == "draining" and not i.teardown]
+        load = await self._load(queue, ev.instances, workers, now)
+        up = scale_up(cfg, load, active, now, qs.last_down_fire)
+        decision = Decision(
+            at=now,
+            enabled=cfg.enabled,
+            active=len(active),
+            billed=len(ev.instances),
+            draining=len(draining),
+            pending=load.pending,
+            in_flight=load.in_flight,
+            live_workers=load.live_workers,
+            reasons=up.reasons,
+        )
+        mode, capped = await self._set_desired(ev, decision, up)
+        short = (decision.desired or 0) - len(active)
+        if short > 0:
+            await self._grow(ev, decision, active, draining, short)
+        elif up.held:
+            decision.hold("a machine is booting: queue_depth and latency hold the count")
+        if mode or (short <= 0 and not up.demand):
+            fleet = [i for i in active if mode != DrainReason.SPEND_CAP or capped[i.provider_type == "mock"]]
+            await drain.scale_down(self, ev, decision, fleet, mode)
+        await save_decision(self.redis, queue, decision.to_dict())
+        return decision
+
+    async def _reconcile(self, ev: Evaluation, workers: list[WorkerInfo]) -> None:
+        """Bring every instance of the queue in line with its machine and its worker, and accrue its cost."""
         by_instance = {w.instance_id: w for w in workers if w.instance_id}
-        touched = await self.workers.touched(queue)
-        for inst in insts:
-            listed, machines = await self.listing(inst.provider, listings)
+        touched = await self.workers.touched(ev.queue)
+        for inst in ev.instances:
+            listed, machines = await self.listing(inst.provider, ev.listings)
             by_id = {m.provider_id: m for m in machines}
             by_label = {m.label: m for m in machines}
             machine = by_id.get(inst.provider_id) if inst.provider_id else by_label.get(inst.label)
@@ -246,71 +282,49 @@ class Autoscaler:
                 worker = by_instance.get(inst.id)
                 if worker is not None and worker.protected and not await self._self_protect_allowed(inst.provider):
                     worker = dataclasses.replace(worker, protected=False)  # a claim the provider does not honour
-                await reconcile.sync(self, inst, cfg, machine, listed, worker, touched, qs, now)
-                await reconcile.accrue(self, inst, now)
+                await reconcile.sync(self, ev, inst, machine, listed, worker, touched)
+                await reconcile.accrue(self, inst, ev.now)
             except StaleState as exc:
                 log.info("instance %s moved meanwhile: %s", inst.id, exc)
-        await self._teardowns(insts, listings, now)
-        insts = [i for i in insts if i.live]
-        active = [i for i in insts if i.status in ACTIVE and not i.teardown]
-        draining = [i for i in insts if i.status == "draining" and not i.teardown]
-        load = await self._load(queue, insts, workers, now)
-        decision = scale_up(cfg, load, active, now, qs.last_down_fire)
-        target, floor = decision.target, decision.floor
-        plan: dict[str, Any] = {
-            "at": now,
-            "enabled": cfg.enabled,
-            "active": len(active),
-            "billed": len(insts),
-            "draining": len(draining),
-            "pending": load.pending,
-            "in_flight": load.in_flight,
-            "live_workers": load.live_workers,
-            "reasons": decision.reasons,
-        }
-        capped = {dry: await rent.cap_reached(self, queue, cfg, insts, now, dry_run=dry) for dry in (False, True)}
+
+    async def _set_desired(
+        self, ev: Evaluation, decision: Decision, up: UpDecision
+    ) -> tuple[DrainReason | None, dict[bool, str | None]]:
+        """Set the desired count and floor: the triggers', or 0 when autoscaling is off or every kind of spend
+        (real, dry-run) the queue's providers would add is capped. Returns that mode (None: the triggers) and
+        the cap verdict per kind (keyed by dry-run)."""
+        cfg, target, floor = ev.cfg, up.target, up.floor
+        capped = {dry: await rent.cap_reached(self, ev, dry_run=dry) for dry in (False, True)}
         kinds = {(await self._kind(name)) == "mock" for name in cfg.names}
-        mode = ""
+        mode = None
         if not cfg.enabled:
             target = floor = 0
-            mode = "disabled"
+            mode = DrainReason.DISABLED
         elif kinds and all(capped[k] for k in kinds):
             target = floor = 0
-            mode = "spend cap"
-            await self.alerter.alert("spend_cap_reached", queue, next(m for m in capped.values() if m) or "")
-            plan["held"] = next(m for m in capped.values() if m)
-        plan.update(desired=target, floor=floor)
-        short = target - len(active)
-        if short > 0:
-            undrained = await drain.cancel(self, draining, short, now)
-            want, room = short - undrained, cfg.limit - len(insts)
-            if undrained:
-                plan["undrained"] = undrained
-            if want > 0 and room <= 0:
-                plan["held"] = (
-                    f"max_workers {cfg.limit} reached: {len(insts)} machine(s) billed "
-                    f"({len(active)} active, {len(draining)} draining, "
-                    f"{len(insts) - len(active) - len(draining)} failed, not yet destroyed)"
-                )
-            elif want > 0:
-                await rent.provision(
-                    self,
-                    queue,
-                    cfg,
-                    qs,
-                    min(want, room),
-                    decision.reasons,
-                    insts,
-                    now,
-                    plan,
-                    self.sources.get(queue, "offload.yaml"),
-                )
-        elif decision.held:
-            plan["held"] = "a machine is booting: queue_depth and latency hold the count"
-        if mode or (short <= 0 and not decision.demand):
-            fleet = [i for i in active if mode != "spend cap" or capped[i.provider_type == "mock"]]
-            await drain.scale_down(self, queue, cfg, qs, fleet, floor, listings, now, plan, mode=mode)
-        await save_decision(self.redis, queue, plan)
+            mode = DrainReason.SPEND_CAP
+            held = next(m for m in capped.values() if m) or ""
+            await self.alerter.alert("spend_cap_reached", ev.queue, held)
+            decision.hold(held)
+        decision.desired, decision.floor = target, floor
+        return mode, capped
+
+    async def _grow(
+        self, ev: Evaluation, decision: Decision, active: list[Instance], draining: list[Instance], short: int
+    ) -> None:
+        """`short` machines too few: cancel idle drains first, then rent within max_workers."""
+        undrained = await drain.cancel(self, draining, short, ev.now)
+        want, room = short - undrained, ev.cfg.limit - len(ev.instances)
+        decision.undrained = undrained
+        if want > 0 and room <= 0:
+            billed = len(ev.instances)
+            decision.hold(
+                f"max_workers {ev.cfg.limit} reached: {billed} machine(s) billed "
+                f"({len(active)} active, {len(draining)} draining, "
+                f"{billed - len(active) - len(draining)} failed, not yet destroyed)"
+            )
+        elif want > 0:
+            await rent.provision(self, ev, decision, min(want, room))
 
     async def _load(self, queue: str, insts: list[Instance], workers: list[WorkerInfo], now: float) -> QueueLoad:
         """The queue's load. A worker counts as live only if it heart-beats, is not draining and its instance is
@@ -335,17 +349,18 @@ class Autoscaler:
         except Exception:
             return ""
 
-    async def _teardowns(self, insts: list[Instance], listings: Listings, now: float) -> None:
-        for inst in insts:
+    async def _teardowns(self, ev: Evaluation) -> None:
+        """Carry out the queue's journaled teardowns until the provider confirms."""
+        for inst in ev.instances:
             if inst.teardown != "pending":
                 continue
-            listed, machines = await self.listing(inst.provider, listings)
+            listed, machines = await self.listing(inst.provider, ev.listings)
             try:
                 provider = await self.provider(inst.provider)
             except Exception as exc:
                 log.warning("instance %s: provider %s unavailable: %s", inst.id, inst.provider, self.why(exc))
                 continue
-            await reconcile.teardown(self, inst, provider, {m.label: m for m in machines} if listed else {}, now)
+            await reconcile.teardown(self, inst, provider, {m.label: m for m in machines} if listed else {}, ev.now)
 
     async def _self_protect_allowed(self, name: str) -> bool:
         """A worker reports `protected` itself; only a provider config with allow_worker_protect trusts it."""

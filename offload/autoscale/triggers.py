@@ -14,11 +14,24 @@ Counting rules:
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 
 from offload.autoscale.instances import Instance
 from offload.autoscale.settings import AutoscaleSettings, Idle, Latency, NoWorkers, QueueDepth
+
+
+class Trigger(enum.StrEnum):
+    """The names a trigger goes by in a block's `trigger:` field and at the head of the reasons it gives."""
+
+    NO_WORKERS = "no_workers"
+    QUEUE_DEPTH = "queue_depth"
+    LATENCY = "latency"
+    JOBS_PER_WORKER = "jobs_per_worker"
+    SCHEDULE = "schedule"
+    MIN_WORKERS = "min_workers"
+    IDLE = "idle"
 
 
 @dataclass
@@ -47,7 +60,7 @@ def schedule_floor(cfg: AutoscaleSettings, now: float, last_down_fire: float) ->
         fire = cron.last_fire(now, hold)
         if fire is not None and now - fire < hold and fire > last_down_fire:
             floor = max(floor, trig.workers)
-            reasons.append(f"schedule '{trig.cron}' holds {trig.workers}")
+            reasons.append(f"{Trigger.SCHEDULE} '{trig.cron}' holds {trig.workers}")
     return floor, reasons
 
 
@@ -63,16 +76,16 @@ def scale_up(
             demand = True
             want = max(want, 1)
             reasons.append(
-                f"no_workers: {load.pending} pending, no live worker"
+                f"{Trigger.NO_WORKERS}: {load.pending} pending, no live worker"
                 + (f" ({count} instance(s) not serving yet)" if count else "")
             )
         elif isinstance(trig, QueueDepth) and load.pending > trig.threshold:
             demand = True
-            reasons.append(f"queue_depth: {load.pending} pending > {trig.threshold}")
+            reasons.append(f"{Trigger.QUEUE_DEPTH}: {load.pending} pending > {trig.threshold}")
             bump = True
         elif isinstance(trig, Latency) and load.oldest_age is not None and load.oldest_age > trig.max_latency:
             demand = True
-            reasons.append(f"latency: oldest waited {load.oldest_age:.0f}s > {trig.max_latency:.0f}s")
+            reasons.append(f"{Trigger.LATENCY}: oldest waited {load.oldest_age:.0f}s > {trig.max_latency:.0f}s")
             bump = True
     if bump:
         if booting:
@@ -85,11 +98,12 @@ def scale_up(
             demand = True
             want = max(want, ramp)
             reasons.append(
-                f"jobs_per_worker: {load.pending} ready + {load.in_flight} in flight / {cfg.jobs_per_worker} = {ramp}"
+                f"{Trigger.JOBS_PER_WORKER}: {load.pending} ready + {load.in_flight} in flight"
+                f" / {cfg.jobs_per_worker} = {ramp}"
             )
     floor, why = schedule_floor(cfg, now, last_down_fire)
     if cfg.min_workers > want:
-        reasons.append(f"min_workers {cfg.min_workers}")
+        reasons.append(f"{Trigger.MIN_WORKERS} {cfg.min_workers}")
     want = max(want, floor, cfg.min_workers)
     reasons += why if floor > count else []
     return UpDecision(
