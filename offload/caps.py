@@ -1,5 +1,9 @@
 """Whether a queue is capped: its daily job or spend cap reached in the store's cap window (its UTC day).
 
+The cap window is the UTC day of the store's clock: `window_of` here for Python (the autoscaler's spend days, the
+harness), `window_of` / `window_left` in lua/includes/clock.lua for the queue's scripts, the same rule twice
+because scripts cannot import Python (tests/jobstore/test_clock.py holds them equal).
+
 The caps are offload.yaml's (`queues.<name>.daily_job_cap` / `daily_spend_cap`), the counts the store's
 (`QueueStore.usage`). The rule is the one the claim and begin scripts apply (`cap_reached` in common.lua): the
 job cap is reached at `jobs >= cap`, the spend cap once one more submission at its reservation would pass it. A
@@ -9,6 +13,7 @@ capped queue takes no fresh job until the window rolls over, so its queued jobs 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
@@ -17,6 +22,22 @@ if TYPE_CHECKING:
 CapKind = Literal["jobs", "spend"]
 CAPPED_WAIT = "queued jobs wait for the next cap window (the job store's UTC day)"
 QueueStatus = Literal["running", "paused", "capped"]
+DAY_S = 86_400
+
+
+def window_of(now_s: float) -> str:
+    """The cap window holding `now_s` (epoch seconds): its UTC day as digits, `20261130`."""
+    return datetime.fromtimestamp(now_s, UTC).strftime("%Y%m%d")
+
+
+def window_start_s(now_s: float) -> float:
+    """When the cap window holding `now_s` began (its UTC midnight), in epoch seconds."""
+    return now_s // DAY_S * DAY_S
+
+
+def next_window_s(now_s: float) -> float:
+    """When the next cap window begins (the next UTC midnight), in epoch seconds."""
+    return window_start_s(now_s) + DAY_S
 
 
 def reservation(

@@ -34,9 +34,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import orjson
 
 from offload.connection import CALLER_RETRY_S, at_start, connect, connect_timeout
+from offload.env import process_env
 from offload.errors import StoreError
 from offload.files import DEFAULT_MAX_FILE_BYTES, files_in
-from offload.models import Job, QueueStats
+from offload.models import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETENTION_S, Job, QueueStats
 from offload.queue import durability as durable
 from offload.queue.durability import Durability, NotReplicated
 from offload.queue.keyspace import QUEUES_KEY, new_job_id
@@ -65,7 +66,7 @@ def _durability(given: Durability | Mapping[str, Any] | None) -> Durability | No
     """The `durability` argument, else the environment's, checked now (a bad value names the field)."""
     if isinstance(given, Durability):
         return given
-    fields = dict(given) if given is not None else durable.from_env(os.environ)
+    fields = dict(given) if given is not None else durable.from_env(process_env())
     if not fields:
         return None
     from offload.schema import parse  # pydantic: loaded only by a producer that asks for durability
@@ -188,9 +189,9 @@ class AsyncClient:
         priority: int = 0,
         delay: float | None = None,
         run_at: float | None = None,
-        max_attempts: int = 3,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         output_key: str | None = None,
-        retention: int = 7 * 86_400,
+        retention: int = DEFAULT_RETENTION_S,
         idempotency_key: str | None = None,
     ) -> str:
         """Enqueue one job and return its id (the existing id when `idempotency_key` was seen before)."""

@@ -23,9 +23,17 @@ from offload.autoscale.settings import ServerSide, autoscale_problems, yaml_bloc
 from offload.backends.settings import AnyBackendSettings, BackendSettings
 from offload.caps import CapLimits, reservation
 from offload.connection import configured_url
+from offload.env import process_env
 from offload.errors import ConfigError
 from offload.local import stack
 from offload.local.embedded import data_dir
+from offload.models import (
+    DEFAULT_CONCURRENCY,
+    DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_POLL_INTERVAL_S,
+    DEFAULT_POLL_TIMEOUT_S,
+    DEFAULT_SUBMIT_CONCURRENCY,
+)
 from offload.queue import durability
 from offload.queue.durability import Durability
 from offload.queue.keyspace import validate_queue
@@ -47,6 +55,19 @@ __all__ = [
     "parse_rate",
     "store_url",
 ]
+
+
+# `offload server`'s limits, the defaults of its options and of ServerOptions (which tests build directly).
+SERVER_MAX_BATCH = 1000  # jobs per batch enqueue
+SERVER_MAX_BODY = 16 << 20  # bytes per request body
+SERVER_WORKER_LEASE_MS = 30_000  # lease of a remote (HTTP) worker; it heartbeats every third of it
+SERVER_MAX_CONNECTIONS = 2048  # concurrent connections + requests (uvicorn's limit_concurrency), then 503
+SERVER_HEADER_TIMEOUT_S = 10.0  # a connection must send its request headers within this (slowloris)
+SERVER_BODY_TIMEOUT_S = 30.0  # a request body gets this long to arrive (server/limits.py) ...
+SERVER_BODY_MIN_RATE = 16 << 10  # ... plus one second per this many bytes it delivers; then 408, closed
+SERVER_MAX_REQUESTS_PER_KEY = 1024  # requests one key has open at once (per server process), then 429
+SERVER_MAX_STREAMS_PER_KEY = 512  # event streams and long-polls (SSE, wait, claim) one key has open, then 429
+SERVER_MAX_REQUESTS_PER_ADDRESS = 256  # requests without a key (webhooks included) open per client address
 
 
 class ServerSettings(Strict):
@@ -73,14 +94,14 @@ class ServerSettings(Strict):
 
 class QueueSettings(Strict):
     backend: str | None = None  # None: served by GPU workers (`offload worker --handler`), not dispatched
-    concurrency: int = Field(256, ge=1, le=100_000)
-    max_attempts: int = Field(3, ge=1)
+    concurrency: int = Field(DEFAULT_CONCURRENCY, ge=1, le=100_000)
+    max_attempts: int = Field(DEFAULT_MAX_ATTEMPTS, ge=1)
     daily_job_cap: int | None = Field(None, ge=0)
     daily_spend_cap: float | None = Field(None, ge=0)
-    poll_interval: float = Field(5.0, gt=0)
-    poll_timeout: float = Field(600.0, gt=0)
+    poll_interval: float = Field(DEFAULT_POLL_INTERVAL_S, gt=0)
+    poll_timeout: float = Field(DEFAULT_POLL_TIMEOUT_S, gt=0)
     submit_concurrency: int = Field(
-        32,
+        DEFAULT_SUBMIT_CONCURRENCY,
         ge=1,
         description="submissions between intent and recorded remote id at "
         "once, per worker (not for synchronous backends)",
@@ -267,7 +288,7 @@ def config_file(path: str | os.PathLike[str] | None = None, env: Mapping[str, st
     """The offload.yaml to read: `path` (--config), else OFFLOAD_CONFIG, else ./offload.yaml, else the local
     stack's (`offload up`), else none (the environment alone). A file named by `path` or OFFLOAD_CONFIG must exist:
     a typo there would otherwise run on another configuration."""
-    env = os.environ if env is None else env
+    env = process_env() if env is None else env
     named = path or env.get("OFFLOAD_CONFIG")
     if named:
         file = Path(named)
@@ -307,7 +328,7 @@ def read_data(
 ) -> dict[str, Any]:
     """The file's settings with ${VAR}s expanded, and the environment's on top: the input of `parse`. A missing
     variable raises, or with `missing` given is noted there (and reads as empty) so the rest is still checked."""
-    env = os.environ if env is None else env
+    env = process_env() if env is None else env
     file = config_file(path, env)
     data: dict[str, Any] = {}
     if file is not None:

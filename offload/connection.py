@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar, cast
 from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
@@ -22,7 +21,8 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from offload.env import env_float
+from offload.backoff import Backoff
+from offload.env import env_float, env_str, process_env
 from offload.errors import ConnectionFailed
 from offload.local.embedded import ensure_embedded
 from offload.redact import mask_url as mask_url  # re-exported: the one redaction path
@@ -36,9 +36,8 @@ class GatedPool(aioredis.ConnectionPool):
     """A bounded pool whose waiters queue on a semaphore.
 
     redis-py's BlockingConnectionPool makes every waiter take the pool's lock in turn before it may wait, and a
-    release queues for that same lock: with thousands of job tasks waiting, each hand-over costs an event-loop
-    pass and releases starve (measured here: 10,000 waiting tasks, calls failing "No connection available"
-    after 60 s on an idle server). A semaphore hands a slot straight to the next waiter."""
+    release queues for that same lock: with thousands of job tasks waiting, releases starve (the measurement is
+    in docs/explanation/performance.md). A semaphore hands a slot straight to the next waiter."""
 
     def __init__(self, *, timeout: float, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -95,7 +94,7 @@ _OUTAGE_REPLIES = ("LOADING", "MISCONF", "MASTERDOWN", "NOREPLICAS", "CLUSTERDOW
 _OOM_TEXT = "command not allowed when used memory > 'maxmemory'"
 # uvloop's answer to a write on a connection the server has reset (asyncio's loop raises ConnectionResetError
 # there): redis-py lets it through as it is, after dropping the connection. Taken for a worker error, one Valkey
-# crash failed attempts and stopped a worker (stop 22's chaos run); it is an outage like the others.
+# crash failed attempts and stopped a worker; it is an outage like the others.
 _CLOSED_TRANSPORT = "the handler is closed"
 
 
@@ -122,6 +121,9 @@ def is_oom(exc: BaseException) -> bool:
 # worker or server may start beside its store and wait for it; a command or a producer has a person waiting.
 SERVICE_RETRY_S = 10.0
 CALLER_RETRY_S = 3.0
+# The waits between those tries: short at first (a store starting beside us is up in a moment), then every 2 s.
+CONNECT_RETRY_BASE_S = 0.1
+CONNECT_RETRY_CAP_S = 2.0
 
 
 def connect_timeout(default: float = SERVICE_RETRY_S) -> float:
@@ -131,7 +133,7 @@ def connect_timeout(default: float = SERVICE_RETRY_S) -> float:
 
 def configured_url(env: Mapping[str, str] | None = None) -> str | None:
     """OFFLOAD_REDIS_URL, else the tutorial's REDIS_URL, else None (meaning: the config's, else the embedded)."""
-    env = os.environ if env is None else env
+    env = process_env() if env is None else env
     return env.get("OFFLOAD_REDIS_URL") or env.get("REDIS_URL") or None
 
 
@@ -143,7 +145,7 @@ def _split_cluster_flag(url: str) -> tuple[str, bool]:
     parts = urlsplit(url)
     query = parse_qs(parts.query)
     flag = query.pop("cluster", ["0"])[0].lower() in ("1", "true", "yes")
-    flag = flag or os.environ.get("OFFLOAD_REDIS_CLUSTER", "").lower() in ("1", "true", "yes")
+    flag = flag or env_str("OFFLOAD_REDIS_CLUSTER", "").lower() in ("1", "true", "yes")
     return urlunsplit(parts._replace(query=urlencode(query, doseq=True))), flag
 
 
@@ -156,7 +158,7 @@ async def connect(url: str | None = None, *, retry_for: float | None = None, max
         retry_for = connect_timeout()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + retry_for
-    delay = 0.1
+    waits = Backoff(CONNECT_RETRY_BASE_S, CONNECT_RETRY_CAP_S)
     while True:
         client: aioredis.Redis | RedisCluster | None = None
         try:
@@ -182,8 +184,7 @@ async def connect(url: str | None = None, *, retry_for: float | None = None, max
                 raise ConnectionFailed(
                     f"cannot reach Redis/Valkey at {mask_url(target)} after {retry_for:g}s: {reason}"
                 ) from None
-            await asyncio.sleep(min(delay, max(deadline - loop.time(), 0.0)))
-            delay = min(delay * 2, 2.0)
+            await asyncio.sleep(min(waits.next(), max(deadline - loop.time(), 0.0)))
 
 
 async def at_start(fn: Callable[[], Awaitable[T]], *, retry_for: float | None = None) -> T:
@@ -194,12 +195,11 @@ async def at_start(fn: Callable[[], Awaitable[T]], *, retry_for: float | None = 
         retry_for = connect_timeout()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + retry_for
-    delay = 0.1
+    waits = Backoff(CONNECT_RETRY_BASE_S, CONNECT_RETRY_CAP_S)
     while True:
         try:
             return await fn()
         except Exception as exc:
             if not is_outage(exc) or loop.time() >= deadline:
                 raise
-            await asyncio.sleep(min(delay, max(deadline - loop.time(), 0.0)))
-            delay = min(delay * 2, 2.0)
+            await asyncio.sleep(min(waits.next(), max(deadline - loop.time(), 0.0)))

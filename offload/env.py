@@ -1,6 +1,8 @@
-"""Numbers read from the environment (OFFLOAD_MAX_PAYLOAD, OFFLOAD_REDIS_CONNECT_TIMEOUT, ...), checked in one place.
+"""The one place offload reads its environment: numbers checked (OFFLOAD_MAX_PAYLOAD, OFFLOAD_REDIS_CONNECT_TIMEOUT,
+...), strings as set, and the whole mapping for what takes one (the config's ${VAR}s, a child's environment).
+Every variable is listed in docs/reference/environment.md.
 
-A bad value is a ConfigError naming the variable, raised where the value is first needed, so the command line
+A bad number is a ConfigError naming the variable, raised where the value is first needed, so the command line
 shows `error: OFFLOAD_MAX_PAYLOAD: expected an integer, got 'lots'` instead of a ValueError traceback.
 """
 
@@ -9,11 +11,25 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from typing import TypeVar
+from typing import TypeVar, overload
 
 from offload.errors import ConfigError
 
 D = TypeVar("D", int, float, None)
+
+
+def process_env() -> Mapping[str, str]:
+    """This process's environment, for a caller that takes a whole mapping (a function given `env` in tests)."""
+    return os.environ
+
+
+@overload
+def env_str(name: str, default: str, *, env: Mapping[str, str] | None = None) -> str: ...
+@overload
+def env_str(name: str, default: None = None, *, env: Mapping[str, str] | None = None) -> str | None: ...
+def env_str(name: str, default: str | None = None, *, env: Mapping[str, str] | None = None) -> str | None:
+    """The variable as it is set (not stripped, possibly empty), or `default` when it is unset."""
+    return (os.environ if env is None else env).get(name, default)
 
 
 def _raw(name: str, env: Mapping[str, str] | None) -> str:

@@ -1,20 +1,18 @@
 """The event loop the long-running commands run on: uvloop where it is installed, else asyncio's own.
 
 The `worker` and `server` extras bring uvloop (libuv's loop, written in Cython), and `uvicorn` already picks it by
-itself for `offload server`. For the dispatch worker it lowers the loop's own cost per job: measured side by side
-in bench/worker_throughput.py (two interleaved pairs), 50 ms jobs at 100 in flight went from 0.944-0.950 of the
-bound to 0.962-0.964, and 100 bare asyncio sleeps of 50 ms from 0.97 to 0.99 (asyncio rounds each timer up to
-the next millisecond); no-op jobs gained 2-5%. `OFFLOAD_EVENT_LOOP=asyncio` keeps asyncio's loop (for a debugger
+itself for `offload server`. For the dispatch worker it lowers the loop's own cost per job (the measurement is in
+docs/explanation/performance.md). `OFFLOAD_EVENT_LOOP=asyncio` keeps asyncio's loop (for a debugger
 or a library that needs it); `=uvloop` requires uvloop. A bad value is an error naming the variable.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from offload.env import env_str
 from offload.errors import ConfigError
 
 T = TypeVar("T")
@@ -25,7 +23,7 @@ LOOPS = ("uvloop", "asyncio")
 def loop_factory(environ: dict[str, str] | None = None) -> Callable[[], asyncio.AbstractEventLoop] | None:
     """uvloop's `new_event_loop` unless OFFLOAD_EVENT_LOOP says `asyncio` or uvloop is not installed (None:
     asyncio's default loop)."""
-    choice = (os.environ if environ is None else environ).get(LOOP_VAR, "").strip().lower()
+    choice = env_str(LOOP_VAR, "", env=environ).strip().lower()
     if choice and choice not in LOOPS:
         raise ConfigError(f"{LOOP_VAR}: expected one of {', '.join(LOOPS)}, got {choice!r}")
     if choice == "asyncio":

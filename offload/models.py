@@ -11,6 +11,15 @@ import orjson
 from offload import exactjson
 from offload.caps import CapKind, QueueStatus, queue_status
 
+# A job's defaults, the same through every way in: `Client.enqueue`, `offload enqueue`, POST /v1/jobs, `JobSpec`.
+DEFAULT_MAX_ATTEMPTS = 3
+DEFAULT_RETENTION_S = 7 * 86_400  # how long a finished job's record is kept
+# A queue's defaults: offload.yaml's (config.QueueSettings), and of what runs a queue without one (`offload up`).
+DEFAULT_CONCURRENCY = 256  # jobs in flight per dispatch worker
+DEFAULT_POLL_INTERVAL_S = 5.0
+DEFAULT_POLL_TIMEOUT_S = 600.0
+DEFAULT_SUBMIT_CONCURRENCY = 32
+
 
 class JobState(enum.StrEnum):
     """Where a job is in its lifecycle (see docs/explanation/architecture.md, "The job lifecycle")."""

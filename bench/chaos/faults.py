@@ -30,9 +30,9 @@ from bench.chaos.failover import Failover
 from bench.chaos.faketime import ClockFile
 from bench.chaos.procs import Sim, Valkey, WorkerSlot
 from bench.chaos.proxy import FaultProxy
+from offload.caps import DAY_S, window_start_s
 
 log = logging.getLogger("chaos")
-DAY_S = 86_400
 # a worker's wall clock after a bad RTC, an NTP step or a VM restored from a snapshot: hours or a day either way
 WORKER_SKEWS_S = (-DAY_S, -3 * 3600, 3 * 3600, DAY_S)
 
@@ -101,7 +101,7 @@ class Profile:
     hook_delay_rate: float = 0.05
     hook_delay_s: float = 2.0
     hook_grace_s: float = 5.0
-    # the job store's memory (issue 34): at maxmemory for `oom_s`, evicting policy for `eviction_s`
+    # the job store's memory: at maxmemory for `oom_s`, evicting policy for `eviction_s`
     oom_every: float = 90.0
     oom_s: float = 8.0
     eviction_every: float = 120.0
@@ -401,7 +401,8 @@ class Schedule:
         if clock.offset_s < 0:
             step = -clock.offset_s
         else:
-            since_midnight = (time.time() + clock.offset_s) % DAY_S
+            store_now = time.time() + clock.offset_s
+            since_midnight = store_now - window_start_s(store_now)
             step = -min(self.rng.uniform(*self.profile.valkey_clock_step_s), since_midnight - 120)
             if step >= 0:
                 return

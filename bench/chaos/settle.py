@@ -24,8 +24,8 @@ from redis.exceptions import RedisError
 from bench.chaos.checker import TERMINAL
 from bench.chaos.faketime import ClockFile
 from bench.chaos.procs import WorkerSlot
+from offload.caps import next_window_s, window_of
 
-DAY_S = 86_400
 MAX_ROLLS = 3  # store days rolled to at most, while capped jobs wait for the next one
 SETTLE_CAP = 4  # the wait for every job to be terminal: `stall` s without progress, at most this many times it
 
@@ -65,7 +65,7 @@ class Settle:
                 await asyncio.sleep(0.5)
         self.held_at_roll = self.held_at_roll if self.rolls else held
         await asyncio.to_thread(self.cap_slot.terminate)
-        midnight = (now // DAY_S + 1) * DAY_S
+        midnight = next_window_s(now)
         self.clock.step(midnight + 1 - now)
         deadline = time.monotonic() + 30
         while await self.store_time() < midnight:
@@ -73,7 +73,7 @@ class Settle:
                 raise RuntimeError("Valkey's clock did not step to its next day")
             await asyncio.sleep(0.05)
         self.rolls.append(time.time())
-        self.window = time.strftime("%Y%m%d", time.gmtime(midnight + 1))
+        self.window = window_of(midnight + 1)
         self.cap_slot.start()
 
     async def store_time(self) -> float:

@@ -18,12 +18,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
-import os
 import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from offload.env import env_str
 from offload.errors import ConfigError, RequestError
 from offload.queue.keyspace import API_KEYS, api_key, validate_queue
 from offload.redis_client import RedisClient
@@ -116,7 +116,7 @@ class KeyStore:
 
     @classmethod
     def from_env(cls, redis: RedisClient) -> KeyStore:
-        return cls(redis, os.environ.get(ADMIN_ENV) or None)
+        return cls(redis, env_str(ADMIN_ENV) or None)
 
     async def create(self, scope: str, queues: list[str] | None = None, name: str = "") -> tuple[ApiKey, str]:
         """Returns the key and its token; the token cannot be recovered later."""

@@ -23,9 +23,10 @@ import orjson
 from offload.autoscale import keyspace
 from offload.autoscale.alert_settings import AlertKind, AlertSettings, EmailTarget, WebhookTarget
 from offload.autoscale.instances import EventKind, log_event
-from offload.autoscale.providers.base import Clock
 from offload.backoff import compute_backoff
+from offload.clock import Clock
 from offload.connection import is_outage
+from offload.http_client import make_client
 from offload.queue.keyspace import dead_letter_alert
 from offload.queue.scripts import SCRIPTS
 from offload.redact import Redactor, mask_url
@@ -62,7 +63,7 @@ class Alerter:
         self.redact.add(settings.email.password if settings.email else None)
         self.redis = redis
         self.clock = clock
-        self.http = http or httpx.AsyncClient(timeout=10.0)
+        self.http = http or make_client("alerts")
         self._tasks: set[asyncio.Task[None]] = set()
         self.sent: list[dict[str, Any]] = []
         self.failed: list[str] = []

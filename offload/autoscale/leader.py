@@ -16,7 +16,7 @@ import uuid
 
 from offload.autoscale import keyspace
 from offload.autoscale.instances import Fenced
-from offload.autoscale.providers.base import Clock
+from offload.clock import Clock
 from offload.queue.scripts import SCRIPTS
 from offload.redis_client import RedisClient
 

@@ -11,8 +11,8 @@ One evaluation of a queue reads into an `Evaluation` and ends in a `Decision` (e
 5. accrue cost, and record the decision and its reasons (`offload autoscale status` shows them). Every few
    minutes, sweep each provider for orphans.
 
-Time is the job store's (offload/queue/clock.py: Valkey's TIME, read at every tick), so every server that may lead
-agrees on spend days, instance and heartbeat times and the lock's expiry whatever its own clock says; a test
+Time is the job store's (offload/queue/store_clock.py: Valkey's TIME, read at every tick), so every server that
+may lead agrees on spend days, instance and heartbeat times and the lock's expiry whatever its own clock says; a test
 injects a clock instead, so a whole day of load runs in seconds.
 """
 
@@ -22,8 +22,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
-from typing import Any
 
 import orjson
 
@@ -51,16 +49,17 @@ from offload.autoscale.settings import (
 from offload.autoscale.state import QueueState, save_decision
 from offload.autoscale.triggers import QueueLoad, UpDecision, scale_up
 from offload.autoscale.workers import RedisWorkers, WorkerInfo, WorkerSource
+from offload.clock import Clock, in_ms
 from offload.config import Settings
 from offload.connection import is_outage
+from offload.env import process_env
 from offload.errors import ConfigError
-from offload.queue.clock import StoreClock
 from offload.queue.store import QueueStore
+from offload.queue.store_clock import StoreClock
 from offload.redact import Redactor
 from offload.redis_client import RedisClient
 
 log = logging.getLogger("offload.autoscale")
-Clock = Any
 HISTORY_DAYS = 30  # finished instance records are kept this long (status history, cost audit)
 
 
@@ -83,11 +82,11 @@ class Autoscaler:
         self.redis = redis
         self.settings = settings or Settings()
         self.clock = clock = clock or StoreClock()
-        self.env = dict(os.environ) if env is None else env
+        self.env = dict(process_env()) if env is None else env
         self.server: ServerSide = server_side(self.settings.autoscaler, self.env)
         # the queue's scripts read the store's clock themselves; an injected (test) clock is passed on to them
-        injected = None if isinstance(clock, StoreClock) else lambda: int(self.clock() * 1000)
-        self.store = QueueStore(redis, clock=injected)
+        injected = None if isinstance(clock, StoreClock) else in_ms(clock)
+        self.store = QueueStore(redis, clock_ms=injected)
         self.instances = InstanceStore(redis)
         self.leader = Leader(redis, ttl=self.server.leader_ttl, clock=clock, owner=owner)
         self.workers = workers or RedisWorkers(redis)

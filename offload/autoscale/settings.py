@@ -19,6 +19,7 @@ from pydantic import BeforeValidator, Field, ValidationError, field_validator, m
 
 from offload.autoscale.deploy import Deployment
 from offload.autoscale.vault import Vault
+from offload.env import process_env
 from offload.errors import ConfigError
 from offload.schema import Strict, parse
 
@@ -360,9 +361,7 @@ class ServerSide(Strict):
 def server_side(data: ServerSide | Mapping[str, Any] | None, env: dict[str, str] | None = None) -> ServerSide:
     """The typed `autoscaler:` block (offload.config validated it; a mapping is validated here) with the
     environment's OFFLOAD_PUBLIC_URL and OFFLOAD_WORKER_API_KEY on top."""
-    import os
-
-    env = dict(os.environ) if env is None else env
+    env = dict(process_env()) if env is None else env
     out: ServerSide = data.model_copy() if isinstance(data, ServerSide) else parse(ServerSide, data or {}, "autoscaler")
     if env.get("OFFLOAD_PUBLIC_URL"):
         out.public_url = env["OFFLOAD_PUBLIC_URL"]

@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 
 from offload.autoscale import keyspace
+from offload.caps import window_of
 from offload.redis_client import RedisClient
 
 
@@ -92,8 +93,8 @@ class QueueState:
 
 
 def periods(now: float) -> tuple[str, str]:
-    t = datetime.fromtimestamp(now, UTC)
-    return t.strftime("%Y%m%d"), t.strftime("%Y%m")
+    """The spend buckets `now` counts in: its cap window (the UTC day) and its UTC month."""
+    return window_of(now), datetime.fromtimestamp(now, UTC).strftime("%Y%m")
 
 
 def _bucket(period: str, dry_run: bool) -> str:

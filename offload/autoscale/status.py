@@ -17,7 +17,7 @@ from offload.autoscale import keyspace
 from offload.autoscale.instances import ACTIVE, Instance, InstanceStore, read_events
 from offload.autoscale.leader import Leader
 from offload.autoscale.state import QueueState, load_decision, spend
-from offload.queue.clock import StoreClock
+from offload.queue.store_clock import StoreClock
 from offload.redis_client import RedisClient
 
 

@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
+from offload.env import process_env
 from offload.errors import ConfigError
 
 ENV = "OFFLOAD_VAULT_MASTER_KEY"
@@ -73,7 +74,7 @@ class Vault:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Vault:
-        env = os.environ if env is None else env
+        env = process_env() if env is None else env
         key = env.get(ENV)
         if not key:
             raise VaultError(

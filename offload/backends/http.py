@@ -32,6 +32,7 @@ import orjson
 from offload.backends.base import BackendError, Fatal, NotFound, Throttled, TooLarge, Transient
 from offload.backends.settings import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_TIMEOUT
 from offload.backends.transport import ACCEPT_ENCODING, AiohttpTransport, bounded_response, fast_path, read_bounded
+from offload.http_client import make_client
 from offload.redact import bare_url, excerpt  # the one redaction path (offload/redact.py)
 
 log = logging.getLogger("offload.backends")
@@ -70,9 +71,10 @@ def new_client(
     at most this many connections to any one host as well (0: only the total). `egress`: for URLs a provider or
     an input named, every connection obeys offload.egress (the request's FilePolicy)."""
     transport = AiohttpTransport(max_connections=max_connections, ssl_context=_tls(), per_host=per_host, egress=egress)
-    return httpx.AsyncClient(
+    return make_client(
+        "backend",
+        timeout=timeout,
         transport=transport,
-        timeout=httpx.Timeout(timeout),
         follow_redirects=False,
         headers={"User-Agent": agent or user_agent()},
     )

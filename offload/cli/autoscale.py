@@ -23,6 +23,7 @@ from offload.cli.options import ConfigOpt, DryRunOpt, JsonOpt, LogLevel, LogLeve
 from offload.cli.output import out, print_json
 from offload.cli.session import run_redis, settings
 from offload.connection import connect
+from offload.env import env_str
 from offload.redis_client import RedisClient
 
 autoscale_app = typer.Typer(no_args_is_help=True, help="GPU autoscaling: status, events, protect, run the loop.")
@@ -265,11 +266,9 @@ def credentials_set(
 ) -> None:
     """Store a token (or `username:token`), encrypted with OFFLOAD_VAULT_MASTER_KEY. Never passed as an
     argument: it would show in the process list and the shell history."""
-    import os
-
     from offload.autoscale.credentials import Credentials
 
-    value = os.environ.get(from_env, "") if from_env else typer.prompt("value", hide_input=True)
+    value = env_str(from_env, "") if from_env else typer.prompt("value", hide_input=True)
     if not value:
         fail(f"{from_env} is empty or not set" if from_env else "empty value")
     run_redis(url, lambda r: Credentials(r).set(name, value, host))

@@ -34,10 +34,10 @@ from offload.cli.output import age, err, listing, number_column, out, print_json
 from offload.cli.results import result, wait
 from offload.cli.session import configured_caps, run_store
 from offload.errors import InvalidJob, OffloadError, StoreFull
-from offload.models import Enqueued, Job, QueueStats
+from offload.models import DEFAULT_MAX_ATTEMPTS, Enqueued, Job, QueueStats
 from offload.queue.keyspace import validate_queue
 from offload.queue.memory import store_full
-from offload.queue.specs import DEFAULT_MAX_ATTEMPTS, JobSpec, max_payload_limit, validate_spec
+from offload.queue.specs import JobSpec, max_payload_limit, validate_spec
 from offload.queue.store import QueueStore
 
 BULK_CHUNK = 10_000  # jobs per enqueue_many call: bounds memory per round trip and paces the progress bar

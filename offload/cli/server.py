@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Annotated
 
 import typer
@@ -11,6 +10,19 @@ from offload.cli.errors import errors
 from offload.cli.logs import configure as configure_logging
 from offload.cli.options import ConfigOpt, LogLevel, LogLevelOpt, UrlOpt
 from offload.cli.session import run_redis, settings
+from offload.config import (
+    SERVER_BODY_MIN_RATE,
+    SERVER_BODY_TIMEOUT_S,
+    SERVER_HEADER_TIMEOUT_S,
+    SERVER_MAX_BATCH,
+    SERVER_MAX_BODY,
+    SERVER_MAX_CONNECTIONS,
+    SERVER_MAX_REQUESTS_PER_ADDRESS,
+    SERVER_MAX_REQUESTS_PER_KEY,
+    SERVER_MAX_STREAMS_PER_KEY,
+    SERVER_WORKER_LEASE_MS,
+)
+from offload.env import env_str
 from offload.queue.memory import require_noeviction
 
 
@@ -19,33 +31,33 @@ def server(
     port: Annotated[int, typer.Option(min=0, max=65535)] = 8080,
     config: ConfigOpt = None,
     url: UrlOpt = None,
-    max_batch: Annotated[int, typer.Option(min=1, max=100_000, help="Jobs per batch enqueue.")] = 1000,
-    max_body: Annotated[int, typer.Option(min=1024, help="Largest request body, bytes.")] = 16 << 20,
+    max_batch: Annotated[int, typer.Option(min=1, max=100_000, help="Jobs per batch enqueue.")] = SERVER_MAX_BATCH,
+    max_body: Annotated[int, typer.Option(min=1024, help="Largest request body, bytes.")] = SERVER_MAX_BODY,
     worker_lease: Annotated[
         float, typer.Option(min=0.5, help="Seconds a GPU worker's leases last without a heartbeat.")
-    ] = 30.0,
+    ] = SERVER_WORKER_LEASE_MS / 1000,
     max_connections: Annotated[
         int, typer.Option(min=1, help="Concurrent connections and requests; past it new requests get 503.")
-    ] = 2048,
+    ] = SERVER_MAX_CONNECTIONS,
     header_timeout: Annotated[
         float,
         typer.Option(min=0.1, help="Seconds a client has to send a request's headers before its connection is closed."),
-    ] = 10.0,
+    ] = SERVER_HEADER_TIMEOUT_S,
     body_timeout: Annotated[
         float, typer.Option(min=0.1, help="Seconds a request body gets to arrive (plus what --body-min-rate earns).")
-    ] = 30.0,
+    ] = SERVER_BODY_TIMEOUT_S,
     body_min_rate: Annotated[
         int, typer.Option(min=1, help="Bytes per second of body that earn one more second; slower bodies get 408.")
-    ] = 16 << 10,
+    ] = SERVER_BODY_MIN_RATE,
     max_requests_per_key: Annotated[
         int, typer.Option(min=1, help="Requests one API key may have open at once; past it 429.")
-    ] = 1024,
+    ] = SERVER_MAX_REQUESTS_PER_KEY,
     max_streams_per_key: Annotated[
         int, typer.Option(min=1, help="Event streams and long-polls (SSE, wait, claim) one key may have open; 429.")
-    ] = 512,
+    ] = SERVER_MAX_STREAMS_PER_KEY,
     max_requests_per_address: Annotated[
         int, typer.Option(min=1, help="Requests without an API key (webhooks too) open per client address; 429.")
-    ] = 256,
+    ] = SERVER_MAX_REQUESTS_PER_ADDRESS,
     log_level: LogLevelOpt = LogLevel.INFO,
     access_log: Annotated[bool, typer.Option(help="Log each request (method, path, status).")] = True,
 ) -> None:
@@ -56,7 +68,7 @@ def server(
 
     configure_logging(log_level)
     with errors():
-        if admin := os.environ.get(ADMIN_ENV):
+        if admin := env_str(ADMIN_ENV):
             check_admin_key(admin)  # refuse before listening, naming the variable
     loaded = settings(config)
     options = ServerOptions(

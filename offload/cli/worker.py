@@ -11,7 +11,6 @@ flag at all. Several queues are served by one process: one event loop, one drain
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated
@@ -24,6 +23,7 @@ from offload.cli.logs import configure as configure_logging
 from offload.cli.options import ConfigOpt, LogLevel, LogLevelOpt
 from offload.cli.session import settings
 from offload.config import Settings, config_file
+from offload.env import env_str
 from offload.queue.keyspace import validate_queue
 
 QueuesOpt = Annotated[
@@ -46,7 +46,7 @@ def queue_names(values: Iterable[str | None]) -> list[str]:
 
 def _given(queue: list[str] | None) -> list[str]:
     """--queue, else OFFLOAD_QUEUE; every name checked before anything connects."""
-    names = queue_names(queue or []) or queue_names([os.environ.get("OFFLOAD_QUEUE")])
+    names = queue_names(queue or []) or queue_names([env_str("OFFLOAD_QUEUE")])
     with errors():
         for name in names:
             validate_queue(name)

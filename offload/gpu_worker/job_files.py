@@ -27,12 +27,12 @@ import httpx
 from offload.errors import WorkerError
 from offload.files import REF_KEY, File, files_in, is_reference, reference, replace
 from offload.gpu_worker.server_api import ServerApi
+from offload.http_client import make_client
 
 T = TypeVar("T")
 CHUNK = 1 << 20
 SPOOL_BYTES = 8 << 20
 _ETAG = re.compile(r"^[0-9a-f]{32}$")
-TIMEOUT = httpx.Timeout(300.0, connect=10.0)
 
 
 class FileTransferError(WorkerError):
@@ -94,7 +94,7 @@ class JobFiles:
             f"/v1/workers/{self.worker_id}/jobs/{self.job_id}/files/url", {"token": self.token, "key": ref[REF_KEY]}
         )
         digest, size = hashlib.sha256(), 0
-        async with httpx.AsyncClient(timeout=TIMEOUT) as http, http.stream("GET", reply["url"]) as resp:
+        async with make_client("file_transfer") as http, http.stream("GET", reply["url"]) as resp:
             if resp.status_code != 200:
                 raise FileTransferError(f"downloading {ref[REF_KEY]}: HTTP {resp.status_code}")
             async for chunk in resp.aiter_raw(CHUNK):
@@ -114,7 +114,7 @@ class JobFiles:
         if not found:
             return output
         refs: dict[int, dict[str, Any]] = {}
-        async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+        async with make_client("file_transfer") as http:
             for index, (_, file) in enumerate(found):
                 if id(file) not in refs:
                     refs[id(file)] = await self._upload(http, index, file)

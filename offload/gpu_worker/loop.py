@@ -35,6 +35,7 @@ from typing import IO, Any
 
 import orjson
 
+from offload.env import env_str
 from offload.errors import StaleLease, WorkerError
 from offload.eventloop import first_of
 from offload.gpu_worker.job_files import FileTransferError, JobFiles
@@ -440,10 +441,10 @@ async def run_gpu_worker(
     if not log.isEnabledFor(logging.DEBUG):  # one line per heartbeat and claim would drown the job lines
         logging.getLogger("httpx").setLevel(logging.WARNING)
     if options.instance_id is None:
-        options.instance_id = os.environ.get("OFFLOAD_INSTANCE_ID") or None
+        options.instance_id = env_str("OFFLOAD_INSTANCE_ID") or None
     if options.instance_token is None:
-        options.instance_token = os.environ.get("OFFLOAD_INSTANCE_TOKEN") or None
-    options.protected = options.protected or _truthy(os.environ.get("OFFLOAD_PROTECTED"))
+        options.instance_token = env_str("OFFLOAD_INSTANCE_TOKEN") or None
+    options.protected = options.protected or _truthy(env_str("OFFLOAD_PROTECTED"))
     stop = asyncio.Event()
     if install_signals:
         loop = asyncio.get_running_loop()

@@ -14,7 +14,9 @@ from typing import Any
 
 import httpx
 
+from offload.backoff import Backoff
 from offload.errors import StaleLease, WorkerError
+from offload.http_client import make_client
 
 log = logging.getLogger("offload.gpu_worker")
 RETRY_STATUSES = {429, 502, 503, 504}  # 429: the key is at one of the server's caps for a moment (Retry-After)
@@ -48,7 +50,7 @@ class ServerApi:
         self, base_url: str, token: str, *, timeout: float = 30.0, client: httpx.AsyncClient | None = None
     ) -> None:
         self.base = base_url.rstrip("/")
-        self.http = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0))
+        self.http = client or make_client("server_api", timeout=timeout)
         self._headers = {"Authorization": f"Bearer {token}"}
 
     async def call(
@@ -58,8 +60,9 @@ class ServerApi:
         Retry-After) for `retry_for` seconds."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + retry_for
-        delay = 0.2
+        waits = Backoff(0.2, 5.0)
         while True:
+            delay = waits.next()
             try:
                 response = await self.http.post(
                     self.base + path,
@@ -78,7 +81,6 @@ class ServerApi:
                 raise ServerUnavailable(f"{self.base}{path}: server unavailable ({problem})")
             log.debug("%s: %s, retrying in %.1fs", path, problem, pause)
             await asyncio.sleep(pause)
-            delay = min(delay * 2, 5.0)
 
     @staticmethod
     def _decode(response: httpx.Response) -> Any:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from rich.text import Text
 
 from offload.config import load_settings
 from offload.connection import connect
+from offload.env import process_env
 from offload.local import stack
 from offload.local.embedded import data_dir
 from offload.queue.specs import JobSpec
@@ -76,7 +76,7 @@ async def run_demo(console: Console, jobs: int = 40, timeout: float = 300.0) -> 
     """Run a batch through the local stack; returns the id of the first job."""
     for name, where in await asyncio.to_thread(stack.up):
         console.print(f"[bold]{name:<10}[/] {where}")
-    settings = load_settings(stack.config_path(), env={**os.environ, **stack.secret_env()})
+    settings = load_settings(stack.config_path(), env={**process_env(), **stack.secret_env()})
     redis = await connect(settings.redis_url)
     store = QueueStore(redis)
     try:

@@ -27,6 +27,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from offload.env import env_str, process_env
 from offload.errors import ConfigError
 
 _log = logging.getLogger("offload.embedded")
@@ -51,7 +52,7 @@ def _jemalloc() -> str | None:
 def server_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment to run the wheel's Valkey with: `environ` (default: this process's) with jemalloc
     preloaded where the machine has it, unless OFFLOAD_VALKEY_ALLOCATOR says `libc` (see the module docstring)."""
-    env = dict(os.environ if environ is None else environ)
+    env = dict(process_env() if environ is None else environ)
     choice, lib = _allocator(env.pop(ALLOCATOR_VAR, ""))
     # a server under libfaketime (the fault harness's and the tests' steppable clock) keeps glibc's malloc: the two
     # do not mix (libfaketime's start-up recursion through jemalloc's clock_gettime stops the server at once)
@@ -62,7 +63,7 @@ def server_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
 
 def allocator(environ: Mapping[str, str] | None = None) -> str:
     """The allocator `server_env` gives the wheel's Valkey: "jemalloc" or "libc" (benchmarks record it)."""
-    env = os.environ if environ is None else environ
+    env = process_env() if environ is None else environ
     return _allocator(env.get(ALLOCATOR_VAR, ""))[0]
 
 
@@ -97,7 +98,7 @@ def _pings(port: int, timeout: float = 0.3) -> bool:
 
 
 def data_dir(root: str | os.PathLike[str] | None = None) -> Path:
-    return Path(root or os.environ.get("OFFLOAD_HOME", ".offload")).resolve()
+    return Path(root or env_str("OFFLOAD_HOME", ".offload")).resolve()
 
 
 def running_url(root: str | os.PathLike[str] | None = None) -> str | None:
@@ -141,7 +142,7 @@ def ensure_embedded(root: str | os.PathLike[str] | None = None, appendfsync: str
         if url := running_url(root):
             return url
         port = _free_port()
-        if allocator() == "libc" and not os.environ.get(ALLOCATOR_VAR, "").strip():
+        if allocator() == "libc" and not env_str(ALLOCATOR_VAR, "").strip():
             # said once per start, not silently: the default asked for jemalloc and the machine has none
             _log.warning(
                 "the embedded Valkey runs on glibc's malloc: jemalloc is not on this machine (install "

@@ -25,8 +25,10 @@ from typing import Any
 
 import yaml
 
+from offload.env import process_env
 from offload.errors import ConfigError
 from offload.local.embedded import data_dir, ensure_embedded, running_url, stop_embedded
+from offload.models import DEFAULT_CONCURRENCY
 
 BUCKET = "results"
 QUEUE = "demo"
@@ -69,7 +71,7 @@ def _spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subp
             stderr=out,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            env={**os.environ, **(env or {})},
+            env={**process_env(), **(env or {})},
         )
 
 
@@ -115,7 +117,7 @@ def config_path(home: Path | None = None) -> Path:
     return (home or data_dir()) / "offload.yaml"
 
 
-def up(workers: int = 2, latency: str = "1-3", concurrency: int = 256) -> list[tuple[str, str]]:
+def up(workers: int = 2, latency: str = "1-3", concurrency: int = DEFAULT_CONCURRENCY) -> list[tuple[str, str]]:
     """Start (or reuse) every component; returns (component, where it listens) lines. A start that fails (or is
     interrupted: Ctrl-C, SIGTERM) stops what it had started, the Valkey included unless it was running before."""
     home = data_dir()

@@ -9,13 +9,14 @@ of woken jobs, because a burst of single calls through the pool cost more than t
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
+from offload.clock import ClockMs
 from offload.queue import keyspace
 from offload.queue.durability import Durability, mark, run_script, settle
 from offload.queue.keyspace import prefix, queue_of
@@ -39,15 +40,15 @@ class HookItem:
 
 
 class HookStore:
-    """QueueStore's webhook calls (a mixin: QueueStore sets `redis` and `clock`)."""
+    """QueueStore's webhook calls (a mixin: QueueStore sets `redis` and `clock_ms`)."""
 
     redis: RedisClient
-    clock: Callable[[], int] | None
+    clock_ms: ClockMs | None
     durability: Durability | None
 
     def _now(self) -> str:
         """The clock argument every script takes ('' = the server's TIME)."""
-        return str(self.clock()) if self.clock else ""
+        return str(self.clock_ms()) if self.clock_ms else ""
 
     async def hook(self, job_id: str, submission: int, remote_id: str, *, terminal: bool, body: bytes) -> str:
         """A verified provider webhook for submission `submission` of a job (see hook.lua for the verdicts)."""

@@ -14,9 +14,8 @@ import orjson
 
 from offload.env import env_int
 from offload.errors import InvalidJob, PayloadTooLarge
+from offload.models import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETENTION_S
 
-DEFAULT_MAX_ATTEMPTS = 3
-DEFAULT_RETENTION_S = 7 * 86_400
 DEFAULT_MAX_PAYLOAD = 1 << 20
 PRIORITY_RANGE = range(-1000, 1001)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -17,6 +17,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
 from offload.backoff import retry_delay_ms
+from offload.clock import ClockMs
 from offload.connection import is_oom
 from offload.errors import (
     ConfigError,
@@ -26,24 +27,30 @@ from offload.errors import (
     StaleLease,
 )
 from offload.files import reference_keys
-from offload.models import ClaimedJob, Enqueued, HeartbeatReply, Job, QueueStats
+from offload.models import (
+    DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_RETENTION_S,
+    ClaimedJob,
+    Enqueued,
+    HeartbeatReply,
+    Job,
+    QueueStats,
+)
 from offload.queue import keyspace as keys
 from offload.queue import listing, replies
-from offload.queue.clock import HeldRelease, log_clock_step
 from offload.queue.durability import Durability, NotReplicated, confirm, mark, run_script, settle
 from offload.queue.hook_store import HookStore
 from offload.queue.keyspace import QUEUES_KEY, STATE_SETS, new_job_id, prefix, queue_of, validate_queue
 from offload.queue.memory import store_full
 from offload.queue.scripts import HIST_BUCKETS_S, SCRIPTS, Script
 from offload.queue.specs import (
-    DEFAULT_MAX_ATTEMPTS,
-    DEFAULT_RETENTION_S,
     JobSpec,
     check_options,
     encode_input,
     max_payload_limit,
     validate_spec,
 )
+from offload.queue.store_clock import HeldRelease, log_clock_step
 from offload.redis_client import RedisClient
 
 log = logging.getLogger("offload.queue")
@@ -84,7 +91,7 @@ class QueueStore(HookStore):
         self,
         redis: RedisClient,
         *,
-        clock: Callable[[], int] | None = None,
+        clock_ms: ClockMs | None = None,
         max_payload: int | None = None,
         lease_ms: int = DEFAULT_LEASE_MS,
         excuse_outages: bool = True,
@@ -95,7 +102,7 @@ class QueueStore(HookStore):
         `durability`: the writes someone acts on wait for replicas (offload/queue/durability.py)."""
         self.redis = redis
         self.durability = durability
-        self.clock = clock
+        self.clock_ms = clock_ms
         self.excuse_outages = excuse_outages
         self.max_payload = max_payload_limit(max_payload)
         self.lease_ms = lease_ms
@@ -595,8 +602,8 @@ class QueueStore(HookStore):
         known = [int(float(s)) for s in stamps if s]
         if not known:
             return None
-        if self.clock is not None:
-            now = self.clock()
+        if self.clock_ms is not None:
+            now = self.clock_ms()
         else:
             seconds, micros = await self.redis.time()
             now = seconds * 1000 + micros // 1000

@@ -28,6 +28,7 @@ from offload.autoscale.alert_settings import alert_settings
 from offload.autoscale.alerts import Alerter
 from offload.connection import at_start, connect, is_oom
 from offload.heap import freeze_startup
+from offload.http_client import make_client
 from offload.queue.memory import require_noeviction
 from offload.queue.store import QueueStore
 from offload.server import (
@@ -109,7 +110,7 @@ async def _warm_routes(app: FastAPI) -> None:
     source file and line, read with `inspect`) on the first call of that endpoint: tens of ms with the event
     loop blocked, so without this the first requests after a start (a burst of webhooks, say) queue behind it."""
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://warm-up.invalid") as client:
+    async with make_client("in_process", transport=transport, base_url="http://warm-up.invalid") as client:
         await client.get("/_warm-up")
         await client.post("/v1/hooks/-warm-up-/-/1/-", content=b"{}")
 

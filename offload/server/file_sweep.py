@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from offload.clock import Clock
 from offload.errors import JobNotFound
 from offload.queue.keyspace import STORE_ID
 from offload.queue.store import QueueStore
@@ -55,7 +56,7 @@ class FileSweep:
     storage: Storage
     store: QueueStore
     grace_s: float
-    clock: Callable[[], float] = time.time
+    clock: Clock = time.time
     # (subject, message) for operators: app.py sends it to the `alerts:` targets, once per subject and cooldown
     alert: Callable[[str, str], Awaitable[object]] | None = None
     _cursors: dict[str, str] = field(default_factory=dict)

@@ -15,10 +15,10 @@ from typing import Any
 
 import orjson
 
-from offload.queue.clock import StoreClock
 from offload.queue.keyspace import REMOTE_WORKERS, owned, remote_worker, workers
 from offload.queue.scripts import SCRIPTS
 from offload.queue.store import QueueStore
+from offload.queue.store_clock import StoreClock
 from offload.server.schemas import RegisterRequest, WorkerView
 
 REMOTE_PREFIX = "r-"

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from typing import Any
 
 import orjson
@@ -37,6 +36,7 @@ from offload.autoscale.settings import (
 )
 from offload.autoscale.status import snapshot
 from offload.autoscale.vault import Vault
+from offload.env import env_str
 from offload.errors import ConfigError
 from offload.queue.keyspace import validate_queue
 from offload.server.auth import GuardedRoute, Principal, admin_only, guard, need_admin, need_global_read
@@ -350,7 +350,7 @@ async def protect(request: Request, instance_id: str, action: str, key: Principa
 
 def start(state: ServerState) -> asyncio.Task[None] | None:
     """Run the autoscaler in this server (one of possibly many; the lock elects the one that acts)."""
-    if os.environ.get("OFFLOAD_AUTOSCALER", "").lower() in ("off", "0", "false", "no"):
+    if env_str("OFFLOAD_AUTOSCALER", "").lower() in ("off", "0", "false", "no"):
         return None
     scaler = Autoscaler(state.redis, state.options.settings)
     stop = asyncio.Event()

@@ -37,6 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from offload.backends import create_backend
 from offload.backends.base import WebhookBackend
 from offload.errors import InvalidJob, MissingExtra, RequestError
+from offload.http_client import make_client
 from offload.queue.batching import Batcher
 from offload.queue.hook_store import HookItem
 from offload.queue.keyspace import hook_digest, queue_of
@@ -68,7 +69,7 @@ class _Hooks:
 def _hooks(state: ServerState) -> _Hooks:
     hooks: _Hooks | None = state.extra.get(_STATE_KEY)
     if hooks is None:
-        client = httpx.AsyncClient(timeout=10.0)
+        client = make_client("webhook_keys")
         hooks = _Hooks(client, Verifier(client), Batcher(state.store.hook_digests_many), Batcher(state.store.hook_many))
         state.extra[_STATE_KEY] = hooks
     return hooks
@@ -77,7 +78,7 @@ def _hooks(state: ServerState) -> _Hooks:
 def prepare(state: ServerState) -> None:
     """Build the webhook machinery at startup, for every backend whose provider calls back, rather than on the
     first delivery: that builds an HTTP client and imports the backends (aiohttp and all), a few hundred ms with
-    the event loop blocked, and the first deliveries of a burst all queue behind it (issue 15's webhook p99).
+    the event loop blocked, and the first deliveries of a burst all queue behind it (the webhook p99 of a burst).
     A backend that cannot be built here is left to the first delivery, which reports why."""
     settings = state.options.settings
     for name in [n for n in settings.backends if settings.hook_base(n) is not None]:

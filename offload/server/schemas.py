@@ -10,7 +10,8 @@ from fastapi import HTTPException
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from offload.caps import CapKind, QueueStatus
-from offload.queue.specs import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETENTION_S, JobSpec
+from offload.models import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETENTION_S
+from offload.queue.specs import JobSpec
 
 DEFAULT_MAX_BATCH = 1000
 # The answering server's --max-batch, set per request by GuardedRoute (auth.py) before the body is validated.

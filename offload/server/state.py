@@ -7,7 +7,19 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from offload.config import Settings
+from offload.config import (
+    SERVER_BODY_MIN_RATE,
+    SERVER_BODY_TIMEOUT_S,
+    SERVER_HEADER_TIMEOUT_S,
+    SERVER_MAX_BATCH,
+    SERVER_MAX_BODY,
+    SERVER_MAX_CONNECTIONS,
+    SERVER_MAX_REQUESTS_PER_ADDRESS,
+    SERVER_MAX_REQUESTS_PER_KEY,
+    SERVER_MAX_STREAMS_PER_KEY,
+    SERVER_WORKER_LEASE_MS,
+    Settings,
+)
 from offload.queue.keyspace import QUEUES_KEY
 from offload.queue.store import QueueStore
 from offload.redis_client import RedisClient
@@ -28,10 +40,11 @@ class ServerOptions:
 
     redis_url: str | None = None
     settings: Settings = field(default_factory=Settings)
-    max_batch: int = 1000  # jobs per batch enqueue
-    max_body: int = 16 << 20  # bytes per request body
+    # the limits' defaults, and what each bounds, are offload/config.py's SERVER_* (`offload server` shares them)
+    max_batch: int = SERVER_MAX_BATCH
+    max_body: int = SERVER_MAX_BODY
     max_wait_s: float = 60.0  # longest long-poll (wait, claim)
-    worker_lease_ms: int = 30_000  # lease of a remote (HTTP) worker; it heartbeats every third of it
+    worker_lease_ms: int = SERVER_WORKER_LEASE_MS
     maintenance_interval_s: float = 1.0  # promote delayed jobs, reap dead workers, sample rates
     presign_expires_s: int = 3600
     sse_keepalive_s: float = 15.0
@@ -42,13 +55,13 @@ class ServerOptions:
     auth_fail_window_s: float = 60.0
     max_stream_queues: int = 1000  # queues one event stream may follow
     key_recheck_s: float = 1.0  # open streams and long-polls re-check their key this often (ended when revoked)
-    max_connections: int = 2048  # concurrent connections + requests (uvicorn's limit_concurrency), then 503
-    header_timeout_s: float = 10.0  # a connection must send its request headers within this (slowloris)
-    body_timeout_s: float = 30.0  # a request body gets this long to arrive (limits.py) ...
-    body_min_rate: int = 16 << 10  # ... plus one second per this many bytes it delivers; then 408, closed
-    max_requests_per_key: int = 1024  # requests one key has open at once (per server process), then 429
-    max_streams_per_key: int = 512  # event streams and long-polls (SSE, wait, claim) one key has open, then 429
-    max_requests_per_address: int = 256  # requests without a key (webhooks included) open per client address
+    max_connections: int = SERVER_MAX_CONNECTIONS
+    header_timeout_s: float = SERVER_HEADER_TIMEOUT_S
+    body_timeout_s: float = SERVER_BODY_TIMEOUT_S
+    body_min_rate: int = SERVER_BODY_MIN_RATE
+    max_requests_per_key: int = SERVER_MAX_REQUESTS_PER_KEY
+    max_streams_per_key: int = SERVER_MAX_STREAMS_PER_KEY
+    max_requests_per_address: int = SERVER_MAX_REQUESTS_PER_ADDRESS
     freeze_heap: bool = False  # after start-up (offload/heap.py); `offload server` sets it, tests do not
 
 

@@ -29,6 +29,7 @@ from standardwebhooks import Webhook, WebhookVerificationError
 
 from offload.config import BackendSettings
 from offload.errors import RequestError
+from offload.http_client import make_client
 
 FAL_TOLERANCE_S = 300  # as Standard Webhooks: a delivery older or newer than five minutes is refused
 JWKS_REFRESH_MIN_S = 60.0
@@ -98,7 +99,7 @@ class Verifier:
                 return None
             if refresh or age > ttl or not cached.keys:
                 if self._client is None:
-                    self._client = httpx.AsyncClient(timeout=10.0)
+                    self._client = make_client("webhook_keys")
                 try:
                     response = await self._client.get(url)
                     response.raise_for_status()

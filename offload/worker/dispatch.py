@@ -42,10 +42,10 @@ from offload.eventloop import first_of
 from offload.models import ClaimedJob
 from offload.queue.backend_limits import BackendLimits
 from offload.queue.batching import Batcher
-from offload.queue.clock import log_clock_step
 from offload.queue.keyspace import hooks_channel, wake_channel
 from offload.queue.memory import PolicyWatch, has_room
 from offload.queue.store import CompleteItem, QueueStore
+from offload.queue.store_clock import log_clock_step
 from offload.worker import wakeups
 from offload.worker.health import StoreHealth, describe
 from offload.worker.hookpath import hook_backend

@@ -122,7 +122,7 @@ async def test_webhook_and_email_delivery_with_retries_and_cooldown(
 
 async def test_queue_monitors_dead_letter_growth_and_latency(r: Any, receiver: Receiver) -> None:
     clock = Clock()
-    store = QueueStore(r, clock=lambda: int(clock() * 1000))
+    store = QueueStore(r, clock_ms=lambda: int(clock() * 1000))
     alerter = Alerter(
         alert_settings(
             {

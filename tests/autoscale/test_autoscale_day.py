@@ -150,7 +150,7 @@ def new_scaler(r: Any, clock: Clock, owner: str) -> tuple[Autoscaler, MockProvid
 
 async def test_a_day_of_bursty_load(r: Any) -> None:
     clock = Clock(DAY_START)
-    store = QueueStore(r, clock=lambda: int(clock() * 1000))
+    store = QueueStore(r, clock_ms=lambda: int(clock() * 1000))
     scaler, mock = new_scaler(r, clock, "server-1")
     fleet = Fleet(r, store, mock, clock)
     stacked: list[str] = []

@@ -42,7 +42,7 @@ async def r(fast_valkey_url: str) -> AsyncIterator[Any]:
 
 
 def qstore(r: Any, clock: Clock) -> QueueStore:
-    return QueueStore(r, clock=lambda: int(clock() * 1000))
+    return QueueStore(r, clock_ms=lambda: int(clock() * 1000))
 
 
 async def serve_all(

@@ -35,7 +35,7 @@ async def r(fast_valkey_url: str) -> AsyncIterator[Any]:
 
 def qstore(r: Any, clock: Clock) -> QueueStore:
     # the virtual clock jumps past leases with no calls in between: that silence is not an outage here
-    return QueueStore(r, clock=lambda: int(clock() * 1000), excuse_outages=False)
+    return QueueStore(r, clock_ms=lambda: int(clock() * 1000), excuse_outages=False)
 
 
 def providers(url: str) -> dict[str, Any]:

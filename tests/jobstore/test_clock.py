@@ -1,4 +1,4 @@
-"""One clock, the job store's (issue 34, item 6): cap windows are the UTC day of Valkey's TIME, a producer's `delay`
+"""One clock, the job store's: cap windows are the UTC day of Valkey's TIME, a producer's `delay`
 counts from the store's now, and a step back of the store's clock moves the times it had scheduled back with it.
 
 The clocks are real ones made wrong: a Valkey whose wall clock the test steps while it runs, and producer processes
@@ -21,6 +21,7 @@ from support.servers import ValkeyServer
 from bench.chaos.faketime import ClockFile
 from offload.autoscale.scaler import Autoscaler
 from offload.autoscale.state import periods
+from offload.caps import next_window_s, window_of
 from offload.config import Settings
 from offload.connection import connect
 from offload.models import JobState
@@ -71,13 +72,12 @@ async def test_the_cap_window_is_the_utc_day_of_the_stores_clock(valkey_url: str
     redis = await connect(valkey_url)
     try:
         for ms in instants:
-            store = QueueStore(redis, clock=lambda ms=ms: ms)
-            expected = datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y%m%d")
+            store = QueueStore(redis, clock_ms=lambda ms=ms: ms)
+            expected = window_of(ms / 1000)  # the Python rule: clock.lua keeps the same
             assert (await store.usage("q"))[0] == expected, f"window of {ms} ms"
             done = await store.release_held("q")
             assert done.window == expected
-            midnight = (ms // (DAY_S * 1000) + 1) * DAY_S * 1000
-            assert round(done.next_window_s * 1000) == midnight - ms
+            assert round(done.next_window_s * 1000) == round(next_window_s(ms / 1000) * 1000) - ms
     finally:
         await redis.aclose()
 
@@ -217,7 +217,7 @@ async def test_the_autoscaler_and_the_gpu_worker_registry_keep_the_stores_time(s
         settings = Settings.model_validate({"autoscaler": {"worker_key": "ofk_worker_key"}})
         scaler = Autoscaler(redis, settings, owner="s1", env={})
         assert await scaler.tick()
-        store_day = datetime.fromtimestamp(await store_now(redis), UTC).strftime("%Y%m%d")
+        store_day = window_of(await store_now(redis))
         assert periods(scaler.clock())[0] == store_day
         assert abs(scaler.clock() - await store_now(redis)) < 5
         await scaler.aclose()

@@ -45,7 +45,7 @@ async def test_delayed_job_waits_until_due(backend_url: str) -> None:
     from offload.connection import connect
 
     now = [1_000_000]
-    store = QueueStore(await connect(backend_url), clock=lambda: now[0])
+    store = QueueStore(await connect(backend_url), clock_ms=lambda: now[0])
     job_id = await store.enqueue("q", JobSpec(input=1, delay=30))
     assert (await store.get(job_id)).state is JobState.DELAYED
     assert await store.claim("q", "w", 5) == []
@@ -60,7 +60,7 @@ async def test_checkpoint_then_lease_expiry_keeps_remote_id(backend_url: str) ->
 
     now = [5_000_000]
     # the virtual clock jumps with no call in between: not an outage here (see test_outages.py)
-    store = QueueStore(await connect(backend_url), clock=lambda: now[0], lease_ms=1000, excuse_outages=False)
+    store = QueueStore(await connect(backend_url), clock_ms=lambda: now[0], lease_ms=1000, excuse_outages=False)
     job_id = await store.enqueue("q", JobSpec(input=1))
     (c,) = await store.claim("q", "w1", 1)
     assert await store.checkpoint(c.id, c.token, "runpod", "rp-42") is False
@@ -81,7 +81,7 @@ async def test_heartbeat_extends_every_lease_of_a_worker(backend_url: str) -> No
     from offload.connection import connect
 
     now = [9_000_000]
-    store = QueueStore(await connect(backend_url), clock=lambda: now[0], lease_ms=1000, excuse_outages=False)
+    store = QueueStore(await connect(backend_url), clock_ms=lambda: now[0], lease_ms=1000, excuse_outages=False)
     ids = await store.enqueue_many("q", [JobSpec(input=i) for i in range(50)])
     claimed = await store.claim("q", "w1", 50)
     for _ in range(5):
@@ -202,7 +202,7 @@ async def test_retention_deletes_finished_records(backend_url: str) -> None:
     from offload.connection import connect
 
     now = [2_000_000]
-    store = QueueStore(await connect(backend_url), clock=lambda: now[0])
+    store = QueueStore(await connect(backend_url), clock_ms=lambda: now[0])
     job_id = await store.enqueue("q", JobSpec(input=1, retention=60))
     (c,) = await store.claim("q", "w", 1)
     await store.complete(job_id, c.token, "r")
@@ -303,7 +303,7 @@ async def test_claims_delete_expired_records_without_a_separate_reaper(backend_u
     from offload.connection import connect
 
     now = [3_000_000]
-    store = QueueStore(await connect(backend_url), clock=lambda: now[0])
+    store = QueueStore(await connect(backend_url), clock_ms=lambda: now[0])
     done = await store.enqueue("q", JobSpec(input=1, retention=10))
     (c,) = await store.claim("q", "w", 1)
     await store.complete(done, c.token, "r")
@@ -340,7 +340,7 @@ async def test_batched_reservations_decide_in_order_and_count_once(backend_url: 
     counted in the window passes again without taking another slot. The window is the UTC day of the store's
     clock (here a virtual one, a minute before and a minute after midnight)."""
     now = [int(datetime(2026, 11, 29, 23, 59, tzinfo=UTC).timestamp() * 1000)]
-    store = QueueStore(await connect(backend_url), clock=lambda: now[0])
+    store = QueueStore(await connect(backend_url), clock_ms=lambda: now[0])
     verdicts = await store.reserve_many("q", [(f"q:{n:016x}", 0.0) for n in range(5)], job_cap=3, spend_cap=None)
     assert verdicts == [None, None, None, "jobs", "jobs"]
     again = await store.reserve_many(
@@ -362,7 +362,7 @@ async def test_forgive_returns_a_preempted_workers_jobs_without_using_an_attempt
     from offload.connection import connect
 
     now = [9_000_000]
-    store = QueueStore(await connect(backend_url), clock=lambda: now[0], lease_ms=1000, excuse_outages=False)
+    store = QueueStore(await connect(backend_url), clock_ms=lambda: now[0], lease_ms=1000, excuse_outages=False)
     doomed = await store.enqueue("q", JobSpec(input=1, max_attempts=1))
     held = await store.enqueue("q", JobSpec(input=2, max_attempts=1))
     (c,) = await store.claim("q", "r-gone", 1)

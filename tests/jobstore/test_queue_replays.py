@@ -127,7 +127,7 @@ async def test_a_repeated_enqueue_leaves_a_job_claimed_meanwhile_alone(redis: An
 
 async def test_heartbeat_judges_a_lease_by_its_token(backend_url: str) -> None:
     now = [7_000_000]
-    store = QueueStore(await connect(backend_url), clock=lambda: now[0], lease_ms=1000, excuse_outages=False)
+    store = QueueStore(await connect(backend_url), clock_ms=lambda: now[0], lease_ms=1000, excuse_outages=False)
     [job_id] = await store.enqueue_many("q", [JobSpec(input=1)])
     (first,) = await store.claim("q", "w", 1)
     now[0] += 1001  # w stalls past its lease; the maintenance reaps it
@@ -164,7 +164,7 @@ async def test_leases_a_worker_does_not_know_of_are_handed_back_uncounted(store:
 
 async def test_an_outage_costs_no_lease_expiry_but_a_dead_worker_is_still_reaped(backend_url: str) -> None:
     now = [3_000_000]
-    store = QueueStore(await connect(backend_url), clock=lambda: now[0], lease_ms=10_000)
+    store = QueueStore(await connect(backend_url), clock_ms=lambda: now[0], lease_ms=10_000)
     a, b = await store.enqueue_many("q", [JobSpec(input=1), JobSpec(input=2)])
     (ja,) = await store.claim("q", "alive", 1)
     await store.claim("q", "dies", 1)
@@ -185,7 +185,7 @@ async def test_an_outage_is_excused_once_per_worker_until_it_speaks(backend_url:
     """A queue whose only voice is a dead worker is silent by nature: it is excused one silence, then
     reaped, never postponed forever."""
     now = [4_000_000]
-    store = QueueStore(await connect(backend_url), clock=lambda: now[0], lease_ms=10_000)
+    store = QueueStore(await connect(backend_url), clock_ms=lambda: now[0], lease_ms=10_000)
     [job_id] = await store.enqueue_many("q", [JobSpec(input=1)])
     await store.claim("q", "gone", 1)
     now[0] += 20_000
@@ -280,7 +280,7 @@ async def test_event_entries_are_bounded(store: QueueStore) -> None:
 
 async def test_trimming_keeps_up_with_the_claim_rate(backend_url: str) -> None:
     now = [2_000_000]
-    store = QueueStore(await connect(backend_url), clock=lambda: now[0])
+    store = QueueStore(await connect(backend_url), clock_ms=lambda: now[0])
     await store.enqueue_many("q", [JobSpec(input=i, retention=1) for i in range(1_000)])
     claimed = await store.claim("q", "w", 1_000)
     await store.complete_many("q", [(c.id, c.token, "r", None) for c in claimed])

@@ -17,7 +17,7 @@ from offload.queue.store import QueueStore
 async def vstore(backend_url: str) -> AsyncIterator[QueueStore]:
     """A virtual clock, so leases end when a test says so (no outage: each jump is followed by a reap)."""
     now = [10_000_000]
-    store = QueueStore(await connect(backend_url), clock=lambda: now[0], lease_ms=1000, excuse_outages=False)
+    store = QueueStore(await connect(backend_url), clock_ms=lambda: now[0], lease_ms=1000, excuse_outages=False)
     store.now = now  # type: ignore[attr-defined]
     yield store
     await store.redis.aclose()

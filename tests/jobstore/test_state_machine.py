@@ -218,7 +218,7 @@ class QueueMachine(RuleBasedStateMachine):
         return self.store
 
     def _new_store(self) -> None:
-        self.store = QueueStore(self.backend.client, clock=lambda: self.now, lease_ms=LEASE)
+        self.store = QueueStore(self.backend.client, clock_ms=lambda: self.now, lease_ms=LEASE)
 
     @initialize(specs=st.lists(SPECS, min_size=1, max_size=8))
     def start(self, specs: list[dict[str, Any]]) -> None:

@@ -77,7 +77,7 @@ def squeeze(srv: ValkeyServer, under: int = MARGIN) -> int:
 async def expired_records(redis: Any, queue: str, n: int = 400, pad: int = 8000) -> list[str]:
     """`n` finished jobs whose retention ran out an hour ago, written in small batches: a big pipeline's query
     buffer, or a big claim reply, would be memory the server gives back by itself a moment later."""
-    past = QueueStore(redis, clock=lambda: int((time.time() - 3600) * 1000))
+    past = QueueStore(redis, clock_ms=lambda: int((time.time() - 3600) * 1000))
     ids: list[str] = []
     for _ in range(0, n, 25):
         batch = await past.enqueue_many(queue, [JobSpec(input={"pad": "y" * pad}, retention=1) for _ in range(25)])

@@ -207,6 +207,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "offload.redis_client",
             "offload.env",
             "offload.backoff",
+            "offload.clock",
+            "offload.http_client",
             "offload.redact",
             "offload.egress",
             "offload.extras",
@@ -234,6 +236,7 @@ SIDEWAYS: dict[tuple[str, str], str] = {
     ("offload.models", "offload.caps"): "a queue's status names the cap it reached",
     ("offload.models", "offload.exactjson"): "job input and output keep big integers exact",
     ("offload.schema", "offload.suggest"): "a misspelt key gets a did-you-mean",
+    ("offload.eventloop", "offload.env"): "OFFLOAD_EVENT_LOOP is read where every variable is",
 }
 
 

@@ -265,7 +265,7 @@ async def test_a_workers_own_protected_flag_needs_its_providers_consent(r: Any) 
             queue_block(scale_down=[{"trigger": "idle", "timeout": "1m"}]),
             mock=MockConfig(allow_worker_protect=trusted),
         )
-        await QueueStore(r, clock=lambda c=clock: int(c() * 1000)).enqueue("gpu", JobSpec(input=1))
+        await QueueStore(r, clock_ms=lambda c=clock: int(c() * 1000)).enqueue("gpu", JobSpec(input=1))
         await s.tick()
         inst = (await s.instances.live())[0]
         await QueueStore(r).purge("gpu", "queued")

@@ -898,16 +898,25 @@ def test_ten_thousand_jobs_in_flight_cost_no_tasks() -> None:
 
 
 def test_sim_imports_nothing_else_from_offload() -> None:
-    """The simulator stands alone: its modules import only each other from offload, besides four leaves (the base
+    """The simulator stands alone: its modules import only each other from offload, besides six leaves (the base
     of config models, the exception tree and the "did you mean" of config errors, which import nothing else; and
-    the start-up heap freeze, which imports nothing from offload), and its command line
-    (`offload/cli/sim.py`, which `python -m offload.testing.sim` runs) needs only the CLI's error handling on top."""
+    the start-up heap freeze, the clock types and the HTTP client factory, which import nothing from offload), and
+    its command line (`offload/cli/sim.py`, which `python -m offload.testing.sim` runs) needs only the CLI's error
+    handling on top."""
     from test_import_graph import import_graph
 
     graph = import_graph()
-    leaves = {"offload.schema", "offload.errors", "offload.suggest", "offload.heap"}
+    leaves = {
+        "offload.schema",
+        "offload.errors",
+        "offload.suggest",
+        "offload.heap",
+        "offload.clock",
+        "offload.http_client",
+    }
     assert graph["offload.schema"] == {"offload.errors", "offload.suggest"}
     assert graph["offload.errors"] == graph["offload.suggest"] == graph["offload.heap"] == set()
+    assert graph["offload.clock"] == graph["offload.http_client"] == set()
     assert graph["offload.testing"] == set()  # the simulator's package: a docstring, no imports
     sim_modules = [m for m in graph if m.startswith("offload.testing.sim")]
     assert "offload.testing.sim.server" in sim_modules

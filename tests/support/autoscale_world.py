@@ -169,7 +169,7 @@ class World:
         self.sc = sc
         self.rng = random.Random(sc.seed)
         self.clock = Clock(DAY0)
-        self.store = QueueStore(r, clock=lambda: int(self.clock() * 1000))
+        self.store = QueueStore(r, clock_ms=lambda: int(self.clock() * 1000))
         self.instances = InstanceStore(r)
         self.healthy = False  # the end phase turns every fault off
         self.creates: list[float] = []

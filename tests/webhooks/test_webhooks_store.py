@@ -22,7 +22,7 @@ FINAL = b'{"status":"succeeded"}'
 @pytest.fixture
 async def vstore(backend_url: str) -> AsyncIterator[QueueStore]:
     now = [10_000_000]
-    store = QueueStore(await connect(backend_url), clock=lambda: now[0], lease_ms=1000, excuse_outages=False)
+    store = QueueStore(await connect(backend_url), clock_ms=lambda: now[0], lease_ms=1000, excuse_outages=False)
     store.now = now  # type: ignore[attr-defined]
     yield store
     await store.redis.aclose()

@@ -1,4 +1,4 @@
-"""Wrong clocks on real processes (issue 34, item 6): `offload worker` processes, the simulator and a Valkey whose
+"""Wrong clocks on real processes: `offload worker` processes, the simulator and a Valkey whose
 wall clock the test steps while it runs, with worker processes whose own clock is a day ahead (libfaketime:
 bench/chaos/faketime.py). Results go to a local directory: S3 refuses a request signed a day off
 (RequestTimeTooSkewed), which is not what these tests are about.
@@ -25,6 +25,7 @@ from support.servers import ValkeyServer
 from test_worker_crash import QUEUE, Fleet, SimProcess, base_env, job_input
 
 from bench.chaos.faketime import ClockFile
+from offload.caps import next_window_s
 from offload.connection import connect
 from offload.models import JobState
 from offload.queue import keyspace
@@ -52,7 +53,7 @@ async def store_day_ends_in(redis: RedisClient) -> float:
     """Seconds until the store's next UTC midnight, by its own clock."""
     seconds, micros = await redis.time()
     now = int(seconds) + int(micros) / 1e6
-    return (now // DAY_S + 1) * DAY_S - now
+    return next_window_s(now) - now
 
 
 @pytest.fixture

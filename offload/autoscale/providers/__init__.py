@@ -9,7 +9,6 @@ from typing import Any, Literal
 
 from offload.autoscale.providers.base import (
     LABEL_PREFIX,
-    Clock,
     LaunchSpec,
     Machine,
     MachineState,
@@ -25,6 +24,7 @@ from offload.autoscale.providers.local import LocalConfig, LocalProvider
 from offload.autoscale.providers.mock import MockConfig, MockProvider
 from offload.autoscale.providers.runpod import RunPodConfig, RunPodProvider
 from offload.autoscale.providers.vastai import VastConfig, VastProvider
+from offload.clock import Clock
 from offload.errors import ConfigError
 from offload.redis_client import RedisClient
 from offload.schema import parse

@@ -13,7 +13,6 @@ import asyncio
 import builtins
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -23,6 +22,7 @@ from pydantic import Field
 from offload import redact
 from offload.backoff import compute_backoff
 from offload.errors import ProviderError as ProviderError  # the branch root, drawn in offload.errors
+from offload.http_client import make_client
 from offload.schema import Strict
 
 LABEL_PREFIX = "offload-"
@@ -30,7 +30,6 @@ WORKER_KEY_HELP = (
     "the worker key its machines get (a worker key of the queues it serves); required for a provider made "
     "over the HTTP API, which never receives the server's"
 )
-Clock = Callable[[], float]
 RETRY_BASE, RETRY_CAP = 0.1, 2.0  # seconds between the retries of one provider call, doubling
 
 
@@ -167,8 +166,8 @@ class Http:
     ) -> None:
         # the credentials this client sends are what an echoing provider would show back: never in an excerpt
         self.secrets = {v for h in headers.values() for v in (h, h.partition(" ")[2])}
-        self.client = client or httpx.AsyncClient(
-            base_url=base_url.rstrip("/"), headers=headers, timeout=httpx.Timeout(timeout, connect=10.0)
+        self.client = client or make_client(
+            "provider_api", timeout=timeout, base_url=base_url.rstrip("/"), headers=headers
         )
         self.attempts = attempts
         self.max_wait = max_wait

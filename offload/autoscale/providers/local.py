@@ -36,7 +36,6 @@ from pydantic import Field
 
 from offload.autoscale import keyspace
 from offload.autoscale.providers.base import (
-    Clock,
     LaunchSpec,
     Machine,
     MachineState,
@@ -46,6 +45,8 @@ from offload.autoscale.providers.base import (
     ProviderError,
     is_ours,
 )
+from offload.clock import Clock
+from offload.env import process_env
 from offload.redis_client import RedisClient
 
 log = logging.getLogger("offload.autoscale.local")
@@ -130,7 +131,7 @@ class LocalProvider(Provider):
         if not server or not spec.env.get("OFFLOAD_TOKEN"):
             raise ProviderError("local: the server URL and a worker key are needed to start a worker", retryable=False)
         provider_id = "local-" + secrets.token_hex(6)
-        env = worker_env(os.environ, spec.env)  # minimal: never the vault key, Redis URL or backend secrets
+        env = worker_env(process_env(), spec.env)  # minimal: never the vault key, Redis URL or backend secrets
         cwd, workdir = self.config.workdir, None
         if spec.script:  # deploy from git: its own work dir, the worker started by the script
             workdir = self._workdir(spec.label)

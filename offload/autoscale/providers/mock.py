@@ -18,7 +18,6 @@ from pydantic import Field
 
 from offload.autoscale import keyspace
 from offload.autoscale.providers.base import (
-    Clock,
     LaunchSpec,
     Machine,
     MachineState,
@@ -29,6 +28,7 @@ from offload.autoscale.providers.base import (
     ProviderError,
     is_ours,
 )
+from offload.clock import Clock
 from offload.redis_client import RedisClient
 
 log = logging.getLogger("offload.autoscale.mock")

@@ -25,6 +25,7 @@ from starlette.responses import Response
 from starlette.routing import Match, Route
 from starlette.types import Receive, Scope, Send
 
+from offload.clock import Clock
 from offload.testing.sim import (
     control_api,
     fal_api,
@@ -37,7 +38,7 @@ from offload.testing.sim import (
     vastai_api,
 )
 from offload.testing.sim.config import SimConfig
-from offload.testing.sim.engine import Clock, Sim
+from offload.testing.sim.engine import Sim
 from offload.testing.sim.faults import RAW_SEND_KEY
 
 

@@ -24,6 +24,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from offload.clock import Clock
 from offload.errors import OffloadError
 from offload.testing.sim.config import FAMILIES, Behaviour, Family, Op, SimConfig
 from offload.testing.sim.faults import (
@@ -42,7 +43,6 @@ from offload.testing.sim.submissions import Submission, SubmissionLog
 from offload.testing.sim.webhooks import Event as HookEvent
 from offload.testing.sim.webhooks import HookSender, Render
 
-Clock = Callable[[], float]
 HOLD_STEP = 0.25  # seconds between checks while holding a synchronous request (a cancel can end a job early)
 
 

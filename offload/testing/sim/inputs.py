@@ -21,8 +21,9 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from offload.http_client import make_client
+
 _URL = re.compile(r"https?://[^\s\"'<>]+", re.IGNORECASE)
-FETCH_TIMEOUT_S = 600.0
 CHUNK = 1 << 20
 
 
@@ -86,7 +87,7 @@ class InputFetcher:
         digest = hashlib.sha256()
         try:
             async with (
-                httpx.AsyncClient(timeout=FETCH_TIMEOUT_S) as http,
+                make_client("sim_fetch") as http,
                 http.stream("GET", url) as resp,
             ):
                 entry["status"] = resp.status_code

@@ -15,10 +15,10 @@ from collections.abc import Iterator, Sequence
 
 import uvicorn
 
+from offload.clock import Clock
 from offload.heap import freeze_startup
 from offload.testing.sim.app import SimApp, create_app
 from offload.testing.sim.config import SimConfig
-from offload.testing.sim.engine import Clock
 
 START_TIMEOUT = 10.0
 STOP_TIMEOUT = 10.0

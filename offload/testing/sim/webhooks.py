@@ -36,6 +36,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from pydantic import BaseModel, ConfigDict, Field
 from standardwebhooks import Webhook
 
+from offload.clock import Clock
 from offload.testing.sim.sender import LeanPost, SendError
 from offload.testing.sim.store import TERMINAL, Job
 
@@ -83,7 +84,7 @@ def _b64url(raw: bytes) -> str:
 class HookSender:
     """Schedules, signs and sends the simulator's webhooks."""
 
-    def __init__(self, clock: Callable[[], float], rng: Any) -> None:
+    def __init__(self, clock: Clock, rng: Any) -> None:
         self.clock = clock
         self.rng = rng
         self.faults = HookFaults()
