@@ -7,7 +7,7 @@ everysec), the simulator (`offload sim serve --latency S`, the tutorial's job AP
 (`offload worker --queue Q --config offload.yaml`, `http-job` backend, local-directory storage so S3 is not the
 bottleneck; its results directory is under $TMPDIR, and every stored object is fsynced).
 
-First the tutorial's worker loop (`tutorial_worker`, a minimal faithful copy of its logic: BLPOP, daily cap,
+First the tutorial's worker loop (bench/tutorial_worker.py, a minimal faithful copy of its logic: BLPOP, daily cap,
 submit, poll every POLL_INTERVAL = 1 s, store to a local file, retry/dead-letter) serves the simulator for a fixed
 window; its completion rate is its completed jobs over the time its last one completed. Then the jobs are enqueued
 in bulk for offload, and while they run the bench samples the queue's jobs in flight (active + submitted, i.e.
@@ -27,190 +27,31 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
-import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
-import redis
 
 from offload.connection import connect
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 
-try:
-    import psutil
-except ImportError:  # not a dependency: fall back to /proc
-    psutil = None
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from processes import Processes, ProcStats, start_sim, start_valkey
+from tutorial_worker import run_tutorial
 
-HOST = "127.0.0.1"
 SAMPLE_EVERY = 0.5  # CPU time and RSS
 CHECK_EVERY = 0.1  # queue counts (in flight, succeeded): cheap, and it makes the wall time precise
 ENQUEUE_BATCH = 10_000
-EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Timeout)\b[^\n]*$", re.MULTILINE)
-LOGGED = re.compile(r"^\S+ \S+ (?:WARNING|ERROR) (.*)$", re.MULTILINE)
-ID = re.compile(r"[\w.-]*[0-9a-f]{16,}[\w.-]*")
-# Settings a worker would pick up from the environment; the bench's own config file must be all it sees.
-TUTORIAL_ENV = (
-    "REDIS_URL",
-    "QUEUE_KEY",
-    "GPU_API_BASE",
-    "GPU_API_KEY",
-    "S3_ENDPOINT",
-    "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY",
-    "RESULT_BUCKET",
-    "MAX_ATTEMPTS",
-    "DAILY_JOB_CAP",
-    "POLL_INTERVAL",
-    "POLL_TIMEOUT",
-)
-
-
-# -- processes -------------------------------------------------------------------------------------
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM if the bench dies without cleaning up (Linux only)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-def child_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("OFFLOAD_") and k not in TUTORIAL_ENV}
-
-
-class Processes:
-    """Children in their own sessions (a Ctrl-C reaches only the bench, which stops them in order)."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
-
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        log = (self.workdir / f"{name}.log").open("wb")
-        try:
-            proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env or child_env(),
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
-        finally:
-            log.close()
-        self.procs.append((name, proc))
-        return proc
-
-    def log_tail(self, name: str, lines: int = 20) -> str:
-        path = self.workdir / f"{name}.log"
-        text = path.read_text(errors="replace") if path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    def errors(self, name: str, top: int = 5) -> str:
-        """Exceptions (last line of each traceback) and warnings/errors in a child's log, ids masked, most
-        frequent first, with counts."""
-        path = self.workdir / f"{name}.log"
-        text = path.read_text(errors="replace") if path.exists() else ""
-        found = Counter(m.group(0) for m in EXCEPTION_LINE.finditer(text))
-        found.update(ID.sub("<id>", m.group(1)) for m in LOGGED.finditer(text))
-        return "\n".join(f"{n:7d} x {line[:200]}" for line, n in found.most_common(top)) or "(none logged)"
-
-    def stop(self, proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-    def stop_all(self) -> None:
-        for _, proc in reversed(self.procs):  # worker first, then the simulator, then Valkey
-            with contextlib.suppress(Exception):
-                self.stop(proc)
-
-
-def wait_until(
-    ready: Any, proc: subprocess.Popen[bytes], what: str, procs: Processes, name: str, timeout: float = 30.0
-) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        with contextlib.suppress(Exception):
-            if ready():
-                return
-        if proc.poll() is not None:
-            raise SystemExit(f"{what} exited with {proc.returncode}:\n{procs.log_tail(name)}")
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{what} not ready after {timeout:g}s:\n{procs.log_tail(name)}")
-        time.sleep(0.05)
-
-
-def start_valkey(procs: Processes) -> str:
-    from offload.local.embedded import server_argv, server_env
-
-    port = free_port()
-    data = procs.workdir / "valkey"
-    data.mkdir()
-    proc = procs.start(
-        "valkey",
-        server_argv(port, data, bind=HOST),
-        server_env(child_env()),
-    )
-    url = f"redis://{HOST}:{port}/0"
-    client = redis.Redis.from_url(url)
-    try:
-        wait_until(client.ping, proc, "valkey", procs, "valkey")
-    finally:
-        client.close()
-    return url
-
-
-def start_sim(procs: Processes, latency: float) -> tuple[str, subprocess.Popen[bytes]]:
-    port = free_port()
-    proc = procs.start(
-        "sim",
-        [
-            sys.executable,
-            "-m",
-            "offload",
-            "sim",
-            "serve",
-            "--host",
-            HOST,
-            "--port",
-            str(port),
-            "--latency",
-            f"{latency:g}",
-            "--log-level",
-            "warning",
-        ],
-    )
-    url = f"http://{HOST}:{port}"
-    wait_until(lambda: httpx.get(f"{url}/_sim/health", timeout=1).status_code == 200, proc, "simulator", procs, "sim")
-    return url, proc
 
 
 def write_config(
@@ -258,42 +99,6 @@ def start_worker(
             log_level,
         ],
     )
-
-
-# -- measuring a process ---------------------------------------------------------------------------
-
-
-class ProcStats:
-    """CPU seconds (user + system) and memory of one process: psutil when installed, else /proc."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self._ps = psutil.Process(pid) if psutil else None
-        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-    def cpu_seconds(self) -> float:
-        if self._ps is not None:
-            t = self._ps.cpu_times()
-            return float(t.user + t.system)
-        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / self._tick  # utime, stime (fields 14, 15 of the line)
-
-    def _status_kb(self, name: str) -> int | None:
-        with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-                if line.startswith(name + ":"):
-                    return int(line.split()[1])
-        return None
-
-    def rss_bytes(self) -> int:
-        if self._ps is not None:
-            return int(self._ps.memory_info().rss)
-        return (self._status_kb("VmRSS") or 0) * 1024
-
-    def peak_rss_bytes(self) -> int | None:
-        """The kernel's high-water mark (catches peaks between samples); None where /proc is missing."""
-        kb = self._status_kb("VmHWM")
-        return kb * 1024 if kb is not None else None
 
 
 # -- offload ---------------------------------------------------------------------------------------
@@ -380,13 +185,7 @@ async def run_offload(
     side = {name: ProcStats(p.pid) for name, p in others.items()}
     out = OffloadRun(jobs)
     try:
-        deadline = time.monotonic() + 30
-        while (await store.stats(queue)).workers < 1:
-            if worker.poll() is not None:
-                raise OffloadFailed(f"worker exited with {worker.returncode}:\n{procs.log_tail('worker')}")
-            if time.monotonic() > deadline:
-                raise OffloadFailed(f"worker not serving {queue} after 30s:\n{procs.log_tail('worker')}")
-            await asyncio.sleep(0.05)
+        await _wait_for_worker(store, queue, worker, procs)
         specs = [JobSpec(input={"prompt": f"bench job {i}", "n": i}, retention=3600) for i in range(jobs)]
         cpu0 = w.cpu_seconds()
         side0 = {name: s.cpu_seconds() for name, s in side.items()}
@@ -398,8 +197,7 @@ async def run_offload(
         progress, progress_at = -1, 0.0
         while True:
             now = time.perf_counter() - t0
-            stats = await store.stats(queue)
-            c = stats.counts
+            c = (await store.stats(queue)).counts
             in_flight = c["active"] + c["submitted"]
             if in_flight > out.peak_in_flight:
                 out.peak_in_flight, out.peak_at_s = in_flight, now
@@ -418,28 +216,11 @@ async def run_offload(
                 break
             if c["succeeded"] != progress:
                 progress, progress_at = c["succeeded"], now
-            problem = (
-                f"{c['dead']} jobs dead, {c['cancelled']} cancelled"
-                if c["dead"] or c["cancelled"]
-                else f"worker exited with {worker.returncode}"
-                if worker.poll() is not None
-                else f"not done after {timeout:g}s"
-                if now > timeout
-                else f"stalled: no job succeeded for {stall:g}s"
-                if now - progress_at > stall
-                else None
-            )
-            if problem:
+            if problem := _problem(c, worker, now, timeout, stall, now - progress_at):
                 out.samples.append(
                     Sample(now, in_flight, c["submitted"], c["succeeded"], w.cpu_seconds() - cpu0, w.rss_bytes())
                 )
-                remote = await asyncio.to_thread(remote_submissions, sim_url, jobs, sim_before)
-                raise OffloadFailed(
-                    f"offload run failed at {now:.1f}s: {problem}\ncounts: {c}\n"
-                    f"{timeline(out.samples)}\nload average {load_average()}\n"
-                    f"simulator: {remote}\n"
-                    f"exceptions in the worker's log:\n{procs.errors('worker')}"
-                )
+                raise await _failed(problem, now, c, out, sim_url, jobs, sim_before, procs)
             await asyncio.sleep(CHECK_EVERY)
         out.peak_rss = max([s.rss for s in out.samples] + [w.peak_rss_bytes() or 0])
     finally:
@@ -447,128 +228,54 @@ async def run_offload(
     return out
 
 
-# -- the tutorial's worker -------------------------------------------------------------------------
+async def _wait_for_worker(store: QueueStore, queue: str, worker: subprocess.Popen[bytes], procs: Processes) -> None:
+    """Until the worker has registered in the queue's worker set (its first claim)."""
+    deadline = time.monotonic() + 30
+    while (await store.stats(queue)).workers < 1:
+        if worker.poll() is not None:
+            raise OffloadFailed(f"worker exited with {worker.returncode}:\n{procs.log_tail('worker')}")
+        if time.monotonic() > deadline:
+            raise OffloadFailed(f"worker not serving {queue} after 30s:\n{procs.log_tail('worker')}")
+        await asyncio.sleep(0.05)
+
+
+def _problem(
+    c: dict[str, int], worker: subprocess.Popen[bytes], now: float, timeout: float, stall: float, idle: float
+) -> str | None:
+    """Why the run failed, if it did: jobs dead or cancelled, the worker gone, past the timeout, or stalled."""
+    if c["dead"] or c["cancelled"]:
+        return f"{c['dead']} jobs dead, {c['cancelled']} cancelled"
+    if worker.poll() is not None:
+        return f"worker exited with {worker.returncode}"
+    if now > timeout:
+        return f"not done after {timeout:g}s"
+    if idle > stall:
+        return f"stalled: no job succeeded for {stall:g}s"
+    return None
+
+
+async def _failed(
+    problem: str,
+    now: float,
+    c: dict[str, int],
+    out: OffloadRun,
+    sim_url: str,
+    jobs: int,
+    sim_before: tuple[int, int, int],
+    procs: Processes,
+) -> OffloadFailed:
+    """The failure, with what the bench saw: counts, the timeline, the simulator's count, the worker's errors."""
+    remote = await asyncio.to_thread(remote_submissions, sim_url, jobs, sim_before)
+    return OffloadFailed(
+        f"offload run failed at {now:.1f}s: {problem}\ncounts: {c}\n"
+        f"{timeline(out.samples)}\nload average {load_average()}\n"
+        f"simulator: {remote}\n"
+        f"exceptions in the worker's log:\n{procs.errors('worker')}"
+    )
 
 
 class OffloadFailed(Exception):
     """The offload run did not get every job to succeeded; the message says what the bench saw."""
-
-
-class WindowOver(Exception):
-    """The measurement window ended while a job was still running."""
-
-
-def tutorial_worker(
-    redis_url: str,
-    queue_key: str,
-    api_base: str,
-    api_key: str,
-    result_dir: Path,
-    *,
-    until: float,
-    poll_interval: float = 1.0,
-    poll_timeout: float = 600.0,
-    max_attempts: int = 3,
-    daily_job_cap: int = 1_000_000,
-) -> list[float]:
-    """The tutorial's worker.py, minimal and faithful, stopped at `until` (time.monotonic()): one job at a time,
-    BLPOP, the INCR/EXPIRE daily cap, POST {base}/jobs, GET {base}/jobs/{id} every `poll_interval`, the output
-    written to a file (for its S3 put_object), retry by re-push after a sleep, dead-letter list. httpx stands in
-    for requests. Returns the monotonic time of each completion."""
-    queue = redis.Redis.from_url(redis_url)
-    http = httpx.Client(headers={"Authorization": f"Bearer {api_key}"})
-    done: list[float] = []
-
-    def within_budget() -> bool:
-        day = time.strftime("%Y%m%d")
-        used = queue.incr(f"{queue_key}:spend:{day}")
-        queue.expire(f"{queue_key}:spend:{day}", 172800)
-        return int(used) <= daily_job_cap
-
-    def submit(job: dict[str, Any]) -> str:
-        response = http.post(f"{api_base}/jobs", json=job["input"], timeout=30)
-        response.raise_for_status()
-        return str(response.json()["id"])
-
-    def poll(remote_id: str) -> Any:
-        deadline = time.monotonic() + poll_timeout
-        while time.monotonic() < deadline:
-            response = http.get(f"{api_base}/jobs/{remote_id}", timeout=30)
-            response.raise_for_status()
-            body = response.json()
-            if body["status"] == "succeeded":
-                return body["output"]
-            if body["status"] == "failed":
-                raise RuntimeError(f"remote job {remote_id} failed")
-            if time.monotonic() + poll_interval > until:
-                raise WindowOver
-            time.sleep(poll_interval)
-        raise TimeoutError(f"remote job {remote_id} did not finish in time")
-
-    def store(job: dict[str, Any], output: Any) -> str:
-        path = result_dir / job["output_key"]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(json.dumps(output).encode())
-        return str(job["output_key"])
-
-    try:
-        while time.monotonic() < until:
-            item = queue.blpop([queue_key], timeout=1)
-            if item is None:
-                continue
-            job = json.loads(item[1])
-            attempt = job.get("attempt", 1)
-            if not within_budget():
-                queue.rpush(f"{queue_key}:held", json.dumps(job))
-                time.sleep(min(60, max(until - time.monotonic(), 0)))
-                continue
-            try:
-                store(job, poll(submit(job)))
-                done.append(time.monotonic())
-            except WindowOver:
-                break
-            except Exception as error:
-                if attempt < max_attempts:
-                    job["attempt"] = attempt + 1
-                    time.sleep(min(2**attempt, max(until - time.monotonic(), 0)))
-                    queue.rpush(queue_key, json.dumps(job))
-                else:
-                    queue.rpush(f"{queue_key}:dead", json.dumps({"job": job, "error": str(error)}))
-    finally:
-        http.close()
-        queue.close()
-    return done
-
-
-def run_tutorial(redis_url: str, sim_url: str, workdir: Path, window: float, latency: float) -> tuple[int, float]:
-    """Fill the tutorial's list (its producer's JSON) with more jobs than the window can take, run the loop for
-    `window` seconds; the rate is completions over the time of the last one (a partly done job is not counted)."""
-    queue_key = f"gpu:jobs:bench{os.getpid()}"
-    r = redis.Redis.from_url(redis_url)
-    try:
-        count = int(window / max(latency, 0.05)) + 5
-        r.rpush(
-            queue_key,
-            *(
-                json.dumps(
-                    {
-                        "id": f"t{i}",
-                        "input": {"prompt": f"tutorial job {i}"},
-                        "output_key": f"results/t{i}.json",
-                        "attempt": 1,
-                    }
-                )
-                for i in range(count)
-            ),
-        )
-        start = time.monotonic()
-        done = tutorial_worker(redis_url, queue_key, sim_url, "bench", workdir / "tutorial", until=start + window)
-        r.delete(queue_key, f"{queue_key}:held", f"{queue_key}:dead")
-    finally:
-        r.close()
-    if not done:
-        return 0, 0.0
-    return len(done), len(done) / (done[-1] - start)
 
 
 # -- main ------------------------------------------------------------------------------------------
@@ -605,6 +312,15 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+@dataclass
+class Outcome:
+    tutorial_done: int = 0
+    tutorial_rate: float = 0.0
+    run: OffloadRun | None = None
+    failure: str = ""
+    remote: str = ""
+
+
 def main() -> None:
     args = parse_args()
     # Our own handler, not asyncio.run's (which only cancels the main task, and a cancellation can be absorbed
@@ -615,40 +331,9 @@ def main() -> None:
         signal.signal(signal.SIGINT, _interrupt)
     workdir = Path(tempfile.mkdtemp(prefix="offload-inflight-"))
     procs = Processes(workdir)
-    queue = f"inflight{os.getpid()}"
-    run: OffloadRun | None = None
-    failure = remote = ""
+    outcome = Outcome()
     try:
-        redis_url = start_valkey(procs)
-        sim_url, sim = start_sim(procs, args.latency)
-        # The baseline first, on an idle simulator, so its number exists even when the offload run fails.
-        tutorial_done, tutorial_rate = run_tutorial(redis_url, sim_url, workdir, args.window, args.latency)
-        sim_before = sim_counts(sim_url)
-        config = write_config(
-            workdir, redis_url, sim_url, queue, args.concurrency, args.poll_interval, args.redis_max_connections
-        )
-        worker = start_worker(procs, config, queue, args.concurrency, args.worker_log_level)
-        timeout = 60 + 3 * args.latency + args.jobs / 50
-        stall = args.latency + 2 * args.poll_interval + 20
-        try:
-            run = asyncio.run(
-                run_offload(
-                    redis_url,
-                    sim_url,
-                    sim_before,
-                    queue,
-                    args.jobs,
-                    timeout,
-                    stall,
-                    worker,
-                    {"sim": sim, "valkey": procs.procs[0][1]},
-                    procs,
-                )
-            )
-            procs.stop(worker)
-            remote = remote_submissions(sim_url, args.jobs, sim_before)
-        except OffloadFailed as exc:
-            failure = str(exc)
+        _measure(args, procs, workdir, outcome)
     except KeyboardInterrupt:
         print("interrupted: stopping the processes the bench started", file=sys.stderr)
         raise SystemExit(130) from None
@@ -658,15 +343,59 @@ def main() -> None:
             print(f"work directory kept: {workdir}", file=sys.stderr)
         else:
             shutil.rmtree(workdir, ignore_errors=True)
+    _report(args, outcome)
 
+
+def _measure(args: argparse.Namespace, procs: Processes, workdir: Path, outcome: Outcome) -> None:
+    """The tutorial's baseline, then the offload run, filling `outcome` as they go (an interrupt keeps what
+    was measured)."""
+    queue = f"inflight{os.getpid()}"
+    redis_url = start_valkey(procs)
+    sim_url, sim = start_sim(procs, args.latency)
+    # The baseline first, on an idle simulator, so its number exists even when the offload run fails.
+    outcome.tutorial_done, outcome.tutorial_rate = run_tutorial(redis_url, sim_url, workdir, args.window, args.latency)
+    sim_before = sim_counts(sim_url)
+    config = write_config(
+        workdir, redis_url, sim_url, queue, args.concurrency, args.poll_interval, args.redis_max_connections
+    )
+    worker = start_worker(procs, config, queue, args.concurrency, args.worker_log_level)
+    timeout = 60 + 3 * args.latency + args.jobs / 50
+    stall = args.latency + 2 * args.poll_interval + 20
+    try:
+        outcome.run = asyncio.run(
+            run_offload(
+                redis_url,
+                sim_url,
+                sim_before,
+                queue,
+                args.jobs,
+                timeout,
+                stall,
+                worker,
+                {"sim": sim, "valkey": procs.procs[0][1]},
+                procs,
+            )
+        )
+        procs.stop(worker)
+        outcome.remote = remote_submissions(sim_url, args.jobs, sim_before)
+    except OffloadFailed as exc:
+        outcome.failure = str(exc)
+
+
+def _report(args: argparse.Namespace, outcome: Outcome) -> None:
+    """The human summary, then the JSON line; exits 1 after a failed offload run."""
     print(
         f"jobs={args.jobs} latency={args.latency:g}s concurrency={args.concurrency} "
         f"poll_interval<={args.poll_interval:g}s window={args.window:g}s cpus={os.cpu_count()} "
         f"worker_log_level={args.worker_log_level} redis_max_connections={args.redis_max_connections or 'default'}"
     )
-    tutorial = f"tutorial loop       {tutorial_done:8d} jobs in {args.window:g} s window -> {tutorial_rate:.4f} jobs/s"
+    tutorial_rate = outcome.tutorial_rate
+    tutorial = (
+        f"tutorial loop       {outcome.tutorial_done:8d} jobs in {args.window:g} s window -> {tutorial_rate:.4f} jobs/s"
+    )
+    run = outcome.run
     if run is None:
-        print(failure)
+        print(outcome.failure)
         print(tutorial)
         print(
             json.dumps(
@@ -677,11 +406,32 @@ def main() -> None:
                     "jobs_per_s": None,
                     "tutorial_jobs_per_s": round(tutorial_rate, 4),
                     "ratio": None,
-                    "error": failure.splitlines()[0],
+                    "error": outcome.failure.splitlines()[0],
                 }
             )
         )
         raise SystemExit(1)
+    rate = args.jobs / run.wall_s
+    cores = run.cpu_s / run.wall_s
+    _print_run(args, run, outcome.remote)
+    print(tutorial)
+    ratio = rate / tutorial_rate if tutorial_rate else None
+    print(f"offload / tutorial  {ratio:,.0f}x" if ratio else "offload / tutorial  n/a (the tutorial finished none)")
+    print(
+        json.dumps(
+            {
+                "peak_in_flight": run.peak_in_flight,
+                "worker_cpu_cores": round(cores, 3),
+                "peak_rss_mb": round(run.peak_rss / 2**20, 1),
+                "jobs_per_s": round(rate, 2),
+                "tutorial_jobs_per_s": round(tutorial_rate, 4),
+                "ratio": round(ratio, 1) if ratio else None,
+            }
+        )
+    )
+
+
+def _print_run(args: argparse.Namespace, run: OffloadRun, remote: str) -> None:
     rate = args.jobs / run.wall_s
     cores = run.cpu_s / run.wall_s
     print(timeline(run.samples))
@@ -701,21 +451,6 @@ def main() -> None:
         f"{run.valkey_cpu_s:.2f} s = {run.valkey_cpu_s / run.wall_s:.2f} cores"
     )
     print(f"simulator saw       {remote}")
-    print(tutorial)
-    ratio = rate / tutorial_rate if tutorial_rate else None
-    print(f"offload / tutorial  {ratio:,.0f}x" if ratio else "offload / tutorial  n/a (the tutorial finished none)")
-    print(
-        json.dumps(
-            {
-                "peak_in_flight": run.peak_in_flight,
-                "worker_cpu_cores": round(cores, 3),
-                "peak_rss_mb": round(run.peak_rss / 2**20, 1),
-                "jobs_per_s": round(rate, 2),
-                "tutorial_jobs_per_s": round(tutorial_rate, 4),
-                "ratio": round(ratio, 1) if ratio else None,
-            }
-        )
-    )
 
 
 if __name__ == "__main__":

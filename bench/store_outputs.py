@@ -4,7 +4,7 @@
 
 When 2,000 GPU jobs end within a second, each one's output names a provider file that the worker copies into
 the result store before the job may succeed (offload/storage/outputs.py), and those copies are what the event
-loop spends the burst on (issue 15). This runs `--jobs` concurrent `store_output` calls in one process, as the
+loop spends the burst on. This runs `--jobs` concurrent `store_output` calls in one process, as the
 worker's `save` makes them: the worker's client (`new_client`, on aiohttp's pool), local-directory storage, the
 fence a no-op, one file per output from a simulator running as its own process. Two roads, interleaved per
 repetition:
@@ -39,7 +39,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from inflight import Processes, ProcStats, start_sim
+from processes import Processes, ProcStats, start_sim
 
 from offload import eventloop
 from offload.backends import new_client

@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from inflight import HOST, Processes, ProcStats, free_port, start_valkey, wait_until
+from processes import HOST, Processes, ProcStats, free_port, start_valkey, wait_until
 
 from offload.connection import connect
 from offload.models import JobState
@@ -137,38 +137,8 @@ async def run_once(
                 raise SystemExit(f"{name}: jobs did not finish:\n{procs.log_tail(f'worker-{name}')}")
             await asyncio.sleep(0.1)
         server_cpu = server_stats.cpu_seconds() - server_cpu0 if server_stats is not None else None
-        finished, kept = {}, {}
-        for job_id in ids:
-            job = await store.get(job_id)
-            assert job.state == JobState.SUCCEEDED and job.finished_at is not None
-            finished[job.input["id"]] = job.finished_at / 1000
-            if at := await r.hget(f"offload:{{{QUEUE}}}:job:{job_id}", "hook_at"):  # when the server kept it
-                kept[job.input["id"]] = int(at) / 1000
-        remote = (await sim.get("/_sim/jobs", params={"limit": jobs * 2})).json()["jobs"]
-        ends = {j["input_id"]: j["finished"] for j in remote}
-        latencies = [(finished[k] - ends[k]) * 1000 for k in finished]
-        if kept:  # where a tail comes from: before the server kept the webhook (simulator, server), or after
-            server_ms = [(kept[k] - ends[k]) * 1000 for k in kept]
-            worker_ms = [(finished[k] - kept[k]) * 1000 for k in kept]
-            print(
-                f"{name}: kept by the server p50 {percentile(server_ms, 0.5):.0f} / p99 "
-                f"{percentile(server_ms, 0.99):.0f} ms after the end, "
-                f"stored p50 {percentile(worker_ms, 0.5):.0f} / p99 "
-                f"{percentile(worker_ms, 0.99):.0f} ms later"
-            )
-        every = (await sim.get("/_sim/webhooks")).json()["deliveries"]
-        per_delivery = None
-        if server_cpu is not None and every:  # starts and completions alike: each is one verified delivery
-            per_delivery = server_cpu * 1000 / len(every)
-            print(f"{name}: the server spent {per_delivery:.2f} ms of CPU per delivery ({len(every)} deliveries)")
-        # the completions only: a Replicate `start` goes out the moment the prediction exists
-        sent = [d for d in every if d.get("event") == "completed"]
-        if sent:
-            answered = [(d["sent_at"] - d["ended"]) * 1000 for d in sent]
-            print(
-                f"{name}: webhook answered by the server p50 {percentile(answered, 0.5):.0f} / p99 "
-                f"{percentile(answered, 0.99):.0f} ms after the end"
-            )
+        latencies = await _latencies(name, r, store, sim, ids, jobs)
+        per_delivery = await _server_cost(name, sim, server_cpu)
         requests = (await sim.get("/_sim/stats")).json()["requests"]
         calls = sum(requests.get(route, 0) for route in ROUTES) / jobs
         return latencies, calls, per_delivery
@@ -178,6 +148,51 @@ async def run_once(
             procs.stop(server)
         await r.aclose()
         await sim.aclose()
+
+
+async def _latencies(
+    name: str, r: Any, store: QueueStore, sim: httpx.AsyncClient, ids: list[str], jobs: int
+) -> list[float]:
+    """Each job's time from its remote job's end to its stored result (ms); where the server kept a webhook,
+    how that splits before and after it is printed."""
+    finished, kept = {}, {}
+    for job_id in ids:
+        job = await store.get(job_id)
+        assert job.state == JobState.SUCCEEDED and job.finished_at is not None
+        finished[job.input["id"]] = job.finished_at / 1000
+        if at := await r.hget(f"offload:{{{QUEUE}}}:job:{job_id}", "hook_at"):  # when the server kept it
+            kept[job.input["id"]] = int(at) / 1000
+    remote = (await sim.get("/_sim/jobs", params={"limit": jobs * 2})).json()["jobs"]
+    ends = {j["input_id"]: j["finished"] for j in remote}
+    latencies = [(finished[k] - ends[k]) * 1000 for k in finished]
+    if kept:  # where a tail comes from: before the server kept the webhook (simulator, server), or after
+        server_ms = [(kept[k] - ends[k]) * 1000 for k in kept]
+        worker_ms = [(finished[k] - kept[k]) * 1000 for k in kept]
+        print(
+            f"{name}: kept by the server p50 {percentile(server_ms, 0.5):.0f} / p99 "
+            f"{percentile(server_ms, 0.99):.0f} ms after the end, "
+            f"stored p50 {percentile(worker_ms, 0.5):.0f} / p99 "
+            f"{percentile(worker_ms, 0.99):.0f} ms later"
+        )
+    return latencies
+
+
+async def _server_cost(name: str, sim: httpx.AsyncClient, server_cpu: float | None) -> float | None:
+    """The server's CPU ms per webhook delivery (None without a server), and how soon it answered completions."""
+    every = (await sim.get("/_sim/webhooks")).json()["deliveries"]
+    per_delivery = None
+    if server_cpu is not None and every:  # starts and completions alike: each is one verified delivery
+        per_delivery = server_cpu * 1000 / len(every)
+        print(f"{name}: the server spent {per_delivery:.2f} ms of CPU per delivery ({len(every)} deliveries)")
+    # the completions only: a Replicate `start` goes out the moment the prediction exists
+    sent = [d for d in every if d.get("event") == "completed"]
+    if sent:
+        answered = [(d["sent_at"] - d["ended"]) * 1000 for d in sent]
+        print(
+            f"{name}: webhook answered by the server p50 {percentile(answered, 0.5):.0f} / p99 "
+            f"{percentile(answered, 0.99):.0f} ms after the end"
+        )
+    return per_delivery
 
 
 async def main_async(args: argparse.Namespace, workdir: Path) -> dict[str, float | None]:

@@ -298,11 +298,20 @@ def main() -> None:
         parser.error("--jobs, --io-jobs, --reps and --concurrency must be at least 1")
     bound = args.concurrency / IO_SLEEP_S
     timeout = 60 + max(jobs / 2_000, io_jobs / bound * 3)
+    rates = _measure_all(args.url, jobs, io_jobs, reps, args.concurrency, timeout)
+    print(f"jobs={jobs} io_jobs={io_jobs} concurrency={args.concurrency} reps={reps} (medians)")
+    _report(rates, bound)
+
+
+def _measure_all(
+    given_url: str | None, jobs: int, io_jobs: int, reps: int, concurrency: int, timeout: float
+) -> dict[str, list[float]]:
+    """Every workload `reps` times, interleaved, on the given server or on two started side by side."""
     workdir = tempfile.mkdtemp(prefix="offload-wbench-")
     procs: list[subprocess.Popen[bytes]] = []
     urls: dict[str, str] = {}  # "shipped" (Valkey's own persistence) and "aof" (offload.local.embedded's)
-    if args.url:
-        urls["shipped"] = args.url
+    if given_url:
+        urls["shipped"] = given_url
     else:
         for name, aof in (("shipped", False), ("aof", True)):
             Path(workdir, name).mkdir()
@@ -317,16 +326,20 @@ def main() -> None:
             for workload in order:
                 n = io_jobs if workload.endswith("io50") else jobs
                 url = urls["aof" if workload in AOF_WORKLOADS else "shipped"]
-                rates[workload].append(measure(workload, url, n, args.concurrency, timeout))
+                rates[workload].append(measure(workload, url, n, concurrency, timeout))
                 print(f"rep {rep + 1}/{reps}  {workload:<16} {rates[workload][-1]:>10,.0f} jobs/s", flush=True)
     finally:
         for proc in procs:
             proc.terminate()
             proc.wait()
         shutil.rmtree(workdir, ignore_errors=True)
+    return rates
+
+
+def _report(rates: dict[str, list[float]], bound: float) -> None:
+    """The medians for people, then the JSON line."""
     lean, worker, io50, loop = (statistics.median(rates[w]) for w in WORKLOADS)
     lean_aof, worker_aof = (statistics.median(rates[w]) if rates.get(w) else None for w in AOF_WORKLOADS)
-    print(f"jobs={jobs} io_jobs={io_jobs} concurrency={args.concurrency} reps={reps} (medians)")
     print("on Valkey's shipped persistence (RDB snapshots):")
     print(f"lean QueueStore loop, no-op   {lean:>10,.0f} jobs/s")
     print(f"dispatch worker, no-op        {worker:>10,.0f} jobs/s ({worker / lean:.0%} of the lean loop)")

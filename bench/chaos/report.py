@@ -21,6 +21,44 @@ if TYPE_CHECKING:
     from bench.chaos.run import Run
 
 MAIN_QUEUE = "chaos"
+# the checker's findings the document carries as they are, when the run judged them
+COPIED = (
+    "everysec_loss",
+    "dead",
+    "dead_by_reason",
+    "dead_by_infra_error",
+    "stuck_by_state",
+    "wrong_by_kind",
+    "outputs_of_unfinished_jobs",
+    "killed_inside_submit_by",
+    "gateway_errors",
+    "gateway_resends",
+    "uncounted_resends",
+    "false_expiries",
+    "resubmits_after_remote_end",
+    "idempotent_replays",
+    "replays_after_graceful_drain",
+    "submissions",
+    "cap",
+    "held_released",
+    "clock",
+    "memory_mb",
+    "memory_bounded",
+    "events_bounded",
+    "events",
+    "cancels",
+    "cancel_not_honoured",
+    "submitted_after_cancel",
+    "ran_after_cancel",
+    "hostile",
+    "valid_key_refused",
+    "bad_keys_not_limited",
+    "loris_not_cut",
+    "ssrf_jobs",
+    "ssrf_refused",
+    "ssrf_fetched",
+    "ssrf_copied",
+)
 
 
 def report(
@@ -79,43 +117,7 @@ def report(
         "minutes": run.p.minutes,
         "webhooks": hooks.summary(run.hook_log, run.server) if run.server is not None else None,
     }
-    for key in (
-        "everysec_loss",
-        "dead",
-        "dead_by_reason",
-        "dead_by_infra_error",
-        "stuck_by_state",
-        "wrong_by_kind",
-        "outputs_of_unfinished_jobs",
-        "killed_inside_submit_by",
-        "gateway_errors",
-        "gateway_resends",
-        "uncounted_resends",
-        "false_expiries",
-        "resubmits_after_remote_end",
-        "idempotent_replays",
-        "replays_after_graceful_drain",
-        "submissions",
-        "cap",
-        "held_released",
-        "clock",
-        "memory_mb",
-        "memory_bounded",
-        "events_bounded",
-        "events",
-        "cancels",
-        "cancel_not_honoured",
-        "submitted_after_cancel",
-        "ran_after_cancel",
-        "hostile",
-        "valid_key_refused",
-        "bad_keys_not_limited",
-        "loris_not_cut",
-        "ssrf_jobs",
-        "ssrf_refused",
-        "ssrf_fetched",
-        "ssrf_copied",
-    ):
+    for key in COPIED:
         if key in summary:
             doc[key] = summary[key]
     run.findings = findings

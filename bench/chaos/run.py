@@ -25,7 +25,6 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -36,17 +35,18 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from bench.chaos import egress, failover, hostile, report
+from bench.chaos import collect, egress, failover, hostile, report
 from bench.chaos.checker import Checker, RunData
 from bench.chaos.faketime import ClockFile
 from bench.chaos.faults import Profile, Schedule
 from bench.chaos.hooks import Server, check_backend
-from bench.chaos.options import API_ROOTS, BACKENDS, MODEL, SYNCHRONOUS, parse_args, profile_for
+from bench.chaos.operator import Operator
+from bench.chaos.options import API_ROOTS, BACKENDS, SYNCHRONOUS, parse_args, profile_for
 from bench.chaos.procs import HOST, S3, Sim, Valkey, WorkerSlot, base_env, pidns_support, signal_group
+from bench.chaos.producer import INGEST_LIST, QUEUE, Producer
 from bench.chaos.proxy import FaultProxy
 from bench.chaos.settle import Settle
 from offload.connection import connect
-from offload.errors import InvalidTransition, JobNotFound, StoreError, StoreFull
 from offload.queue.durability import Durability
 from offload.queue.scripts import NAMES, SCRIPTS
 from offload.queue.specs import JobSpec
@@ -54,9 +54,8 @@ from offload.queue.store import QueueStore
 from offload.testing.sim.store import input_key
 
 log = logging.getLogger("chaos")
-QUEUE, CAPPED, BUCKET = "chaos", "capped", "chaos-results"
+CAPPED, BUCKET = "capped", "chaos-results"
 STORE_CHECK_S = 1.0  # the workers' policy re-read (OFFLOAD_STORE_CHECK_S)
-INGEST_LIST = "chaos:jobs"
 
 
 def worker_config(
@@ -107,13 +106,14 @@ class Run:
     def __init__(self, args: argparse.Namespace, profile: Profile, out: Path) -> None:
         self.args, self.p, self.out = args, profile, out
         self.rng = random.Random(args.seed)
-        self.acked: dict[str, tuple[str, str, float]] = {}
-        self.sent: dict[str, Any] = {}  # job id -> the input as the producer sent it
+        self.internal = egress.Internal() if profile.ssrf_share > 0 else None  # the ssrf fault's target
+        self.producer = Producer(profile, self.rng, args.backend, self.internal)
+        self.acked = self.producer.acked
+        self.sent = self.producer.sent  # job id -> the input as the producer sent it
+        self.counts = self.producer.counts
         self.events: dict[str, list[tuple[float, str]]] = defaultdict(list)
         self.samples: dict[str, Any] = {"in_flight": []}
-        self.counts: dict[str, int] = defaultdict(int)
         self.stop_background = asyncio.Event()
-        self.internal = egress.Internal() if profile.ssrf_share > 0 else None  # the ssrf fault's target
 
     async def main(self) -> dict[str, Any]:
         p, args = self.p, self.args
@@ -150,87 +150,20 @@ class Run:
                     await asyncio.to_thread(stop)
 
     async def _run(self, pidns: bool) -> dict[str, Any]:
-        p, args = self.p, self.args
-        names = {getattr(SCRIPTS, n).sha: n for n in NAMES}
-        self.proxy = await FaultProxy((HOST, self.valkey.port), seed=args.seed, script_names=names).start()
-        self.read_url = self.valkey.url  # where the harness reads the job store itself
-        self.durability: Durability | None = None  # the producer's
-        durable: dict[str, str] = {}
-        if p.failover_every > 0:  # the harness reads through a proxy without faults that follows the failovers
-            front = await FaultProxy((HOST, self.valkey.port)).start()
-            self.failover = await failover.Failover(self.out, self.valkey, [self.proxy, front], [QUEUE, CAPPED]).start()
-            self.read_url, durable = front.url, failover.ENV
-            self.durability = Durability(replicas=1, timeout_ms=failover.TIMEOUT_MS)
-        await asyncio.to_thread(self.sim.post, "/_sim/config", p.sim_config(args.seed, args.honour))
-        env = base_env(
-            CHAOS_S3_SECRET=self.s3.secret_key,
-            OFFLOAD_LEASE_MS=str(p.lease_ms),
-            OFFLOAD_REDIS_CONNECT_TIMEOUT="60",
-            OFFLOAD_STORE_CHECK_S=str(STORE_CHECK_S),  # how soon an evicting policy must stop the payments
-            **durable,
-        )
-        if args.webhooks:  # through the proxy, like every client (see hooks.py); the simulator signs and faults
-            self.server = Server(self.out, {**env, "OFFLOAD_ADMIN_KEY": hostile.ADMIN_KEY})
-            await asyncio.to_thread(self.sim.post, "/_sim/webhooks", self.server.sim_faults(p))
-            config = worker_config(
-                self.out / "offload-server.yaml", self.proxy.url, self.s3, self.sim.url, args.backend, p, self.server
-            )
-            await asyncio.to_thread(self.server.start, config, "--body-timeout", str(hostile.BODY_TIMEOUT_S))
-        for n in range(p.workers + 1):
-            name, queue = (f"w{n + 1}", QUEUE) if n < p.workers else ("c1", CAPPED)
-            cfg = worker_config(
-                self.out / f"offload-{name}.yaml",
-                self.proxy.url,
-                self.s3,
-                self.sim.slot_url(n),
-                args.backend,
-                p,
-                self.server,
-            )
-            self.slots.append(WorkerSlot(name, queue, cfg, env, self.out, concurrency=p.concurrency, pidns=pidns))
-        self.direct = aioredis.Redis.from_url(
-            self.read_url, decode_responses=True, socket_timeout=10, retry=Retry(NoBackoff(), 0)
-        )
-        store = QueueStore(await connect(self.read_url), durability=self.durability)
-        capped = [JobSpec(input=self._input(f"cap-{i}"), max_attempts=p.max_attempts) for i in range(p.capped_jobs)]
-        for job_id, spec in zip(await store.enqueue_many(CAPPED, capped), capped, strict=True):
-            self.acked[job_id] = (CAPPED, input_key(spec.input), time.time())
-        for slot in self.slots:
-            slot.start()
-        await self._until(lambda: all(s.current and s.current.read_id() for s in self.slots), 90, "workers up")
-        self.ops = store
-        self.schedule = Schedule(
-            p,
-            self.rng,
-            self.slots,
-            self.valkey,
-            self.proxy,
-            self.sim,
-            operator=self._cancel_one,
-            burst=self._burst,
-            failover=self.failover,
-        )
+        store = await self._start(pidns)
+        self._schedule()
         background = [asyncio.create_task(self._tail_events()), asyncio.create_task(self._sample())]
         started = time.time()
-        fault_s = p.minutes * 60
-        producer = asyncio.create_task(self._produce(started + fault_s * 0.85))
-        self.schedule.start()
-        attacker = hostile.Hostile(self.schedule, self.server.url, QUEUE) if self.server else None
-        if attacker is not None and p.hostile_every > 0:
-            attacker.start(p.hostile_every)
-        log.warning("fault phase: %.0f s, %s", fault_s, self.pidns_note)
-        await asyncio.sleep(fault_s)
-        if attacker is not None:
-            await attacker.stop()
-        await self.schedule.stop()
-        await asyncio.wait_for(producer, 120)
+        await self._fault_phase(started)
         healed = time.time()
         await self._heal()
         self.settle = Settle(self.direct, self.slots[-1], self.clock, list(self.acked), CAPPED)
-        settle = args.settle if args.settle is not None else (50.0 if args.quick else 180.0)
+        settle = self.args.settle if self.args.settle is not None else (50.0 if self.args.quick else 180.0)
         all_terminal = await self.settle.run(settle)
         all_terminal_s = None if all_terminal is None else round(all_terminal - healed, 1)
-        records = await self._records()  # the job store after quiescence, before the workers drain
+        records = await collect.records(
+            self.direct, (QUEUE, CAPPED)
+        )  # the job store after quiescence, before the workers drain
         for slot in self.slots:
             await asyncio.to_thread(slot.terminate)
         self.stop_background.set()
@@ -256,16 +189,112 @@ class Run:
         (self.out / "report.json").write_bytes(orjson.dumps(evidence, default=str, option=orjson.OPT_INDENT_2))
         return doc
 
-    def _input(self, input_id: str) -> dict[str, Any]:
-        """Distinct per job and echoed back by the simulator, so a result stored for the wrong job shows. For a
-        chat-completions backend it is a request body the API accepts (model, messages); the id and the salt
-        ride in `metadata` (string values, as OpenAI's metadata takes), where the simulator's submission log
-        finds the id (`offload.testing.sim.store.input_key`) and its answer echoes the whole body back."""
-        salt = self.rng.getrandbits(48)
-        if self.args.backend == "openai":
-            prompt = {"role": "user", "content": f"chaos {input_id} {salt}"}
-            return {"model": MODEL, "messages": [prompt], "metadata": {"id": input_id, "salt": str(salt)}}
-        return {"id": input_id, "prompt": f"chaos {input_id}", "salt": salt}
+    async def _start(self, pidns: bool) -> QueueStore:
+        """The proxy (and with the failover fault the replica), the server, the workers and the capped queue's
+        jobs; returns the operator's store once every worker is up."""
+        p = self.p
+        durable = await self._start_proxies()
+        await asyncio.to_thread(self.sim.post, "/_sim/config", p.sim_config(self.args.seed, self.args.honour))
+        env = base_env(
+            CHAOS_S3_SECRET=self.s3.secret_key,
+            OFFLOAD_LEASE_MS=str(p.lease_ms),
+            OFFLOAD_REDIS_CONNECT_TIMEOUT="60",
+            OFFLOAD_STORE_CHECK_S=str(STORE_CHECK_S),  # how soon an evicting policy must stop the payments
+            **durable,
+        )
+        await self._start_server(env)
+        for n in range(p.workers + 1):
+            name, queue = (f"w{n + 1}", QUEUE) if n < p.workers else ("c1", CAPPED)
+            cfg = worker_config(
+                self.out / f"offload-{name}.yaml",
+                self.proxy.url,
+                self.s3,
+                self.sim.slot_url(n),
+                self.args.backend,
+                p,
+                self.server,
+            )
+            self.slots.append(WorkerSlot(name, queue, cfg, env, self.out, concurrency=p.concurrency, pidns=pidns))
+        self.direct = aioredis.Redis.from_url(
+            self.read_url, decode_responses=True, socket_timeout=10, retry=Retry(NoBackoff(), 0)
+        )
+        store = QueueStore(await connect(self.read_url), durability=self.durability)
+        capped = [
+            JobSpec(input=self.producer.input(f"cap-{i}"), max_attempts=p.max_attempts) for i in range(p.capped_jobs)
+        ]
+        for job_id, spec in zip(await store.enqueue_many(CAPPED, capped), capped, strict=True):
+            self.acked[job_id] = (CAPPED, input_key(spec.input), time.time())
+        for slot in self.slots:
+            slot.start()
+        await self._until(lambda: all(s.current and s.current.read_id() for s in self.slots), 90, "workers up")
+        self.operator = Operator(store, self.direct, self.rng, p.lease_ms)
+        return store
+
+    async def _start_proxies(self) -> dict[str, str]:
+        """The fault proxy every client goes through; with the failover fault also the replica and the harness's
+        own proxy without faults that follows the failovers. Returns the writers' environment for durability."""
+        names = {getattr(SCRIPTS, n).sha: n for n in NAMES}
+        self.proxy = await FaultProxy((HOST, self.valkey.port), seed=self.args.seed, script_names=names).start()
+        self.read_url = self.valkey.url  # where the harness reads the job store itself
+        self.durability: Durability | None = None  # the producer's
+        durable: dict[str, str] = {}
+        if self.p.failover_every > 0:
+            front = await FaultProxy((HOST, self.valkey.port)).start()
+            self.failover = await failover.Failover(self.out, self.valkey, [self.proxy, front], [QUEUE, CAPPED]).start()
+            self.read_url, durable = front.url, failover.ENV
+            self.durability = Durability(replicas=1, timeout_ms=failover.TIMEOUT_MS)
+        self.producer.url, self.producer.durability = self.proxy.url, self.durability
+        return durable
+
+    async def _start_server(self, env: dict[str, str]) -> None:
+        """With --webhooks: `offload server` receiving the simulator's webhooks, through the proxy like every
+        client (see hooks.py); the simulator signs and faults them."""
+        if not self.args.webhooks:
+            return
+        self.server = Server(self.out, {**env, "OFFLOAD_ADMIN_KEY": hostile.ADMIN_KEY})
+        await asyncio.to_thread(self.sim.post, "/_sim/webhooks", self.server.sim_faults(self.p))
+        config = worker_config(
+            self.out / "offload-server.yaml",
+            self.proxy.url,
+            self.s3,
+            self.sim.url,
+            self.args.backend,
+            self.p,
+            self.server,
+        )
+        await asyncio.to_thread(self.server.start, config, "--body-timeout", str(hostile.BODY_TIMEOUT_S))
+
+    def _schedule(self) -> None:
+        self.schedule = Schedule(
+            self.p,
+            self.rng,
+            self.slots,
+            self.valkey,
+            self.proxy,
+            self.sim,
+            operator=self._cancel_one,
+            burst=self.producer.burst,
+            failover=self.failover,
+        )
+
+    async def _fault_phase(self, started: float) -> None:
+        """The producer enqueues while the schedule (and with the server, the attacker) breaks things."""
+        p = self.p
+        fault_s = p.minutes * 60
+        producer = asyncio.create_task(self.producer.produce(started + fault_s * 0.85))
+        self.schedule.start()
+        attacker = hostile.Hostile(self.schedule, self.server.url, QUEUE) if self.server else None
+        if attacker is not None and p.hostile_every > 0:
+            attacker.start(p.hostile_every)
+        log.warning("fault phase: %.0f s, %s", fault_s, self.pidns_note)
+        await asyncio.sleep(fault_s)
+        if attacker is not None:
+            await attacker.stop()
+        await self.schedule.stop()
+        await asyncio.wait_for(producer, 120)
+
+    async def _cancel_one(self) -> dict[str, Any] | None:
+        return await self.operator.cancel_one(self.schedule.timeline)
 
     async def _until(self, check: Any, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
@@ -273,140 +302,6 @@ class Run:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"timed out after {timeout:g}s waiting for {what}; logs in {self.out}")
             await asyncio.sleep(0.2)
-
-    async def _produce(self, until: float) -> None:
-        """Enqueue through the proxy: plain batches, batches with idempotency keys (retried with the same keys
-        after an error) and single jobs. Only an enqueue that returned counts as acknowledged."""
-        client = await connect(self.proxy.url, retry_for=60)
-        store = QueueStore(client, durability=self.durability)
-        n, tick = 0, time.time()
-        began = tick
-        while time.time() < until:
-            due = self.p.jobs_per_s * (time.time() - began + 0.5)  # catch up after a slow batch (an outage)
-            size = min(500, max(1, round(due - n)))
-            mode = self.rng.choice(("plain", "keyed", "single", "tutorial"))
-            specs = []
-            for _ in range(size):
-                n += 1
-                job_input = self._input(f"job-{n}")
-                if self.internal is not None and self.rng.random() < self.p.ssrf_share:
-                    job_input = egress.hostile(job_input, self.internal.url, f"job-{n}")
-                key = input_key(job_input) if mode == "keyed" else None
-                specs.append(JobSpec(input=job_input, max_attempts=self.p.max_attempts, idempotency_key=key))
-            for attempt in range(3 if mode == "keyed" else 1):
-                try:
-                    if mode == "tutorial":  # the tutorial's producer: RPUSH its JSON, ingested by the workers
-                        ids = await self._push_tutorial(client, specs)
-                    elif mode == "single":
-                        ids = [await asyncio.wait_for(store.enqueue(QUEUE, spec), 30) for spec in specs]
-                    else:
-                        ids = await asyncio.wait_for(store.enqueue_many(QUEUE, specs), 30)
-                except (RedisError, OSError, TimeoutError, StoreFull) as exc:  # (StoreFull: at maxmemory)
-                    self.counts["enqueue_errors"] += 1
-                    log.info("enqueue (%s, try %d) failed: %s", mode, attempt + 1, exc)
-                    continue
-                now = time.time()
-                for job_id, spec in zip(ids, specs, strict=True):
-                    self.acked[job_id] = (QUEUE, input_key(spec.input), now)
-                    self.sent[job_id] = spec.input
-                break
-            tick += 0.5
-            await asyncio.sleep(max(0.0, tick - time.time()))
-        await client.aclose()
-
-    async def _burst(self, n: int) -> None:
-        """`n` jobs at once (the drain fault's burst), through the proxy like every enqueue; acknowledged only if
-        the enqueue returned."""
-        self.counts["bursts"] += 1  # (every burst its own inputs, also when no job was acknowledged in between)
-        tag = self.counts["bursts"]
-        specs = [JobSpec(input=self._input(f"burst-{tag}-{i}"), max_attempts=self.p.max_attempts) for i in range(n)]
-        try:
-            client = await connect(self.proxy.url, retry_for=10)
-            try:
-                ids = await asyncio.wait_for(
-                    QueueStore(client, durability=self.durability).enqueue_many(QUEUE, specs), 30
-                )
-            finally:
-                await client.aclose()
-        except (RedisError, OSError, TimeoutError, StoreError) as exc:
-            self.counts["enqueue_errors"] += 1
-            log.info("burst enqueue failed: %s", exc)
-            return
-        now = time.time()
-        for job_id, spec in zip(ids, specs, strict=True):
-            self.acked[job_id] = (QUEUE, input_key(spec.input), now)
-            self.sent[job_id] = spec.input
-
-    async def _push_tutorial(self, client: Any, specs: list[JobSpec]) -> list[str]:
-        """Tutorial JSON (`id`, `input`, `output_key`, `attempt`) on the ingest list, one RPUSH for the batch. The
-        input carries an integer past 14 digits and an empty list, which must survive ingestion byte for byte."""
-        entries = []
-        for spec in specs:
-            spec.input.update(big=12345678901234567, tags=[])  # (the simulator's chat endpoint takes extra fields)
-            tid = input_key(spec.input).replace("job-", "t-")
-            spec.input.get("metadata", spec.input)["id"] = tid  # where input_key found it
-            entries.append(
-                orjson.dumps({"id": tid, "input": spec.input, "output_key": f"results/{tid}.json", "attempt": 1})
-            )
-        if self.durability is None:
-            await asyncio.wait_for(client.rpush(INGEST_LIST, *entries), 30)
-        else:  # a durable tutorial producer WAITs for the replica after its RPUSH, on the same connection
-            pipe = client.pipeline(transaction=False)
-            pipe.rpush(INGEST_LIST, *entries)
-            pipe.execute_command("WAIT", self.durability.replicas, self.durability.timeout_ms)
-            self.durability.check((await asyncio.wait_for(pipe.execute(), 30))[1])
-        return [f"{QUEUE}:{input_key(spec.input)}" for spec in specs]
-
-    async def _cancel_one(self) -> dict[str, Any] | None:
-        """The operator's cancel: of a job that waits with a remote job that may still run (a killed or stopped
-        worker's, handed back) when there is one, else of a running job, now and then of a plain waiting one. Every
-        other time a worker was killed or stopped within the last lease, the operator first pauses the queue for a
-        moment, so that a job that worker's lease hands back is still waiting when it looks (claims take them within
-        milliseconds otherwise). Straight to Valkey, not through the proxy: the operator is not under test, and its
-        answer must be known."""
-        lease_s = self.p.lease_ms / 1000
-        recent = [
-            e for e in self.schedule.timeline[-20:] if e["kind"] in ("kill", "stop") and time.time() - e["t"] < lease_s
-        ]
-        try:
-            if recent and self.rng.random() < 0.5:
-                await self.ops.pause(QUEUE)
-                try:
-                    deadline = time.monotonic() + lease_s + 2
-                    while time.monotonic() < deadline:  # a poll of the store: it has nothing to wait on
-                        if found := await self._waiting_with_remote():
-                            return await self._cancel(self.rng.choice(found), "waiting_with_remote")
-                        await asyncio.sleep(0.2)
-                finally:
-                    await self.ops.resume(QUEUE)
-            if remote := await self._waiting_with_remote():
-                return await self._cancel(self.rng.choice(remote), "waiting_with_remote")
-            running = await self.direct.zrange(f"offload:{{{QUEUE}}}:active", 0, 199)
-            waiting = await self.direct.zrange(f"offload:{{{QUEUE}}}:ready", 0, 199)
-            if running and (self.rng.random() < 0.8 or not waiting):
-                return await self._cancel(self.rng.choice(running), "running")
-            return await self._cancel(self.rng.choice(waiting), "waiting") if waiting else None
-        except (RedisError, OSError, TimeoutError):  # Valkey away (a fault of this run): the operator tries later
-            return None
-
-    async def _waiting_with_remote(self) -> list[str]:
-        """Jobs in the ready or retry set with a remote id or a submission of unknown outcome, not yet cancelled."""
-        key = f"offload:{{{QUEUE}}}:"
-        waiting = [j for s in ("ready", "retry") for j in await self.direct.zrange(key + s, 0, 199)]
-        if not waiting:
-            return []
-        pipe = self.direct.pipeline(transaction=False)
-        for job_id in waiting:
-            pipe.hmget(key + "job:" + job_id, "remote_id", "sub_open", "cancel")
-        flags = await pipe.execute()
-        return [j for j, (rid, open_, c) in zip(waiting, flags, strict=True) if (rid or open_ == "1") and not c]
-
-    async def _cancel(self, job_id: str, was: str) -> dict[str, Any] | None:
-        try:
-            answer = await asyncio.wait_for(self.ops.cancel(job_id), 10)
-        except (InvalidTransition, JobNotFound):  # it finished meanwhile
-            return None
-        return {"job": job_id, "answer": answer, "was": was}
 
     async def _tail_events(self) -> None:
         """Every transition of every job, read straight from Valkey (not through the proxy) while it happens: the
@@ -518,24 +413,12 @@ class Run:
         if self.clock.offset_s:
             self.clock.set(0.0)
 
-    async def _records(self) -> dict[str, dict[str, str]]:
-        records: dict[str, dict[str, str]] = {}
-        for q in (QUEUE, CAPPED):
-            keys = [k async for k in self.direct.scan_iter(match=f"offload:{{{q}}}:job:*", count=2000)]
-            for i in range(0, len(keys), 1000):
-                pipe = self.direct.pipeline(transaction=False)
-                for k in keys[i : i + 1000]:
-                    pipe.hgetall(k)
-                for k, h in zip(keys[i : i + 1000], await pipe.execute(), strict=True):
-                    records[k.split(":job:", 1)[1]] = h
-        return records
-
     async def _gather(self, records: dict[str, dict[str, str]]) -> RunData:
         submissions = await asyncio.to_thread(self.sim.submissions)
         self.sim_stats = await asyncio.to_thread(self.sim.get, "/_sim/stats")
         if self.server is not None:
             self.hook_log = (await asyncio.to_thread(self.sim.get, "/_sim/webhooks"))["deliveries"]
-        outputs, files = await asyncio.to_thread(self._bucket, records)
+        outputs, files = await asyncio.to_thread(collect.bucket, self.s3.client(), BUCKET, records)
         return RunData(
             acked=self.acked,
             sent=self.sent,
@@ -566,32 +449,6 @@ class Run:
             internal_url=self.internal.url if self.internal else None,
             internal_hits=list(self.internal.hits) if self.internal else [],
         )
-
-    def _bucket(self, records: dict[str, dict[str, str]]) -> tuple[dict[str, bytes | None], dict[str, bytes | None]]:
-        """Every stored output JSON, and every copied file a succeeded job's output points at."""
-        s3 = self.s3.client()
-        keys: set[str] = set()
-        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix="results/"):
-            keys |= {o["Key"] for o in page.get("Contents", [])}
-
-        def fetch(key: str) -> bytes | None:
-            if key not in keys:
-                return None
-            for _ in range(3):
-                with contextlib.suppress(Exception):
-                    return bytes(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
-            return None
-
-        wanted = {h.get("output_key") or f"results/{j}.json" for j, h in records.items()}
-        with ThreadPoolExecutor(16) as pool:
-            outputs = dict(zip(wanted, pool.map(fetch, wanted), strict=True))
-            linked: set[str] = set()
-            for blob in outputs.values():
-                with contextlib.suppress(orjson.JSONDecodeError, AttributeError, TypeError):
-                    for location in (orjson.loads(blob or b"{}").get("_offload_files") or {}).values():
-                        linked.add(str(location).removeprefix(f"s3://{BUCKET}/"))
-            files = dict(zip(linked, pool.map(fetch, linked), strict=True))
-        return outputs, files
 
 
 def main(argv: list[str] | None = None) -> None:

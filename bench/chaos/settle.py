@@ -21,9 +21,9 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from bench.chaos.checker import TERMINAL
 from bench.chaos.faketime import ClockFile
 from bench.chaos.procs import WorkerSlot
+from bench.chaos.rundata import TERMINAL
 from offload.caps import next_window_s, window_of
 
 MAX_ROLLS = 3  # store days rolled to at most, while capped jobs wait for the next one

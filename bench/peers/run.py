@@ -30,7 +30,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: make `bench.peers` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
-from bench.peers import harness, report
+from bench.peers import crash, harness, page, plots, report, sessions
 from bench.peers.systems import (
     ALL,
     BY_NAME,
@@ -45,6 +45,24 @@ from offload.local.embedded import allocator
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _sizes(args)
+    names = [n.strip() for n in args.systems.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown:
+        parser.error(f"unknown systems: {', '.join(unknown)}")
+    args.system_list = [BY_NAME[n] for n in names]
+    args.workload_list = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    bad = set(args.workload_list) - {"noop", "io", "gpu", "durability"}
+    if bad:
+        parser.error(f"unknown workloads: {', '.join(sorted(bad))}")
+    if min(args.reps, args.noop_jobs, args.io_jobs, args.gpu_jobs, args.crash_jobs, args.concurrency) < 1:
+        parser.error("sizes and repetitions must be >= 1")
+    return args
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m bench.peers", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -86,7 +104,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run nothing: rebuild the page and plots from a benchmarks.json an earlier run wrote",
     )
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs of every process)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _sizes(args: argparse.Namespace) -> None:
+    """Every size not given: the full run's, or with --quick the smoke run's."""
     q = args.quick
 
     def pick(value: Any, full: Any, quick: Any) -> Any:
@@ -103,18 +125,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.crash_seconds = pick(args.crash_seconds, 5.0, 3.0)
     args.crash_cap = pick(args.crash_cap, 120.0, 20.0)
     args.out = pick(args.out, ROOT / "docs", ROOT / "bench" / "out" / "peers")
-    names = [n.strip() for n in args.systems.split(",") if n.strip()]
-    unknown = [n for n in names if n not in BY_NAME]
-    if unknown:
-        parser.error(f"unknown systems: {', '.join(unknown)}")
-    args.system_list = [BY_NAME[n] for n in names]
-    args.workload_list = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    bad = set(args.workload_list) - {"noop", "io", "gpu", "durability"}
-    if bad:
-        parser.error(f"unknown workloads: {', '.join(sorted(bad))}")
-    if min(args.reps, args.noop_jobs, args.io_jobs, args.gpu_jobs, args.crash_jobs, args.concurrency) < 1:
-        parser.error("sizes and repetitions must be >= 1")
-    return args
 
 
 def machine(valkey: str) -> dict[str, Any]:
@@ -158,8 +168,8 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def write(results: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    images = report.plots(results, out / "img")
-    (out / "benchmarks.md").write_text(report.markdown(results, images, "img"))
+    images = plots.plots(results, out / "img")
+    (out / "benchmarks.md").write_text(page.markdown(results, images, "img"))
     (out / "benchmarks.json").write_text(json.dumps(results, indent=1))
     log(f"wrote {out / 'benchmarks.md'}, {len(images)} plots, {out / 'benchmarks.json'}")
 
@@ -174,8 +184,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     signal.signal(signal.SIGTERM, _interrupt)
     started = time.time()
     systems: list[System] = args.system_list
-    workloads: list[str] = args.workload_list
-    db = {s.name: i + 1 for i, s in enumerate(ALL)}
     bench = harness.Bench(offload_lease_ms=args.offload_lease_ms)
     results: dict[str, Any] = {
         "command": "python -m bench.peers"
@@ -189,108 +197,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "venv_install_s": {},
     }
     try:
-        for s in systems:
-            if s.requirements:
-                spent = ensure_venv(s, bench.logs / f"venv-{s.name}.log")
-                results["venv_install_s"][s.name] = round(spent, 1)
-                if spent:
-                    log(f"installed {s.name}'s venv in {spent:.0f} s")
-            results["versions"][s.name] = installed_versions(s)
-        valkey = bench.start_valkey()
-        results["machine"] = machine(valkey)
-        crash_kill_after = round(args.crash_seconds * 0.4, 2)
-        gpu_cap = args.gpu_seconds + max(5.0, args.gpu_seconds / 2)
-        results["params"] = {
-            "quick": args.quick,
-            "reps": args.reps,
-            "concurrency": args.concurrency,
-            "noop_jobs": args.noop_jobs,
-            "io_jobs": args.io_jobs,
-            "io_ceiling": args.concurrency / 0.05,
-            "cap": args.cap,
-            "gpu_jobs": args.gpu_jobs,
-            "gpu_seconds": args.gpu_seconds,
-            "gpu_reps": args.gpu_reps,
-            "gpu_cap": gpu_cap,
-            "crash_jobs": args.crash_jobs,
-            "crash_seconds": args.crash_seconds,
-            "crash_cap": args.crash_cap,
-            "kill_after": crash_kill_after,
-            "offload_lease_ms": args.offload_lease_ms or 10_000,
-        }
-        log(f"valkey {valkey} on port {bench.port}; logs in {bench.logs}")
-
-        tp = [(w, n, s) for w, n, s in (("noop", args.noop_jobs, 0.0), ("io", args.io_jobs, 0.05)) if w in workloads]
-        if tp:
-            for rep in range(args.reps):
-                for s in rotate(systems, rep):
-                    todo = [t for t in tp if t[0] in s.workloads]
-                    if not todo:
-                        continue
-                    for run in harness.throughput_session(bench, s, db[s.name], rep, todo, args.concurrency, args.cap):
-                        results["runs"].append(run.to_dict())
-                        log(
-                            f"rep {rep + 1}/{args.reps} {s.name:>13} {run.workload:>4}: "
-                            + (
-                                f"FAILED {run.error.splitlines()[0]}"
-                                if run.error
-                                else f"{run.jobs_per_s:8,.0f} jobs/s ({run.done}/{run.n} in {run.seconds:.2f} s"
-                                f"{', capped' if run.capped else ''})"
-                            )
-                        )
-
-        if "gpu" in workloads:
-            for rep in range(args.gpu_reps):
-                for s in rotate([s for s in systems if "gpu" in s.workloads], rep):
-                    if s.name == "offload":  # polling, then with provider webhooks on (offload_hooks.py)
-                        gpu_runs = [
-                            harness.offload_gpu_session(
-                                bench, db[s.name], rep, args.gpu_jobs, args.gpu_seconds, args.gpu_jobs, gpu_cap,
-                                webhooks=hooks,
-                            )
-                            for hooks in (False, *([True] if args.offload_webhooks else []))
-                        ]  # fmt: skip
-                    else:
-                        gpu_runs = [
-                            harness.gpu_session(
-                                bench, s, db[s.name], rep, args.gpu_jobs, args.gpu_seconds, args.gpu_jobs, gpu_cap
-                            )
-                        ]
-                    for run in gpu_runs:
-                        results["runs"].append(run.to_dict())
-                        log(
-                            f"gpu {run.system:>16}: "
-                            + (
-                                f"FAILED {run.error.splitlines()[0]}"
-                                if run.error
-                                else f"peak in flight {run.peak_in_flight}, {run.done}/{run.n} done in "
-                                f"{run.seconds:.1f} s"
-                            )
-                        )
-
-        if "durability" in workloads:
-            crash_systems = [s for s in systems if "durability" in s.workloads]
-            log(f"SIGKILL test: {', '.join(s.name for s in crash_systems)} at once, watching {args.crash_cap:g} s")
-
-            def crash(s: System) -> harness.Crash:
-                c = harness.Crash(s.name, args.crash_jobs, args.crash_seconds, args.concurrency, args.crash_cap)
-                if s.name == "offload":
-                    return harness.crash_offload(bench, db[s.name], c, crash_kill_after)
-                return harness.crash_peer(bench, s, db[s.name], c, crash_kill_after)
-
-            with ThreadPoolExecutor(max_workers=max(len(crash_systems), 1)) as pool:
-                for c in pool.map(crash, crash_systems):
-                    results["crashes"].append(c.to_dict())
-                    log(
-                        f"SIGKILL {c.system:>13}: "
-                        + (
-                            f"FAILED {c.error.splitlines()[0]}"
-                            if c.error
-                            else f"{c.in_flight_at_kill} in flight, lost {c.lost}, re-run "
-                            f"{c.rerun}, duplicated {c.duplicated}, all done: "
-                            f"{report._crash_time(c.to_dict())}"
-                        )
-                    )
+        _prepare(args, bench, results)
+        _run_throughput(args, bench, results)
+        _run_gpu(args, bench, results)
+        _run_crashes(args, bench, results)
     except KeyboardInterrupt:
         log("interrupted: stopping every process the bench started")
         raise SystemExit(130) from None
@@ -308,6 +218,125 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("\n".join(report.headline(results)))
     print(json.dumps(summary))
     return summary
+
+
+DB = {s.name: i + 1 for i, s in enumerate(ALL)}  # each system's own Valkey database
+
+
+def _prepare(args: argparse.Namespace, bench: harness.Bench, results: dict[str, Any]) -> None:
+    """Every system's venv (made once, reused while its pins stay the same), then Valkey; the machine and the
+    parameters go into `results`."""
+    for s in args.system_list:
+        if s.requirements:
+            spent = ensure_venv(s, bench.logs / f"venv-{s.name}.log")
+            results["venv_install_s"][s.name] = round(spent, 1)
+            if spent:
+                log(f"installed {s.name}'s venv in {spent:.0f} s")
+        results["versions"][s.name] = installed_versions(s)
+    valkey = bench.start_valkey()
+    results["machine"] = machine(valkey)
+    results["params"] = {
+        "quick": args.quick,
+        "reps": args.reps,
+        "concurrency": args.concurrency,
+        "noop_jobs": args.noop_jobs,
+        "io_jobs": args.io_jobs,
+        "io_ceiling": args.concurrency / 0.05,
+        "cap": args.cap,
+        "gpu_jobs": args.gpu_jobs,
+        "gpu_seconds": args.gpu_seconds,
+        "gpu_reps": args.gpu_reps,
+        "gpu_cap": _gpu_cap(args),
+        "crash_jobs": args.crash_jobs,
+        "crash_seconds": args.crash_seconds,
+        "crash_cap": args.crash_cap,
+        "kill_after": _kill_after(args),
+        "offload_lease_ms": args.offload_lease_ms or 10_000,
+    }
+    log(f"valkey {valkey} on port {bench.port}; logs in {bench.logs}")
+
+
+def _gpu_cap(args: argparse.Namespace) -> float:
+    return float(args.gpu_seconds + max(5.0, args.gpu_seconds / 2))
+
+
+def _kill_after(args: argparse.Namespace) -> float:
+    return float(round(args.crash_seconds * 0.4, 2))
+
+
+def _outcome(error: str | None, ok: str) -> str:
+    return f"FAILED {error.splitlines()[0]}" if error else ok
+
+
+def _run_throughput(args: argparse.Namespace, bench: harness.Bench, results: dict[str, Any]) -> None:
+    """(a) and (b): every repetition runs each system in turn, starting with another system each time."""
+    workloads = (("noop", args.noop_jobs, 0.0), ("io", args.io_jobs, 0.05))
+    tp = [(w, n, s) for w, n, s in workloads if w in args.workload_list]
+    if not tp:
+        return
+    for rep in range(args.reps):
+        for s in rotate(args.system_list, rep):
+            todo = [t for t in tp if t[0] in s.workloads]
+            if not todo:
+                continue
+            for run in sessions.throughput_session(bench, s, DB[s.name], rep, todo, args.concurrency, args.cap):
+                results["runs"].append(run.to_dict())
+                ok = (
+                    f"{run.jobs_per_s:8,.0f} jobs/s ({run.done}/{run.n} in {run.seconds:.2f} s"
+                    f"{', capped' if run.capped else ''})"
+                )
+                log(f"rep {rep + 1}/{args.reps} {s.name:>13} {run.workload:>4}: " + _outcome(run.error, ok))
+
+
+def _run_gpu(args: argparse.Namespace, bench: harness.Bench, results: dict[str, Any]) -> None:
+    """(c): offload polling, then with provider webhooks on (offload_hooks.py); each peer once per repetition."""
+    if "gpu" not in args.workload_list:
+        return
+    gpu_cap = _gpu_cap(args)
+    for rep in range(args.gpu_reps):
+        for s in rotate([s for s in args.system_list if "gpu" in s.workloads], rep):
+            if s.name == "offload":
+                gpu_runs = [
+                    sessions.offload_gpu_session(
+                        bench, DB[s.name], rep, args.gpu_jobs, args.gpu_seconds, args.gpu_jobs, gpu_cap,
+                        webhooks=hooks,
+                    )
+                    for hooks in (False, *([True] if args.offload_webhooks else []))
+                ]  # fmt: skip
+            else:
+                gpu_runs = [
+                    sessions.gpu_session(
+                        bench, s, DB[s.name], rep, args.gpu_jobs, args.gpu_seconds, args.gpu_jobs, gpu_cap
+                    )
+                ]
+            for run in gpu_runs:
+                results["runs"].append(run.to_dict())
+                ok = f"peak in flight {run.peak_in_flight}, {run.done}/{run.n} done in {run.seconds:.1f} s"
+                log(f"gpu {run.system:>16}: " + _outcome(run.error, ok))
+
+
+def _run_crashes(args: argparse.Namespace, bench: harness.Bench, results: dict[str, Any]) -> None:
+    """The SIGKILL test, every system at once."""
+    if "durability" not in args.workload_list:
+        return
+    crash_systems = [s for s in args.system_list if "durability" in s.workloads]
+    log(f"SIGKILL test: {', '.join(s.name for s in crash_systems)} at once, watching {args.crash_cap:g} s")
+    kill_after = _kill_after(args)
+
+    def run_crash(s: System) -> crash.Crash:
+        c = crash.Crash(s.name, args.crash_jobs, args.crash_seconds, args.concurrency, args.crash_cap)
+        if s.name == "offload":
+            return crash.crash_offload(bench, DB[s.name], c, kill_after)
+        return crash.crash_peer(bench, s, DB[s.name], c, kill_after)
+
+    with ThreadPoolExecutor(max_workers=max(len(crash_systems), 1)) as pool:
+        for c in pool.map(run_crash, crash_systems):
+            results["crashes"].append(c.to_dict())
+            ok = (
+                f"{c.in_flight_at_kill} in flight, lost {c.lost}, re-run {c.rerun}, duplicated {c.duplicated}, "
+                f"all done: {report.crash_time(c.to_dict())}"
+            )
+            log(f"SIGKILL {c.system:>13}: " + _outcome(c.error, ok))
 
 
 def summarize(results: dict[str, Any]) -> dict[str, Any]:
