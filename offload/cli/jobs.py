@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Annotated, Any
+from pathlib import Path
+from typing import IO, Annotated, Any
 
 import typer
 from rich.live import Live
@@ -101,19 +102,31 @@ def _record_gone_note(ids: list[str]) -> None:
         )
 
 
+LinesFile = Annotated[
+    typer.FileBinaryRead | None,
+    typer.Option(
+        "--file",
+        "-f",
+        metavar="PATH",
+        help="JSON Lines ('-' for stdin): per line one input, or "
+        '{"input": ..., options}. The options below become per-line defaults.',
+    ),
+]
+Attach = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--attach",
+        "-a",
+        metavar="NAME=PATH",
+        help="Upload a file to storage and put its reference in the input under NAME (repeatable).",
+    ),
+]
+
+
 def enqueue(
     queue: QueueOpt,
     input: Annotated[str | None, typer.Option("--input", "-i", metavar="JSON", help="Job input.")] = None,
-    file: Annotated[
-        typer.FileBinaryRead | None,
-        typer.Option(
-            "--file",
-            "-f",
-            metavar="PATH",
-            help="JSON Lines ('-' for stdin): per line one input, or "
-            '{"input": ..., options}. The options below become per-line defaults.',
-        ),
-    ] = None,
+    file: LinesFile = None,
     priority: Annotated[int, typer.Option(min=-1000, max=1000, help="Higher runs first.")] = 0,
     delay: Annotated[float | None, typer.Option(min=0, help="Seconds before the job is ready.")] = None,
     max_attempts: Annotated[int, typer.Option(min=1)] = DEFAULT_MAX_ATTEMPTS,
@@ -121,15 +134,7 @@ def enqueue(
     idempotency_key: Annotated[
         str | None, typer.Option(help="Enqueueing the same key again returns the first job's id.")
     ] = None,
-    attach: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--attach",
-            "-a",
-            metavar="NAME=PATH",
-            help="Upload a file to storage and put its reference in the input under NAME (repeatable).",
-        ),
-    ] = None,
+    attach: Attach = None,
     json_out: JsonOpt = False,
     url: UrlOpt = None,
     config: ConfigOpt = None,
@@ -151,24 +156,38 @@ def enqueue(
         "idempotency_key": idempotency_key,
     }
     if input is not None:
-        try:
-            value = exactjson.loads(input)
-        except ValueError as exc:
-            fail(f"--input is not valid JSON: {exc}")
-        if attach:
-            done = Enqueued(enqueue_attached(url, config, queue, value, attach, defaults))
-        else:
-            spec = JobSpec(input=value, **defaults)
-            (done,) = run_store(
-                url, lambda store: store.enqueue_results(queue, [spec]), queues=[queue], makes_work=True
-            )
-        if json_out:
-            print_json({"id": done.id, "record_gone": done.record_gone})
-            return
-        _record_gone_note([done.id] if done.record_gone else [])
-        typer.echo(done.id)
+        _enqueue_one(queue, input, attach, defaults, json_out, url, config)
         return
     assert file is not None
+    _enqueue_file(queue, file, defaults, json_out, url)
+
+
+def _enqueue_one(
+    queue: str,
+    input: str,
+    attach: list[str] | None,
+    defaults: dict[str, Any],
+    json_out: bool,
+    url: str | None,
+    config: Path | None,
+) -> None:
+    try:
+        value = exactjson.loads(input)
+    except ValueError as exc:
+        fail(f"--input is not valid JSON: {exc}")
+    if attach:
+        done = Enqueued(enqueue_attached(url, config, queue, value, attach, defaults))
+    else:
+        spec = JobSpec(input=value, **defaults)
+        (done,) = run_store(url, lambda store: store.enqueue_results(queue, [spec]), queues=[queue], makes_work=True)
+    if json_out:
+        print_json({"id": done.id, "record_gone": done.record_gone})
+        return
+    _record_gone_note([done.id] if done.record_gone else [])
+    typer.echo(done.id)
+
+
+def _enqueue_file(queue: str, file: IO[bytes], defaults: dict[str, Any], json_out: bool, url: str | None) -> None:
     with errors():
         validate_queue(queue)
         specs = _parse_lines(iter(file), defaults)

@@ -25,6 +25,28 @@ from offload.config import (
 from offload.env import env_str
 from offload.queue.memory import require_noeviction
 
+WorkerLease = Annotated[float, typer.Option(min=0.5, help="Seconds a GPU worker's leases last without a heartbeat.")]
+MaxConnections = Annotated[
+    int, typer.Option(min=1, help="Concurrent connections and requests; past it new requests get 503.")
+]
+HeaderTimeout = Annotated[
+    float,
+    typer.Option(min=0.1, help="Seconds a client has to send a request's headers before its connection is closed."),
+]
+BodyTimeout = Annotated[
+    float, typer.Option(min=0.1, help="Seconds a request body gets to arrive (plus what --body-min-rate earns).")
+]
+BodyMinRate = Annotated[
+    int, typer.Option(min=1, help="Bytes per second of body that earn one more second; slower bodies get 408.")
+]
+MaxRequestsPerKey = Annotated[int, typer.Option(min=1, help="Requests one API key may have open at once; past it 429.")]
+MaxStreamsPerKey = Annotated[
+    int, typer.Option(min=1, help="Event streams and long-polls (SSE, wait, claim) one key may have open; 429.")
+]
+MaxRequestsPerAddress = Annotated[
+    int, typer.Option(min=1, help="Requests without an API key (webhooks too) open per client address; 429.")
+]
+
 
 def server(
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
@@ -33,31 +55,14 @@ def server(
     url: UrlOpt = None,
     max_batch: Annotated[int, typer.Option(min=1, max=100_000, help="Jobs per batch enqueue.")] = SERVER_MAX_BATCH,
     max_body: Annotated[int, typer.Option(min=1024, help="Largest request body, bytes.")] = SERVER_MAX_BODY,
-    worker_lease: Annotated[
-        float, typer.Option(min=0.5, help="Seconds a GPU worker's leases last without a heartbeat.")
-    ] = SERVER_WORKER_LEASE_MS / 1000,
-    max_connections: Annotated[
-        int, typer.Option(min=1, help="Concurrent connections and requests; past it new requests get 503.")
-    ] = SERVER_MAX_CONNECTIONS,
-    header_timeout: Annotated[
-        float,
-        typer.Option(min=0.1, help="Seconds a client has to send a request's headers before its connection is closed."),
-    ] = SERVER_HEADER_TIMEOUT_S,
-    body_timeout: Annotated[
-        float, typer.Option(min=0.1, help="Seconds a request body gets to arrive (plus what --body-min-rate earns).")
-    ] = SERVER_BODY_TIMEOUT_S,
-    body_min_rate: Annotated[
-        int, typer.Option(min=1, help="Bytes per second of body that earn one more second; slower bodies get 408.")
-    ] = SERVER_BODY_MIN_RATE,
-    max_requests_per_key: Annotated[
-        int, typer.Option(min=1, help="Requests one API key may have open at once; past it 429.")
-    ] = SERVER_MAX_REQUESTS_PER_KEY,
-    max_streams_per_key: Annotated[
-        int, typer.Option(min=1, help="Event streams and long-polls (SSE, wait, claim) one key may have open; 429.")
-    ] = SERVER_MAX_STREAMS_PER_KEY,
-    max_requests_per_address: Annotated[
-        int, typer.Option(min=1, help="Requests without an API key (webhooks too) open per client address; 429.")
-    ] = SERVER_MAX_REQUESTS_PER_ADDRESS,
+    worker_lease: WorkerLease = SERVER_WORKER_LEASE_MS / 1000,
+    max_connections: MaxConnections = SERVER_MAX_CONNECTIONS,
+    header_timeout: HeaderTimeout = SERVER_HEADER_TIMEOUT_S,
+    body_timeout: BodyTimeout = SERVER_BODY_TIMEOUT_S,
+    body_min_rate: BodyMinRate = SERVER_BODY_MIN_RATE,
+    max_requests_per_key: MaxRequestsPerKey = SERVER_MAX_REQUESTS_PER_KEY,
+    max_streams_per_key: MaxStreamsPerKey = SERVER_MAX_STREAMS_PER_KEY,
+    max_requests_per_address: MaxRequestsPerAddress = SERVER_MAX_REQUESTS_PER_ADDRESS,
     log_level: LogLevelOpt = LogLevel.INFO,
     access_log: Annotated[bool, typer.Option(help="Log each request (method, path, status).")] = True,
 ) -> None:

@@ -13,8 +13,8 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import httpx
@@ -141,8 +141,8 @@ async def _open(options: ServerOptions) -> ServerState:
 
 class OffloadAPI(FastAPI):
     """FastAPI with provider webhooks answered in front of all of it (routes_hooks.FastPath): outside the
-    middleware FastAPI and Starlette wrap every request in (error, telemetry and body-limit layers: ~13 % of
-    the server's samples per delivery in bench.peers' 2,000-job webhook burst, py-spy), not only its routing."""
+    middleware FastAPI and Starlette wrap every request in (error, telemetry and body-limit layers, a large share
+    of a delivery's cost), not only its routing."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -159,6 +159,35 @@ class OffloadAPI(FastAPI):
 
 def create_app(options: ServerOptions | None = None) -> FastAPI:
     options = options or ServerOptions()
+    app = OffloadAPI(
+        title="offload",
+        version=__version__,
+        lifespan=_lifespan(options),
+        description="Control plane for bursty GPU work: enqueue and follow jobs, operate queues, run GPU workers "
+        "over HTTP. Authenticate with `Authorization: Bearer <key>` or `X-API-Key: <key>`.",
+    )
+    errors.install(app)  # bodies are bounded per route, before they are read (auth.GuardedRoute)
+    _add_health(app)
+    for module in (
+        routes_jobs,
+        routes_queues,
+        routes_workers,
+        routes_files,
+        routes_keys,
+        routes_hooks,
+        events,
+        metrics,
+        routes_autoscale,
+        dashboard,
+    ):
+        app.include_router(module.router)
+    _describe_batch_limit(app, options)
+    return app
+
+
+def _lifespan(options: ServerOptions) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The server's life: open the store and its state, warm the routes, run maintenance, the store watch and the
+    autoscaler; on the way out stop them and close every client."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -194,15 +223,10 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
             await state.storage.aclose()
             await redis.aclose()
 
-    app = OffloadAPI(
-        title="offload",
-        version=__version__,
-        lifespan=lifespan,
-        description="Control plane for bursty GPU work: enqueue and follow jobs, operate queues, run GPU workers "
-        "over HTTP. Authenticate with `Authorization: Bearer <key>` or `X-API-Key: <key>`.",
-    )
-    errors.install(app)  # bodies are bounded per route, before they are read (auth.GuardedRoute)
+    return lifespan
 
+
+def _add_health(app: FastAPI) -> None:
     @app.get("/healthz", tags=["health"], summary="The process is up (no dependencies checked)")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
@@ -217,27 +241,15 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
             log.warning("readiness check failed: %s", type(exc).__name__)
         return JSONResponse({"error": "unavailable", "detail": "the job store does not answer"}, status_code=503)
 
-    for module in (
-        routes_jobs,
-        routes_queues,
-        routes_workers,
-        routes_files,
-        routes_keys,
-        routes_hooks,
-        events,
-        metrics,
-        routes_autoscale,
-        dashboard,
-    ):
-        app.include_router(module.router)
+
+def _describe_batch_limit(app: FastAPI, options: ServerOptions) -> None:
+    """The OpenAPI description states this server's batch limit (schemas.py checks it per request)."""
     describe = app.openapi
 
     def openapi() -> dict[str, Any]:
-        """The description states this server's batch limit (schemas.py checks it per request)."""
         if app.openapi_schema is None:
             schema = describe()
             schema["components"]["schemas"]["BatchEnqueueRequest"]["properties"]["jobs"]["maxItems"] = options.max_batch
         return app.openapi_schema or describe()
 
     app.openapi = openapi  # type: ignore[method-assign]
-    return app

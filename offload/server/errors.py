@@ -11,7 +11,7 @@ error can name a URL with a password in it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -79,82 +79,96 @@ def _field(loc: Sequence[str | int], msg: str, kind: str = "value_error") -> dic
 
 
 def install(app: FastAPI) -> None:
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _json(exc.status_code, exc.detail, getattr(exc, "headers", None))
+    """Answer every error in the one shape, with the status that carries its meaning (see the module docstring)."""
+    for exc_type, handler in _HANDLERS:
+        app.exception_handler(exc_type)(handler)
 
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        """At most MAX_PROBLEMS entries (a batch of 1,000 bad jobs is not 3,000 lines), the rest counted."""
-        errors = exc.errors()
-        problems = [_field(e["loc"], e["msg"], e["type"]) for e in errors[:MAX_PROBLEMS]]
-        if len(errors) > MAX_PROBLEMS:
-            problems.append(_field(["body"], f"... and {len(errors) - MAX_PROBLEMS} more problems", "truncated"))
-        return JSONResponse(jsonable_encoder(error_body(422, problems)), status_code=422)
 
-    @app.exception_handler(FieldError)
-    async def field_error(request: Request, exc: FieldError) -> JSONResponse:
-        return _json(422, [_field(exc.loc, exc.msg)])
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return _json(exc.status_code, exc.detail, getattr(exc, "headers", None))
 
-    @app.exception_handler(InvalidJob)
-    async def invalid_job(request: Request, exc: InvalidJob) -> JSONResponse:
-        return _json(422, [_field(["body"], str(exc))])
 
-    @app.exception_handler(InvalidQueueName)
-    async def invalid_queue(request: Request, exc: InvalidQueueName) -> JSONResponse:
-        return _json(422, [_field(["path", "queue"], str(exc))])
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """At most MAX_PROBLEMS entries (a batch of 1,000 bad jobs is not 3,000 lines), the rest counted."""
+    errors = exc.errors()
+    problems = [_field(e["loc"], e["msg"], e["type"]) for e in errors[:MAX_PROBLEMS]]
+    if len(errors) > MAX_PROBLEMS:
+        problems.append(_field(["body"], f"... and {len(errors) - MAX_PROBLEMS} more problems", "truncated"))
+    return JSONResponse(jsonable_encoder(error_body(422, problems)), status_code=422)
 
-    @app.exception_handler(InvalidKeyRequest)
-    async def invalid_key(request: Request, exc: InvalidKeyRequest) -> JSONResponse:
-        return _json(422, [_field(["body"], str(exc))])
 
-    @app.exception_handler(JobNotFound)
-    async def not_found(request: Request, exc: JobNotFound) -> JSONResponse:
-        return _json(404, str(exc))
+async def _field_error(request: Request, exc: FieldError) -> JSONResponse:
+    return _json(422, [_field(exc.loc, exc.msg)])
 
-    @app.exception_handler(PayloadTooLarge)
-    async def too_large(request: Request, exc: PayloadTooLarge) -> JSONResponse:
-        return _json(413, str(exc))
 
-    @app.exception_handler(InvalidTransition)
-    async def conflict(request: Request, exc: InvalidTransition) -> JSONResponse:
-        return _json(409, str(exc))
+def _invalid_at(loc: Sequence[str | int]) -> Callable[[Request, Exception], Awaitable[JSONResponse]]:
+    """A 422 naming `loc` as the one problem, with the exception's message."""
 
-    @app.exception_handler(StaleLease)
-    async def stale(request: Request, exc: StaleLease) -> JSONResponse:
-        return _json(409, str(exc))
+    async def invalid(request: Request, exc: Exception) -> JSONResponse:
+        return _json(422, [_field(loc, str(exc))])
 
-    @app.exception_handler(RedisError)
-    async def redis_down(request: Request, exc: RedisError) -> JSONResponse:
-        log.warning("job store error on %s %s: %s", request.method, hook_paths(request.url.path), type(exc).__name__)
-        if is_oom(exc):
-            _oom_seen(request)
-            return _json(503, "the job store is full (its maxmemory); retry later", {"Retry-After": "5"})
-        return _json(503, "the job store is unavailable; retry later", {"Retry-After": "1"})
+    return invalid
 
-    @app.exception_handler(StoreFull)
-    async def store_full(request: Request, exc: StoreFull) -> JSONResponse:
+
+def _status(status: int) -> Callable[[Request, Exception], Awaitable[JSONResponse]]:
+    """`status` with the exception's message as the detail."""
+
+    async def answer(request: Request, exc: Exception) -> JSONResponse:
+        return _json(status, str(exc))
+
+    return answer
+
+
+async def _redis_down(request: Request, exc: RedisError) -> JSONResponse:
+    log.warning("job store error on %s %s: %s", request.method, hook_paths(request.url.path), type(exc).__name__)
+    if is_oom(exc):
         _oom_seen(request)
-        return _json(503, str(exc), {"Retry-After": "5"})
+        return _json(503, "the job store is full (its maxmemory); retry later", {"Retry-After": "5"})
+    return _json(503, "the job store is unavailable; retry later", {"Retry-After": "1"})
 
-    @app.exception_handler(UnsafeEvictionPolicy)
-    async def may_evict(request: Request, exc: UnsafeEvictionPolicy) -> JSONResponse:
-        return _json(503, str(exc), {"Retry-After": "30"})
 
-    @app.exception_handler(NotReplicated)
-    async def not_replicated(request: Request, exc: NotReplicated) -> JSONResponse:
-        """Not acknowledged: a failover could lose the write (durability); the client sends it again."""
-        return _json(503, str(exc).removeprefix("NOREPLICAS "), {"Retry-After": "1"})
+async def _store_full(request: Request, exc: StoreFull) -> JSONResponse:
+    _oom_seen(request)
+    return _json(503, str(exc), {"Retry-After": "5"})
 
-    @app.exception_handler(ConnectionFailed)
-    async def unreachable(request: Request, exc: ConnectionFailed) -> JSONResponse:
-        return _json(503, "the job store is unavailable; retry later", {"Retry-After": "1"})
 
-    @app.exception_handler(Exception)
-    async def internal(request: Request, exc: Exception) -> JSONResponse:
-        """A bug: logged with its traceback here, a bare JSON 500 for the client (no internals leak)."""
-        log.error("unhandled error on %s %s", request.method, hook_paths(request.url.path), exc_info=exc)
-        return _json(500, "internal error")
+async def _may_evict(request: Request, exc: UnsafeEvictionPolicy) -> JSONResponse:
+    return _json(503, str(exc), {"Retry-After": "30"})
+
+
+async def _not_replicated(request: Request, exc: NotReplicated) -> JSONResponse:
+    """Not acknowledged: a failover could lose the write (durability); the client sends it again."""
+    return _json(503, str(exc).removeprefix("NOREPLICAS "), {"Retry-After": "1"})
+
+
+async def _unreachable(request: Request, exc: ConnectionFailed) -> JSONResponse:
+    return _json(503, "the job store is unavailable; retry later", {"Retry-After": "1"})
+
+
+async def _internal(request: Request, exc: Exception) -> JSONResponse:
+    """A bug: logged with its traceback here, a bare JSON 500 for the client (no internals leak)."""
+    log.error("unhandled error on %s %s", request.method, hook_paths(request.url.path), exc_info=exc)
+    return _json(500, "internal error")
+
+
+_HANDLERS: tuple[tuple[type[Exception], Callable[..., Awaitable[JSONResponse]]], ...] = (
+    (StarletteHTTPException, _http_error),
+    (RequestValidationError, _validation_error),
+    (FieldError, _field_error),
+    (InvalidJob, _invalid_at(["body"])),
+    (InvalidQueueName, _invalid_at(["path", "queue"])),
+    (InvalidKeyRequest, _invalid_at(["body"])),
+    (JobNotFound, _status(404)),
+    (PayloadTooLarge, _status(413)),
+    (InvalidTransition, _status(409)),
+    (StaleLease, _status(409)),
+    (RedisError, _redis_down),
+    (StoreFull, _store_full),
+    (UnsafeEvictionPolicy, _may_evict),
+    (NotReplicated, _not_replicated),
+    (ConnectionFailed, _unreachable),
+    (Exception, _internal),
+)
 
 
 def _oom_seen(request: Request) -> None:

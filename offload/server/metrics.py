@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from offload.autoscale.status import autoscale_families
+from offload.models import QueueStats
 from offload.queue.backend_limits import backend_counters
 from offload.queue.memory import read_memory
 from offload.queue.scripts import HIST_BUCKETS_S
@@ -82,6 +83,32 @@ async def collect(state: ServerState) -> list[Metric]:
     queues = sorted(set(await store.queues()) | set(state.options.settings.queues))
     stats = await asyncio.gather(*(store.stats(q) for q in queues))
     hists = await asyncio.gather(*(store.histograms(q) for q in queues))
+    per_queue = await _queue_families(state, queues, stats)
+    remote = await _remote_families(state, queues)
+    backend = await _backend_families(state)
+    wait = _histogram(
+        "offload_job_wait_seconds",
+        "From ready (enqueue, retry, release) to claimed.",
+        {q: h["wait"] for q, h in zip(queues, hists, strict=True)},
+    )
+    run = _histogram(
+        "offload_job_run_seconds",
+        "From claimed to succeeded.",
+        {q: h["run"] for q, h in zip(queues, hists, strict=True)},
+    )
+    return [
+        *await _store_families(state),
+        *per_queue,
+        *remote,
+        *backend,
+        wait,
+        run,
+        *await autoscale_families(state.redis),
+    ]
+
+
+async def _queue_families(state: ServerState, queues: list[str], stats: list[QueueStats]) -> list[Metric]:
+    """Each queue's depth, totals, oldest ready job, pause, workers and its day's budget against its caps."""
     depth = GaugeMetricFamily("offload_queue_jobs", "Jobs in each state now.", labels=["queue", "state"])
     totals = CounterMetricFamily(
         "offload_jobs", "Job transitions since the queue was created.", labels=["queue", "event"]
@@ -102,7 +129,7 @@ async def collect(state: ServerState) -> list[Metric]:
         oldest.add_metric([queue], (s.oldest_ready_age_ms or 0) / 1000)
         paused.add_metric([queue], int(s.paused))
         workers.add_metric([queue], s.workers)
-        _, jobs_used, spend_used = await store.usage(queue)
+        _, jobs_used, spend_used = await state.store.usage(queue)
         budget.add_metric([queue, "jobs"], jobs_used)
         budget.add_metric([queue, "spend"], spend_used)
         q = state.options.settings.queues.get(queue)
@@ -110,6 +137,11 @@ async def collect(state: ServerState) -> list[Metric]:
             caps.add_metric([queue, "jobs"], q.daily_job_cap)
         if q is not None and q.daily_spend_cap is not None:
             caps.add_metric([queue, "spend"], q.daily_spend_cap)
+    return [depth, totals, oldest, paused, workers, budget, caps]
+
+
+async def _remote_families(state: ServerState, queues: list[str]) -> list[Metric]:
+    """Remote workers alive per queue served, and the possible duplicate submissions per queue and backend."""
     remote = GaugeMetricFamily(
         "offload_remote_workers", "Registered remote (HTTP) workers alive, per queue served.", labels=["queue"]
     )
@@ -126,10 +158,15 @@ async def collect(state: ServerState) -> list[Metric]:
         labels=["queue", "backend"],
     )
     for queue, per_backend in zip(
-        queues, await asyncio.gather(*(store.possible_duplicates(q) for q in queues)), strict=True
+        queues, await asyncio.gather(*(state.store.possible_duplicates(q) for q in queues)), strict=True
     ):
         for name, n in sorted(per_backend.items()):
             dups.add_metric([queue, name], n)
+    return [remote, dups]
+
+
+async def _backend_families(state: ServerState) -> list[Metric]:
+    """Dispatch-worker requests per backend by outcome, and the webhook deliveries this server refused."""
     backend = CounterMetricFamily(
         "offload_backend_requests", "Dispatch-worker requests to a backend by outcome.", labels=["backend", "outcome"]
     )
@@ -144,33 +181,7 @@ async def collect(state: ServerState) -> list[Metric]:
     )
     for (name, reason), n in sorted(refusals(state).items()):
         refused.add_metric([name, reason], n)
-    wait = _histogram(
-        "offload_job_wait_seconds",
-        "From ready (enqueue, retry, release) to claimed.",
-        {q: h["wait"] for q, h in zip(queues, hists, strict=True)},
-    )
-    run = _histogram(
-        "offload_job_run_seconds",
-        "From claimed to succeeded.",
-        {q: h["run"] for q, h in zip(queues, hists, strict=True)},
-    )
-    return [
-        *await _store_families(state),
-        depth,
-        totals,
-        oldest,
-        paused,
-        workers,
-        budget,
-        caps,
-        remote,
-        dups,
-        backend,
-        refused,
-        wait,
-        run,
-        *await autoscale_families(state.redis),
-    ]
+    return [backend, refused]
 
 
 async def _store_families(state: ServerState) -> list[Metric]:

@@ -226,47 +226,18 @@ def _commit(batch: list[Pending]) -> None:
     """Write a batch of small objects atomically and durably: each to a temp file, then made durable, then
     renamed over its target, then the renames and any directories made durable. A large batch (`GROUP_MIN`) is
     made durable with one syncfs(2) per step and file system (the whole file system's dirty data and journal
-    in one call: ~4x less kernel CPU than fsyncing each file and directory, measured in a 2,000-write burst);
-    a small one, or where syncfs cannot report a lost write, fsyncs each file, then each directory once. A
-    failure fails the writes it concerns, never the whole batch, and removes their temp files."""
+    in one call, far cheaper than fsyncing each file and directory); a small one, or where syncfs cannot report
+    a lost write, fsyncs each file, then each directory once. A failure fails the writes it concerns, never the
+    whole batch, and removes their temp files."""
     grouped = _SYNCFS is not None and len(batch) >= GROUP_MIN
     for p in batch:
-        try:
-            fd, p.tmp, p.made = _open_temp(p.target, os.path.dirname(p.target))
-        except StorageError as exc:
-            p.error = exc
-            continue
-        try:
-            try:
-                _write_all(fd, p.data)
-            except BaseException:
-                os.close(fd)
-                raise
-            if grouped:
-                try:
-                    p.device = os.fstat(fd).st_dev  # the file system its batch's syncfs must cover
-                finally:
-                    os.close(fd)
-            else:
-                _sync_and_close(fd)  # closes it, also when the fsync fails
-        except OSError as exc:
-            _failed(p, exc)
+        _stage(p, grouped)
     staged = [p for p in batch if p.error is None]
     if grouped:
         _sync_groups(staged)
     for p in staged:
-        if p.error is not None:
-            continue
-        if p.abandoned:  # the caller gave up before the rename: the previous object stays
-            _failed(p, None)
-            continue
-        if p.orphaned:  # an earlier write of its group failed: never an output without its files
-            _failed(p, None, f"writing {p.target} skipped: an earlier object of the same write failed")
-            continue
-        try:
-            os.replace(p.tmp, p.target)
-        except OSError as exc:
-            _failed(p, exc)
+        if p.error is None:
+            _rename(p)
     renamed = [p for p in staged if p.error is None]
     if grouped:
         _sync_groups(renamed)
@@ -277,6 +248,45 @@ def _commit(batch: list[Pending]) -> None:
             if directory not in synced:
                 synced.add(directory)
                 _fsync_dir(directory)
+
+
+def _stage(p: Pending, grouped: bool) -> None:
+    """Write `p`'s bytes to a temp file beside its target: fsynced now, or (`grouped`) noting its file system
+    for the batch's syncfs."""
+    try:
+        fd, p.tmp, p.made = _open_temp(p.target, os.path.dirname(p.target))
+    except StorageError as exc:
+        p.error = exc
+        return
+    try:
+        try:
+            _write_all(fd, p.data)
+        except BaseException:
+            os.close(fd)
+            raise
+        if grouped:
+            try:
+                p.device = os.fstat(fd).st_dev  # the file system its batch's syncfs must cover
+            finally:
+                os.close(fd)
+        else:
+            _sync_and_close(fd)  # closes it, also when the fsync fails
+    except OSError as exc:
+        _failed(p, exc)
+
+
+def _rename(p: Pending) -> None:
+    """Put a staged write in place, unless its caller gave up or its group already failed."""
+    if p.abandoned:  # the caller gave up before the rename: the previous object stays
+        _failed(p, None)
+        return
+    if p.orphaned:  # an earlier write of its group failed: never an output without its files
+        _failed(p, None, f"writing {p.target} skipped: an earlier object of the same write failed")
+        return
+    try:
+        os.replace(p.tmp, p.target)
+    except OSError as exc:
+        _failed(p, exc)
 
 
 def _sync_groups(batch: list[Pending]) -> None:
@@ -332,9 +342,8 @@ def _atomic_write(path: str, write: Callable[[int], None]) -> None:
     to a power cut is lost with it.
 
     Plain `os` calls on a file descriptor and string paths, not `tempfile.mkstemp` and a file object: this runs in
-    a thread while the worker's event loop needs the GIL, and each Python step here is taken from the loop (in the
-    2,000-job burst of issue 15, mkstemp's random names, the file object and pathlib held the GIL for ~13 % of
-    the samples). The temp file is created with mode 0644 under the process umask, as any other file is."""
+    a thread while the worker's event loop needs the GIL, and each Python step here is taken from the loop. The
+    temp file is created with mode 0644 under the process umask, as any other file is."""
     target = os.fspath(path)
     directory = os.path.dirname(target)
     fd, tmp, made = _open_temp(target, directory)

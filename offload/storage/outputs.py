@@ -13,15 +13,12 @@ that only holds those URLs is lost by the time anyone reads it. `store_output` t
    `<stem>/files/r<run>-<n>-<basename>` (`<run>` is the job's submission number, so two remote runs of one job
    never share a file key, and `<n>` the URL's position in the output, so a retried store of the same run
    overwrites the same keys; without a run, `<n>-<basename>`). Neither the job nor the run is a directory of
-   its own: on local storage each directory is one more inode to allocate per job, and in a burst of 2,000 job
-   ends on this project's ext4 machines an inode cost 0.2-0.9 ms of kernel CPU (allocation scans past recently
-   deleted inodes); the flat space took the burst's last result from 0.34 s after its webhook to 0.15 s
-   (medians of 4 interleaved pairs of 2,000 x 10 s webhook runs);
+   its own: on local storage each directory is one more inode to allocate per job, costly in a burst;
 3. asks `before_write` (the worker: is the lease still mine?), then writes the rewritten JSON to the output key,
    last, so an output that exists is always complete and only refers to files of its own run. Small files (up
    to `HOLD_BYTES` in all) wait in memory and are written with the JSON by one `Storage.put_all`, the JSON
    after them: on local storage that is one group commit per job instead of one for the files and another for
-   the JSON (in a burst of 2,000 job ends each group commit was a wait of ~130-300 ms at the median).
+   the JSON.
 
 The stored JSON keeps the output's shape; each copied URL string is replaced by our copy's location
 (`s3://bucket/key`, or a file path for local storage), a permanent address that `aws s3 cp` and
@@ -216,53 +213,78 @@ async def store_output(
         raise TypeError("store_output copies provider files only through an egress client (new_client(egress=True))")
     if len(urls) > max_files:
         raise StorageError(f"output links {len(urls)} files, more than the limit of {max_files}", permanent=True)
-    files: list[CopiedFile] = []
-    held: list[Put] = []  # small copied files, written with the JSON
-    host_headers = {host.lower(): dict(h) for host, h in (auth_headers or {}).items()}
     if urls:
-        prefix = files_prefix(output_key) + (f"r{run}-" if run else "")
-        gate = asyncio.Semaphore(COPY_CONCURRENCY)
-        room = HOLD_BYTES
-
-        def hold(size: int) -> bool:
-            nonlocal room
-            if size > room:
-                return False
-            room -= size
-            return True
-
-        async def copy(index: int, url: str) -> tuple[CopiedFile, bytes | None]:
-            async with gate:
-                headers = host_headers.get(_host(url).lower(), {})
-                road = _Road(http, plain, policy)
-                try:
-                    async with asyncio.timeout(file_timeout_s):
-                        return await _copy_file(storage, road, url, index, prefix, max_file_bytes, headers, hold)
-                except (StorageError, AddressRefused, TimeoutError) as exc:
-                    raise _not_copied(output_key, index, url, exc, file_timeout_s) from None
-
-        try:
-            async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(copy(i, url)) for i, url in enumerate(urls)]
-        except BaseExceptionGroup as eg:
-            raise _first_error(eg) from None
-        for task in tasks:
-            copied, data = task.result()
-            files.append(copied)
-            if data is not None:
-                held.append(Put(copied.key, data, copied.content_type))
+        files, held = await _copy_files(
+            storage,
+            _Road(http, plain, policy),
+            urls,
+            output_key,
+            run=run,
+            max_file_bytes=max_file_bytes,
+            file_timeout_s=file_timeout_s,
+            auth_headers=auth_headers,
+        )
         mapping = {f.url: f.location for f in files}
         stored = rewrite(output, mapping)
         if isinstance(stored, dict):
             previous = stored.get(FILES_KEY)
             stored[FILES_KEY] = {**(previous if isinstance(previous, dict) else {}), **mapping}
     else:
-        stored = output
+        files, held, stored = [], [], output
     if before_write is not None:
         await before_write()
     document = Put(output_key, dump_json(stored), "application/json")
     location = (await storage.put_all([*held, document]))[-1]
     return StoredOutput(location=location, key=output_key, files=files)
+
+
+async def _copy_files(
+    storage: Storage,
+    road: _Road,
+    urls: list[str],
+    output_key: str,
+    *,
+    run: str | None,
+    max_file_bytes: int,
+    file_timeout_s: float,
+    auth_headers: Mapping[str, Mapping[str, str]] | None,
+) -> tuple[list[CopiedFile], list[Put]]:
+    """Copy every file, COPY_CONCURRENCY at a time, each within `file_timeout_s`: the copies in URL order, and
+    the small ones' bytes (up to HOLD_BYTES in all) held back to be written with the JSON."""
+    host_headers = {host.lower(): dict(h) for host, h in (auth_headers or {}).items()}
+    prefix = files_prefix(output_key) + (f"r{run}-" if run else "")
+    gate = asyncio.Semaphore(COPY_CONCURRENCY)
+    room = HOLD_BYTES
+
+    def hold(size: int) -> bool:
+        nonlocal room
+        if size > room:
+            return False
+        room -= size
+        return True
+
+    async def copy(index: int, url: str) -> tuple[CopiedFile, bytes | None]:
+        async with gate:
+            headers = host_headers.get(_host(url).lower(), {})
+            try:
+                async with asyncio.timeout(file_timeout_s):
+                    return await _copy_file(storage, road, url, index, prefix, max_file_bytes, headers, hold)
+            except (StorageError, AddressRefused, TimeoutError) as exc:
+                raise _not_copied(output_key, index, url, exc, file_timeout_s) from None
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(copy(i, url)) for i, url in enumerate(urls)]
+    except BaseExceptionGroup as eg:
+        raise _first_error(eg) from None
+    files: list[CopiedFile] = []
+    held: list[Put] = []
+    for task in tasks:
+        copied, data = task.result()
+        files.append(copied)
+        if data is not None:
+            held.append(Put(copied.key, data, copied.content_type))
+    return files, held
 
 
 def _first_error(eg: BaseExceptionGroup[BaseException]) -> BaseException:

@@ -254,6 +254,14 @@ class World:
 
     async def fleet_step(self) -> None:
         now = self.clock()
+        await self._fleet_changes(now)
+        lease = 3 * self.sc.poll * 1000
+        for pid, w in self.workers.items():
+            await self._worker_step(pid, w, now, lease)
+        await self.store.reap(QUEUE)
+
+    async def _fleet_changes(self, now: float) -> None:
+        """Machines pre-empted at their time, workers of vanished machines dropped, booted machines' started."""
         machines = {m.provider_id: m for m in await self.provider.list()}
         for pid, fate in list(self.fates.items()):
             if pid in machines and fate.preempt_at is not None and now >= fate.preempt_at:
@@ -272,37 +280,35 @@ class World:
             self.workers[pid] = GpuWorker(
                 f"r-{pid}", m.label.removeprefix("offload-"), pid, protected=fate.self_protect and not self.healthy
             )
-        lease = 3 * self.sc.poll * 1000
-        for pid, w in self.workers.items():
-            fate = self.fates[pid]
-            if not w.hung and fate.hang_at is not None and now >= fate.hang_at:
-                w.hung = True
-                self.event(f"hung {pid}")
-                await drop_worker(self.r, w.id)
-            if w.hung:
-                continue
-            if self.healthy:
-                w.protected = False
-            if w.job is not None and now >= w.done_at:
-                with contextlib.suppress(StaleLease):  # its lease was handed back meanwhile (e.g. the spend cap)
-                    await self.store.complete(w.job[0], w.job[1], f"results/{w.job[0]}.json")
+
+    async def _worker_step(self, pid: str, w: GpuWorker, now: float, lease: float) -> None:
+        """One GPU worker's step: hang at its time, finish its job, claim the next unless draining, heartbeat."""
+        fate = self.fates[pid]
+        if not w.hung and fate.hang_at is not None and now >= fate.hang_at:
+            w.hung = True
+            self.event(f"hung {pid}")
+            await drop_worker(self.r, w.id)
+        if w.hung:
+            return
+        if self.healthy:
+            w.protected = False
+        if w.job is not None and now >= w.done_at:
+            with contextlib.suppress(StaleLease):  # its lease was handed back meanwhile (e.g. the spend cap)
+                await self.store.complete(w.job[0], w.job[1], f"results/{w.job[0]}.json")
+            w.job = None
+        draining = await self.r.hget(f"offload:rworker:{w.id}", "draining") == "1"
+        if w.job is None and not draining:
+            got = await self.store.claim(QUEUE, w.id, 1, lease_ms=lease)
+            if got:
+                w.job = (got[0].id, got[0].token)
+                w.done_at = now + self.rng.uniform(*self.sc.job_minutes) * 60
+        if w.job is not None:
+            beat = await self.store.heartbeat(QUEUE, w.id, [w.job[0]], lease_ms=lease)
+            if w.job[0] in beat.lost:
                 w.job = None
-            draining = await self.r.hget(f"offload:rworker:{w.id}", "draining") == "1"
-            if w.job is None and not draining:
-                got = await self.store.claim(QUEUE, w.id, 1, lease_ms=lease)
-                if got:
-                    w.job = (got[0].id, got[0].token)
-                    w.done_at = now + self.rng.uniform(*self.sc.job_minutes) * 60
-            if w.job is not None:
-                beat = await self.store.heartbeat(QUEUE, w.id, [w.job[0]], lease_ms=lease)
-                if w.job[0] in beat.lost:
-                    w.job = None
-            await put_worker(
-                self.r, w.id, QUEUE, w.instance, now, in_flight=int(w.job is not None), protected=w.protected
-            )
-            if draining:
-                await self.r.hset(f"offload:rworker:{w.id}", "draining", 1)
-        await self.store.reap(QUEUE)
+        await put_worker(self.r, w.id, QUEUE, w.instance, now, in_flight=int(w.job is not None), protected=w.protected)
+        if draining:
+            await self.r.hset(f"offload:rworker:{w.id}", "draining", 1)
 
     # -- the day ---------------------------------------------------------------------------------------------
 

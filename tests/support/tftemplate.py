@@ -194,40 +194,54 @@ def _run(
             if word in stop:
                 return i, word
             if word == "if":
-                cond = _Expr(text[2:], env).evaluate() if out is not None else False
-                if out is not None and not isinstance(cond, bool):
-                    raise TemplateError(f"if condition is not a bool: {text!r}")
-                j, kw = _run(tokens, i + 1, env, out if cond else None, ("else", "endif"))
-                if kw == "else":
-                    j, kw = _run(tokens, j + 1, env, None if cond else out, ("endif",))
-                i = j
+                i = _run_if(tokens, i, text, env, out)
             elif word == "for":
-                m = re.fullmatch(r"for\s+([A-Za-z_]\w*)(?:\s*,\s*([A-Za-z_]\w*))?\s+in\s+(.+)", text, re.S)
-                if not m:
-                    raise TemplateError(f"unsupported for directive {text!r}")
-                first, second, source = m.groups()
-                if out is None:
-                    i, _ = _run(tokens, i + 1, env, None, ("endfor",))
-                else:
-                    seq = _Expr(source, env).evaluate()
-                    pairs = sorted(seq.items()) if isinstance(seq, dict) else list(enumerate(seq))
-                    end = None
-                    for key, value in pairs:
-                        scope = dict(env)
-                        if second:
-                            scope[first], scope[second] = key, value
-                        else:
-                            scope[first] = value
-                        end, _ = _run(tokens, i + 1, scope, out, ("endfor",))
-                    if end is None:
-                        end, _ = _run(tokens, i + 1, env, None, ("endfor",))
-                    i = end
+                i = _run_for(tokens, i, text, env, out)
             else:
                 raise TemplateError(f"unexpected directive {text!r}")
         i += 1
     if stop:
         raise TemplateError(f"missing %{{ {stop[-1]} }}")
     return i, ""
+
+
+def _run_if(
+    tokens: list[tuple[str, str, bool, bool]], i: int, text: str, env: dict[str, Any], out: list[str] | None
+) -> int:
+    """An `if` directive at i (and its `else`): the index of its `endif`."""
+    cond = _Expr(text[2:], env).evaluate() if out is not None else False
+    if out is not None and not isinstance(cond, bool):
+        raise TemplateError(f"if condition is not a bool: {text!r}")
+    j, kw = _run(tokens, i + 1, env, out if cond else None, ("else", "endif"))
+    if kw == "else":
+        j, kw = _run(tokens, j + 1, env, None if cond else out, ("endif",))
+    return j
+
+
+def _run_for(
+    tokens: list[tuple[str, str, bool, bool]], i: int, text: str, env: dict[str, Any], out: list[str] | None
+) -> int:
+    """A `for` directive at i, its body rendered once per item: the index of its `endfor`."""
+    m = re.fullmatch(r"for\s+([A-Za-z_]\w*)(?:\s*,\s*([A-Za-z_]\w*))?\s+in\s+(.+)", text, re.S)
+    if not m:
+        raise TemplateError(f"unsupported for directive {text!r}")
+    first, second, source = m.groups()
+    if out is None:
+        end, _ = _run(tokens, i + 1, env, None, ("endfor",))
+        return end
+    seq = _Expr(source, env).evaluate()
+    pairs = sorted(seq.items()) if isinstance(seq, dict) else list(enumerate(seq))
+    found = None
+    for key, value in pairs:
+        scope = dict(env)
+        if second:
+            scope[first], scope[second] = key, value
+        else:
+            scope[first] = value
+        found, _ = _run(tokens, i + 1, scope, out, ("endfor",))
+    if found is None:
+        found, _ = _run(tokens, i + 1, env, None, ("endfor",))
+    return found
 
 
 def render(template: str, variables: dict[str, Any]) -> str:
