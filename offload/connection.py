@@ -36,8 +36,9 @@ class GatedPool(aioredis.ConnectionPool):
     """A bounded pool whose waiters queue on a semaphore.
 
     redis-py's BlockingConnectionPool makes every waiter take the pool's lock in turn before it may wait, and a
-    release queues for that same lock: with thousands of job tasks waiting, releases starve (the measurement is
-    in docs/explanation/performance.md). A semaphore hands a slot straight to the next waiter."""
+    release queues for that same lock: with thousands of job tasks waiting, each hand-over costs an event-loop
+    pass and releases starve (docs/explanation/performance.md, *Job-store connections*). A semaphore hands a slot
+    straight to the next waiter."""
 
     def __init__(self, *, timeout: float, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -94,7 +95,7 @@ _OUTAGE_REPLIES = ("LOADING", "MISCONF", "MASTERDOWN", "NOREPLICAS", "CLUSTERDOW
 _OOM_TEXT = "command not allowed when used memory > 'maxmemory'"
 # uvloop's answer to a write on a connection the server has reset (asyncio's loop raises ConnectionResetError
 # there): redis-py lets it through as it is, after dropping the connection. Taken for a worker error, one Valkey
-# crash failed attempts and stopped a worker; it is an outage like the others.
+# crash would fail attempts and stop a worker; it is an outage like the others.
 _CLOSED_TRANSPORT = "the handler is closed"
 
 

@@ -1,8 +1,9 @@
 """The event loop the long-running commands run on: uvloop where it is installed, else asyncio's own.
 
 The `worker` and `server` extras bring uvloop (libuv's loop, written in Cython), and `uvicorn` already picks it by
-itself for `offload server`. For the dispatch worker it lowers the loop's own cost per job (the measurement is in
-docs/explanation/performance.md). `OFFLOAD_EVENT_LOOP=asyncio` keeps asyncio's loop (for a debugger
+itself for `offload server`. For the dispatch worker it lowers the loop's own cost per job, and its timers fire
+closer to their deadline than asyncio's (docs/explanation/performance.md, *Event loop*).
+`OFFLOAD_EVENT_LOOP=asyncio` keeps asyncio's loop (for a debugger
 or a library that needs it); `=uvloop` requires uvloop. A bad value is an error naming the variable.
 """
 

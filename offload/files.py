@@ -167,8 +167,8 @@ def may_hold_references(encoded: bytes) -> bool:
 def reference_keys(encoded: bytes) -> list[str]:
     """The distinct `$file` strings of JSON text offload wrote, in order, found by byte search without parsing
     the rest: every reference's key (and those nested in a reference's own fields, which the walk skips). One
-    regex pass in C, and each distinct string decoded once: an input repeating one reference 3,000 times costs
-    what one does (a Python loop per occurrence held the server's loop ~15 ms per such job)."""
+    regex pass in C, and each distinct string decoded once, so a reference repeated many times costs what one
+    does (docs/explanation/performance.md, *File references*)."""
     keys: dict[str, None] = {}
     for raw in dict.fromkeys(_REF_SCAN.findall(encoded)):
         with contextlib.suppress(ValueError):  # not a string any JSON encoder writes

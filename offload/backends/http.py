@@ -82,8 +82,8 @@ def new_client(
 
 @functools.cache
 def _tls() -> ssl.SSLContext:
-    """One verifying TLS context per process: building one loads the CA bundle (~30 ms), which would otherwise
-    be paid by every backend that makes its own client."""
+    """One verifying TLS context per process: building one loads the CA bundle, which would otherwise be paid by
+    every backend that makes its own client (docs/explanation/performance.md, *HTTP transport*)."""
     return httpx.create_ssl_context()
 
 

@@ -1,8 +1,8 @@
 """An httpx transport on aiohttp's connection pool, for processes with thousands of requests in flight.
 
 httpcore's pool re-scans every queued request and every connection whenever one changes state
-(encode/httpcore#1035), so its cost per request grows with concurrency: measured here at 1,000 concurrent polls,
-~7 ms of CPU per request through httpx's own pool against ~0.2 ms through aiohttp. The backends keep speaking
+(encode/httpcore#1035), so its cost per request grows with concurrency (the figures: docs/explanation/
+performance.md, *HTTP transport*). The backends keep speaking
 httpx (requests, responses, exceptions: one error mapping for every provider); only the wire moves to aiohttp.
 `send` is a shorter path for the backends' hot loop (submit and poll): it skips building an httpx.Request.
 Both roads read a backend's answer through `read_bounded` and `bounded_response`, so an answer is never read, nor
@@ -265,8 +265,8 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         """A streamed GET of `url` straight on aiohttp, for copying a provider's file: the body as it came, or
         None when httpx must take the request instead (the URL needs httpx's encoding, or the answer is a
         redirect, whose header policy is httpx's, or an encoded body, which httpx decodes). Per file this skips
-        httpx's request building, URL parsing, auth and redirect layers and cookie jar: in the 2,000-job burst of
-        issue 15 the copy was ~40 % of the worker's event loop and httpx about a third of that. On an egress
+        httpx's request building, URL parsing, auth and redirect layers and cookie jar, a large share of a burst
+        of copies (docs/explanation/performance.md, *HTTP transport*). On an egress
         transport `policy` decides where it may connect (offload.egress), as for a request through httpx."""
         if not _PLAIN_URL.fullmatch(url):
             yield None

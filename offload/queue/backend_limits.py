@@ -20,7 +20,7 @@ from offload.redis_client import RedisClient
 
 COOL_PROBE_S = 0.1
 # How long noted outcomes gather before one write sends them all: a metric 50 ms late, against a write per
-# event-loop pass (a worker doing 7,000 jobs/s sent ~300 a second, bench/worker_throughput.py; now ~20).
+# event-loop pass (docs/explanation/performance.md, *Batched store calls*).
 NOTE_EVERY_S = 0.05
 
 
@@ -104,8 +104,7 @@ class BackendLimits:
     async def _send_noted(self) -> None:
         """One write per NOTE_EVERY_S while outcomes keep being noted, then the task ends. The wait comes
         before every write, not only the first: a worker noting thousands of outcomes a second finds some
-        noted during each write's round trip, and went on writing back to back (~1,500 writes a second at
-        ~20,000 no-op jobs a second, 4 % of its CPU, bench/worker_throughput.py)."""
+        noted during each write's round trip, and would go on writing back to back (same section)."""
         while True:
             await asyncio.sleep(NOTE_EVERY_S)  # everything noted meanwhile goes in one call
             if not self._noted:

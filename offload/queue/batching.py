@@ -1,8 +1,8 @@
 """Coalesce the per-job store calls of thousands of concurrent job tasks into a few batched calls.
 
 With 10,000 jobs in flight, one round trip per checkpoint, cap reservation or ack costs more than the Redis work
-itself: every call waits for a pooled connection and an event-loop pass (measured here: checkpoints crawled at
-~250/s behind 10,000 tasks, and jobs that had finished remotely waited a minute to be recorded). A `Batcher`
+itself: every call waits for a pooled connection and an event-loop pass, and checkpoints crawl behind the tasks
+(docs/explanation/performance.md, *Batched store calls*). A `Batcher`
 lets each task await its own result while one flusher sends whatever has queued up as a single script call.
 Under light load a batch is one item and costs what a direct call costs: nothing waits for a batch to fill.
 """

@@ -5,8 +5,8 @@ A state's set is read a page at a time (ZRANGE by index). Submitted jobs are act
 (no order of its own): few by nature (bounded by the queues' submit concurrency), they are read whole and shown
 oldest first by id. No index orders a queue's jobs by creation across states, so the all-states listing reads every
 id and its `created_at` in chunks (one script call per chunk, created.lua: Redis never works on more than a chunk at
-once) and keeps only the page's worth of newest ones: time grows with the queue (about 1 s per 100,000 jobs on a
-loaded 2-core machine), memory with the page.
+once) and keeps only the page's worth of newest ones: time grows with the queue (docs/explanation/performance.md,
+*Listing jobs*), memory with the page.
 """
 
 from __future__ import annotations

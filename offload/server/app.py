@@ -141,8 +141,8 @@ async def _open(options: ServerOptions) -> ServerState:
 
 class OffloadAPI(FastAPI):
     """FastAPI with provider webhooks answered in front of all of it (routes_hooks.FastPath): outside the
-    middleware FastAPI and Starlette wrap every request in (error, telemetry and body-limit layers, a large share
-    of a delivery's cost), not only its routing."""
+    middleware FastAPI and Starlette wrap every request in (error, telemetry and body-limit layers), not only its
+    routing (docs/explanation/performance.md, *Webhook deliveries*)."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

@@ -15,8 +15,9 @@ reordered deliveries no-ops; the answer is 200 for every verified delivery (the 
 so the provider does not retry one that had nothing left to do.
 
 Deliveries of the usual shape are answered by `FastPath`, in front of FastAPI and all of its middleware
-(app.OffloadAPI), with the same `deliver` as the documented route (which answers the rest): a burst of
-deliveries costs half the CPU.
+(app.OffloadAPI), with the same `deliver` as the documented route (which answers the rest): FastAPI's layers
+would cost a burst of deliveries more than the deliveries do (docs/explanation/performance.md, *Webhook
+deliveries*).
 """
 
 from __future__ import annotations
@@ -77,8 +78,9 @@ def _hooks(state: ServerState) -> _Hooks:
 
 def prepare(state: ServerState) -> None:
     """Build the webhook machinery at startup, for every backend whose provider calls back, rather than on the
-    first delivery: that builds an HTTP client and imports the backends (aiohttp and all), a few hundred ms with
-    the event loop blocked, and the first deliveries of a burst all queue behind it (the webhook p99 of a burst).
+    first delivery: that builds an HTTP client and imports the backends (aiohttp and all) with the event loop
+    blocked, and the first deliveries of a burst would all queue behind it (see docs/explanation/performance.md,
+    *Webhook deliveries*).
     A backend that cannot be built here is left to the first delivery, which reports why."""
     settings = state.options.settings
     for name in [n for n in settings.backends if settings.hook_base(n) is not None]:
@@ -195,8 +197,8 @@ async def receive(backend: str, job_id: str, submission: int, secret: str, reque
 class FastPath:
     """ASGI middleware that answers `POST /v1/hooks/<backend>/<job>/<digits>/<secret>` itself, with `deliver`,
     instead of through FastAPI's routing, dependency solving and exception middleware: a burst of a few thousand
-    jobs ending together is a few thousand deliveries, and those layers were over half the server's CPU per
-    delivery (py-spy, bench.peers' 2,000 x 30 s run). Anything else, any other shape of hook path (FastAPI
+    jobs ending together is a few thousand deliveries, and those layers cost more than the delivery itself (see
+    docs/explanation/performance.md, *Webhook deliveries*). Anything else, any other shape of hook path (FastAPI
     then answers 404/422 as before) and any delivery that fails unexpectedly (a Redis outage: replayed
     through FastAPI, whose handlers in errors.py map it) goes to the app. The body is bounded by GuardedRoute's
     own `bound_body`; error bodies are errors.py's."""

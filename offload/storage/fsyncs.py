@@ -7,19 +7,15 @@ files, one sync, renames, one sync), then wakes each loop that waits with one ca
 writes (`write_many`: a job's copied files and then its output JSON) goes to one lane as one piece and is
 waited for as one: in the same batch, renamed in its order, and a write whose predecessor in the group failed
 is not renamed, so the output JSON never appears without its files. Why: a job's writes are then one wait on a
-lane, not two in a row; in a burst of 2,000 job ends on 2 cores (bench.peers' webhook run) each wait was
-~130-300 ms at the median, the largest step of a job's end.
+lane, not two in a row, and in a burst of job ends that wait is the largest step of a job's end.
 
 Why the file system work is here and not on the event loop: on ext4 under a burst, creating, renaming and
-making directories wait for the journal while a sync commits it (the loop blocked in the kernel for ~40 % of
-the worker's end phase in bench.peers' 2,000 x 30 s run), and one fsync per file and per directory cost
-~0.4 ms of kernel CPU per job where one sync per batch costs ~0.1 ms. Why a few lanes and not the default
-thread pool: a pool work item per write is a future, a queue, a thread woken and a loop wakeup each, and every
-system call in a thread must win the GIL back from the busy loop; a lane pays those once per batch. Why four
-and not one: one lane took less CPU per output in bench/store_outputs.py's burst (0.79 ms against 0.93, the lane
-count set by hand), but in bench.peers' webhook run, where the file system's inode allocation was slow (an ext4
-that had just deleted many files: 0.1-0.9 ms of kernel CPU per inode), one lane serialised that kernel work and
-the worker's end phase took more system CPU (0.9-1.5 s against 0.74-0.89 s with four, three rounds).
+making directories wait for the journal while a sync commits it, and one fsync per file and per directory costs
+several times the kernel CPU of one sync per batch. Why a few lanes and not the default thread pool: a pool work
+item per write is a future, a queue, a thread woken and a loop wakeup each, and every system call in a thread
+must win the GIL back from the busy loop; a lane pays those once per batch. Why four and not one: where the file
+system's inode allocation is slow (an ext4 that has just deleted many files), one lane serialises that kernel
+work. The measurements: docs/explanation/performance.md, *Local storage*.
 
 A write whose caller was cancelled before its lane got to it is skipped; one cancelled later is finished by the
 lane or undone (its temp file removed) before its rename. The threads are daemons, started on first use (again

@@ -226,9 +226,10 @@ def _commit(batch: list[Pending]) -> None:
     """Write a batch of small objects atomically and durably: each to a temp file, then made durable, then
     renamed over its target, then the renames and any directories made durable. A large batch (`GROUP_MIN`) is
     made durable with one syncfs(2) per step and file system (the whole file system's dirty data and journal
-    in one call, far cheaper than fsyncing each file and directory); a small one, or where syncfs cannot report
-    a lost write, fsyncs each file, then each directory once. A failure fails the writes it concerns, never the
-    whole batch, and removes their temp files."""
+    in one call: far less kernel CPU than fsyncing each file and directory; docs/explanation/performance.md,
+    *Local storage*);
+    a small one, or where syncfs cannot report a lost write, fsyncs each file, then each directory once. A
+    failure fails the writes it concerns, never the whole batch, and removes their temp files."""
     grouped = _SYNCFS is not None and len(batch) >= GROUP_MIN
     for p in batch:
         _stage(p, grouped)
@@ -342,8 +343,9 @@ def _atomic_write(path: str, write: Callable[[int], None]) -> None:
     to a power cut is lost with it.
 
     Plain `os` calls on a file descriptor and string paths, not `tempfile.mkstemp` and a file object: this runs in
-    a thread while the worker's event loop needs the GIL, and each Python step here is taken from the loop. The
-    temp file is created with mode 0644 under the process umask, as any other file is."""
+    a thread while the worker's event loop needs the GIL, and each Python step here is taken from the loop (see
+    docs/explanation/performance.md, *Local storage*). The temp file is created with mode 0644 under the process
+    umask, as any other file is."""
     target = os.fspath(path)
     directory = os.path.dirname(target)
     fd, tmp, made = _open_temp(target, directory)

@@ -13,12 +13,13 @@ that only holds those URLs is lost by the time anyone reads it. `store_output` t
    `<stem>/files/r<run>-<n>-<basename>` (`<run>` is the job's submission number, so two remote runs of one job
    never share a file key, and `<n>` the URL's position in the output, so a retried store of the same run
    overwrites the same keys; without a run, `<n>-<basename>`). Neither the job nor the run is a directory of
-   its own: on local storage each directory is one more inode to allocate per job, costly in a burst;
+   its own: on local storage each directory is one more inode to allocate per job, which a burst of job ends
+   pays in kernel CPU (docs/explanation/performance.md, *Local storage*);
 3. asks `before_write` (the worker: is the lease still mine?), then writes the rewritten JSON to the output key,
    last, so an output that exists is always complete and only refers to files of its own run. Small files (up
    to `HOLD_BYTES` in all) wait in memory and are written with the JSON by one `Storage.put_all`, the JSON
    after them: on local storage that is one group commit per job instead of one for the files and another for
-   the JSON.
+   the JSON, each a long wait in a burst (same section).
 
 The stored JSON keeps the output's shape; each copied URL string is replaced by our copy's location
 (`s3://bucket/key`, or a file path for local storage), a permanent address that `aws s3 cp` and
