@@ -30,9 +30,9 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from http_enqueue import free_port, start_server, wait_ready
-from queue_throughput import start_valkey
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make `bench` importable
+from bench.http_enqueue import free_port, start_server, wait_ready
+from bench.queue_throughput import start_valkey
 
 QUEUE, OTHER = "bench-hostile", "bench-other"
 

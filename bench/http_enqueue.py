@@ -29,8 +29,8 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from queue_throughput import start_valkey
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make `bench` importable
+from bench.queue_throughput import start_valkey
 
 QUEUE = "bench-http"
 

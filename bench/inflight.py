@@ -37,7 +37,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import FrameType
 
 import httpx
 
@@ -45,9 +45,9 @@ from offload.connection import connect
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from processes import Processes, ProcStats, start_sim, start_valkey
-from tutorial_worker import run_tutorial
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make `bench` importable
+from bench.processes import Processes, ProcStats, start_sim, start_valkey
+from bench.tutorial_worker import run_tutorial
 
 SAMPLE_EVERY = 0.5  # CPU time and RSS
 CHECK_EVERY = 0.1  # queue counts (in flight, succeeded): cheap, and it makes the wall time precise
@@ -281,7 +281,7 @@ class OffloadFailed(Exception):
 # -- main ------------------------------------------------------------------------------------------
 
 
-def _interrupt(signum: int, frame: Any) -> None:
+def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 

@@ -38,9 +38,8 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from processes import Processes, ProcStats, start_sim
-
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make `bench` importable
+from bench.processes import Processes, ProcStats, start_sim
 from offload import eventloop
 from offload.backends import new_client
 from offload.backends.transport import fast_path
@@ -115,13 +114,13 @@ async def run(sim: str, sim_pid: int, jobs: int, reps: int, workdir: Path) -> di
             rates[name].append(rate)
             cpus[name].append(cpu)
             print(f"rep {rep + 1} {name}: {rate:,.0f} jobs/s, {cpu:.2f} ms CPU per job", flush=True)
-    rate = {name: statistics.median(rates[name]) for name in ROADS}
+    median = {name: statistics.median(rates[name]) for name in ROADS}
     return {
-        "httpx_jobs_per_s": round(rate["httpx"]),
-        "plain_jobs_per_s": round(rate["plain"]),
-        "unbounded_jobs_per_s": round(rate["unbounded"]),
-        "ratio": round(rate["plain"] / rate["httpx"], 3),
-        "per_host_ratio": round(rate["plain"] / rate["unbounded"], 3),
+        "httpx_jobs_per_s": round(median["httpx"]),
+        "plain_jobs_per_s": round(median["plain"]),
+        "unbounded_jobs_per_s": round(median["unbounded"]),
+        "ratio": round(median["plain"] / median["httpx"], 3),
+        "per_host_ratio": round(median["plain"] / median["unbounded"], 3),
         **{f"{name}_cpu_ms_per_job": round(statistics.median(cpus[name]), 3) for name in ROADS},
         "plain_sim_cpu_ms_per_job": round(statistics.median(sims["plain"]), 3),
         "unbounded_sim_cpu_ms_per_job": round(statistics.median(sims["unbounded"]), 3),

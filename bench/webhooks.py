@@ -31,13 +31,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
+from redis.asyncio import Redis
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from processes import HOST, Processes, ProcStats, free_port, start_valkey, wait_until
-
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make `bench` importable
+from bench.processes import HOST, Processes, ProcStats, free_port, start_valkey, wait_until
 from offload.connection import connect
 from offload.models import JobState
 from offload.queue.specs import JobSpec
@@ -106,7 +106,7 @@ async def run_once(
     (await sim.post("/_sim/webhooks", json={"replicate_secret": SECRET})).raise_for_status()
     config = write_config(workdir, name, redis_url, sim_url, public, jobs)
     r = await connect(redis_url)
-    await r.flushdb()
+    await cast(Redis, r).flushdb()  # a single-node bench server
     store = QueueStore(r)
     server = None
     if public:

@@ -44,13 +44,14 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from queue_throughput import start_valkey  # offload.local.embedded's allocator; AOF everysec or Valkey's shipped
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make `bench` importable
+from redis.asyncio import Redis
 
+from bench.queue_throughput import start_valkey  # offload.local.embedded's allocator; AOF everysec or Valkey's shipped
 from offload import eventloop
 from offload.backends.base import RemoteResult, Submission
 from offload.connection import connect
@@ -72,7 +73,7 @@ async def fill(url: str, jobs: int, sleep_s: float) -> None:
     """An empty server, then `jobs` ready jobs (enqueued before the worker starts: only draining is timed)."""
     redis = await connect(url)
     try:
-        await redis.flushdb()
+        await cast(Redis, redis).flushdb()  # a single-node bench server
         store = QueueStore(redis)
         specs = [JobSpec(input={"i": i, "sleep": sleep_s}, retention=600) for i in range(jobs)]
         for k in range(0, jobs, 10_000):
@@ -108,8 +109,8 @@ class LocalBackend:
     async def poll(self, remote_id: str) -> RemoteResult:
         return RemoteResult("succeeded", output=None)
 
-    async def cancel(self, remote_id: str) -> None:
-        return None
+    async def cancel(self, remote_id: str) -> bool:
+        return False  # nothing to stop: submit answered with the result
 
     async def find(self, tag: str) -> str | None:
         return None

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import redis
@@ -19,6 +19,8 @@ from support.servers import REDIS7, ValkeyServer, named_redis
 from bench.chaos.faketime import ClockFile
 from offload.connection import connect
 from offload.queue.store import QueueStore
+
+T = TypeVar("T")
 
 # Parallel test workers (pytest-xdist) each get their own DB on a named Redis, counting down from the URL's.
 _WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
@@ -111,7 +113,7 @@ async def store(backend_url: str) -> AsyncIterator[QueueStore]:
     await client.aclose()
 
 
-def run(coro: Any) -> Any:
+def run(coro: Coroutine[Any, Any, T]) -> T:
     """Run a coroutine from sync test code."""
     return asyncio.run(coro)
 

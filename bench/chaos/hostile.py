@@ -3,9 +3,9 @@ the run goes on, all from the address the simulator's webhooks and the operator'
 
 Every `hostile_every` seconds (mean) one of: a burst of bad keys past the failed-auth limit, each followed by a
 request with the operator's valid admin key from the same address; or a body trickled one byte every 0.2 s with a
-valid producer key. The checker's invariants: `valid_key_refused` (a valid key answered 429 or 408: the lockout
-of issue 35), `bad_keys_not_limited` (a burst never reached 429: the limit does not act), `loris_not_cut` (a
-trickled body not answered 408 within the server's body deadline plus a grace). Webhooks answered 429 show in the
+valid producer key. The checker's invariants: `valid_key_refused` (a valid key answered 429 or 408: a
+lockout), `bad_keys_not_limited` (a burst never reached 429: the limit does not act), `loris_not_cut` (a trickled
+body not answered 408 within the server's body deadline plus a grace). Webhooks answered 429 show in the
 run's `webhooks` summary (`answered_200` against `sent`).
 """
 

@@ -25,8 +25,9 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import redis.asyncio as aioredis
@@ -51,6 +52,7 @@ from offload.queue.durability import Durability
 from offload.queue.scripts import NAMES, SCRIPTS
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
+from offload.redis_client import Entry
 from offload.testing.sim.store import input_key
 
 log = logging.getLogger("chaos")
@@ -114,6 +116,8 @@ class Run:
         self.events: dict[str, list[tuple[float, str]]] = defaultdict(list)
         self.samples: dict[str, Any] = {"in_flight": []}
         self.stop_background = asyncio.Event()
+        self.findings: list[str] = []  # set by report.report
+        self.exit_notes: list[str] = []
 
     async def main(self) -> dict[str, Any]:
         p, args = self.p, self.args
@@ -296,7 +300,7 @@ class Run:
     async def _cancel_one(self) -> dict[str, Any] | None:
         return await self.operator.cancel_one(self.schedule.timeline)
 
-    async def _until(self, check: Any, timeout: float, what: str) -> None:
+    async def _until(self, check: Callable[[], object], timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
         while not check():
             if time.monotonic() > deadline:
@@ -319,7 +323,8 @@ class Run:
                 failovers = self.failover.failovers
                 streams.update({f"offload:{{{q}}}:events": i for q, i in self.failover.kept_ids.items()})
             try:
-                got = await client.xread(streams, count=5000, block=300)  # type: ignore[arg-type]
+                reply = await client.xread(streams, count=5000, block=300)  # type: ignore[arg-type]
+                got = cast(list[tuple[str, list[Entry]]] | None, reply)  # RESP2, decoded
             except (RedisError, OSError):
                 await asyncio.sleep(0.2)
                 continue

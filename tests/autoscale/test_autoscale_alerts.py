@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from aiosmtpd.controller import Controller
+from support.admin_redis import AdminRedis, redis_admin
 from support.autoscale_helpers import Clock, make_scaler, queue_block
 from support.eventually import eventually_sync
 from support.servers import free_port
@@ -84,14 +85,14 @@ def receiver() -> Iterator[Receiver]:
 
 
 @pytest.fixture
-async def r(fast_valkey_url: str) -> AsyncIterator[Any]:
-    client = await connect(fast_valkey_url)
+async def r(fast_valkey_url: str) -> AsyncIterator[AdminRedis]:
+    client = redis_admin(await connect(fast_valkey_url))
     yield client
     await client.aclose()
 
 
 async def test_webhook_and_email_delivery_with_retries_and_cooldown(
-    r: Any, receiver: Receiver, smtp: tuple[Sink, int]
+    r: AdminRedis, receiver: Receiver, smtp: tuple[Sink, int]
 ) -> None:
     sink, port = smtp
     clock = Clock()
@@ -120,7 +121,7 @@ async def test_webhook_and_email_delivery_with_retries_and_cooldown(
     await other.aclose()
 
 
-async def test_queue_monitors_dead_letter_growth_and_latency(r: Any, receiver: Receiver) -> None:
+async def test_queue_monitors_dead_letter_growth_and_latency(r: AdminRedis, receiver: Receiver) -> None:
     clock = Clock()
     store = QueueStore(r, clock_ms=lambda: int(clock() * 1000))
     alerter = Alerter(
@@ -148,7 +149,7 @@ async def test_queue_monitors_dead_letter_growth_and_latency(r: Any, receiver: R
     await alerter.aclose()
 
 
-async def test_scaler_failures_reach_the_webhook(r: Any, receiver: Receiver) -> None:
+async def test_scaler_failures_reach_the_webhook(r: AdminRedis, receiver: Receiver) -> None:
     clock = Clock()
     s, _ = make_scaler(r, clock, queue_block(boot_timeout="2m"), alerts={"webhooks": [{"url": receiver.url}]})
     await QueueStore(r).enqueue("gpu", JobSpec(input=1))
@@ -160,7 +161,7 @@ async def test_scaler_failures_reach_the_webhook(r: Any, receiver: Receiver) -> 
     await s.aclose()
 
 
-async def test_a_boot_timeout_reaches_an_autoscale_failure_filter(r: Any, receiver: Receiver) -> None:
+async def test_a_boot_timeout_reaches_an_autoscale_failure_filter(r: AdminRedis, receiver: Receiver) -> None:
     """A machine that never booted is an autoscale failure: a target filtering on `autoscale_failure` gets it.
     Before the fix it was sent only as `boot_timeout`, which such a filter missed."""
     clock = Clock()

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.admin_redis import AdminRedis, redis_admin
 from support.autoscale_helpers import VAULT_KEY
 from typer.testing import CliRunner
 
@@ -93,13 +94,13 @@ def test_vault_round_trip_and_refusals() -> None:
 
 
 @pytest.fixture
-async def r(fast_valkey_url: str) -> AsyncIterator[Any]:
-    client = await connect(fast_valkey_url)
+async def r(fast_valkey_url: str) -> AsyncIterator[AdminRedis]:
+    client = redis_admin(await connect(fast_valkey_url))
     yield client
     await client.aclose()
 
 
-async def test_provider_store_encrypts_masks_and_keeps_untyped_secrets(r: Any) -> None:
+async def test_provider_store_encrypts_masks_and_keeps_untyped_secrets(r: AdminRedis) -> None:
     with pytest.raises(VaultError):
         await _no_key_create(r)
     store = ProviderStore(r, Vault(VAULT_KEY))
@@ -122,7 +123,7 @@ async def test_provider_store_encrypts_masks_and_keeps_untyped_secrets(r: Any) -
         await store.delete("gpu-vast")
 
 
-async def _no_key_create(r: Any) -> None:
+async def _no_key_create(r: AdminRedis) -> None:
     import os
 
     saved = os.environ.pop("OFFLOAD_VAULT_MASTER_KEY", None)

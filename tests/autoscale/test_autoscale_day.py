@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from support.admin_redis import AdminRedis, redis_admin
 from support.autoscale_helpers import Clock, drop_worker, make_scaler, put_worker, queue_block
 
 from offload.autoscale import keyspace
@@ -65,7 +66,7 @@ class SimWorker:
 class Fleet:
     """The GPU machines' side: workers that boot, work, drain, and die with their machine."""
 
-    def __init__(self, r: Any, store: QueueStore, mock: MockProvider, clock: Clock) -> None:
+    def __init__(self, r: AdminRedis, store: QueueStore, mock: MockProvider, clock: Clock) -> None:
         self.r, self.store, self.mock, self.clock = r, store, mock, clock
         self.workers: dict[str, SimWorker] = {}
         self.seen: set[str] = set()
@@ -115,8 +116,8 @@ class Fleet:
 
 
 @pytest.fixture
-async def r(fast_valkey_url: str) -> AsyncIterator[Any]:
-    client = await connect(fast_valkey_url)
+async def r(fast_valkey_url: str) -> AsyncIterator[AdminRedis]:
+    client = redis_admin(await connect(fast_valkey_url))
     yield client
     await client.aclose()
 
@@ -136,7 +137,7 @@ def day_block() -> dict[str, Any]:
     )
 
 
-def new_scaler(r: Any, clock: Clock, owner: str) -> tuple[Autoscaler, MockProvider]:
+def new_scaler(r: AdminRedis, clock: Clock, owner: str) -> tuple[Autoscaler, MockProvider]:
     scaler, _ = make_scaler(r, clock, day_block(), owner=owner, server={"leader_ttl": 90})
     mock = CrashingMock(
         "m",
@@ -148,7 +149,7 @@ def new_scaler(r: Any, clock: Clock, owner: str) -> tuple[Autoscaler, MockProvid
     return scaler, mock
 
 
-async def test_a_day_of_bursty_load(r: Any) -> None:
+async def test_a_day_of_bursty_load(r: AdminRedis) -> None:
     clock = Clock(DAY_START)
     store = QueueStore(r, clock_ms=lambda: int(clock() * 1000))
     scaler, mock = new_scaler(r, clock, "server-1")
@@ -215,8 +216,8 @@ async def test_a_day_of_bursty_load(r: Any) -> None:
     assert stacked == []
     assert max_active <= 4
     history = await scaler.instances.recent(500)
-    reasons = " ".join(i.reason for i in history)
-    assert "boot_timeout" in reasons and "vanished" in reasons
+    ended = " ".join(i.reason for i in history)
+    assert "boot_timeout" in ended and "vanished" in ended
     adopted = [e for _, e in await r.xrange(keyspace.EVENTS) if e.get("kind") == "adopted"]
     assert len(adopted) == 1  # the machine rented by the crashed server was found by its label
     assert any(i.teardown_attempts >= 1 for i in history)  # teardown failed and was retried

@@ -13,11 +13,11 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import orjson
 import pytest
+from support.admin_redis import AdminRedis, redis_admin
 from support.autoscale_helpers import VAULT_KEY, Clock, make_scaler, queue_block, sim_call, worker_token
 from support.eventually import eventually
 from support.server_helpers import server
@@ -79,17 +79,17 @@ def make_repo(root: Path) -> Path:
 
 
 @pytest.fixture
-async def r(valkey: ValkeyServer) -> AsyncIterator[Any]:
-    client = await connect(valkey.url)
-    await client.flushdb()
+async def r(valkey: ValkeyServer) -> AsyncIterator[AdminRedis]:
+    client = redis_admin(await connect(valkey.url))
+    await redis_admin(client).flushdb()
     yield client
-    await client.flushdb()
+    await redis_admin(client).flushdb()
     await client.aclose()
 
 
 @pytest.mark.xdist_group("autoscale-e2e")
 async def test_local_provider_deploys_a_branch_from_git_and_its_jobs_succeed(
-    r: Any, valkey: ValkeyServer, tmp_path: Path
+    r: AdminRedis, valkey: ValkeyServer, tmp_path: Path
 ) -> None:
     repo = make_repo(tmp_path)
     queue = "deploy-" + secrets.token_hex(3)
@@ -328,7 +328,7 @@ def test_cli_credentials_never_take_the_secret_as_an_argument(
 
 
 async def test_the_api_refuses_commands_that_would_run_on_this_host(
-    r: Any, valkey: ValkeyServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    r: AdminRedis, valkey: ValkeyServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A queue block that would run a deployment (or a handler) through a `local` provider is the operator's to
     set (offload.yaml): the HTTP API answers 403 naming why. Every validation problem is listed at its field."""

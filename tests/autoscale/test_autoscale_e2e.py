@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from support.admin_redis import AdminRedis, redis_admin
 from support.autoscale_helpers import VAULT_KEY, put_worker, sim_call, worker_token
 from support.eventually import eventually
 from support.server_helpers import server
@@ -37,17 +38,17 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-async def r(valkey: ValkeyServer) -> AsyncIterator[Any]:
-    client = await connect(valkey.url)
-    await client.flushdb()
+async def r(valkey: ValkeyServer) -> AsyncIterator[AdminRedis]:
+    client = redis_admin(await connect(valkey.url))
+    await redis_admin(client).flushdb()
     yield client
-    await client.flushdb()
+    await redis_admin(client).flushdb()
     await client.aclose()
 
 
 @pytest.mark.xdist_group("autoscale-e2e")
 async def test_local_provider_end_to_end(
-    r: Any, valkey: ValkeyServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    r: AdminRedis, valkey: ValkeyServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("OFFLOAD_VAULT_MASTER_KEY", VAULT_KEY)
     queue = "e2e-" + secrets.token_hex(3)
@@ -72,7 +73,7 @@ async def test_local_provider_end_to_end(
             await leftover.destroy(machine.provider_id)
 
 
-async def _local_end_to_end(r: Any, valkey: ValkeyServer, tmp_path: Path, queue: str, worker_token: str) -> None:
+async def _local_end_to_end(r: AdminRedis, valkey: ValkeyServer, tmp_path: Path, queue: str, worker_token: str) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     settings = Settings.model_validate(
@@ -151,7 +152,7 @@ async def _local_end_to_end(r: Any, valkey: ValkeyServer, tmp_path: Path, queue:
 
 
 @pytest.mark.xdist_group("autoscale-e2e")
-async def test_two_autoscalers_only_the_leader_calls_the_provider(r: Any) -> None:
+async def test_two_autoscalers_only_the_leader_calls_the_provider(r: AdminRedis) -> None:
     cfg = SimConfig.model_validate({"api_key": "k", "machines": {"boot_seconds": 0.2}})
     with running_sim(cfg) as sim_url:
         settings = Settings.model_validate(
@@ -199,7 +200,10 @@ async def test_two_autoscalers_only_the_leader_calls_the_provider(r: Any) -> Non
         inst = await eventually(instance, 10, "a rental")
         await put_worker(r, "w1", "gpu", inst.id, time.time())
         await QueueStore(r).purge("gpu", "queued")
-        sim_requests = lambda: sum(sim_call("GET", f"{sim_url}/_sim/stats")["requests"].values())  # noqa: E731
+
+        def sim_requests() -> int:
+            return sum(sim_call("GET", f"{sim_url}/_sim/stats")["requests"].values())
+
         await asyncio.sleep(0.5)  # both loops run side by side for a while
         assert a.provider_calls > 0 and b.provider_calls == 0
         assert sim_requests() >= a.provider_calls  # (the adapter may retry, never fewer)
@@ -237,7 +241,9 @@ async def _true(value: Any) -> Any:
     return value
 
 
-async def test_autoscale_api(r: Any, valkey: ValkeyServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_autoscale_api(
+    r: AdminRedis, valkey: ValkeyServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("OFFLOAD_VAULT_MASTER_KEY", VAULT_KEY)
     monkeypatch.setenv("OFFLOAD_AUTOSCALER", "off")
     admin = "admin-" + secrets.token_hex(16)

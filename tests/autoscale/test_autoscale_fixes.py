@@ -1,4 +1,4 @@
-"""Regression tests for the money bugs of issue 13, each one of the experiments that found it, on a simulated
+"""Regression tests for the autoscaler's money bugs, each one of the experiments that found it, on a simulated
 clock over a real Valkey (and the simulator's RunPod/Vast.ai routes where a real adapter's behaviour matters).
 
 1. a scale-down schedule that spares something must not start a rent-and-drain loop against an up schedule;
@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator
+from collections.abc import Set as AbstractSet
 from datetime import UTC, datetime
-from typing import Any
+from pathlib import Path
 
 import pytest
-from support.autoscale_helpers import Clock, make_scaler, put_worker, queue_block, sim_call, worker_token
+from support.admin_redis import AdminRedis, redis_admin
+from support.autoscale_helpers import Clock, make_scaler, put_worker, queue_block, sim_call, stored, worker_token
 
 from offload.autoscale import keyspace
 from offload.autoscale.instances import Instance
@@ -35,23 +37,23 @@ DAY = datetime(2027, 1, 18, tzinfo=UTC).timestamp()  # a Monday, 00:00 UTC
 
 
 @pytest.fixture
-async def r(fast_valkey_url: str) -> AsyncIterator[Any]:
-    client = await connect(fast_valkey_url)
+async def r(fast_valkey_url: str) -> AsyncIterator[AdminRedis]:
+    client = redis_admin(await connect(fast_valkey_url))
     yield client
     await client.aclose()
 
 
-def qstore(r: Any, clock: Clock) -> QueueStore:
+def qstore(r: AdminRedis, clock: Clock) -> QueueStore:
     return QueueStore(r, clock_ms=lambda: int(clock() * 1000))
 
 
 async def serve_all(
     s: Autoscaler,
-    r: Any,
+    r: AdminRedis,
     clock: Clock,
-    busy: set[str] = frozenset(),  # type: ignore[assignment]
-    protected: set[str] = frozenset(),
-) -> None:  # type: ignore[assignment]
+    busy: AbstractSet[str] = frozenset(),
+    protected: AbstractSet[str] = frozenset(),
+) -> None:
     """Every machine the mock holds has a worker that registered at once and heart-beats (idle unless busy)."""
     for inst in await s.instances.live():
         if inst.provider_id and inst.status in ("provisioning", "booting", "running", "draining"):
@@ -66,7 +68,7 @@ async def serve_all(
             )
 
 
-async def rentals(r: Any) -> list[dict[str, str]]:
+async def rentals(r: AdminRedis) -> list[dict[str, str]]:
     return [e for _, e in await r.xrange(keyspace.EVENTS) if e.get("kind") == "provisioning"]
 
 
@@ -78,7 +80,9 @@ async def live(s: Autoscaler) -> list[Instance]:
 
 
 @pytest.mark.parametrize("spared_by", ["protected", "busy"])
-async def test_a_spared_instance_at_the_down_schedule_starts_no_rent_and_drain_loop(r: Any, spared_by: str) -> None:
+async def test_a_spared_instance_at_the_down_schedule_starts_no_rent_and_drain_loop(
+    r: AdminRedis, spared_by: str
+) -> None:
     """Down at 07:30 spares instance A (protected, or busy all morning); the 08:00 up schedule asks for 2. Before the
     fix, `down_pending` stayed set and pinned the floor to min_workers: rent B, drain B next poll, rent again..."""
     clock = Clock(DAY + 7 * 3600 + 20 * 60)
@@ -116,7 +120,7 @@ async def test_a_spared_instance_at_the_down_schedule_starts_no_rent_and_drain_l
 # -- 2. a draining worker is not live --------------------------------------------------------------------------
 
 
-async def test_a_draining_worker_does_not_count_as_live(r: Any) -> None:
+async def test_a_draining_worker_does_not_count_as_live(r: AdminRedis) -> None:
     """The only instance is draining (it took a long job in the race window of its drain). Five new jobs must get
     a machine: before the fix the draining worker counted as live, so no_workers never fired (10 min, no rental)."""
     clock = Clock()
@@ -131,7 +135,7 @@ async def test_a_draining_worker_does_not_count_as_live(r: Any) -> None:
     clock.advance(61)
     await put_worker(r, "w1", "gpu", a.id, clock())
     await s.tick()
-    assert (await s.instances.get(a.id)).status == "draining"  # type: ignore[union-attr]
+    assert (await stored(s, a.id)).status == "draining"
     await qstore(r, clock).enqueue_many("gpu", [JobSpec(input=i) for i in range(5)])
     for _ in range(20):  # 10 minutes; the draining worker is busy with its long job all along
         clock.advance(30)
@@ -145,7 +149,7 @@ async def test_a_draining_worker_does_not_count_as_live(r: Any) -> None:
 # -- 3. ambiguous create failures ------------------------------------------------------------------------------
 
 
-async def test_create_answering_503_backs_off_and_alerts(r: Any) -> None:
+async def test_create_answering_503_backs_off_and_alerts(r: AdminRedis) -> None:
     """A provider answering 503 to every create (listing works). Before the fix: 12 creates in 30 minutes, no
     backoff state, no alert (an ambiguous create only waited out the 120 s adoption grace, then rented again)."""
     clock = Clock()
@@ -176,7 +180,7 @@ async def test_create_answering_503_backs_off_and_alerts(r: Any) -> None:
         await s.aclose()
 
 
-async def test_a_lost_create_answer_is_adopted_and_not_rented_twice(r: Any) -> None:
+async def test_a_lost_create_answer_is_adopted_and_not_rented_twice(r: AdminRedis) -> None:
     """The create rented the machine but its answer was lost: the record is adopted by its label (one machine),
     and the ambiguous failure still counts for backoff until the adoption proves the create went through."""
     clock = Clock()
@@ -206,7 +210,7 @@ async def test_a_lost_create_answer_is_adopted_and_not_rented_twice(r: Any) -> N
 # -- 4. max_workers, protected instances -----------------------------------------------------------------------
 
 
-async def test_max_workers_counts_draining_machines(r: Any) -> None:
+async def test_max_workers_counts_draining_machines(r: AdminRedis) -> None:
     """max_workers 1: the one machine drains a long job while new work arrives. Before the fix a second machine was
     rented next to it (2 billed); now nothing is rented until the draining one is gone, then exactly one."""
     clock = Clock()
@@ -225,7 +229,7 @@ async def test_max_workers_counts_draining_machines(r: Any) -> None:
         clock.advance(30)
         await put_worker(r, "w1", "gpu", a.id, clock())
         await s.tick()
-    assert (await s.instances.get(a.id)).status == "draining"  # type: ignore[union-attr]
+    assert (await stored(s, a.id)).status == "draining"
     await qstore(r, clock).enqueue_many("gpu", [JobSpec(input=i) for i in range(3)])
     most = 0
     for _ in range(10):
@@ -237,7 +241,7 @@ async def test_max_workers_counts_draining_machines(r: Any) -> None:
 
 
 @pytest.mark.parametrize("failure", ["heartbeat", "boot_timeout"])
-async def test_a_protected_instance_is_kept_on_failure_and_alerted(r: Any, failure: str) -> None:
+async def test_a_protected_instance_is_kept_on_failure_and_alerted(r: AdminRedis, failure: str) -> None:
     """The machine you protected to debug must not die of the crash you wanted to debug: kept (and alerted),
     destroyed once unprotected; `protected_failures: destroy` restores the old behaviour."""
     clock = Clock()
@@ -261,10 +265,10 @@ async def test_a_protected_instance_is_kept_on_failure_and_alerted(r: Any, failu
     await s.instances.set_protect(a.id, False)
     clock.advance(30)
     await s.tick()
-    assert await mock.all_ids() == [] and (await s.instances.get(a.id)).teardown == "done"  # type: ignore[union-attr]
+    assert await mock.all_ids() == [] and (await stored(s, a.id)).teardown == "done"
 
 
-async def test_protected_failures_destroy_is_a_choice(r: Any) -> None:
+async def test_protected_failures_destroy_is_a_choice(r: AdminRedis) -> None:
     clock = Clock()
     s, mock = make_scaler(r, clock, queue_block(boot_timeout="5m", protected_failures="destroy"))
     await qstore(r, clock).enqueue("gpu", JobSpec(input=0))
@@ -280,7 +284,7 @@ async def test_protected_failures_destroy_is_a_choice(r: Any) -> None:
 # -- 7. mock providers: no vault, no real spend ----------------------------------------------------------------
 
 
-async def test_a_mock_provider_needs_no_vault_key(r: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_mock_provider_needs_no_vault_key(r: AdminRedis, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OFFLOAD_VAULT_MASTER_KEY", raising=False)
     store = ProviderStore(r)
     rec = await store.create("try-it", "mock", {"price_per_hour": 0.2})
@@ -297,7 +301,7 @@ async def test_a_mock_provider_needs_no_vault_key(r: Any, monkeypatch: pytest.Mo
     await s.aclose()
 
 
-async def test_mock_spend_never_counts_against_a_real_cap(r: Any) -> None:
+async def test_mock_spend_never_counts_against_a_real_cap(r: AdminRedis) -> None:
     """A queue rehearsed on the mock ($10 of dry-run spend), then pointed at Vast.ai with a $5 daily cap: the
     real provider must rent (before the fix, the mock's spend blocked it)."""
     clock = Clock()
@@ -333,7 +337,7 @@ async def test_mock_spend_never_counts_against_a_real_cap(r: Any) -> None:
         await s2.aclose()
 
 
-def test_offload_worker_reads_offload_queue(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_offload_worker_reads_offload_queue(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A rented machine gets OFFLOAD_QUEUE; `offload worker` (both modes) serves it without --queue. Before the
     fix: "Missing option '--queue'"."""
     from typer.testing import CliRunner
@@ -351,7 +355,7 @@ def test_offload_worker_reads_offload_queue(tmp_path: Any, monkeypatch: pytest.M
     assert res.exit_code != 0 and "Missing option" not in res.output and "from-env" in res.output, res.output
 
 
-async def test_switching_autoscaling_off_drains_the_fleet_even_with_work_queued(r: Any) -> None:
+async def test_switching_autoscaling_off_drains_the_fleet_even_with_work_queued(r: AdminRedis) -> None:
     """Found by the property test: with jobs still queued, `enabled: false` never scaled down (the scale-up demand
     held every machine), so the machines the autoscaler rented ran on unmanaged. Now they drain; a busy one
     finishes its job first."""
@@ -368,7 +372,7 @@ async def test_switching_autoscaling_off_drains_the_fleet_even_with_work_queued(
         clock.advance(30)
         await put_worker(r, "r-w1", "gpu", a.id, clock(), in_flight=1)
         await s.tick()
-    assert (await s.instances.get(a.id)).status == "draining"  # type: ignore[union-attr]
+    assert (await stored(s, a.id)).status == "draining"
     assert a.provider_id in await mock.all_ids()  # busy: it finishes its job first
     clock.advance(30)
     await put_worker(r, "r-w1", "gpu", a.id, clock(), in_flight=0)

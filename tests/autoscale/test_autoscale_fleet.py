@@ -10,7 +10,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from support.autoscale_helpers import Clock, make_scaler, put_worker, queue_block, sim_call, worker_token
+from support.admin_redis import AdminRedis, redis_admin
+from support.autoscale_helpers import Clock, make_scaler, put_worker, queue_block, sim_call, stored, worker_token
 
 from offload.autoscale import keyspace
 from offload.autoscale.providers.runpod import RunPodConfig, RunPodProvider
@@ -27,13 +28,13 @@ PUBLIC = {"public_url": "https://cp.example.com"}
 
 
 @pytest.fixture
-async def r(fast_valkey_url: str) -> AsyncIterator[Any]:
-    client = await connect(fast_valkey_url)
+async def r(fast_valkey_url: str) -> AsyncIterator[AdminRedis]:
+    client = redis_admin(await connect(fast_valkey_url))
     yield client
     await client.aclose()
 
 
-def qstore(r: Any, clock: Clock) -> QueueStore:
+def qstore(r: AdminRedis, clock: Clock) -> QueueStore:
     # the virtual clock jumps past leases with no calls in between: that silence is not an outage here
     return QueueStore(r, clock_ms=lambda: int(clock() * 1000), excuse_outages=False)
 
@@ -51,7 +52,7 @@ async def close(s: Autoscaler) -> None:
     await s.aclose()
 
 
-async def test_200_jobs_with_jobs_per_worker_50_rent_4_machines_in_one_evaluation(r: Any) -> None:
+async def test_200_jobs_with_jobs_per_worker_50_rent_4_machines_in_one_evaluation(r: AdminRedis) -> None:
     clock = Clock()
     s, mock = make_scaler(r, clock, queue_block(max_workers=6, jobs_per_worker=50, scale_up=[]))
     await qstore(r, clock).enqueue_many("gpu", [JobSpec(input=i) for i in range(200)])
@@ -69,7 +70,7 @@ async def test_200_jobs_with_jobs_per_worker_50_rent_4_machines_in_one_evaluatio
     assert len(await mock.all_ids()) == 6  # 400 / 50 = 8, bounded by max_workers
 
 
-async def test_the_first_provider_out_of_stock_the_second_rents(r: Any) -> None:
+async def test_the_first_provider_out_of_stock_the_second_rents(r: AdminRedis) -> None:
     clock = Clock()
     cfg = SimConfig.model_validate(
         {"api_key": "k", "machines": {"boot_seconds": 0, "out_of_stock": ["NVIDIA RTX A5000"]}}
@@ -85,7 +86,8 @@ async def test_the_first_provider_out_of_stock_the_second_rents(r: Any) -> None:
         assert stats["pods.create"] == 1 and stats["vastai.rent"] == 2  # rp tried once, in the same evaluation
         why = await load_decision(r, "gpu")
         assert why is not None and why["provider"]["order"] == ["rp", "v"] and why["rented"] == ["v", "v"]
-        assert float(await r.hget(keyspace.queue_state("gpu"), "prov_until:rp")) > clock()  # rp backs off
+        backoff_until = await r.hget(keyspace.queue_state("gpu"), "prov_until:rp")
+        assert backoff_until is not None and float(backoff_until) > clock()  # rp backs off
         await qstore(r, clock).enqueue("gpu", JobSpec(input=3))
         clock.advance(30)
         await s.tick()
@@ -98,7 +100,7 @@ async def test_the_first_provider_out_of_stock_the_second_rents(r: Any) -> None:
 
 
 @pytest.mark.parametrize(("runpod_price", "expected"), [(0.36, "v"), (0.30, "rp")])
-async def test_cheapest_picks_the_lower_current_offer(r: Any, runpod_price: float, expected: str) -> None:
+async def test_cheapest_picks_the_lower_current_offer(r: AdminRedis, runpod_price: float, expected: str) -> None:
     """Vast.ai's cheapest acceptable RTX 4090 offer is $0.35/h; RunPod's A5000 is $0.36 or $0.30: whichever is
     lower rents, whatever the order of preference."""
     clock = Clock()
@@ -126,7 +128,7 @@ async def test_cheapest_picks_the_lower_current_offer(r: Any, runpod_price: floa
 
 
 @pytest.mark.parametrize("provider", ["rp", "v"])
-async def test_a_preempted_spot_machine_returns_its_jobs_without_using_an_attempt(r: Any, provider: str) -> None:
+async def test_a_preempted_spot_machine_returns_its_jobs_without_using_an_attempt(r: AdminRedis, provider: str) -> None:
     """Spot rentals: RunPod through podRentInterruptable (a bid 10 % over the minimum), Vast.ai through a bid.
     The machine is pre-empted while its worker holds a job whose lease the reaper already took back (counting an
     expiry) and one it still holds: both come back with no attempt and no expiry used."""
@@ -177,7 +179,7 @@ async def test_a_preempted_spot_machine_returns_its_jobs_without_using_an_attemp
         await close(s)
 
 
-async def test_spot_above_the_cap_rents_nothing_there(r: Any) -> None:
+async def test_spot_above_the_cap_rents_nothing_there(r: AdminRedis) -> None:
     clock = Clock()
     with running_sim(SimConfig.model_validate({"api_key": "k", "machines": {"boot_seconds": 0}}), clock=clock) as url:
         block = queue_block(
@@ -195,7 +197,7 @@ async def test_spot_above_the_cap_rents_nothing_there(r: Any) -> None:
         await close(s)
 
 
-async def test_a_hung_handler_does_not_keep_a_draining_machine_forever(r: Any) -> None:
+async def test_a_hung_handler_does_not_keep_a_draining_machine_forever(r: AdminRedis) -> None:
     clock = Clock()
     s, mock = make_scaler(
         r,
@@ -213,7 +215,7 @@ async def test_a_hung_handler_does_not_keep_a_draining_machine_forever(r: Any) -
     clock.advance(61)
     await put_worker(r, "r-w1", "gpu", a.id, clock())
     await s.tick()
-    assert (await s.instances.get(a.id)).status == "draining"  # type: ignore[union-attr]
+    assert (await stored(s, a.id)).status == "draining"
     for _ in range(30):  # the handler it took in the race window never returns
         clock.advance(60)
         await put_worker(r, "r-w1", "gpu", a.id, clock(), in_flight=1)
@@ -225,7 +227,7 @@ async def test_a_hung_handler_does_not_keep_a_draining_machine_forever(r: Any) -
     assert got.destroyed_at - got.drain_at == pytest.approx(20 * 60, abs=61)
 
 
-async def test_a_drain_is_cancelled_when_load_returns(r: Any) -> None:
+async def test_a_drain_is_cancelled_when_load_returns(r: AdminRedis) -> None:
     clock = Clock()
     s, mock = make_scaler(r, clock, queue_block(scale_down=[{"trigger": "idle", "timeout": "1m"}]))
     s.drain_settle = 45  # the machine drains for a while before its teardown
@@ -239,7 +241,7 @@ async def test_a_drain_is_cancelled_when_load_returns(r: Any) -> None:
     clock.advance(61)
     await put_worker(r, "r-w1", "gpu", a.id, clock())
     await s.tick()
-    assert (await s.instances.get(a.id)).status == "draining"  # type: ignore[union-attr]
+    assert (await stored(s, a.id)).status == "draining"
     assert await r.hget("offload:rworker:r-w1", "draining") == "1"
     await qstore(r, clock).enqueue("gpu", JobSpec(input=1))
     clock.advance(30)
@@ -254,7 +256,7 @@ async def test_a_drain_is_cancelled_when_load_returns(r: Any) -> None:
     assert kinds.index("draining") < kinds.index("undrained")
 
 
-async def test_status_says_why_per_queue(r: Any, fast_valkey_url: str) -> None:
+async def test_status_says_why_per_queue(r: AdminRedis, fast_valkey_url: str) -> None:
     """`offload autoscale status` (and the API's status, which the dashboard shows) explain each queue's last
     evaluation: desired count and the trigger behind it, the provider chosen and why, backoffs."""
     from typer.testing import CliRunner

@@ -30,6 +30,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
+from support.admin_redis import redis_admin
 from support.autoscale_world import CREATE_OUTCOMES, Scenario, World
 from support.servers import ValkeyServer
 
@@ -92,7 +93,7 @@ async def play(url: str, sc: Scenario) -> tuple[list[str], str]:
     """Run the day; (what broke, a one-line summary of what happened)."""
     client = await connect(url)
     try:
-        await client.flushdb()
+        await redis_admin(client).flushdb()
         world = World(client, sc)
         await world.run()
         problems = await world.verdict()

@@ -154,8 +154,8 @@ def test_two_server_processes_only_the_leader_rents_and_the_survivor_takes_over(
 
         # the operator registers the provider with the CLI (encrypted in Redis); both processes can read it. One made
         # over the API would get none of the operator's secrets (the worker key of the offload.yaml block).
-        config = {"api_key": "k", "base_url": sim_url, "gpu_name": "RTX 4090"}
-        asyncio.run(_operator_provider(valkey.url, "v", "vastai", config))
+        provider = {"api_key": "k", "base_url": sim_url, "gpu_name": "RTX 4090"}
+        asyncio.run(_operator_provider(valkey.url, "v", "vastai", provider))
         assert api_b.post(f"/v1/queues/{QUEUE}/jobs", json={"input": 1}).status_code == 201
 
         def rental() -> Any:
@@ -163,7 +163,10 @@ def test_two_server_processes_only_the_leader_rents_and_the_survivor_takes_over(
             return rows[0] if rows and rows[0]["provider_id"] else None
 
         inst = eventually_sync(rental, 60, "a rental")
-        sim_total = lambda: sum(sim_call("GET", f"{sim_url}/_sim/stats")["requests"].values())  # noqa: E731
+
+        def sim_total() -> int:
+            return sum(sim_call("GET", f"{sim_url}/_sim/stats")["requests"].values())
+
         calls_a = me(api_a)["provider_calls"]
         assert calls_a > 0 and sim_total() >= calls_a  # (the adapter may retry, never fewer)
         assert me(api_b)["provider_calls"] == 0

@@ -10,7 +10,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 # How long a small run may take on a loaded machine: a deadline, not a speed claim (pytest-timeout is 300 s).
-# The sizes keep each under 30 s on a quiet 2-core machine; under 2x CPU load the throughput bench took longer.
+# The sizes are chosen to stay far below it (docs/explanation/performance.md, *Test deadlines*).
 BOUND = 240
 
 

@@ -4,6 +4,8 @@ The run itself: `python -m bench.chaos --quick --faults hostile --webhooks --bac
 
 from __future__ import annotations
 
+from typing import Any
+
 from bench.chaos import hostile
 from bench.chaos.options import parse_args, profile_for
 
@@ -15,13 +17,13 @@ def test_hostile_is_a_fault_choice_of_its_own() -> None:
 
 
 def test_the_checker_names_each_broken_hostile_invariant() -> None:
-    held = [
+    held: list[dict[str, Any]] = [
         {"kind": "hostile_guess", "bad": {"401": 20, "429": 10}, "valid": {"200": 30}},
         {"kind": "hostile_loris", "status": 408, "seconds": 3.1},
     ]
     summary, findings = hostile.check(held)
     assert findings == [] and summary["valid_key_refused"] == summary["loris_not_cut"] == 0, summary
-    broken = [
+    broken: list[dict[str, Any]] = [
         {"kind": "hostile_guess", "bad": {"401": 20, "429": 10}, "valid": {"429": 28, "200": 2}},  # the lockout
         {"kind": "hostile_guess", "bad": {"401": 30}, "valid": {"200": 30}},  # no limit at all
         {"kind": "hostile_loris", "status": None, "seconds": 18.0},  # never answered

@@ -8,6 +8,7 @@ in the captured output of a failing test).
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
 import signal
@@ -24,6 +25,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from support.admin_redis import redis_admin
 from support.eventually import seconds_until
 from support.procs import die_with_parent
 from support.servers import ValkeyServer
@@ -82,7 +84,7 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
 
 async def open_store(url: str, **kwargs: Any) -> QueueStore:
     client = await connect(url)
-    client.set_retry(Retry(NoBackoff(), 0))  # the test handles outages itself, without hidden delays
+    redis_admin(client).set_retry(Retry(NoBackoff(), 0))  # the test handles outages itself, without hidden delays
     return QueueStore(client, **kwargs)
 
 
@@ -199,7 +201,7 @@ async def test_every_job_completes_exactly_once_through_kills_and_server_restart
     events.sort()
     log: list[str] = []
     for at, kind in events:
-        await seconds_until(lambda at=at: _reached(store, queue, at), 120, f"{at} jobs succeeded")
+        await seconds_until(functools.partial(_reached, store, queue, at), 120, f"{at} jobs succeeded")
         await asyncio.sleep(rng.uniform(0, 0.1))
         if kind == "claimer":
             victim = rng.choice(procs.alive())

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import orjson
 import pytest
+from support.admin_redis import redis_admin
 from support.procs import die_with_parent
 from support.servers import free_port
 from typer.testing import CliRunner, Result
@@ -361,7 +362,7 @@ def test_ingest_moves_tutorial_jobs(valkey_url: str) -> None:
     entries = [orjson.dumps({"id": f"t{i}", "input": {"n": i}, "output_key": f"o/{i}"}) for i in range(3)]
 
     async def push(store: QueueStore) -> None:
-        await store.redis.rpush("gpu:jobs", *entries, b"not json")
+        await redis_admin(store.redis).rpush("gpu:jobs", *entries, b"not json")
 
     with_store(valkey_url, push)
     assert ok(valkey_url, "ingest", "--from-list", "gpu:jobs", "--queue", "tut") == (
@@ -457,7 +458,7 @@ def test_process_watch_streams_snapshots_and_ends_cleanly_on_ctrl_c(
 @pytest.mark.timeout(60)
 def test_process_ingest_follow_drains_until_ctrl_c_then_reports_totals(valkey_url: str) -> None:
     async def push(store: QueueStore, *ids: str) -> None:
-        await store.redis.rpush("gpu:jobs", *(orjson.dumps({"id": i, "input": {"id": i}}) for i in ids))
+        await redis_admin(store.redis).rpush("gpu:jobs", *(orjson.dumps({"id": i, "input": {"id": i}}) for i in ids))
 
     with_store(valkey_url, lambda s: push(s, "a", "b"))
     proc = subprocess.Popen(

@@ -1,4 +1,4 @@
-"""The CLI's rough edges a new user hit (issue 36): listing every state, unknown queues, confirmations, `config
+"""The CLI's rough edges a new user hit: listing every state, unknown queues, confirmations, `config
 check` listing every problem, `result` without storage, a failed `up`, `--version` and completion, the demo's
 closing lines, exact big integers, tables off and on a terminal. Real Valkey, real processes where the point is
 what a shell sees (a terminal, exit codes)."""
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+from support.admin_redis import redis_admin
 from support.procs import die_with_parent
 from test_cli import as_json, cli, counts, failed, kill_jobs, ok, runner, with_store
 
@@ -331,7 +332,7 @@ def test_big_integers_show_as_integers(valkey_url: str) -> None:
     raw = b'{"id": "t1", "input": {"seed": 123456789012345678901234567890, "x": 1.5}}'
 
     async def push(store: QueueStore) -> None:
-        await store.redis.rpush("tut:list", raw)
+        await redis_admin(store.redis).rpush("tut:list", raw)
 
     with_store(valkey_url, push)
     ok(valkey_url, "ingest", "--from-list", "tut:list", "-q", "tut")

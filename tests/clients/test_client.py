@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.admin_redis import redis_admin
 from support.servers import free_port
 
 from offload import AsyncClient, Client, ConnectionFailed, JobNotFound, JobState
@@ -110,9 +111,9 @@ async def test_thousands_of_callers_share_a_small_pool_without_starving(valkey_u
 
     redis = await connect(valkey_url, max_connections=4)
     try:
-        pool = redis.connection_pool
+        pool = redis_admin(redis).connection_pool
         assert isinstance(pool, GatedPool)
-        replies = await asyncio.gather(*(redis.incr("gated-pool-test") for _ in range(5000)))
+        replies = await asyncio.gather(*(redis_admin(redis).incr("gated-pool-test") for _ in range(5000)))
         assert sorted(replies) == list(range(1, 5001))
         assert len(pool._in_use_connections) == 0 and len(pool._available_connections) <= 4
         assert pool._gate._value == 4  # every slot handed back

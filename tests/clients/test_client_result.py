@@ -1,4 +1,4 @@
-"""A producer's first hour (issue 36): `Client()` finds the store the CLI finds, `result()` returns the output
+"""A producer's first hour: `Client()` finds the store the CLI finds, `result()` returns the output
 itself, `offload wait` waits and prints it, and an unreachable store is one line after a short retry."""
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import pytest
 from offload.backends import create_backend
 from offload.config import config_file, load_settings, parse_rate
 from offload.errors import ConfigError
+from offload.storage import S3StorageSettings
 
 # the offload.yaml example of the docs (how-to: Configure offload.yaml and each provider)
 CONFIG_PAGE = Path(__file__).parents[2] / "docs" / "how-to" / "configuration.md"
@@ -42,7 +43,7 @@ def docs_yaml(tmp_path: Path) -> Path:
 def test_the_docs_example_is_valid_and_builds_every_backend(tmp_path: Path) -> None:
     settings = load_settings(docs_yaml(tmp_path), env=SECRETS)
     assert settings.queue("gpu").daily_job_cap == 1000
-    assert settings.storage.secret_access_key is not None
+    assert isinstance(settings.storage, S3StorageSettings) and settings.storage.secret_access_key is not None
     assert settings.storage.secret_access_key.get_secret_value() == "secret-s3_secret_key"
     assert "secret-s3_secret_key" not in repr(settings)  # secrets stay masked in reprs and logs
     for name, backend in settings.backends.items():
@@ -105,6 +106,7 @@ def test_tutorial_env_file_alone_configures_the_pipeline(tmp_path: Path) -> None
     q = s.queue("gpu-jobs")
     assert (q.ingest_list, q.max_attempts, q.daily_job_cap, q.poll_interval) == ("gpu:jobs", 5, 1000, 5.0)
     assert s.backends["gpu"].kind == "http-job" and s.backends["gpu"].base_url == "https://gpu/v1"
+    assert isinstance(s.storage, S3StorageSettings)
     assert (s.storage.kind, s.storage.bucket, s.storage.endpoint_url) == ("s3", "gpu-results", "https://s3")
     assert s.redis_url == env["REDIS_URL"]
     # OFFLOAD_* names win over the tutorial's
@@ -184,7 +186,9 @@ def test_the_stack_config_gets_its_s3_secret_however_it_is_named(
     )
     env = {"OFFLOAD_HOME": str(home)}
     for path in (None, home / "offload.yaml"):
-        secret = load_settings(path, {**env, "OFFLOAD_CONFIG": ""}).storage.secret_access_key
+        storage = load_settings(path, {**env, "OFFLOAD_CONFIG": ""}).storage
+        assert isinstance(storage, S3StorageSettings)
+        secret = storage.secret_access_key
         assert secret is not None and secret.get_secret_value() == "stack-secret"
     other = tmp_path / "other.yaml"
     other.write_text((home / "offload.yaml").read_text())

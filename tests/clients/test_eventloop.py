@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import subprocess
 import sys
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
+from support.admin_redis import redis_admin
 
 from offload import eventloop
 from offload.connection import connect, is_outage
@@ -29,7 +31,7 @@ def test_a_bad_loop_names_the_variable_and_leaves_no_unawaited_coroutine(monkeyp
     coro = _loop_module()
     with pytest.raises(ConfigError, match=r"OFFLOAD_EVENT_LOOP: expected one of uvloop, asyncio, got 'trio'"):
         eventloop.run(coro)
-    assert coro.cr_frame is None  # closed, not left to warn
+    assert inspect.getcoroutinestate(coro) == inspect.CORO_CLOSED  # closed, not left to warn
 
 
 def test_without_uvloop_the_default_is_asyncio_and_asking_for_it_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -58,8 +60,9 @@ async def _write_after_reset(url: str) -> tuple[BaseException, bool]:
     redis = await connect(url)
     try:
         await redis.ping()
-        pool = redis.connection_pool  # type: ignore[attr-defined]
+        pool = redis_admin(redis).connection_pool
         [conn] = list(pool._available_connections)
+        assert conn._writer is not None
         conn._writer.transport.abort()
         await asyncio.sleep(0)  # the loop runs the transport's close
         # straight on the connection: redis-py 8.2+'s pool would find the closed socket at checkout and reconnect

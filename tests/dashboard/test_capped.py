@@ -1,4 +1,4 @@
-"""A queue over its daily cap says `capped` everywhere (issue 36): the HTTP API, `offload queues` and `offload
+"""A queue over its daily cap says `capped` everywhere: the HTTP API, `offload queues` and `offload
 status`, and the dashboard, whose Held page lists the jobs the cap holds back instead of "No held jobs"."""
 
 from __future__ import annotations

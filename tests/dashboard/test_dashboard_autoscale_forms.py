@@ -7,9 +7,9 @@ raw secret never reaches the page. Screenshots: docs/img/dashboard-autoscale-*-f
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 import pytest
 from playwright.sync_api import Page, expect
@@ -22,6 +22,8 @@ from support.servers import ValkeyServer
 from offload.autoscale.provider_store import ProviderStore
 from offload.autoscale.vault import Vault
 from offload.connection import connect
+
+T = TypeVar("T")
 
 pytestmark = pytest.mark.xdist_group("dashboard-autoscale")
 RAW = "rpa_" + secrets.token_hex(12) + "WXYZ"
@@ -40,7 +42,7 @@ def api(valkey: ValkeyServer) -> Iterator[tuple[str, str]]:
             yield srv
 
 
-async def _store(url: str, fn: Any) -> Any:
+async def _store(url: str, fn: Callable[[ProviderStore], Awaitable[T]]) -> T:
     redis = await connect(url)
     try:
         return await fn(ProviderStore(redis, Vault(VAULT_KEY)))

@@ -18,6 +18,13 @@ UNIT = UNITS / "offload-worker@.service"
 SERVER_UNIT = UNITS / "offload-server.service"
 
 
+def _found(pattern: str, text: str, flags: int = 0) -> str:
+    """The first group of `pattern` in `text`, which must hold it."""
+    match = re.search(pattern, text, flags)
+    assert match is not None, pattern
+    return match[1]
+
+
 def test_stop_timeout_covers_the_whole_drain() -> None:
     """systemd's SIGKILL must not come before the drain ends: the grace, or the submit calls out awaited until the
     default backend timeout + RECORD_S (whichever is longer), then the metrics flush (2 s) and the release (a
@@ -33,13 +40,13 @@ def test_stop_timeout_covers_the_whole_drain() -> None:
 def test_worker_unit_names_no_queue_the_env_file_does() -> None:
     """`offload worker` serves OFFLOAD_QUEUE, else the configuration's queues (tests/worker/test_worker_cli.py); a
     `--queue ${OFFLOAD_QUEUE}` here would make an env file without OFFLOAD_QUEUE fail to start."""
-    exec_start = re.search(r"^ExecStart=(.+)$", UNIT.read_text(), re.M).group(1)  # type: ignore[union-attr]
+    exec_start = _found(r"^ExecStart=(.+)$", UNIT.read_text(), re.M)
     assert exec_start == "/opt/offload/venv/bin/offload worker --grace 60"
 
 
 def test_server_unit_runs_the_server_on_port_8000_unprivileged() -> None:
     text = SERVER_UNIT.read_text()
-    exec_start = re.search(r"^ExecStart=(.+)$", text, re.M).group(1)  # type: ignore[union-attr]
+    exec_start = _found(r"^ExecStart=(.+)$", text, re.M)
     assert exec_start == "/opt/offload/venv/bin/offload server --host ${OFFLOAD_SERVER_HOST} --port 8000"
     for line in (
         "EnvironmentFile=/etc/offload/server.env",

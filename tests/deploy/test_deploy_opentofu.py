@@ -118,7 +118,7 @@ def test_every_variable_is_typed_described_and_secrets_are_sensitive() -> None:
 
 
 def test_defaults_are_the_tutorials_and_safe() -> None:
-    v = {name: body.get("default") for name, body in _variables().items()}
+    v: dict[str, Any] = {name: body.get("default") for name, body in _variables().items()}
     assert v["subnet_cidr"] == "10.20.0.0/24"
     assert v["ssh_allowed_cidrs"] == []  # no SSH rule at all unless asked for
     assert v["server_allowed_cidrs"] == []  # the API stays on the private network
@@ -367,7 +367,7 @@ def _render(case: str) -> str:
 
 
 def _file(doc: dict[str, Any], path: str) -> dict[str, Any]:
-    matches = [f for f in doc.get("write_files", []) if f["path"] == path]
+    matches: list[dict[str, Any]] = [f for f in doc.get("write_files", []) if f["path"] == path]
     assert len(matches) == 1, f"{path} written {len(matches)} times"
     return matches[0]
 
@@ -399,10 +399,17 @@ def test_templatefile_calls_pass_exactly_the_variables_each_template_reads() -> 
         templatefile(CLOUD_INIT / "worker.yaml.tftpl", {k: v for k, v in _worker_vars().items() if k != "units"})
 
 
+def _assignment(line: str) -> tuple[str, str]:
+    """NAME="value" of an environment file, the only form it may hold."""
+    match = re.fullmatch(r'([A-Z0-9_]+)="([^"]*)"', line)
+    assert match is not None, line
+    return match[1], match[2]
+
+
 def test_env_file_is_exactly_the_settings_quoted() -> None:
     text = _env_file(ENV_FILE_VARS)
     lines = [line for line in text.splitlines() if line and not line.startswith("#")]
-    parsed = dict(re.fullmatch(r'([A-Z0-9_]+)="([^"]*)"', line).groups() for line in lines)  # type: ignore[union-attr]
+    parsed = dict(_assignment(line) for line in lines)
     assert parsed == ENV_FILE_VARS
     assert [k for k in parsed] == sorted(parsed)  # OpenTofu iterates a map in key order
 

@@ -8,6 +8,7 @@ whose clock is a day off (libfaketime, bench/chaos/faketime.py). Only the window
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from support.admin_redis import redis_admin
 from support.eventually import seconds_until
 from support.servers import ValkeyServer
 
@@ -72,7 +74,7 @@ async def test_the_cap_window_is_the_utc_day_of_the_stores_clock(valkey_url: str
     redis = await connect(valkey_url)
     try:
         for ms in instants:
-            store = QueueStore(redis, clock_ms=lambda ms=ms: ms)
+            store = QueueStore(redis, clock_ms=functools.partial(int, ms))  # the store's clock stopped at ms
             expected = window_of(ms / 1000)  # the Python rule: clock.lua keeps the same
             assert (await store.usage("q"))[0] == expected, f"window of {ms} ms"
             done = await store.release_held("q")
@@ -102,7 +104,7 @@ async def test_a_step_back_of_the_stores_clock_moves_deadlines_retries_and_delay
         at = await store_now(redis)
         (run_at_id,) = await store.enqueue_many(q, [JobSpec(input="r", run_at=at + 4)])
         before = {
-            name: dict(await redis.zrange(keyspace.prefix(q) + name, 0, -1, withscores=True))
+            name: dict(await redis_admin(redis).zrange(keyspace.prefix(q) + name, 0, -1, withscores=True))
             for name in ("workers", "retry", "delayed")
         }
         await step_store_clock(stepped_valkey, redis, -HOUR_S)
@@ -115,7 +117,7 @@ async def test_a_step_back_of_the_stores_clock_moves_deadlines_retries_and_delay
         assert HOUR_S * 1000 - 30_000 < step_ms <= HOUR_S * 1000 + 2000, step_ms  # less the time unread before it
         assert (int(steps[0]["moved"]), int(steps[0]["released"])) == (2, 1)  # the retry and the delay; the held
         after = {
-            name: dict(await redis.zrange(keyspace.prefix(q) + name, 0, -1, withscores=True))
+            name: dict(await redis_admin(redis).zrange(keyspace.prefix(q) + name, 0, -1, withscores=True))
             for name in ("workers", "retry", "delayed")
         }
         assert after["workers"]["dead-worker"] == before["workers"]["dead-worker"] - step_ms

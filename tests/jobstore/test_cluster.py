@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
-from redis.cluster import key_slot
+from redis.crc import key_slot
+from support.admin_redis import redis_admin
 from support.servers import SLOT_RANGES, ValkeyCluster
 
 from offload.connection import connect
@@ -31,7 +32,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ValkeyCluster]
 @pytest.fixture
 async def cstore(cluster: ValkeyCluster) -> AsyncIterator[QueueStore]:
     client = await connect(cluster.url + "?cluster=1")
-    await client.flushall()
+    await redis_admin(client).flushall()
     yield QueueStore(client)
     await client.aclose()
 
@@ -75,7 +76,7 @@ async def test_full_lifecycle_on_each_master(cstore: QueueStore) -> None:
 
 
 async def test_ingest_from_a_list_in_the_queue_slot(cstore: QueueStore) -> None:
-    await cstore.redis.rpush("{gpu}:jobs", '{"id": "a1", "input": {"p": 1}}')
+    await redis_admin(cstore.redis).rpush("{gpu}:jobs", '{"id": "a1", "input": {"p": 1}}')
     assert await cstore.ingest("{gpu}:jobs", "gpu") == (1, 0)
     assert (await cstore.get("gpu:a1")).state is JobState.QUEUED
 
@@ -85,13 +86,18 @@ async def test_ingest_from_a_list_in_another_slot_names_the_fix(cstore: QueueSto
         await cstore.ingest("gpu:jobs", "gpu")
 
 
+def _setter(event: asyncio.Event) -> Callable[[str | None], None]:
+    """A wake-up handler that sets `event`."""
+    return lambda _: event.set()
+
+
 async def test_idle_workers_are_woken_on_every_master(cstore: QueueStore) -> None:
     """The wake-up (wakeups.py) on a cluster: the script PUBLISHes on the node of the queue's slot and classic
     pub/sub carries it to a subscriber connected anywhere. Until the subscription is in place a message is
     lost, so the test claims (leaving `idle`) and enqueues again until one arrives."""
     for queue in queues_on_every_node():
         woken = asyncio.Event()
-        listener = asyncio.create_task(wakeups.listen(cstore.redis, {wake_channel(queue): lambda _, w=woken: w.set()}))
+        listener = asyncio.create_task(wakeups.listen(cstore.redis, {wake_channel(queue): _setter(woken)}))
         try:
             deadline = asyncio.get_running_loop().time() + 10
             while not woken.is_set():
@@ -109,7 +115,7 @@ async def test_every_primary_is_read_for_its_memory_and_eviction_policy(
     cluster: ValkeyCluster, cstore: QueueStore
 ) -> None:
     """One primary of three switched to volatile-lru is enough to refuse the store, and the line names it; a
-    full primary makes the store full (issue 34: a cluster checks every master)."""
+    full primary makes the store full (a cluster checks every master)."""
     memory = await read_memory(cstore.redis)
     assert sorted(n.node for n in memory.nodes) == sorted(f"127.0.0.1:{n.port}" for n in cluster.nodes)
     assert memory.problem is None and not memory.full

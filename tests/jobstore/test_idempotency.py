@@ -10,12 +10,13 @@ real clock (retention 1 s), polled for, never slept on.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TypedDict, TypeVar
 
 import orjson
 import pytest
+from support.admin_redis import redis_admin
 from support.server_helpers import client, new_queue, server
 from test_cli import as_json, cli
 from test_worker_faults import configure, job_input, make_settings, serving, stats, until
@@ -29,6 +30,8 @@ from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 from offload.testing.sim.config import SimConfig
 from offload.testing.sim.server import running_sim
+
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +68,8 @@ async def finish(store: QueueStore, queue: str, job_id: str) -> None:
     await store.complete(job.id, job.token, f"s3://bucket/results/{job.id}.json")
 
 
-def with_valkey(url: str, fn: Any) -> Any:
-    async def go() -> Any:
+def with_valkey(url: str, fn: Callable[[QueueStore], Awaitable[T]]) -> T:
+    async def go() -> T:
         redis = await connect(url)
         try:
             return await fn(QueueStore(redis))
@@ -74,6 +77,11 @@ def with_valkey(url: str, fn: Any) -> Any:
             await redis.aclose()
 
     return asyncio.run(go())
+
+
+class _Keyed(TypedDict):
+    idempotency_key: str
+    retention: int
 
 
 async def test_a_key_repeated_after_its_record_was_trimmed_is_not_paid_for_again(
@@ -84,7 +92,7 @@ async def test_a_key_repeated_after_its_record_was_trimmed_is_not_paid_for_again
     is the proof the worker had every chance to)."""
     await configure(sim)
     settings = make_settings(valkey_url, {"kind": "local", "path": str(tmp_path)}, sim, "http-job")
-    spec = {"idempotency_key": "order-17", "retention": 1}
+    spec: _Keyed = {"idempotency_key": "order-17", "retention": 1}
     async with AsyncClient(valkey_url) as producer, serving(settings) as worker:
         first = await producer.enqueue("q", job_input("paid-once"), **spec)
 
@@ -93,7 +101,7 @@ async def test_a_key_repeated_after_its_record_was_trimmed_is_not_paid_for_again
 
         await until(succeeded, "the first run to succeed", worker)
         await trimmed(store, "q", first)
-        assert await store.redis.ttl(prefix("q") + "idem:order-17") > 3600  # the key outlives the record
+        assert await redis_admin(store.redis).ttl(prefix("q") + "idem:order-17") > 3600  # the key outlives the record
         assert await producer.enqueue("q", job_input("paid-once"), **spec) == first
         (again,) = await store.enqueue_results("q", [JobSpec(input=job_input("paid-once"), **spec)])
         assert again.id == first and again.record_gone
@@ -135,11 +143,11 @@ async def test_a_tutorial_job_pushed_again_after_its_record_was_trimmed_is_not_i
     """ingest.lua names a tutorial job by its id and keeps `idem:tutorial:<id>`: the key, not the record, says
     it ran."""
     entry = orjson.dumps({"id": "t-1", "input": {"n": 1}})
-    await store.redis.rpush("tut:jobs", entry)
+    await redis_admin(store.redis).rpush("tut:jobs", entry)
     assert await store.ingest("tut:jobs", "q", retention=1) == (1, 0)
     await finish(store, "q", "q:t-1")
     await trimmed(store, "q", "q:t-1")
-    await store.redis.rpush("tut:jobs", entry)
+    await redis_admin(store.redis).rpush("tut:jobs", entry)
     assert await store.ingest("tut:jobs", "q", retention=1) == (1, 0)  # taken off the list, counted, not run
     assert (await store.stats("q")).counts["queued"] == 0
     with pytest.raises(JobNotFound):

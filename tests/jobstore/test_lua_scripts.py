@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from support.admin_redis import redis_admin
 
 from offload.autoscale import keyspace as autoscale_keys
 from offload.autoscale.leader import Leader
@@ -144,36 +145,36 @@ async def test_moved_scripts_run_again_after_the_server_forgets_them(valkey_url:
         leader = Leader(redis, ttl=30, owner="me")
         assert await leader.acquire()
         first = leader.token
-        await redis.script_flush()
+        await redis_admin(redis).script_flush()
         assert await leader.acquire() and leader.token == first  # a renewal keeps the fencing token
         other = Leader(redis, ttl=30, owner="other")
-        await redis.script_flush()
+        await redis_admin(redis).script_flush()
         assert not await other.acquire()  # an unexpired lock of another owner stays
         await leader.release()
         assert await redis.get(autoscale_keys.LEADER) is None
 
         limits = BackendLimits(redis, "flushtest", rate_per_s=1000, burst=1)
-        await redis.script_flush()
+        await redis_admin(redis).script_flush()
         await limits.acquire()
         assert await redis.exists(queue_keys.backend_rate("flushtest")) == 1
-        await redis.script_flush()
+        await redis_admin(redis).script_flush()
         assert await SCRIPTS.cool_down(redis, [queue_keys.backend_cooldown("flushtest")], [5000]) > 4000
         assert await SCRIPTS.cool_down(redis, [queue_keys.backend_cooldown("flushtest")], [10]) > 4000
 
         key = queue_keys.auth_failures("192.0.2.1")
-        await redis.script_flush()
+        await redis_admin(redis).script_flush()
         counts = [await SCRIPTS.auth_fail(redis, [key], [60_000]) for _ in range(3)]
         assert [n for n, _ in counts] == [1, 2, 3] and all(0 < left <= 60_000 for _, left in counts)
         assert 0 < await redis.pttl(key) <= 60_000
 
         alert = autoscale_keys.alert("test", "flush")
-        await redis.script_flush()
+        await redis_admin(redis).script_flush()
         assert await SCRIPTS.alert_once(redis, [alert], [repr(1000.0), 60]) == 1
         assert await SCRIPTS.alert_once(redis, [alert], [repr(1030.0), 60]) == 0
         assert await SCRIPTS.alert_once(redis, [alert], [repr(1061.0), 60]) == 1
 
         store = QueueStore(redis)
-        await redis.script_flush()
+        await redis_admin(redis).script_flush()
         [job_id] = await store.enqueue_many("flushq", [JobSpec(input={"n": 1})])
         assert (await store.get(job_id)).state == "queued"
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 import pytest
+from support.admin_redis import redis_admin
 
 from offload import InvalidJob, InvalidQueueName, InvalidTransition, JobNotFound, PayloadTooLarge, StaleLease
 from offload.backoff import retry_delay_ms
@@ -216,7 +217,7 @@ async def test_retention_deletes_finished_records(backend_url: str) -> None:
 
 
 async def test_tutorial_ingest_moves_jobs_and_dead_letters_malformed(store: QueueStore) -> None:
-    await store.redis.rpush(
+    await redis_admin(store.redis).rpush(
         "gpu:jobs",
         '{"id": "abc123", "input": {"prompt": "a poem"}, "output_key": "results/abc123.json", "attempt": 1}',
         "{not json",
@@ -224,7 +225,7 @@ async def test_tutorial_ingest_moves_jobs_and_dead_letters_malformed(store: Queu
         '{"id": "x", "output_key": "results/x.json"}',
     )
     assert await store.ingest("gpu:jobs", "gpu") == (1, 3)
-    assert await store.redis.llen("gpu:jobs") == 0
+    assert await redis_admin(store.redis).llen("gpu:jobs") == 0
     job = await store.get("gpu:abc123")
     assert job.state is JobState.QUEUED and job.output_key == "results/abc123.json"
     assert job.input == {"prompt": "a poem"}
@@ -239,7 +240,7 @@ async def test_tutorial_ingest_moves_jobs_and_dead_letters_malformed(store: Queu
         '{"id": "x", "output_key": "results/x.json"}',
     }
     # the same tutorial job pushed twice is not duplicated
-    await store.redis.rpush("gpu:jobs", '{"id": "abc123", "input": {"prompt": "a poem"}}')
+    await redis_admin(store.redis).rpush("gpu:jobs", '{"id": "abc123", "input": {"prompt": "a poem"}}')
     assert await store.ingest("gpu:jobs", "gpu") == (1, 0)
     assert (await store.stats("gpu")).counts["queued"] == 1
 

@@ -1,5 +1,5 @@
 """The job store under lost replies, client retries, restarted workers, outages and big batches: each test is a
-defect of issue 11 that the scripts must not show (on Valkey 9 and, when present, the system Redis 7).
+defect found before that the scripts must not show (on Valkey 9 and, when present, the system Redis 7).
 
 A lost reply followed by a retry is what a cluster client does on its own after a timeout: the command ran,
 its answer never arrived, the same command is sent again. `Replaying` is that client: it runs the chosen
@@ -13,10 +13,11 @@ import asyncio
 import hashlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import pytest
+from support.admin_redis import AdminRedis, redis_admin
 
 from offload.connection import connect
 from offload.models import JobState
@@ -24,6 +25,7 @@ from offload.queue.keyspace import prefix
 from offload.queue.scripts import SCRIPTS
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
+from offload.redis_client import RedisClient
 
 Hook = Callable[[], Awaitable[None]]
 
@@ -32,11 +34,15 @@ class Replaying:
     """A Redis client whose chosen scripts run twice per call (the first reply is lost), via evalsha and via
     pipelines; everything else goes straight to the real client."""
 
-    def __init__(self, redis: Any, shas: set[str], between: Hook | None = None) -> None:
+    def __init__(self, redis: AdminRedis, shas: set[str], between: Hook | None = None) -> None:
         self._redis, self._shas, self._between = redis, shas, between
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._redis, name)
+
+    def client(self) -> RedisClient:
+        """This proxy as the client it stands in for (every command it does not replay passes through)."""
+        return cast(RedisClient, self)
 
     async def evalsha(self, sha: str, numkeys: int, *args: Any) -> Any:
         if sha in self._shas:
@@ -76,8 +82,8 @@ class _Pipeline:
 
 
 @pytest.fixture
-async def redis(backend_url: str) -> AsyncIterator[Any]:
-    client = await connect(backend_url)
+async def redis(backend_url: str) -> AsyncIterator[AdminRedis]:
+    client = redis_admin(await connect(backend_url))
     for script in (SCRIPTS.claim, SCRIPTS.enqueue):  # so the repeat goes by EVALSHA, as in production
         await client.script_load(script.source)
     yield client
@@ -88,13 +94,13 @@ async def owners(store: QueueStore, ids: list[str]) -> dict[str, str | None]:
     return {j: (await store.get(j)).lease_owner for j in ids}
 
 
-# -- issue 11, defect 1 (a first claim batch whose reply a cluster client retried) ----------------------------
+# -- a first claim batch whose reply a cluster client retried ---------------------------------------------
 
 
-async def test_a_repeated_claim_answers_the_same_jobs_and_leases_no_more(redis: Any) -> None:
+async def test_a_repeated_claim_answers_the_same_jobs_and_leases_no_more(redis: AdminRedis) -> None:
     plain = QueueStore(redis)
     ids = await plain.enqueue_many("q", [JobSpec(input=i) for i in range(4)])
-    replaying = QueueStore(Replaying(redis, {SCRIPTS.claim.sha}))
+    replaying = QueueStore(Replaying(redis, {SCRIPTS.claim.sha}).client())
     got = await replaying.claim("q", "w", 2)
     assert [c.id for c in got] == ids[:2]
     counts = (await plain.stats("q")).counts
@@ -103,17 +109,17 @@ async def test_a_repeated_claim_answers_the_same_jobs_and_leases_no_more(redis: 
     assert [c.attempt for c in got] == [1, 1]
 
 
-# -- defect 6: enqueue replayed without explicit ids ----------------------------------------------------------
+# -- enqueue replayed without explicit ids --------------------------------------------------------------------
 
 
-async def test_a_repeated_enqueue_leaves_a_job_claimed_meanwhile_alone(redis: Any) -> None:
+async def test_a_repeated_enqueue_leaves_a_job_claimed_meanwhile_alone(redis: AdminRedis) -> None:
     plain = QueueStore(redis)
     claimed: list[str] = []
 
     async def claim_meanwhile() -> None:
         claimed.extend(c.id for c in await plain.claim("q", "w1", 10))
 
-    store = QueueStore(Replaying(redis, {SCRIPTS.enqueue.sha}, claim_meanwhile))
+    store = QueueStore(Replaying(redis, {SCRIPTS.enqueue.sha}, claim_meanwhile).client())
     ids = await store.enqueue_many("q", [JobSpec(input={"n": 1}), JobSpec(input={"n": 2})])
     assert claimed == ids  # a worker took them between the first run and its repeat
     counts = (await plain.stats("q")).counts
@@ -122,7 +128,7 @@ async def test_a_repeated_enqueue_leaves_a_job_claimed_meanwhile_alone(redis: An
     assert (await plain.stats("q")).totals["enqueued"] == 2
 
 
-# -- defect 3: heartbeat judged by job id, not token ---------------------------------------------------------
+# -- heartbeat judged by job id, not token -------------------------------------------------------------------
 
 
 async def test_heartbeat_judges_a_lease_by_its_token(backend_url: str) -> None:
@@ -140,7 +146,7 @@ async def test_heartbeat_judges_a_lease_by_its_token(backend_url: str) -> None:
     await store.redis.aclose()
 
 
-# -- defect 1: a worker restarted with the same id inherits its predecessor's leases --------------------------
+# -- a worker restarted with the same id inherits its predecessor's leases ------------------------------------
 
 
 async def test_leases_a_worker_does_not_know_of_are_handed_back_uncounted(store: QueueStore) -> None:
@@ -159,7 +165,7 @@ async def test_leases_a_worker_does_not_know_of_are_handed_back_uncounted(store:
     assert (await store.heartbeat("q", "box:1", [], since=first.seq)).released == 0
 
 
-# -- defect 2: each lease expiry caused by an outage counted as an attempt ----------------------------------
+# -- each lease expiry caused by an outage counted as an attempt --------------------------------------------
 
 
 async def test_an_outage_costs_no_lease_expiry_but_a_dead_worker_is_still_reaped(backend_url: str) -> None:
@@ -196,25 +202,25 @@ async def test_an_outage_is_excused_once_per_worker_until_it_speaks(backend_url:
     await store.redis.aclose()
 
 
-# -- defect 9: an idempotency key expires while its job still waits ------------------------------------------
+# -- an idempotency key expires while its job still waits ----------------------------------------------------
 
 
 async def test_an_idempotency_key_lives_as_long_as_its_job_waits(store: QueueStore) -> None:
     later = time.time() + 3 * 86_400
     first = await store.enqueue("q", JobSpec(input=1, idempotency_key="order-9", run_at=later, retention=0))
     key = prefix("q") + "idem:order-9"
-    assert await store.redis.ttl(key) == -1, "the key would expire before the job even runs"
+    assert await redis_admin(store.redis).ttl(key) == -1, "the key would expire before the job even runs"
     assert await store.enqueue("q", JobSpec(input=2, idempotency_key="order-9")) == first
     await store.cancel(first)  # finished: the key now lives as long as the record (retention 0: a century)
-    assert await store.redis.ttl(key) > 86_400 * 365
+    assert await redis_admin(store.redis).ttl(key) > 86_400 * 365
     short = await store.enqueue("q", JobSpec(input=3, idempotency_key="order-10", retention=60))
     (c,) = await store.claim("q", "w", 1)
-    assert c.id == short and await store.redis.ttl(prefix("q") + "idem:order-10") == -1
+    assert c.id == short and await redis_admin(store.redis).ttl(prefix("q") + "idem:order-10") == -1
     await store.complete(c.id, c.token, "s3://b/r.json")
-    assert 86_000 < await store.redis.ttl(prefix("q") + "idem:order-10") <= 86_400  # at least a day
+    assert 86_000 < await redis_admin(store.redis).ttl(prefix("q") + "idem:order-10") <= 86_400  # at least a day
 
 
-# -- defect 7: tutorial ingest rewrites the input through cjson ---------------------------------------------
+# -- tutorial ingest rewrites the input through cjson -------------------------------------------------------
 
 
 async def test_tutorial_input_is_kept_byte_for_byte(store: QueueStore) -> None:
@@ -226,7 +232,7 @@ async def test_tutorial_input_is_kept_byte_for_byte(store: QueueStore) -> None:
         '{"id": "big", "input": ' + raw_input + ', "output_key": "results/big.json", "attempt": 1}',
         '{"id": 12345678901234567, "input": [1, [], {}]}',
     ]
-    await store.redis.rpush("tut:jobs", *entries)
+    await redis_admin(store.redis).rpush("tut:jobs", *entries)
     assert await store.ingest("tut:jobs", "q") == (2, 0)
     (c1, c2) = await store.claim("q", "w", 2)
     assert c1.id == "q:big" and c1.input_json == raw_input
@@ -235,7 +241,7 @@ async def test_tutorial_input_is_kept_byte_for_byte(store: QueueStore) -> None:
     assert (await store.get("q:big")).input == orjson.loads(raw_input)
 
 
-# -- defect 8: held-job release as one script of up to 100,000 jobs -----------------------------------------
+# -- held-job release as one script of up to 100,000 jobs ---------------------------------------------------
 
 
 async def test_held_jobs_are_released_in_small_steps_until_none_is_due(valkey_url: str) -> None:
@@ -253,14 +259,18 @@ async def test_held_jobs_are_released_in_small_steps_until_none_is_due(valkey_ur
             )
         )
     await store.redis.script_load(SCRIPTS.release_window.source)
-    await store.redis.config_set("slowlog-log-slower-than", 0)
-    await store.redis.config_set("slowlog-max-len", 10_000)
-    await store.redis.slowlog_reset()
+    await redis_admin(store.redis).config_set("slowlog-log-slower-than", 0)
+    await redis_admin(store.redis).config_set("slowlog-max-len", 10_000)
+    await redis_admin(store.redis).slowlog_reset()
     try:
         assert (await store.release_held("q")).released == n  # the store's day is past 2020, before 9999
-        runs = [e for e in await store.redis.slowlog_get(10_000) if SCRIPTS.release_window.sha in str(e["command"])]
+        runs = [
+            e
+            for e in await redis_admin(store.redis).slowlog_get(10_000)
+            if SCRIPTS.release_window.sha in str(e["command"])
+        ]
     finally:
-        await store.redis.config_set("slowlog-log-slower-than", 10_000)
+        await redis_admin(store.redis).config_set("slowlog-log-slower-than", 10_000)
     counts = (await store.stats("q")).counts
     assert (counts["queued"], counts["held"]) == (n, 10)
     assert len(runs) >= 3, f"released in {len(runs)} script run(s): Redis blocked for all of them at once"

@@ -9,6 +9,7 @@ connected client must answer the decoded types it promises.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Protocol, get_overloads
 
 import pytest
@@ -24,11 +25,11 @@ def _members(protocol: type) -> list[str]:
     return sorted(name for name, value in vars(protocol).items() if callable(value) and not name.startswith("_"))
 
 
-def _params(fn: object) -> list[inspect.Parameter]:
+def _params(fn: Callable[..., object]) -> list[inspect.Parameter]:
     return [p for p in inspect.signature(fn).parameters.values() if p.name != "self"]
 
 
-def _overloads(protocol: type, name: str) -> list[object]:
+def _overloads(protocol: type, name: str) -> list[Callable[..., object]]:
     """The @overload signatures of a Protocol method (which has no implementation to look them up by)."""
 
     def stub() -> None: ...
@@ -37,7 +38,7 @@ def _overloads(protocol: type, name: str) -> list[object]:
     return list(get_overloads(stub))
 
 
-def _accepts(real: object, wanted: inspect.Parameter) -> bool:
+def _accepts(real: Callable[..., object], wanted: inspect.Parameter) -> bool:
     params = {p.name: p for p in _params(real)}
     if wanted.kind is inspect.Parameter.VAR_POSITIONAL:
         return any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params.values()) or bool(params)

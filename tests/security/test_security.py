@@ -10,7 +10,7 @@ runs meanwhile against a provider that echoes the request, credentials and worke
 errors, so redaction is walked too.
 
 The operator's own configuration is there too (a provider made with the CLI, a vault credential for github.com,
-an offload.yaml block with a deployment and an `instance.env`), and the admin key plays the attacker of issue 35:
+an offload.yaml block with a deployment and an `instance.env`), and the admin key plays the attacker:
 it makes a provider of its own at a path of the echoing listener and points blocks at it. Nothing of the
 operator's (worker key, git token, offload.yaml's env) reaches that path, while the operator's provider gets what
 the operator sent it, and a machine's instance token is redacted like any secret."""
@@ -23,7 +23,7 @@ import logging
 import os
 import re
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -189,7 +189,7 @@ def _attack(w: dict[str, Any], admin: httpx.Client, out: dict[str, Any]) -> None
     evil = {"api_key": "evil-0123456789abcdef", "base_url": w["echo"].url + "/evil", "gpu_type_id": "X", "api": "rest"}
     r = admin.post("/v1/autoscale/providers", json={"name": "evil", "type": "runpod", "config": evil})
     assert r.status_code == 201, r.text
-    block = {
+    block: dict[str, Any] = {
         "enabled": True,
         "provider": "evil",
         "max_workers": 1,
@@ -232,7 +232,7 @@ def _setup(w: dict[str, Any]) -> dict[str, Any]:
         r = admin.post(f"/v1/queues/{victim}/jobs", json={"input": {"prompt": "victim's data"}})
         assert r.status_code == 201, r.text
         out["job"] = r.json()["id"]
-        for call in (
+        calls: tuple[Callable[[], httpx.Response], ...] = (
             lambda: admin.put(
                 f"/v1/autoscale/queues/{victim}",
                 json={
@@ -244,7 +244,8 @@ def _setup(w: dict[str, Any]) -> dict[str, Any]:
                     "instance": {"image": "ghcr.io/example/worker:1", "env": {"HF_TOKEN": g["instance.env HF_TOKEN"]}},
                 },
             ),
-        ):
+        )
+        for call in calls:
             r = call()
             assert r.status_code in (200, 201), r.text
             out["responses"].append((f"{r.request.method} {r.request.url.path}", r.text))
@@ -337,7 +338,7 @@ def _hooked_job(redis_url: str) -> tuple[str, str]:
 
 def _walk_hooks(w: dict[str, Any], ops: list[tuple[str, str, Any, bool, bool]], out: list[tuple[str, str]]) -> None:
     """The keyless operations (health, webhooks proven by their URL secret): a guessed secret is a 404; the
-    real secret of a Replicate submission under the RunPod path (issue 35 finding 6) is a 403, and under its
+    real secret of a Replicate submission under the RunPod path is a 403, and under its
     own path without Replicate's signature a 401; the job records nothing."""
     keyless = [o for o in ops if not o[3]]
     assert any("/v1/hooks/" in o[1] for o in keyless), keyless

@@ -1,4 +1,4 @@
-"""The autoscaler's side of issue 12 (findings 3, 4, 5, 9 and the rest of 12): no admin key is a shell on the
+"""The autoscaler's side of the security review: no admin key is a shell on the
 server's host, a spawned local worker gets a minimal environment, provider errors are redacted at the source,
 moving a provider to another endpoint needs its secrets again, instance.env never leaves the server or sits
 in Redis in clear, a worker's own `protected` needs its provider's consent, the worker key is checked before it
@@ -12,16 +12,17 @@ import base64
 import hashlib
 import os
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 import orjson
 import pytest
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-from support.autoscale_helpers import VAULT_KEY, Clock, make_scaler, put_worker, queue_block, worker_token
+from support.admin_redis import AdminRedis, redis_admin
+from support.autoscale_helpers import VAULT_KEY, Clock, make_scaler, put_worker, queue_block, stored, worker_token
 from support.security_helpers import echo_server, redis_dump
 from support.server_helpers import client, make_key, new_queue, server
 from support.servers import ValkeyServer
@@ -39,11 +40,14 @@ from offload.autoscale.vault import Vault, VaultError
 from offload.connection import connect
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
+from offload.redis_client import RedisClient
+
+T = TypeVar("T")
 
 
 @pytest.fixture
-async def r(valkey: ValkeyServer) -> AsyncIterator[Any]:
-    redis = await connect(valkey.url)
+async def r(valkey: ValkeyServer) -> AsyncIterator[AdminRedis]:
+    redis = redis_admin(await connect(valkey.url))
     yield redis
     await redis.aclose()
 
@@ -62,8 +66,8 @@ def api(valkey: ValkeyServer) -> Iterator[tuple[str, str]]:
             os.environ[VAULT_ENV] = saved
 
 
-def _store(url: str, fn: Any) -> Any:
-    async def go() -> Any:
+def _store(url: str, fn: Callable[[RedisClient], Awaitable[T]]) -> T:
+    async def go() -> T:
         redis = await connect(url)
         try:
             return await fn(redis)
@@ -113,7 +117,9 @@ def test_commands_on_the_servers_host_cannot_be_set_over_the_api(api: tuple[str,
         assert r.status_code == 200, r.text
 
 
-async def test_an_api_set_block_never_runs_here_even_once_its_provider_turns_local(r: Any, tmp_path: Path) -> None:
+async def test_an_api_set_block_never_runs_here_even_once_its_provider_turns_local(
+    r: AdminRedis, tmp_path: Path
+) -> None:
     q = new_queue("later")
     block = queue_block(provider="later", instance={"handler": "os:system"})
     await r.set(keyspace.queue_config(q), orjson.dumps(block))  # as PUT /v1/autoscale/queues stores it
@@ -143,7 +149,7 @@ async def test_an_api_set_block_never_runs_here_even_once_its_provider_turns_loc
 
 
 async def test_a_local_worker_gets_a_minimal_environment(
-    r: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    r: AdminRedis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     secrets_ = {
         VAULT_ENV: "vault-0123456789abcdef",
@@ -245,7 +251,7 @@ def test_instance_env_is_masked_on_read_and_sealed_at_rest(api: tuple[str, str],
         assert admin.put(f"/v1/autoscale/queues/{q}", json=shown).status_code == 200
     assert token not in redis_dump(valkey.url)
 
-    async def effective(red: Any) -> dict[str, str]:
+    async def effective(red: RedisClient) -> dict[str, str]:
         scaler = Autoscaler(red, env={}, providers=ProviderStore(red, Vault(VAULT_KEY)))
         try:
             return (await scaler.configs())[q].instance.env
@@ -255,7 +261,7 @@ def test_instance_env_is_masked_on_read_and_sealed_at_rest(api: tuple[str, str],
     assert _store(valkey.url, effective) == {"HF_TOKEN": token, "MODE": "slow"}
 
 
-async def test_a_workers_own_protected_flag_needs_its_providers_consent(r: Any) -> None:
+async def test_a_workers_own_protected_flag_needs_its_providers_consent(r: AdminRedis) -> None:
     for trusted in (False, True):
         await r.flushdb()
         clock = Clock()
@@ -265,7 +271,7 @@ async def test_a_workers_own_protected_flag_needs_its_providers_consent(r: Any) 
             queue_block(scale_down=[{"trigger": "idle", "timeout": "1m"}]),
             mock=MockConfig(allow_worker_protect=trusted),
         )
-        await QueueStore(r, clock_ms=lambda c=clock: int(c() * 1000)).enqueue("gpu", JobSpec(input=1))
+        await QueueStore(r, clock_ms=clock.ms).enqueue("gpu", JobSpec(input=1))
         await s.tick()
         inst = (await s.instances.live())[0]
         await QueueStore(r).purge("gpu", "queued")
@@ -273,7 +279,7 @@ async def test_a_workers_own_protected_flag_needs_its_providers_consent(r: Any) 
             await put_worker(r, "w1", "gpu", inst.id, clock(), protected=True)
             clock.advance(30)
             await s.tick()
-        status = (await s.instances.get(inst.id)).status  # type: ignore[union-attr]
+        status = (await stored(s, inst.id)).status
         assert (status == "running") is trusted, (trusted, status)
 
 
@@ -283,7 +289,7 @@ class Shipping(MockProvider):
     type = "shipping"
 
 
-async def test_the_worker_key_is_checked_before_it_is_shipped(r: Any) -> None:
+async def test_the_worker_key_is_checked_before_it_is_shipped(r: AdminRedis) -> None:
     await r.flushdb()
     ks = KeyStore(r)
     _, producer = await ks.create("producer", ["gpu"])
@@ -338,7 +344,7 @@ def test_the_vault_derives_slowly_migrates_old_records_and_reports_damage(valkey
         + base64.urlsafe_b64encode(nonce + sealed).decode()
     )
 
-    async def go(red: Any) -> tuple[str, str]:
+    async def go(red: RedisClient) -> tuple[str, str | None]:
         await red.hset(
             keyspace.provider("old"),
             mapping={
@@ -354,4 +360,4 @@ def test_the_vault_derives_slowly_migrates_old_records_and_reports_damage(valkey
         return record.config["api_key"], await red.hget(keyspace.provider("old"), "secrets")
 
     secret, stored = _store(valkey.url, go)
-    assert secret == "old-0123456789abcd" and stored.startswith("v2:")
+    assert secret == "old-0123456789abcd" and stored is not None and stored.startswith("v2:")

@@ -1,4 +1,4 @@
-"""`offload result ID --download DIR/` takes only the job's own objects (issue 35, finding 10), on real servers:
+"""`offload result ID --download DIR/` takes only the job's own objects, on real servers:
 Valkey, an S3 server (rclone), the simulator echoing its input through a dispatch worker, and the real CLI. A
 producer whose output echoes the locations of another queue's objects (and of another job of its own queue) must
 not get them saved by whoever downloads its result: each is skipped with a one-line warning naming it."""

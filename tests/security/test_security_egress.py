@@ -1,4 +1,4 @@
-"""SSRF through the provider-file copy (issue 35, finding 2), on real servers: a producer whose provider echoes its
+"""SSRF through the provider-file copy, on real servers: a producer whose provider echoes its
 input names internal URLs (an HTTP listener on loopback stands in for an internal service), and the dispatch worker
 must fetch none of them, nor follow a redirect to one; nothing lands in the bucket, and every such job ends with the
 same generic error whether the port was open, closed or the address refused. The local stack (the provider's own
@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote
 
@@ -288,7 +289,7 @@ async def test_allow_private_hosts_opts_a_backend_in_but_never_past_link_local(
         ("files.example/path", "backends.gpu.file_hosts"),
     ],
 )
-def test_a_bad_file_hosts_entry_fails_at_start_naming_the_field(entry: str, message: str, tmp_path: Any) -> None:
+def test_a_bad_file_hosts_entry_fails_at_start_naming_the_field(entry: str, message: str, tmp_path: Path) -> None:
     path = tmp_path / "offload.yaml"
     backend = {"kind": "http-job", "base_url": "https://api.example", "file_hosts": [entry]}
     path.write_text(json.dumps({"backends": {"gpu": backend}}))
@@ -377,13 +378,13 @@ def test_the_attackers_address_walk() -> None:
                     assert allowed is _expected(ip, reach), (name, spelling, refusal(spelling, reach))
                     checked += 1
     assert checked > 1000
-    for spelling in ("[::ffff:169.254.169.254]", "[::ffff:a9fe:a9fe]", "[fd00:ec2::254]"):  # the issue's three
+    for spelling in ("[::ffff:169.254.169.254]", "[::ffff:a9fe:a9fe]", "[fd00:ec2::254]"):  # the reported three
         host = spelling.strip("[]")
         assert refusal(host, Reach.PUBLIC) == refusal(host, Reach.LOCAL) == "a cloud metadata address"
     assert policies["file_hosts"].listed("files.example") and not policies["file_hosts"].listed("127.0.0.1")
 
 
-async def test_an_egress_client_refuses_before_connecting_on_both_roads(internal: Listener, tmp_path: Any) -> None:
+async def test_an_egress_client_refuses_before_connecting_on_both_roads(internal: Listener, tmp_path: Path) -> None:
     """The transport itself, both ways a file is fetched: the plain aiohttp GET and httpx's road; a client
     without `egress` is not accepted for copies at all."""
     from offload.backends import new_client

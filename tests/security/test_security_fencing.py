@@ -1,4 +1,4 @@
-"""Issue 35 finding 5: a GPU worker whose lease was taken over must never overwrite the newer run's stored output.
+"""A GPU worker whose lease was taken over must never overwrite the newer run's stored output.
 
 A real server (uvicorn, in a thread), real Valkey, real S3 (rclone), the GPU-worker protocol driven by hand over
 HTTP: worker A claims, its lease expires, worker B claims and completes, A then completes with another output.
@@ -23,7 +23,7 @@ from support.s3server import RcloneS3
 from support.server_helpers import BUCKET, client, make_key, new_queue, server
 from support.servers import ValkeyServer
 
-from offload.server import routes_workers
+from offload.server import file_refs, routes_workers
 from offload.storage.inputs import outputs_prefix
 
 LEASE_MS = 1000
@@ -49,7 +49,8 @@ def _claim(c: httpx.Client, worker_id: str, queue: str) -> dict[str, Any]:
         jobs: list[dict[str, Any]] = r.json()["jobs"]
         return jobs
 
-    (job,) = eventually_sync(claimed, 30, f"worker {worker_id} to claim")
+    jobs: list[dict[str, Any]] = eventually_sync(claimed, 30, f"worker {worker_id} to claim")
+    (job,) = jobs
     return job
 
 
@@ -115,7 +116,7 @@ def test_a_worker_paused_between_the_check_and_the_write_cannot_overwrite_the_ne
     url, _ = api
     q, job_id, producer, worker = _world(api, "pause")
     paused, resume = threading.Event(), threading.Event()
-    real = routes_workers.check_output_refs
+    real = file_refs.check_output_refs  # the original; the route looks it up in routes_workers
 
     async def pausing(state: Any, job: Any, output: Any) -> None:
         if output == {"by": "A"}:

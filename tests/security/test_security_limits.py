@@ -1,8 +1,7 @@
-"""Bounded resources per key (issue 12, findings 2, 6, 7, 11 and the self-report, key-length and failed-auth
-parts of 12): bodies are refused before they are read or parsed, event streams share one multiplexed reader
-and end when their key is revoked, half-open connections are closed, a server at its connection limit says
-503, failed authentication is rate limited per address across servers, and workers' self-reports are bounded.
-Real servers over TCP, real Valkey."""
+"""Bounded resources per key (and the self-report, key-length and failed-auth limits): bodies are refused before they
+are read or parsed, event streams share one multiplexed reader and end when their key is revoked, half-open connections
+are closed, a server at its connection limit says 503, failed authentication is rate limited per address across servers,
+and workers' self-reports are bounded. Real servers over TCP, real Valkey."""
 
 from __future__ import annotations
 
@@ -122,7 +121,7 @@ def test_event_streams_share_one_reader_and_follow_only_known_queues(
             t0 = time.monotonic()
             for q in queues[:20]:
                 assert admin.get(f"/v1/queues/{q}").status_code in (200, 404)
-            assert time.monotonic() - t0 < 5.0  # they took 5-15 s each with the pool held by readers
+            assert time.monotonic() - t0 < 5.0  # not waiting on the pool the readers hold
             admin.post(f"/v1/queues/{queues[7]}/jobs", json={"input": 1})
     finally:
         stop.set()

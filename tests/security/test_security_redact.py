@@ -1,4 +1,4 @@
-"""One redaction path (issue 12, finding 10 and the excerpt side of 4): URLs are masked in every form, and a
+"""One redaction path (for URLs and for error excerpts): URLs are masked in every form, and a
 backend's error keeps no userinfo, no redirect target's query, no JSON token field; the same function serves
 the backends, the providers, the Redis connection errors and the autoscaler's journal."""
 
@@ -7,8 +7,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from offload.backends.http import error_for_exception, error_for_response, excerpt
+from offload.backends.http import error_for_exception, error_for_response
 from offload.connection import mask_url
+from offload.redact import excerpt
 
 
 @pytest.mark.parametrize(

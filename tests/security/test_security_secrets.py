@@ -1,4 +1,4 @@
-"""Issue 35, finding 1 and its suspicions: the operator's secrets stay with the operator. On a real server (its own
+"""The operator's secrets stay with the operator. On a real server (its own
 Valkey, its autoscaler running) with every key kind, a hostile listener as the "provider" an admin key picks
 (it records everything it is sent), the simulator as the operator's own provider, and real worker registrations:
 
@@ -20,9 +20,9 @@ import os
 import secrets
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -43,17 +43,20 @@ from offload.connection import connect
 from offload.errors import ConfigError
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
+from offload.redis_client import RedisClient
 from offload.testing.sim.config import SimConfig
 from offload.testing.sim.server import running_sim
+
+T = TypeVar("T")
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.xdist_group("security-secrets")
 
 
-def run(redis_url: str, fn: Any) -> Any:
+def run(redis_url: str, fn: Callable[[RedisClient], Awaitable[T]]) -> T:
     """`fn(redis)` on a connection of its own: what the operator does on the server's host (direct Redis access)."""
 
-    async def go() -> Any:
+    async def go() -> T:
         redis = await connect(redis_url)
         try:
             return await fn(redis)
@@ -67,7 +70,7 @@ def _operator(url: str, given: dict[str, str], sim_url: str, queues: list[str]) 
     """The operator's worker key (for `queues`), its provider `sim` (the simulator's RunPod API) and its vault
     credential `gh` for github.com."""
 
-    async def go(redis: Any) -> str:
+    async def go(redis: RedisClient) -> str:
         vault = Vault(VAULT_KEY)
         await ProviderStore(redis, vault).create(
             "sim", "runpod", {"api_key": "k", "base_url": sim_url, "gpu_type_id": "NVIDIA RTX A5000", "api": "rest"}
@@ -207,11 +210,12 @@ def test_a_masked_value_is_kept_only_for_where_it_was_given(world: dict[str, Any
         block = {**_block(f"a-{q}", instance={"env": {"HF_TOKEN": token}}), "enabled": False}
         assert admin.put(f"/v1/autoscale/queues/{q}", json=block).status_code == 200
         shown = admin.get(f"/v1/autoscale/queues/{q}").json()["autoscale"]
-        for changes in (
+        changed: tuple[dict[str, Any], ...] = (
             {"provider": f"b-{q}"},
             {"instance": {**shown["instance"], "image": "ghcr.io/attacker/dump-env:1"}},
             {"deployment": {"git_url": "https://github.com/attacker/x.git", "startup_cmd": "env"}},
-        ):
+        )
+        for changes in changed:
             r = admin.put(f"/v1/autoscale/queues/{q}", json={**shown, **changes})
             assert r.status_code == 422 and "give the value again" in r.text, (changes, r.text)
         r = admin.put(f"/v1/autoscale/queues/{q}", json={**shown, "enabled": True})
@@ -278,19 +282,20 @@ def test_the_operators_providers_cannot_be_changed_deleted_or_replaced_over_the_
     hostile: Echo = world["hostile"]
     legacy = new_queue("legacy")
 
-    async def older(redis: Any) -> None:  # a record written before origins were recorded: not the operator's
+    async def older(redis: RedisClient) -> None:  # a record written before origins were recorded: not the operator's
         await ProviderStore(redis, Vault(VAULT_KEY)).create(legacy, "mock", {})
         await redis.hdel(keyspace.provider(legacy), "origin")
 
     run(world["valkey"], older)
     with client(world["url"], world["admin"]) as admin:
-        for call in (
+        calls: tuple[Callable[[], httpx.Response], ...] = (
             lambda: admin.patch("/v1/autoscale/providers/sim", json={"gpu_type_id": "X"}),
             lambda: admin.patch(
                 "/v1/autoscale/providers/sim", json={"base_url": hostile.url, "api_key": "rpa_attacker_0123456789"}
             ),
             lambda: admin.delete("/v1/autoscale/providers/sim"),
-        ):
+        )
+        for call in calls:
             r = call()
             assert r.status_code == 403 and "made by the operator" in r.json()["detail"], r.text
         r = admin.post(

@@ -1,4 +1,4 @@
-"""Queue isolation down to storage (issue 12, findings 1 and 8): a key of one queue can neither write another
+"""Queue isolation down to storage: a key of one queue can neither write another
 queue's objects (through an output_key) nor get a presigned URL to them; unsafe output keys are refused at
 enqueue, and a job whose key cannot be stored fails once, permanently, on both worker paths, before anything is
 paid for. Real Valkey, real S3 (rclone), a real server over TCP, the real simulator."""
@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import httpx
 import orjson
 import pytest
+from support.admin_redis import redis_admin
 from support.eventually import eventually_sync
 from support.s3server import RcloneS3
 from support.server_helpers import BUCKET, client, make_key, new_queue, server
@@ -29,6 +31,8 @@ from offload.testing.sim.config import SimConfig
 from offload.testing.sim.server import running_sim
 from offload.worker.run import run_worker
 
+T = TypeVar("T")
+
 
 @pytest.fixture(scope="module")
 def api(valkey: ValkeyServer, s3: RcloneS3) -> Iterator[tuple[str, str]]:
@@ -36,10 +40,10 @@ def api(valkey: ValkeyServer, s3: RcloneS3) -> Iterator[tuple[str, str]]:
         yield srv
 
 
-def on_store(url: str, fn: Any) -> Any:
+def on_store(url: str, fn: Callable[[QueueStore], Awaitable[T]]) -> T:
     """A producer or operator with direct Redis access (trusted: the Python client, the CLI, tutorial RPUSH)."""
 
-    async def go() -> Any:
+    async def go() -> T:
         redis = await connect(url)
         try:
             return await fn(QueueStore(redis))
@@ -187,7 +191,7 @@ def test_dispatch_worker_fails_an_unstorable_job_before_paying(valkey: ValkeySer
     assert stats["submissions"] == 0, stats  # nothing was paid for
 
 
-def test_output_prefixes_are_namespaces_that_never_overlap(tmp_path: Any) -> None:
+def test_output_prefixes_are_namespaces_that_never_overlap(tmp_path: Path) -> None:
     from offload.storage.namespace import key_problem
 
     prefixes = {"tut": "results/", "team": "team-a/"}
@@ -228,7 +232,7 @@ def test_tutorial_results_land_at_their_exact_key_through_the_gpu_path(
     q = new_queue("tut")
     token = make_key(url, boot, "worker", [q])
     entry = orjson.dumps({"id": "t-17", "input": {"p": 1}, "output_key": "results/t-17.json", "attempt": 1})
-    on_store(valkey.url, lambda st: st.redis.rpush(f"{q}:jobs", entry))
+    on_store(valkey.url, lambda st: redis_admin(st.redis).rpush(f"{q}:jobs", entry))
     assert on_store(valkey.url, lambda st: st.ingest(f"{q}:jobs", q)) == (1, 0)
     run_one(url, token, q, {"answer": 42})
     body = eventually_sync(

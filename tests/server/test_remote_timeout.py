@@ -107,7 +107,7 @@ def test_timeout_is_refused_on_a_dispatch_queue() -> None:
     from offload.errors import ConfigError
     from offload.schema import parse
 
-    data = {
+    data: dict[str, Any] = {
         "backends": {"b": {"kind": "http-job", "base_url": "http://gpu.example"}},
         "queues": {"q": {"backend": "b"}},
     }

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
 
 import httpx
 import orjson
@@ -21,6 +21,8 @@ from offload.connection import connect
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 
+T = TypeVar("T")
+
 
 @pytest.fixture(scope="module")
 def api(valkey: ValkeyServer, s3: RcloneS3) -> Iterator[tuple[str, str]]:
@@ -28,8 +30,8 @@ def api(valkey: ValkeyServer, s3: RcloneS3) -> Iterator[tuple[str, str]]:
         yield srv
 
 
-def store_call(url: str, fn: Any) -> Any:
-    async def go() -> Any:
+def store_call(url: str, fn: Callable[[QueueStore], Awaitable[T]]) -> T:
+    async def go() -> T:
         redis = await connect(url)
         try:
             return await fn(QueueStore(redis))

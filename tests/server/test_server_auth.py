@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from support.admin_redis import redis_admin
 from support.server_helpers import client, make_key, new_queue, server
 from support.servers import ValkeyServer
 from typer.testing import CliRunner
@@ -147,8 +148,8 @@ def test_keys_are_stored_hashed_and_revocable(api: tuple[str, str], valkey: Valk
     async def dump() -> str:
         redis = await connect(valkey.url)
         parts = []
-        async for k in redis.scan_iter(count=1000):
-            kind = await redis.type(k)
+        async for k in redis_admin(redis).scan_iter(count=1000):
+            kind = await redis_admin(redis).type(k)
             v = await redis.hgetall(k) if kind == "hash" else await redis.get(k) if kind == "string" else ""
             parts.append(f"{k}={v}")
         await redis.aclose()

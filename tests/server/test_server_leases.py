@@ -1,11 +1,12 @@
-"""The server's part of issue 11: held jobs released by its maintenance, GPU workers' leases judged by token
+"""The server's part of lease safety: held jobs released by its maintenance, GPU workers' leases judged by token
 and leases they never received handed back, and the possible-duplicate counter in /metrics. A real server
 (uvicorn, in a thread) on the session's Valkey."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 from support.eventually import eventually_sync
 from support.server_helpers import client, make_key, new_queue, server
@@ -16,12 +17,14 @@ from offload.connection import connect
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 
+T = TypeVar("T")
 
-def run(coro: Any) -> Any:
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
 
 
-async def _with_store(url: str, fn: Any) -> Any:
+async def _with_store(url: str, fn: Callable[[QueueStore], Awaitable[T]]) -> T:
     redis = await connect(url)
     try:
         return await fn(QueueStore(redis))
@@ -30,7 +33,7 @@ async def _with_store(url: str, fn: Any) -> Any:
 
 
 def test_the_servers_maintenance_releases_jobs_held_in_a_past_window(valkey: ValkeyServer) -> None:
-    """Issue 11, defect 8: held jobs went back only when a dispatch worker's window changed; a queue whose
+    """Held jobs used to go back only when a dispatch worker's window changed; a queue whose
     workers were all stopped at midnight (or that only GPU workers serve) kept them a day longer."""
     q = new_queue("held")
 

@@ -1,4 +1,4 @@
-"""`offload server` logs quietly (issue 36): no access line for a GPU worker's heartbeats and claims or a long-poll
+"""`offload server` logs quietly: no access line for a GPU worker's heartbeats and claims or a long-poll
 that succeeded, while other requests and failed routine ones are still logged; `--log-level` (or
 OFFLOAD_LOG_LEVEL) is checked like any option."""
 

@@ -101,8 +101,8 @@ async def test_noted_outcomes_are_written_once_per_interval_and_none_is_lost(val
     """A worker notes an outcome per job; under a steady stream of notes (some arriving during every write's
     round trip) the counters go out once per NOTE_EVERY_S, not back to back, and after `flush` Redis holds
     every one of them."""
+    from offload.queue import backend_limits as limits_module
     from offload.queue.keyspace import backend_counts
-    from offload.worker import limits as limits_module
 
     redis = await connect(valkey.url)
     backend = new_queue("notes")

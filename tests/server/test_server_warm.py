@@ -1,4 +1,4 @@
-"""A server's first requests after a start cost what later ones do (issue 15's webhook tail).
+"""A server's first requests after a start cost what later ones do (the webhook tail).
 
 The first webhooks after `offload server` started used to pay for the server's lazy set-up with the event loop
 blocked: importing the backends (aiohttp and all) and building an HTTP client on the first delivery, and
@@ -134,8 +134,7 @@ def test_the_first_webhook_after_a_start_costs_what_later_ones_do(valkey_url: st
     assert report["statuses"] == [200] * DELIVERIES, report
     assert report["imports"] == [], report  # nothing left to import on the first delivery
     first, *later = report["calls"]
-    # Lazy set-up made the first ~35x a later one (~177,000 calls against ~5,000). What is left, 3-5x, is not the
-    # delivery's own: the maintenance loop's and the autoscaler's first passes run beside it in the same thread
-    # (the profile counts them too), and the pool opens its first two connections (redis-py reads its own
-    # version from the package metadata for each, ~3 ms). The bound leaves room for those, not for set-up.
+    # What is left after start-up is not the delivery's own: the maintenance loop's and the autoscaler's first
+    # passes run beside it in the same thread, and the pool opens its first connections. The bound leaves room for
+    # those, not for set-up (the figures: docs/explanation/performance.md, *Webhook deliveries*).
     assert first <= 10 * max(later), report

@@ -35,9 +35,10 @@ from offload.backends import (
     new_client,
 )
 from offload.backends.fal import FalBackend
-from offload.backends.http import error_for_exception, error_for_response, excerpt, retry_after, warn_unknown_status
+from offload.backends.http import error_for_exception, error_for_response, retry_after, warn_unknown_status
 from offload.backends.runpod import error_text
 from offload.errors import ConfigError
+from offload.redact import excerpt
 from offload.testing.sim import running_sim
 
 KEY = "sim-key-0123456789abcdef"
@@ -50,7 +51,7 @@ FAST = {"latency": 0.05, "queue_delay": 0.0}
 Make = Callable[..., Backend]
 
 
-_control: list[httpx.Client] = []  # one client for the /_sim routes: a new client per call costs ~30 ms
+_control: list[httpx.Client] = []  # one client for the /_sim routes: building a client per call is slow
 
 
 @pytest.fixture(scope="module")

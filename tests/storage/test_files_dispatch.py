@@ -190,9 +190,8 @@ async def test_200_mib_input_reaches_the_provider_as_a_url_with_bounded_client_m
     out, err = await asyncio.wait_for(proc.communicate(), 300)
     assert proc.returncode == 0, err.decode()
     report = json.loads(out)
-    # What the upload adds to a warm client (~89 MB of imports and pools here) is bounded by a few 8 MiB parts,
-    # whatever the file's size: 11 MB on a quiet machine, 14 MB beside stress-ng. (The bound used to be 100 MiB of
-    # absolute RSS, which left 11 MB above the imports and failed under load.)
+    # What the upload adds to a warm client is bounded by a few parts whatever the file's size; the growth, not
+    # the absolute RSS (mostly imports and pools), so that load does not fail it (performance.md, *Test deadlines*).
     grew = report["peak_kib"] - report["base_kib"]
     assert grew < 3 * PART_BYTES // 1024, f"client RSS grew {grew} KiB while uploading 200 MiB ({report})"
     ref = (await store.get(report["id"])).input["video"]

@@ -1049,9 +1049,9 @@ async def test_the_yaml_storage_block_reaches_the_store_typed(s3: RcloneS3, buck
     store = create_storage(settings.storage)
     try:
         assert isinstance(store, S3Storage) and store.settings is settings.storage
-        config = store._client.meta.config
-        assert (config.max_pool_connections, config.connect_timeout, config.read_timeout) == (4, 2, 7)
-        assert config.retries["total_max_attempts"] == 2  # the first try and max_attempts retries
+        config = vars(store._client.meta.config)  # botocore sets these by setattr: its stubs do not declare them
+        assert (config["max_pool_connections"], config["connect_timeout"], config["read_timeout"]) == (4, 2, 7)
+        assert config["retries"]["total_max_attempts"] == 2  # the first try and max_attempts retries
         assert store._pool._max_workers == 4
         assert await store.put_json("results/m.json", {}) == f"s3://{bucket}/results/m.json"
     finally:

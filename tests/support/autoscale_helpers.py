@@ -8,11 +8,13 @@ from typing import Any
 
 import httpx
 
+from offload.autoscale.instances import Instance
 from offload.autoscale.providers.mock import MockConfig, MockProvider
 from offload.autoscale.scaler import Autoscaler
 from offload.config import Settings
 from offload.queue.keyspace import REMOTE_WORKERS as INDEX
 from offload.queue.keyspace import remote_worker as worker_key
+from offload.redis_client import RedisClient
 
 VAULT_KEY = "test-master-key-0123456789abcdef"
 
@@ -24,12 +26,23 @@ class Clock:
     def __call__(self) -> float:
         return self.t
 
+    def ms(self) -> int:
+        """The same instant in integer milliseconds: a QueueStore's clock."""
+        return int(self.t * 1000)
+
     def advance(self, seconds: float) -> None:
         self.t += seconds
 
 
+async def stored(scaler: Autoscaler, instance_id: str) -> Instance:
+    """The instance record the scaler keeps, which must exist."""
+    instance = await scaler.instances.get(instance_id)
+    assert instance is not None, instance_id
+    return instance
+
+
 async def put_worker(
-    redis: Any,
+    redis: RedisClient,
     worker_id: str,
     queue: str,
     instance_id: str | None,
@@ -60,12 +73,12 @@ async def put_worker(
     await redis.zadd(INDEX, {worker_id: int(now * 1000)})
 
 
-async def drop_worker(redis: Any, worker_id: str) -> None:
+async def drop_worker(redis: RedisClient, worker_id: str) -> None:
     await redis.delete(worker_key(worker_id))
     await redis.zrem(INDEX, worker_id)
 
 
-async def worker_token(redis: Any, queue: str = "gpu") -> str:
+async def worker_token(redis: RedisClient, queue: str = "gpu") -> str:
     """A real worker key for `queue`: the scaler checks the key it ships to real providers (the mock ships none)."""
     from offload.access.api_keys import KeyStore
 
@@ -95,7 +108,7 @@ def sim_call(method: str, url: str, **kwargs: Any) -> Any:
 
 
 def make_scaler(
-    redis: Any,
+    redis: RedisClient,
     clock: Clock,
     block: dict[str, Any] | None = None,
     *,

@@ -31,6 +31,7 @@ from offload.config import Settings
 from offload.errors import StaleLease
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
+from offload.redis_client import RedisClient
 from support.autoscale_helpers import Clock, drop_worker, put_worker
 
 QUEUE = "gpu"
@@ -164,7 +165,7 @@ class ChaosMock(MockProvider):
 
 
 class World:
-    def __init__(self, r: Any, sc: Scenario) -> None:
+    def __init__(self, r: RedisClient, sc: Scenario) -> None:
         self.r = r
         self.sc = sc
         self.rng = random.Random(sc.seed)
@@ -255,7 +256,7 @@ class World:
     async def fleet_step(self) -> None:
         now = self.clock()
         await self._fleet_changes(now)
-        lease = 3 * self.sc.poll * 1000
+        lease = int(3 * self.sc.poll * 1000)
         for pid, w in self.workers.items():
             await self._worker_step(pid, w, now, lease)
         await self.store.reap(QUEUE)
@@ -274,14 +275,14 @@ class World:
                 await drop_worker(self.r, w.id)
                 del self.workers[pid]
         for pid, m in machines.items():
-            fate = self.fates.get(pid)
-            if pid in self.workers or fate is None or fate.boot_at is None or now < fate.boot_at:
+            booting = self.fates.get(pid)
+            if pid in self.workers or booting is None or booting.boot_at is None or now < booting.boot_at:
                 continue
             self.workers[pid] = GpuWorker(
-                f"r-{pid}", m.label.removeprefix("offload-"), pid, protected=fate.self_protect and not self.healthy
+                f"r-{pid}", m.label.removeprefix("offload-"), pid, protected=booting.self_protect and not self.healthy
             )
 
-    async def _worker_step(self, pid: str, w: GpuWorker, now: float, lease: float) -> None:
+    async def _worker_step(self, pid: str, w: GpuWorker, now: float, lease: int) -> None:
         """One GPU worker's step: hang at its time, finish its job, claim the next unless draining, heartbeat."""
         fate = self.fates[pid]
         if not w.hung and fate.hang_at is not None and now >= fate.hang_at:

@@ -155,7 +155,7 @@ def enqueue(admin: httpx.Client, queue: str, *inputs: Any, **options: Any) -> li
 
 
 def save_screenshot(page: Page, tmp: Path, name: str) -> Path:
-    """Saved by the test (the issue asks for it); OFFLOAD_SCREENSHOT_DIR also keeps a copy (docs/img/)."""
+    """Saved by the test (for review); OFFLOAD_SCREENSHOT_DIR also keeps a copy (docs/img/)."""
     path = tmp / name
     page.screenshot(path=str(path), full_page=True)
     assert path.stat().st_size > 5000

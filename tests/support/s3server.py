@@ -25,6 +25,7 @@ from typing import Any, Self
 import boto3
 import httpx
 from botocore.config import Config
+from mypy_boto3_s3 import S3Client
 
 from support.procs import preexec
 from support.servers import HOST, free_port
@@ -85,13 +86,14 @@ class RcloneS3:
         self.client().create_bucket(Bucket=name)
         return self.dir / name
 
-    def client(self, **overrides: Any) -> Any:
+    def client(self, **overrides: Any) -> S3Client:
         """A plain boto3 client, configured the way any S3 user would for an S3-compatible server."""
         kwargs: dict[str, Any] = {
             "endpoint_url": self.endpoint_url, "aws_access_key_id": self.access_key,
             "aws_secret_access_key": self.secret_key, "region_name": "us-east-1", "config": BOTO_CONFIG,
         }  # fmt: skip
-        return boto3.client("s3", **{**kwargs, **overrides})
+        client: S3Client = boto3.client("s3", **{**kwargs, **overrides})
+        return client
 
     def settings(self, bucket: str, **extra: Any) -> dict[str, Any]:
         """The `storage:` block offload would read for this server."""

@@ -22,6 +22,7 @@ from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 from offload.worker.dispatch import Worker
 from offload.worker.run import run_worker
+from support.admin_redis import redis_admin
 from support.eventually import eventually
 from support.server_helpers import server
 from support.servers import free_port
@@ -140,7 +141,7 @@ class World:
             channel = hooks_channel(QUEUES[provider], ready[0].id)
 
             async def subscribed() -> bool:
-                ((_, n),) = await self.store.redis.pubsub_numsub(channel)
+                ((_, n),) = await redis_admin(self.store.redis).pubsub_numsub(channel)
                 return bool(n)
 
             await eventually(subscribed, 10, "the worker's webhook subscription")

@@ -11,7 +11,6 @@ import hmac
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 from urllib.parse import quote
 
 import httpx
@@ -22,6 +21,7 @@ from support.webhook_world import (
     BACKENDS,
     QUEUES,
     REPLICATE_SECRET,
+    World,
     configure_sim,
     deliveries,
     sim_jobs,
@@ -119,7 +119,7 @@ async def test_duplicate_and_reordered_webhooks_change_nothing(
     assert after.result == job.result and after.attempts == 1 and after.finished_at == job.finished_at
 
 
-async def _held_job(w: Any, provider: str, sim_url: str, name: str) -> tuple[str, str]:
+async def _held_job(w: World, provider: str, sim_url: str, name: str) -> tuple[str, str]:
     """A job submitted with its webhook dropped, still running at the provider side of offload (polls are
     60 s apart): (job id, its webhook URL)."""
     job_id = await w.enqueue(provider, name)
@@ -197,7 +197,7 @@ async def test_fal_and_runpod_forgeries_are_refused(
 async def test_a_signed_providers_url_under_runpods_path_is_refused_and_counted(
     provider: str, valkey_url: str, sim_url: str, tmp_path: Path
 ) -> None:
-    """Issue 35 finding 6: the URL secret of a Replicate (or fal) submission, under the RunPod backend's path
+    """The URL secret of a Replicate (or fal) submission, under the RunPod backend's path
     (whose provider signs nothing), with the same job, submission and secret and an unsigned body naming the
     real remote job as finished. Before, that path took it as RunPod's word and the job succeeded with the
     attacker's output; now the secret is bound to the backend its submission went to: 403, counted, nothing

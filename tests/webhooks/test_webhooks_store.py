@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
+from support.admin_redis import redis_admin
 
 from offload.connection import connect
 from offload.models import JobState
@@ -57,7 +58,7 @@ async def test_a_large_final_body_is_kept_but_not_carried_by_the_wake_up(vstore:
     (c,) = await vstore.claim("q", "w1", 1)
     await vstore.begin_many("q", [(job_id, c.token, 0.0, hook_digest("rp", "s"))])
     await vstore.checkpoint_many("q", [(job_id, c.token, "b", "r-1", 1)])
-    pubsub = vstore.redis.pubsub(ignore_subscribe_messages=True)
+    pubsub = redis_admin(vstore.redis).pubsub(ignore_subscribe_messages=True)
     await pubsub.subscribe(hooks_channel("q", "w1"))
     large = b'{"status":"succeeded","logs":"' + b"x" * 5000 + b'"}'
     assert await vstore.hook(job_id, 1, "r-1", terminal=True, body=large) == "WAKE"
@@ -74,7 +75,7 @@ async def test_webhook_adopts_an_unrecorded_remote_id_and_wakes_the_owner(vstore
     [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1, max_attempts=5)])
     (c,) = await vstore.claim("q", "w1", 1)
     await vstore.begin_many("q", [(job_id, c.token, 0.0, hook_digest("rp", "s"))])
-    pubsub = vstore.redis.pubsub(ignore_subscribe_messages=True)
+    pubsub = redis_admin(vstore.redis).pubsub(ignore_subscribe_messages=True)
     await pubsub.subscribe(hooks_channel("q", "w1"))
     assert await vstore.current_remote(job_id) == (None, 1)
     # a start event while its submitter still holds the lease: recorded (that worker may be dead inside the
@@ -172,7 +173,7 @@ async def test_a_start_event_adopts_for_the_worker_waiting_out_the_grace(vstore:
     await lapse(vstore)
     (c2,) = await vstore.claim("q", "w2", 1)
     assert c2.intent_open and c2.remote_id is None
-    pubsub = vstore.redis.pubsub(ignore_subscribe_messages=True)
+    pubsub = redis_admin(vstore.redis).pubsub(ignore_subscribe_messages=True)
     await pubsub.subscribe(hooks_channel("q", "w2"))
     key = f"offload:{{q}}:job:{job_id}"
     assert await vstore.hook(job_id, 1, "r-1", terminal=False, body=b'{"status":"starting"}') == "ADOPTED"
@@ -238,7 +239,7 @@ async def test_hook_many_gives_each_delivery_its_own_verdict_and_survives_a_scri
     claimed = {c.id: c for c in await vstore.claim("q", "w1", 2)}
     for job_id in ids:
         await vstore.begin_many("q", [(job_id, claimed[job_id].token, 0.0, hook_digest("rp", "s"))])
-    await vstore.redis.script_flush()
+    await redis_admin(vstore.redis).script_flush()
     batch = [
         HookItem(ids[0], 1, "r-0", True, b'{"n":0}'),
         HookItem(ids[0], 1, "r-0", True, b'{"n":0}'),

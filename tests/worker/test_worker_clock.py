@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import test_worker_crash as crash
 import yaml
+from support.admin_redis import redis_admin
 from support.eventually import seconds_until
 from support.servers import ValkeyServer
 from test_worker_crash import QUEUE, Fleet, SimProcess, base_env, job_input
@@ -111,7 +112,7 @@ async def test_a_worker_whose_clock_is_a_day_ahead_pays_no_more_than_the_daily_c
     await seconds_until(settled(10, 2), 60, "5 more paid in the store's next day", every=0.1, why=why)
 
     async def released() -> bool:  # what is held now was held in the second day (its cap is spent too)
-        held = await sstore.redis.zrange(keyspace.prefix(QUEUE) + "held", 0, -1, withscores=True)
+        held = await redis_admin(sstore.redis).zrange(keyspace.prefix(QUEUE) + "held", 0, -1, withscores=True)
         return all(window > int(day1) for _, window in held)
 
     await seconds_until(released, 60, "the jobs held in the store's first day released", every=0.1, why=why)

@@ -1,5 +1,5 @@
 """Dispatch workers (real `offload worker` processes) drained by SIGTERM with work at the submit gate, the rate
-limit and inside slow submit calls (issue 34, item 1): a `systemctl restart` must cost nothing. The waiting jobs
+limit and inside slow submit calls: a `systemctl restart` must cost nothing. The waiting jobs
 go back unsent (intents closed), the calls out are awaited and checkpointed even past the grace, and the next
 worker finishes everything: one paid submission per job, none counted as a possible duplicate. A second signal
 cuts the drain: what that costs (one possible duplicate per call out) is what the docs say.
@@ -135,7 +135,7 @@ async def test_sigterm_with_jobs_waiting_pays_each_job_once(
     tmp_path: Path,
     wait_at: str,
 ) -> None:
-    """The issue's scenario: 40 jobs on one worker (40 slots), submits that take 1 s, and either a submit gate of 4
+    """The reported scenario: 40 jobs on one worker (40 slots), submits that take 1 s, and either a submit gate of 4
     or a 5/s rate limit, so most jobs wait while a few calls are out. `systemctl restart` (SIGTERM, --grace 3):
     no waiting job is submitted during the grace, the calls out are awaited and checkpointed, the next worker
     finishes everything. On main: 44 (45) paid submissions for 40 jobs, the calls out cut at the grace's end
@@ -193,7 +193,7 @@ async def test_a_submit_call_out_past_the_grace_is_awaited_and_checkpointed(
     start(fleet, "A", env, grace=1)
 
     async def all_out() -> bool:
-        return sim.stats()["submissions"] == 3  # logged by the simulator before it holds the answer
+        return int(sim.stats()["submissions"]) == 3  # logged by the simulator before it holds the answer
 
     await seconds_until(all_out, 60, "three submit calls out", why=lambda: fleet.tail("A"))
     fleet.procs["A"].send_signal(signal.SIGTERM)
@@ -331,7 +331,7 @@ async def test_a_drain_ends_the_409_resend_loop_leaving_the_intent_open(
     try:
 
         async def held() -> bool:
-            return sim.stats()["submissions"] == 1
+            return int(sim.stats()["submissions"]) == 1
 
         await seconds_until(held, 30, "the lost worker's submission to be held by the simulator")
         assert await store.release_leases(QUEUE, "lost-worker") == 1  # back to ready, the intent open

@@ -23,9 +23,12 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from mypy_boto3_s3 import S3Client
+from support.admin_redis import AdminRedis, redis_admin
 from support.eventually import eventually
 from support.s3server import RcloneS3
-from test_worker import BACKENDS, BUCKET
+from test_worker import BACKENDS as BACKENDS
+from test_worker import BUCKET as BUCKET
 
 from offload.backoff import retry_delay_ms
 from offload.config import Settings
@@ -95,8 +98,8 @@ def no_outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def bucket(s3: RcloneS3) -> Any:
-    """One boto3 client for reading results back (making one costs ~0.3 s of CPU)."""
+def bucket(s3: RcloneS3) -> S3Client:
+    """One boto3 client for reading results back (making one is costly in CPU)."""
     return s3.client()
 
 
@@ -263,7 +266,7 @@ async def until_state(
     return [await store.get(j) for j in job_ids]
 
 
-def assert_stored(bucket: Any, job: Job, input_id: str) -> None:
+def assert_stored(bucket: S3Client, job: Job, input_id: str) -> None:
     """Guarantee 5 (docs/explanation/architecture.md): the output is in object storage at the job's key, and it is
     this job's."""
     assert job.result == f"s3://{BUCKET}/{job.output_key}"
@@ -271,7 +274,7 @@ def assert_stored(bucket: Any, job: Job, input_id: str) -> None:
     assert input_id in orjson.dumps(orjson.loads(body)).decode()
 
 
-async def redis_text(redis: Any) -> str:
+async def redis_text(redis: AdminRedis) -> str:
     """Every key and value in the database, as text, to search for a leaked secret."""
     parts = []
     async for key in redis.scan_iter(count=1000):
@@ -334,7 +337,7 @@ async def test_remote_failure_is_retried_with_backoff_then_dead(
 
 @pytest.mark.parametrize("kind", POLLED)
 async def test_status_outage_never_resubmits(
-    kind: str, valkey_url: str, s3: RcloneS3, sim: str, store: QueueStore, bucket: Any
+    kind: str, valkey_url: str, s3: RcloneS3, sim: str, store: QueueStore, bucket: S3Client
 ) -> None:
     """503s on every status poll of a submitted job. The worker rides out nine in a row inside the attempt;
     at the tenth it gives the attempt up with the remote id kept, and the next attempt resumes polling the same
@@ -364,7 +367,7 @@ async def test_status_outage_never_resubmits(
 
 @pytest.mark.parametrize("kind", ALL)
 async def test_submit_outage_is_retried(
-    kind: str, valkey_url: str, s3: RcloneS3, sim: str, store: QueueStore, bucket: Any
+    kind: str, valkey_url: str, s3: RcloneS3, sim: str, store: QueueStore, bucket: S3Client
 ) -> None:
     """503s on submit: nothing was created remotely, so the job is retried later (backoff in Redis) and
     succeeds; it is submitted once, after one failed attempt per 503 it got."""
@@ -390,7 +393,7 @@ async def test_submit_outage_is_retried(
 @pytest.mark.parametrize("header", [True, False], ids=["retry-after", "no-retry-after"])
 @pytest.mark.parametrize("kind", ALL)
 async def test_throttling_shares_a_cool_down(
-    kind: str, header: bool, valkey_url: str, s3: RcloneS3, sim: str, store: QueueStore, bucket: Any
+    kind: str, header: bool, valkey_url: str, s3: RcloneS3, sim: str, store: QueueStore, bucket: S3Client
 ) -> None:
     """429s on every submit, then on every poll. The first 429 sets the backend's shared cool-down in Redis,
     and every job waits it out instead of retrying at once: the simulator sees about one submit per job per
@@ -475,7 +478,7 @@ async def test_poll_timeout_cancels_the_remote_job(
 
 @pytest.mark.parametrize("kind", POLLED)
 async def test_malformed_poll_responses_are_retried(
-    kind: str, valkey_url: str, s3: RcloneS3, sim: str, store: QueueStore, bucket: Any
+    kind: str, valkey_url: str, s3: RcloneS3, sim: str, store: QueueStore, bucket: S3Client
 ) -> None:
     """Status answers that are truncated JSON or lack the status field are transient: the worker polls again
     and the jobs succeed, each submitted once, with the real output stored. (fal's result body has no schema,
@@ -593,7 +596,7 @@ async def test_cancel_stops_the_remote_job(
 
 @pytest.mark.parametrize("kind", POLLED)
 async def test_expired_result_is_resubmitted(
-    kind: str, valkey_url: str, s3: RcloneS3, sim: str, store: QueueStore, bucket: Any
+    kind: str, valkey_url: str, s3: RcloneS3, sim: str, store: QueueStore, bucket: S3Client
 ) -> None:
     """The provider drops results the moment a job ends (result_ttl 0, shorter than any poll interval): the
     poll gets 404 -> NotFound, the job is retried without its dead remote id and submitted again (a second,
@@ -620,14 +623,14 @@ async def test_expired_result_is_resubmitted(
 
 
 async def test_an_unexpected_error_after_submit_keeps_the_paid_for_remote_job(
-    valkey_url: str, s3: RcloneS3, sim: str, store: QueueStore, bucket: Any, monkeypatch: pytest.MonkeyPatch
+    valkey_url: str, s3: RcloneS3, sim: str, store: QueueStore, bucket: S3Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A bug in our own code (here: the first output store raises something no handler expects) after the
     remote id was recorded: the job is retried with that remote id kept, the retry polls the finished remote
     job instead of paying for a new one, and it succeeds with exactly one submission."""
+    from offload.storage import store_output as real
     from offload.worker import run as run_module
 
-    real = run_module.store_output
     failures = 0
 
     async def flaky(*args: Any, **kwargs: Any) -> Any:
@@ -661,7 +664,7 @@ async def test_a_checkpoint_reply_lost_without_a_connection_error_never_pays_twi
     s3: RcloneS3,
     sim: str,
     store: QueueStore,
-    bucket: Any,
+    bucket: S3Client,
     monkeypatch: pytest.MonkeyPatch,
     lost: int,
     error: str,
@@ -696,7 +699,7 @@ async def test_a_checkpoint_reply_lost_without_a_connection_error_never_pays_twi
 
 
 async def test_an_orphan_of_a_crash_inside_submit_is_adopted_by_its_tag(
-    valkey_url: str, s3: RcloneS3, sim: str, store: QueueStore, bucket: Any
+    valkey_url: str, s3: RcloneS3, sim: str, store: QueueStore, bucket: S3Client
 ) -> None:
     """A worker that died inside the submit call: the provider accepted the prediction (tagged with the job id in
     its input) but the id was never recorded. When the lease expires, the next worker finds that prediction by
@@ -798,6 +801,6 @@ async def test_wrong_api_key_is_fatal_and_never_leaks(
     assert error.count(KINDS[kind].auth_error) == 1, error  # the provider's complaint, once
     assert (await stats(sim))["submissions"] == 0
     assert KEY not in orjson.dumps(job.to_dict()).decode()
-    assert KEY not in await redis_text(store.redis)
+    assert KEY not in await redis_text(redis_admin(store.redis))
     assert f"{job_id}: " in caplog.text and "-> dead" in caplog.text
     assert KEY not in caplog.text

@@ -1,5 +1,5 @@
-"""The dispatch worker against the defects of issue 11: leases it does not know of, a job leased to it again,
-store writes that fail, exact caps, a cancel during the rate-limit wait, a stale worker's output, the submit
+"""The dispatch worker against lease and store defects found before: leases it does not know of, a job leased to it
+again, store writes that fail, exact caps, a cancel during the rate-limit wait, a stale worker's output, the submit
 intent. Real Valkey, the real simulator over HTTP, real S3 (helpers and fixtures from test_worker_faults).
 
 A store write that "fails" is a real Redis error raised in place of one call (a connection reset at that
@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 import pytest
 import test_worker_faults as faults
+from mypy_boto3_s3 import S3Client
 from redis.exceptions import ConnectionError as RedisConnectionError
 from support.s3server import RcloneS3
 from test_worker import BACKENDS, BUCKET
@@ -24,6 +25,7 @@ from test_worker_faults import configure, enqueue, make_settings, stats, until, 
 from offload.queue.keyspace import prefix
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
+from offload.redis_client import RedisClient
 
 # the fixtures this module shares with test_worker_faults (module-scoped servers, a clean simulator per test)
 sim, no_outputs, bucket, store = faults.sim, faults.no_outputs, faults.bucket, faults.store
@@ -46,7 +48,7 @@ def fail_first(monkeypatch: pytest.MonkeyPatch, name: str, times: int = 1) -> li
     return calls
 
 
-# -- defect 1: a worker restarted with its predecessor's id; a task that ended after one failed write -----------
+# -- a worker restarted with its predecessor's id; a task that ended after one failed write ---------------------
 
 
 async def test_a_worker_restarted_with_the_same_id_finishes_its_predecessors_jobs(
@@ -84,7 +86,7 @@ async def test_a_verdict_that_hit_a_store_error_is_sent_again(
     assert calls[0] >= 3 and job.attempts == 1 and "CUDA error" in (job.error or "")
 
 
-# -- defect 4: a Redis error on complete after the output is stored --------------------------------------------
+# -- a Redis error on complete after the output is stored ------------------------------------------------------
 
 
 async def test_complete_is_sent_again_after_the_output_is_stored(
@@ -92,7 +94,7 @@ async def test_complete_is_sent_again_after_the_output_is_stored(
     s3: RcloneS3,
     sim: str,
     store: QueueStore,
-    bucket: Any,
+    bucket: S3Client,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     calls = fail_first(monkeypatch, "complete_many")
@@ -109,15 +111,16 @@ async def test_a_storage_blip_costs_the_job_no_attempt(
     s3: RcloneS3,
     sim: str,
     store: QueueStore,
-    bucket: Any,
+    bucket: S3Client,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Object storage is our infrastructure too: a failed write is tried again in place (the job keeps its lease
     and its finished remote result), not charged to the job as a failed attempt."""
     from offload.storage import StorageError
+    from offload.storage import store_output as real
     from offload.worker import run as run_module
 
-    real, calls = run_module.store_output, [0]
+    calls = [0]
 
     async def blip(*args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
@@ -133,7 +136,7 @@ async def test_a_storage_blip_costs_the_job_no_attempt(
     assert (await stats(sim))["submissions_by_input_id"] == {input_id: 1}
 
 
-# -- defect 3: a stalled worker re-claims its own job -----------------------------------------------------------
+# -- a stalled worker re-claims its own job ---------------------------------------------------------------------
 
 
 async def test_a_job_leased_again_to_the_same_worker_runs_in_one_task(
@@ -178,7 +181,7 @@ def _runs(task: asyncio.Task[Any], job_id: str) -> bool:
     return not task.done() and getattr(job, "id", None) == job_id and task.get_coro().__name__ == "_run_job"  # type: ignore[union-attr]
 
 
-# -- defect 5: the spend cap reserved `price_per_job or 0` ------------------------------------------------------
+# -- the spend cap reserved `price_per_job or 0` ----------------------------------------------------------------
 
 
 async def test_the_spend_cap_holds_with_price_per_second(
@@ -208,7 +211,7 @@ async def test_the_spend_cap_holds_with_price_per_second(
     assert abs(spent - real) < 1e-9 and submitted == len(done), (spent, real, submitted, len(done))
 
 
-# -- defect 8: once capped, workers kept claiming and holding the whole backlog ---------------------------------
+# -- once capped, workers kept claiming and holding the whole backlog -------------------------------------------
 
 
 async def test_a_capped_queue_is_not_claimed_and_held_whole(
@@ -233,7 +236,7 @@ async def test_a_capped_queue_is_not_claimed_and_held_whole(
     assert (await stats(sim))["submissions"] == 2 and len(jobs) == 40
 
 
-# -- defect 10: a job cancelled while its worker waits on the rate limit is still submitted ----------------------
+# -- a job cancelled while its worker waits on the rate limit is still submitted ---------------------------------
 
 
 async def test_a_cancel_during_the_rate_limit_wait_is_never_submitted(
@@ -262,7 +265,7 @@ async def test_a_cancel_during_the_rate_limit_wait_is_never_submitted(
     assert waiting_input not in (await stats(sim))["submissions_by_input_id"]
 
 
-# -- defect 11: a worker reaped while storing the output still writes it ----------------------------------------
+# -- a worker reaped while storing the output still writes it ---------------------------------------------------
 
 
 async def test_a_reaped_worker_does_not_overwrite_the_new_owners_output(
@@ -270,12 +273,12 @@ async def test_a_reaped_worker_does_not_overwrite_the_new_owners_output(
     s3: RcloneS3,
     sim: str,
     store: QueueStore,
-    bucket: Any,
+    bucket: S3Client,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from offload.storage import store_output as real
     from offload.worker import run as run_module
 
-    real = run_module.store_output
     stalled, go = asyncio.Event(), asyncio.Event()
 
     async def stalls(*args: Any, **kwargs: Any) -> Any:
@@ -334,7 +337,7 @@ async def test_a_refused_submission_does_not_use_up_the_job_cap(
     assert "must be a JSON object" in (dead.error or "")
 
 
-# -- issue 11, build item 3: the submit window ------------------------------------------------------------------
+# -- the submit window -----------------------------------------------------------------------------------------
 
 
 async def test_an_intent_left_open_by_a_killed_worker_is_sent_again_under_its_key_and_counted(
@@ -369,7 +372,7 @@ async def test_a_longer_cool_down_is_never_shortened(valkey_url: str, store: Que
     from offload.queue.backend_limits import BackendLimits
 
     class SlowSet:
-        def __init__(self, redis: Any) -> None:
+        def __init__(self, redis: RedisClient) -> None:
             self._redis = redis
 
         def __getattr__(self, name: str) -> Any:

@@ -1,4 +1,4 @@
-"""Dispatch workers against a job store at its maxmemory and one that may evict (issue 34, items 2 and 3): real
+"""Dispatch workers against a job store at its maxmemory and one that may evict: real
 `offload worker` processes, the simulator as its own process, rclone S3, and a Valkey of each test's own that
 the test reconfigures (CONFIG SET maxmemory / maxmemory-policy), as an operator's Redis would change under them.
 
@@ -17,12 +17,12 @@ import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 import test_worker_crash as crash
 from support.eventually import seconds_until
+from support.s3server import RcloneS3
 from support.servers import ValkeyServer
 from test_store_memory import expired_records, held, set_config, squeeze, squeeze_between
 from test_worker import settings_for, start_worker
@@ -63,7 +63,7 @@ def submissions(sim: SimProcess) -> dict[str, int]:
 
 async def test_a_worker_at_the_limit_while_answers_arrive_pays_each_job_once_and_never_exits(
     own_valkey: ValkeyServer,
-    bucket: object,
+    bucket: RcloneS3,
     sim: SimProcess,
     ostore: QueueStore,
     fleets: Callable[..., Fleet],
@@ -74,10 +74,10 @@ async def test_a_worker_at_the_limit_while_answers_arrive_pays_each_job_once_and
     claimed or submitted until memory is freed, the worker never exits, and each of the 20 jobs is paid once."""
     n = 20
     sim.configure(honour_idempotency_key=False, submit_latency="3-4", latency="0.5-1")  # like most providers
-    config = write_config(tmp_path / "offload.yaml", own_valkey.url, bucket, sim, concurrency=10)  # type: ignore[arg-type]
+    config = write_config(tmp_path / "offload.yaml", own_valkey.url, bucket, sim, concurrency=10)
     fleet = fleets(config=config)
     ids = await ostore.enqueue_many(QUEUE, [JobSpec(input=job_input(f"full-{i}")) for i in range(n)])
-    fleet.start("w0", env=worker_env(bucket))  # type: ignore[arg-type]
+    fleet.start("w0", env=worker_env(bucket))
 
     async def ten_submits_out() -> bool:
         return sum(submissions(sim).values()) >= 10
@@ -109,13 +109,13 @@ async def test_a_worker_at_the_limit_while_answers_arrive_pays_each_job_once_and
     assert fleet.alive() == ["w0"], fleet.problems()
     assert submissions(sim) == {f"full-{i}": 1 for i in range(n)}
     assert all(j.state == JobState.SUCCEEDED and j.attempts == 1 and j.remote_id for j in jobs)
-    assert set(result_keys(bucket)) >= {f"results/{j}.json" for j in ids}  # type: ignore[arg-type]
+    assert set(result_keys(bucket)) >= {f"results/{j}.json" for j in ids}
     assert "job store full" in log and "Traceback" not in log, log[-3000:]
 
 
 async def test_a_worker_alone_trims_a_full_store_and_goes_back_to_work(
     own_valkey: ValkeyServer,
-    bucket: object,
+    bucket: RcloneS3,
     sim: SimProcess,
     ostore: QueueStore,
     fleets: Callable[..., Fleet],
@@ -130,9 +130,9 @@ async def test_a_worker_alone_trims_a_full_store_and_goes_back_to_work(
     ids = await ostore.enqueue_many(QUEUE, [JobSpec(input=job_input(f"heal-{i}")) for i in range(5)])
     squeeze_between(own_valkey, base)
     assert (await read_memory(ostore.redis)).full
-    config = write_config(tmp_path / "offload.yaml", own_valkey.url, bucket, sim)  # type: ignore[arg-type]
+    config = write_config(tmp_path / "offload.yaml", own_valkey.url, bucket, sim)
     fleet = fleets(config=config)
-    fleet.start("w0", env=worker_env(bucket))  # type: ignore[arg-type]
+    fleet.start("w0", env=worker_env(bucket))
 
     async def all_done() -> bool:
         return (await counts(ostore))["succeeded"] == 5
@@ -146,7 +146,7 @@ async def test_a_worker_alone_trims_a_full_store_and_goes_back_to_work(
 
 async def test_a_policy_changed_to_evict_stops_claims_and_submissions_until_fixed(
     own_valkey: ValkeyServer,
-    bucket: object,
+    bucket: RcloneS3,
     sim: SimProcess,
     ostore: QueueStore,
     fleets: Callable[..., Fleet],
@@ -155,9 +155,9 @@ async def test_a_policy_changed_to_evict_stops_claims_and_submissions_until_fixe
     """A running worker finds its store switched to allkeys-lru: it says so, claims and submits nothing (new
     jobs stay queued, unpaid), and once the policy is noeviction again it goes on and runs every job once."""
     sim.configure(latency="0.2-0.5")
-    config = write_config(tmp_path / "offload.yaml", own_valkey.url, bucket, sim)  # type: ignore[arg-type]
+    config = write_config(tmp_path / "offload.yaml", own_valkey.url, bucket, sim)
     fleet = fleets(config=config)
-    fleet.start("w0", env=worker_env(bucket, OFFLOAD_STORE_CHECK_S="0.2"))  # type: ignore[arg-type]
+    fleet.start("w0", env=worker_env(bucket, OFFLOAD_STORE_CHECK_S="0.2"))
     await seconds_until(lambda: _ready(fleet), 60, "the worker to serve", why=fleet.problems)
     set_config(own_valkey, "maxmemory-policy", "allkeys-lru")
 
@@ -196,7 +196,7 @@ async def _ready(fleet: Fleet) -> bool:
 
 async def test_a_worker_started_on_a_store_that_may_evict_waits_paused_then_serves(
     own_valkey: ValkeyServer,
-    bucket: object,
+    bucket: RcloneS3,
     sim: SimProcess,
     ostore: QueueStore,
     fleets: Callable[..., Fleet],
@@ -207,9 +207,9 @@ async def test_a_worker_started_on_a_store_that_may_evict_waits_paused_then_serv
     sim.configure(latency="0.2-0.5")
     set_config(own_valkey, "maxmemory-policy", "allkeys-lru")
     ids = await ostore.enqueue_many(QUEUE, [JobSpec(input=job_input(f"start-{i}")) for i in range(4)])
-    config = write_config(tmp_path / "offload.yaml", own_valkey.url, bucket, sim)  # type: ignore[arg-type]
+    config = write_config(tmp_path / "offload.yaml", own_valkey.url, bucket, sim)
     fleet = fleets(config=config)
-    fleet.start("w0", env=worker_env(bucket, OFFLOAD_STORE_CHECK_S="0.2"))  # type: ignore[arg-type]
+    fleet.start("w0", env=worker_env(bucket, OFFLOAD_STORE_CHECK_S="0.2"))
     line = "maxmemory-policy is allkeys-lru: offload needs noeviction"
 
     async def said() -> bool:
@@ -221,7 +221,7 @@ async def test_a_worker_started_on_a_store_that_may_evict_waits_paused_then_serv
 
 
 async def test_jobs_already_claimed_are_not_submitted_while_the_store_may_evict(
-    own_valkey: ValkeyServer, bucket: Any, monkeypatch: pytest.MonkeyPatch
+    own_valkey: ValkeyServer, bucket: RcloneS3, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The submit gate, in process: one submission at a time (submit_concurrency 1) to an API that answers
     after 3 s. While the first is out the policy turns to volatile-lru; the jobs already claimed and waiting for
@@ -278,7 +278,7 @@ async def test_jobs_already_claimed_are_not_submitted_while_the_store_may_evict(
 
 async def test_a_worker_frozen_while_the_policy_changed_reads_it_again_before_paying(
     own_valkey: ValkeyServer,
-    bucket: object,
+    bucket: RcloneS3,
     sim: SimProcess,
     ostore: QueueStore,
     fleets: Callable[..., Fleet],
@@ -288,10 +288,10 @@ async def test_a_worker_frozen_while_the_policy_changed_reads_it_again_before_pa
     worker must not trust the verdict it read before the freeze. The next job at the submit gate reads the policy
     again first, so nothing more is paid until it is noeviction; then every job runs once."""
     sim.configure(submit_latency="3", latency="0.2")
-    config = write_config(tmp_path / "offload.yaml", own_valkey.url, bucket, sim, submit_concurrency=1)  # type: ignore[arg-type]
+    config = write_config(tmp_path / "offload.yaml", own_valkey.url, bucket, sim, submit_concurrency=1)
     fleet = fleets(config=config)
     ids = await ostore.enqueue_many(QUEUE, [JobSpec(input=job_input(f"frozen-{i}")) for i in range(4)])
-    proc = fleet.start("w0", env=worker_env(bucket, OFFLOAD_STORE_CHECK_S="0.2"))  # type: ignore[arg-type]
+    proc = fleet.start("w0", env=worker_env(bucket, OFFLOAD_STORE_CHECK_S="0.2"))
 
     async def first_out() -> bool:
         return sum(submissions(sim).values()) == 1

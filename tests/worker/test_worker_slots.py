@@ -1,4 +1,4 @@
-"""The dispatch worker's remote slots (issue 15): `concurrency` bounds the jobs at the provider, a few more are
+"""The dispatch worker's remote slots: `concurrency` bounds the jobs at the provider, a few more are
 claimed ahead so a freed slot is filled without waiting for a claim, the claimed-ahead jobs go back at once on a
 drain, and a heartbeat that races an acknowledgement does not take the finished job for a lost lease.
 
@@ -235,8 +235,8 @@ async def test_a_synchronous_answer_lost_to_a_worker_error_closes_its_intent(
     duplicate, and no attempt is wasted polling a synchronous call that cannot be polled. (Before: the run was
     checkpointed, the next attempt polled it (NotFound), a third submitted under a new key and paid again.)"""
     import offload.worker.run as run_module
+    from offload.storage import store_output as real
 
-    real = run_module.store_output
     calls = [0]
 
     async def broken_once(*args: Any, **kwargs: Any) -> Any:

@@ -16,7 +16,9 @@ from typing import Any
 
 import pytest
 import test_worker_faults as faults
+from redis.asyncio.client import PubSub
 from redis.exceptions import ConnectionError as RedisConnectionError
+from support.admin_redis import redis_admin
 from support.servers import ValkeyServer
 from test_worker_faults import make_settings, until, until_state, worker
 
@@ -24,6 +26,7 @@ from offload.connection import connect
 from offload.queue import keyspace
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
+from offload.redis_client import RedisClient
 from offload.worker import wakeups
 
 sim, _clean_sim, store = faults.sim, faults._clean_sim, faults.store  # the simulator, its reset, a QueueStore
@@ -36,7 +39,7 @@ def outputs(tmp_path: Path) -> dict[str, Any]:
     return {"kind": "local", "path": str(tmp_path / "results")}
 
 
-async def wakes_before(redis: Any, pubsub: Any, channel: str) -> int:
+async def wakes_before(redis: RedisClient, pubsub: PubSub, channel: str) -> int:
     """Wake messages received on `channel` before a marker this test publishes now (pub/sub keeps order)."""
     await redis.publish(channel, "marker")
     count = 0
@@ -53,7 +56,7 @@ async def wakes_before(redis: Any, pubsub: Any, channel: str) -> int:
 
 async def test_one_wake_per_idle_spell_and_none_under_a_pause_or_a_cap(store: QueueStore) -> None:
     redis, idle, channel = store.redis, keyspace.prefix("wq") + "idle", keyspace.wake_channel("wq")
-    pubsub = redis.pubsub()  # type: ignore[attr-defined]
+    pubsub = redis_admin(redis).pubsub()
     await pubsub.subscribe(channel)
     try:
         assert await store.claim("wq", "w1", 10) == []
@@ -146,7 +149,7 @@ async def test_after_a_valkey_restart_the_worker_is_woken_again(
             own_valkey.restart()
 
             async def subscribed() -> bool:
-                return dict(await store.redis.pubsub_numsub(channel)).get(channel, 0) >= 1  # type: ignore[attr-defined]
+                return dict(await redis_admin(store.redis).pubsub_numsub(channel)).get(channel, 0) >= 1
 
             await until(subscribed, "the worker to subscribe again", task, timeout=30)
             await idle_then_enqueue(store, task, "restart-2")

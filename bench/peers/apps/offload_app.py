@@ -75,8 +75,8 @@ class LocalBackend:
     async def poll(self, remote_id: str) -> RemoteResult:
         return RemoteResult("succeeded", output=None)
 
-    async def cancel(self, remote_id: str) -> None:
-        return None
+    async def cancel(self, remote_id: str) -> bool:
+        return False  # nothing to stop: submit answered with the result
 
     async def find(self, tag: str) -> str | None:
         return None
