@@ -14,10 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Literal
-
-if TYPE_CHECKING:
-    from offload.queue.store import QueueStore
+from typing import Literal, Protocol
 
 CapKind = Literal["jobs", "spend"]
 CAPPED_WAIT = "queued jobs wait for the next cap window (the job store's UTC day)"
@@ -73,7 +70,14 @@ def reached(limits: CapLimits, jobs_used: int, spend_used: float) -> CapKind | N
     return None
 
 
-async def cap_reached(store: QueueStore, queue: str, limits: CapLimits | None) -> CapKind | None:
+class UsageSource(Protocol):
+    """What `cap_reached` reads: a queue's (window, jobs counted, spend) in the current cap window, as
+    `QueueStore.usage` answers it (a protocol, so this module stays below the job store)."""
+
+    async def usage(self, queue: str) -> tuple[str, int, float]: ...
+
+
+async def cap_reached(store: UsageSource, queue: str, limits: CapLimits | None) -> CapKind | None:
     """`reached` for the store's current window; None without caps (no store call then)."""
     if limits is None or (limits.jobs_cap is None and limits.spend_cap is None):
         return None

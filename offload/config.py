@@ -60,7 +60,7 @@ __all__ = [
 # `offload server`'s limits, the defaults of its options and of ServerOptions (which tests build directly).
 SERVER_MAX_BATCH = 1000  # jobs per batch enqueue
 SERVER_MAX_BODY = 16 << 20  # bytes per request body
-SERVER_WORKER_LEASE_MS = 30_000  # lease of a remote (HTTP) worker; it heartbeats every third of it
+SERVER_WORKER_LEASE_MS = 30_000  # lease of a GPU worker; it heartbeats every third of it
 SERVER_MAX_CONNECTIONS = 2048  # concurrent connections + requests (uvicorn's limit_concurrency), then 503
 SERVER_HEADER_TIMEOUT_S = 10.0  # a connection must send its request headers within this (slowloris)
 SERVER_BODY_TIMEOUT_S = 30.0  # a request body gets this long to arrive (server/limits.py) ...

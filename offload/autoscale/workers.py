@@ -18,10 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from offload.queue.keyspace import REMOTE_WORKERS, events, job, remote_worker, workers
+from offload.queue.keyspace import GPU_WORKER_ID_PREFIX, GPU_WORKERS, events, gpu_worker, job, workers
 from offload.redis_client import RedisClient
 
-REMOTE_PREFIX = "r-"  # the server's GPU-worker ids (offload/server/registry.py); dispatch workers are host:pid
 TOUCH_STATES = {"active", "succeeded", "retrying", "dead", "cancelled", "queued", "held"}
 MAX_EVENTS = 5000
 
@@ -57,12 +56,12 @@ class RedisWorkers:
         self._last: dict[str, str] = {}
 
     async def workers(self) -> list[WorkerInfo]:
-        ids = await self.redis.zrange(REMOTE_WORKERS, 0, -1)
+        ids = await self.redis.zrange(GPU_WORKERS, 0, -1)
         if not ids:
             return []
         pipe = self.redis.pipeline(transaction=False)
         for worker_id in ids:
-            pipe.hgetall(remote_worker(worker_id))
+            pipe.hgetall(gpu_worker(worker_id))
         out = []
         for worker_id, h in zip(ids, await pipe.execute(), strict=True):
             if not h:
@@ -111,16 +110,16 @@ class RedisWorkers:
     async def set_draining(self, worker_id: str, on: bool = True) -> None:
         """Mark the worker's registry record draining (the server then hands it no new jobs), or clear the mark
         when a drain is cancelled because load came back."""
-        if not await self.redis.exists(remote_worker(worker_id)):
+        if not await self.redis.exists(gpu_worker(worker_id)):
             return
         if on:
-            await self.redis.hset(remote_worker(worker_id), "draining", 1)
+            await self.redis.hset(gpu_worker(worker_id), "draining", 1)
         else:
-            await self.redis.hdel(remote_worker(worker_id), "draining")
+            await self.redis.hdel(gpu_worker(worker_id), "draining")
 
     async def dispatch_workers(self, queue: str, now: float, registered: set[str]) -> int:
         """Workers alive in the job store for `queue` (lease deadline ahead) that are not GPU workers: dispatch
         workers, which call a remote API and never drain. A GPU worker whose registry record is gone (it died,
         its lease has not run out yet) is not one."""
         alive = await self.redis.zrangebyscore(workers(queue), int(now * 1000), "+inf")
-        return sum(1 for w in alive if w not in registered and not w.startswith(REMOTE_PREFIX))
+        return sum(1 for w in alive if w not in registered and not w.startswith(GPU_WORKER_ID_PREFIX))

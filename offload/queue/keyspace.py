@@ -66,7 +66,8 @@ API_KEYS = f"{NAMESPACE}:apikeys"  # ids of the HTTP server's API keys (set)
 # This job store's identity: a random id, written once (the file sweep's first start), named by a marker object in
 # the bucket (offload.storage.namespace.STORE_MARKER). The sweep deletes files only while the two agree.
 STORE_ID = f"{NAMESPACE}:store-id"
-REMOTE_WORKERS = f"{NAMESPACE}:rworkers"  # HTTP-registered workers by heartbeat deadline (zset, ms)
+GPU_WORKERS = f"{NAMESPACE}:rworkers"  # HTTP-registered workers by heartbeat deadline (zset, ms)
+GPU_WORKER_ID_PREFIX = "r-"  # a GPU worker's id (the server's registry gives it); a dispatch worker's is host:pid
 
 #: Sets a job can be listed from, by the state name users see.
 STATE_SETS: dict[str, str] = {
@@ -162,7 +163,7 @@ def auth_key_failures(key_id: str) -> str:
     return f"{NAMESPACE}:authfail:key:{key_id}"
 
 
-def remote_worker(worker_id: str) -> str:
+def gpu_worker(worker_id: str) -> str:
     """An HTTP-registered worker's record (hash, expires with its heartbeats)."""
     return f"{NAMESPACE}:rworker:{worker_id}"
 

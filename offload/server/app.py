@@ -56,7 +56,7 @@ log = logging.getLogger("offload.server")
 
 async def _maintain(state: ServerState, stop: asyncio.Event) -> None:
     """Promote due delayed/retry jobs, return the jobs of silent workers, trim expired records, release held
-    jobs of past cap windows, and sample totals for rates. Queues served only by remote workers rely on this
+    jobs of past cap windows, and sample totals for rates. Queues served only by GPU workers rely on this
     (dispatch workers do it themselves when they claim). Safe to run in every server process at once: each step
     is one atomic script.
 

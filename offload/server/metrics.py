@@ -143,10 +143,10 @@ async def _queue_families(state: ServerState, queues: list[str], stats: list[Que
 async def _remote_families(state: ServerState, queues: list[str]) -> list[Metric]:
     """Remote workers alive per queue served, and the possible duplicate submissions per queue and backend."""
     remote = GaugeMetricFamily(
-        "offload_remote_workers", "Registered remote (HTTP) workers alive, per queue served.", labels=["queue"]
+        "offload_remote_workers", "Registered GPU workers alive, per queue served.", labels=["queue"]
     )
     per_queue: dict[str, int] = dict.fromkeys(queues, 0)
-    for w in await state.registry.remote():
+    for w in await state.registry.gpu_workers():
         for served in w.queues:
             per_queue[served] = per_queue.get(served, 0) + 1
     for served, n in sorted(per_queue.items()):

@@ -1,4 +1,4 @@
-"""The registry of remote (HTTP) workers: one Redis hash per worker that expires when heartbeats stop.
+"""The registry of GPU workers: one Redis hash per worker that expires when heartbeats stop.
 
 It is what `GET /v1/workers` lists and what an autoscaler correlates with the machines it rents (through
 OFFLOAD_INSTANCE_ID and the protected flag). It is bookkeeping only: leases live in the job store, which
@@ -15,13 +15,11 @@ from typing import Any
 
 import orjson
 
-from offload.queue.keyspace import REMOTE_WORKERS, owned, remote_worker, workers
+from offload.queue.keyspace import GPU_WORKER_ID_PREFIX, GPU_WORKERS, gpu_worker, owned, workers
 from offload.queue.scripts import SCRIPTS
 from offload.queue.store import QueueStore
 from offload.queue.store_clock import StoreClock
 from offload.server.schemas import RegisterRequest, WorkerView
-
-REMOTE_PREFIX = "r-"
 
 
 class WorkerRegistry:
@@ -36,7 +34,7 @@ class WorkerRegistry:
 
     async def register(self, key_id: str, req: RegisterRequest) -> str:
         host = "".join(c if c.isalnum() or c in "-." else "-" for c in req.host)[:60] or "worker"
-        worker_id = f"{REMOTE_PREFIX}{host}-{secrets.token_hex(4)}"
+        worker_id = f"{GPU_WORKER_ID_PREFIX}{host}-{secrets.token_hex(4)}"
         now = self._now_ms()
         record = {
             "id": worker_id,
@@ -53,18 +51,18 @@ class WorkerRegistry:
             "last_heartbeat": now,
             "in_flight": 0,
         }
-        await self.redis.hset(remote_worker(worker_id), mapping=record)
-        await self.redis.pexpire(remote_worker(worker_id), self.ttl_ms)
-        await self.redis.zadd(REMOTE_WORKERS, {worker_id: now})
+        await self.redis.hset(gpu_worker(worker_id), mapping=record)
+        await self.redis.pexpire(gpu_worker(worker_id), self.ttl_ms)
+        await self.redis.zadd(GPU_WORKERS, {worker_id: now})
         return worker_id
 
     async def get(self, worker_id: str) -> dict[str, str] | None:
-        record: dict[str, str] = await self.redis.hgetall(remote_worker(worker_id))
+        record: dict[str, str] = await self.redis.hgetall(gpu_worker(worker_id))
         return record or None
 
     async def instance_of(self, worker_id: str) -> str:
         """The instance id the worker registered as ("" for none): fixed at registration, where it is checked."""
-        found: str | None = await self.redis.hget(remote_worker(worker_id), "instance_id")
+        found: str | None = await self.redis.hget(gpu_worker(worker_id), "instance_id")
         return found or ""
 
     async def touch(self, worker_id: str, in_flight: int, protected: bool | None) -> bool:
@@ -75,34 +73,34 @@ class WorkerRegistry:
         if protected is not None:
             fields["protected"] = int(protected)
         pairs = [v for item in fields.items() for v in item]
-        if not await SCRIPTS.worker_touch(self.redis, [remote_worker(worker_id)], [self.ttl_ms, *pairs]):
+        if not await SCRIPTS.worker_touch(self.redis, [gpu_worker(worker_id)], [self.ttl_ms, *pairs]):
             return False
-        await self.redis.zadd(REMOTE_WORKERS, {worker_id: now})  # (a removal racing this is pruned by remote())
+        await self.redis.zadd(GPU_WORKERS, {worker_id: now})  # (a removal racing this is pruned by gpu_workers())
         return True
 
     async def remove(self, worker_id: str) -> None:
-        await self.redis.delete(remote_worker(worker_id))
-        await self.redis.zrem(REMOTE_WORKERS, worker_id)
+        await self.redis.delete(gpu_worker(worker_id))
+        await self.redis.zrem(GPU_WORKERS, worker_id)
 
     async def prune(self, batch: int = 500) -> int:
         """Drop index entries whose record has expired (its worker stopped heartbeating a TTL ago), so the index
         holds live workers and not every registration ever made. Only entries not heartbeated for a TTL by the
         store's clock (the heartbeats' own) are looked at, and only those whose record is gone are removed: a clock
         off makes the look wider or later, never drops a live worker. Returns how many went."""
-        stale = await self.redis.zrangebyscore(REMOTE_WORKERS, "-inf", self._now_ms() - self.ttl_ms, start=0, num=batch)
+        stale = await self.redis.zrangebyscore(GPU_WORKERS, "-inf", self._now_ms() - self.ttl_ms, start=0, num=batch)
         if not stale:
             return 0
         pipe = self.redis.pipeline(transaction=False)
         for worker_id in stale:
-            pipe.hget(remote_worker(worker_id), "last_heartbeat")
+            pipe.hget(gpu_worker(worker_id), "last_heartbeat")
         gone = [w for w, seen in zip(stale, await pipe.execute(), strict=True) if seen is None]
         if gone:
-            await self.redis.zrem(REMOTE_WORKERS, *gone)
+            await self.redis.zrem(GPU_WORKERS, *gone)
         return len(gone)
 
-    async def remote(self) -> list[WorkerView]:
-        """Live remote workers; index entries whose record expired are pruned on the way."""
-        ids = await self.redis.zrange(REMOTE_WORKERS, 0, -1)
+    async def gpu_workers(self) -> list[WorkerView]:
+        """Live GPU workers; index entries whose record expired are pruned on the way."""
+        ids = await self.redis.zrange(GPU_WORKERS, 0, -1)
         views, gone = [], []
         for worker_id in ids:
             r = await self.get(worker_id)
@@ -126,7 +124,7 @@ class WorkerRegistry:
                 )
             )
         if gone:
-            await self.redis.zrem(REMOTE_WORKERS, *gone)
+            await self.redis.zrem(GPU_WORKERS, *gone)
         return views
 
     async def dispatch(self, queues: list[str], skip: set[str]) -> list[WorkerView]:
@@ -142,8 +140,9 @@ class WorkerRegistry:
                 view = found.get(worker_id)
                 if view is None:
                     host = worker_id.split(":", 1)[0] if ":" in worker_id else ""  # host:pid:random
-                    # a remote worker whose registration expired still shows, as what it is
-                    kind = "remote" if worker_id.startswith(REMOTE_PREFIX) and ":" not in worker_id else "dispatch"
+                    # a GPU worker whose registration expired still shows, as what it is
+                    gpu = worker_id.startswith(GPU_WORKER_ID_PREFIX) and ":" not in worker_id
+                    kind = "remote" if gpu else "dispatch"
                     found[worker_id] = WorkerView(
                         id=worker_id,
                         kind=kind,

@@ -1,6 +1,6 @@
 """The GPU-worker protocol: machines that run the work themselves talk to the server, never to Redis or storage.
 
-Each registered remote worker is one worker id in the job store. Its HTTP heartbeat becomes a store heartbeat
+Each registered GPU worker is one worker id in the job store. Its HTTP heartbeat becomes a store heartbeat
 for that id, so a worker that goes silent loses its leases through the store's ordinary reaper, exactly like a
 dispatch worker that dies; the server never heartbeats on its own, which would keep a dead machine's jobs
 leased. The server writes results to object storage for the worker, so a rented machine holds nothing but a
@@ -83,11 +83,11 @@ def _owned_token(worker_id: str, token: str) -> None:
         raise StaleLease("the lease token does not belong to this worker")
 
 
-@router.get("/v1/workers", response_model=list[WorkerView], summary="Live workers: remote (HTTP) and dispatch")
+@router.get("/v1/workers", response_model=list[WorkerView], summary="Live workers: GPU (HTTP) and dispatch")
 async def list_workers(request: Request, key: Principal) -> list[WorkerView]:
     need_global_read(key, "workers")
     state = get_state(request)
-    remote = await state.registry.remote()
+    remote = await state.registry.gpu_workers()
     dispatch = await state.registry.dispatch(await state.store.queues(), {w.id for w in remote})
     return remote + dispatch
 
@@ -100,7 +100,7 @@ def _work_path_job(key: ApiKey, params: Mapping[str, Any]) -> None:
     "/v1/workers/register",
     response_model=RegisterReply,
     status_code=201,
-    summary="Register a remote worker (returns its worker id and lease timing)",
+    summary="Register a GPU worker (returns its worker id and lease timing)",
 )
 @guard(worker_only)
 async def register(request: Request, body: RegisterRequest, key: Principal) -> RegisterReply:
@@ -115,7 +115,7 @@ async def register(request: Request, body: RegisterRequest, key: Principal) -> R
     worker_id = await state.registry.register(key.id, body)
     lease = state.options.worker_lease_ms
     log.info(
-        "remote worker %s registered (host %s, queues %s, instance %s)",
+        "GPU worker %s registered (host %s, queues %s, instance %s)",
         worker_id,
         body.host,
         ",".join(body.queues),

@@ -6,11 +6,11 @@ level or inside a function, where a "lazy" import only hides a cycle until the f
 so those are edges too, unless the importer lives inside that package (its `__init__` is then already running
 or done). `from pkg import name` is an edge to `pkg.name` when that is a module, else to `pkg`.
 
-The layer contract (`LAYERS`, top first) holds on the same graph: a module may import a module of a lower layer, or
-of its own unit (the package or module the table names); an import sideways (another unit of the same layer) only
-where `SIDEWAYS` says why; never upwards. Every module of `offload/` must be in the table, and every entry of the
-table must exist, so a new module is placed on purpose (docs/explanation/architecture.md, *Dependencies point
-one way*).
+The layer contract (`LAYERS`, top first) holds on the same graph, type-only imports included: a module may import a
+module of a lower layer, or of its own unit (the package or module the table names); an import sideways (another
+unit of the same layer) only where `SIDEWAYS` says why; never upwards. Every module of `offload/` must be in the
+table, and every entry of the table must exist, so a new module is placed on purpose
+(docs/explanation/architecture.md, *Dependencies point one way*).
 """
 
 from __future__ import annotations
@@ -36,20 +36,21 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _imports(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import statement under `node`, skipping the body (not the else) of `if TYPE_CHECKING:`."""
+def _imports(node: ast.AST, type_checking: bool = False) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement under `node`, skipping the body (not the else) of `if TYPE_CHECKING:` unless
+    `type_checking`."""
     for child in ast.iter_child_nodes(node):
-        if isinstance(child, ast.If) and _is_type_checking(child.test):
+        if not type_checking and isinstance(child, ast.If) and _is_type_checking(child.test):
             for other in child.orelse:
-                yield from _imports_in(other)
+                yield from _imports_in(other, type_checking)
             continue
-        yield from _imports_in(child)
+        yield from _imports_in(child, type_checking)
 
 
-def _imports_in(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+def _imports_in(node: ast.AST, type_checking: bool) -> Iterator[ast.Import | ast.ImportFrom]:
     if isinstance(node, ast.Import | ast.ImportFrom):
         yield node
-    yield from _imports(node)
+    yield from _imports(node, type_checking)
 
 
 def _absolute(node: ast.ImportFrom, importer: str, is_package: bool) -> str:
@@ -62,15 +63,16 @@ def _absolute(node: ast.ImportFrom, importer: str, is_package: bool) -> str:
     return ".".join([*base, *([node.module] if node.module else [])])
 
 
-def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
-    """module -> the modules of `package` whose code runs when it imports them."""
+def import_graph(package: Path = PACKAGE, type_checking: bool = False) -> dict[str, set[str]]:
+    """module -> the modules of `package` whose code runs when it imports them (with `type_checking`, also
+    those it imports only for the type checker)."""
     root = package.parent
     files = {module_name(p, root): p for p in sorted(package.rglob("*.py"))}
     graph: dict[str, set[str]] = {name: set() for name in files}
     for name, path in files.items():
         is_package = path.name == "__init__.py"
         targets: set[str] = set()
-        for node in _imports(ast.parse(path.read_text(), str(path))):
+        for node in _imports(ast.parse(path.read_text(), str(path)), type_checking):
             if isinstance(node, ast.Import):
                 targets.update(alias.name for alias in node.names)
             else:
@@ -161,6 +163,7 @@ def test_the_graph_sees_lazy_imports_and_skips_type_checking(tmp_path: Path) -> 
     assert graph["pkg.a"] == {"pkg.b"}
     assert graph["pkg.b"] == {"pkg.sub", "pkg.sub.leaf", "pkg.a"}
     assert graph["pkg.c"] == {"pkg.e"} and graph["pkg.d"] == {"pkg.c"}
+    assert import_graph(pkg, type_checking=True)["pkg.c"] == {"pkg.d", "pkg.e"}
     assert graph["pkg.sub"] == {"pkg.sub.leaf"}  # a package importing its own module: no edge back to itself
     assert cycles(graph) == [["pkg.a", "pkg.b"]]
     assert _path(graph, ["pkg.a", "pkg.b"]) == "pkg.a -> pkg.b -> pkg.a"
@@ -275,12 +278,12 @@ def layer_violations(
 
 
 def test_dependencies_point_one_way() -> None:
-    graph = import_graph()
+    graph = import_graph(type_checking=True)  # a type named from above is a dependency too
     assert not (found := layer_violations(graph)), "imports against the layers:\n" + "\n".join(found)
 
 
 def test_the_layer_table_names_only_what_exists() -> None:
-    graph = import_graph()
+    graph = import_graph(type_checking=True)
     entries = [m for _, members in LAYERS for m in members]
     assert len(entries) == len(set(entries)), "an entry is in two layers"
     missing = [m for m in entries if m not in graph and not any(g.startswith(m + ".") for g in graph)]
@@ -298,7 +301,7 @@ def test_the_layer_table_names_only_what_exists() -> None:
 
 def test_the_simulator_stands_alone() -> None:
     """The simulator imports only the building blocks (and its own entry point the CLI's sim commands)."""
-    graph = import_graph()
+    graph = import_graph(type_checking=True)
     floor = LAYERS.index(next(layer for layer in LAYERS if layer[0] == "building blocks"))
     found = [
         f"{m} imports {target}"

@@ -24,7 +24,7 @@ from support.servers import ValkeyServer
 
 from offload.config import Settings
 from offload.errors import ConfigError
-from offload.queue.keyspace import REMOTE_WORKERS, prefix
+from offload.queue.keyspace import GPU_WORKERS, prefix
 from offload.schema import parse, parse_networks
 from offload.server.clientaddr import client_address
 
@@ -427,11 +427,9 @@ def test_expired_worker_registrations_leave_the_index(own_valkey: ValkeyServer) 
         beater = threading.Thread(target=beat, daemon=True)
         beater.start()
         try:
-            assert set(silent) <= set(r.zrange(REMOTE_WORKERS, 0, -1))
-            eventually_sync(
-                lambda: not set(silent) & set(r.zrange(REMOTE_WORKERS, 0, -1)), 60, "expired entries pruned"
-            )
-            assert live in r.zrange(REMOTE_WORKERS, 0, -1) and beater.is_alive()
+            assert set(silent) <= set(r.zrange(GPU_WORKERS, 0, -1))
+            eventually_sync(lambda: not set(silent) & set(r.zrange(GPU_WORKERS, 0, -1)), 60, "expired entries pruned")
+            assert live in r.zrange(GPU_WORKERS, 0, -1) and beater.is_alive()
         finally:
             stop.set()
             beater.join(10)

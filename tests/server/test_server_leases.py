@@ -110,7 +110,7 @@ def test_a_heartbeat_handled_across_a_deregister_does_not_list_the_worker_again(
     cancels the beat, but the request was sent). That heartbeat re-stamped the registry record and the queue's
     liveness set, so the stopped worker was listed as alive for a TTL. Here the deregister's steps run inside the
     heartbeat, right after its registration check: the heartbeat answers 404 and the worker is not listed."""
-    from offload.queue.keyspace import REMOTE_WORKERS, remote_worker
+    from offload.queue.keyspace import GPU_WORKERS, gpu_worker
 
     q = new_queue("gone")
     original = QueueStore.heartbeat
@@ -119,8 +119,8 @@ def test_a_heartbeat_handled_across_a_deregister_does_not_list_the_worker_again(
     async def deregister_first(self: QueueStore, queue: str, worker_id: str, *args: Any, **kwargs: Any) -> Any:
         if not raced:
             raced.append(worker_id)
-            await self.redis.delete(remote_worker(worker_id))
-            await self.redis.zrem(REMOTE_WORKERS, worker_id)
+            await self.redis.delete(gpu_worker(worker_id))
+            await self.redis.zrem(GPU_WORKERS, worker_id)
             await self.release_leases(queue, worker_id)
         return await original(self, queue, worker_id, *args, **kwargs)
 

@@ -12,8 +12,8 @@ from offload.autoscale.instances import Instance
 from offload.autoscale.providers.mock import MockConfig, MockProvider
 from offload.autoscale.scaler import Autoscaler
 from offload.config import Settings
-from offload.queue.keyspace import REMOTE_WORKERS as INDEX
-from offload.queue.keyspace import remote_worker as worker_key
+from offload.queue.keyspace import GPU_WORKERS as INDEX
+from offload.queue.keyspace import gpu_worker as worker_key
 from offload.redis_client import RedisClient
 
 VAULT_KEY = "test-master-key-0123456789abcdef"

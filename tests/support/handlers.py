@@ -1,4 +1,4 @@
-"""Handlers for `offload worker --handler tests.support.handlers:...` in the remote-worker tests (real subprocesses)."""
+"""Handlers for `offload worker --handler tests.support.handlers:...` in the GPU-worker tests (real subprocesses)."""
 
 from __future__ import annotations
 

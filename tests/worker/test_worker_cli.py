@@ -26,7 +26,7 @@ from support.procs import die_with_parent
 from support.s3server import RcloneS3
 from support.server_helpers import BUCKET, make_key, new_queue, server
 from support.servers import ValkeyServer
-from test_remote_worker import enqueue, wait_state, workers
+from test_gpu_worker import enqueue, wait_state, workers
 from typer.testing import CliRunner
 
 from offload.cli.app import app

@@ -25,11 +25,11 @@ from support.handlers import BLOB_MIB, blob_bytes, tiny_png
 from support.s3server import RcloneS3
 from support.server_helpers import BUCKET, client, make_key, new_queue, server
 from support.servers import ValkeyServer
-from test_remote_worker import _reap, spawn_worker, wait_state
+from test_gpu_worker import _reap, spawn_worker, wait_state
 
 from offload.storage.inputs import outputs_prefix
 
-__all__ = ["_reap"]  # the remote-worker tests' fixture that kills every spawned worker after each test
+__all__ = ["_reap"]  # the GPU-worker tests' fixture that kills every spawned worker after each test
 OFFLOAD = str(Path(sys.executable).with_name("offload"))
 MiB = 1024 * 1024
 

@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 from support.server_helpers import client, make_key, new_queue, server
 from support.servers import ValkeyServer
-from test_remote_worker import _reap, enqueue, job, spawn_worker, wait_state
+from test_gpu_worker import _reap, enqueue, job, spawn_worker, wait_state
 
 from offload.errors import StaleLease
 from offload.gpu_worker.server_api import ServerApi
 
-_ = _reap  # the module's subprocesses are SIGKILLed after each test (test_remote_worker's autouse fixture)
+_ = _reap  # the module's subprocesses are SIGKILLed after each test (test_gpu_worker's autouse fixture)
 HUNG_Q = new_queue("hung")
 FENCE_Q = new_queue("late")
 TIMEOUT_S = 2
