@@ -52,9 +52,10 @@ def _oldest_first(insts: list[Instance]) -> list[Instance]:
     return sorted(insts, key=lambda i: (i.status == "running", i.created_at))
 
 
-async def _schedule_targets(a: Autoscaler, ev: Evaluation, active: list[Instance], floor: int) -> set[str]:
+async def schedule_targets(a: Autoscaler, ev: Evaluation, active: list[Instance]) -> set[str]:
     """Record a new scale-down schedule fire (the instances it saw become its targets); return the targets
-    still active."""
+    still active. Called every evaluation, before the triggers are read: a fire while a scale-up trigger holds
+    the fleet is kept, and its targets drain at the first evaluation that may scale down."""
     qs, cfg, now = ev.state, ev.cfg, ev.now
     fire = down_fire(cfg, now, max(cfg.poll_interval * 2, 120.0))
     if fire is not None and fire > qs.last_down_fire:
@@ -64,7 +65,7 @@ async def _schedule_targets(a: Autoscaler, ev: Evaluation, active: list[Instance
             a.redis,
             now,
             EventKind.SCHEDULE,
-            f"{ev.queue}: scale-down schedule fired ({len(active)} active, floor {floor})",
+            f"{ev.queue}: scale-down schedule fired ({len(active)} active, {len(qs.targets())} to retire)",
             queue=ev.queue,
         )
     targets = qs.targets() & {i.id for i in active}
@@ -94,7 +95,7 @@ async def scale_down(
     """Drain what the scale-down rules allow above the decision's floor; returns how many began draining.
     `mode`: None (the triggers), DISABLED or SPEND_CAP (everything goes)."""
     floor = decision.floor
-    targets = await _schedule_targets(a, ev, active, floor)
+    targets = ev.state.targets() & {i.id for i in active}
     reason, candidates = _candidates(ev, active, targets, mode)
     excess = len(active) - floor
     drained, kept = 0, {}

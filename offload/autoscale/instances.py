@@ -73,6 +73,7 @@ class EventKind(enum.StrEnum):
     DRAINING = "draining"
     UNDRAINED = "undrained"
     DRAIN_TIMEOUT = "drain_timeout"
+    SPEND_CAP = "spend_cap"  # a busy draining machine destroyed for the spend cap
     UNKEPT = "unkept"
     REFUSED = "refused"
     DESTROYED = "destroyed"

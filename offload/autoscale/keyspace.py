@@ -53,6 +53,11 @@ def avoid(provider_name: str) -> str:
     return P + f"avoid:{provider_name}"
 
 
+def failed_hosts(queue: str) -> str:
+    """Hosts on which the queue's machines failed to boot since its last healthy boot (zset, scored by time)."""
+    return P + f"failedhosts:{queue}"
+
+
 def cost(queue: str, period: str) -> str:
     return P + f"cost:{queue}:{period}"
 

@@ -5,10 +5,10 @@ Failure handling, in order of evidence:
 - the provider reports the machine failed / stopped / terminated, or it vanished (pre-empted): destroy it
   anyway (a stopped machine still bills for disk) and mark it failed. It was taken away, which is not the jobs'
   fault: its worker's jobs go back to the queue without using up an attempt (QueueStore.forgive). If it never
-  had a ready worker and the provider says *failed*, the host could not start the container: avoid the host
-  24 h, pause renting briefly;
-- no worker became ready within boot_timeout: destroy, mark failed, back off the next rental (boot_timeout x
-  2^(n-1) up to 1 h; the first ready worker resets it);
+  had a ready worker and the provider says *failed*, the host could not start the container: a boot failure;
+- no worker became ready within boot_timeout (a RunPod pod stuck in STARTING too): destroy, mark failed, a boot
+  failure. A boot failure avoids the host 24 h; the queue pauses only once several hosts failed since the last
+  healthy boot (safety.py: the image is then probably broken; the first ready worker resets it);
 - the worker stopped heart-beating for 5 minutes: destroy, mark failed;
 - a draining machine whose worker is still busy after drain_timeout: destroy (a hung handler must not bill
   forever); one drained for the spend cap goes after one poll interval, its jobs back uncounted.
@@ -27,7 +27,14 @@ from offload.autoscale.alert_settings import AlertKind
 from offload.autoscale.drain import DrainReason
 from offload.autoscale.instances import EventKind, Instance, StaleState, log_event
 from offload.autoscale.providers import Machine, MachineState, NotOurs, Provider, ProviderError
-from offload.autoscale.safety import HOST_AVOID, PROVISION_GRACE, TEARDOWN_ALERT_AFTER, boot_backoff, host_pause
+from offload.autoscale.safety import (
+    HOST_AVOID,
+    HOSTS_FOR_PAUSE,
+    PROVISION_GRACE,
+    TEARDOWN_ALERT_AFTER,
+    boot_backoff,
+    host_pause,
+)
 from offload.autoscale.state import add_cost
 from offload.autoscale.workers import WorkerInfo
 
@@ -167,7 +174,7 @@ async def _correlate(a: Autoscaler, ev: Evaluation, inst: Instance, worker: Work
         changes["last_task_at"] = now
     if inst.status in ("provisioning", "booting"):
         changes.update(status="running", ready_at=now)
-        await ev.state.save(a.redis, inst.queue, boot_failures=0, boot_until=0.0)
+        await ev.state.booted(a.redis, inst.queue)
         await log_event(
             a.redis,
             now,
@@ -226,7 +233,7 @@ async def _taken_away(a: Autoscaler, ev: Evaluation, inst: Instance, machine: Ma
         await a.instances.update(inst, a.leader.token, ev.now, teardown="pending", teardown_at=ev.now)
         return True
     if machine is not None and machine.state == MachineState.FAILED and not inst.ready_at:
-        await avoid_host(a, ev, inst, machine)
+        await boot_failed(a, ev, inst, machine.host_id or inst.host, timed_out=False)
     exists = machine is not None and machine.state != MachineState.TERMINATED
     said = f"the provider {state}{detail}"
     await _failure(a, ev, inst, said, said, machine_exists=exists)
@@ -238,15 +245,14 @@ async def _timed_out(a: Autoscaler, ev: Evaluation, inst: Instance) -> bool:
     the instance fails. True if so."""
     cfg, now = ev.cfg, ev.now
     if inst.status in ("provisioning", "booting") and now - inst.created_at > cfg.boot_timeout:
-        failures = ev.state.boot_failures + 1
-        pause = boot_backoff(cfg.boot_timeout, failures)
-        await ev.state.save(a.redis, inst.queue, boot_failures=failures, boot_until=now + pause)
+        pause = await boot_failed(a, ev, inst, inst.host, timed_out=True)
+        then = f"the next rental waits {pause:.0f}s" if pause else "its host is avoided; renting goes on"
         await _failure(
             a,
             ev,
             inst,
             f"no worker became ready within boot_timeout ({cfg.boot_timeout:.0f}s)",
-            f"no ready worker after {cfg.boot_timeout:.0f}s (the next rental waits {pause:.0f}s)",
+            f"no ready worker after {cfg.boot_timeout:.0f}s ({then})",
             kind="boot_timeout",
         )
         return True
@@ -269,13 +275,13 @@ async def _drained(a: Autoscaler, ev: Evaluation, inst: Instance, worker: Worker
     waited = now - inst.drain_at
     if inst.drain_reason == DrainReason.SPEND_CAP and busy and waited >= cfg.poll_interval and not inst.protected:
         await _forgive(a, inst, now, "the spend cap was reached")
-        await a.instances.update(
-            inst,
-            a.leader.token,
-            now,
-            teardown="pending",
-            teardown_at=now,
-            reason="destroyed busy: the spend cap was reached",
+        reason = "destroyed busy: the spend cap was reached"
+        await a.instances.update(inst, a.leader.token, now, teardown="pending", teardown_at=now, reason=reason)
+        await log_event(a.redis, now, EventKind.SPEND_CAP, f"{inst.id}: {reason}", instance=inst.id, queue=inst.queue)
+        await a.alerter.alert(
+            "spend_cap_reached",
+            inst.id,
+            f"instance {inst.id} ({inst.queue}): {reason}; its jobs go back without using an attempt",
         )
     elif busy and waited >= cfg.drain_timeout:
         reason = f"drain_timeout: still busy after draining {waited:.0f}s (a hung handler?)"
@@ -290,22 +296,38 @@ async def _drained(a: Autoscaler, ev: Evaluation, inst: Instance, worker: Worker
         await a.instances.update(inst, a.leader.token, now, teardown="pending", teardown_at=now)
 
 
-async def avoid_host(a: Autoscaler, ev: Evaluation, inst: Instance, machine: Machine) -> None:
-    """The host could not start the container: avoid it a day, and pause the queue's renting briefly."""
+async def boot_failed(a: Autoscaler, ev: Evaluation, inst: Instance, host: str, *, timed_out: bool) -> float:
+    """A machine that never served: avoid its host a day, and pause the queue's renting only if several hosts
+    failed since the last healthy boot (boot timeouts: the boot backoff; a host that could not start the
+    container: the short host pause). Returns the pause (0: none, other hosts may boot the image)."""
     qs, now = ev.state, ev.now
-    if machine.host_id:
-        await a.redis.zadd(keys.avoid(inst.provider), {machine.host_id: now + HOST_AVOID})
-    failures = qs.host_failures + 1
-    await qs.save(a.redis, inst.queue, host_failures=failures, host_until=now + host_pause(failures))
+    if host:
+        await a.redis.zadd(keys.avoid(inst.provider), {host: now + HOST_AVOID})
+    hosts = await qs.boot_failed(a.redis, inst.queue, host or f"?{inst.id}", now)
+    level = hosts - HOSTS_FOR_PAUSE + 1
+    pause = 0.0
+    if level > 0 and timed_out:
+        pause = boot_backoff(ev.cfg.boot_timeout, level)
+        await qs.save(a.redis, inst.queue, boot_failures=level, boot_until=now + pause)
+    elif level > 0:
+        pause = host_pause(level)
+        await qs.save(a.redis, inst.queue, host_failures=level, host_until=now + pause)
+    what = "gave no ready worker within boot_timeout" if timed_out else "could not start the container"
+    then = (
+        f"{hosts} hosts failed since the last healthy boot: renting paused {pause:.0f}s"
+        if pause
+        else "other hosts may boot the image: renting goes on"
+    )
     await log_event(
         a.redis,
         now,
         EventKind.HOST_AVOIDED,
-        f"host {machine.host_id or '?'} could not start the container; avoided for 24h",
+        f"host {host or '?'} {what}; avoided for 24h; {then}",
         instance=inst.id,
         queue=inst.queue,
-        host=machine.host_id,
+        host=host,
     )
+    return pause
 
 
 async def avoided_hosts(a: Autoscaler, provider: str, now: float) -> set[str]:
@@ -330,7 +352,7 @@ async def teardown(a: Autoscaler, inst: Instance, provider: Provider, machines: 
         elif now - inst.created_at <= PROVISION_GRACE:
             return False  # an interrupted create may still surface under its label
     except NotOurs as exc:
-        await log_event(a.redis, now, EventKind.REFUSED, a.why(exc), instance=inst.id, queue=inst.queue)
+        return await _not_ours(a, inst, target, exc, now)
     except ProviderError as exc:
         await a.instances.update(
             inst, a.leader.token, now, teardown_attempts=inst.teardown_attempts + 1, teardown_error=a.why(exc)[:300]
@@ -363,6 +385,32 @@ async def teardown(a: Autoscaler, inst: Instance, provider: Provider, machines: 
         f"{inst.id}: machine {target or '-'} destroyed ({final})",
         instance=inst.id,
         queue=inst.queue,
+    )
+    return True
+
+
+async def _not_ours(a: Autoscaler, inst: Instance, target: str, exc: NotOurs, now: float) -> bool:
+    """The provider refused: machine `target` is not labelled as ours, so the record pointed at someone else's
+    machine. It is left alone and the record closed (there is nothing of ours to destroy), not called destroyed."""
+    said = a.why(exc)
+    try:
+        await a.instances.update(
+            inst,
+            a.leader.token,
+            now,
+            status="terminated" if inst.status == "draining" else inst.status,
+            teardown="done",
+            destroyed_at=now,
+            reason=f"{inst.reason + '; ' if inst.reason else ''}not destroyed: machine {target} is not ours",
+        )
+    except StaleState:
+        return False
+    await log_event(a.redis, now, EventKind.REFUSED, said, instance=inst.id, queue=inst.queue)
+    await a.alerter.alert(
+        "autoscale_failure",
+        inst.id,
+        f"instance {inst.id} ({inst.queue}): the provider's machine {target} is not ours ({said}); left alone, "
+        "the record closed: check the account for a machine of ours under another id",
     )
     return True
 

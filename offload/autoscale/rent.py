@@ -10,7 +10,8 @@ provider call.
   provider's backoff and raises an alert. An ambiguous create keeps its record, so the machine is adopted by its
   `offload-as-…` label if it shows up, and is never rented twice.
 - The spend cap looks one poll ahead: a rental is refused when today's spend plus the fleet's cost until the next
-  evaluation would reach it. Dry-run (mock) spend is checked against dry-run spend only.
+  evaluation would reach it. Dry-run (mock) spend is checked against dry-run spend only. The `autoscaler:` block's
+  caps across all queues (machines, per provider, spend: fleet_caps.py) are checked at the same point.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from offload.autoscale import reconcile
 from offload.autoscale.credentials import Credentials
 from offload.autoscale.deploy import TOKEN_ENV, USER_ENV, script, start_command
 from offload.autoscale.evaluation import Choice, Decision, Evaluation
+from offload.autoscale.fleet_caps import fleet_cap
 from offload.autoscale.instances import EventKind, Instance, log_event, new_instance_id, new_instance_token
 from offload.autoscale.operator_only import OPERATOR, WHERE, host_commands, runs_on_host, secrets_problem
 from offload.autoscale.providers import LaunchSpec, OutOfCapacity, Provider, ProviderError
@@ -290,7 +292,10 @@ async def provision(a: Autoscaler, ev: Evaluation, decision: Decision, n: int) -
     avoid: dict[str, set[str]] = {}
     for _ in range(n):
         for provider in choice.order:
-            if provider.name in failed_now or await _capped(a, ev, decision, provider):
+            if provider.name in failed_now:
+                continue
+            if await _capped(a, ev, decision, provider):
+                failed_now.add(provider.name)  # checked (and alerted) once per evaluation, not once per rental
                 continue
             if provider.name not in avoid:
                 avoid[provider.name] = await reconcile.avoided_hosts(a, provider.name, ev.now)
@@ -308,14 +313,17 @@ async def provision(a: Autoscaler, ev: Evaluation, decision: Decision, n: int) -
 
 
 async def _capped(a: Autoscaler, ev: Evaluation, decision: Decision, provider: Provider) -> bool:
-    """Whether one more machine from this provider would reach the spend cap (held and alerted if so)."""
+    """Whether one more machine from this provider would reach the queue's spend cap or a fleet-wide cap
+    (held, and alerted for spend, if so)."""
     spec = ev.cfg.instance
-    price = spec.spot_max_price if spec.spot else spec.max_price_per_hour
-    blocked = await cap_reached(a, ev, dry_run=provider.type == "mock", extra=price or 0.0)
-    if blocked:
-        await a.alerter.alert("spend_cap_reached", ev.queue, blocked + "; not renting")
-        decision.hold(blocked)
-    return bool(blocked)
+    price = (spec.spot_max_price if spec.spot else spec.max_price_per_hour) or 0.0
+    blocked = await cap_reached(a, ev, dry_run=provider.type == "mock", extra=price)
+    fleet = None if blocked else await fleet_cap(a, ev, provider, price)
+    if blocked or (fleet and "spend_cap" in fleet):
+        await a.alerter.alert("spend_cap_reached", ev.queue, f"{blocked or fleet}; not renting")
+    if why := blocked or fleet:
+        decision.hold(why)
+    return bool(blocked or fleet)
 
 
 def _new_instance(ev: Evaluation, provider: Provider) -> tuple[Instance, str | None]:

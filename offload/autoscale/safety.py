@@ -3,10 +3,12 @@ constants, so each can be tested on its own and read in one place.
 
 - never destroy a worker that is busy, touched a task in the last 30 s, or is protected (`spared`);
 - provisioning failures back off poll x 2^n, capped at 10 min (`provision_backoff`);
-- a machine that never got a ready worker within boot_timeout: the next rental waits boot_timeout x 2^(n-1),
-  up to 1 h, reset by the first worker that becomes ready (`boot_backoff`);
-- a host that could not start the container is avoided for 24 h, and the next rental waits 30 s, doubling to
-  10 min (`host_pause`), instead of the boot backoff (the image is probably fine; the host was not);
+- boot failures are judged per host: a machine that never got a ready worker within boot_timeout, or whose host
+  could not start the container, has its host avoided for 24 h. One failing host does not pause the queue
+  (others boot the same image); failures on n > 1 distinct hosts since the last healthy boot (within 24 h) do,
+  as the image is then probably broken: the next rental waits boot_timeout x 2^(n-2) up to 1 h after boot
+  timeouts (`boot_backoff`), 30 s doubling to 10 min after hosts that could not start it (`host_pause`). The
+  first worker that becomes ready resets both (`QueueState.booted`);
 - a running instance whose heartbeats stopped for `autoscaler.heartbeat_timeout` (5 min by default) is destroyed
   (the reconcile loop applies it; the setting lives in offload.autoscale.settings).
 """
@@ -22,6 +24,7 @@ BOOT_BACKOFF_CAP = 3600.0
 HOST_AVOID = 86_400.0
 HOST_PAUSE_BASE = 30.0
 HOST_PAUSE_CAP = 600.0
+HOSTS_FOR_PAUSE = 2  # distinct failing hosts since the last healthy boot before the queue pauses
 PROVISION_GRACE = 120.0  # a provisioning record with no machine id: wait this long for it to show at the provider
 TEARDOWN_ALERT_AFTER = 3  # failed destroy calls of one machine before an alert (it may still bill)
 

@@ -244,6 +244,7 @@ class Autoscaler:
         active = [i for i in ev.instances if i.status in ACTIVE and not i.teardown]
         draining = [i for i in ev.instances if i.status == "draining" and not i.teardown]
         load = await self._load(queue, ev.instances, workers, now)
+        await drain.schedule_targets(self, ev, active)
         up = scale_up(cfg, load, active, now, qs.last_down_fire)
         decision = Decision(
             at=now,

@@ -356,6 +356,19 @@ class ServerSide(Strict):
         description="after asking a worker to drain, wait this long (a "
         "heartbeat or two) before trusting its in-flight count",
     )
+    max_machines: int | None = Field(None, ge=1, description="machines billed at once across all queues")
+    max_machines_per_provider: dict[str, int] = Field(
+        default_factory=dict, description="machines billed at once per provider name, across all queues"
+    )
+    daily_spend_cap: float | None = Field(None, gt=0, description="USD per UTC day across all queues")
+    monthly_spend_cap: float | None = Field(None, gt=0, description="USD per UTC month across all queues")
+
+    @field_validator("max_machines_per_provider")
+    @classmethod
+    def _positive(cls, caps: dict[str, int]) -> dict[str, int]:
+        if bad := sorted(name for name, n in caps.items() if n < 1):
+            raise ValueError(f"must be at least 1 (provider {', '.join(bad)})")
+        return caps
 
 
 def server_side(data: ServerSide | Mapping[str, Any] | None, env: dict[str, str] | None = None) -> ServerSide:

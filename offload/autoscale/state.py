@@ -4,8 +4,10 @@ Kept in Redis, not in the process, so a new leader after a restart or failover c
 instead of renting again at once (a broken image would otherwise cost one machine per failover).
 
 Provisioning failures back off per provider (`prov_failures:<name>`, `prov_until:<name>`), so a queue with a
-fallback list moves on to the next provider while the first one waits. Machines that never boot and hosts that
-cannot start the container pause the whole queue (the image is the same whichever provider rents).
+fallback list moves on to the next provider while the first one waits. Boot failures are judged per host
+(`failedhosts:<queue>`): one host that fails is only avoided; failures on several hosts since the last healthy boot
+pause the whole queue (the image is the same whichever host or provider rents). A healthy boot clears them all, and
+a failure older than a day no longer counts.
 
 Spend of the `mock` provider is dry-run spend: kept in buckets of its own (`dry:<period>`), shown apart, and
 checked only against rehearsed caps (a queue renting from the mock), never against a real provider's.
@@ -20,6 +22,7 @@ from typing import Any
 import orjson
 
 from offload.autoscale import keyspace
+from offload.autoscale.safety import HOST_AVOID
 from offload.caps import window_of
 from offload.redis_client import RedisClient
 
@@ -80,11 +83,26 @@ class QueueState:
                 keyspace.queue_state(queue), mapping={f"prov_failures:{provider}": 0, f"prov_until:{provider}": "0.0"}
             )
 
+    async def boot_failed(self, redis: RedisClient, queue: str, host: str, now: float) -> int:
+        """Record a boot failure on `host`; returns how many distinct hosts failed to boot since the last healthy
+        boot, within a day (older failures age out)."""
+        key = keyspace.failed_hosts(queue)
+        await redis.zremrangebyscore(key, "-inf", now - HOST_AVOID)
+        await redis.zadd(key, {host: now})
+        await redis.pexpire(key, int(HOST_AVOID * 1000))
+        return len(await redis.zrange(key, 0, -1))
+
+    async def booted(self, redis: RedisClient, queue: str) -> None:
+        """A worker became ready: the image boots, so every boot-failure count and pause starts over."""
+        await redis.delete(keyspace.failed_hosts(queue))
+        if self.boot_failures or self.boot_until or self.host_failures or self.host_until:
+            await self.save(redis, queue, boot_failures=0, boot_until=0.0, host_failures=0, host_until=0.0)
+
     def paused_until(self) -> tuple[float, str]:
         """When renting may resume for the whole queue and why (machines that never booted, broken hosts)."""
         options = [
-            (self.boot_until, "machines that never booted"),
-            (self.host_until, "a host that could not start the container"),
+            (self.boot_until, "machines that never booted on several hosts"),
+            (self.host_until, "several hosts that could not start the container"),
         ]
         return max(options)
 

@@ -36,7 +36,7 @@ log = logging.getLogger("offload.autoscale.mock")
 
 class MockConfig(ProviderConfig):
     boot_seconds: float = Field(0.0, ge=0, description="seconds until the machine reports running")
-    price_per_hour: float | None = Field(None, ge=0, description="reported price; else the queue's cap")
+    price_per_hour: float | None = Field(None, ge=0, description="listed price (over the cap: not rented)")
     fail_creates: int = Field(0, ge=0, description="the next N creates fail (out of capacity)")
     fail_destroys: int = Field(0, ge=0, description="the next N destroys fail (HTTP-500-like)")
 
@@ -63,6 +63,9 @@ class MockProvider(Provider):
         self.calls["create"] += 1
         if self.config.fail_creates and await self._take_fault("create", self.config.fail_creates):
             raise OutOfCapacity("mock: no capacity (fail_creates)")
+        listed, cap = self.config.price_per_hour, spec.spot_max_price if spec.spot else spec.max_price_per_hour
+        if listed is not None and cap is not None and listed > cap:
+            raise OutOfCapacity(f"mock: listed at ${listed:.3f}/h, over the queue's cap ${cap:.3f}")
         provider_id = "mock-" + secrets.token_hex(6)
         price = self._price(spec)
         record = {
@@ -91,6 +94,8 @@ class MockProvider(Provider):
     def _machine(self, r: dict[str, Any]) -> Machine:
         booted = self.clock() - float(r["created"]) >= self.config.boot_seconds
         state = MachineState.RUNNING if booted else MachineState.STARTING
+        if r.get("state"):
+            state = MachineState(r["state"])
         return Machine(
             provider_id=r["id"],
             label=r["label"],
@@ -121,6 +126,12 @@ class MockProvider(Provider):
     async def vanish(self, provider_id: str) -> None:
         """Test hook: the machine disappears at the provider (pre-emption)."""
         await self.redis.hdel(self.key, provider_id)
+
+    async def set_state(self, provider_id: str, state: MachineState) -> None:
+        """Test hook: the provider reports this state for the machine from now on (e.g. failed: a broken host)."""
+        raw = await self.redis.hget(self.key, provider_id)
+        if raw is not None:
+            await self.redis.hset(self.key, provider_id, orjson.dumps({**orjson.loads(raw), "state": state.value}))
 
     async def plant(self, label: str) -> str:
         """Test hook: a machine we have no record of (an orphan), or a foreign one (label not offload-)."""

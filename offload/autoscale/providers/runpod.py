@@ -126,14 +126,26 @@ class RunPodProvider(Provider):
         return {}
 
     def _offer(self, prices: dict[str, Any], spec: LaunchSpec) -> float | None:
-        """The hourly price of this rental from a GPU's lowest prices (None: no stock, or over the spot cap)."""
+        """The hourly price of this rental from a GPU's lowest prices (None: no stock, or over the cap)."""
         key = "minimumBidPrice" if spec.spot else "uninterruptablePrice"
         per_gpu = _float(prices.get(key))
         if not per_gpu:
             return None
-        if spec.spot and spec.spot_max_price is not None and per_gpu * spec.gpu_count > spec.spot_max_price:
+        cap = spec.spot_max_price if spec.spot else spec.max_price_per_hour
+        if cap is not None and per_gpu * spec.gpu_count > cap:
             return None
         return per_gpu * spec.gpu_count
+
+    async def _over_cap(self, spec: LaunchSpec, gpu: str) -> None:
+        """An on-demand create cannot name a price: a GPU type listed over max_price_per_hour is not rented."""
+        cap = spec.max_price_per_hour
+        if cap is None:
+            return
+        listed = _float((await self._prices(gpu, spec.gpu_count)).get("uninterruptablePrice"))
+        if listed and listed * spec.gpu_count > cap:
+            raise OutOfCapacity(
+                f"runpod: {gpu}: listed at ${listed * spec.gpu_count:.3f}/h, over max_price_per_hour ${cap:.3f}"
+            )
 
     async def quote(self, spec: LaunchSpec) -> float | None:
         """The price of the first GPU type in preference order that is in stock (the one a create would get)."""
@@ -146,11 +158,14 @@ class RunPodProvider(Provider):
     async def create(self, spec: LaunchSpec) -> Machine:
         if not spec.image:
             raise ProviderError("runpod: no image (set the queue's instance.image)", retryable=False)
-        tried, last = [], ""
+        tried: list[str] = []
+        over: list[str] = []
+        last = ""
         for gpu in self._gpus(spec):
             try:
                 if spec.spot:
                     return await self._spot_create(spec, gpu)
+                await self._over_cap(spec, gpu)
                 if not self.use_graphql:
                     try:
                         return await self._rest_create(spec, gpu)
@@ -158,10 +173,12 @@ class RunPodProvider(Provider):
                         self.use_graphql = True
                 return await self._gql_create(spec, gpu)
             except OutOfCapacity as exc:
-                tried.append(gpu)
                 last = str(exc)
+                (over if "max_price_per_hour" in last else tried).append(gpu)
         if spec.spot:
             raise OutOfCapacity(last)
+        if over and not tried:
+            raise OutOfCapacity(last if len(over) == 1 else f"runpod: {', '.join(over)}: over max_price_per_hour")
         raise OutOfCapacity(f"runpod: out of stock for {', '.join(tried)} ({self.config.cloud_type} cloud)")
 
     async def list(self) -> builtins.list[Machine]:
