@@ -35,6 +35,7 @@ import yaml
 
 from bench.chaos.hostile_admin import Attacker, Listener
 from bench.chaos.procs import HOST, OFFLOAD, Sim, Valkey, base_env, free_port, reap, signal_group, spawn
+from offload.access.api_keys import check_admin_key
 
 QUEUE = "gpu"
 ATTACK_QUEUE = "attacker"
@@ -196,6 +197,24 @@ def _wait(check: Any, timeout: float, what: str) -> Any:
     raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
 
 
+def admin_key() -> str:
+    """A bootstrap admin key the server accepts: the project's strength rule, checked here so a weak one fails
+    at once instead of as a server that never starts."""
+    return check_admin_key(secrets.token_hex(32))
+
+
+def verdict(result: dict[str, Any]) -> bool:
+    """Passed only if the scenario happened (rentals made, a kill landed in one, the fleet reached its size) and
+    nothing leaked, doubled, went over the maximum or outlived the teardown."""
+    happened = (
+        result["rental_calls"] > 0
+        and result["server_kills_mid_rental"] > 0
+        and result["machines_alive"] >= result["max_workers"]
+    )
+    broken = result["leaked"] or result["doubled"] or result["over_max"] or result["left_after_teardown"]
+    return happened and not broken
+
+
 def main(args: argparse.Namespace) -> dict[str, Any]:
     out = args.out or Path(tempfile.mkdtemp(prefix="offload-chaos-autoscale-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -208,7 +227,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     config = _config(
         out / "offload.yaml", out / "results", machines, given["worker key"], given["offload.yaml HF_TOKEN"]
     )
-    server = Server(out, config, valkey.url, "admin-" + secrets.token_hex(16))
+    server = Server(out, config, valkey.url, admin_key())
     kills: list[dict[str, Any]] = []
     listener = Listener()
     attacker = Attacker(server.call, listener, QUEUE, ATTACK_QUEUE)
@@ -303,9 +322,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         bad_hostile = hostile and bool(
             attacker.refusals or attacker.own_refused or attacker.leaked(given) or not attacker.own_registrations
         )
-        result["ok"] = not (
-            result["leaked"] or result["doubled"] or result["over_max"] or result["left_after_teardown"] or bad_hostile
-        )
+        result["ok"] = verdict(result) and not bad_hostile
         return result
     finally:
         stack.close()

@@ -260,6 +260,19 @@ async def _destinations(state: ServerState, queue: str, names: list[str]) -> dic
     return out
 
 
+async def _known_providers(state: ServerState, queue: str, names: list[str], field: str) -> None:
+    """422 naming a provider the block would rent from that does not exist (it would fail every evaluation)."""
+    store = ProviderStore(state.redis)
+    for i, name in enumerate(names):
+        if await store.origin_of(name) is None:
+            loc: list[str | int] = ["body", field] if field == "provider" else ["body", field, i]
+            raise FieldError(
+                loc,
+                f"queues.{queue}.autoscale.{field}: provider {name!r} does not exist; create it first "
+                "(`offload providers create` or POST /v1/autoscale/providers)",
+            )
+
+
 def _unmasked(
     queue: str,
     block: dict[str, Any],
@@ -310,6 +323,7 @@ async def put_queue(request: Request, queue: str, key: Principal, block: dict[st
     if errors := autoscale_errors(block, f"queues.{queue}.autoscale"):  # a masked value is text like any other
         raise HTTPException(422, [{"path": path, "msg": msg} for path, msg in errors])
     parsed = validate_autoscale(block, f"queues.{queue}.autoscale")
+    await _known_providers(state, queue, parsed.names, "provider" if parsed.provider else "providers")
     now = await _destinations(state, queue, parsed.names) if parsed.instance.env else {}
     block = _unmasked(queue, block, stored, now)
     redis = state.redis

@@ -269,6 +269,10 @@ async def test_autoscale_api(
             wrong = await api.put("/v1/autoscale/queues/gpu", json=block)
             assert wrong.status_code == 422 and "queues.gpu.autoscale.max_workers" in wrong.text
             block["max_workers"] = 2
+            for missing in ({"provider": "gpu-runpd"}, {"provider": None, "providers": ["gpu-runpod", "gpu-runpd"]}):
+                typo = await api.put("/v1/autoscale/queues/gpu", json={**block, **missing})
+                assert typo.status_code == 422 and "provider 'gpu-runpd' does not exist" in typo.text, typo.text
+                assert "queues.gpu.autoscale.provider" in typo.text
             assert (await api.put("/v1/autoscale/queues/gpu", json=block)).status_code == 200
             got = (await view.get("/v1/autoscale/queues/gpu")).json()
             assert got == {"source": "api", "autoscale": block}

@@ -151,3 +151,40 @@ async def test_vast_broken_host_preemption_and_429_without_retry_after() -> None
         with pytest.raises(ProviderError, match="rejected"):
             await VastProvider("v", VastConfig(api_key="nope", base_url=url, gpu_name="RTX 4090")).list()
         await vast.aclose()
+
+
+async def test_vast_country_filters_reach_past_the_first_page_of_offers() -> None:
+    """70 cheaper offers elsewhere fill the search's 64-offer page: the country filters must be in the query."""
+    cheap = [
+        {"id": 6000 + i, "dph_total": 0.10 + i / 1000, "machine_id": 2000 + i, "geolocation": g}
+        for i, g in enumerate(["Shanghai, CN"] * 35 + ["Bavaria, DE"] * 35)
+    ]
+    us = {"id": 7000, "dph_total": 0.45, "machine_id": 3000, "geolocation": "Oregon, US"}
+    de = {"id": 7001, "dph_total": 0.44, "machine_id": 3001, "geolocation": "Bavaria, DE"}
+    with running_sim(sim_config(offers=[*cheap, us, de])) as url:
+        only_us = VastProvider("v", VastConfig(api_key="k", base_url=url, gpu_name="RTX 4090", countries=["us"]))
+        assert [o["id"] for o in await only_us.search(spec())] == [7000]
+        not_de = VastProvider(
+            "v", VastConfig(api_key="k", base_url=url, gpu_name="RTX 4090", exclude_countries=["CN", "DE"])
+        )
+        assert [o["id"] for o in await not_de.search(spec())] == [7000]
+        await only_us.aclose()
+        await not_de.aclose()
+
+
+def test_vast_min_cuda_version_is_checked_at_config_load() -> None:
+    from pydantic import ValidationError
+
+    for good in ("12.8", "12", "none", None):
+        VastConfig(api_key="k", min_cuda_version=good)
+    with pytest.raises(ValidationError, match="min_cuda_version"):
+        VastConfig(api_key="k", min_cuda_version="12.8.1")
+
+
+async def test_vast_search_never_crashes_on_a_stored_three_part_cuda_version() -> None:
+    """A config stored before the check (model_construct skips validation): still searched, as 12.8."""
+    with running_sim(sim_config()) as url:
+        cfg = VastConfig(api_key="k", base_url=url, gpu_name="RTX 4090")
+        vast = VastProvider("v", cfg.model_copy(update={"min_cuda_version": "12.8.1"}))
+        assert [o["id"] for o in await vast.search(spec())] == [5000, 5003, 5002]
+        await vast.aclose()

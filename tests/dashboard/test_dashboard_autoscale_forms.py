@@ -33,12 +33,15 @@ LOCAL = "here-" + secrets.token_hex(3)
 @pytest.fixture(scope="module")
 def api(valkey: ValkeyServer) -> Iterator[tuple[str, str]]:
     """A server (its autoscaler off: nothing is rented here) with the vault key, and a local provider made the
-    operator's way (the provider store, as the CLI does)."""
+    operator's way (the provider store, as the CLI does), and two mock ones for the queue form."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OFFLOAD_VAULT_MASTER_KEY", VAULT_KEY)
         mp.setenv("OFFLOAD_AUTOSCALER", "off")
         with server(valkey.url) as srv:
             in_thread(lambda: _store(valkey.url, lambda s: s.create(LOCAL, "local", {"concurrency": 2})))
+            # the queue form's providers: a block may name only existing ones
+            in_thread(lambda: _store(valkey.url, lambda s: s.create("try-a", "mock", {})))
+            in_thread(lambda: _store(valkey.url, lambda s: s.create("try-b", "mock", {})))
             yield srv
 
 

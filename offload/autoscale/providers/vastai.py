@@ -14,9 +14,10 @@ goes `stopped` (it keeps billing for disk): the scaler destroys it and returns i
 from __future__ import annotations
 
 import builtins
+import re
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from offload.autoscale.providers.base import (
     WORKER_KEY_HELP,
@@ -65,6 +66,14 @@ class VastConfig(ProviderConfig):
     offers_to_try: int = Field(5, ge=1, le=50, description="offers to try when one is taken meanwhile")
     worker_key: str | None = Field(None, description=WORKER_KEY_HELP)
 
+    @field_validator("min_cuda_version")
+    @classmethod
+    def _cuda_form(cls, value: str | None) -> str | None:
+        """Vast compares `cuda_max_good` as a number: "12.8" or "12", not "12.8.1"."""
+        if value is not None and value.lower() != "none" and not re.fullmatch(r"\d+(\.\d+)?", value.strip()):
+            raise ValueError(f'min_cuda_version must be a CUDA version like "12.8" or "none", not {value!r}')
+        return value
+
 
 def _country(offer: dict[str, Any]) -> str:
     geo = str(offer.get("geolocation") or "")
@@ -90,7 +99,9 @@ class VastProvider(Provider):
         value = self.config.min_cuda_version
         if value is None or str(value).lower() == "none":
             return None
-        return float(value)
+        # a value stored before the config check (e.g. "12.8.1"): its major.minor, never an exception
+        found = re.match(r"\s*(\d+(?:\.\d+)?)", str(value))
+        return float(found.group(1)) if found else None
 
     def _wanted(self, spec: LaunchSpec) -> tuple[str, float | None, int]:
         gpu = (self.config.gpu_name or spec.gpu or "").replace("_", " ").strip()
@@ -160,6 +171,10 @@ class VastProvider(Provider):
             query["verified"] = {"eq": True}
         if (cuda := self._cuda()) is not None:
             query["cuda_max_good"] = {"gte": cuda}
+        if self.config.countries is not None:  # in the query: the 64 cheapest offers may all be elsewhere
+            query["geolocation"] = {"in": sorted({x.upper() for x in self.config.countries})}
+        elif self.config.exclude_countries:
+            query["geolocation"] = {"notin": sorted({x.upper() for x in self.config.exclude_countries})}
         if spec.avoid_hosts:
             query["machine_id"] = {"notin": sorted(int(h) if h.isdigit() else h for h in spec.avoid_hosts)}
         r = await self.http.request("POST", "/api/v0/bundles/", json=query)

@@ -76,8 +76,11 @@ def _matches(offer: dict[str, Any], query: dict[str, Any]) -> bool:
     for key, cond in query.items():
         if not isinstance(cond, dict) or key not in offer:
             continue  # like the real API: unknown fields are ignored
+        field = offer[key]
+        if key == "geolocation":  # the real API filters it by the two-letter country code ("Oregon, US": US)
+            field = str(field).rsplit(",", 1)[-1].strip().upper()
         for op, value in cond.items():
-            if op in OPERATORS and not OPERATORS[op](offer[key], value):
+            if op in OPERATORS and not OPERATORS[op](field, value):
                 return False
     return True
 
