@@ -1,37 +1,32 @@
-"""Helpers for the autoscaler tests: a settable clock, simulated GPU workers written in the server registry's
-format, and a scaler wired to a mock provider. Real Redis/Valkey underneath, never fakes."""
+"""Helpers for the autoscaler tests: a scaler wired to a mock provider, worker keys, the simulator's control calls;
+the settable clock and the GPU worker's registry record come from bench/cost/world.py. Real Redis/Valkey underneath."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from bench.cost.world import Clock, drop_worker, put_worker
 from offload.autoscale.instances import Instance
 from offload.autoscale.providers.mock import MockConfig, MockProvider
 from offload.autoscale.scaler import Autoscaler
 from offload.config import Settings
-from offload.queue.keyspace import GPU_WORKERS as INDEX
-from offload.queue.keyspace import gpu_worker as worker_key
 from offload.redis_client import RedisClient
 
+__all__ = [
+    "VAULT_KEY",
+    "Clock",
+    "drop_worker",
+    "make_scaler",
+    "put_worker",
+    "queue_block",
+    "sim_call",
+    "stored",
+    "worker_token",
+]
+
 VAULT_KEY = "test-master-key-0123456789abcdef"
-
-
-@dataclass
-class Clock:
-    t: float = 1_800_000_000.0  # a fixed, arbitrary instant (2027-01-15 08:00 UTC)
-
-    def __call__(self) -> float:
-        return self.t
-
-    def ms(self) -> int:
-        """The same instant in integer milliseconds: a QueueStore's clock."""
-        return int(self.t * 1000)
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
 
 
 async def stored(scaler: Autoscaler, instance_id: str) -> Instance:
@@ -39,43 +34,6 @@ async def stored(scaler: Autoscaler, instance_id: str) -> Instance:
     instance = await scaler.instances.get(instance_id)
     assert instance is not None, instance_id
     return instance
-
-
-async def put_worker(
-    redis: RedisClient,
-    worker_id: str,
-    queue: str,
-    instance_id: str | None,
-    now: float,
-    *,
-    in_flight: int = 0,
-    protected: bool = False,
-) -> None:
-    """A GPU worker's registry record, as the server's WorkerRegistry writes it (register + heartbeat)."""
-    await redis.hset(
-        worker_key(worker_id),
-        mapping={
-            "id": worker_id,
-            "key_id": "k",
-            "host": "gpu-host",
-            "version": "test",
-            "queues": queue,
-            "pid": 1,
-            "concurrency": 1,
-            "instance_id": instance_id or "",
-            "protected": int(protected),
-            "gpus": "[]",
-            "registered_at": int(now * 1000),
-            "last_heartbeat": int(now * 1000),
-            "in_flight": in_flight,
-        },
-    )
-    await redis.zadd(INDEX, {worker_id: int(now * 1000)})
-
-
-async def drop_worker(redis: RedisClient, worker_id: str) -> None:
-    await redis.delete(worker_key(worker_id))
-    await redis.zrem(INDEX, worker_id)
 
 
 async def worker_token(redis: RedisClient, queue: str = "gpu") -> str:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from bench.cost.world import Clock, drop_worker, put_worker
 from offload.autoscale import keyspace
 from offload.autoscale.instances import InstanceStore
 from offload.autoscale.providers import LaunchSpec, Machine, OutOfCapacity, ProviderError
@@ -32,7 +33,6 @@ from offload.errors import StaleLease
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 from offload.redis_client import RedisClient
-from support.autoscale_helpers import Clock, drop_worker, put_worker
 
 QUEUE = "gpu"
 DAY0 = datetime(2027, 3, 28, tzinfo=UTC).timestamp()  # a Sunday: Europe's clocks go forward at 01:00 UTC
