@@ -16,12 +16,11 @@ from typing import Any
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
-from offload.clock import ClockMs
 from offload.queue import keyspace
-from offload.queue.durability import Durability, mark, run_script, settle
+from offload.queue.base_store import BaseStore
+from offload.queue.durability import mark, run_script, settle
 from offload.queue.keyspace import prefix, queue_of
 from offload.queue.scripts import SCRIPTS
-from offload.redis_client import RedisClient
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,16 +38,8 @@ class HookItem:
         return "1" if self.terminal else "0"
 
 
-class HookStore:
-    """QueueStore's webhook calls (a mixin: QueueStore sets `redis` and `clock_ms`)."""
-
-    redis: RedisClient
-    clock_ms: ClockMs | None
-    durability: Durability | None
-
-    def _now(self) -> str:
-        """The clock argument every script takes ('' = the server's TIME)."""
-        return str(self.clock_ms()) if self.clock_ms else ""
+class HookStore(BaseStore):
+    """QueueStore's webhook calls."""
 
     async def hook(self, job_id: str, submission: int, remote_id: str, *, terminal: bool, body: bytes) -> str:
         """A verified provider webhook for submission `submission` of a job (see hook.lua for the verdicts)."""

@@ -1,0 +1,85 @@
+"""The reading half of the job store: one job, a page of jobs, a queue's counts, histograms and events. Nothing
+here changes a job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from offload.errors import JobNotFound
+from offload.models import Job, QueueStats
+from offload.queue import keyspace, listing, replies
+from offload.queue.base_store import BaseStore
+from offload.queue.keyspace import QUEUES_KEY, queue_of, validate_queue
+from offload.queue.scripts import HIST_BUCKETS_S, SCRIPTS
+
+
+class ReadStore(BaseStore):
+    """QueueStore's reads."""
+
+    async def get(self, job_id: str) -> Job:
+        reply = await self._run(SCRIPTS.get, queue_of(job_id), job_id)
+        if not reply:
+            raise JobNotFound(f"job {job_id} not found")
+        flat, deadline = reply
+        return Job.from_hash(job_id, replies.pairs(flat), int(float(deadline)) if deadline else None)
+
+    async def submitted_age_ms(self, job_id: str) -> int | None:
+        """How long ago, by the store's clock, the job's current submission was recorded: the later of its remote
+        id's checkpoint and its intent (a checkpoint older than the intent is an earlier run's); None when the
+        record has neither. Read only for a 404 on a resumed remote job (worker/lag.py)."""
+        stamps = await self.redis.hmget(keyspace.job(queue_of(job_id), job_id), ["submitted_at", "intent_at"])
+        known = [int(float(s)) for s in stamps if s]
+        if not known:
+            return None
+        if self.clock_ms is not None:
+            now = self.clock_ms()
+        else:
+            seconds, micros = await self.redis.time()
+            now = seconds * 1000 + micros // 1000
+        return now - max(known)
+
+    async def list_jobs(
+        self, queue: str, state: str | None, *, cursor: int = 0, limit: int = 50
+    ) -> tuple[list[Job], int | None]:
+        """Jobs in one state (waiting states oldest first, finished ones newest first), or with `state` None in
+        every state, newest first (offload/queue/listing.py)."""
+        ids, next_cursor = await listing.page_ids(self.redis, queue, state, cursor, limit)
+        found = await asyncio.gather(*(self.get(job_id) for job_id in ids), return_exceptions=True)
+        jobs = [j for j in found if isinstance(j, Job)]  # JobNotFound: expired since the index read
+        for problem in found:
+            if isinstance(problem, BaseException) and not isinstance(problem, JobNotFound):
+                raise problem
+        return jobs, next_cursor
+
+    async def stats(self, queue: str) -> QueueStats:
+        return replies.queue_stats(queue, await self._run(SCRIPTS.stats, validate_queue(queue)))
+
+    async def histograms(self, queue: str) -> dict[str, tuple[list[int], int, int]]:
+        """The latency histograms the scripts keep: name ("wait", "run") -> (count per bucket of
+        HIST_BUCKETS_S plus +Inf, not cumulative; total count; sum in ms)."""
+        raw = await self.redis.hgetall(keyspace.histograms(validate_queue(queue)))
+        out: dict[str, tuple[list[int], int, int]] = {}
+        for name in ("wait", "run"):
+            buckets = [int(raw.get(f"{name}:{i}", 0)) for i in range(1, len(HIST_BUCKETS_S) + 2)]
+            out[name] = (buckets, int(raw.get(f"{name}:count", 0)), int(raw.get(f"{name}:sum", 0)))
+        return out
+
+    async def possible_duplicates(self, queue: str) -> dict[str, int]:
+        """Per backend: submissions made again whose earlier try had an unknown outcome (begin.lua)."""
+        raw = await self.redis.hgetall(keyspace.duplicates(validate_queue(queue)))
+        return {backend: int(n) for backend, n in raw.items()}
+
+    async def queues(self) -> list[str]:
+        return sorted(await self.redis.smembers(QUEUES_KEY))
+
+    async def events(
+        self, queue: str, last_id: str = "$", *, block_ms: int | None = None, count: int = 100
+    ) -> list[tuple[str, dict[str, str]]]:
+        """State changes after `last_id` from the queue's capped stream (for dashboards and --watch)."""
+        key = keyspace.events(validate_queue(queue))
+        reply = await self.redis.xread({key: last_id}, count=count, block=block_ms)
+        if not reply:
+            return []
+        entries = reply[0][1] if isinstance(reply, list) else next(iter(reply.values()))[0]
+        return [(eid, fields) for eid, fields in entries]
