@@ -5,7 +5,7 @@ harness), `window_of` / `window_left` in lua/includes/clock.lua for the queue's 
 because scripts cannot import Python (tests/jobstore/test_clock.py holds them equal).
 
 The caps are offload.yaml's (`queues.<name>.daily_job_cap` / `daily_spend_cap`), the counts the store's
-(`QueueStore.usage`). The rule is the one the claim and begin scripts apply (`cap_reached` in common.lua): the
+(`QueueStore.usage`). The rule is the one the claim and begin scripts apply (`cap_reached` in caps.lua): the
 job cap is reached at `jobs >= cap`, the spend cap once one more submission at its reservation would pass it. A
 capped queue takes no fresh job until the window rolls over, so its queued jobs wait: every view says `capped`.
 """

@@ -60,7 +60,7 @@ class AdminStore(BaseStore):
 
     async def reap(self, queue: str, limit: int = 1000) -> tuple[int, int, int]:
         """Maintenance step: (promoted, reaped, trimmed). Safe to run from any number of processes. A step back
-        of the store's clock this call found (and moved the queue's times back by: `shift_back` in common.lua) is
+        of the store's clock this call found (and moved the queue's times back by: `shift_back` in outages.lua) is
         logged here."""
         promoted, reaped, trimmed, stepped = await self._run(
             SCRIPTS.reap, validate_queue(queue), limit, self._silence(self.lease_ms)

@@ -21,7 +21,7 @@ MAX_SILENCE_MS = 5_000
 
 def silence_ms(lease_ms: int) -> int:
     """How long a queue may hear from no worker before that counts as an outage rather than as workers
-    that died (see `stamp` in common.lua): half a lease, so an outage is noticed before anyone's lease could
+    that died (see `stamp` in outages.lua): half a lease, so an outage is noticed before anyone's lease could
     have run out unheard, and never more than 5 s. Live workers speak every third of a lease (heartbeat) or
     more often (claims, the server's maintenance), so a silence that long does not happen without one."""
     return min(lease_ms // 2, MAX_SILENCE_MS)

@@ -55,7 +55,7 @@ QUEUE_SUFFIXES: dict[str, str] = {
     "events": "job state changes (stream, capped)",
     "hooks:": "hooks:<worker id>, pub/sub: webhooks kept for the jobs that dispatch worker holds (hook.lua)",
     "idle": "present while a claim found the ready set empty: the next job made ready PUBLISHes on `wake`",
-    "wake": "pub/sub: jobs became ready after a claim found none (common.lua's `wake`): idle workers claim at once",
+    "wake": "pub/sub: jobs became ready after a claim found none (ready.lua's `wake`): idle workers claim at once",
     "alert:dlg": "the dead-letter alert's last snapshot",
     "synced": "written before each WAIT of a durable write, so the WAIT covers a resent one (sync_mark.lua)",
     "uploads:": "uploads:<job id>[/<run>], the HTTP uploads issued for a job's input (or one run's output): object "
@@ -206,7 +206,7 @@ def hooks_channel(queue: str, worker_id: str) -> str:
 
 
 def wake_channel(queue: str) -> str:
-    """The pub/sub channel on which idle dispatch workers hear that jobs became ready (common.lua's `wake`)."""
+    """The pub/sub channel on which idle dispatch workers hear that jobs became ready (ready.lua's `wake`)."""
     return f"{prefix(queue)}wake"
 
 

@@ -2,11 +2,12 @@
 once per process and run by SHA, reloaded after a server restart (NOSCRIPT).
 
 A script file starts with a header naming its KEYS, ARGV and reply (`-- KEYS:`, `-- ARGV:`, `-- Returns:`), as
-BullMQ's src/commands do. Code several scripts share lives in lua/includes/ and is put in by a line
-`--- @include "<name>"` (each include at most once per script, includes may include others). The queue's scripts
-include "common"; the autoscaler's, the HTTP server's and the backend limiter's scripts live here too, so there
-is one way to load and run a script. tests/jobstore/test_lua_scripts.py checks every file has the header and is a
-`Scripts` attribute, and every attribute is used.
+BullMQ's src/commands do. Code several scripts share lives in lua/includes/, one theme each (records, events,
+metrics, ready, terminal, leases, caps, outages, clock, cooldown, leader), and is put in by a line
+`--- @include "<name>"` (each include at most once per script, includes may include others). A file includes what
+it uses itself, and nothing else. The autoscaler's, the HTTP server's and the backend limiter's scripts live here
+too, so there is one way to load and run a script. tests/jobstore/test_lua_scripts.py checks every file has the
+header and is a `Scripts` attribute, every attribute is used, and every file's includes are the ones it uses.
 
 A script that must run when Redis/Valkey is at its `maxmemory` opens with the shebang `#!lua flags=allow-oom`
 (Redis 7+, Valkey): without it the server refuses a script's first write that adds data (SET, HSET, ZADD, XADD,

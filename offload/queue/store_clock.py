@@ -4,7 +4,7 @@ never the clock of the process that happens to act: a worker host whose clock is
 window of its own, nor a server whose clock is behind hold back a leadership or miss a heartbeat.
 
 The queue's scripts read TIME themselves (lua/includes/clock.lua: `now_ms`, `window_of`), and move the times they
-scheduled back when the store's clock steps back (`shift_back` in common.lua). Python code that needs the store's time
+scheduled back when the store's clock steps back (`shift_back` in outages.lua). Python code that needs the store's time
 between calls (the autoscaler's tick, the server's GPU-worker registry) reads it through `StoreClock`: the store's
 TIME read at each `sync`, carried forward by this process's monotonic clock, so a step of the local wall clock
 changes nothing and a step of the store's is followed at the next sync. See docs/explanation/architecture.md, *Caps*.

@@ -66,7 +66,7 @@ def capped(api: tuple[str, str], valkey: ValkeyServer) -> dict[str, list[str]]:
 def test_the_rule_is_the_scripts_rule() -> None:
     assert reached(CapLimits(jobs_cap=2), 1, 0.0) is None and reached(CapLimits(jobs_cap=2), 2, 0.0) == "jobs"
     spend = CapLimits(spend_cap=2.5, reserve=1.0)
-    assert reached(spend, 0, 1.5) is None  # 1.5 + 1.0 = 2.5: allowed, as cap_reached in common.lua
+    assert reached(spend, 0, 1.5) is None  # 1.5 + 1.0 = 2.5: allowed, as cap_reached in caps.lua
     assert reached(spend, 0, 1.6) == "spend"
     assert reached(CapLimits(), 10**9, 10.0**9) is None
 

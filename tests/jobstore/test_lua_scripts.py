@@ -75,9 +75,71 @@ def test_includes_are_each_used_exist_and_go_in_once() -> None:
     for name in NAMES:
         text = source(name)
         assert "@include" not in text
-        assert text.count("local function now_ms(") <= 1  # clock is in common and in rate_acquire: once each
+        assert text.count("local function now_ms(") <= 1  # clock is included by many includes: once per script
+        assert text.count("local function jkey(") <= 1
         assert "__EVENTS_MAX__" not in text and "__HIST_BUCKETS__" not in text
-    assert source("claim").count("local function now_ms(") == 1  # claim -> common -> clock
+    assert source("claim").count("local function now_ms(") == 1  # claim, outages -> clock: put in once
+
+
+# A Lua comment to the line's end, or a string literal: neither names a function or a constant.
+_NOT_CODE = re.compile(r"--[^\n]*|'(?:\\.|[^'\\\n])*'|\"(?:\\.|[^\"\\\n])*\"")
+_TOP_LEVEL = re.compile(r"^local (?:function (\w+)|([\w, ]+?) =)", re.MULTILINE)
+_ANY_LOCAL = re.compile(r"\blocal (?:function (\w+)|([\w, ]+))|\bfunction\s*\w*\(([^)]*)\)|\bfor ([\w, ]+) in")
+_NAME = re.compile(r"(?<![.:\w])[A-Za-z_]\w*")
+
+
+def _names(groups: list[tuple[str, ...]]) -> set[str]:
+    return {n.strip() for group in groups for part in group for n in part.split(",") if n.strip()}
+
+
+def _include_problems(scripts: dict[str, str], includes: dict[str, str]) -> list[str]:
+    """Each script and include names, in its own `@include` lines, the includes whose functions and constants it
+    uses, and no other: a name used from an include it only gets through another include is reported, as is an
+    include it uses nothing of. Names are matched outside comments and strings; a file's own locals shadow."""
+    home: dict[str, str] = {}
+    problems: list[str] = []
+    for inc, text in includes.items():
+        for name in _names(_TOP_LEVEL.findall(_NOT_CODE.sub("", text))):
+            if name in home:
+                problems.append(f"{name} is defined in both {home[name]}.lua and {inc}.lua")
+            home[name] = inc
+    files = {**{f"{n}.lua": t for n, t in scripts.items()}, **{f"includes/{n}.lua": t for n, t in includes.items()}}
+    for label, text in files.items():
+        direct = INCLUDE.findall(text)
+        code = _NOT_CODE.sub("", INCLUDE.sub("", text))
+        own = _names(_ANY_LOCAL.findall(code))
+        used = {name for name in _NAME.findall(code) if name in home and name not in own}
+        for name in sorted(used):
+            if home[name] not in direct:
+                problems.append(f"{label} uses {name} without including {home[name]!r}")
+        for inc in direct:
+            if not any(home[name] == inc for name in used):
+                problems.append(f"{label} includes {inc!r} and uses nothing of it")
+    return problems
+
+
+def test_each_file_includes_what_it_uses_and_nothing_else() -> None:
+    scripts = {p.stem: p.read_text() for p in _scripts()}
+    includes = {p.stem: p.read_text() for p in INCLUDES.glob("*.lua")}
+    assert _include_problems(scripts, includes) == []
+
+
+def test_the_include_check_catches_a_missing_and_an_unused_include() -> None:
+    includes = {
+        "records": "-- keys\nlocal P = KEYS[1]\nlocal function jkey(id) return P .. 'job:' .. id end\n",
+        "events": "--- @include \"records\"\nlocal function event(ids) redis.call('XADD', P .. 'events') end\n",
+        "caps": '--- @include "records"\nlocal function cap_base(w) return P .. w end\n',
+    }
+    scripts = {
+        "fine": '--- @include "records"\n--- @include "events"\nevent({jkey(ARGV[1])}) -- cap_base in a comment\n',
+        "transitive": '--- @include "events"\nevent({jkey(ARGV[1])})\n',
+        "unused": "--- @include \"records\"\n--- @include \"caps\"\nreturn redis.call('GET', P .. 'cap_base')\n",
+        "shadowed": '--- @include "records"\nlocal function event(x) return x end\nreturn event(P)\n',
+    }
+    assert _include_problems(scripts, includes) == [
+        "transitive.lua uses jkey without including 'records'",
+        "unused.lua includes 'caps' and uses nothing of it",
+    ]
 
 
 def test_every_script_attribute_is_used_by_offload() -> None:

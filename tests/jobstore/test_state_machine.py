@@ -232,7 +232,7 @@ class QueueMachine(RuleBasedStateMachine):
         self._new_store()
         self._enqueue(list(specs), bulk=True)
 
-    # -- the model: each helper mirrors one piece of common.lua -------------------------------------
+    # -- the model: each helper mirrors one piece of the Lua includes -------------------------------------
 
     def _in(self, *states: str) -> list[MJob]:
         return [j for j in self.jobs.values() if j.state in states]
@@ -318,7 +318,7 @@ class QueueMachine(RuleBasedStateMachine):
         self.excused.discard(worker)
 
     def _stamp(self, lease_ms: int) -> None:
-        """`stamp` (common.lua): a silence of the whole queue longer than half the caller's lease (at most 5 s)
+        """`stamp` (outages.lua): a silence of the whole queue longer than half the caller's lease (at most 5 s)
         is an outage; the deadlines of the workers alive when it began move on by its length, once per worker
         until it speaks again."""
         seen = self.seen

@@ -1,4 +1,4 @@
-"""An idle dispatch worker claims new work at once, not at its next poll (wakeups.py, common.lua's `wake`).
+"""An idle dispatch worker claims new work at once, not at its next poll (wakeups.py, ready.lua's `wake`).
 
 A claim that finds the ready set empty leaves `idle`; the next script that makes a job ready deletes it and
 PUBLISHes once on the queue's wake channel. The worker's poll (20 ms doubling to `idle_poll_max`, 0.5 s by

@@ -3,11 +3,13 @@
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, id, token
 -- Returns: OK, STALE or NOTFOUND
---- @include "common"
+--- @include "clock"
+--- @include "leases"
+--- @include "terminal"
 local now = now_ms(ARGV[1])
 local id, token = ARGV[2], ARGV[3]
-local f, err = owned(id, token)
+local job, err = owned(id, token)
 if err then return err end
-unlease({id}, {[id] = f[2]})
-finish({id}, 'cancelled', now, nil, {{f[3], f[5]}})
+unlease({id}, {[id] = job.owner})
+finish({id}, 'cancelled', now, nil, {job})
 return 'OK'

@@ -15,7 +15,10 @@
 -- ARGV: now, job cap ('' none), spend cap ('' none), backend name, items: a JSON list of [id, token, estimated
 --   cost, webhook secret hash ('' none)]. The cap window is the store's UTC day (`window_of` in clock.lua).
 -- Returns: per item OK:<n>, OK:<n>:DUP, REMOTE:<n>:<remote id>, CAP:jobs, CAP:spend (held), CANCEL, STALE or NOTFOUND
---- @include "common"
+--- @include "clock"
+--- @include "records"
+--- @include "leases"
+--- @include "caps"
 local now = now_ms(ARGV[1])
 local window, job_cap, spend_cap, backend = window_of(now), tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
 local capped = job_cap or spend_cap
@@ -37,37 +40,37 @@ local function remember_hook(k, n, digest)
   end
 end
 for _, item in ipairs(cjson.decode(ARGV[5])) do
-  local id, token, estimate = item[1], item[2], tonumber(item[3]) or 0
+  local id, token, estimate, digest = item[1], item[2], tonumber(item[3]) or 0, item[4]
   local k = jkey(id)
-  -- the lease check of owned() (common.lua) and the fields the intent needs, in one read: this runs per job
-  local g = redis.call('HMGET', k, 'cancel', 'sub_n', 'sub_open', 'intent_tok', 'remote_n', 'resv_w', 'resv_n',
-    'remote_id', 'state', 'token', 'owner')
-  if not g[9] then
+  -- the lease check of owned() (leases.lua) and the fields the intent needs, in one read: this runs per job
+  local cancel, sub_n, sub_open, intent_tok, remote_n, resv_w, resv_n, remote_id, state, tok, owner =
+    unpack(redis.call('HMGET', k, 'cancel', 'sub_n', 'sub_open', 'intent_tok', 'remote_n', 'resv_w', 'resv_n',
+      'remote_id', 'state', 'token', 'owner'))
+  if not state then
     out[#out + 1] = 'NOTFOUND'
-  elseif g[10] ~= token or (g[9] ~= 'active' and g[9] ~= 'submitted') then
+  elseif tok ~= token or (state ~= 'active' and state ~= 'submitted') then
     out[#out + 1] = 'STALE'
   else
-    local owner = g[11]
-    local sub = tonumber(g[2] or '')
-    if g[1] == '1' then
+    local sub = tonumber(sub_n or '')
+    if cancel == '1' then
       out[#out + 1] = 'CANCEL'
-    elseif sub and g[8] and g[8] ~= '' and tonumber(g[5] or '') == sub then
-      out[#out + 1] = 'REMOTE:' .. sub .. ':' .. g[8]  -- attached since the claim: poll it, pay nothing
-    elseif sub and g[3] == '1' and g[4] == token then
-      remember_hook(k, sub, item[4])
+    elseif sub and remote_id and remote_id ~= '' and tonumber(remote_n or '') == sub then
+      out[#out + 1] = 'REMOTE:' .. sub .. ':' .. remote_id  -- attached since the claim: poll it, pay nothing
+    elseif sub and sub_open == '1' and intent_tok == token then
+      remember_hook(k, sub, digest)
       out[#out + 1] = 'OK:' .. sub
     else
-      local n, dup = next_submission(g[2], g[5]), false
-      if sub and g[3] == '1' then n, dup = sub, true end  -- an earlier lease's intent, still open
+      local n, dup = next_submission(sub_n, remote_n), false
+      if sub and sub_open == '1' then n, dup = sub, true end  -- an earlier lease's intent, still open
       local verdict = nil
-      local again = dup or g[6] ~= window or tonumber(g[7] or '') ~= n
+      local again = dup or resv_w ~= window or tonumber(resv_n or '') ~= n
       if capped then verdict = cap_take(st, id, estimate, job_cap, spend_cap, again) end
       if verdict then
         hold_job(id, owner, now, 'daily ' .. verdict .. ' cap reached (window ' .. window .. ')', window)
         out[#out + 1] = 'CAP:' .. verdict
       else
         redis.call('HSET', k, 'sub_n', n, 'sub_open', '1', 'intent_at', now, 'intent_by', owner, 'intent_tok', token)
-        remember_hook(k, n, item[4])
+        remember_hook(k, n, digest)
         if capped and again then redis.call('HSET', k, 'resv', estimate, 'resv_w', window, 'resv_n', n) end
         if dup then
           redis.call('HINCRBY', k, 'possible_duplicates', 1)

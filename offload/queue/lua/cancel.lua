@@ -7,7 +7,11 @@
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, id
 -- Returns: cancelled, requested, NOTFOUND, or ALREADY:<terminal state>
---- @include "common"
+--- @include "clock"
+--- @include "records"
+--- @include "events"
+--- @include "ready"
+--- @include "terminal"
 local now = now_ms(ARGV[1])
 local id = ARGV[2]
 local k = jkey(id)
@@ -22,8 +26,8 @@ if state == 'active' or state == 'submitted' then
 end
 local sets = {queued = 'ready', delayed = 'delayed', retrying = 'retry', held = 'held'}
 redis.call('ZREM', P .. sets[state], id)
-local f = redis.call('HMGET', k, 'remote_id', 'sub_open')
-if (f[1] and f[1] ~= '') or f[2] == '1' then
+local remote_id, sub_open = unpack(redis.call('HMGET', k, 'remote_id', 'sub_open'))
+if (remote_id and remote_id ~= '') or sub_open == '1' then
   redis.call('HSET', k, 'cancel', '1')
   make_ready({id}, now, true)
   event({id}, 'cancel_requested')

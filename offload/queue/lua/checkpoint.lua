@@ -14,29 +14,32 @@
 --   current one)]
 -- Returns: per item OK, OK:CANCEL (a cancel was requested meanwhile), DUP:<first id>, ATTACHED, STALE:DUP,
 --   STALE or NOTFOUND
---- @include "common"
+--- @include "clock"
+--- @include "records"
+--- @include "events"
+--- @include "leases"
 local now = now_ms(ARGV[1])
 local out, ids = {}, {}
 local cancels = redis.call('SCARD', P .. 'cancelreq') > 0
 for _, item in ipairs(cjson.decode(ARGV[2])) do
-  local id, token = item[1], item[2]
+  local id, token, backend, remote_id, given_n = unpack(item)
   local _, err = owned(id, token)
   local k = jkey(id)
-  local g = redis.call('HMGET', k, 'state', 'sub_n', 'remote_n', 'remote_id')
-  local n = tonumber(item[5]) or tonumber(g[2] or '') or 1
+  local state, sub_n, remote_n, recorded = unpack(redis.call('HMGET', k, 'state', 'sub_n', 'remote_n', 'remote_id'))
+  local n = tonumber(given_n) or tonumber(sub_n or '') or 1
   -- attach and DUP need the caller's submission number (the dispatch worker always sends it)
-  local first = (item[5] and tonumber(g[3] or '') == n and g[4] and g[4] ~= '') and g[4] or nil
-  if first and first ~= item[4] then
+  local first = (given_n and tonumber(remote_n or '') == n and recorded and recorded ~= '') and recorded or nil
+  if first and first ~= remote_id then
     out[#out + 1] = err and (err == 'STALE' and 'STALE:DUP' or err) or ('DUP:' .. first)
   elseif err then
-    if err == 'STALE' and item[5] and not first and tonumber(g[2] or '') == n and not TERMINAL[g[1]] then
-      redis.call('HSET', k, 'backend', item[3], 'remote_id', item[4], 'remote_n', n, 'sub_open', '0')
+    if err == 'STALE' and given_n and not first and tonumber(sub_n or '') == n and not TERMINAL[state] then
+      redis.call('HSET', k, 'backend', backend, 'remote_id', remote_id, 'remote_n', n, 'sub_open', '0')
       out[#out + 1] = 'ATTACHED'
     else
       out[#out + 1] = err
     end
   else
-    redis.call('HSET', k, 'state', 'submitted', 'backend', item[3], 'remote_id', item[4], 'submitted_at', now,
+    redis.call('HSET', k, 'state', 'submitted', 'backend', backend, 'remote_id', remote_id, 'submitted_at', now,
       'sub_n', n, 'remote_n', n, 'sub_open', '0')
     ids[#ids + 1] = id
     if cancels and redis.call('SISMEMBER', P .. 'cancelreq', id) == 1 then

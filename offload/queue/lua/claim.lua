@@ -7,7 +7,7 @@
 -- A repeat of the worker's last claim (same request id: its reply was lost and the client sent it again) answers
 -- the same jobs again instead of leasing more.
 -- A claim that empties the ready set leaves `idle` behind: the next script that makes a job ready PUBLISHes on
--- `wake` (common.lua), so an idle worker claims the moment work comes instead of at its next poll.
+-- `wake` (ready.lua), so an idle worker claims the moment work comes instead of at its next poll.
 -- With `begin` ('1'), the claim also opens the submit intent of each fresh job, as begin.lua would right after it
 -- (a worker on a synchronous API without caps begins every job the moment it has it: one round trip less per
 -- job). Only a job with nothing unsettled is begun here: no remote id, no open intent, no cancel, and no cap
@@ -19,7 +19,15 @@
 --   max_attempts, input, output_key, backend, remote_id, cancel, claimed before (1/0), submission number,
 --   submit intent open (1/0: an earlier delivery may have left a submission it never recorded), begun (1/0: the
 --   intent of the submission number is this lease's own, opened by this claim)
---- @include "common"
+--- @include "clock"
+--- @include "records"
+--- @include "events"
+--- @include "metrics"
+--- @include "ready"
+--- @include "terminal"
+--- @include "leases"
+--- @include "caps"
+--- @include "outages"
 local now = now_ms(ARGV[1])
 local wid, n, lease, req = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 local job_cap, spend_cap, estimate, silence = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]) or 0,
@@ -34,20 +42,20 @@ heard(wid, now, lease)
 local last_key = P .. 'lastclaim:' .. wid
 
 -- Appends one job's reply fields at `no` (the count so far; a running count, as `#out` is a search each time)
--- and returns the new count.
-local function reply(out, no, id, token, f, before)
-  local open, own = f[12] == '1', f[14] == token
+-- and returns the new count. `open`: its submission's intent is open; `own`: this lease opened it.
+local function reply(out, no, id, token, before, attempt, max_attempts, input, output_key, backend, remote_id, cancel,
+    sub_n, open, own)
   out[no + 1] = id
   out[no + 2] = token
-  out[no + 3] = tonumber(f[2] or 0)
-  out[no + 4] = f[1]
-  out[no + 5] = f[4]
-  out[no + 6] = f[5] or ('results/' .. id .. '.json')
-  out[no + 7] = f[6] or ''
-  out[no + 8] = f[3] or ''
-  out[no + 9] = f[7] or '0'
+  out[no + 3] = attempt
+  out[no + 4] = max_attempts
+  out[no + 5] = input
+  out[no + 6] = output_key or ('results/' .. id .. '.json')
+  out[no + 7] = backend or ''
+  out[no + 8] = remote_id or ''
+  out[no + 9] = cancel or '0'
   out[no + 10] = before
-  out[no + 11] = f[11] or '0'
+  out[no + 11] = sub_n or '0'
   out[no + 12] = (open and not own) and '1' or '0'
   out[no + 13] = (open and own) and '1' or '0'
   return no + 13
@@ -56,13 +64,15 @@ end
 if req ~= '' then
   local last = redis.call('GET', last_key)
   if last then
-    local memo = cjson.decode(last)
-    if memo[1] == req then
+    local memo_req, memo_ids, memo_flags = unpack(cjson.decode(last))  -- as written below: {req, ids, flags}
+    if memo_req == req then
       local out, no = {}, 0
-      for i, id in ipairs(memo[2]) do
-        local f = redis.call('HMGET', jkey(id), unpack(FIELDS))
-        if f[1] and (f[13] or '') ~= '' and redis.call('ZSCORE', P .. 'owned:' .. wid, id) then
-          no = reply(out, no, id, f[13], f, memo[3][i])
+      for i, id in ipairs(memo_ids) do
+        local max_attempts, attempts, remote_id, input, output_key, backend, cancel, _, _, _, sub_n, sub_open, token,
+          intent_tok = unpack(redis.call('HMGET', jkey(id), unpack(FIELDS)))
+        if max_attempts and (token or '') ~= '' and redis.call('ZSCORE', P .. 'owned:' .. wid, id) then
+          no = reply(out, no, id, token, memo_flags[i], tonumber(attempts or 0), max_attempts, input, output_key, backend,
+            remote_id, cancel, sub_n, sub_open == '1', intent_tok == token)
         end
       end
       return out
@@ -80,8 +90,10 @@ if capped then
   local counted = cap_base(window) .. 'counted'
   for _, id in ipairs(redis.call('ZRANGE', P .. 'ready', 0, SCAN - 1)) do
     if #picked >= n then break end
-    local g = redis.call('HMGET', jkey(id), 'remote_id', 'cancel')  -- a cancel to carry out takes no cap either
-    if (g[1] and g[1] ~= '') or g[2] == '1' or (capped == 'jobs' and redis.call('SISMEMBER', counted, id) == 1) then
+    -- a cancel to carry out takes no cap either
+    local remote_id, cancel = unpack(redis.call('HMGET', jkey(id), 'remote_id', 'cancel'))
+    if (remote_id and remote_id ~= '') or cancel == '1'
+        or (capped == 'jobs' and redis.call('SISMEMBER', counted, id) == 1) then
       picked[#picked + 1] = id
     end
   end
@@ -89,7 +101,7 @@ if capped then
 else
   local popped = redis.call('ZPOPMIN', P .. 'ready', n)
   for j = 1, #popped, 2 do picked[#picked + 1] = popped[j] end
-  -- the ready set ran dry: the next job made ready wakes the idle workers (common.lua's `wake`). Not under a
+  -- the ready set ran dry: the next job made ready wakes the idle workers (ready.lua's `wake`). Not under a
   -- cap or a pause, whose claims take nothing however many jobs come: each would be a wake-up for nothing.
   if #picked < n then redis.call('SET', P .. 'idle', '1', 'PX', 600000) end
 end
@@ -99,36 +111,37 @@ local no, taken = 0, 0  -- running counts: the reply's fields, the jobs leased
 local base = redis.call('INCRBY', P .. 'tok', #picked) - #picked
 for _, id in ipairs(picked) do
   local k = jkey(id)
-  local f = redis.call('HMGET', k, unpack(FIELDS))
-  if f[1] then
+  local max_attempts, attempts, remote_id, input, output_key, backend, cancel, started_at, ready_at, created_at, sub_n,
+    sub_open, _, intent_tok, remote_n = unpack(redis.call('HMGET', k, unpack(FIELDS)))
+  if max_attempts then
     base = base + 1
     local token = wid .. '/' .. base
-    local attempt = tonumber(f[2] or 0) + 1
+    local attempt = tonumber(attempts or 0) + 1
     local state = 'active'
-    if f[3] and f[3] ~= '' then
+    if remote_id and remote_id ~= '' then
       state = 'submitted'
       submitted[#submitted + 1] = id
     end
-    if begin and state == 'active' and f[12] ~= '1' and f[7] ~= '1' then  -- the intent begin.lua would open
-      local n = next_submission(f[11], f[15])
+    if begin and state == 'active' and sub_open ~= '1' and cancel ~= '1' then  -- the intent begin.lua would open
+      local n = next_submission(sub_n, remote_n)
       redis.call('HSET', k, 'state', state, 'owner', wid, 'token', token, 'started_at', now, 'attempts', attempt,
         'sub_n', n, 'sub_open', '1', 'intent_at', now, 'intent_by', wid, 'intent_tok', token)
-      f[11], f[12], f[14] = tostring(n), '1', token
+      sub_n, sub_open, intent_tok = tostring(n), '1', token
     else
       redis.call('HSET', k, 'state', state, 'owner', wid, 'token', token, 'started_at', now, 'attempts', attempt)
     end
-    f[2] = attempt
     taken = taken + 1
     ids[taken] = id
     active[2 * taken - 1] = now
     active[2 * taken] = id
     owned[2 * taken - 1] = base
     owned[2 * taken] = id
-    if f[7] == '1' then cancels[#cancels + 1] = id end
-    waits[taken] = now - tonumber(f[9] or f[10] or now)
-    local before = f[8] and '1' or '0'
+    if cancel == '1' then cancels[#cancels + 1] = id end
+    waits[taken] = now - tonumber(ready_at or created_at or now)
+    local before = started_at and '1' or '0'
     flags[taken] = before
-    no = reply(out, no, id, token, f, before)
+    no = reply(out, no, id, token, before, attempt, max_attempts, input, output_key, backend, remote_id, cancel, sub_n,
+      sub_open == '1', intent_tok == token)
   end
 end
 bulk_zadd(P .. 'active', active)

@@ -7,17 +7,22 @@
 -- ARGV: now, items: a JSON list of [id, token, result location, cost or ""(, backend, remote id, submission
 --   number)]
 -- Returns: per job OK, STALE or NOTFOUND
---- @include "common"
+--- @include "clock"
+--- @include "records"
+--- @include "metrics"
+--- @include "terminal"
+--- @include "leases"
+--- @include "caps"
 local now = now_ms(ARGV[1])
 local out, done, owners, infos, extra, seen, runs = {}, {}, {}, {}, {}, {}, {}
 local nd = 0  -- jobs completed so far (a running count: `#t` is a search each time)
 for i, item in ipairs(cjson.decode(ARGV[2])) do
-  local id, token, result, cost = item[1], item[2], item[3], item[4]
-  local f, err = nil, nil
+  local id, token, result, cost, backend, remote_id, sub_n = unpack(item)
+  local job, err = nil, nil
   if seen[id] then  -- the same job twice in one batch: the first item decided it
     if seen[id] == token then err = 'REPEAT' else err = 'STALE' end
   else
-    f, err = owned(id, token)
+    job, err = owned(id, token)
   end
   if err == 'REPEAT' then
     out[i] = 'OK'
@@ -32,19 +37,19 @@ for i, item in ipairs(cjson.decode(ARGV[2])) do
       fields[3], fields[4] = 'cost', cost
       settle(jkey(id), id, tonumber(cost), false)
     end
-    if item[6] then  -- a run never checkpointed: record it and close its submit intent (as checkpoint.lua would)
+    if remote_id then  -- a run never checkpointed: record it and close its submit intent (as checkpoint.lua would)
       local m = #fields
-      fields[m + 1], fields[m + 2], fields[m + 3], fields[m + 4] = 'backend', item[5], 'remote_id', item[6]
-      fields[m + 5], fields[m + 6], fields[m + 7], fields[m + 8] = 'submitted_at', now, 'sub_n', item[7]
-      fields[m + 9], fields[m + 10], fields[m + 11], fields[m + 12] = 'remote_n', item[7], 'sub_open', '0'
+      fields[m + 1], fields[m + 2], fields[m + 3], fields[m + 4] = 'backend', backend, 'remote_id', remote_id
+      fields[m + 5], fields[m + 6], fields[m + 7], fields[m + 8] = 'submitted_at', now, 'sub_n', sub_n
+      fields[m + 9], fields[m + 10], fields[m + 11], fields[m + 12] = 'remote_n', sub_n, 'sub_open', '0'
     end
     nd = nd + 1
     extra[nd] = fields
     done[nd] = id
     seen[id] = token
-    owners[id] = f[2]
-    infos[nd] = {f[3], f[5]}
-    runs[nd] = now - tonumber(f[4] or now)
+    owners[id] = job.owner
+    infos[nd] = job  -- its retention and idempotency key, for finish()
+    runs[nd] = now - tonumber(job.started_at or now)
     out[i] = 'OK'
   end
 end

@@ -4,6 +4,7 @@
 -- ARGV: [1] ms
 -- Returns: the cool-down's remaining ms
 --- @include "clock"
+--- @include "cooldown"
 local now = now_ms('')
 local ms = tonumber(ARGV[1])
 local left = cooling(KEYS[1], now)

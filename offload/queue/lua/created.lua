@@ -4,7 +4,7 @@
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now (unused), set name, start index, count
 -- Returns: {the number of ids read (fewer than count: the set's end), {id, created_at, id, created_at, ...}}
---- @include "common"
+--- @include "records"
 local start = tonumber(ARGV[3])
 local ids = redis.call('ZRANGE', P .. ARGV[2], start, start + tonumber(ARGV[4]) - 1)
 local out, n = {}, 0

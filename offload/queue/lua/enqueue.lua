@@ -11,7 +11,12 @@
 -- Returns: per job, its id (an existing one when the idempotency key or the id was seen before), or
 --   {id, 'gone'} when the key's job finished and its record was trimmed: the key still answers (a repeat
 --   never makes a second, paid run while the key lives), and the caller is told the record is gone
---- @include "common"
+--- @include "clock"
+--- @include "records"
+--- @include "events"
+--- @include "metrics"
+--- @include "ready"
+--- @include "outages"
 local now = now_ms(ARGV[1])
 rewind(now)  -- before a delay is scheduled on the store's clock
 local check_ids = ARGV[2] == '1'
@@ -40,7 +45,7 @@ for _, job in ipairs(jobs) do
     local ik = P .. 'idem:' .. m.idem
     existing = redis.call('GET', ik)
     gone = existing and redis.call('EXISTS', jkey(existing)) == 0
-    if not existing then redis.call('SET', ik, id) end  -- no expiry until the job finishes (finish())
+    if not existing then redis.call('SET', ik, id) end  -- no expiry until the job finishes (terminal.lua's finish)
   end
   if not existing and check_ids and redis.call('EXISTS', jkey(id)) == 1 then existing = id end
   if gone then

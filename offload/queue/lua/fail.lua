@@ -7,19 +7,26 @@
 --   (1/0: a retry's next run is paid for while this one may still run, e.g. resubmit_on_timeout without a
 --   cancel: counted as a possible duplicate, on the job and per backend, when the job is retried)
 -- Returns: retrying, dead, STALE or NOTFOUND
---- @include "common"
+--- @include "clock"
+--- @include "records"
+--- @include "events"
+--- @include "metrics"
+--- @include "terminal"
+--- @include "leases"
+--- @include "caps"
+--- @include "outages"
 local now = now_ms(ARGV[1])
 rewind(now)  -- before a retry is scheduled on the store's clock
 local id, token, err_text = ARGV[2], ARGV[3], ARGV[4]
-local f, err = owned(id, token)
+local job, err = owned(id, token)
 if err then return err end
 local k = jkey(id)
-unlease({id}, {[id] = f[2]})
+unlease({id}, {[id] = job.owner})
 count('failed', 1)
 if ARGV[8] == '1' then redis.call('HSET', k, 'sub_open', '0') end
 settle(k, id, tonumber(ARGV[9] or ''), ARGV[10] == '1')
-local g = redis.call('HMGET', k, 'attempts', 'max_attempts')
-if ARGV[5] == '1' and tonumber(g[1]) < tonumber(g[2]) then
+local attempts, max_attempts = unpack(redis.call('HMGET', k, 'attempts', 'max_attempts'))
+if ARGV[5] == '1' and tonumber(attempts) < tonumber(max_attempts) then
   local at = now + tonumber(ARGV[6])
   redis.call('HSET', k, 'state', 'retrying', 'error', err_text, 'run_at', at, 'owner', '', 'token', '')
   if ARGV[11] == '1' then
@@ -32,5 +39,5 @@ if ARGV[5] == '1' and tonumber(g[1]) < tonumber(g[2]) then
   event({id}, 'retrying')
   return 'retrying'
 end
-finish({id}, 'dead', now, err_text, {{f[3], f[5]}})
+finish({id}, 'dead', now, err_text, {job})
 return 'dead'

@@ -5,7 +5,10 @@
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, worker id
 -- Returns: {released, refunded expiries, revived}
---- @include "common"
+--- @include "clock"
+--- @include "records"
+--- @include "ready"
+--- @include "leases"
 local now = now_ms(ARGV[1])
 local wid = ARGV[2]
 local released = return_leases(redis.call('ZRANGE', P .. 'owned:' .. wid, 0, -1), now, false)
@@ -16,17 +19,18 @@ local lost = redis.call('HGETALL', lost_key)
 for i = 1, #lost, 2 do
   local id, n = lost[i], tonumber(lost[i + 1])
   local k = jkey(id)
-  local f = redis.call('HMGET', k, 'state', 'expiries', 'error', 'attempts', 'idem')
-  local exp = tonumber(f[2] or 0)
-  if f[1] and exp > 0 then
+  local state, expiries, last_error, attempts, idem = unpack(redis.call('HMGET', k, 'state', 'expiries', 'error', 'attempts',
+    'idem'))
+  local exp = tonumber(expiries or 0)
+  if state and exp > 0 then
     local back = math.min(n, exp)
     redis.call('HSET', k, 'expiries', exp - back)
     refunded = refunded + back
-    if f[1] == 'dead' and f[3] == 'lease expired' then
+    if state == 'dead' and last_error == 'lease expired' then
       redis.call('ZREM', P .. 'dead', id)
-      redis.call('HSET', k, 'attempts', math.max(tonumber(f[4] or 1) - 1, 0))
+      redis.call('HSET', k, 'attempts', math.max(tonumber(attempts or 1) - 1, 0))
       redis.call('HDEL', k, 'error', 'finished_at')
-      if f[5] and f[5] ~= '' then redis.call('PERSIST', P .. 'idem:' .. f[5]) end  -- not finished any more
+      if idem and idem ~= '' then redis.call('PERSIST', P .. 'idem:' .. idem) end  -- not finished any more
       revived[#revived + 1] = id
     end
   end

@@ -2,7 +2,7 @@
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, id
 -- Returns: {} for no such job, else {the job hash as a flat list, its lease deadline in ms or ''}
---- @include "common"
+--- @include "records"
 local h = redis.call('HGETALL', jkey(ARGV[2]))
 if #h == 0 then return {} end
 local owner = redis.call('HGET', jkey(ARGV[2]), 'owner')

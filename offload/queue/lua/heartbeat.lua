@@ -11,8 +11,11 @@
 --   worker holds (a token '' is judged by ownership alone)
 -- Returns: {lost ids, cancel-requested ids, the lease sequence number now, how many were handed back, the ms the
 --   store's clock stepped back since a heartbeat or maintenance pass last said so (0: none; `shift_back` in
---   common.lua)}
---- @include "common"
+--   outages.lua)}
+--- @include "clock"
+--- @include "records"
+--- @include "leases"
+--- @include "outages"
 local now = now_ms(ARGV[1])
 local wid, lease, silence = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local since, grace = tonumber(ARGV[5]), tonumber(ARGV[6])

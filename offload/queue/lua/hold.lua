@@ -4,10 +4,11 @@
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, id, token, reason, cap window (optional, digits)
 -- Returns: OK, STALE or NOTFOUND
---- @include "common"
+--- @include "clock"
+--- @include "leases"
 local now = now_ms(ARGV[1])
 local id, token = ARGV[2], ARGV[3]
-local f, err = owned(id, token)
+local job, err = owned(id, token)
 if err then return err end
-hold_job(id, f[2], now, ARGV[4], ARGV[5] or '')
+hold_job(id, job.owner, now, ARGV[4], ARGV[5] or '')
 return 'OK'

@@ -6,7 +6,12 @@
 --   tutorial's producer RPUSHes JSON onto
 -- ARGV: now, limit, max_attempts, retention, queue name
 -- Returns: {ingested, dead}
---- @include "common"
+--- @include "clock"
+--- @include "records"
+--- @include "events"
+--- @include "metrics"
+--- @include "ready"
+--- @include "terminal"
 local now = now_ms(ARGV[1])
 local limit, maxa, ret, queue = tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
 local ok_n = 0
@@ -98,7 +103,7 @@ for _ = 1, limit do
     local id = queue .. ':' .. tid
     local k = jkey(id)
     local ik = P .. 'idem:tutorial:' .. tid
-    -- the key outlives the record (common.lua's idem_expire): a job re-pushed after its record was trimmed has
+    -- the key outlives the record (terminal.lua's idem_expire): a job re-pushed after its record was trimmed has
     -- run already and is not run (and paid for) again while the key lives
     if redis.call('EXISTS', k) == 0 and redis.call('EXISTS', ik) == 0 then
       local okey = job.output_key or ('results/' .. tid .. '.json')

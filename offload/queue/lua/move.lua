@@ -2,7 +2,9 @@
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, source set (held or dead), limit, then optional ids
 -- Returns: the ids moved
---- @include "common"
+--- @include "clock"
+--- @include "records"
+--- @include "ready"
 local now = now_ms(ARGV[1])
 local src, limit = ARGV[2], tonumber(ARGV[3])
 local ids = {}

@@ -4,17 +4,19 @@
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, worker id, max run ms, then the job ids the worker holds
 -- Returns: a flat list, 3 fields per overdue lease: id, token, attempt
---- @include "common"
+--- @include "clock"
+--- @include "records"
 local now = now_ms(ARGV[1])
 local wid, max_ms = ARGV[2], tonumber(ARGV[3])
 local out = {}
 for i = 4, #ARGV do
   local id = ARGV[i]
-  local f = redis.call('HMGET', jkey(id), 'state', 'owner', 'token', 'started_at', 'attempts')
-  if (f[1] == 'active' or f[1] == 'submitted') and f[2] == wid and now - tonumber(f[4] or now) > max_ms then
+  local state, owner, token, started_at, attempts =
+    unpack(redis.call('HMGET', jkey(id), 'state', 'owner', 'token', 'started_at', 'attempts'))
+  if (state == 'active' or state == 'submitted') and owner == wid and now - tonumber(started_at or now) > max_ms then
     out[#out + 1] = id
-    out[#out + 1] = f[3]
-    out[#out + 1] = f[5] or '1'
+    out[#out + 1] = token
+    out[#out + 1] = attempts or '1'
   end
 end
 return out

@@ -3,7 +3,7 @@
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, set name, limit
 -- Returns: the number deleted; callers loop until 0
---- @include "common"
+--- @include "records"
 local set, limit = ARGV[2], tonumber(ARGV[3])
 local ids = redis.call('ZRANGE', P .. set, 0, limit - 1)
 if #ids == 0 then return 0 end

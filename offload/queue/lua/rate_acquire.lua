@@ -6,6 +6,7 @@
 -- Returns: ms to wait: positive = a slot is reserved, go after the wait; negative = the backend is cooling
 --   down, ask again after the wait
 --- @include "clock"
+--- @include "cooldown"
 local now = now_ms('')
 local cool = cooling(KEYS[2], now)
 if cool > 0 then return -cool end

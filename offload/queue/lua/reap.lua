@@ -4,8 +4,12 @@
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, limit, silence ms
 -- Returns: {promoted, reaped, trimmed, the ms the store's clock stepped back since a heartbeat or
---   maintenance pass last said so (0: none; `shift_back` in common.lua)}
---- @include "common"
+--   maintenance pass last said so (0: none; `shift_back` in outages.lua)}
+--- @include "clock"
+--- @include "ready"
+--- @include "terminal"
+--- @include "leases"
+--- @include "outages"
 local now = now_ms(ARGV[1])
 local limit = tonumber(ARGV[2])
 local trimmed = trim(now, limit)  -- first: a store at its maxmemory gets the room back before anything is written

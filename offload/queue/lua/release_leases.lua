@@ -7,15 +7,18 @@
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, worker id, mode, unsent: a JSON list of [id, token] ('' none), then ids
 -- Returns: the number of jobs released
---- @include "common"
+--- @include "clock"
+--- @include "records"
+--- @include "leases"
 local now = now_ms(ARGV[1])
 local wid, mode = ARGV[2], ARGV[3]
 local owned_key = P .. 'owned:' .. wid
 if ARGV[4] ~= '' then
   for _, item in ipairs(cjson.decode(ARGV[4])) do
-    local k = jkey(item[1])
-    local g = redis.call('HMGET', k, 'sub_open', 'intent_tok')
-    if g[1] == '1' and g[2] == item[2] then redis.call('HSET', k, 'sub_open', '0') end
+    local id, token = item[1], item[2]
+    local k = jkey(id)
+    local sub_open, intent_tok = unpack(redis.call('HMGET', k, 'sub_open', 'intent_tok'))
+    if sub_open == '1' and intent_tok == token then redis.call('HSET', k, 'sub_open', '0') end
   end
 end
 local ids = {}

@@ -6,7 +6,9 @@
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, limit
 -- Returns: {the number released, the current window (digits, e.g. 20261130), ms until the next window begins}
---- @include "common"
+--- @include "clock"
+--- @include "records"
+--- @include "ready"
 local now = now_ms(ARGV[1])
 local limit = tonumber(ARGV[2])
 local window = window_of(now)

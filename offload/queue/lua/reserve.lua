@@ -6,13 +6,15 @@
 -- ARGV: now, job cap ('' = none), spend cap ('' = none), items: a JSON list of [id, estimated cost]. The window
 --   is the store's UTC day (`window_of` in clock.lua).
 -- Returns: per item OK, CAP:jobs or CAP:spend
---- @include "common"
+--- @include "clock"
+--- @include "caps"
 local window = window_of(now_ms(ARGV[1]))
 local job_cap, spend_cap = tonumber(ARGV[2]), tonumber(ARGV[3])
 local st = cap_open(window)
 local out = {}
 for _, item in ipairs(cjson.decode(ARGV[4])) do
-  local verdict = cap_take(st, item[1], tonumber(item[2]), job_cap, spend_cap, false)
+  local id, estimate = item[1], tonumber(item[2])
+  local verdict = cap_take(st, id, estimate, job_cap, spend_cap, false)
   if verdict then out[#out + 1] = 'CAP:' .. verdict else out[#out + 1] = 'OK' end
 end
 cap_commit(st)

@@ -5,7 +5,9 @@
 -- ARGV: now
 -- Returns: {paused (0/1), ready, delayed, active not yet submitted, submitted, retry, held, succeeded, dead, cancelled,
 --   oldest ready age (ms), live workers, the stats hash as a flat list}
---- @include "common"
+--- @include "clock"
+--- @include "records"
+--- @include "ready"
 local now = now_ms(ARGV[1])
 local active = redis.call('ZCARD', P .. 'active')
 local submitted = redis.call('SCARD', P .. 'submitted')
@@ -14,8 +16,8 @@ local from = '-inf'
 for _ = 1, 64 do
   local head = redis.call('ZRANGE', P .. 'ready', from, '+inf', 'BYSCORE', 'LIMIT', 0, 1, 'WITHSCORES')
   if #head == 0 then break end
-  local f = redis.call('HMGET', jkey(head[1]), 'ready_at', 'created_at')
-  local t = tonumber(f[1] or f[2] or now)
+  local ready_at, created_at = unpack(redis.call('HMGET', jkey(head[1]), 'ready_at', 'created_at'))
+  local t = tonumber(ready_at or created_at or now)
   if not oldest or t < oldest then oldest = t end
   from = fmt((math.floor(tonumber(head[2]) / PRIO_SPAN) + 1) * PRIO_SPAN)
 end

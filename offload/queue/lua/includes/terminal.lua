@@ -1,0 +1,67 @@
+-- The terminal states (succeeded, dead, cancelled) and the retention of finished records.
+--- @include "records"
+--- @include "events"
+--- @include "metrics"
+local CENTURY_S = 3153600000
+local NONE = {}  -- nothing to unpack
+
+-- The idempotency key of a job lives as long as the job is not finished (a job may wait for days: a
+-- run_at far ahead, a long backlog), then as long as its record is kept, and at least a day.
+local function idem_expire(idem, ret)
+  if idem and idem ~= '' then
+    redis.call('EXPIRE', P .. 'idem:' .. idem, math.max(ret, 86400))
+  end
+end
+
+-- Enter a terminal state. The terminal set is scored by the time the record expires (finish + retention;
+-- retention 0 keeps it for a century), and the reaper deletes expired records in bulk, which keeps an
+-- EXPIRE per job off the hot path. `infos[i]` is a table with the job's `retention` and `idem` (its idempotency
+-- key) when the caller read them already; `extra` an optional flat list of more fields to set on every job.
+local function finish(ids, state, now, err, infos, extra)
+  if #ids == 0 then return end
+  local zs, expiry = {}, {}  -- expiry: the terminal score by retention (a batch mostly shares one)
+  for i, id in ipairs(ids) do
+    local k = jkey(id)
+    local more = extra and extra[i] or NONE  -- the fields are passed as they are: no table built per job
+    if err then  -- the token is kept: repeats are recognised
+      redis.call('HSET', k, 'state', state, 'finished_at', now, 'owner', '', 'error', err, unpack(more))
+    else
+      redis.call('HSET', k, 'state', state, 'finished_at', now, 'owner', '', unpack(more))
+    end
+    local retention, idem
+    if infos and infos[i] then
+      retention, idem = infos[i].retention, infos[i].idem
+    else
+      retention, idem = unpack(redis.call('HMGET', k, 'retention', 'idem'))
+    end
+    local ret = tonumber(retention or '0') or 0
+    if ret <= 0 then ret = CENTURY_S end
+    idem_expire(idem, ret)
+    local at = expiry[ret]
+    if not at then
+      at = fmt(now + ret * 1000)
+      expiry[ret] = at
+    end
+    zs[2 * i - 1] = at
+    zs[2 * i] = id
+  end
+  bulk_zadd(P .. state, zs)
+  count(state, #ids)
+  event(ids, state)
+end
+
+-- Delete the records of finished jobs whose retention ran out (terminal sets are scored by expiry time).
+local function trim(now, limit)
+  local trimmed = 0
+  for _, set in ipairs({'succeeded', 'dead', 'cancelled'}) do
+    local expired = redis.call('ZRANGEBYSCORE', P .. set, '-inf', now, 'LIMIT', 0, limit)
+    if #expired > 0 then
+      bulk('ZREM', P .. set, expired)
+      local keys = {}
+      for _, id in ipairs(expired) do keys[#keys + 1] = jkey(id) end
+      for j = 1, #keys, CHUNK do redis.call('DEL', unpack(keys, j, math.min(j + CHUNK - 1, #keys))) end
+      trimmed = trimmed + #expired
+    end
+  end
+  return trimmed
+end
