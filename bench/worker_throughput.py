@@ -58,6 +58,7 @@ from offload.connection import connect
 from offload.heap import freeze_startup
 from offload.models import ClaimedJob
 from offload.queue.backend_limits import BackendLimits
+from offload.queue.replies import Verdict
 from offload.queue.specs import JobSpec
 from offload.queue.store import DEFAULT_LEASE_MS, CompleteItem, QueueStore
 from offload.worker.dispatch import Worker, WorkerOptions, default_worker_id
@@ -126,7 +127,7 @@ class CountingStore(QueueStore):
         super().__init__(redis)
         self.done = done
 
-    async def complete_many(self, queue: str, items: Sequence[CompleteItem]) -> list[str]:
+    async def complete_many(self, queue: str, items: Sequence[CompleteItem]) -> list[Verdict]:
         codes = await super().complete_many(queue, items)
         self.done.add(codes)
         return codes

@@ -45,9 +45,9 @@ The branch roots are defined here; a leaf lives beside the code that raises it a
     - FileTooLarge (ValueError) - a File() over storage.max_input_file_bytes (offload.storage.inputs)
     - UploadCancelled - an input upload stopped midway; what it wrote is removed (offload.storage.inputs)
   + WorkerError - one job inside a worker, or a GPU worker's link to the server
-    - PollTimeout - the remote job did not finish within poll_timeout (offload.worker.hookpath)
-    - Unrecorded - a remote job known to exist whose checkpoint failed twice, not as an outage (offload.worker.jobpath)
-    - Drained - a job that had not sent its call when its worker began to drain: handed back (offload.worker.jobpath)
+    - PollTimeout - the remote job did not finish within poll_timeout (offload.worker.polling)
+    - Unrecorded - a remote job known to exist whose checkpoint failed twice, not as an outage (offload.worker.job_run)
+    - Drained - a job that had not sent its call when its worker began to drain: handed back (offload.worker.job_run)
     - PermanentError - raised by a handler: the job goes dead at once (offload.gpu_worker.loop)
     - ServerUnavailable (ConnectionError) - the server was away for the retry period (offload.gpu_worker.server_api)
     - Unregistered - the server no longer knows this worker id (offload.gpu_worker.server_api)

@@ -32,7 +32,7 @@ from bench.chaos.faketime import ClockFile
 HOST = "127.0.0.1"
 OFFLOAD = str(Path(sys.executable).with_name("offload"))
 WORKER_ID = re.compile(r"\bworker (\S+:\S+)")  # host:pid or host:pid:random, never "worker error: ..."
-# what a dispatch worker logs when its drain begins (offload/worker/dispatch.py, Worker._drain)
+# what a dispatch worker logs when its drain begins (offload/worker/drain.py, Drain.run)
 DRAINING = re.compile(r"draining: no new submissions; (\d+) waiting jobs handed back unsent, (\d+) submit calls out")
 
 

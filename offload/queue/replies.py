@@ -5,6 +5,8 @@ as an index wherever the reply is read. Each decoder's docstring names the scrip
 
 from __future__ import annotations
 
+import enum
+from dataclasses import dataclass
 from typing import Any
 
 from offload.models import ClaimedJob, Enqueued, QueueStats
@@ -95,3 +97,116 @@ def queue_stats(queue: str, reply: list[Any]) -> QueueStats:
         workers=int(workers),
         totals={k: int(v) for k, v in pairs(totals).items()},
     )
+
+
+class Verdict(enum.StrEnum):
+    """What a script says of one job's lease, the word before any payload. A StrEnum: equal to the reply text."""
+
+    OK = "OK"
+    CANCEL = "CANCEL"  # a cancel was requested: begin opened nothing; a checkpoint recorded the id all the same
+    DUP = "DUP"  # the submission already has another remote id (checkpoint: the lease is ours, or STALE:DUP)
+    REMOTE = "REMOTE"  # begin: a stale worker's answer was attached since the claim: poll it, pay nothing
+    CAP = "CAP"  # begin: a daily cap is reached (held until the window rolls over)
+    ATTACHED = "ATTACHED"  # checkpoint: the lease was lost, the answer recorded for the job's next owner
+    STALE = "STALE"  # another lease holds the job, or it finished
+    NOTFOUND = "NOTFOUND"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Begun:
+    """begin.lua's verdict on one item: OK:<n>, OK:<n>:DUP, REMOTE:<n>:<remote id>, CAP:<cap>, CANCEL, STALE or
+    NOTFOUND. `submission`: the number the intent opened (OK) or attached (REMOTE); `duplicate`: an earlier try
+    of that submission has an unknown outcome; `detail`: the cap reached (CAP) or the remote id (REMOTE)."""
+
+    verdict: Verdict
+    submission: int = 0
+    duplicate: bool = False
+    detail: str = ""
+
+    def __str__(self) -> str:
+        if self.verdict is Verdict.OK:
+            return f"OK:{self.submission}:DUP" if self.duplicate else f"OK:{self.submission}"
+        if self.verdict is Verdict.REMOTE:
+            return f"REMOTE:{self.submission}:{self.detail}"
+        return f"CAP:{self.detail}" if self.verdict is Verdict.CAP else self.verdict.value
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to the same record, and to the reply text it was decoded from (as a `Verdict` is)."""
+        if isinstance(other, str):
+            return str(self) == other
+        return isinstance(other, type(self)) and str(self) == str(other)
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+
+def begun(reply: str) -> Begun:
+    word, _, rest = str(reply).partition(":")
+    verdict = Verdict(word)
+    if verdict is Verdict.OK:
+        number, _, dup = rest.partition(":")
+        return Begun(verdict, int(number), duplicate=dup == "DUP")
+    if verdict is Verdict.REMOTE:
+        number, _, remote_id = rest.partition(":")
+        return Begun(verdict, int(number), detail=remote_id)
+    return Begun(verdict, detail=rest)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Checkpointed:
+    """checkpoint.lua's verdict on one item: OK, OK:CANCEL, DUP:<first id>, ATTACHED, STALE:DUP, STALE or NOTFOUND.
+    `recorded`: the remote id is the job's now; `cancel`: a cancel was requested meanwhile; `duplicate`: the
+    submission already had another remote id (`first`, when the lease is still ours), so ours is a copy."""
+
+    verdict: Verdict
+    cancel: bool = False
+    duplicate: bool = False
+    first: str = ""
+
+    @property
+    def recorded(self) -> bool:
+        """The lease is ours and the job goes on with a remote id (ours, or `first`)."""
+        return self.verdict is Verdict.OK or self.verdict is Verdict.DUP
+
+    def __str__(self) -> str:
+        if self.verdict is Verdict.OK:
+            return "OK:CANCEL" if self.cancel else "OK"
+        if self.verdict is Verdict.DUP:
+            return f"DUP:{self.first}"
+        return "STALE:DUP" if self.duplicate else self.verdict.value
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to the same record, and to the reply text it was decoded from (as a `Verdict` is)."""
+        if isinstance(other, str):
+            return str(self) == other
+        return isinstance(other, type(self)) and str(self) == str(other)
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+
+def checkpointed(reply: str) -> Checkpointed:
+    word, _, rest = str(reply).partition(":")
+    verdict = Verdict(word)
+    if verdict is Verdict.OK:
+        return Checkpointed(verdict, cancel=rest == "CANCEL")
+    if verdict is Verdict.DUP:
+        return Checkpointed(verdict, duplicate=True, first=rest)
+    return Checkpointed(verdict, duplicate=rest == "DUP")
+
+
+def lease_verdict(reply: str) -> Verdict:
+    """complete.lua's and fence.lua's word per item: OK, STALE or NOTFOUND."""
+    return Verdict(str(reply))
+
+
+def cap_reached(reply: str) -> str | None:
+    """reserve.lua's verdict on one item: None for OK, else the cap reached ("jobs" or "spend") of CAP:<cap>."""
+    verdict = Verdict(str(reply).partition(":")[0])
+    return None if verdict is Verdict.OK else str(reply).partition(":")[2]
+
+
+def already(reply: str) -> str | None:
+    """cancel.lua's reply: the terminal state of ALREADY:<state>, else None (cancelled, requested, NOTFOUND)."""
+    word, _, state = str(reply).partition(":")
+    return state if word == "ALREADY" else None

@@ -37,7 +37,7 @@ log = logging.getLogger("offload.queue")
 LeaseRef = str | tuple[str, str]  # a job id, or (job id, lease token)
 
 
-#: (id, token, result location, cost) or, for a run never checkpointed, (..., backend, remote id, submission n).
+#: (id, token, result location, cost) or, for a run never checkpointed, (..., backend, remote id, submission).
 CompleteItem = tuple[str, str, str, float | None] | tuple[str, str, str, float | None, str, str, int]
 
 
@@ -167,23 +167,22 @@ class QueueStore(EnqueueStore, AdminStore, ReadStore, HookStore):
         job_cap: int | None = None,
         spend_cap: float | None = None,
         backend: str = "",
-    ) -> list[str]:
+    ) -> list[replies.Begun]:
         """Right before the provider call, per (id, token, estimated cost): lease and cancel check, cap
         reservation in the store's cap window (held when over) and the submit intent, with the hash of the
         submission's webhook secret when the item carries one (id, token, cost, hash). Per item OK:<n>,
         OK:<n>:DUP (a possible duplicate: an earlier try of that submission has an unknown outcome), CAP:jobs,
-        CAP:spend, CANCEL, STALE or NOTFOUND (see begin.lua)."""
-        return list(
-            await self._run(
-                SCRIPTS.begin,
-                queue,
-                "" if job_cap is None else job_cap,
-                "" if spend_cap is None else spend_cap,
-                backend,
-                orjson.dumps([(i[0], i[1], repr(float(i[2])), i[3] if len(i) > 3 else "") for i in items]),
-                durable=True,
-            )
+        CAP:spend, CANCEL, STALE or NOTFOUND (see begin.lua), decoded."""
+        codes = await self._run(
+            SCRIPTS.begin,
+            queue,
+            "" if job_cap is None else job_cap,
+            "" if spend_cap is None else spend_cap,
+            backend,
+            orjson.dumps([(i[0], i[1], repr(float(i[2])), i[3] if len(i) > 3 else "") for i in items]),
+            durable=True,
         )
+        return [replies.begun(code) for code in codes]
 
     async def overdue(
         self, queue: str, worker_id: str, job_ids: Sequence[str], max_ms: int
@@ -192,31 +191,32 @@ class QueueStore(EnqueueStore, AdminStore, ReadStore, HookStore):
         flat = await self._run(SCRIPTS.overdue, queue, worker_id, max_ms, *job_ids)
         return [(flat[i], flat[i + 1], int(flat[i + 2])) for i in range(0, len(flat), 3)]
 
-    async def fence_many(self, queue: str, items: Sequence[tuple[str, str]]) -> list[str]:
+    async def fence_many(self, queue: str, items: Sequence[tuple[str, str]]) -> list[replies.Verdict]:
         """OK / STALE / NOTFOUND per (id, token): whether each token still holds its lease (changes nothing)."""
-        return list(await self._run(SCRIPTS.fence, queue, orjson.dumps(items)))
+        return [replies.lease_verdict(code) for code in await self._run(SCRIPTS.fence, queue, orjson.dumps(items))]
 
     async def checkpoint(self, job_id: str, token: str, backend: str, remote_id: str) -> bool:
         """Record the remote job; returns True when a cancel was requested meanwhile."""
         (code,) = await self.checkpoint_many(queue_of(job_id), [(job_id, token, backend, remote_id)])
-        _expect(code, job_id)
-        return bool(code == "OK:CANCEL")
+        _expect(code.verdict, job_id)
+        return code.cancel
 
     async def checkpoint_many(
         self, queue: str, items: Sequence[tuple[str, str, str, str] | tuple[str, str, str, str, int]]
-    ) -> list[str]:
-        """Record many (id, token, backend, remote id[, submission number]); OK, OK:CANCEL, STALE or NOTFOUND
-        per item. The submission's intent is closed."""
-        return list(await self._run(SCRIPTS.checkpoint, queue, orjson.dumps(items), durable=True))
+    ) -> list[replies.Checkpointed]:
+        """Record many (id, token, backend, remote id[, submission number]); OK, OK:CANCEL, DUP:<first id>,
+        ATTACHED, STALE:DUP, STALE or NOTFOUND per item, decoded. The submission's intent is closed."""
+        codes = await self._run(SCRIPTS.checkpoint, queue, orjson.dumps(items), durable=True)
+        return [replies.checkpointed(code) for code in codes]
 
-    async def complete_many(self, queue: str, items: Sequence[CompleteItem]) -> list[str]:
+    async def complete_many(self, queue: str, items: Sequence[CompleteItem]) -> list[replies.Verdict]:
         """Ack many (id, token, result location, cost[, backend, remote id, submission number]); returns OK /
         STALE / NOTFOUND per item. The remote part records a run that was never checkpointed (a synchronous
         API answers the submit with the result) and closes its submit intent, in the same step as the ack."""
         batch = orjson.dumps(
             [(*item[:3], "" if item[3] is None else repr(float(item[3])), *item[4:]) for item in items]
         )
-        return list(await self._run(SCRIPTS.complete, queue, batch, durable=True))
+        return [replies.lease_verdict(code) for code in await self._run(SCRIPTS.complete, queue, batch, durable=True)]
 
     async def complete(self, job_id: str, token: str, result: str, cost: float | None = None) -> None:
         (code,) = await self.complete_many(queue_of(job_id), [(job_id, token, result, cost)])
@@ -283,7 +283,7 @@ class QueueStore(EnqueueStore, AdminStore, ReadStore, HookStore):
             "" if spend_cap is None else spend_cap,
             orjson.dumps([(i, repr(float(c))) for i, c in items]),
         )
-        return [None if code == "OK" else str(code).split(":", 1)[1] for code in codes]
+        return [replies.cap_reached(code) for code in codes]
 
     async def usage(self, queue: str) -> tuple[str, int, float]:
         """(window, jobs counted, spend) of the queue's current cap window (the store's UTC day, digits), for
@@ -328,6 +328,6 @@ class QueueStore(EnqueueStore, AdminStore, ReadStore, HookStore):
         """Returns "cancelled" (it was waiting) or "requested" (its worker will cancel the remote job)."""
         code = await self._run(SCRIPTS.cancel, queue_of(job_id), job_id, durable=True)
         _expect(code, job_id)
-        if str(code).startswith("ALREADY:"):
-            raise InvalidTransition(f"job {job_id} is already {code.split(':', 1)[1]}")
+        if (state := replies.already(code)) is not None:
+            raise InvalidTransition(f"job {job_id} is already {state}")
         return str(code)

@@ -22,6 +22,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from offload.backoff import compute_backoff
 from offload.connection import is_oom, is_outage
 
 log = logging.getLogger("offload.worker")
@@ -84,17 +85,21 @@ class StoreHealth:
         log.warning("job store unreachable (%s): holding every job where it is until it answers again", describe(exc))
         self._probe = asyncio.get_running_loop().create_task(self._look())
 
+    def _pause(self, first: float, tries: int) -> float:
+        """A probe's wait before its try number `tries` (0 first): `first`, then doubling up to `max_pause_s`."""
+        return compute_backoff(tries + 1, base=first, cap=self._max_pause) if tries else first
+
     async def _look(self) -> None:
-        pause = FIRST_PROBE_S
+        tries = 0
         while True:
-            await asyncio.sleep(pause)
+            await asyncio.sleep(self._pause(FIRST_PROBE_S, tries))
             try:
                 await self._ping()
                 break
             except Exception as exc:
                 if not is_outage(exc):
                     log.warning("job store probe: %s", describe(exc))
-                pause = min(pause * 2, self._max_pause)
+                tries += 1
         took = time.monotonic() - (self.down_since or time.monotonic())
         self.longest_s = max(self.longest_s, took)
         log.warning("job store answers again after %.1fs", took)
@@ -115,9 +120,9 @@ class StoreHealth:
 
     async def _look_for_room(self) -> None:
         began = self.full_since or time.monotonic()
-        pause = FIRST_ROOM_PROBE_S
+        tries = 0
         while True:
-            await asyncio.sleep(pause)
+            await asyncio.sleep(self._pause(FIRST_ROOM_PROBE_S, tries))
             try:
                 if self._heal is not None:
                     await self._heal()
@@ -128,7 +133,7 @@ class StoreHealth:
                     log.warning("job store memory probe: %s", describe(exc))
             if time.monotonic() - began >= ROOM_RETRY_S:
                 break
-            pause = min(pause * 2, self._max_pause)
+            tries += 1
         log.warning("job store: writes refused for memory are sent again after %.1fs", time.monotonic() - began)
         self.full_since = None
         self._room.set()

@@ -2,22 +2,18 @@
 
 The jobs claimed ahead keep every slot busy while the next claim is on its way. A fixed share of `concurrency`
 fits one pace only: long jobs (a GPU's seconds to minutes) leave a slot a few times a second and need few ahead,
-while jobs of milliseconds leave thousands of slots a second and a quarter of `concurrency` ran out while each
-claim was out (bench/worker_throughput.py's no-op jobs at 100 in flight: ~6,000/s with 25 ahead against
-~7,400/s with 100, the lean loop ~7,500/s, on this machine). So, by default, as many jobs are leased ahead as
-leave their slots during two claim round trips at the current pace: never fewer than the floor
-(`WorkerOptions.leased_max`: a quarter of `concurrency`), never more than `concurrency` or `claim_batch`. A
-`prefetch` given, and a daily cap (nothing ahead: a job claimed ahead of a reached cap is held), are kept as
-they are.
+while jobs of milliseconds leave thousands of slots a second and a quarter of `concurrency` runs out while each
+claim is out. So, by default, as many jobs are leased ahead as leave their slots during two claim round trips at
+the current pace: never fewer than the floor (`WorkerOptions.leased_max`: a quarter of `concurrency`), never more
+than `concurrency` or `claim_batch`. A `prefetch` given, and a daily cap (nothing ahead: a job claimed ahead of a
+reached cap is held), are kept as they are.
 
 A pace is an average, and jobs do not leave evenly: jobs started together with the same remote duration stay in
-step and leave their slots in bursts (bench/worker_throughput.py's 50 ms jobs: all 100 within a millisecond or
-two, every 51 ms). Every job that leaves between two claim replies is replaced from the jobs ahead or waits for
-the next reply, so the most that left between two replies (a peak that halves every `BURST_HALF_LIFE_S`) is
-also covered, where the jobs are short enough for that wait to matter: where one round trip is at least
-`BURST_SHARE` of a job's time in its slot. Measured on those 50 ms jobs: slots 96.5 % busy with the pace alone
-(the 25 ahead ran out at each burst), ~99 % with the burst covered. GPU jobs (a round trip is a ten-thousandth
-of their time) keep the floor, however they leave.
+step and leave their slots in bursts. Every job that leaves between two claim replies is replaced from the jobs
+ahead or waits for the next reply, so the most that left between two replies (a peak that halves every
+`BURST_HALF_LIFE_S`) is also covered, where the jobs are short enough for that wait to matter: where one round
+trip is at least `BURST_SHARE` of a job's time in its slot. GPU jobs keep the floor, however they leave. The
+measurements behind both are in docs/explanation/performance.md, *Jobs leased ahead*.
 """
 
 from __future__ import annotations

@@ -11,30 +11,31 @@ from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
+
 from offload.backends import Backend, create_backend, new_client
 from offload.backends.http import user_agent
 from offload.backends.settings import AnyBackendSettings
 from offload.backends.transport import fast_path
-from offload.config import Settings, parse_rate
+from offload.config import QueueSettings, Settings, parse_rate
 from offload.connection import at_start, connect
 from offload.egress import FilePolicy
 from offload.env import env_int
 from offload.errors import ConfigError
 from offload.queue.backend_limits import BackendLimits
-from offload.queue.memory import read_memory, warn_unreported
+from offload.queue.memory import StoreMemory, read_memory, warn_unreported
 from offload.queue.store import QueueStore
-from offload.storage import S3StorageSettings, create_storage, store_output
-from offload.worker.dispatch import Worker, WorkerOptions, default_worker_id
+from offload.redis_client import RedisClient
+from offload.storage import S3StorageSettings, Storage, create_storage, store_output
+from offload.worker.context import Fence, StoreOutput
+from offload.worker.dispatch import Worker, default_worker_id
 from offload.worker.file_inputs import with_file_inputs
-from offload.worker.jobpath import Fence, StoreOutput
+from offload.worker.options import DRAIN_GRACE_S, WorkerOptions
 
 log = logging.getLogger("offload.worker")
 # Output files are copied over a pool of their own, at most this many connections per file host, each kept alive
-# and reused: without a per-host bound a burst of job ends opens a connection for most of its files. Measured by
-# bench/store_outputs.py (2,000 outputs at once, 6 interleaved repetitions on a fresh pool each): 1.11x the
-# outputs per second of the unbounded pool, 10 % less worker CPU per output (3.51 vs 3.91 ms on a loaded
-# machine) and 21 % less CPU for the file host (0.103 vs 0.130 ms). 64 parallel streams per host fill any link a
-# CPU box has.
+# and reused: without a per-host bound a burst of job ends opens a connection for most of its files (see
+# docs/explanation/performance.md).
 FILE_CONNECTIONS_PER_HOST = 64
 
 
@@ -46,7 +47,7 @@ async def run_worker(
     worker_id: str | None = None,
     stop: asyncio.Event | None = None,
     cut: asyncio.Event | None = None,
-    grace_s: float = 30.0,
+    grace_s: float = DRAIN_GRACE_S,
     install_signals: bool = True,
     on_ready: Callable[[Worker], None] | None = None,
 ) -> Worker:
@@ -74,7 +75,7 @@ async def run_workers(
     worker_id: str | None = None,
     stop: asyncio.Event | None = None,
     cut: asyncio.Event | None = None,
-    grace_s: float = 30.0,
+    grace_s: float = DRAIN_GRACE_S,
     install_signals: bool = True,
     on_ready: Callable[[Worker], None] | None = None,
 ) -> list[Worker]:
@@ -95,12 +96,57 @@ async def run_workers(
     stop = stop or asyncio.Event()
     cut = cut or asyncio.Event()
     if install_signals:
-        loop, handle = asyncio.get_running_loop(), _on_signal(stop, cut)  # one count for both signals
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, handle)
+        _install_signals(stop, cut)
     total = sum(concurrency or q.concurrency for _, q, _, _ in plans)
     worker_id = worker_id or default_worker_id()  # one id per process: it is in every request's User-Agent
     async with contextlib.AsyncExitStack() as resources:
+        shared = await _Shared.open(settings, plans, total, worker_id, resources)
+        lease = int(lease_ms) if lease_ms is not None else None
+        workers = [
+            await shared.worker(
+                WorkerOptions.from_settings(settings, queue, concurrency=concurrency, grace_s=grace_s, lease_ms=lease),
+                backend_name,
+                bs,
+                worker_id,
+                resources,
+            )
+            for queue, _, backend_name, bs in plans
+        ]
+        if on_ready:
+            for worker in workers:
+                on_ready(worker)
+        await _serve_all(workers, stop, cut)
+    return workers
+
+
+class _Shared:
+    """What the workers of one process share: the HTTP clients, the storage, one backend (and its limits) per
+    backend name, the Redis pool and the store."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        files: httpx.AsyncClient,
+        storage: Storage,
+        backends: dict[str, Backend],
+        redis: RedisClient,
+        memory: StoreMemory,
+    ) -> None:
+        self.settings, self.files, self.storage, self.backends = settings, files, storage, backends
+        self.redis, self.memory = redis, memory
+        self.store = QueueStore(redis, durability=settings.durability)
+        self.plain = fast_path(files)  # output files copied on aiohttp directly where httpx adds nothing
+        self.limits: dict[str, BackendLimits] = {}
+
+    @classmethod
+    async def open(
+        cls,
+        settings: Settings,
+        plans: list[tuple[str, QueueSettings, str, AnyBackendSettings]],
+        total: int,
+        worker_id: str,
+        resources: contextlib.AsyncExitStack,
+    ) -> _Shared:
         pool = functools.partial(
             new_client,
             max_connections=min(max(total, 16), 1024),
@@ -112,7 +158,6 @@ async def run_workers(
         # its own: the providers' APIs never queue behind copies; and under the egress rule (offload.egress)
         files = pool(per_host=FILE_CONNECTIONS_PER_HOST, egress=True)
         resources.push_async_callback(files.aclose)
-        plain = fast_path(files)  # output files copied on aiohttp directly where httpx adds nothing
         storage = create_storage(settings.storage)
         resources.push_async_callback(storage.aclose)
         backends: dict[str, Backend] = {}
@@ -126,87 +171,63 @@ async def run_workers(
         # a store that may evict loses leases and caps: the workers start paused, as running ones pause (PolicyWatch)
         memory = await at_start(lambda: read_memory(redis))
         warn_unreported(memory)
-        store = QueueStore(redis, durability=settings.durability)
-        await at_start(lambda: store.check_durability([queue for queue, *_ in plans]))
+        shared = cls(settings, files, storage, backends, redis, memory)
+        await at_start(lambda: shared.store.check_durability([queue for queue, *_ in plans]))
+        return shared
 
-        def saver(bs: AnyBackendSettings) -> StoreOutput:
-            policy = file_policy(settings, bs)
+    def saver(self, bs: AnyBackendSettings) -> StoreOutput:
+        settings, policy = self.settings, file_policy(self.settings, bs)
 
-            async def save(key: str, output: Any, run: str, fence: Fence) -> str:
-                stored = await store_output(
-                    storage,
-                    key,
-                    output,
-                    files,
-                    copy_files=settings.storage.copy_files,
-                    policy=policy,
-                    run=run,
-                    before_write=fence,
-                    plain=plain,
-                )
-                return stored.location
-
-            return save
-
-        limits: dict[str, BackendLimits] = {}
-        workers: list[Worker] = []
-        for queue, q, backend_name, bs in plans:
-            if backend_name not in limits:
-                limits[backend_name] = BackendLimits(
-                    redis, backend_name, parse_rate(bs.rate_limit) if bs.rate_limit else None
-                )
-            # Liveness must never queue behind thousands of job tasks waiting for the shared pool: a late
-            # heartbeat lets the reaper hand live jobs to another worker, which would then pay for them again.
-            control = await connect(settings.redis_url, max_connections=2)
-            resources.push_async_callback(control.aclose)
-            in_flight = concurrency or q.concurrency
-            options = WorkerOptions(
-                queue=queue,
-                backend_name=backend_name,
-                concurrency=in_flight,
-                poll_interval=q.poll_interval,
-                poll_timeout=q.poll_timeout,
-                not_found_grace_s=bs.not_found_grace_s,
-                resubmit_on_timeout=bs.resubmit_on_timeout,
-                grace_s=grace_s,
-                backend_timeout=bs.timeout,
-                daily_job_cap=q.daily_job_cap,
-                daily_spend_cap=q.daily_spend_cap,
-                price_per_job=bs.price_per_job,
-                price_per_second=bs.price_per_second,
-                max_job_cost=bs.max_job_cost,
-                ingest_list=q.ingest_list,
-                max_attempts=q.max_attempts,
-                submit_concurrency=q.submit_concurrency,
-                hook_base=settings.hook_base(backend_name),
-                hook_poll_interval=bs.webhook_poll_interval_s,
-                hook_grace_s=settings.hook_grace_s(backend_name),
-                **({"lease_ms": int(lease_ms)} if lease_ms is not None else {}),
+        async def save(key: str, output: Any, submission: str, fence: Fence) -> str:
+            stored = await store_output(
+                self.storage,
+                key,
+                output,
+                self.files,
+                copy_files=settings.storage.copy_files,
+                policy=policy,
+                run=submission,
+                before_write=fence,
+                plain=self.plain,
             )
-            worker = Worker(
-                store,
-                backends[backend_name],
-                saver(bs),
-                limits[backend_name],
-                options,
-                worker_id=worker_id,
-                control=QueueStore(control, durability=settings.durability),
-            )
-            worker.policy.apply(memory)  # paused from the start (one line naming the setting) if the store may evict
-            workers.append(worker)
-            log.info(
-                "worker %s serving queue %s via %s (%s), up to %d in flight",
-                worker.id,
-                queue,
-                backend_name,
-                bs.kind,
-                in_flight,
-            )
-        if on_ready:
-            for worker in workers:
-                on_ready(worker)
-        await _serve_all(workers, stop, cut)
-    return workers
+            return stored.location
+
+        return save
+
+    async def worker(
+        self,
+        options: WorkerOptions,
+        backend_name: str,
+        bs: AnyBackendSettings,
+        worker_id: str,
+        resources: contextlib.AsyncExitStack,
+    ) -> Worker:
+        if backend_name not in self.limits:
+            rate = parse_rate(bs.rate_limit) if bs.rate_limit else None
+            self.limits[backend_name] = BackendLimits(self.redis, backend_name, rate)
+        # Liveness must never queue behind thousands of job tasks waiting for the shared pool: a late
+        # heartbeat lets the reaper hand live jobs to another worker, which would then pay for them again.
+        control = await connect(self.settings.redis_url, max_connections=2)
+        resources.push_async_callback(control.aclose)
+        worker = Worker(
+            self.store,
+            self.backends[backend_name],
+            self.saver(bs),
+            self.limits[backend_name],
+            options,
+            worker_id=worker_id,
+            control=QueueStore(control, durability=self.settings.durability),
+        )
+        worker.policy.apply(self.memory)  # paused from the start (one line naming the setting) if the store may evict
+        log.info(
+            "worker %s serving queue %s via %s (%s), up to %d in flight",
+            worker.id,
+            options.queue,
+            backend_name,
+            bs.kind,
+            options.concurrency,
+        )
+        return worker
 
 
 def file_policy(settings: Settings, bs: AnyBackendSettings) -> FilePolicy:
@@ -219,6 +240,12 @@ def file_policy(settings: Settings, bs: AnyBackendSettings) -> FilePolicy:
         parts = urlsplit(store.endpoint_url)
         own += [store.endpoint_url, f"{parts.scheme}://{store.bucket}.{parts.netloc}"]
     return FilePolicy.of(*own, allow_private=bs.allow_private_hosts, hosts=bs.file_hosts)
+
+
+def _install_signals(stop: asyncio.Event, cut: asyncio.Event) -> None:
+    loop, handle = asyncio.get_running_loop(), _on_signal(stop, cut)  # one count for both signals
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, handle)
 
 
 def _on_signal(stop: asyncio.Event, cut: asyncio.Event) -> Callable[[], None]:

@@ -1,56 +1,95 @@
-"""One job's hold on one of a dispatch worker's `concurrency` slots (see docs/explanation/architecture.md, *Slots*)."""
+"""The dispatch worker's `concurrency` slots, one per job at the provider (see docs/explanation/architecture.md,
+*Slots*): the pool, the count of jobs in flight, and each job's hold on one."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Protocol
 
-from offload.models import ClaimedJob
+from offload.worker.context import WorkerContext
+from offload.worker.job_run import JobRun
+from offload.worker.prefetch import Prefetch
 
 
-class SlotOwner(Protocol):
-    def _take_free(self, job: ClaimedJob) -> bool: ...
+class Slots:
+    """The slots and what follows from them: jobs in flight (and the peak), the pace the prefetch reads, and
+    `room`, set whenever a job leaves its slot or its task ends (the claim loop waits for it)."""
 
-    async def _enter_remote(self, job: ClaimedJob) -> None: ...
+    def __init__(self, ctx: WorkerContext, prefetch: Prefetch) -> None:
+        self.ctx, self.prefetch = ctx, prefetch
+        self.pool = SlotPool(ctx.options.concurrency)
+        self.in_flight = 0
+        self.peak_in_flight = 0  # the most remote jobs at once (slots taken), at most `concurrency`
+        self.room = asyncio.Event()
 
-    def _leave_remote(self, job: ClaimedJob) -> None: ...
+    def take_free(self) -> bool:
+        """A slot now, if one is free; False, taking nothing, if the job must wait."""
+        if not self.pool.try_take():
+            return False
+        self._entered()
+        return True
+
+    async def enter(self, run: JobRun) -> None:
+        """Take a slot: at most `concurrency` jobs are past this point (submitting, at the provider, polled). A
+        job that must wait is one of the jobs ahead (a drain cancels those at once)."""
+        if self.take_free():
+            return
+        await self.ctx.wait_ahead(run.job, self.pool.acquire())
+        self._entered()
+
+    def _entered(self) -> None:
+        self.in_flight += 1
+        if self.in_flight > self.peak_in_flight:
+            self.peak_in_flight = self.in_flight
+
+    def leave(self, run: JobRun) -> None:
+        self.in_flight -= 1
+        self.pool.release()
+        self.prefetch.left()
+        self.ctx.runs.mark_past(run)
+        self.room.set()
+
+    def to_claim(self) -> int:
+        """Jobs to claim now. Up to `leased_max` jobs that are before or in their remote work (prefetch.py: how
+        many ahead of the slots); the ones past it (storing an output, acking: a round trip or two) do not hold
+        back the next claim, but they have an allowance of their own, `concurrency`, so that a storage outage
+        stops the claiming (and paying) soon."""
+        runs = self.ctx.runs
+        most = self.prefetch.leased_max()
+        return min(most - (len(runs) - runs.past), most + self.ctx.options.concurrency - len(runs))
 
 
 class Slot:
     """One job's hold on one of the worker's `concurrency` slots: taken at most once, at the job's first remote
     step, and given back once when its remote work ends (or it ends before any)."""
 
-    __slots__ = ("_job", "_path", "held")
+    __slots__ = ("_run", "_slots", "held")
 
-    def __init__(self, path: SlotOwner, job: ClaimedJob) -> None:
-        self._path, self._job, self.held = path, job, False
+    def __init__(self, slots: Slots, run: JobRun) -> None:
+        self._slots, self._run, self.held = slots, run, False
 
     def take_now(self) -> bool:
         """Whether the slot is held now, taking a free one if need be: no coroutine on the common path (a worker
-        with room), as `if not slot.take_now(): await slot.take()`. Two coroutines less per job than `take`
-        alone (creating and running a coroutine costs ~0.2 us in 3.11; bench/worker_throughput.py's no-op jobs
-        lost ~12 % of their rate to 3 us more Python per job)."""
+        with room), as `if not slot.take_now(): await slot.take()` (see docs/explanation/performance.md)."""
         if not self.held:
-            self.held = self._path._take_free(self._job)
+            self.held = self._slots.take_free()
         return self.held
 
     async def take(self) -> None:
         if not self.held:
-            await self._path._enter_remote(self._job)
+            await self._slots.enter(self._run)
             self.held = True
 
     def give_back(self) -> None:
         if self.held:
             self.held = False
-            self._path._leave_remote(self._job)
+            self._slots.leave(self._run)
 
 
 class SlotPool:
     """The worker's `concurrency` slots: a first-come first-served counting semaphore. Not asyncio.Semaphore,
-    whose `acquire` (3.11) first asks `locked()`, which scans every waiter: with the jobs claimed ahead waiting
-    there, each job paid a scan of them (measured in bench/worker_throughput.py's no-op run: ~3 % of the worker's
-    time in `locked`). Invariant: a slot is free only while nobody waits (`release` hands it over first)."""
+    whose `acquire` scans every waiter, the jobs claimed ahead included (see docs/explanation/performance.md).
+    Invariant: a slot is free only while nobody waits (`release` hands it over first)."""
 
     __slots__ = ("_free", "_waiters")
 

@@ -6,9 +6,8 @@
 - **Webhooks** (`keys.hooks_channel`, with webhooks on): the server's hook.lua PUBLISHes `<job id> <submission>`
   on the channel of the worker that holds the job right after it kept a verified final webhook, with ` <body>`
   after it when the body is small. One blocking read serves every job in flight: a message sets that job's
-  event, and its task takes the body from the message, or reads the kept one from the job record (a burst of
-  2,000 completions spent ~90 ms per job, median, between the wake-up and that read: a round trip in a batch
-  behind the others).
+  event, and its task takes the body from the message (no read: see docs/explanation/performance.md, *Webhook
+  bodies in the wake-up*), or reads the kept one from the job record.
 
 Pub/sub delivers at most once, so a message lost to a dropped connection costs a wake-up only its fallback (the
 claim loop's next poll; a job's fallback poll, and a job claimed later finds its webhook body by itself), never a
@@ -24,9 +23,11 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from offload.backoff import Backoff
 from offload.connection import is_outage
 
 log = logging.getLogger("offload.worker")
+RECONNECT_FIRST_S = 0.1
 RECONNECT_MAX_S = 5.0
 
 
@@ -55,14 +56,14 @@ async def listen(redis: Any, handlers: Mapping[str, Callable[[str | None], None]
     handler is called with None each time the subscription is in place, the first time too: messages sent
     before it (while reconnecting, or while the worker's first claims ran ahead of its first subscription)
     were lost."""
-    pause = 0.1
+    pauses = Backoff(RECONNECT_FIRST_S, RECONNECT_MAX_S)
     while True:
         pubsub = redis.pubsub(ignore_subscribe_messages=True)
         try:
             await pubsub.subscribe(*handlers)
             for handle in handlers.values():
                 handle(None)
-            pause = 0.1
+            pauses.reset()
             while True:
                 message = await pubsub.get_message(timeout=30.0)
                 if message is not None and message.get("type") == "message":
@@ -74,8 +75,7 @@ async def listen(redis: Any, handlers: Mapping[str, Callable[[str | None], None]
         except Exception as exc:
             if not is_outage(exc):
                 log.warning("pub/sub wake-ups: %s: %s", type(exc).__name__, exc)
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, RECONNECT_MAX_S)
+            await asyncio.sleep(pauses.next())
         finally:
             with contextlib.suppress(Exception):
                 await pubsub.aclose()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from offload.backends.settings import DEFAULT_TIMEOUT
-from offload.worker.dispatch import RECORD_S
+from offload.worker.drain import RECORD_S
 
 UNITS = Path(__file__).parents[2] / "deploy" / "systemd"
 UNIT = UNITS / "offload-worker@.service"

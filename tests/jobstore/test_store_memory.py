@@ -31,6 +31,7 @@ from test_server_metrics import scrape
 from offload import Client, StoreFull, UnsafeEvictionPolicy
 from offload.connection import connect, is_oom, is_outage
 from offload.queue.memory import read_memory
+from offload.queue.replies import Verdict
 from offload.queue.scripts import NAMES, SCRIPTS
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
@@ -125,7 +126,7 @@ async def test_at_maxmemory_the_scripts_that_end_jobs_run_and_the_ones_that_add_
     await store.enqueue_many("q", [JobSpec(input={"n": i, "pad": "x" * 1000}) for i in range(40)])
     jobs = await store.claim("q", "w1", 8)
     begun = await store.begin_many("q", [(j.id, j.token, 0.0) for j in jobs[:7]])  # the 8th begins at the limit
-    assert all(v.startswith("OK:") for v in begun)
+    assert all(v.verdict is Verdict.OK for v in begun)
     before = (await store.stats("q")).counts
     squeeze(own_server)
     assert (await read_memory(store.redis)).full

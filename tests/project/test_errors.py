@@ -50,7 +50,7 @@ def test_the_walk_sees_the_whole_package() -> None:
     for where in (
         "offload.backends.base.Throttled",
         "offload.autoscale.instances.Fenced",
-        "offload.worker.hookpath.PollTimeout",
+        "offload.worker.polling.PollTimeout",
         "offload.gpu_worker.loop.PermanentError",
         "offload.testing.sim.engine.ErrorReply",
         "offload.storage.base.StorageError",
@@ -96,7 +96,7 @@ def test_the_drawn_tree_names_every_class() -> None:
         ("offload.storage.base.StorageError", ObjectStoreError),
         ("offload.gpu_worker.server_api.ServerUnavailable", ConnectionError),
         ("offload.gpu_worker.server_api.ServerRejected", WorkerError),
-        ("offload.worker.hookpath.PollTimeout", WorkerError),
+        ("offload.worker.polling.PollTimeout", WorkerError),
         ("offload.server.errors.BodyTooLarge", RequestError),
     ],
 )

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from offload.heap import GEN0_THRESHOLD
+from offload.queue.replies import Verdict
 
 HERE = Path(__file__).resolve().parent
 DELIVERIES = 3
@@ -53,7 +54,7 @@ async def probe(redis_url: str, results: str) -> dict[str, object]:
     ids = await store.enqueue_many("q", [JobSpec(input={"n": i}) for i in range(DELIVERIES)])
     claimed = await store.claim("q", "w1", DELIVERIES)
     begun = await store.begin_many("q", [(c.id, c.token, 0.0, hook_digest("rp", f"s-{c.id}")) for c in claimed])
-    assert all(v.startswith("OK:") for v in begun), begun
+    assert all(v.verdict is Verdict.OK for v in begun), begun
     app = create_app(
         ServerOptions(redis_url=redis_url, settings=settings, admin_key="warm-admin-" + secrets.token_hex(16))
     )

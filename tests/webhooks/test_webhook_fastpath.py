@@ -23,6 +23,7 @@ from support.servers import ValkeyServer, free_port
 from offload.config import Settings
 from offload.connection import connect
 from offload.queue.keyspace import hook_digest
+from offload.queue.replies import Verdict
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 
@@ -60,7 +61,7 @@ async def submitted_job(store: QueueStore) -> str:
     (job_id,) = await store.enqueue_many("q", [JobSpec(input={"n": 1})])
     (claimed,) = await store.claim("q", "w1", 1)
     (verdict,) = await store.begin_many("q", [(claimed.id, claimed.token, 0.0, hook_digest("rp", SECRET))])
-    assert verdict.startswith("OK:"), verdict
+    assert verdict.verdict is Verdict.OK, verdict
     return job_id
 
 

@@ -163,7 +163,7 @@ async def test_a_late_callback_of_a_failed_run_does_not_bring_its_remote_id_back
 
 
 async def test_a_start_event_adopts_for_the_worker_waiting_out_the_grace(vstore: QueueStore) -> None:
-    """The submitter died inside the call and its job went to w2 (in `_await_hook`) before the provider's
+    """The submitter died inside the call and its job went to w2 (in `Polling.await_hook`) before the provider's
     `start` came: the id is adopted, counted, w2 is told at once, and an `adopted` event marks the moment. The
     body of a non-final event is never kept, and nothing after it (a duplicate start, the dead worker's
     checkpoint of the same id, a start after completion) changes the record."""

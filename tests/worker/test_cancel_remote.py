@@ -19,6 +19,7 @@ from test_worker_faults import configure, job_input, make_settings, remote_jobs,
 
 from offload.connection import connect
 from offload.errors import InvalidTransition
+from offload.queue.replies import Verdict
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 from offload.testing.sim.config import SimConfig
@@ -97,7 +98,7 @@ async def test_a_waiting_job_with_a_remote_job_is_claimed_first_past_caps_and_fa
     [job_id] = await store.enqueue_many("q", [JobSpec(input="x")])
     (c,) = await store.claim("q", "w1", 1)
     if where == "unknown-outcome":
-        assert (await store.begin_many("q", [(c.id, c.token, 0.0)]))[0].startswith("OK:")
+        assert (await store.begin_many("q", [(c.id, c.token, 0.0)]))[0].verdict is Verdict.OK
         assert await store.release_leases("q", "w1") == 1  # as a worker killed in the call would be reaped
     else:
         await store.checkpoint(c.id, c.token, "gpu", "remote-1")

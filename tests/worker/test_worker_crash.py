@@ -612,7 +612,7 @@ async def test_caps_exact_across_20_worker_processes(
 
     The cap window is the UTC day of the job store's clock. Each fleet's spawn sets the store's clock so that it
     crosses midnight `lead` seconds later, once every worker is up: a worker alive across midnight releases the
-    held jobs at the store's midnight (Worker._roll_window, told when it comes by the store). Fleet A serves day
+    held jobs at the store's midnight (Leases.roll_window, told when it comes by the store). Fleet A serves day
     D, then D+1; fleet B (a restart) D+1, then D+2. A worker merely STARTED in a later day releases them too: see
     the test below.
     """

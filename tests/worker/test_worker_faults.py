@@ -34,6 +34,7 @@ from offload.backoff import retry_delay_ms
 from offload.config import Settings
 from offload.connection import connect, is_outage
 from offload.models import Job
+from offload.queue.replies import Checkpointed
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 from offload.testing.sim.config import SimConfig
@@ -679,7 +680,7 @@ async def test_a_checkpoint_reply_lost_without_a_connection_error_never_pays_twi
     real = QueueStore.checkpoint_many
     failures = 0
 
-    async def reply_lost(self: QueueStore, queue: str, items: Any) -> list[str]:
+    async def reply_lost(self: QueueStore, queue: str, items: Any) -> list[Checkpointed]:
         nonlocal failures
         codes = await real(self, queue, items)
         if failures < lost:
@@ -761,7 +762,7 @@ async def test_a_worker_whose_lease_lapsed_does_not_submit(valkey_url: str, sim:
             WorkerOptions(queue="q", backend_name="gpu", lease_ms=3000),
             worker_id="starved-worker",
         )
-        worker._beat_at -= 10  # its last beat is long past: it was starved (and so was its claim)
+        worker.leases.beat_at -= 10  # its last beat is long past: it was starved (and so was its claim)
         worker._start(mine, time.monotonic() - 10)
         task = worker.tasks[mine.id]
         await asyncio.gather(task, return_exceptions=True)

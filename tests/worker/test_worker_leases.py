@@ -155,10 +155,10 @@ async def test_a_job_leased_again_to_the_same_worker_runs_in_one_task(
         await until_state(store, [job_id], "submitted", task)
 
         async def polling() -> bool:  # out of the submit call (a task inside it is left to record its answer)
-            return job_id not in w._submitting
+            return not ((run := w.ctx.runs.get(job_id)) and run.calling())
 
         await until(polling, "the job's task to poll", task)
-        async with w._lock:  # the worker stalls: no claim or heartbeat of it can say it is alive meanwhile
+        async with w.leases.lock:  # the worker stalls: no claim or heartbeat of it can say it is alive meanwhile
             await store.redis.zadd(prefix("q") + "workers", {w.id: 0})
             assert (await store.reap("q"))[1] == 1  # back to ready, with its remote id
 
@@ -177,8 +177,9 @@ async def test_a_job_leased_again_to_the_same_worker_runs_in_one_task(
 
 def _runs(task: asyncio.Task[Any], job_id: str) -> bool:
     frame = task.get_coro().cr_frame  # type: ignore[union-attr]
-    job = frame.f_locals.get("job") if frame is not None else None
-    return not task.done() and getattr(job, "id", None) == job_id and task.get_coro().__name__ == "_run_job"  # type: ignore[union-attr]
+    run = frame.f_locals.get("run") if frame is not None else None
+    job = getattr(run, "job", None)
+    return not task.done() and getattr(job, "id", None) == job_id and task.get_coro().__name__ == "run_job"  # type: ignore[union-attr]
 
 
 # -- the spend cap reserved `price_per_job or 0` ----------------------------------------------------------------

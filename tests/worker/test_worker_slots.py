@@ -29,6 +29,7 @@ from test_worker_faults import (
 )
 
 from offload.queue import keyspace
+from offload.queue.replies import Begun, Checkpointed, Verdict
 from offload.queue.store import QueueStore
 from offload.worker.dispatch import Worker
 
@@ -117,8 +118,8 @@ async def test_a_drain_closes_the_intents_of_synchronous_jobs_begun_ahead_of_a_s
             return w.in_flight == 2 and await _open_intents(store, jobs) == 4
 
         await until(two_out_two_begun, "2 jobs at the provider and 2 begun, waiting for a slot", task)
-        ahead = [j for j in w.tasks if j not in w._submitting]
-        assert len(ahead) == 2, (list(w.tasks), w._submitting)
+        ahead = [j for j in w.tasks if j not in _submitting(w)]
+        assert len(ahead) == 2, (list(w.tasks), _submitting(w))
     states = {j: (await store.get(j)).state for j, _ in jobs}
     assert sorted(states.values()) == ["queued", "queued", "succeeded", "succeeded"], states
     assert all(states[j] == "queued" for j in ahead), states
@@ -128,6 +129,11 @@ async def test_a_drain_closes_the_intents_of_synchronous_jobs_begun_ahead_of_a_s
     assert [j.intent_open for j in redelivered] == [False, False], "a drained, unsent intent was left open"
     verdicts = await store.begin_many("q", [(j.id, j.token, 0.0) for j in redelivered])
     assert verdicts == ["OK:1", "OK:1"], "the same run again, not a possible duplicate"
+
+
+def _submitting(w: Worker) -> set[str]:
+    """The jobs whose submit call is out."""
+    return {run.job.id for run in w.ctx.runs.all() if run.calling()}
 
 
 async def _open_intents(store: QueueStore, jobs: Sequence[tuple[str, str]]) -> int:
@@ -147,10 +153,10 @@ async def test_a_cancel_heard_while_a_begun_job_waits_for_its_slot_is_not_submit
     async with worker(settings, prefetch=1, lease_ms=1500) as (task, w):
 
         async def one_out_one_begun() -> bool:
-            return len(w._submitting) == 1 and await _open_intents(store, jobs) == 2
+            return len(_submitting(w)) == 1 and await _open_intents(store, jobs) == 2
 
         await until(one_out_one_begun, "one job at the provider and one begun behind it", task)
-        [first] = w._submitting
+        [first] = _submitting(w)
         [second] = [j for j in inputs if j != first]
         assert await store.cancel(second) == "requested"
         await until_state(store, [second], "cancelled", task)
@@ -177,10 +183,10 @@ async def test_a_heartbeat_racing_an_ack_is_no_lost_lease(
     raced: list[bool] = []
     real = QueueStore.complete_many
 
-    async def complete_then_beat(self: QueueStore, queue: str, items: Any) -> list[str]:
+    async def complete_then_beat(self: QueueStore, queue: str, items: Any) -> list[Verdict]:
         codes = await real(self, queue, items)
         if holder and not raced:
-            await holder[0]._beat()  # the heartbeat lands exactly in the window
+            await holder[0].leases.beat()  # the heartbeat lands exactly in the window
             raced.append(True)
         return codes
 
@@ -211,7 +217,7 @@ async def test_a_synchronous_answer_is_recorded_by_its_ack_alone(
     checkpoints: list[int] = []
     real = QueueStore.checkpoint_many
 
-    async def counted(self: QueueStore, queue: str, items: Any) -> list[str]:
+    async def counted(self: QueueStore, queue: str, items: Any) -> list[Checkpointed]:
         checkpoints.append(len(items))
         return await real(self, queue, items)
 
@@ -268,7 +274,7 @@ async def test_an_asynchronous_api_under_429s_with_more_jobs_ahead_than_the_subm
     jobs = await enqueue(store, "gate", 4)
     settings = make_settings(valkey_url, no_outputs, sim, "http-job", concurrency=2, submit_concurrency=1)
     async with worker(settings, prefetch=2) as (task, w):
-        assert w._gate is not None and w._gate._value == 1
+        assert w.submitter.gate is not None and w.submitter.gate._value == 1
 
         async def throttled_and_ahead() -> bool:
             c = await counts(store)
@@ -297,7 +303,7 @@ async def test_a_synchronous_worker_begins_fresh_jobs_in_their_claim_unless_a_ra
     begun: list[str] = []
     real = QueueStore.begin_many
 
-    async def counting(self: QueueStore, queue: str, items: Any, **kw: Any) -> list[str]:
+    async def counting(self: QueueStore, queue: str, items: Any, **kw: Any) -> list[Begun]:
         begun.extend(item[0] for item in items)
         return await real(self, queue, items, **kw)
 

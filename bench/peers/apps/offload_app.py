@@ -32,6 +32,7 @@ from offload.backends.base import RemoteResult, Submission
 from offload.connection import connect
 from offload.models import ClaimedJob
 from offload.queue.backend_limits import BackendLimits
+from offload.queue.replies import Verdict
 from offload.queue.specs import JobSpec
 from offload.queue.store import DEFAULT_LEASE_MS, CompleteItem, QueueStore
 from offload.worker.dispatch import Worker, WorkerOptions, default_worker_id
@@ -92,7 +93,7 @@ class CountingStore(QueueStore):
         super().__init__(redis)
         self.backend = backend
 
-    async def complete_many(self, queue: str, items: Sequence[CompleteItem]) -> list[str]:
+    async def complete_many(self, queue: str, items: Sequence[CompleteItem]) -> list[Verdict]:
         """The worker acks through here (batched); a job counts as done once its ack is accepted."""
         codes = await super().complete_many(queue, items)
         for (job_id, *_), code in zip(items, codes, strict=True):

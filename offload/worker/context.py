@@ -1,0 +1,129 @@
+"""What the collaborators of a dispatch worker share: the store, the backend, the options, the limits, the runs,
+the batched store writes and the drain's state. Built once per `Worker` (dispatch.py) and handed to each part:
+the leases (leases.py), the slots (slots.py), the submit (submit.py), the wait for a result (polling.py), the
+endings (endings.py), the job path that strings them together (jobpath.py) and the drain (drain.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from offload.backends.base import Backend, WebhookBackend
+from offload.models import ClaimedJob
+from offload.queue import replies
+from offload.queue.backend_limits import BackendLimits
+from offload.queue.batching import Batcher
+from offload.queue.memory import PolicyWatch, has_room
+from offload.queue.store import CompleteItem, QueueStore
+from offload.worker.health import StoreHealth
+from offload.worker.job_run import Drained, Runs
+from offload.worker.options import WorkerOptions
+
+T = TypeVar("T")
+Fence = Callable[[], Awaitable[None]]
+# (output key, output, submission, fence) -> location. The submission number names the remote run, so files of
+# two runs never share a key; `fence` is awaited right before the output itself is written.
+StoreOutput = Callable[[str, Any, str, Fence], Awaitable[str]]
+
+
+class StoreWrites:
+    """The per-job writes of the hot path, coalesced: thousands of tasks, a few script calls."""
+
+    __slots__ = ("begins", "checkpoints", "completes", "fences", "hook_bodies", "options", "store")
+
+    def __init__(self, store: QueueStore, options: WorkerOptions) -> None:
+        self.store, self.options = store, options
+        q = options.queue
+        self.checkpoints: Batcher[tuple[str, str, str, str, int], replies.Checkpointed] = Batcher(
+            lambda items: store.checkpoint_many(q, items)
+        )
+        self.completes: Batcher[CompleteItem, replies.Verdict] = Batcher(lambda items: store.complete_many(q, items))
+        self.begins: Batcher[tuple[str, str, str], replies.Begun] = Batcher(self._begin_many)
+        self.fences: Batcher[tuple[str, str], replies.Verdict] = Batcher(lambda items: store.fence_many(q, items))
+        self.hook_bodies: Batcher[tuple[str, int], str | None] = Batcher(store.hook_bodies)
+
+    async def _begin_many(self, items: list[tuple[str, str, str]]) -> list[replies.Begun]:
+        opts = self.options
+        return await self.store.begin_many(
+            opts.queue,
+            [(i, t, opts.reservation, h) for i, t, h in items],
+            job_cap=opts.daily_job_cap,
+            spend_cap=opts.daily_spend_cap,
+            backend=opts.backend_name,
+        )
+
+
+@dataclass(eq=False)
+class WorkerContext:
+    """The worker's shared parts. `control`: the store on the claims' and heartbeats' own connection (job tasks
+    can keep every connection of the main pool busy, and a heartbeat that waits for one past the lease loses
+    every job)."""
+
+    store: QueueStore
+    control: QueueStore
+    backend: Backend
+    hooks: WebhookBackend | None  # the backend, when this worker's submissions carry webhook URLs
+    store_output: StoreOutput
+    limits: BackendLimits
+    options: WorkerOptions
+    worker_id: str
+    health: StoreHealth
+    policy: PolicyWatch  # a store that may evict stops the claims and submissions until it is fixed
+    writes: StoreWrites
+    runs: Runs = field(default_factory=Runs)
+    draining: bool = False  # no submission starts once set (see drain.py)
+    grace_over: bool = False  # the drain's grace has ended: a job whose answer was just recorded does not poll
+    # waiting for a slot, the rate limit or the gate, or pausing before a resend: nothing sent, a drain cancels
+    ahead: dict[asyncio.Task[Any], ClaimedJob] = field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls,
+        store: QueueStore,
+        control: QueueStore,
+        backend: Backend,
+        store_output: StoreOutput,
+        limits: BackendLimits,
+        options: WorkerOptions,
+        worker_id: str,
+    ) -> WorkerContext:
+        health = StoreHealth(  # with durability, the probe waits for replicas too: an unconfirmed write is resent
+            lambda: store.probe(options.queue),
+            max_pause_s=min(2.0, options.lease_ms / 4000),
+            room=functools.partial(has_room, store.redis),
+            heal=functools.partial(store.reap, options.queue),  # trims first: the store's way back under its limit
+        )
+        hooks = backend if options.hook_base and isinstance(backend, WebhookBackend) else None
+        return cls(
+            store=store,
+            control=control,
+            backend=backend,
+            hooks=hooks,
+            store_output=store_output,
+            limits=limits,
+            options=options,
+            worker_id=worker_id,
+            health=health,
+            policy=PolicyWatch(store.redis, what="claim or submission"),
+            writes=StoreWrites(store, options),
+        )
+
+    async def wait_ahead(self, job: ClaimedJob, aw: Awaitable[T]) -> T:
+        """Wait for `aw` (a slot, the rate limit, the submit gate, a pause before a resend) as one of the jobs
+        ahead of their call: a drain cancels the wait and hands the job back; once draining none starts
+        (`Drained`). Only a wait is registered, and its task looked up then: the lookup costs on the hot path."""
+        if self.draining:
+            if asyncio.iscoroutine(aw):
+                aw.close()
+            raise Drained(job.id)
+        task = asyncio.current_task()
+        assert task is not None
+        self.ahead[task] = job
+        try:
+            return await aw
+        finally:
+            self.ahead.pop(task, None)
