@@ -24,21 +24,6 @@ class ReadStore(BaseStore):
         flat, deadline = reply
         return Job.from_hash(job_id, replies.pairs(flat), int(float(deadline)) if deadline else None)
 
-    async def submitted_age_ms(self, job_id: str) -> int | None:
-        """How long ago, by the store's clock, the job's current submission was recorded: the later of its remote
-        id's checkpoint and its intent (a checkpoint older than the intent is an earlier run's); None when the
-        record has neither. Read only for a 404 on a resumed remote job (worker/lag.py)."""
-        stamps = await self.redis.hmget(keyspace.job(queue_of(job_id), job_id), ["submitted_at", "intent_at"])
-        known = [int(float(s)) for s in stamps if s]
-        if not known:
-            return None
-        if self.clock_ms is not None:
-            now = self.clock_ms()
-        else:
-            seconds, micros = await self.redis.time()
-            now = seconds * 1000 + micros // 1000
-        return now - max(known)
-
     async def list_jobs(
         self, queue: str, state: str | None, *, cursor: int = 0, limit: int = 50
     ) -> tuple[list[Job], int | None]:

@@ -66,15 +66,14 @@ class Polling:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(heard.wait(), left)
 
-    async def lagging(self, run: JobRun, exc: NotFound, lag: Sighting) -> bool:
+    def lagging(self, run: JobRun, exc: NotFound, lag: Sighting) -> bool:
         """Whether `exc`, a 404 for the job's remote job, is the provider's status lagging its submit (poll on)
         rather than expiry. A NotFound that is no 404 (a result the provider said it removed) is expiry."""
         if exc.status != 404:
             return False
-        job_id = run.job.id
-        lagging = await lag.lagging(lambda: self.ctx.health.call(lambda: self.ctx.store.submitted_age_ms(job_id)))
+        lagging = lag.lagging()
         if lagging:
-            log.debug("job %s: its remote job is not found yet; taken for a status that lags the submit", job_id)
+            log.debug("job %s: its remote job is not found yet; taken for a status that lags the submit", run.job.id)
         return lagging
 
     async def poll(self, run: JobRun, remote_id: str, lag: Sighting) -> RemoteResult | None:
@@ -95,7 +94,7 @@ class Polling:
                 if result.terminal:
                     return result
             except NotFound as exc:
-                if not await self.lagging(run, exc, lag):
+                if not self.lagging(run, exc, lag):
                     raise
             except Throttled as exc:
                 self.ctx.limits.note("throttled")
@@ -172,7 +171,7 @@ class Polling:
             if result.terminal:
                 return result
         except NotFound as exc:
-            if not await self.lagging(run, exc, lag):
+            if not self.lagging(run, exc, lag):
                 raise
             fallback.next_poll = time.monotonic() + soon
         except Throttled as exc:

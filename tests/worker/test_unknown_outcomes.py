@@ -219,6 +219,31 @@ async def test_a_lagging_status_is_waited_out_by_the_worker_that_resumes_the_job
     assert job.remote_id == record.remote_id
 
 
+async def test_a_step_of_the_stores_clock_does_not_cut_a_resumed_jobs_grace(
+    valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore
+) -> None:
+    """The store's clock steps forward between the submit and the resume (a chaos run: Valkey's clock stepped back
+    22 min, the submit was stamped then, and the clock came back): by the store's clock the submit is an hour old.
+    The resuming worker still waits a whole grace of its own before it takes a 404 for expiry, so the lagging
+    status is waited out and the job is paid once. (Before: the grace was measured from the stamp, the 404 read
+    as expiry and the job sent again.)"""
+    await configure(sim, status_lag=8.0)
+    [(job_id, input_id)] = await enqueue(store, "lag-clock-step")
+    config = settings(valkey_url, no_outputs, sim, "http-job")
+    async with worker(config, grace_s=0.5) as (task, _):
+        await until_state(store, [job_id], "submitted", task)
+    record = await store.get(job_id)
+    assert record.state == "queued" and record.remote_id is not None, record
+    key, redis = keyspace.job("q", job_id), store.redis
+    stamps = await redis.hmget(key, ["submitted_at", "intent_at"])
+    fields = ["submitted_at", "intent_at"]
+    await redis.hset(key, mapping={f: str(int(float(s)) - 3_600_000) for f, s in zip(fields, stamps, strict=True) if s})
+    async with worker(config) as (task, _):
+        [job] = await until_state(store, [job_id], "succeeded", task, timeout=30)
+    assert (await stats(sim))["submissions_by_input_id"] == {input_id: 1}
+    assert job.remote_id == record.remote_id
+
+
 async def test_a_remote_job_never_found_is_given_up_after_the_grace(
     valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore
 ) -> None:
