@@ -1,7 +1,8 @@
 """Scaling down: which machines drain, and draining itself (and its cancellation when load returns).
 
 - `idle`: a running instance whose worker started or finished nothing for the timeout, oldest first, down to the
-  floor (min_workers, a scale-up schedule's window).
+  floor (min_workers, a scale-up schedule's window). With the `cost` trigger the timeout is what scale_in.py
+  reckons from the queue's gaps and boot times (0: at once), and the reckoning joins the decision's reasons.
 - a scale-down `schedule` retires the instances that existed when it fired, down to the floor. The set is fixed
   at the fire: what is spared then (busy, protected) is retired once it may be, and a machine rented after the
   fire is never its target. So a schedule that spares something can never start a rent-and-drain loop against an
@@ -26,7 +27,8 @@ from typing import TYPE_CHECKING
 from offload.autoscale.evaluation import Decision, Evaluation, ScaleDownOutcome
 from offload.autoscale.instances import EventKind, Instance, StaleState, log_event
 from offload.autoscale.providers import ProviderError
-from offload.autoscale.safety import spared
+from offload.autoscale.safety import RECENT_TASK, spared
+from offload.autoscale.scale_in import cost_trigger, hold
 from offload.autoscale.triggers import down_fire, idle_since, idle_timeout
 
 if TYPE_CHECKING:
@@ -74,15 +76,27 @@ async def schedule_targets(a: Autoscaler, ev: Evaluation, active: list[Instance]
     return targets
 
 
+def _idle_timeout(ev: Evaluation, decision: Decision, active: list[Instance]) -> float | None:
+    """The idle timeout: the idle trigger's, or the cost trigger's reckoning (added to the decision's reasons)."""
+    trig = cost_trigger(ev.cfg)
+    if trig is None:
+        return idle_timeout(ev.cfg)
+    price = max((i.price for i in active), default=0.0)
+    verdict = hold(ev.cfg, trig, ev.state, price)
+    if active:
+        decision.reasons.append(verdict.why)
+    return max(verdict.seconds, RECENT_TASK)  # a machine that just finished a task is spared anyway
+
+
 def _candidates(
-    ev: Evaluation, active: list[Instance], targets: set[str], mode: DrainReason | None
+    ev: Evaluation, decision: Decision, active: list[Instance], targets: set[str], mode: DrainReason | None
 ) -> tuple[DrainReason, list[Instance]]:
     """Why and which instances may drain, in the order they go."""
     if mode:
         return mode, _oldest_first(active)
     if targets:
         return DrainReason.SCHEDULE, _oldest_first([i for i in active if i.id in targets])
-    timeout = idle_timeout(ev.cfg)
+    timeout = _idle_timeout(ev, decision, active)
     if timeout is None:
         return DrainReason.IDLE, []
     idle = [i for i in active if i.status == "running" and ev.now - idle_since(i) >= timeout]
@@ -96,7 +110,7 @@ async def scale_down(
     `mode`: None (the triggers), DISABLED or SPEND_CAP (everything goes)."""
     floor = decision.floor
     targets = ev.state.targets() & {i.id for i in active}
-    reason, candidates = _candidates(ev, active, targets, mode)
+    reason, candidates = _candidates(ev, decision, active, targets, mode)
     excess = len(active) - floor
     drained, kept = 0, {}
     for inst in candidates:

@@ -23,6 +23,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from offload.autoscale import keyspace as keys
+from offload.autoscale import scale_in
 from offload.autoscale.alert_settings import AlertKind
 from offload.autoscale.drain import DrainReason
 from offload.autoscale.instances import EventKind, Instance, StaleState, log_event
@@ -175,6 +176,7 @@ async def _correlate(a: Autoscaler, ev: Evaluation, inst: Instance, worker: Work
     if inst.status in ("provisioning", "booting"):
         changes.update(status="running", ready_at=now)
         await ev.state.booted(a.redis, inst.queue)
+        await scale_in.boot_seen(a.redis, inst.queue, ev.state, now - inst.created_at if inst.created_at else 0.0)
         await log_event(
             a.redis,
             now,

@@ -25,7 +25,7 @@ import logging
 
 import orjson
 
-from offload.autoscale import drain, reconcile, rent
+from offload.autoscale import drain, reconcile, rent, scale_in
 from offload.autoscale import keyspace as keys
 from offload.autoscale.alert_settings import alert_settings
 from offload.autoscale.alerts import Alerter
@@ -244,6 +244,8 @@ class Autoscaler:
         active = [i for i in ev.instances if i.status in ACTIVE and not i.teardown]
         draining = [i for i in ev.instances if i.status == "draining" and not i.teardown]
         load = await self._load(queue, ev.instances, workers, now)
+        if scale_in.cost_trigger(cfg) is not None:
+            await scale_in.observe(self.redis, queue, qs, load, now)
         await drain.schedule_targets(self, ev, active)
         up = scale_up(cfg, load, active, now, qs.last_down_fire)
         decision = Decision(

@@ -111,13 +111,23 @@ class Idle(Strict):
     timeout: Duration = Field(..., gt=0)
 
 
+class Cost(Strict):
+    """Scale in by cost (scale_in.py): keep an idle machine through the gap the queue's arrivals predict when
+    idling costs less than a re-rent, release it at once when not; the idle timeout applies until a gap is seen."""
+
+    trigger: Literal["cost"]
+    boot_time: Duration = Field(
+        180.0, gt=0, description="what a re-rent costs in boot time until the queue's own boots are measured"
+    )
+
+
 class DownSchedule(Strict):
     trigger: Literal["schedule"]
     cron: Annotated[str, BeforeValidator(_cron_text)]
 
 
 ScaleUp = Annotated[NoWorkers | QueueDepth | Latency | UpSchedule, Field(discriminator="trigger")]
-ScaleDown = Annotated[Idle | DownSchedule, Field(discriminator="trigger")]
+ScaleDown = Annotated[Idle | Cost | DownSchedule, Field(discriminator="trigger")]
 
 
 class InstanceSpec(Strict):
@@ -252,7 +262,7 @@ def autoscale_errors(data: Any, where: str = "autoscale") -> list[tuple[str, str
 def _located(error: Any, where: str) -> tuple[str, str]:
     loc = [str(p) for p in error["loc"] if not str(p).startswith(("function-", "tagged-union"))]
     # the trigger union adds the tag as a path element: keep "scale_up.1.threshold", drop "queue_depth"
-    loc = [p for p in loc if p not in ("no_workers", "queue_depth", "latency", "schedule", "idle")]
+    loc = [p for p in loc if p not in ("no_workers", "queue_depth", "latency", "schedule", "idle", "cost")]
     msg = str(error["msg"]).removeprefix("Value error, ")
     field = ".".join([where, *loc])
     if ":" in msg and msg.split(":", 1)[0].replace(".", "_").isidentifier():  # a model check names its field

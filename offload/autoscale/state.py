@@ -36,6 +36,10 @@ class QueueState:
     last_down_fire: float = 0.0
     down_targets: str = ""  # instances a fired scale-down schedule retires (comma-separated ids)
     last_reason: str = ""
+    quiet_since: float = 0.0  # scale-in by cost: when the queue last ran out of work (0: it has work)
+    gap_ewma: float = 0.0  # the recent gaps between the queue's bursts, seconds (0: none seen yet)
+    gaps: int = 0
+    boot_ewma: float = 0.0  # the queue's recent boot times, create to ready, seconds (0: none measured)
     prov_failures: dict[str, int] = field(default_factory=dict)
     prov_until: dict[str, float] = field(default_factory=dict)
 

@@ -94,7 +94,10 @@ def explain(q: dict[str, Any], now: float) -> list[str]:
         head += ": autoscaling is off, everything drains"
     out.append(head)
     idle = f"no trigger fired ({d.get('pending', 0)} ready, {d.get('live_workers', 0)} live workers)"
-    out.append("because: " + ("; ".join(d.get("reasons") or []) or idle))
+    reasons = list(d.get("reasons") or [])
+    up = [r for r in reasons if not r.startswith("cost:")]
+    out.append("because: " + ("; ".join(up) or idle))
+    out += [f"scale-in by {r}" for r in reasons if r.startswith("cost:")]
     if d.get("held"):
         out.append(f"held: {d['held']}")
     if d.get("undrained"):
