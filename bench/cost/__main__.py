@@ -36,6 +36,7 @@ def policies(poll: float, idle: float) -> list[Policy]:
     for n in MAX_WORKERS:
         out.append(Policy(f"guide triggers, max {n}", n, idle_timeout=idle, poll=poll))
         out.append(Policy(f"ramp ({RAMP} jobs/worker), max {n}", n, RAMP, idle_timeout=idle, poll=poll))
+        out.append(Policy(f"ramp, scale-in by cost, max {n}", n, RAMP, idle_timeout=idle, poll=poll, by_cost=True))
     return out
 
 

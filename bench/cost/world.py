@@ -89,6 +89,7 @@ class Policy:
     idle_timeout: float = 600.0
     poll: float = 30.0
     boot_timeout: float = 1200.0
+    by_cost: bool = False  # scale in by cost (the `cost` scale-down trigger) besides the idle timeout
 
     def block(self, price: float) -> dict[str, Any]:
         up: list[dict[str, Any]] = [{"trigger": "no_workers"}]
@@ -104,7 +105,8 @@ class Policy:
             "poll_interval": f"{self.poll:g}s",
             "boot_timeout": f"{self.boot_timeout:g}s",
             "scale_up": up,
-            "scale_down": [{"trigger": "idle", "timeout": f"{self.idle_timeout:g}s"}],
+            "scale_down": [{"trigger": "idle", "timeout": f"{self.idle_timeout:g}s"}]
+            + ([{"trigger": "cost"}] if self.by_cost else []),
             "instance": {"gpu": "RTX 4090", "image": "img", "max_price_per_hour": price},
         }
         if self.jobs_per_worker is not None:

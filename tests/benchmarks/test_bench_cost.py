@@ -17,7 +17,7 @@ def test_cost_bench_small(tmp_path: Path) -> None:
     assert {t["name"] for t in doc["traces"]} == {"burst-day", "diurnal", "night-spike", "faulty-week"}
     for trace in doc["traces"]:
         assert f"### {trace['name']}" in page
-        assert len(trace["runs"]) == 4 and set(trace["bounds"]) == {"8", "16"}
+        assert len(trace["runs"]) == 6 and set(trace["bounds"]) == {"8", "16"}
         for run in trace["runs"]:
             where = f"{trace['name']} / {run['policy']}: {run}"
             assert run["jobs_served"] == run["jobs_done"] == run["jobs"] > 0, where
