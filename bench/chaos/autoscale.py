@@ -228,97 +228,21 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         out / "offload.yaml", out / "results", machines, given["worker key"], given["offload.yaml HF_TOKEN"]
     )
     server = Server(out, config, valkey.url, admin_key())
-    kills: list[dict[str, Any]] = []
     listener = Listener()
     attacker = Attacker(server.call, listener, QUEUE, ATTACK_QUEUE)
     stack = contextlib.ExitStack()
     stack.enter_context(listener.running())
     try:
-        sim.post(
-            "/_sim/config",
-            {
-                "api_key": SIM_KEY,
-                "seed": args.seed,
-                "machines": {"boot_seconds": 0.5},
-                "families": {"vastai": {"submit_latency": 1.5}},
-            },
-        )
+        _slow_rentals(sim, args.seed)
         server.start()
-
-        def rents() -> int:
-            return int(sim.get("/_sim/stats")["requests"].get("vastai.rent", 0))
-
-        for n in range(rounds):
-            before = rents()
-            try:
-                _wait(lambda before=before: rents() > before, 30, f"rental call {n + 1}")
-            except TimeoutError:
-                break  # the fleet is complete: no more rentals to interrupt
-            server.kill()  # inside the rental call: the simulator answers 1.5 s later, to nobody
-            kills.append({"round": n + 1, "at": time.time(), "rent_calls": rents()})
-            time.sleep(2.0)  # the call completes at the provider meanwhile; the leader lock's TTL runs out
-            server.start()
-            if hostile:
-                attacker.admin_round()
-                attacker.machine_round(server.url, given["worker key"], _tokens(server, sim))
-
-        def live() -> list[dict[str, Any]]:
-            return [
-                m
-                for m in sim.get("/_sim/machines")["machines"]
-                if m["provider"] == "vastai" and m["phase"] != "deleted"
-            ]
-
-        def settled() -> list[dict[str, Any]] | None:
-            rows = server.api("GET", "/v1/autoscale/status")["instances"]
-            ok = len(live()) >= machines and all(r["provider_id"] for r in rows if not r.get("destroyed_at"))
-            return rows if ok else None
-
+        kills = _kill_mid_rentals(server, sim, rounds, attacker if hostile else None, given["worker key"])
+        result = _fleet_after_kills(server, sim, machines, kills)
+        _scale_to_zero(server)
         with contextlib.suppress(TimeoutError):
-            _wait(settled, 60, "the fleet to reach min_workers")
-        time.sleep(3)  # a few more evaluations: a doubled rental would show now
-        rows = server.api("GET", "/v1/autoscale/status")["instances"]
-        machines_now = live()
-        recorded = {str(r["provider_id"]) for r in rows if r.get("provider_id") and r["status"] != "terminated"}
-        labels = Counter(m["label"] for m in machines_now)
-        result: dict[str, Any] = {
-            "mode": "autoscale",
-            "server_kills_mid_rental": len(kills),
-            "server_starts": server.starts,
-            "rental_calls": rents(),
-            "machines_alive": len(machines_now),
-            "max_workers": machines,
-            "leaked": sorted(m["id"] for m in machines_now if m["id"] not in recorded),
-            "doubled": sorted(label for label, count in labels.items() if count > 1),
-            "over_max": max(0, len(machines_now) - machines),
-        }
-        server.api(
-            "PUT",
-            f"/v1/autoscale/queues/{QUEUE}",
-            {
-                "enabled": True,
-                "provider": "v",
-                "min_workers": 0,
-                "max_workers": 1,
-                "poll_interval": "0.3s",
-                "boot_timeout": "1s",
-                "scale_down": [{"trigger": "idle", "timeout": "1s"}],  # no worker ever boots
-                "instance": {"image": "ghcr.io/example/worker:1", "max_price_per_hour": 1.0},
-            },
-        )
-        with contextlib.suppress(TimeoutError):
-            _wait(lambda: not live(), 90, "the teardown")
-        result["left_after_teardown"] = len(live())
+            _wait(lambda: not _live(sim), 90, "the teardown")
+        result["left_after_teardown"] = len(_live(sim))
         if hostile:
-            result["hostile"] = {
-                "attacks": attacker.attacks,
-                "not_refused": attacker.refusals,
-                "foreign_registrations_accepted": attacker.foreign_registrations,
-                "own_registrations": attacker.own_registrations,
-                "own_registrations_refused": attacker.own_refused,
-                "requests_at_listener": len(listener.seen),
-                "operator_secrets_at_listener": attacker.leaked(given),
-            }
+            result["hostile"] = _hostile_result(attacker, listener, given)
         bad_hostile = hostile and bool(
             attacker.refusals or attacker.own_refused or attacker.leaked(given) or not attacker.own_registrations
         )
@@ -329,3 +253,102 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         for stop in (server.stop, sim.stop, valkey.stop):
             with contextlib.suppress(Exception):
                 stop()
+
+
+def _slow_rentals(sim: Sim, seed: int) -> None:
+    """Slow the simulator's rental call so that a kill can land inside it."""
+    sim.post(
+        "/_sim/config",
+        {
+            "api_key": SIM_KEY,
+            "seed": seed,
+            "machines": {"boot_seconds": 0.5},
+            "families": {"vastai": {"submit_latency": 1.5}},
+        },
+    )
+
+
+def _rents(sim: Sim) -> int:
+    return int(sim.get("/_sim/stats")["requests"].get("vastai.rent", 0))
+
+
+def _live(sim: Sim) -> list[dict[str, Any]]:
+    return [m for m in sim.get("/_sim/machines")["machines"] if m["provider"] == "vastai" and m["phase"] != "deleted"]
+
+
+def _kill_mid_rentals(
+    server: Server, sim: Sim, rounds: int, attacker: Attacker | None, worker_key: str
+) -> list[dict[str, Any]]:
+    """SIGKILL the server inside each rental call and start it again; with an attacker, attack every round."""
+    kills: list[dict[str, Any]] = []
+    for n in range(rounds):
+        before = _rents(sim)
+        try:
+            _wait(lambda before=before: _rents(sim) > before, 30, f"rental call {n + 1}")
+        except TimeoutError:
+            break  # the fleet is complete: no more rentals to interrupt
+        server.kill()  # inside the rental call: the simulator answers 1.5 s later, to nobody
+        kills.append({"round": n + 1, "at": time.time(), "rent_calls": _rents(sim)})
+        time.sleep(2.0)  # the call completes at the provider meanwhile; the leader lock's TTL runs out
+        server.start()
+        if attacker is not None:
+            attacker.admin_round()
+            attacker.machine_round(server.url, worker_key, _tokens(server, sim))
+    return kills
+
+
+def _fleet_after_kills(server: Server, sim: Sim, machines: int, kills: list[dict[str, Any]]) -> dict[str, Any]:
+    """Once the fleet settles: machines leaked, doubled or over the maximum."""
+
+    def settled() -> list[dict[str, Any]] | None:
+        rows = server.api("GET", "/v1/autoscale/status")["instances"]
+        ok = len(_live(sim)) >= machines and all(r["provider_id"] for r in rows if not r.get("destroyed_at"))
+        return rows if ok else None
+
+    with contextlib.suppress(TimeoutError):
+        _wait(settled, 60, "the fleet to reach min_workers")
+    time.sleep(3)  # a few more evaluations: a doubled rental would show now
+    rows = server.api("GET", "/v1/autoscale/status")["instances"]
+    machines_now = _live(sim)
+    recorded = {str(r["provider_id"]) for r in rows if r.get("provider_id") and r["status"] != "terminated"}
+    labels = Counter(m["label"] for m in machines_now)
+    return {
+        "mode": "autoscale",
+        "server_kills_mid_rental": len(kills),
+        "server_starts": server.starts,
+        "rental_calls": _rents(sim),
+        "machines_alive": len(machines_now),
+        "max_workers": machines,
+        "leaked": sorted(m["id"] for m in machines_now if m["id"] not in recorded),
+        "doubled": sorted(label for label, count in labels.items() if count > 1),
+        "over_max": max(0, len(machines_now) - machines),
+    }
+
+
+def _scale_to_zero(server: Server) -> None:
+    server.api(
+        "PUT",
+        f"/v1/autoscale/queues/{QUEUE}",
+        {
+            "enabled": True,
+            "provider": "v",
+            "min_workers": 0,
+            "max_workers": 1,
+            "poll_interval": "0.3s",
+            "boot_timeout": "1s",
+            "scale_down": [{"trigger": "idle", "timeout": "1s"}],  # no worker ever boots
+            "instance": {"image": "ghcr.io/example/worker:1", "max_price_per_hour": 1.0},
+        },
+    )
+
+
+def _hostile_result(attacker: Attacker, listener: Listener, given: dict[str, str]) -> dict[str, Any]:
+    return {
+        "attacks": attacker.attacks,
+        "not_refused": attacker.refusals,
+        "foreign_registrations_accepted": attacker.foreign_registrations,
+        "own_registrations": attacker.own_registrations,
+        "own_registrations_refused": attacker.own_refused,
+        "requests_at_listener": len(listener.seen),
+        "operator_secrets_at_listener": attacker.leaked(given),
+    }

@@ -65,9 +65,24 @@ def report(
     run: Run, summary: dict[str, Any], findings: list[str], all_terminal_s: float | None, wall: float, pidns: bool
 ) -> dict[str, Any]:
     kinds = run.schedule.counts
-    in_flight = [n for n in run.samples["in_flight"] if n > 0]
-    lives = [life for s in run.slots for life in s.lives]
     doc: dict[str, Any] = {
+        **_outcomes(run, summary, kinds, all_terminal_s),
+        **_duplicates(summary, kinds),
+        **_faults(run, summary, kinds, pidns),
+        **_shape(run, wall),
+    }
+    for key in COPIED:
+        if key in summary:
+            doc[key] = summary[key]
+    run.findings = findings
+    exits = [e for e in run.schedule.timeline if e["kind"] == "worker_exit"]
+    run.exit_notes = [f"{e['target']}#{e['n']} exit {e['code']}: {e['tail'][-200:]}" for e in exits[:3]]
+    return doc
+
+
+def _outcomes(run: Run, summary: dict[str, Any], kinds: dict[str, int], all_terminal_s: float | None) -> dict[str, Any]:
+    """What became of the jobs: the invariants the harness holds."""
+    return {
         "jobs": sum(1 for q, _, _ in run.acked.values() if q == MAIN_QUEUE),
         "lost": summary["lost"],
         "stuck": summary["stuck"],
@@ -78,11 +93,23 @@ def report(
         "kills": kinds["kill"],
         "valkey_restarts": kinds["valkey_restart"],
         "all_terminal_s": all_terminal_s,
+    }
+
+
+def _duplicates(summary: dict[str, Any], kinds: dict[str, int]) -> dict[str, Any]:
+    """Duplicate submissions split into the expected (killed inside a submit) and the defects."""
+    return {
         "defect_duplicates": summary["defect_duplicates"],
         "duplicates_not_killed_inside_submit": summary["duplicates_not_killed_inside_submit"],
         "duplicates_per_kill": round(
             summary["duplicates_by_cause"].get("killed_inside_submit", 0) / max(kinds["kill"], 1), 3
         ),
+    }
+
+
+def _faults(run: Run, summary: dict[str, Any], kinds: dict[str, int], pidns: bool) -> dict[str, Any]:
+    """The faults injected, by kind, and what they cost."""
+    return {
         "stops": kinds["stop"],
         "worker_exits": kinds["worker_exit"],
         "worker_exits_unexplained": summary["worker_exits_unexplained"],
@@ -101,6 +128,14 @@ def report(
         "worker_clock_skews": kinds["worker_clock"],
         "valkey_clock_steps": kinds["valkey_clock"],
         "sim_faults": _sum_faults(run.sim_stats.get("faults", {})),
+    }
+
+
+def _shape(run: Run, wall: float) -> dict[str, Any]:
+    """How the run was set up and how busy its workers were."""
+    in_flight = [n for n in run.samples["in_flight"] if n > 0]
+    lives = [life for s in run.slots for life in s.lives]
+    return {
         "in_flight_per_worker": run.in_flight,
         "leases_per_worker": {
             "mean": round(sum(in_flight) / max(len(in_flight), 1), 1),
@@ -117,13 +152,6 @@ def report(
         "minutes": run.p.minutes,
         "webhooks": hooks.summary(run.hook_log, run.server) if run.server is not None else None,
     }
-    for key in COPIED:
-        if key in summary:
-            doc[key] = summary[key]
-    run.findings = findings
-    exits = [e for e in run.schedule.timeline if e["kind"] == "worker_exit"]
-    run.exit_notes = [f"{e['target']}#{e['n']} exit {e['code']}: {e['tail'][-200:]}" for e in exits[:3]]
-    return doc
 
 
 def _sum_faults(faults: dict[str, int]) -> dict[str, int]:

@@ -350,51 +350,10 @@ class GpuWorker:
     async def _run_job(self, job: dict[str, Any], after: asyncio.Task[None] | None = None) -> None:
         job_id, token = job["id"], job["token"]
         ctx = JobContext(job_id, job["queue"], job["attempt"], job["max_attempts"], job["output_key"], self.loaded)
-        ctx.files = JobFiles(self.api, asyncio.get_running_loop(), self.worker_id, job_id, token)
+        files = ctx.files = JobFiles(self.api, asyncio.get_running_loop(), self.worker_id, job_id, token)
         me = asyncio.current_task()
         try:
-            if after is not None:  # an async handler stops; a sync one runs on in its thread, reporting stale
-                await asyncio.wait([after])
-            self.contexts[job_id] = ctx
-            self.lost.discard(job_id)
-            if job.get("cancel_requested"):
-                await self.api.cancelled(self.worker_id, job_id, token)
-                return
-            try:
-                args = (job["input"], ctx) if self.with_context else (job["input"],)
-                output = await _call(self.handler, *args)
-            except asyncio.CancelledError:
-                if ctx.cancelled.is_set() and job_id not in self.lost:
-                    await self.api.cancelled(self.worker_id, job_id, token)
-                    return
-                raise
-            except PermanentError as exc:
-                await self._fail(job_id, token, f"PermanentError: {exc}", retryable=False)
-                return
-            except Exception as exc:
-                log.warning("job %s attempt %d: handler raised %s", job_id, ctx.attempt, _describe(exc))
-                await self._fail(job_id, token, _describe(exc, with_trace=True), retryable=True)
-                return
-            if job_id in self.lost:
-                return
-            if ctx.cancelled.is_set():
-                await self.api.cancelled(self.worker_id, job_id, token)
-                return
-            try:
-                output = await ctx.files.upload_outputs(output)  # File values -> uploaded, then references
-            except (FileTransferError, OSError, ValueError) as exc:
-                await self._fail(job_id, token, f"uploading output files failed: {_describe(exc)}", retryable=True)
-                return
-            except ServerRejected as exc:
-                await self._fail(job_id, token, f"uploading output files refused: {exc}", retryable=exc.status != 413)
-                return
-            try:
-                orjson.dumps(output)
-            except TypeError as exc:
-                await self._fail(job_id, token, f"handler output is not JSON: {exc}", retryable=False)
-                return
-            await self.api.complete(self.worker_id, job_id, token, output)
-            log.debug("job %s succeeded", job_id)  # one a job: the server's events and metrics count them
+            await self._attend(job, ctx, files, after)
         except StaleLease as exc:
             log.info("job %s: %s", job_id, exc)
         except (ServerRejected, ConnectionError, Unregistered) as exc:
@@ -408,6 +367,67 @@ class GpuWorker:
                 self.contexts.pop(job_id, None)
                 self.lost.discard(job_id)
             self._slot.set()
+
+    async def _attend(
+        self, job: dict[str, Any], ctx: JobContext, files: JobFiles, after: asyncio.Task[None] | None
+    ) -> None:
+        """Run the handler on one lease and report how it ended: complete, failed or cancelled."""
+        job_id, token = job["id"], job["token"]
+        if after is not None:  # an async handler stops; a sync one runs on in its thread, reporting stale
+            await asyncio.wait([after])
+        self.contexts[job_id] = ctx
+        self.lost.discard(job_id)
+        if job.get("cancel_requested"):
+            await self.api.cancelled(self.worker_id, job_id, token)
+            return
+        ended, output = await self._handle(job, ctx)
+        if ended or job_id in self.lost:
+            return
+        if ctx.cancelled.is_set():
+            await self.api.cancelled(self.worker_id, job_id, token)
+            return
+        ended, output = await self._upload_outputs(job_id, token, files, output)
+        if ended or not await self._is_json(job_id, token, output):
+            return
+        await self.api.complete(self.worker_id, job_id, token, output)
+        log.debug("job %s succeeded", job_id)  # one a job: the server's events and metrics count them
+
+    async def _handle(self, job: dict[str, Any], ctx: JobContext) -> tuple[bool, Any]:
+        """The handler's output, or `(True, None)` once a raise was reported as a failure or a cancel."""
+        job_id, token = job["id"], job["token"]
+        try:
+            args = (job["input"], ctx) if self.with_context else (job["input"],)
+            return False, await _call(self.handler, *args)
+        except asyncio.CancelledError:
+            if ctx.cancelled.is_set() and job_id not in self.lost:
+                await self.api.cancelled(self.worker_id, job_id, token)
+                return True, None
+            raise
+        except PermanentError as exc:
+            await self._fail(job_id, token, f"PermanentError: {exc}", retryable=False)
+        except Exception as exc:
+            log.warning("job %s attempt %d: handler raised %s", job_id, ctx.attempt, _describe(exc))
+            await self._fail(job_id, token, _describe(exc, with_trace=True), retryable=True)
+        return True, None
+
+    async def _upload_outputs(self, job_id: str, token: str, files: JobFiles, output: Any) -> tuple[bool, Any]:
+        """`output` with its `File` values uploaded and replaced by references, or `(True, None)` once failed."""
+        try:
+            return False, await files.upload_outputs(output)
+        except (FileTransferError, OSError, ValueError) as exc:
+            await self._fail(job_id, token, f"uploading output files failed: {_describe(exc)}", retryable=True)
+        except ServerRejected as exc:
+            await self._fail(job_id, token, f"uploading output files refused: {exc}", retryable=exc.status != 413)
+        return True, None
+
+    async def _is_json(self, job_id: str, token: str, output: Any) -> bool:
+        """Whether the output serialises; if not the attempt fails for good (a retry returns the same)."""
+        try:
+            orjson.dumps(output)
+        except TypeError as exc:
+            await self._fail(job_id, token, f"handler output is not JSON: {exc}", retryable=False)
+            return False
+        return True
 
     async def _fail(self, job_id: str, token: str, error: str, *, retryable: bool) -> None:
         state = await self.api.fail(self.worker_id, job_id, token, error, retryable)
