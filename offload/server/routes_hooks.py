@@ -4,7 +4,7 @@ finished).
 No API key (a provider has none of ours); instead, in this order, before anything else is believed:
 1. the path names a backend with webhooks on and a job id offload issued;
 2. the per-submission secret (`secrets.token_urlsafe`, sent only to the provider inside this URL) hashes, with
-   the path's backend, to one the submission's intent recorded (begin.lua, `keys.hook_digest`), compared in
+   the path's backend, to one the submission's intent recorded (begin.lua, `keyspace.hook_digest`), compared in
    constant time; an unknown job, submission or secret all get the same 404, so the route tells a prober
    nothing. A secret issued for another backend's submission is a 403, logged and counted: under a backend whose
    provider signs nothing (RunPod) it would otherwise skip the signature its own backend's provider makes;

@@ -1,9 +1,9 @@
 """Wake-ups over pub/sub: one subscription per dispatch worker and queue, for two kinds of news.
 
-- **Jobs became ready** (`keys.wake_channel`): a claim that found the queue's ready set empty leaves a flag,
-  and the next script that makes a job ready PUBLISHes once (common.lua's `wake`). An idle worker claims at
+- **Jobs became ready** (`keyspace.wake_channel`): a claim that found the queue's ready set empty leaves a flag,
+  and the next script that makes a job ready PUBLISHes once (ready.lua's `wake`). An idle worker claims at
   once instead of at its next poll, which backs off to 0.5 s.
-- **Webhooks** (`keys.hooks_channel`, with webhooks on): the server's hook.lua PUBLISHes `<job id> <submission>`
+- **Webhooks** (`keyspace.hooks_channel`, with webhooks on): the server's hook.lua PUBLISHes `<job id> <submission>`
   on the channel of the worker that holds the job right after it kept a verified final webhook, with ` <body>`
   after it when the body is small. One blocking read serves every job in flight: a message sets that job's
   event, and its task takes the body from the message (no read: see docs/explanation/performance.md, *Webhook

@@ -6,7 +6,7 @@
 -- end. Recorded while the worker that opened the intent still holds the lease, the id is STARTED (that worker
 -- may still get the same id as its answer; its checkpoint then agrees), counted as adopted only if that lease
 -- ends without the worker recording it (leases.lua's return_leases); recorded for a job already
--- handed to another worker (waiting out the grace in `_await_hook`), it is ADOPTED, counted, and that worker is
+-- handed to another worker (waiting out the grace in `Polling.await_hook`), it is ADOPTED, counted, and that worker is
 -- told (PUBLISH). Either way an `adopted` event is written, so the fault harness knows when the id was known. A
 -- non-final body is never kept and wakes nobody else (the worker polls no sooner). A final event keeps the body
 -- (`hook_n`, `hook_body`) and tells the worker holding the lease (PUBLISH on its channel: `<id> <n>`, followed by

@@ -1,7 +1,7 @@
 #!lua flags=allow-oom
 -- A remote worker's heartbeat stamps its registry record, only while the record exists: a heartbeat the server
 -- was still handling when the worker deregistered (or its record expired) must not bring the record back.
--- KEYS: [1] the worker's record (offload.queue.keyspace.remote_worker)
+-- KEYS: [1] the worker's record (offload.queue.keyspace.gpu_worker)
 -- ARGV: [1] record TTL (ms), then field/value pairs to set
 -- Returns: 1 when the record was stamped, 0 when it no longer exists
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
