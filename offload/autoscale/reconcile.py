@@ -22,8 +22,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from offload.autoscale import keyspace as keys
-from offload.autoscale import scale_in
+from offload.autoscale import keyspace, scale_in
 from offload.autoscale.alert_settings import AlertKind
 from offload.autoscale.drain import DrainReason
 from offload.autoscale.instances import EventKind, Instance, StaleState, log_event
@@ -304,7 +303,7 @@ async def boot_failed(a: Autoscaler, ev: Evaluation, inst: Instance, host: str, 
     container: the short host pause). Returns the pause (0: none, other hosts may boot the image)."""
     qs, now = ev.state, ev.now
     if host:
-        await a.redis.zadd(keys.avoid(inst.provider), {host: now + HOST_AVOID})
+        await a.redis.zadd(keyspace.avoid(inst.provider), {host: now + HOST_AVOID})
     hosts = await qs.boot_failed(a.redis, inst.queue, host or f"?{inst.id}", now)
     level = hosts - HOSTS_FOR_PAUSE + 1
     pause = 0.0
@@ -333,8 +332,8 @@ async def boot_failed(a: Autoscaler, ev: Evaluation, inst: Instance, host: str, 
 
 
 async def avoided_hosts(a: Autoscaler, provider: str, now: float) -> set[str]:
-    await a.redis.zremrangebyscore(keys.avoid(provider), "-inf", now)
-    return {str(h) for h in await a.redis.zrange(keys.avoid(provider), 0, -1)}
+    await a.redis.zremrangebyscore(keyspace.avoid(provider), "-inf", now)
+    return {str(h) for h in await a.redis.zrange(keyspace.avoid(provider), 0, -1)}
 
 
 def _price(machine: Machine) -> dict[str, Any]:

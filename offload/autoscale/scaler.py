@@ -25,8 +25,7 @@ import logging
 
 import orjson
 
-from offload.autoscale import drain, reconcile, rent, scale_in
-from offload.autoscale import keyspace as keys
+from offload.autoscale import drain, keyspace, reconcile, rent, scale_in
 from offload.autoscale.alert_settings import alert_settings
 from offload.autoscale.alerts import Alerter
 from offload.autoscale.drain import DrainReason
@@ -116,8 +115,8 @@ class Autoscaler:
         for name, block in yaml_blocks(self.settings).items():
             out[name] = validate_autoscale(block, f"queues.{name}.autoscale")
             self.sources[name] = "offload.yaml"
-        names = sorted(await self.redis.smembers(keys.QUEUE_CONFIGS))
-        raws = await self.redis.mget([keys.queue_config(q) for q in names]) if names else []
+        names = sorted(await self.redis.smembers(keyspace.QUEUE_CONFIGS))
+        raws = await self.redis.mget([keyspace.queue_config(q) for q in names]) if names else []
         self.unreadable = set()
         for queue, raw in zip(names, raws, strict=True):
             if raw:
@@ -376,7 +375,7 @@ class Autoscaler:
 
     async def sweep(self, now: float) -> dict[str, list[str]]:
         known = {i.label for i in await self.instances.live()}
-        names = set(self.override) | set(await self.redis.smembers(keys.PROVIDERS))
+        names = set(self.override) | set(await self.redis.smembers(keyspace.PROVIDERS))
         found: dict[str, list[str]] = {}
         for name in sorted(names):
             try:
