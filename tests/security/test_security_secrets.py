@@ -259,7 +259,12 @@ async def test_a_vault_credential_goes_only_to_its_git_host(
             s, _ = make_scaler(
                 r,
                 clock,
-                queue_block(provider="rp", deployment=deployment, max_workers=1),
+                queue_block(
+                    provider="rp",
+                    deployment=deployment,
+                    max_workers=1,
+                    instance={"gpu": "RTX 4090", "image": "img"},  # no price cap: the echo quotes no price
+                ),
                 queue=f"q-{name}",
                 alerts={"cooldown": 0},
                 server={"public_url": "https://cp.example.com", "worker_key": await worker_token(r, f"q-{name}")},
