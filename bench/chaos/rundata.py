@@ -134,13 +134,23 @@ class Evidence:
 
 def _lost_window(timeline: Iterable[dict[str, Any]]) -> Callable[[str, float], bool]:
     """Whether an event of a queue at a time (true clock) was read from the old primary after the last event of that
-    queue the promoted replica had (`kept`, ms) and after the replica was cut off, before the clients were switched
-    to it: a failover took it back. (The cut bounds it too: while a step back of the store's clock holds stream ids
-    at their last value, `kept` names the moment of the step, long before the cut.)"""
-    failovers = [(e["kept"], e["cut_at"], e["switched_at"]) for e in timeline if e["kind"] == "failover"]
+    queue the promoted replica had (`kept`, ms), before the clients were switched to it: a failover took it back.
+    While Valkey's clock is stepped back, stream ids hold at their last value and `kept` names the moment of the
+    step, long before the cut: then the cut bounds the window instead. Otherwise `kept` does, so an event written
+    just before the cut that the replica never received (replication lags on a loaded machine) counts as lost."""
+    events = list(timeline)
+    steps = sorted((e["t"], e.get("offset_s", 0.0)) for e in events if e["kind"] == "valkey_clock")
+    failovers = [(e["kept"], e["cut_at"], e["switched_at"]) for e in events if e["kind"] == "failover"]
+
+    def stepped(start: float, end: float) -> bool:
+        before = [offset for t, offset in steps if t <= start]
+        return bool(before and before[-1]) or any(offset for t, offset in steps if start < t <= end)
+
+    def start_of(kept_s: float, cut: float) -> float:
+        return max(kept_s, cut) if stepped(kept_s, cut) else kept_s
 
     def lost(queue: str, t: float) -> bool:
-        return any(max(kept.get(queue, 0) / 1000, cut) < t < switched for kept, cut, switched in failovers)
+        return any(start_of(kept.get(queue, 0) / 1000, cut) < t < switched for kept, cut, switched in failovers)
 
     return lost
 

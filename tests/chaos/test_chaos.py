@@ -563,12 +563,31 @@ def test_the_checker_drops_the_events_a_failover_took_back(tmp_path: Path) -> No
     # Valkey's clock stepped back at 4 s: the stream ids are held at that moment's (ms 4,000), the last one the
     # replica had too, so only the cut (9 s) tells what was lost. A step back recorded on the old primary meanwhile
     # was lost with it (the new primary records the step itself).
-    data.timeline = [failover | {"kept": {"q": 4_000, "other": 4_000}}]
+    step = {"t": 4.0, "kind": "valkey_clock", "target": "valkey", "step_s": -600.0, "offset_s": -600.0}
+    data.timeline = [step, failover | {"kept": {"q": 4_000, "other": 4_000}}]
     data.clock_events = [("q", 12.0, 600_000), ("q", 21.0, 597_000)]
     checker = Checker(data)
     assert checker.d.events["q:a"] == [(5.0, "active"), (21.0, "succeeded")]  # 5 s: past `kept`, before the cut
     assert checker.d.events["q:b"] == [(22.0, "succeeded")]
     assert checker.d.clock_events == [("q", 21.0, 597_000)]
+
+
+def test_the_checker_drops_an_event_the_replica_never_received_before_the_cut() -> None:
+    """Replication lags on a loaded machine: a job completed on the old primary at 8.5 s, before the cut (9 s), that
+    the replica never received (its last event of the queue is at 7 s) was taken back by the failover; completed
+    again on the new primary, it finished once. With Valkey's clock on true time, `kept` bounds the window."""
+    events = {"q:a": [(5.0, "active"), (8.5, "succeeded"), (21.0, "succeeded")]}
+    failover = {"t": 25.0, "kind": "failover", "cut_at": 9.0, "switched_at": 20.0, "kept": {"q": 7_000}}
+    data = RunData(
+        acked={}, records={}, submissions=[], outputs={}, files={}, lives={}, slot_ports={}, timeline=[failover],
+        valkey_down=[], appendfsync="always", events=events, dropped=[], bucket=BUCKET,
+    )  # fmt: skip
+    checker = Checker(data)
+    assert checker.d.events["q:a"] == [(5.0, "active"), (21.0, "succeeded")]
+    assert checker.verdict().summary["finished_twice"] == 0
+    back = {"t": 1.0, "kind": "valkey_clock", "target": "valkey", "step_s": -300.0, "offset_s": -300.0}
+    data.timeline = [back, failover]  # stepped back: the ids hold, only the cut tells
+    assert Checker(data).verdict().summary["finished_twice"] == 1
 
 
 def test_the_checker_names_a_clock_step_moved_twice_or_never_made() -> None:
