@@ -17,6 +17,8 @@ from offload.queue.batching import Batcher
 from offload.worker.context import WorkerContext
 
 log = logging.getLogger("offload.worker")
+# How long a cancelled task may take to end before a drain leaves it behind.
+CANCEL_S = 5.0
 # How long a drain waits, past the backend's timeout, for the answers of the calls that were out to be checkpointed
 # (a store write, which waits out a short outage).
 RECORD_S = 10.0
@@ -46,13 +48,13 @@ class Drain:
         await self._until_ended(list(ctx.runs.tasks().values()), began + ctx.options.grace_s - time.monotonic())
         ctx.grace_over = True
         await self._await_calls(began)
-        tasks = ctx.runs.tasks().values()
+        tasks = list(ctx.runs.tasks().values())
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._ended(tasks, "job tasks")
         for h in helpers:
             h.cancel()
-        await asyncio.gather(*helpers, return_exceptions=True)
+        await self._ended(helpers, "helpers")
         await self._release_all()
 
     async def _hand_back_ahead(self) -> None:
@@ -70,7 +72,7 @@ class Drain:
             ctx.options.grace_s,
         )
         if ahead:
-            await asyncio.gather(*ahead, return_exceptions=True)
+            await self._ended(list(ahead), "waiting jobs")
             await self.hand_back([job for job in ahead.values() if job.id not in ctx.runs])
 
     async def _await_calls(self, began: float) -> None:
@@ -106,6 +108,15 @@ class Drain:
         except TimeoutError:
             log.warning("drained without the job store: the leases run out instead (and count as expired)")
         await ctx.health.aclose()
+
+    async def _ended(self, tasks: list[asyncio.Task[None]], what: str) -> None:
+        """Cancelled tasks end; one that does not within `CANCEL_S` is left behind, so a drain stays bounded (its
+        lease goes back with the last release or runs out, as if the worker had been killed)."""
+        if not tasks:
+            return
+        _, stuck = await asyncio.wait(tasks, timeout=CANCEL_S)
+        if stuck:
+            log.warning("drain: %d %s did not end within %gs of their cancel; left behind", len(stuck), what, CANCEL_S)
 
     async def _until_ended(self, tasks: list[asyncio.Task[None]], timeout: float) -> None:
         """Until every task of `tasks` has ended, `timeout` has passed, or the drain is cut."""
