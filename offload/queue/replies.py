@@ -112,8 +112,24 @@ class Verdict(enum.StrEnum):
     NOTFOUND = "NOTFOUND"
 
 
+class _ReplyText:
+    """A decoded reply equal to the same record and to the reply text it came from (as a `Verdict` is): its
+    `__str__` gives that text back."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to the same record, and to the reply text it was decoded from (as a `Verdict` is)."""
+        if isinstance(other, str):
+            return str(self) == other
+        return isinstance(other, type(self)) and str(self) == str(other)
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+
 @dataclass(frozen=True, slots=True, eq=False)
-class Begun:
+class Begun(_ReplyText):
     """begin.lua's verdict on one item: OK:<n>, OK:<n>:DUP, REMOTE:<n>:<remote id>, CAP:<cap>, CANCEL, STALE or
     NOTFOUND. `submission`: the number the intent opened (OK) or attached (REMOTE); `duplicate`: an earlier try
     of that submission has an unknown outcome; `detail`: the cap reached (CAP) or the remote id (REMOTE)."""
@@ -130,15 +146,6 @@ class Begun:
             return f"REMOTE:{self.submission}:{self.detail}"
         return f"CAP:{self.detail}" if self.verdict is Verdict.CAP else self.verdict.value
 
-    def __eq__(self, other: object) -> bool:
-        """Equal to the same record, and to the reply text it was decoded from (as a `Verdict` is)."""
-        if isinstance(other, str):
-            return str(self) == other
-        return isinstance(other, type(self)) and str(self) == str(other)
-
-    def __hash__(self) -> int:
-        return hash(str(self))
-
 
 def begun(reply: str) -> Begun:
     word, _, rest = str(reply).partition(":")
@@ -153,7 +160,7 @@ def begun(reply: str) -> Begun:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class Checkpointed:
+class Checkpointed(_ReplyText):
     """checkpoint.lua's verdict on one item: OK, OK:CANCEL, DUP:<first id>, ATTACHED, STALE:DUP, STALE or NOTFOUND.
     `recorded`: the remote id is the job's now; `cancel`: a cancel was requested meanwhile; `duplicate`: the
     submission already had another remote id (`first`, when the lease is still ours), so ours is a copy."""
@@ -174,15 +181,6 @@ class Checkpointed:
         if self.verdict is Verdict.DUP:
             return f"DUP:{self.first}"
         return "STALE:DUP" if self.duplicate else self.verdict.value
-
-    def __eq__(self, other: object) -> bool:
-        """Equal to the same record, and to the reply text it was decoded from (as a `Verdict` is)."""
-        if isinstance(other, str):
-            return str(self) == other
-        return isinstance(other, type(self)) and str(self) == str(other)
-
-    def __hash__(self) -> int:
-        return hash(str(self))
 
 
 def checkpointed(reply: str) -> Checkpointed:
