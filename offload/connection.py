@@ -12,6 +12,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import (
     AuthenticationError,
     ClusterDownError,
+    InvalidResponse,
     OutOfMemoryError,
     ReadOnlyError,
     ResponseError,
@@ -173,6 +174,12 @@ async def connect(url: str | None = None, *, retry_for: float | None = None, max
                 client = aioredis.Redis(connection_pool=pool)
             await client.ping()
             return cast(RedisClient, client)  # decode_responses=True: the replies are str, as RedisClient says
+        except InvalidResponse:  # something answered, in another protocol (an HTTP server): waiting will not help
+            if client is not None:
+                await client.aclose()
+            raise ConnectionFailed(
+                f"{mask_url(target)} answered, but not as Redis/Valkey: check the URL's host and port"
+            ) from None
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             if client is not None:
                 await client.aclose()

@@ -16,7 +16,7 @@ import orjson
 import pytest
 from support.admin_redis import redis_admin
 from support.procs import die_with_parent
-from support.servers import free_port
+from support.servers import closed_port
 from typer.testing import CliRunner, Result
 
 from offload.cli.app import app
@@ -409,7 +409,7 @@ def test_process_bad_queue_name_is_one_line_no_traceback(valkey_url: str) -> Non
 
 
 def test_process_unreachable_redis_is_one_line_no_traceback() -> None:
-    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    url = f"redis://127.0.0.1:{closed_port()}/0"  # nothing listens there
     proc = offload("queues", "--url", url)
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.startswith(f"error: cannot reach Redis/Valkey at {url}"), proc.stderr

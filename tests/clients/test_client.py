@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 from support.admin_redis import redis_admin
-from support.servers import free_port
+from support.servers import closed_port, free_port
 
 from offload import AsyncClient, Client, ConnectionFailed, JobNotFound, JobState
 from offload.connection import connect, mask_url
@@ -69,12 +71,30 @@ def test_embedded_default_starts_once_and_is_reused(tmp_home: Path) -> None:
 
 
 async def test_redis_down_at_start_retries_then_names_the_url(monkeypatch: pytest.MonkeyPatch) -> None:
-    url = f"redis://:s3cret@127.0.0.1:{free_port()}/0"
+    url = f"redis://:s3cret@127.0.0.1:{closed_port()}/0"
     started = time.monotonic()
     with pytest.raises(ConnectionFailed) as info:
         await connect(url, retry_for=1.0)
     assert time.monotonic() - started >= 0.9  # it retried instead of failing at once
     assert "127.0.0.1" in str(info.value) and "s3cret" not in str(info.value)
+
+
+async def test_a_url_that_points_at_a_web_server_says_so_at_once() -> None:
+    """A Redis URL with an HTTP server's port (a typo, a port taken by another service): one clear error naming
+    the masked URL, without retrying for the connect timeout, and no protocol-parser traceback."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"redis://:s3cret@127.0.0.1:{server.server_address[1]}/0"
+        started = time.monotonic()
+        with pytest.raises(ConnectionFailed, match=r"answered, but not as Redis/Valkey") as info:
+            await connect(url, retry_for=30)
+        assert time.monotonic() - started < 10  # not the 30 s a server that is not up yet is waited for
+        assert "s3cret" not in str(info.value) and "***" in str(info.value)
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 async def test_redis_that_comes_up_late_is_waited_for(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 import pytest
 import yaml
-from support.servers import free_port
+from support.servers import closed_port
 from typer.testing import CliRunner
 
 from offload import Client, ConnectionFailed, File, JobState, NoResult
@@ -82,7 +82,7 @@ def test_client_and_cli_find_the_store_in_offload_yaml(project: Path, valkey_url
 
 
 def test_the_environment_comes_before_the_file_for_both(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    dead = f"redis://:hunter2@127.0.0.1:{free_port()}/0"  # nothing listens there
+    dead = f"redis://:hunter2@127.0.0.1:{closed_port()}/0"  # nothing listens there
     monkeypatch.setenv("OFFLOAD_REDIS_URL", dead)
     monkeypatch.setenv("OFFLOAD_REDIS_CONNECT_TIMEOUT", "0.5")
     with Client() as client, pytest.raises(ConnectionFailed) as info:
@@ -97,7 +97,7 @@ def test_the_environment_comes_before_the_file_for_both(project: Path, monkeypat
 def test_an_unreachable_store_fails_a_producer_in_seconds_not_ten(
     project: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("OFFLOAD_REDIS_URL", f"redis://127.0.0.1:{free_port()}/0")
+    monkeypatch.setenv("OFFLOAD_REDIS_URL", f"redis://127.0.0.1:{closed_port()}/0")
     started = time.monotonic()
     with Client() as client, pytest.raises(ConnectionFailed, match=r"after 3s"):
         client.enqueue("q", {})
@@ -166,7 +166,7 @@ def test_server_that_cannot_reach_its_store_at_start_raises_not_a_traceback(
     monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("OFFLOAD_REDIS_CONNECT_TIMEOUT", "0.3")
-    dead = f"redis://:hunter2@127.0.0.1:{free_port()}/0"
+    dead = f"redis://:hunter2@127.0.0.1:{closed_port()}/0"
     with pytest.raises(ConnectionFailed, match="cannot reach Redis/Valkey"):
         serve(ServerOptions(redis_url=dead), port=0, log_level="info")
     logged = capfd.readouterr().err
@@ -175,7 +175,7 @@ def test_server_that_cannot_reach_its_store_at_start_raises_not_a_traceback(
 
 
 def test_process_server_with_an_unreachable_store_is_one_line() -> None:
-    url = f"redis://:hunter2@127.0.0.1:{free_port()}/0"
+    url = f"redis://:hunter2@127.0.0.1:{closed_port()}/0"
     env = {**os.environ, "OFFLOAD_REDIS_CONNECT_TIMEOUT": "0.5"}
     proc = subprocess.run(
         [sys.executable, "-m", "offload", "server", "--port", "0", "--url", url],

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import redis
 from redis.cluster import RedisCluster
-from support.servers import HOST, NAMED_REDIS_VAR, SLOT_RANGES, ValkeyCluster, ValkeyServer, free_port, named_redis
+from support.servers import HOST, NAMED_REDIS_VAR, SLOT_RANGES, ValkeyCluster, ValkeyServer, closed_port, named_redis
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_no_redis_but_the_tests_own_unless_a_variable_names_one(
     assert named_redis() is None
     monkeypatch.setenv(NAMED_REDIS_VAR, f"redis://{HOST}:{valkey.port}/9")
     assert named_redis(worker=2) == f"redis://{HOST}:{valkey.port}/7"  # one DB per xdist worker
-    monkeypatch.setenv(NAMED_REDIS_VAR, f"redis://:hunter2@{HOST}:{free_port()}/15")
+    monkeypatch.setenv(NAMED_REDIS_VAR, f"redis://:hunter2@{HOST}:{closed_port()}/15")
     with pytest.raises(RuntimeError, match=f"{NAMED_REDIS_VAR}=redis://:\\*\\*\\*@.* does not answer") as e:
         named_redis()
     assert "hunter2" not in str(e.value)

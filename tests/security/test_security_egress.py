@@ -27,7 +27,7 @@ from urllib.parse import quote, unquote
 import httpx
 import pytest
 from support.s3server import RcloneS3
-from support.servers import free_port
+from support.servers import closed_port
 
 from offload.config import Settings, load_settings
 from offload.connection import connect
@@ -199,7 +199,7 @@ async def test_echoed_internal_urls_are_never_fetched_and_every_failure_reads_th
     reads the same error for each: no port scan through the job error. The simulator's own files are still
     copied (the local stack's provider on loopback is the backend's own origin)."""
     caplog.set_level(logging.WARNING, logger="offload.storage")
-    closed = free_port()
+    closed = closed_port()
     targets = {
         "open port": f"{internal.url}/admin?token=hush",
         "name for loopback": f"http://localhost:{internal.port}/admin",

@@ -20,7 +20,7 @@ import httpx
 import orjson
 import pytest
 from support.eventually import eventually
-from support.servers import free_port
+from support.servers import closed_port
 
 from offload.backends import (
     Backend,
@@ -353,7 +353,7 @@ async def test_each_failure_says_whether_the_provider_may_have_accepted_the_requ
     assert not (await failure(make("http-job"))).maybe_accepted
     sim()
     assert not (await failure(make("http-job", api_key="wrong-key-0123"))).maybe_accepted  # 401
-    nowhere = make("http-job", base_url=f"http://127.0.0.1:{free_port()}")
+    nowhere = make("http-job", base_url=f"http://127.0.0.1:{closed_port()}")
     refused = await failure(nowhere)
     assert isinstance(refused, Transient) and not refused.maybe_accepted, refused
 

