@@ -25,11 +25,14 @@ def test_the_checker_names_each_broken_hostile_invariant() -> None:
     assert findings == [] and summary["valid_key_refused"] == summary["loris_not_cut"] == 0, summary
     broken: list[dict[str, Any]] = [
         {"kind": "hostile_guess", "bad": {"401": 20, "429": 10}, "valid": {"429": 28, "200": 2}},  # the lockout
-        {"kind": "hostile_guess", "bad": {"401": 30}, "valid": {"200": 30}},  # no limit at all
+        {"kind": "hostile_guess", "bad": {"401": 30}, "valid": {"200": 30}, "decided": True},  # no limit at all
+        # slowed past the window (a loaded machine, a store fault): nothing proven either way
+        {"kind": "hostile_guess", "bad": {"401": 28, "503": 2}, "valid": {"200": 30}, "decided": False},
         {"kind": "hostile_loris", "status": None, "seconds": 18.0},  # never answered
         {"kind": "hostile_loris", "status": 201, "seconds": 2.0},  # a trickled body taken
     ]
     summary, findings = hostile.check(broken)
     assert summary["valid_key_refused"] == 28 and summary["bad_keys_not_limited"] == 1, summary
     assert summary["loris_not_cut"] == 2 and len(findings) == 3, findings
+    assert summary["hostile"]["undecided"] == 1, summary
     assert hostile.check([{"kind": "kill"}]) == ({}, [])  # a run without the fault: nothing to judge
