@@ -46,7 +46,9 @@ class AlertSettings(Strict):
     webhooks: list[WebhookTarget] = Field(default_factory=list)
     email: EmailTarget | None = None
     cooldown: Duration = Field(900.0, ge=0)
-    attempts: int = Field(4, ge=1, le=10)
+    attempts: int = Field(
+        4, ge=1, le=10, description="delivery tries per alert and target; the waits double from 0.2 s, at most 5 s"
+    )
     dead_letter_growth: int | None = Field(None, ge=1, description="dead jobs added within the window")
     dead_letter_window: Duration = Field(600.0, gt=0)
     queue_latency: Duration | None = Field(None, gt=0, description="oldest ready job older than this")

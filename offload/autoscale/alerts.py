@@ -37,9 +37,15 @@ log = logging.getLogger("offload.autoscale.alerts")
 PARENT: dict[str, str] = {"boot_timeout": "autoscale_failure"}
 
 
+# The longest wait between two tries of one delivery: 10 tries (the most `attempts` allows) then take at most
+# ~26 s in all, instead of 102 s for the tenth wait alone.
+RETRY_CAP_S = 5.0
+
+
 def _retry_wait(attempt: int) -> float:
-    """Seconds before delivery try `attempt + 2`: 0.2, 0.4, 0.8... (`settings.attempts` bounds the tries)."""
-    return compute_backoff(attempt + 1, base=0.2, cap=float("inf"))
+    """Seconds before delivery try `attempt + 2`: 0.2, 0.4, 0.8... up to RETRY_CAP_S (`settings.attempts` bounds
+    the tries)."""
+    return compute_backoff(attempt + 1, base=0.2, cap=RETRY_CAP_S)
 
 
 def _wants(kinds: list[AlertKind] | None, kind: str) -> bool:

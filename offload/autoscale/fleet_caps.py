@@ -2,9 +2,11 @@
 provider name) and spend per UTC day and month.
 
 A queue's own caps (max_workers, daily_spend_cap) see only its own machines; these see the whole fleet, read from
-the store at each rental, so a rental by one queue counts for the next queue evaluated in the same tick. A fleet
-cap only stops renting (the evaluation holds, naming the cap); it drains nothing. Dry-run (mock) spend is checked
-against dry-run spend only, as for a queue's cap.
+the store at each rental, so a rental by one queue counts for the next queue evaluated in the same tick. A machine
+cap only stops renting (the evaluation holds, naming the cap). A spend cap also drains: once the day's (or month's)
+spend across all queues plus the fleet's cost until the next evaluation reaches it, every queue drains as at its
+own spend cap (`spend_reached`), so the cap is a ceiling on the bill, not only on new rentals. Dry-run (mock) spend
+is checked against dry-run spend only, as for a queue's cap.
 """
 
 from __future__ import annotations
@@ -63,3 +65,14 @@ async def fleet_cap(a: Autoscaler, ev: Evaluation, provider: Provider, extra: fl
     if why := _machines(a, billed, provider):
         return why
     return await _spend(a, ev, billed, provider.type == "mock", extra) if spend_caps else None
+
+
+async def spend_reached(a: Autoscaler, ev: Evaluation, *, dry_run: bool) -> str | None:
+    """Why the fleet must drain for a spend cap across all queues (None: it need not): the day's or month's spend
+    plus what every billed machine costs until the next evaluation reaches `daily_spend_cap` or
+    `monthly_spend_cap` of the `autoscaler:` block."""
+    srv = a.server
+    if srv.daily_spend_cap is None and srv.monthly_spend_cap is None:
+        return None
+    billed = [i for i in await a.instances.live() if i.live]
+    return await _spend(a, ev, billed, dry_run, 0.0)

@@ -25,7 +25,7 @@ import logging
 
 import orjson
 
-from offload.autoscale import drain, keyspace, reconcile, rent, scale_in
+from offload.autoscale import drain, fleet_caps, keyspace, reconcile, rent, scale_in
 from offload.autoscale.alert_settings import alert_settings
 from offload.autoscale.alerts import Alerter
 from offload.autoscale.drain import DrainReason
@@ -295,7 +295,7 @@ class Autoscaler:
         (real, dry-run) the queue's providers would add is capped. Returns that mode (None: the triggers) and
         the cap verdict per kind (keyed by dry-run)."""
         cfg, target, floor = ev.cfg, up.target, up.floor
-        capped = {dry: await rent.cap_reached(self, ev, dry_run=dry) for dry in (False, True)}
+        capped = {dry: await self._spend_capped(ev, dry) for dry in (False, True)}
         kinds = {(await self._kind(name)) == "mock" for name in cfg.names}
         mode = None
         if not cfg.enabled:
@@ -309,6 +309,12 @@ class Autoscaler:
             decision.hold(held)
         decision.desired, decision.floor = target, floor
         return mode, capped
+
+    async def _spend_capped(self, ev: Evaluation, dry_run: bool) -> str | None:
+        """The queue's own spend cap, else the one across all queues: either drains the queue's fleet."""
+        return await rent.cap_reached(self, ev, dry_run=dry_run) or await fleet_caps.spend_reached(
+            self, ev, dry_run=dry_run
+        )
 
     async def _grow(
         self, ev: Evaluation, decision: Decision, active: list[Instance], draining: list[Instance], short: int

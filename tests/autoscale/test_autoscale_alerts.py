@@ -17,8 +17,8 @@ from support.autoscale_helpers import Clock, make_scaler, queue_block
 from support.eventually import eventually_sync
 from support.servers import free_port
 
-from offload.autoscale.alert_settings import alert_settings
-from offload.autoscale.alerts import Alerter
+from offload.autoscale.alert_settings import AlertSettings, alert_settings
+from offload.autoscale.alerts import RETRY_CAP_S, Alerter, _retry_wait
 from offload.connection import connect
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
@@ -178,3 +178,12 @@ async def test_a_boot_timeout_reaches_an_autoscale_failure_filter(r: AdminRedis,
     await s.alerter.drain()
     assert [b["json"]["kind"] for b in receiver.bodies] == ["boot_timeout"]
     await s.aclose()
+
+
+def test_one_delivery_retries_for_seconds_not_minutes() -> None:
+    """The waits between the tries of one alert are capped: at the most tries `attempts` allows, the last waits
+    were 51 s and 102 s before (an evaluation's alert held a dead target for minutes)."""
+    most = AlertSettings.model_fields["attempts"].metadata
+    tries = next(m.le for m in most if hasattr(m, "le"))
+    waits = [_retry_wait(n) for n in range(tries - 1)]
+    assert waits[:3] == [0.2, 0.4, 0.8] and max(waits) == RETRY_CAP_S and sum(waits) < 30, waits

@@ -133,3 +133,22 @@ def test_fleet_caps_are_validated_and_named() -> None:
         server_side({"max_machines_per_provider": {"m": 0}}, {})
     with pytest.raises(ConfigError, match="daily_spend_cap"):
         server_side({"daily_spend_cap": -1}, {})
+
+
+async def test_a_spend_cap_across_queues_drains_every_queues_fleet(r: Any) -> None:
+    """Before, a fleet-wide spend cap only stopped renting: the machines already up kept billing past it."""
+    clock = Clock()
+    s, mock = make_scaler(r, clock, extra=two_queues(), server={"daily_spend_cap": 5.0})
+    for queue in ("gpu", "gpu2"):
+        await enqueue(r, clock, 1, queue)
+    await s.tick()
+    rented = {i.queue: i for i in await s.instances.live()}
+    assert set(rented) == {"gpu", "gpu2"} and len(await mock.all_ids()) == 2
+    await add_cost(r, "gpu2", clock(), 4.999, dry_run=True)  # the day's spend, almost all by the other queue
+    clock.advance(30)
+    await s.tick()
+    for queue, inst in rented.items():
+        got = await s.instances.get(inst.id)
+        assert got is not None and got.status != "running", (queue, got)
+        decision = orjson.loads(await r.get(keyspace.decision(queue)))
+        assert decision["desired"] == 0 and "autoscaler.daily_spend_cap $5.00 reached" in decision["held"], decision
