@@ -278,8 +278,12 @@ class Schedule:
         slots = [s for s in self._alive(unstopped=True) if s.current and s.current.read_id() and not s.terminating]
         if not slots:
             return
-        leases = await asyncio.to_thread(self._leases, slots)
+        leases = await asyncio.to_thread(self._leases, slots)  # seconds, while the store is down
+        slots = [s for s in slots if s.running and not s.terminating]  # another fault may have begun a stop meanwhile
+        if not slots:
+            return
         slot = max(slots, key=lambda s: (leases.get(s.name, 0), self.rng.random()))
+        slot.terminating = True  # claimed now, not when the drain's thread starts: no other fault stops it too
         p = self.profile
         cut = self.rng.uniform(*p.drain_cut_after) if self.rng.random() < p.drain_cut_share else None
         task = asyncio.create_task(self._drain_then_restart(slot, cut))
@@ -376,6 +380,7 @@ class Schedule:
         slot = capped if not self.counts["worker_clock"] and capped in alive else self.rng.choice(alive)
         skew = self.rng.choice(WORKER_SKEWS_S)
         self._clocked.add(slot.name)  # one restart of a slot at a time: never two processes in one slot
+        slot.terminating = True  # claimed before the thread starts: a drain does not pick it meanwhile
         await asyncio.to_thread(slot.terminate)
         life = slot.start(ClockFile(slot.dir / f"{slot.name}-clock-{len(slot.lives) + 1}", skew))
         self.note("worker_clock", slot.name, n=life.n, skew_s=skew)
@@ -384,7 +389,10 @@ class Schedule:
     async def _true_clock(self, slot: WorkerSlot, life: Any) -> None:
         try:
             await asyncio.sleep(self.profile.worker_clock_s)
-            if slot.current is life and not self._stopping:
+            # a slot being drained restarts on the true clock anyway: a second stop would cut that drain and
+            # SIGKILL it 15 s later, a "bad drain exit" that was the harness's own doing
+            if slot.current is life and not self._stopping and not slot.terminating:
+                slot.terminating = True
                 await asyncio.to_thread(slot.terminate)
                 again = slot.start()
                 self.note("restart", slot.name, n=again.n, pidns=slot.pidns)
