@@ -69,6 +69,7 @@ class EventKind(enum.StrEnum):
     FAILED = "failed"
     FORGIVEN = "forgiven"
     HOST_AVOIDED = "host_avoided"
+    LANDED = "landed"  # a new machine kept on an avoided host: the provider placed us there again and again
     SCHEDULE = "schedule"
     DRAINING = "draining"
     UNDRAINED = "undrained"

@@ -47,11 +47,19 @@ DEAD_STATES = (MachineState.FAILED, MachineState.TERMINATED, MachineState.STOPPE
 
 
 async def fail(
-    a: Autoscaler, inst: Instance, reason: str, now: float, *, destroy: bool = True, keep: bool = False
+    a: Autoscaler,
+    inst: Instance,
+    reason: str,
+    now: float,
+    *,
+    destroy: bool = True,
+    keep: bool = False,
+    also: dict[str, Any] | None = None,
 ) -> None:
     """Mark failed and (normally) journal the teardown in the same write, before any provider call. `keep`: the
-    instance is protected: failed, but its machine stays (teardown=kept) until it is unprotected."""
-    changes: dict[str, Any] = {"status": "failed", "reason": reason}
+    instance is protected: failed, but its machine stays (teardown=kept) until it is unprotected. `also`: more
+    fields for that write (a new machine's id: recorded and doomed at once, so no crash can leave it unjournaled)."""
+    changes: dict[str, Any] = {**(also or {}), "status": "failed", "reason": reason}
     if keep:
         changes.update(teardown="kept", reason=f"{reason}; kept: protected")
     elif destroy:

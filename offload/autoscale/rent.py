@@ -9,6 +9,9 @@ provider call.
 - Every failure, ambiguous ones included (a 5xx or a lost answer: the machine may exist), counts against the
   provider's backoff and raises an alert. An ambiguous create keeps its record, so the machine is adopted by its
   `offload-as-…` label if it shows up, and is never rented twice.
+- A new machine on an avoided host, or priced over the cap, is released at once (landing.py). One on an avoided
+  host counts as no rental and the provider is asked again (the third in a row is kept); one over the cap backs
+  the provider off like a failed create.
 - The spend cap looks one poll ahead: a rental is refused when today's spend plus the fleet's cost until the next
   evaluation would reach it. Dry-run (mock) spend is checked against dry-run spend only. The `autoscaler:` block's
   caps across all queues (machines, per provider, spend: fleet_caps.py) are checked at the same point.
@@ -21,7 +24,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from offload.access.api_keys import KeyStore
-from offload.autoscale import reconcile
+from offload.autoscale import landing, reconcile
 from offload.autoscale.credentials import Credentials
 from offload.autoscale.deploy import TOKEN_ENV, USER_ENV, script, start_command
 from offload.autoscale.evaluation import Choice, Decision, Evaluation
@@ -43,6 +46,7 @@ class RentOutcome(enum.StrEnum):
     OK = "ok"
     AMBIGUOUS = "ambiguous"  # the answer was lost: the machine may exist (its record stays, adopted by label)
     CAPACITY = "capacity"  # out of stock
+    RELEASED = "released"  # landed on an avoided host and released at once: not a rental, ask again
     FAILED = "failed"
 
 
@@ -290,6 +294,7 @@ async def provision(a: Autoscaler, ev: Evaluation, decision: Decision, n: int) -
     rented = 0
     failed_now: set[str] = set()
     avoid: dict[str, set[str]] = {}
+    released: dict[str, int] = {}  # machines on avoided hosts released in a row, per provider
     for _ in range(n):
         for provider in choice.order:
             if provider.name in failed_now:
@@ -299,7 +304,7 @@ async def provision(a: Autoscaler, ev: Evaluation, decision: Decision, n: int) -
                 continue
             if provider.name not in avoid:
                 avoid[provider.name] = await reconcile.avoided_hosts(a, provider.name, ev.now)
-            outcome, inst = await rent_one(a, ev, provider, avoid[provider.name], decision.reasons)
+            outcome, inst = await _rent_from(a, ev, provider, avoid[provider.name], decision.reasons, released)
             if outcome in STARTED:
                 rented += 1
                 if inst is not None:
@@ -310,6 +315,20 @@ async def provision(a: Autoscaler, ev: Evaluation, decision: Decision, n: int) -
         else:
             break
     return rented
+
+
+async def _rent_from(
+    a: Autoscaler, ev: Evaluation, provider: Provider, avoid: set[str], reasons: list[str], released: dict[str, int]
+) -> tuple[RentOutcome, Instance | None]:
+    """One rental from this provider, asked again after a machine released from an avoided host (landing.py keeps
+    the third in a row, so this ends)."""
+    while True:
+        streak = released.get(provider.name, 0)
+        outcome, inst = await rent_one(a, ev, provider, avoid, reasons, released=streak)
+        if outcome != RentOutcome.RELEASED:
+            released[provider.name] = 0 if outcome == RentOutcome.OK else streak
+            return outcome, inst
+        released[provider.name] = streak + 1
 
 
 async def _capped(a: Autoscaler, ev: Evaluation, decision: Decision, provider: Provider) -> bool:
@@ -350,9 +369,10 @@ def _new_instance(ev: Evaluation, provider: Provider) -> tuple[Instance, str | N
 
 
 async def rent_one(
-    a: Autoscaler, ev: Evaluation, provider: Provider, avoid: set[str], reasons: list[str]
+    a: Autoscaler, ev: Evaluation, provider: Provider, avoid: set[str], reasons: list[str], *, released: int = 0
 ) -> tuple[RentOutcome, Instance | None]:
-    """One rental, journaled before the provider call; returns the outcome and the record (None if none stays)."""
+    """One rental, journaled before the provider call; returns the outcome and the record (None if none stays).
+    `released`: machines on this provider's avoided hosts released in a row this evaluation (landing.py)."""
     queue, now = ev.queue, ev.now
     inst, token = _new_instance(ev, provider)
     try:
@@ -381,7 +401,11 @@ async def rent_one(
     changes: dict[str, Any] = {"provider_id": machine.provider_id, "host": machine.host_id or "", "accrued_at": now}
     if machine.price_per_hour:
         changes.update(price=float(machine.price_per_hour), price_reported=True)
-    await a.instances.update(inst, a.leader.token, now, **changes)
+    landed = await landing.settle(a, ev, provider, inst, spec, machine, changes, released)
+    if landed == landing.Landing.RENT_AGAIN:
+        return RentOutcome.RELEASED, None
+    if landed == landing.Landing.NEXT_PROVIDER:
+        return RentOutcome.FAILED, None
     await ev.state.provider_ok(a.redis, queue, provider.name)
     log.info("rented %s for %s: %s at %s", inst.id, queue, machine.provider_id, provider.name)
     return RentOutcome.OK, inst

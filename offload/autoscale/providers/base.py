@@ -132,6 +132,11 @@ class Provider(ABC):
         `choose: cheapest`; None when it cannot tell (or has no offer). Never rents anything."""
         return None
 
+    def price_cap(self, spec: LaunchSpec) -> float | None:
+        """The most this rental may cost per hour (None: no cap): the queue's `spot_max_price` for spot, else
+        its `max_price_per_hour`. A provider whose own cap wins over the queue's overrides this."""
+        return spec.spot_max_price if spec.spot else spec.max_price_per_hour
+
     async def get(self, provider_id: str) -> Machine | None:
         """None: gone. Adapters with a cheaper single-machine call override this."""
         return next((m for m in await self.list() if m.provider_id == provider_id), None)

@@ -111,6 +111,10 @@ class VastProvider(Provider):
         disk = spec.disk_gb or self.config.disk_gb or 20
         return gpu, price, disk
 
+    def price_cap(self, spec: LaunchSpec) -> float | None:
+        """The provider's own max_price_per_hour wins over the queue's, as in the offer search."""
+        return spec.spot_max_price if spec.spot else self.config.max_price_per_hour or spec.max_price_per_hour
+
     @staticmethod
     def _bid(offer: dict[str, Any], spec: LaunchSpec) -> float:
         """What to bid for an interruptible offer: 10 % over its minimum bid, never above the cap."""

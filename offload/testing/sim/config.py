@@ -206,6 +206,15 @@ class MachineSim(Strict):
         description="RunPod GPU ids for rent and their price per hour",
     )
     out_of_stock: list[str] = Field(default_factory=list, description="RunPod GPU ids with no capacity")
+    runpod_place_on: list[str] = Field(
+        default_factory=list,
+        description="hosts (machineId) the next RunPod pods land on, one per pod in order, then the usual spread "
+        "(a create cannot refuse a host)",
+    )
+    runpod_billed: dict[str, float] = Field(
+        default_factory=dict,
+        description="RunPod GPU ids whose new on-demand pods report this costPerHr instead of the listed price",
+    )
     offers: list[Offer] = Field(default_factory=_default_offers)
     offer_taken: list[int] = Field(default_factory=list, description="offers that are gone when rented (no_such_ask)")
     broken_hosts: list[str] = Field(default_factory=list, description="machine ids that never start the container")

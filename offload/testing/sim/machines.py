@@ -4,8 +4,9 @@ show.
 
 A machine's life is fixed by timestamps and the config, like a simulated job: created -> running after
 `boot_seconds`; on a `broken_hosts` machine the container never starts; with `preempt_after` a running machine
-vanishes, and with `spot_preempt_after` an interruptible one is pre-empted. Failing creates, lost create answers
-and failing destroys are counted here, so both providers draw from the same budget.
+vanishes, and with `spot_preempt_after` an interruptible one is pre-empted. Failing creates, lost create answers,
+failing destroys and forced RunPod placements (`runpod_place_on`) are counted here, so both providers draw from
+the same budget.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class Machines:
         self.destroy_failures_used = 0
         self.create_errors_used = 0
         self.create_lost_used = 0
+        self.placed_used = 0
         self.seq = 0
 
     def visible(self, provider: str, now: float) -> list[SimMachine]:
@@ -94,6 +96,14 @@ class Machines:
         m = SimMachine(mid, provider, label, image, gpu, price, host, now, env, spot=spot, start_cmd=start_cmd)
         self.all[mid] = m
         return m
+
+    def placement(self) -> str | None:
+        """The host `runpod_place_on` names for the next pod (None: the usual spread)."""
+        hosts = self.sim.config.machines.runpod_place_on
+        if self.placed_used < len(hosts):
+            self.placed_used += 1
+            return hosts[self.placed_used - 1]
+        return None
 
     def destroy_fails(self) -> bool:
         if self.destroy_failures_used < self.sim.config.machines.destroy_failures:

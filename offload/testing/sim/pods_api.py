@@ -2,7 +2,9 @@
 machine store (`machines`).
 
 Out of stock answers like RunPod does (REST 400, GraphQL an `errors` body with a 200). A RunPod pod on a
-`broken_hosts` machine is stuck STARTING. Interruptible pods come from GraphQL's `podRentInterruptable`: a
+`broken_hosts` machine is stuck STARTING. As on RunPod, a create names no host and no price: `runpod_place_on`
+puts the next pods on given hosts, and `runpod_billed` makes a GPU's new pods report a costPerHr other than the
+listed price. Interruptible pods come from GraphQL's `podRentInterruptable`: a
 `bidPerGpu` at or above the GPU's minimum bid, which `gpuTypes { lowestPrice { minimumBidPrice
 uninterruptablePrice stockStatus } }` reports; a pre-empted one goes EXITED (it still exists, and bills for
 disk, until terminated).
@@ -97,8 +99,8 @@ def _create(
         call.reject(400, OUT_OF_STOCK)
     if bid is not None and bid < _min_bid(call, gpu):
         call.reject(400, _low_bid(call, gpu, bid))
-    host = f"rp-host-{len(store.all) % 7}"
-    price = cfg.runpod_gpus[gpu] if bid is None else bid
+    host = store.placement() or f"rp-host-{len(store.all) % 7}"
+    price = cfg.runpod_billed.get(gpu, cfg.runpod_gpus[gpu]) if bid is None else bid
     return store.add("runpod", name, image, gpu, price, host, call.now, env, spot=bid is not None, start_cmd=start_cmd)
 
 
