@@ -58,6 +58,11 @@ def failed_hosts(queue: str) -> str:
     return P + f"failedhosts:{queue}"
 
 
+def boot_outcomes(queue: str) -> str:
+    """The queue's last boot outcomes, newest first ("1" healthy, "0" failed; a list trimmed to a window)."""
+    return P + f"boots:{queue}"
+
+
 def cost(queue: str, period: str) -> str:
     return P + f"cost:{queue}:{period}"
 

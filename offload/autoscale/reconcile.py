@@ -28,8 +28,10 @@ from offload.autoscale.drain import DrainReason
 from offload.autoscale.instances import EventKind, Instance, StaleState, log_event
 from offload.autoscale.providers import Machine, MachineState, NotOurs, Provider, ProviderError
 from offload.autoscale.safety import (
+    FAILED_OF_WINDOW,
     HOST_AVOID,
     HOSTS_FOR_PAUSE,
+    HOSTS_FOR_PAUSE_KNOWN_GOOD,
     PROVISION_GRACE,
     TEARDOWN_ALERT_AFTER,
     boot_backoff,
@@ -182,7 +184,8 @@ async def _correlate(a: Autoscaler, ev: Evaluation, inst: Instance, worker: Work
         changes["last_task_at"] = now
     if inst.status in ("provisioning", "booting"):
         changes.update(status="running", ready_at=now)
-        await ev.state.booted(a.redis, inst.queue)
+        await ev.state.booted(a.redis, inst.queue, ev.cfg.boots, now, inst.created_at)
+        await ev.state.outcome(a.redis, inst.queue, healthy=True)
         await scale_in.boot_seen(a.redis, inst.queue, ev.state, now - inst.created_at if inst.created_at else 0.0)
         await log_event(
             a.redis,
@@ -312,8 +315,15 @@ async def boot_failed(a: Autoscaler, ev: Evaluation, inst: Instance, host: str, 
     qs, now = ev.state, ev.now
     if host:
         await a.redis.zadd(keyspace.avoid(inst.provider), {host: now + HOST_AVOID})
-    hosts = await qs.boot_failed(a.redis, inst.queue, host or f"?{inst.id}", now)
-    level = hosts - HOSTS_FOR_PAUSE + 1
+    vouched = qs.vouched(ev.cfg.boots, inst.created_at, now)
+    hosts = 0 if vouched else await qs.boot_failed(a.redis, inst.queue, host or f"?{inst.id}", now)
+    level = 0
+    if hosts:
+        failed = await qs.outcome(a.redis, inst.queue, healthy=False)
+        if not qs.known_good(ev.cfg.boots, now):
+            level = hosts - HOSTS_FOR_PAUSE + 1
+        elif hosts >= HOSTS_FOR_PAUSE_KNOWN_GOOD:
+            level = failed - FAILED_OF_WINDOW + 1
     pause = 0.0
     if level > 0 and timed_out:
         pause = boot_backoff(ev.cfg.boot_timeout, level)
@@ -322,11 +332,12 @@ async def boot_failed(a: Autoscaler, ev: Evaluation, inst: Instance, host: str, 
         pause = host_pause(level)
         await qs.save(a.redis, inst.queue, host_failures=level, host_until=now + pause)
     what = "gave no ready worker within boot_timeout" if timed_out else "could not start the container"
-    then = (
-        f"{hosts} hosts failed since the last healthy boot: renting paused {pause:.0f}s"
-        if pause
-        else "other hosts may boot the image: renting goes on"
-    )
+    if pause:
+        then = f"{hosts} hosts failed since the last healthy boot: renting paused {pause:.0f}s"
+    elif vouched:
+        then = "a machine rented after it booted the image: renting goes on"
+    else:
+        then = "other hosts may boot the image: renting goes on"
     await log_event(
         a.redis,
         now,

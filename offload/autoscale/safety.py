@@ -24,7 +24,16 @@ BOOT_BACKOFF_CAP = 3600.0
 HOST_AVOID = 86_400.0
 HOST_PAUSE_BASE = 30.0
 HOST_PAUSE_CAP = 600.0
-HOSTS_FOR_PAUSE = 2  # distinct failing hosts since the last healthy boot before the queue pauses
+# Distinct failing hosts since the last healthy boot before the queue pauses: 2 for what the queue has not seen
+# boot within a day (a broken image costs two boots), 3 for what booted healthy within a day, where failures are
+# far more likely its hosts' (docs/benchmarks-cost.md, faulty-week: 2 paused a healthy fleet for hours).
+# What booted healthy within a day also needs most of its recent boots to have failed: a run of failing hosts
+# among healthy ones is bad luck (5 in a row at 15 % of hosts failing, once in the faulty week), not the image.
+HOSTS_FOR_PAUSE = 2
+HOSTS_FOR_PAUSE_KNOWN_GOOD = 3
+BOOTS_WINDOW = 10
+FAILED_OF_WINDOW = 6
+BOOT_HOLD_FACTOR = 2.0  # a booting machine holds queue_depth/latency for this many measured boot times
 PROVISION_GRACE = 120.0  # a provisioning record with no machine id: wait this long for it to show at the provider
 TEARDOWN_ALERT_AFTER = 3  # failed destroy calls of one machine before an alert (it may still bill)
 
@@ -50,3 +59,10 @@ def boot_backoff(boot_timeout: float, failures: int) -> float:
 
 def host_pause(failures: int) -> float:
     return float(compute_backoff(failures, base=HOST_PAUSE_BASE, cap=HOST_PAUSE_CAP))
+
+
+def boot_hold(boot_ewma: float, boot_timeout: float) -> float:
+    """Seconds a booting machine holds the queue_depth and latency triggers: BOOT_HOLD_FACTOR times the queue's
+    measured boot time (until one is measured, boot_timeout). Past it the machine is presumed stuck and the
+    triggers may rent beside it; boot_timeout still judges (and destroys) it."""
+    return min(boot_timeout, BOOT_HOLD_FACTOR * boot_ewma) if boot_ewma > 0 else boot_timeout

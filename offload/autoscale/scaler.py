@@ -35,7 +35,7 @@ from offload.autoscale.leader import Leader
 from offload.autoscale.operator_only import OPERATOR
 from offload.autoscale.provider_store import ProviderStore
 from offload.autoscale.providers import TYPES, Machine, Provider, build
-from offload.autoscale.safety import RECENT_TASK
+from offload.autoscale.safety import RECENT_TASK, boot_hold
 from offload.autoscale.settings import (
     AutoscaleSettings,
     ServerSide,
@@ -246,7 +246,7 @@ class Autoscaler:
         if scale_in.cost_trigger(cfg) is not None:
             await scale_in.observe(self.redis, queue, qs, load, now)
         await drain.schedule_targets(self, ev, active)
-        up = scale_up(cfg, load, active, now, qs.last_down_fire)
+        up = scale_up(cfg, load, active, now, qs.last_down_fire, boot_hold(qs.boot_ewma, cfg.boot_timeout))
         decision = Decision(
             at=now,
             enabled=cfg.enabled,

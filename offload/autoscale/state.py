@@ -22,7 +22,7 @@ from typing import Any
 import orjson
 
 from offload.autoscale import keyspace
-from offload.autoscale.safety import HOST_AVOID
+from offload.autoscale.safety import BOOTS_WINDOW, HOST_AVOID
 from offload.caps import window_of
 from offload.redis_client import RedisClient
 
@@ -40,6 +40,9 @@ class QueueState:
     gap_ewma: float = 0.0  # the recent gaps between the queue's bursts, seconds (0: none seen yet)
     gaps: int = 0
     boot_ewma: float = 0.0  # the queue's recent boot times, create to ready, seconds (0: none measured)
+    good_boots: str = ""  # AutoscaleSettings.boots of the last healthy boot...
+    good_at: float = 0.0  # ...and when it was
+    good_rented: float = 0.0  # when the newest machine that booted healthy was rented
     prov_failures: dict[str, int] = field(default_factory=dict)
     prov_until: dict[str, float] = field(default_factory=dict)
 
@@ -96,11 +99,43 @@ class QueueState:
         await redis.pexpire(key, int(HOST_AVOID * 1000))
         return len(await redis.zrange(key, 0, -1))
 
-    async def booted(self, redis: RedisClient, queue: str) -> None:
-        """A worker became ready: the image boots, so every boot-failure count and pause starts over."""
+    async def booted(self, redis: RedisClient, queue: str, boots: str, now: float, rented_at: float) -> None:
+        """A worker became ready on a machine rented at `rented_at`: what it booted (`boots`,
+        AutoscaleSettings.boots) boots, so every boot-failure count and pause starts over, and it is known good for
+        a day."""
         await redis.delete(keyspace.failed_hosts(queue))
-        if self.boot_failures or self.boot_until or self.host_failures or self.host_until:
-            await self.save(redis, queue, boot_failures=0, boot_until=0.0, host_failures=0, host_until=0.0)
+        newest = max(rented_at, self.good_rented) if self.good_boots == boots else rented_at
+        await self.save(
+            redis,
+            queue,
+            boot_failures=0,
+            boot_until=0.0,
+            host_failures=0,
+            host_until=0.0,
+            good_boots=boots,
+            good_at=now,
+            good_rented=newest,
+        )
+
+    async def outcome(self, redis: RedisClient, queue: str, healthy: bool) -> int:
+        """Note one boot outcome; returns how many of the last BOOTS_WINDOW failed."""
+        key = keyspace.boot_outcomes(queue)
+        pipe = redis.pipeline(transaction=True)
+        pipe.lpush(key, "1" if healthy else "0")
+        pipe.ltrim(key, 0, BOOTS_WINDOW - 1)
+        pipe.pexpire(key, int(HOST_AVOID * 1000))
+        pipe.lrange(key, 0, -1)
+        last = (await pipe.execute())[-1]
+        return sum(1 for o in last if o == "0")
+
+    def vouched(self, boots: str, rented_at: float, now: float) -> bool:
+        """Whether a machine rented at `rented_at` that failed to boot says nothing of the image: one rented after it
+        booted the same thing healthy (its failure only comes to light now, boot_timeout after its rental)."""
+        return self.known_good(boots, now) and 0 < rented_at <= self.good_rented
+
+    def known_good(self, boots: str, now: float) -> bool:
+        """Whether `boots` booted healthy on this queue within the last day."""
+        return self.good_boots == boots and now - self.good_at < HOST_AVOID
 
     def paused_until(self) -> tuple[float, str]:
         """When renting may resume for the whole queue and why (machines that never booted, broken hosts)."""

@@ -65,10 +65,20 @@ def schedule_floor(cfg: AutoscaleSettings, now: float, last_down_fire: float) ->
 
 
 def scale_up(
-    cfg: AutoscaleSettings, load: QueueLoad, active: list[Instance], now: float, last_down_fire: float = 0.0
+    cfg: AutoscaleSettings,
+    load: QueueLoad,
+    active: list[Instance],
+    now: float,
+    last_down_fire: float = 0.0,
+    boot_hold: float | None = None,
 ) -> UpDecision:
+    """`boot_hold`: seconds a booting machine holds queue_depth and latency (safety.boot_hold; None: until it
+    boots or boot_timeout judges it)."""
     count = len(active)
-    booting = any(i.status in ("provisioning", "booting") for i in active)
+    hold = cfg.boot_timeout if boot_hold is None else boot_hold
+    booting = any(
+        i.status in ("provisioning", "booting") and not (i.created_at and now - i.created_at >= hold) for i in active
+    )
     want, reasons, held, demand = count, [], False, False
     bump = False
     for trig in cfg.scale_up:

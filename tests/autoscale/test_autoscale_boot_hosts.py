@@ -23,6 +23,7 @@ from offload.autoscale.providers import LaunchSpec, MachineState, OutOfCapacity
 from offload.autoscale.providers.mock import MockConfig, MockProvider
 from offload.autoscale.providers.runpod import RunPodConfig, RunPodProvider
 from offload.autoscale.scaler import Autoscaler
+from offload.autoscale.settings import AutoscaleSettings
 from offload.autoscale.state import QueueState
 from offload.connection import connect
 from offload.queue.specs import JobSpec
@@ -100,8 +101,76 @@ async def test_a_healthy_boot_resets_the_host_pause(r: Any) -> None:
     await s.tick()
     _, rented = await fail_host(s, mock, clock)
     assert rented == 1 and await paused(r, clock) == 0
-    await fail_host(s, mock, clock)
+    # the image booted healthy within the day: a run of failing hosts pauses only once most recent boots failed
+    for _ in range(2):  # 3 in a row, 5 of the last 6 boots
+        await fail_host(s, mock, clock)
+        assert await paused(r, clock) == 0
+    await fail_host(s, mock, clock)  # 6 of the last 7
     assert await paused(r, clock) == 30
+
+
+async def test_a_healthy_boot_vouches_for_its_image_for_a_day_only(r: Any) -> None:
+    """What booted healthy within a day needs three failing hosts to pause (the test above); a changed image, or
+    the same a day later, is unproven again: two."""
+    clock = Clock()
+    s, _ = make_scaler(r, clock, queue_block(max_workers=1))
+    await enqueue(r, clock, 1)
+    await s.tick()
+    (healthy,) = await booting(s)
+    await put_worker(r, "w1", "gpu", healthy.id, clock())
+    clock.advance(30)
+    await s.tick()
+    qs = await QueueState.load(r, "gpu")
+    boots = (await s.configs())["gpu"].boots
+    assert qs.known_good(boots, clock())
+    new_image = queue_block(max_workers=1, instance={"gpu": "RTX 4090", "image": "img:2", "max_price_per_hour": 0.5})
+    assert not qs.known_good(AutoscaleSettings.model_validate(new_image).boots, clock())
+    assert not qs.known_good(boots, clock() + 86_401)  # a day later it must prove itself again
+
+
+async def test_a_boot_failure_found_after_a_later_rental_booted_does_not_count_against_the_image(r: Any) -> None:
+    """A failure comes to light boot_timeout after its rental; if a machine rented since booted the same image,
+    the host was at fault. Before, such late failures piled up "since the last healthy boot" and paused renting
+    for up to an hour in the cost bench's faulty week."""
+    clock = Clock()
+    s, _ = make_scaler(r, clock, queue_block(min_workers=2, boot_timeout="10m"))
+    await s.tick()
+    first, second = await booting(s)
+    await put_worker(r, "w1", "gpu", second.id, clock())  # rented with the first; boots, the first never does
+    clock.advance(30)
+    await s.tick()
+    clock.advance(600)
+    await put_worker(r, "w1", "gpu", second.id, clock())
+    await s.tick()
+    assert (await s.instances.get(first.id)).status == "failed"  # type: ignore[union-attr]
+    said = [e["message"] for _, e in await r.xrange(keyspace.EVENTS) if e.get("instance") == first.id]
+    assert any("a machine rented after it booted the image: renting goes on" in m for m in said), said
+    assert await r.zcard(keyspace.failed_hosts("gpu")) == 0 and await paused(r, clock) == 0
+
+
+async def test_a_stuck_boot_holds_the_depth_trigger_only_for_twice_the_measured_boot(r: Any) -> None:
+    """Before, a machine that never boots held queue_depth and latency for the whole boot_timeout (20 min in the
+    cost bench's faulty week), while jobs piled up."""
+    clock = Clock()
+    block = queue_block(max_workers=3, boot_timeout="20m", scale_up=[{"trigger": "queue_depth", "threshold": 0}])
+    s, _ = make_scaler(r, clock, block)
+    await enqueue(r, clock, 50)
+    await s.tick()
+    (first,) = await booting(s)
+    await put_worker(r, "w1", "gpu", first.id, clock())  # ready 60 s after its rental: the measured boot
+    clock.advance(60)
+    await s.tick()
+    (stuck,) = await booting(s)  # the depth trigger's next machine, on a host that never boots
+    assert (await QueueState.load(r, "gpu")).boot_ewma == 60
+    for _ in range(3):  # 90 s: within twice the measured boot, the stuck machine still holds the count
+        clock.advance(30)
+        await put_worker(r, "w1", "gpu", first.id, clock(), in_flight=1)
+        await s.tick()
+    assert [i.id for i in await booting(s)] == [stuck.id]
+    clock.advance(30)  # 120 s: presumed stuck, the trigger rents beside it
+    await put_worker(r, "w1", "gpu", first.id, clock(), in_flight=1)
+    await s.tick()
+    assert len(await booting(s)) == 2 and (await s.instances.get(stuck.id)).status == "booting"  # type: ignore[union-attr]
 
 
 async def test_host_failures_older_than_a_day_no_longer_count(r: Any) -> None:

@@ -48,7 +48,10 @@ def test_validation_names_the_field(block: dict[str, Any], message: str) -> None
 def test_defaults_and_durations() -> None:
     cfg = validate_autoscale({"enabled": True, "provider": "p", "max_workers": 2}, "q")
     assert cfg.poll_interval == 30 and cfg.boot_timeout == 1200 and cfg.min_workers == 0
-    assert [t.trigger for t in cfg.scale_up] == ["no_workers"] and [t.trigger for t in cfg.scale_down] == ["idle"]
+    assert [t.trigger for t in cfg.scale_up] == ["no_workers"] and [t.trigger for t in cfg.scale_down] == [
+        "idle",
+        "cost",
+    ]
     assert parse_duration("1h30m") == 5400 and parse_duration("250ms") == 0.25 and parse_duration(12) == 12
 
 
