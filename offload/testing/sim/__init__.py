@@ -1,5 +1,6 @@
 """offload's provider simulator: a real HTTP server speaking the tutorial job API, RunPod serverless, Replicate,
-fal's queue and OpenAI chat completions, with configurable latency, failures, 429s, garbage, outages and expiry.
+fal's queue, OpenAI chat completions and the batch APIs of OpenAI and Anthropic, with configurable latency,
+failures, 429s, garbage, outages and expiry.
 
 It stands alone (nothing from the rest of offload is imported), so a user can rehearse a pipeline before paying
 a provider, and tests can prove what a client did through `GET /_sim/stats`.
@@ -11,8 +12,9 @@ a provider, and tests can prove what a client did through `GET /_sim/stats`.
 From a shell: `offload sim serve --port 8089 --latency 1-3 --fail-rate 0.1 --rate-429 0.05` (or
 `python -m offload.testing.sim serve ...`, `--config sim.yaml` for per-family settings). Point the SDKs at it with
 `RUNPOD_ENDPOINT_BASE_URL=http://HOST:PORT/v2`, `replicate.Client(base_url="http://HOST:PORT")`,
-`openai.OpenAI(base_url="http://HOST:PORT/v1")`, and for fal (https only) serve with `--ssl-certfile/--ssl-keyfile`
-and set `FAL_QUEUE_RUN_HOST=HOST:PORT`. The tutorial's `GPU_API_BASE` is `http://HOST:PORT`.
+`openai.OpenAI(base_url="http://HOST:PORT/v1")`, `anthropic.Anthropic(base_url="http://HOST:PORT")`, and for fal
+(https only) serve with `--ssl-certfile/--ssl-keyfile` and set `FAL_QUEUE_RUN_HOST=HOST:PORT`. The tutorial's
+`GPU_API_BASE` is `http://HOST:PORT`.
 
 The HTTP parts (starlette, uvicorn: the `server` extra) load on first use of `create_app`, `running_sim` and the
 rest, so `offload.testing.sim.config` (and the CLI that parses its options) imports without them.

@@ -27,11 +27,13 @@ from starlette.types import Receive, Scope, Send
 
 from offload.clock import Clock
 from offload.testing.sim import (
+    anthropic_api,
     control_api,
     fal_api,
     jobs_api,
     machines,
     openai_api,
+    openai_batch_api,
     pods_api,
     replicate_api,
     runpod_api,
@@ -56,6 +58,8 @@ class SimApp:
             *vastai_api.routes(sim, rented),
             *runpod_api.routes(sim),
             *openai_api.routes(sim),
+            *openai_batch_api.routes(sim),
+            *anthropic_api.routes(sim),
             *replicate_api.routes(sim),
             *fal_api.routes(sim),  # last: its submit route is a catch-all POST
         ]

@@ -21,8 +21,8 @@ from pydantic import Field, model_validator
 
 from offload.schema import Strict
 
-Family = Literal["jobs", "runpod", "replicate", "fal", "openai", "pods", "vastai"]
-FAMILIES: tuple[Family, ...] = ("jobs", "runpod", "replicate", "fal", "openai", "pods", "vastai")
+Family = Literal["jobs", "runpod", "replicate", "fal", "openai", "anthropic", "pods", "vastai"]
+FAMILIES: tuple[Family, ...] = ("jobs", "runpod", "replicate", "fal", "openai", "anthropic", "pods", "vastai")
 Op = Literal["submit", "status", "result", "cancel"]
 ALL_OPS: list[Op] = ["submit", "status", "result", "cancel"]
 
@@ -237,6 +237,27 @@ class MachineSim(Strict):
     rest_disabled: bool = Field(default=False, description="RunPod REST pod routes answer 404 (GraphQL only)")
 
 
+class BatchSim(Strict):
+    """The provider batch APIs (OpenAI's Batch API, Anthropic's Message Batches): how long a batch runs, which of
+    its lines fail, when it expires, and the providers' size limits. A batch's timeline is fixed when it is
+    created, as a job's is: its lines finish one after another, evenly spread over `seconds`."""
+
+    validate_seconds: float = Field(default=0.0, ge=0, description="OpenAI: created -> in_progress (validating)")
+    seconds: float = Field(default=1.0, ge=0, description="in progress -> every line done")
+    finalize_seconds: float = Field(default=0.0, ge=0, description="OpenAI: last line done -> completed")
+    cancel_seconds: float = Field(default=0.0, ge=0, description="a cancel asked -> the batch ended (cancelling)")
+    expire_after: float = Field(
+        default=86_400.0, gt=0, description="seconds after its create a batch expires: its unfinished lines expire"
+    )
+    fail_rate: float = Field(
+        default=0.0, ge=0, le=1, description="share of lines that fail (on top of the family's fail_rate)"
+    )
+    openai_max_requests: int = Field(default=50_000, ge=1, description="lines in one OpenAI batch input file")
+    openai_max_file_bytes: int = Field(default=200 * 2**20, ge=1, description="bytes of one OpenAI batch file")
+    anthropic_max_requests: int = Field(default=100_000, ge=1, description="requests in one Message Batch")
+    anthropic_max_bytes: int = Field(default=256 * 2**20, ge=1, description="bytes of one Message Batch create")
+
+
 class SimConfig(Strict):
     """The whole simulator. `families` holds partial overrides of `default`."""
 
@@ -252,6 +273,7 @@ class SimConfig(Strict):
     default: Behaviour = Field(default_factory=Behaviour)
     families: dict[Family, Behaviour] = Field(default_factory=dict)
     machines: MachineSim = Field(default_factory=MachineSim)
+    batches: BatchSim = Field(default_factory=BatchSim)
 
     @model_validator(mode="after")
     def _prefix(self) -> SimConfig:

@@ -26,6 +26,7 @@ from starlette.responses import Response
 
 from offload.clock import Clock
 from offload.errors import OffloadError
+from offload.testing.sim.batches import BatchStore
 from offload.testing.sim.config import FAMILIES, Behaviour, Family, Op, SimConfig
 from offload.testing.sim.faults import (
     ConnectionReset,
@@ -80,6 +81,10 @@ class Dialect:
     query_key_ok: bool = False  # `?api_key=` (Vast.ai, RunPod GraphQL)
     required: tuple[str, ...] = ("id", "status")
 
+    def credential(self, request: Request) -> str | None:
+        """The header that carries the API key (Anthropic also takes `x-api-key`)."""
+        return request.headers.get("authorization")
+
     def authorized(self, header: str | None, api_key: str | None) -> bool:
         if not header or not header.strip():
             return False
@@ -105,6 +110,11 @@ class Dialect:
 
     def unavailable(self) -> Reply:
         return self.error(503, "Service Unavailable", code="service_unavailable")
+
+    def precheck(self, request: Request) -> Reply | None:
+        """A refusal the provider gives an authorized request before anything else (a required header
+        missing), or None."""
+        return None
 
 
 @dataclass(slots=True)
@@ -221,6 +231,7 @@ class Sim:
     def __init__(self, config: SimConfig | None = None, clock: Clock = time.time) -> None:
         self.clock = clock
         self.store = JobStore()
+        self.batches = BatchStore()
         self.stats = Stats()
         self.submissions = SubmissionLog()
         self.runtime_outages: list[RuntimeOutage] = []
@@ -237,6 +248,7 @@ class Sim:
 
     def reset(self) -> None:
         self.store.clear()
+        self.batches.clear()
         self.stats = Stats()
         self.submissions.clear()
         self._issued.clear()  # a reset simulator is a fresh one: the same seed gives the same ids again
@@ -278,6 +290,7 @@ class Sim:
         meta: dict[str, Any] | None,
         run_timeout: float | None,
         hard_ttl: float | None,
+        key: str | None = None,
     ) -> Job:
         started = now + behaviour.queue_delay.sample(self.rng)
         run = behaviour.latency.sample(self.rng)
@@ -289,7 +302,7 @@ class Sim:
             family=family,
             target=target,
             input=payload,
-            input_key=input_key(payload),
+            input_key=key or input_key(payload),
             created=now,
             started=started,
             finished=started + run,
@@ -353,11 +366,14 @@ class Sim:
         """The answer given before the handler runs, if any: unauthorized, an outage, an injected 429 or 5xx, a
         failing cancel."""
         request, dialect, behaviour, route = call.request, call.dialect, call.behaviour, call.route
-        auth = request.headers.get("authorization")
+        auth = dialect.credential(request)
         if auth is None and dialect.query_key_ok and request.query_params.get("api_key"):
             auth = "Bearer " + request.query_params["api_key"]
         if not dialect.authorized(auth, self.config.api_key):
             return dialect.unauthorized().render()
+        refused = dialect.precheck(request)
+        if refused is not None:
+            return refused.render()
         mode = outage_mode(behaviour, dialect.family, call.now, self.applied_at, self.runtime_outages)
         if mode == "429":
             stats.fault(route, "storm_429")

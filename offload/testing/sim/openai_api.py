@@ -18,11 +18,13 @@ from starlette.routing import Route
 
 from offload.testing.sim.config import Behaviour
 from offload.testing.sim.engine import Call, Dialect, ErrorReply, Reply, Sim
+from offload.testing.sim.store import Job
 
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
     404: "invalid_request_error",
+    409: "invalid_request_error",
     429: "requests",
     500: "server_error",
     503: "server_error",
@@ -78,8 +80,9 @@ def _invalid(message: str, param: str) -> NoReturn:
     raise ErrorReply(DIALECT.error(400, message, param=param))
 
 
-async def chat_completions(call: Call) -> Reply:
-    body = await call.json_object()
+def check_chat(body: dict[str, Any]) -> None:
+    """Refuse a chat-completions body the real endpoint would refuse (raises `ErrorReply`, a 400); the Batch
+    API applies the same checks to each line."""
     model = body.get("model")
     messages = body.get("messages")
     if not isinstance(model, str) or not model:
@@ -91,16 +94,37 @@ async def chat_completions(call: Call) -> Reply:
     n = body.get("n", 1)
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 8:
         _invalid("n must be an integer between 1 and 8", "n")
+
+
+def server_error() -> Reply:
+    return DIALECT.error(500, "The server had an error while processing your request. Sorry about that!")
+
+
+async def chat_completions(call: Call) -> Reply:
+    body = await call.json_object()
+    check_chat(body)
     meta: dict[str, Any] = {k: body[k] for k in ("metadata", "user", "store") if k in body}
-    job = call.submit(str(model), body, job_id="chatcmpl-" + call.sim.token(29), meta=meta)
+    job = call.submit(str(body["model"]), body, job_id="chatcmpl-" + call.sim.token(29), meta=meta)
     await asyncio.sleep(max(0.0, job.finished - call.now))
     call.now = call.sim.clock()
     if job.outcome != "succeeded":
-        return DIALECT.error(500, "The server had an error while processing your request. Sorry about that!")
+        return server_error()
+    return Reply(
+        completion(call, job, body),
+        headers={
+            "x-request-id": "req_" + call.sim.token(24),
+            "openai-processing-ms": str(round((job.finished - job.created) * 1000)),
+        },
+    )
+
+
+def completion(call: Call, job: Job, body: dict[str, Any]) -> dict[str, Any]:
+    """The `chat.completion` a succeeded job answers `body` (checked by `check_chat`) with."""
     content = orjson.dumps(call.output(job)).decode()
-    turns: list[dict[str, Any]] = messages
+    turns: list[dict[str, Any]] = body["messages"]
+    n = body.get("n", 1)
     prompt = sum(_tokens(str(m.get("content", ""))) + 4 for m in turns)
-    completion = _tokens(content) * n
+    completed = _tokens(content) * n
     choices: list[dict[str, Any]] = [
         {
             "index": i,
@@ -110,33 +134,27 @@ async def chat_completions(call: Call) -> Reply:
         }
         for i in range(n)
     ]
-    return Reply(
-        {
-            "id": job.id,
-            "object": "chat.completion",
-            "created": int(job.created),
-            "model": model,
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": prompt,
-                "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
-                "completion_tokens_details": {
-                    "reasoning_tokens": 0,
-                    "audio_tokens": 0,
-                    "accepted_prediction_tokens": 0,
-                    "rejected_prediction_tokens": 0,
-                },
+    return {
+        "id": job.id,
+        "object": "chat.completion",
+        "created": int(job.created),
+        "model": body["model"],
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": completed,
+            "total_tokens": prompt + completed,
+            "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+            "completion_tokens_details": {
+                "reasoning_tokens": 0,
+                "audio_tokens": 0,
+                "accepted_prediction_tokens": 0,
+                "rejected_prediction_tokens": 0,
             },
-            "system_fingerprint": "fp_offload_sim",
-            "service_tier": body.get("service_tier") or "default",
         },
-        headers={
-            "x-request-id": "req_" + call.sim.token(24),
-            "openai-processing-ms": str(round((job.finished - job.created) * 1000)),
-        },
-    )
+        "system_fingerprint": "fp_offload_sim",
+        "service_tier": body.get("service_tier") or "default",
+    }
 
 
 def routes(sim: Sim) -> list[Route]:
