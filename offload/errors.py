@@ -33,6 +33,7 @@ The branch roots are defined here; a leaf lives beside the code that raises it a
     - Transient - 5xx, 408, 409, timeouts, connection errors, garbled answers: try again later
     - Fatal - any other 4xx: retrying cannot help
       - TooLarge - an answer over the backend's max_response_bytes: reading stopped at the limit
+      - PackTooLarge - a batch pack over the provider's count or size limit, refused unsent (offload.backends.batch)
     - NotFound - a known remote job expired at the provider: submit again
   + ProviderError - an autoscale provider call failed; `retryable`, `ambiguous` (offload.autoscale.providers.base)
     - OutOfCapacity, Unauthorized, NotOurs
