@@ -164,6 +164,20 @@ def test_openai_batch_cancelled_mid_way(sim: str) -> None:
     assert job["status"] == "cancelled"
 
 
+def test_openai_batch_cancelled_by_the_provider(sim: str) -> None:
+    configure(sim, seconds=2.0, cancel_after=1.2)  # lines finish at 0.5, 1, 1.5, 2 s; the provider cancels at 1.2
+    client = oai(sim)
+    batch = run_batch(client, [chat_line(f"job-{i}") for i in range(4)])
+    assert batch.status == "in_progress" and batch.cancelling_at is None
+    done = wait_status(client, batch.id, "cancelled")
+    assert done.cancelling_at is not None and done.request_counts is not None
+    assert (done.request_counts.completed, done.request_counts.failed) == (2, 2)
+    assert sorted(jsonl(client, done.output_file_id)) == ["job-0", "job-1"]
+    errors = jsonl(client, done.error_file_id)
+    assert sorted(errors) == ["job-2", "job-3"]
+    assert {row["error"]["code"] for row in errors.values()} == {"batch_cancelled"}
+
+
 def test_openai_limits_and_validation(sim: str) -> None:
     configure(sim, openai_max_requests=2, openai_max_file_bytes=600)
     client = oai(sim)
@@ -279,6 +293,21 @@ def test_anthropic_expiry_and_cancel(sim: str) -> None:
     done = wait_ended(client, batch.id)
     assert {cid: r.type for cid, r in results(client, done.id).items()} == {"first": "succeeded", "second": "canceled"}
     assert done.request_counts.canceled == 1
+
+
+def test_anthropic_batch_cancelled_by_the_provider(sim: str) -> None:
+    configure(sim, seconds=2.0, cancel_after=1.2)
+    client = claude(sim)
+    batch = client.messages.batches.create(requests=[request(f"job-{i}") for i in range(4)])
+    assert batch.processing_status == "in_progress" and batch.cancel_initiated_at is None
+    done = wait_ended(client, batch.id)
+    assert done.cancel_initiated_at is not None and done.request_counts.canceled == 2
+    assert {cid: r.type for cid, r in results(client, done.id).items()} == {
+        "job-0": "succeeded",
+        "job-1": "succeeded",
+        "job-2": "canceled",
+        "job-3": "canceled",
+    }
 
 
 def test_anthropic_limits_and_headers(sim: str) -> None:

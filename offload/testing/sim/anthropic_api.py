@@ -120,6 +120,7 @@ async def create(call: Call) -> Reply:
         expires_at=call.now + config.expire_after,
         finalize_seconds=config.finalize_seconds,
         cancel_seconds=config.cancel_seconds,
+        cancel_at=None if config.cancel_after is None else call.now + config.cancel_after,
     )
     call.sim.batches.add(batch)
     return Reply(view(call, batch))
@@ -166,10 +167,10 @@ async def get_batch(call: Call) -> Reply:
 async def cancel(call: Call) -> Reply:
     """Anthropic answers a cancel of an ended batch with the batch as it is."""
     batch = _batch(call)
-    if batch.cancel_at is None:
+    if batch.cancel_asked(call.now) is None:
         for job in batch.cancel(call.now):
             call.sim.store.cancel(job, call.now)
-        if batch.cancel_at is not None:
+        if batch.cancel_asked(call.now) is not None:
             call.sim.stats.cancelled("anthropic")
     return Reply(view(call, batch))
 
@@ -258,7 +259,7 @@ def view(call: Call, batch: Batch) -> dict[str, Any]:
         "created_at": _iso(batch.created),
         "expires_at": _iso(batch.expires_at),
         "archived_at": None,
-        "cancel_initiated_at": _iso(batch.cancel_at),
+        "cancel_initiated_at": _iso(batch.cancel_asked(now)),
         "results_url": f"{call.base_url}/v1/messages/batches/{batch.id}/results" if ended else None,
     }
 

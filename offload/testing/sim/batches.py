@@ -55,7 +55,7 @@ class Batch:
     cancel_seconds: float
     meta: dict[str, Any] = field(default_factory=dict)
     errors: list[dict[str, Any]] | None = None  # validation errors: the batch failed before it ran
-    cancel_at: float | None = None
+    cancel_at: float | None = None  # asked by the client, or set at create (`batches.cancel_after`)
     outputs: dict[str, str | None] = field(default_factory=dict)  # OpenAI: output/error file ids, once ended
 
     def stop_at(self) -> float | None:
@@ -66,6 +66,10 @@ class Batch:
     def cancelled(self) -> bool:
         stop = self.stop_at()
         return stop is not None and stop == self.cancel_at
+
+    def cancel_asked(self, now: float) -> float | None:
+        """When the cancel was asked, once that time has come (a provider's own cancel is set in advance)."""
+        return self.cancel_at if self.cancel_at is not None and self.cancel_at <= now else None
 
     def ended_at(self) -> float:
         if self.errors is not None:
@@ -82,7 +86,9 @@ class Batch:
         if self.errors is not None:
             return "failed"
         if self.cancelled():
-            return "cancelled" if now >= self.ended_at() else "cancelling"
+            if self.cancel_asked(now) is not None:
+                return "cancelled" if now >= self.ended_at() else "cancelling"
+            return "in_progress"
         if self.stop_at() is not None:  # expiry
             return "expired" if now >= self.ended_at() else "in_progress"
         if now < self.run_end:
@@ -108,7 +114,7 @@ class Batch:
     def cancel(self, now: float) -> list[Job]:
         """Ask for a cancel: the jobs of the lines it stops (their jobs are cancelled too), or [] when every line
         had finished, the batch had ended, or a cancel was asked before."""
-        if self.cancel_at is not None or now >= min(self.ended_at(), self.run_end) or self.errors is not None:
+        if self.cancel_asked(now) is not None or now >= min(self.ended_at(), self.run_end) or self.errors is not None:
             return []
         self.cancel_at = now
         return [line.job for line in self.lines if line.job is not None and line.done_at > now]
@@ -123,7 +129,7 @@ def timeline(created: float, count: int, config: BatchSim, *, validating: bool) 
 def line_job(call: Call, target: str, payload: Any, key: str, started: float, finished: float) -> Job:
     """A job that answers one line of a batch: on the batch's timeline, counted as a submission of `key` (the
     line's custom_id), failed when the family's fail_rate or `batches.fail_rate` says so, aborted if the batch
-    expires before it finishes."""
+    expires (cancelled if the provider cancels it) before it finishes."""
     sim, config = call.sim, call.sim.config.batches
     meta = {"custom_id": key}
     job = sim.new_job(
@@ -142,7 +148,10 @@ def line_job(call: Call, target: str, payload: Any, key: str, started: float, fi
     if sim.chance(config.fail_rate):
         job.outcome, job.error = "failed", call.behaviour.error_message
     expiry = call.now + config.expire_after
-    if finished > expiry:
+    cancel = None if config.cancel_after is None else call.now + config.cancel_after
+    if cancel is not None and finished > cancel and cancel < expiry:
+        job.stopped, job.stop_phase = cancel, "cancelled"
+    elif finished > expiry:
         job.stopped, job.stop_phase = expiry, "aborted"
     sim.store.rescheduled(job)
     return job

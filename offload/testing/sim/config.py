@@ -246,6 +246,9 @@ class BatchSim(Strict):
     seconds: float = Field(default=1.0, ge=0, description="in progress -> every line done")
     finalize_seconds: float = Field(default=0.0, ge=0, description="OpenAI: last line done -> completed")
     cancel_seconds: float = Field(default=0.0, ge=0, description="a cancel asked -> the batch ended (cancelling)")
+    cancel_after: float | None = Field(
+        default=None, gt=0, description="seconds after its create the provider cancels a batch itself (mid-way)"
+    )
     expire_after: float = Field(
         default=86_400.0, gt=0, description="seconds after its create a batch expires: its unfinished lines expire"
     )

@@ -148,6 +148,7 @@ async def create(call: Call) -> Reply:
         expires_at=call.now + config.expire_after,
         finalize_seconds=config.finalize_seconds,
         cancel_seconds=config.cancel_seconds,
+        cancel_at=None if config.cancel_after is None else call.now + config.cancel_after,
         meta={"endpoint": endpoint, "input_file_id": file_id, "metadata": body.get("metadata")},
         errors=errors or None,
     )
@@ -179,7 +180,7 @@ async def get_batch(call: Call) -> Reply:
 async def cancel(call: Call) -> Reply:
     batch = _batch(call)
     ended = batch.stage(call.now) in ENDED  # a batch still cancelling answers a second cancel as the first
-    if ended or (batch.cancel_at is None and not _cancel(call, batch)):
+    if ended or (batch.cancel_asked(call.now) is None and not _cancel(call, batch)):
         status = batch.stage(call.now)
         raise _reject(409, f"Cannot cancel a batch with status '{status}'.", None, "batch_not_cancellable")
     return Reply(view(call, batch))
@@ -190,7 +191,7 @@ def _cancel(call: Call, batch: Batch) -> bool:
     stopped = batch.cancel(call.now)
     for job in stopped:
         call.sim.store.cancel(job, call.now)
-    if batch.cancel_at is None:
+    if batch.cancel_asked(call.now) is None:
         return False
     call.sim.stats.cancelled(batch.family)
     return True
@@ -239,7 +240,7 @@ def view(call: Call, batch: Batch) -> dict[str, Any]:
         "completed_at": _at(batch.ended_at()) if stage == "completed" else None,
         "failed_at": _at(batch.ended_at()) if stage == "failed" else None,
         "expired_at": _at(batch.ended_at()) if stage == "expired" else None,
-        "cancelling_at": _at(batch.cancel_at) if batch.cancelled() else None,
+        "cancelling_at": _at(batch.cancel_asked(now)) if batch.cancelled() else None,
         "cancelled_at": _at(batch.ended_at()) if stage == "cancelled" else None,
         "request_counts": {
             "total": len(batch.lines),
