@@ -9,7 +9,6 @@ injectable clock.
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Annotated, Any, Literal
@@ -22,33 +21,7 @@ from offload.autoscale.deploy import Deployment
 from offload.autoscale.vault import Vault
 from offload.env import process_env
 from offload.errors import ConfigError
-from offload.schema import Strict, parse
-
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)")
-_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def parse_duration(value: Any) -> float:
-    """`30s`, `5m`, `1h30m`, `250ms` or a bare number of seconds -> seconds."""
-    if isinstance(value, bool):
-        raise ValueError("a duration must be a number of seconds or text like '30s', '5m', '1h30m'")
-    if isinstance(value, int | float):
-        seconds = float(value)
-    elif isinstance(value, str):
-        text = value.strip().lower().replace(" ", "")
-        try:
-            seconds = float(text)
-        except ValueError:
-            parts = _DURATION.findall(text)
-            if not parts or "".join(n + u for n, u in parts) != text:
-                raise ValueError(f"bad duration {value!r}: use e.g. '30s', '5m', '1h30m' or seconds") from None
-            seconds = sum(float(n) * _UNITS[u] for n, u in parts)
-    else:
-        raise ValueError("a duration must be a number of seconds or text like '30s'")
-    if seconds < 0:
-        raise ValueError("a duration cannot be negative")
-    return seconds
-
+from offload.schema import Strict, parse, parse_duration
 
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 

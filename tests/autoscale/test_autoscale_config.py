@@ -15,12 +15,13 @@ from typer.testing import CliRunner
 
 from offload.autoscale import keyspace
 from offload.autoscale.provider_store import ProviderInUse, ProviderStore
-from offload.autoscale.settings import Cron, parse_duration, validate_autoscale
+from offload.autoscale.settings import Cron, validate_autoscale
 from offload.autoscale.vault import Vault, VaultError
 from offload.cli.app import app
 from offload.config import load_settings
 from offload.connection import connect
 from offload.errors import ConfigError
+from offload.schema import parse_duration
 
 
 @pytest.mark.parametrize(
