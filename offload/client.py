@@ -28,6 +28,7 @@ import dataclasses
 import os
 import threading
 from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -42,7 +43,7 @@ from offload.queue import durability as durable
 from offload.queue.durability import Durability, NotReplicated
 from offload.queue.keyspace import QUEUES_KEY, new_job_id
 from offload.queue.memory import require_noeviction
-from offload.queue.specs import JobSpec
+from offload.queue.specs import JobSpec, deadline_options
 from offload.queue.store import QueueStore
 
 if TYPE_CHECKING:  # storage (boto3) loads on the first File, not with `import offload`
@@ -193,8 +194,13 @@ class AsyncClient:
         output_key: str | None = None,
         retention: int = DEFAULT_RETENTION_S,
         idempotency_key: str | None = None,
+        deadline: float | datetime | timedelta | None = None,
+        max_cost: float | None = None,
     ) -> str:
-        """Enqueue one job and return its id (the existing id when `idempotency_key` was seen before)."""
+        """Enqueue one job and return its id (the existing id when `idempotency_key` was seen before).
+        `deadline`: the latest the job may start, as epoch seconds, a datetime, or a timedelta from enqueue (the
+        store's clock); `max_cost`: the most one submission may cost, USD (docs/how-to/enqueue.md)."""
+        at, within = deadline_options(deadline)
         spec = JobSpec(
             input=input,
             priority=priority,
@@ -204,6 +210,9 @@ class AsyncClient:
             output_key=output_key,
             retention=retention,
             idempotency_key=idempotency_key,
+            deadline=at,
+            deadline_in=within,
+            max_cost=max_cost,
         )
         return (await self._enqueue_specs(queue, [spec]))[0]
 

@@ -159,7 +159,16 @@ class PayloadTooLarge(StoreError, ValueError):
 
 
 class InvalidJob(StoreError, ValueError):
-    """An enqueue request is malformed (bad priority, bad option value, input not JSON-serialisable)."""
+    """An enqueue request is malformed (bad priority, bad option value, input not JSON-serialisable). `field`: the
+    option it is about, where one is (the HTTP API's 422 names it)."""
+
+    field: str | None = None
+
+    @classmethod
+    def about(cls, field: str, msg: str) -> InvalidJob:
+        exc = cls(msg)
+        exc.field = field
+        return exc
 
 
 class JobNotFound(StoreError, KeyError):

@@ -50,6 +50,10 @@ def _opt_int(value: str | None) -> int | None:
     return int(value) if value not in (None, "") else None
 
 
+def _opt_float(value: str | None) -> float | None:
+    return float(value) if value not in (None, "") else None
+
+
 def _opt_str(value: str | None) -> str | None:
     return value if value not in (None, "") else None
 
@@ -97,6 +101,8 @@ class Job:
     intent_by: str | None = None
     possible_duplicates: int = 0
     files: tuple[str, ...] | None = ()  # the object keys the input refers to; None: not recorded (`_files`)
+    deadline: int | None = None  # epoch ms: not started after it (fails `deadline passed`)
+    max_cost: float | None = None  # USD: no submission priced over it (fails `over max_cost`)
 
     @classmethod
     def from_hash(cls, job_id: str, h: dict[str, str], lease_deadline: int | None = None) -> Job:
@@ -131,7 +137,7 @@ class Job:
             backend=_opt_str(h.get("backend")),
             remote_id=_opt_str(h.get("remote_id")),
             result=_opt_str(h.get("result")),
-            cost=float(cost) if cost not in (None, "") else None,
+            cost=_opt_float(cost),
             error=_opt_str(h.get("error")),
             cancel_requested=h.get("cancel") == "1",
             idempotency_key=_opt_str(h.get("idem")),
@@ -141,6 +147,8 @@ class Job:
             intent_by=_opt_str(h.get("intent_by")),
             possible_duplicates=_int(h.get("possible_duplicates")),
             files=_files(h.get("files"), raw_input),
+            deadline=_opt_int(h.get("deadline")),
+            max_cost=_opt_float(h.get("max_cost")),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -173,6 +181,8 @@ class Job:
             "intent_at": self.intent_at,
             "intent_by": self.intent_by,
             "possible_duplicates": self.possible_duplicates,
+            "deadline": self.deadline,
+            "max_cost": self.max_cost,
         }
 
 
@@ -203,6 +213,7 @@ class ClaimedJob:
     submission: int = 0  # the number of its latest submit intent (0: never submitted)
     intent_open: bool = False  # that intent has no recorded remote id: it may have reached the provider
     begun: bool = False  # the claim opened this lease's intent for `submission` (claim.lua's `begin`)
+    max_cost: float | None = None  # USD: the most one submission may cost (worker/budget.py)
 
     @property
     def input(self) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,10 @@ def enqueue_attached(
         try:
             limit = conf.storage.max_input_file_bytes
             async with AsyncClient(target, storage=storage, max_file_bytes=limit) as client:
-                return await client.enqueue(queue, job_input, **{k: v for k, v in defaults.items() if v is not None})
+                options = {k: v for k, v in defaults.items() if v is not None}
+                if (within := options.pop("deadline_in", None)) is not None:  # the client's one `deadline`
+                    options["deadline"] = timedelta(seconds=within)
+                return await client.enqueue(queue, job_input, **options)
         finally:
             await storage.aclose()
 

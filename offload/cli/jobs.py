@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Callable, Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import IO, Annotated, Any
 
@@ -38,14 +39,38 @@ from offload.errors import InvalidJob, OffloadError, StoreFull
 from offload.models import DEFAULT_MAX_ATTEMPTS, Enqueued, Job, QueueStats
 from offload.queue.keyspace import validate_queue
 from offload.queue.memory import store_full
-from offload.queue.specs import JobSpec, max_payload_limit, validate_spec
+from offload.queue.specs import JobSpec, deadline_options, max_payload_limit, validate_spec
 from offload.queue.store import QueueStore
+from offload.schema import parse_duration
 
 BULK_CHUNK = 10_000  # jobs per enqueue_many call: bounds memory per round trip and paces the progress bar
 INGEST_BATCH = 1_000
-LINE_OPTIONS = ("priority", "delay", "max_attempts", "output_key", "idempotency_key")
-TIME_FIELDS = ("created_at", "run_at", "started_at", "finished_at", "lease_deadline", "intent_at")
+LINE_OPTIONS = (
+    "priority",
+    "delay",
+    "max_attempts",
+    "output_key",
+    "idempotency_key",
+    "deadline",
+    "deadline_in",
+    "max_cost",
+)
+TIME_FIELDS = ("created_at", "run_at", "started_at", "finished_at", "lease_deadline", "intent_at", "deadline")
 COUNT_COLUMNS = ("queued", "delayed", "active", "submitted", "retrying", "held", "succeeded", "dead", "cancelled")
+
+
+def parse_deadline(text: str) -> tuple[float | None, float | None]:
+    """--deadline as JobSpec's (deadline, deadline_in): a duration is counted from enqueue, a time is absolute."""
+    try:
+        return None, parse_duration(text)
+    except ValueError:
+        pass
+    try:
+        return deadline_options(datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00")))
+    except ValueError:
+        raise typer.BadParameter(
+            f"{text!r} is neither a duration (2h, 90m, 1h30m, seconds) nor an ISO 8601 time", param_hint="--deadline"
+        ) from None
 
 
 def _parse_lines(lines: Iterator[bytes], defaults: dict[str, Any]) -> list[JobSpec]:
@@ -67,6 +92,8 @@ def _parse_lines(lines: Iterator[bytes], defaults: dict[str, Any]) -> list[JobSp
                 raise InvalidJob(
                     f"line {n}: unknown key(s) {', '.join(unknown)}; allowed: input, {', '.join(LINE_OPTIONS)}"
                 )
+            if "deadline" in item or "deadline_in" in item:  # a line's own deadline replaces --deadline
+                opts.pop("deadline", None), opts.pop("deadline_in", None)
             opts.update({k: v for k, v in item.items() if k != "input"})
             item = item["input"]
         try:
@@ -134,6 +161,18 @@ def enqueue(
     idempotency_key: Annotated[
         str | None, typer.Option(help="Enqueueing the same key again returns the first job's id.")
     ] = None,
+    deadline: Annotated[
+        str | None,
+        typer.Option(
+            metavar="WHEN",
+            help="The latest the job may start: a duration from now on the store's clock (2h, 90m, 1h30m, "
+            "seconds) or an ISO 8601 time (2026-12-07T18:00Z). Past it the job fails `deadline passed`.",
+        ),
+    ] = None,
+    max_cost: Annotated[
+        float | None,
+        typer.Option(min=0, help="USD: a submission the backend's price model says may cost more fails unsent."),
+    ] = None,
     attach: Attach = None,
     json_out: JsonOpt = False,
     url: UrlOpt = None,
@@ -154,7 +193,10 @@ def enqueue(
         "max_attempts": max_attempts,
         "output_key": output_key,
         "idempotency_key": idempotency_key,
+        "max_cost": max_cost,
     }
+    if deadline is not None:
+        defaults["deadline"], defaults["deadline_in"] = parse_deadline(deadline)
     if input is not None:
         _enqueue_one(queue, input, attach, defaults, json_out, url, config)
         return

@@ -63,6 +63,9 @@ class EnqueueStore(BaseStore):
             spec.retention,
             spec.idempotency_key,
             spec.output_key,
+            spec.deadline,
+            spec.deadline_in,
+            spec.max_cost,
         )
         index = metas.get(options)
         if index is None:
@@ -79,6 +82,11 @@ class EnqueueStore(BaseStore):
             run_at = f"+{int(spec.delay * 1000)}"
         elif spec.run_at is not None:
             run_at = str(int(spec.run_at * 1000))
+        deadline = ""
+        if spec.deadline_in is not None:  # from the store's now, like a delay
+            deadline = f"+{int(spec.deadline_in * 1000)}"
+        elif spec.deadline is not None:
+            deadline = str(int(spec.deadline * 1000))
         return "\t".join(
             (
                 str(spec.priority),
@@ -87,6 +95,8 @@ class EnqueueStore(BaseStore):
                 str(spec.retention),
                 spec.idempotency_key or "",
                 spec.output_key or "",
+                deadline,
+                "" if spec.max_cost is None else repr(float(spec.max_cost)),
             )
         )
 

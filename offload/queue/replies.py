@@ -26,6 +26,7 @@ CLAIM_FIELDS = (
     "submission",
     "intent_open",
     "begun",
+    "max_cost",
 )
 CLAIM_WIDTH = len(CLAIM_FIELDS)
 
@@ -47,6 +48,7 @@ def _claimed_job(
     submission: str,
     intent_open: str,
     begun: str,
+    max_cost: str,
 ) -> ClaimedJob:
     return ClaimedJob(
         id=job_id,
@@ -62,6 +64,7 @@ def _claimed_job(
         submission=int(submission or 0),
         intent_open=intent_open == "1",
         begun=begun == "1",
+        max_cost=float(max_cost) if max_cost else None,
     )
 
 

@@ -7,7 +7,9 @@ range.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import orjson
@@ -22,7 +24,10 @@ PRIORITY_RANGE = range(-1000, 1001)
 
 @dataclass(frozen=True, slots=True)
 class JobSpec:
-    """One job to enqueue. `delay` (seconds) and `run_at` (epoch seconds) are alternatives."""
+    """One job to enqueue. `delay` (seconds) and `run_at` (epoch seconds) are alternatives, and so are
+    `deadline` (epoch seconds) and `deadline_in` (seconds from the store's clock at enqueue): the latest time the
+    job may start; past it the job fails `deadline passed` instead of running late. `max_cost` (USD): the most
+    one submission may cost by the backend's price model; a dearer one fails `over max_cost` unsent."""
 
     input: Any
     priority: int = 0
@@ -33,6 +38,9 @@ class JobSpec:
     retention: int = DEFAULT_RETENTION_S
     idempotency_key: str | None = None
     job_id: str | None = None
+    deadline: float | None = None
+    deadline_in: float | None = None
+    max_cost: float | None = None
 
 
 def max_payload_limit(max_payload: int | None = None) -> int:
@@ -64,12 +72,58 @@ def check_options(spec: JobSpec) -> None:
         raise InvalidJob("give either delay or run_at, not both")
     if spec.delay is not None and (type(spec.delay) not in (int, float) or spec.delay < 0):
         raise InvalidJob(f"delay must be >= 0 seconds, got {spec.delay!r}")
+    check_budget(spec)
     for name in ("idempotency_key", "output_key"):
         value = getattr(spec, name)
         if value is not None and (
             not isinstance(value, str) or not value or len(value) > 1024 or any(ord(c) < 32 for c in value)
         ):
             raise InvalidJob(f"{name} must be a string of 1-1024 printable characters, got {value!r}")
+
+
+def _number(value: object) -> bool:
+    return type(value) in (int, float) and value == value and value not in (float("inf"), float("-inf"))
+
+
+def check_budget(spec: JobSpec) -> None:
+    """The deadline and max_cost checks: a deadline already past (by this process's clock: the store's decides
+    at claim) or not after the job's run_at/delay, and a negative max_cost, are refused."""
+    if spec.max_cost is not None and (not _number(spec.max_cost) or spec.max_cost < 0):
+        raise InvalidJob.about("max_cost", f"max_cost must be a number >= 0 (USD), got {spec.max_cost!r}")
+    if spec.deadline is not None and spec.deadline_in is not None:
+        raise InvalidJob.about("deadline_in", "give either deadline or deadline_in, not both")
+    if spec.deadline_in is not None:
+        if not _number(spec.deadline_in) or spec.deadline_in <= 0:
+            raise InvalidJob.about("deadline_in", f"deadline_in must be > 0 seconds, got {spec.deadline_in!r}")
+        start = (spec.delay or 0.0) if spec.run_at is None else spec.run_at - time.time()
+        if spec.deadline_in <= start:
+            raise InvalidJob.about(
+                "deadline_in", f"deadline_in {spec.deadline_in:g}s is not after the job's start ({start:g}s from now)"
+            )
+    if spec.deadline is not None:
+        if not _number(spec.deadline):
+            raise InvalidJob.about("deadline", f"deadline must be epoch seconds, got {spec.deadline!r}")
+        now = time.time()
+        if spec.deadline <= now:
+            raise InvalidJob.about(
+                "deadline", f"deadline {spec.deadline:.0f} is in the past (now {now:.0f}, epoch seconds)"
+            )
+        start = spec.run_at if spec.run_at is not None else now + (spec.delay or 0.0)
+        if spec.deadline <= start:
+            raise InvalidJob.about(
+                "deadline", f"deadline {spec.deadline:.0f} is not after the job's run_at {start:.0f}"
+            )
+
+
+def deadline_options(deadline: float | datetime | timedelta | None) -> tuple[float | None, float | None]:
+    """(deadline, deadline_in) for JobSpec from the one `deadline` the client and the CLI take: epoch seconds or
+    a datetime (a naive one is UTC) as it is, a timedelta counted from enqueue on the store's clock."""
+    if isinstance(deadline, timedelta):
+        return None, deadline.total_seconds()
+    if isinstance(deadline, datetime):
+        aware = deadline if deadline.tzinfo is not None else deadline.replace(tzinfo=UTC)
+        return aware.timestamp(), None
+    return deadline, None
 
 
 def validate_spec(spec: JobSpec, max_payload: int | None = None) -> None:

@@ -110,6 +110,12 @@ def _invalid_at(loc: Sequence[str | int]) -> Callable[[Request, Exception], Awai
     return invalid
 
 
+async def _invalid_job(request: Request, exc: Exception) -> JSONResponse:
+    """A 422 naming the option the job is refused for (`InvalidJob.field`), else the body."""
+    field = exc.field if isinstance(exc, InvalidJob) else None
+    return _json(422, [_field(["body", field] if field else ["body"], str(exc))])
+
+
 def _status(status: int) -> Callable[[Request, Exception], Awaitable[JSONResponse]]:
     """`status` with the exception's message as the detail."""
 
@@ -155,7 +161,7 @@ _HANDLERS: tuple[tuple[type[Exception], Callable[..., Awaitable[JSONResponse]]],
     (StarletteHTTPException, _http_error),
     (RequestValidationError, _validation_error),
     (FieldError, _field_error),
-    (InvalidJob, _invalid_at(["body"])),
+    (InvalidJob, _invalid_job),
     (InvalidQueueName, _invalid_at(["path", "queue"])),
     (InvalidKeyRequest, _invalid_at(["body"])),
     (JobNotFound, _status(404)),

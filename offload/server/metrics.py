@@ -29,6 +29,8 @@ from offload.server.state import ServerState, get_state
 
 router = APIRouter(tags=["metrics"], route_class=GuardedRoute)
 RATE_FIELDS = ("enqueued", "succeeded", "failed", "dead", "cancelled")
+# dead jobs by a kind of their own (counted in `dead` too): not started by their deadline, refused over max_cost
+TOTAL_FIELDS = (*RATE_FIELDS, "deadline_passed", "over_max_cost")
 
 
 class RateTracker:
@@ -124,7 +126,7 @@ async def _queue_families(state: ServerState, queues: list[str], stats: list[Que
         state.rates.observe(queue, s.totals)
         for name, n in s.counts.items():
             depth.add_metric([queue, name], n)
-        for event in RATE_FIELDS:
+        for event in TOTAL_FIELDS:
             totals.add_metric([queue, event], s.totals.get(event, 0))
         oldest.add_metric([queue], (s.oldest_ready_age_ms or 0) / 1000)
         paused.add_metric([queue], int(s.paused))

@@ -148,7 +148,8 @@ async def enqueue_batch(
         except (InvalidJob, PayloadTooLarge) as exc:
             if isinstance(exc, PayloadTooLarge):
                 raise PayloadTooLarge(f"jobs.{i}: {exc}") from None
-            raise FieldError(["body", "jobs", i], str(exc)) from None
+            field = [exc.field] if isinstance(exc, InvalidJob) and exc.field else []
+            raise FieldError(["body", "jobs", i, *field], str(exc)) from None
     for i, (spec, payload) in enumerate(zip(specs, payloads, strict=True)):
         files = await check_input_refs(state, queue, spec.input, payload, ["body", "jobs", i, "input"])
         if files.job_id:

@@ -38,6 +38,23 @@ class JobOptions(_Request):
         DEFAULT_RETENTION_S, ge=0, le=CENTURY_S, description="Seconds a finished record is kept (0: a century)."
     )
     idempotency_key: str | None = Field(None, min_length=1, max_length=1024)
+    deadline: float | None = Field(
+        None,
+        gt=0,
+        le=LAST_EPOCH_S,
+        description="Epoch seconds: the latest the job may start; past it (the store's clock) it fails "
+        "`deadline passed` instead of running late. A job already running then is not stopped.",
+    )
+    deadline_in: float | None = Field(
+        None, gt=0, le=CENTURY_S, description="Seconds from enqueue (the store's clock): `deadline`, relative."
+    )
+    max_cost: float | None = Field(
+        None,
+        ge=0,
+        le=1e12,
+        description="USD: the most one submission may cost by the backend's price model; a dearer one fails "
+        "`over max_cost` without being sent.",
+    )
 
 
 class EnqueueRequest(JobOptions):
@@ -54,6 +71,9 @@ class EnqueueRequest(JobOptions):
             retention=self.retention,
             idempotency_key=self.idempotency_key or idempotency_key,
             job_id=job_id,
+            deadline=self.deadline,
+            deadline_in=self.deadline_in,
+            max_cost=self.max_cost,
         )
 
 
@@ -130,6 +150,8 @@ class JobView(BaseModel):
         description="Submissions sent again after a worker was lost inside "
         "the submit call (the provider may have run the job twice).",
     )
+    deadline: int | None = Field(None, description="Epoch ms: the latest the job may start.")
+    max_cost: float | None = Field(None, description="USD: the most one submission may cost.")
 
 
 class WaitReply(JobView):

@@ -24,6 +24,7 @@ from offload.queue.replies import Verdict
 from offload.queue.store import CompleteItem
 from offload.storage import InvalidKey, StorageError, validate_key
 from offload.storage.outputs import FileRefused
+from offload.worker.budget import fits
 from offload.worker.context import WorkerContext
 from offload.worker.drain import Drain
 from offload.worker.endings import Endings
@@ -90,6 +91,11 @@ class JobPath:
             return
         if problem := _key_problem(job.output_key):  # before paying for a result that cannot be stored
             await self.endings.fail(run, f"output_key cannot be stored: {problem}", retryable=False)
+            return
+        opts = self.ctx.options
+        # a fresh submission only: a remote job, or an intent that may have reached the provider, is paid already
+        if run.remote_id is None and not job.intent_open and (over := fits(job, opts, poll_timeout=opts.poll_timeout)):
+            await self.endings.fail(run, over, retryable=False, answered=job.begun)  # nothing was sent
             return
         run.submission = job.submission or 1
         result = await self._remote_work(run, job_input)

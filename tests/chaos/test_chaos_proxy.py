@@ -69,7 +69,7 @@ async def test_a_dropped_reply_is_a_command_that_executed(proxy: FaultProxy, val
     proxy.drop_next(1, commands=["EVALSHA"])
     job = "q:0193aabbccddeeff001122334455"
     with pytest.raises(redis.ConnectionError):
-        await c.evalsha(script, 1, "offload:{q}:", "", "0", '["0\\t\\t3\\t60\\t\\t"]', f'[["{job}", "{{}}", 1]]')
+        await c.evalsha(script, 1, "offload:{q}:", "", "0", '["0\\t\\t3\\t60\\t\\t\\t\\t"]', f'[["{job}", "{{}}", 1]]')
     assert direct.exists(f"offload:{{q}}:job:{job}") == 1
     assert proxy.dropped[-1].command == "EVALSHA enqueue" and proxy.dropped[-1].job_ids == [job]
     await c.aclose()

@@ -12,13 +12,16 @@
 -- (a worker on a synchronous API without caps begins every job the moment it has it: one round trip less per
 -- job). Only a job with nothing unsettled is begun here: no remote id, no open intent, no cancel, and no cap
 -- in the window (caps reserve in begin.lua); the others are left to begin.lua, which decides them.
+-- A job past its deadline (epoch ms, the store's clock) is not leased: it goes dead with `deadline passed`
+-- (counted as `deadline_passed`, and an event of that name), unless it may be running already (a remote id,
+-- an intent open) or waits for its cancel: a job running at its deadline is not stopped.
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, worker id, max jobs, lease ms, request id, job cap, spend cap, estimated cost of one submission,
 --   silence ms, begin ('1' or '')
--- Returns: a flat list, 13 fields per job (decoded in one place: offload.queue.replies): id, token, attempt,
+-- Returns: a flat list, 14 fields per job (decoded in one place: offload.queue.replies): id, token, attempt,
 --   max_attempts, input, output_key, backend, remote_id, cancel, claimed before (1/0), submission number,
 --   submit intent open (1/0: an earlier delivery may have left a submission it never recorded), begun (1/0: the
---   intent of the submission number is this lease's own, opened by this claim)
+--   intent of the submission number is this lease's own, opened by this claim), max cost (USD, '' none)
 --- @include "clock"
 --- @include "records"
 --- @include "events"
@@ -36,7 +39,8 @@ local window = (job_cap or spend_cap) and window_of(now) or ''
 local begin = ARGV[10] == '1' and window == ''
 local SCAN = 200
 local FIELDS = {'max_attempts', 'attempts', 'remote_id', 'input', 'output_key', 'backend', 'cancel',
-  'started_at', 'ready_at', 'created_at', 'sub_n', 'sub_open', 'token', 'intent_tok', 'remote_n'}
+  'started_at', 'ready_at', 'created_at', 'sub_n', 'sub_open', 'token', 'intent_tok', 'remote_n', 'deadline',
+  'max_cost'}
 stamp(now, silence)
 heard(wid, now, lease)
 local last_key = P .. 'lastclaim:' .. wid
@@ -44,7 +48,7 @@ local last_key = P .. 'lastclaim:' .. wid
 -- Appends one job's reply fields at `no` (the count so far; a running count, as `#out` is a search each time)
 -- and returns the new count. `open`: its submission's intent is open; `own`: this lease opened it.
 local function reply(out, no, id, token, before, attempt, max_attempts, input, output_key, backend, remote_id, cancel,
-    sub_n, open, own)
+    sub_n, open, own, max_cost)
   out[no + 1] = id
   out[no + 2] = token
   out[no + 3] = attempt
@@ -58,7 +62,8 @@ local function reply(out, no, id, token, before, attempt, max_attempts, input, o
   out[no + 11] = sub_n or '0'
   out[no + 12] = (open and not own) and '1' or '0'
   out[no + 13] = (open and own) and '1' or '0'
-  return no + 13
+  out[no + 14] = max_cost or ''
+  return no + 14
 end
 
 if req ~= '' then
@@ -69,10 +74,10 @@ if req ~= '' then
       local out, no = {}, 0
       for i, id in ipairs(memo_ids) do
         local max_attempts, attempts, remote_id, input, output_key, backend, cancel, _, _, _, sub_n, sub_open, token,
-          intent_tok = unpack(redis.call('HMGET', jkey(id), unpack(FIELDS)))
+          intent_tok, _, _, max_cost = unpack(redis.call('HMGET', jkey(id), unpack(FIELDS)))
         if max_attempts and (token or '') ~= '' and redis.call('ZSCORE', P .. 'owned:' .. wid, id) then
           no = reply(out, no, id, token, memo_flags[i], tonumber(attempts or 0), max_attempts, input, output_key, backend,
-            remote_id, cancel, sub_n, sub_open == '1', intent_tok == token)
+            remote_id, cancel, sub_n, sub_open == '1', intent_tok == token, max_cost)
         end
       end
       return out
@@ -106,14 +111,17 @@ else
   if #picked < n then redis.call('SET', P .. 'idle', '1', 'PX', 600000) end
 end
 if #picked == 0 then return {} end
-local out, ids, active, owned, submitted, cancels, waits, flags = {}, {}, {}, {}, {}, {}, {}, {}
+local out, ids, active, owned, submitted, cancels, waits, flags, late = {}, {}, {}, {}, {}, {}, {}, {}, {}
 local no, taken = 0, 0  -- running counts: the reply's fields, the jobs leased
 local base = redis.call('INCRBY', P .. 'tok', #picked) - #picked
 for _, id in ipairs(picked) do
   local k = jkey(id)
   local max_attempts, attempts, remote_id, input, output_key, backend, cancel, started_at, ready_at, created_at, sub_n,
-    sub_open, _, intent_tok, remote_n = unpack(redis.call('HMGET', k, unpack(FIELDS)))
-  if max_attempts then
+    sub_open, _, intent_tok, remote_n, deadline, max_cost = unpack(redis.call('HMGET', k, unpack(FIELDS)))
+  if max_attempts and deadline and now >= tonumber(deadline) and (remote_id or '') == '' and sub_open ~= '1'
+      and cancel ~= '1' then
+    late[#late + 1] = id
+  elseif max_attempts then
     base = base + 1
     local token = wid .. '/' .. base
     local attempt = tonumber(attempts or 0) + 1
@@ -141,7 +149,7 @@ for _, id in ipairs(picked) do
     local before = started_at and '1' or '0'
     flags[taken] = before
     no = reply(out, no, id, token, before, attempt, max_attempts, input, output_key, backend, remote_id, cancel, sub_n,
-      sub_open == '1', intent_tok == token)
+      sub_open == '1', intent_tok == token, max_cost)
   end
 end
 bulk_zadd(P .. 'active', active)
@@ -153,4 +161,5 @@ if req ~= '' then
 end
 event(ids, 'active')
 observe('wait', waits)
+deadline_passed(late, now)
 return out

@@ -4,9 +4,9 @@
 -- where they may already be leased. Fresh calls skip that check: their ids are new.
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, check ids (1: ids may repeat, e.g. caller-chosen), metas, jobs, batch nonce (random per call).
---   metas is a JSON list of "priority\trun_at\tmax_attempts\tretention\tidempotency key\toutput key" strings
---   (empty output key: results/<id>.json; run_at: epoch ms, '' none, or "+<ms>": a delay from the store's now,
---   so a producer's clock never decides when its job is due); jobs is a JSON list of [id, input, meta index(,
+--   metas is a JSON list of "priority\trun_at\tmax_attempts\tretention\tidempotency key\toutput key\tdeadline\t
+--   max cost" strings (empty output key: results/<id>.json; run_at and deadline: epoch ms, '' none, or "+<ms>":
+--   from the store's now, so a producer's clock never decides when its job is due; max cost: USD, '' none); jobs is a JSON list of [id, input, meta index(,
 --   file keys)], the file keys (a JSON list of the object keys the input refers to) only for an input with files
 -- Returns: per job, its id (an existing one when the idempotency key or the id was seen before), or
 --   {id, 'gone'} when the key's job finished and its record was trimmed: the key still answers (a repeat
@@ -33,11 +33,14 @@ for _, job in ipairs(jobs) do
   local id, input, meta, files = job[1], job[2], metas[job[3]], job[4]
   local m = parsed[meta]
   if not m then
-    local prio, run_at, maxa, ret, idem, okey = string.match(meta, '^([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t(.*)$')
+    local prio, run_at, maxa, ret, idem, okey, dl, mc = string.match(meta,
+      '^([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t(.*)$')
     local delay = string.match(run_at, '^%+(%d+)$')
     m = {prio = prio, run_at = tonumber(run_at), maxa = maxa, ret = ret, idem = idem, okey = okey,
-         base = (1000 - tonumber(prio)) * PRIO_SPAN, delay = delay}
+         base = (1000 - tonumber(prio)) * PRIO_SPAN, delay = delay, deadline = tonumber(dl), max_cost = mc}
     if delay then m.run_at = now + tonumber(delay) end
+    local within = string.match(dl, '^%+(%d+)$')
+    if within then m.deadline = now + tonumber(within) end  -- kept absolute: a time of day, like run_at
     parsed[meta] = m
   end
   local existing, gone = nil, false
@@ -75,6 +78,8 @@ for _, job in ipairs(jobs) do
     if m.idem ~= '' then redis.call('HSET', k, 'idem', m.idem) end
     if m.okey ~= '' then redis.call('HSET', k, 'output_key', m.okey) end
     if files then redis.call('HSET', k, 'files', files) end
+    if m.deadline then redis.call('HSET', k, 'deadline', fmt(m.deadline)) end
+    if m.max_cost ~= '' then redis.call('HSET', k, 'max_cost', m.max_cost) end
     out[#out + 1] = id
   end
 end

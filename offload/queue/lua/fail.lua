@@ -6,6 +6,9 @@
 --   (1/0: the provider refused the submission, nothing ran: the job is not counted against the caps), duplicate
 --   (1/0: a retry's next run is paid for while this one may still run, e.g. resubmit_on_timeout without a
 --   cancel: counted as a possible duplicate, on the job and per backend, when the job is retried)
+-- A retry that would come due at or after the job's deadline is not scheduled: the job goes dead with
+-- `deadline passed` (terminal.lua's `deadline_passed`), its last error kept after it.
+-- An error starting `over max_cost:` (worker/budget.py) is counted and evented as `over_max_cost` too.
 -- Returns: retrying, dead, STALE or NOTFOUND
 --- @include "clock"
 --- @include "records"
@@ -25,9 +28,13 @@ unlease({id}, {[id] = job.owner})
 count('failed', 1)
 if ARGV[8] == '1' then redis.call('HSET', k, 'sub_open', '0') end
 settle(k, id, tonumber(ARGV[9] or ''), ARGV[10] == '1')
-local attempts, max_attempts = unpack(redis.call('HMGET', k, 'attempts', 'max_attempts'))
+local attempts, max_attempts, deadline = unpack(redis.call('HMGET', k, 'attempts', 'max_attempts', 'deadline'))
+local at = now + tonumber(ARGV[6])
+if ARGV[5] == '1' and tonumber(attempts) < tonumber(max_attempts) and deadline and at >= tonumber(deadline) then
+  deadline_passed({id}, now, {'deadline passed before the retry; last error: ' .. err_text})
+  return 'dead'
+end
 if ARGV[5] == '1' and tonumber(attempts) < tonumber(max_attempts) then
-  local at = now + tonumber(ARGV[6])
   redis.call('HSET', k, 'state', 'retrying', 'error', err_text, 'run_at', at, 'owner', '', 'token', '')
   if ARGV[11] == '1' then
     redis.call('HINCRBY', k, 'possible_duplicates', 1)
@@ -40,4 +47,8 @@ if ARGV[5] == '1' and tonumber(attempts) < tonumber(max_attempts) then
   return 'retrying'
 end
 finish({id}, 'dead', now, err_text, {job})
+if string.sub(err_text, 1, 14) == 'over max_cost:' then  -- worker/budget.py: refused unsent, a kind of its own
+  count('over_max_cost', 1)
+  event({id}, 'over_max_cost')
+end
 return 'dead'

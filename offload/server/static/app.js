@@ -288,6 +288,8 @@ const jobView = {
         row("Started", fmtTime(j.started_at), "started"), row("Finished", fmtTime(j.finished_at), "finished"),
         row("Worker", j.lease_owner, "worker"), row("Backend", j.backend && `${j.backend} ${j.remote_id || ""}`, "backend"),
         row("Cost", j.cost, "cost"), row("Output key", j.output_key, "output-key"),
+        j.deadline != null ? row("Deadline", fmtTime(j.deadline), "deadline") : null,
+        j.max_cost != null ? row("Max cost", j.max_cost, "max-cost") : null,
         row("Result", j.result ? [el("span", { class: "mono" }, j.result), " ", output] : null, "result"),
         j.cancel_requested ? row("Cancel", "requested: a worker cancels its remote job, then it ends cancelled", "cancel") : null),
       j.error ? [el("h2", null, "Error"), el("pre", { id: "job-error", class: "err" }, j.error)] : null,

@@ -65,3 +65,16 @@ local function trim(now, limit)
   end
   return trimmed
 end
+
+-- Jobs whose deadline passed before they could start (claim.lua) or be retried (fail.lua): dead, counted and
+-- evented under a kind of their own, so dashboards tell them from jobs that failed at the provider.
+local function deadline_passed(ids, now, errs)
+  if #ids == 0 then return end
+  if errs then
+    for i, id in ipairs(ids) do finish({id}, 'dead', now, errs[i]) end
+  else
+    finish(ids, 'dead', now, 'deadline passed')
+  end
+  count('deadline_passed', #ids)
+  event(ids, 'deadline_passed')
+end
