@@ -22,7 +22,7 @@ from bench.cost.bound import cheapest, clairvoyant
 from bench.cost.plots import plots
 from bench.cost.report import bounded, markdown, measured
 from bench.cost.traces import SHIPPED, Trace, from_csv
-from bench.cost.world import CostWorld, Policy
+from bench.cost.world import CostWorld, Hosts, Policy
 from bench.processes import Processes, start_valkey
 from offload.connection import connect
 
@@ -40,17 +40,30 @@ def policies(poll: float, idle: float) -> list[Policy]:
     return out
 
 
-async def play(url: str, trace: Trace, policy: Policy, seed: int) -> dict[str, Any]:
+async def world(url: str, trace: Trace, policy: Policy, hosts: Hosts, seed: int) -> dict[str, Any]:
     r: Any = await connect(url)  # the concrete client: FLUSHDB is no part of the store's protocol
     try:
         await r.flushdb()
-        served = await CostWorld(r, trace.jobs, policy, trace.hosts, seed).run(LIMIT)
+        served = await CostWorld(r, trace.jobs, policy, hosts, seed).run(LIMIT)
     finally:
         await r.aclose()
-    got = measured(trace, served)
+    return measured(trace, served)
+
+
+async def play(url: str, trace: Trace, policy: Policy, seed: int) -> dict[str, Any]:
+    got = await world(url, trace, policy, trace.hosts, seed)
     peak = got["wait_min"]["max"] * 60 + 3  # the report rounds waits to a tenth of a minute (6 s)
     bound = bounded(trace, cheapest(trace.jobs, trace.hosts.boot[0], policy.max_workers, peak))
-    return {"policy": policy.name, "max_workers": policy.max_workers, **got, "bound": bound}
+    run = {"policy": policy.name, "max_workers": policy.max_workers, **got, "bound": bound}
+    if faulty(trace.hosts):  # the same arrivals on hosts that all boot and stay: what the faults cost
+        healthy = await world(url, trace, policy, Hosts(boot=trace.hosts.boot, price=trace.hosts.price), seed)
+        run["healthy"] = healthy
+        run["peak_wait_vs_healthy"] = round(got["wait_min"]["max"] / max(healthy["wait_min"]["max"], 0.1), 2)
+    return run
+
+
+def faulty(hosts: Hosts) -> bool:
+    return bool(hosts.p_never_boot or hosts.p_preempt)
 
 
 async def measure(url: str, traces: list[Trace], poll: float, idle: float, seed: int) -> list[dict[str, Any]]:
@@ -60,7 +73,7 @@ async def measure(url: str, traces: list[Trace], poll: float, idle: float, seed:
         runs = [await play(url, trace, p, seed) for p in policies(poll, idle)]
         bounds = {n: bounded(trace, clairvoyant(trace.jobs, trace.hosts.boot[0], n)) for n in MAX_WORKERS}
         boot = f"{trace.hosts.boot[0] / 60:g}-{trace.hosts.boot[1] / 60:g} min"
-        if trace.hosts.p_never_boot or trace.hosts.p_preempt:
+        if faulty(trace.hosts):
             boot += f", {trace.hosts.p_never_boot:.0%} never boot, {trace.hosts.p_preempt:.0%} pre-empted"
         out.append(
             {

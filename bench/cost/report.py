@@ -94,5 +94,24 @@ def markdown(doc: dict[str, Any]) -> str:
         out.append(f"### {trace['name']}\n\n{trace['about']}; boot {trace['boot']}.\n\n{HEAD}")
         out += [row(run["policy"], run) for run in trace["runs"]]
         out += [row(f"clairvoyant, max {n} (least wait)", b) for n, b in trace["bounds"].items()]
+        out += _against_healthy(trace["runs"])
         out.append("")
     return "\n".join(out)
+
+
+def _against_healthy(runs: list[dict[str, Any]]) -> list[str]:
+    """For a trace with faulty hosts: each policy's waits and rent beside the same arrivals on healthy hosts."""
+    if not any("healthy" in run for run in runs):
+        return []
+    out = [
+        "\nThe same arrivals on healthy hosts (every machine boots, none is pre-empted):\n",
+        "| policy | peak wait, faulty / healthy (min) | ratio | GPU-h rented, faulty / healthy |",
+        "|---|---|---|---|",
+    ]
+    for run in runs:
+        h = run["healthy"]
+        out.append(
+            f"| {run['policy']} | {run['wait_min']['max']:g} / {h['wait_min']['max']:g} | "
+            f"{run['peak_wait_vs_healthy']:g}x | {run['gpu_h_rented']:.2f} / {h['gpu_h_rented']:.2f} |"
+        )
+    return out

@@ -14,6 +14,7 @@ def test_cost_bench_small(tmp_path: Path) -> None:
     assert {**json.loads((tmp_path / "cost.json").read_text()), "plots": doc["plots"]} == doc
     assert all((tmp_path / name).stat().st_size > 0 for name in doc["plots"]) and len(doc["plots"]) == 4
     page = (tmp_path / "cost.md").read_text()
+    assert page.count("The same arrivals on healthy hosts") == 1  # under the faulty trace only
     assert {t["name"] for t in doc["traces"]} == {"burst-day", "diurnal", "night-spike", "faulty-week"}
     for trace in doc["traces"]:
         assert f"### {trace['name']}" in page
@@ -34,6 +35,12 @@ def test_cost_bench_small(tmp_path: Path) -> None:
             assert bound["gpu_h_rented"] <= run["gpu_h_rented"], where
             assert bound["wait_min"]["max"] <= w["max"] + 0.1, where
             assert 0 < bound["utilisation"] <= 1 and bound["machines"] <= run["max_workers"], where
+            healthy = run.get("healthy")
+            assert (healthy is not None) == (trace["name"] == "faulty-week"), where  # a twin for faults only
+            if healthy is not None:  # the target: faults at most double the longest wait
+                assert healthy["jobs_served"] == healthy["jobs"] == run["jobs"], where
+                assert run["peak_wait_vs_healthy"] == round(w["max"] / max(healthy["wait_min"]["max"], 0.1), 2)
+                assert run["peak_wait_vs_healthy"] <= 2, where
         for n, bound in trace["bounds"].items():
             assert 0 < bound["utilisation"] <= 1 and bound["machines"] <= int(n), (trace["name"], bound)
             assert bound["gpu_h_rented"] >= bound["gpu_h_work"], (trace["name"], bound)
