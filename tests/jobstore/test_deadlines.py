@@ -18,6 +18,7 @@ from offload.queue.specs import JobSpec, validate_spec
 from offload.queue.store import QueueStore
 
 HOUR_S = 3600
+DAY_S = 86_400
 
 
 def _now_ms() -> list[int]:
@@ -28,11 +29,16 @@ def _now_ms() -> list[int]:
     ("spec", "field", "says"),
     [
         (JobSpec(input=1, deadline=time.time() - 5), "deadline", "in the past"),
-        (JobSpec(input=1, deadline=time.time() + 60, run_at=time.time() + 120), "deadline", "not after the job's"),
-        (JobSpec(input=1, deadline=time.time() + 60, delay=120), "deadline", "not after the job's"),
+        # a day ahead, not a minute: the specs are made at collection, minutes before a loaded suite runs them
+        (
+            JobSpec(input=1, deadline=time.time() + DAY_S, run_at=time.time() + 2 * DAY_S),
+            "deadline",
+            "not after the job's",
+        ),
+        (JobSpec(input=1, deadline=time.time() + DAY_S, delay=2 * DAY_S), "deadline", "not after the job's"),
         (JobSpec(input=1, deadline_in=30, delay=60), "deadline_in", "not after the job's start"),
         (JobSpec(input=1, deadline_in=0), "deadline_in", "must be > 0"),
-        (JobSpec(input=1, deadline=time.time() + 60, deadline_in=60), "deadline_in", "either deadline or"),
+        (JobSpec(input=1, deadline=time.time() + DAY_S, deadline_in=60), "deadline_in", "either deadline or"),
         (JobSpec(input=1, max_cost=-0.01), "max_cost", ">= 0"),
         (JobSpec(input=1, max_cost=float("nan")), "max_cost", ">= 0"),
         (JobSpec(input=1, max_cost="1"), "max_cost", ">= 0"),  # type: ignore[arg-type]
