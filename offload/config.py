@@ -9,11 +9,12 @@ offending field (`storage.bucket: required`), raised at start, never mid-run.
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
@@ -37,7 +38,7 @@ from offload.models import (
 from offload.queue import durability
 from offload.queue.durability import Durability
 from offload.queue.keyspace import validate_queue
-from offload.schema import Strict, field_errors, parse, parse_networks, parse_rate
+from offload.schema import NonEmpty, Strict, field_errors, parse, parse_networks, parse_rate
 from offload.storage.namespace import check_prefixes
 from offload.storage.settings import LocalStorageSettings, StorageSettings
 from offload.suggest import closest, did_you_mean
@@ -92,8 +93,41 @@ class ServerSettings(Strict):
         return v.rstrip("/") if v is not None else None
 
 
+RouteKind = Literal["fallback", "weighted", "cheapest"]
+InputMap = Callable[[Any], Any]
+
+
+class HealthSettings(Strict):
+    """When a backend of a routed queue cools down (offload/queue/backend_health.py): `failures` 5xx answers,
+    timeouts or 429s within `window_s` open it for `cool_down_s` (a longer Retry-After wins); then one probe job
+    may go, and a probe that fails opens it again for twice as long, up to `max_cool_down_s`."""
+
+    failures: int = Field(5, ge=1, description="errors within window_s that open the backend")
+    window_s: float = Field(60.0, gt=0, description="the window the errors are counted in")
+    cool_down_s: float = Field(30.0, gt=0, description="how long an opened backend is skipped (first time)")
+    max_cool_down_s: float = Field(600.0, gt=0, description="the longest cool-down after failed probes")
+
+
 class QueueSettings(Strict):
     backend: str | None = None  # None: served by GPU workers (`offload worker --handler`), not dispatched
+    backends: list[NonEmpty] | None = Field(
+        None,
+        min_length=1,
+        description="several backends for one queue (instead of `backend`), chosen per submission by `route`",
+    )
+    route: RouteKind = Field(
+        "fallback",
+        description="how `backends` are chosen: fallback (in order, the first healthy), weighted (by `weights` among "
+        "the healthy), cheapest (by price_per_job, or price_per_second x the measured mean run time; unknown last)",
+    )
+    weights: dict[str, float] | None = Field(
+        None, description="route: weighted: each backend's share, e.g. {a: 3, b: 1}"
+    )
+    inputs: dict[str, NonEmpty] | None = Field(
+        None,
+        description="per backend, `module:function` taking the job input and returning that backend's input",
+    )
+    health: HealthSettings = Field(default_factory=HealthSettings, description="when a routed backend cools down")
     concurrency: int = Field(DEFAULT_CONCURRENCY, ge=1, le=100_000)
     max_attempts: int = Field(DEFAULT_MAX_ATTEMPTS, ge=1)
     daily_job_cap: int | None = Field(None, ge=0)
@@ -118,10 +152,24 @@ class QueueSettings(Strict):
         "fails the attempt and tells the worker to abandon it. Dispatch queues are bounded by poll_timeout",
     )
 
+    @property
+    def route_backends(self) -> list[str]:
+        """The backends this queue dispatches to, in the configured order ([] for a GPU-worker queue)."""
+        if self.backends:
+            return list(self.backends)
+        return [self.backend] if self.backend is not None else []
+
+    @property
+    def dispatched(self) -> bool:
+        """Whether dispatch workers serve this queue (it names a backend), rather than GPU workers."""
+        return bool(self.route_backends)
+
     @field_validator("timeout")
     @classmethod
     def _timeout_for_gpu_workers(cls, v: float | None, info: ValidationInfo) -> float | None:
-        if v is not None and info.data.get("backend") is not None:  # one meaning per name: no second poll_timeout
+        if v is not None and (
+            info.data.get("backend") is not None or info.data.get("backends")
+        ):  # one meaning per name: no second poll_timeout
             raise ValueError(
                 "bounds a run on GPU workers (a queue without a backend); a dispatch queue's remote jobs are "
                 "bounded by poll_timeout"
@@ -159,18 +207,17 @@ class Settings(Strict):
         q = self.queues.get(name)
         if q is None or (q.daily_job_cap is None and q.daily_spend_cap is None):
             return None
-        b = self.backends.get(q.backend) if q.backend is not None else None
-        reserve = (
+        reserves = [  # a routed queue reserves what its dearest backend may cost: the route is chosen later
             reservation(
                 max_job_cost=b.max_job_cost,
                 price_per_job=b.price_per_job,
                 price_per_second=b.price_per_second,
                 poll_timeout=q.poll_timeout,
             )
+            for b in (self.backends.get(n) for n in q.route_backends)
             if b is not None
-            else 0.0
-        )
-        return CapLimits(q.daily_job_cap, q.daily_spend_cap, reserve)
+        ]
+        return CapLimits(q.daily_job_cap, q.daily_spend_cap, max(reserves, default=0.0))
 
     def hook_base(self, backend: str) -> str | None:
         """Where the provider of `backend` is to call back (`<public_url>/v1/hooks/<backend>`), or None: no public
@@ -191,23 +238,34 @@ class Settings(Strict):
         return {name: q.output_prefix for name, q in self.queues.items()}
 
     def backend_for(self, queue: str) -> tuple[str, AnyBackendSettings]:
+        """The queue's (first) backend: the one of a single-`backend` queue."""
+        return self.backends_for(queue)[0]
+
+    def backends_for(self, queue: str) -> list[tuple[str, AnyBackendSettings]]:
+        """Every backend the queue dispatches to, in the configured order."""
         q = self.queue(queue)
-        name = q.backend
-        if name is None:
+        if not q.dispatched:
             raise ConfigError(f"queues.{queue}.backend: required to dispatch this queue (it names no backend)")
-        b = self.backends[name]
-        if (
-            q.daily_spend_cap is not None
-            and b.max_job_cost is None
-            and b.price_per_job is None
-            and b.price_per_second is None
-        ):
-            raise ConfigError(
-                f"queues.{queue}.daily_spend_cap: backend {name!r} has no price_per_job, price_per_second or "
-                f"max_job_cost, so a submission cannot be reserved against the cap before it is sent; set "
-                f"backends.{name}.max_job_cost (the most one submission may cost)"
-            )
-        return name, b
+        out = []
+        for name in q.route_backends:
+            b = self.backends[name]
+            if (
+                q.daily_spend_cap is not None
+                and b.max_job_cost is None
+                and b.price_per_job is None
+                and b.price_per_second is None
+            ):
+                raise ConfigError(
+                    f"queues.{queue}.daily_spend_cap: backend {name!r} has no price_per_job, price_per_second or "
+                    f"max_job_cost, so a submission cannot be reserved against the cap before it is sent; set "
+                    f"backends.{name}.max_job_cost (the most one submission may cost)"
+                )
+            out.append((name, b))
+        return out
+
+    def input_maps(self, queue: str) -> dict[str, InputMap]:
+        """The queue's per-backend input mappings, imported (checked at start by `cross_checks`)."""
+        return {name: input_map(path) for name, path in (self.queue(queue).inputs or {}).items()}
 
 
 def _expand(value: Any, env: Mapping[str, str], path: str, missing: list[ConfigError] | None = None) -> Any:
@@ -358,6 +416,7 @@ def cross_checks(settings: Settings) -> Iterator[ConfigError]:
         if q.backend is not None and q.backend not in settings.backends:
             near = did_you_mean(closest(q.backend, settings.backends))
             yield ConfigError(f"queues.{qname}.backend: no backend named {q.backend!r} is configured{near}")
+        yield from route_problems(f"queues.{qname}", q, settings.backends)
     if settings.server.public_url:
         for bname, b in settings.backends.items():
             if b.kind == "replicate" and b.webhook_secret is None:
@@ -369,6 +428,66 @@ def cross_checks(settings: Settings) -> Iterator[ConfigError]:
         check_prefixes(settings.output_prefixes())
     except ConfigError as exc:
         yield exc
+
+
+def route_problems(where: str, q: QueueSettings, known: Mapping[str, Any]) -> Iterator[ConfigError]:
+    """A routed queue's problems (docs/how-to/routing.md), each naming its field."""
+    names = q.backends or []
+    if q.backends is not None and q.backend is not None:
+        yield ConfigError(f"{where}.backends: set either backend (one) or backends (several), not both")
+    for name in names:
+        if name not in known:
+            yield ConfigError(
+                f"{where}.backends: no backend named {name!r} is configured{did_you_mean(closest(name, known))}"
+            )
+    if len(set(names)) != len(names):
+        yield ConfigError(f"{where}.backends: each backend may be named once")
+    yield from _weight_problems(where, q, names)
+    served = q.route_backends
+    for name, path in (q.inputs or {}).items():
+        if name not in served:
+            yield ConfigError(f"{where}.inputs.{name}: not one of the queue's backends ({', '.join(served)})")
+        try:
+            input_map(path)
+        except ConfigError as exc:
+            yield ConfigError(f"{where}.inputs.{name}: {exc}")
+    if q.health.max_cool_down_s < q.health.cool_down_s:
+        yield ConfigError(f"{where}.health.max_cool_down_s: must be at least cool_down_s ({q.health.cool_down_s})")
+
+
+def _weight_problems(where: str, q: QueueSettings, names: list[str]) -> Iterator[ConfigError]:
+    if q.route == "weighted":
+        if not q.weights:
+            yield ConfigError(
+                f"{where}.weights: required with route: weighted (e.g. {{{', '.join(f'{n}: 1' for n in names)}}})"
+            )
+        for name in names:
+            if q.weights and name not in q.weights:
+                yield ConfigError(f"{where}.weights.{name}: missing (every backend of the queue needs a share)")
+    elif q.weights is not None:
+        yield ConfigError(f"{where}.weights: only read with route: weighted (route is {q.route})")
+    for name, share in (q.weights or {}).items():
+        if name not in names:
+            yield ConfigError(f"{where}.weights.{name}: not one of the queue's backends ({', '.join(names)})")
+        elif share <= 0:
+            yield ConfigError(f"{where}.weights.{name}: must be greater than 0, got {share}")
+
+
+def input_map(path: str) -> InputMap:
+    """The function `module:function` names (a per-backend input mapping); a ConfigError says why not."""
+    module, sep, attr = path.partition(":")
+    if not sep or not module or not attr:
+        raise ConfigError(f"must look like module:function (e.g. mypkg.maps:to_fal), got {path!r}")
+    try:
+        found = importlib.import_module(module)
+    except Exception as exc:  # an import error of the user's module, whatever it is, is a config problem
+        raise ConfigError(f"cannot import {module!r}: {type(exc).__name__}: {exc}") from None
+    fn: Any = found
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+    if not callable(fn):
+        raise ConfigError(f"{path!r}: module {module!r} has no function {attr!r}")
+    return fn  # type: ignore[no-any-return]
 
 
 def store_url(

@@ -100,6 +100,7 @@ class Job:
     intent_at: int | None = None
     intent_by: str | None = None
     possible_duplicates: int = 0
+    routed: str | None = None  # a routed queue's reason for its latest submission's backend (worker/routing.py)
     files: tuple[str, ...] | None = ()  # the object keys the input refers to; None: not recorded (`_files`)
     deadline: int | None = None  # epoch ms: not started after it (fails `deadline passed`)
     max_cost: float | None = None  # USD: no submission priced over it (fails `over max_cost`)
@@ -146,6 +147,7 @@ class Job:
             intent_at=_opt_int(h.get("intent_at")),
             intent_by=_opt_str(h.get("intent_by")),
             possible_duplicates=_int(h.get("possible_duplicates")),
+            routed=_opt_str(h.get("routed")),
             files=_files(h.get("files"), raw_input),
             deadline=_opt_int(h.get("deadline")),
             max_cost=_opt_float(h.get("max_cost")),
@@ -183,6 +185,7 @@ class Job:
             "possible_duplicates": self.possible_duplicates,
             "deadline": self.deadline,
             "max_cost": self.max_cost,
+            "routed": self.routed,
         }
 
 

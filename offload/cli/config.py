@@ -35,13 +35,18 @@ def config_check(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
                 "storage": loaded.storage.kind,
                 "backends": {name: b.kind for name, b in loaded.backends.items()},
                 "queues": {
-                    name: {"backend": q.backend, "autoscale": q.autoscale is not None}
+                    name: {
+                        "backend": q.backend,
+                        "backends": q.route_backends,
+                        "route": q.route,
+                        "autoscale": q.autoscale is not None,
+                    }
                     for name, q in loaded.queues.items()
                 },
             }
         )
         return
-    queues = ", ".join(f"{n} -> {q.backend}" for n, q in loaded.queues.items()) or "none"
+    queues = ", ".join(f"{n} -> {', '.join(q.route_backends) or None}" for n, q in loaded.queues.items()) or "none"
     typer.echo(f"ok: storage {loaded.storage.kind}, backends {', '.join(loaded.backends) or 'none'}, queues {queues}")
 
 

@@ -137,3 +137,10 @@ OUTCOMES = ("submitted", "throttled", "errors")
 async def backend_counters(redis: RedisClient, backend: str) -> dict[str, int]:
     raw = await redis.hgetall(backend_counts(backend))
     return {o: int(raw.get(o, 0)) for o in OUTCOMES}
+
+
+async def route_counters(redis: RedisClient, backend: str) -> dict[str, int]:
+    """A routed backend's counts, noted as `route:<what>`: submissions sent to it by reason (first, fallback,
+    weighted, cheapest, probe, pinned) and its health's openings (`opened`)."""
+    raw = await redis.hgetall(backend_counts(backend))
+    return {k.removeprefix("route:"): int(v) for k, v in raw.items() if k.startswith("route:")}

@@ -182,6 +182,12 @@ def backend_cooldown(backend: str) -> str:
     return backend_prefix(backend) + "cooldown"
 
 
+def backend_health(backend: str) -> str:
+    """A routed backend's health (hash): its state, recent errors, openings in a row, the probe's lease, the mean
+    run time (offload/queue/backend_health.py)."""
+    return backend_prefix(backend) + "health"
+
+
 def backend_counts(backend: str) -> str:
     """Per-outcome call counters of a backend (hash)."""
     return backend_prefix(backend) + "counts"

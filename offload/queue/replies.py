@@ -110,6 +110,7 @@ class Verdict(enum.StrEnum):
     DUP = "DUP"  # the submission already has another remote id (checkpoint: the lease is ours, or STALE:DUP)
     REMOTE = "REMOTE"  # begin: a stale worker's answer was attached since the claim: poll it, pay nothing
     CAP = "CAP"  # begin: a daily cap is reached (held until the window rolls over)
+    MOVED = "MOVED"  # begin: an unknown outcome at another backend (the detail): settled there, never here
     ATTACHED = "ATTACHED"  # checkpoint: the lease was lost, the answer recorded for the job's next owner
     STALE = "STALE"  # another lease holds the job, or it finished
     NOTFOUND = "NOTFOUND"
@@ -133,9 +134,10 @@ class _ReplyText:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Begun(_ReplyText):
-    """begin.lua's verdict on one item: OK:<n>, OK:<n>:DUP, REMOTE:<n>:<remote id>, CAP:<cap>, CANCEL, STALE or
-    NOTFOUND. `submission`: the number the intent opened (OK) or attached (REMOTE); `duplicate`: an earlier try
-    of that submission has an unknown outcome; `detail`: the cap reached (CAP) or the remote id (REMOTE)."""
+    """begin.lua's verdict on one item: OK:<n>, OK:<n>:DUP, REMOTE:<n>:<remote id>, MOVED:<backend>, CAP:<cap>,
+    CANCEL, STALE or NOTFOUND. `submission`: the number the intent opened (OK) or attached (REMOTE); `duplicate`:
+    an earlier try of that submission has an unknown outcome; `detail`: the cap reached (CAP), the remote id
+    (REMOTE) or the backend the open intent went to (MOVED)."""
 
     verdict: Verdict
     submission: int = 0
@@ -147,7 +149,9 @@ class Begun(_ReplyText):
             return f"OK:{self.submission}:DUP" if self.duplicate else f"OK:{self.submission}"
         if self.verdict is Verdict.REMOTE:
             return f"REMOTE:{self.submission}:{self.detail}"
-        return f"CAP:{self.detail}" if self.verdict is Verdict.CAP else self.verdict.value
+        if self.verdict in (Verdict.CAP, Verdict.MOVED):
+            return f"{self.verdict.value}:{self.detail}"
+        return self.verdict.value
 
 
 def begun(reply: str) -> Begun:

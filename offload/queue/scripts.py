@@ -112,6 +112,7 @@ class Scripts:
     # a backend's shared rate limit (offload/queue/backend_limits.py)
     rate_acquire: Script
     cool_down: Script
+    health: Script  # a routed backend's health: cool-downs, the half-open probe (offload/queue/backend_health.py)
     # the HTTP server's brute-force guard (offload/server/auth.py)
     auth_fail: Script
     # the autoscaler (offload/autoscale/)

@@ -162,7 +162,7 @@ class QueueStore(EnqueueStore, AdminStore, ReadStore, HookStore):
     async def begin_many(
         self,
         queue: str,
-        items: Sequence[tuple[str, str, float] | tuple[str, str, float, str]],
+        items: Sequence[tuple[str, str, float] | tuple[str, str, float, str] | tuple[str, str, float, str, str, str]],
         *,
         job_cap: int | None = None,
         spend_cap: float | None = None,
@@ -172,14 +172,21 @@ class QueueStore(EnqueueStore, AdminStore, ReadStore, HookStore):
         reservation in the store's cap window (held when over) and the submit intent, with the hash of the
         submission's webhook secret when the item carries one (id, token, cost, hash). Per item OK:<n>,
         OK:<n>:DUP (a possible duplicate: an earlier try of that submission has an unknown outcome), CAP:jobs,
-        CAP:spend, CANCEL, STALE or NOTFOUND (see begin.lua), decoded."""
+        CAP:spend, CANCEL, STALE or NOTFOUND (see begin.lua), decoded. A routed queue's items carry the backend
+        chosen and the router's reason too (..., backend, why): recorded with the intent; MOVED:<backend> when an
+        earlier lease's open intent went to another."""
         codes = await self._run(
             SCRIPTS.begin,
             queue,
             "" if job_cap is None else job_cap,
             "" if spend_cap is None else spend_cap,
             backend,
-            orjson.dumps([(i[0], i[1], repr(float(i[2])), i[3] if len(i) > 3 else "") for i in items]),
+            orjson.dumps(
+                [
+                    (i[0], i[1], repr(float(i[2])), *i[3:]) if len(i) > 3 else (*i[:2], repr(float(i[2])), "")
+                    for i in items
+                ]
+            ),
             durable=True,
         )
         return [replies.begun(code) for code in codes]

@@ -198,12 +198,15 @@ class EventHub:
 def event_doc(event: Event) -> dict[str, Any]:
     queue, eid, fields = event
     jobs = fields.get("jobs", "")
-    return {
+    doc = {
         "queue": queue,
         "state": fields.get("state"),
         "jobs": jobs.split() if jobs else [],
         "at": _sid(eid)[0] if eid else None,
     }
+    if "why" in fields:  # a `routed` entry: the backend a submission went to, and why (begin.lua)
+        doc["backend"], doc["why"] = fields.get("backend"), fields["why"]
+    return doc
 
 
 def _frame(event: Event) -> bytes:

@@ -20,7 +20,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from offload.autoscale.status import autoscale_families
 from offload.models import QueueStats
-from offload.queue.backend_limits import backend_counters
+from offload.queue.backend_limits import backend_counters, route_counters
 from offload.queue.memory import read_memory
 from offload.queue.scripts import HIST_BUCKETS_S
 from offload.server.auth import GuardedRoute, Principal, need_global_read
@@ -183,7 +183,31 @@ async def _backend_families(state: ServerState) -> list[Metric]:
     )
     for (name, reason), n in sorted(refusals(state).items()):
         refused.add_metric([name, reason], n)
-    return [backend, refused]
+    return [backend, refused, *await _route_families(state)]
+
+
+async def _route_families(state: ServerState) -> list[Metric]:
+    """A routed queue's backends (worker/routing.py): submissions sent to each by reason, and its cool-downs."""
+    routed = CounterMetricFamily(
+        "offload_routed_submissions",
+        "Submissions a routed queue sent to a backend, by reason: first (its first choice), fallback (an earlier "
+        "one was cooling down), weighted, cheapest, probe (the half-open backend's probe).",
+        labels=["backend", "reason"],
+    )
+    opened = CounterMetricFamily(
+        "offload_backend_cool_downs",
+        "Times a routed backend's errors opened it (a cool-down began).",
+        labels=["backend"],
+    )
+    routed_names = {
+        n for q in state.options.settings.queues.values() if len(q.route_backends) > 1 for n in q.route_backends
+    }
+    for name in sorted(routed_names):
+        counts = await route_counters(state.redis, name)
+        opened.add_metric([name], counts.pop("opened", 0))
+        for reason, n in sorted(counts.items()):
+            routed.add_metric([name, reason], n)
+    return [routed, opened]
 
 
 async def _store_families(state: ServerState) -> list[Metric]:

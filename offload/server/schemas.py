@@ -152,6 +152,11 @@ class JobView(BaseModel):
     )
     deadline: int | None = Field(None, description="Epoch ms: the latest the job may start.")
     max_cost: float | None = Field(None, description="USD: the most one submission may cost.")
+    routed: str | None = Field(
+        None,
+        description="A queue with several backends: why its latest submission went to `backend` "
+        "(e.g. `fallback: replicate cooling down until 12:04:05Z, sent to fal`).",
+    )
 
 
 class WaitReply(JobView):

@@ -22,6 +22,7 @@ from offload.queue.store import CompleteItem, QueueStore
 from offload.worker.health import StoreHealth
 from offload.worker.job_run import Drained, Runs
 from offload.worker.options import WorkerOptions
+from offload.worker.routing import Lane, Router
 
 T = TypeVar("T")
 Fence = Callable[[], Awaitable[None]]
@@ -42,19 +43,38 @@ class StoreWrites:
             lambda items: store.checkpoint_many(q, items)
         )
         self.completes: Batcher[CompleteItem, replies.Verdict] = Batcher(lambda items: store.complete_many(q, items))
-        self.begins: Batcher[tuple[str, str, str], replies.Begun] = Batcher(self._begin_many)
+        self.begins: Batcher[tuple[str, str, str, str, str], replies.Begun] = Batcher(self._begin_many)
         self.fences: Batcher[tuple[str, str], replies.Verdict] = Batcher(lambda items: store.fence_many(q, items))
         self.hook_bodies: Batcher[tuple[str, int], str | None] = Batcher(store.hook_bodies)
 
-    async def _begin_many(self, items: list[tuple[str, str, str]]) -> list[replies.Begun]:
+    async def _begin_many(self, items: list[tuple[str, str, str, str, str]]) -> list[replies.Begun]:
+        """(id, token, webhook secret hash, backend, the router's reason) per job."""
         opts = self.options
         return await self.store.begin_many(
             opts.queue,
-            [(i, t, opts.reservation, h) for i, t, h in items],
+            [(i, t, opts.reservation, h, b, w) for i, t, h, b, w in items],
             job_cap=opts.daily_job_cap,
             spend_cap=opts.daily_spend_cap,
             backend=opts.backend_name,
         )
+
+
+def single_lane(options: WorkerOptions, backend: Backend, hooks: WebhookBackend | None, limits: BackendLimits) -> Lane:
+    """The one lane of a single-`backend` queue, from the worker's options (no health: nothing to route around)."""
+    return Lane(
+        name=options.backend_name,
+        backend=backend,
+        limits=limits,
+        hooks=hooks,
+        price_per_job=options.price_per_job,
+        price_per_second=options.price_per_second,
+        hook_base=options.hook_base,
+        hook_grace_s=options.hook_grace_s,
+        hook_poll_interval=options.hook_poll_interval,
+        not_found_grace_s=options.not_found_grace_s,
+        resubmit_on_timeout=options.resubmit_on_timeout,
+        timeout=options.backend_timeout,
+    )
 
 
 @dataclass(eq=False)
@@ -74,6 +94,7 @@ class WorkerContext:
     health: StoreHealth
     policy: PolicyWatch  # a store that may evict stops the claims and submissions until it is fixed
     writes: StoreWrites
+    router: Router  # the queue's backends as lanes; one for a single-`backend` queue (worker/routing.py)
     runs: Runs = field(default_factory=Runs)
     draining: bool = False  # no submission starts once set (see drain.py)
     grace_over: bool = False  # the drain's grace has ended: a job whose answer was just recorded does not poll
@@ -90,7 +111,9 @@ class WorkerContext:
         limits: BackendLimits,
         options: WorkerOptions,
         worker_id: str,
+        router: Router | None = None,
     ) -> WorkerContext:
+        """`router`: a routed queue's lanes; None builds the one lane of `backend` from `options`."""
         health = StoreHealth(  # with durability, the probe waits for replicas too: an unconfirmed write is resent
             lambda: store.probe(options.queue),
             max_pause_s=min(2.0, options.lease_ms / 4000),
@@ -98,6 +121,8 @@ class WorkerContext:
             heal=functools.partial(store.reap, options.queue),  # trims first: the store's way back under its limit
         )
         hooks = backend if options.hook_base and isinstance(backend, WebhookBackend) else None
+        if router is None:
+            router = Router([single_lane(options, backend, hooks, limits)])
         return cls(
             store=store,
             control=control,
@@ -110,6 +135,7 @@ class WorkerContext:
             health=health,
             policy=PolicyWatch(store.redis, what="claim or submission"),
             writes=StoreWrites(store, options),
+            router=router,
         )
 
     async def wait_ahead(self, job: ClaimedJob, aw: Awaitable[T]) -> T:

@@ -47,6 +47,7 @@ from offload.worker.leases import Leases
 from offload.worker.options import WorkerOptions
 from offload.worker.polling import Polling
 from offload.worker.prefetch import Prefetch
+from offload.worker.routing import Router
 from offload.worker.slots import Slots
 from offload.worker.submit import Submitter
 
@@ -76,9 +77,10 @@ class Worker:
         *,
         worker_id: str | None = None,
         control: QueueStore | None = None,
+        router: Router | None = None,
     ) -> None:
         self.id = worker_id or default_worker_id()
-        ctx = WorkerContext.build(store, control or store, backend, store_output, limits, options, self.id)
+        ctx = WorkerContext.build(store, control or store, backend, store_output, limits, options, self.id, router)
         self.ctx = ctx
         prefetch = Prefetch(options, time.monotonic())  # how many jobs to lease ahead of the slots
         self.slots = Slots(ctx, prefetch)
@@ -149,7 +151,7 @@ class Worker:
         if opts.ingest_list:
             helpers.append(asyncio.create_task(self._ingest_loop(stop)))
         channels: dict[str, Callable[[str | None], None]] = {wake_channel(opts.queue): self._ready_news}
-        if self.ctx.hooks:
+        if any(lane.hooks for lane in self.ctx.router.lanes):
             channels[hooks_channel(opts.queue, self.id)] = wakeups.hook_messages(self._wake)
         helpers.append(asyncio.create_task(wakeups.listen(self.ctx.store.redis, channels)))
         return helpers

@@ -68,12 +68,17 @@ class Drain:
             "%gs), the rest finish for up to %gs; a second SIGTERM or SIGINT cuts",
             len(ahead),
             sum(1 for run in ctx.runs.all() if run.calling()),
-            ctx.options.backend_timeout + RECORD_S,
+            self._call_bound(),
             ctx.options.grace_s,
         )
         if ahead:
             await self._ended(list(ahead), "waiting jobs")
             await self.hand_back([job for job in ahead.values() if job.id not in ctx.runs])
+
+    def _call_bound(self) -> float:
+        """How long after the signal a submit call out is awaited: the (longest) backend timeout, and recording."""
+        opts = self.ctx.options
+        return (opts.backend_timeout_max or opts.backend_timeout) + RECORD_S
 
     async def _await_calls(self, began: float) -> None:
         """Past the grace: every task is cut but those with a submit call out or an answer to store."""
@@ -82,7 +87,7 @@ class Drain:
         for task in ctx.runs.tasks().values():
             if task not in out:
                 task.cancel()
-        await self._until_ended(out, began + ctx.options.backend_timeout + RECORD_S - time.monotonic())
+        await self._until_ended(out, began + self._call_bound() - time.monotonic())
         left = sum(1 for run in ctx.runs.all() if run.task and not run.task.done() and run.awaited_by_drain())
         if left or self.cut.is_set():
             log.warning(
@@ -97,7 +102,8 @@ class Drain:
         ctx = self.ctx
         with contextlib.suppress(TimeoutError):  # metrics only: never hold a drain past a moment for them
             async with asyncio.timeout(2.0):
-                await ctx.limits.flush()
+                for lane in ctx.router.lanes:
+                    await lane.limits.flush()
         try:
             async with asyncio.timeout(max(5.0, ctx.options.lease_ms / 1000)):
                 unsent = list(ctx.runs.left_unsent.items())  # every task has ended: these never sent their call

@@ -63,7 +63,7 @@ class Endings:
         job = run.job
         if remote_id:
             with contextlib.suppress(NotFound):
-                if not await self.ctx.backend.cancel(remote_id):
+                if not await run.on.backend.cancel(remote_id):
                     log.warning(
                         "job %s: the backend cannot cancel remote job %s: it runs to its end", job.id, remote_id
                     )
@@ -77,14 +77,14 @@ class Endings:
         the retry to poll again. Either way nothing is paid twice unseen."""
         waited = f"remote job {remote_id} still running after {self.ctx.options.poll_timeout:g}s"
         try:
-            stopped = await self.ctx.backend.cancel(remote_id)
+            stopped = await run.on.backend.cancel(remote_id)
         except BackendError as exc:
             reason = f"{waited}; its cancel failed ({exc}), so it is kept (a retry polls it), not submitted again"
             await self.retry(run, f"polltimeout: {reason}", keep_remote=True)
             return
         if stopped:
             await self.retry(run, f"polltimeout: {timeout}; cancelled at the provider", keep_remote=False)
-        elif self.ctx.options.resubmit_on_timeout:
+        elif run.on.resubmit_on_timeout:
             reason = f"{waited}; this backend cannot cancel it: submitted again (resubmit_on_timeout, counted)"
             await self.fail(run, f"polltimeout: {reason}", retryable=True, duplicate=True)
         else:

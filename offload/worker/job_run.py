@@ -16,6 +16,7 @@ from offload.errors import WorkerError
 from offload.models import ClaimedJob
 
 if TYPE_CHECKING:
+    from offload.worker.routing import Lane
     from offload.worker.slots import Slot
 
 
@@ -43,6 +44,12 @@ class JobRun:
     task: asyncio.Task[None] | None = None
     slot: Slot | None = None  # its hold on one of the `concurrency` slots, from its first remote step
     submission: int = 0  # the submission this run sends, resumes or polls
+    lane: Lane | None = None  # the backend it sends to, resumes or polls at (worker/routing.py)
+    why: str = ""  # the router's reason for `lane` (for the job's events)
+    # It resends a submission of unknown outcome (begin.lua's DUP) on a routed queue: no answer to this resend
+    # settles the first try's outcome, so its intent is never closed by one (the job stays on its backend).
+    unsettled: bool = False
+    sent_at: float = 0.0  # when its remote job was submitted or resumed (monotonic): its run time, for routing
     remote_id: str | None = None  # once set: recorded in the job record (unless `unrecorded`)
     # A synchronous answer: its run is recorded with the ack. A failure before the ack closes the intent,
     # unrecorded: the next try is the same submission under the same Idempotency-Key, not a possible duplicate.
@@ -56,6 +63,12 @@ class JobRun:
     hooked: asyncio.Event | None = None  # set by a webhook's wake-up, or a cancel, while it waits
     heard: tuple[int, str] | None = None  # (submission, final body) a wake-up carried
     cancel_wait: asyncio.Event | None = None  # set by a cancel heard while it waits for the rate limit
+
+    @property
+    def on(self) -> Lane:
+        """The lane (backend) this run is at: set from the claim (`Router.resumed`), changed by routing."""
+        assert self.lane is not None
+        return self.lane
 
     def hook_event(self) -> asyncio.Event:
         if self.hooked is None:

@@ -11,8 +11,10 @@ failure ends the attempt is `_failed`'s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
+import time
 from typing import Any
 
 import orjson
@@ -78,6 +80,7 @@ class JobPath:
 
     async def _attempt(self, run: JobRun) -> None:
         job = run.job
+        run.lane = self.ctx.router.resumed(job)  # its remote job's (or open intent's) backend, else the first
         try:
             job_input = job.input
         except orjson.JSONDecodeError as exc:
@@ -107,7 +110,7 @@ class JobPath:
         fresh submission takes it after its begin script, see submit.py), given back when the remote work ends;
         the store writes after it (output, ack) run outside the slot. None: the job has moved on (held,
         cancelled, failed, or a drain past its grace left it to the next owner)."""
-        lag = self.polling.sighting()  # a resumed remote job: not seen yet, its grace from the store's submit time
+        lag = self.polling.sighting(run)  # a resumed remote job: not seen yet, its grace from the store's submit time
         slot = run.slot = Slot(self.slots, run)
         try:
             started, result = await self._remote_job(run, job_input, lag)
@@ -123,7 +126,8 @@ class JobPath:
         """The run's remote job, found or submitted: (whether it has one, the answer of a synchronous API)."""
         job, slot = run.job, run.slot
         assert slot is not None
-        if run.remote_id is None and job.intent_open and self.ctx.hooks and self.ctx.options.hook_grace_s > 0:
+        run.sent_at = time.monotonic()  # (a resumed remote job: its run time from here, a lower bound)
+        if run.remote_id is None and job.intent_open and run.on.hooks and run.on.hook_grace_s > 0:
             await slot.take()
             await self._adopt(run, await self.polling.await_hook(run), lag)  # its webhook may name the remote job
         if run.remote_id is not None:
@@ -139,7 +143,7 @@ class JobPath:
         started = await self.submitter.submit(run, job_input)
         if started is None:
             return False, None  # held, cancelled or failed: the job has moved on
-        run.remote_id, run.submission = started.remote_id, started.submission
+        run.remote_id, run.submission, run.sent_at = started.remote_id, started.submission, time.monotonic()
         run.unrecorded = run.answered = started.result is not None
         lag.submitted()
         return True, started.result
@@ -161,25 +165,28 @@ class JobPath:
         if not slot.take_now():
             await slot.take()
         assert run.remote_id is not None
-        if self.ctx.hooks:
+        if run.on.hooks:
             return await self.polling.poll_hooked(run, run.remote_id, lag)
         return await self.polling.poll(run, run.remote_id, lag)
 
     async def finish(self, run: JobRun, result: RemoteResult) -> None:
         """Store the output and ack. A synchronous answer (`unrecorded`) is recorded by the ack."""
-        job, opts = run.job, self.ctx.options
+        job, lane = run.job, run.on
         unrecorded = run.remote_id if run.unrecorded else None
         if result.status != "succeeded":
             if unrecorded is not None:  # recorded, so that the next try is a new submission (a new key)
                 await self.submitter.record(run, unrecorded, run.submission)
             error = f"remote job {result.status}: {result.error or 'no error given'}"
-            await self.endings.retry(run, error, keep_remote=False, cost=opts.cost(result))
+            await self.endings.retry(run, error, keep_remote=False, cost=lane.cost(result))
             return
+        if self.ctx.router.kind == "cheapest" and lane.health is not None:
+            with contextlib.suppress(Exception):  # the price model's mean run time: never fails the job
+                await lane.answered(result.duration_s or time.monotonic() - run.sent_at)
         location = await self.endings.store(run, result.output)
         run.settling = True
-        item: CompleteItem = (job.id, job.token, location, opts.cost(result))
+        item: CompleteItem = (job.id, job.token, location, lane.cost(result))
         if unrecorded is not None:
-            item = (*item, opts.backend_name, unrecorded, run.submission)
+            item = (*item, lane.name, unrecorded, run.submission)
         code = await self.ctx.health.call(lambda: self.ctx.writes.completes(item))
         if code is not Verdict.OK:
             raise StaleLease(f"job {job.id}: lease lost before it could be completed ({code})")
@@ -189,9 +196,10 @@ class JobPath:
         kept = run.remote_id is not None
         if isinstance(exc, Throttled):
             wait = exc.retry_after or THROTTLED_WAIT_S
-            await self.ctx.health.call(functools.partial(self.ctx.limits.cool_down, wait))
+            await self.ctx.health.call(functools.partial(run.on.limits.cool_down, wait))
             error = f"throttled: {exc}"
-            await self.endings.retry(run, error, keep_remote=kept, delay_ms=int(wait * 1000), answered=True)
+            answered = not run.unsettled  # a 429 to a resend says nothing of the first try (worker/routing.py)
+            await self.endings.retry(run, error, keep_remote=kept, delay_ms=int(wait * 1000), answered=answered)
         elif isinstance(exc, NotFound):
             await self.endings.retry(run, f"remote result expired: {exc}", keep_remote=False)
         elif isinstance(exc, PollTimeout) and run.remote_id:

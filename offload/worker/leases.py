@@ -49,6 +49,7 @@ class Leases:
             and not ctx.limits.interval_ms
             and ctx.hooks is None
             and ctx.store.durability is None
+            and not ctx.router.routed  # the backend is chosen (and recorded with the intent) by the begin
         )
 
     async def claim(self, n: int) -> list[ClaimedJob]:

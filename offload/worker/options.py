@@ -52,6 +52,7 @@ class WorkerOptions:
     # The backend's `timeout` per request: a drain awaits the submit calls already out at least this long (plus
     # drain.RECORD_S to checkpoint their answers), even past `grace_s`.
     backend_timeout: float = _default(HttpJobSettings, "timeout")
+    backend_timeout_max: float | None = None  # a routed queue's longest backend `timeout` (the drain's bound)
     daily_job_cap: int | None = None
     daily_spend_cap: float | None = None
     price_per_job: float | None = None
@@ -85,6 +86,8 @@ class WorkerOptions:
         """The options of a worker serving `queue` as configured; `concurrency` and `lease_ms` override."""
         q = settings.queue(queue)
         backend_name, bs = settings.backend_for(queue)
+        caps = settings.cap_limits(queue)
+        routed = len(q.route_backends) > 1
         return cls(
             queue=queue,
             backend_name=backend_name,
@@ -99,7 +102,9 @@ class WorkerOptions:
             daily_spend_cap=q.daily_spend_cap,
             price_per_job=bs.price_per_job,
             price_per_second=bs.price_per_second,
-            max_job_cost=bs.max_job_cost,
+            # a routed queue reserves what its dearest backend may cost (the route is chosen after the claim)
+            max_job_cost=caps.reserve if routed and caps is not None else bs.max_job_cost,
+            backend_timeout_max=max(b.timeout for _, b in settings.backends_for(queue)),
             ingest_list=q.ingest_list,
             max_attempts=q.max_attempts,
             submit_concurrency=q.submit_concurrency,

@@ -39,9 +39,9 @@ class Polling:
     def __init__(self, ctx: WorkerContext, endings: Endings) -> None:
         self.ctx, self.endings = ctx, endings
 
-    def sighting(self) -> Sighting:
+    def sighting(self, run: JobRun) -> Sighting:
         """A remote job's sighting (worker/lag.py), with the grace bounded by `poll_timeout`."""
-        return Sighting(min(self.ctx.options.not_found_grace_s, self.ctx.options.poll_timeout))
+        return Sighting(min(run.on.not_found_grace_s, self.ctx.options.poll_timeout))
 
     async def await_hook(self, run: JobRun) -> str | None:
         """The run's submission may have reached the provider (its worker died inside the submit call): wait up
@@ -51,7 +51,7 @@ class Polling:
         providers that call only on completion, for that."""
         job, submission = run.job, run.submission
         heard = run.hook_event()
-        deadline = time.monotonic() + self.ctx.options.hook_grace_s
+        deadline = time.monotonic() + run.on.hook_grace_s
         while True:
             heard.clear()
             remote_id, current = await self.ctx.health.call(lambda: self.ctx.store.current_remote(job.id))
@@ -78,7 +78,7 @@ class Polling:
 
     async def poll(self, run: JobRun, remote_id: str, lag: Sighting) -> RemoteResult | None:
         """The provider polled until the result is terminal (None: the job was cancelled meanwhile)."""
-        opts = self.ctx.options
+        opts, lane = self.ctx.options, run.on
         deadline = time.monotonic() + opts.poll_timeout
         interval = opts.first_poll
         polls = transient = 0
@@ -88,7 +88,7 @@ class Polling:
                 return None
             wait = interval
             try:
-                result = await self.ctx.backend.poll(remote_id)
+                result = await lane.backend.poll(remote_id)
                 transient = 0
                 lag.seen = True
                 if result.terminal:
@@ -97,12 +97,14 @@ class Polling:
                 if not self.lagging(run, exc, lag):
                     raise
             except Throttled as exc:
-                self.ctx.limits.note("throttled")
+                lane.limits.note("throttled")
                 wait = exc.retry_after or interval
-                await self.ctx.health.call(functools.partial(self.ctx.limits.cool_down, wait))
-            except Transient:
+                await self.ctx.health.call(functools.partial(lane.limits.cool_down, wait))
+                await self.ctx.health.call(functools.partial(lane.failed, exc))
+            except Transient as exc:
                 transient += 1
-                if self._too_many(transient):
+                await self.ctx.health.call(functools.partial(lane.failed, exc))
+                if self._too_many(run, transient):
                     raise
             if time.monotonic() > deadline:  # also when every poll is throttled: the timeout bounds the job
                 raise PollTimeout(f"remote job {remote_id} not done after {opts.poll_timeout:g}s")
@@ -110,9 +112,9 @@ class Polling:
             polls += 1  # doubling: few wasted polls on long GPU jobs
             interval = compute_backoff(polls + 1, base=opts.first_poll, cap=opts.poll_interval)
 
-    def _too_many(self, in_a_row: int) -> bool:
+    def _too_many(self, run: JobRun, in_a_row: int) -> bool:
         """A transient poll failure, noted: whether too many came in a row (the attempt then fails)."""
-        self.ctx.limits.note("errors")
+        run.on.limits.note("errors")
         return in_a_row >= TRANSIENT_POLLS
 
     async def poll_hooked(self, run: JobRun, remote_id: str, lag: Sighting) -> RemoteResult | None:
@@ -123,7 +125,7 @@ class Polling:
         opts = self.ctx.options
         heard = run.hook_event()
         deadline = time.monotonic() + opts.poll_timeout
-        fallback = _Fallback(time.monotonic() + opts.hook_poll_interval)
+        fallback = _Fallback(time.monotonic() + run.on.hook_poll_interval)
         while True:
             if run.cancel:
                 await self.endings.cancel(run, remote_id)
@@ -142,7 +144,7 @@ class Polling:
 
     async def _kept_result(self, run: JobRun, fallback: _Fallback) -> RemoteResult | None:
         """The result of the final webhook the server kept, if one is kept (a body without it: poll now)."""
-        hooks = self.ctx.hooks
+        hooks = run.on.hooks
         assert hooks is not None
         job_id, submission = run.job.id, run.submission
         carried, run.heard = run.heard, None
@@ -161,11 +163,11 @@ class Polling:
         self, run: JobRun, remote_id: str, lag: Sighting, fallback: _Fallback
     ) -> RemoteResult | None:
         """The provider polled once, as a webhook may never come: the result if it is terminal."""
-        opts = self.ctx.options
-        fallback.next_poll = time.monotonic() + opts.hook_poll_interval
-        soon = min(opts.poll_interval, opts.hook_poll_interval)
+        opts, lane = self.ctx.options, run.on
+        fallback.next_poll = time.monotonic() + lane.hook_poll_interval
+        soon = min(opts.poll_interval, lane.hook_poll_interval)
         try:
-            result = await self.ctx.backend.poll(remote_id)
+            result = await lane.backend.poll(remote_id)
             fallback.transient = 0
             lag.seen = True
             if result.terminal:
@@ -175,11 +177,13 @@ class Polling:
                 raise
             fallback.next_poll = time.monotonic() + soon
         except Throttled as exc:
-            self.ctx.limits.note("throttled")
-            await self.ctx.health.call(functools.partial(self.ctx.limits.cool_down, exc.retry_after or 5.0))
-        except Transient:
+            lane.limits.note("throttled")
+            await self.ctx.health.call(functools.partial(lane.limits.cool_down, exc.retry_after or 5.0))
+            await self.ctx.health.call(functools.partial(lane.failed, exc))
+        except Transient as exc:
             fallback.transient += 1
-            if self._too_many(fallback.transient):
+            await self.ctx.health.call(functools.partial(lane.failed, exc))
+            if self._too_many(run, fallback.transient):
                 raise
             fallback.next_poll = time.monotonic() + soon
         return None

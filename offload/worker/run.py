@@ -31,6 +31,7 @@ from offload.worker.context import Fence, StoreOutput
 from offload.worker.dispatch import Worker, default_worker_id
 from offload.worker.file_inputs import with_file_inputs
 from offload.worker.options import DRAIN_GRACE_S, WorkerOptions
+from offload.worker.routing import Router, build_router
 
 log = logging.getLogger("offload.worker")
 # Output files are copied over a pool of their own, at most this many connections per file host, each kept alive
@@ -161,7 +162,8 @@ class _Shared:
         storage = create_storage(settings.storage)
         resources.push_async_callback(storage.aclose)
         backends: dict[str, Backend] = {}
-        for _, _, backend_name, bs in plans:  # every backend's settings are checked before anything connects
+        every = [named for queue, *_ in plans for named in settings.backends_for(queue)]
+        for backend_name, bs in every:  # every backend's settings are checked before anything connects
             if backend_name not in backends:
                 backend = create_backend(backend_name, bs, client=http)
                 backends[backend_name] = with_file_inputs(backend, storage, settings.storage.input_url_expires_s)
@@ -175,8 +177,9 @@ class _Shared:
         await at_start(lambda: shared.store.check_durability([queue for queue, *_ in plans]))
         return shared
 
-    def saver(self, bs: AnyBackendSettings) -> StoreOutput:
-        settings, policy = self.settings, file_policy(self.settings, bs)
+    def saver(self, queue: str) -> StoreOutput:
+        settings = self.settings
+        policy = file_policy(settings, *(bs for _, bs in settings.backends_for(queue)))
 
         async def save(key: str, output: Any, submission: str, fence: Fence) -> str:
             stored = await store_output(
@@ -202,9 +205,10 @@ class _Shared:
         worker_id: str,
         resources: contextlib.AsyncExitStack,
     ) -> Worker:
-        if backend_name not in self.limits:
-            rate = parse_rate(bs.rate_limit) if bs.rate_limit else None
-            self.limits[backend_name] = BackendLimits(self.redis, backend_name, rate)
+        for name, each in self.settings.backends_for(options.queue):
+            if name not in self.limits:
+                rate = parse_rate(each.rate_limit) if each.rate_limit else None
+                self.limits[name] = BackendLimits(self.redis, name, rate)
         # Liveness must never queue behind thousands of job tasks waiting for the shared pool: a late
         # heartbeat lets the reaper hand live jobs to another worker, which would then pay for them again.
         control = await connect(self.settings.redis_url, max_connections=2)
@@ -212,34 +216,42 @@ class _Shared:
         worker = Worker(
             self.store,
             self.backends[backend_name],
-            self.saver(bs),
+            self.saver(options.queue),
             self.limits[backend_name],
             options,
             worker_id=worker_id,
             control=QueueStore(control, durability=self.settings.durability),
+            router=build_router(self.settings, options.queue, self.backends, self.limits, self.redis),
         )
         worker.policy.apply(self.memory)  # paused from the start (one line naming the setting) if the store may evict
         log.info(
-            "worker %s serving queue %s via %s (%s), up to %d in flight",
+            "worker %s serving queue %s via %s, up to %d in flight",
             worker.id,
             options.queue,
-            backend_name,
-            bs.kind,
+            _via(worker.ctx.router, self.settings),
             options.concurrency,
         )
         return worker
 
 
-def file_policy(settings: Settings, bs: AnyBackendSettings) -> FilePolicy:
-    """Where a backend's output files may be copied from (offload.egress). The backend's own origin and the result
-    store's are the operator's, fetched even on a private address: a local stack's simulator serves its files
-    itself, and an output that echoes its input names the store's presigned URLs (path- or virtual-host-style)."""
-    own = [bs.base_url]
+def _via(router: Router, settings: Settings) -> str:
+    """`sdxl (runpod)`, or for a routed queue `a (http-job), b (runpod); route fallback`."""
+    named = ", ".join(f"{lane.name} ({settings.backends[lane.name].kind})" for lane in router.lanes)
+    return f"{named}; route {router.kind}" if router.routed else named
+
+
+def file_policy(settings: Settings, *named: AnyBackendSettings) -> FilePolicy:
+    """Where a queue's backends' output files may be copied from (offload.egress). The backends' own origins and
+    the result store's are the operator's, fetched even on a private address: a local stack's simulator serves its
+    files itself, and an output that echoes its input names the store's presigned URLs (path- or
+    virtual-host-style). A routed queue's backends pool their rules (any backend's output may be stored)."""
+    own = [bs.base_url for bs in named]
     store = settings.storage
     if isinstance(store, S3StorageSettings) and store.endpoint_url:
         parts = urlsplit(store.endpoint_url)
         own += [store.endpoint_url, f"{parts.scheme}://{store.bucket}.{parts.netloc}"]
-    return FilePolicy.of(*own, allow_private=bs.allow_private_hosts, hosts=bs.file_hosts)
+    hosts = None if any(bs.file_hosts is None for bs in named) else [h for bs in named for h in bs.file_hosts or ()]
+    return FilePolicy.of(*own, allow_private=any(bs.allow_private_hosts for bs in named), hosts=hosts)
 
 
 def _install_signals(stop: asyncio.Event, cut: asyncio.Event) -> None:

@@ -54,9 +54,11 @@ class Started:
 
 @dataclass(frozen=True, slots=True)
 class _Again:
-    """The call is sent again: answered 429 (`throttled`), or 409 (None: the key is still being served)."""
+    """The call is sent again: answered 429 (`throttled`), or 409 (None: the key is still being served); or, with
+    `moved`, begun again at the backend an earlier lease's open intent went to (begin.lua's MOVED)."""
 
     throttled: Throttled | None
+    moved: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,25 +84,52 @@ class Submitter:
         lost its lease) inside the submit call; backends that tag submissions can find it, so we poll it
         instead of paying again. Called for such a job only (`job.intent_open`)."""
         with contextlib.suppress(BackendError):
-            return await self.ctx.backend.find(run.job.id)
+            return await run.on.backend.find(run.job.id)
         return None
 
     async def submit(self, run: JobRun, job_input: Any) -> Started | None:
         """Submit a job that has no remote job, or None when it went elsewhere (held over a cap, cancelled,
         failed)."""
         retries = self.ctx.options.submit_retries_on_429
-        hook = None
-        if self.ctx.hooks is not None:
-            secret = secrets.token_urlsafe(24)  # one per claim: a resend keeps its URL
-            hook = _Hook(secret, hook_digest(self.ctx.options.backend_name, secret))
-        for attempt in range(retries + 1):
+        hooks: dict[str, _Hook] = {}  # one secret per claim and backend: a resend keeps its URL
+        pinned = self.ctx.router.pinned(run.job) is not None  # an earlier submission settles there, nowhere else
+        attempt = 0
+        while attempt <= retries:
             begun = run.job.begun and attempt == 0
+            if not pinned and self.ctx.router.routed:  # (one backend: its lane was set at the claim)
+                await self._route(run)
+            lane = run.on
+            if lane.hooks is not None and lane.name not in hooks:
+                secret = secrets.token_urlsafe(24)
+                hooks[lane.name] = _Hook(secret, hook_digest(lane.name, secret))
             await self._before_gate(run, begun)
-            outcome = await self._gated(run, job_input, hook, attempt)
+            outcome = await self._gated(run, job_input, hooks.get(lane.name), attempt)
             if not isinstance(outcome, _Again):
                 return outcome
+            if outcome.moved:  # begun again where the open intent went (not a try: nothing was sent)
+                pinned = True
+                continue
+            pinned = pinned or outcome.throttled is None  # a 409: that backend still serves the key
             await self._pause(run, attempt, outcome)
+            attempt += 1
         raise AssertionError("unreachable")
+
+    @staticmethod
+    def _closable(run: JobRun) -> str | None:
+        """The token a drain may close this run's unsent intent with: none for a resend of a submission of unknown
+        outcome on a routed queue, whose first try may run at that backend (closed, the job could go to another)."""
+        return None if run.unsettled else run.job.token
+
+    async def _route(self, run: JobRun) -> None:
+        """The backend of the next submission (worker/routing.py); a wait for one to reopen is one a drain ends."""
+        router, job = self.ctx.router, run.job
+        choice = await router.choose(job, lambda s: self.ctx.wait_ahead(job, asyncio.sleep(s)))
+        # a move past a cooling backend, or a probe, is news; the route's everyday choice is not
+        log.log(
+            logging.INFO if choice.reason in ("fallback", "probe") else logging.DEBUG, "job %s: %s", job.id, choice.why
+        )
+        choice.lane.limits.note(f"route:{choice.reason}")
+        run.lane, run.why = choice.lane, choice.why
 
     async def _before_gate(self, run: JobRun, begun: bool) -> None:
         """Before each try (the first, and every resend after a 429 or a 409): not once draining; the lease
@@ -109,7 +138,7 @@ class Submitter:
             raise Drained(run.job.id)
         if not begun and self.leases.stale(run):
             await self.leases.renew()
-        if not self.ctx.limits.free_now():  # (checked here too: a call less per job on the common path)
+        if not run.on.limits.free_now():  # (checked here too: a call less per job on the common path)
             # may wait long: the intent (with the cancel check) comes after; a drain ends the wait
             await self.ctx.wait_ahead(run.job, self._acquire(run))
 
@@ -135,11 +164,13 @@ class Submitter:
             submission, duplicate = job.submission, False
         else:
             digest = hook.digest if hook is not None else ""
-            verdict = await self.ctx.health.call(lambda: self.ctx.writes.begins((job.id, job.token, digest)))
+            item = (job.id, job.token, digest, run.on.name, run.why)
+            verdict = await self.ctx.health.call(lambda: self.ctx.writes.begins(item))
             if verdict.verdict is not Verdict.OK:
                 return await self._not_begun(run, verdict)
             submission, duplicate = verdict.submission, verdict.duplicate
-        run.unsent = job.token
+        run.unsettled = run.unsettled or (duplicate and self.ctx.router.routed)
+        run.unsent = self._closable(run)
         if not await self._ready_to_send(run):
             return None
         if duplicate:
@@ -175,21 +206,22 @@ class Submitter:
     ) -> Started | _Again | None:
         """The call itself; its answer recorded while the run still counts as calling (a lost lease now must
         not throw the answer away, see `record`)."""
-        job, retries = run.job, self.ctx.options.submit_retries_on_429
+        job, retries, lane = run.job, self.ctx.options.submit_retries_on_429, run.on
         run.unsent = None
         run.submitting = True
         try:
-            key = f"{job.id}.{submission}"
-            if hook is not None and self.ctx.hooks is not None:
-                url = f"{self.ctx.options.hook_base}/{quote(job.id, safe='')}/{submission}/{hook.secret}"
-                answer = await self.ctx.hooks.submit(job_input, tag=job.id, idempotency_key=key, webhook=url)
+            key, sent = f"{job.id}.{submission}", lane.job_input(job_input)
+            if hook is not None and lane.hooks is not None:
+                url = f"{lane.hook_base}/{quote(job.id, safe='')}/{submission}/{hook.secret}"
+                answer = await lane.hooks.submit(sent, tag=job.id, idempotency_key=key, webhook=url)
             else:
-                answer = await self.ctx.backend.submit(job_input, tag=job.id, idempotency_key=key)
+                answer = await lane.backend.submit(sent, tag=job.id, idempotency_key=key)
         except Throttled as exc:
-            self.ctx.limits.note("throttled")
+            lane.limits.note("throttled")
+            await self.ctx.health.call(functools.partial(lane.failed, exc))
             if attempt == retries:
                 raise
-            run.unsent = job.token  # answered 429, nothing accepted: unsent until sent again
+            run.unsent = self._closable(run)  # answered 429, nothing accepted: unsent until sent again
             return _Again(exc)
         except BackendError as exc:
             if exc.status == 409 and attempt < retries:
@@ -211,7 +243,9 @@ class Submitter:
         remote = answer.remote_id
         if answer.result is None:
             remote = await self.record_known(run, answer.remote_id, submission)
-        self.ctx.limits.note("submitted")  # after the checkpoint: the window before it stays small
+        run.on.limits.note("submitted")  # after the checkpoint: the window before it stays small
+        if run.on.health is not None:  # a half-open backend's probe answered: it closes
+            await self.ctx.health.call(run.on.answered)
         if not self.ctx.runs.newest(run):
             raise StaleLease(f"job {run.job.id}: leased to this worker again while submitting")
         return Started(remote, answer.result if remote == answer.remote_id else None, submission)
@@ -226,9 +260,11 @@ class Submitter:
             await self.ctx.wait_ahead(run.job, asyncio.sleep(doubled))
             return
         pause = again.throttled.retry_after or doubled
-        await self.ctx.health.call(functools.partial(self.ctx.limits.cool_down, pause))
+        await self.ctx.health.call(functools.partial(run.on.limits.cool_down, pause))
+        if run.on.health is not None:
+            run.on.health.forget()  # the router sees the 429's cool-down at once
 
-    async def _not_begun(self, run: JobRun, verdict: Begun) -> Started | None:
+    async def _not_begun(self, run: JobRun, verdict: Begun) -> Started | _Again | None:
         """A begin that opened no intent: the remote job a stale worker's answer attached (polled, not submitted
         again), or None when the job went elsewhere (cancelled, or held over a cap); a lost lease raises
         `StaleLease`."""
@@ -236,6 +272,8 @@ class Submitter:
         if verdict.verdict is Verdict.CANCEL:
             await self.endings.cancel(run, None)
             return None
+        if verdict.verdict is Verdict.MOVED:
+            return await self._moved(run, verdict.detail)
         if verdict.verdict is Verdict.CAP:
             log.info("job %s: daily %s cap reached: held until the cap window rolls over", job.id, verdict.detail)
             return None
@@ -249,10 +287,24 @@ class Submitter:
             return Started(verdict.detail, None, verdict.submission)
         raise StaleLease(f"job {job.id}: lease lost before its submission ({verdict})")
 
+    async def _moved(self, run: JobRun, backend: str) -> _Again | None:
+        """An earlier lease's submission of unknown outcome went to `backend`: it is settled there (adopted, or
+        sent again under its key), never sent elsewhere. A backend this queue no longer routes to cannot settle
+        it: the attempt fails with the intent left open (retried, dead once the attempts are used up)."""
+        lane = self.ctx.router.by_name.get(backend)
+        if lane is None:
+            error = f"submission of unknown outcome at backend {backend!r}, which this queue no longer routes to"
+            await self.endings.fail(run, error, retryable=True)
+            return None
+        log.info("job %s: its last submission's outcome at %s is unknown: settled there", run.job.id, backend)
+        run.lane, run.why = lane, f"pinned: submission of unknown outcome at {backend}"
+        return _Again(None, moved=True)
+
     async def _submit_error(self, run: JobRun, exc: BackendError, submission: int) -> Started | None:
         """A submit that raised: the remote id a webhook named meanwhile, if any, else the attempt fails."""
-        await self.ctx.limits.count("errors")
-        if self.ctx.hooks is not None and not isinstance(exc, Fatal):
+        await run.on.limits.count("errors")
+        await self.ctx.health.call(functools.partial(run.on.failed, exc))
+        if run.on.hooks is not None and not isinstance(exc, Fatal):
             # no answer, but the provider may have called back meanwhile: then the submission was accepted
             job_id = run.job.id
             adopted, current = await self.ctx.health.call(lambda: self.ctx.store.current_remote(job_id))
@@ -264,7 +316,7 @@ class Submitter:
     async def _acquire(self, run: JobRun) -> None:
         """Wait for the backend's rate limit (up to an hour), or until a cancel of this job is heard of: the
         begin script then finds the cancel and the job is not submitted."""
-        limits, health = self.ctx.limits, self.ctx.health
+        limits, health = run.on.limits, self.ctx.health
         if run.cancel or limits.free_now() or await health.call(limits.ready):
             return
         if run.cancel_wait is None:
@@ -285,7 +337,7 @@ class Submitter:
         intent stays open, as for a lost reply: the next claim looks for it (tag, listing, webhook) and a resend
         is counted as a possible duplicate. Otherwise (the provider's own answer, or a connection never made) the
         intent is closed and the next try is the same submission under the same key, uncounted."""
-        answered = not exc.maybe_accepted
+        answered = not exc.maybe_accepted and not run.unsettled
         if isinstance(exc, Fatal):  # refused: nothing runs, so nothing counts against the caps
             error = f"fatal: {exc}{detail(exc)}"
             await self.endings.fail(run, error, retryable=False, answered=answered, refund=answered)
@@ -315,7 +367,7 @@ class Submitter:
         giving up. When the submission already has another remote id (the provider ran it twice), our copy is
         cancelled and the first one kept."""
         job = run.job
-        item = (job.id, job.token, self.ctx.options.backend_name, remote_id, submission)
+        item = (job.id, job.token, run.on.name, remote_id, submission)
         code = await self.ctx.health.call(lambda: self.ctx.writes.checkpoints(item))
         if code.cancel:
             run.cancel = True
@@ -324,7 +376,7 @@ class Submitter:
                 "job %s: submission %d already runs remotely; cancelling our copy %s", job.id, submission, remote_id
             )
             with contextlib.suppress(BackendError):
-                await self.ctx.backend.cancel(remote_id)
+                await run.on.backend.cancel(remote_id)
             if code.verdict is Verdict.DUP:
                 return code.first
         if not code.recorded:

@@ -252,3 +252,40 @@ async def test_a_drain_closes_the_intents_a_claim_opened(vstore: QueueStore) -> 
     assert {j: again[j].intent_open for j in (a, b)} == {a: False, b: True}
     verdicts = await vstore.begin_many("q", [(j, again[j].token, 0.0) for j in (a, b)], backend="gpu")
     assert verdicts == ["OK:1", "OK:1:DUP"]
+
+
+async def test_an_open_intent_is_settled_at_the_backend_it_was_recorded_with(vstore: QueueStore) -> None:
+    """Issue 39, item 3: a routed queue's submission of unknown outcome at backend a is never sent to b. The
+    backend is recorded with the intent, before the call; a new owner asking to send it to b is answered MOVED:a
+    and opens nothing; at a it is the same submission again (counted). Once a's submission is settled (answered
+    with an error: nothing runs there), the next one may go anywhere. (Before: b was answered OK:1:DUP, and the
+    same run went to a second provider.)"""
+    [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1, max_attempts=5)])
+    (c,) = await vstore.claim("q", "w1", 1)
+    assert await vstore.begin_many("q", [(job_id, c.token, 0.0, "", "a", "fallback: sent to a")]) == ["OK:1"]
+    job = await vstore.get(job_id)
+    assert (job.backend, job.routed) == ("a", "fallback: sent to a")
+    await lapse(vstore, "w1")  # killed inside the call at a
+    (c2,) = await vstore.claim("q", "w2", 1)
+    assert (c2.backend, c2.intent_open) == ("a", True)
+    assert await vstore.begin_many("q", [(job_id, c2.token, 0.0, "", "b", "")]) == ["MOVED:a"]
+    assert (await vstore.get(job_id)).backend == "a"
+    assert await vstore.begin_many("q", [(job_id, c2.token, 0.0, "", "a", "")]) == ["OK:1:DUP"]
+    # a's answer was an error that says nothing ran (its intent closed): free to go elsewhere
+    assert await vstore.fail(job_id, c2.token, "500", delay_ms=0, answered=True) == "retrying"
+    (c3,) = await vstore.claim("q", "w2", 1)
+    assert (c3.backend, c3.intent_open) == (None, False)
+    assert await vstore.begin_many("q", [(job_id, c3.token, 0.0, "", "b", "fallback: sent to b")]) == ["OK:1"]
+    assert (await vstore.get(job_id)).backend == "b"
+
+
+async def test_an_intent_left_open_by_a_gateway_error_keeps_its_backend(vstore: QueueStore) -> None:
+    """A submit whose answer was a gateway's 5xx (not answered: the intent stays open) keeps the backend on the
+    record through the retry, so the next owner settles it there. (Before: fail.lua dropped the backend.)"""
+    [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1, max_attempts=5)])
+    (c,) = await vstore.claim("q", "w1", 1)
+    assert await vstore.begin_many("q", [(job_id, c.token, 0.0, "", "a", "")]) == ["OK:1"]
+    assert await vstore.fail(job_id, c.token, "502", delay_ms=0, answered=False) == "retrying"
+    (c2,) = await vstore.claim("q", "w1", 1)
+    assert (c2.backend, c2.intent_open) == ("a", True)
+    assert await vstore.begin_many("q", [(job_id, c2.token, 0.0, "", "b", "")]) == ["MOVED:a"]

@@ -11,6 +11,7 @@ from support.server_helpers import client, new_queue, server
 from support.servers import ValkeyServer
 
 from offload.connection import connect
+from offload.queue import keyspace
 from offload.queue.backend_limits import BackendLimits
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
@@ -130,3 +131,31 @@ async def test_noted_outcomes_are_written_once_per_interval_and_none_is_lost(val
     finally:
         await redis.delete(backend_counts(backend))
         await redis.aclose()
+
+
+def test_a_routed_queues_backends_report_where_jobs_went_and_their_cool_downs(valkey: ValkeyServer) -> None:
+    """Issue 39: what the dispatch workers note for a routed queue's backends (worker/routing.py) reaches /metrics:
+    submissions per backend by reason, and cool-downs begun. (Before: no such families.)"""
+    q = new_queue("routed")
+    settings: dict[str, Any] = {
+        "backends": {
+            "ra": {"kind": "http-job", "base_url": "http://127.0.0.1:9"},
+            "rb": {"kind": "http-job", "base_url": "http://127.0.0.1:9"},
+        },
+        "queues": {q: {"backends": ["ra", "rb"]}},
+    }
+
+    async def note() -> None:
+        redis = await connect(valkey.url)
+        await redis.delete(keyspace.backend_counts("ra"), keyspace.backend_counts("rb"))
+        for name, what in (("ra", "first"), ("ra", "opened"), ("rb", "fallback"), ("rb", "fallback")):
+            await BackendLimits(redis, name, None).count(f"route:{what}")
+        await redis.aclose()
+
+    asyncio.run(note())
+    with server(valkey.url, settings=settings) as (url, boot):
+        seen = scrape(url, boot)
+    assert seen[("offload_routed_submissions_total", (("backend", "ra"), ("reason", "first")))] == 1
+    assert seen[("offload_routed_submissions_total", (("backend", "rb"), ("reason", "fallback")))] == 2
+    assert seen[("offload_backend_cool_downs_total", (("backend", "ra"),))] == 1
+    assert seen[("offload_backend_cool_downs_total", (("backend", "rb"),))] == 0

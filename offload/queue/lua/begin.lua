@@ -11,20 +11,33 @@
 -- webhook by hook.lua) is answered REMOTE: nothing is sent, the caller polls it. The hash of the submission's
 -- webhook secret, when given, is kept per submission (`hook:<n>`, the last four: a resend of an unknown submission
 -- under the same number carries a new secret, and the first one's webhook must still be recognised).
+-- The backend a submission goes to is recorded with its intent (`backend`), before the call: a job whose submission
+-- is of unknown outcome is sent again only there (never to another provider of a routed queue, which would pay
+-- twice), and a worker asking for another is answered MOVED:<the recorded one>, opening nothing. A repeat with the
+-- same token may name another backend (the first answered 429: nothing was accepted). `why`, when given, is the
+-- router's reason, kept on the record (`routed`) and put on the events stream as a `routed` entry.
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, job cap ('' none), spend cap ('' none), backend name, items: a JSON list of [id, token, estimated
---   cost, webhook secret hash ('' none)]. The cap window is the store's UTC day (`window_of` in clock.lua).
--- Returns: per item OK:<n>, OK:<n>:DUP, REMOTE:<n>:<remote id>, CAP:jobs, CAP:spend (held), CANCEL, STALE or NOTFOUND
+--   cost, webhook secret hash ('' none), backend ('' or absent: ARGV's), why ('' or absent: none)]. The cap
+--   window is the store's UTC day (`window_of` in clock.lua).
+-- Returns: per item OK:<n>, OK:<n>:DUP, REMOTE:<n>:<remote id>, MOVED:<backend>, CAP:jobs, CAP:spend (held),
+--   CANCEL, STALE or NOTFOUND
 --- @include "clock"
 --- @include "records"
 --- @include "leases"
 --- @include "caps"
+--- @include "events"
 local now = now_ms(ARGV[1])
 local window, job_cap, spend_cap, backend = window_of(now), tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
 local capped = job_cap or spend_cap
 local st = nil
 if capped then st = cap_open(window) end
 local out, dups = {}, 0
+local function routed(id, k, to, why)
+  redis.call('HSET', k, 'routed', why)
+  redis.call('XADD', P .. 'events', 'MAXLEN', '~', EVENTS_MAX, '*', 'state', 'routed', 'jobs', id, 'backend', to,
+    'why', why)
+end
 local function remember_hook(k, n, digest)
   if digest == nil or digest == '' then return end
   local field = 'hook:' .. n
@@ -41,11 +54,13 @@ local function remember_hook(k, n, digest)
 end
 for _, item in ipairs(cjson.decode(ARGV[5])) do
   local id, token, estimate, digest = item[1], item[2], tonumber(item[3]) or 0, item[4]
+  local to, why = item[5], item[6]
+  if to == nil or to == '' then to = backend end
   local k = jkey(id)
   -- the lease check of owned() (leases.lua) and the fields the intent needs, in one read: this runs per job
-  local cancel, sub_n, sub_open, intent_tok, remote_n, resv_w, resv_n, remote_id, state, tok, owner =
+  local cancel, sub_n, sub_open, intent_tok, remote_n, resv_w, resv_n, remote_id, state, tok, owner, sent_to =
     unpack(redis.call('HMGET', k, 'cancel', 'sub_n', 'sub_open', 'intent_tok', 'remote_n', 'resv_w', 'resv_n',
-      'remote_id', 'state', 'token', 'owner'))
+      'remote_id', 'state', 'token', 'owner', 'backend'))
   if not state then
     out[#out + 1] = 'NOTFOUND'
   elseif tok ~= token or (state ~= 'active' and state ~= 'submitted') then
@@ -56,8 +71,12 @@ for _, item in ipairs(cjson.decode(ARGV[5])) do
       out[#out + 1] = 'CANCEL'
     elseif sub and remote_id and remote_id ~= '' and tonumber(remote_n or '') == sub then
       out[#out + 1] = 'REMOTE:' .. sub .. ':' .. remote_id  -- attached since the claim: poll it, pay nothing
+    elseif sub and sub_open == '1' and intent_tok ~= token and sent_to and sent_to ~= '' and sent_to ~= to then
+      out[#out + 1] = 'MOVED:' .. sent_to  -- unknown outcome at `sent_to`: settled there, never sent elsewhere
     elseif sub and sub_open == '1' and intent_tok == token then
       remember_hook(k, sub, digest)
+      if to ~= sent_to then redis.call('HSET', k, 'backend', to) end  -- after a 429: nothing was accepted
+      if why and why ~= '' then routed(id, k, to, why) end
       out[#out + 1] = 'OK:' .. sub
     else
       local n, dup = next_submission(sub_n, remote_n), false
@@ -69,8 +88,10 @@ for _, item in ipairs(cjson.decode(ARGV[5])) do
         hold_job(id, owner, now, 'daily ' .. verdict .. ' cap reached (window ' .. window .. ')', window)
         out[#out + 1] = 'CAP:' .. verdict
       else
-        redis.call('HSET', k, 'sub_n', n, 'sub_open', '1', 'intent_at', now, 'intent_by', owner, 'intent_tok', token)
+        redis.call('HSET', k, 'sub_n', n, 'sub_open', '1', 'intent_at', now, 'intent_by', owner, 'intent_tok', token,
+          'backend', to)
         remember_hook(k, n, digest)
+        if why and why ~= '' then routed(id, k, to, why) end
         if capped and again then redis.call('HSET', k, 'resv', estimate, 'resv_w', window, 'resv_n', n) end
         if dup then
           redis.call('HINCRBY', k, 'possible_duplicates', 1)

@@ -6,10 +6,4 @@
 --- @include "clock"
 --- @include "cooldown"
 local now = now_ms('')
-local ms = tonumber(ARGV[1])
-local left = cooling(KEYS[1], now)
-if left < ms then
-  redis.call('SET', KEYS[1], string.format('%.0f %.0f', now + ms, now), 'PX', ms)
-  left = ms
-end
-return left
+return cool_for(KEYS[1], now, tonumber(ARGV[1]))

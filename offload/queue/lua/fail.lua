@@ -41,7 +41,11 @@ if ARGV[5] == '1' and tonumber(attempts) < tonumber(max_attempts) then
     local backend = redis.call('HGET', k, 'backend')
     if backend and backend ~= '' then redis.call('HINCRBY', P .. 'dups', backend, 1) end
   end
-  if ARGV[7] ~= '1' then redis.call('HDEL', k, 'backend', 'remote_id') end
+  if ARGV[7] ~= '1' then
+    -- an intent still open keeps its backend: that submission's outcome is settled there, never elsewhere
+    if redis.call('HGET', k, 'sub_open') == '1' then redis.call('HDEL', k, 'remote_id')
+    else redis.call('HDEL', k, 'backend', 'remote_id') end
+  end
   redis.call('ZADD', P .. 'retry', at, id)
   event({id}, 'retrying')
   return 'retrying'

@@ -19,3 +19,13 @@ local function cooling(key, now)
   end
   return math.ceil(untl - now)
 end
+
+-- Extends the cool-down to `ms` from now unless a longer one runs (cool_down.lua, health.lua); the ms left.
+local function cool_for(key, now, ms)
+  local left = cooling(key, now)
+  if left < ms then
+    redis.call('SET', key, string.format('%.0f %.0f', now + ms, now), 'PX', ms)
+    left = ms
+  end
+  return left
+end
