@@ -111,6 +111,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="run `offload server` as every worker's public_url: the provider calls back (replicate, fal, runpod)",
     )
+    p.add_argument(
+        "--providers",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="2: the main queue routes to two providers of different kinds, the first down for the middle of the "
+        "fault phase (bench/chaos/providers.py)",
+    )
     p.add_argument("--no-pidns", action="store_true", help="do not restart workers in PID namespaces")
     p.add_argument(
         "--settle",

@@ -151,6 +151,7 @@ def _shape(run: Run, wall: float) -> dict[str, Any]:
         "seed": run.args.seed,
         "minutes": run.p.minutes,
         "webhooks": hooks.summary(run.hook_log, run.server) if run.server is not None else None,
+        "providers": run.provider_summary,
     }
 
 
@@ -169,6 +170,7 @@ def passed(doc: dict[str, Any]) -> bool:
     failed = failed or doc["worker_exits_unexplained"] or doc["paid_while_evicting"] or doc["dead_by_oom"]
     failed = failed or doc.get("replays_after_graceful_drain")
     failed = failed or doc.get("ssrf_fetched") or doc.get("ssrf_copied")
+    failed = failed or (doc.get("providers") or {}).get("paid_at_both")
     return not failed
 
 
@@ -198,6 +200,12 @@ def human(doc: dict[str, Any], run: Run) -> str:
     ]
     if doc.get("webhooks"):
         lines.append(f"webhooks (through offload server): {doc['webhooks']}")
+    if doc.get("providers"):
+        pv = doc["providers"]
+        lines.append(
+            f"two providers: jobs per backend {pv['jobs_per_backend']}, moved to the second {pv['moved_share']:.1%}, "
+            f"paid at both {pv['paid_at_both']} {pv['paid_at_both_examples']}"
+        )
     if doc.get("cancels"):
         lines.append(
             f"cancels {doc['cancels']}: not honoured {doc['cancel_not_honoured']}, submitted after the cancel "

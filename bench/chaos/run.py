@@ -36,7 +36,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from bench.chaos import collect, egress, failover, hostile, report
+from bench.chaos import collect, egress, failover, hostile, providers, report
 from bench.chaos.checker import Checker, RunData
 from bench.chaos.faketime import ClockFile
 from bench.chaos.faults import Profile, Schedule
@@ -61,7 +61,14 @@ STORE_CHECK_S = 1.0  # the workers' policy re-read (OFFLOAD_STORE_CHECK_S)
 
 
 def worker_config(
-    path: Path, redis_url: str, s3: S3, base_url: str, backend: str, p: Profile, server: Server | None = None
+    path: Path,
+    redis_url: str,
+    s3: S3,
+    base_url: str,
+    backend: str,
+    p: Profile,
+    server: Server | None = None,
+    n_providers: int = 1,
 ) -> Path:
     queue: dict[str, Any] = {"backend": "sim", "max_attempts": p.max_attempts, "poll_interval": 2, "poll_timeout": 300}
     if p.submit_concurrency is not None:
@@ -93,6 +100,9 @@ def worker_config(
             CAPPED: {**queue, "concurrency": 16, "daily_job_cap": p.daily_job_cap},
         },
     }
+    if n_providers == 2:  # the main queue routes to two providers (the capped queue keeps the first)
+        config["queues"][QUEUE] = {**config["queues"][QUEUE], **providers.queue_block(config["backends"], backend)}
+        del config["queues"][QUEUE]["backend"]
     if server is not None:
         config["server"] = {"public_url": server.url}
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -130,6 +140,7 @@ class Run:
         self.sim = await asyncio.to_thread(Sim(self.out, p.workers + 1).start)
         self.slots: list[WorkerSlot] = []
         self.server: Server | None = None
+        self.provider_summary: dict[str, Any] | None = None  # --providers 2: jobs per backend, paid at both
         self.failover: failover.Failover | None = None
         self.hook_log: list[dict[str, Any]] = []  # the simulator's webhook deliveries (with --webhooks)
         try:
@@ -174,6 +185,10 @@ class Run:
         await asyncio.gather(*background, return_exceptions=True)
         await self.schedule.close()
         data = await self._gather(records)
+        if self.args.providers == 2:
+            self.provider_summary = providers.summary(
+                {j: h for j, h in records.items() if j.startswith(f"{QUEUE}:")}, data.submissions, QUEUE
+            )
         await asyncio.to_thread(report.save, data, self.out / "rundata.json")
         checker = Checker(data)
         verdict = checker.verdict()
@@ -217,6 +232,7 @@ class Run:
                 self.args.backend,
                 p,
                 self.server,
+                self.args.providers,
             )
             self.slots.append(WorkerSlot(name, queue, cfg, env, self.out, concurrency=p.concurrency, pidns=pidns))
         self.direct = aioredis.Redis.from_url(
@@ -291,7 +307,12 @@ class Run:
         if attacker is not None and p.hostile_every > 0:
             attacker.start(p.hostile_every)
         log.warning("fault phase: %.0f s, %s", fault_s, self.pidns_note)
+        down = None
+        if self.args.providers == 2:
+            down = asyncio.create_task(providers.outage(self.sim, self.args.backend, fault_s, self.schedule.note))
         await asyncio.sleep(fault_s)
+        if down is not None:
+            await asyncio.wait_for(down, 60)
         if attacker is not None:
             await attacker.stop()
         await self.schedule.stop()
@@ -460,6 +481,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.webhooks:
         check_backend(args.backend)
+    providers.check(args.backend, args.providers, args.webhooks)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", stream=sys.stderr)
     if args.autoscale:
         from bench.chaos.autoscale import main as autoscale_main
