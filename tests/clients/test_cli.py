@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import orjson
 import pytest
 from support.admin_redis import redis_admin
-from support.procs import die_with_parent
+from support.procs import interruptible, signal_state
 from support.servers import closed_port
 from typer.testing import CliRunner, Result
 
@@ -421,6 +421,17 @@ def test_process_usage_error_exits_2() -> None:
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
 
 
+def ended(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    """The (stdout, stderr) of a Ctrl-C'd child, which must exit within 30 s. Fails naming both processes' signal
+    masks: twice a full suite's child ignored its SIGINT, never one run alone."""
+    try:
+        return proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(
+            f"no exit 30 s after SIGINT; child: {signal_state(proc.pid)}; this process: {signal_state()}"
+        ) from None
+
+
 @pytest.fixture
 def watcher(valkey_url: str) -> Iterator[subprocess.Popen[str]]:
     proc = subprocess.Popen(
@@ -428,7 +439,7 @@ def watcher(valkey_url: str) -> Iterator[subprocess.Popen[str]]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=die_with_parent,
+        preexec_fn=interruptible,
     )
     yield proc
     if proc.poll() is None:
@@ -451,7 +462,7 @@ def test_process_watch_streams_snapshots_and_ends_cleanly_on_ctrl_c(
     while seen[-1][0]["counts"]["queued"] != 2:  # the stream picks up changes without a restart
         seen.append(orjson.loads(watcher.stdout.readline()))
     watcher.send_signal(signal.SIGINT)
-    _, stderr = watcher.communicate(timeout=30)
+    _, stderr = ended(watcher)
     assert watcher.returncode == 0 and "Traceback" not in stderr, stderr
 
 
@@ -479,7 +490,7 @@ def test_process_ingest_follow_drains_until_ctrl_c_then_reports_totals(valkey_ur
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=die_with_parent,
+        preexec_fn=interruptible,
     )
     try:
         assert proc.stderr is not None
@@ -487,7 +498,7 @@ def test_process_ingest_follow_drains_until_ctrl_c_then_reports_totals(valkey_ur
         with_store(valkey_url, lambda s: push(s, "c"))  # arrives while the command is already waiting
         assert proc.stderr.readline() == "ingested 3, malformed 0\n"
         proc.send_signal(signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=30)
+        stdout, stderr = ended(proc)
     finally:
         if proc.poll() is None:
             proc.kill()

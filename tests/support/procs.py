@@ -31,6 +31,23 @@ def die_with_parent() -> None:
         _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def interruptible() -> None:
+    """A Popen `preexec_fn` for a child a test will Ctrl-C: `die_with_parent`, and SIGINT unblocked at its default,
+    so the child's Python installs its KeyboardInterrupt handler whatever the session's process inherited or set
+    (a Python started with SIGINT ignored never raises KeyboardInterrupt)."""
+    die_with_parent()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def signal_state(pid: int | str = "self") -> str:
+    """The signal masks of a process (blocked, ignored, caught), for a test's failure message."""
+    with contextlib.suppress(OSError):
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+        return " ".join(line for line in lines if line.startswith(("SigBlk", "SigIgn", "SigCgt", "State")))
+    return "gone"
+
+
 def preexec() -> Callable[[], None] | None:
     """`die_with_parent` when called on the main thread, which lives as long as the session; None on another
     (a server started in `asyncio.to_thread`), whose end would kill the child with it: the sweep covers those."""
