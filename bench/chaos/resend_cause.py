@@ -32,8 +32,8 @@ UNAVOIDABLE = {
 
 def polled_to_expiry(ev: Evidence, job_id: str, prev: dict[str, Any]) -> bool:
     """Whether the job's last error is `prev`'s remote run found expired: a worker polled that id, so the job
-    store knew it, although no `submitted` event says so (a stale worker's answer ATTACHED by checkpoint.lua,
-    after a SIGSTOP inside the call, records the id without an event)."""
+    store knew it, although no recording event says so (checkpoint.lua's ATTACHED, a stale worker's answer after a
+    SIGSTOP inside the call, wrote no event before it wrote `attached`)."""
     error = ev.d.records.get(job_id, {}).get("error") or ""
     return error.startswith("remote result expired") and str(prev.get("remote_id")) in error
 

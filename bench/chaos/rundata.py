@@ -22,7 +22,7 @@ RECORD_GRACE_S = 3.0  # after a submit's answer, how long recording its remote i
 OUTAGE_GRACE_S = 10.0  # more, when Valkey or the network was out meanwhile (the checkpoint is retried)
 EVERYSEC_S = 1.5  # how far back an everysec crash may lose acknowledged writes (1 s, plus fsync scheduling)
 SIM_JOB = re.compile(r"/_sim/files/(.+)-\d+\.\w+$")
-RECORDED = ("submitted", "adopted")  # the events that mean the job store knows the remote id
+RECORDED = ("submitted", "adopted", "attached")  # the events that mean the job store knows the remote id
 # ... and for a synchronous API the ack too: its answer's remote id is recorded by the complete itself
 RECORDED_SYNC = (*RECORDED, "succeeded")
 STEP_UNSEEN_S = 60.0  # how much of a step back of Valkey's clock a queue may not see (its silence before the step)

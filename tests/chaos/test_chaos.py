@@ -249,14 +249,17 @@ def test_the_checker_blames_a_graceful_drain_for_a_resend_and_counts_a_cut_one_a
     assert any("drained_gracefully" in f for f in verdict.findings), verdict.findings
 
 
-def test_the_checker_takes_an_attached_id_polled_to_its_expiry_for_a_retry(tmp_path: Path) -> None:
+@pytest.mark.parametrize("evidence", ["error", "event"])
+def test_the_checker_takes_an_attached_id_polled_to_its_expiry_for_a_retry(tmp_path: Path, evidence: str) -> None:
     """A worker SIGSTOPped inside its submit call reports the answer after SIGCONT: checkpoint.lua ATTACHES it to
-    the job without a `submitted` event. The next owner polls it, finds it expired (the job's error names it) and
-    runs the job again: a retry after the remote run's expiry, not a duplicate of a kill inside submit resent
-    under a new key."""
+    the job with an `attached` event (stores before it had none: then the job's error naming the id is the
+    evidence). The next owner polls it, finds it expired and runs the job again: a retry after the remote run's
+    expiry, not a duplicate of a kill inside submit resent under a new key. ("event": the job expired again
+    later, so its last error names another id, as in a 10-minute run that reported this retry as a duplicate.)"""
     w1 = Incarnation(1, 101, tmp_path / "w1-1.log", started=0.0, stops=[[10.5, 19.0]])
     w2 = Incarnation(1, 201, tmp_path / "w2-1.log", started=0.0)
-    expired = "remote result expired: http-job backend 'sim': GET http://sim/jobs/r-first: HTTP 404"
+    named = "r-first" if evidence == "error" else "r-later"
+    expired = f"remote result expired: http-job backend 'sim': GET http://sim/jobs/{named}: HTTP 404"
     records = {"q:attached": _record("i-attached", error=expired, sub_n="2")}
     subs = [
         _sub("i-attached", "r-first", 10.0, 1, idempotency_key="q:attached.1", remote_expires_at=23.0),
@@ -278,6 +281,8 @@ def test_the_checker_takes_an_attached_id_polled_to_its_expiry_for_a_retry(tmp_p
         bucket=BUCKET,
         honoured=True,
     )
+    if evidence == "event":
+        data.events["q:attached"].insert(2, (19.2, "attached"))
     s = Checker(data).verdict().summary
     assert s["duplicates_by_cause"] == {} and s["resubmits_after_remote_end"] == {"after_remote_expiry": 1}, s
 

@@ -130,6 +130,8 @@ async def test_a_stale_workers_answer_is_attached_and_the_next_owner_polls_it(vs
     await lapse(vstore, "w1")
     (c2,) = await vstore.claim("q", "w2", 1)
     assert await vstore.checkpoint_many("q", [(job_id, c1.token, "gpu", "r-1", 1)]) == ["ATTACHED"]
+    events = [e for _, e in await vstore.redis.xrange("offload:{q}:events") if job_id in e.get("jobs", "").split()]
+    assert [e["state"] for e in events][-1] == "attached", events  # the history says where the id came from
     assert await vstore.begin_many("q", [(job_id, c2.token, 0.0)]) == ["REMOTE:1:r-1"]
     job = await vstore.get(job_id)
     assert (job.remote_id, job.submission, job.possible_duplicates) == ("r-1", 1, 0)

@@ -8,7 +8,8 @@
 -- paying again: begin.lua answers REMOTE). A second remote id for a submission that already has one (a provider
 -- that ignored the Idempotency-Key ran it twice) is refused with the first id, so the caller cancels its own
 -- copy: DUP:<first> to the owner (which goes on with the first), STALE:DUP to a stale worker. Attach and DUP
--- need the caller's submission number (the dispatch worker always sends it).
+-- need the caller's submission number (the dispatch worker always sends it). An attach is an `attached` event:
+-- the job's history shows where its remote id came from.
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, items: a JSON list of [id, token, backend, remote id, submission number (optional: the job's
 --   current one)]
@@ -19,7 +20,7 @@
 --- @include "events"
 --- @include "leases"
 local now = now_ms(ARGV[1])
-local out, ids = {}, {}
+local out, ids, attached = {}, {}, {}
 local cancels = redis.call('SCARD', P .. 'cancelreq') > 0
 for _, item in ipairs(cjson.decode(ARGV[2])) do
   local id, token, backend, remote_id, given_n = unpack(item)
@@ -34,6 +35,7 @@ for _, item in ipairs(cjson.decode(ARGV[2])) do
   elseif err then
     if err == 'STALE' and given_n and not first and tonumber(sub_n or '') == n and not TERMINAL[state] then
       redis.call('HSET', k, 'backend', backend, 'remote_id', remote_id, 'remote_n', n, 'sub_open', '0')
+      attached[#attached + 1] = id
       out[#out + 1] = 'ATTACHED'
     else
       out[#out + 1] = err
@@ -51,4 +53,5 @@ for _, item in ipairs(cjson.decode(ARGV[2])) do
 end
 bulk('SADD', P .. 'submitted', ids)
 event(ids, 'submitted')
+event(attached, 'attached')
 return out
