@@ -9,19 +9,23 @@ offending field (`storage.bucket: required`), raised at start, never mid-run.
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from offload.autoscale.alert_settings import AlertSettings
 from offload.autoscale.settings import ServerSide, autoscale_problems, yaml_blocks
-from offload.backends.settings import AnyBackendSettings, BackendSettings
+from offload.backends.settings import AnyBackendSettings, BackendSettings, HealthSettings
 from offload.caps import CapLimits, reservation
 from offload.connection import configured_url
 from offload.env import process_env
@@ -38,6 +42,7 @@ from offload.models import (
 from offload.queue import durability
 from offload.queue.durability import Durability
 from offload.queue.keyspace import validate_queue
+from offload.route_settings import InputMap, InputMapSettings, RouteKind, input_map, route_problems
 from offload.schema import NonEmpty, Strict, field_errors, parse, parse_networks, parse_rate
 from offload.storage.namespace import check_prefixes
 from offload.storage.settings import LocalStorageSettings, StorageSettings
@@ -48,6 +53,7 @@ ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 __all__ = [
     "BackendSettings",
     "ConfigError",
+    "HealthSettings",
     "QueueSettings",
     "Settings",
     "StorageSettings",
@@ -93,21 +99,6 @@ class ServerSettings(Strict):
         return v.rstrip("/") if v is not None else None
 
 
-RouteKind = Literal["fallback", "weighted", "cheapest"]
-InputMap = Callable[[Any], Any]
-
-
-class HealthSettings(Strict):
-    """When a backend of a routed queue cools down (offload/queue/backend_health.py): `failures` 5xx answers,
-    timeouts or 429s within `window_s` open it for `cool_down_s` (a longer Retry-After wins); then one probe job
-    may go, and a probe that fails opens it again for twice as long, up to `max_cool_down_s`."""
-
-    failures: int = Field(5, ge=1, description="errors within window_s that open the backend")
-    window_s: float = Field(60.0, gt=0, description="the window the errors are counted in")
-    cool_down_s: float = Field(30.0, gt=0, description="how long an opened backend is skipped (first time)")
-    max_cool_down_s: float = Field(600.0, gt=0, description="the longest cool-down after failed probes")
-
-
 class QueueSettings(Strict):
     backend: str | None = None  # None: served by GPU workers (`offload worker --handler`), not dispatched
     backends: list[NonEmpty] | None = Field(
@@ -123,9 +114,10 @@ class QueueSettings(Strict):
     weights: dict[str, float] | None = Field(
         None, description="route: weighted: each backend's share, e.g. {a: 3, b: 1}"
     )
-    inputs: dict[str, NonEmpty] | None = Field(
+    inputs: dict[str, InputMapSettings] | None = Field(
         None,
-        description="per backend, `module:function` taking the job input and returning that backend's input",
+        description="per backend, `module:function` taking the job input and returning that backend's input, or "
+        '`{template: ...}`: that input as JSON, `{"$input": "prompt"}` copying a field of the job input',
     )
     health: HealthSettings = Field(default_factory=HealthSettings, description="when a routed backend cools down")
     concurrency: int = Field(DEFAULT_CONCURRENCY, ge=1, le=100_000)
@@ -264,8 +256,15 @@ class Settings(Strict):
         return out
 
     def input_maps(self, queue: str) -> dict[str, InputMap]:
-        """The queue's per-backend input mappings, imported (checked at start by `cross_checks`)."""
-        return {name: input_map(path) for name, path in (self.queue(queue).inputs or {}).items()}
+        """The queue's per-backend input mappings: functions imported, templates ready (checked at start by
+        `cross_checks` and the model)."""
+        return {name: input_map(spec) for name, spec in (self.queue(queue).inputs or {}).items()}
+
+    def health_for(self, queue: str, backend: str) -> HealthSettings:
+        """The cool-down thresholds of `backend` in `queue`: the queue's `health:`, the backend's own over it."""
+        own = self.backends[backend].health
+        base = self.queue(queue).health
+        return own.over(base) if own is not None else base
 
 
 def _expand(value: Any, env: Mapping[str, str], path: str, missing: list[ConfigError] | None = None) -> Any:
@@ -428,66 +427,6 @@ def cross_checks(settings: Settings) -> Iterator[ConfigError]:
         check_prefixes(settings.output_prefixes())
     except ConfigError as exc:
         yield exc
-
-
-def route_problems(where: str, q: QueueSettings, known: Mapping[str, Any]) -> Iterator[ConfigError]:
-    """A routed queue's problems (docs/how-to/routing.md), each naming its field."""
-    names = q.backends or []
-    if q.backends is not None and q.backend is not None:
-        yield ConfigError(f"{where}.backends: set either backend (one) or backends (several), not both")
-    for name in names:
-        if name not in known:
-            yield ConfigError(
-                f"{where}.backends: no backend named {name!r} is configured{did_you_mean(closest(name, known))}"
-            )
-    if len(set(names)) != len(names):
-        yield ConfigError(f"{where}.backends: each backend may be named once")
-    yield from _weight_problems(where, q, names)
-    served = q.route_backends
-    for name, path in (q.inputs or {}).items():
-        if name not in served:
-            yield ConfigError(f"{where}.inputs.{name}: not one of the queue's backends ({', '.join(served)})")
-        try:
-            input_map(path)
-        except ConfigError as exc:
-            yield ConfigError(f"{where}.inputs.{name}: {exc}")
-    if q.health.max_cool_down_s < q.health.cool_down_s:
-        yield ConfigError(f"{where}.health.max_cool_down_s: must be at least cool_down_s ({q.health.cool_down_s})")
-
-
-def _weight_problems(where: str, q: QueueSettings, names: list[str]) -> Iterator[ConfigError]:
-    if q.route == "weighted":
-        if not q.weights:
-            yield ConfigError(
-                f"{where}.weights: required with route: weighted (e.g. {{{', '.join(f'{n}: 1' for n in names)}}})"
-            )
-        for name in names:
-            if q.weights and name not in q.weights:
-                yield ConfigError(f"{where}.weights.{name}: missing (every backend of the queue needs a share)")
-    elif q.weights is not None:
-        yield ConfigError(f"{where}.weights: only read with route: weighted (route is {q.route})")
-    for name, share in (q.weights or {}).items():
-        if name not in names:
-            yield ConfigError(f"{where}.weights.{name}: not one of the queue's backends ({', '.join(names)})")
-        elif share <= 0:
-            yield ConfigError(f"{where}.weights.{name}: must be greater than 0, got {share}")
-
-
-def input_map(path: str) -> InputMap:
-    """The function `module:function` names (a per-backend input mapping); a ConfigError says why not."""
-    module, sep, attr = path.partition(":")
-    if not sep or not module or not attr:
-        raise ConfigError(f"must look like module:function (e.g. mypkg.maps:to_fal), got {path!r}")
-    try:
-        found = importlib.import_module(module)
-    except Exception as exc:  # an import error of the user's module, whatever it is, is a config problem
-        raise ConfigError(f"cannot import {module!r}: {type(exc).__name__}: {exc}") from None
-    fn: Any = found
-    for part in attr.split("."):
-        fn = getattr(fn, part, None)
-    if not callable(fn):
-        raise ConfigError(f"{path!r}: module {module!r} has no function {attr!r}")
-    return fn  # type: ignore[no-any-return]
 
 
 def store_url(

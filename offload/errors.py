@@ -54,6 +54,8 @@ The branch roots are defined here; a leaf lives beside the code that raises it a
     - Unregistered - the server no longer knows this worker id (offload.gpu_worker.server_api)
     - ServerRejected - a 4xx the worker cannot fix by retrying (offload.gpu_worker.server_api)
     - FileTransferError - a GPU worker's download or upload of a job file failed (offload.gpu_worker.job_files)
+    - MissingInput (LookupError) - a job input lacks a field its backend's input template copies: the job goes
+      dead (offload.input_maps)
   + RequestError - an API or operator request that cannot be served as asked
     - FieldError - a 422 about one field (offload.server.errors)
     - BodyTooLarge (starlette's HTTPException) - a 413, raised inside FastAPI's body reader (offload.server.errors)

@@ -217,6 +217,7 @@ class ClaimedJob:
     intent_open: bool = False  # that intent has no recorded remote id: it may have reached the provider
     begun: bool = False  # the claim opened this lease's intent for `submission` (claim.lua's `begin`)
     max_cost: float | None = None  # USD: the most one submission may cost (worker/budget.py)
+    deadline: int | None = None  # epoch ms on the store's clock: the latest start; routes by expected finish
 
     @property
     def input(self) -> Any:

@@ -49,7 +49,8 @@ class NotFound(BackendError):
 @dataclass(frozen=True, slots=True)
 class RemoteResult:
     """What a remote job is doing. `output` is set once succeeded; `cost` (USD) when the provider reports it,
-    `duration_s` (billable seconds) when it reports that instead."""
+    `duration_s` (billable seconds) when it reports that instead; `queue_s`, how long the provider queued it
+    before it started, when it reports that (a routed queue's expected finish, worker/job_limits.py)."""
 
     status: RemoteStatus
     output: Any = None
@@ -57,6 +58,7 @@ class RemoteResult:
     cost: float | None = None
     duration_s: float | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
+    queue_s: float | None = None
 
     @property
     def terminal(self) -> bool:

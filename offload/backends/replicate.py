@@ -23,6 +23,7 @@ lists the newest `find_pages` pages of `GET /predictions` for a prediction whose
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 from urllib.parse import quote
 
@@ -176,7 +177,7 @@ class ReplicateBackend(HttpBackend):
                     "was removed (data_removed): it must be run again"
                 )
             output = self._require(body, "output", object, "poll")
-            return RemoteResult("succeeded", output=output, duration_s=duration, metrics=metrics)
+            return RemoteResult("succeeded", output=output, duration_s=duration, metrics=metrics, queue_s=_queued(body))
         if status == "failed":
             error = self._redact(str(body.get("error") or "prediction failed (no error given)"))
             return RemoteResult("failed", error=error, duration_s=duration, metrics=metrics)
@@ -217,3 +218,13 @@ class ReplicateBackend(HttpBackend):
             # The cursor is a full URL; never send the key to another host.
             url = following if isinstance(following, str) and same_origin(following, self.base_url) else None
         return None
+
+
+def _queued(body: dict[str, Any]) -> float | None:
+    """How long the prediction waited before it started (`started_at` - `created_at`, both the provider's clock);
+    None when either is missing or unreadable."""
+    try:
+        took = datetime.fromisoformat(body["started_at"]) - datetime.fromisoformat(body["created_at"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return max(took.total_seconds(), 0.0)

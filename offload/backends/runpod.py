@@ -148,7 +148,9 @@ class RunPodBackend(HttpBackend):
         duration = execution / 1000 if isinstance(execution, int | float) and execution >= 0 else None
         if status == "succeeded":
             output = self._require(body, "output", object, "poll")
-            return RemoteResult("succeeded", output=output, duration_s=duration, metrics=metrics)
+            delay = body.get("delayTime")  # ms in RunPod's queue before a worker took it: the queue delay
+            queued = delay / 1000 if isinstance(delay, int | float) and delay >= 0 else None
+            return RemoteResult("succeeded", output=output, duration_s=duration, metrics=metrics, queue_s=queued)
         if status == "failed":
             default = "timed out" if raw == "TIMED_OUT" else "failed (no error given)"
             error = error_text(body.get("error") or f"RunPod job {default}")

@@ -40,6 +40,22 @@ class HttpOptions(TypedDict):
     max_response_bytes: int
 
 
+class HealthSettings(Strict):
+    """When a backend of a routed queue cools down (offload/queue/backend_health.py): `failures` 5xx answers,
+    timeouts or 429s within `window_s` open it for `cool_down_s` (a longer Retry-After wins); then one probe job
+    may go, and a probe that fails opens it again for twice as long, up to `max_cool_down_s`. A queue's `health:`
+    sets them for its backends; a backend's own `health:` overrides the fields it names."""
+
+    failures: int = Field(5, ge=1, description="errors within window_s that open the backend")
+    window_s: float = Field(60.0, gt=0, description="the window the errors are counted in")
+    cool_down_s: float = Field(30.0, gt=0, description="how long an opened backend is skipped (first time)")
+    max_cool_down_s: float = Field(600.0, gt=0, description="the longest cool-down after failed probes")
+
+    def over(self, base: HealthSettings) -> HealthSettings:
+        """`base` with the fields this block names replaced (a backend's own block over its queue's)."""
+        return base.model_copy(update={k: getattr(self, k) for k in self.model_fields_set})
+
+
 class _Backend(Strict):
     """Settings common to every kind. The worker reads `rate_limit` and the prices; the backend the rest."""
 
@@ -79,6 +95,15 @@ class _Backend(Strict):
     price_per_second: float | None = Field(None, ge=0)
     max_job_cost: float | None = Field(
         None, ge=0, description="the most one submission may cost (USD): reserved against daily_spend_cap first"
+    )
+    expected_run_s: float | None = Field(
+        None,
+        gt=0,
+        description="a routed queue: the seconds a job is expected to take here (queue delay and run) until the "
+        "workers have measured it; a job's deadline is routed by it",
+    )
+    health: HealthSettings | None = Field(
+        None, description="a routed queue: this backend's cool-down thresholds, over the queue's `health:`"
     )
     # Webhooks, for the kinds whose providers call back (replicate, fal, runpod), used when `server.public_url`
     # is set (see docs/how-to/webhooks.md); read by the server and the worker, never sent to the provider.

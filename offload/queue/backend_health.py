@@ -7,13 +7,15 @@ longer, and the router skips the backend meanwhile. Then it half-opens: one job 
 lease as long as one call may take); a success closes it, a failure opens it again for the next cool-down of
 `compute_backoff` (doubling up to `max_cool_down_s`). Each transition is one script (lua/health.lua) on the
 backend's own cluster slot, on the store's clock. The mean run time it keeps is the price model of
-`route: cheapest` for a backend priced per second.
+`route: cheapest` for a backend priced per second; with the mean queue delay (submit to the provider starting the
+job) it is a job's expected duration there, which a job's deadline is routed by (worker/job_limits.py). Each read
+carries the store's time, so that arithmetic is on the store's clock, never this process's.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from offload.backoff import compute_backoff
@@ -45,12 +47,21 @@ class HealthPolicy:
 
 @dataclass(frozen=True, slots=True)
 class Health:
-    """What the store says of a backend now. `cool_ms`: its cool-down left (a 429's or an opening's)."""
+    """What the store says of a backend now. `cool_ms`: its cool-down left (a 429's or an opening's); `now_ms`: the
+    store's time when it was read, at this process's monotonic `read_at`."""
 
     state: State
     cool_ms: int
     mean_run_s: float | None
     granted: bool = False
+    mean_queue_s: float | None = None
+    now_ms: int = 0
+    read_at: float = field(default=0.0, compare=False)
+
+    def store_now_ms(self) -> float:
+        """The store's time now: its time at the read, carried forward by this process's monotonic clock (a step or
+        skew of this machine's wall clock changes nothing)."""
+        return self.now_ms + (time.monotonic() - self.read_at) * 1000
 
     @property
     def usable(self) -> bool:
@@ -95,15 +106,33 @@ class BackendHealth:
         p = self.policy
         return await self._run("fail", p.failures, int(p.window_s * 1000), self._steps, retry)
 
-    async def succeeded(self, run_s: float | None = None) -> None:
-        """A call answered: closes a half-open backend; `run_s` is a finished run's length (the mean run time)."""
-        if run_s is None and self._seen is not None and self._seen.state == "closed":
+    async def succeeded(self, run_s: float | None = None, queue_s: float | None = None) -> None:
+        """A call answered: closes a half-open backend; `run_s` is a finished run's length (the mean run time),
+        `queue_s` how long the provider queued it before it started (the mean queue delay)."""
+        if run_s is None and queue_s is None and self._seen is not None and self._seen.state == "closed":
             return  # nothing to close and nothing to measure: no round trip
-        await self._run("ok", int(run_s * 1000) if run_s is not None else "")
+        await self._run("ok", _ms(run_s), _ms(queue_s))
 
     async def _run(self, op: str, *args: int | str) -> Health:
-        raw = await SCRIPTS.health(self.redis, self.keys, [op, "", *args])
-        state, cool, mean, granted = raw
-        seen = Health(str(state), int(cool), int(mean) / 1000 if mean not in ("", None) else None, int(granted) == 1)  # type: ignore[arg-type]
-        self._seen, self._seen_at = seen, time.monotonic()
+        sent = time.monotonic()
+        state, cool, mean, granted, queued, now = await SCRIPTS.health(self.redis, self.keys, [op, "", *args])
+        got = time.monotonic()
+        seen = Health(
+            str(state),  # type: ignore[arg-type]
+            int(cool),
+            _seconds(mean),
+            int(granted) == 1,
+            mean_queue_s=_seconds(queued),
+            now_ms=int(now),
+            read_at=(sent + got) / 2,  # the middle of the round trip stands for the moment it was read
+        )
+        self._seen, self._seen_at = seen, got
         return seen
+
+
+def _ms(seconds: float | None) -> int | str:
+    return int(seconds * 1000) if seconds is not None else ""
+
+
+def _seconds(ms: object) -> float | None:
+    return int(str(ms)) / 1000 if ms not in ("", None) else None

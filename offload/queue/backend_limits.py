@@ -141,6 +141,6 @@ async def backend_counters(redis: RedisClient, backend: str) -> dict[str, int]:
 
 async def route_counters(redis: RedisClient, backend: str) -> dict[str, int]:
     """A routed backend's counts, noted as `route:<what>`: submissions sent to it by reason (first, fallback,
-    weighted, cheapest, probe, pinned) and its health's openings (`opened`)."""
+    weighted, cheapest, probe, deadline, late, max_cost) and its health's openings (`opened`)."""
     raw = await redis.hgetall(backend_counts(backend))
     return {k.removeprefix("route:"): int(v) for k, v in raw.items() if k.startswith("route:")}

@@ -184,7 +184,7 @@ def backend_cooldown(backend: str) -> str:
 
 def backend_health(backend: str) -> str:
     """A routed backend's health (hash): its state, recent errors, openings in a row, the probe's lease, the mean
-    run time (offload/queue/backend_health.py)."""
+    run time and queue delay (offload/queue/backend_health.py)."""
     return backend_prefix(backend) + "health"
 
 

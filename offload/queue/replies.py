@@ -27,6 +27,7 @@ CLAIM_FIELDS = (
     "intent_open",
     "begun",
     "max_cost",
+    "deadline",
 )
 CLAIM_WIDTH = len(CLAIM_FIELDS)
 
@@ -49,6 +50,7 @@ def _claimed_job(
     intent_open: str,
     begun: str,
     max_cost: str,
+    deadline: str,
 ) -> ClaimedJob:
     return ClaimedJob(
         id=job_id,
@@ -65,6 +67,7 @@ def _claimed_job(
         intent_open=intent_open == "1",
         begun=begun == "1",
         max_cost=float(max_cost) if max_cost else None,
+        deadline=int(float(deadline)) if deadline else None,
     )
 
 

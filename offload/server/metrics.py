@@ -191,7 +191,9 @@ async def _route_families(state: ServerState) -> list[Metric]:
     routed = CounterMetricFamily(
         "offload_routed_submissions",
         "Submissions a routed queue sent to a backend, by reason: first (its first choice), fallback (an earlier "
-        "one was cooling down), weighted, cheapest, probe (the half-open backend's probe).",
+        "one was cooling down), weighted, cheapest, probe (the half-open backend's probe), deadline (the cheapest "
+        "expected to finish by the job's deadline), late (none expected in time: the soonest), max_cost (a dearer "
+        "one skipped for the job's max_cost).",
         labels=["backend", "reason"],
     )
     opened = CounterMetricFamily(

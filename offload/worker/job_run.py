@@ -49,7 +49,8 @@ class JobRun:
     # It resends a submission of unknown outcome (begin.lua's DUP) on a routed queue: no answer to this resend
     # settles the first try's outcome, so its intent is never closed by one (the job stays on its backend).
     unsettled: bool = False
-    sent_at: float = 0.0  # when its remote job was submitted or resumed (monotonic): its run time, for routing
+    sent_at: float = 0.0  # when its submit call went out, or it was resumed (monotonic): its run time, for routing
+    submitted: bool = False  # this run submitted its remote job (`sent_at` is its submit): its queue delay counts
     remote_id: str | None = None  # once set: recorded in the job record (unless `unrecorded`)
     # A synchronous answer: its run is recorded with the ack. A failure before the ack closes the intent,
     # unrecorded: the next try is the same submission under the same Idempotency-Key, not a possible duplicate.

@@ -22,6 +22,7 @@ import orjson
 from offload.backends.base import Fatal, NotFound, RemoteResult, Throttled, Transient
 from offload.connection import is_outage
 from offload.errors import StaleLease
+from offload.models import ClaimedJob
 from offload.queue.replies import Verdict
 from offload.queue.store import CompleteItem
 from offload.storage import InvalidKey, StorageError, validate_key
@@ -39,6 +40,17 @@ from offload.worker.submit import Submitter, detail
 
 log = logging.getLogger("offload.worker")
 THROTTLED_WAIT_S = 5.0  # a 429 without Retry-After: the backend cools down this long
+
+
+def measured(result: RemoteResult, waited_s: float, submitted: bool) -> tuple[float, float | None]:
+    """A finished run's (run time, queue delay) for its backend's means: as the provider reports them, else from
+    how long the result took since the submit's answer (`waited_s`): the run time all of it, or what the run did
+    not take the queue delay. A run this worker resumed (not `submitted`) was waited on for only part of its
+    time: its queue delay is not measured unless reported."""
+    run_s = result.duration_s or waited_s
+    if result.queue_s is not None:
+        return run_s, result.queue_s
+    return run_s, max(waited_s - run_s, 0.0) if submitted and result.duration_s else None
 
 
 def _key_problem(key: str) -> str | None:
@@ -95,15 +107,22 @@ class JobPath:
         if problem := _key_problem(job.output_key):  # before paying for a result that cannot be stored
             await self.endings.fail(run, f"output_key cannot be stored: {problem}", retryable=False)
             return
-        opts = self.ctx.options
         # a fresh submission only: a remote job, or an intent that may have reached the provider, is paid already
-        if run.remote_id is None and not job.intent_open and (over := fits(job, opts, poll_timeout=opts.poll_timeout)):
+        if run.remote_id is None and not job.intent_open and (over := self._over_budget(job)):
             await self.endings.fail(run, over, retryable=False, answered=job.begun)  # nothing was sent
             return
         run.submission = job.submission or 1
         result = await self._remote_work(run, job_input)
         if result is not None:
             await self.finish(run, result)
+
+    def _over_budget(self, job: ClaimedJob) -> str | None:
+        """Why the job's max_cost refuses it: its one backend's price, or on a routed queue every backend's (the
+        route skips only those that may cost more, worker/job_limits.py)."""
+        if self.ctx.router.routed:
+            return self.ctx.router.over_budget(job)
+        opts = self.ctx.options
+        return fits(job, opts, poll_timeout=opts.poll_timeout)
 
     async def _remote_work(self, run: JobRun, job_input: Any) -> RemoteResult | None:
         """One of the `concurrency` slots while the job is at the provider: taken at its first remote step (a
@@ -143,7 +162,8 @@ class JobPath:
         started = await self.submitter.submit(run, job_input)
         if started is None:
             return False, None  # held, cancelled or failed: the job has moved on
-        run.remote_id, run.submission, run.sent_at = started.remote_id, started.submission, time.monotonic()
+        run.remote_id, run.submission = started.remote_id, started.submission
+        run.submitted = True  # (its `sent_at` set right before the call: a synchronous API's run is inside it)
         run.unrecorded = run.answered = started.result is not None
         lag.submitted()
         return True, started.result
@@ -179,9 +199,9 @@ class JobPath:
             error = f"remote job {result.status}: {result.error or 'no error given'}"
             await self.endings.retry(run, error, keep_remote=False, cost=lane.cost(result))
             return
-        if self.ctx.router.kind == "cheapest" and lane.health is not None:
-            with contextlib.suppress(Exception):  # the price model's mean run time: never fails the job
-                await lane.answered(result.duration_s or time.monotonic() - run.sent_at)
+        if lane.health is not None:
+            with contextlib.suppress(Exception):  # the price model and expected finish: never fails the job
+                await lane.answered(*measured(result, time.monotonic() - run.sent_at, run.submitted))
         location = await self.endings.store(run, result.output)
         run.settling = True
         item: CompleteItem = (job.id, job.token, location, lane.cost(result))

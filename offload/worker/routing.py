@@ -14,8 +14,9 @@ again under the same Idempotency-Key, never to another, even while that one cool
 rule in the store (MOVED). Only a submission settled as not running (answered with an error, cancelled, expired)
 leaves the job free to go elsewhere.
 
-`Constraints` is the hook for a job's own limits (a deadline, a max cost: not built yet): it filters and orders
-the usable lanes after the route kind's own order.
+`Constraints` is the hook for a job's own limits, on for every routed queue (worker/job_limits.py): its max_cost
+skips the backends that may cost more, its deadline orders the rest by expected finish (cheapest in time first),
+after the route kind's own order.
 """
 
 from __future__ import annotations
@@ -30,11 +31,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 from offload.backends.base import Backend, BackendError, Fatal, NotFound, RemoteResult, Throttled, WebhookBackend
-from offload.config import RouteKind, Settings
+from offload.config import Settings
 from offload.models import ClaimedJob
 from offload.queue.backend_health import BackendHealth, Health, HealthPolicy
 from offload.queue.backend_limits import BackendLimits
 from offload.redis_client import RedisClient
+from offload.route_settings import RouteKind
+from offload.worker.budget import PriceModel, none_fits
+from offload.worker.job_limits import JobLimits, Ranked
 
 log = logging.getLogger("offload.worker")
 WAIT_MAX_S = 5.0  # with every backend cooling, the job looks again at least this often
@@ -53,6 +57,9 @@ class Lane:
     mapping: Callable[[Any], Any] | None = None  # the job input as this backend takes it
     price_per_job: float | None = None
     price_per_second: float | None = None
+    max_job_cost: float | None = None
+    expected_run_s: float | None = None  # the configured prior of a job's duration here, before any measurement
+    turnaround_s: float | None = None  # set: a job's whole expected duration here (a batch lane's)
     hook_base: str | None = None
     hook_grace_s: float = 0.0
     hook_poll_interval: float = 60.0
@@ -77,6 +84,19 @@ class Lane:
             return self.price_per_second * seen.mean_run_s
         return None
 
+    def expected_duration_s(self, seen: Health | None) -> float | None:
+        """How long a job sent here now is expected to take until its result: `turnaround_s` when set, else the
+        measured mean queue delay (0 until measured) plus the measured mean run time, or `expected_run_s` before
+        any run was measured; None: unknown."""
+        if self.turnaround_s is not None:
+            return self.turnaround_s
+        measured = seen.mean_run_s if seen is not None else None
+        run_s = measured if measured is not None else self.expected_run_s
+        if run_s is None:
+            return None
+        queued = seen.mean_queue_s if seen is not None else None
+        return run_s + (queued or 0.0)
+
     def job_input(self, job_input: Any) -> Any:
         return self.mapping(job_input) if self.mapping is not None else job_input
 
@@ -95,10 +115,11 @@ class Lane:
             log.warning("backend %s: cooling down until %s after %s", self.name, until, type(exc).__name__)
             self.limits.note("route:opened")
 
-    async def answered(self, run_s: float | None = None) -> None:
-        """A call answered: a half-open backend closes; `run_s` feeds the mean run time."""
+    async def answered(self, run_s: float | None = None, queue_s: float | None = None) -> None:
+        """A call answered: a half-open backend closes; `run_s` feeds the mean run time, `queue_s` the mean queue
+        delay."""
         if self.health is not None:
-            await self.health.succeeded(run_s)
+            await self.health.succeeded(run_s, queue_s)
 
 
 def unwell(exc: BackendError) -> bool:
@@ -117,18 +138,27 @@ class Candidate:
     lane: Lane
     health: Health | None
     expected_cost: float | None
+    expected_s: float | None = None  # its expected duration (Lane.expected_duration_s)
+
+    @property
+    def name(self) -> str:
+        return self.lane.name
+
+    @property
+    def prices(self) -> PriceModel:
+        return self.lane
 
 
-# A job's own constraints (item 4 of issue 39: deadline, max_cost): given the job and the usable candidates in the
-# route kind's order, the ones it may use, best first. None: every candidate, as ordered.
-Constraints = Callable[[ClaimedJob, list[Candidate]], list[Candidate]]
+# A job's own constraints (worker/job_limits.py): given the job, the usable candidates in the route kind's order and
+# the store's time (ms), the ones it may use, best first, each with what it says of it.
+Constraints = Callable[[ClaimedJob, list[Candidate], float], list[Ranked[Candidate]]]
 
 
 @dataclass(frozen=True, slots=True)
 class Choice:
     lane: Lane
     why: str  # the reason, for the job's events and record ("" for a single-backend queue: nothing to say)
-    reason: str  # its kind, for the metrics: first, fallback, weighted, cheapest, probe, pinned
+    reason: str  # its kind, for the metrics: first, fallback, weighted, cheapest, probe, deadline, late, max_cost
 
 
 @dataclass(eq=False)
@@ -139,6 +169,7 @@ class Router:
     kind: RouteKind = "fallback"
     weights: dict[str, float] = field(default_factory=dict)
     constraints: Constraints | None = None
+    poll_timeout: float = 600.0  # what a backend priced per second may cost: for `over_budget`
 
     def __post_init__(self) -> None:
         self.by_name = {lane.name: lane for lane in self.lanes}
@@ -157,6 +188,11 @@ class Router:
         if job.backend and (job.remote_id or job.intent_open):
             return self.by_name.get(job.backend)
         return None
+
+    def over_budget(self, job: ClaimedJob) -> str | None:
+        """A routed job's max_cost refusal: the reason when no backend of the queue fits it, naming each one's price;
+        None when one does (the route skips those that do not)."""
+        return none_fits(job, {lane.name: lane for lane in self.lanes}, poll_timeout=self.poll_timeout)
 
     def resumed(self, job: ClaimedJob) -> Lane:
         """The lane a claimed job starts on: its pinned one, else the first (routing happens at the submit)."""
@@ -180,17 +216,24 @@ class Router:
         return await lane.health.read() if lane.health is not None else None
 
     async def _pick(self, job: ClaimedJob, seen: list[Health | None]) -> Choice | None:
-        usable = [Candidate(lane, h, lane.expected_cost(h)) for lane, h in zip(self.lanes, seen, strict=True)]
+        usable = [
+            Candidate(lane, h, lane.expected_cost(h), lane.expected_duration_s(h))
+            for lane, h in zip(self.lanes, seen, strict=True)
+        ]
         skipped = [c for c in usable if c.health is not None and not c.health.usable]
         order = self._order([c for c in usable if c not in skipped or (c.health and c.health.probe_free)])
+        ranked = [Ranked(c) for c in order]
         if self.constraints is not None:
-            order = self.constraints(job, order)
-        for c in order:
+            now_ms = next((h.store_now_ms() for h in seen if h is not None), time.time() * 1000)
+            ranked = self.constraints(job, order, now_ms)
+        for r in ranked:
+            c = r.option
             probe = c.health is not None and c.health.probe_free
             if probe and not await self._probe(c.lane):
                 skipped.append(c)
                 continue
-            return Choice(c.lane, self._why(c, skipped, probe), "probe" if probe else self._reason(c))
+            reason = "probe" if probe else r.reason or self._reason(c)
+            return Choice(c.lane, self._why(c, skipped, probe, r), reason)
         return None
 
     def _order(self, candidates: list[Candidate]) -> list[Candidate]:
@@ -214,14 +257,18 @@ class Router:
             return self.kind
         return "first" if c.lane is self.first else "fallback"
 
-    def _why(self, c: Candidate, skipped: Sequence[Candidate], probe: bool) -> str:
-        """What the job's events say, e.g. `fallback: replicate cooling down until 12:04:05Z, sent to fal`."""
+    def _why(self, c: Candidate, skipped: Sequence[Candidate], probe: bool, r: Ranked[Candidate]) -> str:
+        """What the job's events say, e.g. `fallback: replicate cooling down until 12:04:05Z, sent to fal`, or led
+        by the job's deadline: `deadline: fal ~40s in time, cheapest; replicate cooling down until ...`."""
         past = [f"{s.lane.name} {_state(s.health)}" for s in skipped if s.health is not None]
+        if r.lead:
+            return "; ".join([r.lead, *past, *(["its probe"] if probe else []), *([r.note] if r.note else [])])
         head: str = "probe" if probe else self.kind
         if self.kind == "cheapest" and not probe:
             price = "unknown price" if c.expected_cost is None else f"~${c.expected_cost:.4g}"
             head = f"cheapest ({price})"
-        return f"{head}: {', '.join(past)}, sent to {c.lane.name}" if past else f"{head}: sent to {c.lane.name}"
+        why = f"{head}: {', '.join(past)}, sent to {c.lane.name}" if past else f"{head}: sent to {c.lane.name}"
+        return f"{why}; {r.note}" if r.note else why
 
 
 def _state(h: Health | None) -> str:
@@ -248,11 +295,12 @@ def build_router(
     q = settings.queue(queue)
     maps = settings.input_maps(queue)
     named = settings.backends_for(queue)
-    policy = HealthPolicy(q.health.failures, q.health.window_s, q.health.cool_down_s, q.health.max_cool_down_s)
     lanes = []
     for name, bs in named:
         backend = backends[name]
         hook_base = settings.hook_base(name)
+        h = settings.health_for(queue, name)
+        policy = HealthPolicy(h.failures, h.window_s, h.cool_down_s, h.max_cool_down_s)
         lanes.append(
             Lane(
                 name=name,
@@ -263,6 +311,8 @@ def build_router(
                 mapping=maps.get(name),
                 price_per_job=bs.price_per_job,
                 price_per_second=bs.price_per_second,
+                max_job_cost=bs.max_job_cost,
+                expected_run_s=bs.expected_run_s,
                 hook_base=hook_base,
                 hook_grace_s=settings.hook_grace_s(name),
                 hook_poll_interval=bs.webhook_poll_interval_s,
@@ -271,4 +321,5 @@ def build_router(
                 timeout=bs.timeout,
             )
         )
-    return Router(lanes, q.route, dict(q.weights or {}))
+    own = JobLimits(q.poll_timeout) if len(lanes) > 1 else None  # a job's deadline and max_cost, in the route
+    return Router(lanes, q.route, dict(q.weights or {}), own, q.poll_timeout)

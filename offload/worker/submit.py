@@ -23,6 +23,7 @@ import contextlib
 import functools
 import logging
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -92,6 +93,7 @@ class Submitter:
         failed)."""
         retries = self.ctx.options.submit_retries_on_429
         hooks: dict[str, _Hook] = {}  # one secret per claim and backend: a resend keeps its URL
+        inputs: dict[str, Any] = {}  # the job input as each backend takes it
         pinned = self.ctx.router.pinned(run.job) is not None  # an earlier submission settles there, nowhere else
         attempt = 0
         while attempt <= retries:
@@ -99,11 +101,19 @@ class Submitter:
             if not pinned and self.ctx.router.routed:  # (one backend: its lane was set at the claim)
                 await self._route(run)
             lane = run.on
+            if lane.name not in inputs:
+                try:
+                    inputs[lane.name] = lane.job_input(job_input)
+                except Exception as exc:  # the queue's mapping refuses this job's input: the job's fault, not the
+                    # worker's, and the same at every try; nothing was sent (an intent the claim opened is closed)
+                    error = f"fatal: the input mapping of backend {lane.name} failed: {type(exc).__name__}: {exc}"
+                    await self.endings.fail(run, error, retryable=False, answered=begun or run.unsent is not None)
+                    return None
             if lane.hooks is not None and lane.name not in hooks:
                 secret = secrets.token_urlsafe(24)
                 hooks[lane.name] = _Hook(secret, hook_digest(lane.name, secret))
             await self._before_gate(run, begun)
-            outcome = await self._gated(run, job_input, hooks.get(lane.name), attempt)
+            outcome = await self._gated(run, inputs[lane.name], hooks.get(lane.name), attempt)
             if not isinstance(outcome, _Again):
                 return outcome
             if outcome.moved:  # begun again where the open intent went (not a try: nothing was sent)
@@ -209,8 +219,9 @@ class Submitter:
         job, retries, lane = run.job, self.ctx.options.submit_retries_on_429, run.on
         run.unsent = None
         run.submitting = True
+        run.sent_at = time.monotonic()  # the run time and queue delay a routed queue measures count from here
         try:
-            key, sent = f"{job.id}.{submission}", lane.job_input(job_input)
+            key, sent = f"{job.id}.{submission}", job_input  # (mapped for this lane by `submit`)
             if hook is not None and lane.hooks is not None:
                 url = f"{lane.hook_base}/{quote(job.id, safe='')}/{submission}/{hook.secret}"
                 answer = await lane.hooks.submit(sent, tag=job.id, idempotency_key=key, webhook=url)

@@ -113,6 +113,8 @@ def page(root: Schema) -> str:
     lines = [INTRO, "## Top level", "", *field_table(root)]
     for name in walk_refs(root, defs):
         model = defs[name]
+        if "properties" not in model:  # a model also written as a bare value (InputMapSettings): its fields
+            model = next((branch for branch in model.get("anyOf", []) if "properties" in branch), model)
         lines += [f"## {name}", ""]
         if model.get("description"):
             lines += [" ".join(model["description"].split()), ""]

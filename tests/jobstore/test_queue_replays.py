@@ -99,10 +99,13 @@ async def owners(store: QueueStore, ids: list[str]) -> dict[str, str | None]:
 
 async def test_a_repeated_claim_answers_the_same_jobs_and_leases_no_more(redis: AdminRedis) -> None:
     plain = QueueStore(redis)
-    ids = await plain.enqueue_many("q", [JobSpec(input=i) for i in range(4)])
+    ids = await plain.enqueue_many("q", [JobSpec(input=i, deadline_in=3600, max_cost=0.5) for i in range(4)])
     replaying = QueueStore(Replaying(redis, {SCRIPTS.claim.sha}).client())
     got = await replaying.claim("q", "w", 2)
     assert [c.id for c in got] == ids[:2]
+    # the replayed answer carries each job's limits too (a routed queue routes by them)
+    deadlines = [(await plain.get(i)).deadline for i in ids[:2]]
+    assert [(c.deadline, c.max_cost) for c in got] == [(d, 0.5) for d in deadlines] and None not in deadlines
     counts = (await plain.stats("q")).counts
     assert (counts["active"], counts["queued"]) == (2, 2), "the repeat leased two more jobs nobody knows of"
     assert await owners(plain, ids) == {ids[0]: "w", ids[1]: "w", ids[2]: None, ids[3]: None}

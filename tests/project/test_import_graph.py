@@ -190,6 +190,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "settings",
         (
             "offload.config",
+            "offload.route_settings",
             "offload.autoscale.settings",
             "offload.autoscale.alert_settings",
             "offload.autoscale.deploy",
@@ -206,6 +207,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "offload.exactjson",
             "offload.files",
             "offload.schema",
+            "offload.input_maps",
             "offload.suggest",
             "offload.redis_client",
             "offload.env",
@@ -228,6 +230,7 @@ SIDEWAYS: dict[tuple[str, str], str] = {
     ("offload.testing.sim.__main__", "offload.cli"): "`python -m offload.testing.sim` runs the CLI's sim commands",
     ("offload.server", "offload.autoscale"): "the server hosts the autoscaler: its leader runs it, routes, alerts",
     ("offload.config", "offload.autoscale.settings"): "offload.yaml's autoscale blocks, composed by config",
+    ("offload.config", "offload.route_settings"): "a queue's routing settings, composed by config",
     ("offload.config", "offload.autoscale.alert_settings"): "offload.yaml's alerts block, composed by config",
     ("offload.autoscale.settings", "offload.autoscale.deploy"): "a queue's deployment block is its model",
     ("offload.autoscale.settings", "offload.autoscale.vault"): "instance env values are sealed with the vault",

@@ -266,6 +266,17 @@ async def test_expired_result_is_not_found(kind: str, make: Make, sim: Callable[
     await backend.cancel(remote_id)  # a vanished job leaves nothing to cancel
 
 
+@pytest.mark.parametrize("kind", ["runpod", "replicate"])
+async def test_the_queue_delay_the_provider_reports_is_read(kind: str, make: Make, sim: Callable[..., None]) -> None:
+    """RunPod's `delayTime`, Replicate's `started_at` - `created_at`: how long the job waited before it started
+    (a routed queue's expected finish, worker/job_limits.py); the others report none."""
+    sim(queue_delay=0.4, latency=0.1)
+    result = await run(make(kind))
+    assert result.status == "succeeded"
+    assert result.queue_s is not None and 0.35 <= result.queue_s <= 0.6, result.queue_s
+    assert (await run(make("http-job"))).queue_s is None
+
+
 async def test_replicate_data_removed_is_not_found(make: Make, sim: Callable[..., None]) -> None:
     sim(result_ttl=0.05, expiry_mode="data_removed")
     backend = make("replicate")

@@ -16,8 +16,8 @@ checked by disabling `Router.pinned` and begin.lua's MOVED: the unknown-outcome 
 
 from __future__ import annotations
 
-import asyncio
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import test_worker_faults as faults
 import yaml
+from support.eventually import eventually
 from test_worker import BACKENDS
 from test_worker_crash import OFFLOAD, READY_LINE, base_env, spawn, stop
 from test_worker_faults import LATENCY, POLL, enqueue, sim_call, stats, until, until_state, worker
@@ -100,6 +101,19 @@ async def by_family(sim: str) -> dict[str, int]:
 async def routed_events(store: QueueStore) -> list[dict[str, str]]:
     entries = await store.redis.xrange(keyspace.events("q"))
     return [fields for _, fields in entries if fields.get("state") == "routed"]
+
+
+async def worker_process(config: Path, env: dict[str, str], tmp_path: Path) -> subprocess.Popen[bytes]:
+    """`offload worker` on queue `q` as a process (its log in tmp_path/worker.log), once it is ready."""
+    log = tmp_path / "worker.log"
+    proc = spawn([OFFLOAD, "worker", "--queue", "q", "--config", str(config)], env, tmp_path, log)
+
+    def ready() -> bool:
+        assert proc.poll() is None, log.read_text(errors="replace")[-2000:]
+        return READY_LINE in log.read_text(errors="replace")
+
+    await eventually(ready, 60, "the worker process to be ready", why=lambda: log.read_text(errors="replace")[-2000:])
+    return proc
 
 
 async def cool(store: QueueStore, name: str, seconds: float) -> None:
@@ -271,14 +285,8 @@ async def test_a_worker_killed_inside_the_call_at_a_is_resumed_at_a(
     settings = Settings.model_validate(data)
     config = tmp_path / "offload.yaml"
     config.write_text(yaml.safe_dump(data))
-    log = tmp_path / "worker.log"
-    env = {**base_env(), "OFFLOAD_LEASE_MS": "1000"}
-    proc = spawn([OFFLOAD, "worker", "--queue", "q", "--config", str(config)], env, tmp_path, log)
+    proc = await worker_process(config, {**base_env(), "OFFLOAD_LEASE_MS": "1000"}, tmp_path)
     try:
-        deadline = time.monotonic() + 60
-        while READY_LINE not in log.read_text(errors="replace"):
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
-            await asyncio.sleep(0.05)
         [(job_id, input_id)] = await enqueue(store, "killed-inside")
 
         async def sent() -> bool:

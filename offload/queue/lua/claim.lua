@@ -18,10 +18,11 @@
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, worker id, max jobs, lease ms, request id, job cap, spend cap, estimated cost of one submission,
 --   silence ms, begin ('1' or '')
--- Returns: a flat list, 14 fields per job (decoded in one place: offload.queue.replies): id, token, attempt,
+-- Returns: a flat list, 15 fields per job (decoded in one place: offload.queue.replies): id, token, attempt,
 --   max_attempts, input, output_key, backend, remote_id, cancel, claimed before (1/0), submission number,
 --   submit intent open (1/0: an earlier delivery may have left a submission it never recorded), begun (1/0: the
---   intent of the submission number is this lease's own, opened by this claim), max cost (USD, '' none)
+--   intent of the submission number is this lease's own, opened by this claim), max cost (USD, '' none), deadline
+--   (epoch ms, '' none: a routed queue's expected finish is compared with it)
 --- @include "clock"
 --- @include "records"
 --- @include "events"
@@ -48,7 +49,7 @@ local last_key = P .. 'lastclaim:' .. wid
 -- Appends one job's reply fields at `no` (the count so far; a running count, as `#out` is a search each time)
 -- and returns the new count. `open`: its submission's intent is open; `own`: this lease opened it.
 local function reply(out, no, id, token, before, attempt, max_attempts, input, output_key, backend, remote_id, cancel,
-    sub_n, open, own, max_cost)
+    sub_n, open, own, max_cost, deadline)
   out[no + 1] = id
   out[no + 2] = token
   out[no + 3] = attempt
@@ -63,7 +64,8 @@ local function reply(out, no, id, token, before, attempt, max_attempts, input, o
   out[no + 12] = (open and not own) and '1' or '0'
   out[no + 13] = (open and own) and '1' or '0'
   out[no + 14] = max_cost or ''
-  return no + 14
+  out[no + 15] = deadline or ''
+  return no + 15
 end
 
 if req ~= '' then
@@ -74,10 +76,10 @@ if req ~= '' then
       local out, no = {}, 0
       for i, id in ipairs(memo_ids) do
         local max_attempts, attempts, remote_id, input, output_key, backend, cancel, _, _, _, sub_n, sub_open, token,
-          intent_tok, _, _, max_cost = unpack(redis.call('HMGET', jkey(id), unpack(FIELDS)))
+          intent_tok, _, deadline, max_cost = unpack(redis.call('HMGET', jkey(id), unpack(FIELDS)))
         if max_attempts and (token or '') ~= '' and redis.call('ZSCORE', P .. 'owned:' .. wid, id) then
           no = reply(out, no, id, token, memo_flags[i], tonumber(attempts or 0), max_attempts, input, output_key, backend,
-            remote_id, cancel, sub_n, sub_open == '1', intent_tok == token, max_cost)
+            remote_id, cancel, sub_n, sub_open == '1', intent_tok == token, max_cost, deadline)
         end
       end
       return out
@@ -149,7 +151,7 @@ for _, id in ipairs(picked) do
     local before = started_at and '1' or '0'
     flags[taken] = before
     no = reply(out, no, id, token, before, attempt, max_attempts, input, output_key, backend, remote_id, cancel, sub_n,
-      sub_open == '1', intent_tok == token, max_cost)
+      sub_open == '1', intent_tok == token, max_cost, deadline)
   end
 end
 bulk_zadd(P .. 'active', active)

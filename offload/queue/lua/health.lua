@@ -7,15 +7,16 @@
 --   probe: [3] the probe's lease ms
 --   fail: [3] errors that open it, [4] their window ms, [5] the cool-down ms per opening in a row, space-separated
 --     (the last repeats), [6] the provider's Retry-After ms ('' none: a longer one wins)
---   ok: [3] the run's ms ('' unknown), folded into the measured mean run time
+--   ok: [3] the run's ms ('' unknown), folded into the measured mean run time; [4] its queue delay ms (submit to
+--     the provider starting it; '' unknown), folded into the measured mean queue delay
 -- Returns: {state (closed, open, half), cool-down ms left, mean run ms ('' unknown), granted (probe: 1 when this
---   caller may send; fail: 1 when this error opened it)}
+--   caller may send; fail: 1 when this error opened it), mean queue delay ms ('' unknown), the store's now ms}
 --- @include "clock"
 --- @include "cooldown"
 local op, now = ARGV[1], now_ms(ARGV[2])
 local h = KEYS[1]
-local state, probe_until, fails, win, strikes, mean =
-  unpack(redis.call('HMGET', h, 'state', 'probe_until', 'fails', 'win', 'strikes', 'mean_ms'))
+local state, probe_until, fails, win, strikes, mean, queued =
+  unpack(redis.call('HMGET', h, 'state', 'probe_until', 'fails', 'win', 'strikes', 'mean_ms', 'queue_ms'))
 state = state or 'closed'
 strikes = tonumber(strikes or '0')
 local cool = cooling(KEYS[2], now)
@@ -68,12 +69,17 @@ elseif op == 'ok' then
     redis.call('HSET', h, 'state', 'closed', 'strikes', 0, 'fails', 0, 'win', now)
     redis.call('HDEL', h, 'probe_until')
   end
-  local run = tonumber(ARGV[3] or '')
-  if run then  -- a moving mean of the last ~20 runs: the price model of `route: cheapest`
-    local runs = tonumber(redis.call('HINCRBY', h, 'runs', 1))
-    mean = (tonumber(mean or '') or run) + (run - (tonumber(mean or '') or run)) / math.min(runs, 20)
-    redis.call('HSET', h, 'mean_ms', string.format('%.0f', mean))
+  -- moving means of the last ~20 runs: the price model of `route: cheapest` and a deadline's expected finish
+  local function fold(field, count, value, old)
+    local n = tonumber(redis.call('HINCRBY', h, count, 1))
+    local m = (tonumber(old or '') or value) + (value - (tonumber(old or '') or value)) / math.min(n, 20)
+    redis.call('HSET', h, field, string.format('%.0f', m))
+    return m
   end
+  local run, wait = tonumber(ARGV[3] or ''), tonumber(ARGV[4] or '')
+  if run then mean = fold('mean_ms', 'runs', run, mean) end
+  if wait then queued = fold('queue_ms', 'queued', math.max(wait, 0), queued) end
 end
 if state == 'half' and tonumber(probe_until or '0') <= now and op ~= 'probe' then state = 'open' end
-return {state, cool, mean and string.format('%.0f', tonumber(mean)) or '', granted}
+local function ms(v) return v and string.format('%.0f', tonumber(v)) or '' end
+return {state, cool, ms(mean), granted, ms(queued), now}
