@@ -24,7 +24,7 @@ from pydantic import (
 )
 
 from offload.autoscale.alert_settings import AlertSettings
-from offload.autoscale.settings import ServerSide, autoscale_problems, yaml_blocks
+from offload.autoscale.settings import ServerSide, autoscale_problems, overflow_problems, yaml_blocks
 from offload.backends.settings import AnyBackendSettings, BackendSettings, HealthSettings
 from offload.caps import CapLimits, reservation
 from offload.connection import configured_url
@@ -411,6 +411,7 @@ def cross_checks(settings: Settings) -> Iterator[ConfigError]:
         blocks = {}
     for qname, block in blocks.items():
         yield from autoscale_problems(block, f"queues.{qname}.autoscale")
+        yield from overflow_problems(qname, block, settings)  # (offload.autoscale.settings)
     for qname, q in settings.queues.items():
         if q.backend is not None and q.backend not in settings.backends:
             near = did_you_mean(closest(q.backend, settings.backends))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 import tempfile
@@ -18,7 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.cost import sweep
 from bench.cost.bound import cheapest, clairvoyant
+from bench.cost.hybrid import HybridWorld, Prices
 from bench.cost.plots import plots
 from bench.cost.report import bounded, markdown, measured
 from bench.cost.traces import SHIPPED, Trace, from_csv
@@ -50,6 +53,16 @@ async def world(url: str, trace: Trace, policy: Policy, hosts: Hosts, seed: int)
     return measured(trace, served)
 
 
+async def play_hybrid(url: str, trace: Trace, policy: Policy, prices: Prices, seed: int) -> dict[str, Any]:
+    r: Any = await connect(url)
+    try:
+        await r.flushdb()
+        served = await HybridWorld(r, trace.jobs, policy, trace.hosts, prices, seed).run(LIMIT)
+    finally:
+        await r.aclose()
+    return sweep.hybrid_measured(trace, policy, served, prices)
+
+
 async def play(url: str, trace: Trace, policy: Policy, seed: int) -> dict[str, Any]:
     got = await world(url, trace, policy, trace.hosts, seed)
     peak = got["wait_min"]["max"] * 60 + 3  # the report rounds waits to a tenth of a minute (6 s)
@@ -66,11 +79,15 @@ def faulty(hosts: Hosts) -> bool:
     return bool(hosts.p_never_boot or hosts.p_preempt)
 
 
-async def measure(url: str, traces: list[Trace], poll: float, idle: float, seed: int) -> list[dict[str, Any]]:
+async def measure(
+    url: str, traces: list[Trace], poll: float, idle: float, seed: int, prices: Prices, small: bool
+) -> list[dict[str, Any]]:
     out = []
     for trace in traces:
         t0 = time.monotonic()
         runs = [await play(url, trace, p, seed) for p in policies(poll, idle)]
+        hybrid = [await play_hybrid(url, trace, p, prices, seed) for p in sweep.hybrid_policies(poll, idle, small)]
+        targets = sweep.choose(trace, sweep.fleet_rows(runs, prices), hybrid, prices, seed)
         bounds = {n: bounded(trace, clairvoyant(trace.jobs, trace.hosts.boot[0], n)) for n in MAX_WORKERS}
         boot = f"{trace.hosts.boot[0] / 60:g}-{trace.hosts.boot[1] / 60:g} min"
         if faulty(trace.hosts):
@@ -82,6 +99,9 @@ async def measure(url: str, traces: list[Trace], poll: float, idle: float, seed:
                 "boot": boot,
                 "runs": runs,
                 "bounds": bounds,
+                "hybrid_runs": hybrid,
+                "sweep": targets,
+                "verdicts": sweep.verdicts(targets),
                 "seconds": round(time.monotonic() - t0, 1),
             }
         )
@@ -98,24 +118,32 @@ def main() -> None:
     p.add_argument("--poll", type=float, default=30.0, help="the policies' poll interval, seconds")
     p.add_argument("--idle", type=float, default=600.0, help="the policies' idle timeout, seconds")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rented", type=float, default=1.0, help="a rented GPU, $ per hour")
+    p.add_argument("--serverless", type=float, default=2.5, help="the same GPU serverless, $ per hour (per second)")
+    p.add_argument("--cold", type=float, nargs=2, default=(5.0, 20.0), help="serverless cold start, s (min max)")
+    p.add_argument("--boot", type=float, nargs=2, default=(2.0, 4.0), help="a rented machine's boot, min (min max)")
     p.add_argument("--plots", action="store_true", help="also a PNG a trace in --out (needs matplotlib)")
     args = p.parse_args()
     if args.trace:
         traces = [from_csv(args.trace)]
     else:
         traces = [make(args.small) for name, make in SHIPPED.items() if not args.only or name in args.only]
+    prices = Prices(args.rented, args.serverless, (args.cold[0], args.cold[1]))
+    boot = (args.boot[0] * 60, args.boot[1] * 60)
+    traces = [dataclasses.replace(t, hosts=dataclasses.replace(t.hosts, price=args.rented, boot=boot)) for t in traces]
     out = args.out or Path(tempfile.mkdtemp(prefix="offload-bench-cost-"))
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as workdir:
         procs = Processes(Path(workdir))
         try:
             url = start_valkey(procs)
-            measured_traces = asyncio.run(measure(url, traces, args.poll, args.idle, args.seed))
+            measured_traces = asyncio.run(measure(url, traces, args.poll, args.idle, args.seed, prices, args.small))
         finally:
             procs.stop_all()
     doc = {
         "size": "small" if args.small else "full",
         "price": traces[0].hosts.price,
+        "prices": dataclasses.asdict(prices),
         "poll": args.poll,
         "idle_timeout": args.idle,
         "traces": measured_traces,

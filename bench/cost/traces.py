@@ -77,7 +77,27 @@ def faulty_week(small: bool = False, seed: int = 3) -> Trace:
     return Trace("faulty-week", f"{days} day(s) of working-hours bursts; 15 % of hosts never boot", jobs, hosts)
 
 
-SHIPPED = {"burst-day": burst_day, "diurnal": diurnal, "night-spike": quiet_night_spike, "faulty-week": faulty_week}
+def diurnal_spikes(small: bool = False, seed: int = 4) -> Trace:
+    """The diurnal day (a base load that rises and falls with the sun) with bursts on top: 8 spikes of 80-150 jobs
+    x 60-120 s, each arriving within two minutes, at random hours of the day (small: 3 h, 2 spikes of 30)."""
+    base = diurnal(small, seed)
+    rng = random.Random(seed + 100)
+    hours, spikes, size = (3, 2, (30, 30)) if small else (24, 8, (80, 150))
+    jobs = list(base.jobs)
+    for _ in range(spikes):
+        at = rng.uniform(0.5, hours - 1) * HOUR
+        jobs += [(at + rng.uniform(0, 120), rng.uniform(60, 120)) for _ in range(rng.randint(*size))]
+    about = f"{base.about.split(',')[0]}, and {spikes} spikes of {size[0]}-{size[1]} jobs x 60-120 s"
+    return Trace("diurnal-spikes", about, sorted(jobs))
+
+
+SHIPPED = {
+    "burst-day": burst_day,
+    "diurnal": diurnal,
+    "night-spike": quiet_night_spike,
+    "faulty-week": faulty_week,
+    "diurnal-spikes": diurnal_spikes,
+}
 
 
 def from_csv(path: Path) -> Trace:

@@ -90,6 +90,7 @@ class Policy:
     poll: float = 30.0
     boot_timeout: float = 1200.0
     by_cost: bool = False  # scale in by cost (the `cost` scale-down trigger) besides the idle timeout
+    overflow: dict[str, Any] | None = None  # the autoscale block's `overflow` (a hybrid: bench/cost/hybrid.py)
 
     def block(self, price: float) -> dict[str, Any]:
         up: list[dict[str, Any]] = [{"trigger": "no_workers"}]
@@ -111,6 +112,8 @@ class Policy:
         }
         if self.jobs_per_worker is not None:
             block["jobs_per_worker"] = self.jobs_per_worker
+        if self.overflow is not None:
+            block["overflow"] = self.overflow
         return block
 
 
@@ -122,7 +125,7 @@ class Hosts:
     p_never_boot: float = 0.0
     p_preempt: float = 0.0  # a machine that boots is pre-empted at a uniform time in its first `preempt_within`
     preempt_within: float = 4 * 3600.0
-    price: float = 0.5  # $ per GPU-hour
+    price: float = 1.0  # $ per GPU-hour (python -m bench.cost --rented)
 
 
 @dataclass
@@ -173,6 +176,8 @@ class Served:
     rentals: list[Rental] = field(default_factory=list)
     end: float = START
     done: int = 0  # jobs completed
+    done_by: dict[int, list[str]] = field(default_factory=dict)  # trace index -> the kinds that completed it
+    serverless_s: float = 0.0  # seconds billed by serverless backends (a hybrid's overflow)
 
 
 class CostWorld:
@@ -260,6 +265,7 @@ class CostWorld:
                 with contextlib.suppress(StaleLease):
                     await self.store.complete(gpu.job[0], gpu.job[1], "results/x.json")
                     self.completed += 1
+                    self.served.done_by.setdefault(gpu.job[2], []).append("fleet")
                 gpu.job = None
                 await self.beat(gpu)
             if gpu.job is None and await self.r.hget(worker_key(gpu.id), "draining") != "1":
@@ -280,6 +286,12 @@ class CostWorld:
         if draining == "1":
             await self.r.hset(worker_key(gpu.id), "draining", 1)
 
+    async def each_event(self) -> None:
+        """A hook for worlds with more than the fleet (bench/cost/hybrid.py)."""
+
+    async def after_tick(self) -> None:
+        """A hook run after each autoscaler evaluation."""
+
     # -- the run --------------------------------------------------------------------------------------------
 
     def next_event(self, next_tick: float) -> float:
@@ -298,12 +310,14 @@ class CostWorld:
         while self.clock() < START + limit:
             await self.arrivals()
             await self.machines()
+            await self.each_event()
             await self.work()
             if self.clock() >= next_tick:
                 for gpu in self.gpus.values():
                     await self.beat(gpu)
                 await self.store.reap(QUEUE)
                 await self.scaler.tick()
+                await self.after_tick()
                 next_tick = self.clock() + self.policy.poll
                 if self.completed >= len(self.jobs) and not await self.provider.all_ids():
                     break

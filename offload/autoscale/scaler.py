@@ -25,7 +25,7 @@ import logging
 
 import orjson
 
-from offload.autoscale import drain, fleet_caps, keyspace, reconcile, rent, scale_in
+from offload.autoscale import drain, fleet_caps, hybrid, keyspace, reconcile, rent, scale_in
 from offload.autoscale.alert_settings import alert_settings
 from offload.autoscale.alerts import Alerter
 from offload.autoscale.drain import DrainReason
@@ -247,6 +247,8 @@ class Autoscaler:
             await scale_in.observe(self.redis, queue, qs, load, now)
         await drain.schedule_targets(self, ev, active)
         up = scale_up(cfg, load, active, now, qs.last_down_fire, boot_hold(qs.boot_ewma, cfg.boot_timeout))
+        if cfg.overflow is not None:  # the fleet carries the base load; overflow backends take the burst
+            up = await hybrid.overflow_up(self.redis, self.store, ev, load, active, up)
         decision = Decision(
             at=now,
             enabled=cfg.enabled,
@@ -348,6 +350,7 @@ class Autoscaler:
             live_workers=len(live) + dispatch,
             paused=stats.paused,
             in_flight=counts.get("active", 0) + counts.get("submitted", 0),
+            enqueued=stats.totals.get("enqueued", 0),
         )
 
     async def _kind(self, name: str) -> str:

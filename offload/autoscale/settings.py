@@ -9,7 +9,7 @@ injectable clock.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from datetime import datetime, timedelta
 from typing import Annotated, Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -22,6 +22,7 @@ from offload.autoscale.vault import Vault
 from offload.env import process_env
 from offload.errors import ConfigError
 from offload.schema import Strict, parse, parse_duration
+from offload.suggest import closest, did_you_mean
 
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 
@@ -93,6 +94,37 @@ class Cost(Strict):
     boot_time: Duration = Field(
         180.0, gt=0, description="what a re-rent costs in boot time until the queue's own boots are measured"
     )
+
+
+class Overflow(Strict):
+    """A fleet that has serverless overflow (overflow.py): the fleet is rented for the queue's base load and a job
+    goes to `backends` when the fleet is predicted not to start it within `after`."""
+
+    backends: list[Annotated[str, Field(min_length=1)]] = Field(
+        ..., min_length=1, description="the serverless backends (names under `backends:`) a job overflows to"
+    )
+    after: Duration = Field(300.0, gt=0, description="a job overflows when its predicted fleet wait exceeds this")
+    window: Duration = Field(3600.0, gt=0, description="how far back the base load looks")
+    span: Duration = Field(600.0, gt=0, description="the base load's buckets: offered load over each span")
+    quantile: float = Field(
+        0.25, ge=0, le=1, description="the base load: this quantile of the window's buckets (0.5: the median)"
+    )
+
+    keep_busy: float = Field(
+        0.4,
+        gt=0,
+        le=1,
+        description="a base machine is kept while it would be busy at least this share of the time: the rented "
+        "price over the serverless one (0.4: $1.00/h against $2.50/h)",
+    )
+
+    @model_validator(mode="after")
+    def _fits(self) -> Overflow:
+        if self.span > self.window:
+            raise ValueError(f"span: {self.span:g}s is longer than window ({self.window:g}s)")
+        if len(set(self.backends)) != len(self.backends):
+            raise ValueError("backends: a backend is named twice")
+        return self
 
 
 class DownSchedule(Strict):
@@ -177,6 +209,9 @@ class AutoscaleSettings(Strict):
     )
     instance: InstanceSpec = Field(default_factory=lambda: InstanceSpec.model_validate({}))
     deployment: Deployment | None = None
+    overflow: Overflow | None = Field(
+        None, description="serverless backends for the burst; the fleet is sized for the base load"
+    )
     daily_spend_cap: float | None = Field(None, gt=0)
     monthly_spend_cap: float | None = Field(None, gt=0)
 
@@ -329,6 +364,21 @@ def yaml_blocks(settings: Any) -> dict[str, dict[str, Any]]:
         if block is not None:
             out[name] = block
     return out
+
+
+def overflow_problems(qname: str, block: Mapping[str, Any], settings: Any) -> Iterator[ConfigError]:
+    """An autoscale block's overflow backends must be configured backends, and the queue a GPU-worker queue."""
+    flow = block.get("overflow")
+    if not isinstance(flow, Mapping):
+        return
+    where = f"queues.{qname}.autoscale.overflow"
+    if settings.queues[qname].dispatched:
+        yield ConfigError(f"{where}: only a queue served by GPU workers (no backend) overflows; this one dispatches")
+    names = flow.get("backends")
+    for i, name in enumerate(names if isinstance(names, list) else []):
+        if isinstance(name, str) and name not in settings.backends:
+            near = did_you_mean(closest(name, settings.backends))
+            yield ConfigError(f"{where}.backends.{i}: no backend named {name!r} is configured{near}")
 
 
 class ServerSide(Strict):

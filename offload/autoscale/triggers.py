@@ -41,6 +41,7 @@ class QueueLoad:
     live_workers: int  # workers serving the queue and taking new work: rented or started by hand
     paused: bool = False
     in_flight: int = 0  # jobs being worked on
+    enqueued: int = 0  # the queue's total jobs enqueued ever (a queue with overflow measures arrivals by it)
 
 
 @dataclass

@@ -1,0 +1,131 @@
+"""The policy sweep: for each trace and each p95 wait target, the cheapest setting of each policy that meets it.
+
+- serverless-only (bench/cost/mix.py): every job on the serverless backend after its cold start;
+- fleet-only: the cheapest of the fleet policies already played (bench/cost/__main__.py: the guide's triggers,
+  the ramp, the ramp with scale-in by cost, at max_workers 8 and 16), at the rented price;
+- hybrid (bench/cost/hybrid.py): the fleet with `overflow`, max_workers 16, swept over `after` and the base
+  load's quantile; its cost is the fleet's rent plus the serverless bill;
+- bound: the offline mix (mix.py's best_mix, at most 16 machines), the arrivals known.
+A policy none of whose settings meets a target is reported as such (None), not stretched to meet it.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from bench.cost.hybrid import Prices
+from bench.cost.mix import Mix, best_mix, serverless_only
+from bench.cost.report import percentile
+from bench.cost.traces import Trace
+from bench.cost.world import START, Policy, Served
+
+TARGETS = (1, 5, 15, 30)  # p95 wait targets, minutes
+HYBRID_MAX = 16
+AFTER_SHARE = 1.0  # `after` is swept at this share of each target (predictions that miss leave p95 under it)
+QUANTILES = (0.25, 0.5)
+SMALL_QUANTILES = (0.25,)
+
+
+def hybrid_policies(poll: float, idle: float, small: bool) -> list[Policy]:
+    out = []
+    for q in SMALL_QUANTILES if small else QUANTILES:
+        for target in TARGETS:
+            after = round(AFTER_SHARE * target * 60)
+            flow = {"backends": ["serverless"], "after": f"{after}s", "quantile": q}
+            name = f"hybrid, after {after / 60:g} min, base q{q:g}"
+            out.append(Policy(name, HYBRID_MAX, idle_timeout=idle, poll=poll, by_cost=True, overflow=flow))
+    return out
+
+
+def colds(trace: Trace, prices: Prices, seed: int) -> list[float]:
+    rng = random.Random(seed + 7)
+    return [rng.uniform(*prices.cold) for _ in trace.jobs]
+
+
+def hybrid_measured(trace: Trace, policy: Policy, served: Served, prices: Prices) -> dict[str, Any]:
+    rented = sum(((r.gone or served.end) - r.created) for r in served.rentals) / 3600
+    wait = [served.started[i] - START - a for i, (a, _) in enumerate(trace.jobs) if i in served.started]
+    kinds = [served.done_by.get(i, []) for i in range(len(trace.jobs))]
+    on_fleet = sum(1 for k in kinds if k == ["fleet"])
+    return {
+        "policy": policy.name,
+        "overflow": policy.overflow,
+        "cost": round(rented * prices.rented + served.serverless_s / 3600 * prices.serverless, 2),
+        "fleet_gpu_h": round(rented, 2),
+        "serverless_gpu_h": round(served.serverless_s / 3600, 2),
+        "p95_min": round(percentile(wait, 0.95) / 60, 2),
+        "max_min": round(max(wait, default=0.0) / 60, 2),
+        "jobs": len(trace.jobs),
+        "jobs_served": len(served.started),
+        "done_once": sum(1 for k in kinds if len(k) == 1),
+        "on_fleet": on_fleet,
+        "on_serverless": sum(1 for k in kinds if k == ["serverless"]),
+        "rentals": len(served.rentals),
+    }
+
+
+def summary(m: Mix, name: str) -> dict[str, Any]:
+    return {
+        "policy": name,
+        "cost": round(m.cost, 2),
+        "fleet_gpu_h": round(m.fleet_gpu_h, 2),
+        "serverless_gpu_h": round(m.serverless_gpu_h, 2),
+        "p95_min": round(percentile(m.waits, 0.95) / 60, 2),
+        "max_min": round(max(m.waits, default=0.0) / 60, 2),
+        "on_fleet": m.kinds.count("fleet"),
+        "on_serverless": m.kinds.count("serverless"),
+        "machines": m.machines,
+    }
+
+
+def fleet_rows(runs: list[dict[str, Any]], prices: Prices) -> list[dict[str, Any]]:
+    return [
+        {
+            "policy": r["policy"],
+            "cost": round(r["gpu_h_rented"] * prices.rented, 2),
+            "fleet_gpu_h": r["gpu_h_rented"],
+            "p95_min": r["wait_min"]["p95"],
+            "max_min": r["wait_min"]["max"],
+        }
+        for r in runs
+    ]
+
+
+def cheapest(rows: list[dict[str, Any]], target: float) -> dict[str, Any] | None:
+    fits = [r for r in rows if r["p95_min"] <= target]
+    return min(fits, key=lambda r: r["cost"]) if fits else None
+
+
+def choose(
+    trace: Trace, fleet: list[dict[str, Any]], hybrid: list[dict[str, Any]], prices: Prices, seed: int
+) -> dict[str, Any]:
+    sls = summary(serverless_only(trace.jobs, prices, colds(trace, prices, seed)), "serverless-only")
+    out: dict[str, Any] = {}
+    for target in TARGETS:
+        bound = summary(best_mix(trace.jobs, trace.hosts.boot[0], HYBRID_MAX, target * 60, prices), "offline mix")
+        out[str(target)] = {
+            "serverless": sls if sls["p95_min"] <= target else None,
+            "fleet": cheapest(fleet, target),
+            "hybrid": cheapest(hybrid, target),
+            "bound": bound,
+        }
+    return out
+
+
+def verdicts(targets: dict[str, Any]) -> dict[str, list[str]]:
+    """The issue's targets, per wait target: which hold and which fail."""
+    out: dict[str, list[str]] = {}
+    for t, row in targets.items():
+        h, s, f, b = row["hybrid"], row["serverless"], row["fleet"], row["bound"]
+        notes = []
+        if h is None:
+            notes.append("no hybrid setting meets it")
+        else:
+            others = [x["cost"] for x in (s, f) if x is not None]
+            if others and h["cost"] > min(others):
+                notes.append(f"hybrid {h['cost']:.2f} > cheaper single kind {min(others):.2f}")
+            if h["cost"] > 1.15 * b["cost"]:
+                notes.append(f"hybrid {h['cost']:.2f} > 1.15 x bound {b['cost']:.2f}")
+        out[t] = notes
+    return out

@@ -1,0 +1,208 @@
+"""A fleet that has serverless overflow (`autoscale.overflow`): the pure sizing pieces (offload/autoscale/overflow.py),
+the block's validation, and the real autoscaler sizing such a queue on bench.cost's simulated clock (real Valkey,
+the real store, the mock provider; the overflow routing is bench/cost/hybrid.py's).
+
+- the predicted wait and the capacity within a horizon are each other's inverse, and never start a job before an
+  idle or booted machine can take it;
+- the base load is a low quantile of the window's buckets: a burst leaves it alone, a steady load sets it;
+- a base machine is kept only while it would be busy at least `keep_busy` of the time;
+- bad blocks fail naming the field; overflow backends must be configured backends of a GPU-worker queue;
+- on the simulated clock, a steady load and a burst: the fleet holds the base, the burst goes to overflow, every
+  job is completed once by one kind, and the decision says why; a damaged arrivals record does not fail the
+  evaluation, and the measurement starts over.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.cost.hybrid import HybridWorld, Prices
+from bench.cost.world import QUEUE, START, Hosts, Policy
+from offload.autoscale import overflow
+from offload.autoscale.hybrid import parse_samples
+from offload.autoscale.keyspace import queue_state
+from offload.autoscale.settings import Overflow, validate_autoscale
+from offload.autoscale.state import QueueState, load_decision
+from offload.config import load_settings
+from offload.connection import connect
+from offload.errors import ConfigError
+
+FLOW = Overflow.model_validate({"backends": ["sls"]})
+
+
+@pytest.fixture
+async def r(fast_valkey_url: str) -> AsyncIterator[Any]:
+    client = await connect(fast_valkey_url)
+    yield client
+    await client.aclose()
+
+
+def test_predicted_wait_counts_idle_serving_and_booting_machines() -> None:
+    assert overflow.predicted_wait(0, 1, 1, 1.0, []) == 0.0  # an idle machine takes it now
+    assert overflow.predicted_wait(1, 1, 1, 1.0, []) == 60.0  # the next frees in a run (1 job a minute)
+    assert overflow.predicted_wait(3, 0, 2, 1.0, []) == 120.0  # two machines, four jobs to start
+    assert overflow.predicted_wait(0, 0, 0, 1.0, [120.0, 300.0]) == 120.0  # the first boot takes it
+    assert overflow.predicted_wait(1, 0, 0, 1.0, [120.0, 300.0]) == 180.0  # it frees before the second boots
+    assert overflow.predicted_wait(0, 0, 0, 1.0, [-30.0]) == 0.0  # overdue: any moment
+    assert overflow.predicted_wait(0, 0, 0, 1.0, []) is None  # no fleet: never
+    assert overflow.predicted_wait(5, 0, 0, 0.0, [60.0]) is None  # no rate measured: only the boot's one job
+
+
+def test_predicted_wait_and_capacity_are_inverse_and_monotone() -> None:
+    for serving, idle, rate, booting in [(0, 0, 0.7, [50.0, 200.0]), (3, 1, 2.0, []), (2, 0, 0.4, [0.0, 400.0])]:
+        last = 0.0
+        for position in range(40):
+            wait = overflow.predicted_wait(position, idle, serving, rate, booting)
+            assert wait is not None and wait >= last, (serving, position)
+            last = wait
+            assert overflow.capacity(idle, serving, rate, booting, wait) >= position + 1 - 1e-6
+            if wait > 1:
+                assert overflow.capacity(idle, serving, rate, booting, wait - 1) < position + 1
+
+
+def samples(rate_per_min: float, minutes: int, burst_at: int | None = None, burst: int = 0) -> list[overflow.Sample]:
+    out, total = [], 0
+    for m in range(minutes + 1):
+        out.append((START + 60 * m, total))
+        total += round(rate_per_min) + (burst if m == burst_at else 0)
+    return out
+
+
+def test_base_load_is_a_low_quantile_of_the_window() -> None:
+    now = START + 60 * 60
+    steady = overflow.base_load(samples(1, 60), now, 120.0, FLOW)  # 1 job a minute x 2 min: 2 machines' worth
+    assert steady == (2.0, 6)
+    base, buckets = overflow.base_load(samples(0, 60, burst_at=30, burst=200), now, 60.0, FLOW)
+    assert (base, buckets) == (0.0, 6)  # one bucket holds the burst; the quantile does not see it
+    assert overflow.base_load(samples(1, 5), START + 300, 120.0, FLOW) == (0.0, 0)  # no whole bucket yet
+    assert overflow.base_load([], now, 120.0, FLOW) == (0.0, 0)
+    median = Overflow.model_validate({"backends": ["sls"], "quantile": 1.0})
+    assert overflow.base_load(samples(0, 60, burst_at=30, burst=200), now, 60.0, median)[0] == 200 * 60 / 600
+
+
+def test_samples_keep_one_window_and_start_over_on_a_reset_store_or_clock() -> None:
+    kept = overflow.keep_samples(samples(1, 120), START + 121 * 60, 121, 3600)
+    assert kept[0][0] < START + 61 * 60 <= kept[1][0] and kept[-1] == (START + 121 * 60, 121)
+    assert overflow.keep_samples(kept, START + 122 * 60, 3, 3600) == [(START + 122 * 60, 3)]  # total went down
+    assert overflow.keep_samples(kept, START, 200, 3600) == [(START, 200)]  # the clock went back
+    assert parse_samples("1.5:3,2.5:4") == [(1.5, 3), (2.5, 4)]
+    assert parse_samples("1.5:3,garbage") == [] and parse_samples("") == []
+
+
+def test_keep_machines_pays_for_each_machine_it_keeps() -> None:
+    assert overflow.keep_machines(0.0, 0.4, 16) == 0
+    assert overflow.keep_machines(1.5, 0.4, 16) == 2  # Erlang: the 2nd carries 0.43, the 3rd 0.26
+    assert overflow.keep_machines(0.5, 0.4, 16) == 0  # alone it would be busy 33 % of the time
+    assert overflow.keep_machines(100.0, 0.4, 8) == 8  # max_workers caps it
+    assert overflow.keep_machines(1.5, 0.01, 16) > 4  # near-free machines: keep many
+
+
+def test_burst_machines_only_when_a_machine_works_longer_than_it_boots() -> None:
+    assert overflow.burst_machines(100, 10.0, 1.0, 180.0, 300.0) == 0  # 2 min of work after a 3-min boot
+    assert overflow.burst_machines(100, 10.0, 1.0, 180.0, 1800.0) == math.ceil(90 / 27)
+    assert overflow.burst_machines(5, 10.0, 1.0, 180.0, 1800.0) == 0  # the fleet starts them in time
+    sized = overflow.size(2.1, 6, 0, 3, 16, FLOW)
+    assert (sized.target, sized.floor) == (2, 2) and "base load 2.1 machines" in sized.why
+    assert "burst carried by overflow" in sized.why
+    grown = overflow.size(2.1, 6, 4, 3, 5, FLOW)
+    assert grown.target == 5 and "justifies 4 more" in grown.why  # max_workers caps the burst
+
+
+@pytest.mark.parametrize(
+    ("flow", "message"),
+    [
+        ({}, "q.overflow.backends: Field required"),
+        ({"backends": []}, "q.overflow.backends: List should have at least 1 item"),
+        ({"backends": ["a", "a"]}, "q.overflow.backends: a backend is named twice"),
+        ({"backends": ["a"], "after": "-5m"}, "q.overflow.after"),
+        ({"backends": ["a"], "span": "2h"}, "q.overflow.span: 7200s is longer than window"),
+        ({"backends": ["a"], "quantile": 1.5}, "q.overflow.quantile"),
+        ({"backends": ["a"], "keep_busy": 0}, "q.overflow.keep_busy"),
+        ({"backends": ["a"], "later": "5m"}, "q.overflow.later"),
+    ],
+)
+def test_bad_overflow_blocks_name_the_field(flow: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        validate_autoscale({"overflow": flow}, "q")
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_overflow_backends_must_be_configured_for_a_gpu_worker_queue(tmp_path: Path) -> None:
+    f = tmp_path / "offload.yaml"
+    backend = "backends:\n  sls: {kind: http-job, base_url: 'http://127.0.0.1:1'}\n"
+    block = "autoscale: {enabled: true, provider: p, max_workers: 4, overflow: {backends: [%s], after: 5m}}"
+    f.write_text(backend + "queues:\n  gpu:\n    " + block % "sl" + "\n")
+    with pytest.raises(ConfigError, match=r"^queues\.gpu\.autoscale\.overflow\.backends\.0: no backend named 'sl'"):
+        load_settings(f, env={})
+    f.write_text(backend + "queues:\n  gpu:\n    backend: sls\n    " + block % "sls" + "\n")
+    with pytest.raises(ConfigError, match=r"^queues\.gpu\.autoscale\.overflow: only a queue served by GPU workers"):
+        load_settings(f, env={})
+    f.write_text(backend + "queues:\n  gpu:\n    " + block % "sls" + "\n")
+    cfg = validate_autoscale(load_settings(f, env={}).queues["gpu"].autoscale, "gpu")
+    assert cfg.overflow is not None and cfg.overflow.after == 300 and cfg.overflow.backends == ["sls"]
+
+
+def steady_and_burst() -> list[tuple[float, float]]:
+    """3 h of one job every 40 s x 100 s (2.5 machines' worth) and, at 2 h, 120 jobs at once."""
+    jobs = [(40.0 * i, 100.0) for i in range(int(3 * 3600 / 40))]
+    return sorted(jobs + [(2 * 3600.0, 100.0)] * 120)
+
+
+class Recorded(HybridWorld):
+    """Records the fleet's size and the decision's reasons after each evaluation; may damage the arrivals record
+    or hand the queue to a second server once."""
+
+    def __init__(self, *args: Any, damage_at: float | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sizes: list[tuple[float, int]] = []
+        self.reasons: list[str] = []
+        self.damage_at = damage_at
+
+    async def after_tick(self) -> None:
+        await super().after_tick()
+        decision = await load_decision(self.r, QUEUE)
+        assert decision is not None
+        self.sizes.append((self.clock() - START, len(await self.provider.all_ids())))
+        self.reasons += decision["reasons"]
+        if self.damage_at is not None and self.clock() >= START + self.damage_at:
+            self.damage_at = None
+            await self.r.hset(queue_state(QUEUE), "arrivals", "not:a,record")
+
+
+async def play(r: Any, **kwargs: Any) -> Recorded:
+    await r.flushdb()
+    flow = {"backends": ["serverless"], "after": "5m", "quantile": 0.25}
+    policy = Policy("hybrid", 8, poll=30.0, by_cost=True, overflow=flow)
+    world = Recorded(r, steady_and_burst(), policy, Hosts(boot=(120.0, 180.0)), Prices(), 0, **kwargs)
+    await world.run(8 * 3600.0)
+    return world
+
+
+async def test_the_fleet_holds_the_base_and_the_burst_overflows(r: Any) -> None:
+    world = await play(r)
+    done = world.served.done_by
+    assert sorted(done) == list(range(len(world.jobs))) and all(len(k) == 1 for k in done.values())
+    burst = [n for n, (a, _) in enumerate(world.jobs) if a == 2 * 3600.0]
+    on_sls = [n for n in burst if done[n] == ["serverless"]]
+    assert len(on_sls) > 80, len(on_sls)  # a 5-min allowance: the base fleet starts only a few of 120
+    during = [n for t, n in world.sizes if 2 * 3600 <= t < 2 * 3600 + 600]
+    assert during and max(during) <= 4, during  # the burst rented nothing beyond the base (2-3)
+    settled = [n for t, n in world.sizes if 3600 <= t < 2 * 3600]
+    assert settled and min(settled) >= 2, settled  # 2.5 machines' worth keeps two or three
+    assert any("base load" in why and "burst carried by overflow" in why for why in world.reasons)
+    waits = [world.served.started[n] - START - a for n, (a, _) in enumerate(world.jobs)]
+    assert sorted(waits)[int(0.95 * len(waits))] <= 300, "the p95 wait is within `after`"
+
+
+async def test_a_damaged_record_restarts_the_measurement_without_failing(r: Any) -> None:
+    world = await play(r, damage_at=5400.0)
+    assert all(len(k) == 1 for k in world.served.done_by.values()) and len(world.served.done_by) == len(world.jobs)
+    state = await QueueState.load(r, QUEUE)
+    assert parse_samples(state.arrivals), "measuring again after the damage"
+    late = [n for t, n in world.sizes if 5400 + 700 <= t < 2 * 3600]
+    assert late and min(late) >= 1, late  # one whole bucket later the base holds again
