@@ -80,13 +80,22 @@ def faulty(hosts: Hosts) -> bool:
 
 
 async def measure(
-    url: str, traces: list[Trace], poll: float, idle: float, seed: int, prices: Prices, small: bool
+    url: str,
+    traces: list[Trace],
+    poll: float,
+    idle: float,
+    seed: int,
+    prices: Prices,
+    small: bool,
+    quantiles: tuple[float, ...] = sweep.QUANTILES,
 ) -> list[dict[str, Any]]:
     out = []
     for trace in traces:
         t0 = time.monotonic()
         runs = [await play(url, trace, p, seed) for p in policies(poll, idle)]
-        hybrid = [await play_hybrid(url, trace, p, prices, seed) for p in sweep.hybrid_policies(poll, idle, small)]
+        hybrid = [
+            await play_hybrid(url, trace, p, prices, seed) for p in sweep.hybrid_policies(poll, idle, small, quantiles)
+        ]
         targets = sweep.choose(trace, sweep.fleet_rows(runs, prices), hybrid, prices, seed)
         bounds = {n: bounded(trace, clairvoyant(trace.jobs, trace.hosts.boot[0], n)) for n in MAX_WORKERS}
         boot = f"{trace.hosts.boot[0] / 60:g}-{trace.hosts.boot[1] / 60:g} min"
@@ -122,6 +131,7 @@ def main() -> None:
     p.add_argument("--serverless", type=float, default=2.5, help="the same GPU serverless, $ per hour (per second)")
     p.add_argument("--cold", type=float, nargs=2, default=(5.0, 20.0), help="serverless cold start, s (min max)")
     p.add_argument("--boot", type=float, nargs=2, default=(2.0, 4.0), help="a rented machine's boot, min (min max)")
+    p.add_argument("--quantiles", type=float, nargs="+", default=sweep.QUANTILES, help="the hybrid's base quantiles")
     p.add_argument("--plots", action="store_true", help="also a PNG a trace in --out (needs matplotlib)")
     args = p.parse_args()
     if args.trace:
@@ -137,7 +147,9 @@ def main() -> None:
         procs = Processes(Path(workdir))
         try:
             url = start_valkey(procs)
-            measured_traces = asyncio.run(measure(url, traces, args.poll, args.idle, args.seed, prices, args.small))
+            measured_traces = asyncio.run(
+                measure(url, traces, args.poll, args.idle, args.seed, prices, args.small, tuple(args.quantiles))
+            )
         finally:
             procs.stop_all()
     doc = {

@@ -13,6 +13,7 @@ completed through the store, so the autoscaler's run histogram and arrival count
 from __future__ import annotations
 
 import contextlib
+import random
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,12 @@ class Prices:
     cold: tuple[float, float] = (5.0, 20.0)  # seconds, uniform
 
 
+def colds(jobs: list[tuple[float, float]], prices: Prices, seed: int) -> list[float]:
+    """Each job's serverless cold start, drawn the same for serverless-only (mix.py) and the hybrid."""
+    rng = random.Random(seed + 7)
+    return [rng.uniform(*prices.cold) for _ in jobs]
+
+
 class HybridWorld(CostWorld):
     """CostWorld whose queue also overflows to a serverless backend (policy.overflow must be set)."""
 
@@ -46,6 +53,7 @@ class HybridWorld(CostWorld):
         assert policy.overflow is not None
         super().__init__(r, jobs, policy, hosts, seed)
         self.prices = prices
+        self.colds = colds(jobs, prices, seed)
         self.flow = Overflow.model_validate({"backends": ["serverless"], **policy.overflow})
         self.remote: list[tuple[float, str, str, int]] = []  # (done at, job id, lease token, trace index)
         self.boot_seen: list[float] = []
@@ -93,7 +101,7 @@ class HybridWorld(CostWorld):
         now = self.clock()
         for job in await self.store.claim(QUEUE, OVERFLOW_WORKER, n, lease_ms=LEASE_MS):
             k = self.index[job.id]
-            cold = self.rng.uniform(*self.prices.cold)
+            cold = self.colds[k]
             self.served.started.setdefault(k, now + cold)
             self.served.serverless_s += cold + self.jobs[k][1]
             self.remote.append((now + cold + self.jobs[k][1], job.id, job.token, k))

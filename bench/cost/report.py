@@ -95,6 +95,7 @@ def markdown(doc: dict[str, Any]) -> str:
         out += [row(run["policy"], run) for run in trace["runs"]]
         out += [row(f"clairvoyant, max {n} (least wait)", b) for n, b in trace["bounds"].items()]
         out += _against_healthy(trace["runs"])
+        out += sweep_table(trace)
         out.append("")
     return "\n".join(out)
 
@@ -114,4 +115,36 @@ def _against_healthy(runs: list[dict[str, Any]]) -> list[str]:
             f"| {run['policy']} | {run['wait_min']['max']:g} / {h['wait_min']['max']:g} | "
             f"{run['peak_wait_vs_healthy']:g}x | {run['gpu_h_rented']:.2f} / {h['gpu_h_rented']:.2f} |"
         )
+    return out
+
+
+SWEEP_HEAD = (
+    "| p95 target | serverless-only | fleet-only (best setting) | hybrid (best setting) | offline mix bound "
+    "| hybrid / cheaper single kind | hybrid / bound |\n|---|---|---|---|---|---|---|"
+)
+
+
+def _cell(row: dict[str, Any] | None, named: bool = True) -> str:
+    if row is None:
+        return "none meets it"
+    text = f"${row['cost']:.2f} (p95 {row['p95_min']:g} min)"
+    return f"{text}: {row['policy']}" if named else text
+
+
+def sweep_table(trace: dict[str, Any]) -> list[str]:
+    """The policy sweep (bench/cost/sweep.py): each policy's cheapest setting meeting each p95 wait target."""
+    if "sweep" not in trace:
+        return []
+    out = ["\nThe cheapest setting of each policy that meets each p95 wait target:\n", SWEEP_HEAD]
+    for target, row in trace["sweep"].items():
+        h = row["hybrid"]
+        singles = [x["cost"] for x in (row["serverless"], row["fleet"]) if x is not None]
+        vs_single = f"{h['cost'] / min(singles):.2f}" if h and singles else "-"
+        vs_bound = f"{h['cost'] / row['bound']['cost']:.2f}" if h and row["bound"]["cost"] > 0 else "-"
+        out.append(
+            f"| {target} min | {_cell(row['serverless'], False)} | {_cell(row['fleet'])} | {_cell(h)} "
+            f"| {_cell(row['bound'], False)}, {row['bound']['machines']} machines | {vs_single} | {vs_bound} |"
+        )
+    fails = [f"{t} min: {'; '.join(n)}" for t, n in trace.get("verdicts", {}).items() if n]
+    out.append("\nTargets missed: " + (" · ".join(fails) if fails else "none") + ".")
     return out

@@ -11,36 +11,33 @@ A policy none of whose settings meets a target is reported as such (None), not s
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
-from bench.cost.hybrid import Prices
+from bench.cost.hybrid import Prices, colds
 from bench.cost.mix import Mix, best_mix, serverless_only
 from bench.cost.report import percentile
 from bench.cost.traces import Trace
 from bench.cost.world import START, Policy, Served
 
 TARGETS = (1, 5, 15, 30)  # p95 wait targets, minutes
+SMALL_TARGETS = (1, 15)
 HYBRID_MAX = 16
-AFTER_SHARE = 1.0  # `after` is swept at this share of each target (predictions that miss leave p95 under it)
+AFTER_SHARES = (1.0, 1.5)  # `after` as a share of each target: a p95 leaves room past `after` for 5 % of jobs
 QUANTILES = (0.25, 0.5)
-SMALL_QUANTILES = (0.25,)
 
 
-def hybrid_policies(poll: float, idle: float, small: bool) -> list[Policy]:
+def hybrid_policies(poll: float, idle: float, small: bool, quantiles: tuple[float, ...] = QUANTILES) -> list[Policy]:
+    """The hybrid's settings swept: `after` at each share of each target x the base load's quantile (small: the
+    first of each, at two targets, so CI stays within about a minute)."""
     out = []
-    for q in SMALL_QUANTILES if small else QUANTILES:
-        for target in TARGETS:
-            after = round(AFTER_SHARE * target * 60)
-            flow = {"backends": ["serverless"], "after": f"{after}s", "quantile": q}
-            name = f"hybrid, after {after / 60:g} min, base q{q:g}"
-            out.append(Policy(name, HYBRID_MAX, idle_timeout=idle, poll=poll, by_cost=True, overflow=flow))
+    for q in quantiles[:1] if small else quantiles:
+        for share in AFTER_SHARES[:1] if small else AFTER_SHARES:
+            for target in SMALL_TARGETS if small else TARGETS:
+                after = round(share * target * 60)
+                flow = {"backends": ["serverless"], "after": f"{after}s", "quantile": q}
+                name = f"hybrid, after {after / 60:g} min, base q{q:g}"
+                out.append(Policy(name, HYBRID_MAX, idle_timeout=idle, poll=poll, by_cost=True, overflow=flow))
     return out
-
-
-def colds(trace: Trace, prices: Prices, seed: int) -> list[float]:
-    rng = random.Random(seed + 7)
-    return [rng.uniform(*prices.cold) for _ in trace.jobs]
 
 
 def hybrid_measured(trace: Trace, policy: Policy, served: Served, prices: Prices) -> dict[str, Any]:
@@ -100,7 +97,7 @@ def cheapest(rows: list[dict[str, Any]], target: float) -> dict[str, Any] | None
 def choose(
     trace: Trace, fleet: list[dict[str, Any]], hybrid: list[dict[str, Any]], prices: Prices, seed: int
 ) -> dict[str, Any]:
-    sls = summary(serverless_only(trace.jobs, prices, colds(trace, prices, seed)), "serverless-only")
+    sls = summary(serverless_only(trace.jobs, prices, colds(trace.jobs, prices, seed)), "serverless-only")
     out: dict[str, Any] = {}
     for target in TARGETS:
         bound = summary(best_mix(trace.jobs, trace.hosts.boot[0], HYBRID_MAX, target * 60, prices), "offline mix")

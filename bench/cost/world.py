@@ -125,7 +125,7 @@ class Hosts:
     p_never_boot: float = 0.0
     p_preempt: float = 0.0  # a machine that boots is pre-empted at a uniform time in its first `preempt_within`
     preempt_within: float = 4 * 3600.0
-    price: float = 1.0  # $ per GPU-hour (python -m bench.cost --rented)
+    price: float = 0.5  # $ per GPU-hour (python -m bench.cost sets --rented, $1.00 by default)
 
 
 @dataclass

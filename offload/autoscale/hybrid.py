@@ -56,7 +56,8 @@ async def overflow_up(
     booting = [i.created_at + boot - now for i in active if i.status in ("provisioning", "booting")]
     serving = len(active) - len(booting)
     rate = 60 / run_s if run_s > 0 else 0.0
-    idle = max(0, min(serving, load.live_workers) - load.in_flight)
+    idle = sum(1 for i in active if i.status == "running" and i.worker_id and i.in_flight == 0)  # not the
+    # queue's in-flight count: overflow's jobs are in flight too
     have = overflow.capacity(idle, serving, rate, booting, flow.after)
     burst = overflow.burst_machines(load.pending, have, rate, boot, flow.after)
     sized = overflow.size(base, buckets, burst, len(active), cfg.limit, flow)

@@ -15,6 +15,7 @@ the real store, the mock provider; the overflow routing is bench/cost/hybrid.py'
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -206,3 +207,13 @@ async def test_a_damaged_record_restarts_the_measurement_without_failing(r: Any)
     assert parse_samples(state.arrivals), "measuring again after the damage"
     late = [n for t, n in world.sizes if 5400 + 700 <= t < 2 * 3600]
     assert late and min(late) >= 1, late  # one whole bucket later the base holds again
+
+
+def test_the_docs_overflow_example_loads(tmp_path: Path) -> None:
+    page = (Path(__file__).parents[2] / "docs" / "how-to" / "autoscaling.md").read_text()
+    block = next(b for b in re.findall(r"```yaml\n(.*?)```", page, re.S) if "overflow:" in b)
+    f = tmp_path / "offload.yaml"
+    f.write_text(block)
+    settings = load_settings(f, env={"RUNPOD_API_KEY": "k"})
+    cfg = validate_autoscale(settings.queues["gpu"].autoscale, "gpu")
+    assert cfg.overflow is not None and cfg.overflow.backends == ["sdxl-serverless"] and cfg.overflow.after == 300

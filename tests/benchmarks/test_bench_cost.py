@@ -1,10 +1,13 @@
 """`python -m bench.cost --small` runs end to end and its report holds together: every job served, utilisation
-in (0, 1], no policy renting fewer GPU-hours than the clairvoyant bound at its own peak wait, sums that agree."""
+in (0, 1], no policy renting fewer GPU-hours than the clairvoyant bound at its own peak wait, sums that agree; and
+the policy sweep's: every job of every hybrid run completed once, by exactly one kind of capacity, each policy's
+chosen setting meeting its target, no policy costing less than the offline mix bound."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from test_bench_smoke import BOUND, last_json
 
@@ -12,10 +15,17 @@ from test_bench_smoke import BOUND, last_json
 def test_cost_bench_small(tmp_path: Path) -> None:
     doc = last_json(["-m", "bench.cost", "--small", "--plots", "--out", str(tmp_path)], timeout=BOUND)
     assert {**json.loads((tmp_path / "cost.json").read_text()), "plots": doc["plots"]} == doc
-    assert all((tmp_path / name).stat().st_size > 0 for name in doc["plots"]) and len(doc["plots"]) == 4
+    assert all((tmp_path / name).stat().st_size > 0 for name in doc["plots"]) and len(doc["plots"]) == 5
     page = (tmp_path / "cost.md").read_text()
     assert page.count("The same arrivals on healthy hosts") == 1  # under the faulty trace only
-    assert {t["name"] for t in doc["traces"]} == {"burst-day", "diurnal", "night-spike", "faulty-week"}
+    assert {t["name"] for t in doc["traces"]} == {
+        "burst-day",
+        "diurnal",
+        "night-spike",
+        "faulty-week",
+        "diurnal-spikes",
+    }
+    assert page.count("The cheapest setting of each policy that meets each p95 wait target") == 5
     for trace in doc["traces"]:
         assert f"### {trace['name']}" in page
         assert len(trace["runs"]) == 6 and set(trace["bounds"]) == {"8", "16"}
@@ -41,6 +51,33 @@ def test_cost_bench_small(tmp_path: Path) -> None:
                 assert healthy["jobs_served"] == healthy["jobs"] == run["jobs"], where
                 assert run["peak_wait_vs_healthy"] == round(w["max"] / max(healthy["wait_min"]["max"], 0.1), 2)
                 assert run["peak_wait_vs_healthy"] <= 2, where
+        check_sweep(trace, doc["prices"])
         for n, bound in trace["bounds"].items():
             assert 0 < bound["utilisation"] <= 1 and bound["machines"] <= int(n), (trace["name"], bound)
             assert bound["gpu_h_rented"] >= bound["gpu_h_work"], (trace["name"], bound)
+
+
+def check_sweep(trace: dict[str, Any], prices: dict[str, Any]) -> None:
+    assert len(trace["hybrid_runs"]) == 2, trace["name"]
+    for run in trace["hybrid_runs"]:
+        where = f"{trace['name']} / {run['policy']}: {run}"
+        assert run["jobs_served"] == run["done_once"] == run["jobs"] > 0, where  # once each, never by both
+        assert run["on_fleet"] + run["on_serverless"] == run["jobs"], where
+        assert run["serverless_gpu_h"] >= 0 and run["fleet_gpu_h"] >= 0, where
+        billed = run["fleet_gpu_h"] * prices["rented"] + run["serverless_gpu_h"] * prices["serverless"]
+        assert abs(run["cost"] - billed) <= 0.01 * (prices["rented"] + prices["serverless"]) + 0.01, where
+    assert set(trace["sweep"]) == {"1", "5", "15", "30"}
+    for target, row in trace["sweep"].items():
+        where = f"{trace['name']} at p95 {target} min: {row}"
+        assert row["serverless"] is not None, where  # a 5-20 s cold start meets every target
+        bound = row["bound"]
+        assert bound["on_fleet"] + bound["on_serverless"] == trace["runs"][0]["jobs"], where
+        assert bound["p95_min"] <= float(target), where
+        for kind in ("serverless", "fleet", "hybrid"):
+            chosen = row[kind]
+            if chosen is not None:
+                assert chosen["p95_min"] <= float(target), where
+                assert bound["cost"] <= chosen["cost"] + 0.01, (kind, where)
+        hybrid, singles = row["hybrid"], [row[k]["cost"] for k in ("serverless", "fleet") if row[k] is not None]
+        dearer = hybrid is not None and hybrid["cost"] > min(singles)
+        assert dearer == any("cheaper single kind" in n for n in trace["verdicts"][target]), where
