@@ -1,5 +1,6 @@
-"""The plot of each trace (PNG, matplotlib, a dev dependency): GPU-hours rented by each policy, split into work,
-boots and the rest (idle), beside the clairvoyant fleets, and each one's longest wait."""
+"""The plots of each trace (PNG, matplotlib, a dev dependency): GPU-hours rented by each policy, split into work,
+boots and the rest (idle), beside the clairvoyant fleets, and each one's longest wait; and the policy sweep's
+cheapest setting of each policy per wait target."""
 
 from __future__ import annotations
 
@@ -40,4 +41,27 @@ def plots(doc: dict[str, Any], img: Path) -> list[str]:
         fig.savefig(img / name, dpi=100)
         plt.close(fig)
         written.append(name)
+        if "sweep" in trace:
+            written.append(sweep_plot(plt, trace, img))
     return written
+
+
+def sweep_plot(plt: Any, trace: dict[str, Any], img: Path) -> str:
+    """Each policy's cheapest setting per p95 wait target, in $ (a missing bar: no setting meets it)."""
+    kinds = [("serverless", "serverless-only", "#dd8452"), ("fleet", "fleet-only", "#4c72b0")]
+    kinds += [("hybrid", "hybrid", "#55a868"), ("bound", "offline mix bound", "#c0c0c0")]
+    targets = list(trace["sweep"])
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    for i, (key, label, color) in enumerate(kinds):
+        xs = [t + (i - 1.5) * 0.2 for t in range(len(targets))]
+        costs = [(trace["sweep"][t][key] or {}).get("cost", 0.0) for t in targets]
+        ax.bar(xs, costs, width=0.2, label=label, color=color)
+    ax.set_xticks(range(len(targets)), [f"p95 <= {t} min" for t in targets])
+    ax.set_ylabel("$ for the trace")
+    ax.set_title(f"{trace['name']}: the cheapest setting of each policy per wait target", fontsize=9, loc="left")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    name = f"bench-cost-sweep-{trace['name']}.png"
+    fig.savefig(img / name, dpi=100)
+    plt.close(fig)
+    return name

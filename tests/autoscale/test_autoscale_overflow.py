@@ -9,7 +9,8 @@ the real store, the mock provider; the overflow routing is bench/cost/hybrid.py'
 - bad blocks fail naming the field; overflow backends must be configured backends of a GPU-worker queue;
 - on the simulated clock, a steady load and a burst: the fleet holds the base, the burst goes to overflow, every
   job is completed once by one kind, and the decision says why; a damaged arrivals record does not fail the
-  evaluation, and the measurement starts over.
+  evaluation (the measurement starts over); a new leader goes on with the measured window;
+- a queue without overflow is sized as before.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_autoscale_scale_in import second_server
 
 from bench.cost.hybrid import HybridWorld, Prices
-from bench.cost.world import QUEUE, START, Hosts, Policy
+from bench.cost.world import QUEUE, START, CostWorld, Hosts, Policy
 from offload.autoscale import overflow
 from offload.autoscale.hybrid import parse_samples
 from offload.autoscale.keyspace import queue_state
@@ -158,18 +160,21 @@ class Recorded(HybridWorld):
     """Records the fleet's size and the decision's reasons after each evaluation; may damage the arrivals record
     or hand the queue to a second server once."""
 
-    def __init__(self, *args: Any, damage_at: float | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, damage_at: float | None = None, swap_at: float | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.sizes: list[tuple[float, int]] = []
-        self.reasons: list[str] = []
-        self.damage_at = damage_at
+        self.reasons: list[tuple[float, str]] = []
+        self.damage_at, self.swap_at = damage_at, swap_at
 
     async def after_tick(self) -> None:
         await super().after_tick()
         decision = await load_decision(self.r, QUEUE)
         assert decision is not None
         self.sizes.append((self.clock() - START, len(await self.provider.all_ids())))
-        self.reasons += decision["reasons"]
+        self.reasons += [(self.clock() - START, why) for why in decision["reasons"]]
+        if self.swap_at is not None and self.clock() >= START + self.swap_at:
+            self.swap_at = None
+            self.scaler = second_server(self)  # the first one stops: as if SIGKILLed, its lease runs out
         if self.damage_at is not None and self.clock() >= START + self.damage_at:
             self.damage_at = None
             await self.r.hset(queue_state(QUEUE), "arrivals", "not:a,record")
@@ -195,7 +200,7 @@ async def test_the_fleet_holds_the_base_and_the_burst_overflows(r: Any) -> None:
     assert during and max(during) <= 4, during  # the burst rented nothing beyond the base (2-3)
     settled = [n for t, n in world.sizes if 3600 <= t < 2 * 3600]
     assert settled and min(settled) >= 2, settled  # 2.5 machines' worth keeps two or three
-    assert any("base load" in why and "burst carried by overflow" in why for why in world.reasons)
+    assert any("base load" in why and "burst carried by overflow" in why for _, why in world.reasons)
     waits = [world.served.started[n] - START - a for n, (a, _) in enumerate(world.jobs)]
     assert sorted(waits)[int(0.95 * len(waits))] <= 300, "the p95 wait is within `after`"
 
@@ -217,3 +222,27 @@ def test_the_docs_overflow_example_loads(tmp_path: Path) -> None:
     settings = load_settings(f, env={"RUNPOD_API_KEY": "k"})
     cfg = validate_autoscale(settings.queues["gpu"].autoscale, "gpu")
     assert cfg.overflow is not None and cfg.overflow.backends == ["sdxl-serverless"] and cfg.overflow.after == 300
+
+
+async def test_a_queue_without_overflow_is_sized_as_before(r: Any) -> None:
+    """The same arrivals without `overflow`: the ramp sizes the fleet for the burst, nothing measures arrivals."""
+    await r.flushdb()
+    world = CostWorld(r, steady_and_burst(), Policy("ramp", 8, 25, poll=30.0), Hosts(boot=(120.0, 180.0)))
+    await world.run(8 * 3600.0)
+    decision = await load_decision(r, QUEUE)
+    assert decision is not None and not any("base load" in why for why in decision["reasons"])
+    assert (await QueueState.load(r, QUEUE)).arrivals == ""
+    assert len(world.served.started) == len(world.jobs) and world.served.serverless_s == 0
+    assert all(k == ["fleet"] for k in world.served.done_by.values())
+    at = START + 2 * 3600 + 300
+    renting = [x for x in world.served.rentals if x.created <= at < (x.gone or at + 1)]
+    assert len(renting) >= 5, len(renting)  # the ramp rents for the burst's 120 jobs (ceil(125 / 25))
+
+
+async def test_a_new_leader_goes_on_with_the_measured_base(r: Any) -> None:
+    world = await play(r, swap_at=5400.0)
+    assert all(len(k) == 1 for k in world.served.done_by.values()) and len(world.served.done_by) == len(world.jobs)
+    after = [why for t, why in world.reasons if 5400 + 240 <= t < 5400 + 600 and "base load" in why]
+    assert after and all("of 6 bucket(s)" in why for why in after), after  # the window, not a fresh start
+    kept = [n for t, n in world.sizes if 5400 + 240 <= t < 2 * 3600]
+    assert kept and min(kept) >= 2, kept

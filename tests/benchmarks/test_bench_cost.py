@@ -15,7 +15,7 @@ from test_bench_smoke import BOUND, last_json
 def test_cost_bench_small(tmp_path: Path) -> None:
     doc = last_json(["-m", "bench.cost", "--small", "--plots", "--out", str(tmp_path)], timeout=BOUND)
     assert {**json.loads((tmp_path / "cost.json").read_text()), "plots": doc["plots"]} == doc
-    assert all((tmp_path / name).stat().st_size > 0 for name in doc["plots"]) and len(doc["plots"]) == 5
+    assert all((tmp_path / name).stat().st_size > 0 for name in doc["plots"]) and len(doc["plots"]) == 10
     page = (tmp_path / "cost.md").read_text()
     assert page.count("The same arrivals on healthy hosts") == 1  # under the faulty trace only
     assert {t["name"] for t in doc["traces"]} == {
