@@ -91,7 +91,8 @@ faketime:
 # in under a minute with lint on a loaded 2-core machine (measured with `time make check`: see CONTRIBUTING.md).
 CHECK_TESTS := tests/project/test_docs_layout.py tests/project/test_import_graph.py tests/project/test_keys_layout.py \
 	tests/jobstore/test_queue.py tests/jobstore/test_queue_replies.py tests/jobstore/test_queue_submits.py \
-	tests/jobstore/test_queue_replays.py tests/jobstore/test_redis_client.py tests/worker/test_batching.py \
+	tests/jobstore/test_queue_replays.py tests/jobstore/test_redis_client.py tests/jobstore/test_lua_scripts.py \
+	tests/worker/test_batching.py \
 	tests/worker/test_job_limits.py \
 	tests/sim/test_sim_sender.py tests/sim/test_backends.py tests/security/test_security_redact.py \
 	tests/security/test_security_redact_forms.py \

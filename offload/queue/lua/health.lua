@@ -70,8 +70,8 @@ elseif op == 'ok' then
     redis.call('HDEL', h, 'probe_until')
   end
   -- moving means of the last ~20 runs: the price model of `route: cheapest` and a deadline's expected finish
-  local function fold(field, count, value, old)
-    local n = tonumber(redis.call('HINCRBY', h, count, 1))
+  local function fold(field, counter, value, old)
+    local n = tonumber(redis.call('HINCRBY', h, counter, 1))
     local m = (tonumber(old or '') or value) + (value - (tonumber(old or '') or value)) / math.min(n, 20)
     redis.call('HSET', h, field, string.format('%.0f', m))
     return m
