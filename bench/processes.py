@@ -4,17 +4,21 @@ memory (`ProcStats`). Benchmarks run as scripts (`python bench/<name>.py`) impor
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import redis
@@ -25,6 +29,7 @@ except ImportError:  # not a dependency: fall back to /proc
     psutil = None
 
 HOST = "127.0.0.1"
+T = TypeVar("T")
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Timeout)\b[^\n]*$", re.MULTILINE)
 LOGGED = re.compile(r"^\S+ \S+ (?:WARNING|ERROR) (.*)$", re.MULTILINE)
 ID = re.compile(r"[\w.-]*[0-9a-f]{16,}[\w.-]*")
@@ -114,6 +119,21 @@ class Processes:
         for _, proc in reversed(self.procs):  # worker first, then the simulator, then Valkey
             with contextlib.suppress(Exception):
                 self.stop(proc)
+
+
+def run_in_workdir(prefix: str, keep: bool, run: Callable[[Path], Coroutine[Any, Any, T]]) -> T:
+    """`run(workdir)` on a fresh event loop in a new temporary directory, removed afterwards unless `keep` (its
+    path is then printed to stderr); a SIGTERM exits through the same cleanup."""
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    try:
+        return asyncio.run(run(workdir))
+    finally:
+        if keep:
+            print(f"work directory: {workdir}", file=sys.stderr)
+        else:
+            with contextlib.suppress(OSError):
+                shutil.rmtree(workdir)
 
 
 def wait_until(

@@ -22,13 +22,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import shutil
-import signal
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, cast
@@ -37,7 +33,7 @@ import httpx
 from redis.asyncio import Redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make `bench` importable
-from bench.processes import HOST, Processes, ProcStats, free_port, start_valkey, wait_until
+from bench.processes import HOST, Processes, ProcStats, free_port, run_in_workdir, start_valkey, wait_until
 from offload.connection import connect
 from offload.models import JobState
 from offload.queue.specs import JobSpec
@@ -238,16 +234,7 @@ def main() -> None:
     args = parser.parse_args()
     args.jobs = args.jobs or (200 if args.quick else 1000)
     args.latency = args.latency if args.latency is not None else (3.0 if args.quick else 10.0)
-    workdir = Path(tempfile.mkdtemp(prefix="offload-bench-webhooks-"))
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
-    try:
-        result = asyncio.run(main_async(args, workdir))
-    finally:
-        if args.keep:
-            print(f"work directory: {workdir}", file=sys.stderr)
-        else:
-            with contextlib.suppress(OSError):
-                shutil.rmtree(workdir)
+    result = run_in_workdir("offload-bench-webhooks-", args.keep, lambda workdir: main_async(args, workdir))
     print(json.dumps(result))
 
 
