@@ -64,8 +64,19 @@ def create_backend(
     from offload.backends.openai import OpenAIBackend
     from offload.backends.replicate import ReplicateBackend
     from offload.backends.runpod import RunPodBackend
-    from offload.backends.settings import FalSettings, HttpJobSettings, OpenAISettings, ReplicateSettings
+    from offload.backends.settings import (
+        AnthropicBatchSettings,
+        FalSettings,
+        HttpJobSettings,
+        OpenAIBatchSettings,
+        OpenAISettings,
+        ReplicateSettings,
+    )
 
+    if isinstance(settings, OpenAIBatchSettings | AnthropicBatchSettings):
+        from offload.backends.batched import BatchBackend
+
+        return BatchBackend.from_settings(name, settings, client)
     if isinstance(settings, HttpJobSettings):
         return HttpJobBackend.from_settings(name, settings, client)
     if isinstance(settings, OpenAISettings):

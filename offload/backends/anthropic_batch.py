@@ -5,12 +5,14 @@ the simulator's own root), as for the anthropic SDK; the key goes in `x-api-key`
 
 Anthropic's `custom_id` allows `[a-zA-Z0-9_-]{1,64}`, and offload's job ids hold `:` (and `.` in queue names), so
 a job id is carried escaped (`custom_id`/`job_id`): a job whose escaped id is longer than 64 characters (a queue
-name past ~30 characters) cannot go in a Message Batch (`PackTooLarge`). Not wired into the dispatch worker yet.
+name past ~30 characters) cannot go in a Message Batch (`PackTooLarge`).
+Packed and driven by the dispatch worker (offload.worker.packing).
 """
 
 from __future__ import annotations
 
 import re
+from datetime import datetime
 from typing import Any
 
 import orjson
@@ -21,6 +23,7 @@ from offload.backends.batch import (
     BatchState,
     BatchStatus,
     LineResult,
+    Listed,
     PackTooLarge,
     check_pack,
     parse_jsonl,
@@ -30,6 +33,17 @@ from offload.backends.http import require, same_origin
 BASE = "https://api.anthropic.com"
 VERSION = "2023-06-01"
 STATES: dict[str, BatchState] = {"in_progress": "running", "canceling": "cancelling", "ended": "ended"}
+# Anthropic's error types and the HTTP status each stands for (its errors guide): how a line's error is retried.
+ERROR_STATUS = {
+    "invalid_request_error": 400,
+    "authentication_error": 401,
+    "permission_error": 403,
+    "not_found_error": 404,
+    "request_too_large": 413,
+    "rate_limit_error": 429,
+    "api_error": 500,
+    "overloaded_error": 529,
+}
 _ESCAPES = {"_": "__", ":": "_c", ".": "_d"}
 _UNESCAPES = {v: k for k, v in _ESCAPES.items()}
 _CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -49,6 +63,8 @@ def job_id(custom: str) -> str:
 
 class AnthropicBatch(BatchClient):
     provider = "anthropic"
+    list_path = "/v1/messages/batches"
+    list_after = "after_id"
 
     def __init__(self, *, base_url: str = BASE, **kwargs: Any) -> None:
         super().__init__(base_url=base_url, **kwargs)
@@ -90,6 +106,20 @@ class AnthropicBatch(BatchClient):
         """Ask Anthropic to stop the batch; its status after (an ended batch is answered as it is)."""
         return _status(await self._json("POST", f"/v1/messages/batches/{batch_id}/cancel", known=True))
 
+    def _listed(self, row: dict[str, Any]) -> Listed:
+        """No tag: a Message Batch carries nothing of ours but its requests' custom_ids, which only its results
+        show; the packer matches by time and count, then by those results."""
+        counts = row.get("request_counts") or {}
+        total = sum(int(v) for v in counts.values() if isinstance(v, int))
+        return Listed(str(row.get("id")), _epoch(row.get("created_at")), total)
+
+
+def _epoch(value: Any) -> float:
+    try:
+        return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return 0.0
+
 
 def _status(batch: dict[str, Any]) -> BatchStatus:
     provider_status = require(batch, "processing_status", str, what="anthropic batch: GET /v1/messages/batches")
@@ -110,5 +140,7 @@ def _line(result: Any) -> LineResult:
     error = result.get("error") if isinstance(result, dict) else None
     inner = error.get("error") if isinstance(error, dict) else None
     if isinstance(inner, dict):
-        return LineResult("errored", error=f"{inner.get('type')}: {inner.get('message')}")
+        kind = inner.get("type")
+        status = ERROR_STATUS.get(kind) if isinstance(kind, str) else None
+        return LineResult("errored", error=f"{kind}: {inner.get('message')}", status=status)
     return LineResult("errored", error=f"unreadable result: {result!r}"[:500])

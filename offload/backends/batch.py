@@ -21,7 +21,7 @@ import orjson
 
 from offload.backends.base import Fatal, Transient
 from offload.backends.http import decode, error_for_exception, error_for_response, user_agent
-from offload.backends.settings import DEFAULT_TIMEOUT
+from offload.backends.settings import BATCH_MAX_BYTES, BATCH_MAX_REQUESTS, DEFAULT_TIMEOUT
 from offload.http_client import make_client
 
 
@@ -33,10 +33,10 @@ class BatchLimits:
     max_bytes: int
 
 
-# The providers' documented limits, in one place (OpenAI's Batch guide; Anthropic's Message Batches guide).
+# The providers' documented limits (their one home: offload.backends.settings, which reads no HTTP stack).
 LIMITS: dict[str, BatchLimits] = {
-    "openai": BatchLimits(max_requests=50_000, max_bytes=200 * 2**20),
-    "anthropic": BatchLimits(max_requests=100_000, max_bytes=256 * 2**20),
+    provider: BatchLimits(max_requests=BATCH_MAX_REQUESTS[provider], max_bytes=BATCH_MAX_BYTES[provider])
+    for provider in BATCH_MAX_REQUESTS
 }
 
 BatchState = Literal["running", "cancelling", "ended"]
@@ -76,6 +76,20 @@ class LineResult:
     @property
     def ok(self) -> bool:
         return self.kind == "succeeded"
+
+
+@dataclass(frozen=True, slots=True)
+class Listed:
+    """A batch as the provider's listing shows it: what adopting a lost create compares (its tag, when the provider
+    carries one; when it was created, epoch seconds; how many requests it holds)."""
+
+    batch_id: str
+    created: float
+    total: int
+    tag: str | None = None
+
+
+LIST_PAGES = 20  # a listing for a lost create reads at most this many pages (newest first) before it gives up
 
 
 def check_pack(provider: str, count: int, size: int) -> None:
@@ -147,6 +161,32 @@ class BatchClient:
 
     async def cancel(self, batch_id: str) -> BatchStatus:
         """Ask the provider to stop the batch (an ended one is no error); its status after."""
+        raise NotImplementedError
+
+    list_path: str = ""  # the listing's path, and the query parameter of its next page
+    list_after: str = "after"
+
+    async def listing(self, since: float) -> list[Listed]:
+        """The account's batches created at or after `since` (epoch seconds), newest first. Raises Transient when
+        the listing goes back further than LIST_PAGES pages (nothing can be proven absent then)."""
+        out: list[Listed] = []
+        after: str | None = None
+        for _ in range(LIST_PAGES):
+            params: dict[str, str | int] = {"limit": 100, **({self.list_after: after} if after else {})}
+            page = await self._json("GET", self.list_path, params=params)
+            rows = [r for r in page.get("data") or [] if isinstance(r, dict)]
+            for row in rows:
+                listed = self._listed(row)
+                if listed.created < since:
+                    return out
+                out.append(listed)
+            if not page.get("has_more") or not rows:
+                return out
+            after = str(rows[-1].get("id"))
+        raise Transient(f"{self.provider} batch: the listing goes back more than {LIST_PAGES} pages")
+
+    def _listed(self, row: dict[str, Any]) -> Listed:
+        """One row of the provider's listing."""
         raise NotImplementedError
 
     async def _request(self, method: str, path_or_url: str, *, known: bool = False, **kwargs: Any) -> httpx.Response:

@@ -5,7 +5,8 @@ and error files are read back into one result per job. `base_url` follows the Op
 
 Each line's `custom_id` is the job id, its body the job's request body (for `/v1/chat/completions`: model,
 messages, ...). A batch that fails OpenAI's validation (`status: failed`) has no results: `results` raises Fatal
-with its errors, as every job of it would fail the same way. Not wired into the dispatch worker yet.
+with its errors, as every job of it would fail the same way.
+Packed and driven by the dispatch worker (offload.worker.packing).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from offload.backends.batch import (
     BatchState,
     BatchStatus,
     LineResult,
+    Listed,
     check_pack,
     jsonl,
     parse_jsonl,
@@ -26,6 +28,7 @@ from offload.backends.http import require
 from offload.backends.settings import OPENAI_BASE
 
 ENDPOINT = "/v1/chat/completions"
+TAG = "offload_pack"  # the metadata key a batch carries its pack id in (what adopting a lost create looks for)
 STATES: dict[str, BatchState] = {
     "validating": "running",
     "in_progress": "running",
@@ -40,6 +43,7 @@ STATES: dict[str, BatchState] = {
 
 class OpenAIBatch(BatchClient):
     provider = "openai"
+    list_path = "/batches"
 
     def __init__(self, *, base_url: str = OPENAI_BASE, endpoint: str = ENDPOINT, **kwargs: Any) -> None:
         super().__init__(base_url=base_url, **kwargs)
@@ -102,6 +106,11 @@ class OpenAIBatch(BatchClient):
             if exc.status != 409:  # 409: it had ended already, not an error
                 raise
         return await self.status(batch_id)
+
+    def _listed(self, row: dict[str, Any]) -> Listed:
+        meta, counts = row.get("metadata") or {}, row.get("request_counts") or {}
+        tag = meta.get(TAG) if isinstance(meta, dict) else None
+        return Listed(str(row.get("id")), float(row.get("created_at") or 0), int(counts.get("total") or 0), tag)
 
 
 def _status(batch: dict[str, Any]) -> BatchStatus:

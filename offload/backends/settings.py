@@ -9,7 +9,7 @@ is read without the `worker` extra.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, Self, TypedDict
+from typing import Annotated, Any, ClassVar, Literal, Self, TypedDict
 
 from pydantic import Discriminator, Field, SecretStr, Tag, field_validator, model_validator
 
@@ -27,6 +27,12 @@ REPLICATE_BASE = "https://api.replicate.com/v1"
 REPLICATE_FIND_PAGES = 3
 FAL_BASE = "https://queue.fal.run"
 FAL_JWKS_URL = "https://rest.alpha.fal.ai/.well-known/jwks.json"
+ANTHROPIC_BASE = "https://api.anthropic.com"
+# The providers' documented batch limits (OpenAI's Batch guide; Anthropic's Message Batches guide): requests and
+# bytes per batch (OpenAI: the input file; Anthropic: the create body). offload.backends.batch reads them here.
+BATCH_MAX_REQUESTS = {"openai": 50_000, "anthropic": 100_000}
+BATCH_MAX_BYTES = {"openai": 200 * 2**20, "anthropic": 256 * 2**20}
+BATCH_DURATION_S = 3600.0  # a batch's expected run time until one is measured (the providers promise 24 h)
 _HOST = re.compile(r"\.?[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*")  # a name, .suffix or IP
 
 
@@ -234,8 +240,74 @@ class FalSettings(_Backend):
     webhook_url: str | None = None
 
 
-KINDS = ("http-job", "openai", "runpod", "replicate", "fal")
-AnyBackendSettings = HttpJobSettings | OpenAISettings | RunPodSettings | ReplicateSettings | FalSettings
+class _BatchBackend(_Backend):
+    """A provider batch API (docs/how-to/batch-apis.md): jobs are packed, one provider batch per pack. The
+    discount is the backend's own price: set `price_per_job` to the batch price, and spend caps count it."""
+
+    provider: ClassVar[str]
+    model: NonEmpty | None = Field(None, description="filled into inputs that lack one")
+    max_wait_s: float = Field(
+        600.0, gt=0, description="how long the first job of a pack waits for more before the pack goes out"
+    )
+    max_pack: int | None = Field(
+        None,
+        ge=1,
+        description="jobs per pack (default: the provider's count limit); a pack closes at the size limit first",
+    )
+    max_in_flight: int = Field(
+        10_000,
+        ge=1,
+        description="jobs of this backend one worker holds in packs and batches at once: a pool of its own, "
+        "apart from the queue's `concurrency` slots",
+    )
+    batch_poll_interval_s: float = Field(
+        60.0, gt=0, description="the longest pause between two polls of one batch (they back off up to it)"
+    )
+    expected_duration_s: float = Field(
+        BATCH_DURATION_S, gt=0, description="a batch's run time the router assumes until one is measured"
+    )
+
+    @field_validator("max_pack")
+    @classmethod
+    def _pack(cls, v: int | None) -> int | None:
+        limit = BATCH_MAX_REQUESTS[cls.provider]
+        if v is not None and v > limit:
+            raise ValueError(f"at most {limit} ({cls.provider}'s requests per batch), got {v}")
+        return v
+
+    @property
+    def pack_limit(self) -> int:
+        return self.max_pack or BATCH_MAX_REQUESTS[self.provider]
+
+
+class OpenAIBatchSettings(_BatchBackend):
+    """OpenAI's Batch API: one JSONL file and one batch per pack; each job's input is a request body of `path`."""
+
+    provider: ClassVar[str] = "openai"
+    kind: Literal["openai-batch"] = "openai-batch"
+    base_url: str = OPENAI_BASE
+    path: NonEmpty = Field("/v1/chat/completions", description="the endpoint every line of a batch calls")
+
+
+class AnthropicBatchSettings(_BatchBackend):
+    """Anthropic's Message Batches: one batch per pack; each job's input is a request's `params`."""
+
+    provider: ClassVar[str] = "anthropic"
+    kind: Literal["anthropic-batch"] = "anthropic-batch"
+    base_url: str = ANTHROPIC_BASE
+
+
+BatchSettings = OpenAIBatchSettings | AnthropicBatchSettings
+KINDS = ("http-job", "openai", "runpod", "replicate", "fal", "openai-batch", "anthropic-batch")
+AnyBackendSettings = (
+    HttpJobSettings
+    | OpenAISettings
+    | RunPodSettings
+    | ReplicateSettings
+    | FalSettings
+    | OpenAIBatchSettings
+    | AnthropicBatchSettings
+)
 
 
 def _kind(value: Any) -> str | None:
@@ -248,7 +320,9 @@ BackendSettings = Annotated[
     | Annotated[OpenAISettings, Tag("openai")]
     | Annotated[RunPodSettings, Tag("runpod")]
     | Annotated[ReplicateSettings, Tag("replicate")]
-    | Annotated[FalSettings, Tag("fal")],
+    | Annotated[FalSettings, Tag("fal")]
+    | Annotated[OpenAIBatchSettings, Tag("openai-batch")]
+    | Annotated[AnthropicBatchSettings, Tag("anthropic-batch")],
     Discriminator(
         _kind, custom_error_type="unknown_kind", custom_error_message=f"must be one of {', '.join(map(repr, KINDS))}"
     ),

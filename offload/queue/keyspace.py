@@ -127,6 +127,11 @@ def duplicates(queue: str) -> str:
     return prefix(queue) + "dups"
 
 
+def packs(queue: str) -> str:
+    """Which provider-batch pack each job of the queue last went out in (a hash: job id -> pack record)."""
+    return prefix(queue) + "packs"
+
+
 def workers(queue: str) -> str:
     return prefix(queue) + "workers"
 

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 
 from offload.backends.base import Backend
+from offload.backends.batched import BatchBackend
 from offload.backoff import compute_backoff
 from offload.connection import is_outage
 from offload.eventloop import first_of
@@ -45,6 +46,7 @@ from offload.worker.health import StoreHealth
 from offload.worker.jobpath import JobPath
 from offload.worker.leases import Leases
 from offload.worker.options import WorkerOptions
+from offload.worker.packing import Packer
 from offload.worker.polling import Polling
 from offload.worker.prefetch import Prefetch
 from offload.worker.routing import Router
@@ -89,7 +91,12 @@ class Worker:
         self.drain = Drain(ctx)
         self.submitter = Submitter(ctx, self.leases, self.endings)
         self.polling = Polling(ctx, self.endings)
-        self.path = JobPath(ctx, self.slots, self.submitter, self.polling, self.endings, self.drain)
+        self.packers = {
+            lane.name: Packer(ctx, lane, self.submitter, self.endings, self.slots.room)
+            for lane in ctx.router.lanes
+            if isinstance(lane.backend, BatchBackend)
+        }
+        self.path = JobPath(ctx, self.slots, self.submitter, self.polling, self.endings, self.drain, self.packers)
         self._ready = asyncio.Event()  # set when jobs became ready after a claim found none (wakeups.py)
 
     # -- what callers read ------------------------------------------------------------------------
@@ -143,6 +150,8 @@ class Worker:
             await self._serve(stop)
         finally:
             await self.drain.run(helpers)
+            for packer in self.packers.values():
+                await packer.aclose()
 
     def _helpers(self, stop: asyncio.Event) -> list[asyncio.Task[None]]:
         """The heartbeat, the policy watch, the ingest (when configured) and the wake-ups' subscription."""

@@ -46,6 +46,7 @@ class JobRun:
     submission: int = 0  # the submission this run sends, resumes or polls
     lane: Lane | None = None  # the backend it sends to, resumes or polls at (worker/routing.py)
     why: str = ""  # the router's reason for `lane` (for the job's events)
+    prerouted: bool = False  # routed before its first submit try (a queue with batch lanes: worker/packing.py)
     # It resends a submission of unknown outcome (begin.lua's DUP) on a routed queue: no answer to this resend
     # settles the first try's outcome, so its intent is never closed by one (the job stays on its backend).
     unsettled: bool = False
@@ -89,12 +90,13 @@ class Runs:
     """The newest run of every job this process runs, by job id; and, while draining, the open intents of runs
     that ended unsent (the drain's last release closes them)."""
 
-    __slots__ = ("_runs", "left_unsent", "past")
+    __slots__ = ("_runs", "batched", "left_unsent", "past")
 
     def __init__(self) -> None:
         self._runs: dict[str, JobRun] = {}
         self.left_unsent: dict[str, str] = {}
         self.past = 0  # how many of the runs are past their remote work (counted: read at every claim)
+        self.batched = 0  # how many hold a place in a batch backend's pool (worker/packing.py), not a slot
 
     def __len__(self) -> int:
         return len(self._runs)

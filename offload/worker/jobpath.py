@@ -34,6 +34,7 @@ from offload.worker.endings import Endings
 from offload.worker.health import describe
 from offload.worker.job_run import Drained, JobRun, Unrecorded
 from offload.worker.lag import Sighting
+from offload.worker.packing import Packer
 from offload.worker.polling import Polling, PollTimeout
 from offload.worker.slots import Slot, Slots
 from offload.worker.submit import Submitter, detail
@@ -65,10 +66,18 @@ class JobPath:
     """Runs one job's attempt (`run_job`, one task per lease) with the worker's collaborators."""
 
     def __init__(
-        self, ctx: WorkerContext, slots: Slots, submitter: Submitter, polling: Polling, endings: Endings, drain: Drain
+        self,
+        ctx: WorkerContext,
+        slots: Slots,
+        submitter: Submitter,
+        polling: Polling,
+        endings: Endings,
+        drain: Drain,
+        packers: dict[str, Packer] | None = None,
     ) -> None:
         self.ctx, self.slots, self.submitter, self.polling = ctx, slots, submitter, polling
         self.endings, self.drain = endings, drain
+        self.packers = packers or {}  # the batch backends' packers, by lane name
 
     async def run_job(self, run: JobRun, after: asyncio.Task[None] | None = None) -> None:
         """The task of one lease: waits for an older task of the same job (`after`) to end, then runs it."""
@@ -129,6 +138,8 @@ class JobPath:
         fresh submission takes it after its begin script, see submit.py), given back when the remote work ends;
         the store writes after it (output, ack) run outside the slot. None: the job has moved on (held,
         cancelled, failed, or a drain past its grace left it to the next owner)."""
+        if (packer := await self._packer(run)) is not None:  # a batch backend: packed, no slot (worker/packing.py)
+            return await packer.run(run, job_input)
         lag = self.polling.sighting(run)  # a resumed remote job: not seen yet, its grace from the store's submit time
         slot = run.slot = Slot(self.slots, run)
         try:
@@ -140,6 +151,17 @@ class JobPath:
             return result
         finally:
             slot.give_back()
+
+    async def _packer(self, run: JobRun) -> Packer | None:
+        """The packer of the run's lane, if it is a batch backend. With batch lanes on a routed queue, a job free
+        to route is routed now (not at its submit): a batch lane's jobs take the packer's path."""
+        if not self.packers:
+            return None
+        job, router = run.job, self.ctx.router
+        if router.routed and run.remote_id is None and not job.intent_open and router.pinned(job) is None:
+            await self.submitter.route(run)
+            run.prerouted = True
+        return self.packers.get(run.on.name)
 
     async def _remote_job(self, run: JobRun, job_input: Any, lag: Sighting) -> tuple[bool, RemoteResult | None]:
         """The run's remote job, found or submitted: (whether it has one, the answer of a synchronous API)."""

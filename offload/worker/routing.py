@@ -31,6 +31,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from offload.backends.base import Backend, BackendError, Fatal, NotFound, RemoteResult, Throttled, WebhookBackend
+from offload.backends.settings import AnthropicBatchSettings, AnyBackendSettings, OpenAIBatchSettings
 from offload.config import Settings
 from offload.models import ClaimedJob
 from offload.queue.backend_health import BackendHealth, Health, HealthPolicy
@@ -283,6 +284,13 @@ def _clock(epoch_s: float) -> str:
     return datetime.fromtimestamp(epoch_s, UTC).strftime("%H:%M:%SZ")
 
 
+def turnaround(bs: AnyBackendSettings) -> float | None:
+    """A batch backend's expected time from pack open to results; None for the per-job kinds."""
+    if isinstance(bs, OpenAIBatchSettings | AnthropicBatchSettings):
+        return bs.max_wait_s + bs.expected_duration_s
+    return None
+
+
 def build_router(
     settings: Settings,
     queue: str,
@@ -319,6 +327,7 @@ def build_router(
                 not_found_grace_s=bs.not_found_grace_s,
                 resubmit_on_timeout=bs.resubmit_on_timeout,
                 timeout=bs.timeout,
+                turnaround_s=turnaround(bs),
             )
         )
     own = JobLimits(q.poll_timeout) if len(lanes) > 1 else None  # a job's deadline and max_cost, in the route

@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from offload.backends import Backend, create_backend, new_client
+from offload.backends.batched import BatchBackend
 from offload.backends.http import user_agent
 from offload.backends.settings import AnyBackendSettings
 from offload.backends.transport import fast_path
@@ -166,7 +167,9 @@ class _Shared:
         for backend_name, bs in every:  # every backend's settings are checked before anything connects
             if backend_name not in backends:
                 backend = create_backend(backend_name, bs, client=http)
-                backends[backend_name] = with_file_inputs(backend, storage, settings.storage.input_url_expires_s)
+                if not isinstance(backend, BatchBackend):  # a batch's lines carry their input as it is
+                    backend = with_file_inputs(backend, storage, settings.storage.input_url_expires_s)
+                backends[backend_name] = backend
                 resources.push_async_callback(backends[backend_name].aclose)
         redis = await connect(settings.redis_url)
         resources.push_async_callback(redis.aclose)

@@ -53,10 +53,11 @@ class Slots:
         """Jobs to claim now. Up to `leased_max` jobs that are before or in their remote work (prefetch.py: how
         many ahead of the slots); the ones past it (storing an output, acking: a round trip or two) do not hold
         back the next claim, but they have an allowance of their own, `concurrency`, so that a storage outage
-        stops the claiming (and paying) soon."""
+        stops the claiming (and paying) soon. Jobs waiting in provider batches count in neither."""
         runs = self.ctx.runs
         most = self.prefetch.leased_max()
-        return min(most - (len(runs) - runs.past), most + self.ctx.options.concurrency - len(runs))
+        held = len(runs) - runs.batched  # jobs in batches have a pool of their own (worker/packing.py)
+        return min(most - (held - runs.past), most + self.ctx.options.concurrency - held)
 
 
 class Slot:

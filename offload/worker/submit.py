@@ -98,8 +98,9 @@ class Submitter:
         attempt = 0
         while attempt <= retries:
             begun = run.job.begun and attempt == 0
-            if not pinned and self.ctx.router.routed:  # (one backend: its lane was set at the claim)
-                await self._route(run)
+            prerouted = run.prerouted and attempt == 0  # (routed already: see JobPath._packer)
+            if not pinned and self.ctx.router.routed and not prerouted:  # (one backend: its lane set at the claim)
+                await self.route(run)
             lane = run.on
             if lane.name not in inputs:
                 try:
@@ -130,7 +131,7 @@ class Submitter:
         outcome on a routed queue, whose first try may run at that backend (closed, the job could go to another)."""
         return None if run.unsettled else run.job.token
 
-    async def _route(self, run: JobRun) -> None:
+    async def route(self, run: JobRun) -> None:
         """The backend of the next submission (worker/routing.py); a wait for one to reopen is one a drain ends."""
         router, job = self.ctx.router, run.job
         choice = await router.choose(job, lambda s: self.ctx.wait_ahead(job, asyncio.sleep(s)))

@@ -546,7 +546,12 @@ async def test_shared_client_many_concurrent_jobs(sim_url: str, sim: Callable[..
         ("runpod", {"endpoint_id": "e", "webhook_url": "ftp://x"}, "backends.x.webhook_url: must be an http"),
         ("runpod", {"endpoint_id": "e", "policy": "ttl"}, "backends.x.policy: Input should be a valid dictionary"),
         ("http-job", {"base_url": "http://h", "cancel": "maybe"}, "backends.x.cancel: Input should be a valid boolean"),
-        ("vast", {}, "backends.x.kind: must be one of 'http-job', 'openai', 'runpod', 'replicate', 'fal', got 'vast'"),
+        (
+            "vast",
+            {},
+            "backends.x.kind: must be one of 'http-job', 'openai', 'runpod', 'replicate', 'fal', 'openai-batch', "
+            "'anthropic-batch', got 'vast'",
+        ),
     ],
 )
 def test_config_errors_name_the_field(kind: str, settings: dict[str, Any], message: str) -> None:

@@ -122,7 +122,8 @@ class Behaviour(Strict):
         default=0.0,
         ge=0,
         le=1,
-        description="share of submits that create the job, then reset the connection instead of answering",
+        description="share of submits (and provider batch creates) that create the job, then reset the connection "
+        "instead of answering",
     )
     gateway_error_rate: float = Field(
         default=0.0,

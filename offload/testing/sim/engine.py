@@ -45,6 +45,7 @@ from offload.testing.sim.webhooks import Event as HookEvent
 from offload.testing.sim.webhooks import HookSender, Render
 
 HOLD_STEP = 0.25  # seconds between checks while holding a synchronous request (a cancel can end a job early)
+BATCH_CREATES = frozenset({"openai.batches", "anthropic.batches"})  # provider batch creates (lost_response_rate)
 
 
 @dataclass(slots=True)
@@ -360,6 +361,9 @@ class Sim:
             delay = call.behaviour.submit_latency.sample(self.rng)  # a slow create of another kind (a machine rental)
             if delay > 0:
                 await asyncio.sleep(delay)
+            if route in BATCH_CREATES and self.chance(call.behaviour.lost_response_rate):
+                stats.fault(route, "lost_response")  # the batch exists; its answer never comes
+                return ConnectionReset()
         return self._finish(call, result, entry, stats)
 
     def _refuse(self, call: Call, stats: Stats) -> Response | None:
