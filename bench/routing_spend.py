@@ -12,7 +12,7 @@ job that may wait), the rest with no deadline (wanted now). Each setup (SETUPS b
   fallback` with the interactive one first: a job without a deadline goes first in order, a job with one to the
   cheapest backend expected to finish in time (docs/how-to/routing.md);
 - `batch`: the interactive backend plus an `openai-batch` lane at P/2 (the simulator's Batch API, batches of
-  `--batch-s` s). It needs a build whose config knows `kind: openai-batch`; elsewhere it is reported skipped.
+  `--batch-s` s).
 
 Per setup: the spend (the sum of the job records' `cost`), what the simulator was asked to run priced at each
 lane's price (an independent count: a duplicate submission shows there), jobs per backend, the share of deadline
@@ -65,13 +65,12 @@ class Params:
 @dataclass(frozen=True)
 class Setup:
     """A named set of backends for the one queue. `cheap`: the lane deadline jobs should go to (None: there is
-    none); `needs`: the backend kind it needs, named when the build's config refuses it."""
+    none)."""
 
     name: str
     what: str
     backends: Callable[[Params], dict[str, dict[str, Any]]]
     cheap: str | None = None
-    needs: str | None = None
     route: str = "fallback"
 
 
@@ -129,7 +128,6 @@ SETUPS: dict[str, Setup] = {
             "interactive + OpenAI's Batch API at half price, by deadline",
             lambda p: {"live": live(p), "batch": openai_batch(p)},
             cheap="batch",
-            needs="openai-batch",
         ),
     )
 }
@@ -137,10 +135,9 @@ SETUPS: dict[str, Setup] = {
 
 @dataclass
 class Outcome:
-    """One setup's figures (or why it was skipped)."""
+    """One setup's figures."""
 
     setup: str
-    skipped: str | None = None
     report: dict[str, Any] = field(default_factory=dict)
 
 
@@ -199,9 +196,7 @@ async def run_setup(
 ) -> Outcome:
     config = write_config(workdir, setup, params, redis_url, concurrency)
     if (problem := config_problem(config)) is not None:
-        if setup.needs is None:
-            raise SystemExit(f"{setup.name}: the config is refused: {problem}")
-        return Outcome(setup.name, skipped=f"needs kind {setup.needs} (this build refuses it: {problem})")
+        raise SystemExit(f"{setup.name}: the config is refused: {problem}")
     sim = httpx.AsyncClient(base_url=params.sim_url, timeout=60)
     redis = await connect(redis_url)
     await cast(Redis, redis).flushdb()  # a fresh store: no jobs, no measured run times from the last setup
@@ -306,7 +301,7 @@ def _finish(jobs: list[Job], q: str) -> float | None:
 
 def ratios(outcomes: list[Outcome]) -> dict[str, float | None]:
     """Each setup's spend over `single`'s."""
-    spend = {o.setup: o.report.get("spend") for o in outcomes if not o.skipped}
+    spend = {o.setup: o.report.get("spend") for o in outcomes}
     base = spend.get("single")
     return {
         f"{name}_vs_single": round(value / base, 4) if base and value is not None else None
@@ -330,9 +325,6 @@ def markdown(outcomes: list[Outcome], doc: dict[str, Any]) -> str:
         "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for o in outcomes:
-        if o.skipped:
-            lines.append(f"| {o.setup} | skipped: {o.skipped} |" + " |" * 9)
-            continue
         r = o.report
         lines.append(
             f"| {o.setup} | {r['spend']:.3f} | {cell(doc['ratios'].get(f'{o.setup}_vs_single', 1.0), '{:.2f}')} | "
@@ -361,7 +353,7 @@ async def main_async(args: argparse.Namespace, workdir: Path) -> list[Outcome]:
         outcomes = []
         for name in args.setups:
             outcome = await run_setup(procs, workdir, SETUPS[name], params, redis_url, args.jobs, args.concurrency)
-            print(f"{name}: {outcome.skipped or 'done'}", file=sys.stderr, flush=True)
+            print(f"{name}: done", file=sys.stderr, flush=True)
             outcomes.append(outcome)
         return outcomes
     finally:
@@ -397,7 +389,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     outcomes = run_in_workdir("offload-bench-routing-", args.keep, lambda workdir: main_async(args, workdir))
     doc: dict[str, Any] = {"jobs": args.jobs, "fast_s": args.fast, "slow_s": args.slow, "batch_s": args.batch_s}
     doc["price_per_job"] = PRICE
-    doc["setups"] = {o.setup: ({"skipped": o.skipped} if o.skipped else o.report) for o in outcomes}
+    doc["setups"] = {o.setup: o.report for o in outcomes}
     doc["ratios"] = ratios(outcomes)
     page = markdown(outcomes, doc)
     print(page, file=sys.stderr)
