@@ -247,6 +247,7 @@ def test_typed_blocks_are_what_the_settings_hold(tmp_path: Path) -> None:
     from offload.backends.settings import (
         FalSettings,
         HttpJobSettings,
+        OpenAIBatchSettings,
         OpenAISettings,
         ReplicateSettings,
         RunPodSettings,
@@ -257,7 +258,14 @@ def test_typed_blocks_are_what_the_settings_hold(tmp_path: Path) -> None:
     path.write_text(path.read_text() + "autoscaler: {worker_key: wk-secret-1}\nalerts: {cooldown: 60}\n")
     settings = load_settings(path, env=SECRETS)
     kinds = {name: type(b) for name, b in settings.backends.items()}
-    assert set(kinds.values()) == {HttpJobSettings, RunPodSettings, ReplicateSettings, FalSettings, OpenAISettings}
+    assert set(kinds.values()) == {
+        HttpJobSettings,
+        RunPodSettings,
+        ReplicateSettings,
+        FalSettings,
+        OpenAISettings,
+        OpenAIBatchSettings,
+    }
     assert isinstance(settings.storage, S3StorageSettings)
     assert isinstance(settings.autoscaler, ServerSide) and isinstance(settings.alerts, AlertSettings)
     runpod = settings.backends["sdxl"]

@@ -280,6 +280,8 @@ def test_exactly_the_webhook_kinds_implement_webhooks() -> None:
         "runpod": {"endpoint_id": "e"},
         "http-job": {"base_url": "http://x"},
         "openai": {"model": "m"},
+        "openai-batch": {},  # batches are polled: no webhooks
+        "anthropic-batch": {},
     }
     implemented = {
         kind

@@ -494,10 +494,11 @@ async def test_batched_jobs_do_not_hold_the_concurrency_slots(
     valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore, provider: str
 ) -> None:
     """500 jobs on a queue of `concurrency: 2` go out in one batch: the claims are not held back by the slots, and
-    no batched job ever takes one."""
+    no batched job ever takes one. (The pack closes at its 500th job: a wait of seconds would close it early on a
+    loaded machine, whose claims of 500 jobs can take longer.)"""
     await batch_sim(sim, seconds=1)
     ids = await enqueue(store, f"many-{provider}", 500)
-    cfg = settings(valkey_url, no_outputs, sim, provider, max_wait_s=2, queue={"concurrency": 2})
+    cfg = settings(valkey_url, no_outputs, sim, provider, max_wait_s=120, max_pack=500, queue={"concurrency": 2})
     async with worker(cfg) as (task, w):
         await until_state(store, ids, "succeeded", task, timeout=120)
         assert w.peak_in_flight == 0
