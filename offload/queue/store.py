@@ -243,11 +243,13 @@ class QueueStore(EnqueueStore, AdminStore, ReadStore, HookStore):
         cost: float | None = None,
         refund: bool = False,
         duplicate: bool = False,
+        returned: bool = False,
     ) -> str:
         """Returns "retrying" or "dead". `answered`: the provider answered the submit (its intent is closed);
         `cost`: what the failed run cost (settles its reservation); `refund`: the provider refused the
         submission, so it is not counted against the caps; `duplicate`: the run given up may still be running
-        (and paid for) when the next one starts: counted as a possible duplicate."""
+        (and paid for) when the next one starts: counted as a possible duplicate; `returned` (with `retryable`):
+        the job never ran (a batch line expired or cancelled): its attempt is given back, not counted."""
         delay = retry_delay_ms(attempt) if delay_ms is None else delay_ms
         code = await self._run(
             SCRIPTS.fail,
@@ -262,6 +264,7 @@ class QueueStore(EnqueueStore, AdminStore, ReadStore, HookStore):
             "" if cost is None else repr(float(cost)),
             int(refund),
             int(duplicate),
+            int(returned),
         )
         _expect(code, job_id)
         return str(code)

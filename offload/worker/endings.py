@@ -117,6 +117,7 @@ class Endings:
         cost: float | None = None,
         refund: bool = False,
         duplicate: bool = False,
+        returned: bool = False,
     ) -> None:
         job = run.job
         delay = delay_ms if delay_ms is not None else retry_delay_ms(job.attempt)
@@ -135,6 +136,7 @@ class Endings:
                     cost=cost,
                     refund=refund,
                     duplicate=duplicate,
+                    returned=returned,
                 )
             )
         except StaleLease:

@@ -361,9 +361,10 @@ class Packer:
             fatal = line.status is not None and 400 <= line.status < 500 and line.status not in (408, 409, 429)
             await self.endings.fail(run, error, retryable=not fatal, answered=True, refund=True)
             return None
-        # canceled or expired: it never ran, nothing is paid; it goes out again in a later pack
+        # canceled or expired: it never ran, nothing is paid; it goes out again in a later pack, its attempt given
+        # back (a return is not a try: a job whose batches keep expiring must not die of it)
         error = f"batch {batch_id}: {line.kind} before its line ran; back to the queue"
-        await self.endings.fail(run, error, retryable=True, answered=True, refund=True, delay_ms=0)
+        await self.endings.fail(run, error, retryable=True, answered=True, refund=True, delay_ms=0, returned=True)
         return None
 
     async def aclose(self) -> None:

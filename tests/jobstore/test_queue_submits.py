@@ -97,6 +97,23 @@ async def test_over_the_job_cap_the_job_is_held_at_once_and_a_refused_submit_giv
     assert await vstore.begin_many("q", [(c, cc.token, 0.0)], job_cap=1) == ["OK:1"]
 
 
+async def test_a_returned_job_gets_its_attempt_back_a_failed_one_does_not(vstore: QueueStore) -> None:
+    """`returned` (a batch line expired before it ran): the attempt is given back, so returns past max_attempts
+    still retry; without it the same failure uses the attempt up; a fatal one ends the job whatever it says."""
+    [job_id] = await vstore.enqueue_many("q", [JobSpec(input=1, max_attempts=1)])
+    for _ in range(3):
+        (c,) = await vstore.claim("q", "w", 1)
+        assert await vstore.fail(job_id, c.token, "expired", delay_ms=0, answered=True, returned=True) == "retrying"
+        assert (await vstore.get(job_id)).attempts == 0
+    (c,) = await vstore.claim("q", "w", 1)
+    assert (await vstore.get(job_id)).attempts == 1
+    assert await vstore.fail(job_id, c.token, "expired", delay_ms=0, answered=True) == "dead"
+    [other] = await vstore.enqueue_many("q", [JobSpec(input=2, max_attempts=3)])
+    (c,) = await vstore.claim("q", "w", 1)
+    assert await vstore.fail(other, c.token, "fatal", retryable=False, returned=True) == "dead"
+    assert (await vstore.get(other)).attempts == 1
+
+
 async def test_the_spend_cap_reserves_the_worst_case_and_settles_the_real_cost(vstore: QueueStore) -> None:
     ids = await vstore.enqueue_many("q", [JobSpec(input=i) for i in range(3)])
     c1, c2 = await vstore.claim("q", "w1", 2, spend_cap=1.5, estimate=1.0)

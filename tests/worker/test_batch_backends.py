@@ -4,7 +4,7 @@ the simulator's Batch API and Message Batches (real HTTP), real Valkey.
 - a pack of jobs goes out as one provider batch, and each job completes with its own line's output, at the
   backend's (discounted) price;
 - an errored line fails only its job; a batch that expires returns its unfinished jobs, which complete in a
-  later batch;
+  later batch, the returns not counted as attempts (a job outlives more expiries than max_attempts);
 - a lost answer to the batch create (the simulator creates the batch, then resets the connection) is adopted
   from the provider's listing: exactly one batch per pack, never a second;
 - a pack closes at `max_pack`, at `max_wait_s`, and before the earliest deadline of its jobs;
@@ -155,6 +155,34 @@ async def test_an_expired_batch_returns_its_jobs_which_complete_in_a_later_one(
         jobs = await until_state(store, ids, "succeeded", task, timeout=40)
     assert len(await batches(sim, provider)) >= 2
     assert all(j.cost == pytest.approx(PRICE) for j in jobs)  # the expired run was not paid for
+
+
+async def expired_batches(sim: str, provider: str) -> int:
+    listed = await batches(sim, provider)
+    return sum(b.get("status") == "expired" or b.get("request_counts", {}).get("expired", 0) > 0 for b in listed)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+async def test_returns_from_expired_batches_do_not_use_up_attempts(
+    valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore, provider: str
+) -> None:
+    """A job whose batches expire more times than its max_attempts is still retried, and completes in the first
+    batch that runs: a return is not a try, so its record counts only the claim that ran it."""
+    await batch_sim(sim, seconds=30, expire_after=0.3)  # every batch expires long before its lines finish
+    ids = await enqueue(store, f"expiries-{provider}", 2)
+    cfg = settings(valkey_url, no_outputs, sim, provider, queue={"max_attempts": 2})
+    async with worker(cfg) as (task, _):
+
+        async def expired_often() -> bool:
+            return await expired_batches(sim, provider) >= 4  # twice max_attempts
+
+        await faults.until(expired_often, "four batches to expire", task, timeout=60)
+        states = [(await store.get(i)).state for i in ids]
+        assert "dead" not in states, states  # (before: dead after its second expiry)
+        await batch_sim(sim)  # the next batch runs normally
+        jobs = await until_state(store, ids, "succeeded", task, timeout=60)
+    assert all(j.attempts == 1 for j in jobs), [j.attempts for j in jobs]
+    assert all(j.cost == pytest.approx(PRICE) for j in jobs)
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)

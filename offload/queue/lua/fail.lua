@@ -5,7 +5,9 @@
 --   provider answered the submit, so the submit intent is closed), cost of the failed run ('' unknown), refund
 --   (1/0: the provider refused the submission, nothing ran: the job is not counted against the caps), duplicate
 --   (1/0: a retry's next run is paid for while this one may still run, e.g. resubmit_on_timeout without a
---   cancel: counted as a possible duplicate, on the job and per backend, when the job is retried)
+--   cancel: counted as a possible duplicate, on the job and per backend, when the job is retried), returned
+--   (1/0: the job never ran and comes back unsent, e.g. a batch line expired or cancelled before it ran: its
+--   attempt is given back, as a release or a hold gives it back, so returns alone never exhaust max_attempts)
 -- A retry that would come due at or after the job's deadline is not scheduled: the job goes dead with
 -- `deadline passed` (terminal.lua's `deadline_passed`), its last error kept after it.
 -- An error starting `over max_cost:` (worker/budget.py) is counted and evented as `over_max_cost` too.
@@ -28,6 +30,7 @@ unlease({id}, {[id] = job.owner})
 count('failed', 1)
 if ARGV[8] == '1' then redis.call('HSET', k, 'sub_open', '0') end
 settle(k, id, tonumber(ARGV[9] or ''), ARGV[10] == '1')
+if ARGV[12] == '1' and ARGV[5] == '1' then redis.call('HINCRBY', k, 'attempts', -1) end
 local attempts, max_attempts, deadline = unpack(redis.call('HMGET', k, 'attempts', 'max_attempts', 'deadline'))
 local at = now + tonumber(ARGV[6])
 if ARGV[5] == '1' and tonumber(attempts) < tonumber(max_attempts) and deadline and at >= tonumber(deadline) then
