@@ -123,6 +123,7 @@ class Packer:
         found = await find_pack(self.backend.client, rec, job.id, poll_cap)
         if found is None:
             log.info("job %s: pack %s was never created at %s; packed again", job.id, rec.pack, self.lane.name)
+            await self.ctx.health.call(lambda: self.records.forget(job.id))  # (it may end before a new pack)
             return None
         log.warning("job %s: adopted batch %s of pack %s (its create's answer was lost)", job.id, found, rec.pack)
         run.remote_id = await self.submitter.record_known(run, f"{found}#{rec.line}", run.submission)
@@ -173,6 +174,8 @@ class Packer:
         delay = int(exc.retry_after * 1000) if isinstance(exc, Throttled) and exc.retry_after else None
         error = f"{type(exc).__name__.lower()}: batch create: {exc}"
         retry = not isinstance(exc, Fatal)
+        # forgotten before the job is let go: once back in the queue, a new owner may write a record of its own
+        await self.ctx.health.call(lambda: self.records.forget(run.job.id))
         await self.endings.fail(run, error, retryable=retry, answered=True, refund=True, delay_ms=delay)
 
     async def _not_begun(self, run: JobRun, verdict: Begun) -> str | None:

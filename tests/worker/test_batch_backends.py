@@ -5,6 +5,7 @@ the simulator's Batch API and Message Batches (real HTTP), real Valkey.
   backend's (discounted) price;
 - an errored line fails only its job; a batch that expires returns its unfinished jobs, which complete in a
   later batch, the returns not counted as attempts (a job outlives more expiries than max_attempts);
+- every way a packed job ends removes its pack record (a refused create, an expiry, a completion);
 - a lost answer to the batch create (the simulator creates the batch, then resets the connection) is adopted
   from the provider's listing: exactly one batch per pack, never a second;
 - a pack closes at `max_pack`, at `max_wait_s`, and before the earliest deadline of its jobs;
@@ -34,6 +35,7 @@ from test_worker_faults import LATENCY, sim_call, until_state, worker
 from offload.config import Settings
 from offload.errors import ConfigError
 from offload.models import Job
+from offload.queue.keyspace import packs
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 from offload.schema import parse
@@ -183,6 +185,29 @@ async def test_returns_from_expired_batches_do_not_use_up_attempts(
         jobs = await until_state(store, ids, "succeeded", task, timeout=60)
     assert all(j.attempts == 1 for j in jobs), [j.attempts for j in jobs]
     assert all(j.cost == pytest.approx(PRICE) for j in jobs)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+async def test_pack_records_are_removed_however_a_packed_job_ends(
+    valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore, provider: str
+) -> None:
+    """A refused create (the job dies), an expiry (the job goes back) and a completion each remove the job's pack
+    record: once every job has ended the queue's packs hash is empty."""
+    await sim_call(sim, "POST", "/_sim/config", {"api_key": "another-key", "batches": {"seconds": 0.4}})
+    refused = await enqueue(store, f"records-refused-{provider}", 2)
+    async with worker(settings(valkey_url, no_outputs, sim, provider)) as (task, _):
+        await until_state(store, refused, "dead", task)
+        await batch_sim(sim, seconds=30, expire_after=0.3)
+        ids = await enqueue(store, f"records-expired-{provider}", 2)
+        await faults.until(lambda: _expired_once(sim, provider), "a batch to expire", task, timeout=60)
+        await batch_sim(sim)
+        await until_state(store, ids, "succeeded", task, timeout=60)
+        assert await store.redis.hgetall(packs("q")) == {}
+    assert await store.redis.exists(packs("q")) == 0
+
+
+async def _expired_once(sim: str, provider: str) -> bool:
+    return await expired_batches(sim, provider) >= 1
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
