@@ -458,6 +458,21 @@ def test_an_event_whose_stream_id_a_clock_step_held_is_dated_when_read() -> None
     assert Run._event_time(run, 1_050_000, 1050.1, 1_050_100) == 1050.0
 
 
+def _newest_worker_logs(out: Path, lines: int = 12) -> str:
+    """The last lines of each worker slot's newest log: why the workers alive at the end claimed nothing (the run's
+    directory is gone by the time anyone reads a CI failure)."""
+    newest: dict[str, tuple[int, Path]] = {}
+    for log in out.glob("w[0-9]-[0-9]*.log"):
+        slot, _, n = log.stem.partition("-")
+        if n.isdigit() and int(n) >= newest.get(slot, (-1, log))[0]:
+            newest[slot] = (int(n), log)
+    tails = [
+        f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+        for _, log in sorted(newest.values(), key=lambda nl: nl[1].name)
+    ]
+    return "\n" + "\n".join(tails)
+
+
 def _chaos(tmp_path: Path, *args: str) -> tuple[dict[str, Any], str]:
     """A `--quick` run with `args`: (its JSON verdict, the human summary for failure messages), after checking
     that every kind of fault was really injected and that every guarantee common to all runs held."""
@@ -488,7 +503,7 @@ def _chaos(tmp_path: Path, *args: str) -> tuple[dict[str, Any], str]:
     assert drains["graceful"] >= 1 and drains["handed_back_unsent"] + drains["calls_out"] > 0, drains
     # ... and every guarantee held
     assert doc["lost"] == 0, summary
-    assert doc["stuck"] == 0, summary
+    assert doc["stuck"] == 0, summary + _newest_worker_logs(tmp_path)
     assert doc["wrong_results"] == 0, summary
     assert doc["cap"]["exact"] and doc["held_released"], summary
     assert doc["memory_bounded"] and doc["events_bounded"], summary
