@@ -24,7 +24,7 @@ from pydantic import (
 )
 
 from offload.autoscale.alert_settings import AlertSettings
-from offload.autoscale.settings import ServerSide, autoscale_problems, overflow_problems, yaml_blocks
+from offload.autoscale.settings import Overflow, ServerSide, autoscale_problems, overflow_problems, yaml_blocks
 from offload.backends.settings import AnyBackendSettings, BackendSettings, HealthSettings
 from offload.caps import CapLimits, reservation
 from offload.connection import configured_url
@@ -152,6 +152,18 @@ class QueueSettings(Strict):
         return [self.backend] if self.backend is not None else []
 
     @property
+    def overflow_backends(self) -> list[str]:
+        """A GPU-worker queue's serverless overflow (its autoscale block's `overflow.backends`; [] for none)."""
+        flow = (self.autoscale or {}).get("overflow")
+        names = flow.get("backends") if isinstance(flow, Mapping) else None
+        return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
+
+    @property
+    def served_backends(self) -> list[str]:
+        """The backends a dispatch worker sends this queue's jobs to: its route, else its overflow."""
+        return self.route_backends or self.overflow_backends
+
+    @property
     def dispatched(self) -> bool:
         """Whether dispatch workers serve this queue (it names a backend), rather than GPU workers."""
         return bool(self.route_backends)
@@ -206,7 +218,7 @@ class Settings(Strict):
                 price_per_second=b.price_per_second,
                 poll_timeout=q.poll_timeout,
             )
-            for b in (self.backends.get(n) for n in q.route_backends)
+            for b in (self.backends.get(n) for n in q.served_backends)
             if b is not None
         ]
         return CapLimits(q.daily_job_cap, q.daily_spend_cap, max(reserves, default=0.0))
@@ -234,12 +246,15 @@ class Settings(Strict):
         return self.backends_for(queue)[0]
 
     def backends_for(self, queue: str) -> list[tuple[str, AnyBackendSettings]]:
-        """Every backend the queue dispatches to, in the configured order."""
+        """Every backend the queue dispatches to, in the configured order (a GPU-worker queue's: its overflow)."""
         q = self.queue(queue)
-        if not q.dispatched:
-            raise ConfigError(f"queues.{queue}.backend: required to dispatch this queue (it names no backend)")
+        if not q.served_backends:
+            raise ConfigError(
+                f"queues.{queue}.backend: required to dispatch this queue (it names no backend, and no "
+                "autoscale.overflow backends)"
+            )
         out = []
-        for name in q.route_backends:
+        for name in q.served_backends:
             b = self.backends[name]
             if (
                 q.daily_spend_cap is not None
@@ -254,6 +269,11 @@ class Settings(Strict):
                 )
             out.append((name, b))
         return out
+
+    def overflow(self, queue: str) -> Overflow | None:
+        """The queue's `autoscale.overflow` block (None: it has none)."""
+        flow = (self.queue(queue).autoscale or {}).get("overflow")
+        return Overflow.model_validate(flow) if isinstance(flow, Mapping) else None
 
     def input_maps(self, queue: str) -> dict[str, InputMap]:
         """The queue's per-backend input mappings: functions imported, templates ready (checked at start by

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
@@ -197,6 +197,10 @@ class Enqueued:
 
     id: str
     record_gone: bool = False
+
+
+#: Who claims on a queue served by GPU workers and serverless overflow ("": any other queue; see pick.lua).
+ClaimMode = Literal["", "fleet", "overflow"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -70,6 +70,8 @@ class RoutedQueue(Protocol):
     def health(self) -> HealthSettings: ...
     @property
     def route_backends(self) -> list[str]: ...
+    @property
+    def served_backends(self) -> list[str]: ...
 
 
 def route_problems(where: str, q: RoutedQueue, known: Mapping[str, Any]) -> Iterator[ConfigError]:
@@ -85,7 +87,7 @@ def route_problems(where: str, q: RoutedQueue, known: Mapping[str, Any]) -> Iter
     if len(set(names)) != len(names):
         yield ConfigError(f"{where}.backends: each backend may be named once")
     yield from _weight_problems(where, q, names)
-    served = q.route_backends
+    served = q.served_backends
     for name, spec in (q.inputs or {}).items():
         if name not in served:
             yield ConfigError(f"{where}.inputs.{name}: not one of the queue's backends ({', '.join(served)})")

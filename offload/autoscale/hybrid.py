@@ -1,4 +1,5 @@
-"""One evaluation of a queue with overflow backends: measure its arrivals, size its fleet (overflow.py).
+"""One evaluation of a queue with overflow backends: measure its arrivals, size its fleet (overflow.py), and tell
+the overflow worker's claims how far the fleet reaches (`publish_reach`).
 
 The arrivals are the queue's `enqueued` total sampled each evaluation and kept in its state for one window (so a
 new leader continues the same measurement); the mean run time is the store's run histogram. The count replaces
@@ -12,10 +13,13 @@ from offload.autoscale.evaluation import Evaluation
 from offload.autoscale.instances import Instance
 from offload.autoscale.scale_in import cost_trigger
 from offload.autoscale.triggers import QueueLoad, UpDecision
+from offload.queue.keyspace import overflow_reach
 from offload.queue.store import QueueStore
 from offload.redis_client import RedisClient
 
 DEFAULT_BOOT = 180.0  # seconds a boot is expected to take until the queue's own are measured
+REACH_TTL_MIN_S = 60.0  # the reach lasts 3 evaluations, at least this long: then claims go by waiting time only
+NEVER_MS = 1e12  # a fleet that starts nothing more: each job after the idle machines' waits "forever"
 
 
 def parse_samples(text: str) -> list[overflow.Sample]:
@@ -59,12 +63,40 @@ async def overflow_up(
     idle = sum(1 for i in active if i.status == "running" and i.worker_id and i.in_flight == 0)  # not the
     # queue's in-flight count: overflow's jobs are in flight too
     have = overflow.capacity(idle, serving, rate, booting, flow.after)
+    await publish_reach(redis, ev.queue, have, idle, flow.after, run_s, max(3 * cfg.poll_interval, REACH_TTL_MIN_S))
     burst = overflow.burst_machines(load.pending, have, rate, boot, flow.after)
     sized = overflow.size(base, buckets, burst, len(active), cfg.limit, flow)
     floor = max(up.floor, min(sized.floor, cfg.limit))
     return UpDecision(
         target=max(sized.target, floor),
-        reasons=[sized.why, *[r for r in up.reasons if r.startswith(("schedule", "min_workers"))]],
+        reasons=[
+            sized.why,
+            f"overflow: the fleet starts {have:.0f} waiting job(s) within {flow.after:g}s; later ones go to "
+            + ", ".join(flow.backends),
+            *[r for r in up.reasons if r.startswith(("schedule", "min_workers"))],
+        ],
         demand=burst > 0,
         floor=floor,
     )
+
+
+async def publish_reach(
+    redis: RedisClient, queue: str, reach: float, idle: int, after: float, run_s: float, ttl_s: float
+) -> None:
+    """What the overflow worker's claims read (pick.lua): the fleet starts the first `reach` ready jobs within
+    `after`, the first `idle` at once and the rest about evenly over `after`; a job runs `run_s`."""
+    skip = max(int(reach), 0)
+    per_ms = after * 1000 / (reach - idle) if reach - idle > 1e-9 else NEVER_MS
+    pipe = redis.pipeline(transaction=False)
+    pipe.hset(
+        overflow_reach(queue),
+        mapping={
+            "skip": skip,
+            "idle": idle,
+            "per_ms": f"{per_ms:.3f}",
+            "run_ms": round(run_s * 1000),
+            "after_ms": round(after * 1000),
+        },
+    )
+    pipe.pexpire(overflow_reach(queue), round(ttl_s * 1000))
+    await pipe.execute()

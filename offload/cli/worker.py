@@ -57,7 +57,7 @@ def dispatch_queues(given: list[str], loaded: Settings, config: Path | None) -> 
     """The queues to dispatch: the ones named, else every configured queue with a backend, else a clear error."""
     if given:
         return given
-    if named := [name for name, q in loaded.queues.items() if q.dispatched]:
+    if named := [name for name, q in loaded.queues.items() if q.served_backends]:
         return named
     with errors():
         file = config_file(config)

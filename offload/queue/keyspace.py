@@ -52,6 +52,8 @@ QUEUE_SUFFIXES: dict[str, str] = {
     "dups": "duplicate-delivery counters (hash)",
     "cap:": "cap:<window>:jobs|spend, the spend cap's counters",
     "paused": "present while the queue is paused",
+    "flow": "a queue with overflow: the fleet's reach, written by the autoscaler each evaluation for the overflow "
+    "worker's claims (hash: skip, idle, per_ms, run_ms, after_ms; expires)",
     "events": "job state changes (stream, capped)",
     "hooks:": "hooks:<worker id>, pub/sub: webhooks kept for the jobs that dispatch worker holds (hook.lua)",
     "idle": "present while a claim found the ready set empty: the next job made ready PUBLISHes on `wake`",
@@ -117,6 +119,11 @@ def events(queue: str) -> str:
 
 def paused(queue: str) -> str:
     return prefix(queue) + "paused"
+
+
+def overflow_reach(queue: str) -> str:
+    """What the fleet of a queue with overflow starts in time (the autoscaler's estimate; see pick.lua)."""
+    return prefix(queue) + "flow"
 
 
 def histograms(queue: str) -> str:

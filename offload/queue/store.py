@@ -18,7 +18,7 @@ import orjson
 from offload.backoff import retry_delay_ms
 from offload.clock import ClockMs
 from offload.errors import InvalidJob, InvalidTransition, JobNotFound, StaleLease
-from offload.models import ClaimedJob, HeartbeatReply
+from offload.models import ClaimedJob, ClaimMode, HeartbeatReply
 from offload.queue import replies
 from offload.queue.admin_store import AdminStore
 from offload.queue.base_store import DEFAULT_LEASE_MS
@@ -104,6 +104,8 @@ class QueueStore(EnqueueStore, AdminStore, ReadStore, HookStore):
         estimate: float = 0.0,
         request_id: str | None = None,
         begin: bool = False,
+        mode: ClaimMode = "",
+        after_s: float = 0.0,
     ) -> list[ClaimedJob]:
         """Lease up to `n` jobs. With caps, nothing fresh is taken while a cap is reached in the store's cap
         window (its UTC day: only jobs that resume a remote job). `request_id` (default: a new one per call)
@@ -123,6 +125,8 @@ class QueueStore(EnqueueStore, AdminStore, ReadStore, HookStore):
             repr(float(estimate)),
             self._silence(lease),
             "1" if begin else "",
+            mode,
+            round(after_s * 1000),
         )
         return replies.claimed(flat)
 

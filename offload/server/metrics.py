@@ -202,7 +202,7 @@ async def _route_families(state: ServerState) -> list[Metric]:
         labels=["backend"],
     )
     routed_names = {
-        n for q in state.options.settings.queues.values() if len(q.route_backends) > 1 for n in q.route_backends
+        n for q in state.options.settings.queues.values() if len(q.served_backends) > 1 for n in q.served_backends
     }
     for name in sorted(routed_names):
         counts = await route_counters(state.redis, name)

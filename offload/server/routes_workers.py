@@ -168,7 +168,8 @@ async def claim(request: Request, worker_id: str, body: ClaimRequest, key: Princ
             if not state.store_watch.safe:  # the store may evict: no new work (the server says why, loudly)
                 await asyncio.sleep(max(deadline - time.monotonic(), 0.0))
                 return ClaimReply(jobs=[])
-            jobs = await state.store.claim(body.queue, worker_id, body.max, lease)
+            # a GPU worker never takes a job a dispatch worker may have sent (a queue with overflow: pick.lua)
+            jobs = await state.store.claim(body.queue, worker_id, body.max, lease, mode="fleet")
             if jobs and not await state.keys.alive(key):  # revoked during the claim: hand back what it took
                 await state.store.release_leases(body.queue, worker_id, [j.id for j in jobs])
                 raise revoked()

@@ -65,6 +65,8 @@ class Leases:
                 spend_cap=opts.daily_spend_cap,
                 estimate=opts.reservation,
                 begin=self.begin_at_claim,
+                mode=opts.claim_mode,
+                after_s=opts.overflow_after,
             )
             self.prefetch.claimed(sent, time.monotonic())
             loop = asyncio.get_running_loop()

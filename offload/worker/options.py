@@ -23,6 +23,7 @@ from offload.models import (
     DEFAULT_POLL_INTERVAL_S,
     DEFAULT_POLL_TIMEOUT_S,
     DEFAULT_SUBMIT_CONCURRENCY,
+    ClaimMode,
 )
 from offload.queue.store import DEFAULT_LEASE_MS
 
@@ -72,6 +73,10 @@ class WorkerOptions:
     hook_base: str | None = None
     hook_poll_interval: float = _default(HttpJobSettings, "webhook_poll_interval_s")
     hook_grace_s: float = 0.0
+    # A GPU-worker queue's serverless overflow: claims take only the jobs the fleet will not start within
+    # `overflow_after` seconds (claim mode "overflow", pick.lua)
+    claim_mode: ClaimMode = ""
+    overflow_after: float = 0.0
 
     @classmethod
     def from_settings(
@@ -87,7 +92,8 @@ class WorkerOptions:
         q = settings.queue(queue)
         backend_name, bs = settings.backend_for(queue)
         caps = settings.cap_limits(queue)
-        routed = len(q.route_backends) > 1
+        routed = len(q.served_backends) > 1
+        flow = None if q.dispatched else settings.overflow(queue)
         return cls(
             queue=queue,
             backend_name=backend_name,
@@ -111,6 +117,8 @@ class WorkerOptions:
             hook_base=settings.hook_base(backend_name),
             hook_poll_interval=bs.webhook_poll_interval_s,
             hook_grace_s=settings.hook_grace_s(backend_name),
+            claim_mode="overflow" if flow is not None else "",
+            overflow_after=flow.after if flow is not None else 0.0,
             **({"lease_ms": lease_ms} if lease_ms is not None else {}),
         )
 

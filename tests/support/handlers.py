@@ -133,3 +133,12 @@ async def files_async(input: Any, ctx: JobContext) -> dict[str, Any]:
         "same": saved.read_bytes() == data,
         "refused": refused,
     }
+
+
+def logged_echo(input: Any, ctx: JobContext) -> dict[str, Any]:
+    """`echo`, and one line per run appended to OFFLOAD_TEST_RUNLOG (the job id): a test counts the runs a GPU
+    worker did, including any whose result the store refused."""
+    out = echo(input, ctx)
+    with open(os.environ["OFFLOAD_TEST_RUNLOG"], "a") as log:
+        log.write(ctx.id + "\n")
+    return out

@@ -15,9 +15,13 @@
 -- A job past its deadline (epoch ms, the store's clock) is not leased: it goes dead with `deadline passed`
 -- (counted as `deadline_passed`, and an event of that name), unless it may be running already (a remote id,
 -- an intent open) or waits for its cancel: a job running at its deadline is not stopped.
+-- A queue served by GPU workers and serverless overflow: the claimant's `mode` says which kind it is and pick.lua
+-- which jobs each takes ('fleet': a GPU worker, never a job a dispatch worker may have sent; 'overflow': its
+-- dispatch worker, only jobs the fleet will not start within `after`). '' takes the head, as any other queue.
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, worker id, max jobs, lease ms, request id, job cap, spend cap, estimated cost of one submission,
---   silence ms, begin ('1' or '')
+--   silence ms, begin ('1' or ''), mode ('', 'fleet' or 'overflow'), after ms (overflow: the configured `after`,
+--   used while the autoscaler's estimate has none)
 -- Returns: a flat list, 15 fields per job (decoded in one place: offload.queue.replies): id, token, attempt,
 --   max_attempts, input, output_key, backend, remote_id, cancel, claimed before (1/0), submission number,
 --   submit intent open (1/0: an earlier delivery may have left a submission it never recorded), begun (1/0: the
@@ -32,13 +36,14 @@
 --- @include "leases"
 --- @include "caps"
 --- @include "outages"
+--- @include "pick"
 local now = now_ms(ARGV[1])
 local wid, n, lease, req = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 local job_cap, spend_cap, estimate, silence = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]) or 0,
   tonumber(ARGV[9])
 local window = (job_cap or spend_cap) and window_of(now) or ''
 local begin = ARGV[10] == '1' and window == ''
-local SCAN = 200
+local mode, after_ms = ARGV[11] or '', tonumber(ARGV[12]) or 0
 local FIELDS = {'max_attempts', 'attempts', 'remote_id', 'input', 'output_key', 'backend', 'cancel',
   'started_at', 'ready_at', 'created_at', 'sub_n', 'sub_open', 'token', 'intent_tok', 'remote_n', 'deadline',
   'max_cost'}
@@ -91,21 +96,21 @@ promote(now, 1000)
 reap(now, 100)
 trim(now, 100 + 2 * n)
 if n <= 0 or redis.call('EXISTS', P .. 'paused') == 1 then return {} end
-local picked = {}
+local picked
 local capped = cap_reached(window, job_cap, spend_cap, estimate)
-if capped then
-  local counted = cap_base(window) .. 'counted'
-  for _, id in ipairs(redis.call('ZRANGE', P .. 'ready', 0, SCAN - 1)) do
-    if #picked >= n then break end
-    -- a cancel to carry out takes no cap either
-    local remote_id, cancel = unpack(redis.call('HMGET', jkey(id), 'remote_id', 'cancel'))
-    if (remote_id and remote_id ~= '') or cancel == '1'
-        or (capped == 'jobs' and redis.call('SISMEMBER', counted, id) == 1) then
-      picked[#picked + 1] = id
-    end
+if capped or mode ~= '' then
+  local counted = capped and cap_base(window) .. 'counted'
+  -- over a cap only what takes no new submission: a remote job to resume, a cancel to carry out, a counted job
+  local function allowed(id, remote_id, cancel)
+    return not capped or (remote_id or '') ~= '' or cancel == '1'
+      or (capped == 'jobs' and redis.call('SISMEMBER', counted, id) == 1)
   end
+  picked = pick(mode, n, now, after_ms, allowed)
   bulk('ZREM', P .. 'ready', picked)
+  -- a fleet that found too little may be woken by new work; overflow's share grows with time, not arrivals
+  if mode == 'fleet' and not capped and #picked < n then redis.call('SET', P .. 'idle', '1', 'PX', 600000) end
 else
+  picked = {}
   local popped = redis.call('ZPOPMIN', P .. 'ready', n)
   for j = 1, #popped, 2 do picked[#picked + 1] = popped[j] end
   -- the ready set ran dry: the next job made ready wakes the idle workers (ready.lua's `wake`). Not under a
