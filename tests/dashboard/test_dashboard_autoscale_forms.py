@@ -1,8 +1,9 @@
 """The Autoscaling page's forms in a real headless Chromium against a real server and Valkey: an admin adds,
 edits (without retyping the secret, which is kept) and deletes a provider, and sets up, edits (errors shown at
 their fields) and removes a queue's autoscale block. `local` providers are listed read-only and never offered;
-a block that would run commands on this host through one is refused by the server, and the page says why. The
-raw secret never reaches the page. Screenshots: docs/img/dashboard-autoscale-*-form.png."""
+a block that would run commands on this host through one is refused by the server, and the page says why. A
+provider's name and the settings typed in fields its next type shares survive a change of type. The raw secret
+never reaches the page. Screenshots: docs/img/dashboard-autoscale-*-form.png."""
 
 from __future__ import annotations
 
@@ -120,6 +121,41 @@ def test_admin_adds_edits_and_deletes_a_provider(
     expect(page.locator("#notice")).to_have_text(f"Deleted provider {name}")
     expect(page.locator(f'#providers tr[data-provider="{name}"]')).to_have_count(0)
     _no_raw_secret(page)
+
+
+def test_the_provider_form_keeps_what_was_typed_when_the_type_redraws_it(api: tuple[str, str], page: Page) -> None:
+    """The natural order, name first and then the type: the name stays, and so do the settings typed in fields
+    the next type also has; the ones it lacks are gone, and the provider is saved under the typed name."""
+    name = "typed-" + secrets.token_hex(3)
+    sign_in(page, *api)
+    go(page, "#/autoscale")
+    page.get_by_role("button", name="Add a provider").click()
+    form = page.locator("#provider-form")
+    form.get_by_label("Name", exact=True).fill(name)
+    form.get_by_label("Type", exact=True).select_option("runpod")
+    expect(form.get_by_label("Name", exact=True)).to_have_value(name)
+    form.get_by_label("api_key (required)").fill(RAW)
+    form.get_by_label("base_url").fill("https://rent.example.com/api")
+    form.get_by_label("min_cuda_version").fill("12.4")
+    form.get_by_label("gpu_type_id", exact=True).fill("NVIDIA RTX A5000")  # runpod's alone
+    form.get_by_label("Type", exact=True).select_option("vastai")
+    expect(form.get_by_label("Name", exact=True)).to_have_value(name)
+    expect(form.get_by_label("base_url")).to_have_value("https://rent.example.com/api")
+    expect(form.get_by_label("min_cuda_version")).to_have_value("12.4")
+    expect(form.get_by_label("gpu_type_id", exact=True)).to_have_count(0)
+    expect(form.get_by_label("gpu_name")).to_have_value("")  # vastai's alone: as for a fresh form
+    form.get_by_role("button", name="Create provider").click()
+    expect(page.locator("#notice")).to_have_text(f"Created provider {name}")
+    with client(*api) as admin:
+        saved = admin.get(f"/v1/autoscale/providers/{name}").json()
+    assert saved["name"] == name and saved["type"] == "vastai", saved
+    assert (
+        saved["config"]["base_url"] == "https://rent.example.com/api" and saved["config"]["min_cuda_version"] == "12.4"
+    )
+    assert saved["config"]["api_key"] == "****WXYZ" and "gpu_type_id" not in saved["config"]
+    expect(page.get_by_role("row").filter(has=page.get_by_role("cell", name=name, exact=True))).to_have_count(1)
+    with client(*api) as admin:
+        assert admin.delete(f"/v1/autoscale/providers/{name}").status_code in (200, 204)
 
 
 def test_admin_sets_up_edits_and_removes_a_queue_block(api: tuple[str, str], page: Page, tmp_path: Path) -> None:

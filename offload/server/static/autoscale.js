@@ -8,7 +8,8 @@
 //   with the CLI (`origin: operator`): they receive the operator's secrets, and the API refuses to change them.
 // - The queue form edits the autoscale block as PUT /v1/autoscale/queues/{queue} takes it. The server validates
 //   (422 lists every problem with its field path) and the page shows each message at its field.
-// - The forms live in a container that survives the page's periodic redraws, so typing is never lost.
+// - The forms live in a container that survives the page's periodic redraws, so typing is never lost; the
+//   provider settings redrawn when the type changes keep the values typed in fields both types have.
 // Same rules as app.js: the DOM is built with text only (ui.el), the server decides what a key may do.
 export function makeAutoscaleView(ui) {
   const { el, api, table, queueLink, enc } = ui;
@@ -74,6 +75,26 @@ export function makeAutoscaleView(ui) {
     return el("input", { id, name: f.name, type: "text", inputmode: f.kind === "number" ? "decimal" : null,
       value: text, placeholder: hint, spellcheck: "false", autocomplete: "off" });
   }
+  // A field redrawn by another one (the settings per provider type) keeps what the person typed in it: the
+  // fields they edited are read before the redraw and put back into the new fields of the same name and kind.
+  function markTyped(container) {
+    const mark = (ev) => { if (ev.target.name) ev.target.dataset.typed = "1"; };
+    container.addEventListener("input", mark);
+    container.addEventListener("change", mark);
+  }
+  function typedValues(container) {
+    return new Map([...container.querySelectorAll("[data-typed]")].map((i) =>
+      [i.name, { tag: i.tagName, type: i.type, value: i.value, checked: i.checked }]));
+  }
+  function restoreTyped(container, typed) {
+    for (const input of container.querySelectorAll("input, select, textarea")) {
+      const old = typed.get(input.name);
+      if (!old || old.tag !== input.tagName || old.type !== input.type) continue;
+      if (input.tagName === "SELECT" && ![...input.options].some((o) => o.value === old.value)) continue;
+      if (input.type === "checkbox") input.checked = old.checked; else input.value = old.value;
+      input.dataset.typed = "1";
+    }
+  }
   function readSetting(f, input, original) { // -> [present, value] or throws Error(message)
     if (f.kind === "secret") return input.value === "" ? [false] : [true, input.value];
     if (f.kind === "bool") return [true, input.checked];
@@ -97,9 +118,12 @@ export function makeAutoscaleView(ui) {
     const form = el("form", { id: "provider-form", class: "editor", autocomplete: "off" });
     const render = () => {
       const t = types.find((x) => x.type === kind);
+      const typed = typedValues(settings);
       settings.replaceChildren(...t.fields.map((f) => field(`pf-${f.name}`, f.required ? `${f.name} (required)` : f.name,
         settingInput(f, existing ? existing.config[f.name] : undefined), { help: f.description, name: f.name })));
+      restoreTyped(settings, typed);
     };
+    markTyped(settings);
     const typeSelect = el("select", { id: "pf-type", disabled: !!existing,
       onchange: (ev) => { kind = ev.currentTarget.value; render(); } },
     creatable.map((t) => el("option", { value: t.type, selected: t.type === kind }, t.type)));
