@@ -295,7 +295,8 @@ def _queues_table(stats: list[QueueStats]) -> Table:
     for column in (*COUNT_COLUMNS, "workers", "oldest"):
         number_column(grid, column)
     for s in stats:
-        name = Text(f"{s.queue} ({s.status})", style="yellow") if s.status != "running" else Text(s.queue)
+        status = f"capped: {s.capped}" if s.status == "capped" else s.status  # which cap: as the dashboard says
+        name = Text(f"{s.queue} ({status})", style="yellow") if s.status != "running" else Text(s.queue)
         counts = (str(s.counts.get(c, 0)) for c in COUNT_COLUMNS)
         grid.add_row(name, *counts, str(s.workers), age(s.oldest_ready_age_ms))
     return grid

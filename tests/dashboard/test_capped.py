@@ -98,7 +98,11 @@ def test_cli_queues_and_status_say_capped(
     assert (rows[SPEND_CAPPED]["status"], rows[SPEND_CAPPED]["capped"]) == ("capped", "spend")
     assert rows[OPEN]["status"] == "running"
     table = runner.invoke(app, ["queues"], env={"COLUMNS": "300"}).stdout
-    assert f"{JOBS_CAPPED} (capped)" in table and f"{OPEN} (" not in table
+    assert (
+        f"{JOBS_CAPPED} (capped: jobs)" in table
+        and f"{SPEND_CAPPED} (capped: spend)" in table
+        and f"{OPEN} (" not in table
+    )
     shown = runner.invoke(app, ["status", capped[JOBS_CAPPED][-1]])
     assert shown.exit_code == 0 and f"queue {JOBS_CAPPED} is capped: its daily jobs cap is reached" in shown.stdout
     assert "is capped" not in runner.invoke(app, ["status", capped[OPEN][-1]]).stdout
@@ -108,7 +112,9 @@ def test_dashboard_shows_capped_and_the_held_page_lists_what_the_cap_holds(
     api: tuple[str, str], capped: dict[str, list[str]], page: Page
 ) -> None:
     sign_in(page, *api)
-    expect(page.locator(f'tr[data-queue="{JOBS_CAPPED}"] td[data-col="status"]')).to_have_text("capped")
+    expect(page.locator(f'tr[data-queue="{JOBS_CAPPED}"] td[data-col="status"]')).to_have_text(
+        "capped: jobs 2 of 2 jobs today"
+    )
     expect(page.locator(f'tr[data-queue="{OPEN}"] td[data-col="status"]')).to_have_text("running")
     page.click('[data-nav="held"]')
     section = page.locator(f'section.set[data-queue="{SPEND_CAPPED}"]')
@@ -118,4 +124,4 @@ def test_dashboard_shows_capped_and_the_held_page_lists_what_the_cap_holds(
     expect(page.locator(f'section.set[data-queue="{OPEN}"]')).to_have_count(0)
     expect(page.locator("p.empty")).to_have_count(0)  # no "No held jobs." while queues are capped
     go(page, f"#/queues/{JOBS_CAPPED}?state=queued")
-    expect(page.locator("#capped")).to_have_text("capped")
+    expect(page.locator("#capped")).to_have_text("capped: jobs")

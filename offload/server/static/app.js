@@ -197,10 +197,18 @@ function budgetText(b) {
   return text;
 }
 const inFlight = (c) => (c.active || 0) + (c.submitted || 0);
-// A queue's one-word status (server: offload/caps.py): paused, capped (a daily cap reached), else running.
-const statusBadge = (q, id) => (q.status === "running" ? null : el("span", { class: `badge ${q.status}`, id,
-  title: q.status === "capped" ? `daily ${q.capped} cap reached: queued jobs wait for the next window (UTC day)` : null },
-q.status));
+// A queue's status (server: offload/caps.py): paused, capped (a daily cap reached: which one, and with the queue's
+// budget `b` the cap and today's use, so a capped queue never passes for a running one), else running.
+const capUse = (kind, b) => (kind === "jobs" ? `${b.jobs_used} of ${b.jobs_cap} jobs today`
+  : `$${b.spend_used.toFixed(2)} of $${(b.spend_cap ?? 0).toFixed(2)} spent today`);
+function statusBadge(q, id, b) {
+  if (q.status === "running") return null;
+  const capped = q.status === "capped";
+  const badge = el("span", { class: `badge ${q.status}`, id, title: capped
+    ? `daily ${q.capped} cap reached: queued jobs wait for the next window (UTC day)` : null },
+  capped ? `capped: ${q.capped}` : q.status);
+  return capped && b ? [badge, " ", el("span", { class: "muted", data: { capUse: q.capped } }, capUse(q.capped, b))] : badge;
+}
 const card = (label, value, name) => el("div", { class: "card", data: { card: name } },
   el("div", { class: "value" }, value), el("div", { class: "label" }, label));
 
@@ -217,7 +225,7 @@ const overview = {
       const c = q.counts;
       const cell = (col, v) => el("td", { data: { col }, class: "num" }, v);
       return el("tr", { data: { queue: q.queue } }, el("td", null, queueLink(q.queue)),
-        el("td", { data: { col: "status" } }, statusBadge(q) || "running"),
+        el("td", { data: { col: "status" } }, statusBadge(q, null, budgets[q.queue]) || "running"),
         cell("queued", c.queued), cell("inflight", inFlight(c)), cell("waiting", c.delayed + c.retrying),
         cell("held", c.held), cell("dead", c.dead), cell("succeeded", c.succeeded),
         cell("enqueue-rate", fmtRate(q.rates.enqueued)), cell("done-rate", fmtRate(q.rates.succeeded)),
@@ -244,16 +252,18 @@ const queueView = {
     const cursor = stack[stack.length - 1];
     const [q, page] = await Promise.all([api(`/v1/queues/${enc(queue)}`),
       api(`/v1/queues/${enc(queue)}/jobs?state=${enc(state)}&limit=${PAGE}${cursor ? `&cursor=${cursor}` : ""}`)]);
-    return { q, page, pageNo: stack.length };
+    // the budget (every queue's usage) only for a capped queue: its label shows the cap and today's use
+    const budget = q.status === "capped" ? (await api("/v1/dashboard/budget")).find((b) => b.queue === queue) : null;
+    return { q, page, pageNo: stack.length, budget };
   },
-  draw({ q, page, pageNo }, { queue, state }) {
+  draw({ q, page, pageNo, budget }, { queue, state }) {
     const stack = cursors[`${queue}|${state}`];
     const count = (s) => (s === "active" ? inFlight(q.counts) : q.counts[s] || 0);
     const turn = (fn) => () => { fn(); lastSig = ""; refresh(); };
     const tabs = STATES.map((s) => el("a", { href: `#/queues/${enc(queue)}?state=${s}`, class: s === state ? "tab on" : "tab",
       data: { state: s } }, s, " ", el("span", { class: "n" }, count(s))));
     return el("section", null,
-      el("h1", null, "Queue ", el("span", { class: "mono" }, queue), " ", statusBadge(q, q.status)),
+      el("h1", null, "Queue ", el("span", { class: "mono" }, queue), " ", statusBadge(q, q.status, budget)),
       el("div", { class: "toolbar" },
         q.paused ? action("Resume", "admin", async () => { await post(`/v1/queues/${enc(queue)}/resume`); return `Resumed ${queue}`; })
           : action("Pause", "admin", async () => { await post(`/v1/queues/${enc(queue)}/pause`); return `Paused ${queue}`; }),
