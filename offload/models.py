@@ -92,6 +92,7 @@ class Job:
     remote_id: str | None = None
     result: str | None = None
     cost: float | None = None
+    kind: str | None = None  # the capacity that ran it (CapacityKind), once a run of it finished or cost something
     error: str | None = None
     cancel_requested: bool = False
     idempotency_key: str | None = None
@@ -139,6 +140,7 @@ class Job:
             remote_id=_opt_str(h.get("remote_id")),
             result=_opt_str(h.get("result")),
             cost=_opt_float(cost),
+            kind=_opt_str(h.get("kind")),
             error=_opt_str(h.get("error")),
             cancel_requested=h.get("cancel") == "1",
             idempotency_key=_opt_str(h.get("idem")),
@@ -175,6 +177,7 @@ class Job:
             "remote_id": self.remote_id,
             "result": self.result,
             "cost": self.cost,
+            "kind": self.kind,
             "error": self.error,
             "cancel_requested": self.cancel_requested,
             "idempotency_key": self.idempotency_key,
@@ -239,6 +242,12 @@ class HeartbeatReply:
     stepped_back_ms: int = 0  # the store's clock stepped back this far, and this call moved its times back with it
 
 
+#: The kinds of capacity a job runs on: a dispatch worker at a serverless API, or a GPU worker of the fleet.
+CapacityKind = Literal["serverless", "fleet"]
+#: The lines of a queue's spend: each kind, and the fleet's rental its jobs did not use (autoscale/fleet_idle.py).
+SPEND_KINDS = ("serverless", "fleet", "fleet_idle")
+
+
 @dataclass(frozen=True, slots=True)
 class QueueStats:
     """Counts per state plus the age of the oldest ready job, for `offload queues` and autoscaling."""
@@ -250,6 +259,8 @@ class QueueStats:
     workers: int
     totals: dict[str, int]
     capped: CapKind | None = None  # the daily cap reached in the store's window, from the config (caps.py)
+    spend: dict[str, float] = field(default_factory=dict)  # USD per SPEND_KINDS line, the store's UTC day
+    spend_total: dict[str, float] = field(default_factory=dict)  # USD per SPEND_KINDS line, since the queue began
 
     @property
     def status(self) -> QueueStatus:
@@ -265,4 +276,6 @@ class QueueStats:
             "oldest_ready_age_ms": self.oldest_ready_age_ms,
             "workers": self.workers,
             "totals": self.totals,
+            "spend": self.spend,
+            "spend_total": self.spend_total,
         }

@@ -194,6 +194,16 @@ async def claim_problem(
     return None
 
 
+async def machine_price(redis: RedisClient, instance_id: str) -> float | None:
+    """USD per hour of the machine a GPU worker registered as, for its jobs' share of the rental (None: unknown,
+    a worker that is no rented instance, or a rental whose price is not known)."""
+    if not instance_id.startswith(ID_PREFIX):
+        return None
+    raw = await redis.hget(keyspace.instance(instance_id), "price")
+    price = float(raw or 0)
+    return price if price > 0 else None
+
+
 def _encode(values: dict[str, Any]) -> bytes:
     out = {}
     for k, v in values.items():

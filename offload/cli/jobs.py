@@ -21,6 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from offload import exactjson
+from offload.autoscale.fleet_idle import with_fleet_idle
 from offload.caps import CAPPED_WAIT, CapKind, CapLimits, cap_reached
 from offload.cli.attach import enqueue_attached
 from offload.cli.errors import errors, fail
@@ -35,6 +36,7 @@ from offload.cli.options import (
 from offload.cli.output import age, err, listing, number_column, out, print_json, short, show, text_column, when
 from offload.cli.results import result, wait
 from offload.cli.session import configured_caps, run_store
+from offload.cli.spend import SPEND_COLUMNS, cost_unknown, spend_cells
 from offload.errors import InvalidJob, OffloadError, StoreFull
 from offload.models import DEFAULT_MAX_ATTEMPTS, Enqueued, Job, QueueStats
 from offload.queue.keyspace import validate_queue
@@ -255,7 +257,7 @@ def status(job_id: JobArg, json_out: JsonOpt = False, url: UrlOpt = None) -> Non
     table.add_column(overflow="fold")
     for key, value in record.items():
         shown = when(value) if key in TIME_FIELDS else "-" if value is None else short(value, 2000)
-        table.add_row(key, Text(shown))
+        table.add_row(key, Text(cost_unknown(job) or shown if key == "cost" else shown))
     out().print(table)
     if workers is not None:
         who = f"{workers} worker(s) of the queue are alive" if workers else "no worker of the queue is alive"
@@ -281,7 +283,8 @@ async def _job_and_workers(
 
 async def _stats(store: QueueStore, queue: str, caps: dict[str, CapLimits]) -> QueueStats:
     stats = await store.stats(queue)
-    return dataclasses.replace(stats, capped=await cap_reached(store, queue, caps.get(queue)))
+    stats = dataclasses.replace(stats, capped=await cap_reached(store, queue, caps.get(queue)))
+    return await with_fleet_idle(store.redis, stats)
 
 
 async def _snapshot(store: QueueStore, caps: dict[str, CapLimits]) -> list[QueueStats]:
@@ -292,13 +295,13 @@ async def _snapshot(store: QueueStore, caps: dict[str, CapLimits]) -> list[Queue
 def _queues_table(stats: list[QueueStats]) -> Table:
     grid = listing()
     text_column(grid, "queue")
-    for column in (*COUNT_COLUMNS, "workers", "oldest"):
+    for column in (*COUNT_COLUMNS, "workers", "oldest", *SPEND_COLUMNS):
         number_column(grid, column)
     for s in stats:
         status = f"capped: {s.capped}" if s.status == "capped" else s.status  # which cap: as the dashboard says
         name = Text(f"{s.queue} ({status})", style="yellow") if s.status != "running" else Text(s.queue)
         counts = (str(s.counts.get(c, 0)) for c in COUNT_COLUMNS)
-        grid.add_row(name, *counts, str(s.workers), age(s.oldest_ready_age_ms))
+        grid.add_row(name, *counts, str(s.workers), age(s.oldest_ready_age_ms), *spend_cells(s))
     return grid
 
 
@@ -308,8 +311,9 @@ def queues(
     interval: Annotated[float, typer.Option(min=0.1, help="Seconds between refreshes.")] = 1.0,
     url: UrlOpt = None,
 ) -> None:
-    """Counts per state for every queue, and which are paused or capped (a daily cap of offload.yaml reached).
-    With --watch and --json, one JSON document per line per refresh."""
+    """Counts per state for every queue, which are paused or capped (a daily cap of offload.yaml reached), and
+    today's spend (the job store's UTC day) per kind of capacity: serverless, fleet, fleet idle. With --watch and
+    --json, one JSON document per line per refresh."""
     caps = configured_caps()
 
     def emit(stats: list[QueueStats]) -> None:

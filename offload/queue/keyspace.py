@@ -51,6 +51,8 @@ QUEUE_SUFFIXES: dict[str, str] = {
     "hist": "wait and run histograms (hash)",
     "dups": "duplicate-delivery counters (hash)",
     "cap:": "cap:<window>:jobs|spend, the spend cap's counters",
+    "spend:": "spend:<window>, the day's spend per kind of capacity: serverless, fleet (hash, 40 days)",
+    "spent": "the spend per kind of capacity since the queue began (hash)",
     "paused": "present while the queue is paused",
     "flow": "a queue with overflow: the fleet's reach, written by the autoscaler each evaluation for the overflow "
     "worker's claims (hash: skip, idle, per_ms, run_ms, after_ms; expires)",

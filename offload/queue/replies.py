@@ -92,9 +92,10 @@ def pairs(flat: list[str]) -> dict[str, str]:
 
 
 def queue_stats(queue: str, reply: list[Any]) -> QueueStats:
-    """stats.lua's reply: paused, the STATS_STATES counts, oldest ready age (ms, -1 none), live workers, totals."""
+    """stats.lua's reply: paused, the STATS_STATES counts, oldest ready age (ms, -1 none), live workers, totals,
+    today's spend per kind of capacity and the spend per kind since the queue began."""
     paused, *counts = reply[: 1 + len(STATS_STATES)]
-    age, workers, totals = reply[1 + len(STATS_STATES) :]
+    age, workers, totals, today, spent = reply[1 + len(STATS_STATES) :]
     return QueueStats(
         queue=queue,
         paused=bool(paused),
@@ -102,6 +103,8 @@ def queue_stats(queue: str, reply: list[Any]) -> QueueStats:
         oldest_ready_age_ms=int(age) if int(age) >= 0 else None,
         workers=int(workers),
         totals={k: int(v) for k, v in pairs(totals).items()},
+        spend={k: float(v) for k, v in pairs(today).items()},
+        spend_total={k: float(v) for k, v in pairs(spent).items()},
     )
 
 

@@ -18,7 +18,7 @@ import orjson
 from offload.backoff import retry_delay_ms
 from offload.clock import ClockMs
 from offload.errors import InvalidJob, InvalidTransition, JobNotFound, StaleLease
-from offload.models import ClaimedJob, ClaimMode, HeartbeatReply
+from offload.models import CapacityKind, ClaimedJob, ClaimMode, HeartbeatReply
 from offload.queue import replies
 from offload.queue.admin_store import AdminStore
 from offload.queue.base_store import DEFAULT_LEASE_MS
@@ -39,6 +39,11 @@ LeaseRef = str | tuple[str, str]  # a job id, or (job id, lease token)
 
 #: (id, token, result location, cost) or, for a run never checkpointed, (..., backend, remote id, submission).
 CompleteItem = tuple[str, str, str, float | None] | tuple[str, str, str, float | None, str, str, int]
+
+
+def _price(price: float | None) -> str:
+    """A machine's price per hour as the scripts take it: '' when unknown (no price, or none above $0)."""
+    return repr(float(price)) if price is not None and price > 0 else ""
 
 
 def _expect(code: Any, job_id: str) -> None:
@@ -221,16 +226,35 @@ class QueueStore(EnqueueStore, AdminStore, ReadStore, HookStore):
         return [replies.checkpointed(code) for code in codes]
 
     async def complete_many(self, queue: str, items: Sequence[CompleteItem]) -> list[replies.Verdict]:
-        """Ack many (id, token, result location, cost[, backend, remote id, submission number]); returns OK /
-        STALE / NOTFOUND per item. The remote part records a run that was never checkpointed (a synchronous
-        API answers the submit with the result) and closes its submit intent, in the same step as the ack."""
+        """Ack many (id, token, result location, cost[, backend, remote id, submission number]) of a dispatch
+        worker (kind serverless); returns OK / STALE / NOTFOUND per item. The remote part records a run that was
+        never checkpointed (a synchronous API answers the submit with the result) and closes its submit intent, in
+        the same step as the ack."""
+        return await self._complete(queue, items, "serverless", None)
+
+    async def _complete(
+        self, queue: str, items: Sequence[CompleteItem], kind: CapacityKind, price: float | None
+    ) -> list[replies.Verdict]:
+        """`kind`: the capacity that ran them; a fleet job's cost is its run time x `price` (USD per hour of its
+        machine; None: unknown, no cost recorded)."""
         batch = orjson.dumps(
             [(*item[:3], "" if item[3] is None else repr(float(item[3])), *item[4:]) for item in items]
         )
-        return [replies.lease_verdict(code) for code in await self._run(SCRIPTS.complete, queue, batch, durable=True)]
+        codes = await self._run(SCRIPTS.complete, queue, batch, kind, _price(price), durable=True)
+        return [replies.lease_verdict(code) for code in codes]
 
-    async def complete(self, job_id: str, token: str, result: str, cost: float | None = None) -> None:
-        (code,) = await self.complete_many(queue_of(job_id), [(job_id, token, result, cost)])
+    async def complete(
+        self,
+        job_id: str,
+        token: str,
+        result: str,
+        cost: float | None = None,
+        *,
+        kind: CapacityKind = "serverless",
+        price: float | None = None,
+    ) -> None:
+        """One ack; `kind` and `price` as for `_complete` (a GPU worker's job: fleet, at its machine's price)."""
+        (code,) = await self._complete(queue_of(job_id), [(job_id, token, result, cost)], kind, price)
         _expect(code, job_id)
 
     async def fail(
@@ -248,12 +272,15 @@ class QueueStore(EnqueueStore, AdminStore, ReadStore, HookStore):
         refund: bool = False,
         duplicate: bool = False,
         returned: bool = False,
+        kind: CapacityKind = "serverless",
+        price: float | None = None,
     ) -> str:
         """Returns "retrying" or "dead". `answered`: the provider answered the submit (its intent is closed);
         `cost`: what the failed run cost (settles its reservation); `refund`: the provider refused the
         submission, so it is not counted against the caps; `duplicate`: the run given up may still be running
         (and paid for) when the next one starts: counted as a possible duplicate; `returned` (with `retryable`):
-        the job never ran (a batch line expired or cancelled): its attempt is given back, not counted."""
+        the job never ran (a batch line expired or cancelled): its attempt is given back, not counted. `kind`
+        and `price` as for `_complete`: a run that cost something adds to the queue's spend of its kind."""
         delay = retry_delay_ms(attempt) if delay_ms is None else delay_ms
         code = await self._run(
             SCRIPTS.fail,
@@ -269,6 +296,8 @@ class QueueStore(EnqueueStore, AdminStore, ReadStore, HookStore):
             int(refund),
             int(duplicate),
             int(returned),
+            kind,
+            _price(price),
         )
         _expect(code, job_id)
         return str(code)

@@ -39,6 +39,7 @@ ASSETS = {  # the whole public surface of the dashboard: nothing else under /ui/
     "index.html": "text/html; charset=utf-8",
     "app.js": "text/javascript; charset=utf-8",
     "autoscale.js": "text/javascript; charset=utf-8",
+    "spend.js": "text/javascript; charset=utf-8",
     "style.css": "text/css; charset=utf-8",
 }
 CSP = (

@@ -18,8 +18,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from offload.autoscale.fleet_idle import with_fleet_idle
 from offload.autoscale.status import autoscale_families
-from offload.models import QueueStats
+from offload.models import SPEND_KINDS, QueueStats
 from offload.queue.backend_limits import backend_counters, route_counters
 from offload.queue.memory import read_memory
 from offload.queue.scripts import HIST_BUCKETS_S
@@ -29,8 +30,9 @@ from offload.server.state import ServerState, get_state
 
 router = APIRouter(tags=["metrics"], route_class=GuardedRoute)
 RATE_FIELDS = ("enqueued", "succeeded", "failed", "dead", "cancelled")
-# dead jobs by a kind of their own (counted in `dead` too): not started by their deadline, refused over max_cost
-TOTAL_FIELDS = (*RATE_FIELDS, "deadline_passed", "over_max_cost")
+# dead jobs by a kind of their own (counted in `dead` too): not started by their deadline, refused over max_cost;
+# and the GPU-worker runs whose machine had no price (not a rented instance: their cost is unknown, not $0)
+TOTAL_FIELDS = (*RATE_FIELDS, "deadline_passed", "over_max_cost", "fleet_unpriced")
 
 
 class RateTracker:
@@ -83,7 +85,7 @@ def _histogram(name: str, doc: str, per_queue: dict[str, tuple[list[int], int, i
 async def collect(state: ServerState) -> list[Metric]:
     store = state.store
     queues = sorted(set(await store.queues()) | set(state.options.settings.queues))
-    stats = await asyncio.gather(*(store.stats(q) for q in queues))
+    stats = await asyncio.gather(*(_stats(state, q) for q in queues))
     hists = await asyncio.gather(*(store.histograms(q) for q in queues))
     per_queue = await _queue_families(state, queues, stats)
     remote = await _remote_families(state, queues)
@@ -107,6 +109,27 @@ async def collect(state: ServerState) -> list[Metric]:
         run,
         *await autoscale_families(state.redis),
     ]
+
+
+async def _stats(state: ServerState, queue: str) -> QueueStats:
+    return await with_fleet_idle(state.redis, await state.store.stats(queue))
+
+
+def _spend_family(queues: list[str], stats: list[QueueStats]) -> CounterMetricFamily:
+    """USD per queue and kind of capacity since the queue began: serverless, fleet (its jobs' shares of their
+    machines) and fleet_idle (the rental they did not use: may step back a little when jobs finish between two
+    accruals of the rental)."""
+    spend = CounterMetricFamily(
+        "offload_spend_usd",
+        "Spend since the queue began by kind of capacity: serverless (API runs), fleet (GPU-worker runs: run time "
+        "x machine price), fleet_idle (rented machines' cost not used by jobs).",
+        labels=["queue", "kind"],
+    )
+    for queue, s in zip(queues, stats, strict=True):
+        for kind in SPEND_KINDS:
+            if kind in s.spend_total or kind != "fleet_idle":
+                spend.add_metric([queue, kind], s.spend_total.get(kind, 0.0))
+    return spend
 
 
 async def _queue_families(state: ServerState, queues: list[str], stats: list[QueueStats]) -> list[Metric]:
@@ -139,7 +162,7 @@ async def _queue_families(state: ServerState, queues: list[str], stats: list[Que
             caps.add_metric([queue, "jobs"], q.daily_job_cap)
         if q is not None and q.daily_spend_cap is not None:
             caps.add_metric([queue, "spend"], q.daily_spend_cap)
-    return [depth, totals, oldest, paused, workers, budget, caps]
+    return [depth, totals, oldest, paused, workers, budget, caps, _spend_family(queues, stats)]
 
 
 async def _remote_families(state: ServerState, queues: list[str]) -> list[Metric]:

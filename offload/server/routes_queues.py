@@ -8,6 +8,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, Request
 
+from offload.autoscale.fleet_idle import with_fleet_idle
 from offload.caps import cap_reached
 from offload.queue.keyspace import STATE_SETS
 from offload.server.auth import GuardedRoute, Principal, admin_only, can_read, guard, need_admin, need_read
@@ -25,7 +26,7 @@ MOVE_BATCH = 1000
 async def queue_view(state: ServerState, queue: str) -> QueueView:
     stats = await state.store.stats(queue)
     capped = await cap_reached(state.store, queue, state.options.settings.cap_limits(queue))
-    stats = dataclasses.replace(stats, capped=capped)
+    stats = await with_fleet_idle(state.redis, dataclasses.replace(stats, capped=capped))
     state.rates.observe(queue, stats.totals)
     rates, window = state.rates.rates(queue)
     return QueueView(**stats.to_dict(), rates=rates, rate_window_s=window)

@@ -20,7 +20,7 @@ from fastapi import APIRouter, HTTPException, Request
 from redis.exceptions import RedisError
 
 from offload.access.api_keys import ApiKey
-from offload.autoscale.instances import claim_problem
+from offload.autoscale.instances import claim_problem, machine_price
 from offload.connection import is_oom
 from offload.errors import StaleLease
 from offload.models import ClaimedJob, Job
@@ -280,9 +280,13 @@ async def _time_out(state: ServerState, queue: str, worker_id: str, ids: list[st
         return []
     ended: list[str] = []
     reason = f"timed out after {timeout:g} s"
-    for job_id, token, attempt in await state.store.overdue(queue, worker_id, held, int(timeout * 1000)):
+    overdue = await state.store.overdue(queue, worker_id, held, int(timeout * 1000))
+    price = await _price(state, worker_id) if overdue else None
+    for job_id, token, attempt in overdue:
         try:
-            verdict = await state.store.fail(job_id, token, reason, retryable=True, attempt=max(attempt, 1))
+            verdict = await state.store.fail(
+                job_id, token, reason, retryable=True, attempt=max(attempt, 1), kind="fleet", price=price
+            )
         except StaleLease:  # completed, failed or cancelled between the two steps
             continue
         log.warning("job %s: %s on worker %s -> %s; the worker is told to abandon it",
@@ -338,13 +342,20 @@ async def complete(
     except ValueError:
         raise StaleLease(f"job {job_id}: not a lease token of this job") from None
     location = await _storage_call(job_id, state.storage.put_bytes(run_key, data, "application/json"))
+    price = await _price(state, worker_id)
     try:
-        await state.store.complete(job_id, body.token, location)
+        await state.store.complete(job_id, body.token, location, kind="fleet", price=price)
     except StaleLease:  # taken over meanwhile: this run's object is nobody's result
         await delete_keys(state.storage, [run_key])
         raise
     await _copy_out(state, job, data)
     return CompleteReply(id=job_id, result=location)
+
+
+async def _price(state: ServerState, worker_id: str) -> float | None:
+    """The worker's machine's price per hour (None: not a rented instance): a fleet job's cost is its run time's
+    share of it, worked out by the store on its own clock."""
+    return await machine_price(state.redis, await state.registry.instance_of(worker_id))
 
 
 async def _copy_out(state: ServerState, job: Job, data: bytes) -> None:
@@ -384,7 +395,13 @@ async def fail(request: Request, worker_id: str, job_id: str, body: FailRequest,
     state = await _job_for(request, key, worker_id, job_id, body.token)
     job = await state.store.get(job_id)
     result = await state.store.fail(
-        job_id, body.token, body.error, retryable=body.retryable, attempt=max(job.attempts, 1)
+        job_id,
+        body.token,
+        body.error,
+        retryable=body.retryable,
+        attempt=max(job.attempts, 1),
+        kind="fleet",
+        price=await _price(state, worker_id),
     )
     return FailReply(id=job_id, state=result)
 

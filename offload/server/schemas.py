@@ -139,7 +139,14 @@ class JobView(BaseModel):
     file_urls: dict[str, str] | None = Field(
         None, description="Presigned GETs of the files the job's input and output refer to, by object key."
     )
-    cost: float | None = None
+    cost: float | None = Field(
+        None,
+        description="USD: what the run that succeeded cost; null: unknown (an API without a price, or a GPU worker "
+        "that is no rented machine)",
+    )
+    kind: str | None = Field(
+        None, description="The capacity that ran it: serverless (a dispatch worker) or fleet (a GPU worker)."
+    )
     error: str | None = None
     cancel_requested: bool = False
     idempotency_key: str | None = None
@@ -190,6 +197,16 @@ class QueueView(BaseModel):
     oldest_ready_age_ms: int | None
     workers: int
     totals: dict[str, int]
+    spend: dict[str, float] = Field(
+        default_factory=dict,
+        description="USD per kind of capacity on the job store's UTC day: serverless (dispatch workers' API runs), "
+        "fleet (GPU workers' runs: run time x their machine's price), fleet_idle (the rented machines' cost the "
+        "fleet's jobs did not use; only for a queue with rented machines). A GPU worker that is no rented machine "
+        "has no price: its runs are counted in totals.fleet_unpriced, not here.",
+    )
+    spend_total: dict[str, float] = Field(
+        default_factory=dict, description="The same lines as `spend`, since the queue began."
+    )
     rates: dict[str, float | None] = Field(default_factory=dict, description="Per second, over rate_window_s.")
     rate_window_s: float | None = None
 

@@ -14,10 +14,10 @@ from typing import Any
 import httpx
 import pytest
 from playwright.sync_api import Page, expect
-from support.autoscale_helpers import VAULT_KEY
-from support.dashboard_helpers import enqueue, go, save_screenshot, sign_in
+from support.dashboard_helpers import go, save_screenshot, sign_in
 from support.eventually import eventually_sync
-from support.server_helpers import client, make_key, new_queue, server
+from support.fleet_spend import autoscaling_server, rent
+from support.server_helpers import client, make_key, new_queue
 from support.servers import ValkeyServer
 
 pytestmark = pytest.mark.xdist_group("dashboard-autoscale")
@@ -29,43 +29,18 @@ MOCK = "mock-" + secrets.token_hex(3)
 @pytest.fixture(scope="module")
 def api(valkey: ValkeyServer) -> Iterator[tuple[str, str]]:
     """A server whose autoscaler wakes often; the vault key is in its environment (providers need it)."""
-    settings = {"autoscaler": {"tick": 0.2, "recent_task": 0, "drain_settle": 0}}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OFFLOAD_VAULT_MASTER_KEY", VAULT_KEY)
-        mp.delenv("OFFLOAD_AUTOSCALER", raising=False)
-        with server(valkey.url, settings=settings, max_wait_s=5) as srv:
-            yield srv
+    with autoscaling_server(valkey.url) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def rented(api: tuple[str, str]) -> dict[str, Any]:
     """A mock provider, a queue block using it, one job: the server's autoscaler rents one instance."""
     with client(*api) as admin:
-        for body in (
-            {"name": MOCK, "type": "mock", "config": {"price_per_hour": 0.42}},
-            {"name": "rp-" + MOCK, "type": "runpod", "config": {"api_key": RAW_SECRET}},
-        ):
-            r = admin.post("/v1/autoscale/providers", json=body)
-            assert r.status_code == 201, r.text
-        block = {
-            "enabled": True,
-            "provider": MOCK,
-            "max_workers": 1,
-            "poll_interval": "0.2s",
-            "scale_up": [{"trigger": "no_workers"}],
-            "scale_down": [{"trigger": "idle", "timeout": "10m"}],
-            "instance": {"gpu": "RTX 4090", "image": "img", "max_price_per_hour": 0.5},
-            "daily_spend_cap": 25,
-        }
-        assert admin.put(f"/v1/autoscale/queues/{QUEUE}", json=block).status_code == 200
-        enqueue(admin, QUEUE, {"n": 1})
-
-        def instance() -> Any:
-            rows = admin.get("/v1/autoscale/status").json()["instances"]
-            return next((i for i in rows if i["queue"] == QUEUE and i["provider_id"]), None)
-
-        inst: dict[str, Any] = eventually_sync(instance, 20, "the autoscaler to rent through the mock provider")
-        return inst
+        body = {"name": "rp-" + MOCK, "type": "runpod", "config": {"api_key": RAW_SECRET}}
+        r = admin.post("/v1/autoscale/providers", json=body)
+        assert r.status_code == 201, r.text
+        return rent(admin, QUEUE, mock=MOCK, price=0.42, daily_spend_cap=25)
 
 
 def _no_raw_secret(page: Page) -> None:

@@ -2,10 +2,12 @@
 -- Batched so a worker acks many jobs in one round trip. A repeat of a complete that already went through (its
 -- reply was lost and the client retried) answers OK again instead of STALE. A known cost settles the job's cap
 -- reservation (the real cost replaces the worst case) in the same step. A run that was never checkpointed (a
--- synchronous API's answer) is recorded by the ack itself.
+-- synchronous API's answer) is recorded by the ack itself. Each job records its kind of capacity and what its run
+-- cost (spend.lua), added to the queue's spend of that kind in the same step.
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, items: a JSON list of [id, token, result location, cost or ""(, backend, remote id, submission
---   number)]
+--   number)], kind ('' or absent: serverless, a dispatch worker; fleet: a GPU worker through the server), the
+--   GPU worker's machine price per hour (fleet only; '' or absent: unknown, the cost is not recorded)
 -- Returns: per job OK, STALE or NOTFOUND
 --- @include "clock"
 --- @include "records"
@@ -13,7 +15,11 @@
 --- @include "terminal"
 --- @include "leases"
 --- @include "caps"
+--- @include "spend"
 local now = now_ms(ARGV[1])
+local kind, price_h = ARGV[3] or '', tonumber(ARGV[4] or '')
+if kind == '' then kind = 'serverless' end
+local paid_sum = 0
 local out, done, owners, infos, extra, seen, runs = {}, {}, {}, {}, {}, {}, {}
 local nd = 0  -- jobs completed so far (a running count: `#t` is a search each time)
 for i, item in ipairs(cjson.decode(ARGV[2])) do
@@ -32,10 +38,12 @@ for i, item in ipairs(cjson.decode(ARGV[2])) do
   elseif err then
     out[i] = err
   else
-    local fields = {'result', result}
-    if cost ~= '' then
-      fields[3], fields[4] = 'cost', cost
-      settle(jkey(id), id, tonumber(cost), false)
+    local fields = {'result', result, 'kind', kind}
+    if cost ~= '' then settle(jkey(id), id, tonumber(cost), false) end
+    local paid = run_cost(kind, tonumber(cost), price_h, job.started_at, now)
+    if paid then
+      fields[5], fields[6] = 'cost', kind == 'fleet' and fmt_cost(paid) or cost
+      paid_sum = paid_sum + paid
     end
     if remote_id then  -- a run never checkpointed: record it and close its submit intent (as checkpoint.lua would)
       local m = #fields
@@ -56,4 +64,5 @@ end
 unlease(done, owners)
 finish(done, 'succeeded', now, nil, infos, extra)
 observe('run', runs)
+spend_add(kind, paid_sum, now)
 return out

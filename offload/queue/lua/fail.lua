@@ -7,7 +7,11 @@
 --   (1/0: a retry's next run is paid for while this one may still run, e.g. resubmit_on_timeout without a
 --   cancel: counted as a possible duplicate, on the job and per backend, when the job is retried), returned
 --   (1/0: the job never ran and comes back unsent, e.g. a batch line expired or cancelled before it ran: its
---   attempt is given back, as a release or a hold gives it back, so returns alone never exhaust max_attempts)
+--   attempt is given back, as a release or a hold gives it back, so returns alone never exhaust max_attempts),
+--   kind ('' or absent: serverless; fleet: a GPU worker through the server), the GPU worker's machine price per
+--   hour (fleet only; '' unknown)
+-- A run that cost something (a known cost, or a fleet run's share of its machine) records its kind on the job and
+-- adds to the queue's spend of that kind (spend.lua); the job's `cost` stays the cost of the run that succeeds.
 -- A retry that would come due at or after the job's deadline is not scheduled: the job goes dead with
 -- `deadline passed` (terminal.lua's `deadline_passed`), its last error kept after it.
 -- An error starting `over max_cost:` (worker/budget.py) is counted and evented as `over_max_cost` too.
@@ -20,6 +24,7 @@
 --- @include "leases"
 --- @include "caps"
 --- @include "outages"
+--- @include "spend"
 local now = now_ms(ARGV[1])
 rewind(now)  -- before a retry is scheduled on the store's clock
 local id, token, err_text = ARGV[2], ARGV[3], ARGV[4]
@@ -30,6 +35,11 @@ unlease({id}, {[id] = job.owner})
 count('failed', 1)
 if ARGV[8] == '1' then redis.call('HSET', k, 'sub_open', '0') end
 settle(k, id, tonumber(ARGV[9] or ''), ARGV[10] == '1')
+local kind = ARGV[13] or ''
+if kind == '' then kind = 'serverless' end
+local paid = run_cost(kind, tonumber(ARGV[9] or ''), tonumber(ARGV[14] or ''), job.started_at, now)
+if paid or kind == 'fleet' then redis.call('HSET', k, 'kind', kind) end
+spend_add(kind, paid, now)
 if ARGV[12] == '1' and ARGV[5] == '1' then redis.call('HINCRBY', k, 'attempts', -1) end
 local attempts, max_attempts, deadline = unpack(redis.call('HMGET', k, 'attempts', 'max_attempts', 'deadline'))
 local at = now + tonumber(ARGV[6])

@@ -4,7 +4,8 @@
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now
 -- Returns: {paused (0/1), ready, delayed, active not yet submitted, submitted, retry, held, succeeded, dead, cancelled,
---   oldest ready age (ms), live workers, the stats hash as a flat list}
+--   oldest ready age (ms), live workers, the stats hash as a flat list, today's spend per kind of capacity (the
+--   store's UTC day, spend.lua) and the spend per kind since the queue began (flat lists: kind, USD as a string)}
 --- @include "clock"
 --- @include "records"
 --- @include "ready"
@@ -37,4 +38,6 @@ return {
   age,
   redis.call('ZCOUNT', P .. 'workers', now, '+inf'),
   redis.call('HGETALL', P .. 'stats'),
+  redis.call('HGETALL', P .. 'spend:' .. window_of(now)),
+  redis.call('HGETALL', P .. 'spent'),
 }

@@ -7,6 +7,7 @@
 //   put in the DOM, a URL or a cookie. The sign-in field is cleared as soon as it is read.
 // - Actions a key may not take are hidden, but the server decides: a forced request gets 403, shown as an error.
 import { makeAutoscaleView } from "./autoscale.js";
+import { spendTable, spendText, usd } from "./spend.js";
 
 const KEY = "offload.key";
 const STATES = ["queued", "delayed", "retrying", "active", "held", "succeeded", "dead", "cancelled"];
@@ -229,14 +230,15 @@ const overview = {
         cell("queued", c.queued), cell("inflight", inFlight(c)), cell("waiting", c.delayed + c.retrying),
         cell("held", c.held), cell("dead", c.dead), cell("succeeded", c.succeeded),
         cell("enqueue-rate", fmtRate(q.rates.enqueued)), cell("done-rate", fmtRate(q.rates.succeeded)),
-        cell("workers", q.workers), el("td", { data: { col: "budget" } }, budgetText(budgets[q.queue])));
+        cell("workers", q.workers), el("td", { data: { col: "budget" } }, budgetText(budgets[q.queue])),
+        el("td", { data: { col: "spend" } }, spendText(q)));
     });
     return el("section", null, el("h1", null, "Overview"),
       el("div", { class: "cards" }, card("queues", queues.length, "queues"),
         card("in flight", sum((q) => inFlight(q.counts)), "inflight"), card("queued", sum((q) => q.counts.queued), "queued"),
         card("workers", workers ? workers.length : "—", "workers"), card("dead", sum((q) => q.counts.dead), "dead")),
       queues.length ? table(["Queue", "Status", "Queued", "In flight", "Delayed / retrying", "Held", "Dead", "Succeeded",
-        "Enqueue rate", "Success rate", "Workers", "Budget today (UTC)"], rows, { id: "queues" })
+        "Enqueue rate", "Success rate", "Workers", "Budget today (UTC)", "Spend today (UTC)"], rows, { id: "queues" })
         : el("p", { class: "muted" }, "No queues yet: enqueue a job to create one."),
       workers && workers.length ? [el("h2", null, "Workers ", el("a", { href: "#/workers", class: "more" }, "all →")),
         table(["Worker", "Host", "Queues", "In flight", "Last heartbeat"], workers.slice(0, 10).map((w) =>
@@ -270,6 +272,7 @@ const queueView = {
         state === "dead" ? requeueAll(queue) : null, state === "held" ? releaseAll(queue) : null,
         state !== "active" && count(state) > 0 ? purge(queue, state, count(state)) : null,
         el("span", { class: "muted" }, `${q.workers} workers · enqueued ${fmtRate(q.rates.enqueued)} · succeeded ${fmtRate(q.rates.succeeded)}`)),
+      el("h2", null, "Spend"), spendTable(q, el),
       el("nav", { class: "tabs" }, tabs),
       page.jobs.length ? table(JOB_HEADS, jobRows(page.jobs), { id: "jobs" }) : el("p", { class: "muted" }, `No ${state} jobs.`),
       el("div", { class: "pager" },
@@ -279,6 +282,10 @@ const queueView = {
           onclick: turn(() => stack.push(page.next_cursor)) }, "Next →")));
   },
 };
+
+// A fleet job without a cost ran on a GPU worker that is no rented machine: its price is unknown, not $0.
+const jobCost = (j) => (j.cost != null ? usd(j.cost)
+  : j.kind === "fleet" && j.state === "succeeded" ? "unknown: its GPU worker is no rented machine (no price)" : null);
 
 const jobView = {
   load: ({ id }) => api(`/v1/jobs/${enc(id)}`),
@@ -297,7 +304,7 @@ const jobView = {
         row("Priority", j.priority, "priority"), row("Created", fmtTime(j.created_at), "created"),
         row("Started", fmtTime(j.started_at), "started"), row("Finished", fmtTime(j.finished_at), "finished"),
         row("Worker", j.lease_owner, "worker"), row("Backend", j.backend && `${j.backend} ${j.remote_id || ""}`, "backend"),
-        row("Cost", j.cost, "cost"), row("Output key", j.output_key, "output-key"),
+        row("Kind", j.kind, "kind"), row("Cost", jobCost(j), "cost"), row("Output key", j.output_key, "output-key"),
         j.deadline != null ? row("Deadline", fmtTime(j.deadline), "deadline") : null,
         j.max_cost != null ? row("Max cost", j.max_cost, "max-cost") : null,
         row("Result", j.result ? [el("span", { class: "mono" }, j.result), " ", output] : null, "result"),
