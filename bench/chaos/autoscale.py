@@ -46,8 +46,9 @@ SIM_KEY = "k"
 class Server:
     """`offload server` as a process that can be SIGKILLed and started again on the same port."""
 
-    def __init__(self, out: Path, config: Path, redis_url: str, admin: str) -> None:
+    def __init__(self, out: Path, config: Path, redis_url: str, admin: str, *extra: str) -> None:
         self.out, self.config, self.redis_url, self.admin = out, config, redis_url, admin
+        self.extra = list(extra)  # more `offload server` options (the hybrid scenario's short worker lease)
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
@@ -74,6 +75,7 @@ class Server:
                 "--log-level",
                 "warning",
                 "--no-access-log",
+                *self.extra,
             ],
             self.out / f"server-{self.starts}.log",
             env,

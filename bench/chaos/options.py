@@ -128,6 +128,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--out", type=Path, help="directory for logs and data (default: a new temp dir)")
     p.add_argument("--autoscale", action="store_true", help="run the server-killed-mid-autoscale scenario only")
+    p.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="run the both-kinds scenario only: a rented fleet and serverless overflow on one queue, each SIGKILLed",
+    )
     return p.parse_args(argv)
 
 

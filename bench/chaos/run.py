@@ -488,6 +488,14 @@ def main(argv: list[str] | None = None) -> None:
 
         print(json.dumps(autoscale_main(args)))
         return
+    if args.hybrid:
+        from bench.chaos.hybrid import main as hybrid_main
+
+        doc = hybrid_main(args)
+        print(json.dumps(doc), flush=True)
+        if not doc["ok"]:
+            raise SystemExit(1)
+        return
     out = args.out or Path(tempfile.mkdtemp(prefix="offload-chaos-"))
     out.mkdir(parents=True, exist_ok=True)
     run = Run(args, profile_for(args), out)
