@@ -381,6 +381,22 @@ def overflow_problems(qname: str, block: Mapping[str, Any], settings: Any) -> It
             yield ConfigError(f"{where}.backends.{i}: no backend named {name!r} is configured{near}")
 
 
+def overflow_over_api(queue: str, flow: Overflow | None, settings: Any) -> str | None:
+    """Why an `overflow` in a block set over the HTTP API cannot stand (None: it can). The overflow workers read
+    their backends from offload.yaml, so the API's block must name the same ones, in the same order; it may tune
+    the rest (`after`, the base load's window)."""
+    if flow is None:
+        return None
+    own = settings.queues.get(queue)
+    named = own.overflow_backends if own is not None else []
+    if flow.backends == named:
+        return None
+    return (
+        f"queues.{queue}.autoscale.overflow.backends: {flow.backends} is not what offload.yaml names for this queue "
+        f"({named or 'no overflow'}); the overflow workers read their backends from offload.yaml: set them there"
+    )
+
+
 class ServerSide(Strict):
     """The top-level `autoscaler:` block: what every queue's autoscaling shares.
 

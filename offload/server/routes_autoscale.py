@@ -30,6 +30,7 @@ from offload.autoscale.settings import (
     autoscale_errors,
     env_bound,
     open_env,
+    overflow_over_api,
     seal_env,
     validate_autoscale,
     yaml_blocks,
@@ -323,6 +324,8 @@ async def put_queue(request: Request, queue: str, key: Principal, block: dict[st
     if errors := autoscale_errors(block, f"queues.{queue}.autoscale"):  # a masked value is text like any other
         raise HTTPException(422, [{"path": path, "msg": msg} for path, msg in errors])
     parsed = validate_autoscale(block, f"queues.{queue}.autoscale")
+    if (why := overflow_over_api(queue, parsed.overflow, state.options.settings)) is not None:
+        raise HTTPException(422, [{"path": ["body", "overflow", "backends"], "msg": why}])
     await _known_providers(state, queue, parsed.names, "provider" if parsed.provider else "providers")
     now = await _destinations(state, queue, parsed.names) if parsed.instance.env else {}
     block = _unmasked(queue, block, stored, now)
