@@ -196,10 +196,13 @@ class AsyncClient:
         idempotency_key: str | None = None,
         deadline: float | datetime | timedelta | None = None,
         max_cost: float | None = None,
+        callback_url: str | None = None,
     ) -> str:
         """Enqueue one job and return its id (the existing id when `idempotency_key` was seen before).
         `deadline`: the latest the job may start, as epoch seconds, a datetime, or a timedelta from enqueue (the
-        store's clock); `max_cost`: the most one submission may cost, USD (docs/how-to/enqueue.md)."""
+        store's clock); `max_cost`: the most one submission may cost, USD (docs/how-to/enqueue.md);
+        `callback_url`: where the server POSTs the job's signed completion webhook (docs/how-to/
+        completion-webhooks.md; its host must be one the server's callbacks.hosts allows)."""
         at, within = deadline_options(deadline)
         spec = JobSpec(
             input=input,
@@ -213,6 +216,7 @@ class AsyncClient:
             deadline=at,
             deadline_in=within,
             max_cost=max_cost,
+            callback_url=callback_url,
         )
         return (await self._enqueue_specs(queue, [spec]))[0]
 

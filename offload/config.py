@@ -26,8 +26,10 @@ from pydantic import (
 from offload.autoscale.alert_settings import AlertSettings
 from offload.autoscale.settings import Overflow, ServerSide, autoscale_problems, overflow_problems, yaml_blocks
 from offload.backends.settings import AnyBackendSettings, BackendSettings, HealthSettings
+from offload.callback_settings import CallbackSettings
 from offload.caps import CapLimits, reservation
 from offload.connection import configured_url
+from offload.egress import url_problem
 from offload.env import process_env
 from offload.errors import ConfigError
 from offload.local import stack
@@ -143,6 +145,16 @@ class QueueSettings(Strict):
         description="seconds one attempt may run on a GPU worker (`offload worker --handler`); past it the server "
         "fails the attempt and tells the worker to abandon it. Dispatch queues are bounded by poll_timeout",
     )
+    callback_url: str | None = Field(
+        None, description="where a completion webhook of each of its jobs goes (a job's own callback_url wins)"
+    )
+
+    @field_validator("callback_url")
+    @classmethod
+    def _callback_url(cls, v: str | None) -> str | None:
+        if v is not None and (problem := url_problem(v)):
+            raise ValueError(problem)
+        return v
 
     @property
     def route_backends(self) -> list[str]:
@@ -190,6 +202,7 @@ class Settings(Strict):
     queues: dict[str, QueueSettings] = Field(default_factory=dict)
     autoscaler: ServerSide | None = None  # the autoscaler's server-side settings (offload.autoscale.settings)
     alerts: AlertSettings | None = None  # where alerts go (offload.autoscale.alert_settings)
+    callbacks: CallbackSettings = CallbackSettings()  # where completion webhooks may go (offload.callback_settings)
 
     @field_validator("queues")
     @classmethod
@@ -437,6 +450,8 @@ def cross_checks(settings: Settings) -> Iterator[ConfigError]:
             near = did_you_mean(closest(q.backend, settings.backends))
             yield ConfigError(f"queues.{qname}.backend: no backend named {q.backend!r} is configured{near}")
         yield from route_problems(f"queues.{qname}", q, settings.backends)
+        if q.callback_url is not None and (problem := settings.callbacks.problem(q.callback_url)):
+            yield ConfigError(f"queues.{qname}.callback_url: {problem}")
     if settings.server.public_url:
         for bname, b in settings.backends.items():
             if b.kind == "replicate" and b.webhook_secret is None:

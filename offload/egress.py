@@ -165,3 +165,32 @@ class FilePolicy:
 def enforced(client: Any) -> bool:
     """Whether an httpx client's transport applies this rule to every connection (`new_client(egress=True)`)."""
     return bool(getattr(getattr(client, "_transport", None), "enforces_egress", False))
+
+
+MAX_URL_CHARS = 2048  # a callback URL is kept on every job record that names one
+
+
+def url_problem(url: object) -> str | None:
+    """Why `url` cannot be a URL offload sends requests to on someone's behalf (a completion webhook's), in a few
+    words; None when it can: http or https, a host, no credentials in it (they would sit in job records), no
+    fragment, at most MAX_URL_CHARS printable characters. Where its host may be is the caller's rule."""
+    if not isinstance(url, str) or not url:
+        return "must be a non-empty string"
+    if len(url) > MAX_URL_CHARS:
+        return f"is {len(url)} characters, over the limit of {MAX_URL_CHARS}"
+    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in url):
+        return "must not contain spaces or control characters"
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (a bad port raises here)
+    except ValueError as exc:
+        return f"is not a valid URL ({exc})"
+    if parts.scheme.lower() not in _DEFAULT_PORTS:
+        return f"must be an http:// or https:// URL, got scheme {parts.scheme or 'none'!r}"
+    if not parts.hostname:
+        return "must name a host"
+    if "@" in parts.netloc:
+        return "must not carry credentials (user:password@)"
+    if parts.fragment:
+        return "must not have a #fragment"
+    return None

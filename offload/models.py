@@ -105,6 +105,7 @@ class Job:
     files: tuple[str, ...] | None = ()  # the object keys the input refers to; None: not recorded (`_files`)
     deadline: int | None = None  # epoch ms: not started after it (fails `deadline passed`)
     max_cost: float | None = None  # USD: no submission priced over it (fails `over max_cost`)
+    callback_url: str | None = None  # where its completion webhook goes (its own; a queue's is in offload.yaml)
 
     @classmethod
     def from_hash(cls, job_id: str, h: dict[str, str], lease_deadline: int | None = None) -> Job:
@@ -153,6 +154,7 @@ class Job:
             files=_files(h.get("files"), raw_input),
             deadline=_opt_int(h.get("deadline")),
             max_cost=_opt_float(h.get("max_cost")),
+            callback_url=_opt_str(h.get("callback")),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -189,6 +191,7 @@ class Job:
             "deadline": self.deadline,
             "max_cost": self.max_cost,
             "routed": self.routed,
+            "callback_url": self.callback_url,
         }
 
 

@@ -66,6 +66,7 @@ class EnqueueStore(BaseStore):
             spec.deadline,
             spec.deadline_in,
             spec.max_cost,
+            spec.callback_url,
         )
         index = metas.get(options)
         if index is None:
@@ -87,7 +88,7 @@ class EnqueueStore(BaseStore):
             deadline = f"+{int(spec.deadline_in * 1000)}"
         elif spec.deadline is not None:
             deadline = str(int(spec.deadline * 1000))
-        return "\t".join(
+        meta = "\t".join(
             (
                 str(spec.priority),
                 run_at,
@@ -99,6 +100,7 @@ class EnqueueStore(BaseStore):
                 "" if spec.max_cost is None else repr(float(spec.max_cost)),
             )
         )
+        return meta if spec.callback_url is None else f"{meta}\t{spec.callback_url}"
 
     async def enqueue_many(self, queue: str, specs: Sequence[JobSpec]) -> list[str]:
         """Enqueue in chunks of 500 jobs per script call, all chunks in one pipelined round trip. A store at its

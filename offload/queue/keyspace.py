@@ -64,6 +64,14 @@ QUEUE_SUFFIXES: dict[str, str] = {
     "synced": "written before each WAIT of a durable write, so the WAIT covers a resent one (sync_mark.lua)",
     "uploads:": "uploads:<job id>[/<run>], the HTTP uploads issued for a job's input (or one run's output): object "
     "key -> bytes (hash, expires)",
+    "cb:url": "present while the queue has a callback_url of its own (the server writes it from offload.yaml)",
+    "cb:due": "the completion webhooks owed, job ids by when the next try is due, a claimed one by its claim's end "
+    "(zset, ms)",
+    "cb:info": "per owed or dead-lettered completion webhook, its tries, last error and claim token (hash of JSON)",
+    "cb:failed": "dead-lettered completion webhooks, job ids by when (zset, ms)",
+    "cb:tok": "completion-webhook claim counter (the claims' tokens)",
+    "cb:secret": "the queue's completion-webhook signing secrets, sealed by the vault: current, previous and when "
+    "the previous stops (hash)",
 }
 
 API_KEYS = f"{NAMESPACE}:apikeys"  # ids of the HTTP server's API keys (set)
@@ -161,6 +169,27 @@ def dead_letter_alert(queue: str) -> str:
 def uploads(queue: str, job_id: str, run: int | None = None) -> str:
     """The HTTP uploads issued for a job's input, or for one run's output (routes_files.py's per-job limits)."""
     return prefix(queue) + f"uploads:{job_id}" + ("" if run is None else f"/{run}")
+
+
+def callback_flag(queue: str) -> str:
+    """Present while the queue has a callback_url of its own: every job it ends then owes a webhook (outbox.lua)."""
+    return prefix(queue) + "cb:url"
+
+
+def callback_failed(queue: str) -> str:
+    return prefix(queue) + "cb:failed"
+
+
+def callback_info(queue: str) -> str:
+    return prefix(queue) + "cb:info"
+
+
+def callback_due(queue: str) -> str:
+    return prefix(queue) + "cb:due"
+
+
+def callback_secret(queue: str) -> str:
+    return prefix(queue) + "cb:secret"
 
 
 def api_key(key_id: str) -> str:

@@ -113,6 +113,11 @@ class Scripts:
     rate_acquire: Script
     cool_down: Script
     health: Script  # a routed backend's health: cool-downs, the half-open probe (offload/queue/backend_health.py)
+    # completion webhooks: the outbox and the signing secrets (offload/queue/outbox.py)
+    callback_claim: Script
+    callback_done: Script
+    callback_requeue: Script
+    callback_rotate: Script
     # the HTTP server's brute-force guard (offload/server/auth.py)
     auth_fail: Script
     # the autoscaler (offload/autoscale/)

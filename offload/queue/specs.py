@@ -14,6 +14,7 @@ from typing import Any
 
 import orjson
 
+from offload.egress import url_problem
 from offload.env import env_int
 from offload.errors import InvalidJob, PayloadTooLarge
 from offload.models import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETENTION_S
@@ -27,7 +28,8 @@ class JobSpec:
     """One job to enqueue. `delay` (seconds) and `run_at` (epoch seconds) are alternatives, and so are
     `deadline` (epoch seconds) and `deadline_in` (seconds from the store's clock at enqueue): the latest time the
     job may start; past it the job fails `deadline passed` instead of running late. `max_cost` (USD): the most
-    one submission may cost by the backend's price model; a dearer one fails `over max_cost` unsent."""
+    one submission may cost by the backend's price model; a dearer one fails `over max_cost` unsent.
+    `callback_url`: where the job's completion webhook goes (docs/how-to/completion-webhooks.md)."""
 
     input: Any
     priority: int = 0
@@ -41,6 +43,7 @@ class JobSpec:
     deadline: float | None = None
     deadline_in: float | None = None
     max_cost: float | None = None
+    callback_url: str | None = None
 
 
 def max_payload_limit(max_payload: int | None = None) -> int:
@@ -79,6 +82,8 @@ def check_options(spec: JobSpec) -> None:
             not isinstance(value, str) or not value or len(value) > 1024 or any(ord(c) < 32 for c in value)
         ):
             raise InvalidJob(f"{name} must be a string of 1-1024 printable characters, got {value!r}")
+    if spec.callback_url is not None and (problem := url_problem(spec.callback_url)):
+        raise InvalidJob.about("callback_url", f"callback_url {problem}")
 
 
 def _number(value: object) -> bool:

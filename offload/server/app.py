@@ -38,6 +38,7 @@ from offload.server import (
     limits,
     metrics,
     routes_autoscale,
+    routes_callbacks,
     routes_files,
     routes_hooks,
     routes_jobs,
@@ -45,6 +46,7 @@ from offload.server import (
     routes_queues,
     routes_workers,
 )
+from offload.server.callbacks import CallbackSender
 from offload.server.file_sweep import FileSweep
 from offload.server.registry import WorkerRegistry
 from offload.server.state import ServerOptions, ServerState
@@ -175,6 +177,7 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
         routes_files,
         routes_keys,
         routes_hooks,
+        routes_callbacks,
         events,
         metrics,
         routes_autoscale,
@@ -207,6 +210,9 @@ def _lifespan(options: ServerOptions) -> Callable[[FastAPI], AbstractAsyncContex
         stop = asyncio.Event()
         task = asyncio.create_task(_maintain(state, stop), name="maintenance")
         watch = asyncio.create_task(state.store_watch.run(), name="store watch")
+        sender = state.extra["callbacks"] = CallbackSender(state)
+        # nothing can be delivered before the operator allows a host: owed webhooks wait in the outbox till then
+        send = asyncio.create_task(sender.run(stop), name="callbacks") if options.settings.callbacks.hosts else None
         autoscaler = routes_autoscale.start(state)
         try:
             yield
@@ -214,8 +220,11 @@ def _lifespan(options: ServerOptions) -> Callable[[FastAPI], AbstractAsyncContex
             await routes_autoscale.stop(state, autoscaler)
             stop.set()
             watch.cancel()
-            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(task, 5.0)
+            for running in (task, send):
+                with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                    if running is not None:
+                        await asyncio.wait_for(running, 5.0)
+            await sender.aclose()
             await asyncio.gather(watch, return_exceptions=True)
             await state.store_watch.aclose()
             await state.hub.aclose()

@@ -62,16 +62,22 @@ async def job_view(state: ServerState, job: Job, presign: bool = True) -> JobVie
     """A presigned URL only for the job's own object: the one its record points at (its output key, or the run
     object a GPU worker's fenced complete stored), in the job's queue's namespace (a record written some other
     way gets no URL to another queue's data)."""
-    url = None
-    own = _own_object(state, job)
-    if presign and own is not None:
-        with contextlib.suppress(StorageError, ValueError):
-            url = await state.storage.presigned_url(own, state.options.presign_expires_s)
+    own = own_object(state, job)
+    url = await result_url(state, own) if presign else None
     files = await job_file_urls(state, job, own) if presign else None
     return JobView(**job.to_dict(), result_url=url, file_urls=files or None)
 
 
-def _own_object(state: ServerState, job: Job) -> str | None:
+async def result_url(state: ServerState, own: str | None) -> str | None:
+    """The presigned GET of a job's own stored output (`own_object`), or None."""
+    if own is None:
+        return None
+    with contextlib.suppress(StorageError, ValueError):
+        return await state.storage.presigned_url(own, state.options.presign_expires_s)
+    return None
+
+
+def own_object(state: ServerState, job: Job) -> str | None:
     """The key of the succeeded job's stored output, when it is the job's own object; else None."""
     if job.state.value != "succeeded":
         return None
@@ -79,6 +85,12 @@ def _own_object(state: ServerState, job: Job) -> str | None:
     if stored == job.output_key and key_problem(job.queue, stored, state.options.settings.output_prefixes()):
         return None
     return stored
+
+
+def check_callback_url(state: ServerState, url: str | None, loc: list[str | int]) -> None:
+    """422 naming the field when a callback URL is malformed or names a host the operator does not allow."""
+    if url is not None and (problem := state.options.settings.callbacks.problem(url)):
+        raise FieldError(loc, f"callback_url {problem}")
 
 
 def check_output_key(state: ServerState, queue: str, key: str | None, loc: list[str | int]) -> None:
@@ -112,6 +124,7 @@ async def enqueue(
     state = get_state(request)
     state.store_watch.require_safe()  # a store that may evict would lose what we acknowledge: 503
     check_output_key(state, queue, body.output_key, ["body", "output_key"])
+    check_callback_url(state, body.callback_url, ["body", "callback_url"])
     spec = body.spec(idempotency_key)
     payload = encode_input(spec, state.store.max_payload)  # the size limit, before any search for files
     check_options(spec)
@@ -142,6 +155,7 @@ async def enqueue_batch(
     payloads = []
     for i, spec in enumerate(specs):  # every size limit before any search for files
         check_output_key(state, queue, spec.output_key, ["body", "jobs", i, "output_key"])
+        check_callback_url(state, spec.callback_url, ["body", "jobs", i, "callback_url"])
         try:
             payloads.append(encode_input(spec, state.store.max_payload))
             check_options(spec)

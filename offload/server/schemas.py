@@ -55,6 +55,12 @@ class JobOptions(_Request):
         description="USD: the most one submission may cost by the backend's price model; a dearer one fails "
         "`over max_cost` without being sent.",
     )
+    callback_url: str | None = Field(
+        None,
+        max_length=2048,
+        description="http(s) URL on a host the operator allows (callbacks.hosts): a signed completion webhook is "
+        "POSTed there when the job succeeds, goes dead or is cancelled.",
+    )
 
 
 class EnqueueRequest(JobOptions):
@@ -74,6 +80,7 @@ class EnqueueRequest(JobOptions):
             deadline=self.deadline,
             deadline_in=self.deadline_in,
             max_cost=self.max_cost,
+            callback_url=self.callback_url,
         )
 
 
@@ -164,6 +171,7 @@ class JobView(BaseModel):
         description="A queue with several backends: why its latest submission went to `backend` "
         "(e.g. `fallback: replicate cooling down until 12:04:05Z, sent to fal`).",
     )
+    callback_url: str | None = Field(None, description="Where the job's own completion webhook goes.")
 
 
 class WaitReply(JobView):

@@ -191,6 +191,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "offload.config",
             "offload.route_settings",
+            "offload.callback_settings",
             "offload.autoscale.settings",
             "offload.autoscale.alert_settings",
             "offload.autoscale.deploy",
@@ -231,6 +232,7 @@ SIDEWAYS: dict[tuple[str, str], str] = {
     ("offload.server", "offload.autoscale"): "the server hosts the autoscaler: its leader runs it, routes, alerts",
     ("offload.config", "offload.autoscale.settings"): "offload.yaml's autoscale blocks, composed by config",
     ("offload.config", "offload.route_settings"): "a queue's routing settings, composed by config",
+    ("offload.config", "offload.callback_settings"): "offload.yaml's callbacks block, composed by config",
     ("offload.config", "offload.autoscale.alert_settings"): "offload.yaml's alerts block, composed by config",
     ("offload.autoscale.settings", "offload.autoscale.deploy"): "a queue's deployment block is its model",
     ("offload.autoscale.settings", "offload.autoscale.vault"): "instance env values are sealed with the vault",

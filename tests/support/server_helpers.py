@@ -3,19 +3,23 @@ over TCP with httpx. Each test uses fresh queue names, so one server serves a wh
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
 from offload.config import Settings
+from offload.connection import connect
+from offload.queue.store import QueueStore
 from offload.server.runner import running_server
 from offload.server.state import ServerOptions
 
 BUCKET = "server-results"
+T = TypeVar("T")
 
 
 def new_queue(tag: str = "q") -> str:
@@ -57,10 +61,7 @@ def client(url: str, token: str | None = None, *, header: str = "bearer") -> htt
 
 def direct_key(redis_url: str, scope: str, queue: str) -> str:
     """A key created the way `offload keys create` does (straight in Redis), before any server runs."""
-    import asyncio
-
     from offload.access.api_keys import KeyStore
-    from offload.connection import connect
 
     async def go() -> str:
         redis = await connect(redis_url)
@@ -78,3 +79,16 @@ def make_key(url: str, admin: str, scope: str, queues: list[str] | None = None) 
         assert r.status_code == 201, r.text
         token: str = r.json()["token"]
         return token
+
+
+def store_call(redis_url: str, fn: Callable[[QueueStore], Awaitable[T]]) -> T:
+    """Run `fn(store)` on a connection of its own, from code without an event loop (the server runs in a thread)."""
+
+    async def go() -> T:
+        redis = await connect(redis_url)
+        try:
+            return await fn(QueueStore(redis))
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(go())

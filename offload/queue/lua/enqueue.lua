@@ -5,9 +5,11 @@
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, check ids (1: ids may repeat, e.g. caller-chosen), metas, jobs, batch nonce (random per call).
 --   metas is a JSON list of "priority\trun_at\tmax_attempts\tretention\tidempotency key\toutput key\tdeadline\t
---   max cost" strings (empty output key: results/<id>.json; run_at and deadline: epoch ms, '' none, or "+<ms>":
---   from the store's now, so a producer's clock never decides when its job is due; max cost: USD, '' none); jobs is a JSON list of [id, input, meta index(,
---   file keys)], the file keys (a JSON list of the object keys the input refers to) only for an input with files
+--   max cost[\tcallback URL]" strings (empty output key: results/<id>.json; run_at and deadline: epoch ms, ''
+--   none, or "+<ms>": from the store's now, so a producer's clock never decides when its job is due; max cost:
+--   USD, '' none; callback URL: where its completion webhook goes, '' none); jobs is a JSON list of [id, input,
+--   meta index(, file keys)], the file keys (a JSON list of the object keys the input refers to) only for an
+--   input with files
 -- Returns: per job, its id (an existing one when the idempotency key or the id was seen before), or
 --   {id, 'gone'} when the key's job finished and its record was trimmed: the key still answers (a repeat
 --   never makes a second, paid run while the key lives), and the caller is told the record is gone
@@ -37,7 +39,10 @@ for _, job in ipairs(jobs) do
       '^([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t(.*)$')
     local delay = string.match(run_at, '^%+(%d+)$')
     m = {prio = prio, run_at = tonumber(run_at), maxa = maxa, ret = ret, idem = idem, okey = okey,
-         base = (1000 - tonumber(prio)) * PRIO_SPAN, delay = delay, deadline = tonumber(dl), max_cost = mc}
+         base = (1000 - tonumber(prio)) * PRIO_SPAN, delay = delay, deadline = tonumber(dl), max_cost = mc,
+         callback = ''}
+    local cost, callback = string.match(mc, '^([^\t]*)\t(.*)$')
+    if cost then m.max_cost, m.callback = cost, callback end
     if delay then m.run_at = now + tonumber(delay) end
     local within = string.match(dl, '^%+(%d+)$')
     if within then m.deadline = now + tonumber(within) end  -- kept absolute: a time of day, like run_at
@@ -80,6 +85,7 @@ for _, job in ipairs(jobs) do
     if files then redis.call('HSET', k, 'files', files) end
     if m.deadline then redis.call('HSET', k, 'deadline', fmt(m.deadline)) end
     if m.max_cost ~= '' then redis.call('HSET', k, 'max_cost', m.max_cost) end
+    if m.callback ~= '' then redis.call('HSET', k, 'callback', m.callback) end
     out[#out + 1] = id
   end
 end

@@ -4,10 +4,12 @@
 -- ARGV: now, set name, limit
 -- Returns: the number deleted; callers loop until 0
 --- @include "records"
+--- @include "outbox"
 local set, limit = ARGV[2], tonumber(ARGV[3])
 local ids = redis.call('ZRANGE', P .. set, 0, limit - 1)
 if #ids == 0 then return 0 end
 bulk('ZREM', P .. set, ids)
+outbox_forget(ids)
 local keys = {}
 for _, id in ipairs(ids) do
   keys[#keys + 1] = jkey(id)

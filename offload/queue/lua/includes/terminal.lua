@@ -1,5 +1,6 @@
 -- The terminal states (succeeded, dead, cancelled) and the retention of finished records.
 --- @include "records"
+--- @include "outbox"
 --- @include "events"
 --- @include "metrics"
 local CENTURY_S = 3153600000
@@ -16,10 +17,14 @@ end
 -- Enter a terminal state. The terminal set is scored by the time the record expires (finish + retention;
 -- retention 0 keeps it for a century), and the reaper deletes expired records in bulk, which keeps an
 -- EXPIRE per job off the hot path. `infos[i]` is a table with the job's `retention` and `idem` (its idempotency
--- key) when the caller read them already; `extra` an optional flat list of more fields to set on every job.
+-- key, and `callback`, its callback URL) when the caller read them already; `extra` an optional flat list of more
+-- fields to set on every job. A job with a callback URL (its own or its queue's) gets its completion webhook in the
+-- outbox in this same step, so no crash between the job ending and the POST can lose the notification.
 local function finish(ids, state, now, err, infos, extra)
   if #ids == 0 then return end
   local zs, expiry = {}, {}  -- expiry: the terminal score by retention (a batch mostly shares one)
+  local queue_cb = queue_callback()
+  local notify, nn = {}, 0
   for i, id in ipairs(ids) do
     local k = jkey(id)
     local more = extra and extra[i] or NONE  -- the fields are passed as they are: no table built per job
@@ -28,11 +33,15 @@ local function finish(ids, state, now, err, infos, extra)
     else
       redis.call('HSET', k, 'state', state, 'finished_at', now, 'owner', '', unpack(more))
     end
-    local retention, idem
+    local retention, idem, callback
     if infos and infos[i] then
-      retention, idem = infos[i].retention, infos[i].idem
+      retention, idem, callback = infos[i].retention, infos[i].idem, infos[i].callback
     else
-      retention, idem = unpack(redis.call('HMGET', k, 'retention', 'idem'))
+      retention, idem, callback = unpack(redis.call('HMGET', k, 'retention', 'idem', 'callback'))
+    end
+    if queue_cb or (callback and callback ~= '') then
+      nn = nn + 1
+      notify[nn] = id
     end
     local ret = tonumber(retention or '0') or 0
     if ret <= 0 then ret = CENTURY_S end
@@ -48,6 +57,7 @@ local function finish(ids, state, now, err, infos, extra)
   bulk_zadd(P .. state, zs)
   count(state, #ids)
   event(ids, state)
+  outbox_add(notify, now)
 end
 
 -- Delete the records of finished jobs whose retention ran out (terminal sets are scored by expiry time).
@@ -57,6 +67,7 @@ local function trim(now, limit)
     local expired = redis.call('ZRANGEBYSCORE', P .. set, '-inf', now, 'LIMIT', 0, limit)
     if #expired > 0 then
       bulk('ZREM', P .. set, expired)
+      outbox_forget(expired)
       local keys = {}
       for _, id in ipairs(expired) do keys[#keys + 1] = jkey(id) end
       for j = 1, #keys, CHUNK do redis.call('DEL', unpack(keys, j, math.min(j + CHUNK - 1, #keys))) end
