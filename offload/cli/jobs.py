@@ -56,6 +56,7 @@ LINE_OPTIONS = (
     "deadline",
     "deadline_in",
     "max_cost",
+    "callback_url",
 )
 TIME_FIELDS = ("created_at", "run_at", "started_at", "finished_at", "lease_deadline", "intent_at", "deadline")
 COUNT_COLUMNS = ("queued", "delayed", "active", "submitted", "retrying", "held", "succeeded", "dead", "cancelled")
@@ -175,6 +176,10 @@ def enqueue(
         float | None,
         typer.Option(min=0, help="USD: a submission the backend's price model says may cost more fails unsent."),
     ] = None,
+    callback_url: Annotated[
+        str | None,
+        typer.Option(metavar="URL", help="Where the server POSTs a signed webhook when the job ends."),
+    ] = None,
     attach: Attach = None,
     json_out: JsonOpt = False,
     url: UrlOpt = None,
@@ -196,6 +201,7 @@ def enqueue(
         "output_key": output_key,
         "idempotency_key": idempotency_key,
         "max_cost": max_cost,
+        "callback_url": callback_url,
     }
     if deadline is not None:
         defaults["deadline"], defaults["deadline_in"] = parse_deadline(deadline)
