@@ -431,8 +431,8 @@ class WorkerSlot:
 
     def exited(self) -> int | None:
         """The exit code if the current incarnation ended by itself (recorded), else None."""
-        if self.proc is None or self.terminating or (life := self.current) is None:
-            return None
+        if self.proc is None or self.terminating or (life := self.current) is None or life.end == "kill":
+            return None  # a kill of ours (marked before its signal) is no exit: the watchdog may poll mid-kill
         code = self.proc.poll()
         if code is None:
             return None

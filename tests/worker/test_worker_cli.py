@@ -311,7 +311,8 @@ def test_offload_queue_must_name_a_configured_queue(in_tmp: Path) -> None:
     write_yaml(tmp_path / "offload.yaml", {"queues": {"gpu": {}}})
     assert worker_error(tmp_path, OFFLOAD_QUEUE="nope") == ("error: queue 'nope' is not configured (configured: gpu)\n")
     assert worker_error(tmp_path, OFFLOAD_QUEUE="gpu") == (
-        "error: queues.gpu.backend: required to dispatch this queue (it names no backend)\n"
+        "error: queues.gpu.backend: required to dispatch this queue (it names no backend, and no autoscale.overflow "
+        "backends)\n"
     )
     assert "invalid queue name 'no spaces!'" in worker_error(tmp_path, "--queue", "ok,no spaces!")
 
