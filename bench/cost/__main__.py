@@ -93,9 +93,8 @@ async def measure(
     for trace in traces:
         t0 = time.monotonic()
         runs = [await play(url, trace, p, seed) for p in policies(poll, idle)]
-        hybrid = [
-            await play_hybrid(url, trace, p, prices, seed) for p in sweep.hybrid_policies(poll, idle, small, quantiles)
-        ]
+        settings = sweep.hybrid_policies(poll, idle, small, quantiles, trace.run_time)
+        hybrid = [await play_hybrid(url, trace, p, prices, seed) for p in settings]
         targets = sweep.choose(trace, sweep.fleet_rows(runs, prices), hybrid, prices, seed)
         bounds = {n: bounded(trace, clairvoyant(trace.jobs, trace.hosts.boot[0], n)) for n in MAX_WORKERS}
         boot = f"{trace.hosts.boot[0] / 60:g}-{trace.hosts.boot[1] / 60:g} min"

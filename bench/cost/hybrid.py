@@ -3,7 +3,8 @@
 The real autoscaler sizes the fleet (offload/autoscale/hybrid.py: the base load, and machines the waiting work
 justifies). After each of its evaluations the router here asks `overflow.predicted_wait` for every waiting job,
 in queue order, from what it can see (machines serving and idle, the queue's mean run time from the store's
-histogram, booting machines expected ready a measured boot after their rental, never their actual boot time):
+histogram blended with the block's `run_time` prior as the autoscaler does, booting machines expected ready a
+measured boot after their rental, never their actual boot time):
 while some job would start later than `after` past its arrival, it claims that many jobs from the head of the
 queue for the serverless backend (the oldest have the least time left). A serverless job starts after a cold
 start drawn from `Prices.cold`, is billed for its cold start and run by the second at `Prices.serverless`, and is
@@ -19,7 +20,7 @@ from typing import Any
 
 from bench.cost.world import QUEUE, START, CostWorld, Hosts, Policy
 from offload.autoscale import overflow
-from offload.autoscale.hybrid import mean_run
+from offload.autoscale.hybrid import expected_run
 from offload.autoscale.settings import Overflow
 from offload.errors import StaleLease
 from offload.queue.keyspace import gpu_worker as worker_key
@@ -72,7 +73,7 @@ class HybridWorld(CostWorld):
 
     async def route(self) -> None:
         """Claim for serverless the jobs the fleet is predicted not to start within `after` of their arrival."""
-        run_s = await mean_run(self.store, QUEUE)
+        run_s = await expected_run(self.store, QUEUE, self.flow)
         rate = 60 / run_s if run_s > 0 else 0.0
         now = self.clock()
         serving = [g for g in self.gpus.values() if await self.r.hget(worker_key(g.id), "draining") != "1"]

@@ -26,15 +26,20 @@ AFTER_SHARES = (1.0, 1.5)  # `after` as a share of each target: a p95 leaves roo
 QUANTILES = (0.25, 0.5)
 
 
-def hybrid_policies(poll: float, idle: float, small: bool, quantiles: tuple[float, ...] = QUANTILES) -> list[Policy]:
+def hybrid_policies(
+    poll: float, idle: float, small: bool, quantiles: tuple[float, ...] = QUANTILES, run_time: float | None = None
+) -> list[Policy]:
     """The hybrid's settings swept: `after` at each share of each target x the base load's quantile (small: the
-    first of each, at two targets, so CI stays within about a minute)."""
+    first of each, at two targets, so CI stays within about a minute); `run_time` the prior (the trace's nominal
+    job length, Trace.run_time), the same in every setting."""
     out = []
     for q in quantiles[:1] if small else quantiles:
         for share in AFTER_SHARES[:1] if small else AFTER_SHARES:
             for target in SMALL_TARGETS if small else TARGETS:
                 after = round(share * target * 60)
-                flow = {"backends": ["serverless"], "after": f"{after}s", "quantile": q}
+                flow: dict[str, Any] = {"backends": ["serverless"], "after": f"{after}s", "quantile": q}
+                if run_time is not None:
+                    flow["run_time"] = f"{run_time:g}s"
                 name = f"hybrid, after {after / 60:g} min, base q{q:g}"
                 out.append(Policy(name, HYBRID_MAX, idle_timeout=idle, poll=poll, by_cost=True, overflow=flow))
     return out

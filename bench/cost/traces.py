@@ -24,13 +24,15 @@ class Trace:
     about: str
     jobs: list[tuple[float, float]]
     hosts: Hosts = field(default_factory=Hosts)
+    run_time: float | None = None  # the nominal job length a user would state (`overflow.run_time`): the middle
+    # of the run times the trace is defined with, never measured from its jobs; a CSV trace has none
 
 
 def burst_day(small: bool = False) -> Trace:
     """24 bursts of 200 jobs x 60 s, one an hour (80 GPU-h of work); boot 2-4 min."""
     bursts, size = (2, 30) if small else (24, 200)
     jobs = [(h * HOUR, 60.0) for h in range(bursts) for _ in range(size)]
-    return Trace("burst-day", f"{bursts} hourly bursts of {size} jobs x 60 s", jobs)
+    return Trace("burst-day", f"{bursts} hourly bursts of {size} jobs x 60 s", jobs, run_time=60.0)
 
 
 def diurnal(small: bool = False, seed: int = 1) -> Trace:
@@ -45,7 +47,8 @@ def diurnal(small: bool = False, seed: int = 1) -> Trace:
         if t >= hours * HOUR:
             break
         jobs.append((t, rng.uniform(30, 150)))
-    return Trace("diurnal", f"{hours} h of Poisson arrivals peaking at {peak:g} jobs/min, jobs 30-150 s", jobs)
+    about = f"{hours} h of Poisson arrivals peaking at {peak:g} jobs/min, jobs 30-150 s"
+    return Trace("diurnal", about, jobs, run_time=90.0)
 
 
 def quiet_night_spike(small: bool = False, seed: int = 2) -> Trace:
@@ -56,7 +59,8 @@ def quiet_night_spike(small: bool = False, seed: int = 2) -> Trace:
     while (t := t + rng.expovariate(1 / 1200)) < hours * HOUR:
         jobs.append((t, rng.uniform(30, 120)))
     jobs += [(at * HOUR + rng.uniform(0, 60), 90.0) for _ in range(spike)]
-    return Trace("night-spike", f"a trickle over {hours:g} h and a spike of {spike} jobs x 90 s", sorted(jobs))
+    about = f"a trickle over {hours:g} h and a spike of {spike} jobs x 90 s"
+    return Trace("night-spike", about, sorted(jobs), run_time=75.0)  # jobs of 30-120 s
 
 
 def faulty_week(small: bool = False, seed: int = 3) -> Trace:
@@ -74,7 +78,8 @@ def faulty_week(small: bool = False, seed: int = 3) -> Trace:
     start = jobs[0][0] - HOUR if small else 0.0  # the small one skips the empty night before
     jobs = sorted((a - start, r) for a, r in jobs)
     hosts = Hosts(p_never_boot=0.15, p_preempt=0.33)
-    return Trace("faulty-week", f"{days} day(s) of working-hours bursts; 15 % of hosts never boot", jobs, hosts)
+    about = f"{days} day(s) of working-hours bursts; 15 % of hosts never boot"
+    return Trace("faulty-week", about, jobs, hosts, run_time=240.0)
 
 
 def diurnal_spikes(small: bool = False, seed: int = 4) -> Trace:
@@ -88,7 +93,7 @@ def diurnal_spikes(small: bool = False, seed: int = 4) -> Trace:
         at = rng.uniform(0.5, hours - 1) * HOUR
         jobs += [(at + rng.uniform(0, 120), rng.uniform(60, 120)) for _ in range(rng.randint(*size))]
     about = f"{base.about.split(',')[0]}, and {spikes} spikes of {size[0]}-{size[1]} jobs x 60-120 s"
-    return Trace("diurnal-spikes", about, sorted(jobs))
+    return Trace("diurnal-spikes", about, sorted(jobs), run_time=90.0)  # jobs of 30-150 s
 
 
 SHIPPED = {

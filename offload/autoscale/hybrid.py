@@ -2,8 +2,9 @@
 the overflow worker's claims how far the fleet reaches (`publish_reach`).
 
 The arrivals are the queue's `enqueued` total sampled each evaluation and kept in its state for one window (so a
-new leader continues the same measurement); the mean run time is the store's run histogram. The count replaces
-the scale-up triggers' (a burst is overflow's), except that min_workers and schedules still hold a floor.
+new leader continues the same measurement); the mean run time is the store's run histogram, blended with the
+block's `run_time` (a prior) while few runs are measured, so the first burst can count on machines. The count
+replaces the scale-up triggers' (a burst is overflow's), except that min_workers and schedules still hold a floor.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from offload.autoscale import overflow
 from offload.autoscale.evaluation import Evaluation
 from offload.autoscale.instances import Instance
 from offload.autoscale.scale_in import cost_trigger
+from offload.autoscale.settings import Overflow
 from offload.autoscale.triggers import QueueLoad, UpDecision
 from offload.queue.keyspace import overflow_reach
 from offload.queue.store import QueueStore
@@ -20,6 +22,7 @@ from offload.redis_client import RedisClient
 DEFAULT_BOOT = 180.0  # seconds a boot is expected to take until the queue's own are measured
 REACH_TTL_MIN_S = 60.0  # the reach lasts 3 evaluations, at least this long: then claims go by waiting time only
 NEVER_MS = 1e12  # a fleet that starts nothing more: each job after the idle machines' waits "forever"
+PRIOR_RUNS = 5  # runs `overflow.run_time` weighs as: half the estimate at 5 measured, a tenth at 45
 
 
 def parse_samples(text: str) -> list[overflow.Sample]:
@@ -40,10 +43,28 @@ def expected_boot(ev: Evaluation) -> float:
     return trig.boot_time if trig is not None else DEFAULT_BOOT
 
 
+async def runs_measured(store: QueueStore, queue: str) -> tuple[float, int]:
+    """(the queue's mean run time in seconds, runs it is measured on); (0, 0) before any finished."""
+    _, count, total_ms = (await store.histograms(queue)).get("run", ([], 0, 0))
+    return (total_ms / count / 1000 if count else 0.0), count
+
+
 async def mean_run(store: QueueStore, queue: str) -> float:
     """The queue's mean run time, seconds (0: none finished yet)."""
-    _, count, total_ms = (await store.histograms(queue)).get("run", ([], 0, 0))
-    return total_ms / count / 1000 if count else 0.0
+    return (await runs_measured(store, queue))[0]
+
+
+def with_prior(measured: float, count: int, prior: float | None) -> float:
+    """The run time to count on: the measured mean, with the prior (`overflow.run_time`) weighing as PRIOR_RUNS
+    runs, so the first one or two runs (a cold model's first load, one long job) do not set the rate alone."""
+    if prior is None:
+        return measured
+    return (prior * PRIOR_RUNS + measured * count) / (PRIOR_RUNS + count)
+
+
+async def expected_run(store: QueueStore, queue: str, flow: Overflow) -> float:
+    """The run time the sizing and the overflow router count on, seconds (0: none measured and no prior)."""
+    return with_prior(*await runs_measured(store, queue), flow.run_time)
 
 
 async def overflow_up(
@@ -54,7 +75,7 @@ async def overflow_up(
     assert flow is not None
     samples = overflow.keep_samples(parse_samples(ev.state.arrivals), now, load.enqueued, flow.window)
     await ev.state.save(redis, ev.queue, arrivals=",".join(f"{t:.3f}:{n}" for t, n in samples))
-    run_s = await mean_run(store, ev.queue)
+    run_s = await expected_run(store, ev.queue, flow)
     base, buckets = overflow.base_load(samples, now, run_s, flow)
     boot = expected_boot(ev)
     booting = [i.created_at + boot - now for i in active if i.status in ("provisioning", "booting")]

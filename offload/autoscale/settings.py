@@ -117,6 +117,12 @@ class Overflow(Strict):
         description="a base machine is kept while it would be busy at least this share of the time: the rented "
         "price over the serverless one (0.4: $1.00/h against $2.50/h)",
     )
+    run_time: Duration | None = Field(
+        None,
+        gt=0,
+        description="the expected run time of one job until the queue's own is measured (blended with the first "
+        "measured runs); unset: no machine is counted on before a run is measured",
+    )
 
     @model_validator(mode="after")
     def _fits(self) -> Overflow:

@@ -6,6 +6,9 @@ the real store, the mock provider; the overflow routing is bench/cost/hybrid.py'
   idle or booted machine can take it;
 - the base load is a low quantile of the window's buckets: a burst leaves it alone, a steady load sets it;
 - a base machine is kept only while it would be busy at least `keep_busy` of the time;
+- a `run_time` prior stands in for the mean run time until runs are measured, and weighs as PRIOR_RUNS runs
+  after; with it the first burst, before any run is measured, rents machines and stays on them; without it, that
+  burst is overflow's;
 - bad blocks fail naming the field; overflow backends must be configured backends of a GPU-worker queue;
 - on the simulated clock, a steady load and a burst: the fleet holds the base, the burst goes to overflow, every
   job is completed once by one kind, and the decision says why; a damaged arrivals record does not fail the
@@ -27,7 +30,7 @@ from test_autoscale_scale_in import second_server
 from bench.cost.hybrid import HybridWorld, Prices
 from bench.cost.world import QUEUE, START, CostWorld, Hosts, Policy
 from offload.autoscale import overflow
-from offload.autoscale.hybrid import parse_samples
+from offload.autoscale.hybrid import PRIOR_RUNS, expected_run, parse_samples, with_prior
 from offload.autoscale.keyspace import queue_state
 from offload.autoscale.settings import Overflow, validate_autoscale
 from offload.autoscale.state import QueueState, load_decision
@@ -116,6 +119,17 @@ def test_burst_machines_only_when_a_machine_works_longer_than_it_boots() -> None
     assert grown.target == 5 and "justifies 4 more" in grown.why  # max_workers caps the burst
 
 
+def test_a_run_time_prior_stands_until_runs_are_measured() -> None:
+    assert with_prior(0.0, 0, None) == 0.0  # no prior, nothing measured: no machine is counted on
+    assert with_prior(40.0, 1, None) == 40.0  # no prior: the measured mean alone, as before
+    assert with_prior(0.0, 0, 60.0) == 60.0  # nothing measured: the prior
+    assert with_prior(600.0, 1, 60.0) == pytest.approx((5 * 60 + 600) / 6)  # one long first run does not set it
+    assert with_prior(120.0, PRIOR_RUNS, 60.0) == pytest.approx(90.0)  # PRIOR_RUNS runs: half each
+    assert abs(with_prior(120.0, 1000, 60.0) - 120.0) < 0.5  # the queue's own outweighs it
+    flow = Overflow.model_validate({"backends": ["a"], "run_time": "90s"})
+    assert flow.run_time == 90.0 and FLOW.run_time is None  # unset by default
+
+
 @pytest.mark.parametrize(
     ("flow", "message"),
     [
@@ -126,6 +140,8 @@ def test_burst_machines_only_when_a_machine_works_longer_than_it_boots() -> None
         ({"backends": ["a"], "span": "2h"}, "q.overflow.span: 7200s is longer than window"),
         ({"backends": ["a"], "quantile": 1.5}, "q.overflow.quantile"),
         ({"backends": ["a"], "keep_busy": 0}, "q.overflow.keep_busy"),
+        ({"backends": ["a"], "run_time": "0s"}, "q.overflow.run_time"),
+        ({"backends": ["a"], "run_time": "soon"}, "q.overflow.run_time"),
         ({"backends": ["a"], "later": "5m"}, "q.overflow.later"),
     ],
 )
@@ -222,6 +238,29 @@ def test_the_docs_overflow_example_loads(tmp_path: Path) -> None:
     settings = load_settings(f, env={"RUNPOD_API_KEY": "k"})
     cfg = validate_autoscale(settings.queues["gpu"].autoscale, "gpu")
     assert cfg.overflow is not None and cfg.overflow.backends == ["sdxl-serverless"] and cfg.overflow.after == 300
+
+
+async def first_burst(r: Any, **flow: Any) -> HybridWorld:
+    """100 jobs x 60 s at once on an empty queue (no run measured), `after: 30m`: the burst-day's first burst."""
+    await r.flushdb()
+    policy = Policy("hybrid", 8, poll=30.0, by_cost=True, overflow={"backends": ["serverless"], "after": "30m", **flow})
+    world = HybridWorld(r, [(0.0, 60.0)] * 100, policy, Hosts(boot=(120.0, 180.0)), Prices(), 0)
+    await world.run(4 * 3600.0)
+    return world
+
+
+async def test_a_run_time_prior_lets_the_first_burst_count_on_machines(r: Any) -> None:
+    blind = await first_burst(r)
+    assert all(k == ["serverless"] for k in blind.served.done_by.values()) and not blind.served.rentals
+    primed = await first_burst(r, run_time="1m")
+    done = primed.served.done_by
+    assert len(done) == 100 and all(len(k) == 1 for k in done.values())
+    on_fleet = sum(1 for k in done.values() if k == ["fleet"])
+    assert on_fleet >= 90, on_fleet  # 4 machines rented at once start 100 jobs x 1 min within 30 min
+    waits = sorted(primed.served.started[n] - START for n in range(100))
+    assert waits[94] <= 1800, waits[94]  # the p95 is within `after`
+    measured = await expected_run(primed.store, QUEUE, primed.flow)
+    assert measured == pytest.approx(60.0, abs=1.0)  # 100 runs of 60 s blended with a 60 s prior
 
 
 async def test_a_queue_without_overflow_is_sized_as_before(r: Any) -> None:
