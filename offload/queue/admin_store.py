@@ -47,6 +47,15 @@ class AdminStore(BaseStore):
             total += n
         return total
 
+    async def purge_ids(self, queue: str, state: str, job_ids: Sequence[str]) -> int:
+        """Delete the given jobs of one purgeable state (those no longer in it are kept), 1000 per script call."""
+        listing.check_purgeable(state)
+        total = 0
+        for i in range(0, len(job_ids), 1000):
+            chunk = job_ids[i : i + 1000]
+            total += int(await self._run(SCRIPTS.purge, validate_queue(queue), STATE_SETS[state], len(chunk), *chunk))
+        return total
+
     async def pause(self, queue: str) -> None:
         """Stop claims on a queue (it may not have had jobs yet: it is listed from now on)."""
         await self.redis.set(keyspace.paused(validate_queue(queue)), "1")

@@ -10,8 +10,10 @@ from offload.errors import JobNotFound
 from offload.models import Job, QueueStats
 from offload.queue import keyspace, listing, replies
 from offload.queue.base_store import BaseStore
+from offload.queue.dead_groups import DeadGroup, dead_groups
 from offload.queue.keyspace import QUEUES_KEY, queue_of, validate_queue
 from offload.queue.scripts import HIST_BUCKETS_S, SCRIPTS
+from offload.queue.search import JobFilter, search
 
 
 class ReadStore(BaseStore):
@@ -30,12 +32,26 @@ class ReadStore(BaseStore):
         """Jobs in one state (waiting states oldest first, finished ones newest first), or with `state` None in
         every state, newest first (offload/queue/listing.py)."""
         ids, next_cursor = await listing.page_ids(self.redis, queue, state, cursor, limit)
+        return await self._records(ids), next_cursor
+
+    async def search(
+        self, queue: str, where: JobFilter, cursor: str | None, limit: int
+    ) -> tuple[list[Job], str | None]:
+        """A page of the jobs `where` keeps, and the cursor to go on from (offload/queue/search.py)."""
+        found, next_cursor = await search(self.redis, queue, where, cursor, limit)
+        return await self._records([job_id for job_id, _ in found]), next_cursor
+
+    async def dead_groups(self, queue: str) -> tuple[list[DeadGroup], int, bool]:
+        """The dead letter grouped by error (offload/queue/dead_groups.py)."""
+        return await dead_groups(self.redis, queue)
+
+    async def _records(self, ids: list[str]) -> list[Job]:
         found = await asyncio.gather(*(self.get(job_id) for job_id in ids), return_exceptions=True)
         jobs = [j for j in found if isinstance(j, Job)]  # JobNotFound: expired since the index read
         for problem in found:
             if isinstance(problem, BaseException) and not isinstance(problem, JobNotFound):
                 raise problem
-        return jobs, next_cursor
+        return jobs
 
     async def stats(self, queue: str) -> QueueStats:
         return replies.queue_stats(queue, await self._run(SCRIPTS.stats, validate_queue(queue)))

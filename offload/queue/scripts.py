@@ -99,6 +99,7 @@ class Scripts:
     stats: Script
     get: Script
     created: Script  # the listing of every state (offload/queue/listing.py)
+    search: Script  # the job search and the dead letter's error groups (offload/queue/search.py)
     ingest: Script
     reserve: Script
     release_window: Script

@@ -44,6 +44,7 @@ from offload.server import (
     routes_jobs,
     routes_keys,
     routes_queues,
+    routes_search,
     routes_workers,
 )
 from offload.server.callbacks import CallbackSender
@@ -173,6 +174,7 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
     for module in (
         routes_jobs,
         routes_queues,
+        routes_search,
         routes_workers,
         routes_files,
         routes_keys,

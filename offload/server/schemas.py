@@ -380,3 +380,21 @@ class WorkerView(BaseModel):
     concurrency: int | None = None
     registered_at: int | None = None
     lease_deadline: int | None = Field(default=None, description="Dispatch: when the store reaps it if silent.")
+
+
+class DeadGroupView(BaseModel):
+    pattern: str = Field(..., description="The error with its ids and numbers replaced: the group's name.")
+    example: str = Field(..., description="The newest error of the group, as it was.")
+    count: int
+    sample_ids: list[str]
+
+
+class DeadGroupsReply(BaseModel):
+    groups: list[DeadGroupView] = Field(..., description="Largest first.")
+    scanned: int = Field(..., description="Dead jobs read (the newest first, at most 10,000).")
+    complete: bool = Field(..., description="False when the dead letter has more jobs than were read.")
+
+
+class GroupRequest(_Request):
+    pattern: str | None = Field(None, max_length=1000, description="A group's pattern, as the groups route gives it.")
+    ids: list[str] = Field(default_factory=list, max_length=10_000, description="Or these dead jobs.")

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from playwright.sync_api import Page, expect
-from support.dashboard_helpers import HttpWorker, enqueue, go, sign_in, store_call
-from support.server_helpers import client, make_key, new_queue, server
+from support.dashboard_helpers import HttpWorker, dead_jobs, enqueue, go, sign_in, store_call
+from support.server_helpers import make_key, new_queue, server
 from support.servers import ValkeyServer
 
 from offload.queue.store import QueueStore
@@ -29,21 +29,6 @@ XSS_ERROR = "<img src=y onerror=window.__xss=4> failed: </pre><script>window.__x
 def api(valkey: ValkeyServer) -> Iterator[tuple[str, str]]:
     with server(valkey.url, max_wait_s=5) as srv:
         yield srv
-
-
-def dead_jobs(api: tuple[str, str], queue: str, *errors: str) -> list[str]:
-    """Jobs that failed for good, through the worker protocol (one attempt each, not retryable)."""
-    url, boot = api
-    with client(url, boot) as admin:
-        enqueue(admin, queue, *range(len(errors)))
-    worker = HttpWorker(url, make_key(url, boot, "worker", [queue]), queue)
-    try:
-        jobs = worker.claim(len(errors))
-        for job, error in zip(jobs, errors, strict=True):
-            worker.fail(job, error)
-        return [j["id"] for j in jobs]
-    finally:
-        worker.close()
 
 
 def state_of(admin: httpx.Client, job_id: str) -> str:

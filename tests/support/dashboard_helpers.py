@@ -25,7 +25,7 @@ from playwright.sync_api import BrowserContext, Page, expect, sync_playwright
 
 from offload.connection import connect
 from offload.queue.store import QueueStore
-from support.server_helpers import client
+from support.server_helpers import client, make_key
 
 T = TypeVar("T")
 CHROMIUM = "/usr/bin/chromium"
@@ -152,6 +152,21 @@ def enqueue(admin: httpx.Client, queue: str, *inputs: Any, **options: Any) -> li
     assert r.status_code == 201, r.text
     ids: list[str] = r.json()["ids"]
     return ids
+
+
+def dead_jobs(api: tuple[str, str], queue: str, *errors: str) -> list[str]:
+    """Jobs that failed for good, through the worker protocol (one attempt each, not retryable), in order."""
+    url, boot = api
+    with client(url, boot) as admin:
+        enqueue(admin, queue, *range(len(errors)), max_attempts=1)
+    worker = HttpWorker(url, make_key(url, boot, "worker", [queue]), queue)
+    try:
+        jobs = worker.claim(len(errors))
+        for job, error in zip(jobs, errors, strict=True):
+            worker.fail(job, error)
+        return [j["id"] for j in jobs]
+    finally:
+        worker.close()
 
 
 def save_screenshot(page: Page, tmp: Path, name: str) -> Path:
