@@ -7,6 +7,7 @@
 //   put in the DOM, a URL or a cookie. The sign-in field is cleared as soon as it is read.
 // - Actions a key may not take are hidden, but the server decides: a forced request gets 403, shown as an error.
 import { makeAutoscaleView } from "./autoscale.js";
+import { makeSearch } from "./search.js";
 import { spendTable, spendText, usd } from "./spend.js";
 
 const KEY = "offload.key";
@@ -187,6 +188,9 @@ function jobRows(jobs) {
     el("td", null, fmtTime(j.finished_at || j.created_at)), el("td", { class: "err" }, j.error || ""), rowActions(j)));
 }
 const JOB_HEADS = ["Job", "State", "Attempts", "Updated", "Error", ""];
+// Search on the queue page, error groups in the dead letter (search.js).
+const search = makeSearch({ el, api, table, enc, jobRows, jobHeads: JOB_HEADS, jobLink, ask, showNotice, showError,
+  me: () => me, redraw: () => { lastSig = ""; refresh(); } });
 
 // ---- views -------------------------------------------------------------------------------------------------
 function budgetText(b) {
@@ -249,6 +253,7 @@ const overview = {
 };
 
 const queueView = {
+  busy: () => search.busy(),
   async load({ queue, state }) {
     const stack = (cursors[`${queue}|${state}`] ||= [null]);
     const cursor = stack[stack.length - 1];
@@ -273,6 +278,7 @@ const queueView = {
         state !== "active" && count(state) > 0 ? purge(queue, state, count(state)) : null,
         el("span", { class: "muted" }, `${q.workers} workers · enqueued ${fmtRate(q.rates.enqueued)} · succeeded ${fmtRate(q.rates.succeeded)}`)),
       el("h2", null, "Spend"), spendTable(q, el),
+      el("h2", null, "Search"), search.searchPanel(queue),
       el("nav", { class: "tabs" }, tabs),
       page.jobs.length ? table(JOB_HEADS, jobRows(page.jobs), { id: "jobs" }) : el("p", { class: "muted" }, `No ${state} jobs.`),
       el("div", { class: "pager" },
@@ -325,8 +331,8 @@ function setView(state) {
       const queues = (await api("/v1/queues")).filter((q) => q.counts[state] > 0 || capped(q));
       const list = (q, path) => api(`/v1/queues/${enc(q.queue)}/${path}limit=${PAGE}`);
       const pages = await Promise.all(queues.map((q) => Promise.all([list(q, `${state}?`),
-        capped(q) ? list(q, "jobs?state=queued&") : null])));
-      return queues.map((q, i) => ({ queue: q.queue, count: q.counts[state], jobs: pages[i][0].jobs,
+        capped(q) ? list(q, "jobs?state=queued&") : null, state === "dead" ? api(`/v1/queues/${enc(q.queue)}/dead/groups`) : null])));
+      return queues.map((q, i) => ({ queue: q.queue, count: q.counts[state], jobs: pages[i][0].jobs, groups: pages[i][2],
         more: !!pages[i][0].next_cursor, capped: capped(q) ? { kind: q.capped, count: q.counts.queued, jobs: pages[i][1].jobs } : null }));
     },
     draw(sets) {
@@ -338,7 +344,7 @@ function setView(state) {
         sets.length ? sets.map((s) => el("section", { class: "set", data: { queue: s.queue } },
           el("h2", null, queueLink(s.queue), ` · ${s.count} ${state}`, s.capped ? [" ", statusBadge({ status: "capped", capped: s.capped.kind })] : null),
           s.count ? [el("div", { class: "toolbar" }, state === "dead" ? requeueAll(s.queue) : releaseAll(s.queue), purge(s.queue, state, s.count)),
-            table(JOB_HEADS, jobRows(s.jobs))] : null,
+            s.groups && s.groups.groups.length ? search.deadGroups(s.queue, s.groups) : null, table(JOB_HEADS, jobRows(s.jobs))] : null,
           s.more ? el("a", { href: `#/queues/${enc(s.queue)}?state=${state}` }, `All ${s.count} in the queue view →`) : null,
           s.capped ? [el("p", { class: "muted", data: { capped: s.capped.kind } }, `Capped: the daily ${s.capped.kind} cap is reached, so ` +
             `${s.capped.count} queued job${s.capped.count === 1 ? "" : "s"} wait for the next cap window (the job store's UTC day).`),
