@@ -49,11 +49,6 @@ async def runs_measured(store: QueueStore, queue: str) -> tuple[float, int]:
     return (total_ms / count / 1000 if count else 0.0), count
 
 
-async def mean_run(store: QueueStore, queue: str) -> float:
-    """The queue's mean run time, seconds (0: none finished yet)."""
-    return (await runs_measured(store, queue))[0]
-
-
 def with_prior(measured: float, count: int, prior: float | None) -> float:
     """The run time to count on: the measured mean, with the prior (`overflow.run_time`) weighing as PRIOR_RUNS
     runs, so the first one or two runs (a cold model's first load, one long job) do not set the rate alone."""

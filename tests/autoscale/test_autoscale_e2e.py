@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,25 +15,20 @@ from typing import Any
 import httpx
 import pytest
 from support.admin_redis import AdminRedis, redis_admin
-from support.autoscale_helpers import VAULT_KEY, put_worker, sim_call, worker_token
+from support.autoscale_helpers import VAULT_KEY, local_fleet, put_worker, sim_call, worker_token
 from support.eventually import eventually
 from support.server_helpers import server
 from support.servers import ValkeyServer, free_port
 
 from offload.access.api_keys import KeyStore
-from offload.autoscale.provider_store import ProviderStore
-from offload.autoscale.providers.local import LocalConfig, LocalProvider
 from offload.autoscale.providers.vastai import VastConfig, VastProvider
 from offload.autoscale.scaler import Autoscaler
-from offload.autoscale.vault import Vault
 from offload.config import Settings
 from offload.connection import connect
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 from offload.testing.sim.config import SimConfig
 from offload.testing.sim.server import running_sim
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -52,25 +46,8 @@ async def test_local_provider_end_to_end(
 ) -> None:
     monkeypatch.setenv("OFFLOAD_VAULT_MASTER_KEY", VAULT_KEY)
     queue = "e2e-" + secrets.token_hex(3)
-    _, worker_token = await KeyStore(r).create("worker", [queue], "autoscaled workers")
-    await ProviderStore(r, Vault(VAULT_KEY)).create(
-        "here",
-        "local",
-        {
-            "handler": "tests.support.handlers:echo",
-            "python": sys.executable,
-            "workdir": str(REPO),
-            "grace": 5,
-            "log_dir": str(tmp_path / "logs"),
-            "stop_timeout": 5,
-        },
-    )
-    try:
+    async with local_fleet(r, queue, "tests.support.handlers:echo", tmp_path) as worker_token:
         await _local_end_to_end(r, valkey, tmp_path, queue, worker_token)
-    finally:  # whatever happened, no worker process outlives the test
-        leftover = LocalProvider("here", LocalConfig(stop_timeout=1), r)
-        for machine in await leftover.list():
-            await leftover.destroy(machine.provider_id)
 
 
 async def _local_end_to_end(r: AdminRedis, valkey: ValkeyServer, tmp_path: Path, queue: str, worker_token: str) -> None:

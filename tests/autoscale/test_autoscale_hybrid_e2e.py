@@ -6,7 +6,6 @@ runs exactly once: one claim, on one kind, never a GPU run and a provider submis
 from __future__ import annotations
 
 import secrets
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -15,17 +14,13 @@ import httpx
 import pytest
 import yaml
 from support.admin_redis import AdminRedis, redis_admin
-from support.autoscale_helpers import VAULT_KEY
+from support.autoscale_helpers import VAULT_KEY, local_fleet
 from support.eventually import eventually
 from support.server_helpers import server
 from support.servers import ValkeyServer, free_port
 from test_worker import BACKENDS
 from test_worker_crash import OFFLOAD, READY_LINE, base_env, spawn, stop
 
-from offload.access.api_keys import KeyStore
-from offload.autoscale.provider_store import ProviderStore
-from offload.autoscale.providers.local import LocalConfig, LocalProvider
-from offload.autoscale.vault import Vault
 from offload.config import Settings
 from offload.connection import connect
 from offload.models import JobState
@@ -34,7 +29,6 @@ from offload.queue.store import QueueStore
 from offload.testing.sim.config import SimConfig
 from offload.testing.sim.server import running_sim
 
-REPO = Path(__file__).resolve().parents[2]
 BURST = 40
 RUN_S = 0.5  # a job on a machine and at the provider alike
 
@@ -80,26 +74,9 @@ async def test_a_burst_splits_between_the_fleet_and_overflow_and_every_job_runs_
 ) -> None:
     monkeypatch.setenv("OFFLOAD_VAULT_MASTER_KEY", VAULT_KEY)
     queue = "hybrid-" + secrets.token_hex(3)
-    _, worker_key = await KeyStore(r).create("worker", [queue], "autoscaled workers")
-    await ProviderStore(r, Vault(VAULT_KEY)).create(
-        "here",
-        "local",
-        {
-            "handler": "tests.support.handlers:logged_echo",
-            "python": sys.executable,
-            "workdir": str(REPO),
-            "log_dir": str(tmp_path / "logs"),
-            "grace": 5,
-            "stop_timeout": 5,
-        },
-    )
-    try:
+    async with local_fleet(r, queue, "tests.support.handlers:logged_echo", tmp_path) as worker_key:
         with running_sim(SimConfig.model_validate({"default": {"latency": {"seconds": RUN_S}}})) as sim:
             await _burst(r, valkey, tmp_path, str(sim), queue, worker_key)
-    finally:  # whatever happened, no worker process outlives the test
-        leftover = LocalProvider("here", LocalConfig(stop_timeout=1), r)
-        for machine in await leftover.list():
-            await leftover.destroy(machine.provider_id)
 
 
 async def _burst(r: AdminRedis, valkey: ValkeyServer, tmp_path: Path, sim: str, queue: str, worker_key: str) -> None:

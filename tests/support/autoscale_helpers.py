@@ -3,14 +3,22 @@ the settable clock and the GPU worker's registry record come from bench/cost/wor
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from bench.cost.world import Clock, drop_worker, put_worker
+from offload.access.api_keys import KeyStore
 from offload.autoscale.instances import Instance
+from offload.autoscale.provider_store import ProviderStore
+from offload.autoscale.providers.local import LocalConfig, LocalProvider
 from offload.autoscale.providers.mock import MockConfig, MockProvider
 from offload.autoscale.scaler import Autoscaler
+from offload.autoscale.vault import Vault
 from offload.config import Settings
 from offload.redis_client import RedisClient
 
@@ -90,3 +98,28 @@ def make_scaler(
         redis, settings, clock=clock, owner=owner, provider_override={"m": provider}, drain_settle=0.0, env={}
     )
     return scaler, provider
+
+
+REPO = str(Path(__file__).resolve().parents[2])  # where `tests.support.handlers` imports from
+
+
+@contextlib.asynccontextmanager
+async def local_fleet(redis: RedisClient, queue: str, handler: str, tmp_path: Path) -> AsyncIterator[str]:
+    """Provider `here` (type local: its machines are `offload worker --handler <handler>` processes, logs in
+    tmp_path/logs) and a worker key for `queue`, which it yields. Whatever happens, no worker process outlives it."""
+    _, worker_key = await KeyStore(redis).create("worker", [queue], "autoscaled workers")
+    machine = {
+        "handler": handler,
+        "python": sys.executable,
+        "workdir": REPO,
+        "grace": 5,
+        "log_dir": str(tmp_path / "logs"),
+        "stop_timeout": 5,
+    }
+    await ProviderStore(redis, Vault(VAULT_KEY)).create("here", "local", machine)
+    try:
+        yield worker_key
+    finally:
+        leftover = LocalProvider("here", LocalConfig(stop_timeout=1), redis)
+        for found in await leftover.list():
+            await leftover.destroy(found.provider_id)
