@@ -10,7 +10,7 @@
 --- @include "records"
 local PICK_FIELDS = {'remote_id', 'sub_open', 'cancel', 'ready_at', 'created_at', 'deadline'}
 local FLEET_SCAN = 2000  -- sent-out jobs a fleet claim looks past: an overflow worker's in-flight jobs, if it died
-local OVERFLOW_SCAN = 200  -- the head an overflow claim checks for jobs to resume or that waited too long
+local HEAD_SCAN = 200  -- jobs a scan looks at: the head under a cap, or an overflow claim's head and its tail
 
 local function sent_out(remote_id, sub_open)
   return (remote_id or '') ~= '' or sub_open == '1'
@@ -46,7 +46,7 @@ local function pick_overflow(n, now, after_ms, allowed)
     'run_ms', 'after_ms'))
   skip, idle, per_ms, run_ms = tonumber(skip), tonumber(idle) or 0, tonumber(per_ms) or 0, tonumber(run_ms) or 0
   after_ms = tonumber(est_after) or after_ms
-  local head = skip and math.min(skip, OVERFLOW_SCAN) or OVERFLOW_SCAN
+  local head = skip and math.min(skip, HEAD_SCAN) or HEAD_SCAN
   local picked = scan_ready({}, 0, head, n, function(id, pos, remote_id, sub_open, cancel, ready_at, created_at,
       deadline)
     if not allowed(id, remote_id, cancel) then return false end
@@ -59,7 +59,7 @@ local function pick_overflow(n, now, after_ms, allowed)
     return false
   end)
   if skip then  -- the fleet's share ends at `skip`: every job after it is overflow's
-    scan_ready(picked, skip, OVERFLOW_SCAN, n, function(id, _, remote_id, _, cancel)
+    scan_ready(picked, skip, HEAD_SCAN, n, function(id, _, remote_id, _, cancel)
       return allowed(id, remote_id, cancel)
     end)
   end
@@ -71,7 +71,7 @@ end
 local function pick(mode, n, now, after_ms, allowed)
   if mode == 'fleet' then return pick_fleet(n, allowed) end
   if mode == 'overflow' then return pick_overflow(n, now, after_ms, allowed) end
-  return scan_ready({}, 0, OVERFLOW_SCAN, n, function(id, _, remote_id, _, cancel)
+  return scan_ready({}, 0, HEAD_SCAN, n, function(id, _, remote_id, _, cancel)
     return allowed(id, remote_id, cancel)
   end)
 end
