@@ -172,7 +172,7 @@ class Run:
         await self._fault_phase(started)
         healed = time.time()
         await self._heal()
-        self.settle = Settle(self.direct, self.slots[-1], self.clock, list(self.acked), CAPPED)
+        self.settle = Settle(self.direct, self.slots[-1], self.clock, list(self.acked), CAPPED, self.p.daily_job_cap)
         settle = self.args.settle if self.args.settle is not None else (50.0 if self.args.quick else 180.0)
         all_terminal = await self.settle.run(settle)
         all_terminal_s = None if all_terminal is None else round(all_terminal - healed, 1)

@@ -25,6 +25,7 @@ from bench.chaos.faketime import ClockFile
 from bench.chaos.procs import WorkerSlot
 from bench.chaos.rundata import TERMINAL
 from offload.caps import next_window_s, window_of
+from offload.queue import keyspace
 
 MAX_ROLLS = 3  # store days rolled to at most, while capped jobs wait for the next one
 SETTLE_CAP = 4  # the wait for every job to be terminal: `stall` s without progress, at most this many times it
@@ -33,13 +34,15 @@ SETTLE_CAP = 4  # the wait for every job to be terminal: `stall` s without progr
 class Settle:
     """`run(stall)`: the roll(s) and the wait; `rolls`, `held_at_roll` for the checker."""
 
-    def __init__(self, direct: Any, cap_slot: WorkerSlot, clock: ClockFile, acked: list[str], capped: str) -> None:
-        self.direct, self.cap_slot, self.clock, self.capped = direct, cap_slot, clock, capped
+    def __init__(
+        self, direct: Any, cap_slot: WorkerSlot, clock: ClockFile, acked: list[str], capped: str, cap: int
+    ) -> None:
+        self.direct, self.cap_slot, self.clock, self.capped, self.cap = direct, cap_slot, clock, capped, cap
         self.waiting = acked  # the jobs not terminal when last counted
         self.rolls: list[float] = []  # when the store's clock reached each new day (the capped queue's windows)
         self.held_at_roll = 0  # capped jobs held at the first roll
         self.window = ""  # the store's day since the last roll (a cap window: 20261207)
-        self.held_today = 0  # capped jobs held in that window when the jobs were last counted
+        self.held_today = 0  # capped jobs waiting out that window (held, or queued once its cap is full)
 
     async def run(self, stall: float) -> float | None:
         """When every job was terminal, or None (the rest are stuck)."""
@@ -109,9 +112,16 @@ class Settle:
             pipe = self.direct.pipeline(transaction=False)
             for job_id in chunk:
                 pipe.hmget(f"offload:{{{job_id.partition(':')[0]}}}:job:{job_id}", "state", "held_window")
-            found = await pipe.execute()
+            pipe.get(keyspace.cap(self.capped, self.window, "jobs"))
+            *found, used = await pipe.execute()
             left = [(j, s, w) for j, (s, w) in zip(chunk, found, strict=True) if s and s not in TERMINAL]
             still += [j for j, _, _ in left]
-            today += sum(s == "held" and w == self.window for _, s, w in left)
+            # A full day's cap holds its queue's jobs back two ways: claimed and refused at submit (held in this
+            # window), or never handed out (a capped queue's claim skips its fresh jobs): both wait for the roll.
+            full = bool(self.window) and int(used or 0) >= self.cap
+            today += sum(
+                (s == "held" and w == self.window) or (full and s == "queued" and j.partition(":")[0] == self.capped)
+                for j, s, w in left
+            )
         self.held_today = today
         return still

@@ -494,7 +494,10 @@ def _chaos(tmp_path: Path, *args: str) -> tuple[dict[str, Any], str]:
     assert doc["kills"] >= 5 and doc["stops"] >= 1 and doc["valkey_restarts"] >= 1, doc
     assert doc["dropped_replies"] >= 5 and doc["resets"] >= 1 and doc["blackholes"] >= 1, doc
     faults = doc["sim_faults"]
-    assert sum(faults.get(c, 0) for c in ("500", "502", "503")) > 0 and faults.get("storm_429", 0) > 0, faults
+    assert sum(faults.get(c, 0) for c in ("500", "502", "503")) > 0, faults
+    # A storm was set on the simulator, and some 429 answered (a storm's 3 s may see no call on a loaded run with
+    # webhooks, where the workers poll rarely: the injected per-call 429s still exercise the throttled path).
+    assert doc["storms_429"] >= 1 and sum(faults.get(c, 0) for c in ("storm_429", "429", "429_bare")) > 0, faults
     assert sum(faults.get(f"gateway_{c}", 0) for c in (502, 504, 524)) > 0, faults
     # (with webhooks the first poll comes long after the lag: the result arrives by webhook)
     assert faults.get("status_lag", 0) > 0 or doc["webhooks"], faults
@@ -521,6 +524,10 @@ def test_ci_sized_chaos_run_keeps_every_guarantee(tmp_path: Path) -> None:
     doc, summary = _chaos(tmp_path, "--seed", "11")
     others = {c: n for c, n in doc["duplicates_by_cause"].items() if c != "killed_inside_submit"}
     assert others == {}, summary
+    # An operator cancels every ~2 s among the other faults (the cancel-only profile, `--faults cancel,kill,stop`,
+    # is the soak for it): every cancel honoured, nothing sent or run after one.
+    assert sum(doc["cancels"].values()) >= 5, doc["cancels"]
+    assert doc["cancel_not_honoured"] == doc["submitted_after_cancel"] == doc["ran_after_cancel"] == 0, summary
 
 
 @pytest.mark.xdist_group("chaos")

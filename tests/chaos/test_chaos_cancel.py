@@ -1,16 +1,11 @@
 """The fault harness's `cancel` fault: its checker must name a cancel that cost a remote run or let a job be sent
-again, and the profile's `--quick` run (an operator cancelling waiting and running jobs while workers are killed and
-stopped) must show none."""
+again. The CI-sized run of every fault (tests/chaos/test_chaos.py, seed 11) cancels among the others and must show
+none; `python -m bench.chaos --quick --faults cancel,kill,stop` is the cancel-heavy run."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
-
-import pytest
 
 from bench.chaos.checker import Checker, RunData
 from bench.chaos.options import parse_args, profile_for
@@ -92,24 +87,3 @@ def test_cancel_is_a_fault_choice_of_its_own() -> None:
     only = profile_for(parse_args(["--quick", "--faults", "cancel"]))
     assert only.cancel_every > 0 and only.kill_every == 0 and only.valkey_every == 0
     assert profile_for(parse_args(["--quick", "--faults", "kill"])).cancel_every == 0
-
-
-@pytest.mark.xdist_group("chaos")
-@pytest.mark.timeout(420)
-def test_quick_cancel_profile_costs_no_cancelled_job_a_run(tmp_path: Path) -> None:
-    """An operator cancels every ~2 s, mostly jobs handed back with a remote job still running (workers SIGKILLed
-    and SIGSTOPped meanwhile), else running ones: every such job's remote job is cancelled before the job ends
-    cancelled, and nothing is sent after a cancel was answered."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.chaos", "--quick", "--faults", "cancel,kill,stop", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        cwd=Path(__file__).parents[2],
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads(proc.stdout.strip().splitlines()[-1])
-    summary = "\n".join(proc.stdout.strip().splitlines()[:-1])[-4000:]
-    assert sum(doc["cancels"].values()) >= 10 and doc["kills"] >= 5, doc
-    assert (doc["lost"], doc["stuck"], doc["wrong_results"]) == (0, 0, 0), summary
-    assert doc["cancel_not_honoured"] == doc["submitted_after_cancel"] == doc["ran_after_cancel"] == 0, summary

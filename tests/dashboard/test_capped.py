@@ -45,7 +45,8 @@ def submit(redis_url: str, queue: str, n: int, *, job_cap: int | None, spend_cap
     """What dispatch workers do before each submission: count it against the caps (at the backend's price)."""
 
     async def go(store: QueueStore) -> None:
-        for job in await store.claim(queue, "dispatch-1", n):
+        # An hour's lease: no heartbeat follows, and a loaded run must not see the reaper hand them back.
+        for job in await store.claim(queue, "dispatch-1", n, lease_ms=3_600_000):
             assert await store.reserve(job.id, job_cap=job_cap, spend_cap=spend_cap, cost=1.0) is None
 
     store_call(redis_url, go)
