@@ -41,6 +41,7 @@ from offload.files import DEFAULT_MAX_FILE_BYTES, files_in
 from offload.models import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETENTION_S, Job, QueueStats
 from offload.queue import durability as durable
 from offload.queue.durability import Durability, NotReplicated
+from offload.queue.history import HistoryPoint
 from offload.queue.keyspace import QUEUES_KEY, new_job_id
 from offload.queue.memory import require_noeviction
 from offload.queue.specs import JobSpec, deadline_options
@@ -278,6 +279,11 @@ class AsyncClient:
     async def stats(self, queue: str) -> QueueStats:
         return await (await self.store()).stats(queue)
 
+    async def history(self, queue: str, range: str = "hour") -> list[HistoryPoint]:
+        """The queue's history over the last `range` (hour: 60 one-minute points; day: 24 hourly; week: 168),
+        oldest first, every bucket present."""
+        return (await (await self.store()).history(queue, range))[1]
+
     async def aclose(self) -> None:
         if self._store is not None:
             await self._store.redis.aclose()
@@ -345,6 +351,9 @@ class Client:
 
     def stats(self, queue: str) -> QueueStats:
         return self._call(self._async.stats(queue))
+
+    def history(self, queue: str, range: str = "hour") -> list[HistoryPoint]:
+        return self._call(self._async.history(queue, range))
 
     def close(self) -> None:
         if self._loop.is_running():

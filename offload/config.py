@@ -32,6 +32,7 @@ from offload.connection import configured_url
 from offload.egress import url_problem
 from offload.env import process_env
 from offload.errors import ConfigError
+from offload.history_settings import HistorySettings
 from offload.local import stack
 from offload.local.embedded import data_dir
 from offload.models import (
@@ -203,6 +204,7 @@ class Settings(Strict):
     autoscaler: ServerSide | None = None  # the autoscaler's server-side settings (offload.autoscale.settings)
     alerts: AlertSettings | None = None  # where alerts go (offload.autoscale.alert_settings)
     callbacks: CallbackSettings = CallbackSettings()  # where completion webhooks may go (offload.callback_settings)
+    history: HistorySettings = HistorySettings()  # each queue's history: on, retention (offload.history_settings)
 
     @field_validator("queues")
     @classmethod

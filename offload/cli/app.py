@@ -1,8 +1,8 @@
 """The `offload` command: the root Typer app with every command group mounted, and the console-script entry.
 
-Each group lives in its own module (jobs, worker, server, keys, autoscale, stack, sim, config) and registers its
-commands here; they share options, output and error handling from `options`, `output`, `errors` and `session`,
-and never import each other.
+Each group lives in its own module (jobs, history, worker, server, keys, autoscale, stack, sim, config) and
+registers its commands here; they share options, output and error handling from `options`, `output`, `errors` and
+`session`, and never import each other.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from offload import __version__
-from offload.cli import autoscale, config, jobs, keys, operate, server, sim, stack, worker
+from offload.cli import autoscale, config, history, jobs, keys, operate, server, sim, stack, worker
 from offload.cli.errors import describe, error_line
 
 app = typer.Typer(
@@ -39,7 +39,7 @@ def root(
     """A durable GPU job queue on Redis/Valkey."""
 
 
-for group in (jobs, operate, worker, server, keys, autoscale, stack, sim, config):
+for group in (jobs, operate, history, worker, server, keys, autoscale, stack, sim, config):
     group.register(app)
 
 

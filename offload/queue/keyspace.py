@@ -49,6 +49,12 @@ QUEUE_SUFFIXES: dict[str, str] = {
     "idem:tutorial:": "idem:tutorial:<id>, jobs ingested from the tutorial's list",
     "stats": "per-queue counters (hash)",
     "hist": "wait and run histograms (hash)",
+    "history:m:": "history:m:<unix s>, the history of one UTC minute: counts by outcome, the wait and run histograms "
+    "(`wait:<i>`, `run:<i>`: /metrics' buckets), spend in nano-USD by kind (`spend:<kind>`) and backend "
+    "(`sb:<backend>`), provider calls and errors, the gauges' peak (`g:<name>`) (hash, expires: history.lua)",
+    "history:h:": "history:h:<unix s>, the same for one UTC hour (hash, expires)",
+    "history:d:": "history:d:<unix s>, the same for one UTC day (hash, expires)",
+    "history:cfg": "the history's settings from offload.yaml: on, and how long each resolution is kept (ms) (hash)",
     "dups": "duplicate-delivery counters (hash)",
     "cap:": "cap:<window>:jobs|spend, the spend cap's counters",
     "spend:": "spend:<window>, the day's spend per kind of capacity: serverless, fleet (hash, 40 days)",
@@ -138,6 +144,19 @@ def overflow_reach(queue: str) -> str:
 
 def histograms(queue: str) -> str:
     return prefix(queue) + "hist"
+
+
+#: The history's resolutions: the letter its bucket keys carry, by bucket length in seconds.
+HISTORY_RESOLUTIONS: dict[int, str] = {60: "m", 3600: "h", 86400: "d"}
+
+
+def history_bucket(queue: str, step_s: int, start_s: int) -> str:
+    """The history hash of the bucket of `step_s` seconds (60, 3600, 86400) that starts at `start_s` (unix s)."""
+    return prefix(queue) + f"history:{HISTORY_RESOLUTIONS[step_s]}:{start_s}"
+
+
+def history_config(queue: str) -> str:
+    return prefix(queue) + "history:cfg"
 
 
 def duplicates(queue: str) -> str:

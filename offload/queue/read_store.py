@@ -5,10 +5,11 @@ here changes a job.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 from offload.errors import JobNotFound
 from offload.models import Job, QueueStats
-from offload.queue import keyspace, listing, replies
+from offload.queue import history, keyspace, listing, replies
 from offload.queue.base_store import BaseStore
 from offload.queue.dead_groups import DeadGroup, dead_groups
 from offload.queue.keyspace import QUEUES_KEY, queue_of, validate_queue
@@ -18,6 +19,19 @@ from offload.queue.search import JobFilter, search
 
 class ReadStore(BaseStore):
     """QueueStore's reads."""
+
+    async def history(
+        self, queues: str | Sequence[str], range_name: str = "hour"
+    ) -> tuple[int, list[history.HistoryPoint]]:
+        """(bucket length s, points) of one queue's history, or of several summed, over `range_name` (hour, day,
+        week) up to the current bucket of the store's clock (offload/queue/history.py)."""
+        names = [queues] if isinstance(queues, str) else list(queues)
+        if self.clock_ms:
+            now_s = self.clock_ms() / 1000
+        else:
+            seconds, _ = await self.redis.time()
+            now_s = int(seconds)
+        return await history.points(self.redis, names, range_name, now_s)
 
     async def get(self, job_id: str) -> Job:
         reply = await self._run(SCRIPTS.get, queue_of(job_id), job_id)

@@ -3,7 +3,7 @@ once per process and run by SHA, reloaded after a server restart (NOSCRIPT).
 
 A script file starts with a header naming its KEYS, ARGV and reply (`-- KEYS:`, `-- ARGV:`, `-- Returns:`), as
 BullMQ's src/commands do. Code several scripts share lives in lua/includes/, one theme each (records, events,
-metrics, ready, terminal, leases, caps, outages, clock, cooldown, leader), and is put in by a line
+metrics, history, ready, terminal, leases, caps, outages, clock, cooldown, leader), and is put in by a line
 `--- @include "<name>"` (each include at most once per script, includes may include others). A file includes what
 it uses itself, and nothing else. The autoscaler's, the HTTP server's and the backend limiter's scripts live here
 too, so there is one way to load and run a script. tests/jobstore/test_lua_scripts.py checks every file has the
@@ -32,6 +32,8 @@ from offload.redis_client import RedisClient
 EVENTS_MAX = 10_000
 #: Upper bounds (seconds) of the wait (ready -> claimed) and run (claimed -> succeeded) histograms the scripts keep.
 HIST_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+#: How long the history keeps its minute, hour and day points by default (seconds; offload.yaml's `history:`).
+HISTORY_KEEP_S = (2 * 86400, 15 * 86400, 400 * 86400)
 INCLUDE = re.compile(r'^--- @include "([a-z_]+)"[ \t]*$', re.MULTILINE)
 LUA = resources.files("offload.queue") / "lua"
 
@@ -54,7 +56,9 @@ def source(name: str) -> str:
     """The script `name` as sent to Redis: includes put in, constants filled in."""
     text = _expand((LUA / f"{name}.lua").read_text(), set())
     buckets = ", ".join(str(int(b * 1000)) for b in HIST_BUCKETS_S)
-    return text.replace("__EVENTS_MAX__", str(EVENTS_MAX)).replace("__HIST_BUCKETS__", buckets)
+    keep = ", ".join(str(s * 1000) for s in HISTORY_KEEP_S)
+    text = text.replace("__EVENTS_MAX__", str(EVENTS_MAX)).replace("__HIST_BUCKETS__", buckets)
+    return text.replace("__HISTORY_KEEP_MS__", keep)
 
 
 class Script:
@@ -127,6 +131,7 @@ class Scripts:
     instance_write: Script
     provider_swap: Script
     alert_once: Script
+    history_sample: Script  # the gauges' sample and the history's settings (offload/queue/history.py)
     # the mark before a durable write's WAIT (offload/queue/durability.py)
     sync_mark: Script
 

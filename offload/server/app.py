@@ -40,6 +40,7 @@ from offload.server import (
     routes_autoscale,
     routes_callbacks,
     routes_files,
+    routes_history,
     routes_hooks,
     routes_jobs,
     routes_keys,
@@ -49,6 +50,7 @@ from offload.server import (
 )
 from offload.server.callbacks import CallbackSender
 from offload.server.file_sweep import FileSweep
+from offload.server.history_sampler import HistorySampler
 from offload.server.registry import WorkerRegistry
 from offload.server.state import ServerOptions, ServerState
 from offload.server.store_watch import StoreWatch
@@ -80,6 +82,7 @@ async def _maintain(state: ServerState, stop: asyncio.Event) -> None:
 
 async def _maintenance_loop(state: ServerState, stop: asyncio.Event, sweep: FileSweep) -> None:
     next_sweep = time.monotonic()
+    sampler = HistorySampler()  # the history's gauges, once a minute of the store's clock
     while not stop.is_set():
         if time.monotonic() >= next_sweep:  # files whose job record is gone (file_sweep.py)
             next_sweep = time.monotonic() + state.options.settings.storage.sweep_interval_s
@@ -96,6 +99,7 @@ async def _maintenance_loop(state: ServerState, stop: asyncio.Event, sweep: File
                 # only by GPU workers, or by workers all stopped at midnight, get theirs back too
                 await state.store.release_held(queue, max_chunks=4)
                 state.rates.observe(queue, (await state.store.stats(queue)).totals)
+            await sampler.maybe_sample(state, state.registry.clock())
         except Exception as exc:  # Redis away: /readyz says so; try again next round
             if stop.is_set():
                 break
@@ -175,6 +179,7 @@ def create_app(options: ServerOptions | None = None) -> FastAPI:
         routes_jobs,
         routes_queues,
         routes_search,
+        routes_history,
         routes_workers,
         routes_files,
         routes_keys,

@@ -398,3 +398,37 @@ class DeadGroupsReply(BaseModel):
 class GroupRequest(_Request):
     pattern: str | None = Field(None, max_length=1000, description="A group's pattern, as the groups route gives it.")
     ids: list[str] = Field(default_factory=list, max_length=10_000, description="Or these dead jobs.")
+
+
+class Percentiles(BaseModel):
+    p50: float | None
+    p95: float | None
+    p99: float | None
+
+
+class HistoryPointView(BaseModel):
+    t: int = Field(description="The bucket's start, unix seconds (the job store's clock, UTC).")
+    enqueued: int
+    succeeded: int
+    failed: int = Field(description="Attempts that failed and were retried (a job that died counts in `dead`).")
+    dead: int
+    cancelled: int
+    wait_ms: Percentiles = Field(description="Ready to claimed, from /metrics' histogram buckets; null: none.")
+    run_ms: Percentiles = Field(description="Claimed to succeeded, from /metrics' histogram buckets; null: none.")
+    spend_usd: dict[str, float] = Field(description="USD by kind of capacity: serverless, fleet.")
+    spend_by_backend: dict[str, float] = Field(description="USD by the backend a run was at (fleet runs have none).")
+    provider_calls: int = Field(description="Submissions opened to a provider.")
+    provider_errors: int = Field(description="Attempts at a provider that failed.")
+    backlog: int | None = Field(
+        description="Queued and retrying jobs: the bucket's peak sample; null: no sample (no server, or idle)."
+    )
+    in_flight: int | None = Field(description="Active jobs: the bucket's peak sample; null: no sample.")
+    fleet_machines: int | None = Field(description="The queue's rented machines running or starting: peak sample.")
+    fleet_usd_per_h: float | None = Field(description="Those machines' price per hour: peak sample.")
+
+
+class HistoryReply(BaseModel):
+    queue: str | None = Field(description="null: summed over every queue the key may read.")
+    range: str
+    step_s: int = Field(description="Each point's length: 60 (range hour) or 3600 (day, week).")
+    points: list[HistoryPointView] = Field(description="Oldest first, the current bucket last; every bucket present.")

@@ -46,6 +46,7 @@ class ServerOptions:
     max_wait_s: float = 60.0  # longest long-poll (wait, claim)
     worker_lease_ms: int = SERVER_WORKER_LEASE_MS
     maintenance_interval_s: float = 1.0  # promote delayed jobs, reap dead workers, sample rates
+    history_sample_s: float = 60.0  # the history's gauges: at each minute of the store's clock, and at least this often
     presign_expires_s: int = 3600
     sse_keepalive_s: float = 15.0
     admin_key: str | None = None  # bootstrap admin token; default: OFFLOAD_ADMIN_KEY

@@ -72,7 +72,12 @@ async def test_full_lifecycle_on_each_master(cstore: QueueStore) -> None:
         assert await cstore.cancel(later) == "cancelled"
         assert len(await cstore.events(queue, "0")) > 5
         await cstore.reap(queue)
+        _, points = await cstore.history(queue, "hour")  # written by the scripts on the queue's node, read back
+        assert sum(p.counts["succeeded"] for p in points) == 20 and sum(p.counts["dead"] for p in points) == 1
+        assert sum(p.counts["enqueued"] for p in points) == 31 and sum(p.counts["cancelled"] for p in points) == 1
     assert sorted(await cstore.queues()) == sorted(queues_on_every_node())
+    _, summed = await cstore.history(queues_on_every_node(), "day")  # three nodes' buckets, summed point by point
+    assert sum(p.counts["succeeded"] for p in summed) == 60
 
 
 async def test_ingest_from_a_list_in_the_queue_slot(cstore: QueueStore) -> None:

@@ -27,12 +27,13 @@
 --- @include "leases"
 --- @include "caps"
 --- @include "events"
+--- @include "history"
 local now = now_ms(ARGV[1])
 local window, job_cap, spend_cap, backend = window_of(now), tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
 local capped = job_cap or spend_cap
 local st = nil
 if capped then st = cap_open(window) end
-local out, dups = {}, 0
+local out, dups, calls = {}, 0, 0  -- calls: new submissions opened (provider calls, for the history)
 local function routed(id, k, to, why)
   redis.call('HSET', k, 'routed', why)
   redis.call('XADD', P .. 'events', 'MAXLEN', '~', EVENTS_MAX, '*', 'state', 'routed', 'jobs', id, 'backend', to,
@@ -93,6 +94,7 @@ for _, item in ipairs(cjson.decode(ARGV[5])) do
         remember_hook(k, n, digest)
         if why and why ~= '' then routed(id, k, to, why) end
         if capped and again then redis.call('HSET', k, 'resv', estimate, 'resv_w', window, 'resv_n', n) end
+        calls = calls + 1
         if dup then
           redis.call('HINCRBY', k, 'possible_duplicates', 1)
           dups = dups + 1
@@ -106,4 +108,5 @@ for _, item in ipairs(cjson.decode(ARGV[5])) do
 end
 if st then cap_commit(st) end
 if dups > 0 then redis.call('HINCRBY', P .. 'dups', backend, dups) end
+history_add(now, {'provider_calls', calls})
 return out

@@ -37,12 +37,14 @@
 --- @include "caps"
 --- @include "outages"
 --- @include "pick"
+--- @include "history"
 local now = now_ms(ARGV[1])
 local wid, n, lease, req = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 local job_cap, spend_cap, estimate, silence = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]) or 0,
   tonumber(ARGV[9])
 local window = (job_cap or spend_cap) and window_of(now) or ''
 local begin = ARGV[10] == '1' and window == ''
+local begun = 0  -- intents opened here: provider calls, for the history
 local mode, after_ms = ARGV[11] or '', tonumber(ARGV[12]) or 0
 local FIELDS = {'max_attempts', 'attempts', 'remote_id', 'input', 'output_key', 'backend', 'cancel',
   'started_at', 'ready_at', 'created_at', 'sub_n', 'sub_open', 'token', 'intent_tok', 'remote_n', 'deadline',
@@ -142,6 +144,7 @@ for _, id in ipairs(picked) do
       redis.call('HSET', k, 'state', state, 'owner', wid, 'token', token, 'started_at', now, 'attempts', attempt,
         'sub_n', n, 'sub_open', '1', 'intent_at', now, 'intent_by', wid, 'intent_tok', token)
       sub_n, sub_open, intent_tok = tostring(n), '1', token
+      begun = begun + 1
     else
       redis.call('HSET', k, 'state', state, 'owner', wid, 'token', token, 'started_at', now, 'attempts', attempt)
     end
@@ -167,6 +170,7 @@ if req ~= '' then
   redis.call('SET', last_key, cjson.encode({req, ids, flags}), 'PX', math.max(lease * 3, 1000))
 end
 event(ids, 'active')
-observe('wait', waits)
+history_hist(now, 'wait', observe('wait', waits))
+history_add(now, {'provider_calls', begun})
 deadline_passed(late, now)
 return out

@@ -16,10 +16,11 @@
 --- @include "leases"
 --- @include "caps"
 --- @include "spend"
+--- @include "history"
 local now = now_ms(ARGV[1])
 local kind, price_h = ARGV[3] or '', tonumber(ARGV[4] or '')
 if kind == '' then kind = 'serverless' end
-local paid_sum = 0
+local paid_sum, by_backend = 0, {}
 local out, done, owners, infos, extra, seen, runs = {}, {}, {}, {}, {}, {}, {}
 local nd = 0  -- jobs completed so far (a running count: `#t` is a search each time)
 for i, item in ipairs(cjson.decode(ARGV[2])) do
@@ -44,6 +45,8 @@ for i, item in ipairs(cjson.decode(ARGV[2])) do
     if paid then
       fields[5], fields[6] = 'cost', kind == 'fleet' and fmt_cost(paid) or cost
       paid_sum = paid_sum + paid
+      local at = backend or job.backend
+      if at ~= '' then by_backend[at] = (by_backend[at] or 0) + paid end
     end
     if remote_id then  -- a run never checkpointed: record it and close its submit intent (as checkpoint.lua would)
       local m = #fields
@@ -63,6 +66,6 @@ for i, item in ipairs(cjson.decode(ARGV[2])) do
 end
 unlease(done, owners)
 finish(done, 'succeeded', now, nil, infos, extra)
-observe('run', runs)
-spend_add(kind, paid_sum, now)
+history_hist(now, 'run', observe('run', runs))
+spend_add(kind, paid_sum, now, by_backend)
 return out

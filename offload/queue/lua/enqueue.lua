@@ -17,6 +17,7 @@
 --- @include "records"
 --- @include "events"
 --- @include "metrics"
+--- @include "history"
 --- @include "ready"
 --- @include "outages"
 local now = now_ms(ARGV[1])
@@ -93,6 +94,7 @@ bulk_zadd(P .. 'ready', readyz)
 bulk_zadd(P .. 'delayed', delayz)
 if #ready > 0 then wake() end
 count('enqueued', #ready + #delayed)
+history_add(now, {'enqueued', #ready + #delayed})
 event(ready, 'queued')
 event(delayed, 'delayed')
 return out

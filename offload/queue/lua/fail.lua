@@ -25,6 +25,7 @@
 --- @include "caps"
 --- @include "outages"
 --- @include "spend"
+--- @include "history"
 local now = now_ms(ARGV[1])
 rewind(now)  -- before a retry is scheduled on the store's clock
 local id, token, err_text = ARGV[2], ARGV[3], ARGV[4]
@@ -39,7 +40,9 @@ local kind = ARGV[13] or ''
 if kind == '' then kind = 'serverless' end
 local paid = run_cost(kind, tonumber(ARGV[9] or ''), tonumber(ARGV[14] or ''), job.started_at, now)
 if paid or kind == 'fleet' then redis.call('HSET', k, 'kind', kind) end
-spend_add(kind, paid, now)
+spend_add(kind, paid, now, job.backend ~= '' and {[job.backend] = paid} or {})
+-- a failed run at a provider (not one that came back unsent) is a provider error in the history
+if job.backend ~= '' and ARGV[12] ~= '1' then history_add(now, {'provider_errors', 1}) end
 if ARGV[12] == '1' and ARGV[5] == '1' then redis.call('HINCRBY', k, 'attempts', -1) end
 local attempts, max_attempts, deadline = unpack(redis.call('HMGET', k, 'attempts', 'max_attempts', 'deadline'))
 local at = now + tonumber(ARGV[6])
@@ -60,6 +63,7 @@ if ARGV[5] == '1' and tonumber(attempts) < tonumber(max_attempts) then
     else redis.call('HDEL', k, 'backend', 'remote_id') end
   end
   redis.call('ZADD', P .. 'retry', at, id)
+  history_add(now, {'failed', 1})
   event({id}, 'retrying')
   return 'retrying'
 end

@@ -10,6 +10,7 @@
 --- @include "records"
 --- @include "events"
 --- @include "metrics"
+--- @include "history"
 --- @include "ready"
 --- @include "terminal"
 local now = now_ms(ARGV[1])
@@ -121,6 +122,7 @@ for _ = 1, limit do
   end
 end
 count('enqueued', #queued + #bad)
+history_add(now, {'enqueued', #queued + #bad})
 event(queued, 'queued')
 if #queued > 0 then wake() end
 finish(bad, 'dead', now, nil, nil)

@@ -33,14 +33,14 @@ local function unlease(ids, owners)
 end
 
 -- Check that `token` still owns job `id`: returns the leased job's {state, owner, retention, started_at, idem,
--- callback} (by name; `finish` takes it as the job's info) or nil and an error word.
+-- callback, backend ('' none)} (by name; `finish` takes it as the job's info) or nil and an error word.
 local function owned(id, token)
-  local state, tok, owner, retention, started_at, idem, callback = unpack(redis.call('HMGET', jkey(id), 'state',
-    'token', 'owner', 'retention', 'started_at', 'idem', 'callback'))
+  local state, tok, owner, retention, started_at, idem, callback, backend = unpack(redis.call('HMGET', jkey(id),
+    'state', 'token', 'owner', 'retention', 'started_at', 'idem', 'callback', 'backend'))
   if not state then return nil, 'NOTFOUND' end
   if tok ~= token or (state ~= 'active' and state ~= 'submitted') then return nil, 'STALE' end
   return {state = state, owner = owner, retention = retention, started_at = started_at, idem = idem,
-    callback = callback}, nil
+    callback = callback, backend = backend or ''}, nil
 end
 
 -- Held jobs are scored by the numeric cap window they wait out (20261130), so the jobs due for release

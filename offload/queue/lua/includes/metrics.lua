@@ -6,10 +6,11 @@ local function count(field, n)
   if n > 0 then redis.call('HINCRBY', P .. 'stats', field, n) end
 end
 
--- ms values into fixed buckets, one hash per queue. One HINCRBY per distinct bucket per batch.
+-- ms values into fixed buckets, one hash per queue. One HINCRBY per distinct bucket per batch. Returns the counts
+-- per bucket index, for the history (history.lua's `history_hist`).
 local HIST_BUCKETS = {__HIST_BUCKETS__}
 local function observe(name, values)
-  if #values == 0 then return end
+  if #values == 0 then return {} end
   local counts, sum = {}, 0
   for _, v in ipairs(values) do
     if v < 0 then v = 0 end
@@ -23,4 +24,5 @@ local function observe(name, values)
   for i, c in pairs(counts) do redis.call('HINCRBY', P .. 'hist', name .. ':' .. i, c) end
   redis.call('HINCRBY', P .. 'hist', name .. ':count', #values)
   redis.call('HINCRBY', P .. 'hist', name .. ':sum', fmt(sum))
+  return counts
 end

@@ -4,6 +4,7 @@
 --- @include "records"
 --- @include "clock"
 --- @include "metrics"
+--- @include "history"
 local SPEND_KEEP_S = 40 * 86400
 
 -- A run's cost: serverless what the worker recorded (nil: unknown); fleet its run time x the price per hour
@@ -20,10 +21,17 @@ end
 -- A computed cost as the job record keeps it: enough digits for a second of a cheap machine.
 local function fmt_cost(n) return string.format('%.12g', n) end
 
-local function spend_add(kind, cost, now)
+-- `by_backend`: the same cost split by the backend each run was at ({name = cost}; runs without one left out),
+-- for the history.
+local function spend_add(kind, cost, now, by_backend)
   if not cost or cost <= 0 then return end
   local day = P .. 'spend:' .. window_of(now)
   redis.call('HINCRBYFLOAT', day, kind, cost)
   redis.call('EXPIRE', day, SPEND_KEEP_S)
   redis.call('HINCRBYFLOAT', P .. 'spent', kind, cost)
+  local fields = {'spend:' .. kind, history_usd(cost)}
+  for backend, c in pairs(by_backend) do
+    fields[#fields + 1], fields[#fields + 2] = 'sb:' .. backend, history_usd(c)
+  end
+  history_add(now, fields)
 end

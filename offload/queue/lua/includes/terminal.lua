@@ -3,6 +3,7 @@
 --- @include "outbox"
 --- @include "events"
 --- @include "metrics"
+--- @include "history"
 local CENTURY_S = 3153600000
 local NONE = {}  -- nothing to unpack
 
@@ -56,6 +57,7 @@ local function finish(ids, state, now, err, infos, extra)
   end
   bulk_zadd(P .. state, zs)
   count(state, #ids)
+  history_add(now, {state, #ids})
   event(ids, state)
   outbox_add(notify, now)
 end

@@ -1,0 +1,147 @@
+"""The queue's bounded history, read back as points: per minute, hour or day, what the scripts counted in that
+bucket (lua/includes/history.lua) and the gauges the server sampled (lua/history_sample.lua).
+
+A range is a whole axis: every bucket from the oldest to the current one is a point, zeros (counts) and nulls
+(percentiles, gauges) where nothing was written, so a chart needs no gap filling. Percentiles come from the
+histogram buckets /metrics uses (HIST_BUCKETS_S), interpolated within a bucket as Prometheus' histogram_quantile
+does, so a chart and a Prometheus query agree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from offload.queue.keyspace import HISTORY_RESOLUTIONS, history_bucket, prefix, validate_queue
+from offload.queue.scripts import HIST_BUCKETS_S, HISTORY_KEEP_S, SCRIPTS
+from offload.redis_client import RedisClient
+
+#: The ranges the API serves: (bucket length s, points).
+RANGES: dict[str, tuple[int, int]] = {"hour": (60, 60), "day": (3600, 24), "week": (3600, 7 * 24)}
+COUNTS = ("enqueued", "succeeded", "failed", "dead", "cancelled", "provider_calls", "provider_errors")
+GAUGES = ("backlog", "in_flight", "fleet_machines", "fleet_usd_per_h")
+SPEND_KINDS = ("serverless", "fleet")
+QUANTILES = (0.5, 0.95, 0.99)
+BOUNDS_MS = tuple(b * 1000 for b in HIST_BUCKETS_S)
+NANO = 1e9  # the buckets keep USD in nano-USD, whole (HINCRBY: exact, and cheaper than HINCRBYFLOAT)
+
+Raw = dict[str, float]  # one bucket's hash, numbers summed (several queues' buckets add up field by field)
+
+
+@dataclass
+class HistoryPoint:
+    t: int  # the bucket's start, unix s (the store's clock)
+    counts: dict[str, int]
+    wait_ms: dict[str, float | None]
+    run_ms: dict[str, float | None]
+    spend_usd: dict[str, float]
+    spend_by_backend: dict[str, float]
+    gauges: dict[str, float | None] = field(default_factory=dict)
+
+
+def quantile(q: float, buckets: Mapping[int, float]) -> float | None:
+    """The q-quantile (ms) of a histogram given as counts per bucket index (1-based, len(BOUNDS_MS) + 1 the
+    overflow bucket): linear within the bucket it falls in, the highest bound for the overflow bucket. None when
+    the histogram is empty."""
+    total = sum(buckets.values())
+    if total <= 0:
+        return None
+    rank, seen = q * total, 0.0
+    for i in range(1, len(BOUNDS_MS) + 2):
+        n = buckets.get(i, 0)
+        if n and seen + n >= rank:
+            if i > len(BOUNDS_MS):
+                return BOUNDS_MS[-1]
+            low = BOUNDS_MS[i - 2] if i > 1 else 0.0
+            return low + (BOUNDS_MS[i - 1] - low) * (rank - seen) / n
+        seen += n
+    return BOUNDS_MS[-1]
+
+
+def _percentiles(raw: Raw, name: str) -> dict[str, float | None]:
+    buckets = {int(k.split(":", 1)[1]): v for k, v in raw.items() if k.startswith(name + ":")}
+    return {f"p{round(q * 100)}": quantile(q, buckets) for q in QUANTILES}
+
+
+def to_point(t: int, raw: Raw) -> HistoryPoint:
+    return HistoryPoint(
+        t=t,
+        counts={c: int(raw.get(c, 0)) for c in COUNTS},
+        wait_ms=_percentiles(raw, "wait"),
+        run_ms=_percentiles(raw, "run"),
+        spend_usd={k: round(raw.get(f"spend:{k}", 0.0) / NANO, 9) for k in SPEND_KINDS},
+        spend_by_backend={k[3:]: round(v / NANO, 9) for k, v in sorted(raw.items()) if k.startswith("sb:")},
+        gauges={g: raw.get(f"g:{g}") for g in GAUGES},
+    )
+
+
+def merge(raws: Iterable[Raw]) -> Raw:
+    """Several queues' buckets as one: every field summed (counts, histogram buckets, spend, the gauges' peaks)."""
+    out: Raw = {}
+    for raw in raws:
+        for k, v in raw.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def axis(range_name: str, now_s: float) -> tuple[int, list[int]]:
+    """(bucket length s, the buckets' starts oldest first, the current one last) of a range at `now_s`."""
+    if range_name not in RANGES:
+        raise ValueError(f"unknown history range {range_name!r}: choose one of {', '.join(RANGES)}")
+    step, n = RANGES[range_name]
+    last = int(now_s) - int(now_s) % step
+    return step, [last - step * (n - 1 - i) for i in range(n)]
+
+
+async def read_raw(redis: RedisClient, queue: str, step_s: int, starts: list[int]) -> list[Raw]:
+    """Each bucket's hash, as numbers, in one pipeline (a queue's keys share a slot: one node of a cluster)."""
+    validate_queue(queue)
+    pipe = redis.pipeline(transaction=False)
+    for t in starts:
+        pipe.hgetall(history_bucket(queue, step_s, t))
+    return [{k: float(v) for k, v in h.items()} for h in await pipe.execute()]
+
+
+async def points(
+    redis: RedisClient, queues: Sequence[str], range_name: str, now_s: float
+) -> tuple[int, list[HistoryPoint]]:
+    """(bucket length s, the range's points at `now_s`), the queues' buckets summed point by point."""
+    step, starts = axis(range_name, now_s)
+    per_queue = await asyncio.gather(*(read_raw(redis, q, step, starts) for q in queues))
+    return step, [to_point(t, merge(raws[i] for raws in per_queue)) for i, t in enumerate(starts)]
+
+
+@dataclass(frozen=True)
+class HistoryKeep:
+    """Whether the history is written, and how long each resolution's buckets are kept (s)."""
+
+    enabled: bool = True
+    minutes_s: int = HISTORY_KEEP_S[0]
+    hours_s: int = HISTORY_KEEP_S[1]
+    days_s: int = HISTORY_KEEP_S[2]
+
+
+async def sample(
+    redis: RedisClient, queue: str, keep: HistoryKeep, gauges: Mapping[str, float | None], now_ms: str = ""
+) -> int:
+    """Write the queue's history settings and one sample of its gauges (each bucket keeps its peak); returns the
+    start (ms) of the minute sampled. `now_ms` '' is the store's clock."""
+    args: list[str | int] = [now_ms, int(keep.enabled), keep.minutes_s * 1000, keep.hours_s * 1000, keep.days_s * 1000]
+    for name in GAUGES:
+        value = gauges.get(name)
+        args += [name, "" if value is None else repr(float(value))]
+    return int(await SCRIPTS.history_sample(redis, [prefix(validate_queue(queue))], args))
+
+
+__all__ = [
+    "HISTORY_RESOLUTIONS",
+    "RANGES",
+    "HistoryKeep",
+    "HistoryPoint",
+    "axis",
+    "merge",
+    "points",
+    "read_raw",
+    "sample",
+]
