@@ -17,7 +17,7 @@ from offload.errors import (
     UnsafeEvictionPolicy,
 )
 from offload.files import File
-from offload.models import ClaimedJob, Job, JobState, QueueStats
+from offload.models import Attempt, ClaimedJob, Job, JobState, QueueStats
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 
@@ -28,6 +28,7 @@ except PackageNotFoundError:  # pragma: no cover - only a source tree on sys.pat
 
 __all__ = [
     "AsyncClient",
+    "Attempt",
     "ClaimedJob",
     "Client",
     "ConfigError",

@@ -38,7 +38,7 @@ from offload.connection import CALLER_RETRY_S, at_start, connect, connect_timeou
 from offload.env import process_env
 from offload.errors import StoreError
 from offload.files import DEFAULT_MAX_FILE_BYTES, files_in
-from offload.models import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETENTION_S, Job, QueueStats
+from offload.models import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETENTION_S, Attempt, Job, QueueStats
 from offload.queue import durability as durable
 from offload.queue.durability import Durability, NotReplicated
 from offload.queue.history import HistoryPoint
@@ -232,6 +232,10 @@ class AsyncClient:
     async def get(self, job_id: str) -> Job:
         return await (await self.store()).get(job_id)
 
+    async def attempts(self, job_id: str) -> tuple[list[Attempt], int]:
+        """The job's attempts, oldest first (the first 5 and the last 45 of a longer history), and how many it made."""
+        return await (await self.store()).attempts(job_id)
+
     async def wait(self, job_id: str, timeout: float = 60.0, poll: float = 0.05) -> Job:
         """Wait until the job reaches a terminal state; raises TimeoutError with its last state."""
         loop = asyncio.get_running_loop()
@@ -336,6 +340,9 @@ class Client:
 
     def get(self, job_id: str) -> Job:
         return self._call(self._async.get(job_id))
+
+    def attempts(self, job_id: str) -> tuple[list[Attempt], int]:
+        return self._call(self._async.attempts(job_id))
 
     def wait(self, job_id: str, timeout: float = 60.0) -> Job:
         return self._call(self._async.wait(job_id, timeout))

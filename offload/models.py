@@ -282,3 +282,43 @@ class QueueStats:
             "spend": self.spend,
             "spend_total": self.spend_total,
         }
+
+
+#: How an attempt ended (lua/includes/attempts.lua): `failed` was retried; `released` handed back uncounted (a
+#: drain, a pre-empted machine); `lease lost` taken back from a worker that stopped heartbeating; `held` over a cap.
+AttemptOutcome = Literal["succeeded", "failed", "dead", "cancelled", "held", "released", "lease lost"]
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One lease of a job (offload/queue/attempts.py): who claimed it, what it submitted or resumed, how its end
+    was learnt and how it ended. Times are epoch ms on the store's clock; `outcome` None: still running."""
+
+    number: int  # 1, 2, ...: every lease, also those a lease loss or a release gave back to max_attempts
+    claimed_at: int
+    claimed_by: str  # a dispatch worker's host:pid, or a GPU worker's r-... id
+    token: str  # the lease token (a fencing token: shown once the attempt ended, when it fences nothing)
+    backend: str | None = None
+    remote_id: str | None = None
+    submission: int | None = None  # the submission number (the Idempotency-Key's run): equal on a resumed attempt
+    submitted_at: int | None = None
+    resumed: bool = False  # polled an earlier attempt's remote job: nothing was sent
+    adopted: bool = False  # the remote id came from the provider's webhook or a stale worker's answer, not the call
+    learned_by: str | None = None  # response, poll, webhook or worker
+    finished_at: int | None = None
+    outcome: AttemptOutcome | None = None
+    error: str | None = None
+    cost: float | None = None
+    kind: str | None = None  # the capacity it ran on (CapacityKind)
+
+    @property
+    def duration_ms(self) -> int | None:
+        return None if self.finished_at is None else self.finished_at - self.claimed_at
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready view; the token of a lease still running is left out, as it authorises writes."""
+        out = {name: getattr(self, name) for name in self.__slots__}
+        out["duration_ms"] = self.duration_ms
+        if self.outcome is None:
+            out["token"] = None
+        return out

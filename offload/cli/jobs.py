@@ -24,6 +24,7 @@ from offload import exactjson
 from offload.autoscale.fleet_idle import with_fleet_idle
 from offload.caps import CAPPED_WAIT, CapKind, CapLimits, cap_reached
 from offload.cli.attach import enqueue_attached
+from offload.cli.attempts import show_attempts
 from offload.cli.errors import errors, fail
 from offload.cli.listing import jobs_cmd
 from offload.cli.options import (
@@ -38,7 +39,7 @@ from offload.cli.results import result, wait
 from offload.cli.session import configured_caps, run_store
 from offload.cli.spend import SPEND_COLUMNS, cost_unknown, spend_cells
 from offload.errors import InvalidJob, OffloadError, StoreFull
-from offload.models import DEFAULT_MAX_ATTEMPTS, Enqueued, Job, QueueStats
+from offload.models import DEFAULT_MAX_ATTEMPTS, Attempt, Enqueued, Job, QueueStats
 from offload.queue.keyspace import validate_queue
 from offload.queue.memory import store_full
 from offload.queue.specs import JobSpec, deadline_options, max_payload_limit, validate_spec
@@ -251,12 +252,14 @@ def _enqueue_file(queue: str, file: IO[bytes], defaults: dict[str, Any], json_ou
 
 
 def status(job_id: JobArg, json_out: JsonOpt = False, url: UrlOpt = None) -> None:
-    """Show one job's record (the lease token is never shown: it authorises writes)."""
+    """Show one job's record and its attempts (a running lease's token is never shown: it authorises writes)."""
     caps = configured_caps()
-    job, workers, capped = run_store(url, lambda store: _job_and_workers(store, job_id, caps), jobs=[job_id])
+    job, workers, capped, (kept, made) = run_store(
+        url, lambda store: _job_and_workers(store, job_id, caps), jobs=[job_id]
+    )
     record = job.to_dict()
     if json_out:
-        print_json(record)
+        print_json({**record, "attempt_history": {"made": made, "attempts": [a.to_dict() for a in kept]}})
         return
     table = Table(show_header=False, box=None, padding=(0, 2))
     table.add_column(style="bold")
@@ -272,19 +275,22 @@ def status(job_id: JobArg, json_out: JsonOpt = False, url: UrlOpt = None) -> Non
         out().print(Text(f"cancel requested: {remote} may still run (and be paid) {wait}; {who}"))
     if capped:
         out().print(Text(f"queue {job.queue} is capped: its daily {capped} cap is reached; {CAPPED_WAIT}"))
+    out().print(Text("attempts", style="bold"))
+    show_attempts(kept, made)
 
 
 async def _job_and_workers(
     store: QueueStore, job_id: str, caps: dict[str, CapLimits]
-) -> tuple[Job, int | None, CapKind | None]:
-    """The job; for a waiting job whose cancel waits for a dispatch worker (cancel.lua) the live workers; for a
-    waiting job, the cap its queue has reached."""
+) -> tuple[Job, int | None, CapKind | None, tuple[list[Attempt], int]]:
+    """The job and its attempts; for a waiting job whose cancel waits for a dispatch worker (cancel.lua) the live
+    workers; for a waiting job, the cap its queue has reached."""
     job = await store.get(job_id)
+    attempts = await store.attempts(job_id)
     waiting = not job.state.terminal and job.state.value not in ("active", "submitted")
     capped = await cap_reached(store, job.queue, caps.get(job.queue)) if waiting else None
     if not job.cancel_requested or not waiting:
-        return job, None, capped
-    return job, (await store.stats(job.queue)).workers, capped
+        return job, None, capped, attempts
+    return job, (await store.stats(job.queue)).workers, capped, attempts
 
 
 async def _stats(store: QueueStore, queue: str, caps: dict[str, CapLimits]) -> QueueStats:

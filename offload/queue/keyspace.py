@@ -25,6 +25,9 @@ QUEUES_KEY = f"{NAMESPACE}:queues"  # every queue ever used (set)
 #: Lua scripts included (a test checks every `P .. '<suffix>'` of offload/queue/lua is listed here).
 QUEUE_SUFFIXES: dict[str, str] = {
     "job:": "job:<id>, a job's hash",
+    "att:": "att:<id>, a job's ended attempts (failed, dead, cancelled, held, released, lease lost), one JSON record "
+    "per attempt number and `n`; the running or succeeded one is the job's record itself (the first 5 and the last "
+    "45; deleted with the job)",
     "ready": "jobs waiting to be claimed, by priority then age (zset)",
     "delayed": "jobs waiting for their run_at (zset, ms)",
     "retry": "jobs waiting out a retry backoff (zset, ms)",
@@ -117,6 +120,11 @@ def prefix(queue: str) -> str:
 def job(queue: str, job_id: str) -> str:
     """A job's hash (`job_id` is the full id, queue included)."""
     return prefix(queue) + "job:" + job_id
+
+
+def attempts(queue: str, job_id: str) -> str:
+    """A job's attempts (a hash beside its record, in its slot: offload/queue/attempts.py, includes/attempts.lua)."""
+    return prefix(queue) + "att:" + job_id
 
 
 def state_set(queue: str, state: str) -> str:

@@ -8,13 +8,15 @@ import asyncio
 from collections.abc import Sequence
 
 from offload.errors import JobNotFound
-from offload.models import Job, QueueStats
-from offload.queue import history, keyspace, listing, replies
+from offload.models import Attempt, Job, QueueStats
+from offload.queue import attempts, history, keyspace, listing, replies
 from offload.queue.base_store import BaseStore
 from offload.queue.dead_groups import DeadGroup, dead_groups
 from offload.queue.keyspace import QUEUES_KEY, queue_of, validate_queue
 from offload.queue.scripts import HIST_BUCKETS_S, SCRIPTS
 from offload.queue.search import JobFilter, search
+
+JOB_EVENTS_SCAN = 1_000  # the stream entries a job's page reads for its events (each names up to 100 jobs)
 
 
 class ReadStore(BaseStore):
@@ -39,6 +41,17 @@ class ReadStore(BaseStore):
             raise JobNotFound(f"job {job_id} not found")
         flat, deadline = reply
         return Job.from_hash(job_id, replies.pairs(flat), int(float(deadline)) if deadline else None)
+
+    async def attempts(self, job_id: str) -> tuple[list[Attempt], int]:
+        """A job's attempts, oldest first (the first and the last ones of a job retried many times), and how many
+        it made (offload/queue/attempts.py). JobNotFound when the job's record is gone."""
+        return attempts.decode(job_id, await self._run(SCRIPTS.story, queue_of(job_id), job_id))
+
+    async def job_events(self, job_id: str, scan: int = JOB_EVENTS_SCAN) -> list[tuple[str, dict[str, str]]]:
+        """The job's entries among the latest `scan` of its queue's capped event stream, oldest first (a job's
+        page: its older events have scrolled off a busy queue's stream, its attempts have not)."""
+        entries = await self.redis.xrevrange(keyspace.events(queue_of(job_id)), count=scan)
+        return [(eid, fields) for eid, fields in reversed(entries) if job_id in fields.get("jobs", "").split()]
 
     async def list_jobs(
         self, queue: str, state: str | None, *, cursor: int = 0, limit: int = 50

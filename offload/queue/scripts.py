@@ -104,6 +104,7 @@ class Scripts:
     get: Script
     created: Script  # the listing of every state (offload/queue/listing.py)
     search: Script  # the job search and the dead letter's error groups (offload/queue/search.py)
+    story: Script  # a job's attempts (offload/queue/attempts.py)
     ingest: Script
     reserve: Script
     release_window: Script

@@ -6,10 +6,12 @@
 --- @include "clock"
 --- @include "leases"
 --- @include "terminal"
+--- @include "attempts"
 local now = now_ms(ARGV[1])
 local id, token = ARGV[2], ARGV[3]
 local job, err = owned(id, token)
 if err then return err end
 unlease({id}, {[id] = job.owner})
+attempt_ended(id, now, 'cancelled')
 finish({id}, 'cancelled', now, nil, {job})
 return 'OK'

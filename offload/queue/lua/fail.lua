@@ -26,6 +26,7 @@
 --- @include "outages"
 --- @include "spend"
 --- @include "history"
+--- @include "attempts"
 local now = now_ms(ARGV[1])
 rewind(now)  -- before a retry is scheduled on the store's clock
 local id, token, err_text = ARGV[2], ARGV[3], ARGV[4]
@@ -47,10 +48,12 @@ if ARGV[12] == '1' and ARGV[5] == '1' then redis.call('HINCRBY', k, 'attempts', 
 local attempts, max_attempts, deadline = unpack(redis.call('HMGET', k, 'attempts', 'max_attempts', 'deadline'))
 local at = now + tonumber(ARGV[6])
 if ARGV[5] == '1' and tonumber(attempts) < tonumber(max_attempts) and deadline and at >= tonumber(deadline) then
+  attempt_ended(id, now, 'dead', err_text, paid, kind)
   deadline_passed({id}, now, {'deadline passed before the retry; last error: ' .. err_text})
   return 'dead'
 end
 if ARGV[5] == '1' and tonumber(attempts) < tonumber(max_attempts) then
+  attempt_ended(id, now, 'failed', err_text, paid, kind)  -- before the retry lets the remote id go
   redis.call('HSET', k, 'state', 'retrying', 'error', err_text, 'run_at', at, 'owner', '', 'token', '')
   if ARGV[11] == '1' then
     redis.call('HINCRBY', k, 'possible_duplicates', 1)
@@ -67,6 +70,7 @@ if ARGV[5] == '1' and tonumber(attempts) < tonumber(max_attempts) then
   event({id}, 'retrying')
   return 'retrying'
 end
+attempt_ended(id, now, 'dead', err_text, paid, kind)
 finish({id}, 'dead', now, err_text, {job})
 if string.sub(err_text, 1, 14) == 'over max_cost:' then  -- worker/budget.py: refused unsent, a kind of its own
   count('over_max_cost', 1)

@@ -5,6 +5,7 @@
 -- Returns: the number deleted; callers loop until 0
 --- @include "records"
 --- @include "outbox"
+--- @include "attempts"
 local set, limit = ARGV[2], tonumber(ARGV[3])
 local ids = {}
 if #ARGV > 3 then
@@ -18,7 +19,7 @@ else
   bulk('ZREM', P .. set, ids)
 end
 outbox_forget(ids)
-local keys = {}
+local keys = attempt_keys(ids, {})  -- the attempts go with the job
 for _, id in ipairs(ids) do
   keys[#keys + 1] = jkey(id)
   local idem = redis.call('HGET', jkey(id), 'idem')

@@ -6,6 +6,7 @@
 --- @include "metrics"
 --- @include "ready"
 --- @include "terminal"
+--- @include "attempts"
 
 -- A worker speaks (claim, heartbeat): its lease runs from now, and it may be excused an outage again.
 local function heard(wid, now, lease)
@@ -48,6 +49,7 @@ end
 local function hold_job(id, owner, now, reason, window)
   local k = jkey(id)
   unlease({id}, {[id] = owner})
+  attempt_ended(id, now, 'held', reason)
   redis.call('HINCRBY', k, 'attempts', -1)
   redis.call('HSET', k, 'state', 'held', 'error', reason, 'held_at', now, 'owner', '', 'token', '',
     'held_window', window or '')
@@ -90,6 +92,8 @@ local function return_leases(ids, now, counted)
           count('adopted', 1)
         end
       end
+      if counted then attempt_ended(id, now, 'lease lost', 'its worker stopped heartbeating')
+      else attempt_ended(id, now, 'released') end
       local left = tonumber(attempts or 0) - 1
       local exp = tonumber(expiries or 0)
       if counted then exp = exp + 1 end

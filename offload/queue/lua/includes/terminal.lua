@@ -4,6 +4,7 @@
 --- @include "events"
 --- @include "metrics"
 --- @include "history"
+--- @include "attempts"
 local CENTURY_S = 3153600000
 local NONE = {}  -- nothing to unpack
 
@@ -70,7 +71,7 @@ local function trim(now, limit)
     if #expired > 0 then
       bulk('ZREM', P .. set, expired)
       outbox_forget(expired)
-      local keys = {}
+      local keys = attempt_keys(expired, {})  -- the attempts go with the job
       for _, id in ipairs(expired) do keys[#keys + 1] = jkey(id) end
       for j = 1, #keys, CHUNK do redis.call('DEL', unpack(keys, j, math.min(j + CHUNK - 1, #keys))) end
       trimmed = trimmed + #expired
