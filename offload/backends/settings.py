@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from typing import Annotated, Any, ClassVar, Literal, Self, TypedDict
+from urllib.parse import quote
 
 from pydantic import Discriminator, Field, SecretStr, Tag, field_validator, model_validator
 
@@ -182,6 +183,12 @@ class _Backend(Strict):
             "max_response_bytes": self.max_response_bytes,
         }
 
+    def console_url(self, remote_id: str) -> str | None:
+        """A page of the provider's web console for one remote job, where the provider has one built from its id
+        alone (no secret in it); None for the others."""
+        del remote_id
+        return None
+
 
 class HttpJobSettings(_Backend):
     """The tutorial's job API. `cancel: false` for providers without the cancel route (a 404 or 405 from the
@@ -231,6 +238,10 @@ class ReplicateSettings(_Backend):
             if value is not None and value.count("/") != 1:
                 raise ValueError(f"{key} must look like owner/name, got {value!r}")
         return self
+
+    def console_url(self, remote_id: str) -> str | None:
+        """The prediction's page on replicate.com (its `urls.web`): only for Replicate's own API, not a proxy."""
+        return f"https://replicate.com/p/{quote(remote_id, safe='')}" if self.base_url == REPLICATE_BASE else None
 
 
 class FalSettings(_Backend):

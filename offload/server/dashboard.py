@@ -41,6 +41,7 @@ ASSETS = {  # the whole public surface of the dashboard: nothing else under /ui/
     "autoscale.js": "text/javascript; charset=utf-8",
     "spend.js": "text/javascript; charset=utf-8",
     "search.js": "text/javascript; charset=utf-8",
+    "story.js": "text/javascript; charset=utf-8",
     "style.css": "text/css; charset=utf-8",
 }
 CSP = (

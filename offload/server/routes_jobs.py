@@ -11,7 +11,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
 
 from offload.errors import InvalidJob, InvalidTransition, JobNotFound, PayloadTooLarge
-from offload.models import Job
+from offload.models import Attempt, Job
 from offload.queue.keyspace import new_job_id, queue_of, validate_queue
 from offload.queue.listing import LISTABLE_STATES
 from offload.queue.specs import check_options, encode_input
@@ -27,11 +27,14 @@ from offload.server.auth import (
 from offload.server.errors import FieldError
 from offload.server.file_refs import check_input_refs, job_file_urls
 from offload.server.schemas import (
+    AttemptsReply,
+    AttemptView,
     BatchEnqueueReply,
     BatchEnqueueRequest,
     CancelReply,
     EnqueueReply,
     EnqueueRequest,
+    JobEvent,
     JobPage,
     JobView,
     WaitReply,
@@ -182,6 +185,36 @@ async def get_job(
     need_read(key, job_queue(job_id))
     state = get_state(request)
     return await job_view(state, await state.store.get(job_id), presign)
+
+
+@router.get(
+    "/v1/jobs/{job_id}/attempts",
+    response_model=AttemptsReply,
+    summary="A job's attempts: who ran it, where, how it ended",
+)
+async def job_attempts(request: Request, job_id: str, key: Principal) -> AttemptsReply:
+    """Apart from the job's record, which `wait`, the listings and every client poll read: up to 50 attempts would
+    make each of those reads many times larger for a view that only the job's page and `offload job` need."""
+    need_read(key, job_queue(job_id))
+    state = get_state(request)
+    kept, made = await state.store.attempts(job_id)
+    events = [
+        JobEvent(at=int(eid.split("-")[0]), state=f.get("state", ""), detail=_detail(f))
+        for eid, f in await state.store.job_events(job_id)
+    ]
+    return AttemptsReply(id=job_id, made=made, attempts=[attempt_view(state, a) for a in kept], events=events)
+
+
+def _detail(fields: dict[str, str]) -> dict[str, str]:
+    """A stream entry's fields but its state and job ids (a batch's entry names up to 100 other jobs)."""
+    return {k: v for k, v in fields.items() if k not in ("state", "jobs")}
+
+
+def attempt_view(state: ServerState, attempt: Attempt) -> AttemptView:
+    """An attempt, with its remote job's page in the provider's console where one is built from the id alone."""
+    settings = state.options.settings.backends.get(attempt.backend or "")
+    console = settings.console_url(attempt.remote_id) if settings is not None and attempt.remote_id else None
+    return AttemptView(**attempt.to_dict(), console_url=console)
 
 
 @router.get(

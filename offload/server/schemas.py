@@ -121,6 +121,52 @@ class BatchEnqueueReply(BaseModel):
     )
 
 
+class AttemptView(BaseModel):
+    """One attempt of a job: one lease, from its claim to how it ended (docs/how-to/dashboard.md, "A job's story")."""
+
+    number: int = Field(description="1, 2, ...: every lease, also one a lease loss or a release gave back.")
+    claimed_at: int = Field(description="Epoch ms, the job store's clock.")
+    claimed_by: str = Field(description="The worker: a dispatch worker's host:pid, or a GPU worker's r-... id.")
+    token: str | None = Field(None, description="The lease token, once the attempt ended (while it runs it fences).")
+    backend: str | None = None
+    remote_id: str | None = None
+    submission: int | None = Field(None, description="The submission number: a resumed attempt keeps its own.")
+    submitted_at: int | None = None
+    resumed: bool = Field(False, description="It polled an earlier attempt's remote job: nothing was submitted.")
+    adopted: bool = Field(False, description="Its remote id came from the provider's webhook, not the submit call.")
+    learned_by: str | None = Field(None, description="How its end was learnt: response, poll, webhook or worker.")
+    finished_at: int | None = None
+    duration_ms: int | None = None
+    outcome: str | None = Field(
+        None, description="succeeded, failed (retried), dead, cancelled, held, released or lease lost; null: running."
+    )
+    error: str | None = Field(None, description="Its error, redacted as the job's last error is (1,000 characters).")
+    cost: float | None = Field(None, description="USD: what this run cost, where known.")
+    kind: str | None = None
+    console_url: str | None = Field(None, description="The remote job's page in the provider's web console, if any.")
+
+
+class JobEvent(BaseModel):
+    """One entry of the queue's event stream that names the job."""
+
+    at: int = Field(description="Epoch ms (the stream entry's id).")
+    state: str = Field(description="The state entered (queued, active, submitted, ...) or what happened (routed, ...).")
+    detail: dict[str, str] = Field(
+        default_factory=dict, description="The entry's other fields (a route's backend, why)."
+    )
+
+
+class AttemptsReply(BaseModel):
+    """A job's attempts, oldest first: all of them, or the first 5 and the last 45 of a job that made more."""
+
+    id: str
+    made: int = Field(description="How many attempts the job made; more than listed when some were dropped.")
+    attempts: list[AttemptView]
+    events: list[JobEvent] = Field(
+        default_factory=list, description="Its entries among the latest 1,000 of its queue's event stream."
+    )
+
+
 class JobView(BaseModel):
     """A job record. The lease token is never included: it authorises writes."""
 

@@ -9,6 +9,7 @@
 import { makeAutoscaleView } from "./autoscale.js";
 import { makeSearch } from "./search.js";
 import { spendTable, spendText, usd } from "./spend.js";
+import { makeStory } from "./story.js";
 
 const KEY = "offload.key";
 const STATES = ["queued", "delayed", "retrying", "active", "held", "succeeded", "dead", "cancelled"];
@@ -293,9 +294,11 @@ const queueView = {
 const jobCost = (j) => (j.cost != null ? usd(j.cost)
   : j.kind === "fleet" && j.state === "succeeded" ? "unknown: its GPU worker is no rented machine (no price)" : null);
 
+// The attempts, files and events under the record (story.js).
+const story = makeStory({ el, table, enc, fmtTime });
 const jobView = {
-  load: ({ id }) => api(`/v1/jobs/${enc(id)}`),
-  draw(j) {
+  load: ({ id }) => Promise.all([api(`/v1/jobs/${enc(id)}`), story.load(api, id)]),
+  draw([j, told]) {
     const row = (label, value, name) => [el("dt", null, label), el("dd", { data: { field: name } }, value ?? "—")];
     const output = j.result_url
       ? el("a", { href: j.result_url, target: "_blank", rel: "noopener noreferrer", id: "output-link" }, "Open output")
@@ -316,7 +319,7 @@ const jobView = {
         row("Result", j.result ? [el("span", { class: "mono" }, j.result), " ", output] : null, "result"),
         j.cancel_requested ? row("Cancel", "requested: a worker cancels its remote job, then it ends cancelled", "cancel") : null),
       j.error ? [el("h2", null, "Error"), el("pre", { id: "job-error", class: "err" }, j.error)] : null,
-      el("h2", null, "Input"), el("pre", { id: "job-input" }, pretty(j.input)),
+      story.draw(j, told), el("h2", null, "Input"), el("pre", { id: "job-input" }, pretty(j.input)),
       j.raw ? [el("h2", null, "Raw entry"), el("pre", { id: "job-raw" }, j.raw)] : null);
   },
 };
