@@ -1,13 +1,15 @@
 """The operator dashboard: static files served by the server itself, plus the two reads the API lacked.
 
-The dashboard is plain HTML, one vanilla JS module and one stylesheet shipped as package data, so there is no
-build step and nothing to install beside the server. It talks to the same `/v1` API as everyone else, with the
-key the operator typed, sent as `Authorization: Bearer` from `sessionStorage` (never a cookie, never the URL),
-so it has exactly the permissions of that key and the server stays the only place that enforces them.
+The dashboard is plain HTML, a few vanilla JS modules, one stylesheet and a charting library (uPlot, in
+static/vendor/) shipped as package data, so there is no build step, no CDN and nothing to install beside the
+server. It talks to the same `/v1` API as everyone else, with the key the operator typed, sent as
+`Authorization: Bearer` from `sessionStorage` (never a cookie, never the URL), so it has exactly the permissions
+of that key and the server stays the only place that enforces them.
 
 The static routes are public, like `/docs`: they carry no data. They are served with a strict Content Security
 Policy (scripts from this origin only, no inline script, no framing, no form submissions), so even a rendering
 bug could not run a job's input as code; the JS builds the DOM with `textContent` only, which is the first line.
+uPlot keeps to the same policy: it styles through the CSSOM (not style attributes) and labels with `textContent`.
 
 Live updates read `/v1/events` with `fetch()` and a streamed body rather than `EventSource`: EventSource cannot
 send a header, and putting the key in the query string (or a cookie other pages could ride on) is what the API
@@ -42,7 +44,12 @@ ASSETS = {  # the whole public surface of the dashboard: nothing else under /ui/
     "spend.js": "text/javascript; charset=utf-8",
     "search.js": "text/javascript; charset=utf-8",
     "story.js": "text/javascript; charset=utf-8",
+    "charts.js": "text/javascript; charset=utf-8",
+    "dom.js": "text/javascript; charset=utf-8",
     "style.css": "text/css; charset=utf-8",
+    # the charting library, shipped inside the package (no CDN): uPlot, its version in docs/how-to/dashboard.md
+    "vendor/uPlot.iife.min.js": "text/javascript; charset=utf-8",
+    "vendor/uPlot.min.css": "text/css; charset=utf-8",
 }
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
@@ -60,7 +67,7 @@ SECURITY_HEADERS = {
 @cache
 def _asset(name: str) -> bytes:
     """Read once per process: the files are package data and change only with the package."""
-    return (resources.files("offload.server") / "static" / name).read_bytes()
+    return resources.files("offload.server").joinpath("static", *name.split("/")).read_bytes()
 
 
 @router.get("/", include_in_schema=False)
@@ -81,12 +88,17 @@ async def ui_index() -> Response:
 @router.get("/ui/{name}", include_in_schema=False)
 async def ui_asset(name: str) -> Response:
     """Only the listed files: a name from the URL never reaches the file system as a path."""
-    if name not in ASSETS:
-        raise HTTPException(404, f"no dashboard file {name!r}")
     return _serve(name)
 
 
+@router.get("/ui/vendor/{name}", include_in_schema=False)
+async def ui_vendor(name: str) -> Response:
+    return _serve(f"vendor/{name}")
+
+
 def _serve(name: str) -> Response:
+    if name not in ASSETS:
+        raise HTTPException(404, f"no dashboard file {name!r}")
     return Response(_asset(name), media_type=ASSETS[name], headers=SECURITY_HEADERS)
 
 

@@ -21,9 +21,9 @@ PRICE = 0.36  # USD per hour of the mock's machine: $0.0001 a second
 
 
 @contextmanager
-def autoscaling_server(redis_url: str) -> Iterator[tuple[str, str]]:
-    """A server whose autoscaler wakes often (and accrues the rental at each pass)."""
-    settings = {"autoscaler": {"tick": 0.2, "recent_task": 0, "drain_settle": 0}}
+def autoscaling_server(redis_url: str, extra: dict[str, Any] | None = None) -> Iterator[tuple[str, str]]:
+    """A server whose autoscaler wakes often (and accrues the rental at each pass); `extra`: more of offload.yaml."""
+    settings = {"autoscaler": {"tick": 0.2, "recent_task": 0, "drain_settle": 0}, **(extra or {})}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OFFLOAD_VAULT_MASTER_KEY", VAULT_KEY)
         mp.delenv("OFFLOAD_AUTOSCALER", raising=False)

@@ -1,12 +1,14 @@
 // The offload dashboard: one vanilla ES module, no build step, talking to the server's own /v1 API.
 //
 // Safety rules this file keeps (the tests check them):
-// - Job data (inputs, errors, outputs) is user data: the DOM is built with el(), which sets text only
+// - Job data (inputs, errors, outputs) is user data: the DOM is built with el() (dom.js), which sets text only
 //   (textContent / text nodes), never innerHTML; links pass safeHref (http, https or an in-page #route).
 // - The API key lives in sessionStorage (this tab only) and travels as an Authorization header; it is never
 //   put in the DOM, a URL or a cookie. The sign-in field is cleared as soon as it is read.
 // - Actions a key may not take are hidden, but the server decides: a forced request gets 403, shown as an error.
 import { makeAutoscaleView } from "./autoscale.js";
+import { makeCharts } from "./charts.js";
+import { el, table } from "./dom.js";
 import { makeSearch } from "./search.js";
 import { spendTable, spendText, usd } from "./spend.js";
 import { makeStory } from "./story.js";
@@ -40,35 +42,7 @@ class ApiError extends Error {
   }
 }
 
-// ---- DOM helpers -------------------------------------------------------------------------------------------
-function el(tag, attrs, ...kids) {
-  const node = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs || {})) {
-    if (v === null || v === undefined || v === false) continue;
-    if (k === "text") node.textContent = String(v);
-    else if (k === "class") node.className = v;
-    else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
-    else if (k === "href") node.setAttribute("href", safeHref(v));
-    else if (k === "data") for (const [dk, dv] of Object.entries(v)) node.dataset[dk] = String(dv);
-    else node.setAttribute(k, v === true ? "" : String(v));
-  }
-  for (const kid of kids.flat(Infinity)) {
-    if (kid === null || kid === undefined || kid === false) continue;
-    node.append(kid instanceof Node ? kid : document.createTextNode(String(kid)));
-  }
-  return node;
-}
-
-function safeHref(v) {
-  const s = String(v);
-  if (s.startsWith("#")) return s;
-  try {
-    const u = new URL(s, location.href);
-    if (u.protocol === "http:" || u.protocol === "https:") return u.href;
-  } catch (_) { /* not a URL */ }
-  return "#";
-}
-
+// ---- formatting --------------------------------------------------------------------------------------------
 const fmtTime = (ms) => (ms ? new Date(ms).toISOString().slice(0, 19).replace("T", " ") + "Z" : "—");
 const fmtRate = (r) => (r === null || r === undefined ? "—" : `${r.toFixed(2)}/s`);
 const pretty = (v) => (typeof v === "string" ? v : JSON.stringify(v, null, 2));
@@ -79,8 +53,6 @@ function ago(ms) {
 }
 const jobLink = (id) => el("a", { href: `#/jobs/${enc(id)}`, class: "mono", data: { job: id } }, id);
 const queueLink = (q) => el("a", { href: `#/queues/${enc(q)}` }, q);
-const table = (heads, rows, attrs) => el("table", attrs, el("thead", null, el("tr", null, heads.map((h) => el("th", null, h)))),
-  el("tbody", null, rows));
 
 // ---- API ---------------------------------------------------------------------------------------------------
 async function api(path, { method = "GET", body, key } = {}) {
@@ -190,6 +162,7 @@ function jobRows(jobs) {
 }
 const JOB_HEADS = ["Job", "State", "Attempts", "Updated", "Error", ""];
 // Search on the queue page, error groups in the dead letter (search.js).
+const charts = makeCharts({ api }); // history charts (charts.js), on the overview, queue and Autoscaling pages
 const search = makeSearch({ el, api, table, enc, jobRows, jobHeads: JOB_HEADS, jobLink, ask, showNotice, showError,
   me: () => me, redraw: () => { lastSig = ""; refresh(); } });
 
@@ -242,6 +215,7 @@ const overview = {
       el("div", { class: "cards" }, card("queues", queues.length, "queues"),
         card("in flight", sum((q) => inFlight(q.counts)), "inflight"), card("queued", sum((q) => q.counts.queued), "queued"),
         card("workers", workers ? workers.length : "—", "workers"), card("dead", sum((q) => q.counts.dead), "dead")),
+      charts.panel("overview"),
       queues.length ? table(["Queue", "Status", "Queued", "In flight", "Delayed / retrying", "Held", "Dead", "Succeeded",
         "Enqueue rate", "Success rate", "Workers", "Budget today (UTC)", "Spend today (UTC)"], rows, { id: "queues" })
         : el("p", { class: "muted" }, "No queues yet: enqueue a job to create one."),
@@ -278,7 +252,7 @@ const queueView = {
         state === "dead" ? requeueAll(queue) : null, state === "held" ? releaseAll(queue) : null,
         state !== "active" && count(state) > 0 ? purge(queue, state, count(state)) : null,
         el("span", { class: "muted" }, `${q.workers} workers · enqueued ${fmtRate(q.rates.enqueued)} · succeeded ${fmtRate(q.rates.succeeded)}`)),
-      el("h2", null, "Spend"), spendTable(q, el),
+      charts.panel("queue", queue), el("h2", null, "Spend"), spendTable(q, el),
       el("h2", null, "Search"), search.searchPanel(queue),
       el("nav", { class: "tabs" }, tabs),
       page.jobs.length ? table(JOB_HEADS, jobRows(page.jobs), { id: "jobs" }) : el("p", { class: "muted" }, `No ${state} jobs.`),
@@ -378,7 +352,7 @@ const workersView = {
 
 // Autoscaling (autoscale.js): instances, per-queue config, spend and why, providers, and their forms.
 const autoscaleView = makeAutoscaleView({
-  el, api, table, queueLink, enc, action, showNotice, me: () => me, redraw: () => { lastSig = ""; refresh(); },
+  el, api, table, queueLink, enc, action, showNotice, charts, me: () => me, redraw: () => { lastSig = ""; refresh(); },
 });
 
 const VIEWS = { overview, queue: queueView, job: jobView, dead: setView("dead"), held: setView("held"), workers: workersView,

@@ -357,7 +357,7 @@ export function makeAutoscaleView(ui) {
     const leader = status.leader ? `${status.leader.owner} (token ${status.leader.token})` : "none";
     return el("section", null, el("h1", null, "Autoscaling"),
       el("p", { class: "muted", id: "autoscale-leader" }, `Leader: ${leader}`),
-      editor,
+      editor, ui.charts.panel("fleet"), // fleet size and cost over time (charts.js)
       el("h2", null, "Queues ", adminButton("Set up autoscaling for a queue", "new-queue", () => queueForm(null, null))),
       names.length ? table(["Queue", "Autoscale", "Source", "Active", "Spend today", "Spend this month",
         "Why (last evaluation)", ""], queueRows, { id: "autoscale-queues" }) : el("p", { class: "empty" }, "No queue has an autoscale block."),
