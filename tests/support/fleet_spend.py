@@ -21,13 +21,16 @@ PRICE = 0.36  # USD per hour of the mock's machine: $0.0001 a second
 
 
 @contextmanager
-def autoscaling_server(redis_url: str, extra: dict[str, Any] | None = None) -> Iterator[tuple[str, str]]:
-    """A server whose autoscaler wakes often (and accrues the rental at each pass); `extra`: more of offload.yaml."""
+def autoscaling_server(
+    redis_url: str, extra: dict[str, Any] | None = None, **options: Any
+) -> Iterator[tuple[str, str]]:
+    """A server whose autoscaler wakes often (and accrues the rental at each pass); `extra`: more of offload.yaml,
+    `options`: ServerOptions fields."""
     settings = {"autoscaler": {"tick": 0.2, "recent_task": 0, "drain_settle": 0}, **(extra or {})}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OFFLOAD_VAULT_MASTER_KEY", VAULT_KEY)
         mp.delenv("OFFLOAD_AUTOSCALER", raising=False)
-        with server(redis_url, settings=settings, max_wait_s=5) as srv:
+        with server(redis_url, settings=settings, **{"max_wait_s": 5, **options}) as srv:
             yield srv
 
 
