@@ -25,6 +25,7 @@ Two routes exist for the dashboard's sake:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from functools import cache
 from importlib import resources
 
@@ -65,9 +66,11 @@ SECURITY_HEADERS = {
 
 
 @cache
-def _asset(name: str) -> bytes:
-    """Read once per process: the files are package data and change only with the package."""
-    return resources.files("offload.server").joinpath("static", *name.split("/")).read_bytes()
+def _asset(name: str) -> tuple[bytes, str]:
+    """Read once per process: the files are package data and change only with the package. With its ETag (its
+    content's hash), so a revalidation (`no-cache`) of an unchanged file is a 304 and no body."""
+    body = resources.files("offload.server").joinpath("static", *name.split("/")).read_bytes()
+    return body, '"' + hashlib.sha256(body).hexdigest()[:32] + '"'
 
 
 @router.get("/", include_in_schema=False)
@@ -81,25 +84,29 @@ async def ui_bare() -> RedirectResponse:
 
 
 @router.get("/ui/", include_in_schema=False)
-async def ui_index() -> Response:
-    return _serve("index.html")
+async def ui_index(request: Request) -> Response:
+    return _serve("index.html", request)
 
 
 @router.get("/ui/{name}", include_in_schema=False)
-async def ui_asset(name: str) -> Response:
+async def ui_asset(name: str, request: Request) -> Response:
     """Only the listed files: a name from the URL never reaches the file system as a path."""
-    return _serve(name)
+    return _serve(name, request)
 
 
 @router.get("/ui/vendor/{name}", include_in_schema=False)
-async def ui_vendor(name: str) -> Response:
-    return _serve(f"vendor/{name}")
+async def ui_vendor(name: str, request: Request) -> Response:
+    return _serve(f"vendor/{name}", request)
 
 
-def _serve(name: str) -> Response:
+def _serve(name: str, request: Request) -> Response:
     if name not in ASSETS:
         raise HTTPException(404, f"no dashboard file {name!r}")
-    return Response(_asset(name), media_type=ASSETS[name], headers=SECURITY_HEADERS)
+    body, etag = _asset(name)
+    headers = {**SECURITY_HEADERS, "ETag": etag}
+    if etag in request.headers.get("if-none-match", ""):
+        return Response(status_code=304, headers=headers)
+    return Response(body, media_type=ASSETS[name], headers=headers)
 
 
 class WhoAmI(BaseModel):

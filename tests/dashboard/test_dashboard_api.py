@@ -60,6 +60,22 @@ def test_static_files_are_public_with_a_strict_policy(api: tuple[str, str]) -> N
         assert "/v1/dashboard/whoami" in anon.get("/openapi.json").json()["paths"]
 
 
+def test_an_unchanged_file_revalidates_to_a_304(api: tuple[str, str]) -> None:
+    """Served `no-cache` (an upgraded server never runs a stale script), so each load revalidates: with the ETag an
+    unchanged file (the 51 KB chart library) comes back as a 304 with no body, and the same security headers."""
+    with client(api[0]) as anon:
+        for path in ("/ui/", "/ui/app.js", "/ui/vendor/uPlot.iife.min.js"):
+            first = anon.get(path)
+            etag = first.headers["etag"]
+            assert first.status_code == 200 and first.content and first.headers["cache-control"] == "no-cache"
+            again = anon.get(path, headers={"If-None-Match": etag})
+            assert again.status_code == 304 and again.content == b"" and again.headers["etag"] == etag, path
+            assert again.headers["content-security-policy"] == first.headers["content-security-policy"]
+            stale = anon.get(path, headers={"If-None-Match": '"0123456789abcdef0123456789abcdef"'})
+            assert stale.status_code == 200 and stale.content == first.content, path
+        assert anon.get("/ui/app.js").headers["etag"] != anon.get("/ui/charts.js").headers["etag"]
+
+
 def test_whoami_tells_each_scope_what_it_may_do(api: tuple[str, str]) -> None:
     url, boot = api
     q = new_queue()
