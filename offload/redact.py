@@ -119,6 +119,19 @@ def bare_url(url: str) -> str:
         return "<unparseable URL>"
 
 
+def url_host(url: str | None) -> str | None:
+    """host[:port] only: for a URL whose path and query may carry a token (a producer's callback URL on a page
+    every viewer key reads). None for none or an unparseable one."""
+    try:
+        p = urlsplit(url or "")
+        if not p.hostname:
+            return None
+        host = f"[{p.hostname}]" if ":" in p.hostname else p.hostname
+        return f"{host}:{p.port}" if p.port else host
+    except ValueError:  # a bad port
+        return None
+
+
 def redact(text: str, secrets: Iterable[str | None] = ()) -> str:
     """`text` with the given secrets and anything shaped like a credential replaced."""
     for secret in sorted({v for s in secrets if s for v in _variants(str(s))}, key=len, reverse=True):

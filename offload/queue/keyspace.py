@@ -79,6 +79,8 @@ QUEUE_SUFFIXES: dict[str, str] = {
     "cb:info": "per owed or dead-lettered completion webhook, its tries, last error and claim token (hash of JSON)",
     "cb:failed": "dead-lettered completion webhooks, job ids by when (zset, ms)",
     "cb:tok": "completion-webhook claim counter (the claims' tokens)",
+    "cb:stats": "completion-webhook totals since the queue began: delivered, failed_try (every try that failed), "
+    "dead_lettered, requeued (hash; /metrics)",
     "cb:secret": "the queue's completion-webhook signing secrets, sealed by the vault: current, previous and when "
     "the previous stops (hash)",
 }
@@ -213,6 +215,11 @@ def callback_info(queue: str) -> str:
 
 def callback_due(queue: str) -> str:
     return prefix(queue) + "cb:due"
+
+
+def callback_stats(queue: str) -> str:
+    """The queue's completion-webhook totals (callback_done.lua, callback_requeue.lua count them)."""
+    return prefix(queue) + "cb:stats"
 
 
 def callback_secret(queue: str) -> str:

@@ -5,6 +5,7 @@ queue's own callback flag and its sealed signing secrets. Sending is the server'
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -18,6 +19,7 @@ from offload.queue.scripts import SCRIPTS, Script
 from offload.redis_client import RedisClient
 
 Outcome = Literal["ok", "retry", "dead"]
+CALLBACK_TOTALS = ("delivered", "failed_try", "dead_lettered", "requeued")  # cb:stats' fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,15 +33,27 @@ class Claimed:
 
 @dataclass(frozen=True, slots=True)
 class FailedDelivery:
-    """A dead-lettered webhook: its job, the tries made, why the last one failed, when (epoch ms)."""
+    """A dead-lettered webhook: its job, the tries made, why the last one failed, when (epoch ms), and the job's own
+    callback URL (None: the queue's; a URL may carry a token, so it is for the server's eyes only)."""
 
     job_id: str
     tries: int
     error: str
     failed_at: int
+    job_url: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"job_id": self.job_id, "tries": self.tries, "error": self.error, "failed_at": self.failed_at}
+
+
+@dataclass(frozen=True, slots=True)
+class CallbackCounts:
+    """A queue's webhooks now (owed: not yet delivered nor dead-lettered; failed: dead-lettered) and its totals
+    since it began (`cb:stats`: delivered, failed_try, dead_lettered, requeued)."""
+
+    owed: int
+    failed: int
+    totals: dict[str, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,11 +90,16 @@ class Outbox:
         ids = await self.redis.zrevrange(keyspace.callback_failed(validate_queue(queue)), 0, limit - 1)
         if not ids:
             return []
+        infos = await self.redis.hmget(keyspace.callback_info(queue), ids)
+        pipe = self.redis.pipeline(transaction=False)  # one round trip for up to 1,000 records
+        for job_id in ids:
+            pipe.hget(keyspace.job(queue, str(job_id)), "callback")
+        urls = await pipe.execute()
         out = []
-        for job_id, raw in zip(ids, await self.redis.hmget(keyspace.callback_info(queue), ids), strict=True):
+        for job_id, raw, url in zip(ids, infos, urls, strict=True):
             info = orjson.loads(raw) if raw else {}
             tries, error, at = int(info.get("tries", 0)), str(info.get("error", "")), int(info.get("at", 0))
-            out.append(FailedDelivery(str(job_id), tries, error, at))
+            out.append(FailedDelivery(str(job_id), tries, error, at, str(url) if url else None))
         return out
 
     async def requeue(self, queue: str, job_ids: Sequence[str] = (), limit: int = 1000) -> list[str]:
@@ -93,6 +112,17 @@ class Outbox:
     async def owed(self, queue: str) -> int:
         """Webhooks not yet delivered nor dead-lettered."""
         return int(await self.redis.zcard(keyspace.callback_due(validate_queue(queue))))
+
+    async def counts(self, queue: str) -> CallbackCounts:
+        """Owed and dead-lettered now, and the totals the scripts keep (one read each: /metrics)."""
+        validate_queue(queue)
+        owed, failed, raw = await asyncio.gather(
+            self.redis.zcard(keyspace.callback_due(queue)),
+            self.redis.zcard(keyspace.callback_failed(queue)),
+            self.redis.hgetall(keyspace.callback_stats(queue)),
+        )
+        totals = {name: int(raw.get(name, 0)) for name in CALLBACK_TOTALS}
+        return CallbackCounts(int(owed), int(failed), totals)
 
     async def set_queue_callback(self, queue: str, on: bool) -> None:
         """Whether every job the queue ends owes a webhook (its offload.yaml `callback_url`)."""

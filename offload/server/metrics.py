@@ -23,6 +23,7 @@ from offload.autoscale.status import autoscale_families
 from offload.models import SPEND_KINDS, QueueStats
 from offload.queue.backend_limits import backend_counters, route_counters
 from offload.queue.memory import read_memory
+from offload.queue.outbox import Outbox
 from offload.queue.scripts import HIST_BUCKETS_S
 from offload.server.auth import GuardedRoute, Principal, need_global_read
 from offload.server.routes_hooks import refusals
@@ -89,6 +90,7 @@ async def collect(state: ServerState) -> list[Metric]:
     hists = await asyncio.gather(*(store.histograms(q) for q in queues))
     per_queue = await _queue_families(state, queues, stats)
     remote = await _remote_families(state, queues)
+    callbacks = await _callback_families(state, queues)
     backend = await _backend_families(state)
     wait = _histogram(
         "offload_job_wait_seconds",
@@ -104,6 +106,7 @@ async def collect(state: ServerState) -> list[Metric]:
         *await _store_families(state),
         *per_queue,
         *remote,
+        *callbacks,
         *backend,
         wait,
         run,
@@ -188,6 +191,32 @@ async def _remote_families(state: ServerState, queues: list[str]) -> list[Metric
         for name, n in sorted(per_backend.items()):
             dups.add_metric([queue, name], n)
     return [remote, dups]
+
+
+async def _callback_families(state: ServerState, queues: list[str]) -> list[Metric]:
+    """Completion webhooks per queue (offload/queue/outbox.py): owed and dead-lettered now, and the totals of
+    their tries, as the store counts them."""
+    owed = GaugeMetricFamily(
+        "offload_callbacks_owed", "Completion webhooks not yet delivered nor dead-lettered.", labels=["queue"]
+    )
+    failed = GaugeMetricFamily(
+        "offload_callbacks_failed",
+        "Completion webhooks dead-lettered now (GET /v1/queues/{queue}/callbacks/failed).",
+        labels=["queue"],
+    )
+    totals = CounterMetricFamily(
+        "offload_callbacks",
+        "Completion-webhook events since the queue began: delivered, failed_try (every try that failed), "
+        "dead_lettered, requeued (from the dead letter).",
+        labels=["queue", "event"],
+    )
+    outbox = Outbox(state.redis)
+    for queue, counts in zip(queues, await asyncio.gather(*(outbox.counts(q) for q in queues)), strict=True):
+        owed.add_metric([queue], counts.owed)
+        failed.add_metric([queue], counts.failed)
+        for event, n in counts.totals.items():
+            totals.add_metric([queue, event], n)
+    return [owed, failed, totals]
 
 
 async def _backend_families(state: ServerState) -> list[Metric]:

@@ -9,6 +9,7 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from pydantic import BaseModel, Field
 
 from offload.autoscale.vault import VaultError
+from offload.redact import url_host
 from offload.server.auth import GuardedRoute, Principal, admin_only, guard, need_admin, need_read
 from offload.server.callback_secrets import QueueSecrets
 from offload.server.callbacks import CallbackSender
@@ -42,6 +43,11 @@ class FailedView(BaseModel):
     tries: int
     error: str = Field(..., description="Why the last try failed.")
     failed_at: int = Field(..., description="Epoch ms.")
+    host: str | None = Field(
+        None,
+        description="The host (and port) the webhook goes to: the job's callback_url, else its queue's. Never the "
+        "whole URL: its path or query may hold the receiver's token.",
+    )
 
 
 class FailedPage(BaseModel):
@@ -100,7 +106,10 @@ async def failed(
     await require_queue(state, queue)
     outbox = _sender(state).outbox
     rows = await outbox.failed(queue, limit)
-    return FailedPage(failed=[FailedView(**r.to_dict()) for r in rows], owed=await outbox.owed(queue))
+    q = state.options.settings.queues.get(queue)
+    queue_url = q.callback_url if q is not None else None
+    views = [FailedView(**r.to_dict(), host=url_host(r.job_url or queue_url)) for r in rows]
+    return FailedPage(failed=views, owed=await outbox.owed(queue))
 
 
 @router.post(

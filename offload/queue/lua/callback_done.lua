@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
 -- The outcome of one completion-webhook try, from the sender that claimed it (callback_claim.lua): delivered
--- (it leaves the outbox), another try later, or dead-lettered with its reason.
+-- (it leaves the outbox), another try later, or dead-lettered with its reason; each counted in `cb:stats`.
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, job id, claim token, outcome (ok, retry or dead), next try at (ms, for retry), error ('' for ok)
 -- Returns: OK, or STALE when the claim is not this sender's any more (it ran out and another sender took it)
@@ -15,8 +15,10 @@ if info.token ~= token then return 'STALE' end
 if outcome == 'ok' then
   redis.call('ZREM', P .. 'cb:due', id)
   redis.call('HDEL', P .. 'cb:info', id)
+  redis.call('HINCRBY', P .. 'cb:stats', 'delivered', 1)
   return 'OK'
 end
+redis.call('HINCRBY', P .. 'cb:stats', 'failed_try', 1)
 info.token, info.tries, info.error, info.at = nil, (info.tries or 0) + 1, ARGV[6], now
 redis.call('HSET', P .. 'cb:info', id, cjson.encode(info))
 if outcome == 'retry' then
@@ -24,5 +26,6 @@ if outcome == 'retry' then
 else
   redis.call('ZREM', P .. 'cb:due', id)
   redis.call('ZADD', P .. 'cb:failed', now, id)
+  redis.call('HINCRBY', P .. 'cb:stats', 'dead_lettered', 1)
 end
 return 'OK'

@@ -19,4 +19,5 @@ for _, id in ipairs(ids) do
     moved[#moved + 1] = id
   end
 end
+if #moved > 0 then redis.call('HINCRBY', P .. 'cb:stats', 'requeued', #moved) end
 return moved

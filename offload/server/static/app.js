@@ -7,6 +7,7 @@
 //   put in the DOM, a URL or a cookie. The sign-in field is cleared as soon as it is read.
 // - Actions a key may not take are hidden, but the server decides: a forced request gets 403, shown as an error.
 import { makeAutoscaleView } from "./autoscale.js";
+import { makeCallbacks } from "./callbacks.js";
 import { makeCharts } from "./charts.js";
 import { el, table } from "./dom.js";
 import { makeSearch } from "./search.js";
@@ -166,6 +167,10 @@ const charts = makeCharts({ api }); // history charts (charts.js), on the overvi
 const search = makeSearch({ el, api, table, enc, jobRows, jobHeads: JOB_HEADS, jobLink, ask, showNotice, showError,
   me: () => me, redraw: () => { lastSig = ""; refresh(); } });
 
+// Failed completion webhooks on the dead letter page (callbacks.js).
+const callbacks = makeCallbacks({ el, api, table, enc, jobLink, queueLink, fmtTime, ask, showNotice, showError,
+  me: () => me, redraw: () => { lastSig = ""; refresh(); } });
+
 // ---- views -------------------------------------------------------------------------------------------------
 function budgetText(b) {
   if (!b) return "—";
@@ -305,14 +310,16 @@ function setView(state) {
       // Held also lists a capped queue's queued jobs: over a cap the queue takes no fresh job, so they are what
       // the cap holds back (only jobs claimed before the cap was reached move to the held set itself).
       const capped = (q) => state === "held" && q.status === "capped" && q.counts.queued > 0;
-      const queues = (await api("/v1/queues")).filter((q) => q.counts[state] > 0 || capped(q));
+      const all = await api("/v1/queues");
+      const queues = all.filter((q) => q.counts[state] > 0 || capped(q));
       const list = (q, path) => api(`/v1/queues/${enc(q.queue)}/${path}limit=${PAGE}`);
-      const pages = await Promise.all(queues.map((q) => Promise.all([list(q, `${state}?`),
-        capped(q) ? list(q, "jobs?state=queued&") : null, state === "dead" ? api(`/v1/queues/${enc(q.queue)}/dead/groups`) : null])));
-      return queues.map((q, i) => ({ queue: q.queue, count: q.counts[state], jobs: pages[i][0].jobs, groups: pages[i][2],
-        more: !!pages[i][0].next_cursor, capped: capped(q) ? { kind: q.capped, count: q.counts.queued, jobs: pages[i][1].jobs } : null }));
+      const [pages, hooks] = await Promise.all([Promise.all(queues.map((q) => Promise.all([list(q, `${state}?`),
+        capped(q) ? list(q, "jobs?state=queued&") : null, state === "dead" ? api(`/v1/queues/${enc(q.queue)}/dead/groups`) : null]))),
+      state === "dead" ? callbacks.load(all.map((q) => q.queue)) : []]);
+      return { hooks, sets: queues.map((q, i) => ({ queue: q.queue, count: q.counts[state], jobs: pages[i][0].jobs, groups: pages[i][2],
+        more: !!pages[i][0].next_cursor, capped: capped(q) ? { kind: q.capped, count: q.counts.queued, jobs: pages[i][1].jobs } : null })) };
     },
-    draw(sets) {
+    draw({ sets, hooks }) {
       const title = state === "dead" ? "Dead letter" : "Held jobs";
       const why = state === "dead" ? "Jobs that used up their attempts or were rejected as bad input. " +
         `${verb} gives them a fresh attempt budget.` : "Jobs held over a daily cap; they are released when the window resets. " +
@@ -326,7 +333,7 @@ function setView(state) {
           s.capped ? [el("p", { class: "muted", data: { capped: s.capped.kind } }, `Capped: the daily ${s.capped.kind} cap is reached, so ` +
             `${s.capped.count} queued job${s.capped.count === 1 ? "" : "s"} wait for the next cap window (the job store's UTC day).`),
           table(JOB_HEADS, jobRows(s.capped.jobs), { id: `capped-${s.queue}` })] : null))
-          : el("p", { class: "empty" }, `No ${state} jobs.`));
+          : el("p", { class: "empty" }, `No ${state} jobs.`), callbacks.section(hooks));
     },
   };
 }
