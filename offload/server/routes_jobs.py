@@ -15,6 +15,7 @@ from offload.models import Attempt, Job
 from offload.queue.keyspace import new_job_id, queue_of, validate_queue
 from offload.queue.listing import LISTABLE_STATES
 from offload.queue.specs import check_options, encode_input
+from offload.redact import mask_url
 from offload.server.auth import (
     GuardedRoute,
     Principal,
@@ -68,7 +69,10 @@ async def job_view(state: ServerState, job: Job, presign: bool = True) -> JobVie
     own = own_object(state, job)
     url = await result_url(state, own) if presign else None
     files = await job_file_urls(state, job, own) if presign else None
-    return JobView(**job.to_dict(), result_url=url, file_urls=files or None)
+    record = job.to_dict()
+    if record.get("callback_url"):  # a token in its query or userinfo is the producer's, not every reader's
+        record["callback_url"] = mask_url(record["callback_url"])
+    return JobView(**record, result_url=url, file_urls=files or None)
 
 
 async def result_url(state: ServerState, own: str | None) -> str | None:

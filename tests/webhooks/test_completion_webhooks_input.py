@@ -49,6 +49,10 @@ def test_hostile_callback_urls_get_a_422_naming_the_field(valkey_url: str) -> No
         r = c.post(f"/v1/queues/{queue}/jobs", json={"input": 1, "callback_url": ALLOWED})
         assert r.status_code == 201
         assert c.get(f"/v1/jobs/{r.json()['id']}").json()["callback_url"] == ALLOWED
+        # a token in the query is the producer's: every key that reads the job sees it masked
+        r = c.post(f"/v1/queues/{queue}/jobs", json={"input": 1, "callback_url": ALLOWED + "?token=tk-s3cr3t&n=1"})
+        assert r.status_code == 201
+        assert c.get(f"/v1/jobs/{r.json()['id']}").json()["callback_url"] == ALLOWED + "?token=***&n=1"
 
 
 def test_no_callback_host_is_allowed_until_the_operator_lists_one(valkey_url: str) -> None:
