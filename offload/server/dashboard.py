@@ -47,6 +47,7 @@ ASSETS = {  # the whole public surface of the dashboard: nothing else under /ui/
     "story.js": "text/javascript; charset=utf-8",
     "charts.js": "text/javascript; charset=utf-8",
     "dom.js": "text/javascript; charset=utf-8",
+    "live.js": "text/javascript; charset=utf-8",
     "callbacks.js": "text/javascript; charset=utf-8",
     "style.css": "text/css; charset=utf-8",
     # the charting library, shipped inside the package (no CDN): uPlot, its version in docs/how-to/dashboard.md

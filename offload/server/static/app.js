@@ -9,6 +9,7 @@
 import { makeAutoscaleView } from "./autoscale.js";
 import { makeCallbacks } from "./callbacks.js";
 import { makeCharts } from "./charts.js";
+import { makeLive } from "./live.js";
 import { el, table } from "./dom.js";
 import { makeSearch } from "./search.js";
 import { spendTable, spendText, usd } from "./spend.js";
@@ -27,10 +28,7 @@ let gen = 0; // bumps on navigation, so a slow load for the previous view never 
 let seq = 0; // orders overlapping refreshes: an older answer never replaces a newer one
 let drawn = 0;
 let lastSig = "";
-let stream = null; // AbortController of the event stream
-let retryMs = 1000;
 let refreshTimer = null;
-let tickTimer = null;
 const cursors = {}; // "queue|state" -> stack of page cursors (null = first page)
 
 class ApiError extends Error {
@@ -414,51 +412,8 @@ function schedule() {
   if (refreshTimer === null) refreshTimer = setTimeout(() => { refreshTimer = null; refresh(); }, 200);
 }
 
-// A slow refresh besides the events: rates, heartbeats and ages change without a job event.
-function tick() {
-  clearTimeout(tickTimer);
-  if (!me) return;
-  tickTimer = setTimeout(() => { refresh(); tick(); }, $("live").dataset.mode === "live" ? 5000 : 2000);
-}
-
-function setMode(mode) {
-  const live = $("live");
-  live.dataset.mode = mode;
-  live.textContent = mode === "live" ? "live" : "polling";
-}
-
-// Live updates: the SSE stream read with fetch(), so the key goes in a header (EventSource cannot send one).
-// Any job event schedules a (throttled) refresh of the current view; if the stream fails we poll and retry.
-async function connect() {
-  if (stream) stream.abort();
-  const ctl = new AbortController();
-  stream = ctl;
-  try {
-    const r = await fetch("/v1/events", { headers: { Authorization: `Bearer ${sessionStorage.getItem(KEY)}`,
-      Accept: "text/event-stream" }, signal: ctl.signal, cache: "no-store", credentials: "omit" });
-    if (!r.ok || !r.body) throw new Error(`event stream: HTTP ${r.status}`);
-    setMode("live");
-    retryMs = 1000;
-    const reader = r.body.pipeThrough(new TextDecoderStream()).getReader();
-    let buf = "";
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) break;
-      buf += value.replace(/\r\n/g, "\n");
-      let i;
-      while ((i = buf.indexOf("\n\n")) >= 0) {
-        const frame = buf.slice(0, i);
-        buf = buf.slice(i + 2);
-        if (/^event: (jobs|resync)$/m.test(frame)) schedule();
-      }
-    }
-  } catch (_) { /* network error or aborted: handled below */ }
-  if (ctl.signal.aborted || stream !== ctl || !me) return;
-  setMode("polling");
-  tick();
-  setTimeout(() => { if (stream === ctl && me) connect(); }, retryMs);
-  retryMs = Math.min(retryMs + 1000, 15000); // a server restart is back within seconds; a proxy that cuts streams is not
-}
+// The event stream and the slow refresh (live.js): any job event schedules a refresh of the current view.
+const live = makeLive({ token: () => sessionStorage.getItem(KEY), active: () => me !== null, changed: schedule, refresh });
 
 // ---- sign-in -----------------------------------------------------------------------------------------------
 function showSignin(message) {
@@ -477,18 +432,14 @@ function start(who) {
   $("top").hidden = false;
   $("who").textContent = who.can_admin ? `${who.scope}` : `${who.scope} · ${who.can_cancel ? "may cancel" : "read-only"}`;
   $("who").title = who.name ? `key: ${who.name}` : "";
-  setMode("polling");
-  connect();
+  live.start();
   navigate();
-  tick();
 }
 
 function signOut(message) {
   me = null;
   sessionStorage.removeItem(KEY);
-  if (stream) stream.abort();
-  stream = null;
-  clearTimeout(tickTimer);
+  live.stop();
   $("error").hidden = true;
   showSignin(message);
 }
