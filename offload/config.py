@@ -50,6 +50,7 @@ from offload.schema import NonEmpty, Strict, field_errors, parse, parse_networks
 from offload.storage.namespace import check_prefixes
 from offload.storage.settings import LocalStorageSettings, StorageSettings
 from offload.suggest import closest, did_you_mean
+from offload.tracing import Exporter
 
 WEBHOOK_KINDS = frozenset({"replicate", "fal", "runpod"})  # the backends whose providers call back
 ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -100,6 +101,18 @@ class ServerSettings(Strict):
         if v is not None and not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", v):
             raise ValueError(f"must be an http:// or https:// URL without query or fragment, got {v!r}")
         return v.rstrip("/") if v is not None else None
+
+
+class TracingSettings(Strict):
+    """OpenTelemetry traces of every job (docs/how-to/tracing.md); OFFLOAD_TRACING and OFFLOAD_TRACING_EXPORTER
+    override both fields."""
+
+    enabled: bool = Field(False, description="trace each job: needs offload[otel]")
+    exporter: Exporter = Field(
+        "none",
+        description="none: the global TracerProvider (the application's, or opentelemetry-instrument's); otlp or "
+        "console: offload installs an SDK provider with that exporter where none is installed",
+    )
 
 
 class QueueSettings(Strict):
@@ -205,6 +218,7 @@ class Settings(Strict):
     alerts: AlertSettings | None = None  # where alerts go (offload.autoscale.alert_settings)
     callbacks: CallbackSettings = CallbackSettings()  # where completion webhooks may go (offload.callback_settings)
     history: HistorySettings = HistorySettings()  # each queue's history: on, retention (offload.history_settings)
+    tracing: TracingSettings = TracingSettings()  # OpenTelemetry traces, opt-in (offload.tracing)
 
     @field_validator("queues")
     @classmethod

@@ -102,6 +102,7 @@ class MissingExtra(ConfigError):
         "botocore": "s3",
         "s3transfer": "s3",
         "fastapi": "server",
+        "opentelemetry": "otel",
         "prometheus_client": "server",
         "starlette": "server",
         "uvicorn": "server",

@@ -27,6 +27,7 @@ from offload.queue.keyspace import QUEUES_KEY, new_job_id, prefix, queue_of, val
 from offload.queue.memory import store_full
 from offload.queue.scripts import SCRIPTS
 from offload.queue.specs import JobSpec, check_options, encode_input, validate_spec
+from offload.tracing import enqueue_spans
 
 ENQUEUE_CHUNK = 500
 
@@ -47,10 +48,16 @@ class EnqueueStore(BaseStore):
         return encode_input(spec, self.max_payload)
 
     def _job_args(
-        self, queue: str, spec: JobSpec, metas: dict[tuple[Any, ...], int], meta_list: list[str]
-    ) -> tuple[str, str, int] | tuple[str, str, int, str]:
-        """Validate one spec and encode it as (id, input JSON, meta index[, its file keys as JSON]); equal options
-        share one meta. The file keys, found by a byte search, let every read skip walking the input."""
+        self,
+        queue: str,
+        spec: JobSpec,
+        metas: dict[tuple[Any, ...], int],
+        meta_list: list[str],
+        traceparent: str | None = None,
+    ) -> tuple[Any, ...]:
+        """Validate one spec and encode it as (id, input JSON, meta index[, its file keys as JSON or false[, its
+        enqueue span's traceparent]]); equal options share one meta. The file keys, found by a byte search, let
+        every read skip walking the input."""
         payload = self._payload(spec)
         job_id = spec.job_id or new_job_id(queue)
         if spec.job_id is not None and queue_of(job_id) != queue:
@@ -72,9 +79,11 @@ class EnqueueStore(BaseStore):
         if index is None:
             meta_list.append(self._meta(spec))
             index = metas[options] = len(meta_list)  # Lua lists count from 1
-        if files := reference_keys(payload):
-            return job_id, payload.decode(), index, orjson.dumps(files).decode()
-        return job_id, payload.decode(), index
+        files = reference_keys(payload)
+        keys = orjson.dumps(files).decode() if files else False
+        if traceparent is not None:
+            return job_id, payload.decode(), index, keys, traceparent
+        return (job_id, payload.decode(), index, keys) if keys else (job_id, payload.decode(), index)
 
     def _meta(self, spec: JobSpec) -> str:
         check_options(spec)
@@ -118,13 +127,22 @@ class EnqueueStore(BaseStore):
 
     async def _enqueue_results(self, queue: str, specs: Sequence[JobSpec]) -> list[Enqueued]:
         validate_queue(queue)
-        metas: dict[tuple[Any, ...], int] = {}
-        meta_list: list[str] = []
-        check_ids = any(spec.job_id is not None for spec in specs)
-        chunks = [
-            [self._job_args(queue, spec, metas, meta_list) for spec in specs[i : i + ENQUEUE_CHUNK]]
-            for i in range(0, len(specs), ENQUEUE_CHUNK)
-        ]
+        with enqueue_spans(queue, len(specs)) as traced:  # (tracing off: None, and nothing of it is imported)
+            parents = traced.traceparents if traced is not None else [None] * len(specs)
+            metas: dict[tuple[Any, ...], int] = {}
+            meta_list: list[str] = []
+            jobs = [self._job_args(queue, s, metas, meta_list, tp) for s, tp in zip(specs, parents, strict=True)]
+            check_ids = any(spec.job_id is not None for spec in specs)
+            done = await self._send_jobs(queue, jobs, meta_list, check_ids)
+            if traced is not None:
+                traced.done([job[0] for job in jobs], [d.id for d in done])
+        return done
+
+    async def _send_jobs(
+        self, queue: str, jobs: list[tuple[Any, ...]], meta_list: list[str], check_ids: bool
+    ) -> list[Enqueued]:
+        """The encoded jobs sent in chunks (enqueue.lua), with the durability wait when one is configured."""
+        chunks = [jobs[i : i + ENQUEUE_CHUNK] for i in range(0, len(jobs), ENQUEUE_CHUNK)]
         metas_arg = orjson.dumps(meta_list)
         nonces = [new_nonce() for _ in chunks]  # one per chunk: a resent chunk is recognised (enqueue.lua)
         if queue not in self._known_queues:
@@ -163,7 +181,7 @@ class EnqueueStore(BaseStore):
         done: list[Enqueued] = []
         for r in results:
             if isinstance(r, BaseException):
-                raise store_full(len(specs), [d.id for d in done]) if is_oom(r) else r
+                raise store_full(len(jobs), [d.id for d in done]) if is_oom(r) else r
             done.extend(replies.enqueued(r))
         if durability is not None:
             if confirmation is None:

@@ -55,6 +55,7 @@ from offload.server.registry import WorkerRegistry
 from offload.server.state import ServerOptions, ServerState
 from offload.server.store_watch import StoreWatch
 from offload.storage import create_storage
+from offload.tracing import configure as configure_tracing
 
 log = logging.getLogger("offload.server")
 
@@ -124,6 +125,7 @@ async def _warm_routes(app: FastAPI) -> None:
 
 async def _open(options: ServerOptions) -> ServerState:
     """Connect and check the store (its eviction policy, its replicas), then build the server's state."""
+    configure_tracing(options.settings.tracing.enabled, options.settings.tracing.exporter)
     redis = await connect(options.redis_url or options.settings.redis_url)
     try:
         await at_start(lambda: require_noeviction(redis))  # (cli/server.py checks first: one error line)

@@ -44,6 +44,7 @@ from offload.server.state import ServerState, get_state
 from offload.storage import StorageError
 from offload.storage.namespace import key_problem
 from offload.storage.results import result_key
+from offload.tracing import request_parent
 
 router = APIRouter(tags=["jobs"], route_class=GuardedRoute)
 IdemHeader = Annotated[
@@ -137,7 +138,8 @@ async def enqueue(
     check_options(spec)
     files = await check_input_refs(state, queue, body.input, payload, ["body", "input"])
     fresh = files.job_id or new_job_id(queue)
-    (done,) = await state.store.enqueue_results(queue, [dataclasses.replace(spec, job_id=fresh)])
+    with request_parent(request.headers):  # the jobs join the producer's trace, if it sent one
+        (done,) = await state.store.enqueue_results(queue, [dataclasses.replace(spec, job_id=fresh)])
     duplicate = done.id != fresh or files.resent
     if duplicate:
         response.status_code = 200
@@ -175,7 +177,8 @@ async def enqueue_batch(
         files = await check_input_refs(state, queue, spec.input, payload, ["body", "jobs", i, "input"])
         if files.job_id:
             specs[i] = dataclasses.replace(spec, job_id=files.job_id)
-    done = await state.store.enqueue_results(queue, specs)
+    with request_parent(request.headers):
+        done = await state.store.enqueue_results(queue, specs)
     return BatchEnqueueReply(ids=[d.id for d in done], record_gone=[d.id for d in done if d.record_gone])
 
 

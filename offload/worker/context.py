@@ -14,11 +14,12 @@ from typing import Any, TypeVar
 
 from offload.backends.base import Backend, WebhookBackend
 from offload.models import ClaimedJob
-from offload.queue import replies
+from offload.queue import keyspace, replies
 from offload.queue.backend_limits import BackendLimits
 from offload.queue.batching import Batcher
 from offload.queue.memory import PolicyWatch, has_room
 from offload.queue.store import CompleteItem, QueueStore
+from offload.tracing import RECORD_FIELD
 from offload.worker.health import StoreHealth
 from offload.worker.job_run import Drained, Runs
 from offload.worker.options import WorkerOptions
@@ -34,7 +35,7 @@ StoreOutput = Callable[[str, Any, str, Fence], Awaitable[str]]
 class StoreWrites:
     """The per-job writes of the hot path, coalesced: thousands of tasks, a few script calls."""
 
-    __slots__ = ("begins", "checkpoints", "completes", "fences", "hook_bodies", "options", "store")
+    __slots__ = ("begins", "checkpoints", "completes", "fences", "hook_bodies", "options", "store", "traceparents")
 
     def __init__(self, store: QueueStore, options: WorkerOptions) -> None:
         self.store, self.options = store, options
@@ -46,6 +47,15 @@ class StoreWrites:
         self.begins: Batcher[tuple[str, str, str, str, str], replies.Begun] = Batcher(self._begin_many)
         self.fences: Batcher[tuple[str, str], replies.Verdict] = Batcher(lambda items: store.fence_many(q, items))
         self.hook_bodies: Batcher[tuple[str, int], str | None] = Batcher(store.hook_bodies)
+        self.traceparents: Batcher[str, str | None] = Batcher(self._traceparents)  # read only while tracing is on
+
+    async def _traceparents(self, ids: list[str]) -> list[str | None]:
+        """The traceparent each job's record holds (offload/tracing.py), read apart from the claim: only a
+        traced worker pays for the read, and the claim's reply stays as it is."""
+        pipe = self.store.redis.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hget(keyspace.job(self.options.queue, job_id), RECORD_FIELD)
+        return list(await pipe.execute())
 
     async def _begin_many(self, items: list[tuple[str, str, str, str, str]]) -> list[replies.Begun]:
         """(id, token, webhook secret hash, backend, the router's reason) per job."""

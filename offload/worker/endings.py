@@ -13,6 +13,7 @@ import logging
 import time
 from typing import Any
 
+from offload import tracing
 from offload.backends.base import BackendError, NotFound
 from offload.backoff import compute_backoff, retry_delay_ms
 from offload.errors import StaleLease
@@ -62,13 +63,15 @@ class Endings:
     async def cancel(self, run: JobRun, remote_id: str | None) -> None:
         job = run.job
         if remote_id:
-            with contextlib.suppress(NotFound):
+            with contextlib.suppress(NotFound), tracing.call(run.trace, "cancel", remote_id=remote_id):
                 if not await run.on.backend.cancel(remote_id):
                     log.warning(
                         "job %s: the backend cannot cancel remote job %s: it runs to its end", job.id, remote_id
                     )
         run.settling = True
         await self.ctx.health.call(lambda: self.ctx.store.ack_cancel(job.id, job.token))
+        if run.trace is not None:
+            run.trace.outcome("cancelled")
 
     async def timed_out(self, run: JobRun, remote_id: str, timeout: Exception) -> None:
         """`poll_timeout` passed with the remote job still running. A new run is submitted only once the provider
@@ -77,7 +80,8 @@ class Endings:
         the retry to poll again. Either way nothing is paid twice unseen."""
         waited = f"remote job {remote_id} still running after {self.ctx.options.poll_timeout:g}s"
         try:
-            stopped = await run.on.backend.cancel(remote_id)
+            with tracing.call(run.trace, "cancel", remote_id=remote_id):
+                stopped = await run.on.backend.cancel(remote_id)
         except BackendError as exc:
             reason = f"{waited}; its cancel failed ({exc}), so it is kept (a retry polls it), not submitted again"
             await self.retry(run, f"polltimeout: {reason}", keep_remote=True)
@@ -140,5 +144,9 @@ class Endings:
                 )
             )
         except StaleLease:
+            if run.trace is not None:
+                run.trace.outcome("lease_lost", error)
             return
+        if run.trace is not None:
+            run.trace.outcome(state, error)  # the job's state now: queued or delayed again, dead, failed
         log.info("job %s: %s -> %s", job.id, error[:200], state)

@@ -16,6 +16,7 @@ from offload.errors import WorkerError
 from offload.models import ClaimedJob
 
 if TYPE_CHECKING:
+    from offload.tracing import Attempt
     from offload.worker.routing import Lane
     from offload.worker.slots import Slot
 
@@ -65,6 +66,7 @@ class JobRun:
     hooked: asyncio.Event | None = None  # set by a webhook's wake-up, or a cancel, while it waits
     heard: tuple[int, str] | None = None  # (submission, final body) a wake-up carried
     cancel_wait: asyncio.Event | None = None  # set by a cancel heard while it waits for the rate limit
+    trace: Attempt | None = None  # its attempt's span, while tracing is on (offload/tracing.py)
 
     @property
     def on(self) -> Lane:

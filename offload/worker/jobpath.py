@@ -14,11 +14,13 @@ import asyncio
 import contextlib
 import functools
 import logging
+import sys
 import time
 from typing import Any
 
 import orjson
 
+from offload import tracing
 from offload.backends.base import Fatal, NotFound, RemoteResult, Throttled, Transient
 from offload.connection import is_outage
 from offload.errors import StaleLease
@@ -86,10 +88,16 @@ class JobPath:
             if after is not None:
                 await asyncio.wait([after])
             run.previous = None
+            if tracing.active():
+                await self._trace(run)
             await self._attempt(run)
         except StaleLease:
             log.info("job %s: lease taken over, leaving it to its new owner", job.id)
+            if run.trace is not None:
+                run.trace.outcome("lease_lost")
         except Drained:
+            if run.trace is not None:
+                run.trace.outcome("handed_back")
             if self.ctx.runs.newest(run):
                 run.settling = True
                 await self.drain.hand_back([job])
@@ -98,6 +106,19 @@ class JobPath:
         finally:
             self.ctx.runs.end(run, draining=self.ctx.draining)
             self.slots.room.set()
+            if run.trace is not None:  # (an exception still in flight here: the task was cancelled)
+                run.trace.end(run.lane.name if run.lane is not None else None, run.remote_id, sys.exc_info()[1])
+
+    async def _trace(self, run: JobRun) -> None:
+        """The attempt's span, under the enqueue span its record names. A record whose traceparent cannot be read
+        (or parsed: whoever enqueued wrote it) runs all the same, in a fresh trace."""
+        job = run.job
+        try:
+            parent = await self.ctx.health.call(lambda: self.ctx.writes.traceparents(job.id))
+        except Exception as exc:
+            log.debug("job %s: its traceparent could not be read (%s); a fresh trace", job.id, describe(exc))
+            parent = None
+        run.trace = tracing.start_attempt(self.ctx.options.queue, job.id, job.attempt, parent)
 
     async def _attempt(self, run: JobRun) -> None:
         job = run.job
@@ -224,7 +245,9 @@ class JobPath:
         if lane.health is not None:
             with contextlib.suppress(Exception):  # the price model and expected finish: never fails the job
                 await lane.answered(*measured(result, time.monotonic() - run.sent_at, run.submitted))
-        location = await self.endings.store(run, result.output)
+        with tracing.call(run.trace, "store", submission=run.submission) as span:
+            location = await self.endings.store(run, result.output)
+            span.set(tracing.LOCATION, location.split("?", 1)[0])  # (a location, never a signed URL's query)
         run.settling = True
         item: CompleteItem = (job.id, job.token, location, lane.cost(result))
         if unrecorded is not None:
@@ -232,6 +255,8 @@ class JobPath:
         code = await self.ctx.health.call(lambda: self.ctx.writes.completes(item))
         if code is not Verdict.OK:
             raise StaleLease(f"job {job.id}: lease lost before it could be completed ({code})")
+        if run.trace is not None:
+            run.trace.outcome("succeeded")
 
     async def _failed(self, run: JobRun, exc: Exception) -> None:
         """How an attempt that raised ends: a provider's failure is retried or failed; the rest in `_broken`."""

@@ -17,6 +17,7 @@ import time
 
 import orjson
 
+from offload import tracing
 from offload.backends.base import NotFound, RemoteResult, Throttled, Transient, WebhookBackend
 from offload.backoff import compute_backoff
 from offload.errors import StaleLease, WorkerError
@@ -88,7 +89,8 @@ class Polling:
                 return None
             wait = interval
             try:
-                result = await lane.backend.poll(remote_id)
+                with tracing.call(run.trace, "poll", backend=lane.name, remote_id=remote_id):
+                    result = await lane.backend.poll(remote_id)
                 transient = 0
                 lag.seen = True
                 if result.terminal:
@@ -157,6 +159,8 @@ class Polling:
         kept = _kept(hooks, body)
         if kept is None:
             fallback.next_poll = min(fallback.next_poll, time.monotonic())
+        elif run.trace is not None:  # the final webhook the server kept carries the result
+            run.trace.mark("webhook", backend=run.on.name, remote_id=run.remote_id, submission=submission)
         return kept
 
     async def _fallback_poll(
@@ -167,7 +171,8 @@ class Polling:
         fallback.next_poll = time.monotonic() + lane.hook_poll_interval
         soon = min(opts.poll_interval, lane.hook_poll_interval)
         try:
-            result = await lane.backend.poll(remote_id)
+            with tracing.call(run.trace, "poll", backend=lane.name, remote_id=remote_id):
+                result = await lane.backend.poll(remote_id)
             fallback.transient = 0
             lag.seen = True
             if result.terminal:

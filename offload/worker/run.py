@@ -28,6 +28,7 @@ from offload.queue.memory import StoreMemory, read_memory, warn_unreported
 from offload.queue.store import QueueStore
 from offload.redis_client import RedisClient
 from offload.storage import S3StorageSettings, Storage, create_storage, store_output
+from offload.tracing import configure as configure_tracing
 from offload.worker.context import Fence, StoreOutput
 from offload.worker.dispatch import Worker, default_worker_id
 from offload.worker.file_inputs import with_file_inputs
@@ -95,6 +96,7 @@ async def run_workers(
     if not plans:
         raise ConfigError("no queue to serve")
     lease_ms = env_int("OFFLOAD_LEASE_MS", None, minimum=1)
+    configure_tracing(settings.tracing.enabled, settings.tracing.exporter)
     stop = stop or asyncio.Event()
     cut = cut or asyncio.Event()
     if install_signals:

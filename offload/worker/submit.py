@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
+from offload import tracing
 from offload.backends.base import BackendError, Fatal, RemoteResult, Submission, Throttled
 from offload.backoff import compute_backoff
 from offload.errors import StaleLease
@@ -84,8 +85,10 @@ class Submitter:
         """A job whose last submit intent has no remote id may have been submitted by a worker that died (or
         lost its lease) inside the submit call; backends that tag submissions can find it, so we poll it
         instead of paying again. Called for such a job only (`job.intent_open`)."""
-        with contextlib.suppress(BackendError):
-            return await run.on.backend.find(run.job.id)
+        with contextlib.suppress(BackendError), tracing.call(run.trace, "find", backend=run.on.name) as span:
+            found = await run.on.backend.find(run.job.id)
+            span.set(tracing.REMOTE_ID, found)
+            return found
         return None
 
     async def submit(self, run: JobRun, job_input: Any) -> Started | None:
@@ -223,11 +226,13 @@ class Submitter:
         run.sent_at = time.monotonic()  # the run time and queue delay a routed queue measures count from here
         try:
             key, sent = f"{job.id}.{submission}", job_input  # (mapped for this lane by `submit`)
-            if hook is not None and lane.hooks is not None:
-                url = f"{lane.hook_base}/{quote(job.id, safe='')}/{submission}/{hook.secret}"
-                answer = await lane.hooks.submit(sent, tag=job.id, idempotency_key=key, webhook=url)
-            else:
-                answer = await lane.backend.submit(sent, tag=job.id, idempotency_key=key)
+            with tracing.call(run.trace, "submit", backend=lane.name, submission=submission) as span:
+                if hook is not None and lane.hooks is not None:
+                    url = f"{lane.hook_base}/{quote(job.id, safe='')}/{submission}/{hook.secret}"
+                    answer = await lane.hooks.submit(sent, tag=job.id, idempotency_key=key, webhook=url)
+                else:
+                    answer = await lane.backend.submit(sent, tag=job.id, idempotency_key=key)
+                span.set(tracing.REMOTE_ID, answer.remote_id)
         except Throttled as exc:
             lane.limits.note("throttled")
             await self.ctx.health.call(functools.partial(lane.failed, exc))
@@ -387,7 +392,7 @@ class Submitter:
             log.warning(
                 "job %s: submission %d already runs remotely; cancelling our copy %s", job.id, submission, remote_id
             )
-            with contextlib.suppress(BackendError):
+            with contextlib.suppress(BackendError), tracing.call(run.trace, "cancel", remote_id=remote_id):
                 await run.on.backend.cancel(remote_id)
             if code.verdict is Verdict.DUP:
                 return code.first

@@ -221,6 +221,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "offload.extras",
             "offload.eventloop",
             "offload.heap",
+            "offload.tracing",
         ),
     ),
     ("errors", ("offload.errors",)),
@@ -247,6 +248,9 @@ SIDEWAYS: dict[tuple[str, str], str] = {
     ("offload.models", "offload.exactjson"): "job input and output keep big integers exact",
     ("offload.schema", "offload.suggest"): "a misspelt key gets a did-you-mean",
     ("offload.eventloop", "offload.env"): "OFFLOAD_EVENT_LOOP is read where every variable is",
+    ("offload.tracing", "offload.env"): "OFFLOAD_TRACING is read where every variable is",
+    ("offload.tracing", "offload.redact"): "error text on a span is redacted as all text that leaves a process",
+    ("offload.tracing", "offload.extras"): "tracing without offload[otel] fails in one line naming the extra",
 }
 
 

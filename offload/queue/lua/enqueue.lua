@@ -8,8 +8,9 @@
 --   max cost[\tcallback URL]" strings (empty output key: results/<id>.json; run_at and deadline: epoch ms, ''
 --   none, or "+<ms>": from the store's now, so a producer's clock never decides when its job is due; max cost:
 --   USD, '' none; callback URL: where its completion webhook goes, '' none); jobs is a JSON list of [id, input,
---   meta index(, file keys)], the file keys (a JSON list of the object keys the input refers to) only for an
---   input with files
+--   meta index(, file keys(, traceparent))], the file keys (a JSON list of the object keys the input refers to)
+--   only for an input with files (else false when a traceparent follows), the traceparent (the W3C context of
+--   its enqueue span, offload/tracing.py) only while tracing is on
 -- Returns: per job, its id (an existing one when the idempotency key or the id was seen before), or
 --   {id, 'gone'} when the key's job finished and its record was trimmed: the key still answers (a repeat
 --   never makes a second, paid run while the key lives), and the caller is told the record is gone
@@ -33,7 +34,7 @@ local out, ready, readyz, delayed, delayz = {}, {}, {}, {}, {}
 local seq = redis.call('INCRBY', P .. 'seq', n) - n
 local parsed = {}
 for _, job in ipairs(jobs) do
-  local id, input, meta, files = job[1], job[2], metas[job[3]], job[4]
+  local id, input, meta, files, traceparent = job[1], job[2], metas[job[3]], job[4], job[5]
   local m = parsed[meta]
   if not m then
     local prio, run_at, maxa, ret, idem, okey, dl, mc = string.match(meta,
@@ -84,6 +85,7 @@ for _, job in ipairs(jobs) do
     if m.idem ~= '' then redis.call('HSET', k, 'idem', m.idem) end
     if m.okey ~= '' then redis.call('HSET', k, 'output_key', m.okey) end
     if files then redis.call('HSET', k, 'files', files) end
+    if traceparent then redis.call('HSET', k, 'traceparent', traceparent) end
     if m.deadline then redis.call('HSET', k, 'deadline', fmt(m.deadline)) end
     if m.max_cost ~= '' then redis.call('HSET', k, 'max_cost', m.max_cost) end
     if m.callback ~= '' then redis.call('HSET', k, 'callback', m.callback) end
