@@ -105,7 +105,7 @@ check: lint
 # Three pytest processes on two cores: most of the suite waits on subprocesses, servers and timeouts (9:18 with
 # -n 2 against 7:02 with -n 3, the same 999 tests, one after the other on one machine).
 test: lint $(TOOLS_STAMP) chromium jemalloc faketime
-	$(BIN)/pytest -q -n 3 --dist loadgroup
+	$(BIN)/pytest -q -n 3 --dist loadgroup --durations=40
 
 bench: $(VENV)/.installed
 	$(BIN)/python bench/queue_throughput.py --jobs 100000
