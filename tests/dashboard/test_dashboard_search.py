@@ -5,11 +5,12 @@ after which that group's jobs are queued again and the other group's job is stil
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
 from playwright.sync_api import Page, expect
-from support.dashboard_helpers import dead_jobs, go, sign_in
+from support.dashboard_helpers import dead_jobs, enqueue, go, sign_in
 from support.server_helpers import new_queue, server
 from support.servers import ValkeyServer
 
@@ -36,6 +37,32 @@ def test_search_finds_a_job_by_an_error_fragment(api: tuple[str, str], page: Pag
     expect(found.get_by_role("link", name=other)).to_have_count(0)
     expect(found).to_contain_text("CUDA out of memory")
     form.get_by_label("Error text").fill("no such error anywhere")
+    form.get_by_role("button", name="Search").click()
+    expect(page.get_by_text("No job matches.")).to_be_visible()
+
+
+def test_search_by_idempotency_key_and_creation_time(api: tuple[str, str], admin: httpx.Client, page: Page) -> None:
+    """The API's other filters are on the form too: the idempotency key, and a creation range typed in UTC (the
+    page's times are UTC), so a range ending before the job was made finds nothing and one around it finds it."""
+    q = new_queue("keyed")
+    (keyed,) = enqueue(admin, q, {"n": 1}, idempotency_key="order-77")
+    enqueue(admin, q, {"n": 2}, idempotency_key="order-78")
+    created = datetime.fromtimestamp(admin.get(f"/v1/jobs/{keyed}").json()["created_at"] / 1000, UTC)
+
+    def minute(t: datetime) -> str:  # what a datetime-local field holds
+        return t.strftime("%Y-%m-%dT%H:%M")
+
+    sign_in(page, *api)
+    go(page, f"#/queues/{q}")
+    form = page.get_by_role("search", name="Search jobs")
+    form.get_by_label("Idempotency key").fill("order-77")
+    form.get_by_label("Created from (UTC)").fill(minute(created - timedelta(minutes=1)))
+    form.get_by_label("Created to (UTC)").fill(minute(created + timedelta(minutes=2)))
+    form.get_by_role("button", name="Search").click()
+    found = page.get_by_role("table", name="Search results")
+    expect(found.get_by_role("row")).to_have_count(2)  # the header and the one keyed job
+    expect(found.get_by_role("link", name=keyed)).to_be_visible()
+    form.get_by_label("Created to (UTC)").fill(minute(created - timedelta(minutes=1)))
     form.get_by_role("button", name="Search").click()
     expect(page.get_by_text("No job matches.")).to_be_visible()
 

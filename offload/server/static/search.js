@@ -6,7 +6,7 @@
 const STATES = ["queued", "delayed", "retrying", "active", "held", "succeeded", "dead", "cancelled"];
 
 export function makeSearch({ el, api, table, enc, jobRows, jobHeads, jobLink, ask, showNotice, showError, me, redraw }) {
-  const forms = {}; // queue -> { id, state, error, page, problem }
+  const forms = {}; // queue -> { id, state, error, backend, idem, from, to, page, problem }
   const picked = {}; // queue -> Set of the dead-letter groups ticked (their patterns)
 
   const busy = () => !!document.activeElement?.closest?.("form.search");
@@ -16,6 +16,12 @@ export function makeSearch({ el, api, table, enc, jobRows, jobHeads, jobLink, as
     if (s.id.trim()) q.set("id", s.id.trim());
     if (s.state) q.set("state", s.state);
     if (s.error) q.set("error", s.error);
+    if (s.backend.trim()) q.set("backend", s.backend.trim());
+    if (s.idem) q.set("idempotency_key", s.idem);
+    // The page shows UTC times, so the range is typed in UTC too ("2026-12-06T14:00" means 14:00Z).
+    for (const [name, param] of [["from", "created_from"], ["to", "created_to"]]) {
+      if (s[name]) q.set(param, String(Date.parse(`${s[name]}Z`)));
+    }
     if (cursor) q.set("cursor", cursor);
     try {
       s.page = await api(`/v1/queues/${enc(queue)}/search?${q}`);
@@ -41,7 +47,8 @@ export function makeSearch({ el, api, table, enc, jobRows, jobHeads, jobLink, as
   }
 
   function searchPanel(queue) {
-    const s = (forms[queue] ||= { id: "", state: "", error: "", page: null, problem: "" });
+    const s = (forms[queue] ||= { id: "", state: "", error: "", backend: "", idem: "", from: "", to: "", page: null,
+      problem: "" });
     const keep = (name) => (ev) => { s[name] = ev.target.value; };
     const field = (label, name, input) => el("div", { class: "field" }, el("label", { for: `search-${name}` }, label), input);
     const text = (name, max) => el("input", { id: `search-${name}`, type: "search", value: s[name], maxlength: max,
@@ -49,13 +56,16 @@ export function makeSearch({ el, api, table, enc, jobRows, jobHeads, jobLink, as
     const state = el("select", { id: "search-state", onchange: keep("state") },
       el("option", { value: "", selected: !s.state }, "any state"),
       STATES.map((st) => el("option", { value: st, selected: s.state === st }, st)));
+    const when = (name) => el("input", { id: `search-${name}`, type: "datetime-local", value: s[name], oninput: keep(name) });
     const out = el("div", { class: "search-out", "aria-live": "polite" });
     out.replaceChildren(...results(s, queue, out));
     return el("div", null,
       el("form", { class: "search", role: "search", "aria-label": "Search jobs",
         onsubmit: (ev) => { ev.preventDefault(); run(queue, s, out, null); } },
       field("Job id or prefix", "id", text("id", 200)), field("State", "state", state),
-      field("Error text", "error", text("error", 500)), el("button", { type: "submit" }, "Search")),
+      field("Error text", "error", text("error", 500)), field("Backend", "backend", text("backend", 100)),
+      field("Idempotency key", "idem", text("idem", 1024)), field("Created from (UTC)", "from", when("from")),
+      field("Created to (UTC)", "to", when("to")), el("button", { type: "submit" }, "Search")),
       out);
   }
 
