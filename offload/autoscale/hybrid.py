@@ -9,10 +9,9 @@ replaces the scale-up triggers' (a burst is overflow's), except that min_workers
 
 from __future__ import annotations
 
-from offload.autoscale import overflow
+from offload.autoscale import overflow, predict, scale_in
 from offload.autoscale.evaluation import Evaluation
 from offload.autoscale.instances import Instance
-from offload.autoscale.scale_in import cost_trigger
 from offload.autoscale.settings import Overflow
 from offload.autoscale.triggers import QueueLoad, UpDecision
 from offload.queue.keyspace import overflow_reach
@@ -39,7 +38,7 @@ def parse_samples(text: str) -> list[overflow.Sample]:
 def expected_boot(ev: Evaluation) -> float:
     if ev.state.boot_ewma > 0:
         return ev.state.boot_ewma
-    trig = cost_trigger(ev.cfg)
+    trig = scale_in.cost_trigger(ev.cfg)
     return trig.boot_time if trig is not None else DEFAULT_BOOT
 
 
@@ -65,11 +64,19 @@ async def expected_run(store: QueueStore, queue: str, flow: Overflow) -> float:
 async def overflow_up(
     redis: RedisClient, store: QueueStore, ev: Evaluation, load: QueueLoad, active: list[Instance], up: UpDecision
 ) -> UpDecision:
-    """The fleet's count for a queue with overflow: its base load, and machines the waiting work justifies."""
+    """The fleet's count for a queue with overflow: its base load, machines the waiting work justifies, and with
+    `predict` machines a boot ahead of a burst that recurred."""
     cfg, flow, now = ev.cfg, ev.cfg.overflow, ev.now
     assert flow is not None
-    samples = overflow.keep_samples(parse_samples(ev.state.arrivals), now, load.enqueued, flow.window)
-    await ev.state.save(redis, ev.queue, arrivals=",".join(f"{t:.3f}:{n}" for t, n in samples))
+    seen = parse_samples(ev.state.arrivals)
+    samples = overflow.keep_samples(seen, now, load.enqueued, flow.window)
+    profile = learn(ev, seen, load.enqueued)
+    await ev.state.save(
+        redis,
+        ev.queue,
+        arrivals=",".join(f"{t:.3f}:{n}" for t, n in samples),
+        **({} if profile is None else {"profile": predict.dump(profile)}),
+    )
     run_s = await expected_run(store, ev.queue, flow)
     base, buckets = overflow.base_load(samples, now, run_s, flow)
     boot = expected_boot(ev)
@@ -80,19 +87,64 @@ async def overflow_up(
     # queue's in-flight count: overflow's jobs are in flight too
     have = overflow.capacity(idle, serving, rate, booting, flow.after)
     await publish_reach(redis, ev.queue, have, idle, flow.after, run_s, max(3 * cfg.poll_interval, REACH_TTL_MIN_S))
-    burst = overflow.burst_machines(load.pending, have, rate, boot, flow.after)
+    tail = scale_in.idle_tail(cfg, ev.state)
+    burst = overflow.burst_machines(load.pending, have, rate, boot, flow.after, flow.keep_busy, tail)
     sized = overflow.size(base, buckets, burst, len(active), cfg.limit, flow)
-    floor = max(up.floor, min(sized.floor, cfg.limit))
+    pre, pre_why = 0, ""
+    if flow.predict is not None and profile is not None and run_s > 0:
+        fc = predict.forecast(profile, now, boot + cfg.poll_interval, flow.predict)
+        pre, pre_why = prerent(fc, base, sized.floor, run_s, tail, ev)
+    floor = max(up.floor, min(max(sized.floor, pre), cfg.limit))
     return UpDecision(
-        target=max(sized.target, floor),
+        target=max(sized.target, pre, floor),
         reasons=[
             sized.why,
+            *([pre_why] if pre_why else []),
             f"overflow: the fleet starts {have:.0f} waiting job(s) within {flow.after:g}s; later ones go to "
             + ", ".join(flow.backends),
             *[r for r in up.reasons if r.startswith(("schedule", "min_workers"))],
         ],
         demand=burst > 0,
         floor=floor,
+    )
+
+
+def learn(ev: Evaluation, seen: list[overflow.Sample], enqueued: int) -> predict.Profile | None:
+    """The queue's arrival profile with the jobs enqueued since the last evaluation counted now (None: no
+    `predict`). Jobs counted across a gap longer than a bin (no evaluation meanwhile) or a reset store are not
+    placed: when they came is not known."""
+    flow = ev.cfg.overflow
+    if flow is None or flow.predict is None:
+        return None
+    last = seen[-1] if seen else None
+    fresh = last is not None and 0 <= ev.now - last[0] <= max(flow.predict.bin, 2 * ev.cfg.poll_interval)
+    arrived = max(0, enqueued - last[1]) if fresh and last is not None else 0
+    return predict.record(predict.parse(ev.state.profile), ev.now, arrived, flow.predict)
+
+
+def prerent(
+    fc: predict.Forecast | None, base: float, keep: int, run_s: float, tail: float, ev: Evaluation
+) -> tuple[int, str]:
+    """(the fleet's count, why) for a forecast burst: the `keep` base machines and those that pay for what of it
+    neither the base load's own arrivals over the lead (`base` machines' worth) nor the base machines' spare
+    within `after` explain; (0, "") for none. Counted from the base alone, not the fleet, so machines already
+    pre-rented keep the count until the burst's time has passed. A pre-rented machine bills its boot and a
+    poll's wait besides its work and its idle tail."""
+    flow = ev.cfg.overflow
+    if fc is None or flow is None or flow.predict is None or run_s <= 0:
+        return 0, ""
+    per = 1 + flow.after / run_s  # a machine ready as the burst lands starts one at once, then one a run
+    wait = expected_boot(ev) + ev.cfg.poll_interval  # the lead: rented this long before the burst
+    spare = max(0.0, keep * per - base * flow.after / run_s)
+    excess = fc.jobs - base * wait / run_s - spare
+    overhead = wait + tail
+    n = min(overflow.machines_for(excess, per, run_s, flow.keep_busy, overhead), ev.cfg.limit - keep)
+    if n <= 0:
+        return 0, ""
+    when = predict.phase_text(fc.at, flow.predict.period)
+    return keep + n, (
+        f"pre-rent: {n} machine(s) for the burst of {fc.jobs} job(s) seen at {when} "
+        f"in each of the last {flow.predict.recur} period(s) of {flow.predict.period / 60:g} min"
     )
 
 

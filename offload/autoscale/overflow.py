@@ -11,9 +11,9 @@ rule that makes the mix pay: rent for the load that stays, send the burst to ove
   mean run time) over `span`-long buckets of the last `window`. A burst fills one bucket and leaves the quantile
   alone; a load that stays fills them all.
 - `burst_machines`: more machines while the queue holds work the fleet will not start within `after`, but only
-  when a machine rented now would work for at least as long as it boots before the deadline passes (else its
-  boot costs more than the overflow it saves). A burst that lasts keeps justifying them; the arrivals it brings
-  also raise the base.
+  as many as pay: a machine rented now starts (after - boot) x rate of it in time, and that work on it must cost
+  less than on overflow with its boot and its idle tail (how long scale-in keeps it after) paid (`pays`). A burst
+  that lasts keeps justifying them; the arrivals it brings also raise the base.
 - `keep_machines`: how many machines that base keeps busy enough to beat overflow's price (Erlang's loss formula).
 - `size`: the count and its floor (the base is kept through idle gaps; burst machines go by the idle rules).
 """
@@ -91,14 +91,31 @@ def keep_samples(samples: Sequence[Sample], now: float, enqueued: int, window: f
     return [*older[-1:], *kept, (now, enqueued)]
 
 
-def burst_machines(pending: int, capacity: float, rate: float, boot: float, after: float) -> int:
+def burst_machines(
+    pending: int, capacity: float, rate: float, boot: float, after: float, keep_busy: float, tail: float
+) -> int:
     """Machines to rent for the `pending` jobs beyond `capacity` (what the fleet starts within `after`): each
-    new one serves (after - boot) x rate of them; none if that is shorter than its boot."""
+    new one starts (after - boot) x rate of them, and is rented only when that work on it costs less than on
+    overflow with its boot and its idle `tail` (how long scale-in keeps it once the burst is done) paid."""
     excess = pending - capacity
-    serve_s = after - boot
-    if excess <= 0 or serve_s < boot or rate <= 0:
+    if excess <= 0 or rate <= 0 or after <= boot:
         return 0
-    return math.ceil(excess / (serve_s * rate / 60))
+    return machines_for(excess, (after - boot) * rate / 60, 60 / rate, keep_busy, boot + tail)
+
+
+def pays(work_s: float, overhead_s: float, keep_busy: float) -> bool:
+    """Whether a machine that works `work_s` and bills `overhead_s` besides (its boot, a wait for the work, its
+    idle tail) costs less than that work on overflow: `keep_busy` is the rented price over the serverless one."""
+    return work_s > 0 and work_s * (1 / keep_busy - 1) >= overhead_s
+
+
+def machines_for(jobs: float, per_machine: float, run_s: float, keep_busy: float, overhead_s: float) -> int:
+    """Machines for `jobs` when one that starts `per_machine` of them in time, billing `overhead_s` besides its
+    work, pays for itself: enough to start them all. The last is not held to its share: a load that lasts
+    keeps it busy after (a diurnal rise), and a burst's last machine serves the others' tails."""
+    if jobs <= 0 or per_machine <= 0 or not pays(per_machine * run_s, overhead_s, keep_busy):
+        return 0
+    return math.ceil(jobs / per_machine - 1e-9)
 
 
 def capacity(idle: int, serving: int, rate: float, booting: Sequence[float], within: float) -> float:

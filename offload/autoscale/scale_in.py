@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from offload.autoscale.safety import RECENT_TASK
 from offload.autoscale.settings import AutoscaleSettings, Cost
 from offload.autoscale.state import QueueState
 from offload.autoscale.triggers import QueueLoad, idle_timeout
@@ -79,3 +80,11 @@ def hold(cfg: AutoscaleSettings, trig: Cost, qs: QueueState, price: float) -> Ho
     if gap < boot:
         return Hold(boot, f"cost: keep idle machines up to {_minutes(boot)}: {numbers}")
     return Hold(0.0, f"cost: release idle machines at once: {numbers}")
+
+
+def idle_tail(cfg: AutoscaleSettings, qs: QueueState) -> float:
+    """Seconds a machine that ran out of work still bills before it drains (the cost trigger's hold, else the idle
+    timeout; the safety rules' spare at least): what renting one for a burst costs after the burst."""
+    trig = cost_trigger(cfg)
+    timeout = hold(cfg, trig, qs, 0.0).seconds if trig is not None else idle_timeout(cfg)
+    return max(FALLBACK_TIMEOUT if timeout is None else timeout, RECENT_TASK)

@@ -25,6 +25,7 @@ from offload.schema import Strict, parse, parse_duration
 from offload.suggest import closest, did_you_mean
 
 Duration = Annotated[float, BeforeValidator(parse_duration)]
+MAX_BINS = 1440  # a pre-rent profile's bins per period: a day by the minute
 
 
 class Cron:
@@ -96,6 +97,23 @@ class Cost(Strict):
     )
 
 
+class Predict(Strict):
+    """The learned pre-rent of a queue with overflow (predict.py): arrivals by time within `period`, and machines
+    rented a boot ahead of a burst that came at the same time in each of the last `recur` periods."""
+
+    period: Duration = Field(..., gt=0, description="the period bursts recur with (1h: the minute of the hour)")
+    bin: Duration = Field(60.0, gt=0, description="the profile's resolution: arrivals are counted per bin")
+    recur: int = Field(3, ge=1, le=10, description="a burst is expected when it came in each of this many periods")
+
+    @model_validator(mode="after")
+    def _bounded(self) -> Predict:
+        if self.bin > self.period:
+            raise ValueError(f"bin: {self.bin:g}s is longer than period ({self.period:g}s)")
+        if self.period / self.bin > MAX_BINS:
+            raise ValueError(f"period / bin: {self.period / self.bin:g} bins, at most {MAX_BINS} (a longer bin)")
+        return self
+
+
 class Overflow(Strict):
     """A fleet that has serverless overflow (overflow.py): the fleet is rented for the queue's base load and a job
     goes to `backends` when the fleet is predicted not to start it within `after`."""
@@ -122,6 +140,9 @@ class Overflow(Strict):
         gt=0,
         description="the expected run time of one job until the queue's own is measured (blended with the first "
         "measured runs); unset: no machine is counted on before a run is measured",
+    )
+    predict: Predict | None = Field(
+        None, description="rent a boot ahead of bursts that recur each period (off when unset)"
     )
 
     @model_validator(mode="after")

@@ -41,6 +41,7 @@ class QueueState:
     gaps: int = 0
     boot_ewma: float = 0.0  # the queue's recent boot times, create to ready, seconds (0: none measured)
     arrivals: str = ""  # a queue with overflow: "t:enqueued,..." over its window (overflow.keep_samples)
+    profile: str = ""  # ...and with `predict`: "bin:jobs,..." over its last periods (predict.record)
     good_boots: str = ""  # AutoscaleSettings.boots of the last healthy boot...
     good_at: float = 0.0  # ...and when it was
     good_rented: float = 0.0  # when the newest machine that booted healthy was rented

@@ -108,10 +108,10 @@ def test_keep_machines_pays_for_each_machine_it_keeps() -> None:
     assert overflow.keep_machines(1.5, 0.01, 16) > 4  # near-free machines: keep many
 
 
-def test_burst_machines_only_when_a_machine_works_longer_than_it_boots() -> None:
-    assert overflow.burst_machines(100, 10.0, 1.0, 180.0, 300.0) == 0  # 2 min of work after a 3-min boot
-    assert overflow.burst_machines(100, 10.0, 1.0, 180.0, 1800.0) == math.ceil(90 / 27)
-    assert overflow.burst_machines(5, 10.0, 1.0, 180.0, 1800.0) == 0  # the fleet starts them in time
+def test_burst_machines_only_when_a_machine_pays_for_its_boot() -> None:
+    assert overflow.burst_machines(100, 10.0, 1.0, 180.0, 300.0, 0.4, 30.0) == 0  # 2 min of work, a 3-min boot
+    assert overflow.burst_machines(100, 10.0, 1.0, 180.0, 1800.0, 0.4, 30.0) == math.ceil(90 / 27)
+    assert overflow.burst_machines(5, 10.0, 1.0, 180.0, 1800.0, 0.4, 30.0) == 0  # the fleet starts them in time
     sized = overflow.size(2.1, 6, 0, 3, 16, FLOW)
     assert (sized.target, sized.floor) == (2, 2) and "base load 2.1 machines" in sized.why
     assert "burst carried by overflow" in sized.why
