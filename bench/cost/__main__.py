@@ -87,15 +87,15 @@ async def measure(
     seed: int,
     prices: Prices,
     small: bool,
-    quantiles: tuple[float, ...] = sweep.QUANTILES,
+    grid: sweep.Grid = sweep.Grid(),
 ) -> list[dict[str, Any]]:
     out = []
     for trace in traces:
         t0 = time.monotonic()
-        runs = [await play(url, trace, p, seed) for p in policies(poll, idle)]
-        settings = sweep.hybrid_policies(poll, idle, small, quantiles, trace.run_time)
+        runs = [await play(url, trace, p, seed) for p in policies(poll, idle)] if grid.fleet else []
+        settings = sweep.hybrid_policies(poll, idle, small, grid, trace.run_time)
         hybrid = [await play_hybrid(url, trace, p, prices, seed) for p in settings]
-        targets = sweep.choose(trace, sweep.fleet_rows(runs, prices), hybrid, prices, seed)
+        targets = sweep.choose(trace, sweep.fleet_rows(runs, prices), hybrid, prices, seed, grid.targets)
         bounds = {n: bounded(trace, clairvoyant(trace.jobs, trace.hosts.boot[0], n)) for n in MAX_WORKERS}
         boot = f"{trace.hosts.boot[0] / 60:g}-{trace.hosts.boot[1] / 60:g} min"
         if faulty(trace.hosts):
@@ -117,6 +117,11 @@ async def measure(
     return out
 
 
+def grid(args: argparse.Namespace) -> sweep.Grid:
+    afters = tuple(args.after) if args.after else None
+    return sweep.Grid(tuple(args.targets), afters, tuple(args.quantiles), args.predict, not args.no_fleet)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--small", action="store_true", help="small traces (CI: well under a minute)")
@@ -131,6 +136,16 @@ def main() -> None:
     p.add_argument("--cold", type=float, nargs=2, default=(5.0, 20.0), help="serverless cold start, s (min max)")
     p.add_argument("--boot", type=float, nargs=2, default=(2.0, 4.0), help="a rented machine's boot, min (min max)")
     p.add_argument("--quantiles", type=float, nargs="+", default=sweep.QUANTILES, help="the hybrid's base quantiles")
+    p.add_argument("--targets", type=float, nargs="+", default=sweep.TARGETS, help="the p95 targets swept, min")
+    p.add_argument(
+        "--after", type=float, nargs="+", help="the hybrid's `after` values, min (default: 1 and 1.5 x each target)"
+    )
+    p.add_argument(
+        "--predict",
+        metavar="PERIOD",
+        help="also play each hybrid setting with this pre-rent period (`overflow.predict`), e.g. 1h",
+    )
+    p.add_argument("--no-fleet", action="store_true", help="play the hybrid only (no fleet-only column)")
     p.add_argument("--plots", action="store_true", help="also a PNG a trace in --out (needs matplotlib)")
     args = p.parse_args()
     if args.trace:
@@ -147,7 +162,7 @@ def main() -> None:
         try:
             url = start_valkey(procs)
             measured_traces = asyncio.run(
-                measure(url, traces, args.poll, args.idle, args.seed, prices, args.small, tuple(args.quantiles))
+                measure(url, traces, args.poll, args.idle, args.seed, prices, args.small, grid(args))
             )
         finally:
             procs.stop_all()

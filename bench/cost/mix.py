@@ -37,6 +37,8 @@ class Mix:
     machines: int
     waits: list[float] = field(default_factory=list)  # seconds, per job
     kinds: list[str] = field(default_factory=list)  # "fleet" | "serverless", per job
+    boot_h: float = 0.0  # the fleet's GPU-h: boots...
+    idle_h: float = 0.0  # ...and gaps kept between jobs (the rest is work)
 
 
 def serverless_only(jobs: list[tuple[float, float]], prices: Prices, colds: list[float]) -> Mix:
@@ -47,7 +49,7 @@ def serverless_only(jobs: list[tuple[float, float]], prices: Prices, colds: list
 
 def mix_bound(jobs: list[tuple[float, float]], boot: float, k: int, target: float, prices: Prices) -> Mix:
     frees, used = [0.0] * k, [False] * k
-    paid = sls = 0.0
+    paid = sls = boots = gaps = 0.0
     late = max(0, len(jobs) - int((1 - P95_SLACK) * len(jobs)) - 1)  # report.percentile's p95 stays in target
     waits: list[float] = []
     kinds: list[str] = []
@@ -60,11 +62,11 @@ def mix_bound(jobs: list[tuple[float, float]], boot: float, k: int, target: floa
             start, m = min(busy)
         elif idle and arrival - max(idle)[0] <= boot:
             freed, m = max(idle)
-            start, paid = arrival, paid + arrival - freed
+            start, paid, gaps = arrival, paid + arrival - freed, gaps + arrival - freed
         elif idle or not all(used):
             m = max(idle)[1] if idle else used.index(False)
             used[m] = True
-            start, paid = arrival, paid + boot
+            start, paid, boots = arrival, paid + boot, boots + boot
         elif k and late > 0:
             start, m = min((frees[m], m) for m in range(k))
             late -= 1
@@ -78,7 +80,7 @@ def mix_bound(jobs: list[tuple[float, float]], boot: float, k: int, target: floa
         waits.append(start - arrival)
         kinds.append("fleet")
     cost = paid / 3600 * prices.rented + sls / 3600 * prices.serverless
-    return Mix(cost, paid / 3600, sls / 3600, sum(used), waits, kinds)
+    return Mix(cost, paid / 3600, sls / 3600, sum(used), waits, kinds, boots / 3600, gaps / 3600)
 
 
 def best_mix(jobs: list[tuple[float, float]], boot: float, max_workers: int, target: float, prices: Prices) -> Mix:

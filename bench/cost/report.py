@@ -147,4 +147,28 @@ def sweep_table(trace: dict[str, Any]) -> list[str]:
         )
     fails = [f"{t} min: {'; '.join(n)}" for t, n in trace.get("verdicts", {}).items() if n]
     out.append("\nTargets missed: " + (" · ".join(fails) if fails else "none") + ".")
+    return out + parts_table(trace)
+
+
+PARTS_HEAD = (
+    "| p95 target | hybrid: boot / idle / serverless premium $ | bound: boot / idle / serverless premium $ "
+    "| hybrid - bound: boot / idle / premium $ |\n|---|---|---|---|"
+)
+
+
+def parts_table(trace: dict[str, Any]) -> list[str]:
+    """Where the hybrid's dollars go against the bound's (sweep.parts: cost = the trace's work at the rented
+    price + boot + idle + serverless premium)."""
+    out = ["\nWhere the dollars go beyond the work at the rented price (hybrid's best setting and the bound):\n"]
+    out.append(PARTS_HEAD)
+    keys = ("boot_usd", "idle_usd", "premium_usd")
+    for target, row in trace["sweep"].items():
+        h, b = row["hybrid"], row["bound"]
+        if h is None or "boot_usd" not in h:
+            continue
+        diff = " / ".join(f"{h[k] - b[k]:+.2f}" for k in keys)
+        out.append(
+            f"| {target} min | {' / '.join(f'{h[k]:.2f}' for k in keys)} "
+            f"| {' / '.join(f'{b[k]:.2f}' for k in keys)} | {diff} |"
+        )
     return out

@@ -11,6 +11,8 @@ A policy none of whose settings meets a target is reported as such (None), not s
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 from bench.cost.hybrid import Prices, colds
@@ -26,30 +28,53 @@ AFTER_SHARES = (1.0, 1.5)  # `after` as a share of each target: a p95 leaves roo
 QUANTILES = (0.25, 0.5)
 
 
+@dataclass(frozen=True)
+class Grid:
+    """What the sweep plays: the p95 targets, the hybrid's `after` values (minutes; None: AFTER_SHARES of each
+    target), its base quantiles, an `overflow.predict.period` (each setting is then also played with it), and
+    whether the fleet policies are played too (without them the fleet-only column is empty)."""
+
+    targets: tuple[float, ...] = TARGETS
+    afters: tuple[float, ...] | None = None
+    quantiles: tuple[float, ...] = QUANTILES
+    predict: str | None = None
+    fleet: bool = True
+
+
 def hybrid_policies(
-    poll: float, idle: float, small: bool, quantiles: tuple[float, ...] = QUANTILES, run_time: float | None = None
+    poll: float, idle: float, small: bool, grid: Grid = Grid(), run_time: float | None = None
 ) -> list[Policy]:
-    """The hybrid's settings swept: `after` at each share of each target x the base load's quantile (small: the
-    first of each, at two targets, so CI stays within about a minute); `run_time` the prior (the trace's nominal
-    job length, Trace.run_time), the same in every setting."""
+    """The hybrid's settings swept: `after` at each share of each target (or the grid's) x the base load's
+    quantile (small: the first of each, at two targets, so CI stays within about a minute); `run_time` the prior
+    (the trace's nominal job length, Trace.run_time), the same in every setting."""
+    if grid.afters is not None:
+        afters = sorted({round(a * 60) for a in grid.afters})
+    else:
+        targets = SMALL_TARGETS if small else grid.targets
+        afters = [round(s * t * 60) for s in (AFTER_SHARES[:1] if small else AFTER_SHARES) for t in targets]
     out = []
-    for q in quantiles[:1] if small else quantiles:
-        for share in AFTER_SHARES[:1] if small else AFTER_SHARES:
-            for target in SMALL_TARGETS if small else TARGETS:
-                after = round(share * target * 60)
+    for period in [None] if grid.predict is None else [None, grid.predict]:
+        for q in grid.quantiles[:1] if small else grid.quantiles:
+            for after in afters:
                 flow: dict[str, Any] = {"backends": ["serverless"], "after": f"{after}s", "quantile": q}
                 if run_time is not None:
                     flow["run_time"] = f"{run_time:g}s"
                 name = f"hybrid, after {after / 60:g} min, base q{q:g}"
+                if period is not None:
+                    flow["predict"] = {"period": period}
+                    name += f", pre-rent {period}"
                 out.append(Policy(name, HYBRID_MAX, idle_timeout=idle, poll=poll, by_cost=True, overflow=flow))
     return out
 
 
 def hybrid_measured(trace: Trace, policy: Policy, served: Served, prices: Prices) -> dict[str, Any]:
     rented = sum(((r.gone or served.end) - r.created) for r in served.rentals) / 3600
+    boot = sum((min(r.boot_at or math.inf, r.gone or served.end) - r.created) for r in served.rentals) / 3600
     wait = [served.started[i] - START - a for i, (a, _) in enumerate(trace.jobs) if i in served.started]
     kinds = [served.done_by.get(i, []) for i in range(len(trace.jobs))]
     on_fleet = sum(1 for k in kinds if k == ["fleet"])
+    sls_work = sum(run for (_, run), k in zip(trace.jobs, kinds, strict=True) if k == ["serverless"]) / 3600
+    fleet_work = sum(run for (_, run), k in zip(trace.jobs, kinds, strict=True) if "fleet" in k) / 3600
     return {
         "policy": policy.name,
         "overflow": policy.overflow,
@@ -64,10 +89,23 @@ def hybrid_measured(trace: Trace, policy: Policy, served: Served, prices: Prices
         "on_fleet": on_fleet,
         "on_serverless": sum(1 for k in kinds if k == ["serverless"]),
         "rentals": len(served.rentals),
+        **parts(prices, boot, rented - boot - fleet_work, served.serverless_s / 3600, sls_work),
     }
 
 
-def summary(m: Mix, name: str) -> dict[str, Any]:
+def parts(prices: Prices, boot: float, idle: float, sls_billed: float, sls_work: float) -> dict[str, float]:
+    """Where the dollars go beyond the trace's work at the rented price (GPU-h in, $ out): cost = work x rented
+    + `boot` (the fleet's boots) + `idle` (its rent with no job: waits, gaps and tails) + `premium` (serverless's
+    bill less its jobs' runs at the rented price). Two ways of serving a trace differ only in these three."""
+    return {
+        "boot_usd": round(boot * prices.rented, 2),
+        "idle_usd": round(idle * prices.rented, 2),
+        "premium_usd": round(sls_billed * prices.serverless - sls_work * prices.rented, 2),
+    }
+
+
+def summary(m: Mix, name: str, jobs: list[tuple[float, float]], prices: Prices) -> dict[str, Any]:
+    sls_work = sum(run for (_, run), k in zip(jobs, m.kinds, strict=True) if k == "serverless") / 3600
     return {
         "policy": name,
         "cost": round(m.cost, 2),
@@ -78,6 +116,7 @@ def summary(m: Mix, name: str) -> dict[str, Any]:
         "on_fleet": m.kinds.count("fleet"),
         "on_serverless": m.kinds.count("serverless"),
         "machines": m.machines,
+        **parts(prices, m.boot_h, m.idle_h, m.serverless_gpu_h, sls_work),
     }
 
 
@@ -100,13 +139,21 @@ def cheapest(rows: list[dict[str, Any]], target: float) -> dict[str, Any] | None
 
 
 def choose(
-    trace: Trace, fleet: list[dict[str, Any]], hybrid: list[dict[str, Any]], prices: Prices, seed: int
+    trace: Trace,
+    fleet: list[dict[str, Any]],
+    hybrid: list[dict[str, Any]],
+    prices: Prices,
+    seed: int,
+    targets: tuple[float, ...] = TARGETS,
 ) -> dict[str, Any]:
-    sls = summary(serverless_only(trace.jobs, prices, colds(trace.jobs, prices, seed)), "serverless-only")
+    sls = summary(
+        serverless_only(trace.jobs, prices, colds(trace.jobs, prices, seed)), "serverless-only", trace.jobs, prices
+    )
     out: dict[str, Any] = {}
-    for target in TARGETS:
-        bound = summary(best_mix(trace.jobs, trace.hosts.boot[0], HYBRID_MAX, target * 60, prices), "offline mix")
-        out[str(target)] = {
+    for target in targets:
+        mix = best_mix(trace.jobs, trace.hosts.boot[0], HYBRID_MAX, target * 60, prices)
+        bound = summary(mix, "offline mix", trace.jobs, prices)
+        out[f"{target:g}"] = {
             "serverless": sls if sls["p95_min"] <= target else None,
             "fleet": cheapest(fleet, target),
             "hybrid": cheapest(hybrid, target),

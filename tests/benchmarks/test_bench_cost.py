@@ -1,7 +1,8 @@
 """`python -m bench.cost --small` runs end to end and its report holds together: every job served, utilisation
 in (0, 1], no policy renting fewer GPU-hours than the clairvoyant bound at its own peak wait, sums that agree; and
 the policy sweep's: every job of every hybrid run completed once, by exactly one kind of capacity, each policy's
-chosen setting meeting its target, no policy costing less than the offline mix bound."""
+chosen setting meeting its target, no policy costing less than the offline mix bound, and each cost's parts
+(boot, idle, serverless premium) adding up to it."""
 
 from __future__ import annotations
 
@@ -80,3 +81,15 @@ def check_sweep(trace: dict[str, Any], prices: dict[str, Any]) -> None:
         hybrid, singles = row["hybrid"], [row[k]["cost"] for k in ("serverless", "fleet") if row[k] is not None]
         dearer = hybrid is not None and hybrid["cost"] > min(singles)
         assert dearer == any("cheaper single kind" in n for n in trace["verdicts"][target]), where
+    check_parts(trace, prices)
+
+
+def check_parts(trace: dict[str, Any], prices: dict[str, Any]) -> None:
+    """Where the dollars go adds up: each cost is the trace's work at the rented price, plus boots, plus idle
+    rent, plus serverless's premium over the rented price, none negative (a hundredth's rounding each)."""
+    work = trace["runs"][0]["gpu_h_work"] * prices["rented"]
+    rows = [r for row in trace["sweep"].values() for r in (row["bound"], row["serverless"]) if r is not None]
+    for part in [*trace["hybrid_runs"], *rows]:
+        where = f"{trace['name']} / {part['policy']}: {part}"
+        assert min(part["boot_usd"], part["idle_usd"], part["premium_usd"]) >= 0, where
+        assert abs(part["cost"] - (work + part["boot_usd"] + part["idle_usd"] + part["premium_usd"])) <= 0.05, where
