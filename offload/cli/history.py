@@ -3,7 +3,6 @@ that saw anything, oldest first; `--json` prints every point, the empty ones too
 
 from __future__ import annotations
 
-import dataclasses
 from datetime import datetime
 from typing import Annotated, Literal
 
@@ -37,7 +36,7 @@ def history(queue: QueueArg, range_: RangeOpt = "hour", json_out: JsonOpt = Fals
     """A queue's counts, wait and run p50/p95, spend and backlog per minute (last hour) or hour (day, week)."""
     step, points = run_store(url, lambda store: store.history(queue, range_), known=[queue])
     if json_out:
-        print_json({"queue": queue, "range": range_, "step_s": step, "points": [dataclasses.asdict(p) for p in points]})
+        print_json({"queue": queue, "range": range_, "step_s": step, "points": [p.to_dict() for p in points]})
         return
     grid = listing()
     text_column(grid, "from")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from offload.queue.keyspace import HISTORY_RESOLUTIONS, history_bucket, prefix, validate_queue
 from offload.queue.scripts import HIST_BUCKETS_S, HISTORY_KEEP_S, SCRIPTS
@@ -38,6 +39,23 @@ class HistoryPoint:
     spend_usd: dict[str, float]
     spend_by_backend: dict[str, float]
     gauges: dict[str, float | None] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The point as the API and `offload history --json` show it: counts and gauges flat, machines and jobs
+        whole, $/h to a millionth; a gauge no server sampled is None."""
+        g = self.gauges
+        whole = {k: None if g.get(k) is None else int(g[k] or 0) for k in ("backlog", "in_flight", "fleet_machines")}
+        usd_h = g.get("fleet_usd_per_h")
+        return {
+            "t": self.t,
+            **self.counts,
+            "wait_ms": self.wait_ms,
+            "run_ms": self.run_ms,
+            "spend_usd": self.spend_usd,
+            "spend_by_backend": self.spend_by_backend,
+            **whole,
+            "fleet_usd_per_h": None if usd_h is None else round(usd_h, 6),
+        }
 
 
 def quantile(q: float, buckets: Mapping[int, float]) -> float | None:

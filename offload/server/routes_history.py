@@ -10,7 +10,7 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from offload.queue import history
 from offload.server.auth import GuardedRoute, Principal, can_read, need_read
 from offload.server.routes_jobs import require_queue
-from offload.server.schemas import HistoryPointView, HistoryReply, Percentiles
+from offload.server.schemas import HistoryPointView, HistoryReply
 from offload.server.state import ServerState, get_state
 
 router = APIRouter(tags=["queues"], route_class=GuardedRoute)
@@ -20,25 +20,8 @@ RangeQ = Annotated[
 ]
 
 
-def _int(v: float | None) -> int | None:
-    return None if v is None else int(v)
-
-
 def _view(p: history.HistoryPoint) -> HistoryPointView:
-    g = p.gauges
-    usd_h = g.get("fleet_usd_per_h")
-    return HistoryPointView(
-        t=p.t,
-        **p.counts,
-        wait_ms=Percentiles(**p.wait_ms),
-        run_ms=Percentiles(**p.run_ms),
-        spend_usd=p.spend_usd,
-        spend_by_backend=p.spend_by_backend,
-        backlog=_int(g.get("backlog")),
-        in_flight=_int(g.get("in_flight")),
-        fleet_machines=_int(g.get("fleet_machines")),
-        fleet_usd_per_h=None if usd_h is None else round(usd_h, 6),
-    )
+    return HistoryPointView.model_validate(p.to_dict())
 
 
 async def _reply(state: ServerState, queues: list[str], range_name: Range, one: str | None) -> HistoryReply:

@@ -25,7 +25,7 @@ from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 from offload.storage import LocalStorageSettings, create_storage
 
-READ_NAMES = {"status", "list", "show", "events", "check", "queues", "jobs", "result", "wait"}
+READ_NAMES = {"status", "list", "show", "events", "check", "queues", "jobs", "result", "wait", "history"}
 NOT_READ = {  # command -> why it is not a read command
     **{
         c: "changes jobs or queues"
@@ -75,6 +75,7 @@ ARGS: dict[str, tuple[list[str], Callable[[Any, dict[str, str]], bool]]] = {
     "providers show": (["PROVIDER"], lambda d, w: d["type"] == "mock"),
     "autoscale credentials list": ([], lambda d, w: d == {"git-ci": {"value": "****7890", "host": "github.com"}}),
     "embedded status": ([], lambda d, w: d["running"] is False),
+    "history": (["gpu"], lambda d, w: len(d["points"]) == 60 and sum(p["enqueued"] for p in d["points"]) >= 3),
     "config check": (["--config", "CONFIG"], lambda d, w: d["ok"] is True and d["queues"]["gpu"]["backend"] == "sim"),
 }
 
