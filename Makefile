@@ -30,14 +30,19 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
+# uv installs what pip would (the same versions, compared with `pip freeze`) in about 5 s where pip takes ~50 s of
+# a CI run; pip installs them where uv cannot (no uv wheel, or no way to its index).
+UV_INSTALL = $(1)/bin/pip install --quiet uv && VIRTUAL_ENV=$(CURDIR)/$(1) $(1)/bin/uv pip install --quiet $(2) \
+	|| $(1)/bin/pip install --quiet $(2)
+
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(call UV_INSTALL,$(VENV),-e '.[dev]')
 	touch $@
 
 $(TOOLS_STAMP):
 	$(PYTHON) -m venv $(TOOLS)
 	$(TOOLS)/bin/pip install --quiet --upgrade pip
-	$(TOOLS)/bin/pip install --quiet 'checkov==$(CHECKOV_VERSION)' 'configobj>=5' 'jsonpatch>=1.33'
+	$(call UV_INSTALL,$(TOOLS),'checkov==$(CHECKOV_VERSION)' 'configobj>=5' 'jsonpatch>=1.33')
 	rm -rf $(TOOLS)/cloud-init $(TOOLS)/deb && mkdir -p $(TOOLS)/deb
 	if command -v apt-get >/dev/null && command -v dpkg-deb >/dev/null; then \
 	  (cd $(TOOLS)/deb && (apt-get download -q cloud-init 2>/dev/null \

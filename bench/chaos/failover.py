@@ -47,6 +47,9 @@ class Failover:
         self.link: FaultProxy | None = None
         self.cut_at: float | None = None
         self.failovers = 0
+        # the clients' switch to the promoted replica: how many so far and when the last was (a reply read after it
+        # on a connection opened before it came from the old primary: the switch cut every connection)
+        self.switches, self.switched_at = 0, 0.0
         # per queue, the last events-stream id the promoted replica had at the last failover: a reader of the
         # streams goes on from there (the new primary's ids may be below what it read from the old one: a step
         # back of the clock holds them at their last value)
@@ -98,7 +101,8 @@ class Failover:
         for proxy in self.proxies:
             proxy.upstream = (HOST, new.port)
             proxy.reset_all()
-        done = {"cut_at": self.cut_at or time.time(), "switched_at": time.time(), "kept": kept}
+        self.switched_at, self.switches = time.time(), self.switches + 1
+        done = {"cut_at": self.cut_at or time.time(), "switched_at": self.switched_at, "kept": kept}
         await asyncio.to_thread(old.crash)
         self.primary, self.replica = new, old
         self.cut_at = None

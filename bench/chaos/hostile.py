@@ -88,11 +88,15 @@ class Hostile:
     async def _producer_key(self) -> str:
         if not hasattr(self, "_key"):
             async with httpx.AsyncClient(base_url=self.url, timeout=30) as c:
-                r = await c.post(
-                    "/v1/keys",
-                    json={"scope": "producer", "queues": [self.queue], "name": "chaos hostile"},
-                    headers={"Authorization": f"Bearer {ADMIN_KEY}"},
-                )
+                for _ in range(30):  # a key the replica lacks is refused with 503 (durability): made again
+                    r = await c.post(
+                        "/v1/keys",
+                        json={"scope": "producer", "queues": [self.queue], "name": "chaos hostile"},
+                        headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                    )
+                    if r.status_code != 503:
+                        break
+                    await asyncio.sleep(1)
                 r.raise_for_status()
                 self._key: str = r.json()["token"]
         return self._key

@@ -177,7 +177,7 @@ def passed(doc: dict[str, Any]) -> bool:
 def human(doc: dict[str, Any], run: Run) -> str:
     lines = [
         f"chaos run: {doc['jobs']} jobs (+{doc.get('cap', {}).get('jobs', 0)} capped), {run.p.workers} workers, "
-        f"{doc['minutes']:g} min of faults, AOF {doc['aof']}, Idempotency-Key "
+        f"{doc['minutes'] * 60:.0f} s of faults, AOF {doc['aof']}, Idempotency-Key "
         f"{'honoured' if doc['honour_idempotency_key'] else 'ignored'} by the simulator; {run.pidns_note}",
         f"injected: {doc['kills']} SIGKILLs, {doc['stops']} SIGSTOPs past the lease, {doc['valkey_restarts']} "
         f"Valkey crashes, {doc['dropped_replies']} dropped replies, {doc['resets']} resets, {doc['blackholes']} "

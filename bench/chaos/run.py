@@ -338,10 +338,10 @@ class Run:
             self.read_url, decode_responses=True, socket_timeout=5, retry=Retry(NoBackoff(), 0)
         )
         while not self.stop_background.is_set():
-            if self.failover is not None and self.failover.failovers > failovers:
+            if self.failover is not None and self.failover.switches > failovers:
                 # read on from the promoted replica's last entry: what was read past it from the old primary is
                 # lost (the checker drops it), and the new primary's ids may be below it (held by a clock step)
-                failovers = self.failover.failovers
+                failovers = self.failover.switches
                 streams.update({f"offload:{{{q}}}:events": i for q, i in self.failover.kept_ids.items()})
             try:
                 reply = await client.xread(streams, count=5000, block=300)  # type: ignore[arg-type]
@@ -350,6 +350,9 @@ class Run:
                 await asyncio.sleep(0.2)
                 continue
             received = time.time()
+            if self.failover is not None and self.failover.switches > failovers:
+                # the switch cut this read's connection after its reply came: the old primary's, read before it
+                received = self.failover.switched_at - 0.001
             store_ms = None
             if got:  # (the store's clock now: an id ahead of it was held there by a step back, see _event_time)
                 with contextlib.suppress(RedisError, OSError):

@@ -11,6 +11,9 @@ variable (and restarting) revokes it. Being chosen by a person rather than gener
 characters and hard to guess, judged by zxcvbn (repeats, sequences, keyboard walks, dictionary words and dates
 count for little): at least 10^24 guesses (about 80 bits), so it cannot be guessed past the failed-auth limit.
 The server refuses to start otherwise, in one line naming the variable.
+
+With `durability` set, a key's creation and its revocation are acknowledged only once the replicas have them
+(the store's mark and WAIT): a failover must not lose a key an admin has handed out, nor bring back one revoked.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 
 from offload.env import env_str
 from offload.errors import ConfigError, RequestError
+from offload.queue.durability import Durability, confirm
 from offload.queue.keyspace import API_KEYS, api_key, validate_queue
 from offload.redis_client import RedisClient
 
@@ -110,13 +114,21 @@ def _check(scope: str, queues: list[str]) -> frozenset[str] | None:
 class KeyStore:
     """Create, look up, list and revoke keys. Plain single-key commands, so it works on a cluster too."""
 
-    def __init__(self, redis: RedisClient, bootstrap_token: str | None = None) -> None:
+    def __init__(
+        self, redis: RedisClient, bootstrap_token: str | None = None, durability: Durability | None = None
+    ) -> None:
         self.redis = redis
+        self.durability = durability
         self._bootstrap = hash_token(check_admin_key(bootstrap_token)) if bootstrap_token else None
 
     @classmethod
-    def from_env(cls, redis: RedisClient) -> KeyStore:
-        return cls(redis, env_str(ADMIN_ENV) or None)
+    def from_env(cls, redis: RedisClient, durability: Durability | None = None) -> KeyStore:
+        return cls(redis, env_str(ADMIN_ENV) or None, durability)
+
+    async def _replicated(self, key_id: str) -> None:
+        """With durability: raise NotReplicated unless the replicas have the writes made so far (the caller's)."""
+        if self.durability is not None:
+            await confirm(self.redis, api_key(key_id), self.durability)
 
     async def create(self, scope: str, queues: list[str] | None = None, name: str = "") -> tuple[ApiKey, str]:
         """Returns the key and its token; the token cannot be recovered later."""
@@ -135,6 +147,7 @@ class KeyStore:
             },
         )
         await self.redis.sadd(API_KEYS, key_id)
+        await self._replicated(key_id)  # not acknowledged, the token is never shown: the record is an orphan
         return key, token
 
     async def authenticate(self, token: str) -> ApiKey | None:
@@ -179,6 +192,7 @@ class KeyStore:
         """True if the key existed. Takes effect on the next request (no cache)."""
         removed = int(await self.redis.delete(api_key(key_id)))
         await self.redis.srem(API_KEYS, key_id)
+        await self._replicated(key_id)  # not acknowledged: the admin revokes again (a failover may bring it back)
         return removed > 0
 
 

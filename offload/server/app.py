@@ -131,7 +131,12 @@ async def _open(options: ServerOptions) -> ServerState:
         await at_start(lambda: require_noeviction(redis))  # (cli/server.py checks first: one error line)
         store = QueueStore(redis, lease_ms=options.worker_lease_ms, durability=options.settings.durability)
         await at_start(lambda: store.check_durability(list(options.settings.queues)))
-        keys = KeyStore(redis, options.admin_key) if options.admin_key else KeyStore.from_env(redis)
+        durability = options.settings.durability
+        keys = (
+            KeyStore(redis, options.admin_key, durability)
+            if options.admin_key
+            else KeyStore.from_env(redis, durability)
+        )
         return ServerState(
             options=options,
             redis=redis,

@@ -501,7 +501,8 @@ def _chaos(tmp_path: Path, *args: str) -> tuple[dict[str, Any], str]:
     assert sum(faults.get(f"gateway_{c}", 0) for c in (502, 504, 524)) > 0, faults
     # (with webhooks the first poll comes long after the lag: the result arrives by webhook)
     assert faults.get("status_lag", 0) > 0 or doc["webhooks"], faults
-    assert doc["jobs"] >= 300, doc
+    # 15 jobs/s for 34 s, less the batches an outage refused (one after an outage catches up: up to 500 jobs)
+    assert doc["jobs"] >= 200, doc
     drains = doc["drains"]
     assert drains["graceful"] >= 1 and drains["handed_back_unsent"] + drains["calls_out"] > 0, drains
     # ... and every guarantee held
@@ -520,7 +521,7 @@ def _chaos(tmp_path: Path, *args: str) -> tuple[dict[str, Any], str]:
 @pytest.mark.xdist_group("chaos")
 @pytest.mark.timeout(420)
 def test_ci_sized_chaos_run_keeps_every_guarantee(tmp_path: Path) -> None:
-    """About two minutes on two loaded cores. The harness bounds its own waits; a stuck job is reported."""
+    """About a minute and a half on two loaded cores. The harness bounds its own waits; a stuck job is reported."""
     doc, summary = _chaos(tmp_path, "--seed", "11")
     others = {c: n for c, n in doc["duplicates_by_cause"].items() if c != "killed_inside_submit"}
     assert others == {}, summary

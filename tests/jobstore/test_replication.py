@@ -29,6 +29,7 @@ from support.server_helpers import server
 from support.servers import HOST, ValkeyCluster, ValkeyServer
 
 from bench.chaos.proxy import FaultProxy
+from offload.access.api_keys import KeyStore
 from offload.client import AsyncClient, Client
 from offload.config import Settings, load_settings
 from offload.connection import connect, is_outage
@@ -171,6 +172,31 @@ async def test_without_durability_a_failover_loses_every_write_acknowledged_sinc
                 await retried(functools.partial(client.get, job_id))
                 survivors.append(job_id)
     assert survivors == before  # 20 of 30 acknowledged jobs lost
+
+
+async def test_a_durable_revoke_or_key_is_acknowledged_only_once_the_replica_has_it(pair: Pair) -> None:
+    """Without durability a revoke the primary acknowledged is undone by a failover to a replica that lacked it:
+    the revoked key authenticates again. With it, the revoke (and a new key) is refused while the replica is cut
+    off, so the admin knows to revoke again; once revoked and acknowledged, the key stays revoked."""
+    redis = await connect(pair.url)
+    try:
+        plain, durable = KeyStore(redis), KeyStore(redis, durability=Durability(**DURABLE))
+        loose_key, loose = await plain.create("producer", [Q], "revoked without durability")
+        held, token = await durable.create("producer", [Q], "revoked with durability")
+        await asyncio.to_thread(pair.settle)
+        pair.cut()
+        assert await plain.revoke(loose_key.id)
+        with pytest.raises(NotReplicated, match="on 0 of 1 replicas"):
+            await durable.revoke(held.id)
+        with pytest.raises(NotReplicated, match="on 0 of 1 replicas"):
+            await durable.create("viewer", None, "never handed out")
+        await pair.fail_over()
+        assert await retried(functools.partial(plain.authenticate, loose)) is not None  # the acknowledged revoke: lost
+        assert await retried(functools.partial(durable.authenticate, token)) is not None  # refused: revoke again
+        assert await retried(functools.partial(durable.revoke, held.id))
+        assert await durable.authenticate(token) is None
+    finally:
+        await redis.aclose()
 
 
 # -- the dispatch worker ------------------------------------------------------------------------------------------
@@ -437,9 +463,11 @@ def test_the_http_api_answers_503_with_a_json_body_when_an_enqueue_is_not_replic
         assert "on 0 of 1 replicas" in caplog.text
         with http_client(url, admin) as c:
             r = c.post(f"/v1/queues/{Q}/jobs", json={"input": {"n": 1}}, headers={"Idempotency-Key": "a"})
+            made = c.post("/v1/keys", json={"scope": "viewer", "name": "not replicated"})
     assert r.status_code == 503 and r.headers["Retry-After"] == "1"
     body = r.json()
     assert body["error"] == "unavailable" and body["detail"].startswith("durability: the write was on 0 of 1 replicas")
+    assert made.status_code == 503 and "token" not in made.text, made.text  # a key not replicated is never handed out
 
 
 # -- a cluster ----------------------------------------------------------------------------------------------------

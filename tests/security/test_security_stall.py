@@ -236,9 +236,12 @@ def test_no_route_with_a_body_stalls_the_loop(api: tuple[str, str]) -> None:
                     accepted.append((label, r.json()["id"]))
                 key = f"{label}: {method} {template} -> {r.status_code}"
                 stalls[key] = probe.worst()
-                if stalls[key][1] >= MAX_STALL_S and not _parse_bound(key) and r.status_code >= 400:
-                    # over the line once (a loaded CI machine adds to the CPU a stall costs): a refused request
-                    # changes nothing, so it is measured once more and the smaller stall is the code's
+                repeatable = r.status_code >= 400 or (r.status_code == 201 and template.endswith("/jobs"))
+                if stalls[key][1] >= MAX_STALL_S and not _parse_bound(key) and repeatable:
+                    # over the line once (a loaded CI machine adds to the CPU a stall costs, and a full collection
+                    # may fall in it): a refused request changes nothing and an accepted enqueue takes the same
+                    # path again (one more job in its case's queue), so it is measured once more and the smaller
+                    # stall is the code's
                     with Probe(url) as again:
                         caller.request(method, path, content=body, headers={"Content-Type": "application/json"})
                     stalls[key] = min(stalls[key], again.worst(), key=lambda s: s[1])
