@@ -89,7 +89,7 @@ async def overflow_up(
     await publish_reach(redis, ev.queue, have, idle, flow.after, run_s, max(3 * cfg.poll_interval, REACH_TTL_MIN_S))
     tail = scale_in.idle_tail(cfg, ev.state)
     burst = overflow.burst_machines(load.pending, have, rate, boot, flow.after, flow.keep_busy, tail)
-    sized = overflow.size(base, buckets, burst, len(active), cfg.limit, flow)
+    sized = overflow.size(base, buckets, burst, len(active), cfg.limit, flow, run_s)
     pre, pre_why = 0, ""
     if flow.predict is not None and profile is not None and run_s > 0:
         fc = predict.forecast(profile, now, boot + cfg.poll_interval, flow.predict)

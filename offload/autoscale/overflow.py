@@ -14,7 +14,8 @@ rule that makes the mix pay: rent for the load that stays, send the burst to ove
   as many as pay: a machine rented now starts (after - boot) x rate of it in time, and that work on it must cost
   less than on overflow with its boot and its idle tail (how long scale-in keeps it after) paid (`pays`). A burst
   that lasts keeps justifying them; the arrivals it brings also raise the base.
-- `keep_machines`: how many machines that base keeps busy enough to beat overflow's price (Erlang's loss formula).
+- `keep_machines`: how many machines that base keeps busy enough to beat overflow's price, a job waiting up to
+  `after` before it overflows (`overflowed`: the delay model; Erlang's loss formula when nothing waits).
 - `size`: the count and its floor (the base is kept through idle gaps; burst machines go by the idle rules).
 """
 
@@ -133,22 +134,50 @@ class Sizing:
     why: str
 
 
-def keep_machines(load: float, busy: float, limit: int) -> int:
-    """How many machines to keep for an offered `load` (machines' worth of work) that overflows what they cannot
-    start: the n-th is kept while it would be busy at least `busy` of the time. The n-th machine's share is
-    load x (B(n-1) - B(n)), B Erlang's loss formula (jobs that find every machine busy go elsewhere): a job that
-    may wait `after` only makes the machines busier, so this never keeps one that does not pay."""
+def overflowed(n: int, load: float, patience: float) -> float:
+    """The share of jobs that go to overflow from `n` machines under an offered `load` (machines' worth of work),
+    a job going when it would wait longer than `patience` (in run times: `after` / the mean run time).
+
+    The delay model: Poisson arrivals, exponential runs, n machines, and a job that would wait past `patience`
+    leaves as it arrives (the router sends it on at once). With p_k (k < n busy) ~ A^k / k!, the wait of an
+    arrival that finds all n busy has density A q e^-(n - A)v (q = A^(n-1) / (n-1)!, v in run times) up to the
+    patience and a tail of A q e^-(n - A)p / n beyond it, so the share is that tail over the whole:
+        E / n / (1 / (A B(n-1)) + (1 - E) / (n - A) + E / n),  E = e^-(n - A)p,  B Erlang's loss formula.
+    Patience 0 is Erlang's loss formula B(n); a long one is Erlang C's tail, 0 for n > A and 1 - n / A below."""
+    if n <= 0:
+        return 1.0
+    if load <= 0:
+        return 0.0
+    b = 1.0  # Erlang B(n - 1), by the recursion B(k) = A B(k-1) / (k + A B(k-1))
+    for k in range(1, n):
+        b = load * b / (k + load * b)
+    x = (n - load) * max(patience, 0.0)
+    head = 1 / (load * b)
+    if x >= 0:  # E <= 1: as written
+        e = math.exp(-x)
+        mid = -math.expm1(-x) / (n - load) if abs(n - load) > 1e-12 else max(patience, 0.0)
+        return e / n / (head + mid + e / n)
+    r = math.exp(x)  # E > 1: divide through by E (r = 1 / E), so a long patience does not overflow the float
+    return (1 / n) / (head * r + (r - 1) / (n - load) + 1 / n)
+
+
+def keep_machines(load: float, busy: float, limit: int, patience: float = 0.0) -> int:
+    """How many machines to keep for an offered `load` (machines' worth of work) whose jobs overflow when they
+    would wait longer than `patience` run times: the n-th is kept while it would be busy at least `busy` of the
+    time. Its share is the work it takes from overflow, load x (O(n-1) - O(n)), O `overflowed` (the delay model;
+    at patience 0 Erlang's loss formula, where a job that finds every machine busy goes elsewhere)."""
     n, lost = 0, 1.0
     while n < limit and load > 0:
-        nxt = load * lost / (n + 1 + load * lost)
+        nxt = overflowed(n + 1, load, patience)
         if load * (lost - nxt) < busy:
             break
         n, lost = n + 1, nxt
     return n
 
 
-def size(base: float, buckets: int, burst: int, active: int, limit: int, cfg: Overflow) -> Sizing:
-    keep = keep_machines(base, cfg.keep_busy, limit)
+def size(base: float, buckets: int, burst: int, active: int, limit: int, cfg: Overflow, run_s: float) -> Sizing:
+    """The fleet's count: the base's machines (a job waits up to `after`, `run_s` a run) and the burst's."""
+    keep = keep_machines(base, cfg.keep_busy, limit, cfg.after / run_s if run_s > 0 else 0.0)
     target = min(max(keep, active + burst if burst else keep), limit)
     why = (
         f"base load {base:.1f} machines (q{cfg.quantile:g} of {buckets} bucket(s) of {cfg.span / 60:g} min): "

@@ -108,14 +108,56 @@ def test_keep_machines_pays_for_each_machine_it_keeps() -> None:
     assert overflow.keep_machines(1.5, 0.01, 16) > 4  # near-free machines: keep many
 
 
+def test_the_delay_model_is_erlang_b_at_no_patience_and_erlang_c_at_a_long_one() -> None:
+    """overflowed(n, A, p) = E / n / (1 / (A B(n-1)) + (1 - E) / (n - A) + E / n), E = e^-(n - A)p, by hand:
+    - n 1, A 1, p 1: B(0) = 1, E = 1 and (1 - E) / (n - A) -> p = 1: (1 / 1) / (1 + 1 + 1) = 1/3 (the machine is
+      busy 2/3 of the time);
+    - n 2, A 1, p 0: B(1) = 1/2, E = 1: (1/2) / (2 + 0 + 1/2) = 1/5 = Erlang B(2) at A 1;
+    - n 2, A 1, p ln 2: E = 1/2: (1/4) / (2 + 1/2 + 1/4) = 1/11;
+    - n 1, A 2, p ln 2 (overloaded): E = 2: 2 / (1/2 + (1 - 2) / (1 - 2) + 2) = 4/7, so the machine carries
+      2 x 3/7 = 6/7;
+    - a long patience: Erlang C's tail, 0 with more machines than load, 1 - n / A with fewer (each is busy)."""
+    assert overflow.overflowed(1, 1.0, 1.0) == pytest.approx(1 / 3)
+    assert overflow.overflowed(2, 1.0, 0.0) == pytest.approx(1 / 5)
+    assert overflow.overflowed(2, 1.0, math.log(2)) == pytest.approx(1 / 11)
+    assert overflow.overflowed(1, 2.0, math.log(2)) == pytest.approx(4 / 7)
+    assert overflow.overflowed(1, 2.0, 1000.0) == pytest.approx(1 / 2)  # r = e^-1000: no float overflow
+    assert overflow.overflowed(3, 2.0, 1000.0) == pytest.approx(0.0, abs=1e-12)
+    assert overflow.overflowed(0, 2.0, 5.0) == 1.0 and overflow.overflowed(3, 0.0, 5.0) == 0.0
+    for n in range(1, 8):  # more patience, fewer overflow; more machines, fewer overflow
+        shares = [overflow.overflowed(n, 3.0, p) for p in (0.0, 0.5, 1.0, 3.0, 10.0)]
+        assert shares == sorted(shares, reverse=True)
+        assert overflow.overflowed(n + 1, 3.0, 1.0) < overflow.overflowed(n, 3.0, 1.0)
+
+
+def test_jobs_that_wait_keep_fewer_busier_base_machines() -> None:
+    """keep_machines keeps the n-th while load x (O(n-1) - O(n)) >= busy, by hand:
+    - A 4 at patience 0 (Erlang B): B(4) = 0.3107, B(5) = 0.1991, B(6) = 0.1172: the 5th carries
+      4 x 0.1116 = 0.45, the 6th 4 x 0.0819 = 0.33: 5 kept;
+    - A 4 at patience 10 (`after` 15 min, 90 s runs): O(3) = 1/4 and O(4) = 1/4 / (1 / (4 B(3)) + 10 + 1/4), B(3)
+      = 0.4507, = 0.0231: the 4th carries 4 x 0.227 = 0.91 and the 5th 4 x (0.0231 - 0.0000) = 0.09: 4 kept;
+    - A 0.5 at patience 1: O(1) = e^-0.5 / (2 + (1 - e^-0.5) / 0.5 + e^-0.5) = 0.6065 / 3.3935 = 0.179, so one
+      machine carries 0.5 x 0.821 = 0.41 >= 0.4 and is kept, where Erlang B gives it 0.5 x 2/3 = 0.33: none."""
+    assert overflow.overflowed(4, 4.0, 10.0) == pytest.approx(0.0231, abs=1e-4)
+    assert overflow.keep_machines(4.0, 0.4, 16) == 5
+    assert overflow.keep_machines(4.0, 0.4, 16, 10.0) == 4
+    assert overflow.overflowed(1, 0.5, 1.0) == pytest.approx(0.1787, abs=1e-4)
+    assert overflow.keep_machines(0.5, 0.4, 16, 1.0) == 1
+    assert overflow.keep_machines(0.5, 0.4, 16, 0.0) == 0
+    assert overflow.keep_machines(4.0, 0.4, 3, 10.0) == 3  # max_workers caps it
+    sized = overflow.size(4.0, 6, 0, 0, 16, Overflow.model_validate({"backends": ["s"], "after": "15m"}), 90.0)
+    assert (sized.target, sized.floor) == (4, 4)  # `after` / the run time is the patience
+    assert overflow.size(4.0, 6, 0, 0, 16, FLOW, 0.0).floor == 5  # no run time: Erlang B, as before
+
+
 def test_burst_machines_only_when_a_machine_pays_for_its_boot() -> None:
     assert overflow.burst_machines(100, 10.0, 1.0, 180.0, 300.0, 0.4, 30.0) == 0  # 2 min of work, a 3-min boot
     assert overflow.burst_machines(100, 10.0, 1.0, 180.0, 1800.0, 0.4, 30.0) == math.ceil(90 / 27)
     assert overflow.burst_machines(5, 10.0, 1.0, 180.0, 1800.0, 0.4, 30.0) == 0  # the fleet starts them in time
-    sized = overflow.size(2.1, 6, 0, 3, 16, FLOW)
+    sized = overflow.size(2.1, 6, 0, 3, 16, FLOW, 60.0)
     assert (sized.target, sized.floor) == (2, 2) and "base load 2.1 machines" in sized.why
     assert "burst carried by overflow" in sized.why
-    grown = overflow.size(2.1, 6, 4, 3, 5, FLOW)
+    grown = overflow.size(2.1, 6, 4, 3, 5, FLOW, 60.0)
     assert grown.target == 5 and "justifies 4 more" in grown.why  # max_workers caps the burst
 
 
