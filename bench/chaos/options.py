@@ -66,7 +66,7 @@ QUICK = {
     "storm_every": 20.0,
     "storm_s": 3.0,
     "cancel_every": 2.0,
-    "drain_every": 10.0,
+    "drain_every": 6.0,
     "failover_every": 20.0,
     "failover_cut_s": 3.0,
     "hostile_every": 8.0,

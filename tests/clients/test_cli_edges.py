@@ -390,6 +390,19 @@ def test_revoking_a_key_asks_and_names_it(valkey_url: str) -> None:
     assert as_json(valkey_url, "keys", "list") == []
 
 
+def test_a_key_the_replicas_lack_is_refused_with_durability(valkey_url: str) -> None:
+    """OFFLOAD_DURABILITY_REPLICAS=1 on a Valkey without replicas: the key is made on the primary but not handed
+    out, and a revoke is refused (one line naming durability)."""
+    durable = {"OFFLOAD_DURABILITY_REPLICAS": "1", "OFFLOAD_DURABILITY_TIMEOUT_MS": "50"}
+    refused = failed(cli(valkey_url, "keys", "create", "--scope", "viewer", "--json", env=durable))
+    assert "durability" in refused and "on 0 of 1 replicas" in refused and "ofk_" not in refused, refused
+    created = orjson.loads(ok(valkey_url, "keys", "create", "--scope", "viewer", "--json"))
+    refused = failed(cli(valkey_url, "keys", "revoke", created["id"], "--yes", env=durable))
+    assert "on 0 of 1 replicas" in refused, refused
+    # not acknowledged is all it means: the primary ran it, and with no failover the key is gone
+    assert created["id"] not in [k["id"] for k in as_json(valkey_url, "keys", "list")]
+
+
 def test_deleting_a_credential_or_provider_asks_first(valkey_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OFFLOAD_VAULT_MASTER_KEY", "test-master-key-0123456789")
     monkeypatch.setenv("EDGES_TOKEN", "ghp_abcdefghijklmnopqrstuvwxyz")
