@@ -228,7 +228,10 @@ class _Shared:
             control=QueueStore(control, durability=self.settings.durability),
             router=build_router(self.settings, options.queue, self.backends, self.limits, self.redis),
         )
-        worker.policy.apply(self.memory)  # paused from the start (one line naming the setting) if the store may evict
+        # paused from the start (one line naming the setting) if the store may evict: read again here, as the
+        # start-up's own checks (durability's WAIT, a store that answers late) may have taken seconds since
+        self.memory = await at_start(lambda: read_memory(self.redis))
+        worker.policy.apply(self.memory)
         log.info(
             "worker %s serving queue %s via %s, up to %d in flight",
             worker.id,

@@ -17,6 +17,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -35,6 +36,7 @@ from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 from offload.testing.sim.config import SimConfig
 from offload.testing.sim.server import running_sim
+from offload.worker import run as run_module
 from offload.worker.dispatch import Worker
 
 BUCKET, sim, bucket, fleets = (
@@ -218,6 +220,54 @@ async def test_a_worker_started_on_a_store_that_may_evict_waits_paused_then_serv
     await seconds_until(said, 60, "the worker to say the policy is wrong", why=fleet.problems)
     await _unpaid_until_fixed(own_valkey, fleet, sim, ostore, ids, "start")
     assert fleet.log("w0").read_text().count(line) == 1  # one line, not one per check
+
+
+async def test_a_policy_changed_during_the_start_up_pauses_the_worker_before_it_serves(
+    own_valkey: ValkeyServer, bucket: RcloneS3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The start-up reads the store's memory, then checks durability (a WAIT that may time out) and builds its
+    workers: seconds on a loaded host. The policy is read again right before a worker serves, so a store switched
+    to allkeys-lru meanwhile pauses it from the start (a fault-harness run saw a worker started during an
+    eviction spell pay 4.1 s into it, its start's reading 3.5 s old and its first periodic check not yet due);
+    fixed, the job runs once."""
+    real_open = run_module._Shared.open
+
+    async def open_then_flip(cls: type[run_module._Shared], *args: Any, **kwargs: Any) -> run_module._Shared:
+        shared = await real_open(*args, **kwargs)
+        set_config(own_valkey, "maxmemory-policy", "allkeys-lru")  # after the start's reading
+        return shared
+
+    monkeypatch.setattr(run_module._Shared, "open", classmethod(open_then_flip))
+    redis = await connect(own_valkey.url)
+    store = QueueStore(redis)
+    ready: list[Worker] = []
+    with running_sim(SimConfig.model_validate({"default": {"latency": 0.2}})) as sim_url:
+        settings = settings_for(own_valkey.url, bucket, str(sim_url), "http-job")
+        ids = await store.enqueue_many("q", [JobSpec(input={"id": "flip"})])
+        stop, task = await start_worker(settings, on_ready=ready.append)
+        try:
+            await seconds_until(lambda: _true(bool(ready)), 30, "the worker to be ready")
+            assert not ready[0].policy.safe and "allkeys-lru" in (ready[0].policy.problem or "")
+            assert await asyncio.to_thread(_submissions, str(sim_url)) == 0
+            set_config(own_valkey, "maxmemory-policy", "noeviction")
+
+            async def done() -> bool:
+                return (await store.get(ids[0])).state is JobState.SUCCEEDED
+
+            await seconds_until(done, 60, "the job to run once the policy was fixed")
+            assert await asyncio.to_thread(_submissions, str(sim_url)) == 1
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 30)
+            await redis.aclose()
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+def _submissions(sim_url: str) -> int:
+    return int(httpx.get(f"{sim_url}/_sim/stats").json()["submissions"])
 
 
 async def test_jobs_already_claimed_are_not_submitted_while_the_store_may_evict(
