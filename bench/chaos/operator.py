@@ -11,7 +11,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from bench.chaos.producer import QUEUE
-from offload.errors import InvalidTransition, JobNotFound
+from offload.errors import InvalidTransition, JobNotFound, StoreError
 from offload.queue.store import QueueStore
 
 
@@ -32,15 +32,15 @@ class Operator:
         recent = [e for e in timeline[-20:] if e["kind"] in ("kill", "stop") and time.time() - e["t"] < lease_s]
         try:
             if recent and self.rng.random() < 0.5:
-                await self.ops.pause(QUEUE)
-                try:
+                try:  # (a pause refused, not acknowledged, may still have run: resumed all the same)
+                    await self.ops.pause(QUEUE)
                     deadline = time.monotonic() + lease_s + 2
                     while time.monotonic() < deadline:  # a poll of the store: it has nothing to wait on
                         if found := await self._waiting_with_remote():
                             return await self._cancel(self.rng.choice(found), "waiting_with_remote")
                         await asyncio.sleep(0.2)
                 finally:
-                    await self.ops.resume(QUEUE)
+                    await self._resume()
             if remote := await self._waiting_with_remote():
                 return await self._cancel(self.rng.choice(remote), "waiting_with_remote")
             running = await self.direct.zrange(f"offload:{{{QUEUE}}}:active", 0, 199)
@@ -50,6 +50,19 @@ class Operator:
             return await self._cancel(self.rng.choice(waiting), "waiting") if waiting else None
         except (RedisError, OSError, TimeoutError):  # Valkey away (a fault of this run): the operator tries later
             return None
+
+    async def _resume(self) -> None:
+        """Resume until the store takes it: a resume refused (an outage, a replica cut with `durability`) and given
+        up would leave the queue paused for the rest of the run, its jobs stuck for the harness's doing."""
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                await self.ops.resume(QUEUE)
+                return
+            except (RedisError, OSError, TimeoutError, StoreError):
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
 
     async def _waiting_with_remote(self) -> list[str]:
         """Jobs in the ready or retry set with a remote id or a submission of unknown outcome, not yet cancelled."""

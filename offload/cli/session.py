@@ -104,8 +104,11 @@ def run_store(
         for job_id in jobs:
             queue_of(job_id)
 
+    loaded = readable_settings(config)  # its `durability`: what someone acts on waits for the replicas, as everywhere
+    durability = loaded.durability if loaded is not None else None
+
     async def go(redis: RedisClient) -> T:
-        store = QueueStore(redis)
+        store = QueueStore(redis, durability=durability)
         for queue in known:
             await require_queue(store, queue, config)
         return await fn(store)

@@ -57,14 +57,18 @@ class AdminStore(BaseStore):
         return total
 
     async def pause(self, queue: str) -> None:
-        """Stop claims on a queue (it may not have had jobs yet: it is listed from now on)."""
+        """Stop claims on a queue (it may not have had jobs yet: it is listed from now on). With `durability`,
+        acknowledged once the replicas have it: a failover must not set the queue running again."""
         await self.redis.set(keyspace.paused(validate_queue(queue)), "1")
         await self.redis.sadd(QUEUES_KEY, queue)
+        await self._confirm(queue)
 
     async def resume(self, queue: str) -> None:
         """Let claims take jobs again; idle workers hear of it at once (`keyspace.wake_channel`), not at their next
-        poll."""
+        poll. With `durability`, acknowledged once the replicas have it: a failover to a replica that lacked it
+        would leave the queue paused, its jobs waiting for a resume nobody knows to send again."""
         await self.redis.delete(keyspace.paused(validate_queue(queue)))
+        await self._confirm(queue)
         await self.redis.publish(keyspace.wake_channel(queue), "")
 
     async def reap(self, queue: str, limit: int = 1000) -> tuple[int, int, int]:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from offload.clock import ClockMs
-from offload.queue.durability import Durability, run_script
+from offload.queue.durability import Durability, confirm, run_script
 from offload.queue.keyspace import prefix
 from offload.queue.scripts import Script
 from offload.redis_client import RedisClient
@@ -44,6 +44,12 @@ class BaseStore:
 
     def _silence(self, lease_ms: int) -> int | str:
         return silence_ms(lease_ms) if self.excuse_outages else ""
+
+    async def _confirm(self, queue: str) -> None:
+        """With `durability`: raise NotReplicated unless the replicas have the writes made so far (plain commands
+        someone acts on, outside a script)."""
+        if self.durability is not None:
+            await confirm(self.redis, prefix(queue), self.durability)
 
     async def _run(
         self, script: Script, queue: str, *args: Any, extra_keys: Sequence[str] = (), durable: bool = False

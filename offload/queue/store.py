@@ -22,10 +22,10 @@ from offload.models import CapacityKind, ClaimedJob, ClaimMode, HeartbeatReply
 from offload.queue import replies
 from offload.queue.admin_store import AdminStore
 from offload.queue.base_store import DEFAULT_LEASE_MS
-from offload.queue.durability import Durability, NotReplicated, confirm
+from offload.queue.durability import Durability, NotReplicated
 from offload.queue.enqueue_store import EnqueueStore, new_nonce
 from offload.queue.hook_store import HookStore
-from offload.queue.keyspace import prefix, queue_of, validate_queue
+from offload.queue.keyspace import queue_of, validate_queue
 from offload.queue.read_store import ReadStore
 from offload.queue.scripts import SCRIPTS
 from offload.queue.specs import max_payload_limit
@@ -92,8 +92,7 @@ class QueueStore(EnqueueStore, AdminStore, ReadStore, HookStore):
     async def probe(self, queue: str) -> None:
         """Whether the store answers and, with `durability`, keeps writes safe (the worker's outage probe)."""
         await self.redis.ping()
-        if self.durability is not None:
-            await confirm(self.redis, prefix(queue), self.durability)
+        await self._confirm(queue)
 
     # -- working ---------------------------------------------------------------------------------
 

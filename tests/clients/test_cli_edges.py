@@ -390,7 +390,7 @@ def test_revoking_a_key_asks_and_names_it(valkey_url: str) -> None:
     assert as_json(valkey_url, "keys", "list") == []
 
 
-def test_a_key_the_replicas_lack_is_refused_with_durability(valkey_url: str) -> None:
+def test_a_key_or_pause_the_replicas_lack_is_refused_with_durability(valkey_url: str) -> None:
     """OFFLOAD_DURABILITY_REPLICAS=1 on a Valkey without replicas: the key is made on the primary but not handed
     out, and a revoke is refused (one line naming durability)."""
     durable = {"OFFLOAD_DURABILITY_REPLICAS": "1", "OFFLOAD_DURABILITY_TIMEOUT_MS": "50"}
@@ -401,6 +401,8 @@ def test_a_key_the_replicas_lack_is_refused_with_durability(valkey_url: str) -> 
     assert "on 0 of 1 replicas" in refused, refused
     # not acknowledged is all it means: the primary ran it, and with no failover the key is gone
     assert created["id"] not in [k["id"] for k in as_json(valkey_url, "keys", "list")]
+    for verb in ("pause", "resume"):  # the store's commands take the same setting
+        assert "on 0 of 1 replicas" in failed(cli(valkey_url, verb, "durable-q", env=durable))
 
 
 def test_deleting_a_credential_or_provider_asks_first(valkey_url: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -174,6 +174,31 @@ async def test_without_durability_a_failover_loses_every_write_acknowledged_sinc
     assert survivors == before  # 20 of 30 acknowledged jobs lost
 
 
+async def test_a_durable_resume_or_pause_is_acknowledged_only_once_the_replica_has_it(pair: Pair) -> None:
+    """Found by the fault harness: a resume acknowledged by a primary whose replica was cut off was undone by the
+    failover, and the queue stayed paused with 336 jobs waiting for a resume nobody knew to send again. Without
+    durability that is the cost; with it the resume (and a pause) is refused while the replica lacks it."""
+    redis = await connect(pair.url)
+    try:
+        plain, durable = QueueStore(redis), QueueStore(redis, durability=Durability(**DURABLE))
+        await plain.pause(Q)
+        await plain.pause("other")
+        await asyncio.to_thread(pair.settle)
+        pair.cut()
+        await plain.resume("other")  # acknowledged by the primary alone
+        with pytest.raises(NotReplicated, match="on 0 of 1 replicas"):
+            await durable.resume(Q)
+        with pytest.raises(NotReplicated, match="on 0 of 1 replicas"):
+            await durable.pause("third")
+        await pair.fail_over()
+        paused = functools.partial(redis.exists, keyspace.paused("other"), keyspace.paused(Q))
+        assert await retried(paused) == 2  # both paused again: the acknowledged resume lost, the refused one too
+        await retried(functools.partial(durable.resume, Q))  # sent again, now acknowledged
+        assert await redis.exists(keyspace.paused(Q)) == 0 and await redis.exists(keyspace.paused("third")) == 0
+    finally:
+        await redis.aclose()
+
+
 async def test_a_durable_revoke_or_key_is_acknowledged_only_once_the_replica_has_it(pair: Pair) -> None:
     """Without durability a revoke the primary acknowledged is undone by a failover to a replica that lacked it:
     the revoked key authenticates again. With it, the revoke (and a new key) is refused while the replica is cut
