@@ -157,6 +157,7 @@ class Schedule:
     _switching: asyncio.Task[None] | None = None
     _pending: set[asyncio.Task[None]] = field(default_factory=set)
     _drains: set[asyncio.Task[None]] = field(default_factory=set)
+    _drained: int = 0  # drains begun: the first of a run is never cut, so a short run has a graceful one
     _clocked: set[str] = field(default_factory=set)  # slots a clock fault is restarting, or running skewed
 
     def note(self, kind: str, target: str = "", **detail: Any) -> None:
@@ -286,6 +287,7 @@ class Schedule:
         slot.terminating = True  # claimed now, not when the drain's thread starts: no other fault stops it too
         p = self.profile
         cut = self.rng.uniform(*p.drain_cut_after) if self.rng.random() < p.drain_cut_share else None
+        cut, self._drained = (cut if self._drained else None), self._drained + 1
         task = asyncio.create_task(self._drain_then_restart(slot, cut))
         self._drains.add(task)
         task.add_done_callback(self._drains.discard)
