@@ -31,12 +31,17 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet --upgrade pip
 
 # uv installs what pip would (the same versions, compared with `pip freeze`) in about 5 s where pip takes ~50 s of
-# a CI run; pip installs them where uv cannot (no uv wheel, or no way to its index).
-UV_INSTALL = $(1)/bin/pip install --quiet uv && VIRTUAL_ENV=$(CURDIR)/$(1) $(1)/bin/uv pip install --quiet $(2) \
-	|| $(1)/bin/pip install --quiet $(2)
+# a CI run; pip installs them where uv cannot (no uv wheel, or no way to its index). Both leave compiled bytecode:
+# where PYTHONDONTWRITEBYTECODE is set nothing else writes it, and every process started compiles again what it
+# imports (~0.5 s of CPU for each offload process; see docs/performance.md).
+UV_INSTALL = $(1)/bin/pip install --quiet uv && VIRTUAL_ENV=$(CURDIR)/$(1) $(1)/bin/uv pip install --quiet \
+	--compile-bytecode $(2) || $(1)/bin/pip install --quiet $(2)
+BYTECODE = $(BIN)/python -m compileall -q -j 0 offload bench tests >/dev/null \
+	|| echo "note: some bytecode was not written; processes compile those modules as they import them"
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(call UV_INSTALL,$(VENV),-e '.[dev]')
+	$(BYTECODE)
 	touch $@
 
 $(TOOLS_STAMP):
@@ -110,6 +115,7 @@ check: lint
 # Three pytest processes on two cores: most of the suite waits on subprocesses, servers and timeouts (9:18 with
 # -n 2 against 7:02 with -n 3, the same 999 tests, one after the other on one machine).
 test: lint $(TOOLS_STAMP) chromium jemalloc faketime
+	$(BYTECODE)
 	$(BIN)/pytest -q -n 3 --dist loadgroup --durations=40
 
 bench: $(VENV)/.installed
