@@ -45,12 +45,16 @@ from offload.models import Job, JobState
 from offload.queue.keyspace import prefix
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
+from offload.worker.leases import WINDOW_RECHECK_S
 
 BUCKET = "gpu-results"
 OFFLOAD = str(Path(sys.executable).with_name("offload"))
 IN_FLIGHT_S = 1.0  # how late the simulator may stamp a submit a SIGSTOPped worker had already sent
 QUEUE = "q"
 DAY = 86_400
+# The caps test's midnight comes this long after its clock step: each worker asks the store within the recheck
+# and times the rest of the wait from the store's answer.
+MIDNIGHT_IN = WINDOW_RECHECK_S + 5.0
 READY_LINE = "serving queue"  # what run_worker logs once it is about to claim
 _live: dict[int, subprocess.Popen[bytes]] = {}
 
@@ -610,11 +614,13 @@ async def test_caps_exact_across_20_worker_processes(
 ) -> None:
     """Twenty processes race for a daily cap of 100 in each of three UTC days.
 
-    The cap window is the UTC day of the job store's clock. Each fleet's spawn sets the store's clock so that it
-    crosses midnight `lead` seconds later, once every worker is up: a worker alive across midnight releases the
-    held jobs at the store's midnight (Leases.roll_window, told when it comes by the store). Fleet A serves day
-    D, then D+1; fleet B (a restart) D+1, then D+2. A worker merely STARTED in a later day releases them too: see
-    the test below.
+    The cap window is the UTC day of the job store's clock. Each fleet starts ten minutes before the store's
+    midnight; once every worker is up (and, for fleet A, day D's jobs have settled), the store's clock is stepped
+    forward so that midnight comes `MIDNIGHT_IN` s later: each worker asks the store again within
+    WINDOW_RECHECK_S and, alive across midnight, releases the held jobs at the store's midnight (Leases.roll_window,
+    told when it comes by the store). The step leaves the fleet's start time, which a loaded machine stretches,
+    out of the wait for midnight. Fleet A serves day D, then D+1; fleet B (a restart) D+1, then D+2. A worker
+    merely STARTED in a later day releases them too: see the test below.
     """
     n_jobs, n_workers, cap = 300, 20, 100
     redis = await connect(stepped_valkey.url)
@@ -640,13 +646,20 @@ async def test_caps_exact_across_20_worker_processes(
 
         return check
 
-    async def spawn_fleet(name: str, day: int, lead: float) -> tuple[Fleet, float, float]:
-        """20 workers, the store's clock reading day `day` until `lead` s from now, then day + 1; returns the
-        fleet, the flip instant (epoch s) and how long the fleet took to start."""
+    clock = stepped_valkey.clock
+    assert clock is not None
+
+    def midnight_in(day: int, seconds: float) -> float:
+        """Step the store's clock so that day `day` + 1 begins `seconds` from now; returns that instant (epoch s)."""
+        flip_at = time.time() + seconds
+        clock.set(next_midnight + day * DAY - flip_at)
+        return flip_at
+
+    async def spawn_fleet(name: str, day: int) -> tuple[Fleet, float]:
+        """20 workers started ten minutes before the store's midnight ending day `day`; returns the fleet and how
+        long it took to start."""
         fleet = fleets(name, config)
-        flip_at = time.time() + lead
-        assert stepped_valkey.clock is not None
-        stepped_valkey.clock.set(next_midnight + day * DAY - flip_at)
+        midnight_in(day, 600)
         t0 = time.monotonic()
         for i in range(n_workers):
             fleet.start(f"w{i}", env=env)
@@ -655,11 +668,11 @@ async def test_caps_exact_across_20_worker_processes(
             return all(fleet.ready(n) for n in fleet.procs)
 
         await seconds_until(all_ready, 60, f"fleet {name} to start", every=0.1, why=fleet.problems)
-        return fleet, flip_at, time.monotonic() - t0
+        return fleet, time.monotonic() - t0
 
     async def across_midnight(fleet: Fleet, flip_at: float, succeeded: int, waiting: int) -> float:
         """Wait for the flip and for the queue to settle; returns the seconds from midnight to settled."""
-        assert time.time() < flip_at, "the test itself was too slow for the flip: raise the fleet's lead"
+        assert time.time() < flip_at, "the test itself was too slow for the flip: raise MIDNIGHT_IN"
         await seconds_until(
             settled(succeeded, waiting),
             flip_at - time.time() + 30,
@@ -673,14 +686,12 @@ async def test_caps_exact_across_20_worker_processes(
         return took
 
     # Day D: all twenty up first, then the jobs arrive, so every process races for the 100 submissions.
-    # (the lead covers the fleet's start and day D on a loaded machine: docs/explanation/performance.md, *Test
-    # deadlines*)
-    fleet_a, flip_a, startup_a = await spawn_fleet("a", 0, lead=60.0)
+    fleet_a, startup_a = await spawn_fleet("a", 0)
     ids = await store.enqueue_many(QUEUE, [JobSpec(input=job_input(f"cap-{i}")) for i in range(n_jobs)])
     day_d = await seconds_until(
         settled(cap, n_jobs - cap), 30, "100 succeeded and 200 waiting", every=0.1, why=fleet_a.problems
     )
-    assert time.time() < flip_a, f"day D took {startup_a + day_d:.1f}s, past fleet a's midnight: raise its lead"
+    flip_a = midnight_in(0, MIDNIGHT_IN)
     stats_d = sim.stats()
     assert stats_d["submissions"] == cap, stats_d["submissions"]
     held_d = len(await ids_in(store, "held"))
@@ -695,9 +706,10 @@ async def test_caps_exact_across_20_worker_processes(
     fleet_a.stop_all()
 
     # Restart: fleet b starts on day D+1 (nothing to do: its cap is spent) and lives through midnight D+1 -> D+2.
-    fleet_b, flip_b, startup_b = await spawn_fleet("b", 1, lead=max(10.0, 1.5 * startup_a + 3))
+    fleet_b, startup_b = await spawn_fleet("b", 1)
     c = await counts(store)
     assert c["held"] + c["queued"] == n_jobs - 2 * cap and c["succeeded"] == 2 * cap  # nothing before midnight
+    flip_b = midnight_in(1, MIDNIGHT_IN)
     took_2 = await across_midnight(fleet_b, flip_b, n_jobs, 0)
     final = sim.stats()
     fleet_b.stop_all()
