@@ -125,6 +125,7 @@ def _faults(run: Run, summary: dict[str, Any], kinds: dict[str, int], pidns: boo
         "storms_429": kinds["storm_429"],
         "drains": summary.get("drains"),
         "failovers": kinds["failover"],
+        "events_taken_back": run.samples["events_taken_back"],
         "worker_clock_skews": kinds["worker_clock"],
         "valkey_clock_steps": kinds["valkey_clock"],
         "sim_faults": _sum_faults(run.sim_stats.get("faults", {})),
@@ -181,7 +182,8 @@ def human(doc: dict[str, Any], run: Run) -> str:
         f"{'honoured' if doc['honour_idempotency_key'] else 'ignored'} by the simulator; {run.pidns_note}",
         f"injected: {doc['kills']} SIGKILLs, {doc['stops']} SIGSTOPs past the lease, {doc['valkey_restarts']} "
         f"Valkey crashes, {doc['dropped_replies']} dropped replies, {doc['resets']} resets, {doc['blackholes']} "
-        f"black-holes, {doc['storms_429']} 429 storms, {doc['failovers']} failovers, provider faults "
+        f"black-holes, {doc['storms_429']} 429 storms, {doc['failovers']} failovers "
+        f"({doc['events_taken_back']} events read from the old primary taken back), provider faults "
         f"{doc['sim_faults']}, drains {doc['drains']}",
         f"in flight per worker: mean {doc['in_flight_per_worker']['mean']}, peak {doc['in_flight_per_worker']['peak']}",
         f"lost {doc['lost']}, stuck {doc['stuck']}, wrong results {doc['wrong_results']}, finished twice "

@@ -38,6 +38,7 @@ from redis.exceptions import RedisError
 
 from bench.chaos import collect, egress, failover, hostile, providers, report
 from bench.chaos.checker import Checker, RunData
+from bench.chaos.eventlog import EventLog
 from bench.chaos.faketime import ClockFile
 from bench.chaos.faults import Profile, Schedule
 from bench.chaos.hooks import Server, check_backend
@@ -124,7 +125,8 @@ class Run:
         self.sent = self.producer.sent  # job id -> the input as the producer sent it
         self.counts = self.producer.counts
         self.events: dict[str, list[tuple[float, str]]] = defaultdict(list)
-        self.samples: dict[str, Any] = {"in_flight": []}
+        self.log = EventLog()  # what each stream entry added to `events`, for a failover to take back
+        self.samples: dict[str, Any] = {"in_flight": [], "events_taken_back": 0}
         self.stop_background = asyncio.Event()
         self.findings: list[str] = []  # set by report.report
         self.exit_notes: list[str] = []
@@ -339,10 +341,13 @@ class Run:
         )
         while not self.stop_background.is_set():
             if self.failover is not None and self.failover.switches > failovers:
-                # read on from the promoted replica's last entry: what was read past it from the old primary is
-                # lost (the checker drops it), and the new primary's ids may be below it (held by a clock step)
+                # read on from the promoted replica's last entry: what was read past it from the old primary never
+                # happened to the new one (taken back here), and the new primary's ids may be below it (held by a
+                # clock step)
                 failovers = self.failover.switches
-                streams.update({f"offload:{{{q}}}:events": i for q, i in self.failover.kept_ids.items()})
+                for q, kept in self.failover.kept_ids.items():
+                    streams[f"offload:{{{q}}}:events"] = kept
+                    self.samples["events_taken_back"] += self.log.take_back(f"offload:{{{q}}}:events", kept)
             try:
                 reply = await client.xread(streams, count=5000, block=300)  # type: ignore[arg-type]
                 got = cast(list[tuple[str, list[Entry]]] | None, reply)  # RESP2, decoded
@@ -367,11 +372,12 @@ class Run:
                     read.add(entry)
                     at = self._event_time(int(entry_id.split("-")[0]), received, store_ms)
                     if fields.get("state") == "clock_stepped_back":
-                        self.clock_events.append((stream.split("{")[1].split("}")[0], at, int(fields["step_ms"])))
+                        step = (stream.split("{")[1].split("}")[0], at, int(fields["step_ms"]))
+                        self.log.add(stream, entry_id, self.clock_events, step)
                     ids = (fields.get("jobs") or fields.get("id") or "").split()
                     biggest = max(biggest, len(ids))
                     for job_id in ids:
-                        self.events[job_id].append((at, fields.get("state", "?")))
+                        self.log.add(stream, entry_id, self.events[job_id], (at, fields.get("state", "?")))
         self.samples["event_ids_max"] = biggest
         await client.aclose()
 

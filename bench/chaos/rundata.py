@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -83,14 +82,7 @@ class Evidence:
     evidence behind each defect (`details`, for the run's report.json)."""
 
     def __init__(self, data: RunData) -> None:
-        lost = _lost_window(data.timeline)
-        self.d = replace(
-            data,
-            events={
-                j: [(t, st) for t, st in evs if not lost(j.partition(":")[0], t)] for j, evs in data.events.items()
-            },
-            clock_events=[e for e in data.clock_events if not lost(e[0], e[1])],
-        )
+        self.d = data  # a failover's taken-back events were dropped as they were read (eventlog.py)
         self.findings: list[str] = []
         self.details: list[dict[str, Any]] = []
         self.kinds: Counter[str] = Counter()
@@ -130,29 +122,6 @@ class Evidence:
     def name(self, sub: dict[str, Any]) -> str:
         who = self.who(sub)
         return f"{who[0]}#{who[1].n}" if who else f"port {sub.get('port')}"
-
-
-def _lost_window(timeline: Iterable[dict[str, Any]]) -> Callable[[str, float], bool]:
-    """Whether an event of a queue at a time (true clock) was read from the old primary after the last event of that
-    queue the promoted replica had (`kept`, ms), before the clients were switched to it: a failover took it back.
-    While Valkey's clock is stepped back, stream ids hold at their last value and `kept` names the moment of the
-    step, long before the cut: then the cut bounds the window instead. Otherwise `kept` does, so an event written
-    just before the cut that the replica never received (replication lags on a loaded machine) counts as lost."""
-    events = list(timeline)
-    steps = sorted((e["t"], e.get("offset_s", 0.0)) for e in events if e["kind"] == "valkey_clock")
-    failovers = [(e["kept"], e["cut_at"], e["switched_at"]) for e in events if e["kind"] == "failover"]
-
-    def stepped(start: float, end: float) -> bool:
-        before = [offset for t, offset in steps if t <= start]
-        return bool(before and before[-1]) or any(offset for t, offset in steps if start < t <= end)
-
-    def start_of(kept_s: float, cut: float) -> float:
-        return max(kept_s, cut) if stepped(kept_s, cut) else kept_s
-
-    def lost(queue: str, t: float) -> bool:
-        return any(start_of(kept.get(queue, 0) / 1000, cut) < t < switched for kept, cut, switched in failovers)
-
-    return lost
 
 
 def decode(raw: str | None) -> Any:

@@ -24,6 +24,7 @@ import orjson
 import pytest
 
 from bench.chaos.checker import Checker, RunData
+from bench.chaos.eventlog import EventLog
 from bench.chaos.procs import Incarnation
 from bench.chaos.proxy import DroppedReply
 
@@ -561,61 +562,57 @@ def test_the_checker_counts_an_everysec_loss_apart_from_a_real_loss(tmp_path: Pa
     assert Checker(data).verdict().summary["lost"] == 2
 
 
-def test_the_checker_drops_the_events_a_failover_took_back(tmp_path: Path) -> None:
-    """Read from the old primary after the last event its replica had (ms 10,000 of queue q), before the clients
-    were switched to the promoted replica (t = 20 s): those transitions never happened to the store that goes
-    on. A job completed there (not acknowledged: `durability`) and completed again on the new primary finished
-    once; what the replica had (up to its last event of that queue) and what came after the switch is kept."""
-    events = {
-        "q:a": [(5.0, "active"), (12.0, "succeeded"), (21.0, "succeeded")],
-        "q:b": [(9.5, "submitted"), (10.0, "succeeded"), (22.0, "succeeded")],
-        "other:c": [(12.0, "succeeded"), (21.0, "succeeded")],
+def test_a_failover_takes_back_exactly_the_events_its_replica_never_had() -> None:
+    """The events reader logs what each stream entry added; a failover takes back every entry past the promoted
+    replica's last one of that stream, and only those: what it had, other streams, and what is read from the new
+    primary afterwards stay. The checker then judges the events as kept: a job completed on the old primary
+    (not acknowledged: `durability`) and again on the new one finished once."""
+    log = EventLog()
+    events: dict[str, list[tuple[float, str]]] = {"q:a": [], "q:b": [], "other:c": []}
+    steps: list[tuple[str, float, int]] = []
+    q, other = "offload:{q}:events", "offload:{other}:events"
+    log.add(q, "5000-0", events["q:a"], (5.0, "active"))
+    log.add(q, "9500-0", events["q:b"], (9.5, "submitted"))
+    log.add(q, "10000-0", events["q:b"], (10.0, "succeeded"))
+    log.add(other, "12000-0", events["other:c"], (12.0, "succeeded"))
+    log.add(q, "12000-0", events["q:a"], (12.0, "succeeded"))
+    log.add(q, "12000-1", steps, ("q", 12.0, 600_000))
+    assert log.take_back(q, "10000-0") == 2 and log.take_back(other, "15000-0") == 0
+    log.add(q, "7000-0", events["q:a"], (21.0, "succeeded"))  # the new primary's ids may be below the old's
+    assert log.take_back(q, "10000-0") == 0  # a second failover on the same kept id takes nothing more
+    assert events == {
+        "q:a": [(5.0, "active"), (21.0, "succeeded")],
+        "q:b": [(9.5, "submitted"), (10.0, "succeeded")],
+        "other:c": [(12.0, "succeeded")],
     }
-    failover = {
-        "t": 25.0,
-        "kind": "failover",
-        "cut_at": 9.0,
-        "switched_at": 20.0,
-        "kept": {"q": 10_000, "other": 15_000},
-    }
+    assert steps == []
     data = RunData(
-        acked={}, records={}, submissions=[], outputs={}, files={}, lives={}, slot_ports={}, timeline=[failover],
+        acked={}, records={}, submissions=[], outputs={}, files={}, lives={}, slot_ports={}, timeline=[],
         valkey_down=[], appendfsync="always", events=events, dropped=[], bucket=BUCKET,
     )  # fmt: skip
-    checker = Checker(data)
-    assert checker.d.events["q:a"] == [(5.0, "active"), (21.0, "succeeded")]
-    assert checker.d.events["q:b"] == events["q:b"]  # up to the replica's last event, and after the switch: kept
-    assert checker.verdict().summary["finished_twice"] == 2  # q:b and other:c: all of theirs kept
-    data.timeline = []
-    assert Checker(data).verdict().summary["finished_twice"] == 3
-    # Valkey's clock stepped back at 4 s: the stream ids are held at that moment's (ms 4,000), the last one the
-    # replica had too, so only the cut (9 s) tells what was lost. A step back recorded on the old primary meanwhile
-    # was lost with it (the new primary records the step itself).
-    step = {"t": 4.0, "kind": "valkey_clock", "target": "valkey", "step_s": -600.0, "offset_s": -600.0}
-    data.timeline = [step, failover | {"kept": {"q": 4_000, "other": 4_000}}]
-    data.clock_events = [("q", 12.0, 600_000), ("q", 21.0, 597_000)]
-    checker = Checker(data)
-    assert checker.d.events["q:a"] == [(5.0, "active"), (21.0, "succeeded")]  # 5 s: past `kept`, before the cut
-    assert checker.d.events["q:b"] == [(22.0, "succeeded")]
-    assert checker.d.clock_events == [("q", 21.0, 597_000)]
+    assert Checker(data).verdict().summary["finished_twice"] == 0  # q:a's first completion was taken back
+    data.events = events | {"q:a": [(5.0, "active"), (12.0, "succeeded"), (21.0, "succeeded")]}
+    assert Checker(data).verdict().summary["finished_twice"] == 1  # as read, before the take-back
 
 
-def test_the_checker_drops_an_event_the_replica_never_received_before_the_cut() -> None:
-    """Replication lags on a loaded machine: a job completed on the old primary at 8.5 s, before the cut (9 s), that
-    the replica never received (its last event of the queue is at 7 s) was taken back by the failover; completed
-    again on the new primary, it finished once. With Valkey's clock on true time, `kept` bounds the window."""
-    events = {"q:a": [(5.0, "active"), (8.5, "succeeded"), (21.0, "succeeded")]}
-    failover = {"t": 25.0, "kind": "failover", "cut_at": 9.0, "switched_at": 20.0, "kept": {"q": 7_000}}
-    data = RunData(
-        acked={}, records={}, submissions=[], outputs={}, files={}, lives={}, slot_ports={}, timeline=[failover],
-        valkey_down=[], appendfsync="always", events=events, dropped=[], bucket=BUCKET,
-    )  # fmt: skip
-    checker = Checker(data)
-    assert checker.d.events["q:a"] == [(5.0, "active"), (21.0, "succeeded")]
-    assert checker.verdict().summary["finished_twice"] == 0
-    back = {"t": 1.0, "kind": "valkey_clock", "target": "valkey", "step_s": -300.0, "offset_s": -300.0}
-    data.timeline = [back, failover]  # stepped back: the ids hold, only the cut tells
-    assert Checker(data).verdict().summary["finished_twice"] == 1
+def test_a_replica_left_behind_by_a_stepped_clock_loses_what_came_after_its_last_entry() -> None:
+    """The run that found it: Valkey restarted, then its clock stepped back 394 s; the primary delays a replica's
+    full resync by its diskless-sync delay on the wall clock, so the replica stayed at the restart's state for 22 s
+    until the failover. Stream ids were held at the step (ms 723,780, sequence growing) all that time, so every
+    entry read meanwhile is past the replica's last one (ms 723,084) and taken back, however long before the
+    cut it was written; the failover's cut (742 s) is no bound."""
+    log, succeeded = EventLog(), list[tuple[float, str]]()
+    stream = "offload:{capped}:events"
+    log.add(stream, "723084-3", succeeded, (723.08, "submitted"))
+    for seq, t in enumerate((724.9, 725.4, 741.0, 742.9)):
+        log.add(stream, f"723780-{seq}", succeeded, (t, "succeeded"))
+    assert log.take_back(stream, "723084-3") == 4
+    assert succeeded == [(723.08, "submitted")]
+    assert log.take_back("offload:{chaos}:events", "0-0") == 0  # a stream never read: nothing to take back
+    empty = EventLog()
+    kept_none: list[tuple[float, str]] = []
+    empty.add(stream, "1-0", kept_none, (1.0, "queued"))
+    assert empty.take_back(stream, "0-0") == 1 and kept_none == []  # a replica that had none of the stream
 
 
 def test_the_checker_names_a_clock_step_moved_twice_or_never_made() -> None:
