@@ -13,7 +13,7 @@ from offload.cli.confirm import confirmed
 from offload.cli.errors import fail
 from offload.cli.options import ConfigOpt, DryRunOpt, JsonOpt, UrlOpt, YesOpt
 from offload.cli.output import print_json
-from offload.cli.session import readable_settings, run_redis
+from offload.cli.session import configured_durability, run_redis
 from offload.redis_client import RedisClient
 
 T = TypeVar("T")
@@ -23,8 +23,7 @@ keys_app = typer.Typer(no_args_is_help=True, help="API keys for the HTTP server:
 def _with_keys(url: str | None, config: Path | None, fn: Callable[[KeyStore], Awaitable[T]]) -> T:
     """With offload.yaml's (or OFFLOAD_DURABILITY_*'s) `durability`, a key made or revoked here waits for the
     replicas as the server's do: a failover must not bring a revoked key back."""
-    loaded = readable_settings(config)
-    durability = loaded.durability if loaded is not None else None
+    durability = configured_durability(config)
 
     def go(redis: RedisClient) -> Awaitable[T]:
         return fn(KeyStore(redis, durability=durability))

@@ -17,6 +17,7 @@ from offload.cli.errors import errors
 from offload.config import Settings, load_settings, store_url
 from offload.connection import CALLER_RETRY_S, connect, connect_timeout
 from offload.errors import OffloadError, QueueNotFound
+from offload.queue.durability import Durability
 from offload.queue.keyspace import queue_of, validate_queue
 from offload.queue.memory import require_noeviction
 from offload.queue.store import QueueStore
@@ -49,6 +50,13 @@ def configured_caps(config: Path | None = None) -> dict[str, CapLimits]:
     if loaded is None:
         return {}
     return {name: limits for name in loaded.queues if (limits := loaded.cap_limits(name)) is not None}
+
+
+def configured_durability(config: Path | None = None) -> Durability | None:
+    """offload.yaml's (or OFFLOAD_DURABILITY_*'s) `durability`: what someone acts on waits for the replicas, as
+    everywhere (none when the config is unreadable)."""
+    loaded = readable_settings(config)
+    return loaded.durability if loaded is not None else None
 
 
 def redis_url(url: str | None, config: Path | None = None) -> str | None:
@@ -104,8 +112,7 @@ def run_store(
         for job_id in jobs:
             queue_of(job_id)
 
-    loaded = readable_settings(config)  # its `durability`: what someone acts on waits for the replicas, as everywhere
-    durability = loaded.durability if loaded is not None else None
+    durability = configured_durability(config)
 
     async def go(redis: RedisClient) -> T:
         store = QueueStore(redis, durability=durability)
