@@ -20,8 +20,10 @@ class AdminStore(BaseStore):
     """QueueStore's operating and maintenance calls."""
 
     async def release(self, queue: str, job_ids: Sequence[str] = (), limit: int = 1000) -> list[str]:
-        """Held jobs back to ready (all of them up to limit, or the given ids)."""
-        return list(await self._run(SCRIPTS.move, validate_queue(queue), "held", limit, *job_ids))
+        """Held jobs back to ready (all of them up to limit, or the given ids). With `durability`, acknowledged
+        once the replicas have it, as every operator's write here: a failover must not hold them again, bring
+        dead or purged jobs back, unnoticed by the operator who was told it was done."""
+        return list(await self._run(SCRIPTS.move, validate_queue(queue), "held", limit, *job_ids, durable=True))
 
     async def release_held(
         self, queue: str, *, chunk: int = RELEASE_CHUNK, max_chunks: int | None = None
@@ -38,12 +40,12 @@ class AdminStore(BaseStore):
 
     async def requeue_dead(self, queue: str, job_ids: Sequence[str] = (), limit: int = 1000) -> list[str]:
         """Dead jobs back to ready with a fresh attempt budget."""
-        return list(await self._run(SCRIPTS.move, validate_queue(queue), "dead", limit, *job_ids))
+        return list(await self._run(SCRIPTS.move, validate_queue(queue), "dead", limit, *job_ids, durable=True))
 
     async def purge(self, queue: str, state: str) -> int:
         listing.check_purgeable(state)
         total = 0
-        while n := int(await self._run(SCRIPTS.purge, validate_queue(queue), STATE_SETS[state], 1000)):
+        while n := int(await self._run(SCRIPTS.purge, validate_queue(queue), STATE_SETS[state], 1000, durable=True)):
             total += n
         return total
 
@@ -53,7 +55,10 @@ class AdminStore(BaseStore):
         total = 0
         for i in range(0, len(job_ids), 1000):
             chunk = job_ids[i : i + 1000]
-            total += int(await self._run(SCRIPTS.purge, validate_queue(queue), STATE_SETS[state], len(chunk), *chunk))
+            moved = await self._run(
+                SCRIPTS.purge, validate_queue(queue), STATE_SETS[state], len(chunk), *chunk, durable=True
+            )
+            total += int(moved)
         return total
 
     async def pause(self, queue: str) -> None:

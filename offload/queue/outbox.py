@@ -14,6 +14,7 @@ import orjson
 
 from offload.clock import ClockMs
 from offload.queue import keyspace
+from offload.queue.durability import Durability, run_script
 from offload.queue.keyspace import prefix, validate_queue
 from offload.queue.scripts import SCRIPTS, Script
 from offload.redis_client import RedisClient
@@ -67,13 +68,20 @@ class SealedSecrets:
 
 
 class Outbox:
-    def __init__(self, redis: RedisClient, clock_ms: ClockMs | None = None) -> None:
+    def __init__(
+        self, redis: RedisClient, clock_ms: ClockMs | None = None, durability: Durability | None = None
+    ) -> None:
         self.redis = redis
         self.clock_ms = clock_ms
+        self.durability = durability
 
-    async def _run(self, script: Script, queue: str, *args: Any) -> Any:
+    async def _run(self, script: Script, queue: str, *args: Any, durable: bool = False) -> Any:
+        """`durable`: an operator's write, acknowledged only once replicated (when `durability` is set)."""
         now = str(self.clock_ms()) if self.clock_ms else ""
-        return await script(self.redis, [prefix(validate_queue(queue))], [now, *args])
+        keys, argv = [prefix(validate_queue(queue))], [now, *args]
+        if durable and self.durability is not None:
+            return await run_script(script, self.redis, keys, argv, self.durability)
+        return await script(self.redis, keys, argv)
 
     async def claim(self, queue: str, limit: int, claim_ms: int) -> list[Claimed]:
         """Up to `limit` webhooks that are due, each owned by this caller for `claim_ms`."""
@@ -103,8 +111,9 @@ class Outbox:
         return out
 
     async def requeue(self, queue: str, job_ids: Sequence[str] = (), limit: int = 1000) -> list[str]:
-        """Dead-lettered webhooks (the given ones, else the oldest `limit`) due again now, with fresh tries."""
-        return [str(j) for j in await self._run(SCRIPTS.callback_requeue, queue, limit, *job_ids)]
+        """Dead-lettered webhooks (the given ones, else the oldest `limit`) due again now, with fresh tries. With
+        `durability`, acknowledged once the replicas have it: a failover must not dead-letter them again unseen."""
+        return [str(j) for j in await self._run(SCRIPTS.callback_requeue, queue, limit, *job_ids, durable=True)]
 
     async def failed_count(self, queue: str) -> int:
         return int(await self.redis.zcard(keyspace.callback_failed(validate_queue(queue))))

@@ -81,7 +81,7 @@ class CallbackSender:
     def __init__(self, state: ServerState) -> None:
         self.state = state
         self.settings: CallbackSettings = state.options.settings.callbacks
-        self.outbox = Outbox(state.redis, state.store.clock_ms)
+        self.outbox = Outbox(state.redis, state.store.clock_ms, state.store.durability)
         self.secrets = CallbackSecrets(self.outbox)
         self.policy = self.settings.policy()
         self.http = new_client(max_connections=MAX_IN_FLIGHT, timeout=self.settings.timeout_s, egress=True)

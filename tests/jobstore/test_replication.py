@@ -38,6 +38,7 @@ from offload.models import JobState
 from offload.queue import keyspace
 from offload.queue.durability import Durability, NotReplicated
 from offload.queue.keyspace import prefix
+from offload.queue.outbox import Outbox
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 from offload.testing.sim.config import SimConfig
@@ -195,6 +196,52 @@ async def test_a_durable_resume_or_pause_is_acknowledged_only_once_the_replica_h
         assert await retried(paused) == 2  # both paused again: the acknowledged resume lost, the refused one too
         await retried(functools.partial(durable.resume, Q))  # sent again, now acknowledged
         assert await redis.exists(keyspace.paused(Q)) == 0 and await redis.exists(keyspace.paused("third")) == 0
+    finally:
+        await redis.aclose()
+
+
+async def test_a_durable_requeue_release_purge_or_webhook_requeue_is_acknowledged_only_once_the_replica_has_it(
+    pair: Pair,
+) -> None:
+    """An operator's requeue of dead jobs, release of held ones, purge and requeue of dead-lettered webhooks,
+    acknowledged by a primary whose replica was cut off, are undone by the failover without durability: the jobs
+    are dead, held or back again and the operator, told it was done, does not act again. With it each is refused
+    while the replica lacks it, and acknowledged once sent again after the failover."""
+    redis = await connect(pair.url)
+    try:
+        plain, durable = QueueStore(redis), QueueStore(redis, durability=Durability(**DURABLE))
+        ids = await plain.enqueue_many(Q, [JobSpec(input=i) for i in range(4)])
+        hooked = await plain.enqueue(Q, JobSpec(input="hooked", callback_url="https://hooks.example.com/offload"))
+        claimed = {c.id: c for c in await plain.claim(Q, "w", 5)}
+        for job_id in ids[:2]:
+            assert await plain.fail(job_id, claimed[job_id].token, "boom", retryable=False) == "dead"
+        await plain.hold(ids[2], claimed[ids[2]].token, "daily jobs cap reached")
+        done = [(j, claimed[j].token, "done", 0.1) for j in (ids[3], hooked)]
+        assert await plain.complete_many(Q, done) == ["OK", "OK"]
+        outbox = Outbox(redis, durability=Durability(**DURABLE))
+        (webhook,) = await outbox.claim(Q, 1, 60_000)
+        assert await outbox.settle(Q, webhook, "dead", error="HTTP 503")  # a dead-lettered webhook
+        await asyncio.to_thread(pair.settle)
+        pair.cut()
+        assert await plain.requeue_dead(Q, [ids[0]]) == [ids[0]]  # acknowledged by the primary alone
+        for refused in (
+            functools.partial(durable.requeue_dead, Q, [ids[1]]),
+            functools.partial(durable.release, Q),
+            functools.partial(durable.purge, Q, "succeeded"),
+            functools.partial(durable.purge_ids, Q, "dead", [ids[1]]),
+            functools.partial(outbox.requeue, Q, [hooked]),
+        ):
+            with pytest.raises(NotReplicated, match="on 0 of 1 replicas"):
+                await refused()
+        await pair.fail_over()
+        states = [(await retried(functools.partial(plain.get, j))).state for j in ids]
+        assert states == [JobState.DEAD, JobState.DEAD, JobState.HELD, JobState.SUCCEEDED]  # all four undone
+        assert await retried(functools.partial(durable.requeue_dead, Q, ids[:2])) == ids[:2]
+        assert await durable.release(Q) == [ids[2]]
+        assert await retried(functools.partial(outbox.failed_count, Q)) == 1  # dead-lettered still
+        assert await outbox.requeue(Q, [hooked]) == [hooked]
+        assert await durable.purge(Q, "succeeded") == 2
+        assert (await durable.stats(Q)).counts["queued"] == 3
     finally:
         await redis.aclose()
 
