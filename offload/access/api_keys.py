@@ -18,6 +18,7 @@ With `durability` set, a key's creation and its revocation are acknowledged only
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import hmac
@@ -26,9 +27,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from offload.env import env_str
 from offload.errors import ConfigError, RequestError
-from offload.queue.durability import Durability, confirm
+from offload.queue.durability import Durability, NotReplicated, confirm
 from offload.queue.keyspace import API_KEYS, api_key, validate_queue
 from offload.redis_client import RedisClient
 
@@ -147,7 +150,15 @@ class KeyStore:
             },
         )
         await self.redis.sadd(API_KEYS, key_id)
-        await self._replicated(key_id)  # not acknowledged, the token is never shown: the record is an orphan
+        try:
+            await self._replicated(key_id)
+        except NotReplicated:
+            # never acknowledged, so its token is never shown: the record goes (from this primary; a replica that
+            # lacked the write lacks the record too)
+            with contextlib.suppress(RedisError, OSError):
+                await self.redis.delete(api_key(key_id))
+                await self.redis.srem(API_KEYS, key_id)
+            raise
         return key, token
 
     async def authenticate(self, token: str) -> ApiKey | None:

@@ -262,6 +262,7 @@ async def test_a_durable_revoke_or_key_is_acknowledged_only_once_the_replica_has
             await durable.revoke(held.id)
         with pytest.raises(NotReplicated, match="on 0 of 1 replicas"):
             await durable.create("viewer", None, "never handed out")
+        assert "never handed out" not in [k.name for k in await durable.list()]  # no orphan record on the primary
         await pair.fail_over()
         assert await retried(functools.partial(plain.authenticate, loose)) is not None  # the acknowledged revoke: lost
         assert await retried(functools.partial(durable.authenticate, token)) is not None  # refused: revoke again
