@@ -110,8 +110,12 @@ def test_every_view_is_shot_for_the_docs(api: tuple[str, str], page: Page, tmp_p
             expect(page.get_by_text("Last hour: 60 points")).to_be_visible()
         if name == "page-job.png":  # the story is there: three attempts, two failed
             expect(page.get_by_role("table", name="Attempts").get_by_role("row")).to_have_count(4)
+            # it succeeded: the error it keeps is an earlier attempt's, and says so
+            expect(page.get_by_role("heading", name="Error of an earlier attempt")).to_be_visible()
         if name == "page-queue.png":  # below the charts, the jobs of the state shown
             expect(page.get_by_role("link", name=re.compile(re.escape(QUEUE + ":"))).first).to_be_visible()
+            row = page.locator(f'tr[data-job="{retried}"] td.err')
+            expect(row).to_have_text("earlier attempt: provider returned 502")
         save_screenshot(page, tmp_path, name)
     page_md = (DOCS / "how-to" / "dashboard.md").read_text()
     for name in shots:

@@ -157,8 +157,10 @@ function rowActions(job) {
 function jobRows(jobs) {
   return jobs.map((j) => el("tr", { data: { job: j.id, state: j.state } }, el("td", null, jobLink(j.id)),
     el("td", null, el("span", { class: `state ${j.state}` }, j.state)), el("td", null, `${j.attempts}/${j.max_attempts}`),
-    el("td", null, fmtTime(j.finished_at || j.created_at)), el("td", { class: "err" }, j.error || ""), rowActions(j)));
+    el("td", null, fmtTime(j.finished_at || j.created_at)), el("td", { class: "err" }, shownError(j)), rowActions(j)));
 }
+// A job that succeeded after a failed attempt keeps that attempt's error: say whose it is.
+const shownError = (j) => !j.error ? "" : j.state === "succeeded" ? `earlier attempt: ${j.error}` : j.error;
 const JOB_HEADS = ["Job", "State", "Attempts", "Updated", "Error", ""];
 // Search on the queue page, error groups in the dead letter (search.js).
 const charts = makeCharts({ api }); // history charts (charts.js), on the overview, queue and Autoscaling pages
@@ -295,7 +297,8 @@ const jobView = {
         j.max_cost != null ? row("Max cost", j.max_cost, "max-cost") : null,
         row("Result", j.result ? [el("span", { class: "mono" }, j.result), " ", output] : null, "result"),
         j.cancel_requested ? row("Cancel", "requested: a worker cancels its remote job, then it ends cancelled", "cancel") : null),
-      j.error ? [el("h2", null, "Error"), el("pre", { id: "job-error", class: "err" }, j.error)] : null,
+      j.error ? [el("h2", null, j.state === "succeeded" ? "Error of an earlier attempt" : "Error"),
+        el("pre", { id: "job-error", class: "err" }, j.error)] : null,
       story.draw(j, told), el("h2", null, "Input"), el("pre", { id: "job-input" }, pretty(j.input)),
       j.raw ? [el("h2", null, "Raw entry"), el("pre", { id: "job-raw" }, j.raw)] : null);
   },
