@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from offload.queue.keyspace import HISTORY_RESOLUTIONS, history_bucket, prefix, validate_queue
+from offload.queue.keyspace import HISTORY_RESOLUTIONS, history_bucket, history_sampled, prefix, validate_queue
 from offload.queue.scripts import HIST_BUCKETS_S, HISTORY_KEEP_S, SCRIPTS
 from offload.redis_client import RedisClient
 
@@ -121,13 +121,30 @@ async def read_raw(redis: RedisClient, queue: str, step_s: int, starts: list[int
     return [{k: float(v) for k, v in h.items()} for h in await pipe.execute()]
 
 
+async def sampled(redis: RedisClient, step_s: int, starts: list[int]) -> list[bool]:
+    """Whether a server sampled the gauges in each bucket (`mark_sampled`), in one pipeline."""
+    pipe = redis.pipeline(transaction=False)
+    for t in starts:
+        pipe.exists(history_sampled(step_s, t))
+    return [bool(n) for n in await pipe.execute()]
+
+
 async def points(
     redis: RedisClient, queues: Sequence[str], range_name: str, now_s: float
 ) -> tuple[int, list[HistoryPoint]]:
-    """(bucket length s, the range's points at `now_s`), the queues' buckets summed point by point."""
+    """(bucket length s, the range's points at `now_s`), the queues' buckets summed point by point. In a bucket a
+    server sampled, a gauge the queues lack reads 0 (idle queues get no sample); elsewhere None (not known)."""
     step, starts = axis(range_name, now_s)
-    per_queue = await asyncio.gather(*(read_raw(redis, q, step, starts) for q in queues))
-    return step, [to_point(t, merge(raws[i] for raws in per_queue)) for i, t in enumerate(starts)]
+    per_queue, marks = await asyncio.gather(
+        asyncio.gather(*(read_raw(redis, q, step, starts) for q in queues)), sampled(redis, step, starts)
+    )
+    out = []
+    for i, t in enumerate(starts):
+        point = to_point(t, merge(raws[i] for raws in per_queue))
+        if marks[i]:
+            point.gauges = {g: 0.0 if v is None else v for g, v in point.gauges.items()}
+        out.append(point)
+    return step, out
 
 
 @dataclass(frozen=True)
@@ -152,12 +169,25 @@ async def sample(
     return int(await SCRIPTS.history_sample(redis, [prefix(validate_queue(queue))], args))
 
 
+async def mark_sampled(redis: RedisClient, keep: HistoryKeep, minute_ms: int) -> None:
+    """Record that the gauges of the minute starting at `minute_ms` (the store's clock) were sampled, in its
+    minute's, hour's and day's buckets, each marker expiring with its bucket (`history.lua`'s retention)."""
+    if not keep.enabled:
+        return
+    pipe = redis.pipeline(transaction=False)
+    for (step, _), kept_s in zip(HISTORY_RESOLUTIONS.items(), (keep.minutes_s, keep.hours_s, keep.days_s), strict=True):
+        start_ms = minute_ms - minute_ms % (step * 1000)
+        pipe.set(history_sampled(step, start_ms // 1000), 1, px=start_ms + (step + kept_s) * 1000 - minute_ms)
+    await pipe.execute()
+
+
 __all__ = [
     "HISTORY_RESOLUTIONS",
     "RANGES",
     "HistoryKeep",
     "HistoryPoint",
     "axis",
+    "mark_sampled",
     "merge",
     "points",
     "read_raw",

@@ -165,6 +165,12 @@ def history_bucket(queue: str, step_s: int, start_s: int) -> str:
     return prefix(queue) + f"history:{HISTORY_RESOLUTIONS[step_s]}:{start_s}"
 
 
+def history_sampled(step_s: int, start_s: int) -> str:
+    """Set (expiring with the buckets) once a server sampled the gauges in that bucket: a queue with no gauge there
+    was idle (all zero: the sampler writes nothing for it), where no marker means nobody sampled (unknown)."""
+    return f"{NAMESPACE}:history:sampled:{HISTORY_RESOLUTIONS[step_s]}:{start_s}"
+
+
 def history_config(queue: str) -> str:
     return prefix(queue) + "history:cfg"
 

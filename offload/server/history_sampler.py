@@ -2,7 +2,7 @@
 in flight, and its rented machines with their price per hour, written into the minute's, hour's and day's buckets
 with the history's settings from offload.yaml. Every server samples; each bucket keeps its peak, so two servers
 sampling the same minute write what one would. An idle queue (all four zero) gets no sample: no bucket a minute
-for nothing."""
+for nothing; one marker a bucket for all queues says the minute was sampled, so its gauges read 0, not unknown."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ class HistorySampler:
             if inst.status in ACTIVE and not inst.teardown:
                 machines[inst.queue] += 1
                 usd_h[inst.queue] += inst.price
+        minute_ms: int | None = None  # the store's minute, as the first sample's script read it
         for queue in sorted(set(await state.store.queues()) | set(state.options.settings.queues)):
             counts = (await state.store.stats(queue)).counts
             gauges: dict[str, float | None] = {
@@ -40,8 +41,10 @@ class HistorySampler:
                 "fleet_machines": machines.get(queue, 0),
                 "fleet_usd_per_h": usd_h.get(queue, 0.0),
             }
-            if not any(gauges.values()):  # an idle queue: no bucket a minute for nothing (its points read null)
+            if not any(gauges.values()):  # an idle queue: no bucket a minute for nothing (the marker says 0)
                 gauges = {}
-            await history.sample(state.redis, queue, keep, gauges)
+            minute_ms = await history.sample(state.redis, queue, keep, gauges)
+        if minute_ms is not None:
+            await history.mark_sampled(state.redis, keep, minute_ms)
         self._minute, self._at = minute, time.monotonic()
         return True

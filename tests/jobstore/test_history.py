@@ -183,6 +183,34 @@ async def test_gauges_keep_each_buckets_peak_whoever_samples(backend_url: str) -
         await redis.aclose()
 
 
+async def test_an_idle_queue_reads_zero_where_a_server_sampled_and_none_elsewhere(backend_url: str) -> None:
+    """The sampler writes nothing for an idle queue (no bucket a minute for nothing) but marks each minute it
+    sampled, once for all queues: there an idle queue's gauges read 0, in a minute nobody sampled None (unknown),
+    and a queue's own sample stays its peak. The markers expire with the buckets."""
+    redis = await connect(backend_url)
+    clock = Clock(T0_MS + 5 * MIN_MS + 1000)
+    store = QueueStore(redis, clock_ms=clock)
+    keep = history.HistoryKeep()
+    try:
+        await store.enqueue_many("busy", [JobSpec(input=1)])
+        minute_ms = await history.sample(redis, "busy", keep, {"backlog": 3}, str(clock.ms))
+        await history.sample(redis, "idle", keep, {}, str(clock.ms))  # what the sampler sends for an idle queue
+        await history.mark_sampled(redis, keep, minute_ms)
+        t = minute_ms // 1000
+        idle, busy = await hour_points(store, "idle"), await hour_points(store, "busy")
+        assert idle[t].gauges == {"backlog": 0.0, "in_flight": 0.0, "fleet_machines": 0.0, "fleet_usd_per_h": 0.0}
+        assert busy[t].gauges["backlog"] == 3.0 and busy[t].gauges["in_flight"] == 0.0
+        assert idle[t - 60].gauges["backlog"] is None and idle[t - 60].to_dict()["backlog"] is None  # not sampled
+        step, days = await store.history("idle", "day")
+        assert step == 3600 and days[-1].gauges["backlog"] == 0.0  # the hour's marker too
+        ttl = await redis.pttl(keyspace.history_sampled(60, t))
+        assert abs(ttl - (60 + keep.minutes_s) * 1000) < 1000, ttl  # as long as the minute's buckets
+        await history.mark_sampled(redis, history.HistoryKeep(enabled=False), minute_ms + MIN_MS)
+        assert not await redis.exists(keyspace.history_sampled(60, t + 60))  # history off: no marker
+    finally:
+        await redis.aclose()
+
+
 async def test_buckets_are_named_by_the_stores_clock(stepped_valkey: ValkeyServer) -> None:
     """No `now` given: the scripts read the store's TIME. With it a day ahead of this machine's, the jobs land in
     the store's minute, and the history read through the store ends there."""
