@@ -20,6 +20,7 @@ class Operator:
 
     def __init__(self, ops: QueueStore, direct: Any, rng: random.Random, lease_ms: int) -> None:
         self.ops, self.direct, self.rng, self.lease_ms = ops, direct, rng, lease_ms
+        self.resuming: asyncio.Task[None] | None = None  # a resume under way, outliving the loop's cancel
 
     async def cancel_one(self, timeline: list[dict[str, Any]]) -> dict[str, Any] | None:
         """The operator's cancel: of a job that waits with a remote job that may still run (a killed or stopped
@@ -40,7 +41,10 @@ class Operator:
                             return await self._cancel(self.rng.choice(found), "waiting_with_remote")
                         await asyncio.sleep(0.2)
                 finally:
-                    await self._resume()
+                    # shielded: the fault phase's end cancels this loop, and a resume cut short leaves the queue
+                    # paused for the rest of the run (`settle` waits for it)
+                    self.resuming = asyncio.ensure_future(self._resume())
+                    await asyncio.shield(self.resuming)
             if remote := await self._waiting_with_remote():
                 return await self._cancel(self.rng.choice(remote), "waiting_with_remote")
             running = await self.direct.zrange(f"offload:{{{QUEUE}}}:active", 0, 199)
@@ -50,6 +54,11 @@ class Operator:
             return await self._cancel(self.rng.choice(waiting), "waiting") if waiting else None
         except (RedisError, OSError, TimeoutError):  # Valkey away (a fault of this run): the operator tries later
             return None
+
+    async def settle(self) -> None:
+        """Wait for a resume under way: the run's checks must not find the queue paused by the harness."""
+        if self.resuming is not None:
+            await self.resuming
 
     async def _resume(self) -> None:
         """Resume until the store takes it: a resume refused (an outage, a replica cut with `durability`) and given

@@ -318,6 +318,7 @@ class Run:
         if attacker is not None:
             await attacker.stop()
         await self.schedule.stop()
+        await asyncio.wait_for(self.operator.settle(), 130)  # its resume retries for up to 120 s
         await asyncio.wait_for(producer, 120)
 
     async def _cancel_one(self) -> dict[str, Any] | None:

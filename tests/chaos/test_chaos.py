@@ -14,19 +14,25 @@ is polled.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import pytest
+import redis
 
 from bench.chaos.checker import Checker, RunData
 from bench.chaos.eventlog import EventLog
+from bench.chaos.operator import Operator
 from bench.chaos.procs import Incarnation
 from bench.chaos.proxy import DroppedReply
+from offload.queue.store import QueueStore
 
 BUCKET = "b"
 SIM = "http://127.0.0.1:9/_sim/files"
@@ -560,6 +566,44 @@ def test_the_checker_counts_an_everysec_loss_apart_from_a_real_loss(tmp_path: Pa
     assert (s["lost"], s["everysec_loss"]) == (1, 1)
     data.appendfsync = "always"
     assert Checker(data).verdict().summary["lost"] == 2
+
+
+async def test_the_operators_resume_outlives_the_end_of_the_fault_phase() -> None:
+    """Found by a CI run: the operator pauses the queue to catch a handed-back job; its resume was refused (the
+    store away) and the fault phase's end cancelled the operator's loop while it waited to retry, so the queue
+    stayed paused and 204 jobs were stuck for the harness's doing. The resume now runs on past the cancel, and
+    `settle` waits for it."""
+
+    class Ops:
+        paused, resumes = False, 0
+        tried = asyncio.Event()
+
+        async def pause(self, queue: str) -> None:
+            self.paused = True
+
+        async def resume(self, queue: str) -> None:
+            self.resumes += 1
+            self.tried.set()
+            if self.resumes == 1:
+                raise redis.ConnectionError("the store is away")
+            self.paused = False
+
+    class Direct:
+        async def zrange(self, key: str, start: int, end: int) -> list[str]:
+            raise redis.ConnectionError("the store is away")  # ends the pause window: the resume comes next
+
+    class Always(random.Random):
+        def random(self) -> float:
+            return 0.0  # the operator pauses first
+
+    ops = Ops()
+    operator = Operator(cast(QueueStore, ops), Direct(), Always(), lease_ms=3000)
+    task = asyncio.create_task(operator.cancel_one([{"kind": "kill", "t": time.time()}]))
+    await asyncio.wait_for(ops.tried.wait(), 10)  # the first resume was refused: it waits to retry
+    task.cancel()  # the fault phase ends
+    await asyncio.gather(task, return_exceptions=True)
+    await asyncio.wait_for(operator.settle(), 10)
+    assert (ops.paused, ops.resumes) == (False, 2)
 
 
 def test_a_failover_takes_back_exactly_the_events_its_replica_never_had() -> None:
