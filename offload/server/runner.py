@@ -172,6 +172,7 @@ def running_server(
             raise RuntimeError("server did not start in time")
         time.sleep(0.01)
     bound = server.servers[0].sockets[0].getsockname()
+    thread.name = f"offload-server {host}:{bound[1]}"  # which one, where a process runs several
     try:
         yield f"http://{host}:{bound[1]}"
     finally:

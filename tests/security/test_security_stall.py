@@ -59,8 +59,9 @@ class Probe:
     """/healthz back to back on one connection; per answer, (wall seconds, CPU seconds of the server's thread)."""
 
     def __init__(self, url: str) -> None:
-        threads = [t for t in threading.enumerate() if t.name == "offload-server"]
-        assert len(threads) == 1, threads  # the server of this module, in this process
+        # the server of this module, in this process (another module's may still be shutting down beside it)
+        threads = [t for t in threading.enumerate() if t.name == f"offload-server {url.removeprefix('http://')}"]
+        assert len(threads) == 1, threading.enumerate()
         assert threads[0].ident is not None
         self.clock = time.pthread_getcpuclockid(threads[0].ident)
         self.url = url
