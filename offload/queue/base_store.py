@@ -56,6 +56,4 @@ class BaseStore:
     ) -> Any:
         """`durable`: a write someone acts on, acknowledged only once replicated (when `durability` is set)."""
         keyset, argv = [prefix(queue), *extra_keys], [self._now(), *args]
-        if durable and self.durability is not None:
-            return await run_script(script, self.redis, keyset, argv, self.durability)
-        return await script(self.redis, keyset, argv)
+        return await run_script(script, self.redis, keyset, argv, self.durability if durable else None)

@@ -108,10 +108,13 @@ def from_env(env: Mapping[str, str]) -> dict[str, str]:
 
 
 async def run_script(
-    script: Script, redis: RedisClient, keys: list[str], args: list[Any], durability: Durability
+    script: Script, redis: RedisClient, keys: list[str], args: list[Any], durability: Durability | None
 ) -> Any:
     """`script(redis, keys, args)`, acknowledged only once replicated: the mark and the WAIT follow on the same
-    connection (one pipeline), or on a cluster on a connection to the node that owns KEYS[1]."""
+    connection (one pipeline), or on a cluster on a connection to the node that owns KEYS[1]. Without
+    `durability`, the plain call."""
+    if durability is None:
+        return await script(redis, keys, args)
     if isinstance(redis, RedisCluster):  # a cluster pipeline refuses EVALSHA
         result = await script(redis, keys, args)
         await confirm(redis, keys[0], durability)

@@ -57,8 +57,6 @@ class HookStore(BaseStore):
         durability = self.durability
 
         async def one(k: list[str], a: list[Any]) -> Any:
-            if durability is None:
-                return await script(self.redis, k, a)
             return await run_script(script, self.redis, k, a, durability)
 
         if isinstance(self.redis, RedisCluster):  # cluster pipelines refuse EVALSHA

@@ -79,9 +79,7 @@ class Outbox:
         """`durable`: an operator's write, acknowledged only once replicated (when `durability` is set)."""
         now = str(self.clock_ms()) if self.clock_ms else ""
         keys, argv = [prefix(validate_queue(queue))], [now, *args]
-        if durable and self.durability is not None:
-            return await run_script(script, self.redis, keys, argv, self.durability)
-        return await script(self.redis, keys, argv)
+        return await run_script(script, self.redis, keys, argv, self.durability if durable else None)
 
     async def claim(self, queue: str, limit: int, claim_ms: int) -> list[Claimed]:
         """Up to `limit` webhooks that are due, each owned by this caller for `claim_ms`."""
