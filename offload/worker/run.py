@@ -24,7 +24,7 @@ from offload.egress import FilePolicy
 from offload.env import env_int
 from offload.errors import ConfigError
 from offload.queue.backend_limits import BackendLimits
-from offload.queue.memory import StoreMemory, read_memory, warn_unreported
+from offload.queue.memory import read_memory, warn_unreported
 from offload.queue.store import QueueStore
 from offload.redis_client import RedisClient
 from offload.storage import S3StorageSettings, Storage, create_storage, store_output
@@ -134,10 +134,9 @@ class _Shared:
         storage: Storage,
         backends: dict[str, Backend],
         redis: RedisClient,
-        memory: StoreMemory,
     ) -> None:
         self.settings, self.files, self.storage, self.backends = settings, files, storage, backends
-        self.redis, self.memory = redis, memory
+        self.redis = redis
         self.store = QueueStore(redis, durability=settings.durability)
         self.plain = fast_path(files)  # output files copied on aiohttp directly where httpx adds nothing
         self.limits: dict[str, BackendLimits] = {}
@@ -175,10 +174,9 @@ class _Shared:
                 resources.push_async_callback(backends[backend_name].aclose)
         redis = await connect(settings.redis_url)
         resources.push_async_callback(redis.aclose)
-        # a store that may evict loses leases and caps: the workers start paused, as running ones pause (PolicyWatch)
-        memory = await at_start(lambda: read_memory(redis))
-        warn_unreported(memory)
-        shared = cls(settings, files, storage, backends, redis, memory)
+        # what the store could not report is said once a process (each worker reads its policy as it starts)
+        warn_unreported(await at_start(lambda: read_memory(redis)))
+        shared = cls(settings, files, storage, backends, redis)
         await at_start(lambda: shared.store.check_durability([queue for queue, *_ in plans]))
         return shared
 
@@ -228,10 +226,10 @@ class _Shared:
             control=QueueStore(control, durability=self.settings.durability),
             router=build_router(self.settings, options.queue, self.backends, self.limits, self.redis),
         )
-        # paused from the start (one line naming the setting) if the store may evict: read again here, as the
-        # start-up's own checks (durability's WAIT, a store that answers late) may have taken seconds since
-        self.memory = await at_start(lambda: read_memory(self.redis))
-        worker.policy.apply(self.memory)
+        # a store that may evict loses leases and caps: paused from the start (one line naming the setting), as
+        # running workers pause (PolicyWatch); read here, right before serving, as the start-up's own checks
+        # (durability's WAIT, a store that answers late) may take seconds
+        worker.policy.apply(await at_start(lambda: read_memory(self.redis)))
         log.info(
             "worker %s serving queue %s via %s, up to %d in flight",
             worker.id,
