@@ -202,10 +202,12 @@ class Schedule:
         for task in self._tasks[:-1]:  # keep the watchdog: it restarts workers that die on their own
             task.cancel()
         await asyncio.gather(*self._tasks[:-1], return_exceptions=True)
-        # a drain under way runs to its end first: a later SIGTERM (the run's own stops) would cut it unrecorded
-        await asyncio.gather(*self._drains, return_exceptions=True)
+        # before the drains are awaited: a stop fault cancelled in its sleep leaves its worker stopped, and a
+        # stopped worker's drain never ends (its 90 s ran out in a SIGKILL, a "bad drain exit" of our own doing)
         for slot in self.slots:
             slot.sigcont()
+        # a drain under way runs to its end first: a later SIGTERM (the run's own stops) would cut it unrecorded
+        await asyncio.gather(*self._drains, return_exceptions=True)
         if self._switching is not None:  # a failover under way is finished, never left half done
             await self._switching
         if self.failover is not None:

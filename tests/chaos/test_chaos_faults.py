@@ -1,7 +1,9 @@
 """The fault schedule's own discipline: two faults never stop the same worker at once. A drain picked while its
 lease count is read from a store that is down (seconds) must not pick a worker another fault began restarting
 meanwhile: that second SIGTERM cuts the restart's drain and its 15 s grace ends in a SIGKILL that the checker then
-reports as a drain's bad exit (`drain: w1#4 exited -9 after 8.22 s`, a CI-sized run on a loaded machine)."""
+reports as a drain's bad exit (`drain: w1#4 exited -9 after 8.22 s`, a CI-sized run on a loaded machine). And the
+fault phase's end continues a worker a stop fault left stopped before it waits for the drains: a stopped worker's
+drain never ends (`drain: w2#5 exited -9 after 90.0 s`, a CI run whose last SIGSTOP hit a draining worker)."""
 
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ class Slot:
         self.lives = [self.current]
         self.stops: list[str] = []
         self.exited = threading.Event()  # a stopped worker takes its time to exit: until the test says so
+        self.was_stopped, self.continued = threading.Event(), threading.Event()
 
     def terminate(self) -> None:
         self.terminating = True
@@ -41,9 +44,22 @@ class Slot:
         assert self.exited.wait(10)
 
     def drain(self, cut_after: float | None = None, wait: float = 90.0) -> tuple[int, list[int]]:
+        """Ends (exit 0) once the worker runs: at once if never stopped, after its SIGCONT if a stop fault came
+        (within 10 s: the real drain SIGKILLs a worker still there after its wait)."""
         self.terminating = True
         self.stops.append("drain")
+        if self.was_stopped.is_set() and not self.continued.wait(10):
+            return -9, []
         return 0, []
+
+    def sigstop(self) -> None:
+        self.stopped = True
+        self.was_stopped.set()
+
+    def sigcont(self) -> None:
+        if self.stopped:
+            self.stopped = False
+            self.continued.set()
 
     def start(self, clock: Any = None) -> Life:
         self.terminating = False
@@ -64,10 +80,19 @@ class SlowStore:
         assert self.up.wait(10)
         raise ConnectionError("the store was down")  # _leases counts nothing then
 
+    def config_set(self, name: str, value: object) -> None:
+        """The phase's end puts the store's settings back: nothing to put back here."""
+
+
+class Proxy:
+    delay_s = drop_rate = 0.0
+    _drop_next = 0
+    blackholed = False
+
 
 def schedule_of(profile: Profile, slot: Slot, store: SlowStore) -> Any:
-    """A schedule over stand-ins: the faults these tests call touch no proxy and no simulator."""
-    stand_ins: list[Any] = [[slot], store, None, None]
+    """A schedule over stand-ins: the faults these tests call touch no simulator."""
+    stand_ins: list[Any] = [[slot], store, Proxy(), None]
     return Schedule(profile, random.Random(1), *stand_ins)
 
 
@@ -96,3 +121,27 @@ async def test_the_true_clock_restart_leaves_a_draining_worker_to_its_drain(tmp_
     slot.terminating = True  # a drain is under way: it restarts w1 on the true clock itself
     await schedule._true_clock(slot, life)
     assert slot.stops == [] and slot.current is life
+
+
+async def test_the_fault_phase_ends_by_continuing_a_stopped_draining_worker(tmp_path: Path) -> None:
+    slot = Slot("w1", tmp_path)
+    store = SlowStore()
+    store.up.set()  # the drain's lease count finds the store down at once (and counts none)
+    schedule = schedule_of(Profile(lease_ms=60_000), slot, store)  # the stop fault sleeps past the phase's end
+    blocked, real_drain = threading.Event(), slot.drain
+
+    def drain(cut_after: float | None = None, wait: float = 90.0) -> tuple[int, list[int]]:
+        blocked.set()
+        assert slot.was_stopped.wait(10)  # the stop fault comes while this drain runs
+        return real_drain(cut_after, wait)
+
+    slot.drain = drain  # type: ignore[method-assign]
+    await schedule._drain()
+    assert await asyncio.to_thread(blocked.wait, 10)
+    # the stop fault picks the draining worker (a drain is no shield from SIGSTOP), then sleeps
+    schedule._tasks = [asyncio.create_task(schedule._stop()), asyncio.create_task(asyncio.sleep(3600))]
+    await eventually(lambda: slot.stopped, 10, "the stop fault's SIGSTOP")
+    await asyncio.wait_for(schedule.stop(), 30)
+    schedule._tasks[-1].cancel()
+    drains = [e for e in schedule.timeline if e["kind"] == "drain"]
+    assert [e["code"] for e in drains] == [0], drains  # continued, then drained: not SIGKILLed after its wait
