@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -359,6 +360,10 @@ class WorkerSlot:
         self.lives: list[Incarnation] = []
         self.stopped = False
         self.terminating = False  # terminate() is under way (in a thread): its exit is not the worker's own
+        # A stop of ours marks the incarnation and signals it under this lock, and the watchdog reads the mark and
+        # polls under it: otherwise it could read no mark, then poll the exit of a kill marked meanwhile and call
+        # it the worker's own (`worker exit: w1#1 code -9`, 6 ms before that kill's note, in a CI-sized run).
+        self._marks = threading.Lock()
 
     @property
     def current(self) -> Incarnation | None:
@@ -410,8 +415,9 @@ class WorkerSlot:
         if self.proc is None or (life := self.current) is None:
             return
         # marked first: a drain waiting on this process (another thread) must find the kill was not its doing
-        life.ended, life.end = time.time(), "kill"
-        signal_group(self.proc, signal.SIGKILL)
+        with self._marks:
+            life.ended, life.end = time.time(), "kill"
+            signal_group(self.proc, signal.SIGKILL)
         if self.stopped:
             life.stops[-1][1] = life.ended
         reap(self.proc)
@@ -431,13 +437,14 @@ class WorkerSlot:
 
     def exited(self) -> int | None:
         """The exit code if the current incarnation ended by itself (recorded), else None."""
-        if self.proc is None or self.terminating or (life := self.current) is None or life.end == "kill":
-            return None  # a kill of ours (marked before its signal) is no exit: the watchdog may poll mid-kill
-        code = self.proc.poll()
-        if code is None:
-            return None
-        life.ended, life.end = time.time(), f"exit:{code}"
-        return code
+        with self._marks:
+            if self.proc is None or self.terminating or (life := self.current) is None or life.end == "kill":
+                return None  # a kill of ours (marked before its signal) is no exit: the watchdog may poll mid-kill
+            code = self.proc.poll()
+            if code is None:
+                return None
+            life.ended, life.end = time.time(), f"exit:{code}"
+            return code
 
     def drain(self, cut_after: float | None = None, wait: float = 90.0) -> tuple[int | None, list[int]]:
         """A graceful stop, as `systemctl stop` sends it: SIGTERM, then the drain runs its course; with `cut_after`
@@ -446,9 +453,10 @@ class WorkerSlot:
         ([jobs waiting handed back, submit calls out], empty if it did not say)."""
         if self.proc is None or (life := self.current) is None:
             return None, []
-        self.terminating = True
-        life.drained = time.time()
-        signal_group(self.proc, signal.SIGTERM)
+        with self._marks:
+            self.terminating = True
+            life.drained = time.time()
+            signal_group(self.proc, signal.SIGTERM)
         if cut_after is not None:
             try:
                 self.proc.wait(cut_after)
@@ -467,9 +475,10 @@ class WorkerSlot:
     def terminate(self, grace: float = 15.0) -> None:
         if self.proc is None or (life := self.current) is None:
             return
-        self.terminating = True
-        self.sigcont()
-        signal_group(self.proc, signal.SIGTERM)
+        with self._marks:
+            self.terminating = True
+            self.sigcont()
+            signal_group(self.proc, signal.SIGTERM)
         try:
             self.proc.wait(grace)
         except subprocess.TimeoutExpired:

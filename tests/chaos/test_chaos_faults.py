@@ -3,19 +3,24 @@ lease count is read from a store that is down (seconds) must not pick a worker a
 meanwhile: that second SIGTERM cuts the restart's drain and its 15 s grace ends in a SIGKILL that the checker then
 reports as a drain's bad exit (`drain: w1#4 exited -9 after 8.22 s`, a CI-sized run on a loaded machine). And the
 fault phase's end continues a worker a stop fault left stopped before it waits for the drains: a stopped worker's
-drain never ends (`drain: w2#5 exited -9 after 90.0 s`, a CI run whose last SIGSTOP hit a draining worker)."""
+drain never ends (`drain: w2#5 exited -9 after 90.0 s`, a CI run whose last SIGSTOP hit a draining worker). And the
+watchdog never records a kill of the harness's own as a worker's exit."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import subprocess
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from support.eventually import eventually
 
 from bench.chaos.faults import Profile, Schedule
+from bench.chaos.procs import Incarnation, WorkerSlot
 
 
 class Life:
@@ -145,3 +150,40 @@ async def test_the_fault_phase_ends_by_continuing_a_stopped_draining_worker(tmp_
     schedule._tasks[-1].cancel()
     drains = [e for e in schedule.timeline if e["kind"] == "drain"]
     assert [e["code"] for e in drains] == [0], drains  # continued, then drained: not SIGKILLed after its wait
+
+
+class KilledWhilePolled:
+    """A worker process whose first `poll` lets a kill in another thread run first (up to `grace` s), as a thread
+    switch between the watchdog's mark check and its poll would: the kill's exit is then all the poll could see."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], kill: Callable[[], None], grace: float = 0.5) -> None:
+        self.proc, self.kill, self.grace = proc, kill, grace
+        self.pid = proc.pid
+        self.killer: threading.Thread | None = None
+
+    def poll(self) -> int | None:
+        if self.killer is None:
+            self.killer = threading.Thread(target=self.kill)
+            self.killer.start()
+            self.killer.join(self.grace)  # the kill waits for the watchdog's look to end, when there is a lock
+        return self.proc.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.proc.wait(timeout)
+
+
+def test_the_watchdog_never_takes_a_kill_of_ours_for_the_workers_own_exit(tmp_path: Path) -> None:
+    slot = WorkerSlot("w1", "q", tmp_path / "offload.yaml", {}, tmp_path, concurrency=1, pidns=False)
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)  # its own group: the kill's killpg reaches it
+    try:
+        slot.lives.append(Incarnation(1, proc.pid, tmp_path / "w1-1.log", time.time()))
+        stand_in = KilledWhilePolled(proc, slot.kill)
+        slot.proc = stand_in  # type: ignore[assignment]
+        seen = slot.exited()  # the watchdog's look, with the kill fault's thread switching in mid-look
+        assert stand_in.killer is not None
+        stand_in.killer.join(10)
+        assert seen is None and slot.lives[-1].end == "kill", (seen, slot.lives[-1].end)
+        assert slot.exited() is None  # nor on the next look
+    finally:
+        proc.kill()
+        proc.wait(10)
