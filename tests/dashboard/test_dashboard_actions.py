@@ -101,6 +101,31 @@ def test_cancel_a_job(api: tuple[str, str], admin: httpx.Client, page: Page) -> 
     assert state_of(admin, other) == "cancelled"
 
 
+def test_a_live_update_during_a_click_does_not_swallow_it(
+    api: tuple[str, str], admin: httpx.Client, page: Page
+) -> None:
+    """A redraw between a button's mousedown and mouseup replaced the button, and the click never fired (a CI run:
+    a row's Cancel clicked, the row still there 15 s later). The redraw now waits for the release."""
+    q = new_queue("press")
+    (job,) = enqueue(admin, q, {"prompt": "cancel me mid-update"})
+    sign_in(page, *api)
+    go(page, f"#/queues/{q}")
+    expect(page.locator(".chart-status")).to_contain_text("points")  # the charts drawn: the page's layout settled
+    page.locator(f'tr[data-job="{job}"] [data-action="cancel"]').hover()
+    page.mouse.down()
+    enqueue(admin, q, {"prompt": "a job event: the page loads the queue again"})
+    # the page has the new count: drawn (the old page, replacing the pressed button) or held for the release
+    page.wait_for_function(
+        """() => document.body.dataset.redraw === "after-release"
+        || document.querySelector('.tab[data-state="queued"] .n')?.textContent === "2" """
+    )
+    page.mouse.up()
+    expect(page.locator(f'tr[data-job="{job}"]')).to_have_count(0)
+    assert state_of(admin, job) == "cancelled"
+    expect(page.locator('.tab[data-state="queued"] .n')).to_have_text("1")  # and the held redraw came after it
+    assert page.evaluate("() => document.body.dataset.redraw") is None
+
+
 def test_pause_resume_and_purge_with_confirmation(api: tuple[str, str], admin: httpx.Client, page: Page) -> None:
     q = new_queue("ops")
     enqueue(admin, q, 1, 2, 3)

@@ -29,6 +29,10 @@ let seq = 0; // orders overlapping refreshes: an older answer never replaces a n
 let drawn = 0;
 let lastSig = "";
 let refreshTimer = null;
+// A button pressed: a redraw would replace it between its mousedown and mouseup, and the click never fires (a
+// live update landing mid-click). The redraw waits for the release, after the click's handler has run.
+let pressed = false;
+let redrawOnRelease = false;
 const cursors = {}; // "queue|state" -> stack of page cursors (null = first page)
 
 class ApiError extends Error {
@@ -401,6 +405,11 @@ async function refresh() {
   try {
     const data = await view.load(route);
     if (mine !== gen || n < drawn || !me) return;
+    if (pressed) {
+      redrawOnRelease = true;
+      document.body.dataset.redraw = "after-release";
+      return;
+    }
     drawn = n;
     const sig = signature(data);
     if (sig === lastSig) return;
@@ -475,6 +484,17 @@ async function boot() {
   $("signout").addEventListener("click", () => signOut());
   $("error-close").addEventListener("click", () => { $("error").hidden = true; });
   window.addEventListener("hashchange", navigate);
+  document.addEventListener("pointerdown", () => { pressed = true; }, true);
+  const release = () => {
+    pressed = false;
+    if (!redrawOnRelease) return;
+    redrawOnRelease = false;
+    delete document.body.dataset.redraw;
+    setTimeout(() => { lastSig = ""; refresh(); }, 0); // after the click this release ends
+  };
+  document.addEventListener("pointerup", release, true);
+  document.addEventListener("pointercancel", release, true);
+  window.addEventListener("blur", release); // released outside the window: no pointerup reaches us
   if (!sessionStorage.getItem(KEY)) {
     showSignin();
     return;
