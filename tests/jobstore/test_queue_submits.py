@@ -9,6 +9,7 @@ import pytest
 
 from offload.connection import connect
 from offload.models import JobState
+from offload.queue import keyspace
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 
@@ -73,10 +74,10 @@ async def test_begin_sees_a_cancel_right_before_the_submit(vstore: QueueStore) -
     assert (await vstore.get(job_id)).submission is None
 
 
-async def test_over_the_job_cap_the_job_is_held_at_once_and_a_refused_submit_gives_its_place_back(
+async def test_over_the_job_cap_the_job_is_held_at_once_and_only_a_job_that_never_ran_gives_its_place_back(
     vstore: QueueStore,
 ) -> None:
-    a, b, c = await vstore.enqueue_many("q", [JobSpec(input=i) for i in range(3)])
+    a, b, _ = await vstore.enqueue_many("q", [JobSpec(input=i) for i in range(3)])
     ca, cb = await vstore.claim("q", "w", 2, job_cap=1)
     assert await vstore.begin_many("q", [(a, ca.token, 0.0), (b, cb.token, 0.0)], job_cap=1) == ["OK:1", "CAP:jobs"]
     held = await vstore.get(b)
@@ -89,12 +90,20 @@ async def test_over_the_job_cap_the_job_is_held_at_once_and_a_refused_submit_giv
     assert ca.id == a
     assert await vstore.begin_many("q", [(a, ca.token, 0.0)], job_cap=1) == ["OK:2"]
     assert (await vstore.usage("q"))[1:] == (1, 0.0)
-    # the provider refused a's submission (a 4xx): nothing runs, so it does not count
+    # the provider refused a's second submission (a 4xx): that one runs nowhere, but a's first run was paid for
+    # today, so a keeps its place and c still waits (giving it back let a capped day run two jobs)
     assert await vstore.fail(a, ca.token, "fatal: 400", retryable=False, answered=True, refund=True) == "dead"
-    assert (await vstore.usage("q"))[1:] == (0, 0.0)
-    (cc,) = await vstore.claim("q", "w", 5, job_cap=1)
-    assert cc.id == c
-    assert await vstore.begin_many("q", [(c, cc.token, 0.0)], job_cap=1) == ["OK:1"]
+    assert (await vstore.usage("q"))[1:] == (1, 0.0)
+    assert await vstore.claim("q", "w", 5, job_cap=1) == []
+    # a job refused at its first submission never ran: its place goes to the next job
+    x, y = await vstore.enqueue_many("r", [JobSpec(input=i) for i in range(2)])
+    (cx,) = await vstore.claim("r", "w", 1, job_cap=1)
+    assert await vstore.begin_many("r", [(x, cx.token, 0.0)], job_cap=1) == ["OK:1"]
+    assert await vstore.claim("r", "w", 1, job_cap=1) == []
+    assert await vstore.fail(x, cx.token, "fatal: 400", retryable=False, answered=True, refund=True) == "dead"
+    assert (await vstore.usage("r"))[1:] == (0, 0.0)
+    (cy,) = await vstore.claim("r", "w", 1, job_cap=1)
+    assert await vstore.begin_many("r", [(y, cy.token, 0.0)], job_cap=1) == ["OK:1"]
 
 
 async def test_a_returned_job_gets_its_attempt_back_a_failed_one_does_not(vstore: QueueStore) -> None:
@@ -221,6 +230,31 @@ async def test_a_drain_closes_only_the_unsent_intents_its_own_lease_opened(vstor
     assert verdicts == ["OK:1", "OK:1:DUP", "OK:1:DUP"]
     assert (await vstore.get(a)).possible_duplicates == 0
     assert (await vstore.usage("q"))[2] == pytest.approx(2.0 + 2 * 4.0)  # a reserved once; b, c again
+
+
+async def test_a_job_handed_back_unsent_is_counted_in_the_day_it_is_sent_not_the_day_it_was_begun(
+    vstore: QueueStore,
+) -> None:
+    """A drain hands back a capped job it began but never sent: its place in the day goes to the next job, and
+    the job counts once, in the day its call goes out (kept, the begun day ran one job fewer than its cap and
+    the job counted in two days). A job whose call was sent (not named) keeps its place."""
+    a, b, c = await vstore.enqueue_many("q", [JobSpec(input=i) for i in range(3)])
+    leases = {j.id: j.token for j in await vstore.claim("q", "w1", 3, job_cap=2)}
+    items = [(j, leases[j], 1.0) for j in (a, b, c)]
+    assert await vstore.begin_many("q", items, job_cap=2, spend_cap=10.0) == ["OK:1", "OK:1", "CAP:jobs"]
+    day, jobs, spend = await vstore.usage("q")
+    assert (jobs, spend) == (2, 2.0)
+    assert await vstore.release_leases("q", "w1", unsent=[(a, leases[a]), (b, "w1/999")]) == 2
+    assert (await vstore.usage("q"))[1:] == (1, 1.0), "a's place was not given back"
+    # the next day: a is sent there and counts there only
+    vstore.now[0] += 86_400_000  # type: ignore[attr-defined]
+    await vstore.release_held("q")
+    again = {j.id: j for j in await vstore.claim("q", "w2", 3, job_cap=2)}
+    assert set(again) == {a, b, c}
+    verdicts = await vstore.begin_many("q", [(j, again[j].token, 1.0) for j in (a, b, c)], job_cap=2)
+    assert verdicts == ["OK:1", "OK:1:DUP", "CAP:jobs"]
+    assert (await vstore.redis.get(keyspace.cap("q", day, "jobs"))) == "1"
+    assert (await vstore.usage("q"))[1] == 2
 
 
 async def test_a_claim_with_begin_opens_the_intents_begin_would_and_leaves_the_unsettled_ones_to_it(

@@ -82,9 +82,9 @@ for _, item in ipairs(cjson.decode(ARGV[5])) do
     else
       local n, dup = next_submission(sub_n, remote_n), false
       if sub and sub_open == '1' then n, dup = sub, true end  -- an earlier lease's intent, still open
-      local verdict = nil
+      local verdict, counts = nil, false
       local again = dup or resv_w ~= window or tonumber(resv_n or '') ~= n
-      if capped then verdict = cap_take(st, id, estimate, job_cap, spend_cap, again) end
+      if capped then verdict, counts = cap_take(st, id, estimate, job_cap, spend_cap, again) end
       if verdict then
         hold_job(id, owner, now, 'daily ' .. verdict .. ' cap reached (window ' .. window .. ')', window)
         out[#out + 1] = 'CAP:' .. verdict
@@ -93,7 +93,9 @@ for _, item in ipairs(cjson.decode(ARGV[5])) do
           'backend', to)
         remember_hook(k, n, digest)
         if why and why ~= '' then routed(id, k, to, why) end
-        if capped and again then redis.call('HSET', k, 'resv', estimate, 'resv_w', window, 'resv_n', n) end
+        if capped and again then
+          redis.call('HSET', k, 'resv', estimate, 'resv_w', window, 'resv_n', n, 'resv_c', counts and '1' or '0')
+        end
         calls = calls + 1
         if dup then
           redis.call('HINCRBY', k, 'possible_duplicates', 1)

@@ -3,13 +3,16 @@
 -- counting as a lease expiry. Modes: 'all' (every lease of the worker, and the worker itself is forgotten), 'ids'
 -- (the given ones), 'idle' (the given ones, then the worker is forgotten if it holds nothing else).
 -- Intents the worker opened but never sent (begun, then drained before the call) are closed first, when the
--- intent is still that lease's: the submission is then sent again as the same run, not as a possible duplicate.
+-- intent is still that lease's: the submission is then sent again as the same run, not as a possible duplicate,
+-- and the caps' reservation of that submission is refunded (nothing ran: the job is counted in the window it is
+-- sent in, and the window it was begun in keeps the place for another job).
 -- KEYS: [1] the queue's key prefix, offload:{<queue>}: (see offload/queue/keyspace.py)
 -- ARGV: now, worker id, mode, unsent: a JSON list of [id, token] ('' none), then ids
 -- Returns: the number of jobs released
 --- @include "clock"
 --- @include "records"
 --- @include "leases"
+--- @include "caps"
 local now = now_ms(ARGV[1])
 local wid, mode = ARGV[2], ARGV[3]
 local owned_key = P .. 'owned:' .. wid
@@ -17,8 +20,12 @@ if ARGV[4] ~= '' then
   for _, item in ipairs(cjson.decode(ARGV[4])) do
     local id, token = item[1], item[2]
     local k = jkey(id)
-    local sub_open, intent_tok = unpack(redis.call('HMGET', k, 'sub_open', 'intent_tok'))
-    if sub_open == '1' and intent_tok == token then redis.call('HSET', k, 'sub_open', '0') end
+    local sub_open, intent_tok, sub_n, resv_n = unpack(redis.call('HMGET', k, 'sub_open', 'intent_tok', 'sub_n',
+      'resv_n'))
+    if sub_open == '1' and intent_tok == token then
+      redis.call('HSET', k, 'sub_open', '0')
+      if resv_n == sub_n then settle(k, id, nil, true) end
+    end
   end
 end
 local ids = {}

@@ -13,12 +13,13 @@ end
 
 -- Decide one submission against the caps, in order, as if reserved one by one. A job counted in the window
 -- already passes the job cap; its spend is reserved again only for a new submission (`spend_again`).
--- Returns nil (reserved) or the cap that says no ('jobs' or 'spend').
+-- Returns nil (reserved) or the cap that says no ('jobs' or 'spend'), and whether this reservation is the one
+-- that counted the job in the window (a refund takes back only what its own reservation counted).
 local function cap_take(st, id, estimate, job_cap, spend_cap, spend_again)
   local counted = redis.call('SISMEMBER', st.base .. 'counted', id) == 1
-  if counted and not spend_again then return nil end
-  if job_cap and not counted and st.jobs >= job_cap then return 'jobs' end
-  if spend_cap and st.spend + estimate > spend_cap then return 'spend' end
+  if counted and not spend_again then return nil, false end
+  if job_cap and not counted and st.jobs >= job_cap then return 'jobs', false end
+  if spend_cap and st.spend + estimate > spend_cap then return 'spend', false end
   if not counted then
     redis.call('SADD', st.base .. 'counted', id)
     st.jobs = st.jobs + 1
@@ -26,7 +27,7 @@ local function cap_take(st, id, estimate, job_cap, spend_cap, spend_again)
   end
   st.spend = st.spend + estimate
   st.new_spend = st.new_spend + estimate
-  return nil
+  return nil, not counted
 end
 
 local function cap_commit(st)
@@ -50,21 +51,25 @@ end
 
 -- The real cost of a job's current submission replaces its reservation in the window it was reserved in.
 -- `cost` nil: unknown, the reservation stands (it was the worst case). `refund`: nothing was started (the
--- provider refused the request), so the job is not counted either.
+-- provider refused the request, or the call was never sent), so the job is not counted either, unless an
+-- earlier submission of it counted it in that window (`resv_c` '0': that run was paid for; records older than
+-- the field count as counted here).
 local function settle(k, id, cost, refund)
-  local resv, resv_w = unpack(redis.call('HMGET', k, 'resv', 'resv_w'))
+  local resv, resv_w, resv_c = unpack(redis.call('HMGET', k, 'resv', 'resv_w', 'resv_c'))
   if resv_w and resv_w ~= '' then
     local base = cap_base(resv_w)
     local delta = nil
     if refund then
       delta = -tonumber(resv or '0')
-      if redis.call('SREM', base .. 'counted', id) == 1 then redis.call('DECRBY', base .. 'jobs', 1) end
+      if resv_c ~= '0' and redis.call('SREM', base .. 'counted', id) == 1 then
+        redis.call('DECRBY', base .. 'jobs', 1)
+      end
     elseif cost and resv then
       delta = cost - tonumber(resv)
     end
     if delta and delta ~= 0 then redis.call('INCRBYFLOAT', base .. 'spend', delta) end
     if refund then
-      redis.call('HDEL', k, 'resv', 'resv_w', 'resv_n')
+      redis.call('HDEL', k, 'resv', 'resv_w', 'resv_n', 'resv_c')
     elseif delta then
       redis.call('HDEL', k, 'resv')
     end
