@@ -23,14 +23,23 @@ def caps(ev: Evidence) -> dict[str, Any]:
         for lo, hi in itertools.pairwise(bounds)
     ]
     cap = ev.d.daily_job_cap
-    # the first day fills the cap exactly; a later one (jobs released, runs expired at the provider) never
-    # passes it
-    exact = len(days[0]) == min(cap, len(capped)) and all(len(day) <= cap for day in days[1:])
+    input_of = {j: ev.d.acked[j][1] for j in capped}
+    counted = {input_of[j] for j in ev.d.counted_day1 if j in input_of}
+    # jobs whose first-day call was still to come when that day ended (a retry after refused calls): counted
+    # there, and again in the day they are sent
+    unsent = {input_of[j] for j in ev.d.unsent_day1 if j in input_of} - days[0]
+    uncounted = days[0] - counted if ev.d.counted_day1 else set()
+    # the first day fills the cap but for those; no day passes it (a later one: jobs released, runs expired at
+    # the provider); every run of the first day was counted in it
+    filled = len(days[0]) + len(unsent) == min(cap, len(capped))
+    exact = filled and not uncounted and all(len(day) <= cap for day in days)
     released = all(ev.d.records.get(j, {}).get("state") in TERMINAL for j in capped)
     if not exact:
+        idle = sorted(counted - days[0] - unsent)  # counted, yet neither run that day nor still to run
         ev.find(
             f"cap: {[len(day) for day in days]} jobs of queue {ev.d.capped_queue} submitted in its days under "
-            f"a daily cap of {cap}"
+            f"a daily cap of {cap} ({len(unsent)} still to send at the first day's end; run uncounted: "
+            f"{sorted(uncounted)[:5]}; counted without a run: {idle[:5]})"
         )
     if not released:
         ev.find("held: capped jobs still not terminal after the cap window rolled over")
@@ -41,6 +50,7 @@ def caps(ev: Evidence) -> dict[str, Any]:
             "submitted_day1": len(days[0]),
             "submitted_later": [len(day) for day in days[1:]],
             "held_at_roll": ev.d.held_at_roll,
+            "unsent_at_day_end": len(unsent),
             "exact": exact,
         },
         "held_released": released,

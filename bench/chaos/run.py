@@ -479,6 +479,8 @@ class Run:
             cap_rolled_at=self.settle.rolls[0] if self.settle.rolls else None,
             cap_rolls=self.settle.rolls,
             held_at_roll=self.settle.held_at_roll,
+            counted_day1=self.settle.counted,
+            unsent_day1=self.settle.unsent,
             samples=self.samples,
             synchronous=self.args.backend in SYNCHRONOUS,
             honoured=self.args.honour,

@@ -53,6 +53,8 @@ class RunData:
     cap_rolled_at: float | None = None
     cap_rolls: list[float] = field(default_factory=list)  # each new store day (the first is cap_rolled_at)
     held_at_roll: int = 0
+    counted_day1: list[str] = field(default_factory=list)  # the capped jobs the first day counted, at its end
+    unsent_day1: list[str] = field(default_factory=list)  # capped jobs with their day's call still to come then
     samples: dict[str, Any] = field(default_factory=dict)
     sent: dict[str, Any] = field(default_factory=dict)  # job id -> the input as the producer sent it
     # the backend's submit call is the whole job (offload's Backend.synchronous): its answer is the stored output

@@ -29,6 +29,7 @@ from offload.queue import keyspace
 
 MAX_ROLLS = 3  # store days rolled to at most, while capped jobs wait for the next one
 SETTLE_CAP = 4  # the wait for every job to be terminal: `stall` s without progress, at most this many times it
+DAY_END_S = 20.0  # before the first roll, the longest wait for the capped jobs still to send their day's call
 
 
 class Settle:
@@ -43,9 +44,12 @@ class Settle:
         self.held_at_roll = 0  # capped jobs held at the first roll
         self.window = ""  # the store's day since the last roll (a cap window: 20261207)
         self.held_today = 0  # capped jobs waiting out that window (held, or queued once its cap is full)
+        self.counted: list[str] = []  # the capped jobs the first day's cap counted, read right before its roll
+        self.unsent: list[str] = []  # of those, the ones with their call still to come then
 
     async def run(self, stall: float) -> float | None:
         """When every job was terminal, or None (the rest are stuck)."""
+        await self.day_end(DAY_END_S)
         await self.roll()
         done = await self.until_terminal(stall)
         for _ in range(MAX_ROLLS - 1):
@@ -54,6 +58,34 @@ class Settle:
             await self.roll()
             done = await self.until_terminal(stall)
         return done
+
+    async def day_end(self, bound: float) -> None:
+        """Up to `bound` s for the first day to fill its cap and for the jobs it counted to send their call (a
+        retry after a refused call; a job a drain handed back, its place freed, to be taken again), then what that
+        day counted and which of those were still unsent, for the checker: a day may end with a counted job's call
+        still to come (counted there, and again where it is sent)."""
+        deadline = time.monotonic() + bound
+        while True:
+            try:
+                self.counted, self.unsent, full = await self._day()
+            except (RedisError, OSError):  # (a connection older than the last Valkey restart)
+                self.counted, self.unsent, full = [], [], False
+            if (full and not self.unsent) or time.monotonic() > deadline:
+                return
+            await asyncio.sleep(0.5)
+
+    async def _day(self) -> tuple[list[str], list[str], bool]:
+        """(the jobs the store's day counted, those of them neither terminal nor held with no remote run recorded,
+        whether the day's cap is filled)."""
+        window = window_of(await self.store_time())
+        counted = sorted(await self.direct.smembers(keyspace.cap(self.capped, window, "counted")))
+        pipe = self.direct.pipeline(transaction=False)
+        for job_id in counted:
+            pipe.hmget(keyspace.job(self.capped, job_id), "state", "remote_n")
+        found = await pipe.execute()
+        unsent = [j for j, (s, n) in zip(counted, found, strict=True) if s not in TERMINAL and s != "held" and not n]
+        capped = sum(1 for j in self.waiting if j.partition(":")[0] == self.capped)
+        return counted, unsent, len(counted) >= min(self.cap, capped)
 
     async def roll(self) -> None:
         """The capped queue's window rolls over to the store's next day."""

@@ -446,6 +446,31 @@ def test_the_checker_judges_every_day_of_the_capped_queue_against_its_cap(tmp_pa
     assert any("[2, 3, 1] jobs of queue c" in f for f in verdict.findings), verdict.findings
 
 
+def test_the_checker_excuses_only_a_first_day_call_still_to_come_at_the_days_end(tmp_path: Path) -> None:
+    """Daily cap 2, three capped jobs. The first day runs one; the other it counted was still to send its call when
+    the day ended (refused calls, their retry due after the roll): counted there and sent in the second day with
+    the held one, exact. Counted without a run and not still to come (a place lost), or run without being counted,
+    is named."""
+    records = {f"c:{n}": _record(f"cap-{n}") for n in range(3)}
+    subs = [_sub("cap-0", "r0", 1.0, 1), _sub("cap-1", "r1", 11.0, 1), _sub("cap-2", "r2", 12.0, 1)]
+    data = RunData(
+        acked={j: ("c", json.loads(h["input"])["id"], 0.5) for j, h in records.items()},
+        records=records, submissions=subs, outputs={}, files={}, lives={}, slot_ports={}, timeline=[],
+        valkey_down=[], appendfsync="always", events={}, dropped=[], bucket=BUCKET, capped_queue="c",
+        daily_job_cap=2, cap_rolled_at=10.0, cap_rolls=[10.0], counted_day1=["c:0", "c:1"], unsent_day1=["c:1"],
+    )  # fmt: skip
+    s = Checker(data).verdict().summary
+    assert s["cap"]["exact"] and s["cap"]["unsent_at_day_end"] == 1, s["cap"]
+    data.unsent_day1 = []  # c:1 counted, yet neither run that day nor still to run: its place was lost
+    verdict = Checker(data).verdict()
+    assert not verdict.summary["cap"]["exact"]
+    assert any("counted without a run: ['cap-1']" in f for f in verdict.findings), verdict.findings
+    data.unsent_day1, data.counted_day1 = ["c:1"], ["c:1"]  # cap-0 ran uncounted
+    verdict = Checker(data).verdict()
+    assert not verdict.summary["cap"]["exact"]
+    assert any("run uncounted: ['cap-0']" in f for f in verdict.findings), verdict.findings
+
+
 def test_an_event_whose_stream_id_a_clock_step_held_is_dated_when_read() -> None:
     """After Valkey's clock steps back (here 600 s at t = 1100), new stream ids are held at the last one (ms 1,100,000)
     until the clock catches up: such an event, read 1.4 s after the step, happened then, not at the step (dated

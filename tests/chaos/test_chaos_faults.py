@@ -10,17 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import random
+import secrets
 import subprocess
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from support.eventually import eventually
 
+from bench.chaos.faketime import ClockFile
 from bench.chaos.faults import Profile, Schedule
 from bench.chaos.procs import Incarnation, WorkerSlot
+from bench.chaos.settle import Settle
+from offload.connection import connect
+from offload.queue.specs import JobSpec
+from offload.queue.store import QueueStore
 
 
 class Life:
@@ -187,3 +193,25 @@ def test_the_watchdog_never_takes_a_kill_of_ours_for_the_workers_own_exit(tmp_pa
     finally:
         proc.kill()
         proc.wait(10)
+
+
+async def test_the_days_end_reads_only_counted_jobs_as_still_to_send(valkey_url: str) -> None:
+    """The first day's end, on a real store (cap 2, four capped jobs): a counted job whose call went out, a counted
+    one with its call still to come, one held, and one never claimed (a capped queue's claim skips fresh jobs): the
+    day is full, and only the counted one still to come is unsent (counting the never-claimed one would have made
+    the checker expect a fifth run)."""
+    queue = "capped-" + secrets.token_hex(3)
+    redis = await connect(valkey_url)
+    try:
+        store = QueueStore(redis)
+        ids = await store.enqueue_many(queue, [JobSpec(input=i) for i in range(4)])
+        leases = {j.id: j.token for j in await store.claim(queue, "c1", 3, job_cap=2)}
+        sent, unsent, held = ids[:3]
+        begun = await store.begin_many(queue, [(j, leases[j], 0.0) for j in (sent, unsent, held)], job_cap=2)
+        assert begun == ["OK:1", "OK:1", "CAP:jobs"]
+        await store.checkpoint_many(queue, [(sent, leases[sent], "gpu", "r-1", 1)])
+        settle = Settle(redis, cast(WorkerSlot, None), cast(ClockFile, None), ids, queue, 2)
+        await settle.day_end(1.0)
+        assert sorted(settle.counted) == sorted([sent, unsent]) and settle.unsent == [unsent]
+    finally:
+        await redis.aclose()
