@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
@@ -61,6 +62,7 @@ TRANSIENT_CODES = frozenset({
     "SlowDown", "RequestTimeout", "Throttling", "ThrottlingException", "RequestThrottled", "InternalError",
     "ServiceUnavailable", "RequestTimeTooSkewed", "OperationAborted",
 })  # fmt: skip
+MAX_SKEW_S = 900  # S3's limit on a signed request's time against the server's clock
 _CREDS = "storage.access_key_id / storage.secret_access_key"
 # S3 error code -> (setting to fix, what went wrong). Codes of HEAD requests are bare statuses (no body).
 CONFIG_CODES = {
@@ -315,6 +317,8 @@ class S3Storage:
             return StorageError(f"{op} {where} failed: cannot reach {self._endpoint} ({type(exc).__name__})")
         code = _code(exc)
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        if status in (400, 403) and (skewed := self._skewed(exc, code)):
+            return StorageError(f"{op} {where} refused: {skewed}")
         if code in ("NoSuchKey", "404") and key is not None:
             return ObjectNotFound(f"no object at {where}")
         if code == "404":  # HEAD of a bucket has no body, hence no NoSuchBucket code
@@ -326,6 +330,25 @@ class S3Storage:
         if status >= 500 or status in (408, 429) or code in TRANSIENT_CODES:
             return StorageError(f"{op} {where} failed: {code} (HTTP {status}) from {self._endpoint}")
         return StorageError(f"{op} {where} failed: {code} (HTTP {status}) from {self._endpoint}", permanent=True)
+
+    def _skewed(self, exc: ClientError, code: str) -> str | None:
+        """Why a 403 (or 400) was about this host's clock, or None. S3 refuses a request signed more than 15
+        minutes off the server's clock (RequestTimeTooSkewed; rclone says AccessDenied, with a 400, for a clock
+        behind), which must not read as a key's permissions: the skew is measured on the answer's Date."""
+        headers = exc.response.get("ResponseMetadata", {}).get("HTTPHeaders", {})
+        try:
+            skew = parsedate_to_datetime(headers["date"]).timestamp() - time.time()
+        except (KeyError, TypeError, ValueError):
+            skew = None
+        if skew is None or abs(skew) <= MAX_SKEW_S:
+            if code != "RequestTimeTooSkewed":
+                return None
+            return f"{self._endpoint} says this host's clock is more than 15 minutes off (fix its time sync)"
+        side = "behind" if skew > 0 else "ahead of"
+        return (
+            f"this host's clock is {abs(skew) / 60:.0f} min {side} {self._endpoint}'s, and S3 refuses a request "
+            "signed more than 15 minutes off (fix the host's time sync: NTP, chrony)"
+        )
 
 
 def _code(exc: ClientError) -> str:

@@ -33,6 +33,7 @@ from support.procs import die_with_parent
 from support.s3server import RcloneS3, wait_port_closed
 from support.servers import closed_port
 
+from bench.chaos.faketime import ClockFile
 from offload.backends import new_client
 from offload.backends.transport import fast_path
 from offload.egress import FilePolicy
@@ -181,6 +182,42 @@ async def test_s3_wrong_credentials_name_the_setting_without_leaking(s3: RcloneS
         for err in (put_err.value, head_err.value):
             assert not _leaks(err, s3.secret_key, bad_secret)
             assert isinstance(err, ConfigError) and not isinstance(err, StorageError)
+
+
+SKEWED_CALLS = textwrap.dedent("""
+    import asyncio, json, sys
+    from offload.storage import create_storage
+
+    async def main():
+        store = create_storage(json.loads(sys.argv[1]))
+        try:
+            for call in (lambda: store.put_json("results/x.json", {"a": 1}), lambda: store.exists("results/x.json")):
+                try:
+                    await call()
+                    print("answered")
+                except Exception as exc:
+                    print(type(exc).__name__, getattr(exc, "permanent", None), exc)
+        finally:
+            await store.aclose()
+
+    asyncio.run(main())
+""")
+
+
+async def test_s3_a_host_clock_hours_off_is_named_not_the_keys(s3: RcloneS3, bucket: str, tmp_path: Path) -> None:
+    """A worker whose clock is 3 h off (behind: rclone answers AccessDenied; ahead: RequestTimeTooSkewed; a HEAD
+    has no code at all) is told its clock is off, by how much, as an error to retry once the clock is right: not
+    a key's permissions to fix. A process under libfaketime, against the real server."""
+    for offset, side in ((-3 * 3600, "behind"), (3 * 3600, "ahead of")):
+        clock = ClockFile(tmp_path / f"clock{offset}", offset)
+        args = [sys.executable, "-c", SKEWED_CALLS, json.dumps(s3.settings(bucket, max_attempts=1))]
+        out = await asyncio.to_thread(subprocess.run, args, env=clock.env(), capture_output=True, text=True, timeout=60)
+        lines = out.stdout.splitlines()
+        assert len(lines) == 2, out.stderr[-2000:]
+        for line in lines:
+            assert line.startswith("StorageError False "), line
+            assert f"this host's clock is 180 min {side} " in line and "permission" not in line, line
+            assert s3.secret_key not in line
 
 
 async def test_s3_missing_bucket_and_unreachable_endpoint(s3: RcloneS3) -> None:
