@@ -51,7 +51,8 @@ def test_peers_bench_offload_only(tmp_path: Path) -> None:
     assert 0 < row["gpu_peak_in_flight"] <= 20, row
     # (c) ran twice for offload: polling, and with provider webhooks on (the real server receiving them)
     assert 0 < row["gpu_webhooks_peak_in_flight"] <= 20, row
-    assert row["gpu_all_done_s"] > 0.5 and row["gpu_webhooks_all_done_s"] > 0.5, row
+    # each job runs 0.5 s at the provider: no run ends sooner (the report rounds to 0.1 s, so 0.54 s reads 0.5)
+    assert row["gpu_all_done_s"] >= 0.5 and row["gpu_webhooks_all_done_s"] >= 0.5, row
     assert set(row["crash"]) == {"lost", "rerun", "duplicated", "all_done_s"}
     assert row["crash"]["rerun"] == 0 and row["crash"]["duplicated"] == 0, row  # resumed, never re-submitted
 
