@@ -41,6 +41,26 @@ def log_clock_step(queue: str, stepped_ms: int) -> None:
     )
 
 
+HOST_SKEW_WARN_S = 60.0  # a host kept in time is milliseconds off: a minute is a clock nobody keeps
+
+
+def warn_host_skew(store_now: float, host_now: float) -> None:
+    """The one line a process logs at start when its host's clock and the job store's differ by more than a
+    minute. Nothing offload decides reads the host's clock, but S3 refuses a request signed more than 15 minutes
+    off its server's clock (the worker's outputs then wait), and presigned URLs and log times are off as much."""
+    skew = host_now - store_now
+    if abs(skew) <= HOST_SKEW_WARN_S:
+        return
+    span = f"{abs(skew) / 3600:.1f} h" if abs(skew) >= 5400 else f"{abs(skew) / 60:.0f} min"
+    log.warning(
+        "this host's clock is %s %s the job store's (Valkey's TIME): queues, caps and leases keep the store's, "
+        "but S3 refuses requests signed more than 15 minutes off, and presigned URLs and log times are off as "
+        "much; fix the time sync (NTP, chrony) of whichever host is wrong",
+        span,
+        "ahead of" if skew > 0 else "behind",
+    )
+
+
 class StoreClock:
     """The job store's time, in epoch seconds, callable like `time.time`. Before the first `sync` it is this
     process's clock (nothing better is known yet)."""

@@ -31,6 +31,7 @@ from offload.heap import freeze_startup
 from offload.http_client import make_client
 from offload.queue.memory import require_noeviction
 from offload.queue.store import QueueStore
+from offload.queue.store_clock import StoreClock, warn_host_skew
 from offload.server import (
     dashboard,
     errors,
@@ -129,6 +130,7 @@ async def _open(options: ServerOptions) -> ServerState:
     redis = await connect(options.redis_url or options.settings.redis_url)
     try:
         await at_start(lambda: require_noeviction(redis))  # (cli/server.py checks first: one error line)
+        warn_host_skew(await at_start(lambda: StoreClock().sync(redis)), time.time())
         store = QueueStore(redis, lease_ms=options.worker_lease_ms, durability=options.settings.durability)
         await at_start(lambda: store.check_durability(list(options.settings.queues)))
         durability = options.settings.durability

@@ -7,6 +7,7 @@ import contextlib
 import functools
 import logging
 import signal
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -26,6 +27,7 @@ from offload.errors import ConfigError
 from offload.queue.backend_limits import BackendLimits
 from offload.queue.memory import read_memory, warn_unreported
 from offload.queue.store import QueueStore
+from offload.queue.store_clock import StoreClock, warn_host_skew
 from offload.redis_client import RedisClient
 from offload.storage import S3StorageSettings, Storage, create_storage, store_output
 from offload.tracing import configure as configure_tracing
@@ -176,6 +178,7 @@ class _Shared:
         resources.push_async_callback(redis.aclose)
         # what the store could not report is said once a process (each worker reads its policy as it starts)
         warn_unreported(await at_start(lambda: read_memory(redis)))
+        warn_host_skew(await at_start(lambda: StoreClock().sync(redis)), time.time())
         shared = cls(settings, files, storage, backends, redis)
         await at_start(lambda: shared.store.check_durability([queue for queue, *_ in plans]))
         return shared

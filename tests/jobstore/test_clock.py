@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import random
 import subprocess
 import sys
@@ -16,8 +17,10 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+import pytest
 from support.admin_redis import redis_admin
 from support.eventually import seconds_until
+from support.server_helpers import server
 from support.servers import ValkeyServer
 
 from bench.chaos.faketime import ClockFile
@@ -31,6 +34,7 @@ from offload.queue import keyspace
 from offload.queue.scripts import SCRIPTS
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
+from offload.queue.store_clock import warn_host_skew
 from offload.redis_client import RedisClient
 from offload.server.registry import WorkerRegistry
 from offload.server.schemas import RegisterRequest
@@ -231,3 +235,34 @@ async def test_the_autoscaler_and_the_gpu_worker_registry_keep_the_stores_time(s
         assert abs(int(record["last_heartbeat"]) / 1000 - await store_now(redis)) < 5
     finally:
         await redis.aclose()
+
+
+def test_a_host_clock_off_the_stores_by_more_than_a_minute_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    """The start-up line: nothing within a minute (hosts kept in time), minutes or hours beyond, and which side."""
+    caplog.set_level(logging.WARNING, "offload.queue")
+    warn_host_skew(1_000_000.0, 1_000_059.0)
+    warn_host_skew(1_000_000.0, 999_941.0)
+    assert not caplog.records
+    warn_host_skew(1_000_000.0, 1_000_000.0 - 20 * 60)
+    warn_host_skew(1_000_000.0, 1_000_000.0 + 3 * 3600)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2
+    assert lines[0].startswith("this host's clock is 20 min behind the job store's")
+    assert lines[1].startswith("this host's clock is 3.0 h ahead of the job store's")
+    assert all("S3 refuses requests signed more than 15 minutes off" in line for line in lines)
+
+
+async def test_a_server_started_beside_a_store_hours_off_says_so(
+    stepped_valkey: ValkeyServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server reads the store's clock as it starts and names the difference (the worker's is in
+    tests/worker/test_worker_clock.py, on a process under libfaketime)."""
+    redis = await connect(stepped_valkey.url)
+    try:
+        await step_store_clock(stepped_valkey, redis, -2 * 3600)
+    finally:
+        await redis.aclose()
+    caplog.set_level(logging.WARNING, "offload.queue")
+    with server(stepped_valkey.url):
+        pass
+    assert any("this host's clock is 2.0 h ahead of the job store's" in r.getMessage() for r in caplog.records)

@@ -81,6 +81,9 @@ async def test_a_worker_whose_clock_is_a_day_ahead_pays_no_more_than_the_daily_c
         return fleet.ready("true") and fleet.ready("ahead")
 
     await seconds_until(up, 60, "both workers serving", why=fleet.problems)
+    # told at start, before it pays anything: its S3 requests would be refused
+    assert "this host's clock is 24.0 h ahead of the job store's" in fleet.log("ahead").read_text()
+    assert "this host's clock is" not in fleet.log("true").read_text()
     await sstore.enqueue_many(QUEUE, [JobSpec(input=job_input(f"cap-{i}")) for i in range(12)])
     seen: dict[str, int] = {}
 
