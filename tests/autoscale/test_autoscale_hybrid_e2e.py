@@ -24,6 +24,7 @@ from test_worker_crash import OFFLOAD, READY_LINE, base_env, spawn, stop
 from offload.config import Settings
 from offload.connection import connect
 from offload.models import JobState
+from offload.queue import keyspace
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 from offload.testing.sim.config import SimConfig
@@ -99,6 +100,11 @@ async def _burst(r: AdminRedis, valkey: ValkeyServer, tmp_path: Path, sim: str, 
         )
         try:
             await eventually(lambda: READY_LINE in (tmp_path / "ow.log").read_text(), 60, "the overflow worker")
+
+            async def machine_counted() -> bool:  # by an evaluation since it came up: until then its reach is 0
+                return int(await r.hget(keyspace.overflow_reach(queue), "idle") or 0) >= 1
+
+            await eventually(machine_counted, 30, "the autoscaler's estimate to count the idle machine")
             warm = await store.enqueue(queue, JobSpec(input={"id": "warm"}))  # measures a run on the fleet
             await eventually(lambda: _done(store, [warm]), 30, "the warm-up job")
             ids = await store.enqueue_many(queue, [JobSpec(input={"id": f"j{i}"}) for i in range(BURST)])
