@@ -66,10 +66,7 @@ class Failover:
         assert self.link is not None
         self.link.upstream = (HOST, self.primary.port)
         self.link.reset_all(record=False)
-        for server in (self.primary, node):  # a full sync at once, not after the default 5 s wait for others
-            with server.client() as c:
-                c.config_set("repl-diskless-sync-delay", 0)
-        with node.client() as c:
+        with node.client() as c:  # (a full sync starts at once: every Valkey of the run starts so, see procs.py)
             c.execute_command("REPLICAOF", HOST, self.link.port)
         deadline = time.monotonic() + SYNC_S
         while await asyncio.to_thread(_link_status, node) != "up":

@@ -129,7 +129,10 @@ class Valkey:
     def start(self) -> Valkey:
         from offload.local.embedded import server_argv, server_env
 
-        extra = ("--protected-mode", "no", "--logfile", "valkey.log")
+        # A replica's full sync starts at once, from the command line so a restart keeps it: the default 5-s wait
+        # for more replicas is timed on the wall clock, and a step back of it (a fault of the run) during that wait
+        # held the sync, and every write that waits for the replica, for the length of the step.
+        extra = ("--protected-mode", "no", "--logfile", "valkey.log", "--repl-diskless-sync-delay", "0")
         cmd = server_argv(self.port, self.dir, bind=HOST, appendfsync=self.appendfsync, extra=extra)
         env = server_env(self.clock.env() if self.clock else None)
         self.proc = spawn(cmd, self.dir / "stderr.log", env=env, cwd=self.dir)
