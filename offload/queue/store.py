@@ -339,8 +339,11 @@ class QueueStore(EnqueueStore, AdminStore, ReadStore, HookStore):
             raise InvalidJob(f"cap window must be digits like 20261130, got {window!r}")
         _expect(await self._run(SCRIPTS.hold, queue_of(job_id), job_id, token, reason, window), job_id)
 
-    async def ack_cancel(self, job_id: str, token: str) -> None:
-        _expect(await self._run(SCRIPTS.ack_cancel, queue_of(job_id), job_id, token), job_id)
+    async def ack_cancel(self, job_id: str, token: str, *, unsent: bool = False) -> None:
+        """The job ends cancelled. `unsent`: its submission was begun and its call never sent, so the intent
+        closes and the cap reservation is refunded (as a drain's `release_leases(unsent=...)` does)."""
+        args = (job_id, token, "1") if unsent else (job_id, token)
+        _expect(await self._run(SCRIPTS.ack_cancel, queue_of(job_id), *args), job_id)
 
     async def release_leases(
         self,

@@ -60,7 +60,9 @@ class Endings:
         if code is not Verdict.OK:
             raise StaleLease(f"job {job.id}: lease lost before its output was written ({code})")
 
-    async def cancel(self, run: JobRun, remote_id: str | None) -> None:
+    async def cancel(self, run: JobRun, remote_id: str | None, *, unsent: bool = False) -> None:
+        """The job ends cancelled, its remote job (if any) cancelled first. `unsent`: its submission was begun
+        and never sent (the cap reservation is given back)."""
         job = run.job
         if remote_id:
             with contextlib.suppress(NotFound), tracing.call(run.trace, "cancel", remote_id=remote_id):
@@ -69,7 +71,7 @@ class Endings:
                         "job %s: the backend cannot cancel remote job %s: it runs to its end", job.id, remote_id
                     )
         run.settling = True
-        await self.ctx.health.call(lambda: self.ctx.store.ack_cancel(job.id, job.token))
+        await self.ctx.health.call(lambda: self.ctx.store.ack_cancel(job.id, job.token, unsent=unsent))
         if run.trace is not None:
             run.trace.outcome("cancelled")
 

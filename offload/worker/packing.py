@@ -159,8 +159,8 @@ class Packer:
             if line is None or not batch_id:  # left out at the close: cancelled meanwhile, or its lease lost
                 if not run.cancel:
                     raise StaleLease(f"job {job.id}: left out of its pack, its lease lost")
-                run.unsent = None
-                await self.endings.cancel(run, None)
+                closable, run.unsent = run.unsent is not None, None
+                await self.endings.cancel(run, None, unsent=closable)
                 return None
             run.remote_id = await self.submitter.record_known(run, f"{batch_id}#{line}", run.submission)
             run.sent_at = time.monotonic()

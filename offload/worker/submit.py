@@ -204,8 +204,8 @@ class Submitter:
         if not slot.take_now():
             await slot.take()
         if run.cancel:  # heard of since the begin (a heartbeat): not sent
-            run.unsent = None
-            await self.endings.cancel(run, None)
+            closable, run.unsent = run.unsent is not None, None
+            await self.endings.cancel(run, None, unsent=closable)
             return False
         if not self.ctx.policy.current:  # again: the begin or the slot may have waited meanwhile
             await self.ctx.policy.confirm()

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from offload.connection import connect
+from offload.errors import StaleLease
 from offload.models import JobState
 from offload.queue import keyspace
 from offload.queue.specs import JobSpec
@@ -255,6 +256,32 @@ async def test_a_job_handed_back_unsent_is_counted_in_the_day_it_is_sent_not_the
     assert verdicts == ["OK:1", "OK:1:DUP", "CAP:jobs"]
     assert (await vstore.redis.get(keyspace.cap("q", day, "jobs"))) == "1"
     assert (await vstore.usage("q"))[1] == 2
+
+
+async def test_a_capped_job_cancelled_before_its_call_gives_its_place_back(vstore: QueueStore) -> None:
+    """A capped job begun, then cancelled before its call went out (the worker says `unsent`): its place in the
+    day goes to the next job and its spend reservation is refunded. A cancel of a job whose call was sent keeps
+    both (the provider may have run it); so does a cancel naming another lease's token (refused)."""
+    a, b, c = await vstore.enqueue_many("q", [JobSpec(input=i) for i in range(3)])
+    leases = {j.id: j.token for j in await vstore.claim("q", "w1", 3, job_cap=2)}
+    items = [(j, leases[j], 1.0) for j in (a, b, c)]
+    assert await vstore.begin_many("q", items, job_cap=2, spend_cap=10.0) == ["OK:1", "OK:1", "CAP:jobs"]
+    for job_id in (a, b):
+        assert await vstore.cancel(job_id) == "requested"
+    with pytest.raises(StaleLease):
+        await vstore.ack_cancel(a, "w1/999", unsent=True)
+    assert (await vstore.usage("q"))[1:] == (2, 2.0)
+    await vstore.ack_cancel(a, leases[a], unsent=True)
+    assert (await vstore.usage("q"))[1:] == (1, 1.0), "a's place was not given back"
+    await vstore.ack_cancel(b, leases[b])  # sent: kept
+    assert (await vstore.usage("q"))[1:] == (1, 1.0)
+    assert {(await vstore.get(j)).state for j in (a, b)} == {JobState.CANCELLED}
+    # c stays held for the day (held jobs wait for the roll); a job enqueued now takes the place
+    [d] = await vstore.enqueue_many("q", [JobSpec(input=3)])
+    (fresh,) = await vstore.claim("q", "w2", 1, job_cap=2)
+    assert fresh.id == d
+    assert await vstore.begin_many("q", [(d, fresh.token, 1.0)], job_cap=2, spend_cap=10.0) == ["OK:1"]
+    assert (await vstore.usage("q"))[1:] == (2, 2.0)
 
 
 async def test_a_claim_with_begin_opens_the_intents_begin_would_and_leaves_the_unsettled_ones_to_it(

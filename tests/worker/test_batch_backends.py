@@ -598,6 +598,43 @@ async def test_a_drain_hands_an_open_packs_jobs_back_unsent(
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
+async def test_a_job_cancelled_in_an_open_pack_is_left_out_and_gives_its_cap_place_back(
+    valkey_url: str,
+    no_outputs: dict[str, Any],
+    sim: str,
+    store: QueueStore,
+    provider: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A capped job begun into an open pack and cancelled before the pack closes: the batch goes out without it,
+    it ends cancelled, and its place in the day is given back (it was counted at its begin, and never sent)."""
+    monkeypatch.setenv("OFFLOAD_LEASE_MS", "3000")  # a heartbeat (which brings the cancels) every second
+    await batch_sim(sim, seconds=0.5)
+    ids = await enqueue(store, f"cancel-open-{provider}", 3)
+    cfg = settings(valkey_url, no_outputs, sim, provider, max_wait_s=120, max_pack=4, queue={"daily_job_cap": 10})
+    async with worker(cfg) as (task, w):
+
+        async def packed() -> bool:
+            return sum(p.held for p in w.packers.values()) == 3
+
+        await faults.until(packed, "the jobs to wait in a pack", task)
+        assert (await store.usage("q"))[1] == 3
+        assert await store.cancel(ids[0]) == "requested"
+
+        async def heard() -> bool:
+            run = w.ctx.runs.get(ids[0])
+            return run is not None and run.cancel
+
+        await faults.until(heard, "the worker to hear the cancel", task)
+        ids += await enqueue(store, f"cancel-open-{provider}-last", 1)  # the 4th member closes the pack
+        await until_state(store, ids[:1], "cancelled", task)
+        jobs = await until_state(store, ids[1:], "succeeded", task)
+    await assert_one_batch(sim, provider, jobs)
+    assert [_total(b) for b in await batches(sim, provider)] == [3]
+    assert (await store.usage("q"))[1] == 3, "the job left out of its pack kept its place in the day"
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
 async def test_a_line_the_provider_failed_is_retried_in_a_later_batch(
     valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore, provider: str
 ) -> None:

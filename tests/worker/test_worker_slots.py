@@ -145,11 +145,12 @@ async def test_a_cancel_heard_while_a_begun_job_waits_for_its_slot_is_not_submit
 ) -> None:
     """A synchronous API, 1 slot, 1 ahead: the job ahead has begun (its intent is open) and waits for the slot
     held by a 3 s call. It is cancelled meanwhile; the worker hears it from a heartbeat and, once the job has its
-    slot, checks it right before the call: the job ends cancelled and the provider never sees it."""
+    slot, checks it right before the call: the job ends cancelled and the provider never sees it. Under a daily
+    job cap, its place in the day is given back (it was counted at its begin)."""
     await configure(sim, latency=3.0)
     jobs = await enqueue(store, "cancel-ahead", 2)
     inputs = dict(jobs)
-    settings = make_settings(valkey_url, no_outputs, sim, "openai", concurrency=1)
+    settings = make_settings(valkey_url, no_outputs, sim, "openai", concurrency=1, daily_job_cap=10)
     async with worker(settings, prefetch=1, lease_ms=1500) as (task, w):
 
         async def one_out_one_begun() -> bool:
@@ -163,6 +164,7 @@ async def test_a_cancel_heard_while_a_begun_job_waits_for_its_slot_is_not_submit
         await until_state(store, [first], "succeeded", task)
     assert await remote_jobs(sim, inputs[second]) == [], "a cancelled job was submitted"
     assert len(await remote_jobs(sim, inputs[first])) == 1
+    assert (await store.usage("q"))[1] == 1, "the job cancelled before its call kept its place in the day"
 
 
 async def test_a_heartbeat_racing_an_ack_is_no_lost_lease(

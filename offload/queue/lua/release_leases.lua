@@ -17,16 +17,7 @@ local now = now_ms(ARGV[1])
 local wid, mode = ARGV[2], ARGV[3]
 local owned_key = P .. 'owned:' .. wid
 if ARGV[4] ~= '' then
-  for _, item in ipairs(cjson.decode(ARGV[4])) do
-    local id, token = item[1], item[2]
-    local k = jkey(id)
-    local sub_open, intent_tok, sub_n, resv_n = unpack(redis.call('HMGET', k, 'sub_open', 'intent_tok', 'sub_n',
-      'resv_n'))
-    if sub_open == '1' and intent_tok == token then
-      redis.call('HSET', k, 'sub_open', '0')
-      if resv_n == sub_n then settle(k, id, nil, true) end
-    end
-  end
+  for _, item in ipairs(cjson.decode(ARGV[4])) do close_unsent(jkey(item[1]), item[1], item[2]) end
 end
 local ids = {}
 if mode == 'all' then

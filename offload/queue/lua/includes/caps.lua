@@ -75,3 +75,15 @@ local function settle(k, id, cost, refund)
     end
   end
 end
+
+-- A submission begun and never sent (its worker drained, or the job cancelled, before the call): its intent closes
+-- when it is still this lease's, and the reservation is refunded when it is that submission's (nothing ran: the
+-- window keeps the place for another job, and a later send counts the job where it goes out).
+local function close_unsent(k, id, token)
+  local sub_open, intent_tok, sub_n, resv_n = unpack(redis.call('HMGET', k, 'sub_open', 'intent_tok', 'sub_n',
+    'resv_n'))
+  if sub_open == '1' and intent_tok == token then
+    redis.call('HSET', k, 'sub_open', '0')
+    if resv_n == sub_n then settle(k, id, nil, true) end
+  end
+end
