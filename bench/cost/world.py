@@ -66,11 +66,11 @@ async def put_worker(
             "instance_id": instance_id or "",
             "protected": int(protected),
             "gpus": "[]",
-            "registered_at": int(now * 1000),
             "last_heartbeat": int(now * 1000),
             "in_flight": in_flight,
         },
     )
+    await redis.hsetnx(worker_key(worker_id), "registered_at", int(now * 1000))  # at its registration only
     await redis.zadd(INDEX, {worker_id: int(now * 1000)})
 
 

@@ -171,6 +171,15 @@ async def _unkeep(a: Autoscaler, inst: Instance, now: float) -> None:
     )
 
 
+def _boot_s(inst: Instance, worker: WorkerInfo, now: float) -> float:
+    """Rent to the worker's registration (the store's clock, as the instance's), not to this evaluation, which
+    sees it up to a poll later: the lead a pre-rent counts on is that boot. 0: unknown."""
+    if not inst.created_at:
+        return 0.0
+    registered = worker.registered_at if inst.created_at <= worker.registered_at <= now else now
+    return registered - inst.created_at
+
+
 async def _correlate(a: Autoscaler, ev: Evaluation, inst: Instance, worker: WorkerInfo, touched: set[str]) -> None:
     """Copy the worker's report onto the instance; its first registration makes the instance running."""
     now = ev.now
@@ -186,7 +195,7 @@ async def _correlate(a: Autoscaler, ev: Evaluation, inst: Instance, worker: Work
         changes.update(status="running", ready_at=now)
         await ev.state.booted(a.redis, inst.queue, ev.cfg.boots, now, inst.created_at)
         await ev.state.outcome(a.redis, inst.queue, healthy=True)
-        await scale_in.boot_seen(a.redis, inst.queue, ev.state, now - inst.created_at if inst.created_at else 0.0)
+        await scale_in.boot_seen(a.redis, inst.queue, ev.state, _boot_s(inst, worker, now))
         await log_event(
             a.redis,
             now,

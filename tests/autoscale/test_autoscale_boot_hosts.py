@@ -26,6 +26,7 @@ from offload.autoscale.scaler import Autoscaler
 from offload.autoscale.settings import AutoscaleSettings
 from offload.autoscale.state import QueueState
 from offload.connection import connect
+from offload.queue.keyspace import gpu_worker
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 from offload.testing.sim.config import SimConfig
@@ -157,8 +158,8 @@ async def test_a_stuck_boot_holds_the_depth_trigger_only_for_twice_the_measured_
     await enqueue(r, clock, 50)
     await s.tick()
     (first,) = await booting(s)
-    await put_worker(r, "w1", "gpu", first.id, clock())  # ready 60 s after its rental: the measured boot
     clock.advance(60)
+    await put_worker(r, "w1", "gpu", first.id, clock())  # ready 60 s after its rental: the measured boot
     await s.tick()
     (stuck,) = await booting(s)  # the depth trigger's next machine, on a host that never boots
     assert (await QueueState.load(r, "gpu")).boot_ewma == 60
@@ -171,6 +172,28 @@ async def test_a_stuck_boot_holds_the_depth_trigger_only_for_twice_the_measured_
     await put_worker(r, "w1", "gpu", first.id, clock(), in_flight=1)
     await s.tick()
     assert len(await booting(s)) == 2 and (await s.instances.get(stuck.id)).status == "booting"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("registered_in", "measured"), [(100, 100), (3600, 125), (-60, 125)])
+async def test_the_measured_boot_ends_at_the_workers_registration(
+    r: Any, registered_in: float, measured: float
+) -> None:
+    """The worker registered 100 s after its machine was rented, and the evaluation that sees it runs 25 s later:
+    the boot is 100 s (before, 125: every pre-rent's lead and every burst machine's cost counted a share of a
+    poll too many). A registration time outside the machine's life (a record an hour ahead, or older than the
+    rental) is not believed: the evaluation's time counts."""
+    clock = Clock()
+    s, _ = make_scaler(r, clock, queue_block(max_workers=1, scale_up=[{"trigger": "queue_depth", "threshold": 0}]))
+    await enqueue(r, clock, 1)
+    await s.tick()
+    (first,) = await booting(s)
+    clock.advance(100)
+    await put_worker(r, "w1", "gpu", first.id, clock())
+    registered = first.created_at + registered_in
+    await r.hset(gpu_worker("w1"), "registered_at", int(registered * 1000))
+    clock.advance(25)
+    await s.tick()
+    assert (await QueueState.load(r, "gpu")).boot_ewma == pytest.approx(measured, abs=0.01)
 
 
 async def test_host_failures_older_than_a_day_no_longer_count(r: Any) -> None:
