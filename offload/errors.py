@@ -39,6 +39,7 @@ The branch roots are defined here; a leaf lives beside the code that raises it a
     - OutOfCapacity, Unauthorized, NotOurs
   + ObjectStoreError - result storage (S3 or a local directory) (offload.storage.base)
     - StorageError - a transient failure: the same write later is expected to work
+      - ClockRefused - a request refused for this host's clock (more than 15 minutes off the storage's)
       - FileRefused - an output file the egress rule refuses to fetch (offload.storage.outputs)
     - AddressRefused (PermissionError) - a connection to an address or host the egress rule refuses (offload.egress)
     - ObjectNotFound (KeyError)

@@ -1,6 +1,6 @@
 """The checks of the store's limits: the daily cap is exact and held jobs are released (`caps`), the store's memory
-faults cost nothing (`store_faults`), a step back of its clock is moved once per queue (`clock`), and memory and
-the events stream stay bounded (`bounds`)."""
+faults cost nothing (`store_faults`), a step back of its clock is moved once per queue and a worker whose clock the
+result storage refuses pays for nothing (`clock`), and memory and the events stream stay bounded (`bounds`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections import Counter
 from typing import Any
 
 from bench.chaos.rundata import NOTICE_MARGIN_S, OOM_TEXT, STEP_UNSEEN_S, TERMINAL, Evidence
+from offload.storage.s3 import MAX_SKEW_S
 
 
 def caps(ev: Evidence) -> dict[str, Any]:
@@ -105,14 +106,31 @@ def clock(ev: Evidence) -> dict[str, Any]:
             ev.find(f"clock: queue {queue} moved its times back twice for one step of {ms} ms")
         else:
             ev.find(f"clock: queue {queue} moved its times back {ms} ms for a step the harness never made")
+    paid = skewed_payments(ev)
     return {
         "clock": {
             "valkey_steps_back": len(back),
             "valkey_steps_forward": sum(e["step_s"] > 0 for e in steps),
             "steps_back_recorded": dict(found),
             "worker_skews_s": sorted(e["skew_s"] for e in skews),
+            "paid_by_refused_clocks": paid,
         }
     }
+
+
+def skewed_payments(ev: Evidence) -> int:
+    """A worker whose clock is further off than S3 takes (the worker-clock fault's skews) sends nothing: its start's
+    probe is refused before it claims (offload/worker/storage_gate.py), so every output it paid for would be
+    refused. Submissions by such a process are named."""
+    paid = 0
+    for sub in ev.d.submissions:
+        who = ev.who(sub)
+        if who is not None and abs(who[1].clock_skew_s) > MAX_SKEW_S:
+            paid += 1
+            if paid <= 5:
+                off = f"{who[1].clock_skew_s / 3600:+.0f} h off"
+                ev.find(f"clock: {ev.name(sub)}, {off}, paid for {sub['input_id']} (the storage refuses it)")
+    return paid
 
 
 def bounds(ev: Evidence) -> dict[str, Any]:

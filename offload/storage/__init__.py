@@ -13,6 +13,7 @@ from typing import Any
 from offload.extras import require
 from offload.schema import parse
 from offload.storage.base import (
+    ClockRefused,
     InvalidKey,
     ObjectInfo,
     ObjectNotFound,
@@ -33,6 +34,7 @@ from offload.storage.settings import (
 
 __all__ = [
     "DEFAULT_LOCAL_PATH",
+    "ClockRefused",
     "CopiedFile",
     "InvalidKey",
     "LocalStorage",

@@ -47,6 +47,12 @@ class StorageError(ObjectStoreError):
         self.permanent = permanent
 
 
+class ClockRefused(StorageError):
+    """The storage refused a request for this host's clock: S3 takes none signed more than 15 minutes off its own
+    (boto3 does not correct for it). Every request of this host fails alike until its time is fixed; a worker
+    stops paying for new jobs meanwhile (offload.worker.storage_gate)."""
+
+
 class StorageConfigError(ConfigError):
     """The storage settings are wrong; the message names the offending setting, never a secret value."""
 

@@ -40,6 +40,7 @@ from botocore.exceptions import (
 
 from offload.storage.base import (
     PART_BYTES,
+    ClockRefused,
     ObjectInfo,
     ObjectNotFound,
     Put,
@@ -318,7 +319,7 @@ class S3Storage:
         code = _code(exc)
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         if status in (400, 403) and (skewed := self._skewed(exc, code)):
-            return StorageError(f"{op} {where} refused: {skewed}")
+            return ClockRefused(f"{op} {where} refused: {skewed}")
         if code in ("NoSuchKey", "404") and key is not None:
             return ObjectNotFound(f"no object at {where}")
         if code == "404":  # HEAD of a bucket has no body, hence no NoSuchBucket code

@@ -24,6 +24,7 @@ from offload.worker.health import StoreHealth
 from offload.worker.job_run import Drained, Runs
 from offload.worker.options import WorkerOptions
 from offload.worker.routing import Lane, Router
+from offload.worker.storage_gate import StorageGate
 
 T = TypeVar("T")
 Fence = Callable[[], Awaitable[None]]
@@ -105,6 +106,8 @@ class WorkerContext:
     policy: PolicyWatch  # a store that may evict stops the claims and submissions until it is fixed
     writes: StoreWrites
     router: Router  # the queue's backends as lanes; one for a single-`backend` queue (worker/routing.py)
+    # this host's clock refused by the result storage stops the claims and submissions (worker/storage_gate.py)
+    storage_gate: StorageGate = field(default_factory=StorageGate)
     runs: Runs = field(default_factory=Runs)
     draining: bool = False  # no submission starts once set (see drain.py)
     grace_over: bool = False  # the drain's grace has ended: a job whose answer was just recorded does not poll
@@ -122,8 +125,10 @@ class WorkerContext:
         options: WorkerOptions,
         worker_id: str,
         router: Router | None = None,
+        storage_gate: StorageGate | None = None,
     ) -> WorkerContext:
-        """`router`: a routed queue's lanes; None builds the one lane of `backend` from `options`."""
+        """`router`: a routed queue's lanes; None builds the one lane of `backend` from `options`. `storage_gate`:
+        the process's (one per process: its storage and clock are shared); None, one of its own without a probe."""
         health = StoreHealth(  # with durability, the probe waits for replicas too: an unconfirmed write is resent
             lambda: store.probe(options.queue),
             max_pause_s=min(2.0, options.lease_ms / 4000),
@@ -146,6 +151,7 @@ class WorkerContext:
             policy=PolicyWatch(store.redis, what="claim or submission"),
             writes=StoreWrites(store, options),
             router=router,
+            storage_gate=storage_gate or StorageGate(),
         )
 
     async def wait_ahead(self, job: ClaimedJob, aw: Awaitable[T]) -> T:

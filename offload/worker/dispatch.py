@@ -51,6 +51,7 @@ from offload.worker.polling import Polling
 from offload.worker.prefetch import Prefetch
 from offload.worker.routing import Router
 from offload.worker.slots import Slots
+from offload.worker.storage_gate import StorageGate
 from offload.worker.submit import Submitter
 
 log = logging.getLogger("offload.worker")
@@ -80,9 +81,12 @@ class Worker:
         worker_id: str | None = None,
         control: QueueStore | None = None,
         router: Router | None = None,
+        storage_gate: StorageGate | None = None,
     ) -> None:
         self.id = worker_id or default_worker_id()
-        ctx = WorkerContext.build(store, control or store, backend, store_output, limits, options, self.id, router)
+        ctx = WorkerContext.build(
+            store, control or store, backend, store_output, limits, options, self.id, router, storage_gate
+        )
         self.ctx = ctx
         prefetch = Prefetch(options, time.monotonic())  # how many jobs to lease ahead of the slots
         self.slots = Slots(ctx, prefetch)
@@ -172,6 +176,9 @@ class Worker:
         while not stop.is_set():
             if not policy.safe:
                 await first_of(policy.wait_safe(), stop.wait())
+                continue
+            if not self.ctx.storage_gate.open:  # its outputs could not be stored: none is paid for
+                await first_of(self.ctx.storage_gate.wait_open(), stop.wait())
                 continue
             free = self.slots.to_claim()
             batch = min(free, opts.claim_batch)

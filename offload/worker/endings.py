@@ -18,7 +18,7 @@ from offload.backends.base import BackendError, NotFound
 from offload.backoff import compute_backoff, retry_delay_ms
 from offload.errors import StaleLease
 from offload.queue.replies import Verdict
-from offload.storage import StorageError
+from offload.storage import ClockRefused, StorageError
 from offload.worker.context import WorkerContext
 from offload.worker.job_run import JobRun
 
@@ -45,6 +45,8 @@ class Endings:
             try:
                 return await self.ctx.store_output(job.output_key, output, str(run.submission), lambda: self.fence(run))
             except StorageError as exc:
+                if isinstance(exc, ClockRefused):  # no new payment until the storage takes this host's clock
+                    self.ctx.storage_gate.refused(exc)
                 failures += 1
                 pause = compute_backoff(failures, base=STORE_PAUSE_S, cap=STORE_PAUSE_MAX_S)
                 if exc.permanent or time.monotonic() + pause > deadline:

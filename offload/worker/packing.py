@@ -137,6 +137,8 @@ class Packer:
             await self.endings.fail(run, f"fatal: {problem}", retryable=False)
             return None
         deadline = await self._deadline(job.id)
+        if not self.ctx.storage_gate.open:  # this host's clock refused by the storage (worker/storage_gate.py)
+            await self.ctx.wait_ahead(job, self.ctx.storage_gate.wait_open())
         item = (job.id, job.token, "", self.lane.name, run.why)
         verdict = await self.ctx.health.call(lambda: self.ctx.writes.begins(item))
         if verdict.verdict is not Verdict.OK:

@@ -36,6 +36,7 @@ from offload.worker.dispatch import Worker, default_worker_id
 from offload.worker.file_inputs import with_file_inputs
 from offload.worker.options import DRAIN_GRACE_S, WorkerOptions
 from offload.worker.routing import Router, build_router
+from offload.worker.storage_gate import StorageGate
 
 log = logging.getLogger("offload.worker")
 # Output files are copied over a pool of their own, at most this many connections per file host, each kept alive
@@ -126,8 +127,8 @@ async def run_workers(
 
 
 class _Shared:
-    """What the workers of one process share: the HTTP clients, the storage, one backend (and its limits) per
-    backend name, the Redis pool and the store."""
+    """What the workers of one process share: the HTTP clients, the storage and its clock gate, one backend (and
+    its limits) per backend name, the Redis pool and the store."""
 
     def __init__(
         self,
@@ -136,9 +137,10 @@ class _Shared:
         storage: Storage,
         backends: dict[str, Backend],
         redis: RedisClient,
+        gate: StorageGate,
     ) -> None:
         self.settings, self.files, self.storage, self.backends = settings, files, storage, backends
-        self.redis = redis
+        self.redis, self.gate = redis, gate
         self.store = QueueStore(redis, durability=settings.durability)
         self.plain = fast_path(files)  # output files copied on aiohttp directly where httpx adds nothing
         self.limits: dict[str, BackendLimits] = {}
@@ -165,6 +167,9 @@ class _Shared:
         resources.push_async_callback(files.aclose)
         storage = create_storage(settings.storage)
         resources.push_async_callback(storage.aclose)
+        # a key of the first queue's own namespace (storage/namespace.py: `_` names offload's objects): HEAD only
+        gate = StorageGate(functools.partial(storage.head, f"results/{plans[0][0]}:_clock"))
+        resources.push_async_callback(gate.aclose)
         backends: dict[str, Backend] = {}
         every = [named for queue, *_ in plans for named in settings.backends_for(queue)]
         for backend_name, bs in every:  # every backend's settings are checked before anything connects
@@ -179,7 +184,8 @@ class _Shared:
         # what the store could not report is said once a process (each worker reads its policy as it starts)
         warn_unreported(await at_start(lambda: read_memory(redis)))
         warn_host_skew(await at_start(lambda: StoreClock().sync(redis)), time.time())
-        shared = cls(settings, files, storage, backends, redis)
+        await gate.check()  # a host whose clock the storage refuses pays for nothing from the start
+        shared = cls(settings, files, storage, backends, redis, gate)
         await at_start(lambda: shared.store.check_durability([queue for queue, *_ in plans]))
         return shared
 
@@ -228,6 +234,7 @@ class _Shared:
             worker_id=worker_id,
             control=QueueStore(control, durability=self.settings.durability),
             router=build_router(self.settings, options.queue, self.backends, self.limits, self.redis),
+            storage_gate=self.gate,
         )
         # a store that may evict loses leases and caps: paused from the start (one line naming the setting), as
         # running workers pause (PolicyWatch); read here, right before serving, as the start-up's own checks

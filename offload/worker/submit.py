@@ -150,6 +150,8 @@ class Submitter:
         proven fresh; the rate limit waited for."""
         if self.ctx.draining:
             raise Drained(run.job.id)
+        if not self.ctx.storage_gate.open:  # this host's clock refused by the storage: its output could not be kept
+            await self.ctx.wait_ahead(run.job, self.ctx.storage_gate.wait_open())
         if not begun and self.leases.stale(run):
             await self.leases.renew()
         if not run.on.limits.free_now():  # (checked here too: a call less per job on the common path)

@@ -684,6 +684,27 @@ def test_a_replica_left_behind_by_a_stepped_clock_loses_what_came_after_its_last
     assert empty.take_back(stream, "0-0") == 1 and kept_none == []  # a replica that had none of the stream
 
 
+def test_the_checker_names_a_payment_by_a_worker_whose_clock_the_storage_refuses(tmp_path: Path) -> None:
+    """The worker-clock fault's skews are past what S3 takes: such a process must send nothing (its start's probe
+    is refused before it claims). One a day ahead that sent a job is named; one 10 minutes off (S3 takes it) and
+    the slot's next process, on the true clock, are not."""
+    ahead = Incarnation(1, 101, tmp_path / "w1-1.log", started=0.0, ended=20.0, end="term", clock_skew_s=86400)
+    true = Incarnation(2, 102, tmp_path / "w1-2.log", started=21.0)
+    near = Incarnation(1, 201, tmp_path / "w2-1.log", started=0.0, clock_skew_s=-600)
+    records = {f"q:{i}": _record(i) for i in ("i-ahead", "i-true", "i-near")}
+    data = RunData(
+        acked={}, records=records,
+        submissions=[_sub("i-ahead", "r1", 5.0, 1), _sub("i-true", "r2", 25.0, 1), _sub("i-near", "r3", 5.0, 2)],
+        outputs={}, files={}, lives={"w1": [ahead, true], "w2": [near]}, slot_ports={1: "w1", 2: "w2"},
+        timeline=[{"t": 0.0, "kind": "worker_clock", "target": "w1", "n": 1, "skew_s": 86400}],
+        valkey_down=[], appendfsync="always", events={}, dropped=[], bucket=BUCKET,
+    )  # fmt: skip
+    verdict = Checker(data).verdict()
+    assert verdict.summary["clock"]["paid_by_refused_clocks"] == 1
+    named = [f for f in verdict.findings if f.startswith("clock:")]
+    assert named == ["clock: w1#1, +24 h off, paid for i-ahead (the storage refuses it)"], verdict.findings
+
+
 def test_the_checker_names_a_clock_step_moved_twice_or_never_made() -> None:
     """Two steps back of Valkey's clock (and one forward): a queue that recorded each once passes, and so does one
     nobody read while the clock was forward (it sees the second step from the first one's clock: 900 s); one that
@@ -707,6 +728,7 @@ def test_the_checker_names_a_clock_step_moved_twice_or_never_made() -> None:
         "valkey_steps_forward": 1,
         "steps_back_recorded": {"good": 2, "unread": 2},
         "worker_skews_s": [86400],
+        "paid_by_refused_clocks": 0,
     }
     data.clock_events += [("twice", 10.5, 600_000), ("twice", 11.0, 600_000), ("invented", 12.0, 45_000)]
     findings = Checker(data).verdict().findings

@@ -215,7 +215,7 @@ async def test_s3_a_host_clock_hours_off_is_named_not_the_keys(s3: RcloneS3, buc
         lines = out.stdout.splitlines()
         assert len(lines) == 2, out.stderr[-2000:]
         for line in lines:
-            assert line.startswith("StorageError False "), line
+            assert line.startswith("ClockRefused False "), line
             assert f"this host's clock is 180 min {side} " in line and "permission" not in line, line
             assert s3.secret_key not in line
 
