@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import random
 
+# Past this many doublings any base is past any cap; 2.0 ** 1024 overflows a float (an idle worker's claim loop
+# counts its empty rounds without end: it reached that after 8.5 idle minutes and died of it).
+MAX_DOUBLINGS = 64
+
 
 def compute_backoff(attempt: int, *, base: float, cap: float, jitter: bool = False) -> float:
     """The wait before retry number `attempt` (1 for the first retry): `base * 2^(attempt-1)`, at most `cap`.
     With `jitter`, a uniform draw in [half, whole] of that wait."""
-    ceiling = min(cap, base * 2.0 ** max(attempt - 1, 0))
+    ceiling = min(cap, base * 2.0 ** min(max(attempt - 1, 0), MAX_DOUBLINGS))
     return ceiling / 2 + random.random() * ceiling / 2 if jitter else ceiling
 
 

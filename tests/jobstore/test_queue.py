@@ -8,7 +8,7 @@ import pytest
 from support.admin_redis import redis_admin
 
 from offload import InvalidJob, InvalidQueueName, InvalidTransition, JobNotFound, PayloadTooLarge, StaleLease
-from offload.backoff import retry_delay_ms
+from offload.backoff import Backoff, compute_backoff, retry_delay_ms
 from offload.connection import connect
 from offload.models import JobState
 from offload.queue.specs import JobSpec
@@ -127,6 +127,16 @@ def test_backoff_grows_exponentially_with_jitter() -> None:
         delays = [retry_delay_ms(attempt) for _ in range(50)]
         assert all(ceiling / 2 <= d <= ceiling for d in delays)
         assert len(set(delays)) > 1
+
+
+def test_a_backoff_far_past_its_cap_stays_at_the_cap() -> None:
+    """An idle worker's claim loop counts its empty rounds without end: at the 1,025th (8.5 minutes at its 0.5 s
+    cap) 2.0 ** 1024 overflowed a float and the worker died of an OverflowError."""
+    assert compute_backoff(1025, base=0.02, cap=0.5) == 0.5
+    assert compute_backoff(10**9, base=1.0, cap=30.0) == 30.0
+    assert 150_000 <= retry_delay_ms(5000) <= 300_000
+    waits = Backoff(0.02, 0.5)
+    assert [waits.next() for _ in range(2000)][-1] == 0.5
 
 
 async def test_cancel_waiting_and_active_jobs(store: QueueStore) -> None:

@@ -167,6 +167,33 @@ async def test_a_cancel_heard_while_a_begun_job_waits_for_its_slot_is_not_submit
     assert (await store.usage("q"))[1] == 1, "the job cancelled before its call kept its place in the day"
 
 
+async def test_a_worker_idle_for_more_than_a_thousand_empty_claims_goes_on(
+    valkey_url: str, no_outputs: dict[str, Any], sim: str, store: QueueStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The claim loop backs off over its empty claims, counted without end: at the 1,025th (8.5 idle minutes at
+    the default 0.5 s cap) the backoff overflowed a float and the worker died of an OverflowError. With a 1 ms
+    cap the rounds come fast: past 1,100 of them the worker still serves, and runs the job enqueued then."""
+    claims = 0
+    real = Worker._claim
+
+    async def counted(self: Worker, batch: int) -> Any:
+        nonlocal claims
+        claims += 1
+        return await real(self, batch)
+
+    monkeypatch.setattr(Worker, "_claim", counted)
+    await configure(sim, latency=0.05)
+    async with worker(make_settings(valkey_url, no_outputs, sim, "http-job"), idle_poll_max=0.001) as (task, _):
+
+        async def many_rounds() -> bool:
+            return claims > 1100
+
+        await until(many_rounds, "1,100 empty claims", task, timeout=60)
+        assert not task.done()
+        jobs = await enqueue(store, "idle", 1)
+        await until_state(store, [j for j, _ in jobs], "succeeded", task)
+
+
 async def test_a_heartbeat_racing_an_ack_is_no_lost_lease(
     valkey_url: str,
     no_outputs: dict[str, Any],
