@@ -130,6 +130,19 @@ class Profile:
         }
 
 
+async def cancel_all(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel the tasks and wait until every one has ended. One whose code swallowed the cancel (Python 3.11's
+    `asyncio.wait_for` does when its call ends just as the cancel comes) is cancelled again each second: a run
+    once waited here for good on a fault loop gone back to sleep (which action swallowed it was not found)."""
+    for task in tasks:
+        task.cancel()
+    while pending := [t for t in tasks if not t.done()]:
+        await asyncio.wait(pending, timeout=1.0)
+        for task in pending:
+            task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 @dataclass
 class Schedule:
     """Runs the fault loops until `stop()`; everything it did is in `timeline` and `counts`."""
@@ -199,9 +212,7 @@ class Schedule:
     async def stop(self) -> None:
         """End fault injection: every loop stops, stopped workers continue, the network heals."""
         self._stopping = True
-        for task in self._tasks[:-1]:  # keep the watchdog: it restarts workers that die on their own
-            task.cancel()
-        await asyncio.gather(*self._tasks[:-1], return_exceptions=True)
+        await cancel_all(self._tasks[:-1])  # keep the watchdog: it restarts workers that die on their own
         # before the drains are awaited: a stop fault cancelled in its sleep leaves its worker stopped, and a
         # stopped worker's drain never ends (its 90 s ran out in a SIGKILL, a "bad drain exit" of our own doing)
         for slot in self.slots:
@@ -225,7 +236,7 @@ class Schedule:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _every(self, mean: float, action: Any) -> None:
-        while True:
+        while not self._stopping:  # (checked too: an action may have swallowed the stop's cancel, see cancel_all)
             await asyncio.sleep(self._wait(mean))
             try:
                 await action()

@@ -29,6 +29,7 @@ import redis
 
 from bench.chaos.checker import Checker, RunData
 from bench.chaos.eventlog import EventLog
+from bench.chaos.faults import cancel_all
 from bench.chaos.operator import Operator
 from bench.chaos.procs import Incarnation
 from bench.chaos.proxy import DroppedReply
@@ -735,3 +736,28 @@ def test_the_checker_names_a_clock_step_moved_twice_or_never_made() -> None:
     assert any("queue twice moved its times back twice" in f for f in findings), findings
     assert any("queue invented moved its times back 45000 ms for a step the harness never made" in f for f in findings)
     assert len(findings) == 2, findings
+
+
+async def test_the_fault_loops_stop_even_when_one_swallowed_its_cancel() -> None:
+    """A fault action that swallows the stop's cancel (Python 3.11's `asyncio.wait_for` does when its call ends
+    as the cancel comes) left its loop sleeping, and the run waited on it for good: `cancel_all` cancels it again
+    until it ends."""
+    swallowed: list[bool] = []
+
+    async def stubborn() -> None:
+        while True:
+            try:
+                await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                if not swallowed:
+                    swallowed.append(True)
+                    continue
+                raise
+
+    async def plain() -> None:
+        await asyncio.sleep(3600)
+
+    tasks = [asyncio.create_task(stubborn()), asyncio.create_task(plain())]
+    await asyncio.sleep(0)
+    await asyncio.wait_for(cancel_all(tasks), 10)
+    assert swallowed and all(t.done() for t in tasks)
