@@ -226,7 +226,7 @@ async def test_every_job_completes_exactly_once_through_kills_and_server_restart
     await seconds_until(all_done, 120, f"{total} jobs succeeded", every=0.1)
     t_done = time.monotonic() - t_start
     # Claimers leave on their own once the queue has been empty for 2 s.
-    await seconds_until(lambda: _none_alive(procs), 30, "claimers to exit")
+    await seconds_until(lambda: _none_alive(procs), 30, "claimers to exit", why=lambda: _last_words(procs))
     for wid, p in procs.all.items():
         assert p.returncode in (0, -signal.SIGKILL), f"{wid} exited {p.returncode}:\n{procs.stderr(wid)}"
 
@@ -274,6 +274,14 @@ async def _reached(store: QueueStore, queue: str, n: int) -> bool:
 
 async def _none_alive(procs: Procs) -> bool:
     return not procs.alive()
+
+
+def _last_words(procs: Procs) -> str:
+    """What each claimer still alive did last (its journal: C claim, P done, E an empty claim, H heartbeat, R
+    release) and its stderr: a claimer that has not exited names where it stopped."""
+    return "\n".join(
+        f"{wid}: journal {journal(procs.out, wid)[-6:]}; stderr {procs.stderr(wid)[-400:]!r}" for wid in procs.alive()
+    )
 
 
 async def test_killed_claimer_jobs_back_in_ready_within_15s_by_default(

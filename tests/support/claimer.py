@@ -127,6 +127,8 @@ class Claimer:
                 jobs = await self.claim()
                 if not jobs:
                     now = loop.time()
+                    if empty_since is None:
+                        self.journal("E")  # the first empty claim of a streak: it exits EMPTY_EXIT_S later
                     empty_since = empty_since or now
                     if now - empty_since >= EMPTY_EXIT_S:
                         return 0
