@@ -107,7 +107,7 @@ class WorkerContext:
     writes: StoreWrites
     router: Router  # the queue's backends as lanes; one for a single-`backend` queue (worker/routing.py)
     # this host's clock refused by the result storage stops the claims and submissions (worker/storage_gate.py)
-    storage_gate: StorageGate = field(default_factory=StorageGate)
+    storage_gate: StorageGate
     runs: Runs = field(default_factory=Runs)
     draining: bool = False  # no submission starts once set (see drain.py)
     grace_over: bool = False  # the drain's grace has ended: a job whose answer was just recorded does not poll

@@ -36,7 +36,6 @@ class StorageGate:
     def __init__(self, probe: Callable[[], Awaitable[object]] | None = None, every_s: float = PROBE_EVERY_S) -> None:
         self._probe = probe
         self.every_s = every_s
-        self.problem: str | None = None
         self._open = asyncio.Event()
         self._open.set()
         self._said = 0.0
@@ -50,7 +49,6 @@ class StorageGate:
         await self._open.wait()
 
     def refused(self, exc: ClockRefused) -> None:
-        self.problem = str(exc)
         now = time.monotonic()
         if self.open or now - self._said >= LOUD_EVERY_S:
             self._said = now
@@ -61,31 +59,29 @@ class StorageGate:
 
     async def check(self) -> None:
         """Ask now (a worker's start): closed if the storage refuses this host's clock."""
-        if self._probe is None:
-            return
+        if self._probe is not None and (refusal := await self._ask(self._probe, START_PROBE_S)) is not None:
+            self.refused(refusal)
+
+    @staticmethod
+    async def _ask(probe: Callable[[], Awaitable[object]], timeout: float | None = None) -> ClockRefused | None:
+        """The probe's refusal of this host's clock, or None for any other answer (an outage or a setting says
+        nothing about the clock: the first output stored says what it is)."""
         try:
-            await asyncio.wait_for(self._probe(), START_PROBE_S)
+            await asyncio.wait_for(probe(), timeout)
         except ClockRefused as exc:
-            self.refused(exc)
-        except Exception as exc:  # an outage or a setting: the first output stored says so, not this probe
+            return exc
+        except Exception as exc:
             log.debug("storage clock probe: %s", exc)
+        return None
 
     async def _until_taken(self) -> None:
         tries = 0
         while True:
             tries += 1
             await asyncio.sleep(compute_backoff(tries, base=min(FIRST_PROBE_S, self.every_s), cap=self.every_s))
-            if self._probe is None:
+            if self._probe is None or (refusal := await self._ask(self._probe)) is None:
                 break
-            try:
-                await self._probe()
-            except ClockRefused as exc:
-                self.refused(exc)
-                continue
-            except Exception as exc:
-                log.debug("storage clock probe: %s", exc)
-            break
-        self.problem = None
+            self.refused(refusal)
         log.warning("the storage takes this host's clock again: claims and submissions resume")
         self._open.set()
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -37,11 +37,14 @@ REFUSED = "no claim or submission starts until the storage takes this host's clo
 RESUMED = "the storage takes this host's clock again"
 
 
-def started(fleet: Fleet, name: str) -> Callable[[], Awaitable[bool]]:
-    async def check() -> bool:
+async def start_worker(fleet: Fleet, name: str, bucket: RcloneS3, clock: ClockFile) -> None:
+    """`offload worker` `name` on the wall clock `clock` gives it (libfaketime), once it serves."""
+    fleet.start(name, env=clock.env(worker_env(bucket)))
+
+    async def serving() -> bool:
         return fleet.ready(name)
 
-    return check
+    await seconds_until(serving, 60, "the worker to start", why=fleet.problems)
 
 
 async def states(store: QueueStore, ids: list[str]) -> list[JobState]:
@@ -68,8 +71,7 @@ async def test_a_worker_started_with_a_clock_the_storage_refuses_claims_nothing_
     fleet = fleets(config=write_config(tmp_path / "offload.yaml", valkey_url, bucket, sim))
     clock = ClockFile(tmp_path / "clock", BEHIND_S)
     before = sim.stats()["submissions"]
-    fleet.start("behind", env=clock.env(worker_env(bucket)))
-    await seconds_until(started(fleet, "behind"), 60, "the worker to start", why=fleet.problems)
+    await start_worker(fleet, "behind", bucket, clock)
     text = fleet.log("behind").read_text()
     assert REFUSED in text and "this host's clock is 180 min behind" in text, fleet.tail("behind")
     assert bucket.secret_key not in text
@@ -99,8 +101,7 @@ async def test_a_clock_step_found_storing_an_output_stops_new_payments_until_the
     sim.configure(latency=0.5)
     fleet = fleets(config=write_config(tmp_path / "offload.yaml", valkey_url, bucket, sim))
     clock = ClockFile(tmp_path / "clock", 0)
-    fleet.start("stepped", env=clock.env(worker_env(bucket)))
-    await seconds_until(started(fleet, "stepped"), 60, "the worker to start", why=fleet.problems)
+    await start_worker(fleet, "stepped", bucket, clock)
     assert REFUSED not in fleet.log("stepped").read_text()
     (first,) = await store.enqueue_many(QUEUE, [JobSpec(input=job_input("step-first"))])
 
@@ -147,9 +148,9 @@ async def test_the_gate_opens_on_any_answer_but_the_refusal_and_says_it_once(cap
 
     gate = StorageGate(probe, every_s=0.01)
     gate.refused(ClockRefused("this host's clock is 180 min behind"))
-    assert not gate.open and gate.problem is not None
+    assert not gate.open
     await asyncio.wait_for(gate.wait_open(), 10)
-    assert asked == 3 and gate.problem is None
+    assert asked == 3 and gate.open
     assert [r.levelname for r in caplog.records if "storage" in r.getMessage()] == ["ERROR", "WARNING"]
     alone = StorageGate(every_s=0.01)
     alone.refused(ClockRefused("x"))
