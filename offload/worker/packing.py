@@ -139,6 +139,8 @@ class Packer:
         deadline = await self._deadline(job.id)
         if not self.ctx.storage_gate.open:  # this host's clock refused by the storage (worker/storage_gate.py)
             await self.ctx.wait_ahead(job, self.ctx.storage_gate.wait_open())
+        if not self.ctx.policy.current:  # the store may evict: no new intent until it is fixed (queue/memory.py)
+            await self.ctx.wait_ahead(job, self.ctx.policy.confirm())
         item = (job.id, job.token, "", self.lane.name, run.why)
         verdict = await self.ctx.health.call(lambda: self.ctx.writes.begins(item))
         if verdict.verdict is not Verdict.OK:
@@ -276,6 +278,8 @@ class Packer:
         """The pack's batch: its record first, then the create; each member records its own line. From here on
         no drain stops a member: its create's answer is awaited and recorded (`submitting`)."""
         ctx, leases = self.ctx, self.submitter.leases
+        if not ctx.policy.current:  # the pack waited since its members began: the store may evict now
+            await ctx.policy.confirm()  # (a drain meanwhile cancels the members: left out below)
         if any(leases.stale(r) for r, _ in pack.members):  # a stalled process: leases proven before paying
             await leases.renew()  # (a lease found lost cancels its task: left out below)
         members = [(r, b) for r, b in pack.members if not (r.task and r.task.cancelling()) and ctx.runs.newest(r)]

@@ -28,17 +28,20 @@ import httpx
 import pytest
 import test_worker_faults as faults
 import yaml
+from support.servers import ValkeyServer
 from test_worker import BACKENDS
 from test_worker_crash import OFFLOAD, READY_LINE, base_env, spawn, stop
 from test_worker_faults import LATENCY, sim_call, until_state, worker
 
 from offload.config import Settings
+from offload.connection import connect
 from offload.errors import ConfigError
 from offload.models import Job
 from offload.queue.keyspace import packs
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 from offload.schema import parse
+from offload.worker.dispatch import Worker
 
 BUCKET, sim, no_outputs, store = faults.BUCKET, faults.sim, faults.no_outputs, faults.store
 _quick_backoff, _clean_sim = faults._quick_backoff, faults._clean_sim
@@ -632,6 +635,69 @@ async def test_a_job_cancelled_in_an_open_pack_is_left_out_and_gives_its_cap_pla
     await assert_one_batch(sim, provider, jobs)
     assert [_total(b) for b in await batches(sim, provider)] == [3]
     assert (await store.usage("q"))[1] == 3, "the job left out of its pack kept its place in the day"
+
+
+@pytest.mark.parametrize(("provider", "then"), [("openai", "fixed"), ("anthropic", "fixed"), ("openai", "drained")])
+async def test_a_pack_closed_while_the_store_may_evict_is_created_only_once_it_is_fixed(
+    own_valkey: ValkeyServer,
+    no_outputs: dict[str, Any],
+    sim: str,
+    provider: str,
+    then: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Jobs begun into an open pack, then the store switched to allkeys-lru before the pack closes: the pack's
+    batch (the payment) is not created while the store may evict its intents. Fixed (noeviction again), the batch
+    goes out, once, with every member; drained instead, the jobs are handed back unsent and nothing is paid."""
+    monkeypatch.setenv("OFFLOAD_STORE_CHECK_S", "0.2")
+    await batch_sim(sim, seconds=0.5)
+    redis = await connect(own_valkey.url)
+    store = QueueStore(redis)
+    ids = await enqueue(store, f"evict-pack-{provider}-{then}", 3)
+    cfg = settings(own_valkey.url, no_outputs, sim, provider, max_wait_s=4, max_pack=10)
+    try:
+        async with worker(cfg) as (task, w):
+            await _a_closed_pack_waiting_on_the_policy(own_valkey, w, task, sim, provider)
+            if then == "fixed":
+                with own_valkey.client() as c:
+                    c.config_set("maxmemory-policy", "noeviction")
+                jobs = await until_state(store, ids, "succeeded", task)
+        # (a drain: the block's end stops the worker, which must not wait on the policy to do so)
+        if then == "drained":
+            back = [await store.get(j) for j in ids]
+            assert all(j.state.value == "queued" and j.attempts == 0 for j in back), back
+            assert await batches(sim, provider) == []
+            return
+        await assert_one_batch(sim, provider, jobs)
+        assert [_total(b) for b in await batches(sim, provider)] == [3]
+    finally:
+        await redis.aclose()
+
+
+async def _a_closed_pack_waiting_on_the_policy(
+    valkey: ValkeyServer, w: Worker, task: asyncio.Task[Any], sim: str, provider: str
+) -> None:
+    async def packed() -> bool:
+        return sum(p.held for p in w.packers.values()) == 3
+
+    await faults.until(packed, "the jobs to wait in a pack", task)
+    with valkey.client() as c:
+        c.config_set("maxmemory-policy", "allkeys-lru")
+
+    async def paused() -> bool:
+        return not w.policy.safe
+
+    await faults.until(paused, "the worker to read the evicting policy", task)
+    assert all(p.open is not None for p in w.packers.values()), "the pack closed before the policy was read"
+
+    async def closed() -> bool:
+        return all(p.open is None for p in w.packers.values())
+
+    await faults.until(closed, "the pack to close at its max_wait_s", task)
+    watched = time.monotonic() + 2.0  # 10 policy reads with the pack closed and waiting
+    while time.monotonic() < watched:
+        assert await batches(sim, provider) == [], "a batch created while the store may evict"
+        await asyncio.sleep(0.2)
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
