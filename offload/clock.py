@@ -27,3 +27,9 @@ def now_ms() -> int:
 def in_ms(clock: Clock) -> ClockMs:
     """A `Clock` read in whole milliseconds: how an injected clock is passed on to the queue's scripts."""
     return lambda: int(clock() * 1000)
+
+
+def span_text(seconds: float) -> str:
+    """A clock difference as a person reads it: minutes under an hour and a half, hours past it."""
+    size = abs(seconds)
+    return f"{size / 3600:.1f} h" if size >= 5400 else f"{size / 60:.0f} min"

@@ -16,6 +16,7 @@ import logging
 import time
 from typing import NamedTuple
 
+from offload.clock import span_text
 from offload.redis_client import RedisClient
 
 log = logging.getLogger("offload.queue")
@@ -51,12 +52,11 @@ def warn_host_skew(store_now: float, host_now: float) -> None:
     skew = host_now - store_now
     if abs(skew) <= HOST_SKEW_WARN_S:
         return
-    span = f"{abs(skew) / 3600:.1f} h" if abs(skew) >= 5400 else f"{abs(skew) / 60:.0f} min"
     log.warning(
         "this host's clock is %s %s the job store's (Valkey's TIME): queues, caps and leases keep the store's, "
         "but S3 refuses requests signed more than 15 minutes off, and presigned URLs and log times are off as "
         "much; fix the time sync (NTP, chrony) of whichever host is wrong",
-        span,
+        span_text(skew),
         "ahead of" if skew > 0 else "behind",
     )
 

@@ -38,6 +38,7 @@ from botocore.exceptions import (
     PartialCredentialsError,
 )
 
+from offload.clock import span_text
 from offload.storage.base import (
     PART_BYTES,
     ClockRefused,
@@ -347,8 +348,8 @@ class S3Storage:
             return f"{self._endpoint} says this host's clock is more than 15 minutes off (fix its time sync)"
         side = "behind" if skew > 0 else "ahead of"
         return (
-            f"this host's clock is {abs(skew) / 60:.0f} min {side} {self._endpoint}'s, and S3 refuses a request "
-            "signed more than 15 minutes off (fix the host's time sync: NTP, chrony)"
+            f"this host's clock is {span_text(skew)} {side} {self._endpoint}'s, and S3 refuses a request signed "
+            "more than 15 minutes off (fix the time sync, NTP or chrony, of whichever of the two is wrong)"
         )
 
 

@@ -216,7 +216,8 @@ async def test_s3_a_host_clock_hours_off_is_named_not_the_keys(s3: RcloneS3, buc
         assert len(lines) == 2, out.stderr[-2000:]
         for line in lines:
             assert line.startswith("ClockRefused False "), line
-            assert f"this host's clock is 180 min {side} " in line and "permission" not in line, line
+            assert f"this host's clock is 3.0 h {side} " in line and "permission" not in line, line
+            assert "whichever of the two is wrong" in line, line  # the storage server's clock may be the wrong one
             assert s3.secret_key not in line
 
 

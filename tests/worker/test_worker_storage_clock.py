@@ -73,7 +73,7 @@ async def test_a_worker_started_with_a_clock_the_storage_refuses_claims_nothing_
     before = sim.stats()["submissions"]
     await start_worker(fleet, "behind", bucket, clock)
     text = fleet.log("behind").read_text()
-    assert REFUSED in text and "this host's clock is 180 min behind" in text, fleet.tail("behind")
+    assert REFUSED in text and "this host's clock is 3.0 h behind" in text, fleet.tail("behind")
     assert bucket.secret_key not in text
     ids = await store.enqueue_many(QUEUE, [JobSpec(input=job_input(f"start-{i}")) for i in range(3)])
     await nothing_sent_for_a_while(sim, store, ids, before)
@@ -147,7 +147,7 @@ async def test_the_gate_opens_on_any_answer_but_the_refusal_and_says_it_once(cap
             raise answers.pop(0)
 
     gate = StorageGate(probe, every_s=0.01)
-    gate.refused(ClockRefused("this host's clock is 180 min behind"))
+    gate.refused(ClockRefused("this host's clock is 3.0 h behind"))
     assert not gate.open
     await asyncio.wait_for(gate.wait_open(), 10)
     assert asked == 3 and gate.open
