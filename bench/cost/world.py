@@ -234,7 +234,9 @@ class CostWorld:
         while self.next_job < len(self.jobs) and START + self.jobs[self.next_job][0] <= now:
             self.next_job += 1
         if self.next_job > first:
-            specs = [JobSpec(input={"n": i}) for i in range(first, self.next_job)]
+            # ids in trace order: jobs that arrive together tie on their score, and the store then orders them by
+            # id (random ones would hand a burst's cold starts, drawn per trace index, out differently each play)
+            specs = [JobSpec(input={"n": i}, job_id=f"{QUEUE}:{i:028x}") for i in range(first, self.next_job)]
             ids = await self.store.enqueue_many(QUEUE, specs)
             self.index.update(zip(ids, range(first, self.next_job), strict=True))
 

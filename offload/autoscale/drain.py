@@ -100,7 +100,8 @@ def _candidates(
     if timeout is None:
         return DrainReason.IDLE, []
     idle = [i for i in active if i.status == "running" and ev.now - idle_since(i) >= timeout]
-    return DrainReason.IDLE, sorted(idle, key=lambda i: i.created_at)
+    # rented together: the longer idle first, then the earlier up (not the store's order of their random ids)
+    return DrainReason.IDLE, sorted(idle, key=lambda i: (i.created_at, idle_since(i), i.ready_at))
 
 
 async def scale_down(

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 
 import orjson
 
@@ -276,7 +277,14 @@ class Autoscaler:
         """Bring every instance of the queue in line with its machine and its worker, and accrue its cost."""
         by_instance = {w.instance_id: w for w in workers if w.instance_id}
         touched = await self.workers.touched(ev.queue)
-        for inst in ev.instances:
+
+        def registered(inst: Instance) -> float:
+            worker = by_instance.get(inst.id)
+            return worker.registered_at if worker is not None else math.inf
+
+        # in the order the workers registered: the measured boot's average weighs the newest most, and the store
+        # lists instances in the order of their random ids
+        for inst in sorted(ev.instances, key=registered):
             listed, machines = await self.listing(inst.provider, ev.listings)
             by_id = {m.provider_id: m for m in machines}
             by_label = {m.label: m for m in machines}

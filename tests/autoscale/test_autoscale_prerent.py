@@ -169,3 +169,19 @@ async def test_without_recurrence_predict_changes_nothing(r: Any) -> None:
     assert [(x.created, x.gone) for x in learnt.served.rentals] == [(x.created, x.gone) for x in plain.served.rentals]
     assert learnt.served.serverless_s == plain.served.serverless_s
     assert not any(w.startswith("pre-rent") for _, w in learnt.reasons)
+
+
+async def test_two_plays_of_one_trace_are_the_same(r: Any) -> None:
+    """Machines rented in one evaluation, registering in another: the measured boot folds their boots in the
+    order they registered, not the store's order of their random ids, so the pre-rent's lead (and every later
+    decision) is the same each play; the burst's jobs, arriving together, are claimed in trace order."""
+    jobs = bursts([8, 18, 28, 38, 48, 58])
+    plays = [await play(r, jobs) for _ in range(3)]
+    seen = [
+        ([(x.created, x.boot_at, x.gone, x.jobs) for x in w.served.rentals], w.served.started, w.served.serverless_s)
+        for w in plays
+    ]
+    assert seen[0] == seen[1] == seen[2]
+    assert [w.reasons for w in plays[1:]] == [plays[0].reasons] * 2
+    state = await QueueState.load(r, QUEUE)
+    assert 120.0 <= state.boot_ewma <= 180.0
