@@ -82,7 +82,7 @@ def _idle_timeout(ev: Evaluation, decision: Decision, active: list[Instance]) ->
     if trig is None:
         return idle_timeout(ev.cfg)
     price = max((i.price for i in active), default=0.0)
-    verdict = hold(ev.cfg, trig, ev.state, price)
+    verdict = hold(ev.cfg, trig, ev.state, price, ev.run_s)
     if active:
         decision.reasons.append(verdict.why)
     return max(verdict.seconds, RECENT_TASK)  # a machine that just finished a task is spared anyway

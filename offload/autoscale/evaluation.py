@@ -34,6 +34,7 @@ class Evaluation:
     now: float  # seconds, the job store's clock
     listings: Listings  # shared by every queue evaluated in one tick: each provider is listed once
     source: str = "offload.yaml"  # where the queue's block came from: "offload.yaml" or "api"
+    run_s: float = 0.0  # the queue's expected run time, seconds, once its overflow sizing read it (0: not read)
 
 
 @dataclass

@@ -77,7 +77,7 @@ async def overflow_up(
         arrivals=",".join(f"{t:.3f}:{n}" for t, n in samples),
         **({} if profile is None else {"profile": predict.dump(profile)}),
     )
-    run_s = await expected_run(store, ev.queue, flow)
+    run_s = ev.run_s = await expected_run(store, ev.queue, flow)  # (scale-down's hold reads it: scale_in.py)
     base, buckets = overflow.base_load(samples, now, run_s, flow)
     boot = expected_boot(ev)
     booting = [i.created_at + boot - now for i in active if i.status in ("provisioning", "booting")]
@@ -87,7 +87,7 @@ async def overflow_up(
     # queue's in-flight count: overflow's jobs are in flight too
     have = overflow.capacity(idle, serving, rate, booting, flow.after)
     await publish_reach(redis, ev.queue, have, idle, flow.after, run_s, max(3 * cfg.poll_interval, REACH_TTL_MIN_S))
-    tail = scale_in.idle_tail(cfg, ev.state)
+    tail = scale_in.idle_tail(cfg, ev.state, run_s)
     burst = overflow.burst_machines(load.pending, have, rate, boot, flow.after, flow.keep_busy, tail)
     sized = overflow.size(base, buckets, burst, len(active), cfg.limit, flow, run_s)
     pre, pre_why = 0, ""

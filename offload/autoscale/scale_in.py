@@ -22,6 +22,7 @@ from offload.autoscale.state import QueueState
 from offload.autoscale.triggers import QueueLoad, idle_timeout
 from offload.redis_client import RedisClient
 
+RELEASE_RUNS = 2.0  # overflow patience (`after`) of this many runs: a job that finds the fleet busy waits for it
 WEIGHT = 0.3  # the newest gap's (or boot's) share of the average: a few bursts turn it round
 FALLBACK_TIMEOUT = 600.0  # the default idle timeout, when the block names the cost trigger and no idle one
 
@@ -66,8 +67,11 @@ def _dollars(seconds: float, price: float) -> str:
     return f" (${seconds / 3600 * price:.3f})" if price > 0 else ""
 
 
-def hold(cfg: AutoscaleSettings, trig: Cost, qs: QueueState, price: float) -> Hold:
-    """How long idle machines stay under the cost trigger; `price` is $/h of one machine (0: unknown)."""
+def hold(cfg: AutoscaleSettings, trig: Cost, qs: QueueState, price: float, run_s: float = 0.0) -> Hold:
+    """How long idle machines stay under the cost trigger; `price` is $/h of one machine (0: unknown), `run_s`
+    the queue's expected run time (0: not known)."""
+    if (patient := _patient(cfg, run_s)) is not None:
+        return Hold(0.0, patient)
     timeout = idle_timeout(cfg) or FALLBACK_TIMEOUT
     if qs.gaps <= 0 or qs.gap_ewma <= 0:
         return Hold(timeout, f"cost: no gap between bursts seen yet; idle timeout {_minutes(timeout)}")
@@ -82,9 +86,23 @@ def hold(cfg: AutoscaleSettings, trig: Cost, qs: QueueState, price: float) -> Ho
     return Hold(0.0, f"cost: release idle machines at once: {numbers}")
 
 
-def idle_tail(cfg: AutoscaleSettings, qs: QueueState) -> float:
+def _patient(cfg: AutoscaleSettings, run_s: float) -> str | None:
+    """Why idle machines above the base go at once in a queue with overflow whose jobs wait `after` of at least
+    RELEASE_RUNS runs (None: they do not). A job that finds every machine busy then waits for one to finish (one
+    does within a run) rather than overflowing, so an idle machine held for it buys nothing: the base sizing
+    (overflow.py) keeps the machines the arrivals need, the floor no drain goes under."""
+    flow = cfg.overflow
+    if flow is None or run_s <= 0 or flow.after < RELEASE_RUNS * run_s:
+        return None
+    return (
+        f"cost: release idle machines above the base at once: a job that finds the fleet busy waits up to "
+        f"{_minutes(flow.after)} ({flow.after / run_s:.1f} runs of {run_s:.0f}s) for a machine to finish"
+    )
+
+
+def idle_tail(cfg: AutoscaleSettings, qs: QueueState, run_s: float = 0.0) -> float:
     """Seconds a machine that ran out of work still bills before it drains (the cost trigger's hold, else the idle
     timeout; the safety rules' spare at least): what renting one for a burst costs after the burst."""
     trig = cost_trigger(cfg)
-    timeout = hold(cfg, trig, qs, 0.0).seconds if trig is not None else idle_timeout(cfg)
+    timeout = hold(cfg, trig, qs, 0.0, run_s).seconds if trig is not None else idle_timeout(cfg)
     return max(FALLBACK_TIMEOUT if timeout is None else timeout, RECENT_TASK)

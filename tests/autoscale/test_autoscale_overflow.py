@@ -238,9 +238,9 @@ class Recorded(HybridWorld):
             await self.r.hset(queue_state(QUEUE), "arrivals", "not:a,record")
 
 
-async def play(r: Any, **kwargs: Any) -> Recorded:
+async def play(r: Any, after: str = "5m", **kwargs: Any) -> Recorded:
     await r.flushdb()
-    flow = {"backends": ["serverless"], "after": "5m", "quantile": 0.25}
+    flow = {"backends": ["serverless"], "after": after, "quantile": 0.25}
     policy = Policy("hybrid", 8, poll=30.0, by_cost=True, overflow=flow)
     world = Recorded(r, steady_and_burst(), policy, Hosts(boot=(120.0, 180.0)), Prices(), 0, **kwargs)
     await world.run(8 * 3600.0)
@@ -248,19 +248,38 @@ async def play(r: Any, **kwargs: Any) -> Recorded:
 
 
 async def test_the_fleet_holds_the_base_and_the_burst_overflows(r: Any) -> None:
-    world = await play(r)
+    """`after` 3 min: a machine rented for the burst would work a minute of it before the deadline, which does not
+    pay for its boot (at 5 min it does, and the burst is partly the machines': the next test)."""
+    world = await play(r, after="3m")
     done = world.served.done_by
     assert sorted(done) == list(range(len(world.jobs))) and all(len(k) == 1 for k in done.values())
     burst = [n for n, (a, _) in enumerate(world.jobs) if a == 2 * 3600.0]
     on_sls = [n for n in burst if done[n] == ["serverless"]]
-    assert len(on_sls) > 80, len(on_sls)  # a 5-min allowance: the base fleet starts only a few of 120
+    assert len(on_sls) > 80, len(on_sls)  # a 3-min allowance: the base fleet starts only a few of 120
     during = [n for t, n in world.sizes if 2 * 3600 <= t < 2 * 3600 + 600]
     assert during and max(during) <= 4, during  # the burst rented nothing beyond the base (2-3)
     settled = [n for t, n in world.sizes if 3600 <= t < 2 * 3600]
     assert settled and min(settled) >= 2, settled  # 2.5 machines' worth keeps two or three
     assert any("base load" in why and "burst carried by overflow" in why for _, why in world.reasons)
     waits = [world.served.started[n] - START - a for n, (a, _) in enumerate(world.jobs)]
-    assert sorted(waits)[int(0.95 * len(waits))] <= 300, "the p95 wait is within `after`"
+    assert sorted(waits)[int(0.95 * len(waits))] <= 180, "the p95 wait is within `after`"
+
+
+async def test_a_patient_queue_releases_idle_machines_above_the_base_at_once(r: Any) -> None:
+    """`after` 15 min is 9 runs of 100 s: a job that finds the fleet busy waits for a machine rather than
+    overflowing, so the burst's machines go as soon as the safety rules let them (30 s after their last task,
+    a poll to drain, one to destroy), not a measured boot later; the base stays."""
+    world = await play(r, after="15m")
+    done = world.served.done_by
+    assert sorted(done) == list(range(len(world.jobs))) and all(len(k) == 1 for k in done.values())
+    burst = [n for n, (a, _) in enumerate(world.jobs) if a == 2 * 3600.0]
+    assert sum(1 for n in burst if done[n] == ["fleet"]) >= 50  # 8 machines x ~12 min of 100-s jobs
+    waits = {n: world.served.started[n] - START - a for n, (a, _) in enumerate(world.jobs)}
+    ended = max(world.served.started[n] - START + 100.0 for n, w in waits.items() if w > 60)  # the backlog's end
+    peak = max(n for t, n in world.sizes if 2 * 3600 <= t < ended)
+    later = [n for t, n in world.sizes if ended + 120 <= t < ended + 600]
+    assert peak >= 6 and later and max(later) <= 3, (peak, later)  # down to the base within 2 min, and stays
+    assert any("release idle machines above the base at once" in why for _, why in world.reasons)
 
 
 async def test_a_damaged_record_restarts_the_measurement_without_failing(r: Any) -> None:

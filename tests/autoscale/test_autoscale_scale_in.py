@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 
 from bench.cost.world import QUEUE, START, CostWorld, Hosts, Policy
+from offload.autoscale.safety import RECENT_TASK
+from offload.autoscale.scale_in import cost_trigger, hold, idle_tail
 from offload.autoscale.scaler import Autoscaler
 from offload.autoscale.settings import Cost, validate_autoscale
 from offload.autoscale.state import QueueState, load_decision
@@ -143,3 +145,22 @@ def test_status_shows_the_reckoning_apart() -> None:
     why = "cost: release idle machines at once: expected gap 35.0 min idle vs re-rent 3.0 min configured boot"
     lines = explain({"decision": {"at": 0.0, "pending": 0, "live_workers": 2, "reasons": [why]}}, 0.0)
     assert "because: no trigger fired (0 ready, 2 live workers)" in lines and f"scale-in by {why}" in lines
+
+
+def test_a_queue_whose_jobs_wait_two_runs_for_a_machine_keeps_no_idle_one() -> None:
+    """With overflow, `after` of at least two runs: idle machines above the base go at once, whatever the gaps
+    say (a job that finds the fleet busy waits for one to finish); under two runs, or no run time known, the
+    gaps decide as without overflow."""
+    cfg = validate_autoscale(
+        {"scale_down": [{"trigger": "cost"}], "overflow": {"backends": ["sls"], "after": "5m"}, "max_workers": 4}
+    )
+    trig = cost_trigger(cfg)
+    assert trig is not None
+    short_gaps = QueueState(gap_ewma=60.0, gaps=3, boot_ewma=180.0)
+    patient = hold(cfg, trig, short_gaps, 1.0, run_s=150.0)
+    assert patient.seconds == 0.0 and "above the base at once" in patient.why and "2.0 runs of 150s" in patient.why
+    assert hold(cfg, trig, short_gaps, 1.0, run_s=151.0).seconds == 180.0  # under two runs: keep for a boot
+    assert hold(cfg, trig, short_gaps, 1.0).seconds == 180.0  # no run time known
+    assert idle_tail(cfg, short_gaps, 150.0) == RECENT_TASK and idle_tail(cfg, short_gaps, 151.0) == 180.0
+    plain = validate_autoscale({"scale_down": [{"trigger": "cost"}], "max_workers": 4})
+    assert hold(plain, trig, short_gaps, 1.0, run_s=10.0).seconds == 180.0  # no overflow: nothing changes
