@@ -55,6 +55,7 @@ from bench.queue_throughput import start_valkey  # offload.local.embedded's allo
 from offload import eventloop
 from offload.backends.base import RemoteResult, Submission
 from offload.connection import connect
+from offload.eventloop import within
 from offload.heap import freeze_startup
 from offload.models import ClaimedJob
 from offload.queue.backend_limits import BackendLimits
@@ -204,7 +205,7 @@ async def run_lean(url: str, done: Done, concurrency: int) -> None:
                 continue
             slot.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(slot.wait(), idle if free > 0 else None)
+                await within(slot.wait(), idle if free > 0 else None)
             idle = min(idle * 2, 0.5) if not claimed else 0.02
 
     helpers = [asyncio.create_task(h()) for h in (acknowledge, heartbeat, claim_loop)]

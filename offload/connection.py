@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar, cast
 from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import (
     AuthenticationError,
     ClusterDownError,
@@ -68,6 +70,34 @@ class GatedPool(aioredis.ConnectionPool):
             if id(connection) in self._gated:
                 self._gated.discard(id(connection))
                 self._gate.release()
+
+
+def restore_lost_cancels() -> None:
+    """Deliver the cancels Python 3.11 loses in redis-py's command writes (applied once, at import).
+
+    Python 3.11's `asyncio.wait_for` returns the result when a cancel lands as what it waits for finishes
+    (CPython gh-86296, fixed in 3.12), and redis-py writes every command through it (its socket timeout). A task
+    cancelled in those two event-loop steps ran on as if never cancelled: a drain's cut job kept going, and a
+    server's stop waited forever on a loop it had cancelled. The write is wrapped: a cancel asked for during it
+    and not delivered is raised after it, on a closed connection (the command's reply is never read)."""
+    if sys.version_info >= (3, 12) or getattr(AbstractConnection.send_packed_command, "restores_cancels", False):
+        return
+    write = AbstractConnection.send_packed_command
+
+    async def send_packed_command(self: AbstractConnection, command: Any, check_health: bool = True) -> None:
+        task = asyncio.current_task()
+        asked = task.cancelling() if task is not None else 0
+        await write(self, command, check_health)
+        # a cancel still to be delivered (`_must_cancel`) reaches the task at its next await: not lost
+        if task is not None and task.cancelling() > asked and not getattr(task, "_must_cancel", False):
+            await self.disconnect(nowait=True)
+            raise asyncio.CancelledError
+
+    send_packed_command.restores_cancels = True  # type: ignore[attr-defined]
+    AbstractConnection.send_packed_command = send_packed_command  # type: ignore[method-assign]
+
+
+restore_lost_cancels()
 
 
 def _password(url: str) -> str | None:

@@ -10,7 +10,7 @@ or a library that needs it); `=uvloop` requires uvloop. A bad value is an error 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from offload.env import env_str
@@ -60,3 +60,12 @@ async def first_of(*aws: Any) -> None:
         for given, task in zip(aws, tasks, strict=True):
             if task is not given:
                 task.cancel()
+
+
+async def within(aw: Awaitable[T], seconds: float | None) -> T:
+    """`await aw` for at most `seconds` (None: no limit), else TimeoutError: `asyncio.wait_for`, except that a
+    cancel landing as `aw` finishes is delivered. Python 3.11's wait_for returns the result then and the cancel is
+    lost (CPython gh-86296, fixed in 3.12): a drain's cut or a server's stop that a loop never sees. The one timed
+    wait of offload: `asyncio.wait_for` is banned in pyproject.toml (ruff TID251)."""
+    async with asyncio.timeout(seconds):
+        return await aw

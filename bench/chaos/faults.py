@@ -133,7 +133,9 @@ class Profile:
 async def cancel_all(tasks: list[asyncio.Task[None]]) -> None:
     """Cancel the tasks and wait until every one has ended. One whose code swallowed the cancel (Python 3.11's
     `asyncio.wait_for` does when its call ends just as the cancel comes) is cancelled again each second: a run
-    once waited here for good on a fault loop gone back to sleep (which action swallowed it was not found)."""
+    once waited here for good on a fault loop gone back to sleep. The swallower was redis-py's command write
+    (offload/connection.py's `restore_lost_cancels` now delivers such a cancel); the re-cancel stays for any other
+    library's."""
     for task in tasks:
         task.cancel()
     while pending := [t for t in tasks if not t.done()]:

@@ -12,6 +12,7 @@ from redis.exceptions import RedisError
 
 from bench.chaos.producer import QUEUE
 from offload.errors import InvalidTransition, JobNotFound, StoreError
+from offload.eventloop import within
 from offload.queue.store import QueueStore
 
 
@@ -87,7 +88,7 @@ class Operator:
 
     async def _cancel(self, job_id: str, was: str) -> dict[str, Any] | None:
         try:
-            answer = await asyncio.wait_for(self.ops.cancel(job_id), 10)
+            answer = await within(self.ops.cancel(job_id), 10)
         except (InvalidTransition, JobNotFound):  # it finished meanwhile
             return None
         return {"job": job_id, "answer": answer, "was": was}

@@ -19,6 +19,7 @@ from bench.chaos.faults import Profile
 from bench.chaos.options import MODEL
 from offload.connection import connect
 from offload.errors import StoreError, StoreFull
+from offload.eventloop import within
 from offload.queue.durability import Durability
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
@@ -82,9 +83,9 @@ class Producer:
                     if mode == "tutorial":  # the tutorial's producer: RPUSH its JSON, ingested by the workers
                         ids = await self._push_tutorial(client, specs)
                     elif mode == "single":
-                        ids = [await asyncio.wait_for(store.enqueue(QUEUE, spec), 30) for spec in specs]
+                        ids = [await within(store.enqueue(QUEUE, spec), 30) for spec in specs]
                     else:
-                        ids = await asyncio.wait_for(store.enqueue_many(QUEUE, specs), 30)
+                        ids = await within(store.enqueue_many(QUEUE, specs), 30)
                 except (RedisError, OSError, TimeoutError, StoreFull) as exc:  # (StoreFull: at maxmemory)
                     self.counts["enqueue_errors"] += 1
                     log.info("enqueue (%s, try %d) failed: %s", mode, attempt + 1, exc)
@@ -107,9 +108,7 @@ class Producer:
         try:
             client = await connect(self.url, retry_for=10)
             try:
-                ids = await asyncio.wait_for(
-                    QueueStore(client, durability=self.durability).enqueue_many(QUEUE, specs), 30
-                )
+                ids = await within(QueueStore(client, durability=self.durability).enqueue_many(QUEUE, specs), 30)
             finally:
                 await client.aclose()
         except (RedisError, OSError, TimeoutError, StoreError) as exc:
@@ -133,10 +132,10 @@ class Producer:
                 orjson.dumps({"id": tid, "input": spec.input, "output_key": f"results/{tid}.json", "attempt": 1})
             )
         if self.durability is None:
-            await asyncio.wait_for(client.rpush(INGEST_LIST, *entries), 30)
+            await within(client.rpush(INGEST_LIST, *entries), 30)
         else:  # a durable tutorial producer WAITs for the replica after its RPUSH, on the same connection
             pipe = client.pipeline(transaction=False)
             pipe.rpush(INGEST_LIST, *entries)
             pipe.execute_command("WAIT", self.durability.replicas, self.durability.timeout_ms)
-            self.durability.check((await asyncio.wait_for(pipe.execute(), 30))[1])
+            self.durability.check((await within(pipe.execute(), 30))[1])
         return [f"{QUEUE}:{input_key(spec.input)}" for spec in specs]

@@ -36,6 +36,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from offload.eventloop import within
+
 CRLF = b"\r\n"
 JOB_ID = re.compile(rb"[A-Za-z0-9_.\-]+:[0-9a-f]{28}")
 MAX_IDS = 2000  # job ids kept per dropped reply (a claim reply can hold thousands)
@@ -201,7 +203,7 @@ class FaultProxy:
         self._open.set()
         if self._server is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 5)
+                await within(self._server.wait_closed(), 5)
 
     # -- faults on a schedule ----------------------------------------------------------------------
 
@@ -250,7 +252,7 @@ class FaultProxy:
         try:
             await self._open.wait()
             try:
-                up_reader, up_writer = await asyncio.wait_for(asyncio.open_connection(*self.upstream, limit=CHUNK), 5)
+                up_reader, up_writer = await within(asyncio.open_connection(*self.upstream, limit=CHUNK), 5)
             except (OSError, TimeoutError):
                 self.counts["upstream_unreachable"] += 1
                 _rst(writer)

@@ -49,6 +49,7 @@ from bench.chaos.producer import INGEST_LIST, QUEUE, Producer
 from bench.chaos.proxy import FaultProxy
 from bench.chaos.settle import Settle
 from offload.connection import connect
+from offload.eventloop import within
 from offload.queue.durability import Durability
 from offload.queue.scripts import NAMES, SCRIPTS
 from offload.queue.specs import JobSpec
@@ -314,12 +315,12 @@ class Run:
             down = asyncio.create_task(providers.outage(self.sim, self.args.backend, fault_s, self.schedule.note))
         await asyncio.sleep(fault_s)
         if down is not None:
-            await asyncio.wait_for(down, 60)
+            await within(down, 60)
         if attacker is not None:
             await attacker.stop()
         await self.schedule.stop()
-        await asyncio.wait_for(self.operator.settle(), 130)  # its resume retries for up to 120 s
-        await asyncio.wait_for(producer, 120)
+        await within(self.operator.settle(), 130)  # its resume retries for up to 120 s
+        await within(producer, 120)
 
     async def _cancel_one(self) -> dict[str, Any] | None:
         return await self.operator.cancel_one(self.schedule.timeline)

@@ -54,6 +54,7 @@ from offload.config import Settings
 from offload.connection import is_outage
 from offload.env import process_env
 from offload.errors import ConfigError
+from offload.eventloop import within
 from offload.queue.store import QueueStore
 from offload.queue.store_clock import StoreClock
 from offload.redact import Redactor
@@ -179,7 +180,7 @@ class Autoscaler:
                 else:
                     log.exception("autoscaler evaluation failed; retrying next tick")
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.server.tick)
+                await within(stop.wait(), self.server.tick)
         with contextlib.suppress(Exception):
             await self.leader.release()
         await self.aclose()

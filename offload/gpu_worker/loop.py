@@ -399,7 +399,9 @@ class GpuWorker:
             args = (job["input"], ctx) if self.with_context else (job["input"],)
             return False, await _call(self.handler, *args)
         except asyncio.CancelledError:
-            if ctx.cancelled.is_set() and job_id not in self.lost:
+            task = asyncio.current_task()
+            if ctx.cancelled.is_set() and job_id not in self.lost and task is not None:
+                task.uncancel()  # the job's cancel, handled: later timeouts of this task are not taken for one
                 await self.api.cancelled(self.worker_id, job_id, token)
                 return True, None
             raise

@@ -27,6 +27,7 @@ from offload.access.api_keys import KeyStore
 from offload.autoscale.alert_settings import alert_settings
 from offload.autoscale.alerts import Alerter
 from offload.connection import at_start, connect, is_oom
+from offload.eventloop import within
 from offload.heap import freeze_startup
 from offload.http_client import make_client
 from offload.queue.memory import require_noeviction
@@ -109,7 +110,7 @@ async def _maintenance_loop(state: ServerState, stop: asyncio.Event, sweep: File
                 state.store_watch.oom_seen()
             log.warning("maintenance: %s", type(exc).__name__)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), state.options.maintenance_interval_s)
+            await within(stop.wait(), state.options.maintenance_interval_s)
 
 
 async def _warm_routes(app: FastAPI) -> None:
@@ -236,16 +237,15 @@ def _lifespan(options: ServerOptions) -> Callable[[FastAPI], AbstractAsyncContex
             await routes_autoscale.stop(state, autoscaler)
             stop.set()
             watch.cancel()
-            # Bounded: wait_for would wait on after its cancel, and a step stuck on the store (seen: a shutdown
-            # hanging a minute in the warm-start test) would hold the exit; closing the clients below ends it.
-            loops = {t for t in (task, send) if t is not None}
+            # Bounded: a loop that does not end (a step stuck on the store, a cancel lost: offload/connection.py's
+            # restore_lost_cancels) must not hold the exit; closing the clients below ends it.
+            loops = {t for t in (task, send, watch) if t is not None}
             _, stuck = await asyncio.wait(loops, timeout=5.0)
             for t in stuck:
                 t.cancel()
             if stuck:
                 await asyncio.wait(stuck, timeout=2.0)
             await sender.aclose()
-            await asyncio.gather(watch, return_exceptions=True)
             await state.store_watch.aclose()
             await state.hub.aclose()
             await routes_hooks.aclose(state)
@@ -264,7 +264,7 @@ def _add_health(app: FastAPI) -> None:
     async def readyz(request: Request) -> JSONResponse:
         state: ServerState | None = getattr(request.app.state, "offload", None)
         try:
-            if state is not None and await asyncio.wait_for(state.redis.ping(), 2.0):
+            if state is not None and await within(state.redis.ping(), 2.0):
                 return JSONResponse({"status": "ready"})
         except Exception as exc:
             log.warning("readiness check failed: %s", type(exc).__name__)

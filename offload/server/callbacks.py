@@ -30,6 +30,7 @@ from offload.backoff import compute_backoff
 from offload.callback_settings import CallbackSettings
 from offload.egress import POLICY, AddressRefused
 from offload.errors import JobNotFound
+from offload.eventloop import within
 from offload.models import Job
 from offload.queue.outbox import Claimed, Outbox, Outcome
 from offload.redact import excerpt
@@ -107,7 +108,7 @@ class CallbackSender:
                     break
                 log.warning("completion webhooks: %s", type(exc).__name__)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.settings.poll_s)
+                await within(stop.wait(), self.settings.poll_s)
         if self._in_flight:
             _, left = await asyncio.wait(self._in_flight, timeout=STOP_GRACE_S)
             for task in left:

@@ -25,6 +25,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
 from offload.access.api_keys import ApiKey
+from offload.eventloop import within
 from offload.queue import keyspace
 from offload.queue.keyspace import validate_queue
 from offload.queue.store import QueueStore
@@ -61,7 +62,7 @@ class Subscription:
 
     async def next(self, timeout: float) -> Event | None:
         try:
-            return await asyncio.wait_for(self.inbox.get(), timeout)
+            return await within(self.inbox.get(), timeout)
         except TimeoutError:
             return None
 

@@ -14,7 +14,6 @@ process: a slot is held for the whole request, a stream's included, and given ba
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from offload.errors import RequestError
+from offload.eventloop import within
 from offload.schema import Network, parse_networks
 from offload.server.clientaddr import client_address
 
@@ -169,7 +169,7 @@ class BodyDeadline:
         if self._deadline is None:
             self._deadline = now + self._seconds
         try:
-            message = await asyncio.wait_for(self._receive(), max(0.0, self._deadline - now))
+            message = await within(self._receive(), max(0.0, self._deadline - now))
         except TimeoutError:
             self._expired = True
             raise BodyTimeout(self._seconds) from None

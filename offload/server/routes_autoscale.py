@@ -39,6 +39,7 @@ from offload.autoscale.status import snapshot
 from offload.autoscale.vault import Vault
 from offload.env import env_str
 from offload.errors import ConfigError
+from offload.eventloop import within
 from offload.queue.keyspace import validate_queue
 from offload.server.auth import GuardedRoute, Principal, admin_only, guard, need_admin, need_global_read
 from offload.server.errors import FieldError
@@ -381,4 +382,4 @@ async def stop(state: ServerState, task: asyncio.Task[None] | None) -> None:
         return
     state.extra["autoscaler_stop"].set()
     with contextlib.suppress(asyncio.CancelledError, Exception):
-        await asyncio.wait_for(task, 10)
+        await within(task, 10)

@@ -32,7 +32,7 @@ from offload.backends.base import Backend
 from offload.backends.batched import BatchBackend
 from offload.backoff import compute_backoff
 from offload.connection import is_outage
-from offload.eventloop import first_of
+from offload.eventloop import first_of, within
 from offload.models import ClaimedJob
 from offload.queue.backend_limits import BackendLimits
 from offload.queue.keyspace import hooks_channel, wake_channel
@@ -212,7 +212,7 @@ class Worker:
         room.clear()
         wake = (room.wait(), self._ready.wait()) if free > 0 else (room.wait(),)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(first_of(*wake, stop.wait()), pause if free > 0 else None)
+            await within(first_of(*wake, stop.wait()), pause if free > 0 else None)
 
     def _start(self, job: ClaimedJob, sent: float, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Run a claimed job as a task (on `loop`: the claim passes it, one lookup per claim instead of one per job

@@ -35,6 +35,7 @@ from offload.backends.batch import LineResult, PackTooLarge
 from offload.backends.batched import BatchBackend
 from offload.backends.openai_batch import TAG, OpenAIBatch
 from offload.errors import StaleLease
+from offload.eventloop import within
 from offload.queue.batch_packs import PackRecord, PackRecords
 from offload.queue.replies import Begun, Verdict
 from offload.worker.batch_watch import BatchWatch, find_pack
@@ -260,7 +261,7 @@ class Packer:
         while not pack.closing:
             pack.changed.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(pack.changed.wait(), max(0.0, pack.closes_at - time.monotonic()))
+                await within(pack.changed.wait(), max(0.0, pack.closes_at - time.monotonic()))
             if not pack.closing and time.monotonic() >= pack.closes_at:
                 self._close(pack, "max_wait_s or a deadline")
 

@@ -21,6 +21,7 @@ from offload import tracing
 from offload.backends.base import NotFound, RemoteResult, Throttled, Transient, WebhookBackend
 from offload.backoff import compute_backoff
 from offload.errors import StaleLease, WorkerError
+from offload.eventloop import within
 from offload.worker.context import WorkerContext
 from offload.worker.endings import Endings
 from offload.worker.job_run import JobRun
@@ -65,7 +66,7 @@ class Polling:
             if left <= 0 or run.cancel:
                 return None
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(heard.wait(), left)
+                await within(heard.wait(), left)
 
     def lagging(self, run: JobRun, exc: NotFound, lag: Sighting) -> bool:
         """Whether `exc`, a 404 for the job's remote job, is the provider's status lagging its submit (poll on)
@@ -142,7 +143,7 @@ class Polling:
             if now > deadline:
                 raise PollTimeout(f"remote job {remote_id} not done after {opts.poll_timeout:g}s")
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(heard.wait(), max(0.0, min(fallback.next_poll, deadline) - now))
+                await within(heard.wait(), max(0.0, min(fallback.next_poll, deadline) - now))
 
     async def _kept_result(self, run: JobRun, fallback: _Fallback) -> RemoteResult | None:
         """The result of the final webhook the server kept, if one is kept (a body without it: poll now)."""

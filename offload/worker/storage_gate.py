@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from offload.backoff import compute_backoff
+from offload.eventloop import within
 from offload.storage import ClockRefused
 
 log = logging.getLogger("offload.worker")
@@ -67,7 +68,7 @@ class StorageGate:
         """The probe's refusal of this host's clock, or None for any other answer (an outage or a setting says
         nothing about the clock: the first output stored says what it is)."""
         try:
-            await asyncio.wait_for(probe(), timeout)
+            await within(probe(), timeout)
         except ClockRefused as exc:
             return exc
         except Exception as exc:

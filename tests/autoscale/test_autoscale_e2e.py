@@ -25,6 +25,7 @@ from offload.autoscale.providers.vastai import VastConfig, VastProvider
 from offload.autoscale.scaler import Autoscaler
 from offload.config import Settings
 from offload.connection import connect
+from offload.eventloop import within
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 from offload.testing.sim.config import SimConfig
@@ -187,7 +188,7 @@ async def test_two_autoscalers_only_the_leader_calls_the_provider(r: AdminRedis)
         # the leader dies without releasing its lock; the other takes over after the TTL and finishes the job
         a.leader.release = _no_release  # type: ignore[method-assign]
         stop_a.set()
-        await asyncio.wait_for(task_a, 10)
+        await within(task_a, 10)
 
         async def destroyed() -> bool:
             got = await b.instances.get(inst.id)
@@ -206,7 +207,7 @@ async def test_two_autoscalers_only_the_leader_calls_the_provider(r: AdminRedis)
         machines = sim_call("GET", f"{sim_url}/_sim/machines")["machines"]
         assert [m["phase"] for m in machines] == ["deleted"]
         stop_b.set()
-        await asyncio.wait_for(task_b, 10)
+        await within(task_b, 10)
         await a.aclose()
 
 

@@ -33,6 +33,7 @@ from bench.chaos.faults import cancel_all
 from bench.chaos.operator import Operator
 from bench.chaos.procs import Incarnation
 from bench.chaos.proxy import DroppedReply
+from offload.eventloop import within
 from offload.queue.store import QueueStore
 
 BUCKET = "b"
@@ -625,10 +626,10 @@ async def test_the_operators_resume_outlives_the_end_of_the_fault_phase() -> Non
     ops = Ops()
     operator = Operator(cast(QueueStore, ops), Direct(), Always(), lease_ms=3000)
     task = asyncio.create_task(operator.cancel_one([{"kind": "kill", "t": time.time()}]))
-    await asyncio.wait_for(ops.tried.wait(), 10)  # the first resume was refused: it waits to retry
+    await within(ops.tried.wait(), 10)  # the first resume was refused: it waits to retry
     task.cancel()  # the fault phase ends
     await asyncio.gather(task, return_exceptions=True)
-    await asyncio.wait_for(operator.settle(), 10)
+    await within(operator.settle(), 10)
     assert (ops.paused, ops.resumes) == (False, 2)
 
 
@@ -759,5 +760,5 @@ async def test_the_fault_loops_stop_even_when_one_swallowed_its_cancel() -> None
 
     tasks = [asyncio.create_task(stubborn()), asyncio.create_task(plain())]
     await asyncio.sleep(0)
-    await asyncio.wait_for(cancel_all(tasks), 10)
+    await within(cancel_all(tasks), 10)
     assert swallowed and all(t.done() for t in tasks)

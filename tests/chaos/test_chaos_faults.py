@@ -25,6 +25,7 @@ from bench.chaos.faults import Profile, Schedule
 from bench.chaos.procs import Incarnation, WorkerSlot
 from bench.chaos.settle import Settle
 from offload.connection import connect
+from offload.eventloop import within
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 
@@ -152,7 +153,7 @@ async def test_the_fault_phase_ends_by_continuing_a_stopped_draining_worker(tmp_
     # the stop fault picks the draining worker (a drain is no shield from SIGSTOP), then sleeps
     schedule._tasks = [asyncio.create_task(schedule._stop()), asyncio.create_task(asyncio.sleep(3600))]
     await eventually(lambda: slot.stopped, 10, "the stop fault's SIGSTOP")
-    await asyncio.wait_for(schedule.stop(), 30)
+    await within(schedule.stop(), 30)
     schedule._tasks[-1].cancel()
     drains = [e for e in schedule.timeline if e["kind"] == "drain"]
     assert [e["code"] for e in drains] == [0], drains  # continued, then drained: not SIGKILLed after its wait

@@ -17,6 +17,7 @@ from redis.retry import Retry
 from support.servers import HOST, ValkeyServer
 
 from bench.chaos.proxy import FaultProxy, command_words, message_end, split_messages
+from offload.eventloop import within
 from offload.queue.scripts import SCRIPTS
 
 
@@ -86,7 +87,7 @@ async def test_a_pipeline_loses_every_reply_from_the_dropped_one_on(proxy: Fault
     await writer.drain()
     got = b""
     with pytest.raises(ConnectionResetError):
-        while chunk := await asyncio.wait_for(reader.read(100), 5):
+        while chunk := await within(reader.read(100), 5):
             got += chunk
     assert got == b"+OK\r\n"  # the reply before the dropped one arrived; then the connection was reset
     assert (direct.get("a"), direct.get("b"), direct.get("c")) == (b"1", b"1", b"1")  # all three ran
@@ -103,7 +104,7 @@ async def test_a_black_hole_blocks_both_ways_then_heals(proxy: FaultProxy, valke
     assert valkey.client().get("hole") is None  # ... and never reached the server
     started = time.monotonic()
     writer.write(b"PING\r\n")
-    assert await asyncio.wait_for(reader.readline(), 10) == b"+PONG\r\n"  # delivered once the hole closes
+    assert await within(reader.readline(), 10) == b"+PONG\r\n"  # delivered once the hole closes
     waited = time.monotonic() - started
     assert waited >= 0.9, waited
     assert not proxy.blackholed and await client(proxy.url).ping()

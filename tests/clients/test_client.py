@@ -16,6 +16,7 @@ from support.servers import closed_port, free_port
 
 from offload import AsyncClient, Client, ConnectionFailed, JobNotFound, JobState
 from offload.connection import connect, mask_url
+from offload.eventloop import within
 from offload.local.embedded import ensure_embedded, stop_embedded
 from offload.queue.store import QueueStore
 
@@ -108,7 +109,7 @@ async def test_redis_that_comes_up_late_is_waited_for(tmp_path: Path) -> None:
     assert not task.done()
     await asyncio.to_thread(server.start)
     try:
-        client = await asyncio.wait_for(task, 20)
+        client = await within(task, 20)
         assert await client.ping()
         await client.aclose()
     finally:

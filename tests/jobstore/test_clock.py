@@ -29,6 +29,7 @@ from offload.autoscale.state import periods
 from offload.caps import next_window_s, window_of
 from offload.config import Settings
 from offload.connection import connect
+from offload.eventloop import within
 from offload.models import JobState
 from offload.queue import keyspace
 from offload.queue.scripts import SCRIPTS
@@ -205,8 +206,8 @@ async def test_a_backends_cool_down_rides_a_step_back_of_the_stores_clock(steppe
         await BackendLimits(redis, "cool", None).cool_down(2.0)
         await step_store_clock(stepped_valkey, redis, -HOUR_S)
         started = time.monotonic()
-        await asyncio.wait_for(BackendLimits(redis, "cool", None).acquire(), 10)
-        await asyncio.wait_for(BackendLimits(redis, "cool", 100.0).acquire(), 10)
+        await within(BackendLimits(redis, "cool", None).acquire(), 10)
+        await within(BackendLimits(redis, "cool", 100.0).acquire(), 10)
         assert time.monotonic() - started <= 4.0
         assert await redis.exists(keyspace.backend_cooldown("cool")) == 0  # over, not waiting for the clock
     finally:

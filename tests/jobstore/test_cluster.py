@@ -9,12 +9,14 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
+import test_lost_cancels
 from redis.crc import key_slot
 from support.admin_redis import redis_admin
 from support.servers import SLOT_RANGES, ValkeyCluster
 
 from offload.connection import connect
 from offload.errors import ConfigError, UnsafeEvictionPolicy
+from offload.eventloop import within
 from offload.models import JobState
 from offload.queue.keyspace import prefix, wake_channel
 from offload.queue.memory import read_memory, require_noeviction
@@ -110,7 +112,7 @@ async def test_idle_workers_are_woken_on_every_master(cstore: QueueStore) -> Non
                 await cstore.claim(queue, "w", 100)  # empties the ready set: leaves `idle`
                 await cstore.enqueue(queue, JobSpec(input="x"))
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(woken.wait(), 0.2)
+                    await within(woken.wait(), 0.2)
         finally:
             listener.cancel()
             await asyncio.gather(listener, return_exceptions=True)
@@ -138,3 +140,11 @@ async def test_every_primary_is_read_for_its_memory_and_eviction_policy(
         with odd.client() as c:
             c.config_set("maxmemory-policy", "noeviction")
             c.config_set("maxmemory", 0)
+
+
+@pytest.mark.parametrize("command", ["set", "script"])
+async def test_a_cancel_at_any_step_of_a_cluster_command_is_delivered(cstore: QueueStore, command: str) -> None:
+    """As on one node (test_lost_cancels.py): the cluster client writes through the same connection class."""
+    seen = await test_lost_cancels.outcomes_of(cstore.redis, test_lost_cancels.commands(cstore.redis)[command])
+    assert seen["ran on"] == 0, seen
+    assert seen["cancelled"] >= 4 * test_lost_cancels.TRIES, seen

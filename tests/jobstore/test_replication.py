@@ -34,6 +34,7 @@ from offload.client import AsyncClient, Client
 from offload.config import Settings, load_settings
 from offload.connection import connect, is_outage
 from offload.errors import ConfigError, StoreFull
+from offload.eventloop import within
 from offload.models import JobState
 from offload.queue import keyspace
 from offload.queue.durability import Durability, NotReplicated
@@ -312,7 +313,7 @@ async def worker(config: Settings) -> AsyncIterator[tuple[asyncio.Task[Any], Wor
         yield task, ready.result()
     finally:
         stop.set()
-        await asyncio.wait_for(task, 60)
+        await within(task, 60)
 
 
 def submissions(sim: str) -> dict[str, int]:

@@ -24,6 +24,7 @@ from support.servers import ValkeyServer
 from offload.config import Settings, load_settings
 from offload.connection import connect
 from offload.errors import ConfigError
+from offload.eventloop import within
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 from offload.storage.inputs import outputs_prefix
@@ -181,7 +182,7 @@ def test_dispatch_worker_fails_an_unstorable_job_before_paying(valkey: ValkeySer
                 await asyncio.sleep(0.05)
         finally:
             stop.set()
-            await asyncio.wait_for(task, 20)
+            await within(task, 20)
             await redis.aclose()
         return job, await asyncio.to_thread(lambda: httpx.get(f"{sim}/_sim/stats").json())
 

@@ -19,6 +19,7 @@ import test_storage
 from support.s3server import RcloneS3
 
 from offload import AsyncClient, File
+from offload.eventloop import within
 from offload.files import REF_KEY, field_name, references_in
 from offload.queue.keyspace import new_job_id
 from offload.queue.store import QueueStore
@@ -174,7 +175,7 @@ async def test_cancelled_upload_leaves_nothing(client: AsyncClient, s3: RcloneS3
 
     store = await client.store()
     task = asyncio.create_task(client.enqueue("bad", {"f": File(io.BufferedReader(Slow()))}))
-    await asyncio.wait_for(started.wait(), 10)
+    await within(started.wait(), 10)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

@@ -22,6 +22,7 @@ from support.servers import closed_port
 from offload import AsyncClient, File
 from offload.config import Settings
 from offload.connection import connect
+from offload.eventloop import within
 from offload.files import REF_KEY, references_in
 from offload.queue.store import QueueStore
 from offload.storage.base import PART_BYTES
@@ -187,7 +188,7 @@ async def test_200_mib_input_reaches_the_provider_as_a_url_with_bounded_client_m
         sys.executable, "-c", UPLOADER, valkey_url, str(path), json.dumps(s3.settings(BUCKET)),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
-    out, err = await asyncio.wait_for(proc.communicate(), 300)
+    out, err = await within(proc.communicate(), 300)
     assert proc.returncode == 0, err.decode()
     report = json.loads(out)
     # What the upload adds to a warm client is bounded by a few parts whatever the file's size; the growth, not

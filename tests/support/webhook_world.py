@@ -16,6 +16,7 @@ import httpx
 
 from offload.config import Settings
 from offload.connection import connect
+from offload.eventloop import within
 from offload.models import Job, JobState
 from offload.queue.keyspace import hooks_channel
 from offload.queue.specs import JobSpec
@@ -152,7 +153,7 @@ class World:
             done, _ = await asyncio.wait([task], timeout=5)  # at the provider on purpose ends by cutting the drain
             if not done:
                 cut.set()
-            await asyncio.wait_for(task, 15)
+            await within(task, 15)
 
 
 @contextlib.contextmanager

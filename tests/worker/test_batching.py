@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from offload.eventloop import within
 from offload.queue.batching import Batcher
 
 
@@ -27,7 +28,7 @@ async def test_each_caller_gets_its_own_result_and_concurrent_calls_share_a_flus
 
 async def test_a_lone_call_is_flushed_at_once() -> None:
     batcher: Batcher[str, str] = Batcher(lambda items: _echo(items))
-    assert await asyncio.wait_for(batcher("x"), 10) == "x!"
+    assert await within(batcher("x"), 10) == "x!"
 
 
 async def _echo(items: list[str]) -> list[str]:
@@ -62,13 +63,13 @@ async def test_a_cancelled_caller_is_skipped_and_the_others_are_answered() -> No
 
     batcher: Batcher[int, int] = Batcher(flush, concurrency=1)
     blocking = asyncio.ensure_future(batcher(0))  # occupies the only flusher
-    await asyncio.wait_for(started.wait(), 10)
+    await within(started.wait(), 10)
     doomed = asyncio.ensure_future(batcher(1))
     kept = asyncio.ensure_future(batcher(2))
     await asyncio.sleep(0)
     doomed.cancel()
     gate.set()
-    assert await asyncio.wait_for(kept, 10) == 2
+    assert await within(kept, 10) == 2
     assert await blocking == 0
     with pytest.raises(asyncio.CancelledError):
         await doomed
@@ -87,4 +88,4 @@ async def test_a_caller_arriving_as_the_flusher_finishes_is_still_flushed() -> N
     async def caller() -> list[int]:
         return [await batcher(n) for n in range(5)]  # awaited directly: resumed in the flush's own pass
 
-    assert await asyncio.wait_for(caller(), 10) == list(range(5))
+    assert await within(caller(), 10) == list(range(5))

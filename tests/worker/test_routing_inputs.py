@@ -28,6 +28,7 @@ from test_worker_crash import OFFLOAD, base_env
 from test_worker_faults import enqueue, job_input, sim_call, stats, until, until_state, worker
 
 from offload.config import Settings, problems
+from offload.eventloop import within
 from offload.input_maps import MissingInput, Template
 from offload.queue import keyspace
 from offload.queue.backend_limits import route_counters
@@ -191,7 +192,7 @@ async def test_the_record_says_which_backend_ran_the_job_and_at_what_cost(
     shown = await asyncio.create_subprocess_exec(
         OFFLOAD, "status", job_id, "--json", "--url", valkey_url, stdout=PIPE, stderr=PIPE, env=base_env()
     )
-    out, err = await asyncio.wait_for(shown.communicate(), 60)
+    out, err = await within(shown.communicate(), 60)
     assert shown.returncode == 0, err.decode()
     record = json.loads(out)
     assert (record["backend"], record["cost"], record["routed"]) == ("b", 0.01, job.routed)

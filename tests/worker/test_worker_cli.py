@@ -31,6 +31,7 @@ from typer.testing import CliRunner
 
 from offload.cli.app import app
 from offload.connection import connect
+from offload.eventloop import within
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 from offload.testing.sim.config import SimConfig
@@ -365,10 +366,10 @@ async def test_the_first_failing_worker_drains_the_others_then_fails_the_process
     healthy, failing = _Loop("a"), _Loop("b", fail_after=0.05)
     stop = asyncio.Event()
     with pytest.raises(ConnectionError, match="b: Redis went away"):
-        await asyncio.wait_for(_serve_all([healthy, failing], stop), 10)  # type: ignore[list-item]
+        await within(_serve_all([healthy, failing], stop), 10)  # type: ignore[list-item]
     assert stop.is_set() and healthy.drained
     both = [_Loop("a"), _Loop("b")]
     stop = asyncio.Event()
     asyncio.get_running_loop().call_later(0.05, stop.set)
-    await asyncio.wait_for(_serve_all(both, stop), 10)  # type: ignore[arg-type]
+    await within(_serve_all(both, stop), 10)  # type: ignore[arg-type]
     assert [w.drained for w in both] == [True, True]

@@ -41,6 +41,7 @@ from support.s3server import RcloneS3
 from support.servers import HOST, ValkeyServer, free_port
 
 from offload.connection import connect
+from offload.eventloop import within
 from offload.models import Job, JobState
 from offload.queue.keyspace import prefix
 from offload.queue.specs import JobSpec
@@ -528,7 +529,7 @@ async def test_1000_jobs_4_workers_one_killed_every_second(
         )
         # the monitor's last pass reads every job's final remote id: cancelled before it, the jobs that
         # succeeded since its previous pass would look as if they never had one
-        await asyncio.wait_for(tasks[0], 30)
+        await within(tasks[0], 30)
     finally:
         for task in tasks:
             task.cancel()

@@ -33,6 +33,7 @@ from test_worker import BUCKET as BUCKET
 from offload.backoff import retry_delay_ms
 from offload.config import Settings
 from offload.connection import connect, is_outage
+from offload.eventloop import within
 from offload.models import Job
 from offload.queue.replies import Checkpointed
 from offload.queue.specs import JobSpec
@@ -223,7 +224,7 @@ async def worker(
         yield task, ready.result()
     finally:
         stop.set()
-        await asyncio.wait_for(task, 30)
+        await within(task, 30)
 
 
 @contextlib.asynccontextmanager

@@ -27,6 +27,7 @@ from support.servers import ValkeyServer
 from test_worker_crash import QUEUE, Fleet, SimProcess, job_input, result_keys, worker_env, write_config
 
 from offload.connection import connect
+from offload.eventloop import within
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 
@@ -55,7 +56,7 @@ async def maintenance(store: QueueStore) -> AsyncIterator[list[int]]:
     async def loop() -> None:
         while True:
             with contextlib.suppress(Exception):
-                reaped[0] += (await asyncio.wait_for(store.reap(QUEUE), 2))[1]
+                reaped[0] += (await within(store.reap(QUEUE), 2))[1]
             await asyncio.sleep(0.5)
 
     task = asyncio.create_task(loop())

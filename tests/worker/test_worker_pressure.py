@@ -30,6 +30,7 @@ from test_worker import settings_for, start_worker
 from test_worker_crash import QUEUE, Fleet, SimProcess, get_all, job_input, result_keys, worker_env, write_config
 
 from offload.connection import connect
+from offload.eventloop import within
 from offload.models import JobState
 from offload.queue.memory import read_memory
 from offload.queue.specs import JobSpec
@@ -258,7 +259,7 @@ async def test_a_policy_changed_during_the_start_up_pauses_the_worker_before_it_
             assert await asyncio.to_thread(_submissions, str(sim_url)) == 1
         finally:
             stop.set()
-            await asyncio.wait_for(task, 30)
+            await within(task, 30)
             await redis.aclose()
 
 

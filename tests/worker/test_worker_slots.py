@@ -28,6 +28,7 @@ from test_worker_faults import (
     worker,
 )
 
+from offload.eventloop import within
 from offload.queue import keyspace
 from offload.queue.replies import Begun, Checkpointed, Verdict
 from offload.queue.store import QueueStore
@@ -382,7 +383,7 @@ async def test_the_slot_pool_serves_in_order_and_never_loses_a_slot_to_a_cancell
     assert order == ["a"]
     pool.release()  # a gives it back: b was cancelled, so c gets it
     c.cancel()  # ... and c is cancelled before it resumes: the slot goes on to d
-    await asyncio.wait_for(asyncio.gather(a, c, d, return_exceptions=True), 5)  # a lost slot: d never runs
+    await within(asyncio.gather(a, c, d, return_exceptions=True), 5)  # a lost slot: d never runs
     assert order == ["a", "d"] and c.cancelled()
     pool.release()  # d gives it back: nobody waits, the slot is free again
     assert pool.try_take() and not pool.try_take()

@@ -24,6 +24,7 @@ from support.s3server import RcloneS3
 from test_worker_crash import QUEUE, Fleet, SimProcess, job_input, worker_env, write_config
 
 from bench.chaos.faketime import ClockFile
+from offload.eventloop import within
 from offload.models import JobState
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
@@ -149,12 +150,12 @@ async def test_the_gate_opens_on_any_answer_but_the_refusal_and_says_it_once(cap
     gate = StorageGate(probe, every_s=0.01)
     gate.refused(ClockRefused("this host's clock is 3.0 h behind"))
     assert not gate.open
-    await asyncio.wait_for(gate.wait_open(), 10)
+    await within(gate.wait_open(), 10)
     assert asked == 3 and gate.open
     assert [r.levelname for r in caplog.records if "storage" in r.getMessage()] == ["ERROR", "WARNING"]
     alone = StorageGate(every_s=0.01)
     alone.refused(ClockRefused("x"))
     assert not alone.open
-    await asyncio.wait_for(alone.wait_open(), 10)
+    await within(alone.wait_open(), 10)
     await gate.aclose()
     await alone.aclose()

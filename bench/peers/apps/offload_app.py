@@ -30,6 +30,7 @@ import orjson
 from offload import eventloop
 from offload.backends.base import RemoteResult, Submission
 from offload.connection import connect
+from offload.eventloop import within
 from offload.models import ClaimedJob
 from offload.queue.backend_limits import BackendLimits
 from offload.queue.replies import Verdict
@@ -168,7 +169,7 @@ async def work_store(concurrency: int) -> None:
                 continue
             slot.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(slot.wait(), idle if free > 0 else None)
+                await within(slot.wait(), idle if free > 0 else None)
             idle = min(idle * 2, 0.5) if not claimed else 0.02
     finally:
         for task in helpers:

@@ -147,7 +147,8 @@ class HookSender:
                 asyncio.get_running_loop().create_task(self._deliver(delivery))
             timeout = (self._heap[0][0] - now) if self._heap else None
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                async with asyncio.timeout(timeout):  # (not offload.eventloop.within: the simulator stands alone)
+                    await self._wake.wait()
 
     async def _deliver(self, d: Delivery) -> None:
         f = self.faults
@@ -168,7 +169,8 @@ class HookSender:
                 final = self._finals.get(d.job.id)
                 if final is not None:
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(final.wait(), REORDER_WAIT_S)
+                        async with asyncio.timeout(REORDER_WAIT_S):
+                            await final.wait()
             body = orjson.dumps(d.render(d.job.created))
             for _ in range(copies):
                 await self._send(d, body, message_id)
