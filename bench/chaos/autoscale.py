@@ -98,6 +98,20 @@ class Server:
             signal_group(self.proc, signal.SIGTERM)
             reap(self.proc, 20)
 
+    def graceful_stop(self, bound: float) -> tuple[int | None, float]:
+        """SIGTERM, as a deploy's restart sends: (its exit code, seconds it took); SIGKILLed past `bound` (code
+        None: a stop that does not end, as one waiting on a loop whose cancel was lost once did)."""
+        assert self.proc is not None
+        began = time.monotonic()
+        signal_group(self.proc, signal.SIGTERM)
+        try:
+            code: int | None = self.proc.wait(bound)
+        except subprocess.TimeoutExpired:
+            signal_group(self.proc, signal.SIGKILL)
+            self.proc.wait(10)
+            code = None
+        return code, round(time.monotonic() - began, 2)
+
     def call(self, method: str, path: str, body: Any = None) -> httpx.Response:
         return httpx.request(
             method, f"{self.url}{path}", json=body, timeout=30, headers={"Authorization": f"Bearer {self.admin}"}

@@ -4,7 +4,9 @@ A real `offload server` autoscales queue `gpu` with the `local` provider: its ma
 --handler bench.chaos.gpu_handler:run` processes. The queue's `overflow` backend is the simulator's RunPod API,
 served by overflow workers (`offload worker --queue gpu`). A producer enqueues bursts; meanwhile the harness
 SIGKILLs, at random, an overflow worker (restarted at once: a kill inside a submit leaves its intent open), a
-machine's worker process (the autoscaler replaces the machine), or the server (restarted on the same port).
+machine's worker process (the autoscaler replaces the machine), or the server (restarted on the same port); or
+restarts the server gracefully (SIGTERM, as a deploy does): it must exit cleanly within `STOP_BOUND_S` (a stop once
+waited forever on a loop whose cancel Python 3.11 had lost: offload/connection.py's `restore_lost_cancels`).
 
 The verdict, per job: finished (none lost, none stuck), its stored output echoes its own input (none wrong), at
 most one submission at the provider that is not a replay of the same key (none paid twice), and never run by both
@@ -39,6 +41,9 @@ RUN_S = 0.5  # a job on a machine and at the provider alike
 BURST = (20, 60)  # jobs per burst, uniform
 BURST_EVERY_S = 8.0
 MAX_ATTEMPTS = 30  # lease lapses count as attempts: every job must finish, none may go dead of the kills
+STOP_BOUND_S = 30.0  # a graceful stop: uvicorn's 3 s grace, the autoscaler's 10 s, the loops' 7 s, and room
+# uvicorn raises the SIGTERM it caught again once its shutdown is done (systemd counts that exit as clean)
+CLEAN_STOP = (0, -signal.SIGTERM)
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
@@ -58,9 +63,17 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         server.start()
         _wait(lambda: _machines(server) >= 1, 90, "the first rented machine to serve")
         overflow = [_overflow_worker(out, config, n) for n in range(2)]
-        ids, kills = _fault_phase(server, overflow, out, config, valkey.url, minutes, rng, args.kill_every or 3.0)
+        stops: list[tuple[int | None, float]] = []
+        ids, kills = _fault_phase(
+            server, overflow, out, config, valkey.url, minutes, rng, args.kill_every or 3.0, stops
+        )
         result = _check(valkey.url, sim, out, ids, _settle(valkey.url, ids, 240))
         result.update(kills=dict(kills), minutes=minutes, seed=args.seed, out=str(out))
+        result["server_stops"] = {
+            "n": len(stops),
+            "longest_s": max((took for _, took in stops), default=0.0),
+            "bad": sum(1 for code, _ in stops if code not in CLEAN_STOP),
+        }
         result["ok"] = verdict(result)
         return result
     finally:
@@ -75,15 +88,17 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def verdict(result: dict[str, Any]) -> bool:
-    """Passed only if both kinds ran jobs, kills of each kind landed, and nothing broke."""
+    """Passed only if both kinds ran jobs, kills of each kind landed, and nothing broke: no job, and no graceful
+    stop of the server (each ends cleanly within STOP_BOUND_S)."""
     happened = result["on_fleet"] > 0 and result["on_api"] > 0 and all(result["kills"].get(k) for k in KILLS)
     broken = (result["lost"] or result["stuck"] or result["wrong"] or result["dead"] or result["paid_twice"]) or result[
         "run_by_both"
     ]
+    broken = broken or result["server_stops"]["bad"]
     return bool(happened and not broken)
 
 
-KILLS = ("overflow_worker", "machine", "server")
+KILLS = ("overflow_worker", "machine", "server", "server_sigterm")
 
 
 def _operator(redis_url: str, out: Path) -> str:
@@ -181,8 +196,10 @@ def _fault_phase(
     minutes: float,
     rng: random.Random,
     kill_every: float,
+    stops: list[tuple[int | None, float]],
 ) -> tuple[list[str], Counter[str]]:
-    """Bursts of jobs and a SIGKILL about every `kill_every` seconds, for `minutes`; the ids enqueued."""
+    """Bursts of jobs and a SIGKILL (or the server's SIGTERM) about every `kill_every` seconds, for `minutes`; the
+    ids enqueued. Each graceful stop's (exit code, seconds) is appended to `stops`."""
     ids: list[str] = []
     kills: Counter[str] = Counter()
     end = time.monotonic() + minutes * 60
@@ -206,6 +223,9 @@ def _fault_phase(
                 os.kill(rng.choice(pids), signal.SIGKILL)
             elif kind == "server":
                 server.kill()
+                server.start()
+            elif kind == "server_sigterm":
+                stops.append(server.graceful_stop(STOP_BOUND_S))
                 server.start()
             kills[kind] += 1
             next_kill = now + rng.expovariate(1 / kill_every)

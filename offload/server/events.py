@@ -36,6 +36,7 @@ from offload.server.state import get_state
 log = logging.getLogger("offload.server")
 Event = tuple[str, str, dict[str, str]]  # (queue, stream id, fields)
 RESYNC: Event = ("", "", {"state": "resync"})
+STOPPING: Event = ("", "", {"state": "stopping"})  # wakes a waiting subscriber at the server's stop (never sent)
 SUBSCRIBER_BUFFER = 1000
 FOLLOW_INTERVAL_S = 2.0
 CLUSTER_POLL_S = 0.25
@@ -61,10 +62,14 @@ class Subscription:
             self.inbox.put_nowait(RESYNC)
 
     async def next(self, timeout: float) -> Event | None:
+        """The next event; None at the timeout, and at once once the server stops (`EventHub.stop_waits`)."""
+        if self.hub.stopping:
+            return None
         try:
-            return await within(self.inbox.get(), timeout)
+            event = await within(self.inbox.get(), timeout)
         except TimeoutError:
             return None
+        return None if event is STOPPING else event
 
     def close(self) -> None:
         self.hub._unsubscribe(self)
@@ -85,7 +90,26 @@ class EventHub:
         self._reader: asyncio.Task[None] | None = None
         self._starting: dict[str, asyncio.Task[None]] = {}  # per newly followed queue: its start-id lookup
         self._closed = False
+        self._stop = asyncio.Event()
         self.reads = 0  # XREAD calls made (tests count them)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def stop_waits(self) -> None:
+        """The server stops: every long poll and event stream answers now (no job, timed out, the stream's end;
+        clients come back to the next server by design) instead of being cancelled at the end of uvicorn's
+        grace, a claim perhaps between taking jobs and answering with them."""
+        self._stop.set()
+        for sub in {sub for subs in self._subs.values() for sub in subs}:
+            with contextlib.suppress(asyncio.QueueFull):  # a full inbox wakes it anyway
+                sub.inbox.put_nowait(STOPPING)
+
+    async def pause(self, seconds: float) -> None:
+        """Sleep `seconds`, or until the server stops."""
+        with contextlib.suppress(TimeoutError):
+            await within(self._stop.wait(), seconds)
 
     def subscribe(self, queues: list[str]) -> Subscription:
         sub = Subscription(self, [])
@@ -247,7 +271,7 @@ async def _stream(
                     return
             event = await sub.next(tick)
             if event is None:
-                if await request.is_disconnected():
+                if state.hub.stopping or await request.is_disconnected():
                     return
                 if follow:
                     for q in await state.store.queues():

@@ -245,7 +245,7 @@ async def wait_job(
             await still_valid(state, key)  # a key revoked meanwhile reads no more
             job = await state.store.get(job_id)
             left = deadline - time.monotonic()
-            if job.state.terminal or left <= 0:
+            if job.state.terminal or left <= 0 or state.hub.stopping:
                 view = await job_view(state, job)
                 return WaitReply(**view.model_dump(), timed_out=not job.state.terminal)
             end = time.monotonic() + min(left, 2.0)

@@ -9,7 +9,6 @@ worker key scoped to its queues.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -160,13 +159,13 @@ async def claim(request: Request, worker_id: str, body: ClaimRequest, key: Princ
     lease = state.options.worker_lease_ms
     deadline = time.monotonic() + min(body.wait, state.options.max_wait_s)
     if _draining(await state.registry.get(worker_id)):  # the autoscaler is retiring its machine: no new work
-        await asyncio.sleep(min(body.wait, state.options.max_wait_s))
+        await state.hub.pause(min(body.wait, state.options.max_wait_s))
         return ClaimReply(jobs=[])
     with state.hub.subscribe([body.queue]) as sub:
         while True:
             await still_valid(state, key)
             if not state.store_watch.safe:  # the store may evict: no new work (the server says why, loudly)
-                await asyncio.sleep(max(deadline - time.monotonic(), 0.0))
+                await state.hub.pause(max(deadline - time.monotonic(), 0.0))
                 return ClaimReply(jobs=[])
             # a GPU worker never takes a job a dispatch worker may have sent (a queue with overflow: pick.lua)
             jobs = await state.store.claim(body.queue, worker_id, body.max, lease, mode="fleet")
@@ -191,7 +190,7 @@ async def claim(request: Request, worker_id: str, body: ClaimRequest, key: Princ
                     return ClaimReply(jobs=[])
                 return ClaimReply(jobs=[_view(body.queue, j) for j in jobs])
             left = deadline - time.monotonic()
-            if left <= 0 or await request.is_disconnected():
+            if left <= 0 or state.hub.stopping or await request.is_disconnected():
                 return ClaimReply(jobs=[])
             end = time.monotonic() + min(left, 1.0)
             while (remaining := end - time.monotonic()) > 0:

@@ -16,16 +16,18 @@ import asyncio
 import contextlib
 import logging
 import re
+import socket
 import threading
 import time
 from collections.abc import Iterator
 
 import uvicorn
+from fastapi import FastAPI
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from offload.redact import hook_paths
 from offload.server.app import create_app
-from offload.server.state import ServerOptions
+from offload.server.state import ServerOptions, ServerState
 
 START_TIMEOUT = 20.0
 GRACEFUL_SHUTDOWN = 3
@@ -108,13 +110,30 @@ class _RoutineFilter(logging.Filter):
         return not (isinstance(path, str) and _ROUTINE.match(path) and isinstance(status, int) and status < 400)
 
 
-def _server(options: ServerOptions, host: str, port: int, log_level: str, access_log: bool) -> uvicorn.Server:
+class _Server(uvicorn.Server):
+    """uvicorn's server, ending the long polls and event streams as its shutdown begins: uvicorn waits for the
+    requests in flight (GRACEFUL_SHUTDOWN) and then cancels them, and a cancelled claim logged a traceback on
+    every deploy and could fall between taking jobs and answering with them."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+        super().__init__(config)
+        self.app = app
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        state: ServerState | None = getattr(self.app.state, "offload", None)
+        if state is not None:
+            state.hub.stop_waits()
+        await super().shutdown(sockets)
+
+
+def _server(options: ServerOptions, host: str, port: int, log_level: str, access_log: bool) -> _Server:
     access = logging.getLogger("uvicorn.access")
     for kind in (_HookPathFilter, _RoutineFilter):
         if not any(isinstance(f, kind) for f in access.filters):
             access.addFilter(kind())
+    app = create_app(options)
     config = uvicorn.Config(
-        create_app(options),
+        app,
         host=host,
         port=port,
         log_level=log_level,
@@ -127,7 +146,7 @@ def _server(options: ServerOptions, host: str, port: int, log_level: str, access
         lifespan="on",
         proxy_headers=False,
     )
-    return uvicorn.Server(config)
+    return _Server(config, app)
 
 
 def serve(
