@@ -175,7 +175,7 @@ class Submitter:
     ) -> Started | _Again | None:
         job = run.job
         if not self.ctx.policy.current:  # the store may evict: no new payment until it is fixed (queue/memory.py)
-            await self.ctx.policy.confirm()
+            await self.ctx.wait_ahead(job, self.ctx.policy.confirm())  # a drain hands the job back
         if job.begun and attempt == 0:  # the claim opened this intent: no verdict to read
             submission, duplicate = job.submission, False
         else:
@@ -210,7 +210,7 @@ class Submitter:
             await self.endings.cancel(run, None, unsent=closable)
             return False
         if not self.ctx.policy.current:  # again: the begin or the slot may have waited meanwhile
-            await self.ctx.policy.confirm()
+            await self.ctx.wait_ahead(run.job, self.ctx.policy.confirm())
         if self.leases.stale(run):  # only if this process stalled since its last proof of life
             await self.leases.renew()
         if self.ctx.draining:  # since the begin or the slot: not sent, its intent closed by the release

@@ -15,7 +15,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -271,60 +271,111 @@ def _submissions(sim_url: str) -> int:
     return int(httpx.get(f"{sim_url}/_sim/stats").json()["submissions"])
 
 
-async def test_jobs_already_claimed_are_not_submitted_while_the_store_may_evict(
-    own_valkey: ValkeyServer, bucket: RcloneS3, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The submit gate, in process: one submission at a time (submit_concurrency 1) to an API that answers
-    after 3 s. While the first is out the policy turns to volatile-lru; the jobs already claimed and waiting for
-    the gate are held there, unsent, and go once it is noeviction again. Each job is paid once."""
-    monkeypatch.setenv("OFFLOAD_STORE_CHECK_S", "0.1")
-    redis = await connect(own_valkey.url)
+Drainer = Callable[[], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def one_submission_at_a_time(
+    valkey: ValkeyServer, bucket: RcloneS3, submit_latency: float, grace_s: float
+) -> AsyncIterator[tuple[QueueStore, Callable[[], int], list[str], list[Worker], Drainer]]:
+    """A worker in process submitting one job at a time (submit_concurrency 1) to an API that answers after
+    `submit_latency`, four jobs enqueued; once the first is out the store's policy turns to volatile-lru. Yields
+    (the store, the submissions the API saw, the job ids, the worker once ready, a call that drains it and returns
+    when it is gone). The policy is noeviction again at the end."""
+    redis = await connect(valkey.url)
     store = QueueStore(redis)
     workers: list[Worker] = []
-    config = SimConfig.model_validate({"default": {"latency": 0.2, "submit_latency": 3.0}})
+    config = SimConfig.model_validate({"default": {"latency": 0.2, "submit_latency": submit_latency}})
     with running_sim(config) as sim_url:
-
-        def sent() -> int:
-            return int(httpx.get(f"{sim_url}/_sim/stats").json()["submissions"])
-
-        settings = settings_for(own_valkey.url, bucket, str(sim_url), "http-job", submit_concurrency=1, concurrency=4)
+        settings = settings_for(valkey.url, bucket, str(sim_url), "http-job", submit_concurrency=1, concurrency=4)
         ids = await store.enqueue_many("q", [JobSpec(input={"id": f"g-{i}"}) for i in range(4)])
-        stop, task = await start_worker(settings, on_ready=workers.append)
+        stop = asyncio.Event()
+        task = asyncio.create_task(
+            run_module.run_worker(
+                settings, "q", stop=stop, install_signals=False, grace_s=grace_s, on_ready=workers.append
+            )
+        )
+
+        async def drain() -> None:
+            stop.set()
+            await within(task, 20)
+
         try:
 
             async def first_out() -> bool:
-                return sent() == 1
+                return _submissions(str(sim_url)) == 1
 
             await seconds_until(first_out, 30, "the first submission")
-            set_config(own_valkey, "maxmemory-policy", "volatile-lru")
-
-            async def noticed() -> bool:
-                return bool(workers) and not workers[0].policy.safe
-
-            await seconds_until(noticed, 30, "the worker to notice the policy")
-
-            async def first_done() -> bool:
-                return (await store.stats("q")).counts["succeeded"] == 1
-
-            await seconds_until(first_done, 30, "the first job to finish")
-            watched = time.monotonic() + 2.0  # the gate is free: the others would go within this
-            while time.monotonic() < watched:
-                assert sent() == 1
-                await asyncio.sleep(0.1)
-            assert (await store.stats("q")).counts["active"] == 3  # claimed, held at the gate, unsent
-            set_config(own_valkey, "maxmemory-policy", "noeviction")
-
-            async def all_done() -> bool:
-                return (await store.stats("q")).counts["succeeded"] == 4
-
-            await seconds_until(all_done, 60, "the held jobs to run once the policy was fixed")
-            assert sent() == 4
-            assert all(j.attempts == 1 for j in [await store.get(i) for i in ids])
+            set_config(valkey, "maxmemory-policy", "volatile-lru")
+            yield store, lambda: _submissions(str(sim_url)), ids, workers, drain
         finally:
+            set_config(valkey, "maxmemory-policy", "noeviction")
             stop.set()
             with contextlib.suppress(Exception):
                 await task
             await redis.aclose()
+
+
+async def test_jobs_already_claimed_are_not_submitted_while_the_store_may_evict(
+    own_valkey: ValkeyServer, bucket: RcloneS3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The submit gate, in process: one submission at a time to an API that answers after 3 s. While the first is
+    out the policy turns to volatile-lru; the jobs already claimed and waiting for the gate are held there, unsent,
+    and go once it is noeviction again. Each job is paid once."""
+    monkeypatch.setenv("OFFLOAD_STORE_CHECK_S", "0.1")
+    async with one_submission_at_a_time(own_valkey, bucket, 3.0, 5.0) as (store, sent, ids, workers, _):
+
+        async def noticed() -> bool:
+            return bool(workers) and not workers[0].policy.safe
+
+        await seconds_until(noticed, 30, "the worker to notice the policy")
+
+        async def first_done() -> bool:
+            return (await store.stats("q")).counts["succeeded"] == 1
+
+        await seconds_until(first_done, 30, "the first job to finish")
+        watched = time.monotonic() + 2.0  # the gate is free: the others would go within this
+        while time.monotonic() < watched:
+            assert sent() == 1
+            await asyncio.sleep(0.1)
+        assert (await store.stats("q")).counts["active"] == 3  # claimed, held at the gate, unsent
+        set_config(own_valkey, "maxmemory-policy", "noeviction")
+
+        async def all_done() -> bool:
+            return (await store.stats("q")).counts["succeeded"] == 4
+
+        await seconds_until(all_done, 60, "the held jobs to run once the policy was fixed")
+        assert sent() == 4
+        assert all(j.attempts == 1 for j in [await store.get(i) for i in ids])
+
+
+async def test_a_drain_hands_back_at_once_the_jobs_held_by_an_evicting_store(
+    own_valkey: ValkeyServer, bucket: RcloneS3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job held before its payment by the store's eviction policy waits as one of the jobs ahead of their call:
+    a drain hands it back at once, unsent, instead of holding the worker to its grace (here 30 s) and cutting it.
+    The setting of the test above: the first job out when the policy turns; once it is done the next waits on the
+    policy (inside the gate) and the two behind it at the gate, and the worker drains."""
+    monkeypatch.setenv("OFFLOAD_STORE_CHECK_S", "0.1")
+    async with one_submission_at_a_time(own_valkey, bucket, 2.0, 30.0) as (store, sent, ids, workers, drain):
+
+        async def first_done_while_held() -> bool:
+            return bool(workers) and not workers[0].policy.safe and (await store.stats("q")).counts["succeeded"] == 1
+
+        await seconds_until(first_done_while_held, 30, "the first job to finish with the policy still unsafe")
+        ahead = workers[0].ctx.ahead
+
+        async def all_ahead() -> bool:
+            return len(ahead) == 3  # one on the policy, two at the gate
+
+        await seconds_until(all_ahead, 10, "the three jobs to wait as jobs ahead of their call")
+        began = time.monotonic()
+        await drain()
+        took = time.monotonic() - began
+        assert took < 10, took  # not the 30 s grace
+        assert sent() == 1
+        jobs = [await store.get(i) for i in ids]
+        assert [j.state for j in jobs].count(JobState.QUEUED) == 3, jobs  # back, unsent: the next worker sends
 
 
 async def test_a_worker_frozen_while_the_policy_changed_reads_it_again_before_paying(
