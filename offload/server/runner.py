@@ -22,7 +22,6 @@ import time
 from collections.abc import Iterator
 
 import uvicorn
-from fastapi import FastAPI
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from offload.redact import hook_paths
@@ -115,12 +114,8 @@ class _Server(uvicorn.Server):
     requests in flight (GRACEFUL_SHUTDOWN) and then cancels them, and a cancelled claim logged a traceback on
     every deploy and could fall between taking jobs and answering with them."""
 
-    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
-        super().__init__(config)
-        self.app = app
-
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        state: ServerState | None = getattr(self.app.state, "offload", None)
+        state: ServerState | None = getattr(getattr(self.config.app, "state", None), "offload", None)
         if state is not None:
             state.hub.stop_waits()
         await super().shutdown(sockets)
@@ -131,9 +126,8 @@ def _server(options: ServerOptions, host: str, port: int, log_level: str, access
     for kind in (_HookPathFilter, _RoutineFilter):
         if not any(isinstance(f, kind) for f in access.filters):
             access.addFilter(kind())
-    app = create_app(options)
     config = uvicorn.Config(
-        app,
+        create_app(options),
         host=host,
         port=port,
         log_level=log_level,
@@ -146,7 +140,7 @@ def _server(options: ServerOptions, host: str, port: int, log_level: str, access
         lifespan="on",
         proxy_headers=False,
     )
-    return _Server(config, app)
+    return _Server(config)
 
 
 def serve(

@@ -14,10 +14,11 @@ import secrets
 import tempfile
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
+from fastapi import FastAPI
+from support.eventually import eventually_sync
 from support.server_helpers import client, make_key, new_queue
 
 from offload.config import Settings
@@ -37,7 +38,7 @@ def test_a_stopping_server_answers_its_long_polls_at_once(valkey_url: str, caplo
     )
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
-    _until(lambda: uv.started, "the server to start")
+    eventually_sync(lambda: uv.started, 30, "the server to start", every=0.01)
     url = f"http://{HOST}:{uv.servers[0].sockets[0].getsockname()[1]}"
     worker_key = make_key(url, admin, "worker", [queue])
     with client(url, admin) as c:
@@ -65,8 +66,12 @@ def test_a_stopping_server_answers_its_long_polls_at_once(valkey_url: str, caplo
     threads = [threading.Thread(target=fn) for fn in (claim, wait, stream)]
     for t in threads:
         t.start()
-    hub = uv.app.state.offload.hub
-    _until(lambda: len({s for subs in hub._subs.values() for s in subs}) == 3, "the three long polls to wait")
+    hub = cast(FastAPI, uv.config.app).state.offload.hub
+
+    def waiting() -> bool:
+        return len({s for subs in hub._subs.values() for s in subs}) == 3
+
+    eventually_sync(waiting, 30, "the three long polls to wait", every=0.01)
     with caplog.at_level(logging.INFO):
         stop_began = time.monotonic()
         uv.should_exit = True  # what uvicorn's SIGTERM handler does
@@ -82,11 +87,3 @@ def test_a_stopping_server_answers_its_long_polls_at_once(valkey_url: str, caplo
     assert all(t < runner.GRACEFUL_SHUTDOWN for t in took.values()), took  # not ended by uvicorn's cancel
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
     assert stopped - stop_began < runner.GRACEFUL_SHUTDOWN + 10, stopped - stop_began
-
-
-def _until(done: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + 30
-    while not done():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
