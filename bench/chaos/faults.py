@@ -28,7 +28,7 @@ from typing import Any
 
 from bench.chaos.failover import Failover
 from bench.chaos.faketime import ClockFile
-from bench.chaos.procs import Sim, Valkey, WorkerSlot
+from bench.chaos.procs import Incarnation, Sim, Valkey, WorkerSlot
 from bench.chaos.proxy import FaultProxy
 from offload.caps import DAY_S, window_start_s
 
@@ -300,10 +300,13 @@ class Schedule:
             return
         slot = max(slots, key=lambda s: (leases.get(s.name, 0), self.rng.random()))
         slot.terminating = True  # claimed now, not when the drain's thread starts: no other fault stops it too
+        life = slot.current
+        if life is None:
+            return
         p = self.profile
         cut = self.rng.uniform(*p.drain_cut_after) if self.rng.random() < p.drain_cut_share else None
         cut, self._drained = (cut if self._drained else None), self._drained + 1
-        task = asyncio.create_task(self._drain_then_restart(slot, cut))
+        task = asyncio.create_task(self._drain_then_restart(slot, life, cut))
         self._drains.add(task)
         task.add_done_callback(self._drains.discard)
 
@@ -316,16 +319,17 @@ class Schedule:
                     counts[slot.name] = int(client.zcard(f"offload:{{{slot.queue}}}:owned:{worker}"))
         return counts
 
-    async def _drain_then_restart(self, slot: WorkerSlot, cut_after: float | None) -> None:
-        life = slot.current
+    async def _drain_then_restart(self, slot: WorkerSlot, life: Incarnation, cut_after: float | None) -> None:
+        """Drains the incarnation chosen: if the kill fault ended it before the drain's thread ran, nothing is
+        signalled and the drain is noted as killed (its jobs cost what a kill's do)."""
         began = time.time()
-        code, found = await asyncio.to_thread(slot.drain, cut_after)
+        code, found = await asyncio.to_thread(slot.drain, life, cut_after)
         self.note(
             "drain",
             slot.name,
-            n=life.n if life else None,
+            n=life.n,
             cut=cut_after is not None,
-            killed=bool(life and life.end == "kill"),  # the kill fault came first: not this drain's doing
+            killed=life.end == "kill",  # the kill fault came first: not this drain's doing
             code=code,
             took_s=round(time.time() - began, 2),
             handed_back=found[0] if found else None,

@@ -449,12 +449,15 @@ class WorkerSlot:
             life.ended, life.end = time.time(), f"exit:{code}"
             return code
 
-    def drain(self, cut_after: float | None = None, wait: float = 90.0) -> tuple[int | None, list[int]]:
+    def drain(
+        self, life: Incarnation, cut_after: float | None = None, wait: float = 90.0
+    ) -> tuple[int | None, list[int]]:
         """A graceful stop, as `systemctl stop` sends it: SIGTERM, then the drain runs its course; with `cut_after`
         a second SIGTERM that many seconds later, which cuts it (an impatient operator); SIGKILL only if the process
         is still there after `wait`. Returns the exit code and what the worker said it found when its drain began
-        ([jobs waiting handed back, submit calls out], empty if it did not say)."""
-        if self.proc is None or (life := self.current) is None:
+        ([jobs waiting handed back, submit calls out], empty if it did not say). Only `life` is drained: if it has
+        ended (a SIGKILL came first), nothing is signalled."""
+        if self.proc is None or self.current is not life:
             return None, []
         with self._marks:
             self.terminating = True

@@ -4,7 +4,8 @@ meanwhile: that second SIGTERM cuts the restart's drain and its 15 s grace ends 
 reports as a drain's bad exit (`drain: w1#4 exited -9 after 8.22 s`, a CI-sized run on a loaded machine). And the
 fault phase's end continues a worker a stop fault left stopped before it waits for the drains: a stopped worker's
 drain never ends (`drain: w2#5 exited -9 after 90.0 s`, a CI run whose last SIGSTOP hit a draining worker). And the
-watchdog never records a kill of the harness's own as a worker's exit."""
+watchdog never records a kill of the harness's own as a worker's exit, and a drain whose worker the kill fault
+ended first is the kill's."""
 
 from __future__ import annotations
 
@@ -16,13 +17,16 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
 from support.eventually import eventually
 
+from bench.chaos.checker import drains as drains_verdict
 from bench.chaos.faketime import ClockFile
 from bench.chaos.faults import Profile, Schedule
 from bench.chaos.procs import Incarnation, WorkerSlot
+from bench.chaos.rundata import Evidence
 from bench.chaos.settle import Settle
 from offload.connection import connect
 from offload.eventloop import within
@@ -55,9 +59,11 @@ class Slot:
         self.stops.append("terminate")
         assert self.exited.wait(10)
 
-    def drain(self, cut_after: float | None = None, wait: float = 90.0) -> tuple[int, list[int]]:
+    def drain(self, life: Life, cut_after: float | None = None, wait: float = 90.0) -> tuple[int | None, list[int]]:
         """Ends (exit 0) once the worker runs: at once if never stopped, after its SIGCONT if a stop fault came
-        (within 10 s: the real drain SIGKILLs a worker still there after its wait)."""
+        (within 10 s: the real drain SIGKILLs a worker still there after its wait); nothing if `life` has ended."""
+        if self.current is not life:
+            return None, []
         self.terminating = True
         self.stops.append("drain")
         if self.was_stopped.is_set() and not self.continued.wait(10):
@@ -142,10 +148,10 @@ async def test_the_fault_phase_ends_by_continuing_a_stopped_draining_worker(tmp_
     schedule = schedule_of(Profile(lease_ms=60_000), slot, store)  # the stop fault sleeps past the phase's end
     blocked, real_drain = threading.Event(), slot.drain
 
-    def drain(cut_after: float | None = None, wait: float = 90.0) -> tuple[int, list[int]]:
+    def drain(life: Life, cut_after: float | None = None, wait: float = 90.0) -> tuple[int | None, list[int]]:
         blocked.set()
         assert slot.was_stopped.wait(10)  # the stop fault comes while this drain runs
-        return real_drain(cut_after, wait)
+        return real_drain(life, cut_after, wait)
 
     slot.drain = drain  # type: ignore[method-assign]
     await schedule._drain()
@@ -157,6 +163,28 @@ async def test_the_fault_phase_ends_by_continuing_a_stopped_draining_worker(tmp_
     schedule._tasks[-1].cancel()
     drains = [e for e in schedule.timeline if e["kind"] == "drain"]
     assert [e["code"] for e in drains] == [0], drains  # continued, then drained: not SIGKILLed after its wait
+
+
+async def test_a_kill_between_a_drains_pick_and_its_signal_is_the_kills_not_a_bad_exit(tmp_path: Path) -> None:
+    """Found by a CI-sized run on a loaded machine (`drain: w2#None exited None after 0.03 s`): the kill fault
+    SIGKILLed the worker a drain had just picked, before the drain's thread ran. The drain signals nothing then and
+    is noted as killed, whose jobs cost what a kill's do; and it never drains the worker restarted meanwhile."""
+    slot = Slot("w1", tmp_path)
+    store = SlowStore()
+    store.up.set()
+    schedule = schedule_of(Profile(), slot, store)
+    picked = slot.current
+    assert picked is not None
+    await schedule._drain()  # picked, its thread not yet run
+    picked.end = "kill"  # the kill fault, then its restart
+    slot.start()
+    await asyncio.gather(*schedule._drains)
+    drains = [e for e in schedule.timeline if e["kind"] == "drain"]
+    assert [(e["n"], e["code"], e["killed"]) for e in drains] == [(1, None, True)], drains
+    assert slot.stops == [], slot.stops  # the restarted worker was not drained
+    findings: list[str] = []
+    evidence = SimpleNamespace(d=SimpleNamespace(timeline=schedule.timeline), find=findings.append)
+    assert drains_verdict(cast(Evidence, evidence))["drains"]["bad_exits"] == 0 and findings == [], findings
 
 
 class KilledWhilePolled:
