@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make `bench` importable
+from bench import web
 from bench.http_enqueue import free_port, start_server, wait_ready
 from bench.queue_throughput import start_valkey
 
@@ -64,14 +65,14 @@ async def hostile(url: str, pid: int, admin: str, mib: float) -> dict[str, Any]:
 
     async def watch_health() -> None:
         nonlocal slowest
-        async with httpx.AsyncClient(timeout=120) as c:
+        async with web.async_client(timeout=120) as c:
             while not done.is_set():
                 t0 = time.perf_counter()
                 await c.get(f"{url}/healthz")
                 slowest = max(slowest, time.perf_counter() - t0)
                 await asyncio.sleep(0.05)
 
-    async with httpx.AsyncClient(timeout=120) as client:
+    async with web.async_client(timeout=120) as client:
         producer = await make_key(client, url, admin, "producer", QUEUE)
         other_worker = await make_key(client, url, admin, "worker", OTHER)
         watcher = asyncio.create_task(watch_health())

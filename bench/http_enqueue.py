@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make `bench` importable
+from bench import web
 from bench.queue_throughput import start_valkey
 
 QUEUE = "bench-http"
@@ -71,7 +72,7 @@ def start_server(port: int, max_batch: int, workdir: str, env: dict[str, str]) -
 
 async def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
-    async with httpx.AsyncClient() as client:
+    async with web.async_client() as client:
         while True:
             if proc.poll() is not None:
                 raise SystemExit(f"offload server exited with {proc.returncode}")
@@ -104,7 +105,7 @@ async def batched(url: str, key: str, jobs: int, batch: int, clients: int) -> fl
             assert r.status_code == 201, (r.status_code, r.text[:300])
             done += len(r.json()["ids"])
 
-    async with httpx.AsyncClient(timeout=60) as client:
+    async with web.async_client(timeout=60) as client:
         t0 = time.perf_counter()
         await asyncio.gather(*(client_loop(client) for _ in range(clients)))
         elapsed = time.perf_counter() - t0
@@ -115,7 +116,7 @@ async def batched(url: str, key: str, jobs: int, batch: int, clients: int) -> fl
 async def singles(url: str, key: str, n: int) -> list[float]:
     headers = {"Authorization": f"Bearer {key}"}
     latencies = []
-    async with httpx.AsyncClient(timeout=30) as client:
+    async with web.async_client(timeout=30) as client:
         for i in range(n):
             t0 = time.perf_counter()
             r = await client.post(f"{url}/v1/queues/{QUEUE}/jobs", json={"input": {"single": i}}, headers=headers)

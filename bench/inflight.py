@@ -46,6 +46,7 @@ from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make `bench` importable
+from bench import web
 from bench.processes import Processes, ProcStats, start_sim, start_valkey
 from bench.tutorial_worker import run_tutorial
 
@@ -150,7 +151,7 @@ def timeline(samples: list[Sample], every: float = 5.0) -> str:
 
 def sim_counts(sim_url: str) -> tuple[int, int, int]:
     """(submissions, inputs submitted more than once, polls) the simulator has seen so far."""
-    stats = httpx.get(f"{sim_url}/_sim/stats", timeout=30).json()
+    stats = web.get(f"{sim_url}/_sim/stats", timeout=30).json()
     return stats["submissions"], len(stats["duplicate_input_ids"]), stats["requests"].get("jobs.status", 0)
 
 

@@ -20,8 +20,9 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
 import redis
+
+from bench import web
 
 try:
     import psutil
@@ -192,7 +193,7 @@ def start_sim(procs: Processes, latency: float) -> tuple[str, subprocess.Popen[b
         ],
     )
     url = f"http://{HOST}:{port}"
-    wait_until(lambda: httpx.get(f"{url}/_sim/health", timeout=1).status_code == 200, proc, "simulator", procs, "sim")
+    wait_until(lambda: web.get(f"{url}/_sim/health", timeout=1).status_code == 200, proc, "simulator", procs, "sim")
     return url, proc
 
 

@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-import httpx
 from redis.asyncio import Redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make `bench` importable
+from bench import web
 from bench.processes import HOST, Processes, free_port, run_in_workdir, start_valkey, wait_until
 from bench.webhooks import percentile
 from offload.client import AsyncClient
@@ -197,7 +197,7 @@ async def run_setup(
     config = write_config(workdir, setup, params, redis_url, concurrency)
     if (problem := config_problem(config)) is not None:
         raise SystemExit(f"{setup.name}: the config is refused: {problem}")
-    sim = httpx.AsyncClient(base_url=params.sim_url, timeout=60)
+    sim = web.async_client(base_url=params.sim_url, timeout=60)
     redis = await connect(redis_url)
     await cast(Redis, redis).flushdb()  # a fresh store: no jobs, no measured run times from the last setup
     (await sim.post("/_sim/reset")).raise_for_status()
@@ -348,7 +348,7 @@ async def main_async(args: argparse.Namespace, workdir: Path) -> list[Outcome]:
             [sys.executable, "-m", "offload", "sim", "serve", "--host", HOST, "--port", str(port),
              "--config", str(sim_config(workdir, params)), "--log-level", "warning"],
         )  # fmt: skip
-        ready = lambda: httpx.get(f"{params.sim_url}/_sim/health", timeout=1).status_code == 200  # noqa: E731
+        ready = lambda: web.get(f"{params.sim_url}/_sim/health", timeout=1).status_code == 200  # noqa: E731
         wait_until(ready, sim, "simulator", procs, "sim")
         outcomes = []
         for name in args.setups:

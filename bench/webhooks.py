@@ -33,6 +33,7 @@ import httpx
 from redis.asyncio import Redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make `bench` importable
+from bench import web
 from bench.processes import HOST, Processes, ProcStats, free_port, run_in_workdir, start_valkey, wait_until
 from offload.connection import connect
 from offload.models import JobState
@@ -97,7 +98,7 @@ async def run_once(
 ) -> tuple[list[float], float, float | None]:
     """(latencies in ms, provider calls per job, the server's CPU ms per delivery or None without a server) of
     one run of `jobs` jobs all in flight."""
-    sim = httpx.AsyncClient(base_url=sim_url, timeout=60)
+    sim = web.async_client(base_url=sim_url, timeout=60)
     (await sim.post("/_sim/reset")).raise_for_status()
     (await sim.post("/_sim/webhooks", json={"replicate_secret": SECRET})).raise_for_status()
     config = write_config(workdir, name, redis_url, sim_url, public, jobs)
@@ -112,7 +113,7 @@ async def run_once(
             offload("server", "--config", str(config), "--host", HOST, "--port", port, "--no-access-log",
                     "--log-level", "warning"),
         )  # fmt: skip
-        wait_until(lambda: httpx.get(f"{public}/healthz").status_code == 200, server, "server", procs, f"server-{name}")
+        wait_until(lambda: web.get(f"{public}/healthz").status_code == 200, server, "server", procs, f"server-{name}")
     worker = procs.start(
         f"worker-{name}",
         offload("worker", "--queue", QUEUE, "--config", str(config), "--concurrency", str(jobs), "--grace", "2",
@@ -202,7 +203,7 @@ async def main_async(args: argparse.Namespace, workdir: Path) -> dict[str, float
                     "--log-level", "warning"),
         )  # fmt: skip
         sim_url = f"http://{HOST}:{port}"
-        wait_until(lambda: httpx.get(f"{sim_url}/_sim/health").status_code == 200, sim, "simulator", procs, "sim")
+        wait_until(lambda: web.get(f"{sim_url}/_sim/health").status_code == 200, sim, "simulator", procs, "sim")
         public = f"http://{HOST}:{free_port()}"
         poll, poll_calls, _ = await run_once(procs, workdir, "poll", redis_url, sim_url, None, args.jobs, args.latency)
         hook, hook_calls, server_ms = await run_once(

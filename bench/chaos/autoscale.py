@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 import yaml
 
+from bench import web
 from bench.chaos.hostile_admin import Attacker, Listener
 from bench.chaos.procs import HOST, OFFLOAD, Sim, Valkey, base_env, free_port, reap, signal_group, spawn
 from offload.access.api_keys import check_admin_key
@@ -83,7 +84,7 @@ class Server:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and self.proc.poll() is None:
             with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                if web.get(f"{self.url}/healthz", timeout=1).status_code == 200:
                     return
             time.sleep(0.1)
         raise RuntimeError(f"offload server did not start; see {self.out}")
@@ -113,7 +114,7 @@ class Server:
         return code, round(time.monotonic() - began, 2)
 
     def call(self, method: str, path: str, body: Any = None) -> httpx.Response:
-        return httpx.request(
+        return web.request(
             method, f"{self.url}{path}", json=body, timeout=30, headers={"Authorization": f"Bearer {self.admin}"}
         )
 

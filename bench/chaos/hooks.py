@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from bench import web
 from bench.chaos.faults import Profile
 from bench.chaos.procs import HOST, OFFLOAD, free_port, reap, signal_group, spawn
 
@@ -59,7 +60,7 @@ class Server:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and self.proc.poll() is None:
             with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                if web.get(f"{self.url}/healthz", timeout=1).status_code == 200:
                     return self
             time.sleep(0.1)
         raise RuntimeError(f"offload server did not start; see {self.out / 'server.log'}")

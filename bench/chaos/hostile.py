@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from bench import web
 from offload.server.state import ServerOptions
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ class Hostile:
         statuses: list[int] = []
         valid: list[int] = []
         counted: list[float] = []  # when each bad key was answered 401 or 429 (the server counted it)
-        async with httpx.AsyncClient(base_url=self.url, timeout=30) as c:
+        async with web.async_client(base_url=self.url, timeout=30) as c:
             for _ in range(BURST):
                 with contextlib.suppress(httpx.HTTPError):
                     statuses.append((await c.get("/v1/queues", headers={"Authorization": f"Bearer {bad}"})).status_code)
@@ -87,7 +88,7 @@ class Hostile:
 
     async def _producer_key(self) -> str:
         if not hasattr(self, "_key"):
-            async with httpx.AsyncClient(base_url=self.url, timeout=30) as c:
+            async with web.async_client(base_url=self.url, timeout=30) as c:
                 for _ in range(30):  # a key the replica lacks is refused with 503 (durability): made again
                     r = await c.post(
                         "/v1/keys",

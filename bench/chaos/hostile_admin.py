@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from bench import web
 from bench.chaos.procs import HOST
 
 
@@ -116,7 +117,7 @@ class Attacker:
     def machine_round(self, server: str, worker_key: str, machines: list[tuple[str, str]]) -> None:
         """Register as each (instance id, its token) the wrong ways, then the right one."""
         headers = {"Authorization": f"Bearer {worker_key}"}
-        with httpx.Client(base_url=server, headers=headers, timeout=30) as c:
+        with web.client(base_url=server, headers=headers, timeout=30) as c:
             for i, (inst, token) in enumerate(machines):
                 other = machines[(i + 1) % len(machines)][1] if len(machines) > 1 else "x" + token[1:]
                 for body in (

@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 import redis
 
+from bench import web
 from bench.chaos.faketime import ClockFile
 
 HOST = "127.0.0.1"
@@ -221,7 +222,7 @@ class S3:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and self.proc.poll() is None:
             try:
-                httpx.get(self.url, timeout=0.5)
+                web.get(self.url, timeout=0.5)
                 break
             except httpx.TransportError:
                 time.sleep(0.05)
@@ -290,18 +291,18 @@ class Sim:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and self.proc.poll() is None:
             with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{self.url}/_sim/health", timeout=1).status_code == 200:
+                if web.get(f"{self.url}/_sim/health", timeout=1).status_code == 200:
                     return self
             time.sleep(0.05)
         raise RuntimeError(f"the simulator did not start; see {self.dir / 'sim.log'}")
 
     def post(self, path: str, body: Any) -> Any:
-        response = httpx.post(f"{self.url}{path}", json=body, timeout=30)
+        response = web.post(f"{self.url}{path}", json=body, timeout=30)
         response.raise_for_status()
         return response.json()
 
     def get(self, path: str, **params: Any) -> Any:
-        response = httpx.get(f"{self.url}{path}", params=params, timeout=120)
+        response = web.get(f"{self.url}{path}", params=params, timeout=120)
         response.raise_for_status()
         return response.json()
 

@@ -10,9 +10,9 @@ from collections.abc import Callable, Sized
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
-import httpx
 import redis
 
+from bench import web
 from bench.peers.harness import OFFLOAD_GPU_QUEUE, POLL, Bench, Proc, merge_problems
 from bench.peers.sessions import offload_serving
 from bench.peers.systems import System
@@ -100,7 +100,7 @@ def crash_offload(bench: Bench, db: int, crash: Crash, kill_after: float) -> Cra
     tag = f"crash{os.getpid()}-{time.time_ns()}"
 
     def submissions() -> dict[str, int]:
-        by_id: dict[str, int] = httpx.get(f"{sim_url}/_sim/stats", timeout=10).json()["submissions_by_input_id"]
+        by_id: dict[str, int] = web.get(f"{sim_url}/_sim/stats", timeout=10).json()["submissions_by_input_id"]
         return {k.rsplit("-", 1)[1]: v for k, v in by_id.items() if k.startswith(tag)}
 
     succeeded_key = prefix(OFFLOAD_GPU_QUEUE) + "succeeded"

@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import redis
 
+from bench import web
 from bench.peers import offload_hooks
 from bench.peers.systems import APPS, System
 
@@ -223,7 +223,7 @@ class Bench:
                 None,
             )
             url = f"http://{HOST}:{port}"
-            self._wait(lambda: httpx.get(f"{url}/_sim/health", timeout=1).status_code == 200, proc, "simulator")
+            self._wait(lambda: web.get(f"{url}/_sim/health", timeout=1).status_code == 200, proc, "simulator")
             self.sims[latency] = (proc, url)
         return self.sims[latency][1]
 
@@ -297,7 +297,7 @@ class Bench:
         """The real `offload server` on `port` (the config's public URL), answering /healthz."""
         proc = self.start(offload_hooks.server_argv(config, port), f"offload-{tag}-server", None)
         url = f"http://{HOST}:{port}/healthz"
-        self._wait(lambda: httpx.get(url, timeout=1).status_code == 200, proc, "offload server")
+        self._wait(lambda: web.get(url, timeout=1).status_code == 200, proc, "offload server")
         return proc
 
     def offload_worker(self, config: Path, concurrency: int, tag: str) -> Proc:

@@ -9,9 +9,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import httpx
 import redis
 
+from bench import web
 from bench.peers import offload_hooks
 from bench.peers.harness import HOST, OFFLOAD_GPU_QUEUE, POLL, Bench, Proc, Usage, free_port, merge_problems
 from bench.peers.systems import OFFLOAD_WEBHOOKS, System
@@ -204,7 +204,7 @@ def offload_gpu_session(
     run = Run(OFFLOAD_WEBHOOKS if webhooks else "offload", "gpu", rep, n, concurrency)
     server: Proc | None = None
     if webhooks:
-        httpx.post(f"{sim_url}/_sim/webhooks", json={"replicate_secret": offload_hooks.SECRET}).raise_for_status()
+        web.post(f"{sim_url}/_sim/webhooks", json={"replicate_secret": offload_hooks.SECRET}).raise_for_status()
         port = free_port()
         config = bench.offload_config(db, sim_url, concurrency, tag, f"http://{HOST}:{port}")
         try:

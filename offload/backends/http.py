@@ -17,10 +17,8 @@ answer, which is the provider's own.
 
 from __future__ import annotations
 
-import functools
 import logging
 import re
-import ssl
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
@@ -32,7 +30,7 @@ import orjson
 from offload.backends.base import BackendError, Fatal, NotFound, Throttled, TooLarge, Transient
 from offload.backends.settings import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_TIMEOUT
 from offload.backends.transport import ACCEPT_ENCODING, AiohttpTransport, bounded_response, fast_path, read_bounded
-from offload.http_client import make_client
+from offload.http_client import make_client, tls_context
 from offload.redact import bare_url, excerpt  # the one redaction path (offload/redact.py)
 
 log = logging.getLogger("offload.backends")
@@ -70,7 +68,9 @@ def new_client(
     shared by several backends. `agent`: the User-Agent of every request (default `user_agent()`). `per_host`:
     at most this many connections to any one host as well (0: only the total). `egress`: for URLs a provider or
     an input named, every connection obeys offload.egress (the request's FilePolicy)."""
-    transport = AiohttpTransport(max_connections=max_connections, ssl_context=_tls(), per_host=per_host, egress=egress)
+    transport = AiohttpTransport(
+        max_connections=max_connections, ssl_context=tls_context(), per_host=per_host, egress=egress
+    )
     return make_client(
         "backend",
         timeout=timeout,
@@ -78,13 +78,6 @@ def new_client(
         follow_redirects=False,
         headers={"User-Agent": agent or user_agent()},
     )
-
-
-@functools.cache
-def _tls() -> ssl.SSLContext:
-    """One verifying TLS context per process: building one loads the CA bundle, which would otherwise be paid by
-    every backend that makes its own client (docs/explanation/performance.md, *HTTP transport*)."""
-    return httpx.create_ssl_context()
 
 
 def retry_after(response: httpx.Response, now: datetime | None = None) -> float | None:

@@ -14,7 +14,6 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import httpx
 import orjson
 import pytest
 from support.admin_redis import AdminRedis, redis_admin
@@ -23,6 +22,7 @@ from support.eventually import eventually
 from support.server_helpers import server
 from support.servers import ValkeyServer, free_port
 
+from bench import web
 from offload.access.api_keys import KeyStore
 from offload.autoscale.credentials import Credentials
 from offload.autoscale.deploy import Deployment, script
@@ -164,7 +164,7 @@ async def test_local_provider_deploys_a_branch_from_git_and_its_jobs_succeed(
             assert workdir.parent.parent.parent == deploy_dir and workdir.name == "app"  # <dir>/<label>/repo/app
 
             async def torn_down() -> bool:
-                async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {admin}"}) as api:
+                async with web.async_client(base_url=url, headers={"Authorization": f"Bearer {admin}"}) as api:
                     rows = (await api.get("/v1/autoscale/status")).json()["instances"]
                 return bool(rows) and all(row["status"] == "terminated" for row in rows)
 
@@ -338,7 +338,7 @@ async def test_the_api_refuses_commands_that_would_run_on_this_host(
     admin = "admin-" + secrets.token_hex(16)
     deployment = {"git_url": "https://github.com/example/models.git", "handler": "app:run"}
     with server(valkey.url, {"kind": "local", "path": str(tmp_path)}, admin_key=admin) as (url, _):
-        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {admin}"}) as api:
+        async with web.async_client(base_url=url, headers={"Authorization": f"Bearer {admin}"}) as api:
             base = {"enabled": True, "max_workers": 1, "deployment": deployment}
             res = await api.put("/v1/autoscale/queues/gpu", json={**base, "provider": "here"})
             assert res.status_code == 403

@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from support.admin_redis import AdminRedis, redis_admin
 from support.autoscale_helpers import VAULT_KEY, local_fleet, put_worker, sim_call, worker_token
@@ -20,6 +19,7 @@ from support.eventually import eventually
 from support.server_helpers import server
 from support.servers import ValkeyServer, free_port
 
+from bench import web
 from offload.access.api_keys import KeyStore
 from offload.autoscale.providers.vastai import VastConfig, VastProvider
 from offload.autoscale.scaler import Autoscaler
@@ -81,7 +81,7 @@ async def _local_end_to_end(r: AdminRedis, valkey: ValkeyServer, tmp_path: Path,
     )
     admin = "admin-" + secrets.token_hex(16)
     with server(valkey.url, settings=settings, port=port, admin_key=admin, worker_lease_ms=1500, max_wait_s=1):
-        api = httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {admin}"}, timeout=10)
+        api = web.async_client(base_url=url, headers={"Authorization": f"Bearer {admin}"}, timeout=10)
         store = QueueStore(r)
         ids = await store.enqueue_many(queue, [JobSpec(input={"n": i}) for i in range(5)])
 
@@ -228,8 +228,8 @@ async def test_autoscale_api(
     _, viewer = await KeyStore(r).create("viewer", [], "dashboards")
     with server(valkey.url, {"kind": "local", "path": str(tmp_path)}, admin_key=admin) as (url, _):
         async with (
-            httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {admin}"}) as api,
-            httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {viewer}"}) as view,
+            web.async_client(base_url=url, headers={"Authorization": f"Bearer {admin}"}) as api,
+            web.async_client(base_url=url, headers={"Authorization": f"Bearer {viewer}"}) as view,
         ):
             body = {"name": "gpu-runpod", "type": "runpod", "config": {"api_key": "rpa_abcdefghijkl1234"}}
             assert (await view.post("/v1/autoscale/providers", json=body)).status_code == 403

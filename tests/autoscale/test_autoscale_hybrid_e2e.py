@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import yaml
 from support.admin_redis import AdminRedis, redis_admin
@@ -21,6 +20,7 @@ from support.servers import ValkeyServer, free_port
 from test_worker import BACKENDS
 from test_worker_crash import OFFLOAD, READY_LINE, base_env, spawn, stop
 
+from bench import web
 from offload.config import Settings
 from offload.connection import connect
 from offload.models import JobState
@@ -89,7 +89,7 @@ async def _burst(r: AdminRedis, valkey: ValkeyServer, tmp_path: Path, sim: str, 
     admin = "admin-" + secrets.token_hex(16)
     store = QueueStore(r)
     with server(valkey.url, settings=Settings.model_validate(data), port=port, admin_key=admin, max_wait_s=1):
-        api = httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {admin}"}, timeout=10)
+        api = web.async_client(base_url=url, headers={"Authorization": f"Bearer {admin}"}, timeout=10)
 
         async def fleet_ready() -> bool:
             return any(w.get("instance_id") for w in (await api.get("/v1/workers")).json())
@@ -133,6 +133,6 @@ async def _done(store: QueueStore, ids: list[str]) -> bool:
 
 
 async def _submissions(sim: str) -> list[dict[str, Any]]:
-    async with httpx.AsyncClient(base_url=sim, timeout=10) as http:
+    async with web.async_client(base_url=sim, timeout=10) as http:
         page = (await http.get("/_sim/submissions", params={"limit": 1000})).json()
     return list(page["submissions"])

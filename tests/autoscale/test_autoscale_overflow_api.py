@@ -14,6 +14,7 @@ from support.autoscale_helpers import VAULT_KEY
 from support.server_helpers import server
 from support.servers import ValkeyServer
 
+from bench import web
 from offload.config import Settings
 
 FLEET = {"enabled": True, "provider": "dry", "max_workers": 2}
@@ -41,7 +42,7 @@ async def test_an_api_block_names_the_overflow_offload_yaml_names(
     monkeypatch.setenv("OFFLOAD_AUTOSCALER", "off")
     admin = "admin-" + secrets.token_hex(16)
     with server(valkey.url, settings=_settings(tmp_path, valkey), admin_key=admin) as (url, _):
-        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {admin}"}) as api:
+        async with web.async_client(base_url=url, headers={"Authorization": f"Bearer {admin}"}) as api:
             made = await api.post("/v1/autoscale/providers", json={"name": "dry", "type": "mock", "config": {}})
             assert made.status_code == 201, made.text
 

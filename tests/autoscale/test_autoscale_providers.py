@@ -4,10 +4,10 @@ fallback, and the `offload-` label guard."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 from support.autoscale_helpers import sim_call
 
+from bench import web
 from offload.autoscale.providers import LaunchSpec, MachineState, NotOurs, OutOfCapacity, ProviderError
 from offload.autoscale.providers.runpod import RunPodConfig, RunPodProvider
 from offload.autoscale.providers.vastai import VastConfig, VastProvider
@@ -50,7 +50,7 @@ async def test_runpod_rest_preference_list_out_of_stock_and_label_guard() -> Non
         assert m.raw["gpu"]["id"] == "NVIDIA RTX A5000"  # the first choice was out of stock
         assert m.price_per_hour == pytest.approx(0.36) and m.state == MachineState.RUNNING
         # a hand-made pod in the same account: never listed, never destroyed
-        async with httpx.AsyncClient(base_url=url, headers={"Authorization": "Bearer k"}) as c:
+        async with web.async_client(base_url=url, headers={"Authorization": "Bearer k"}) as c:
             foreign = (
                 await c.post("/v2/pods", json={"name": "prod-db", "image": "x", "gpu": {"id": "NVIDIA RTX A5000"}})
             ).json()["id"]

@@ -28,6 +28,7 @@ from support.procs import die_with_parent
 from support.server_helpers import client, direct_key
 from support.servers import ValkeyServer, free_port
 
+from bench import web
 from offload.autoscale.provider_store import ProviderStore
 from offload.autoscale.vault import Vault
 from offload.connection import connect
@@ -76,7 +77,7 @@ def offload_server(name: str, config: Path, redis_url: str, admin: str, tmp: Pat
         def up() -> bool:
             assert proc.poll() is None, (tmp / f"{name}.log").read_text()
             try:
-                return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
+                return web.get(f"{url}/healthz", timeout=2).status_code == 200
             except httpx.TransportError:
                 return False
 

@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import orjson
 import pytest
 import yaml
@@ -17,6 +16,7 @@ from support.server_helpers import new_queue, server
 from support.servers import ValkeyServer
 from typer.testing import CliRunner
 
+from bench import web
 from offload.caps import CapLimits, reached
 from offload.cli.app import app
 from offload.queue.store import QueueStore
@@ -56,7 +56,7 @@ def submit(redis_url: str, queue: str, n: int, *, job_cap: int | None, spend_cap
 def capped(api: tuple[str, str], valkey: ValkeyServer) -> dict[str, list[str]]:
     """Five jobs per queue; two of each capped queue submitted (its cap now reached), one of the open queue."""
     url, boot = api
-    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {boot}"}) as admin:
+    with web.client(base_url=url, headers={"Authorization": f"Bearer {boot}"}) as admin:
         ids = {q: enqueue(admin, q, *range(5)) for q in (JOBS_CAPPED, SPEND_CAPPED, OPEN)}
     submit(valkey.url, JOBS_CAPPED, 2, job_cap=2, spend_cap=None)
     submit(valkey.url, SPEND_CAPPED, 2, job_cap=None, spend_cap=2.5)
@@ -74,7 +74,7 @@ def test_the_rule_is_the_scripts_rule() -> None:
 
 def test_api_says_capped_and_which_cap(api: tuple[str, str], capped: dict[str, list[str]]) -> None:
     url, boot = api
-    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {boot}"}) as admin:
+    with web.client(base_url=url, headers={"Authorization": f"Bearer {boot}"}) as admin:
         views = {v["queue"]: v for v in admin.get("/v1/queues").json()}
         assert (views[JOBS_CAPPED]["status"], views[JOBS_CAPPED]["capped"]) == ("capped", "jobs")
         assert (views[SPEND_CAPPED]["status"], views[SPEND_CAPPED]["capped"]) == ("capped", "spend")

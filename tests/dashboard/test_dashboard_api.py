@@ -9,11 +9,11 @@ import secrets
 import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
 from support.server_helpers import client, make_key, new_queue, server
 from support.servers import ValkeyServer
 
+from bench import web
 from offload.connection import connect
 from offload.queue.store import QueueStore
 
@@ -147,7 +147,7 @@ def test_the_dashboard_never_gets_a_key_from_the_url(api: tuple[str, str]) -> No
     """The API reads keys from headers only: a key in the query string (what an EventSource would need) is
     ignored, so the dashboard's fetch()-based event stream is the only way in."""
     url, boot = api
-    with httpx.Client(base_url=url, timeout=10) as anon:
+    with web.client(base_url=url, timeout=10) as anon:
         for params in ({"token": boot}, {"api_key": boot}, {"key": boot}, {"access_token": boot}):
             assert anon.get("/v1/dashboard/whoami", params=params).status_code == 401
             with anon.stream("GET", "/v1/events", params=params) as r:

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from playwright.sync_api import Page, expect
 from support.dashboard_helpers import go, save_screenshot, sign_in
@@ -19,6 +18,8 @@ from support.eventually import eventually_sync
 from support.fleet_spend import autoscaling_server, rent
 from support.server_helpers import client, make_key, new_queue
 from support.servers import ValkeyServer
+
+from bench import web
 
 pytestmark = pytest.mark.xdist_group("dashboard-autoscale")
 RAW_SECRET = "rpa_" + secrets.token_hex(12) + "WXYZ"
@@ -114,7 +115,7 @@ def test_viewer_only_looks(api: tuple[str, str], rented: dict[str, Any], page: P
         rented["id"],
     )
     assert status == 403
-    with httpx.Client(base_url=api[0], headers={"Authorization": f"Bearer {viewer}"}) as v:
+    with web.client(base_url=api[0], headers={"Authorization": f"Bearer {viewer}"}) as v:
         assert v.get("/v1/autoscale/queues").json()[QUEUE]["autoscale"]["provider"] == MOCK
 
 

@@ -23,6 +23,7 @@ from support.fleet_spend import PRICE, autoscaling_server, rent
 from support.server_helpers import client, make_key, new_queue
 from support.servers import ValkeyServer
 
+from bench import web
 from offload.queue.store import QueueStore
 from offload.server.dashboard import ASSETS
 
@@ -260,7 +261,7 @@ def test_the_charting_library_is_served_from_the_package_under_the_csp(
     """uPlot comes from the server (no CDN), with the dashboard's CSP; the CSP still refuses inline code (so the
     checks above would see a chart that needed it)."""
     base = api[0]
-    with httpx.Client(base_url=base) as http:
+    with web.client(base_url=base) as http:
         js = http.get("/ui/vendor/uPlot.iife.min.js")
         assert js.status_code == 200 and js.headers["content-type"].startswith("text/javascript")
         assert js.text.startswith("/*! https://github.com/leeoniya/uPlot (v1.6.32) */")

@@ -21,13 +21,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypedDict, TypeVar
 
-import httpx
 import pytest
 from support.eventually import eventually
 from support.server_helpers import client as http_client
 from support.server_helpers import server
 from support.servers import HOST, ValkeyCluster, ValkeyServer
 
+from bench import web
 from bench.chaos.proxy import FaultProxy
 from offload.access.api_keys import KeyStore
 from offload.client import AsyncClient, Client
@@ -317,7 +317,7 @@ async def worker(config: Settings) -> AsyncIterator[tuple[asyncio.Task[Any], Wor
 
 
 def submissions(sim: str) -> dict[str, int]:
-    stats = httpx.get(f"{sim}/_sim/stats", timeout=10).json()
+    stats = web.get(f"{sim}/_sim/stats", timeout=10).json()
     return dict(stats["submissions_by_input_id"])
 
 

@@ -34,6 +34,7 @@ from support.security_helpers import echo_server, leaks, redis_dump
 from support.server_helpers import BUCKET, client, new_queue, server
 from support.servers import ValkeyServer, free_port
 
+from bench import web
 from offload.access.api_keys import KeyStore
 from offload.autoscale.credentials import Credentials
 from offload.autoscale.provider_store import ProviderStore
@@ -346,7 +347,7 @@ def _walk_hooks(w: dict[str, Any], ops: list[tuple[str, str, Any, bool, bool]], 
     assert any("/v1/hooks/" in o[1] for o in keyless), keyless
     job_id, hook_secret = _hooked_job(w["valkey"])
     body = {"id": "attacker-run", "status": "COMPLETED", "output": {"evil": True}}
-    with httpx.Client(base_url=w["url"], headers=FORWARDED, timeout=30) as c:
+    with web.client(base_url=w["url"], headers=FORWARDED, timeout=30) as c:
         for method, path, _, _, _ in keyless:
             status, text = _call(c, method, path, body)
             out.append((f"anyone: {method} {path}", text))
@@ -419,7 +420,7 @@ def test_the_attackers_walk(world: dict[str, Any], caplog: pytest.LogCaptureFixt
     }
     assert instance_tokens, "each rental carries its machine's instance token"
 
-    spec = httpx.get(f"{url}/openapi.json").json()
+    spec = web.get(f"{url}/openapi.json").json()
     ops = operations(spec, w)
     assert len(ops) >= 40, len(ops)  # the whole API, from its own description
     victim_key_id = w["victim worker"].split("_")[1]

@@ -22,6 +22,7 @@ from support.eventually import eventually_sync
 from support.server_helpers import client, make_key, new_queue, server
 from support.servers import ValkeyServer
 
+from bench import web
 from offload.config import Settings
 from offload.errors import ConfigError
 from offload.queue.keyspace import GPU_WORKERS, prefix
@@ -32,7 +33,7 @@ GUESS = "ofk_000000000000_guess"
 
 
 def _get(url: str, token: str, headers: dict[str, str] | None = None, path: str = "/v1/queues") -> httpx.Response:
-    return httpx.get(url + path, headers={"Authorization": f"Bearer {token}", **(headers or {})}, timeout=30)
+    return web.get(url + path, headers={"Authorization": f"Bearer {token}", **(headers or {})}, timeout=30)
 
 
 def _forged(token: str) -> str:
@@ -192,7 +193,7 @@ def test_a_trickled_body_is_cut_with_408_while_others_are_served(valkey: ValkeyS
                 t.start()
             with client(url, producer) as p:  # others are served meanwhile
                 assert p.post(f"/v1/queues/{q}/jobs", json={"input": "quick"}).status_code == 201
-                assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200
+                assert web.get(f"{url}/healthz", timeout=10).status_code == 200
                 steady = _steady_post(url, f"/v1/queues/{q}/jobs", producer, 400 << 10)
                 assert steady.startswith(b"HTTP/1.1 201"), steady[:300]  # 2.5 s at 160 KiB/s: past 2 s, not cut
             for t in threads:
@@ -219,7 +220,7 @@ def _steady_post(url: str, path: str, token: str, size: int) -> bytes:
 
 def _stream(url: str, token: str, path: str) -> Any:
     """An open SSE response (entered) and its client; close both with `_close`."""
-    c = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    c = web.client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
     cm = c.stream("GET", path)
     return c, cm, cm.__enter__()
 
@@ -320,16 +321,14 @@ def test_requests_without_a_key_are_capped_per_address(own_valkey: ValkeyServer)
         def ready_checks() -> None:
             while not stop.is_set():
                 with contextlib.suppress(httpx.HTTPError):
-                    httpx.get(f"{url}/readyz", timeout=30)
+                    web.get(f"{url}/readyz", timeout=30)
 
         threads = [threading.Thread(target=ready_checks, daemon=True) for _ in range(4)]
         os.kill(own_valkey.pid, signal.SIGSTOP)
         try:
             for t in threads:
                 t.start()
-            refused = eventually_sync(
-                lambda: (r := httpx.get(f"{url}/healthz", timeout=30)).status_code == 429 and r, 20
-            )
+            refused = eventually_sync(lambda: (r := web.get(f"{url}/healthz", timeout=30)).status_code == 429 and r, 20)
             assert refused.headers["Retry-After"] == "1" and refused.json()["error"] == "too_many_requests"
             assert "max_requests_per_address" in refused.json()["detail"]
             whoami = _get(url, boot, path="/v1/dashboard/whoami")  # a valid key: not counted per address
@@ -339,9 +338,7 @@ def test_requests_without_a_key_are_capped_per_address(own_valkey: ValkeyServer)
             os.kill(own_valkey.pid, signal.SIGCONT)
             for t in threads:
                 t.join(30)
-        eventually_sync(
-            lambda: httpx.get(f"{url}/healthz", timeout=10).status_code == 200, 15, "healthz answered again"
-        )
+        eventually_sync(lambda: web.get(f"{url}/healthz", timeout=10).status_code == 200, 15, "healthz answered again")
 
 
 # -- revocation -------------------------------------------------------------------------------------------------

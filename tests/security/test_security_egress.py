@@ -29,6 +29,7 @@ import pytest
 from support.s3server import RcloneS3
 from support.servers import closed_port
 
+from bench import web
 from offload.config import Settings, load_settings
 from offload.connection import connect
 from offload.errors import ConfigError
@@ -407,7 +408,7 @@ async def test_an_egress_client_refuses_before_connecting_on_both_roads(internal
     finally:
         await http.aclose()
     assert len(internal.by_worker) == 1
-    async with httpx.AsyncClient() as unguarded:
+    async with web.async_client() as unguarded:
         with pytest.raises(TypeError, match="egress client"):
             await store_output(LocalStorage(tmp_path), "results/x.json", {"f": url}, unguarded)
     assert len(internal.by_worker) == 1

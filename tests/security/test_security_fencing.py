@@ -23,6 +23,7 @@ from support.s3server import RcloneS3
 from support.server_helpers import BUCKET, client, make_key, new_queue, server
 from support.servers import ValkeyServer
 
+from bench import web
 from offload.server import file_refs, routes_workers
 from offload.storage.inputs import outputs_prefix
 
@@ -80,7 +81,7 @@ def _assert_bs(api: tuple[str, str], s3: RcloneS3, producer: str, job_id: str, b
         view = c.get(f"/v1/jobs/{job_id}").json()
     assert view["state"] == "succeeded" and view["result"] == b_result
     assert _read(s3, view["result"]) == {"by": "B"}
-    assert orjson.loads(httpx.get(view["result_url"]).content) == {"by": "B"}
+    assert orjson.loads(web.get(view["result_url"]).content) == {"by": "B"}
     assert _read(s3, f"s3://{BUCKET}/{view['output_key']}") == {"by": "B"}
     listing = s3.client().list_objects_v2(Bucket=BUCKET, Prefix=outputs_prefix(job_id)).get("Contents", [])
     assert [f"s3://{BUCKET}/{o['Key']}" for o in listing] == [b_result]  # A's run object was deleted

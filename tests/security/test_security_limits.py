@@ -23,6 +23,8 @@ from support.eventually import eventually_sync
 from support.server_helpers import client, make_key, new_queue, server
 from support.servers import ValkeyServer
 
+from bench import web
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -65,7 +67,7 @@ def test_routes_that_need_no_big_body_refuse_one_before_reading_it(api: tuple[st
 def test_batch_size_is_in_the_schema_and_errors_are_capped(api: tuple[str, str]) -> None:
     url, boot = api
     q = new_queue("batch")
-    spec = httpx.get(f"{url}/openapi.json").json()
+    spec = web.get(f"{url}/openapi.json").json()
     assert spec["components"]["schemas"]["BatchEnqueueRequest"]["properties"]["jobs"]["maxItems"] == 100
     with client(url, boot) as admin:
         r = admin.post(f"/v1/queues/{q}/jobs/batch", json={"jobs": [{}] * 101})
@@ -101,7 +103,7 @@ def test_event_streams_share_one_reader_and_follow_only_known_queues(
 
     def follow() -> None:
         with (
-            httpx.Client(base_url=url, headers={"Authorization": f"Bearer {boot}"}, timeout=30) as c,
+            web.client(base_url=url, headers={"Authorization": f"Bearer {boot}"}, timeout=30) as c,
             c.stream("GET", "/v1/events", params={"queue": queues}) as s,
         ):
             streams.append(s.status_code)
@@ -168,7 +170,7 @@ def test_half_open_connections_are_closed(api: tuple[str, str]) -> None:
     finally:
         for s in socks:
             s.close()
-    assert httpx.get(f"{api[0]}/healthz").status_code == 200
+    assert web.get(f"{api[0]}/healthz").status_code == 200
 
 
 def test_a_server_at_its_connection_limit_answers_503(valkey: ValkeyServer) -> None:
@@ -181,19 +183,19 @@ def test_a_server_at_its_connection_limit_answers_503(valkey: ValkeyServer) -> N
         statuses: list[int] = []
         try:
             while len(clients) < 12 and 503 not in statuses:  # each holds a connection and a request
-                c = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {boot}"}, timeout=30)
+                c = web.client(base_url=url, headers={"Authorization": f"Bearer {boot}"}, timeout=30)
                 clients.append(c)
                 streams.append(c.stream("GET", f"/v1/queues/{q}/events"))
                 statuses.append(streams[-1].__enter__().status_code)
             assert statuses[-1] == 503 and 5 <= len(statuses) <= 8, statuses
-            assert httpx.get(f"{url}/healthz", timeout=10).status_code == 503
+            assert web.get(f"{url}/healthz", timeout=10).status_code == 503
         finally:
             for s in streams:
                 s.__exit__(None, None, None)
             for c in clients:
                 c.close()
         eventually_sync(
-            lambda: httpx.get(f"{url}/healthz", timeout=10).status_code == 200, 15, "the server to accept again"
+            lambda: web.get(f"{url}/healthz", timeout=10).status_code == 200, 15, "the server to accept again"
         )
 
 

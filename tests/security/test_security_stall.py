@@ -28,6 +28,7 @@ from support.s3server import RcloneS3
 from support.server_helpers import BUCKET, client, make_key, new_queue, server
 from support.servers import ValkeyServer
 
+from bench import web
 from offload.storage.s3 import S3Storage
 
 MAX_STALL_S = 0.05  # CPU time of the server's thread while one /healthz waited
@@ -195,7 +196,7 @@ def operations_with_a_body(spec: dict[str, Any]) -> list[tuple[str, str, dict[st
 def _upload(c: httpx.Client, queue: str, data: bytes, job_id: str | None = None) -> dict[str, Any]:
     r = c.post(f"/v1/queues/{queue}/uploads", json={"name": "a.bin", "size": len(data), "job_id": job_id})
     assert r.status_code == 201, r.text
-    put = httpx.put(r.json()["url"], content=data, headers=r.json()["headers"], timeout=30)
+    put = web.put(r.json()["url"], content=data, headers=r.json()["headers"], timeout=30)
     assert put.status_code == 200, put.text
     return dict(r.json())
 
@@ -215,7 +216,7 @@ def test_no_route_with_a_body_stalls_the_loop(api: tuple[str, str]) -> None:
     queues = {label: new_queue("stall") for label in HOSTILE}  # a claim hands out only its own case's jobs
     producer = make_key(url, admin, "producer", list(queues.values()))
     worker = make_key(url, admin, "worker", list(queues.values()))
-    spec = httpx.get(f"{url}/openapi.json").json()
+    spec = web.get(f"{url}/openapi.json").json()
     components = spec["components"]["schemas"]
     ops = operations_with_a_body(spec)
     assert len(ops) >= 20, [o[:2] for o in ops]  # the whole API, from its own description

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import quote
 
-import httpx
 import orjson
 import pytest
 from support.admin_redis import redis_admin
@@ -21,6 +20,7 @@ from support.s3server import RcloneS3
 from support.server_helpers import BUCKET, client, make_key, new_queue, server
 from support.servers import ValkeyServer
 
+from bench import web
 from offload.config import Settings, load_settings
 from offload.connection import connect
 from offload.errors import ConfigError
@@ -112,7 +112,7 @@ def test_a_producer_cannot_write_or_read_another_queues_objects(
         own = run_one(url, worker_a, a, {"owner": "a"})
         own_url = pa.get(f"/v1/jobs/{own}").json()["result_url"]
         assert own_url and quote(outputs_prefix(own)) in own_url  # its own object: presigned
-        assert httpx.get(own_url).json() == {"owner": "a"}
+        assert web.get(own_url).json() == {"owner": "a"}
 
 
 @pytest.mark.parametrize("bad", ["../x", "/tmp/x", "results/q:../../x", "a//b", "x\x01y", "a\\b"])
@@ -184,7 +184,7 @@ def test_dispatch_worker_fails_an_unstorable_job_before_paying(valkey: ValkeySer
             stop.set()
             await within(task, 20)
             await redis.aclose()
-        return job, await asyncio.to_thread(lambda: httpx.get(f"{sim}/_sim/stats").json())
+        return job, await asyncio.to_thread(lambda: web.get(f"{sim}/_sim/stats").json())
 
     with running_sim(SimConfig()) as sim_url:
         job, stats = asyncio.run(go(str(sim_url)))

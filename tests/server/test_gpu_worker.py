@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import orjson
 import pytest
 from support.eventually import eventually_sync
@@ -22,6 +21,7 @@ from support.s3server import RcloneS3
 from support.server_helpers import BUCKET, client, make_key, new_queue, server
 from support.servers import ValkeyServer
 
+from bench import web
 from offload.storage.inputs import outputs_prefix
 
 OFFLOAD = str(Path(sys.executable).with_name("offload"))
@@ -144,7 +144,7 @@ def test_handler_worker_end_to_end(api: tuple[str, str], s3: RcloneS3, tmp_path:
     assert {o["load_calls"] for o in outputs} == {1} and {o["loads"] for o in outputs} == {1}  # load ran once
     # the record names the object of the run whose complete was fenced; its output key holds a copy (read above)
     assert all(d["result"].startswith(f"s3://{BUCKET}/{outputs_prefix(d['id'])}run-") for d in done)
-    assert httpx.get(done[0]["result_url"]).json()["echo"] == {"n": 0}
+    assert web.get(done[0]["result_url"]).json()["echo"] == {"n": 0}
 
     (me,) = [w for w in workers(url, boot) if q in w["queues"]]
     assert me["kind"] == "remote" and me["instance_id"] == "i-0abc" and me["protected"] is True
@@ -204,7 +204,7 @@ def test_sigkilled_worker_job_is_redelivered(api: tuple[str, str], tmp_path: Pat
     done = wait_state(url, boot, job_id, "succeeded")
     assert done["lease_expiries"] == 1 and done["attempts"] == 1
     with client(url, boot) as c:
-        assert httpx.get(c.get(f"/v1/jobs/{job_id}").json()["result_url"]).json()["pid"] == fresh.pid
+        assert web.get(c.get(f"/v1/jobs/{job_id}").json()["result_url"]).json()["pid"] == fresh.pid
 
 
 def test_sigterm_lets_the_running_job_finish(api: tuple[str, str], tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from support.s3server import RcloneS3
 from support.server_helpers import BUCKET, client, new_queue, server
 from support.servers import ValkeyServer
 
+from bench import web
 from offload.connection import connect
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
@@ -87,7 +88,7 @@ def test_enqueue_get_wait_cancel(api: tuple[str, str], admin: httpx.Client, valk
     waiter.join(20)
     assert result["state"] == "succeeded" and result["timed_out"] is False
     assert result["result"] == f"s3://{BUCKET}/results/{job_id}.json"
-    assert httpx.get(result["result_url"]).json() == {"ok": 1}  # the presigned URL works without credentials
+    assert web.get(result["result_url"]).json() == {"ok": 1}  # the presigned URL works without credentials
 
     # cancel: a waiting job at once; a finished one is a 409
     other = admin.post(f"/v1/queues/{q}/jobs", json={"input": 2}).json()["id"]

@@ -22,6 +22,7 @@ import pytest
 from support.eventually import eventually
 from support.servers import closed_port
 
+from bench import web
 from offload.backends import (
     Backend,
     BackendError,
@@ -56,7 +57,7 @@ _control: list[httpx.Client] = []  # one client for the /_sim routes: building a
 
 @pytest.fixture(scope="module")
 def sim_url() -> Iterator[str]:
-    with running_sim() as base, httpx.Client(base_url=str(base), timeout=10) as control:
+    with running_sim() as base, web.client(base_url=str(base), timeout=10) as control:
         _control.append(control)
         yield str(base)
         _control.clear()
@@ -391,7 +392,7 @@ async def test_an_answer_over_max_response_bytes_is_not_read_past_it(
     aiohttp road and on httpx's own (a client not made by `new_client`); an answer within the limit reads whole."""
     sim(output_bytes=2 * 2**20)
     settings = {"kind": "http-job", **settings_for("http-job", sim_url), "max_response_bytes": 2**20}
-    async with httpx.AsyncClient() as plain:
+    async with web.async_client() as plain:
         backend = create_backend("big", settings, client=plain if road == "httpx" else None)
         try:
             remote_id = (await backend.submit(INPUT, tag="job-1")).remote_id
@@ -434,7 +435,7 @@ async def test_a_compressed_answer_is_bounded_once_decompressed_too(road: str) -
     cannot bound (br) is an unreadable answer (Transient)."""
     big = b'{"status": "succeeded", "output": "' + b"0" * 64 * 2**20 + b'"}'
     small = orjson.dumps({"status": "succeeded", "output": {"ok": 1}})
-    async with httpx.AsyncClient() as plain:
+    async with web.async_client() as plain:
         client = plain if road == "httpx" else None
         settings = {"kind": "http-job", "api_key": KEY, "max_response_bytes": 2**20}
         async with answering(gzip.compress(big), content_encoding="gzip") as url:

@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import httpx
 import pytest
 from support.eventually import eventually
 
+from bench import web
 from offload.backends.anthropic_batch import AnthropicBatch, custom_id, job_id
 from offload.backends.base import Fatal, NotFound, Throttled, Transient
 from offload.backends.batch import LIMITS, BatchClient, BatchStatus, PackTooLarge
@@ -29,19 +29,19 @@ def sim_base() -> Iterator[str]:
 
 @pytest.fixture
 def sim(sim_base: str) -> str:
-    httpx.post(
+    web.post(
         f"{sim_base}/_sim/config", json={"seed": 9, "api_key": KEY, "batches": {"seconds": 0.3}}
     ).raise_for_status()
-    httpx.post(f"{sim_base}/_sim/reset").raise_for_status()
+    web.post(f"{sim_base}/_sim/reset").raise_for_status()
     return sim_base
 
 
 def configure(base: str, changes: dict[str, Any]) -> None:
-    httpx.post(f"{base}/_sim/config?merge=true", json=changes).raise_for_status()
+    web.post(f"{base}/_sim/config?merge=true", json=changes).raise_for_status()
 
 
 def sim_stats(base: str) -> dict[str, Any]:
-    stats: dict[str, Any] = httpx.get(f"{base}/_sim/stats").json()
+    stats: dict[str, Any] = web.get(f"{base}/_sim/stats").json()
     return stats
 
 

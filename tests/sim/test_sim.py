@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from support.procs import die_with_parent
 from typer.testing import CliRunner
 
+from bench import web
 from offload.cli.sim import build_config, sim_app
 from offload.testing.sim import SimConfig, running_sim
 from offload.testing.sim.store import Job, JobStore, input_key
@@ -57,10 +58,10 @@ def sim(config: SimConfig | None = None, **default: Any) -> Iterator[httpx.Clien
             base = stack.enter_context(running_sim(config))
         else:
             base = _shared[0]
-            assert httpx.post(f"{base}/_sim/reset").status_code == 200
+            assert web.post(f"{base}/_sim/reset").status_code == 200
             body = config.model_dump(mode="json", exclude_unset=True)
-            assert httpx.post(f"{base}/_sim/config", json=body).status_code == 200
-        yield stack.enter_context(httpx.Client(base_url=base, headers=AUTH, timeout=10))
+            assert web.post(f"{base}/_sim/config", json=body).status_code == 200
+        yield stack.enter_context(web.client(base_url=base, headers=AUTH, timeout=10))
 
 
 def until(fetch: Callable[[], T], done: Callable[[T], bool], timeout: float = 5.0) -> T:
@@ -93,7 +94,7 @@ def test_jobs_happy_path_echoes_input_and_serves_files() -> None:
         assert done["output"]["echo"] == {"id": "job-1", "prompt": "a haiku"}
         [url] = done["output"]["files"]
         assert url.startswith(str(c.base_url))
-        f = httpx.get(url)
+        f = web.get(url)
         assert f.status_code == 200 and f.headers["content-type"] == "image/png" and f.content.startswith(PNG)
         s = stats(c)
         assert s["submissions_by_input_id"] == {"job-1": 1}
@@ -489,12 +490,12 @@ def test_result_expiry_returns_404_and_files_expire() -> None:
         fal = c.post("/fal-ai/x", json={"id": "e3"}, headers=FAL).json()
         done = until(lambda: c.get(f"/jobs/{job_id}").json(), lambda b: b["status"] == "succeeded")
         file_url = done["output"]["files"][0]
-        assert httpx.get(file_url).status_code == 200
+        assert web.get(file_url).status_code == 200
         until(lambda: c.get(f"/jobs/{job_id}").status_code, lambda code: code == 404)
         assert c.get(f"/jobs/{job_id}").status_code == 404
         assert until(lambda: c.get(f"/v2/e/status/{rp}").status_code, lambda code: code == 404) == 404
         assert until(lambda: c.get(fal["status_url"], headers=FAL).status_code, lambda code: code == 404) == 404
-        assert httpx.get(file_url).status_code == 404
+        assert web.get(file_url).status_code == 404
         s = stats(c)
         assert s["submissions"] == 3 and s["jobs_in_store"] == 0
 
@@ -591,7 +592,7 @@ def test_idempotency_key_survives_a_lost_answer_and_conflicts_while_in_flight() 
         assert [(e["lost_response"], e["replay"], e["status"]) for e in log] == [(True, False, 599), (False, True, 200)]
         assert retried.json()["id"] == log[0]["remote_id"]  # the provider recorded it: the retry gets that job
         assert stats(c)["submissions_by_input_id"] == {"lost": 1}
-    with sim(submit_latency=0.6) as c, httpx.Client(base_url=c.base_url, headers=AUTH, timeout=10) as other:
+    with sim(submit_latency=0.6) as c, web.client(base_url=c.base_url, headers=AUTH, timeout=10) as other:
         import threading
 
         answers: list[httpx.Response] = []
@@ -730,9 +731,9 @@ def test_output_files_have_content_types(kind: str, content_type: str) -> None:
         job_id = c.post("/jobs", json={}).json()["id"]
         out = until(lambda: c.get(f"/jobs/{job_id}").json(), lambda b: b["status"] == "succeeded")["output"]
         assert len(out["files"]) == 2
-        first, second = (httpx.get(u) for u in out["files"])
+        first, second = (web.get(u) for u in out["files"])
         assert first.headers["content-type"] == content_type and first.content != second.content
-        assert first.content == httpx.get(out["files"][0]).content  # deterministic: a copy can be verified
+        assert first.content == web.get(out["files"][0]).content  # deterministic: a copy can be verified
         if kind == "bin":
             assert len(first.content) == 3000
         assert c.get(f"/_sim/files/{job_id}-0.exe").status_code == 404
@@ -831,18 +832,18 @@ def test_cli_serve_runs_a_real_server() -> None:
 
         def health() -> int:
             try:
-                return httpx.get(f"{base}/_sim/health").status_code
+                return web.get(f"{base}/_sim/health").status_code
             except httpx.TransportError:
                 return 0
 
         assert until(health, lambda code: code == 200, timeout=15) == 200
-        job_id = httpx.post(f"{base}/jobs", json={}, headers=AUTH).json()["id"]
-        body = until(lambda: httpx.get(f"{base}/jobs/{job_id}", headers=AUTH).json(), lambda b: b["status"] == "failed")
+        job_id = web.post(f"{base}/jobs", json={}, headers=AUTH).json()["id"]
+        body = until(lambda: web.get(f"{base}/jobs/{job_id}", headers=AUTH).json(), lambda b: b["status"] == "failed")
         assert body["status"] == "failed"
         twice = {**AUTH, "Idempotency-Key": "k.1"}
-        httpx.post(f"http://127.0.0.1:{other}/jobs", json={"id": "p"}, headers=twice).raise_for_status()
-        httpx.post(f"{base}/jobs", json={"id": "p"}, headers=twice).raise_for_status()
-        log = httpx.get(f"http://127.0.0.1:{other}/_sim/submissions").json()["submissions"]
+        web.post(f"http://127.0.0.1:{other}/jobs", json={"id": "p"}, headers=twice).raise_for_status()
+        web.post(f"{base}/jobs", json={"id": "p"}, headers=twice).raise_for_status()
+        log = web.get(f"http://127.0.0.1:{other}/_sim/submissions").json()["submissions"]
         assert [(e["port"], e["replay"]) for e in log[1:]] == [(other, False), (port, False)]  # key not honoured
     finally:
         proc.terminate()

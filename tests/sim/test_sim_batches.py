@@ -11,12 +11,12 @@ from collections.abc import Iterator
 from typing import Any, cast
 
 import anthropic
-import httpx
 import openai
 import pytest
 from anthropic.types.messages.batch_create_params import Request
 from support.eventually import eventually_sync
 
+from bench import web
 from offload.testing.sim import SimConfig, running_sim
 
 KEY = "sim-key"
@@ -32,17 +32,17 @@ def sim_base() -> Iterator[str]:
 def sim(sim_base: str) -> str:
     """A clean simulator with fast batches; a test changes `batches` through the control API."""
     config = {"seed": 5, "api_key": KEY, "batches": {"seconds": 0.4}}
-    httpx.post(f"{sim_base}/_sim/config", json=config).raise_for_status()
-    httpx.post(f"{sim_base}/_sim/reset").raise_for_status()
+    web.post(f"{sim_base}/_sim/config", json=config).raise_for_status()
+    web.post(f"{sim_base}/_sim/reset").raise_for_status()
     return sim_base
 
 
 def configure(base: str, **batches: Any) -> None:
-    httpx.post(f"{base}/_sim/config?merge=true", json={"batches": batches}).raise_for_status()
+    web.post(f"{base}/_sim/config?merge=true", json={"batches": batches}).raise_for_status()
 
 
 def submissions(base: str) -> dict[str, int]:
-    counts: dict[str, int] = httpx.get(f"{base}/_sim/stats").json()["submissions_by_input_id"]
+    counts: dict[str, int] = web.get(f"{base}/_sim/stats").json()["submissions_by_input_id"]
     return counts
 
 
@@ -160,7 +160,7 @@ def test_openai_batch_cancelled_mid_way(sim: str) -> None:
     assert jsonl(client, done.error_file_id)["second"]["error"]["code"] == "batch_cancelled"
     with pytest.raises(openai.ConflictError):
         client.batches.cancel(batch.id)  # an ended batch cannot be cancelled again
-    job = httpx.get(f"{sim}/_sim/jobs", params={"tag": "second"}).json()["jobs"][0]
+    job = web.get(f"{sim}/_sim/jobs", params={"tag": "second"}).json()["jobs"][0]
     assert job["status"] == "cancelled"
 
 
@@ -284,7 +284,7 @@ def test_anthropic_expiry_and_cancel(sim: str) -> None:
     configure(sim, seconds=4.0, expire_after=86_400, cancel_seconds=0.3)
     batch = client.messages.batches.create(requests=[request("first"), request("second")])
     eventually_sync(
-        lambda: httpx.get(f"{sim}/_sim/jobs", params={"tag": "first", "status": "succeeded"}).json()["count"],
+        lambda: web.get(f"{sim}/_sim/jobs", params={"tag": "first", "status": "succeeded"}).json()["count"],
         10,
         "the first line done",
     )
@@ -325,13 +325,13 @@ def test_anthropic_limits_and_headers(sim: str) -> None:
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(api_key="wrong", base_url=sim, max_retries=0).messages.batches.list()
     url = f"{sim}/v1/messages/batches"
-    bare = httpx.get(url, headers={"x-api-key": KEY})
+    bare = web.get(url, headers={"x-api-key": KEY})
     assert bare.status_code == 400 and bare.json() == {
         "type": "error",
         "error": {"type": "invalid_request_error", "message": "anthropic-version: header is required"},
     }
     for headers in ({"x-api-key": KEY}, {"authorization": f"Bearer {KEY}"}):  # the documented one, SDK 2.x's
-        assert httpx.get(url, headers={**headers, "anthropic-version": "2023-06-01"}).status_code == 200
-    anonymous = httpx.get(url, headers={"anthropic-version": "2023-06-01"})
+        assert web.get(url, headers={**headers, "anthropic-version": "2023-06-01"}).status_code == 200
+    anonymous = web.get(url, headers={"anthropic-version": "2023-06-01"})
     assert anonymous.status_code == 401 and anonymous.json()["error"]["type"] == "authentication_error"
     assert submissions(sim) == {}

@@ -18,10 +18,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from support import sim_sdk_check
 
+from bench import web
 from offload.testing.sim import SimConfig, running_sim
 
 CHECK = Path(__file__).parents[1] / "support" / "sim_sdk_check.py"
@@ -39,7 +39,7 @@ def _run_check(name: str, env: dict[str, str]) -> dict[str, Any]:
 
 def _submissions(base: str, cafile: str | None = None) -> dict[str, int]:
     verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=cafile) if cafile else True
-    counts: dict[str, int] = httpx.get(f"{base}/_sim/stats", verify=verify).json()["submissions_by_input_id"]
+    counts: dict[str, int] = web.get(f"{base}/_sim/stats", verify=verify).json()["submissions_by_input_id"]
     return counts
 
 
@@ -134,7 +134,7 @@ def test_openai_sdk() -> None:
         assert out["object"] == "chat.completion" and out["finish_reason"] == "stop"
         assert out["content"]["echo"]["messages"] == [{"role": "user", "content": "hello"}]
         assert out["usage"]["total_tokens"] > 0
-        httpx.post(f"{base}/_sim/config?merge=true", json={"default": {"rate_429": 1.0}}).raise_for_status()
+        web.post(f"{base}/_sim/config?merge=true", json={"default": {"rate_429": 1.0}}).raise_for_status()
         throttled = sim_sdk_check.check_openai_throttled(base)
         assert throttled == {"status": 429, "code": "rate_limit_exceeded", "type": "requests", "retry_after": "1"}
         assert _submissions(base) == {"oai-1": 1}

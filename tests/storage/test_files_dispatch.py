@@ -13,12 +13,12 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from support.eventually import eventually
 from support.s3server import RcloneS3
 from support.servers import closed_port
 
+from bench import web
 from offload import AsyncClient, File
 from offload.config import Settings
 from offload.connection import connect
@@ -49,7 +49,7 @@ def sim() -> Iterator[str]:
 
 @pytest.fixture(autouse=True)
 def _reset_sim(sim: str) -> None:
-    httpx.post(f"{sim}/_sim/reset").raise_for_status()
+    web.post(f"{sim}/_sim/reset").raise_for_status()
 
 
 @pytest.fixture
@@ -73,7 +73,7 @@ def settings_for(valkey_url: str, s3: RcloneS3, sim: str, kind: str) -> Settings
 
 async def sim_inputs(sim: str, input_id: str, count: int, timeout: float = 60) -> list[dict[str, Any]]:
     """What the simulator downloaded for the remote job of `input_id`, once all `count` URLs are fetched."""
-    async with httpx.AsyncClient() as http:
+    async with web.async_client() as http:
 
         async def fetched() -> list[dict[str, Any]] | None:
             jobs = (await http.get(f"{sim}/_sim/jobs", params={"input_id": input_id})).json()["jobs"]
@@ -128,7 +128,7 @@ async def test_every_backend_gets_a_url_it_can_download(
     assert fetched["0-cat.png"]["sha256"] == hashlib.sha256(image).hexdigest() == refs[("image",)]["sha256"]
     assert fetched["1-b.txt"]["sha256"] == refs[("more", 0)]["sha256"]
     assert all(f["status"] == 200 for f in fetched.values())
-    async with httpx.AsyncClient() as http:
+    async with web.async_client() as http:
         listing = (await http.get(f"{sim}/_sim/jobs", params={"input_id": f"in-{kind}"})).json()
     sent = listing["jobs"][0]["input"]
     body = json.dumps(sent)
@@ -147,7 +147,7 @@ async def test_a_missing_input_object_dead_letters_before_any_submit(
     job = await run_until_done(settings, store, job_id)
     assert job.state.value == "dead"
     assert job.error is not None and "input.audio" in job.error and "no longer exists" in job.error
-    async with httpx.AsyncClient() as http:
+    async with web.async_client() as http:
         assert (await http.get(f"{sim}/_sim/jobs", params={"input_id": "gone"})).json()["count"] == 0
 
 
@@ -215,7 +215,7 @@ async def test_files_on_local_storage_dead_letter_with_the_reason(
         job_id = await client.enqueue("q", {"id": "local", "f": File(b"on disk")})
     job = await run_until_done(settings, store, job_id)
     assert job.state.value == "dead" and job.error is not None and "need S3 storage" in job.error
-    async with httpx.AsyncClient() as http:
+    async with web.async_client() as http:
         assert (await http.get(f"{sim}/_sim/jobs", params={"input_id": "local"})).json()["count"] == 0
 
 
@@ -242,7 +242,7 @@ async def test_storage_outage_at_submit_is_retried_not_dead(
         stop.set()
         await task
     assert "signing input file URLs failed" in (job.error or "") and job.state.value != "dead"
-    async with httpx.AsyncClient() as http:
+    async with web.async_client() as http:
         assert (await http.get(f"{sim}/_sim/jobs", params={"input_id": "outage"})).json()["count"] == 0
     job = await run_until_done(settings, store, job_id)  # storage back: the same job goes through
     assert job.state.value == "succeeded", job.error

@@ -27,6 +27,7 @@ from support.server_helpers import BUCKET, client, make_key, new_queue, server
 from support.servers import ValkeyServer
 from test_gpu_worker import _reap, spawn_worker, wait_state
 
+from bench import web
 from offload.storage.inputs import outputs_prefix
 
 __all__ = ["_reap"]  # the GPU-worker tests' fixture that kills every spawned worker after each test
@@ -47,7 +48,7 @@ def upload(url: str, token: str, queue: str, name: str, data: bytes, **extra: An
         r = c.post(f"/v1/queues/{queue}/uploads", json={"name": name, "size": len(data), **extra})
         assert r.status_code == 201, r.text
         target: dict[str, Any] = r.json()
-    put = httpx.put(target["url"], content=data, headers=target["headers"])
+    put = web.put(target["url"], content=data, headers=target["headers"])
     assert put.status_code == 200, put.text
     return target
 
@@ -158,7 +159,7 @@ def test_uploads_are_limited_and_scoped(api: tuple[str, str], s3: RcloneS3) -> N
         target = r.json()
     assert target["reference"]["$file"].rsplit("/", 1)[-1].endswith("-passwd")  # the name is made safe
     # the signed PUT takes exactly the declared length: more bytes are refused by storage itself
-    over = httpx.put(target["url"], content=b"12345678", headers={**target["headers"], "Content-Length": "8"})
+    over = web.put(target["url"], content=b"12345678", headers={**target["headers"], "Content-Length": "8"})
     assert over.status_code == 403
     assert objects(s3, target["reference"]["$file"]) == {}
 
@@ -188,7 +189,7 @@ def test_worker_cannot_reach_outside_its_job(api: tuple[str, str], s3: RcloneS3)
         assert r.status_code == 403 and "not an input file" in r.json()["detail"]
         mine = held["input"]["f"]["$file"]
         ok = c.post(f"{base}/files/url", json={"token": held["token"], "key": mine})
-        assert ok.status_code == 200 and httpx.get(ok.json()["url"]).content in (b"one", b"two")
+        assert ok.status_code == 200 and web.get(ok.json()["url"]).content in (b"one", b"two")
         stale = c.post(f"{base}/files/url", json={"token": held["token"] + "x", "key": mine})
         assert stale.status_code == 409
         bad = c.post(
@@ -214,7 +215,7 @@ def test_async_handler_reads_and_returns_files(api: tuple[str, str], s3: RcloneS
     spawn_worker(url, make_key(url, boot, "worker", [q]), q, "files_async", tmp_path)
     done = wait_state(url, producer, job_id, "succeeded", timeout=60)
     (upper_key,) = [k for k in done["file_urls"] if k.startswith(outputs_prefix(job_id))]
-    assert httpx.get(done["file_urls"][upper_key]).content == b"QUIET WORDS"
+    assert web.get(done["file_urls"][upper_key]).content == b"QUIET WORDS"
     key = done["result"].split("/", 3)[-1]  # s3://bucket/<key>
     output = orjson.loads(s3.client().get_object(Bucket=BUCKET, Key=key)["Body"].read())
     assert output["same"] is True and "await ctx.aopen" in output["refused"]

@@ -33,6 +33,7 @@ from support.procs import die_with_parent
 from support.s3server import RcloneS3, wait_port_closed
 from support.servers import closed_port
 
+from bench import web
 from bench.chaos.faketime import ClockFile
 from offload.backends import new_client
 from offload.backends.transport import fast_path
@@ -149,7 +150,7 @@ async def test_s3_prefix_and_presigned_url(s3: RcloneS3, bucket: str) -> None:
         assert loc == f"s3://{bucket}/env/prod/r/x.txt"
         url = await store.presigned_url("r/x.txt", expires_s=60)
         assert s3.secret_key not in url
-        async with httpx.AsyncClient() as http:  # no credentials: the signature is in the URL
+        async with web.async_client() as http:  # no credentials: the signature is in the URL
             r = await http.get(url)
             unsigned = await http.get(f"{s3.endpoint_url}/{bucket}/env/prod/r/x.txt")
         assert r.status_code == 200 and r.content == b"hello"
@@ -732,7 +733,7 @@ async def test_store_output_copies_simulator_files(s3: RcloneS3, bucket: str, st
     """End to end with the provider simulator: its file URLs expire with the job, our copies do not."""
     config = SimConfig.model_validate({"default": {"latency": 0.05, "files_per_job": 2, "file_type": "png"}})
     with running_sim(config) as base:
-        async with httpx.AsyncClient(base_url=base, headers={"Authorization": "Bearer k"}, timeout=10) as http:
+        async with web.async_client(base_url=base, headers={"Authorization": "Bearer k"}, timeout=10) as http:
             remote = (await http.post("/jobs", json={"prompt": "cat", "ref": "not a url"})).json()["id"]
             for _ in range(200):
                 body = (await http.get(f"/jobs/{remote}")).json()
@@ -790,7 +791,7 @@ async def test_store_output_without_files_is_the_tutorial_layout(
     s3: RcloneS3, bucket: str, storage: S3Storage, file_host: str
 ) -> None:
     output = {"text": "done", "link": f"{file_host}/files/report.txt", "meta": "http://169.254.169.254/latest/"}
-    async with httpx.AsyncClient() as http:  # nothing is fetched here but the listed host
+    async with web.async_client() as http:  # nothing is fetched here but the listed host
         plain = await store_output(storage, "results/a.json", output, http, copy_files=False)
         listed = FilePolicy(hosts=(".replicate.delivery",))
         other = await store_output(storage, "results/b.json", output, http, policy=listed)

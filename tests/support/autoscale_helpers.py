@@ -9,8 +9,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import httpx
-
+from bench import web
 from bench.cost.world import Clock, drop_worker, put_worker
 from offload.access.api_keys import KeyStore
 from offload.autoscale.instances import Instance
@@ -70,7 +69,7 @@ def queue_block(**overrides: Any) -> dict[str, Any]:
 
 def sim_call(method: str, url: str, **kwargs: Any) -> Any:
     """A simulator control/inspection call (sync: the simulator runs in its own thread)."""
-    return httpx.request(method, url, timeout=10, **kwargs).json()
+    return web.request(method, url, timeout=10, **kwargs).json()
 
 
 def make_scaler(

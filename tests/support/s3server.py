@@ -27,6 +27,7 @@ import httpx
 from botocore.config import Config
 from mypy_boto3_s3 import S3Client
 
+from bench import web
 from support.procs import preexec
 from support.servers import HOST, free_port
 
@@ -140,7 +141,7 @@ class RcloneS3:
         while time.monotonic() < deadline and self.running:
             try:
                 # Unsigned: any HTTP answer (403) means the S3 handler is up.
-                httpx.get(self.endpoint_url, timeout=0.5)
+                web.get(self.endpoint_url, timeout=0.5)
                 return
             except httpx.TransportError:
                 time.sleep(0.02)

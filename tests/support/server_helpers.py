@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from bench import web
 from offload.config import Settings
 from offload.connection import connect
 from offload.queue.store import QueueStore
@@ -56,7 +57,7 @@ def client(url: str, token: str | None = None, *, header: str = "bearer") -> htt
         headers["Authorization"] = f"Bearer {token}"
     elif token:
         headers["X-API-Key"] = token
-    return httpx.Client(base_url=url, headers=headers, timeout=30)
+    return web.client(base_url=url, headers=headers, timeout=30)
 
 
 def direct_key(redis_url: str, scope: str, queue: str) -> str:

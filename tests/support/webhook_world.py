@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-import httpx
-
+from bench import web
 from offload.config import Settings
 from offload.connection import connect
 from offload.eventloop import within
@@ -74,27 +73,27 @@ def configure_sim(sim_url: str, *, latency: float = 0.3, behaviour: dict[str, An
     """Fresh jobs and counters; jobs of fixed `latency` (and other `behaviour` fields); webhook faults `hooks`;
     the known Replicate secret. Idempotency-Key is ignored, as the real providers do."""
     behaviour = behaviour or {}
-    httpx.post(f"{sim_url}/_sim/reset").raise_for_status()
+    web.post(f"{sim_url}/_sim/reset").raise_for_status()
     config = {"seed": 7, "default": {"latency": latency, **behaviour}, "honour_idempotency_key": False}
-    httpx.post(f"{sim_url}/_sim/config", json=config).raise_for_status()
+    web.post(f"{sim_url}/_sim/config", json=config).raise_for_status()
     body = {"replicate_secret": REPLICATE_SECRET, **hooks}
-    httpx.post(f"{sim_url}/_sim/webhooks", json=body).raise_for_status()
+    web.post(f"{sim_url}/_sim/webhooks", json=body).raise_for_status()
 
 
 def deliveries(sim_url: str, event: str | None = "completed") -> list[dict[str, Any]]:
     """The simulator's webhook deliveries of one event (`completed`, `start`), or of all (None)."""
-    sent = httpx.get(f"{sim_url}/_sim/webhooks").json()["deliveries"]
+    sent = web.get(f"{sim_url}/_sim/webhooks").json()["deliveries"]
     return [d for d in sent if event is None or d["event"] == event]
 
 
 def sim_jobs(sim_url: str, job_id: str) -> list[dict[str, Any]]:
     """The remote jobs whose webhook URL names offload job `job_id` (quoted in the URL's path)."""
     tag = f"/{quote(job_id, safe='')}/"
-    return list(httpx.get(f"{sim_url}/_sim/jobs", params={"tag": tag}).json()["jobs"])
+    return list(web.get(f"{sim_url}/_sim/jobs", params={"tag": tag}).json()["jobs"])
 
 
 def sim_requests(sim_url: str) -> dict[str, int]:
-    return dict(httpx.get(f"{sim_url}/_sim/stats").json()["requests"])
+    return dict(web.get(f"{sim_url}/_sim/stats").json()["requests"])
 
 
 @dataclass

@@ -14,12 +14,12 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from urllib.parse import quote, urlsplit
 
-import httpx
 import orjson
 import pytest
 from support import server_helpers
 from support.servers import ValkeyServer, free_port
 
+from bench import web
 from offload.config import Settings
 from offload.connection import connect
 from offload.queue.keyspace import hook_digest
@@ -81,7 +81,7 @@ async def test_a_delivery_while_the_job_store_is_down_gets_503_json_then_its_ret
     records the remote job, once."""
     job_id = await submitted_job(store)
     own_valkey.stop()
-    async with httpx.AsyncClient(timeout=30) as http:
+    async with web.async_client(timeout=30) as http:
         down = await http.post(hook(server, job_id), content=report("rp-remote-1"))
         assert down.status_code == 503, down.text
         assert down.json() == {"error": "unavailable", "detail": "the job store is unavailable; retry later"}
@@ -116,7 +116,7 @@ async def test_a_chunked_body_over_the_bound_gets_413_json_and_changes_nothing(s
             yield b"x" * 65536
         yield b'"}'
 
-    async with httpx.AsyncClient(timeout=30) as http:
+    async with web.async_client(timeout=30) as http:
         huge = await http.post(hook(server, job_id), content=chunks())
         assert "content-length" not in {k.lower() for k in huge.request.headers}
         assert huge.status_code == 413, huge.text
@@ -135,7 +135,7 @@ async def test_a_provider_hanging_up_mid_body_leaves_the_server_answering(server
     ).encode()
     with socket.create_connection((parts.hostname, parts.port or 80), timeout=10) as sock:
         sock.sendall(head + body[:10])
-    async with httpx.AsyncClient(timeout=30) as http:
+    async with web.async_client(timeout=30) as http:
         wrong = await http.post(hook(server, job_id, secret="not-the-secret"), content=body)
         assert wrong.status_code == 404 and wrong.json()["error"] == "not_found"
         assert await store.current_remote(job_id) == (None, 1)
@@ -159,7 +159,7 @@ async def test_hostile_webhook_paths_get_a_json_4xx_and_change_nothing(
     tail: str, status: int, server: str, store: QueueStore
 ) -> None:
     job_id = await submitted_job(store)
-    async with httpx.AsyncClient(timeout=30) as http:
+    async with web.async_client(timeout=30) as http:
         answer = await http.post(f"{server}/v1/hooks/rp/{quote(job_id, safe='')}/{tail}", content=report("rp-x"))
     assert answer.status_code == status, answer.text
     assert answer.headers["content-type"].startswith("application/json") and answer.json()["error"], answer.text

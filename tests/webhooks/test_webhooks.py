@@ -29,6 +29,7 @@ from support.webhook_world import (
     world,
 )
 
+from bench import web
 from offload.backends import KINDS, create_backend
 from offload.backends.base import WebhookBackend
 from offload.config import WEBHOOK_KINDS
@@ -139,7 +140,7 @@ async def test_forged_wrong_secret_and_replayed_deliveries_are_refused(
         job_id, url = await _held_job(w, "replicate", sim_url, "forged")
         remote = (await w.store.get(job_id)).remote_id
         body = orjson.dumps({"id": remote, "status": "succeeded", "output": ["https://evil.example/x.png"]})
-        async with httpx.AsyncClient(timeout=10) as http:
+        async with web.async_client(timeout=10) as http:
             forged = await http.post(
                 url, content=body, headers={**replicate_signed(body), "webhook-signature": "v1,AAAA"}
             )
@@ -160,7 +161,7 @@ async def test_forged_wrong_secret_and_replayed_deliveries_are_refused(
         assert job.state != JobState.SUCCEEDED and job.result is None
         # a genuine delivery (signed with the account's secret) still completes it at once
         real = orjson.dumps({"id": remote, "status": "succeeded", "output": ["fine"]})
-        async with httpx.AsyncClient(timeout=10) as http:
+        async with web.async_client(timeout=10) as http:
             ok = await http.post(url, content=real, headers=replicate_signed(real))
         assert ok.status_code == 200 and ok.json()["verdict"] == "wake"
         done = await w.finished(job_id, timeout=5)
@@ -183,11 +184,11 @@ async def test_fal_and_runpod_forgeries_are_refused(
                 "x-fal-webhook-timestamp": str(int(time.time())),
                 "x-fal-webhook-signature": "ab" * 64,
             }
-            async with httpx.AsyncClient(timeout=10) as http:
+            async with web.async_client(timeout=10) as http:
                 assert (await http.post(url, content=body, headers=headers)).status_code == 401
                 assert (await http.post(url, content=body)).status_code == 401
         body = orjson.dumps({"id": sim_job["id"], "status": "COMPLETED", "output": {"evil": True}})
-        async with httpx.AsyncClient(timeout=10) as http:
+        async with web.async_client(timeout=10) as http:
             assert (await http.post(url.rsplit("/", 1)[0] + "/guess", content=body)).status_code == 404
             assert (await http.post(url.replace(QUEUES[provider], "other"), content=body)).status_code == 404
         assert (await w.store.get(job_id)).result is None
@@ -209,7 +210,7 @@ async def test_a_signed_providers_url_under_runpods_path_is_refused_and_counted(
         crossed = url.replace(f"/v1/hooks/{BACKENDS[provider]}/", f"/v1/hooks/{BACKENDS['runpod']}/")
         assert crossed != url
         body = orjson.dumps({"id": remote, "status": "COMPLETED", "output": {"evil": True}})
-        async with httpx.AsyncClient(timeout=10) as http:
+        async with web.async_client(timeout=10) as http:
             refused = await http.post(crossed, content=body)
             unsigned = await http.post(url, content=body)
             scraped = await http.get(
@@ -251,7 +252,7 @@ async def test_official_sdk_validates_the_simulators_replicate_signature(sim_url
     from standardwebhooks import Webhook
 
     configure_sim(sim_url)
-    async with httpx.AsyncClient() as http:
+    async with web.async_client() as http:
         answer = await http.get(f"{sim_url}/v1/webhooks/default/secret", headers={"Authorization": "Bearer k"})
     secret = answer.json()["key"]
     assert secret == REPLICATE_SECRET
@@ -286,7 +287,7 @@ def test_exactly_the_webhook_kinds_implement_webhooks() -> None:
     implemented = {
         kind
         for kind in KINDS
-        if isinstance(create_backend("b", {"kind": kind, **settings[kind]}, client=httpx.AsyncClient()), WebhookBackend)
+        if isinstance(create_backend("b", {"kind": kind, **settings[kind]}, client=web.async_client()), WebhookBackend)
     }
     assert implemented == WEBHOOK_KINDS == set(BACKENDS)
 
@@ -298,7 +299,7 @@ async def test_hostile_deliveries_get_a_4xx_with_a_json_body(valkey_url: str, si
     async with world(valkey_url, sim_url, tmp_path) as w, w.worker("runpod"):
         job_id, url = await _held_job(w, "runpod", sim_url, "hostile")
         base = url.split("/v1/hooks/")[0]
-        async with httpx.AsyncClient(timeout=10) as http:
+        async with web.async_client(timeout=10) as http:
             huge = await http.post(url, content=b"[" + b"1," * (1 << 20) + b"1]")
             garbage = await http.post(url, content=b"{not json")
             wrong_shape = await http.post(url, content=b'{"hello": "world"}')
@@ -321,7 +322,7 @@ async def test_a_lost_submit_answer_is_healed_by_the_webhook_that_came_first(
     configure_sim(sim_url, latency=0.1, behaviour={"submit_latency": 1.5, "lost_response_rate": 1.0})
     async with world(valkey_url, sim_url, tmp_path) as w, w.worker("replicate"):
         job = await w.finished(await w.enqueue("replicate", "lost-answer"))
-        async with httpx.AsyncClient() as http:
+        async with web.async_client() as http:
             stats = (await http.get(f"{sim_url}/_sim/stats")).json()
     assert job.state == JobState.SUCCEEDED and job.attempts == 1 and job.possible_duplicates == 0
     assert stats["submissions"] == 1 and stats["faults"] == {"replicate.create lost_response": 1}, stats
@@ -364,7 +365,7 @@ async def test_forged_and_foreign_start_deliveries_cannot_adopt_an_open_submissi
         url = str(remote["meta"]["webhook"])
         body = orjson.dumps({"id": "attacker-run", "status": "starting"})
         genuine = orjson.dumps({"id": remote["id"], "status": "starting"})
-        async with httpx.AsyncClient(timeout=10) as http:
+        async with web.async_client(timeout=10) as http:
             forged = await http.post(url, content=body, headers={**replicate_signed(body), "webhook-signature": "v1,A"})
             unsigned = await http.post(url, content=body)
             guessed = await http.post(
@@ -423,7 +424,7 @@ async def test_a_burst_of_deliveries_at_once_gets_one_verdict_each(
             sends.append((url, body, replicate_signed(body, msg_id=f"msg_{n}")))  # a duplicate
             sends.append((url.rsplit("/", 1)[0] + "/" + "x" * 32, body, replicate_signed(body)))  # wrong secret
             sends.append((url, body, {**replicate_signed(body), "webhook-signature": "v1,AAAA"}))  # forged
-        async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=200)) as http:
+        async with web.async_client(timeout=30, limits=httpx.Limits(max_connections=200)) as http:
             replies = await asyncio.gather(*(http.post(u, content=b, headers=h) for u, b, h in sends))
         for k in range(0, len(replies), 4):
             genuine, duplicate, wrong, forged = replies[k : k + 4]

@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import yaml
 from support.eventually import eventually
@@ -21,6 +20,7 @@ from support.servers import free_port
 from support.webhook_world import QUEUES, config_for, configure_sim, deliveries, sim_jobs
 from test_worker_crash import OFFLOAD, base_env, spawn, stop
 
+from bench import web
 from offload.config import Settings
 from offload.connection import connect
 from offload.models import JobState
@@ -30,7 +30,7 @@ from offload.testing.sim import running_sim
 
 
 def submissions(sim_url: str) -> list[dict[str, object]]:
-    return list(httpx.get(f"{sim_url}/_sim/submissions").json()["submissions"])
+    return list(web.get(f"{sim_url}/_sim/submissions").json()["submissions"])
 
 
 @pytest.mark.parametrize("provider", ["replicate", "runpod"])
@@ -134,7 +134,7 @@ async def killed_inside_submit(
                 await eventually(arrived, 20, "the submission to reach the provider")
                 if drop:  # from now on the provider answers at once and runs jobs of 1 s (A's call stays held)
                     config = {"seed": 7, "default": {"latency": 1.0}, "honour_idempotency_key": False}
-                    async with httpx.AsyncClient() as http:
+                    async with web.async_client() as http:
                         (await http.post(f"{sim_url}/_sim/config", json=config)).raise_for_status()
                 b = spawn(cmd, env, tmp_path, b_log)
 

@@ -24,7 +24,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import test_worker_faults as faults
 import yaml
@@ -33,6 +32,7 @@ from test_worker import BACKENDS
 from test_worker_crash import OFFLOAD, READY_LINE, base_env, spawn, stop
 from test_worker_faults import LATENCY, sim_call, until_state, worker
 
+from bench import web
 from offload.config import Settings
 from offload.connection import connect
 from offload.errors import ConfigError
@@ -90,7 +90,7 @@ async def batches(sim: str, provider: str) -> list[dict[str, Any]]:
     """Every batch the simulator holds for `provider`, through its own listing."""
     path = "/v1/batches?limit=100" if provider == "openai" else "/v1/messages/batches?limit=1000"
     headers = {"Authorization": "Bearer sim-key", "x-api-key": "sim-key", "anthropic-version": "2023-06-01"}
-    async with httpx.AsyncClient(base_url=sim, timeout=10) as client:
+    async with web.async_client(base_url=sim, timeout=10) as client:
         response = await client.get(path, headers=headers)
         response.raise_for_status()
     listed: list[dict[str, Any]] = response.json()["data"]

@@ -18,7 +18,6 @@ from asyncio.subprocess import PIPE
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import test_worker_faults as faults
 import yaml
@@ -27,6 +26,7 @@ from test_routing import _healthy, by_family, cool, families, routed, routed_dat
 from test_worker_crash import OFFLOAD, base_env
 from test_worker_faults import enqueue, job_input, sim_call, stats, until, until_state, worker
 
+from bench import web
 from offload.config import Settings, problems
 from offload.eventloop import within
 from offload.input_maps import MissingInput, Template
@@ -183,7 +183,7 @@ async def test_the_record_says_which_backend_ran_the_job_and_at_what_cost(
     async with worker(settings) as (task, _):
         [job] = await until_state(store, [job_id], "succeeded", task)
     with server(valkey_url, settings=settings) as (url, admin):
-        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {admin}"}) as api:
+        async with web.async_client(base_url=url, headers={"Authorization": f"Bearer {admin}"}) as api:
             answer = await api.get(f"/v1/jobs/{job_id}", timeout=30)
     assert answer.status_code == 200, answer.text
     view = answer.json()

@@ -6,12 +6,12 @@ import asyncio
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import httpx
 import orjson
 import pytest
 from support.eventually import eventually
 from support.s3server import RcloneS3
 
+from bench import web
 from offload.config import Settings
 from offload.connection import connect
 from offload.queue.specs import JobSpec
@@ -31,15 +31,15 @@ def sim() -> Iterator[str]:
 
 @pytest.fixture(autouse=True)
 def _reset_sim(sim: str) -> None:
-    httpx.post(f"{sim}/_sim/reset").raise_for_status()
+    web.post(f"{sim}/_sim/reset").raise_for_status()
 
 
 def configure_sim(sim: str, config: dict[str, Any]) -> None:
-    httpx.post(f"{sim}/_sim/config", json=config).raise_for_status()
+    web.post(f"{sim}/_sim/config", json=config).raise_for_status()
 
 
 def sim_stats(sim: str) -> dict[str, Any]:
-    stats: dict[str, Any] = httpx.get(f"{sim}/_sim/stats").json()
+    stats: dict[str, Any] = web.get(f"{sim}/_sim/stats").json()
     return stats
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 
-import httpx
 import pytest
 from support.eventually import eventually
 from support.s3server import RcloneS3
 from test_worker import job_input, settings_for, sim_stats, start_worker
 
+from bench import web
 from offload.backends.settings import HttpJobSettings
 from offload.connection import connect
 from offload.models import JobState
@@ -32,7 +32,7 @@ def sim() -> Iterator[str]:
 
 @pytest.fixture(autouse=True)
 def _reset_sim(sim: str) -> None:
-    httpx.post(f"{sim}/_sim/reset").raise_for_status()
+    web.post(f"{sim}/_sim/reset").raise_for_status()
 
 
 @pytest.fixture

@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import yaml
 from support.eventually import eventually, eventually_sync
@@ -29,6 +28,7 @@ from support.servers import ValkeyServer
 from test_gpu_worker import enqueue, wait_state, workers
 from typer.testing import CliRunner
 
+from bench import web
 from offload.cli.app import app
 from offload.connection import connect
 from offload.eventloop import within
@@ -156,7 +156,7 @@ def test_one_gpu_worker_serves_every_queue_of_offload_queue(api: tuple[str, str]
     assert {d["queue"] for d in done} == {qa, qb}
     (me,) = [w for w in workers(url, boot) if qa in w["queues"]]
     assert me["queues"] == [qa, qb]  # one registration, one process, one load of the model
-    results = [httpx.get(d["result_url"]).json() for d in done]
+    results = [web.get(d["result_url"]).json() for d in done]
     assert {r["pid"] for r in results} == {proc.pid} and {r["load_calls"] for r in results} == {1}
     assert stopped(proc, log) == 0
 
@@ -206,7 +206,7 @@ def two_queue_config(valkey_url: str, s3: RcloneS3, sim: str) -> dict[str, Any]:
 
 
 async def sim_call(sim: str, path: str, body: dict[str, Any] | None = None) -> Any:
-    async with httpx.AsyncClient(base_url=sim, timeout=30) as c:
+    async with web.async_client(base_url=sim, timeout=30) as c:
         response = await (c.get(path) if body is None else c.post(path, json=body))
         response.raise_for_status()
         return response.json()

@@ -40,6 +40,7 @@ from support.procs import die_with_parent
 from support.s3server import RcloneS3
 from support.servers import HOST, ValkeyServer, free_port
 
+from bench import web
 from offload.connection import connect
 from offload.eventloop import within
 from offload.models import Job, JobState
@@ -129,7 +130,7 @@ class SimProcess:
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline and self.proc.poll() is None:
                 with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(f"{self.url}/_sim/health", timeout=0.5).status_code == 200:
+                    if web.get(f"{self.url}/_sim/health", timeout=0.5).status_code == 200:
                         return self
                 time.sleep(0.05)
             stop(self.proc)
@@ -137,20 +138,20 @@ class SimProcess:
 
     def configure(self, *, honour_idempotency_key: bool = True, **default: Any) -> None:
         """Replace the config (fresh jobs and counters) with these `default` behaviour fields."""
-        httpx.post(f"{self.url}/_sim/reset").raise_for_status()
+        web.post(f"{self.url}/_sim/reset").raise_for_status()
         config = {"seed": 7, "honour_idempotency_key": honour_idempotency_key, "default": default}
-        httpx.post(f"{self.url}/_sim/config", json=config).raise_for_status()
+        web.post(f"{self.url}/_sim/config", json=config).raise_for_status()
 
     def stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = httpx.get(f"{self.url}/_sim/stats", timeout=30).json()
+        stats: dict[str, Any] = web.get(f"{self.url}/_sim/stats", timeout=30).json()
         return stats
 
     def job(self, remote_id: str) -> dict[str, Any]:
-        found: dict[str, Any] = httpx.get(f"{self.url}/_sim/jobs/{remote_id}", timeout=30).json()
+        found: dict[str, Any] = web.get(f"{self.url}/_sim/jobs/{remote_id}", timeout=30).json()
         return found
 
     def jobs_for(self, input_id: str) -> list[dict[str, Any]]:
-        reply = httpx.get(f"{self.url}/_sim/jobs", params={"input_id": input_id}, timeout=30).json()
+        reply = web.get(f"{self.url}/_sim/jobs", params={"input_id": input_id}, timeout=30).json()
         return list(reply["jobs"])
 
     def close(self) -> None:

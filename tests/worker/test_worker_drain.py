@@ -18,7 +18,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import test_worker_crash as crash
 import yaml
@@ -26,6 +25,7 @@ from support.eventually import seconds_until
 from support.s3server import RcloneS3
 from test_worker_crash import BUCKET, OFFLOAD, QUEUE, Fleet, SimProcess, counts, job_input, spawn, worker_env
 
+from bench import web
 from offload.backends import create_backend
 from offload.models import JobState
 from offload.queue import keyspace
@@ -114,7 +114,7 @@ async def assert_paid_once(sim: SimProcess, store: QueueStore, ids: list[str], i
 def fast_submits(sim: SimProcess) -> None:
     """Submits answer at once from now on (the simulator's config merged: its jobs and log are kept)."""
     config = {"default": {"submit_latency": 0}}
-    httpx.post(f"{sim.url}/_sim/config", params={"merge": "true"}, json=config).raise_for_status()
+    web.post(f"{sim.url}/_sim/config", params={"merge": "true"}, json=config).raise_for_status()
 
 
 async def enqueue(store: QueueStore, label: str, n: int) -> tuple[list[str], list[str]]:

@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import orjson
 import pytest
 from mypy_boto3_s3 import S3Client
@@ -30,6 +29,7 @@ from support.s3server import RcloneS3
 from test_worker import BACKENDS as BACKENDS
 from test_worker import BUCKET as BUCKET
 
+from bench import web
 from offload.backoff import retry_delay_ms
 from offload.config import Settings
 from offload.connection import connect, is_outage
@@ -114,7 +114,7 @@ def _quick_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(autouse=True)
 def _clean_sim(sim: str) -> None:
     """A fault-free simulator with no jobs and zeroed counters for every test."""
-    with httpx.Client(base_url=sim, verify=False) as client:  # plain http: skip loading the CA bundle
+    with web.client(base_url=sim) as client:
         client.post("/_sim/config", json={"default": {"latency": LATENCY}}).raise_for_status()
         client.post("/_sim/reset").raise_for_status()
 
@@ -142,7 +142,7 @@ def make_settings(
 
 
 async def sim_call(sim: str, method: str, path: str, body: Any = None) -> Any:
-    async with httpx.AsyncClient(base_url=sim, timeout=10, verify=False) as client:
+    async with web.async_client(base_url=sim, timeout=10) as client:
         response = await client.request(method, path, json=body)
         response.raise_for_status()
         return response.json()

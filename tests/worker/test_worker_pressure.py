@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import test_worker_crash as crash
 from support.eventually import seconds_until
@@ -29,6 +28,7 @@ from test_store_memory import expired_records, held, set_config, squeeze, squeez
 from test_worker import settings_for, start_worker
 from test_worker_crash import QUEUE, Fleet, SimProcess, get_all, job_input, result_keys, worker_env, write_config
 
+from bench import web
 from offload.connection import connect
 from offload.eventloop import within
 from offload.models import JobState
@@ -268,7 +268,7 @@ async def _true(value: bool) -> bool:
 
 
 def _submissions(sim_url: str) -> int:
-    return int(httpx.get(f"{sim_url}/_sim/stats").json()["submissions"])
+    return int(web.get(f"{sim_url}/_sim/stats").json()["submissions"])
 
 
 Drainer = Callable[[], Awaitable[None]]

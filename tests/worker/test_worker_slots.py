@@ -12,7 +12,6 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-import httpx
 import orjson
 import pytest
 import test_worker_faults as faults
@@ -28,6 +27,7 @@ from test_worker_faults import (
     worker,
 )
 
+from bench import web
 from offload.eventloop import within
 from offload.queue import keyspace
 from offload.queue.replies import Begun, Checkpointed, Verdict
@@ -403,7 +403,7 @@ async def test_a_resend_answered_409_in_progress_waits_for_the_first_call_withou
     body = {**faults.job_input(input_id), "model": faults.BACKENDS["openai"]["model"]}
     headers = {"Authorization": "Bearer sim-key", "Idempotency-Key": f"{job_id}.1"}
     headers["Content-Type"] = "application/json"
-    async with httpx.AsyncClient(base_url=sim, timeout=30) as client:
+    async with web.async_client(base_url=sim, timeout=30) as client:
         first = asyncio.create_task(client.post("/v1/chat/completions", content=orjson.dumps(body), headers=headers))
         await until(lambda: _served(sim), "the first call to be held")
         async with worker(make_settings(valkey_url, no_outputs, sim, "openai")) as (task, _):

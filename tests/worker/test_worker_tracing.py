@@ -13,7 +13,6 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, ClassVar
 
-import httpx
 import pytest
 from opentelemetry import trace
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -23,6 +22,7 @@ from support.s3server import RcloneS3
 from support.tracing import no_secret, parent_id, spans, traced
 from test_worker import job_input
 
+from bench import web
 from offload import tracing
 from offload.client import Client
 from offload.config import Settings
@@ -47,7 +47,7 @@ def sim() -> Iterator[str]:
 
 @pytest.fixture(autouse=True)
 def _traced(sim: str) -> Iterator[None]:
-    httpx.post(f"{sim}/_sim/reset").raise_for_status()
+    web.post(f"{sim}/_sim/reset").raise_for_status()
     _sim_config(sim)  # (a reset keeps the behaviour an earlier test set: a 60 s latency, failures)
     with traced():
         yield
@@ -73,7 +73,7 @@ def _settings(valkey_url: str, s3: RcloneS3, sim: str) -> Settings:
 
 
 def _sim_config(sim: str, **behaviour: Any) -> None:
-    httpx.post(f"{sim}/_sim/config", json={"default": {"latency": 0.3, **behaviour}}).raise_for_status()
+    web.post(f"{sim}/_sim/config", json={"default": {"latency": 0.3, **behaviour}}).raise_for_status()
 
 
 async def _serve_until(settings: Settings, done: Any, what: str) -> None:
