@@ -128,9 +128,16 @@ async def retried(call: Callable[[], Awaitable[T]], timeout: float = 30.0) -> T:
             await asyncio.sleep(0.1)
 
 
-async def until(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 60.0, task: Any = None) -> None:
-    """`eventually`, riding out a failover (any error of `check` is "not yet"), failing when `task` ends."""
-    await eventually(check, timeout, what, task=task, tolerate=(Exception,))
+async def until(
+    check: Callable[[], Awaitable[bool]],
+    what: str,
+    timeout: float = 60.0,
+    task: Any = None,
+    why: Callable[[], str] | None = None,
+) -> None:
+    """`eventually`, riding out a failover (any error of `check` is "not yet"), failing when `task` ends; `why`
+    says what the check saw last."""
+    await eventually(check, timeout, what, task=task, tolerate=(Exception,), why=why)
 
 
 # -- producers ----------------------------------------------------------------------------------------------------
@@ -343,11 +350,15 @@ async def test_a_durable_worker_holds_its_writes_through_the_cut_and_pays_once_t
         await until(five_submitted, "5 jobs submitted and checkpointed", task=task)
         pair.cut()
 
+        seen: dict[str, Any] = {}
+
         async def held_at_the_primary() -> bool:  # ran there, not acknowledged to the worker
             counts = (await direct.stats(Q)).counts
+            seen.update(counts=dict(counts), store_up=w.health.up, sent=len(submissions(sim)))
             return counts["succeeded"] == 5 and counts["active"] == 5 and not w.health.up
 
-        await until(held_at_the_primary, "5 completes held and the next 5 claimed", task=task)
+        # (a full run once timed out here, never alone or under stress: the failure says which part lagged)
+        await until(held_at_the_primary, "5 completes held and the next 5 claimed", task=task, why=lambda: str(seen))
         assert len(submissions(sim)) == 5  # the next 5 were never sent
         await pair.fail_over()
 
