@@ -31,10 +31,6 @@ def put(url: str, **kwargs: Any) -> httpx.Response:
     return request("PUT", url, **kwargs)
 
 
-def delete(url: str, **kwargs: Any) -> httpx.Response:
-    return request("DELETE", url, **kwargs)
-
-
 def client(**kwargs: Any) -> httpx.Client:
     kwargs.setdefault("verify", tls_context())
     return httpx.Client(**kwargs)

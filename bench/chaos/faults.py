@@ -299,10 +299,9 @@ class Schedule:
         if not slots:
             return
         slot = max(slots, key=lambda s: (leases.get(s.name, 0), self.rng.random()))
-        slot.terminating = True  # claimed now, not when the drain's thread starts: no other fault stops it too
-        life = slot.current
-        if life is None:
+        if (life := slot.current) is None:  # the kill fault's thread ended it meanwhile
             return
+        slot.terminating = True  # claimed now, not when the drain's thread starts: no other fault stops it too
         p = self.profile
         cut = self.rng.uniform(*p.drain_cut_after) if self.rng.random() < p.drain_cut_share else None
         cut, self._drained = (cut if self._drained else None), self._drained + 1
