@@ -88,7 +88,11 @@ async def overflow_up(
     have = overflow.capacity(idle, serving, rate, booting, flow.after)
     await publish_reach(redis, ev.queue, have, idle, flow.after, run_s, max(3 * cfg.poll_interval, REACH_TTL_MIN_S))
     tail = scale_in.idle_tail(cfg, ev.state, run_s)
-    burst = overflow.burst_machines(load.pending, have, rate, boot, flow.after, flow.keep_busy, tail)
+    ages = overflow.waiting_ages(samples, now, load.pending, load.oldest_age)
+    # the arrivals of the last bucket keep one more machine than the fleet has busy at least keep_busy
+    lasting = overflow.recent_load(samples, now, run_s, flow.span) - len(active) >= flow.keep_busy
+    cost = overflow.BurstCost(boot, flow.keep_busy, tail, lasting)
+    burst = overflow.burst_for_ages(ages, idle, serving, rate, booting, flow.after, cost)
     sized = overflow.size(base, buckets, burst, len(active), cfg.limit, flow, run_s)
     pre, pre_why = 0, ""
     if flow.predict is not None and profile is not None and run_s > 0:

@@ -13,7 +13,9 @@ rule that makes the mix pay: rent for the load that stays, send the burst to ove
 - `burst_machines`: more machines while the queue holds work the fleet will not start within `after`, but only
   as many as pay: a machine rented now starts (after - boot) x rate of it in time, and that work on it must cost
   less than on overflow with its boot and its idle tail (how long scale-in keeps it after) paid (`pays`). A burst
-  that lasts keeps justifying them; the arrivals it brings also raise the base.
+  that lasts keeps justifying them; the arrivals it brings also raise the base. Each waiting job counts against
+  its own deadline (`burst_for_ages`, its age read off the arrival samples by `waiting_ages`), and the last
+  machine is held to its share unless the recent arrivals (`recent_load`) would keep one more busy.
 - `keep_machines`: how many machines that base keeps busy enough to beat overflow's price, a job waiting up to
   `after` before it overflows (`overflowed`: the delay model; Erlang's loss formula when nothing waits).
 - `size`: the count and its floor (the base is kept through idle gaps; burst machines go by the idle rules).
@@ -72,6 +74,15 @@ def base_load(samples: Sequence[Sample], now: float, run_s: float, cfg: Overflow
     return loads[int(cfg.quantile * (len(loads) - 1))], len(loads)
 
 
+def recent_load(samples: Sequence[Sample], now: float, run_s: float, span: float) -> float:
+    """The offered load (machines' worth) of the last `span`, or of what the samples cover of it: its arrivals x
+    the mean run time / its length. Nothing covered yet (a new queue, a new leader's first look): unbounded."""
+    start = max(now - span, samples[0][0]) if samples else now
+    if now - start <= 0 or run_s <= 0:
+        return math.inf
+    return (samples[-1][1] - _enqueued_by(samples, start)) * run_s / (now - start)
+
+
 def _enqueued_by(samples: Sequence[Sample], t: float) -> int:
     """The total at the last sample at or before t (the first sample's if t precedes it)."""
     got = samples[0][1]
@@ -92,16 +103,67 @@ def keep_samples(samples: Sequence[Sample], now: float, enqueued: int, window: f
     return [*older[-1:], *kept, (now, enqueued)]
 
 
-def burst_machines(
-    pending: int, capacity: float, rate: float, boot: float, after: float, keep_busy: float, tail: float
-) -> int:
+@dataclass(frozen=True)
+class BurstCost:
+    """What a machine rented for a burst bills besides its work, and what it must beat."""
+
+    boot: float  # seconds before it serves (the measured boot)
+    keep_busy: float  # the rented price over overflow's
+    tail: float  # seconds it bills idle once the burst is done (how long scale-in keeps it)
+    lasting: bool = True  # the arrivals would keep one more machine busy (`machines_for`)
+
+
+def burst_machines(pending: int, capacity: float, rate: float, after: float, cost: BurstCost) -> int:
     """Machines to rent for the `pending` jobs beyond `capacity` (what the fleet starts within `after`): each
     new one starts (after - boot) x rate of them, and is rented only when that work on it costs less than on
-    overflow with its boot and its idle `tail` (how long scale-in keeps it once the burst is done) paid."""
+    overflow with its boot and its idle tail paid."""
     excess = pending - capacity
-    if excess <= 0 or rate <= 0 or after <= boot:
+    if excess <= 0 or rate <= 0 or after <= cost.boot:
         return 0
-    return machines_for(excess, (after - boot) * rate / 60, 60 / rate, keep_busy, boot + tail)
+    per_machine, overhead = (after - cost.boot) * rate / 60, cost.boot + cost.tail
+    return machines_for(excess, per_machine, 60 / rate, cost.keep_busy, overhead, cost.lasting)
+
+
+def waiting_ages(samples: Sequence[Sample], now: float, pending: int, oldest: float | None) -> list[tuple[float, int]]:
+    """(age in seconds, jobs) for the `pending` waiting jobs, oldest first, read off the arrival samples: the
+    queue is served oldest first, so what waits is the newest `pending` arrivals. Jobs counted first at a sample
+    are taken to have arrived at it (up to a poll late: a new burst has all of `after`, as counted from now);
+    none is older than the queue's `oldest` age."""
+    groups: list[tuple[float, int]] = []
+    left = pending
+    for k in range(len(samples) - 1, 0, -1):
+        if left <= 0:
+            break
+        (_, before), (at, total) = samples[k - 1], samples[k]
+        if (take := min(left, total - before)) > 0:
+            groups.append((now - at, take))
+            left -= take
+    if left > 0:
+        groups.append((now - samples[0][0] if samples else 0.0, left))
+    cap = math.inf if oldest is None else oldest
+    return [(min(max(age, 0.0), cap), n) for age, n in reversed(groups)]
+
+
+def burst_for_ages(
+    ages: Sequence[tuple[float, int]],
+    idle: int,
+    serving: int,
+    rate: float,
+    booting: Sequence[float],
+    after: float,
+    cost: BurstCost,
+) -> int:
+    """`burst_machines` held to each waiting job's own deadline (its arrival + `after`, as the router holds it):
+    for the first i jobs (oldest first), the machines that start those the fleet would not within the i-th one's
+    time left; the most any deadline needs. A burst that has waited has less of `after` left than a new one."""
+    need, count = 0, 0
+    for age, n in ages:
+        count += n
+        left = after - age
+        if left > cost.boot:
+            have = capacity(idle, serving, rate, booting, left)
+            need = max(need, burst_machines(count, have, rate, left, cost))
+    return need
 
 
 def pays(work_s: float, overhead_s: float, keep_busy: float) -> bool:
@@ -110,13 +172,19 @@ def pays(work_s: float, overhead_s: float, keep_busy: float) -> bool:
     return work_s > 0 and work_s * (1 / keep_busy - 1) >= overhead_s
 
 
-def machines_for(jobs: float, per_machine: float, run_s: float, keep_busy: float, overhead_s: float) -> int:
+def machines_for(
+    jobs: float, per_machine: float, run_s: float, keep_busy: float, overhead_s: float, lasting: bool = True
+) -> int:
     """Machines for `jobs` when one that starts `per_machine` of them in time, billing `overhead_s` besides its
-    work, pays for itself: enough to start them all. The last is not held to its share: a load that lasts
-    keeps it busy after (a diurnal rise), and a burst's last machine serves the others' tails."""
+    work, pays for itself: enough to start them all. While the arrivals would keep one more machine busy
+    (`lasting`: a diurnal rise, a burst still landing) the last is not held to its share: it is busy after;
+    else it is rented only if its share pays (a lone job of a trickle does not pay for a boot)."""
     if jobs <= 0 or per_machine <= 0 or not pays(per_machine * run_s, overhead_s, keep_busy):
         return 0
-    return math.ceil(jobs / per_machine - 1e-9)
+    n = math.ceil(jobs / per_machine - 1e-9)
+    if not lasting and not pays((jobs - (n - 1) * per_machine) * run_s, overhead_s, keep_busy):
+        n -= 1
+    return n
 
 
 def capacity(idle: int, serving: int, rate: float, booting: Sequence[float], within: float) -> float:

@@ -151,14 +151,60 @@ def test_jobs_that_wait_keep_fewer_busier_base_machines() -> None:
 
 
 def test_burst_machines_only_when_a_machine_pays_for_its_boot() -> None:
-    assert overflow.burst_machines(100, 10.0, 1.0, 180.0, 300.0, 0.4, 30.0) == 0  # 2 min of work, a 3-min boot
-    assert overflow.burst_machines(100, 10.0, 1.0, 180.0, 1800.0, 0.4, 30.0) == math.ceil(90 / 27)
-    assert overflow.burst_machines(5, 10.0, 1.0, 180.0, 1800.0, 0.4, 30.0) == 0  # the fleet starts them in time
+    cost = overflow.BurstCost(boot=180.0, keep_busy=0.4, tail=30.0)
+    assert overflow.burst_machines(100, 10.0, 1.0, 300.0, cost) == 0  # 2 min of work, a 3-min boot
+    assert overflow.burst_machines(100, 10.0, 1.0, 1800.0, cost) == math.ceil(90 / 27)
+    assert overflow.burst_machines(5, 10.0, 1.0, 1800.0, cost) == 0  # the fleet starts them in time
     sized = overflow.size(2.1, 6, 0, 3, 16, FLOW, 60.0)
     assert (sized.target, sized.floor) == (2, 2) and "base load 2.1 machines" in sized.why
     assert "burst carried by overflow" in sized.why
     grown = overflow.size(2.1, 6, 4, 3, 5, FLOW, 60.0)
     assert grown.target == 5 and "justifies 4 more" in grown.why  # max_workers caps the burst
+
+
+def test_the_last_burst_machine_is_held_to_its_share_unless_the_arrivals_keep_it_busy() -> None:
+    """90-s runs, 17 a machine starts in time, a 3.5-min boot and a 30-s tail (240 s besides its work)."""
+    assert overflow.machines_for(35, 17, 90, 0.4, 240) == 3  # the arrivals keep a third busy after (as before)
+    assert overflow.machines_for(35, 17, 90, 0.4, 240, lasting=False) == 2  # its one job does not pay its boot
+    assert overflow.machines_for(40, 17, 90, 0.4, 240, lasting=False) == 3  # six do
+    assert overflow.machines_for(1, 17, 90, 0.4, 240, lasting=False) == 0  # a lone job of a trickle: overflow's
+    assert overflow.machines_for(2, 17, 90, 0.4, 240, lasting=False) == 1  # two pay: 270 s saved > 240 s
+    assert overflow.machines_for(1, 17, 90, 0.4, 240) == 1  # a rise's first job: the next ones keep it busy
+    samples = [(0.0, 0), (300.0, 10), (600.0, 30)]
+    assert overflow.recent_load(samples, 600.0, 90.0, 600.0) == pytest.approx(30 * 90 / 600)
+    assert overflow.recent_load(samples, 600.0, 90.0, 300.0) == pytest.approx(20 * 90 / 300)
+    assert overflow.recent_load([(0.0, 0), (150.0, 5)], 150.0, 90.0, 600.0) == 5 * 90 / 150  # a quarter bucket
+    assert overflow.recent_load([(600.0, 30)], 600.0, 90.0, 600.0) == math.inf  # nothing covered: as before
+
+
+def test_waiting_jobs_ages_are_read_off_the_arrival_samples() -> None:
+    samples = [(0.0, 0), (30.0, 10), (60.0, 10), (90.0, 40), (120.0, 45)]
+    # 12 wait: the newest 12 arrivals, 5 counted at 120 s and 7 of the 30 counted at 90 s, oldest first
+    assert overflow.waiting_ages(samples, 120.0, 12, None) == [(30.0, 7), (0.0, 5)]
+    assert overflow.waiting_ages(samples, 120.0, 12, 20.0) == [(20.0, 7), (0.0, 5)]  # none older than the oldest
+    assert overflow.waiting_ages(samples, 120.0, 50, None) == [(120.0, 5), (90.0, 10), (30.0, 30), (0.0, 5)]
+    assert overflow.waiting_ages(samples, 120.0, 0, None) == []
+    assert overflow.waiting_ages([], 120.0, 3, None) == [(0.0, 3)]  # nothing measured yet: as if just come
+    # samples started over (a reset store, a clock that stepped back): one sample, as if just come, as before
+    assert overflow.waiting_ages([(120.0, 45)], 120.0, 12, 600.0) == [(0.0, 12)]
+
+
+def test_a_burst_that_has_waited_is_sized_against_the_time_it_has_left() -> None:
+    """14 machines serving 90-s runs, 280 of a burst waiting, `after` 30 min, a 3.5-min boot: counted from now
+    they start all 280 in time; the burst came 5 minutes ago, and in its 25 minutes left they start 233."""
+    rate, after = 60 / 90, 1800.0
+    cost = overflow.BurstCost(boot=210.0, keep_busy=0.4, tail=30.0)
+    assert overflow.burst_machines(280, overflow.capacity(0, 14, rate, [], after), rate, after, cost) == 0
+    waited = overflow.burst_for_ages([(300.0, 280)], 0, 14, rate, [], after, cost)
+    assert waited == math.ceil((280 - 14 * 1500 / 90) / ((1500 - 210) / 90))  # 3 machines for the 47 left over
+    fresh = overflow.burst_for_ages([(0.0, 280)], 0, 14, rate, [], after, cost)
+    assert fresh == 0  # a new burst: as burst_machines counts it
+    # a job with less time left than a boot is the router's: no machine rented now would start it in time
+    assert overflow.burst_for_ages([(1700.0, 50)], 0, 0, rate, [], after, cost) == 0
+    # a steady queue: each job against its own deadline, the oldest few need nothing the newest do not
+    steady = [(600.0, 5), (300.0, 5), (0.0, 60)]
+    need = overflow.burst_for_ages(steady, 0, 2, rate, [], after, cost)
+    assert need == 2 == overflow.burst_machines(70, overflow.capacity(0, 2, rate, [], after), rate, after, cost)
 
 
 def test_a_run_time_prior_stands_until_runs_are_measured() -> None:
@@ -322,6 +368,45 @@ async def test_a_run_time_prior_lets_the_first_burst_count_on_machines(r: Any) -
     assert waits[94] <= 1800, waits[94]  # the p95 is within `after`
     measured = await expected_run(primed.store, QUEUE, primed.flow)
     assert measured == pytest.approx(60.0, abs=1.0)  # 100 runs of 60 s blended with a 60 s prior
+
+
+async def test_a_burst_whose_runs_outlast_the_prior_gets_machines_once_they_are_measured(r: Any) -> None:
+    """200 jobs x 90 s at once, a 60-s prior, `after` 20 min: the first evaluation rents for 60-s runs (12
+    machines); once runs are measured at 90 s, the burst has less than 20 minutes left and the fleet grows to
+    start it in time rather than leave the last quarter to overflow (before: 12 machines, 64 jobs on overflow)."""
+    await r.flushdb()
+    flow = {"backends": ["serverless"], "after": "20m", "run_time": "60s"}
+    policy = Policy("hybrid", 16, poll=30.0, by_cost=True, overflow=flow)
+    world = HybridWorld(r, [(0.0, 90.0)] * 200, policy, Hosts(boot=(120.0, 180.0)), Prices(), 0)
+    served = await world.run(4 * 3600.0)
+    done = served.done_by
+    assert len(done) == 200 and all(len(k) == 1 for k in done.values())
+    first = min(rental.created for rental in served.rentals)
+    later = [rental for rental in served.rentals if rental.created > first + 60]
+    assert later and len(served.rentals) > 12, [rental.created - first for rental in served.rentals]
+    on_sls = sum(1 for k in done.values() if k == ["serverless"])
+    assert on_sls < 40, on_sls
+
+
+async def test_a_trickle_overflows_and_a_rise_rents(r: Any) -> None:
+    """`after` 30 min: a job every 20 min (75 s) keeps no machine busy, and one rented for it pays a boot and a
+    tail for 75 s of work (before: a machine each); a rise to a job a minute rents and stays on the fleet."""
+    await r.flushdb()
+    flow = {"backends": ["serverless"], "after": "30m", "run_time": "75s"}
+    policy = Policy("hybrid", 8, poll=30.0, by_cost=True, overflow=flow)
+    trickle = [(1200.0 * i, 75.0) for i in range(12)]
+    world = HybridWorld(r, trickle, policy, Hosts(boot=(120.0, 240.0)), Prices(), 0)
+    served = await world.run(6 * 3600.0)
+    # the first job comes before any arrival is measured and rents as before; the rest find the trickle measured
+    assert len(served.rentals) == 1 and served.done_by[0] == ["fleet"], served.rentals
+    assert [served.done_by[n] for n in range(1, 12)] == [["serverless"]] * 11
+    await r.flushdb()
+    rise = trickle + [(4 * 3600.0 + 60.0 * i, 75.0) for i in range(60)]
+    world = HybridWorld(r, rise, policy, Hosts(boot=(120.0, 240.0)), Prices(), 0)
+    served = await world.run(8 * 3600.0)
+    assert len(served.done_by) == 72 and all(len(k) == 1 for k in served.done_by.values())
+    on_fleet = sum(1 for n, k in served.done_by.items() if k == ["fleet"] and n >= 12)
+    assert served.rentals and on_fleet >= 50, on_fleet
 
 
 async def test_a_queue_without_overflow_is_sized_as_before(r: Any) -> None:

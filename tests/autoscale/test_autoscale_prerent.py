@@ -38,15 +38,17 @@ async def r(fast_valkey_url: str) -> AsyncIterator[Any]:
 
 
 def test_a_burst_machine_pays_for_its_boot_and_its_tail() -> None:
+    spare = overflow.BurstCost(boot=180.0, keep_busy=0.4, tail=30.0)  # a 3-minute boot, the 30 s spare
+    timeout = overflow.BurstCost(boot=180.0, keep_busy=0.4, tail=600.0)  # a 10-minute idle timeout
     # `after` 5 min, 3-minute boot: 2 jobs x 60 s in time (180 s of work saves 90 s' worth) against boot + tail
-    assert overflow.burst_machines(100, 10.0, 1.0, 180.0, 300.0, 0.4, 30.0) == 0
+    assert overflow.burst_machines(100, 10.0, 1.0, 300.0, spare) == 0
     # `after` 7.5 min: 4.5 jobs each, which pays with a 30 s tail but not with a 10-minute idle timeout
-    assert overflow.burst_machines(100, 10.0, 1.0, 180.0, 450.0, 0.4, 30.0) == 20
-    assert overflow.burst_machines(100, 10.0, 1.0, 180.0, 450.0, 0.4, 600.0) == 0
-    assert overflow.burst_machines(100, 10.0, 1.0, 180.0, 1800.0, 0.4, 600.0) == 4  # 27 each: 27 min pays
-    assert overflow.burst_machines(92, 10.0, 1.0, 180.0, 1800.0, 0.4, 30.0) == 4  # enough for all, once one pays
-    assert overflow.burst_machines(5, 10.0, 1.0, 180.0, 1800.0, 0.4, 30.0) == 0  # the fleet starts them in time
-    assert overflow.burst_machines(100, 0.0, 0.0, 180.0, 1800.0, 0.4, 30.0) == 0  # no rate: nothing counted on
+    assert overflow.burst_machines(100, 10.0, 1.0, 450.0, spare) == 20
+    assert overflow.burst_machines(100, 10.0, 1.0, 450.0, timeout) == 0
+    assert overflow.burst_machines(100, 10.0, 1.0, 1800.0, timeout) == 4  # 27 each: 27 min pays
+    assert overflow.burst_machines(92, 10.0, 1.0, 1800.0, spare) == 4  # enough for all, once one pays
+    assert overflow.burst_machines(5, 10.0, 1.0, 1800.0, spare) == 0  # the fleet starts them in time
+    assert overflow.burst_machines(100, 0.0, 0.0, 1800.0, spare) == 0  # no rate: nothing counted on
     assert overflow.pays(100.0, 150.0, 0.4) and not overflow.pays(100.0, 151.0, 0.4)  # 100 x (1/0.4 - 1)
 
 
