@@ -402,6 +402,10 @@ class Schedule:
         self._clocked.add(slot.name)  # one restart of a slot at a time: never two processes in one slot
         slot.terminating = True  # claimed before the thread starts: a drain does not pick it meanwhile
         await asyncio.to_thread(slot.terminate)
+        if slot.running:  # the kill fault ended it meanwhile and its restart came first: one process a slot
+            self._clocked.discard(slot.name)
+            self.note("worker_clock_skipped", slot.name, n=slot.current.n if slot.current else None)
+            return
         life = slot.start(ClockFile(slot.dir / f"{slot.name}-clock-{len(slot.lives) + 1}", skew))
         self.note("worker_clock", slot.name, n=life.n, skew_s=skew)
         self._later(self._true_clock(slot, life))
@@ -414,8 +418,9 @@ class Schedule:
             if slot.current is life and not self._stopping and not slot.terminating:
                 slot.terminating = True
                 await asyncio.to_thread(slot.terminate)
-                again = slot.start()
-                self.note("restart", slot.name, n=again.n, pidns=slot.pidns)
+                if not slot.running:  # (a kill's restart may have come first: one process a slot)
+                    again = slot.start()
+                    self.note("restart", slot.name, n=again.n, pidns=slot.pidns)
         finally:
             self._clocked.discard(slot.name)
 

@@ -491,4 +491,5 @@ class WorkerSlot:
         except subprocess.TimeoutExpired:
             signal_group(self.proc, signal.SIGKILL)
             self.proc.wait(10)
-        life.ended, life.end = time.time(), "term"
+        if life.ended is None:  # (unless the kill fault's SIGKILL came first: that end is the kill's)
+            life.ended, life.end = time.time(), "term"

@@ -262,7 +262,9 @@ if __name__ == "__main__":
     data = load(Path(sys.argv[1]) / "rundata.json")
     checker = Checker(data)
     verdict = checker.verdict()
-    faults = [e["t"] for e in data.timeline if e["kind"] not in ("restart", "worker_exit", "cont")]
+    faults = [
+        e["t"] for e in data.timeline if e["kind"] not in ("restart", "worker_exit", "cont", "worker_clock_skipped")
+    ]
     if faults:  # the fault phase, as far as the timeline tells
         main_slots = [slot for slot in data.lives if slot != "c1"]
         verdict.summary["in_flight_per_worker"] = checker.in_flight(main_slots, (min(faults), max(faults)))

@@ -20,7 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
-from support.eventually import eventually
+from support.eventually import eventually, eventually_sync
 
 from bench.chaos.checker import drains as drains_verdict
 from bench.chaos.faketime import ClockFile
@@ -35,8 +35,9 @@ from offload.queue.store import QueueStore
 
 
 class Life:
-    n = 1
+    n, pid = 1, 0
     end: str | None = None
+    stops: tuple[list[float], ...] = ()
 
     def read_id(self) -> str:
         return "host:1"
@@ -46,7 +47,7 @@ class Slot:
     """A worker slot's faces the schedule uses, recording each stop it is sent; no process behind it."""
 
     def __init__(self, name: str, directory: Path) -> None:
-        self.name, self.dir, self.queue = name, directory, "q"
+        self.name, self.dir, self.queue, self.pidns = name, directory, "q", False
         self.running, self.stopped, self.terminating = True, False, False
         self.current: Life | None = Life()
         self.lives = [self.current]
@@ -79,8 +80,13 @@ class Slot:
             self.stopped = False
             self.continued.set()
 
+    def kill(self) -> None:
+        """The kill fault's SIGKILL: the incarnation ends at once, whatever else is stopping it."""
+        assert self.current is not None
+        self.current.end, self.current, self.running = "kill", None, False
+
     def start(self, clock: Any = None) -> Life:
-        self.terminating = False
+        self.terminating, self.running = False, True
         self.current = Life()
         self.lives.append(self.current)
         return self.current
@@ -187,6 +193,27 @@ async def test_a_kill_between_a_drains_pick_and_its_signal_is_the_kills_not_a_ba
     assert drains_verdict(cast(Evidence, evidence))["drains"]["bad_exits"] == 0 and findings == [], findings
 
 
+async def test_a_clock_restart_whose_worker_the_kill_fault_restarted_first_starts_no_second_one(
+    tmp_path: Path,
+) -> None:
+    """The clock fault's SIGTERM is under way (in a thread) when the kill fault SIGKILLs the same worker and its
+    restart comes first: the clock fault must not start another process in the slot (the first would run on,
+    untracked, to the run's end)."""
+    slot = Slot("w1", tmp_path)
+    schedule = schedule_of(Profile(restart_delay=(0.0, 0.0)), slot, SlowStore())
+    clock = asyncio.create_task(schedule._worker_clock())
+    await eventually(lambda: slot.stops == ["terminate"], 10, "the clock fault's SIGTERM")
+    await schedule._kill()  # the same worker: its SIGTERM does not shield it
+    await eventually(lambda: len(slot.lives) == 2 and slot.running, 10, "the kill's restart")
+    slot.exited.set()  # the SIGTERM's wait ends
+    await clock
+    assert len(slot.lives) == 2, [life.end for life in slot.lives]  # one restart: the kill's
+    assert [e["kind"] for e in schedule.timeline] == ["kill", "restart", "worker_clock_skipped"], schedule.timeline
+    assert "w1" not in schedule._clocked  # a later clock fault may pick the slot again
+    for task in schedule._pending:
+        task.cancel()
+
+
 class KilledWhilePolled:
     """A worker process whose first `poll` lets a kill in another thread run first (up to `grace` s), as a thread
     switch between the watchdog's mark check and its poll would: the kill's exit is then all the poll could see."""
@@ -219,6 +246,25 @@ def test_the_watchdog_never_takes_a_kill_of_ours_for_the_workers_own_exit(tmp_pa
         stand_in.killer.join(10)
         assert seen is None and slot.lives[-1].end == "kill", (seen, slot.lives[-1].end)
         assert slot.exited() is None  # nor on the next look
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_a_kill_during_a_terminate_stays_the_kills(tmp_path: Path) -> None:
+    """A restart's SIGTERM is under way when the kill fault SIGKILLs the same worker: its end is the kill's, not
+    overwritten as the SIGTERM's once that wait returns."""
+    slot = WorkerSlot("w1", "q", tmp_path / "offload.yaml", {}, tmp_path, concurrency=1, pidns=False)
+    proc = subprocess.Popen(["sh", "-c", "trap '' TERM; sleep 60"], start_new_session=True)  # ignores SIGTERM
+    try:
+        slot.lives.append(Incarnation(1, proc.pid, tmp_path / "w1-1.log", time.time()))
+        slot.proc = proc
+        stopping = threading.Thread(target=slot.terminate, kwargs={"grace": 30.0})
+        stopping.start()
+        eventually_sync(lambda: slot.terminating, 10, "the SIGTERM under way")
+        slot.kill()
+        stopping.join(30)
+        assert not stopping.is_alive() and slot.lives[-1].end == "kill", slot.lives[-1].end
     finally:
         proc.kill()
         proc.wait(10)
