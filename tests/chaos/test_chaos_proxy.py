@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 import pytest
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.retry import Retry
 from support.servers import HOST, ValkeyServer
 
 from bench.chaos.proxy import FaultProxy, command_words, message_end, split_messages
