@@ -5,7 +5,8 @@ reports as a drain's bad exit (`drain: w1#4 exited -9 after 8.22 s`, a CI-sized 
 fault phase's end continues a worker a stop fault left stopped before it waits for the drains: a stopped worker's
 drain never ends (`drain: w2#5 exited -9 after 90.0 s`, a CI run whose last SIGSTOP hit a draining worker). And the
 watchdog never records a kill of the harness's own as a worker's exit, and a drain whose worker the kill fault
-ended first is the kill's."""
+ended first is the kill's. And one process a slot: a clock restart whose worker the kill fault ended and restarted
+while its SIGTERM waited starts no second one, and that kill's end is not rewritten as the SIGTERM's."""
 
 from __future__ import annotations
 
