@@ -37,6 +37,7 @@ from offload.errors import ConfigError, StoreFull
 from offload.eventloop import within
 from offload.models import JobState
 from offload.queue import keyspace
+from offload.queue.backend_limits import backend_counters
 from offload.queue.durability import Durability, NotReplicated
 from offload.queue.keyspace import prefix
 from offload.queue.outbox import Outbox
@@ -333,21 +334,40 @@ def job_input(n: int) -> dict[str, Any]:
     return {"id": f"in-{n}", "prompt": f"job {n}", "messages": [{"role": "user", "content": f"job {n}"}]}
 
 
+async def fail_over_until_all_succeed(pair: Pair, store: QueueStore, n: int, task: asyncio.Task[Any]) -> None:
+    """Promote the replica, then wait until the queue's `n` jobs succeeded on it, the worker still running."""
+    await pair.fail_over()
+
+    async def all_succeeded() -> bool:
+        return (await store.stats(Q)).counts["succeeded"] == n
+
+    await until(all_succeeded, f"{n} jobs succeeded on the new primary", task=task)
+    assert not task.done()
+
+
 async def test_a_durable_worker_holds_its_writes_through_the_cut_and_pays_once_through_the_failover(
     pair: Pair, sim: str, tmp_path: Path
 ) -> None:
     """Cut while 5 jobs run remotely: their completes are not acknowledged, so the worker waits, and the next 5,
     claimed meanwhile, are never sent (a begin of theirs that ran on the primary was not acknowledged either).
-    After the failover every job succeeds on the new primary, each paid for once."""
-    store = QueueStore(await connect(pair.url), durability=Durability(**DURABLE))
+    After the failover every job succeeds on the new primary, each paid for once.
+
+    The interleaving is the test's own. The cut comes once the worker has counted its 5 checkpoints as
+    acknowledged (the store's `submitted` count is there before a checkpoint's WAIT answers: a cut in between
+    refused that checkpoint and held the completes, a run in CI). And the writes wait 2 s for the replica (300 ms
+    elsewhere): the 5 jobs end together, and the completes and the next claims, sent within milliseconds, all
+    reach the primary before the first begin refused takes the store down for the worker."""
+    durable: DurableOptions = {"replicas": 1, "timeout_ms": 2000}
+    store = QueueStore(await connect(pair.url), durability=Durability(**durable))
     direct = QueueStore(await connect(pair.primary.url))
     ids = await store.enqueue_many(Q, [JobSpec(input=job_input(n)) for n in range(10)])
-    async with worker(settings(pair, sim, tmp_path, DURABLE)) as (task, w):
+    async with worker(settings(pair, sim, tmp_path, durable)) as (task, w):
 
-        async def five_submitted() -> bool:
-            return len(submissions(sim)) == 5 and (await store.stats(Q)).counts["submitted"] == 5
+        async def five_checkpointed() -> bool:  # counted by the worker once each checkpoint was acknowledged
+            return (await backend_counters(store.redis, "gpu"))["submitted"] == 5
 
-        await until(five_submitted, "5 jobs submitted and checkpointed", task=task)
+        await until(five_checkpointed, "5 jobs submitted and checkpointed", task=task)
+        assert len(submissions(sim)) == 5
         pair.cut()
 
         seen: dict[str, Any] = {}
@@ -357,7 +377,6 @@ async def test_a_durable_worker_holds_its_writes_through_the_cut_and_pays_once_t
             seen.update(counts=dict(counts), store_up=w.health.up)
             return counts["succeeded"] == 5 and counts["active"] == 5 and not w.health.up
 
-        # (a full run once timed out here, never alone or under stress: the failure says which part lagged)
         await until(
             held_at_the_primary,
             "5 completes held and the next 5 claimed",
@@ -365,16 +384,47 @@ async def test_a_durable_worker_holds_its_writes_through_the_cut_and_pays_once_t
             why=lambda: f"{seen}, {len(submissions(sim))} sent",  # read once, at a failure: not in every look
         )
         assert len(submissions(sim)) == 5  # the next 5 were never sent
-        await pair.fail_over()
-
-        async def all_succeeded() -> bool:
-            return (await store.stats(Q)).counts["succeeded"] == 10
-
-        await until(all_succeeded, "10 jobs succeeded on the new primary", task=task)
-        assert not task.done()
+        await fail_over_until_all_succeed(pair, store, 10, task)
     assert submissions(sim) == {f"in-{n}": 1 for n in range(10)}  # none paid twice
     for job_id in ids:
         assert (await store.get(job_id)).state is JobState.SUCCEEDED
+    await store.redis.aclose()
+    await direct.redis.aclose()
+
+
+async def test_a_checkpoint_the_cut_refused_is_sent_again_after_the_failover_and_the_job_paid_once(
+    tmp_path: Path, pair: Pair
+) -> None:
+    """The other interleaving, made the test's own: the cut comes while the 5 submissions are at the provider,
+    their answers held back (its submit latency), so every checkpoint runs on the primary and is refused. The
+    worker keeps the remote ids and holds the jobs; the new primary has their intents (acknowledged before the
+    calls) but no remote id, and the worker records them there: each job polled and paid for once, none sent
+    again."""
+    config = SimConfig.model_validate({"honour_idempotency_key": False, "default": {"latency": 1, "submit_latency": 3}})
+    store = QueueStore(await connect(pair.url), durability=Durability(**DURABLE))
+    direct = QueueStore(await connect(pair.primary.url))
+    ids = await store.enqueue_many(Q, [JobSpec(input=job_input(n)) for n in range(5)])
+    with running_sim(config) as url:
+        sim = str(url)
+        async with worker(settings(pair, sim, tmp_path, DURABLE)) as (task, w):
+
+            async def five_at_the_provider() -> bool:  # each begin acknowledged before its call
+                return len(submissions(sim)) == 5
+
+            await until(five_at_the_provider, "5 submissions at the provider", task=task)
+            pair.cut()  # before their answers: the provider holds each for 3 s
+
+            async def checkpoints_refused() -> bool:
+                counts = (await direct.stats(Q)).counts
+                return counts["submitted"] == 5 and not w.health.up
+
+            await until(checkpoints_refused, "5 checkpoints run on the primary, the worker holding", task=task)
+            assert (await backend_counters(store.redis, "gpu"))["submitted"] == 0  # none acknowledged
+            await fail_over_until_all_succeed(pair, store, 5, task)
+        assert submissions(sim) == {f"in-{n}": 1 for n in range(5)}  # none sent again
+    for job_id in ids:
+        job = await store.get(job_id)
+        assert job.state is JobState.SUCCEEDED and job.attempts == 1
     await store.redis.aclose()
     await direct.redis.aclose()
 
