@@ -23,7 +23,7 @@ from offload.config import (
     SERVER_WORKER_LEASE_MS,
 )
 from offload.env import env_str
-from offload.queue.memory import require_noeviction
+from offload.queue.memory import read_memory
 
 WorkerLease = Annotated[float, typer.Option(min=0.5, help="Seconds a GPU worker's leases last without a heartbeat.")]
 MaxConnections = Annotated[
@@ -91,8 +91,9 @@ def server(
         max_requests_per_address=max_requests_per_address,
         freeze_heap=True,
     )
-    # A store that may evict is refused before listening, in one line (the app's start-up refuses it too)
-    run_redis(options.redis_url, require_noeviction)
+    # An unreachable store is said before listening, in one line; one that may evict is not refused: the server
+    # starts paused (app.py), as a worker does, so a restart while the store is being reconfigured does not loop
+    run_redis(options.redis_url, read_memory)
     with errors():
         serve(options, host, port, log_level=log_level.value, access_log=access_log)
 

@@ -3,11 +3,12 @@
 Two rules, read from `INFO memory` (which managed services answer where they disable CONFIG):
 
 - `maxmemory-policy` must be `noeviction`. Under any other policy the server deletes keys to make room: an
-  evicted lease, cap counter, idempotency key or job record is a job paid twice or lost. Every offload process
-  that starts work refuses to start on such a store (`require_noeviction`, one line naming the policy and what to
-  set), and a long-running one re-reads it (`PolicyWatch`) and starts no new paid work while it is wrong. A
-  dispatch worker starts paused instead of refusing: restarted by systemd or Kubernetes while the store is being
-  reconfigured, it must wait like a running one, not crash-loop.
+  evicted lease, cap counter, idempotency key or job record is a job paid twice or lost. A producer or a command
+  that adds jobs refuses to start on such a store (`require_noeviction`, one line naming the policy and what to
+  set), and a long-running process re-reads it (`PolicyWatch`) and starts no new paid work while it is wrong. A
+  dispatch worker and the server start paused instead of refusing: restarted by systemd, Kubernetes or a deploy
+  while the store is being reconfigured, they must wait like running ones, not crash-loop (the server would take
+  the webhooks of paid jobs, the dashboard and the alert down with it).
 - At `maxmemory` (noeviction) the server refuses writes that add data (an OOM reply). That is an outage of the
   store for the processes that keep jobs moving (they wait, see `offload.connection.is_oom`), a clean refusal for a
   producer (`StoreFull`), and what the `offload_store_memory_*` gauges and the `store_memory` alert warn of.
@@ -120,8 +121,8 @@ async def has_room(redis: RedisClient) -> bool:
 
 
 async def require_noeviction(redis: RedisClient) -> StoreMemory:
-    """At the start of anything that makes work (a worker, the server, a producer's first call, a command that
-    enqueues or releases jobs): refuse a store that may evict, with the one line."""
+    """At the start of what adds jobs (a producer's first call, a command that enqueues or releases jobs): refuse a
+    store that may evict, with the one line. (A worker and the server start paused instead: `PolicyWatch`.)"""
     memory = await read_memory(redis)
     if problem := memory.problem:
         raise UnsafeEvictionPolicy(problem)

@@ -30,7 +30,7 @@ from offload.connection import at_start, connect, is_oom
 from offload.eventloop import within
 from offload.heap import freeze_startup
 from offload.http_client import make_client
-from offload.queue.memory import require_noeviction
+from offload.queue.memory import read_memory, warn_unreported
 from offload.queue.store import QueueStore
 from offload.queue.store_clock import StoreClock, warn_host_skew
 from offload.server import (
@@ -130,7 +130,8 @@ async def _open(options: ServerOptions) -> ServerState:
     configure_tracing(options.settings.tracing.enabled, options.settings.tracing.exporter)
     redis = await connect(options.redis_url or options.settings.redis_url)
     try:
-        await at_start(lambda: require_noeviction(redis))  # (cli/server.py checks first: one error line)
+        memory = await at_start(lambda: read_memory(redis))
+        warn_unreported(memory)
         warn_host_skew(await at_start(lambda: StoreClock().sync(redis)), time.time())
         store = QueueStore(redis, lease_ms=options.worker_lease_ms, durability=options.settings.durability)
         await at_start(lambda: store.check_durability(list(options.settings.queues)))
@@ -140,6 +141,10 @@ async def _open(options: ServerOptions) -> ServerState:
             if options.admin_key
             else KeyStore.from_env(redis, durability)
         )
+        # a store that may evict: the server starts paused (one error line; enqueues, GPU-worker claims and
+        # rentals wait, everything else serves), as a worker does, rather than crash-looping through a deploy
+        watch = StoreWatch(redis, options.settings)
+        watch.policy.apply(memory)
         return ServerState(
             options=options,
             redis=redis,
@@ -149,7 +154,7 @@ async def _open(options: ServerOptions) -> ServerState:
             hub=events.EventHub(store),
             registry=WorkerRegistry(store, ttl_ms=max(3 * options.worker_lease_ms, 10_000)),
             rates=metrics.RateTracker(),
-            store_watch=StoreWatch(redis, options.settings),
+            store_watch=watch,
         )
     except BaseException:
         await redis.aclose()

@@ -1,6 +1,7 @@
 """The server's watch over the job store's memory and eviction policy (see offload/queue/memory.py).
 
-Every `OFFLOAD_STORE_CHECK_S` (5 s) it reads `INFO memory`: a policy other than noeviction stops the server's
+At the server's start (app.py: the server starts paused on such a store, it does not refuse) and every
+`OFFLOAD_STORE_CHECK_S` (5 s) it reads `INFO memory`: a policy other than noeviction stops the server's
 part of new work (enqueues over the API and GPU workers' claims answer 503 naming the setting; the autoscaler
 rents nothing, autoscale/rent.py) and raises the `eviction_policy` alert; used memory past the `alerts.
 store_memory` share of maxmemory (default 0.9) raises `store_memory` (subject `high`), and a store refusing writes

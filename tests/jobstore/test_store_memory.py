@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from redis.exceptions import OutOfMemoryError, ResponseError
 from support.eventually import eventually_sync
@@ -218,21 +219,64 @@ def test_an_enqueue_at_the_limit_is_refused_cleanly_by_client_api_and_cli(plain_
 
 def test_a_store_that_may_evict_is_refused_at_every_start_in_one_line(plain_valkey: ValkeyServer) -> None:
     """A managed Redis on its default volatile-lru evicted cap counters, idempotency keys and jobs: every start
-    of what makes work (server, producer, a command that enqueues) refuses it, naming the setting and what to set.
-    (A dispatch worker starts paused instead: tests/test_worker_pressure.py.)"""
+    of what adds jobs (a producer, a command that enqueues) refuses it, naming the setting and what to set. (A
+    dispatch worker and the server start paused instead: tests/test_worker_pressure.py, and the test below.)"""
     set_config(plain_valkey, "maxmemory-policy", "volatile-lru")
     url = plain_valkey.url
-    srv = cli("server", "--port", str(free_port()), "--url", url, url=url)
     enqueue = cli("enqueue", "--queue", "q", "--input", "{}", url=url)
-    for done in (srv, enqueue):
-        line = done.stderr.strip().splitlines()[-1]
-        assert done.returncode == 1, done.stderr[-2000:]
-        assert line.startswith(POLICY_LINE) and "CONFIG SET maxmemory-policy noeviction" in line, line
+    line = enqueue.stderr.strip().splitlines()[-1]
+    assert enqueue.returncode == 1, enqueue.stderr[-2000:]
+    assert line.startswith(POLICY_LINE) and "CONFIG SET maxmemory-policy noeviction" in line, line
     with pytest.raises(UnsafeEvictionPolicy) as refused, Client(url) as producer:
         producer.enqueue("q", {"n": 1})
     assert str(refused.value).startswith(POLICY_LINE.removeprefix("error: "))
     with plain_valkey.client() as c:
         assert c.dbsize() == 0  # nothing was written by any of them
+
+
+def test_a_server_started_on_a_store_that_may_evict_serves_paused_then_takes_jobs(
+    plain_valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    """Found by the fault harness's `deploy` fault: a server restarted while the store was being reconfigured
+    refused to start, so a deploy crash-looped it and took with it the webhooks of paid jobs, the dashboard and
+    the eviction_policy alert, for the length of the incident. It starts paused, as a worker does: the one line,
+    enqueues answered 503 naming the setting, the gauge at 0; once the policy is fixed it takes jobs."""
+    set_config(plain_valkey, "maxmemory-policy", "volatile-lru")
+    url, admin, port, queue = plain_valkey.url, "boot-" + os.urandom(24).hex(), free_port(), new_queue("paused")
+    base = f"http://127.0.0.1:{port}"
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "OFFLOAD_ADMIN_KEY": admin}
+    log, config = tmp_path / "server.log", tmp_path / "offload.yaml"
+    config.write_text(f"storage: {{kind: local, path: {tmp_path / 'results'}}}\n")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [OFFLOAD, "server", "--port", str(port), "--url", url, "--config", str(config)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**env, "OFFLOAD_STORE_CHECK_S": "0.2"},
+        )
+    try:
+        with client(base, admin) as c:
+
+            def answers() -> bool:
+                assert proc.poll() is None, log.read_text()[-2000:]  # refused to start: the old behaviour
+                try:
+                    return c.get("/healthz").status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            eventually_sync(answers, 60, "the server to start on a store that may evict")
+            r = c.post(f"/v1/queues/{queue}/jobs", json={"input": 1})
+            assert r.status_code == 503 and r.json()["detail"].startswith("maxmemory-policy is volatile-lru"), r.text
+            assert scrape(base, admin)[("offload_store_eviction_safe", ())] == 0
+            set_config(plain_valkey, "maxmemory-policy", "noeviction")
+            eventually_sync(
+                lambda: c.post(f"/v1/queues/{queue}/jobs", json={"input": 2}).status_code == 201, 30, "an enqueue"
+            )
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    said = [line for line in log.read_text().splitlines() if "maxmemory-policy is volatile-lru" in line]
+    assert said and "no enqueue, GPU-worker claim or rental starts until it is fixed" in said[0], said
 
 
 async def test_the_server_gauges_alerts_and_gates_on_the_stores_memory(
