@@ -35,7 +35,18 @@ import yaml
 
 from bench import web
 from bench.chaos.hostile_admin import Attacker, Listener
-from bench.chaos.procs import HOST, OFFLOAD, Sim, Valkey, base_env, free_port, reap, signal_group, spawn
+from bench.chaos.procs import (
+    HOST,
+    OFFLOAD,
+    Sim,
+    Valkey,
+    base_env,
+    free_port,
+    graceful_stop,
+    reap,
+    signal_group,
+    spawn,
+)
 from offload.access.api_keys import check_admin_key
 
 QUEUE = "gpu"
@@ -100,18 +111,8 @@ class Server:
             reap(self.proc, 20)
 
     def graceful_stop(self, bound: float) -> tuple[int | None, float]:
-        """SIGTERM, as a deploy's restart sends: (its exit code, seconds it took); SIGKILLed past `bound` (code
-        None: a stop that does not end, as one waiting on a loop whose cancel was lost once did)."""
         assert self.proc is not None
-        began = time.monotonic()
-        signal_group(self.proc, signal.SIGTERM)
-        try:
-            code: int | None = self.proc.wait(bound)
-        except subprocess.TimeoutExpired:
-            signal_group(self.proc, signal.SIGKILL)
-            self.proc.wait(10)
-            code = None
-        return code, round(time.monotonic() - began, 2)
+        return graceful_stop(self.proc, bound)
 
     def call(self, method: str, path: str, body: Any = None) -> httpx.Response:
         return web.request(

@@ -77,6 +77,7 @@ class Profile:
     failover_every: float = 150.0
     failover_cut_s: float = 4.0  # how long the replica is cut off before it is promoted
     hostile_every: float = 20.0  # with the server (--webhooks): bad-key bursts and trickled bodies (hostile.py)
+    server_restart_every: float = 60.0  # with the server (--webhooks): a deploy's restart (hooks.Deploys)
     error_rate: float = 0.05
     rate_429: float = 0.01
     lost_response_rate: float = 0.002

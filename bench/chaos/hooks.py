@@ -9,10 +9,17 @@ provider does (Replicate: a Standard Webhooks secret made for the run; fal: its 
 injects small webhook faults (drops, duplicates, delays, reorders: `Profile.hook_*`). The fallback poll comes a
 third of the profile's `result_ttl` apart, so a job whose completion webhook was lost still finds its result
 before the provider forgets it.
+
+The `deploy` fault (`Deploys`, every `server_restart_every` s) restarts the server as a deploy does: SIGTERM, which
+must end it cleanly (exit 0, or uvicorn's SIGTERM raised again) within `STOP_BOUND_S`, then the same command on the
+same port. The deliveries sent meanwhile find nothing listening (the simulator's retries may miss the gap): their
+jobs learn their end from the fallback poll. One server fault at a time (`Server.quiet`): a hostile burst or a
+trickled body cut by a restart would prove nothing about the limits it tests.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import secrets
@@ -26,10 +33,12 @@ from typing import Any
 import httpx
 
 from bench import web
-from bench.chaos.faults import Profile
-from bench.chaos.procs import HOST, OFFLOAD, free_port, reap, signal_group, spawn
+from bench.chaos.faults import Profile, Schedule
+from bench.chaos.loops import FaultLoop
+from bench.chaos.procs import CLEAN_STOP, HOST, OFFLOAD, free_port, graceful_stop, reap, signal_group, spawn
 
 WEBHOOK_BACKENDS = ("fal", "replicate", "runpod")  # the kinds offload has webhooks for (config.WEBHOOK_KINDS)
+STOP_BOUND_S = 30.0  # a deploy's SIGTERM: uvicorn's grace, the loops' own, and room on a loaded machine
 
 
 def check_backend(backend: str) -> None:
@@ -49,6 +58,8 @@ class Server:
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.secret = "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()
+        self.quiet = asyncio.Lock()  # one server fault at a time (a restart, a hostile action)
+        self._cmd: list[str] = []
 
     @property
     def url(self) -> str:
@@ -56,7 +67,18 @@ class Server:
 
     def start(self, config: Path, *extra: str) -> Server:
         cmd = [OFFLOAD, "server", "--config", str(config), "--host", HOST, "--port", str(self.port), *extra]
-        self.proc = spawn([*cmd, "--no-access-log", "--log-level", "warning"], self.out / "server.log", self.env)
+        self._cmd = [*cmd, "--no-access-log", "--log-level", "warning"]
+        return self._launch()
+
+    def restart(self) -> tuple[int | None, float]:
+        """A deploy: SIGTERM (its exit code and seconds, SIGKILLed past `STOP_BOUND_S`), then the same command."""
+        assert self.proc is not None
+        stopped = graceful_stop(self.proc, STOP_BOUND_S)
+        self._launch()
+        return stopped
+
+    def _launch(self) -> Server:
+        self.proc = spawn(self._cmd, self.out / "server.log", self.env)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and self.proc.poll() is None:
             with contextlib.suppress(httpx.TransportError):
@@ -97,9 +119,28 @@ class Server:
         }
 
 
-def summary(deliveries: list[dict[str, Any]], server: Server) -> dict[str, Any]:
+class Deploys(FaultLoop):
+    """The `deploy` fault: `server` restarted every `every` s (mean), each noted as `server_restart` with its
+    exit code and seconds (a server that did not start again: code "did not start")."""
+
+    def __init__(self, schedule: Schedule, server: Server) -> None:
+        super().__init__(schedule)
+        self.server = server
+
+    async def act(self) -> None:
+        async with self.server.quiet:
+            try:
+                code, took = await asyncio.to_thread(self.server.restart)
+            except RuntimeError as exc:  # (its log names the cause; the run fails on it)
+                self.schedule.note("server_restart", "server", code="did not start", seconds=0.0, error=str(exc))
+                return
+        self.schedule.note("server_restart", "server", code=code, seconds=took)
+
+
+def summary(deliveries: list[dict[str, Any]], server: Server, timeline: list[dict[str, Any]]) -> dict[str, Any]:
     """What the webhooks did in the run, from the simulator's delivery log: per event, how many went out and
-    which faults hit them, and how many were answered 200 by the server."""
+    which faults hit them, and how many were answered 200 by the server; and the server's restarts (`deploy`):
+    how many, the longest stop, and the stops that did not end cleanly (`bad`: not `CLEAN_STOP`, or none)."""
     out: dict[str, Any] = {}
     for event in sorted({str(d.get("event", "completed")) for d in deliveries}):
         mine = [d for d in deliveries if d.get("event", "completed") == event]
@@ -110,4 +151,10 @@ def summary(deliveries: list[dict[str, Any]], server: Server) -> dict[str, Any]:
         answered = sum(1 for d in mine if 200 in d.get("statuses", []))
         out[event] = {"sent": len(mine), "answered_200": answered, **dict(faults)}
     out["server_alive_at_end"] = server.alive()
+    restarts = [e for e in timeline if e["kind"] == "server_restart"]
+    out["server_restarts"] = {
+        "n": len(restarts),
+        "longest_s": max((e["seconds"] for e in restarts), default=0.0),
+        "bad": sum(1 for e in restarts if e["code"] not in CLEAN_STOP),
+    }
     return out

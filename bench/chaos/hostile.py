@@ -19,11 +19,13 @@ import secrets
 import select
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from bench import web
+from bench.chaos.loops import FaultLoop
 from offload.server.state import ServerOptions
 
 if TYPE_CHECKING:
@@ -37,29 +39,19 @@ BODY_TIMEOUT_S = 3.0  # the server's --body-timeout in a hostile run
 LORIS_GRACE_S = 15.0
 
 
-class Hostile:
-    def __init__(self, schedule: Schedule, url: str, queue: str) -> None:
-        self.schedule, self.url, self.queue = schedule, url, queue
-        self._task: asyncio.Task[None] | None = None
-        self._pending: set[asyncio.Task[None]] = set()
+class Hostile(FaultLoop):
+    def __init__(self, schedule: Schedule, url: str, queue: str, quiet: asyncio.Lock | None = None) -> None:
+        """`quiet`: held through each action (hooks.Server's: no restart cuts a burst or a trickle short)."""
+        super().__init__(schedule)
+        self.url, self.queue = url, queue
+        self.quiet = quiet or asyncio.Lock()
 
-    def start(self, every: float) -> None:
-        self._task = asyncio.create_task(self._every(every))
+    async def act(self) -> None:
+        await self._quietly(self._guess if self.schedule.rng.random() < 0.5 else self._loris)
 
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        await asyncio.gather(*self._pending, return_exceptions=True)  # trickles end by themselves
-
-    async def _every(self, mean: float) -> None:
-        rng = self.schedule.rng
-        while True:
-            await asyncio.sleep(mean * rng.uniform(0.5, 1.5))
-            action = self._guess if rng.random() < 0.5 else self._loris
-            task = asyncio.create_task(action())
-            self._pending.add(task)
-            task.add_done_callback(self._pending.discard)
+    async def _quietly(self, action: Callable[[], Awaitable[None]]) -> None:
+        async with self.quiet:
+            await action()
 
     async def _guess(self) -> None:
         bad = f"ofk_{secrets.token_hex(6)}_{secrets.token_urlsafe(12)}"

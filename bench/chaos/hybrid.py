@@ -33,7 +33,7 @@ import orjson
 import yaml
 
 from bench.chaos.autoscale import VAULT_KEY, Server, _wait, admin_key
-from bench.chaos.procs import OFFLOAD, Sim, Valkey, base_env, reap, signal_group, spawn
+from bench.chaos.procs import CLEAN_STOP, OFFLOAD, Sim, Valkey, base_env, reap, signal_group, spawn
 
 QUEUE = "gpu"
 REPO = Path(__file__).resolve().parents[2]
@@ -42,8 +42,6 @@ BURST = (20, 60)  # jobs per burst, uniform
 BURST_EVERY_S = 8.0
 MAX_ATTEMPTS = 30  # lease lapses count as attempts: every job must finish, none may go dead of the kills
 STOP_BOUND_S = 30.0  # a graceful stop: uvicorn's 3 s grace, the autoscaler's 10 s, the loops' 7 s, and room
-# uvicorn raises the SIGTERM it caught again once its shutdown is done (systemd counts that exit as clean)
-CLEAN_STOP = (0, -signal.SIGTERM)
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:

@@ -29,6 +29,7 @@ FAULTS = (
     "worker-clock",
     "valkey-clock",
     "hostile",
+    "deploy",
     "ssrf",
 )
 OPT_IN = frozenset({"ssrf"})  # not in `all`: the delivery guarantees' CI runs keep their seeded schedule
@@ -70,6 +71,7 @@ QUICK = {
     "failover_every": 20.0,
     "failover_cut_s": 3.0,
     "hostile_every": 8.0,
+    "server_restart_every": 12.0,
     "latency": "3-8",
     "result_ttl": 8.0,
     "capped_jobs": 24,
@@ -175,6 +177,7 @@ def profile_for(args: argparse.Namespace) -> Profile:
         ("worker-clock", ["worker_clock_every"]),
         ("valkey-clock", ["valkey_clock_every"]),
         ("hostile", ["hostile_every"]),
+        ("deploy", ["server_restart_every"]),
         ("ssrf", ["ssrf_share"]),
     ):
         if fault not in chosen:

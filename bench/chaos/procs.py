@@ -78,6 +78,24 @@ def reap(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> int | None:
         return proc.wait(10)
 
 
+# uvicorn raises the SIGTERM it caught again once its shutdown is done (systemd counts that exit as clean)
+CLEAN_STOP = (0, -signal.SIGTERM)
+
+
+def graceful_stop(proc: subprocess.Popen[bytes], bound: float) -> tuple[int | None, float]:
+    """SIGTERM, as a deploy's restart sends: (the exit code, the seconds it took); SIGKILLed past `bound` (code
+    None: a stop that does not end, as one waiting on a loop whose cancel was lost once did)."""
+    began = time.monotonic()
+    signal_group(proc, signal.SIGTERM)
+    try:
+        code: int | None = proc.wait(bound)
+    except subprocess.TimeoutExpired:
+        signal_group(proc, signal.SIGKILL)
+        proc.wait(10)
+        code = None
+    return code, round(time.monotonic() - began, 2)
+
+
 def base_env(**extra: str) -> dict[str, str]:
     """Nothing from the operator's shell that would point a child elsewhere (REDIS_URL, OFFLOAD_*, AWS_*)."""
     keep = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR")}

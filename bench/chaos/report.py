@@ -151,7 +151,7 @@ def _shape(run: Run, wall: float) -> dict[str, Any]:
         "wall_s": round(wall, 1),
         "seed": run.args.seed,
         "minutes": run.p.minutes,
-        "webhooks": hooks.summary(run.hook_log, run.server) if run.server is not None else None,
+        "webhooks": hooks.summary(run.hook_log, run.server, run.schedule.timeline) if run.server is not None else None,
         "providers": run.provider_summary,
     }
 
@@ -172,6 +172,7 @@ def passed(doc: dict[str, Any]) -> bool:
     failed = failed or doc.get("replays_after_graceful_drain")
     failed = failed or doc.get("ssrf_fetched") or doc.get("ssrf_copied")
     failed = failed or (doc.get("providers") or {}).get("paid_at_both")
+    failed = failed or ((doc.get("webhooks") or {}).get("server_restarts") or {}).get("bad")
     return not failed
 
 

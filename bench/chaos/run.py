@@ -41,7 +41,7 @@ from bench.chaos.checker import Checker, RunData
 from bench.chaos.eventlog import EventLog
 from bench.chaos.faketime import ClockFile
 from bench.chaos.faults import Profile, Schedule
-from bench.chaos.hooks import Server, check_backend
+from bench.chaos.hooks import Deploys, Server, check_backend
 from bench.chaos.operator import Operator
 from bench.chaos.options import API_ROOTS, BACKENDS, SYNCHRONOUS, parse_args, profile_for
 from bench.chaos.procs import HOST, S3, Sim, Valkey, WorkerSlot, base_env, pidns_support, signal_group
@@ -306,9 +306,12 @@ class Run:
         fault_s = p.minutes * 60
         producer = asyncio.create_task(self.producer.produce(started + fault_s * 0.85))
         self.schedule.start()
-        attacker = hostile.Hostile(self.schedule, self.server.url, QUEUE) if self.server else None
+        attacker = hostile.Hostile(self.schedule, self.server.url, QUEUE, self.server.quiet) if self.server else None
         if attacker is not None and p.hostile_every > 0:
             attacker.start(p.hostile_every)
+        deploys = Deploys(self.schedule, self.server) if self.server else None
+        if deploys is not None and p.server_restart_every > 0:
+            deploys.start(p.server_restart_every)
         log.warning("fault phase: %.0f s, %s", fault_s, self.pidns_note)
         down = None
         if self.args.providers == 2:
@@ -316,8 +319,9 @@ class Run:
         await asyncio.sleep(fault_s)
         if down is not None:
             await within(down, 60)
-        if attacker is not None:
-            await attacker.stop()
+        for stoppable in (attacker, deploys):
+            if stoppable is not None:
+                await stoppable.stop()
         await self.schedule.stop()
         await within(self.operator.settle(), 130)  # its resume retries for up to 120 s
         await within(producer, 120)

@@ -571,12 +571,14 @@ def test_ci_sized_chaos_run_with_webhooks_closes_the_double_pay_window(tmp_path:
     """The same faults against a Replicate that ignores the Idempotency-Key, with `offload server` receiving
     its webhooks (some dropped, duplicated, delayed, reordered): the `start` event names the remote id of a
     submission whose worker was killed inside the call, so kills cost well under half a duplicate each (without
-    webhooks, about 2.5 in the 10-minute run) and no duplicate has any other cause than the unavoidable ones."""
+    webhooks, about 2.5 in the 10-minute run) and no duplicate has any other cause than the unavoidable ones. The
+    server is restarted as a deploy does (`deploy`), each stop ending cleanly."""
     doc, summary = _chaos(tmp_path, "--seed", "12", "--webhooks", "--backend", "replicate", "--ignore-idempotency-key")
     hooks = doc["webhooks"]
     assert hooks["start"]["sent"] >= doc["jobs"] and hooks["completed"]["sent"] >= doc["jobs"], hooks
     faulted = sum(hooks[e].get(f, 0) for e in ("start", "completed") for f in ("dropped", "duplicated", "reordered"))
     assert faulted >= 3 and hooks["server_alive_at_end"], hooks
+    assert hooks["server_restarts"]["n"] >= 1 and hooks["server_restarts"]["bad"] == 0, hooks  # the deploy fault
     assert doc["defect_duplicates"] == 0, summary
     assert doc["duplicates_per_kill"] < 0.5, summary
 
