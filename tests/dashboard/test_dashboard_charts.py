@@ -42,13 +42,13 @@ WATCH = "window.__csp = []; document.addEventListener('securitypolicyviolation',
 
 @pytest.fixture(scope="module")
 def api(valkey: ValkeyServer) -> Iterator[tuple[str, str]]:
-    """The server's autoscaler rents FLEET a machine first: the history samples machines once a minute, so by the
-    time the Autoscaling test runs (last) a sample holds it."""
+    """The server's autoscaler rents FLEET a machine first. Its history samples every half second (once a minute by
+    default: the Autoscaling test waited up to a minute for the next sample to hold the machine)."""
     extra = {
         "backends": {HOSTILE: {"kind": "http-job", "base_url": "http://127.0.0.1:9"}},
         "queues": {PAID: {"backend": HOSTILE}},
     }
-    with autoscaling_server(valkey.url, extra) as srv:
+    with autoscaling_server(valkey.url, extra, history_sample_s=0.5) as srv:
         with client(*srv) as admin:
             rent(admin, FLEET)
         yield srv
@@ -239,7 +239,7 @@ def test_autoscaling_page_charts_the_fleet(api: tuple[str, str], admin: httpx.Cl
     cost = open_table(page, "Fleet cost")
     expect(machines.get_by_role("row")).to_have_count(61)
 
-    def sampled() -> bool:  # the panel reloads every 15 s; the history samples once a minute
+    def sampled() -> bool:  # the panel reloads every 15 s
         return column_sum(read(machines), 0) >= 1
 
     eventually_sync(sampled, 150, "a fleet sample with FLEET's machine in the chart", every=1)
