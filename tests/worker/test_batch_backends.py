@@ -37,6 +37,7 @@ from offload.config import Settings
 from offload.connection import connect
 from offload.errors import ConfigError
 from offload.models import Job
+from offload.queue import keyspace
 from offload.queue.keyspace import packs
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
@@ -698,6 +699,54 @@ async def _a_closed_pack_waiting_on_the_policy(
     while time.monotonic() < watched:
         assert await batches(sim, provider) == [], "a batch created while the store may evict"
         await asyncio.sleep(0.2)
+
+
+async def test_a_job_whose_place_frees_while_the_store_may_evict_opens_no_intent_until_it_is_fixed(
+    own_valkey: ValkeyServer, no_outputs: dict[str, Any], sim: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pack's own begin check: with room for 2 jobs (`max_in_flight`), 4 claimed; 2 go out in a batch while the
+    other 2 wait for a place. The store turns to allkeys-lru while the batch runs: its 2 jobs finish (paid for
+    already), and the 2 that get their places then open no submit intent (a write of new paid work on a store that
+    may evict) and join no batch until the policy is noeviction again; then they go out, once each."""
+    monkeypatch.setenv("OFFLOAD_STORE_CHECK_S", "0.2")
+    await batch_sim(sim, seconds=3)
+    redis = await connect(own_valkey.url)
+    store = QueueStore(redis)
+    first, later = await enqueue(store, "evict-place", 4), []
+    cfg = settings(own_valkey.url, no_outputs, sim, "openai", max_wait_s=0.2, max_pack=2, max_in_flight=2)
+    try:
+        async with worker(cfg) as (task, w):
+
+            async def one_batch_out() -> bool:
+                return len(await batches(sim, "openai")) == 1
+
+            await faults.until(one_batch_out, "the first batch", task)
+            (batch,) = await batches(sim, "openai")
+            out = [j for j in first if (await store.get(j)).remote_id is not None]
+            later = [j for j in first if j not in out]
+            assert len(out) == 2 and batch["status"] != "completed", batch  # the other 2 wait for a place
+            with own_valkey.client() as c:
+                c.config_set("maxmemory-policy", "allkeys-lru")
+
+            async def paused() -> bool:
+                return not w.policy.safe
+
+            await faults.until(paused, "the worker to read the evicting policy", task)
+            await until_state(store, out, "succeeded", task)  # their places free now
+            watched = time.monotonic() + 2.0  # 10 policy reads with the 2 jobs at their places
+            while time.monotonic() < watched:
+                opened = [await redis.hget(keyspace.job("q", j), "sub_open") for j in later]
+                assert opened == [None, None], f"an intent opened while the store may evict: {opened}"
+                assert len(await batches(sim, "openai")) == 1, "a batch created while the store may evict"
+                await asyncio.sleep(0.2)
+            with own_valkey.client() as c:
+                c.config_set("maxmemory-policy", "noeviction")
+            jobs = await until_state(store, later, "succeeded", task)
+        listed = await batches(sim, "openai")
+        assert len(listed) == 2 and sorted(_total(b) for b in listed) == [2, 2], listed
+        assert all(j.attempts == 1 for j in jobs)
+    finally:
+        await redis.aclose()
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)

@@ -32,6 +32,7 @@ from bench import web
 from offload.connection import connect
 from offload.eventloop import within
 from offload.models import JobState
+from offload.queue import keyspace
 from offload.queue.memory import read_memory
 from offload.queue.specs import JobSpec
 from offload.queue.store import QueueStore
@@ -320,8 +321,9 @@ async def test_jobs_already_claimed_are_not_submitted_while_the_store_may_evict(
     own_valkey: ValkeyServer, bucket: RcloneS3, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The submit gate, in process: one submission at a time to an API that answers after 3 s. While the first is
-    out the policy turns to volatile-lru; the jobs already claimed and waiting for the gate are held there, unsent,
-    and go once it is noeviction again. Each job is paid once."""
+    out the policy turns to volatile-lru; the jobs already claimed and waiting for the gate are held there, unsent
+    and without an intent (the policy is read before the begin, not only before the call), and go once it is
+    noeviction again. Each job is paid once."""
     monkeypatch.setenv("OFFLOAD_STORE_CHECK_S", "0.1")
     async with one_submission_at_a_time(own_valkey, bucket, 3.0, 5.0) as (store, sent, ids, workers, _):
 
@@ -334,9 +336,12 @@ async def test_jobs_already_claimed_are_not_submitted_while_the_store_may_evict(
             return (await store.stats("q")).counts["succeeded"] == 1
 
         await seconds_until(first_done, 30, "the first job to finish")
+        waiting = [i for i in ids if (await store.get(i)).state is not JobState.SUCCEEDED]
         watched = time.monotonic() + 2.0  # the gate is free: the others would go within this
         while time.monotonic() < watched:
             assert sent() == 1
+            # nor is their intent opened (the check before the begin: a write of new paid work)
+            assert [await store.redis.hget(keyspace.job("q", i), "sub_open") for i in waiting] == [None] * 3
             await asyncio.sleep(0.1)
         assert (await store.stats("q")).counts["active"] == 3  # claimed, held at the gate, unsent
         set_config(own_valkey, "maxmemory-policy", "noeviction")
