@@ -57,7 +57,8 @@ QUEUE_SUFFIXES: dict[str, str] = {
     "(`sb:<backend>`), provider calls and errors, the gauges' peak (`g:<name>`) (hash, expires: history.lua)",
     "history:h:": "history:h:<unix s>, the same for one UTC hour (hash, expires)",
     "history:d:": "history:d:<unix s>, the same for one UTC day (hash, expires)",
-    "history:cfg": "the history's settings from offload.yaml: on, and how long each resolution is kept (ms) (hash)",
+    "history:cfg": "the history's settings from offload.yaml: on, and how long each resolution is kept (ms); kept a "
+    "day past the longest (hash)",
     "dups": "duplicate-delivery counters (hash)",
     "cap:": "cap:<window>:jobs|spend, the spend cap's counters",
     "spend:": "spend:<window>, the day's spend per kind of capacity: serverless, fleet (hash, 40 days)",

@@ -156,6 +156,10 @@ async def test_settings_turn_it_off_and_set_the_retention(backend_url: str) -> N
             start = (T0_MS // 1000) - (T0_MS // 1000) % step
             ttl = await redis.pttl(keyspace.history_bucket("short", step, start))
             assert abs(ttl - ((start + step + keep_s) * 1000 - T0_MS)) < 1000, (step, ttl)
+        for queue, longest_s in (("short", 86400 * 3), ("off", history.HistoryKeep().days_s)):
+            # the settings live as long as the history they set: a queue no longer sampled leaves no key for ever
+            ttl = await redis.pttl(keyspace.history_config(queue))
+            assert abs(ttl - (longest_s + 86400) * 1000) < 5000, (queue, ttl)
     finally:
         await redis.aclose()
 

@@ -10,6 +10,10 @@
 --- @include "history"
 local now = now_ms(ARGV[1])
 redis.call('HSET', P .. 'history:cfg', 'on', ARGV[2], 'm', ARGV[3], 'h', ARGV[4], 'd', ARGV[5])
+-- kept as long as the history it sets (a day past the longest retention): a queue nobody samples any more, purged
+-- or gone from offload.yaml, leaves no key for ever
+local cfg_ttl = math.max(tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])) + 86400000
+redis.call('PEXPIRE', P .. 'history:cfg', fmt(cfg_ttl))
 history_buckets(now, function(key, ttl)
   local wrote = false
   for i = 6, #ARGV, 2 do
