@@ -20,13 +20,15 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from redis.exceptions import OutOfMemoryError, ResponseError
 from support.eventually import eventually_sync
 from support.server_helpers import client, new_queue, server
-from support.servers import REDIS7, ValkeyServer, free_port
+from support.servers import REDIS7, ValkeyServer
 from test_autoscale_alerts import Receiver
+from test_server_logs import ADMIN
+from test_server_logs import start as start_server
+from test_server_logs import stop as stop_server
 from test_server_metrics import scrape
 
 from offload import Client, StoreFull, UnsafeEvictionPolicy
@@ -242,39 +244,19 @@ def test_a_server_started_on_a_store_that_may_evict_serves_paused_then_takes_job
     the eviction_policy alert, for the length of the incident. It starts paused, as a worker does: the one line,
     enqueues answered 503 naming the setting, the gauge at 0; once the policy is fixed it takes jobs."""
     set_config(plain_valkey, "maxmemory-policy", "volatile-lru")
-    url, admin, port, queue = plain_valkey.url, "boot-" + os.urandom(24).hex(), free_port(), new_queue("paused")
-    base = f"http://127.0.0.1:{port}"
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "OFFLOAD_ADMIN_KEY": admin}
-    log, config = tmp_path / "server.log", tmp_path / "offload.yaml"
-    config.write_text(f"storage: {{kind: local, path: {tmp_path / 'results'}}}\n")
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [OFFLOAD, "server", "--port", str(port), "--url", url, "--config", str(config)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**env, "OFFLOAD_STORE_CHECK_S": "0.2"},
-        )
+    log, queue = tmp_path / "server.log", new_queue("paused")
+    proc, base = start_server(plain_valkey.url, log, env={"OFFLOAD_STORE_CHECK_S": "0.2"})  # fails if it exits
     try:
-        with client(base, admin) as c:
-
-            def answers() -> bool:
-                assert proc.poll() is None, log.read_text()[-2000:]  # refused to start: the old behaviour
-                try:
-                    return c.get("/healthz").status_code == 200
-                except httpx.TransportError:
-                    return False
-
-            eventually_sync(answers, 60, "the server to start on a store that may evict")
+        with client(base, ADMIN) as c:
             r = c.post(f"/v1/queues/{queue}/jobs", json={"input": 1})
             assert r.status_code == 503 and r.json()["detail"].startswith("maxmemory-policy is volatile-lru"), r.text
-            assert scrape(base, admin)[("offload_store_eviction_safe", ())] == 0
+            assert scrape(base, ADMIN)[("offload_store_eviction_safe", ())] == 0
             set_config(plain_valkey, "maxmemory-policy", "noeviction")
             eventually_sync(
                 lambda: c.post(f"/v1/queues/{queue}/jobs", json={"input": 2}).status_code == 201, 30, "an enqueue"
             )
     finally:
-        proc.terminate()
-        proc.wait(30)
+        stop_server(proc)
     said = [line for line in log.read_text().splitlines() if "maxmemory-policy is volatile-lru" in line]
     assert said and "no enqueue, GPU-worker claim or rental starts until it is fixed" in said[0], said
 
