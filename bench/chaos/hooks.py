@@ -35,10 +35,19 @@ import httpx
 from bench import web
 from bench.chaos.faults import Profile, Schedule
 from bench.chaos.loops import FaultLoop
-from bench.chaos.procs import CLEAN_STOP, HOST, OFFLOAD, free_port, graceful_stop, reap, signal_group, spawn
+from bench.chaos.procs import (
+    CLEAN_STOP,
+    HOST,
+    OFFLOAD,
+    STOP_BOUND_S,
+    free_port,
+    graceful_stop,
+    reap,
+    signal_group,
+    spawn,
+)
 
 WEBHOOK_BACKENDS = ("fal", "replicate", "runpod")  # the kinds offload has webhooks for (config.WEBHOOK_KINDS)
-STOP_BOUND_S = 30.0  # a deploy's SIGTERM: uvicorn's grace, the loops' own, and room on a loaded machine
 
 
 def check_backend(backend: str) -> None:

@@ -40,11 +40,10 @@ LORIS_GRACE_S = 15.0
 
 
 class Hostile(FaultLoop):
-    def __init__(self, schedule: Schedule, url: str, queue: str, quiet: asyncio.Lock | None = None) -> None:
+    def __init__(self, schedule: Schedule, url: str, queue: str, quiet: asyncio.Lock) -> None:
         """`quiet`: held through each action (hooks.Server's: no restart cuts a burst or a trickle short)."""
         super().__init__(schedule)
-        self.url, self.queue = url, queue
-        self.quiet = quiet or asyncio.Lock()
+        self.url, self.queue, self.quiet = url, queue, quiet
 
     async def act(self) -> None:
         await self._quietly(self._guess if self.schedule.rng.random() < 0.5 else self._loris)

@@ -33,7 +33,7 @@ import orjson
 import yaml
 
 from bench.chaos.autoscale import VAULT_KEY, Server, _wait, admin_key
-from bench.chaos.procs import CLEAN_STOP, OFFLOAD, Sim, Valkey, base_env, reap, signal_group, spawn
+from bench.chaos.procs import CLEAN_STOP, OFFLOAD, STOP_BOUND_S, Sim, Valkey, base_env, reap, signal_group, spawn
 
 QUEUE = "gpu"
 REPO = Path(__file__).resolve().parents[2]
@@ -41,7 +41,6 @@ RUN_S = 0.5  # a job on a machine and at the provider alike
 BURST = (20, 60)  # jobs per burst, uniform
 BURST_EVERY_S = 8.0
 MAX_ATTEMPTS = 30  # lease lapses count as attempts: every job must finish, none may go dead of the kills
-STOP_BOUND_S = 30.0  # a graceful stop: uvicorn's 3 s grace, the autoscaler's 10 s, the loops' 7 s, and room
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:

@@ -80,6 +80,9 @@ def reap(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> int | None:
 
 # uvicorn raises the SIGTERM it caught again once its shutdown is done (systemd counts that exit as clean)
 CLEAN_STOP = (0, -signal.SIGTERM)
+# a server's graceful stop (a deploy's SIGTERM): uvicorn's 3 s grace, the autoscaler's 10 s, the loops' 7 s, and
+# room on a loaded machine
+STOP_BOUND_S = 30.0
 
 
 def graceful_stop(proc: subprocess.Popen[bytes], bound: float) -> tuple[int | None, float]:
